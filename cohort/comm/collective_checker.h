@@ -1,0 +1,36 @@
+// defines: CollectiveChecker, debug mode's cross-rank agreement check.
+//
+// With COHORT_DEBUG=detail every collective first publishes a fingerprint
+// ("all_reduce(op=sum, dtype=float32, shape=[4, 5])") to the store and reads
+// everyone else's. Ranks that called something else, or never arrived, are
+// named in the error instead of the job hanging or reducing garbage.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cohort/comm/store/store.h"
+
+namespace cohort {
+
+class CollectiveChecker {
+ public:
+  CollectiveChecker(std::shared_ptr<Store> store, int rank, int size);
+
+  // Throws MismatchError when fingerprints differ, TimeoutError naming the
+  // ranks that did not arrive within `timeout`.
+  void verify(const std::string& fingerprint, Millis timeout);
+
+ private:
+  std::string key(uint64_t seq, int rank) const;
+
+  std::shared_ptr<Store> store_;
+  int rank_;
+  int size_;
+  std::mutex mu_;
+  uint64_t seq_ = 0;
+};
+
+}  // namespace cohort

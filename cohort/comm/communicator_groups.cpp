@@ -1,0 +1,64 @@
+// Subgroups: new_group and split. Each group gets its own key space in the
+// parent's store ("g<n>" or "s<n>/c<color>"), where n counts the groups this
+// communicator created: every rank creates groups in the same order, so n
+// agrees across ranks without a message.
+#include <algorithm>
+#include <set>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/comm/error.h"
+#include "cohort/comm/store/prefix_store.h"
+
+namespace cohort {
+
+std::shared_ptr<Communicator> Communicator::make_subgroup(const std::vector<int>& ranks,
+                                                          const std::string& key_space,
+                                                          const std::string& name) {
+  auto store = std::make_shared<PrefixStore>(key_space, store_);
+  store->set_timeout(options_.timeout);
+  auto options = options_;
+  options.name = name;
+  auto engine = engine_->create_subgroup(ranks, store, options_.timeout);
+  return std::make_shared<Communicator>(std::move(engine), std::move(store), options);
+}
+
+std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks) {
+  auto call = begin_collective("new_group", kDefaultTimeout);
+  std::set<int> seen;
+  std::string listed;
+  for (int r : ranks) {
+    if (r < 0 || r >= size_ || !seen.insert(r).second) {
+      throw InvalidArgument("cohort: " + call.where() + ": rank " + std::to_string(r) +
+                            (seen.count(r) && r >= 0 && r < size_ ? " is listed twice"
+                                                                   : " is outside the group"));
+    }
+    listed += (listed.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (ranks.empty()) throw InvalidArgument("cohort: " + call.where() + ": ranks is empty");
+  debug_check(call, "new_group([" + listed + "])");
+  const auto id = std::to_string(groups_created_++);
+  if (!seen.count(rank_)) return nullptr;
+  return make_subgroup(ranks, "g" + id, name() + "/g" + id);
+}
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+  // Everyone learns everyone's (color, key), then picks its own group.
+  auto mine = torch::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)});
+  std::vector<torch::Tensor> all(static_cast<size_t>(size_));
+  for (auto& t : all) t = torch::empty({2}, torch::kLong);
+  all_gather(all, mine).wait();
+  const auto id = std::to_string(groups_created_++);
+  if (color < 0) return nullptr;
+
+  std::vector<std::pair<int64_t, int>> members;  // (key, rank)
+  for (int r = 0; r < size_; ++r) {
+    if (all[r][0].item<int64_t>() == color) members.emplace_back(all[r][1].item<int64_t>(), r);
+  }
+  std::sort(members.begin(), members.end());
+  std::vector<int> ranks;
+  for (auto& m : members) ranks.push_back(m.second);
+  const auto c = std::to_string(color);
+  return make_subgroup(ranks, "s" + id + "/c" + c, name() + "/split" + id + ":" + c);
+}
+
+}  // namespace cohort

@@ -1,0 +1,299 @@
+// The one file that talks to c10d. Needs -DUSE_C10D_GLOO.
+#include "cohort/comm/gloo/c10d_adapter.h"
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "cohort/comm/error.h"
+#include "cohort/comm/store/missing_keys.h"
+
+namespace cohort {
+namespace {
+
+// c10d error text without LibTorch's C++ backtrace.
+std::string c10d_message(const std::exception& e) {
+  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+
+bool says_timeout(const std::string& m) {
+  return m.find("imed out") != std::string::npos || m.find("imeout") != std::string::npos;
+}
+
+[[noreturn]] void rethrow_translated(const std::exception& e) {
+  const auto m = c10d_message(e);
+  if (says_timeout(m)) throw TimeoutError(m);
+  throw PeerError(m);
+}
+
+// Lets Gloo rendezvous through a cohort Store (TcpStore, HashStore, ...).
+class StoreBridge : public c10d::Store {
+ public:
+  explicit StoreBridge(std::shared_ptr<cohort::Store> inner)
+      : c10d::Store(inner->timeout()), inner_(std::move(inner)) {}
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    inner_->set(key, value);
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    inner_->wait({key}, timeout_);
+    return inner_->get(key);
+  }
+  int64_t add(const std::string& key, int64_t value) override {
+    return inner_->add(key, value);
+  }
+  bool deleteKey(const std::string& key) override { return inner_->delete_key(key); }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  int64_t getNumKeys() override {
+    throw Unsupported("cohort stores do not count their keys");
+  }
+  void wait(const std::vector<std::string>& keys) override { inner_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    inner_->wait(keys, timeout);
+  }
+
+ private:
+  std::shared_ptr<cohort::Store> inner_;
+};
+
+// A cohort Store over a c10d store (FileStore).
+class C10dStore : public cohort::Store {
+ public:
+  C10dStore(c10::intrusive_ptr<c10d::Store> inner, std::string name, Millis timeout)
+      : inner_(std::move(inner)), name_(std::move(name)) {
+    timeout_ = timeout;
+    inner_->setTimeout(timeout);
+  }
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    guard([&] { inner_->set(key, value); });
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    wait({key}, timeout_);
+    std::vector<uint8_t> out;
+    guard([&] { out = inner_->get(key); });
+    return out;
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    int64_t out = 0;
+    guard([&] { out = inner_->add(key, delta); });
+    return out;
+  }
+  bool check(const std::vector<std::string>& keys) override {
+    bool out = false;
+    guard([&] { out = inner_->check(keys); });
+    return out;
+  }
+  void wait(const std::vector<std::string>& keys, Millis timeout) override {
+    try {
+      inner_->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      std::vector<std::string> missing;
+      for (auto& k : keys) {
+        if (!inner_->check({k})) missing.push_back(k);
+      }
+      if (missing.empty()) throw Error(name_ + ": " + c10d_message(e));
+      throw TimeoutError(missing_keys_message(name_, missing, timeout));
+    }
+  }
+  bool delete_key(const std::string& key) override {
+    bool out = false;
+    guard([&] { out = inner_->deleteKey(key); });
+    return out;
+  }
+
+ private:
+  template <typename F>
+  void guard(F&& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      throw Error(name_ + ": " + c10d_message(e));
+    }
+  }
+  c10::intrusive_ptr<c10d::Store> inner_;
+  std::string name_;
+};
+
+class C10dWork : public WorkImpl {
+ public:
+  explicit C10dWork(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+
+  bool is_completed() override { return work_->isCompleted(); }
+
+  void wait(Millis timeout) override {
+    try {
+      work_->wait(timeout);
+    } catch (const std::exception& e) {
+      rethrow_translated(e);
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+};
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Min:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::Max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::Prod:
+      return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::Avg:
+      break;
+  }
+  COHORT_CHECK(false, "the communicator turns avg into sum before the engine");
+}
+
+class GlooEngine : public Engine {
+ public:
+  GlooEngine(c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options,
+             c10::intrusive_ptr<c10d::ProcessGroupGloo> pg)
+      : options_(std::move(options)), pg_(std::move(pg)) {}
+
+  std::string name() const override { return "gloo"; }
+  int rank() const override { return pg_->getRank(); }
+  int size() const override { return pg_->getSize(); }
+
+  WorkPtr all_reduce(at::Tensor& tensor, ReduceOp op) override {
+    std::vector<at::Tensor> ts{tensor};
+    c10d::AllreduceOptions o;
+    o.reduceOp = to_c10d(op);
+    return call([&] { return pg_->allreduce(ts, o); });
+  }
+
+  WorkPtr broadcast(at::Tensor& tensor, int root) override {
+    std::vector<at::Tensor> ts{tensor};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    return call([&] { return pg_->broadcast(ts, o); });
+  }
+
+  WorkPtr reduce(at::Tensor& tensor, int root, ReduceOp op) override {
+    std::vector<at::Tensor> ts{tensor};
+    c10d::ReduceOptions o;
+    o.rootRank = root;
+    o.reduceOp = to_c10d(op);
+    return call([&] { return pg_->reduce(ts, o); });
+  }
+
+  WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
+    std::vector<std::vector<at::Tensor>> out{outputs};
+    std::vector<at::Tensor> in{input};
+    return call([&] { return pg_->allgather(out, in); });
+  }
+
+  WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
+    std::vector<std::vector<at::Tensor>> out;
+    if (!outputs.empty()) out.push_back(outputs);
+    std::vector<at::Tensor> in{input};
+    c10d::GatherOptions o;
+    o.rootRank = root;
+    return call([&] { return pg_->gather(out, in, o); });
+  }
+
+  WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
+    std::vector<at::Tensor> out{output};
+    std::vector<std::vector<at::Tensor>> in;
+    if (!inputs.empty()) in.push_back(inputs);
+    c10d::ScatterOptions o;
+    o.rootRank = root;
+    return call([&] { return pg_->scatter(out, in, o); });
+  }
+
+  WorkPtr all_to_all(at::Tensor& output, at::Tensor& input,
+                     std::vector<int64_t>& output_counts,
+                     std::vector<int64_t>& input_counts) override {
+    return call([&] { return pg_->alltoall_base(output, input, output_counts, input_counts); });
+  }
+
+  WorkPtr barrier() override {
+    return call([&] { return pg_->barrier(); });
+  }
+
+  WorkPtr send(at::Tensor& tensor, int dst, int tag) override {
+    std::vector<at::Tensor> ts{tensor};
+    return call([&] { return pg_->send(ts, dst, tag); });
+  }
+
+  WorkPtr recv(at::Tensor& tensor, int src, int tag) override {
+    std::vector<at::Tensor> ts{tensor};
+    return call([&] { return pg_->recv(ts, src, tag); });
+  }
+
+  std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
+                                          std::shared_ptr<cohort::Store> store,
+                                          Millis timeout) override {
+    const int me = static_cast<int>(
+        std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+    COHORT_CHECK(me < static_cast<int>(ranks.size()), "caller is not a member");
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices = options_->devices;
+    options->threads = options_->threads;
+    return connect(std::move(store), me, static_cast<int>(ranks.size()), options);
+  }
+
+  static std::unique_ptr<Engine> connect(
+      std::shared_ptr<cohort::Store> store, int rank, int size,
+      c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options) {
+    auto bridge = c10::make_intrusive<StoreBridge>(std::move(store));
+    try {
+      auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(bridge, rank, size, options);
+      return std::make_unique<GlooEngine>(std::move(options), std::move(pg));
+    } catch (const cohort::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      rethrow_translated(e);
+    }
+  }
+
+ private:
+  template <typename F>
+  WorkPtr call(F&& launch) {
+    try {
+      return std::make_shared<C10dWork>(launch());
+    } catch (const std::exception& e) {
+      rethrow_translated(e);
+    }
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_gloo_engine(std::shared_ptr<Store> store, int rank,
+                                         int size, const GlooOptions& options) {
+  auto o = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  try {
+    o->devices.push_back(
+        options.interface.empty()
+            ? c10d::ProcessGroupGloo::createDeviceForHostname(options.bind_address)
+            : c10d::ProcessGroupGloo::createDeviceForInterface(options.interface));
+  } catch (const std::exception& e) {
+    throw ConfigError("gloo: cannot bind to " +
+                      (options.interface.empty() ? "address " + options.bind_address
+                                                 : "interface " + options.interface) +
+                      ": " + c10d_message(e));
+  }
+  o->threads = options.threads;
+  return GlooEngine::connect(std::move(store), rank, size, o);
+}
+
+std::shared_ptr<Store> make_file_store(const std::string& path, int world_size,
+                                       Millis timeout) {
+  try {
+    auto fs = c10::make_intrusive<c10d::FileStore>(path, world_size);
+    return std::make_shared<C10dStore>(std::move(fs), "FileStore " + path, timeout);
+  } catch (const std::exception& e) {
+    throw ConfigError("cannot open FileStore at " + path + ": " + c10d_message(e));
+  }
+}
+
+}  // namespace cohort

@@ -1,0 +1,166 @@
+#include "cohort/comm/init.h"
+
+#include <mutex>
+
+#include "cohort/comm/engine_registry.h"
+#include "cohort/comm/env.h"
+#include "cohort/comm/error.h"
+#include "cohort/comm/gloo/c10d_adapter.h"
+#include "cohort/comm/store/socket.h"
+#include "cohort/comm/store/tcp_store.h"
+
+namespace cohort {
+namespace {
+
+std::mutex g_world_mu;
+std::shared_ptr<Communicator> g_world;
+
+struct Endpoint {
+  std::string host;
+  int port = 0;
+};
+
+// "tcp://HOST:PORT" -> {HOST, PORT}; IPv6 hosts in brackets.
+Endpoint parse_tcp(const std::string& url) {
+  const std::string rest = url.substr(6);
+  const auto colon = rest.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    throw ConfigError("cohort::init: init_method '" + url + "' is not tcp://HOST:PORT");
+  }
+  Endpoint e;
+  e.host = rest.substr(0, colon);
+  if (e.host.front() == '[' && e.host.back() == ']') e.host = e.host.substr(1, e.host.size() - 2);
+  try {
+    size_t used = 0;
+    e.port = std::stoi(rest.substr(colon + 1), &used);
+    if (used != rest.size() - colon - 1) e.port = -1;
+  } catch (const std::exception&) {
+    e.port = -1;
+  }
+  if (e.port < 0 || e.port > 65535) {
+    throw ConfigError("cohort::init: port in '" + url + "' is not in [0, 65535]");
+  }
+  return e;
+}
+
+bool spans_hosts(int world_size) {
+  auto local = env::get_int("LOCAL_WORLD_SIZE", 1, 1 << 20);
+  return local && *local < world_size;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
+                                      const ConnectOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw InvalidArgument("cohort::connect: rank " + std::to_string(rank) +
+                          " is not in a world of " + std::to_string(size));
+  }
+  store->set_timeout(options.timeout);
+  auto engine = create_engine(store, rank, size, options);
+  CommunicatorOptions co;
+  co.timeout = options.timeout;
+  co.debug_checks = options.debug_checks;
+  co.name = options.name;
+  return std::make_shared<Communicator>(std::move(engine), std::move(store), co);
+}
+
+std::shared_ptr<Communicator> init(const InitOptions& options) {
+  std::lock_guard<std::mutex> lock(g_world_mu);
+  if (g_world) throw ConfigError("cohort::init: already initialized; call finalize() first");
+
+  const int world_size =
+      options.world_size > 0 ? options.world_size : env::require_int("WORLD_SIZE", 1, 1 << 20);
+  const int rank =
+      options.rank >= 0 ? options.rank : env::require_int("RANK", 0, world_size - 1);
+  if (rank >= world_size) {
+    throw ConfigError("cohort::init: rank " + std::to_string(rank) +
+                      " is not below the world size " + std::to_string(world_size));
+  }
+
+  ConnectOptions co;
+  co.backend = !options.backend.empty() ? options.backend
+                                        : env::get("COHORT_BACKEND").value_or("gloo");
+  co.timeout = options.timeout ? *options.timeout
+                               : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30));
+  if (options.debug_checks) {
+    co.debug_checks = *options.debug_checks;
+  } else if (auto d = env::get("COHORT_DEBUG")) {
+    if (*d != "detail" && *d != "off") {
+      throw ConfigError("cohort::init: COHORT_DEBUG='" + *d + "' is not 'detail' or 'off'");
+    }
+    co.debug_checks = *d == "detail";
+  }
+  co.interface = env::get("GLOO_SOCKET_IFNAME").value_or("");
+  const std::string where = "cohort::init (rank " + std::to_string(rank) + " of " +
+                            std::to_string(world_size) + ", backend " + co.backend + ")";
+
+  std::shared_ptr<Store> store;
+  std::string master_host;
+  const auto& method = options.init_method;
+  try {
+    if (method.rfind("file://", 0) == 0) {
+      store = make_file_store(method.substr(7), world_size, co.timeout);
+    } else {
+      Endpoint ep;
+      if (method == "env://" || method.empty()) {
+        ep.host = env::get("MASTER_ADDR").value_or("");
+        if (ep.host.empty()) {
+          throw ConfigError("environment variable MASTER_ADDR is not set; start the job with "
+                            "cohortrun (or torchrun), or use init_method file:// or tcp://");
+        }
+        ep.port = env::require_int("MASTER_PORT", 1, 65535);
+      } else if (method.rfind("tcp://", 0) == 0) {
+        ep = parse_tcp(method);
+      } else {
+        throw ConfigError("init_method '" + method + "' is not env://, tcp:// or file://");
+      }
+      master_host = ep.host;
+      store = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0,
+                                         co.timeout);
+    }
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(where + ": rendezvous with rank 0 failed: " + e.what());
+  } catch (const Error& e) {
+    throw ConfigError(where + ": " + e.what());
+  }
+
+  // Bind Gloo where the peers can reach us, and nowhere else.
+  if (auto addr = env::get("COHORT_BIND_ADDR")) {
+    co.bind_address = *addr;
+  } else if (!master_host.empty() && !net::is_loopback(master_host)) {
+    co.bind_address = net::source_address_for(master_host);
+  } else if (co.interface.empty() && spans_hosts(world_size)) {
+    throw ConfigError(where + ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE) "
+                      "but the rendezvous is local; set COHORT_BIND_ADDR or GLOO_SOCKET_IFNAME");
+  }
+
+  try {
+    g_world = connect(store, rank, world_size, co);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(where + ": connecting to the other ranks failed: " + e.what());
+  } catch (const InvalidArgument& e) {
+    throw ConfigError(where + ": " + e.what());
+  }
+  return g_world;
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_world_mu);
+  return g_world != nullptr;
+}
+
+std::shared_ptr<Communicator> world_ptr() {
+  std::lock_guard<std::mutex> lock(g_world_mu);
+  if (!g_world) throw ConfigError("cohort::world: call cohort::init() first");
+  return g_world;
+}
+
+Communicator& world() { return *world_ptr(); }
+
+void finalize() {
+  std::lock_guard<std::mutex> lock(g_world_mu);
+  g_world.reset();
+}
+
+}  // namespace cohort

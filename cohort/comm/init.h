@@ -1,0 +1,59 @@
+// defines: init() and the default group (world()), connect() for explicit
+// communicators (ranks as threads in tests, embedding applications),
+// InitOptions and ConnectOptions.
+//
+// init() does what torchrun users expect: RANK, WORLD_SIZE and
+// MASTER_ADDR/MASTER_PORT from the environment (cohortrun and torchrun set
+// them), a TcpStore hosted by rank 0, and a Gloo group over it.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "cohort/comm/communicator.h"
+
+namespace cohort {
+
+struct ConnectOptions {
+  // "gloo" (default) or "mpi" when built with MPI.
+  std::string backend = "gloo";
+  Millis timeout{std::chrono::minutes(30)};
+  bool debug_checks = false;
+  // Address Gloo binds to; loopback unless the ranks span several hosts.
+  std::string bind_address = "127.0.0.1";
+  // Network interface to bind instead (GLOO_SOCKET_IFNAME).
+  std::string interface;
+  std::string name = "world";
+};
+
+// Builds a communicator of `size` ranks over `store`; every rank calls it.
+std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
+                                      const ConnectOptions& options = {});
+
+struct InitOptions {
+  // Empty: COHORT_BACKEND, else "gloo".
+  std::string backend;
+  // "env://" (default: MASTER_ADDR/MASTER_PORT), "tcp://HOST:PORT" or
+  // "file:///path/to/shared/file".
+  std::string init_method = "env://";
+  // Negative: RANK / WORLD_SIZE from the environment.
+  int rank = -1;
+  int world_size = -1;
+  // Unset: COHORT_TIMEOUT (seconds), else 30 minutes as in PyTorch.
+  std::optional<Millis> timeout;
+  // Unset: COHORT_DEBUG=detail turns the checks on.
+  std::optional<bool> debug_checks;
+};
+
+// Sets up the default group and returns it. Throws ConfigError for a bad
+// environment, TimeoutError when the rendezvous does not complete.
+std::shared_ptr<Communicator> init(const InitOptions& options = {});
+bool is_initialized();
+// The default group; throws if init() was not called.
+Communicator& world();
+std::shared_ptr<Communicator> world_ptr();
+// Drops the default group (collective: call it on every rank).
+void finalize();
+
+}  // namespace cohort

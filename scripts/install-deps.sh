@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs cohort's build and test dependencies from Debian's archive.
+# Idempotent: installs only what is missing and runs `apt-get update` at most once.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config
+  libtorch-dev            # LibTorch 1.13: tensors, autograd, nn, optim, c10d (Gloo, TCPStore)
+  libgloo-dev             # Gloo headers that c10d's ProcessGroupGloo.hpp includes
+  libopenblas0-pthread    # fast BLAS for LibTorch's matmuls (reference BLAS is ~7x slower)
+  libopenmpi-dev openmpi-bin
+  libgtest-dev googletest libgmock-dev
+  libbenchmark-dev
+  libcli11-dev
+  nlohmann-json3-dev
+  zlib1g-dev
+  gnuplot-nox
+  dataset-fashion-mnist
+  python3-torch           # reference peer for tests and benchmarks only
+  iproute2                # network namespaces for the multi-host launcher tests
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
