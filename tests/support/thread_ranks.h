@@ -1,0 +1,33 @@
+// defines: run_ranks, which runs one function per rank on threads of this
+// process, each rank with its own Communicator over one in-process store.
+//
+// This is how the test suites get breadth (world sizes 1..N, every dtype)
+// without paying for processes; the process boundary has its own tests.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "cohort/cohort.h"
+
+namespace cohort::testing {
+
+struct ThreadRanksOptions {
+  std::string backend = "gloo";
+  // Every operation's default timeout: a broken test fails, never hangs.
+  Millis timeout{std::chrono::seconds(20)};
+  bool debug_checks = false;
+};
+
+// Calls fn(comm) on `size` threads and joins them. If any rank throws, the
+// first exception (by rank) is rethrown with the rank in its message.
+void run_ranks(int size, const std::function<void(Communicator&)>& fn,
+               const ThreadRanksOptions& options = {});
+
+// Same, but hands each rank the shared_ptr (to keep or to build groups from).
+void run_ranks_shared(int size,
+                      const std::function<void(std::shared_ptr<Communicator>)>& fn,
+                      const ThreadRanksOptions& options = {});
+
+}  // namespace cohort::testing
