@@ -1,0 +1,126 @@
+// defines: DistributedDataParallel<ModuleHolder>, data parallel training of
+// any torch::nn::Module over a cohort Communicator (PyTorch's DDP in C++).
+//
+//   auto comm = cohort::init();
+//   cohort::DistributedDataParallel<Net> ddp(Net(), comm);
+//   torch::optim::SGD opt(ddp.parameters(), 0.1);
+//   // Each rank reads its own shard (LibTorch's sampler, no new one needed):
+//   auto data = torch::data::make_data_loader(
+//       dataset, torch::data::samplers::DistributedRandomSampler(
+//                    dataset.size().value(), comm->size(), comm->rank()),
+//       batch_size);
+//   for (auto& batch : *data) {
+//     opt.zero_grad();
+//     auto loss = loss_fn(ddp.forward(batch.data), batch.target);
+//     loss.backward();   // buckets are all-reduced during backward
+//     opt.step();        // every rank applies the same averaged gradient
+//   }
+//
+// The template is a thin layer so that forward() keeps the module's own
+// signature; all the work is in the non-template GradientReducer.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/ddp/comm_hook.h"
+#include "cohort/ddp/ddp_options.h"
+#include "cohort/ddp/ddp_stats.h"
+#include "cohort/ddp/gradient_reducer.h"
+#include "cohort/ddp/no_sync_guard.h"
+
+namespace cohort {
+namespace detail {
+
+template <typename T>
+struct IsSharedPtr : std::false_type {};
+template <typename T>
+struct IsSharedPtr<std::shared_ptr<T>> : std::true_type {};
+
+// A TORCH_MODULE holder or a std::shared_ptr to a module, as the base type.
+template <typename ModuleHolder>
+std::shared_ptr<torch::nn::Module> as_module_ptr(const ModuleHolder& holder) {
+  if constexpr (IsSharedPtr<ModuleHolder>::value) {
+    return std::static_pointer_cast<torch::nn::Module>(holder);
+  } else {
+    return std::static_pointer_cast<torch::nn::Module>(holder.ptr());
+  }
+}
+
+// The tensors a forward returned, for the unused-parameter search: a tensor,
+// a vector of tensors, or a tuple/pair of those. Other types contribute none
+// (unused parameters are then found when backward ends).
+inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
+  out.push_back(t);
+}
+inline void collect_tensors(const std::vector<torch::Tensor>& ts,
+                            std::vector<torch::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out);
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <typename T>
+void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+}
+
+}  // namespace detail
+
+template <typename ModuleHolder>
+class DistributedDataParallel {
+ public:
+  // Collective over comm (see GradientReducer's constructor).
+  DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> comm,
+                          DDPOptions options = {})
+      : module_(std::move(module)),
+        reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_),
+                                                   std::move(comm), options)) {}
+
+  // Pre-forward work (previous iteration check, bucket rebuild, buffer
+  // broadcast), the module's own forward, then the unused-parameter search.
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    reducer_->prepare_forward();
+    decltype(auto) out = module_->forward(std::forward<Args>(args)...);
+    if (reducer_->options().find_unused_parameters) {
+      std::vector<torch::Tensor> tensors;
+      detail::collect_tensors(out, tensors);
+      reducer_->after_forward(tensors);
+    }
+    return out;
+  }
+
+  ModuleHolder& module() { return module_; }
+  std::vector<torch::Tensor> parameters() { return module_->parameters(); }
+  void train(bool on = true) { module_->train(on); }
+  void eval() { module_->eval(); }
+
+  // RAII: gradients accumulate locally while the guard lives.
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
+  void register_comm_hook(std::shared_ptr<CommHook> hook) {
+    reducer_->register_comm_hook(std::move(hook));
+  }
+  const DDPStats& stats() const { return reducer_->stats(); }
+  GradientReducer& reducer() { return *reducer_; }
+
+ private:
+  ModuleHolder module_;
+  // Behind a pointer: the accumulator hooks hold its address.
+  std::unique_ptr<GradientReducer> reducer_;
+};
+
+}  // namespace cohort

@@ -1,0 +1,151 @@
+// defines: GradientReducer, the non-template core of DistributedDataParallel:
+// it owns the gradient buckets of one torch::nn::Module, the hooks on its
+// parameters' gradient accumulators, and the per-iteration state machine.
+//
+// One iteration, as in PyTorch's reducer:
+//   prepare_forward()  checks the previous iteration finished, rebuilds the
+//                      buckets once (after the first iteration) and
+//                      re-broadcasts buffers;
+//   after_forward()    finds unused parameters from the outputs' graph;
+//   backward           each accumulator's post hook copies the accumulated
+//                      .grad into its bucket; a full bucket is handed to the
+//                      comm hook at once, buckets strictly in index order;
+//   final callback     waits for every bucket and writes the averages back.
+// Buckets are flat buffers of one dtype holding parameters in reverse
+// registration order (the order gradients usually become ready), later in
+// the order rank 0 observed; every rank launches them in the same order, so
+// the collectives match without negotiation.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/ddp/comm_hook.h"
+#include "cohort/ddp/ddp_options.h"
+#include "cohort/ddp/ddp_stats.h"
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace cohort {
+
+class GradientReducer {
+ public:
+  // Collective: checks that every rank holds the same parameter shapes and
+  // dtypes in the same order (MismatchError naming the first difference),
+  // then broadcasts parameters and buffers from rank 0.
+  GradientReducer(std::shared_ptr<torch::nn::Module> module,
+                  std::shared_ptr<Communicator> comm, DDPOptions options = {});
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  // Before each forward. Throws Error naming the parameters that got no
+  // gradient if the previous backward could not finish its reduction.
+  void prepare_forward();
+  // After each forward, with the tensors the forward returned.
+  void after_forward(const std::vector<torch::Tensor>& outputs);
+
+  // All-reduces every parameter's current .grad now and waits (collective).
+  // For SyncStrategy::NoSync, or to finish a no_sync() accumulation without
+  // another backward. Undefined gradients count as zeros.
+  void synchronize();
+
+  // While the depth is positive, backward accumulates locally (no_sync()).
+  void push_no_sync() { ++no_sync_depth_; }
+  void pop_no_sync() { --no_sync_depth_; }
+
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
+  const DDPStats& stats() const { return stats_; }
+  const DDPOptions& options() const { return options_; }
+  Communicator& communicator() { return *comm_; }
+
+  // The parameters that are reduced (requires_grad), in registration order,
+  // and their qualified names.
+  const std::vector<torch::Tensor>& parameters() const { return params_; }
+  const std::vector<std::string>& parameter_names() const { return names_; }
+  // Parameter indices of each bucket, in launch order (for tests and tools).
+  std::vector<std::vector<size_t>> bucket_layout() const;
+  // The flat buffer of bucket i.
+  const torch::Tensor& bucket_buffer(size_t i) const { return buckets_.at(i).buffer; }
+
+  // Called by the accumulator hook of parameter `index` (internal).
+  void on_gradient_ready(size_t index);
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;        // indices into params_
+    torch::Tensor buffer;              // flat, one dtype
+    std::vector<torch::Tensor> views;  // per parameter, shaped like it
+    size_t pending = 0;                // parameters not ready yet
+    bool launched = false;
+    bool done = false;
+    Work work;
+    double launch_s = 0;  // seconds since iteration start
+    double done_s = 0;
+  };
+  struct Slot {
+    size_t bucket = 0;
+    size_t position = 0;  // index into Bucket::params
+  };
+
+  void verify_same_parameters();
+  void broadcast_state();
+  void broadcast_buffers();
+  void build_buckets(const std::vector<size_t>& order);
+  void rebuild_buckets();
+  void reset_iteration();
+  void mark_ready(size_t index, bool used);
+  void launch_ready_buckets();
+  void launch(size_t b);
+  void poll_buckets();
+  void finish_backward();
+  void wait_and_write_back(double backward_end_s);
+  std::vector<char> globally_used();
+  double now_s() const;
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<Communicator> comm_;
+  DDPOptions options_;
+  std::shared_ptr<CommHook> hook_;
+
+  std::vector<torch::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<torch::Tensor> buffers_;
+  // The variables hold their accumulators weakly; we keep them alive so the
+  // hooks stay registered for the module's lifetime.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+
+  // Per-iteration state.
+  bool sync_this_iteration_ = false;
+  bool backward_started_ = false;
+  bool backward_finished_ = true;
+  std::vector<char> ready_;
+  std::vector<char> locally_used_;
+  std::vector<size_t> unused_;  // found at forward (find_unused_parameters)
+  size_t next_to_launch_ = 0;
+  std::string pending_error_;
+  int no_sync_depth_ = 0;
+  std::chrono::steady_clock::time_point start_;
+
+  // Bucket rebuild: the order of the first reduced iteration.
+  std::vector<size_t> ready_order_;
+  bool order_recorded_ = false;
+  bool rebuilt_ = false;
+
+  DDPStats stats_;
+};
+
+}  // namespace cohort
