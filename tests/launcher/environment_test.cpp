@@ -1,0 +1,91 @@
+// The torchrun environment each rank starts with.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <sstream>
+
+#include "subprocess.h"
+
+namespace cohort::launcher_test {
+namespace {
+
+constexpr const char* kPrintEnv =
+    "echo RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK "
+    "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE GROUP_RANK=$GROUP_RANK "
+    "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT "
+    "COHORT_BACKEND=$COHORT_BACKEND COHORT_RESTART_COUNT=$COHORT_RESTART_COUNT "
+    "TORCHELASTIC_RESTART_COUNT=$TORCHELASTIC_RESTART_COUNT";
+
+using Env = std::map<std::string, std::string>;
+
+// Rank (from the line's "[r] " prefix) -> the variables it printed.
+std::map<int, Env> parse(const std::string& out) {
+  std::map<int, Env> by_rank;
+  for (const std::string& line : lines_of(out)) {
+    int rank = -1;
+    std::sscanf(line.c_str(), "[%d]", &rank);
+    std::istringstream words(line.substr(line.find(']') + 1));
+    Env env;
+    for (std::string kv; words >> kv;) {
+      env[kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+    }
+    EXPECT_EQ(by_rank.count(rank), 0u) << "two lines from rank " << rank;
+    by_rank[rank] = env;
+  }
+  return by_rank;
+}
+
+TEST(Environment, SingleNodeVariables) {
+  // A RANK inherited from the caller must be replaced, not kept.
+  ProcessResult r =
+      run_cohortrun({"-n", "3", "--", "sh", "-c", kPrintEnv}, Seconds(20), {"RANK=99"});
+  ASSERT_FALSE(r.timed_out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<int, Env> envs = parse(r.out);
+  ASSERT_EQ(envs.size(), 3u) << r.out;
+  const std::string port = envs[0]["MASTER_PORT"];
+  for (int rank = 0; rank < 3; ++rank) {
+    Env& e = envs[rank];
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_EQ(e["RANK"], std::to_string(rank));
+    EXPECT_EQ(e["WORLD_SIZE"], "3");
+    EXPECT_EQ(e["LOCAL_RANK"], std::to_string(rank));
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(e["GROUP_RANK"], "0");
+    EXPECT_EQ(e["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(e["MASTER_PORT"], port);
+    EXPECT_EQ(e["COHORT_BACKEND"], "gloo");
+    EXPECT_EQ(e["COHORT_RESTART_COUNT"], "0");
+    EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
+  }
+  ASSERT_FALSE(port.empty());
+  ASSERT_EQ(port.find_first_not_of("0123456789"), std::string::npos) << port;
+  int p = std::stoi(port);
+  EXPECT_GE(p, 1);
+  EXPECT_LE(p, 65535);
+}
+
+TEST(Environment, SecondNodeOfTwo) {
+  // No rank connects anywhere, so node 1 can run without node 0.
+  ProcessResult r =
+      run_cohortrun({"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
+                     "--master-port", "29511", "--", "sh", "-c", kPrintEnv});
+  ASSERT_FALSE(r.timed_out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<int, Env> envs = parse(r.out);
+  ASSERT_EQ(envs.size(), 2u) << r.out;
+  for (int local = 0; local < 2; ++local) {
+    Env& e = envs[2 + local];
+    SCOPED_TRACE("rank " + std::to_string(2 + local));
+    EXPECT_EQ(e["RANK"], std::to_string(2 + local));
+    EXPECT_EQ(e["WORLD_SIZE"], "4");
+    EXPECT_EQ(e["LOCAL_RANK"], std::to_string(local));
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "2");
+    EXPECT_EQ(e["GROUP_RANK"], "1");
+    EXPECT_EQ(e["MASTER_ADDR"], "10.1.2.3");
+    EXPECT_EQ(e["MASTER_PORT"], "29511");
+  }
+}
+
+}  // namespace
+}  // namespace cohort::launcher_test

@@ -1,0 +1,82 @@
+// A failing rank: the launcher exits with its code, names it, and leaves no
+// process of the job behind.
+#include <gtest/gtest.h>
+
+#include "subprocess.h"
+
+namespace cohort::launcher_test {
+namespace {
+
+void expect_all_gone(const std::string& dir) {
+  std::vector<pid_t> pids = read_pids(dir);
+  EXPECT_FALSE(pids.empty()) << "ranks recorded no pids";
+  for (pid_t pid : pids) {
+    EXPECT_FALSE(process_exists(pid)) << "process " << pid << " survived";
+  }
+}
+
+TEST(ExitCode, PropagatesFailedRankCodeAndKillsTheOthers) {
+  TempDir dir;
+  // Rank 1 fails only once the others have started their background sleep
+  // (a grandchild, in the rank's process group) and recorded its pid.
+  const char* script = R"(
+    if [ "$RANK" = 1 ]; then
+      while [ ! -e "$T/pids.0" ] || [ ! -e "$T/pids.2" ]; do sleep 0.02; done
+      echo "rank 1 giving up"
+      exit 3
+    fi
+    sleep 60 & echo "$$ $!" > "$T/tmp.$RANK"; mv "$T/tmp.$RANK" "$T/pids.$RANK"
+    wait)";
+  ProcessResult r =
+      run_cohortrun({"-n", "3", "--", "sh", "-c", script}, Seconds(20), {"T=" + dir.path()});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_LT(r.seconds, 10);
+  EXPECT_NE(r.err.find("rank 1 exited with code 3"), std::string::npos) << r.err;
+  // The report carries the rank's last output.
+  EXPECT_NE(r.err.find("[1] rank 1 giving up"), std::string::npos) << r.err;
+  expect_all_gone(dir.path());
+}
+
+TEST(ExitCode, RankKilledBySignalGives128PlusSignal) {
+  TempDir dir;
+  const char* script = R"(
+    echo $$ > "$T/pid.$RANK"
+    if [ "$RANK" = 2 ]; then kill -9 $$; fi
+    exec sleep 60)";
+  ProcessResult r =
+      run_cohortrun({"-n", "3", "--", "sh", "-c", script}, Seconds(20), {"T=" + dir.path()});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 137) << r.err;
+  EXPECT_NE(r.err.find("rank 2 killed by signal 9 (SIGKILL)"), std::string::npos) << r.err;
+  expect_all_gone(dir.path());
+}
+
+TEST(ExitCode, AllRanksSucceedingGivesZero) {
+  ProcessResult r = run_cohortrun({"-n", "4", "--", "true"});
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+}
+
+TEST(ExitCode, ProgramNotFoundGives127) {
+  ProcessResult r = run_cohortrun({"-n", "2", "--", "/nonexistent/program"});
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 127) << r.err;
+  EXPECT_NE(r.err.find("cannot exec '/nonexistent/program'"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("exited with code 127"), std::string::npos) << r.err;
+}
+
+TEST(ExitCode, LeftoverBackgroundProcessesAreStoppedAfterSuccess) {
+  TempDir dir;
+  // Detached from the pipes, so only the process-group teardown finds it.
+  const char* script = R"(sleep 60 >/dev/null 2>&1 & echo $! > "$T/pid.$RANK"; exit 0)";
+  ProcessResult r =
+      run_cohortrun({"-n", "2", "--", "sh", "-c", script}, Seconds(20), {"T=" + dir.path()});
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  expect_all_gone(dir.path());
+}
+
+}  // namespace
+}  // namespace cohort::launcher_test

@@ -1,0 +1,88 @@
+// cohortrun: starts the ranks of a cohort job on this node and supervises
+// them. See USAGE.md.
+#include <signal.h>
+
+#include <exception>
+#include <optional>
+#include <string>
+#include <system_error>
+
+#include "attempt.h"
+#include "mpirun.h"
+#include "options.h"
+#include "output.h"
+#include "ports.h"
+#include "process_tree.h"
+#include "signal_fd.h"
+
+namespace cohortrun {
+namespace {
+
+// Exit code for the launcher's own failures (cannot fork, poll, ...).
+constexpr int kInternalErrorExitCode = 1;
+
+bool single_node(const Options& o) { return o.nnodes == 1; }
+
+// An explicit port that is taken would only surface later as a rendezvous
+// timeout on every rank; refuse it up front instead.
+void check_port(const Options& o) {
+  if (single_node(o) && o.master_port != 0 && !loopback_port_free(o.master_port)) {
+    throw UsageError("--master-port " + std::to_string(o.master_port) +
+                     " is already in use on 127.0.0.1");
+  }
+}
+
+// An interrupt that arrived after the last attempt ended (signals stay
+// blocked, so it is pending here) must stop the launcher, not be
+// forwarded to the ranks of a fresh attempt.
+int pending_interrupt(SignalFd& signals) {
+  for (int sig : signals.take()) {
+    if (is_interrupt(sig)) return sig;
+  }
+  return 0;
+}
+
+int supervise(const Options& options) {
+  ::signal(SIGPIPE, SIG_IGN);  // a closed stdout reader must not kill us
+  become_subreaper();
+  SignalFd signals;
+  for (int restart = 0;; ++restart) {
+    // A port picked for us is fresh per attempt: the previous rank 0 may
+    // have left it in a state the new one cannot bind.
+    int port = options.master_port != 0 ? options.master_port : pick_free_port();
+    AttemptResult result = Attempt(options, signals, restart, port).run();
+    if (result.outcome == Outcome::kSucceeded) return 0;
+    if (result.outcome == Outcome::kInterrupted || restart >= options.max_restarts) {
+      return result.exit_code;
+    }
+    if (int sig = pending_interrupt(signals)) return 128 + sig;
+    log_line("restart " + std::to_string(restart + 1) + "/" + std::to_string(options.max_restarts) +
+             " after " + result.cause);
+  }
+}
+
+int run(int argc, char** argv) {
+  std::optional<Options> options;
+  try {
+    options = parse_options(argc, argv);
+    if (!options) return 0;  // --help
+    check_port(*options);
+  } catch (const UsageError& e) {
+    log_line(e.what());
+    return kUsageExitCode;
+  }
+  if (options->backend == "mpi") return exec_mpirun(*options);
+  return supervise(*options);
+}
+
+}  // namespace
+}  // namespace cohortrun
+
+int main(int argc, char** argv) {
+  try {
+    return cohortrun::run(argc, argv);
+  } catch (const std::exception& e) {
+    cohortrun::log_line(std::string("internal error: ") + e.what());
+    return cohortrun::kInternalErrorExitCode;
+  }
+}

@@ -1,0 +1,34 @@
+#include "mpirun.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "output.h"
+
+namespace cohortrun {
+
+std::vector<std::string> mpirun_command(const Options& options, bool as_root, long online_cores) {
+  std::vector<std::string> cmd = {"mpirun", "-np", std::to_string(options.nproc_per_node)};
+  if (as_root) cmd.push_back("--allow-run-as-root");
+  if (options.nproc_per_node > online_cores) cmd.push_back("--oversubscribe");
+  cmd.insert(cmd.end(), {"-x", "COHORT_BACKEND=mpi"});
+  cmd.insert(cmd.end(), options.command.begin(), options.command.end());
+  return cmd;
+}
+
+int exec_mpirun(const Options& options) {
+  std::vector<std::string> cmd =
+      mpirun_command(options, ::geteuid() == 0, ::sysconf(_SC_NPROCESSORS_ONLN));
+  std::vector<char*> argv;
+  for (std::string& s : cmd) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  log_line(std::string("cannot exec mpirun: ") + std::strerror(errno) +
+           " (is an MPI implementation installed and on PATH?)");
+  return 127;
+}
+
+}  // namespace cohortrun

@@ -1,0 +1,155 @@
+#include "options.h"
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+
+namespace cohortrun {
+namespace {
+
+constexpr const char* kUsage =
+    "Launches a cohort job, one process per rank.\n"
+    "  cohortrun -n N [--nnodes M --node-rank K --master-addr A "
+    "--master-port P]\n"
+    "            [--backend gloo|mpi] [--max-restarts R] [--timeout S]\n"
+    "            [--quiet-others] -- PROGRAM ARGS...";
+
+// Ports and counts are taken as text and checked here, so that every bad
+// value gets a message naming the flag instead of CLI11's generic one.
+int parse_int(const std::string& flag, const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  long v = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE || v < INT32_MIN || v > INT32_MAX) {
+    throw UsageError(flag + " must be an integer (got '" + text + "')");
+  }
+  return static_cast<int>(v);
+}
+
+int parse_port(const std::string& text) {
+  int port = parse_int("--master-port", text);
+  if (port < 1 || port > 65535) {
+    throw UsageError("--master-port must be in 1..65535 (got " + text + ")");
+  }
+  return port;
+}
+
+double parse_timeout(const std::string& text) {
+  char* end = nullptr;
+  double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !std::isfinite(v) || v <= 0) {
+    throw UsageError("--timeout must be a positive number of seconds (got '" + text + "')");
+  }
+  return v;
+}
+
+void validate(Options& o) {
+  if (o.nproc_per_node <= 0) {
+    throw UsageError("-n must be a positive number of ranks per node (got " +
+                     std::to_string(o.nproc_per_node) + ")");
+  }
+  if (o.nnodes <= 0) {
+    throw UsageError("--nnodes must be positive (got " + std::to_string(o.nnodes) + ")");
+  }
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(o.node_rank) +
+                     " is out of range for --nnodes " + std::to_string(o.nnodes) +
+                     " (must be in 0.." + std::to_string(o.nnodes - 1) + ")");
+  }
+  if (o.max_restarts < 0) {
+    throw UsageError("--max-restarts must be >= 0");
+  }
+  if (o.command.empty()) {
+    throw UsageError(
+        "missing program after '--' (usage: cohortrun -n N -- "
+        "PROGRAM ARGS...)");
+  }
+  if (o.backend == "mpi") {
+    // mpirun starts and supervises the ranks itself; options that only the
+    // launcher's own supervision implements would be silently ignored.
+    if (o.nnodes > 1) {
+      throw UsageError(
+          "--backend mpi supports a single node only; run "
+          "mpirun with a hostfile for multi-node MPI jobs");
+    }
+    if (o.max_restarts > 0 || o.timeout_s > 0 || o.quiet_others) {
+      throw UsageError(
+          "--max-restarts, --timeout and --quiet-others are not "
+          "supported with --backend mpi (mpirun supervises the "
+          "ranks)");
+    }
+  } else if (o.backend != "gloo") {
+    throw UsageError("--backend must be gloo or mpi (got '" + o.backend + "')");
+  }
+  if (o.nnodes > 1) {
+    // Every node must agree on the rendezvous point; a default would let
+    // each node silently pick its own.
+    if (o.master_addr.empty()) {
+      throw UsageError(
+          "--master-addr is required when --nnodes > 1 (the "
+          "address of node 0, reachable from every node)");
+    }
+    if (o.master_port == 0) {
+      throw UsageError("--master-port is required when --nnodes > 1");
+    }
+  }
+  if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
+}
+
+}  // namespace
+
+std::optional<Options> parse_options(int argc, char** argv) {
+  Options o;
+  std::string nproc, nnodes, node_rank, port, restarts;
+  CLI::App app{kUsage, "cohortrun"};
+  app.add_option("-n,--nproc-per-node", nproc, "ranks to start on this node")->type_name("N");
+  app.add_option("--nnodes", nnodes, "number of nodes (default 1)")->type_name("M");
+  app.add_option("--node-rank", node_rank, "this node's index (default 0)")->type_name("K");
+  app.add_option("--master-addr", o.master_addr,
+                 "address of node 0 (default 127.0.0.1 on one node)")
+      ->type_name("ADDR");
+  app.add_option("--master-port", port, "rendezvous port (default: a free port on one node)")
+      ->type_name("PORT");
+  app.add_option("--backend", o.backend, "gloo (default) or mpi")->type_name("NAME");
+  app.add_option("--max-restarts", restarts,
+                 "restart the job up to R times after a failure (default 0)")
+      ->type_name("R");
+  app.add_option("--timeout", o.timeout_text, "wall-clock limit in seconds for each attempt")
+      ->type_name("S");
+  app.add_flag("--quiet-others", o.quiet_others, "print only rank 0's output");
+  // Stop at the program: its own flags must not be read as ours, with or
+  // without a '--' in front of it.
+  app.prefix_command();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
+  }
+
+  std::vector<std::string> rest = app.remaining();
+  if (!rest.empty() && rest.front() == "--") {
+    rest.erase(rest.begin());
+  } else if (!rest.empty() && rest.front().size() > 1 && rest.front()[0] == '-') {
+    throw UsageError("unknown option '" + rest.front() + "'");
+  }
+  o.command = std::move(rest);
+
+  if (nproc.empty()) {
+    throw UsageError("-n (ranks per node) is required");
+  }
+  o.nproc_per_node = parse_int("-n", nproc);
+  if (!nnodes.empty()) o.nnodes = parse_int("--nnodes", nnodes);
+  if (!node_rank.empty()) o.node_rank = parse_int("--node-rank", node_rank);
+  if (!port.empty()) o.master_port = parse_port(port);
+  if (!restarts.empty()) o.max_restarts = parse_int("--max-restarts", restarts);
+  if (!o.timeout_text.empty()) o.timeout_s = parse_timeout(o.timeout_text);
+  validate(o);
+  return o;
+}
+
+}  // namespace cohortrun

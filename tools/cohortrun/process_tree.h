@@ -1,0 +1,18 @@
+// defines: become_subreaper, kill_stray_children — keeping every process a
+// rank starts within the launcher's reach.
+#pragma once
+
+namespace cohortrun {
+
+// Makes the launcher the parent of any process orphaned below it
+// (PR_SET_CHILD_SUBREAPER). A rank's helper left behind when the rank exits
+// is then reparented here rather than to init: the launcher reaps it when it
+// dies and can find it when tearing the job down.
+void become_subreaper();
+
+// SIGKILLs and reaps the launcher's remaining children. Called after the
+// ranks' process groups were torn down, it catches what left its group
+// (setsid, setpgid) and was orphaned to us. Returns how many it killed.
+int kill_stray_children();
+
+}  // namespace cohortrun

@@ -1,0 +1,19 @@
+// defines: rank_environment — the torchrun-compatible variables a rank
+// starts with.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "options.h"
+
+namespace cohortrun {
+
+// The launcher's environment with RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, COHORT_BACKEND,
+// COHORT_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT set (replacing any
+// inherited value), as "KEY=VALUE" strings.
+std::vector<std::string> rank_environment(const Options& options, int local_rank, int restart,
+                                          int master_port);
+
+}  // namespace cohortrun
