@@ -1,11 +1,13 @@
 #include "cohort/comm/init.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include "cohort/comm/engine_registry.h"
 #include "cohort/comm/env.h"
 #include "cohort/comm/error.h"
 #include "cohort/comm/gloo/c10d_adapter.h"
+#include "cohort/comm/mpi/launch.h"
 #include "cohort/comm/store/socket.h"
 #include "cohort/comm/store/tcp_store.h"
 
@@ -69,18 +71,38 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(g_world_mu);
   if (g_world) throw ConfigError("cohort::init: already initialized; call finalize() first");
 
+  // Under mpirun (or after the application's MPI_Init) MPI is the default,
+  // and the ranks and the store come from MPI instead of the environment.
+  const std::string backend =
+      !options.backend.empty()
+          ? options.backend
+          : env::get("COHORT_BACKEND").value_or(mpi_launched() ? "mpi" : "gloo");
+  MpiWorld mpi;
+  if (backend == "mpi") {
+    mpi = mpi_world(options.timeout ? *options.timeout
+                                    : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30)));
+  }
   const int world_size =
-      options.world_size > 0 ? options.world_size : env::require_int("WORLD_SIZE", 1, 1 << 20);
-  const int rank =
-      options.rank >= 0 ? options.rank : env::require_int("RANK", 0, world_size - 1);
+      options.world_size > 0 ? options.world_size
+      : mpi.store            ? mpi.size
+                             : env::require_int("WORLD_SIZE", 1, 1 << 20);
+  const int rank = options.rank >= 0 ? options.rank
+                   : mpi.store       ? mpi.rank
+                                     : env::require_int("RANK", 0, world_size - 1);
   if (rank >= world_size) {
     throw ConfigError("cohort::init: rank " + std::to_string(rank) +
                       " is not below the world size " + std::to_string(world_size));
   }
 
   ConnectOptions co;
-  co.backend = !options.backend.empty() ? options.backend
-                                        : env::get("COHORT_BACKEND").value_or("gloo");
+  co.backend = backend;
+  const auto built = available_backends();
+  if (std::find(built.begin(), built.end(), co.backend) == built.end()) {
+    std::string known;
+    for (auto& b : built) known += (known.empty() ? "" : ", ") + b;
+    throw ConfigError("cohort::init: backend '" + co.backend +
+                      "' is not available in this build (available: " + known + ")");
+  }
   co.timeout = options.timeout ? *options.timeout
                                : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30));
   if (options.debug_checks) {
@@ -99,7 +121,9 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   std::string master_host;
   const auto& method = options.init_method;
   try {
-    if (method.rfind("file://", 0) == 0) {
+    if (mpi.store) {
+      store = mpi.store;
+    } else if (method.rfind("file://", 0) == 0) {
       store = make_file_store(method.substr(7), world_size, co.timeout);
     } else {
       Endpoint ep;

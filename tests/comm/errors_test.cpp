@@ -1,0 +1,165 @@
+// Failure behaviour with ranks as threads: bad tensors, debug-mode mismatch,
+// a rank that never arrives, a peer that goes away. Every case must end in a
+// named error within its timeout.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "support/thread_ranks.h"
+
+namespace cohort::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Runs `call` and returns the message of the exception of type E it throws.
+template <typename E, typename F>
+std::string message_of(F&& call) {
+  try {
+    call();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return {};
+}
+
+TEST(BadTensors, AreRefusedBeforeAnythingIsSent) {
+  run_ranks(2, [](Communicator& comm) {
+    auto nc = torch::zeros({4, 4}).t();
+    auto m = message_of<InvalidArgument>([&] { comm.all_reduce(nc); });
+    EXPECT_NE(m.find("not contiguous"), std::string::npos) << m;
+    EXPECT_NE(m.find("all_reduce on rank " + std::to_string(comm.rank()) + " of 2"), std::string::npos) << m;
+
+    auto b = torch::zeros({3}, torch::kBool);
+    m = message_of<InvalidArgument>([&] { comm.broadcast(b); });
+    EXPECT_NE(m.find("dtype Bool"), std::string::npos) << m;
+
+    auto meta = torch::empty({3}, torch::TensorOptions().device(torch::kMeta));
+    m = message_of<InvalidArgument>([&] { comm.all_reduce(meta); });
+    EXPECT_NE(m.find("device meta"), std::string::npos) << m;
+
+    auto in = torch::zeros({3});
+    std::vector<torch::Tensor> outs{torch::zeros({3})};
+    m = message_of<InvalidArgument>([&] { comm.all_gather(outs, in); });
+    EXPECT_NE(m.find("one per rank"), std::string::npos) << m;
+
+    std::vector<torch::Tensor> wrong{torch::zeros({3}), torch::zeros({4})};
+    m = message_of<InvalidArgument>([&] { comm.all_gather(wrong, in); });
+    EXPECT_NE(m.find("outputs[1] has shape [4], expected [3]"), std::string::npos) << m;
+
+    // The communicator is still usable: nothing was sent.
+    auto ok = torch::ones({2});
+    comm.all_reduce(ok).wait();
+    EXPECT_EQ(ok[0].item<float>(), 2.0f);
+  });
+}
+
+TEST(DebugMode, ShapeMismatchNamesTheRanksAndShapes) {
+  ThreadRanksOptions opts;
+  opts.debug_checks = true;
+  opts.timeout = 10s;
+  run_ranks(3, [](Communicator& comm) {
+    auto t = torch::zeros({comm.rank() == 1 ? 5 : 4});
+    auto m = message_of<MismatchError>([&] { comm.all_reduce(t); });
+    EXPECT_NE(m.find("ranks [0, 2] called all_reduce(op=sum, dtype=float32, shape=[4])"),
+              std::string::npos) << m;
+    EXPECT_NE(m.find("rank 1 called all_reduce(op=sum, dtype=float32, shape=[5])"),
+              std::string::npos) << m;
+  }, opts);
+}
+
+TEST(DebugMode, DifferentOperationsAreNamed) {
+  ThreadRanksOptions opts;
+  opts.debug_checks = true;
+  run_ranks(2, [](Communicator& comm) {
+    auto t = torch::zeros({4}, torch::kFloat64);
+    auto m = message_of<MismatchError>([&] {
+      if (comm.rank() == 0) {
+        comm.all_reduce(t);
+      } else {
+        comm.broadcast(t);
+      }
+    });
+    EXPECT_NE(m.find("broadcast(root=0, dtype=float64"), std::string::npos) << m;
+    EXPECT_NE(m.find("all_reduce(op=sum, dtype=float64"), std::string::npos) << m;
+  }, opts);
+}
+
+TEST(DebugMode, ARankThatNeverArrivesIsNamed) {
+  ThreadRanksOptions opts;
+  opts.debug_checks = true;
+  opts.timeout = 2s;
+  run_ranks(3, [](Communicator& comm) {
+    if (comm.rank() == 2) return;  // skips the collective
+    auto t = torch::zeros({4});
+    auto start = std::chrono::steady_clock::now();
+    auto m = message_of<TimeoutError>([&] { comm.all_reduce(t, {ReduceOp::Sum, 1s}); });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+    EXPECT_NE(m.find("rank 2 did not reach it"), std::string::npos) << m;
+  }, opts);
+}
+
+TEST(Timeouts, ASilentPeerMakesWaitThrowNamingTheOperation) {
+  ThreadRanksOptions opts;
+  opts.timeout = 3s;  // the transport's own limit, for the abandoned operation
+  std::atomic<bool> rank0_done{false};
+  run_ranks(2, [&](Communicator& comm) {
+    if (comm.rank() == 1) {
+      // Alive but silent until rank 0 gave up.
+      while (!rank0_done) std::this_thread::yield();
+      return;
+    }
+    auto t = torch::zeros({16});
+    auto work = comm.all_reduce(t, {ReduceOp::Sum, 500ms});
+    auto start = std::chrono::steady_clock::now();
+    auto m = message_of<TimeoutError>([&] { work.wait(); });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+    EXPECT_NE(m.find("all_reduce on rank 0 of 2 (group world, peer 1) timed out after 500 ms"),
+              std::string::npos) << m;
+    // A failed communicator refuses further work instead of corrupting it.
+    auto again = message_of<PeerError>([&] { comm.all_reduce(t); });
+    EXPECT_NE(again.find("failed earlier"), std::string::npos) << again;
+    rank0_done = true;
+  }, opts);
+}
+
+TEST(PeerFailure, APeerThatLeavesMidCollectiveFailsTheSurvivors) {
+  ThreadRanksOptions opts;
+  opts.timeout = 5s;
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    auto t = torch::ones({1 << 16});
+    comm->all_reduce(t).wait();  // everyone connected and working
+    if (comm->rank() == 2) {
+      comm.reset();  // closes this rank's connections, as a crash would
+      return;
+    }
+    auto start = std::chrono::steady_clock::now();
+    bool failed = false;
+    try {
+      comm->all_reduce(t).wait();
+    } catch (const PeerError& e) {
+      failed = true;
+      EXPECT_NE(std::string(e.what()).find("all_reduce on rank " + std::to_string(comm->rank())),
+                std::string::npos) << e.what();
+    } catch (const TimeoutError& e) {
+      failed = true;
+    }
+    EXPECT_TRUE(failed);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 8s);
+  }, opts);
+}
+
+TEST(Options, NonPositiveTimeoutAndBadRootAreRefused) {
+  run_ranks(2, [](Communicator& comm) {
+    auto t = torch::zeros({2});
+    EXPECT_THROW(comm.all_reduce(t, {ReduceOp::Sum, 0ms}), InvalidArgument);
+    EXPECT_THROW(comm.broadcast(t, {2}), InvalidArgument);
+    EXPECT_THROW(comm.reduce(t, {-1}), InvalidArgument);
+  });
+}
+
+}  // namespace
+}  // namespace cohort::testing
