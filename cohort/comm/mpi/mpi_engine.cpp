@@ -1,0 +1,374 @@
+// The MPI engine: every operation is one non-blocking MPI call.
+//
+// Progress model, and why: the caller's thread starts each operation with a
+// non-blocking call (MPI_Iallreduce, MPI_Isend, ...) and whoever waits polls
+// MPI_Testall (op.h). We measured the alternative, a progress thread that
+// owns MPI and runs blocking calls, on the 2-core development machine at
+// world 2: handing a 1 KiB all_reduce to that thread and waking the caller
+// costs 6.3 us per operation against 2.1 us for MPI_Iallreduce + MPI_Test
+// on the caller's thread and 1.3 us for a plain MPI_Allreduce, and a
+// spinning hand-off is worse still once two ranks share two cores. Calls
+// from several threads are safe: MPI is initialized with
+// MPI_THREAD_MULTIPLE, and MpiLock serializes them where MPI grants less.
+//
+// Timeouts: wait(timeout) raises TimeoutError; MPI cannot cancel the
+// operation, so the watchdog (watchdog.h) aborts the job if it stays
+// unfinished past its timeout plus a grace period.
+#include "cohort/comm/mpi/mpi_engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "cohort/comm/error.h"
+#include "cohort/comm/mpi/datatypes.h"
+#include "cohort/comm/mpi/op.h"
+#include "cohort/comm/mpi/runtime.h"
+#include "cohort/comm/mpi/watchdog.h"
+#include "cohort/comm/work_then.h"
+
+namespace cohort::mpi {
+namespace {
+
+// Any tag works as long as every member uses the same one; subgroups of one
+// parent are created in the same order everywhere.
+constexpr int kCreateGroupTag = 4242;
+
+const char* ptr(const at::Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// True when `parts` lie back to back in one buffer, equally sized, as the
+// communicator's *_into_tensor forms pass them: MPI can use them in place.
+bool back_to_back(const std::vector<at::Tensor>& parts) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!parts[i].is_contiguous() || parts[i].numel() != parts[0].numel() ||
+        ptr(parts[i]) != ptr(parts[0]) + static_cast<int64_t>(i) * nbytes(parts[0])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool overlaps(const char* a, int64_t a_bytes, const char* b, int64_t b_bytes) {
+  return a_bytes > 0 && b_bytes > 0 && a < b + b_bytes && b < a + a_bytes;
+}
+
+// The parts as one flat tensor: a copy.
+at::Tensor concat(const std::vector<at::Tensor>& parts) {
+  std::vector<at::Tensor> flat;
+  for (auto& p : parts) flat.push_back(p.reshape({-1}));
+  return at::cat(flat);
+}
+
+// After MPI filled `flat`, hand each part its slice.
+std::function<void()> copy_out(std::vector<at::Tensor> parts, at::Tensor flat) {
+  return [parts, flat]() mutable {
+    int64_t offset = 0;
+    for (auto& p : parts) {
+      p.view({-1}).copy_(flat.narrow(0, offset, p.numel()));
+      offset += p.numel();
+    }
+  };
+}
+
+class MpiEngine : public Engine {
+ public:
+  MpiEngine(MPI_Comm comm, std::string label, Millis timeout)
+      : comm_(comm),
+        label_(std::make_shared<const std::string>(std::move(label))),
+        timeout_(timeout) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    // Errors become return codes, turned into exceptions by mpi_check and
+    // MpiOp, instead of MPI's default of aborting the job.
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    int* ub = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
+    tag_ub_ = found && ub ? *ub : 32767;  // the standard's guaranteed minimum
+  }
+
+  ~MpiEngine() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    MpiLock lock;
+    // Operations still in flight keep the communicator alive inside MPI.
+    MPI_Comm_free(&comm_);
+  }
+
+  std::string name() const override { return "mpi"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  WorkPtr all_reduce(at::Tensor& t, ReduceOp op) override {
+    auto o = new_op("MPI_Iallreduce (all_reduce");
+    const auto type = to_mpi_type(t.scalar_type(), "all_reduce", true);
+    const int n = to_mpi_count(t.numel(), "all_reduce");
+    o->keep(t);
+    MpiLock lock;
+    return launch(o, MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, type, to_mpi_op(op), comm_,
+                                    o->requests(1)));
+  }
+
+  WorkPtr broadcast(at::Tensor& t, int root) override {
+    auto o = new_op("MPI_Ibcast (broadcast", ", root " + std::to_string(root));
+    const auto type = to_mpi_type(t.scalar_type(), "broadcast");
+    const int n = to_mpi_count(t.numel(), "broadcast");
+    o->keep(t);
+    MpiLock lock;
+    return launch(o, MPI_Ibcast(t.data_ptr(), n, type, root, comm_, o->requests(1)));
+  }
+
+  WorkPtr reduce(at::Tensor& t, int root, ReduceOp op) override {
+    auto o = new_op("MPI_Ireduce (reduce", ", root " + std::to_string(root));
+    const auto type = to_mpi_type(t.scalar_type(), "reduce", true);
+    const int n = to_mpi_count(t.numel(), "reduce");
+    o->keep(t);
+    const bool is_root = rank_ == root;
+    MpiLock lock;
+    return launch(
+        o, MPI_Ireduce(is_root ? MPI_IN_PLACE : t.data_ptr(), is_root ? t.data_ptr() : nullptr, n,
+                       type, to_mpi_op(op), root, comm_, o->requests(1)));
+  }
+
+  WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
+    auto o = new_op("MPI_Iallgather (all_gather");
+    const auto type = to_mpi_type(input.scalar_type(), "all_gather");
+    const int n = to_mpi_count(input.numel(), "all_gather");
+    to_mpi_count(input.numel() * size_, "all_gather output");
+    const bool direct = back_to_back(outputs);
+    at::Tensor recv = direct ? outputs[0] : at::empty({input.numel() * size_}, input.options());
+    // MPI forbids a send buffer inside the receive buffer: that is MPI_IN_PLACE.
+    const bool in_place = ptr(input) == ptr(recv) + rank_ * nbytes(input);
+    o->keep(input);
+    o->keep(recv);
+    for (auto& t : outputs) o->keep(t);
+    WorkPtr w;
+    {
+      MpiLock lock;
+      w = launch(o, MPI_Iallgather(in_place ? MPI_IN_PLACE : input.data_ptr(), n, type,
+                                   recv.data_ptr(), n, type, comm_, o->requests(1)));
+    }
+    if (direct) return w;
+    return then(std::move(w), copy_out(outputs, recv));
+  }
+
+  WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
+                         ReduceOp op) override {
+    auto o = new_op("MPI_Ireduce_scatter_block (reduce_scatter");
+    const auto type = to_mpi_type(output.scalar_type(), "reduce_scatter", true);
+    const int n = to_mpi_count(output.numel(), "reduce_scatter");
+    to_mpi_count(output.numel() * size_, "reduce_scatter input");
+    at::Tensor send = back_to_back(inputs) ? inputs[0] : concat(inputs);
+    if (send.is_same(inputs[0]) &&
+        overlaps(ptr(send), nbytes(output) * size_, ptr(output), nbytes(output))) {
+      send = concat(inputs);  // MPI forbids overlapping buffers
+    }
+    o->keep(send);
+    o->keep(output);
+    for (auto& t : inputs) o->keep(t);
+    MpiLock lock;
+    return launch(o, MPI_Ireduce_scatter_block(send.data_ptr(), output.data_ptr(), n, type,
+                                               to_mpi_op(op), comm_, o->requests(1)));
+  }
+
+  WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
+    auto o = new_op("MPI_Igather (gather", ", root " + std::to_string(root));
+    const auto type = to_mpi_type(input.scalar_type(), "gather");
+    const int n = to_mpi_count(input.numel(), "gather");
+    const bool is_root = rank_ == root;
+    at::Tensor recv;
+    bool in_place = false;
+    const bool direct = is_root && back_to_back(outputs);
+    if (is_root) {
+      to_mpi_count(input.numel() * size_, "gather output");
+      recv = direct ? outputs[0] : at::empty({input.numel() * size_}, input.options());
+      in_place = ptr(input) == ptr(recv) + rank_ * nbytes(input);
+      o->keep(recv);
+      for (auto& t : outputs) o->keep(t);
+    }
+    o->keep(input);
+    WorkPtr w;
+    {
+      MpiLock lock;
+      w = launch(o, MPI_Igather(in_place ? MPI_IN_PLACE : input.data_ptr(), n, type,
+                                is_root ? recv.data_ptr() : nullptr, n, type, root, comm_,
+                                o->requests(1)));
+    }
+    if (!is_root || direct) return w;
+    return then(std::move(w), copy_out(outputs, recv));
+  }
+
+  WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
+    auto o = new_op("MPI_Iscatter (scatter", ", root " + std::to_string(root));
+    const auto type = to_mpi_type(output.scalar_type(), "scatter");
+    const int n = to_mpi_count(output.numel(), "scatter");
+    const bool is_root = rank_ == root;
+    at::Tensor send;
+    bool in_place = false;
+    if (is_root) {
+      to_mpi_count(output.numel() * size_, "scatter input");
+      send = back_to_back(inputs) ? inputs[0] : concat(inputs);
+      in_place = ptr(output) == ptr(send) + rank_ * nbytes(output);
+      if (!in_place && overlaps(ptr(send), nbytes(output) * size_, ptr(output), nbytes(output))) {
+        send = concat(inputs);
+      }
+      o->keep(send);
+      for (auto& t : inputs) o->keep(t);
+    }
+    o->keep(output);
+    MpiLock lock;
+    return launch(o, MPI_Iscatter(is_root ? send.data_ptr() : nullptr, n, type,
+                                  in_place ? MPI_IN_PLACE : output.data_ptr(), n, type, root, comm_,
+                                  o->requests(1)));
+  }
+
+  WorkPtr all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_counts,
+                     std::vector<int64_t>& input_counts) override {
+    auto o = new_op("MPI_Ialltoallv (all_to_all");
+    const auto type = to_mpi_type(input.scalar_type(), "all_to_all");
+    to_mpi_count(std::max(input.numel(), output.numel()), "all_to_all");
+    // ints: send counts, send displacements, receive counts, receive
+    // displacements, size() each; MPI reads them until the operation ends.
+    auto& ints = o->ints();
+    ints.assign(4 * static_cast<size_t>(size_), 0);
+    int* sc = ints.data();
+    int* sd = sc + size_;
+    int* rc = sd + size_;
+    int* rd = rc + size_;
+    for (int i = 0; i < size_; ++i) {
+      sc[i] = static_cast<int>(input_counts.empty() ? input.numel() / size_ : input_counts[i]);
+      rc[i] = static_cast<int>(output_counts.empty() ? output.numel() / size_ : output_counts[i]);
+      if (i > 0) {
+        sd[i] = sd[i - 1] + sc[i - 1];
+        rd[i] = rd[i - 1] + rc[i - 1];
+      }
+    }
+    at::Tensor send = input;
+    if (overlaps(ptr(input), nbytes(input), ptr(output), nbytes(output))) send = input.clone();
+    o->keep(send);
+    o->keep(output);
+    MpiLock lock;
+    return launch(o, MPI_Ialltoallv(send.data_ptr(), sc, sd, type, output.data_ptr(), rc, rd, type,
+                                    comm_, o->requests(1)));
+  }
+
+  WorkPtr barrier() override {
+    auto o = new_op("MPI_Ibarrier (barrier");
+    MpiLock lock;
+    return launch(o, MPI_Ibarrier(comm_, o->requests(1)));
+  }
+
+  WorkPtr send(at::Tensor& t, int dst, int tag) override {
+    check_tag(tag, "send");
+    auto o = new_op("MPI_Isend (send",
+                    " to peer " + std::to_string(dst) + ", tag " + std::to_string(tag));
+    const auto type = to_mpi_type(t.scalar_type(), "send");
+    const int n = to_mpi_count(t.numel(), "send");
+    o->keep(t);
+    MpiLock lock;
+    return launch(o, MPI_Isend(t.data_ptr(), n, type, dst, tag, comm_, o->requests(1)));
+  }
+
+  WorkPtr recv(at::Tensor& t, int src, int tag) override {
+    check_tag(tag, "recv");
+    auto o = new_op("MPI_Irecv (recv",
+                    " from peer " + std::to_string(src) + ", tag " + std::to_string(tag));
+    const auto type = to_mpi_type(t.scalar_type(), "recv");
+    const int n = to_mpi_count(t.numel(), "recv");
+    o->keep(t);
+    o->expect_count(n, type);
+    MpiLock lock;
+    return launch(o, MPI_Irecv(t.data_ptr(), n, type, src, tag, comm_, o->requests(1)));
+  }
+
+  std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
+                                          std::shared_ptr<Store> /*store*/,
+                                          Millis timeout) override {
+    // Only the members call this, so MPI_Comm_split (collective over the
+    // whole parent) will not do; MPI_Comm_create_group involves the members
+    // alone. The store is unused: MPI needs no rendezvous.
+    std::string listed;
+    for (int r : ranks) listed += (listed.empty() ? "" : ", ") + std::to_string(r);
+    const std::string label = *label_ + "/[" + listed + "]";
+    auto o = std::make_shared<MpiOp>("MPI_Comm_create_group (new subgroup " + label + ") on rank " +
+                                         std::to_string(rank_) + " of " + std::to_string(size_),
+                                     timeout);
+    Watchdog::instance().watch(o);
+    MPI_Comm sub = MPI_COMM_NULL;
+    {
+      MpiLock lock;
+      MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+      MPI_Comm_group(comm_, &parent_group);
+      int code = MPI_Group_incl(parent_group, static_cast<int>(ranks.size()), ranks.data(), &group);
+      if (code == MPI_SUCCESS) code = MPI_Comm_create_group(comm_, group, kCreateGroupTag, &sub);
+      MPI_Group_free(&group);
+      MPI_Group_free(&parent_group);
+      o->mark_finished();
+      mpi_check(code, o->what());
+    }
+    return std::make_unique<MpiEngine>(sub, label, timeout);
+  }
+
+ private:
+  std::shared_ptr<MpiOp> new_op(const char* call, std::string detail = {}) const {
+    return std::make_shared<MpiOp>(OpName{call, std::move(detail), rank_, size_, label_}, timeout_);
+  }
+
+  // Called with the MpiLock held, with the start call's return code.
+  WorkPtr launch(const std::shared_ptr<MpiOp>& o, int code) {
+    mpi_check(code, o->what());
+    Watchdog::instance().watch(o);
+    return std::make_shared<MpiWork>(o);
+  }
+
+  void check_tag(int tag, const char* what) const {
+    if (tag > tag_ub_) {
+      throw InvalidArgument(std::string("engine mpi: ") + what + " tag " + std::to_string(tag) +
+                            " exceeds MPI_TAG_UB (" + std::to_string(tag_ub_) + ")");
+    }
+  }
+
+  MPI_Comm comm_;
+  std::shared_ptr<const std::string> label_;  // "MPI_COMM_WORLD/[1, 3]"
+  Millis timeout_;
+  int rank_ = 0;
+  int size_ = 1;
+  int tag_ub_ = 32767;
+};
+
+}  // namespace
+}  // namespace cohort::mpi
+
+namespace cohort {
+
+std::unique_ptr<Engine> make_mpi_engine(int rank, int size, Millis timeout) {
+  mpi::ensure_mpi();
+  int world_rank = -1, world_size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  if (rank != world_rank || size != world_size) {
+    throw ConfigError("engine mpi: asked for rank " + std::to_string(rank) + " of " +
+                      std::to_string(size) + ", but MPI_COMM_WORLD has this process as rank " +
+                      std::to_string(world_rank) + " of " + std::to_string(world_size) +
+                      "; start the job with mpirun (cohortrun --backend mpi)");
+  }
+  // A private copy of the world: cohort's messages never match the
+  // application's own MPI calls. MPI_Comm_dup is collective and blocking,
+  // hence watched.
+  auto o = std::make_shared<mpi::MpiOp>(
+      "MPI_Comm_dup (connect) on rank " + std::to_string(rank) + " of " + std::to_string(size),
+      timeout);
+  mpi::Watchdog::instance().watch(o);
+  MPI_Comm comm = MPI_COMM_NULL;
+  int code;
+  {
+    mpi::MpiLock lock;
+    code = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  }
+  o->mark_finished();
+  mpi::mpi_check(code, o->what());
+  return std::make_unique<mpi::MpiEngine>(comm, "MPI_COMM_WORLD", timeout);
+}
+
+}  // namespace cohort

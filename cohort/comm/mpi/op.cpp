@@ -1,0 +1,102 @@
+#include "cohort/comm/mpi/op.h"
+
+#include "cohort/comm/error.h"
+#include "cohort/comm/mpi/runtime.h"
+#include "cohort/comm/mpi/watchdog.h"
+
+namespace cohort::mpi {
+
+std::string OpName::str() const {
+  if (!group) return detail;
+  return std::string(call) + detail + ") on rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " (" + *group + ")";
+}
+
+MpiOp::MpiOp(OpName name, Millis timeout)
+    : name_(std::move(name)),
+      timeout_(timeout),
+      abort_at_(
+          (Clock::now() + timeout + Watchdog::instance().grace()).time_since_epoch().count()) {}
+
+MpiOp::MpiOp(std::string what, Millis timeout) : MpiOp(OpName{"", std::move(what)}, timeout) {}
+
+MPI_Request* MpiOp::requests(int count) {
+  requests_.assign(static_cast<size_t>(count), MPI_REQUEST_NULL);
+  return requests_.data();
+}
+
+bool MpiOp::test_locked() {
+  if (finished()) return true;
+  if (requests_.empty()) return false;  // a blocking call: mark_finished() ends it
+  int flag = 0;
+  int code;
+  std::vector<MPI_Status> statuses(expected_count_ >= 0 ? requests_.size() : 0);
+  {
+    MpiLock lock;
+    code = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag,
+                       statuses.empty() ? MPI_STATUSES_IGNORE : statuses.data());
+  }
+  if (code != MPI_SUCCESS) {
+    error_ = what() + ": " + error_string(code);
+  } else if (!flag) {
+    return false;
+  } else if (expected_count_ >= 0) {
+    int got = 0;
+    MPI_Get_count(&statuses[0], count_type_, &got);
+    if (got != expected_count_) {
+      error_ = what() + ": the message has " + std::to_string(got) +
+               " elements, the receiving tensor " + std::to_string(expected_count_);
+    }
+  }
+  // MPI is done with the buffers (or failed): they may go.
+  tensors_.clear();
+  finished_.store(true, std::memory_order_release);
+  return true;
+}
+
+bool MpiOp::test() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return test_locked();
+}
+
+bool MpiOp::try_test() {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  return lock.owns_lock() ? test_locked() : finished();
+}
+
+void MpiOp::mark_finished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  finished_.store(true, std::memory_order_release);
+}
+
+Clock::time_point MpiOp::abort_at() const {
+  return Clock::time_point(Clock::duration(abort_at_.load(std::memory_order_relaxed)));
+}
+
+void MpiOp::wait(Millis timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto start = Clock::now();
+  // A waiter with a longer timeout than the communicator's keeps the
+  // watchdog off for that long.
+  const auto waiter_abort =
+      (start + timeout + Watchdog::instance().grace()).time_since_epoch().count();
+  auto current = abort_at_.load(std::memory_order_relaxed);
+  while (waiter_abort > current &&
+         !abort_at_.compare_exchange_weak(current, waiter_abort, std::memory_order_relaxed)) {
+  }
+  // Spin on MPI_Testall as MPI_Wait itself would: MPI makes progress on
+  // non-blocking collectives only inside MPI calls, and sleeping here would
+  // stall them (Open MPI yields inside its progress loop when oversubscribed).
+  const auto deadline = start + timeout;
+  while (!test_locked()) {
+    if (Clock::now() >= deadline) {
+      throw TimeoutError(what() + " did not complete within " + std::to_string(timeout.count()) +
+                         " ms (a rank that never joined, or a mismatched call); unless it "
+                         "finishes, the MPI watchdog aborts the job " +
+                         std::to_string(Watchdog::instance().grace().count()) + " ms later");
+    }
+  }
+  if (!error_.empty()) throw PeerError(error_);
+}
+
+}  // namespace cohort::mpi

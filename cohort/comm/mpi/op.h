@@ -1,0 +1,106 @@
+// defines: MpiOp (one MPI operation in flight: its requests, the buffers MPI
+// uses until it finishes, its deadline) and MpiWork (the WorkImpl over it).
+//
+// Progress model: the thread that waits drives MPI. Operations are started
+// with non-blocking calls (MPI_Iallreduce, MPI_Isend, ...) on the caller's
+// thread, and wait() polls MPI_Testall until they finish or the timeout
+// passes, so a timeout is a TimeoutError, never a hang. See mpi_engine.cpp
+// for why this beats a progress thread here.
+#pragma once
+
+#define OMPI_SKIP_MPICXX 1
+#include <ATen/ATen.h>
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/types.h"
+#include "cohort/comm/work.h"
+
+namespace cohort::mpi {
+
+using Clock = std::chrono::steady_clock;
+
+// What an operation is called in messages: "MPI_Ibcast (broadcast, root 1)
+// on rank 0 of 2 (MPI_COMM_WORLD)". Kept in pieces and joined only when a
+// message needs it: building the string cost a visible share of a 1 KiB
+// all_reduce.
+struct OpName {
+  const char* call = "";  // "MPI_Ibcast (broadcast"
+  std::string detail;     // ", root 1"; usually empty
+  int rank = 0;
+  int size = 1;
+  std::shared_ptr<const std::string> group;  // the engine's label
+
+  std::string str() const;
+};
+
+class MpiOp {
+ public:
+  // The watchdog ends the job when the operation is not finished `timeout`
+  // plus its grace from now, or from the start of a wait() with a longer
+  // timeout.
+  MpiOp(OpName name, Millis timeout);
+  // For blocking calls, named by a whole sentence.
+  MpiOp(std::string what, Millis timeout);
+
+  // The requests to fill by the MPI_I* calls; call before starting.
+  MPI_Request* requests(int count);
+  // Buffers and arrays that must outlive the operation.
+  void keep(at::Tensor t) { tensors_.push_back(std::move(t)); }
+  std::vector<int>& ints() { return ints_; }
+  // For a receive: fail unless exactly `count` elements of `type` arrived
+  // (MPI accepts shorter messages silently; Gloo and cohort do not).
+  void expect_count(int count, MPI_Datatype type) {
+    expected_count_ = count;
+    count_type_ = type;
+  }
+
+  // Tests once; true when finished (successfully or not).
+  bool test();
+  // Like test(), but returns false at once if another thread is inside
+  // test() or wait() (the watchdog must never block on a waiter).
+  bool try_test();
+  // Polls until finished; throws TimeoutError after `timeout`, PeerError
+  // with MPI's message when MPI reports an error.
+  void wait(Millis timeout);
+  // For blocking MPI calls, which have no request: marks the end.
+  void mark_finished();
+
+  bool finished() const { return finished_.load(std::memory_order_acquire); }
+  Clock::time_point abort_at() const;
+  std::string what() const { return name_.str(); }
+  Millis timeout() const { return timeout_; }
+
+ private:
+  bool test_locked();
+
+  const OpName name_;
+  const Millis timeout_;
+  std::mutex mu_;  // one thread tests the requests at a time (MPI forbids more)
+  std::vector<MPI_Request> requests_;
+  std::vector<at::Tensor> tensors_;
+  std::vector<int> ints_;
+  int expected_count_ = -1;
+  MPI_Datatype count_type_ = MPI_DATATYPE_NULL;
+  std::string error_;
+  std::atomic<bool> finished_{false};
+  std::atomic<Clock::rep> abort_at_;
+};
+
+class MpiWork : public WorkImpl {
+ public:
+  explicit MpiWork(std::shared_ptr<MpiOp> op) : op_(std::move(op)) {}
+  bool is_completed() override { return op_->test(); }
+  void wait(Millis timeout) override { op_->wait(timeout); }
+
+ private:
+  std::shared_ptr<MpiOp> op_;
+};
+
+}  // namespace cohort::mpi
