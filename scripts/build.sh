@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Configures and builds everything (library, tools, examples, tests,
+# benchmarks) into BUILD_DIR (default: build). Idempotent and incremental.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD_DIR:-$root/build}
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release
+fi
+cmake --build "$build" --parallel "$(nproc)"
