@@ -1,0 +1,45 @@
+// main() of mpi_tests, which runs under `mpirun -np N`: cohort::init() finds
+// MPI by itself, every test uses world(), and only rank 0 prints GoogleTest's
+// report (other ranks print their failures, prefixed with their rank). Any
+// rank's failure is its exit status, so mpirun exits non-zero.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+
+#include "cohort/cohort.h"
+
+namespace {
+
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?",
+                 r.line_number(), r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  torch::set_num_threads(1);
+  cohort::InitOptions options;
+  // A test that fails on one rank leaves the others waiting: they fail
+  // after this, never hang.
+  options.timeout = std::chrono::seconds(20);
+  auto world = cohort::init(options);
+  if (world->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(world->rank()));
+  }
+  const int rc = RUN_ALL_TESTS();
+  if (rc != 0) std::fprintf(stderr, "[rank %d] FAILED\n", world->rank());
+  cohort::finalize();
+  return rc;
+}
