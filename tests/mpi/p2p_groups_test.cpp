@@ -100,7 +100,9 @@ TEST(MpiGroups, NewGroupOfOddRanksReducesAmongItself) {
   NEED_PEERS(2);
   auto comm = world_ptr();
   std::vector<int> odd;
-  for (int r = comm->size() - 1; r >= 1; r -= 2) odd.push_back(r);  // descending
+  for (int r = comm->size() - 1; r >= 1; --r) {
+    if (r % 2 == 1) odd.push_back(r);  // descending: ranked in this order
+  }
   auto group = comm->new_group(odd);
   if (comm->rank() % 2 == 0) {
     EXPECT_EQ(group, nullptr);

@@ -18,7 +18,15 @@ MpiOp::MpiOp(OpName name, Millis timeout)
       abort_at_(
           (Clock::now() + timeout + Watchdog::instance().grace()).time_since_epoch().count()) {}
 
-MpiOp::MpiOp(std::string what, Millis timeout) : MpiOp(OpName{"", std::move(what)}, timeout) {}
+namespace {
+OpName sentence(std::string what) {
+  OpName n;
+  n.detail = std::move(what);  // no group: str() is the sentence alone
+  return n;
+}
+}  // namespace
+
+MpiOp::MpiOp(std::string what, Millis timeout) : MpiOp(sentence(std::move(what)), timeout) {}
 
 MPI_Request* MpiOp::requests(int count) {
   requests_.assign(static_cast<size_t>(count), MPI_REQUEST_NULL);
