@@ -8,8 +8,9 @@
 // costs 6.3 us per operation against 2.1 us for MPI_Iallreduce + MPI_Test
 // on the caller's thread and 1.3 us for a plain MPI_Allreduce, and a
 // spinning hand-off is worse still once two ranks share two cores. Calls
-// from several threads are safe: MPI is initialized with
-// MPI_THREAD_MULTIPLE, and MpiLock serializes them where MPI grants less.
+// from several threads are safe: MpiLock serializes them (cohort asks MPI
+// for MPI_THREAD_SERIALIZED; under an application's MPI_THREAD_MULTIPLE
+// the lock is off).
 //
 // Timeouts: wait(timeout) raises TimeoutError; MPI cannot cancel the
 // operation, so the watchdog (watchdog.h) aborts the job if it stays

@@ -41,7 +41,9 @@ void ensure_mpi() {
     MPI_Query_thread(&g_thread_level);
     std::atexit(stop_watchdog_at_exit);
   } else {
-    const int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &g_thread_level);
+    // SERIALIZED, not MULTIPLE: MpiLock already serializes cohort's calls, and
+    // Open MPI skips its internal locking below MULTIPLE.
+    const int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &g_thread_level);
     if (code != MPI_SUCCESS)
       throw ConfigError("mpi: MPI_Init_thread failed: " + error_string(code));
     std::atexit(finalize_at_exit);

@@ -1,6 +1,6 @@
 // defines: the process-wide MPI state cohort relies on: ensure_mpi()
 // (MPI_Init_thread once, MPI_Finalize at exit only if cohort initialized),
-// MpiLock (serializes MPI calls when the library lacks
+// MpiLock (serializes cohort's MPI calls unless MPI grants
 // MPI_THREAD_MULTIPLE), mpi_check() (an MPI return code to an exception).
 //
 // Only files in cohort/comm/mpi/ include <mpi.h>; the rest of cohort sees
@@ -15,9 +15,9 @@
 
 namespace cohort::mpi {
 
-// Initializes MPI (asking for MPI_THREAD_MULTIPLE) unless the application
-// already did, and starts the watchdog. Idempotent and thread-safe. Throws
-// ConfigError when MPI was finalized already.
+// Initializes MPI (asking for MPI_THREAD_SERIALIZED: MpiLock does the
+// serializing) unless the application already did, and starts the watchdog. Idempotent and
+// thread-safe. Throws ConfigError when MPI was finalized already.
 void ensure_mpi();
 
 // The thread level MPI granted (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
