@@ -144,7 +144,7 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   auto call = begin_collective("all_reduce", opts.timeout);
   check_tensor(tensor, call.where(), "tensor");
   check_avg(call.where(), tensor, opts.op);
-  debug_check(call, fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)));
+  if (checker_) debug_check(call, fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)));
   if (tensor.numel() == 0) return finish(call, done_work());
   auto buf = reduction_buffer(tensor);
   auto impl = engine_->all_reduce(buf, engine_op(opts.op));
@@ -162,7 +162,7 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
     check_avg(call.where(), tensors[i], opts.op);
     print += ", " + dtype_name(tensors[i].scalar_type()) + shape_string(tensors[i].sizes());
   }
-  debug_check(call, print + ")");
+  if (checker_) debug_check(call, print + ")");
 
   // One flat buffer per reduction dtype, in order of first appearance, which
   // is the same on every rank because the tensor lists match.
@@ -204,7 +204,7 @@ Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts
   auto call = begin_collective("broadcast", opts.timeout);
   check_root(call, opts.root);
   check_tensor(tensor, call.where(), "tensor");
-  debug_check(call, fingerprint("broadcast", tensor, "root=" + std::to_string(opts.root)));
+  if (checker_) debug_check(call, fingerprint("broadcast", tensor, "root=" + std::to_string(opts.root)));
   if (tensor.numel() == 0) return finish(call, done_work());
   auto wire = movement_view(tensor);
   return finish(call, engine_->broadcast(wire, opts.root));
@@ -219,7 +219,7 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
     check_tensor(tensors[i], call.where(), "tensors[" + std::to_string(i) + "]");
     print += ", " + dtype_name(tensors[i].scalar_type()) + shape_string(tensors[i].sizes());
   }
-  debug_check(call, print + ")");
+  if (checker_) debug_check(call, print + ")");
   // Bytes are bytes: one flat uint8 buffer carries every dtype at once.
   int64_t total = 0;
   for (auto& t : tensors) total += t.numel() * t.element_size();
@@ -251,7 +251,7 @@ Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
   check_root(call, opts.root);
   check_tensor(tensor, call.where(), "tensor");
   check_avg(call.where(), tensor, opts.op);
-  debug_check(call, fingerprint("reduce", tensor,
+  if (checker_) debug_check(call, fingerprint("reduce", tensor,
                                 "root=" + std::to_string(opts.root) + ", op=" + to_string(opts.op)));
   if (tensor.numel() == 0) return finish(call, done_work());
   auto buf = reduction_buffer(tensor);
@@ -275,7 +275,7 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::
   for (size_t i = 0; i < outputs.size(); ++i) {
     check_like(outputs[i], input, call.where(), "outputs[" + std::to_string(i) + "]");
   }
-  debug_check(call, fingerprint("all_gather", input));
+  if (checker_) debug_check(call, fingerprint("all_gather", input));
   if (input.numel() == 0) return finish(call, done_work());
   std::vector<torch::Tensor> wire_out;
   for (auto& o : outputs) wire_out.push_back(movement_view(o));
@@ -294,7 +294,7 @@ Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Te
                           ") must have the input's dtype and " + std::to_string(size_) +
                           " times its " + std::to_string(input.numel()) + " elements");
   }
-  debug_check(call, fingerprint("all_gather_into_tensor", input));
+  if (checker_) debug_check(call, fingerprint("all_gather_into_tensor", input));
   if (input.numel() == 0) return finish(call, done_work());
   auto wire_in = movement_view(input);
   auto chunks = flat_chunks(movement_view(output).view({-1}), input.numel(), size_,
@@ -316,7 +316,7 @@ Work Communicator::reduce_scatter(torch::Tensor& output,
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_like(inputs[i], output, call.where(), "inputs[" + std::to_string(i) + "]");
   }
-  debug_check(call, fingerprint("reduce_scatter", output, "op=" + to_string(opts.op)));
+  if (checker_) debug_check(call, fingerprint("reduce_scatter", output, "op=" + to_string(opts.op)));
   if (output.numel() == 0) return finish(call, done_work());
   auto buf = reduction_buffer(output);
   std::vector<torch::Tensor> wire_in;
@@ -339,7 +339,7 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Ten
                           ") must have the output's dtype and " + std::to_string(size_) +
                           " times its " + std::to_string(output.numel()) + " elements");
   }
-  debug_check(call, fingerprint("reduce_scatter_tensor", output, "op=" + to_string(opts.op)));
+  if (checker_) debug_check(call, fingerprint("reduce_scatter_tensor", output, "op=" + to_string(opts.op)));
   if (output.numel() == 0) return finish(call, done_work());
   auto buf = reduction_buffer(output);
   auto wire_in = flat_chunks(reduction_buffer(input).view({-1}), output.numel(), size_,
@@ -367,7 +367,7 @@ Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tens
       check_like(outputs[i], input, call.where(), "outputs[" + std::to_string(i) + "]");
     }
   }
-  debug_check(call, fingerprint("gather", input, "root=" + std::to_string(opts.root)));
+  if (checker_) debug_check(call, fingerprint("gather", input, "root=" + std::to_string(opts.root)));
   if (input.numel() == 0) return finish(call, done_work());
   std::vector<torch::Tensor> wire_out;
   if (is_root) {
@@ -394,7 +394,7 @@ Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tenso
       check_like(inputs[i], output, call.where(), "inputs[" + std::to_string(i) + "]");
     }
   }
-  debug_check(call, fingerprint("scatter", output, "root=" + std::to_string(opts.root)));
+  if (checker_) debug_check(call, fingerprint("scatter", output, "root=" + std::to_string(opts.root)));
   if (output.numel() == 0) return finish(call, done_work());
   std::vector<torch::Tensor> wire_in;
   if (is_root) {
@@ -441,7 +441,7 @@ Work Communicator::all_to_all_single(torch::Tensor& output, const torch::Tensor&
   };
   auto out_counts = counts(output_split_sizes, output, "output");
   auto in_counts = counts(input_split_sizes, input, "input");
-  debug_check(call, "all_to_all_single(dtype=" + dtype_name(input.scalar_type()) + ", row=" +
+  if (checker_) debug_check(call, "all_to_all_single(dtype=" + dtype_name(input.scalar_type()) + ", row=" +
                         shape_string(input.sizes().slice(1)) + ")");
   auto wire_out = movement_view(output).view({-1});
   auto wire_in = movement_view(input).view({-1});
@@ -467,7 +467,7 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& outputs,
     }
     print += (i ? ", " : "") + shape_string(inputs[i].sizes());
   }
-  debug_check(call, print + ")");
+  if (checker_) debug_check(call, print + ")");
   std::vector<torch::Tensor> flat_in;
   std::vector<int64_t> in_counts, out_counts;
   int64_t out_total = 0;
@@ -491,7 +491,7 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& outputs,
 
 Work Communicator::barrier(const BarrierOptions& opts) {
   auto call = begin_collective("barrier", opts.timeout);
-  debug_check(call, "barrier()");
+  if (checker_) debug_check(call, "barrier()");
   return finish(call, engine_->barrier());
 }
 
