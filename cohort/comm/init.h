@@ -16,7 +16,7 @@
 namespace cohort {
 
 struct ConnectOptions {
-  // "gloo" (default) or "mpi" when built with MPI.
+  // "gloo" (default) or "mpi" in a build with MPI (COHORT_WITH_MPI).
   std::string backend = "gloo";
   Millis timeout{std::chrono::minutes(30)};
   bool debug_checks = false;
@@ -32,7 +32,8 @@ std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, in
                                       const ConnectOptions& options = {});
 
 struct InitOptions {
-  // Empty: COHORT_BACKEND, else "gloo".
+  // Empty: COHORT_BACKEND, else "mpi" when started by mpirun (or after the
+  // application's MPI_Init) in a build with MPI, else "gloo".
   std::string backend;
   // "env://" (default: MASTER_ADDR/MASTER_PORT), "tcp://HOST:PORT" or
   // "file:///path/to/shared/file".
