@@ -97,7 +97,6 @@ class GradientReducer {
     size_t position = 0;  // index into Bucket::params
   };
 
-  void verify_same_parameters();
   void broadcast_state();
   void broadcast_buffers();
   void build_buckets(const std::vector<size_t>& order);

@@ -1,0 +1,217 @@
+// GradientReducer, setup half: parameters, hooks, the construction-time
+// check and broadcast, bucket layout and its one rebuild. The per-iteration
+// half is gradient_reducer_iteration.cpp.
+#include "cohort/ddp/gradient_reducer.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <map>
+
+#include "cohort/comm/error.h"
+#include "cohort/ddp/parameter_check.h"
+
+namespace cohort {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// Why a post hook on the gradient accumulator rather than param.register_hook:
+// a tensor hook fires BEFORE AccumulateGrad, with only this backward's
+// contribution, so it would have to redo the accumulation into .grad itself
+// (no_sync accumulation, gradient_as_bucket_view, zero_grad semantics). The
+// accumulator's post hook fires AFTER .grad holds the accumulated value, which
+// is exactly what must be reduced; PyTorch's reducer hooks the same place.
+// grad_accumulator() and Node::add_post_hook/del_post_hook exist with these
+// signatures in LibTorch 1.13 and 2.x.
+class ReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(GradientReducer* reducer, size_t index) : reducer_(reducer), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    reducer_->on_gradient_ready(index_);
+    return outputs;
+  }
+
+ private:
+  GradientReducer* reducer_;
+  size_t index_;
+};
+
+}  // namespace
+
+GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
+                                 std::shared_ptr<Communicator> comm, DDPOptions options)
+    : module_(std::move(module)),
+      comm_(std::move(comm)),
+      options_(options),
+      hook_(std::make_shared<AllReduceHook>()) {
+  if (!module_ || !comm_) {
+    throw InvalidArgument("DistributedDataParallel: module and communicator must be non-null");
+  }
+  if (!(options_.bucket_cap_mb > 0) || !(options_.first_bucket_mb > 0)) {
+    throw InvalidArgument("DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0 (rank " +
+                          std::to_string(comm_->rank()) + ")");
+  }
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    const auto& p = item.value();
+    if (p.is_sparse() || !p.is_contiguous() || !p.device().is_cpu()) {
+      throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() +
+                            "' on rank " + std::to_string(comm_->rank()) +
+                            " must be a dense, contiguous CPU tensor");
+    }
+    params_.push_back(p);
+    names_.push_back(item.key());
+  }
+  for (const auto& b : module_->buffers(/*recurse=*/true)) buffers_.push_back(b);
+
+  verify_same_parameters(*comm_, params_, names_);
+  broadcast_state();
+
+  // Reverse registration order: the last layers' gradients are ready first.
+  std::vector<size_t> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
+  build_buckets(order);
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>(this, i)));
+    accumulators_.push_back(std::move(acc));
+  }
+  ready_.assign(params_.size(), 0);
+  locally_used_.assign(params_.size(), 0);
+}
+
+GradientReducer::~GradientReducer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+void GradientReducer::broadcast_state() {
+  if (comm_->size() == 1) return;
+  // Detached aliases: same storage, but writing them is not an in-place
+  // operation on a leaf that requires grad.
+  std::vector<torch::Tensor> state;
+  for (auto& p : params_) state.push_back(p.detach());
+  for (auto& b : buffers_) state.push_back(b.detach());
+  torch::NoGradGuard no_grad;
+  comm_->broadcast_coalesced(state, {0}).wait();
+}
+
+void GradientReducer::broadcast_buffers() {
+  if (comm_->size() == 1 || buffers_.empty()) return;
+  std::vector<torch::Tensor> state;
+  for (auto& b : buffers_) state.push_back(b.detach());
+  torch::NoGradGuard no_grad;
+  comm_->broadcast_coalesced(state, {0}).wait();
+}
+
+void GradientReducer::build_buckets(const std::vector<size_t>& order) {
+  // Parameters fill one open bucket per dtype in `order`; a bucket closes
+  // when it reaches its cap (the very first one at first_bucket_mb). As in
+  // PyTorch, a bucket may exceed the cap by its last parameter.
+  const auto cap = static_cast<int64_t>(options_.bucket_cap_mb * kMiB);
+  const auto first_cap = static_cast<int64_t>(options_.first_bucket_mb * kMiB);
+  std::vector<std::vector<size_t>> closed;
+  std::map<c10::ScalarType, std::pair<std::vector<size_t>, int64_t>> open;
+  for (size_t i : order) {
+    auto& [members, bytes] = open[params_[i].scalar_type()];
+    members.push_back(i);
+    bytes += params_[i].numel() * params_[i].element_size();
+    if (bytes >= (closed.empty() ? first_cap : cap)) {
+      closed.push_back(std::move(members));
+      open.erase(params_[i].scalar_type());
+    }
+  }
+  for (auto& [dtype, entry] : open) closed.push_back(std::move(entry.first));
+
+  // Launch order: by the position of each bucket's first parameter in
+  // `order`, so the bucket whose gradients come first goes first.
+  std::vector<size_t> position(params_.size());
+  for (size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
+  std::stable_sort(closed.begin(), closed.end(), [&](const auto& a, const auto& b) {
+    return position[a.front()] < position[b.front()];
+  });
+
+  buckets_.clear();
+  slots_.assign(params_.size(), Slot{});
+  for (auto& members : closed) {
+    Bucket bucket;
+    int64_t numel = 0;
+    for (size_t i : members) numel += params_[i].numel();
+    bucket.buffer = torch::zeros({numel}, params_[members.front()].options().requires_grad(false));
+    int64_t offset = 0;
+    for (size_t k = 0; k < members.size(); ++k) {
+      const auto& p = params_[members[k]];
+      // An alias of the bucket's memory that autograd does not track as a
+      // view: LibTorch's Optimizer::zero_grad() calls detach_() on every
+      // .grad, which refuses views, so gradient_as_bucket_view needs this.
+      auto alias = torch::empty({0}, bucket.buffer.options());
+      alias.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset, p.sizes());
+      bucket.views.push_back(alias);
+      offset += p.numel();
+      slots_[members[k]] = Slot{buckets_.size(), k};
+    }
+    bucket.params = std::move(members);
+    buckets_.push_back(std::move(bucket));
+  }
+  stats_.buckets = static_cast<int64_t>(buckets_.size());
+
+  if (options_.gradient_as_bucket_view) {
+    // Existing gradients move into the (new) buckets now, so .grad is a view
+    // from here on; AccumulateGrad then accumulates into it in place.
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& grad = params_[i].mutable_grad();
+      if (!grad.defined()) continue;
+      auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
+      view.copy_(grad);
+      grad = view;
+    }
+  }
+}
+
+void GradientReducer::rebuild_buckets() {
+  // Every rank observed its own ready order; rank 0's wins so that all
+  // ranks build identical buckets.
+  const auto n = static_cast<int64_t>(params_.size());
+  auto order = torch::empty({n}, torch::kLong);
+  if (comm_->rank() == 0) {
+    auto* d = order.data_ptr<int64_t>();
+    for (int64_t k = 0; k < n; ++k) d[k] = static_cast<int64_t>(ready_order_[k]);
+  }
+  comm_->broadcast(order, {0}).wait();
+  std::vector<size_t> agreed(n);
+  std::vector<char> seen(n, 0);
+  const auto* d = order.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = d[k];
+    COHORT_CHECK(i >= 0 && i < n && !seen[i], "rank 0's gradient order is not a permutation");
+    seen[i] = 1;
+    agreed[k] = static_cast<size_t>(i);
+  }
+  build_buckets(agreed);
+  rebuilt_ = true;
+  stats_.buckets_rebuilt = true;
+}
+
+std::vector<std::vector<size_t>> GradientReducer::bucket_layout() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+void GradientReducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
+  if (!hook) {
+    throw InvalidArgument("DistributedDataParallel: register_comm_hook on rank " +
+                          std::to_string(comm_->rank()) + " got a null hook");
+  }
+  hook_ = std::move(hook);
+}
+
+}  // namespace cohort

@@ -1,0 +1,295 @@
+// GradientReducer, per-iteration half: forward bookkeeping, the gradient
+// ready hook, bucket launches, and the end-of-backward callback.
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_set>
+
+#include "cohort/comm/error.h"
+#include "cohort/ddp/gradient_reducer.h"
+
+namespace cohort {
+namespace {
+
+// Seconds during which at least one [start, end] interval is open, counting
+// only time before `limit`.
+double union_seconds(std::vector<std::pair<double, double>> spans, double limit) {
+  std::sort(spans.begin(), spans.end());
+  double total = 0, cur_start = 0, cur_end = -1;
+  auto flush = [&] {
+    if (cur_end > cur_start) total += std::max(0.0, std::min(cur_end, limit) - std::min(cur_start, limit));
+  };
+  for (auto [s, e] : spans) {
+    if (s > cur_end) {
+      flush();
+      cur_start = s;
+      cur_end = e;
+    } else {
+      cur_end = std::max(cur_end, e);
+    }
+  }
+  flush();
+  return total;
+}
+
+}  // namespace
+
+double GradientReducer::now_s() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+void GradientReducer::reset_iteration() {
+  std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.launched = b.done = false;
+    b.work = Work();
+  }
+  next_to_launch_ = 0;
+  if (!order_recorded_) ready_order_.clear();
+  backward_started_ = false;
+  backward_finished_ = true;
+  unused_.clear();
+}
+
+void GradientReducer::prepare_forward() {
+  if (!pending_error_.empty()) {
+    std::string message;
+    std::swap(message, pending_error_);
+    reset_iteration();
+    throw Error(message);
+  }
+  if (order_recorded_ && !rebuilt_) rebuild_buckets();
+  sync_this_iteration_ = no_sync_depth_ == 0 && options_.strategy != SyncStrategy::NoSync;
+  // As PyTorch: buffers are synced only in forwards that will sync
+  // gradients (not under no_sync, not in a no-grad evaluation forward).
+  if (options_.broadcast_buffers && sync_this_iteration_ && torch::GradMode::is_enabled()) {
+    broadcast_buffers();
+  }
+  reset_iteration();
+}
+
+void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
+  if (!sync_this_iteration_ || !options_.find_unused_parameters) return;
+  // Walk the autograd graph from the outputs, as PyTorch does; every
+  // parameter whose accumulator is not reached takes no part in this
+  // iteration and is marked ready when backward starts.
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  bool any_graph = false;
+  for (const auto& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    auto fn = t.grad_fn() ? t.grad_fn() : torch::autograd::impl::try_get_grad_accumulator(t);
+    if (!fn) continue;
+    any_graph = true;
+    if (seen.insert(fn.get()).second) stack.push_back(fn.get());
+  }
+  // No visible graph (outputs of a type we cannot see into): leave the
+  // search to the end of backward.
+  if (!any_graph) return;
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      auto* next = edge.function.get();
+      if (next && seen.insert(next).second) stack.push_back(next);
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!seen.count(accumulators_[i].get())) unused_.push_back(i);
+  }
+}
+
+void GradientReducer::on_gradient_ready(size_t index) {
+  if (!sync_this_iteration_) return;  // no_sync: .grad accumulates locally
+  if (!backward_started_) {
+    backward_started_ = true;
+    backward_finished_ = false;
+    start_ = std::chrono::steady_clock::now();
+    stats_.bytes = 0;
+    // Runs once the whole backward pass is done, on the same thread.
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+    for (size_t u : unused_) {
+      if (!ready_[u]) mark_ready(u, /*used=*/false);
+    }
+  }
+  if (ready_[index]) {
+    throw InvalidArgument("DistributedDataParallel: parameter '" + names_[index] + "' on rank " +
+                          std::to_string(comm_->rank()) +
+                          " got a gradient twice in one iteration (two backward passes "
+                          "over one forward, or marked unused but used); use no_sync() "
+                          "for all but the last backward");
+  }
+  mark_ready(index, /*used=*/true);
+  if (options_.strategy == SyncStrategy::Overlapped) launch_ready_buckets();
+  poll_buckets();
+}
+
+void GradientReducer::mark_ready(size_t index, bool used) {
+  ready_[index] = 1;
+  locally_used_[index] = used ? 1 : 0;
+  if (!order_recorded_) ready_order_.push_back(index);
+  auto& bucket = buckets_[slots_[index].bucket];
+  auto& view = bucket.views[slots_[index].position];
+  torch::NoGradGuard no_grad;
+  auto& grad = params_[index].mutable_grad();
+  if (!grad.defined()) {
+    view.zero_();
+  } else if (options_.gradient_as_bucket_view) {
+    // .grad is normally already this view (AccumulateGrad adds in place);
+    // after zero_grad(set_to_none) it is a fresh tensor: adopt it.
+    if (grad.data_ptr() != view.data_ptr()) {
+      view.copy_(grad);
+      grad = view;
+    }
+  } else {
+    view.copy_(grad);
+  }
+  --bucket.pending;
+}
+
+void GradientReducer::launch_ready_buckets() {
+  // Strictly in index order: bucket i never goes before buckets < i, so
+  // every rank issues the same collectives in the same order.
+  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+    launch(next_to_launch_++);
+  }
+}
+
+void GradientReducer::launch(size_t b) {
+  auto& bucket = buckets_[b];
+  GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size()};
+  bucket.launch_s = now_s();
+  bucket.work = hook_->run(*comm_, view);
+  bucket.launched = true;
+  stats_.bytes += bucket.buffer.numel() * bucket.buffer.element_size();
+}
+
+void GradientReducer::poll_buckets() {
+  // Completion times for the hidden-communication figure; a bucket is
+  // seen done at the next hook after it finished (good to a hook's spacing).
+  for (auto& b : buckets_) {
+    if (!b.launched) break;
+    if (b.done) continue;
+    if (!b.work.is_completed()) break;
+    b.done = true;
+    b.done_s = now_s();
+  }
+}
+
+void GradientReducer::finish_backward() {
+  const double backward_end = now_s();
+  backward_finished_ = true;
+  std::vector<size_t> missing;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i]) continue;
+    if (options_.find_unused_parameters) {
+      mark_ready(i, /*used=*/false);  // outputs were not visible at forward
+    } else {
+      missing.push_back(i);
+    }
+  }
+  if (!missing.empty()) {
+    // Do not throw inside the autograd engine: finish what was launched (it
+    // was launched alike on every rank) and fail the next forward instead.
+    std::ostringstream os;
+    os << "DistributedDataParallel: on rank " << comm_->rank() << " of " << comm_->size()
+       << ", the previous backward did not produce gradients for " << missing.size()
+       << " parameter(s): ";
+    for (size_t k = 0; k < missing.size() && k < 10; ++k) {
+      os << (k ? ", " : "") << "'" << names_[missing[k]] << "'";
+    }
+    if (missing.size() > 10) os << ", ...";
+    os << ". Gradients were not reduced. Pass find_unused_parameters = true if parameters "
+          "may take no part in the loss.";
+    pending_error_ = os.str();
+    for (auto& b : buckets_) {
+      if (!b.launched) continue;
+      try {
+        b.work.wait();
+      } catch (const std::exception& e) {
+        pending_error_ += std::string(" Also: ") + e.what();
+      }
+    }
+    return;
+  }
+  launch_ready_buckets();
+  wait_and_write_back(backward_end);
+  if (!order_recorded_) order_recorded_ = true;
+}
+
+std::vector<char> GradientReducer::globally_used() {
+  // A parameter unused on this rank but used on another must still get the
+  // averaged gradient; one unused everywhere keeps an undefined .grad, as in
+  // single-process training. One small all-reduce of the usage bitmap.
+  auto used = torch::empty({static_cast<int64_t>(params_.size())}, torch::kInt32);
+  auto* d = used.data_ptr<int32_t>();
+  for (size_t i = 0; i < params_.size(); ++i) d[i] = locally_used_[i];
+  comm_->all_reduce(used, {ReduceOp::Max}).wait();
+  return std::vector<char>(d, d + params_.size());
+}
+
+void GradientReducer::wait_and_write_back(double backward_end) {
+  for (auto& b : buckets_) {
+    b.work.wait();
+    if (!b.done) {
+      b.done = true;
+      b.done_s = now_s();
+    }
+  }
+  const double waited = now_s() - backward_end;
+  std::vector<char> used(params_.size(), 1);
+  if (options_.find_unused_parameters) used = globally_used();
+
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
+    auto& grad = params_[i].mutable_grad();
+    if (grad.defined()) {
+      if (grad.data_ptr() != view.data_ptr()) grad.copy_(view);
+    } else if (used[i]) {
+      grad = options_.gradient_as_bucket_view ? view : view.clone();
+    }
+  }
+
+  std::vector<std::pair<double, double>> spans;
+  for (auto& b : buckets_) spans.emplace_back(b.launch_s, b.done_s);
+  const double all = union_seconds(spans, 1e300);
+  const double hidden = union_seconds(spans, backward_end);
+  stats_.iterations += 1;
+  stats_.backward_seconds = backward_end;
+  stats_.comm_seconds = all;
+  stats_.hidden_comm_seconds = hidden;
+  stats_.exposed_wait_seconds = waited;
+  stats_.hidden_comm_share = all > 0 ? hidden / all : 0;
+  stats_.total_comm_seconds += all;
+  stats_.total_hidden_comm_seconds += hidden;
+}
+
+void GradientReducer::synchronize() {
+  reset_iteration();
+  start_ = std::chrono::steady_clock::now();
+  stats_.bytes = 0;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
+      const auto& grad = params_[i].grad();
+      if (grad.defined()) {
+        view.copy_(grad);
+      } else {
+        view.zero_();
+      }
+      ready_[i] = locally_used_[i] = 1;
+    }
+  }
+  for (auto& b : buckets_) b.pending = 0;
+  launch_ready_buckets();
+  wait_and_write_back(now_s());
+}
+
+}  // namespace cohort

@@ -1,0 +1,185 @@
+// DDP features one by one, ranks as threads: construction (broadcast,
+// mismatched models), buffers, no_sync, unused parameters, bucket rebuild,
+// gradients as bucket views, synchronize() for SyncStrategy::NoSync, stats,
+// and LibTorch's DistributedRandomSampler as the data shard.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "cohort/ddp/distributed_data_parallel.h"
+#include "support/thread_ranks.h"
+#include "tests/ddp/ddp_test_models.h"
+
+namespace cohort::testing {
+namespace {
+
+using Mlp = torch::nn::Sequential;
+
+// Gradients of `model` for mse(model(x), y), computed in this thread.
+std::vector<torch::Tensor> local_grads(torch::nn::Module& model, const std::function<torch::Tensor()>& loss) {
+  model.zero_grad();
+  loss().backward();
+  std::vector<torch::Tensor> out;
+  for (auto& p : model.parameters()) out.push_back(p.grad().clone());
+  model.zero_grad();
+  return out;
+}
+
+TEST(DdpConstruction, BroadcastsRankZerosParameters) {
+  torch::set_num_threads(1);
+  std::vector<std::vector<torch::Tensor>> got(3);
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    auto model = make_mlp();
+    {
+      torch::NoGradGuard g;
+      for (auto& p : model->parameters()) p.fill_(comm->rank() + 1);
+    }
+    DistributedDataParallel<Mlp> ddp(model, comm);
+    got[comm->rank()] = clone_all(ddp.parameters());
+  });
+  for (int r = 0; r < 3; ++r) {
+    for (auto& p : got[r]) EXPECT_TRUE(torch::all(p == 1).item<bool>()) << "rank " << r;
+  }
+}
+
+TEST(DdpConstruction, MismatchedShapesNameTheParameterAndRanks) {
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    // Rank 2's second layer is wider.
+    const int64_t hidden = comm->rank() == 2 ? 17 : 16;
+    auto model = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, hidden));
+    try {
+      DistributedDataParallel<Mlp> ddp(model, comm);
+      ADD_FAILURE() << "no error on rank " << comm->rank();
+    } catch (const MismatchError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("parameter 2 ('1.weight'"), std::string::npos) << m;
+      EXPECT_NE(m.find("[16, 16] on rank 0"), std::string::npos) << m;
+      EXPECT_NE(m.find("[17, 16] on rank 2"), std::string::npos) << m;
+    }
+  });
+}
+
+TEST(DdpConstruction, MismatchedParameterCountIsNamed) {
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    auto model = torch::nn::Sequential(torch::nn::Linear(8, 16));
+    if (comm->rank() == 1) model->push_back(torch::nn::Linear(16, 4));
+    try {
+      DistributedDataParallel<Mlp> ddp(model, comm);
+      ADD_FAILURE() << "no error on rank " << comm->rank();
+    } catch (const MismatchError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("rank 0 has 2 parameters but rank 1 has 4"), std::string::npos) << m;
+    }
+  });
+}
+
+TEST(DdpBuffers, RebroadcastBeforeForwardUnlessDisabled) {
+  for (bool broadcast : {true, false}) {
+    run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+      auto model = torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3));
+      DDPOptions options;
+      options.broadcast_buffers = broadcast;
+      DistributedDataParallel<Mlp> ddp(model, comm, options);
+      auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(model->ptr(1));
+      // Diverge the running mean after construction; eval mode keeps the
+      // forward from changing it, so only the broadcast can.
+      bn->running_mean.fill_(comm->rank() + 1.0);
+      ddp.eval();
+      ddp.forward(torch::ones({2, 4}));
+      const float expect = broadcast ? 1.0f : comm->rank() + 1.0f;
+      EXPECT_TRUE(torch::all(bn->running_mean == expect).item<bool>())
+          << "rank " << comm->rank() << " broadcast " << broadcast;
+    });
+  }
+}
+
+TEST(DdpNoSync, AccumulatesLocallyThenReducesTheSum) {
+  torch::set_num_threads(1);
+  torch::manual_seed(3);
+  auto reference = make_mlp();
+  const auto init = clone_all(reference->parameters());
+  const auto xs = torch::randn({3, 2, 4, 8});  // micro-step, rank, rows, features
+  const auto ys = torch::randn({3, 2, 4, 4});
+  // Expected: rank r's local sum over micro-steps while in no_sync; after the
+  // synced step, the average over ranks of those sums.
+  std::vector<std::vector<torch::Tensor>> local_sum(2), partial_sum(2);
+  for (int r = 0; r < 2; ++r) {
+    reference->zero_grad();
+    for (int m = 0; m < 3; ++m) {
+      torch::mse_loss(reference->forward(xs[m][r]), ys[m][r]).backward();
+      if (m == 1) {
+        for (auto& p : reference->parameters()) partial_sum[r].push_back(p.grad().clone());
+      }
+    }
+    for (auto& p : reference->parameters()) local_sum[r].push_back(p.grad().clone());
+  }
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    auto model = make_mlp();
+    copy_parameters(*model, init);
+    DistributedDataParallel<Mlp> ddp(model, comm);
+    model->zero_grad();
+    {
+      auto guard = ddp.no_sync();
+      for (int m = 0; m < 2; ++m) torch::mse_loss(ddp.forward(xs[m][r]), ys[m][r]).backward();
+    }
+    // Still local after two no_sync steps: equals this rank's own partial sum.
+    auto params = ddp.parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_LT((params[i].grad() - partial_sum[r][i]).abs().max().item<double>(), 1e-6)
+          << "rank " << r << ": gradients left the rank under no_sync";
+    }
+    EXPECT_EQ(ddp.stats().iterations, 0);
+    torch::mse_loss(ddp.forward(xs[2][r]), ys[2][r]).backward();
+    EXPECT_EQ(ddp.stats().iterations, 1);
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto expect = (local_sum[0][i] + local_sum[1][i]) / 2;
+      EXPECT_LT((params[i].grad() - expect).abs().max().item<double>(), 1e-5) << "rank " << r;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace cohort::testing
+
+namespace cohort::testing {
+namespace {
+
+TEST(DdpNoSyncStrategy, SynchronizeAveragesOnDemand) {
+  torch::set_num_threads(1);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    auto model = torch::nn::Sequential(torch::nn::Linear(3, 2));
+    DDPOptions options;
+    options.strategy = SyncStrategy::NoSync;
+    DistributedDataParallel<Mlp> ddp(model, comm, options);
+    // d(sum(W x + b))/db = rows: rank r feeds r + 1 rows.
+    ddp.forward(torch::ones({comm->rank() + 1, 3})).sum().backward();
+    auto bias = model->ptr<torch::nn::LinearImpl>(0)->bias;
+    EXPECT_TRUE(torch::all(bias.grad() == comm->rank() + 1).item<bool>()) << "reduced too early";
+    ddp.reducer().synchronize();
+    EXPECT_TRUE(torch::all(bias.grad() == 1.5).item<bool>()) << "rank " << comm->rank();
+  });
+}
+
+TEST(DdpData, DistributedRandomSamplerGivesDisjointShards) {
+  // How a DDP program shards its data: LibTorch's sampler, one per rank,
+  // with the communicator's size and rank (see distributed_data_parallel.h).
+  constexpr size_t kSize = 10;
+  std::vector<std::vector<size_t>> shards(3);
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    torch::data::samplers::DistributedRandomSampler sampler(kSize, comm->size(), comm->rank());
+    sampler.set_epoch(1);
+    while (auto batch = sampler.next(2)) {
+      for (auto i : *batch) shards[comm->rank()].push_back(i);
+    }
+  });
+  std::set<size_t> all;
+  for (auto& s : shards) {
+    EXPECT_EQ(s.size(), 4u);  // ceil(10 / 3), padded by repeating
+    all.insert(s.begin(), s.end());
+  }
+  EXPECT_EQ(all.size(), kSize);
+}
+
+}  // namespace
+}  // namespace cohort::testing
