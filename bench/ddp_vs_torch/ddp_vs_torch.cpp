@@ -1,0 +1,89 @@
+// The cohort half of the ddp_vs_torch benchmark: one rank of a DDP training
+// loop (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as
+// torchrun and cohortrun set them). Rank 0 prints one JSON line:
+//   {"engine": "cohort", "model": ..., "world": ..., "batch": ...,
+//    "sps": samples per second over all ranks, "hidden_comm_share": ...}
+// run_ddp_vs_torch.py starts it next to ddp_vs_torch.py (PyTorch's DDP).
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "bench/ddp_vs_torch/bench_models.h"
+#include "cohort/cohort.h"
+#include "cohort/ddp/distributed_data_parallel.h"
+
+namespace {
+
+struct Args {
+  std::string model = "mlp";  // mlp | cnn | transformer
+  int64_t batch = 32;         // per rank
+  int steps = 20;             // timed steps
+  int warmup = 5;             // untimed steps first (bucket rebuild, caches)
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--model") a.model = v;
+    else if (k == "--batch") a.batch = std::stoll(v);
+    else if (k == "--steps") a.steps = std::stoi(v);
+    else if (k == "--warmup") a.warmup = std::stoi(v);
+    else throw std::invalid_argument("unknown option " + k);
+  }
+  return a;
+}
+
+template <typename Holder>
+void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm) {
+  cohort::DistributedDataParallel<Holder> ddp(model, comm);
+  torch::optim::SGD opt(ddp.parameters(), 0.01);
+  auto [x, y] = cohort::bench::make_batch(a.model, a.batch);
+  auto step = [&] {
+    opt.zero_grad();
+    auto out = ddp.forward(x);
+    auto loss = a.model == "transformer" ? torch::mse_loss(out, y) : torch::cross_entropy_loss(out, y);
+    loss.backward();
+    opt.step();
+  };
+  for (int i = 0; i < a.warmup; ++i) step();
+  comm->barrier().wait();
+  const double comm0 = ddp.stats().total_comm_seconds;
+  const double hidden0 = ddp.stats().total_hidden_comm_seconds;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < a.steps; ++i) step();
+  comm->barrier().wait();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double comm_s = ddp.stats().total_comm_seconds - comm0;
+  const double hidden = comm_s > 0 ? (ddp.stats().total_hidden_comm_seconds - hidden0) / comm_s : 0;
+  if (comm->rank() == 0) {
+    std::printf(
+        "{\"engine\": \"cohort\", \"model\": \"%s\", \"world\": %d, \"batch\": %lld, "
+        "\"sps\": %.3f, \"hidden_comm_share\": %.4f, \"comm_s_per_step\": %.6f}\n",
+        a.model.c_str(), comm->size(), static_cast<long long>(a.batch),
+        a.steps * a.batch * comm->size() / secs, hidden, comm_s / a.steps);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    torch::set_num_threads(1);
+    auto comm = cohort::init();
+    torch::manual_seed(comm->rank());
+    if (a.model == "mlp") run(a, cohort::bench::make_mlp(), comm);
+    else if (a.model == "cnn") run(a, cohort::bench::make_cnn(), comm);
+    else if (a.model == "transformer") run(a, cohort::bench::TransformerStack(), comm);
+    else throw std::invalid_argument("unknown model " + a.model);
+    cohort::finalize();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "ddp_vs_torch: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,82 @@
+"""The PyTorch half of the ddp_vs_torch benchmark: one rank of the same
+training loop as ddp_vs_torch.cpp, with torch.nn.parallel.DistributedDataParallel
+over gloo (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment).
+Rank 0 prints one JSON line: {"engine": "torch", "model", "world", "batch", "sps"}.
+Run with /usr/bin/python3 (Debian's python3-torch)."""
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TransformerStack(nn.Module):
+    # Same as cohort::bench::TransformerStack: 12 layers, d 256, 4 heads, ff 1024.
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(256, 4, dim_feedforward=1024, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
+        self.head = nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def make_model(name):
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024),
+                             nn.ReLU(), nn.Linear(1024, 10))
+    if name == "cnn":
+        return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(),
+                             nn.Linear(128, 10))
+    return TransformerStack()
+
+
+def make_batch(name, batch):
+    if name == "transformer":
+        return torch.randn(16, batch, 256), torch.randn(16, batch, 256)
+    return torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mlp")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())
+    ddp = nn.parallel.DistributedDataParallel(make_model(a.model))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x, y = make_batch(a.model, a.batch)
+
+    def step():
+        opt.zero_grad()
+        out = ddp(x)
+        loss = F.mse_loss(out, y) if a.model == "transformer" else F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(a.warmup):
+        step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    dist.barrier()
+    secs = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        print(json.dumps({"engine": "torch", "model": a.model, "world": dist.get_world_size(),
+                          "batch": a.batch, "sps": a.steps * a.batch * dist.get_world_size() / secs}),
+              flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Drives the ddp_vs_torch benchmark: cohort DDP (the C++ binary) and
+PyTorch DDP (ddp_vs_torch.py under /usr/bin/python3) side by side, each
+world size started as separate processes with RANK/WORLD_SIZE/MASTER_ADDR/
+MASTER_PORT set, one thread per rank (OPENBLAS_NUM_THREADS=1,
+OMP_NUM_THREADS=1). The two engines alternate run by run; the figures are
+medians over --runs runs.
+
+  bench/ddp_vs_torch/run_ddp_vs_torch.py --binary build/bench/ddp_vs_torch/ddp_vs_torch [--json]
+
+Prints a table, or with --json one object per (model, world, engine) with
+model, world, engine, cohort_sps, torch_sps, ratio, hidden_comm_share.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Per-rank batch. The transformer's is small on purpose: communication
+# (~38 MB of gradients per step) must be at least a quarter of PyTorch's step.
+BATCH = {"mlp": 32, "cnn": 32, "transformer": 2}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(cmd, world, timeout):
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OPENBLAS_NUM_THREADS="1",
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} (world {world}) failed: {err.strip()[-2000:]}")
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return json.loads([l for l in outs[0].splitlines() if l.startswith("{")][-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", required=True, help="path of the ddp_vs_torch executable")
+    ap.add_argument("--python", default="/usr/bin/python3", help="python with torch")
+    ap.add_argument("--models", default="mlp,cnn,transformer")
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+
+    rows = []
+    for model in a.models.split(","):
+        for world in [int(w) for w in a.worlds.split(",")]:
+            args = ["--model", model, "--batch", str(BATCH[model]), "--steps", str(a.steps),
+                    "--warmup", str(a.warmup)]
+            cohort, torch = [], []
+            for _ in range(a.runs):
+                cohort.append(run_once([a.binary] + args, world, a.timeout))
+                torch.append(run_once([a.python, os.path.join(HERE, "ddp_vs_torch.py")] + args,
+                                      world, a.timeout))
+            c_sps = statistics.median(r["sps"] for r in cohort)
+            t_sps = statistics.median(r["sps"] for r in torch)
+            row = {"model": model, "world": world, "engine": "gloo", "batch": BATCH[model],
+                   "cohort_sps": round(c_sps, 2), "torch_sps": round(t_sps, 2),
+                   "ratio": round(c_sps / t_sps, 3),
+                   "hidden_comm_share": round(statistics.median(r["hidden_comm_share"] for r in cohort), 3)}
+            rows.append(row)
+            if a.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(f"{model:12s} world {world}  batch {BATCH[model]:3d}  cohort {c_sps:9.1f}/s  "
+                      f"torch {t_sps:9.1f}/s  ratio {row['ratio']:.2f}  hidden {row['hidden_comm_share']:.2f}",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
