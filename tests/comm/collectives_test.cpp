@@ -29,6 +29,7 @@ TEST_P(Collectives, AllReduceEveryOpAndCount) {
       // share the code and take the small counts.
       for (auto n : kCounts) {
         if (n > 100000 && op != ReduceOp::Sum && op != ReduceOp::Avg) n = 100003;
+        auto t = input_for(op, comm.rank(), n, dtype());
         comm.all_reduce(t, {op}).wait();
         expect_close(t, expected_reduction(op, world(), n),
                      "op " + to_string(op) + " n " + std::to_string(n));
