@@ -1,0 +1,27 @@
+// defines: DataSource, what the trainer reads micro-batches from.
+//
+// Batches are addressed by (epoch, index), not drawn from an iterator: the
+// position is two integers, so a checkpoint can store it and a resumed run
+// continues with exactly the batch the interrupted one would have read.
+#pragma once
+
+#include <torch/data/example.h>
+#include <torch/types.h>
+
+#include <cstdint>
+
+namespace cohort {
+
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  // Prepares `epoch` (e.g. reshuffles). Same epoch, same order.
+  virtual void set_epoch(int64_t epoch) = 0;
+  // Micro-batches this rank has in the current epoch; must be the same on
+  // every rank (all ranks step together).
+  virtual int64_t num_batches() const = 0;
+  // Micro-batch `index` (0 <= index < num_batches()) of the current epoch.
+  virtual torch::data::Example<> batch(int64_t index) = 0;
+};
+
+}  // namespace cohort

@@ -1,0 +1,46 @@
+// defines: GradientSync (what the trainer needs from data parallelism) and
+// AllReduceGradientSync (averages gradients after backward with one
+// coalesced all-reduce; for models not wrapped in DDP, and for tests).
+//
+// The trainer runs k micro-batches per optimizer step. Only the last one's
+// backward must communicate: earlier ones accumulate into .grad locally.
+// DDP does that with no_sync() during backward (see ddp_gradient_sync.h);
+// the all-reduce fallback does it after the final backward.
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+#include <vector>
+
+namespace cohort {
+
+class Communicator;
+
+class GradientSync {
+ public:
+  virtual ~GradientSync() = default;
+  // A guard held across a non-final micro-batch's forward and backward:
+  // while it lives, backward must not communicate. May return nullptr.
+  virtual std::shared_ptr<void> skip_sync() = 0;
+  // Called after the final micro-batch's backward. On return every rank
+  // holds the average over ranks of the accumulated gradients.
+  virtual void finish_sync() = 0;
+  // Seconds spent in gradient communication since construction.
+  virtual double comm_seconds() const = 0;
+};
+
+class AllReduceGradientSync : public GradientSync {
+ public:
+  AllReduceGradientSync(Communicator& comm, std::vector<torch::Tensor> params);
+  std::shared_ptr<void> skip_sync() override { return nullptr; }
+  void finish_sync() override;
+  double comm_seconds() const override { return comm_seconds_; }
+
+ private:
+  Communicator& comm_;
+  std::vector<torch::Tensor> params_;
+  double comm_seconds_ = 0.0;
+};
+
+}  // namespace cohort

@@ -1,0 +1,209 @@
+#include "cohort/train/trainer.h"
+
+#include <cstdio>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/comm/error.h"
+#include "cohort/train/progress.h"
+#include "cohort/train/rng_state.h"
+
+namespace cohort {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+Trainer::Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
+                 TrainerOptimizer& optimizer, GradientSync& sync, LossFn loss_fn,
+                 TrainerConfig config, std::shared_ptr<GradNorm> norm)
+    : comm_(comm),
+      model_(std::move(model)),
+      optimizer_(optimizer),
+      sync_(sync),
+      loss_fn_(std::move(loss_fn)),
+      config_(std::move(config)),
+      norm_(norm ? std::move(norm) : std::make_shared<ReplicatedGradNorm>()),
+      metrics_(config_.metrics_path, comm.rank() == 0) {
+  if (!model_) throw InvalidArgument("Trainer: model is null");
+  if (config_.accumulation_steps < 1) {
+    throw InvalidArgument("Trainer: accumulation_steps must be at least 1, got " +
+                          std::to_string(config_.accumulation_steps));
+  }
+  if (config_.max_grad_norm < 0) throw InvalidArgument("Trainer: negative max_grad_norm");
+  params_ = model_->parameters();
+  if (!config_.checkpoint_dir.empty()) {
+    checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last);
+  }
+}
+
+StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
+  const auto k = static_cast<int64_t>(micro_batches.size());
+  if (k != config_.accumulation_steps) {
+    throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) +
+                          ": got " + std::to_string(k) + " micro-batches, accumulation_steps is " +
+                          std::to_string(config_.accumulation_steps));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const double comm_before = sync_.comm_seconds();
+  model_->train();
+  optimizer_.zero_grad();
+  double loss_sum = 0.0;
+  int64_t samples = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const bool last = i + 1 == k;
+    std::shared_ptr<void> no_sync = last ? nullptr : sync_.skip_sync();
+    auto loss = loss_fn_(micro_batches[static_cast<size_t>(i)]);
+    // Dividing by k makes the accumulated gradient that of the mean loss
+    // over the k micro-batches (equal sizes), as one k-times batch would.
+    (loss / static_cast<double>(k)).backward();
+    loss_sum += loss.item<double>();
+    samples += micro_batches[static_cast<size_t>(i)].data.size(0);
+  }
+  sync_.finish_sync();
+
+  StepMetrics m;
+  m.grad_norm = norm_->global_norm(params_);
+  if (config_.max_grad_norm > 0) m.clipped = clip_grad_norm(params_, m.grad_norm, config_.max_grad_norm);
+  m.lr = lr_at(config_.schedule, position_.step);
+  optimizer_.set_lr(m.lr);
+  optimizer_.step();
+  ++position_.step;
+
+  auto totals = torch::tensor({loss_sum / static_cast<double>(k), static_cast<double>(samples)},
+                              torch::kFloat64);
+  comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
+  m.step = position_.step;
+  m.epoch = position_.epoch;
+  m.loss = totals[0].item<double>() / comm_.size();
+  m.samples = static_cast<int64_t>(totals[1].item<double>());
+  m.step_seconds = seconds_since(start);
+  m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
+  m.comm_seconds = sync_.comm_seconds() - comm_before;
+  return m;
+}
+
+std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {
+  const int64_t k = config_.accumulation_steps;
+  data.set_epoch(position_.epoch);
+  const int64_t steps_per_epoch = data.num_batches() / k;
+  if (steps_per_epoch == 0) {
+    throw InvalidArgument("Trainer::fit on rank " + std::to_string(comm_.rank()) + ": " +
+                          std::to_string(data.num_batches()) +
+                          " micro-batches per epoch, fewer than accumulation_steps " +
+                          std::to_string(k));
+  }
+  int64_t total = config_.epochs * steps_per_epoch;
+  if (config_.max_steps > 0) total = std::min(total, config_.max_steps);
+  if (position_.step == 0 && last_checkpoint_step_ < 0) metrics_.keep_until(-1);
+
+  Progress progress(config_.progress && comm_.rank() == 0, position_.step, total,
+                    config_.log_every);
+  std::vector<StepMetrics> out;
+  auto epoch_start = std::chrono::steady_clock::now();
+  while (position_.step < total && position_.epoch < config_.epochs) {
+    std::vector<torch::data::Example<>> batches;
+    for (int64_t i = 0; i < k; ++i) batches.push_back(data.batch(position_.batch + i));
+    position_.batch += k;
+    StepMetrics m = train_step(batches);
+    metrics_.append(to_json(m));
+    progress.update(m);
+    out.push_back(m);
+    if (callbacks.on_step) callbacks.on_step(m);
+
+    // The epoch is over when the next step has too few micro-batches left.
+    if (position_.batch + k > data.num_batches()) {
+      progress.finish();
+      if (callbacks.on_epoch_end) {
+        callbacks.on_epoch_end({position_.epoch, position_.step, seconds_since(epoch_start)});
+      }
+      ++position_.epoch;
+      position_.batch = 0;
+      if (position_.epoch < config_.epochs) data.set_epoch(position_.epoch);
+      epoch_start = std::chrono::steady_clock::now();
+    }
+    if (config_.checkpoint_every > 0 && position_.step % config_.checkpoint_every == 0) {
+      save_checkpoint();
+    }
+  }
+  progress.finish();
+  if (last_checkpoint_step_ != position_.step) save_checkpoint();
+  return out;
+}
+
+void Trainer::save_checkpoint() {
+  if (!checkpoints_) return;
+  if (!optimizer_.replicated_state()) {
+    throw Unsupported("Trainer::save_checkpoint on rank " + std::to_string(comm_.rank()) +
+                      ": the optimizer's state is sharded; sharded checkpoints are not "
+                      "implemented yet");
+  }
+  // Every rank's RNG state goes into rank 0's file: one file, one rename,
+  // so a crash cannot leave some ranks' parts newer than others.
+  auto mine = cpu_rng_state();
+  std::vector<torch::Tensor> all;
+  if (comm_.rank() == 0) {
+    for (int r = 0; r < comm_.size(); ++r) all.push_back(torch::empty_like(mine));
+  }
+  comm_.gather(all, mine, {0}).wait();
+  if (comm_.rank() == 0) {
+    const auto payload =
+        encode_training_state(*model_, optimizer_, position_, torch::stack(all));
+    checkpoints_->write(position_.step, payload);
+  }
+  last_checkpoint_step_ = position_.step;
+}
+
+std::optional<int64_t> Trainer::resume() {
+  if (!checkpoints_) return std::nullopt;
+  // Rank 0 picks the checkpoint and tells the others, so that all ranks
+  // load the same one even if they see the folder differently.
+  std::string payload;
+  auto chosen = torch::tensor({int64_t{-1}}, torch::kInt64);
+  if (comm_.rank() == 0) {
+    auto loaded = checkpoints_->load_latest();
+    skipped_ = loaded.skipped;
+    for (const auto& why : skipped_) {
+      std::fprintf(stderr, "cohort: skipping %s\n", why.c_str());
+    }
+    if (loaded.found) {
+      chosen.fill_(loaded.step);
+      payload = std::move(loaded.payload);
+      if (!skipped_.empty()) {
+        std::fprintf(stderr, "cohort: resuming from the previous good checkpoint %s\n",
+                     checkpoints_->path_for(loaded.step).c_str());
+      }
+    }
+  }
+  comm_.broadcast(chosen, {0}).wait();
+  const int64_t step = chosen.item<int64_t>();
+  if (step < 0) {
+    metrics_.keep_until(-1);
+    last_checkpoint_step_ = -1;
+    return std::nullopt;
+  }
+  const std::string path = checkpoints_->path_for(step);
+  if (comm_.rank() != 0) payload = checkpoints_->load(step);
+  auto state = decode_training_state(payload, path, *model_, optimizer_);
+  if (state.rng_states.size(0) != comm_.size()) {
+    throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
+                      path + " was written by " + std::to_string(state.rng_states.size(0)) +
+                      " ranks, this job has " + std::to_string(comm_.size()) +
+                      "; resume needs the same world size");
+  }
+  set_cpu_rng_state(state.rng_states[comm_.rank()]);
+  position_ = state.position;
+  last_checkpoint_step_ = step;
+  metrics_.keep_until(step);
+  return step;
+}
+
+void Trainer::log_eval(const nlohmann::json& fields) {
+  nlohmann::json line = {{"kind", "eval"}, {"step", position_.step}, {"epoch", position_.epoch}};
+  for (auto it = fields.begin(); it != fields.end(); ++it) line[it.key()] = it.value();
+  metrics_.append(line);
+}
+
+}  // namespace cohort

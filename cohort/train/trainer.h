@@ -1,0 +1,139 @@
+// defines: TrainerConfig and Trainer, the data-parallel training loop:
+// micro-batches with gradient accumulation, clipping by global norm,
+// learning-rate schedule, metrics, progress, and checkpoints with resume.
+//
+// One optimizer step of Trainer::train_step, on every rank:
+//   1. zero the gradients;
+//   2. for each of the k micro-batches: loss = loss_fn(batch); (loss / k)
+//      .backward(). All but the last run under GradientSync::skip_sync(), so
+//      gradients accumulate locally and only the last backward communicates;
+//   3. GradientSync::finish_sync(): every rank now holds the gradient of the
+//      mean loss over the whole global batch (k micro-batches x all ranks);
+//   4. the global gradient norm via GradNorm (local for replicated
+//      gradients, an all-reduce of squared partial norms for sharded ones),
+//      then clipping when it exceeds max_grad_norm;
+//   5. lr = lr_at(schedule, step); optimizer step;
+//   6. one small all-reduce for the loss averaged over ranks.
+// Steps 1-5 are the same arithmetic on every rank, so the replicas stay
+// identical without broadcasting weights.
+//
+// The trainer holds references to what the caller passes; they must outlive
+// it. It has no global state: several trainers (ranks as threads) coexist.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/data/example.h>
+#include <torch/nn/module.h>
+
+#include "cohort/train/checkpoint_dir.h"
+#include "cohort/train/data_source.h"
+#include "cohort/train/grad_norm.h"
+#include "cohort/train/gradient_sync.h"
+#include "cohort/train/lr_schedule.h"
+#include "cohort/train/metrics_log.h"
+#include "cohort/train/trainer_optimizer.h"
+#include "cohort/train/training_state.h"
+
+namespace cohort {
+
+class Communicator;
+
+struct TrainerConfig {
+  // Micro-batches per optimizer step (gradient accumulation); >= 1.
+  int64_t accumulation_steps = 1;
+  // Clip gradients to this global L2 norm; 0 disables clipping.
+  double max_grad_norm = 0.0;
+  // Learning rate per step; overrides the optimizer's own lr.
+  LrSchedule schedule;
+  // fit() runs this many epochs...
+  int64_t epochs = 1;
+  // ...or stops at this many optimizer steps when positive.
+  int64_t max_steps = 0;
+  // Folder for checkpoints; empty: no checkpoints and no resume.
+  std::string checkpoint_dir;
+  // Checkpoint every this many steps (0: only at the end of fit()).
+  int64_t checkpoint_every = 0;
+  // Checkpoints kept on disk (older ones are deleted).
+  int keep_last = 3;
+  // JSON-lines metrics file written by rank 0; empty: none.
+  std::string metrics_path;
+  // Progress output on rank 0 (bar on a terminal, log lines otherwise).
+  bool progress = true;
+  // Steps between log lines when stdout is not a terminal.
+  int64_t log_every = 50;
+};
+
+// Computes the scalar loss of one micro-batch (forward through the DDP
+// module, then the criterion). Must return a tensor that requires grad.
+using LossFn = std::function<torch::Tensor(const torch::data::Example<>&)>;
+
+struct EpochEnd {
+  int64_t epoch = 0;     // the epoch that ended (0-based)
+  int64_t step = 0;      // optimizer steps done
+  double seconds = 0.0;  // wall time of the epoch's training steps
+};
+
+struct FitCallbacks {
+  // After every optimizer step (metrics already logged).
+  std::function<void(const StepMetrics&)> on_step;
+  // After the last step of an epoch, before the checkpoint of that step:
+  // the place for evaluation (log it with Trainer::log_eval).
+  std::function<void(const EpochEnd&)> on_epoch_end;
+};
+
+class Trainer {
+ public:
+  // model: the replicated module (its parameters get the gradients);
+  // sync: DdpGradientSync for a DDP model, AllReduceGradientSync otherwise;
+  // norm: nullptr means ReplicatedGradNorm.
+  Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
+          TrainerOptimizer& optimizer, GradientSync& sync, LossFn loss_fn,
+          TrainerConfig config, std::shared_ptr<GradNorm> norm = nullptr);
+
+  // Loads the newest checkpoint that verifies from config.checkpoint_dir
+  // (collective). Newer ones that fail are reported on stderr by rank 0 and
+  // listed in skipped_checkpoints(). Returns the step resumed at, or
+  // nullopt when training starts from scratch.
+  std::optional<int64_t> resume();
+
+  // One optimizer step over `micro_batches` (accumulation_steps of them).
+  StepMetrics train_step(const std::vector<torch::data::Example<>>& micro_batches);
+
+  // Trains from the current position to config.epochs / config.max_steps,
+  // checkpointing every checkpoint_every steps and at the end. Returns the
+  // metrics of the steps it ran.
+  std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
+
+  // Writes a checkpoint of the current state (collective).
+  void save_checkpoint();
+
+  // Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
+  void log_eval(const nlohmann::json& fields);
+
+  const TrainingPosition& position() const { return position_; }
+  const std::vector<std::string>& skipped_checkpoints() const { return skipped_; }
+  const TrainerConfig& config() const { return config_; }
+
+ private:
+  Communicator& comm_;
+  std::shared_ptr<torch::nn::Module> model_;
+  std::vector<torch::Tensor> params_;
+  TrainerOptimizer& optimizer_;
+  GradientSync& sync_;
+  LossFn loss_fn_;
+  TrainerConfig config_;
+  std::shared_ptr<GradNorm> norm_;
+  std::optional<CheckpointDir> checkpoints_;
+  MetricsLog metrics_;
+  TrainingPosition position_;
+  int64_t last_checkpoint_step_ = -1;
+  std::vector<std::string> skipped_;
+};
+
+}  // namespace cohort

@@ -1,0 +1,42 @@
+// defines: TrainingPosition and encode/decode of a checkpoint's payload:
+// model, optimizer, position (step, epoch, micro-batch index), world size
+// and every rank's RNG state, in one torch::serialize archive.
+//
+// Model and optimizer are replicated, so rank 0 writes them once; the RNG
+// states differ per rank (dropout draws), so rank 0 gathers them and stores
+// one row per rank.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cohort/train/trainer_optimizer.h"
+
+namespace cohort {
+
+struct TrainingPosition {
+  int64_t step = 0;   // optimizer steps done
+  int64_t epoch = 0;  // epoch of the next micro-batch
+  int64_t batch = 0;  // index of the next micro-batch in that epoch
+};
+
+// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
+std::string encode_training_state(torch::nn::Module& model, const TrainerOptimizer& optimizer,
+                                  const TrainingPosition& position,
+                                  const torch::Tensor& rng_states);
+
+struct DecodedState {
+  TrainingPosition position;
+  torch::Tensor rng_states;  // [world_size, state_bytes]
+};
+
+// Loads model and optimizer from `payload` and returns the rest. Throws
+// CheckpointError (naming `source`) when the payload does not parse or does
+// not fit the model.
+DecodedState decode_training_state(const std::string& payload, const std::string& source,
+                                   torch::nn::Module& model, TrainerOptimizer& optimizer);
+
+}  // namespace cohort

@@ -1,0 +1,70 @@
+// defines: small deterministic models and data for the trainer tests.
+//
+// Ranks run as threads and share LibTorch's global generator, so nothing
+// here draws from it: weights and data come from private generators, and
+// every rank (and the single-process reference) builds the same values.
+#pragma once
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <string>
+
+namespace cohort::testing {
+
+inline torch::Generator make_generator(uint64_t seed) {
+  return at::detail::createCPUGenerator(seed);
+}
+
+// Linear(8, 16) tanh Linear(16, 4): small, but with a nonlinearity so that
+// accumulation order errors would show.
+inline torch::nn::Sequential make_mlp(uint64_t seed = 7) {
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                            torch::nn::Linear(16, 4));
+  auto gen = make_generator(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) {
+    p.copy_(torch::randn(p.sizes(), gen, torch::kFloat32) * 0.3);
+  }
+  return net;
+}
+
+struct Synthetic {
+  torch::Tensor x;  // [n, 8]
+  torch::Tensor y;  // [n] classes 0..3
+};
+
+inline Synthetic make_data(int64_t n, uint64_t seed = 11) {
+  auto gen = make_generator(seed);
+  auto x = torch::randn({n, 8}, gen, torch::kFloat32);
+  // Learnable labels: the argmax of a fixed projection.
+  auto w = torch::randn({8, 4}, gen, torch::kFloat32);
+  return {x, x.matmul(w).argmax(1)};
+}
+
+// A fresh folder under the system temp dir, removed on destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& name) {
+    path_ = std::filesystem::temp_directory_path() /
+            (name + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::string str() const { return path_.string(); }
+  std::string operator/(const std::string& leaf) const { return (path_ / leaf).string(); }
+
+ private:
+  static int& counter() {
+    static int n = 0;
+    return n;
+  }
+  std::filesystem::path path_;
+};
+
+}  // namespace cohort::testing
