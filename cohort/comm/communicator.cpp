@@ -54,11 +54,9 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
 
 Communicator::Call Communicator::begin_collective(const std::string& op,
                                                   Millis timeout) const {
-  std::vector<int> others;
-  for (int r = 0; r < size_; ++r) {
-    if (r != rank_) others.push_back(r);
-  }
-  return begin(op, timeout, std::move(others));
+  auto call = begin(op, timeout, {});
+  call.ctx.all_peers = true;
+  return call;
 }
 
 void Communicator::debug_check(const Call& call, const std::string& fingerprint) {
@@ -108,9 +106,9 @@ std::string fingerprint(const std::string& op, const torch::Tensor& t,
          ")";
 }
 
-void check_avg(const std::string& where, const torch::Tensor& t, ReduceOp op) {
+void check_avg(const OpContext& ctx, const torch::Tensor& t, ReduceOp op) {
   if (op == ReduceOp::Avg && !at::isFloatingType(t.scalar_type())) {
-    throw InvalidArgument("cohort: " + where + ": avg needs a floating-point dtype, got " +
+    throw InvalidArgument("cohort: " + ctx.describe() + ": avg needs a floating-point dtype, got " +
                           dtype_name(t.scalar_type()));
   }
 }
@@ -142,8 +140,8 @@ std::vector<torch::Tensor> flat_chunks(const torch::Tensor& flat, int64_t n, int
 
 Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts) {
   auto call = begin_collective("all_reduce", opts.timeout);
-  check_tensor(tensor, call.where(), "tensor");
-  check_avg(call.where(), tensor, opts.op);
+  check_tensor(tensor, call.ctx, "tensor");
+  check_avg(call.ctx, tensor, opts.op);
   if (checker_) debug_check(call, fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)));
   if (tensor.numel() == 0) return finish(call, done_work());
   auto buf = reduction_buffer(tensor);
@@ -158,8 +156,8 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
   auto call = begin_collective("all_reduce_coalesced", opts.timeout);
   std::string print = "all_reduce_coalesced(op=" + to_string(opts.op);
   for (size_t i = 0; i < tensors.size(); ++i) {
-    check_tensor(tensors[i], call.where(), "tensors[" + std::to_string(i) + "]");
-    check_avg(call.where(), tensors[i], opts.op);
+    check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
+    check_avg(call.ctx, tensors[i], opts.op);
     print += ", " + dtype_name(tensors[i].scalar_type()) + shape_string(tensors[i].sizes());
   }
   if (checker_) debug_check(call, print + ")");
@@ -203,7 +201,7 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
 Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts) {
   auto call = begin_collective("broadcast", opts.timeout);
   check_root(call, opts.root);
-  check_tensor(tensor, call.where(), "tensor");
+  check_tensor(tensor, call.ctx, "tensor");
   if (checker_) debug_check(call, fingerprint("broadcast", tensor, "root=" + std::to_string(opts.root)));
   if (tensor.numel() == 0) return finish(call, done_work());
   auto wire = movement_view(tensor);
@@ -216,7 +214,7 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
   check_root(call, opts.root);
   std::string print = "broadcast_coalesced(root=" + std::to_string(opts.root);
   for (size_t i = 0; i < tensors.size(); ++i) {
-    check_tensor(tensors[i], call.where(), "tensors[" + std::to_string(i) + "]");
+    check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
     print += ", " + dtype_name(tensors[i].scalar_type()) + shape_string(tensors[i].sizes());
   }
   if (checker_) debug_check(call, print + ")");
@@ -249,8 +247,8 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
 Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
   auto call = begin_collective("reduce", opts.timeout);
   check_root(call, opts.root);
-  check_tensor(tensor, call.where(), "tensor");
-  check_avg(call.where(), tensor, opts.op);
+  check_tensor(tensor, call.ctx, "tensor");
+  check_avg(call.ctx, tensor, opts.op);
   if (checker_) debug_check(call, fingerprint("reduce", tensor,
                                 "root=" + std::to_string(opts.root) + ", op=" + to_string(opts.op)));
   if (tensor.numel() == 0) return finish(call, done_work());
@@ -266,14 +264,14 @@ Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
 Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
                               const AllGatherOptions& opts) {
   auto call = begin_collective("all_gather", opts.timeout);
-  check_tensor(input, call.where(), "input");
+  check_tensor(input, call.ctx, "input");
   if (static_cast<int>(outputs.size()) != size_) {
     throw InvalidArgument("cohort: " + call.where() + ": outputs has " +
                           std::to_string(outputs.size()) + " tensors, expected one per rank (" +
                           std::to_string(size_) + ")");
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    check_like(outputs[i], input, call.where(), "outputs[" + std::to_string(i) + "]");
+    check_like(outputs[i], input, call.ctx, "outputs[" + std::to_string(i) + "]");
   }
   if (checker_) debug_check(call, fingerprint("all_gather", input));
   if (input.numel() == 0) return finish(call, done_work());
@@ -286,8 +284,8 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::
 Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input,
                                           const AllGatherOptions& opts) {
   auto call = begin_collective("all_gather_into_tensor", opts.timeout);
-  check_tensor(input, call.where(), "input");
-  check_tensor(output, call.where(), "output");
+  check_tensor(input, call.ctx, "input");
+  check_tensor(output, call.ctx, "output");
   if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * size_) {
     throw InvalidArgument("cohort: " + call.where() + ": output (" +
                           dtype_name(output.scalar_type()) + shape_string(output.sizes()) +
@@ -306,15 +304,15 @@ Work Communicator::reduce_scatter(torch::Tensor& output,
                                   const std::vector<torch::Tensor>& inputs,
                                   const ReduceScatterOptions& opts) {
   auto call = begin_collective("reduce_scatter", opts.timeout);
-  check_tensor(output, call.where(), "output");
-  check_avg(call.where(), output, opts.op);
+  check_tensor(output, call.ctx, "output");
+  check_avg(call.ctx, output, opts.op);
   if (static_cast<int>(inputs.size()) != size_) {
     throw InvalidArgument("cohort: " + call.where() + ": inputs has " +
                           std::to_string(inputs.size()) + " tensors, expected one per rank (" +
                           std::to_string(size_) + ")");
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
-    check_like(inputs[i], output, call.where(), "inputs[" + std::to_string(i) + "]");
+    check_like(inputs[i], output, call.ctx, "inputs[" + std::to_string(i) + "]");
   }
   if (checker_) debug_check(call, fingerprint("reduce_scatter", output, "op=" + to_string(opts.op)));
   if (output.numel() == 0) return finish(call, done_work());
@@ -330,9 +328,9 @@ Work Communicator::reduce_scatter(torch::Tensor& output,
 Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Tensor& input,
                                          const ReduceScatterOptions& opts) {
   auto call = begin_collective("reduce_scatter_tensor", opts.timeout);
-  check_tensor(output, call.where(), "output");
-  check_tensor(input, call.where(), "input");
-  check_avg(call.where(), output, opts.op);
+  check_tensor(output, call.ctx, "output");
+  check_tensor(input, call.ctx, "input");
+  check_avg(call.ctx, output, opts.op);
   if (output.scalar_type() != input.scalar_type() || input.numel() != output.numel() * size_) {
     throw InvalidArgument("cohort: " + call.where() + ": input (" +
                           dtype_name(input.scalar_type()) + shape_string(input.sizes()) +
@@ -354,7 +352,7 @@ Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tens
                           const GatherOptions& opts) {
   auto call = begin_collective("gather", opts.timeout);
   check_root(call, opts.root);
-  check_tensor(input, call.where(), "input");
+  check_tensor(input, call.ctx, "input");
   const bool is_root = rank_ == opts.root;
   if (is_root) {
     if (static_cast<int>(outputs.size()) != size_) {
@@ -364,7 +362,7 @@ Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tens
                             std::to_string(size_) + ")");
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
-      check_like(outputs[i], input, call.where(), "outputs[" + std::to_string(i) + "]");
+      check_like(outputs[i], input, call.ctx, "outputs[" + std::to_string(i) + "]");
     }
   }
   if (checker_) debug_check(call, fingerprint("gather", input, "root=" + std::to_string(opts.root)));
@@ -381,7 +379,7 @@ Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tenso
                            const ScatterOptions& opts) {
   auto call = begin_collective("scatter", opts.timeout);
   check_root(call, opts.root);
-  check_tensor(output, call.where(), "output");
+  check_tensor(output, call.ctx, "output");
   const bool is_root = rank_ == opts.root;
   if (is_root) {
     if (static_cast<int>(inputs.size()) != size_) {
@@ -391,7 +389,7 @@ Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tenso
                             std::to_string(size_) + ")");
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
-      check_like(inputs[i], output, call.where(), "inputs[" + std::to_string(i) + "]");
+      check_like(inputs[i], output, call.ctx, "inputs[" + std::to_string(i) + "]");
     }
   }
   if (checker_) debug_check(call, fingerprint("scatter", output, "root=" + std::to_string(opts.root)));
@@ -409,8 +407,8 @@ Work Communicator::all_to_all_single(torch::Tensor& output, const torch::Tensor&
                                      std::vector<int64_t> input_split_sizes,
                                      const AllToAllOptions& opts) {
   auto call = begin_collective("all_to_all_single", opts.timeout);
-  check_tensor(input, call.where(), "input");
-  check_tensor(output, call.where(), "output");
+  check_tensor(input, call.ctx, "input");
+  check_tensor(output, call.ctx, "output");
   auto bad = [&](const std::string& why) {
     throw InvalidArgument("cohort: " + call.where() + ": " + why);
   };
@@ -459,8 +457,8 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& outputs,
   }
   std::string print = "all_to_all(";
   for (int i = 0; i < size_; ++i) {
-    check_tensor(inputs[i], call.where(), "inputs[" + std::to_string(i) + "]");
-    check_tensor(outputs[i], call.where(), "outputs[" + std::to_string(i) + "]");
+    check_tensor(inputs[i], call.ctx, "inputs[" + std::to_string(i) + "]");
+    check_tensor(outputs[i], call.ctx, "outputs[" + std::to_string(i) + "]");
     if (inputs[i].scalar_type() != inputs[0].scalar_type() ||
         outputs[i].scalar_type() != inputs[0].scalar_type()) {
       throw InvalidArgument("cohort: " + call.where() + ": all inputs and outputs need one dtype");
@@ -498,7 +496,7 @@ Work Communicator::barrier(const BarrierOptions& opts) {
 Work Communicator::send(const torch::Tensor& tensor, int dst, const SendOptions& opts) {
   auto call = begin("send", opts.timeout, {dst});
   check_peer(call, dst);
-  check_tensor(tensor, call.where(), "tensor");
+  check_tensor(tensor, call.ctx, "tensor");
   if (opts.tag < 0) throw InvalidArgument("cohort: " + call.where() + ": tag must be >= 0");
   auto wire = movement_view(tensor);
   return finish(call, engine_->send(wire, dst, opts.tag));
@@ -507,7 +505,7 @@ Work Communicator::send(const torch::Tensor& tensor, int dst, const SendOptions&
 Work Communicator::recv(torch::Tensor& tensor, int src, const RecvOptions& opts) {
   auto call = begin("recv", opts.timeout, {src});
   check_peer(call, src);
-  check_tensor(tensor, call.where(), "tensor");
+  check_tensor(tensor, call.ctx, "tensor");
   if (opts.tag < 0) throw InvalidArgument("cohort: " + call.where() + ": tag must be >= 0");
   auto wire = movement_view(tensor);
   return finish(call, engine_->recv(wire, src, opts.tag));

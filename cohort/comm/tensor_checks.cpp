@@ -86,6 +86,25 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& w
   }
 }
 
+namespace {
+// True when check_tensor would accept `t`; the fast path of the OpContext forms.
+bool passes(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
+         supported(t.scalar_type()) && t.is_contiguous();
+}
+}  // namespace
+
+void check_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what) {
+  if (!passes(t)) check_tensor(t, ctx.describe(), what);
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, const OpContext& ctx,
+                const std::string& what) {
+  if (!passes(t) || t.scalar_type() != ref.scalar_type() || t.sizes() != ref.sizes()) {
+    check_like(t, ref, ctx.describe(), what);
+  }
+}
+
 at::ScalarType reduction_dtype(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cohort/comm/types.h"
+#include "cohort/comm/work.h"
 
 namespace cohort {
 
@@ -25,6 +26,12 @@ void check_tensor(const at::Tensor& t, const std::string& where, const std::stri
 
 // Same dtype and shape as `ref`.
 void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& where,
+                const std::string& what);
+
+// The same checks naming `ctx`, which is described only when a check fails:
+// describing it on every call cost about a microsecond per operation.
+void check_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what);
+void check_like(const at::Tensor& t, const at::Tensor& ref, const OpContext& ctx,
                 const std::string& what);
 
 // The dtype a reduction runs in: f16 and bf16 accumulate in f32.

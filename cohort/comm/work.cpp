@@ -11,6 +11,12 @@ namespace cohort {
 std::string OpContext::describe() const {
   std::ostringstream os;
   os << op << " on rank " << rank << " of " << size << " (group " << group;
+  std::vector<int> peers = this->peers;
+  if (all_peers) {
+    for (int r = 0; r < size; ++r) {
+      if (r != rank) peers.push_back(r);
+    }
+  }
   if (!peers.empty()) {
     os << (peers.size() == 1 ? ", peer " : ", peers [");
     const size_t shown = std::min<size_t>(peers.size(), 8);

@@ -23,6 +23,9 @@ struct OpContext {
   int rank = 0;       // caller's rank in `group`
   int size = 1;       // size of `group`
   std::vector<int> peers;  // ranks (in `group`) the operation talks to
+  // Set instead of `peers` by collectives: every other rank of the group
+  // (a list built only when a message needs it, not on every call).
+  bool all_peers = false;
   Millis timeout{0};       // resolved timeout of this operation
 
   // "all_reduce on rank 0 of 4 (group world, peers [1, 2, 3])"

@@ -40,6 +40,11 @@ class DoneWork : public WorkImpl {
   void wait(Millis) override {}
 };
 
-inline std::shared_ptr<WorkImpl> done_work() { return std::make_shared<DoneWork>(); }
+// Shared: a DoneWork has no state, and small operations should not pay an
+// allocation for it.
+inline std::shared_ptr<WorkImpl> done_work() {
+  static const std::shared_ptr<WorkImpl> done = std::make_shared<DoneWork>();
+  return done;
+}
 
 }  // namespace cohort

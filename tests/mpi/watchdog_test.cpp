@@ -40,7 +40,11 @@ bool has(const std::string& s, const std::string& part) {
 TEST(MpiWatchdog, RankThatNeverJoinsEndsTheJobWithAClearMessage) {
   // Timeout 2 s, grace 1 s: the watchdog fires ~3 s in; 60 s is the bound
   // that says "it did not hang" (timeout(1) exits 124 past it).
-  const auto o = run_job("COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=1 OPENBLAS_NUM_THREADS=1", 60);
+  // The non-blocking path (COHORT_MPI_BLOCKING_BYTES=0): wait() times out first.
+  const auto o = run_job(
+      "COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=1 COHORT_MPI_BLOCKING_BYTES=0 "
+      "OPENBLAS_NUM_THREADS=1",
+      60);
   SCOPED_TRACE(o.output);
   EXPECT_NE(o.status, 0);
   EXPECT_NE(o.status, 124) << "the job hung until timeout(1) killed it";
@@ -53,6 +57,22 @@ TEST(MpiWatchdog, RankThatNeverJoinsEndsTheJobWithAClearMessage) {
   EXPECT_TRUE(
       has(o.output, "MPI watchdog on world rank 0: MPI_Iallreduce (all_reduce) on rank 0 of 2"));
   EXPECT_FALSE(has(o.output, "was released"));
+}
+
+TEST(MpiWatchdog, BlockingSmallCollectiveIsEndedByTheWatchdog) {
+  // By default a 64-byte all_reduce takes the blocking path: rank 0 stays
+  // inside MPI_Allreduce, gets no TimeoutError, and the watchdog must end
+  // the job naming the blocking call.
+  const auto o = run_job("COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=1 OPENBLAS_NUM_THREADS=1", 60);
+  SCOPED_TRACE(o.output);
+  EXPECT_NE(o.status, 0);
+  EXPECT_NE(o.status, 124) << "the job hung until timeout(1) killed it";
+  EXPECT_LT(o.seconds, 45.0);
+  EXPECT_FALSE(has(o.output, "caught TimeoutError"));
+  EXPECT_TRUE(
+      has(o.output, "MPI watchdog on world rank 0: MPI_Allreduce (all_reduce) on rank 0 of 2"));
+  EXPECT_FALSE(has(o.output, "was released"));
+  EXPECT_FALSE(has(o.output, "finished without rank 1"));
 }
 
 }  // namespace

@@ -43,7 +43,18 @@ void run_ranks_shared(int size,
 
 void run_ranks(int size, const std::function<void(Communicator&)>& fn,
                const ThreadRanksOptions& options) {
-  run_ranks_shared(size, [&](std::shared_ptr<Communicator> c) { fn(*c); }, options);
+  // Communicators outlive every rank's body: a rank that finishes first
+  // (say, its call was refused before sending) must not close connections
+  // that a slower rank is still setting up. (run_ranks_shared leaves that to
+  // the body, which may drop its communicator on purpose.)
+  std::vector<std::shared_ptr<Communicator>> keep(static_cast<size_t>(size));
+  run_ranks_shared(
+      size,
+      [&](std::shared_ptr<Communicator> c) {
+        keep[static_cast<size_t>(c->rank())] = c;
+        fn(*c);
+      },
+      options);
 }
 
 }  // namespace cohort::testing
