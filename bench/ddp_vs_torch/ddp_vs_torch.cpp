@@ -22,6 +22,7 @@ struct Args {
   int64_t batch = 32;         // per rank
   int steps = 20;             // timed steps
   int warmup = 5;             // untimed steps first (bucket rebuild, caches)
+  cohort::DDPOptions ddp;     // --bucket-cap-mb, --first-bucket-mb, --bucket-view 0|1
 };
 
 Args parse(int argc, char** argv) {
@@ -32,6 +33,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--batch") a.batch = std::stoll(v);
     else if (k == "--steps") a.steps = std::stoi(v);
     else if (k == "--warmup") a.warmup = std::stoi(v);
+    else if (k == "--bucket-cap-mb") a.ddp.bucket_cap_mb = std::stod(v);
+    else if (k == "--first-bucket-mb") a.ddp.first_bucket_mb = std::stod(v);
+    else if (k == "--bucket-view") a.ddp.gradient_as_bucket_view = v == "1";
     else throw std::invalid_argument("unknown option " + k);
   }
   return a;
@@ -39,7 +43,7 @@ Args parse(int argc, char** argv) {
 
 template <typename Holder>
 void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm) {
-  cohort::DistributedDataParallel<Holder> ddp(model, comm);
+  cohort::DistributedDataParallel<Holder> ddp(model, comm, a.ddp);
   torch::optim::SGD opt(ddp.parameters(), 0.01);
   auto [x, y] = cohort::bench::make_batch(a.model, a.batch);
   auto step = [&] {

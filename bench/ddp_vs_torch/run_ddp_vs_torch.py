@@ -55,6 +55,21 @@ def run_once(cmd, world, timeout):
     return json.loads([l for l in outs[0].splitlines() if l.startswith("{")][-1])
 
 
+def run_mpi_once(cmd, world, timeout):
+    """cohort on its MPI engine: the ranks are started by mpirun, which sets
+    the OMPI_COMM_WORLD_* variables cohort::init() recognizes."""
+    mpirun = ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        mpirun.append("--allow-run-as-root")
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        mpirun += ["-x", f"{var}=1"]
+    p = subprocess.run(mpirun + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} (mpi, world {world}) failed: {p.stderr.strip()[-2000:]}")
+    return json.loads([l for l in p.stdout.splitlines() if l.startswith("{")][-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--binary", required=True, help="path of the ddp_vs_torch executable")
@@ -66,6 +81,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "mpi"],
+                    help="cohort's engine (PyTorch always runs gloo: Debian's torch has no MPI)")
+    ap.add_argument("--cohort-args", default="",
+                    help="extra DDP options for cohort, e.g. '--bucket-view 1'")
     a = ap.parse_args()
 
     rows = []
@@ -74,13 +93,17 @@ def main():
             args = ["--model", model, "--batch", str(BATCH[model]), "--steps", str(a.steps),
                     "--warmup", str(a.warmup)]
             cohort, torch = [], []
+            cohort_cmd = [a.binary] + args + a.cohort_args.split()
             for _ in range(a.runs):
-                cohort.append(run_once([a.binary] + args, world, a.timeout))
+                if a.backend == "mpi":
+                    cohort.append(run_mpi_once(cohort_cmd, world, a.timeout))
+                else:
+                    cohort.append(run_once(cohort_cmd, world, a.timeout))
                 torch.append(run_once([a.python, os.path.join(HERE, "ddp_vs_torch.py")] + args,
                                       world, a.timeout))
             c_sps = statistics.median(r["sps"] for r in cohort)
             t_sps = statistics.median(r["sps"] for r in torch)
-            row = {"model": model, "world": world, "engine": "gloo", "batch": BATCH[model],
+            row = {"model": model, "world": world, "engine": a.backend, "batch": BATCH[model],
                    "cohort_sps": round(c_sps, 2), "torch_sps": round(t_sps, 2),
                    "ratio": round(c_sps / t_sps, 3),
                    "hidden_comm_share": round(statistics.median(r["hidden_comm_share"] for r in cohort), 3)}
@@ -88,7 +111,7 @@ def main():
             if a.json:
                 print(json.dumps(row), flush=True)
             else:
-                print(f"{model:12s} world {world}  batch {BATCH[model]:3d}  cohort {c_sps:9.1f}/s  "
+                print(f"{model:12s} {a.backend:4s} world {world}  batch {BATCH[model]:3d}  cohort {c_sps:9.1f}/s  "
                       f"torch {t_sps:9.1f}/s  ratio {row['ratio']:.2f}  hidden {row['hidden_comm_share']:.2f}",
                       flush=True)
     return 0
