@@ -77,13 +77,30 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
   for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
   build_buckets(order);
 
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>(this, i)));
-    accumulators_.push_back(std::move(acc));
-  }
+  accumulators_.resize(params_.size());
+  hook_keys_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) hook_accumulator(i);
   ready_.assign(params_.size(), 0);
   locally_used_.assign(params_.size(), 0);
+}
+
+void GradientReducer::hook_accumulator(size_t i) {
+  auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+  hook_keys_[i] = acc->add_post_hook(std::make_unique<ReadyHook>(this, i));
+  accumulators_[i] = std::move(acc);
+}
+
+void GradientReducer::refresh_accumulators() {
+  // LibTorch gives a parameter a new gradient accumulator when its storage
+  // is replaced (Module::load set_()s every parameter to the loaded tensor);
+  // the old one, still holding our hook, is no longer part of any graph,
+  // so gradients would silently stop being reduced. Hook the new one.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto current = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
+    if (current.get() == accumulators_[i].get()) continue;
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+    hook_accumulator(i);
+  }
 }
 
 GradientReducer::~GradientReducer() {

@@ -101,6 +101,10 @@ class GradientReducer {
   void broadcast_buffers();
   void build_buckets(const std::vector<size_t>& order);
   void rebuild_buckets();
+  // Puts the ready hook on parameter i's current gradient accumulator.
+  void hook_accumulator(size_t i);
+  // Re-hooks parameters whose accumulator LibTorch replaced (Module::load).
+  void refresh_accumulators();
   void reset_iteration();
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets();

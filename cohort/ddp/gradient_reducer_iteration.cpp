@@ -63,6 +63,7 @@ void GradientReducer::prepare_forward() {
     reset_iteration();
     throw Error(message);
   }
+  refresh_accumulators();
   if (order_recorded_ && !rebuilt_) rebuild_buckets();
   sync_this_iteration_ = no_sync_depth_ == 0 && options_.strategy != SyncStrategy::NoSync;
   // As PyTorch: buffers are synced only in forwards that will sync

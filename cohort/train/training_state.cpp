@@ -9,9 +9,10 @@
 namespace cohort {
 namespace {
 
-// Module::load would set_() each parameter to the loaded storage; copying
-// into the existing storage instead keeps whatever holds on to it (DDP's
-// reducer) pointing at the live weights.
+// Module::load would set_() each parameter to the loaded storage (and
+// LibTorch then gives it a new gradient accumulator, which DDP re-hooks at
+// the next forward); copying into the existing storage instead keeps
+// anything that holds views of the weights (flat optimizer buffers) valid.
 void copy_into(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
   torch::NoGradGuard no_grad;
   for (auto& p : module.named_parameters(/*recurse=*/false)) {

@@ -90,6 +90,69 @@ TEST_P(Equivalence, TwentyStepsMatchSingleProcess) {
   }
 }
 
+// LibTorch's Module::load gives every parameter the loaded storage (set_());
+// a checkpoint restored into a DDP-wrapped model mid-training must keep the
+// ranks equivalent to single-process training.
+class ReloadMidTraining : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ReloadMidTraining, ModuleLoadKeepsEquivalence) {
+  const bool bucket_view = GetParam();
+  constexpr int kWorld = 2;
+  torch::set_num_threads(1);
+  torch::manual_seed(12);
+  auto reference = make_mlp();
+  const auto init = clone_all(reference->parameters());
+  const auto xs = torch::randn({kSteps, kWorld * kRowsPerRank, 8});
+  const auto ys = torch::randn({kSteps, kWorld * kRowsPerRank, 4});
+  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    torch::mse_loss(reference->forward(xs[s]), ys[s]).backward();
+    opt.step();
+  }
+  const auto expected = clone_all(reference->parameters());
+  ASSERT_GT(max_abs_diff(expected, init), 1e-2);
+
+  std::vector<std::vector<torch::Tensor>> got(kWorld);
+  run_ranks_shared(kWorld, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    auto model = make_mlp();
+    if (r == 0) copy_parameters(*model, init);
+    DDPOptions options;
+    options.bucket_cap_mb = 0.0005;
+    options.first_bucket_mb = 0.0002;
+    options.gradient_as_bucket_view = bucket_view;
+    DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
+    torch::optim::SGD ropt(ddp.parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < kSteps; ++s) {
+      if (s == kSteps / 2) {
+        // Save and load back through the archive, as resuming does.
+        torch::serialize::OutputArchive out;
+        model->save(out);
+        std::ostringstream bytes;
+        out.save_to(bytes);
+        std::istringstream in_bytes(bytes.str());
+        torch::serialize::InputArchive in;
+        in.load_from(in_bytes);
+        model->load(in);
+      }
+      ropt.zero_grad();
+      auto x = xs[s].narrow(0, r * kRowsPerRank, kRowsPerRank);
+      auto y = ys[s].narrow(0, r * kRowsPerRank, kRowsPerRank);
+      torch::mse_loss(ddp.forward(x), y).backward();
+      ropt.step();
+    }
+    got[r] = clone_all(ddp.parameters());
+    EXPECT_EQ(ddp.stats().iterations, kSteps) << "rank " << r;
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_LT(max_abs_diff(got[r], expected), 1e-5) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ddp, ReloadMidTraining, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "bucketview" : "copy"; });
+
 std::vector<Case> cases() {
   std::vector<Case> out;
   for (int world : {2, 3, 4}) {
