@@ -1,4 +1,5 @@
-// The MPI engine: every operation is one non-blocking MPI call.
+// The MPI engine: every operation is one MPI call, non-blocking except for
+// small all_reduce and broadcast (run_blocking below).
 //
 // Progress model, and why: the caller's thread starts each operation with a
 // non-blocking call (MPI_Iallreduce, MPI_Isend, ...) and whoever waits polls
