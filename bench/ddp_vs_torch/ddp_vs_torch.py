@@ -48,11 +48,14 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--bucket-view", type=int, default=0,
+                    help="gradient_as_bucket_view (PyTorch's default: 0)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())
-    ddp = nn.parallel.DistributedDataParallel(make_model(a.model))
+    ddp = nn.parallel.DistributedDataParallel(make_model(a.model),
+                                              gradient_as_bucket_view=bool(a.bucket_view))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x, y = make_batch(a.model, a.batch)
 

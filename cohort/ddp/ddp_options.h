@@ -32,8 +32,11 @@ struct DDPOptions {
   // naming it at the next forward.
   bool find_unused_parameters = false;
   // Parameters' .grad become views into the bucket buffers: no copy in or
-  // out, no second copy of the gradients in memory.
-  bool gradient_as_bucket_view = false;
+  // out, no second copy of the gradients in memory. On by default, unlike
+  // PyTorch (whose default is off for backward compatibility): on the CPU
+  // the two extra passes over every gradient cost a large share of a step
+  // (docs/benchmarks.md). Off gives .grad tensors of their own, as PyTorch.
+  bool gradient_as_bucket_view = true;
   // When to reduce; no_sync() overrides it for a scope.
   SyncStrategy strategy = SyncStrategy::Overlapped;
 };
