@@ -1,0 +1,273 @@
+// ZeroRedundancyOptimizer: construction and one step (gradients, update,
+// all-gather). The sharded checkpoint half is in zero_checkpoint.cpp.
+#include "cohort/optim/zero_redundancy_optimizer.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "cohort/comm/error.h"
+#include "cohort/optim/optimizer_state.h"
+
+namespace cohort {
+
+std::string ZeroRedundancyOptimizer::where(const std::string& op) const {
+  return "ZeroRedundancyOptimizer::" + op + " (rank " + std::to_string(comm_->rank()) + " of " +
+         std::to_string(comm_->size()) + ", group " + comm_->name() + ")";
+}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
+    std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,
+    std::shared_ptr<Communicator> comm, ZeroOptions options)
+    : comm_(std::move(comm)), options_(options) {
+  if (options_.stage != 1 && options_.stage != 2) {
+    throw InvalidArgument(where("constructor") + ": stage must be 1 or 2, got " +
+                          std::to_string(options_.stage));
+  }
+  if (options_.stage == 2 && !options_.reduce_gradients) {
+    throw InvalidArgument(where("constructor") +
+                          ": stage 2 reduce-scatters the gradients itself (reduce_gradients "
+                          "must be true; do not all-reduce them with DDP first)");
+  }
+  std::vector<int64_t> numels;
+  std::vector<size_t> group_of;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& p : groups[g].params()) {
+      if (!p.is_floating_point() || p.is_sparse() || !p.device().is_cpu()) {
+        throw Unsupported(where("constructor") +
+                          ": parameters must be dense floating-point CPU tensors");
+      }
+      if (!params_.empty() && p.scalar_type() != params_[0].scalar_type()) {
+        throw Unsupported(where("constructor") + ": all parameters must share one dtype (" +
+                          std::string(c10::toString(params_[0].scalar_type())) + " and " +
+                          c10::toString(p.scalar_type()) + " found)");
+      }
+      params_.push_back(p);
+      numels.push_back(p.numel());
+      group_of.push_back(g);
+    }
+  }
+  if (params_.empty()) throw InvalidArgument(where("constructor") + ": no parameters");
+
+  // Every rank must lay out the same flat buffer, or the collectives would
+  // silently mix unrelated elements.
+  const int world = comm_->size();
+  auto mine = torch::tensor({static_cast<int64_t>(params_.size()),
+                             std::accumulate(numels.begin(), numels.end(), int64_t{0})});
+  if (world > 1) {
+    auto all = torch::empty({world * 2}, torch::kLong);
+    comm_->all_gather_into_tensor(all, mine).wait();
+    for (int r = 0; r < world; ++r) {
+      if (!all.narrow(0, 2 * r, 2).equal(mine)) {
+        throw MismatchError(where("constructor") + ": rank " + std::to_string(r) + " has " +
+                            std::to_string(all[2 * r].item<int64_t>()) + " parameters of " +
+                            std::to_string(all[2 * r + 1].item<int64_t>()) +
+                            " elements, this rank " + std::to_string(mine[0].item<int64_t>()) +
+                            " of " + std::to_string(mine[1].item<int64_t>()));
+      }
+    }
+  }
+
+  const int64_t elem = params_[0].element_size();
+  const auto bucket_elements =
+      static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024 / static_cast<double>(elem));
+  partition_ = std::make_unique<FlatPartition>(numels, group_of, world, comm_->rank(),
+                                               std::max<int64_t>(bucket_elements, 1));
+
+  // Parameters become views into one flat buffer, so that the all-gather
+  // writes the new values in place and a piece is a plain slice.
+  torch::NoGradGuard no_grad;
+  flat_params_ = torch::zeros({partition_->padded_numel()}, params_[0].options());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto view = flat_params_.narrow(0, partition_->params()[i].offset, numels[i]);
+    view.copy_(params_[i].reshape(-1));
+    params_[i].set_data(view.view(params_[i].sizes()));
+  }
+  if (options_.stage == 2) {
+    shard_grads_ = torch::zeros({partition_->shard_numel()}, flat_params_.options());
+  } else if (options_.reduce_gradients && world > 1) {
+    flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
+  }
+
+  std::vector<std::vector<torch::Tensor>> shard_params(groups.size());
+  for (const auto& piece : partition_->pieces()) {
+    const auto& param = partition_->params()[piece.param];
+    // detach(): a leaf sharing the flat buffer's storage.
+    auto t = flat_params_.narrow(0, param.offset + piece.param_offset, piece.numel).detach();
+    pieces_.push_back(t);
+    shard_params[param.group].push_back(t);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> shard_groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].has_options()) {
+      shard_groups.emplace_back(shard_params[g], groups[g].options().clone());
+    } else {
+      shard_groups.emplace_back(shard_params[g]);
+    }
+  }
+  inner_ = factory(std::move(shard_groups));
+  if (!inner_ || inner_->param_groups().size() != groups.size()) {
+    throw InvalidArgument(where("constructor") +
+                          ": the factory must build one group per shard group");
+  }
+}
+
+std::vector<torch::optim::OptimizerParamGroup>& ZeroRedundancyOptimizer::param_groups() {
+  return inner_->param_groups();
+}
+
+void ZeroRedundancyOptimizer::set_lr(double lr) {
+  for (auto& group : inner_->param_groups()) group.options().set_lr(lr);
+}
+
+void ZeroRedundancyOptimizer::zero_grad() {
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  for (auto& t : pieces_) t.mutable_grad() = torch::Tensor();
+}
+
+void ZeroRedundancyOptimizer::step() {
+  reduce_gradients();
+  inner_->step();
+  all_gather_parameters();
+}
+
+std::vector<char> ZeroRedundancyOptimizer::globally_has_grad() {
+  // A parameter with a gradient on any rank is reduced (missing ones count
+  // as zeros, as in DDP); one with none anywhere is skipped by the inner
+  // optimizer, as LibTorch's optimizers skip an undefined .grad.
+  auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
+  auto* m = mask.data_ptr<int>();
+  for (size_t i = 0; i < params_.size(); ++i) m[i] = params_[i].grad().defined() ? 1 : 0;
+  if (comm_->size() > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
+  return std::vector<char>(m, m + params_.size());
+}
+
+void ZeroRedundancyOptimizer::reduce_gradients() {
+  torch::NoGradGuard no_grad;
+  const auto& part = *partition_;
+  const auto& pieces = part.pieces();
+  const bool reduce = options_.reduce_gradients && comm_->size() > 1;
+
+  if (options_.stage == 1 && !reduce) {
+    // The gradients are already averaged (DDP, or world 1): read slices.
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const auto& g = params_[pieces[k].param].grad();
+      pieces_[k].mutable_grad() =
+          g.defined() ? g.reshape(-1).narrow(0, pieces[k].param_offset, pieces[k].numel)
+                      : torch::Tensor();
+    }
+    return;
+  }
+
+  const auto has = globally_has_grad();
+  const auto& buckets = part.buckets();
+  auto copy_in = [&](torch::Tensor& dst, int64_t dst_flat_offset, size_t i, int64_t lo,
+                     int64_t hi) {
+    // Elements [lo, hi) of the flat buffer that belong to parameter i.
+    const auto& prm = part.params()[i];
+    const int64_t a = std::max(lo, prm.offset), e = std::min(hi, prm.offset + prm.numel);
+    if (e <= a) return;
+    auto out = dst.narrow(0, a - dst_flat_offset, e - a);
+    const auto& g = params_[i].grad();
+    if (g.defined()) {
+      out.copy_(g.reshape(-1).narrow(0, a - prm.offset, e - a));
+    } else {
+      out.zero_();
+    }
+  };
+
+  if (options_.stage == 1) {
+    // All-reduce bucket by bucket into the full flat gradient buffer; a
+    // bucket is launched as soon as its gradients are copied in.
+    std::vector<Work> works;
+    size_t first_param = 0;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const int64_t lo = buckets[b].offset, hi = lo + buckets[b].numel;
+      for (size_t i = first_param; i < params_.size() && part.params()[i].offset < hi; ++i) {
+        copy_in(flat_grads_, 0, i, lo, hi);
+      }
+      while (first_param < params_.size() &&
+             part.params()[first_param].offset + part.params()[first_param].numel <= hi) {
+        ++first_param;
+      }
+      auto view = flat_grads_.narrow(0, lo, buckets[b].padded);
+      works.push_back(comm_->all_reduce(view, {ReduceOp::Avg}));
+    }
+    for (auto& w : works) w.wait();
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const auto& prm = part.params()[pieces[k].param];
+      pieces_[k].mutable_grad() =
+          has[pieces[k].param]
+              ? flat_grads_.narrow(0, prm.offset + pieces[k].param_offset, pieces[k].numel)
+              : torch::Tensor();
+    }
+    return;
+  }
+
+  // Stage 2: each bucket is staged flat and reduce-scattered into this
+  // rank's shard; at most two staging buffers live at once (one in flight
+  // while the next is filled), and each parameter's .grad is released as
+  // soon as all of it has been staged.
+  struct InFlight {
+    Work work;
+    torch::Tensor staging;
+  };
+  std::vector<InFlight> flight;
+  size_t first_param = 0;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const int64_t lo = buckets[b].offset, hi = lo + buckets[b].numel;
+    auto staging = torch::empty({buckets[b].padded}, flat_params_.options());
+    if (buckets[b].padded > buckets[b].numel) {
+      staging.narrow(0, buckets[b].numel, buckets[b].padded - buckets[b].numel).zero_();
+    }
+    for (size_t i = first_param; i < params_.size() && part.params()[i].offset < hi; ++i) {
+      copy_in(staging, lo, i, lo, hi);
+    }
+    while (first_param < params_.size() &&
+           part.params()[first_param].offset + part.params()[first_param].numel <= hi) {
+      params_[first_param].mutable_grad() = torch::Tensor();
+      ++first_param;
+    }
+    auto out = shard_grads_.narrow(0, buckets[b].shard_offset, buckets[b].chunk);
+    if (comm_->size() > 1) {
+      flight.push_back({comm_->reduce_scatter_tensor(out, staging, {ReduceOp::Avg}), staging});
+    } else {
+      out.copy_(staging);
+    }
+    if (flight.size() >= 2) {
+      flight.front().work.wait();
+      flight.erase(flight.begin());
+    }
+  }
+  for (auto& f : flight) f.work.wait();
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    pieces_[k].mutable_grad() =
+        has[pieces[k].param] ? shard_grads_.narrow(0, pieces[k].shard_offset, pieces[k].numel)
+                             : torch::Tensor();
+  }
+}
+
+void ZeroRedundancyOptimizer::all_gather_parameters() {
+  if (comm_->size() == 1) return;  // the shard is the whole buffer
+  torch::NoGradGuard no_grad;
+  const auto& buckets = partition_->buckets();
+  std::vector<Work> works;
+  std::vector<torch::Tensor> inputs;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    // A copy of this rank's chunk: the output buffer contains it.
+    inputs.push_back(flat_params_.narrow(0, partition_->chunk_offset(b), buckets[b].chunk).clone());
+    auto out = flat_params_.narrow(0, buckets[b].offset, buckets[b].padded);
+    works.push_back(comm_->all_gather_into_tensor(out, inputs.back()));
+  }
+  for (auto& w : works) w.wait();
+}
+
+int64_t ZeroRedundancyOptimizer::state_bytes() const { return optimizer_state_bytes(*inner_); }
+
+int64_t ZeroRedundancyOptimizer::grad_bytes() const {
+  int64_t bytes = 0;
+  if (flat_grads_.defined()) bytes += flat_grads_.nbytes();
+  if (shard_grads_.defined()) bytes += shard_grads_.nbytes();
+  return bytes;
+}
+
+}  // namespace cohort
