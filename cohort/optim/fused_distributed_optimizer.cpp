@@ -1,5 +1,7 @@
 #include "cohort/optim/fused_distributed_optimizer.h"
 
+#include <algorithm>
+
 #include "cohort/comm/error.h"
 #include "cohort/optim/fused_adamw.h"
 
@@ -20,6 +22,8 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
     }
   }
   steps_.assign(params_.size(), 0);
+  grad_views_.resize(params_.size());
+  seen_.assign(params_.size(), 0);
   // Greedy buckets in parameter order, each at most the cap (in bytes).
   const double cap = fused.bucket_cap_mb * 1024 * 1024;
   double bytes = 0;
@@ -47,9 +51,28 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
       p.set_data(view.view(p.sizes()));
     }
     b.grad = torch::zeros_like(b.param);
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      auto& p = params_[b.params[k]];
+      grad_views_[b.params[k]] = b.grad.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+    }
     b.exp_avg = torch::zeros_like(b.param);
     b.exp_avg_sq = torch::zeros_like(b.param);
     if (options_.amsgrad()) b.max_exp_avg_sq = torch::zeros_like(b.param);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].grad().defined()) grad_views_[i].copy_(params_[i].grad());
+    params_[i].mutable_grad() = grad_views_[i];
+    if (params_[i].requires_grad()) {
+      hooks_.push_back(params_[i].register_hook([this, i](const torch::Tensor&) { seen_[i] = 1; }));
+    } else {
+      hooks_.push_back(~0u);
+    }
+  }
+}
+
+FusedDistributedOptimizer::~FusedDistributedOptimizer() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (hooks_[i] != ~0u) params_[i].remove_hook(hooks_[i]);
   }
 }
 
@@ -60,18 +83,27 @@ std::vector<std::vector<size_t>> FusedDistributedOptimizer::bucket_layout() cons
 }
 
 void FusedDistributedOptimizer::zero_grad() {
-  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) b.grad.zero_();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& g = params_[i].grad();
+    if (!g.defined() || !g.is_same(grad_views_[i])) params_[i].mutable_grad() = grad_views_[i];
+  }
+  std::fill(seen_.begin(), seen_.end(), 0);
 }
 
-void FusedDistributedOptimizer::fill(Bucket& b, const std::vector<char>& has) {
-  for (size_t k = 0; k < b.params.size(); ++k) {
-    const auto& p = params_[b.params[k]];
-    auto out = b.grad.narrow(0, b.offsets[k], p.numel());
-    if (p.grad().defined()) {
-      out.copy_(p.grad().reshape(-1));
+void FusedDistributedOptimizer::fill(Bucket& b) {
+  // Normally every .grad is its view already; adopt any that is not.
+  for (size_t i : b.params) {
+    auto& g = params_[i].mutable_grad();
+    if (g.defined() && g.is_same(grad_views_[i])) continue;
+    if (g.defined()) {
+      grad_views_[i].copy_(g);
+      seen_[i] = 1;
     } else {
-      out.zero_();
+      grad_views_[i].zero_();
     }
+    g = grad_views_[i];
   }
 }
 
@@ -108,19 +140,16 @@ void FusedDistributedOptimizer::step() {
   // Which parameters have a gradient on some rank (one small all-reduce).
   auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
   auto* m = mask.data_ptr<int>();
-  for (size_t i = 0; i < params_.size(); ++i) m[i] = params_[i].grad().defined() ? 1 : 0;
+  for (auto& b : buckets_) fill(b);
+  for (size_t i = 0; i < params_.size(); ++i) m[i] = seen_[i];
   if (world > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
   const std::vector<char> has(m, m + params_.size());
 
   if (world == 1) {
-    for (auto& b : buckets_) {
-      fill(b, has);
-      apply(b, has);
-    }
+    for (auto& b : buckets_) apply(b, has);
   } else {
     // Bucket i's all-reduce is in flight while bucket i-1 is updated.
     for (size_t i = 0; i < buckets_.size(); ++i) {
-      fill(buckets_[i], has);
       buckets_[i].work = comm_->all_reduce(buckets_[i].grad, {ReduceOp::Sum});
       if (i > 0) {
         buckets_[i - 1].work.wait();
@@ -140,6 +169,12 @@ int64_t FusedDistributedOptimizer::state_bytes() const {
     if (b.max_exp_avg_sq.defined()) bytes += b.max_exp_avg_sq.nbytes();
   }
   return bytes;
+}
+
+std::vector<torch::Tensor> FusedDistributedOptimizer::grad_buffers() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& b : buckets_) out.push_back(b.grad);
+  return out;
 }
 
 int64_t FusedDistributedOptimizer::grad_bytes() const {

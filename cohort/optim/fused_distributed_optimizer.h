@@ -8,15 +8,20 @@
 //   ...                          wait(last);     average + AdamW(last)
 //
 // Use it on a plain module (no DDP): backward fills .grad, step() does the
-// rest. The parameters become views into one flat buffer per bucket, and
+// rest. The parameters become views into one flat buffer per bucket, their
+// .grad views into a flat gradient buffer (autograd accumulates into it in
+// place: no copy before the all-reduce, no new .grad each backward), and
 // the AdamW state is flat too, so an update is a handful of kernels per
 // bucket (fused_adamw.h) instead of a handful per parameter. Numbers equal
 // DDP + torch::optim::AdamW with the same options (to rounding).
 //
-// A parameter without a gradient on any rank is skipped, as LibTorch's
-// AdamW skips an undefined .grad (no decay, no state update); one with a
-// gradient on some ranks only counts as zero on the others, as in DDP. At
-// world size 1 there is no communication.
+// A parameter that got no gradient on any rank since zero_grad() (seen by a
+// hook on each parameter) is skipped, as LibTorch's AdamW skips an undefined
+// .grad (no decay, no state update); its .grad stays a zero view. One with a
+// gradient on some ranks only counts as zero on the others, as in DDP. A
+// .grad the caller replaced (or autograd re-created after it was set to
+// none) is copied into the bucket. At world size 1 there is no
+// communication.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -41,10 +46,15 @@ class FusedDistributedOptimizer {
   // equal values (broadcast them first, e.g. by building DDP once, or seed).
   FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
                             std::shared_ptr<Communicator> comm, FusedOptions fused = {});
+  // Removes the gradient hooks from the parameters.
+  ~FusedDistributedOptimizer();
+  // The hooks hold this object's address.
+  FusedDistributedOptimizer(const FusedDistributedOptimizer&) = delete;
+  FusedDistributedOptimizer& operator=(const FusedDistributedOptimizer&) = delete;
 
   // Collective: average the gradients over the ranks and apply AdamW.
   void step();
-  // Releases the gradients (set to none).
+  // Zeros the gradient buckets (the .grad views with them).
   void zero_grad();
   void set_lr(double lr) { options_.lr(lr); }
   torch::optim::AdamWOptions& options() { return options_; }
@@ -56,6 +66,7 @@ class FusedDistributedOptimizer {
   // Bytes of AdamW state and of gradient buffers held between steps.
   int64_t state_bytes() const;
   int64_t grad_bytes() const;
+  std::vector<torch::Tensor> grad_buffers() const;
 
   // Replicated state (every rank holds all of it): rank 0's save suffices.
   void save(torch::serialize::OutputArchive& archive) const;
@@ -68,13 +79,16 @@ class FusedDistributedOptimizer {
     torch::Tensor param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;
     Work work;
   };
-  void fill(Bucket& b, const std::vector<char>& has);
+  void fill(Bucket& b);
   void apply(Bucket& b, const std::vector<char>& has);
 
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
   std::vector<torch::Tensor> params_;
   std::vector<int64_t> steps_;  // per parameter (skipped ones lag behind)
+  std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
+  std::vector<char> seen_;                 // got a gradient since zero_grad
+  std::vector<unsigned> hooks_;
   std::vector<Bucket> buckets_;
   int64_t timestep_ = 0;
 };

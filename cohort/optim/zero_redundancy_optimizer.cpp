@@ -82,7 +82,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     view.copy_(params_[i].reshape(-1));
     params_[i].set_data(view.view(params_[i].sizes()));
   }
-  if (options_.stage == 2) {
+  if (options_.stage == 2 && world > 1) {
     shard_grads_ = torch::zeros({partition_->shard_numel()}, flat_params_.options());
   } else if (options_.reduce_gradients && world > 1) {
     flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
@@ -147,8 +147,9 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
   const auto& pieces = part.pieces();
   const bool reduce = options_.reduce_gradients && comm_->size() > 1;
 
-  if (options_.stage == 1 && !reduce) {
-    // The gradients are already averaged (DDP, or world 1): read slices.
+  if (!reduce) {
+    // The gradients are already averaged (stage 1 after DDP), or there is
+    // nothing to average (world 1, either stage): read slices of .grad.
     for (size_t k = 0; k < pieces.size(); ++k) {
       const auto& g = params_[pieces[k].param].grad();
       pieces_[k].mutable_grad() =
@@ -228,11 +229,7 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
       ++first_param;
     }
     auto out = shard_grads_.narrow(0, buckets[b].shard_offset, buckets[b].chunk);
-    if (comm_->size() > 1) {
-      flight.push_back({comm_->reduce_scatter_tensor(out, staging, {ReduceOp::Avg}), staging});
-    } else {
-      out.copy_(staging);
-    }
+    flight.push_back({comm_->reduce_scatter_tensor(out, staging, {ReduceOp::Avg}), staging});
     if (flight.size() >= 2) {
       flight.front().work.wait();
       flight.erase(flight.begin());
@@ -263,10 +260,16 @@ void ZeroRedundancyOptimizer::all_gather_parameters() {
 
 int64_t ZeroRedundancyOptimizer::state_bytes() const { return optimizer_state_bytes(*inner_); }
 
+std::vector<torch::Tensor> ZeroRedundancyOptimizer::grad_buffers() const {
+  std::vector<torch::Tensor> out;
+  if (flat_grads_.defined()) out.push_back(flat_grads_);
+  if (shard_grads_.defined()) out.push_back(shard_grads_);
+  return out;
+}
+
 int64_t ZeroRedundancyOptimizer::grad_bytes() const {
   int64_t bytes = 0;
-  if (flat_grads_.defined()) bytes += flat_grads_.nbytes();
-  if (shard_grads_.defined()) bytes += shard_grads_.nbytes();
+  for (const auto& t : grad_buffers()) bytes += t.nbytes();
   return bytes;
 }
 

@@ -19,6 +19,7 @@
 //              stage 2: reduce-scatter (Avg) each bucket straight into this
 //                rank's gradient shard; the parameters' .grad are released
 //                bucket by bucket, so only the shard outlives the step.
+//              world 1 (either stage): slices of .grad, no copies.
 //   update     the inner optimizer steps its pieces (in the flat buffer);
 //   parameters all-gather every bucket, so all ranks hold the new values.
 // reduce-scatter + all-gather move as many bytes as one all-reduce, so
@@ -108,9 +109,10 @@ class ZeroRedundancyOptimizer {
 
   // Bytes of optimizer state this rank holds (its shard's).
   int64_t state_bytes() const;
-  // Bytes of gradient storage this optimizer keeps between steps: the full
-  // flat buffer at stage 1 alone, none at stage 1 after DDP (DDP's own
-  // buffers hold them), the shard at stage 2.
+  // The gradient storage this optimizer keeps between steps, and its bytes:
+  // the full flat buffer at stage 1 alone, the shard at stage 2, nothing
+  // at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
+  std::vector<torch::Tensor> grad_buffers() const;
   int64_t grad_bytes() const;
 
   // This rank's shard of the state, for sharded checkpoints: every rank
