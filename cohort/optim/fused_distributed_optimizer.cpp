@@ -6,6 +6,12 @@
 #include "cohort/optim/fused_adamw.h"
 
 namespace cohort {
+namespace {
+
+// Elements per slice of the update: 256 KiB of float32 per operand.
+constexpr int64_t kUpdateSlice = 64 * 1024;
+
+}  // namespace
 
 FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> params,
                                                      torch::optim::AdamWOptions options,
@@ -122,13 +128,18 @@ void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
     while (e < b.params.size() && has[b.params[e]] && steps_[b.params[e]] == steps_[i]) ++e;
     const int64_t lo = b.offsets[k];
     const int64_t hi = e < b.params.size() ? b.offsets[e] : b.param.numel();
-    auto p = b.param.narrow(0, lo, hi - lo);
-    auto g = b.grad.narrow(0, lo, hi - lo);
-    auto m = b.exp_avg.narrow(0, lo, hi - lo);
-    auto v = b.exp_avg_sq.narrow(0, lo, hi - lo);
-    torch::Tensor vmax;
-    if (options_.amsgrad()) vmax = b.max_exp_avg_sq.narrow(0, lo, hi - lo);
-    adamw_update(p, g, m, v, vmax, steps_[i] + 1, options_);
+    // In slices that stay in cache across the update's passes (and whose
+    // temporaries the allocator recycles instead of mapping fresh pages).
+    for (int64_t a = lo; a < hi; a += kUpdateSlice) {
+      const int64_t n = std::min(kUpdateSlice, hi - a);
+      auto p = b.param.narrow(0, a, n);
+      auto g = b.grad.narrow(0, a, n);
+      auto m = b.exp_avg.narrow(0, a, n);
+      auto v = b.exp_avg_sq.narrow(0, a, n);
+      torch::Tensor vmax;
+      if (options_.amsgrad()) vmax = b.max_exp_avg_sq.narrow(0, a, n);
+      adamw_update(p, g, m, v, vmax, steps_[i] + 1, options_);
+    }
     for (size_t j = k; j < e; ++j) ++steps_[b.params[j]];
     k = e;
   }
