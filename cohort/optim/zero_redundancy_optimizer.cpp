@@ -84,6 +84,28 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   }
   if (options_.stage == 2 && world > 1) {
     shard_grads_ = torch::zeros({partition_->shard_numel()}, flat_params_.options());
+    const auto& buckets = partition_->buckets();
+    bucket_params_.resize(buckets.size());
+    param_buckets_.resize(params_.size());
+    pending_init_.assign(buckets.size(), 0);
+    seen_.assign(params_.size(), 0);
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const auto& prm = partition_->params()[i];
+        if (prm.numel > 0 && prm.offset < buckets[b].offset + buckets[b].numel &&
+            prm.offset + prm.numel > buckets[b].offset) {
+          bucket_params_[b].push_back(i);
+          param_buckets_[i].push_back(b);
+          ++pending_init_[b];
+        }
+      }
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].requires_grad()) continue;
+      hooks_.emplace_back(i, params_[i].register_hook([this, i](torch::Tensor g) {
+        return on_gradient(i, g);
+      }));
+    }
   } else if (options_.reduce_gradients && world > 1) {
     flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
   }
@@ -111,6 +133,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   }
 }
 
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
+  for (const auto& [i, key] : hooks_) params_[i].remove_hook(key);
+}
+
 std::vector<torch::optim::OptimizerParamGroup>& ZeroRedundancyOptimizer::param_groups() {
   return inner_->param_groups();
 }
@@ -131,12 +157,18 @@ void ZeroRedundancyOptimizer::step() {
 }
 
 std::vector<char> ZeroRedundancyOptimizer::globally_has_grad() {
+  std::vector<char> local(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) local[i] = params_[i].grad().defined() ? 1 : 0;
+  return globally_has_grad_from(local);
+}
+
+std::vector<char> ZeroRedundancyOptimizer::globally_has_grad_from(const std::vector<char>& local) {
   // A parameter with a gradient on any rank is reduced (missing ones count
   // as zeros, as in DDP); one with none anywhere is skipped by the inner
   // optimizer, as LibTorch's optimizers skip an undefined .grad.
   auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
   auto* m = mask.data_ptr<int>();
-  for (size_t i = 0; i < params_.size(); ++i) m[i] = params_[i].grad().defined() ? 1 : 0;
+  for (size_t i = 0; i < params_.size(); ++i) m[i] = local[i];
   if (comm_->size() > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
   return std::vector<char>(m, m + params_.size());
 }
@@ -159,6 +191,10 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
     return;
   }
 
+  if (options_.stage == 2) {
+    reduce_scatter_gradients();
+    return;
+  }
   const auto has = globally_has_grad();
   const auto& buckets = part.buckets();
   auto copy_in = [&](torch::Tensor& dst, int64_t dst_flat_offset, size_t i, int64_t lo,
@@ -176,9 +212,9 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
     }
   };
 
-  if (options_.stage == 1) {
-    // All-reduce bucket by bucket into the full flat gradient buffer; a
-    // bucket is launched as soon as its gradients are copied in.
+  {
+    // Stage 1 alone: all-reduce bucket by bucket into the full flat
+    // gradient buffer; a bucket is launched as soon as its gradients are in.
     std::vector<Work> works;
     size_t first_param = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
@@ -201,41 +237,95 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
               ? flat_grads_.narrow(0, prm.offset + pieces[k].param_offset, pieces[k].numel)
               : torch::Tensor();
     }
-    return;
   }
+}
 
-  // Stage 2: each bucket is staged flat and reduce-scattered into this
-  // rank's shard; at most two staging buffers live at once (one in flight
-  // while the next is filled), and each parameter's .grad is released as
-  // soon as all of it has been staged.
-  struct InFlight {
-    Work work;
-    torch::Tensor staging;
-  };
-  std::vector<InFlight> flight;
-  size_t first_param = 0;
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    const int64_t lo = buckets[b].offset, hi = lo + buckets[b].numel;
-    auto staging = torch::empty({buckets[b].padded}, flat_params_.options());
-    if (buckets[b].padded > buckets[b].numel) {
-      staging.narrow(0, buckets[b].numel, buckets[b].padded - buckets[b].numel).zero_();
-    }
-    for (size_t i = first_param; i < params_.size() && part.params()[i].offset < hi; ++i) {
-      copy_in(staging, lo, i, lo, hi);
-    }
-    while (first_param < params_.size() &&
-           part.params()[first_param].offset + part.params()[first_param].numel <= hi) {
-      params_[first_param].mutable_grad() = torch::Tensor();
-      ++first_param;
-    }
-    auto out = shard_grads_.narrow(0, buckets[b].shard_offset, buckets[b].chunk);
-    flight.push_back({comm_->reduce_scatter_tensor(out, staging, {ReduceOp::Avg}), staging});
-    if (flight.size() >= 2) {
-      flight.front().work.wait();
-      flight.erase(flight.begin());
-    }
+
+// Stage 2. A hook on every parameter copies its gradient into the flat
+// staging buffer as backward produces it and hands autograd a view of that
+// buffer as the .grad (so autograd allocates no second copy). A bucket is
+// reduce-scattered into this rank's shard as soon as all its parameters
+// are in, from the last bucket down (the order backward fills them, the
+// same on every rank), so the reduction overlaps the rest of backward, as
+// DDP's all-reduce does. step() launches what backward did not, then the
+// .grad views and the staging buffer are released: between steps a rank
+// holds only its gradient shard.
+void ZeroRedundancyOptimizer::begin_iteration() {
+  staging_ = torch::empty({partition_->padded_numel()}, flat_params_.options());
+  pending_ = pending_init_;
+  std::fill(seen_.begin(), seen_.end(), 0);
+  rs_work_.assign(partition_->buckets().size(), Work());
+  next_launch_ = static_cast<int64_t>(partition_->buckets().size()) - 1;
+  twice_ = false;
+}
+
+torch::Tensor ZeroRedundancyOptimizer::on_gradient(size_t i, const torch::Tensor& grad) {
+  torch::NoGradGuard no_grad;
+  if (!staging_.defined()) begin_iteration();
+  if (seen_[i]) {
+    // A second backward before step(): its bucket may be on the wire.
+    twice_ = true;
+    return {};
   }
-  for (auto& f : flight) f.work.wait();
+  const auto& prm = partition_->params()[i];
+  auto view = staging_.narrow(0, prm.offset, prm.numel);
+  view.copy_(grad.reshape(-1));
+  stage_param(i);
+  launch_ready_buckets(false);
+  return view.view(grad.sizes());
+}
+
+void ZeroRedundancyOptimizer::stage_param(size_t i) {
+  seen_[i] = 1;
+  for (size_t b : param_buckets_[i]) --pending_[b];
+}
+
+void ZeroRedundancyOptimizer::launch_ready_buckets(bool all) {
+  const auto& part = *partition_;
+  while (next_launch_ >= 0 && (all || pending_[next_launch_] == 0)) {
+    const auto b = static_cast<size_t>(next_launch_--);
+    const auto& bucket = part.buckets()[b];
+    // Parameters without a gradient this iteration count as zeros, and so
+    // does the padding.
+    for (size_t i : bucket_params_[b]) {
+      if (seen_[i]) continue;
+      const auto& prm = part.params()[i];
+      const int64_t lo = std::max(bucket.offset, prm.offset);
+      const int64_t hi = std::min(bucket.offset + bucket.numel, prm.offset + prm.numel);
+      staging_.narrow(0, lo, hi - lo).zero_();
+    }
+    if (bucket.padded > bucket.numel) {
+      staging_.narrow(0, bucket.offset + bucket.numel, bucket.padded - bucket.numel).zero_();
+    }
+    auto out = shard_grads_.narrow(0, bucket.shard_offset, bucket.chunk);
+    rs_work_[b] = comm_->reduce_scatter_tensor(out, staging_.narrow(0, bucket.offset, bucket.padded),
+                                               {ReduceOp::Avg});
+  }
+}
+
+void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
+  torch::NoGradGuard no_grad;
+  if (!staging_.defined()) begin_iteration();
+  // Gradients that did not come through the hooks (set by hand).
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& g = params_[i].grad();
+    if (seen_[i] || !g.defined()) continue;
+    const auto& prm = partition_->params()[i];
+    staging_.narrow(0, prm.offset, prm.numel).copy_(g.reshape(-1));
+    stage_param(i);
+  }
+  launch_ready_buckets(true);
+  const auto has = globally_has_grad_from(seen_);
+  for (auto& w : rs_work_) w.wait();
+  const bool twice = twice_;
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  staging_ = torch::Tensor();
+  if (twice) {
+    throw Error(where("step") +
+                ": stage 2 reduces gradients during backward, so it needs step() after every "
+                "backward (a parameter got a second gradient); accumulate with stage 1");
+  }
+  const auto& pieces = partition_->pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
     pieces_[k].mutable_grad() =
         has[pieces[k].param] ? shard_grads_.narrow(0, pieces[k].shard_offset, pieces[k].numel)
@@ -264,6 +354,7 @@ std::vector<torch::Tensor> ZeroRedundancyOptimizer::grad_buffers() const {
   std::vector<torch::Tensor> out;
   if (flat_grads_.defined()) out.push_back(flat_grads_);
   if (shard_grads_.defined()) out.push_back(shard_grads_);
+  if (staging_.defined()) out.push_back(staging_);
   return out;
 }
 

@@ -16,9 +16,11 @@
 //                flat gradient buffer, then read this rank's slices;
 //              stage 1 after cohort DDP (reduce_gradients = false): read the
 //                slices of the already averaged .grad, no communication;
-//              stage 2: reduce-scatter (Avg) each bucket straight into this
-//                rank's gradient shard; the parameters' .grad are released
-//                bucket by bucket, so only the shard outlives the step.
+//              stage 2: hooks stage each gradient in a flat buffer during
+//                backward (the .grad are views into it) and reduce-scatter
+//                (Avg) each full bucket into this rank's gradient shard while
+//                backward goes on; the step releases the staging buffer, so
+//                only the shard outlives the step. One backward per step.
 //              world 1 (either stage): slices of .grad, no copies.
 //   update     the inner optimizer steps its pieces (in the flat buffer);
 //   parameters all-gather every bucket, so all ranks hold the new values.
@@ -68,6 +70,11 @@ class ZeroRedundancyOptimizer {
   // DDP's broadcast); groups without options take the inner defaults.
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,
                           std::shared_ptr<Communicator> comm, ZeroOptions options = {});
+  // Removes the stage-2 gradient hooks from the parameters.
+  ~ZeroRedundancyOptimizer();
+  // The hooks hold this object's address.
+  ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
+  ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
 
   // ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, AdamWOptions(lr), comm)
   template <typename Opt, typename Options>
@@ -132,6 +139,13 @@ class ZeroRedundancyOptimizer {
   void reduce_gradients();
   void all_gather_parameters();
   std::vector<char> globally_has_grad();
+  std::vector<char> globally_has_grad_from(const std::vector<char>& local);
+  // Stage 2 (zero_checkpoint.cpp has none of it).
+  void begin_iteration();
+  torch::Tensor on_gradient(size_t i, const torch::Tensor& grad);
+  void stage_param(size_t i);
+  void launch_ready_buckets(bool all);
+  void reduce_scatter_gradients();
   std::string where(const std::string& op) const;
 
   std::shared_ptr<Communicator> comm_;
@@ -145,6 +159,19 @@ class ZeroRedundancyOptimizer {
   // optimizer steps), in partition().pieces() order.
   std::vector<torch::Tensor> pieces_;
   std::unique_ptr<torch::optim::Optimizer> inner_;
+
+  // Stage 2 bookkeeping: parameters of each bucket and buckets of each
+  // parameter; per iteration the staging buffer (the .grad are views into
+  // it), which parameters came in, what each bucket still waits for, the
+  // next bucket to launch (launched from the last down) and its Work.
+  std::vector<std::vector<size_t>> bucket_params_, param_buckets_;
+  std::vector<int> pending_init_, pending_;
+  std::vector<char> seen_;
+  torch::Tensor staging_;
+  std::vector<Work> rs_work_;
+  int64_t next_launch_ = -1;
+  bool twice_ = false;
+  std::vector<std::pair<size_t, unsigned>> hooks_;  // (parameter, hook key)
 };
 
 }  // namespace cohort

@@ -202,6 +202,64 @@ TEST(Zero, ShardsStateAndGradients) {
   }
 }
 
+// Stage 2 stages gradients during backward: the .grad autograd keeps are
+// views into the one staging buffer (no second copy), a layer that gets no
+// gradient anywhere is skipped as AdamW skips it, and the staging buffer
+// and .grad are gone after the step.
+TEST(Zero, Stage2StagesDuringBackwardAndSkipsUnusedParameters) {
+  torch::set_num_threads(1);
+  const Problem pb(3, /*with_unused=*/true);
+  const auto opts = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
+  const auto expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
+    return std::make_unique<torch::optim::AdamW>(ps, opts);
+  });
+  ZeroOptions zo;
+  zo.stage = 2;
+  zo.bucket_cap_mb = kTinyBucketMb;
+  RankResults got(pb.world);
+  run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
+    auto net = pb.make_net();
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
+    for (int s = 0; s < kSteps; ++s) {
+      zero->zero_grad();
+      pb.loss(net, s, comm->rank()).backward();
+      const auto buffers = zero->grad_buffers();
+      ASSERT_EQ(buffers.size(), 2u);  // the shard and this iteration's staging
+      const auto* staging = buffers[1].storage().data();
+      for (const auto& p : net->parameters()) {
+        if (p.grad().defined()) {
+          EXPECT_EQ(p.grad().storage().data(), staging);
+        }
+      }
+      zero->step();
+      EXPECT_EQ(zero->grad_buffers().size(), 1u);
+      for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+    }
+    got.put(comm->rank(), net->parameters());
+  });
+  EXPECT_TRUE(expected[2].equal(pb.init[2]));  // the unused layer did not move
+  expect_all_ranks_equal(got.params, expected, pb.init);
+}
+
+TEST(Zero, Stage2RefusesTwoBackwardsPerStep) {
+  torch::set_num_threads(1);
+  const Problem pb(2);
+  ZeroOptions zo;
+  zo.stage = 2;
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    auto net = pb.make_net();
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+        net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo);
+    pb.loss(net, 0, comm->rank()).backward();
+    pb.loss(net, 1, comm->rank()).backward();
+    EXPECT_THROW(zero->step(), Error);
+    // The optimizer is usable again after the refusal.
+    zero->zero_grad();
+    pb.loss(net, 2, comm->rank()).backward();
+    zero->step();
+  });
+}
+
 TEST(Zero, RefusesMismatchedModels) {
   torch::set_num_threads(1);
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
