@@ -193,8 +193,17 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
 
   if (options_.stage == 2) {
     reduce_scatter_gradients();
-    return;
+  } else {
+    all_reduce_gradients();
   }
+}
+
+// Stage 1 alone: all-reduce bucket by bucket into the full flat gradient
+// buffer; a bucket is launched as soon as its gradients are in.
+void ZeroRedundancyOptimizer::all_reduce_gradients() {
+  torch::NoGradGuard no_grad;
+  const auto& part = *partition_;
+  const auto& pieces = part.pieces();
   const auto has = globally_has_grad();
   const auto& buckets = part.buckets();
   auto copy_in = [&](torch::Tensor& dst, int64_t dst_flat_offset, size_t i, int64_t lo,
@@ -213,8 +222,6 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
   };
 
   {
-    // Stage 1 alone: all-reduce bucket by bucket into the full flat
-    // gradient buffer; a bucket is launched as soon as its gradients are in.
     std::vector<Work> works;
     size_t first_param = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
@@ -239,7 +246,6 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
     }
   }
 }
-
 
 // Stage 2. A hook on every parameter copies its gradient into the flat
 // staging buffer as backward produces it and hands autograd a view of that

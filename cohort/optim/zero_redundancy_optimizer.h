@@ -137,6 +137,7 @@ class ZeroRedundancyOptimizer {
 
  private:
   void reduce_gradients();
+  void all_reduce_gradients();
   void all_gather_parameters();
   std::vector<char> globally_has_grad();
   std::vector<char> globally_has_grad_from(const std::vector<char>& local);
