@@ -46,12 +46,18 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--mode") a.mode = v;
-    else if (k == "--batch") a.batch = std::stoll(v);
-    else if (k == "--steps") a.steps = std::stoi(v);
-    else if (k == "--warmup") a.warmup = std::stoi(v);
-    else if (k == "--bucket-mb") a.bucket_mb = std::stod(v);
-    else throw std::invalid_argument("unknown option " + k);
+    if (k == "--mode")
+      a.mode = v;
+    else if (k == "--batch")
+      a.batch = std::stoll(v);
+    else if (k == "--steps")
+      a.steps = std::stoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::stoi(v);
+    else if (k == "--bucket-mb")
+      a.bucket_mb = std::stod(v);
+    else
+      throw std::invalid_argument("unknown option " + k);
   }
   return a;
 }
@@ -113,7 +119,8 @@ int main(int argc, char** argv) {
     } else if (a.mode == "fused") {
       cohort::FusedOptions fo;
       fo.bucket_cap_mb = a.bucket_mb;
-      fused = std::make_unique<cohort::FusedDistributedOptimizer>(model->parameters(), opts, comm, fo);
+      fused =
+          std::make_unique<cohort::FusedDistributedOptimizer>(model->parameters(), opts, comm, fo);
     } else {
       throw std::invalid_argument("unknown mode " + a.mode);
     }
@@ -126,8 +133,9 @@ int main(int argc, char** argv) {
           ts.push_back(ddp->reducer().bucket_buffer(i));
         }
       }
-      for (const auto& t : zero ? zero->grad_buffers()
-                                : fused ? fused->grad_buffers() : std::vector<torch::Tensor>{}) {
+      for (const auto& t : zero    ? zero->grad_buffers()
+                           : fused ? fused->grad_buffers()
+                                   : std::vector<torch::Tensor>{}) {
         ts.push_back(t);
       }
       return distinct_bytes(ts);
@@ -150,13 +158,13 @@ int main(int argc, char** argv) {
       comm->barrier().wait();
       const auto t0 = std::chrono::steady_clock::now();
       step();
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                       .count());
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     std::sort(ms.begin(), ms.end());
-    const int64_t state = adamw   ? cohort::optimizer_state_bytes(*adamw)
-                          : zero  ? zero->state_bytes()
-                                  : fused->state_bytes();
+    const int64_t state = adamw  ? cohort::optimizer_state_bytes(*adamw)
+                          : zero ? zero->state_bytes()
+                                 : fused->state_bytes();
     const int64_t grads = grad_storages();
     const int64_t state_max = max_over_ranks(*comm, state);
     const int64_t grads_max = max_over_ranks(*comm, grads);

@@ -41,7 +41,8 @@ FlatPartition::FlatPartition(const std::vector<int64_t>& numels, const std::vect
       const int64_t a = std::max(lo, params_[q].offset);
       const int64_t e = std::min(hi, params_[q].offset + params_[q].numel);
       if (e <= a) continue;  // zero-size parameter
-      pieces_.push_back({q, bi, a - params_[q].offset, buckets_[bi].shard_offset + (a - lo), e - a});
+      pieces_.push_back(
+          {q, bi, a - params_[q].offset, buckets_[bi].shard_offset + (a - lo), e - a});
     }
   }
 }

@@ -39,7 +39,7 @@ class FlatPartition {
   };
   // The intersection of this rank's chunk of a bucket with one parameter.
   struct Piece {
-    size_t param = 0;          // index of the parameter
+    size_t param = 0;  // index of the parameter
     size_t bucket = 0;
     int64_t param_offset = 0;  // first element inside the parameter
     int64_t shard_offset = 0;  // first element inside this rank's shard
@@ -61,9 +61,7 @@ class FlatPartition {
   // This rank's pieces, ordered by shard offset.
   const std::vector<Piece>& pieces() const { return pieces_; }
   // Flat offset of element 0 of this rank's chunk of bucket b.
-  int64_t chunk_offset(size_t b) const {
-    return buckets_[b].offset + rank_ * buckets_[b].chunk;
-  }
+  int64_t chunk_offset(size_t b) const { return buckets_[b].offset + rank_ * buckets_[b].chunk; }
 
  private:
   int world_;

@@ -85,7 +85,7 @@ class FusedDistributedOptimizer {
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
   std::vector<torch::Tensor> params_;
-  std::vector<int64_t> steps_;  // per parameter (skipped ones lag behind)
+  std::vector<int64_t> steps_;             // per parameter (skipped ones lag behind)
   std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
   std::vector<char> seen_;                 // got a gradient since zero_grad
   std::vector<unsigned> hooks_;

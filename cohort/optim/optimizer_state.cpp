@@ -61,7 +61,8 @@ std::vector<std::string> state_names(const torch::optim::Optimizer& optimizer) {
     return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   }
   if (dynamic_cast<const SGD*>(&optimizer)) return {"momentum_buffer"};
-  if (dynamic_cast<const RMSprop*>(&optimizer)) return {"square_avg", "momentum_buffer", "grad_avg"};
+  if (dynamic_cast<const RMSprop*>(&optimizer))
+    return {"square_avg", "momentum_buffer", "grad_avg"};
   if (dynamic_cast<const Adagrad*>(&optimizer)) return {"sum"};
   throw Unsupported(std::string("optimizer state: unknown optimizer ") + typeid(optimizer).name());
 }

@@ -12,13 +12,13 @@ namespace {
 // What a shard archive must agree on with the optimizer loading it.
 torch::Tensor layout_signature(const ZeroRedundancyOptimizer& zero) {
   const auto& p = zero.partition();
-  return torch::tensor({static_cast<int64_t>(p.world()), static_cast<int64_t>(p.rank()),
-                        p.numel(), p.padded_numel(), static_cast<int64_t>(p.params().size()),
+  return torch::tensor({static_cast<int64_t>(p.world()), static_cast<int64_t>(p.rank()), p.numel(),
+                        p.padded_numel(), static_cast<int64_t>(p.params().size()),
                         static_cast<int64_t>(p.buckets().size()),
                         static_cast<int64_t>(zero.options().stage)});
 }
 
-const char* kSignatureNames[] = {"world size", "rank", "elements", "padded elements",
+const char* kSignatureNames[] = {"world size", "rank",    "elements", "padded elements",
                                  "parameters", "buckets", "stage"};
 
 }  // namespace
@@ -39,9 +39,9 @@ void ZeroRedundancyOptimizer::load_shard(torch::serialize::InputArchive& archive
   }
   for (int64_t i = 0; i < mine.numel(); ++i) {
     if (saved[i].item<int64_t>() != mine[i].item<int64_t>()) {
-      throw MismatchError(where("load_shard") + ": the shard was saved with " +
-                          kSignatureNames[i] + " " + std::to_string(saved[i].item<int64_t>()) +
-                          ", this optimizer has " + std::to_string(mine[i].item<int64_t>()));
+      throw MismatchError(where("load_shard") + ": the shard was saved with " + kSignatureNames[i] +
+                          " " + std::to_string(saved[i].item<int64_t>()) + ", this optimizer has " +
+                          std::to_string(mine[i].item<int64_t>()));
     }
   }
   torch::serialize::InputArchive inner;

@@ -102,9 +102,8 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     }
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!params_[i].requires_grad()) continue;
-      hooks_.emplace_back(i, params_[i].register_hook([this, i](torch::Tensor g) {
-        return on_gradient(i, g);
-      }));
+      hooks_.emplace_back(
+          i, params_[i].register_hook([this, i](torch::Tensor g) { return on_gradient(i, g); }));
     }
   } else if (options_.reduce_gradients && world > 1) {
     flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
@@ -304,8 +303,8 @@ void ZeroRedundancyOptimizer::launch_ready_buckets(bool all) {
       staging_.narrow(0, bucket.offset + bucket.numel, bucket.padded - bucket.numel).zero_();
     }
     auto out = shard_grads_.narrow(0, bucket.shard_offset, bucket.chunk);
-    rs_work_[b] = comm_->reduce_scatter_tensor(out, staging_.narrow(0, bucket.offset, bucket.padded),
-                                               {ReduceOp::Avg});
+    rs_work_[b] = comm_->reduce_scatter_tensor(
+        out, staging_.narrow(0, bucket.offset, bucket.padded), {ReduceOp::Avg});
   }
 }
 

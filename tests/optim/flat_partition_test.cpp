@@ -1,9 +1,10 @@
 // FlatPartition: shards are balanced to the element, chunks tile every
 // bucket, and the pieces cover each parameter exactly once over all ranks.
+#include "cohort/optim/flat_partition.h"
+
 #include <gtest/gtest.h>
 
 #include "cohort/comm/error.h"
-#include "cohort/optim/flat_partition.h"
 
 namespace cohort {
 namespace {
@@ -46,8 +47,8 @@ TEST(FlatPartition, PiecesCoverEveryParameterOnceAndShardsAreBalanced) {
       }
       for (size_t i = 0; i < numels.size(); ++i) {
         for (int64_t e = 0; e < numels[i]; ++e) {
-          ASSERT_EQ(covered[i][e], 1) << "world " << world << " bucket " << bucket << " param "
-                                      << i << " element " << e;
+          ASSERT_EQ(covered[i][e], 1)
+              << "world " << world << " bucket " << bucket << " param " << i << " element " << e;
         }
       }
     }

@@ -21,7 +21,7 @@ struct OptimNetImpl : torch::nn::Module {
   explicit OptimNetImpl(bool with_unused = false) {
     a = register_module("a", torch::nn::Linear(7, 5));  // 40
     if (with_unused) unused = register_module("unused", torch::nn::Linear(5, 5));
-    b = register_module("b", torch::nn::Linear(5, 3));  // 18
+    b = register_module("b", torch::nn::Linear(5, 3));                                        // 18
     c = register_module("c", torch::nn::Linear(torch::nn::LinearOptions(3, 1).bias(false)));  // 3
   }
   torch::Tensor forward(torch::Tensor x) { return c(torch::tanh(b(torch::tanh(a(x))))); }
@@ -80,8 +80,7 @@ inline double max_diff(const std::vector<torch::Tensor>& a, const std::vector<to
 // DDP + the optimizer `make` builds, `steps` steps; rank 0's parameters.
 inline std::vector<torch::Tensor> reference_run(
     const Problem& pb,
-    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>&
-        make,
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make,
     int steps = kSteps) {
   RankResults out(pb.world);
   run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {

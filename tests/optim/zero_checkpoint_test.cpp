@@ -45,9 +45,9 @@ TEST_P(ZeroCheckpoint, SaveAtTenResumeInFreshJobEqualsUninterrupted) {
   const auto [world, stage] = GetParam();
   torch::set_num_threads(1);
   const Problem pb(world);
-  const auto dir = fs::temp_directory_path() /
-                   ("cohort_zero_ckpt_" + std::to_string(::getpid()) + "_" +
-                    std::to_string(world) + "_" + std::to_string(stage));
+  const auto dir =
+      fs::temp_directory_path() / ("cohort_zero_ckpt_" + std::to_string(::getpid()) + "_" +
+                                   std::to_string(world) + "_" + std::to_string(stage));
   fs::create_directories(dir);
 
   RankResults straight(world), resumed(world);

@@ -59,8 +59,8 @@ struct Case {
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return "world" + std::to_string(info.param.world) + "_stage" +
-         std::to_string(info.param.stage) + (info.param.with_ddp ? "_ddp" : "_alone");
+  return "world" + std::to_string(info.param.world) + "_stage" + std::to_string(info.param.stage) +
+         (info.param.with_ddp ? "_ddp" : "_alone");
 }
 
 class ZeroEquivalence : public ::testing::TestWithParam<Case> {};
@@ -88,12 +88,10 @@ TEST_P(ZeroEquivalence, AdamWTwentyStepsMatchDdp) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Zero, ZeroEquivalence,
-                         ::testing::Values(Case{1, 1, false}, Case{1, 2, false},
-                                           Case{2, 1, false}, Case{2, 1, true},
-                                           Case{2, 2, false}, Case{3, 1, false},
-                                           Case{3, 1, true}, Case{3, 2, false},
-                                           Case{4, 1, false}, Case{4, 1, true},
-                                           Case{4, 2, false}),
+                         ::testing::Values(Case{1, 1, false}, Case{1, 2, false}, Case{2, 1, false},
+                                           Case{2, 1, true}, Case{2, 2, false}, Case{3, 1, false},
+                                           Case{3, 1, true}, Case{3, 2, false}, Case{4, 1, false},
+                                           Case{4, 1, true}, Case{4, 2, false}),
                          case_name);
 
 TEST(Zero, AdamAndSgdMomentumMatchDdp) {
@@ -219,7 +217,8 @@ TEST(Zero, Stage2StagesDuringBackwardAndSkipsUnusedParameters) {
   RankResults got(pb.world);
   run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = pb.make_net();
-    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
+    auto zero =
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
     for (int s = 0; s < kSteps; ++s) {
       zero->zero_grad();
       pb.loss(net, s, comm->rank()).backward();
