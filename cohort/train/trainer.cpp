@@ -1,9 +1,12 @@
 #include "cohort/train/trainer.h"
 
 #include <cstdio>
+#include <filesystem>
+#include <sstream>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/error.h"
+#include "cohort/train/checkpoint_file.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"
 
@@ -135,10 +138,16 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
 
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
-  if (!optimizer_.replicated_state()) {
-    throw Unsupported("Trainer::save_checkpoint on rank " + std::to_string(comm_.rank()) +
-                      ": the optimizer's state is sharded; sharded checkpoints are not "
-                      "implemented yet");
+  const bool sharded = !optimizer_.replicated_state();
+  if (sharded) {
+    // Each rank writes its optimizer shard (atomic, checksummed) before the
+    // gather below, so rank 0 writes the main file, which is what makes the
+    // checkpoint exist, only once every shard is on disk.
+    torch::serialize::OutputArchive archive;
+    optimizer_.save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    write_checkpoint_file(shard_path(position_.step), out.str());
   }
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
   // so a crash cannot leave some ranks' parts newer than others.
@@ -153,7 +162,38 @@ void Trainer::save_checkpoint() {
         encode_training_state(*model_, optimizer_, position_, torch::stack(all));
     checkpoints_->write(position_.step, payload);
   }
+  if (sharded) {
+    // After rank 0's rotation, so that every rank sees which checkpoints
+    // are gone.
+    comm_.barrier().wait();
+    remove_stale_shards();
+  }
   last_checkpoint_step_ = position_.step;
+}
+
+std::string Trainer::shard_path(int64_t step) const {
+  return checkpoints_->path_for(step) + ".shard-" + std::to_string(comm_.rank()) + "-of-" +
+         std::to_string(comm_.size());
+}
+
+void Trainer::remove_stale_shards() const {
+  // This rank's shards whose main checkpoint is gone (rotated out by
+  // keep_last); the one just written is kept even before rank 0's file
+  // appears.
+  const auto kept = checkpoints_->steps();
+  const std::string suffix =
+      ".shard-" + std::to_string(comm_.rank()) + "-of-" + std::to_string(comm_.size());
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoints_->dir(), ec)) {
+    const auto path = entry.path().string();
+    if (path.size() <= suffix.size() ||
+        path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    bool keep = false;
+    for (int64_t step : kept) keep = keep || shard_path(step) == path;
+    if (!keep && shard_path(position_.step) != path) std::filesystem::remove(entry.path(), ec);
+  }
 }
 
 std::optional<int64_t> Trainer::resume() {
@@ -187,6 +227,20 @@ std::optional<int64_t> Trainer::resume() {
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
   auto state = decode_training_state(payload, path, *model_, optimizer_);
+  if (!optimizer_.replicated_state()) {
+    // This rank's optimizer shard; the optimizer checks that it was saved
+    // by the same rank of the same layout.
+    const auto shard = read_checkpoint_file(shard_path(step));
+    try {
+      std::istringstream in(shard);
+      torch::serialize::InputArchive archive;
+      archive.load_from(in);
+      optimizer_.load(archive);
+    } catch (const c10::Error& e) {
+      throw CheckpointError("checkpoint " + shard_path(step) +
+                            ": does not fit this optimizer: " + e.what_without_backtrace());
+    }
+  }
   if (state.rng_states.size(0) != comm_.size()) {
     throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
                       path + " was written by " + std::to_string(state.rng_states.size(0)) +

@@ -110,7 +110,11 @@ class Trainer {
   // metrics of the steps it ran.
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
-  // Writes a checkpoint of the current state (collective).
+  // Writes a checkpoint of the current state (collective). With a sharded
+  // optimizer (replicated_state() false, e.g. ZeRO) every rank also writes
+  // its optimizer shard next to it, "<checkpoint>.shard-<rank>-of-<world>",
+  // and resume() reads it back (a missing or damaged shard is a
+  // CheckpointError naming the file).
   void save_checkpoint();
 
   // Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
@@ -121,6 +125,9 @@ class Trainer {
   const TrainerConfig& config() const { return config_; }
 
  private:
+  std::string shard_path(int64_t step) const;
+  void remove_stale_shards() const;
+
   Communicator& comm_;
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<torch::Tensor> params_;

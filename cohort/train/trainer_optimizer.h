@@ -2,9 +2,9 @@
 // and TorchOptimizer (any torch::optim::Optimizer: AdamW, SGD, ...).
 //
 // The fused optimizer and ZeRO plug in here by implementing the same five
-// calls. ZeRO's state is sharded: it answers replicated_state() false, and
-// the checkpoint then needs every rank's shard (not written yet: the trainer
-// refuses to checkpoint such an optimizer rather than write a partial one).
+// calls (cohort/optim/trainer_adapters.h). ZeRO's state is sharded: it
+// answers replicated_state() false, and the trainer then has every rank save
+// and load its own shard next to the checkpoint.
 #pragma once
 
 #include <torch/optim/optimizer.h>

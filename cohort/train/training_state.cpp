@@ -40,7 +40,8 @@ std::string encode_training_state(torch::nn::Module& model, const TrainerOptimiz
   torch::serialize::OutputArchive archive;
   torch::serialize::OutputArchive model_archive, optimizer_archive;
   model.save(model_archive);
-  optimizer.save(optimizer_archive);
+  // A sharded optimizer (ZeRO) saves each rank's part in its own file.
+  if (optimizer.replicated_state()) optimizer.save(optimizer_archive);
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("step", c10::IValue(position.step));
@@ -62,7 +63,7 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
     copy_into(model, model_archive);
-    optimizer.load(optimizer_archive);
+    if (optimizer.replicated_state()) optimizer.load(optimizer_archive);
     DecodedState state;
     c10::IValue v;
     archive.read("step", v);

@@ -2,7 +2,9 @@
 // model, optimizer, position (step, epoch, micro-batch index), world size
 // and every rank's RNG state, in one torch::serialize archive.
 //
-// Model and optimizer are replicated, so rank 0 writes them once; the RNG
+// Model and optimizer are replicated, so rank 0 writes them once (a
+// sharded optimizer, replicated_state() false, is left out: every rank
+// writes its shard next to the checkpoint, see Trainer); the RNG
 // states differ per rank (dropout draws), so rank 0 gathers them and stores
 // one row per rank.
 #pragma once

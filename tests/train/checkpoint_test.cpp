@@ -3,12 +3,14 @@
 // name and the previous good one is used.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
 
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/optim/trainer_adapters.h"
 #include "cohort/train/checkpoint_file.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
@@ -80,6 +82,7 @@ struct Job {
   std::string metrics;
   bool resume = false;
   bool ddp = true;  // DDP's in-backward reduction, else the all-reduce fallback
+  bool zero = false;  // ZeRO stage 1 after DDP (sharded optimizer state)
 };
 
 struct JobResult {
@@ -98,7 +101,19 @@ JobResult run_job(const Job& job) {
     auto net = testing::make_mlp(job.resume ? 99 : 7);
     DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-    TorchOptimizer optimizer(opt);
+    std::unique_ptr<ZeroRedundancyOptimizer> zero;
+    std::unique_ptr<TrainerOptimizer> adapter;
+    if (job.zero) {
+      ZeroOptions zo;
+      zo.reduce_gradients = false;  // DDP averages them
+      zo.bucket_cap_mb = 64.0 * 4 / (1024 * 1024);  // several buckets
+      zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+          net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
+      adapter = std::make_unique<ZeroTrainerOptimizer>(*zero);
+    } else {
+      adapter = std::make_unique<TorchOptimizer>(opt);
+    }
+    TrainerOptimizer& optimizer = *adapter;
     DdpGradientSync<torch::nn::Sequential> ddp_sync(ddp);
     AllReduceGradientSync plain_sync(*comm, net->parameters());
     GradientSync& sync = job.ddp ? static_cast<GradientSync&>(ddp_sync) : plain_sync;
@@ -182,6 +197,45 @@ INSTANTIATE_TEST_SUITE_P(TrainerCheckpoint, ResumeTest, ::testing::Values(true, 
                          [](const ::testing::TestParamInfo<bool>& i) {
                            return std::string(i.param ? "ddp" : "allreduce");
                          });
+
+// ZeRO's sharded state: every rank writes its shard next to the checkpoint,
+// resume reads it back, and the resumed run is bitwise the uninterrupted
+// one; rotated-out checkpoints take their shards with them.
+TEST(TrainerCheckpoint, ZeroShardsResumeBitwise) {
+  TempDir whole("cohort-zero-whole"), split("cohort-zero-split");
+  Job job{2, whole.str(), 10, 5, 3, whole / "m.jsonl", false, true, true};
+  const auto uninterrupted = run_job(job);
+  ASSERT_EQ(uninterrupted.losses.size(), 10u);
+  job.dir = split.str();
+  job.metrics = split / "m.jsonl";
+  job.max_steps = 5;
+  run_job(job);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(std::filesystem::exists(CheckpointDir(split.str(), 3).path_for(5) + ".shard-" +
+                                        std::to_string(r) + "-of-2"));
+  }
+  job.max_steps = 10;
+  job.resume = true;
+  const auto resumed = run_job(job);
+  ASSERT_EQ(resumed.resumed_at, std::optional<int64_t>(5));
+  ASSERT_EQ(resumed.losses.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(resumed.losses[i], uninterrupted.losses[5 + i]) << "step " << 6 + i;
+  }
+  expect_equal_params(resumed.params, uninterrupted.params);
+
+  // keep_last 1: only the newest checkpoint and its two shards remain.
+  TempDir rotate("cohort-zero-rotate");
+  run_job({2, rotate.str(), 6, 2, 1, rotate / "m.jsonl", false, true, true});
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(rotate.str())) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"ckpt-0000000006.cohort",
+                                             "ckpt-0000000006.cohort.shard-0-of-2",
+                                             "ckpt-0000000006.cohort.shard-1-of-2", "m.jsonl"}));
+}
 
 TEST(TrainerCheckpoint, DamagedNewestFallsBackToThePreviousOne) {
   TempDir dir("cohort-fallback");

@@ -1,0 +1,189 @@
+// One rank of the zero_memory benchmark (RANK, WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT from the environment): trains the 10M transformer of
+// bench/ddp_vs_torch with AdamW in one mode and prints, on rank 0, one JSON
+// line with the largest per-rank figures:
+//   {"mode", "world", "state_bytes_per_rank", "grad_bytes_per_rank",
+//    "grad_bytes_after_backward", "step_ms" (median step), "step_ms_min"}
+// Modes (all on the same engine and communicator):
+//   ddp    cohort DDP (gradients as bucket views: one copy) + torch AdamW
+//   zero1  cohort DDP as above + ZeRO stage 1 (state sharded; DDP's
+//          all-reduce, then an all-gather of the parameters)
+//   zero2  ZeRO stage 2 alone (reduce-scatter into the shard, all-gather)
+//   fused  FusedDistributedOptimizer (bucketed all-reduce + flat AdamW)
+// grad_bytes_per_rank: gradient storage that persists between steps
+// (distinct storages of DDP's buckets, the parameters' .grad and the
+// optimizer's own gradient buffers), measured after the step.
+// grad_bytes_after_backward: the same, measured between backward and step;
+// it includes the .grad tensors autograd allocates each backward, which
+// ZeRO-2 releases during its step (the transient peak of this design).
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <set>
+#include <string>
+
+#include "bench/ddp_vs_torch/bench_models.h"
+#include "cohort/cohort.h"
+#include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
+#include "cohort/optim/optimizer_state.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+
+namespace {
+
+struct Args {
+  std::string mode = "ddp";
+  int64_t batch = 2;  // per rank (as ddp_vs_torch's transformer)
+  int steps = 10;
+  int warmup = 3;
+  double bucket_mb = 25;  // ZeRO's and the fused optimizer's bucket cap
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--mode")
+      a.mode = v;
+    else if (k == "--batch")
+      a.batch = std::stoll(v);
+    else if (k == "--steps")
+      a.steps = std::stoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::stoi(v);
+    else if (k == "--bucket-mb")
+      a.bucket_mb = std::stod(v);
+    else
+      throw std::invalid_argument("unknown option " + k);
+  }
+  return a;
+}
+
+// Bytes of the distinct storages among the given tensors.
+int64_t distinct_bytes(const std::vector<torch::Tensor>& ts) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : ts) {
+    if (!t.defined()) continue;
+    const auto& st = t.storage();
+    if (seen.insert(st.data()).second) bytes += static_cast<int64_t>(st.nbytes());
+  }
+  return bytes;
+}
+
+int64_t max_over_ranks(cohort::Communicator& comm, int64_t v) {
+  auto t = torch::tensor({v});
+  comm.all_reduce(t, {cohort::ReduceOp::Max}).wait();
+  return t.item<int64_t>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    torch::set_num_threads(1);
+    auto comm = cohort::init();
+    torch::manual_seed(0);  // same initial model everywhere
+    cohort::bench::TransformerStack model;
+    torch::manual_seed(1 + comm->rank());
+    auto [x, y] = cohort::bench::make_batch("transformer", a.batch);
+    const auto opts = torch::optim::AdamWOptions(1e-4);
+
+    std::unique_ptr<cohort::DistributedDataParallel<cohort::bench::TransformerStack>> ddp;
+    std::unique_ptr<torch::optim::AdamW> adamw;
+    std::unique_ptr<cohort::ZeroRedundancyOptimizer> zero;
+    std::unique_ptr<cohort::FusedDistributedOptimizer> fused;
+    if (a.mode == "ddp" || a.mode == "zero1") {
+      cohort::DDPOptions o;
+      o.gradient_as_bucket_view = true;
+      ddp = std::make_unique<cohort::DistributedDataParallel<cohort::bench::TransformerStack>>(
+          model, comm, o);
+    } else {
+      // Same starting point as DDP's broadcast.
+      torch::NoGradGuard no_grad;
+      for (auto p : model->parameters()) comm->broadcast(p).wait();
+    }
+    if (a.mode == "ddp") {
+      adamw = std::make_unique<torch::optim::AdamW>(model->parameters(), opts);
+    } else if (a.mode == "zero1" || a.mode == "zero2") {
+      cohort::ZeroOptions zo;
+      zo.stage = a.mode == "zero1" ? 1 : 2;
+      zo.reduce_gradients = a.mode == "zero2";
+      zo.bucket_cap_mb = a.bucket_mb;
+      zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), opts,
+                                                                        comm, zo);
+    } else if (a.mode == "fused") {
+      cohort::FusedOptions fo;
+      fo.bucket_cap_mb = a.bucket_mb;
+      fused =
+          std::make_unique<cohort::FusedDistributedOptimizer>(model->parameters(), opts, comm, fo);
+    } else {
+      throw std::invalid_argument("unknown mode " + a.mode);
+    }
+
+    auto grad_storages = [&] {
+      std::vector<torch::Tensor> ts;
+      for (const auto& p : model->parameters()) ts.push_back(p.grad());
+      if (ddp) {
+        for (size_t i = 0; i < ddp->reducer().bucket_layout().size(); ++i) {
+          ts.push_back(ddp->reducer().bucket_buffer(i));
+        }
+      }
+      for (const auto& t : zero    ? zero->grad_buffers()
+                           : fused ? fused->grad_buffers()
+                                   : std::vector<torch::Tensor>{}) {
+        ts.push_back(t);
+      }
+      return distinct_bytes(ts);
+    };
+    int64_t after_backward = 0;
+    auto step = [&] {
+      if (adamw) adamw->zero_grad();
+      if (zero) zero->zero_grad();
+      if (fused) fused->zero_grad();
+      auto out = ddp ? ddp->forward(x) : model->forward(x);
+      torch::mse_loss(out, y).backward();
+      after_backward = grad_storages();
+      if (adamw) adamw->step();
+      if (zero) zero->step();
+      if (fused) fused->step();
+    };
+    for (int i = 0; i < a.warmup; ++i) step();
+    std::vector<double> ms;
+    for (int i = 0; i < a.steps; ++i) {
+      comm->barrier().wait();
+      const auto t0 = std::chrono::steady_clock::now();
+      step();
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    const int64_t state = adamw  ? cohort::optimizer_state_bytes(*adamw)
+                          : zero ? zero->state_bytes()
+                                 : fused->state_bytes();
+    const int64_t grads = grad_storages();
+    const int64_t state_max = max_over_ranks(*comm, state);
+    const int64_t grads_max = max_over_ranks(*comm, grads);
+    const int64_t after_max = max_over_ranks(*comm, after_backward);
+    int64_t params = 0;
+    for (const auto& p : model->parameters()) params += p.numel();
+    if (comm->rank() == 0) {
+      std::printf(
+          "{\"mode\": \"%s\", \"world\": %d, \"params\": %lld, \"state_bytes_per_rank\": %lld, "
+          "\"grad_bytes_per_rank\": %lld, \"grad_bytes_after_backward\": %lld, "
+          "\"step_ms\": %.3f, \"step_ms_min\": %.3f}\n",
+          a.mode.c_str(), comm->size(), static_cast<long long>(params),
+          static_cast<long long>(state_max), static_cast<long long>(grads_max),
+          static_cast<long long>(after_max), ms[ms.size() / 2], ms.front());
+    }
+    cohort::finalize();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "zero_memory: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,240 @@
+#include "cohort/optim/fused_distributed_optimizer.h"
+
+#include <algorithm>
+
+#include "cohort/comm/error.h"
+#include "cohort/optim/fused_adamw.h"
+
+namespace cohort {
+namespace {
+
+// Elements per slice of the update: 256 KiB of float32 per operand.
+constexpr int64_t kUpdateSlice = 64 * 1024;
+
+}  // namespace
+
+FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> params,
+                                                     torch::optim::AdamWOptions options,
+                                                     std::shared_ptr<Communicator> comm,
+                                                     FusedOptions fused)
+    : comm_(std::move(comm)), options_(options), params_(std::move(params)) {
+  const std::string where = "FusedDistributedOptimizer (rank " + std::to_string(comm_->rank()) +
+                            " of " + std::to_string(comm_->size()) + ")";
+  if (params_.empty()) throw InvalidArgument(where + ": no parameters");
+  for (const auto& p : params_) {
+    if (!p.is_floating_point() || p.is_sparse() || !p.device().is_cpu() ||
+        p.scalar_type() != params_[0].scalar_type()) {
+      throw Unsupported(where + ": parameters must be dense CPU tensors of one floating dtype");
+    }
+  }
+  steps_.assign(params_.size(), 0);
+  grad_views_.resize(params_.size());
+  seen_.assign(params_.size(), 0);
+  // Greedy buckets in parameter order, each at most the cap (in bytes).
+  const double cap = fused.bucket_cap_mb * 1024 * 1024;
+  double bytes = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const double nb = static_cast<double>(params_[i].nbytes());
+    if (buckets_.empty() || (bytes + nb > cap && !buckets_.back().params.empty())) {
+      buckets_.emplace_back();
+      bytes = 0;
+    }
+    buckets_.back().params.push_back(i);
+    bytes += nb;
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    int64_t n = 0;
+    for (size_t i : b.params) {
+      b.offsets.push_back(n);
+      n += params_[i].numel();
+    }
+    b.param = torch::empty({n}, params_[0].options());
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      auto& p = params_[b.params[k]];
+      auto view = b.param.narrow(0, b.offsets[k], p.numel());
+      view.copy_(p.reshape(-1));
+      p.set_data(view.view(p.sizes()));
+    }
+    b.grad = torch::zeros_like(b.param);
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      auto& p = params_[b.params[k]];
+      grad_views_[b.params[k]] = b.grad.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+    }
+    b.exp_avg = torch::zeros_like(b.param);
+    b.exp_avg_sq = torch::zeros_like(b.param);
+    if (options_.amsgrad()) b.max_exp_avg_sq = torch::zeros_like(b.param);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].grad().defined()) grad_views_[i].copy_(params_[i].grad());
+    params_[i].mutable_grad() = grad_views_[i];
+    if (params_[i].requires_grad()) {
+      hooks_.push_back(params_[i].register_hook([this, i](const torch::Tensor&) { seen_[i] = 1; }));
+    } else {
+      hooks_.push_back(~0u);
+    }
+  }
+}
+
+FusedDistributedOptimizer::~FusedDistributedOptimizer() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (hooks_[i] != ~0u) params_[i].remove_hook(hooks_[i]);
+  }
+}
+
+std::vector<std::vector<size_t>> FusedDistributedOptimizer::bucket_layout() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+void FusedDistributedOptimizer::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) b.grad.zero_();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& g = params_[i].grad();
+    if (!g.defined() || !g.is_same(grad_views_[i])) params_[i].mutable_grad() = grad_views_[i];
+  }
+  std::fill(seen_.begin(), seen_.end(), 0);
+}
+
+void FusedDistributedOptimizer::fill(Bucket& b) {
+  // Normally every .grad is its view already; adopt any that is not.
+  for (size_t i : b.params) {
+    auto& g = params_[i].mutable_grad();
+    if (g.defined() && g.is_same(grad_views_[i])) continue;
+    if (g.defined()) {
+      grad_views_[i].copy_(g);
+      seen_[i] = 1;
+    } else {
+      grad_views_[i].zero_();
+    }
+    g = grad_views_[i];
+  }
+}
+
+void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
+  if (comm_->size() > 1) b.grad.div_(comm_->size());  // the all-reduce summed
+  // Consecutive parameters with a gradient and the same step count share one
+  // update (almost always the whole bucket).
+  size_t k = 0;
+  while (k < b.params.size()) {
+    const size_t i = b.params[k];
+    if (!has[i]) {
+      ++k;
+      continue;
+    }
+    size_t e = k + 1;
+    while (e < b.params.size() && has[b.params[e]] && steps_[b.params[e]] == steps_[i]) ++e;
+    const int64_t lo = b.offsets[k];
+    const int64_t hi = e < b.params.size() ? b.offsets[e] : b.param.numel();
+    // In slices that stay in cache across the update's passes (and whose
+    // temporaries the allocator recycles instead of mapping fresh pages).
+    for (int64_t a = lo; a < hi; a += kUpdateSlice) {
+      const int64_t n = std::min(kUpdateSlice, hi - a);
+      auto p = b.param.narrow(0, a, n);
+      auto g = b.grad.narrow(0, a, n);
+      auto m = b.exp_avg.narrow(0, a, n);
+      auto v = b.exp_avg_sq.narrow(0, a, n);
+      torch::Tensor vmax;
+      if (options_.amsgrad()) vmax = b.max_exp_avg_sq.narrow(0, a, n);
+      adamw_update(p, g, m, v, vmax, steps_[i] + 1, options_);
+    }
+    for (size_t j = k; j < e; ++j) ++steps_[b.params[j]];
+    k = e;
+  }
+}
+
+void FusedDistributedOptimizer::step() {
+  torch::NoGradGuard no_grad;
+  const int world = comm_->size();
+  // Which parameters have a gradient on some rank (one small all-reduce).
+  auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
+  auto* m = mask.data_ptr<int>();
+  for (auto& b : buckets_) fill(b);
+  for (size_t i = 0; i < params_.size(); ++i) m[i] = seen_[i];
+  if (world > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
+  const std::vector<char> has(m, m + params_.size());
+
+  if (world == 1) {
+    for (auto& b : buckets_) apply(b, has);
+  } else {
+    // Bucket i's all-reduce is in flight while bucket i-1 is updated.
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      buckets_[i].work = comm_->all_reduce(buckets_[i].grad, {ReduceOp::Sum});
+      if (i > 0) {
+        buckets_[i - 1].work.wait();
+        apply(buckets_[i - 1], has);
+      }
+    }
+    buckets_.back().work.wait();
+    apply(buckets_.back(), has);
+  }
+  ++timestep_;
+}
+
+int64_t FusedDistributedOptimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& b : buckets_) {
+    bytes += b.exp_avg.nbytes() + b.exp_avg_sq.nbytes();
+    if (b.max_exp_avg_sq.defined()) bytes += b.max_exp_avg_sq.nbytes();
+  }
+  return bytes;
+}
+
+std::vector<torch::Tensor> FusedDistributedOptimizer::grad_buffers() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& b : buckets_) out.push_back(b.grad);
+  return out;
+}
+
+int64_t FusedDistributedOptimizer::grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& b : buckets_) bytes += b.grad.nbytes();
+  return bytes;
+}
+
+void FusedDistributedOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("fused_timestep", torch::tensor({timestep_}));
+  archive.write("fused_steps", torch::tensor(steps_));
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const auto key = "fused_bucket_" + std::to_string(i) + "_";
+    archive.write(key + "exp_avg", buckets_[i].exp_avg);
+    archive.write(key + "exp_avg_sq", buckets_[i].exp_avg_sq);
+    if (options_.amsgrad()) archive.write(key + "max_exp_avg_sq", buckets_[i].max_exp_avg_sq);
+  }
+}
+
+void FusedDistributedOptimizer::load(torch::serialize::InputArchive& archive) {
+  torch::Tensor timestep, steps;
+  archive.read("fused_timestep", timestep);
+  archive.read("fused_steps", steps);
+  if (steps.numel() != static_cast<int64_t>(params_.size())) {
+    throw MismatchError("FusedDistributedOptimizer::load (rank " + std::to_string(comm_->rank()) +
+                        "): the archive has " + std::to_string(steps.numel()) +
+                        " parameters, this optimizer " + std::to_string(params_.size()));
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const auto key = "fused_bucket_" + std::to_string(i) + "_";
+    auto read_into = [&](const std::string& name, torch::Tensor& dst) {
+      torch::Tensor t;
+      archive.read(key + name, t);
+      if (t.numel() != dst.numel()) {
+        throw MismatchError("FusedDistributedOptimizer::load (rank " +
+                            std::to_string(comm_->rank()) + "): bucket " + std::to_string(i) +
+                            " has " + std::to_string(t.numel()) + " elements in the archive, " +
+                            std::to_string(dst.numel()) + " here");
+      }
+      dst.copy_(t);
+    };
+    read_into("exp_avg", buckets_[i].exp_avg);
+    read_into("exp_avg_sq", buckets_[i].exp_avg_sq);
+    if (options_.amsgrad()) read_into("max_exp_avg_sq", buckets_[i].max_exp_avg_sq);
+  }
+  timestep_ = timestep.item<int64_t>();
+  auto s = steps.contiguous();
+  for (size_t i = 0; i < params_.size(); ++i) steps_[i] = s[i].item<int64_t>();
+}
+
+}  // namespace cohort

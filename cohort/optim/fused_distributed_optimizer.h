@@ -1,0 +1,96 @@
+// defines: FusedOptions, FusedDistributedOptimizer: data-parallel AdamW that
+// reduces the gradients itself, bucket by bucket, and overlaps each bucket's
+// all-reduce with the update of the bucket before it:
+//
+//   launch all-reduce(bucket 0)
+//   launch all-reduce(bucket 1); wait(bucket 0); average + AdamW(bucket 0)
+//   launch all-reduce(bucket 2); wait(bucket 1); average + AdamW(bucket 1)
+//   ...                          wait(last);     average + AdamW(last)
+//
+// Use it on a plain module (no DDP): backward fills .grad, step() does the
+// rest. The parameters become views into one flat buffer per bucket, their
+// .grad views into a flat gradient buffer (autograd accumulates into it in
+// place: no copy before the all-reduce, no new .grad each backward), and
+// the AdamW state is flat too, so an update is a handful of kernels per
+// bucket (fused_adamw.h) instead of a handful per parameter. Numbers equal
+// DDP + torch::optim::AdamW with the same options (to rounding).
+//
+// A parameter that got no gradient on any rank since zero_grad() (seen by a
+// hook on each parameter) is skipped, as LibTorch's AdamW skips an undefined
+// .grad (no decay, no state update); its .grad stays a zero view. One with a
+// gradient on some ranks only counts as zero on the others, as in DDP. A
+// .grad the caller replaced (or autograd re-created after it was set to
+// none) is copied into the bucket. At world size 1 there is no
+// communication.
+#pragma once
+
+#include <torch/optim/adamw.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+
+namespace cohort {
+
+struct FusedOptions {
+  // Largest bucket in MiB (a larger parameter gets a bucket of its own).
+  double bucket_cap_mb = 25;
+};
+
+class FusedDistributedOptimizer {
+ public:
+  // Collective: every rank passes the same shapes in the same order, with
+  // equal values (broadcast them first, e.g. by building DDP once, or seed).
+  FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
+                            std::shared_ptr<Communicator> comm, FusedOptions fused = {});
+  // Removes the gradient hooks from the parameters.
+  ~FusedDistributedOptimizer();
+  // The hooks hold this object's address.
+  FusedDistributedOptimizer(const FusedDistributedOptimizer&) = delete;
+  FusedDistributedOptimizer& operator=(const FusedDistributedOptimizer&) = delete;
+
+  // Collective: average the gradients over the ranks and apply AdamW.
+  void step();
+  // Zeros the gradient buckets (the .grad views with them).
+  void zero_grad();
+  void set_lr(double lr) { options_.lr(lr); }
+  torch::optim::AdamWOptions& options() { return options_; }
+  // Steps taken so far.
+  int64_t timestep() const { return timestep_; }
+  size_t bucket_count() const { return buckets_.size(); }
+  // Parameter indices of each bucket.
+  std::vector<std::vector<size_t>> bucket_layout() const;
+  // Bytes of AdamW state and of gradient buffers held between steps.
+  int64_t state_bytes() const;
+  int64_t grad_bytes() const;
+  std::vector<torch::Tensor> grad_buffers() const;
+
+  // Replicated state (every rank holds all of it): rank 0's save suffices.
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;
+    std::vector<int64_t> offsets;  // of each parameter in the flat buffers
+    torch::Tensor param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;
+    Work work;
+  };
+  void fill(Bucket& b);
+  void apply(Bucket& b, const std::vector<char>& has);
+
+  std::shared_ptr<Communicator> comm_;
+  torch::optim::AdamWOptions options_;
+  std::vector<torch::Tensor> params_;
+  std::vector<int64_t> steps_;             // per parameter (skipped ones lag behind)
+  std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
+  std::vector<char> seen_;                 // got a gradient since zero_grad
+  std::vector<unsigned> hooks_;
+  std::vector<Bucket> buckets_;
+  int64_t timestep_ = 0;
+};
+
+}  // namespace cohort

@@ -1,0 +1,273 @@
+// ZeroRedundancyOptimizer (stages 1 and 2, alone and after cohort DDP) ends
+// 20 steps at the parameters of DDP + the same LibTorch optimizer, within
+// 1e-6, at world sizes 1-4 with 61 parameters (divisible by none of 2, 3,
+// 4) and buckets of 16 elements, so parameters straddle chunks and ranks.
+#include <gtest/gtest.h>
+
+#include "cohort/optim/optimizer_state.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+#include "tests/optim/optim_test_support.h"
+
+namespace cohort::testing {
+namespace {
+
+constexpr double kTinyBucketMb = 16.0 * 4 / (1024 * 1024);  // 16 floats
+
+using Groups = std::vector<torch::optim::OptimizerParamGroup>;
+
+// Runs `steps` ZeRO steps; with_ddp: DDP all-reduces in backward and ZeRO
+// (stage 1) takes the averaged gradients. make builds the ZeRO optimizer
+// from the model's parameters; between(step, zero) runs before each step.
+std::vector<std::vector<torch::Tensor>> zero_run(
+    const Problem& pb, bool with_ddp,
+    const std::function<std::unique_ptr<ZeroRedundancyOptimizer>(
+        std::vector<torch::Tensor>, std::shared_ptr<Communicator>)>& make,
+    const std::function<void(int, ZeroRedundancyOptimizer&)>& between = {}) {
+  RankResults out(pb.world);
+  run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
+    auto net = pb.make_net();
+    std::unique_ptr<DistributedDataParallel<OptimNet>> ddp;
+    if (with_ddp) ddp = std::make_unique<DistributedDataParallel<OptimNet>>(net, comm);
+    auto zero = make(net->parameters(), comm);
+    for (int s = 0; s < kSteps; ++s) {
+      if (between) between(s, *zero);
+      zero->zero_grad();
+      auto x = pb.xs[s][comm->rank()];
+      auto y = ddp ? ddp->forward(x) : net->forward(x);
+      torch::mse_loss(y, pb.ys[s][comm->rank()]).backward();
+      zero->step();
+    }
+    out.put(comm->rank(), net->parameters());
+  });
+  return out.params;
+}
+
+void expect_all_ranks_equal(const std::vector<std::vector<torch::Tensor>>& got,
+                            const std::vector<torch::Tensor>& expected,
+                            const std::vector<torch::Tensor>& init) {
+  // Only meaningful if training moved the parameters.
+  ASSERT_GT(max_diff(expected, init), 1e-3);
+  for (size_t r = 0; r < got.size(); ++r) {
+    EXPECT_LT(max_diff(got[r], expected), 1e-6) << "rank " << r;
+  }
+}
+
+struct Case {
+  int world;
+  int stage;
+  bool with_ddp;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return "world" + std::to_string(info.param.world) + "_stage" + std::to_string(info.param.stage) +
+         (info.param.with_ddp ? "_ddp" : "_alone");
+}
+
+class ZeroEquivalence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ZeroEquivalence, AdamWTwentyStepsMatchDdp) {
+  const auto c = GetParam();
+  torch::set_num_threads(1);
+  const Problem pb(c.world);
+  const auto opts = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
+  const auto expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
+    return std::make_unique<torch::optim::AdamW>(ps, opts);
+  });
+  ZeroOptions zo;
+  zo.stage = c.stage;
+  zo.reduce_gradients = !c.with_ddp;
+  zo.bucket_cap_mb = kTinyBucketMb;
+  const auto got = zero_run(pb, c.with_ddp, [&](auto ps, auto comm) {
+    auto z = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ps, opts, comm, zo);
+    // Balanced: every rank's shard is the padded total over the world.
+    EXPECT_EQ(z->partition().shard_numel() * c.world, z->partition().padded_numel());
+    EXPECT_GT(z->partition().buckets().size(), 2u);
+    return z;
+  });
+  expect_all_ranks_equal(got, expected, pb.init);
+}
+
+INSTANTIATE_TEST_SUITE_P(Zero, ZeroEquivalence,
+                         ::testing::Values(Case{1, 1, false}, Case{1, 2, false}, Case{2, 1, false},
+                                           Case{2, 1, true}, Case{2, 2, false}, Case{3, 1, false},
+                                           Case{3, 1, true}, Case{3, 2, false}, Case{4, 1, false},
+                                           Case{4, 1, true}, Case{4, 2, false}),
+                         case_name);
+
+TEST(Zero, AdamAndSgdMomentumMatchDdp) {
+  torch::set_num_threads(1);
+  const Problem pb(3);
+  ZeroOptions zo;
+  zo.stage = 2;
+  zo.bucket_cap_mb = kTinyBucketMb;
+  const auto adam = torch::optim::AdamOptions(0.01).weight_decay(0.05).amsgrad(true);
+  auto expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
+    return std::make_unique<torch::optim::Adam>(ps, adam);
+  });
+  auto got = zero_run(pb, false, [&](auto ps, auto comm) {
+    return ZeroRedundancyOptimizer::make<torch::optim::Adam>(ps, adam, comm, zo);
+  });
+  expect_all_ranks_equal(got, expected, pb.init);
+
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true);
+  expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
+    return std::make_unique<torch::optim::SGD>(ps, sgd);
+  });
+  got = zero_run(pb, false, [&](auto ps, auto comm) {
+    return ZeroRedundancyOptimizer::make<torch::optim::SGD>(ps, sgd, comm, zo);
+  });
+  expect_all_ranks_equal(got, expected, pb.init);
+}
+
+// Per-group options are kept, and set_lr / a group's lr change mid-run act
+// as they do on the LibTorch optimizer.
+TEST(Zero, ParamGroupsAndLrChangesMatchDdp) {
+  torch::set_num_threads(1);
+  const Problem pb(2);
+  auto groups_of = [](const std::vector<torch::Tensor>& ps) {
+    Groups g;
+    g.emplace_back(std::vector<torch::Tensor>(ps.begin(), ps.begin() + 2),
+                   std::make_unique<torch::optim::AdamWOptions>(
+                       torch::optim::AdamWOptions(0.02).weight_decay(0.0)));
+    g.emplace_back(std::vector<torch::Tensor>(ps.begin() + 2, ps.end()),
+                   std::make_unique<torch::optim::AdamWOptions>(
+                       torch::optim::AdamWOptions(0.005).betas({0.8, 0.99}).weight_decay(0.3)));
+    return g;
+  };
+  auto schedule = [](int s, std::vector<torch::optim::OptimizerParamGroup>& groups,
+                     const std::function<void(double)>& set_lr) {
+    if (s == 8) set_lr(0.003);
+    if (s == 14) groups[1].options().set_lr(0.05);
+  };
+  // The reference applies the same changes to torch::optim::AdamW.
+  RankResults ref(pb.world);
+  run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
+    auto net = pb.make_net();
+    DistributedDataParallel<OptimNet> ddp(net, comm);
+    torch::optim::AdamW opt(groups_of(ddp.parameters()));
+    for (int s = 0; s < kSteps; ++s) {
+      schedule(s, opt.param_groups(), [&](double lr) {
+        for (auto& g : opt.param_groups()) g.options().set_lr(lr);
+      });
+      opt.zero_grad();
+      torch::mse_loss(ddp.forward(pb.xs[s][comm->rank()]), pb.ys[s][comm->rank()]).backward();
+      opt.step();
+    }
+    ref.put(comm->rank(), net->parameters());
+  });
+  ZeroOptions zo;
+  zo.stage = 2;
+  zo.bucket_cap_mb = kTinyBucketMb;
+  const auto got = zero_run(
+      pb, false,
+      [&](auto ps, auto comm) {
+        return ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+            groups_of(ps), torch::optim::AdamWOptions(), comm, zo);
+      },
+      [&](int s, ZeroRedundancyOptimizer& z) {
+        schedule(s, z.param_groups(), [&](double lr) { z.set_lr(lr); });
+      });
+  expect_all_ranks_equal(got, ref.params[0], pb.init);
+}
+
+// Stage 1 holds 1/N of the state; stage 2 also 1/N of the gradients and
+// releases the parameters' .grad during the step.
+TEST(Zero, ShardsStateAndGradients) {
+  torch::set_num_threads(1);
+  const Problem pb(4);
+  for (int stage : {1, 2}) {
+    run_ranks_shared(4, [&](std::shared_ptr<Communicator> comm) {
+      auto net = pb.make_net();
+      ZeroOptions zo;
+      zo.stage = stage;
+      auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+          net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo);
+      torch::mse_loss(net->forward(pb.xs[0][comm->rank()]), pb.ys[0][comm->rank()]).backward();
+      zero->step();
+      const int64_t shard = zero->partition().shard_numel();  // ceil(61 / 4) = 16
+      EXPECT_EQ(shard, 16);
+      int64_t state_elems = 0;
+      for (const auto& p : zero->partition().pieces()) state_elems += p.numel;
+      EXPECT_EQ(zero->state_bytes(), 2 * state_elems * 4);  // exp_avg, exp_avg_sq
+      EXPECT_LE(zero->state_bytes(), 2 * shard * 4);
+      if (stage == 2) {
+        EXPECT_EQ(zero->grad_bytes(), shard * 4);
+        for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+      } else {
+        EXPECT_EQ(zero->grad_bytes(), 64 * 4);  // the full padded buffer
+      }
+    });
+  }
+}
+
+// Stage 2 stages gradients during backward: the .grad autograd keeps are
+// views into the one staging buffer (no second copy), a layer that gets no
+// gradient anywhere is skipped as AdamW skips it, and the staging buffer
+// and .grad are gone after the step.
+TEST(Zero, Stage2StagesDuringBackwardAndSkipsUnusedParameters) {
+  torch::set_num_threads(1);
+  const Problem pb(3, /*with_unused=*/true);
+  const auto opts = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
+  const auto expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
+    return std::make_unique<torch::optim::AdamW>(ps, opts);
+  });
+  ZeroOptions zo;
+  zo.stage = 2;
+  zo.bucket_cap_mb = kTinyBucketMb;
+  RankResults got(pb.world);
+  run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
+    auto net = pb.make_net();
+    auto zero =
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
+    for (int s = 0; s < kSteps; ++s) {
+      zero->zero_grad();
+      pb.loss(net, s, comm->rank()).backward();
+      const auto buffers = zero->grad_buffers();
+      ASSERT_EQ(buffers.size(), 2u);  // the shard and this iteration's staging
+      const auto* staging = buffers[1].storage().data();
+      for (const auto& p : net->parameters()) {
+        if (p.grad().defined()) {
+          EXPECT_EQ(p.grad().storage().data(), staging);
+        }
+      }
+      zero->step();
+      EXPECT_EQ(zero->grad_buffers().size(), 1u);
+      for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+    }
+    got.put(comm->rank(), net->parameters());
+  });
+  EXPECT_TRUE(expected[2].equal(pb.init[2]));  // the unused layer did not move
+  expect_all_ranks_equal(got.params, expected, pb.init);
+}
+
+TEST(Zero, Stage2RefusesTwoBackwardsPerStep) {
+  torch::set_num_threads(1);
+  const Problem pb(2);
+  ZeroOptions zo;
+  zo.stage = 2;
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    auto net = pb.make_net();
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+        net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo);
+    pb.loss(net, 0, comm->rank()).backward();
+    pb.loss(net, 1, comm->rank()).backward();
+    EXPECT_THROW(zero->step(), Error);
+    // The optimizer is usable again after the refusal.
+    zero->zero_grad();
+    pb.loss(net, 2, comm->rank()).backward();
+    zero->step();
+  });
+}
+
+TEST(Zero, RefusesMismatchedModels) {
+  torch::set_num_threads(1);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    OptimNet net(comm->rank() == 1);  // rank 1 has an extra layer
+    EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+                     net->parameters(), torch::optim::AdamWOptions(), comm),
+                 MismatchError);
+  });
+}
+
+}  // namespace
+}  // namespace cohort::testing
