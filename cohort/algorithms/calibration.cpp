@@ -10,22 +10,30 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
                       const std::function<void(Algorithm, int64_t)>& run, Millis timeout) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  std::vector<double> medians;
+  // Blocks of runs alternate between the candidates, so a burst of machine
+  // noise hits all of them alike; a point is the median over blocks of the
+  // mean time per run: what a training loop issuing these back to back sees
+  // (wake-up delays included, which a fastest-run figure would hide).
+  std::vector<double> typical;
   for (size_t s = 0; s < std::size(kCalibrationSizes); ++s) {
     const int64_t bytes = kCalibrationSizes[s];
-    for (auto algo : candidates) {
-      run(algo, bytes);  // warm-up: connections, scratch buffers, caches
-      std::vector<double> us;
-      for (int i = 0; i < kCalibrationRuns[s]; ++i) {
+    for (auto algo : candidates) run(algo, bytes);  // warm-up: connections, scratch, caches
+    std::vector<std::vector<double>> blocks(candidates.size());
+    for (int b = 0; b < kCalibrationBlocks; ++b) {
+      for (size_t a = 0; a < candidates.size(); ++a) {
         const auto t0 = Clock::now();
-        run(algo, bytes);
-        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        for (int i = 0; i < kCalibrationRuns[s]; ++i) run(candidates[a], bytes);
+        blocks[a].push_back(
+            std::chrono::duration<double, std::micro>(Clock::now() - t0).count() /
+            kCalibrationRuns[s]);
       }
-      std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
-      medians.push_back(us[us.size() / 2]);
+    }
+    for (auto& v : blocks) {
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      typical.push_back(v[v.size() / 2]);
     }
   }
-  auto slowest = at::tensor(medians, at::kDouble);
+  auto slowest = at::tensor(typical, at::kDouble);
   engine.all_reduce(slowest, ReduceOp::Max)->wait(timeout);
 
   Calibration c;

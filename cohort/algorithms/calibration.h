@@ -1,10 +1,11 @@
 // defines: calibrate, the short measurement at a group's first adaptive
 // collective that the cost model is fitted to.
 //
-// Each candidate algorithm runs at a few sizes (kCalibrationSizes), sizes
-// outer and algorithms inner so that machine noise hits all alike; each
-// point is the median of a few runs on the slowest rank (one MAX reduction
-// of all points at the end, so every rank holds the same numbers). Rank 0
+// Each candidate algorithm runs at a few sizes (kCalibrationSizes) in
+// blocks of back-to-back runs, the candidates alternating block by block so
+// that machine noise hits all alike; each point is the median block's mean,
+// on the slowest rank (one MAX reduction of all points at the end, so every
+// rank holds the same numbers). Rank 0
 // fits the model and publishes it in the group's store; every rank reads it
 // back from there, so all ranks choose identically. The model is kept for
 // the group's lifetime (calibration runs once per group and operation).
@@ -20,9 +21,11 @@
 
 namespace cohort::algorithms {
 
-// Vector sizes (bytes) measured, and runs per size (after one warm-up).
+// Vector sizes (bytes) measured, runs per block at each size, blocks per
+// candidate (after one warm-up run).
 inline constexpr int64_t kCalibrationSizes[] = {4 << 10, 64 << 10, 1 << 20, 8 << 20};
-inline constexpr int kCalibrationRuns[] = {5, 5, 3, 2};
+inline constexpr int kCalibrationRuns[] = {4, 4, 2, 1};
+inline constexpr int kCalibrationBlocks = 3;
 
 struct Calibration {
   CostModel model;
