@@ -20,7 +20,9 @@ int main() {
                       Algorithm::Hierarchical, Algorithm::Engine, Algorithm::Adaptive}) {
       const std::string name = to_string(algo);
       for (auto dt : {torch::kFloat32, torch::kBFloat16, torch::kInt64}) {
-        for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{(1 << 20) + 3}}) {
+        for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{(1 << 18) + 3}}) {
+          // The large count (several pipeline segments) on f32 only.
+          if (n > 1000 && dt != torch::kFloat32) continue;
           auto t = rank_input(r, n, dt);
           AllReduceOptions ao;
           ao.algo = algo;
