@@ -12,7 +12,8 @@ namespace {
 // The Work of one job: completed by the worker, waited for by the caller.
 class JobWork : public WorkImpl {
  public:
-  explicit JobWork(std::string what) : what_(std::move(what)) {}
+  JobWork(std::string what, Clock::time_point deadline)
+      : what_(std::move(what)), deadline_(deadline) {}
 
   void finish(std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -28,14 +29,19 @@ class JobWork : public WorkImpl {
 
   void wait(Millis timeout) override {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
-      throw TimeoutError(what_ + " has not finished");
+    bool done = cv_.wait_for(lock, timeout, [&] { return done_; });
+    // Past the job's own deadline its waits fail too, with a better message
+    // (the step and the peer it was waiting for): give it a moment to.
+    if (!done && Clock::now() >= deadline_) {
+      done = cv_.wait_for(lock, Millis(500), [&] { return done_; });
     }
+    if (!done) throw TimeoutError(what_ + " has not finished");
     if (error_) std::rethrow_exception(error_);
   }
 
  private:
   std::string what_;
+  Clock::time_point deadline_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -84,8 +90,8 @@ void Executor::worker() {
 }
 
 WorkPtr Executor::submit(std::string what, Millis timeout, Job job) {
-  auto work = std::make_shared<JobWork>(what);
   const auto deadline = Clock::now() + timeout;
+  auto work = std::make_shared<JobWork>(what, deadline);
   std::lock_guard<std::mutex> lock(mu_);
   queue_.push_back([this, work, what = std::move(what), deadline, job = std::move(job)] {
     std::string earlier;
@@ -196,7 +202,7 @@ void Executor::run_all_reduce(Link& link, at::Tensor& buf, ReduceOp op, Algorith
     case Algorithm::Tree:
       return tree_all_reduce(link, buf, op);
     case Algorithm::Hierarchical:
-      return hierarchy().all_reduce(link, buf, op, &scratch_);
+      return hierarchy().all_reduce(link, buf, op);
     default:
       return link.wait(engine_->all_reduce(buf, op), "the engine's all_reduce");
   }

@@ -1,6 +1,6 @@
 // defines: Topology (which ranks share a node) and Hierarchy, the
 // hierarchical all-reduce: reduce inside each node, all-reduce among the
-// node leaders (ring), broadcast inside each node.
+// node leaders (the engine's own), broadcast inside each node.
 //
 // Cost model, N nodes of L ranks, n bytes, intra-node (a_i, b_i) and
 // inter-node (a_x, b_x) links:
@@ -40,7 +40,7 @@ class Hierarchy {
   // Every rank of `engine` calls it; `store` is the group's key space.
   Hierarchy(Engine& engine, const std::shared_ptr<Store>& store, const Topology& topo,
             Millis timeout);
-  void all_reduce(Link& link, at::Tensor& buf, ReduceOp op, Scratch* scratch);
+  void all_reduce(Link& link, at::Tensor& buf, ReduceOp op);
 
  private:
   std::unique_ptr<Engine> node_;     // the ranks of this node, leader first
