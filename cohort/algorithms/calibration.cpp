@@ -17,10 +17,13 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
   std::vector<double> typical;
   for (size_t s = 0; s < std::size(kCalibrationSizes); ++s) {
     const int64_t bytes = kCalibrationSizes[s];
-    for (auto algo : candidates) run(algo, bytes);  // warm-up: connections, scratch, caches
     std::vector<std::vector<double>> blocks(candidates.size());
     for (int b = 0; b < kCalibrationBlocks; ++b) {
       for (size_t a = 0; a < candidates.size(); ++a) {
+        // One untimed run first: each block then starts from the state a
+        // loop of this algorithm runs in (its TCP connections' congestion
+        // windows open again after the other candidates' turns).
+        run(candidates[a], bytes);
         const auto t0 = Clock::now();
         for (int i = 0; i < kCalibrationRuns[s]; ++i) run(candidates[a], bytes);
         blocks[a].push_back(

@@ -2,7 +2,7 @@
 // collective that the cost model is fitted to.
 //
 // Each candidate algorithm runs at a few sizes (kCalibrationSizes) in
-// blocks of back-to-back runs, the candidates alternating block by block so
+// blocks of back-to-back runs (after one untimed run), the candidates alternating block by block so
 // that machine noise hits all alike; each point is the median block's mean,
 // on the slowest rank (one MAX reduction of all points at the end, so every
 // rank holds the same numbers). Rank 0
@@ -22,9 +22,9 @@
 namespace cohort::algorithms {
 
 // Vector sizes (bytes) measured, runs per block at each size, blocks per
-// candidate (after one warm-up run).
+// candidate.
 inline constexpr int64_t kCalibrationSizes[] = {4 << 10, 64 << 10, 1 << 20, 8 << 20};
-inline constexpr int kCalibrationRuns[] = {4, 4, 2, 1};
+inline constexpr int kCalibrationRuns[] = {4, 4, 2, 1};  // timed runs per block
 inline constexpr int kCalibrationBlocks = 3;
 
 struct Calibration {

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cohort/comm/env.h"
 #include "cohort/comm/store/prefix_store.h"
@@ -67,15 +68,40 @@ Hierarchy::Hierarchy(Engine& engine, const std::shared_ptr<Store>& store, const 
 }
 
 void Hierarchy::all_reduce(Link& link, at::Tensor& buf, ReduceOp op) {
-  if (node_->size() > 1) link.wait(node_->reduce(buf, 0, op), "reduce inside the node");
-  // Among leaders, the engine's own all-reduce: on a slow inter-node link
-  // it streams without the per-message rendezvous of point-to-point
-  // transfers (measured with bench/algorithms/netns.sh, Gloo: the
-  // point-to-point ring reached ~60% of the link there).
-  if (leaders_ && leaders_->size() > 1) {
-    link.wait(leaders_->all_reduce(buf, op), "all_reduce among node leaders");
+  // Pipelined in chunks, so the three phases overlap: while the leaders
+  // exchange chunk k over the slow link, the node reduces chunk k+1 and
+  // broadcasts chunk k-1. Every member issues the node's operations in one
+  // order (all reduces, then the broadcasts), as collectives require.
+  const int64_t n = buf.numel();
+  const int64_t per_chunk =
+      std::max<int64_t>(kChunkBytes / static_cast<int64_t>(buf.element_size()), 1);
+  const int64_t chunks = std::min<int64_t>((n + per_chunk - 1) / per_chunk, kMaxChunks);
+  const auto spans = even_spans(n, static_cast<int>(std::max<int64_t>(chunks, 1)));
+  std::vector<at::Tensor> parts;
+  for (auto& s : spans) parts.push_back(buf.narrow(0, s.offset, s.count));
+  const bool in_node = node_->size() > 1;
+  const bool among_leaders = leaders_ && leaders_->size() > 1;
+  std::vector<WorkPtr> reduced, exchanged, spread;
+  if (in_node) {
+    for (auto& part : parts) reduced.push_back(node_->reduce(part, 0, op));
   }
-  if (node_->size() > 1) link.wait(node_->broadcast(buf, 0), "broadcast inside the node");
+  for (size_t k = 0; k < parts.size(); ++k) {
+    if (in_node && leaders_) link.wait(reduced[k], "reduce inside the node");
+    // Among leaders, the engine's own all-reduce: on a slow inter-node link
+    // it streams without the per-message rendezvous of point-to-point
+    // transfers (bench/algorithms/netns.sh, Gloo: the point-to-point ring
+    // reached ~60% of the link there).
+    if (among_leaders) exchanged.push_back(leaders_->all_reduce(parts[k], op));
+  }
+  for (size_t k = 0; k < parts.size(); ++k) {
+    if (among_leaders) link.wait(exchanged[k], "all_reduce among node leaders");
+    if (in_node) spread.push_back(node_->broadcast(parts[k], 0));
+  }
+  for (auto& w : spread) link.wait(w, "broadcast inside the node");
+  // Non-leaders' reduces finished before the broadcasts could (same order).
+  if (in_node && !leaders_) {
+    for (auto& w : reduced) link.wait(w, "reduce inside the node");
+  }
 }
 
 }  // namespace cohort::algorithms

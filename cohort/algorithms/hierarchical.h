@@ -37,6 +37,9 @@ Topology exchange_topology(Store& store, int rank, int size, const std::string& 
 
 class Hierarchy {
  public:
+  // Pipeline chunks: about this many bytes each, at most kMaxChunks.
+  static constexpr int64_t kChunkBytes = 2 << 20;
+  static constexpr int64_t kMaxChunks = 16;
   // Every rank of `engine` calls it; `store` is the group's key space.
   Hierarchy(Engine& engine, const std::shared_ptr<Store>& store, const Topology& topo,
             Millis timeout);
