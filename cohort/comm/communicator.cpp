@@ -40,6 +40,12 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
       options_.algorithm = *a;
     }
   }
+  // Construction is collective, so a communicator whose default is an
+  // algorithm builds its private engine here; built lazily, a rank whose
+  // peers never call would block inside the call rather than time out in
+  // wait(). (A per-call algo on an engine-default communicator still builds
+  // it at that call, which every rank reaches in the same order.)
+  if (options_.algorithm != Algorithm::Engine) algorithms();
 }
 
 Communicator::~Communicator() = default;
