@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <numeric>
 
+#include "cohort/algorithms/executor.h"
 #include "cohort/comm/collective_checker.h"
+#include "cohort/comm/env.h"
 #include "cohort/comm/error.h"
 #include "cohort/comm/tensor_checks.h"
 #include "cohort/comm/work_then.h"
@@ -27,9 +29,54 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
   if (options_.debug_checks) {
     checker_ = std::make_unique<CollectiveChecker>(store_, rank_, size_);
   }
+  if (options_.algorithm == Algorithm::Default) {
+    options_.algorithm = Algorithm::Engine;
+    if (auto name = env::get("COHORT_ALGO")) {
+      auto a = parse_algorithm(*name);
+      if (!a || *a == Algorithm::Default) {
+        throw ConfigError("cohort: COHORT_ALGO='" + *name +
+                          "' is not one of engine, ring, tree, hd, hierarchical, adaptive");
+      }
+      options_.algorithm = *a;
+    }
+  }
+  // Construction is collective, so a communicator whose default is an
+  // algorithm builds its private engine here; built lazily, a rank whose
+  // peers never call would block inside the call rather than time out in
+  // wait(). (A per-call algo on an engine-default communicator still builds
+  // it at that call, which every rank reaches in the same order.)
+  if (options_.algorithm != Algorithm::Engine) algorithms();
 }
 
 Communicator::~Communicator() = default;
+
+algorithms::Executor& Communicator::algorithms() {
+  if (!algorithms_) {
+    algorithms::Executor::Options o;
+    o.timeout = options_.timeout;
+    o.node = options_.node;
+    algorithms_ = std::make_unique<algorithms::Executor>(*engine_, store_, o);
+  }
+  return *algorithms_;
+}
+
+Algorithm Communicator::resolve_algorithm(Collective op, int64_t bytes, Algorithm requested) {
+  const Algorithm a = requested == Algorithm::Default ? options_.algorithm : requested;
+  if (a == Algorithm::Engine) return a;
+  return algorithms().resolve(op, a, bytes);
+}
+
+std::string Communicator::describe_cost_model(Collective op) {
+  const auto& c = algorithms().calibration(op);
+  std::string s = to_string(op) + " calibrated in " +
+                  std::to_string(static_cast<int>(c.seconds * 1000)) + " ms; model (alpha us, " +
+                  "beta us/B): " + c.model.serialize() + " samples (algo bytes us):";
+  for (auto& x : c.samples) {
+    s += " " + to_string(x.algo) + " " + std::to_string(static_cast<int64_t>(x.bytes)) + " " +
+         std::to_string(x.us) + ";";
+  }
+  return s;
+}
 
 Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
                                        std::vector<int> peers) const {
@@ -145,7 +192,12 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   if (checker_) debug_check(call, fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)));
   if (tensor.numel() == 0) return finish(call, done_work());
   auto buf = reduction_buffer(tensor);
-  auto impl = engine_->all_reduce(buf, engine_op(opts.op));
+  const auto algo = resolve_algorithm(Collective::AllReduce, buf.numel() * buf.element_size(),
+                                      opts.algo);
+  auto impl = algo == Algorithm::Engine
+                  ? engine_->all_reduce(buf, engine_op(opts.op))
+                  : algorithms().all_reduce(buf.view({-1}), engine_op(opts.op), algo,
+                                            call.ctx.timeout);
   return finish(call, std::move(impl), [tensor, buf, op = opts.op, n = size_]() mutable {
     finish_reduction(tensor, buf, op, n);
   });
@@ -278,6 +330,18 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::
   std::vector<torch::Tensor> wire_out;
   for (auto& o : outputs) wire_out.push_back(movement_view(o));
   auto wire_in = movement_view(input);
+  const auto algo = resolve_algorithm(
+      Collective::AllGather, size_ * input.numel() * input.element_size(), opts.algo);
+  if (algo != Algorithm::Engine) {
+    // Gathered flat, then copied out: the algorithms work on one buffer.
+    auto flat = torch::empty({size_ * input.numel()}, wire_in.options());
+    auto impl = algorithms().all_gather(flat, wire_in.reshape({-1}), algo, call.ctx.timeout);
+    return finish(call, std::move(impl), [wire_out, flat, n = input.numel()]() mutable {
+      for (size_t i = 0; i < wire_out.size(); ++i) {
+        wire_out[i].view({-1}).copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n));
+      }
+    });
+  }
   return finish(call, engine_->all_gather(wire_out, wire_in));
 }
 
@@ -295,6 +359,12 @@ Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Te
   if (checker_) debug_check(call, fingerprint("all_gather_into_tensor", input));
   if (input.numel() == 0) return finish(call, done_work());
   auto wire_in = movement_view(input);
+  const auto algo = resolve_algorithm(
+      Collective::AllGather, output.numel() * output.element_size(), opts.algo);
+  if (algo != Algorithm::Engine) {
+    return finish(call, algorithms().all_gather(movement_view(output).view({-1}),
+                                                wire_in.reshape({-1}), algo, call.ctx.timeout));
+  }
   auto chunks = flat_chunks(movement_view(output).view({-1}), input.numel(), size_,
                             input.sizes());
   return finish(call, engine_->all_gather(chunks, wire_in));
@@ -319,7 +389,16 @@ Work Communicator::reduce_scatter(torch::Tensor& output,
   auto buf = reduction_buffer(output);
   std::vector<torch::Tensor> wire_in;
   for (auto& t : inputs) wire_in.push_back(reduction_buffer(t));
-  auto impl = engine_->reduce_scatter(buf, wire_in, engine_op(opts.op));
+  const auto algo = resolve_algorithm(
+      Collective::ReduceScatter, size_ * buf.numel() * buf.element_size(), opts.algo);
+  std::vector<torch::Tensor> flat_in;
+  if (algo != Algorithm::Engine) {
+    for (auto& t : wire_in) flat_in.push_back(t.reshape({-1}));
+  }
+  auto impl = algo == Algorithm::Engine
+                  ? engine_->reduce_scatter(buf, wire_in, engine_op(opts.op))
+                  : algorithms().reduce_scatter(buf.view({-1}), at::cat(flat_in),
+                                                engine_op(opts.op), algo, call.ctx.timeout);
   return finish(call, std::move(impl), [output, buf, op = opts.op, n = size_]() mutable {
     finish_reduction(output, buf, op, n);
   });
@@ -340,6 +419,15 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Ten
   if (checker_) debug_check(call, fingerprint("reduce_scatter_tensor", output, "op=" + to_string(opts.op)));
   if (output.numel() == 0) return finish(call, done_work());
   auto buf = reduction_buffer(output);
+  const auto algo = resolve_algorithm(
+      Collective::ReduceScatter, input.numel() * buf.element_size(), opts.algo);
+  if (algo != Algorithm::Engine) {
+    auto impl = algorithms().reduce_scatter(buf.view({-1}), reduction_buffer(input).view({-1}),
+                                            engine_op(opts.op), algo, call.ctx.timeout);
+    return finish(call, std::move(impl), [output, buf, op = opts.op, n = size_]() mutable {
+      finish_reduction(output, buf, op, n);
+    });
+  }
   auto wire_in = flat_chunks(reduction_buffer(input).view({-1}), output.numel(), size_,
                              output.sizes());
   auto impl = engine_->reduce_scatter(buf, wire_in, engine_op(opts.op));

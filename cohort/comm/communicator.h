@@ -27,6 +27,9 @@
 namespace cohort {
 
 class CollectiveChecker;
+namespace algorithms {
+class Executor;
+}
 
 struct CommunicatorOptions {
   // Timeout of every operation that does not set its own.
@@ -36,6 +39,13 @@ struct CommunicatorOptions {
   bool debug_checks = false;
   // Named in error messages.
   std::string name = "world";
+  // How all_reduce, reduce_scatter and all_gather run when an operation
+  // does not choose (cohort/algorithms/algorithm.h). Default: COHORT_ALGO,
+  // else Engine.
+  Algorithm algorithm = Algorithm::Default;
+  // This rank's node, for the hierarchical algorithm (empty: COHORT_NODE_ID,
+  // GROUP_RANK or the host name).
+  std::string node;
 };
 
 class Communicator {
@@ -89,6 +99,15 @@ class Communicator {
                          const AllToAllOptions& opts = {});
   Work barrier(const BarrierOptions& opts = {});
 
+  // The algorithm `requested` (Default: the communicator's) resolves to for
+  // `op` on a vector of `bytes` (all_gather/reduce_scatter: the gathered
+  // size). Adaptive calibrates on first use: collective, like the operation.
+  Algorithm resolve_algorithm(Collective op, int64_t bytes,
+                              Algorithm requested = Algorithm::Default);
+  // Adaptive's measurements and fitted model for `op`, as text (calibrates
+  // on first use; collective).
+  std::string describe_cost_model(Collective op);
+
   // --- point-to-point ----------------------------------------------------
   Work send(const torch::Tensor& tensor, int dst, const SendOptions& opts = {});
   Work recv(torch::Tensor& tensor, int src, const RecvOptions& opts = {});
@@ -129,6 +148,11 @@ class Communicator {
   // with the Work handles, which may outlive the communicator.
   struct Health;
   std::shared_ptr<Health> health_;
+
+  // Runs the collectives an algorithm other than Engine was chosen for;
+  // built at the first one. Last: destroyed (and its thread joined) first.
+  algorithms::Executor& algorithms();
+  std::unique_ptr<algorithms::Executor> algorithms_;
 };
 
 }  // namespace cohort

@@ -64,6 +64,8 @@ std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, in
   co.timeout = options.timeout;
   co.debug_checks = options.debug_checks;
   co.name = options.name;
+  co.algorithm = options.algorithm;
+  co.node = options.node;
   return std::make_shared<Communicator>(std::move(engine), std::move(store), co);
 }
 

@@ -25,6 +25,9 @@ struct ConnectOptions {
   // Network interface to bind instead (GLOO_SOCKET_IFNAME).
   std::string interface;
   std::string name = "world";
+  // CommunicatorOptions::algorithm and ::node.
+  Algorithm algorithm = Algorithm::Default;
+  std::string node;
 };
 
 // Builds a communicator of `size` ranks over `store`; every rank calls it.

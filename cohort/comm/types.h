@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "cohort/algorithms/algorithm.h"
+
 namespace cohort {
 
 using Millis = std::chrono::milliseconds;
@@ -24,6 +26,8 @@ std::string to_string(ReduceOp op);
 struct AllReduceOptions {
   ReduceOp op = ReduceOp::Sum;
   Millis timeout = kDefaultTimeout;
+  // Default: the communicator's (CommunicatorOptions::algorithm).
+  Algorithm algo = Algorithm::Default;
 };
 
 struct BroadcastOptions {
@@ -39,11 +43,13 @@ struct ReduceOptions {
 
 struct AllGatherOptions {
   Millis timeout = kDefaultTimeout;
+  Algorithm algo = Algorithm::Default;
 };
 
 struct ReduceScatterOptions {
   ReduceOp op = ReduceOp::Sum;
   Millis timeout = kDefaultTimeout;
+  Algorithm algo = Algorithm::Default;
 };
 
 struct GatherOptions {

@@ -21,6 +21,8 @@ void run_ranks_shared(int size,
         co.backend = options.backend;
         co.timeout = options.timeout;
         co.debug_checks = options.debug_checks;
+        co.algorithm = options.algorithm;
+        if (options.node_of) co.node = options.node_of(r);
         // Each rank its own view of the store, as separate processes would have.
         auto comm = connect(std::make_shared<PrefixStore>("t", store), r, size, co);
         fn(comm);

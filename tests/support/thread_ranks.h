@@ -18,6 +18,10 @@ struct ThreadRanksOptions {
   // Every operation's default timeout: a broken test fails, never hangs.
   Millis timeout{std::chrono::seconds(20)};
   bool debug_checks = false;
+  // Every rank's CommunicatorOptions::algorithm.
+  Algorithm algorithm = Algorithm::Default;
+  // Rank -> node name (CommunicatorOptions::node), to fake several hosts.
+  std::function<std::string(int)> node_of;
 };
 
 // Calls fn(comm) on `size` threads and joins them. If any rank throws, the

@@ -5,7 +5,13 @@
 //
 // Each size: warm-up, then `iters` timed operations back to back; a row's
 // time is the slowest rank's mean (ranks agree through an all_reduce MAX).
+//
+// --algo picks the collective algorithm (engine, ring, tree, hd,
+// hierarchical, adaptive); --algo all runs every one side by side at each
+// size, --rounds times in alternation, and prints the median busbw of each,
+// the best fixed algorithm, adaptive's pick and adaptive / best.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -23,6 +29,8 @@ struct Config {
   int iters = 0;                       // 0: chosen per size (~ 64 MiB of traffic, 5..200)
   int warmup = 3;
   bool json = false;                   // one JSON object per row instead of the table
+  std::string algo = "engine";         // an algorithm name, or "all"
+  int rounds = 3;                      // --algo all: alternating rounds per size (median)
 };
 
 torch::Dtype parse_dtype(const std::string& s) {
@@ -48,12 +56,115 @@ Buffers make_buffers(const std::string& op, int64_t elements, int world, torch::
   return {torch::ones({elements}, dt), {}};
 }
 
-cohort::Work launch(cohort::Communicator& comm, const std::string& op, Buffers& buf) {
-  if (op == "all_reduce") return comm.all_reduce(buf.a);
+cohort::Work launch(cohort::Communicator& comm, const std::string& op, Buffers& buf,
+                    cohort::Algorithm algo) {
+  if (op == "all_reduce") {
+    cohort::AllReduceOptions o;
+    o.algo = algo;
+    return comm.all_reduce(buf.a, o);
+  }
   if (op == "broadcast") return comm.broadcast(buf.a);
-  if (op == "all_gather") return comm.all_gather_into_tensor(buf.b, buf.a);
-  if (op == "reduce_scatter") return comm.reduce_scatter_tensor(buf.a, buf.b);
+  if (op == "all_gather") {
+    cohort::AllGatherOptions o;
+    o.algo = algo;
+    return comm.all_gather_into_tensor(buf.b, buf.a, o);
+  }
+  if (op == "reduce_scatter") {
+    cohort::ReduceScatterOptions o;
+    o.algo = algo;
+    return comm.reduce_scatter_tensor(buf.a, buf.b, o);
+  }
   throw cohort::InvalidArgument("cohort-bench: unknown --op " + op);
+}
+
+cohort::Collective collective_of(const std::string& op) {
+  if (op == "all_gather") return cohort::Collective::AllGather;
+  if (op == "reduce_scatter") return cohort::Collective::ReduceScatter;
+  return cohort::Collective::AllReduce;
+}
+
+// Slowest rank's mean time (us) of `iters` operations after `warmup`.
+double time_op(cohort::Communicator& comm, const Config& cfg, Buffers& buf,
+               cohort::Algorithm algo, int iters) {
+  for (int i = 0; i < cfg.warmup; ++i) launch(comm, cfg.op, buf, algo).wait();
+  comm.barrier().wait();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) launch(comm, cfg.op, buf, algo).wait();
+  const double local_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
+      iters;
+  auto slowest = torch::tensor({local_us}, torch::kFloat64);
+  comm.all_reduce(slowest, {cohort::ReduceOp::Max}).wait();
+  return slowest.item<double>();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// --algo all: every algorithm at every size, in alternating rounds.
+int run_all(cohort::Communicator& comm, const Config& cfg, torch::Dtype dt) {
+  using cohort::Algorithm;
+  const int world = comm.size();
+  const int64_t esize = torch::elementSize(dt);
+  const bool leader = comm.rank() == 0;
+  std::vector<Algorithm> algos{Algorithm::Engine, Algorithm::Ring, Algorithm::HalvingDoubling};
+  if (cfg.op == "all_reduce") {
+    algos.push_back(Algorithm::Tree);
+    algos.push_back(Algorithm::Hierarchical);
+  }
+  algos.push_back(Algorithm::Adaptive);
+  // Calibrate before anything is timed, and show what adaptive will use.
+  const auto model = comm.describe_cost_model(collective_of(cfg.op));
+  if (leader && !cfg.json) {
+    std::printf("# cohort-bench %s  backend %s  world %d  dtype %s  --algo all  rounds %d "
+                "(median busbw GB/s)\n# %s\n",
+                cfg.op.c_str(), comm.backend().c_str(), world, cfg.dtype.c_str(), cfg.rounds,
+                model.c_str());
+    std::printf("%10s", "bytes");
+    for (auto a : algos) std::printf(" %12s", cohort::to_string(a).c_str());
+    std::printf(" %12s %12s %9s\n", "best fixed", "adaptive→", "adapt/best");
+  }
+  for (int64_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= 2) {
+    const int64_t elements = std::max<int64_t>(bytes / esize, world);
+    auto buf = make_buffers(cfg.op, elements, world, dt);
+    const int iters = cfg.iters > 0 ? cfg.iters
+                                    : static_cast<int>(std::clamp<int64_t>((64 << 20) / bytes, 5, 200));
+    std::vector<std::vector<double>> us(algos.size());
+    for (int round = 0; round < cfg.rounds; ++round) {
+      for (size_t i = 0; i < algos.size(); ++i) us[i].push_back(time_op(comm, cfg, buf, algos[i], iters));
+    }
+    const int64_t nbytes = (cfg.op == "all_reduce" ? elements : elements / world * world) * esize;
+    auto busbw = [&](double t) {
+      return static_cast<double>(nbytes) / t / 1e3 * cohort::bench::bus_factor(cfg.op, world);
+    };
+    const auto picked = comm.resolve_algorithm(collective_of(cfg.op), nbytes, Algorithm::Adaptive);
+    if (!leader) continue;
+    size_t best = 0;
+    for (size_t i = 0; i + 1 < algos.size(); ++i) {
+      if (median(us[i]) < median(us[best])) best = i;
+    }
+    const double ratio = median(us[best]) / median(us.back());
+    if (cfg.json) {
+      nlohmann::json row = {{"op", cfg.op}, {"backend", comm.backend()}, {"world", world},
+                            {"bytes", nbytes}, {"best", cohort::to_string(algos[best])},
+                            {"adaptive_picked", cohort::to_string(picked)},
+                            {"adaptive_over_best", ratio}};
+      for (size_t i = 0; i < algos.size(); ++i) {
+        row["busbw_gbs"][cohort::to_string(algos[i])] = busbw(median(us[i]));
+        row["us"][cohort::to_string(algos[i])] = median(us[i]);
+      }
+      std::printf("%s\n", row.dump().c_str());
+    } else {
+      std::printf("%10lld", static_cast<long long>(nbytes));
+      for (auto& u : us) std::printf(" %12.3f", busbw(median(u)));
+      std::printf(" %12s %12s %9.2f\n", cohort::to_string(algos[best]).c_str(),
+                  cohort::to_string(picked).c_str(), ratio);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
 }
 
 int run(const Config& cfg) {
@@ -65,10 +176,16 @@ int run(const Config& cfg) {
   const auto dt = parse_dtype(cfg.dtype);
   const int64_t esize = torch::elementSize(dt);
   const bool leader = comm->rank() == 0;
+  if (cfg.algo == "all") {
+    const int rc = run_all(*comm, cfg, dt);
+    cohort::finalize();
+    return rc;
+  }
+  const auto algo = *cohort::parse_algorithm(cfg.algo);
 
   if (leader && !cfg.json) {
-    std::printf("# cohort-bench %s  backend %s  world %d  dtype %s\n", cfg.op.c_str(),
-                comm->backend().c_str(), world, cfg.dtype.c_str());
+    std::printf("# cohort-bench %s  backend %s  world %d  dtype %s  algo %s\n", cfg.op.c_str(),
+                comm->backend().c_str(), world, cfg.dtype.c_str(), cfg.algo.c_str());
     std::printf("%12s %8s %12s %12s %12s\n", "bytes", "iters", "time(us)", "algbw(GB/s)",
                 "busbw(GB/s)");
   }
@@ -77,22 +194,13 @@ int run(const Config& cfg) {
     auto buf = make_buffers(cfg.op, elements, world, dt);
     const int iters =
         cfg.iters > 0 ? cfg.iters : static_cast<int>(std::clamp<int64_t>((64 << 20) / bytes, 5, 200));
-    for (int i = 0; i < cfg.warmup; ++i) launch(*comm, cfg.op, buf).wait();
-    comm->barrier().wait();
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i) launch(*comm, cfg.op, buf).wait();
-    const double local_us =
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
-        iters;
-    auto slowest = torch::tensor({local_us}, torch::kFloat64);
-    comm->all_reduce(slowest, {cohort::ReduceOp::Max}).wait();
-    const double us = slowest.item<double>();
+    const double us = time_op(*comm, cfg, buf, algo, iters);
     const double algbw = static_cast<double>(elements * esize) / us / 1e3;
     const double busbw = algbw * cohort::bench::bus_factor(cfg.op, world);
     if (!leader) continue;
     if (cfg.json) {
       nlohmann::json row = {{"op", cfg.op},         {"backend", comm->backend()},
-                            {"algo", "engine"},     {"world", world},
+                            {"algo", cfg.algo},     {"world", world},
                             {"bytes", elements * esize}, {"us", us},
                             {"algbw_gbs", algbw},   {"busbw_gbs", busbw}};
       std::printf("%s\n", row.dump().c_str());
@@ -122,6 +230,11 @@ int main(int argc, char** argv) {
   coll->add_option("--iters", cfg.iters, "timed iterations per size (0: automatic)");
   coll->add_option("--warmup", cfg.warmup, "untimed iterations per size");
   coll->add_flag("--json", cfg.json, "one JSON object per row");
+  coll->add_option("--algo", cfg.algo,
+                   "engine | ring | tree | hd | hierarchical | adaptive | all (side by side)")
+      ->check(CLI::IsMember({"engine", "ring", "tree", "hd", "hierarchical", "adaptive", "all"}));
+  coll->add_option("--rounds", cfg.rounds, "--algo all: alternating rounds per size (median)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     return run(cfg);

@@ -1,0 +1,265 @@
+#include "cohort/algorithms/executor.h"
+
+#include "cohort/algorithms/double_binary_tree.h"
+#include "cohort/algorithms/halving_doubling.h"
+#include "cohort/algorithms/ring.h"
+#include "cohort/comm/error.h"
+#include "cohort/comm/store/prefix_store.h"
+
+namespace cohort::algorithms {
+namespace {
+
+// The Work of one job: completed by the worker, waited for by the caller.
+class JobWork : public WorkImpl {
+ public:
+  JobWork(std::string what, Clock::time_point deadline)
+      : what_(std::move(what)), deadline_(deadline) {}
+
+  void finish(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = std::move(error);
+    done_ = true;
+    cv_.notify_all();
+  }
+
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+
+  void wait(Millis timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    bool done = cv_.wait_for(lock, timeout, [&] { return done_; });
+    // Past the job's own deadline its waits fail too, with a better message
+    // (the step and the peer it was waiting for): give it a moment to.
+    if (!done && Clock::now() >= deadline_) {
+      done = cv_.wait_for(lock, Millis(500), [&] { return done_; });
+    }
+    if (!done) throw TimeoutError(what_ + " has not finished");
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::string what_;
+  Clock::time_point deadline_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+std::vector<at::Tensor> chunks(const at::Tensor& flat, int parts) {
+  const int64_t each = flat.numel() / parts;
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < parts; ++i) out.push_back(flat.narrow(0, i * each, each));
+  return out;
+}
+
+}  // namespace
+
+Executor::Executor(Engine& parent, const std::shared_ptr<Store>& store, Options options)
+    : options_(std::move(options)), store_(std::make_shared<PrefixStore>("algo", store)) {
+  std::vector<int> all(static_cast<size_t>(parent.size()));
+  for (int r = 0; r < parent.size(); ++r) all[static_cast<size_t>(r)] = r;
+  engine_ = parent.create_subgroup(all, store_, options_.timeout);
+  thread_ = std::thread([this] { worker(); });
+}
+
+Executor::~Executor() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+void Executor::worker() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      // Jobs already issued still run at shutdown: the peers expect them.
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    job();
+  }
+}
+
+WorkPtr Executor::submit(std::string what, Millis timeout, Job job) {
+  const auto deadline = Clock::now() + timeout;
+  auto work = std::make_shared<JobWork>(what, deadline);
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_.push_back([this, work, what = std::move(what), deadline, job = std::move(job)] {
+    std::string earlier;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      earlier = failure_;
+    }
+    if (!earlier.empty()) {
+      work->finish(std::make_exception_ptr(
+          PeerError(what + ": refused, an earlier algorithm operation failed: " + earlier)));
+      return;
+    }
+    try {
+      Link link(*engine_, what, deadline, &scratch_);
+      job(link);
+      work->finish(nullptr);
+    } catch (const std::exception& e) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        failure_ = e.what();
+      }
+      work->finish(std::current_exception());
+    }
+  });
+  wake_.notify_one();
+  return work;
+}
+
+std::vector<Algorithm> Executor::candidates(Collective op) {
+  std::vector<Algorithm> c{Algorithm::Engine, Algorithm::Ring, Algorithm::HalvingDoubling};
+  if (op == Collective::AllReduce) {
+    c.push_back(Algorithm::Tree);
+    if (topology().hierarchical()) c.push_back(Algorithm::Hierarchical);
+  }
+  return c;
+}
+
+const Calibration& Executor::calibration(Collective op) {
+  auto it = calibrations_.find(op);
+  if (it != calibrations_.end()) return it->second;
+  auto result = std::make_shared<Calibration>();
+  auto work = submit("calibration of " + to_string(op), options_.timeout, [&, result, op](Link& link) {
+    // Buffers per size, reused by every candidate: f32 data, as training's.
+    at::Tensor in, out;
+    int64_t prepared = -1;
+    auto run = [&](Algorithm algo, int64_t bytes) {
+      const int p = link.size();
+      const int64_t n = std::max<int64_t>(bytes / 4 / p, 1) * p;
+      if (bytes != prepared) {
+        prepared = bytes;
+        if (op == Collective::AllReduce) {
+          in = at::ones({n}, at::kFloat);
+        } else if (op == Collective::ReduceScatter) {
+          in = at::ones({n}, at::kFloat);
+          out = at::empty({n / p}, at::kFloat);
+        } else {
+          in = at::ones({n / p}, at::kFloat);
+          out = at::empty({n}, at::kFloat);
+        }
+      }
+      Link timed(*engine_, link.what() + " (" + to_string(algo) + ")", link.deadline(),
+                 &scratch_);
+      if (op == Collective::AllReduce) {
+        run_all_reduce(timed, in, ReduceOp::Max, algo);
+      } else if (op == Collective::ReduceScatter) {
+        run_reduce_scatter(timed, out, in, ReduceOp::Max, algo);
+      } else {
+        run_all_gather(timed, out, in, algo);
+      }
+    };
+    *result = calibrate(*engine_, *store_, op, candidates(op), run, options_.timeout);
+  });
+  work->wait(options_.timeout);
+  return calibrations_[op] = *result;
+}
+
+Algorithm Executor::resolve(Collective op, Algorithm requested, int64_t bytes) {
+  Algorithm a = requested;
+  if (a == Algorithm::Adaptive) a = calibration(op).model.best(static_cast<double>(bytes));
+  if (op != Collective::AllReduce && (a == Algorithm::Tree || a == Algorithm::Hierarchical)) {
+    a = Algorithm::Ring;
+  }
+  return a;
+}
+
+const Topology& Executor::topology() {
+  if (!topology_) {
+    topology_ = std::make_unique<Topology>(exchange_topology(
+        *store_, engine_->rank(), engine_->size(), local_node_key(options_.node),
+        options_.timeout));
+  }
+  return *topology_;
+}
+
+Hierarchy& Executor::hierarchy() {
+  if (!hierarchy_) {
+    hierarchy_ = std::make_unique<Hierarchy>(*engine_, store_, topology(), options_.timeout);
+  }
+  return *hierarchy_;
+}
+
+void Executor::run_all_reduce(Link& link, at::Tensor& buf, ReduceOp op, Algorithm algo) {
+  switch (algo) {
+    case Algorithm::Ring:
+      return ring_all_reduce(link, buf, op);
+    case Algorithm::HalvingDoubling:
+      return hd_all_reduce(link, buf, op);
+    case Algorithm::Tree:
+      return tree_all_reduce(link, buf, op);
+    case Algorithm::Hierarchical:
+      return hierarchy().all_reduce(link, buf, op);
+    default:
+      return link.wait(engine_->all_reduce(buf, op), "the engine's all_reduce");
+  }
+}
+
+void Executor::run_reduce_scatter(Link& link, at::Tensor& out, const at::Tensor& in,
+                                  ReduceOp op, Algorithm algo) {
+  const int p = link.size();
+  const auto blocks = equal_spans(out.numel(), p);
+  const auto& mine = blocks[static_cast<size_t>(link.rank())];
+  if (algo == Algorithm::Engine) {
+    auto inputs = chunks(in, p);
+    return link.wait(engine_->reduce_scatter(out, inputs, op), "the engine's reduce_scatter");
+  }
+  auto work = link.scratch(0, in.numel(), in);
+  if (algo == Algorithm::HalvingDoubling) {
+    work.copy_(in);
+    hd_reduce_scatter(link, work, blocks, op);
+  } else {
+    ring_reduce_scatter(link, in, work, blocks, op);
+  }
+  out.copy_(work.narrow(0, mine.offset, mine.count));
+}
+
+void Executor::run_all_gather(Link& link, at::Tensor& out, const at::Tensor& in,
+                              Algorithm algo) {
+  const int p = link.size();
+  if (algo == Algorithm::Engine) {
+    auto outputs = chunks(out, p);
+    auto input = in;
+    return link.wait(engine_->all_gather(outputs, input), "the engine's all_gather");
+  }
+  const auto blocks = equal_spans(in.numel(), p);
+  out.narrow(0, blocks[static_cast<size_t>(link.rank())].offset, in.numel()).copy_(in);
+  if (algo == Algorithm::HalvingDoubling) {
+    hd_all_gather(link, out, blocks);
+  } else {
+    ring_all_gather(link, out, blocks);
+  }
+}
+
+WorkPtr Executor::all_reduce(at::Tensor buf, ReduceOp op, Algorithm algo, Millis timeout) {
+  return submit(to_string(algo) + " all_reduce", timeout,
+                [this, buf, op, algo](Link& link) mutable { run_all_reduce(link, buf, op, algo); });
+}
+
+WorkPtr Executor::reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op, Algorithm algo,
+                                 Millis timeout) {
+  return submit(to_string(algo) + " reduce_scatter", timeout,
+                [this, out, in, op, algo](Link& link) mutable {
+                  run_reduce_scatter(link, out, in, op, algo);
+                });
+}
+
+WorkPtr Executor::all_gather(at::Tensor out, at::Tensor in, Algorithm algo, Millis timeout) {
+  return submit(to_string(algo) + " all_gather", timeout,
+                [this, out, in, algo](Link& link) mutable { run_all_gather(link, out, in, algo); });
+}
+
+}  // namespace cohort::algorithms

@@ -1,0 +1,88 @@
+// defines: Executor, what a Communicator hands its algorithm-run collectives
+// to: a private engine, a worker thread, the hierarchy and the cost model.
+//
+// Private engine: at the first algorithm-run collective (which every rank
+// reaches at the same point, since collectives are ordered) the executor
+// builds an engine of its own over the same ranks (Engine::create_subgroup,
+// like MPI_Comm_dup), so algorithm messages never meet the user's tagged
+// send/recv, and the engine's own collectives stay ordered on theirs.
+//
+// Asynchrony: one worker thread runs jobs in the order they were issued
+// (which is the same on every rank). A job's Work completes when the job
+// finishes; every wait inside it is bounded by the operation's deadline. A
+// failed job fails every later one: the peers' state is unknown.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "cohort/algorithms/algorithm.h"
+#include "cohort/algorithms/calibration.h"
+#include "cohort/algorithms/hierarchical.h"
+#include "cohort/algorithms/link.h"
+#include "cohort/comm/store/store.h"
+
+namespace cohort::algorithms {
+
+class Executor {
+ public:
+  struct Options {
+    Millis timeout{std::chrono::minutes(30)};
+    std::string node;  // CommunicatorOptions::node
+  };
+  // Collective over the ranks of `parent`.
+  Executor(Engine& parent, const std::shared_ptr<Store>& store, Options options);
+  ~Executor();
+
+  // The concrete algorithm for `op` on `bytes` (the whole vector):
+  // Adaptive asks the cost model (calibrating it first: collective and
+  // blocking); tree and hierarchical run reduce-scatter and all-gather as
+  // the ring does. May return Engine.
+  Algorithm resolve(Collective op, Algorithm requested, int64_t bytes);
+
+  // Flat, contiguous tensors of a reduction dtype; `op` is not Avg.
+  WorkPtr all_reduce(at::Tensor buf, ReduceOp op, Algorithm algo, Millis timeout);
+  // out = reduction of block rank() of every rank's `in` (size() blocks).
+  WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op, Algorithm algo,
+                         Millis timeout);
+  // out = size() blocks, block r from rank r's `in`.
+  WorkPtr all_gather(at::Tensor out, at::Tensor in, Algorithm algo, Millis timeout);
+
+  // The calibration behind adaptive's choices for `op` (runs it if needed).
+  const Calibration& calibration(Collective op);
+
+ private:
+  using Job = std::function<void(Link&)>;
+  WorkPtr submit(std::string what, Millis timeout, Job job);
+  void worker();
+  // Synchronous forms, run on the worker thread.
+  void run_all_reduce(Link& link, at::Tensor& buf, ReduceOp op, Algorithm algo);
+  void run_reduce_scatter(Link& link, at::Tensor& out, const at::Tensor& in, ReduceOp op,
+                          Algorithm algo);
+  void run_all_gather(Link& link, at::Tensor& out, const at::Tensor& in, Algorithm algo);
+  const Topology& topology();
+  Hierarchy& hierarchy();
+  std::vector<Algorithm> candidates(Collective op);
+
+  Options options_;
+  std::shared_ptr<Store> store_;     // the executor's own key space
+  std::unique_ptr<Engine> engine_;   // private: only the worker uses it
+  Scratch scratch_;                  // worker only
+  std::unique_ptr<Topology> topology_;    // worker only, built on first use
+  std::unique_ptr<Hierarchy> hierarchy_;  // worker only, built on first use
+  std::map<Collective, Calibration> calibrations_;  // caller thread only
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::string failure_;  // set by the first failed job
+  std::thread thread_;   // last: starts after everything above exists
+};
+
+}  // namespace cohort::algorithms

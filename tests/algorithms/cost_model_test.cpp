@@ -1,0 +1,103 @@
+// The pieces adaptive is built from: the line fit, the model's choice and
+// its text form, the tree shape, and adaptive end to end on threads.
+#include <gtest/gtest.h>
+
+#include "cohort/algorithms/cost_model.h"
+#include "cohort/algorithms/double_binary_tree.h"
+#include "support/thread_ranks.h"
+#include "tests/comm/contract_values.h"
+
+namespace cohort::algorithms {
+namespace {
+
+TEST(FitLine, RecoversAnExactLine) {
+  std::vector<std::pair<double, double>> pts;
+  for (double n : {1e3, 1e4, 1e5, 1e6}) pts.emplace_back(n, 20 + 0.002 * n);
+  auto c = fit_line(pts);
+  EXPECT_NEAR(c.alpha_us, 20, 1e-6);
+  EXPECT_NEAR(c.beta_us_per_b, 0.002, 1e-9);
+}
+
+TEST(FitLine, NeverNegative) {
+  // Falling times (noise) would give a negative slope: pinned at zero.
+  auto c = fit_line({{1e3, 50}, {1e6, 40}});
+  EXPECT_GE(c.alpha_us, 0);
+  EXPECT_GE(c.beta_us_per_b, 0);
+}
+
+TEST(CostModel, PicksTheCheapestLineAndRoundTripsAsText) {
+  CostModel m;
+  m.set(Algorithm::Engine, {10, 0.01});
+  m.set(Algorithm::Ring, {100, 0.001});
+  EXPECT_EQ(m.best(1000), Algorithm::Engine);    // 20 vs 101
+  EXPECT_EQ(m.best(1e6), Algorithm::Ring);       // 10010 vs 1100
+  auto back = CostModel::parse(m.serialize());
+  EXPECT_EQ(back.serialize(), m.serialize());
+  EXPECT_EQ(back.best(1e6), Algorithm::Ring);
+  EXPECT_THROW(CostModel::parse("nonsense 1 2;"), Error);
+}
+
+TEST(AlgorithmNames, RoundTrip) {
+  for (auto a : kFixedAlgorithms) EXPECT_EQ(parse_algorithm(to_string(a)), a);
+  EXPECT_EQ(parse_algorithm("adaptive"), Algorithm::Adaptive);
+  EXPECT_FALSE(parse_algorithm("fastest").has_value());
+}
+
+TEST(BinaryTree, EveryPositionReachesTheRootWithAtMostTwoChildren) {
+  for (int p = 1; p <= 33; ++p) {
+    int roots = 0;
+    for (int pos = 0; pos < p; ++pos) {
+      auto node = binary_tree_node(pos, p);
+      EXPECT_LE(node.children.size(), 2u);
+      for (int c : node.children) EXPECT_EQ(binary_tree_node(c, p).parent, pos) << p;
+      if (node.parent < 0) ++roots;
+      int hops = 0;
+      for (int q = pos; q >= 0 && hops <= p; q = binary_tree_node(q, p).parent) ++hops;
+      EXPECT_LE(hops, p) << "cycle at p " << p;
+    }
+    EXPECT_EQ(roots, 1) << p;
+  }
+}
+
+// Adaptive calibrates once (every rank gets the same model through the
+// store), picks a concrete algorithm per size, and computes right.
+TEST(Adaptive, CalibratesOnceAndEveryRankAgrees) {
+  std::vector<std::string> models(3);
+  std::vector<std::vector<Algorithm>> picks(3);
+  testing::ThreadRanksOptions o;
+  o.algorithm = Algorithm::Adaptive;
+  testing::run_ranks(3, [&](Communicator& comm) {
+    for (int64_t bytes : {int64_t{1} << 10, int64_t{1} << 16, int64_t{1} << 22}) {
+      const auto a = comm.resolve_algorithm(Collective::AllReduce, bytes);
+      EXPECT_NE(a, Algorithm::Adaptive);
+      EXPECT_NE(a, Algorithm::Default);
+      picks[comm.rank()].push_back(a);
+    }
+    models[comm.rank()] = comm.describe_cost_model(Collective::AllReduce);
+    for (int64_t n : {int64_t{5}, int64_t{300001}}) {
+      auto t = testing::rank_input(comm.rank(), n, torch::kFloat32);
+      comm.all_reduce(t).wait();
+      EXPECT_TRUE(testing::matches(t, testing::expected_reduction(ReduceOp::Sum, 3, n)));
+    }
+    auto in = testing::rank_input(comm.rank(), 6, torch::kFloat32);
+    auto out = torch::empty({18});
+    comm.all_gather_into_tensor(out, in).wait();
+    EXPECT_TRUE(torch::equal(out.narrow(0, 6, 6), testing::rank_input(1, 6, torch::kFloat32)));
+  }, o);
+  EXPECT_EQ(picks[0], picks[1]);
+  EXPECT_EQ(picks[0], picks[2]);
+  // The fitted lines (the part before the samples) agree.
+  auto lines = [](const std::string& s) { return s.substr(s.find("model"), s.find("samples") - s.find("model")); };
+  EXPECT_EQ(lines(models[0]), lines(models[1]));
+  EXPECT_EQ(lines(models[0]), lines(models[2]));
+  EXPECT_NE(models[0].find("ring"), std::string::npos) << models[0];
+}
+
+TEST(Algorithm, BadEnvironmentChoiceIsAConfigError) {
+  setenv("COHORT_ALGO", "fastest", 1);
+  EXPECT_THROW(testing::run_ranks(1, [](Communicator&) {}), std::runtime_error);
+  unsetenv("COHORT_ALGO");
+}
+
+}  // namespace
+}  // namespace cohort::algorithms
