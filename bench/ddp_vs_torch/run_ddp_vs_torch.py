@@ -84,7 +84,9 @@ def main():
     ap.add_argument("--backend", default="gloo", choices=["gloo", "mpi"],
                     help="cohort's engine (PyTorch always runs gloo: Debian's torch has no MPI)")
     ap.add_argument("--cohort-args", default="",
-                    help="extra DDP options for cohort, e.g. '--bucket-view 1'")
+                    help="extra DDP options for cohort, e.g. '--bucket-view 0'")
+    ap.add_argument("--torch-args", default="",
+                    help="extra DDP options for PyTorch, e.g. '--bucket-view 1'")
     a = ap.parse_args()
 
     rows = []
@@ -99,8 +101,8 @@ def main():
                     cohort.append(run_mpi_once(cohort_cmd, world, a.timeout))
                 else:
                     cohort.append(run_once(cohort_cmd, world, a.timeout))
-                torch.append(run_once([a.python, os.path.join(HERE, "ddp_vs_torch.py")] + args,
-                                      world, a.timeout))
+                torch.append(run_once([a.python, os.path.join(HERE, "ddp_vs_torch.py")] + args +
+                                      a.torch_args.split(), world, a.timeout))
             c_sps = statistics.median(r["sps"] for r in cohort)
             t_sps = statistics.median(r["sps"] for r in torch)
             row = {"model": model, "world": world, "engine": a.backend, "batch": BATCH[model],
