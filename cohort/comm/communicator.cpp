@@ -62,7 +62,14 @@ algorithms::Executor& Communicator::algorithms() {
 
 Algorithm Communicator::resolve_algorithm(Collective op, int64_t bytes, Algorithm requested) {
   const Algorithm a = requested == Algorithm::Default ? options_.algorithm : requested;
-  if (a == Algorithm::Engine) return a;
+  if (a == Algorithm::Engine) {
+    // Gloo 1.13 has no reduce_scatter: the engine's fallback all-reduces the
+    // whole input (twice a ring's traffic), so its "native" choice is the ring.
+    if (op == Collective::ReduceScatter && size_ > 1 && !engine_->has_native_reduce_scatter()) {
+      return Algorithm::Ring;
+    }
+    return a;
+  }
   return algorithms().resolve(op, a, bytes);
 }
 

@@ -40,6 +40,10 @@ class Engine {
   // concatenated inputs (twice the minimal traffic); engines override.
   virtual WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
                                  ReduceOp op);
+  // True when reduce_scatter above is the transport's own (not the default
+  // built from all_reduce); without one, the communicator's "engine" choice
+  // for reduce_scatter means cohort's ring (cohort/algorithms).
+  virtual bool has_native_reduce_scatter() const { return false; }
   // On the root, outputs has size() tensors; elsewhere it is empty.
   virtual WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) = 0;
   // On the root, inputs has size() tensors; elsewhere it is empty.

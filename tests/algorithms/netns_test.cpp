@@ -48,7 +48,9 @@ TEST(Hierarchical, TwoHostsOfTwoRanksInNetworkNamespaces) {
     SCOPED_TRACE("node " + std::to_string(node));
     ASSERT_FALSE(r.timed_out) << r.out << r.err;
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-    if (node == 0) EXPECT_NE(r.out.find("world 4 backend gloo ok"), std::string::npos) << r.out << r.err;
+    if (node == 0) {
+      EXPECT_NE(r.out.find("world 4 backend gloo ok"), std::string::npos) << r.out << r.err;
+    }
   }
 }
 

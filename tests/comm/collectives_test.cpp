@@ -80,7 +80,9 @@ TEST_P(Collectives, ReduceToMiddleRank) {
       for (auto n : kCounts) {
         auto t = rank_input(comm.rank(), n, dtype());
         comm.reduce(t, {root, op}).wait();
-        if (comm.rank() == root) expect_close(t, expected_reduction(op, world(), n), "n " + std::to_string(n));
+        if (comm.rank() == root) {
+          expect_close(t, expected_reduction(op, world(), n), "n " + std::to_string(n));
+        }
       }
     }
   });

@@ -193,6 +193,8 @@ class MpiEngine : public Engine {
     return then(std::move(w), copy_out(outputs, recv));
   }
 
+  bool has_native_reduce_scatter() const override { return true; }
+
   WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
                          ReduceOp op) override {
     auto o = new_op("MPI_Ireduce_scatter_block (reduce_scatter");
