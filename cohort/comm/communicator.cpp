@@ -197,7 +197,9 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   check_tensor(tensor, call.ctx, "tensor");
   check_avg(call.ctx, tensor, opts.op);
   if (checker_) debug_check(call, fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)));
-  if (tensor.numel() == 0) return finish(call, done_work());
+  // Alone, every reduction (avg included) is the identity: no engine round
+  // trip, no pass over the data (DDP at world 1 calls this every step).
+  if (tensor.numel() == 0 || size_ == 1) return finish(call, done_work());
   auto buf = reduction_buffer(tensor);
   const auto algo = resolve_algorithm(Collective::AllReduce, buf.numel() * buf.element_size(),
                                       opts.algo);
