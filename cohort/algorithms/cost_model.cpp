@@ -9,45 +9,48 @@
 
 namespace cohort::algorithms {
 
-LinearCost fit_line(const std::vector<std::pair<double, double>>& points) {
-  // Minimize sum w (a + b n - t)^2 with w = 1/t^2.
-  double sw = 0, sn = 0, snn = 0, st = 0, snt = 0;
-  for (auto [n, t] : points) {
-    const double w = 1.0 / std::max(t * t, 1e-12);
-    sw += w;
-    sn += w * n;
-    snn += w * n * n;
-    st += w * t;
-    snt += w * n * t;
+PiecewiseCost::PiecewiseCost(std::vector<std::pair<double, double>> points)
+    : points_(std::move(points)) {
+  std::sort(points_.begin(), points_.end());
+  for (size_t i = 1; i < points_.size(); ++i) {
+    if (points_[i].first == points_[i - 1].first) {
+      throw InvalidArgument("cohort: cost model: two measurements of " +
+                            std::to_string(points_[i].first) + " bytes");
+    }
   }
-  LinearCost c;
-  const double det = sw * snn - sn * sn;
-  if (points.size() >= 2 && det > 0) {
-    c.alpha_us = (st * snn - sn * snt) / det;
-    c.beta_us_per_b = (sw * snt - sn * st) / det;
+  // Running minimum from the largest size down.
+  for (size_t i = points_.size(); i-- > 1;) {
+    points_[i - 1].second = std::min(points_[i - 1].second, points_[i].second);
   }
-  if (points.size() < 2 || det <= 0 || c.alpha_us < 0 || c.beta_us_per_b < 0) {
-    // Refit with the offending term pinned at zero; keep the better one.
-    LinearCost only_beta{0, snn > 0 ? snt / snn : 0};
-    LinearCost only_alpha{sw > 0 ? st / sw : 0, 0};
-    auto err = [&](const LinearCost& l) {
-      double e = 0;
-      for (auto [n, t] : points) e += (l.at(n) - t) * (l.at(n) - t) / std::max(t * t, 1e-12);
-      return e;
-    };
-    c = err(only_beta) <= err(only_alpha) ? only_beta : only_alpha;
-  }
-  return c;
+}
+
+double PiecewiseCost::at(double bytes) const {
+  if (points_.empty()) return std::numeric_limits<double>::infinity();
+  if (bytes <= points_.front().first) return points_.front().second;
+  const auto& last = points_.back();
+  if (bytes >= last.first) return last.second * bytes / last.first;
+  auto hi = std::upper_bound(points_.begin(), points_.end(), std::make_pair(bytes, 0.0),
+                             [](auto& a, auto& b) { return a.first < b.first; });
+  auto lo = hi - 1;
+  // The band's alpha-beta line, through both measured ends.
+  const double beta = (hi->second - lo->second) / (hi->first - lo->first);
+  const double alpha = lo->second - beta * lo->first;
+  return alpha + beta * bytes;
 }
 
 Algorithm CostModel::best(double bytes) const {
   Algorithm best = Algorithm::Engine;
   double best_us = std::numeric_limits<double>::infinity();
-  for (auto& [a, line] : lines_) {
-    if (line.at(bytes) < best_us) {
-      best_us = line.at(bytes);
+  for (auto& [a, cost] : costs_) {
+    if (a == Algorithm::Engine) continue;
+    if (cost.at(bytes) < best_us) {
+      best_us = cost.at(bytes);
       best = a;
     }
+  }
+  auto engine = costs_.find(Algorithm::Engine);
+  if (engine != costs_.end() && !(best_us < (1 - kEngineMargin) * engine->second.at(bytes))) {
+    return Algorithm::Engine;
   }
   return best;
 }
@@ -56,17 +59,20 @@ CostModel CostModel::fit(const std::vector<Sample>& samples) {
   std::map<Algorithm, std::vector<std::pair<double, double>>> by_algo;
   for (auto& s : samples) by_algo[s.algo].emplace_back(s.bytes, s.us);
   CostModel m;
-  for (auto& [a, points] : by_algo) m.set(a, fit_line(points));
+  for (auto& [a, points] : by_algo) m.set(a, PiecewiseCost(std::move(points)));
   return m;
 }
 
 std::string CostModel::serialize() const {
   std::string out;
-  char buf[128];
-  for (auto& [a, line] : lines_) {
-    std::snprintf(buf, sizeof buf, "%s %.9g %.9g;", to_string(a).c_str(), line.alpha_us,
-                  line.beta_us_per_b);
-    out += buf;
+  char buf[64];
+  for (auto& [a, cost] : costs_) {
+    out += to_string(a);
+    for (auto& [bytes, us] : cost.points()) {
+      std::snprintf(buf, sizeof buf, " %.0f:%.9g", bytes, us);
+      out += buf;
+    }
+    out += ';';
   }
   return out;
 }
@@ -78,14 +84,29 @@ CostModel CostModel::parse(const std::string& text) {
   while (std::getline(in, entry, ';')) {
     if (entry.empty()) continue;
     std::istringstream fields(entry);
-    std::string name;
-    LinearCost line;
-    fields >> name >> line.alpha_us >> line.beta_us_per_b;
+    std::string name, point;
+    fields >> name;
     auto a = parse_algorithm(name);
-    if (!a || fields.fail()) {
+    std::vector<std::pair<double, double>> points;
+    bool ok = a.has_value() && *a != Algorithm::Adaptive && *a != Algorithm::Default;
+    while (ok && fields >> point) {
+      const auto colon = point.find(':');
+      char* end = nullptr;
+      double bytes = 0, us = 0;
+      if (colon != std::string::npos) {
+        bytes = std::strtod(point.c_str(), &end);
+        ok = end == point.c_str() + colon;
+        us = std::strtod(point.c_str() + colon + 1, &end);
+        ok = ok && *end == '\0' && bytes > 0 && us >= 0;
+      } else {
+        ok = false;
+      }
+      points.emplace_back(bytes, us);
+    }
+    if (!ok || points.empty()) {
       throw Error("cohort: unreadable algorithm cost model entry '" + entry + "'");
     }
-    m.set(*a, line);
+    m.set(*a, PiecewiseCost(std::move(points)));
   }
   return m;
 }

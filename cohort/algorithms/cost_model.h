@@ -1,12 +1,17 @@
-// defines: CostModel, the alpha-beta model adaptive picks algorithms with,
-// and fit_line.
+// defines: CostModel, the measured alpha-beta model adaptive picks algorithms
+// with, and PiecewiseCost, one algorithm's part of it.
 //
-// For each (operation, algorithm) the model holds t(n) = alpha + beta * n
-// (microseconds; n = bytes of the whole vector, nccl-tests' convention),
-// fitted to times measured on this job's links at calibration. The textbook
-// forms (ring: 2(p-1) a + 2(p-1)/p n b, ...) are what each fitted line
-// stands for; fitting the lines directly also captures what the textbook
-// leaves out (per-message software cost, copies, the engine's own choice).
+// For each (operation, algorithm) the model holds the times measured at
+// calibration sizes n_0 < n_1 < ... (n = bytes of the whole vector,
+// nccl-tests' convention). Between two measured sizes the cost is the
+// alpha-beta line through both, t(n) = alpha_k + beta_k n: alpha_k is the
+// latency term and beta_k the inverse bandwidth of that size band. One line
+// per algorithm over the whole range cannot describe the engines here:
+// Gloo's per-message rendezvous, protocol switches inside MPI and Gloo, and
+// the caches make beta change by 10x between 64 KiB and 16 MiB, so a single
+// least-squares line misranked algorithms by 2-4x in the middle sizes.
+// Below n_0 the cost is t(n_0) (latency bound); above the last size it
+// scales with n (bandwidth bound).
 #pragma once
 
 #include <map>
@@ -18,13 +23,6 @@
 
 namespace cohort::algorithms {
 
-
-struct LinearCost {
-  double alpha_us = 0;       // fixed cost per operation
-  double beta_us_per_b = 0;  // cost per byte of the vector
-  double at(double bytes) const { return alpha_us + beta_us_per_b * bytes; }
-};
-
 // One measurement: `algo` took `us` for `bytes` (slowest rank, median).
 struct Sample {
   Algorithm algo;
@@ -32,25 +30,47 @@ struct Sample {
   double us;
 };
 
-// Least squares on the relative error (weights 1/t^2), so small sizes count
-// as much as large ones; alpha and beta are kept non-negative.
-LinearCost fit_line(const std::vector<std::pair<double, double>>& points);
+class PiecewiseCost {
+ public:
+  PiecewiseCost() = default;
+  // (bytes, us) points, any order, distinct sizes. Times are made
+  // non-decreasing in size first (a point costing more than a larger one is
+  // lowered to it): a bigger message is never cheaper, and timing noise on
+  // a shared machine only ever adds time.
+  explicit PiecewiseCost(std::vector<std::pair<double, double>> points);
+  double at(double bytes) const;
+  // The smoothed points, ascending by size.
+  const std::vector<std::pair<double, double>>& points() const { return points_; }
+  bool empty() const { return points_.empty(); }
+
+ private:
+  std::vector<std::pair<double, double>> points_;
+};
 
 class CostModel {
  public:
-  void set(Algorithm a, LinearCost c) { lines_[a] = c; }
-  bool empty() const { return lines_.empty(); }
-  const std::map<Algorithm, LinearCost>& lines() const { return lines_; }
-  // The algorithm with the lowest predicted time for `bytes`.
+  // Another algorithm replaces the engine's own collective only where it is
+  // predicted at least this much faster. The engine's collective is tuned
+  // by its authors and runs with no hand-off to the algorithm worker; on a
+  // shared machine a short calibration misjudges the point-to-point
+  // algorithms (their many thread wake-ups are the noisiest part), and a
+  // near-tie is more likely noise than a real difference. Keeping the
+  // engine on a near-tie costs at most this fraction.
+  static constexpr double kEngineMargin = 0.10;
+
+  void set(Algorithm a, PiecewiseCost c) { costs_[a] = std::move(c); }
+  bool empty() const { return costs_.empty(); }
+  const std::map<Algorithm, PiecewiseCost>& costs() const { return costs_; }
+  // The algorithm predicted fastest for `bytes`.
   Algorithm best(double bytes) const;
 
   static CostModel fit(const std::vector<Sample>& samples);
-  // "ring 12.5 0.00081;hd ..." (same text on every rank).
+  // "engine 1024:35.2 4096:41 ...;ring ...;" (the same text on every rank).
   std::string serialize() const;
   static CostModel parse(const std::string& text);
 
  private:
-  std::map<Algorithm, LinearCost> lines_;
+  std::map<Algorithm, PiecewiseCost> costs_;
 };
 
 }  // namespace cohort::algorithms

@@ -132,40 +132,69 @@ std::vector<Algorithm> Executor::candidates(Collective op) {
 const Calibration& Executor::calibration(Collective op) {
   auto it = calibrations_.find(op);
   if (it != calibrations_.end()) return it->second;
-  auto result = std::make_shared<Calibration>();
-  auto work = submit("calibration of " + to_string(op), options_.timeout, [&, result, op](Link& link) {
-    // Buffers per size, reused by every candidate: f32 data, as training's.
-    at::Tensor in, out;
-    int64_t prepared = -1;
-    auto run = [&](Algorithm algo, int64_t bytes) {
-      const int p = link.size();
-      const int64_t n = std::max<int64_t>(bytes / 4 / p, 1) * p;
-      if (bytes != prepared) {
-        prepared = bytes;
-        if (op == Collective::AllReduce) {
-          in = at::ones({n}, at::kFloat);
-        } else if (op == Collective::ReduceScatter) {
-          in = at::ones({n}, at::kFloat);
-          out = at::empty({n / p}, at::kFloat);
-        } else {
-          in = at::ones({n / p}, at::kFloat);
-          out = at::empty({n}, at::kFloat);
-        }
-      }
-      Link timed(*engine_, link.what() + " (" + to_string(algo) + ")", link.deadline(),
-                 &scratch_);
+  // Runs on the caller's thread and times each candidate the way a loop
+  // pays for it: the engine's collective called and waited for here (as the
+  // Communicator does for Algorithm::Engine), every other algorithm handed
+  // to the worker and its Work waited for. Timing both on the worker would
+  // leave out the hand-off that only the algorithms pay. The private engine
+  // is free for this thread once the jobs issued before have run: the
+  // caller is the only one issuing, and it is here.
+  submit("calibration of " + to_string(op) + " (earlier operations)", options_.timeout,
+         [](Link&) {})
+      ->wait(options_.timeout);
+  // Buffers per size, reused by every candidate: f32 sums, as training's
+  // (zeros: repeated sums neither overflow nor turn denormal).
+  at::Tensor in, out;
+  int64_t prepared = -1;
+  const std::string what = "calibration of " + to_string(op);
+  auto run = [&](Algorithm algo, int64_t bytes) {
+    const int p = engine_->size();
+    const int64_t n = std::max<int64_t>(bytes / 4 / p, 1) * p;
+    if (bytes != prepared) {
+      prepared = bytes;
       if (op == Collective::AllReduce) {
-        run_all_reduce(timed, in, ReduceOp::Max, algo);
+        in = at::zeros({n}, at::kFloat);
       } else if (op == Collective::ReduceScatter) {
-        run_reduce_scatter(timed, out, in, ReduceOp::Max, algo);
+        in = at::zeros({n}, at::kFloat);
+        out = at::empty({n / p}, at::kFloat);
       } else {
-        run_all_gather(timed, out, in, algo);
+        in = at::zeros({n / p}, at::kFloat);
+        out = at::empty({n}, at::kFloat);
       }
-    };
-    *result = calibrate(*engine_, *store_, op, candidates(op), run, options_.timeout);
-  });
-  work->wait(options_.timeout);
-  return calibrations_[op] = *result;
+    }
+    const std::string step = what + " (" + to_string(algo) + ")";
+    WorkPtr work;
+    std::vector<at::Tensor> parts;  // outlives the wait
+    if (algo == Algorithm::Engine) {
+      if (op == Collective::AllReduce) {
+        work = engine_->all_reduce(in, ReduceOp::Sum);
+      } else if (op == Collective::ReduceScatter) {
+        parts = chunks(in, p);
+        work = engine_->reduce_scatter(out, parts, ReduceOp::Sum);
+      } else {
+        parts = chunks(out, p);
+        work = engine_->all_gather(parts, in);
+      }
+    } else {
+      work = submit(step, options_.timeout, [&, algo](Link& link) {
+        if (op == Collective::AllReduce) {
+          run_all_reduce(link, in, ReduceOp::Sum, algo);
+        } else if (op == Collective::ReduceScatter) {
+          run_reduce_scatter(link, out, in, ReduceOp::Sum, algo);
+        } else {
+          run_all_gather(link, out, in, algo);
+        }
+      });
+    }
+    try {
+      work->wait(options_.timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError("cohort: " + step + " on rank " + std::to_string(engine_->rank()) +
+                         ": " + e.what());
+    }
+  };
+  return calibrations_[op] = calibrate(*engine_, *store_, op, candidates(op), run,
+                                       options_.timeout);
 }
 
 Algorithm Executor::resolve(Collective op, Algorithm requested, int64_t bytes) {

@@ -76,8 +76,8 @@ Algorithm Communicator::resolve_algorithm(Collective op, int64_t bytes, Algorith
 std::string Communicator::describe_cost_model(Collective op) {
   const auto& c = algorithms().calibration(op);
   std::string s = to_string(op) + " calibrated in " +
-                  std::to_string(static_cast<int>(c.seconds * 1000)) + " ms; model (alpha us, " +
-                  "beta us/B): " + c.model.serialize() + " samples (algo bytes us):";
+                  std::to_string(static_cast<int>(c.seconds * 1000)) + " ms; model (bytes:us, smoothed): " +
+                  c.model.serialize() + " samples (algo bytes us):";
   for (auto& x : c.samples) {
     s += " " + to_string(x.algo) + " " + std::to_string(static_cast<int64_t>(x.bytes)) + " " +
          std::to_string(x.us) + ";";

@@ -1,4 +1,4 @@
-// The pieces adaptive is built from: the line fit, the model's choice and
+// The pieces adaptive is built from: the piecewise cost, the model's choice and
 // its text form, the tree shape, and adaptive end to end on threads.
 #include <gtest/gtest.h>
 
@@ -10,31 +10,46 @@
 namespace cohort::algorithms {
 namespace {
 
-TEST(FitLine, RecoversAnExactLine) {
-  std::vector<std::pair<double, double>> pts;
-  for (double n : {1e3, 1e4, 1e5, 1e6}) pts.emplace_back(n, 20 + 0.002 * n);
-  auto c = fit_line(pts);
-  EXPECT_NEAR(c.alpha_us, 20, 1e-6);
-  EXPECT_NEAR(c.beta_us_per_b, 0.002, 1e-9);
+TEST(PiecewiseCost, IsTheLineThroughTheMeasuredEndsOfEachBand) {
+  PiecewiseCost c({{4096, 30}, {1024, 20}, {65536, 100}});
+  EXPECT_DOUBLE_EQ(c.at(1024), 20);
+  EXPECT_DOUBLE_EQ(c.at(2560), 25);  // halfway from 1024 to 4096
+  EXPECT_DOUBLE_EQ(c.at(4096 + 61440 / 4), 30 + 70.0 / 4);
+  EXPECT_DOUBLE_EQ(c.at(100), 20);          // below: latency bound
+  EXPECT_DOUBLE_EQ(c.at(131072), 200);      // above: scales with size
+  EXPECT_THROW(PiecewiseCost({{1024, 1}, {1024, 2}}), InvalidArgument);
 }
 
-TEST(FitLine, NeverNegative) {
-  // Falling times (noise) would give a negative slope: pinned at zero.
-  auto c = fit_line({{1e3, 50}, {1e6, 40}});
-  EXPECT_GE(c.alpha_us, 0);
-  EXPECT_GE(c.beta_us_per_b, 0);
+TEST(PiecewiseCost, ABiggerMessageIsNeverCheaper) {
+  // The 4 KiB sample (noise) costs more than 16 KiB: lowered to it.
+  PiecewiseCost c({{1024, 20}, {4096, 90}, {16384, 40}});
+  EXPECT_DOUBLE_EQ(c.points()[1].second, 40);
+  for (double n = 512; n < 40000; n *= 1.3) EXPECT_LE(c.at(n), c.at(n * 1.3)) << n;
 }
 
-TEST(CostModel, PicksTheCheapestLineAndRoundTripsAsText) {
+TEST(CostModel, PicksTheCheapestAndRoundTripsAsText) {
   CostModel m;
-  m.set(Algorithm::Engine, {10, 0.01});
-  m.set(Algorithm::Ring, {100, 0.001});
-  EXPECT_EQ(m.best(1000), Algorithm::Engine);    // 20 vs 101
-  EXPECT_EQ(m.best(1e6), Algorithm::Ring);       // 10010 vs 1100
+  m.set(Algorithm::Engine, PiecewiseCost({{1e3, 20}, {1e6, 10010}}));
+  m.set(Algorithm::Ring, PiecewiseCost({{1e3, 101}, {1e6, 1100}}));
+  m.set(Algorithm::HalvingDoubling, PiecewiseCost({{1e3, 102}, {1e6, 1050}}));
+  EXPECT_EQ(m.best(1000), Algorithm::Engine);
+  EXPECT_EQ(m.best(1e6), Algorithm::HalvingDoubling);
+  EXPECT_EQ(m.best(4e6), Algorithm::HalvingDoubling);  // extrapolated
   auto back = CostModel::parse(m.serialize());
   EXPECT_EQ(back.serialize(), m.serialize());
-  EXPECT_EQ(back.best(1e6), Algorithm::Ring);
-  EXPECT_THROW(CostModel::parse("nonsense 1 2;"), Error);
+  EXPECT_EQ(back.best(1e6), Algorithm::HalvingDoubling);
+  EXPECT_THROW(CostModel::parse("nonsense 1:2;"), Error);
+  EXPECT_THROW(CostModel::parse("ring 1024;"), Error);
+  EXPECT_THROW(CostModel::parse("ring 1024:x;"), Error);
+  EXPECT_THROW(CostModel::parse("ring;"), Error);
+}
+
+TEST(CostModel, KeepsTheEngineUnlessAnotherIsClearlyFaster) {
+  CostModel m;
+  m.set(Algorithm::Engine, PiecewiseCost({{1e3, 100}, {1e6, 1000}}));
+  m.set(Algorithm::Ring, PiecewiseCost({{1e3, 92}, {1e6, 800}}));
+  EXPECT_EQ(m.best(1e3), Algorithm::Engine);  // 8% faster: within the margin
+  EXPECT_EQ(m.best(1e6), Algorithm::Ring);    // 20% faster
 }
 
 TEST(AlgorithmNames, RoundTrip) {
@@ -86,7 +101,7 @@ TEST(Adaptive, CalibratesOnceAndEveryRankAgrees) {
   }, o);
   EXPECT_EQ(picks[0], picks[1]);
   EXPECT_EQ(picks[0], picks[2]);
-  // The fitted lines (the part before the samples) agree.
+  // The models (the part before the samples) agree.
   auto lines = [](const std::string& s) { return s.substr(s.find("model"), s.find("samples") - s.find("model")); };
   EXPECT_EQ(lines(models[0]), lines(models[1]));
   EXPECT_EQ(lines(models[0]), lines(models[2]));
