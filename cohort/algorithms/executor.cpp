@@ -176,7 +176,8 @@ const Calibration& Executor::calibration(Collective op) {
         work = engine_->all_gather(parts, in);
       }
     } else {
-      work = submit(step, options_.timeout, [&, algo](Link& link) {
+      // The job holds its own handles: a timed-out wait leaves it running.
+      work = submit(step, options_.timeout, [this, op, algo, in, out](Link& link) mutable {
         if (op == Collective::AllReduce) {
           run_all_reduce(link, in, ReduceOp::Sum, algo);
         } else if (op == Collective::ReduceScatter) {
