@@ -1,6 +1,7 @@
 // The torchrun environment each rank starts with.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <map>
 #include <sstream>
 
@@ -14,7 +15,7 @@ constexpr const char* kPrintEnv =
     "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE GROUP_RANK=$GROUP_RANK "
     "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT "
     "COHORT_BACKEND=$COHORT_BACKEND COHORT_RESTART_COUNT=$COHORT_RESTART_COUNT "
-    "TORCHELASTIC_RESTART_COUNT=$TORCHELASTIC_RESTART_COUNT";
+    "TORCHELASTIC_RESTART_COUNT=$TORCHELASTIC_RESTART_COUNT OMP_NUM_THREADS=$OMP_NUM_THREADS";
 
 using Env = std::map<std::string, std::string>;
 
@@ -63,6 +64,31 @@ TEST(Environment, SingleNodeVariables) {
   int p = std::stoi(port);
   EXPECT_GE(p, 1);
   EXPECT_LE(p, 65535);
+}
+
+// Ranks sharing the machine get one intra-op thread each unless the caller
+// chose; a lone rank keeps the library's default (all cores).
+TEST(Environment, OneOpenMpThreadPerRankUnlessTheCallerChose) {
+  const char* inherited = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = inherited ? inherited : "";
+  unsetenv("OMP_NUM_THREADS");
+  ProcessResult shared = run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20));
+  ProcessResult alone = run_cohortrun({"-n", "1", "--", "sh", "-c", kPrintEnv}, Seconds(20));
+  ProcessResult chosen = run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20),
+                                       {"OMP_NUM_THREADS=3"});
+  if (inherited) setenv("OMP_NUM_THREADS", saved.c_str(), 1);
+  for (auto* r : {&shared, &alone, &chosen}) {
+    ASSERT_FALSE(r->timed_out);
+    ASSERT_EQ(r->exit_code, 0) << r->err;
+  }
+  auto s = parse(shared.out), a = parse(alone.out), c = parse(chosen.out);
+  ASSERT_EQ(s.size(), 2u) << shared.out;
+  ASSERT_EQ(c.size(), 2u) << chosen.out;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(s[rank]["OMP_NUM_THREADS"], "1");
+    EXPECT_EQ(c[rank]["OMP_NUM_THREADS"], "3");
+  }
+  EXPECT_EQ(a[0]["OMP_NUM_THREADS"], "");
 }
 
 TEST(Environment, SecondNodeOfTwo) {

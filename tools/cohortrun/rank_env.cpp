@@ -32,11 +32,17 @@ std::vector<std::string> rank_environment(const Options& options, int local_rank
   };
 
   std::vector<std::string> env;
+  bool omp_set = false;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string entry = *e;
+    if (entry.compare(0, 16, "OMP_NUM_THREADS=") == 0) omp_set = true;
     if (!is_ours(entry)) env.push_back(std::move(entry));
   }
   for (const auto& [key, value] : ours) env.push_back(key + ("=" + value));
+  // Ranks sharing a machine would each start one intra-op thread per core
+  // (LibTorch's pool, OpenBLAS) and oversubscribe it; torchrun sets the
+  // same default. The user's own value wins.
+  if (!omp_set && options.nproc_per_node > 1) env.push_back("OMP_NUM_THREADS=1");
   return env;
 }
 

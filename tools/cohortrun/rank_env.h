@@ -12,7 +12,8 @@ namespace cohortrun {
 // The launcher's environment with RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, COHORT_BACKEND,
 // COHORT_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT set (replacing any
-// inherited value), as "KEY=VALUE" strings.
+// inherited value), as "KEY=VALUE" strings; plus OMP_NUM_THREADS=1 when
+// several ranks share this machine and the caller did not set it.
 std::vector<std::string> rank_environment(const Options& options, int local_rank, int restart,
                                           int master_port);
 
