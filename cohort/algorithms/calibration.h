@@ -36,8 +36,8 @@ struct CalibrationPoint {
 };
 inline constexpr CalibrationPoint kCalibrationPoints[] = {
     {1 << 10, 8, 5},   {4 << 10, 8, 5}, {16 << 10, 8, 5}, {64 << 10, 4, 5},
-    {256 << 10, 4, 5}, {1 << 20, 4, 5}, {4 << 20, 2, 4},  {16 << 20, 1, 3},
-    {64 << 20, 1, 2}};
+    {256 << 10, 4, 5}, {1 << 20, 4, 5}, {4 << 20, 2, 4},  {16 << 20, 3, 3},
+    {64 << 20, 2, 2}};
 
 // Calibration stops after the first size at which even the fastest
 // candidate took longer than this per run: the larger sizes would take

@@ -72,6 +72,7 @@ class Executor {
   Options options_;
   std::shared_ptr<Store> store_;     // the executor's own key space
   std::unique_ptr<Engine> engine_;   // private: the worker's (and calibration's)
+  Engine& parent_;                   // the Communicator's: calibration times its collective
   Scratch scratch_;                  // worker only
   std::unique_ptr<Topology> topology_;    // worker only, built on first use
   std::unique_ptr<Hierarchy> hierarchy_;  // worker only, built on first use
