@@ -168,7 +168,8 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
       buckets_.push_back(std::move(bucket));
       continue;
     }
-    bucket.buffer = torch::zeros({numel}, params_[bucket.params.front()].options().requires_grad(false));
+    const auto& first = params_[bucket.params.front()];
+    bucket.buffer = torch::zeros({numel}, first.options().requires_grad(false));
     int64_t offset = 0;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const auto& p = params_[bucket.params[k]];

@@ -52,17 +52,16 @@ torch::Tensor StagingBuffer::acquire() {
 
 void StagingBuffer::release() {
   if (!current_.defined()) return;
-  const bool shared = current_.storage().use_count() > 1;
   current_ = torch::Tensor();
 #ifdef MADV_FREE
-  if (shared) {
-    mapping_.reset();  // its holders keep it; the next use maps anew
-    return;
-  }
-  // Only a hint: if it fails the pages simply stay resident.
+  // Whether other tensors still share the memory is not checked: finished
+  // collectives may drop their views of it a moment later (on their
+  // engine's thread), and mapping anew whenever that happened cost the
+  // very page faults this buffer exists to avoid. A tensor kept past a use
+  // stays valid memory (its deleter holds the mapping) with undefined
+  // contents, like a view of a reused bucket. The advice is only a hint:
+  // if it fails the pages simply stay resident.
   ::madvise(mapping_->data, mapping_->bytes, MADV_FREE);
-#else
-  (void)shared;
 #endif
 }
 

@@ -3,9 +3,10 @@
 //
 // Why: ZeRO stage 2 stages a full copy of the gradients during backward and
 // the step only. Allocated afresh every step, such a buffer costs one page
-// fault per 4 KiB when it is first written (36 MiB: 9,216 faults, ~15 ms
-// on the benchmark VM, a tenth of a step), because glibc serves blocks
-// above 32 MiB with a fresh mmap. Kept allocated, it would keep the full
+// fault per 4 KiB when it is first written, because glibc's default
+// settings serve blocks above 32 MiB with a fresh mmap (the 10M
+// transformer's 36 MiB: 9.4k faults per step on the benchmark VM; see
+// docs/benchmarks.md). Kept allocated, it would keep the full
 // gradient size resident between steps, which stage 2 exists to avoid.
 // So release() marks the pages MADV_FREE: the kernel may take them back
 // whenever it needs memory (without writing them anywhere: their contents
@@ -29,8 +30,9 @@ class StagingBuffer {
   // The buffer for one use; its contents are undefined.
   torch::Tensor acquire();
   // Ends the use: drops the tensor acquire() returned and hands the pages
-  // back. If other tensors still share it, they keep that memory alive
-  // (nothing is freed under them) and the next acquire() maps new memory.
+  // back (lazily). Tensors that still share the memory keep it mapped
+  // (nothing is unmapped under them) but their contents become undefined;
+  // the next acquire() returns the same memory.
   void release();
   bool in_use() const { return current_.defined(); }
   int64_t nbytes() const { return numel_ * static_cast<int64_t>(options_.dtype().itemsize()); }

@@ -31,7 +31,8 @@
 //                frees; so the reduce-scatter replaces DDP's all-reduce
 //                rather than following it. The step releases the .grad
 //                views and the staging buffer: between steps a rank holds
-//                only its shard of the gradients (1/N).
+//                only its shard of the gradients (1/N; a .grad the caller
+//                kept past step() has undefined contents).
 //              world 1 (either stage): slices of .grad, no copies.
 //   update     the inner optimizer steps its pieces (in the flat buffer),
 //              bucket by bucket;

@@ -75,7 +75,9 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   // averages them itself put them (its shard, for ZeRO).
   const auto grads = optimizer_.gradients(params_);
   m.grad_norm = norm_->global_norm(grads);
-  if (config_.max_grad_norm > 0) m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
+  if (config_.max_grad_norm > 0) {
+    m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
+  }
   m.lr = lr_at(config_.schedule, position_.step);
   optimizer_.set_lr(m.lr);
   optimizer_.step();
