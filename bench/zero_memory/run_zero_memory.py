@@ -8,7 +8,8 @@ median over --runs runs of each run's median step.
 
 Prints a table, or with --json one object per (mode, world) with mode,
 world, state_bytes_per_rank, grad_bytes_per_rank, grad_bytes_after_backward,
-step_ms, and the ratios to DDP at the same world size.
+staging_bytes_per_rank (ZeRO-2's staging buffer, lazily freed between
+steps), step_ms, and the ratios to DDP at the same world size.
 """
 import argparse
 import json
@@ -23,13 +24,14 @@ from run_ddp_vs_torch import run_once  # noqa: E402  (one launcher for every mul
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--binary", required=True, help="path of the zero_memory executable")
-    ap.add_argument("--modes", default="ddp,zero1,zero2,fused")
+    ap.add_argument("--modes", default="ddp,zero1,zero2,zero2_ddp,fused")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=25, help="ZeRO's and fused's bucket cap")
+    ap.add_argument("--gather-algo", default="default", help="ZeRO's parameter all-gather")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -39,7 +41,8 @@ def main():
         for _ in range(a.runs):
             for m in modes:
                 args = ["--mode", m, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                        "--batch", str(a.batch), "--bucket-mb", str(a.bucket_mb)]
+                        "--batch", str(a.batch), "--bucket-mb", str(a.bucket_mb),
+                        "--gather-algo", a.gather_algo]
                 results[m].append(run_once([a.binary] + args, world, a.timeout))
         rows = {}
         for m in modes:
@@ -48,6 +51,7 @@ def main():
                        "state_bytes_per_rank": max(r["state_bytes_per_rank"] for r in rs),
                        "grad_bytes_per_rank": max(r["grad_bytes_per_rank"] for r in rs),
                        "grad_bytes_after_backward": max(r["grad_bytes_after_backward"] for r in rs),
+                       "staging_bytes_per_rank": max(r["staging_bytes_per_rank"] for r in rs),
                        "step_ms": round(statistics.median(r["step_ms"] for r in rs), 2),
                        "step_ms_runs": [round(r["step_ms"], 2) for r in rs],
                        # Other load only adds time: the fastest step is the
@@ -65,9 +69,10 @@ def main():
                 print(json.dumps(row), flush=True)
             else:
                 mb = 1024 * 1024
-                print(f"{m:6s} world {world}  state {row['state_bytes_per_rank'] / mb:7.2f} MiB  "
+                print(f"{m:9s} world {world}  state {row['state_bytes_per_rank'] / mb:7.2f} MiB  "
                       f"grads {row['grad_bytes_per_rank'] / mb:7.2f} MiB  "
-                      f"(after backward {row['grad_bytes_after_backward'] / mb:7.2f} MiB)  "
+                      f"(after backward {row['grad_bytes_after_backward'] / mb:7.2f} MiB, "
+                      f"staging {row['staging_bytes_per_rank'] / mb:6.2f} MiB lazily freed)  "
                       f"step median {row['step_ms']:8.2f} ms, min {row['step_ms_min']:8.2f} ms"
                       + (f"  x{row['step_vs_ddp']:.2f} / x{row['step_min_vs_ddp']:.2f} of ddp"
                          if base else ""), flush=True)

@@ -9,13 +9,17 @@
 //   zero1  cohort DDP as above + ZeRO stage 1 (state sharded; DDP's
 //          all-reduce, then an all-gather of the parameters)
 //   zero2  ZeRO stage 2 alone (reduce-scatter into the shard, all-gather)
+//   zero2_ddp  cohort DDP + ZeRO stage 2, which takes over DDP's reduction
+//          (DDP's buckets freed; reduce-scatter instead of its all-reduce)
 //   fused  FusedDistributedOptimizer (bucketed all-reduce + flat AdamW)
 // grad_bytes_per_rank: gradient storage that persists between steps
 // (distinct storages of DDP's buckets, the parameters' .grad and the
 // optimizer's own gradient buffers), measured after the step.
 // grad_bytes_after_backward: the same, measured between backward and step;
-// it includes the .grad tensors autograd allocates each backward, which
-// ZeRO-2 releases during its step (the transient peak of this design).
+// for ZeRO-2 it includes the staging buffer that holds the .grad during
+// backward and the step (the transient peak of this design).
+// staging_bytes_per_rank: ZeRO-2's staging buffer, which outlives the step
+// only as lazily freed pages (MADV_FREE, cohort/optim/staging_buffer.h).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -40,6 +44,7 @@ struct Args {
   int steps = 10;
   int warmup = 3;
   double bucket_mb = 25;  // ZeRO's and the fused optimizer's bucket cap
+  std::string gather_algo = "default";  // ZeRO's parameter all-gather
 };
 
 Args parse(int argc, char** argv) {
@@ -56,6 +61,8 @@ Args parse(int argc, char** argv) {
       a.warmup = std::stoi(v);
     else if (k == "--bucket-mb")
       a.bucket_mb = std::stod(v);
+    else if (k == "--gather-algo")
+      a.gather_algo = v;
     else
       throw std::invalid_argument("unknown option " + k);
   }
@@ -97,7 +104,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<torch::optim::AdamW> adamw;
     std::unique_ptr<cohort::ZeroRedundancyOptimizer> zero;
     std::unique_ptr<cohort::FusedDistributedOptimizer> fused;
-    if (a.mode == "ddp" || a.mode == "zero1") {
+    if (a.mode == "ddp" || a.mode == "zero1" || a.mode == "zero2_ddp") {
       cohort::DDPOptions o;
       o.gradient_as_bucket_view = true;
       ddp = std::make_unique<cohort::DistributedDataParallel<cohort::bench::TransformerStack>>(
@@ -109,13 +116,21 @@ int main(int argc, char** argv) {
     }
     if (a.mode == "ddp") {
       adamw = std::make_unique<torch::optim::AdamW>(model->parameters(), opts);
-    } else if (a.mode == "zero1" || a.mode == "zero2") {
+    } else if (a.mode == "zero1" || a.mode == "zero2" || a.mode == "zero2_ddp") {
       cohort::ZeroOptions zo;
       zo.stage = a.mode == "zero1" ? 1 : 2;
-      zo.reduce_gradients = a.mode == "zero2";
       zo.bucket_cap_mb = a.bucket_mb;
-      zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), opts,
-                                                                        comm, zo);
+      if (a.gather_algo != "default") {
+        const auto algo = cohort::parse_algorithm(a.gather_algo);
+        if (!algo) throw std::invalid_argument("unknown --gather-algo " + a.gather_algo);
+        zo.gather_algo = *algo;
+      }
+      if (ddp) {
+        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, comm, zo);
+      } else {
+        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(),
+                                                                          opts, comm, zo);
+      }
     } else if (a.mode == "fused") {
       cohort::FusedOptions fo;
       fo.bucket_cap_mb = a.bucket_mb;
@@ -169,16 +184,18 @@ int main(int argc, char** argv) {
     const int64_t state_max = max_over_ranks(*comm, state);
     const int64_t grads_max = max_over_ranks(*comm, grads);
     const int64_t after_max = max_over_ranks(*comm, after_backward);
+    const int64_t staging_max = max_over_ranks(*comm, zero ? zero->staging_bytes() : 0);
     int64_t params = 0;
     for (const auto& p : model->parameters()) params += p.numel();
     if (comm->rank() == 0) {
       std::printf(
           "{\"mode\": \"%s\", \"world\": %d, \"params\": %lld, \"state_bytes_per_rank\": %lld, "
           "\"grad_bytes_per_rank\": %lld, \"grad_bytes_after_backward\": %lld, "
-          "\"step_ms\": %.3f, \"step_ms_min\": %.3f}\n",
+          "\"staging_bytes_per_rank\": %lld, \"step_ms\": %.3f, \"step_ms_min\": %.3f}\n",
           a.mode.c_str(), comm->size(), static_cast<long long>(params),
           static_cast<long long>(state_max), static_cast<long long>(grads_max),
-          static_cast<long long>(after_max), ms[ms.size() / 2], ms.front());
+          static_cast<long long>(after_max), static_cast<long long>(staging_max),
+          ms[ms.size() / 2], ms.front());
     }
     cohort::finalize();
     return 0;

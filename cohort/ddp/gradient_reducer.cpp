@@ -161,10 +161,18 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
     Bucket bucket;
     int64_t numel = 0;
     for (size_t i : members) numel += params_[i].numel();
-    bucket.buffer = torch::zeros({numel}, params_[members.front()].options().requires_grad(false));
+    for (size_t k = 0; k < members.size(); ++k) slots_[members[k]] = Slot{buckets_.size(), k};
+    bucket.params = std::move(members);
+    // With a reduction owner the buckets are bookkeeping only: no memory.
+    if (owner_) {
+      buckets_.push_back(std::move(bucket));
+      continue;
+    }
+    const auto& first = params_[bucket.params.front()];
+    bucket.buffer = torch::zeros({numel}, first.options().requires_grad(false));
     int64_t offset = 0;
-    for (size_t k = 0; k < members.size(); ++k) {
-      const auto& p = params_[members[k]];
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const auto& p = params_[bucket.params[k]];
       // An alias of the bucket's memory that autograd does not track as a
       // view: LibTorch's Optimizer::zero_grad() calls detach_() on every
       // .grad, which refuses views, so gradient_as_bucket_view needs this.
@@ -172,14 +180,12 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
       alias.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset, p.sizes());
       bucket.views.push_back(alias);
       offset += p.numel();
-      slots_[members[k]] = Slot{buckets_.size(), k};
     }
-    bucket.params = std::move(members);
     buckets_.push_back(std::move(bucket));
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
 
-  if (options_.gradient_as_bucket_view) {
+  if (options_.gradient_as_bucket_view && !owner_) {
     // Existing gradients move into the (new) buckets now, so .grad is a view
     // from here on; AccumulateGrad then accumulates into it in place.
     torch::NoGradGuard no_grad;
@@ -215,6 +221,26 @@ void GradientReducer::rebuild_buckets() {
   build_buckets(agreed);
   rebuilt_ = true;
   stats_.buckets_rebuilt = true;
+}
+
+void GradientReducer::set_reduction_owner(ReductionOwner* owner) {
+  if (backward_started_ && !backward_finished_) {
+    throw InvalidArgument("DistributedDataParallel: set_reduction_owner on rank " +
+                          std::to_string(comm_->rank()) + " during a backward pass");
+  }
+  if (owner == owner_) return;
+  torch::NoGradGuard no_grad;
+  // .grad tensors that are views into the buckets being freed get memory of
+  // their own (the buckets being allocated adopt them again below).
+  for (size_t i = 0; i < params_.size() && !owner_; ++i) {
+    auto& grad = params_[i].mutable_grad();
+    const auto& buffer = buckets_[slots_[i].bucket].buffer;
+    if (grad.defined() && buffer.defined() && grad.is_alias_of(buffer)) grad = grad.clone();
+  }
+  owner_ = owner;
+  std::vector<size_t> order;
+  for (const auto& b : buckets_) order.insert(order.end(), b.params.begin(), b.params.end());
+  build_buckets(order);
 }
 
 std::vector<std::vector<size_t>> GradientReducer::bucket_layout() const {

@@ -30,6 +30,7 @@
 #include "cohort/ddp/comm_hook.h"
 #include "cohort/ddp/ddp_options.h"
 #include "cohort/ddp/ddp_stats.h"
+#include "cohort/ddp/reduction_owner.h"
 
 namespace torch::autograd {
 struct Node;
@@ -64,6 +65,15 @@ class GradientReducer {
   void pop_no_sync() { --no_sync_depth_; }
 
   void register_comm_hook(std::shared_ptr<CommHook> hook);
+
+  // Hands the reduction of every synchronizing backward to `owner` (see
+  // reduction_owner.h; ZeroRedundancyOptimizer at stage 2 calls it): the
+  // bucket buffers are freed and the comm hook is no longer used. nullptr
+  // gives the reduction back to DDP (the buckets are allocated again). Not
+  // between a backward and the end of its reduction. The owner must
+  // outlive its registration.
+  void set_reduction_owner(ReductionOwner* owner);
+  ReductionOwner* reduction_owner() const { return owner_; }
   const DDPStats& stats() const { return stats_; }
   const DDPOptions& options() const { return options_; }
   Communicator& communicator() { return *comm_; }
@@ -74,7 +84,7 @@ class GradientReducer {
   const std::vector<std::string>& parameter_names() const { return names_; }
   // Parameter indices of each bucket, in launch order (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
-  // The flat buffer of bucket i.
+  // The flat buffer of bucket i (undefined while a reduction owner is set).
   const torch::Tensor& bucket_buffer(size_t i) const { return buckets_.at(i).buffer; }
 
   // Called by the accumulator hook of parameter `index` (internal).
@@ -119,6 +129,7 @@ class GradientReducer {
   std::shared_ptr<Communicator> comm_;
   DDPOptions options_;
   std::shared_ptr<CommHook> hook_;
+  ReductionOwner* owner_ = nullptr;
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;

@@ -64,7 +64,15 @@ void GradientReducer::prepare_forward() {
     throw Error(message);
   }
   refresh_accumulators();
-  if (order_recorded_ && !rebuilt_) rebuild_buckets();
+  // An owner reduces in its own layout: nothing to rebuild (and no
+  // collective to spend on it).
+  if (order_recorded_ && !rebuilt_) {
+    if (owner_) {
+      rebuilt_ = true;
+    } else {
+      rebuild_buckets();
+    }
+  }
   sync_this_iteration_ = no_sync_depth_ == 0 && options_.strategy != SyncStrategy::NoSync;
   // As PyTorch: buffers are synced only in forwards that will sync
   // gradients (not under no_sync, not in a no-grad evaluation forward).
@@ -126,6 +134,7 @@ void GradientReducer::on_gradient_ready(size_t index) {
                           "for all but the last backward");
   }
   mark_ready(index, /*used=*/true);
+  if (owner_) return;  // the owner launched what it could
   if (options_.strategy == SyncStrategy::Overlapped) launch_ready_buckets();
   poll_buckets();
 }
@@ -134,6 +143,10 @@ void GradientReducer::mark_ready(size_t index, bool used) {
   ready_[index] = 1;
   locally_used_[index] = used ? 1 : 0;
   if (!order_recorded_) ready_order_.push_back(index);
+  if (owner_) {
+    owner_->gradient_ready(index);
+    return;
+  }
   auto& bucket = buckets_[slots_[index].bucket];
   auto& view = bucket.views[slots_[index].position];
   torch::NoGradGuard no_grad;
@@ -218,9 +231,15 @@ void GradientReducer::finish_backward() {
     }
     return;
   }
+  if (!order_recorded_) order_recorded_ = true;
+  if (owner_) {
+    stats_.iterations += 1;
+    stats_.backward_seconds = backward_end;
+    owner_->backward_finished();
+    return;
+  }
   launch_ready_buckets();
   wait_and_write_back(backward_end);
-  if (!order_recorded_) order_recorded_ = true;
 }
 
 std::vector<char> GradientReducer::globally_used() {
@@ -275,6 +294,11 @@ void GradientReducer::synchronize() {
   reset_iteration();
   start_ = std::chrono::steady_clock::now();
   stats_.bytes = 0;
+  if (owner_) {
+    for (size_t i = 0; i < params_.size(); ++i) mark_ready(i, /*used=*/true);
+    owner_->backward_finished();
+    return;
+  }
   {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {

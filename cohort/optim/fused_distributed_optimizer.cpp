@@ -96,6 +96,7 @@ void FusedDistributedOptimizer::zero_grad() {
     if (!g.defined() || !g.is_same(grad_views_[i])) params_[i].mutable_grad() = grad_views_[i];
   }
   std::fill(seen_.begin(), seen_.end(), 0);
+  averaged_ = false;
 }
 
 void FusedDistributedOptimizer::fill(Bucket& b) {
@@ -114,7 +115,8 @@ void FusedDistributedOptimizer::fill(Bucket& b) {
 }
 
 void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
-  if (comm_->size() > 1) b.grad.div_(comm_->size());  // the all-reduce summed
+  // The all-reduce summed (finish_gradients() divided already).
+  if (comm_->size() > 1 && !averaged_) b.grad.div_(comm_->size());
   // Consecutive parameters with a gradient and the same step count share one
   // update (almost always the whole bucket).
   size_t k = 0;
@@ -145,20 +147,40 @@ void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
   }
 }
 
-void FusedDistributedOptimizer::step() {
-  torch::NoGradGuard no_grad;
-  const int world = comm_->size();
+std::vector<char> FusedDistributedOptimizer::globally_has_grad() {
   // Which parameters have a gradient on some rank (one small all-reduce).
   auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
   auto* m = mask.data_ptr<int>();
   for (auto& b : buckets_) fill(b);
   for (size_t i = 0; i < params_.size(); ++i) m[i] = seen_[i];
-  if (world > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
-  const std::vector<char> has(m, m + params_.size());
+  if (comm_->size() > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
+  return std::vector<char>(m, m + params_.size());
+}
 
-  if (world == 1) {
-    for (auto& b : buckets_) apply(b, has);
-  } else {
+void FusedDistributedOptimizer::finish_gradients() {
+  if (averaged_) return;
+  torch::NoGradGuard no_grad;
+  has_ = globally_has_grad();
+  if (comm_->size() > 1) {
+    for (auto& b : buckets_) b.work = comm_->all_reduce(b.grad, {ReduceOp::Avg});
+    for (auto& b : buckets_) b.work.wait();
+  }
+  averaged_ = true;
+}
+
+void FusedDistributedOptimizer::step() {
+  torch::NoGradGuard no_grad;
+  const int world = comm_->size();
+  if (averaged_ || world == 1) {
+    // Reduced by finish_gradients() (or nothing to reduce): update only.
+    if (!averaged_) has_ = globally_has_grad();
+    for (auto& b : buckets_) apply(b, has_);
+    averaged_ = false;
+    ++timestep_;
+    return;
+  }
+  const auto has = globally_has_grad();
+  {
     // Bucket i's all-reduce is in flight while bucket i-1 is updated.
     for (size_t i = 0; i < buckets_.size(); ++i) {
       buckets_[i].work = comm_->all_reduce(buckets_[i].grad, {ReduceOp::Sum});

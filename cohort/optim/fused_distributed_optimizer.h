@@ -54,6 +54,11 @@ class FusedDistributedOptimizer {
 
   // Collective: average the gradients over the ranks and apply AdamW.
   void step();
+  // Collective: averages the gradients now (all buckets, then waits), so
+  // that the .grad hold the averages before step(), e.g. to clip them by
+  // their global norm; step() then only updates. This gives up the overlap
+  // of each bucket's all-reduce with the previous bucket's update.
+  void finish_gradients();
   // Zeros the gradient buckets (the .grad views with them).
   void zero_grad();
   void set_lr(double lr) { options_.lr(lr); }
@@ -81,6 +86,7 @@ class FusedDistributedOptimizer {
   };
   void fill(Bucket& b);
   void apply(Bucket& b, const std::vector<char>& has);
+  std::vector<char> globally_has_grad();
 
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
@@ -91,6 +97,9 @@ class FusedDistributedOptimizer {
   std::vector<unsigned> hooks_;
   std::vector<Bucket> buckets_;
   int64_t timestep_ = 0;
+  // finish_gradients() ran: the buckets hold averages; has_ its mask.
+  bool averaged_ = false;
+  std::vector<char> has_;
 };
 
 }  // namespace cohort

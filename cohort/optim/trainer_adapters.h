@@ -1,21 +1,32 @@
 // defines: FusedTrainerOptimizer and ZeroTrainerOptimizer, the
 // TrainerOptimizer adapters (cohort/train/trainer_optimizer.h) of the
-// distributed optimizers.
+// distributed optimizers, and InStepGradientSync, the trainer's gradient
+// sync for an optimizer that averages the gradients itself.
 //
-// The trainer expects averaged gradients after its GradientSync and before
-// the optimizer step (it computes the global norm and clips there):
-//   - ZeroRedundancyOptimizer at stage 1 after cohort DDP
-//     (reduce_gradients = false) fits as it is: DDP averages, the trainer
-//     clips, ZeRO steps its shard and all-gathers the parameters;
-//   - FusedDistributedOptimizer and ZeRO stage 2 average inside step(), so
-//     the trainer's sync must not communicate, and clipping (which would
-//     see local gradients) must stay off.
+// Which sync goes with which optimizer:
+//   - ZeRO (stage 1 or 2) with cohort DDP: DdpGradientSync. At stage 1 DDP
+//     averages in backward and ZeRO steps its shard; at stage 2 DDP hands
+//     its reduction to ZeRO (reduce-scatter into the shards) and no_sync()
+//     keeps the non-final micro-batches local as usual;
+//   - FusedDistributedOptimizer, or ZeRO alone: InStepGradientSync (the
+//     trainer's sync does not communicate; ZeRO-2's non-final micro-batches
+//     run under its no_sync()).
+// Clipping: the trainer asks gradients() for the averaged gradients before
+// the step. The fused optimizer averages them there (its all-reduce then no
+// longer overlaps its update); ZeRO finishes its reduction and answers its
+// shard's pieces, a disjoint part of the gradients on each rank, so the
+// trainer measures with ShardedGradNorm (squared partial norms all-reduced)
+// and each rank clips its own part.
 // ZeRO's state is sharded (replicated_state() false): save/load write and
 // read this rank's shard only.
 #pragma once
 
+#include <memory>
+#include <vector>
+
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/train/gradient_sync.h"
 #include "cohort/train/trainer_optimizer.h"
 
 namespace cohort {
@@ -28,6 +39,11 @@ class FusedTrainerOptimizer : public TrainerOptimizer {
   void set_lr(double lr) override { optimizer_.set_lr(lr); }
   void save(torch::serialize::OutputArchive& archive) const override { optimizer_.save(archive); }
   void load(torch::serialize::InputArchive& archive) override { optimizer_.load(archive); }
+  // The .grad (views into the buckets) hold the averages afterwards.
+  std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>& model_params) override {
+    optimizer_.finish_gradients();
+    return model_params;
+  }
 
  private:
   FusedDistributedOptimizer& optimizer_;
@@ -45,9 +61,35 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
   }
   void load(torch::serialize::InputArchive& archive) override { optimizer_.load_shard(archive); }
   bool replicated_state() const override { return false; }
+  // The shard's pieces, whose .grad are this rank's averaged gradients.
+  std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>&) override {
+    optimizer_.finish_gradients();
+    return optimizer_.shard_pieces();
+  }
+  bool sharded_gradients() const override { return true; }
 
  private:
   ZeroRedundancyOptimizer& optimizer_;
+};
+
+// The trainer's sync for FusedDistributedOptimizer or ZeRO without DDP:
+// the optimizer averages in its step (or in gradients()), so this never
+// communicates; comm_seconds() is 0 (the time is inside the step).
+class InStepGradientSync : public GradientSync {
+ public:
+  // The fused optimizer: autograd accumulates into its buckets as it is.
+  InStepGradientSync() = default;
+  // ZeRO alone: non-final micro-batches run under its no_sync().
+  explicit InStepGradientSync(ZeroRedundancyOptimizer& zero) : zero_(&zero) {}
+  std::shared_ptr<void> skip_sync() override {
+    if (!zero_) return nullptr;
+    return std::make_shared<ZeroRedundancyOptimizer::NoSync>(zero_->no_sync());
+  }
+  void finish_sync() override {}
+  double comm_seconds() const override { return 0.0; }
+
+ private:
+  ZeroRedundancyOptimizer* zero_ = nullptr;
 };
 
 }  // namespace cohort

@@ -2,6 +2,10 @@
 // all-gather). The sharded checkpoint half is in zero_checkpoint.cpp.
 #include "cohort/optim/zero_redundancy_optimizer.h"
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -9,6 +13,28 @@
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort {
+namespace {
+
+// A post hook on a parameter's gradient accumulator, as DDP's: it runs after
+// AccumulateGrad, so .grad holds the gradient accumulated over earlier
+// (no_sync) backwards as well, which is what must be reduced. (A tensor
+// hook would see only this backward's contribution.)
+class ZeroReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ZeroReadyHook(ZeroRedundancyOptimizer* zero, size_t index) : zero_(zero), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    zero_->on_gradient_ready(index_);
+    return outputs;
+  }
+
+ private:
+  ZeroRedundancyOptimizer* zero_;
+  size_t index_;
+};
+
+}  // namespace
 
 std::string ZeroRedundancyOptimizer::where(const std::string& op) const {
   return "ZeroRedundancyOptimizer::" + op + " (rank " + std::to_string(comm_->rank()) + " of " +
@@ -22,11 +48,6 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   if (options_.stage != 1 && options_.stage != 2) {
     throw InvalidArgument(where("constructor") + ": stage must be 1 or 2, got " +
                           std::to_string(options_.stage));
-  }
-  if (options_.stage == 2 && !options_.reduce_gradients) {
-    throw InvalidArgument(where("constructor") +
-                          ": stage 2 reduce-scatters the gradients itself (reduce_gradients "
-                          "must be true; do not all-reduce them with DDP first)");
   }
   std::vector<int64_t> numels;
   std::vector<size_t> group_of;
@@ -84,11 +105,14 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   }
   if (options_.stage == 2 && world > 1) {
     shard_grads_ = torch::zeros({partition_->shard_numel()}, flat_params_.options());
+    staging_buffer_ =
+        std::make_unique<StagingBuffer>(partition_->padded_numel(), flat_params_.options());
     const auto& buckets = partition_->buckets();
     bucket_params_.resize(buckets.size());
     param_buckets_.resize(params_.size());
     pending_init_.assign(buckets.size(), 0);
-    seen_.assign(params_.size(), 0);
+    staged_.assign(params_.size(), 0);
+    has_.assign(params_.size(), 0);
     for (size_t b = 0; b < buckets.size(); ++b) {
       for (size_t i = 0; i < params_.size(); ++i) {
         const auto& prm = partition_->params()[i];
@@ -96,15 +120,13 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
             prm.offset + prm.numel > buckets[b].offset) {
           bucket_params_[b].push_back(i);
           param_buckets_[i].push_back(b);
-          ++pending_init_[b];
+          // Only parameters that can get a gradient are waited for; the
+          // others are zeros when their bucket goes.
+          if (params_[i].requires_grad()) ++pending_init_[b];
         }
       }
     }
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!params_[i].requires_grad()) continue;
-      hooks_.emplace_back(
-          i, params_[i].register_hook([this, i](torch::Tensor g) { return on_gradient(i, g); }));
-    }
+    if (options_.reduce_gradients) hook_accumulators();
   } else if (options_.reduce_gradients && world > 1) {
     flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
   }
@@ -133,7 +155,47 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
 }
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
-  for (const auto& [i, key] : hooks_) params_[i].remove_hook(key);
+  for (size_t k = 0; k < hooks_.size(); ++k) accumulators_[k]->del_post_hook(hooks_[k].second);
+  if (ddp_) ddp_->set_reduction_owner(nullptr);
+}
+
+void ZeroRedundancyOptimizer::hook_accumulators() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].requires_grad()) continue;
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    hooks_.emplace_back(i, acc->add_post_hook(std::make_unique<ZeroReadyHook>(this, i)));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void ZeroRedundancyOptimizer::take_over_reduction(GradientReducer& ddp) {
+  if (options_.stage != 2 || options_.reduce_gradients) {
+    throw InvalidArgument(where("take_over_reduction") +
+                          ": only stage 2 with reduce_gradients = false reduces for DDP (stage 1 "
+                          "reads DDP's averaged gradients)");
+  }
+  if (&ddp.communicator() != comm_.get()) {
+    throw InvalidArgument(where("take_over_reduction") +
+                          ": DDP reduces over another communicator (" + ddp.communicator().name() +
+                          ")");
+  }
+  if (ddp_) throw InvalidArgument(where("take_over_reduction") + ": already reducing for a DDP");
+  if (comm_->size() == 1) return;  // nothing to reduce: .grad is read as it is
+  std::map<const void*, size_t> ours;
+  for (size_t i = 0; i < params_.size(); ++i) ours[params_[i].unsafeGetTensorImpl()] = i;
+  const auto& theirs = ddp.parameters();
+  from_ddp_.assign(theirs.size(), 0);
+  for (size_t k = 0; k < theirs.size(); ++k) {
+    auto it = ours.find(theirs[k].unsafeGetTensorImpl());
+    if (it == ours.end()) {
+      throw InvalidArgument(where("take_over_reduction") + ": DDP's parameter '" +
+                            ddp.parameter_names()[k] +
+                            "' is not one of this optimizer's; pass ddp.parameters()");
+    }
+    from_ddp_[k] = it->second;
+  }
+  ddp.set_reduction_owner(this);
+  ddp_ = &ddp;
 }
 
 std::vector<torch::optim::OptimizerParamGroup>& ZeroRedundancyOptimizer::param_groups() {
@@ -145,14 +207,31 @@ void ZeroRedundancyOptimizer::set_lr(double lr) {
 }
 
 void ZeroRedundancyOptimizer::zero_grad() {
+  // A backward whose reduction was never finished is dropped (its
+  // reduce-scatters were launched alike on every rank; wait for them).
+  if (staging_.defined()) {
+    for (auto& w : rs_work_) w.wait();
+    release_iteration();
+  }
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   for (auto& t : pieces_) t.mutable_grad() = torch::Tensor();
+  reduced_ = false;
+}
+
+void ZeroRedundancyOptimizer::finish_gradients() {
+  if (reduced_) return;
+  reduce_gradients();
+  reduced_ = true;
 }
 
 void ZeroRedundancyOptimizer::step() {
-  reduce_gradients();
-  inner_->step();
-  all_gather_parameters();
+  finish_gradients();
+  reduced_ = false;
+  if (comm_->size() == 1) {
+    inner_->step();  // the shard is the whole buffer
+    return;
+  }
+  step_and_all_gather();
 }
 
 std::vector<char> ZeroRedundancyOptimizer::globally_has_grad() {
@@ -176,7 +255,8 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
   torch::NoGradGuard no_grad;
   const auto& part = *partition_;
   const auto& pieces = part.pieces();
-  const bool reduce = options_.reduce_gradients && comm_->size() > 1;
+  // Stage 2 reduces alone or for DDP; stage 1 only alone.
+  const bool reduce = comm_->size() > 1 && (options_.stage == 2 || options_.reduce_gradients);
 
   if (!reduce) {
     // The gradients are already averaged (stage 1 after DDP), or there is
@@ -246,46 +326,77 @@ void ZeroRedundancyOptimizer::all_reduce_gradients() {
   }
 }
 
-// Stage 2. A hook on every parameter copies its gradient into the flat
-// staging buffer as backward produces it and hands autograd a view of that
-// buffer as the .grad (so autograd allocates no second copy). A bucket is
+// Stage 2. When a parameter's gradient is ready (its accumulator's post
+// hook alone, DDP's report with DDP) it is copied into the flat staging
+// buffer and its .grad becomes a view of that copy (autograd's tensor is
+// freed: one copy of the gradients, as DDP's buckets). A bucket is
 // reduce-scattered into this rank's shard as soon as all its parameters
-// are in, from the last bucket down (the order backward fills them, the
-// same on every rank), so the reduction overlaps the rest of backward, as
-// DDP's all-reduce does. step() launches what backward did not, then the
-// .grad views and the staging buffer are released: between steps a rank
-// holds only its gradient shard.
+// are in, from the last bucket down (the order backward fills them; the
+// same on every rank, so the collectives match), so the reduction overlaps
+// the rest of backward, as DDP's all-reduce does. finish_gradients()
+// launches what backward did not, waits, and releases the .grad views and
+// the staging buffer: between steps a rank holds only its gradient shard.
 void ZeroRedundancyOptimizer::begin_iteration() {
-  staging_ = torch::empty({partition_->padded_numel()}, flat_params_.options());
+  staging_ = staging_buffer_->acquire();
   pending_ = pending_init_;
-  std::fill(seen_.begin(), seen_.end(), 0);
+  std::fill(staged_.begin(), staged_.end(), 0);
+  std::fill(has_.begin(), has_.end(), 0);
   rs_work_.assign(partition_->buckets().size(), Work());
   next_launch_ = static_cast<int64_t>(partition_->buckets().size()) - 1;
   twice_ = false;
 }
 
-torch::Tensor ZeroRedundancyOptimizer::on_gradient(size_t i, const torch::Tensor& grad) {
+void ZeroRedundancyOptimizer::release_iteration() {
+  for (auto& p : params_) {
+    auto& g = p.mutable_grad();
+    if (g.defined() && g.is_alias_of(staging_)) g = torch::Tensor();
+  }
+  staging_ = torch::Tensor();
+  rs_work_.clear();  // the finished collectives' hold on the buffer
+  staging_buffer_->release();
+}
+
+void ZeroRedundancyOptimizer::on_gradient_ready(size_t i) {
+  if (no_sync_depth_ > 0) return;  // accumulate locally in .grad
+  stage_gradient(i);
+  launch_ready_buckets(false);
+}
+
+void ZeroRedundancyOptimizer::gradient_ready(size_t ddp_index) {
+  stage_gradient(from_ddp_[ddp_index]);
+  launch_ready_buckets(false);
+}
+
+void ZeroRedundancyOptimizer::backward_finished() {
+  if (staging_.defined()) launch_ready_buckets(true);
+}
+
+void ZeroRedundancyOptimizer::stage_gradient(size_t i) {
   torch::NoGradGuard no_grad;
   if (!staging_.defined()) begin_iteration();
-  if (seen_[i]) {
+  if (staged_[i]) {
     // A second backward before step(): its bucket may be on the wire.
     twice_ = true;
-    return {};
+    return;
   }
   const auto& prm = partition_->params()[i];
   auto view = staging_.narrow(0, prm.offset, prm.numel);
-  view.copy_(grad.reshape(-1));
-  stage_param(i);
-  launch_ready_buckets(false);
-  return view.view(grad.sizes());
-}
-
-void ZeroRedundancyOptimizer::stage_param(size_t i) {
-  seen_[i] = 1;
-  for (size_t b : param_buckets_[i]) --pending_[b];
+  auto& g = params_[i].mutable_grad();
+  if (g.defined()) {
+    view.copy_(g.reshape(-1));
+    g = view.view(params_[i].sizes());
+    has_[i] = 1;
+  } else {
+    view.zero_();  // unused here (DDP reports it): zeros, as in DDP
+  }
+  staged_[i] = 1;
+  for (size_t b : param_buckets_[i]) {
+    if (params_[i].requires_grad()) --pending_[b];
+  }
 }
 
 void ZeroRedundancyOptimizer::launch_ready_buckets(bool all) {
+  torch::NoGradGuard no_grad;
   const auto& part = *partition_;
   while (next_launch_ >= 0 && (all || pending_[next_launch_] == 0)) {
     const auto b = static_cast<size_t>(next_launch_--);
@@ -293,7 +404,7 @@ void ZeroRedundancyOptimizer::launch_ready_buckets(bool all) {
     // Parameters without a gradient this iteration count as zeros, and so
     // does the padding.
     for (size_t i : bucket_params_[b]) {
-      if (seen_[i]) continue;
+      if (staged_[i]) continue;
       const auto& prm = part.params()[i];
       const int64_t lo = std::max(bucket.offset, prm.offset);
       const int64_t hi = std::min(bucket.offset + bucket.numel, prm.offset + prm.numel);
@@ -310,25 +421,28 @@ void ZeroRedundancyOptimizer::launch_ready_buckets(bool all) {
 
 void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
   torch::NoGradGuard no_grad;
+  if (!options_.reduce_gradients && !ddp_) {
+    throw Error(where("step") +
+                ": stage 2 with reduce_gradients = false reduces for cohort DDP, but no DDP "
+                "handed its reduction over (build it with make(ddp, ...) or call "
+                "take_over_reduction(ddp.reducer()))");
+  }
   if (!staging_.defined()) begin_iteration();
-  // Gradients that did not come through the hooks (set by hand).
+  // Gradients that did not come through a synchronizing backward: set by
+  // hand, or accumulated under no_sync() with no backward after it.
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& g = params_[i].grad();
-    if (seen_[i] || !g.defined()) continue;
-    const auto& prm = partition_->params()[i];
-    staging_.narrow(0, prm.offset, prm.numel).copy_(g.reshape(-1));
-    stage_param(i);
+    if (!staged_[i] && params_[i].grad().defined()) stage_gradient(i);
   }
   launch_ready_buckets(true);
-  const auto has = globally_has_grad_from(seen_);
+  const auto has = globally_has_grad_from(has_);
   for (auto& w : rs_work_) w.wait();
   const bool twice = twice_;
-  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
-  staging_ = torch::Tensor();
+  release_iteration();
   if (twice) {
     throw Error(where("step") +
-                ": stage 2 reduces gradients during backward, so it needs step() after every "
-                "backward (a parameter got a second gradient); accumulate with stage 1");
+                ": a parameter got a second gradient before step(); stage 2 reduces during "
+                "backward, so accumulate with no_sync() (ddp.no_sync() with DDP) around all "
+                "but the last backward");
   }
   const auto& pieces = partition_->pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
@@ -338,18 +452,39 @@ void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
   }
 }
 
-void ZeroRedundancyOptimizer::all_gather_parameters() {
-  if (comm_->size() == 1) return;  // the shard is the whole buffer
+// The inner optimizer steps one bucket's pieces at a time (the other
+// pieces' .grad hidden meanwhile), and each bucket's all-gather is launched
+// as soon as its pieces are updated, so it overlaps the updates of the
+// buckets after it. LibTorch's optimizers update every parameter from its
+// own gradient and state only (a parameter without .grad is skipped), so
+// stepping the pieces bucket by bucket equals stepping them all at once.
+void ZeroRedundancyOptimizer::step_and_all_gather() {
   torch::NoGradGuard no_grad;
   const auto& buckets = partition_->buckets();
+  const auto& pieces = partition_->pieces();
+  std::vector<torch::Tensor> grads;
+  for (auto& t : pieces_) grads.push_back(t.grad());
   std::vector<Work> works;
-  std::vector<torch::Tensor> inputs;
+  size_t k = 0;  // pieces are ordered by shard offset, so by bucket
   for (size_t b = 0; b < buckets.size(); ++b) {
-    // A copy of this rank's chunk: the output buffer contains it.
-    inputs.push_back(flat_params_.narrow(0, partition_->chunk_offset(b), buckets[b].chunk).clone());
+    const size_t first = k;
+    while (k < pieces.size() && pieces[k].bucket == b) ++k;
+    if (k > first) {
+      for (size_t j = 0; j < pieces_.size(); ++j) {
+        pieces_[j].mutable_grad() = j >= first && j < k ? grads[j] : torch::Tensor();
+      }
+      inner_->step();
+    }
+    // This rank's chunk, in place inside the output: the algorithms skip
+    // copying it onto itself, Gloo reads it before writing the output, MPI
+    // passes MPI_IN_PLACE.
+    auto in = flat_params_.narrow(0, partition_->chunk_offset(b), buckets[b].chunk);
     auto out = flat_params_.narrow(0, buckets[b].offset, buckets[b].padded);
-    works.push_back(comm_->all_gather_into_tensor(out, inputs.back()));
+    AllGatherOptions opts;
+    opts.algo = options_.gather_algo;
+    works.push_back(comm_->all_gather_into_tensor(out, in, opts));
   }
+  for (size_t j = 0; j < pieces_.size(); ++j) pieces_[j].mutable_grad() = grads[j];
   for (auto& w : works) w.wait();
 }
 

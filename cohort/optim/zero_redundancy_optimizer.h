@@ -3,9 +3,14 @@
 // parameters (stage 1) and, at stage 2, only the averaged gradients of that
 // 1/N as well.
 //
+//   // Alone (a plain module):
 //   auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
 //       model->parameters(), torch::optim::AdamWOptions(1e-3), comm, {.stage = 2});
-//   for (...) { zero->zero_grad(); loss(model).backward(); zero->step(); }
+//   // With cohort DDP (DDP broadcasts, finds unused parameters, no_sync()):
+//   cohort::DistributedDataParallel<Net> ddp(model, comm);
+//   auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+//       ddp, torch::optim::AdamWOptions(1e-3), comm, {.stage = 2});
+//   for (...) { zero->zero_grad(); loss(ddp).backward(); zero->step(); }
 //
 // The parameters are laid end to end in one flat buffer (the parameters
 // become views into it) and partitioned with FlatPartition. A LibTorch
@@ -14,18 +19,34 @@
 // so it holds 1/N of the state. One step:
 //   gradients  stage 1 alone: all-reduce (Avg) bucket by bucket into a full
 //                flat gradient buffer, then read this rank's slices;
-//              stage 1 after cohort DDP (reduce_gradients = false): read the
-//                slices of the already averaged .grad, no communication;
-//              stage 2: hooks stage each gradient in a flat buffer during
-//                backward (the .grad are views into it) and reduce-scatter
-//                (Avg) each full bucket into this rank's gradient shard while
-//                backward goes on; the step releases the staging buffer, so
-//                only the shard outlives the step. One backward per step.
+//              stage 1 with cohort DDP: read the slices of DDP's averaged
+//                .grad, no communication here;
+//              stage 2 (alone or with DDP): as each parameter's gradient is
+//                ready in backward it is copied into a flat staging buffer
+//                (its .grad becomes a view into it) and each full bucket is
+//                reduce-scattered (Avg) into this rank's gradient shard
+//                while backward goes on. With DDP, DDP hands its reduction
+//                over (reduction_owner.h): it reports ready gradients
+//                instead of all-reducing its own buckets, whose buffers it
+//                frees; so the reduce-scatter replaces DDP's all-reduce
+//                rather than following it. The step releases the .grad
+//                views and the staging buffer: between steps a rank holds
+//                only its shard of the gradients (1/N; a .grad the caller
+//                kept past step() has undefined contents).
 //              world 1 (either stage): slices of .grad, no copies.
-//   update     the inner optimizer steps its pieces (in the flat buffer);
-//   parameters all-gather every bucket, so all ranks hold the new values.
+//   update     the inner optimizer steps its pieces (in the flat buffer),
+//              bucket by bucket;
+//   parameters each bucket is all-gathered as soon as its pieces are
+//              updated (overlapping the next buckets' update), so all
+//              ranks hold the new values.
 // reduce-scatter + all-gather move as many bytes as one all-reduce, so
 // stage 2 costs the communication volume of plain data parallelism.
+//
+// Gradient accumulation at stage 2: backwards under ddp.no_sync() (with
+// DDP) or zero->no_sync() (alone) accumulate into .grad locally; the next
+// backward outside it reduce-scatters the sum once (or step() does, if
+// every backward ran under no_sync). A second backward outside no_sync
+// before step() is refused (its bucket may already be on the wire).
 //
 // Every element is updated by the same element-wise formula as in the
 // unsharded optimizer, so results equal DDP + the same optimizer (to
@@ -43,7 +64,14 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/ddp/reduction_owner.h"
 #include "cohort/optim/flat_partition.h"
+#include "cohort/optim/staging_buffer.h"
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
 
 namespace cohort {
 
@@ -53,12 +81,17 @@ struct ZeroOptions {
   // Largest bucket of the gradient reduction and the parameter all-gather,
   // in MiB; smaller buckets mean less staging memory at stage 2.
   double bucket_cap_mb = 25;
-  // Stage 1 only: false when the gradients were already averaged over the
-  // ranks (cohort DDP's all-reduce ran in backward); true reduces them here.
+  // false when cohort DDP is in charge of the model: at stage 1 DDP's
+  // all-reduce averaged the .grad in backward and ZeRO reads them; at stage
+  // 2 DDP hands its reduction over (take_over_reduction(), which make(ddp,
+  // ...) calls). true: the optimizer reduces alone.
   bool reduce_gradients = true;
+  // How the updated parameters are all-gathered (cohort/algorithms);
+  // Default: the communicator's choice.
+  Algorithm gather_algo = Algorithm::Default;
 };
 
-class ZeroRedundancyOptimizer {
+class ZeroRedundancyOptimizer : private ReductionOwner {
  public:
   // Builds the inner optimizer over this rank's shard, from the shard's
   // parameter groups (each with the caller's group options already set).
@@ -70,8 +103,9 @@ class ZeroRedundancyOptimizer {
   // DDP's broadcast); groups without options take the inner defaults.
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,
                           std::shared_ptr<Communicator> comm, ZeroOptions options = {});
-  // Removes the stage-2 gradient hooks from the parameters.
-  ~ZeroRedundancyOptimizer();
+  // Removes the stage-2 gradient hooks from the parameters and gives DDP
+  // its reduction back.
+  ~ZeroRedundancyOptimizer() override;
   // The hooks hold this object's address.
   ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
   ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
@@ -98,9 +132,35 @@ class ZeroRedundancyOptimizer {
     return make<Opt>(std::move(groups), defaults, std::move(comm), options);
   }
 
+  // With cohort DDP (every rank passes its DDP model; the parameters are
+  // ddp.parameters()): stage 1 reads DDP's averaged gradients, stage 2
+  // takes over DDP's reduction. comm must be DDP's communicator. The DDP
+  // model must outlive the optimizer.
+  template <typename Opt, typename Options, typename ModuleHolder>
+  static std::unique_ptr<ZeroRedundancyOptimizer> make(DistributedDataParallel<ModuleHolder>& ddp,
+                                                       const Options& defaults,
+                                                       std::shared_ptr<Communicator> comm,
+                                                       ZeroOptions options = {}) {
+    options.reduce_gradients = false;
+    auto zero = make<Opt>(ddp.parameters(), defaults, std::move(comm), options);
+    if (options.stage == 2) zero->take_over_reduction(ddp.reducer());
+    return zero;
+  }
+
+  // Stage 2 with reduce_gradients = false: from now on `ddp` reports ready
+  // gradients to this optimizer, which reduce-scatters them, instead of
+  // all-reducing them itself (see reduction_owner.h). Every parameter DDP
+  // reduces must be one of this optimizer's (InvalidArgument otherwise).
+  void take_over_reduction(GradientReducer& ddp);
+
   // Collective: reduce gradients as the stage says, step the shard,
   // all-gather the updated parameters.
   void step();
+  // Collective: ends this step's gradient reduction (stage 2: waits for the
+  // reduce-scatters), so that the pieces' .grad (shard_pieces()) hold this
+  // step's averaged gradients, e.g. to clip them by their global norm
+  // before step(). step() calls it when the caller did not.
+  void finish_gradients();
   // Releases the parameters' gradients (set to none, as LibTorch 2.x).
   void zero_grad();
   // Sets the rate of every group (as setting each group's lr in LibTorch).
@@ -110,6 +170,30 @@ class ZeroRedundancyOptimizer {
   // options (lr, weight decay, betas, ...) can be changed as in LibTorch.
   std::vector<torch::optim::OptimizerParamGroup>& param_groups();
   torch::optim::Optimizer& shard_optimizer() { return *inner_; }
+  // This rank's pieces (what the inner optimizer steps); after
+  // finish_gradients() their .grad are this rank's averaged gradients, a
+  // disjoint part of the whole on every rank (undefined for parameters that
+  // got no gradient anywhere).
+  const std::vector<torch::Tensor>& shard_pieces() const { return pieces_; }
+
+  // RAII, stage 2 alone: backwards in its scope accumulate into .grad
+  // locally (no communication); the first backward after it reduces the
+  // sum. With DDP use ddp.no_sync(). Other stages accumulate without it.
+  class NoSync {
+   public:
+    explicit NoSync(ZeroRedundancyOptimizer& zero) : zero_(&zero) { ++zero_->no_sync_depth_; }
+    ~NoSync() {
+      if (zero_) --zero_->no_sync_depth_;
+    }
+    NoSync(NoSync&& other) noexcept : zero_(other.zero_) { other.zero_ = nullptr; }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    ZeroRedundancyOptimizer* zero_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
   const FlatPartition& partition() const { return *partition_; }
   const ZeroOptions& options() const { return options_; }
   Communicator& communicator() { return *comm_; }
@@ -121,6 +205,10 @@ class ZeroRedundancyOptimizer {
   // at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
   std::vector<torch::Tensor> grad_buffers() const;
   int64_t grad_bytes() const;
+  // Stage 2: bytes of the staging buffer, in use from the first gradient of
+  // a backward to the end of the reduction and lazily freed between steps
+  // (staging_buffer.h); 0 otherwise.
+  int64_t staging_bytes() const { return staging_buffer_ ? staging_buffer_->nbytes() : 0; }
 
   // This rank's shard of the state, for sharded checkpoints: every rank
   // saves its own archive and loads it back into an optimizer with the same
@@ -135,16 +223,24 @@ class ZeroRedundancyOptimizer {
   // return an empty vector. Parameters never stepped have an empty map.
   std::vector<std::map<std::string, torch::Tensor>> consolidate_state_dict(int to = 0);
 
+  // Called by the accumulator hook of parameter i, alone at stage 2
+  // (internal).
+  void on_gradient_ready(size_t i);
+
  private:
   void reduce_gradients();
   void all_reduce_gradients();
-  void all_gather_parameters();
+  void step_and_all_gather();
   std::vector<char> globally_has_grad();
   std::vector<char> globally_has_grad_from(const std::vector<char>& local);
   // Stage 2 (zero_checkpoint.cpp has none of it).
+  void hook_accumulators();
   void begin_iteration();
-  torch::Tensor on_gradient(size_t i, const torch::Tensor& grad);
-  void stage_param(size_t i);
+  void release_iteration();
+  // ReductionOwner: DDP's parameter index.
+  void gradient_ready(size_t ddp_index) override;
+  void backward_finished() override;
+  void stage_gradient(size_t i);
   void launch_ready_buckets(bool all);
   void reduce_scatter_gradients();
   std::string where(const std::string& op) const;
@@ -163,16 +259,26 @@ class ZeroRedundancyOptimizer {
 
   // Stage 2 bookkeeping: parameters of each bucket and buckets of each
   // parameter; per iteration the staging buffer (the .grad are views into
-  // it), which parameters came in, what each bucket still waits for, the
-  // next bucket to launch (launched from the last down) and its Work.
+  // it), which parameters are staged and which had a gradient here, what
+  // each bucket still waits for (parameters that require grad), the next
+  // bucket to launch (launched from the last down) and its Work.
   std::vector<std::vector<size_t>> bucket_params_, param_buckets_;
   std::vector<int> pending_init_, pending_;
-  std::vector<char> seen_;
-  torch::Tensor staging_;
+  std::vector<char> staged_, has_;
+  std::unique_ptr<StagingBuffer> staging_buffer_;
+  torch::Tensor staging_;  // staging_buffer_'s, while in use
   std::vector<Work> rs_work_;
   int64_t next_launch_ = -1;
   bool twice_ = false;
-  std::vector<std::pair<size_t, unsigned>> hooks_;  // (parameter, hook key)
+  bool reduced_ = false;  // finish_gradients() ran since the last step
+  int no_sync_depth_ = 0;
+  // Alone: post hooks on the gradient accumulators (as DDP's, so they see
+  // the accumulated .grad), kept alive with their keys.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::pair<size_t, uintptr_t>> hooks_;  // (parameter, key)
+  // With DDP: its reducer and DDP's parameter index -> ours.
+  GradientReducer* ddp_ = nullptr;
+  std::vector<size_t> from_ddp_;
 };
 
 }  // namespace cohort

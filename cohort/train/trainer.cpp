@@ -28,7 +28,10 @@ Trainer::Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
       sync_(sync),
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
-      norm_(norm ? std::move(norm) : std::make_shared<ReplicatedGradNorm>()),
+      norm_(norm                           ? std::move(norm)
+            : optimizer.sharded_gradients() ? std::shared_ptr<GradNorm>(
+                                                  std::make_shared<ShardedGradNorm>(comm))
+                                            : std::make_shared<ReplicatedGradNorm>()),
       metrics_(config_.metrics_path, comm.rank() == 0) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
@@ -68,8 +71,13 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   sync_.finish_sync();
 
   StepMetrics m;
-  m.grad_norm = norm_->global_norm(params_);
-  if (config_.max_grad_norm > 0) m.clipped = clip_grad_norm(params_, m.grad_norm, config_.max_grad_norm);
+  // The averaged gradients: the model's .grad, or where an optimizer that
+  // averages them itself put them (its shard, for ZeRO).
+  const auto grads = optimizer_.gradients(params_);
+  m.grad_norm = norm_->global_norm(grads);
+  if (config_.max_grad_norm > 0) {
+    m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
+  }
   m.lr = lr_at(config_.schedule, position_.step);
   optimizer_.set_lr(m.lr);
   optimizer_.step();

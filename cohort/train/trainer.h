@@ -8,7 +8,9 @@
 //      .backward(). All but the last run under GradientSync::skip_sync(), so
 //      gradients accumulate locally and only the last backward communicates;
 //   3. GradientSync::finish_sync(): every rank now holds the gradient of the
-//      mean loss over the whole global batch (k micro-batches x all ranks);
+//      mean loss over the whole global batch (k micro-batches x all ranks),
+//      or, for an optimizer that averages inside its step (fused, ZeRO-2),
+//      TrainerOptimizer::gradients() averages them (ZeRO-2: into its shard);
 //   4. the global gradient norm via GradNorm (local for replicated
 //      gradients, an all-reduce of squared partial norms for sharded ones),
 //      then clipping when it exceeds max_grad_norm;
@@ -91,7 +93,8 @@ class Trainer {
  public:
   // model: the replicated module (its parameters get the gradients);
   // sync: DdpGradientSync for a DDP model, AllReduceGradientSync otherwise;
-  // norm: nullptr means ReplicatedGradNorm.
+  // norm: nullptr means ReplicatedGradNorm, or ShardedGradNorm when the
+  // optimizer's gradients are sharded (TrainerOptimizer::sharded_gradients).
   Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
           TrainerOptimizer& optimizer, GradientSync& sync, LossFn loss_fn,
           TrainerConfig config, std::shared_ptr<GradNorm> norm = nullptr);

@@ -1,14 +1,18 @@
 // defines: TrainerOptimizer (the seam between the trainer and an optimizer)
 // and TorchOptimizer (any torch::optim::Optimizer: AdamW, SGD, ...).
 //
-// The fused optimizer and ZeRO plug in here by implementing the same five
-// calls (cohort/optim/trainer_adapters.h). ZeRO's state is sharded: it
-// answers replicated_state() false, and the trainer then has every rank save
-// and load its own shard next to the checkpoint.
+// The fused optimizer and ZeRO plug in here (cohort/optim/trainer_adapters.h).
+// ZeRO's state is sharded: it answers replicated_state() false, and the
+// trainer then has every rank save and load its own shard next to the
+// checkpoint. Optimizers that average the gradients inside step() (fused,
+// ZeRO stage 2) average them in gradients() instead, which the trainer
+// calls before clipping.
 #pragma once
 
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
+
+#include <vector>
 
 namespace cohort {
 
@@ -23,6 +27,17 @@ class TrainerOptimizer {
   virtual void load(torch::serialize::InputArchive& archive) = 0;
   // True when every rank holds the same optimizer state (rank 0 saves it).
   virtual bool replicated_state() const { return true; }
+  // Called after the trainer's gradient sync, before step(): the tensors
+  // whose .grad are the averaged gradients, which the trainer measures and
+  // clips. By default the model's parameters (DDP or the all-reduce sync
+  // averaged them). An optimizer that averages inside step() finishes its
+  // reduction here and returns where the averages are (ZeRO: its shard).
+  virtual std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>& model_params) {
+    return model_params;
+  }
+  // True when gradients() returns a disjoint part of the gradients on each
+  // rank (ZeRO): the trainer's default norm is then ShardedGradNorm.
+  virtual bool sharded_gradients() const { return false; }
 };
 
 class TorchOptimizer : public TrainerOptimizer {

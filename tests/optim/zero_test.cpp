@@ -15,8 +15,9 @@ constexpr double kTinyBucketMb = 16.0 * 4 / (1024 * 1024);  // 16 floats
 
 using Groups = std::vector<torch::optim::OptimizerParamGroup>;
 
-// Runs `steps` ZeRO steps; with_ddp: DDP all-reduces in backward and ZeRO
-// (stage 1) takes the averaged gradients. make builds the ZeRO optimizer
+// Runs `steps` ZeRO steps; with_ddp: the model is wrapped in cohort DDP:
+// at stage 1 DDP all-reduces in backward and ZeRO takes the averaged
+// gradients, at stage 2 ZeRO takes over DDP's reduction. make builds the ZeRO optimizer
 // from the model's parameters; between(step, zero) runs before each step.
 std::vector<std::vector<torch::Tensor>> zero_run(
     const Problem& pb, bool with_ddp,
@@ -29,6 +30,9 @@ std::vector<std::vector<torch::Tensor>> zero_run(
     std::unique_ptr<DistributedDataParallel<OptimNet>> ddp;
     if (with_ddp) ddp = std::make_unique<DistributedDataParallel<OptimNet>>(net, comm);
     auto zero = make(net->parameters(), comm);
+    // Stage 2 takes over DDP's reduction (reduce-scatter instead of DDP's
+    // all-reduce).
+    if (ddp && zero->options().stage == 2) zero->take_over_reduction(ddp->reducer());
     for (int s = 0; s < kSteps; ++s) {
       if (between) between(s, *zero);
       zero->zero_grad();
@@ -88,10 +92,11 @@ TEST_P(ZeroEquivalence, AdamWTwentyStepsMatchDdp) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Zero, ZeroEquivalence,
-                         ::testing::Values(Case{1, 1, false}, Case{1, 2, false}, Case{2, 1, false},
-                                           Case{2, 1, true}, Case{2, 2, false}, Case{3, 1, false},
-                                           Case{3, 1, true}, Case{3, 2, false}, Case{4, 1, false},
-                                           Case{4, 1, true}, Case{4, 2, false}),
+                         ::testing::Values(Case{1, 1, false}, Case{1, 2, false}, Case{1, 2, true},
+                                           Case{2, 1, false}, Case{2, 1, true}, Case{2, 2, false},
+                                           Case{2, 2, true}, Case{3, 1, false}, Case{3, 1, true},
+                                           Case{3, 2, false}, Case{3, 2, true}, Case{4, 1, false},
+                                           Case{4, 1, true}, Case{4, 2, false}, Case{4, 2, true}),
                          case_name);
 
 TEST(Zero, AdamAndSgdMomentumMatchDdp) {

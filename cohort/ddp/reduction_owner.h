@@ -1,0 +1,32 @@
+// defines: ReductionOwner, the seam through which an optimizer that shards
+// the gradients (ZeroRedundancyOptimizer at stage 2) takes over
+// DistributedDataParallel's gradient reduction.
+//
+// DDP keeps everything that is about the model: the parameter check and the
+// broadcast at construction, the buffers' broadcast before forward, the
+// unused-parameter search, no_sync(), the "a parameter got no gradient"
+// check at the end of backward. What it hands over is what becomes of a
+// ready gradient: instead of copying it into an all-reduce bucket, DDP tells
+// the owner, which reduce-scatters it into the ranks' shards. While an owner
+// is set DDP holds no bucket buffers at all (they are freed), so the owner's
+// buffers are the only gradient memory besides autograd's own.
+#pragma once
+
+#include <cstddef>
+
+namespace cohort {
+
+class ReductionOwner {
+ public:
+  virtual ~ReductionOwner() = default;
+  // In a synchronizing backward (not under no_sync()), once per parameter:
+  // parameter `index` (of GradientReducer::parameters()) holds in .grad its
+  // gradient accumulated over the no_sync() backwards before this one. An
+  // undefined .grad (a parameter unused so far) counts as zeros. Runs on
+  // the autograd thread, in the order gradients become ready.
+  virtual void gradient_ready(size_t index) = 0;
+  // Every parameter has been reported (end of backward, or synchronize()).
+  virtual void backward_finished() = 0;
+};
+
+}  // namespace cohort
