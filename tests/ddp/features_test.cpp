@@ -15,16 +15,6 @@ namespace {
 
 using Mlp = torch::nn::Sequential;
 
-// Gradients of `model` for mse(model(x), y), computed in this thread.
-std::vector<torch::Tensor> local_grads(torch::nn::Module& model, const std::function<torch::Tensor()>& loss) {
-  model.zero_grad();
-  loss().backward();
-  std::vector<torch::Tensor> out;
-  for (auto& p : model.parameters()) out.push_back(p.grad().clone());
-  model.zero_grad();
-  return out;
-}
-
 TEST(DdpConstruction, BroadcastsRankZerosParameters) {
   torch::set_num_threads(1);
   std::vector<std::vector<torch::Tensor>> got(3);

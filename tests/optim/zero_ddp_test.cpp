@@ -48,7 +48,9 @@ TEST(ZeroDdp, Stage2ReplacesDdpAllReduceAndHoldsOnlyTheShard) {
         const auto buffers = zero->grad_buffers();
         ASSERT_EQ(buffers.size(), 2u);  // the shard and this iteration's staging
         for (const auto& p : net->parameters()) {
-          if (p.grad().defined()) EXPECT_TRUE(p.grad().is_alias_of(buffers[1]));
+          if (p.grad().defined()) {
+            EXPECT_TRUE(p.grad().is_alias_of(buffers[1]));
+          }
         }
         zero->step();
         EXPECT_EQ(zero->grad_bytes(), zero->partition().shard_numel() * 4);

@@ -109,7 +109,9 @@ TEST_P(TrainerEquivalence, MatchesSingleProcessStepsOnTheGlobalBatch) {
       EXPECT_EQ(m.step, s + 1);
       EXPECT_EQ(m.samples, c.world * c.accumulation * kMicro);
       EXPECT_NEAR(m.grad_norm, ref.norms[static_cast<size_t>(s)], 1e-5 * ref.norms[0]);
-      if (c.max_norm > 0) EXPECT_TRUE(m.clipped) << "the test must exercise clipping";
+      if (c.max_norm > 0) {
+        EXPECT_TRUE(m.clipped) << "the test must exercise clipping";
+      }
     }
     const auto params = net->parameters();
     for (size_t i = 0; i < params.size(); ++i) {
