@@ -46,7 +46,7 @@ inline constexpr double kCalibrationRunBudgetUs = 50'000;
 
 struct Calibration {
   CostModel model;
-  std::vector<Sample> samples;  // what the model was fitted to
+  std::vector<Sample> samples;  // what the model was built from
   double seconds = 0;           // how long calibration took on this rank
 };
 

@@ -104,7 +104,7 @@ class Communicator {
   // size). Adaptive calibrates on first use: collective, like the operation.
   Algorithm resolve_algorithm(Collective op, int64_t bytes,
                               Algorithm requested = Algorithm::Default);
-  // Adaptive's measurements and fitted model for `op`, as text (calibrates
+  // Adaptive's measurements and cost model for `op`, as text (calibrates
   // on first use; collective).
   std::string describe_cost_model(Collective op);
 
