@@ -79,13 +79,7 @@ TEST(Fused, SaveLoadResumes) {
         torch::serialize::InputArchive in;
         in.load_from(saved[comm->rank()].data(), saved[comm->rank()].size());
         opt.load(in);
-        torch::NoGradGuard no_grad;
-        auto ps = net->parameters();
-        for (size_t i = 0; i < ps.size(); ++i) {
-          torch::Tensor t;
-          in.read("model_" + std::to_string(i), t);
-          ps[i].copy_(t);
-        }
+        read_parameters(in, *net);
         EXPECT_EQ(opt.timestep(), from);
       }
       for (int s = from; s < to; ++s) {
@@ -96,8 +90,7 @@ TEST(Fused, SaveLoadResumes) {
       if (save) {
         torch::serialize::OutputArchive ar;
         opt.save(ar);
-        auto ps = net->parameters();
-        for (size_t i = 0; i < ps.size(); ++i) ar.write("model_" + std::to_string(i), ps[i]);
+        write_parameters(ar, *net);
         std::ostringstream os;
         ar.save_to(os);
         saved[comm->rank()] = os.str();

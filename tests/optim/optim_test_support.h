@@ -68,6 +68,22 @@ struct RankResults {
   }
 };
 
+// The model's parameters in a checkpoint archive ("model_<i>"), next to an
+// optimizer's state, and back into the same parameters' storage.
+inline void write_parameters(torch::serialize::OutputArchive& archive, torch::nn::Module& net) {
+  auto ps = net.parameters();
+  for (size_t i = 0; i < ps.size(); ++i) archive.write("model_" + std::to_string(i), ps[i]);
+}
+inline void read_parameters(torch::serialize::InputArchive& archive, torch::nn::Module& net) {
+  torch::NoGradGuard no_grad;
+  auto ps = net.parameters();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    torch::Tensor t;
+    archive.read("model_" + std::to_string(i), t);
+    ps[i].copy_(t);
+  }
+}
+
 inline double max_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   EXPECT_EQ(a.size(), b.size());
   double d = 0;

@@ -64,8 +64,7 @@ TEST_P(ZeroCheckpoint, SaveAtTenResumeInFreshJobEqualsUninterrupted) {
     train(pb, net, *zero, comm->rank(), 0, kSteps / 2);
     torch::serialize::OutputArchive archive;
     zero->save_shard(archive);
-    auto ps = net->parameters();
-    for (size_t i = 0; i < ps.size(); ++i) archive.write("model_" + std::to_string(i), ps[i]);
+    write_parameters(archive, *net);
     archive.save_to(shard_path(dir, comm->rank()).string());
   });
   // Job 2: fresh model and optimizer, loaded, ten more steps.
@@ -75,15 +74,7 @@ TEST_P(ZeroCheckpoint, SaveAtTenResumeInFreshJobEqualsUninterrupted) {
     torch::serialize::InputArchive archive;
     archive.load_from(shard_path(dir, comm->rank()).string());
     zero->load_shard(archive);
-    {
-      torch::NoGradGuard no_grad;
-      auto ps = net->parameters();
-      for (size_t i = 0; i < ps.size(); ++i) {
-        torch::Tensor t;
-        archive.read("model_" + std::to_string(i), t);
-        ps[i].copy_(t);
-      }
-    }
+    read_parameters(archive, *net);
     train(pb, net, *zero, comm->rank(), kSteps / 2, kSteps);
     resumed.put(comm->rank(), net->parameters());
     // Another rank's shard does not fit this rank's optimizer.
