@@ -5,56 +5,89 @@
 
 namespace cohort::algorithms {
 
+double loop_cost(std::vector<double> runs) {
+  if (runs.empty()) return 0;
+  std::sort(runs.begin(), runs.end());
+  runs.resize(runs.size() - runs.size() / 10);
+  double sum = 0;
+  for (double r : runs) sum += r;
+  return sum / static_cast<double>(runs.size());
+}
+
 Calibration calibrate(Engine& engine, Store& store, Collective op,
                       const std::vector<Algorithm>& candidates,
-                      const std::function<void(Algorithm, int64_t)>& run, Millis timeout) {
+                      const std::function<double(Algorithm, int64_t, double)>& run, Millis timeout,
+                      int64_t max_bytes) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
+  const auto kWarmup = std::chrono::microseconds(static_cast<int64_t>(kCalibrationWarmupUs));
+  const double ranks = engine.size();
   // Blocks of runs alternate between the candidates, so a burst of machine
-  // noise hits all of them alike; a point is the median of all its timed
-  // runs. Not the fastest run, which hides the wake-up delays a loop pays;
-  // not the mean, which one descheduled run (here up to 4x the others) can
-  // drag past a real difference between algorithms.
+  // noise hits all of them alike.
   Calibration c;
   for (const auto& point : kCalibrationPoints) {
     const int64_t bytes = point.bytes;
+    if (bytes > max_bytes && !c.samples.empty()) break;
     std::vector<std::vector<double>> runs(candidates.size());
-    for (int b = 0; b < point.blocks; ++b) {
-      // Block b starts at candidate b: each follows each other equally
-      // often. What ran just before shifts a run's time on a small machine
-      // (thread placement, connections' state): always following the
-      // point-to-point algorithms, the engine's collective read 25% slower.
-      for (size_t j = 0; j < candidates.size(); ++j) {
-        const size_t a = (static_cast<size_t>(b) + j) % candidates.size();
-        // One untimed run first: each block then starts from the state a
-        // loop of this algorithm runs in (its TCP connections' congestion
-        // windows open again after the other candidates' turns).
-        run(candidates[a], bytes);
-        for (int i = 0; i < point.runs; ++i) {
-          const auto t0 = Clock::now();
-          run(candidates[a], bytes);
-          runs[a].push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    // Block b starts at candidate b: each follows each other equally often.
+    // What ran just before shifts a run's time on a small machine (thread
+    // placement, connections' state): always following the point-to-point
+    // algorithms, the engine's collective read 25% slower.
+    auto measure = [&](const std::vector<size_t>& who, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        for (size_t j = 0; j < who.size(); ++j) {
+          const size_t a = who[(static_cast<size_t>(b) + j) % who.size()];
+          // Untimed runs first, until every rank has spent
+          // kCalibrationWarmupUs on them; the runs carry the ranks' votes,
+          // so all stop after the same run.
+          const auto warm_start = Clock::now();
+          while (run(candidates[a], bytes,
+                     Clock::now() - warm_start >= kWarmup ? 1.0 : 0.0) < ranks) {
+          }
+          for (int i = 0; i < point.runs; ++i) {
+            const auto t0 = Clock::now();
+            run(candidates[a], bytes, 0.0);
+            runs[a].push_back(
+                std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+          }
         }
       }
-    }
-    std::vector<double> typical;
-    for (auto& v : runs) {
-      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-      typical.push_back(v[v.size() / 2]);
-    }
+    };
     // Every rank takes the slowest rank's figures (so all hold the same
-    // numbers, and stop at the same size below).
-    auto slowest = at::tensor(typical, at::kDouble);
-    engine.all_reduce(slowest, ReduceOp::Max)->wait(timeout);
-    double fastest = slowest[0].item<double>();
+    // numbers, choose the same contenders and stop at the same size).
+    auto agreed = [&] {
+      std::vector<double> typical;
+      for (auto& v : runs) typical.push_back(loop_cost(v));
+      auto slowest = at::tensor(typical, at::kDouble);
+      engine.all_reduce(slowest, ReduceOp::Max)->wait(timeout);
+      std::vector<double> out(candidates.size());
+      for (size_t a = 0; a < candidates.size(); ++a) {
+        out[a] = slowest[static_cast<int64_t>(a)].item<double>();
+      }
+      return out;
+    };
+    std::vector<size_t> all(candidates.size());
+    for (size_t a = 0; a < all.size(); ++a) all[a] = a;
+    measure(all, point.blocks);
+    auto cost = agreed();
+    // A race: the candidates within kContenderMargin of the fastest run as
+    // many blocks again, so the close calls get twice the samples and the
+    // clear losers cost nothing more.
+    const double fastest = *std::min_element(cost.begin(), cost.end());
+    std::vector<size_t> contenders;
+    for (size_t a = 0; a < all.size(); ++a) {
+      if (cost[a] <= fastest * (1 + kContenderMargin)) contenders.push_back(a);
+    }
+    if (contenders.size() > 1) {
+      measure(contenders, point.blocks);
+      cost = agreed();
+    }
     for (size_t a = 0; a < candidates.size(); ++a) {
-      const double us = slowest[static_cast<int64_t>(a)].item<double>();
-      c.samples.push_back({candidates[a], static_cast<double>(bytes), us});
-      fastest = std::min(fastest, us);
+      c.samples.push_back({candidates[a], static_cast<double>(bytes), cost[a]});
     }
     // On a slow link the big sizes are bandwidth bound already; measuring
     // them would cost seconds (37 s at 1 Gbit/s with 64 MiB measured).
-    if (fastest > kCalibrationRunBudgetUs) break;
+    if (*std::min_element(cost.begin(), cost.end()) > kCalibrationRunBudgetUs) break;
   }
   // Rank 0's model is the one every rank uses.
   const std::string key = "cost_model/" + to_string(op);

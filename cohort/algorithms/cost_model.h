@@ -23,7 +23,7 @@
 
 namespace cohort::algorithms {
 
-// One measurement: `algo` took `us` for `bytes` (slowest rank, median).
+// One measurement: `algo` took `us` for `bytes` (slowest rank, loop_cost).
 struct Sample {
   Algorithm algo;
   double bytes;

@@ -126,7 +126,10 @@ std::vector<Algorithm> Executor::candidates(Collective op) {
   std::vector<Algorithm> c{Algorithm::Engine, Algorithm::Ring, Algorithm::HalvingDoubling};
   if (op == Collective::AllReduce) {
     c.push_back(Algorithm::Tree);
-    if (topology().hierarchical()) c.push_back(Algorithm::Hierarchical);
+    // On one node it is the engine's reduce then its broadcast, which at
+    // world 4 on this 2-core machine beat the engine's all_reduce at some
+    // sizes: a candidate like any other.
+    c.push_back(Algorithm::Hierarchical);
   }
   return c;
 }
@@ -149,11 +152,12 @@ const Calibration& Executor::calibration(Collective op) {
          [](Link&) {})
       ->wait(options_.timeout);
   // Buffers per size, reused by every candidate: f32 sums, as training's
-  // (zeros: repeated sums neither overflow nor turn denormal).
+  // (zeros, but for the warm-up votes at the start of each rank's block:
+  // repeated sums neither overflow nor turn denormal).
   at::Tensor in, out;
   int64_t prepared = -1;
   const std::string what = "calibration of " + to_string(op);
-  auto run = [&](Algorithm algo, int64_t bytes) {
+  auto run = [&](Algorithm algo, int64_t bytes, double vote) {
     const int p = engine_->size();
     const int64_t n = std::max<int64_t>(bytes / 4 / p, 1) * p;
     if (bytes != prepared) {
@@ -167,6 +171,15 @@ const Calibration& Executor::calibration(Collective op) {
         in = at::zeros({n / p}, at::kFloat);
         out = at::empty({n}, at::kFloat);
       }
+    }
+    // The vote rides at the start of every rank's block; the sum of all
+    // ranks' votes is read back at the same places.
+    const int64_t block = n / p;
+    float* src = in.data_ptr<float>();
+    if (op == Collective::ReduceScatter) {
+      for (int k = 0; k < p; ++k) src[k * block] = static_cast<float>(vote);
+    } else {
+      src[0] = static_cast<float>(vote);
     }
     const std::string step = what + " (" + to_string(algo) + ")";
     WorkPtr work;
@@ -199,9 +212,15 @@ const Calibration& Executor::calibration(Collective op) {
       throw TimeoutError("cohort: " + step + " on rank " + std::to_string(engine_->rank()) +
                          ": " + e.what());
     }
+    if (op == Collective::AllReduce) return static_cast<double>(src[0]);
+    const float* dst = out.data_ptr<float>();
+    if (op == Collective::ReduceScatter) return static_cast<double>(dst[0]);
+    double sum = 0;
+    for (int k = 0; k < p; ++k) sum += dst[k * block];
+    return sum;
   };
   return calibrations_[op] = calibrate(*engine_, *store_, op, candidates(op), run,
-                                       options_.timeout);
+                                       options_.timeout, options_.calibration_max_bytes);
 }
 
 Algorithm Executor::resolve(Collective op, Algorithm requested, int64_t bytes) {

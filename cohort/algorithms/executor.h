@@ -34,6 +34,7 @@ class Executor {
   struct Options {
     Millis timeout{std::chrono::minutes(30)};
     std::string node;  // CommunicatorOptions::node
+    int64_t calibration_max_bytes = 64 << 20;  // CommunicatorOptions::calibration_max_bytes
   };
   // Collective over the ranks of `parent`.
   Executor(Engine& parent, const std::shared_ptr<Store>& store, Options options);

@@ -10,13 +10,6 @@
 
 namespace cohort::algorithms {
 
-bool Topology::hierarchical() const {
-  if (nodes < 2) return false;
-  std::vector<int> count(static_cast<size_t>(nodes), 0);
-  for (int n : node_of) ++count[static_cast<size_t>(n)];
-  return *std::max_element(count.begin(), count.end()) > 1;
-}
-
 std::string local_node_key(const std::string& configured) {
   if (!configured.empty()) return configured;
   if (auto id = env::get("COHORT_NODE_ID")) return "id:" + *id;

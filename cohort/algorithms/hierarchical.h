@@ -26,8 +26,6 @@ namespace cohort::algorithms {
 struct Topology {
   std::vector<int> node_of;  // node index of every rank, by first appearance
   int nodes = 1;
-  // More than one node, and some node with more than one rank.
-  bool hierarchical() const;
 };
 
 // This rank's node key: `configured` if set, else as described above.

@@ -40,6 +40,10 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
       options_.algorithm = *a;
     }
   }
+  if (options_.calibration_max_bytes <= 0) {
+    options_.calibration_max_bytes =
+        env::get_int("COHORT_CALIBRATION_MAX_BYTES", 1024, 1 << 30).value_or(64 << 20);
+  }
   // Construction is collective, so a communicator whose default is an
   // algorithm builds its private engine here; built lazily, a rank whose
   // peers never call would block inside the call rather than time out in
@@ -55,6 +59,7 @@ algorithms::Executor& Communicator::algorithms() {
     algorithms::Executor::Options o;
     o.timeout = options_.timeout;
     o.node = options_.node;
+    o.calibration_max_bytes = options_.calibration_max_bytes;
     algorithms_ = std::make_unique<algorithms::Executor>(*engine_, store_, o);
   }
   return *algorithms_;

@@ -46,6 +46,10 @@ struct CommunicatorOptions {
   // This rank's node, for the hierarchical algorithm (empty: COHORT_NODE_ID,
   // GROUP_RANK or the host name).
   std::string node;
+  // Adaptive calibrates sizes up to this many bytes and extrapolates above
+  // (0: COHORT_CALIBRATION_MAX_BYTES, else 64 MiB). A job whose collectives
+  // are small can cut its start-up time with it.
+  int64_t calibration_max_bytes = 0;
 };
 
 class Communicator {

@@ -66,6 +66,7 @@ std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, in
   co.name = options.name;
   co.algorithm = options.algorithm;
   co.node = options.node;
+  co.calibration_max_bytes = options.calibration_max_bytes;
   return std::make_shared<Communicator>(std::move(engine), std::move(store), co);
 }
 

@@ -25,9 +25,10 @@ struct ConnectOptions {
   // Network interface to bind instead (GLOO_SOCKET_IFNAME).
   std::string interface;
   std::string name = "world";
-  // CommunicatorOptions::algorithm and ::node.
+  // CommunicatorOptions::algorithm, ::node and ::calibration_max_bytes.
   Algorithm algorithm = Algorithm::Default;
   std::string node;
+  int64_t calibration_max_bytes = 0;
 };
 
 // Builds a communicator of `size` ranks over `store`; every rank calls it.

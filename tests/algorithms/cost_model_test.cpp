@@ -2,6 +2,7 @@
 // its text form, the tree shape, and adaptive end to end on threads.
 #include <gtest/gtest.h>
 
+#include "cohort/algorithms/calibration.h"
 #include "cohort/algorithms/cost_model.h"
 #include "cohort/algorithms/double_binary_tree.h"
 #include "support/thread_ranks.h"
@@ -52,6 +53,21 @@ TEST(CostModel, KeepsTheEngineUnlessAnotherIsClearlyFaster) {
   EXPECT_EQ(m.best(1e6), Algorithm::Ring);    // 20% faster
 }
 
+TEST(Calibration, ALoopCostsTheMeanOfItsFastestNinetyPercent) {
+  // 18 runs of 100 us and two 4 ms stalls: the slowest tenth (2 runs) is
+  // left out, so chance stalls at a few percent do not decide a point...
+  std::vector<double> runs(18, 100.0);
+  runs.push_back(4000);
+  runs.insert(runs.begin() + 3, 4000);
+  EXPECT_DOUBLE_EQ(loop_cost(runs), 100);
+  // ...but a stall rate that belongs to the algorithm counts: 6 of 20.
+  std::vector<double> stalling(14, 100.0);
+  for (int i = 0; i < 6; ++i) stalling.push_back(4000);
+  EXPECT_DOUBLE_EQ(loop_cost(stalling), (14 * 100.0 + 4 * 4000.0) / 18);
+  EXPECT_DOUBLE_EQ(loop_cost({7, 5, 9}), 7);  // under ten runs: the plain mean
+  EXPECT_DOUBLE_EQ(loop_cost({}), 0);
+}
+
 TEST(AlgorithmNames, RoundTrip) {
   for (auto a : kFixedAlgorithms) EXPECT_EQ(parse_algorithm(to_string(a)), a);
   EXPECT_EQ(parse_algorithm("adaptive"), Algorithm::Adaptive);
@@ -81,6 +97,7 @@ TEST(Adaptive, CalibratesOnceAndEveryRankAgrees) {
   std::vector<std::vector<Algorithm>> picks(3);
   testing::ThreadRanksOptions o;
   o.algorithm = Algorithm::Adaptive;
+  o.calibration_max_bytes = 1 << 20;  // the 4 MiB pick below is extrapolated
   testing::run_ranks(3, [&](Communicator& comm) {
     for (int64_t bytes : {int64_t{1} << 10, int64_t{1} << 16, int64_t{1} << 22}) {
       const auto a = comm.resolve_algorithm(Collective::AllReduce, bytes);
@@ -108,10 +125,42 @@ TEST(Adaptive, CalibratesOnceAndEveryRankAgrees) {
   EXPECT_NE(models[0].find("ring"), std::string::npos) << models[0];
 }
 
+// The other two calibrated operations: their warm-ups end on votes carried
+// by the operation itself (the start of every rank's block), so a wrong
+// vote would leave the ranks in different places and time out here.
+TEST(Adaptive, ReduceScatterCalibrationAgreesAndComputesRight) {
+  std::vector<std::string> models(2);
+  testing::ThreadRanksOptions o;
+  o.algorithm = Algorithm::Adaptive;
+  o.calibration_max_bytes = 1 << 20;
+  testing::run_ranks(2, [&](Communicator& comm) {
+    models[comm.rank()] = comm.describe_cost_model(Collective::ReduceScatter);
+    const int64_t each = 1001;
+    auto in = testing::rank_input(comm.rank(), 2 * each, torch::kFloat32);
+    auto out = torch::empty({each});
+    comm.reduce_scatter_tensor(out, in).wait();
+    auto expected = testing::expected_reduction(ReduceOp::Sum, 2, 2 * each);
+    EXPECT_TRUE(testing::matches(out, expected.narrow(0, comm.rank() * each, each)));
+  }, o);
+  auto model = [](const std::string& s) { return s.substr(s.find("model"), s.find("samples") - s.find("model")); };
+  EXPECT_EQ(model(models[0]), model(models[1]));
+}
+
 TEST(Algorithm, BadEnvironmentChoiceIsAConfigError) {
   setenv("COHORT_ALGO", "fastest", 1);
   EXPECT_THROW(testing::run_ranks(1, [](Communicator&) {}), std::runtime_error);
   unsetenv("COHORT_ALGO");
+  for (const char* bad : {"64MiB", "12", "-1"}) {
+    setenv("COHORT_CALIBRATION_MAX_BYTES", bad, 1);
+    try {
+      testing::run_ranks(1, [](Communicator&) {});
+      ADD_FAILURE() << "accepted COHORT_CALIBRATION_MAX_BYTES=" << bad;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("COHORT_CALIBRATION_MAX_BYTES"), std::string::npos)
+          << e.what();
+    }
+  }
+  unsetenv("COHORT_CALIBRATION_MAX_BYTES");
 }
 
 }  // namespace

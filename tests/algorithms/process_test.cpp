@@ -18,7 +18,10 @@ struct Run {
 Run run_job(const std::string& backend, int world) {
   const std::string log = ::testing::TempDir() + "algo_process_" + backend + std::to_string(world);
   // `timeout` bounds the whole job: a hang fails the test, never stalls it.
-  const std::string cmd = "OPENBLAS_NUM_THREADS=1 COHORT_TIMEOUT=30 timeout 100 " +
+  // Adaptive calibrates three operations; up to 1 MiB keeps that to a few
+  // seconds (the sizes above run the same code).
+  const std::string cmd = "OPENBLAS_NUM_THREADS=1 COHORT_TIMEOUT=30 "
+                          "COHORT_CALIBRATION_MAX_BYTES=1048576 timeout 100 " +
                           std::string(COHORTRUN_BIN) + " -n " + std::to_string(world) +
                           " --backend " + backend + " -- " + ALGO_PROCESS_BIN + " > " + log +
                           " 2>&1";

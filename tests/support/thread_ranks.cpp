@@ -22,6 +22,7 @@ void run_ranks_shared(int size,
         co.timeout = options.timeout;
         co.debug_checks = options.debug_checks;
         co.algorithm = options.algorithm;
+        co.calibration_max_bytes = options.calibration_max_bytes;
         if (options.node_of) co.node = options.node_of(r);
         // Each rank its own view of the store, as separate processes would have.
         auto comm = connect(std::make_shared<PrefixStore>("t", store), r, size, co);

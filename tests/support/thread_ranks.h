@@ -20,6 +20,9 @@ struct ThreadRanksOptions {
   bool debug_checks = false;
   // Every rank's CommunicatorOptions::algorithm.
   Algorithm algorithm = Algorithm::Default;
+  // CommunicatorOptions::calibration_max_bytes (0: the environment's, else
+  // 64 MiB).
+  int64_t calibration_max_bytes = 0;
   // Rank -> node name (CommunicatorOptions::node), to fake several hosts.
   std::function<std::string(int)> node_of;
 };

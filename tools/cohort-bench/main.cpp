@@ -8,7 +8,8 @@
 //
 // --algo picks the collective algorithm (engine, ring, tree, hd,
 // hierarchical, adaptive); --algo all runs every one side by side at each
-// size, --rounds times in rotating order, and prints the median busbw of each,
+// size, --rounds times in rotating order, and prints the busbw of each (by default from the mean time of all its
+// operations),
 // the best fixed algorithm, adaptive's pick, adaptive / best (the adaptive
 // column against the best) and pick / best (the picked algorithm's own
 // column against the best: the choice without the adaptive column's noise).
@@ -33,7 +34,7 @@ struct Config {
   bool json = false;                   // one JSON object per row instead of the table
   std::string algo = "engine";         // an algorithm name, or "all"
   int rounds = 3;                      // --algo all: alternating rounds per size
-  std::string stat = "median";         // --algo all: each algorithm's figure over its rounds
+  std::string stat = "mean";           // --algo all: each algorithm's figure over its rounds
 };
 
 torch::Dtype parse_dtype(const std::string& s) {
@@ -106,10 +107,20 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// An algorithm's time over its rounds: the median, or the fastest round
-// (the least disturbed: noise on a shared machine only ever adds time).
+// An algorithm's time over its rounds (each a mean over the same number of
+// operations): the mean of all its operations (nccl-tests' figure: every
+// round counts, so a few rounds that hit more of the host's scheduling
+// stalls move it less than they move a median of few rounds), the median
+// round, or the fastest round (the least disturbed: noise on a shared
+// machine only ever adds time).
 double summarize(const std::vector<double>& v, const std::string& stat) {
-  return stat == "min" ? *std::min_element(v.begin(), v.end()) : median(v);
+  if (stat == "min") return *std::min_element(v.begin(), v.end());
+  if (stat == "mean") {
+    double sum = 0;
+    for (double x : v) sum += x;
+    return sum / static_cast<double>(v.size());
+  }
+  return median(v);
 }
 
 // --algo all: every algorithm at every size, in alternating rounds.
@@ -130,7 +141,7 @@ int run_all(cohort::Communicator& comm, const Config& cfg, torch::Dtype dt) {
     std::printf("# cohort-bench %s  backend %s  world %d  dtype %s  --algo all  rounds %d "
                 "(%s busbw GB/s)\n# %s\n",
                 cfg.op.c_str(), comm.backend().c_str(), world, cfg.dtype.c_str(), cfg.rounds,
-                cfg.stat == "min" ? "best-round" : "median", model.c_str());
+                cfg.stat == "min" ? "best-round" : cfg.stat.c_str(), model.c_str());
     std::printf("%10s", "bytes");
     for (auto a : algos) std::printf(" %12s", cohort::to_string(a).c_str());
     std::printf(" %12s %12s %9s %9s\n", "best fixed", "adaptive→", "adapt/best", "pick/best");
@@ -257,8 +268,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"engine", "ring", "tree", "hd", "hierarchical", "adaptive", "all"}));
   coll->add_option("--rounds", cfg.rounds, "--algo all: rounds per size, in rotating order")
       ->check(CLI::PositiveNumber);
-  coll->add_option("--stat", cfg.stat, "--algo all: median | min (fastest round) per algorithm")
-      ->check(CLI::IsMember({"median", "min"}));
+  coll->add_option("--stat", cfg.stat,
+                   "--algo all: mean (of all operations) | median (round) | min (fastest round)")
+      ->check(CLI::IsMember({"mean", "median", "min"}));
   CLI11_PARSE(app, argc, argv);
   try {
     return run(cfg);
