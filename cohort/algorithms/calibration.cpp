@@ -38,11 +38,12 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
         for (size_t j = 0; j < who.size(); ++j) {
           const size_t a = who[(static_cast<size_t>(b) + j) % who.size()];
           // Untimed runs first, until every rank has spent
-          // kCalibrationWarmupUs on them; the runs carry the ranks' votes,
-          // so all stop after the same run.
+          // kCalibrationWarmupUs or kCalibrationWarmupRuns on them; the runs
+          // carry the ranks' votes, so all stop after the same run.
           const auto warm_start = Clock::now();
-          while (run(candidates[a], bytes,
-                     Clock::now() - warm_start >= kWarmup ? 1.0 : 0.0) < ranks) {
+          for (int i = 1;; ++i) {
+            const bool warm = i >= kCalibrationWarmupRuns || Clock::now() - warm_start >= kWarmup;
+            if (run(candidates[a], bytes, warm ? 1.0 : 0.0) >= ranks) break;
           }
           for (int i = 0; i < point.runs; ++i) {
             const auto t0 = Clock::now();

@@ -47,8 +47,11 @@ inline constexpr CalibrationPoint kCalibrationPoints[] = {
 // from another algorithm, Gloo's all_reduce at 256 KiB-1 MiB ran 1.5x
 // slower for its first 10-15 ms, and with one untimed run calibration had
 // it 2x slower than its loop. Time, not a count of runs: the settling is
-// the scheduler's, which tracks time.
+// the scheduler's, which tracks time; but no more than
+// kCalibrationWarmupRuns runs, which is plenty where an operation takes
+// microseconds (MPI's polling ranks have no threads to re-place).
 inline constexpr double kCalibrationWarmupUs = 25'000;
+inline constexpr int kCalibrationWarmupRuns = 100;
 
 // After the first pass at a size, the candidates predicted within this
 // fraction of the fastest run a second pass of as many blocks.

@@ -18,9 +18,24 @@ PiecewiseCost::PiecewiseCost(std::vector<std::pair<double, double>> points)
                             std::to_string(points_[i].first) + " bytes");
     }
   }
-  // Running minimum from the largest size down.
-  for (size_t i = points_.size(); i-- > 1;) {
-    points_[i - 1].second = std::min(points_[i - 1].second, points_[i].second);
+  // Isotonic fit (pool adjacent violators): a run of points that decreases
+  // with size is replaced by its mean, repeatedly, until the times are
+  // non-decreasing. Each pool is (sum of times, count); equal weights.
+  std::vector<std::pair<double, int>> pools;
+  for (auto& p : points_) {
+    pools.emplace_back(p.second, 1);
+    while (pools.size() > 1) {
+      auto& last = pools.back();
+      auto& prev = pools[pools.size() - 2];
+      if (prev.first / prev.second <= last.first / last.second) break;
+      prev.first += last.first;
+      prev.second += last.second;
+      pools.pop_back();
+    }
+  }
+  size_t i = 0;
+  for (auto& [sum, count] : pools) {
+    for (int k = 0; k < count; ++k) points_[i++].second = sum / count;
   }
 }
 

@@ -22,9 +22,17 @@ TEST(PiecewiseCost, IsTheLineThroughTheMeasuredEndsOfEachBand) {
 }
 
 TEST(PiecewiseCost, ABiggerMessageIsNeverCheaper) {
-  // The 4 KiB sample (noise) costs more than 16 KiB: lowered to it.
+  // The 4 KiB sample (noise) costs more than 16 KiB: the two are pooled at
+  // their mean, which is still above 1 KiB's.
   PiecewiseCost c({{1024, 20}, {4096, 90}, {16384, 40}});
-  EXPECT_DOUBLE_EQ(c.points()[1].second, 40);
+  EXPECT_DOUBLE_EQ(c.points()[0].second, 20);
+  EXPECT_DOUBLE_EQ(c.points()[1].second, 65);
+  EXPECT_DOUBLE_EQ(c.points()[2].second, 65);
+  // A pool that falls below the point before it takes that point in too.
+  PiecewiseCost d({{1024, 50}, {4096, 60}, {16384, 10}, {65536, 100}});
+  EXPECT_DOUBLE_EQ(d.points()[0].second, 40);
+  EXPECT_DOUBLE_EQ(d.points()[2].second, 40);
+  EXPECT_DOUBLE_EQ(d.points()[3].second, 100);
   for (double n = 512; n < 40000; n *= 1.3) EXPECT_LE(c.at(n), c.at(n * 1.3)) << n;
 }
 
