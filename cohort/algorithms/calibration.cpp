@@ -14,6 +14,16 @@ double loop_cost(std::vector<double> runs) {
   return sum / static_cast<double>(runs.size());
 }
 
+size_t balanced_order(size_t n, int round, size_t j) {
+  const size_t period = n % 2 == 0 ? n : 2 * n;
+  const size_t r = static_cast<size_t>(round) % period;
+  // Odd n: the second n rounds run the first n backwards.
+  if (r >= n) j = n - 1 - j;
+  // Base row 0, n-1, 1, n-2, ...: its steps are all different mod n.
+  const size_t base = j % 2 == 0 ? j / 2 : n - (j + 1) / 2;
+  return (base + r) % n;
+}
+
 Calibration calibrate(Engine& engine, Store& store, Collective op,
                       const std::vector<Algorithm>& candidates,
                       const std::function<double(Algorithm, int64_t, double)>& run, Millis timeout,
@@ -29,14 +39,13 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
     const int64_t bytes = point.bytes;
     if (bytes > max_bytes && !c.samples.empty()) break;
     std::vector<std::vector<double>> runs(candidates.size());
-    // Block b starts at candidate b: each follows each other equally often.
-    // What ran just before shifts a run's time on a small machine (thread
+    // The candidates take turns in balanced_order. What ran just before shifts a run's time on a small machine (thread
     // placement, connections' state): always following the point-to-point
     // algorithms, the engine's collective read 25% slower.
     auto measure = [&](const std::vector<size_t>& who, int blocks) {
       for (int b = 0; b < blocks; ++b) {
         for (size_t j = 0; j < who.size(); ++j) {
-          const size_t a = who[(static_cast<size_t>(b) + j) % who.size()];
+          const size_t a = who[balanced_order(who.size(), b, j)];
           // Untimed runs first, until every rank has spent
           // kCalibrationWarmupUs or kCalibrationWarmupRuns on them; the runs
           // carry the ranks' votes, so all stop after the same run.

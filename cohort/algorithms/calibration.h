@@ -75,6 +75,14 @@ double loop_cost(std::vector<double> runs);
 // seconds to measure, and the model extrapolates bandwidth-bound beyond.
 inline constexpr double kCalibrationRunBudgetUs = 50'000;
 
+// Position j of round `round` when `n` candidates take turns: a Williams
+// design, so over n rounds (2n when n is odd) each candidate runs right
+// after each other one equally often. Plain rotation (round r starts at
+// candidate r) keeps one cyclic order, so every candidate always follows
+// the same one: in cohort-bench the engine's column always followed
+// adaptive's, which had just run the same collective.
+size_t balanced_order(size_t n, int round, size_t j);
+
 struct Calibration {
   CostModel model;
   std::vector<Sample> samples;  // what the model was built from

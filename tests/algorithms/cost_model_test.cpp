@@ -2,6 +2,9 @@
 // its text form, the tree shape, and adaptive end to end on threads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
+
 #include "cohort/algorithms/calibration.h"
 #include "cohort/algorithms/cost_model.h"
 #include "cohort/algorithms/double_binary_tree.h"
@@ -74,6 +77,24 @@ TEST(Calibration, ALoopCostsTheMeanOfItsFastestNinetyPercent) {
   EXPECT_DOUBLE_EQ(loop_cost(stalling), (14 * 100.0 + 4 * 4000.0) / 18);
   EXPECT_DOUBLE_EQ(loop_cost({7, 5, 9}), 7);  // under ten runs: the plain mean
   EXPECT_DOUBLE_EQ(loop_cost({}), 0);
+}
+
+TEST(Calibration, EachCandidateFollowsEachOtherEquallyOften) {
+  for (size_t n : {2u, 5u, 6u}) {
+    const int period = static_cast<int>(n % 2 == 0 ? n : 2 * n);
+    std::map<std::pair<size_t, size_t>, int> follows;
+    for (int round = 0; round < period; ++round) {
+      std::vector<size_t> order;
+      for (size_t j = 0; j < n; ++j) order.push_back(balanced_order(n, round, j));
+      auto sorted = order;
+      std::sort(sorted.begin(), sorted.end());
+      for (size_t j = 0; j < n; ++j) ASSERT_EQ(sorted[j], j) << "not a permutation, n " << n;
+      for (size_t j = 1; j < n; ++j) ++follows[{order[j - 1], order[j]}];
+    }
+    // Every ordered pair of different candidates, the same number of times.
+    EXPECT_EQ(follows.size(), n * (n - 1)) << n;
+    for (auto& [pair, count] : follows) EXPECT_EQ(count, period / static_cast<int>(n)) << n;
+  }
 }
 
 TEST(AlgorithmNames, RoundTrip) {

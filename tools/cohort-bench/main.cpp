@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "cohort/algorithms/calibration.h"
 #include "cohort/cohort.h"
 #include "tools/cohort-bench/bus_bandwidth.h"
 
@@ -152,13 +153,14 @@ int run_all(cohort::Communicator& comm, const Config& cfg, torch::Dtype dt) {
     const int iters = cfg.iters > 0 ? cfg.iters
                                     : static_cast<int>(std::clamp<int64_t>((64 << 20) / bytes, 5, 200));
     std::vector<std::vector<double>> us(algos.size());
-    // Round r starts at algorithm r: each one follows each other equally
-    // often, since what ran just before shifts a run's time here (measured:
-    // always following hierarchical, the engine's own collective read 25%
-    // slower than the same collective following adaptive).
+    // The algorithms take turns in a balanced order (each follows each
+    // other equally often), since what ran just before shifts a run's time
+    // here (measured: always following hierarchical, the engine's own
+    // collective read 25% slower than the same collective following
+    // adaptive).
     for (int round = 0; round < cfg.rounds; ++round) {
       for (size_t j = 0; j < algos.size(); ++j) {
-        const size_t i = (static_cast<size_t>(round) + j) % algos.size();
+        const size_t i = cohort::algorithms::balanced_order(algos.size(), round, j);
         us[i].push_back(time_op(comm, cfg, buf, algos[i], iters));
       }
     }
