@@ -30,7 +30,7 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
                       int64_t max_bytes) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const auto kWarmup = std::chrono::microseconds(static_cast<int64_t>(kCalibrationWarmupUs));
+  const auto warmup_time = std::chrono::microseconds(static_cast<int64_t>(kCalibrationWarmupUs));
   const double ranks = engine.size();
   // Blocks of runs alternate between the candidates, so a burst of machine
   // noise hits all of them alike.
@@ -39,9 +39,10 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
     const int64_t bytes = point.bytes;
     if (bytes > max_bytes && !c.samples.empty()) break;
     std::vector<std::vector<double>> runs(candidates.size());
-    // The candidates take turns in balanced_order. What ran just before shifts a run's time on a small machine (thread
-    // placement, connections' state): always following the point-to-point
-    // algorithms, the engine's collective read 25% slower.
+    // The candidates take turns in balanced_order: what ran just before
+    // shifts a run's time on a small machine (thread placement,
+    // connections' state); always following the point-to-point algorithms,
+    // the engine's collective read 25% slower.
     auto measure = [&](const std::vector<size_t>& who, int blocks) {
       for (int b = 0; b < blocks; ++b) {
         for (size_t j = 0; j < who.size(); ++j) {
@@ -51,7 +52,7 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
           // carry the ranks' votes, so all stop after the same run.
           const auto warm_start = Clock::now();
           for (int i = 1;; ++i) {
-            const bool warm = i >= kCalibrationWarmupRuns || Clock::now() - warm_start >= kWarmup;
+            const bool warm = i >= kCalibrationWarmupRuns || Clock::now() - warm_start >= warmup_time;
             if (run(candidates[a], bytes, warm ? 1.0 : 0.0) >= ranks) break;
           }
           for (int i = 0; i < point.runs; ++i) {

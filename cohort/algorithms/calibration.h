@@ -2,8 +2,8 @@
 // collective that the cost model is built from.
 //
 // Each candidate algorithm runs at the sizes of kCalibrationPoints in
-// blocks of back-to-back runs (after one untimed run), the candidates
-// rotating block by block so that machine noise hits all alike; the
+// blocks of back-to-back runs (after a warm-up), the candidates taking
+// turns in balanced_order so that machine noise hits all alike; the
 // candidates within kContenderMargin of the fastest then run as many blocks
 // again. Each point is loop_cost of its timed runs on the slowest rank (one
 // MAX reduction per size, so every rank holds the same numbers). The runs
@@ -29,7 +29,7 @@ namespace cohort::algorithms {
 // Open MPI's all_reduce at world 2 here loses 65% of its bandwidth from 16
 // to 32 MiB), the timed runs per block at each and the blocks per
 // candidate: more of both where a run is short and noise is relatively
-// large. About 6-9 s at world 2 here (Gloo, loopback; see docs/design.md).
+// large. 5-13 s at world 2 here (MPI, Gloo; see docs/design.md).
 struct CalibrationPoint {
   int64_t bytes;
   int runs;

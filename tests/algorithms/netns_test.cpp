@@ -41,7 +41,10 @@ TEST(Hierarchical, TwoHostsOfTwoRanksInNetworkNamespaces) {
                                  "2", "--nnodes", "2", "--node-rank", std::to_string(node),
                                  "--master-addr", VethNamespaces::address(0), "--master-port",
                                  "29581", "--timeout", "100", "--", ALGO_PROCESS_BIN},
-        std::vector<std::string>{"OPENBLAS_NUM_THREADS=1", "COHORT_TIMEOUT=60"}));
+        // Adaptive calibrates three operations over the slowed link; up
+        // to 64 KiB keeps that to seconds.
+        std::vector<std::string>{"OPENBLAS_NUM_THREADS=1", "COHORT_TIMEOUT=60",
+                                 "COHORT_CALIBRATION_MAX_BYTES=65536"}));
   }
   for (int node = 0; node < 2; ++node) {
     ProcessResult r = nodes[node]->finish(Seconds(110));
