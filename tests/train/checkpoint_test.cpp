@@ -10,7 +10,7 @@
 #include <optional>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/optim/trainer_adapters.h"
+#include "cohort/train/trainer_adapters.h"
 #include "cohort/train/checkpoint_file.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"

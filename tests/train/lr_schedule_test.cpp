@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/train/lr_schedule.h"
 
 namespace cohort {

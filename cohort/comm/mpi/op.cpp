@@ -1,6 +1,6 @@
 #include "cohort/comm/mpi/op.h"
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/comm/mpi/runtime.h"
 #include "cohort/comm/mpi/watchdog.h"
 

@@ -2,7 +2,7 @@
 
 #include <cstdlib>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/comm/mpi/watchdog.h"
 
 namespace cohort::mpi {

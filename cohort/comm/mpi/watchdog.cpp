@@ -2,7 +2,7 @@
 
 #include <cstdio>
 
-#include "cohort/comm/env.h"
+#include "cohort/core/env.h"
 #include "cohort/comm/mpi/runtime.h"
 
 namespace cohort::mpi {
