@@ -4,8 +4,8 @@
 #pragma once
 
 #include "cohort/comm/communicator.h"
-#include "cohort/core/error.h"
 #include "cohort/comm/init.h"
+#include "cohort/core/error.h"
 #include "cohort/core/store/hash_store.h"
 #include "cohort/core/store/prefix_store.h"
 #include "cohort/core/store/tcp_store.h"

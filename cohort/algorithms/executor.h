@@ -21,10 +21,10 @@
 #include <mutex>
 #include <thread>
 
-#include "cohort/core/algorithm.h"
 #include "cohort/algorithms/calibration.h"
 #include "cohort/algorithms/hierarchical.h"
 #include "cohort/algorithms/link.h"
+#include "cohort/core/algorithm.h"
 #include "cohort/core/store/store.h"
 
 namespace cohort::algorithms {

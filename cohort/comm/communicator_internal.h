@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "cohort/core/tensor_checks.h"
-#include "cohort/core/work_then.h"
 #include "cohort/core/types.h"
+#include "cohort/core/work_then.h"
 
 namespace cohort::detail {
 

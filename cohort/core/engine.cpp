@@ -9,8 +9,7 @@ void Engine::unsupported(const std::string& what) const {
   throw Unsupported("engine " + name() + " does not support " + what);
 }
 
-WorkPtr Engine::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
-                               ReduceOp op) {
+WorkPtr Engine::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op) {
   std::vector<at::Tensor> flat_inputs;
   for (auto& t : inputs) flat_inputs.push_back(t.reshape({-1}));
   auto flat = at::cat(flat_inputs);

@@ -38,8 +38,7 @@ class Engine {
   virtual WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) = 0;
   // output = op over ranks of inputs[rank()]. Default: an all_reduce of the
   // concatenated inputs (twice the minimal traffic); engines override.
-  virtual WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
-                                 ReduceOp op);
+  virtual WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op);
   // True when reduce_scatter above is the transport's own (not the default
   // built from all_reduce); without one, the communicator's "engine" choice
   // for reduce_scatter means cohort's ring (cohort/algorithms).
@@ -60,8 +59,7 @@ class Engine {
   // `ranks` (this engine's ranks, in the new group's order). `store` is the
   // new group's own key space.
   virtual std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
-                                                  std::shared_ptr<Store> store,
-                                                  Millis timeout) = 0;
+                                                  std::shared_ptr<Store> store, Millis timeout) = 0;
 
  protected:
   [[noreturn]] void unsupported(const std::string& what) const;

@@ -65,12 +65,11 @@ namespace detail {
 }  // namespace cohort
 
 // Invariants that only a bug in cohort can break.
-#define COHORT_CHECK(cond, msg)                                         \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      std::ostringstream cohort_check_os_;                              \
-      cohort_check_os_ << msg;                                          \
-      ::cohort::detail::check_failed(__FILE__, __LINE__, #cond,         \
-                                     cohort_check_os_.str());           \
-    }                                                                   \
+#define COHORT_CHECK(cond, msg)                                                          \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::ostringstream cohort_check_os_;                                               \
+      cohort_check_os_ << msg;                                                           \
+      ::cohort::detail::check_failed(__FILE__, __LINE__, #cond, cohort_check_os_.str()); \
+    }                                                                                    \
   } while (0)

@@ -66,8 +66,7 @@ void check_tensor(const at::Tensor& t, const std::string& where, const std::stri
          "; supported: float32, float64, float16, bfloat16, int32, int64, uint8");
   }
   if (!t.is_contiguous()) {
-    fail("is not contiguous (shape " + shape_string(t.sizes()) +
-         "); call .contiguous() first");
+    fail("is not contiguous (shape " + shape_string(t.sizes()) + "); call .contiguous() first");
   }
 }
 
@@ -81,8 +80,7 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& w
   }
   if (t.sizes() != ref.sizes()) {
     throw InvalidArgument("cohort: " + where + ": " + what + " has shape " +
-                          shape_string(t.sizes()) + ", expected " +
-                          shape_string(ref.sizes()));
+                          shape_string(t.sizes()) + ", expected " + shape_string(ref.sizes()));
   }
 }
 

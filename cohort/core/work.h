@@ -18,15 +18,15 @@ namespace cohort {
 
 // What an error message says about an operation.
 struct OpContext {
-  std::string op;     // "all_reduce", "send", ...
-  std::string group;  // "world" or the subgroup's name
-  int rank = 0;       // caller's rank in `group`
-  int size = 1;       // size of `group`
+  std::string op;          // "all_reduce", "send", ...
+  std::string group;       // "world" or the subgroup's name
+  int rank = 0;            // caller's rank in `group`
+  int size = 1;            // size of `group`
   std::vector<int> peers;  // ranks (in `group`) the operation talks to
   // Set instead of `peers` by collectives: every other rank of the group
   // (a list built only when a message needs it, not on every call).
   bool all_peers = false;
-  Millis timeout{0};       // resolved timeout of this operation
+  Millis timeout{0};  // resolved timeout of this operation
 
   // "all_reduce on rank 0 of 4 (group world, peers [1, 2, 3])"
   std::string describe() const;
@@ -62,8 +62,8 @@ class Work {
 
   // A handle to an operation that has nothing left to do.
   Work();
-  Work(std::shared_ptr<WorkImpl> impl, OpContext context,
-       std::function<void()> on_success = {}, FailureHook on_failure = {});
+  Work(std::shared_ptr<WorkImpl> impl, OpContext context, std::function<void()> on_success = {},
+       FailureHook on_failure = {});
 
   // Waits up to the operation's own timeout.
   void wait();

@@ -28,8 +28,7 @@ class ThenWork : public WorkImpl {
   std::once_flag done_;
 };
 
-inline std::shared_ptr<WorkImpl> then(std::shared_ptr<WorkImpl> inner,
-                                      std::function<void()> step) {
+inline std::shared_ptr<WorkImpl> then(std::shared_ptr<WorkImpl> inner, std::function<void()> step) {
   return std::make_shared<ThenWork>(std::move(inner), std::move(step));
 }
 

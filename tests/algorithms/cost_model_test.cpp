@@ -1,14 +1,14 @@
 // The pieces adaptive is built from: the piecewise cost, the model's choice and
 // its text form, the tree shape, and adaptive end to end on threads.
+#include "cohort/algorithms/cost_model.h"
+
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
 
-#include <unistd.h>
-
 #include "cohort/algorithms/calibration.h"
-#include "cohort/algorithms/cost_model.h"
 #include "cohort/algorithms/double_binary_tree.h"
 #include "support/thread_ranks.h"
 #include "tests/contract/contract_values.h"

@@ -1,6 +1,6 @@
 // What only the MPI engine does, in the world mpirun started: init under
-// mpirun, completion without wait, a short message and an unanswered receive as errors, debug checks through MPI's
-// store. Tests that need peers skip at world 1.
+// mpirun, completion without wait, a short message and an unanswered receive as errors, debug
+// checks through MPI's store. Tests that need peers skip at world 1.
 #include <gtest/gtest.h>
 
 #include <cstdlib>

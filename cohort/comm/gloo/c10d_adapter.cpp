@@ -268,9 +268,8 @@ class GlooEngine : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_gloo_engine(std::shared_ptr<Store> store, int rank,
-                                         int size, const GlooOptions& options,
-                                         Millis timeout) {
+std::unique_ptr<Engine> make_gloo_engine(std::shared_ptr<Store> store, int rank, int size,
+                                         const GlooOptions& options, Millis timeout) {
   auto o = c10d::ProcessGroupGloo::Options::create(timeout);
   try {
     o->devices.push_back(

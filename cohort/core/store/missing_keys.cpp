@@ -2,11 +2,10 @@
 
 namespace cohort {
 
-std::string missing_keys_message(const std::string& store,
-                                 const std::vector<std::string>& missing,
+std::string missing_keys_message(const std::string& store, const std::vector<std::string>& missing,
                                  Millis timeout) {
-  std::string msg = store + " wait timed out after " +
-                    std::to_string(timeout.count()) + " ms; keys still missing:";
+  std::string msg = store + " wait timed out after " + std::to_string(timeout.count()) +
+                    " ms; keys still missing:";
   const size_t shown = std::min<size_t>(missing.size(), 8);
   for (size_t i = 0; i < shown; ++i) msg += (i ? ", " : " ") + missing[i];
   if (missing.size() > shown) {

@@ -9,8 +9,7 @@
 namespace cohort {
 
 // "TcpStore wait timed out after 5000 ms; keys still missing: a, b"
-std::string missing_keys_message(const std::string& store,
-                                 const std::vector<std::string>& missing,
+std::string missing_keys_message(const std::string& store, const std::vector<std::string>& missing,
                                  Millis timeout);
 
 }  // namespace cohort

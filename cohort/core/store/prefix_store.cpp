@@ -7,8 +7,7 @@ PrefixStore::PrefixStore(std::string prefix, std::shared_ptr<Store> inner)
   timeout_ = inner_->timeout();
 }
 
-std::vector<std::string> PrefixStore::full(
-    const std::vector<std::string>& keys) const {
+std::vector<std::string> PrefixStore::full(const std::vector<std::string>& keys) const {
   std::vector<std::string> out;
   out.reserve(keys.size());
   for (auto& k : keys) out.push_back(full(k));
@@ -29,16 +28,12 @@ int64_t PrefixStore::add(const std::string& key, int64_t delta) {
   return inner_->add(full(key), delta);
 }
 
-bool PrefixStore::check(const std::vector<std::string>& keys) {
-  return inner_->check(full(keys));
-}
+bool PrefixStore::check(const std::vector<std::string>& keys) { return inner_->check(full(keys)); }
 
 void PrefixStore::wait(const std::vector<std::string>& keys, Millis timeout) {
   inner_->wait(full(keys), timeout);
 }
 
-bool PrefixStore::delete_key(const std::string& key) {
-  return inner_->delete_key(full(key));
-}
+bool PrefixStore::delete_key(const std::string& key) { return inner_->delete_key(full(key)); }
 
 }  // namespace cohort

@@ -147,9 +147,10 @@ std::string source_address_for(const std::string& host) {
     socklen_t len = sizeof(ss);
     if (getsockname(s.fd(), reinterpret_cast<sockaddr*>(&ss), &len) != 0) continue;
     char buf[INET6_ADDRSTRLEN] = {};
-    const void* addr = ss.ss_family == AF_INET6
-                           ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
-                           : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
+    const void* addr =
+        ss.ss_family == AF_INET6
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
     if (inet_ntop(ss.ss_family, addr, buf, sizeof(buf))) return buf;
   }
   throw ConfigError("no route to " + host + " from this host");

@@ -40,8 +40,7 @@ uint16_t local_port(const Socket& s);
 
 // Connects to host:port, retrying refused connections until `deadline`
 // (the listener may not be up yet). Throws TimeoutError.
-Socket connect_to(const std::string& host, uint16_t port,
-                  Clock::time_point deadline);
+Socket connect_to(const std::string& host, uint16_t port, Clock::time_point deadline);
 
 // Throw PeerError when the other side closed, TimeoutError at the deadline.
 void send_all(int fd, const void* data, size_t n);

@@ -23,9 +23,7 @@ TcpStore::TcpStore(std::string host, uint16_t port, bool is_server, Millis timeo
 
 TcpStore::~TcpStore() = default;
 
-std::string TcpStore::where() const {
-  return "TcpStore at " + host_ + ":" + std::to_string(port_);
-}
+std::string TcpStore::where() const { return "TcpStore at " + host_ + ":" + std::to_string(port_); }
 
 void TcpStore::ensure_connected(net::Clock::time_point deadline) {
   if (conn_.valid()) return;

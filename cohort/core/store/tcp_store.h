@@ -34,8 +34,7 @@ class TcpStore : public Store {
 
  private:
   // One request and its reply on the client connection.
-  std::vector<uint8_t> call(uint8_t cmd, const std::vector<std::string>& args,
-                            Millis timeout);
+  std::vector<uint8_t> call(uint8_t cmd, const std::vector<std::string>& args, Millis timeout);
   void ensure_connected(net::Clock::time_point deadline);
   std::string where() const;
 

@@ -21,8 +21,7 @@ inline void put_u32(std::vector<uint8_t>& out, uint32_t v) {
   out.insert(out.end(), b, b + 4);
 }
 
-inline std::vector<uint8_t> encode_request(uint8_t cmd,
-                                           const std::vector<std::string>& args) {
+inline std::vector<uint8_t> encode_request(uint8_t cmd, const std::vector<std::string>& args) {
   std::vector<uint8_t> payload{cmd};
   for (auto& a : args) {
     put_u32(payload, static_cast<uint32_t>(a.size()));

@@ -92,8 +92,7 @@ bool TcpStoreServer::has_all(const std::vector<std::string>& keys) const {
                      [&](const std::string& k) { return data_.count(k) > 0; });
 }
 
-void TcpStoreServer::handle(Client& c, uint8_t cmd,
-                            const std::vector<std::string>& args) {
+void TcpStoreServer::handle(Client& c, uint8_t cmd, const std::vector<std::string>& args) {
   const int fd = c.sock.fd();
   switch (cmd) {
     case kSet:
