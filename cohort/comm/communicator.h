@@ -42,6 +42,9 @@ class Communicator {
   const std::string& name() const { return options_.name; }
   std::string backend() const { return engine_->name(); }
   Millis timeout() const { return options_.timeout; }
+  // What it was built with, defaults resolved (a copy can build another
+  // communicator over the same ranks: connect()).
+  const CommunicatorOptions& options() const { return options_; }
   const std::shared_ptr<Store>& store() const { return store_; }
 
   // --- collectives -------------------------------------------------------
@@ -99,6 +102,11 @@ class Communicator {
   // Every rank calls it with the same ranks; members get the group (ranked
   // in the order given), others nullptr.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks);
+  // The same with options of its own (algorithm, timeout, debug checks; an
+  // empty name means "<parent>/g<n>"), as torch.distributed.new_group takes
+  // a timeout and pg_options. The group's transport is the parent's.
+  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
+                                          CommunicatorOptions options);
   // Ranks with the same color form a group, ranked by (key, rank); a
   // negative color joins no group and gets nullptr (MPI_Comm_split).
   std::shared_ptr<Communicator> split(int color, int key);
@@ -142,7 +150,7 @@ class Communicator {
                       const torch::Tensor& input, const AllGatherOptions& opts);
   std::shared_ptr<Communicator> make_subgroup(const std::vector<int>& ranks,
                                               const std::string& key_space,
-                                              const std::string& name);
+                                              CommunicatorOptions options);
 
   std::unique_ptr<Engine> engine_;
   std::shared_ptr<Store> store_;

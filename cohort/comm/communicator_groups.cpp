@@ -13,16 +13,21 @@ namespace cohort {
 
 std::shared_ptr<Communicator> Communicator::make_subgroup(const std::vector<int>& ranks,
                                                           const std::string& key_space,
-                                                          const std::string& name) {
+                                                          CommunicatorOptions options) {
   auto store = std::make_shared<PrefixStore>(key_space, store_);
-  store->set_timeout(options_.timeout);
-  auto options = options_;
-  options.name = name;
-  auto engine = engine_->create_subgroup(ranks, store, options_.timeout);
+  store->set_timeout(options.timeout);
+  auto engine = engine_->create_subgroup(ranks, store, options.timeout);
   return std::make_shared<Communicator>(std::move(engine), std::move(store), options);
 }
 
 std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks) {
+  auto options = options_;
+  options.name.clear();
+  return new_group(ranks, std::move(options));
+}
+
+std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks,
+                                                      CommunicatorOptions options) {
   auto call = begin_collective("new_group", kDefaultTimeout);
   std::set<int> seen;
   std::string listed;
@@ -38,7 +43,8 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
   debug_check(call, [&] { return "new_group([" + listed + "])"; });
   const auto id = std::to_string(groups_created_++);
   if (!seen.count(rank_)) return nullptr;
-  return make_subgroup(ranks, "g" + id, name() + "/g" + id);
+  if (options.name.empty()) options.name = name() + "/g" + id;
+  return make_subgroup(ranks, "g" + id, std::move(options));
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key) {
@@ -58,7 +64,9 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
   std::vector<int> ranks;
   for (auto& m : members) ranks.push_back(m.second);
   const auto c = std::to_string(color);
-  return make_subgroup(ranks, "s" + id + "/c" + c, name() + "/split" + id + ":" + c);
+  auto options = options_;
+  options.name = name() + "/split" + id + ":" + c;
+  return make_subgroup(ranks, "s" + id + "/c" + c, std::move(options));
 }
 
 }  // namespace cohort

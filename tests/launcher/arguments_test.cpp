@@ -5,9 +5,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 struct BadArgs {
@@ -110,4 +110,4 @@ TEST(Usage, HelpExitsZero) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

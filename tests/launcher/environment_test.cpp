@@ -5,9 +5,9 @@
 #include <map>
 #include <sstream>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 constexpr const char* kPrintEnv =
@@ -114,4 +114,4 @@ TEST(Environment, SecondNodeOfTwo) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -2,9 +2,9 @@
 // process of the job behind.
 #include <gtest/gtest.h>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 void expect_all_gone(const std::string& dir) {
@@ -79,4 +79,4 @@ TEST(ExitCode, LeftoverBackgroundProcessesAreStoppedAfterSuccess) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -5,9 +5,9 @@
 
 #include <cstdlib>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 class Mpirun : public ::testing::Test {
@@ -56,4 +56,4 @@ TEST_F(Mpirun, MissingMpirunGives127) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

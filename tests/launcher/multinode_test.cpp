@@ -6,10 +6,10 @@
 
 #include <memory>
 
-#include "netns.h"
-#include "subprocess.h"
+#include "support/netns.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 constexpr int kRanksPerNode = 2;
@@ -116,4 +116,4 @@ TEST(MultiNode, TwoNodesInNetworkNamespaces) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -5,9 +5,9 @@
 #include <regex>
 #include <set>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 TEST(Output, LinesStayWholeUnderConcurrentOutput) {
@@ -85,4 +85,4 @@ TEST(Output, FailureReportKeepsOnlyTheLastTenLines) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -4,9 +4,9 @@
 
 #include <set>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 // Rank 1 fails in attempts 0 and 1; attempt 2 succeeds.
@@ -75,4 +75,4 @@ TEST(Restart, TimeoutCountsAsAFailedAttempt) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

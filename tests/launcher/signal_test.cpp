@@ -5,9 +5,9 @@
 
 #include <thread>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 // Each rank records its pid and a background child's (which, as a shell's
@@ -66,4 +66,4 @@ TEST(Signals, RanksDieWhenTheLauncherIsKilled) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -1,9 +1,9 @@
 // --timeout: a hanging job is reported and torn down, with exit code 124.
 #include <gtest/gtest.h>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 TEST(Timeout, HangingRankIsReportedAndStopped) {
@@ -43,4 +43,4 @@ TEST(Timeout, RankIgnoringSigtermIsKilledAfterTheGrace) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -2,35 +2,31 @@
 // never joins a collective must end on its own, non-zero, within a bound,
 // with messages naming the operation and the rank. Runs outside mpirun.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <chrono>
-#include <cstdio>
+#include <sstream>
 #include <string>
 
+#include "support/subprocess.h"
+
+namespace cohort::testing {
 namespace {
 
 struct Outcome {
-  int status = -1;  // exit status of the shell running mpirun
-  std::string output;
+  int status = -1;     // mpirun's exit status (124: killed at the bound)
+  std::string output;  // stdout and stderr
   double seconds = 0;
 };
 
-// `timeout` bounds the job even if the watchdog fails, so this test cannot hang.
+// `bound_s` bounds the job even if the watchdog fails, so this test cannot
+// hang. `env` holds "K=V" words.
 Outcome run_job(const std::string& env, int bound_s) {
-  const std::string cmd = env + " timeout -k 5 " + std::to_string(bound_s) +
-                          " " MPIRUN_COMMAND " " WATCHDOG_PROBE_BIN " 2>&1";
-  Outcome o;
-  const auto start = std::chrono::steady_clock::now();
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return o;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) o.output.append(buf, n);
-  const int raw = pclose(pipe);
-  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return o;
+  std::vector<std::string> argv, extra_env;
+  std::istringstream command(MPIRUN_COMMAND), vars(env);
+  for (std::string word; command >> word;) argv.push_back(word);
+  argv.push_back(WATCHDOG_PROBE_BIN);
+  for (std::string word; vars >> word;) extra_env.push_back(word);
+  const auto r = run_process(argv, Seconds(bound_s), extra_env);
+  return {r.timed_out ? 124 : r.exit_code, r.out + r.err, r.seconds};
 }
 
 bool has(const std::string& s, const std::string& part) {
@@ -39,7 +35,7 @@ bool has(const std::string& s, const std::string& part) {
 
 TEST(MpiWatchdog, RankThatNeverJoinsEndsTheJobWithAClearMessage) {
   // Timeout 2 s, grace 1 s: the watchdog fires ~3 s in; 60 s is the bound
-  // that says "it did not hang" (timeout(1) exits 124 past it).
+  // that says "it did not hang" (run_job reports 124 past it).
   // The non-blocking path (COHORT_MPI_BLOCKING_BYTES=0): wait() times out first.
   const auto o = run_job(
       "COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=1 COHORT_MPI_BLOCKING_BYTES=0 "
@@ -47,7 +43,7 @@ TEST(MpiWatchdog, RankThatNeverJoinsEndsTheJobWithAClearMessage) {
       60);
   SCOPED_TRACE(o.output);
   EXPECT_NE(o.status, 0);
-  EXPECT_NE(o.status, 124) << "the job hung until timeout(1) killed it";
+  EXPECT_NE(o.status, 124) << "the job hung until the bound killed it";
   EXPECT_LT(o.seconds, 45.0);
   EXPECT_TRUE(has(o.output, "probe: rank 0 of 2, backend mpi")) << "init() did not pick MPI";
   // The caller's TimeoutError names the collective, the rank and the peer.
@@ -66,7 +62,7 @@ TEST(MpiWatchdog, BlockingSmallCollectiveIsEndedByTheWatchdog) {
   const auto o = run_job("COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=1 OPENBLAS_NUM_THREADS=1", 60);
   SCOPED_TRACE(o.output);
   EXPECT_NE(o.status, 0);
-  EXPECT_NE(o.status, 124) << "the job hung until timeout(1) killed it";
+  EXPECT_NE(o.status, 124) << "the job hung until the bound killed it";
   EXPECT_LT(o.seconds, 45.0);
   EXPECT_FALSE(has(o.output, "caught TimeoutError"));
   EXPECT_TRUE(
@@ -76,3 +72,4 @@ TEST(MpiWatchdog, BlockingSmallCollectiveIsEndedByTheWatchdog) {
 }
 
 }  // namespace
+}  // namespace cohort::testing

@@ -4,7 +4,6 @@
 // at step 20 and must end with the same final loss as an uninterrupted run.
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <regex>
 #include <string>
 
@@ -17,15 +16,10 @@ struct JobRun {
   std::string output;
 };
 
-// The coreutils `timeout` bounds the whole launch: a hang fails, not stalls.
-JobRun run(const std::string& command) {
-  JobRun r;
-  FILE* pipe = ::popen(("timeout -s KILL 100 " + command + " 2>&1").c_str(), "r");
-  if (!pipe) return r;
-  char buffer[4096];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) r.output += buffer;
-  r.status = ::pclose(pipe);
-  return r;
+// Bounded: a hang fails the test after 100 s, never stalls it.
+JobRun run(const std::vector<std::string>& cohortrun_args) {
+  auto r = cohort::testing::run_cohortrun(cohortrun_args, cohort::testing::Seconds(100));
+  return {r.timed_out ? 124 : r.exit_code, r.out + r.err};
 }
 
 std::string final_loss(const std::string& output) {
@@ -36,15 +30,14 @@ std::string final_loss(const std::string& output) {
 
 TEST(KillAndRestart, ResumesFromTheLastCheckpointWithTheSameFinalLoss) {
   cohort::testing::TempDir plain("cohort-restart-plain"), killed("cohort-restart-killed");
-  const std::string launcher = COHORTRUN_PATH;
   const std::string job = RESTART_JOB_PATH;
 
-  const JobRun a = run(launcher + " -n 2 -- " + job + " --dir " + plain.str());
+  const JobRun a = run({"-n", "2", "--", job, "--dir", plain.str()});
   ASSERT_EQ(a.status, 0) << a.output;
   EXPECT_EQ(a.output.find("resumed from"), std::string::npos) << a.output;
 
-  const JobRun b = run(launcher + " -n 2 --max-restarts 1 -- " + job + " --dir " + killed.str() +
-                    " --kill-at 25");
+  const JobRun b =
+      run({"-n", "2", "--max-restarts", "1", "--", job, "--dir", killed.str(), "--kill-at", "25"});
   ASSERT_EQ(b.status, 0) << b.output;
   EXPECT_NE(b.output.find("resumed from step 20"), std::string::npos) << b.output;
   EXPECT_NE(final_loss(a.output), "(none)") << a.output;

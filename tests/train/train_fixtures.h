@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <string>
 
+#include "support/subprocess.h"
+
 namespace cohort::testing {
 
 inline torch::Generator make_generator(uint64_t seed) {
@@ -42,29 +44,5 @@ inline Synthetic make_data(int64_t n, uint64_t seed = 11) {
   auto w = torch::randn({8, 4}, gen, torch::kFloat32);
   return {x, x.matmul(w).argmax(1)};
 }
-
-// A fresh folder under the system temp dir, removed on destruction.
-class TempDir {
- public:
-  explicit TempDir(const std::string& name) {
-    path_ = std::filesystem::temp_directory_path() /
-            (name + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string str() const { return path_.string(); }
-  std::string operator/(const std::string& leaf) const { return (path_ / leaf).string(); }
-
- private:
-  static int& counter() {
-    static int n = 0;
-    return n;
-  }
-  std::filesystem::path path_;
-};
 
 }  // namespace cohort::testing

@@ -1,4 +1,4 @@
-#include "subprocess.h"
+#include "support/subprocess.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -20,7 +20,7 @@
 
 extern char** environ;
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 std::runtime_error os_error(const std::string& what) {
@@ -182,9 +182,9 @@ ProcessResult run_cohortrun(const std::vector<std::string>& args, Seconds limit,
   return run_process(cohortrun_argv(args), limit, extra_env);
 }
 
-TempDir::TempDir() {
-  char templ[] = "/tmp/cohortrun_test_XXXXXX";
-  if (::mkdtemp(templ) == nullptr) throw os_error("mkdtemp");
+TempDir::TempDir(const std::string& prefix) {
+  std::string templ = "/tmp/" + prefix + "-XXXXXX";
+  if (::mkdtemp(templ.data()) == nullptr) throw os_error("mkdtemp");
   path_ = templ;
 }
 
@@ -243,4 +243,4 @@ std::vector<std::string> lines_of(const std::string& text) {
   return lines;
 }
 
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

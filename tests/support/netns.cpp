@@ -1,4 +1,4 @@
-#include "netns.h"
+#include "support/netns.h"
 
 #include <unistd.h>
 
@@ -6,9 +6,9 @@
 #include <sstream>
 #include <vector>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 constexpr const char* kNamespacePrefix = "cohortrun_test_";
@@ -123,4 +123,4 @@ void VethNamespaces::remove_stale() {
   }
 }
 
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 
 // The full path of `name` on PATH, or "" when absent.
 std::string find_program(const std::string& name);
@@ -38,4 +38,4 @@ class VethNamespaces {
   std::string veths_[2];
 };
 
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

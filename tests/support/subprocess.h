@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 
 using Clock = std::chrono::steady_clock;
 using Seconds = std::chrono::duration<double>;
@@ -65,14 +65,18 @@ ProcessResult run_cohortrun(const std::vector<std::string>& args, Seconds limit 
                             const std::vector<std::string>& extra_env = {});
 std::vector<std::string> cohortrun_argv(const std::vector<std::string>& args);
 
-// A fresh directory under /tmp, removed with its contents on destruction.
+// A fresh directory under /tmp (named after `prefix`), removed with its
+// contents on destruction.
 class TempDir {
  public:
-  TempDir();
+  explicit TempDir(const std::string& prefix = "cohort-test");
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   ~TempDir();
   const std::string& path() const { return path_; }
+  const std::string& str() const { return path_; }
+  // The path of `leaf` inside it.
+  std::string operator/(const std::string& leaf) const { return path_ + "/" + leaf; }
 
  private:
   std::string path_;
@@ -88,4 +92,4 @@ void write_file(const std::string& path, const std::string& text, bool executabl
 int count_of(const std::string& haystack, const std::string& needle);
 std::vector<std::string> lines_of(const std::string& text);
 
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

@@ -1,7 +1,8 @@
-// main() of mpi_tests, which runs under `mpirun -np N`: cohort::init() finds
-// MPI by itself, every test uses world(), and only rank 0 prints GoogleTest's
-// report (other ranks print their failures, prefixed with their rank). Any
-// rank's failure is its exit status, so mpirun exits non-zero.
+// main() of the test binaries whose ranks are processes, started by
+// `mpirun -np N` or `cohortrun -n N`: cohort::init() finds MPI or the torchrun
+// environment by itself, every test uses world(), and only rank 0 prints
+// GoogleTest's report (other ranks print their failures, prefixed with their
+// rank). Any rank's failure is its exit status, so the launcher fails too.
 #include <gtest/gtest.h>
 
 #include <cstdio>
