@@ -4,9 +4,10 @@
 // (1 Gbit/s). Every algorithmic contract case under every algorithm must
 // hold when the nodes are real (found from GROUP_RANK, set by cohortrun
 // --node-rank); the speed comparison is bench/algorithms/netns.sh.
+#include "support/netns.h"
+
 #include <gtest/gtest.h>
 
-#include "support/netns.h"
 #include "support/subprocess.h"
 
 namespace cohort::testing {
@@ -38,10 +39,25 @@ TEST(Hierarchical, TwoHostsOfTwoRanksInNetworkNamespaces) {
   std::vector<std::unique_ptr<Subprocess>> nodes;
   for (int node = 0; node < 2; ++node) {
     nodes.push_back(std::make_unique<Subprocess>(
-        std::vector<std::string>{ns->ip(), "netns", "exec", ns->name(node), COHORTRUN_BIN, "-n",
-                                 "2", "--nnodes", "2", "--node-rank", std::to_string(node),
-                                 "--master-addr", VethNamespaces::address(0), "--master-port",
-                                 "29581", "--timeout", "100", "--", CONTRACT_WORLD_BIN,
+        std::vector<std::string>{ns->ip(),
+                                 "netns",
+                                 "exec",
+                                 ns->name(node),
+                                 COHORTRUN_BIN,
+                                 "-n",
+                                 "2",
+                                 "--nnodes",
+                                 "2",
+                                 "--node-rank",
+                                 std::to_string(node),
+                                 "--master-addr",
+                                 VethNamespaces::address(0),
+                                 "--master-port",
+                                 "29581",
+                                 "--timeout",
+                                 "100",
+                                 "--",
+                                 CONTRACT_WORLD_BIN,
                                  "--gtest_filter=-Contract/World.Holds/world_*"},
         // Adaptive calibrates up to 64 KiB (tests/contract/world_test.cpp).
         std::vector<std::string>{"OPENBLAS_NUM_THREADS=1", "COHORT_TIMEOUT=60"}));
