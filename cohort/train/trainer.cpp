@@ -223,6 +223,10 @@ std::optional<int64_t> Trainer::resume() {
         std::fprintf(stderr, "cohort: resuming from the previous good checkpoint %s\n",
                      checkpoints_->path_for(loaded.step).c_str());
       }
+    } else if (!skipped_.empty()) {
+      std::fprintf(stderr,
+                   "cohort: no checkpoint in %s verifies (%zu skipped); starting from step 0\n",
+                   checkpoints_->dir().c_str(), skipped_.size());
     }
   }
   comm_.broadcast(chosen, {0}).wait();
