@@ -70,6 +70,21 @@ std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, in
   return std::make_shared<Communicator>(std::move(engine), std::move(store), co);
 }
 
+// Ranks started without an MPI launcher (cohortrun without --backend mpi)
+// are each an MPI world of one: they would run as independent jobs.
+static void refuse_mpi_singletons(const MpiWorld& mpi, const InitOptions& options) {
+  if (mpi.size != 1) return;
+  const int claimed = options.world_size > 0 ? options.world_size
+                                             : env::get_int("WORLD_SIZE", 1, 1 << 20).value_or(1);
+  if (claimed <= 1) return;
+  const std::string n = std::to_string(claimed);
+  throw ConfigError("cohort::init (backend mpi): WORLD_SIZE=" + n + " (RANK=" +
+                    env::get("RANK").value_or("?") +
+                    ") but MPI started this process as a world of 1: the ranks were not "
+                    "started by an MPI launcher. Start an MPI job with `cohortrun --backend mpi -n " +
+                    n + " -- PROGRAM` or `mpirun -n " + n + " PROGRAM`");
+}
+
 std::shared_ptr<Communicator> init(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(g_world_mu);
   if (g_world) throw ConfigError("cohort::init: already initialized; call finalize() first");
@@ -85,6 +100,7 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
     mpi = mpi_world(options.timeout ? *options.timeout
                                     : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30)));
   }
+  if (mpi.store) refuse_mpi_singletons(mpi, options);
   const int world_size =
       options.world_size > 0 ? options.world_size
       : mpi.store            ? mpi.size
