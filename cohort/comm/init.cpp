@@ -159,8 +159,19 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
         throw ConfigError("init_method '" + method + "' is not env://, tcp:// or file://");
       }
       master_host = ep.host;
+      // cohortrun sets a per-job token; other launchers (or a user, for
+      // several nodes) may set one, and without one the store is open.
       store = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0,
-                                         co.timeout);
+                                         co.timeout,
+                                         env::get("COHORT_STORE_TOKEN").value_or(""));
+      // This store is new to this job: a second claim on a rank is a
+      // second process started with the same RANK.
+      const std::string claim = "cohort/init/rank-claims/" + std::to_string(rank);
+      if (store->add(claim, 1) > 1) {
+        throw ConfigError("RANK=" + std::to_string(rank) +
+                          " is used by more than one process (a duplicate RANK); every "
+                          "process needs its own RANK in [0, WORLD_SIZE)");
+      }
     }
   } catch (const TimeoutError& e) {
     throw TimeoutError(where + ": rendezvous with rank 0 failed: " + e.what());

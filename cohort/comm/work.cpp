@@ -28,20 +28,17 @@ std::string OpContext::describe() const {
   return os.str();
 }
 
-WorkList::WorkList(std::vector<std::shared_ptr<WorkImpl>> parts)
-    : parts_(std::move(parts)) {}
+WorkList::WorkList(std::vector<std::shared_ptr<WorkImpl>> parts) : parts_(std::move(parts)) {}
 
 bool WorkList::is_completed() {
-  return std::all_of(parts_.begin(), parts_.end(),
-                     [](auto& p) { return p->is_completed(); });
+  return std::all_of(parts_.begin(), parts_.end(), [](auto& p) { return p->is_completed(); });
 }
 
 void WorkList::wait(Millis timeout) {
   // One deadline for the whole list, not `timeout` per part.
   auto deadline = std::chrono::steady_clock::now() + timeout;
   for (auto& p : parts_) {
-    auto left = std::chrono::duration_cast<Millis>(
-        deadline - std::chrono::steady_clock::now());
+    auto left = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
     p->wait(std::max(left, Millis(1)));
   }
 }
@@ -59,8 +56,8 @@ struct Work::State {
 
 Work::Work() = default;
 
-Work::Work(std::shared_ptr<WorkImpl> impl, OpContext context,
-           std::function<void()> on_success, FailureHook on_failure)
+Work::Work(std::shared_ptr<WorkImpl> impl, OpContext context, std::function<void()> on_success,
+           FailureHook on_failure)
     : state_(std::make_shared<State>()) {
   state_->impl = std::move(impl);
   state_->context = std::move(context);
@@ -79,18 +76,25 @@ namespace {
 // callers can catch TimeoutError or PeerError specifically.
 std::exception_ptr with_context(const OpContext& ctx, Millis timeout) {
   const std::string where = "cohort: " + ctx.describe();
+  // Ranks that called different collectives (or one with other sizes,
+  // dtypes or ops) surface as timeouts or transport errors; the debug
+  // checks name the difference.
+  const std::string hint =
+      ctx.all_peers && !ctx.debug_checks
+          ? " (if the ranks may have called different collectives, or one with different "
+            "sizes, dtypes or ops, rerun with COHORT_DEBUG=detail to find out)"
+          : "";
   try {
     throw;
   } catch (const TimeoutError& e) {
     return std::make_exception_ptr(TimeoutError(
-        where + " timed out after " + std::to_string(timeout.count()) +
-        " ms: " + e.what()));
+        where + " timed out after " + std::to_string(timeout.count()) + " ms: " + e.what() + hint));
   } catch (const PeerError& e) {
-    return std::make_exception_ptr(PeerError(where + " failed: " + e.what()));
+    return std::make_exception_ptr(PeerError(where + " failed: " + e.what() + hint));
   } catch (const MismatchError& e) {
     return std::make_exception_ptr(MismatchError(where + ": " + e.what()));
   } catch (const std::exception& e) {
-    return std::make_exception_ptr(Error(where + " failed: " + e.what()));
+    return std::make_exception_ptr(Error(where + " failed: " + e.what() + hint));
   }
 }
 
