@@ -32,7 +32,7 @@ Trainer::Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
             : optimizer.sharded_gradients() ? std::shared_ptr<GradNorm>(
                                                   std::make_shared<ShardedGradNorm>(comm))
                                             : std::make_shared<ReplicatedGradNorm>()),
-      metrics_(config_.metrics_path, comm.rank() == 0) {
+      metrics_(config_.metrics_path, comm.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
     throw InvalidArgument("Trainer: accumulation_steps must be at least 1, got " +
