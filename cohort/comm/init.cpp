@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <mutex>
 
+#include "cohort/algorithms/hierarchical.h"
 #include "cohort/comm/engine_registry.h"
-#include "cohort/comm/env.h"
-#include "cohort/comm/error.h"
 #include "cohort/comm/gloo/c10d_adapter.h"
-#include "cohort/comm/mpi/launch.h"
-#include "cohort/comm/store/socket.h"
-#include "cohort/comm/store/tcp_store.h"
+#include "cohort/core/env.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/socket.h"
+#include "cohort/core/store/tcp_store.h"
 
 namespace cohort {
 namespace {
@@ -50,78 +50,14 @@ bool spans_hosts(int world_size) {
   return local && *local < world_size;
 }
 
-}  // namespace
-
-std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
-                                      const ConnectOptions& options) {
-  if (size < 1 || rank < 0 || rank >= size) {
-    throw InvalidArgument("cohort::connect: rank " + std::to_string(rank) +
-                          " is not in a world of " + std::to_string(size));
-  }
-  store->set_timeout(options.timeout);
-  auto engine = create_engine(store, rank, size, options);
-  CommunicatorOptions co;
-  co.timeout = options.timeout;
-  co.debug_checks = options.debug_checks;
-  co.name = options.name;
-  co.algorithm = options.algorithm;
-  co.node = options.node;
-  co.calibration_max_bytes = options.calibration_max_bytes;
-  return std::make_shared<Communicator>(std::move(engine), std::move(store), co);
-}
-
-// Ranks started without an MPI launcher (cohortrun without --backend mpi)
-// are each an MPI world of one: they would run as independent jobs.
-static void refuse_mpi_singletons(const MpiWorld& mpi, const InitOptions& options) {
-  if (mpi.size != 1) return;
-  const int claimed = options.world_size > 0 ? options.world_size
-                                             : env::get_int("WORLD_SIZE", 1, 1 << 20).value_or(1);
-  if (claimed <= 1) return;
-  const std::string n = std::to_string(claimed);
-  throw ConfigError("cohort::init (backend mpi): WORLD_SIZE=" + n + " (RANK=" +
-                    env::get("RANK").value_or("?") +
-                    ") but MPI started this process as a world of 1: the ranks were not "
-                    "started by an MPI launcher. Start an MPI job with `cohortrun --backend mpi -n " +
-                    n + " -- PROGRAM` or `mpirun -n " + n + " PROGRAM`");
-}
-
-std::shared_ptr<Communicator> init(const InitOptions& options) {
-  std::lock_guard<std::mutex> lock(g_world_mu);
-  if (g_world) throw ConfigError("cohort::init: already initialized; call finalize() first");
-
-  // Under mpirun (or after the application's MPI_Init) MPI is the default,
-  // and the ranks and the store come from MPI instead of the environment.
-  const std::string backend =
-      !options.backend.empty()
-          ? options.backend
-          : env::get("COHORT_BACKEND").value_or(mpi_launched() ? "mpi" : "gloo");
-  MpiWorld mpi;
-  if (backend == "mpi") {
-    mpi = mpi_world(options.timeout ? *options.timeout
-                                    : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30)));
-  }
-  if (mpi.store) refuse_mpi_singletons(mpi, options);
-  const int world_size =
-      options.world_size > 0 ? options.world_size
-      : mpi.store            ? mpi.size
-                             : env::require_int("WORLD_SIZE", 1, 1 << 20);
-  const int rank = options.rank >= 0 ? options.rank
-                   : mpi.store       ? mpi.rank
-                                     : env::require_int("RANK", 0, world_size - 1);
-  if (rank >= world_size) {
-    throw ConfigError("cohort::init: rank " + std::to_string(rank) +
-                      " is not below the world size " + std::to_string(world_size));
-  }
-
+// The environment's part of the options (the only place cohort reads it for
+// a communicator); explicit InitOptions win. Bad values are ConfigErrors
+// naming the variable.
+ConnectOptions options_from_environment(const InitOptions& options) {
   ConnectOptions co;
-  co.backend = backend;
-  const auto built = available_backends();
-  if (std::find(built.begin(), built.end(), co.backend) == built.end()) {
-    std::string known;
-    for (auto& b : built) known += (known.empty() ? "" : ", ") + b;
-    throw ConfigError("cohort::init: backend '" + co.backend +
-                      "' is not available in this build (available: " + known + ")");
-  }
+  co.backend = !options.backend.empty() ? options.backend
+                                        : env::get("COHORT_BACKEND").value_or(default_backend());
+  require_backend(co.backend, "cohort::init");
   co.timeout = options.timeout ? *options.timeout
                                : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30));
   if (options.debug_checks) {
@@ -132,7 +68,77 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
     }
     co.debug_checks = *d == "detail";
   }
-  co.interface = env::get("GLOO_SOCKET_IFNAME").value_or("");
+  if (options.algorithm) {
+    co.algorithm = *options.algorithm;
+  } else if (auto name = env::get("COHORT_ALGO")) {
+    auto a = parse_algorithm(*name);
+    if (!a || *a == Algorithm::Default) {
+      throw ConfigError("cohort::init: COHORT_ALGO='" + *name +
+                        "' is not one of engine, ring, tree, hd, hierarchical, adaptive");
+    }
+    co.algorithm = *a;
+  }
+  co.calibration_max_bytes =
+      env::get_int("COHORT_CALIBRATION_MAX_BYTES", 1024, 1 << 30).value_or(0);
+  // The hierarchical algorithm's node key: an explicit id, else the host and
+  // cohortrun's node index (two launchers on one host are two nodes).
+  if (auto id = env::get("COHORT_NODE_ID")) {
+    co.node = "id:" + *id;
+  } else if (auto group = env::get("GROUP_RANK")) {
+    co.node = algorithms::host_name() + "/group:" + *group;
+  }
+  co.gloo.interface = env::get("GLOO_SOCKET_IFNAME").value_or("");
+  return co;
+}
+
+// Ranks started without an MPI launcher (cohortrun without --backend mpi)
+// are each an MPI world of one: they would run as independent jobs.
+void refuse_mpi_singletons(int mpi_size, const InitOptions& options) {
+  if (mpi_size != 1) return;
+  const int claimed = options.world_size > 0 ? options.world_size
+                                             : env::get_int("WORLD_SIZE", 1, 1 << 20).value_or(1);
+  if (claimed <= 1) return;
+  const std::string n = std::to_string(claimed);
+  throw ConfigError("cohort::init (backend mpi): WORLD_SIZE=" + n +
+                    " (RANK=" + env::get("RANK").value_or("?") +
+                    ") but MPI started this process as a world of 1: the ranks were not "
+                    "started by an MPI launcher. Start an MPI job with `cohortrun --backend "
+                    "mpi -n " +
+                    n + " -- PROGRAM` or `mpirun -n " + n + " PROGRAM`");
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
+                                      const ConnectOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw InvalidArgument("cohort::connect: rank " + std::to_string(rank) +
+                          " is not in a world of " + std::to_string(size));
+  }
+  store->set_timeout(options.timeout);
+  auto engine = create_engine(store, rank, size, options);
+  return std::make_shared<Communicator>(std::move(engine), std::move(store), options);
+}
+
+std::shared_ptr<Communicator> init(const InitOptions& options) {
+  std::lock_guard<std::mutex> lock(g_world_mu);
+  if (g_world) throw ConfigError("cohort::init: already initialized; call finalize() first");
+
+  ConnectOptions co = options_from_environment(options);
+  // Under mpirun (or after the application's MPI_Init) the ranks and the
+  // store come from the engine's launcher instead of the environment.
+  const auto launched = launched_world(co.backend, co.timeout);
+  if (launched && co.backend == "mpi") refuse_mpi_singletons(launched->size, options);
+  const int world_size = options.world_size > 0 ? options.world_size
+                         : launched             ? launched->size
+                                                : env::require_int("WORLD_SIZE", 1, 1 << 20);
+  const int rank = options.rank >= 0 ? options.rank
+                   : launched        ? launched->rank
+                                     : env::require_int("RANK", 0, world_size - 1);
+  if (rank >= world_size) {
+    throw ConfigError("cohort::init: rank " + std::to_string(rank) +
+                      " is not below the world size " + std::to_string(world_size));
+  }
   const std::string where = "cohort::init (rank " + std::to_string(rank) + " of " +
                             std::to_string(world_size) + ", backend " + co.backend + ")";
 
@@ -140,8 +146,8 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   std::string master_host;
   const auto& method = options.init_method;
   try {
-    if (mpi.store) {
-      store = mpi.store;
+    if (launched) {
+      store = launched->store;
     } else if (method.rfind("file://", 0) == 0) {
       store = make_file_store(method.substr(7), world_size, co.timeout);
     } else {
@@ -149,8 +155,9 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
       if (method == "env://" || method.empty()) {
         ep.host = env::get("MASTER_ADDR").value_or("");
         if (ep.host.empty()) {
-          throw ConfigError("environment variable MASTER_ADDR is not set; start the job with "
-                            "cohortrun (or torchrun), or use init_method file:// or tcp://");
+          throw ConfigError(
+              "environment variable MASTER_ADDR is not set; start the job with "
+              "cohortrun (or torchrun), or use init_method file:// or tcp://");
         }
         ep.port = env::require_int("MASTER_PORT", 1, 65535);
       } else if (method.rfind("tcp://", 0) == 0) {
@@ -162,8 +169,7 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
       // cohortrun sets a per-job token; other launchers (or a user, for
       // several nodes) may set one, and without one the store is open.
       store = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0,
-                                         co.timeout,
-                                         env::get("COHORT_STORE_TOKEN").value_or(""));
+                                         co.timeout, env::get("COHORT_STORE_TOKEN").value_or(""));
       // This store is new to this job: a second claim on a rank is a
       // second process started with the same RANK.
       const std::string claim = "cohort/init/rank-claims/" + std::to_string(rank);
@@ -181,11 +187,12 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
 
   // Bind Gloo where the peers can reach us, and nowhere else.
   if (auto addr = env::get("COHORT_BIND_ADDR")) {
-    co.bind_address = *addr;
+    co.gloo.bind_address = *addr;
   } else if (!master_host.empty() && !net::is_loopback(master_host)) {
-    co.bind_address = net::source_address_for(master_host);
-  } else if (co.interface.empty() && spans_hosts(world_size)) {
-    throw ConfigError(where + ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE) "
+    co.gloo.bind_address = net::source_address_for(master_host);
+  } else if (co.gloo.interface.empty() && spans_hosts(world_size)) {
+    throw ConfigError(where +
+                      ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE) "
                       "but the rendezvous is local; set COHORT_BIND_ADDR or GLOO_SOCKET_IFNAME");
   }
 

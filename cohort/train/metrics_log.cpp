@@ -9,7 +9,7 @@
 #include <fstream>
 #include <vector>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 

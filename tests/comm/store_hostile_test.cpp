@@ -15,10 +15,10 @@
 #include <random>
 #include <thread>
 
-#include "cohort/comm/error.h"
-#include "cohort/comm/store/tcp_store.h"
-#include "cohort/comm/store/tcp_store_protocol.h"
-#include "cohort/comm/store/tcp_store_server.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/tcp_store.h"
+#include "cohort/core/store/tcp_store_protocol.h"
+#include "cohort/core/store/tcp_store_server.h"
 
 namespace cohort {
 namespace {

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "train_fixtures.h"
 
 namespace cohort {
