@@ -28,10 +28,10 @@ Trainer::Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
       sync_(sync),
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
-      norm_(norm                           ? std::move(norm)
-            : optimizer.sharded_gradients() ? std::shared_ptr<GradNorm>(
-                                                  std::make_shared<ShardedGradNorm>(comm))
-                                            : std::make_shared<ReplicatedGradNorm>()),
+      norm_(norm ? std::move(norm)
+            : optimizer.sharded_gradients()
+                ? std::shared_ptr<GradNorm>(std::make_shared<ShardedGradNorm>(comm))
+                : std::make_shared<ReplicatedGradNorm>()),
       metrics_(config_.metrics_path, comm.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {

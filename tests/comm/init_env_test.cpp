@@ -91,7 +91,8 @@ TEST(InitEnv, BadPortAndTimeoutAreNamed) {
   for (const char* bad : {"inf", "nan", "1e10", "1e-9", "0"}) {
     env.set("COHORT_TIMEOUT", bad);
     const std::string err = init_error(env);
-    EXPECT_NE(err.find("COHORT_TIMEOUT='" + std::string(bad) + "' is not a positive number of "
+    EXPECT_NE(err.find("COHORT_TIMEOUT='" + std::string(bad) +
+                       "' is not a positive number of "
                        "seconds between 0.001 and 2592000"),
               std::string::npos)
         << bad << ": " << err;

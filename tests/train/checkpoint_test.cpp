@@ -319,8 +319,9 @@ TEST(TrainerCheckpoint, AllDamagedStartsFromZeroAndKeepsTheNewCheckpoint) {
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_FALSE(r.resumed_at.has_value());
   EXPECT_EQ(r.skipped.size(), 2u);
-  EXPECT_NE(err.find("no checkpoint in " + dir.str() + " verifies (2 skipped); starting from step 0"),
-            std::string::npos)
+  EXPECT_NE(
+      err.find("no checkpoint in " + dir.str() + " verifies (2 skipped); starting from step 0"),
+      std::string::npos)
       << err;
   const auto loaded = CheckpointDir(dir.str(), 2).load_latest();
   ASSERT_TRUE(loaded.found) << "the new good checkpoints were rotated out";
