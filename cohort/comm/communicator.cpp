@@ -89,6 +89,7 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
 Communicator::Call Communicator::begin_collective(const std::string& op, Millis timeout) const {
   auto call = begin(op, timeout, {});
   call.ctx.all_peers = true;
+  call.ctx.debug_checks = checker_ != nullptr;
   return call;
 }
 

@@ -91,6 +91,22 @@ ConnectOptions options_from_environment(const InitOptions& options) {
   return co;
 }
 
+// Ranks started without an MPI launcher (cohortrun without --backend mpi)
+// are each an MPI world of one: they would run as independent jobs.
+void refuse_mpi_singletons(int mpi_size, const InitOptions& options) {
+  if (mpi_size != 1) return;
+  const int claimed = options.world_size > 0 ? options.world_size
+                                             : env::get_int("WORLD_SIZE", 1, 1 << 20).value_or(1);
+  if (claimed <= 1) return;
+  const std::string n = std::to_string(claimed);
+  throw ConfigError("cohort::init (backend mpi): WORLD_SIZE=" + n +
+                    " (RANK=" + env::get("RANK").value_or("?") +
+                    ") but MPI started this process as a world of 1: the ranks were not "
+                    "started by an MPI launcher. Start an MPI job with `cohortrun --backend "
+                    "mpi -n " +
+                    n + " -- PROGRAM` or `mpirun -n " + n + " PROGRAM`");
+}
+
 }  // namespace
 
 std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
@@ -112,6 +128,7 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   // Under mpirun (or after the application's MPI_Init) the ranks and the
   // store come from the engine's launcher instead of the environment.
   const auto launched = launched_world(co.backend, co.timeout);
+  if (launched && co.backend == "mpi") refuse_mpi_singletons(launched->size, options);
   const int world_size = options.world_size > 0 ? options.world_size
                          : launched             ? launched->size
                                                 : env::require_int("WORLD_SIZE", 1, 1 << 20);
@@ -149,8 +166,18 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
         throw ConfigError("init_method '" + method + "' is not env://, tcp:// or file://");
       }
       master_host = ep.host;
+      // cohortrun sets a per-job token; other launchers (or a user, for
+      // several nodes) may set one, and without one the store is open.
       store = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0,
-                                         co.timeout);
+                                         co.timeout, env::get("COHORT_STORE_TOKEN").value_or(""));
+      // This store is new to this job: a second claim on a rank is a
+      // second process started with the same RANK.
+      const std::string claim = "cohort/init/rank-claims/" + std::to_string(rank);
+      if (store->add(claim, 1) > 1) {
+        throw ConfigError("RANK=" + std::to_string(rank) +
+                          " is used by more than one process (a duplicate RANK); every "
+                          "process needs its own RANK in [0, WORLD_SIZE)");
+      }
     }
   } catch (const TimeoutError& e) {
     throw TimeoutError(where + ": rendezvous with rank 0 failed: " + e.what());

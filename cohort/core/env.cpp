@@ -1,10 +1,16 @@
 #include "cohort/core/env.h"
 
+#include <cmath>
 #include <cstdlib>
 
 #include "cohort/core/error.h"
 
 namespace cohort::env {
+
+namespace {
+constexpr double kMinTimeoutSeconds = 0.001;
+constexpr double kMaxTimeoutSeconds = 30.0 * 24 * 3600;
+}  // namespace
 
 std::optional<std::string> get(const char* name) {
   const char* v = std::getenv(name);
@@ -53,9 +59,13 @@ std::optional<Millis> timeout(const char* name) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != v->size() || !(seconds > 0)) {
+  // A finite value in a sane range: inf reaches Gloo as an invalid
+  // timeout, 1e10 s overflows deadlines, 1e-9 s rounds to 0 ms.
+  if (used != v->size() || !std::isfinite(seconds) || seconds < kMinTimeoutSeconds ||
+      seconds > kMaxTimeoutSeconds) {
     throw ConfigError(std::string("cohort: environment variable ") + name + "='" + *v +
-                      "' is not a positive number of seconds");
+                      "' is not a positive number of seconds between 0.001 and 2592000 "
+                      "(30 days)");
   }
   return Millis(static_cast<int64_t>(seconds * 1000));
 }

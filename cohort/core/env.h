@@ -13,7 +13,8 @@ std::optional<std::string> get(const char* name);
 // in [lo, hi].
 int require_int(const char* name, int lo, int hi);
 std::optional<int> get_int(const char* name, int lo, int hi);
-// COHORT_TIMEOUT: seconds, fractions allowed.
+// COHORT_TIMEOUT: seconds, fractions allowed, finite and in [0.001, 30 days];
+// ConfigError naming the variable otherwise.
 std::optional<Millis> timeout(const char* name);
 
 }  // namespace cohort::env

@@ -76,17 +76,25 @@ namespace {
 // callers can catch TimeoutError or PeerError specifically.
 std::exception_ptr with_context(const OpContext& ctx, Millis timeout) {
   const std::string where = "cohort: " + ctx.describe();
+  // Ranks that called different collectives (or one with other sizes,
+  // dtypes or ops) surface as timeouts or transport errors; the debug
+  // checks name the difference.
+  const std::string hint =
+      ctx.all_peers && !ctx.debug_checks
+          ? " (if the ranks may have called different collectives, or one with different "
+            "sizes, dtypes or ops, rerun with COHORT_DEBUG=detail to find out)"
+          : "";
   try {
     throw;
   } catch (const TimeoutError& e) {
     return std::make_exception_ptr(TimeoutError(
-        where + " timed out after " + std::to_string(timeout.count()) + " ms: " + e.what()));
+        where + " timed out after " + std::to_string(timeout.count()) + " ms: " + e.what() + hint));
   } catch (const PeerError& e) {
-    return std::make_exception_ptr(PeerError(where + " failed: " + e.what()));
+    return std::make_exception_ptr(PeerError(where + " failed: " + e.what() + hint));
   } catch (const MismatchError& e) {
     return std::make_exception_ptr(MismatchError(where + ": " + e.what()));
   } catch (const std::exception& e) {
-    return std::make_exception_ptr(Error(where + " failed: " + e.what()));
+    return std::make_exception_ptr(Error(where + " failed: " + e.what() + hint));
   }
 }
 

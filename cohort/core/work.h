@@ -26,6 +26,9 @@ struct OpContext {
   // Set instead of `peers` by collectives: every other rank of the group
   // (a list built only when a message needs it, not on every call).
   bool all_peers = false;
+  // Whether the debug checks (COHORT_DEBUG=detail) ran before this
+  // collective; when not, a collective's error suggests turning them on.
+  bool debug_checks = false;
   Millis timeout{0};  // resolved timeout of this operation
 
   // "all_reduce on rank 0 of 4 (group world, peers [1, 2, 3])"

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 
@@ -22,9 +24,34 @@ std::optional<int64_t> step_of(const std::string& name) {
   if (name.size() <= prefix.size() + suffix.size()) return std::nullopt;
   if (name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
   if (name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) return std::nullopt;
-  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  const std::string digits =
+      name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
   if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return std::nullopt;
-  return std::stoll(digits);
+  errno = 0;
+  const long long step = std::strtoll(digits.c_str(), nullptr, 10);
+  if (errno == ERANGE) return std::nullopt;  // reported by out_of_range_names()
+  return step;
+}
+
+// Names shaped like a checkpoint whose step does not fit an int64 (a stray
+// or hand-made file): skipped, with a message, rather than failing resume.
+std::vector<std::string> out_of_range_names(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const auto name = entry.path().filename().string();
+    const std::string suffix = kSuffix;
+    if (name.rfind(kPrefix, 0) != 0 || name.size() <= suffix.size() + 5 ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    const auto digits = name.substr(5, name.size() - 5 - suffix.size());
+    if (std::all_of(digits.begin(), digits.end(), ::isdigit) && !step_of(name)) {
+      out.push_back("checkpoint " + entry.path().string() +
+                    ": the step number in the name is out of range (not a cohort checkpoint)");
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -46,12 +73,33 @@ std::string CheckpointDir::path_for(int64_t step) const {
   return (fs::path(dir_) / name).string();
 }
 
+bool CheckpointDir::verifies(int64_t step) const {
+  if (verified_.count(step)) return true;
+  try {
+    read_checkpoint_file(path_for(step));
+  } catch (const CheckpointError&) {
+    return false;
+  }
+  verified_.insert(step);
+  return true;
+}
+
 void CheckpointDir::write(int64_t step, const std::string& payload) const {
   write_checkpoint_file(path_for(step), payload);
-  const auto all = steps();
-  for (size_t i = static_cast<size_t>(keep_last_); i < all.size(); ++i) {
+  verified_.insert(step);
+  // Keep the step just written and the newest others that verify, keep_last
+  // in all. Files that do not verify count for nothing and are left alone:
+  // counting them could rotate out the only good checkpoint.
+  int kept = 1;
+  for (int64_t other : steps()) {
+    if (other == step || !verifies(other)) continue;
+    if (kept < keep_last_) {
+      ++kept;
+      continue;
+    }
     std::error_code ec;
-    fs::remove(path_for(all[i]), ec);
+    fs::remove(path_for(other), ec);
+    verified_.erase(other);
   }
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
@@ -74,6 +122,7 @@ std::vector<int64_t> CheckpointDir::steps() const {
 
 CheckpointDir::Loaded CheckpointDir::load_latest() const {
   Loaded loaded;
+  loaded.skipped = out_of_range_names(dir_);
   for (int64_t step : steps()) {
     try {
       loaded.payload = read_checkpoint_file(path_for(step));

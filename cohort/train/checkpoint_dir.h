@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -19,7 +20,8 @@ class CheckpointDir {
   std::string path_for(int64_t step) const;
 
   // Writes the checkpoint of `step` atomically, then deletes all but the
-  // newest keep_last checkpoints and any temporary files left by crashes.
+  // newest keep_last checkpoints that verify (never `step` itself, never a
+  // file that does not verify) and any temporary files left by crashes.
   void write(int64_t step, const std::string& payload) const;
 
   // Steps that have a checkpoint file, newest first (not verified).
@@ -31,7 +33,8 @@ class CheckpointDir {
     int64_t step = 0;
     std::string payload;
     // One message per newer checkpoint that failed to verify (which file,
-    // what is wrong), newest first.
+    // what is wrong), newest first, after one per file whose name has a step
+    // out of range.
     std::vector<std::string> skipped;
   };
   // The newest checkpoint that verifies, with what was wrong with newer ones.
@@ -40,8 +43,12 @@ class CheckpointDir {
   std::string load(int64_t step) const;
 
  private:
+  // Reads and verifies `step`'s file once; remembered afterwards.
+  bool verifies(int64_t step) const;
+
   std::string dir_;
   int keep_last_;
+  mutable std::set<int64_t> verified_;  // steps known to verify
 };
 
 }  // namespace cohort

@@ -1,5 +1,12 @@
 #include "cohort/train/metrics_log.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <vector>
 
 #include "cohort/core/error.h"
@@ -20,13 +27,20 @@ nlohmann::json to_json(const StepMetrics& m) {
           {"comm_seconds", m.comm_seconds}};
 }
 
-MetricsLog::MetricsLog(std::string path, bool enabled)
-    : path_(std::move(path)), enabled_(enabled && !path_.empty()) {}
+MetricsLog::MetricsLog(std::string path, bool enabled, bool strict)
+    : path_(std::move(path)), enabled_(enabled && !path_.empty()), strict_(strict) {}
+
+MetricsLog::~MetricsLog() { close(); }
+
+void MetricsLog::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
 
 void MetricsLog::keep_until(int64_t step) {
   if (!enabled_) return;
-  out_.close();
-  std::vector<std::string> kept;
+  close();
+  std::string kept;
   if (step >= 0) {
     std::ifstream in(path_);
     std::string line;
@@ -35,23 +49,56 @@ void MetricsLog::keep_until(int64_t step) {
       auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
           j["step"].get<int64_t>() <= step) {
-        kept.push_back(line);
+        kept += line + '\n';
       }
     }
   }
-  std::ofstream rewrite(path_, std::ios::trunc);
-  if (!rewrite) throw Error("metrics file " + path_ + ": cannot open for writing");
-  for (const auto& line : kept) rewrite << line << '\n';
+  // A read-only or missing folder is a configuration error, found at start.
+  const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw Error("metrics file " + path_ + ": cannot open for writing: " + std::strerror(errno));
+  }
+  ::close(fd);
+  if (!kept.empty()) write_whole(kept);
 }
 
 void MetricsLog::append(const nlohmann::json& line) {
   if (!enabled_) return;
-  if (!out_.is_open()) {
-    out_.open(path_, std::ios::app);
-    if (!out_) throw Error("metrics file " + path_ + ": cannot open for appending");
+  write_whole(line.dump() + '\n');
+}
+
+void MetricsLog::write_whole(const std::string& text) {
+  if (fd_ < 0) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      return failed(std::string("cannot open for appending: ") + std::strerror(errno));
+    }
   }
-  out_ << line.dump() << '\n';
-  out_.flush();
+  const off_t start = ::lseek(fd_, 0, SEEK_END);
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t k = ::write(fd_, text.data() + done, text.size() - done);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      const std::string why = k < 0 ? std::strerror(errno) : "no progress";
+      // Cut the partial line back off (fails harmlessly on a device).
+      if (done > 0 && start >= 0) (void)!::ftruncate(fd_, start);
+      return failed("write failed: " + why);
+    }
+    done += static_cast<size_t>(k);
+  }
+}
+
+void MetricsLog::failed(const std::string& what) {
+  ++lines_lost_;
+  const std::string message = "metrics file " + path_ + ": " + what;
+  if (strict_) throw Error(message);
+  if (warned_) return;
+  warned_ = true;
+  std::fprintf(stderr,
+               "cohort: warning: %s; this and later metrics lines that fail are lost "
+               "(training goes on)\n",
+               message.c_str());
 }
 
 }  // namespace cohort

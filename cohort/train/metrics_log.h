@@ -6,10 +6,8 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace cohort {
 
@@ -22,30 +20,48 @@ struct StepMetrics {
   bool clipped = false;        // whether clipping scaled the gradients
   int64_t samples = 0;         // samples in this step over all ranks
   double step_seconds = 0.0;   // wall time of the step on this rank
-  double samples_per_s = 0.0; // samples / step_seconds
+  double samples_per_s = 0.0;  // samples / step_seconds
   double comm_seconds = 0.0;   // gradient communication time in this step
 };
 
 nlohmann::json to_json(const StepMetrics& m);
 
+// Appends whole lines: a line that cannot be written entirely (a full disk)
+// is cut back off the file, so the file never holds half a line. A failed
+// write prints one warning and the job goes on, or throws Error when
+// `strict`.
 class MetricsLog {
  public:
   // Disabled (writes nothing) when `path` is empty or `enabled` is false:
   // pass enabled = (rank == 0).
-  MetricsLog(std::string path, bool enabled);
+  MetricsLog(std::string path, bool enabled, bool strict = false);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
 
   bool enabled() const { return enabled_; }
   // Keeps only lines whose "step" is at most `step` (all lines are dropped
   // for a negative step): a resumed job rewrites the steps it redoes instead
   // of logging them twice.
   void keep_until(int64_t step);
-  // Appends one line and flushes it.
+  // Appends one line with one write (no buffering), whole or not at all.
   void append(const nlohmann::json& line);
+  // Lines that could not be written.
+  int64_t lines_lost() const { return lines_lost_; }
 
  private:
+  // Writes `text` at the end of the file; on failure cuts the file back to
+  // where it was and reports (warning or Error).
+  void write_whole(const std::string& text);
+  void failed(const std::string& what);
+  void close();
+
   std::string path_;
   bool enabled_;
-  std::ofstream out_;
+  bool strict_;
+  int fd_ = -1;
+  bool warned_ = false;
+  int64_t lines_lost_ = 0;
 };
 
 }  // namespace cohort

@@ -28,11 +28,11 @@ Trainer::Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
       sync_(sync),
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
-      norm_(norm                           ? std::move(norm)
-            : optimizer.sharded_gradients() ? std::shared_ptr<GradNorm>(
-                                                  std::make_shared<ShardedGradNorm>(comm))
-                                            : std::make_shared<ReplicatedGradNorm>()),
-      metrics_(config_.metrics_path, comm.rank() == 0) {
+      norm_(norm ? std::move(norm)
+            : optimizer.sharded_gradients()
+                ? std::shared_ptr<GradNorm>(std::make_shared<ShardedGradNorm>(comm))
+                : std::make_shared<ReplicatedGradNorm>()),
+      metrics_(config_.metrics_path, comm.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
     throw InvalidArgument("Trainer: accumulation_steps must be at least 1, got " +
@@ -223,6 +223,10 @@ std::optional<int64_t> Trainer::resume() {
         std::fprintf(stderr, "cohort: resuming from the previous good checkpoint %s\n",
                      checkpoints_->path_for(loaded.step).c_str());
       }
+    } else if (!skipped_.empty()) {
+      std::fprintf(stderr,
+                   "cohort: no checkpoint in %s verifies (%zu skipped); starting from step 0\n",
+                   checkpoints_->dir().c_str(), skipped_.size());
     }
   }
   comm_.broadcast(chosen, {0}).wait();

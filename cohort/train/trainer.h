@@ -65,6 +65,9 @@ struct TrainerConfig {
   int keep_last = 3;
   // JSON-lines metrics file written by rank 0; empty: none.
   std::string metrics_path;
+  // A metrics line that cannot be written (a full disk) throws Error instead
+  // of one warning on stderr. Lines are written whole or not at all either way.
+  bool metrics_strict = false;
   // Progress output on rank 0 (bar on a terminal, log lines otherwise).
   bool progress = true;
   // Steps between log lines when stdout is not a terminal.

@@ -119,6 +119,7 @@ TEST(Timeouts, ASilentPeerMakesWaitThrowNamingTheOperation) {
     EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
     EXPECT_NE(m.find("all_reduce on rank 0 of 2 (group world, peer 1) timed out after 500 ms"),
               std::string::npos) << m;
+    EXPECT_NE(m.find("rerun with COHORT_DEBUG=detail"), std::string::npos) << m;
     // A failed communicator refuses further work instead of corrupting it.
     auto again = message_of<PeerError>([&] { comm.all_reduce(t); });
     EXPECT_NE(again.find("failed earlier"), std::string::npos) << again;

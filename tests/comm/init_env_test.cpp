@@ -87,6 +87,16 @@ TEST(InitEnv, BadPortAndTimeoutAreNamed) {
   env.set("MASTER_PORT", "29500");
   env.set("COHORT_TIMEOUT", "-3");
   EXPECT_NE(init_error(env).find("COHORT_TIMEOUT='-3' is not a positive number"), std::string::npos);
+  // Not finite, overflowing a deadline, or rounding to 0 ms.
+  for (const char* bad : {"inf", "nan", "1e10", "1e-9", "0"}) {
+    env.set("COHORT_TIMEOUT", bad);
+    const std::string err = init_error(env);
+    EXPECT_NE(err.find("COHORT_TIMEOUT='" + std::string(bad) +
+                       "' is not a positive number of "
+                       "seconds between 0.001 and 2592000"),
+              std::string::npos)
+        << bad << ": " << err;
+  }
   env.set("COHORT_TIMEOUT", nullptr);
   env.set("COHORT_BACKEND", "carrier-pigeon");
   EXPECT_NE(init_error(env).find("backend 'carrier-pigeon' is not available"), std::string::npos);

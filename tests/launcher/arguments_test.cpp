@@ -47,6 +47,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadArgs{"NegativeN", {"-n", "-1", PROG}, "-n must be a positive number"},
         BadArgs{"ZeroN", {"-n", "0", PROG}, "-n must be a positive number"},
         BadArgs{"NonNumericN", {"-n", "two", PROG}, "-n must be an integer"},
+        BadArgs{"HugeN", {"-n", "100000", PROG}, "-n must be at most 1024"},
         BadArgs{"MissingN", {PROG}, "-n (ranks per node) is required"},
         BadArgs{"NoProgram", {"-n", "2"}, "missing program after '--'"},
         BadArgs{"NothingAfterDashes", {"-n", "2", "--"}, "missing program after '--'"},

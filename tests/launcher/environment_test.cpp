@@ -15,7 +15,8 @@ constexpr const char* kPrintEnv =
     "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE GROUP_RANK=$GROUP_RANK "
     "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT "
     "COHORT_BACKEND=$COHORT_BACKEND COHORT_RESTART_COUNT=$COHORT_RESTART_COUNT "
-    "TORCHELASTIC_RESTART_COUNT=$TORCHELASTIC_RESTART_COUNT OMP_NUM_THREADS=$OMP_NUM_THREADS";
+    "TORCHELASTIC_RESTART_COUNT=$TORCHELASTIC_RESTART_COUNT OMP_NUM_THREADS=$OMP_NUM_THREADS "
+    "COHORT_STORE_TOKEN=$COHORT_STORE_TOKEN";
 
 using Env = std::map<std::string, std::string>;
 
@@ -58,6 +59,9 @@ TEST(Environment, SingleNodeVariables) {
     EXPECT_EQ(e["COHORT_BACKEND"], "gloo");
     EXPECT_EQ(e["COHORT_RESTART_COUNT"], "0");
     EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
+    // One store token per job, 128 random bits in hex.
+    EXPECT_EQ(e["COHORT_STORE_TOKEN"].size(), 32u);
+    EXPECT_EQ(e["COHORT_STORE_TOKEN"], envs[0]["COHORT_STORE_TOKEN"]);
   }
   ASSERT_FALSE(port.empty());
   ASSERT_EQ(port.find_first_not_of("0123456789"), std::string::npos) << port;
@@ -110,6 +114,7 @@ TEST(Environment, SecondNodeOfTwo) {
     EXPECT_EQ(e["GROUP_RANK"], "1");
     EXPECT_EQ(e["MASTER_ADDR"], "10.1.2.3");
     EXPECT_EQ(e["MASTER_PORT"], "29511");
+    EXPECT_EQ(e["COHORT_STORE_TOKEN"], "") << "nodes cannot share a generated token";
   }
 }
 

@@ -1,6 +1,8 @@
 // A failing rank: the launcher exits with its code, names it, and leaves no
 // process of the job behind.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include "support/subprocess.h"
 
@@ -76,6 +78,38 @@ TEST(ExitCode, LeftoverBackgroundProcessesAreStoppedAfterSuccess) {
   ASSERT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   expect_all_gone(dir.path());
+}
+
+// A daemonized grandchild's own child: killing the grandchild orphans the
+// child to the launcher after the first kill pass, so one pass is not enough.
+TEST(ExitCode, DaemonizedGrandchildrenAndTheirChildrenAreStopped) {
+  TempDir dir;
+  const char* script =
+      R"(setsid sh -c 'exec </dev/null >/dev/null 2>&1; sleep 300 & echo $! > "$T/pid.0"; wait' &)"
+      R"( sleep 0.5)";
+  ProcessResult r =
+      run_cohortrun({"-n", "1", "--", "sh", "-c", script}, Seconds(20), {"T=" + dir.path()});
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  expect_all_gone(dir.path());
+  for (pid_t pid : read_pids(dir.path())) ::kill(pid, SIGKILL);  // a survivor, if any
+}
+
+// Two ranks fail while the launcher is stopped, so both are waiting to be
+// reaped at once: the one that failed first (rank 1) is named, not the one
+// spawned first.
+TEST(ExitCode, OfRanksFailingTogetherTheFirstToFailIsNamed) {
+  const char* script =
+      R"(echo up; if [ "$RANK" = 1 ]; then sleep 1; exit 3; fi; sleep 1.3; exit 5)";
+  Subprocess launcher(cohortrun_argv({"-n", "2", "--", "sh", "-c", script}));
+  ASSERT_TRUE(launcher.wait_for_stdout("up", 2, Seconds(10)));
+  ::kill(launcher.pid(), SIGSTOP);
+  ::usleep(1800 * 1000);  // both ranks exit meanwhile
+  ::kill(launcher.pid(), SIGCONT);
+  ProcessResult r = launcher.finish(Seconds(20));
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("rank 1 exited with code 3"), std::string::npos) << r.err;
 }
 
 }  // namespace

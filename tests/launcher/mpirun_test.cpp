@@ -23,6 +23,8 @@ class Mpirun : public ::testing::Test {
     std::string flags;
     if (::geteuid() == 0) flags += "<--allow-run-as-root>";
     if (n > ::sysconf(_SC_NPROCESSORS_ONLN)) flags += "<--oversubscribe>";
+    // A single-node job stays on loopback.
+    flags += "<--mca><oob_tcp_if_include><lo><--mca><btl_tcp_if_include><lo>";
     return flags;
   }
 

@@ -264,5 +264,69 @@ TEST(TrainerCheckpoint, DamagedNewestFallsBackToThePreviousOne) {
   }
 }
 
+// Damaged checkpoints count for nothing in rotation: the step just written
+// and the newest good ones stay, damaged files are left alone.
+TEST(CheckpointDir, RotatesOnlyCheckpointsThatVerify) {
+  TempDir dir("cohort-rotate");
+  {
+    CheckpointDir folder(dir.str(), 2);
+    folder.write(100, "a");
+    folder.write(200, "b");
+  }
+  for (int64_t step : {100, 200}) {
+    const auto path = CheckpointDir(dir.str(), 2).path_for(step);
+    dump(path, slurp(path).substr(0, 10));
+  }
+  CheckpointDir folder(dir.str(), 2);  // a new process: nothing verified yet
+  folder.write(50, "c");
+  auto loaded = folder.load_latest();
+  ASSERT_TRUE(loaded.found) << "the good checkpoint just written was rotated out";
+  EXPECT_EQ(loaded.step, 50);
+  EXPECT_EQ(loaded.skipped.size(), 2u);
+  folder.write(60, "d");
+  folder.write(70, "e");
+  // keep_last 2 of the good ones (70, 60); 50 rotated out; damaged kept.
+  EXPECT_EQ(folder.steps(), (std::vector<int64_t>{200, 100, 70, 60}));
+}
+
+TEST(CheckpointDir, StepOutOfRangeInANameIsSkippedWithAMessage) {
+  TempDir dir("cohort-stray");
+  CheckpointDir folder(dir.str(), 2);
+  folder.write(5, "good");
+  dump(dir / "ckpt-99999999999999999999.cohort", "stray");
+  EXPECT_EQ(folder.steps(), (std::vector<int64_t>{5}));
+  const auto loaded = folder.load_latest();
+  ASSERT_TRUE(loaded.found);
+  EXPECT_EQ(loaded.step, 5);
+  ASSERT_EQ(loaded.skipped.size(), 1u);
+  EXPECT_NE(loaded.skipped[0].find("ckpt-99999999999999999999.cohort"), std::string::npos);
+  EXPECT_NE(loaded.skipped[0].find("out of range"), std::string::npos) << loaded.skipped[0];
+  folder.write(6, "next");  // rotation ignores it too
+}
+
+// Every checkpoint damaged, then a resume with finer checkpoints: the job
+// starts from step 0, says so in one line, and keeps what it writes.
+TEST(TrainerCheckpoint, AllDamagedStartsFromZeroAndKeepsTheNewCheckpoint) {
+  TempDir dir("cohort-alldamaged");
+  run_job({2, dir.str(), 6, 2, 2, ""});
+  CheckpointDir folder(dir.str(), 2);
+  ASSERT_EQ(folder.steps(), (std::vector<int64_t>{6, 4}));
+  for (int64_t step : folder.steps()) {
+    dump(folder.path_for(step), slurp(folder.path_for(step)).substr(0, 40));
+  }
+  ::testing::internal::CaptureStderr();
+  const auto r = run_job({2, dir.str(), 3, 1, 2, "", true});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(r.resumed_at.has_value());
+  EXPECT_EQ(r.skipped.size(), 2u);
+  EXPECT_NE(
+      err.find("no checkpoint in " + dir.str() + " verifies (2 skipped); starting from step 0"),
+      std::string::npos)
+      << err;
+  const auto loaded = CheckpointDir(dir.str(), 2).load_latest();
+  ASSERT_TRUE(loaded.found) << "the new good checkpoints were rotated out";
+  EXPECT_EQ(loaded.step, 3);
+}
+
 }  // namespace
 }  // namespace cohort

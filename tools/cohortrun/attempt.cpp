@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <system_error>
 
@@ -130,27 +131,50 @@ void Attempt::on_interrupt(int sig) {
 }
 
 void Attempt::reap() {
+  // Ranks that exited since the last round, in the order they exited:
+  // several may have failed before this round (ranks failing close
+  // together), and the one to name is the first. waitpid(-1) would hand
+  // them over in spawn order.
+  std::vector<std::pair<double, size_t>> exited;
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    siginfo_t info{};
+    if (ranks_[i].running &&
+        ::waitid(P_PID, ranks_[i].pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == ranks_[i].pid) {
+      exited.emplace_back(last_ran_ms(ranks_[i].pid), i);
+    }
+  }
+  std::stable_sort(exited.begin(), exited.end());
+  for (const auto& [when, i] : exited) {
+    int status = 0;
+    while (::waitpid(ranks_[i].pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    on_rank_exit(i, status);
+  }
   for (;;) {
     int status = 0;
     pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid < 0 && errno == EINTR) continue;
     if (pid <= 0) return;
     for (size_t i = 0; i < ranks_.size(); ++i) {
-      Rank& r = ranks_[i];
-      if (r.pid != pid) continue;
-      r.running = false;
-      r.status = ExitStatus(status);
-      if (phase_ == Phase::kRunning && r.status.failed()) {
-        failed_ = static_cast<int>(i);
-        begin_teardown(SIGTERM);
-      } else if (phase_ == Phase::kTerminating) {
-        // What the rank leaves behind is orphaned now; it may ignore the
-        // forwarded signal (background jobs of a shell ignore SIGINT).
-        ::kill(-r.pid, SIGTERM);
-      }
+      if (ranks_[i].pid == pid && ranks_[i].running) on_rank_exit(i, status);
     }
     // Any other pid is an orphan reparented to us (we are a subreaper):
     // reaping it is all there is to do.
+  }
+}
+
+void Attempt::on_rank_exit(size_t i, int status) {
+  Rank& r = ranks_[i];
+  r.running = false;
+  r.status = ExitStatus(status);
+  if (phase_ == Phase::kRunning && r.status.failed()) {
+    failed_ = static_cast<int>(i);
+    begin_teardown(SIGTERM);
+  } else if (phase_ == Phase::kTerminating) {
+    // What the rank leaves behind is orphaned now; it may ignore the
+    // forwarded signal (background jobs of a shell ignore SIGINT).
+    ::kill(-r.pid, SIGTERM);
   }
 }
 

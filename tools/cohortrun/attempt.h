@@ -64,6 +64,7 @@ class Attempt {
   void on_signals();
   void on_interrupt(int sig);
   void reap();
+  void on_rank_exit(size_t index, int status);
   void check_deadlines();
   void on_timeout();
   void begin_teardown(int sig);

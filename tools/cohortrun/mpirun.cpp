@@ -14,6 +14,9 @@ std::vector<std::string> mpirun_command(const Options& options, bool as_root, lo
   std::vector<std::string> cmd = {"mpirun", "-np", std::to_string(options.nproc_per_node)};
   if (as_root) cmd.push_back("--allow-run-as-root");
   if (options.nproc_per_node > online_cores) cmd.push_back("--oversubscribe");
+  // One node: keep mpirun's control channel and the ranks' TCP transport on
+  // loopback (by default both listen on every interface).
+  cmd.insert(cmd.end(), {"--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"});
   cmd.insert(cmd.end(), {"-x", "COHORT_BACKEND=mpi"});
   cmd.insert(cmd.end(), options.command.begin(), options.command.end());
   return cmd;

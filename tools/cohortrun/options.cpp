@@ -45,10 +45,18 @@ double parse_timeout(const std::string& text) {
   return v;
 }
 
+constexpr int kMaxRanksPerNode = 1024;
+
 void validate(Options& o) {
   if (o.nproc_per_node <= 0) {
     throw UsageError("-n must be a positive number of ranks per node (got " +
                      std::to_string(o.nproc_per_node) + ")");
+  }
+  // Each rank is a process with two pipes to the launcher; past this a
+  // typo (-n 100000) would fork until the machine gives out.
+  if (o.nproc_per_node > kMaxRanksPerNode) {
+    throw UsageError("-n must be at most " + std::to_string(kMaxRanksPerNode) +
+                     " ranks per node (got " + std::to_string(o.nproc_per_node) + ")");
   }
   if (o.nnodes <= 0) {
     throw UsageError("--nnodes must be positive (got " + std::to_string(o.nnodes) + ")");

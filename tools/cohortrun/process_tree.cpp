@@ -47,6 +47,8 @@ std::vector<pid_t> children() {
   return found;
 }
 
+constexpr int kMaxKillPasses = 1000;
+
 }  // namespace
 
 void become_subreaper() {
@@ -56,13 +58,32 @@ void become_subreaper() {
 }
 
 int kill_stray_children() {
-  std::vector<pid_t> strays = children();
-  for (pid_t pid : strays) ::kill(pid, SIGKILL);
-  for (pid_t pid : strays) {
-    while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+  // Killing a child orphans its own children, which the kernel then hands
+  // to us (we are their subreaper): repeat until a pass finds none. The
+  // pass count bounds a fork bomb; each pass is one /proc scan.
+  int killed = 0;
+  for (int pass = 0; pass < kMaxKillPasses; ++pass) {
+    std::vector<pid_t> strays = children();
+    if (strays.empty()) break;
+    for (pid_t pid : strays) ::kill(pid, SIGKILL);
+    for (pid_t pid : strays) {
+      while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
     }
+    killed += static_cast<int>(strays.size());
   }
-  return static_cast<int>(strays.size());
+  return killed;
+}
+
+double last_ran_ms(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/sched");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("se.exec_start", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    return colon == std::string::npos ? 0.0 : std::atof(line.c_str() + colon + 1);
+  }
+  return 0.0;
 }
 
 }  // namespace cohortrun

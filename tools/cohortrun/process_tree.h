@@ -2,6 +2,8 @@
 // rank starts within the launcher's reach.
 #pragma once
 
+#include <sys/types.h>
+
 namespace cohortrun {
 
 // Makes the launcher the parent of any process orphaned below it
@@ -12,7 +14,14 @@ void become_subreaper();
 
 // SIGKILLs and reaps the launcher's remaining children. Called after the
 // ranks' process groups were torn down, it catches what left its group
-// (setsid, setpgid) and was orphaned to us. Returns how many it killed.
+// (setsid, setpgid) and was orphaned to us, pass after pass until none is
+// left (a killed child's children are orphaned to us in turn). Returns how
+// many it killed.
 int kill_stray_children();
+
+// When the process (a zombie not yet reaped, say) last ran, in ms of the
+// scheduler's clock, from /proc/PID/sched; 0 where the kernel does not
+// provide it (then callers keep their own order).
+double last_ran_ms(pid_t pid);
 
 }  // namespace cohortrun

@@ -1,10 +1,30 @@
 #include "rank_env.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <utility>
 
 extern char** environ;
 
 namespace cohortrun {
+namespace {
+
+// 128 random bits as hex, one per launcher run: the store's token.
+std::string new_job_token() {
+  std::ifstream random("/dev/urandom", std::ios::binary);
+  unsigned char bytes[16] = {};
+  random.read(reinterpret_cast<char*>(bytes), sizeof bytes);
+  std::string hex;
+  char two[3];
+  for (unsigned char b : bytes) {
+    std::snprintf(two, sizeof two, "%02x", b);
+    hex += two;
+  }
+  return random ? hex : std::string();
+}
+
+}  // namespace
 
 std::vector<std::string> rank_environment(const Options& options, int local_rank, int restart,
                                           int master_port) {
@@ -43,6 +63,14 @@ std::vector<std::string> rank_environment(const Options& options, int local_rank
   // (LibTorch's pool, OpenBLAS) and oversubscribe it; torchrun sets the
   // same default. The user's own value wins.
   if (!omp_set && options.nproc_per_node > 1) env.push_back("OMP_NUM_THREADS=1");
+  // The rendezvous store accepts only clients that show this token. The
+  // caller's own value wins (several nodes must share one: set it on each);
+  // nodes cannot agree on a generated one, so none is made for them.
+  const char* inherited = std::getenv("COHORT_STORE_TOKEN");
+  if ((inherited == nullptr || *inherited == '\0') && options.nnodes == 1) {
+    static const std::string token = new_job_token();
+    if (!token.empty()) env.push_back("COHORT_STORE_TOKEN=" + token);
+  }
   return env;
 }
 

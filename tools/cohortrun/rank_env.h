@@ -13,7 +13,8 @@ namespace cohortrun {
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, COHORT_BACKEND,
 // COHORT_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT set (replacing any
 // inherited value), as "KEY=VALUE" strings; plus OMP_NUM_THREADS=1 when
-// several ranks share this machine and the caller did not set it.
+// several ranks share this machine and the caller did not set it; plus a
+// fresh COHORT_STORE_TOKEN on a single node unless the caller set one.
 std::vector<std::string> rank_environment(const Options& options, int local_rank, int restart,
                                           int master_port);
 

@@ -1,5 +1,6 @@
 #include "cohort/core/store/tcp_store.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "cohort/core/error.h"
@@ -11,11 +12,14 @@ namespace cohort {
 
 using namespace tcp_store;
 
-TcpStore::TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout)
-    : host_(std::move(host)), port_(port) {
+TcpStore::TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout,
+                   std::string token)
+    : host_(std::move(host)), port_(port), token_(std::move(token)) {
   timeout_ = timeout;
   if (is_server) {
-    server_ = std::make_unique<TcpStoreServer>(host_, port_);
+    TcpStoreServerOptions options;
+    options.token = token_;
+    server_ = std::make_unique<TcpStoreServer>(host_, port_, options);
     port_ = server_->port();
   }
   ensure_connected(net::Clock::now() + timeout_);
@@ -33,6 +37,23 @@ void TcpStore::ensure_connected(net::Clock::time_point deadline) {
     throw TimeoutError(where() + ": rendezvous failed, " + e.what() +
                        "; is rank 0 running and MASTER_ADDR/MASTER_PORT the same on every rank?");
   }
+  if (token_.empty()) return;
+  auto frame = encode_request(kAuth, {token_});
+  try {
+    net::send_all(conn_.fd(), frame.data(), frame.size());
+    uint32_t len = 0;
+    net::recv_all(conn_.fd(), &len, 4, deadline);
+    std::vector<uint8_t> body(std::min<uint32_t>(len, 4096));
+    net::recv_all(conn_.fd(), body.data(), body.size(), deadline);
+    if (body.empty() || body[0] != kOk) {
+      throw PeerError(
+          "the store refused this job's token (is COHORT_STORE_TOKEN the same on "
+          "every rank?)");
+    }
+  } catch (const Error& e) {
+    conn_.close();
+    throw PeerError(where() + ": " + e.what());
+  }
 }
 
 std::vector<uint8_t> TcpStore::call(uint8_t cmd, const std::vector<std::string>& args,
@@ -41,6 +62,11 @@ std::vector<uint8_t> TcpStore::call(uint8_t cmd, const std::vector<std::string>&
   const auto deadline = net::Clock::now() + timeout;
   ensure_connected(deadline);
   auto frame = encode_request(cmd, args);
+  if (frame.size() - 4 > kMaxFrameBytes) {
+    throw InvalidArgument(where() + ": a request of " + std::to_string(frame.size() - 4) +
+                          " bytes is over the store's limit of " + std::to_string(kMaxFrameBytes) +
+                          " bytes per key and value");
+  }
   try {
     net::send_all(conn_.fd(), frame.data(), frame.size());
     uint32_t len = 0;
@@ -48,7 +74,8 @@ std::vector<uint8_t> TcpStore::call(uint8_t cmd, const std::vector<std::string>&
     std::vector<uint8_t> body(len);
     net::recv_all(conn_.fd(), body.data(), len, deadline);
     if (body.empty() || body[0] == kBadRequest) {
-      throw Error(where() + ": server rejected the request");
+      throw Error(where() + ": server rejected the request: " +
+                  std::string(body.begin() + (body.empty() ? 0 : 1), body.end()));
     }
     return body;
   } catch (const TimeoutError&) {

@@ -19,8 +19,10 @@ class TcpStoreServer;
 class TcpStore : public Store {
  public:
   // is_server: host the store on host:port (port 0 picks a free port; see
-  // port()). Clients retry connecting until `timeout`.
-  TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout);
+  // port()). Clients retry connecting until `timeout`. A non-empty `token`
+  // is shown on every connection, and the server (is_server) requires it
+  // of every client.
+  TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout, std::string token = {});
   ~TcpStore() override;
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
@@ -40,6 +42,7 @@ class TcpStore : public Store {
 
   std::string host_;
   uint16_t port_;
+  std::string token_;
   std::unique_ptr<TcpStoreServer> server_;
   std::mutex mu_;  // one request at a time on the connection
   net::Socket conn_;

@@ -2,7 +2,7 @@
 //
 // A frame is a u32 length and a payload. A request payload is a command byte
 // followed by strings (u32 length + bytes); a reply is a status byte followed
-// by bytes.
+// by bytes (for kBadRequest, the reason as text).
 #pragma once
 
 #include <cstdint>
@@ -12,8 +12,17 @@
 
 namespace cohort::tcp_store {
 
-enum Command : uint8_t { kSet = 1, kGet, kAdd, kCheck, kWait, kDelete };
+// kAuth carries the job's token; a server with a token requires it as a
+// client's first request.
+enum Command : uint8_t { kSet = 1, kGet, kAdd, kCheck, kWait, kDelete, kAuth };
 enum Status : uint8_t { kOk = 0, kNotFound = 1, kBadRequest = 2 };
+
+// The largest frame payload the server accepts: 16 MiB. Rendezvous keys and
+// values are addresses and small agreements (well under 1 KiB); the limit
+// only stops a header that announces gigabytes from being buffered.
+constexpr size_t kMaxFrameBytes = size_t{16} << 20;
+// Before a client has shown the token, its frames may be no larger than this.
+constexpr size_t kMaxUnauthenticatedFrameBytes = 1024;
 
 inline void put_u32(std::vector<uint8_t>& out, uint32_t v) {
   uint8_t b[4];

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 
@@ -16,8 +17,32 @@ namespace cohort {
 
 using namespace tcp_store;
 
-TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port)
-    : listener_(net::listen_on(host, port)), port_(net::local_port(listener_)) {
+namespace {
+
+constexpr auto kAcceptPause = std::chrono::milliseconds(100);
+
+// A decimal int64 with nothing around it; false otherwise (no exceptions:
+// the text comes from any client).
+bool parse_int64(const std::string& s, int64_t& out) {
+  if (s.empty() || s.size() > 20) return false;
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno != 0 || end != s.c_str() + s.size() || std::isspace(static_cast<unsigned char>(s[0]))) {
+    return false;
+  }
+  out = v;
+  return true;
+}
+
+void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+}  // namespace
+
+TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port,
+                               TcpStoreServerOptions options)
+    : opt_(options), listener_(net::listen_on(host, port)), port_(net::local_port(listener_)) {
+  set_nonblocking(listener_.fd());
   if (::pipe2(stop_pipe_, O_CLOEXEC) != 0) {
     throw Error(std::string("TcpStoreServer: pipe failed: ") + std::strerror(errno));
   }
@@ -35,56 +60,127 @@ TcpStoreServer::~TcpStoreServer() {
 void TcpStoreServer::run() {
   std::vector<pollfd> fds;
   while (true) {
+    const auto now = std::chrono::steady_clock::now();
+    const bool accepting = now >= accept_paused_until_;
     fds.clear();
     fds.push_back({stop_pipe_[0], POLLIN, 0});
-    fds.push_back({listener_.fd(), POLLIN, 0});
-    for (auto& [fd, c] : clients_) fds.push_back({fd, POLLIN, 0});
-    if (::poll(fds.data(), fds.size(), -1) < 0) {
+    fds.push_back({accepting ? listener_.fd() : -1, POLLIN, 0});
+    for (auto& [fd, c] : clients_) {
+      const bool pending = c.sent < c.outbox.size();
+      fds.push_back({fd, static_cast<short>(POLLIN | (pending ? POLLOUT : 0)), 0});
+    }
+    int timeout_ms = -1;
+    if (!accepting) {
+      timeout_ms = static_cast<int>(
+          std::chrono::ceil<std::chrono::milliseconds>(accept_paused_until_ - now).count());
+    }
+    if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       return;
     }
     if (fds[0].revents) return;
-    if (fds[1].revents & POLLIN) accept_client();
+    if (fds[1].revents & POLLIN) accept_clients();
     for (size_t i = 2; i < fds.size(); ++i) {
       if (!fds[i].revents) continue;
       auto it = clients_.find(fds[i].fd);
-      if (it == clients_.end()) continue;
-      if (!read_client(it->second)) {
-        int fd = it->first;
-        waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
-                                      [fd](const Waiter& w) { return w.fd == fd; }),
-                       waiters_.end());
-        clients_.erase(it);
+      if (it == clients_.end() || it->second.dropped) continue;
+      if (fds[i].revents & POLLOUT) flush(it->second);
+      if (!it->second.dropped && (fds[i].revents & (POLLIN | POLLHUP | POLLERR))) {
+        read_client(it->second);
       }
+    }
+    // Erase dropped clients only here: handlers reach other clients (waiters).
+    for (auto it = clients_.begin(); it != clients_.end();) {
+      it = it->second.dropped ? clients_.erase(it) : std::next(it);
     }
   }
 }
 
-void TcpStoreServer::accept_client() {
-  int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) return;
-  clients_[fd].sock = net::Socket(fd);
+void TcpStoreServer::accept_clients() {
+  // Bounded, so that a flood of connections cannot starve the clients.
+  for (int n = 0; n < 64; ++n) {
+    int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // The connection stays in the backlog; try again once descriptors
+        // may have been freed rather than spin on a listener that stays
+        // readable.
+        accept_paused_until_ = std::chrono::steady_clock::now() + kAcceptPause;
+      }
+      return;  // EAGAIN, or a connection aborted before accept
+    }
+    if (clients_.size() >= opt_.max_clients) {
+      ::close(fd);
+      continue;
+    }
+    Client& c = clients_[fd];
+    c.sock = net::Socket(fd);
+    c.authenticated = opt_.token.empty();
+  }
 }
 
-bool TcpStoreServer::read_client(Client& c) {
+void TcpStoreServer::drop(Client& c) {
+  if (c.dropped) return;
+  c.dropped = true;
+  const int fd = c.sock.fd();
+  waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
+                                [fd](const Waiter& w) { return w.fd == fd; }),
+                 waiters_.end());
+  // Reset rather than close: the kernel then discards what is still queued
+  // for a client that does not read, instead of holding it for it.
+  linger reset{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+  buffered_bytes_ -= c.inbox.size() + c.outbox.size();
+  c.inbox = {};
+  c.outbox = {};
+  c.sent = 0;
+}
+
+void TcpStoreServer::read_client(Client& c) {
   uint8_t buf[65536];
   ssize_t k = ::recv(c.sock.fd(), buf, sizeof(buf), 0);
-  if (k <= 0) return k < 0 && errno == EINTR;
+  if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return;
+  if (k <= 0 || buffered_bytes_ + static_cast<size_t>(k) > opt_.max_buffered_bytes) {
+    drop(c);
+    return;
+  }
   c.inbox.insert(c.inbox.end(), buf, buf + k);
+  buffered_bytes_ += static_cast<size_t>(k);
   // Handle every complete frame in the inbox.
   size_t pos = 0;
-  while (c.inbox.size() - pos >= 4) {
+  while (!c.dropped && c.inbox.size() - pos >= 4) {
     uint32_t len;
     std::memcpy(&len, c.inbox.data() + pos, 4);
+    if (len > (c.authenticated ? opt_.max_frame_bytes : kMaxUnauthenticatedFrameBytes)) {
+      return drop(c);
+    }
     if (c.inbox.size() - pos - 4 < len) break;
     uint8_t cmd = 0;
     std::vector<std::string> args;
-    if (!decode_request(c.inbox.data() + pos + 4, len, cmd, args)) return false;
-    handle(c, cmd, args);
+    if (!decode_request(c.inbox.data() + pos + 4, len, cmd, args)) return drop(c);
     pos += 4 + len;
+    handle(c, cmd, args);
   }
+  if (c.dropped) return;
   c.inbox.erase(c.inbox.begin(), c.inbox.begin() + static_cast<long>(pos));
-  return true;
+  buffered_bytes_ -= pos;
+}
+
+void TcpStoreServer::flush(Client& c) {
+  while (c.sent < c.outbox.size()) {
+    ssize_t k = ::send(c.sock.fd(), c.outbox.data() + c.sent, c.outbox.size() - c.sent,
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (k <= 0) return drop(c);
+    c.sent += static_cast<size_t>(k);
+  }
+  // Release what was sent once it is all of it or a good part of it.
+  if (c.sent == c.outbox.size() || c.sent >= (size_t{1} << 20)) {
+    c.outbox.erase(c.outbox.begin(), c.outbox.begin() + static_cast<long>(c.sent));
+    buffered_bytes_ -= c.sent;
+    c.sent = 0;
+  }
 }
 
 bool TcpStoreServer::has_all(const std::vector<std::string>& keys) const {
@@ -92,74 +188,136 @@ bool TcpStoreServer::has_all(const std::vector<std::string>& keys) const {
                      [&](const std::string& k) { return data_.count(k) > 0; });
 }
 
+// Compares in time independent of where the strings differ.
+static bool same_token(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
+void TcpStoreServer::authenticate(Client& c, uint8_t cmd, const std::vector<std::string>& args) {
+  if (cmd == kAuth && args.size() == 1 && same_token(args[0], opt_.token)) {
+    c.authenticated = true;
+    return reply(c, kOk);
+  }
+  // The reply goes out at once (the outbox of a new client is empty).
+  reply(c, kBadRequest,
+        "this store requires the job's token (COHORT_STORE_TOKEN); the request did not "
+        "carry it");
+  drop(c);
+}
+
 void TcpStoreServer::handle(Client& c, uint8_t cmd, const std::vector<std::string>& args) {
-  const int fd = c.sock.fd();
+  if (!c.authenticated) return authenticate(c, cmd, args);
   switch (cmd) {
     case kSet:
       if (args.size() != 2) break;
-      data_[args[0]] = args[1];
-      reply(fd, kOk);
-      wake_waiters();
+      store_value(c, args[0], args[1], /*echo=*/false);
       return;
     case kGet: {
       if (args.size() != 1) break;
       auto it = data_.find(args[0]);
       if (it == data_.end()) {
-        reply(fd, kNotFound);
+        reply(c, kNotFound);
       } else {
-        reply(fd, kOk, it->second);
+        reply(c, kOk, it->second);
       }
       return;
     }
-    case kAdd: {
+    case kAdd:
       if (args.size() != 2) break;
-      auto& v = data_[args[0]];
-      int64_t value = (v.empty() ? 0 : std::stoll(v)) + std::stoll(args[1]);
-      v = std::to_string(value);
-      reply(fd, kOk, v);
-      wake_waiters();
+      handle_add(c, args);
       return;
-    }
     case kCheck:
-      reply(fd, kOk, has_all(args) ? "1" : "0");
+      reply(c, kOk, has_all(args) ? "1" : "0");
       return;
     case kWait:
       if (has_all(args)) {
-        reply(fd, kOk);
+        reply(c, kOk);
       } else {
-        waiters_.push_back({fd, args});
+        waiters_.push_back({c.sock.fd(), args});
       }
       return;
-    case kDelete:
-      if (args.size() != 1) break;
-      reply(fd, kOk, data_.erase(args[0]) ? "1" : "0");
+    case kAuth:  // already authenticated, or no token required
+      reply(c, kOk);
       return;
+    case kDelete: {
+      if (args.size() != 1) break;
+      auto it = data_.find(args[0]);
+      if (it != data_.end()) {
+        stored_bytes_ -= it->first.size() + it->second.size();
+        data_.erase(it);
+      }
+      reply(c, kOk, it != data_.end() ? "1" : "0");
+      return;
+    }
     default:
       break;
   }
-  reply(fd, kBadRequest);
+  reply(c, kBadRequest, "unknown command or wrong number of arguments");
 }
 
-void TcpStoreServer::reply(int fd, uint8_t status, const std::string& body) {
-  std::vector<uint8_t> frame;
-  put_u32(frame, static_cast<uint32_t>(1 + body.size()));
-  frame.push_back(status);
-  frame.insert(frame.end(), body.begin(), body.end());
-  try {
-    net::send_all(fd, frame.data(), frame.size());
-  } catch (const Error&) {
-    // The client went away; poll() reports the hang-up and drops it.
+void TcpStoreServer::handle_add(Client& c, const std::vector<std::string>& args) {
+  const std::string& key = args[0];
+  int64_t delta = 0, current = 0, sum = 0;
+  if (!parse_int64(args[1], delta)) {
+    return reply(c, kBadRequest, "ADD amount is not an int64 integer");
   }
+  auto it = data_.find(key);
+  if (it != data_.end() && !parse_int64(it->second, current)) {
+    return reply(c, kBadRequest, "ADD on key '" + key + "', whose value is not an integer");
+  }
+  if (__builtin_add_overflow(current, delta, &sum)) {
+    return reply(c, kBadRequest, "ADD on key '" + key + "' overflows int64 integer");
+  }
+  store_value(c, key, std::to_string(sum), /*echo=*/true);
+}
+
+// Stores key=value, answers (with the new value when `echo`, as ADD returns
+// it) and wakes the waiters it completes.
+void TcpStoreServer::store_value(Client& c, const std::string& key, std::string value, bool echo) {
+  auto it = data_.find(key);
+  const size_t old_bytes = it == data_.end() ? 0 : key.size() + it->second.size();
+  const size_t new_bytes = key.size() + value.size();
+  if (stored_bytes_ - old_bytes + new_bytes > opt_.max_stored_bytes) {
+    return reply(c, kBadRequest,
+                 "the store is full (" + std::to_string(opt_.max_stored_bytes) + " bytes)");
+  }
+  stored_bytes_ = stored_bytes_ - old_bytes + new_bytes;
+  auto& slot = data_[key];
+  slot = std::move(value);
+  reply(c, kOk, echo ? slot : std::string());
+  wake_waiters();
+}
+
+void TcpStoreServer::reply(Client& c, uint8_t status, const std::string& body) {
+  if (c.dropped) return;
+  const size_t frame = 5 + body.size();
+  if (c.outbox.size() + frame > opt_.max_outbox_bytes ||
+      buffered_bytes_ + frame > opt_.max_buffered_bytes) {
+    return drop(c);  // it has not read what it asked for
+  }
+  put_u32(c.outbox, static_cast<uint32_t>(1 + body.size()));
+  c.outbox.push_back(status);
+  c.outbox.insert(c.outbox.end(), body.begin(), body.end());
+  buffered_bytes_ += frame;
+  flush(c);
 }
 
 void TcpStoreServer::wake_waiters() {
+  // reply() may drop a waiter and edit waiters_: collect first.
+  std::vector<int> ready;
   for (auto it = waiters_.begin(); it != waiters_.end();) {
     if (has_all(it->keys)) {
-      reply(it->fd, kOk);
+      ready.push_back(it->fd);
       it = waiters_.erase(it);
     } else {
       ++it;
     }
+  }
+  for (int fd : ready) {
+    auto c = clients_.find(fd);
+    if (c != clients_.end()) reply(c->second, kOk);
   }
 }
 

@@ -1,29 +1,65 @@
-// defines: TcpStoreServer, the key-value server rank 0 runs for TcpStore.
+// defines: TcpStoreServer, the key-value server rank 0 runs for TcpStore, and
+// TcpStoreServerOptions, its limits.
 //
-// One thread, one poll() loop over the listener and the clients. A WAIT whose
+// One thread, one poll() loop over the listener and the clients, on
+// non-blocking sockets: nothing a client does (or fails to do) can block the
+// loop, so every client keeps being served and shutdown is bounded. Replies go
+// to a per-client outbox that is flushed as the client reads. A WAIT whose
 // keys are missing is parked and answered when a SET/ADD completes it, so
 // waiting ranks cost no traffic.
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cohort/core/store/socket.h"
+#include "cohort/core/store/tcp_store_protocol.h"
 
 namespace cohort {
 
+/// Limits that keep one store server's memory and descriptors bounded whatever
+/// its clients send. A client that breaks a limit is disconnected; a request
+/// that breaks a limit on the data is answered with an error.
+struct TcpStoreServerOptions {
+  /// Largest request frame accepted (a larger length header drops the client).
+  size_t max_frame_bytes = tcp_store::kMaxFrameBytes;
+  /// Replies queued for one client that has not read them; over this the
+  /// client is dropped (it is not reading, so it cannot be waiting on them).
+  size_t max_outbox_bytes = 2 * tcp_store::kMaxFrameBytes;
+  /// Unprocessed input and unsent replies of all clients together.
+  size_t max_buffered_bytes = 256u << 20;
+  /// Keys and values stored; a SET or ADD beyond it is answered with an error.
+  size_t max_stored_bytes = 256u << 20;
+  /// Connected clients; a connection beyond it is closed at once.
+  size_t max_clients = 4096;
+  /// When not empty, every client must send it (kAuth) before any other
+  /// request; a client that does not is disconnected.
+  std::string token;
+};
+
+/// The server behind TcpStore: serves SET/GET/ADD/CHECK/WAIT/DELETE until
+/// destroyed. Never throws or dies from what a client sends.
 class TcpStoreServer {
  public:
-  TcpStoreServer(const std::string& host, uint16_t port);
+  /// Listens on host:port (port 0 picks a free port) and starts serving.
+  TcpStoreServer(const std::string& host, uint16_t port, TcpStoreServerOptions options = {});
+  /// Stops the loop and joins it; bounded because the loop never blocks
+  /// outside poll().
   ~TcpStoreServer();
+  /// The port listened on.
   uint16_t port() const { return port_; }
 
  private:
   struct Client {
     net::Socket sock;
     std::vector<uint8_t> inbox;
+    std::vector<uint8_t> outbox;
+    size_t sent = 0;  // bytes of outbox already sent
+    bool dropped = false;
+    bool authenticated = false;
   };
   struct Waiter {
     int fd;
@@ -31,20 +67,31 @@ class TcpStoreServer {
   };
 
   void run();
-  void accept_client();
-  // False when the client must be dropped.
-  bool read_client(Client& c);
+  void accept_clients();
+  // Reads what the client sent and handles every complete frame.
+  void read_client(Client& c);
+  void flush(Client& c);
+  void drop(Client& c);
   void handle(Client& c, uint8_t cmd, const std::vector<std::string>& args);
-  void reply(int fd, uint8_t status, const std::string& body = {});
+  void authenticate(Client& c, uint8_t cmd, const std::vector<std::string>& args);
+  void handle_add(Client& c, const std::vector<std::string>& args);
+  void store_value(Client& c, const std::string& key, std::string value, bool echo);
+  void reply(Client& c, uint8_t status, const std::string& body = {});
   void wake_waiters();
   bool has_all(const std::vector<std::string>& keys) const;
 
+  TcpStoreServerOptions opt_;
   net::Socket listener_;
   uint16_t port_;
   int stop_pipe_[2] = {-1, -1};
   std::map<int, Client> clients_;
   std::vector<Waiter> waiters_;
   std::map<std::string, std::string> data_;
+  size_t stored_bytes_ = 0;
+  size_t buffered_bytes_ = 0;
+  // Out of descriptors, accept() fails at once: stop polling the listener
+  // until this time instead of spinning.
+  std::chrono::steady_clock::time_point accept_paused_until_{};
   std::thread thread_;
 };
 
