@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <map>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/ddp/flat_views.h"
 #include "cohort/ddp/parameter_check.h"
 

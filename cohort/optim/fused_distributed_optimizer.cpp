@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/ddp/flat_views.h"
 #include "cohort/ddp/parameter_check.h"
 #include "cohort/optim/fused_adamw.h"

@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <map>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 namespace {

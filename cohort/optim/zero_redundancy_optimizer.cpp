@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/ddp/flat_views.h"
 #include "cohort/ddp/parameter_check.h"
 #include "cohort/optim/optimizer_state.h"
