@@ -8,8 +8,9 @@ median over --runs runs of each run's median step.
 
 Prints a table, or with --json one object per (mode, world) with mode,
 world, state_bytes_per_rank, grad_bytes_per_rank, grad_bytes_after_backward,
-staging_bytes_per_rank (ZeRO-2's staging buffer, lazily freed between
-steps), step_ms, and the ratios to DDP at the same world size.
+staging_bytes_per_rank (ZeRO-2's staging buffers, lazily freed between
+uses), grad_peak_bytes (ZeRO-2: shard + most staging alive at once),
+bucket_bytes (ZeRO's largest bucket), step_ms, and the ratios to DDP at the same world size.
 """
 import argparse
 import json
@@ -52,6 +53,8 @@ def main():
                        "grad_bytes_per_rank": max(r["grad_bytes_per_rank"] for r in rs),
                        "grad_bytes_after_backward": max(r["grad_bytes_after_backward"] for r in rs),
                        "staging_bytes_per_rank": max(r["staging_bytes_per_rank"] for r in rs),
+                       "grad_peak_bytes": max(r["grad_peak_bytes"] for r in rs),
+                       "bucket_bytes": max(r["bucket_bytes"] for r in rs),
                        "step_ms": round(statistics.median(r["step_ms"] for r in rs), 2),
                        "step_ms_runs": [round(r["step_ms"], 2) for r in rs],
                        # Other load only adds time: the fastest step is the
@@ -72,7 +75,8 @@ def main():
                 print(f"{m:9s} world {world}  state {row['state_bytes_per_rank'] / mb:7.2f} MiB  "
                       f"grads {row['grad_bytes_per_rank'] / mb:7.2f} MiB  "
                       f"(after backward {row['grad_bytes_after_backward'] / mb:7.2f} MiB, "
-                      f"staging {row['staging_bytes_per_rank'] / mb:6.2f} MiB lazily freed)  "
+                      f"staging {row['staging_bytes_per_rank'] / mb:6.2f} MiB lazily freed, "
+                      f"peak {row['grad_peak_bytes'] / mb:7.2f} MiB, bucket {row['bucket_bytes'] / mb:6.2f} MiB)  "
                       f"step median {row['step_ms']:8.2f} ms, min {row['step_ms_min']:8.2f} ms"
                       + (f"  x{row['step_vs_ddp']:.2f} / x{row['step_min_vs_ddp']:.2f} of ddp"
                          if base else ""), flush=True)

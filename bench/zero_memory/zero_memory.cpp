@@ -18,8 +18,13 @@
 // grad_bytes_after_backward: the same, measured between backward and step;
 // for ZeRO-2 it includes the staging buffer that holds the .grad during
 // backward and the step (the transient peak of this design).
-// staging_bytes_per_rank: ZeRO-2's staging buffer, which outlives the step
-// only as lazily freed pages (MADV_FREE, cohort/optim/staging_buffer.h).
+// staging_bytes_per_rank: ZeRO-2's staging buffers (one per bucket), which
+// outlive their use only as lazily freed pages (MADV_FREE,
+// cohort/optim/staging_buffer.h).
+// grad_peak_bytes: ZeRO-2: the shard plus the most staging alive at once
+// during backward and the reduction (counted by the optimizer as buffers
+// are taken and released); other modes: grad_bytes_after_backward.
+// bucket_bytes: ZeRO's largest bucket (0 for the other modes).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -43,7 +48,7 @@ struct Args {
   int64_t batch = 2;  // per rank (as ddp_vs_torch's transformer)
   int steps = 10;
   int warmup = 3;
-  double bucket_mb = 25;  // ZeRO's and the fused optimizer's bucket cap
+  double bucket_mb = 25;                // ZeRO's and the fused optimizer's bucket cap
   std::string gather_algo = "default";  // ZeRO's parameter all-gather
 };
 
@@ -128,8 +133,8 @@ int main(int argc, char** argv) {
       if (ddp) {
         zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, comm, zo);
       } else {
-        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(),
-                                                                          opts, comm, zo);
+        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), opts,
+                                                                          comm, zo);
       }
     } else if (a.mode == "fused") {
       cohort::FusedOptions fo;
@@ -185,17 +190,29 @@ int main(int argc, char** argv) {
     const int64_t grads_max = max_over_ranks(*comm, grads);
     const int64_t after_max = max_over_ranks(*comm, after_backward);
     const int64_t staging_max = max_over_ranks(*comm, zero ? zero->staging_bytes() : 0);
+    const bool zero2 = zero && zero->options().stage == 2 && comm->size() > 1;
+    const int64_t elem = model->parameters().front().element_size();
+    const int64_t peak_max = max_over_ranks(
+        *comm, zero2 ? zero->partition().shard_numel() * elem + zero->staging_peak_bytes()
+                     : after_backward);
+    int64_t bucket_bytes = 0;
+    if (zero) {
+      for (const auto& b : zero->partition().buckets())
+        bucket_bytes = std::max(bucket_bytes, b.padded * elem);
+    }
     int64_t params = 0;
     for (const auto& p : model->parameters()) params += p.numel();
     if (comm->rank() == 0) {
       std::printf(
           "{\"mode\": \"%s\", \"world\": %d, \"params\": %lld, \"state_bytes_per_rank\": %lld, "
           "\"grad_bytes_per_rank\": %lld, \"grad_bytes_after_backward\": %lld, "
-          "\"staging_bytes_per_rank\": %lld, \"step_ms\": %.3f, \"step_ms_min\": %.3f}\n",
+          "\"staging_bytes_per_rank\": %lld, \"grad_peak_bytes\": %lld, \"bucket_bytes\": %lld, "
+          "\"step_ms\": %.3f, \"step_ms_min\": %.3f}\n",
           a.mode.c_str(), comm->size(), static_cast<long long>(params),
           static_cast<long long>(state_max), static_cast<long long>(grads_max),
           static_cast<long long>(after_max), static_cast<long long>(staging_max),
-          ms[ms.size() / 2], ms.front());
+          static_cast<long long>(peak_max), static_cast<long long>(bucket_bytes), ms[ms.size() / 2],
+          ms.front());
     }
     cohort::finalize();
     return 0;

@@ -24,6 +24,7 @@
 #include <torch/types.h>
 
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -60,8 +61,7 @@ std::shared_ptr<torch::nn::Module> as_module_ptr(const ModuleHolder& holder) {
 inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
   out.push_back(t);
 }
-inline void collect_tensors(const std::vector<torch::Tensor>& ts,
-                            std::vector<torch::Tensor>& out) {
+inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
   out.insert(out.end(), ts.begin(), ts.end());
 }
 template <typename... Ts>
@@ -87,8 +87,8 @@ class DistributedDataParallel {
   DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> comm,
                           DDPOptions options = {})
       : module_(std::move(module)),
-        reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_),
-                                                   std::move(comm), options)) {}
+        reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_), std::move(comm),
+                                                   options)) {}
 
   // Pre-forward work (previous iteration check, bucket rebuild, buffer
   // broadcast), the module's own forward, then the unused-parameter search.
@@ -96,18 +96,49 @@ class DistributedDataParallel {
   decltype(auto) forward(Args&&... args) {
     reducer_->prepare_forward();
     decltype(auto) out = module_->forward(std::forward<Args>(args)...);
-    if (reducer_->options().find_unused_parameters) {
-      std::vector<torch::Tensor> tensors;
-      detail::collect_tensors(out, tensors);
-      reducer_->after_forward(tensors);
-    }
+    std::vector<torch::Tensor> tensors;
+    if (reducer_->options().find_unused_parameters) detail::collect_tensors(out, tensors);
+    reducer_->after_forward(tensors);
     return out;
   }
 
+  /// The wrapped module (parameters and buffers are the module's own).
   ModuleHolder& module() { return module_; }
-  std::vector<torch::Tensor> parameters() { return module_->parameters(); }
+
+  // What users expect of a module, forwarded to the wrapped one. Names carry
+  // no "module." prefix (unlike PyTorch's DDP state_dict): a checkpoint
+  // saved through DDP loads into the bare module and the other way round.
+  // There is no to(): the buckets, hooks and the construction-time check are
+  // built for the parameters' dtypes and device, so convert the module
+  // before wrapping it (PyTorch's DDP gives the same advice).
+
+  /// The module's parameters (recursively by default).
+  std::vector<torch::Tensor> parameters(bool recurse = true) {
+    return module_->parameters(recurse);
+  }
+  /// The module's parameters with their qualified names.
+  torch::OrderedDict<std::string, torch::Tensor> named_parameters(bool recurse = true) {
+    return module_->named_parameters(recurse);
+  }
+  /// The module's buffers (BatchNorm running statistics, ...).
+  std::vector<torch::Tensor> buffers(bool recurse = true) { return module_->buffers(recurse); }
+  /// The module's buffers with their qualified names.
+  torch::OrderedDict<std::string, torch::Tensor> named_buffers(bool recurse = true) {
+    return module_->named_buffers(recurse);
+  }
+  /// Training mode on (or off) for the module and its children.
   void train(bool on = true) { module_->train(on); }
+  /// Evaluation mode; the next forward after a training step still
+  /// re-broadcasts buffers from rank 0, as PyTorch's DDP does.
   void eval() { module_->eval(); }
+  /// Whether the module is in training mode.
+  bool is_training() const { return module_->is_training(); }
+  /// Saves the module's parameters and buffers (same names as the module).
+  void save(torch::serialize::OutputArchive& archive) const { module_->save(archive); }
+  /// Loads parameters and buffers into the module; DDP's hooks follow the
+  /// loaded tensors. Every rank should load the same state: nothing is
+  /// broadcast until the next forward's buffer broadcast.
+  void load(torch::serialize::InputArchive& archive) { module_->load(archive); }
 
   // RAII: gradients accumulate locally while the guard lives.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }

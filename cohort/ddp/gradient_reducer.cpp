@@ -3,43 +3,17 @@
 // half is gradient_reducer_iteration.cpp.
 #include "cohort/ddp/gradient_reducer.h"
 
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
-
 #include <algorithm>
 #include <map>
 
 #include "cohort/core/error.h"
+#include "cohort/ddp/flat_views.h"
 #include "cohort/ddp/parameter_check.h"
 
 namespace cohort {
 namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
-
-// Why a post hook on the gradient accumulator rather than param.register_hook:
-// a tensor hook fires BEFORE AccumulateGrad, with only this backward's
-// contribution, so it would have to redo the accumulation into .grad itself
-// (no_sync accumulation, gradient_as_bucket_view, zero_grad semantics). The
-// accumulator's post hook fires AFTER .grad holds the accumulated value, which
-// is exactly what must be reduced; PyTorch's reducer hooks the same place.
-// grad_accumulator() and Node::add_post_hook/del_post_hook exist with these
-// signatures in LibTorch 1.13 and 2.x.
-class ReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  ReadyHook(GradientReducer* reducer, size_t index) : reducer_(reducer), index_(index) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    reducer_->on_gradient_ready(index_);
-    return outputs;
-  }
-
- private:
-  GradientReducer* reducer_;
-  size_t index_;
-};
 
 }  // namespace
 
@@ -53,15 +27,16 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
     throw InvalidArgument("DistributedDataParallel: module and communicator must be non-null");
   }
   if (!(options_.bucket_cap_mb > 0) || !(options_.first_bucket_mb > 0)) {
-    throw InvalidArgument("DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0 (rank " +
-                          std::to_string(comm_->rank()) + ")");
+    throw InvalidArgument(
+        "DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0 (rank " +
+        std::to_string(comm_->rank()) + ")");
   }
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
     const auto& p = item.value();
     if (p.is_sparse() || !p.is_contiguous() || !p.device().is_cpu()) {
-      throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() +
-                            "' on rank " + std::to_string(comm_->rank()) +
+      throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() + "' on rank " +
+                            std::to_string(comm_->rank()) +
                             " must be a dense, contiguous CPU tensor");
     }
     params_.push_back(p);
@@ -77,37 +52,12 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
   for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
   build_buckets(order);
 
-  accumulators_.resize(params_.size());
-  hook_keys_.resize(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) hook_accumulator(i);
+  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { on_gradient_ready(i); });
   ready_.assign(params_.size(), 0);
   locally_used_.assign(params_.size(), 0);
 }
 
-void GradientReducer::hook_accumulator(size_t i) {
-  auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-  hook_keys_[i] = acc->add_post_hook(std::make_unique<ReadyHook>(this, i));
-  accumulators_[i] = std::move(acc);
-}
-
-void GradientReducer::refresh_accumulators() {
-  // LibTorch gives a parameter a new gradient accumulator when its storage
-  // is replaced (Module::load set_()s every parameter to the loaded tensor);
-  // the old one, still holding our hook, is no longer part of any graph,
-  // so gradients would silently stop being reduced. Hook the new one.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto current = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
-    if (current.get() == accumulators_[i].get()) continue;
-    accumulators_[i]->del_post_hook(hook_keys_[i]);
-    hook_accumulator(i);
-  }
-}
-
-GradientReducer::~GradientReducer() {
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
-}
+GradientReducer::~GradientReducer() = default;
 
 void GradientReducer::broadcast_state() {
   if (comm_->size() == 1) return;
@@ -121,6 +71,8 @@ void GradientReducer::broadcast_state() {
 }
 
 void GradientReducer::broadcast_buffers() {
+  // Read the buffers again, as PyTorch does: a module may have replaced one.
+  buffers_ = module_->buffers(/*recurse=*/true);
   if (comm_->size() == 1 || buffers_.empty()) return;
   std::vector<torch::Tensor> state;
   for (auto& b : buffers_) state.push_back(b.detach());
@@ -170,17 +122,16 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
     }
     const auto& first = params_[bucket.params.front()];
     bucket.buffer = torch::zeros({numel}, first.options().requires_grad(false));
+    std::vector<torch::Tensor> tensors;
+    std::vector<int64_t> offsets;
     int64_t offset = 0;
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      const auto& p = params_[bucket.params[k]];
-      // An alias of the bucket's memory that autograd does not track as a
-      // view: LibTorch's Optimizer::zero_grad() calls detach_() on every
-      // .grad, which refuses views, so gradient_as_bucket_view needs this.
-      auto alias = torch::empty({0}, bucket.buffer.options());
-      alias.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset, p.sizes());
-      bucket.views.push_back(alias);
-      offset += p.numel();
+    for (size_t i : bucket.params) {
+      tensors.push_back(params_[i]);
+      offsets.push_back(offset);
+      offset += params_[i].numel();
     }
+    // Not views: gradient_as_bucket_view makes them the .grad (flat_views.h).
+    bucket.views = flat_aliases(bucket.buffer, tensors, offsets);
     buckets_.push_back(std::move(bucket));
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());

@@ -5,8 +5,10 @@
 // One iteration, as in PyTorch's reducer:
 //   prepare_forward()  checks the previous iteration finished, rebuilds the
 //                      buckets once (after the first iteration) and
-//                      re-broadcasts buffers;
-//   after_forward()    finds unused parameters from the outputs' graph;
+//                      re-broadcasts buffers if the previous forward was a
+//                      synchronizing training forward (PyTorch's rule);
+//   after_forward()    records whether this forward synchronizes, and finds
+//                      unused parameters from the outputs' graph;
 //   backward           each accumulator's post hook copies the accumulated
 //                      .grad into its bucket; a full bucket is handed to the
 //                      comm hook at once, buckets strictly in index order;
@@ -27,14 +29,11 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/ddp/accumulator_hooks.h"
 #include "cohort/ddp/comm_hook.h"
 #include "cohort/ddp/ddp_options.h"
 #include "cohort/ddp/ddp_stats.h"
 #include "cohort/ddp/reduction_owner.h"
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
 
 namespace cohort {
 
@@ -43,8 +42,8 @@ class GradientReducer {
   // Collective: checks that every rank holds the same parameter shapes and
   // dtypes in the same order (MismatchError naming the first difference),
   // then broadcasts parameters and buffers from rank 0.
-  GradientReducer(std::shared_ptr<torch::nn::Module> module,
-                  std::shared_ptr<Communicator> comm, DDPOptions options = {});
+  GradientReducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Communicator> comm,
+                  DDPOptions options = {});
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -52,7 +51,8 @@ class GradientReducer {
   // Before each forward. Throws Error naming the parameters that got no
   // gradient if the previous backward could not finish its reduction.
   void prepare_forward();
-  // After each forward, with the tensors the forward returned.
+  // After each forward that returned (always, even without
+  // find_unused_parameters), with the tensors the forward returned.
   void after_forward(const std::vector<torch::Tensor>& outputs);
 
   // All-reduces every parameter's current .grad now and waits (collective).
@@ -89,6 +89,8 @@ class GradientReducer {
 
   // Called by the accumulator hook of parameter `index` (internal).
   void on_gradient_ready(size_t index);
+  // Depth of no_sync() scopes (NoSyncGuard counts it).
+  int no_sync_depth() const { return no_sync_depth_; }
 
  private:
   struct Bucket {
@@ -111,10 +113,6 @@ class GradientReducer {
   void broadcast_buffers();
   void build_buckets(const std::vector<size_t>& order);
   void rebuild_buckets();
-  // Puts the ready hook on parameter i's current gradient accumulator.
-  void hook_accumulator(size_t i);
-  // Re-hooks parameters whose accumulator LibTorch replaced (Module::load).
-  void refresh_accumulators();
   void reset_iteration();
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets();
@@ -134,16 +132,16 @@ class GradientReducer {
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<torch::Tensor> buffers_;
-  // The variables hold their accumulators weakly; we keep them alive so the
-  // hooks stay registered for the module's lifetime.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<AccumulatorHooks> hooks_;
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;
 
   // Per-iteration state.
   bool sync_this_iteration_ = false;
+  // Whether the next forward broadcasts the buffers: the last forward was a
+  // synchronizing training forward (true before the first one).
+  bool require_forward_param_sync_ = true;
   bool backward_started_ = false;
   bool backward_finished_ = true;
   std::vector<char> ready_;

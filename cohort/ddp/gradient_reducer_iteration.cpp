@@ -20,7 +20,8 @@ double union_seconds(std::vector<std::pair<double, double>> spans, double limit)
   std::sort(spans.begin(), spans.end());
   double total = 0, cur_start = 0, cur_end = -1;
   auto flush = [&] {
-    if (cur_end > cur_start) total += std::max(0.0, std::min(cur_end, limit) - std::min(cur_start, limit));
+    if (cur_end > cur_start)
+      total += std::max(0.0, std::min(cur_end, limit) - std::min(cur_start, limit));
   };
   for (auto [s, e] : spans) {
     if (s > cur_end) {
@@ -63,7 +64,9 @@ void GradientReducer::prepare_forward() {
     reset_iteration();
     throw Error(message);
   }
-  refresh_accumulators();
+  // LibTorch gives a parameter a new accumulator when Module::load
+  // replaces its storage: follow it, or gradients stop being reduced.
+  hooks_->refresh();
   // An owner reduces in its own layout: nothing to rebuild (and no
   // collective to spend on it).
   if (order_recorded_ && !rebuilt_) {
@@ -74,15 +77,19 @@ void GradientReducer::prepare_forward() {
     }
   }
   sync_this_iteration_ = no_sync_depth_ == 0 && options_.strategy != SyncStrategy::NoSync;
-  // As PyTorch: buffers are synced only in forwards that will sync
-  // gradients (not under no_sync, not in a no-grad evaluation forward).
-  if (options_.broadcast_buffers && sync_this_iteration_ && torch::GradMode::is_enabled()) {
-    broadcast_buffers();
-  }
+  // PyTorch 1.13's rule (will_sync_module_buffers): buffers are broadcast
+  // before a forward when the PREVIOUS forward was a synchronizing training
+  // forward (grad mode on, gradients to be reduced), and before the very
+  // first one. So the evaluation forward right after training and the first
+  // micro-batch under no_sync() broadcast; the ones after them do not.
+  if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_buffers();
   reset_iteration();
 }
 
 void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
+  // Updated after the module's forward, as PyTorch does: a forward that
+  // threw leaves the flag as it was.
+  require_forward_param_sync_ = sync_this_iteration_ && torch::GradMode::is_enabled();
   if (!sync_this_iteration_ || !options_.find_unused_parameters) return;
   // Walk the autograd graph from the outputs, as PyTorch does; every
   // parameter whose accumulator is not reached takes no part in this
@@ -109,7 +116,7 @@ void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
     }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!seen.count(accumulators_[i].get())) unused_.push_back(i);
+    if (!seen.count(hooks_->accumulator(i))) unused_.push_back(i);
   }
 }
 

@@ -1,29 +1,33 @@
-// defines: NoSyncGuard, the RAII scope of DistributedDataParallel::no_sync():
-// while it lives, backward accumulates gradients locally (no communication);
-// the first backward after it reduces the accumulated sum.
+// defines: ScopedNoSync, the one no-sync depth guard of DDP and ZeRO:
+// NoSyncGuard is DistributedDataParallel::no_sync()'s scope,
+// ZeroRedundancyOptimizer::NoSync the optimizer's own (stage 2 alone).
+// While one lives, backward accumulates gradients locally (no
+// communication); the first backward after it reduces the accumulated sum.
 #pragma once
 
 #include "cohort/ddp/gradient_reducer.h"
 
 namespace cohort {
 
-class NoSyncGuard {
+/// RAII: calls owner.push_no_sync() now and owner.pop_no_sync() when it goes
+/// (guards nest: the owner counts the depth). Movable, not copyable.
+template <typename Owner>
+class ScopedNoSync {
  public:
-  explicit NoSyncGuard(GradientReducer& reducer) : reducer_(&reducer) {
-    reducer_->push_no_sync();
+  explicit ScopedNoSync(Owner& owner) : owner_(&owner) { owner_->push_no_sync(); }
+  ~ScopedNoSync() {
+    if (owner_) owner_->pop_no_sync();
   }
-  ~NoSyncGuard() {
-    if (reducer_) reducer_->pop_no_sync();
-  }
-  NoSyncGuard(NoSyncGuard&& other) noexcept : reducer_(other.reducer_) {
-    other.reducer_ = nullptr;
-  }
-  NoSyncGuard(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+  ScopedNoSync(ScopedNoSync&& other) noexcept : owner_(other.owner_) { other.owner_ = nullptr; }
+  ScopedNoSync(const ScopedNoSync&) = delete;
+  ScopedNoSync& operator=(const ScopedNoSync&) = delete;
+  ScopedNoSync& operator=(ScopedNoSync&&) = delete;
 
  private:
-  GradientReducer* reducer_;
+  Owner* owner_;
 };
+
+/// The scope of DistributedDataParallel::no_sync().
+using NoSyncGuard = ScopedNoSync<GradientReducer>;
 
 }  // namespace cohort

@@ -11,9 +11,7 @@ namespace {
 struct ParamSignature {
   int64_t dtype = 0;
   std::vector<int64_t> sizes;
-  bool operator==(const ParamSignature& o) const {
-    return dtype == o.dtype && sizes == o.sizes;
-  }
+  bool operator==(const ParamSignature& o) const { return dtype == o.dtype && sizes == o.sizes; }
 };
 
 // [count, then per parameter: dtype, ndim, sizes...] as int64.
@@ -51,7 +49,7 @@ std::string describe(const ParamSignature& s) {
 }  // namespace
 
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
-                            const std::vector<std::string>& names) {
+                            const std::vector<std::string>& names, const std::string& who) {
   const int n = comm.size();
   if (n == 1) return;
   // Signatures differ in length across ranks when the models differ: gather
@@ -74,8 +72,8 @@ void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>
     const auto other = decode(all[r]);
     const size_t common = std::min(reference.size(), other.size());
     std::ostringstream os;
-    os << "DistributedDataParallel: on rank " << comm.rank() << " of " << n
-       << " (group " << comm.name() << "), the model differs across ranks: ";
+    os << who << ": on rank " << comm.rank() << " of " << n << " (group " << comm.name()
+       << "), the model differs across ranks: ";
     for (size_t i = 0; i < common; ++i) {
       if (reference[i] == other[i]) continue;
       os << "parameter " << i;

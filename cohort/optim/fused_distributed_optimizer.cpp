@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "cohort/core/error.h"
+#include "cohort/ddp/flat_views.h"
+#include "cohort/ddp/parameter_check.h"
 #include "cohort/optim/fused_adamw.h"
 
 namespace cohort {
@@ -27,6 +29,9 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
       throw Unsupported(where + ": parameters must be dense CPU tensors of one floating dtype");
     }
   }
+  // Every rank must build the same buckets, or the all-reduces would mix
+  // unrelated elements (or hang on different sizes).
+  verify_same_parameters(*comm_, params_, {}, "FusedDistributedOptimizer");
   steps_.assign(params_.size(), 0);
   grad_views_.resize(params_.size());
   seen_.assign(params_.size(), 0);
@@ -49,18 +54,12 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
       b.offsets.push_back(n);
       n += params_[i].numel();
     }
-    b.param = torch::empty({n}, params_[0].options());
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      auto& p = params_[b.params[k]];
-      auto view = b.param.narrow(0, b.offsets[k], p.numel());
-      view.copy_(p.reshape(-1));
-      p.set_data(view.view(p.sizes()));
-    }
+    std::vector<torch::Tensor> members;
+    for (size_t i : b.params) members.push_back(params_[i]);
+    b.param = flatten_into(members, b.offsets, n);
     b.grad = torch::zeros_like(b.param);
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      auto& p = params_[b.params[k]];
-      grad_views_[b.params[k]] = b.grad.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
-    }
+    const auto views = flat_views(b.grad, members, b.offsets);
+    for (size_t k = 0; k < b.params.size(); ++k) grad_views_[b.params[k]] = views[k];
     b.exp_avg = torch::zeros_like(b.param);
     b.exp_avg_sq = torch::zeros_like(b.param);
     if (options_.amsgrad()) b.max_exp_avg_sq = torch::zeros_like(b.param);
@@ -68,19 +67,11 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].grad().defined()) grad_views_[i].copy_(params_[i].grad());
     params_[i].mutable_grad() = grad_views_[i];
-    if (params_[i].requires_grad()) {
-      hooks_.push_back(params_[i].register_hook([this, i](const torch::Tensor&) { seen_[i] = 1; }));
-    } else {
-      hooks_.push_back(~0u);
-    }
   }
+  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { seen_[i] = 1; });
 }
 
-FusedDistributedOptimizer::~FusedDistributedOptimizer() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (hooks_[i] != ~0u) params_[i].remove_hook(hooks_[i]);
-  }
-}
+FusedDistributedOptimizer::~FusedDistributedOptimizer() = default;
 
 std::vector<std::vector<size_t>> FusedDistributedOptimizer::bucket_layout() const {
   std::vector<std::vector<size_t>> out;

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/ddp/accumulator_hooks.h"
 
 namespace cohort {
 
@@ -42,8 +43,9 @@ struct FusedOptions {
 
 class FusedDistributedOptimizer {
  public:
-  // Collective: every rank passes the same shapes in the same order, with
-  // equal values (broadcast them first, e.g. by building DDP once, or seed).
+  // Collective: every rank passes the same shapes in the same order
+  // (checked: MismatchError), with equal values (broadcast them first, e.g.
+  // by building DDP once, or seed).
   FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
                             std::shared_ptr<Communicator> comm, FusedOptions fused = {});
   // Removes the gradient hooks from the parameters.
@@ -91,10 +93,10 @@ class FusedDistributedOptimizer {
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
   std::vector<torch::Tensor> params_;
-  std::vector<int64_t> steps_;             // per parameter (skipped ones lag behind)
-  std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
-  std::vector<char> seen_;                 // got a gradient since zero_grad
-  std::vector<unsigned> hooks_;
+  std::vector<int64_t> steps_;               // per parameter (skipped ones lag behind)
+  std::vector<torch::Tensor> grad_views_;    // per parameter, into its bucket
+  std::vector<char> seen_;                   // got a gradient since zero_grad
+  std::unique_ptr<AccumulatorHooks> hooks_;  // set seen_
   std::vector<Bucket> buckets_;
   int64_t timestep_ = 0;
   // finish_gradients() ran: the buckets hold averages; has_ its mask.

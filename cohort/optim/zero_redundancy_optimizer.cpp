@@ -2,40 +2,15 @@
 // all-gather). The sharded checkpoint half is in zero_checkpoint.cpp.
 #include "cohort/optim/zero_redundancy_optimizer.h"
 
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
-
 #include <algorithm>
 #include <numeric>
 
 #include "cohort/core/error.h"
+#include "cohort/ddp/flat_views.h"
+#include "cohort/ddp/parameter_check.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort {
-namespace {
-
-// A post hook on a parameter's gradient accumulator, as DDP's: it runs after
-// AccumulateGrad, so .grad holds the gradient accumulated over earlier
-// (no_sync) backwards as well, which is what must be reduced. (A tensor
-// hook would see only this backward's contribution.)
-class ZeroReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  ZeroReadyHook(ZeroRedundancyOptimizer* zero, size_t index) : zero_(zero), index_(index) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    zero_->on_gradient_ready(index_);
-    return outputs;
-  }
-
- private:
-  ZeroRedundancyOptimizer* zero_;
-  size_t index_;
-};
-
-}  // namespace
-
 std::string ZeroRedundancyOptimizer::where(const std::string& op) const {
   return "ZeroRedundancyOptimizer::" + op + " (rank " + std::to_string(comm_->rank()) + " of " +
          std::to_string(comm_->size()) + ", group " + comm_->name() + ")";
@@ -72,21 +47,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   // Every rank must lay out the same flat buffer, or the collectives would
   // silently mix unrelated elements.
   const int world = comm_->size();
-  auto mine = torch::tensor({static_cast<int64_t>(params_.size()),
-                             std::accumulate(numels.begin(), numels.end(), int64_t{0})});
-  if (world > 1) {
-    auto all = torch::empty({world * 2}, torch::kLong);
-    comm_->all_gather_into_tensor(all, mine).wait();
-    for (int r = 0; r < world; ++r) {
-      if (!all.narrow(0, 2 * r, 2).equal(mine)) {
-        throw MismatchError(where("constructor") + ": rank " + std::to_string(r) + " has " +
-                            std::to_string(all[2 * r].item<int64_t>()) + " parameters of " +
-                            std::to_string(all[2 * r + 1].item<int64_t>()) +
-                            " elements, this rank " + std::to_string(mine[0].item<int64_t>()) +
-                            " of " + std::to_string(mine[1].item<int64_t>()));
-      }
-    }
-  }
+  verify_same_parameters(*comm_, params_, {}, "ZeroRedundancyOptimizer");
 
   const int64_t elem = params_[0].element_size();
   const auto bucket_elements =
@@ -97,40 +58,21 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   // Parameters become views into one flat buffer, so that the all-gather
   // writes the new values in place and a piece is a plain slice.
   torch::NoGradGuard no_grad;
-  flat_params_ = torch::zeros({partition_->padded_numel()}, params_[0].options());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto view = flat_params_.narrow(0, partition_->params()[i].offset, numels[i]);
-    view.copy_(params_[i].reshape(-1));
-    params_[i].set_data(view.view(params_[i].sizes()));
-  }
+  std::vector<int64_t> offsets;
+  for (const auto& prm : partition_->params()) offsets.push_back(prm.offset);
+  flat_params_ = flatten_into(params_, offsets, partition_->padded_numel());
   if (options_.stage == 2 && world > 1) {
-    shard_grads_ = torch::zeros({partition_->shard_numel()}, flat_params_.options());
-    staging_buffer_ =
-        std::make_unique<StagingBuffer>(partition_->padded_numel(), flat_params_.options());
-    const auto& buckets = partition_->buckets();
-    bucket_params_.resize(buckets.size());
-    param_buckets_.resize(params_.size());
-    pending_init_.assign(buckets.size(), 0);
-    staged_.assign(params_.size(), 0);
-    has_.assign(params_.size(), 0);
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        const auto& prm = partition_->params()[i];
-        if (prm.numel > 0 && prm.offset < buckets[b].offset + buckets[b].numel &&
-            prm.offset + prm.numel > buckets[b].offset) {
-          bucket_params_[b].push_back(i);
-          param_buckets_[i].push_back(b);
-          // Only parameters that can get a gradient are waited for; the
-          // others are zeros when their bucket goes.
-          if (params_[i].requires_grad()) ++pending_init_[b];
-        }
-      }
-    }
-    if (options_.reduce_gradients) hook_accumulators();
+    shard_reducer_ = std::make_unique<GradientShardReducer>(
+        params_, *partition_, comm_, /*hook=*/options_.reduce_gradients,
+        [this](const std::string& op) { return where(op); });
   } else if (options_.reduce_gradients && world > 1) {
     flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
   }
+  build_inner(groups, factory);
+}
 
+void ZeroRedundancyOptimizer::build_inner(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const Factory& factory) {
   std::vector<std::vector<torch::Tensor>> shard_params(groups.size());
   for (const auto& piece : partition_->pieces()) {
     const auto& param = partition_->params()[piece.param];
@@ -154,19 +96,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   }
 }
 
-ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
-  for (size_t k = 0; k < hooks_.size(); ++k) accumulators_[k]->del_post_hook(hooks_[k].second);
-  if (ddp_) ddp_->set_reduction_owner(nullptr);
-}
-
-void ZeroRedundancyOptimizer::hook_accumulators() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].requires_grad()) continue;
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    hooks_.emplace_back(i, acc->add_post_hook(std::make_unique<ZeroReadyHook>(this, i)));
-    accumulators_.push_back(std::move(acc));
-  }
-}
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 
 void ZeroRedundancyOptimizer::take_over_reduction(GradientReducer& ddp) {
   if (options_.stage != 2 || options_.reduce_gradients) {
@@ -179,23 +109,8 @@ void ZeroRedundancyOptimizer::take_over_reduction(GradientReducer& ddp) {
                           ": DDP reduces over another communicator (" + ddp.communicator().name() +
                           ")");
   }
-  if (ddp_) throw InvalidArgument(where("take_over_reduction") + ": already reducing for a DDP");
   if (comm_->size() == 1) return;  // nothing to reduce: .grad is read as it is
-  std::map<const void*, size_t> ours;
-  for (size_t i = 0; i < params_.size(); ++i) ours[params_[i].unsafeGetTensorImpl()] = i;
-  const auto& theirs = ddp.parameters();
-  from_ddp_.assign(theirs.size(), 0);
-  for (size_t k = 0; k < theirs.size(); ++k) {
-    auto it = ours.find(theirs[k].unsafeGetTensorImpl());
-    if (it == ours.end()) {
-      throw InvalidArgument(where("take_over_reduction") + ": DDP's parameter '" +
-                            ddp.parameter_names()[k] +
-                            "' is not one of this optimizer's; pass ddp.parameters()");
-    }
-    from_ddp_[k] = it->second;
-  }
-  ddp.set_reduction_owner(this);
-  ddp_ = &ddp;
+  shard_reducer_->take_over(ddp);
 }
 
 std::vector<torch::optim::OptimizerParamGroup>& ZeroRedundancyOptimizer::param_groups() {
@@ -209,10 +124,7 @@ void ZeroRedundancyOptimizer::set_lr(double lr) {
 void ZeroRedundancyOptimizer::zero_grad() {
   // A backward whose reduction was never finished is dropped (its
   // reduce-scatters were launched alike on every rank; wait for them).
-  if (staging_.defined()) {
-    for (auto& w : rs_work_) w.wait();
-    release_iteration();
-  }
+  if (shard_reducer_) shard_reducer_->drop();
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   for (auto& t : pieces_) t.mutable_grad() = torch::Tensor();
   reduced_ = false;
@@ -235,20 +147,12 @@ void ZeroRedundancyOptimizer::step() {
 }
 
 std::vector<char> ZeroRedundancyOptimizer::globally_has_grad() {
-  std::vector<char> local(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) local[i] = params_[i].grad().defined() ? 1 : 0;
-  return globally_has_grad_from(local);
-}
-
-std::vector<char> ZeroRedundancyOptimizer::globally_has_grad_from(const std::vector<char>& local) {
   // A parameter with a gradient on any rank is reduced (missing ones count
   // as zeros, as in DDP); one with none anywhere is skipped by the inner
   // optimizer, as LibTorch's optimizers skip an undefined .grad.
-  auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
-  auto* m = mask.data_ptr<int>();
-  for (size_t i = 0; i < params_.size(); ++i) m[i] = local[i];
-  if (comm_->size() > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
-  return std::vector<char>(m, m + params_.size());
+  std::vector<char> local(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) local[i] = params_[i].grad().defined() ? 1 : 0;
+  return any_rank_has(*comm_, local);
 }
 
 void ZeroRedundancyOptimizer::reduce_gradients() {
@@ -326,129 +230,16 @@ void ZeroRedundancyOptimizer::all_reduce_gradients() {
   }
 }
 
-// Stage 2. When a parameter's gradient is ready (its accumulator's post
-// hook alone, DDP's report with DDP) it is copied into the flat staging
-// buffer and its .grad becomes a view of that copy (autograd's tensor is
-// freed: one copy of the gradients, as DDP's buckets). A bucket is
-// reduce-scattered into this rank's shard as soon as all its parameters
-// are in, from the last bucket down (the order backward fills them; the
-// same on every rank, so the collectives match), so the reduction overlaps
-// the rest of backward, as DDP's all-reduce does. finish_gradients()
-// launches what backward did not, waits, and releases the .grad views and
-// the staging buffer: between steps a rank holds only its gradient shard.
-void ZeroRedundancyOptimizer::begin_iteration() {
-  staging_ = staging_buffer_->acquire();
-  pending_ = pending_init_;
-  std::fill(staged_.begin(), staged_.end(), 0);
-  std::fill(has_.begin(), has_.end(), 0);
-  rs_work_.assign(partition_->buckets().size(), Work());
-  next_launch_ = static_cast<int64_t>(partition_->buckets().size()) - 1;
-  twice_ = false;
-}
-
-void ZeroRedundancyOptimizer::release_iteration() {
-  for (auto& p : params_) {
-    auto& g = p.mutable_grad();
-    if (g.defined() && g.is_alias_of(staging_)) g = torch::Tensor();
-  }
-  staging_ = torch::Tensor();
-  rs_work_.clear();  // the finished collectives' hold on the buffer
-  staging_buffer_->release();
-}
-
-void ZeroRedundancyOptimizer::on_gradient_ready(size_t i) {
-  if (no_sync_depth_ > 0) return;  // accumulate locally in .grad
-  stage_gradient(i);
-  launch_ready_buckets(false);
-}
-
-void ZeroRedundancyOptimizer::gradient_ready(size_t ddp_index) {
-  stage_gradient(from_ddp_[ddp_index]);
-  launch_ready_buckets(false);
-}
-
-void ZeroRedundancyOptimizer::backward_finished() {
-  if (staging_.defined()) launch_ready_buckets(true);
-}
-
-void ZeroRedundancyOptimizer::stage_gradient(size_t i) {
-  torch::NoGradGuard no_grad;
-  if (!staging_.defined()) begin_iteration();
-  if (staged_[i]) {
-    // A second backward before step(): its bucket may be on the wire.
-    twice_ = true;
-    return;
-  }
-  const auto& prm = partition_->params()[i];
-  auto view = staging_.narrow(0, prm.offset, prm.numel);
-  auto& g = params_[i].mutable_grad();
-  if (g.defined()) {
-    view.copy_(g.reshape(-1));
-    g = view.view(params_[i].sizes());
-    has_[i] = 1;
-  } else {
-    view.zero_();  // unused here (DDP reports it): zeros, as in DDP
-  }
-  staged_[i] = 1;
-  for (size_t b : param_buckets_[i]) {
-    if (params_[i].requires_grad()) --pending_[b];
-  }
-}
-
-void ZeroRedundancyOptimizer::launch_ready_buckets(bool all) {
-  torch::NoGradGuard no_grad;
-  const auto& part = *partition_;
-  while (next_launch_ >= 0 && (all || pending_[next_launch_] == 0)) {
-    const auto b = static_cast<size_t>(next_launch_--);
-    const auto& bucket = part.buckets()[b];
-    // Parameters without a gradient this iteration count as zeros, and so
-    // does the padding.
-    for (size_t i : bucket_params_[b]) {
-      if (staged_[i]) continue;
-      const auto& prm = part.params()[i];
-      const int64_t lo = std::max(bucket.offset, prm.offset);
-      const int64_t hi = std::min(bucket.offset + bucket.numel, prm.offset + prm.numel);
-      staging_.narrow(0, lo, hi - lo).zero_();
-    }
-    if (bucket.padded > bucket.numel) {
-      staging_.narrow(0, bucket.offset + bucket.numel, bucket.padded - bucket.numel).zero_();
-    }
-    auto out = shard_grads_.narrow(0, bucket.shard_offset, bucket.chunk);
-    rs_work_[b] = comm_->reduce_scatter_tensor(
-        out, staging_.narrow(0, bucket.offset, bucket.padded), {ReduceOp::Avg});
-  }
-}
-
+// Stage 2: the shard reducer stages and reduce-scatters (during backward
+// where it could); the pieces' .grad are slices of the shard.
 void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
-  torch::NoGradGuard no_grad;
-  if (!options_.reduce_gradients && !ddp_) {
-    throw Error(where("step") +
-                ": stage 2 with reduce_gradients = false reduces for cohort DDP, but no DDP "
-                "handed its reduction over (build it with make(ddp, ...) or call "
-                "take_over_reduction(ddp.reducer()))");
-  }
-  if (!staging_.defined()) begin_iteration();
-  // Gradients that did not come through a synchronizing backward: set by
-  // hand, or accumulated under no_sync() with no backward after it.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!staged_[i] && params_[i].grad().defined()) stage_gradient(i);
-  }
-  launch_ready_buckets(true);
-  const auto has = globally_has_grad_from(has_);
-  for (auto& w : rs_work_) w.wait();
-  const bool twice = twice_;
-  release_iteration();
-  if (twice) {
-    throw Error(where("step") +
-                ": a parameter got a second gradient before step(); stage 2 reduces during "
-                "backward, so accumulate with no_sync() (ddp.no_sync() with DDP) around all "
-                "but the last backward");
-  }
+  const auto has = shard_reducer_->finish();
+  const auto& shard = shard_reducer_->shard();
   const auto& pieces = partition_->pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
-    pieces_[k].mutable_grad() =
-        has[pieces[k].param] ? shard_grads_.narrow(0, pieces[k].shard_offset, pieces[k].numel)
-                             : torch::Tensor();
+    pieces_[k].mutable_grad() = has[pieces[k].param]
+                                    ? shard.narrow(0, pieces[k].shard_offset, pieces[k].numel)
+                                    : torch::Tensor();
   }
 }
 
@@ -493,8 +284,10 @@ int64_t ZeroRedundancyOptimizer::state_bytes() const { return optimizer_state_by
 std::vector<torch::Tensor> ZeroRedundancyOptimizer::grad_buffers() const {
   std::vector<torch::Tensor> out;
   if (flat_grads_.defined()) out.push_back(flat_grads_);
-  if (shard_grads_.defined()) out.push_back(shard_grads_);
-  if (staging_.defined()) out.push_back(staging_);
+  if (shard_reducer_) {
+    out.push_back(shard_reducer_->shard());
+    for (auto& t : shard_reducer_->live_staging()) out.push_back(t);
+  }
   return out;
 }
 

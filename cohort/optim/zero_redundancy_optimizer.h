@@ -21,18 +21,19 @@
 //                flat gradient buffer, then read this rank's slices;
 //              stage 1 with cohort DDP: read the slices of DDP's averaged
 //                .grad, no communication here;
-//              stage 2 (alone or with DDP): as each parameter's gradient is
-//                ready in backward it is copied into a flat staging buffer
-//                (its .grad becomes a view into it) and each full bucket is
+//              stage 2 (alone or with DDP): GradientShardReducer
+//                (gradient_shard_reducer.h). As each parameter's gradient
+//                is ready in backward it is copied into its bucket's
+//                staging buffer (and leaves .grad) and each full bucket is
 //                reduce-scattered (Avg) into this rank's gradient shard
-//                while backward goes on. With DDP, DDP hands its reduction
-//                over (reduction_owner.h): it reports ready gradients
-//                instead of all-reducing its own buckets, whose buffers it
-//                frees; so the reduce-scatter replaces DDP's all-reduce
-//                rather than following it. The step releases the .grad
-//                views and the staging buffer: between steps a rank holds
-//                only its shard of the gradients (1/N; a .grad the caller
-//                kept past step() has undefined contents).
+//                while backward goes on; a bucket's staging is released
+//                when its reduce-scatter is done. With DDP, DDP hands its
+//                reduction over (reduction_owner.h): it reports ready
+//                gradients instead of all-reducing its own buckets, whose
+//                buffers it frees; so the reduce-scatter replaces DDP's
+//                all-reduce rather than following it. A rank holds its
+//                shard of the gradients (1/N) plus, during backward, the
+//                one or two buckets being staged.
 //              world 1 (either stage): slices of .grad, no copies.
 //   update     the inner optimizer steps its pieces (in the flat buffer),
 //              bucket by bucket;
@@ -65,13 +66,9 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/ddp/reduction_owner.h"
+#include "cohort/ddp/no_sync_guard.h"
 #include "cohort/optim/flat_partition.h"
-#include "cohort/optim/staging_buffer.h"
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
+#include "cohort/optim/gradient_shard_reducer.h"
 
 namespace cohort {
 
@@ -91,7 +88,7 @@ struct ZeroOptions {
   Algorithm gather_algo = Algorithm::Default;
 };
 
-class ZeroRedundancyOptimizer : private ReductionOwner {
+class ZeroRedundancyOptimizer {
  public:
   // Builds the inner optimizer over this rank's shard, from the shard's
   // parameter groups (each with the caller's group options already set).
@@ -105,7 +102,7 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
                           std::shared_ptr<Communicator> comm, ZeroOptions options = {});
   // Removes the stage-2 gradient hooks from the parameters and gives DDP
   // its reduction back.
-  ~ZeroRedundancyOptimizer() override;
+  ~ZeroRedundancyOptimizer();
   // The hooks hold this object's address.
   ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
   ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
@@ -179,21 +176,15 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
   // RAII, stage 2 alone: backwards in its scope accumulate into .grad
   // locally (no communication); the first backward after it reduces the
   // sum. With DDP use ddp.no_sync(). Other stages accumulate without it.
-  class NoSync {
-   public:
-    explicit NoSync(ZeroRedundancyOptimizer& zero) : zero_(&zero) { ++zero_->no_sync_depth_; }
-    ~NoSync() {
-      if (zero_) --zero_->no_sync_depth_;
-    }
-    NoSync(NoSync&& other) noexcept : zero_(other.zero_) { other.zero_ = nullptr; }
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-    NoSync& operator=(NoSync&&) = delete;
-
-   private:
-    ZeroRedundancyOptimizer* zero_;
-  };
+  using NoSync = ScopedNoSync<ZeroRedundancyOptimizer>;
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+  /// The depth NoSync counts (stage 2 alone; other stages ignore it).
+  void push_no_sync() {
+    if (shard_reducer_) shard_reducer_->push_no_sync();
+  }
+  void pop_no_sync() {
+    if (shard_reducer_) shard_reducer_->pop_no_sync();
+  }
   const FlatPartition& partition() const { return *partition_; }
   const ZeroOptions& options() const { return options_; }
   Communicator& communicator() { return *comm_; }
@@ -205,10 +196,16 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
   // at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
   std::vector<torch::Tensor> grad_buffers() const;
   int64_t grad_bytes() const;
-  // Stage 2: bytes of the staging buffer, in use from the first gradient of
-  // a backward to the end of the reduction and lazily freed between steps
-  // (staging_buffer.h); 0 otherwise.
-  int64_t staging_bytes() const { return staging_buffer_ ? staging_buffer_->nbytes() : 0; }
+  // Stage 2: bytes of the buckets' staging buffers together, each in use
+  // from the first gradient staged into it to the end of its
+  // reduce-scatter and lazily freed between uses (staging_buffer.h); 0
+  // otherwise.
+  int64_t staging_bytes() const { return shard_reducer_ ? shard_reducer_->staging_bytes() : 0; }
+  /// Stage 2: the most staging bytes alive at once so far (during backward
+  /// and the reduction); the gradient peak is this plus the shard.
+  int64_t staging_peak_bytes() const {
+    return shard_reducer_ ? shard_reducer_->staging_peak_bytes() : 0;
+  }
 
   // This rank's shard of the state, for sharded checkpoints: every rank
   // saves its own archive and loads it back into an optimizer with the same
@@ -225,23 +222,16 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
 
   // Called by the accumulator hook of parameter i, alone at stage 2
   // (internal).
-  void on_gradient_ready(size_t i);
+  void on_gradient_ready(size_t i) { shard_reducer_->on_gradient_ready(i); }
 
  private:
+  // The inner optimizer over this rank's pieces, one group per caller group.
+  void build_inner(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                   const Factory& factory);
   void reduce_gradients();
   void all_reduce_gradients();
   void step_and_all_gather();
   std::vector<char> globally_has_grad();
-  std::vector<char> globally_has_grad_from(const std::vector<char>& local);
-  // Stage 2 (zero_checkpoint.cpp has none of it).
-  void hook_accumulators();
-  void begin_iteration();
-  void release_iteration();
-  // ReductionOwner: DDP's parameter index.
-  void gradient_ready(size_t ddp_index) override;
-  void backward_finished() override;
-  void stage_gradient(size_t i);
-  void launch_ready_buckets(bool all);
   void reduce_scatter_gradients();
   std::string where(const std::string& op) const;
 
@@ -251,34 +241,14 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
   std::unique_ptr<FlatPartition> partition_;
   torch::Tensor flat_params_;  // padded; the parameters are views into it
   torch::Tensor flat_grads_;   // stage 1 with reduce_gradients: padded
-  torch::Tensor shard_grads_;  // stage 2: this rank's shard
   // One leaf tensor per piece, a view into flat_params_ (what the inner
   // optimizer steps), in partition().pieces() order.
   std::vector<torch::Tensor> pieces_;
   std::unique_ptr<torch::optim::Optimizer> inner_;
 
-  // Stage 2 bookkeeping: parameters of each bucket and buckets of each
-  // parameter; per iteration the staging buffer (the .grad are views into
-  // it), which parameters are staged and which had a gradient here, what
-  // each bucket still waits for (parameters that require grad), the next
-  // bucket to launch (launched from the last down) and its Work.
-  std::vector<std::vector<size_t>> bucket_params_, param_buckets_;
-  std::vector<int> pending_init_, pending_;
-  std::vector<char> staged_, has_;
-  std::unique_ptr<StagingBuffer> staging_buffer_;
-  torch::Tensor staging_;  // staging_buffer_'s, while in use
-  std::vector<Work> rs_work_;
-  int64_t next_launch_ = -1;
-  bool twice_ = false;
+  // Stage 2 (world > 1): the gradients' staging and reduce-scatter.
+  std::unique_ptr<GradientShardReducer> shard_reducer_;
   bool reduced_ = false;  // finish_gradients() ran since the last step
-  int no_sync_depth_ = 0;
-  // Alone: post hooks on the gradient accumulators (as DDP's, so they see
-  // the accumulated .grad), kept alive with their keys.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<std::pair<size_t, uintptr_t>> hooks_;  // (parameter, key)
-  // With DDP: its reducer and DDP's parameter index -> ours.
-  GradientReducer* ddp_ = nullptr;
-  std::vector<size_t> from_ddp_;
 };
 
 }  // namespace cohort

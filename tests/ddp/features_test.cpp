@@ -4,7 +4,9 @@
 // and LibTorch's DistributedRandomSampler as the data shard.
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <set>
+#include <sstream>
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "support/thread_ranks.h"
@@ -81,6 +83,80 @@ TEST(DdpBuffers, RebroadcastBeforeForwardUnlessDisabled) {
           << "rank " << comm->rank() << " broadcast " << broadcast;
     });
   }
+}
+
+// PyTorch's rule, forward by forward: a forward broadcasts the buffers when
+// the one before it was a synchronizing training forward (or it is the
+// first). Each forward runs in eval mode so that only a broadcast can change
+// the running mean, which every rank sets to rank + 1 beforehand.
+TEST(DdpBuffers, BroadcastWhenThePreviousForwardSynchronized) {
+  struct Forward {
+    const char* what;
+    bool grad;
+    bool no_sync;
+    bool broadcasts;
+  };
+  const std::vector<Forward> sequence = {
+      {"first forward", false, false, true},
+      {"evaluation after an evaluation", false, false, false},
+      {"training after an evaluation", true, false, false},
+      {"evaluation after training", false, false, true},
+      {"training", true, false, false},
+      {"first no_sync micro-batch", true, true, true},
+      {"second no_sync micro-batch", true, true, false},
+      {"synchronizing micro-batch after no_sync", true, false, false},
+      {"training after a synchronizing forward", true, false, true},
+  };
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    auto model = torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3));
+    DistributedDataParallel<Mlp> ddp(model, comm);
+    auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(model->ptr(1));
+    ddp.eval();
+    for (const auto& f : sequence) {
+      bn->running_mean.fill_(comm->rank() + 1.0);
+      torch::AutoGradMode grad_mode(f.grad);
+      std::optional<NoSyncGuard> guard;
+      if (f.no_sync) guard.emplace(ddp.no_sync());
+      auto out = ddp.forward(torch::ones({2, 4}));
+      if (f.grad) out.sum().backward();
+      const float expect = f.broadcasts ? 1.0f : comm->rank() + 1.0f;
+      EXPECT_TRUE(torch::all(bn->running_mean == expect).item<bool>())
+          << f.what << " on rank " << comm->rank();
+    }
+  });
+}
+
+TEST(DdpModuleApi, ForwardsToTheModuleAndSaveLoadKeepsReducing) {
+  torch::set_num_threads(1);
+  std::vector<std::vector<torch::Tensor>> grads(2);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    auto model = torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3));
+    DistributedDataParallel<Mlp> ddp(model, comm);
+    EXPECT_EQ(ddp.named_parameters().keys(), model->named_parameters().keys());
+    EXPECT_EQ(ddp.named_buffers().keys(), model->named_buffers().keys());
+    EXPECT_EQ(ddp.buffers().size(), 3u);  // running mean, variance, batch count
+    ddp.eval();
+    EXPECT_FALSE(ddp.is_training() || model->is_training());
+    ddp.train();
+    EXPECT_TRUE(model->is_training());
+
+    // Saved through DDP, loaded through another DDP: the same state, and
+    // gradients are still reduced after the load replaced the tensors.
+    std::stringstream bytes;
+    torch::serialize::OutputArchive out;
+    ddp.save(out);
+    out.save_to(bytes);
+    auto other = torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3));
+    DistributedDataParallel<Mlp> other_ddp(other, comm);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    other_ddp.load(in);
+    EXPECT_EQ(max_abs_diff(other_ddp.parameters(), ddp.parameters()), 0.0);
+    other_ddp.forward(torch::full({2, 4}, r + 1.0) * torch::arange(4.0)).pow(2).sum().backward();
+    for (auto& p : other_ddp.parameters()) grads[r].push_back(p.grad().clone());
+  });
+  EXPECT_EQ(max_abs_diff(grads[0], grads[1]), 0.0);
 }
 
 TEST(DdpNoSync, AccumulatesLocallyThenReducesTheSum) {

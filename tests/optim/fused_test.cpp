@@ -62,6 +62,23 @@ INSTANTIATE_TEST_SUITE_P(Fused, FusedEquivalence,
                          ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Bool()));
 
 // save/load of the (replicated) state: resume at step 10 equals straight.
+// Every rank must pass the same shapes: a difference is refused on every
+// rank (not a hang or mixed elements in the all-reduce).
+TEST(Fused, RefusesMismatchedParameters) {
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    std::vector<torch::Tensor> params{torch::zeros({4, 6}, torch::requires_grad())};
+    if (comm->rank() == 1) params.push_back(torch::zeros({2}, torch::requires_grad()));
+    try {
+      FusedDistributedOptimizer opt(params, torch::optim::AdamWOptions(), comm);
+      ADD_FAILURE() << "no error on rank " << comm->rank();
+    } catch (const MismatchError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("FusedDistributedOptimizer"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank 0 has 1 parameters but rank 1 has 2"), std::string::npos) << m;
+    }
+  });
+}
+
 TEST(Fused, SaveLoadResumes) {
   torch::set_num_threads(1);
   const int world = 2;

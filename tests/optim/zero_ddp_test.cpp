@@ -21,8 +21,8 @@ ZeroOptions stage2() {
 }
 
 // With DDP (find_unused_parameters, a layer that never takes part): DDP's
-// bucket buffers are freed, the .grad are views into ZeRO's staging buffer
-// until the step, then only the shard is left; DDP gets its buckets back
+// bucket buffers are freed, the gradients move into ZeRO's staging as they
+// are ready, then only the shard is left; DDP gets its buckets back
 // when the optimizer goes.
 TEST(ZeroDdp, Stage2ReplacesDdpAllReduceAndHoldsOnlyTheShard) {
   torch::set_num_threads(1);
@@ -45,13 +45,12 @@ TEST(ZeroDdp, Stage2ReplacesDdpAllReduceAndHoldsOnlyTheShard) {
       for (int s = 0; s < kSteps; ++s) {
         zero->zero_grad();
         torch::mse_loss(ddp.forward(pb.xs[s][comm->rank()]), pb.ys[s][comm->rank()]).backward();
+        // Staged gradients left .grad; what is held is the shard and at
+        // most two buckets' staging.
+        for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
         const auto buffers = zero->grad_buffers();
-        ASSERT_EQ(buffers.size(), 2u);  // the shard and this iteration's staging
-        for (const auto& p : net->parameters()) {
-          if (p.grad().defined()) {
-            EXPECT_TRUE(p.grad().is_alias_of(buffers[1]));
-          }
-        }
+        EXPECT_GE(buffers.size(), 1u);
+        EXPECT_LE(buffers.size(), 3u);
         zero->step();
         EXPECT_EQ(zero->grad_bytes(), zero->partition().shard_numel() * 4);
         for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());

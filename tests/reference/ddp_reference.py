@@ -13,8 +13,16 @@ Files in --dir (float32 unless said otherwise):
   torch_losses_<r>.bin  written: rank r's loss at each step
   torch_param_<i>.bin   written by rank 0: parameter i after training
   torch_buffer_<i>.bin  written by rank 0: buffer i after training
+  torch_rank<r>_buffer_<i>.bin  written by rank r: its buffer i at the end
+  x_eval.bin            with --eval: inputs [world * rows, *input_shape]
+  torch_eval_<r>.bin    with --eval: rank r's output on its eval rows
+
+With --accum K, steps are grouped K at a time: the first K-1 of a group run
+under no_sync(), the K-th synchronizes, and the optimizer steps after it.
+With --eval, the model is evaluated (ddp.eval()) once after training.
 """
 import argparse
+import contextlib
 import os
 
 import torch
@@ -51,6 +59,8 @@ def main():
     ap.add_argument("--rows", type=int, required=True, help="rows per rank per step")
     ap.add_argument("--lr", type=float, required=True)
     ap.add_argument("--momentum", type=float, required=True)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--eval", action="store_true", help="evaluate once after training")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -66,14 +76,25 @@ def main():
     x = read(os.path.join(args.dir, "x.bin"), torch.float32, (args.steps, n) + in_shape)
     y = read(os.path.join(args.dir, "y.bin"), torch.int64, (args.steps, n))
     losses = []
+    lo = rank * args.rows
     for s in range(args.steps):
-        lo = rank * args.rows
-        opt.zero_grad()
-        loss = F.cross_entropy(ddp(x[s, lo:lo + args.rows]), y[s, lo:lo + args.rows])
-        loss.backward()
-        opt.step()
+        if s % args.accum == 0:
+            opt.zero_grad()
+        sync = (s + 1) % args.accum == 0
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            loss = F.cross_entropy(ddp(x[s, lo:lo + args.rows]), y[s, lo:lo + args.rows])
+            loss.backward()
+        if sync:
+            opt.step()
         losses.append(loss.item())
     write(os.path.join(args.dir, f"torch_losses_{rank}.bin"), torch.tensor(losses, dtype=torch.float32))
+    if args.eval:
+        xe = read(os.path.join(args.dir, "x_eval.bin"), torch.float32, (n,) + in_shape)
+        ddp.eval()
+        with torch.no_grad():
+            write(os.path.join(args.dir, f"torch_eval_{rank}.bin"), ddp(xe[lo:lo + args.rows]))
+    for i, b in enumerate(model.buffers()):
+        write(os.path.join(args.dir, f"torch_rank{rank}_buffer_{i}.bin"), b)
     if rank == 0:
         for i, p in enumerate(model.parameters()):
             write(os.path.join(args.dir, f"torch_param_{i}.bin"), p)
