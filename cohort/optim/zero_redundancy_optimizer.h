@@ -3,13 +3,13 @@
 // parameters (stage 1) and, at stage 2, only the averaged gradients of that
 // 1/N as well.
 //
-//   // Alone (a plain module):
+//   // Alone (a plain module; ZeroOptions zero_options; zero_options.stage = 2):
 //   auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-//       model->parameters(), torch::optim::AdamWOptions(1e-3), comm, {.stage = 2});
+//       model->parameters(), torch::optim::AdamWOptions(1e-3), comm, zero_options);
 //   // With cohort DDP (DDP broadcasts, finds unused parameters, no_sync()):
 //   cohort::DistributedDataParallel<Net> ddp(model, comm);
 //   auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-//       ddp, torch::optim::AdamWOptions(1e-3), comm, {.stage = 2});
+//       ddp, torch::optim::AdamWOptions(1e-3), comm, zero_options);
 //   for (...) { zero->zero_grad(); loss(ddp).backward(); zero->step(); }
 //
 // The parameters are laid end to end in one flat buffer (the parameters
