@@ -16,10 +16,11 @@ namespace cohort {
 
 class TcpStoreServer;
 
+/// A Store over TCP: rank 0 (is_server) runs the server, every rank is a client.
 class TcpStore : public Store {
  public:
-  // is_server: host the store on host:port (port 0 picks a free port; see
-  // port()). Clients retry connecting until `timeout`.
+  /// is_server: host the store on host:port (port 0 picks a free port; see
+  /// port()). Clients retry connecting until `timeout`.
   TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout);
   ~TcpStore() override;
 
@@ -30,10 +31,11 @@ class TcpStore : public Store {
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
   bool delete_key(const std::string& key) override;
 
+  /// The server's port (the one bound when 0 was asked for).
   uint16_t port() const { return port_; }
 
  private:
-  // One request and its reply on the client connection.
+  /// One request and its reply on the client connection.
   std::vector<uint8_t> call(uint8_t cmd, const std::vector<std::string>& args, Millis timeout);
   void ensure_connected(net::Clock::time_point deadline);
   std::string where() const;
@@ -41,7 +43,7 @@ class TcpStore : public Store {
   std::string host_;
   uint16_t port_;
   std::unique_ptr<TcpStoreServer> server_;
-  std::mutex mu_;  // one request at a time on the connection
+  std::mutex mu_;  ///< one request at a time on the connection
   net::Socket conn_;
 };
 
