@@ -44,7 +44,7 @@ struct IsSharedPtr : std::false_type {};
 template <typename T>
 struct IsSharedPtr<std::shared_ptr<T>> : std::true_type {};
 
-// A TORCH_MODULE holder or a std::shared_ptr to a module, as the base type.
+/// A TORCH_MODULE holder or a std::shared_ptr to a module, as the base type.
 template <typename ModuleHolder>
 std::shared_ptr<torch::nn::Module> as_module_ptr(const ModuleHolder& holder) {
   if constexpr (IsSharedPtr<ModuleHolder>::value) {
@@ -54,9 +54,9 @@ std::shared_ptr<torch::nn::Module> as_module_ptr(const ModuleHolder& holder) {
   }
 }
 
-// The tensors a forward returned, for the unused-parameter search: a tensor,
-// a vector of tensors, or a tuple/pair of those. Other types contribute none
-// (unused parameters are then found when backward ends).
+/// The tensors a forward returned, for the unused-parameter search: a tensor,
+/// a vector of tensors, or a tuple/pair of those. Other types contribute none
+/// (unused parameters are then found when backward ends).
 inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
   out.push_back(t);
 }
@@ -80,18 +80,20 @@ void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out
 
 }  // namespace detail
 
+/// Data-parallel training of a torch::nn::Module over a Communicator: broadcasts rank 0's
+/// parameters and buffers, and averages the gradients across ranks during backward.
 template <typename ModuleHolder>
 class DistributedDataParallel {
  public:
-  // Collective over comm (see GradientReducer's constructor).
+  /// Collective over comm (see GradientReducer's constructor).
   DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> comm,
                           DDPOptions options = {})
       : module_(std::move(module)),
         reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_),
                                                    std::move(comm), options)) {}
 
-  // Pre-forward work (previous iteration check, bucket rebuild, buffer
-  // broadcast), the module's own forward, then the unused-parameter search.
+  /// Pre-forward work (previous iteration check, bucket rebuild, buffer
+  /// broadcast), the module's own forward, then the unused-parameter search.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     reducer_->prepare_forward();
@@ -104,22 +106,29 @@ class DistributedDataParallel {
     return out;
   }
 
+  /// The wrapped module.
   ModuleHolder& module() { return module_; }
+  /// The wrapped module's parameters (for the optimizer).
   std::vector<torch::Tensor> parameters() { return module_->parameters(); }
+  /// Sets the wrapped module's training mode.
   void train(bool on = true) { module_->train(on); }
+  /// Sets the wrapped module to evaluation mode.
   void eval() { module_->eval(); }
 
-  // RAII: gradients accumulate locally while the guard lives.
+  /// RAII: gradients accumulate locally while the guard lives.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
+  /// Replaces how buckets are reduced (default: all-reduce average).
   void register_comm_hook(std::shared_ptr<CommHook> hook) {
     reducer_->register_comm_hook(std::move(hook));
   }
+  /// Measurements of the last and all reduced iterations.
   const DDPStats& stats() const { return reducer_->stats(); }
+  /// The reducer doing the work (ZeRO-2 takes its reduction over through it).
   GradientReducer& reducer() { return *reducer_; }
 
  private:
   ModuleHolder module_;
-  // Behind a pointer: the accumulator hooks hold its address.
+  /// Behind a pointer: the accumulator hooks hold its address.
   std::unique_ptr<GradientReducer> reducer_;
 };
 

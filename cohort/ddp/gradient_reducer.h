@@ -38,82 +38,90 @@ struct Node;
 
 namespace cohort {
 
+/// DDP's non-template part: buckets the gradients and reduces them as autograd produces them.
 class GradientReducer {
  public:
-  // Collective: checks that every rank holds the same parameter shapes and
-  // dtypes in the same order (MismatchError naming the first difference),
-  // then broadcasts parameters and buffers from rank 0.
+  /// Collective: checks that every rank holds the same parameter shapes and
+  /// dtypes in the same order (MismatchError naming the first difference),
+  /// then broadcasts parameters and buffers from rank 0.
   GradientReducer(std::shared_ptr<torch::nn::Module> module,
                   std::shared_ptr<Communicator> comm, DDPOptions options = {});
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
-  // Before each forward. Throws Error naming the parameters that got no
-  // gradient if the previous backward could not finish its reduction.
+  /// Before each forward. Throws Error naming the parameters that got no
+  /// gradient if the previous backward could not finish its reduction.
   void prepare_forward();
-  // After each forward, with the tensors the forward returned.
+  /// After each forward, with the tensors the forward returned.
   void after_forward(const std::vector<torch::Tensor>& outputs);
 
-  // All-reduces every parameter's current .grad now and waits (collective).
-  // For SyncStrategy::NoSync, or to finish a no_sync() accumulation without
-  // another backward. Undefined gradients count as zeros.
+  /// All-reduces every parameter's current .grad now and waits (collective).
+  /// For SyncStrategy::NoSync, or to finish a no_sync() accumulation without
+  /// another backward. Undefined gradients count as zeros.
   void synchronize();
 
-  // While the depth is positive, backward accumulates locally (no_sync()).
+  /// While the depth is positive, backward accumulates locally (no_sync()).
   void push_no_sync() { ++no_sync_depth_; }
+  /// Leaves a no_sync() region (NoSyncGuard's destructor).
   void pop_no_sync() { --no_sync_depth_; }
 
+  /// Replaces how buckets are reduced.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
 
-  // Hands the reduction of every synchronizing backward to `owner` (see
-  // reduction_owner.h; ZeroRedundancyOptimizer at stage 2 calls it): the
-  // bucket buffers are freed and the comm hook is no longer used. nullptr
-  // gives the reduction back to DDP (the buckets are allocated again). Not
-  // between a backward and the end of its reduction. The owner must
-  // outlive its registration.
+  /// Hands the reduction of every synchronizing backward to `owner` (see
+  /// reduction_owner.h; ZeroRedundancyOptimizer at stage 2 calls it): the
+  /// bucket buffers are freed and the comm hook is no longer used. nullptr
+  /// gives the reduction back to DDP (the buckets are allocated again). Not
+  /// between a backward and the end of its reduction. The owner must
+  /// outlive its registration.
   void set_reduction_owner(ReductionOwner* owner);
+  /// The object the reduction was handed to, or nullptr.
   ReductionOwner* reduction_owner() const { return owner_; }
+  /// Measurements of the reduction.
   const DDPStats& stats() const { return stats_; }
+  /// The options DDP was built with.
   const DDPOptions& options() const { return options_; }
+  /// The communicator the gradients are reduced over.
   Communicator& communicator() { return *comm_; }
 
-  // The parameters that are reduced (requires_grad), in registration order,
-  // and their qualified names.
+  /// The parameters that are reduced (requires_grad), in registration order,
+  /// and their qualified names.
   const std::vector<torch::Tensor>& parameters() const { return params_; }
+  /// The parameters' names, in parameters() order (for error messages).
   const std::vector<std::string>& parameter_names() const { return names_; }
-  // Parameter indices of each bucket, in launch order (for tests and tools).
+  /// Parameter indices of each bucket, in launch order (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
-  // The flat buffer of bucket i (undefined while a reduction owner is set).
+  /// The flat buffer of bucket i (undefined while a reduction owner is set).
   const torch::Tensor& bucket_buffer(size_t i) const { return buckets_.at(i).buffer; }
 
-  // Called by the accumulator hook of parameter `index` (internal).
+  /// Called by the accumulator hook of parameter `index` (internal).
   void on_gradient_ready(size_t index);
 
  private:
   struct Bucket {
-    std::vector<size_t> params;        // indices into params_
-    torch::Tensor buffer;              // flat, one dtype
-    std::vector<torch::Tensor> views;  // per parameter, shaped like it
-    size_t pending = 0;                // parameters not ready yet
+    std::vector<size_t> params;        ///< indices into params_
+    torch::Tensor buffer;              ///< flat, one dtype
+    std::vector<torch::Tensor> views;  ///< per parameter, shaped like it
+    size_t pending = 0;                ///< parameters not ready yet
     bool launched = false;
     bool done = false;
     Work work;
-    double launch_s = 0;  // seconds since iteration start
+    double launch_s = 0;  ///< seconds since iteration start
     double done_s = 0;
   };
   struct Slot {
     size_t bucket = 0;
-    size_t position = 0;  // index into Bucket::params
+    size_t position = 0;  ///< index into Bucket::params
   };
 
   void broadcast_state();
   void broadcast_buffers();
   void build_buckets(const std::vector<size_t>& order);
   void rebuild_buckets();
-  // Puts the ready hook on parameter i's current gradient accumulator.
+  /// Puts the ready hook on parameter i's current gradient accumulator.
   void hook_accumulator(size_t i);
-  // Re-hooks parameters whose accumulator LibTorch replaced (Module::load).
+  /// Re-hooks parameters whose accumulator LibTorch replaced (Module::load).
   void refresh_accumulators();
   void reset_iteration();
   void mark_ready(size_t index, bool used);
@@ -134,27 +142,27 @@ class GradientReducer {
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<torch::Tensor> buffers_;
-  // The variables hold their accumulators weakly; we keep them alive so the
-  // hooks stay registered for the module's lifetime.
+  /// The variables hold their accumulators weakly; we keep them alive so the
+  /// hooks stay registered for the module's lifetime.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;
 
-  // Per-iteration state.
+  /// Per-iteration state.
   bool sync_this_iteration_ = false;
   bool backward_started_ = false;
   bool backward_finished_ = true;
   std::vector<char> ready_;
   std::vector<char> locally_used_;
-  std::vector<size_t> unused_;  // found at forward (find_unused_parameters)
+  std::vector<size_t> unused_;  ///< found at forward (find_unused_parameters)
   size_t next_to_launch_ = 0;
   std::string pending_error_;
   int no_sync_depth_ = 0;
   std::chrono::steady_clock::time_point start_;
 
-  // Bucket rebuild: the order of the first reduced iteration.
+  /// Bucket rebuild: the order of the first reduced iteration.
   std::vector<size_t> ready_order_;
   bool order_recorded_ = false;
   bool rebuilt_ = false;

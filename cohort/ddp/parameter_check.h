@@ -14,9 +14,9 @@
 
 namespace cohort {
 
-// Collective. Throws MismatchError on every rank naming the first parameter
-// that differs from rank 0's: its index, this rank's name for it, the
-// dtypes and shapes, and the two ranks.
+/// Collective. Throws MismatchError on every rank naming the first parameter
+/// that differs from rank 0's: its index, this rank's name for it, the
+/// dtypes and shapes, and the two ranks.
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
                             const std::vector<std::string>& names);
 
