@@ -35,52 +35,61 @@
 
 namespace cohort {
 
+/// Options of FusedDistributedOptimizer.
 struct FusedOptions {
-  // Largest bucket in MiB (a larger parameter gets a bucket of its own).
+  /// Largest bucket in MiB (a larger parameter gets a bucket of its own).
   double bucket_cap_mb = 25;
 };
 
+/// Data-parallel AdamW without DDP: gradients accumulate into flat buckets that are all-reduced,
+/// and each bucket is updated by the fused AdamW as soon as its average arrives.
 class FusedDistributedOptimizer {
  public:
-  // Collective: every rank passes the same shapes in the same order, with
-  // equal values (broadcast them first, e.g. by building DDP once, or seed).
+  /// Collective: every rank passes the same shapes in the same order, with
+  /// equal values (broadcast them first, e.g. by building DDP once, or seed).
   FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
                             std::shared_ptr<Communicator> comm, FusedOptions fused = {});
-  // Removes the gradient hooks from the parameters.
+  /// Removes the gradient hooks from the parameters.
   ~FusedDistributedOptimizer();
-  // The hooks hold this object's address.
+  /// The hooks hold this object's address.
   FusedDistributedOptimizer(const FusedDistributedOptimizer&) = delete;
   FusedDistributedOptimizer& operator=(const FusedDistributedOptimizer&) = delete;
 
-  // Collective: average the gradients over the ranks and apply AdamW.
+  /// Collective: average the gradients over the ranks and apply AdamW.
   void step();
-  // Collective: averages the gradients now (all buckets, then waits), so
-  // that the .grad hold the averages before step(), e.g. to clip them by
-  // their global norm; step() then only updates. This gives up the overlap
-  // of each bucket's all-reduce with the previous bucket's update.
+  /// Collective: averages the gradients now (all buckets, then waits), so
+  /// that the .grad hold the averages before step(), e.g. to clip them by
+  /// their global norm; step() then only updates. This gives up the overlap
+  /// of each bucket's all-reduce with the previous bucket's update.
   void finish_gradients();
-  // Zeros the gradient buckets (the .grad views with them).
+  /// Zeros the gradient buckets (the .grad views with them).
   void zero_grad();
+  /// Sets the learning rate of the next steps.
   void set_lr(double lr) { options_.lr(lr); }
+  /// AdamW's hyper-parameters.
   torch::optim::AdamWOptions& options() { return options_; }
-  // Steps taken so far.
+  /// Steps taken so far.
   int64_t timestep() const { return timestep_; }
+  /// The number of gradient buckets.
   size_t bucket_count() const { return buckets_.size(); }
-  // Parameter indices of each bucket.
+  /// Parameter indices of each bucket.
   std::vector<std::vector<size_t>> bucket_layout() const;
-  // Bytes of AdamW state and of gradient buffers held between steps.
+  /// Bytes of AdamW state and of gradient buffers held between steps.
   int64_t state_bytes() const;
+  /// Bytes of the gradient buckets.
   int64_t grad_bytes() const;
+  /// The gradient buckets (the parameters' .grad are views into them).
   std::vector<torch::Tensor> grad_buffers() const;
 
-  // Replicated state (every rank holds all of it): rank 0's save suffices.
+  /// Replicated state (every rank holds all of it): rank 0's save suffices.
   void save(torch::serialize::OutputArchive& archive) const;
+  /// Restores the state save() wrote.
   void load(torch::serialize::InputArchive& archive);
 
  private:
   struct Bucket {
     std::vector<size_t> params;
-    std::vector<int64_t> offsets;  // of each parameter in the flat buffers
+    std::vector<int64_t> offsets;  ///< of each parameter in the flat buffers
     torch::Tensor param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;
     Work work;
   };
@@ -91,13 +100,13 @@ class FusedDistributedOptimizer {
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
   std::vector<torch::Tensor> params_;
-  std::vector<int64_t> steps_;             // per parameter (skipped ones lag behind)
-  std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
-  std::vector<char> seen_;                 // got a gradient since zero_grad
+  std::vector<int64_t> steps_;             ///< per parameter (skipped ones lag behind)
+  std::vector<torch::Tensor> grad_views_;  ///< per parameter, into its bucket
+  std::vector<char> seen_;                 ///< got a gradient since zero_grad
   std::vector<unsigned> hooks_;
   std::vector<Bucket> buckets_;
   int64_t timestep_ = 0;
-  // finish_gradients() ran: the buckets hold averages; has_ its mask.
+  /// finish_gradients() ran: the buckets hold averages; has_ its mask.
   bool averaged_ = false;
   std::vector<char> has_;
 };

@@ -75,42 +75,45 @@ struct Node;
 
 namespace cohort {
 
+/// Options of ZeroRedundancyOptimizer.
 struct ZeroOptions {
-  // 1: optimizer state sharded; 2: gradients sharded as well.
+  /// 1: optimizer state sharded; 2: gradients sharded as well.
   int stage = 1;
-  // Largest bucket of the gradient reduction and the parameter all-gather,
-  // in MiB; smaller buckets mean less staging memory at stage 2.
+  /// Largest bucket of the gradient reduction and the parameter all-gather,
+  /// in MiB; smaller buckets mean less staging memory at stage 2.
   double bucket_cap_mb = 25;
-  // false when cohort DDP is in charge of the model: at stage 1 DDP's
-  // all-reduce averaged the .grad in backward and ZeRO reads them; at stage
-  // 2 DDP hands its reduction over (take_over_reduction(), which make(ddp,
-  // ...) calls). true: the optimizer reduces alone.
+  /// false when cohort DDP is in charge of the model: at stage 1 DDP's
+  /// all-reduce averaged the .grad in backward and ZeRO reads them; at stage
+  /// 2 DDP hands its reduction over (take_over_reduction(), which make(ddp,
+  /// ...) calls). true: the optimizer reduces alone.
   bool reduce_gradients = true;
-  // How the updated parameters are all-gathered (cohort/algorithms);
-  // Default: the communicator's choice.
+  /// How the updated parameters are all-gathered (cohort/algorithms);
+  /// Default: the communicator's choice.
   Algorithm gather_algo = Algorithm::Default;
 };
 
+/// ZeRO stage 1 or 2: an optimizer whose state (and at stage 2 averaged gradients) is sharded
+/// across the ranks; see the file's comment for one step.
 class ZeroRedundancyOptimizer : private ReductionOwner {
  public:
-  // Builds the inner optimizer over this rank's shard, from the shard's
-  // parameter groups (each with the caller's group options already set).
+  /// Builds the inner optimizer over this rank's shard, from the shard's
+  /// parameter groups (each with the caller's group options already set).
   using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(
       std::vector<torch::optim::OptimizerParamGroup>)>;
 
-  // Collective over comm: every rank passes the same parameter shapes in
-  // the same order. Parameters must already be equal on all ranks (as after
-  // DDP's broadcast); groups without options take the inner defaults.
+  /// Collective over comm: every rank passes the same parameter shapes in
+  /// the same order. Parameters must already be equal on all ranks (as after
+  /// DDP's broadcast); groups without options take the inner defaults.
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,
                           std::shared_ptr<Communicator> comm, ZeroOptions options = {});
-  // Removes the stage-2 gradient hooks from the parameters and gives DDP
-  // its reduction back.
+  /// Removes the stage-2 gradient hooks from the parameters and gives DDP
+  /// its reduction back.
   ~ZeroRedundancyOptimizer() override;
-  // The hooks hold this object's address.
+  /// The hooks hold this object's address.
   ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
   ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
 
-  // ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, AdamWOptions(lr), comm)
+  /// ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, AdamWOptions(lr), comm)
   template <typename Opt, typename Options>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(
       std::vector<torch::optim::OptimizerParamGroup> groups, const Options& defaults,
@@ -122,6 +125,7 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
         },
         std::move(comm), options);
   }
+  /// make() over one group of parameters.
   template <typename Opt, typename Options>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(std::vector<torch::Tensor> params,
                                                        const Options& defaults,
@@ -132,10 +136,10 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
     return make<Opt>(std::move(groups), defaults, std::move(comm), options);
   }
 
-  // With cohort DDP (every rank passes its DDP model; the parameters are
-  // ddp.parameters()): stage 1 reads DDP's averaged gradients, stage 2
-  // takes over DDP's reduction. comm must be DDP's communicator. The DDP
-  // model must outlive the optimizer.
+  /// With cohort DDP (every rank passes its DDP model; the parameters are
+  /// ddp.parameters()): stage 1 reads DDP's averaged gradients, stage 2
+  /// takes over DDP's reduction. comm must be DDP's communicator. The DDP
+  /// model must outlive the optimizer.
   template <typename Opt, typename Options, typename ModuleHolder>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(DistributedDataParallel<ModuleHolder>& ddp,
                                                        const Options& defaults,
@@ -147,44 +151,47 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
     return zero;
   }
 
-  // Stage 2 with reduce_gradients = false: from now on `ddp` reports ready
-  // gradients to this optimizer, which reduce-scatters them, instead of
-  // all-reducing them itself (see reduction_owner.h). Every parameter DDP
-  // reduces must be one of this optimizer's (InvalidArgument otherwise).
+  /// Stage 2 with reduce_gradients = false: from now on `ddp` reports ready
+  /// gradients to this optimizer, which reduce-scatters them, instead of
+  /// all-reducing them itself (see reduction_owner.h). Every parameter DDP
+  /// reduces must be one of this optimizer's (InvalidArgument otherwise).
   void take_over_reduction(GradientReducer& ddp);
 
-  // Collective: reduce gradients as the stage says, step the shard,
-  // all-gather the updated parameters.
+  /// Collective: reduce gradients as the stage says, step the shard,
+  /// all-gather the updated parameters.
   void step();
-  // Collective: ends this step's gradient reduction (stage 2: waits for the
-  // reduce-scatters), so that the pieces' .grad (shard_pieces()) hold this
-  // step's averaged gradients, e.g. to clip them by their global norm
-  // before step(). step() calls it when the caller did not.
+  /// Collective: ends this step's gradient reduction (stage 2: waits for the
+  /// reduce-scatters), so that the pieces' .grad (shard_pieces()) hold this
+  /// step's averaged gradients, e.g. to clip them by their global norm
+  /// before step(). step() calls it when the caller did not.
   void finish_gradients();
-  // Releases the parameters' gradients (set to none, as LibTorch 2.x).
+  /// Releases the parameters' gradients (set to none, as LibTorch 2.x).
   void zero_grad();
-  // Sets the rate of every group (as setting each group's lr in LibTorch).
+  /// Sets the rate of every group (as setting each group's lr in LibTorch).
   void set_lr(double lr);
 
-  // The inner optimizer's groups, index for index the caller's groups: their
-  // options (lr, weight decay, betas, ...) can be changed as in LibTorch.
+  /// The inner optimizer's groups, index for index the caller's groups: their
+  /// options (lr, weight decay, betas, ...) can be changed as in LibTorch.
   std::vector<torch::optim::OptimizerParamGroup>& param_groups();
+  /// The inner optimizer over this rank's shard.
   torch::optim::Optimizer& shard_optimizer() { return *inner_; }
-  // This rank's pieces (what the inner optimizer steps); after
-  // finish_gradients() their .grad are this rank's averaged gradients, a
-  // disjoint part of the whole on every rank (undefined for parameters that
-  // got no gradient anywhere).
+  /// This rank's pieces (what the inner optimizer steps); after
+  /// finish_gradients() their .grad are this rank's averaged gradients, a
+  /// disjoint part of the whole on every rank (undefined for parameters that
+  /// got no gradient anywhere).
   const std::vector<torch::Tensor>& shard_pieces() const { return pieces_; }
 
-  // RAII, stage 2 alone: backwards in its scope accumulate into .grad
-  // locally (no communication); the first backward after it reduces the
-  // sum. With DDP use ddp.no_sync(). Other stages accumulate without it.
+  /// RAII, stage 2 alone: backwards in its scope accumulate into .grad
+  /// locally (no communication); the first backward after it reduces the
+  /// sum. With DDP use ddp.no_sync(). Other stages accumulate without it.
   class NoSync {
    public:
+    /// Enters a no_sync() region of `zero`.
     explicit NoSync(ZeroRedundancyOptimizer& zero) : zero_(&zero) { ++zero_->no_sync_depth_; }
     ~NoSync() {
       if (zero_) --zero_->no_sync_depth_;
     }
+    /// Takes over `other`'s region.
     NoSync(NoSync&& other) noexcept : zero_(other.zero_) { other.zero_ = nullptr; }
     NoSync(const NoSync&) = delete;
     NoSync& operator=(const NoSync&) = delete;
@@ -193,38 +200,44 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
    private:
     ZeroRedundancyOptimizer* zero_;
   };
+  /// Stage 2 alone: backwards while the guard lives accumulate locally.
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+  /// How the flat parameters are split into buckets and shards.
   const FlatPartition& partition() const { return *partition_; }
+  /// The options it was built with.
   const ZeroOptions& options() const { return options_; }
+  /// The communicator the shards are exchanged over.
   Communicator& communicator() { return *comm_; }
 
-  // Bytes of optimizer state this rank holds (its shard's).
+  /// Bytes of optimizer state this rank holds (its shard's).
   int64_t state_bytes() const;
-  // The gradient storage this optimizer keeps between steps, and its bytes:
-  // the full flat buffer at stage 1 alone, the shard at stage 2, nothing
-  // at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
+  /// The gradient storage this optimizer keeps between steps, and its bytes:
+  /// the full flat buffer at stage 1 alone, the shard at stage 2, nothing
+  /// at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
   std::vector<torch::Tensor> grad_buffers() const;
+  /// Bytes of grad_buffers().
   int64_t grad_bytes() const;
-  // Stage 2: bytes of the staging buffer, in use from the first gradient of
-  // a backward to the end of the reduction and lazily freed between steps
-  // (staging_buffer.h); 0 otherwise.
+  /// Stage 2: bytes of the staging buffer, in use from the first gradient of
+  /// a backward to the end of the reduction and lazily freed between steps
+  /// (staging_buffer.h); 0 otherwise.
   int64_t staging_bytes() const { return staging_buffer_ ? staging_buffer_->nbytes() : 0; }
 
-  // This rank's shard of the state, for sharded checkpoints: every rank
-  // saves its own archive and loads it back into an optimizer with the same
-  // world size, rank and parameter shapes (checked: MismatchError).
+  /// This rank's shard of the state, for sharded checkpoints: every rank
+  /// saves its own archive and loads it back into an optimizer with the same
+  /// world size, rank and parameter shapes (checked: MismatchError).
   void save_shard(torch::serialize::OutputArchive& archive) const;
+  /// Restores the shard save_shard() wrote.
   void load_shard(torch::serialize::InputArchive& archive);
 
-  // Collective: gathers every rank's shard of each state tensor to rank
-  // `to`, which returns, per parameter, name -> full tensor shaped like the
-  // parameter ("exp_avg", "exp_avg_sq", "momentum_buffer", ...; plus "step"
-  // as a one-element int64 tensor where the state has one). Other ranks
-  // return an empty vector. Parameters never stepped have an empty map.
+  /// Collective: gathers every rank's shard of each state tensor to rank
+  /// `to`, which returns, per parameter, name -> full tensor shaped like the
+  /// parameter ("exp_avg", "exp_avg_sq", "momentum_buffer", ...; plus "step"
+  /// as a one-element int64 tensor where the state has one). Other ranks
+  /// return an empty vector. Parameters never stepped have an empty map.
   std::vector<std::map<std::string, torch::Tensor>> consolidate_state_dict(int to = 0);
 
-  // Called by the accumulator hook of parameter i, alone at stage 2
-  // (internal).
+  /// Called by the accumulator hook of parameter i, alone at stage 2
+  /// (internal).
   void on_gradient_ready(size_t i);
 
  private:
@@ -233,11 +246,11 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
   void step_and_all_gather();
   std::vector<char> globally_has_grad();
   std::vector<char> globally_has_grad_from(const std::vector<char>& local);
-  // Stage 2 (zero_checkpoint.cpp has none of it).
+  /// Stage 2 (zero_checkpoint.cpp has none of it).
   void hook_accumulators();
   void begin_iteration();
   void release_iteration();
-  // ReductionOwner: DDP's parameter index.
+  /// ReductionOwner: DDP's parameter index.
   void gradient_ready(size_t ddp_index) override;
   void backward_finished() override;
   void stage_gradient(size_t i);
@@ -247,36 +260,36 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
 
   std::shared_ptr<Communicator> comm_;
   ZeroOptions options_;
-  std::vector<torch::Tensor> params_;  // flat order
+  std::vector<torch::Tensor> params_;  ///< flat order
   std::unique_ptr<FlatPartition> partition_;
-  torch::Tensor flat_params_;  // padded; the parameters are views into it
-  torch::Tensor flat_grads_;   // stage 1 with reduce_gradients: padded
-  torch::Tensor shard_grads_;  // stage 2: this rank's shard
-  // One leaf tensor per piece, a view into flat_params_ (what the inner
-  // optimizer steps), in partition().pieces() order.
+  torch::Tensor flat_params_;  ///< padded; the parameters are views into it
+  torch::Tensor flat_grads_;   ///< stage 1 with reduce_gradients: padded
+  torch::Tensor shard_grads_;  ///< stage 2: this rank's shard
+  /// One leaf tensor per piece, a view into flat_params_ (what the inner
+  /// optimizer steps), in partition().pieces() order.
   std::vector<torch::Tensor> pieces_;
   std::unique_ptr<torch::optim::Optimizer> inner_;
 
-  // Stage 2 bookkeeping: parameters of each bucket and buckets of each
-  // parameter; per iteration the staging buffer (the .grad are views into
-  // it), which parameters are staged and which had a gradient here, what
-  // each bucket still waits for (parameters that require grad), the next
-  // bucket to launch (launched from the last down) and its Work.
+  /// Stage 2 bookkeeping: parameters of each bucket and buckets of each
+  /// parameter; per iteration the staging buffer (the .grad are views into
+  /// it), which parameters are staged and which had a gradient here, what
+  /// each bucket still waits for (parameters that require grad), the next
+  /// bucket to launch (launched from the last down) and its Work.
   std::vector<std::vector<size_t>> bucket_params_, param_buckets_;
   std::vector<int> pending_init_, pending_;
   std::vector<char> staged_, has_;
   std::unique_ptr<StagingBuffer> staging_buffer_;
-  torch::Tensor staging_;  // staging_buffer_'s, while in use
+  torch::Tensor staging_;  ///< staging_buffer_'s, while in use
   std::vector<Work> rs_work_;
   int64_t next_launch_ = -1;
   bool twice_ = false;
-  bool reduced_ = false;  // finish_gradients() ran since the last step
+  bool reduced_ = false;  ///< finish_gradients() ran since the last step
   int no_sync_depth_ = 0;
-  // Alone: post hooks on the gradient accumulators (as DDP's, so they see
-  // the accumulated .grad), kept alive with their keys.
+  /// Alone: post hooks on the gradient accumulators (as DDP's, so they see
+  /// the accumulated .grad), kept alive with their keys.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<std::pair<size_t, uintptr_t>> hooks_;  // (parameter, key)
-  // With DDP: its reducer and DDP's parameter index -> ours.
+  std::vector<std::pair<size_t, uintptr_t>> hooks_;  ///< (parameter, key)
+  /// With DDP: its reducer and DDP's parameter index -> ours.
   GradientReducer* ddp_ = nullptr;
   std::vector<size_t> from_ddp_;
 };
