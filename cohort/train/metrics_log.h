@@ -13,33 +13,36 @@
 
 namespace cohort {
 
+/// What the Trainer measured in one optimizer step.
 struct StepMetrics {
-  int64_t step = 0;            // optimizer steps done, this one included
-  int64_t epoch = 0;           // epoch the step belongs to (0-based)
-  double loss = 0.0;           // mean micro-batch loss, averaged over ranks
-  double lr = 0.0;             // learning rate used by this step
-  double grad_norm = 0.0;      // global L2 gradient norm before clipping
-  bool clipped = false;        // whether clipping scaled the gradients
-  int64_t samples = 0;         // samples in this step over all ranks
-  double step_seconds = 0.0;   // wall time of the step on this rank
-  double samples_per_s = 0.0; // samples / step_seconds
-  double comm_seconds = 0.0;   // gradient communication time in this step
+  int64_t step = 0;            ///< optimizer steps done, this one included
+  int64_t epoch = 0;           ///< epoch the step belongs to (0-based)
+  double loss = 0.0;           ///< mean micro-batch loss, averaged over ranks
+  double lr = 0.0;             ///< learning rate used by this step
+  double grad_norm = 0.0;      ///< global L2 gradient norm before clipping
+  bool clipped = false;        ///< whether clipping scaled the gradients
+  int64_t samples = 0;         ///< samples in this step over all ranks
+  double step_seconds = 0.0;   ///< wall time of the step on this rank
+  double samples_per_s = 0.0;  ///< samples / step_seconds
+  double comm_seconds = 0.0;   ///< gradient communication time in this step
 };
 
 nlohmann::json to_json(const StepMetrics& m);
 
+/// A JSON-lines metrics file, written by rank 0.
 class MetricsLog {
  public:
-  // Disabled (writes nothing) when `path` is empty or `enabled` is false:
-  // pass enabled = (rank == 0).
+  /// Disabled (writes nothing) when `path` is empty or `enabled` is false:
+  /// pass enabled = (rank == 0).
   MetricsLog(std::string path, bool enabled);
 
+  /// Whether this rank writes (rank 0 with a path).
   bool enabled() const { return enabled_; }
-  // Keeps only lines whose "step" is at most `step` (all lines are dropped
-  // for a negative step): a resumed job rewrites the steps it redoes instead
-  // of logging them twice.
+  /// Keeps only lines whose "step" is at most `step` (all lines are dropped
+  /// for a negative step): a resumed job rewrites the steps it redoes instead
+  /// of logging them twice.
   void keep_until(int64_t step);
-  // Appends one line and flushes it.
+  /// Appends one line and flushes it.
   void append(const nlohmann::json& line);
 
  private:
