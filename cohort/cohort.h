@@ -1,13 +1,33 @@
 // cohort: distributed training for the LibTorch C++ frontend.
-// defines (through its includes): init, world, Communicator, Work, the
-// option structs, the error kinds, and the stores.
+// defines (through its includes): the whole public API: init, Communicator,
+// Work, the options and error kinds, the stores, the algorithm choice,
+// DistributedDataParallel, ZeroRedundancyOptimizer, FusedDistributedOptimizer,
+// the Trainer with its optimizers, gradient syncs and data sources, and the
+// version macros.
 #pragma once
 
+// Communication.
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/init.h"
+#include "cohort/core/algorithm.h"
 #include "cohort/core/error.h"
 #include "cohort/core/store/hash_store.h"
 #include "cohort/core/store/prefix_store.h"
 #include "cohort/core/store/tcp_store.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
+// Data parallelism and optimizers.
+#include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/ddp/parameter_check.h"
+#include "cohort/optim/fused_adamw.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+// Training loop.
+#include "cohort/train/checkpoint_file.h"
+#include "cohort/train/ddp_gradient_sync.h"
+#include "cohort/train/progress.h"
+#include "cohort/train/rng_state.h"
+#include "cohort/train/tensor_data_source.h"
+#include "cohort/train/trainer.h"
+#include "cohort/train/trainer_adapters.h"
+#include "cohort/version.h"

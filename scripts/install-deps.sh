@@ -12,6 +12,7 @@ packages=(
   libgtest-dev googletest libgmock-dev
   libbenchmark-dev
   libcli11-dev
+  doxygen                 # the API reference (docs target and its test)
   nlohmann-json3-dev
   zlib1g-dev
   gnuplot-nox

@@ -16,45 +16,47 @@
 
 namespace cohort {
 
-// What connect() builds: the communicator's options, plus the engine and
-// where its transport listens. connect() reads no environment.
+/// What connect() builds: the communicator's options, plus the engine and
+/// where its transport listens. connect() reads no environment.
 struct ConnectOptions : CommunicatorOptions {
-  // "gloo" (default) or "mpi" in a build with MPI (COHORT_WITH_MPI).
+  /// "gloo" (default) or "mpi" in a build with MPI (COHORT_WITH_MPI).
   std::string backend = "gloo";
-  // Gloo binds loopback unless the ranks span several hosts.
+  /// Gloo binds loopback unless the ranks span several hosts.
   GlooOptions gloo;
 };
 
-// Builds a communicator of `size` ranks over `store`; every rank calls it.
+/// Builds a communicator of `size` ranks over `store`; every rank calls it.
 std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
                                       const ConnectOptions& options = {});
 
+/// What init() reads from the environment unless set here.
 struct InitOptions {
-  // Empty: COHORT_BACKEND, else "mpi" when started by mpirun (or after the
-  // application's MPI_Init) in a build with MPI, else "gloo".
+  /// Empty: COHORT_BACKEND, else "mpi" when started by mpirun (or after the
+  /// application's MPI_Init) in a build with MPI, else "gloo".
   std::string backend;
-  // "env://" (default: MASTER_ADDR/MASTER_PORT), "tcp://HOST:PORT" or
-  // "file:///path/to/shared/file".
+  /// "env://" (default: MASTER_ADDR/MASTER_PORT), "tcp://HOST:PORT" or
+  /// "file:///path/to/shared/file".
   std::string init_method = "env://";
-  // Negative: RANK / WORLD_SIZE from the environment.
+  /// Negative: RANK / WORLD_SIZE from the environment.
   int rank = -1;
+  /// Negative: WORLD_SIZE from the environment.
   int world_size = -1;
-  // Unset: COHORT_TIMEOUT (seconds), else 30 minutes as in PyTorch.
+  /// Unset: COHORT_TIMEOUT (seconds), else 30 minutes as in PyTorch.
   std::optional<Millis> timeout;
-  // Unset: COHORT_DEBUG=detail turns the checks on.
+  /// Unset: COHORT_DEBUG=detail turns the checks on.
   std::optional<bool> debug_checks;
-  // Unset: COHORT_ALGO, else Engine.
+  /// Unset: COHORT_ALGO, else Engine.
   std::optional<Algorithm> algorithm;
 };
 
-// Sets up the default group and returns it. Throws ConfigError for a bad
-// environment, TimeoutError when the rendezvous does not complete.
+/// Sets up the default group and returns it. Throws ConfigError for a bad
+/// environment, TimeoutError when the rendezvous does not complete.
 std::shared_ptr<Communicator> init(const InitOptions& options = {});
 bool is_initialized();
-// The default group; throws if init() was not called.
+/// The default group; throws if init() was not called.
 Communicator& world();
 std::shared_ptr<Communicator> world_ptr();
-// Drops the default group (collective: call it on every rank).
+/// Drops the default group (collective: call it on every rank).
 void finalize();
 
 }  // namespace cohort

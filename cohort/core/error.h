@@ -18,40 +18,40 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A tensor, an option or an argument the caller passed is not acceptable.
-// Raised synchronously, before anything is sent, so nothing is lost.
+/// A tensor, an option or an argument the caller passed is not acceptable.
+/// Raised synchronously, before anything is sent, so nothing is lost.
 class InvalidArgument : public Error {
  public:
   using Error::Error;
 };
 
-// The environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) or an init option is
-// missing or malformed.
+/// The environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) or an init option is
+/// missing or malformed.
 class ConfigError : public Error {
  public:
   using Error::Error;
 };
 
-// An operation did not complete within its timeout.
+/// An operation did not complete within its timeout.
 class TimeoutError : public Error {
  public:
   using Error::Error;
 };
 
-// A peer closed its connection, died, or the transport failed.
+/// A peer closed its connection, died, or the transport failed.
 class PeerError : public Error {
  public:
   using Error::Error;
 };
 
-// Debug mode found ranks that called different collectives, or the same one
-// with different shapes or dtypes.
+/// Debug mode found ranks that called different collectives, or the same one
+/// with different shapes or dtypes.
 class MismatchError : public Error {
  public:
   using Error::Error;
 };
 
-// The engine does not implement this operation or dtype.
+/// The engine does not implement this operation or dtype.
 class Unsupported : public Error {
  public:
   using Error::Error;

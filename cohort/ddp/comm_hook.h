@@ -16,40 +16,44 @@
 
 namespace cohort {
 
-// One bucket handed to a hook.
+/// One bucket handed to a hook.
 struct GradBucket {
-  // Position in the launch order (the same on every rank).
+  /// Position in the launch order (the same on every rank).
   int64_t index = 0;
-  // Flat, contiguous gradients of the bucket's parameters (one dtype).
+  /// Flat, contiguous gradients of the bucket's parameters (one dtype).
   torch::Tensor buffer;
-  // True for the last bucket of the iteration.
+  /// True for the last bucket of the iteration.
   bool is_last = false;
 };
 
+/// How DDP reduces a bucket of gradients (PyTorch's communication hooks): all-reduce by default, or
+/// in reduced precision.
 class CommHook {
  public:
   virtual ~CommHook() = default;
-  // Starts the reduction of bucket.buffer over comm. When the returned Work
-  // has been waited on, bucket.buffer must hold the average over ranks.
-  // Called once per bucket, buckets in index order on every rank.
+  /// Starts the reduction of bucket.buffer over comm. When the returned Work
+  /// has been waited on, bucket.buffer must hold the average over ranks.
+  /// Called once per bucket, buckets in index order on every rank.
   virtual Work run(Communicator& comm, GradBucket& bucket) = 0;
+  /// The hook's name, for logs and benchmarks.
   virtual std::string name() const = 0;
 };
 
-// all_reduce(Avg) of the bucket in place.
+/// all_reduce(Avg) of the bucket in place.
 class AllReduceHook : public CommHook {
  public:
   Work run(Communicator& comm, GradBucket& bucket) override;
   std::string name() const override { return "all_reduce"; }
 };
 
-// Casts the bucket to a reduced-precision copy, all-reduces the copy (Sum),
-// then casts back and divides by the world size. Note: cohort's Gloo path
-// currently reduces float16/bfloat16 in a float32 buffer, so on Gloo these
-// hooks save no bandwidth yet; they cost precision only. They pay off once
-// an engine sends 16-bit data natively.
+/// Casts the bucket to a reduced-precision copy, all-reduces the copy (Sum),
+/// then casts back and divides by the world size. Note: cohort's Gloo path
+/// currently reduces float16/bfloat16 in a float32 buffer, so on Gloo these
+/// hooks save no bandwidth yet; they cost precision only. They pay off once
+/// an engine sends 16-bit data natively.
 class ReducedPrecisionHook : public CommHook {
  public:
+  /// Sends the gradients as `wire_dtype` (f16 or bf16).
   explicit ReducedPrecisionHook(torch::Dtype wire_dtype) : wire_dtype_(wire_dtype) {}
   Work run(Communicator& comm, GradBucket& bucket) override;
   std::string name() const override;
@@ -58,11 +62,13 @@ class ReducedPrecisionHook : public CommHook {
   torch::Dtype wire_dtype_;
 };
 
+/// ReducedPrecisionHook with f16 on the wire.
 class Fp16CompressHook : public ReducedPrecisionHook {
  public:
   Fp16CompressHook() : ReducedPrecisionHook(torch::kFloat16) {}
 };
 
+/// ReducedPrecisionHook with bf16 on the wire.
 class Bf16CompressHook : public ReducedPrecisionHook {
  public:
   Bf16CompressHook() : ReducedPrecisionHook(torch::kBFloat16) {}

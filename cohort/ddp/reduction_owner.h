@@ -16,16 +16,18 @@
 
 namespace cohort {
 
+/// An object DDP hands its gradient reduction to (ZeRO-2): told when each parameter's gradient is
+/// ready instead of DDP all-reducing it.
 class ReductionOwner {
  public:
   virtual ~ReductionOwner() = default;
-  // In a synchronizing backward (not under no_sync()), once per parameter:
-  // parameter `index` (of GradientReducer::parameters()) holds in .grad its
-  // gradient accumulated over the no_sync() backwards before this one. An
-  // undefined .grad (a parameter unused so far) counts as zeros. Runs on
-  // the autograd thread, in the order gradients become ready.
+  /// In a synchronizing backward (not under no_sync()), once per parameter:
+  /// parameter `index` (of GradientReducer::parameters()) holds in .grad its
+  /// gradient accumulated over the no_sync() backwards before this one. An
+  /// undefined .grad (a parameter unused so far) counts as zeros. Runs on
+  /// the autograd thread, in the order gradients become ready.
   virtual void gradient_ready(size_t index) = 0;
-  // Every parameter has been reported (end of backward, or synchronize()).
+  /// Every parameter has been reported (end of backward, or synchronize()).
   virtual void backward_finished() = 0;
 };
 

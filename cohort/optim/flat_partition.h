@@ -22,32 +22,32 @@ namespace cohort {
 
 class FlatPartition {
  public:
-  // One parameter's place in the flat buffer.
+  /// One parameter's place in the flat buffer.
   struct Param {
-    int64_t offset = 0;  // first element in the flat buffer
+    int64_t offset = 0;  ///< first element in the flat buffer
     int64_t numel = 0;
-    size_t group = 0;  // its optimizer parameter group
+    size_t group = 0;  ///< its optimizer parameter group
   };
-  // One bucket: flat range [offset, offset + padded) of which the first
-  // `numel` elements hold parameters; chunk = padded / world.
+  /// One bucket: flat range [offset, offset + padded) of which the first
+  /// `numel` elements hold parameters; chunk = padded / world.
   struct Bucket {
     int64_t offset = 0;
     int64_t numel = 0;
     int64_t padded = 0;
     int64_t chunk = 0;
-    int64_t shard_offset = 0;  // where this bucket's chunk starts in a shard
+    int64_t shard_offset = 0;  ///< where this bucket's chunk starts in a shard
   };
-  // The intersection of this rank's chunk of a bucket with one parameter.
+  /// The intersection of this rank's chunk of a bucket with one parameter.
   struct Piece {
-    size_t param = 0;  // index of the parameter
+    size_t param = 0;  ///< index of the parameter
     size_t bucket = 0;
-    int64_t param_offset = 0;  // first element inside the parameter
-    int64_t shard_offset = 0;  // first element inside this rank's shard
+    int64_t param_offset = 0;  ///< first element inside the parameter
+    int64_t shard_offset = 0;  ///< first element inside this rank's shard
     int64_t numel = 0;
   };
 
-  // numels[i] and groups[i]: size and group of parameter i, in flat order.
-  // bucket_elements is rounded up to a multiple of world (at least world).
+  /// numels[i] and groups[i]: size and group of parameter i, in flat order.
+  /// bucket_elements is rounded up to a multiple of world (at least world).
   FlatPartition(const std::vector<int64_t>& numels, const std::vector<size_t>& groups, int world,
                 int rank, int64_t bucket_elements);
 
@@ -58,9 +58,9 @@ class FlatPartition {
   int64_t shard_numel() const { return padded_numel_ / world_; }
   const std::vector<Param>& params() const { return params_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  // This rank's pieces, ordered by shard offset.
+  /// This rank's pieces, ordered by shard offset.
   const std::vector<Piece>& pieces() const { return pieces_; }
-  // Flat offset of element 0 of this rank's chunk of bucket b.
+  /// Flat offset of element 0 of this rank's chunk of bucket b.
   int64_t chunk_offset(size_t b) const { return buckets_[b].offset + rank_ * buckets_[b].chunk; }
 
  private:

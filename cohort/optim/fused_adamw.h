@@ -17,8 +17,8 @@
 
 namespace cohort {
 
-// step is the count after this update (1 for the first). max_exp_avg_sq is
-// only read when options.amsgrad().
+/// step is the count after this update (1 for the first). max_exp_avg_sq is
+/// only read when options.amsgrad().
 void adamw_update(torch::Tensor& param, const torch::Tensor& grad, torch::Tensor& exp_avg,
                   torch::Tensor& exp_avg_sq, torch::Tensor& max_exp_avg_sq, int64_t step,
                   const torch::optim::AdamWOptions& options);

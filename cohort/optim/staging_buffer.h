@@ -27,12 +27,12 @@ class StagingBuffer {
  public:
   StagingBuffer(int64_t numel, torch::TensorOptions options);
 
-  // The buffer for one use; its contents are undefined.
+  /// The buffer for one use; its contents are undefined.
   torch::Tensor acquire();
-  // Ends the use: drops the tensor acquire() returned and hands the pages
-  // back (lazily). Tensors that still share the memory keep it mapped
-  // (nothing is unmapped under them) but their contents become undefined;
-  // the next acquire() returns the same memory.
+  /// Ends the use: drops the tensor acquire() returned and hands the pages
+  /// back (lazily). Tensors that still share the memory keep it mapped
+  /// (nothing is unmapped under them) but their contents become undefined;
+  /// the next acquire() returns the same memory.
   void release();
   bool in_use() const { return current_.defined(); }
   int64_t nbytes() const { return numel_ * static_cast<int64_t>(options_.dtype().itemsize()); }
@@ -41,7 +41,7 @@ class StagingBuffer {
   struct Mapping;
   int64_t numel_;
   torch::TensorOptions options_;
-  std::shared_ptr<Mapping> mapping_;  // kept mapped between uses
+  std::shared_ptr<Mapping> mapping_;  ///< kept mapped between uses
   torch::Tensor current_;
 };
 

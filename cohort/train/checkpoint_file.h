@@ -26,18 +26,18 @@ namespace cohort {
 inline constexpr uint32_t kCheckpointVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
 
-// A checkpoint file that cannot be used: missing, truncated, corrupt, or of
-// another format. The message starts with "checkpoint <path>: ".
+/// A checkpoint file that cannot be used: missing, truncated, corrupt, or of
+/// another format. The message starts with "checkpoint <path>: ".
 class CheckpointError : public Error {
  public:
   using Error::Error;
 };
 
-// Writes `payload` to `path` atomically. Throws Error on an I/O failure
-// (with the path and errno text); never leaves a partial file at `path`.
+/// Writes `payload` to `path` atomically. Throws Error on an I/O failure
+/// (with the path and errno text); never leaves a partial file at `path`.
 void write_checkpoint_file(const std::string& path, const std::string& payload);
 
-// Reads and verifies `path`; returns the payload.
+/// Reads and verifies `path`; returns the payload.
 std::string read_checkpoint_file(const std::string& path);
 
 }  // namespace cohort

@@ -12,15 +12,16 @@
 
 namespace cohort {
 
+/// The Trainer's input: micro-batches of this rank's shard of the data, epoch by epoch.
 class DataSource {
  public:
   virtual ~DataSource() = default;
-  // Prepares `epoch` (e.g. reshuffles). Same epoch, same order.
+  /// Prepares `epoch` (e.g. reshuffles). Same epoch, same order.
   virtual void set_epoch(int64_t epoch) = 0;
-  // Micro-batches this rank has in the current epoch; must be the same on
-  // every rank (all ranks step together).
+  /// Micro-batches this rank has in the current epoch; must be the same on
+  /// every rank (all ranks step together).
   virtual int64_t num_batches() const = 0;
-  // Micro-batch `index` (0 <= index < num_batches()) of the current epoch.
+  /// Micro-batch `index` (0 <= index < num_batches()) of the current epoch.
   virtual torch::data::Example<> batch(int64_t index) = 0;
 };
 

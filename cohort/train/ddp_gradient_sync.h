@@ -11,15 +11,18 @@
 
 namespace cohort {
 
+/// The Trainer's GradientSync for a DistributedDataParallel model: no_sync() for the non-final
+/// micro-batches.
 template <typename ModuleHolder>
 class DdpGradientSync : public GradientSync {
  public:
+  /// Syncs through `ddp`, which must outlive it.
   explicit DdpGradientSync(DistributedDataParallel<ModuleHolder>& ddp) : ddp_(ddp) {}
 
   std::shared_ptr<void> skip_sync() override {
     return std::make_shared<NoSyncGuard>(ddp_.no_sync());
   }
-  // DDP's backward already left averaged gradients on every rank.
+  /// DDP's backward already left averaged gradients on every rank.
   void finish_sync() override {}
   double comm_seconds() const override { return ddp_.stats().total_comm_seconds; }
 

@@ -20,25 +20,27 @@ namespace cohort {
 
 class Communicator;
 
+/// How the Trainer measures the global gradient norm for clipping.
 class GradNorm {
  public:
   virtual ~GradNorm() = default;
-  // The L2 norm of all gradients of the model (every rank returns the same
-  // value). `params` are the parameters this rank holds gradients for;
-  // parameters without a gradient count as zero.
+  /// The L2 norm of all gradients of the model (every rank returns the same
+  /// value). `params` are the parameters this rank holds gradients for;
+  /// parameters without a gradient count as zero.
   virtual double global_norm(const std::vector<torch::Tensor>& params) = 0;
 };
 
-// Every rank has the full, already reduced gradients.
+/// Every rank has the full, already reduced gradients.
 class ReplicatedGradNorm : public GradNorm {
  public:
   double global_norm(const std::vector<torch::Tensor>& params) override;
 };
 
-// Each rank has a disjoint shard of the gradients: sum of squares locally,
-// all-reduce (Sum) of the partial sums over `comm`, then the square root.
+/// Each rank has a disjoint shard of the gradients: sum of squares locally,
+/// all-reduce (Sum) of the partial sums over `comm`, then the square root.
 class ShardedGradNorm : public GradNorm {
  public:
+  /// Sums the squared partial norms over `comm`.
   explicit ShardedGradNorm(Communicator& comm) : comm_(comm) {}
   double global_norm(const std::vector<torch::Tensor>& params) override;
 
@@ -46,12 +48,12 @@ class ShardedGradNorm : public GradNorm {
   Communicator& comm_;
 };
 
-// Sum of squares of the gradients in `params`, accumulated in float64 so
-// that the result does not depend on how the parameters are grouped.
+/// Sum of squares of the gradients in `params`, accumulated in float64 so
+/// that the result does not depend on how the parameters are grouped.
 double local_squared_norm(const std::vector<torch::Tensor>& params);
 
-// Scales the gradients by max_norm / (norm + 1e-6) when that is below 1, as
-// torch::nn::utils::clip_grad_norm_ does. Returns true when it scaled.
+/// Scales the gradients by max_norm / (norm + 1e-6) when that is below 1, as
+/// torch::nn::utils::clip_grad_norm_ does. Returns true when it scaled.
 bool clip_grad_norm(const std::vector<torch::Tensor>& params, double norm, double max_norm);
 
 }  // namespace cohort

@@ -17,21 +17,25 @@ namespace cohort {
 
 class Communicator;
 
+/// How the Trainer averages gradients across ranks over a step's micro-batches.
 class GradientSync {
  public:
   virtual ~GradientSync() = default;
-  // A guard held across a non-final micro-batch's forward and backward:
-  // while it lives, backward must not communicate. May return nullptr.
+  /// A guard held across a non-final micro-batch's forward and backward:
+  /// while it lives, backward must not communicate. May return nullptr.
   virtual std::shared_ptr<void> skip_sync() = 0;
-  // Called after the final micro-batch's backward. On return every rank
-  // holds the average over ranks of the accumulated gradients.
+  /// Called after the final micro-batch's backward. On return every rank
+  /// holds the average over ranks of the accumulated gradients.
   virtual void finish_sync() = 0;
-  // Seconds spent in gradient communication since construction.
+  /// Seconds spent in gradient communication since construction.
   virtual double comm_seconds() const = 0;
 };
 
+/// A GradientSync for a model without DDP: one all-reduce (average) of the gradients after the last
+/// micro-batch.
 class AllReduceGradientSync : public GradientSync {
  public:
+  /// Averages the gradients of `params` over `comm`.
   AllReduceGradientSync(Communicator& comm, std::vector<torch::Tensor> params);
   std::shared_ptr<void> skip_sync() override { return nullptr; }
   void finish_sync() override;

@@ -11,22 +11,23 @@ namespace cohort {
 
 enum class LrScheduleKind { Constant, WarmupCosine };
 
+/// The learning rate as a function of the step (lr_at()).
 struct LrSchedule {
-  // Constant: always base_lr. WarmupCosine: linear warm-up, then cosine.
+  /// Constant: always base_lr. WarmupCosine: linear warm-up, then cosine.
   LrScheduleKind kind = LrScheduleKind::Constant;
-  // Peak rate (the optimizer's lr).
+  /// Peak rate (the optimizer's lr).
   double base_lr = 1e-3;
-  // WarmupCosine: steps of linear warm-up, lr = base_lr * (step + 1) / warmup_steps.
+  /// WarmupCosine: steps of linear warm-up, lr = base_lr * (step + 1) / warmup_steps.
   int64_t warmup_steps = 0;
-  // WarmupCosine: step at which the cosine reaches min_lr (and stays there).
+  /// WarmupCosine: step at which the cosine reaches min_lr (and stays there).
   int64_t total_steps = 0;
-  // WarmupCosine: rate at the end of the decay.
+  /// WarmupCosine: rate at the end of the decay.
   double min_lr = 0.0;
 };
 
-// The rate for optimizer step `step` (0-based: the first step is 0).
-// Throws InvalidArgument for a malformed schedule (negative steps, or
-// total_steps not past warmup_steps for WarmupCosine).
+/// The rate for optimizer step `step` (0-based: the first step is 0).
+/// Throws InvalidArgument for a malformed schedule (negative steps, or
+/// total_steps not past warmup_steps for WarmupCosine).
 double lr_at(const LrSchedule& schedule, int64_t step);
 
 }  // namespace cohort

@@ -10,14 +10,16 @@
 
 namespace cohort {
 
+/// The Trainer's progress output on rank 0: a bar on a terminal, log lines otherwise.
 class Progress {
  public:
-  // enabled: rank 0 and the trainer's progress option. total_steps: the
-  // step the run will stop at (for the bar and the ETA). log_every: steps
-  // between log lines when stdout is not a terminal.
+  /// enabled: rank 0 and the trainer's progress option. total_steps: the
+  /// step the run will stop at (for the bar and the ETA). log_every: steps
+  /// between log lines when stdout is not a terminal.
   Progress(bool enabled, int64_t first_step, int64_t total_steps, int64_t log_every);
+  /// Shows step `m`.
   void update(const StepMetrics& m);
-  // Ends the bar's line; call before printing anything else.
+  /// Ends the bar's line; call before printing anything else.
   void finish();
 
  private:

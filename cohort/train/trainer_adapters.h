@@ -31,15 +31,17 @@
 
 namespace cohort {
 
+/// FusedDistributedOptimizer as the Trainer's optimizer.
 class FusedTrainerOptimizer : public TrainerOptimizer {
  public:
+  /// Adapts `optimizer`, which must outlive it.
   explicit FusedTrainerOptimizer(FusedDistributedOptimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
   void set_lr(double lr) override { optimizer_.set_lr(lr); }
   void save(torch::serialize::OutputArchive& archive) const override { optimizer_.save(archive); }
   void load(torch::serialize::InputArchive& archive) override { optimizer_.load(archive); }
-  // The .grad (views into the buckets) hold the averages afterwards.
+  /// The .grad (views into the buckets) hold the averages afterwards.
   std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>& model_params) override {
     optimizer_.finish_gradients();
     return model_params;
@@ -49,19 +51,21 @@ class FusedTrainerOptimizer : public TrainerOptimizer {
   FusedDistributedOptimizer& optimizer_;
 };
 
+/// ZeroRedundancyOptimizer as the Trainer's optimizer (sharded state and gradients).
 class ZeroTrainerOptimizer : public TrainerOptimizer {
  public:
+  /// Adapts `optimizer`, which must outlive it.
   explicit ZeroTrainerOptimizer(ZeroRedundancyOptimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
   void set_lr(double lr) override { optimizer_.set_lr(lr); }
-  // This rank's shard only.
+  /// This rank's shard only.
   void save(torch::serialize::OutputArchive& archive) const override {
     optimizer_.save_shard(archive);
   }
   void load(torch::serialize::InputArchive& archive) override { optimizer_.load_shard(archive); }
   bool replicated_state() const override { return false; }
-  // The shard's pieces, whose .grad are this rank's averaged gradients.
+  /// The shard's pieces, whose .grad are this rank's averaged gradients.
   std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>&) override {
     optimizer_.finish_gradients();
     return optimizer_.shard_pieces();
@@ -72,14 +76,14 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
   ZeroRedundancyOptimizer& optimizer_;
 };
 
-// The trainer's sync for FusedDistributedOptimizer or ZeRO without DDP:
-// the optimizer averages in its step (or in gradients()), so this never
-// communicates; comm_seconds() is 0 (the time is inside the step).
+/// The trainer's sync for FusedDistributedOptimizer or ZeRO without DDP:
+/// the optimizer averages in its step (or in gradients()), so this never
+/// communicates; comm_seconds() is 0 (the time is inside the step).
 class InStepGradientSync : public GradientSync {
  public:
-  // The fused optimizer: autograd accumulates into its buckets as it is.
+  /// The fused optimizer: autograd accumulates into its buckets as it is.
   InStepGradientSync() = default;
-  // ZeRO alone: non-final micro-batches run under its no_sync().
+  /// ZeRO alone: non-final micro-batches run under its no_sync().
   explicit InStepGradientSync(ZeroRedundancyOptimizer& zero) : zero_(&zero) {}
   std::shared_ptr<void> skip_sync() override {
     if (!zero_) return nullptr;

@@ -16,32 +16,40 @@
 
 namespace cohort {
 
+/// The optimizer interface the Trainer drives (TorchOptimizer, FusedTrainerOptimizer,
+/// ZeroTrainerOptimizer).
 class TrainerOptimizer {
  public:
   virtual ~TrainerOptimizer() = default;
+  /// Clears the gradients.
   virtual void zero_grad() = 0;
+  /// Applies one update.
   virtual void step() = 0;
-  // Sets the rate of every parameter group (the schedule's value).
+  /// Sets the rate of every parameter group (the schedule's value).
   virtual void set_lr(double lr) = 0;
+  /// Writes the optimizer's state into a checkpoint.
   virtual void save(torch::serialize::OutputArchive& archive) const = 0;
+  /// Reads back what save() wrote.
   virtual void load(torch::serialize::InputArchive& archive) = 0;
-  // True when every rank holds the same optimizer state (rank 0 saves it).
+  /// True when every rank holds the same optimizer state (rank 0 saves it).
   virtual bool replicated_state() const { return true; }
-  // Called after the trainer's gradient sync, before step(): the tensors
-  // whose .grad are the averaged gradients, which the trainer measures and
-  // clips. By default the model's parameters (DDP or the all-reduce sync
-  // averaged them). An optimizer that averages inside step() finishes its
-  // reduction here and returns where the averages are (ZeRO: its shard).
+  /// Called after the trainer's gradient sync, before step(): the tensors
+  /// whose .grad are the averaged gradients, which the trainer measures and
+  /// clips. By default the model's parameters (DDP or the all-reduce sync
+  /// averaged them). An optimizer that averages inside step() finishes its
+  /// reduction here and returns where the averages are (ZeRO: its shard).
   virtual std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>& model_params) {
     return model_params;
   }
-  // True when gradients() returns a disjoint part of the gradients on each
-  // rank (ZeRO): the trainer's default norm is then ShardedGradNorm.
+  /// True when gradients() returns a disjoint part of the gradients on each
+  /// rank (ZeRO): the trainer's default norm is then ShardedGradNorm.
   virtual bool sharded_gradients() const { return false; }
 };
 
+/// Any LibTorch optimizer (SGD, AdamW, ...) as the Trainer's optimizer.
 class TorchOptimizer : public TrainerOptimizer {
  public:
+  /// Adapts `optimizer`, which must outlive it.
   explicit TorchOptimizer(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }

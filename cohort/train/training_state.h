@@ -19,25 +19,28 @@
 
 namespace cohort {
 
+/// Where training is: the position a checkpoint restores.
 struct TrainingPosition {
-  int64_t step = 0;   // optimizer steps done
-  int64_t epoch = 0;  // epoch of the next micro-batch
-  int64_t batch = 0;  // index of the next micro-batch in that epoch
+  int64_t step = 0;   ///< optimizer steps done
+  int64_t epoch = 0;  ///< epoch of the next micro-batch
+  int64_t batch = 0;  ///< index of the next micro-batch in that epoch
 };
 
-// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
+/// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
 std::string encode_training_state(torch::nn::Module& model, const TrainerOptimizer& optimizer,
                                   const TrainingPosition& position,
                                   const torch::Tensor& rng_states);
 
+/// A checkpoint's contents, decoded.
 struct DecodedState {
+  /// Where training was.
   TrainingPosition position;
-  torch::Tensor rng_states;  // [world_size, state_bytes]
+  torch::Tensor rng_states;  ///< [world_size, state_bytes]
 };
 
-// Loads model and optimizer from `payload` and returns the rest. Throws
-// CheckpointError (naming `source`) when the payload does not parse or does
-// not fit the model.
+/// Loads model and optimizer from `payload` and returns the rest. Throws
+/// CheckpointError (naming `source`) when the payload does not parse or does
+/// not fit the model.
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
                                    torch::nn::Module& model, TrainerOptimizer& optimizer);
 

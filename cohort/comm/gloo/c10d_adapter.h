@@ -13,23 +13,23 @@
 
 namespace cohort {
 
-// Where Gloo's transport listens (the timeout is the communicator's).
+/// Where Gloo's transport listens (the timeout is the communicator's).
 struct GlooOptions {
-  // Address Gloo's transport binds to: 127.0.0.1 for single-host jobs, the
-  // interface that reaches the other hosts otherwise.
+  /// Address Gloo's transport binds to: 127.0.0.1 for single-host jobs, the
+  /// interface that reaches the other hosts otherwise.
   std::string bind_address = "127.0.0.1";
-  // Network interface to bind instead of an address (GLOO_SOCKET_IFNAME).
+  /// Network interface to bind instead of an address (GLOO_SOCKET_IFNAME).
   std::string interface;
-  // Gloo worker threads per group; operations of one group run in order.
+  /// Gloo worker threads per group; operations of one group run in order.
   int threads = 2;
 };
 
-// Connects `size` ranks through `store` (a collective call: every rank calls
-// it with the same store). Throws TimeoutError naming the missing ranks.
+/// Connects `size` ranks through `store` (a collective call: every rank calls
+/// it with the same store). Throws TimeoutError naming the missing ranks.
 std::unique_ptr<Engine> make_gloo_engine(std::shared_ptr<Store> store, int rank, int size,
                                          const GlooOptions& options, Millis timeout);
 
-// A Store kept in a file that every rank can open (file:// rendezvous).
+/// A Store kept in a file that every rank can open (file:// rendezvous).
 std::shared_ptr<Store> make_file_store(const std::string& path, int world_size,
                                        Millis timeout);
 

@@ -9,6 +9,7 @@
 
 namespace cohort {
 
+/// A Store in this process's memory: ranks as threads share one.
 class HashStore : public Store {
  public:
   void set(const std::string& key, const std::vector<uint8_t>& value) override;

@@ -8,8 +8,10 @@
 
 namespace cohort {
 
+/// A view of another Store whose keys all start with a prefix: a subgroup's own key space.
 class PrefixStore : public Store {
  public:
+  /// Keys `k` become `prefix/k` in `inner`.
   PrefixStore(std::string prefix, std::shared_ptr<Store> inner);
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
@@ -19,6 +21,7 @@ class PrefixStore : public Store {
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
   bool delete_key(const std::string& key) override;
 
+  /// The prefix added to every key.
   const std::string& prefix() const { return prefix_; }
 
  private:

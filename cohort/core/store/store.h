@@ -15,30 +15,38 @@
 
 namespace cohort {
 
+/// A key-value store the ranks rendezvous through (TcpStore, HashStore, PrefixStore; file://
+/// through c10d).
 class Store {
  public:
   virtual ~Store() = default;
 
+  /// Sets `key` to `value`, waking the ranks that wait for it.
   virtual void set(const std::string& key, const std::vector<uint8_t>& value) = 0;
-  // Waits up to timeout() for `key` to exist, then returns its value.
+  /// Waits up to timeout() for `key` to exist, then returns its value.
   virtual std::vector<uint8_t> get(const std::string& key) = 0;
-  // Atomically adds `delta` to the integer at `key` (0 if absent); returns
-  // the new value.
+  /// Atomically adds `delta` to the integer at `key` (0 if absent); returns
+  /// the new value.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
-  // True when every key exists; does not wait.
+  /// True when every key exists; does not wait.
   virtual bool check(const std::vector<std::string>& keys) = 0;
-  // Waits until every key exists; throws TimeoutError naming the missing keys.
+  /// Waits until every key exists; throws TimeoutError naming the missing keys.
   virtual void wait(const std::vector<std::string>& keys, Millis timeout) = 0;
+  /// Removes `key`; returns whether it existed.
   virtual bool delete_key(const std::string& key) = 0;
 
+  /// How long get() and wait() wait for a key.
   Millis timeout() const { return timeout_; }
+  /// Sets how long get() and wait() wait for a key.
   void set_timeout(Millis t) { timeout_ = t; }
 
-  // Convenience for strings.
+  /// Convenience for strings.
   void set_string(const std::string& key, const std::string& value);
+  /// get() as a string.
   std::string get_string(const std::string& key);
 
  protected:
+  /// The timeout of get() and wait().
   Millis timeout_{std::chrono::minutes(30)};
 };
 

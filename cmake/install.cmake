@@ -1,0 +1,30 @@
+# `cmake --install`: libcohort, its public headers, cohortrun, cohort-plot,
+# cohort-bench, and the CMake package (cohortConfig.cmake, its version file,
+# the exported cohort::cohort target).
+include(CMakePackageConfigHelpers)
+
+set(COHORT_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/cohort)
+
+install(TARGETS cohort EXPORT cohortTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
+  FILE_SET HEADERS DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(EXPORT cohortTargets NAMESPACE cohort:: DESTINATION ${COHORT_INSTALL_CMAKEDIR})
+
+# The config finds what the exported target links: Torch, Threads, ZLIB,
+# nlohmann_json, and MPI when this build has the MPI engine.
+if(TARGET MPI::MPI_C)
+  set(COHORT_PACKAGE_WITH_MPI ON)
+else()
+  set(COHORT_PACKAGE_WITH_MPI OFF)
+endif()
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/cohortConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/cohortConfig.cmake
+  INSTALL_DESTINATION ${COHORT_INSTALL_CMAKEDIR})
+# 0.x: a minor version may break the API, so only the same minor matches.
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/cohortConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/cohortConfig.cmake
+              ${PROJECT_BINARY_DIR}/cohortConfigVersion.cmake
+        DESTINATION ${COHORT_INSTALL_CMAKEDIR})
