@@ -16,6 +16,8 @@ declare -A layer=(
   [comm]=2
   [ddp]=3
   [optim]=4
+  [mesh]=5
+  [tensor_parallel]=7
   [train]=9
 )
 

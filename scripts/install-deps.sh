@@ -17,6 +17,7 @@ packages=(
   zlib1g-dev
   gnuplot-nox
   dataset-fashion-mnist
+  fortunes                # plain-text corpus of the gpt example
   python3-torch           # reference peer for tests and benchmarks only
   iproute2                # network namespaces for the multi-host launcher tests
   clang-format git        # the formatting check on changed lines (git clang-format)

@@ -1,0 +1,87 @@
+// defines: GPTConfig, GPTStage, a small decoder-only transformer (GPT-2
+// layout, pre-LayerNorm) built from the tensor-parallel layers; one pipeline
+// stage of it per rank.
+//
+// Activations are sequence-first, [T, B, H] as in Megatron-LM, so that
+// sequence parallelism splits dimension 0. With tp > 1 every block does
+//   LayerNorm -> ColumnParallelLinear(QKV) -> attention of H/tp heads ->
+//   RowParallelLinear -> residual -> LayerNorm -> ColumnParallelLinear ->
+//   GELU -> RowParallelLinear -> residual,
+// and under sequence parallelism the LayerNorms, residuals and dropouts run
+// on [T/tp, B, H] shards (the column layers all-gather the sequence, the row
+// layers reduce-scatter it).
+//
+// Stage p of pp holds layers [p L/pp, (p+1) L/pp); the first stage also the
+// word and position embeddings, the last the final LayerNorm and the output
+// layer, whose weight is the word embedding (tied; with pp > 1 the last
+// stage holds its own copy, kept equal by GradientSynchronizer). Every
+// weight is drawn from a seed derived from (config.seed, layer, role), so a
+// seed gives the same model at any (tp, pp).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <vector>
+
+#include "cohort/mesh/device_mesh.h"
+#include "cohort/tensor_parallel/layers.h"
+
+namespace cohort::tensor_parallel {
+
+/// The model's sizes. hidden, heads, vocab_size (and seq_len under sequence
+/// parallelism) must divide by tp, layers by pp.
+struct GPTConfig {
+  int64_t vocab_size = 64;         ///< tokens (characters); pad to a multiple of tp
+  int64_t seq_len = 16;            ///< context length T
+  int64_t hidden = 32;             ///< model width H
+  int64_t heads = 4;               ///< attention heads
+  int64_t layers = 2;              ///< transformer blocks
+  double dropout = 0.0;            ///< attention and residual dropout (training only)
+  bool sequence_parallel = false;  ///< split LayerNorm/dropout regions along the sequence
+  uint64_t seed = 1234;            ///< seed of every weight
+};
+
+class TransformerBlockImpl;
+
+/// One pipeline stage of the GPT on one TP rank.
+class GPTStageImpl : public torch::nn::Module {
+ public:
+  /// Throws InvalidArgument when a size does not divide (naming it).
+  GPTStageImpl(const DeviceMesh& mesh, GPTConfig config);
+
+  /// First stage: ids [B, T] int64 -> hidden; other stages: hidden ->
+  /// hidden; the last stage returns vocab-parallel logits [T, B, V/tp].
+  /// Hidden states are [T, B, H], or [T/tp, B, H] under sequence parallelism.
+  torch::Tensor forward(const torch::Tensor& input);
+  /// Last stage: the mean cross-entropy of `logits` (from forward) against
+  /// targets [B, T], the same value on every TP rank.
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
+  /// Parameters replicated over TP whose gradients are partial under
+  /// sequence parallelism (LayerNorms, row-parallel biases); empty without it.
+  std::vector<torch::Tensor> sequence_parallel_parameters() const;
+  /// The word embedding (first stage) or the output layer's copy of it (last
+  /// stage); undefined on middle stages.
+  torch::Tensor shared_embedding_weight() const;
+
+  const GPTConfig& config() const { return config_; }  ///< the sizes
+  bool is_first() const { return first_; }             ///< holds the embeddings
+  bool is_last() const { return last_; }               ///< holds the output layer
+
+ private:
+  GPTConfig config_;
+  std::shared_ptr<Communicator> tp_;
+  bool first_, last_;
+  VocabParallelEmbedding word_embeddings_{nullptr};
+  torch::Tensor position_embeddings_;
+  std::vector<std::shared_ptr<TransformerBlockImpl>> blocks_;
+  torch::nn::LayerNorm final_layernorm_{nullptr};
+  VocabParallelEmbedding output_embeddings_{nullptr};  // pp > 1: the last stage's copy
+};
+TORCH_MODULE(GPTStage);
+
+}  // namespace cohort::tensor_parallel

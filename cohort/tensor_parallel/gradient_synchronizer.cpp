@@ -1,0 +1,111 @@
+#include "cohort/tensor_parallel/gradient_synchronizer.h"
+
+#include <chrono>
+
+#include "cohort/core/error.h"
+
+namespace cohort::tensor_parallel {
+
+namespace {
+
+// all_reduce(Avg) of a DP bucket with a chosen algorithm.
+class AlgorithmAllReduceHook : public CommHook {
+ public:
+  explicit AlgorithmAllReduceHook(Algorithm algo) : algo_(algo) {}
+  Work run(Communicator& comm, GradBucket& bucket) override {
+    AllReduceOptions o;
+    o.op = ReduceOp::Avg;
+    o.algo = algo_;
+    return comm.all_reduce(bucket.buffer, o);
+  }
+  std::string name() const override { return "all_reduce(" + to_string(algo_) + ")"; }
+
+ private:
+  Algorithm algo_;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+GradientSynchronizer::GradientSynchronizer(std::shared_ptr<DeviceMesh> mesh,
+                                           std::shared_ptr<torch::nn::Module> stage,
+                                           std::vector<torch::Tensor> sp_params,
+                                           torch::Tensor shared_embedding,
+                                           GradientSynchronizerOptions options)
+    : mesh_(std::move(mesh)),
+      sp_params_(std::move(sp_params)),
+      shared_embedding_(std::move(shared_embedding)),
+      options_(std::move(options)) {
+  if (!mesh_ || !stage) throw InvalidArgument("cohort: GradientSynchronizer: null mesh or stage");
+  const bool tied = mesh_->pp_size() > 1 && mesh_->in_embedding_group();
+  if (tied && !shared_embedding_.defined()) {
+    throw InvalidArgument("cohort: GradientSynchronizer (rank " + std::to_string(mesh_->rank()) +
+                          "): the first and last stages need the shared embedding");
+  }
+  if (tied) {
+    // The first stage's copy becomes the last stage's: one model.
+    torch::NoGradGuard no_grad;
+    auto w = shared_embedding_.detach().contiguous();
+    mesh_->embedding_group()->broadcast(w, {0}).wait();
+    shared_embedding_.detach().copy_(w);
+  }
+  if (mesh_->dp_size() > 1) {
+    reducer_ = std::make_unique<GradientReducer>(stage, mesh_->dp_group(), options_.ddp);
+    reducer_->register_comm_hook(
+        options_.dp_comm_hook ? options_.dp_comm_hook
+                              : std::make_shared<AlgorithmAllReduceHook>(options_.dp_algorithm));
+  }
+}
+
+GradientSynchronizer::~GradientSynchronizer() = default;
+
+void GradientSynchronizer::prepare_forward() {
+  if (reducer_) reducer_->prepare_forward();
+}
+
+void GradientSynchronizer::after_forward(const std::vector<torch::Tensor>& outputs) {
+  if (reducer_) reducer_->after_forward(outputs);
+}
+
+void GradientSynchronizer::all_reduce_grads(Communicator& group,
+                                            const std::vector<torch::Tensor>& params,
+                                            Algorithm algo, DimensionStats& stats) {
+  if (params.empty() || group.size() == 1) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    // A parameter without a gradient takes part with zeros: every rank must
+    // send the same shapes.
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    grads.push_back(p.grad());
+    stats.bytes += static_cast<int64_t>(p.numel() * p.element_size());
+  }
+  AllReduceOptions o;
+  o.algo = algo;
+  group.all_reduce_coalesced(grads, o).wait();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grads[i].is_same(params[i].grad())) params[i].mutable_grad().copy_(grads[i]);
+  }
+  stats.ops += 1;
+  stats.seconds += seconds_since(t0);
+}
+
+void GradientSynchronizer::finish_backward() {
+  all_reduce_grads(*mesh_->tp_group(), sp_params_, options_.tp_algorithm, stats_.tp);
+  if (mesh_->pp_size() > 1 && mesh_->in_embedding_group()) {
+    all_reduce_grads(*mesh_->embedding_group(), {shared_embedding_}, options_.embedding_algorithm,
+                     stats_.pp);
+  }
+  if (reducer_) {
+    const auto& d = reducer_->stats();
+    stats_.dp.ops += d.buckets;
+    stats_.dp.bytes += d.bytes;
+    stats_.dp.seconds += d.comm_seconds;
+  }
+  ++stats_.steps;
+}
+
+}  // namespace cohort::tensor_parallel

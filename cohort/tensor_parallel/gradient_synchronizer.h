@@ -1,0 +1,107 @@
+// defines: GradientSynchronizer, which finishes one step's gradients across
+// the three dimensions of a DeviceMesh, and its per-dimension statistics.
+//
+//   TP  parameters replicated over TP whose gradients are partial (under
+//       sequence parallelism: LayerNorms and row-parallel biases) are
+//       all-reduced over the TP group after backward;
+//   PP  the word embedding shared by the first and the last stage: at
+//       construction the first stage's copy is broadcast to the last; after
+//       backward the two gradients are all-reduced over the embedding group;
+//   DP  the stage's gradients are averaged over the DP group in buckets by
+//       cohort's DDP reducer, overlapped with backward (dp > 1 only).
+//
+//   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
+//                             stage->shared_embedding_weight());
+//   sync.prepare_forward();
+//   auto loss = stage->loss(stage(x), y);
+//   sync.after_forward({loss});
+//   loss.backward();
+//   sync.finish_backward();   // TP and PP reductions; DP finished in backward
+//   optimizer.step();
+//
+// The three reductions are sums or averages of the same linear gradient,
+// so their order does not change the result.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <vector>
+
+#include "cohort/ddp/comm_hook.h"
+#include "cohort/ddp/ddp_options.h"
+#include "cohort/ddp/gradient_reducer.h"
+#include "cohort/mesh/device_mesh.h"
+
+namespace cohort::tensor_parallel {
+
+/// Counters of one dimension, summed over the steps since construction.
+struct DimensionStats {
+  int64_t ops = 0;     ///< collectives issued (DP: buckets reduced)
+  int64_t bytes = 0;   ///< bytes of gradient reduced
+  double seconds = 0;  ///< time in the collectives (DP: with a bucket in flight)
+};
+
+/// Per-dimension statistics of a GradientSynchronizer.
+struct GradientSyncStats {
+  DimensionStats tp;  ///< sequence-parallel gradients over the TP group
+  DimensionStats pp;  ///< the shared embedding over the embedding group
+  DimensionStats dp;  ///< every gradient over the DP group
+  int64_t steps = 0;  ///< finish_backward calls
+};
+
+/// How each dimension reduces.
+struct GradientSynchronizerOptions {
+  /// TP all-reduce: a few small tensors each step, latency-bound; the TP
+  /// group's own choice (CommunicatorOptions::algorithm) by default.
+  Algorithm tp_algorithm = Algorithm::Default;
+  /// The embedding all-reduce between the first and the last stage.
+  Algorithm embedding_algorithm = Algorithm::Default;
+  /// DP bucket all-reduce (ignored when dp_comm_hook is set).
+  Algorithm dp_algorithm = Algorithm::Default;
+  /// A DDP communication hook for the DP buckets (e.g. a compressor).
+  std::shared_ptr<CommHook> dp_comm_hook;
+  /// Bucketing and overlap of the DP reduction.
+  DDPOptions ddp;
+};
+
+/// Finishes each step's gradients over TP, PP and DP (file comment).
+class GradientSynchronizer {
+ public:
+  /// Collective over the whole mesh: broadcasts the shared embedding from the
+  /// first to the last stage, and builds the DP reducer (which broadcasts the
+  /// stage from DP rank 0). `sequence_parallel_parameters` and
+  /// `shared_embedding` (undefined on middle stages) must be parameters of
+  /// `stage`.
+  GradientSynchronizer(std::shared_ptr<DeviceMesh> mesh, std::shared_ptr<torch::nn::Module> stage,
+                       std::vector<torch::Tensor> sequence_parallel_parameters,
+                       torch::Tensor shared_embedding, GradientSynchronizerOptions options = {});
+  ~GradientSynchronizer();
+
+  /// Before each forward (the DP reducer's bookkeeping).
+  void prepare_forward();
+  /// After each forward, with the tensors it returned (unused-parameter search).
+  void after_forward(const std::vector<torch::Tensor>& outputs);
+  /// After backward: the TP and embedding all-reduces (the DP reduction
+  /// finished in backward).
+  void finish_backward();
+
+  /// Per-dimension counters.
+  const GradientSyncStats& stats() const { return stats_; }
+  /// The DP reducer (nullptr when dp == 1).
+  GradientReducer* dp_reducer() { return reducer_.get(); }
+
+ private:
+  void all_reduce_grads(Communicator& group, const std::vector<torch::Tensor>& params,
+                        Algorithm algo, DimensionStats& stats);
+
+  std::shared_ptr<DeviceMesh> mesh_;
+  std::vector<torch::Tensor> sp_params_;
+  torch::Tensor shared_embedding_;
+  GradientSynchronizerOptions options_;
+  std::unique_ptr<GradientReducer> reducer_;
+  GradientSyncStats stats_;
+};
+
+}  // namespace cohort::tensor_parallel

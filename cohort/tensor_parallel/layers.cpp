@@ -1,0 +1,107 @@
+// The tensor-parallel layers: shard the tp = 1 weights, then wrap the local
+// matmul or lookup in the region mappings (mappings.h).
+#include "cohort/tensor_parallel/layers.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+#include "cohort/core/error.h"
+#include "cohort/tensor_parallel/mappings.h"
+
+namespace cohort::tensor_parallel {
+
+namespace {
+
+void check_divisible(const char* layer, const char* what, int64_t n, const Communicator& g) {
+  if (n % g.size() != 0) {
+    throw InvalidArgument(std::string("cohort: ") + layer + " (rank " + std::to_string(g.rank()) +
+                          "): " + what + " = " + std::to_string(n) +
+                          " does not divide by the tensor-parallel size " +
+                          std::to_string(g.size()));
+  }
+}
+
+std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> g, const char* layer) {
+  if (!g) throw InvalidArgument(std::string("cohort: ") + layer + ": the TP group is null");
+  return g;
+}
+
+}  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> master_linear_weights(int64_t in, int64_t out,
+                                                              uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  const double bound = in > 0 ? 1.0 / std::sqrt(static_cast<double>(in)) : 0.0;
+  auto w = torch::empty({out, in}).uniform_(-bound, bound, gen);
+  auto b = torch::empty({out}).uniform_(-bound, bound, gen);
+  return {w, b};
+}
+
+torch::Tensor master_embedding_weight(int64_t n, int64_t dim,
+                                      const VocabParallelEmbeddingOptions& o) {
+  auto gen = at::detail::createCPUGenerator(o.seed);
+  return torch::empty({n, dim}).normal_(0.0, o.init_std, gen);
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(std::shared_ptr<Communicator> g, int64_t in,
+                                                   int64_t out, ColumnParallelLinearOptions o)
+    : group_(checked(std::move(g), "ColumnParallelLinear")), options_(o) {
+  check_divisible("ColumnParallelLinear", "out_features", out, *group_);
+  auto [w, b] = master_linear_weights(in, out, o.seed);
+  const int r = group_->rank(), n = group_->size();
+  weight = register_parameter("weight", split_along(w, 0, r, n, "ColumnParallelLinear").clone());
+  if (o.bias) {
+    bias = register_parameter("bias", split_along(b, 0, r, n, "ColumnParallelLinear").clone());
+  }
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  auto input = options_.sequence_parallel ? gather_from_sequence_parallel_region(x, *group_)
+                                          : copy_to_tensor_parallel_region(x, *group_);
+  auto y = torch::linear(input, weight, bias);
+  return options_.gather_output ? gather_from_tensor_parallel_region(y, *group_) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(std::shared_ptr<Communicator> g, int64_t in,
+                                             int64_t out, RowParallelLinearOptions o)
+    : group_(checked(std::move(g), "RowParallelLinear")), options_(o) {
+  check_divisible("RowParallelLinear", "in_features", in, *group_);
+  if (o.sequence_parallel && !o.input_is_parallel) {
+    throw InvalidArgument("cohort: RowParallelLinear: sequence_parallel needs input_is_parallel");
+  }
+  auto [w, b] = master_linear_weights(in, out, o.seed);
+  weight = register_parameter(
+      "weight", split_along(w, 1, group_->rank(), group_->size(), "RowParallelLinear").clone());
+  if (o.bias) bias = register_parameter("bias", b);
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  auto input = options_.input_is_parallel ? x : scatter_to_tensor_parallel_region(x, *group_);
+  auto partial = torch::matmul(input, weight.t());
+  auto y = options_.sequence_parallel ? reduce_scatter_to_sequence_parallel_region(partial, *group_)
+                                      : reduce_from_tensor_parallel_region(partial, *group_);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> g, int64_t n,
+                                                       int64_t dim, VocabParallelEmbeddingOptions o)
+    : group_(checked(std::move(g), "VocabParallelEmbedding")) {
+  check_divisible("VocabParallelEmbedding", "num_embeddings", n, *group_);
+  start_ = group_->rank() * (n / group_->size());
+  end_ = start_ + n / group_->size();
+  auto w = master_embedding_weight(n, dim, o);
+  weight = register_parameter("weight", w.narrow(0, start_, end_ - start_).clone());
+}
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
+  if (group_->size() == 1) {
+    return reduce_from_tensor_parallel_region(torch::embedding(weight, ids), *group_);
+  }
+  auto outside = (ids < start_).logical_or(ids >= end_);
+  auto local = (ids - start_).masked_fill(outside, 0);
+  auto rows = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_tensor_parallel_region(rows, *group_);
+}
+
+}  // namespace cohort::tensor_parallel

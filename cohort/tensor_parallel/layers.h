@@ -1,0 +1,131 @@
+// defines: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+// Megatron-LM's tensor-parallel layers as torch::nn modules.
+//
+// A linear layer y = x A^T + b with A of shape [out, in] is split either by
+// output rows (column parallel: each rank computes out/tp features of y) or
+// by input columns (row parallel: each rank holds in/tp inputs and a partial
+// sum, all-reduced). A column-parallel layer followed by a row-parallel one
+// (an MLP, or attention's QKV and output projection) needs one all-reduce in
+// forward and one in backward.
+//
+// Initialization: every layer draws its full (tp = 1) weights from a CPU
+// generator seeded with `seed` and keeps its slice, so a shard equals the
+// matching slice of the same layer at tp = 1, and one seed gives one model at
+// any tp size. (This costs one full weight per rank at construction; fine for
+// the model sizes of the tests and the example.)
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <memory>
+
+#include "cohort/comm/communicator.h"
+
+namespace cohort::tensor_parallel {
+
+/// Options of ColumnParallelLinear.
+struct ColumnParallelLinearOptions {
+  bool bias = true;            ///< add a bias (sharded like the outputs)
+  bool gather_output = false;  ///< all-gather the output features (else each rank keeps its shard)
+  bool sequence_parallel =
+      false;          ///< the input is split along dim 0 (the sequence): all-gather it first
+  uint64_t seed = 0;  ///< seed of the full weights (see the file comment)
+};
+
+/// y = x A^T + b with A split by output features: A_i is [out/tp, in].
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  /// Throws InvalidArgument when out_features does not divide by tp.
+  ColumnParallelLinearImpl(std::shared_ptr<Communicator> tp_group, int64_t in_features,
+                           int64_t out_features, ColumnParallelLinearOptions options = {});
+  /// x: [..., in] (under sequence parallelism [s/tp, ..., in]); returns
+  /// [..., out/tp], or [..., out] with gather_output.
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::Tensor weight;  ///< [out/tp, in]
+  torch::Tensor bias;    ///< [out/tp], undefined without bias
+
+ private:
+  std::shared_ptr<Communicator> group_;
+  ColumnParallelLinearOptions options_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+/// Options of RowParallelLinear.
+struct RowParallelLinearOptions {
+  bool bias = true;  ///< add a bias (replicated on every TP rank, added after the reduction)
+  bool input_is_parallel = true;  ///< the input is already split by features (else it is scattered)
+  bool sequence_parallel =
+      false;          ///< reduce-scatter the output along dim 0 instead of all-reducing
+  uint64_t seed = 0;  ///< seed of the full weights (see the file comment)
+};
+
+/// y = x A^T + b with A split by input features: A_i is [out, in/tp].
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  /// Throws InvalidArgument when in_features does not divide by tp.
+  RowParallelLinearImpl(std::shared_ptr<Communicator> tp_group, int64_t in_features,
+                        int64_t out_features, RowParallelLinearOptions options = {});
+  /// x: [..., in/tp] (or [..., in] without input_is_parallel); returns
+  /// [..., out] (under sequence parallelism [s/tp, ..., out]).
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::Tensor weight;  ///< [out, in/tp]
+  torch::Tensor bias;    ///< [out], replicated; under sequence parallelism its
+                         ///< gradient must be all-reduced over TP
+
+ private:
+  std::shared_ptr<Communicator> group_;
+  RowParallelLinearOptions options_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+/// Options of VocabParallelEmbedding.
+struct VocabParallelEmbeddingOptions {
+  double init_std = 1.0;  ///< weights ~ N(0, init_std^2), as torch::nn::Embedding for 1.0
+  uint64_t seed = 0;      ///< seed of the full table (see the file comment)
+};
+
+/// An embedding table split by vocabulary rows: rank i holds the ids
+/// [i * V/tp, (i + 1) * V/tp); ids elsewhere look up zeros, and an
+/// all-reduce over TP adds the rows together.
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  /// Throws InvalidArgument when num_embeddings does not divide by tp (pad
+  /// the vocabulary to a multiple of tp).
+  VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> tp_group, int64_t num_embeddings,
+                             int64_t embedding_dim, VocabParallelEmbeddingOptions options = {});
+  /// ids: int64 of any shape; returns [ids..., embedding_dim] on every TP rank.
+  torch::Tensor forward(const torch::Tensor& ids);
+
+  int64_t vocab_start_index() const { return start_; }  ///< first id of this rank's rows
+  int64_t vocab_end_index() const { return end_; }      ///< one past the last
+
+  torch::Tensor weight;  ///< [num_embeddings/tp, embedding_dim]
+
+ private:
+  std::shared_ptr<Communicator> group_;
+  int64_t start_ = 0, end_ = 0;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+/// Per-token cross-entropy of logits split by vocabulary over `tp_group`
+/// (rank i holds columns [i * V/tp, (i + 1) * V/tp)) without gathering
+/// them: a max, a target logit and a sum of exponentials are all-reduced
+/// (three small all-reduces of one value per token). logits: [..., V/tp],
+/// target: int64 [...]; returns the loss per token, [...]. Backward is local.
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
+                                           Communicator& tp_group);
+
+/// The full (tp = 1) weights a layer with `seed` draws, as ColumnParallelLinear
+/// and RowParallelLinear do: {weight [out, in], bias [out]}, uniform in
+/// ±1/sqrt(in) as torch::nn::Linear. For tests and references.
+std::pair<torch::Tensor, torch::Tensor> master_linear_weights(int64_t in_features,
+                                                              int64_t out_features, uint64_t seed);
+/// The full table VocabParallelEmbedding with `options` draws.
+torch::Tensor master_embedding_weight(int64_t num_embeddings, int64_t embedding_dim,
+                                      const VocabParallelEmbeddingOptions& options);
+
+}  // namespace cohort::tensor_parallel

@@ -1,0 +1,205 @@
+// Each tensor-parallel layer at tp = 1..4 against its dense LibTorch
+// equivalent built from the same seed (master_*_weights), forward and
+// backward; the vocab-parallel cross-entropy against
+// torch::nn::functional::cross_entropy; f and g against closed forms.
+#include "cohort/tensor_parallel/layers.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+
+#include "cohort/tensor_parallel/mappings.h"
+#include "support/thread_ranks.h"
+
+namespace cohort::testing {
+namespace {
+
+using namespace cohort::tensor_parallel;
+
+torch::Tensor randn(at::IntArrayRef sizes, uint64_t seed) {
+  return torch::randn(sizes, at::detail::createCPUGenerator(seed));
+}
+
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5))
+      << what << ": max |diff| " << (got - want).abs().max().item<float>();
+}
+
+class Layers : public ::testing::TestWithParam<int> {};
+
+TEST_P(Layers, ColumnParallelLinearMatchesDense) {
+  const int tp = GetParam();
+  const int64_t in = 6, out = 12;
+  auto [w, b] = master_linear_weights(in, out, 5);
+  const auto x0 = randn({2, 3, in}, 1), c = randn({2, 3, out}, 2);
+  auto wd = w.clone().requires_grad_(), bd = b.clone().requires_grad_();
+  auto xd = x0.clone().requires_grad_();
+  auto yd = torch::linear(xd, wd, bd);
+  (yd * c).sum().backward();
+
+  for (bool gather : {false, true}) {
+    run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+      torch::set_num_threads(1);
+      ColumnParallelLinearOptions o;
+      o.seed = 5;
+      o.gather_output = gather;
+      ColumnParallelLinear layer(g, in, out, o);
+      const auto r = g->rank();
+      expect_close(layer->weight, split_along(w, 0, r, tp, "w"), "weight shard");
+      auto x = x0.clone().requires_grad_();
+      auto y = layer(x);
+      auto cy = gather ? c : split_along(c, -1, r, tp, "c");
+      expect_close(y, gather ? yd : split_along(yd, -1, r, tp, "y"), "output");
+      (y * cy).sum().backward();
+      // f's backward all-reduced the input gradient; with gather_output the
+      // output gradient was split back.
+      expect_close(x.grad(), xd.grad(), "input grad");
+      expect_close(layer->weight.grad(), split_along(wd.grad(), 0, r, tp, "gw"), "weight grad");
+      expect_close(layer->bias.grad(), split_along(bd.grad(), 0, r, tp, "gb"), "bias grad");
+    });
+  }
+}
+
+TEST_P(Layers, RowParallelLinearMatchesDense) {
+  const int tp = GetParam();
+  const int64_t in = 12, out = 5;
+  auto [w, b] = master_linear_weights(in, out, 7);
+  const auto x0 = randn({4, in}, 3), c = randn({4, out}, 4);
+  auto wd = w.clone().requires_grad_(), bd = b.clone().requires_grad_();
+  auto xd = x0.clone().requires_grad_();
+  auto yd = torch::linear(xd, wd, bd);
+  (yd * c).sum().backward();
+
+  for (bool parallel_input : {true, false}) {
+    run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+      torch::set_num_threads(1);
+      RowParallelLinearOptions o;
+      o.seed = 7;
+      o.input_is_parallel = parallel_input;
+      RowParallelLinear layer(g, in, out, o);
+      const auto r = g->rank();
+      auto x = (parallel_input ? split_along(x0, 1, r, tp, "x") : x0).clone().requires_grad_();
+      auto y = layer(x);
+      expect_close(y, yd, "output");
+      (y * c).sum().backward();
+      expect_close(x.grad(), parallel_input ? split_along(xd.grad(), 1, r, tp, "gx") : xd.grad(),
+                   "input grad");
+      expect_close(layer->weight.grad(), split_along(wd.grad(), 1, r, tp, "gw"), "weight grad");
+      expect_close(layer->bias.grad(), bd.grad(), "bias grad");
+    });
+  }
+}
+
+TEST_P(Layers, VocabParallelEmbeddingMatchesDense) {
+  const int tp = GetParam();
+  const int64_t vocab = 12, dim = 5;
+  VocabParallelEmbeddingOptions o;
+  o.seed = 9;
+  auto wd = master_embedding_weight(vocab, dim, o).requires_grad_();
+  const auto ids = torch::randint(vocab, {3, 4}, at::detail::createCPUGenerator(8));
+  const auto c = randn({3, 4, dim}, 10);
+  auto yd = torch::embedding(wd, ids);
+  (yd * c).sum().backward();
+
+  run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+    torch::set_num_threads(1);
+    VocabParallelEmbedding layer(g, vocab, dim, o);
+    auto y = layer(ids);
+    expect_close(y, yd, "output");
+    (y * c).sum().backward();
+    expect_close(layer->weight.grad(), split_along(wd.grad(), 0, g->rank(), tp, "gw"),
+                 "weight grad");
+  });
+}
+
+TEST_P(Layers, VocabParallelCrossEntropyMatchesTorch) {
+  const int tp = GetParam();
+  const int64_t vocab = 12;
+  // Large logits: the max subtraction must keep exp() finite.
+  for (double offset : {0.0, 80.0}) {
+    const auto z0 = randn({3, 5, vocab}, 11) * 3 + offset;
+    const auto target = torch::randint(vocab, {3, 5}, at::detail::createCPUGenerator(12));
+    const auto c = randn({3, 5}, 13);
+    auto zd = z0.clone().requires_grad_();
+    namespace F = torch::nn::functional;
+    auto ld = F::cross_entropy(zd.reshape({-1, vocab}), target.reshape({-1}),
+                               F::CrossEntropyFuncOptions().reduction(torch::kNone))
+                  .reshape({3, 5});
+    (ld * c).sum().backward();
+
+    run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+      torch::set_num_threads(1);
+      auto z = split_along(z0, 2, g->rank(), tp, "z").clone().requires_grad_();
+      auto loss = vocab_parallel_cross_entropy(z, target, *g);
+      expect_close(loss, ld, "loss");
+      (loss * c).sum().backward();
+      expect_close(z.grad(), split_along(zd.grad(), 2, g->rank(), tp, "gz"), "logit grad");
+    });
+  }
+}
+
+// Rank r holds (r + 1) everywhere: sums over ranks are n(n + 1)/2.
+TEST_P(Layers, ConjugateMappingsClosedForm) {
+  const int n = GetParam();
+  const double total = n * (n + 1) / 2.0;
+  run_ranks_shared(n, [&](std::shared_ptr<Communicator> g) {
+    const double mine = g->rank() + 1;
+    auto x = torch::full({2, 3}, mine).requires_grad_();
+    auto y = copy_to_tensor_parallel_region(x, *g);  // f
+    EXPECT_TRUE(torch::equal(y, x));
+    y.backward(torch::full({2, 3}, mine));
+    EXPECT_TRUE(torch::equal(x.grad(), torch::full({2, 3}, total)));
+
+    auto x2 = torch::full({2, 3}, mine).requires_grad_();
+    auto z = reduce_from_tensor_parallel_region(x2, *g);  // g
+    EXPECT_TRUE(torch::equal(z, torch::full({2, 3}, total)));
+    z.backward(torch::full({2, 3}, mine));
+    EXPECT_TRUE(torch::equal(x2.grad(), torch::full({2, 3}, mine)));
+
+    // Sequence-parallel pair: all-gather forward, reduce-scatter backward.
+    auto x3 = torch::full({2, 3}, mine).requires_grad_();
+    auto gathered = gather_from_sequence_parallel_region(x3, *g);
+    ASSERT_EQ(gathered.size(0), 2 * n);
+    for (int r = 0; r < n; ++r) EXPECT_EQ(gathered[2 * r][0].item<double>(), r + 1);
+    gathered.backward(torch::full({2 * n, 3}, mine));
+    EXPECT_TRUE(torch::equal(x3.grad(), torch::full({2, 3}, total)));
+
+    // reduce-scatter forward, all-gather backward.
+    auto x4 = torch::full({2 * n, 3}, mine).requires_grad_();
+    auto scattered = reduce_scatter_to_sequence_parallel_region(x4, *g);
+    EXPECT_TRUE(torch::equal(scattered, torch::full({2, 3}, total)));
+    scattered.backward(torch::full({2, 3}, mine));
+    for (int r = 0; r < n; ++r) EXPECT_EQ(x4.grad()[2 * r][0].item<double>(), r + 1);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(TensorParallel, Layers, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+TEST(LayerErrors, SizesThatDoNotDivideNameTheLayer) {
+  run_ranks_shared(4, [](std::shared_ptr<Communicator> g) {
+    auto message = [](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const InvalidArgument& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    auto m = message([&] { ColumnParallelLinear(g, 4, 10); });
+    EXPECT_NE(m.find("ColumnParallelLinear"), std::string::npos) << m;
+    EXPECT_NE(m.find("out_features = 10 does not divide by the tensor-parallel size 4"),
+              std::string::npos)
+        << m;
+    m = message([&] { RowParallelLinear(g, 6, 4); });
+    EXPECT_NE(m.find("RowParallelLinear"), std::string::npos) << m;
+    EXPECT_NE(m.find("in_features = 6"), std::string::npos) << m;
+    m = message([&] { VocabParallelEmbedding(g, 65, 8); });
+    EXPECT_NE(m.find("VocabParallelEmbedding"), std::string::npos) << m;
+    EXPECT_NE(m.find("num_embeddings = 65"), std::string::npos) << m;
+  });
+}
+
+}  // namespace
+}  // namespace cohort::testing
