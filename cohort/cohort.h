@@ -11,3 +11,5 @@
 #include "cohort/comm/store/tcp_store.h"
 #include "cohort/comm/types.h"
 #include "cohort/comm/work.h"
+#include "cohort/compression/compressed_collectives.h"
+#include "cohort/compression/compressor.h"

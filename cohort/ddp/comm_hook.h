@@ -1,6 +1,6 @@
 // defines: GradBucket, CommHook (a flat bucket in, a Work out) and the
 // built-in hooks: AllReduceHook (the default), Fp16CompressHook,
-// Bf16CompressHook.
+// Bf16CompressHook, CompressionHook (any cohort/compression compressor).
 //
 // As in PyTorch's register_comm_hook: later compression schemes (PowerSGD,
 // top-k) plug in here without touching the reducer.
@@ -13,6 +13,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/work.h"
+#include "cohort/compression/compressor.h"
 
 namespace cohort {
 
@@ -24,6 +25,9 @@ struct GradBucket {
   torch::Tensor buffer;
   // True for the last bucket of the iteration.
   bool is_last = false;
+  // Views of `buffer` shaped as the bucket's parameters (PyTorch's
+  // bucket.gradients()); PowerSGD compresses the matrices among them.
+  std::vector<torch::Tensor> gradients;
 };
 
 class CommHook {
@@ -43,11 +47,12 @@ class AllReduceHook : public CommHook {
   std::string name() const override { return "all_reduce"; }
 };
 
-// Casts the bucket to a reduced-precision copy, all-reduces the copy (Sum),
-// then casts back and divides by the world size. Note: cohort's Gloo path
-// currently reduces float16/bfloat16 in a float32 buffer, so on Gloo these
-// hooks save no bandwidth yet; they cost precision only. They pay off once
-// an engine sends 16-bit data natively.
+// Averages the bucket sending float16 or bfloat16 on the wire: a ring
+// reduce-scatter with 16-bit messages and float32 sums at each hop, then a
+// ring all-gather (compression::low_precision_all_reduce), over the
+// communicator's point-to-point, so every engine sends half the bytes of a
+// float32 all-reduce. Runs when the bucket is launched (the Work returned
+// is complete).
 class ReducedPrecisionHook : public CommHook {
  public:
   explicit ReducedPrecisionHook(torch::Dtype wire_dtype) : wire_dtype_(wire_dtype) {}
@@ -66,6 +71,24 @@ class Fp16CompressHook : public ReducedPrecisionHook {
 class Bf16CompressHook : public ReducedPrecisionHook {
  public:
   Bf16CompressHook() : ReducedPrecisionHook(torch::kBFloat16) {}
+};
+
+// Averages each bucket with a compressor (cohort/compression/compressor.h),
+// keyed by the bucket's index; what it keeps (error feedback, PowerSGD's Q)
+// is reachable through compressor() for checkpoints. Runs when the bucket is
+// launched (the Work returned is complete). A float32 bucket is required.
+class CompressionHook : public CommHook {
+ public:
+  explicit CompressionHook(const compression::CompressionOptions& options)
+      : compressor_(compression::make_compressor(options)) {}
+  explicit CompressionHook(std::shared_ptr<compression::Compressor> compressor)
+      : compressor_(std::move(compressor)) {}
+  Work run(Communicator& comm, GradBucket& bucket) override;
+  std::string name() const override { return compressor_->name() + "_compress"; }
+  compression::Compressor& compressor() { return *compressor_; }
+
+ private:
+  std::shared_ptr<compression::Compressor> compressor_;
 };
 
 }  // namespace cohort

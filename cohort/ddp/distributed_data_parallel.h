@@ -88,7 +88,11 @@ class DistributedDataParallel {
                           DDPOptions options = {})
       : module_(std::move(module)),
         reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_),
-                                                   std::move(comm), options)) {}
+                                                   std::move(comm), options)) {
+    if (options.compression.kind != compression::CompressionKind::None) {
+      register_comm_hook(std::make_shared<CompressionHook>(options.compression));
+    }
+  }
 
   // Pre-forward work (previous iteration check, bucket rebuild, buffer
   // broadcast), the module's own forward, then the unused-parameter search.
