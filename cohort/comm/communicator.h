@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "cohort/comm/engine.h"
-#include "cohort/comm/store/store.h"
-#include "cohort/comm/types.h"
-#include "cohort/comm/work.h"
+#include "cohort/core/engine.h"
+#include "cohort/core/store/store.h"
+#include "cohort/core/types.h"
+#include "cohort/core/work.h"
 
 namespace cohort {
 
@@ -30,27 +30,6 @@ class CollectiveChecker;
 namespace algorithms {
 class Executor;
 }
-
-struct CommunicatorOptions {
-  // Timeout of every operation that does not set its own.
-  Millis timeout{std::chrono::minutes(30)};
-  // Check across ranks, before every collective, that all called the same
-  // operation with the same shapes and dtypes (COHORT_DEBUG=detail).
-  bool debug_checks = false;
-  // Named in error messages.
-  std::string name = "world";
-  // How all_reduce, reduce_scatter and all_gather run when an operation
-  // does not choose (cohort/algorithms/algorithm.h). Default: COHORT_ALGO,
-  // else Engine.
-  Algorithm algorithm = Algorithm::Default;
-  // This rank's node, for the hierarchical algorithm (empty: COHORT_NODE_ID,
-  // GROUP_RANK or the host name).
-  std::string node;
-  // Adaptive calibrates sizes up to this many bytes and extrapolates above
-  // (0: COHORT_CALIBRATION_MAX_BYTES, else 64 MiB). A job whose collectives
-  // are small can cut its start-up time with it.
-  int64_t calibration_max_bytes = 0;
-};
 
 class Communicator {
  public:
@@ -129,13 +108,38 @@ class Communicator {
   struct Call {
     OpContext ctx;
     std::string where() const { return ctx.describe(); }
+    // Throws InvalidArgument "cohort: <where()>: <why>".
+    [[noreturn]] void refuse(const std::string& why) const;
   };
   Call begin(const std::string& op, Millis timeout, std::vector<int> peers) const;
   Call begin_collective(const std::string& op, Millis timeout) const;
-  void debug_check(const Call& call, const std::string& fingerprint);
+  // COHORT_DEBUG=detail: every rank must pass the same fingerprint, which is
+  // built only when the check is on.
+  template <class Fingerprint>
+  void debug_check(const Call& call, Fingerprint&& fingerprint) {
+    if (checker_) verify_agreement(call, fingerprint());
+  }
+  void verify_agreement(const Call& call, const std::string& fingerprint);
   Work finish(const Call& call, WorkPtr impl, std::function<void()> on_success = {});
+  // The Work of a reduction that ran on `buf`: on success, averaged if asked
+  // and copied into `out` (a no-op when `buf` is `out`).
+  Work finish_reduction(const Call& call, WorkPtr impl, torch::Tensor out, torch::Tensor buf,
+                        ReduceOp op);
   void check_root(const Call& call, int root) const;
   void check_peer(const Call& call, int peer) const;
+  // `list` holds one tensor per rank, each with `ref`'s dtype and shape.
+  void check_per_rank(const Call& call, const std::vector<torch::Tensor>& list,
+                      const torch::Tensor& ref, const std::string& name) const;
+  // reduce_scatter's two forms after their checks: `chunks` are the ranks'
+  // blocks in the reduction dtype, `flat` the same blocks back to back when
+  // they already are (else undefined).
+  Work run_reduce_scatter(const Call& call, torch::Tensor& output,
+                          std::vector<torch::Tensor> chunks, torch::Tensor flat,
+                          const ReduceScatterOptions& opts);
+  // all_gather's two forms after their checks: one wire-dtype output per
+  // rank, and the same memory as one flat tensor when it is one.
+  Work run_all_gather(const Call& call, std::vector<torch::Tensor> outputs, torch::Tensor flat,
+                      const torch::Tensor& input, const AllGatherOptions& opts);
   std::shared_ptr<Communicator> make_subgroup(const std::vector<int>& ranks,
                                               const std::string& key_space,
                                               const std::string& name);

@@ -7,7 +7,7 @@
 #include "cohort/algorithms/link.h"
 #include "cohort/algorithms/ring.h"
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort::compression {
 namespace {

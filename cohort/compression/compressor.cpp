@@ -3,9 +3,9 @@
 #include <cmath>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/error.h"
 #include "cohort/compression/compressed_collectives.h"
 #include "cohort/compression/powersgd.h"
+#include "cohort/core/error.h"
 
 namespace cohort::compression {
 namespace {
@@ -16,9 +16,9 @@ void check_input(const at::Tensor& t) {
   }
 }
 
-// State maps are keyed "<what>.<tensor key>".
+// State maps are keyed "<what>_<tensor key>" (no dots: checkpoint archives refuse them).
 std::string state_name(const std::string& what, int64_t key) {
-  return what + "." + std::to_string(key);
+  return what + "_" + std::to_string(key);
 }
 
 void save_map(std::map<std::string, at::Tensor>& out, const std::string& what,
@@ -31,9 +31,9 @@ void save_map(std::map<std::string, at::Tensor>& out, const std::string& what,
 void load_map(const std::map<std::string, at::Tensor>& in, const std::string& what,
               std::map<int64_t, at::Tensor>& out) {
   out.clear();
-  const std::string prefix = what + ".";
+  const std::string prefix = what + "_";
   for (auto& [name, t] : in) {
-    if (name.rfind(prefix, 0) == 0 && name.find('.', prefix.size()) == std::string::npos) {
+    if (name.rfind(prefix, 0) == 0) {
       out[std::stoll(name.substr(prefix.size()))] = t.clone();
     }
   }
@@ -75,13 +75,13 @@ class Int8 : public Compressor {
   std::string name() const override { return "int8"; }
   std::map<std::string, at::Tensor> state() const override {
     std::map<std::string, at::Tensor> s;
-    save_map(s, "int8.worker_error", worker_);
-    save_map(s, "int8.owner_error", owner_);
+    save_map(s, "int8_worker_error", worker_);
+    save_map(s, "int8_owner_error", owner_);
     return s;
   }
   void load_state(const std::map<std::string, at::Tensor>& s) override {
-    load_map(s, "int8.worker_error", worker_);
-    load_map(s, "int8.owner_error", owner_);
+    load_map(s, "int8_worker_error", worker_);
+    load_map(s, "int8_owner_error", owner_);
   }
 
  private:
@@ -125,11 +125,11 @@ class TopK : public Compressor {
   std::string name() const override { return "topk"; }
   std::map<std::string, at::Tensor> state() const override {
     std::map<std::string, at::Tensor> s;
-    save_map(s, "topk.error", error_);
+    save_map(s, "topk_error", error_);
     return s;
   }
   void load_state(const std::map<std::string, at::Tensor>& s) override {
-    load_map(s, "topk.error", error_);
+    load_map(s, "topk_error", error_);
   }
 
  private:

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort::compression {
 namespace {
@@ -80,10 +80,10 @@ class PowerSGD : public Compressor {
 
   std::map<std::string, at::Tensor> state() const override {
     std::map<std::string, at::Tensor> s;
-    for (auto& [k, t] : errors_) s["powersgd.error." + std::to_string(k)] = t.clone();
-    for (auto& [k, t] : q_) s["powersgd.q." + std::to_string(k)] = t.clone();
+    for (auto& [k, t] : errors_) s["powersgd_error_" + std::to_string(k)] = t.clone();
+    for (auto& [k, t] : q_) s["powersgd_q_" + std::to_string(k)] = t.clone();
     for (auto& [k, n] : steps_)
-      s["powersgd.step." + std::to_string(k)] = at::scalar_tensor(n, at::kLong);
+      s["powersgd_step_" + std::to_string(k)] = at::scalar_tensor(n, at::kLong);
     return s;
   }
   void load_state(const std::map<std::string, at::Tensor>& s) override {
@@ -94,10 +94,10 @@ class PowerSGD : public Compressor {
       auto key_of = [&](const std::string& prefix) {
         return std::stoll(name.substr(prefix.size()));
       };
-      if (name.rfind("powersgd.error.", 0) == 0) errors_[key_of("powersgd.error.")] = t.clone();
-      if (name.rfind("powersgd.q.", 0) == 0) q_[key_of("powersgd.q.")] = t.clone();
-      if (name.rfind("powersgd.step.", 0) == 0)
-        steps_[key_of("powersgd.step.")] = t.item<int64_t>();
+      if (name.rfind("powersgd_error_", 0) == 0) errors_[key_of("powersgd_error_")] = t.clone();
+      if (name.rfind("powersgd_q_", 0) == 0) q_[key_of("powersgd_q_")] = t.clone();
+      if (name.rfind("powersgd_step_", 0) == 0)
+        steps_[key_of("powersgd_step_")] = t.item<int64_t>();
     }
   }
 

@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/compression/compressed_collectives.h"
 
 namespace cohort {

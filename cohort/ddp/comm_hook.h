@@ -8,12 +8,13 @@
 
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
 #include <string>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/work.h"
 #include "cohort/compression/compressor.h"
+#include "cohort/core/work.h"
 
 namespace cohort {
 
@@ -38,6 +39,14 @@ class CommHook {
   // Called once per bucket, buckets in index order on every rank.
   virtual Work run(Communicator& comm, GradBucket& bucket) = 0;
   virtual std::string name() const = 0;
+  // True when the hook keeps state across iterations that a resumed run
+  // needs (error feedback, PowerSGD's Q): the Trainer then saves state()
+  // in each rank's checkpoint shard. The same on every rank.
+  virtual bool stateful() const { return false; }
+  // This rank's state, as named tensors (copies).
+  virtual std::map<std::string, torch::Tensor> state() const { return {}; }
+  // Restores state() saved by the same rank of an earlier run.
+  virtual void load_state(const std::map<std::string, torch::Tensor>& state) { (void)state; }
 };
 
 // all_reduce(Avg) of the bucket in place.
@@ -86,6 +95,11 @@ class CompressionHook : public CommHook {
   Work run(Communicator& comm, GradBucket& bucket) override;
   std::string name() const override { return compressor_->name() + "_compress"; }
   compression::Compressor& compressor() { return *compressor_; }
+  bool stateful() const override { return true; }
+  std::map<std::string, torch::Tensor> state() const override { return compressor_->state(); }
+  void load_state(const std::map<std::string, torch::Tensor>& state) override {
+    compressor_->load_state(state);
+  }
 
  private:
   std::shared_ptr<compression::Compressor> compressor_;

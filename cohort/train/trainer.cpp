@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/train/checkpoint_file.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"
@@ -146,13 +146,16 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
 
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
-  const bool sharded = !optimizer_.replicated_state();
+  // Per-rank state (a sharded optimizer, a compressor's error feedback)
+  // goes into each rank's shard file.
+  const bool sharded = !optimizer_.replicated_state() || sync_.has_state();
   if (sharded) {
     // Each rank writes its optimizer shard (atomic, checksummed) before the
     // gather below, so rank 0 writes the main file, which is what makes the
     // checkpoint exist, only once every shard is on disk.
     torch::serialize::OutputArchive archive;
-    optimizer_.save(archive);
+    if (!optimizer_.replicated_state()) optimizer_.save(archive);
+    if (sync_.has_state()) sync_.save_state(archive);
     std::ostringstream out;
     archive.save_to(out);
     write_checkpoint_file(shard_path(position_.step), out.str());
@@ -235,15 +238,16 @@ std::optional<int64_t> Trainer::resume() {
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
   auto state = decode_training_state(payload, path, *model_, optimizer_);
-  if (!optimizer_.replicated_state()) {
-    // This rank's optimizer shard; the optimizer checks that it was saved
-    // by the same rank of the same layout.
+  if (!optimizer_.replicated_state() || sync_.has_state()) {
+    // This rank's shard; the optimizer checks that it was saved by the same
+    // rank of the same layout.
     const auto shard = read_checkpoint_file(shard_path(step));
     try {
       std::istringstream in(shard);
       torch::serialize::InputArchive archive;
       archive.load_from(in);
-      optimizer_.load(archive);
+      if (!optimizer_.replicated_state()) optimizer_.load(archive);
+      if (sync_.has_state()) sync_.load_state(archive);
     } catch (const c10::Error& e) {
       throw CheckpointError("checkpoint " + shard_path(step) +
                             ": does not fit this optimizer: " + e.what_without_backtrace());
