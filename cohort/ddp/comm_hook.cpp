@@ -2,8 +2,8 @@
 
 #include <c10/util/Exception.h>
 
-#include "cohort/core/error.h"
 #include "cohort/compression/compressed_collectives.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 

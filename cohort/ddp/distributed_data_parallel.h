@@ -87,8 +87,8 @@ class DistributedDataParallel {
   DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> comm,
                           DDPOptions options = {})
       : module_(std::move(module)),
-        reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_),
-                                                   std::move(comm), options)) {
+        reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_), std::move(comm),
+                                                   options)) {
     if (options.compression.kind != compression::CompressionKind::None) {
       register_comm_hook(std::make_shared<CompressionHook>(options.compression));
     }

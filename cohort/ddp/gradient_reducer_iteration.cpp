@@ -176,8 +176,7 @@ void GradientReducer::launch_ready_buckets() {
 
 void GradientReducer::launch(size_t b) {
   auto& bucket = buckets_[b];
-  GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size(),
-                  bucket.views};
+  GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size(), bucket.views};
   bucket.launch_s = now_s();
   bucket.work = hook_->run(*comm_, view);
   bucket.launched = true;

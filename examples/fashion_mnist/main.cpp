@@ -109,11 +109,12 @@ int run(const Flags& flags) {
     std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));
   }
   if (lead) {
-    std::printf("fashion_mnist: %d ranks, global batch %lld (%lld per rank x %lld), %lld epochs, "
-                "compression %s\n",
-                comm->size(), static_cast<long long>(flags.batch_size),
-                static_cast<long long>(per_rank), static_cast<long long>(flags.accumulation),
-                static_cast<long long>(flags.epochs), flags.compression.c_str());
+    std::printf(
+        "fashion_mnist: %d ranks, global batch %lld (%lld per rank x %lld), %lld epochs, "
+        "compression %s\n",
+        comm->size(), static_cast<long long>(flags.batch_size), static_cast<long long>(per_rank),
+        static_cast<long long>(flags.accumulation), static_cast<long long>(flags.epochs),
+        flags.compression.c_str());
   }
 
   double accuracy = -1;
@@ -172,8 +173,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", f.seed, "seed of the initial weights");
   app.add_option("--compression", f.compression,
                  "gradient compression: none, fp16, bf16, int8, topk, powersgd");
-  app.add_option("--powersgd-rank", f.powersgd_rank, "PowerSGD's rank")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--powersgd-rank", f.powersgd_rank, "PowerSGD's rank")->check(CLI::PositiveNumber);
   app.add_option("--compression-start", f.compression_start,
                  "PowerSGD: steps averaged uncompressed before compression starts");
   CLI11_PARSE(app, argc, argv);
