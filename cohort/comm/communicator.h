@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/comm_stats.h"
 #include "cohort/comm/engine.h"
 #include "cohort/comm/store/store.h"
 #include "cohort/comm/types.h"
@@ -27,6 +28,7 @@
 namespace cohort {
 
 class CollectiveChecker;
+struct StatsCounters;
 namespace algorithms {
 class Executor;
 }
@@ -124,10 +126,21 @@ class Communicator {
   // negative color joins no group and gets nullptr (MPI_Comm_split).
   std::shared_ptr<Communicator> split(int color, int key);
 
+  // --- statistics (comm_stats.h) -------------------------------------------
+  /// A snapshot of this communicator's counters: per operation kind, calls,
+  /// bytes sent and received by this rank (including the algorithms'
+  /// point-to-point traffic), time in flight and time blocked in wait().
+  /// A subgroup counts its own; cheap enough to call every step.
+  CommStats stats() const;
+  /// Sets every counter to zero.
+  void reset_stats();
+
  private:
   // One operation being issued: its context (for messages) and timeout.
   struct Call {
     OpContext ctx;
+    OpKind kind = OpKind::Other;
+    std::chrono::steady_clock::time_point issued;
     std::string where() const { return ctx.describe(); }
   };
   Call begin(const std::string& op, Millis timeout, std::vector<int> peers) const;
@@ -140,7 +153,8 @@ class Communicator {
                                               const std::string& key_space,
                                               const std::string& name);
 
-  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<StatsCounters> counters_;  // before engine_: it counts into them
+  std::unique_ptr<Engine> engine_;           // a CountingEngine over the transport
   std::shared_ptr<Store> store_;
   CommunicatorOptions options_;
   int rank_;
