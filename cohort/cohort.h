@@ -4,10 +4,10 @@
 #pragma once
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/error.h"
 #include "cohort/comm/init.h"
-#include "cohort/comm/store/hash_store.h"
-#include "cohort/comm/store/prefix_store.h"
-#include "cohort/comm/store/tcp_store.h"
-#include "cohort/comm/types.h"
-#include "cohort/comm/work.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/hash_store.h"
+#include "cohort/core/store/prefix_store.h"
+#include "cohort/core/store/tcp_store.h"
+#include "cohort/core/types.h"
+#include "cohort/core/work.h"

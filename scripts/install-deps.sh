@@ -18,6 +18,7 @@ packages=(
   dataset-fashion-mnist
   python3-torch           # reference peer for tests and benchmarks only
   iproute2                # network namespaces for the multi-host launcher tests
+  clang-format git        # the formatting check on changed lines (git clang-format)
 )
 
 missing=()

@@ -109,4 +109,15 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
   return c;
 }
 
+std::string describe(Collective op, const Calibration& c) {
+  std::string s =
+      to_string(op) + " calibrated in " + std::to_string(static_cast<int>(c.seconds * 1000)) +
+      " ms; model (bytes:us, smoothed): " + c.model.serialize() + " samples (algo bytes us):";
+  for (auto& x : c.samples) {
+    s += " " + to_string(x.algo) + " " + std::to_string(static_cast<int64_t>(x.bytes)) + " " +
+         std::to_string(x.us) + ";";
+  }
+  return s;
+}
+
 }  // namespace cohort::algorithms

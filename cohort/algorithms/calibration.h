@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "cohort/algorithms/cost_model.h"
-#include "cohort/comm/engine.h"
-#include "cohort/comm/store/store.h"
+#include "cohort/core/engine.h"
+#include "cohort/core/store/store.h"
 
 namespace cohort::algorithms {
 
@@ -88,6 +88,9 @@ struct Calibration {
   std::vector<Sample> samples;  // what the model was built from
   double seconds = 0;           // how long calibration took on this rank
 };
+
+// `c` as text: its duration, the model, then every sample (algo bytes us).
+std::string describe(Collective op, const Calibration& c);
 
 // `run(algo, bytes, vote)` performs one operation of `bytes` with `algo`,
 // returns when it finished, and returns the sum of the ranks' `vote`s (the

@@ -5,7 +5,7 @@
 #include <limits>
 #include <sstream>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort::algorithms {
 

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "cohort/algorithms/algorithm.h"
+#include "cohort/core/algorithm.h"
 
 namespace cohort::algorithms {
 

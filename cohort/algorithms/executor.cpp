@@ -3,9 +3,9 @@
 #include "cohort/algorithms/double_binary_tree.h"
 #include "cohort/algorithms/halving_doubling.h"
 #include "cohort/algorithms/ring.h"
-#include "cohort/comm/counting_engine.h"
-#include "cohort/comm/error.h"
-#include "cohort/comm/store/prefix_store.h"
+#include "cohort/core/counting_engine.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/prefix_store.h"
 
 namespace cohort::algorithms {
 namespace {
@@ -58,7 +58,7 @@ std::vector<at::Tensor> chunks(const at::Tensor& flat, int parts) {
 
 }  // namespace
 
-Executor::Executor(Engine& parent, const std::shared_ptr<Store>& store, Options options)
+Executor::Executor(Engine& parent, const std::shared_ptr<Store>& store, CommunicatorOptions options)
     : options_(std::move(options)),
       store_(std::make_shared<PrefixStore>("algo", store)),
       parent_(parent) {

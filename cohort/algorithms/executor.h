@@ -21,23 +21,19 @@
 #include <mutex>
 #include <thread>
 
-#include "cohort/algorithms/algorithm.h"
 #include "cohort/algorithms/calibration.h"
 #include "cohort/algorithms/hierarchical.h"
 #include "cohort/algorithms/link.h"
-#include "cohort/comm/store/store.h"
+#include "cohort/core/algorithm.h"
+#include "cohort/core/store/store.h"
 
 namespace cohort::algorithms {
 
 class Executor {
  public:
-  struct Options {
-    Millis timeout{std::chrono::minutes(30)};
-    std::string node;  // CommunicatorOptions::node
-    int64_t calibration_max_bytes = 64 << 20;  // CommunicatorOptions::calibration_max_bytes
-  };
-  // Collective over the ranks of `parent`.
-  Executor(Engine& parent, const std::shared_ptr<Store>& store, Options options);
+  // Collective over the ranks of `parent`. Reads the options' timeout, node
+  // and calibration_max_bytes (resolved: positive).
+  Executor(Engine& parent, const std::shared_ptr<Store>& store, CommunicatorOptions options);
   ~Executor();
 
   // The concrete algorithm for `op` on `bytes` (the whole vector):
@@ -70,7 +66,7 @@ class Executor {
   Hierarchy& hierarchy();
   std::vector<Algorithm> candidates(Collective op);
 
-  Options options_;
+  CommunicatorOptions options_;
   std::shared_ptr<Store> store_;     // the executor's own key space
   std::unique_ptr<Engine> engine_;   // private: the worker's (and calibration's)
   Engine& parent_;                   // the Communicator's: calibration times its collective

@@ -5,18 +5,18 @@
 #include <algorithm>
 #include <vector>
 
-#include "cohort/comm/env.h"
-#include "cohort/comm/store/prefix_store.h"
+#include "cohort/core/store/prefix_store.h"
 
 namespace cohort::algorithms {
 
-std::string local_node_key(const std::string& configured) {
-  if (!configured.empty()) return configured;
-  if (auto id = env::get("COHORT_NODE_ID")) return "id:" + *id;
+std::string host_name() {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
-  if (auto group = env::get("GROUP_RANK")) return std::string(host) + "/group:" + *group;
   return host;
+}
+
+std::string local_node_key(const std::string& configured) {
+  return configured.empty() ? host_name() : configured;
 }
 
 Topology exchange_topology(Store& store, int rank, int size, const std::string& key,

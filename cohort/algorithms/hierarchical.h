@@ -9,8 +9,8 @@
 // 2(p-1)/p n over every slow link of a flat ring: the choice when the links
 // between nodes are much slower than those inside them.
 //
-// Nodes: CommunicatorOptions::node, else COHORT_NODE_ID, else GROUP_RANK
-// (cohortrun's node index, set with LOCAL_WORLD_SIZE), else the host name;
+// Nodes: CommunicatorOptions::node (init() fills it from COHORT_NODE_ID, or
+// the host name and GROUP_RANK, cohortrun's node index), else the host name;
 // every rank publishes its key in the store and reads the others'.
 #pragma once
 
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "cohort/algorithms/link.h"
-#include "cohort/comm/store/store.h"
+#include "cohort/core/store/store.h"
 
 namespace cohort::algorithms {
 
@@ -28,8 +28,9 @@ struct Topology {
   int nodes = 1;
 };
 
-// This rank's node key: `configured` if set, else as described above.
+// This rank's node key: `configured` if set, else the host name.
 std::string local_node_key(const std::string& configured);
+std::string host_name();
 Topology exchange_topology(Store& store, int rank, int size, const std::string& key,
                            Millis timeout);
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/comm/engine.h"
+#include "cohort/core/engine.h"
 
 namespace cohort::algorithms {
 

@@ -4,7 +4,7 @@
 #include <sstream>
 #include <vector>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 

@@ -11,7 +11,7 @@
 #include <mutex>
 #include <string>
 
-#include "cohort/comm/store/store.h"
+#include "cohort/core/store/store.h"
 
 namespace cohort {
 

@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
-#include "cohort/comm/comm_stats.h"
-#include "cohort/comm/engine.h"
-#include "cohort/comm/store/store.h"
-#include "cohort/comm/types.h"
-#include "cohort/comm/work.h"
+#include "cohort/core/comm_stats.h"
+#include "cohort/core/engine.h"
+#include "cohort/core/store/store.h"
+#include "cohort/core/types.h"
+#include "cohort/core/work.h"
 
 namespace cohort {
 
@@ -32,27 +32,6 @@ struct StatsCounters;
 namespace algorithms {
 class Executor;
 }
-
-struct CommunicatorOptions {
-  // Timeout of every operation that does not set its own.
-  Millis timeout{std::chrono::minutes(30)};
-  // Check across ranks, before every collective, that all called the same
-  // operation with the same shapes and dtypes (COHORT_DEBUG=detail).
-  bool debug_checks = false;
-  // Named in error messages.
-  std::string name = "world";
-  // How all_reduce, reduce_scatter and all_gather run when an operation
-  // does not choose (cohort/algorithms/algorithm.h). Default: COHORT_ALGO,
-  // else Engine.
-  Algorithm algorithm = Algorithm::Default;
-  // This rank's node, for the hierarchical algorithm (empty: COHORT_NODE_ID,
-  // GROUP_RANK or the host name).
-  std::string node;
-  // Adaptive calibrates sizes up to this many bytes and extrapolates above
-  // (0: COHORT_CALIBRATION_MAX_BYTES, else 64 MiB). A job whose collectives
-  // are small can cut its start-up time with it.
-  int64_t calibration_max_bytes = 0;
-};
 
 class Communicator {
  public:
@@ -70,11 +49,9 @@ class Communicator {
   // --- collectives -------------------------------------------------------
   Work all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts = {});
   // Many tensors in one message per dtype (what DDP buckets do by hand).
-  Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
-                            const AllReduceOptions& opts = {});
+  Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors, const AllReduceOptions& opts = {});
   Work broadcast(torch::Tensor& tensor, const BroadcastOptions& opts = {});
-  Work broadcast_coalesced(std::vector<torch::Tensor>& tensors,
-                           const BroadcastOptions& opts = {});
+  Work broadcast_coalesced(std::vector<torch::Tensor>& tensors, const BroadcastOptions& opts = {});
   // The result lands on the root; other ranks' tensors are unspecified after.
   Work reduce(torch::Tensor& tensor, const ReduceOptions& opts = {});
   // outputs[i] receives rank i's input; outputs.size() == size().
@@ -96,8 +73,8 @@ class Communicator {
   Work scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
                const ScatterOptions& opts = {});
   // outputs[i] receives inputs[rank()] of rank i.
-  Work all_to_all(std::vector<torch::Tensor>& outputs,
-                  const std::vector<torch::Tensor>& inputs, const AllToAllOptions& opts = {});
+  Work all_to_all(std::vector<torch::Tensor>& outputs, const std::vector<torch::Tensor>& inputs,
+                  const AllToAllOptions& opts = {});
   // Splits along dim 0 (rows); empty split sizes mean equal splits.
   Work all_to_all_single(torch::Tensor& output, const torch::Tensor& input,
                          std::vector<int64_t> output_split_sizes = {},
@@ -142,13 +119,38 @@ class Communicator {
     OpKind kind = OpKind::Other;
     std::chrono::steady_clock::time_point issued;
     std::string where() const { return ctx.describe(); }
+    // Throws InvalidArgument "cohort: <where()>: <why>".
+    [[noreturn]] void refuse(const std::string& why) const;
   };
   Call begin(const std::string& op, Millis timeout, std::vector<int> peers) const;
   Call begin_collective(const std::string& op, Millis timeout) const;
-  void debug_check(const Call& call, const std::string& fingerprint);
+  // COHORT_DEBUG=detail: every rank must pass the same fingerprint, which is
+  // built only when the check is on.
+  template <class Fingerprint>
+  void debug_check(const Call& call, Fingerprint&& fingerprint) {
+    if (checker_) verify_agreement(call, fingerprint());
+  }
+  void verify_agreement(const Call& call, const std::string& fingerprint);
   Work finish(const Call& call, WorkPtr impl, std::function<void()> on_success = {});
+  // The Work of a reduction that ran on `buf`: on success, averaged if asked
+  // and copied into `out` (a no-op when `buf` is `out`).
+  Work finish_reduction(const Call& call, WorkPtr impl, torch::Tensor out, torch::Tensor buf,
+                        ReduceOp op);
   void check_root(const Call& call, int root) const;
   void check_peer(const Call& call, int peer) const;
+  // `list` holds one tensor per rank, each with `ref`'s dtype and shape.
+  void check_per_rank(const Call& call, const std::vector<torch::Tensor>& list,
+                      const torch::Tensor& ref, const std::string& name) const;
+  // reduce_scatter's two forms after their checks: `chunks` are the ranks'
+  // blocks in the reduction dtype, `flat` the same blocks back to back when
+  // they already are (else undefined).
+  Work run_reduce_scatter(const Call& call, torch::Tensor& output,
+                          std::vector<torch::Tensor> chunks, torch::Tensor flat,
+                          const ReduceScatterOptions& opts);
+  // all_gather's two forms after their checks: one wire-dtype output per
+  // rank, and the same memory as one flat tensor when it is one.
+  Work run_all_gather(const Call& call, std::vector<torch::Tensor> outputs, torch::Tensor flat,
+                      const torch::Tensor& input, const AllGatherOptions& opts);
   std::shared_ptr<Communicator> make_subgroup(const std::vector<int>& ranks,
                                               const std::string& key_space,
                                               const std::string& name);

@@ -6,8 +6,8 @@
 #include <set>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/error.h"
-#include "cohort/comm/store/prefix_store.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/prefix_store.h"
 
 namespace cohort {
 
@@ -28,14 +28,14 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
   std::string listed;
   for (int r : ranks) {
     if (r < 0 || r >= size_ || !seen.insert(r).second) {
-      throw InvalidArgument("cohort: " + call.where() + ": rank " + std::to_string(r) +
-                            (seen.count(r) && r >= 0 && r < size_ ? " is listed twice"
-                                                                   : " is outside the group"));
+      call.refuse(
+          "rank " + std::to_string(r) +
+          (seen.count(r) && r >= 0 && r < size_ ? " is listed twice" : " is outside the group"));
     }
     listed += (listed.empty() ? "" : ", ") + std::to_string(r);
   }
-  if (ranks.empty()) throw InvalidArgument("cohort: " + call.where() + ": ranks is empty");
-  debug_check(call, "new_group([" + listed + "])");
+  if (ranks.empty()) call.refuse("ranks is empty");
+  debug_check(call, [&] { return "new_group([" + listed + "])"; });
   const auto id = std::to_string(groups_created_++);
   if (!seen.count(rank_)) return nullptr;
   return make_subgroup(ranks, "g" + id, name() + "/g" + id);

@@ -1,8 +1,10 @@
 #include "cohort/comm/engine_registry.h"
 
-#include "cohort/comm/error.h"
+#include <algorithm>
+
 #include "cohort/comm/gloo/c10d_adapter.h"
 #include "cohort/comm/mpi/launch.h"
+#include "cohort/core/error.h"
 #ifdef COHORT_WITH_MPI
 #include "cohort/comm/mpi/mpi_engine.h"
 #endif
@@ -15,8 +17,9 @@ namespace cohort {
 bool mpi_launched() { return false; }
 
 MpiWorld mpi_world(Millis) {
-  throw ConfigError("cohort: backend 'mpi' is not available in this build (configure with "
-                    "-DCOHORT_WITH_MPI=ON and an MPI installation)");
+  throw ConfigError(
+      "cohort: backend 'mpi' is not available in this build (configure with "
+      "-DCOHORT_WITH_MPI=ON and an MPI installation)");
 }
 #endif
 
@@ -28,24 +31,35 @@ std::vector<std::string> available_backends() {
 #endif
 }
 
+void require_backend(const std::string& backend, const std::string& where) {
+  const auto built = available_backends();
+  if (std::find(built.begin(), built.end(), backend) != built.end()) return;
+  std::string known;
+  for (auto& b : built) known += (known.empty() ? "" : ", ") + b;
+  throw ConfigError(where + ": backend '" + backend +
+                    "' is not available in this build (available: " + known + ")");
+}
+
+std::string default_backend() { return mpi_launched() ? "mpi" : "gloo"; }
+
+std::optional<LaunchedWorld> launched_world(const std::string& backend, Millis timeout) {
+  if (backend != "mpi") return std::nullopt;
+  auto mpi = mpi_world(timeout);
+  return LaunchedWorld{mpi.rank, mpi.size, std::move(mpi.store)};
+}
+
 std::unique_ptr<Engine> create_engine(std::shared_ptr<Store> store, int rank, int size,
                                       const ConnectOptions& options) {
   if (options.backend == "gloo") {
-    GlooOptions g;
-    g.bind_address = options.bind_address;
-    g.interface = options.interface;
-    g.timeout = options.timeout;
-    return make_gloo_engine(std::move(store), rank, size, g);
+    return make_gloo_engine(std::move(store), rank, size, options.gloo, options.timeout);
   }
 #ifdef COHORT_WITH_MPI
   // MPI needs no rendezvous: ranks come from MPI_COMM_WORLD, and the store
   // serves only the communicator (debug checks, subgroup key spaces).
   if (options.backend == "mpi") return make_mpi_engine(rank, size, options.timeout);
 #endif
-  std::string known;
-  for (auto& b : available_backends()) known += (known.empty() ? "" : ", ") + b;
-  throw ConfigError("cohort: backend '" + options.backend +
-                    "' is not available in this build (available: " + known + ")");
+  require_backend(options.backend, "cohort");
+  throw ConfigError("cohort: backend '" + options.backend + "' has no engine");
 }
 
 }  // namespace cohort

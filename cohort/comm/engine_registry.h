@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,5 +16,22 @@ std::unique_ptr<Engine> create_engine(std::shared_ptr<Store> store, int rank, in
 
 // Engines compiled into this build, e.g. {"gloo", "mpi"}.
 std::vector<std::string> available_backends();
+// Throws ConfigError naming the available ones unless `backend` is one.
+void require_backend(const std::string& backend, const std::string& where);
+
+// The backend init() uses when neither the caller nor COHORT_BACKEND names
+// one: the one whose launcher started this process (mpirun: "mpi"), else
+// "gloo".
+std::string default_backend();
+
+// Ranks and store given by `backend`'s own launcher (MPI: MPI_COMM_WORLD and
+// a store it sets up); nullopt for engines that rendezvous through RANK,
+// WORLD_SIZE and MASTER_ADDR (Gloo). Collective where the launcher is.
+struct LaunchedWorld {
+  int rank = 0;
+  int size = 1;
+  std::shared_ptr<Store> store;
+};
+std::optional<LaunchedWorld> launched_world(const std::string& backend, Millis timeout);
 
 }  // namespace cohort

@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <mutex>
 
+#include "cohort/algorithms/hierarchical.h"
 #include "cohort/comm/engine_registry.h"
-#include "cohort/comm/env.h"
-#include "cohort/comm/error.h"
 #include "cohort/comm/gloo/c10d_adapter.h"
-#include "cohort/comm/mpi/launch.h"
-#include "cohort/comm/store/socket.h"
-#include "cohort/comm/store/tcp_store.h"
+#include "cohort/core/env.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/socket.h"
+#include "cohort/core/store/tcp_store.h"
 
 namespace cohort {
 namespace {
@@ -50,62 +50,14 @@ bool spans_hosts(int world_size) {
   return local && *local < world_size;
 }
 
-}  // namespace
-
-std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
-                                      const ConnectOptions& options) {
-  if (size < 1 || rank < 0 || rank >= size) {
-    throw InvalidArgument("cohort::connect: rank " + std::to_string(rank) +
-                          " is not in a world of " + std::to_string(size));
-  }
-  store->set_timeout(options.timeout);
-  auto engine = create_engine(store, rank, size, options);
-  CommunicatorOptions co;
-  co.timeout = options.timeout;
-  co.debug_checks = options.debug_checks;
-  co.name = options.name;
-  co.algorithm = options.algorithm;
-  co.node = options.node;
-  co.calibration_max_bytes = options.calibration_max_bytes;
-  return std::make_shared<Communicator>(std::move(engine), std::move(store), co);
-}
-
-std::shared_ptr<Communicator> init(const InitOptions& options) {
-  std::lock_guard<std::mutex> lock(g_world_mu);
-  if (g_world) throw ConfigError("cohort::init: already initialized; call finalize() first");
-
-  // Under mpirun (or after the application's MPI_Init) MPI is the default,
-  // and the ranks and the store come from MPI instead of the environment.
-  const std::string backend =
-      !options.backend.empty()
-          ? options.backend
-          : env::get("COHORT_BACKEND").value_or(mpi_launched() ? "mpi" : "gloo");
-  MpiWorld mpi;
-  if (backend == "mpi") {
-    mpi = mpi_world(options.timeout ? *options.timeout
-                                    : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30)));
-  }
-  const int world_size =
-      options.world_size > 0 ? options.world_size
-      : mpi.store            ? mpi.size
-                             : env::require_int("WORLD_SIZE", 1, 1 << 20);
-  const int rank = options.rank >= 0 ? options.rank
-                   : mpi.store       ? mpi.rank
-                                     : env::require_int("RANK", 0, world_size - 1);
-  if (rank >= world_size) {
-    throw ConfigError("cohort::init: rank " + std::to_string(rank) +
-                      " is not below the world size " + std::to_string(world_size));
-  }
-
+// The environment's part of the options (the only place cohort reads it for
+// a communicator); explicit InitOptions win. Bad values are ConfigErrors
+// naming the variable.
+ConnectOptions options_from_environment(const InitOptions& options) {
   ConnectOptions co;
-  co.backend = backend;
-  const auto built = available_backends();
-  if (std::find(built.begin(), built.end(), co.backend) == built.end()) {
-    std::string known;
-    for (auto& b : built) known += (known.empty() ? "" : ", ") + b;
-    throw ConfigError("cohort::init: backend '" + co.backend +
-                      "' is not available in this build (available: " + known + ")");
-  }
+  co.backend = !options.backend.empty() ? options.backend
+                                        : env::get("COHORT_BACKEND").value_or(default_backend());
+  require_backend(co.backend, "cohort::init");
   co.timeout = options.timeout ? *options.timeout
                                : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30));
   if (options.debug_checks) {
@@ -116,7 +68,60 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
     }
     co.debug_checks = *d == "detail";
   }
-  co.interface = env::get("GLOO_SOCKET_IFNAME").value_or("");
+  if (options.algorithm) {
+    co.algorithm = *options.algorithm;
+  } else if (auto name = env::get("COHORT_ALGO")) {
+    auto a = parse_algorithm(*name);
+    if (!a || *a == Algorithm::Default) {
+      throw ConfigError("cohort::init: COHORT_ALGO='" + *name +
+                        "' is not one of engine, ring, tree, hd, hierarchical, adaptive");
+    }
+    co.algorithm = *a;
+  }
+  co.calibration_max_bytes =
+      env::get_int("COHORT_CALIBRATION_MAX_BYTES", 1024, 1 << 30).value_or(0);
+  // The hierarchical algorithm's node key: an explicit id, else the host and
+  // cohortrun's node index (two launchers on one host are two nodes).
+  if (auto id = env::get("COHORT_NODE_ID")) {
+    co.node = "id:" + *id;
+  } else if (auto group = env::get("GROUP_RANK")) {
+    co.node = algorithms::host_name() + "/group:" + *group;
+  }
+  co.gloo.interface = env::get("GLOO_SOCKET_IFNAME").value_or("");
+  return co;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
+                                      const ConnectOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw InvalidArgument("cohort::connect: rank " + std::to_string(rank) +
+                          " is not in a world of " + std::to_string(size));
+  }
+  store->set_timeout(options.timeout);
+  auto engine = create_engine(store, rank, size, options);
+  return std::make_shared<Communicator>(std::move(engine), std::move(store), options);
+}
+
+std::shared_ptr<Communicator> init(const InitOptions& options) {
+  std::lock_guard<std::mutex> lock(g_world_mu);
+  if (g_world) throw ConfigError("cohort::init: already initialized; call finalize() first");
+
+  ConnectOptions co = options_from_environment(options);
+  // Under mpirun (or after the application's MPI_Init) the ranks and the
+  // store come from the engine's launcher instead of the environment.
+  const auto launched = launched_world(co.backend, co.timeout);
+  const int world_size = options.world_size > 0 ? options.world_size
+                         : launched             ? launched->size
+                                                : env::require_int("WORLD_SIZE", 1, 1 << 20);
+  const int rank = options.rank >= 0 ? options.rank
+                   : launched        ? launched->rank
+                                     : env::require_int("RANK", 0, world_size - 1);
+  if (rank >= world_size) {
+    throw ConfigError("cohort::init: rank " + std::to_string(rank) +
+                      " is not below the world size " + std::to_string(world_size));
+  }
   const std::string where = "cohort::init (rank " + std::to_string(rank) + " of " +
                             std::to_string(world_size) + ", backend " + co.backend + ")";
 
@@ -124,8 +129,8 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   std::string master_host;
   const auto& method = options.init_method;
   try {
-    if (mpi.store) {
-      store = mpi.store;
+    if (launched) {
+      store = launched->store;
     } else if (method.rfind("file://", 0) == 0) {
       store = make_file_store(method.substr(7), world_size, co.timeout);
     } else {
@@ -133,8 +138,9 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
       if (method == "env://" || method.empty()) {
         ep.host = env::get("MASTER_ADDR").value_or("");
         if (ep.host.empty()) {
-          throw ConfigError("environment variable MASTER_ADDR is not set; start the job with "
-                            "cohortrun (or torchrun), or use init_method file:// or tcp://");
+          throw ConfigError(
+              "environment variable MASTER_ADDR is not set; start the job with "
+              "cohortrun (or torchrun), or use init_method file:// or tcp://");
         }
         ep.port = env::require_int("MASTER_PORT", 1, 65535);
       } else if (method.rfind("tcp://", 0) == 0) {
@@ -154,11 +160,12 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
 
   // Bind Gloo where the peers can reach us, and nowhere else.
   if (auto addr = env::get("COHORT_BIND_ADDR")) {
-    co.bind_address = *addr;
+    co.gloo.bind_address = *addr;
   } else if (!master_host.empty() && !net::is_loopback(master_host)) {
-    co.bind_address = net::source_address_for(master_host);
-  } else if (co.interface.empty() && spans_hosts(world_size)) {
-    throw ConfigError(where + ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE) "
+    co.gloo.bind_address = net::source_address_for(master_host);
+  } else if (co.gloo.interface.empty() && spans_hosts(world_size)) {
+    throw ConfigError(where +
+                      ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE) "
                       "but the rendezvous is local; set COHORT_BIND_ADDR or GLOO_SOCKET_IFNAME");
   }
 

@@ -12,23 +12,17 @@
 #include <string>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/comm/gloo/c10d_adapter.h"
 
 namespace cohort {
 
-struct ConnectOptions {
+// What connect() builds: the communicator's options, plus the engine and
+// where its transport listens. connect() reads no environment.
+struct ConnectOptions : CommunicatorOptions {
   // "gloo" (default) or "mpi" in a build with MPI (COHORT_WITH_MPI).
   std::string backend = "gloo";
-  Millis timeout{std::chrono::minutes(30)};
-  bool debug_checks = false;
-  // Address Gloo binds to; loopback unless the ranks span several hosts.
-  std::string bind_address = "127.0.0.1";
-  // Network interface to bind instead (GLOO_SOCKET_IFNAME).
-  std::string interface;
-  std::string name = "world";
-  // CommunicatorOptions::algorithm, ::node and ::calibration_max_bytes.
-  Algorithm algorithm = Algorithm::Default;
-  std::string node;
-  int64_t calibration_max_bytes = 0;
+  // Gloo binds loopback unless the ranks span several hosts.
+  GlooOptions gloo;
 };
 
 // Builds a communicator of `size` ranks over `store`; every rank calls it.
@@ -49,6 +43,8 @@ struct InitOptions {
   std::optional<Millis> timeout;
   // Unset: COHORT_DEBUG=detail turns the checks on.
   std::optional<bool> debug_checks;
+  // Unset: COHORT_ALGO, else Engine.
+  std::optional<Algorithm> algorithm;
 };
 
 // Sets up the default group and returns it. Throws ConfigError for a bad

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/work.h"
+#include "cohort/core/work.h"
 
 namespace cohort {
 

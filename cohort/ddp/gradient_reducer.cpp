@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <map>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/ddp/parameter_check.h"
 
 namespace cohort {

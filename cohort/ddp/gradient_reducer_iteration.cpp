@@ -8,7 +8,7 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/ddp/gradient_reducer.h"
 
 namespace cohort {

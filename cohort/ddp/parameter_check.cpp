@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 namespace {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/optim/fused_adamw.h"
 
 namespace cohort {

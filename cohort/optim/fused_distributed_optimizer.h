@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/sync_statistics.h"
+#include "cohort/core/sync_statistics.h"
 
 namespace cohort {
 

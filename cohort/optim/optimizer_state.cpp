@@ -8,7 +8,7 @@
 
 #include <typeinfo>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 namespace {

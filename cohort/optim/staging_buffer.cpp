@@ -8,7 +8,7 @@
 #include <cstring>
 #include <string>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 

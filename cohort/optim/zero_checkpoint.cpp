@@ -2,7 +2,7 @@
 // its own archive) and consolidate_state_dict (everything on one rank).
 #include <c10/util/string_utils.h>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/optim/optimizer_state.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort {

@@ -64,7 +64,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/sync_statistics.h"
+#include "cohort/core/sync_statistics.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/ddp/reduction_owner.h"
 #include "cohort/optim/flat_partition.h"

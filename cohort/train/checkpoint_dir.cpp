@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <functional>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/train/checkpoint_file.h"
 
 namespace cohort {

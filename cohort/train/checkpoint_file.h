@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <string>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 

@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 

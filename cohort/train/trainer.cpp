@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "cohort/train/checkpoint_file.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"

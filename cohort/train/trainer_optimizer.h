@@ -1,7 +1,7 @@
 // defines: TrainerOptimizer (the seam between the trainer and an optimizer)
 // and TorchOptimizer (any torch::optim::Optimizer: AdamW, SGD, ...).
 //
-// The fused optimizer and ZeRO plug in here (cohort/optim/trainer_adapters.h).
+// The fused optimizer and ZeRO plug in here (cohort/train/trainer_adapters.h).
 // ZeRO's state is sharded: it answers replicated_state() false, and the
 // trainer then has every rank save and load its own shard next to the
 // checkpoint. Optimizers that average the gradients inside step() (fused,

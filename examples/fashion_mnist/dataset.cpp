@@ -1,6 +1,6 @@
 #include "dataset.h"
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 #include "idx_file.h"
 
 namespace fashion_mnist {

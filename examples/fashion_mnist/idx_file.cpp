@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace fashion_mnist {
 namespace {

@@ -1,15 +1,17 @@
 // The pieces adaptive is built from: the piecewise cost, the model's choice and
 // its text form, the tree shape, and adaptive end to end on threads.
+#include "cohort/algorithms/cost_model.h"
+
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
 
 #include "cohort/algorithms/calibration.h"
-#include "cohort/algorithms/cost_model.h"
 #include "cohort/algorithms/double_binary_tree.h"
 #include "support/thread_ranks.h"
-#include "tests/comm/contract_values.h"
+#include "tests/contract/contract_values.h"
 
 namespace cohort::algorithms {
 namespace {
@@ -175,19 +177,31 @@ TEST(Adaptive, ReduceScatterCalibrationAgreesAndComputesRight) {
   EXPECT_EQ(model(models[0]), model(models[1]));
 }
 
-TEST(Algorithm, BadEnvironmentChoiceIsAConfigError) {
+// init() reads the choice from the environment and refuses a bad one before
+// any rendezvous; connect() reads no environment at all.
+TEST(Algorithm, BadEnvironmentChoiceIsAConfigErrorOfInitOnly) {
+  InitOptions io;
+  io.rank = 0;
+  io.world_size = 1;
+  io.init_method = "file:///tmp/cohort-bad-env-" + std::to_string(getpid());
+  auto init_fails_naming = [&](const char* variable) {
+    try {
+      init(io);
+      finalize();
+      ADD_FAILURE() << "init accepted a bad " << variable;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(variable), std::string::npos) << e.what();
+    }
+  };
   setenv("COHORT_ALGO", "fastest", 1);
-  EXPECT_THROW(testing::run_ranks(1, [](Communicator&) {}), std::runtime_error);
+  init_fails_naming("COHORT_ALGO");
+  testing::run_ranks(1, [](Communicator& comm) {
+    EXPECT_EQ(comm.resolve_algorithm(Collective::AllReduce, 1 << 20), Algorithm::Engine);
+  });
   unsetenv("COHORT_ALGO");
   for (const char* bad : {"64MiB", "12", "-1"}) {
     setenv("COHORT_CALIBRATION_MAX_BYTES", bad, 1);
-    try {
-      testing::run_ranks(1, [](Communicator&) {});
-      ADD_FAILURE() << "accepted COHORT_CALIBRATION_MAX_BYTES=" << bad;
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("COHORT_CALIBRATION_MAX_BYTES"), std::string::npos)
-          << e.what();
-    }
+    init_fails_naming("COHORT_CALIBRATION_MAX_BYTES");
   }
   unsetenv("COHORT_CALIBRATION_MAX_BYTES");
 }

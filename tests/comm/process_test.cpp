@@ -11,7 +11,7 @@
 #include <sstream>
 #include <thread>
 
-#include "cohort/comm/store/socket.h"
+#include "cohort/core/store/socket.h"
 
 namespace {
 

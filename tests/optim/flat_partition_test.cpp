@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "cohort/comm/error.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 namespace {

@@ -17,12 +17,7 @@ void run_ranks_shared(int size,
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       try {
-        ConnectOptions co;
-        co.backend = options.backend;
-        co.timeout = options.timeout;
-        co.debug_checks = options.debug_checks;
-        co.algorithm = options.algorithm;
-        co.calibration_max_bytes = options.calibration_max_bytes;
+        ConnectOptions co = options;
         if (options.node_of) co.node = options.node_of(r);
         // Each rank its own view of the store, as separate processes would have.
         auto comm = connect(std::make_shared<PrefixStore>("t", store), r, size, co);

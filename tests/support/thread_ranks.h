@@ -13,16 +13,10 @@
 
 namespace cohort::testing {
 
-struct ThreadRanksOptions {
-  std::string backend = "gloo";
-  // Every operation's default timeout: a broken test fails, never hangs.
-  Millis timeout{std::chrono::seconds(20)};
-  bool debug_checks = false;
-  // Every rank's CommunicatorOptions::algorithm.
-  Algorithm algorithm = Algorithm::Default;
-  // CommunicatorOptions::calibration_max_bytes (0: the environment's, else
-  // 64 MiB).
-  int64_t calibration_max_bytes = 0;
+// Every rank's ConnectOptions, with a short default timeout: a broken test
+// fails, never hangs.
+struct ThreadRanksOptions : ConnectOptions {
+  ThreadRanksOptions() { timeout = std::chrono::seconds(20); }
   // Rank -> node name (CommunicatorOptions::node), to fake several hosts.
   std::function<std::string(int)> node_of;
 };
@@ -33,8 +27,7 @@ void run_ranks(int size, const std::function<void(Communicator&)>& fn,
                const ThreadRanksOptions& options = {});
 
 // Same, but hands each rank the shared_ptr (to keep or to build groups from).
-void run_ranks_shared(int size,
-                      const std::function<void(std::shared_ptr<Communicator>)>& fn,
+void run_ranks_shared(int size, const std::function<void(std::shared_ptr<Communicator>)>& fn,
                       const ThreadRanksOptions& options = {});
 
 }  // namespace cohort::testing

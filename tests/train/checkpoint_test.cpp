@@ -10,11 +10,11 @@
 #include <optional>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/optim/trainer_adapters.h"
 #include "cohort/train/checkpoint_file.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
+#include "cohort/train/trainer_adapters.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 

@@ -1,9 +1,10 @@
+#include "cohort/train/lr_schedule.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-#include "cohort/comm/error.h"
-#include "cohort/train/lr_schedule.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 namespace {

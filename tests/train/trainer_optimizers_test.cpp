@@ -8,9 +8,9 @@
 #include <memory>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/optim/trainer_adapters.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"
+#include "cohort/train/trainer_adapters.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 

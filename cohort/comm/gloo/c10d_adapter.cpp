@@ -5,8 +5,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "cohort/comm/error.h"
-#include "cohort/comm/store/missing_keys.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/missing_keys.h"
 
 namespace cohort {
 namespace {
@@ -268,9 +268,9 @@ class GlooEngine : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_gloo_engine(std::shared_ptr<Store> store, int rank,
-                                         int size, const GlooOptions& options) {
-  auto o = c10d::ProcessGroupGloo::Options::create(options.timeout);
+std::unique_ptr<Engine> make_gloo_engine(std::shared_ptr<Store> store, int rank, int size,
+                                         const GlooOptions& options, Millis timeout) {
+  auto o = c10d::ProcessGroupGloo::Options::create(timeout);
   try {
     o->devices.push_back(
         options.interface.empty()

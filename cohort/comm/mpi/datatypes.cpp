@@ -2,8 +2,8 @@
 
 #include <climits>
 
-#include "cohort/comm/error.h"
-#include "cohort/comm/tensor_checks.h"
+#include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort::mpi {
 

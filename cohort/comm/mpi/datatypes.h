@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 #include <mpi.h>
 
-#include "cohort/comm/types.h"
+#include "cohort/core/types.h"
 
 namespace cohort::mpi {
 

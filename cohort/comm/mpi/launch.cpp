@@ -1,11 +1,11 @@
 #include "cohort/comm/mpi/launch.h"
 
-#include "cohort/comm/env.h"
-#include "cohort/comm/error.h"
 #include "cohort/comm/mpi/op.h"
 #include "cohort/comm/mpi/runtime.h"
 #include "cohort/comm/mpi/watchdog.h"
-#include "cohort/comm/store/tcp_store.h"
+#include "cohort/core/env.h"
+#include "cohort/core/error.h"
+#include "cohort/core/store/tcp_store.h"
 
 namespace cohort {
 namespace {

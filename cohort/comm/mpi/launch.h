@@ -8,8 +8,8 @@
 
 #include <memory>
 
-#include "cohort/comm/store/store.h"
-#include "cohort/comm/types.h"
+#include "cohort/core/store/store.h"
+#include "cohort/core/types.h"
 
 namespace cohort {
 

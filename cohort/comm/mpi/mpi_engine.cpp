@@ -22,13 +22,13 @@
 #include <cstring>
 #include <limits>
 
-#include "cohort/comm/env.h"
-#include "cohort/comm/error.h"
 #include "cohort/comm/mpi/datatypes.h"
 #include "cohort/comm/mpi/op.h"
 #include "cohort/comm/mpi/runtime.h"
 #include "cohort/comm/mpi/watchdog.h"
-#include "cohort/comm/work_then.h"
+#include "cohort/core/env.h"
+#include "cohort/core/error.h"
+#include "cohort/core/work_then.h"
 
 namespace cohort::mpi {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "cohort/comm/engine.h"
+#include "cohort/core/engine.h"
 
 namespace cohort {
 

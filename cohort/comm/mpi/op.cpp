@@ -1,8 +1,8 @@
 #include "cohort/comm/mpi/op.h"
 
-#include "cohort/comm/error.h"
 #include "cohort/comm/mpi/runtime.h"
 #include "cohort/comm/mpi/watchdog.h"
+#include "cohort/core/error.h"
 
 namespace cohort::mpi {
 

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "cohort/comm/types.h"
-#include "cohort/comm/work.h"
+#include "cohort/core/types.h"
+#include "cohort/core/work.h"
 
 namespace cohort::mpi {
 

@@ -2,8 +2,8 @@
 
 #include <cstdlib>
 
-#include "cohort/comm/error.h"
 #include "cohort/comm/mpi/watchdog.h"
+#include "cohort/core/error.h"
 
 namespace cohort::mpi {
 namespace {

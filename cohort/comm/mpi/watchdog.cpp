@@ -2,8 +2,8 @@
 
 #include <cstdio>
 
-#include "cohort/comm/env.h"
 #include "cohort/comm/mpi/runtime.h"
+#include "cohort/core/env.h"
 
 namespace cohort::mpi {
 namespace {

@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "cohort/cohort.h"
-#include "tests/comm/contract_values.h"
+#include "tests/contract/contract_values.h"
 
 using namespace cohort;
 using namespace cohort::testing;

@@ -1,0 +1,51 @@
+// defines: the helpers the Communicator's source files share (private to
+// cohort/comm): fingerprints for the debug check, how reductions are put on
+// the wire (avg as sum, f16/bf16 in f32) and taken off it.
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+#include <vector>
+
+#include "cohort/core/tensor_checks.h"
+#include "cohort/core/types.h"
+#include "cohort/core/work_then.h"
+
+namespace cohort::detail {
+
+// "all_reduce(op=sum, dtype=float32, shape=[4])": what COHORT_DEBUG=detail
+// compares across ranks.
+inline std::string fingerprint(const std::string& op, const torch::Tensor& t,
+                               const std::string& extra = {}) {
+  std::string s = op + "(";
+  if (!extra.empty()) s += extra + ", ";
+  return s + "dtype=" + dtype_name(t.scalar_type()) + ", shape=" + shape_string(t.sizes()) + ")";
+}
+
+// Engines reduce Sum, Min, Max, Prod; avg is a sum divided afterwards.
+inline ReduceOp engine_op(ReduceOp op) { return op == ReduceOp::Avg ? ReduceOp::Sum : op; }
+
+// The tensor a reduction runs on: the caller's own tensor when its dtype
+// reduces natively, else an f32 copy that is copied back afterwards.
+inline torch::Tensor reduction_buffer(const torch::Tensor& t) {
+  auto dt = reduction_dtype(t.scalar_type());
+  return dt == t.scalar_type() ? t : t.to(dt);
+}
+
+// After a reduction into `buf`: average, then copy into `out` if they differ.
+inline void finish_reduction(torch::Tensor& out, torch::Tensor& buf, ReduceOp op, int size) {
+  if (op == ReduceOp::Avg) buf.div_(size);
+  if (!buf.is_same(out)) out.copy_(buf);
+}
+
+// `count` views of `shape` into consecutive blocks of n elements of `flat`.
+inline std::vector<torch::Tensor> flat_chunks(const torch::Tensor& flat, int64_t n, int count,
+                                              at::IntArrayRef shape) {
+  std::vector<torch::Tensor> chunks;
+  chunks.reserve(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) chunks.push_back(flat.narrow(0, i * n, n).view(shape));
+  return chunks;
+}
+
+}  // namespace cohort::detail

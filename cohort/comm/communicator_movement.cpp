@@ -1,0 +1,238 @@
+// The Communicator's data movement: broadcast (plain and coalesced),
+// all_gather (list and flat forms), gather, scatter, all-to-all. Data moves
+// as bytes of its own dtype (bf16 as f16 bits, movement_view), so nothing is
+// converted on the way.
+#include <algorithm>
+#include <numeric>
+
+#include "cohort/algorithms/executor.h"
+#include "cohort/comm/communicator.h"
+#include "cohort/comm/communicator_internal.h"
+#include "cohort/core/error.h"
+
+namespace cohort {
+
+using detail::fingerprint;
+
+Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts) {
+  auto call = begin_collective("broadcast", opts.timeout);
+  check_root(call, opts.root);
+  check_tensor(tensor, call.ctx, "tensor");
+  debug_check(
+      call, [&] { return fingerprint("broadcast", tensor, "root=" + std::to_string(opts.root)); });
+  if (tensor.numel() == 0) return finish(call, done_work());
+  auto wire = movement_view(tensor);
+  return finish(call, engine_->broadcast(wire, opts.root));
+}
+
+Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
+                                       const BroadcastOptions& opts) {
+  auto call = begin_collective("broadcast_coalesced", opts.timeout);
+  check_root(call, opts.root);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
+  }
+  debug_check(call, [&] {
+    std::string print = "broadcast_coalesced(root=" + std::to_string(opts.root);
+    for (auto& t : tensors) print += ", " + dtype_name(t.scalar_type()) + shape_string(t.sizes());
+    return print + ")";
+  });
+  // Bytes are bytes: one flat uint8 buffer carries every dtype at once.
+  int64_t total = 0;
+  for (auto& t : tensors) total += t.numel() * t.element_size();
+  if (total == 0) return finish(call, done_work());
+  auto flat = torch::empty({total}, torch::kUInt8);
+  if (rank_ == opts.root) {
+    int64_t offset = 0;
+    for (auto& t : tensors) {
+      const int64_t n = t.numel() * t.element_size();
+      flat.narrow(0, offset, n).copy_(t.view({-1}).view(torch::kUInt8));
+      offset += n;
+    }
+  }
+  auto impl = engine_->broadcast(flat, opts.root);
+  auto copy_back = [tensors, flat, root = opts.root, me = rank_]() mutable {
+    if (me == root) return;
+    int64_t offset = 0;
+    for (auto& t : tensors) {
+      const int64_t n = t.numel() * t.element_size();
+      t.view({-1}).view(torch::kUInt8).copy_(flat.narrow(0, offset, n));
+      offset += n;
+    }
+  };
+  return finish(call, std::move(impl), std::move(copy_back));
+}
+
+Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
+                              const AllGatherOptions& opts) {
+  auto call = begin_collective("all_gather", opts.timeout);
+  check_tensor(input, call.ctx, "input");
+  check_per_rank(call, outputs, input, "outputs");
+  debug_check(call, [&] { return fingerprint("all_gather", input); });
+  if (input.numel() == 0) return finish(call, done_work());
+  std::vector<torch::Tensor> wire_out;
+  for (auto& o : outputs) wire_out.push_back(movement_view(o));
+  return run_all_gather(call, std::move(wire_out), {}, input, opts);
+}
+
+Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input,
+                                          const AllGatherOptions& opts) {
+  auto call = begin_collective("all_gather_into_tensor", opts.timeout);
+  check_tensor(input, call.ctx, "input");
+  check_tensor(output, call.ctx, "output");
+  if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * size_) {
+    call.refuse("output (" + dtype_name(output.scalar_type()) + shape_string(output.sizes()) +
+                ") must have the input's dtype and " + std::to_string(size_) + " times its " +
+                std::to_string(input.numel()) + " elements");
+  }
+  debug_check(call, [&] { return fingerprint("all_gather_into_tensor", input); });
+  if (input.numel() == 0) return finish(call, done_work());
+  auto flat = movement_view(output).view({-1});
+  auto chunks = detail::flat_chunks(flat, input.numel(), size_, input.sizes());
+  return run_all_gather(call, std::move(chunks), flat, input, opts);
+}
+
+Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> outputs,
+                                  torch::Tensor flat, const torch::Tensor& input,
+                                  const AllGatherOptions& opts) {
+  auto wire_in = movement_view(input);
+  const auto algo = resolve_algorithm(Collective::AllGather,
+                                      size_ * input.numel() * input.element_size(), opts.algo);
+  if (algo == Algorithm::Engine) return finish(call, engine_->all_gather(outputs, wire_in));
+  if (flat.defined()) {
+    return finish(call,
+                  algorithms().all_gather(flat, wire_in.reshape({-1}), algo, call.ctx.timeout));
+  }
+  // The algorithms gather into one buffer; the list form copies out of it.
+  flat = torch::empty({size_ * input.numel()}, wire_in.options());
+  auto impl = algorithms().all_gather(flat, wire_in.reshape({-1}), algo, call.ctx.timeout);
+  return finish(call, std::move(impl), [outputs, flat, n = input.numel()]() mutable {
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      outputs[i].view({-1}).copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n));
+    }
+  });
+}
+
+Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
+                          const GatherOptions& opts) {
+  auto call = begin_collective("gather", opts.timeout);
+  check_root(call, opts.root);
+  check_tensor(input, call.ctx, "input");
+  const bool is_root = rank_ == opts.root;
+  if (is_root) check_per_rank(call, outputs, input, "outputs (on the root)");
+  debug_check(call,
+              [&] { return fingerprint("gather", input, "root=" + std::to_string(opts.root)); });
+  if (input.numel() == 0) return finish(call, done_work());
+  std::vector<torch::Tensor> wire_out;
+  if (is_root) {
+    for (auto& o : outputs) wire_out.push_back(movement_view(o));
+  }
+  auto wire_in = movement_view(input);
+  return finish(call, engine_->gather(wire_out, wire_in, opts.root));
+}
+
+Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
+                           const ScatterOptions& opts) {
+  auto call = begin_collective("scatter", opts.timeout);
+  check_root(call, opts.root);
+  check_tensor(output, call.ctx, "output");
+  const bool is_root = rank_ == opts.root;
+  if (is_root) check_per_rank(call, inputs, output, "inputs (on the root)");
+  debug_check(call,
+              [&] { return fingerprint("scatter", output, "root=" + std::to_string(opts.root)); });
+  if (output.numel() == 0) return finish(call, done_work());
+  std::vector<torch::Tensor> wire_in;
+  if (is_root) {
+    for (auto& t : inputs) wire_in.push_back(movement_view(t));
+  }
+  auto wire_out = movement_view(output);
+  return finish(call, engine_->scatter(wire_out, wire_in, opts.root));
+}
+
+Work Communicator::all_to_all_single(torch::Tensor& output, const torch::Tensor& input,
+                                     std::vector<int64_t> output_split_sizes,
+                                     std::vector<int64_t> input_split_sizes,
+                                     const AllToAllOptions& opts) {
+  auto call = begin_collective("all_to_all_single", opts.timeout);
+  check_tensor(input, call.ctx, "input");
+  check_tensor(output, call.ctx, "output");
+  auto bad = [&](const std::string& why) { call.refuse(why); };
+  if (output.scalar_type() != input.scalar_type()) bad("output and input dtypes differ");
+  if (input.dim() == 0 || output.dim() == 0) bad("tensors need at least one dimension");
+  if (input.sizes().slice(1) != output.sizes().slice(1)) {
+    bad("output and input differ beyond dim 0: " + shape_string(output.sizes()) + " vs " +
+        shape_string(input.sizes()));
+  }
+  const int64_t row = input.numel() / std::max<int64_t>(input.size(0), 1);
+  auto counts = [&](std::vector<int64_t>& splits, const torch::Tensor& t, const std::string& name) {
+    if (splits.empty()) {
+      if (t.size(0) % size_ != 0) {
+        bad(name + " has " + std::to_string(t.size(0)) + " rows, not divisible by " +
+            std::to_string(size_) + "; pass split sizes");
+      }
+      splits.assign(static_cast<size_t>(size_), t.size(0) / size_);
+    }
+    if (static_cast<int>(splits.size()) != size_)
+      bad(name + " split sizes need one entry per rank");
+    if (std::accumulate(splits.begin(), splits.end(), int64_t{0}) != t.size(0) ||
+        std::any_of(splits.begin(), splits.end(), [](int64_t s) { return s < 0; })) {
+      bad(name + " split sizes do not add up to its " + std::to_string(t.size(0)) + " rows");
+    }
+    std::vector<int64_t> elements;
+    for (auto s : splits) elements.push_back(s * row);
+    return elements;
+  };
+  auto out_counts = counts(output_split_sizes, output, "output");
+  auto in_counts = counts(input_split_sizes, input, "input");
+  debug_check(call, [&] {
+    return "all_to_all_single(dtype=" + dtype_name(input.scalar_type()) +
+           ", row=" + shape_string(input.sizes().slice(1)) + ")";
+  });
+  auto wire_out = movement_view(output).view({-1});
+  auto wire_in = movement_view(input).view({-1});
+  return finish(call, engine_->all_to_all(wire_out, wire_in, out_counts, in_counts));
+}
+
+Work Communicator::all_to_all(std::vector<torch::Tensor>& outputs,
+                              const std::vector<torch::Tensor>& inputs,
+                              const AllToAllOptions& opts) {
+  auto call = begin_collective("all_to_all", opts.timeout);
+  if (static_cast<int>(outputs.size()) != size_ || static_cast<int>(inputs.size()) != size_) {
+    call.refuse("needs one input and one output per rank (" + std::to_string(size_) + "), got " +
+                std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  }
+  for (int i = 0; i < size_; ++i) {
+    check_tensor(inputs[i], call.ctx, "inputs[" + std::to_string(i) + "]");
+    check_tensor(outputs[i], call.ctx, "outputs[" + std::to_string(i) + "]");
+    if (inputs[i].scalar_type() != inputs[0].scalar_type() ||
+        outputs[i].scalar_type() != inputs[0].scalar_type()) {
+      call.refuse("all inputs and outputs need one dtype");
+    }
+  }
+  debug_check(call, [&] {
+    std::string print = "all_to_all(";
+    for (int i = 0; i < size_; ++i) print += (i ? ", " : "") + shape_string(inputs[i].sizes());
+    return print + ")";
+  });
+  std::vector<torch::Tensor> flat_in;
+  std::vector<int64_t> in_counts, out_counts;
+  int64_t out_total = 0;
+  for (int i = 0; i < size_; ++i) {
+    flat_in.push_back(movement_view(inputs[i]).reshape({-1}));
+    in_counts.push_back(inputs[i].numel());
+    out_counts.push_back(outputs[i].numel());
+    out_total += outputs[i].numel();
+  }
+  auto wire_in = at::cat(flat_in);
+  auto wire_out = torch::empty({out_total}, wire_in.options());
+  auto impl = engine_->all_to_all(wire_out, wire_in, out_counts, in_counts);
+  return finish(call, std::move(impl), [outputs, wire_out]() mutable {
+    int64_t offset = 0;
+    for (auto& o : outputs) {
+      movement_view(o).view({-1}).copy_(wire_out.narrow(0, offset, o.numel()));
+      offset += o.numel();
+    }
+  });
+}
+
+}  // namespace cohort

@@ -1,0 +1,166 @@
+// The Communicator's reductions: all_reduce (plain and coalesced), reduce,
+// reduce_scatter (list and flat forms). Each runs on a reduction buffer (the
+// caller's tensor, or an f32 copy for f16/bf16), as a sum where avg was
+// asked, then divides and copies back when its Work completes.
+#include <algorithm>
+
+#include "cohort/algorithms/executor.h"
+#include "cohort/comm/communicator.h"
+#include "cohort/comm/communicator_internal.h"
+#include "cohort/core/error.h"
+
+namespace cohort {
+namespace {
+
+void check_avg(const OpContext& ctx, const torch::Tensor& t, ReduceOp op) {
+  if (op == ReduceOp::Avg && !at::isFloatingType(t.scalar_type())) {
+    throw InvalidArgument("cohort: " + ctx.describe() + ": avg needs a floating-point dtype, got " +
+                          dtype_name(t.scalar_type()));
+  }
+}
+
+}  // namespace
+
+using detail::engine_op;
+using detail::fingerprint;
+using detail::reduction_buffer;
+
+Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts) {
+  auto call = begin_collective("all_reduce", opts.timeout);
+  check_tensor(tensor, call.ctx, "tensor");
+  check_avg(call.ctx, tensor, opts.op);
+  debug_check(call, [&] { return fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)); });
+  // Alone, every reduction (avg included) is the identity: no engine round
+  // trip, no pass over the data (DDP at world 1 calls this every step).
+  if (tensor.numel() == 0 || size_ == 1) return finish(call, done_work());
+  auto buf = reduction_buffer(tensor);
+  const auto algo =
+      resolve_algorithm(Collective::AllReduce, buf.numel() * buf.element_size(), opts.algo);
+  auto impl =
+      algo == Algorithm::Engine
+          ? engine_->all_reduce(buf, engine_op(opts.op))
+          : algorithms().all_reduce(buf.view({-1}), engine_op(opts.op), algo, call.ctx.timeout);
+  return finish_reduction(call, std::move(impl), tensor, buf, opts.op);
+}
+
+Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
+                                        const AllReduceOptions& opts) {
+  auto call = begin_collective("all_reduce_coalesced", opts.timeout);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
+    check_avg(call.ctx, tensors[i], opts.op);
+  }
+  debug_check(call, [&] {
+    std::string print = "all_reduce_coalesced(op=" + to_string(opts.op);
+    for (auto& t : tensors) print += ", " + dtype_name(t.scalar_type()) + shape_string(t.sizes());
+    return print + ")";
+  });
+
+  // One flat buffer per reduction dtype, in order of first appearance, which
+  // is the same on every rank because the tensor lists match.
+  std::vector<at::ScalarType> dtypes;
+  for (auto& t : tensors) {
+    auto dt = reduction_dtype(t.scalar_type());
+    if (std::find(dtypes.begin(), dtypes.end(), dt) == dtypes.end()) dtypes.push_back(dt);
+  }
+  std::vector<WorkPtr> parts;
+  std::vector<std::pair<torch::Tensor, std::vector<size_t>>> flats;
+  for (auto dt : dtypes) {
+    std::vector<size_t> members;
+    std::vector<torch::Tensor> pieces;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (reduction_dtype(tensors[i].scalar_type()) != dt || tensors[i].numel() == 0) continue;
+      members.push_back(i);
+      pieces.push_back(tensors[i].reshape({-1}).to(dt));
+    }
+    if (members.empty()) continue;
+    auto flat = at::cat(pieces);
+    parts.push_back(engine_->all_reduce(flat, engine_op(opts.op)));
+    flats.emplace_back(flat, std::move(members));
+  }
+  auto copy_back = [tensors, flats, op = opts.op, n = size_]() mutable {
+    for (auto& [flat, members] : flats) {
+      if (op == ReduceOp::Avg) flat.div_(n);
+      int64_t offset = 0;
+      for (size_t i : members) {
+        auto& t = tensors[i];
+        t.view({-1}).copy_(flat.narrow(0, offset, t.numel()));
+        offset += t.numel();
+      }
+    }
+  };
+  return finish(call, std::make_shared<WorkList>(std::move(parts)), std::move(copy_back));
+}
+
+Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
+  auto call = begin_collective("reduce", opts.timeout);
+  check_root(call, opts.root);
+  check_tensor(tensor, call.ctx, "tensor");
+  check_avg(call.ctx, tensor, opts.op);
+  debug_check(call, [&] {
+    return fingerprint("reduce", tensor,
+                       "root=" + std::to_string(opts.root) + ", op=" + to_string(opts.op));
+  });
+  if (tensor.numel() == 0) return finish(call, done_work());
+  auto buf = reduction_buffer(tensor);
+  auto impl = engine_->reduce(buf, opts.root, engine_op(opts.op));
+  // Off the root the result is unspecified; the buffer lives until the end.
+  if (rank_ != opts.root) return finish(call, std::move(impl), [buf] {});
+  return finish_reduction(call, std::move(impl), tensor, buf, opts.op);
+}
+
+Work Communicator::reduce_scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
+                                  const ReduceScatterOptions& opts) {
+  auto call = begin_collective("reduce_scatter", opts.timeout);
+  check_tensor(output, call.ctx, "output");
+  check_avg(call.ctx, output, opts.op);
+  check_per_rank(call, inputs, output, "inputs");
+  debug_check(call,
+              [&] { return fingerprint("reduce_scatter", output, "op=" + to_string(opts.op)); });
+  if (output.numel() == 0) return finish(call, done_work());
+  std::vector<torch::Tensor> chunks;
+  for (auto& t : inputs) chunks.push_back(reduction_buffer(t));
+  return run_reduce_scatter(call, output, std::move(chunks), {}, opts);
+}
+
+Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Tensor& input,
+                                         const ReduceScatterOptions& opts) {
+  auto call = begin_collective("reduce_scatter_tensor", opts.timeout);
+  check_tensor(output, call.ctx, "output");
+  check_tensor(input, call.ctx, "input");
+  check_avg(call.ctx, output, opts.op);
+  if (output.scalar_type() != input.scalar_type() || input.numel() != output.numel() * size_) {
+    call.refuse("input (" + dtype_name(input.scalar_type()) + shape_string(input.sizes()) +
+                ") must have the output's dtype and " + std::to_string(size_) + " times its " +
+                std::to_string(output.numel()) + " elements");
+  }
+  debug_check(call, [&] {
+    return fingerprint("reduce_scatter_tensor", output, "op=" + to_string(opts.op));
+  });
+  if (output.numel() == 0) return finish(call, done_work());
+  auto flat = reduction_buffer(input).view({-1});
+  auto chunks = detail::flat_chunks(flat, output.numel(), size_, output.sizes());
+  return run_reduce_scatter(call, output, std::move(chunks), flat, opts);
+}
+
+Work Communicator::run_reduce_scatter(const Call& call, torch::Tensor& output,
+                                      std::vector<torch::Tensor> chunks, torch::Tensor flat,
+                                      const ReduceScatterOptions& opts) {
+  auto buf = reduction_buffer(output);
+  const auto algo = resolve_algorithm(Collective::ReduceScatter,
+                                      size_ * buf.numel() * buf.element_size(), opts.algo);
+  WorkPtr impl;
+  if (algo == Algorithm::Engine) {
+    impl = engine_->reduce_scatter(buf, chunks, engine_op(opts.op));
+  } else {
+    if (!flat.defined()) {
+      for (auto& c : chunks) c = c.reshape({-1});
+      flat = at::cat(chunks);
+    }
+    impl = algorithms().reduce_scatter(buf.view({-1}), flat, engine_op(opts.op), algo,
+                                       call.ctx.timeout);
+  }
+  return finish_reduction(call, std::move(impl), output, buf, opts.op);
+}
+
+}  // namespace cohort

@@ -1,0 +1,68 @@
+// defines: Engine, the interface every transport implements (Gloo through
+// c10d, MPI, later NCCL), and WorkPtr.
+//
+// The Communicator validates and prepares tensors (contiguous, CPU, a dtype
+// the wire carries) before it calls an engine, so engines stay thin. An engine
+// implements what it supports; the defaults below either build the operation
+// from others (reduce_scatter) or refuse it by name.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/core/types.h"
+#include "cohort/core/work.h"
+
+namespace cohort {
+
+class Store;
+using WorkPtr = std::shared_ptr<WorkImpl>;
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual std::string name() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Reductions receive Sum, Min, Max or Prod (Avg is a Sum divided above the
+  // engine) on f32, f64, i32, i64 or u8 (f16/bf16 are reduced in f32 above).
+  virtual WorkPtr all_reduce(at::Tensor& tensor, ReduceOp op) = 0;
+  virtual WorkPtr broadcast(at::Tensor& tensor, int root) = 0;
+  virtual WorkPtr reduce(at::Tensor& tensor, int root, ReduceOp op) = 0;
+  // outputs[i] receives rank i's input.
+  virtual WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) = 0;
+  // output = op over ranks of inputs[rank()]. Default: an all_reduce of the
+  // concatenated inputs (twice the minimal traffic); engines override.
+  virtual WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op);
+  // True when reduce_scatter above is the transport's own (not the default
+  // built from all_reduce); without one, the communicator's "engine" choice
+  // for reduce_scatter means cohort's ring (cohort/algorithms).
+  virtual bool has_native_reduce_scatter() const { return false; }
+  // On the root, outputs has size() tensors; elsewhere it is empty.
+  virtual WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) = 0;
+  // On the root, inputs has size() tensors; elsewhere it is empty.
+  virtual WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) = 0;
+  // Flat buffers; counts are elements per rank (empty: equal split).
+  virtual WorkPtr all_to_all(at::Tensor& output, at::Tensor& input,
+                             std::vector<int64_t>& output_counts,
+                             std::vector<int64_t>& input_counts) = 0;
+  virtual WorkPtr barrier() = 0;
+  virtual WorkPtr send(at::Tensor& tensor, int dst, int tag) = 0;
+  virtual WorkPtr recv(at::Tensor& tensor, int src, int tag) = 0;
+
+  // Called by the members of a new group only, all at once: an engine for
+  // `ranks` (this engine's ranks, in the new group's order). `store` is the
+  // new group's own key space.
+  virtual std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
+                                                  std::shared_ptr<Store> store, Millis timeout) = 0;
+
+ protected:
+  [[noreturn]] void unsupported(const std::string& what) const;
+};
+
+}  // namespace cohort

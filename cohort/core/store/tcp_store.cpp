@@ -1,0 +1,103 @@
+#include "cohort/core/store/tcp_store.h"
+
+#include <cstring>
+
+#include "cohort/core/error.h"
+#include "cohort/core/store/missing_keys.h"
+#include "cohort/core/store/tcp_store_protocol.h"
+#include "cohort/core/store/tcp_store_server.h"
+
+namespace cohort {
+
+using namespace tcp_store;
+
+TcpStore::TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout)
+    : host_(std::move(host)), port_(port) {
+  timeout_ = timeout;
+  if (is_server) {
+    server_ = std::make_unique<TcpStoreServer>(host_, port_);
+    port_ = server_->port();
+  }
+  ensure_connected(net::Clock::now() + timeout_);
+}
+
+TcpStore::~TcpStore() = default;
+
+std::string TcpStore::where() const { return "TcpStore at " + host_ + ":" + std::to_string(port_); }
+
+void TcpStore::ensure_connected(net::Clock::time_point deadline) {
+  if (conn_.valid()) return;
+  try {
+    conn_ = net::connect_to(host_, port_, deadline);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(where() + ": rendezvous failed, " + e.what() +
+                       "; is rank 0 running and MASTER_ADDR/MASTER_PORT the same on every rank?");
+  }
+}
+
+std::vector<uint8_t> TcpStore::call(uint8_t cmd, const std::vector<std::string>& args,
+                                    Millis timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto deadline = net::Clock::now() + timeout;
+  ensure_connected(deadline);
+  auto frame = encode_request(cmd, args);
+  try {
+    net::send_all(conn_.fd(), frame.data(), frame.size());
+    uint32_t len = 0;
+    net::recv_all(conn_.fd(), &len, 4, deadline);
+    std::vector<uint8_t> body(len);
+    net::recv_all(conn_.fd(), body.data(), len, deadline);
+    if (body.empty() || body[0] == kBadRequest) {
+      throw Error(where() + ": server rejected the request");
+    }
+    return body;
+  } catch (const TimeoutError&) {
+    // The reply may still come; a fresh connection keeps later replies in step.
+    conn_.close();
+    throw;
+  } catch (const PeerError& e) {
+    conn_.close();
+    throw PeerError(where() + ": " + e.what() +
+                    " (rank 0, which hosts the store, may have exited)");
+  }
+}
+
+void TcpStore::set(const std::string& key, const std::vector<uint8_t>& value) {
+  call(kSet, {key, std::string(value.begin(), value.end())}, timeout_);
+}
+
+std::vector<uint8_t> TcpStore::get(const std::string& key) {
+  wait({key}, timeout_);
+  auto body = call(kGet, {key}, timeout_);
+  if (body[0] == kNotFound) throw Error(where() + ": key '" + key + "' vanished");
+  return std::vector<uint8_t>(body.begin() + 1, body.end());
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  auto body = call(kAdd, {key, std::to_string(delta)}, timeout_);
+  return std::stoll(std::string(body.begin() + 1, body.end()));
+}
+
+bool TcpStore::check(const std::vector<std::string>& keys) {
+  auto body = call(kCheck, keys, timeout_);
+  return body.size() == 2 && body[1] == '1';
+}
+
+void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
+  try {
+    call(kWait, keys, timeout);
+  } catch (const TimeoutError&) {
+    std::vector<std::string> missing;
+    for (auto& k : keys) {
+      if (!check({k})) missing.push_back(k);
+    }
+    throw TimeoutError(missing_keys_message(where(), missing, timeout));
+  }
+}
+
+bool TcpStore::delete_key(const std::string& key) {
+  auto body = call(kDelete, {key}, timeout_);
+  return body.size() == 2 && body[1] == '1';
+}
+
+}  // namespace cohort

@@ -1,0 +1,48 @@
+// defines: TcpStore, the Store behind torchrun-style rendezvous
+// (MASTER_ADDR:MASTER_PORT). Rank 0 hosts the server; every rank, rank 0
+// included, is a client.
+//
+// Why not c10d's TCPStore: in LibTorch 1.13 its server binds every interface,
+// and cohort listens on loopback alone unless the user gives another address.
+#pragma once
+
+#include <memory>
+#include <mutex>
+
+#include "cohort/core/store/socket.h"
+#include "cohort/core/store/store.h"
+
+namespace cohort {
+
+class TcpStoreServer;
+
+class TcpStore : public Store {
+ public:
+  // is_server: host the store on host:port (port 0 picks a free port; see
+  // port()). Clients retry connecting until `timeout`.
+  TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout);
+  ~TcpStore() override;
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::vector<uint8_t> get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, Millis timeout) override;
+  bool delete_key(const std::string& key) override;
+
+  uint16_t port() const { return port_; }
+
+ private:
+  // One request and its reply on the client connection.
+  std::vector<uint8_t> call(uint8_t cmd, const std::vector<std::string>& args, Millis timeout);
+  void ensure_connected(net::Clock::time_point deadline);
+  std::string where() const;
+
+  std::string host_;
+  uint16_t port_;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::mutex mu_;  // one request at a time on the connection
+  net::Socket conn_;
+};
+
+}  // namespace cohort

@@ -1,0 +1,115 @@
+#include "cohort/core/tensor_checks.h"
+
+#include <sstream>
+
+#include "cohort/core/error.h"
+
+namespace cohort {
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kInt:
+      return "int32";
+    case at::kLong:
+      return "int64";
+    case at::kByte:
+      return "uint8";
+    default:
+      return c10::toString(t);
+  }
+}
+
+std::string shape_string(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
+  os << "]";
+  return os.str();
+}
+
+namespace {
+bool supported(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kInt:
+    case at::kLong:
+    case at::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
+}  // namespace
+
+void check_tensor(const at::Tensor& t, const std::string& where, const std::string& what) {
+  auto fail = [&](const std::string& why) {
+    throw InvalidArgument("cohort: " + where + ": " + what + " " + why);
+  };
+  if (!t.defined()) fail("is undefined");
+  if (t.layout() != at::kStrided) fail("is not a dense (strided) tensor");
+  if (!t.device().is_cpu()) {
+    fail("is on device " + t.device().str() + "; this engine needs CPU tensors");
+  }
+  if (!supported(t.scalar_type())) {
+    fail("has dtype " + dtype_name(t.scalar_type()) +
+         "; supported: float32, float64, float16, bfloat16, int32, int64, uint8");
+  }
+  if (!t.is_contiguous()) {
+    fail("is not contiguous (shape " + shape_string(t.sizes()) + "); call .contiguous() first");
+  }
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& where,
+                const std::string& what) {
+  check_tensor(t, where, what);
+  if (t.scalar_type() != ref.scalar_type()) {
+    throw InvalidArgument("cohort: " + where + ": " + what + " has dtype " +
+                          dtype_name(t.scalar_type()) + ", expected " +
+                          dtype_name(ref.scalar_type()));
+  }
+  if (t.sizes() != ref.sizes()) {
+    throw InvalidArgument("cohort: " + where + ": " + what + " has shape " +
+                          shape_string(t.sizes()) + ", expected " + shape_string(ref.sizes()));
+  }
+}
+
+namespace {
+// True when check_tensor would accept `t`; the fast path of the OpContext forms.
+bool passes(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
+         supported(t.scalar_type()) && t.is_contiguous();
+}
+}  // namespace
+
+void check_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what) {
+  if (!passes(t)) check_tensor(t, ctx.describe(), what);
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, const OpContext& ctx,
+                const std::string& what) {
+  if (!passes(t) || t.scalar_type() != ref.scalar_type() || t.sizes() != ref.sizes()) {
+    check_like(t, ref, ctx.describe(), what);
+  }
+}
+
+at::ScalarType reduction_dtype(at::ScalarType t) {
+  return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
+}
+
+at::Tensor movement_view(const at::Tensor& t) {
+  if (t.scalar_type() == at::kBFloat16) return t.view(at::kHalf);
+  return t;
+}
+
+}  // namespace cohort

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Fails when a file under cohort/ includes a cohort module above its own
+# layer (docs/design.md, "Layers"). A module may include its own folder and
+# the layers below it, never a layer above nor a peer on its own layer.
+# Run by the test command (ctest: layering); `scripts/check-layers.sh` alone
+# prints every offending include.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+# Layer of each module folder under cohort/, bottom (0) to top. A new module
+# gets a line here: the check refuses folders it does not know.
+declare -A layer=(
+  [core]=0
+  [algorithms]=1
+  [comm]=2
+  [ddp]=3
+  [optim]=4
+  [train]=9
+)
+
+status=0
+while IFS= read -r file; do
+  rel=${file#cohort/}
+  from=${rel%%/*}
+  [ "$from" = "$rel" ] && continue  # cohort/cohort.h, the umbrella: may include all
+  if [ -z "${layer[$from]+x}" ]; then
+    echo "layering: $file: module '$from' has no layer in scripts/check-layers.sh"
+    status=1
+    continue
+  fi
+  while IFS=: read -r line target; do
+    to=${target#cohort/}
+    to=${to%%/*}
+    [ "$to" = "$from" ] && continue
+    if [ -z "${layer[$to]+x}" ]; then
+      echo "layering: $file:$line includes cohort/$to, which has no layer"
+      status=1
+    elif [ "${layer[$to]}" -ge "${layer[$from]}" ]; then
+      echo "layering: $file:$line: $from (layer ${layer[$from]}) includes $target (layer ${layer[$to]})"
+      status=1
+    fi
+  done < <(grep -noE '^#include "cohort/[^"]+"' "$file" | sed -E 's/:#include "/:/; s/"$//')
+  # The library never reaches into tests, tools, examples or benchmarks.
+  if grep -nE '^#include "(tests|tools|examples|bench)/' "$file"; then
+    echo "layering: $file includes a file outside the library"
+    status=1
+  fi
+done < <(git ls-files 'cohort/*.h' 'cohort/*.cpp' 'cohort/*.hpp')
+
+[ $status -eq 0 ] && echo "layering: every include points down"
+exit $status

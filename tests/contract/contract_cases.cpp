@@ -1,0 +1,331 @@
+// The Communicator contract, each case once (contract_cases.h). Inputs are
+// rank-dependent and the expected results are formulas, so a case needs no
+// reference run and works at any world size.
+#include "tests/contract/contract_cases.h"
+
+#include <gtest/gtest.h>
+
+#include "cohort/cohort.h"
+#include "tests/contract/contract_values.h"
+
+namespace cohort::testing {
+namespace {
+
+#define EXPECT_REDUCED(got, expected, what) ASSERT_TRUE(matches(got, expected)) << (what)
+
+// Counts: empty, one, odd, fewer than some worlds, non-divisible, ~1M
+// (more than one pipeline segment of the algorithms).
+const std::vector<int64_t> kReduceCounts = {0, 1, 3, 7, 1001, (1 << 20) + 3};
+
+void all_reduce_every_op_and_count(Communicator& comm, torch::Dtype dt) {
+  for (auto op : ops_for(dt)) {
+    for (auto n : kReduceCounts) {
+      // ~1M elements for sum and avg (the bandwidth path); min/max/prod
+      // share the code and take the small counts.
+      if (n > 100000 && op != ReduceOp::Sum && op != ReduceOp::Avg) continue;
+      auto t = input_for(op, comm.rank(), n, dt);
+      comm.all_reduce(t, {op}).wait();
+      ASSERT_EQ(t.scalar_type(), dt);
+      EXPECT_REDUCED(t, expected_reduction(op, comm.size(), n),
+                     "op " + to_string(op) + " n " + std::to_string(n));
+    }
+  }
+}
+
+void all_reduce_coalesced_mixed_sizes(Communicator& comm, torch::Dtype dt) {
+  std::vector<torch::Tensor> ts;
+  for (int64_t n : {3, 0, 1001}) ts.push_back(rank_input(comm.rank(), n, dt));
+  ts.push_back(rank_input(comm.rank(), 5, torch::kFloat64));  // a second dtype in the call
+  comm.all_reduce_coalesced(ts, {ReduceOp::Max}).wait();
+  EXPECT_REDUCED(ts[0], expected_reduction(ReduceOp::Max, comm.size(), 3), "t0");
+  EXPECT_EQ(ts[1].numel(), 0);
+  EXPECT_REDUCED(ts[2], expected_reduction(ReduceOp::Max, comm.size(), 1001), "t2");
+  EXPECT_REDUCED(ts[3], expected_reduction(ReduceOp::Max, comm.size(), 5), "t3");
+}
+
+// Avg needs a floating-point dtype: refused on integers before anything is
+// sent, the mean on the others.
+void avg_is_for_floating_dtypes(Communicator& comm, torch::Dtype dt) {
+  auto t = rank_input(comm.rank(), 4, dt);
+  if (!torch::isFloatingType(dt)) {
+    EXPECT_THROW(comm.all_reduce(t, {ReduceOp::Avg}), InvalidArgument);
+    return;
+  }
+  comm.all_reduce(t, {ReduceOp::Avg}).wait();
+  EXPECT_REDUCED(t, expected_reduction(ReduceOp::Avg, comm.size(), 4), "avg");
+}
+
+void broadcast_from_last_rank(Communicator& comm, torch::Dtype dt) {
+  const int root = comm.size() - 1;
+  for (auto n : kCounts) {
+    auto t = rank_input(comm.rank(), n, dt);
+    comm.broadcast(t, {root}).wait();
+    ASSERT_TRUE(torch::equal(t, rank_input(root, n, dt))) << "n " << n;
+  }
+  std::vector<torch::Tensor> ts{rank_input(comm.rank(), 9, dt),
+                                rank_input(comm.rank(), 2, torch::kInt64),
+                                rank_input(comm.rank(), 0, dt)};
+  comm.broadcast_coalesced(ts, {0}).wait();
+  EXPECT_TRUE(torch::equal(ts[0], rank_input(0, 9, dt)));
+  EXPECT_TRUE(torch::equal(ts[1], rank_input(0, 2, torch::kInt64)));
+}
+
+void reduce_to_middle_rank(Communicator& comm, torch::Dtype dt) {
+  const int root = comm.size() / 2;
+  for (auto op : {ReduceOp::Sum, ReduceOp::Max}) {
+    for (auto n : kCounts) {
+      auto t = rank_input(comm.rank(), n, dt);
+      comm.reduce(t, {root, op}).wait();
+      if (comm.rank() == root) {
+        EXPECT_REDUCED(t, expected_reduction(op, comm.size(), n), "n " + std::to_string(n));
+      }
+    }
+  }
+}
+
+void all_gather_both_forms(Communicator& comm, torch::Dtype dt) {
+  for (int64_t n : {0, 1, 7, 300007}) {
+    if (n > 1000 && dt != torch::kFloat32 && dt != torch::kBFloat16) continue;
+    auto in = rank_input(comm.rank(), n, dt);
+    std::vector<torch::Tensor> outs;
+    for (int r = 0; r < comm.size(); ++r) outs.push_back(torch::full({n}, 99, dt));
+    comm.all_gather(outs, in).wait();
+    auto flat = torch::empty({n * comm.size()}, dt);
+    comm.all_gather_into_tensor(flat, in).wait();
+    for (int r = 0; r < comm.size(); ++r) {
+      ASSERT_TRUE(torch::equal(outs[r], rank_input(r, n, dt))) << "n " << n << " r " << r;
+      ASSERT_TRUE(torch::equal(flat.narrow(0, r * n, n), rank_input(r, n, dt)));
+    }
+  }
+}
+
+void reduce_scatter_both_forms(Communicator& comm, torch::Dtype dt) {
+  const int w = comm.size();
+  for (auto op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg}) {
+    if (op == ReduceOp::Avg && !torch::isFloatingType(dt)) continue;
+    for (int64_t n : {0, 1, 7, 100003}) {
+      if (n > 1000 && dt != torch::kFloat32) continue;
+      // Block j of rank r is rank_input(r) + j, so every destination gets a
+      // different result: sum + w*rank, max and avg + rank.
+      std::vector<torch::Tensor> inputs;
+      for (int j = 0; j < w; ++j) inputs.push_back(rank_input(comm.rank(), n, dt) + j);
+      const auto expected =
+          expected_reduction(op, w, n) + (op == ReduceOp::Sum ? w : 1) * comm.rank();
+      const auto what = to_string(op) + " n " + std::to_string(n);
+      auto out = torch::empty({n}, dt);
+      ReduceScatterOptions o;
+      o.op = op;
+      comm.reduce_scatter(out, inputs, o).wait();
+      EXPECT_REDUCED(out, expected, "list " + what);
+      auto flat = torch::cat(inputs);
+      auto before = flat.clone();
+      auto out2 = torch::empty({n}, dt);
+      comm.reduce_scatter_tensor(out2, flat, o).wait();
+      EXPECT_REDUCED(out2, expected, "tensor " + what);
+      ASSERT_TRUE(torch::equal(flat, before)) << "the input must not change";
+    }
+  }
+}
+
+// Operations in flight at once, waited in reverse, each with its own result.
+void many_in_flight(Communicator& comm, torch::Dtype dt) {
+  std::vector<torch::Tensor> ts;
+  std::vector<Work> works;
+  for (int i = 0; i < 6; ++i) {
+    ts.push_back(rank_input(comm.rank(), 5000 + i * 777, dt));
+    works.push_back(comm.all_reduce(ts.back()));
+  }
+  for (int i = 5; i >= 0; --i) works[i].wait();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    EXPECT_REDUCED(ts[i], expected_reduction(ReduceOp::Sum, comm.size(), ts[i].numel()),
+                   "operation " + std::to_string(i));
+  }
+}
+
+void gather_and_scatter_at_last_rank(Communicator& comm, torch::Dtype dt) {
+  const int root = comm.size() - 1;
+  for (auto n : kCounts) {
+    auto in = rank_input(comm.rank(), n, dt);
+    std::vector<torch::Tensor> outs;
+    if (comm.rank() == root) {
+      for (int r = 0; r < comm.size(); ++r) outs.push_back(torch::zeros({n}, dt));
+    }
+    comm.gather(outs, in, {root}).wait();
+    for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
+      ASSERT_TRUE(torch::equal(outs[r], rank_input(r, n, dt)));
+    }
+    std::vector<torch::Tensor> pieces;
+    if (comm.rank() == root) {
+      for (int r = 0; r < comm.size(); ++r) pieces.push_back(rank_input(r + 1, n, dt));
+    }
+    auto out = torch::zeros({n}, dt);
+    comm.scatter(out, pieces, {root}).wait();
+    ASSERT_TRUE(torch::equal(out, rank_input(comm.rank() + 1, n, dt)));
+  }
+}
+
+void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
+  const int w = comm.size(), me = comm.rank();
+  // Equal splits: row block j of rank r holds 10*r + j.
+  auto in = torch::arange(w, torch::kInt64).repeat_interleave(3).add(10 * me).to(dt);
+  auto out = torch::empty({3 * w}, dt);
+  comm.all_to_all_single(out, in).wait();
+  auto expected = (torch::arange(w, torch::kInt64) * 10 + me).repeat_interleave(3).to(dt);
+  EXPECT_TRUE(torch::equal(out, expected));
+
+  // Uneven: rank r sends j+1 rows of width 2 to rank j, filled with r.
+  std::vector<int64_t> in_splits, out_splits;
+  for (int j = 0; j < w; ++j) in_splits.push_back(j + 1);
+  for (int r = 0; r < w; ++r) out_splits.push_back(me + 1);
+  auto uin = torch::full({w * (w + 1) / 2, 2}, me, dt);
+  auto uout = torch::empty({w * (me + 1), 2}, dt);
+  comm.all_to_all_single(uout, uin, out_splits, in_splits).wait();
+  auto uexp =
+      torch::arange(w, torch::kInt64).repeat_interleave(me + 1).unsqueeze(1).expand({-1, 2});
+  EXPECT_TRUE(torch::equal(uout, uexp.to(dt)));
+
+  // List form.
+  std::vector<torch::Tensor> ins, outs;
+  for (int j = 0; j < w; ++j) {
+    ins.push_back(torch::full({j + 1}, me * 10 + j, dt));
+    outs.push_back(torch::empty({me + 1}, dt));
+  }
+  comm.all_to_all(outs, ins).wait();
+  for (int r = 0; r < w; ++r) {
+    EXPECT_TRUE(torch::equal(outs[r], torch::full({me + 1}, r * 10 + me, dt)));
+  }
+}
+
+// Each rank sends two messages to its right neighbour, tags 7 then 3, and
+// receives them from its left neighbour in the opposite order: tags, not
+// arrival order, decide which buffer gets which message. The large one is
+// not sent eagerly.
+void p2p_tags_keep_messages_apart(Communicator& comm, torch::Dtype) {
+  const int w = comm.size(), me = comm.rank();
+  const int right = (me + 1) % w, left = (me + w - 1) % w;
+  auto a = torch::full({100000}, 100.0 * me + 7);
+  auto b = torch::full({10}, 100.0 * me + 3, torch::kBFloat16);
+  auto sa = comm.send(a, right, {7});
+  auto sb = comm.send(b, right, {3});
+  auto rb = torch::zeros({10}, torch::kBFloat16);
+  auto ra = torch::zeros({100000});
+  comm.recv(rb, left, {3}).wait();
+  comm.recv(ra, left, {7}).wait();
+  sa.wait();
+  sb.wait();
+  EXPECT_TRUE(torch::equal(ra, torch::full({100000}, 100.0 * left + 7)));
+  EXPECT_TRUE(torch::equal(rb, torch::full({10}, 100.0 * left + 3, torch::kBFloat16)));
+}
+
+void p2p_one_tag_arrives_in_order(Communicator& comm, torch::Dtype) {
+  const int w = comm.size(), me = comm.rank();
+  std::vector<Work> sends;
+  std::vector<torch::Tensor> outgoing;
+  for (int k = 0; k < 5; ++k) {
+    outgoing.push_back(torch::full({3}, me * 10 + k, torch::kInt64));
+    sends.push_back(comm.send(outgoing.back(), (me + 1) % w, {0}));
+  }
+  for (int k = 0; k < 5; ++k) {
+    auto t = torch::empty({3}, torch::kInt64);
+    comm.recv(t, (me + w - 1) % w, {0}).wait();
+    EXPECT_EQ(t[0].item<int64_t>(), ((me + w - 1) % w) * 10 + k);
+  }
+  wait_all(sends);
+}
+
+void p2p_bad_peers_and_tags_are_refused(Communicator& comm, torch::Dtype) {
+  auto t = torch::zeros({2});
+  EXPECT_THROW(comm.send(t, comm.rank()), InvalidArgument);
+  EXPECT_THROW(comm.recv(t, comm.size()), InvalidArgument);
+  EXPECT_THROW(comm.recv(t, -1), InvalidArgument);
+  if (comm.size() > 1)
+    EXPECT_THROW(comm.send(t, (comm.rank() + 1) % comm.size(), {-1}), InvalidArgument);
+}
+
+// The odd ranks, listed in reverse, form a group ranked in the order given.
+void new_group_of_odd_ranks_in_reverse(Communicator& comm, torch::Dtype) {
+  std::vector<int> odd;
+  for (int r = comm.size() - 1; r >= 0; --r) {
+    if (r % 2 == 1) odd.push_back(r);
+  }
+  auto group = comm.new_group(odd);
+  if (comm.rank() % 2 == 0) {
+    EXPECT_EQ(group, nullptr);
+  } else {
+    ASSERT_NE(group, nullptr);
+    EXPECT_EQ(group->size(), static_cast<int>(odd.size()));
+    const auto at = std::find(odd.begin(), odd.end(), comm.rank()) - odd.begin();
+    EXPECT_EQ(group->rank(), at);
+    auto t = torch::full({4}, static_cast<float>(comm.rank()));
+    group->all_reduce(t).wait();
+    float sum = 0;
+    for (int r : odd) sum += static_cast<float>(r);
+    EXPECT_TRUE(torch::equal(t, torch::full({4}, sum)));
+  }
+  // The parent keeps working after a subgroup was made.
+  auto t = torch::ones({1});
+  comm.all_reduce(t).wait();
+  EXPECT_EQ(t.item<float>(), static_cast<float>(comm.size()));
+}
+
+// Colors by parity, the last rank of an odd world opts out, keys reverse
+// the order; then groups of one inside each group.
+void split_by_color_ranks_by_key(Communicator& comm, torch::Dtype) {
+  const int me = comm.rank(), w = comm.size();
+  const bool out = w % 2 == 1 && me == w - 1 && w > 1;
+  auto sub = comm.split(out ? -1 : me % 2, -me);
+  if (out) {
+    EXPECT_EQ(sub, nullptr);
+    return;
+  }
+  ASSERT_NE(sub, nullptr);
+  std::vector<int> members;  // by key (-rank): highest rank first
+  for (int r = w - 1; r >= 0; --r) {
+    if (r % 2 == me % 2 && !(w % 2 == 1 && r == w - 1 && w > 1)) members.push_back(r);
+  }
+  EXPECT_EQ(sub->size(), static_cast<int>(members.size()));
+  EXPECT_EQ(sub->rank(), std::find(members.begin(), members.end(), me) - members.begin());
+  auto t = torch::full({3}, static_cast<double>(me), torch::kFloat64);
+  sub->all_reduce(t).wait();
+  double sum = 0;
+  for (int r : members) sum += r;
+  EXPECT_EQ(t[0].item<double>(), sum);
+  auto solo = sub->split(sub->rank(), 0);
+  ASSERT_NE(solo, nullptr);
+  EXPECT_EQ(solo->size(), 1);
+  auto u = torch::full({2}, 3.0f);
+  solo->all_reduce(u).wait();
+  EXPECT_EQ(u[0].item<float>(), 3.0f);
+}
+
+void bad_group_ranks_are_refused(Communicator& comm, torch::Dtype) {
+  EXPECT_THROW(comm.new_group({0, 0}), InvalidArgument);
+  EXPECT_THROW(comm.new_group({0, comm.size()}), InvalidArgument);
+  EXPECT_THROW(comm.new_group({}), InvalidArgument);
+}
+
+}  // namespace
+
+const std::vector<ContractCase>& contract_cases() {
+  static const std::vector<ContractCase> cases = {
+      {"AllReduceEveryOpAndCount", all_reduce_every_op_and_count, true, true},
+      {"AllReduceCoalescedMixedSizes", all_reduce_coalesced_mixed_sizes, true, false},
+      {"AvgIsForFloatingDtypes", avg_is_for_floating_dtypes, true, false},
+      {"BroadcastFromLastRank", broadcast_from_last_rank, true, false},
+      {"ReduceToMiddleRank", reduce_to_middle_rank, true, false},
+      {"AllGatherBothForms", all_gather_both_forms, true, true},
+      {"ReduceScatterBothForms", reduce_scatter_both_forms, true, true},
+      {"ManyInFlight", many_in_flight, false, true},
+      {"GatherAndScatterAtLastRank", gather_and_scatter_at_last_rank, true, false},
+      {"AllToAllEqualAndUneven", all_to_all_equal_and_uneven, true, false},
+      {"P2PTagsKeepMessagesApart", p2p_tags_keep_messages_apart, false, false, 2},
+      {"P2POneTagArrivesInOrder", p2p_one_tag_arrives_in_order, false, false, 2},
+      {"P2PBadPeersAndTagsAreRefused", p2p_bad_peers_and_tags_are_refused, false, false},
+      {"NewGroupOfOddRanksInReverse", new_group_of_odd_ranks_in_reverse, false, false, 2},
+      {"SplitByColorRanksByKey", split_by_color_ranks_by_key, false, false},
+      {"BadGroupRanksAreRefused", bad_group_ranks_are_refused, false, false},
+  };
+  return cases;
+}
+
+}  // namespace cohort::testing

@@ -1,0 +1,72 @@
+// The contract suite (contract_cases.h) with ranks as threads over Gloo:
+// every case at world 1..4 with the engine's own collectives, and every
+// algorithmic case under ring, tree, halving-doubling, hierarchical (two
+// fake hosts) at world 1..5 and adaptive at world 2 and 3; each case over
+// every dtype it takes. ctest runs one entry per algorithm and world.
+#include <gtest/gtest.h>
+
+#include "support/thread_ranks.h"
+#include "tests/contract/contract_cases.h"
+#include "tests/contract/contract_values.h"
+
+namespace cohort::testing {
+namespace {
+
+struct Param {
+  Algorithm algo;
+  int world;
+  size_t case_index;
+  torch::Dtype dtype;
+};
+
+const ContractCase& case_of(const Param& p) { return contract_cases()[p.case_index]; }
+
+std::string name_of(const ::testing::TestParamInfo<Param>& info) {
+  const auto& p = info.param;
+  std::string dtype = dtype_label(p.dtype);
+  return to_string(p.algo) + "_world" + std::to_string(p.world) + "_" + case_of(p).name + "_" +
+         dtype;
+}
+
+class Contract : public ::testing::TestWithParam<Param> {};
+
+TEST_P(Contract, Holds) {
+  const auto& p = GetParam();
+  ThreadRanksOptions o;
+  o.algorithm = p.algo;
+  // Hierarchical gets fake hosts (ranks 0,1 | 2,3 | 4) to exercise the node
+  // reduce, the leaders' ring and the node broadcast.
+  if (p.algo == Algorithm::Hierarchical)
+    o.node_of = [](int r) { return "host" + std::to_string(r / 2); };
+  // Adaptive calibrates every new communicator: small sizes keep it short.
+  if (p.algo == Algorithm::Adaptive) o.calibration_max_bytes = 16 << 10;
+  run_ranks(
+      p.world, [&](Communicator& comm) { case_of(p).run(comm, p.dtype); }, o);
+}
+
+std::vector<Param> all_params() {
+  std::vector<Param> ps;
+  auto add = [&](Algorithm a, int world, const std::vector<torch::Dtype>& dtypes) {
+    for (size_t c = 0; c < contract_cases().size(); ++c) {
+      const auto& k = contract_cases()[c];
+      if (world < k.min_world || (a != Algorithm::Engine && !k.algorithmic)) continue;
+      if (!k.every_dtype) {
+        ps.push_back({a, world, c, torch::kFloat32});
+        continue;
+      }
+      for (auto dt : dtypes) ps.push_back({a, world, c, dt});
+    }
+  };
+  for (int w = 1; w <= 4; ++w) add(Algorithm::Engine, w, kDtypes);
+  for (auto a :
+       {Algorithm::Ring, Algorithm::Tree, Algorithm::HalvingDoubling, Algorithm::Hierarchical}) {
+    for (int w = 1; w <= 5; ++w) add(a, w, kDtypes);
+  }
+  for (int w : {2, 3}) add(Algorithm::Adaptive, w, {torch::kFloat32, torch::kBFloat16});
+  return ps;
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, Contract, ::testing::ValuesIn(all_params()), name_of);
+
+}  // namespace
+}  // namespace cohort::testing
