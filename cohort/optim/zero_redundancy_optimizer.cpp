@@ -211,6 +211,7 @@ void ZeroRedundancyOptimizer::zero_grad() {
   // reduce-scatters were launched alike on every rank; wait for them).
   if (staging_.defined()) {
     for (auto& w : rs_work_) w.wait();
+    sync_.abandon();
     release_iteration();
   }
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
@@ -314,8 +315,10 @@ void ZeroRedundancyOptimizer::all_reduce_gradients() {
       }
       auto view = flat_grads_.narrow(0, lo, buckets[b].padded);
       works.push_back(comm_->all_reduce(view, {ReduceOp::Avg}));
+      sync_.bucket_issued();
     }
-    for (auto& w : works) w.wait();
+    sync_.blocked([&] { wait_all(works); });
+    sync_.sync_done();
     for (size_t k = 0; k < pieces.size(); ++k) {
       const auto& prm = part.params()[pieces[k].param];
       pieces_[k].mutable_grad() =
@@ -416,6 +419,7 @@ void ZeroRedundancyOptimizer::launch_ready_buckets(bool all) {
     auto out = shard_grads_.narrow(0, bucket.shard_offset, bucket.chunk);
     rs_work_[b] = comm_->reduce_scatter_tensor(
         out, staging_.narrow(0, bucket.offset, bucket.padded), {ReduceOp::Avg});
+    sync_.bucket_issued();
   }
 }
 
@@ -435,7 +439,10 @@ void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
   }
   launch_ready_buckets(true);
   const auto has = globally_has_grad_from(has_);
-  for (auto& w : rs_work_) w.wait();
+  sync_.blocked([&] {
+    for (auto& w : rs_work_) w.wait();
+  });
+  sync_.sync_done();
   const bool twice = twice_;
   release_iteration();
   if (twice) {

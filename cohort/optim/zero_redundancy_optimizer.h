@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/sync_statistics.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/ddp/reduction_owner.h"
 #include "cohort/optim/flat_partition.h"
@@ -200,6 +201,9 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
 
   // Bytes of optimizer state this rank holds (its shard's).
   int64_t state_bytes() const;
+  /// The gradient reductions this optimizer ran (stage 1 alone: all-reduce;
+  /// stage 2: reduce-scatter, during backward); not the parameter all-gather.
+  const SyncStatistics& sync_statistics() const { return sync_.statistics(); }
   // The gradient storage this optimizer keeps between steps, and its bytes:
   // the full flat buffer at stage 1 alone, the shard at stage 2, nothing
   // at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
@@ -270,6 +274,7 @@ class ZeroRedundancyOptimizer : private ReductionOwner {
   std::vector<Work> rs_work_;
   int64_t next_launch_ = -1;
   bool twice_ = false;
+  SyncRecorder sync_;
   bool reduced_ = false;  // finish_gradients() ran since the last step
   int no_sync_depth_ = 0;
   // Alone: post hooks on the gradient accumulators (as DDP's, so they see

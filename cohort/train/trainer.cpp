@@ -53,7 +53,10 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
                           std::to_string(config_.accumulation_steps));
   }
   const auto start = std::chrono::steady_clock::now();
-  const double comm_before = sync_.comm_seconds();
+  // Gradients are reduced by the sync (DDP) or by the optimizer (fused,
+  // ZeRO): the two never both measure the same reduction.
+  const double comm_before = sync_.comm_seconds() + optimizer_.comm_seconds();
+  const auto bytes_before = comm_.stats().total().bytes_sent;
   model_->train();
   optimizer_.zero_grad();
   double loss_sum = 0.0;
@@ -83,6 +86,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   optimizer_.step();
   ++position_.step;
 
+  m.comm_bytes = static_cast<int64_t>(comm_.stats().total().bytes_sent - bytes_before);
   auto totals = torch::tensor({loss_sum / static_cast<double>(k), static_cast<double>(samples)},
                               torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
@@ -92,7 +96,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   m.samples = static_cast<int64_t>(totals[1].item<double>());
   m.step_seconds = seconds_since(start);
   m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
-  m.comm_seconds = sync_.comm_seconds() - comm_before;
+  m.comm_seconds = sync_.comm_seconds() + optimizer_.comm_seconds() - comm_before;
   return m;
 }
 
