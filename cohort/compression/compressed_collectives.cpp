@@ -172,8 +172,12 @@ void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
   check_flat_float(buf, "int8_all_reduce");
   if (chunk < 1) throw InvalidArgument("cohort: int8_all_reduce needs chunk >= 1");
   const int p = comm.size(), r = comm.rank();
-  const int64_t n = buf.numel(), chunks = (n + chunk - 1) / chunk;
+  const int64_t n = buf.numel();
   if (n == 0) return;
+  // Small tensors get smaller chunks, so that every rank owns one (else one
+  // owner would receive and send the whole tensor).
+  chunk = std::min(chunk, (n + p - 1) / p);
+  const int64_t chunks = (n + chunk - 1) / chunk;
   // Chunk-aligned ownership: rank j owns chunks chunk_blocks[j].
   const auto chunk_blocks = algorithms::even_spans(chunks, p);
   std::vector<Span> blocks;

@@ -45,7 +45,8 @@ struct Int8ErrorFeedback {
 
 /// Averages the flat float32 `buf` over `comm` in place in two phases:
 /// 1. every rank quantizes buf (+ its worker error) to int8 with one float32
-///    scale per `chunk` elements and sends rank j the chunks j owns; each
+///    scale per `chunk` elements (fewer when buf has under `chunk` elements
+///    per rank) and sends rank j the chunks j owns; each
 ///    owner dequantizes and sums them in float32;
 /// 2. each owner requantizes its averaged chunks (+ its owner error) and the
 ///    int8 chunks and scales are all-gathered (ring).
