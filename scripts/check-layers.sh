@@ -14,9 +14,10 @@ declare -A layer=(
   [core]=0
   [algorithms]=1
   [comm]=2
-  [ddp]=3
-  [optim]=4
-  [mesh]=5
+  [compression]=3
+  [ddp]=4
+  [optim]=5
+  [mesh]=6
   [tensor_parallel]=7
   [train]=9
 )

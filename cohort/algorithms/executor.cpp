@@ -3,6 +3,7 @@
 #include "cohort/algorithms/double_binary_tree.h"
 #include "cohort/algorithms/halving_doubling.h"
 #include "cohort/algorithms/ring.h"
+#include "cohort/core/counting_engine.h"
 #include "cohort/core/error.h"
 #include "cohort/core/store/prefix_store.h"
 
@@ -95,7 +96,10 @@ WorkPtr Executor::submit(std::string what, Millis timeout, Job job) {
   const auto deadline = Clock::now() + timeout;
   auto work = std::make_shared<JobWork>(what, deadline);
   std::lock_guard<std::mutex> lock(mu_);
-  queue_.push_back([this, work, what = std::move(what), deadline, job = std::move(job)] {
+  // The job's traffic counts under the operation that issued it.
+  queue_.push_back([this, work, what = std::move(what), deadline, job = std::move(job),
+                    kind = current_op_kind()] {
+    OpKindScope counted_as(kind);
     std::string earlier;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -137,6 +141,7 @@ std::vector<Algorithm> Executor::candidates(Collective op) {
 const Calibration& Executor::calibration(Collective op) {
   auto it = calibrations_.find(op);
   if (it != calibrations_.end()) return it->second;
+  OpKindScope counted_as(OpKind::Calibration);
   // Runs on the caller's thread and times each candidate the way a loop
   // pays for it: the engine's collective on the Communicator's own engine,
   // called and waited for here (as the Communicator does for

@@ -7,6 +7,7 @@
 #include "cohort/algorithms/executor.h"
 #include "cohort/comm/collective_checker.h"
 #include "cohort/comm/communicator_internal.h"
+#include "cohort/core/counting_engine.h"
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
 
@@ -20,7 +21,8 @@ struct Communicator::Health {
 
 Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store> store,
                            CommunicatorOptions options)
-    : engine_(std::move(engine)),
+    : counters_(std::make_shared<StatsCounters>()),
+      engine_(CountingEngine::wrap(std::move(engine), counters_)),
       store_(std::move(store)),
       options_(std::move(options)),
       rank_(engine_->rank()),
@@ -41,6 +43,10 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
 }
 
 Communicator::~Communicator() = default;
+
+CommStats Communicator::stats() const { return counters_->snapshot(); }
+
+void Communicator::reset_stats() { counters_->reset(); }
 
 algorithms::Executor& Communicator::algorithms() {
   if (!algorithms_)
@@ -73,6 +79,10 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
   call.ctx.rank = rank_;
   call.ctx.size = size_;
   call.ctx.peers = std::move(peers);
+  // Engine traffic from here to the next operation counts under this kind.
+  call.kind = op_kind_from_name(op);
+  call.issued = std::chrono::steady_clock::now();
+  set_current_op_kind(call.kind);
   call.ctx.timeout = timeout == kDefaultTimeout ? options_.timeout : timeout;
   if (call.ctx.timeout.count() <= 0) {
     call.refuse("timeout must be positive, got " + std::to_string(call.ctx.timeout.count()) +
@@ -109,6 +119,7 @@ void Communicator::verify_agreement(const Call& call, const std::string& fingerp
 
 Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> on_success) {
   auto health = health_;
+  impl = track(std::move(impl), counters_, call.kind, call.issued);
   return Work(std::move(impl), call.ctx, std::move(on_success), [health](const std::string& why) {
     std::lock_guard<std::mutex> lock(health->mu);
     if (!health->broken) {

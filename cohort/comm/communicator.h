@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/core/comm_stats.h"
 #include "cohort/core/engine.h"
 #include "cohort/core/store/store.h"
 #include "cohort/core/types.h"
@@ -27,6 +28,7 @@
 namespace cohort {
 
 class CollectiveChecker;
+struct StatsCounters;
 namespace algorithms {
 class Executor;
 }
@@ -50,11 +52,9 @@ class Communicator {
   // --- collectives -------------------------------------------------------
   Work all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts = {});
   // Many tensors in one message per dtype (what DDP buckets do by hand).
-  Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
-                            const AllReduceOptions& opts = {});
+  Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors, const AllReduceOptions& opts = {});
   Work broadcast(torch::Tensor& tensor, const BroadcastOptions& opts = {});
-  Work broadcast_coalesced(std::vector<torch::Tensor>& tensors,
-                           const BroadcastOptions& opts = {});
+  Work broadcast_coalesced(std::vector<torch::Tensor>& tensors, const BroadcastOptions& opts = {});
   // The result lands on the root; other ranks' tensors are unspecified after.
   Work reduce(torch::Tensor& tensor, const ReduceOptions& opts = {});
   // outputs[i] receives rank i's input; outputs.size() == size().
@@ -76,8 +76,8 @@ class Communicator {
   Work scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
                const ScatterOptions& opts = {});
   // outputs[i] receives inputs[rank()] of rank i.
-  Work all_to_all(std::vector<torch::Tensor>& outputs,
-                  const std::vector<torch::Tensor>& inputs, const AllToAllOptions& opts = {});
+  Work all_to_all(std::vector<torch::Tensor>& outputs, const std::vector<torch::Tensor>& inputs,
+                  const AllToAllOptions& opts = {});
   // Splits along dim 0 (rows); empty split sizes mean equal splits.
   Work all_to_all_single(torch::Tensor& output, const torch::Tensor& input,
                          std::vector<int64_t> output_split_sizes = {},
@@ -111,10 +111,21 @@ class Communicator {
   // negative color joins no group and gets nullptr (MPI_Comm_split).
   std::shared_ptr<Communicator> split(int color, int key);
 
+  // --- statistics (comm_stats.h) -------------------------------------------
+  /// A snapshot of this communicator's counters: per operation kind, calls,
+  /// bytes sent and received by this rank (including the algorithms'
+  /// point-to-point traffic), time in flight and time blocked in wait().
+  /// A subgroup counts its own; cheap enough to call every step.
+  CommStats stats() const;
+  /// Sets every counter to zero.
+  void reset_stats();
+
  private:
   // One operation being issued: its context (for messages) and timeout.
   struct Call {
     OpContext ctx;
+    OpKind kind = OpKind::Other;
+    std::chrono::steady_clock::time_point issued;
     std::string where() const { return ctx.describe(); }
     // Throws InvalidArgument "cohort: <where()>: <why>".
     [[noreturn]] void refuse(const std::string& why) const;
@@ -152,7 +163,8 @@ class Communicator {
                                               const std::string& key_space,
                                               CommunicatorOptions options);
 
-  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<StatsCounters> counters_;  // before engine_: it counts into them
+  std::unique_ptr<Engine> engine_;           // a CountingEngine over the transport
   std::shared_ptr<Store> store_;
   CommunicatorOptions options_;
   int rank_;

@@ -2,22 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include "cohort/compression/compressed_collectives.h"
+#include "cohort/core/error.h"
+
 namespace cohort {
-namespace {
-
-// Exposes a public Work as an engine-side WorkImpl, so that a completion
-// step can be chained after it (Work's own constructor takes the step).
-class WaitOn : public WorkImpl {
- public:
-  explicit WaitOn(Work inner) : inner_(std::move(inner)) {}
-  bool is_completed() override { return inner_.is_completed(); }
-  void wait(Millis timeout) override { inner_.wait(timeout); }
-
- private:
-  Work inner_;
-};
-
-}  // namespace
 
 Work AllReduceHook::run(Communicator& comm, GradBucket& bucket) {
   return comm.all_reduce(bucket.buffer, {ReduceOp::Avg});
@@ -28,20 +16,19 @@ std::string ReducedPrecisionHook::name() const {
 }
 
 Work ReducedPrecisionHook::run(Communicator& comm, GradBucket& bucket) {
-  // Divide before the cast (PyTorch's fp16_compress_hook does the same):
-  // summing unscaled float16 gradients over many ranks can overflow.
-  const int n = comm.size();
-  auto wire = bucket.buffer.div(n).to(wire_dtype_);
-  Work reduce = comm.all_reduce(wire, {ReduceOp::Sum});
-  OpContext ctx;
-  ctx.op = name() + " hook (bucket " + std::to_string(bucket.index) + ")";
-  ctx.group = comm.name();
-  ctx.rank = comm.rank();
-  ctx.size = comm.size();
-  ctx.timeout = comm.timeout();
-  auto buffer = bucket.buffer;
-  return Work(std::make_shared<WaitOn>(std::move(reduce)), std::move(ctx),
-              [buffer, wire]() mutable { buffer.copy_(wire); });
+  if (bucket.buffer.scalar_type() != torch::kFloat32) {
+    throw InvalidArgument("cohort: " + name() + " hook reduces float32 buckets");
+  }
+  compression::low_precision_all_reduce(comm, bucket.buffer, wire_dtype_);
+  return Work();
+}
+
+Work CompressionHook::run(Communicator& comm, GradBucket& bucket) {
+  if (bucket.buffer.scalar_type() != torch::kFloat32) {
+    throw InvalidArgument("cohort: " + name() + " hook reduces float32 buckets");
+  }
+  compressor_->all_reduce(comm, bucket.buffer, bucket.index, bucket.gradients);
+  return Work();
 }
 
 }  // namespace cohort

@@ -1,6 +1,6 @@
 // defines: GradBucket, CommHook (a flat bucket in, a Work out) and the
 // built-in hooks: AllReduceHook (the default), Fp16CompressHook,
-// Bf16CompressHook.
+// Bf16CompressHook, CompressionHook (any cohort/compression compressor).
 //
 // As in PyTorch's register_comm_hook: later compression schemes (PowerSGD,
 // top-k) plug in here without touching the reducer.
@@ -8,10 +8,12 @@
 
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
 #include <string>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/compression/compressor.h"
 #include "cohort/core/work.h"
 
 namespace cohort {
@@ -24,6 +26,9 @@ struct GradBucket {
   torch::Tensor buffer;
   /// True for the last bucket of the iteration.
   bool is_last = false;
+  // Views of `buffer` shaped as the bucket's parameters (PyTorch's
+  // bucket.gradients()); PowerSGD compresses the matrices among them.
+  std::vector<torch::Tensor> gradients;
 };
 
 /// How DDP reduces a bucket of gradients (PyTorch's communication hooks): all-reduce by default, or
@@ -37,6 +42,14 @@ class CommHook {
   virtual Work run(Communicator& comm, GradBucket& bucket) = 0;
   /// The hook's name, for logs and benchmarks.
   virtual std::string name() const = 0;
+  // True when the hook keeps state across iterations that a resumed run
+  // needs (error feedback, PowerSGD's Q): the Trainer then saves state()
+  // in each rank's checkpoint shard. The same on every rank.
+  virtual bool stateful() const { return false; }
+  // This rank's state, as named tensors (copies).
+  virtual std::map<std::string, torch::Tensor> state() const { return {}; }
+  // Restores state() saved by the same rank of an earlier run.
+  virtual void load_state(const std::map<std::string, torch::Tensor>& state) { (void)state; }
 };
 
 /// all_reduce(Avg) of the bucket in place.
@@ -46,11 +59,12 @@ class AllReduceHook : public CommHook {
   std::string name() const override { return "all_reduce"; }
 };
 
-/// Casts the bucket to a reduced-precision copy, all-reduces the copy (Sum),
-/// then casts back and divides by the world size. Note: cohort's Gloo path
-/// currently reduces float16/bfloat16 in a float32 buffer, so on Gloo these
-/// hooks save no bandwidth yet; they cost precision only. They pay off once
-/// an engine sends 16-bit data natively.
+/// Averages the bucket sending float16 or bfloat16 on the wire: a ring
+/// reduce-scatter with 16-bit messages and float32 sums at each hop, then a
+/// ring all-gather (compression::low_precision_all_reduce), over the
+/// communicator's point-to-point, so every engine sends half the bytes of a
+/// float32 all-reduce. Runs when the bucket is launched (the Work returned
+/// is complete).
 class ReducedPrecisionHook : public CommHook {
  public:
   /// Sends the gradients as `wire_dtype` (f16 or bf16).
@@ -72,6 +86,29 @@ class Fp16CompressHook : public ReducedPrecisionHook {
 class Bf16CompressHook : public ReducedPrecisionHook {
  public:
   Bf16CompressHook() : ReducedPrecisionHook(torch::kBFloat16) {}
+};
+
+// Averages each bucket with a compressor (cohort/compression/compressor.h),
+// keyed by the bucket's index; what it keeps (error feedback, PowerSGD's Q)
+// is reachable through compressor() for checkpoints. Runs when the bucket is
+// launched (the Work returned is complete). A float32 bucket is required.
+class CompressionHook : public CommHook {
+ public:
+  explicit CompressionHook(const compression::CompressionOptions& options)
+      : compressor_(compression::make_compressor(options)) {}
+  explicit CompressionHook(std::shared_ptr<compression::Compressor> compressor)
+      : compressor_(std::move(compressor)) {}
+  Work run(Communicator& comm, GradBucket& bucket) override;
+  std::string name() const override { return compressor_->name() + "_compress"; }
+  compression::Compressor& compressor() { return *compressor_; }
+  bool stateful() const override { return true; }
+  std::map<std::string, torch::Tensor> state() const override { return compressor_->state(); }
+  void load_state(const std::map<std::string, torch::Tensor>& state) override {
+    compressor_->load_state(state);
+  }
+
+ private:
+  std::shared_ptr<compression::Compressor> compressor_;
 };
 
 }  // namespace cohort

@@ -2,6 +2,8 @@
 // reduces gradients).
 #pragma once
 
+#include "cohort/compression/compressor.h"
+
 namespace cohort {
 
 /// When gradients are all-reduced.
@@ -40,6 +42,10 @@ struct DDPOptions {
   bool gradient_as_bucket_view = true;
   /// When to reduce; no_sync() overrides it for a scope.
   SyncStrategy strategy = SyncStrategy::Overlapped;
+  // Gradient compression (cohort/compression): a kind other than None
+  // registers a CompressionHook built from these options at construction
+  // (register_comm_hook replaces it). Buckets must be float32.
+  compression::CompressionOptions compression;
 };
 
 }  // namespace cohort

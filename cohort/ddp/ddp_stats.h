@@ -16,6 +16,10 @@ struct DDPStats {
   bool buckets_rebuilt = false;
   /// Bytes handed to the communication hook in the last reduced iteration.
   int64_t bytes = 0;
+  /// Bytes this rank sent in the last reduced iteration, as the communicator
+  /// counts them at the engine boundary (Communicator::stats): what the hook
+  /// really put on the wire (a compressing hook sends fewer than `bytes`).
+  int64_t bytes_sent = 0;
   /// Last iteration: seconds from the first gradient ready to the end of
   /// backward (the autograd engine's final callback).
   double backward_seconds = 0;

@@ -88,7 +88,11 @@ class DistributedDataParallel {
                           DDPOptions options = {})
       : module_(std::move(module)),
         reducer_(std::make_unique<GradientReducer>(detail::as_module_ptr(module_), std::move(comm),
-                                                   options)) {}
+                                                   options)) {
+    if (options.compression.kind != compression::CompressionKind::None) {
+      register_comm_hook(std::make_shared<CompressionHook>(options.compression));
+    }
+  }
 
   // Pre-forward work (previous iteration check, bucket rebuild, buffer
   // broadcast), the module's own forward, then the unused-parameter search.
@@ -143,8 +147,12 @@ class DistributedDataParallel {
   // RAII: gradients accumulate locally while the guard lives.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
   void register_comm_hook(std::shared_ptr<CommHook> hook) {
-    reducer_->register_comm_hook(std::move(hook));
+    reducer_->register_comm_hook(hook);
+    hook_ = std::move(hook);
   }
+  // The hook registered last (DDPOptions::compression's included); null
+  // while the default all-reduce runs.
+  const std::shared_ptr<CommHook>& comm_hook() const { return hook_; }
   const DDPStats& stats() const { return reducer_->stats(); }
   GradientReducer& reducer() { return *reducer_; }
 
@@ -152,6 +160,7 @@ class DistributedDataParallel {
   ModuleHolder module_;
   // Behind a pointer: the accumulator hooks hold its address.
   std::unique_ptr<GradientReducer> reducer_;
+  std::shared_ptr<CommHook> hook_;
 };
 
 }  // namespace cohort

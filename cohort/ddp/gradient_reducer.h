@@ -127,6 +127,7 @@ class GradientReducer {
   std::shared_ptr<Communicator> comm_;
   DDPOptions options_;
   std::shared_ptr<CommHook> hook_;
+  uint64_t sent_at_start_ = 0;  // comm_->stats() bytes sent when the iteration began
   ReductionOwner* owner_ = nullptr;
 
   std::vector<torch::Tensor> params_;

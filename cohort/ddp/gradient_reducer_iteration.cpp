@@ -127,6 +127,7 @@ void GradientReducer::on_gradient_ready(size_t index) {
     backward_finished_ = false;
     start_ = std::chrono::steady_clock::now();
     stats_.bytes = 0;
+    sent_at_start_ = comm_->stats().total().bytes_sent;
     // Runs once the whole backward pass is done, on the same thread.
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
     for (size_t u : unused_) {
@@ -183,7 +184,7 @@ void GradientReducer::launch_ready_buckets() {
 
 void GradientReducer::launch(size_t b) {
   auto& bucket = buckets_[b];
-  GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size()};
+  GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size(), bucket.views};
   bucket.launch_s = now_s();
   bucket.work = hook_->run(*comm_, view);
   bucket.launched = true;
@@ -295,12 +296,14 @@ void GradientReducer::wait_and_write_back(double backward_end) {
   stats_.hidden_comm_share = all > 0 ? hidden / all : 0;
   stats_.total_comm_seconds += all;
   stats_.total_hidden_comm_seconds += hidden;
+  stats_.bytes_sent = static_cast<int64_t>(comm_->stats().total().bytes_sent - sent_at_start_);
 }
 
 void GradientReducer::synchronize() {
   reset_iteration();
   start_ = std::chrono::steady_clock::now();
   stats_.bytes = 0;
+  sent_at_start_ = comm_->stats().total().bytes_sent;
   if (owner_) {
     for (size_t i = 0; i < params_.size(); ++i) mark_ready(i, /*used=*/true);
     owner_->backward_finished();

@@ -153,8 +153,12 @@ void FusedDistributedOptimizer::finish_gradients() {
   torch::NoGradGuard no_grad;
   has_ = globally_has_grad();
   if (comm_->size() > 1) {
-    for (auto& b : buckets_) b.work = comm_->all_reduce(b.grad, {ReduceOp::Avg});
-    for (auto& b : buckets_) b.work.wait();
+    for (auto& b : buckets_) {
+      b.work = comm_->all_reduce(b.grad, {ReduceOp::Avg});
+      sync_.bucket_issued();
+    }
+    for (auto& b : buckets_) sync_.blocked([&] { b.work.wait(); });
+    sync_.sync_done();
   }
   averaged_ = true;
 }
@@ -175,12 +179,14 @@ void FusedDistributedOptimizer::step() {
     // Bucket i's all-reduce is in flight while bucket i-1 is updated.
     for (size_t i = 0; i < buckets_.size(); ++i) {
       buckets_[i].work = comm_->all_reduce(buckets_[i].grad, {ReduceOp::Sum});
+      sync_.bucket_issued();
       if (i > 0) {
-        buckets_[i - 1].work.wait();
+        sync_.blocked([&] { buckets_[i - 1].work.wait(); });
         apply(buckets_[i - 1], has);
       }
     }
-    buckets_.back().work.wait();
+    sync_.blocked([&] { buckets_.back().work.wait(); });
+    sync_.sync_done();
     apply(buckets_.back(), has);
   }
   ++timestep_;

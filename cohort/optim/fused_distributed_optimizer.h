@@ -33,6 +33,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/ddp/accumulator_hooks.h"
+#include "cohort/core/sync_statistics.h"
 
 namespace cohort {
 
@@ -72,6 +73,9 @@ class FusedDistributedOptimizer {
   std::vector<std::vector<size_t>> bucket_layout() const;
   // Bytes of AdamW state and of gradient buffers held between steps.
   int64_t state_bytes() const;
+  /// The gradient all-reduces measured so far (in step() they overlap the
+  /// update of the previous bucket).
+  const SyncStatistics& sync_statistics() const { return sync_.statistics(); }
   int64_t grad_bytes() const;
   std::vector<torch::Tensor> grad_buffers() const;
 
@@ -101,6 +105,7 @@ class FusedDistributedOptimizer {
   int64_t timestep_ = 0;
   // finish_gradients() ran: the buckets hold averages; has_ its mask.
   bool averaged_ = false;
+  SyncRecorder sync_;
   std::vector<char> has_;
 };
 

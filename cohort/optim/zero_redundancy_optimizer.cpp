@@ -218,8 +218,10 @@ void ZeroRedundancyOptimizer::all_reduce_gradients() {
       }
       auto view = flat_grads_.narrow(0, lo, buckets[b].padded);
       works.push_back(comm_->all_reduce(view, {ReduceOp::Avg}));
+      sync_.bucket_issued();
     }
-    for (auto& w : works) w.wait();
+    sync_.blocked([&] { wait_all(works); });
+    sync_.sync_done();
     for (size_t k = 0; k < pieces.size(); ++k) {
       const auto& prm = part.params()[pieces[k].param];
       pieces_[k].mutable_grad() =

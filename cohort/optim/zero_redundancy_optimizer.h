@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/sync_statistics.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/ddp/no_sync_guard.h"
 #include "cohort/optim/flat_partition.h"
@@ -191,6 +192,9 @@ class ZeroRedundancyOptimizer {
 
   // Bytes of optimizer state this rank holds (its shard's).
   int64_t state_bytes() const;
+  /// The gradient reductions this optimizer ran (stage 1 alone: all-reduce;
+  /// stage 2: reduce-scatter, during backward); not the parameter all-gather.
+  const SyncStatistics& sync_statistics() const { return sync_.statistics(); }
   // The gradient storage this optimizer keeps between steps, and its bytes:
   // the full flat buffer at stage 1 alone, the shard at stage 2, nothing
   // at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
@@ -248,6 +252,7 @@ class ZeroRedundancyOptimizer {
 
   // Stage 2 (world > 1): the gradients' staging and reduce-scatter.
   std::unique_ptr<GradientShardReducer> shard_reducer_;
+  SyncRecorder sync_;  // stage 1 and the all-gathers: SyncStatistics
   bool reduced_ = false;  // finish_gradients() ran since the last step
 };
 

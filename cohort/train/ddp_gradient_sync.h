@@ -4,7 +4,11 @@
 // give the communication time.
 #pragma once
 
+#include <torch/serialize/archive.h>
+
+#include <map>
 #include <memory>
+#include <string>
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/gradient_sync.h"
@@ -25,8 +29,25 @@ class DdpGradientSync : public GradientSync {
   /// DDP's backward already left averaged gradients on every rank.
   void finish_sync() override {}
   double comm_seconds() const override { return ddp_.stats().total_comm_seconds; }
+  // A stateful comm hook (a compressor with error feedback) is saved in
+  // each rank's checkpoint shard, its tensors under "comm_hook_".
+  bool has_state() const override { return ddp_.comm_hook() && ddp_.comm_hook()->stateful(); }
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    for (auto& [name, t] : ddp_.comm_hook()->state()) archive.write(kPrefix + name, t);
+  }
+  void load_state(torch::serialize::InputArchive& archive) override {
+    std::map<std::string, torch::Tensor> state;
+    for (const auto& key : archive.keys()) {
+      if (key.rfind(kPrefix, 0) != 0) continue;
+      torch::Tensor t;
+      archive.read(key, t);
+      state[key.substr(kPrefix.size())] = t;
+    }
+    ddp_.comm_hook()->load_state(state);
+  }
 
  private:
+  inline static const std::string kPrefix = "comm_hook_";
   DistributedDataParallel<ModuleHolder>& ddp_;
 };
 

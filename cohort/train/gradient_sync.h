@@ -13,6 +13,11 @@
 #include <memory>
 #include <vector>
 
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
 namespace cohort {
 
 class Communicator;
@@ -29,6 +34,13 @@ class GradientSync {
   virtual void finish_sync() = 0;
   /// Seconds spent in gradient communication since construction.
   virtual double comm_seconds() const = 0;
+  // True when the synchronization keeps per-rank state a resumed run needs
+  // (a compressor's error feedback): the trainer then writes each rank's
+  // checkpoint shard with save_state() and restores it with load_state().
+  // The same on every rank.
+  virtual bool has_state() const { return false; }
+  virtual void save_state(torch::serialize::OutputArchive& archive) const { (void)archive; }
+  virtual void load_state(torch::serialize::InputArchive& archive) { (void)archive; }
 };
 
 /// A GradientSync for a model without DDP: one all-reduce (average) of the gradients after the last

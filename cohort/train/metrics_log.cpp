@@ -24,7 +24,8 @@ nlohmann::json to_json(const StepMetrics& m) {
           {"samples", m.samples},
           {"step_seconds", m.step_seconds},
           {"samples_per_s", m.samples_per_s},
-          {"comm_seconds", m.comm_seconds}};
+          {"comm_seconds", m.comm_seconds},
+          {"comm_bytes", m.comm_bytes}};
 }
 
 MetricsLog::MetricsLog(std::string path, bool enabled, bool strict)

@@ -22,6 +22,7 @@ struct StepMetrics {
   double step_seconds = 0.0;   // wall time of the step on this rank
   double samples_per_s = 0.0;  // samples / step_seconds
   double comm_seconds = 0.0;   // gradient communication time in this step
+  int64_t comm_bytes = 0;      // bytes this rank sent in this step (Communicator::stats)
 };
 
 nlohmann::json to_json(const StepMetrics& m);

@@ -53,7 +53,10 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
                           std::to_string(config_.accumulation_steps));
   }
   const auto start = std::chrono::steady_clock::now();
-  const double comm_before = sync_.comm_seconds();
+  // Gradients are reduced by the sync (DDP) or by the optimizer (fused,
+  // ZeRO): the two never both measure the same reduction.
+  const double comm_before = sync_.comm_seconds() + optimizer_.comm_seconds();
+  const auto bytes_before = comm_.stats().total().bytes_sent;
   model_->train();
   optimizer_.zero_grad();
   double loss_sum = 0.0;
@@ -83,6 +86,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   optimizer_.step();
   ++position_.step;
 
+  m.comm_bytes = static_cast<int64_t>(comm_.stats().total().bytes_sent - bytes_before);
   auto totals = torch::tensor({loss_sum / static_cast<double>(k), static_cast<double>(samples)},
                               torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
@@ -92,7 +96,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   m.samples = static_cast<int64_t>(totals[1].item<double>());
   m.step_seconds = seconds_since(start);
   m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
-  m.comm_seconds = sync_.comm_seconds() - comm_before;
+  m.comm_seconds = sync_.comm_seconds() + optimizer_.comm_seconds() - comm_before;
   return m;
 }
 
@@ -146,13 +150,16 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
 
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
-  const bool sharded = !optimizer_.replicated_state();
+  // Per-rank state (a sharded optimizer, a compressor's error feedback)
+  // goes into each rank's shard file.
+  const bool sharded = !optimizer_.replicated_state() || sync_.has_state();
   if (sharded) {
     // Each rank writes its optimizer shard (atomic, checksummed) before the
     // gather below, so rank 0 writes the main file, which is what makes the
     // checkpoint exist, only once every shard is on disk.
     torch::serialize::OutputArchive archive;
-    optimizer_.save(archive);
+    if (!optimizer_.replicated_state()) optimizer_.save(archive);
+    if (sync_.has_state()) sync_.save_state(archive);
     std::ostringstream out;
     archive.save_to(out);
     write_checkpoint_file(shard_path(position_.step), out.str());
@@ -239,15 +246,16 @@ std::optional<int64_t> Trainer::resume() {
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
   auto state = decode_training_state(payload, path, *model_, optimizer_);
-  if (!optimizer_.replicated_state()) {
-    // This rank's optimizer shard; the optimizer checks that it was saved
-    // by the same rank of the same layout.
+  if (!optimizer_.replicated_state() || sync_.has_state()) {
+    // This rank's shard; the optimizer checks that it was saved by the same
+    // rank of the same layout.
     const auto shard = read_checkpoint_file(shard_path(step));
     try {
       std::istringstream in(shard);
       torch::serialize::InputArchive archive;
       archive.load_from(in);
-      optimizer_.load(archive);
+      if (!optimizer_.replicated_state()) optimizer_.load(archive);
+      if (sync_.has_state()) sync_.load_state(archive);
     } catch (const c10::Error& e) {
       throw CheckpointError("checkpoint " + shard_path(step) +
                             ": does not fit this optimizer: " + e.what_without_backtrace());

@@ -46,6 +46,7 @@ class FusedTrainerOptimizer : public TrainerOptimizer {
     optimizer_.finish_gradients();
     return model_params;
   }
+  double comm_seconds() const override { return optimizer_.sync_statistics().total_seconds; }
 
  private:
   FusedDistributedOptimizer& optimizer_;
@@ -71,6 +72,7 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
     return optimizer_.shard_pieces();
   }
   bool sharded_gradients() const override { return true; }
+  double comm_seconds() const override { return optimizer_.sync_statistics().total_seconds; }
 
  private:
   ZeroRedundancyOptimizer& optimizer_;
@@ -78,7 +80,8 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
 
 /// The trainer's sync for FusedDistributedOptimizer or ZeRO without DDP:
 /// the optimizer averages in its step (or in gradients()), so this never
-/// communicates; comm_seconds() is 0 (the time is inside the step).
+/// communicates; comm_seconds() is 0 (the optimizer adapter reports the
+/// time, which the trainer adds).
 class InStepGradientSync : public GradientSync {
  public:
   /// The fused optimizer: autograd accumulates into its buckets as it is.

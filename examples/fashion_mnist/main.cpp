@@ -36,6 +36,9 @@ struct Flags {
   std::string plot = "curves.png";
   int64_t max_steps = 0;
   uint64_t seed = 0;
+  std::string compression = "none";  // cohort/compression: none fp16 bf16 int8 topk powersgd
+  int powersgd_rank = 2;
+  int64_t compression_start = 100;  // PowerSGD: uncompressed steps first
 };
 
 // Accuracy on the test set, each rank scoring a disjoint contiguous slice.
@@ -77,7 +80,11 @@ int run(const Flags& flags) {
 
   torch::manual_seed(flags.seed);
   fashion_mnist::Net net;
-  cohort::DistributedDataParallel<fashion_mnist::Net> ddp(net, comm);
+  cohort::DDPOptions ddp_options;
+  ddp_options.compression.kind = cohort::compression::parse_compression_kind(flags.compression);
+  ddp_options.compression.powersgd_rank = flags.powersgd_rank;
+  ddp_options.compression.powersgd_start_iteration = flags.compression_start;
+  cohort::DistributedDataParallel<fashion_mnist::Net> ddp(net, comm, ddp_options);
   torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(flags.lr));
   cohort::TorchOptimizer optimizer(adamw);
   cohort::DdpGradientSync<fashion_mnist::Net> sync(ddp);
@@ -102,10 +109,12 @@ int run(const Flags& flags) {
     std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));
   }
   if (lead) {
-    std::printf("fashion_mnist: %d ranks, global batch %lld (%lld per rank x %lld), %lld epochs\n",
-                comm->size(), static_cast<long long>(flags.batch_size),
-                static_cast<long long>(per_rank), static_cast<long long>(flags.accumulation),
-                static_cast<long long>(flags.epochs));
+    std::printf(
+        "fashion_mnist: %d ranks, global batch %lld (%lld per rank x %lld), %lld epochs, "
+        "compression %s\n",
+        comm->size(), static_cast<long long>(flags.batch_size), static_cast<long long>(per_rank),
+        static_cast<long long>(flags.accumulation), static_cast<long long>(flags.epochs),
+        flags.compression.c_str());
   }
 
   double accuracy = -1;
@@ -162,6 +171,11 @@ int main(int argc, char** argv) {
   app.add_option("--plot", f.plot, "PNG of the curves (empty: none)");
   app.add_option("--max-steps", f.max_steps, "stop after this many steps (0: no limit)");
   app.add_option("--seed", f.seed, "seed of the initial weights");
+  app.add_option("--compression", f.compression,
+                 "gradient compression: none, fp16, bf16, int8, topk, powersgd");
+  app.add_option("--powersgd-rank", f.powersgd_rank, "PowerSGD's rank")->check(CLI::PositiveNumber);
+  app.add_option("--compression-start", f.compression_start,
+                 "PowerSGD: steps averaged uncompressed before compression starts");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(f);

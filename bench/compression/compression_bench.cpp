@@ -1,0 +1,148 @@
+// The cohort half of the compression benchmark: one rank of a DDP training
+// loop with a compressor (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
+// environment, as cohortrun sets them). Rank 0 prints one JSON line:
+//   {"engine": "cohort", "compressor", "model", "world", "bytes_per_step",
+//    "step_ms"}
+// bytes_per_step: bytes that left this host per timed step and rank,
+// read from the link's own counter (/sys/class/net/$COMPRESSION_BENCH_DEV/
+// statistics/tx_bytes in the host's namespace; TCP/IP headers included,
+// ~4%), divided by the ranks on the host; step_ms: median over timed steps
+// of the slowest rank's step; engine_bytes_per_step: DDPStats::bytes_sent,
+// the communicator's count at the engine boundary (largest over ranks).
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "bench/ddp_vs_torch/bench_models.h"
+#include "cohort/cohort.h"
+#include "cohort/ddp/distributed_data_parallel.h"
+
+namespace {
+
+struct Args {
+  std::string model = "cnn";  // cnn | transformer | mlp
+  std::string compressor = "none";
+  int64_t batch = 32;  // per rank
+  int steps = 10;      // timed
+  int warmup = 3;      // untimed (bucket rebuild; PowerSGD's first Q)
+  cohort::DDPOptions ddp;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  a.ddp.compression.powersgd_start_iteration = 0;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--model")
+      a.model = v;
+    else if (k == "--compression")
+      a.compressor = v;
+    else if (k == "--batch")
+      a.batch = std::stoll(v);
+    else if (k == "--steps")
+      a.steps = std::stoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::stoi(v);
+    else if (k == "--powersgd-rank")
+      a.ddp.compression.powersgd_rank = std::stoi(v);
+    else if (k == "--topk-ratio")
+      a.ddp.compression.topk_ratio = std::stod(v);
+    else
+      throw std::invalid_argument("unknown option " + k);
+  }
+  a.ddp.compression.kind = cohort::compression::parse_compression_kind(a.compressor);
+  return a;
+}
+
+// Bytes sent so far by the link named in COMPRESSION_BENCH_DEV (-1 without).
+int64_t link_tx_bytes() {
+  const char* dev = std::getenv("COMPRESSION_BENCH_DEV");
+  if (dev == nullptr) return -1;
+  std::ifstream in(std::string("/sys/class/net/") + dev + "/statistics/tx_bytes");
+  int64_t v = -1;
+  in >> v;
+  return v;
+}
+
+double max_over_ranks(cohort::Communicator& comm, double v) {
+  auto t = torch::tensor({v}, torch::kFloat64);
+  comm.all_reduce(t, {cohort::ReduceOp::Max}).wait();
+  return t.item<double>();
+}
+
+template <typename Holder>
+void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm) {
+  cohort::DistributedDataParallel<Holder> ddp(model, comm, a.ddp);
+  torch::optim::SGD opt(ddp.parameters(), 0.01);
+  auto [x, y] = cohort::bench::make_batch(a.model, a.batch);
+  auto step = [&] {
+    opt.zero_grad();
+    auto out = ddp.forward(x);
+    auto loss =
+        a.model == "transformer" ? torch::mse_loss(out, y) : torch::cross_entropy_loss(out, y);
+    loss.backward();
+    opt.step();
+  };
+  for (int i = 0; i < a.warmup; ++i) step();
+  std::vector<double> ms;
+  comm->barrier().wait();
+  const int64_t sent0 = link_tx_bytes();
+  double counted = 0;  // DDPStats::bytes_sent: the communicator's count
+  for (int i = 0; i < a.steps; ++i) {
+    comm->barrier().wait();
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    const double own =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    counted += static_cast<double>(ddp.stats().bytes_sent);
+    ms.push_back(max_over_ranks(*comm, own));
+  }
+  const int64_t sent1 = link_tx_bytes();
+  const double engine_bytes = max_over_ranks(*comm, counted / a.steps);
+  std::sort(ms.begin(), ms.end());
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int per_host = local ? std::max(1, std::atoi(local)) : 1;
+  const double per_step =
+      sent0 < 0 ? -1.0 : static_cast<double>(sent1 - sent0) / a.steps / per_host;
+  if (comm->rank() == 0) {
+    std::printf(
+        "{\"engine\": \"cohort\", \"compressor\": \"%s\", \"model\": \"%s\", \"world\": %d, "
+        "\"bytes_per_step\": %.0f, \"engine_bytes_per_step\": %.0f, \"step_ms\": %.2f}\n",
+        a.compressor == "powersgd"
+            ? ("powersgd_r" + std::to_string(a.ddp.compression.powersgd_rank)).c_str()
+            : a.compressor.c_str(),
+        a.model.c_str(), comm->size(), per_step, engine_bytes, ms[ms.size() / 2]);
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    torch::set_num_threads(1);
+    auto comm = cohort::init();
+    torch::manual_seed(comm->rank());
+    if (a.model == "mlp")
+      run(a, cohort::bench::make_mlp(), comm);
+    else if (a.model == "cnn")
+      run(a, cohort::bench::make_cnn(), comm);
+    else if (a.model == "transformer")
+      run(a, cohort::bench::TransformerStack(), comm);
+    else
+      throw std::invalid_argument("unknown model " + a.model);
+    cohort::finalize();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "compression_bench: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,59 @@
+// defines: the compressed collectives every compressor is built on:
+// low_precision_all_reduce (float16/bfloat16 on the wire, float32 sums),
+// int8_all_reduce (two phases with per-chunk scales and error feedback).
+//
+// Both run over the communicator's tagged point-to-point (cohort's ring
+// algorithms on a Link), so the bytes that leave a rank are the compressed
+// ones on every engine: an engine's own all_reduce would upcast 16-bit data
+// (Gloo reduces it in float32) and has no int8 sum at all.
+//
+// Cost, p ranks, n elements (bytes sent per rank):
+//   uncompressed ring all-reduce (float32): 2 (p-1)/p * 4n
+//   low_precision_all_reduce:               2 (p-1)/p * 2n
+//   int8_all_reduce, chunk c:               2 (p-1)/p * (n + 4n/c)
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace cohort {
+
+class Communicator;
+
+namespace compression {
+
+/// Tags at and above this value on the communicator's point-to-point are
+/// used by the compressed collectives; user send/recv should stay below it.
+inline constexpr int kCompressionTagBase = 1 << 28;
+
+/// Averages the flat float32 `buf` over the ranks of `comm` in place,
+/// sending it as `wire` (at::kHalf or at::kBFloat16): a ring reduce-scatter
+/// whose hops carry 16-bit partial sums that each rank adds in float32, then
+/// a ring all-gather of the 16-bit result. The values are scaled by 1/p
+/// before the first cast (as PyTorch's fp16 hook: no overflow from the sum)
+/// and every rank ends with the same values. Collective; blocking.
+void low_precision_all_reduce(Communicator& comm, at::Tensor& buf, at::ScalarType wire);
+
+/// Error-feedback buffers of int8_all_reduce for one tensor: what this rank's
+/// quantization dropped (worker side, the whole tensor) and what the owner's
+/// requantization of its chunk of the average dropped (owner side).
+struct Int8ErrorFeedback {
+  at::Tensor worker;
+  at::Tensor owner;
+};
+
+/// Averages the flat float32 `buf` over `comm` in place in two phases:
+/// 1. every rank quantizes buf (+ its worker error) to int8 with one float32
+///    scale per `chunk` elements (fewer when buf has under `chunk` elements
+///    per rank) and sends rank j the chunks j owns; each
+///    owner dequantizes and sums them in float32;
+/// 2. each owner requantizes its averaged chunks (+ its owner error) and the
+///    int8 chunks and scales are all-gathered (ring).
+/// With `feedback` null no error is kept (a plain quantized all-reduce); else
+/// its buffers are (re)sized to buf and updated. Collective; blocking.
+void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
+                     Int8ErrorFeedback* feedback);
+
+}  // namespace compression
+}  // namespace cohort

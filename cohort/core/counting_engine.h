@@ -1,0 +1,109 @@
+// defines: StatsCounters (a Communicator's live counters), CountingEngine
+// (the Engine decorator that counts bytes), OpKindScope (which operation the
+// engine traffic on this thread belongs to), track() (times a Work).
+//
+// The Communicator wraps its engine in a CountingEngine when it is built;
+// the algorithms' private engine (Engine::create_subgroup on it) is wrapped
+// too and counts into the same counters, so cohort's point-to-point
+// algorithms are counted exactly. A subgroup's Communicator unwraps the
+// engine it is given and counts into its own counters.
+//
+// Cost: relaxed atomic adds on counters that the caller's thread mostly
+// owns, two clock reads per operation, no locks.
+#pragma once
+
+#include <atomic>
+#include <memory>
+
+#include "cohort/core/comm_stats.h"
+#include "cohort/core/engine.h"
+
+namespace cohort {
+
+struct StatsCounters {
+  struct Kind {
+    std::atomic<uint64_t> calls{0}, completed{0}, sent{0}, received{0};
+    std::atomic<uint64_t> in_flight_ns{0}, waiting_ns{0};
+  };
+  std::array<Kind, kOpKindCount> kinds;
+
+  Kind& operator[](OpKind k) { return kinds[static_cast<size_t>(k)]; }
+  CommStats snapshot() const;
+  void reset();
+};
+
+/// The kind engine traffic issued on this thread is counted under (Other
+/// when no operation is being issued). Set by the Communicator while it
+/// issues an operation, and by the algorithms' worker while it runs one.
+OpKind current_op_kind();
+
+class OpKindScope {
+ public:
+  explicit OpKindScope(OpKind kind);
+  ~OpKindScope();
+  OpKindScope(const OpKindScope&) = delete;
+  OpKindScope& operator=(const OpKindScope&) = delete;
+
+ private:
+  OpKind previous_;
+};
+
+/// Sets the current kind without restoring it (the Communicator sets it at
+/// the start of each operation).
+void set_current_op_kind(OpKind kind);
+
+class CountingEngine : public Engine {
+ public:
+  CountingEngine(std::unique_ptr<Engine> inner, std::shared_ptr<StatsCounters> counters);
+
+  /// `engine` wrapped to count into `counters`; an engine that already
+  /// counts (a parent's subgroup) is unwrapped first.
+  static std::unique_ptr<Engine> wrap(std::unique_ptr<Engine> engine,
+                                      std::shared_ptr<StatsCounters> counters);
+
+  std::string name() const override { return inner_->name(); }
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  WorkPtr all_reduce(at::Tensor& tensor, ReduceOp op) override;
+  WorkPtr broadcast(at::Tensor& tensor, int root) override;
+  WorkPtr reduce(at::Tensor& tensor, int root, ReduceOp op) override;
+  WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override;
+  WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op) override;
+  bool has_native_reduce_scatter() const override { return inner_->has_native_reduce_scatter(); }
+  WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override;
+  WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override;
+  WorkPtr all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_counts,
+                     std::vector<int64_t>& input_counts) override;
+  WorkPtr barrier() override { return inner_->barrier(); }
+  WorkPtr send(at::Tensor& tensor, int dst, int tag) override;
+  WorkPtr recv(at::Tensor& tensor, int src, int tag) override;
+  /// The subgroup's engine counts into the same counters (the algorithms'
+  /// private engine is built this way).
+  std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
+                                          std::shared_ptr<Store> store, Millis timeout) override;
+
+ private:
+  void count(uint64_t sent, uint64_t received);
+  std::unique_ptr<Engine> inner_;
+  std::shared_ptr<StatsCounters> counters_;
+};
+
+/// Closed forms (per rank, in bytes) of an engine's own collectives; see
+/// comm_stats.h. Exposed for the tests.
+namespace wire_model {
+struct Bytes {
+  uint64_t sent = 0, received = 0;
+};
+Bytes all_reduce(uint64_t n, int rank, int size);
+Bytes broadcast(uint64_t n, int rank, int size, int root);
+Bytes reduce(uint64_t n, int rank, int size, int root);
+Bytes all_gather(uint64_t per_rank, int rank, int size);
+Bytes reduce_scatter(uint64_t per_rank, int rank, int size);
+}  // namespace wire_model
+
+/// `impl` wrapped so that completing and waiting on it are counted under
+/// `kind`; `issued` is when the operation was issued.
+WorkPtr track(WorkPtr impl, std::shared_ptr<StatsCounters> counters, OpKind kind,
+              std::chrono::steady_clock::time_point issued);
+
+}  // namespace cohort
