@@ -52,9 +52,11 @@ class Communicator {
   // --- collectives -------------------------------------------------------
   Work all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts = {});
   // Many tensors in one message per dtype (what DDP buckets do by hand).
-  Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors, const AllReduceOptions& opts = {});
+  Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
+                            const AllReduceOptions& opts = {});
   Work broadcast(torch::Tensor& tensor, const BroadcastOptions& opts = {});
-  Work broadcast_coalesced(std::vector<torch::Tensor>& tensors, const BroadcastOptions& opts = {});
+  Work broadcast_coalesced(std::vector<torch::Tensor>& tensors,
+                           const BroadcastOptions& opts = {});
   // The result lands on the root; other ranks' tensors are unspecified after.
   Work reduce(torch::Tensor& tensor, const ReduceOptions& opts = {});
   // outputs[i] receives rank i's input; outputs.size() == size().
@@ -76,8 +78,8 @@ class Communicator {
   Work scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
                const ScatterOptions& opts = {});
   // outputs[i] receives inputs[rank()] of rank i.
-  Work all_to_all(std::vector<torch::Tensor>& outputs, const std::vector<torch::Tensor>& inputs,
-                  const AllToAllOptions& opts = {});
+  Work all_to_all(std::vector<torch::Tensor>& outputs,
+                  const std::vector<torch::Tensor>& inputs, const AllToAllOptions& opts = {});
   // Splits along dim 0 (rows); empty split sizes mean equal splits.
   Work all_to_all_single(torch::Tensor& output, const torch::Tensor& input,
                          std::vector<int64_t> output_split_sizes = {},
@@ -111,7 +113,7 @@ class Communicator {
   // negative color joins no group and gets nullptr (MPI_Comm_split).
   std::shared_ptr<Communicator> split(int color, int key);
 
-  // --- statistics (comm_stats.h) -------------------------------------------
+  // --- statistics (cohort/core/comm_stats.h) --------------------------------
   /// A snapshot of this communicator's counters: per operation kind, calls,
   /// bytes sent and received by this rank (including the algorithms'
   /// point-to-point traffic), time in flight and time blocked in wait().
