@@ -51,49 +51,49 @@ class Communicator {
 
   // --- collectives -------------------------------------------------------
   Work all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts = {});
-  // Many tensors in one message per dtype (what DDP buckets do by hand).
+  /// Many tensors in one message per dtype (what DDP buckets do by hand).
   Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
                             const AllReduceOptions& opts = {});
   Work broadcast(torch::Tensor& tensor, const BroadcastOptions& opts = {});
   Work broadcast_coalesced(std::vector<torch::Tensor>& tensors,
                            const BroadcastOptions& opts = {});
-  // The result lands on the root; other ranks' tensors are unspecified after.
+  /// The result lands on the root; other ranks' tensors are unspecified after.
   Work reduce(torch::Tensor& tensor, const ReduceOptions& opts = {});
-  // outputs[i] receives rank i's input; outputs.size() == size().
+  /// outputs[i] receives rank i's input; outputs.size() == size().
   Work all_gather(std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
                   const AllGatherOptions& opts = {});
-  // output holds size() inputs back to back (output.numel() == size() * input.numel()).
+  /// output holds size() inputs back to back (output.numel() == size() * input.numel()).
   Work all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input,
                               const AllGatherOptions& opts = {});
-  // output = op over ranks of inputs[rank()]; inputs.size() == size().
+  /// output = op over ranks of inputs[rank()]; inputs.size() == size().
   Work reduce_scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
                       const ReduceScatterOptions& opts = {});
-  // input is size() outputs back to back.
+  /// input is size() outputs back to back.
   Work reduce_scatter_tensor(torch::Tensor& output, const torch::Tensor& input,
                              const ReduceScatterOptions& opts = {});
-  // On the root, outputs[i] receives rank i's input; elsewhere outputs is ignored.
+  /// On the root, outputs[i] receives rank i's input; elsewhere outputs is ignored.
   Work gather(std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
               const GatherOptions& opts = {});
-  // On the root, inputs[i] goes to rank i; elsewhere inputs is ignored.
+  /// On the root, inputs[i] goes to rank i; elsewhere inputs is ignored.
   Work scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
                const ScatterOptions& opts = {});
-  // outputs[i] receives inputs[rank()] of rank i.
+  /// outputs[i] receives inputs[rank()] of rank i.
   Work all_to_all(std::vector<torch::Tensor>& outputs,
                   const std::vector<torch::Tensor>& inputs, const AllToAllOptions& opts = {});
-  // Splits along dim 0 (rows); empty split sizes mean equal splits.
+  /// Splits along dim 0 (rows); empty split sizes mean equal splits.
   Work all_to_all_single(torch::Tensor& output, const torch::Tensor& input,
                          std::vector<int64_t> output_split_sizes = {},
                          std::vector<int64_t> input_split_sizes = {},
                          const AllToAllOptions& opts = {});
   Work barrier(const BarrierOptions& opts = {});
 
-  // The algorithm `requested` (Default: the communicator's) resolves to for
-  // `op` on a vector of `bytes` (all_gather/reduce_scatter: the gathered
-  // size). Adaptive calibrates on first use: collective, like the operation.
+  /// The algorithm `requested` (Default: the communicator's) resolves to for
+  /// `op` on a vector of `bytes` (all_gather/reduce_scatter: the gathered
+  /// size). Adaptive calibrates on first use: collective, like the operation.
   Algorithm resolve_algorithm(Collective op, int64_t bytes,
                               Algorithm requested = Algorithm::Default);
-  // Adaptive's measurements and cost model for `op`, as text (calibrates
-  // on first use; collective).
+  /// Adaptive's measurements and cost model for `op`, as text (calibrates
+  /// on first use; collective).
   std::string describe_cost_model(Collective op);
 
   // --- point-to-point ----------------------------------------------------
@@ -101,16 +101,16 @@ class Communicator {
   Work recv(torch::Tensor& tensor, int src, const RecvOptions& opts = {});
 
   // --- subgroups (collective over this communicator) -----------------------
-  // Every rank calls it with the same ranks; members get the group (ranked
-  // in the order given), others nullptr.
+  /// Every rank calls it with the same ranks; members get the group (ranked
+  /// in the order given), others nullptr.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks);
   // The same with options of its own (algorithm, timeout, debug checks; an
   // empty name means "<parent>/g<n>"), as torch.distributed.new_group takes
   // a timeout and pg_options. The group's transport is the parent's.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
                                           CommunicatorOptions options);
-  // Ranks with the same color form a group, ranked by (key, rank); a
-  // negative color joins no group and gets nullptr (MPI_Comm_split).
+  /// Ranks with the same color form a group, ranked by (key, rank); a
+  /// negative color joins no group and gets nullptr (MPI_Comm_split).
   std::shared_ptr<Communicator> split(int color, int key);
 
   // --- statistics (cohort/core/comm_stats.h) --------------------------------
@@ -123,42 +123,42 @@ class Communicator {
   void reset_stats();
 
  private:
-  // One operation being issued: its context (for messages) and timeout.
+  /// One operation being issued: its context (for messages) and timeout.
   struct Call {
     OpContext ctx;
     OpKind kind = OpKind::Other;
     std::chrono::steady_clock::time_point issued;
     std::string where() const { return ctx.describe(); }
-    // Throws InvalidArgument "cohort: <where()>: <why>".
+    /// Throws InvalidArgument "cohort: <where()>: <why>".
     [[noreturn]] void refuse(const std::string& why) const;
   };
   Call begin(const std::string& op, Millis timeout, std::vector<int> peers) const;
   Call begin_collective(const std::string& op, Millis timeout) const;
-  // COHORT_DEBUG=detail: every rank must pass the same fingerprint, which is
-  // built only when the check is on.
+  /// COHORT_DEBUG=detail: every rank must pass the same fingerprint, which is
+  /// built only when the check is on.
   template <class Fingerprint>
   void debug_check(const Call& call, Fingerprint&& fingerprint) {
     if (checker_) verify_agreement(call, fingerprint());
   }
   void verify_agreement(const Call& call, const std::string& fingerprint);
   Work finish(const Call& call, WorkPtr impl, std::function<void()> on_success = {});
-  // The Work of a reduction that ran on `buf`: on success, averaged if asked
-  // and copied into `out` (a no-op when `buf` is `out`).
+  /// The Work of a reduction that ran on `buf`: on success, averaged if asked
+  /// and copied into `out` (a no-op when `buf` is `out`).
   Work finish_reduction(const Call& call, WorkPtr impl, torch::Tensor out, torch::Tensor buf,
                         ReduceOp op);
   void check_root(const Call& call, int root) const;
   void check_peer(const Call& call, int peer) const;
-  // `list` holds one tensor per rank, each with `ref`'s dtype and shape.
+  /// `list` holds one tensor per rank, each with `ref`'s dtype and shape.
   void check_per_rank(const Call& call, const std::vector<torch::Tensor>& list,
                       const torch::Tensor& ref, const std::string& name) const;
-  // reduce_scatter's two forms after their checks: `chunks` are the ranks'
-  // blocks in the reduction dtype, `flat` the same blocks back to back when
-  // they already are (else undefined).
+  /// reduce_scatter's two forms after their checks: `chunks` are the ranks'
+  /// blocks in the reduction dtype, `flat` the same blocks back to back when
+  /// they already are (else undefined).
   Work run_reduce_scatter(const Call& call, torch::Tensor& output,
                           std::vector<torch::Tensor> chunks, torch::Tensor flat,
                           const ReduceScatterOptions& opts);
-  // all_gather's two forms after their checks: one wire-dtype output per
-  // rank, and the same memory as one flat tensor when it is one.
+  /// all_gather's two forms after their checks: one wire-dtype output per
+  /// rank, and the same memory as one flat tensor when it is one.
   Work run_all_gather(const Call& call, std::vector<torch::Tensor> outputs, torch::Tensor flat,
                       const torch::Tensor& input, const AllGatherOptions& opts);
   std::shared_ptr<Communicator> make_subgroup(const std::vector<int>& ranks,
@@ -174,13 +174,13 @@ class Communicator {
   std::unique_ptr<CollectiveChecker> checker_;
   uint64_t groups_created_ = 0;
 
-  // Set by the first failed operation, checked by every later one; shared
-  // with the Work handles, which may outlive the communicator.
+  /// Set by the first failed operation, checked by every later one; shared
+  /// with the Work handles, which may outlive the communicator.
   struct Health;
   std::shared_ptr<Health> health_;
 
-  // Runs the collectives an algorithm other than Engine was chosen for;
-  // built at the first one. Last: destroyed (and its thread joined) first.
+  /// Runs the collectives an algorithm other than Engine was chosen for;
+  /// built at the first one. Last: destroyed (and its thread joined) first.
   algorithms::Executor& algorithms();
   std::unique_ptr<algorithms::Executor> algorithms_;
 };

@@ -16,37 +16,37 @@
 
 namespace cohort {
 
-// What an error message says about an operation.
+/// What an error message says about an operation.
 struct OpContext {
   std::string op;          // "all_reduce", "send", ...
   std::string group;       // "world" or the subgroup's name
   int rank = 0;            // caller's rank in `group`
   int size = 1;            // size of `group`
   std::vector<int> peers;  // ranks (in `group`) the operation talks to
-  // Set instead of `peers` by collectives: every other rank of the group
-  // (a list built only when a message needs it, not on every call).
+  /// Set instead of `peers` by collectives: every other rank of the group
+  /// (a list built only when a message needs it, not on every call).
   bool all_peers = false;
   // Whether the debug checks (COHORT_DEBUG=detail) ran before this
   // collective; when not, a collective's error suggests turning them on.
   bool debug_checks = false;
   Millis timeout{0};  // resolved timeout of this operation
 
-  // "all_reduce on rank 0 of 4 (group world, peers [1, 2, 3])"
+  /// "all_reduce on rank 0 of 4 (group world, peers [1, 2, 3])"
   std::string describe() const;
 };
 
-// The engine-side half of an operation.
+/// The engine-side half of an operation.
 class WorkImpl {
  public:
   virtual ~WorkImpl() = default;
-  // Non-blocking: true once the operation succeeded or failed.
+  /// Non-blocking: true once the operation succeeded or failed.
   virtual bool is_completed() = 0;
-  // Blocks until the operation finished or `timeout` passed. Throws
-  // TimeoutError on timeout, PeerError (or another Error) on failure.
+  /// Blocks until the operation finished or `timeout` passed. Throws
+  /// TimeoutError on timeout, PeerError (or another Error) on failure.
   virtual void wait(Millis timeout) = 0;
 };
 
-// Several engine operations that together make one cohort operation.
+/// Several engine operations that together make one cohort operation.
 class WorkList : public WorkImpl {
  public:
   explicit WorkList(std::vector<std::shared_ptr<WorkImpl>> parts);
@@ -59,20 +59,20 @@ class WorkList : public WorkImpl {
 
 class Work {
  public:
-  // Called once with the error message when the operation fails; the
-  // communicator uses it to refuse further operations.
+  /// Called once with the error message when the operation fails; the
+  /// communicator uses it to refuse further operations.
   using FailureHook = std::function<void(const std::string&)>;
 
-  // A handle to an operation that has nothing left to do.
+  /// A handle to an operation that has nothing left to do.
   Work();
   Work(std::shared_ptr<WorkImpl> impl, OpContext context, std::function<void()> on_success = {},
        FailureHook on_failure = {});
 
-  // Waits up to the operation's own timeout.
+  /// Waits up to the operation's own timeout.
   void wait();
-  // Waits up to `timeout`; rethrows the operation's error.
+  /// Waits up to `timeout`; rethrows the operation's error.
   void wait(Millis timeout);
-  // Non-blocking; runs the completion step when the operation has finished.
+  /// Non-blocking; runs the completion step when the operation has finished.
   bool is_completed();
 
  private:
@@ -81,7 +81,7 @@ class Work {
   std::shared_ptr<State> state_;
 };
 
-// Waits for every handle in order (each with its own timeout).
+/// Waits for every handle in order (each with its own timeout).
 void wait_all(std::vector<Work>& works);
 
 }  // namespace cohort

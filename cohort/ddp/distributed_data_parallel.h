@@ -45,7 +45,7 @@ struct IsSharedPtr : std::false_type {};
 template <typename T>
 struct IsSharedPtr<std::shared_ptr<T>> : std::true_type {};
 
-// A TORCH_MODULE holder or a std::shared_ptr to a module, as the base type.
+/// A TORCH_MODULE holder or a std::shared_ptr to a module, as the base type.
 template <typename ModuleHolder>
 std::shared_ptr<torch::nn::Module> as_module_ptr(const ModuleHolder& holder) {
   if constexpr (IsSharedPtr<ModuleHolder>::value) {
@@ -55,9 +55,9 @@ std::shared_ptr<torch::nn::Module> as_module_ptr(const ModuleHolder& holder) {
   }
 }
 
-// The tensors a forward returned, for the unused-parameter search: a tensor,
-// a vector of tensors, or a tuple/pair of those. Other types contribute none
-// (unused parameters are then found when backward ends).
+/// The tensors a forward returned, for the unused-parameter search: a tensor,
+/// a vector of tensors, or a tuple/pair of those. Other types contribute none
+/// (unused parameters are then found when backward ends).
 inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
   out.push_back(t);
 }
@@ -83,7 +83,7 @@ void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out
 template <typename ModuleHolder>
 class DistributedDataParallel {
  public:
-  // Collective over comm (see GradientReducer's constructor).
+  /// Collective over comm (see GradientReducer's constructor).
   DistributedDataParallel(ModuleHolder module, std::shared_ptr<Communicator> comm,
                           DDPOptions options = {})
       : module_(std::move(module)),
@@ -94,8 +94,8 @@ class DistributedDataParallel {
     }
   }
 
-  // Pre-forward work (previous iteration check, bucket rebuild, buffer
-  // broadcast), the module's own forward, then the unused-parameter search.
+  /// Pre-forward work (previous iteration check, bucket rebuild, buffer
+  /// broadcast), the module's own forward, then the unused-parameter search.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     reducer_->prepare_forward();
@@ -144,7 +144,7 @@ class DistributedDataParallel {
   /// broadcast until the next forward's buffer broadcast.
   void load(torch::serialize::InputArchive& archive) { module_->load(archive); }
 
-  // RAII: gradients accumulate locally while the guard lives.
+  /// RAII: gradients accumulate locally while the guard lives.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
   void register_comm_hook(std::shared_ptr<CommHook> hook) {
     reducer_->register_comm_hook(hook);
@@ -158,7 +158,7 @@ class DistributedDataParallel {
 
  private:
   ModuleHolder module_;
-  // Behind a pointer: the accumulator hooks hold its address.
+  /// Behind a pointer: the accumulator hooks hold its address.
   std::unique_ptr<GradientReducer> reducer_;
   std::shared_ptr<CommHook> hook_;
 };

@@ -39,55 +39,55 @@ namespace cohort {
 
 class GradientReducer {
  public:
-  // Collective: checks that every rank holds the same parameter shapes and
-  // dtypes in the same order (MismatchError naming the first difference),
-  // then broadcasts parameters and buffers from rank 0.
+  /// Collective: checks that every rank holds the same parameter shapes and
+  /// dtypes in the same order (MismatchError naming the first difference),
+  /// then broadcasts parameters and buffers from rank 0.
   GradientReducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Communicator> comm,
                   DDPOptions options = {});
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
-  // Before each forward. Throws Error naming the parameters that got no
-  // gradient if the previous backward could not finish its reduction.
+  /// Before each forward. Throws Error naming the parameters that got no
+  /// gradient if the previous backward could not finish its reduction.
   void prepare_forward();
   // After each forward that returned (always, even without
   // find_unused_parameters), with the tensors the forward returned.
   void after_forward(const std::vector<torch::Tensor>& outputs);
 
-  // All-reduces every parameter's current .grad now and waits (collective).
-  // For SyncStrategy::NoSync, or to finish a no_sync() accumulation without
-  // another backward. Undefined gradients count as zeros.
+  /// All-reduces every parameter's current .grad now and waits (collective).
+  /// For SyncStrategy::NoSync, or to finish a no_sync() accumulation without
+  /// another backward. Undefined gradients count as zeros.
   void synchronize();
 
-  // While the depth is positive, backward accumulates locally (no_sync()).
+  /// While the depth is positive, backward accumulates locally (no_sync()).
   void push_no_sync() { ++no_sync_depth_; }
   void pop_no_sync() { --no_sync_depth_; }
 
   void register_comm_hook(std::shared_ptr<CommHook> hook);
 
-  // Hands the reduction of every synchronizing backward to `owner` (see
-  // reduction_owner.h; ZeroRedundancyOptimizer at stage 2 calls it): the
-  // bucket buffers are freed and the comm hook is no longer used. nullptr
-  // gives the reduction back to DDP (the buckets are allocated again). Not
-  // between a backward and the end of its reduction. The owner must
-  // outlive its registration.
+  /// Hands the reduction of every synchronizing backward to `owner` (see
+  /// reduction_owner.h; ZeroRedundancyOptimizer at stage 2 calls it): the
+  /// bucket buffers are freed and the comm hook is no longer used. nullptr
+  /// gives the reduction back to DDP (the buckets are allocated again). Not
+  /// between a backward and the end of its reduction. The owner must
+  /// outlive its registration.
   void set_reduction_owner(ReductionOwner* owner);
   ReductionOwner* reduction_owner() const { return owner_; }
   const DDPStats& stats() const { return stats_; }
   const DDPOptions& options() const { return options_; }
   Communicator& communicator() { return *comm_; }
 
-  // The parameters that are reduced (requires_grad), in registration order,
-  // and their qualified names.
+  /// The parameters that are reduced (requires_grad), in registration order,
+  /// and their qualified names.
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   const std::vector<std::string>& parameter_names() const { return names_; }
-  // Parameter indices of each bucket, in launch order (for tests and tools).
+  /// Parameter indices of each bucket, in launch order (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
-  // The flat buffer of bucket i (undefined while a reduction owner is set).
+  /// The flat buffer of bucket i (undefined while a reduction owner is set).
   const torch::Tensor& bucket_buffer(size_t i) const { return buckets_.at(i).buffer; }
 
-  // Called by the accumulator hook of parameter `index` (internal).
+  /// Called by the accumulator hook of parameter `index` (internal).
   void on_gradient_ready(size_t index);
   // Depth of no_sync() scopes (NoSyncGuard counts it).
   int no_sync_depth() const { return no_sync_depth_; }
@@ -138,7 +138,7 @@ class GradientReducer {
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;
 
-  // Per-iteration state.
+  /// Per-iteration state.
   bool sync_this_iteration_ = false;
   // Whether the next forward broadcasts the buffers: the last forward was a
   // synchronizing training forward (true before the first one).
@@ -153,7 +153,7 @@ class GradientReducer {
   int no_sync_depth_ = 0;
   std::chrono::steady_clock::time_point start_;
 
-  // Bucket rebuild: the order of the first reduced iteration.
+  /// Bucket rebuild: the order of the first reduced iteration.
   std::vector<size_t> ready_order_;
   bool order_recorded_ = false;
   bool rebuilt_ = false;

@@ -38,7 +38,7 @@
 namespace cohort {
 
 struct FusedOptions {
-  // Largest bucket in MiB (a larger parameter gets a bucket of its own).
+  /// Largest bucket in MiB (a larger parameter gets a bucket of its own).
   double bucket_cap_mb = 25;
 };
 
@@ -49,29 +49,29 @@ class FusedDistributedOptimizer {
   // by building DDP once, or seed).
   FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
                             std::shared_ptr<Communicator> comm, FusedOptions fused = {});
-  // Removes the gradient hooks from the parameters.
+  /// Removes the gradient hooks from the parameters.
   ~FusedDistributedOptimizer();
-  // The hooks hold this object's address.
+  /// The hooks hold this object's address.
   FusedDistributedOptimizer(const FusedDistributedOptimizer&) = delete;
   FusedDistributedOptimizer& operator=(const FusedDistributedOptimizer&) = delete;
 
-  // Collective: average the gradients over the ranks and apply AdamW.
+  /// Collective: average the gradients over the ranks and apply AdamW.
   void step();
-  // Collective: averages the gradients now (all buckets, then waits), so
-  // that the .grad hold the averages before step(), e.g. to clip them by
-  // their global norm; step() then only updates. This gives up the overlap
-  // of each bucket's all-reduce with the previous bucket's update.
+  /// Collective: averages the gradients now (all buckets, then waits), so
+  /// that the .grad hold the averages before step(), e.g. to clip them by
+  /// their global norm; step() then only updates. This gives up the overlap
+  /// of each bucket's all-reduce with the previous bucket's update.
   void finish_gradients();
-  // Zeros the gradient buckets (the .grad views with them).
+  /// Zeros the gradient buckets (the .grad views with them).
   void zero_grad();
   void set_lr(double lr) { options_.lr(lr); }
   torch::optim::AdamWOptions& options() { return options_; }
-  // Steps taken so far.
+  /// Steps taken so far.
   int64_t timestep() const { return timestep_; }
   size_t bucket_count() const { return buckets_.size(); }
-  // Parameter indices of each bucket.
+  /// Parameter indices of each bucket.
   std::vector<std::vector<size_t>> bucket_layout() const;
-  // Bytes of AdamW state and of gradient buffers held between steps.
+  /// Bytes of AdamW state and of gradient buffers held between steps.
   int64_t state_bytes() const;
   /// The gradient all-reduces measured so far (in step() they overlap the
   /// update of the previous bucket).
@@ -79,7 +79,7 @@ class FusedDistributedOptimizer {
   int64_t grad_bytes() const;
   std::vector<torch::Tensor> grad_buffers() const;
 
-  // Replicated state (every rank holds all of it): rank 0's save suffices.
+  /// Replicated state (every rank holds all of it): rank 0's save suffices.
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
 
@@ -103,7 +103,7 @@ class FusedDistributedOptimizer {
   std::unique_ptr<AccumulatorHooks> hooks_;  // set seen_
   std::vector<Bucket> buckets_;
   int64_t timestep_ = 0;
-  // finish_gradients() ran: the buckets hold averages; has_ its mask.
+  /// finish_gradients() ran: the buckets hold averages; has_ its mask.
   bool averaged_ = false;
   SyncRecorder sync_;
   std::vector<char> has_;

@@ -74,41 +74,41 @@
 namespace cohort {
 
 struct ZeroOptions {
-  // 1: optimizer state sharded; 2: gradients sharded as well.
+  /// 1: optimizer state sharded; 2: gradients sharded as well.
   int stage = 1;
-  // Largest bucket of the gradient reduction and the parameter all-gather,
-  // in MiB; smaller buckets mean less staging memory at stage 2.
+  /// Largest bucket of the gradient reduction and the parameter all-gather,
+  /// in MiB; smaller buckets mean less staging memory at stage 2.
   double bucket_cap_mb = 25;
-  // false when cohort DDP is in charge of the model: at stage 1 DDP's
-  // all-reduce averaged the .grad in backward and ZeRO reads them; at stage
-  // 2 DDP hands its reduction over (take_over_reduction(), which make(ddp,
-  // ...) calls). true: the optimizer reduces alone.
+  /// false when cohort DDP is in charge of the model: at stage 1 DDP's
+  /// all-reduce averaged the .grad in backward and ZeRO reads them; at stage
+  /// 2 DDP hands its reduction over (take_over_reduction(), which make(ddp,
+  /// ...) calls). true: the optimizer reduces alone.
   bool reduce_gradients = true;
-  // How the updated parameters are all-gathered (cohort/algorithms);
-  // Default: the communicator's choice.
+  /// How the updated parameters are all-gathered (cohort/algorithms);
+  /// Default: the communicator's choice.
   Algorithm gather_algo = Algorithm::Default;
 };
 
 class ZeroRedundancyOptimizer {
  public:
-  // Builds the inner optimizer over this rank's shard, from the shard's
-  // parameter groups (each with the caller's group options already set).
+  /// Builds the inner optimizer over this rank's shard, from the shard's
+  /// parameter groups (each with the caller's group options already set).
   using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(
       std::vector<torch::optim::OptimizerParamGroup>)>;
 
-  // Collective over comm: every rank passes the same parameter shapes in
-  // the same order. Parameters must already be equal on all ranks (as after
-  // DDP's broadcast); groups without options take the inner defaults.
+  /// Collective over comm: every rank passes the same parameter shapes in
+  /// the same order. Parameters must already be equal on all ranks (as after
+  /// DDP's broadcast); groups without options take the inner defaults.
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,
                           std::shared_ptr<Communicator> comm, ZeroOptions options = {});
-  // Removes the stage-2 gradient hooks from the parameters and gives DDP
-  // its reduction back.
+  /// Removes the stage-2 gradient hooks from the parameters and gives DDP
+  /// its reduction back.
   ~ZeroRedundancyOptimizer();
-  // The hooks hold this object's address.
+  /// The hooks hold this object's address.
   ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
   ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
 
-  // ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, AdamWOptions(lr), comm)
+  /// ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, AdamWOptions(lr), comm)
   template <typename Opt, typename Options>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(
       std::vector<torch::optim::OptimizerParamGroup> groups, const Options& defaults,
@@ -130,10 +130,10 @@ class ZeroRedundancyOptimizer {
     return make<Opt>(std::move(groups), defaults, std::move(comm), options);
   }
 
-  // With cohort DDP (every rank passes its DDP model; the parameters are
-  // ddp.parameters()): stage 1 reads DDP's averaged gradients, stage 2
-  // takes over DDP's reduction. comm must be DDP's communicator. The DDP
-  // model must outlive the optimizer.
+  /// With cohort DDP (every rank passes its DDP model; the parameters are
+  /// ddp.parameters()): stage 1 reads DDP's averaged gradients, stage 2
+  /// takes over DDP's reduction. comm must be DDP's communicator. The DDP
+  /// model must outlive the optimizer.
   template <typename Opt, typename Options, typename ModuleHolder>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(DistributedDataParallel<ModuleHolder>& ddp,
                                                        const Options& defaults,
@@ -145,38 +145,38 @@ class ZeroRedundancyOptimizer {
     return zero;
   }
 
-  // Stage 2 with reduce_gradients = false: from now on `ddp` reports ready
-  // gradients to this optimizer, which reduce-scatters them, instead of
-  // all-reducing them itself (see reduction_owner.h). Every parameter DDP
-  // reduces must be one of this optimizer's (InvalidArgument otherwise).
+  /// Stage 2 with reduce_gradients = false: from now on `ddp` reports ready
+  /// gradients to this optimizer, which reduce-scatters them, instead of
+  /// all-reducing them itself (see reduction_owner.h). Every parameter DDP
+  /// reduces must be one of this optimizer's (InvalidArgument otherwise).
   void take_over_reduction(GradientReducer& ddp);
 
-  // Collective: reduce gradients as the stage says, step the shard,
-  // all-gather the updated parameters.
+  /// Collective: reduce gradients as the stage says, step the shard,
+  /// all-gather the updated parameters.
   void step();
-  // Collective: ends this step's gradient reduction (stage 2: waits for the
-  // reduce-scatters), so that the pieces' .grad (shard_pieces()) hold this
-  // step's averaged gradients, e.g. to clip them by their global norm
-  // before step(). step() calls it when the caller did not.
+  /// Collective: ends this step's gradient reduction (stage 2: waits for the
+  /// reduce-scatters), so that the pieces' .grad (shard_pieces()) hold this
+  /// step's averaged gradients, e.g. to clip them by their global norm
+  /// before step(). step() calls it when the caller did not.
   void finish_gradients();
-  // Releases the parameters' gradients (set to none, as LibTorch 2.x).
+  /// Releases the parameters' gradients (set to none, as LibTorch 2.x).
   void zero_grad();
-  // Sets the rate of every group (as setting each group's lr in LibTorch).
+  /// Sets the rate of every group (as setting each group's lr in LibTorch).
   void set_lr(double lr);
 
-  // The inner optimizer's groups, index for index the caller's groups: their
-  // options (lr, weight decay, betas, ...) can be changed as in LibTorch.
+  /// The inner optimizer's groups, index for index the caller's groups: their
+  /// options (lr, weight decay, betas, ...) can be changed as in LibTorch.
   std::vector<torch::optim::OptimizerParamGroup>& param_groups();
   torch::optim::Optimizer& shard_optimizer() { return *inner_; }
-  // This rank's pieces (what the inner optimizer steps); after
-  // finish_gradients() their .grad are this rank's averaged gradients, a
-  // disjoint part of the whole on every rank (undefined for parameters that
-  // got no gradient anywhere).
+  /// This rank's pieces (what the inner optimizer steps); after
+  /// finish_gradients() their .grad are this rank's averaged gradients, a
+  /// disjoint part of the whole on every rank (undefined for parameters that
+  /// got no gradient anywhere).
   const std::vector<torch::Tensor>& shard_pieces() const { return pieces_; }
 
-  // RAII, stage 2 alone: backwards in its scope accumulate into .grad
-  // locally (no communication); the first backward after it reduces the
-  // sum. With DDP use ddp.no_sync(). Other stages accumulate without it.
+  /// RAII, stage 2 alone: backwards in its scope accumulate into .grad
+  /// locally (no communication); the first backward after it reduces the
+  /// sum. With DDP use ddp.no_sync(). Other stages accumulate without it.
   using NoSync = ScopedNoSync<ZeroRedundancyOptimizer>;
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
   /// The depth NoSync counts (stage 2 alone; other stages ignore it).
@@ -190,14 +190,14 @@ class ZeroRedundancyOptimizer {
   const ZeroOptions& options() const { return options_; }
   Communicator& communicator() { return *comm_; }
 
-  // Bytes of optimizer state this rank holds (its shard's).
+  /// Bytes of optimizer state this rank holds (its shard's).
   int64_t state_bytes() const;
   /// The gradient reductions this optimizer ran (stage 1 alone: all-reduce;
   /// stage 2: reduce-scatter, during backward); not the parameter all-gather.
   const SyncStatistics& sync_statistics() const { return sync_.statistics(); }
-  // The gradient storage this optimizer keeps between steps, and its bytes:
-  // the full flat buffer at stage 1 alone, the shard at stage 2, nothing
-  // at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
+  /// The gradient storage this optimizer keeps between steps, and its bytes:
+  /// the full flat buffer at stage 1 alone, the shard at stage 2, nothing
+  /// at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
   std::vector<torch::Tensor> grad_buffers() const;
   int64_t grad_bytes() const;
   // Stage 2: bytes of the buckets' staging buffers together, each in use
@@ -211,21 +211,21 @@ class ZeroRedundancyOptimizer {
     return shard_reducer_ ? shard_reducer_->staging_peak_bytes() : 0;
   }
 
-  // This rank's shard of the state, for sharded checkpoints: every rank
-  // saves its own archive and loads it back into an optimizer with the same
-  // world size, rank and parameter shapes (checked: MismatchError).
+  /// This rank's shard of the state, for sharded checkpoints: every rank
+  /// saves its own archive and loads it back into an optimizer with the same
+  /// world size, rank and parameter shapes (checked: MismatchError).
   void save_shard(torch::serialize::OutputArchive& archive) const;
   void load_shard(torch::serialize::InputArchive& archive);
 
-  // Collective: gathers every rank's shard of each state tensor to rank
-  // `to`, which returns, per parameter, name -> full tensor shaped like the
-  // parameter ("exp_avg", "exp_avg_sq", "momentum_buffer", ...; plus "step"
-  // as a one-element int64 tensor where the state has one). Other ranks
-  // return an empty vector. Parameters never stepped have an empty map.
+  /// Collective: gathers every rank's shard of each state tensor to rank
+  /// `to`, which returns, per parameter, name -> full tensor shaped like the
+  /// parameter ("exp_avg", "exp_avg_sq", "momentum_buffer", ...; plus "step"
+  /// as a one-element int64 tensor where the state has one). Other ranks
+  /// return an empty vector. Parameters never stepped have an empty map.
   std::vector<std::map<std::string, torch::Tensor>> consolidate_state_dict(int to = 0);
 
-  // Called by the accumulator hook of parameter i, alone at stage 2
-  // (internal).
+  /// Called by the accumulator hook of parameter i, alone at stage 2
+  /// (internal).
   void on_gradient_ready(size_t i) { shard_reducer_->on_gradient_ready(i); }
 
  private:
@@ -245,8 +245,8 @@ class ZeroRedundancyOptimizer {
   std::unique_ptr<FlatPartition> partition_;
   torch::Tensor flat_params_;  // padded; the parameters are views into it
   torch::Tensor flat_grads_;   // stage 1 with reduce_gradients: padded
-  // One leaf tensor per piece, a view into flat_params_ (what the inner
-  // optimizer steps), in partition().pieces() order.
+  /// One leaf tensor per piece, a view into flat_params_ (what the inner
+  /// optimizer steps), in partition().pieces() order.
   std::vector<torch::Tensor> pieces_;
   std::unique_ptr<torch::optim::Optimizer> inner_;
 

@@ -13,33 +13,33 @@ namespace cohort {
 
 class CheckpointDir {
  public:
-  // Creates `dir` (and its parents) when missing. keep_last >= 1.
+  /// Creates `dir` (and its parents) when missing. keep_last >= 1.
   CheckpointDir(std::string dir, int keep_last);
 
   const std::string& dir() const { return dir_; }
   std::string path_for(int64_t step) const;
 
-  // Writes the checkpoint of `step` atomically, then deletes all but the
+  /// Writes the checkpoint of `step` atomically, then deletes all but the
   // newest keep_last checkpoints that verify (never `step` itself, never a
   // file that does not verify) and any temporary files left by crashes.
   void write(int64_t step, const std::string& payload) const;
 
-  // Steps that have a checkpoint file, newest first (not verified).
+  /// Steps that have a checkpoint file, newest first (not verified).
   std::vector<int64_t> steps() const;
 
   struct Loaded {
-    // False when no checkpoint verifies (or none exists).
+    /// False when no checkpoint verifies (or none exists).
     bool found = false;
     int64_t step = 0;
     std::string payload;
-    // One message per newer checkpoint that failed to verify (which file,
+    /// One message per newer checkpoint that failed to verify (which file,
     // what is wrong), newest first, after one per file whose name has a step
     // out of range.
     std::vector<std::string> skipped;
   };
-  // The newest checkpoint that verifies, with what was wrong with newer ones.
+  /// The newest checkpoint that verifies, with what was wrong with newer ones.
   Loaded load_latest() const;
-  // The payload of `step`'s checkpoint; throws CheckpointError.
+  /// The payload of `step`'s checkpoint; throws CheckpointError.
   std::string load(int64_t step) const;
 
  private:

@@ -33,17 +33,17 @@ nlohmann::json to_json(const StepMetrics& m);
 // `strict`.
 class MetricsLog {
  public:
-  // Disabled (writes nothing) when `path` is empty or `enabled` is false:
-  // pass enabled = (rank == 0).
+  /// Disabled (writes nothing) when `path` is empty or `enabled` is false:
+  /// pass enabled = (rank == 0).
   MetricsLog(std::string path, bool enabled, bool strict = false);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
 
   bool enabled() const { return enabled_; }
-  // Keeps only lines whose "step" is at most `step` (all lines are dropped
-  // for a negative step): a resumed job rewrites the steps it redoes instead
-  // of logging them twice.
+  /// Keeps only lines whose "step" is at most `step` (all lines are dropped
+  /// for a negative step): a resumed job rewrites the steps it redoes instead
+  /// of logging them twice.
   void keep_until(int64_t step);
   // Appends one line with one write (no buffering), whole or not at all.
   void append(const nlohmann::json& line);

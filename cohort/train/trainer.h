@@ -47,35 +47,35 @@ namespace cohort {
 class Communicator;
 
 struct TrainerConfig {
-  // Micro-batches per optimizer step (gradient accumulation); >= 1.
+  /// Micro-batches per optimizer step (gradient accumulation); >= 1.
   int64_t accumulation_steps = 1;
-  // Clip gradients to this global L2 norm; 0 disables clipping.
+  /// Clip gradients to this global L2 norm; 0 disables clipping.
   double max_grad_norm = 0.0;
-  // Learning rate per step; overrides the optimizer's own lr.
+  /// Learning rate per step; overrides the optimizer's own lr.
   LrSchedule schedule;
-  // fit() runs this many epochs...
+  /// fit() runs this many epochs...
   int64_t epochs = 1;
-  // ...or stops at this many optimizer steps when positive.
+  /// ...or stops at this many optimizer steps when positive.
   int64_t max_steps = 0;
-  // Folder for checkpoints; empty: no checkpoints and no resume.
+  /// Folder for checkpoints; empty: no checkpoints and no resume.
   std::string checkpoint_dir;
-  // Checkpoint every this many steps (0: only at the end of fit()).
+  /// Checkpoint every this many steps (0: only at the end of fit()).
   int64_t checkpoint_every = 0;
-  // Checkpoints kept on disk (older ones are deleted).
+  /// Checkpoints kept on disk (older ones are deleted).
   int keep_last = 3;
-  // JSON-lines metrics file written by rank 0; empty: none.
+  /// JSON-lines metrics file written by rank 0; empty: none.
   std::string metrics_path;
   // A metrics line that cannot be written (a full disk) throws Error instead
   // of one warning on stderr. Lines are written whole or not at all either way.
   bool metrics_strict = false;
-  // Progress output on rank 0 (bar on a terminal, log lines otherwise).
+  /// Progress output on rank 0 (bar on a terminal, log lines otherwise).
   bool progress = true;
-  // Steps between log lines when stdout is not a terminal.
+  /// Steps between log lines when stdout is not a terminal.
   int64_t log_every = 50;
 };
 
-// Computes the scalar loss of one micro-batch (forward through the DDP
-// module, then the criterion). Must return a tensor that requires grad.
+/// Computes the scalar loss of one micro-batch (forward through the DDP
+/// module, then the criterion). Must return a tensor that requires grad.
 using LossFn = std::function<torch::Tensor(const torch::data::Example<>&)>;
 
 struct EpochEnd {
@@ -85,45 +85,45 @@ struct EpochEnd {
 };
 
 struct FitCallbacks {
-  // After every optimizer step (metrics already logged).
+  /// After every optimizer step (metrics already logged).
   std::function<void(const StepMetrics&)> on_step;
-  // After the last step of an epoch, before the checkpoint of that step:
-  // the place for evaluation (log it with Trainer::log_eval).
+  /// After the last step of an epoch, before the checkpoint of that step:
+  /// the place for evaluation (log it with Trainer::log_eval).
   std::function<void(const EpochEnd&)> on_epoch_end;
 };
 
 class Trainer {
  public:
-  // model: the replicated module (its parameters get the gradients);
-  // sync: DdpGradientSync for a DDP model, AllReduceGradientSync otherwise;
-  // norm: nullptr means ReplicatedGradNorm, or ShardedGradNorm when the
-  // optimizer's gradients are sharded (TrainerOptimizer::sharded_gradients).
+  /// model: the replicated module (its parameters get the gradients);
+  /// sync: DdpGradientSync for a DDP model, AllReduceGradientSync otherwise;
+  /// norm: nullptr means ReplicatedGradNorm, or ShardedGradNorm when the
+  /// optimizer's gradients are sharded (TrainerOptimizer::sharded_gradients).
   Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
           TrainerOptimizer& optimizer, GradientSync& sync, LossFn loss_fn,
           TrainerConfig config, std::shared_ptr<GradNorm> norm = nullptr);
 
-  // Loads the newest checkpoint that verifies from config.checkpoint_dir
-  // (collective). Newer ones that fail are reported on stderr by rank 0 and
-  // listed in skipped_checkpoints(). Returns the step resumed at, or
-  // nullopt when training starts from scratch.
+  /// Loads the newest checkpoint that verifies from config.checkpoint_dir
+  /// (collective). Newer ones that fail are reported on stderr by rank 0 and
+  /// listed in skipped_checkpoints(). Returns the step resumed at, or
+  /// nullopt when training starts from scratch.
   std::optional<int64_t> resume();
 
-  // One optimizer step over `micro_batches` (accumulation_steps of them).
+  /// One optimizer step over `micro_batches` (accumulation_steps of them).
   StepMetrics train_step(const std::vector<torch::data::Example<>>& micro_batches);
 
-  // Trains from the current position to config.epochs / config.max_steps,
-  // checkpointing every checkpoint_every steps and at the end. Returns the
-  // metrics of the steps it ran.
+  /// Trains from the current position to config.epochs / config.max_steps,
+  /// checkpointing every checkpoint_every steps and at the end. Returns the
+  /// metrics of the steps it ran.
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
-  // Writes a checkpoint of the current state (collective). With a sharded
-  // optimizer (replicated_state() false, e.g. ZeRO) every rank also writes
-  // its optimizer shard next to it, "<checkpoint>.shard-<rank>-of-<world>",
-  // and resume() reads it back (a missing or damaged shard is a
-  // CheckpointError naming the file).
+  /// Writes a checkpoint of the current state (collective). With a sharded
+  /// optimizer (replicated_state() false, e.g. ZeRO) every rank also writes
+  /// its optimizer shard next to it, "<checkpoint>.shard-<rank>-of-<world>",
+  /// and resume() reads it back (a missing or damaged shard is a
+  /// CheckpointError naming the file).
   void save_checkpoint();
 
-  // Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
+  /// Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
   void log_eval(const nlohmann::json& fields);
 
   const TrainingPosition& position() const { return position_; }

@@ -18,7 +18,7 @@ class TcpStoreServer;
 
 class TcpStore : public Store {
  public:
-  // is_server: host the store on host:port (port 0 picks a free port; see
+  /// is_server: host the store on host:port (port 0 picks a free port; see
   // port()). Clients retry connecting until `timeout`. A non-empty `token`
   // is shown on every connection, and the server (is_server) requires it
   // of every client.
@@ -35,7 +35,7 @@ class TcpStore : public Store {
   uint16_t port() const { return port_; }
 
  private:
-  // One request and its reply on the client connection.
+  /// One request and its reply on the client connection.
   std::vector<uint8_t> call(uint8_t cmd, const std::vector<std::string>& args, Millis timeout);
   void ensure_connected(net::Clock::time_point deadline);
   std::string where() const;
