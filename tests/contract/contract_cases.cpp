@@ -238,8 +238,9 @@ void p2p_bad_peers_and_tags_are_refused(Communicator& comm, torch::Dtype) {
   EXPECT_THROW(comm.send(t, comm.rank()), InvalidArgument);
   EXPECT_THROW(comm.recv(t, comm.size()), InvalidArgument);
   EXPECT_THROW(comm.recv(t, -1), InvalidArgument);
-  if (comm.size() > 1)
+  if (comm.size() > 1) {
     EXPECT_THROW(comm.send(t, (comm.rank() + 1) % comm.size(), {-1}), InvalidArgument);
+  }
 }
 
 // The odd ranks, listed in reverse, form a group ranked in the order given.

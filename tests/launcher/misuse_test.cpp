@@ -2,9 +2,9 @@
 // name, not left to time out waiting for the rank nobody started.
 #include <gtest/gtest.h>
 
-#include "subprocess.h"
+#include "support/subprocess.h"
 
-namespace cohort::launcher_test {
+namespace cohort::testing {
 namespace {
 
 TEST(Misuse, DuplicateRankIsNamed) {
@@ -26,4 +26,4 @@ TEST(Misuse, DuplicateRankIsNamed) {
 }
 
 }  // namespace
-}  // namespace cohort::launcher_test
+}  // namespace cohort::testing

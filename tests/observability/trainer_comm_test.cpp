@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/optim/trainer_adapters.h"
+#include "cohort/train/trainer_adapters.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"
 #include "support/thread_ranks.h"
