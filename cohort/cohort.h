@@ -9,9 +9,9 @@
 // Communication.
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/init.h"
-#include "cohort/core/algorithm.h"
 #include "cohort/compression/compressed_collectives.h"
 #include "cohort/compression/compressor.h"
+#include "cohort/core/algorithm.h"
 #include "cohort/core/error.h"
 #include "cohort/core/store/hash_store.h"
 #include "cohort/core/store/prefix_store.h"

@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/accumulator_hooks.h"
 #include "cohort/core/sync_statistics.h"
+#include "cohort/ddp/accumulator_hooks.h"
 
 namespace cohort {
 

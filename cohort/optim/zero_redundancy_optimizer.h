@@ -252,7 +252,7 @@ class ZeroRedundancyOptimizer {
 
   // Stage 2 (world > 1): the gradients' staging and reduce-scatter.
   std::unique_ptr<GradientShardReducer> shard_reducer_;
-  SyncRecorder sync_;  // stage 1 and the all-gathers: SyncStatistics
+  SyncRecorder sync_;     // stage 1 and the all-gathers: SyncStatistics
   bool reduced_ = false;  // finish_gradients() ran since the last step
 };
 

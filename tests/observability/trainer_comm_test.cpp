@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/train/trainer_adapters.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"
+#include "cohort/train/trainer_adapters.h"
 #include "support/thread_ranks.h"
 #include "tests/train/train_fixtures.h"
 
