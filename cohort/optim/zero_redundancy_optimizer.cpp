@@ -235,7 +235,12 @@ void ZeroRedundancyOptimizer::all_reduce_gradients() {
 // Stage 2: the shard reducer stages and reduce-scatters (during backward
 // where it could); the pieces' .grad are slices of the shard.
 void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
-  const auto has = shard_reducer_->finish();
+  // The buckets were issued during backward; what is left to wait for here
+  // is the exposed part, and the whole of it is counted as one sync.
+  sync_.bucket_issued();
+  decltype(shard_reducer_->finish()) has;
+  sync_.blocked([&] { has = shard_reducer_->finish(); });
+  sync_.sync_done();
   const auto& shard = shard_reducer_->shard();
   const auto& pieces = partition_->pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
