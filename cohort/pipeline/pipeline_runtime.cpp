@@ -59,6 +59,7 @@ struct Slot {
   std::vector<WeightUnit> units;
   Tensors unit_grads;
   Tensors roots, root_grads;  // function stages keep these for W
+  bool weights_pending = false;  // I ran, W has not
 };
 
 struct PipelineRuntime::State {
@@ -331,10 +332,12 @@ void PipelineRuntime::backward(const Action& a) {
     if (!got.empty()) add_gradients(ps.parameters(), got, n_inputs);
     slot.inputs.clear(), slot.outputs.clear(), slot.units.clear();
   } else if (by_unit) {
+    slot.weights_pending = true;
     slot.unit_grads.assign(got.begin() + (got.empty() ? 0 : n_inputs), got.end());
     if (got.empty()) slot.units.clear();
     slot.roots.clear();
   } else {
+    slot.weights_pending = true;
     slot.roots = std::move(roots), slot.root_grads = std::move(root_grads);
   }
 }
@@ -359,6 +362,10 @@ void PipelineRuntime::backward_weight(int stage, int mb) {
   }
   slot.inputs.clear(), slot.outputs.clear(), slot.units.clear(), slot.unit_grads.clear();
   slot.roots.clear(), slot.root_grads.clear();
+  slot.weights_pending = false;
+  // The input gradients may still wait for their SEND_B or the previous
+  // local stage; finish_step drops what is left.
+  if (slot.input_grads.empty()) state_->slots.erase({stage, mb});
 }
 
 void PipelineRuntime::send_forward(int stage, int mb) {
@@ -440,13 +447,15 @@ void PipelineRuntime::recv_forward(int stage, int mb) {
 
 void PipelineRuntime::send_backward(int stage, int mb) {
   State& st = *state_;
-  Tensors grads = std::move(st.slots.at({stage, mb}).input_grads);
+  Slot& slot = st.slots.at({stage, mb});
+  Tensors grads = std::move(slot.input_grads);
+  slot.input_grads.clear();
   const int dst = schedule_.stage_to_rank[stage - 1];
   for (const auto& g : grads) {
     torch::Tensor c = g.detach().contiguous();
     st.sends.emplace_back(group_->send(c, dst, {message_tag(stage - 1, 1, mb)}), c);
   }
-  st.slots.erase({stage, mb});
+  if (!slot.weights_pending) st.slots.erase({stage, mb});  // W still needs it
 }
 
 void PipelineRuntime::recv_backward(int stage, int mb) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <deque>
+#include <limits>
 #include <sstream>
 
 #include "cohort/core/error.h"
@@ -43,39 +44,57 @@ PipelineSchedule empty_schedule(const char* name, int pp, int v, int m) {
   return s;
 }
 
-// One rank of 1F1B; with split_backward, B becomes I and W is held back up
-// to `max_pending_w` micro-batches, so that it runs where 1F1B would wait.
-std::vector<Action> one_f_one_b(int pp, int rank, int m, bool split_backward) {
+// One rank of 1F1B: pp - rank - 1 forwards of warm-up, then one forward
+// and one backward, then the remaining backwards.
+std::vector<Action> one_f_one_b(int pp, int rank, int m) {
   std::vector<Action> out;
-  std::deque<int> pending_w;
-  const int max_pending_w = pp - rank - 1;
-  auto backward = [&](int mb) {
-    if (!split_backward) {
-      out.push_back({rank, ActionType::Backward, mb});
-      return;
-    }
-    out.push_back({rank, ActionType::BackwardInput, mb});
-    pending_w.push_back(mb);
-    if (static_cast<int>(pending_w.size()) > max_pending_w) {
-      out.push_back({rank, ActionType::BackwardWeight, pending_w.front()});
-      pending_w.pop_front();
-    }
-  };
   const int warmup = std::min(pp - rank - 1, m);
   for (int i = 0; i < warmup; ++i) out.push_back({rank, ActionType::Forward, i});
   for (int i = 0; i < m - warmup; ++i) {
     out.push_back({rank, ActionType::Forward, warmup + i});
-    backward(i);
+    out.push_back({rank, ActionType::Backward, i});
   }
-  for (int i = m - warmup; i < m; ++i) {
-    backward(i);
-    // In the cool-down every I waits for the next stage: one W fills it.
-    if (split_backward && !pending_w.empty() && i != m - 1) {
-      out.push_back({rank, ActionType::BackwardWeight, pending_w.front()});
-      pending_w.pop_front();
+  for (int i = m - warmup; i < m; ++i) out.push_back({rank, ActionType::Backward, i});
+  return out;
+}
+
+// ZB-H1 as a list schedule on unit costs (F = I = W = 1, free transfers):
+// at each time step a free rank runs the first of
+//   I  when the next stage's input gradient is there (the critical path),
+//   F  when its input is there and fewer than pp - rank micro-batches wait
+//      for I (1F1B's activation limit),
+//   W  of the oldest micro-batch whose I ran (it fills what would be idle).
+// With m >= pp the bubble is (pp - 1)(F + I - W), a third of 1F1B's.
+std::vector<std::vector<Action>> zero_bubble_h1(int pp, int m) {
+  constexpr int kNotYet = std::numeric_limits<int>::max();
+  std::vector<std::vector<int>> f_end(pp, std::vector<int>(m, kNotYet)), i_end = f_end;
+  std::vector<int> next_f(pp, 0), next_i(pp, 0), free_at(pp, 0);
+  std::vector<std::deque<int>> pending_w(pp);
+  std::vector<std::vector<Action>> out(pp);
+  size_t done = 0, total = static_cast<size_t>(3) * pp * m;
+  for (int t = 0; done < total; ++t) {
+    for (int r = 0; r < pp; ++r) {
+      if (free_at[r] > t) continue;
+      const int f = next_f[r], i = next_i[r];
+      if (i < f && f_end[r][i] <= t && (r == pp - 1 || i_end[r + 1][i] <= t)) {
+        out[r].push_back({r, ActionType::BackwardInput, i});
+        i_end[r][i] = t + 1;
+        pending_w[r].push_back(i);
+        ++next_i[r];
+      } else if (f < m && (r == 0 || f_end[r - 1][f] <= t) && f - i < pp - r) {
+        out[r].push_back({r, ActionType::Forward, f});
+        f_end[r][f] = t + 1;
+        ++next_f[r];
+      } else if (!pending_w[r].empty()) {
+        out[r].push_back({r, ActionType::BackwardWeight, pending_w[r].front()});
+        pending_w[r].pop_front();
+      } else {
+        continue;
+      }
+      free_at[r] = t + 1;
+      ++done;
     }
   }
-  for (int mb : pending_w) out.push_back({rank, ActionType::BackwardWeight, mb});
   return out;
 }
 
@@ -180,13 +199,13 @@ PipelineSchedule ScheduleGPipe(int pp, int m) {
 
 PipelineSchedule Schedule1F1B(int pp, int m) {
   auto s = empty_schedule("1F1B", pp, 1, m);
-  for (int r = 0; r < pp; ++r) s.actions[r] = one_f_one_b(pp, r, m, false);
+  for (int r = 0; r < pp; ++r) s.actions[r] = one_f_one_b(pp, r, m);
   return s;
 }
 
 PipelineSchedule ScheduleZBH1(int pp, int m) {
   auto s = empty_schedule("ZBH1", pp, 1, m);
-  for (int r = 0; r < pp; ++r) s.actions[r] = one_f_one_b(pp, r, m, true);
+  s.actions = zero_bubble_h1(pp, m);
   return s;
 }
 

@@ -83,8 +83,9 @@ PipelineSchedule Schedule1F1B(int pp, int m);
 /// Megatron's interleaved 1F1B over v virtual stages per rank; m must be a
 /// multiple of pp.
 PipelineSchedule ScheduleInterleaved1F1B(int pp, int v, int m);
-/// Zero bubble H1: 1F1B's order with B split into I and W; each rank keeps
-/// up to pp - rank - 1 W pending so that they fill the cool-down bubbles.
+/// Zero bubble H1 (Qi et al., 2023): B split into I and W, 1F1B's activation
+/// limit, I first, and W where the rank would otherwise wait. With equal
+/// costs and m >= pp its bubble is (pp - 1)(F + I - W), a third of 1F1B's.
 PipelineSchedule ScheduleZBH1(int pp, int m);
 /// Builds a generator by name: "gpipe", "1f1b", "interleaved", "zbh1".
 PipelineSchedule make_schedule(const std::string& name, int pp, int v, int m);

@@ -162,19 +162,22 @@ TEST(PipelineRuntime, RefusesBadSetup) {
   EXPECT_THROW(split_sequential(make_mlp(2), {0}, 0), InvalidArgument);
   EXPECT_THROW(partition_balanced({1, 2}, 3), InvalidArgument);
 
-  // An empty stage list on one rank: both ranks get an error.
-  std::string e = error_text([] {
-    run_ranks_shared(
-        2,
-        [](std::shared_ptr<Communicator> comm) {
-          auto model = make_mlp(2);
-          std::vector<PipelineStage> mine;
-          if (comm->rank() == 0) mine.emplace_back(0, split_sequential(model, {2}, 0));
-          PipelineRuntime rt(comm, std::move(mine), Schedule1F1B(2, 2), mse);
-        },
-        quick());
-  });
-  EXPECT_NE(e.find("refused the pipeline"), std::string::npos) << e;
+  // An empty stage list on one rank: both ranks get an error, each its own.
+  std::string seen[2];
+  run_ranks_shared(
+      2,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto model = make_mlp(2);
+        std::vector<PipelineStage> mine;
+        if (comm->rank() == 0) mine.emplace_back(0, split_sequential(model, {2}, 0));
+        seen[comm->rank()] = error_text(
+            [&] { PipelineRuntime rt(comm, std::move(mine), Schedule1F1B(2, 2), mse); });
+      },
+      quick());
+  EXPECT_NE(seen[0].find("rank 1 refused the pipeline"), std::string::npos) << seen[0];
+  EXPECT_NE(seen[1].find("rank 1 of group world: empty stage list"), std::string::npos)
+      << seen[1];
+  std::string e;
 
   // Zero micro-batches.
   e = error_text([] {

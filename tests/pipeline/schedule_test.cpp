@@ -143,7 +143,9 @@ TEST(PipelineValidator, RefusesMalformed) {
   s.actions[0].insert(s.actions[0].begin(), parse_action("1F0"));
   EXPECT_NE(error_of(s).find("stage 1 belongs to rank 1"), std::string::npos);
   s = ScheduleZBH1(2, 2);
-  std::swap(s.actions[1][1], s.actions[1][2]);  // 1I0 1W0 -> 1W0 1I0
+  auto& list = s.actions[1];
+  std::iter_swap(std::find(list.begin(), list.end(), parse_action("1I0")),
+                 std::find(list.begin(), list.end(), parse_action("1W0")));
   EXPECT_NE(error_of(s).find("W before I"), std::string::npos) << error_of(s);
 }
 
@@ -164,11 +166,14 @@ TEST(PipelineSimulator, ClosedForms) {
           EXPECT_NEAR(r.bubble_ratio, double(pp - 1) / (v * m), 1e-12)
               << "interleaved pp " << pp << " v " << v << " m " << m;
         }
-      // ZB-H1: at most half of 1F1B's bubble (a third in the paper).
+      // ZB-H1 (m >= pp, as in the paper): (pp - 1)(F + I - W), a third of
+      // 1F1B's (pp - 1)(F + B) with these costs.
+      if (m < pp) continue;
       auto zb = simulate_schedule(ScheduleZBH1(pp, m), c);
       auto one = simulate_schedule(Schedule1F1B(pp, m), c);
-      EXPECT_LE(zb.step_ms - 3.0 * m, 0.5 * (one.step_ms - 3.0 * m) + 1e-9)
+      EXPECT_DOUBLE_EQ(zb.step_ms - 3.0 * m, (pp - 1) * (1.0 + 1.0 - 1.0))
           << "zbh1 pp " << pp << " m " << m;
+      EXPECT_DOUBLE_EQ(one.step_ms - 3.0 * m, (pp - 1) * 3.0);
     }
 }
 
