@@ -58,7 +58,7 @@ struct Slot {
   Tensors inputs, outputs, input_grads;
   std::vector<WeightUnit> units;
   Tensors unit_grads;
-  Tensors roots, root_grads;  // function stages keep these for W
+  Tensors roots, root_grads;     // function stages keep these for W
   bool weights_pending = false;  // I ran, W has not
 };
 

@@ -170,13 +170,12 @@ TEST(PipelineRuntime, RefusesBadSetup) {
         auto model = make_mlp(2);
         std::vector<PipelineStage> mine;
         if (comm->rank() == 0) mine.emplace_back(0, split_sequential(model, {2}, 0));
-        seen[comm->rank()] = error_text(
-            [&] { PipelineRuntime rt(comm, std::move(mine), Schedule1F1B(2, 2), mse); });
+        seen[comm->rank()] =
+            error_text([&] { PipelineRuntime rt(comm, std::move(mine), Schedule1F1B(2, 2), mse); });
       },
       quick());
   EXPECT_NE(seen[0].find("rank 1 refused the pipeline"), std::string::npos) << seen[0];
-  EXPECT_NE(seen[1].find("rank 1 of group world: empty stage list"), std::string::npos)
-      << seen[1];
+  EXPECT_NE(seen[1].find("rank 1 of group world: empty stage list"), std::string::npos) << seen[1];
   std::string e;
 
   // Zero micro-batches.
