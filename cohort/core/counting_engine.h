@@ -105,9 +105,9 @@ Bytes reduce_scatter(uint64_t per_rank, int rank, int size);
 /// What a traced operation records besides its counters: the tracer (null:
 /// not traced), the async span's id and the arguments of its events.
 struct OpTrace {
-  std::shared_ptr<Tracer> tracer;
-  uint64_t id = 0;
-  std::vector<TraceArg> args;
+  std::shared_ptr<Tracer> tracer;  ///< null: not traced
+  uint64_t id = 0;                 ///< the async span's id (Tracer::new_id)
+  std::vector<TraceArg> args;      ///< arguments of the in-flight span
 };
 
 /// `impl` wrapped so that completing and waiting on it are counted under
