@@ -18,6 +18,7 @@
 #include "cohort/core/store/hash_store.h"
 #include "cohort/core/store/prefix_store.h"
 #include "cohort/core/store/tcp_store.h"
+#include "cohort/core/trace.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
 // Data parallelism and optimizers.

@@ -31,6 +31,11 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
   if (options_.debug_checks) {
     checker_ = std::make_unique<CollectiveChecker>(store_, rank_, size_);
   }
+  if (kTracingCompiled && !options_.trace_dir.empty()) {
+    tracer_ = std::make_shared<Tracer>(
+        rank_, size_, options_.trace_dir + "/rank-" + std::to_string(rank_) + ".json");
+    align_trace_clock();
+  }
   // No environment here: init() reads it, connect() is explicit.
   if (options_.algorithm == Algorithm::Default) options_.algorithm = Algorithm::Engine;
   if (options_.calibration_max_bytes <= 0) options_.calibration_max_bytes = 64 << 20;
@@ -43,6 +48,52 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
 }
 
 Communicator::~Communicator() = default;
+
+void Communicator::align_trace_clock() {
+  // Rank 0 answers a few pings from each rank in turn with its clock; a
+  // rank takes the exchange with the shortest round trip and assumes the
+  // answer was read halfway through it (the NTP estimate, good to half the
+  // round trip). Counted as calibration traffic.
+  constexpr int kRounds = 5;
+  constexpr int kTag = 32001;
+  if (size_ == 1) return;
+  OpKindScope scope(OpKind::Calibration);
+  auto ping = torch::zeros({1}, torch::kLong);
+  auto clock = torch::zeros({1}, torch::kLong);
+  auto now_ns = [] {
+    return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now().time_since_epoch())
+                                    .count());
+  };
+  try {
+    if (rank_ == 0) {
+      for (int peer = 1; peer < size_; ++peer) {
+        for (int k = 0; k < kRounds; ++k) {
+          engine_->recv(ping, peer, kTag)->wait(options_.timeout);
+          clock.fill_(now_ns());
+          engine_->send(clock, peer, kTag)->wait(options_.timeout);
+        }
+      }
+      return;
+    }
+    double best_rtt = 1e300, best_offset = 0;
+    for (int k = 0; k < kRounds; ++k) {
+      const int64_t sent = now_ns();
+      engine_->send(ping, 0, kTag)->wait(options_.timeout);
+      engine_->recv(clock, 0, kTag)->wait(options_.timeout);
+      const int64_t back = now_ns();
+      const double rtt = static_cast<double>(back - sent);
+      if (rtt < best_rtt) {
+        best_rtt = rtt;
+        best_offset = static_cast<double>(clock.item<int64_t>()) - (sent + rtt / 2);
+      }
+    }
+    tracer_->set_clock_offset(best_offset / 1000, best_rtt / 1000);
+  } catch (const Error& e) {
+    throw Error("cohort: " + name() + " rank " + std::to_string(rank_) +
+                ": aligning the trace's clock with rank 0 failed: " + e.what());
+  }
+}
 
 CommStats Communicator::stats() const { return counters_->snapshot(); }
 
@@ -82,6 +133,7 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
   // Engine traffic from here to the next operation counts under this kind.
   call.kind = op_kind_from_name(op);
   call.issued = std::chrono::steady_clock::now();
+  if (active(tracer_)) call.seq = ++trace_seq_;
   set_current_op_kind(call.kind);
   call.ctx.timeout = timeout == kDefaultTimeout ? options_.timeout : timeout;
   if (call.ctx.timeout.count() <= 0) {
@@ -119,7 +171,20 @@ void Communicator::verify_agreement(const Call& call, const std::string& fingerp
 
 Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> on_success) {
   auto health = health_;
-  impl = track(std::move(impl), counters_, call.kind, call.issued);
+  OpTrace trace;
+  if (Tracer* t = active(tracer_)) {
+    // The issue (checks, copies, handing the operation to the engine) as a
+    // complete event; its time in flight and waits are recorded by track().
+    trace.tracer = tracer_;
+    trace.id = t->new_id();
+    trace.args = {TraceArg::str("group", options_.name),
+                  TraceArg::num("seq", static_cast<double>(call.seq)),
+                  TraceArg::num("bytes", static_cast<double>(call.bytes)),
+                  TraceArg::str("algorithm", to_string(call.algo)),
+                  TraceArg::num("id", static_cast<double>(trace.id))};
+    t->complete(call.ctx.op, "comm", call.issued, std::chrono::steady_clock::now(), trace.args);
+  }
+  impl = track(std::move(impl), counters_, call.kind, call.issued, std::move(trace));
   return Work(std::move(impl), call.ctx, std::move(on_success), [health](const std::string& why) {
     std::lock_guard<std::mutex> lock(health->mu);
     if (!health->broken) {
@@ -171,6 +236,7 @@ Work Communicator::send(const torch::Tensor& tensor, int dst, const SendOptions&
   check_peer(call, dst);
   check_tensor(tensor, call.ctx, "tensor");
   if (opts.tag < 0) call.refuse("tag must be >= 0");
+  call.bytes = detail::nbytes(tensor);
   auto wire = movement_view(tensor);
   return finish(call, engine_->send(wire, dst, opts.tag));
 }
@@ -180,6 +246,7 @@ Work Communicator::recv(torch::Tensor& tensor, int src, const RecvOptions& opts)
   check_peer(call, src);
   check_tensor(tensor, call.ctx, "tensor");
   if (opts.tag < 0) call.refuse("tag must be >= 0");
+  call.bytes = detail::nbytes(tensor);
   auto wire = movement_view(tensor);
   return finish(call, engine_->recv(wire, src, opts.tag));
 }

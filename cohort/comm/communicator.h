@@ -22,6 +22,7 @@
 #include "cohort/core/comm_stats.h"
 #include "cohort/core/engine.h"
 #include "cohort/core/store/store.h"
+#include "cohort/core/trace.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
 
@@ -121,6 +122,9 @@ class Communicator {
   CommStats stats() const;
   /// Sets every counter to zero.
   void reset_stats();
+  /// This rank's timeline (null unless CommunicatorOptions::trace_dir is
+  /// set); the layers above record their events on it through active().
+  const std::shared_ptr<Tracer>& tracer() const { return tracer_; }
 
  private:
   /// One operation being issued: its context (for messages) and timeout.
@@ -128,6 +132,11 @@ class Communicator {
     OpContext ctx;
     OpKind kind = OpKind::Other;
     std::chrono::steady_clock::time_point issued;
+    // For the trace: the payload's bytes, the algorithm it ran with, and its
+    // place in this group's order (0 when not traced).
+    int64_t bytes = 0;
+    mutable Algorithm algo = Algorithm::Engine;
+    uint64_t seq = 0;
     std::string where() const { return ctx.describe(); }
     /// Throws InvalidArgument "cohort: <where()>: <why>".
     [[noreturn]] void refuse(const std::string& why) const;
@@ -165,7 +174,12 @@ class Communicator {
                                               const std::string& key_space,
                                               CommunicatorOptions options);
 
+  /// Measures this clock against rank 0's for the trace (collective).
+  void align_trace_clock();
+
   std::shared_ptr<StatsCounters> counters_;  // before engine_: it counts into them
+  std::shared_ptr<Tracer> tracer_;           // null when not tracing
+  mutable uint64_t trace_seq_ = 0;           // operations traced so far
   std::unique_ptr<Engine> engine_;           // a CountingEngine over the transport
   std::shared_ptr<Store> store_;
   CommunicatorOptions options_;

@@ -17,7 +17,13 @@ std::shared_ptr<Communicator> Communicator::make_subgroup(const std::vector<int>
   auto store = std::make_shared<PrefixStore>(key_space, store_);
   store->set_timeout(options.timeout);
   auto engine = engine_->create_subgroup(ranks, store, options.timeout);
-  return std::make_shared<Communicator>(std::move(engine), std::move(store), options);
+  // A rank has one timeline: the group records on its parent's.
+  const std::string trace_dir = tracer_ ? options.trace_dir : std::string();
+  options.trace_dir.clear();
+  auto group = std::make_shared<Communicator>(std::move(engine), std::move(store), options);
+  group->tracer_ = tracer_;
+  group->options_.trace_dir = trace_dir;
+  return group;
 }
 
 std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks) {

@@ -23,6 +23,9 @@ inline std::string fingerprint(const std::string& op, const torch::Tensor& t,
   return s + "dtype=" + dtype_name(t.scalar_type()) + ", shape=" + shape_string(t.sizes()) + ")";
 }
 
+// The bytes a tensor holds (what a trace event's "bytes" names).
+inline int64_t nbytes(const torch::Tensor& t) { return t.numel() * t.element_size(); }
+
 // Engines reduce Sum, Min, Max, Prod; avg is a sum divided afterwards.
 inline ReduceOp engine_op(ReduceOp op) { return op == ReduceOp::Avg ? ReduceOp::Sum : op; }
 

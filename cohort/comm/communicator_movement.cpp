@@ -18,6 +18,7 @@ Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts
   auto call = begin_collective("broadcast", opts.timeout);
   check_root(call, opts.root);
   check_tensor(tensor, call.ctx, "tensor");
+  call.bytes = detail::nbytes(tensor);
   debug_check(
       call, [&] { return fingerprint("broadcast", tensor, "root=" + std::to_string(opts.root)); });
   if (tensor.numel() == 0) return finish(call, done_work());
@@ -40,6 +41,7 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
   // Bytes are bytes: one flat uint8 buffer carries every dtype at once.
   int64_t total = 0;
   for (auto& t : tensors) total += t.numel() * t.element_size();
+  call.bytes = total;
   if (total == 0) return finish(call, done_work());
   auto flat = torch::empty({total}, torch::kUInt8);
   if (rank_ == opts.root) {
@@ -68,6 +70,7 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::
   auto call = begin_collective("all_gather", opts.timeout);
   check_tensor(input, call.ctx, "input");
   check_per_rank(call, outputs, input, "outputs");
+  call.bytes = size_ * detail::nbytes(input);
   debug_check(call, [&] { return fingerprint("all_gather", input); });
   if (input.numel() == 0) return finish(call, done_work());
   std::vector<torch::Tensor> wire_out;
@@ -85,6 +88,7 @@ Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Te
                 ") must have the input's dtype and " + std::to_string(size_) + " times its " +
                 std::to_string(input.numel()) + " elements");
   }
+  call.bytes = detail::nbytes(output);
   debug_check(call, [&] { return fingerprint("all_gather_into_tensor", input); });
   if (input.numel() == 0) return finish(call, done_work());
   auto flat = movement_view(output).view({-1});
@@ -98,6 +102,7 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
   auto wire_in = movement_view(input);
   const auto algo = resolve_algorithm(Collective::AllGather,
                                       size_ * input.numel() * input.element_size(), opts.algo);
+  call.algo = algo;
   if (algo == Algorithm::Engine) return finish(call, engine_->all_gather(outputs, wire_in));
   if (flat.defined()) {
     return finish(call,

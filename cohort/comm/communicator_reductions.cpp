@@ -29,6 +29,7 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   auto call = begin_collective("all_reduce", opts.timeout);
   check_tensor(tensor, call.ctx, "tensor");
   check_avg(call.ctx, tensor, opts.op);
+  call.bytes = detail::nbytes(tensor);
   debug_check(call, [&] { return fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)); });
   // Alone, every reduction (avg included) is the identity: no engine round
   // trip, no pass over the data (DDP at world 1 calls this every step).
@@ -36,6 +37,7 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   auto buf = reduction_buffer(tensor);
   const auto algo =
       resolve_algorithm(Collective::AllReduce, buf.numel() * buf.element_size(), opts.algo);
+  call.algo = algo;
   auto impl =
       algo == Algorithm::Engine
           ? engine_->all_reduce(buf, engine_op(opts.op))
@@ -49,6 +51,7 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
     check_avg(call.ctx, tensors[i], opts.op);
+    call.bytes += detail::nbytes(tensors[i]);
   }
   debug_check(call, [&] {
     std::string print = "all_reduce_coalesced(op=" + to_string(opts.op);
@@ -97,6 +100,7 @@ Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
   check_root(call, opts.root);
   check_tensor(tensor, call.ctx, "tensor");
   check_avg(call.ctx, tensor, opts.op);
+  call.bytes = detail::nbytes(tensor);
   debug_check(call, [&] {
     return fingerprint("reduce", tensor,
                        "root=" + std::to_string(opts.root) + ", op=" + to_string(opts.op));
@@ -115,6 +119,7 @@ Work Communicator::reduce_scatter(torch::Tensor& output, const std::vector<torch
   check_tensor(output, call.ctx, "output");
   check_avg(call.ctx, output, opts.op);
   check_per_rank(call, inputs, output, "inputs");
+  call.bytes = size_ * detail::nbytes(output);
   debug_check(call,
               [&] { return fingerprint("reduce_scatter", output, "op=" + to_string(opts.op)); });
   if (output.numel() == 0) return finish(call, done_work());
@@ -134,6 +139,7 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Ten
                 ") must have the output's dtype and " + std::to_string(size_) + " times its " +
                 std::to_string(output.numel()) + " elements");
   }
+  call.bytes = detail::nbytes(input);
   debug_check(call, [&] {
     return fingerprint("reduce_scatter_tensor", output, "op=" + to_string(opts.op));
   });
@@ -149,6 +155,7 @@ Work Communicator::run_reduce_scatter(const Call& call, torch::Tensor& output,
   auto buf = reduction_buffer(output);
   const auto algo = resolve_algorithm(Collective::ReduceScatter,
                                       size_ * buf.numel() * buf.element_size(), opts.algo);
+  call.algo = algo;
   WorkPtr impl;
   if (algo == Algorithm::Engine) {
     impl = engine_->reduce_scatter(buf, chunks, engine_op(opts.op));

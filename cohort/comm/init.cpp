@@ -88,6 +88,7 @@ ConnectOptions options_from_environment(const InitOptions& options) {
     co.node = algorithms::host_name() + "/group:" + *group;
   }
   co.gloo.interface = env::get("GLOO_SOCKET_IFNAME").value_or("");
+  co.trace_dir = options.trace_dir ? *options.trace_dir : env::get("COHORT_TRACE").value_or("");
   return co;
 }
 

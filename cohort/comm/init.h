@@ -47,6 +47,9 @@ struct InitOptions {
   std::optional<bool> debug_checks;
   /// Unset: COHORT_ALGO, else Engine.
   std::optional<Algorithm> algorithm;
+  /// Unset: COHORT_TRACE (a folder: each rank writes its timeline there as
+  /// rank-<r>.json), else no trace. Empty: no trace.
+  std::optional<std::string> trace_dir;
 };
 
 /// Sets up the default group and returns it. Throws ConfigError for a bad

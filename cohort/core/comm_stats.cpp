@@ -274,8 +274,12 @@ namespace {
 class TrackedWork : public WorkImpl {
  public:
   TrackedWork(WorkPtr inner, std::shared_ptr<StatsCounters> counters, OpKind kind,
-              std::chrono::steady_clock::time_point issued)
-      : inner_(std::move(inner)), counters_(std::move(counters)), kind_(kind), issued_(issued) {}
+              std::chrono::steady_clock::time_point issued, OpTrace trace)
+      : inner_(std::move(inner)),
+        counters_(std::move(counters)),
+        kind_(kind),
+        issued_(issued),
+        trace_(std::move(trace)) {}
 
   bool is_completed() override {
     if (!inner_->is_completed()) return false;
@@ -288,6 +292,10 @@ class TrackedWork : public WorkImpl {
     inner_->wait(timeout);
     const auto end = std::chrono::steady_clock::now();
     (*counters_)[kind_].waiting_ns.fetch_add(ns(end - start), std::memory_order_relaxed);
+    if (Tracer* t = active(trace_.tracer)) {
+      t->complete(std::string("wait ") + to_string(kind_), "comm.wait", start, end,
+                  {TraceArg::num("id", static_cast<double>(trace_.id))});
+    }
     completed(end);
   }
 
@@ -301,21 +309,27 @@ class TrackedWork : public WorkImpl {
     auto& k = (*counters_)[kind_];
     k.completed.fetch_add(1, std::memory_order_relaxed);
     k.in_flight_ns.fetch_add(ns(at - issued_), std::memory_order_relaxed);
+    if (Tracer* t = active(trace_.tracer)) {
+      t->async_span(to_string(kind_), "comm.flight", trace_.id, issued_, at,
+                    std::move(trace_.args));
+    }
   }
 
   WorkPtr inner_;
   std::shared_ptr<StatsCounters> counters_;
   OpKind kind_;
   std::chrono::steady_clock::time_point issued_;
+  OpTrace trace_;
   std::atomic<bool> done_{false};
 };
 
 }  // namespace
 
 WorkPtr track(WorkPtr impl, std::shared_ptr<StatsCounters> counters, OpKind kind,
-              std::chrono::steady_clock::time_point issued) {
+              std::chrono::steady_clock::time_point issued, OpTrace trace) {
   (*counters)[kind].calls.fetch_add(1, std::memory_order_relaxed);
-  return std::make_shared<TrackedWork>(std::move(impl), std::move(counters), kind, issued);
+  return std::make_shared<TrackedWork>(std::move(impl), std::move(counters), kind, issued,
+                                       std::move(trace));
 }
 
 }  // namespace cohort

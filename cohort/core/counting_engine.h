@@ -17,6 +17,7 @@
 
 #include "cohort/core/comm_stats.h"
 #include "cohort/core/engine.h"
+#include "cohort/core/trace.h"
 
 namespace cohort {
 
@@ -101,9 +102,19 @@ Bytes all_gather(uint64_t per_rank, int rank, int size);
 Bytes reduce_scatter(uint64_t per_rank, int rank, int size);
 }  // namespace wire_model
 
+/// What a traced operation records besides its counters: the tracer (null:
+/// not traced), the async span's id and the arguments of its events.
+struct OpTrace {
+  std::shared_ptr<Tracer> tracer;  ///< null: not traced
+  uint64_t id = 0;                 ///< the async span's id (Tracer::new_id)
+  std::vector<TraceArg> args;      ///< arguments of the in-flight span
+};
+
 /// `impl` wrapped so that completing and waiting on it are counted under
-/// `kind`; `issued` is when the operation was issued.
+/// `kind`; `issued` is when the operation was issued. With a tracer, its
+/// time in flight becomes an async span ("comm.flight") and each wait() a
+/// complete event ("comm.wait"), from the same clock reads as the counters.
 WorkPtr track(WorkPtr impl, std::shared_ptr<StatsCounters> counters, OpKind kind,
-              std::chrono::steady_clock::time_point issued);
+              std::chrono::steady_clock::time_point issued, OpTrace trace = {});
 
 }  // namespace cohort

@@ -171,7 +171,14 @@ void GradientReducer::mark_ready(size_t index, bool used) {
   } else {
     view.copy_(grad);
   }
-  --bucket.pending;
+  if (--bucket.pending == 0) {
+    if (Tracer* t = active(comm_->tracer())) {
+      t->instant("bucket ready", "ddp", std::chrono::steady_clock::now(),
+                 {TraceArg::num("bucket", static_cast<double>(slots_[index].bucket)),
+                  TraceArg::num("bytes", static_cast<double>(bucket.buffer.numel() *
+                                                             bucket.buffer.element_size()))});
+    }
+  }
 }
 
 void GradientReducer::launch_ready_buckets() {
@@ -185,6 +192,8 @@ void GradientReducer::launch_ready_buckets() {
 void GradientReducer::launch(size_t b) {
   auto& bucket = buckets_[b];
   GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size(), bucket.views};
+  TraceSpan span(active(comm_->tracer()), "launch bucket", "ddp");
+  span.arg(TraceArg::num("bucket", static_cast<double>(b)));
   bucket.launch_s = now_s();
   bucket.work = hook_->run(*comm_, view);
   bucket.launched = true;
@@ -262,6 +271,7 @@ std::vector<char> GradientReducer::globally_used() {
 }
 
 void GradientReducer::wait_and_write_back(double backward_end) {
+  TraceSpan span(active(comm_->tracer()), "wait and write back", "ddp");
   for (auto& b : buckets_) {
     b.work.wait();
     if (!b.done) {
@@ -288,6 +298,21 @@ void GradientReducer::wait_and_write_back(double backward_end) {
   for (auto& b : buckets_) spans.emplace_back(b.launch_s, b.done_s);
   const double all = union_seconds(spans, 1e300);
   const double hidden = union_seconds(spans, backward_end);
+  if (Tracer* t = active(comm_->tracer())) {
+    // Each bucket's reduction, launch to completion as DDP saw it.
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      auto at = [&](double s) {
+        return start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(s));
+      };
+      t->async_span(
+          "bucket " + std::to_string(b), "ddp.bucket", t->new_id(), at(buckets_[b].launch_s),
+          at(buckets_[b].done_s),
+          {TraceArg::num("bucket", static_cast<double>(b)),
+           TraceArg::num("bytes", static_cast<double>(buckets_[b].buffer.numel() *
+                                                      buckets_[b].buffer.element_size()))});
+    }
+  }
   stats_.iterations += 1;
   stats_.backward_seconds = backward_end;
   stats_.comm_seconds = all;

@@ -150,6 +150,7 @@ std::vector<char> FusedDistributedOptimizer::globally_has_grad() {
 
 void FusedDistributedOptimizer::finish_gradients() {
   if (averaged_) return;
+  TraceSpan span(active(comm_->tracer()), "fused reduce gradients", "optim");
   torch::NoGradGuard no_grad;
   has_ = globally_has_grad();
   if (comm_->size() > 1) {
@@ -164,6 +165,7 @@ void FusedDistributedOptimizer::finish_gradients() {
 }
 
 void FusedDistributedOptimizer::step() {
+  TraceSpan span(active(comm_->tracer()), "fused optimizer step", "optim");
   torch::NoGradGuard no_grad;
   const int world = comm_->size();
   if (averaged_ || world == 1) {

@@ -137,6 +137,8 @@ void ZeroRedundancyOptimizer::finish_gradients() {
 }
 
 void ZeroRedundancyOptimizer::step() {
+  TraceSpan span(active(comm_->tracer()), "zero step", "optim");
+  span.arg(TraceArg::num("stage", options_.stage));
   finish_gradients();
   reduced_ = false;
   if (comm_->size() == 1) {

@@ -52,6 +52,9 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
                           ": got " + std::to_string(k) + " micro-batches, accumulation_steps is " +
                           std::to_string(config_.accumulation_steps));
   }
+  Tracer* const tracer = active(comm_.tracer());
+  TraceSpan step_span(tracer, "train step", "train");
+  step_span.arg(TraceArg::num("step", static_cast<double>(position_.step)));
   const auto start = std::chrono::steady_clock::now();
   // Gradients are reduced by the sync (DDP) or by the optimizer (fused,
   // ZeRO): the two never both measure the same reduction.
@@ -64,14 +67,22 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   for (int64_t i = 0; i < k; ++i) {
     const bool last = i + 1 == k;
     std::shared_ptr<void> no_sync = last ? nullptr : sync_.skip_sync();
-    auto loss = loss_fn_(micro_batches[static_cast<size_t>(i)]);
+    torch::Tensor loss;
+    {
+      TraceSpan span(tracer, "forward", "train");
+      loss = loss_fn_(micro_batches[static_cast<size_t>(i)]);
+    }
     // Dividing by k makes the accumulated gradient that of the mean loss
     // over the k micro-batches (equal sizes), as one k-times batch would.
+    TraceSpan span(tracer, "backward", "train");
     (loss / static_cast<double>(k)).backward();
     loss_sum += loss.item<double>();
     samples += micro_batches[static_cast<size_t>(i)].data.size(0);
   }
-  sync_.finish_sync();
+  {
+    TraceSpan span(tracer, "finish sync", "train");
+    sync_.finish_sync();
+  }
 
   StepMetrics m;
   // The averaged gradients: the model's .grad, or where an optimizer that
@@ -83,7 +94,10 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   }
   m.lr = lr_at(config_.schedule, position_.step);
   optimizer_.set_lr(m.lr);
-  optimizer_.step();
+  {
+    TraceSpan span(tracer, "optimizer", "train");
+    optimizer_.step();
+  }
   ++position_.step;
 
   m.comm_bytes = static_cast<int64_t>(comm_.stats().total().bytes_sent - bytes_before);

@@ -2,8 +2,11 @@
 // them. See USAGE.md.
 #include <signal.h>
 
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <optional>
+#include <regex>
 #include <string>
 #include <system_error>
 
@@ -14,6 +17,7 @@
 #include "ports.h"
 #include "process_tree.h"
 #include "signal_fd.h"
+#include "trace_files.h"
 
 namespace cohortrun {
 namespace {
@@ -61,6 +65,35 @@ int supervise(const Options& options) {
   }
 }
 
+// --trace DIR: the ranks inherit COHORT_TRACE=DIR (absolute: a rank may
+// change its directory). Rank files of an earlier job in DIR are removed so
+// that the merge sees this job's ranks only.
+void prepare_trace(const Options& o) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::absolute(o.trace_dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (!fs::is_directory(dir)) throw UsageError("--trace " + o.trace_dir + " is not a folder");
+  static const std::regex stale(R"(rank-\d+\.json|trace\.json)");
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (std::regex_match(entry.path().filename().string(), stale)) fs::remove(entry.path(), ec);
+  }
+  ::setenv("COHORT_TRACE", dir.c_str(), 1);
+}
+
+void merge_trace(const Options& o) {
+  try {
+    const int n = cohort_trace::merge_trace_dir(o.trace_dir);
+    if (n == 0) {
+      log_line("--trace: no rank wrote a trace into " + o.trace_dir);
+    } else {
+      log_line("trace of " + std::to_string(n) + " rank(s): " + o.trace_dir + "/trace.json");
+    }
+  } catch (const std::exception& e) {
+    log_line(std::string("--trace: ") + e.what());
+  }
+}
+
 int run(int argc, char** argv) {
   std::optional<Options> options;
   try {
@@ -71,8 +104,20 @@ int run(int argc, char** argv) {
     log_line(e.what());
     return kUsageExitCode;
   }
+  if (!options->trace_dir.empty()) {
+    try {
+      prepare_trace(*options);
+    } catch (const std::exception& e) {
+      log_line(e.what());
+      return kUsageExitCode;
+    }
+  }
+  // mpirun replaces this process: its ranks' files are merged with
+  // `cohort-trace merge DIR`.
   if (options->backend == "mpi") return exec_mpirun(*options);
-  return supervise(*options);
+  const int status = supervise(*options);
+  if (!options->trace_dir.empty()) merge_trace(*options);
+  return status;
 }
 
 }  // namespace

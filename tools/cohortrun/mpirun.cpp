@@ -18,6 +18,8 @@ std::vector<std::string> mpirun_command(const Options& options, bool as_root, lo
   // loopback (by default both listen on every interface).
   cmd.insert(cmd.end(), {"--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"});
   cmd.insert(cmd.end(), {"-x", "COHORT_BACKEND=mpi"});
+  // --trace: the value main() put in our environment (an absolute path).
+  if (!options.trace_dir.empty()) cmd.insert(cmd.end(), {"-x", "COHORT_TRACE"});
   cmd.insert(cmd.end(), options.command.begin(), options.command.end());
   return cmd;
 }

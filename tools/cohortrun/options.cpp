@@ -14,7 +14,7 @@ constexpr const char* kUsage =
     "  cohortrun -n N [--nnodes M --node-rank K --master-addr A "
     "--master-port P]\n"
     "            [--backend gloo|mpi] [--max-restarts R] [--timeout S]\n"
-    "            [--quiet-others] -- PROGRAM ARGS...";
+    "            [--quiet-others] [--trace DIR] -- PROGRAM ARGS...";
 
 // Ports and counts are taken as text and checked here, so that every bad
 // value gets a message naming the flag instead of CLI11's generic one.
@@ -127,6 +127,10 @@ std::optional<Options> parse_options(int argc, char** argv) {
   app.add_option("--timeout", o.timeout_text, "wall-clock limit in seconds for each attempt")
       ->type_name("S");
   app.add_flag("--quiet-others", o.quiet_others, "print only rank 0's output");
+  app.add_option("--trace", o.trace_dir,
+                 "each rank writes its timeline to DIR (COHORT_TRACE); merged into "
+                 "DIR/trace.json when the ranks exit")
+      ->type_name("DIR");
   // Stop at the program: its own flags must not be read as ours, with or
   // without a '--' in front of it.
   app.prefix_command();

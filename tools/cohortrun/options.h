@@ -19,6 +19,7 @@ struct Options {
   double timeout_s = 0;              // wall-clock limit per attempt; 0: none
   std::string timeout_text;          // --timeout as written, for messages
   bool quiet_others = false;         // print only rank 0's output
+  std::string trace_dir;             // --trace: COHORT_TRACE for the ranks, merged after
   std::vector<std::string> command;  // PROGRAM ARGS...
 
   int world_size() const { return nnodes * nproc_per_node; }

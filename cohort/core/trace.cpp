@@ -1,0 +1,196 @@
+#include "cohort/core/trace.h"
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "cohort/core/error.h"
+
+namespace cohort {
+namespace {
+
+int64_t ns_of(Tracer::Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// A small number per thread, stable for the thread's life: the trace's tid.
+int thread_lane() {
+  static std::atomic<int> next{1};
+  thread_local const int lane = next.fetch_add(1, std::memory_order_relaxed);
+  return lane;
+}
+
+void write_string(std::ostream& os, const std::string& s) {
+  os << '"';
+  for (char c : s) {
+    switch (c) {
+      case '"':
+        os << "\\\"";
+        break;
+      case '\\':
+        os << "\\\\";
+        break;
+      case '\n':
+        os << "\\n";
+        break;
+      case '\t':
+        os << "\\t";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          os << buf;
+        } else {
+          os << c;
+        }
+    }
+  }
+  os << '"';
+}
+
+// Microseconds with nanosecond digits, exactly (no rounding through double).
+void write_us(std::ostream& os, int64_t ns) {
+  if (ns < 0) {
+    os << '-';
+    ns = -ns;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                static_cast<long long>(ns % 1000));
+  os << buf;
+}
+
+void write_number(std::ostream& os, double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  os << buf;
+}
+
+}  // namespace
+
+Tracer::Tracer(int rank, int world_size, std::string path)
+    : rank_(rank), world_size_(world_size), path_(std::move(path)) {}
+
+Tracer::~Tracer() {
+  try {
+    flush();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cohort: rank %d: the trace was not written: %s\n", rank_, e.what());
+  }
+}
+
+void Tracer::add(Event e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.push_back(std::move(e));
+}
+
+void Tracer::complete(std::string name, const char* category, Clock::time_point start,
+                      Clock::time_point end, std::vector<TraceArg> args) {
+  add({'X', std::move(name), category, ns_of(start), ns_of(end) - ns_of(start), 0, thread_lane(),
+       std::move(args)});
+}
+
+void Tracer::instant(std::string name, const char* category, Clock::time_point at,
+                     std::vector<TraceArg> args) {
+  add({'i', std::move(name), category, ns_of(at), 0, 0, thread_lane(), std::move(args)});
+}
+
+void Tracer::async_span(std::string name, const char* category, uint64_t id,
+                        Clock::time_point start, Clock::time_point end,
+                        std::vector<TraceArg> args) {
+  // One record; flush() writes it as the "b" and "e" pair.
+  add({'b', std::move(name), category, ns_of(start), ns_of(end) - ns_of(start), id, thread_lane(),
+       std::move(args)});
+}
+
+void Tracer::set_clock_offset(double offset_us, double round_trip_us) {
+  std::lock_guard<std::mutex> lock(mu_);
+  offset_us_ = offset_us;
+  round_trip_us_ = round_trip_us;
+}
+
+size_t Tracer::event_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_.size();
+}
+
+void Tracer::flush() {
+  std::ostringstream os;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    os << "{\"traceEvents\":[\n";
+    os << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << rank_
+       << ",\"tid\":0,\"args\":{\"name\":\"rank " << rank_ << "\"}},\n";
+    os << "{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":" << rank_
+       << ",\"tid\":0,\"args\":{\"sort_index\":" << rank_ << "}}";
+    for (const auto& e : events_) {
+      auto head = [&](char phase, int64_t ts) {
+        os << ",\n{\"ph\":\"" << phase << "\",\"name\":";
+        write_string(os, e.name);
+        os << ",\"cat\":\"" << e.category << "\",\"pid\":" << rank_ << ",\"tid\":" << e.tid
+           << ",\"ts\":";
+        write_us(os, ts);
+      };
+      auto args = [&] {
+        os << ",\"args\":{";
+        for (size_t i = 0; i < e.args.size(); ++i) {
+          if (i) os << ',';
+          write_string(os, e.args[i].key);
+          os << ':';
+          if (e.args[i].is_number) {
+            write_number(os, e.args[i].number);
+          } else {
+            write_string(os, e.args[i].text);
+          }
+        }
+        os << '}';
+      };
+      if (e.phase == 'b') {
+        head('b', e.ts_ns);
+        os << ",\"id\":" << e.id;
+        args();
+        os << '}';
+        head('e', e.ts_ns + e.dur_ns);
+        os << ",\"id\":" << e.id << '}';
+      } else {
+        head(e.phase, e.ts_ns);
+        if (e.phase == 'X') {
+          os << ",\"dur\":";
+          write_us(os, e.dur_ns);
+        } else {
+          os << ",\"s\":\"t\"";
+        }
+        args();
+        os << '}';
+      }
+    }
+    os << "\n],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":{\"cohort_trace\":1,\"rank\":" << rank_
+       << ",\"world_size\":" << world_size_ << ",\"clock_offset_us\":";
+    write_number(os, offset_us_);
+    os << ",\"clock_round_trip_us\":";
+    write_number(os, round_trip_us_);
+    os << "}}\n";
+  }
+  const std::filesystem::path path(path_);
+  std::error_code ec;
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+  // Written aside and renamed: a reader never sees half a file.
+  const std::string tmp = path_ + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << os.str();
+    out.flush();
+    if (!out)
+      throw Error("cohort: rank " + std::to_string(rank_) + ": cannot write the trace " + tmp);
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    throw Error("cohort: rank " + std::to_string(rank_) + ": cannot write the trace " + path_ +
+                ": " + ec.message());
+  }
+}
+
+}  // namespace cohort
