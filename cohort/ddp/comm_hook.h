@@ -88,10 +88,11 @@ class Bf16CompressHook : public ReducedPrecisionHook {
   Bf16CompressHook() : ReducedPrecisionHook(torch::kBFloat16) {}
 };
 
-/// Averages each bucket with a compressor (cohort/compression/compressor.h),
-/// keyed by the bucket's index; what it keeps (error feedback, PowerSGD's Q)
-/// is reachable through compressor() for checkpoints. Runs when the bucket is
-/// launched (the Work returned is complete). A float32 bucket is required.
+/// Reduces each bucket with a cohort/compression compressor (DDPOptions::compression builds one).
+// Averages each bucket with a compressor (cohort/compression/compressor.h),
+// keyed by the bucket's index; what it keeps (error feedback, PowerSGD's Q)
+// is reachable through compressor() for checkpoints. Runs when the bucket is
+// launched (the Work returned is complete). A float32 bucket is required.
 class CompressionHook : public CommHook {
  public:
   /// Builds its compressor with compression::make_compressor(options).
@@ -104,11 +105,8 @@ class CompressionHook : public CommHook {
   std::string name() const override { return compressor_->name() + "_compress"; }
   /// The compressor that reduces the buckets.
   compression::Compressor& compressor() { return *compressor_; }
-  /// True: a compressor may keep error feedback or PowerSGD's Q across steps.
   bool stateful() const override { return true; }
-  /// The compressor's state on this rank (Compressor::state()).
   std::map<std::string, torch::Tensor> state() const override { return compressor_->state(); }
-  /// Restores the compressor's state saved by this rank (Compressor::load_state()).
   void load_state(const std::map<std::string, torch::Tensor>& state) override {
     compressor_->load_state(state);
   }
