@@ -2,6 +2,8 @@
 // defines (through its includes): the whole public API: init, Communicator,
 // Work, the options and error kinds, the stores, the algorithm choice,
 // DistributedDataParallel, ZeroRedundancyOptimizer, FusedDistributedOptimizer,
+// the pipeline schedules and runtime, the device mesh, the tensor-parallel
+// layers and the 3-D gradient synchronizer,
 // the Trainer with its optimizers, gradient syncs and data sources, and the
 // version macros.
 #pragma once
@@ -24,6 +26,18 @@
 #include "cohort/optim/fused_adamw.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+// Pipeline, tensor and 3-D parallelism.
+#include "cohort/mesh/device_mesh.h"
+#include "cohort/pipeline/pipeline_runtime.h"
+#include "cohort/pipeline/pipeline_stage.h"
+#include "cohort/pipeline/schedule.h"
+#include "cohort/pipeline/schedule_simulator.h"
+#include "cohort/pipeline/schedule_validator.h"
+#include "cohort/tensor_parallel/gpt_model.h"
+#include "cohort/tensor_parallel/gpt_pipeline.h"
+#include "cohort/tensor_parallel/gradient_synchronizer.h"
+#include "cohort/tensor_parallel/layers.h"
+#include "cohort/tensor_parallel/mappings.h"
 // Training loop.
 #include "cohort/train/checkpoint_file.h"
 #include "cohort/train/ddp_gradient_sync.h"

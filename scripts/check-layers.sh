@@ -17,8 +17,9 @@ declare -A layer=(
   [compression]=3
   [ddp]=4
   [optim]=5
-  [mesh]=6
-  [tensor_parallel]=7
+  [pipeline]=6
+  [mesh]=7
+  [tensor_parallel]=8
   [train]=9
 )
 

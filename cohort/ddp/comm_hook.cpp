@@ -1,11 +1,45 @@
 #include "cohort/ddp/comm_hook.h"
 
-#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "cohort/compression/compressed_collectives.h"
 #include "cohort/core/error.h"
+#include "cohort/ddp/hook_worker.h"
 
 namespace cohort {
+namespace {
+
+void check_float32(const GradBucket& bucket, const std::string& hook) {
+  if (bucket.buffer.scalar_type() != torch::kFloat32) {
+    throw InvalidArgument("cohort: " + hook + " hook reduces float32 buckets");
+  }
+}
+
+// What a failed bucket's wait() names: the hook and bucket, this rank, the
+// group and every other rank (a compressed collective talks to all).
+OpContext bucket_context(const Communicator& comm, const std::string& hook, int64_t index) {
+  OpContext ctx;
+  ctx.op = hook + " hook (bucket " + std::to_string(index) + ")";
+  ctx.group = comm.name();
+  ctx.rank = comm.rank();
+  ctx.size = comm.size();
+  ctx.all_peers = true;
+  ctx.timeout = comm.timeout();
+  return ctx;
+}
+
+// Hands `reduce` to the hook's worker (started on first use). The job holds
+// its own handles to the bucket's tensors: they outlive the caller's view.
+Work run_on_worker(std::shared_ptr<HookWorker>& worker, Communicator& comm, const std::string& hook,
+                   int64_t index, std::function<void()> reduce) {
+  if (!worker) worker = std::make_shared<HookWorker>();
+  return worker->submit(bucket_context(comm, hook, index), [reduce = std::move(reduce)] {
+    torch::NoGradGuard no_grad;  // grad mode is per thread; gradients need none
+    reduce();
+  });
+}
+
+}  // namespace
 
 Work AllReduceHook::run(Communicator& comm, GradBucket& bucket) {
   return comm.all_reduce(bucket.buffer, {ReduceOp::Avg});
@@ -16,19 +50,30 @@ std::string ReducedPrecisionHook::name() const {
 }
 
 Work ReducedPrecisionHook::run(Communicator& comm, GradBucket& bucket) {
-  if (bucket.buffer.scalar_type() != torch::kFloat32) {
-    throw InvalidArgument("cohort: " + name() + " hook reduces float32 buckets");
-  }
-  compression::low_precision_all_reduce(comm, bucket.buffer, wire_dtype_);
-  return Work();
+  check_float32(bucket, name());
+  return run_on_worker(worker_, comm, name(), bucket.index,
+                       [&comm, buffer = bucket.buffer, wire = wire_dtype_]() mutable {
+                         compression::low_precision_all_reduce(comm, buffer, wire);
+                       });
 }
 
 Work CompressionHook::run(Communicator& comm, GradBucket& bucket) {
-  if (bucket.buffer.scalar_type() != torch::kFloat32) {
-    throw InvalidArgument("cohort: " + name() + " hook reduces float32 buckets");
-  }
-  compressor_->all_reduce(comm, bucket.buffer, bucket.index, bucket.gradients);
-  return Work();
+  check_float32(bucket, name());
+  return run_on_worker(worker_, comm, name(), bucket.index,
+                       [&comm, compressor = compressor_, buffer = bucket.buffer,
+                        index = bucket.index, shaped = bucket.gradients]() mutable {
+                         compressor->all_reduce(comm, buffer, index, shaped);
+                       });
+}
+
+std::map<std::string, torch::Tensor> CompressionHook::state() const {
+  if (worker_) worker_->drain();
+  return compressor_->state();
+}
+
+void CompressionHook::load_state(const std::map<std::string, torch::Tensor>& state) {
+  if (worker_) worker_->drain();
+  compressor_->load_state(state);
 }
 
 }  // namespace cohort

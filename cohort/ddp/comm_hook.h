@@ -18,6 +18,8 @@
 
 namespace cohort {
 
+class HookWorker;
+
 /// One bucket handed to a hook.
 struct GradBucket {
   /// Position in the launch order (the same on every rank).
@@ -63,8 +65,8 @@ class AllReduceHook : public CommHook {
 /// reduce-scatter with 16-bit messages and float32 sums at each hop, then a
 /// ring all-gather (compression::low_precision_all_reduce), over the
 /// communicator's point-to-point, so every engine sends half the bytes of a
-/// float32 all-reduce. Runs when the bucket is launched (the Work returned
-/// is complete).
+/// float32 all-reduce. Runs on the hook's worker thread (hook_worker.h): the
+/// Work returned completes there, while backward goes on.
 class ReducedPrecisionHook : public CommHook {
  public:
   /// Sends the gradients as `wire_dtype` (f16 or bf16).
@@ -74,6 +76,7 @@ class ReducedPrecisionHook : public CommHook {
 
  private:
   torch::Dtype wire_dtype_;
+  std::shared_ptr<HookWorker> worker_;  // started at the first bucket
 };
 
 /// ReducedPrecisionHook with f16 on the wire.
@@ -91,8 +94,9 @@ class Bf16CompressHook : public ReducedPrecisionHook {
 /// Reduces each bucket with a cohort/compression compressor (DDPOptions::compression builds one).
 // Averages each bucket with a compressor (cohort/compression/compressor.h),
 // keyed by the bucket's index; what it keeps (error feedback, PowerSGD's Q)
-// is reachable through compressor() for checkpoints. Runs when the bucket is
-// launched (the Work returned is complete). A float32 bucket is required.
+// is reachable through compressor() for checkpoints. Runs on the hook's
+// worker thread (hook_worker.h), as ReducedPrecisionHook; state() and
+// load_state() first wait for it. A float32 bucket is required.
 class CompressionHook : public CommHook {
  public:
   /// Builds its compressor with compression::make_compressor(options).
@@ -106,13 +110,12 @@ class CompressionHook : public CommHook {
   /// The compressor that reduces the buckets.
   compression::Compressor& compressor() { return *compressor_; }
   bool stateful() const override { return true; }
-  std::map<std::string, torch::Tensor> state() const override { return compressor_->state(); }
-  void load_state(const std::map<std::string, torch::Tensor>& state) override {
-    compressor_->load_state(state);
-  }
+  std::map<std::string, torch::Tensor> state() const override;
+  void load_state(const std::map<std::string, torch::Tensor>& state) override;
 
  private:
   std::shared_ptr<compression::Compressor> compressor_;
+  std::shared_ptr<HookWorker> worker_;  // started at the first bucket
 };
 
 }  // namespace cohort

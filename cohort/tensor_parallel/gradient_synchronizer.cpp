@@ -108,4 +108,9 @@ void GradientSynchronizer::finish_backward() {
   ++stats_.steps;
 }
 
+void GradientSynchronizer::synchronize() {
+  if (reducer_) reducer_->synchronize();
+  finish_backward();
+}
+
 }  // namespace cohort::tensor_parallel

@@ -87,6 +87,11 @@ class GradientSynchronizer {
   /// finished in backward).
   void finish_backward();
 
+  /// For gradients accumulated past the DP reducer's backward hooks (a
+  /// PipelineRuntime step, which computes them with torch::autograd::grad):
+  /// averages every gradient over DP now, then finish_backward. Collective
+  /// over the mesh; instead of prepare_forward/after_forward/finish_backward.
+  void synchronize();
   /// Per-dimension counters.
   const GradientSyncStats& stats() const { return stats_; }
   /// The DP reducer (nullptr when dp == 1).

@@ -4,11 +4,9 @@
 //   cohortrun -n 8 -- gpt --tp 2 --pp 2 --dp 2
 //
 // Every rank draws the same global batch (one seed per step) and keeps its
-// DP slice. With pp > 1 each step runs one micro-batch through the stages
-// (activations sent forward, input gradients sent back): correct, but the
-// stages wait for each other; schedules that overlap micro-batches belong to
-// the pipeline module. The last stage's first rank prints, logs the metrics
-// and draws the curves.
+// DP slice. With pp > 1 each step runs --microbatches micro-batches through
+// the stages with a pipeline schedule (--schedule gpipe, 1f1b or zbh1). The
+// last stage's first rank prints, logs the metrics and draws the curves.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -18,7 +16,9 @@
 #include <thread>
 
 #include "cohort/cohort.h"
+#include "cohort/pipeline/schedule.h"
 #include "cohort/tensor_parallel/gpt_model.h"
+#include "cohort/tensor_parallel/gpt_pipeline.h"
 #include "cohort/tensor_parallel/gradient_synchronizer.h"
 #include "cohort/train/metrics_log.h"
 #include "corpus.h"
@@ -38,6 +38,8 @@ struct Flags {
   int64_t heads = 4;
   int64_t layers = 4;
   double lr = 3e-3;
+  std::string schedule = "1f1b";  // pp > 1
+  int microbatches = 4;           // pp > 1
   bool sequence_parallel = false;
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
@@ -61,12 +63,10 @@ std::pair<torch::Tensor, torch::Tensor> draw_batch(const torch::Tensor& text, in
   return {w.narrow(1, 0, T), w.narrow(1, 1, T)};
 }
 
-// One micro-batch through this rank's stage: receives the previous stage's
-// activations, runs forward, and (when `sync`) backward with the gradient
-// the next stage sends back. Returns the stage output (last stage: logits).
-torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& ids,
-                        GradientSynchronizer* sync,
-                        const std::function<torch::Tensor(const torch::Tensor&)>& loss_of) {
+// Forward only (evaluation, sampling): receives the previous stage's
+// activations and sends this stage's on. Returns the stage output (last
+// stage: logits).
+torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& ids) {
   const auto& c = stage->config();
   auto& pp = *mesh.pp_group();
   torch::Tensor input = ids;
@@ -74,22 +74,9 @@ torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& 
     const auto T = c.sequence_parallel ? c.seq_len / mesh.tp_size() : c.seq_len;
     input = torch::empty({T, ids.size(0), c.hidden});
     pp.recv(input, mesh.pp_rank() - 1).wait();
-    if (sync) input.requires_grad_();
   }
   auto out = stage(input);
   if (!mesh.is_pp_last()) pp.send(out.detach().contiguous(), mesh.pp_rank() + 1).wait();
-  if (!sync) return out;
-  if (mesh.is_pp_last()) {
-    auto loss = loss_of(out);
-    sync->after_forward({loss});
-    loss.backward();
-  } else {
-    auto grad = torch::empty_like(out);
-    sync->after_forward({out});
-    pp.recv(grad, mesh.pp_rank() + 1).wait();
-    out.backward(grad);
-  }
-  if (!mesh.is_pp_first()) pp.send(input.grad().contiguous(), mesh.pp_rank() - 1).wait();
   return out;
 }
 
@@ -111,7 +98,7 @@ double validation_loss(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& cor
     auto [ids, targets] = draw_batch(corpus.validation, f.batch_size, f.seq_len, 1000 + i);
     ids = ids.narrow(0, mesh.dp_rank() * rows, rows);
     targets = targets.narrow(0, mesh.dp_rank() * rows, rows);
-    auto out = run_stage(mesh, stage, ids, nullptr, {});
+    auto out = run_stage(mesh, stage, ids);
     if (mesh.is_pp_last()) sum += dp_mean(mesh, stage->loss(out, targets));
   }
   stage->train();
@@ -128,7 +115,7 @@ std::string generate(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpu
   auto gen = at::detail::createCPUGenerator(f.seed + 99);
   std::string text;
   for (int64_t i = 0; i < n; ++i) {
-    auto out = run_stage(mesh, stage, context, nullptr, {});
+    auto out = run_stage(mesh, stage, context);
     auto token = torch::zeros({1}, torch::kInt64);
     if (mesh.is_pp_last()) {
       auto local = out[f.seq_len - 1][0].contiguous();  // [V/tp]
@@ -167,6 +154,14 @@ int run(const Flags& f) {
   GPTStage stage(*mesh, c);
   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                             stage->shared_embedding_weight());
+  std::unique_ptr<cohort::pipeline::PipelineRuntime> rt;
+  if (f.pp > 1) {
+    rt = std::make_unique<cohort::pipeline::PipelineRuntime>(
+        mesh->pp_group(),
+        std::vector<cohort::pipeline::PipelineStage>{gpt_pipeline_stage(*mesh, stage)},
+        cohort::pipeline::make_schedule(f.schedule, f.pp, 1, f.microbatches),
+        gpt_pipeline_loss(stage));
+  }
   torch::optim::AdamW opt(stage->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
   cohort::MetricsLog log(f.metrics, lead);
   cohort_plot::Curves curves;
@@ -185,13 +180,20 @@ int run(const Flags& f) {
     ids = ids.narrow(0, mesh->dp_rank() * rows, rows);
     targets = targets.narrow(0, mesh->dp_rank() * rows, rows);
     opt.zero_grad();
-    sync.prepare_forward();
     torch::Tensor loss;
-    run_stage(*mesh, stage, ids, &sync,
-              [&](const torch::Tensor& logits) { return loss = stage->loss(logits, targets); });
-    sync.finish_backward();
+    if (rt) {
+      auto r = rt->step({ids}, {targets});
+      sync.synchronize();
+      loss = torch::tensor(r.loss);
+    } else {  // one stage: the DP reduction overlaps backward
+      sync.prepare_forward();
+      loss = stage->loss(stage(ids), targets);
+      sync.after_forward({loss});
+      loss.backward();
+      sync.finish_backward();
+    }
     opt.step();
-    const double train_loss = loss.defined() ? dp_mean(*mesh, loss) : 0;
+    const double train_loss = dp_mean(*mesh, loss);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (lead) {
@@ -263,6 +265,9 @@ int main(int argc, char** argv) {
   app.add_option("--heads", f.heads, "attention heads")->check(CLI::PositiveNumber);
   app.add_option("--layers", f.layers, "transformer blocks")->check(CLI::PositiveNumber);
   app.add_option("--lr", f.lr, "AdamW learning rate");
+  app.add_option("--schedule", f.schedule, "pipeline schedule with pp > 1: gpipe, 1f1b or zbh1");
+  app.add_option("--microbatches", f.microbatches, "micro-batches per step with pp > 1")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--sequence-parallel", f.sequence_parallel,
                "split LayerNorm/dropout regions by sequence");
   app.add_option("--eval-every", f.eval_every, "steps between validation losses")

@@ -1,5 +1,6 @@
 #include "support/thread_ranks.h"
 
+#include <atomic>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -13,29 +14,39 @@ void run_ranks_shared(int size,
   torch::set_num_threads(1);
   auto store = std::make_shared<HashStore>();
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  // The order in which ranks failed: the first failure is the cause, the
+  // others are usually its echo (a peer closing its connections).
+  std::atomic<int> failures{0};
+  std::vector<int> failed_as(static_cast<size_t>(size), size);
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
+      // Outside the try: the failure is recorded before this rank's
+      // connections close, so the peers' echoes come after it.
+      std::shared_ptr<Communicator> comm;
       try {
         ConnectOptions co = options;
         if (options.node_of) co.node = options.node_of(r);
         // Each rank its own view of the store, as separate processes would have.
-        auto comm = connect(std::make_shared<PrefixStore>("t", store), r, size, co);
+        comm = connect(std::make_shared<PrefixStore>("t", store), r, size, co);
         fn(comm);
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
+        failed_as[static_cast<size_t>(r)] = failures++;
       }
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < size; ++r) {
-    if (!errors[static_cast<size_t>(r)]) continue;
-    try {
-      std::rethrow_exception(errors[static_cast<size_t>(r)]);
-    } catch (const std::exception& e) {
-      throw std::runtime_error("rank " + std::to_string(r) + " of " + std::to_string(size) +
-                               ": " + e.what());
-    }
+  if (failures == 0) return;
+  int r = 0;
+  for (int i = 1; i < size; ++i)
+    if (failed_as[static_cast<size_t>(i)] < failed_as[static_cast<size_t>(r)]) r = i;
+  try {
+    std::rethrow_exception(errors[static_cast<size_t>(r)]);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("rank " + std::to_string(r) + " of " + std::to_string(size) +
+                             " (first of " + std::to_string(failures.load()) +
+                             " failed ranks): " + e.what());
   }
 }
 

@@ -22,7 +22,8 @@ struct ThreadRanksOptions : ConnectOptions {
 };
 
 // Calls fn(comm) on `size` threads and joins them. If any rank throws, the
-// first exception (by rank) is rethrown with the rank in its message.
+// first exception in time (the cause; the others are mostly its echo) is
+// rethrown with the rank in its message.
 void run_ranks(int size, const std::function<void(Communicator&)>& fn,
                const ThreadRanksOptions& options = {});
 

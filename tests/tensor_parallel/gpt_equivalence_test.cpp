@@ -3,10 +3,10 @@
 // global batch: every step's loss and, at the end, every parameter (each
 // shard against the matching slice of the reference) within 1e-5 relative.
 //
-// pp > 1 runs one micro-batch per step through a minimal forward-then-
-// backward exchange written here (send activations to the next stage, send
-// the input gradient back), enough to exercise the mesh's PP groups and the
-// tied embedding's synchronization without the pipeline schedules.
+// pp > 1 runs each step through the pipeline's schedules (PipelineRuntime
+// over the mesh's PP group, the batch split into micro-batches) and
+// GradientSynchronizer::synchronize; pp = 1 through forward, backward and
+// the DP reducer overlapped with it.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
@@ -14,7 +14,9 @@
 #include <map>
 #include <mutex>
 
+#include "cohort/pipeline/schedule.h"
 #include "cohort/tensor_parallel/gpt_model.h"
+#include "cohort/tensor_parallel/gpt_pipeline.h"
 #include "cohort/tensor_parallel/gradient_synchronizer.h"
 #include "support/thread_ranks.h"
 
@@ -29,6 +31,8 @@ constexpr int64_t kBatch = 4;  // global
 struct Case {
   int tp, pp, dp;
   bool sp;
+  const char* schedule = "1f1b";  // pp > 1
+  int microbatches = 2;           // pp > 1; divides kBatch / dp
 };
 
 GPTConfig config(bool sp) {
@@ -56,38 +60,29 @@ struct Result {
   std::map<std::string, torch::Tensor> params;  // name -> value at the end
 };
 
-// One training step of one rank; returns the stage's loss (last stage) or
-// an undefined tensor.
-torch::Tensor step(DeviceMesh& mesh, GPTStage& stage, GradientSynchronizer& sync,
-                   torch::optim::Optimizer& opt, const torch::Tensor& ids,
-                   const torch::Tensor& targets) {
-  const auto& c = stage->config();
+// One training step of one rank without a pipeline; returns the loss.
+torch::Tensor step(GPTStage& stage, GradientSynchronizer& sync, torch::optim::Optimizer& opt,
+                   const torch::Tensor& ids, const torch::Tensor& targets) {
   opt.zero_grad();
   sync.prepare_forward();
-  auto& pp = *mesh.pp_group();
-  torch::Tensor input = ids, loss;
-  if (!mesh.is_pp_first()) {
-    const auto T = c.sequence_parallel ? c.seq_len / mesh.tp_size() : c.seq_len;
-    input = torch::empty({T, ids.size(0), c.hidden});
-    pp.recv(input, mesh.pp_rank() - 1).wait();
-    input.requires_grad_();
-  }
-  auto out = stage(input);
-  if (mesh.is_pp_last()) {
-    loss = stage->loss(out, targets);
-    sync.after_forward({loss});
-    loss.backward();
-  } else {
-    pp.send(out.detach().contiguous(), mesh.pp_rank() + 1).wait();
-    auto grad = torch::empty_like(out);
-    sync.after_forward({out});
-    pp.recv(grad, mesh.pp_rank() + 1).wait();
-    out.backward(grad);
-  }
-  if (!mesh.is_pp_first()) pp.send(input.grad().contiguous(), mesh.pp_rank() - 1).wait();
+  auto loss = stage->loss(stage(ids), targets);
+  sync.after_forward({loss});
+  loss.backward();
   sync.finish_backward();
   opt.step();
   return loss;
+}
+
+// One step through the pipeline; returns the batch's loss on the last stage
+// (undefined elsewhere).
+torch::Tensor step(DeviceMesh& mesh, pipeline::PipelineRuntime& rt, GradientSynchronizer& sync,
+                   torch::optim::Optimizer& opt, const torch::Tensor& ids,
+                   const torch::Tensor& targets) {
+  opt.zero_grad();
+  auto r = rt.step({ids}, {targets});
+  sync.synchronize();
+  opt.step();
+  return mesh.is_pp_last() ? torch::tensor(r.loss, torch::kFloat64) : torch::Tensor();
 }
 
 Result train(const Case& k) {
@@ -101,13 +96,19 @@ Result train(const Case& k) {
     GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                               stage->shared_embedding_weight());
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    std::unique_ptr<pipeline::PipelineRuntime> rt;
+    if (k.pp > 1)
+      rt = std::make_unique<pipeline::PipelineRuntime>(
+          mesh->pp_group(), std::vector<pipeline::PipelineStage>{gpt_pipeline_stage(*mesh, stage)},
+          pipeline::make_schedule(k.schedule, k.pp, 1, k.microbatches), gpt_pipeline_loss(stage));
     const auto rows = kBatch / k.dp;
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) {
       auto [ids, targets] = batch(s, c);
       ids = ids.narrow(0, mesh->dp_rank() * rows, rows);
       targets = targets.narrow(0, mesh->dp_rank() * rows, rows);
-      auto loss = step(*mesh, stage, sync, opt, ids, targets);
+      auto loss =
+          rt ? step(*mesh, *rt, sync, opt, ids, targets) : step(stage, sync, opt, ids, targets);
       if (loss.defined()) {
         auto l = loss.detach().clone();
         mesh->dp_group()->all_reduce(l, {ReduceOp::Avg}).wait();
@@ -185,18 +186,21 @@ TEST_P(GPTEquivalence, TenStepsMatchSingleProcess) {
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const auto& k = info.param;
   return "tp" + std::to_string(k.tp) + "_pp" + std::to_string(k.pp) + "_dp" + std::to_string(k.dp) +
-         (k.sp ? "_sp" : "");
+         (k.sp ? "_sp" : "") +
+         (k.pp > 1 ? std::string("_") + k.schedule + "_m" + std::to_string(k.microbatches) : "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Meshes, GPTEquivalence,
-                         ::testing::Values(Case{2, 1, 1, false}, Case{1, 2, 1, false},
-                                           Case{1, 1, 2, false}, Case{2, 2, 1, false},
-                                           Case{2, 1, 2, false}, Case{1, 2, 2, false},
-                                           Case{2, 2, 2, false}, Case{3, 1, 1, false},
-                                           // Sequence parallelism: the same run as without it.
-                                           Case{2, 1, 1, true}, Case{3, 1, 1, true},
-                                           Case{2, 2, 2, true}),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, GPTEquivalence,
+    ::testing::Values(Case{2, 1, 1, false}, Case{1, 2, 1, false}, Case{1, 1, 2, false},
+                      Case{2, 2, 1, false}, Case{2, 1, 2, false}, Case{1, 2, 2, false},
+                      Case{2, 2, 2, false}, Case{3, 1, 1, false},
+                      // Every schedule with one stage per rank.
+                      Case{1, 2, 1, false, "gpipe", 4}, Case{2, 2, 1, false, "zbh1", 4},
+                      Case{2, 2, 2, false, "zbh1", 2},
+                      // Sequence parallelism: the same run as without it.
+                      Case{2, 1, 1, true}, Case{3, 1, 1, true}, Case{2, 2, 2, true}),
+    case_name);
 
 }  // namespace
 }  // namespace cohort::testing

@@ -1,0 +1,500 @@
+#include "cohort/pipeline/pipeline_runtime.h"
+
+#include <torch/csrc/autograd/autograd.h>
+
+#include <chrono>
+#include <sstream>
+
+#include "cohort/core/error.h"
+#include "cohort/pipeline/schedule_validator.h"
+
+namespace cohort::pipeline {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kMetaSlots = 64;  // int64s in a boundary's shape message
+constexpr int kMetaMicrobatch = 0xFFFF;
+
+// Messages across boundary b (stage b -> b + 1) carry tag
+// 1 + ((b * 2 + dir) << 16) + micro-batch; dir 0 forward, 1 backward.
+int message_tag(int boundary, int dir, int microbatch) {
+  return 1 + ((boundary * 2 + dir) << 16) + microbatch;
+}
+
+std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
+  std::ostringstream os;
+  os << c10::toString(t) << '[';
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << ']';
+  return os.str();
+}
+
+bool needs_grad(const torch::Tensor& t) { return t.defined() && t.requires_grad(); }
+
+void add_gradients(const std::vector<torch::Tensor>& params,
+                   const std::vector<torch::Tensor>& grads, size_t offset) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& g = grads[offset + i];
+    if (!g.defined()) continue;
+    torch::Tensor p = params[i];
+    if (p.grad().defined())
+      p.mutable_grad().add_(g);
+    else
+      p.mutable_grad() = g.detach();
+  }
+}
+
+}  // namespace
+
+// Shapes and dtypes that cross one boundary, agreed on its first message.
+struct BoundaryMeta {
+  bool known = false;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<c10::ScalarType> dtypes;
+};
+
+// One (stage, micro-batch) between its F and its last backward action.
+struct Slot {
+  Tensors inputs, outputs, input_grads;
+  std::vector<WeightUnit> units;
+  Tensors unit_grads;
+  Tensors roots, root_grads;     // function stages keep these for W
+  bool weights_pending = false;  // I ran, W has not
+};
+
+struct PipelineRuntime::State {
+  std::map<std::pair<int, int>, Slot> slots;
+  std::map<std::pair<int, int>, Tensors> received_inputs, received_grads;
+  std::map<int, BoundaryMeta> sent_meta, recv_meta;
+  std::vector<std::pair<Work, torch::Tensor>> sends;
+  std::vector<bool> split_backward;  // per stage: the schedule uses I/W
+  std::map<int, const PipelineStage*> local;
+  Tensors micro_inputs_flat;
+  std::vector<Tensors> micro_inputs, micro_targets;
+  std::vector<double> losses;
+  int rank = 0;
+};
+
+void PipelineRuntime::check_local(const std::string& who) const {
+  if (stages_.empty()) throw InvalidArgument(who + "empty stage list (every rank holds a stage)");
+  if (!loss_fn_) throw InvalidArgument(who + "no loss function");
+  if (schedule_.num_microbatches <= 0)
+    throw InvalidArgument(who + "zero micro-batches (schedule " + schedule_.name + ")");
+  if (schedule_.num_microbatches > kMetaMicrobatch)
+    throw InvalidArgument(who + "at most 65534 micro-batches");
+  if (schedule_.num_ranks != group_->size())
+    throw InvalidArgument(who + "schedule " + schedule_.name + " is for " +
+                          std::to_string(schedule_.num_ranks) + " ranks, the group has " +
+                          std::to_string(group_->size()));
+  validate_schedule(schedule_);
+  auto expected = schedule_.stages_of(group_->rank());
+  std::vector<int> have;
+  for (const auto& st : stages_) have.push_back(st.index());
+  if (have != expected) {
+    std::ostringstream os;
+    os << who << "holds stages [";
+    for (size_t i = 0; i < have.size(); ++i) os << (i ? ", " : "") << have[i];
+    os << "], the schedule maps [";
+    for (size_t i = 0; i < expected.size(); ++i) os << (i ? ", " : "") << expected[i];
+    os << "] to it" << (expected.empty() ? " (a rank with no stage)" : "");
+    throw InvalidArgument(os.str());
+  }
+}
+
+PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
+                                 std::vector<PipelineStage> stages, PipelineSchedule schedule,
+                                 PipelineLossFn loss_fn, PipelineOptions options)
+    : group_(std::move(pp_group)),
+      stages_(std::move(stages)),
+      schedule_(std::move(schedule)),
+      loss_fn_(std::move(loss_fn)),
+      options_(options),
+      state_(std::make_unique<State>()) {
+  if (!group_) throw InvalidArgument("PipelineRuntime: no pipeline communicator");
+  const int rank = group_->rank();
+  const std::string who =
+      "PipelineRuntime on rank " + std::to_string(rank) + " of group " + group_->name() + ": ";
+  // Local checks first, but every rank joins the exchange below before any
+  // throws, so that one rank's bad input never leaves the others waiting.
+  std::string local_error;
+  try {
+    check_local(who);
+  } catch (const Error& e) {
+    local_error = e.what();
+  }
+  std::vector<int64_t> mine{schedule_.num_stages, schedule_.num_microbatches,
+                            static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0};
+  torch::Tensor all = torch::empty({group_->size() * 4}, torch::kInt64);
+  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
+  if (!local_error.empty()) throw InvalidArgument(local_error);
+  auto a = all.accessor<int64_t, 1>();
+  int64_t total_local = 0;
+  std::ostringstream seen;
+  bool agree = true;
+  for (int r = 0; r < group_->size(); ++r) {
+    if (a[4 * r + 3] == 0)
+      throw InvalidArgument(who + "rank " + std::to_string(r) +
+                            " refused the pipeline (see its error)");
+    seen << (r ? ", " : "") << "rank " << r << ": " << a[4 * r] << " stages, " << a[4 * r + 1]
+         << " micro-batches";
+    agree = agree && a[4 * r] == mine[0] && a[4 * r + 1] == mine[1];
+    total_local += a[4 * r + 2];
+  }
+  if (!agree) throw InvalidArgument(who + "ranks disagree on the pipeline (" + seen.str() + ")");
+  if (total_local != schedule_.num_stages)
+    throw InvalidArgument(who + "ranks hold " + std::to_string(total_local) +
+                          " stages together, the schedule has " +
+                          std::to_string(schedule_.num_stages));
+  bool has_comm = false;
+  for (const auto& list : schedule_.actions)
+    for (const auto& act : list) has_comm = has_comm || !is_compute(act.type);
+  if (!has_comm) schedule_ = add_communication(schedule_);
+  state_->rank = rank;
+  state_->split_backward.assign(schedule_.num_stages, false);
+  for (const auto& act : schedule_.actions[rank])
+    if (act.type == ActionType::BackwardInput) state_->split_backward[act.stage] = true;
+  for (const auto& st : stages_) state_->local[st.index()] = &st;
+}
+
+PipelineRuntime::~PipelineRuntime() = default;
+
+std::vector<torch::Tensor> PipelineRuntime::parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& st : stages_)
+    out.insert(out.end(), st.parameters().begin(), st.parameters().end());
+  return out;
+}
+
+void PipelineRuntime::split_batch(const Tensors& inputs, const Tensors& targets) {
+  const int m = schedule_.num_microbatches;
+  auto split = [&](const Tensors& batch, const char* what, std::vector<Tensors>& out) {
+    out.assign(m, {});
+    if (batch.empty())
+      throw InvalidArgument("PipelineRuntime::step on rank " + std::to_string(state_->rank) +
+                            ": no " + what + " on the rank of stage " +
+                            (what[0] == 'i' ? "0" : "the last stage"));
+    for (const auto& t : batch) {
+      if (t.dim() == 0 || t.size(0) % m != 0)
+        throw InvalidArgument("PipelineRuntime::step on rank " + std::to_string(state_->rank) +
+                              ": a batch of " + std::to_string(t.dim() ? t.size(0) : 0) + " " +
+                              what + " does not split into " + std::to_string(m) +
+                              " micro-batches");
+      auto chunks = t.chunk(m, 0);
+      for (int i = 0; i < m; ++i) out[i].push_back(chunks[i]);
+    }
+  };
+  state_->micro_inputs.clear();
+  state_->micro_targets.clear();
+  if (state_->local.count(0)) split(inputs, "inputs", state_->micro_inputs);
+  if (state_->local.count(schedule_.num_stages - 1))
+    split(targets, "targets", state_->micro_targets);
+}
+
+PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& targets) {
+  const auto t0 = Clock::now();
+  split_batch(inputs, targets);
+  PipelineStepResult result;
+  state_->losses.assign(schedule_.num_microbatches, 0.0);
+  try {
+    for (const Action& a : schedule_.actions[state_->rank]) run_action(a, result);
+    finish_step(result);
+  } catch (...) {
+    state_->slots.clear();
+    state_->received_inputs.clear();
+    state_->received_grads.clear();
+    state_->sends.clear();
+    throw;
+  }
+  result.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  return result;
+}
+
+void PipelineRuntime::run_action(const Action& a, PipelineStepResult& result) {
+  const auto t0 = Clock::now();
+  switch (a.type) {
+    case ActionType::Forward:
+      forward(a.stage, a.microbatch);
+      break;
+    case ActionType::Backward:
+    case ActionType::BackwardInput:
+      backward(a);
+      break;
+    case ActionType::BackwardWeight:
+      backward_weight(a.stage, a.microbatch);
+      break;
+    case ActionType::SendForward:
+      send_forward(a.stage, a.microbatch);
+      return;
+    case ActionType::RecvForward:
+      recv_forward(a.stage, a.microbatch);
+      return;
+    case ActionType::SendBackward:
+      send_backward(a.stage, a.microbatch);
+      return;
+    case ActionType::RecvBackward:
+      recv_backward(a.stage, a.microbatch);
+      return;
+  }
+  if (!options_.measure) return;
+  double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  result.compute_ms += ms;
+  result.action_ms[a.type] += ms;
+  result.action_count[a.type] += 1;
+}
+
+void PipelineRuntime::forward(int stage, int mb) {
+  State& st = *state_;
+  Slot& slot = st.slots[{stage, mb}];
+  Tensors in;
+  if (stage == 0) {
+    in = st.micro_inputs[mb];
+  } else {
+    auto it = st.received_inputs.find({stage, mb});
+    if (it != st.received_inputs.end()) {
+      in = std::move(it->second);
+      st.received_inputs.erase(it);
+    } else {
+      in = st.slots.at({stage - 1, mb}).outputs;  // the same rank: no copy
+    }
+    // A graph per stage, so that each stage's backward stops at its inputs.
+    for (auto& t : in)
+      if (t.is_floating_point()) t = t.detach().requires_grad_(true);
+  }
+  const PipelineStage& ps = *st.local.at(stage);
+  Tensors out = ps.forward(in, st.split_backward[stage] ? &slot.units : nullptr);
+  slot.inputs = std::move(in);
+  if (stage != schedule_.num_stages - 1) {
+    slot.outputs = std::move(out);
+    return;
+  }
+  torch::Tensor loss = loss_fn_(out, st.micro_targets[mb]);
+  if (loss.numel() != 1)
+    throw InvalidArgument("PipelineRuntime: the loss function returned " +
+                          std::to_string(loss.numel()) + " elements, not a scalar");
+  st.losses[mb] = loss.item<double>();
+  // The gradient convention (file comment): d(loss / m).
+  slot.outputs = {loss.reshape({}) / schedule_.num_microbatches};
+}
+
+void PipelineRuntime::backward(const Action& a) {
+  State& st = *state_;
+  const int stage = a.stage, mb = a.microbatch;
+  Slot& slot = st.slots.at({stage, mb});
+  Tensors grads;
+  if (stage == schedule_.num_stages - 1) {
+    grads = {torch::ones_like(slot.outputs[0])};
+  } else {
+    auto it = st.received_grads.find({stage, mb});
+    if (it != st.received_grads.end()) {
+      grads = std::move(it->second);
+      st.received_grads.erase(it);
+    } else {
+      grads = std::move(st.slots.at({stage + 1, mb}).input_grads);
+    }
+  }
+  // Floating-point outputs pair with the gradients, in order.
+  Tensors roots, root_grads;
+  size_t gi = 0;
+  for (const auto& o : slot.outputs) {
+    if (!o.is_floating_point()) continue;
+    COHORT_CHECK(gi < grads.size(), "stage " << stage << " has more outputs than gradients");
+    if (needs_grad(o)) roots.push_back(o), root_grads.push_back(grads[gi]);
+    ++gi;
+  }
+  Tensors want;
+  std::vector<size_t> input_pos;
+  for (size_t i = 0; i < slot.inputs.size(); ++i)
+    if (needs_grad(slot.inputs[i])) want.push_back(slot.inputs[i]), input_pos.push_back(i);
+  const size_t n_inputs = want.size();
+  const PipelineStage& ps = *st.local.at(stage);
+  const bool full = a.type == ActionType::Backward;
+  const bool by_unit = !full && !slot.units.empty();
+  if (full) want.insert(want.end(), ps.parameters().begin(), ps.parameters().end());
+  if (by_unit)
+    for (const auto& u : slot.units) want.push_back(u.output);
+  Tensors got;
+  if (!roots.empty() && !want.empty())
+    got = torch::autograd::grad(roots, want, root_grads, /*retain_graph=*/!full,
+                                /*create_graph=*/false, /*allow_unused=*/true);
+  // Every floating-point input gets a gradient (zeros where unused): the
+  // receiver expects one message per floating-point boundary tensor.
+  slot.input_grads.clear();
+  for (size_t i = 0, k = 0; i < slot.inputs.size(); ++i) {
+    if (!slot.inputs[i].is_floating_point()) continue;
+    torch::Tensor g;
+    if (k < input_pos.size() && input_pos[k] == i) {
+      if (!got.empty()) g = got[k];
+      ++k;
+    }
+    slot.input_grads.push_back(g.defined() ? g : torch::zeros_like(slot.inputs[i]));
+  }
+  if (full) {
+    if (!got.empty()) add_gradients(ps.parameters(), got, n_inputs);
+    slot.inputs.clear(), slot.outputs.clear(), slot.units.clear();
+  } else if (by_unit) {
+    slot.weights_pending = true;
+    slot.unit_grads.assign(got.begin() + (got.empty() ? 0 : n_inputs), got.end());
+    if (got.empty()) slot.units.clear();
+    slot.roots.clear();
+  } else {
+    slot.weights_pending = true;
+    slot.roots = std::move(roots), slot.root_grads = std::move(root_grads);
+  }
+}
+
+void PipelineRuntime::backward_weight(int stage, int mb) {
+  Slot& slot = state_->slots.at({stage, mb});
+  const PipelineStage& ps = *state_->local.at(stage);
+  if (!slot.units.empty()) {
+    // Each layer from its own output gradient: the engine runs only the
+    // nodes between that output and the layer's parameters.
+    for (size_t u = 0; u < slot.units.size(); ++u) {
+      const auto& unit = slot.units[u];
+      if (!needs_grad(unit.output) || !slot.unit_grads[u].defined()) continue;
+      auto g = torch::autograd::grad({unit.output}, unit.parameters, {slot.unit_grads[u]},
+                                     /*retain_graph=*/true, false, /*allow_unused=*/true);
+      add_gradients(unit.parameters, g, 0);
+    }
+  } else if (!slot.roots.empty() && !ps.parameters().empty()) {
+    auto g =
+        torch::autograd::grad(slot.roots, ps.parameters(), slot.root_grads, false, false, true);
+    add_gradients(ps.parameters(), g, 0);
+  }
+  slot.inputs.clear(), slot.outputs.clear(), slot.units.clear(), slot.unit_grads.clear();
+  slot.roots.clear(), slot.root_grads.clear();
+  slot.weights_pending = false;
+  // The input gradients may still wait for their SEND_B or the previous
+  // local stage; finish_step drops what is left.
+  if (slot.input_grads.empty()) state_->slots.erase({stage, mb});
+}
+
+void PipelineRuntime::send_forward(int stage, int mb) {
+  State& st = *state_;
+  const Tensors& out = st.slots.at({stage, mb}).outputs;
+  const int dst = schedule_.stage_to_rank[stage + 1];
+  BoundaryMeta& meta = st.sent_meta[stage];
+  if (!meta.known) {
+    // The boundary's shapes, once: count, then (dtype, ndim, sizes...) each.
+    std::vector<int64_t> enc{static_cast<int64_t>(out.size())};
+    for (const auto& t : out) {
+      enc.push_back(static_cast<int64_t>(t.scalar_type()));
+      enc.push_back(t.dim());
+      for (auto d : t.sizes()) enc.push_back(d);
+      meta.shapes.push_back(t.sizes().vec());
+      meta.dtypes.push_back(t.scalar_type());
+    }
+    if (enc.size() > static_cast<size_t>(kMetaSlots))
+      throw InvalidArgument("PipelineRuntime: stage " + std::to_string(stage) +
+                            " sends too many tensors or dimensions to describe (" +
+                            std::to_string(enc.size()) + " > 64 values)");
+    enc.resize(kMetaSlots, 0);
+    torch::Tensor m = torch::tensor(enc, torch::kInt64);
+    st.sends.emplace_back(group_->send(m, dst, {message_tag(stage, 0, kMetaMicrobatch)}), m);
+    meta.known = true;
+  }
+  bool same = out.size() == meta.shapes.size();
+  for (size_t i = 0; same && i < out.size(); ++i)
+    same = out[i].sizes().vec() == meta.shapes[i] && out[i].scalar_type() == meta.dtypes[i];
+  if (!same) {
+    std::ostringstream os;
+    os << "PipelineRuntime on rank " << st.rank << ": stage " << stage << " micro-batch " << mb
+       << " outputs [";
+    for (size_t i = 0; i < out.size(); ++i)
+      os << (i ? ", " : "") << shape_text(out[i].sizes().vec(), out[i].scalar_type());
+    os << "], expected [";
+    for (size_t i = 0; i < meta.shapes.size(); ++i)
+      os << (i ? ", " : "") << shape_text(meta.shapes[i], meta.dtypes[i]);
+    os << "] (agreed on the boundary's first message)";
+    throw InvalidArgument(os.str());
+  }
+  for (const auto& t : out) {
+    torch::Tensor c = t.detach().contiguous();
+    st.sends.emplace_back(group_->send(c, dst, {message_tag(stage, 0, mb)}), c);
+  }
+}
+
+Work PipelineRuntime::wait_recv(torch::Tensor& buffer, int src, int tag) {
+  Work w = group_->recv(buffer, src, {tag, options_.timeout});
+  w.wait();
+  return w;
+}
+
+void PipelineRuntime::recv_forward(int stage, int mb) {
+  State& st = *state_;
+  const int src = schedule_.stage_to_rank[stage - 1];
+  BoundaryMeta& meta = st.recv_meta[stage - 1];
+  if (!meta.known) {
+    torch::Tensor m = torch::empty({kMetaSlots}, torch::kInt64);
+    wait_recv(m, src, message_tag(stage - 1, 0, kMetaMicrobatch));
+    auto a = m.accessor<int64_t, 1>();
+    int64_t k = 1;
+    for (int64_t i = 0; i < a[0]; ++i) {
+      meta.dtypes.push_back(static_cast<c10::ScalarType>(a[k]));
+      int64_t nd = a[k + 1];
+      meta.shapes.emplace_back(&a[k + 2], &a[k + 2] + nd);
+      k += 2 + nd;
+    }
+    meta.known = true;
+  }
+  Tensors in;
+  for (size_t i = 0; i < meta.shapes.size(); ++i) {
+    torch::Tensor buf = torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
+    wait_recv(buf, src, message_tag(stage - 1, 0, mb));
+    in.push_back(buf);
+  }
+  st.received_inputs[{stage, mb}] = std::move(in);
+}
+
+void PipelineRuntime::send_backward(int stage, int mb) {
+  State& st = *state_;
+  Slot& slot = st.slots.at({stage, mb});
+  Tensors grads = std::move(slot.input_grads);
+  slot.input_grads.clear();
+  const int dst = schedule_.stage_to_rank[stage - 1];
+  for (const auto& g : grads) {
+    torch::Tensor c = g.detach().contiguous();
+    st.sends.emplace_back(group_->send(c, dst, {message_tag(stage - 1, 1, mb)}), c);
+  }
+  if (!slot.weights_pending) st.slots.erase({stage, mb});  // W still needs it
+}
+
+void PipelineRuntime::recv_backward(int stage, int mb) {
+  State& st = *state_;
+  const int src = schedule_.stage_to_rank[stage + 1];
+  Tensors grads;
+  for (const auto& o : st.slots.at({stage, mb}).outputs) {
+    if (!o.is_floating_point()) continue;
+    torch::Tensor buf = torch::empty_like(o, torch::MemoryFormat::Contiguous);
+    wait_recv(buf, src, message_tag(stage, 1, mb));
+    grads.push_back(buf);
+  }
+  st.received_grads[{stage, mb}] = std::move(grads);
+}
+
+void PipelineRuntime::finish_step(PipelineStepResult& result) {
+  State& st = *state_;
+  for (auto& [work, tensor] : st.sends) work.wait();
+  st.sends.clear();
+  st.slots.clear();
+  // Per-micro-batch losses from the last stage's rank to every rank.
+  torch::Tensor losses = torch::tensor(st.losses, torch::kFloat64);
+  BroadcastOptions opts;
+  opts.root = schedule_.stage_to_rank.back();
+  group_->broadcast(losses, opts).wait();
+  result.losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + losses.numel());
+  double sum = 0;
+  for (double l : result.losses) sum += l;
+  result.loss = sum / result.losses.size();
+}
+
+void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group) {
+  std::vector<torch::Tensor> grads;
+  for (auto p : params) {
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    grads.push_back(p.grad());
+  }
+  if (dp_group.size() > 1 && !grads.empty())
+    dp_group.all_reduce_coalesced(grads, {ReduceOp::Avg}).wait();
+}
+
+}  // namespace cohort::pipeline

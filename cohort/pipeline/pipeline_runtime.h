@@ -1,0 +1,116 @@
+// defines: PipelineOptions, PipelineStepResult, PipelineRuntime: runs one
+// rank's part of a PipelineSchedule over a communicator's tagged
+// point-to-point.
+//
+// Gradient convention: the loss function returns the mean loss of its
+// micro-batch; the runtime backpropagates loss / m. With m equal micro-batches
+// one step therefore adds to each parameter's .grad exactly what
+// loss.backward() on the whole batch (mean loss) adds: no further scaling
+// anywhere, gradients accumulate across steps until the caller zeros them.
+//
+// Transport: every send is posted without waiting (its Work is kept until
+// the end of the step) and a receive blocks only for its own message, so the
+// transport cannot deadlock a schedule that the validator's dry run accepts
+// (Megatron alternates even and odd ranks because NCCL's sends block).
+// Messages are tagged by (stage, direction, micro-batch). Shapes and dtypes
+// cross each boundary once, on its first message; later outputs that differ
+// are refused naming the stage, micro-batch, expected and actual shape.
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/pipeline/pipeline_stage.h"
+#include "cohort/pipeline/schedule.h"
+
+namespace cohort {
+class Communicator;
+}
+
+namespace cohort::pipeline {
+
+/// (last stage's outputs, micro-batch targets) -> mean loss of the micro-batch.
+using PipelineLossFn = std::function<torch::Tensor(const Tensors& outputs, const Tensors& targets)>;
+
+/// How a PipelineRuntime runs.
+struct PipelineOptions {
+  /// Every receive's timeout (default: the communicator's): a dead peer is
+  /// reported within it.
+  Millis timeout = kDefaultTimeout;
+  /// Record each compute action's time (PipelineStepResult::compute_ms).
+  bool measure = true;
+};
+
+/// What one step returns on every rank.
+struct PipelineStepResult {
+  std::vector<double> losses;  ///< per micro-batch (from the last stage)
+  double loss = 0;             ///< their mean: the whole batch's mean loss
+  double step_ms = 0;          ///< this rank's wall time for the step
+  /// This rank's time in compute actions, and per action type (F, B, I, W).
+  double compute_ms = 0;
+  std::map<ActionType, double> action_ms;
+  std::map<ActionType, int> action_count;
+};
+
+/// One rank's pipeline: its stages, the schedule, the pipeline group.
+class PipelineRuntime {
+ public:
+  /// Collective over `pp_group` (each rank passes its own stages, ascending
+  /// by index, exactly the ones the schedule maps to it). Validates the
+  /// schedule (ScheduleError) and checks that ranks agree on the number of
+  /// stages and micro-batches. A schedule without communication actions
+  /// gets them from add_communication.
+  PipelineRuntime(std::shared_ptr<Communicator> pp_group, std::vector<PipelineStage> stages,
+                  PipelineSchedule schedule, PipelineLossFn loss_fn, PipelineOptions options = {});
+  ~PipelineRuntime();
+
+  /// Runs one step. `inputs` (the whole batch, split along dim 0 into m
+  /// micro-batches) matter on the rank holding stage 0, `targets` on the
+  /// rank holding the last stage; other ranks may pass {}. Adds gradients
+  /// to the stages' parameters (see the file comment).
+  PipelineStepResult step(const Tensors& inputs, const Tensors& targets);
+
+  /// The stages this rank holds.
+  const std::vector<PipelineStage>& stages() const { return stages_; }
+  /// Every parameter of this rank's stages.
+  std::vector<torch::Tensor> parameters() const;
+  const PipelineSchedule& schedule() const { return schedule_; }
+  Communicator& group() { return *group_; }
+
+ private:
+  struct State;
+  void check_local(const std::string& who) const;
+  void split_batch(const Tensors& inputs, const Tensors& targets);
+  void run_action(const Action& action, PipelineStepResult& result);
+  void forward(int stage, int mb);
+  void backward(const Action& action);
+  void backward_weight(int stage, int mb);
+  void send_forward(int stage, int mb);
+  void recv_forward(int stage, int mb);
+  void send_backward(int stage, int mb);
+  void recv_backward(int stage, int mb);
+  void finish_step(PipelineStepResult& result);
+  Work wait_recv(torch::Tensor& buffer, int src, int tag);
+  std::shared_ptr<Communicator> group_;
+  std::vector<PipelineStage> stages_;
+  PipelineSchedule schedule_;
+  PipelineLossFn loss_fn_;
+  PipelineOptions options_;
+  std::unique_ptr<State> state_;
+};
+
+/// PP x DP: averages `params`' gradients over the data-parallel group (the
+/// ranks holding the same stages for other shards of the batch) in one
+/// coalesced all-reduce. Call it once per step, after step() and before the
+/// optimizer: the micro-batches accumulate locally, so gradients cross the
+/// DP group once per step. (ZeroRedundancyOptimizer with reduce_gradients
+/// over the DP group does the same reduction in its step().) Undefined
+/// gradients count as zeros.
+void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group);
+
+}  // namespace cohort::pipeline

@@ -1,0 +1,80 @@
+// defines: PipelineStage (one logical stage held on this rank), WeightUnit,
+// split_sequential, partition_balanced, balance_by_parameters,
+// balance_by_time.
+//
+// A model is an ordered list of layers (a torch::nn::Sequential); a stage is
+// a contiguous run of them. Boundaries are the index of each stage's first
+// layer after stage 0: {2, 5} splits 7 layers into [0,2) [2,5) [5,7).
+#pragma once
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace cohort::pipeline {
+
+using Tensors = std::vector<torch::Tensor>;
+
+/// A part of the stage whose weight gradient W computes on its own: the
+/// output of one layer and that layer's parameters.
+struct WeightUnit {
+  torch::Tensor output;
+  std::vector<torch::Tensor> parameters;
+};
+
+/// One logical stage: a function from the tensors crossing its input
+/// boundary to those crossing its output boundary, and its parameters.
+/// The last stage's outputs go to the loss function.
+class PipelineStage {
+ public:
+  using ForwardFn = std::function<Tensors(const Tensors& inputs)>;
+
+  /// A stage from a Sequential: one tensor in, one out. Each child with
+  /// parameters is a WeightUnit, so that W re-traverses only that child.
+  PipelineStage(int index, torch::nn::Sequential module);
+  /// A stage from any function (a boundary of several tensors, e.g. hidden
+  /// states and a mask). W differentiates the outputs for all parameters.
+  /// `module` (may be null) keeps the owner of the parameters alive.
+  PipelineStage(int index, ForwardFn forward, std::vector<torch::Tensor> parameters,
+                std::shared_ptr<torch::nn::Module> module = nullptr);
+
+  /// The logical stage this is (0 .. num_stages - 1).
+  int index() const { return index_; }
+  /// Parameters that get gradients.
+  const std::vector<torch::Tensor>& parameters() const { return parameters_; }
+  /// The module behind the stage (null for a function stage built without).
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+
+  /// Runs the stage; fills `units` (Sequential stages) for W.
+  Tensors forward(const Tensors& inputs, std::vector<WeightUnit>* units = nullptr) const;
+
+ private:
+  int index_;
+  torch::nn::Sequential sequential_{nullptr};
+  ForwardFn forward_;
+  std::vector<torch::Tensor> parameters_;
+  std::shared_ptr<torch::nn::Module> module_;
+};
+
+/// Layers [boundaries[stage-1], boundaries[stage]) of `model` as a new
+/// Sequential sharing the layer modules: a rank keeps only its stages, the
+/// rest is freed with `model`. Throws InvalidArgument on bad boundaries.
+torch::nn::Sequential split_sequential(const torch::nn::Sequential& model,
+                                       const std::vector<int64_t>& boundaries, int stage);
+
+/// Boundaries that split `weights` (one per layer) into `num_stages`
+/// non-empty contiguous runs minimizing the largest sum.
+std::vector<int64_t> partition_balanced(const std::vector<double>& weights, int num_stages);
+
+/// Boundaries balancing the number of parameter elements per stage.
+std::vector<int64_t> balance_by_parameters(const torch::nn::Sequential& model, int num_stages);
+
+/// Boundaries balancing measured forward + backward time per layer on
+/// `sample` (the model's input; the best of `repeats` runs per layer).
+std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model,
+                                     const torch::Tensor& sample, int num_stages, int repeats = 3);
+
+}  // namespace cohort::pipeline
