@@ -11,22 +11,8 @@ build=${1:-build}
 min=${2:-1048576}
 max=${3:-16777216}
 rounds=${4:-3}
-ns=(cohort_bench_a$$ cohort_bench_b$$)
-veth=(cbva$$ cbvb$$)
-cleanup() { for n in "${ns[@]}"; do ip netns delete "$n" 2>/dev/null || true; done; }
-trap cleanup EXIT
-for i in 0 1; do ip netns add "${ns[$i]}"; done
-ip link add "${veth[0]}" type veth peer name "${veth[1]}"
-for i in 0 1; do
-  ip link set "${veth[$i]}" netns "${ns[$i]}"
-  ip -n "${ns[$i]}" addr add "10.78.0.$((i + 1))/24" dev "${veth[$i]}"
-  ip -n "${ns[$i]}" link set "${veth[$i]}" up
-  ip -n "${ns[$i]}" link set lo up
-  if ! ip netns exec "${ns[$i]}" tc qdisc add dev "${veth[$i]}" root netem rate 1gbit delay 0.5ms 2>/dev/null; then
-    ip netns exec "${ns[$i]}" tc qdisc add dev "${veth[$i]}" root tbf rate 1gbit burst 128kb latency 50ms
-    [ "$i" = 0 ] && echo "# netem unavailable: tbf 1 Gbit/s, no added delay"
-  fi
-done
+source "$(dirname "$0")/../netns_pair.sh"
+netns_pair_up cohort_bench 10.78.0 netem
 run_node() {
   ip netns exec "${ns[$1]}" env OPENBLAS_NUM_THREADS=1 "$build/tools/cohortrun/cohortrun" -n 2 \
     --nnodes 2 --node-rank "$1" --master-addr 10.78.0.1 --master-port 29591 --timeout 1500 -- \

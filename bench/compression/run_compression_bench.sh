@@ -17,19 +17,8 @@ steps=${4:-10}
 repeats=${5:-1}
 batch=${6:-32}
 here=$(cd "$(dirname "$0")" && pwd)
-ns=(cohort_comp_a$$ cohort_comp_b$$)
-veth=(ccva$$ ccvb$$)
-cleanup() { for n in "${ns[@]}"; do ip netns delete "$n" 2>/dev/null || true; done; }
-trap cleanup EXIT
-for i in 0 1; do ip netns add "${ns[$i]}"; done
-ip link add "${veth[0]}" type veth peer name "${veth[1]}"
-for i in 0 1; do
-  ip link set "${veth[$i]}" netns "${ns[$i]}"
-  ip -n "${ns[$i]}" addr add "10.79.0.$((i + 1))/24" dev "${veth[$i]}"
-  ip -n "${ns[$i]}" link set "${veth[$i]}" up
-  ip -n "${ns[$i]}" link set lo up
-  ip netns exec "${ns[$i]}" tc qdisc add dev "${veth[$i]}" root tbf rate 1gbit burst 128kb latency 50ms
-done
+source "$here/../netns_pair.sh"
+netns_pair_up cohort_comp 10.79.0 tbf
 port=29700
 world=$((2 * ranks))
 

@@ -34,28 +34,48 @@ namespace algorithms {
 class Executor;
 }
 
+/// A group of ranks that run collectives and point-to-point together (torch.distributed's process
+/// group). Built by init() or connect() on every rank; shared between the DDP, ZeRO and Trainer
+/// objects that use it. Every operation validates its arguments (cohort::InvalidArgument, nothing
+/// sent) and returns a Work; wait() rethrows cohort::TimeoutError or cohort::PeerError, after which
+/// the communicator refuses further calls.
 class Communicator {
  public:
+  /// Wraps a connected engine (counted for stats()). Collective: every rank of the engine
+  /// constructs its communicator at the same point, since a non-engine default algorithm connects
+  /// here.
   Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store> store,
                CommunicatorOptions options);
   ~Communicator();
 
+  /// This process's rank in the group, 0 .. size() - 1.
   int rank() const { return rank_; }
+  /// The number of ranks in the group.
   int size() const { return size_; }
+  /// The group's name (a subgroup's defaults to "<parent>/g<n>"); used in error messages and store
+  /// keys.
   const std::string& name() const { return options_.name; }
+  /// The engine's name, e.g. "gloo" or "mpi".
   std::string backend() const { return engine_->name(); }
+  /// The default timeout of every operation whose options leave it at kDefaultTimeout.
   Millis timeout() const { return options_.timeout; }
-  // What it was built with, defaults resolved (a copy can build another
-  // communicator over the same ranks: connect()).
+  /// What it was built with, defaults resolved (a copy can build another
+  /// communicator over the same ranks: connect()).
   const CommunicatorOptions& options() const { return options_; }
+  /// The rendezvous store the group was built over (subgroups get a prefixed one).
   const std::shared_ptr<Store>& store() const { return store_; }
 
   // --- collectives -------------------------------------------------------
+  /// Reduces `tensor` in place over all ranks with opts.op (Avg only on floating dtypes).
+  /// Collective.
   Work all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts = {});
   /// Many tensors in one message per dtype (what DDP buckets do by hand).
   Work all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
                             const AllReduceOptions& opts = {});
+  /// Copies the root's `tensor` into every rank's `tensor` (same shape and dtype everywhere).
+  /// Collective.
   Work broadcast(torch::Tensor& tensor, const BroadcastOptions& opts = {});
+  /// Broadcasts several tensors of any dtypes from the root in one message. Collective.
   Work broadcast_coalesced(std::vector<torch::Tensor>& tensors,
                            const BroadcastOptions& opts = {});
   /// The result lands on the root; other ranks' tensors are unspecified after.
@@ -86,6 +106,7 @@ class Communicator {
                          std::vector<int64_t> output_split_sizes = {},
                          std::vector<int64_t> input_split_sizes = {},
                          const AllToAllOptions& opts = {});
+  /// Completes once every rank has called it. Collective.
   Work barrier(const BarrierOptions& opts = {});
 
   /// The algorithm `requested` (Default: the communicator's) resolves to for
@@ -98,16 +119,20 @@ class Communicator {
   std::string describe_cost_model(Collective op);
 
   // --- point-to-point ----------------------------------------------------
+  /// Sends `tensor` to rank `dst` (not this rank) under opts.tag >= 0; `tensor` must stay alive and
+  /// unchanged until the Work completes.
   Work send(const torch::Tensor& tensor, int dst, const SendOptions& opts = {});
+  /// Receives the message from rank `src` with opts.tag into `tensor`, which must match the sent
+  /// tensor's size and dtype.
   Work recv(torch::Tensor& tensor, int src, const RecvOptions& opts = {});
 
   // --- subgroups (collective over this communicator) -----------------------
   /// Every rank calls it with the same ranks; members get the group (ranked
   /// in the order given), others nullptr.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks);
-  // The same with options of its own (algorithm, timeout, debug checks; an
-  // empty name means "<parent>/g<n>"), as torch.distributed.new_group takes
-  // a timeout and pg_options. The group's transport is the parent's.
+  /// The same with options of its own (algorithm, timeout, debug checks; an
+  /// empty name means "<parent>/g<n>"), as torch.distributed.new_group takes
+  /// a timeout and pg_options. The group's transport is the parent's.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
                                           CommunicatorOptions options);
   /// Ranks with the same color form a group, ranked by (key, rank); a

@@ -39,7 +39,10 @@ void low_precision_all_reduce(Communicator& comm, at::Tensor& buf, at::ScalarTyp
 /// quantization dropped (worker side, the whole tensor) and what the owner's
 /// requantization of its chunk of the average dropped (owner side).
 struct Int8ErrorFeedback {
+  /// Worker side: this rank's quantization error over the whole tensor (float32, the tensor's
+  /// size).
   at::Tensor worker;
+  /// Owner side: the requantization error of the chunk of the average this rank owns.
   at::Tensor owner;
 };
 

@@ -40,6 +40,7 @@ CompressionKind parse_compression_kind(const std::string& name);
 
 /// How a compressor is built (fields not used by its kind are ignored).
 struct CompressionOptions {
+  /// Which compressor; None keeps the plain all-reduce.
   CompressionKind kind = CompressionKind::None;
   /// Int8, TopK, PowerSGD: carry what was dropped into the next step.
   bool error_feedback = true;

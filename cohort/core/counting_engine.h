@@ -21,15 +21,28 @@
 
 namespace cohort {
 
+/// A Communicator's live counters, one Kind per OpKind, updated by CountingEngine and track() with
+/// relaxed atomics from any thread. Read them through snapshot() (Communicator::stats()).
 struct StatsCounters {
+  /// The counters of one operation kind (see OpStats for their meaning).
   struct Kind {
+    /// @{
+    /// Operations issued and seen complete; bytes sent and received by this rank.
     std::atomic<uint64_t> calls{0}, completed{0}, sent{0}, received{0};
+    /// @}
+    /// @{
+    /// Nanoseconds from issue to observed completion, and blocked inside Work::wait().
     std::atomic<uint64_t> in_flight_ns{0}, waiting_ns{0};
+    /// @}
   };
+  /// Indexed by OpKind.
   std::array<Kind, kOpKindCount> kinds;
 
+  /// The counters of kind `k`.
   Kind& operator[](OpKind k) { return kinds[static_cast<size_t>(k)]; }
+  /// A copy of every counter (seconds instead of nanoseconds); not atomic across counters.
   CommStats snapshot() const;
+  /// Sets every counter to zero.
   void reset();
 };
 
@@ -38,8 +51,11 @@ struct StatsCounters {
 /// issues an operation, and by the algorithms' worker while it runs one.
 OpKind current_op_kind();
 
+/// Sets current_op_kind() on this thread for its lifetime and restores the previous kind on
+/// destruction.
 class OpKindScope {
  public:
+  /// Engine traffic issued on this thread is counted under `kind` until the scope ends.
   explicit OpKindScope(OpKind kind);
   ~OpKindScope();
   OpKindScope(const OpKindScope&) = delete;
@@ -53,8 +69,11 @@ class OpKindScope {
 /// the start of each operation).
 void set_current_op_kind(OpKind kind);
 
+/// An Engine decorator that counts every operation's calls and bytes (per the wire_model for the
+/// inner engine's own collectives, exactly for point-to-point) into shared StatsCounters.
 class CountingEngine : public Engine {
  public:
+  /// Counts `inner`'s traffic into `counters`; prefer wrap(), which does not count twice.
   CountingEngine(std::unique_ptr<Engine> inner, std::shared_ptr<StatsCounters> counters);
 
   /// `engine` wrapped to count into `counters`; an engine that already
@@ -92,13 +111,23 @@ class CountingEngine : public Engine {
 /// Closed forms (per rank, in bytes) of an engine's own collectives; see
 /// comm_stats.h. Exposed for the tests.
 namespace wire_model {
+/// Bytes one rank sends and receives in one operation.
 struct Bytes {
+  /// @{
+  /// Bytes sent and received by the rank.
   uint64_t sent = 0, received = 0;
+  /// @}
 };
+/// A ring all-reduce of `n` bytes: 2 (size - 1) n / size each way; nothing at size 1.
 Bytes all_reduce(uint64_t n, int rank, int size);
+/// A binomial-tree broadcast of `n` bytes from `root`: n per child sent, n received off the root.
 Bytes broadcast(uint64_t n, int rank, int size, int root);
+/// A binomial-tree reduce of `n` bytes to `root`: broadcast's figures with sent and received
+/// swapped.
 Bytes reduce(uint64_t n, int rank, int size, int root);
+/// An all-gather of `per_rank` bytes per rank: (size - 1) per_rank each way.
 Bytes all_gather(uint64_t per_rank, int rank, int size);
+/// A reduce-scatter with `per_rank` bytes of output per rank: the same as all_gather().
 Bytes reduce_scatter(uint64_t per_rank, int rank, int size);
 }  // namespace wire_model
 

@@ -33,6 +33,7 @@ struct SyncStatistics {
 /// each wait, sync_done() after the last. Not thread-safe: one caller.
 class SyncRecorder {
  public:
+  /// The clock all durations are measured on.
   using Clock = std::chrono::steady_clock;
 
   /// A bucket's communication was issued (the first one opens a sync).

@@ -18,18 +18,18 @@ namespace cohort {
 
 /// What an error message says about an operation.
 struct OpContext {
-  std::string op;          // "all_reduce", "send", ...
-  std::string group;       // "world" or the subgroup's name
-  int rank = 0;            // caller's rank in `group`
-  int size = 1;            // size of `group`
-  std::vector<int> peers;  // ranks (in `group`) the operation talks to
+  std::string op;          ///< "all_reduce", "send", ...
+  std::string group;       ///< "world" or the subgroup's name
+  int rank = 0;            ///< caller's rank in `group`
+  int size = 1;            ///< size of `group`
+  std::vector<int> peers;  ///< ranks (in `group`) the operation talks to
   /// Set instead of `peers` by collectives: every other rank of the group
   /// (a list built only when a message needs it, not on every call).
   bool all_peers = false;
-  // Whether the debug checks (COHORT_DEBUG=detail) ran before this
-  // collective; when not, a collective's error suggests turning them on.
+  /// Whether the debug checks (COHORT_DEBUG=detail) ran before this
+  /// collective; when not, a collective's error suggests turning them on.
   bool debug_checks = false;
-  Millis timeout{0};  // resolved timeout of this operation
+  Millis timeout{0};  ///< resolved timeout of this operation
 
   /// "all_reduce on rank 0 of 4 (group world, peers [1, 2, 3])"
   std::string describe() const;
@@ -49,6 +49,7 @@ class WorkImpl {
 /// Several engine operations that together make one cohort operation.
 class WorkList : public WorkImpl {
  public:
+  /// Completes when every part has; wait() waits on the parts in order within one overall timeout.
   explicit WorkList(std::vector<std::shared_ptr<WorkImpl>> parts);
   bool is_completed() override;
   void wait(Millis timeout) override;
@@ -57,6 +58,10 @@ class WorkList : public WorkImpl {
   std::vector<std::shared_ptr<WorkImpl>> parts_;
 };
 
+/// The handle every cohort operation returns (torch.distributed's Work). Copies share one
+/// operation. Waiting is required before the result tensors are read: wait() also runs the
+/// completion step (copy-out, averaging) and rethrows TimeoutError, PeerError or MismatchError
+/// naming the operation, the rank and the peers.
 class Work {
  public:
   /// Called once with the error message when the operation fails; the
@@ -65,6 +70,8 @@ class Work {
 
   /// A handle to an operation that has nothing left to do.
   Work();
+  /// Wraps an engine operation: `on_success` runs once on the thread that first sees it complete,
+  /// `on_failure` once with the message when it fails.
   Work(std::shared_ptr<WorkImpl> impl, OpContext context, std::function<void()> on_success = {},
        FailureHook on_failure = {});
 

@@ -28,8 +28,8 @@ struct GradBucket {
   torch::Tensor buffer;
   /// True for the last bucket of the iteration.
   bool is_last = false;
-  // Views of `buffer` shaped as the bucket's parameters (PyTorch's
-  // bucket.gradients()); PowerSGD compresses the matrices among them.
+  /// Views of `buffer` shaped as the bucket's parameters (PyTorch's
+  /// bucket.gradients()); PowerSGD compresses the matrices among them.
   std::vector<torch::Tensor> gradients;
 };
 
@@ -44,13 +44,13 @@ class CommHook {
   virtual Work run(Communicator& comm, GradBucket& bucket) = 0;
   /// The hook's name, for logs and benchmarks.
   virtual std::string name() const = 0;
-  // True when the hook keeps state across iterations that a resumed run
-  // needs (error feedback, PowerSGD's Q): the Trainer then saves state()
-  // in each rank's checkpoint shard. The same on every rank.
+  /// True when the hook keeps state across iterations that a resumed run
+  /// needs (error feedback, PowerSGD's Q): the Trainer then saves state()
+  /// in each rank's checkpoint shard. The same on every rank.
   virtual bool stateful() const { return false; }
-  // This rank's state, as named tensors (copies).
+  /// This rank's state, as named tensors (copies).
   virtual std::map<std::string, torch::Tensor> state() const { return {}; }
-  // Restores state() saved by the same rank of an earlier run.
+  /// Restores state() saved by the same rank of an earlier run.
   virtual void load_state(const std::map<std::string, torch::Tensor>& state) { (void)state; }
 };
 
@@ -91,6 +91,7 @@ class Bf16CompressHook : public ReducedPrecisionHook {
   Bf16CompressHook() : ReducedPrecisionHook(torch::kBFloat16) {}
 };
 
+/// Reduces each bucket with a cohort/compression compressor (DDPOptions::compression builds one).
 // Averages each bucket with a compressor (cohort/compression/compressor.h),
 // keyed by the bucket's index; what it keeps (error feedback, PowerSGD's Q)
 // is reachable through compressor() for checkpoints. Runs on the hook's
@@ -98,12 +99,15 @@ class Bf16CompressHook : public ReducedPrecisionHook {
 // load_state() first wait for it. A float32 bucket is required.
 class CompressionHook : public CommHook {
  public:
+  /// Builds its compressor with compression::make_compressor(options).
   explicit CompressionHook(const compression::CompressionOptions& options)
       : compressor_(compression::make_compressor(options)) {}
+  /// Uses `compressor`, which may be shared with the caller (to inspect its state).
   explicit CompressionHook(std::shared_ptr<compression::Compressor> compressor)
       : compressor_(std::move(compressor)) {}
   Work run(Communicator& comm, GradBucket& bucket) override;
   std::string name() const override { return compressor_->name() + "_compress"; }
+  /// The compressor that reduces the buckets.
   compression::Compressor& compressor() { return *compressor_; }
   bool stateful() const override { return true; }
   std::map<std::string, torch::Tensor> state() const override;

@@ -42,9 +42,9 @@ struct DDPOptions {
   bool gradient_as_bucket_view = true;
   /// When to reduce; no_sync() overrides it for a scope.
   SyncStrategy strategy = SyncStrategy::Overlapped;
-  // Gradient compression (cohort/compression): a kind other than None
-  // registers a CompressionHook built from these options at construction
-  // (register_comm_hook replaces it). Buckets must be float32.
+  /// Gradient compression (cohort/compression): a kind other than None
+  /// registers a CompressionHook built from these options at construction
+  /// (register_comm_hook replaces it). Buckets must be float32.
   compression::CompressionOptions compression;
 };
 

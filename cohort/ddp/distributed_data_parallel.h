@@ -80,6 +80,10 @@ void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out
 
 }  // namespace detail
 
+/// Data parallel training of a torch::nn::Module (PyTorch's DistributedDataParallel): each rank
+/// runs forward and backward on its own batch, and backward averages the gradients over the
+/// communicator, so every rank's optimizer step applies the same update. See the file comment for a
+/// training loop.
 template <typename ModuleHolder>
 class DistributedDataParallel {
  public:
@@ -146,14 +150,18 @@ class DistributedDataParallel {
 
   /// RAII: gradients accumulate locally while the guard lives.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
+  /// Reduces gradient buckets with `hook` instead of all_reduce(Avg) from the next backward on
+  /// (null throws InvalidArgument). Every rank registers an equivalent hook.
   void register_comm_hook(std::shared_ptr<CommHook> hook) {
     reducer_->register_comm_hook(hook);
     hook_ = std::move(hook);
   }
-  // The hook registered last (DDPOptions::compression's included); null
-  // while the default all-reduce runs.
+  /// The hook registered last (DDPOptions::compression's included); null
+  /// while the default all-reduce runs.
   const std::shared_ptr<CommHook>& comm_hook() const { return hook_; }
+  /// What DDP measured about its gradient reduction (iterations, buckets, bytes, time).
   const DDPStats& stats() const { return reducer_->stats(); }
+  /// The gradient reducer (bucket layout, synchronize(), reduction owner for ZeRO-2).
   GradientReducer& reducer() { return *reducer_; }
 
  private:

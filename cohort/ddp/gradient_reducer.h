@@ -37,6 +37,10 @@
 
 namespace cohort {
 
+/// The non-template engine of DistributedDataParallel: buckets the parameters' gradients and
+/// reduces each bucket (through the comm hook) as soon as backward has filled it, in the same order
+/// on every rank. Built by DistributedDataParallel; reach it through
+/// DistributedDataParallel::reducer().
 class GradientReducer {
  public:
   /// Collective: checks that every rank holds the same parameter shapes and
@@ -51,8 +55,8 @@ class GradientReducer {
   /// Before each forward. Throws Error naming the parameters that got no
   /// gradient if the previous backward could not finish its reduction.
   void prepare_forward();
-  // After each forward that returned (always, even without
-  // find_unused_parameters), with the tensors the forward returned.
+  /// After each forward that returned (always, even without
+  /// find_unused_parameters), with the tensors the forward returned.
   void after_forward(const std::vector<torch::Tensor>& outputs);
 
   /// All-reduces every parameter's current .grad now and waits (collective).
@@ -62,8 +66,11 @@ class GradientReducer {
 
   /// While the depth is positive, backward accumulates locally (no_sync()).
   void push_no_sync() { ++no_sync_depth_; }
+  /// Leaves one no_sync() scope; the backward after the last one reduces the accumulated gradients.
   void pop_no_sync() { --no_sync_depth_; }
 
+  /// Reduces the buckets with `hook` from the next backward on (null throws InvalidArgument). Every
+  /// rank must register an equivalent hook.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
 
   /// Hands the reduction of every synchronizing backward to `owner` (see
@@ -73,14 +80,19 @@ class GradientReducer {
   /// between a backward and the end of its reduction. The owner must
   /// outlive its registration.
   void set_reduction_owner(ReductionOwner* owner);
+  /// The owner set by set_reduction_owner(), or nullptr while DDP reduces.
   ReductionOwner* reduction_owner() const { return owner_; }
+  /// What DDP measured about its reductions so far.
   const DDPStats& stats() const { return stats_; }
+  /// The options it was built with.
   const DDPOptions& options() const { return options_; }
+  /// The communicator the gradients are reduced over.
   Communicator& communicator() { return *comm_; }
 
   /// The parameters that are reduced (requires_grad), in registration order,
   /// and their qualified names.
   const std::vector<torch::Tensor>& parameters() const { return params_; }
+  /// The qualified names of parameters(), in the same order.
   const std::vector<std::string>& parameter_names() const { return names_; }
   /// Parameter indices of each bucket, in launch order (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
@@ -89,7 +101,7 @@ class GradientReducer {
 
   /// Called by the accumulator hook of parameter `index` (internal).
   void on_gradient_ready(size_t index);
-  // Depth of no_sync() scopes (NoSyncGuard counts it).
+  /// Depth of no_sync() scopes (NoSyncGuard counts it).
   int no_sync_depth() const { return no_sync_depth_; }
 
  private:

@@ -14,10 +14,12 @@ namespace cohort {
 template <typename Owner>
 class ScopedNoSync {
  public:
+  /// Enters a no-sync scope of `owner`, which must outlive the guard.
   explicit ScopedNoSync(Owner& owner) : owner_(&owner) { owner_->push_no_sync(); }
   ~ScopedNoSync() {
     if (owner_) owner_->pop_no_sync();
   }
+  /// Takes over `other`'s scope; `other` no longer leaves it when destroyed.
   ScopedNoSync(ScopedNoSync&& other) noexcept : owner_(other.owner_) { other.owner_ = nullptr; }
   ScopedNoSync(const ScopedNoSync&) = delete;
   ScopedNoSync& operator=(const ScopedNoSync&) = delete;

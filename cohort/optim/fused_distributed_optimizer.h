@@ -37,16 +37,20 @@
 
 namespace cohort {
 
+/// How FusedDistributedOptimizer groups parameters into buckets.
 struct FusedOptions {
   /// Largest bucket in MiB (a larger parameter gets a bucket of its own).
   double bucket_cap_mb = 25;
 };
 
+/// Data-parallel AdamW over flat buckets that averages the gradients itself, overlapping each
+/// bucket's all-reduce with the previous bucket's update (see the file comment). Use on a module
+/// without DDP.
 class FusedDistributedOptimizer {
  public:
-  // Collective: every rank passes the same shapes in the same order
-  // (checked: MismatchError), with equal values (broadcast them first, e.g.
-  // by building DDP once, or seed).
+  /// Collective: every rank passes the same shapes in the same order
+  /// (checked: MismatchError), with equal values (broadcast them first, e.g.
+  /// by building DDP once, or seed).
   FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
                             std::shared_ptr<Communicator> comm, FusedOptions fused = {});
   /// Removes the gradient hooks from the parameters.
@@ -64,23 +68,30 @@ class FusedDistributedOptimizer {
   void finish_gradients();
   /// Zeros the gradient buckets (the .grad views with them).
   void zero_grad();
+  /// Sets the learning rate used from the next step() on (every rank sets the same).
   void set_lr(double lr) { options_.lr(lr); }
+  /// The AdamW options (lr, betas, eps, weight_decay, amsgrad); changes apply from the next step().
   torch::optim::AdamWOptions& options() { return options_; }
   /// Steps taken so far.
   int64_t timestep() const { return timestep_; }
+  /// The number of buckets (each with one all-reduce per step).
   size_t bucket_count() const { return buckets_.size(); }
   /// Parameter indices of each bucket.
   std::vector<std::vector<size_t>> bucket_layout() const;
-  /// Bytes of AdamW state and of gradient buffers held between steps.
+  /// Bytes of AdamW state (exp_avg, exp_avg_sq, max_exp_avg_sq) held between steps.
   int64_t state_bytes() const;
   /// The gradient all-reduces measured so far (in step() they overlap the
   /// update of the previous bucket).
   const SyncStatistics& sync_statistics() const { return sync_.statistics(); }
+  /// Bytes of the flat gradient buffers (the .grad views live in them).
   int64_t grad_bytes() const;
+  /// The flat gradient buffer of each bucket, in bucket order (shares memory with the .grad views).
   std::vector<torch::Tensor> grad_buffers() const;
 
   /// Replicated state (every rank holds all of it): rank 0's save suffices.
   void save(torch::serialize::OutputArchive& archive) const;
+  /// Restores state written by save() for the same parameters; throws MismatchError when the
+  /// archive holds a different parameter count or bucket sizes. Every rank loads the same archive.
   void load(torch::serialize::InputArchive& archive);
 
  private:

@@ -75,6 +75,7 @@ class GradientShardReducer : private ReductionOwner {
   /// While positive, backward accumulates in .grad (alone; with DDP use
   /// ddp.no_sync()).
   void push_no_sync() { ++no_sync_depth_; }
+  /// Leaves one no_sync scope; the next backward reduces the accumulated gradients.
   void pop_no_sync() { --no_sync_depth_; }
 
   /// The accumulator hook of parameter i (alone).

@@ -73,6 +73,7 @@
 
 namespace cohort {
 
+/// How ZeroRedundancyOptimizer shards and communicates (the same on every rank).
 struct ZeroOptions {
   /// 1: optimizer state sharded; 2: gradients sharded as well.
   int stage = 1;
@@ -89,6 +90,11 @@ struct ZeroOptions {
   Algorithm gather_algo = Algorithm::Default;
 };
 
+/// ZeRO stage 1 or 2 (DeepSpeed's ZeRO, PyTorch's ZeroRedundancyOptimizer) around any LibTorch
+/// optimizer: each rank keeps and steps the optimizer state of its own shard of the parameters,
+/// then all-gathers the updated parameters; at stage 2 the gradients are reduce-scattered to the
+/// shards. Build it with make(); step(), finish_gradients() and consolidate_state_dict() are
+/// collective.
 class ZeroRedundancyOptimizer {
  public:
   /// Builds the inner optimizer over this rank's shard, from the shard's
@@ -121,6 +127,7 @@ class ZeroRedundancyOptimizer {
         std::move(comm), options);
   }
   template <typename Opt, typename Options>
+  /// The same over one group of parameters with the `defaults` options.
   static std::unique_ptr<ZeroRedundancyOptimizer> make(std::vector<torch::Tensor> params,
                                                        const Options& defaults,
                                                        std::shared_ptr<Communicator> comm,
@@ -167,6 +174,7 @@ class ZeroRedundancyOptimizer {
   /// The inner optimizer's groups, index for index the caller's groups: their
   /// options (lr, weight decay, betas, ...) can be changed as in LibTorch.
   std::vector<torch::optim::OptimizerParamGroup>& param_groups();
+  /// The inner optimizer, which steps only this rank's pieces (shard_pieces()).
   torch::optim::Optimizer& shard_optimizer() { return *inner_; }
   /// This rank's pieces (what the inner optimizer steps); after
   /// finish_gradients() their .grad are this rank's averaged gradients, a
@@ -178,16 +186,21 @@ class ZeroRedundancyOptimizer {
   /// locally (no communication); the first backward after it reduces the
   /// sum. With DDP use ddp.no_sync(). Other stages accumulate without it.
   using NoSync = ScopedNoSync<ZeroRedundancyOptimizer>;
+  /// Opens a NoSync scope (stage 2 without DDP; elsewhere it has no effect).
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
   /// The depth NoSync counts (stage 2 alone; other stages ignore it).
   void push_no_sync() {
     if (shard_reducer_) shard_reducer_->push_no_sync();
   }
+  /// Leaves one NoSync scope (stage 2 alone).
   void pop_no_sync() {
     if (shard_reducer_) shard_reducer_->pop_no_sync();
   }
+  /// How the flat parameter buffer is cut into buckets and per-rank shards.
   const FlatPartition& partition() const { return *partition_; }
+  /// The options it was built with (reduce_gradients is false when built from DDP).
   const ZeroOptions& options() const { return options_; }
+  /// The communicator the shards are exchanged over.
   Communicator& communicator() { return *comm_; }
 
   /// Bytes of optimizer state this rank holds (its shard's).
@@ -199,11 +212,12 @@ class ZeroRedundancyOptimizer {
   /// the full flat buffer at stage 1 alone, the shard at stage 2, nothing
   /// at stage 1 after DDP (DDP's buffers hold them) or at world 1 (.grad).
   std::vector<torch::Tensor> grad_buffers() const;
+  /// The bytes of grad_buffers().
   int64_t grad_bytes() const;
-  // Stage 2: bytes of the buckets' staging buffers together, each in use
-  // from the first gradient staged into it to the end of its
-  // reduce-scatter and lazily freed between uses (staging_buffer.h); 0
-  // otherwise.
+  /// Stage 2: bytes of the buckets' staging buffers together, each in use
+  /// from the first gradient staged into it to the end of its
+  /// reduce-scatter and lazily freed between uses (staging_buffer.h); 0
+  /// otherwise.
   int64_t staging_bytes() const { return shard_reducer_ ? shard_reducer_->staging_bytes() : 0; }
   /// Stage 2: the most staging bytes alive at once so far (during backward
   /// and the reduction); the gradient peak is this plus the shard.
@@ -215,6 +229,8 @@ class ZeroRedundancyOptimizer {
   /// saves its own archive and loads it back into an optimizer with the same
   /// world size, rank and parameter shapes (checked: MismatchError).
   void save_shard(torch::serialize::OutputArchive& archive) const;
+  /// Restores an archive written by save_shard() on the same rank; throws MismatchError when world
+  /// size, rank, stage or parameter shapes differ.
   void load_shard(torch::serialize::InputArchive& archive);
 
   /// Collective: gathers every rank's shard of each state tensor to rank

@@ -53,7 +53,9 @@ struct PipelineStepResult {
   double step_ms = 0;          ///< this rank's wall time for the step
   /// This rank's time in compute actions, and per action type (F, B, I, W).
   double compute_ms = 0;
+  /// Milliseconds in each action type on this rank.
   std::map<ActionType, double> action_ms;
+  /// Actions of each type this rank ran in the step.
   std::map<ActionType, int> action_count;
 };
 
@@ -79,7 +81,9 @@ class PipelineRuntime {
   const std::vector<PipelineStage>& stages() const { return stages_; }
   /// Every parameter of this rank's stages.
   std::vector<torch::Tensor> parameters() const;
+  /// The schedule the runtime executes.
   const PipelineSchedule& schedule() const { return schedule_; }
+  /// The pipeline-parallel group the stages exchange activations over.
   Communicator& group() { return *group_; }
 
  private:

@@ -21,7 +21,9 @@ using Tensors = std::vector<torch::Tensor>;
 /// A part of the stage whose weight gradient W computes on its own: the
 /// output of one layer and that layer's parameters.
 struct WeightUnit {
+  /// The layer's output, whose weight gradient W computes.
   torch::Tensor output;
+  /// The layer's parameters.
   std::vector<torch::Tensor> parameters;
 };
 
@@ -30,6 +32,7 @@ struct WeightUnit {
 /// The last stage's outputs go to the loss function.
 class PipelineStage {
  public:
+  /// Maps the tensors at the stage's input boundary to those at its output boundary.
   using ForwardFn = std::function<Tensors(const Tensors& inputs)>;
 
   /// A stage from a Sequential: one tensor in, one out. Each child with

@@ -36,13 +36,18 @@ bool is_compute(ActionType type);
 /// One action: `type` for micro-batch `microbatch` of logical stage `stage`.
 /// Text form: stage, type, micro-batch, e.g. `2F0`, `1W3`, `0SEND_F1`.
 struct Action {
+  /// The logical stage the action runs on.
   int stage = 0;
+  /// What the action does (forward, backward, send, ...).
   ActionType type = ActionType::Forward;
+  /// The micro-batch it works on.
   int microbatch = 0;
 
+  /// Same stage, type and micro-batch.
   bool operator==(const Action& o) const {
     return stage == o.stage && type == o.type && microbatch == o.microbatch;
   }
+  /// Not operator==.
   bool operator!=(const Action& o) const { return !(*this == o); }
 };
 

@@ -12,6 +12,7 @@ namespace cohort::pipeline {
 
 /// Time of each compute action of one logical stage, in milliseconds.
 struct StageCosts {
+  /// F: a forward pass.
   double forward_ms = 1;
   double backward_ms = 2;         ///< full B
   double backward_input_ms = 1;   ///< I

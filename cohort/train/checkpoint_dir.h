@@ -11,30 +11,38 @@
 
 namespace cohort {
 
+/// A folder of numbered checkpoint files, one per saved step, written atomically and verified on
+/// load (CheckpointError on a bad file). The Trainer uses one on rank 0 and one per rank for
+/// shards.
 class CheckpointDir {
  public:
   /// Creates `dir` (and its parents) when missing. keep_last >= 1.
   CheckpointDir(std::string dir, int keep_last);
 
+  /// The folder.
   const std::string& dir() const { return dir_; }
+  /// The file of `step`'s checkpoint in dir() ("ckpt-0000000500.cohort" for step 500).
   std::string path_for(int64_t step) const;
 
   /// Writes the checkpoint of `step` atomically, then deletes all but the
-  // newest keep_last checkpoints that verify (never `step` itself, never a
-  // file that does not verify) and any temporary files left by crashes.
+  /// newest keep_last checkpoints that verify (never `step` itself, never a
+  /// file that does not verify) and any temporary files left by crashes.
   void write(int64_t step, const std::string& payload) const;
 
   /// Steps that have a checkpoint file, newest first (not verified).
   std::vector<int64_t> steps() const;
 
+  /// What load_latest() found.
   struct Loaded {
     /// False when no checkpoint verifies (or none exists).
     bool found = false;
+    /// The checkpoint's step (when found).
     int64_t step = 0;
+    /// The checkpoint's bytes, verified (when found).
     std::string payload;
     /// One message per newer checkpoint that failed to verify (which file,
-    // what is wrong), newest first, after one per file whose name has a step
-    // out of range.
+    /// what is wrong), newest first, after one per file whose name has a step
+    /// out of range.
     std::vector<std::string> skipped;
   };
   /// The newest checkpoint that verifies, with what was wrong with newer ones.

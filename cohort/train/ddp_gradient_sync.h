@@ -29,12 +29,14 @@ class DdpGradientSync : public GradientSync {
   /// DDP's backward already left averaged gradients on every rank.
   void finish_sync() override {}
   double comm_seconds() const override { return ddp_.stats().total_comm_seconds; }
-  // A stateful comm hook (a compressor with error feedback) is saved in
-  // each rank's checkpoint shard, its tensors under "comm_hook_".
+  /// A stateful comm hook (a compressor with error feedback) is saved in
+  /// each rank's checkpoint shard, its tensors under "comm_hook_".
   bool has_state() const override { return ddp_.comm_hook() && ddp_.comm_hook()->stateful(); }
+  /// Writes the comm hook's tensors under "comm_hook_<name>".
   void save_state(torch::serialize::OutputArchive& archive) const override {
     for (auto& [name, t] : ddp_.comm_hook()->state()) archive.write(kPrefix + name, t);
   }
+  /// Hands the "comm_hook_" tensors of the archive back to the comm hook.
   void load_state(torch::serialize::InputArchive& archive) override {
     std::map<std::string, torch::Tensor> state;
     for (const auto& key : archive.keys()) {

@@ -34,12 +34,14 @@ class GradientSync {
   virtual void finish_sync() = 0;
   /// Seconds spent in gradient communication since construction.
   virtual double comm_seconds() const = 0;
-  // True when the synchronization keeps per-rank state a resumed run needs
-  // (a compressor's error feedback): the trainer then writes each rank's
-  // checkpoint shard with save_state() and restores it with load_state().
-  // The same on every rank.
+  /// True when the synchronization keeps per-rank state a resumed run needs
+  /// (a compressor's error feedback): the trainer then writes each rank's
+  /// checkpoint shard with save_state() and restores it with load_state().
+  /// The same on every rank.
   virtual bool has_state() const { return false; }
+  /// Writes this rank's state (when has_state()) into its checkpoint shard.
   virtual void save_state(torch::serialize::OutputArchive& archive) const { (void)archive; }
+  /// Restores what save_state() wrote on the same rank of an earlier run.
   virtual void load_state(torch::serialize::InputArchive& archive) { (void)archive; }
 };
 

@@ -11,26 +11,27 @@
 
 namespace cohort {
 
+/// What one optimizer step reports; the Trainer fills it on every rank and logs it on rank 0.
 struct StepMetrics {
-  int64_t step = 0;            // optimizer steps done, this one included
-  int64_t epoch = 0;           // epoch the step belongs to (0-based)
-  double loss = 0.0;           // mean micro-batch loss, averaged over ranks
-  double lr = 0.0;             // learning rate used by this step
-  double grad_norm = 0.0;      // global L2 gradient norm before clipping
-  bool clipped = false;        // whether clipping scaled the gradients
-  int64_t samples = 0;         // samples in this step over all ranks
-  double step_seconds = 0.0;   // wall time of the step on this rank
-  double samples_per_s = 0.0;  // samples / step_seconds
-  double comm_seconds = 0.0;   // gradient communication time in this step
-  int64_t comm_bytes = 0;      // bytes this rank sent in this step (Communicator::stats)
+  int64_t step = 0;            ///< optimizer steps done, this one included
+  int64_t epoch = 0;           ///< epoch the step belongs to (0-based)
+  double loss = 0.0;           ///< mean micro-batch loss, averaged over ranks
+  double lr = 0.0;             ///< learning rate used by this step
+  double grad_norm = 0.0;      ///< global L2 gradient norm before clipping
+  bool clipped = false;        ///< whether clipping scaled the gradients
+  int64_t samples = 0;         ///< samples in this step over all ranks
+  double step_seconds = 0.0;   ///< wall time of the step on this rank
+  double samples_per_s = 0.0;  ///< samples / step_seconds
+  double comm_seconds = 0.0;   ///< gradient communication time in this step
+  int64_t comm_bytes = 0;      ///< bytes this rank sent in this step (Communicator::stats)
 };
 
 nlohmann::json to_json(const StepMetrics& m);
 
-// Appends whole lines: a line that cannot be written entirely (a full disk)
-// is cut back off the file, so the file never holds half a line. A failed
-// write prints one warning and the job goes on, or throws Error when
-// `strict`.
+/// Appends whole lines: a line that cannot be written entirely (a full disk)
+/// is cut back off the file, so the file never holds half a line. A failed
+/// write prints one warning and the job goes on, or throws Error when
+/// `strict`.
 class MetricsLog {
  public:
   /// Disabled (writes nothing) when `path` is empty or `enabled` is false:
@@ -40,14 +41,15 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
 
+  /// Whether lines are written (a non-empty path on the enabled rank).
   bool enabled() const { return enabled_; }
   /// Keeps only lines whose "step" is at most `step` (all lines are dropped
   /// for a negative step): a resumed job rewrites the steps it redoes instead
   /// of logging them twice.
   void keep_until(int64_t step);
-  // Appends one line with one write (no buffering), whole or not at all.
+  /// Appends one line with one write (no buffering), whole or not at all.
   void append(const nlohmann::json& line);
-  // Lines that could not be written.
+  /// Lines that could not be written.
   int64_t lines_lost() const { return lines_lost_; }
 
  private:

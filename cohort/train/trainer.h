@@ -46,6 +46,7 @@ namespace cohort {
 
 class Communicator;
 
+/// What the Trainer does each step and around it; the same on every rank.
 struct TrainerConfig {
   /// Micro-batches per optimizer step (gradient accumulation); >= 1.
   int64_t accumulation_steps = 1;
@@ -65,8 +66,8 @@ struct TrainerConfig {
   int keep_last = 3;
   /// JSON-lines metrics file written by rank 0; empty: none.
   std::string metrics_path;
-  // A metrics line that cannot be written (a full disk) throws Error instead
-  // of one warning on stderr. Lines are written whole or not at all either way.
+  /// A metrics line that cannot be written (a full disk) throws Error instead
+  /// of one warning on stderr. Lines are written whole or not at all either way.
   bool metrics_strict = false;
   /// Progress output on rank 0 (bar on a terminal, log lines otherwise).
   bool progress = true;
@@ -78,12 +79,14 @@ struct TrainerConfig {
 /// module, then the criterion). Must return a tensor that requires grad.
 using LossFn = std::function<torch::Tensor(const torch::data::Example<>&)>;
 
+/// What FitCallbacks::on_epoch_end receives.
 struct EpochEnd {
-  int64_t epoch = 0;     // the epoch that ended (0-based)
-  int64_t step = 0;      // optimizer steps done
-  double seconds = 0.0;  // wall time of the epoch's training steps
+  int64_t epoch = 0;     ///< the epoch that ended (0-based)
+  int64_t step = 0;      ///< optimizer steps done
+  double seconds = 0.0;  ///< wall time of the epoch's training steps
 };
 
+/// Optional callbacks of Trainer::fit(), called on every rank.
 struct FitCallbacks {
   /// After every optimizer step (metrics already logged).
   std::function<void(const StepMetrics&)> on_step;
@@ -92,6 +95,9 @@ struct FitCallbacks {
   std::function<void(const EpochEnd&)> on_epoch_end;
 };
 
+/// The data-parallel training loop (see the file comment): train_step(), fit(), checkpoints and
+/// resume. Every call but log_eval() and the accessors is collective: all ranks call it in the same
+/// order.
 class Trainer {
  public:
   /// model: the replicated module (its parameters get the gradients);
@@ -126,8 +132,11 @@ class Trainer {
   /// Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
   void log_eval(const nlohmann::json& fields);
 
+  /// Where training is: steps done, and the epoch and micro-batch to run next.
   const TrainingPosition& position() const { return position_; }
+  /// Why each newer checkpoint was skipped by the last resume(), newest first.
   const std::vector<std::string>& skipped_checkpoints() const { return skipped_; }
+  /// The configuration it was built with.
   const TrainerConfig& config() const { return config_; }
 
  private:

@@ -46,6 +46,7 @@ class FusedTrainerOptimizer : public TrainerOptimizer {
     optimizer_.finish_gradients();
     return model_params;
   }
+  /// Seconds of the optimizer's gradient all-reduces (its sync statistics).
   double comm_seconds() const override { return optimizer_.sync_statistics().total_seconds; }
 
  private:
@@ -72,6 +73,7 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
     return optimizer_.shard_pieces();
   }
   bool sharded_gradients() const override { return true; }
+  /// Seconds of the optimizer's gradient reductions (its sync statistics).
   double comm_seconds() const override { return optimizer_.sync_statistics().total_seconds; }
 
  private:

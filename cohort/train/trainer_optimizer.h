@@ -44,8 +44,8 @@ class TrainerOptimizer {
   /// True when gradients() returns a disjoint part of the gradients on each
   /// rank (ZeRO): the trainer's default norm is then ShardedGradNorm.
   virtual bool sharded_gradients() const { return false; }
-  // Seconds the optimizer spent reducing gradients itself since
-  // construction (the fused optimizer, ZeRO); 0 when it does not.
+  /// Seconds the optimizer spent reducing gradients itself since
+  /// construction (the fused optimizer, ZeRO); 0 when it does not.
   virtual double comm_seconds() const { return 0.0; }
 };
 

@@ -16,12 +16,15 @@ namespace cohort {
 
 class TcpStoreServer;
 
+/// A Store served over TCP by one process (is_server) and reached by every rank, like c10d's
+/// TCPStore. Operations throw TimeoutError when no reply comes in time, PeerError when the
+/// connection fails.
 class TcpStore : public Store {
  public:
   /// is_server: host the store on host:port (port 0 picks a free port; see
-  // port()). Clients retry connecting until `timeout`. A non-empty `token`
-  // is shown on every connection, and the server (is_server) requires it
-  // of every client.
+  /// port()). Clients retry connecting until `timeout`. A non-empty `token`
+  /// is shown on every connection, and the server (is_server) requires it
+  /// of every client.
   TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout, std::string token = {});
   ~TcpStore() override;
 
@@ -32,6 +35,7 @@ class TcpStore : public Store {
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
   bool delete_key(const std::string& key) override;
 
+  /// The port the server listens on (the one picked when constructed with port 0).
   uint16_t port() const { return port_; }
 
  private:
