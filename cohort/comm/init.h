@@ -48,7 +48,7 @@ struct InitOptions {
   /// Unset: COHORT_ALGO, else Engine.
   std::optional<Algorithm> algorithm;
   /// Unset: COHORT_TRACE (a folder: each rank writes its timeline there as
-  /// rank-<r>.json), else no trace. Empty: no trace.
+  /// `rank-R.json`, R the rank), else no trace. Empty: no trace.
   std::optional<std::string> trace_dir;
 };
 

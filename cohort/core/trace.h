@@ -38,7 +38,7 @@ struct TraceArg {
   std::string key;    ///< the argument's name
   std::string text;   ///< its value when is_number is false
   double number = 0;  ///< its value when is_number is true
-  bool is_number = true;
+  bool is_number = true;  ///< which of number and text holds the value
 
   /// A numeric argument.
   static TraceArg num(std::string key, double value) { return {std::move(key), {}, value, true}; }
@@ -53,7 +53,7 @@ struct TraceArg {
 /// when CommunicatorOptions::trace_dir is set); subgroups share it.
 class Tracer {
  public:
-  using Clock = std::chrono::steady_clock;
+  using Clock = std::chrono::steady_clock;  ///< the clock of every timestamp
 
   /// A trace of rank `rank` of `world_size`, written to `path`.
   Tracer(int rank, int world_size, std::string path);

@@ -48,7 +48,7 @@ struct CommunicatorOptions {
   /// (0: 64 MiB; init() reads COHORT_CALIBRATION_MAX_BYTES). A job whose
   /// collectives are small can cut its start-up time with it.
   int64_t calibration_max_bytes = 0;
-  /// Non-empty: this rank writes its timeline to `trace_dir`/rank-<r>.json
+  /// Non-empty: this rank writes its timeline to `trace_dir/rank-R.json`
   /// (cohort/core/trace.h; init() reads COHORT_TRACE). Subgroups share
   /// their parent's trace.
   std::string trace_dir;
