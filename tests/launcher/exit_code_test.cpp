@@ -100,11 +100,13 @@ TEST(ExitCode, DaemonizedGrandchildrenAndTheirChildrenAreStopped) {
 // spawned first.
 TEST(ExitCode, OfRanksFailingTogetherTheFirstToFailIsNamed) {
   const char* script =
-      R"(echo up; if [ "$RANK" = 1 ]; then sleep 1; exit 3; fi; sleep 1.3; exit 5)";
+      R"(echo up; if [ "$RANK" = 1 ]; then sleep 1; exit 3; fi; sleep 2.5; exit 5)";
   Subprocess launcher(cohortrun_argv({"-n", "2", "--", "sh", "-c", script}));
   ASSERT_TRUE(launcher.wait_for_stdout("up", 2, Seconds(10)));
   ::kill(launcher.pid(), SIGSTOP);
-  ::usleep(1800 * 1000);  // both ranks exit meanwhile
+  // Both ranks exit meanwhile, rank 1 first by 1.5 s: a margin that a
+  // loaded machine's late start of one rank cannot invert.
+  ::usleep(3000 * 1000);
   ::kill(launcher.pid(), SIGCONT);
   ProcessResult r = launcher.finish(Seconds(20));
   ASSERT_FALSE(r.timed_out);
