@@ -28,6 +28,8 @@ void run_ranks(int size, const std::function<void(Communicator&)>& fn,
                const ThreadRanksOptions& options = {});
 
 // Same, but hands each rank the shared_ptr (to keep or to build groups from).
+// The thread holds its own reference until the body returns or throws, so a
+// body that drops its copy closes the connections only when it returns.
 void run_ranks_shared(int size, const std::function<void(std::shared_ptr<Communicator>)>& fn,
                       const ThreadRanksOptions& options = {});
 
