@@ -35,9 +35,9 @@ inline constexpr bool kTracingCompiled = COHORT_TRACING != 0;
 
 /// One argument of an event ("args" in the JSON): a number or a text.
 struct TraceArg {
-  std::string key;    ///< the argument's name
-  std::string text;   ///< its value when is_number is false
-  double number = 0;  ///< its value when is_number is true
+  std::string key;        ///< the argument's name
+  std::string text;       ///< its value when is_number is false
+  double number = 0;      ///< its value when is_number is true
   bool is_number = true;  ///< which of number and text holds the value
 
   /// A numeric argument.
