@@ -5,49 +5,11 @@
 #include "cohort/algorithms/ring.h"
 #include "cohort/core/counting_engine.h"
 #include "cohort/core/error.h"
+#include "cohort/core/job_work.h"
 #include "cohort/core/store/prefix_store.h"
 
 namespace cohort::algorithms {
 namespace {
-
-// The Work of one job: completed by the worker, waited for by the caller.
-class JobWork : public WorkImpl {
- public:
-  JobWork(std::string what, Clock::time_point deadline)
-      : what_(std::move(what)), deadline_(deadline) {}
-
-  void finish(std::exception_ptr error) {
-    std::lock_guard<std::mutex> lock(mu_);
-    error_ = std::move(error);
-    done_ = true;
-    cv_.notify_all();
-  }
-
-  bool is_completed() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
-
-  void wait(Millis timeout) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    bool done = cv_.wait_for(lock, timeout, [&] { return done_; });
-    // Past the job's own deadline its waits fail too, with a better message
-    // (the step and the peer it was waiting for): give it a moment to.
-    if (!done && Clock::now() >= deadline_) {
-      done = cv_.wait_for(lock, Millis(500), [&] { return done_; });
-    }
-    if (!done) throw TimeoutError(what_ + " has not finished");
-    if (error_) std::rethrow_exception(error_);
-  }
-
- private:
-  std::string what_;
-  Clock::time_point deadline_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
 
 std::vector<at::Tensor> chunks(const at::Tensor& flat, int parts) {
   const int64_t each = flat.numel() / parts;

@@ -5,46 +5,9 @@
 #include <chrono>
 
 #include "cohort/core/error.h"
+#include "cohort/core/job_work.h"
 
 namespace cohort {
-namespace {
-
-// The Work of one job: finished by the worker, waited for by the caller.
-class HookJobWork : public WorkImpl {
- public:
-  explicit HookJobWork(std::string what) : what_(std::move(what)) {}
-
-  void finish(std::exception_ptr error) {
-    std::lock_guard<std::mutex> lock(mu_);
-    error_ = std::move(error);
-    done_ = true;
-    cv_.notify_all();
-  }
-
-  bool is_completed() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
-
-  void wait(Millis timeout) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    // The job's own waits start their deadline when it starts, a little
-    // after this one: a short grace lets it fail with its own message (the
-    // step and the peer it was waiting for).
-    const bool done = cv_.wait_for(lock, timeout + Millis(500), [&] { return done_; });
-    if (!done) throw TimeoutError(what_ + " has not finished");
-    if (error_) std::rethrow_exception(error_);
-  }
-
- private:
-  std::string what_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
-
-}  // namespace
 
 HookWorker::HookWorker() : thread_([this] { loop(); }) {}
 
@@ -81,7 +44,7 @@ void HookWorker::loop() {
 }
 
 Work HookWorker::submit(OpContext context, std::function<void()> job) {
-  auto work = std::make_shared<HookJobWork>(context.op);
+  auto work = std::make_shared<JobWork>(context.op);
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back([this, work, op = context.op, job = std::move(job)] {
