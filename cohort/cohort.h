@@ -47,4 +47,5 @@
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "cohort/train/trainer_adapters.h"
+#include "cohort/train/trainer_wiring.h"
 #include "cohort/version.h"

@@ -10,6 +10,7 @@ Prints a table, or with --json one object per (mode, world) with mode,
 world, state_bytes_per_rank, grad_bytes_per_rank, grad_bytes_after_backward,
 staging_bytes_per_rank (ZeRO-2's staging buffers, lazily freed between
 uses), grad_peak_bytes (ZeRO-2: shard + most staging alive at once),
+held_grad_peak_bytes (ZeRO-2: most .grad bytes kept waiting for their bucket),
 bucket_bytes (ZeRO's largest bucket), step_ms, and the ratios to DDP at the same world size.
 """
 import argparse
@@ -32,6 +33,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=25, help="ZeRO's and fused's bucket cap")
+    ap.add_argument("--staged-buckets", type=int, default=1,
+                    help="ZeRO-2's max_staged_buckets (1: shard + one bucket; 2: overlapped)")
     ap.add_argument("--gather-algo", default="default", help="ZeRO's parameter all-gather")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", action="store_true")
@@ -43,7 +46,8 @@ def main():
             for m in modes:
                 args = ["--mode", m, "--steps", str(a.steps), "--warmup", str(a.warmup),
                         "--batch", str(a.batch), "--bucket-mb", str(a.bucket_mb),
-                        "--gather-algo", a.gather_algo]
+                        "--gather-algo", a.gather_algo,
+                        "--staged-buckets", str(a.staged_buckets)]
                 results[m].append(run_once([a.binary] + args, world, a.timeout))
         rows = {}
         for m in modes:
@@ -54,6 +58,7 @@ def main():
                        "grad_bytes_after_backward": max(r["grad_bytes_after_backward"] for r in rs),
                        "staging_bytes_per_rank": max(r["staging_bytes_per_rank"] for r in rs),
                        "grad_peak_bytes": max(r["grad_peak_bytes"] for r in rs),
+                       "held_grad_peak_bytes": max(r["held_grad_peak_bytes"] for r in rs),
                        "bucket_bytes": max(r["bucket_bytes"] for r in rs),
                        "step_ms": round(statistics.median(r["step_ms"] for r in rs), 2),
                        "step_ms_runs": [round(r["step_ms"], 2) for r in rs],
@@ -76,7 +81,7 @@ def main():
                       f"grads {row['grad_bytes_per_rank'] / mb:7.2f} MiB  "
                       f"(after backward {row['grad_bytes_after_backward'] / mb:7.2f} MiB, "
                       f"staging {row['staging_bytes_per_rank'] / mb:6.2f} MiB lazily freed, "
-                      f"peak {row['grad_peak_bytes'] / mb:7.2f} MiB, bucket {row['bucket_bytes'] / mb:6.2f} MiB)  "
+                      f"peak {row['grad_peak_bytes'] / mb:7.2f} MiB, held {row['held_grad_peak_bytes'] / mb:6.2f} MiB, bucket {row['bucket_bytes'] / mb:6.2f} MiB)  "
                       f"step median {row['step_ms']:8.2f} ms, min {row['step_ms_min']:8.2f} ms"
                       + (f"  x{row['step_vs_ddp']:.2f} / x{row['step_min_vs_ddp']:.2f} of ddp"
                          if base else ""), flush=True)

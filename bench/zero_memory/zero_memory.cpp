@@ -24,7 +24,10 @@
 // grad_peak_bytes: ZeRO-2: the shard plus the most staging alive at once
 // during backward and the reduction (counted by the optimizer as buffers
 // are taken and released); other modes: grad_bytes_after_backward.
+// held_grad_peak_bytes: ZeRO-2: the most .grad bytes kept past their hook
+// at once because they (partly) belong to a bucket that does not stage yet.
 // bucket_bytes: ZeRO's largest bucket (0 for the other modes).
+// --staged-buckets N: ZeroOptions::max_staged_buckets (1 or 2).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -50,6 +53,7 @@ struct Args {
   int warmup = 3;
   double bucket_mb = 25;                // ZeRO's and the fused optimizer's bucket cap
   std::string gather_algo = "default";  // ZeRO's parameter all-gather
+  int staged_buckets = 1;               // ZeRO-2's max_staged_buckets
 };
 
 Args parse(int argc, char** argv) {
@@ -68,6 +72,8 @@ Args parse(int argc, char** argv) {
       a.bucket_mb = std::stod(v);
     else if (k == "--gather-algo")
       a.gather_algo = v;
+    else if (k == "--staged-buckets")
+      a.staged_buckets = std::stoi(v);
     else
       throw std::invalid_argument("unknown option " + k);
   }
@@ -125,6 +131,7 @@ int main(int argc, char** argv) {
       cohort::ZeroOptions zo;
       zo.stage = a.mode == "zero1" ? 1 : 2;
       zo.bucket_cap_mb = a.bucket_mb;
+      zo.max_staged_buckets = a.staged_buckets;
       if (a.gather_algo != "default") {
         const auto algo = cohort::parse_algorithm(a.gather_algo);
         if (!algo) throw std::invalid_argument("unknown --gather-algo " + a.gather_algo);
@@ -195,6 +202,7 @@ int main(int argc, char** argv) {
     const int64_t peak_max = max_over_ranks(
         *comm, zero2 ? zero->partition().shard_numel() * elem + zero->staging_peak_bytes()
                      : after_backward);
+    const int64_t held_max = max_over_ranks(*comm, zero2 ? zero->held_peak_bytes() : 0);
     int64_t bucket_bytes = 0;
     if (zero) {
       for (const auto& b : zero->partition().buckets())
@@ -206,13 +214,14 @@ int main(int argc, char** argv) {
       std::printf(
           "{\"mode\": \"%s\", \"world\": %d, \"params\": %lld, \"state_bytes_per_rank\": %lld, "
           "\"grad_bytes_per_rank\": %lld, \"grad_bytes_after_backward\": %lld, "
-          "\"staging_bytes_per_rank\": %lld, \"grad_peak_bytes\": %lld, \"bucket_bytes\": %lld, "
+          "\"staging_bytes_per_rank\": %lld, \"grad_peak_bytes\": %lld, \"held_grad_peak_bytes\": "
+          "%lld, \"bucket_bytes\": %lld, "
           "\"step_ms\": %.3f, \"step_ms_min\": %.3f}\n",
           a.mode.c_str(), comm->size(), static_cast<long long>(params),
           static_cast<long long>(state_max), static_cast<long long>(grads_max),
           static_cast<long long>(after_max), static_cast<long long>(staging_max),
-          static_cast<long long>(peak_max), static_cast<long long>(bucket_bytes), ms[ms.size() / 2],
-          ms.front());
+          static_cast<long long>(peak_max), static_cast<long long>(held_max),
+          static_cast<long long>(bucket_bytes), ms[ms.size() / 2], ms.front());
     }
     cohort::finalize();
     return 0;

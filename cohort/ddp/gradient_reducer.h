@@ -88,6 +88,8 @@ class GradientReducer {
   const DDPOptions& options() const { return options_; }
   /// The communicator the gradients are reduced over.
   Communicator& communicator() { return *comm_; }
+  /// The same communicator, shared (for what keeps it, e.g. a TrainerWiring).
+  const std::shared_ptr<Communicator>& shared_communicator() const { return comm_; }
 
   /// The parameters that are reduced (requires_grad), in registration order,
   /// and their qualified names.

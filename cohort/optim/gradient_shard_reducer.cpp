@@ -1,14 +1,18 @@
 // GradientShardReducer: ZeRO stage 2's staging and reduce-scatter.
 //
 // When a parameter's gradient is ready (its accumulator's post hook alone,
-// DDP's report with DDP) it is copied into the staging buffer of each
-// bucket it lies in and .grad is set to none (autograd's tensor is freed).
-// A bucket is reduce-scattered into this rank's shard as soon as all its
-// parameters are in, from the last bucket down (the order backward fills
-// them; the same on every rank, so the collectives match), so the reduction
-// overlaps the rest of backward, as DDP's all-reduce does. A bucket's
-// staging goes back as soon as its reduce-scatter is done.
+// DDP's report with DDP) its part in the current bucket is copied into that
+// bucket's staging buffer; .grad is set to none (autograd's tensor is
+// freed) once every part is staged. The current bucket is reduce-scattered
+// into this rank's shard as soon as all its parameters are in, from the
+// last bucket down (the order backward fills them; the same on every rank,
+// so the collectives match), and the next one becomes current. Its staging
+// goes back as soon as its reduce-scatter is done: before the next bucket
+// opens (max_staged 1), or while it fills (2, overlapping the reduction
+// with the rest of backward).
 #include "cohort/optim/gradient_shard_reducer.h"
+
+#include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
 #include <map>
@@ -16,12 +20,6 @@
 #include "cohort/core/error.h"
 
 namespace cohort {
-namespace {
-
-// Buckets staged at once: the one filling and the one on the wire.
-constexpr size_t kMaxStaged = 2;
-
-}  // namespace
 
 std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& local) {
   auto mask = torch::zeros({static_cast<int64_t>(local.size())}, torch::kInt);
@@ -34,31 +32,36 @@ std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& loca
 GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
                                            const FlatPartition& partition,
                                            std::shared_ptr<Communicator> comm, bool hook,
-                                           std::function<std::string(const std::string&)> where)
+                                           std::function<std::string(const std::string&)> where,
+                                           int max_staged)
     : params_(std::move(params)),
       partition_(partition),
       comm_(std::move(comm)),
-      where_(std::move(where)) {
+      where_(std::move(where)),
+      max_staged_(static_cast<size_t>(std::max(1, max_staged))) {
   const auto options = params_.at(0).options().requires_grad(false);
   shard_ = torch::zeros({partition_.shard_numel()}, options);
   const auto& buckets = partition_.buckets();
   buckets_.resize(buckets.size());
   param_buckets_.resize(params_.size());
-  staged_.assign(params_.size(), 0);
+  arrived_.assign(params_.size(), 0);
   has_.assign(params_.size(), 0);
+  parts_left_.assign(params_.size(), 0);
+  held_grad_.assign(params_.size(), 0);
   for (size_t b = 0; b < buckets.size(); ++b) {
     buckets_[b].buffer = std::make_unique<StagingBuffer>(buckets[b].padded, options);
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& prm = partition_.params()[i];
       if (prm.numel > 0 && prm.offset < buckets[b].offset + buckets[b].numel &&
           prm.offset + prm.numel > buckets[b].offset) {
+        param_buckets_[i].emplace_back(b, buckets_[b].params.size());
         buckets_[b].params.push_back(i);
-        param_buckets_[i].push_back(b);
         // Only parameters that can get a gradient are waited for; the
         // others are zeros when their bucket goes.
         if (params_[i].requires_grad()) ++buckets_[b].pending_init;
       }
     }
+    buckets_[b].staged.assign(buckets_[b].params.size(), 0);
   }
   if (hook) {
     hooks_ =
@@ -92,29 +95,49 @@ void GradientShardReducer::take_over(GradientReducer& ddp) {
 void GradientShardReducer::begin_iteration() {
   for (auto& b : buckets_) {
     b.pending = b.pending_init;
-    b.launched = false;
+    std::fill(b.staged.begin(), b.staged.end(), 0);
   }
-  std::fill(staged_.begin(), staged_.end(), 0);
+  std::fill(arrived_.begin(), arrived_.end(), 0);
   std::fill(has_.begin(), has_.end(), 0);
-  next_launch_ = static_cast<int64_t>(buckets_.size()) - 1;
+  std::fill(held_grad_.begin(), held_grad_.end(), 0);
+  held_.now = 0;
+  current_ = static_cast<int64_t>(buckets_.size()) - 1;
   twice_ = false;
   active_ = true;
 }
 
-torch::Tensor& GradientShardReducer::staging(size_t b) {
+void GradientShardReducer::open_bucket(size_t b) {
   auto& bucket = buckets_[b];
-  if (!bucket.live.defined()) {
-    // Bounded staging: wait for the older bucket on the wire first.
-    // (Buckets still filling cannot be waited for: gradients arriving far
-    // out of bucket order may stage more than two.)
-    release_finished(false);
-    while (live_bytes_ > 0 && live_staged() >= kMaxStaged && !in_flight_.empty())
-      release_finished(true);
-    bucket.live = bucket.buffer->acquire();
-    live_bytes_ += bucket.buffer->nbytes();
-    peak_bytes_ = std::max(peak_bytes_, live_bytes_);
+  if (bucket.live.defined()) return;
+  release_finished(false);
+  while (in_flight_.size() >= max_staged_) release_finished(true);
+  bucket.live = bucket.buffer->acquire();
+  staging_.add(bucket.buffer->nbytes());
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    if (arrived_[bucket.params[k]]) stage_part(b, k);
   }
-  return bucket.live;
+}
+
+void GradientShardReducer::stage_part(size_t b, size_t k) {
+  auto& bucket = buckets_[b];
+  const size_t i = bucket.params[k];
+  const auto& prm = partition_.params()[i];
+  const auto& range = partition_.buckets()[b];
+  const int64_t lo = std::max(range.offset, prm.offset);
+  const int64_t hi = std::min(range.offset + range.numel, prm.offset + prm.numel);
+  auto view = bucket.live.narrow(0, lo - range.offset, hi - lo);
+  auto& g = params_[i].mutable_grad();
+  if (has_[i]) {
+    view.copy_(g.reshape(-1).narrow(0, lo - prm.offset, hi - lo));
+  } else {
+    view.zero_();  // unused here (DDP reports it): zeros, as in DDP
+  }
+  bucket.staged[k] = 1;
+  if (--parts_left_[i] == 0) {
+    held_.add(-held_grad_[i]);
+    held_grad_[i] = 0;
+    g = torch::Tensor();  // the gradient lives on in the staging only
+  }
 }
 
 void GradientShardReducer::release(size_t b) {
@@ -123,7 +146,7 @@ void GradientShardReducer::release(size_t b) {
   if (!bucket.live.defined()) return;
   bucket.live = torch::Tensor();
   bucket.buffer->release();
-  live_bytes_ -= bucket.buffer->nbytes();
+  staging_.add(-bucket.buffer->nbytes());
 }
 
 void GradientShardReducer::release_finished(bool block) {
@@ -142,12 +165,20 @@ void GradientShardReducer::release_finished(bool block) {
 
 void GradientShardReducer::on_gradient_ready(size_t i) {
   if (no_sync_depth_ > 0) return;  // accumulate locally in .grad
-  stage_gradient(i);
+  if (!active_) {
+    // Alone, the end of backward launches what is left (as DDP's end of
+    // backward does with DDP): a bucket whose parameters got no gradient
+    // would otherwise hold every later gradient in .grad until step().
+    torch::autograd::Engine::get_default_engine().queue_callback([this] {
+      if (active_) launch_rest();
+    });
+  }
+  arrive(i);
   launch_ready_buckets(false);
 }
 
 void GradientShardReducer::gradient_ready(size_t ddp_index) {
-  stage_gradient(from_ddp_[ddp_index]);
+  arrive(from_ddp_[ddp_index]);
   launch_ready_buckets(false);
 }
 
@@ -155,57 +186,86 @@ void GradientShardReducer::backward_finished() {
   if (active_) launch_ready_buckets(true);
 }
 
-void GradientShardReducer::stage_gradient(size_t i) {
+void GradientShardReducer::arrive(size_t i) {
   torch::NoGradGuard no_grad;
   if (!active_) begin_iteration();
-  auto& g = params_[i].mutable_grad();
-  if (staged_[i]) {
+  if (arrived_[i]) {
     // A second backward before step(): its bucket may be on the wire.
     twice_ = true;
     return;
   }
-  const auto& prm = partition_.params()[i];
-  for (size_t b : param_buckets_[i]) {
-    const auto& bucket = partition_.buckets()[b];
-    const int64_t lo = std::max(bucket.offset, prm.offset);
-    const int64_t hi = std::min(bucket.offset + bucket.numel, prm.offset + prm.numel);
-    auto view = staging(b).narrow(0, lo - bucket.offset, hi - lo);
-    if (g.defined()) {
-      view.copy_(g.reshape(-1).narrow(0, lo - prm.offset, hi - lo));
-    } else {
-      view.zero_();  // unused here (DDP reports it): zeros, as in DDP
-    }
+  arrived_[i] = 1;
+  has_[i] = params_[i].grad().defined() ? 1 : 0;
+  parts_left_[i] = param_buckets_[i].size();
+  bool in_current = false;
+  for (const auto& [b, k] : param_buckets_[i]) {
     if (params_[i].requires_grad()) --buckets_[b].pending;
+    in_current = in_current || static_cast<int64_t>(b) == current_;
+    // Its bucket was reduced at the end of an earlier backward: this is a
+    // second backward before step().
+    if (static_cast<int64_t>(b) > current_) twice_ = true;
   }
-  has_[i] = g.defined() ? 1 : 0;
-  g = torch::Tensor();  // the gradient lives on in the staging only
-  staged_[i] = 1;
+  if (parts_left_[i] == 0) {
+    params_[i].mutable_grad() = torch::Tensor();
+    return;
+  }
+  if (in_current) {
+    const auto b = static_cast<size_t>(current_);
+    if (!buckets_[b].live.defined()) {
+      open_bucket(b);  // stages this gradient too
+    } else {
+      for (const auto& [pb, k] : param_buckets_[i]) {
+        if (pb == b) stage_part(b, k);
+      }
+    }
+  }
+  if (parts_left_[i] > 0 && has_[i]) {
+    // Kept in .grad until its other buckets are current.
+    held_grad_[i] = params_[i].grad().nbytes();
+    held_.add(held_grad_[i]);
+  }
 }
 
 void GradientShardReducer::launch_ready_buckets(bool all) {
   torch::NoGradGuard no_grad;
   release_finished(false);
-  while (next_launch_ >= 0 && (all || buckets_[next_launch_].pending == 0)) {
-    const auto b = static_cast<size_t>(next_launch_--);
-    const auto& bucket = partition_.buckets()[b];
-    auto& buffer = staging(b);
+  while (current_ >= 0 && (all || buckets_[current_].pending == 0)) {
+    const auto b = static_cast<size_t>(current_--);
+    open_bucket(b);
+    auto& bucket = buckets_[b];
+    const auto& range = partition_.buckets()[b];
     // Parameters without a gradient this iteration count as zeros, and so
     // does the padding.
-    for (size_t i : buckets_[b].params) {
-      if (staged_[i]) continue;
-      const auto& prm = partition_.params()[i];
-      const int64_t lo = std::max(bucket.offset, prm.offset);
-      const int64_t hi = std::min(bucket.offset + bucket.numel, prm.offset + prm.numel);
-      buffer.narrow(0, lo - bucket.offset, hi - lo).zero_();
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      if (bucket.staged[k]) continue;
+      const auto& prm = partition_.params()[bucket.params[k]];
+      const int64_t lo = std::max(range.offset, prm.offset);
+      const int64_t hi = std::min(range.offset + range.numel, prm.offset + prm.numel);
+      bucket.live.narrow(0, lo - range.offset, hi - lo).zero_();
     }
-    if (bucket.padded > bucket.numel) {
-      buffer.narrow(0, bucket.numel, bucket.padded - bucket.numel).zero_();
+    if (range.padded > range.numel) {
+      bucket.live.narrow(0, range.numel, range.padded - range.numel).zero_();
     }
-    auto out = shard_.narrow(0, bucket.shard_offset, bucket.chunk);
-    buckets_[b].work = comm_->reduce_scatter_tensor(out, buffer, {ReduceOp::Avg});
-    buckets_[b].launched = true;
+    auto out = shard_.narrow(0, range.shard_offset, range.chunk);
+    bucket.work = comm_->reduce_scatter_tensor(out, bucket.live, {ReduceOp::Avg});
     in_flight_.push_back(b);
   }
+}
+
+void GradientShardReducer::launch_rest() {
+  torch::NoGradGuard no_grad;
+  // Gradients that did not come through a synchronizing backward: set by
+  // hand, or accumulated under no_sync() with no backward after it. One
+  // that arrived after its parameter was staged is a second backward.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad().defined()) continue;
+    if (!arrived_[i]) {
+      arrive(i);
+    } else if (parts_left_[i] == 0) {
+      twice_ = true;
+    }  // else: kept in .grad for a later bucket
+  }
+  launch_ready_buckets(true);
 }
 
 std::vector<char> GradientShardReducer::finish() {
@@ -217,18 +277,7 @@ std::vector<char> GradientShardReducer::finish() {
                 "take_over_reduction(ddp.reducer()))");
   }
   if (!active_) begin_iteration();
-  // Gradients that did not come through a synchronizing backward: set by
-  // hand, or accumulated under no_sync() with no backward after it. One
-  // that arrived after its parameter was staged is a second backward.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].grad().defined()) continue;
-    if (staged_[i]) {
-      twice_ = true;
-    } else {
-      stage_gradient(i);
-    }
-  }
-  launch_ready_buckets(true);
+  launch_rest();
   const auto has = any_rank_has(*comm_, has_);
   const bool twice = twice_;
   drop();
@@ -244,13 +293,9 @@ std::vector<char> GradientShardReducer::finish() {
 void GradientShardReducer::drop() {
   while (!in_flight_.empty()) release_finished(true);
   for (size_t b = 0; b < buckets_.size(); ++b) release(b);
+  std::fill(held_grad_.begin(), held_grad_.end(), 0);
+  held_.now = 0;
   active_ = false;
-}
-
-size_t GradientShardReducer::live_staged() const {
-  size_t n = 0;
-  for (const auto& b : buckets_) n += b.live.defined() ? 1 : 0;
-  return n;
 }
 
 std::vector<torch::Tensor> GradientShardReducer::live_staging() const {

@@ -6,22 +6,28 @@
 // gradient accumulators itself; with cohort DDP, DDP reports ready
 // gradients to it instead of all-reducing its own buckets.
 //
-// Memory: each bucket has its own staging buffer, live from the first
-// gradient staged into it until its reduce-scatter completes (polled as
-// backward goes on). A staged gradient leaves .grad (set to none), so
-// autograd's copy is freed at once. At most two buckets are staged at a
-// time: the one filling and the one on the wire; a third waits for the
-// older one. So a rank's gradient memory during backward is its shard (1/N)
-// plus at most two buckets, typically one (staging_peak_bytes() says), not
-// the full gradient.
+// Memory: buckets are reduced one after the other, from the last down (the
+// order backward fills them). Only the current bucket stages: a gradient
+// that lies (partly) in a later bucket, out of order or straddling a bucket
+// boundary, stays in its .grad until that bucket is current. Each bucket
+// has its own staging buffer, live from the first gradient staged into it
+// until its reduce-scatter completes. With `max_staged` 1, a bucket starts
+// staging only once the previous one's reduce-scatter is done, so a rank's
+// gradient memory during backward is its shard (1/N) plus one bucket; with
+// 2 the next bucket fills while the previous one is on the wire (its
+// reduction overlaps the rest of backward) at the cost of a second bucket.
+// staging_peak_bytes() measures it; held_peak_bytes() the gradients kept
+// in .grad waiting for their bucket.
 #pragma once
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
@@ -40,10 +46,11 @@ class GradientShardReducer : private ReductionOwner {
   /// `params` in flat order, laid out by `partition`; `where(op)` names the
   /// owner, rank and group in error messages. Alone (`hook` true) it hooks
   /// the gradient accumulators; otherwise a DDP hands its reduction over
-  /// (take_over()).
+  /// (take_over()). `max_staged` (1 or 2): buckets whose staging may be
+  /// alive at once (see the file comment).
   GradientShardReducer(std::vector<torch::Tensor> params, const FlatPartition& partition,
                        std::shared_ptr<Communicator> comm, bool hook,
-                       std::function<std::string(const std::string&)> where);
+                       std::function<std::string(const std::string&)> where, int max_staged = 1);
   /// Gives DDP its reduction back.
   ~GradientShardReducer() override;
   GradientShardReducer(const GradientShardReducer&) = delete;
@@ -70,7 +77,9 @@ class GradientShardReducer : private ReductionOwner {
   /// Bytes of all buckets' staging buffers (mapped, lazily freed between uses).
   int64_t staging_bytes() const;
   /// The most staging bytes alive at once since construction.
-  int64_t staging_peak_bytes() const { return peak_bytes_; }
+  int64_t staging_peak_bytes() const { return staging_.peak; }
+  /// The most bytes of .grad kept at once waiting for their bucket.
+  int64_t held_peak_bytes() const { return held_.peak; }
 
   /// While positive, backward accumulates in .grad (alone; with DDP use
   /// ddp.no_sync()).
@@ -85,44 +94,65 @@ class GradientShardReducer : private ReductionOwner {
   void gradient_ready(size_t ddp_index) override;
   void backward_finished() override;
   void begin_iteration();
-  void stage_gradient(size_t i);
-  torch::Tensor& staging(size_t b);
+  // Parameter i's gradient is in: staged into the current bucket if it lies
+  // there, kept in .grad for later buckets.
+  void arrive(size_t i);
+  // Makes bucket b's staging live (waiting for the buckets on the wire as
+  // max_staged_ says) and stages the gradients that arrived for it so far.
+  void open_bucket(size_t b);
+  // Copies parameter i's part of bucket b (its k-th parameter) into b's
+  // staging; .grad goes once every part of i is staged.
+  void stage_part(size_t b, size_t k);
   void launch_ready_buckets(bool all);
+  // Stages what backward did not hand over and launches every bucket left.
+  void launch_rest();
   // Releases the staging of launched buckets whose reduce-scatter is done;
   // with `block`, waits for the oldest one first.
   void release_finished(bool block);
   void release(size_t b);
-  size_t live_staged() const;
 
   std::vector<torch::Tensor> params_;
   const FlatPartition& partition_;
   std::shared_ptr<Communicator> comm_;
   std::function<std::string(const std::string&)> where_;
+  size_t max_staged_;
   torch::Tensor shard_;
 
-  // Per bucket: its parameters, what it still waits for (parameters that
-  // require grad), its staging buffer, the buffer while in use, its Work.
-  // Per parameter: its buckets, whether staged and whether it had a
-  // gradient here this iteration.
+  // Per bucket: its parameters (and, per iteration, which of their parts
+  // are staged), how many of them it still waits for (those that require
+  // grad), its staging buffer, the buffer while in use, its Work.
   struct Bucket {
     std::vector<size_t> params;
+    std::vector<char> staged;
     int pending_init = 0;
     int pending = 0;
     std::unique_ptr<StagingBuffer> buffer;
     torch::Tensor live;
     Work work;
-    bool launched = false;
   };
   std::vector<Bucket> buckets_;
-  std::vector<std::vector<size_t>> param_buckets_;
-  std::vector<char> staged_, has_;
-  std::vector<size_t> in_flight_;  // launched, staging not yet released
-  bool active_ = false;            // an iteration is under way
-  int64_t next_launch_ = -1;       // launched from the last bucket down
+  // Per parameter: (bucket, index in the bucket's params) of each bucket it
+  // lies in; whether its gradient arrived this iteration, whether it had
+  // one here, how many of its parts are not staged yet.
+  std::vector<std::vector<std::pair<size_t, size_t>>> param_buckets_;
+  std::vector<char> arrived_, has_;
+  std::vector<size_t> parts_left_;
+  std::vector<int64_t> held_grad_;  // bytes of a .grad kept for a later bucket
+  std::vector<size_t> in_flight_;   // launched, staging not yet released
+  bool active_ = false;             // an iteration is under way
+  int64_t current_ = -1;            // the bucket that stages; launched from the last down
   bool twice_ = false;
   int no_sync_depth_ = 0;
-  int64_t live_bytes_ = 0;
-  int64_t peak_bytes_ = 0;
+  // Bytes alive now, and the most at once so far.
+  struct Gauge {
+    int64_t now = 0, peak = 0;
+    void add(int64_t n) {
+      now += n;
+      peak = std::max(peak, now);
+    }
+  };
+  Gauge staging_;  // live staging buffers
+  Gauge held_;     // .grad kept for a later bucket
 
   std::unique_ptr<AccumulatorHooks> hooks_;  // alone
   GradientReducer* ddp_ = nullptr;           // with DDP

@@ -24,6 +24,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     throw InvalidArgument(where("constructor") + ": stage must be 1 or 2, got " +
                           std::to_string(options_.stage));
   }
+  if (options_.max_staged_buckets != 1 && options_.max_staged_buckets != 2) {
+    throw InvalidArgument(where("constructor") + ": max_staged_buckets must be 1 or 2, got " +
+                          std::to_string(options_.max_staged_buckets));
+  }
   std::vector<int64_t> numels;
   std::vector<size_t> group_of;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -64,7 +68,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   if (options_.stage == 2 && world > 1) {
     shard_reducer_ = std::make_unique<GradientShardReducer>(
         params_, *partition_, comm_, /*hook=*/options_.reduce_gradients,
-        [this](const std::string& op) { return where(op); });
+        [this](const std::string& op) { return where(op); }, options_.max_staged_buckets);
   } else if (options_.reduce_gradients && world > 1) {
     flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
   }

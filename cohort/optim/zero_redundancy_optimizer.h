@@ -80,6 +80,12 @@ struct ZeroOptions {
   /// Largest bucket of the gradient reduction and the parameter all-gather,
   /// in MiB; smaller buckets mean less staging memory at stage 2.
   double bucket_cap_mb = 25;
+  /// Stage 2: buckets whose staging may be alive at once. 1: a bucket
+  /// starts staging when the previous one's reduce-scatter is done, so the
+  /// gradient memory during backward is the shard plus one bucket. 2: the
+  /// next bucket fills while the previous one is on the wire (its reduction
+  /// overlaps backward), for the shard plus two buckets.
+  int max_staged_buckets = 1;
   /// false when cohort DDP is in charge of the model: at stage 1 DDP's
   /// all-reduce averaged the .grad in backward and ZeRO reads them; at stage
   /// 2 DDP hands its reduction over (take_over_reduction(), which make(ddp,
@@ -202,6 +208,8 @@ class ZeroRedundancyOptimizer {
   const ZeroOptions& options() const { return options_; }
   /// The communicator the shards are exchanged over.
   Communicator& communicator() { return *comm_; }
+  /// The same communicator, shared (for what keeps it, e.g. a TrainerWiring).
+  const std::shared_ptr<Communicator>& shared_communicator() const { return comm_; }
 
   /// Bytes of optimizer state this rank holds (its shard's).
   int64_t state_bytes() const;
@@ -224,6 +232,9 @@ class ZeroRedundancyOptimizer {
   int64_t staging_peak_bytes() const {
     return shard_reducer_ ? shard_reducer_->staging_peak_bytes() : 0;
   }
+  /// Stage 2: the most bytes of .grad kept at once past their hook because
+  /// they (partly) belong to a bucket that does not stage yet.
+  int64_t held_peak_bytes() const { return shard_reducer_ ? shard_reducer_->held_peak_bytes() : 0; }
 
   /// This rank's shard of the state, for sharded checkpoints: every rank
   /// saves its own archive and loads it back into an optimizer with the same

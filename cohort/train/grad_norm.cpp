@@ -22,7 +22,7 @@ double ReplicatedGradNorm::global_norm(const std::vector<torch::Tensor>& params)
 
 double ShardedGradNorm::global_norm(const std::vector<torch::Tensor>& params) {
   auto partial = torch::tensor({local_squared_norm(params)}, torch::kFloat64);
-  comm_.all_reduce(partial, {ReduceOp::Sum}).wait();
+  comm_->all_reduce(partial, {ReduceOp::Sum}).wait();
   return std::sqrt(partial.item<double>());
 }
 

@@ -41,11 +41,11 @@ class ReplicatedGradNorm : public GradNorm {
 class ShardedGradNorm : public GradNorm {
  public:
   /// Sums the squared partial norms over `comm`.
-  explicit ShardedGradNorm(Communicator& comm) : comm_(comm) {}
+  explicit ShardedGradNorm(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
   double global_norm(const std::vector<torch::Tensor>& params) override;
 
  private:
-  Communicator& comm_;
+  std::shared_ptr<Communicator> comm_;
 };
 
 /// Sum of squares of the gradients in `params`, accumulated in float64 so

@@ -6,12 +6,12 @@
 
 namespace cohort {
 
-AllReduceGradientSync::AllReduceGradientSync(Communicator& comm,
+AllReduceGradientSync::AllReduceGradientSync(std::shared_ptr<Communicator> comm,
                                              std::vector<torch::Tensor> params)
-    : comm_(comm), params_(std::move(params)) {}
+    : comm_(std::move(comm)), params_(std::move(params)) {}
 
 void AllReduceGradientSync::finish_sync() {
-  if (comm_.size() == 1) return;
+  if (comm_->size() == 1) return;
   std::vector<torch::Tensor> grads;
   for (auto& p : params_) {
     // A parameter unused on this rank still takes part, as zeros, so that
@@ -20,7 +20,7 @@ void AllReduceGradientSync::finish_sync() {
     grads.push_back(p.grad());
   }
   const auto start = std::chrono::steady_clock::now();
-  comm_.all_reduce_coalesced(grads, {ReduceOp::Avg}).wait();
+  comm_->all_reduce_coalesced(grads, {ReduceOp::Avg}).wait();
   comm_seconds_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

@@ -50,13 +50,13 @@ class GradientSync {
 class AllReduceGradientSync : public GradientSync {
  public:
   /// Averages the gradients of `params` over `comm`.
-  AllReduceGradientSync(Communicator& comm, std::vector<torch::Tensor> params);
+  AllReduceGradientSync(std::shared_ptr<Communicator> comm, std::vector<torch::Tensor> params);
   std::shared_ptr<void> skip_sync() override { return nullptr; }
   void finish_sync() override;
   double comm_seconds() const override { return comm_seconds_; }
 
  private:
-  Communicator& comm_;
+  std::shared_ptr<Communicator> comm_;
   std::vector<torch::Tensor> params_;
   double comm_seconds_ = 0.0;
 };

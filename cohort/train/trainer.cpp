@@ -19,20 +19,21 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-Trainer::Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
-                 TrainerOptimizer& optimizer, GradientSync& sync, LossFn loss_fn,
-                 TrainerConfig config, std::shared_ptr<GradNorm> norm)
-    : comm_(comm),
-      model_(std::move(model)),
-      optimizer_(optimizer),
-      sync_(sync),
+Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
+                 std::shared_ptr<GradNorm> norm)
+    : wiring_(std::move(wiring)),
+      comm_(*wiring_.communicator()),
+      model_(wiring_.model()),
+      optimizer_(wiring_.optimizer()),
+      sync_(wiring_.sync()),
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
-      norm_(norm ? std::move(norm)
-            : optimizer.sharded_gradients()
-                ? std::shared_ptr<GradNorm>(std::make_shared<ShardedGradNorm>(comm))
-                : std::make_shared<ReplicatedGradNorm>()),
-      metrics_(config_.metrics_path, comm.rank() == 0, config_.metrics_strict) {
+      norm_(
+          norm ? std::move(norm)
+          : optimizer_.sharded_gradients()
+              ? std::shared_ptr<GradNorm>(std::make_shared<ShardedGradNorm>(wiring_.communicator()))
+              : std::make_shared<ReplicatedGradNorm>()),
+      metrics_(config_.metrics_path, comm_.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
     throw InvalidArgument("Trainer: accumulation_steps must be at least 1, got " +

@@ -19,9 +19,14 @@
 // Steps 1-5 are the same arithmetic on every rank, so the replicas stay
 // identical without broadcasting weights.
 //
-// The trainer holds references to what the caller passes; they must outlive
-// it. It has no global state: several trainers (ranks as threads) coexist.
+// What it trains with comes as a TrainerWiring (trainer_wiring.h), whose
+// factories accept only the valid pairings of DDP and optimizer; the DDP and
+// optimizers behind it must outlive the trainer. It has no global state: several trainers (ranks as
+// threads) coexist.
 #pragma once
+
+#include <torch/data/example.h>
+#include <torch/nn/module.h>
 
 #include <chrono>
 #include <functional>
@@ -30,9 +35,6 @@
 #include <string>
 #include <vector>
 
-#include <torch/data/example.h>
-#include <torch/nn/module.h>
-
 #include "cohort/train/checkpoint_dir.h"
 #include "cohort/train/data_source.h"
 #include "cohort/train/grad_norm.h"
@@ -40,11 +42,10 @@
 #include "cohort/train/lr_schedule.h"
 #include "cohort/train/metrics_log.h"
 #include "cohort/train/trainer_optimizer.h"
+#include "cohort/train/trainer_wiring.h"
 #include "cohort/train/training_state.h"
 
 namespace cohort {
-
-class Communicator;
 
 /// What the Trainer does each step and around it; the same on every rank.
 struct TrainerConfig {
@@ -100,13 +101,12 @@ struct FitCallbacks {
 /// order.
 class Trainer {
  public:
-  /// model: the replicated module (its parameters get the gradients);
-  /// sync: DdpGradientSync for a DDP model, AllReduceGradientSync otherwise;
+  /// wiring: the communicator, model, optimizer and gradient sync, from one of
+  /// TrainerWiring's factories (only valid pairings compile);
   /// norm: nullptr means ReplicatedGradNorm, or ShardedGradNorm when the
   /// optimizer's gradients are sharded (TrainerOptimizer::sharded_gradients).
-  Trainer(Communicator& comm, std::shared_ptr<torch::nn::Module> model,
-          TrainerOptimizer& optimizer, GradientSync& sync, LossFn loss_fn,
-          TrainerConfig config, std::shared_ptr<GradNorm> norm = nullptr);
+  Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
+          std::shared_ptr<GradNorm> norm = nullptr);
 
   /// Loads the newest checkpoint that verifies from config.checkpoint_dir
   /// (collective). Newer ones that fail are reported on stderr by rank 0 and
@@ -143,6 +143,7 @@ class Trainer {
   std::string shard_path(int64_t step) const;
   void remove_stale_shards() const;
 
+  TrainerWiring wiring_;
   Communicator& comm_;
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<torch::Tensor> params_;

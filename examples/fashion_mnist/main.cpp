@@ -86,8 +86,6 @@ int run(const Flags& flags) {
   ddp_options.compression.powersgd_start_iteration = flags.compression_start;
   cohort::DistributedDataParallel<fashion_mnist::Net> ddp(net, comm, ddp_options);
   torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(flags.lr));
-  cohort::TorchOptimizer optimizer(adamw);
-  cohort::DdpGradientSync<fashion_mnist::Net> sync(ddp);
 
   cohort::TrainerConfig config;
   config.accumulation_steps = flags.accumulation;
@@ -97,12 +95,12 @@ int run(const Flags& flags) {
   config.checkpoint_dir = flags.checkpoint_dir;
   config.checkpoint_every = flags.checkpoint_every;
   config.metrics_path = flags.metrics;
-  cohort::Trainer trainer(*comm, net.ptr(), optimizer, sync,
-                          [&](const torch::data::Example<>& b) {
-                            return torch::nn::functional::cross_entropy(ddp.forward(b.data),
-                                                                        b.target);
-                          },
-                          config);
+  cohort::Trainer trainer(
+      cohort::TrainerWiring::ddp(ddp, adamw),
+      [&](const torch::data::Example<>& b) {
+        return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+      },
+      config);
   cohort::TensorDataSource source(train.images, train.labels, per_rank, comm->rank(),
                                   comm->size());
   if (auto step = trainer.resume(); step && lead) {

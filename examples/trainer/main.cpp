@@ -35,8 +35,6 @@ int main(int argc, char** argv) {
                               torch::nn::Linear(32, 3));
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW adamw(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
-    cohort::TorchOptimizer optimizer(adamw);                   // a LibTorch optimizer, as is
-    cohort::DdpGradientSync<torch::nn::Sequential> sync(ddp);  // no_sync() between micro-batches
 
     cohort::TrainerConfig config;
     config.accumulation_steps = 2;  // 2 micro-batches of 8 rows per rank and step
@@ -45,8 +43,9 @@ int main(int argc, char** argv) {
     config.checkpoint_dir = dir;
     config.checkpoint_every = 5;
     config.progress = false;
+    // DDP + a LibTorch optimizer, as is (no_sync() between micro-batches).
     cohort::Trainer trainer(
-        *comm, net.ptr(), optimizer, sync,
+        cohort::TrainerWiring::ddp(ddp, adamw),
         [&](const torch::data::Example<>& b) {
           return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
         },

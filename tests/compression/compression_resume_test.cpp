@@ -38,8 +38,6 @@ std::vector<torch::Tensor> train(CompressionKind kind, const std::string& dir, i
     o.compression.powersgd_min_compression_rate = 1;
     DistributedDataParallel<torch::nn::Sequential> ddp(net, comm, o);
     torch::optim::AdamW adamw(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
-    TorchOptimizer optimizer(adamw);
-    DdpGradientSync<torch::nn::Sequential> sync(ddp);
     TrainerConfig config;
     config.schedule.base_lr = 1e-2;
     config.progress = false;
@@ -47,7 +45,7 @@ std::vector<torch::Tensor> train(CompressionKind kind, const std::string& dir, i
     LossFn loss = [&](const torch::data::Example<>& b) {
       return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
     };
-    Trainer trainer(*comm, net.ptr(), optimizer, sync, loss, config);
+    Trainer trainer(TrainerWiring::ddp(ddp, adamw), loss, config);
     if (from > 0) {
       ASSERT_EQ(trainer.resume().value_or(-1), from);
     }

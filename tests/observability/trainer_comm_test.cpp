@@ -4,6 +4,8 @@
 // comm_bytes has a lower bound; comm_seconds is positive and within the step.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"
@@ -45,32 +47,27 @@ void check_mode(Mode mode, int world) {
     std::unique_ptr<torch::optim::AdamW> adamw;
     std::unique_ptr<ZeroRedundancyOptimizer> zero;
     std::unique_ptr<FusedDistributedOptimizer> fused;
-    std::unique_ptr<TrainerOptimizer> optimizer;
-    std::unique_ptr<GradientSync> sync;
+    std::optional<TrainerWiring> wiring;
     ZeroOptions zo;
     switch (mode) {
       case Mode::Ddp:
         adamw = std::make_unique<torch::optim::AdamW>(ddp->parameters(), opts);
-        optimizer = std::make_unique<TorchOptimizer>(*adamw);
-        sync = std::make_unique<DdpGradientSync<torch::nn::Sequential>>(*ddp);
+        wiring.emplace(TrainerWiring::ddp(*ddp, *adamw));
         break;
       case Mode::Zero2Ddp:
         zo.stage = 2;
         zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, comm, zo);
-        optimizer = std::make_unique<ZeroTrainerOptimizer>(*zero);
-        sync = std::make_unique<DdpGradientSync<torch::nn::Sequential>>(*ddp);
+        wiring.emplace(TrainerWiring::ddp(*ddp, *zero));
         break;
       case Mode::Zero1Alone:
         zo.stage = 1;
         zero =
             ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
-        optimizer = std::make_unique<ZeroTrainerOptimizer>(*zero);
-        sync = std::make_unique<InStepGradientSync>(*zero);
+        wiring.emplace(TrainerWiring::zero(net.ptr(), *zero));
         break;
       case Mode::Fused:
         fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(), opts, comm);
-        optimizer = std::make_unique<FusedTrainerOptimizer>(*fused);
-        sync = std::make_unique<InStepGradientSync>();
+        wiring.emplace(TrainerWiring::fused(net.ptr(), *fused));
         break;
     }
     TrainerConfig config;
@@ -79,7 +76,7 @@ void check_mode(Mode mode, int world) {
       auto y = ddp ? ddp->forward(b.data) : net->forward(b.data);
       return torch::nn::functional::cross_entropy(y, b.target);
     };
-    Trainer trainer(*comm, net.ptr(), *optimizer, *sync, loss, config);
+    Trainer trainer(std::move(*wiring), loss, config);
     for (int64_t s = 0; s < 3; ++s) {
       const int64_t start = (s * world + comm->rank()) * 4;
       auto m = trainer.train_step({{data.x.narrow(0, start, 4), data.y.narrow(0, start, 4)}});

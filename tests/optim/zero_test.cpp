@@ -248,41 +248,57 @@ TEST(Zero, Stage2StagesBucketByBucketAndSkipsUnusedParameters) {
   expect_all_ranks_equal(got.params, expected, pb.init);
 }
 
-// The gradient peak: a bucket's staging goes back once its reduce-scatter is
-// done and a third bucket waits for the older one on the wire, so the
-// staging alive at once stays below the full gradient (here at most three
-// of the four buckets: one parameter spans two buckets) and the result
-// still equals the unsharded optimizer's.
-TEST(Zero, Stage2StagingPeakStaysBelowTheFullGradient) {
+// The gradient peak: only the current bucket stages, and it opens once at
+// most max_staged_buckets - 1 buckets are still on the wire, so the staging
+// alive at once is at most that many buckets (here of four, with one
+// parameter spanning two buckets) and the result still equals the
+// unsharded optimizer's.
+TEST(Zero, Stage2StagingPeakIsAtMostTheStagedBuckets) {
   torch::set_num_threads(1);
   const Problem pb(3);
   const auto opts = torch::optim::AdamWOptions(0.01);
   const auto expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
     return std::make_unique<torch::optim::AdamW>(ps, opts);
   });
+  for (int staged : {1, 2}) {
+    SCOPED_TRACE("max_staged_buckets " + std::to_string(staged));
+    ZeroOptions zo;
+    zo.stage = 2;
+    zo.bucket_cap_mb = kTinyBucketMb;
+    zo.max_staged_buckets = staged;
+    RankResults got(pb.world);
+    run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
+      auto net = pb.make_net();
+      auto zero =
+          ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
+      const auto& buckets = zero->partition().buckets();
+      ASSERT_EQ(buckets.size(), 4u);
+      int64_t largest = 0;
+      for (const auto& b : buckets) largest = std::max(largest, b.padded * 4);
+      for (int s = 0; s < kSteps; ++s) {
+        zero->zero_grad();
+        pb.loss(net, s, comm->rank()).backward();
+        zero->step();
+      }
+      EXPECT_GT(zero->staging_peak_bytes(), 0);
+      EXPECT_LE(zero->staging_peak_bytes(), staged * largest);
+      got.put(comm->rank(), net->parameters());
+    });
+    expect_all_ranks_equal(got.params, expected, pb.init);
+  }
+}
+
+TEST(Zero, RefusesMaxStagedBucketsOtherThanOneOrTwo) {
+  const Problem pb(1);
   ZeroOptions zo;
   zo.stage = 2;
-  zo.bucket_cap_mb = kTinyBucketMb;
-  RankResults got(pb.world);
-  run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
+  zo.max_staged_buckets = 3;
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
     auto net = pb.make_net();
-    auto zero =
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
-    const auto& buckets = zero->partition().buckets();
-    ASSERT_EQ(buckets.size(), 4u);
-    int64_t largest = 0;
-    for (const auto& b : buckets) largest = std::max(largest, b.padded * 4);
-    for (int s = 0; s < kSteps; ++s) {
-      zero->zero_grad();
-      pb.loss(net, s, comm->rank()).backward();
-      zero->step();
-    }
-    EXPECT_GT(zero->staging_peak_bytes(), 0);
-    EXPECT_LE(zero->staging_peak_bytes(), 3 * largest);
-    EXPECT_LT(zero->staging_peak_bytes(), zero->staging_bytes());
-    got.put(comm->rank(), net->parameters());
+    EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+                     net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo),
+                 InvalidArgument);
   });
-  expect_all_ranks_equal(got.params, expected, pb.init);
 }
 
 TEST(Zero, Stage2RefusesTwoBackwardsPerStep) {

@@ -50,14 +50,12 @@ std::vector<CommStats> traced_ddp_run(int world, const std::string& dir) {
         ddp_options.bucket_cap_mb = 0.0005;
         DistributedDataParallel<torch::nn::Sequential> ddp(net, comm, ddp_options);
         torch::optim::SGD sgd(ddp.parameters(), 0.1);
-        TorchOptimizer optimizer(sgd);
-        DdpGradientSync<torch::nn::Sequential> sync(ddp);
         TrainerConfig config;
         config.progress = false;
         LossFn loss = [&](const torch::data::Example<>& b) {
           return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
         };
-        Trainer trainer(*comm, net.ptr(), optimizer, sync, loss, config);
+        Trainer trainer(TrainerWiring::ddp(ddp, sgd), loss, config);
         for (int64_t s = 0; s < 3; ++s) {
           const int64_t start = (s * world + comm->rank()) * 4;
           trainer.train_step({{data.x.narrow(0, start, 4), data.y.narrow(0, start, 4)}});

@@ -102,21 +102,17 @@ JobResult run_job(const Job& job) {
     DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
     std::unique_ptr<ZeroRedundancyOptimizer> zero;
-    std::unique_ptr<TrainerOptimizer> adapter;
     if (job.zero) {
       ZeroOptions zo;
       zo.reduce_gradients = false;  // DDP averages them
       zo.bucket_cap_mb = 64.0 * 4 / (1024 * 1024);  // several buckets
       zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
           net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
-      adapter = std::make_unique<ZeroTrainerOptimizer>(*zero);
-    } else {
-      adapter = std::make_unique<TorchOptimizer>(opt);
     }
-    TrainerOptimizer& optimizer = *adapter;
-    DdpGradientSync<torch::nn::Sequential> ddp_sync(ddp);
-    AllReduceGradientSync plain_sync(*comm, net->parameters());
-    GradientSync& sync = job.ddp ? static_cast<GradientSync&>(ddp_sync) : plain_sync;
+    // ZeRO here steps DDP's averages (reduce_gradients false), so it goes with DDP only.
+    auto wiring = job.zero  ? TrainerWiring::ddp(ddp, *zero)
+                  : job.ddp ? TrainerWiring::ddp(ddp, opt)
+                            : TrainerWiring::all_reduce(comm, net.ptr(), opt);
     TrainerConfig config;
     config.accumulation_steps = 2;
     config.max_grad_norm = 1.0;
@@ -128,12 +124,13 @@ JobResult run_job(const Job& job) {
     config.keep_last = job.keep_last;
     config.metrics_path = job.metrics;
     config.progress = false;
-    Trainer trainer(*comm, net.ptr(), optimizer, sync,
-                    [&](const torch::data::Example<>& b) {
-                      auto out = job.ddp ? ddp.forward(b.data) : net->forward(b.data);
-                      return torch::nn::functional::cross_entropy(out, b.target);
-                    },
-                    config);
+    Trainer trainer(
+        std::move(wiring),
+        [&](const torch::data::Example<>& b) {
+          auto out = job.ddp ? ddp.forward(b.data) : net->forward(b.data);
+          return torch::nn::functional::cross_entropy(out, b.target);
+        },
+        config);
     TensorDataSource source(data.x, data.y, 4, comm->rank(), comm->size());
     auto resumed = job.resume ? trainer.resume() : std::nullopt;
     FitCallbacks callbacks;

@@ -46,8 +46,6 @@ int main(int argc, char** argv) {
 
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-    cohort::TorchOptimizer optimizer(opt);
-    cohort::DdpGradientSync<torch::nn::Sequential> sync(ddp);
     cohort::TrainerConfig config;
     config.accumulation_steps = 2;
     config.max_grad_norm = 1.0;
@@ -55,12 +53,12 @@ int main(int argc, char** argv) {
     config.checkpoint_dir = dir;
     config.checkpoint_every = 10;
     config.progress = false;
-    cohort::Trainer trainer(*comm, net.ptr(), optimizer, sync,
-                            [&](const torch::data::Example<>& b) {
-                              return torch::nn::functional::cross_entropy(ddp.forward(b.data),
-                                                                          b.target);
-                            },
-                            config);
+    cohort::Trainer trainer(
+        cohort::TrainerWiring::ddp(ddp, opt),
+        [&](const torch::data::Example<>& b) {
+          return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+        },
+        config);
     cohort::TensorDataSource source(x, y, 8, comm->rank(), comm->size());
     if (auto step = trainer.resume(); step && comm->rank() == 0) {
       std::printf("resumed from step %lld\n", static_cast<long long>(*step));

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/ddp_gradient_sync.h"
@@ -77,7 +78,6 @@ TEST_P(TrainerEquivalence, MatchesSingleProcessStepsOnTheGlobalBatch) {
   testing::run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = make_mlp();
     torch::optim::SGD opt(net->parameters(), kLr);
-    TorchOptimizer optimizer(opt);
     TrainerConfig config;
     config.accumulation_steps = c.accumulation;
     config.max_grad_norm = c.max_norm;
@@ -85,21 +85,21 @@ TEST_P(TrainerEquivalence, MatchesSingleProcessStepsOnTheGlobalBatch) {
     config.progress = false;
 
     std::unique_ptr<DistributedDataParallel<torch::nn::Sequential>> ddp;
-    std::unique_ptr<GradientSync> sync;
+    std::optional<TrainerWiring> wiring;
     LossFn loss;
     if (c.ddp) {
       ddp = std::make_unique<DistributedDataParallel<torch::nn::Sequential>>(net, comm);
-      sync = std::make_unique<DdpGradientSync<torch::nn::Sequential>>(*ddp);
+      wiring.emplace(TrainerWiring::ddp(*ddp, opt));
       loss = [&](const torch::data::Example<>& b) {
         return torch::nn::functional::cross_entropy(ddp->forward(b.data), b.target);
       };
     } else {
-      sync = std::make_unique<AllReduceGradientSync>(*comm, net->parameters());
+      wiring.emplace(TrainerWiring::all_reduce(comm, net.ptr(), opt));
       loss = [&](const torch::data::Example<>& b) {
         return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
       };
     }
-    Trainer trainer(*comm, net.ptr(), optimizer, *sync, loss, config);
+    Trainer trainer(std::move(*wiring), loss, config);
     for (int64_t s = 0; s < kSteps; ++s) {
       std::vector<torch::data::Example<>> batches;
       for (int64_t i = 0; i < c.accumulation; ++i) {
@@ -142,10 +142,10 @@ TEST(ShardedGradNorm, EqualsTheNormOfAllGradients) {
   const auto all = net->parameters();
   const double full = ReplicatedGradNorm().global_norm(all);
   for (int world : {1, 2, 3}) {
-    testing::run_ranks(world, [&](Communicator& comm) {
+    testing::run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
       std::vector<torch::Tensor> mine;
       for (size_t i = 0; i < all.size(); ++i) {
-        if (static_cast<int>(i) % comm.size() == comm.rank()) mine.push_back(all[i]);
+        if (static_cast<int>(i) % comm->size() == comm->rank()) mine.push_back(all[i]);
       }
       ShardedGradNorm sharded(comm);
       EXPECT_NEAR(sharded.global_norm(mine), full, 1e-12 * full) << "world " << world;

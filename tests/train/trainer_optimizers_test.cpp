@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
+#include <type_traits>
+#include <utility>
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/ddp_gradient_sync.h"
@@ -47,34 +50,29 @@ TrainRun train_run(Mode mode, int world, const testing::Synthetic& data) {
     std::unique_ptr<torch::optim::AdamW> adamw;
     std::unique_ptr<ZeroRedundancyOptimizer> zero;
     std::unique_ptr<FusedDistributedOptimizer> fused;
-    std::unique_ptr<TrainerOptimizer> optimizer;
-    std::unique_ptr<GradientSync> sync;
+    std::optional<TrainerWiring> wiring;
     ZeroOptions zo;
     zo.stage = 2;
     zo.bucket_cap_mb = kTinyBucketMb;
     switch (mode) {
       case Mode::DdpAdamW:
         adamw = std::make_unique<torch::optim::AdamW>(ddp->parameters(), kAdamW);
-        optimizer = std::make_unique<TorchOptimizer>(*adamw);
-        sync = std::make_unique<DdpGradientSync<torch::nn::Sequential>>(*ddp);
+        wiring.emplace(TrainerWiring::ddp(*ddp, *adamw));
         break;
       case Mode::Zero2Ddp:
         zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, kAdamW, comm, zo);
-        optimizer = std::make_unique<ZeroTrainerOptimizer>(*zero);
-        sync = std::make_unique<DdpGradientSync<torch::nn::Sequential>>(*ddp);
+        wiring.emplace(TrainerWiring::ddp(*ddp, *zero));
         break;
       case Mode::Zero2Alone:
         zero =
             ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm, zo);
-        optimizer = std::make_unique<ZeroTrainerOptimizer>(*zero);
-        sync = std::make_unique<InStepGradientSync>(*zero);
+        wiring.emplace(TrainerWiring::zero(net.ptr(), *zero));
         break;
       case Mode::Fused: {
         FusedOptions fo;
         fo.bucket_cap_mb = kTinyBucketMb;
         fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(), kAdamW, comm, fo);
-        optimizer = std::make_unique<FusedTrainerOptimizer>(*fused);
-        sync = std::make_unique<InStepGradientSync>();
+        wiring.emplace(TrainerWiring::fused(net.ptr(), *fused));
         break;
       }
     }
@@ -87,7 +85,7 @@ TrainRun train_run(Mode mode, int world, const testing::Synthetic& data) {
       auto y = ddp ? ddp->forward(b.data) : net->forward(b.data);
       return torch::nn::functional::cross_entropy(y, b.target);
     };
-    Trainer trainer(*comm, net.ptr(), *optimizer, *sync, loss, config);
+    Trainer trainer(std::move(*wiring), loss, config);
     std::vector<double> norms;
     std::vector<bool> clipped;
     const int64_t global = world * kAccumulation * kMicro;
@@ -115,6 +113,37 @@ TrainRun train_run(Mode mode, int world, const testing::Synthetic& data) {
   });
   return out;
 }
+
+// The wiring's pairings, checked by the compiler: a pairing without a
+// factory does not compile, and the trainer takes nothing but a wiring.
+template <typename D, typename O, typename = void>
+struct WiresWithDdp : std::false_type {};
+template <typename D, typename O>
+struct WiresWithDdp<
+    D, O, std::void_t<decltype(TrainerWiring::ddp(std::declval<D&>(), std::declval<O&>()))>>
+    : std::true_type {};
+template <typename M, typename O, typename = void>
+struct WiresFused : std::false_type {};
+template <typename M, typename O>
+struct WiresFused<
+    M, O, std::void_t<decltype(TrainerWiring::fused(std::declval<M>(), std::declval<O&>()))>>
+    : std::true_type {};
+using Ddp = DistributedDataParallel<torch::nn::Sequential>;
+using Module = std::shared_ptr<torch::nn::Module>;
+static_assert(WiresWithDdp<Ddp, torch::optim::AdamW>::value, "DDP + a LibTorch optimizer");
+static_assert(WiresWithDdp<Ddp, ZeroRedundancyOptimizer>::value, "DDP + ZeRO");
+static_assert(!WiresWithDdp<Ddp, FusedDistributedOptimizer>::value,
+              "the fused optimizer all-reduces itself: not under DDP");
+static_assert(WiresFused<Module, FusedDistributedOptimizer>::value, "the fused optimizer alone");
+static_assert(!WiresFused<Ddp&, FusedDistributedOptimizer>::value, "nor with a DDP as its model");
+static_assert(!WiresFused<Module, torch::optim::AdamW>::value, "a LibTorch optimizer is not fused");
+static_assert(!std::is_constructible_v<Trainer, Communicator&, Module, TrainerOptimizer&,
+                                       GradientSync&, LossFn, TrainerConfig>,
+              "no Trainer from loose parts");
+static_assert(
+    !std::is_constructible_v<TrainerWiring, std::shared_ptr<Communicator>, Module,
+                             std::unique_ptr<TrainerOptimizer>, std::unique_ptr<GradientSync>>,
+    "no wiring but through its factories");
 
 class TrainerOptimizers : public ::testing::TestWithParam<int> {};
 
@@ -152,6 +181,21 @@ INSTANTIATE_TEST_SUITE_P(Trainer, TrainerOptimizers, ::testing::Values(1, 2, 3),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return "world" + std::to_string(info.param);
                          });
+
+// What the types cannot say: the ZeRO of ddp(ddp, zero) must be built from
+// that DDP, and the ZeRO of zero(model, zero) must reduce alone.
+TEST(TrainerWiring, RefusesAZeroBuiltForTheOtherPairing) {
+  testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    auto net = make_mlp();
+    Ddp ddp(net, comm);
+    auto alone =
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm);
+    EXPECT_THROW(TrainerWiring::ddp(ddp, *alone), InvalidArgument);
+    auto for_ddp = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW, comm);
+    EXPECT_THROW(TrainerWiring::zero(net.ptr(), *for_ddp), InvalidArgument);
+    EXPECT_NO_THROW(TrainerWiring::ddp(ddp, *for_ddp));
+  });
+}
 
 }  // namespace
 }  // namespace cohort

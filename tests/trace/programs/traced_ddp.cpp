@@ -15,14 +15,12 @@ int main() {
     options.bucket_cap_mb = 0.0005;
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm, options);
     torch::optim::SGD sgd(ddp.parameters(), 0.1);
-    cohort::TorchOptimizer optimizer(sgd);
-    cohort::DdpGradientSync<torch::nn::Sequential> sync(ddp);
     cohort::TrainerConfig config;
     config.progress = false;
     cohort::LossFn loss = [&](const torch::data::Example<>& b) {
       return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
     };
-    cohort::Trainer trainer(*comm, net.ptr(), optimizer, sync, loss, config);
+    cohort::Trainer trainer(cohort::TrainerWiring::ddp(ddp, sgd), loss, config);
     const auto data = cohort::testing::make_data(64);
     for (int64_t s = 0; s < 3; ++s) {
       const int64_t start = (s * comm->size() + comm->rank()) * 4;

@@ -1,0 +1,132 @@
+// defines: TrainerWiring, what a Trainer trains with (its communicator, the
+// model whose parameters get the gradients, the optimizer adapter and the
+// gradient sync), made only by one factory per valid pairing of data
+// parallelism and optimizer:
+//
+//   TrainerWiring::ddp(ddp, torch_optimizer)   DDP averages during backward;
+//                                             any LibTorch optimizer steps
+//   TrainerWiring::ddp(ddp, zero)              ZeRO built from the DDP
+//                                             (make(ddp, ...)): stage 1 reads
+//                                             DDP's averages, stage 2 takes
+//                                             over DDP's reduction
+//   TrainerWiring::zero(model, zero)           ZeRO alone (it reduces)
+//   TrainerWiring::fused(model, fused)         FusedDistributedOptimizer
+//   TrainerWiring::all_reduce(comm, model, o)  no DDP: one all-reduce after
+//                                             the last micro-batch
+//
+// A pairing outside this list (the fused optimizer under DDP, ZeRO alone
+// with DDP's sync, two syncs, ...) has no factory and does not compile; the
+// one rule the types cannot say (the ZeRO of ddp(ddp, zero) was built from
+// that DDP) is checked when the wiring is made. The communicator comes from
+// the DDP or the distributed optimizer, which share it; all_reduce() takes
+// it as every holder of a communicator does, a std::shared_ptr.
+//
+// The wiring owns the adapters; the DDP, the optimizers and the model are the
+// caller's and must outlive the Trainer.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <utility>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/core/error.h"
+#include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/train/ddp_gradient_sync.h"
+#include "cohort/train/gradient_sync.h"
+#include "cohort/train/trainer_adapters.h"
+#include "cohort/train/trainer_optimizer.h"
+
+namespace cohort {
+
+/// The Trainer's communicator, model, optimizer adapter and gradient sync, made by one factory per
+/// valid pairing (see the file comment).
+class TrainerWiring {
+ public:
+  /// DDP + any LibTorch optimizer (DDP averages in backward, no_sync() between micro-batches).
+  template <typename ModuleHolder>
+  static TrainerWiring ddp(DistributedDataParallel<ModuleHolder>& ddp,
+                           torch::optim::Optimizer& optimizer) {
+    return TrainerWiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
+                         std::make_unique<TorchOptimizer>(optimizer),
+                         std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
+  }
+
+  /// DDP + ZeRO built from it (ZeroRedundancyOptimizer::make(ddp, ...)): stage 1 steps DDP's
+  /// averaged gradients, stage 2 reduces for DDP. A ZeRO that reduces alone is InvalidArgument.
+  template <typename ModuleHolder>
+  static TrainerWiring ddp(DistributedDataParallel<ModuleHolder>& ddp,
+                           ZeroRedundancyOptimizer& zero) {
+    if (zero.options().reduce_gradients) {
+      throw InvalidArgument(
+          "TrainerWiring::ddp: this ZeRO reduces the gradients itself; build it from the DDP "
+          "(ZeroRedundancyOptimizer::make(ddp, ...)) or use TrainerWiring::zero without DDP");
+    }
+    return TrainerWiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
+                         std::make_unique<ZeroTrainerOptimizer>(zero),
+                         std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
+  }
+
+  /// ZeRO alone (it reduces the gradients; its no_sync() between micro-batches). A ZeRO built
+  /// for DDP (reduce_gradients false) is InvalidArgument.
+  static TrainerWiring zero(std::shared_ptr<torch::nn::Module> model,
+                            ZeroRedundancyOptimizer& zero) {
+    if (!zero.options().reduce_gradients) {
+      throw InvalidArgument(
+          "TrainerWiring::zero: this ZeRO reduces for a DDP; wire it with TrainerWiring::ddp");
+    }
+    return TrainerWiring(zero.shared_communicator(), std::move(model),
+                         std::make_unique<ZeroTrainerOptimizer>(zero),
+                         std::make_unique<InStepGradientSync>(zero));
+  }
+
+  /// The fused optimizer (it all-reduces its buckets; no DDP).
+  static TrainerWiring fused(std::shared_ptr<torch::nn::Module> model,
+                             FusedDistributedOptimizer& fused) {
+    return TrainerWiring(fused.shared_communicator(), std::move(model),
+                         std::make_unique<FusedTrainerOptimizer>(fused),
+                         std::make_unique<InStepGradientSync>());
+  }
+
+  /// No DDP: a LibTorch optimizer, the gradients averaged by one all-reduce after the last
+  /// micro-batch.
+  static TrainerWiring all_reduce(std::shared_ptr<Communicator> comm,
+                                  std::shared_ptr<torch::nn::Module> model,
+                                  torch::optim::Optimizer& optimizer) {
+    if (!model) throw InvalidArgument("TrainerWiring::all_reduce: model is null");
+    auto sync = std::make_unique<AllReduceGradientSync>(comm, model->parameters());
+    return TrainerWiring(std::move(comm), std::move(model),
+                         std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
+  }
+
+  /// The communicator every rank's trainer runs over.
+  const std::shared_ptr<Communicator>& communicator() const { return comm_; }
+  /// The module whose parameters get the gradients.
+  const std::shared_ptr<torch::nn::Module>& model() const { return model_; }
+  /// The optimizer adapter.
+  TrainerOptimizer& optimizer() const { return *optimizer_; }
+  /// The gradient sync.
+  GradientSync& sync() const { return *sync_; }
+
+ private:
+  TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
+                std::unique_ptr<TrainerOptimizer> optimizer, std::unique_ptr<GradientSync> sync)
+      : comm_(std::move(comm)),
+        model_(std::move(model)),
+        optimizer_(std::move(optimizer)),
+        sync_(std::move(sync)) {
+    if (!comm_) throw InvalidArgument("TrainerWiring: communicator is null");
+    if (!model_) throw InvalidArgument("TrainerWiring: model is null");
+  }
+
+  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<torch::nn::Module> model_;
+  std::unique_ptr<TrainerOptimizer> optimizer_;
+  std::unique_ptr<GradientSync> sync_;
+};
+
+}  // namespace cohort
