@@ -6,7 +6,7 @@
 // averaged over ranks and steps) and a measured point-to-point time.
 //
 //   cohortrun -n 2 -- build/bench/pipeline/pipeline_bench [--json]
-//       [--width 384] [--batch 256] [--steps 7] [--schedule NAME] [--m M]
+//       [--width 384] [--batch 256] [--steps 7] [--blocks 4] [--schedule NAME] [--m M]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -27,11 +27,10 @@ struct Args {
   bool json = false;
   int64_t width = 384, batch = 256;
   int steps = 7;
+  int blocks = 4;             // Linear + Tanh blocks in the model, split evenly over pp * v stages
   std::string only_schedule;  // empty: every schedule
   int only_m = 0;             // 0: every m
 };
-
-constexpr int kBlocks = 4;  // Linear + Tanh blocks in the model, v = 1 or 2 per rank split
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -73,7 +72,7 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   const int stages = pp * v;
   torch::manual_seed(0);
   torch::nn::Sequential model;
-  for (int b = 0; b < kBlocks * pp / 2; ++b) {
+  for (int b = 0; b < args.blocks; ++b) {
     model->push_back(torch::nn::Linear(args.width, args.width));
     model->push_back(torch::nn::Tanh());
   }
@@ -102,15 +101,28 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
     for (auto& [t, v2] : r.action_ms) ms[t] += v2, count[t] += r.action_count[t];
   }
   // Mean cost per action type over the ranks and steps.
-  StageCosts c;
-  auto mean = [&](ActionType t) {
-    double a = reduce(*comm, ms[t], ReduceOp::Sum), n = reduce(*comm, count[t], ReduceOp::Sum);
-    return n > 0 ? a / n : 0.0;
-  };
-  c.forward_ms = mean(ActionType::Forward);
-  c.backward_ms = mean(ActionType::Backward);
-  c.backward_input_ms = mean(ActionType::BackwardInput);
-  c.backward_weight_ms = mean(ActionType::BackwardWeight);
+  // Mean cost per action type on each rank, over its stages and the steps:
+  // stages are not equal (the first skips its input's gradient, the last
+  // adds the loss), and the simulator needs the slower ones.
+  std::vector<StageCosts> rank_costs(pp);
+  for (int r = 0; r < pp; ++r) {
+    auto mean = [&](ActionType t) {
+      const bool me = comm->rank() == r;
+      double a = reduce(*comm, me ? ms[t] : 0, ReduceOp::Sum);
+      double n = reduce(*comm, me ? count[t] : 0, ReduceOp::Sum);
+      return n > 0 ? a / n : 0.0;
+    };
+    rank_costs[r].forward_ms = mean(ActionType::Forward);
+    rank_costs[r].backward_ms = mean(ActionType::Backward);
+    rank_costs[r].backward_input_ms = mean(ActionType::BackwardInput);
+    rank_costs[r].backward_weight_ms = mean(ActionType::BackwardWeight);
+  }
+  StageCosts c{0, 0, 0, 0};  // the mean over ranks, for the report
+  for (const auto& rc : rank_costs) {
+    c.forward_ms += rc.forward_ms / pp, c.backward_ms += rc.backward_ms / pp;
+    c.backward_input_ms += rc.backward_input_ms / pp;
+    c.backward_weight_ms += rc.backward_weight_ms / pp;
+  }
   // Per step and rank: time in send and receive actions, and in neither
   // (splitting the batch, waiting for the last sends, the loss broadcast).
   auto per_step = [&](double x) { return reduce(*comm, x, ReduceOp::Sum) / (pp * args.steps); };
@@ -122,7 +134,8 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   for (double x : step) step_sum += x;
   const double other_ms = per_step(step_sum) - per_step(in_actions);
   SimulatorCosts sc;
-  sc.stages = {c};
+  sc.stages.clear();
+  for (int st = 0; st < stages; ++st) sc.stages.push_back(rank_costs[schedule.stage_to_rank[st]]);
   const int64_t bytes = args.batch / m * args.width * 4;
   const double t_p2p = p2p_ms(*comm, bytes);
   sc.boundary_bytes = {bytes};
@@ -135,15 +148,20 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   char formula_text[32];
   std::snprintf(formula_text, sizeof formula_text, has_formula ? "%.4f" : "null", formula);
   const double step_ms = median(step), bub = median(bubble);
+  std::string by_rank;  // F and B (or I + W) per rank, to see unequal stages
+  for (const auto& rc : rank_costs)
+    by_rank += (by_rank.empty() ? "" : ", ") + std::to_string(rc.forward_ms) + ", " +
+               std::to_string(rc.backward_ms + rc.backward_input_ms + rc.backward_weight_ms);
   if (args.json)
     std::printf(
         "{\"schedule\": \"%s\", \"pp\": %d, \"v\": %d, \"m\": %d, \"step_ms\": %.3f, "
         "\"bubble_measured\": %.4f, \"bubble_formula\": %s, \"predicted_ms\": %.3f, "
         "\"f_ms\": %.3f, \"b_ms\": %.3f, \"i_ms\": %.3f, \"w_ms\": %.3f, \"p2p_ms\": %.3f, "
-        "\"sim_bubble\": %.4f, \"send_ms\": %.3f, \"recv_ms\": %.3f, \"other_ms\": %.3f}\n",
+        "\"sim_bubble\": %.4f, \"send_ms\": %.3f, \"recv_ms\": %.3f, \"other_ms\": %.3f, "
+        "\"fb_ms_by_rank\": [%s]}\n",
         name.c_str(), pp, v, m, step_ms, bub, formula_text, sim.step_ms, c.forward_ms,
         c.backward_ms, c.backward_input_ms, c.backward_weight_ms, t_p2p, sim.bubble_fraction,
-        send_ms, recv_ms, other_ms);
+        send_ms, recv_ms, other_ms, by_rank.c_str());
   else
     std::printf(
         "%-12s pp %d v %d m %2d  step %8.2f ms  bubble %.3f (formula %.3f)  predicted "
@@ -168,6 +186,8 @@ int main(int argc, char** argv) {
       args.batch = std::stoll(next());
     else if (a == "--steps")
       args.steps = std::stoi(next());
+    else if (a == "--blocks")
+      args.blocks = std::stoi(next());
     else if (a == "--schedule")
       args.only_schedule = next();
     else if (a == "--m")
@@ -175,7 +195,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: pipeline_bench [--json] [--width N] [--batch N] [--steps N] "
-                   "[--schedule NAME] [--m M]\n");
+                   "[--blocks N] [--schedule NAME] [--m M]\n");
       return 2;
     }
   }
