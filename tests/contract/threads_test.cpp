@@ -1,8 +1,9 @@
 // The contract suite (contract_cases.h) with ranks as threads over Gloo:
 // every case at world 1..4 with the engine's own collectives, and every
-// algorithmic case under ring, tree, halving-doubling, hierarchical (two
-// fake hosts) at world 1..5 and adaptive at world 2 and 3; each case over
-// every dtype it takes. ctest runs one entry per algorithm and world.
+// algorithmic case under ring and tree at world 1..4, halving-doubling and
+// hierarchical (two fake hosts) at world 1..5 (5: a non-power-of-two
+// remainder, uneven hosts), adaptive at world 2 and 3; each case over every
+// dtype it takes. ctest runs one entry per algorithm and world.
 #include <gtest/gtest.h>
 
 #include "support/thread_ranks.h"
@@ -58,8 +59,10 @@ std::vector<Param> all_params() {
     }
   };
   for (int w = 1; w <= 4; ++w) add(Algorithm::Engine, w, kDtypes);
-  for (auto a :
-       {Algorithm::Ring, Algorithm::Tree, Algorithm::HalvingDoubling, Algorithm::Hierarchical}) {
+  for (auto a : {Algorithm::Ring, Algorithm::Tree}) {
+    for (int w = 1; w <= 4; ++w) add(a, w, kDtypes);
+  }
+  for (auto a : {Algorithm::HalvingDoubling, Algorithm::Hierarchical}) {
     for (int w = 1; w <= 5; ++w) add(a, w, kDtypes);
   }
   for (int w : {2, 3}) add(Algorithm::Adaptive, w, {torch::kFloat32, torch::kBFloat16});
