@@ -5,7 +5,12 @@
 # none / fp16 / PowerSGD, PyTorch DDP with its hooks (torch_peer.py) run on
 # the same link; one JSON line per row on stdout. Needs root.
 #
-#   bench/compression/run_compression_bench.sh [BUILD_DIR] [RANKS] [MODELS] [STEPS] [REPEATS] [BATCH]
+#   bench/compression/run_compression_bench.sh [BUILD_DIR] [RANKS] [MODELS] [STEPS] [REPEATS] [BATCH] [ROWS]
+#
+# ROWS (default: every compressor, cohort and PyTorch alternating) picks rows
+# as SIDE:COMPRESSOR words in the order given, e.g.
+# "torch:fp16 cohort:fp16 cohort:powersgd_r2 torch:powersgd_r2", so that a
+# few rows fit in one short hold of the machine lock.
 #
 # Bytes per step are read from the veth's tx counter in each namespace (what
 # really left the host, TCP/IP headers included).
@@ -16,6 +21,9 @@ models=${3:-"cnn transformer"}
 steps=${4:-10}
 repeats=${5:-1}
 batch=${6:-32}
+rows=${7:-"cohort:none torch:none cohort:fp16 torch:fp16 cohort:bf16 cohort:int8 cohort:topk
+  cohort:powersgd_r1 torch:powersgd_r1 cohort:powersgd_r2 torch:powersgd_r2
+  cohort:powersgd_r4 torch:powersgd_r4"}
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../netns_pair.sh"
 netns_pair_up cohort_comp 10.79.0 tbf
@@ -49,24 +57,26 @@ torch_row() {  # torch_peer-args...
     done
   done
   for p in "${pids[@]}"; do wait "$p" || true; done
-  grep '^{' "/tmp/torch_peer_$$_0.out" || echo "# torch row failed: $*"
+  if ! grep '^{' "/tmp/torch_peer_$$_0.out"; then
+    echo "# torch row failed: $*"
+    tail -n 5 /tmp/torch_peer_$$_*.out >&2
+  fi
   rm -f /tmp/torch_peer_$$_*.out
+}
+
+row() {  # SIDE:COMPRESSOR, then the common arguments
+  local side=${1%%:*} kind=${1#*:} args
+  shift
+  case $kind in
+    powersgd_r*) args=(--compression powersgd --powersgd-rank "${kind#powersgd_r}") ;;
+    *) args=(--compression "$kind") ;;
+  esac
+  "${side}_row" "$@" "${args[@]}"
 }
 
 for model in $models; do
   for _ in $(seq "$repeats"); do
-    common=(--model "$model" --steps "$steps" --batch "$batch")
-    # Alternate cohort and PyTorch rows so drift hits both sides alike.
-    cohort_row "${common[@]}" --compression none
-    torch_row "${common[@]}" --compression none
-    cohort_row "${common[@]}" --compression fp16
-    torch_row "${common[@]}" --compression fp16
-    cohort_row "${common[@]}" --compression bf16
-    cohort_row "${common[@]}" --compression int8
-    cohort_row "${common[@]}" --compression topk
-    for r in 1 2 4; do
-      cohort_row "${common[@]}" --compression powersgd --powersgd-rank "$r"
-      torch_row "${common[@]}" --compression powersgd --powersgd-rank "$r"
-    done
+    # Rows alternate cohort and PyTorch so drift hits both sides alike.
+    for r in $rows; do row "$r" --model "$model" --steps "$steps" --batch "$batch"; done
   done
 done

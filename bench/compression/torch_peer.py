@@ -31,6 +31,43 @@ def link_tx_bytes():
         return int(f.read())
 
 
+class PerBucketPowerSGD:
+    """PyTorch's PowerSGD state, one PowerSGDState and one gloo process group
+    per DDP bucket. powerSGD_hook issues its P and Q all-reduces from future
+    callbacks, which gloo runs on its worker threads when the previous
+    all-reduce completes, while autograd's thread launches the next bucket's
+    first all-reduce: the two threads' calls take process-group sequence
+    numbers in an order that differs between ranks once the link is slow,
+    and gloo then pairs collectives of different sizes ("op.preamble.length
+    <= op.nbytes"). One group per bucket keeps each group's calls in one
+    chain, the same on every rank; the hook's arithmetic is unchanged."""
+
+    def __init__(self, rank):
+        self.rank = rank
+        self.iter = 0  # steps so far, shared by the buckets' states
+        self.states = {}
+
+    def state_for(self, bucket):
+        s = self.states.get(bucket.index())
+        if s is None:
+            # start_powerSGD_iter 2 (the least PyTorch allows with error
+            # feedback): the untimed warm-up steps cover it, every timed step
+            # is compressed. Buckets are launched in the same order on every
+            # rank, so the groups are created in the same order too.
+            s = psgd.PowerSGDState(process_group=dist.new_group(),
+                                   matrix_approximation_rank=self.rank, start_powerSGD_iter=2)
+            self.states[bucket.index()] = s
+        s.iter = self.iter
+        return s
+
+
+def per_bucket_powersgd_hook(state, bucket):
+    fut = psgd.powerSGD_hook(state.state_for(bucket), bucket)
+    if bucket.is_last():
+        state.iter += 1
+    return fut
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="cnn")
@@ -48,11 +85,7 @@ def main():
     if a.compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif a.compression == "powersgd":
-        # start_powerSGD_iter 2 (the least PyTorch allows with error feedback):
-        # the untimed warm-up steps cover it, every timed step is compressed.
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=a.powersgd_rank,
-                                   start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        ddp.register_comm_hook(PerBucketPowerSGD(a.powersgd_rank), per_bucket_powersgd_hook)
         name = "powersgd_r%d" % a.powersgd_rank
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x, y = make_batch(a.model, a.batch)

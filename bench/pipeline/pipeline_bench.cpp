@@ -6,7 +6,7 @@
 // averaged over ranks and steps) and a measured point-to-point time.
 //
 //   cohortrun -n 2 -- build/bench/pipeline/pipeline_bench [--json]
-//       [--width 384] [--batch 256] [--steps 7]
+//       [--width 384] [--batch 256] [--steps 7] [--schedule NAME] [--m M]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -27,6 +27,8 @@ struct Args {
   bool json = false;
   int64_t width = 384, batch = 256;
   int steps = 7;
+  std::string only_schedule;  // empty: every schedule
+  int only_m = 0;             // 0: every m
 };
 
 constexpr int kBlocks = 4;  // Linear + Tanh blocks in the model, v = 1 or 2 per rank split
@@ -109,6 +111,16 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   c.backward_ms = mean(ActionType::Backward);
   c.backward_input_ms = mean(ActionType::BackwardInput);
   c.backward_weight_ms = mean(ActionType::BackwardWeight);
+  // Per step and rank: time in send and receive actions, and in neither
+  // (splitting the batch, waiting for the last sends, the loss broadcast).
+  auto per_step = [&](double x) { return reduce(*comm, x, ReduceOp::Sum) / (pp * args.steps); };
+  const double send_ms = per_step(ms[ActionType::SendForward] + ms[ActionType::SendBackward]);
+  const double recv_ms = per_step(ms[ActionType::RecvForward] + ms[ActionType::RecvBackward]);
+  double in_actions = 0;
+  for (auto& [t, v2] : ms) in_actions += v2;
+  double step_sum = 0;
+  for (double x : step) step_sum += x;
+  const double other_ms = per_step(step_sum) - per_step(in_actions);
   SimulatorCosts sc;
   sc.stages = {c};
   const int64_t bytes = args.batch / m * args.width * 4;
@@ -128,9 +140,10 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
         "{\"schedule\": \"%s\", \"pp\": %d, \"v\": %d, \"m\": %d, \"step_ms\": %.3f, "
         "\"bubble_measured\": %.4f, \"bubble_formula\": %s, \"predicted_ms\": %.3f, "
         "\"f_ms\": %.3f, \"b_ms\": %.3f, \"i_ms\": %.3f, \"w_ms\": %.3f, \"p2p_ms\": %.3f, "
-        "\"sim_bubble\": %.4f}\n",
+        "\"sim_bubble\": %.4f, \"send_ms\": %.3f, \"recv_ms\": %.3f, \"other_ms\": %.3f}\n",
         name.c_str(), pp, v, m, step_ms, bub, formula_text, sim.step_ms, c.forward_ms,
-        c.backward_ms, c.backward_input_ms, c.backward_weight_ms, t_p2p, sim.bubble_fraction);
+        c.backward_ms, c.backward_input_ms, c.backward_weight_ms, t_p2p, sim.bubble_fraction,
+        send_ms, recv_ms, other_ms);
   else
     std::printf(
         "%-12s pp %d v %d m %2d  step %8.2f ms  bubble %.3f (formula %.3f)  predicted "
@@ -155,18 +168,30 @@ int main(int argc, char** argv) {
       args.batch = std::stoll(next());
     else if (a == "--steps")
       args.steps = std::stoi(next());
+    else if (a == "--schedule")
+      args.only_schedule = next();
+    else if (a == "--m")
+      args.only_m = std::stoi(next());
     else {
-      std::fprintf(stderr, "usage: pipeline_bench [--json] [--width N] [--batch N] [--steps N]\n");
+      std::fprintf(stderr,
+                   "usage: pipeline_bench [--json] [--width N] [--batch N] [--steps N] "
+                   "[--schedule NAME] [--m M]\n");
       return 2;
     }
   }
   try {
     torch::set_num_threads(1);
     auto comm = cohort::init();
+    auto wanted = [&](const std::string& s, int m) {
+      return (args.only_schedule.empty() || args.only_schedule == s) &&
+             (args.only_m == 0 || args.only_m == m);
+    };
     for (int m : {2, 4, 8, 16}) {
-      for (const char* s : {"gpipe", "1f1b", "zbh1"}) run_row(comm, args, s, 1, m);
+      for (const char* s : {"gpipe", "1f1b", "zbh1"})
+        if (wanted(s, m)) run_row(comm, args, s, 1, m);
       for (int v : {1, 2})
-        if (m % comm->size() == 0) run_row(comm, args, "interleaved", v, m);
+        if (m % comm->size() == 0 && wanted("interleaved", m))
+          run_row(comm, args, "interleaved", v, m);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "pipeline_bench: %s\n", e.what());

@@ -1,6 +1,12 @@
 #include "cohort/compression/compressor.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/compression/compressed_collectives.h"
@@ -90,9 +96,51 @@ class Int8 : public Compressor {
   std::map<int64_t, at::Tensor> worker_, owner_;
 };
 
+// The k entries of x[0, n) of largest magnitude, in ascending index order,
+// as (index, value) pairs; ties at the k-th magnitude go to the lowest
+// indices. Three passes over x instead of at::topk's sort of n (value,
+// index) pairs: a histogram of the magnitudes' top bits (sign dropped: 8
+// exponent and 3 mantissa bits) finds the bin holding the k-th largest; the
+// magnitudes in that bin give its exact value t; a last pass takes every
+// entry above t and the first ties. Magnitudes compare as their bit
+// patterns, which order non-negative floats as their values (NaN above inf).
+void select_top_k(const float* x, int64_t n, int64_t k, int32_t* index, float* values) {
+  constexpr int kShift = 20;
+  auto magnitude = [x](int64_t i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    return bits & 0x7fffffffu;
+  };
+  std::vector<int64_t> histogram(1u << (31 - kShift), 0);
+  for (int64_t i = 0; i < n; ++i) ++histogram[magnitude(i) >> kShift];
+  int64_t above = 0;  // entries in bins above `bin`
+  uint32_t bin = static_cast<uint32_t>(histogram.size() - 1);
+  for (; bin > 0 && above + histogram[bin] < k; --bin) above += histogram[bin];
+  std::vector<uint32_t> in_bin;
+  in_bin.reserve(histogram[bin]);
+  for (int64_t i = 0; i < n; ++i) {
+    if ((magnitude(i) >> kShift) == bin) in_bin.push_back(magnitude(i));
+  }
+  const int64_t need = k - above;  // 1 <= need <= in_bin.size()
+  std::nth_element(in_bin.begin(), in_bin.begin() + (need - 1), in_bin.end(), std::greater<>());
+  const uint32_t t = in_bin[need - 1];
+  int64_t ties =
+      need - std::count_if(in_bin.begin(), in_bin.end(), [t](uint32_t m) { return m > t; });
+  for (int64_t i = 0, j = 0; i < n && j < k; ++i) {
+    const uint32_t m = magnitude(i);
+    if (m > t || (m == t && ties > 0)) {
+      if (m == t) --ties;
+      index[j] = static_cast<int32_t>(i);
+      values[j++] = x[i];
+    }
+  }
+}
+
 // Sends the k largest magnitudes of (gradient + error) as (index, value)
 // pairs by all-gather; every rank adds all pairs in rank order, so all end
-// with the same sum. What was not sent stays in the error buffer.
+// with the same sum. What was not sent stays in the error buffer, which
+// also holds (gradient + error) while the pairs are chosen, so no pass
+// allocates a tensor of the bucket's size.
 class TopK : public Compressor {
  public:
   explicit TopK(const CompressionOptions& o) : ratio_(o.topk_ratio), feedback_(o.error_feedback) {}
@@ -100,27 +148,37 @@ class TopK : public Compressor {
                   const std::vector<at::Tensor>&) override {
     const int64_t n = flat.numel();
     if (n == 0) return;
+    if (n > std::numeric_limits<int32_t>::max()) {
+      throw InvalidArgument("cohort: top-k compression sends int32 indices; tensor too large");
+    }
     auto x = flat.view(-1);
     auto& error = error_[key];
     if (feedback_) {
       if (!error.defined() || error.numel() != n) error = at::zeros({n}, at::kFloat);
-      x = x.add(error);
+      x = error.add_(x);
     }
     const int64_t k =
         std::min<int64_t>(n, std::max<int64_t>(1, std::llround(std::ceil(ratio_ * n))));
-    auto index = std::get<1>(x.abs().topk(k, 0, true, false));
-    auto values = x.index_select(0, index);
-    if (feedback_) error = x.index_fill(0, index, 0.0);
-    auto index32 = index.to(at::kInt);
+    auto index = at::empty({k}, at::kInt), values = at::empty({k}, at::kFloat);
+    select_top_k(x.data_ptr<float>(), n, k, index.data_ptr<int32_t>(), values.data_ptr<float>());
+    if (feedback_) {
+      float* e = error.data_ptr<float>();
+      for (const int32_t* i = index.data_ptr<int32_t>(); i != index.data_ptr<int32_t>() + k; ++i) {
+        e[*i] = 0.0f;
+      }
+    }
     const int p = comm.size();
     auto all_index = at::empty({p * k}, at::kInt), all_values = at::empty({p * k}, at::kFloat);
-    auto w1 = comm.all_gather_into_tensor(all_index, index32);
+    auto w1 = comm.all_gather_into_tensor(all_index, index);
     auto w2 = comm.all_gather_into_tensor(all_values, values);
     w1.wait();
     w2.wait();
-    auto sum = at::zeros({n}, at::kFloat);
-    sum.index_add_(0, all_index.to(at::kLong), all_values);
-    flat.view(-1).copy_(sum.div_(p));
+    flat.zero_();
+    float* out = flat.data_ptr<float>();
+    const int32_t* ai = all_index.data_ptr<int32_t>();
+    const float* av = all_values.data_ptr<float>();
+    for (int64_t j = 0; j < p * k; ++j) out[ai[j]] += av[j];
+    flat.div_(p);
   }
   std::string name() const override { return "topk"; }
   std::map<std::string, at::Tensor> state() const override {

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <sstream>
+#include <tuple>
 
 #include "cohort/core/error.h"
 #include "cohort/pipeline/schedule_validator.h"
@@ -106,6 +107,8 @@ struct PipelineRuntime::State {
   std::map<std::pair<int, int>, Tensors> received_inputs, received_grads;
   std::map<int, BoundaryMeta> sent_meta, recv_meta;
   std::vector<std::pair<Work, torch::Tensor>> sends;
+  // Receives posted at the step's start, by (boundary, direction, micro-batch).
+  std::map<std::tuple<int, int, int>, std::vector<std::pair<Work, torch::Tensor>>> posted;
   std::vector<bool> split_backward;  // per stage: the schedule uses I/W
   std::map<int, const PipelineStage*> local;
   Tensors micro_inputs_flat;
@@ -242,6 +245,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
     span.arg(TraceArg::num("microbatches", schedule_.num_microbatches));
   }
   try {
+    post_receives();
     for (const Action& a : schedule_.actions[state_->rank]) run_action(a, result);
     TraceSpan finish(tracer, "finish step", "pipeline.step");
     finish_step(result);
@@ -250,6 +254,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
     state_->received_inputs.clear();
     state_->received_grads.clear();
     state_->sends.clear();
+    state_->posted.clear();
     throw;
   }
   result.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -292,7 +297,7 @@ void PipelineRuntime::run_action(const Action& a, PipelineStepResult& result) {
   }
   if (!options_.measure || !is_compute(a.type)) return;
   double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  result.compute_ms += ms;
+  if (is_compute(a.type)) result.compute_ms += ms;
   result.action_ms[a.type] += ms;
   result.action_count[a.type] += 1;
 }
@@ -468,6 +473,45 @@ void PipelineRuntime::send_forward(int stage, int mb) {
   }
 }
 
+// Once a boundary's shapes are agreed (on the first step), every receive
+// of a step is posted at its start. A message then lands while this rank
+// computes; posted at the receive action, it would wait for the receiver to
+// ask and for the sender's transport to answer, on the critical path of
+// every micro-batch.
+void PipelineRuntime::post_receives() {
+  State& st = *state_;
+  for (const Action& a : schedule_.actions[st.rank]) {
+    const bool fwd = a.type == ActionType::RecvForward;
+    if (!fwd && a.type != ActionType::RecvBackward) continue;
+    const int boundary = fwd ? a.stage - 1 : a.stage;
+    const auto& metas = fwd ? st.recv_meta : st.sent_meta;
+    auto it = metas.find(boundary);
+    if (it == metas.end() || !it->second.known) continue;
+    const BoundaryMeta& meta = it->second;
+    const int src = schedule_.stage_to_rank[fwd ? a.stage - 1 : a.stage + 1];
+    const int dir = fwd ? 0 : 1;
+    auto& list = st.posted[{boundary, dir, a.microbatch}];
+    for (size_t i = 0; i < meta.shapes.size(); ++i) {
+      if (!fwd && !c10::isFloatingType(meta.dtypes[i])) continue;  // no gradient
+      torch::Tensor buf =
+          torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
+      Work w = group_->recv(buf, src, {message_tag(boundary, dir, a.microbatch), options_.timeout});
+      list.emplace_back(std::move(w), buf);
+    }
+  }
+}
+
+bool PipelineRuntime::take_posted(int boundary, int dir, int mb, Tensors& out) {
+  auto it = state_->posted.find({boundary, dir, mb});
+  if (it == state_->posted.end()) return false;
+  for (auto& [work, buf] : it->second) {
+    work.wait();
+    out.push_back(buf);
+  }
+  state_->posted.erase(it);
+  return true;
+}
+
 Work PipelineRuntime::wait_recv(torch::Tensor& buffer, int src, int tag) {
   Work w = group_->recv(buffer, src, {tag, options_.timeout});
   if (!active(group_->tracer())) {
@@ -484,6 +528,11 @@ Work PipelineRuntime::wait_recv(torch::Tensor& buffer, int src, int tag) {
 void PipelineRuntime::recv_forward(int stage, int mb) {
   State& st = *state_;
   const int src = schedule_.stage_to_rank[stage - 1];
+  Tensors in;
+  if (take_posted(stage - 1, 0, mb, in)) {
+    st.received_inputs[{stage, mb}] = std::move(in);
+    return;
+  }
   BoundaryMeta& meta = st.recv_meta[stage - 1];
   if (!meta.known) {
     torch::Tensor m = torch::empty({kMetaSlots}, torch::kInt64);
@@ -498,7 +547,6 @@ void PipelineRuntime::recv_forward(int stage, int mb) {
     }
     meta.known = true;
   }
-  Tensors in;
   for (size_t i = 0; i < meta.shapes.size(); ++i) {
     torch::Tensor buf = torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
     wait_recv(buf, src, message_tag(stage - 1, 0, mb));
@@ -524,6 +572,10 @@ void PipelineRuntime::recv_backward(int stage, int mb) {
   State& st = *state_;
   const int src = schedule_.stage_to_rank[stage + 1];
   Tensors grads;
+  if (take_posted(stage, 1, mb, grads)) {
+    st.received_grads[{stage, mb}] = std::move(grads);
+    return;
+  }
   for (const auto& o : st.slots.at({stage, mb}).outputs) {
     if (!o.is_floating_point()) continue;
     torch::Tensor buf = torch::empty_like(o, torch::MemoryFormat::Contiguous);

@@ -53,7 +53,8 @@ struct PipelineStepResult {
   double step_ms = 0;          ///< this rank's wall time for the step
   /// This rank's time in compute actions, and per action type (F, B, I, W).
   double compute_ms = 0;
-  /// Milliseconds in each action type on this rank.
+  /// Milliseconds in each action type on this rank, the communication
+  /// actions included (a receive's time is mostly waiting for its peer).
   std::map<ActionType, double> action_ms;
   /// Actions of each type this rank ran in the step.
   std::map<ActionType, int> action_count;
@@ -99,6 +100,8 @@ class PipelineRuntime {
   void send_backward(int stage, int mb);
   void recv_backward(int stage, int mb);
   void finish_step(PipelineStepResult& result);
+  void post_receives();
+  bool take_posted(int boundary, int dir, int mb, Tensors& out);
   Work wait_recv(torch::Tensor& buffer, int src, int tag);
   std::shared_ptr<Communicator> group_;
   std::vector<PipelineStage> stages_;

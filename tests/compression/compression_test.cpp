@@ -130,6 +130,30 @@ TEST_P(Worlds, TopKSendsTheLargestEntriesOfEachRank) {
   });
 }
 
+// Many equal magnitudes (x = i mod 7 - 3): top-k takes every entry above
+// the k-th magnitude and the ties at it from the lowest indices, exactly k.
+TEST_P(Worlds, TopKBreaksTiesByLowestIndex) {
+  const int p = GetParam();
+  run_ranks(p, [&](Communicator& comm) {
+    CompressionOptions o;
+    o.kind = CompressionKind::TopK;
+    o.topk_ratio = 0.5;
+    o.error_feedback = false;
+    auto c = make_compressor(o);
+    constexpr int64_t kN = 7000, kK = 3500;  // 2000 of magnitude 3, then 1500 of 2
+    auto x = at::arange(kN, at::kLong).remainder(7).sub(3).to(at::kFloat);
+    auto expected = at::zeros({kN}, at::kFloat);
+    int64_t twos = 0;
+    for (int64_t i = 0; i < kN; ++i) {
+      const float v = x[i].item<float>();
+      if (std::abs(v) == 3 || (std::abs(v) == 2 && twos++ < kK - 2000)) expected[i] = v;
+    }
+    auto buf = x.clone();
+    compressed_all_reduce(comm, buf, *c, 0);
+    EXPECT_TRUE(at::equal(buf, expected));
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Compression, Worlds, ::testing::Values(1, 2, 3, 4));
 
 // Over many steps, the sum of what was applied equals the sum of the true
