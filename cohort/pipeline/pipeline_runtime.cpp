@@ -504,8 +504,13 @@ void PipelineRuntime::post_receives() {
 bool PipelineRuntime::take_posted(int boundary, int dir, int mb, Tensors& out) {
   auto it = state_->posted.find({boundary, dir, mb});
   if (it == state_->posted.end()) return false;
+  const bool traced = active(group_->tracer()) != nullptr;
   for (auto& [work, buf] : it->second) {
+    const auto start = traced ? Clock::now() : Clock::time_point{};
     work.wait();
+    if (traced)
+      state_->recv_blocked_ns +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
     out.push_back(buf);
   }
   state_->posted.erase(it);
