@@ -3,8 +3,9 @@
 // every collective appears on every rank, and whose totals equal the
 // communicator's counters; merging gives one lane per rank with the clocks
 // aligned; the fused optimizer's steps are traced; a pipeline step records
-// each schedule action once; tracing off writes nothing; cohortrun --trace
-// runs the whole path across processes.
+// each schedule action once; a capped trace stays valid and counts what it
+// dropped; tracing off writes nothing; cohortrun --trace runs the whole path
+// across processes.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -292,6 +293,49 @@ TEST(Trace, PipelineActionsAppearOncePerRank) {
     EXPECT_NEAR(s.busy_s + s.comm_s + s.idle_s, s.wall_s, 1e-9 + 1e-9 * s.wall_s);
   }
   EXPECT_NE(cohort_trace::format_summary(summary).find("pipeline:"), std::string::npos);
+}
+
+// A cap of 5 events (CommunicatorOptions::trace_max_events): every rank keeps
+// 5, the file parses and says how many it dropped, and so does the summary.
+TEST(Trace, CappedTraceCountsWhatItDropped) {
+  constexpr int kCap = 5, kOps = 10;
+  testing::TempDir dir("cohort-trace");
+  testing::ThreadRanksOptions options;
+  options.trace_dir = dir.str();
+  options.trace_max_events = kCap;
+  testing::run_ranks_shared(
+      2,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto t = torch::ones({4});
+        for (int i = 0; i < kOps; ++i) comm->all_reduce(t).wait();
+        EXPECT_EQ(comm->tracer()->event_count(), static_cast<size_t>(kCap));
+        EXPECT_EQ(comm->tracer()->max_events(), static_cast<size_t>(kCap));
+      },
+      options);
+  for (int r = 0; r < 2; ++r) {
+    const json doc = read_json(dir / ("rank-" + std::to_string(r) + ".json"));
+    int kept = 0;
+    int64_t marked = -1;
+    for (const auto& e : doc["traceEvents"]) {
+      const std::string ph = e["ph"];
+      if (e.value("name", "") == "dropped events") {
+        marked = e["args"]["dropped"].get<int64_t>();
+        EXPECT_EQ(e["args"]["max_events"], kCap);
+      } else if (ph == "X" || ph == "i" || ph == "b") {
+        ++kept;  // a "b" and its "e" are one event
+      }
+    }
+    EXPECT_EQ(kept, kCap) << "rank " << r;
+    // Each all_reduce records its issue, its wait and its flight.
+    const int64_t dropped = doc["otherData"]["dropped_events"].get<int64_t>();
+    EXPECT_GE(dropped, 3 * kOps - kCap) << "rank " << r;
+    EXPECT_EQ(marked, dropped) << "rank " << r;
+  }
+  const auto summary = cohort_trace::summarize_trace(
+      cohort_trace::merge_traces(cohort_trace::read_rank_traces(dir.str())));
+  ASSERT_EQ(summary.size(), 2u);
+  EXPECT_GE(summary[0].dropped_events, 3 * kOps - kCap);
+  EXPECT_NE(cohort_trace::format_summary(summary).find("events dropped"), std::string::npos);
 }
 
 TEST(Trace, OffByDefaultWritesNothing) {

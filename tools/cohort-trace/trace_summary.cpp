@@ -32,7 +32,7 @@ double union_us(Spans s) {
 struct Lane {
   Spans all, comm, flight;
   double first = 1e300, last = -1e300;
-  int64_t operations = 0, pipeline_actions = 0;
+  int64_t operations = 0, pipeline_actions = 0, dropped = 0;
   double pipeline_compute_us = 0, pipeline_blocked_us = 0;
   std::vector<SlowOp> ops;
   std::map<uint64_t, std::pair<double, size_t>> begins;  // open flights: id -> (ts, op)
@@ -60,6 +60,8 @@ std::vector<RankSummary> summarize_trace(const nlohmann::json& merged, size_t to
         lane.pipeline_blocked_us += e["args"].value("blocked_us", 0.0);
       lane.first = std::min(lane.first, ts);
       lane.last = std::max(lane.last, end);
+    } else if (ph == "i" && cat == "trace" && e.value("name", "") == "dropped events") {
+      lane.dropped += e.value("args", nlohmann::json::object()).value("dropped", int64_t{0});
     } else if (ph == "b" && cat == "comm.flight") {
       const auto& args = e.value("args", nlohmann::json::object());
       SlowOp op;
@@ -93,6 +95,7 @@ std::vector<RankSummary> summarize_trace(const nlohmann::json& merged, size_t to
     s.pipeline_actions = lane.pipeline_actions;
     s.pipeline_compute_s = lane.pipeline_compute_us / 1e6;
     s.pipeline_blocked_s = lane.pipeline_blocked_us / 1e6;
+    s.dropped_events = lane.dropped;
     auto& ops = lane.ops;
     ops.erase(std::remove_if(ops.begin(), ops.end(), [](const SlowOp& o) { return o.seconds < 0; }),
               ops.end());
@@ -133,6 +136,14 @@ std::string format_summary(const std::vector<RankSummary>& ranks) {
                     pct(r.pipeline_blocked_s, r.wall_s));
       out += line;
     }
+  }
+  for (const auto& r : ranks) {
+    if (r.dropped_events == 0) continue;
+    std::snprintf(line, sizeof line,
+                  "\nrank %d: %lld events dropped (COHORT_TRACE_MAX_EVENTS reached); the figures "
+                  "cover the events kept\n",
+                  r.rank, static_cast<long long>(r.dropped_events));
+    out += line;
   }
   for (const auto& r : ranks) {
     if (r.slowest.empty()) continue;

@@ -32,6 +32,7 @@ struct RankSummary {
   int64_t pipeline_actions = 0;   // pipeline schedule actions run (F, B, I, W, sends, receives)
   double pipeline_compute_s = 0;  // time in F, B, I and W
   double pipeline_blocked_s = 0;  // time receives waited for their message
+  int64_t dropped_events = 0;     // events the rank's trace left out (its cap was reached)
 };
 
 // Per lane (pid) of a merged trace, the `top` slowest operations each.
