@@ -14,6 +14,17 @@ ranks as processes) three ways, alternating run by run:
 
 Prints the median step time of each and the ratios on/off and off/no-hooks,
 with every run's figure (the machine is noisy: look at the spread).
+
+On a shared machine keep each invocation short (a few runs, one
+`exclusive` lock hold each) and pool them:
+
+  for i in 1 2 3 4; do /work/shared/tools/exclusive /usr/bin/python3 \
+      bench/ddp_vs_torch/run_trace_overhead.py ... --runs 3 --out trace_overhead.jsonl; done
+  /usr/bin/python3 bench/ddp_vs_torch/run_trace_overhead.py --pool trace_overhead.jsonl
+
+--pool prints each side's median over every run and the ratios of runs paired
+within one round (the three sides back to back), with their quartiles: a
+difference inside that spread is noise.
 """
 import argparse
 import json
@@ -26,10 +37,45 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_ddp_vs_torch import BATCH, run_once  # noqa: E402
 
 
+def quartiles(v):
+    v = sorted(v)
+    if len(v) < 2:
+        return v[0], v[0], v[0]
+    q = statistics.quantiles(v, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def pool(path):
+    """Every invocation's runs from the JSON lines in `path`, pooled."""
+    step_ms = {"off": [], "on": [], "no-hooks": []}
+    events = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                for k in step_ms:
+                    step_ms[k] += r["runs_step_ms"][k]
+                events.append(r["events_rank0"])
+    n = len(step_ms["off"])
+    print(f"pooled {n} rounds from {path} (trace events on rank 0 per run: "
+          f"{statistics.median(events):.0f})")
+    print(f"  {'side':9s} {'median':>8s} {'q1':>8s} {'q3':>8s}  ms/step")
+    for k in ("no-hooks", "off", "on"):
+        q1, med, q3 = quartiles(step_ms[k])
+        print(f"  {k:9s} {med:8.1f} {q1:8.1f} {q3:8.1f}")
+    for name, a, b in (("on / off", "on", "off"), ("off / no-hooks", "off", "no-hooks")):
+        ratios = [x / y for x, y in zip(step_ms[a], step_ms[b])]
+        q1, med, q3 = quartiles(ratios)
+        print(f"  {name:15s} ratio of medians {statistics.median(step_ms[a]) / statistics.median(step_ms[b]):.4f}"
+              f"; paired per round: median {med:.4f}, quartiles {q1:.4f}-{q3:.4f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--binary", required=True, help="ddp_vs_torch of the usual build")
-    ap.add_argument("--binary-no-hooks", required=True,
+    ap.add_argument("--pool", help="print the pooled figures of a --out file and exit")
+    ap.add_argument("--out", help="append this invocation's figures (one JSON line) to a file")
+    ap.add_argument("--binary", help="ddp_vs_torch of the usual build")
+    ap.add_argument("--binary-no-hooks",
                     help="ddp_vs_torch of a build with -DCOHORT_TRACING=OFF")
     ap.add_argument("--model", default="transformer")
     ap.add_argument("--world", type=int, default=2)
@@ -39,6 +85,11 @@ def main():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.pool:
+        pool(a.pool)
+        return
+    if not a.binary or not a.binary_no_hooks:
+        ap.error("--binary and --binary-no-hooks are required (or --pool FILE)")
 
     args = ["--model", a.model, "--batch", str(BATCH[a.model]), "--steps", str(a.steps),
             "--warmup", str(a.warmup)]
@@ -71,6 +122,9 @@ def main():
               "on_over_off": med["on"] / med["off"],
               "off_over_no_hooks": med["off"] / med["no-hooks"],
               "events_rank0": statistics.median(events) if events else 0}
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
     if a.json:
         print(json.dumps(result))
         return

@@ -33,7 +33,8 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
   }
   if (kTracingCompiled && !options_.trace_dir.empty()) {
     tracer_ = std::make_shared<Tracer>(
-        rank_, size_, options_.trace_dir + "/rank-" + std::to_string(rank_) + ".json");
+        rank_, size_, options_.trace_dir + "/rank-" + std::to_string(rank_) + ".json",
+        options_.trace_max_events > 0 ? static_cast<size_t>(options_.trace_max_events) : 0);
     align_trace_clock();
   }
   // No environment here: init() reads it, connect() is explicit.

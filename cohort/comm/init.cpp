@@ -89,6 +89,7 @@ ConnectOptions options_from_environment(const InitOptions& options) {
   }
   co.gloo.interface = env::get("GLOO_SOCKET_IFNAME").value_or("");
   co.trace_dir = options.trace_dir ? *options.trace_dir : env::get("COHORT_TRACE").value_or("");
+  co.trace_max_events = env::get_int("COHORT_TRACE_MAX_EVENTS", 1, 1 << 30).value_or(0);
   return co;
 }
 

@@ -71,8 +71,11 @@ void write_number(std::ostream& os, double v) {
 
 }  // namespace
 
-Tracer::Tracer(int rank, int world_size, std::string path)
-    : rank_(rank), world_size_(world_size), path_(std::move(path)) {}
+Tracer::Tracer(int rank, int world_size, std::string path, size_t max_events)
+    : rank_(rank),
+      world_size_(world_size),
+      path_(std::move(path)),
+      max_events_(max_events > 0 ? max_events : kDefaultTraceMaxEvents) {}
 
 Tracer::~Tracer() {
   try {
@@ -84,6 +87,11 @@ Tracer::~Tracer() {
 
 void Tracer::add(Event e) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (events_.size() >= max_events_) {
+    // Full: the memory stays bounded; flush() says how many were left out.
+    if (dropped_++ == 0) first_dropped_ns_ = e.ts_ns;
+    return;
+  }
   events_.push_back(std::move(e));
 }
 
@@ -115,6 +123,11 @@ void Tracer::set_clock_offset(double offset_us, double round_trip_us) {
 size_t Tracer::event_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return events_.size();
+}
+
+size_t Tracer::dropped_events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return dropped_;
 }
 
 void Tracer::flush() {
@@ -167,8 +180,18 @@ void Tracer::flush() {
         os << '}';
       }
     }
+    if (dropped_ > 0) {
+      // One process-wide mark where the trace stops being complete; the
+      // summary reads its count.
+      os << ",\n{\"ph\":\"i\",\"name\":\"dropped events\",\"cat\":\"trace\",\"pid\":" << rank_
+         << ",\"tid\":0,\"ts\":";
+      write_us(os, first_dropped_ns_);
+      os << ",\"s\":\"p\",\"args\":{\"dropped\":" << dropped_ << ",\"max_events\":" << max_events_
+         << "}}";
+    }
     os << "\n],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":{\"cohort_trace\":1,\"rank\":" << rank_
-       << ",\"world_size\":" << world_size_ << ",\"clock_offset_us\":";
+       << ",\"world_size\":" << world_size_ << ",\"dropped_events\":" << dropped_
+       << ",\"max_events\":" << max_events_ << ",\"clock_offset_us\":";
     write_number(os, offset_us_);
     os << ",\"clock_round_trip_us\":";
     write_number(os, round_trip_us_);

@@ -9,6 +9,11 @@
 // in-memory buffer under a mutex; the file is written by flush() and by the
 // destructor, never on the operation's path.
 //
+// Memory. The buffer holds at most `max_events` events (default
+// kDefaultTraceMaxEvents; COHORT_TRACE_MAX_EVENTS): later ones are dropped
+// and counted, and the file ends with a "dropped events" record saying how
+// many, so a long traced run stays bounded and says what it left out.
+//
 // Time. Timestamps are this process's steady clock in microseconds. Each
 // rank also records its clock's offset against rank 0's (measured when the
 // world communicator is built); a merger adds it to every timestamp so the
@@ -33,6 +38,10 @@ namespace cohort {
 /// is compiled out.
 inline constexpr bool kTracingCompiled = COHORT_TRACING != 0;
 
+/// Events a Tracer keeps when not told otherwise (a few hundred bytes each
+/// in memory: at most a few hundred MB per rank).
+inline constexpr size_t kDefaultTraceMaxEvents = 1000000;
+
 /// One argument of an event ("args" in the JSON): a number or a text.
 struct TraceArg {
   std::string key;        ///< the argument's name
@@ -55,8 +64,9 @@ class Tracer {
  public:
   using Clock = std::chrono::steady_clock;  ///< the clock of every timestamp
 
-  /// A trace of rank `rank` of `world_size`, written to `path`.
-  Tracer(int rank, int world_size, std::string path);
+  /// A trace of rank `rank` of `world_size`, written to `path`, keeping at
+  /// most `max_events` events (0: kDefaultTraceMaxEvents).
+  Tracer(int rank, int world_size, std::string path, size_t max_events = 0);
   /// Writes the file (errors go to stderr: a destructor cannot throw).
   ~Tracer();
   Tracer(const Tracer&) = delete;
@@ -86,8 +96,12 @@ class Tracer {
   /// Writes every event so far to path() (creating its folder). Throws
   /// Error naming the path when it cannot.
   void flush();
-  /// Events recorded so far.
+  /// Events recorded so far (kept, at most max_events()).
   size_t event_count() const;
+  /// Events refused because max_events() were already kept.
+  size_t dropped_events() const;
+  /// The most events this trace keeps.
+  size_t max_events() const { return max_events_; }
   /// A fresh id for async_span (unique within this trace).
   uint64_t new_id() { return next_id_.fetch_add(1, std::memory_order_relaxed) + 1; }
 
@@ -107,8 +121,11 @@ class Tracer {
   const int rank_;
   const int world_size_;
   const std::string path_;
+  const size_t max_events_;
   mutable std::mutex mu_;
   std::vector<Event> events_;
+  size_t dropped_ = 0;
+  int64_t first_dropped_ns_ = 0;  // the first refused event's timestamp
   double offset_us_ = 0;
   double round_trip_us_ = 0;
   std::atomic<uint64_t> next_id_{0};

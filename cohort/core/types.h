@@ -52,6 +52,10 @@ struct CommunicatorOptions {
   /// (cohort/core/trace.h; init() reads COHORT_TRACE). Subgroups share
   /// their parent's trace.
   std::string trace_dir;
+  /// The most events the trace keeps per rank; later ones are dropped and
+  /// counted in the file (0: kDefaultTraceMaxEvents, one million; init()
+  /// reads COHORT_TRACE_MAX_EVENTS).
+  int64_t trace_max_events = 0;
 };
 
 /// Options of Communicator::all_reduce.

@@ -32,6 +32,45 @@ std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
 
 bool needs_grad(const torch::Tensor& t) { return t.defined() && t.requires_grad(); }
 
+// The trace event's name: the action type as the schedule's text form
+// writes it.
+const char* type_name(ActionType type) {
+  switch (type) {
+    case ActionType::Forward:
+      return "F";
+    case ActionType::Backward:
+      return "B";
+    case ActionType::BackwardInput:
+      return "I";
+    case ActionType::BackwardWeight:
+      return "W";
+    case ActionType::SendForward:
+      return "SEND_F";
+    case ActionType::RecvForward:
+      return "RECV_F";
+    case ActionType::SendBackward:
+      return "SEND_B";
+    case ActionType::RecvBackward:
+      return "RECV_B";
+  }
+  return "?";
+}
+
+// One action as a complete event. Compute actions are the rank's busy time,
+// sends and receives its communication (cohort-trace summary reads the
+// categories); sends and receives name the peer rank, receives also the
+// time blocked waiting for the message.
+void trace_action(Tracer& tracer, const Action& a, Clock::time_point start, Clock::time_point end,
+                  int64_t blocked_ns, int peer) {
+  std::vector<TraceArg> args{TraceArg::num("stage", a.stage),
+                             TraceArg::num("microbatch", a.microbatch)};
+  if (peer >= 0) args.push_back(TraceArg::num("peer", peer));
+  if (a.type == ActionType::RecvForward || a.type == ActionType::RecvBackward)
+    args.push_back(TraceArg::num("blocked_us", static_cast<double>(blocked_ns) / 1e3));
+  tracer.complete(type_name(a.type), is_compute(a.type) ? "pipeline.compute" : "pipeline.comm",
+                  start, end, std::move(args));
+}
+
 void add_gradients(const std::vector<torch::Tensor>& params,
                    const std::vector<torch::Tensor>& grads, size_t offset) {
   for (size_t i = 0; i < params.size(); ++i) {
@@ -76,6 +115,7 @@ struct PipelineRuntime::State {
   std::vector<Tensors> micro_inputs, micro_targets;
   std::vector<double> losses;
   int rank = 0;
+  int64_t recv_blocked_ns = 0;  // in wait() during the current action (traced runs)
 };
 
 void PipelineRuntime::check_local(const std::string& who) const {
@@ -198,9 +238,16 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
   split_batch(inputs, targets);
   PipelineStepResult result;
   state_->losses.assign(schedule_.num_microbatches, 0.0);
+  Tracer* const tracer = active(group_->tracer());
+  TraceSpan span(tracer, "pipeline step", "pipeline.step");
+  if (tracer) {
+    span.arg(TraceArg::str("schedule", schedule_.name));
+    span.arg(TraceArg::num("microbatches", schedule_.num_microbatches));
+  }
   try {
     post_receives();
     for (const Action& a : schedule_.actions[state_->rank]) run_action(a, result);
+    TraceSpan finish(tracer, "finish step", "pipeline.step");
     finish_step(result);
   } catch (...) {
     state_->slots.clear();
@@ -215,6 +262,8 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
 }
 
 void PipelineRuntime::run_action(const Action& a, PipelineStepResult& result) {
+  Tracer* const tracer = active(group_->tracer());
+  state_->recv_blocked_ns = 0;
   const auto t0 = Clock::now();
   switch (a.type) {
     case ActionType::Forward:
@@ -240,7 +289,13 @@ void PipelineRuntime::run_action(const Action& a, PipelineStepResult& result) {
       recv_backward(a.stage, a.microbatch);
       break;
   }
-  if (!options_.measure) return;
+  if (tracer) {
+    const bool to_next = a.type == ActionType::SendForward || a.type == ActionType::RecvBackward;
+    const int peer =
+        is_compute(a.type) ? -1 : schedule_.stage_to_rank[a.stage + (to_next ? 1 : -1)];
+    trace_action(*tracer, a, t0, Clock::now(), state_->recv_blocked_ns, peer);
+  }
+  if (!options_.measure || !is_compute(a.type)) return;
   double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   if (is_compute(a.type)) result.compute_ms += ms;
   result.action_ms[a.type] += ms;
@@ -449,8 +504,13 @@ void PipelineRuntime::post_receives() {
 bool PipelineRuntime::take_posted(int boundary, int dir, int mb, Tensors& out) {
   auto it = state_->posted.find({boundary, dir, mb});
   if (it == state_->posted.end()) return false;
+  const bool traced = active(group_->tracer()) != nullptr;
   for (auto& [work, buf] : it->second) {
+    const auto start = traced ? Clock::now() : Clock::time_point{};
     work.wait();
+    if (traced)
+      state_->recv_blocked_ns +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
     out.push_back(buf);
   }
   state_->posted.erase(it);
@@ -459,7 +519,14 @@ bool PipelineRuntime::take_posted(int boundary, int dir, int mb, Tensors& out) {
 
 Work PipelineRuntime::wait_recv(torch::Tensor& buffer, int src, int tag) {
   Work w = group_->recv(buffer, src, {tag, options_.timeout});
+  if (!active(group_->tracer())) {
+    w.wait();
+    return w;
+  }
+  const auto start = Clock::now();
   w.wait();
+  state_->recv_blocked_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
   return w;
 }
 

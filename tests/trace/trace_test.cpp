@@ -2,8 +2,10 @@
 // file per rank that parses, whose complete events nest per thread, in which
 // every collective appears on every rank, and whose totals equal the
 // communicator's counters; merging gives one lane per rank with the clocks
-// aligned; the fused optimizer's steps are traced; tracing off writes
-// nothing; cohortrun --trace runs the whole path across processes.
+// aligned; the fused optimizer's steps are traced; a pipeline step records
+// each schedule action once; a capped trace stays valid and counts what it
+// dropped; tracing off writes nothing; cohortrun --trace runs the whole path
+// across processes.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -13,10 +15,12 @@
 
 #include "cohort/core/counting_engine.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"
 #include "cohort/train/trainer_adapters.h"
 #include "support/thread_ranks.h"
+#include "tests/pipeline/pipeline_test_models.h"
 #include "tests/train/train_fixtures.h"
 #include "trace_files.h"
 #include "trace_summary.h"
@@ -212,6 +216,124 @@ TEST(Trace, FusedOptimizerStepsAreTraced) {
     EXPECT_EQ(steps, 2) << "rank " << r;
     expect_nested(doc["traceEvents"], r);
   }
+}
+
+// pp = 2, 1F1B, m = 4: each rank's trace holds every action of its part of
+// the schedule exactly once (name, stage, micro-batch), inside the step's
+// span, and the summary splits the step into compute and communication.
+TEST(Trace, PipelineActionsAppearOncePerRank) {
+  constexpr int kPP = 2, kM = 4;
+  testing::TempDir dir("cohort-trace");
+  testing::ThreadRanksOptions options;
+  options.trace_dir = dir.str();
+  std::vector<std::vector<pipeline::Action>> actions(kPP);
+  const auto x = pipeline::testing::det({8, pipeline::testing::kWidth}, 0.3);
+  const auto y = pipeline::testing::det({8, pipeline::testing::kWidth}, 1.1);
+  testing::run_ranks_shared(
+      kPP,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        const int r = comm->rank();
+        auto model = pipeline::testing::make_mlp(kPP);
+        pipeline::PipelineRuntime rt(
+            comm, {pipeline::PipelineStage(r, pipeline::split_sequential(model, {2}, r))},
+            pipeline::Schedule1F1B(kPP, kM), pipeline::testing::mse);
+        rt.step({x}, {y});
+        actions[static_cast<size_t>(r)] = rt.schedule().actions[static_cast<size_t>(r)];
+      },
+      options);
+
+  for (int r = 0; r < kPP; ++r) {
+    const json doc = read_json(dir / ("rank-" + std::to_string(r) + ".json"));
+    const json& events = doc.at("traceEvents");
+    expect_nested(events, r);
+    std::multiset<std::string> expected, traced;
+    for (const auto& a : actions[static_cast<size_t>(r)]) expected.insert(pipeline::to_string(a));
+    double step_begin = 0, step_end = -1;
+    for (const auto& e : events) {
+      if (e.value("name", "") == "pipeline step") {
+        step_begin = e["ts"].get<double>();
+        step_end = step_begin + e["dur"].get<double>();
+      }
+    }
+    for (const auto& e : events) {
+      const std::string cat = e.value("cat", "");
+      if (cat != "pipeline.compute" && cat != "pipeline.comm") continue;
+      const json& args = e["args"];
+      // "1SEND_B2": the schedule's text form of (stage, name, micro-batch).
+      const std::string token = std::to_string(args["stage"].get<int>()) +
+                                e["name"].get<std::string>() +
+                                std::to_string(args["microbatch"].get<int>());
+      traced.insert(token);
+      EXPECT_EQ(cat == "pipeline.compute",
+                pipeline::is_compute(pipeline::parse_action(token).type));
+      EXPECT_GE(e["ts"].get<double>(), step_begin - 1e-3) << "rank " << r;
+      EXPECT_LE(e["ts"].get<double>() + e["dur"].get<double>(), step_end + 1e-3) << "rank " << r;
+      if (args.contains("blocked_us")) {
+        EXPECT_GE(args["blocked_us"].get<double>(), 0.0);
+        EXPECT_LE(args["blocked_us"].get<double>(), e["dur"].get<double>() + 1e-3);
+        EXPECT_EQ(args["peer"], 1 - r);
+      }
+    }
+    EXPECT_EQ(traced, expected) << "rank " << r;
+  }
+
+  const auto summary = cohort_trace::summarize_trace(
+      cohort_trace::merge_traces(cohort_trace::read_rank_traces(dir.str())));
+  ASSERT_EQ(summary.size(), static_cast<size_t>(kPP));
+  for (const auto& s : summary) {
+    EXPECT_EQ(s.pipeline_actions,
+              static_cast<int64_t>(actions[static_cast<size_t>(s.rank)].size()));
+    EXPECT_GT(s.pipeline_compute_s, 0.0);
+    EXPECT_GT(s.busy_s, 0.0);
+    EXPECT_GT(s.comm_s, 0.0);  // every rank receives in 1F1B
+    EXPECT_LE(s.pipeline_blocked_s, s.comm_s + 1e-9);
+    EXPECT_NEAR(s.busy_s + s.comm_s + s.idle_s, s.wall_s, 1e-9 + 1e-9 * s.wall_s);
+  }
+  EXPECT_NE(cohort_trace::format_summary(summary).find("pipeline:"), std::string::npos);
+}
+
+// A cap of 5 events (CommunicatorOptions::trace_max_events): every rank keeps
+// 5, the file parses and says how many it dropped, and so does the summary.
+TEST(Trace, CappedTraceCountsWhatItDropped) {
+  constexpr int kCap = 5, kOps = 10;
+  testing::TempDir dir("cohort-trace");
+  testing::ThreadRanksOptions options;
+  options.trace_dir = dir.str();
+  options.trace_max_events = kCap;
+  testing::run_ranks_shared(
+      2,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto t = torch::ones({4});
+        for (int i = 0; i < kOps; ++i) comm->all_reduce(t).wait();
+        EXPECT_EQ(comm->tracer()->event_count(), static_cast<size_t>(kCap));
+        EXPECT_EQ(comm->tracer()->max_events(), static_cast<size_t>(kCap));
+      },
+      options);
+  for (int r = 0; r < 2; ++r) {
+    const json doc = read_json(dir / ("rank-" + std::to_string(r) + ".json"));
+    int kept = 0;
+    int64_t marked = -1;
+    for (const auto& e : doc["traceEvents"]) {
+      const std::string ph = e["ph"];
+      if (e.value("name", "") == "dropped events") {
+        marked = e["args"]["dropped"].get<int64_t>();
+        EXPECT_EQ(e["args"]["max_events"], kCap);
+      } else if (ph == "X" || ph == "i" || ph == "b") {
+        ++kept;  // a "b" and its "e" are one event
+      }
+    }
+    EXPECT_EQ(kept, kCap) << "rank " << r;
+    // Each all_reduce records its issue, its wait and its flight.
+    const int64_t dropped = doc["otherData"]["dropped_events"].get<int64_t>();
+    EXPECT_GE(dropped, 3 * kOps - kCap) << "rank " << r;
+    EXPECT_EQ(marked, dropped) << "rank " << r;
+  }
+  const auto summary = cohort_trace::summarize_trace(
+      cohort_trace::merge_traces(cohort_trace::read_rank_traces(dir.str())));
+  ASSERT_EQ(summary.size(), 2u);
+  EXPECT_GE(summary[0].dropped_events, 3 * kOps - kCap);
+  EXPECT_NE(cohort_trace::format_summary(summary).find("events dropped"), std::string::npos);
 }
 
 TEST(Trace, OffByDefaultWritesNothing) {

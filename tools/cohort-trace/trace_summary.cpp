@@ -32,7 +32,8 @@ double union_us(Spans s) {
 struct Lane {
   Spans all, comm, flight;
   double first = 1e300, last = -1e300;
-  int64_t operations = 0;
+  int64_t operations = 0, pipeline_actions = 0, dropped = 0;
+  double pipeline_compute_us = 0, pipeline_blocked_us = 0;
   std::vector<SlowOp> ops;
   std::map<uint64_t, std::pair<double, size_t>> begins;  // open flights: id -> (ts, op)
 };
@@ -50,10 +51,17 @@ std::vector<RankSummary> summarize_trace(const nlohmann::json& merged, size_t to
     if (ph == "X") {
       const double end = ts + e.value("dur", 0.0);
       lane.all.emplace_back(ts, end);
-      if (cat == "comm" || cat == "comm.wait") lane.comm.emplace_back(ts, end);
+      if (cat == "comm" || cat == "comm.wait" || cat == "pipeline.comm")
+        lane.comm.emplace_back(ts, end);
       if (cat == "comm") ++lane.operations;
+      if (cat == "pipeline.compute" || cat == "pipeline.comm") ++lane.pipeline_actions;
+      if (cat == "pipeline.compute") lane.pipeline_compute_us += end - ts;
+      if (cat == "pipeline.comm" && e.contains("args"))
+        lane.pipeline_blocked_us += e["args"].value("blocked_us", 0.0);
       lane.first = std::min(lane.first, ts);
       lane.last = std::max(lane.last, end);
+    } else if (ph == "i" && cat == "trace" && e.value("name", "") == "dropped events") {
+      lane.dropped += e.value("args", nlohmann::json::object()).value("dropped", int64_t{0});
     } else if (ph == "b" && cat == "comm.flight") {
       const auto& args = e.value("args", nlohmann::json::object());
       SlowOp op;
@@ -84,6 +92,10 @@ std::vector<RankSummary> summarize_trace(const nlohmann::json& merged, size_t to
     s.idle_s = std::max(0.0, s.wall_s - active);
     s.in_flight_s = union_us(lane.flight) / 1e6;
     s.operations = lane.operations;
+    s.pipeline_actions = lane.pipeline_actions;
+    s.pipeline_compute_s = lane.pipeline_compute_us / 1e6;
+    s.pipeline_blocked_s = lane.pipeline_blocked_us / 1e6;
+    s.dropped_events = lane.dropped;
     auto& ops = lane.ops;
     ops.erase(std::remove_if(ops.begin(), ops.end(), [](const SlowOp& o) { return o.seconds < 0; }),
               ops.end());
@@ -109,6 +121,28 @@ std::string format_summary(const std::vector<RankSummary>& ranks) {
                   r.rank, r.wall_s, r.busy_s, pct(r.busy_s, r.wall_s), r.comm_s,
                   pct(r.comm_s, r.wall_s), r.idle_s, pct(r.idle_s, r.wall_s), r.in_flight_s,
                   static_cast<long long>(r.operations));
+    out += line;
+  }
+  bool pipeline = false;
+  for (const auto& r : ranks) pipeline = pipeline || r.pipeline_actions > 0;
+  if (pipeline) {
+    std::snprintf(line, sizeof line, "\npipeline: %-5s %8s %16s %22s\n", "rank", "actions",
+                  "compute s (%)", "blocked in recv s (%)");
+    out += line;
+    for (const auto& r : ranks) {
+      std::snprintf(line, sizeof line, "          %-5d %8lld %9.3f (%3.0f%%) %15.3f (%3.0f%%)\n",
+                    r.rank, static_cast<long long>(r.pipeline_actions), r.pipeline_compute_s,
+                    pct(r.pipeline_compute_s, r.wall_s), r.pipeline_blocked_s,
+                    pct(r.pipeline_blocked_s, r.wall_s));
+      out += line;
+    }
+  }
+  for (const auto& r : ranks) {
+    if (r.dropped_events == 0) continue;
+    std::snprintf(line, sizeof line,
+                  "\nrank %d: %lld events dropped (COHORT_TRACE_MAX_EVENTS reached); the figures "
+                  "cover the events kept\n",
+                  r.rank, static_cast<long long>(r.dropped_events));
     out += line;
   }
   for (const auto& r : ranks) {

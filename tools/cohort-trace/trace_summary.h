@@ -19,15 +19,20 @@ struct SlowOp {
 };
 
 // Where one rank's time went, between its first and last traced event.
-// comm is time inside issuing or waiting for an operation (communication
-// the rank was held up by); busy is time inside other traced spans
-// (forward, backward, optimizer, ...); idle is time inside none.
+// comm is time inside issuing or waiting for an operation, or inside a
+// pipeline send or receive action (communication the rank was held up by);
+// busy is time inside other traced spans (forward, backward, optimizer,
+// pipeline compute actions, ...); idle is time inside none.
 struct RankSummary {
   int rank = 0;
   double wall_s = 0, busy_s = 0, comm_s = 0, idle_s = 0;
   double in_flight_s = 0;  // union of the collectives' time in flight
   int64_t operations = 0;  // operations issued
   std::vector<SlowOp> slowest;
+  int64_t pipeline_actions = 0;   // pipeline schedule actions run (F, B, I, W, sends, receives)
+  double pipeline_compute_s = 0;  // time in F, B, I and W
+  double pipeline_blocked_s = 0;  // time receives waited for their message
+  int64_t dropped_events = 0;     // events the rank's trace left out (its cap was reached)
 };
 
 // Per lane (pid) of a merged trace, the `top` slowest operations each.
