@@ -32,30 +32,6 @@ std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
 
 bool needs_grad(const torch::Tensor& t) { return t.defined() && t.requires_grad(); }
 
-// The trace event's name: the action type as the schedule's text form
-// writes it.
-const char* type_name(ActionType type) {
-  switch (type) {
-    case ActionType::Forward:
-      return "F";
-    case ActionType::Backward:
-      return "B";
-    case ActionType::BackwardInput:
-      return "I";
-    case ActionType::BackwardWeight:
-      return "W";
-    case ActionType::SendForward:
-      return "SEND_F";
-    case ActionType::RecvForward:
-      return "RECV_F";
-    case ActionType::SendBackward:
-      return "SEND_B";
-    case ActionType::RecvBackward:
-      return "RECV_B";
-  }
-  return "?";
-}
-
 // One action as a complete event. Compute actions are the rank's busy time,
 // sends and receives its communication (cohort-trace summary reads the
 // categories); sends and receives name the peer rank, receives also the
@@ -67,8 +43,9 @@ void trace_action(Tracer& tracer, const Action& a, Clock::time_point start, Cloc
   if (peer >= 0) args.push_back(TraceArg::num("peer", peer));
   if (a.type == ActionType::RecvForward || a.type == ActionType::RecvBackward)
     args.push_back(TraceArg::num("blocked_us", static_cast<double>(blocked_ns) / 1e3));
-  tracer.complete(type_name(a.type), is_compute(a.type) ? "pipeline.compute" : "pipeline.comm",
-                  start, end, std::move(args));
+  tracer.complete(action_type_name(a.type),
+                  is_compute(a.type) ? "pipeline.compute" : "pipeline.comm", start, end,
+                  std::move(args));
 }
 
 void add_gradients(const std::vector<torch::Tensor>& params,

@@ -105,11 +105,15 @@ bool is_compute(ActionType type) {
          type == ActionType::BackwardInput || type == ActionType::BackwardWeight;
 }
 
-std::string to_string(const Action& a) {
+const char* action_type_name(ActionType type) {
   for (const auto& tn : kTypeNames)
-    if (tn.type == a.type) return std::to_string(a.stage) + tn.text + std::to_string(a.microbatch);
+    if (tn.type == type) return tn.text;
   COHORT_CHECK(false, "unknown action type");
-  return "";
+  return "?";
+}
+
+std::string to_string(const Action& a) {
+  return std::to_string(a.stage) + action_type_name(a.type) + std::to_string(a.microbatch);
 }
 
 Action parse_action(const std::string& token) {

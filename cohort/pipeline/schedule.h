@@ -33,6 +33,10 @@ enum class ActionType {
 /// True for F, B, I and W (the actions that run the model).
 bool is_compute(ActionType type);
 
+/// The type's name in the text form: "F", "B", "I", "W", "SEND_F", "RECV_F",
+/// "SEND_B" or "RECV_B".
+const char* action_type_name(ActionType type);
+
 /// One action: `type` for micro-batch `microbatch` of logical stage `stage`.
 /// Text form: stage, type, micro-batch, e.g. `2F0`, `1W3`, `0SEND_F1`.
 struct Action {
