@@ -85,7 +85,9 @@ class PipelineRuntime {
   /// The schedule the runtime executes.
   const PipelineSchedule& schedule() const { return schedule_; }
   /// The pipeline-parallel group the stages exchange activations over.
-  Communicator& group() { return *group_; }
+  Communicator& group() const { return *group_; }
+  /// The same group, for holders that keep it (the Trainer's grad norm).
+  const std::shared_ptr<Communicator>& shared_group() const { return group_; }
 
  private:
   struct State;

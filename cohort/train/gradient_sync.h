@@ -5,7 +5,9 @@
 // The trainer runs k micro-batches per optimizer step. Only the last one's
 // backward must communicate: earlier ones accumulate into .grad locally.
 // DDP does that with no_sync() during backward (see ddp_gradient_sync.h);
-// the all-reduce fallback does it after the final backward.
+// the all-reduce fallback does it after the final backward. LocalGradientSync
+// is for gradients that need no averaging (one data-parallel replica: a
+// pipeline alone).
 #pragma once
 
 #include <torch/types.h>
@@ -59,6 +61,15 @@ class AllReduceGradientSync : public GradientSync {
   std::shared_ptr<Communicator> comm_;
   std::vector<torch::Tensor> params_;
   double comm_seconds_ = 0.0;
+};
+
+/// A GradientSync that never communicates: the gradients on each rank are already those of the
+/// whole global batch (a pipeline without data parallelism: every rank holds other parameters).
+class LocalGradientSync : public GradientSync {
+ public:
+  std::shared_ptr<void> skip_sync() override { return nullptr; }
+  void finish_sync() override {}
+  double comm_seconds() const override { return 0.0; }
 };
 
 }  // namespace cohort

@@ -17,6 +17,17 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring) {
+  // A pipeline's ranks hold disjoint stages whose gradients the DP sync
+  // already averaged: the squares sum over the pipeline group only.
+  if (wiring.pipeline())
+    return std::make_shared<ShardedGradNorm>(wiring.pipeline()->shared_group());
+  if (wiring.optimizer().sharded_gradients()) {
+    return std::make_shared<ShardedGradNorm>(wiring.communicator());
+  }
+  return std::make_shared<ReplicatedGradNorm>();
+}
+
 }  // namespace
 
 Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
@@ -28,11 +39,8 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
       sync_(wiring_.sync()),
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
-      norm_(
-          norm ? std::move(norm)
-          : optimizer_.sharded_gradients()
-              ? std::shared_ptr<GradNorm>(std::make_shared<ShardedGradNorm>(wiring_.communicator()))
-              : std::make_shared<ReplicatedGradNorm>()),
+      norm_(norm ? std::move(norm) : default_norm(wiring_)),
+      pipeline_(wiring_.pipeline()),
       metrics_(config_.metrics_path, comm_.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
@@ -40,9 +48,32 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
                           std::to_string(config_.accumulation_steps));
   }
   if (config_.max_grad_norm < 0) throw InvalidArgument("Trainer: negative max_grad_norm");
+  check_loss_source();
   params_ = model_->parameters();
   if (!config_.checkpoint_dir.empty()) {
     checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last);
+  }
+}
+
+Trainer::Trainer(TrainerWiring wiring, TrainerConfig config, std::shared_ptr<GradNorm> norm)
+    : Trainer(std::move(wiring), LossFn{}, std::move(config), std::move(norm)) {}
+
+void Trainer::check_loss_source() const {
+  if (!pipeline_) {
+    if (!loss_fn_) throw InvalidArgument("Trainer: no LossFn (only a pipeline brings its own)");
+    return;
+  }
+  if (loss_fn_) {
+    throw InvalidArgument(
+        "Trainer: a pipeline computes its loss on its last stage; construct the Trainer "
+        "without a LossFn");
+  }
+  const int m = pipeline_->schedule().num_microbatches;
+  if (config_.accumulation_steps != m) {
+    throw InvalidArgument("Trainer on rank " + std::to_string(comm_.rank()) +
+                          ": accumulation_steps " + std::to_string(config_.accumulation_steps) +
+                          " differs from the pipeline schedule's " + std::to_string(m) +
+                          " micro-batches");
   }
 }
 
@@ -63,23 +94,9 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   const auto bytes_before = comm_.stats().total().bytes_sent;
   model_->train();
   optimizer_.zero_grad();
-  double loss_sum = 0.0;
+  const double loss = pipeline_ ? pipeline_step(micro_batches) : accumulate(micro_batches, tracer);
   int64_t samples = 0;
-  for (int64_t i = 0; i < k; ++i) {
-    const bool last = i + 1 == k;
-    std::shared_ptr<void> no_sync = last ? nullptr : sync_.skip_sync();
-    torch::Tensor loss;
-    {
-      TraceSpan span(tracer, "forward", "train");
-      loss = loss_fn_(micro_batches[static_cast<size_t>(i)]);
-    }
-    // Dividing by k makes the accumulated gradient that of the mean loss
-    // over the k micro-batches (equal sizes), as one k-times batch would.
-    TraceSpan span(tracer, "backward", "train");
-    (loss / static_cast<double>(k)).backward();
-    loss_sum += loss.item<double>();
-    samples += micro_batches[static_cast<size_t>(i)].data.size(0);
-  }
+  for (const auto& b : micro_batches) samples += b.data.size(0);
   {
     TraceSpan span(tracer, "finish sync", "train");
     sync_.finish_sync();
@@ -102,17 +119,49 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   ++position_.step;
 
   m.comm_bytes = static_cast<int64_t>(comm_.stats().total().bytes_sent - bytes_before);
-  auto totals = torch::tensor({loss_sum / static_cast<double>(k), static_cast<double>(samples)},
-                              torch::kFloat64);
+  auto totals = torch::tensor({loss, static_cast<double>(samples)}, torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
+  // Every rank of a pipeline reports its replica's loss and samples.
+  const int copies = pipeline_ ? pipeline_->group().size() : 1;
   m.step = position_.step;
   m.epoch = position_.epoch;
   m.loss = totals[0].item<double>() / comm_.size();
-  m.samples = static_cast<int64_t>(totals[1].item<double>());
+  m.samples = static_cast<int64_t>(totals[1].item<double>()) / copies;
   m.step_seconds = seconds_since(start);
   m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
   m.comm_seconds = sync_.comm_seconds() + optimizer_.comm_seconds() - comm_before;
   return m;
+}
+
+double Trainer::accumulate(const std::vector<torch::data::Example<>>& micro_batches,
+                           Tracer* tracer) {
+  const size_t k = micro_batches.size();
+  double loss_sum = 0.0;
+  for (size_t i = 0; i < k; ++i) {
+    std::shared_ptr<void> no_sync = i + 1 == k ? nullptr : sync_.skip_sync();
+    torch::Tensor loss;
+    {
+      TraceSpan span(tracer, "forward", "train");
+      loss = loss_fn_(micro_batches[i]);
+    }
+    // Dividing by k makes the accumulated gradient that of the mean loss
+    // over the k micro-batches (equal sizes), as one k-times batch would.
+    TraceSpan span(tracer, "backward", "train");
+    (loss / static_cast<double>(k)).backward();
+    loss_sum += loss.item<double>();
+  }
+  return loss_sum / static_cast<double>(k);
+}
+
+double Trainer::pipeline_step(const std::vector<torch::data::Example<>>& micro_batches) {
+  // The runtime splits the batch back into the same k micro-batches and
+  // backpropagates each loss / k, as accumulate() does.
+  std::vector<torch::Tensor> data, targets;
+  for (const auto& b : micro_batches) {
+    data.push_back(b.data);
+    targets.push_back(b.target);
+  }
+  return pipeline_->step({torch::cat(data)}, {torch::cat(targets)}).loss;
 }
 
 std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {
@@ -165,20 +214,12 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
 
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
-  // Per-rank state (a sharded optimizer, a compressor's error feedback)
-  // goes into each rank's shard file.
-  const bool sharded = !optimizer_.replicated_state() || sync_.has_state();
-  if (sharded) {
-    // Each rank writes its optimizer shard (atomic, checksummed) before the
-    // gather below, so rank 0 writes the main file, which is what makes the
-    // checkpoint exist, only once every shard is on disk.
-    torch::serialize::OutputArchive archive;
-    if (!optimizer_.replicated_state()) optimizer_.save(archive);
-    if (sync_.has_state()) sync_.save_state(archive);
-    std::ostringstream out;
-    archive.save_to(out);
-    write_checkpoint_file(shard_path(position_.step), out.str());
-  }
+  // Per-rank state (a sharded optimizer, a compressor's error feedback, a
+  // pipeline's stages) goes into each rank's shard file, written (atomic,
+  // checksummed) before the gather below, so rank 0 writes the main file,
+  // which is what makes the checkpoint exist, only once every shard is on disk.
+  const bool sharded = per_rank_state();
+  if (sharded) write_shard();
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
   // so a crash cannot leave some ranks' parts newer than others.
   auto mine = cpu_rng_state();
@@ -188,8 +229,8 @@ void Trainer::save_checkpoint() {
   }
   comm_.gather(all, mine, {0}).wait();
   if (comm_.rank() == 0) {
-    const auto payload =
-        encode_training_state(*model_, optimizer_, position_, torch::stack(all));
+    const auto payload = encode_training_state(pipeline_ ? nullptr : model_.get(), optimizer_,
+                                               position_, torch::stack(all));
     checkpoints_->write(position_.step, payload);
   }
   if (sharded) {
@@ -199,6 +240,46 @@ void Trainer::save_checkpoint() {
     remove_stale_shards();
   }
   last_checkpoint_step_ = position_.step;
+}
+
+bool Trainer::per_rank_state() const {
+  return !optimizer_.replicated_state() || sync_.has_state() || pipeline_;
+}
+
+void Trainer::write_shard() const {
+  torch::serialize::OutputArchive archive;
+  if (pipeline_) {
+    torch::serialize::OutputArchive stages;
+    model_->save(stages);
+    archive.write("model", stages);
+  }
+  if (!optimizer_.replicated_state()) optimizer_.save(archive);
+  if (sync_.has_state()) sync_.save_state(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  write_checkpoint_file(shard_path(position_.step), out.str());
+}
+
+void Trainer::read_shard(int64_t step) {
+  // The optimizer checks that the shard was saved by the same rank of the
+  // same layout.
+  const auto shard = read_checkpoint_file(shard_path(step));
+  try {
+    std::istringstream in(shard);
+    torch::serialize::InputArchive archive;
+    archive.load_from(in);
+    if (pipeline_) {
+      torch::serialize::InputArchive stages;
+      archive.read("model", stages);
+      load_module_state(*model_, stages);
+    }
+    if (!optimizer_.replicated_state()) optimizer_.load(archive);
+    if (sync_.has_state()) sync_.load_state(archive);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint " + shard_path(step) + ": does not fit this " +
+                          (pipeline_ ? "rank's stages or optimizer: " : "optimizer: ") +
+                          e.what_without_backtrace());
+  }
 }
 
 std::string Trainer::shard_path(int64_t step) const {
@@ -260,22 +341,8 @@ std::optional<int64_t> Trainer::resume() {
   }
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
-  auto state = decode_training_state(payload, path, *model_, optimizer_);
-  if (!optimizer_.replicated_state() || sync_.has_state()) {
-    // This rank's shard; the optimizer checks that it was saved by the same
-    // rank of the same layout.
-    const auto shard = read_checkpoint_file(shard_path(step));
-    try {
-      std::istringstream in(shard);
-      torch::serialize::InputArchive archive;
-      archive.load_from(in);
-      if (!optimizer_.replicated_state()) optimizer_.load(archive);
-      if (sync_.has_state()) sync_.load_state(archive);
-    } catch (const c10::Error& e) {
-      throw CheckpointError("checkpoint " + shard_path(step) +
-                            ": does not fit this optimizer: " + e.what_without_backtrace());
-    }
-  }
+  auto state = decode_training_state(payload, path, pipeline_ ? nullptr : model_.get(), optimizer_);
+  if (per_rank_state()) read_shard(step);
   if (state.rng_states.size(0) != comm_.size()) {
     throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
                       path + " was written by " + std::to_string(state.rng_states.size(0)) +

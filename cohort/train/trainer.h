@@ -19,6 +19,14 @@
 // Steps 1-5 are the same arithmetic on every rank, so the replicas stay
 // identical without broadcasting weights.
 //
+// With a pipeline (TrainerWiring::pipeline) step 2 is one PipelineRuntime
+// step over the k micro-batches (k must be the schedule's m): the runtime's
+// loss function runs on the last stage and its mean loss reaches every rank;
+// the norm of step 4 sums the stages' squared norms over the pipeline group
+// (the DP all-reduce of step 3 already averaged them); step 6 divides by the
+// pipeline's size, whose ranks all report the same loss and samples. Each
+// rank saves its stages and their optimizer state in its checkpoint shard.
+//
 // What it trains with comes as a TrainerWiring (trainer_wiring.h), whose
 // factories accept only the valid pairings of DDP and optimizer; the DDP and
 // optimizers behind it must outlive the trainer. It has no global state: several trainers (ranks as
@@ -46,6 +54,8 @@
 #include "cohort/train/training_state.h"
 
 namespace cohort {
+
+class Tracer;
 
 /// What the Trainer does each step and around it; the same on every rank.
 struct TrainerConfig {
@@ -108,6 +118,11 @@ class Trainer {
   Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
           std::shared_ptr<GradNorm> norm = nullptr);
 
+  /// A trainer that steps a pipeline (TrainerWiring::pipeline): the runtime's loss function,
+  /// on the last stage, computes the loss. config.accumulation_steps must be the schedule's
+  /// number of micro-batches; norm: nullptr means ShardedGradNorm over the pipeline group.
+  Trainer(TrainerWiring wiring, TrainerConfig config, std::shared_ptr<GradNorm> norm = nullptr);
+
   /// Loads the newest checkpoint that verifies from config.checkpoint_dir
   /// (collective). Newer ones that fail are reported on stderr by rank 0 and
   /// listed in skipped_checkpoints(). Returns the step resumed at, or
@@ -126,7 +141,8 @@ class Trainer {
   /// optimizer (replicated_state() false, e.g. ZeRO) every rank also writes
   /// its optimizer shard next to it, "<checkpoint>.shard-<rank>-of-<world>",
   /// and resume() reads it back (a missing or damaged shard is a
-  /// CheckpointError naming the file).
+  /// CheckpointError naming the file). With a pipeline the shard also holds
+  /// the rank's stages and their optimizer state.
   void save_checkpoint();
 
   /// Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
@@ -140,6 +156,12 @@ class Trainer {
   const TrainerConfig& config() const { return config_; }
 
  private:
+  void check_loss_source() const;
+  double accumulate(const std::vector<torch::data::Example<>>& micro_batches, Tracer* tracer);
+  double pipeline_step(const std::vector<torch::data::Example<>>& micro_batches);
+  bool per_rank_state() const;
+  void write_shard() const;
+  void read_shard(int64_t step);
   std::string shard_path(int64_t step) const;
   void remove_stale_shards() const;
 
@@ -152,6 +174,7 @@ class Trainer {
   LossFn loss_fn_;
   TrainerConfig config_;
   std::shared_ptr<GradNorm> norm_;
+  pipeline::PipelineRuntime* pipeline_;
   std::optional<CheckpointDir> checkpoints_;
   MetricsLog metrics_;
   TrainingPosition position_;

@@ -52,8 +52,11 @@ class TrainerOptimizer {
 /// Any LibTorch optimizer (SGD, AdamW, ...) as the Trainer's optimizer.
 class TorchOptimizer : public TrainerOptimizer {
  public:
-  /// Adapts `optimizer`, which must outlive it.
-  explicit TorchOptimizer(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
+  /// Adapts `optimizer`, which must outlive it. replicated_state false: each
+  /// rank's optimizer holds other parameters (a pipeline's stages), so every
+  /// rank saves its own state.
+  explicit TorchOptimizer(torch::optim::Optimizer& optimizer, bool replicated_state = true)
+      : optimizer_(optimizer), replicated_(replicated_state) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
   void set_lr(double lr) override {
@@ -63,9 +66,11 @@ class TorchOptimizer : public TrainerOptimizer {
     optimizer_.save(archive);
   }
   void load(torch::serialize::InputArchive& archive) override { optimizer_.load(archive); }
+  bool replicated_state() const override { return replicated_; }
 
  private:
   torch::optim::Optimizer& optimizer_;
+  bool replicated_;
 };
 
 }  // namespace cohort

@@ -13,6 +13,13 @@
 //   TrainerWiring::fused(model, fused)         FusedDistributedOptimizer
 //   TrainerWiring::all_reduce(comm, model, o)  no DDP: one all-reduce after
 //                                             the last micro-batch
+//   TrainerWiring::pipeline(runtime, o)        a pipeline (this rank's stages)
+//                                             and a LibTorch optimizer over
+//                                             runtime.parameters()
+//   TrainerWiring::pipeline(world, runtime, o, dp_group)
+//                                             PP x DP: one all-reduce of the
+//                                             stages' gradients over dp_group
+//                                             after the step
 //
 // A pairing outside this list (the fused optimizer under DDP, ZeRO alone
 // with DDP's sync, two syncs, ...) has no factory and does not compile; the
@@ -21,8 +28,14 @@
 // the DDP or the distributed optimizer, which share it; all_reduce() takes
 // it as every holder of a communicator does, a std::shared_ptr.
 //
-// The wiring owns the adapters; the DDP, the optimizers and the model are the
-// caller's and must outlive the Trainer.
+// With a pipeline the Trainer runs the runtime's step (its loss function, on
+// the last stage) instead of a LossFn; each rank's model is its stages, its
+// optimizer state their state, both saved in each rank's checkpoint shard;
+// the global gradient norm sums the squared norms of the stages over the
+// pipeline group.
+//
+// The wiring owns the adapters; the DDP, the optimizers, the pipeline
+// runtime and the model are the caller's and must outlive the Trainer.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -36,6 +49,7 @@
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/gradient_sync.h"
 #include "cohort/train/trainer_adapters.h"
@@ -103,6 +117,19 @@ class TrainerWiring {
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
   }
 
+  /// A pipeline alone (its group is the whole job) with any LibTorch optimizer over
+  /// runtime.parameters(): no data parallelism, so the gradients need no averaging.
+  static TrainerWiring pipeline(pipeline::PipelineRuntime& runtime,
+                                torch::optim::Optimizer& optimizer);
+
+  /// PP x DP: `world` holds every rank, `dp_group` the ranks holding the same stages for other
+  /// shards of the batch; the stages' gradients are averaged over dp_group once per step, after
+  /// the pipeline's last backward. InvalidArgument unless world is pipeline x dp_group ranks.
+  static TrainerWiring pipeline(std::shared_ptr<Communicator> world,
+                                pipeline::PipelineRuntime& runtime,
+                                torch::optim::Optimizer& optimizer,
+                                std::shared_ptr<Communicator> dp_group);
+
   /// The communicator every rank's trainer runs over.
   const std::shared_ptr<Communicator>& communicator() const { return comm_; }
   /// The module whose parameters get the gradients.
@@ -111,14 +138,18 @@ class TrainerWiring {
   TrainerOptimizer& optimizer() const { return *optimizer_; }
   /// The gradient sync.
   GradientSync& sync() const { return *sync_; }
+  /// The pipeline the trainer steps, or null: the trainer runs its LossFn per micro-batch.
+  pipeline::PipelineRuntime* pipeline() const { return pipeline_; }
 
  private:
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
-                std::unique_ptr<TrainerOptimizer> optimizer, std::unique_ptr<GradientSync> sync)
+                std::unique_ptr<TrainerOptimizer> optimizer, std::unique_ptr<GradientSync> sync,
+                pipeline::PipelineRuntime* pipeline = nullptr)
       : comm_(std::move(comm)),
         model_(std::move(model)),
         optimizer_(std::move(optimizer)),
-        sync_(std::move(sync)) {
+        sync_(std::move(sync)),
+        pipeline_(pipeline) {
     if (!comm_) throw InvalidArgument("TrainerWiring: communicator is null");
     if (!model_) throw InvalidArgument("TrainerWiring: model is null");
   }
@@ -127,6 +158,7 @@ class TrainerWiring {
   std::shared_ptr<torch::nn::Module> model_;
   std::unique_ptr<TrainerOptimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;
+  pipeline::PipelineRuntime* pipeline_ = nullptr;
 };
 
 }  // namespace cohort

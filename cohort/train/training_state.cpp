@@ -7,13 +7,12 @@
 #include "cohort/train/checkpoint_file.h"
 
 namespace cohort {
-namespace {
 
 // Module::load would set_() each parameter to the loaded storage (and
 // LibTorch then gives it a new gradient accumulator, which DDP re-hooks at
 // the next forward); copying into the existing storage instead keeps
 // anything that holds views of the weights (flat optimizer buffers) valid.
-void copy_into(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
+void load_module_state(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
   torch::NoGradGuard no_grad;
   for (auto& p : module.named_parameters(/*recurse=*/false)) {
     torch::Tensor loaded;
@@ -28,18 +27,16 @@ void copy_into(torch::nn::Module& module, torch::serialize::InputArchive& archiv
   for (auto& child : module.named_children()) {
     torch::serialize::InputArchive sub;
     archive.read(child.key(), sub);
-    copy_into(*child.value(), sub);
+    load_module_state(*child.value(), sub);
   }
 }
 
-}  // namespace
-
-std::string encode_training_state(torch::nn::Module& model, const TrainerOptimizer& optimizer,
+std::string encode_training_state(torch::nn::Module* model, const TrainerOptimizer& optimizer,
                                   const TrainingPosition& position,
                                   const torch::Tensor& rng_states) {
   torch::serialize::OutputArchive archive;
   torch::serialize::OutputArchive model_archive, optimizer_archive;
-  model.save(model_archive);
+  if (model) model->save(model_archive);
   // A sharded optimizer (ZeRO) saves each rank's part in its own file.
   if (optimizer.replicated_state()) optimizer.save(optimizer_archive);
   archive.write("model", model_archive);
@@ -54,7 +51,7 @@ std::string encode_training_state(torch::nn::Module& model, const TrainerOptimiz
 }
 
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
-                                   torch::nn::Module& model, TrainerOptimizer& optimizer) {
+                                   torch::nn::Module* model, TrainerOptimizer& optimizer) {
   try {
     std::istringstream in(payload);
     torch::serialize::InputArchive archive;
@@ -62,7 +59,7 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
-    copy_into(model, model_archive);
+    if (model) load_module_state(*model, model_archive);
     if (optimizer.replicated_state()) optimizer.load(optimizer_archive);
     DecodedState state;
     c10::IValue v;

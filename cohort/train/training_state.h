@@ -10,6 +10,7 @@
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/serialize/archive.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -27,7 +28,8 @@ struct TrainingPosition {
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
-std::string encode_training_state(torch::nn::Module& model, const TrainerOptimizer& optimizer,
+/// model null: each rank saves its own part (a pipeline's stages) in its shard.
+std::string encode_training_state(torch::nn::Module* model, const TrainerOptimizer& optimizer,
                                   const TrainingPosition& position,
                                   const torch::Tensor& rng_states);
 
@@ -38,10 +40,15 @@ struct DecodedState {
   torch::Tensor rng_states;  ///< [world_size, state_bytes]
 };
 
-/// Loads model and optimizer from `payload` and returns the rest. Throws
-/// CheckpointError (naming `source`) when the payload does not parse or does
-/// not fit the model.
+/// Loads model (unless null) and optimizer from `payload` and returns the
+/// rest. Throws CheckpointError (naming `source`) when the payload does not
+/// parse or does not fit the model.
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
-                                   torch::nn::Module& model, TrainerOptimizer& optimizer);
+                                   torch::nn::Module* model, TrainerOptimizer& optimizer);
+
+/// Copies what Module::save wrote into `module`'s existing parameters and
+/// buffers (anything holding views of them stays valid). Throws c10::Error
+/// when the archive does not fit the module.
+void load_module_state(torch::nn::Module& module, torch::serialize::InputArchive& archive);
 
 }  // namespace cohort

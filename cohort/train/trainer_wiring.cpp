@@ -1,0 +1,58 @@
+#include "cohort/train/trainer_wiring.h"
+
+#include <string>
+
+namespace cohort {
+namespace {
+
+// This rank's stages as one module, so that the Trainer's model-wide steps
+// (train(), parameters(), a checkpoint's save and load) see exactly them:
+// each stage's module under "stage<index>", or, for a function stage
+// without one, its parameters under "stage<index>_<n>".
+std::shared_ptr<torch::nn::Module> stages_module(const pipeline::PipelineRuntime& runtime) {
+  auto holder = std::make_shared<torch::nn::Module>("PipelineStages");
+  for (const auto& stage : runtime.stages()) {
+    const std::string name = "stage" + std::to_string(stage.index());
+    if (stage.module()) {
+      holder->register_module(name, stage.module());
+      continue;
+    }
+    for (size_t i = 0; i < stage.parameters().size(); ++i) {
+      holder->register_parameter(name + "_" + std::to_string(i), stage.parameters()[i]);
+    }
+  }
+  return holder;
+}
+
+}  // namespace
+
+TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
+                                      torch::optim::Optimizer& optimizer) {
+  return TrainerWiring(runtime.shared_group(), stages_module(runtime),
+                       std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
+                       std::make_unique<LocalGradientSync>(), &runtime);
+}
+
+TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
+                                      pipeline::PipelineRuntime& runtime,
+                                      torch::optim::Optimizer& optimizer,
+                                      std::shared_ptr<Communicator> dp_group) {
+  if (!world || !dp_group) {
+    throw InvalidArgument(
+        "TrainerWiring::pipeline: the world and the data-parallel group must "
+        "not be null");
+  }
+  const int pp = runtime.group().size();
+  if (world->size() != pp * dp_group->size()) {
+    throw InvalidArgument("TrainerWiring::pipeline on rank " + std::to_string(world->rank()) +
+                          ": the world has " + std::to_string(world->size()) +
+                          " ranks, not pipeline " + std::to_string(pp) + " x data-parallel " +
+                          std::to_string(dp_group->size()));
+  }
+  auto sync = std::make_unique<AllReduceGradientSync>(std::move(dp_group), runtime.parameters());
+  return TrainerWiring(std::move(world), stages_module(runtime),
+                       std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
+                       std::move(sync), &runtime);
+}
+
+}  // namespace cohort
