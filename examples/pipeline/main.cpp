@@ -2,9 +2,13 @@
 // with the interleaved schedule) to imitate a fixed random "teacher" MLP.
 // Every rank builds and keeps only its own stages and steps an optimizer
 // over their parameters; the loss comes from the last stage to every rank.
+// The Trainer drives the pipeline: --clip clips by the global gradient norm
+// over all stages, --checkpoint-dir saves every rank's stages and resumes
+// from the newest checkpoint there.
 //
 //   build/tools/cohortrun/cohortrun -n 2 -- build/examples/pipeline/pipeline_mlp \
 //       --schedule 1f1b --microbatches 4 --steps 200
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +17,7 @@
 #include "cohort/cohort.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/schedule_validator.h"
+#include "cohort/train/trainer.h"
 
 using namespace cohort::pipeline;
 
@@ -26,6 +31,9 @@ struct Config {
   int64_t width = 64, batch = 64;
   int layers_per_stage = 2;
   double lr = 3e-3;
+  double clip = 0;             // max global gradient norm; 0: no clipping
+  std::string checkpoint_dir;  // empty: no checkpoints
+  int checkpoint_every = 50;
   bool print_schedule = false;
 };
 
@@ -42,6 +50,38 @@ torch::nn::Sequential build_stage(const Config& c, int stage, int stages) {
   return seq;
 }
 
+// Micro-batch i: inputs drawn from a generator seeded with i, targets the
+// teacher's outputs; the same on every rank, and the same after a resume.
+class TeacherData : public cohort::DataSource {
+ public:
+  TeacherData(torch::nn::Sequential teacher, int64_t micro, int64_t width, int64_t batches)
+      : teacher_(std::move(teacher)), micro_(micro), width_(width), batches_(batches) {}
+  void set_epoch(int64_t) override {}
+  int64_t num_batches() const override { return batches_; }
+  torch::data::Example<> batch(int64_t index) override {
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(1000003 + index));
+    auto x = torch::randn({micro_, width_}, gen, torch::kFloat32);
+    torch::NoGradGuard no_grad;
+    return {x, teacher_->forward(x)};
+  }
+
+ private:
+  torch::nn::Sequential teacher_;
+  int64_t micro_, width_, batches_;
+};
+
+cohort::TrainerConfig trainer_config(const Config& c) {
+  cohort::TrainerConfig config;
+  config.accumulation_steps = c.microbatches;
+  config.max_grad_norm = c.clip;
+  config.schedule.base_lr = c.lr;
+  config.max_steps = c.steps;
+  config.checkpoint_dir = c.checkpoint_dir;
+  config.checkpoint_every = c.checkpoint_every;
+  config.progress = false;
+  return config;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -54,6 +94,9 @@ int main(int argc, char** argv) {
   app.add_option("--width", c.width, "hidden width");
   app.add_option("--batch", c.batch, "samples per step");
   app.add_option("--lr", c.lr, "Adam learning rate");
+  app.add_option("--clip", c.clip, "clip to this global gradient norm (0: off)");
+  app.add_option("--checkpoint-dir", c.checkpoint_dir, "checkpoint here and resume from it");
+  app.add_option("--checkpoint-every", c.checkpoint_every, "steps between checkpoints");
   app.add_flag("--print-schedule", c.print_schedule, "print the schedule's text form");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -73,28 +116,25 @@ int main(int argc, char** argv) {
     PipelineRuntime rt(comm, std::move(mine), schedule, mse);
     torch::optim::Adam opt(rt.parameters(), torch::optim::AdamOptions(c.lr));
 
-    torch::manual_seed(7);  // the teacher and the data: the same on every rank
+    torch::manual_seed(7);  // the teacher: the same on every rank
     torch::nn::Sequential teacher(torch::nn::Linear(c.width, c.width), torch::nn::Tanh(),
                                   torch::nn::Linear(c.width, c.width));
-    double first_loss = 0, last_loss = 0;
-    for (int step = 0; step < c.steps; ++step) {
-      torch::Tensor x = torch::randn({c.batch, c.width}), y;
-      {
-        torch::NoGradGuard g;
-        y = teacher->forward(x);
-      }
-      opt.zero_grad();
-      auto r = rt.step({x}, {y});
-      opt.step();
-      (step == 0 ? first_loss : last_loss) = r.loss;
-      if (comm->rank() == 0 && (step % 20 == 0 || step == c.steps - 1))
-        std::printf("step %4d  loss %.5f  (%.1f ms, %s, pp %d, v %d, m %d)\n", step, r.loss,
-                    r.step_ms, schedule.name.c_str(), pp, v, c.microbatches);
-    }
+    TeacherData data(teacher, c.batch / c.microbatches, c.width, int64_t{c.steps} * c.microbatches);
+    cohort::Trainer trainer(cohort::TrainerWiring::pipeline(rt, opt), trainer_config(c));
+    const auto resumed = trainer.resume();
+    if (resumed && comm->rank() == 0) std::printf("resumed from step %lld\n", (long long)*resumed);
+    cohort::FitCallbacks callbacks;
+    callbacks.on_step = [&](const cohort::StepMetrics& m) {
+      if (comm->rank() == 0 && (m.step % 20 == 1 || m.step == c.steps))
+        std::printf("step %4lld  loss %.5f  norm %.3f%s  (%.1f ms, %s, pp %d, v %d, m %d)\n",
+                    (long long)m.step, m.loss, m.grad_norm, m.clipped ? " clipped" : "",
+                    m.step_seconds * 1e3, schedule.name.c_str(), pp, v, c.microbatches);
+    };
+    const auto metrics = trainer.fit(data, callbacks);
     // The check the test command relies on: the student learns.
-    if (c.steps > 1 && !(last_loss < 0.5 * first_loss)) {
-      std::fprintf(stderr, "pipeline_mlp: the loss did not halve (%.5f -> %.5f)\n", first_loss,
-                   last_loss);
+    if (!resumed && metrics.size() > 1 && !(metrics.back().loss < 0.5 * metrics.front().loss)) {
+      std::fprintf(stderr, "pipeline_mlp: the loss did not halve (%.5f -> %.5f)\n",
+                   metrics.front().loss, metrics.back().loss);
       return 1;
     }
   } catch (const std::exception& e) {
