@@ -13,6 +13,22 @@ namespace {
 
 constexpr double kTinyBucketMb = 16.0 * 4 / (1024 * 1024);  // 16 floats
 
+// Stage 2 over buckets of 16 floats: enough buckets for per-bucket bounds.
+ZeroOptions tiny_stage2(int max_staged_buckets = 1) {
+  ZeroOptions zo;
+  zo.stage = 2;
+  zo.bucket_cap_mb = kTinyBucketMb;
+  zo.max_staged_buckets = max_staged_buckets;
+  return zo;
+}
+
+// Bytes of the largest (padded, float32) bucket of a ZeRO partition.
+int64_t largest_bucket_bytes(const ZeroRedundancyOptimizer& zero) {
+  int64_t largest = 0;
+  for (const auto& b : zero.partition().buckets()) largest = std::max(largest, b.padded * 4);
+  return largest;
+}
+
 using Groups = std::vector<torch::optim::OptimizerParamGroup>;
 
 // Runs `steps` ZeRO steps; with_ddp: the model is wrapped in cohort DDP:
@@ -216,18 +232,14 @@ TEST(Zero, Stage2StagesBucketByBucketAndSkipsUnusedParameters) {
   const auto expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
     return std::make_unique<torch::optim::AdamW>(ps, opts);
   });
-  ZeroOptions zo;
-  zo.stage = 2;
-  zo.bucket_cap_mb = kTinyBucketMb;
   RankResults got(pb.world);
   run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = pb.make_net();
-    auto zero =
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
-    const auto& buckets = zero->partition().buckets();
-    ASSERT_GE(buckets.size(), 4u);  // enough buckets for the bound to mean something
-    int64_t largest = 0;
-    for (const auto& b : buckets) largest = std::max(largest, b.padded * 4);
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm,
+                                                                   tiny_stage2());
+    // enough buckets for the bound to mean something
+    ASSERT_GE(zero->partition().buckets().size(), 4u);
+    const int64_t largest = largest_bucket_bytes(*zero);
     const int64_t shard_bytes = zero->partition().shard_numel() * 4;
     for (int s = 0; s < kSteps; ++s) {
       zero->zero_grad();
@@ -262,19 +274,13 @@ TEST(Zero, Stage2StagingPeakIsAtMostTheStagedBuckets) {
   });
   for (int staged : {1, 2}) {
     SCOPED_TRACE("max_staged_buckets " + std::to_string(staged));
-    ZeroOptions zo;
-    zo.stage = 2;
-    zo.bucket_cap_mb = kTinyBucketMb;
-    zo.max_staged_buckets = staged;
     RankResults got(pb.world);
     run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
       auto net = pb.make_net();
-      auto zero =
-          ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
-      const auto& buckets = zero->partition().buckets();
-      ASSERT_EQ(buckets.size(), 4u);
-      int64_t largest = 0;
-      for (const auto& b : buckets) largest = std::max(largest, b.padded * 4);
+      auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm,
+                                                                     tiny_stage2(staged));
+      ASSERT_EQ(zero->partition().buckets().size(), 4u);
+      const int64_t largest = largest_bucket_bytes(*zero);
       for (int s = 0; s < kSteps; ++s) {
         zero->zero_grad();
         pb.loss(net, s, comm->rank()).backward();

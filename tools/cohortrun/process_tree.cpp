@@ -1,15 +1,19 @@
 #include "process_tree.h"
 
 #include <dirent.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -49,6 +53,59 @@ std::vector<pid_t> children() {
 
 constexpr int kMaxKillPasses = 1000;
 
+// se.exec_start from a /proc/.../sched file: when the task last started
+// running, in ms of its CPU's scheduler clock; 0 if absent.
+double exec_start_ms(const std::string& sched_file) {
+  std::ifstream in(sched_file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("se.exec_start", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    return colon == std::string::npos ? 0.0 : std::atof(line.c_str() + colon + 1);
+  }
+  return 0.0;
+}
+
+// The CPU the process last ran on (field 39 of /proc/<pid>/stat), or -1.
+int last_cpu(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  std::getline(in, stat);
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream fields(stat.substr(close + 1));
+  std::string field;
+  for (int k = 3; k <= 39 && fields >> field; ++k) {
+    if (k == 39) return std::atoi(field.c_str());
+  }
+  return -1;
+}
+
+double monotonic_ms() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+}
+
+// How far `cpu`'s scheduler clock runs ahead of CLOCK_MONOTONIC, in ms. The
+// clocks of different CPUs disagree (each leaves out its own steal and IRQ
+// time; on this project's VM two CPUs were 10 s apart), so exec_start
+// values compare only after this correction. Measured by running this
+// thread on `cpu` for a moment; NaN if that is not allowed.
+double clock_offset_ms(int cpu) {
+  cpu_set_t saved;
+  if (::sched_getaffinity(0, sizeof saved, &saved) != 0) return std::nan("");
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  if (::sched_setaffinity(0, sizeof one, &one) != 0) return std::nan("");
+  ::sched_yield();
+  const double start = exec_start_ms("/proc/thread-self/sched");
+  const double now = monotonic_ms();
+  ::sched_setaffinity(0, sizeof saved, &saved);
+  return start == 0.0 ? std::nan("") : start - now;
+}
+
 }  // namespace
 
 void become_subreaper() {
@@ -76,14 +133,11 @@ int kill_stray_children() {
 }
 
 double last_ran_ms(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/sched");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("se.exec_start", 0) != 0) continue;
-    const size_t colon = line.find(':');
-    return colon == std::string::npos ? 0.0 : std::atof(line.c_str() + colon + 1);
-  }
-  return 0.0;
+  const double start = exec_start_ms("/proc/" + std::to_string(pid) + "/sched");
+  const int cpu = last_cpu(pid);
+  if (start == 0.0 || cpu < 0) return start;
+  const double offset = clock_offset_ms(cpu);
+  return std::isnan(offset) ? start : start - offset;
 }
 
 }  // namespace cohortrun

@@ -19,9 +19,10 @@ void become_subreaper();
 // many it killed.
 int kill_stray_children();
 
-// When the process (a zombie not yet reaped, say) last ran, in ms of the
-// scheduler's clock, from /proc/PID/sched; 0 where the kernel does not
-// provide it (then callers keep their own order).
+// When the process (a zombie not yet reaped, say) last ran, in ms, from
+// /proc/PID/sched, corrected for the skew of the scheduler clock of the CPU
+// it ran on, so that processes that ran on different CPUs compare; 0 where
+// the kernel does not provide it (then callers keep their own order).
 double last_ran_ms(pid_t pid);
 
 }  // namespace cohortrun
