@@ -29,9 +29,10 @@ namespace {
 struct Args {
   std::string model = "cnn";  // cnn | transformer | mlp
   std::string compressor = "none";
-  int64_t batch = 32;  // per rank
-  int steps = 10;      // timed
-  int warmup = 3;      // untimed (bucket rebuild; PowerSGD's first Q)
+  int64_t batch = 32;            // per rank
+  int steps = 10;                // timed
+  int warmup = 3;                // untimed (bucket rebuild; PowerSGD's first Q)
+  bool compressor_only = false;  // --only compressor: time the arithmetic alone
   cohort::DDPOptions ddp;
 };
 
@@ -54,6 +55,8 @@ Args parse(int argc, char** argv) {
       a.ddp.compression.powersgd_rank = std::stoi(v);
     else if (k == "--topk-ratio")
       a.ddp.compression.topk_ratio = std::stod(v);
+    else if (k == "--only" && (v == "compressor" || v == "step"))
+      a.compressor_only = v == "compressor";
     else
       throw std::invalid_argument("unknown option " + k);
   }
@@ -123,6 +126,66 @@ void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm
   }
 }
 
+// --only compressor: Compressor::all_reduce alone, on random gradients laid
+// out in buckets as DDP lays them out (parameters in reverse order, the
+// first bucket closed at first_bucket_mb, the others at bucket_cap_mb), no
+// forward or backward. Prints {"compressor", "model", "world",
+// "compressor_ms"}: the median over timed steps of the slowest rank's sum
+// over the buckets.
+void run_compressor_only(const Args& a, torch::nn::Module& model, cohort::Communicator& comm) {
+  auto params = model.parameters();
+  std::reverse(params.begin(), params.end());
+  struct Bucket {
+    torch::Tensor flat, source;
+    std::vector<torch::Tensor> shaped;
+  };
+  std::vector<Bucket> buckets;
+  std::vector<torch::Tensor> open;
+  int64_t bytes = 0;
+  auto close = [&] {
+    int64_t numel = 0;
+    for (auto& p : open) numel += p.numel();
+    Bucket b{torch::zeros({numel}), torch::randn({numel}) * 1e-3, {}};
+    int64_t off = 0;
+    for (auto& p : open) {
+      b.shaped.push_back(b.flat.narrow(0, off, p.numel()).view(p.sizes()));
+      off += p.numel();
+    }
+    buckets.push_back(std::move(b));
+    open.clear();
+    bytes = 0;
+  };
+  for (auto& p : params) {
+    open.push_back(p);
+    bytes += p.numel() * 4;
+    const double cap = buckets.empty() ? a.ddp.first_bucket_mb : a.ddp.bucket_cap_mb;
+    if (static_cast<double>(bytes) >= cap * 1024 * 1024) close();
+  }
+  if (!open.empty()) close();
+  auto compressor = cohort::compression::make_compressor(a.ddp.compression);
+  std::vector<double> ms;
+  for (int i = 0; i < a.warmup + a.steps; ++i) {
+    double own = 0;
+    for (size_t k = 0; k < buckets.size(); ++k) {
+      buckets[k].flat.copy_(buckets[k].source);
+      const auto t0 = std::chrono::steady_clock::now();
+      compressor->all_reduce(comm, buckets[k].flat, static_cast<int64_t>(k), buckets[k].shaped);
+      own +=
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+    const double slowest = max_over_ranks(comm, own);
+    if (i >= a.warmup) ms.push_back(slowest);
+  }
+  std::sort(ms.begin(), ms.end());
+  if (comm.rank() == 0) {
+    std::printf(
+        "{\"compressor\": \"%s\", \"model\": \"%s\", \"world\": %d, \"buckets\": %zu, "
+        "\"compressor_ms\": %.2f}\n",
+        a.compressor.c_str(), a.model.c_str(), comm.size(), buckets.size(), ms[ms.size() / 2]);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -131,7 +194,15 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     auto comm = cohort::init();
     torch::manual_seed(comm->rank());
-    if (a.model == "mlp")
+    if (a.compressor_only) {
+      auto stack = cohort::bench::TransformerStack();
+      auto cnn = cohort::bench::make_cnn();
+      auto mlp = cohort::bench::make_mlp();
+      torch::nn::Module& m = a.model == "transformer" ? static_cast<torch::nn::Module&>(*stack)
+                             : a.model == "cnn"       ? static_cast<torch::nn::Module&>(*cnn)
+                                                      : static_cast<torch::nn::Module&>(*mlp);
+      run_compressor_only(a, m, *comm);
+    } else if (a.model == "mlp")
       run(a, cohort::bench::make_mlp(), comm);
     else if (a.model == "cnn")
       run(a, cohort::bench::make_cnn(), comm);

@@ -13,7 +13,11 @@
 # few rows fit in one short hold of the machine lock.
 #
 # Bytes per step are read from the veth's tx counter in each namespace (what
-# really left the host, TCP/IP headers included).
+# really left the host, TCP/IP headers included). Every process runs under
+# `timeout` (ROW_TIMEOUT seconds, default 120), so a peer whose partner died
+# cannot spin on. Both sides get the DDP benchmark's fixed glibc malloc
+# thresholds (bench/ddp_vs_torch/run_ddp_vs_torch.py, README "Performance
+# tips").
 set -euo pipefail
 build=${1:-build}
 ranks=${2:-1}
@@ -29,16 +33,18 @@ source "$here/../netns_pair.sh"
 netns_pair_up cohort_comp 10.79.0 tbf
 port=29700
 world=$((2 * ranks))
+limit=(timeout -k 5 "${ROW_TIMEOUT:-120}")
+malloc_env=(MALLOC_MMAP_THRESHOLD_=$((64 << 20)) MALLOC_TRIM_THRESHOLD_=$((256 << 20)))
 
 cohort_row() {  # compressor-args...
   port=$((port + 1))
   local run=("$build/tools/cohortrun/cohortrun" -n "$ranks" --nnodes 2 --master-addr 10.79.0.1
              --master-port "$port" --timeout 900)
-  ip netns exec "${ns[1]}" env OPENBLAS_NUM_THREADS=1 COMPRESSION_BENCH_DEV="${veth[1]}" \
-    "${run[@]}" --node-rank 1 -- \
+  ip netns exec "${ns[1]}" env OPENBLAS_NUM_THREADS=1 "${malloc_env[@]}" \
+    COMPRESSION_BENCH_DEV="${veth[1]}" "${limit[@]}" "${run[@]}" --node-rank 1 -- \
     "$build/bench/compression/compression_bench" "$@" > /dev/null &
-  ip netns exec "${ns[0]}" env OPENBLAS_NUM_THREADS=1 COMPRESSION_BENCH_DEV="${veth[0]}" \
-    "${run[@]}" --node-rank 0 -- \
+  ip netns exec "${ns[0]}" env OPENBLAS_NUM_THREADS=1 "${malloc_env[@]}" \
+    COMPRESSION_BENCH_DEV="${veth[0]}" "${limit[@]}" "${run[@]}" --node-rank 0 -- \
     "$build/bench/compression/compression_bench" "$@" | grep -o '{.*}' || echo "# cohort row failed: $*"
   wait || true
 }
@@ -49,10 +55,10 @@ torch_row() {  # torch_peer-args...
   for node in 1 0; do
     for local_rank in $(seq 0 $((ranks - 1))); do
       rank=$((node * ranks + local_rank))
-      ip netns exec "${ns[$node]}" env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 RANK=$rank \
+      ip netns exec "${ns[$node]}" env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "${malloc_env[@]}" RANK=$rank \
         LOCAL_WORLD_SIZE=$ranks COMPRESSION_BENCH_DEV="${veth[$node]}" GLOO_SOCKET_IFNAME="${veth[$node]}" \
         WORLD_SIZE=$world MASTER_ADDR=10.79.0.1 MASTER_PORT=$port \
-        /usr/bin/python3 "$here/torch_peer.py" "$@" > "/tmp/torch_peer_$$_$rank.out" 2>&1 &
+        "${limit[@]}" /usr/bin/python3 "$here/torch_peer.py" "$@" > "/tmp/torch_peer_$$_$rank.out" 2>&1 &
       pids+=($!)
     done
   done

@@ -2,7 +2,9 @@
 // loop (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as
 // torchrun and cohortrun set them). Rank 0 prints one JSON line:
 //   {"engine": "cohort", "model": ..., "world": ..., "batch": ...,
-//    "sps": samples per second over all ranks, "hidden_comm_share": ...}
+//    "sps": samples per second over all ranks, "hidden_comm_share": ...,
+//    "step_ms": rank 0's timed steps one by one, in milliseconds}
+// (single steps let a caller take medians: a few steps stall on a busy host)
 // run_ddp_vs_torch.py starts it next to ddp_vs_torch.py (PyTorch's DDP).
 #include <torch/torch.h>
 
@@ -10,6 +12,7 @@
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "bench/ddp_vs_torch/bench_models.h"
 #include "cohort/cohort.h"
@@ -57,8 +60,14 @@ void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm
   comm->barrier().wait();
   const double comm0 = ddp.stats().total_comm_seconds;
   const double hidden0 = ddp.stats().total_hidden_comm_seconds;
+  std::vector<double> step_ms;
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < a.steps; ++i) step();
+  for (int i = 0; i < a.steps; ++i) {
+    const auto s0 = std::chrono::steady_clock::now();
+    step();
+    step_ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count());
+  }
   comm->barrier().wait();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double comm_s = ddp.stats().total_comm_seconds - comm0;
@@ -66,9 +75,11 @@ void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm
   if (comm->rank() == 0) {
     std::printf(
         "{\"engine\": \"cohort\", \"model\": \"%s\", \"world\": %d, \"batch\": %lld, "
-        "\"sps\": %.3f, \"hidden_comm_share\": %.4f, \"comm_s_per_step\": %.6f}\n",
+        "\"sps\": %.3f, \"hidden_comm_share\": %.4f, \"comm_s_per_step\": %.6f, \"step_ms\": [",
         a.model.c_str(), comm->size(), static_cast<long long>(a.batch),
         a.steps * a.batch * comm->size() / secs, hidden, comm_s / a.steps);
+    for (size_t i = 0; i < step_ms.size(); ++i) std::printf("%s%.3f", i ? ", " : "", step_ms[i]);
+    std::printf("]}\n");
   }
 }
 

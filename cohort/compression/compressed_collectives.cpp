@@ -177,6 +177,30 @@ void dequantize_sum(const std::vector<const int8_t*>& codes,
   }
 }
 
+// The owner's step: out = factor * sum of the sources, requantized (+ its
+// error) into `codes`/`scales`, one chunk at a time through an L1-sized
+// scratch instead of a float32 average of the whole block written and read
+// back. `codes`/`scales` may be one of the sources: each chunk is read
+// before it is overwritten.
+void average_and_requantize(const std::vector<const int8_t*>& sources,
+                            const std::vector<const float*>& source_scales, int64_t n,
+                            int64_t chunk, float factor, float* error, int8_t* codes,
+                            float* scales) {
+  std::vector<float> scratch(static_cast<size_t>(std::min(n, chunk)));
+  std::vector<const int8_t*> chunk_codes(sources.size());
+  std::vector<const float*> chunk_scales(sources.size());
+  for (int64_t c = 0, begin = 0; begin < n; ++c, begin += chunk) {
+    const int64_t len = std::min(chunk, n - begin);
+    for (size_t s = 0; s < sources.size(); ++s) {
+      chunk_codes[s] = sources[s] + begin;
+      chunk_scales[s] = source_scales[s] + c;
+    }
+    dequantize_sum(chunk_codes, chunk_scales, len, chunk, factor, scratch.data());
+    quantize(scratch.data(), error ? error + begin : nullptr, len, chunk, codes + begin,
+             scales + c);
+  }
+}
+
 // The elements of chunks [s.offset, s.offset + s.count) of an n-element
 // buffer (the last chunk may be short).
 Span elements(const Span& s, int64_t chunk, int64_t n) {
@@ -271,12 +295,10 @@ void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
     source_scales.push_back(own ? part(scales, chunk_blocks[r]).data_ptr<float>()
                                 : in_scales[i].data_ptr<float>());
   }
-  at::Tensor average = at::empty({blocks[r].count}, at::kFloat);
-  dequantize_sum(source_codes, source_scales, blocks[r].count, chunk, 1.0f / p,
-                 average.data_ptr<float>());
-  quantize(average.data_ptr<float>(), feedback ? feedback->owner.data_ptr<float>() : nullptr,
-           blocks[r].count, chunk, part(codes, blocks[r]).data_ptr<int8_t>(),
-           part(scales, chunk_blocks[r]).data_ptr<float>());
+  average_and_requantize(source_codes, source_scales, blocks[r].count, chunk, 1.0f / p,
+                         feedback ? feedback->owner.data_ptr<float>() : nullptr,
+                         part(codes, blocks[r]).data_ptr<int8_t>(),
+                         part(scales, chunk_blocks[r]).data_ptr<float>());
   algorithms::ring_all_gather(link, code_bytes, blocks);
   algorithms::ring_all_gather(link, scales, chunk_blocks);
   dequantize_sum({codes.data_ptr<int8_t>()}, {scales.data_ptr<float>()}, n, chunk, 1.0f,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
@@ -25,13 +26,86 @@ void orthogonalize(at::Tensor m) {
   }
 }
 
-// Same-shape matrices compressed as one batch.
+// The passes over the gradient matrices, as loops over one row at a time (a
+// row stays in L1 between the steps of a pass). With error feedback a step
+// reads and writes each matrix and its error twice: once to add the error
+// and project (P = M Q), once to write the approximation and the new error,
+// plus one read for Q = M^T P (BLAS). Separate ATen ops took ~11 passes and
+// three bucket-sized temporaries.
+
+// Dot product in eight independent lanes (vectorises without reassociating
+// a float reduction).
+float dot(const float* a, const float* b, int64_t n) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    for (int l = 0; l < 8; ++l) lane[l] += a[j + l] * b[j + l];
+  }
+  float s = 0;
+  for (; j < n; ++j) s += a[j] * b[j];
+  for (float l : lane) s += l;
+  return s;
+}
+
+// m += error (when given), then p = m Q, row by row: m is rows x cols
+// row-major, qt is Q transposed (rank x cols), p is rows x rank.
+void add_error_and_project(float* m, const float* error, const float* qt, int64_t rows,
+                           int64_t cols, int64_t rank, float* p) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = m + i * cols;
+    if (error != nullptr) {
+      const float* e = error + i * cols;
+      for (int64_t j = 0; j < cols; ++j) row[j] += e[j];
+    }
+    for (int64_t k = 0; k < rank; ++k) p[i * rank + k] = dot(row, qt + k * cols, cols);
+  }
+}
+
+// m = p Q^T row by row; with `error` given, error = m - p Q^T first (what
+// this step's approximation dropped). `scratch` holds cols floats.
+void reconstruct(float* m, float* error, const float* p, const float* qt, int64_t rows,
+                 int64_t cols, int64_t rank, float* scratch) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* pi = p + i * rank;
+    for (int64_t j = 0; j < cols; ++j) scratch[j] = pi[0] * qt[j];
+    for (int64_t k = 1; k < rank; ++k) {
+      const float* qk = qt + k * cols;
+      for (int64_t j = 0; j < cols; ++j) scratch[j] += pi[k] * qk[j];
+    }
+    float* row = m + i * cols;
+    if (error != nullptr) {
+      float* e = error + i * cols;
+      for (int64_t j = 0; j < cols; ++j) e[j] = row[j] - scratch[j];
+    }
+    std::copy(scratch, scratch + cols, row);
+  }
+}
+
+// Same-shape matrices compressed as one batch. Members are contiguous views
+// of the input, `offsets` their positions in it (and in the error buffer).
+// Where they lie at equal distances (a stack of identical layers),
+// `stacked` views them all as (b, rows, cols) without a copy and Q = M^T P
+// is one batched product.
 struct Batch {
   int64_t rows = 0, cols = 0, rank = 0;
-  std::vector<at::Tensor> members;  // views of the input, rows x cols
-  at::Tensor stacked;               // (b, rows, cols)
-  at::Tensor p, q;                  // views into the P and Q memories
+  std::vector<at::Tensor> members;
+  std::vector<int64_t> offsets;
+  at::Tensor stacked;  // (b, rows, cols) view of the input, or undefined
+  at::Tensor p, q;     // views into the P and Q memories
 };
+
+// A (b, rows, cols) view of the members when they are equally spaced in the
+// input; undefined otherwise.
+at::Tensor strided_stack(const Batch& b) {
+  const int64_t n = static_cast<int64_t>(b.members.size());
+  const int64_t spacing = n > 1 ? b.offsets[1] - b.offsets[0] : b.rows * b.cols;
+  if (spacing < b.rows * b.cols) return {};
+  for (int64_t i = 1; i < n; ++i) {
+    if (b.offsets[i] != b.offsets[0] + i * spacing) return {};
+  }
+  const auto& first = b.members.front();
+  return first.as_strided({n, b.rows, b.cols}, {spacing, b.cols, 1}, first.storage_offset());
+}
 
 class PowerSGD : public Compressor {
  public:
@@ -51,29 +125,55 @@ class PowerSGD : public Compressor {
       ++step;
       return;
     }
-    at::Tensor input;
+    // error: what the last step dropped on the way in, what this one drops
+    // on the way out (input - output over the whole tensor, as PyTorch's
+    // hook keeps it), updated in place.
+    float* error = nullptr;
+    bool add_error = false;
     if (o_.error_feedback) {
-      auto& error = errors_[key];
-      if (error.defined() && error.numel() == flat.numel()) flat.add_(error);
-      input = flat.clone();
+      auto& e = errors_[key];
+      add_error = e.defined() && e.numel() == flat.numel();
+      if (!add_error) e = at::zeros_like(flat);
+      error = e.data_ptr<float>();
     }
-    std::vector<at::Tensor> uncompressed;
-    auto batches = split(shaped.empty() ? std::vector<at::Tensor>{flat} : shaped, uncompressed);
+    std::vector<std::pair<at::Tensor, int64_t>> uncompressed;
+    auto batches =
+        split(flat, shaped.empty() ? std::vector<at::Tensor>{flat} : shaped, uncompressed);
     prepare_memories(key, step, batches);
-    reduce_uncompressed(comm, uncompressed);
-    for (auto& b : batches) at::bmm_out(b.p, b.stacked, b.q);
+    reduce_uncompressed(comm, uncompressed, add_error ? error : nullptr, error);
+    std::vector<at::Tensor> qts;  // Q transposed per batch, (b, rank, cols)
+    for (auto& b : batches) {     // M += error; P = M Q
+      qts.push_back(b.q.transpose(1, 2).contiguous());
+      for (size_t i = 0; i < b.members.size(); ++i) {
+        add_error_and_project(
+            b.members[i].data_ptr<float>(), add_error ? error + b.offsets[i] : nullptr,
+            qts.back()[i].data_ptr<float>(), b.rows, b.cols, b.rank, b.p[i].data_ptr<float>());
+      }
+    }
     if (p_.numel() > 0) comm.all_reduce(p_, {ReduceOp::Sum}).wait();
-    for (auto& b : batches) {
+    for (auto& b : batches) {  // Q = M^T orthogonalize(P)
       orthogonalize(b.p);
-      at::bmm_out(b.q, b.stacked.transpose(1, 2), b.p);
+      if (b.stacked.defined()) {
+        at::bmm_out(b.q, b.stacked.transpose(1, 2), b.p);
+      } else {
+        for (size_t i = 0; i < b.members.size(); ++i) {
+          auto qi = b.q[i];
+          at::mm_out(qi, b.members[i].t(), b.p[i]);
+        }
+      }
     }
     auto& q = q_[key];
     if (q.numel() > 0) comm.all_reduce(q, {ReduceOp::Avg}).wait();
-    for (auto& b : batches) {
-      auto approx = at::bmm(b.p, b.q.transpose(1, 2));
-      for (size_t i = 0; i < b.members.size(); ++i) b.members[i].copy_(approx[i]);
+    std::vector<float> scratch;
+    for (auto& b : batches) {  // M = P Q^T; error = M before - M after
+      auto qt = b.q.transpose(1, 2).contiguous();
+      scratch.resize(b.cols);
+      for (size_t i = 0; i < b.members.size(); ++i) {
+        reconstruct(b.members[i].data_ptr<float>(), error ? error + b.offsets[i] : nullptr,
+                    b.p[i].data_ptr<float>(), qt[i].data_ptr<float>(), b.rows, b.cols, b.rank,
+                    scratch.data());
+      }
     }
-    if (o_.error_feedback) errors_[key] = input.sub_(flat);
     if (!o_.powersgd_warm_start) q_.erase(key);
     ++step;
   }
@@ -102,12 +202,24 @@ class PowerSGD : public Compressor {
   }
 
  private:
+  // Position of `t` in `flat` (t must be a contiguous float32 view of it).
+  static int64_t offset_in(const at::Tensor& flat, const at::Tensor& t) {
+    const int64_t off = t.storage_offset() - flat.storage_offset();
+    if (!t.is_contiguous() || t.scalar_type() != at::kFloat ||
+        !t.storage().is_alias_of(flat.storage()) || off < 0 || off + t.numel() > flat.numel()) {
+      throw InvalidArgument(
+          "cohort: PowerSGD's shaped tensors must be contiguous float32 views of the flat one");
+    }
+    return off;
+  }
+
   // Matrices worth compressing, batched by shape in order of first
-  // appearance; everything else goes to `uncompressed`.
-  std::vector<Batch> split(const std::vector<at::Tensor>& tensors,
-                           std::vector<at::Tensor>& uncompressed) const {
+  // appearance; everything else goes to `uncompressed`, with its offset.
+  std::vector<Batch> split(const at::Tensor& flat, const std::vector<at::Tensor>& tensors,
+                           std::vector<std::pair<at::Tensor, int64_t>>& uncompressed) const {
     std::vector<Batch> batches;
     for (auto& t : tensors) {
+      const int64_t offset = offset_in(flat, t);
       const int64_t rows = t.dim() >= 2 ? t.size(0) : 0;
       const int64_t cols = rows > 0 ? t.numel() / rows : 0;
       const int64_t rank = std::min<int64_t>({rows, cols, o_.powersgd_rank});
@@ -116,7 +228,7 @@ class PowerSGD : public Compressor {
           static_cast<double>((rows + cols) * rank) * o_.powersgd_min_compression_rate <
               static_cast<double>(rows * cols);
       if (!worth) {
-        uncompressed.push_back(t);
+        uncompressed.emplace_back(t, offset);
         continue;
       }
       auto it = std::find_if(batches.begin(), batches.end(),
@@ -129,8 +241,9 @@ class PowerSGD : public Compressor {
         it = batches.insert(batches.end(), std::move(b));
       }
       it->members.push_back(t.view({rows, cols}));
+      it->offsets.push_back(offset);
     }
-    for (auto& b : batches) b.stacked = at::stack(b.members);
+    for (auto& b : batches) b.stacked = strided_stack(b);
     return batches;
   }
 
@@ -142,7 +255,7 @@ class PowerSGD : public Compressor {
       p_size += b.members.size() * b.rows * b.rank;
       q_size += b.members.size() * b.cols * b.rank;
     }
-    p_ = at::empty({p_size}, at::kFloat);
+    if (p_.numel() != p_size) p_ = at::empty({p_size}, at::kFloat);
     auto& q = q_[key];
     const bool fresh = !q.defined() || q.numel() != q_size;
     if (fresh) {
@@ -161,16 +274,33 @@ class PowerSGD : public Compressor {
     }
   }
 
-  void reduce_uncompressed(Communicator& comm, const std::vector<at::Tensor>& tensors) {
+  // Averages the tensors not worth compressing in one all-reduce; with
+  // error feedback, adds `add` (the last step's error) first and stores
+  // input - average into `error` (both indexed by the tensors' offsets).
+  void reduce_uncompressed(Communicator& comm,
+                           const std::vector<std::pair<at::Tensor, int64_t>>& tensors,
+                           const float* add, float* error) {
     if (tensors.empty()) return;
+    auto error_of = [](float* base, const at::Tensor& t, int64_t off) {
+      return at::from_blob(base + off, {t.numel()}, at::kFloat);
+    };
     std::vector<at::Tensor> flat;
-    for (auto& t : tensors) flat.push_back(t.reshape(-1));
+    for (auto& [t, off] : tensors) {
+      auto v = t.reshape(-1);
+      if (add != nullptr) v.add_(error_of(const_cast<float*>(add), t, off));
+      flat.push_back(v);
+    }
     auto joined = at::cat(flat);
     if (joined.numel() > 0) comm.all_reduce(joined, {ReduceOp::Avg}).wait();
-    int64_t off = 0;
-    for (auto& t : tensors) {
-      t.copy_(joined.narrow(0, off, t.numel()).view(t.sizes()));
-      off += t.numel();
+    int64_t pos = 0;
+    for (auto& [t, off] : tensors) {
+      auto average = joined.narrow(0, pos, t.numel());
+      if (error != nullptr) {
+        auto dropped = error_of(error, t, off);
+        at::sub_out(dropped, t.reshape(-1), average);
+      }
+      t.copy_(average.view(t.sizes()));
+      pos += t.numel();
     }
   }
 

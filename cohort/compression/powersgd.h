@@ -5,9 +5,9 @@
 // matrices (a parameter rows x rest viewed as a matrix) worth compressing and
 // the rest (vectors such as biases, and matrices whose
 // (rows + cols) * rank * min_compression_rate >= rows * cols); the rest is
-// all-reduced as it is. Matrices of one shape are stacked and compressed by
-// one batched product: P = M Q, all-reduce P, orthogonalize P, Q = M^T P,
-// all-reduce Q (averaged), M ~ P Q^T. Q starts random (a seed shared by all
+// all-reduced as it is. Matrices of one shape form one batch, compressed in
+// place (no copies of the input): P = M Q, all-reduce P, orthogonalize P,
+// Q = M^T P, all-reduce Q (averaged), M ~ P Q^T. Q starts random (a seed shared by all
 // ranks) and, with warm start, each step continues from the last step's Q.
 // Before start_iteration steps of a key, the key is all-reduced uncompressed.
 #pragma once

@@ -272,7 +272,7 @@ void PipelineRuntime::run_action(const Action& a, PipelineStepResult& result) {
         is_compute(a.type) ? -1 : schedule_.stage_to_rank[a.stage + (to_next ? 1 : -1)];
     trace_action(*tracer, a, t0, Clock::now(), state_->recv_blocked_ns, peer);
   }
-  if (!options_.measure || !is_compute(a.type)) return;
+  if (!options_.measure) return;
   double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   if (is_compute(a.type)) result.compute_ms += ms;
   result.action_ms[a.type] += ms;

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <map>
 
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/schedule_validator.h"
@@ -62,6 +63,11 @@ TEST_P(PipelineEquivalence, LossesAndGradientsMatchOneProcess) {
     PipelineRuntime rt(comm, std::move(mine), schedule, mse);
     auto result = rt.step({x}, {y});
     ASSERT_EQ(result.losses.size(), static_cast<size_t>(c.m));
+    // Every action the rank ran is counted and timed, communication included.
+    std::map<ActionType, int> ran;
+    for (const Action& a : rt.schedule().actions[comm->rank()]) ++ran[a.type];
+    EXPECT_EQ(result.action_count, ran);
+    for (const auto& entry : ran) EXPECT_EQ(result.action_ms.count(entry.first), 1u);
     for (int i = 0; i < c.m; ++i)
       EXPECT_NEAR(result.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i]) + 1e-7)
           << "micro-batch " << i << " on rank " << comm->rank();
