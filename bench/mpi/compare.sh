@@ -6,7 +6,7 @@
 #
 #   bench/mpi/compare.sh [BUILD_DIR]      (default: build-mpi; REPS=5)
 #
-# Targets (issue 4): cohort busbw >= 0.9x the loop's at 64 KiB, 1 MiB and
+# Targets: cohort busbw >= 0.9x the loop's at 64 KiB, 1 MiB and
 # 16 MiB; cohort's 1 KiB time <= 2x the loop's.
 set -euo pipefail
 
