@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <exception>
 
 #include "cohort/cohort.h"
 
@@ -39,7 +40,16 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new RankFailurePrinter(world->rank()));
   }
-  const int rc = RUN_ALL_TESTS();
+  int rc = RUN_ALL_TESTS();
+  // Rank 0 hosts the store: if it left first, a peer still reading the
+  // store in its last test (a debug check reads every rank's key) would
+  // fail on a closed connection. The barrier keeps rank 0 until all are done.
+  try {
+    world->barrier().wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] final barrier: %s\n", world->rank(), e.what());
+    rc = 1;
+  }
   if (rc != 0) std::fprintf(stderr, "[rank %d] FAILED\n", world->rank());
   cohort::finalize();
   return rc;
