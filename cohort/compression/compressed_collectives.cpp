@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -123,38 +124,50 @@ inline float round_even(float v) {
   return (v + kMagic) - kMagic;
 }
 
-// Largest |v| over [begin, end) with v = x (+ error): eight independent
-// lanes, so the compiler need not reorder a float reduction to vectorise it.
+// Largest |v| over [begin, end) with v = x (+ error). A float max
+// reduction does not vectorise without -ffast-math, but for |v| the IEEE
+// bit patterns order as unsigned integers, whose max does; kError picks the
+// loop at compile time (GCC does not vectorise one with that branch).
+template <bool kError>
 float chunk_amax(const float* x, const float* error, int64_t begin, int64_t end) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    for (int l = 0; l < 8; ++l) {
-      const float v = std::fabs(error ? x[i + l] + error[i + l] : x[i + l]);
-      lane[l] = v > lane[l] ? v : lane[l];
+  uint32_t m = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const float v = kError ? x[i] + error[i] : x[i];
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    bits &= 0x7fffffffu;
+    m = bits > m ? bits : m;
+  }
+  float amax;
+  std::memcpy(&amax, &m, sizeof amax);
+  return amax;
+}
+
+template <bool kError>
+void quantize_chunks(const float* x, float* error, int64_t n, int64_t chunk, int8_t* codes,
+                     float* scales) {
+  for (int64_t c = 0, begin = 0; begin < n; ++c, begin += chunk) {
+    const int64_t end = std::min(n, begin + chunk);
+    const float scale = chunk_amax<kError>(x, error, begin, end) / 127.0f;
+    const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+    scales[c] = scale;
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = kError ? x[i] + error[i] : x[i];
+      const float q = std::min(127.0f, std::max(-127.0f, round_even(v * inverse)));
+      codes[i] = static_cast<int8_t>(q);
+      if (kError) error[i] = v - q * scale;
     }
   }
-  float m = 0;
-  for (; i < end; ++i) m = std::max(m, std::fabs(error ? x[i] + error[i] : x[i]));
-  for (float l : lane) m = std::max(m, l);
-  return m;
 }
 
 // Quantizes v = x (+ error) to `codes` with one scale per `chunk` elements;
 // with `error` non-null it becomes v - dequantized (what was dropped).
 void quantize(const float* x, float* error, int64_t n, int64_t chunk, int8_t* codes,
               float* scales) {
-  for (int64_t c = 0, begin = 0; begin < n; ++c, begin += chunk) {
-    const int64_t end = std::min(n, begin + chunk);
-    const float scale = chunk_amax(x, error, begin, end) / 127.0f;
-    const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
-    scales[c] = scale;
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = error ? x[i] + error[i] : x[i];
-      const float q = std::min(127.0f, std::max(-127.0f, round_even(v * inverse)));
-      codes[i] = static_cast<int8_t>(q);
-      if (error) error[i] = v - q * scale;
-    }
+  if (error) {
+    quantize_chunks<true>(x, error, n, chunk, codes, scales);
+  } else {
+    quantize_chunks<false>(x, nullptr, n, chunk, codes, scales);
   }
 }
 
@@ -238,71 +251,169 @@ void low_precision_all_reduce(Communicator& comm, at::Tensor& buf, at::ScalarTyp
 }  // namespace cohort::compression
 
 namespace cohort::compression {
+namespace {
+
+// One segment of an int8 all-reduce: chunks [first_chunk, first_chunk +
+// chunks) of the tensor, split among the ranks as owners. Each owner's part
+// travels as one message: its chunks' float32 scales, then their codes, at a
+// 4-byte aligned offset of the segment's byte buffers.
+struct Segment {
+  std::vector<Span> chunk_blocks;  // owner j's chunks, tensor-wide indices
+  std::vector<Span> blocks;        // owner j's elements
+  std::vector<int64_t> slot;       // byte offset of owner j's message
+  std::vector<int64_t> slot_bytes;
+  int64_t owner_error_offset = 0;  // this rank's block in the owner error
+};
+
+int64_t message_bytes(const Span& chunks, const Span& elements) {
+  return (chunks.count * 4 + elements.count + 3) / 4 * 4;
+}
+
+std::vector<Segment> plan_segments(int64_t n, int64_t chunk, int64_t segment_chunks, int p, int r,
+                                   int64_t* total_bytes, int64_t* owned) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  std::vector<Segment> segments;
+  *total_bytes = 0;
+  *owned = 0;
+  for (int64_t first = 0; first < chunks; first += segment_chunks) {
+    Segment seg;
+    for (auto c : algorithms::even_spans(std::min(segment_chunks, chunks - first), p)) {
+      c.offset += first;
+      seg.chunk_blocks.push_back(c);
+      seg.blocks.push_back(elements(c, chunk, n));
+      seg.slot.push_back(*total_bytes);
+      seg.slot_bytes.push_back(message_bytes(c, seg.blocks.back()));
+      *total_bytes += seg.slot_bytes.back();
+    }
+    seg.owner_error_offset = *owned;
+    *owned += seg.blocks[r].count;
+    segments.push_back(std::move(seg));
+  }
+  return segments;
+}
+
+// Views of a message that starts at `base` and carries `chunks` scales.
+struct Message {
+  float* scales;
+  int8_t* codes;
+};
+Message message_at(uint8_t* base, int64_t chunks) {
+  return {reinterpret_cast<float*>(base), reinterpret_cast<int8_t*>(base + 4 * chunks)};
+}
+// Owner j's message in a segment's slice of a tensor-wide byte buffer.
+Message message(const at::Tensor& bytes, const Segment& seg, int j) {
+  return message_at(static_cast<uint8_t*>(bytes.data_ptr()) + seg.slot[j],
+                    seg.chunk_blocks[j].count);
+}
+
+}  // namespace
 
 void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
-                     Int8ErrorFeedback* feedback) {
+                     Int8ErrorFeedback* feedback, int64_t segment_chunks) {
   check_flat_float(buf, "int8_all_reduce");
-  if (chunk < 1) throw InvalidArgument("cohort: int8_all_reduce needs chunk >= 1");
+  if (chunk < 1 || segment_chunks < 1) {
+    throw InvalidArgument("cohort: int8_all_reduce needs chunk >= 1 and segment_chunks >= 1");
+  }
   const int p = comm.size(), r = comm.rank();
   const int64_t n = buf.numel();
   if (n == 0) return;
   // Small tensors get smaller chunks, so that every rank owns one (else one
   // owner would receive and send the whole tensor).
   chunk = std::min(chunk, (n + p - 1) / p);
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  // Chunk-aligned ownership: rank j owns chunks chunk_blocks[j].
-  const auto chunk_blocks = algorithms::even_spans(chunks, p);
-  std::vector<Span> blocks;
-  for (auto& c : chunk_blocks) blocks.push_back(elements(c, chunk, n));
+  int64_t total_bytes = 0, owned = 0;
+  const auto segments = plan_segments(n, chunk, segment_chunks, p, r, &total_bytes, &owned);
   if (feedback) {
     reset_if_sized_otherwise(feedback->worker, n);
-    reset_if_sized_otherwise(feedback->owner, blocks[r].count);
+    reset_if_sized_otherwise(feedback->owner, owned);
   }
-  // codes and scales are the whole tensor's, phase 2 gathers into them.
-  at::Tensor codes = at::empty({n}, at::kChar), scales = at::empty({chunks}, at::kFloat);
-  quantize(buf.data_ptr<float>(), feedback ? feedback->worker.data_ptr<float>() : nullptr, n, chunk,
-           codes.data_ptr<int8_t>(), scales.data_ptr<float>());
-
+  float* x = buf.data_ptr<float>();
+  float* worker_error = feedback ? feedback->worker.data_ptr<float>() : nullptr;
+  float* owner_error = feedback ? feedback->owner.data_ptr<float>() : nullptr;
+  // `local` holds this rank's quantized chunks (phase 1 sends) and, in its
+  // own slots, the requantized average (phase 2 sends); `gathered` receives
+  // the other owners' averages; `inbox` the other ranks' chunks of ours.
+  auto bytes = at::TensorOptions().dtype(at::kByte);
+  at::Tensor local = at::empty({total_bytes}, bytes), gathered = at::empty({total_bytes}, bytes);
+  std::vector<at::Tensor> inbox(segments.size());
   PointToPointEngine engine(comm);
   auto link = make_link(engine, comm, "int8_all_reduce");
-  // Phase 1: rank j's chunks go straight to rank j (one hop, so they are
-  // quantized once), which sums them in float32.
-  std::vector<at::Tensor> in_codes(p), in_scales(p);
-  std::vector<Link::Pending> pending;
-  for (int i = 0; i < p; ++i) {
-    if (i == r) continue;
-    in_codes[i] = at::empty({blocks[r].count}, at::kByte);
-    in_scales[i] = at::empty({chunk_blocks[r].count}, at::kFloat);
-    pending.push_back(link.recv(in_codes[i], i, 0));
-    pending.push_back(link.recv(in_scales[i], i, 1));
+  auto slot = [](const at::Tensor& t, const Segment& seg, int j) {
+    return t.narrow(0, seg.slot[j], seg.slot_bytes[j]);
+  };
+  // Every receive is posted up front, so no sender waits for a matching
+  // receive; tags keep the segments and phases apart.
+  std::vector<std::vector<Link::Pending>> phase1(segments.size()), phase2(segments.size());
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const auto& seg = segments[s];
+    inbox[s] = at::empty({p, seg.slot_bytes[r]}, bytes);
+    for (int i = 0; i < p; ++i) {
+      if (i == r) continue;
+      if (seg.slot_bytes[r] > 0) {
+        phase1[s].push_back(link.recv(inbox[s][i], i, static_cast<int>(2 * s)));
+      }
+      if (seg.slot_bytes[i] > 0) {
+        phase2[s].push_back(link.recv(slot(gathered, seg, i), i, static_cast<int>(2 * s + 1)));
+      }
+    }
   }
-  auto code_bytes = codes.view(at::kByte);
-  for (int j = 0; j < p; ++j) {
-    if (j == r) continue;
-    pending.push_back(link.send(part(code_bytes, blocks[j]), j, 0));
-    pending.push_back(link.send(part(scales, chunk_blocks[j]), j, 1));
+  // Phase 1 of segment s: quantize (+ worker error) and send each owner its
+  // chunks, one hop, so they are quantized once.
+  auto start_phase1 = [&](size_t s) {
+    const auto& seg = segments[s];
+    for (int j = 0; j < p; ++j) {
+      const auto m = message(local, seg, j);
+      const auto& b = seg.blocks[j];
+      quantize(x + b.offset, worker_error ? worker_error + b.offset : nullptr, b.count, chunk,
+               m.codes, m.scales);
+      if (j != r && seg.slot_bytes[j] > 0) {
+        phase1[s].push_back(link.send(slot(local, seg, j), j, static_cast<int>(2 * s)));
+      }
+    }
+  };
+  // Phase 2 of segment s: the owner averages its chunks in float32 (ranks in
+  // order), requantizes them (+ owner error) in place, and sends them to
+  // every rank (an all-gather as direct sends: (p-1)/p of the tensor per
+  // rank, as a ring's, without its p-1 dependent steps).
+  auto start_phase2 = [&](size_t s) {
+    const auto& seg = segments[s];
+    link.wait_all(phase1[s]);
+    std::vector<const int8_t*> codes;
+    std::vector<const float*> scales;
+    for (int i = 0; i < p; ++i) {
+      const auto m = i == r ? message(local, seg, r)
+                            : message_at(static_cast<uint8_t*>(inbox[s][i].data_ptr()),
+                                         seg.chunk_blocks[r].count);
+      codes.push_back(m.codes);
+      scales.push_back(m.scales);
+    }
+    const auto own = message(local, seg, r);
+    average_and_requantize(codes, scales, seg.blocks[r].count, chunk, 1.0f / p,
+                           owner_error ? owner_error + seg.owner_error_offset : nullptr, own.codes,
+                           own.scales);
+    for (int j = 0; j < p; ++j) {
+      if (j != r && seg.slot_bytes[r] > 0) {
+        phase2[s].push_back(link.send(slot(local, seg, r), j, static_cast<int>(2 * s + 1)));
+      }
+    }
+  };
+  auto finish = [&](size_t s) {
+    const auto& seg = segments[s];
+    link.wait_all(phase2[s]);
+    for (int j = 0; j < p; ++j) {
+      const auto m = message(j == r ? local : gathered, seg, j);
+      dequantize_sum({m.codes}, {m.scales}, seg.blocks[j].count, chunk, 1.0f,
+                     x + seg.blocks[j].offset);
+    }
+  };
+  // A software pipeline over the segments: segment s is quantized and sent
+  // while s-1's chunks are averaged and s-2's averages are on the wire, so
+  // the arithmetic and both phases overlap instead of running in turn.
+  const size_t count = segments.size();
+  for (size_t s = 0; s < count + 2; ++s) {
+    if (s < count) start_phase1(s);
+    if (s >= 1 && s - 1 < count) start_phase2(s - 1);
+    if (s >= 2) finish(s - 2);
   }
-  link.wait_all(pending);
-  // Phase 2: the owner averages its chunks in float32 (ranks in order),
-  // requantizes them (+ owner error) in place into the gathered buffers, and
-  // the ring all-gathers the int8 chunks and their scales.
-  std::vector<const int8_t*> source_codes;
-  std::vector<const float*> source_scales;
-  for (int i = 0; i < p; ++i) {
-    const bool own = i == r;
-    source_codes.push_back(own ? part(codes, blocks[r]).data_ptr<int8_t>()
-                               : static_cast<const int8_t*>(in_codes[i].data_ptr()));
-    source_scales.push_back(own ? part(scales, chunk_blocks[r]).data_ptr<float>()
-                                : in_scales[i].data_ptr<float>());
-  }
-  average_and_requantize(source_codes, source_scales, blocks[r].count, chunk, 1.0f / p,
-                         feedback ? feedback->owner.data_ptr<float>() : nullptr,
-                         part(codes, blocks[r]).data_ptr<int8_t>(),
-                         part(scales, chunk_blocks[r]).data_ptr<float>());
-  algorithms::ring_all_gather(link, code_bytes, blocks);
-  algorithms::ring_all_gather(link, scales, chunk_blocks);
-  dequantize_sum({codes.data_ptr<int8_t>()}, {scales.data_ptr<float>()}, n, chunk, 1.0f,
-                 buf.data_ptr<float>());
 }
 
 }  // namespace cohort::compression

@@ -49,14 +49,19 @@ struct Int8ErrorFeedback {
 /// Averages the flat float32 `buf` over `comm` in place in two phases:
 /// 1. every rank quantizes buf (+ its worker error) to int8 with one float32
 ///    scale per `chunk` elements (fewer when buf has under `chunk` elements
-///    per rank) and sends rank j the chunks j owns; each
-///    owner dequantizes and sums them in float32;
-/// 2. each owner requantizes its averaged chunks (+ its owner error) and the
-///    int8 chunks and scales are all-gathered (ring).
+///    per rank) and sends each owner its chunks; each owner dequantizes and
+///    sums them in float32;
+/// 2. each owner requantizes its averaged chunks (+ its owner error) and
+///    sends the int8 chunks and scales to every rank.
+/// The tensor is cut into segments of `segment_chunks` chunks, each split
+/// among all ranks as owners, and the segments are pipelined: one segment is
+/// quantized while the previous one is averaged and the one before it is
+/// gathered, so the arithmetic and both phases overlap on the wire.
 /// With `feedback` null no error is kept (a plain quantized all-reduce); else
-/// its buffers are (re)sized to buf and updated. Collective; blocking.
+/// its buffers are (re)sized (worker: buf's size; owner: the elements this
+/// rank owns over all segments) and updated. Collective; blocking.
 void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
-                     Int8ErrorFeedback* feedback);
+                     Int8ErrorFeedback* feedback, int64_t segment_chunks = 64);
 
 }  // namespace compression
 }  // namespace cohort

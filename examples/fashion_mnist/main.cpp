@@ -6,9 +6,9 @@
 // Each rank reads Debian's dataset files, trains on its shard of every
 // global batch, and evaluates its slice of the test set; the correct counts
 // are summed over ranks. Rank 0 writes the metrics and draws the curves.
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -38,7 +38,8 @@ struct Flags {
   uint64_t seed = 0;
   std::string compression = "none";  // cohort/compression: none fp16 bf16 int8 topk powersgd
   int powersgd_rank = 2;
-  int64_t compression_start = 100;  // PowerSGD: uncompressed steps first
+  double powersgd_min_compression_rate = 2;  // PyTorch's default
+  int64_t compression_start = 100;           // PowerSGD: uncompressed steps first
 };
 
 // Accuracy on the test set, each rank scoring a disjoint contiguous slice.
@@ -58,7 +59,8 @@ double test_accuracy(fashion_mnist::Net& net, const fashion_mnist::Split& test,
   net->train();
   auto counts = torch::tensor({correct, end - begin}, torch::kInt64);
   comm.all_reduce(counts, {cohort::ReduceOp::Sum}).wait();
-  return static_cast<double>(counts[0].item<int64_t>()) / static_cast<double>(counts[1].item<int64_t>());
+  return static_cast<double>(counts[0].item<int64_t>()) /
+         static_cast<double>(counts[1].item<int64_t>());
 }
 
 int run(const Flags& flags) {
@@ -70,10 +72,10 @@ int run(const Flags& flags) {
   const bool lead = comm->rank() == 0;
   const int64_t per_rank = flags.batch_size / (comm->size() * flags.accumulation);
   if (per_rank < 1 || per_rank * comm->size() * flags.accumulation != flags.batch_size) {
-    throw cohort::InvalidArgument("fashion_mnist: --batch-size " + std::to_string(flags.batch_size) +
-                                  " does not split evenly over " + std::to_string(comm->size()) +
-                                  " ranks x " + std::to_string(flags.accumulation) +
-                                  " micro-batches");
+    throw cohort::InvalidArgument(
+        "fashion_mnist: --batch-size " + std::to_string(flags.batch_size) +
+        " does not split evenly over " + std::to_string(comm->size()) + " ranks x " +
+        std::to_string(flags.accumulation) + " micro-batches");
   }
   const auto train = fashion_mnist::load_split(flags.data, "train");
   const auto test = fashion_mnist::load_split(flags.data, "t10k");
@@ -83,6 +85,7 @@ int run(const Flags& flags) {
   cohort::DDPOptions ddp_options;
   ddp_options.compression.kind = cohort::compression::parse_compression_kind(flags.compression);
   ddp_options.compression.powersgd_rank = flags.powersgd_rank;
+  ddp_options.compression.powersgd_min_compression_rate = flags.powersgd_min_compression_rate;
   ddp_options.compression.powersgd_start_iteration = flags.compression_start;
   cohort::DistributedDataParallel<fashion_mnist::Net> ddp(net, comm, ddp_options);
   torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(flags.lr));
@@ -101,8 +104,7 @@ int run(const Flags& flags) {
         return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
       },
       config);
-  cohort::TensorDataSource source(train.images, train.labels, per_rank, comm->rank(),
-                                  comm->size());
+  cohort::TensorDataSource source(train.images, train.labels, per_rank, comm->rank(), comm->size());
   if (auto step = trainer.resume(); step && lead) {
     std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));
   }
@@ -172,6 +174,9 @@ int main(int argc, char** argv) {
   app.add_option("--compression", f.compression,
                  "gradient compression: none, fp16, bf16, int8, topk, powersgd");
   app.add_option("--powersgd-rank", f.powersgd_rank, "PowerSGD's rank")->check(CLI::PositiveNumber);
+  app.add_option("--powersgd-min-compression-rate", f.powersgd_min_compression_rate,
+                 "PowerSGD: compress a matrix only when it shrinks at least this many times")
+      ->check(CLI::PositiveNumber);
   app.add_option("--compression-start", f.compression_start,
                  "PowerSGD: steps averaged uncompressed before compression starts");
   CLI11_PARSE(app, argc, argv);

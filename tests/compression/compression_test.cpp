@@ -92,14 +92,18 @@ TEST_P(Worlds, Int8WithinQuantizationBound) {
         xs.push_back(input(r, n));
         exact += xs.back().to(at::kDouble) / p;
       }
-      auto buf = input(comm.rank(), n);
-      int8_all_reduce(comm, buf, kChunk, nullptr);
-      auto err = (buf.to(at::kDouble) - exact).abs();
-      EXPECT_TRUE(at::all(err <= int8_bound(xs, kChunk)).item<bool>()) << "n " << n;
-      if (n == 1000) {
-        EXPECT_GT(err.max().item<double>(), 0) << "no rounding seen";
+      // One segment, and segments of 3 chunks (several, some owners empty).
+      for (int64_t segment_chunks : {64, 3}) {
+        auto buf = input(comm.rank(), n);
+        int8_all_reduce(comm, buf, kChunk, nullptr, segment_chunks);
+        auto err = (buf.to(at::kDouble) - exact).abs();
+        EXPECT_TRUE(at::all(err <= int8_bound(xs, kChunk)).item<bool>())
+            << "n " << n << " segment_chunks " << segment_chunks;
+        if (n == 1000) {
+          EXPECT_GT(err.max().item<double>(), 0) << "no rounding seen";
+        }
+        expect_same_on_all_ranks(comm, buf);
       }
-      expect_same_on_all_ranks(comm, buf);
     }
   });
 }
