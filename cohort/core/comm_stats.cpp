@@ -271,6 +271,10 @@ std::unique_ptr<Engine> CountingEngine::create_subgroup(const std::vector<int>& 
 
 namespace {
 
+uint64_t ns(std::chrono::steady_clock::duration d) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
+}
+
 class TrackedWork : public WorkImpl {
  public:
   TrackedWork(WorkPtr inner, std::shared_ptr<StatsCounters> counters, OpKind kind,
@@ -300,9 +304,6 @@ class TrackedWork : public WorkImpl {
   }
 
  private:
-  static uint64_t ns(std::chrono::steady_clock::duration d) {
-    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
-  }
   // Once per operation (a Work is waited for by one thread at a time).
   void completed(std::chrono::steady_clock::time_point at) {
     if (done_.exchange(true, std::memory_order_relaxed)) return;
@@ -327,7 +328,19 @@ class TrackedWork : public WorkImpl {
 
 WorkPtr track(WorkPtr impl, std::shared_ptr<StatsCounters> counters, OpKind kind,
               std::chrono::steady_clock::time_point issued, OpTrace trace) {
-  (*counters)[kind].calls.fetch_add(1, std::memory_order_relaxed);
+  auto& k = (*counters)[kind];
+  k.calls.fetch_add(1, std::memory_order_relaxed);
+  // An operation the engine finished at issue (MPI's blocking path for small
+  // messages) has no flight or wait left to time: count it now and return it
+  // unwrapped. That saves an allocation and two clock reads per call, a
+  // measurable share of a 1 KiB MPI all_reduce. A trace still wraps it, for
+  // its wait event.
+  if (active(trace.tracer) == nullptr && impl->is_completed()) {
+    k.completed.fetch_add(1, std::memory_order_relaxed);
+    k.in_flight_ns.fetch_add(ns(std::chrono::steady_clock::now() - issued),
+                             std::memory_order_relaxed);
+    return impl;
+  }
   return std::make_shared<TrackedWork>(std::move(impl), std::move(counters), kind, issued,
                                        std::move(trace));
 }
