@@ -3,15 +3,23 @@
 // step time, the measured bubble 1 - (time in compute actions) / (step
 // time) averaged over ranks, the formula (p-1)/(v*m), and the simulator's
 // step time from the costs measured in the same run (per action type,
-// averaged over ranks and steps) and a measured point-to-point time.
+// averaged over ranks and steps) and a measured point-to-point time, and its
+// Monte Carlo mean with each action drawn from the run's measured durations.
+// --json adds each rank's action-duration distribution per type and the
+// host's steal, I/O wait and run-queue delays over the timed steps.
 //
 //   cohortrun -n 2 -- build/bench/pipeline/pipeline_bench [--json]
 //       [--width 384] [--batch 256] [--steps 7] [--blocks 4] [--schedule NAME] [--m M]
+#include <dirent.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "cohort/cohort.h"
@@ -65,6 +73,76 @@ double p2p_ms(Communicator& comm, int64_t bytes) {
   return reduce(comm, median(ms), ReduceOp::Max);
 }
 
+// Where a rank's time goes besides its own work, over the timed steps:
+// hypervisor steal and I/O wait of the whole machine (/proc/stat, ticks
+// summed over CPUs), and for this process the main thread's time waiting on
+// a run queue and its other threads' (Gloo's) CPU and run-queue time
+// (/proc/self/task/*/schedstat: CPU ns, run-queue ns, slices).
+struct HostCounters {
+  double steal_ticks = 0, iowait_ticks = 0, all_ticks = 0;
+  double main_wait_ms = 0, other_cpu_ms = 0, other_wait_ms = 0;
+};
+
+HostCounters read_host() {
+  HostCounters h;
+  std::ifstream stat("/proc/stat");
+  std::string name;
+  stat >> name;  // "cpu": the machine's totals
+  for (int col = 0; col < 10; ++col) {
+    double x = 0;
+    stat >> x;
+    h.all_ticks += x;
+    if (col == 4) h.iowait_ticks = x;
+    if (col == 7) h.steal_ticks = x;
+  }
+  const std::string main_tid = std::to_string(::getpid());
+  if (DIR* d = ::opendir("/proc/self/task")) {
+    while (dirent* e = ::readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      std::ifstream f(std::string("/proc/self/task/") + e->d_name + "/schedstat");
+      double cpu_ns = 0, wait_ns = 0;
+      if (!(f >> cpu_ns >> wait_ns)) continue;
+      if (e->d_name == main_tid) {
+        h.main_wait_ms += wait_ns / 1e6;
+      } else {
+        h.other_cpu_ms += cpu_ns / 1e6;
+        h.other_wait_ms += wait_ns / 1e6;
+      }
+    }
+    ::closedir(d);
+  }
+  return h;
+}
+
+// Rank `root`'s `samples` on every rank.
+std::vector<double> share(Communicator& comm, const std::vector<double>& samples, int root) {
+  BroadcastOptions opts;
+  opts.root = root;
+  auto n = torch::tensor({static_cast<int64_t>(samples.size())}, torch::kInt64);
+  comm.broadcast(n, opts).wait();
+  auto t = comm.rank() == root ? torch::tensor(samples, torch::kFloat64)
+                               : torch::empty({n.item<int64_t>()}, torch::kFloat64);
+  if (t.numel() > 0) comm.broadcast(t, opts).wait();
+  return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+}
+
+// {"rank": r, "type": "F", "n": .., "mean": .., "cv": .., "p50": .., ...}
+std::string jitter_json(int rank, ActionType type, std::vector<double> v) {
+  if (v.empty()) return "";
+  std::sort(v.begin(), v.end());
+  double mean = 0, var = 0;
+  for (double x : v) mean += x / v.size();
+  for (double x : v) var += (x - mean) * (x - mean) / v.size();
+  auto pct = [&](double q) { return v[std::min(v.size() - 1, size_t(q * v.size()))]; };
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "{\"rank\": %d, \"type\": \"%s\", \"n\": %zu, \"mean\": %.3f, \"cv\": %.3f, "
+                "\"p10\": %.3f, \"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}",
+                rank, action_type_name(type), v.size(), mean, mean > 0 ? std::sqrt(var) / mean : 0,
+                pct(0.1), pct(0.5), pct(0.9), pct(0.99), v.back());
+  return buf;
+}
+
 void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::string& name, int v,
              int m) {
   const int pp = comm->size();
@@ -90,7 +168,12 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
 
   std::vector<double> step, bubble;
   std::map<ActionType, double> ms, count;
+  std::map<ActionType, std::vector<double>> durations;  // this rank's, per type
+  // The runtime's schedule: the generator's plus the send and receive actions.
+  const auto& my_actions = rt.schedule().actions[comm->rank()];
+  HostCounters before;
   for (int i = 0; i < args.steps + 2; ++i) {
+    if (i == 2) before = read_host();
     comm->barrier().wait();
     auto r = rt.step({x}, {y});
     for (auto& p : rt.parameters()) p.mutable_grad() = torch::Tensor();
@@ -99,7 +182,47 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
     step.push_back(s);
     bubble.push_back(reduce(*comm, 1 - r.compute_ms / s, ReduceOp::Sum) / pp);
     for (auto& [t, v2] : r.action_ms) ms[t] += v2, count[t] += r.action_count[t];
+    for (size_t k = 0; k < r.durations_ms.size() && k < my_actions.size(); ++k)
+      durations[my_actions[k].type].push_back(r.durations_ms[k]);
   }
+  const HostCounters after = read_host();
+  // Per step: the machine's steal and I/O wait (ticks of 1/100 s over both
+  // CPUs, as ms), each rank's run-queue waits and its other threads' CPU.
+  const double per = 1.0 / args.steps, tick_ms = 1000.0 / ::sysconf(_SC_CLK_TCK);
+  const double steal_ms = (after.steal_ticks - before.steal_ticks) * tick_ms * per;
+  const double iowait_ms = (after.iowait_ticks - before.iowait_ticks) * tick_ms * per;
+  const double steal_frac =
+      (after.steal_ticks - before.steal_ticks) / std::max(1.0, after.all_ticks - before.all_ticks);
+  std::string host_by_rank;
+  for (int r = 0; r < pp; ++r) {
+    const bool me = comm->rank() == r;
+    auto of = [&](double a, double b) {
+      return reduce(*comm, me ? (a - b) * per : 0, ReduceOp::Sum);
+    };
+    char buf[200];
+    std::snprintf(buf, sizeof buf,
+                  "%s{\"rank\": %d, \"main_runq_ms\": %.3f, \"other_threads_cpu_ms\": %.3f, "
+                  "\"other_threads_runq_ms\": %.3f}",
+                  r ? ", " : "", r, of(after.main_wait_ms, before.main_wait_ms),
+                  of(after.other_cpu_ms, before.other_cpu_ms),
+                  of(after.other_wait_ms, before.other_wait_ms));
+    host_by_rank += buf;
+  }
+  // Every rank's action durations per type, on every rank.
+  const ActionType kTypes[] = {ActionType::Forward,       ActionType::Backward,
+                               ActionType::BackwardInput, ActionType::BackwardWeight,
+                               ActionType::RecvForward,   ActionType::RecvBackward};
+  std::vector<std::map<ActionType, std::vector<double>>> samples(pp);
+  for (int r = 0; r < pp; ++r)
+    for (ActionType t : kTypes) samples[r][t] = share(*comm, durations[t], r);
+  std::string jitter;
+  for (int r = 0; r < pp; ++r)
+    for (ActionType t : kTypes) {
+      std::string j = jitter_json(r, t, samples[r][t]);
+      if (!j.empty()) jitter += (jitter.empty() ? "" : ", ") + j;
+    }
+  std::vector<double> sorted_steps = step;
+  std::sort(sorted_steps.begin(), sorted_steps.end());
   // Mean cost per action type over the ranks and steps.
   // Mean cost per action type on each rank, over its stages and the steps:
   // stages are not equal (the first skips its input's gradient, the last
@@ -142,6 +265,15 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   sc.transfer_ms = [t_p2p](int64_t) { return t_p2p; };
   auto sim = simulate_schedule(schedule, sc);
   if (comm->rank() != 0) return;
+  // The same with each action's cost drawn from its rank's measured
+  // durations of that type (this run's empirical distribution).
+  std::vector<StageCostSamples> stage_samples;
+  for (int st = 0; st < stages; ++st) {
+    auto& smp = samples[schedule.stage_to_rank[st]];
+    stage_samples.push_back({smp[ActionType::Forward], smp[ActionType::Backward],
+                             smp[ActionType::BackwardInput], smp[ActionType::BackwardWeight]});
+  }
+  auto mc = simulate_schedule_monte_carlo(schedule, sc, stage_samples, 2000);
   // No (p-1)/(v*m) for ZB-H1: its bubble depends on the I/W split.
   const bool has_formula = name != "zbh1";
   const double formula = double(pp - 1) / (v * m);
@@ -158,16 +290,22 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
         "\"bubble_measured\": %.4f, \"bubble_formula\": %s, \"predicted_ms\": %.3f, "
         "\"f_ms\": %.3f, \"b_ms\": %.3f, \"i_ms\": %.3f, \"w_ms\": %.3f, \"p2p_ms\": %.3f, "
         "\"sim_bubble\": %.4f, \"send_ms\": %.3f, \"recv_ms\": %.3f, \"other_ms\": %.3f, "
-        "\"fb_ms_by_rank\": [%s]}\n",
+        "\"fb_ms_by_rank\": [%s], \"step_min_ms\": %.3f, \"step_max_ms\": %.3f, "
+        "\"steal_ms\": %.3f, \"steal_frac\": %.4f, \"iowait_ms\": %.3f, \"host_by_rank\": [%s], "
+        "\"predicted_mc_ms\": %.3f, \"mc_p10_ms\": %.3f, \"mc_p90_ms\": %.3f, "
+        "\"mc_bubble\": %.4f, \"jitter\": [%s]}\n",
         name.c_str(), pp, v, m, step_ms, bub, formula_text, sim.step_ms, c.forward_ms,
         c.backward_ms, c.backward_input_ms, c.backward_weight_ms, t_p2p, sim.bubble_fraction,
-        send_ms, recv_ms, other_ms, by_rank.c_str());
+        send_ms, recv_ms, other_ms, by_rank.c_str(), sorted_steps.front(), sorted_steps.back(),
+        steal_ms, steal_frac, iowait_ms, host_by_rank.c_str(), mc.mean_step_ms, mc.p10_step_ms,
+        mc.p90_step_ms, mc.mean_bubble_fraction, jitter.c_str());
   else
     std::printf(
         "%-12s pp %d v %d m %2d  step %8.2f ms  bubble %.3f (formula %.3f)  predicted "
-        "%8.2f ms (%+.1f%%)\n",
+        "%8.2f ms (%+.1f%%)  Monte Carlo %8.2f ms (%+.1f%%)\n",
         name.c_str(), pp, v, m, step_ms, bub, formula, sim.step_ms,
-        100 * (sim.step_ms - step_ms) / step_ms);
+        100 * (sim.step_ms - step_ms) / step_ms, mc.mean_step_ms,
+        100 * (mc.mean_step_ms - step_ms) / step_ms);
   std::fflush(stdout);
 }
 

@@ -277,6 +277,7 @@ void PipelineRuntime::run_action(const Action& a, PipelineStepResult& result) {
   if (is_compute(a.type)) result.compute_ms += ms;
   result.action_ms[a.type] += ms;
   result.action_count[a.type] += 1;
+  result.durations_ms.push_back(ms);
 }
 
 void PipelineRuntime::forward(int stage, int mb) {

@@ -58,6 +58,10 @@ struct PipelineStepResult {
   std::map<ActionType, double> action_ms;
   /// Actions of each type this rank ran in the step.
   std::map<ActionType, int> action_count;
+  /// Milliseconds of each of this rank's actions, in schedule order (the
+  /// distribution behind action_ms: a pipeline's idle time depends on how
+  /// much single actions vary, not only on their mean).
+  std::vector<double> durations_ms;
 };
 
 /// One rank's pipeline: its stages, the schedule, the pipeline group.

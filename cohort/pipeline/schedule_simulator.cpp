@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <map>
+#include <random>
+#include <string>
 #include <tuple>
 
 #include "cohort/pipeline/schedule_validator.h"
@@ -37,14 +39,74 @@ double compute_cost(const Action& a, const SimulatorCosts& c) {
   }
 }
 
+using CostFn = std::function<double(const Action&)>;
+
+// The simulation proper, on a validated schedule with communication.
+SimulationResult run(const PipelineSchedule& s, const SimulatorCosts& costs, const CostFn& cost);
+
+PipelineSchedule checked(const PipelineSchedule& input, const SimulatorCosts& costs,
+                         const char* who) {
+  validate_schedule(input);
+  if (costs.stages.empty() || costs.boundary_bytes.empty())
+    throw InvalidArgument(std::string(who) +
+                          ": costs need at least one stage and one boundary entry");
+  return has_communication(input) ? input : add_communication(input);
+}
+
+const std::vector<double>& samples_of(const StageCostSamples& s, ActionType t) {
+  switch (t) {
+    case ActionType::Forward:
+      return s.forward_ms;
+    case ActionType::Backward:
+      return s.backward_ms;
+    case ActionType::BackwardInput:
+      return s.backward_input_ms;
+    default:
+      return s.backward_weight_ms;
+  }
+}
+
 }  // namespace
 
 SimulationResult simulate_schedule(const PipelineSchedule& input, const SimulatorCosts& costs) {
-  validate_schedule(input);
-  const PipelineSchedule s = has_communication(input) ? input : add_communication(input);
-  if (costs.stages.empty() || costs.boundary_bytes.empty())
-    throw InvalidArgument(
-        "simulate_schedule: costs need at least one stage and one boundary entry");
+  const PipelineSchedule s = checked(input, costs, "simulate_schedule");
+  return run(s, costs, [&](const Action& a) { return compute_cost(a, costs); });
+}
+
+MonteCarloResult simulate_schedule_monte_carlo(const PipelineSchedule& input,
+                                               const SimulatorCosts& costs,
+                                               const std::vector<StageCostSamples>& samples,
+                                               int draws, uint64_t seed) {
+  const PipelineSchedule s = checked(input, costs, "simulate_schedule_monte_carlo");
+  if (draws <= 0) throw InvalidArgument("simulate_schedule_monte_carlo: draws must be positive");
+  if (samples.empty() || (samples.size() != 1 && samples.size() != size_t(s.num_stages)))
+    throw InvalidArgument("simulate_schedule_monte_carlo: " + std::to_string(samples.size()) +
+                          " sample sets for " + std::to_string(s.num_stages) +
+                          " stages (one per stage, or one for all)");
+  std::mt19937_64 rng(seed);
+  auto cost = [&](const Action& a) {
+    const std::vector<double>& v = samples_of(per(samples, a.stage), a.type);
+    if (v.empty()) return compute_cost(a, costs);
+    return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)];
+  };
+  MonteCarloResult out;
+  out.draws = draws;
+  std::vector<double> steps;
+  for (int d = 0; d < draws; ++d) {
+    SimulationResult r = run(s, costs, cost);
+    steps.push_back(r.step_ms);
+    out.mean_step_ms += r.step_ms / draws;
+    out.mean_bubble_fraction += r.bubble_fraction / draws;
+  }
+  std::sort(steps.begin(), steps.end());
+  out.p10_step_ms = steps[size_t(0.1 * (draws - 1))];
+  out.p90_step_ms = steps[size_t(0.9 * (draws - 1))];
+  return out;
+}
+
+namespace {
+
+SimulationResult run(const PipelineSchedule& s, const SimulatorCosts& costs, const CostFn& cost) {
   auto transfer = [&](int boundary) {
     int64_t bytes = per(costs.boundary_bytes, boundary);
     return costs.transfer_ms ? costs.transfer_ms(bytes) : 0.0;
@@ -63,7 +125,7 @@ SimulationResult simulate_schedule(const PipelineSchedule& input, const Simulato
       for (; pc[r] < s.actions[r].size(); ++pc[r], progress = true) {
         const Action& a = s.actions[r][pc[r]];
         if (is_compute(a.type)) {
-          double c = compute_cost(a, costs);
+          double c = cost(a);
           clock += c;
           out.compute_ms[r] += c;
         } else if (a.type == ActionType::SendForward) {
@@ -92,5 +154,7 @@ SimulationResult simulate_schedule(const PipelineSchedule& input, const Simulato
   out.bubble_ratio = ratio / s.num_ranks;
   return out;
 }
+
+}  // namespace
 
 }  // namespace cohort::pipeline

@@ -1,5 +1,7 @@
 // defines: StageCosts, SimulatorCosts, SimulationResult, simulate_schedule:
-// a schedule's step time and bubble from measured costs, without the model.
+// a schedule's step time and bubble from measured costs, without the model;
+// StageCostSamples, MonteCarloResult, simulate_schedule_monte_carlo: the same
+// with each action's cost drawn from measured durations.
 #pragma once
 
 #include <cstdint>
@@ -53,5 +55,35 @@ struct SimulationResult {
 /// waits for it. Validates first (ScheduleError). Compute-only schedules
 /// get their communication from add_communication.
 SimulationResult simulate_schedule(const PipelineSchedule& schedule, const SimulatorCosts& costs);
+
+/// Measured durations of one logical stage's compute actions, per type, in
+/// milliseconds: the empirical distribution a Monte Carlo run draws from.
+struct StageCostSamples {
+  std::vector<double> forward_ms;          ///< F
+  std::vector<double> backward_ms;         ///< B
+  std::vector<double> backward_input_ms;   ///< I
+  std::vector<double> backward_weight_ms;  ///< W
+};
+
+/// The distribution of simulated step times over many draws.
+struct MonteCarloResult {
+  double mean_step_ms = 0;          ///< the expected step time
+  double mean_bubble_fraction = 0;  ///< the mean of SimulationResult::bubble_fraction
+  double p10_step_ms = 0;           ///< 10th percentile of the step time
+  double p90_step_ms = 0;           ///< 90th percentile of the step time
+  int draws = 0;                    ///< simulated steps
+};
+
+/// Simulates `draws` steps, each compute action's cost drawn independently
+/// and uniformly from its stage's samples of that type (a type with no
+/// samples costs its mean from `costs`). In a pipeline one rank's slow
+/// action is the other ranks' idle, so the expected step time exceeds the
+/// step time of the mean costs whenever actions vary; zero variance gives
+/// simulate_schedule exactly. `samples` has one entry per logical stage, or
+/// a single entry for every stage. Deterministic for a given `seed`.
+MonteCarloResult simulate_schedule_monte_carlo(const PipelineSchedule& schedule,
+                                               const SimulatorCosts& costs,
+                                               const std::vector<StageCostSamples>& samples,
+                                               int draws, uint64_t seed = 1);
 
 }  // namespace cohort::pipeline

@@ -186,5 +186,55 @@ TEST(PipelineSimulator, TransfersAddLatency) {
   EXPECT_DOUBLE_EQ(r.step_ms, 1 + 1.5 + 1 + 2 + 1.5 + 2);
 }
 
+// One sample per type, equal to the mean: the deterministic simulator.
+TEST(PipelineSimulator, MonteCarloWithoutVarianceIsDeterministic) {
+  SimulatorCosts c;
+  c.stages = {StageCosts{1.5, 2.5, 1.25, 1.0}, StageCosts{1.0, 2.0, 0.75, 1.5}};
+  c.boundary_bytes = {100};
+  c.transfer_ms = [](int64_t) { return 0.25; };
+  std::vector<StageCostSamples> samples;
+  for (const auto& sc : c.stages)
+    samples.push_back(
+        {{sc.forward_ms}, {sc.backward_ms}, {sc.backward_input_ms}, {sc.backward_weight_ms}});
+  for (const char* name : {"gpipe", "1f1b", "zbh1"})
+    for (int m : {1, 2, 5}) {
+      auto det = simulate_schedule(make_schedule(name, 2, 1, m), c);
+      auto mc = simulate_schedule_monte_carlo(make_schedule(name, 2, 1, m), c, samples, 7);
+      EXPECT_DOUBLE_EQ(mc.mean_step_ms, det.step_ms) << name << " m " << m;
+      EXPECT_NEAR(mc.mean_bubble_fraction, det.bubble_fraction, 1e-12);
+      EXPECT_DOUBLE_EQ(mc.p10_step_ms, det.step_ms);
+      EXPECT_DOUBLE_EQ(mc.p90_step_ms, det.step_ms);
+      EXPECT_EQ(mc.draws, 7);
+    }
+}
+
+// GPipe, pp 2, m 2, free transfers, free backwards; stage 1's F costs 2,
+// stage 0's F a or b, each 1 or 3 with equal odds. Stage 1 starts micro-batch
+// 1 at a + max(2, b), so the step is a + max(2, b) + 2: 5, 6, 7 or 8 with
+// equal odds, mean 6.5, where the mean costs (F 2 everywhere) give 6.
+TEST(PipelineSimulator, MonteCarloTwoStageClosedForm) {
+  SimulatorCosts c;
+  c.stages = {StageCosts{2, 0, 0, 0}, StageCosts{2, 0, 0, 0}};
+  std::vector<StageCostSamples> samples{{{1, 3}, {0}, {}, {}}, {{2}, {0}, {}, {}}};
+  auto schedule = ScheduleGPipe(2, 2);
+  EXPECT_DOUBLE_EQ(simulate_schedule(schedule, c).step_ms, 6.0);
+  auto mc = simulate_schedule_monte_carlo(schedule, c, samples, 20000, 3);
+  EXPECT_NEAR(mc.mean_step_ms, 6.5, 0.05);
+  EXPECT_DOUBLE_EQ(mc.p10_step_ms, 5.0);
+  EXPECT_DOUBLE_EQ(mc.p90_step_ms, 8.0);
+  // Per draw: 1 - (a + b) / step and 1 - 4 / step averaged over the ranks;
+  // over the four cases 0.4, 1/3, 3/7, 0.375.
+  EXPECT_NEAR(mc.mean_bubble_fraction, (0.4 + 1.0 / 3 + 3.0 / 7 + 0.375) / 4, 0.01);
+}
+
+TEST(PipelineSimulator, MonteCarloRefusesBadInput) {
+  SimulatorCosts c;
+  std::vector<StageCostSamples> one{{{1}, {2}, {1}, {1}}};
+  EXPECT_THROW(simulate_schedule_monte_carlo(Schedule1F1B(2, 2), c, one, 0), InvalidArgument);
+  std::vector<StageCostSamples> three(3, one[0]);
+  EXPECT_THROW(simulate_schedule_monte_carlo(Schedule1F1B(2, 2), c, three, 5), InvalidArgument);
+  EXPECT_THROW(simulate_schedule_monte_carlo(Schedule1F1B(2, 2), c, {}, 5), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace cohort::pipeline
