@@ -10,6 +10,7 @@
 #include "cohort/core/counting_engine.h"
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
+#include "cohort/core/tick_clock.h"
 
 namespace cohort {
 
@@ -28,6 +29,8 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
       rank_(engine_->rank()),
       size_(engine_->size()),
       health_(std::make_shared<Health>()) {
+  // Once per process, before the first counted operation.
+  tick_clock::calibrate();
   if (options_.debug_checks) {
     checker_ = std::make_unique<CollectiveChecker>(store_, rank_, size_);
   }
@@ -133,8 +136,11 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
   call.ctx.peers = std::move(peers);
   // Engine traffic from here to the next operation counts under this kind.
   call.kind = op_kind_from_name(op);
-  call.issued = std::chrono::steady_clock::now();
-  if (active(tracer_)) call.seq = ++trace_seq_;
+  call.issued_ticks = tick_clock::now();
+  if (active(tracer_)) {
+    call.issued = std::chrono::steady_clock::now();
+    call.seq = ++trace_seq_;
+  }
   set_current_op_kind(call.kind);
   call.ctx.timeout = timeout == kDefaultTimeout ? options_.timeout : timeout;
   if (call.ctx.timeout.count() <= 0) {
@@ -177,6 +183,7 @@ Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> 
     // The issue (checks, copies, handing the operation to the engine) as a
     // complete event; its time in flight and waits are recorded by track().
     trace.tracer = tracer_;
+    trace.issued = call.issued;
     trace.id = t->new_id();
     trace.args = {TraceArg::str("group", options_.name),
                   TraceArg::num("seq", static_cast<double>(call.seq)),
@@ -185,7 +192,7 @@ Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> 
                   TraceArg::num("id", static_cast<double>(trace.id))};
     t->complete(call.ctx.op, "comm", call.issued, std::chrono::steady_clock::now(), trace.args);
   }
-  impl = track(std::move(impl), counters_, call.kind, call.issued, std::move(trace));
+  impl = track(std::move(impl), counters_, call.kind, call.issued_ticks, std::move(trace));
   return Work(std::move(impl), call.ctx, std::move(on_success), [health](const std::string& why) {
     std::lock_guard<std::mutex> lock(health->mu);
     if (!health->broken) {

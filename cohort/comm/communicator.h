@@ -156,7 +156,8 @@ class Communicator {
   struct Call {
     OpContext ctx;
     OpKind kind = OpKind::Other;
-    std::chrono::steady_clock::time_point issued;
+    uint64_t issued_ticks = 0;                     // tick_clock, for the counters
+    std::chrono::steady_clock::time_point issued;  // for the trace (read only when traced)
     // For the trace: the payload's bytes, the algorithm it ran with, and its
     // place in this group's order (0 when not traced).
     int64_t bytes = 0;

@@ -2,6 +2,7 @@
 #include <sstream>
 
 #include "cohort/core/counting_engine.h"
+#include "cohort/core/tick_clock.h"
 
 namespace cohort {
 namespace {
@@ -271,47 +272,63 @@ std::unique_ptr<Engine> CountingEngine::create_subgroup(const std::vector<int>& 
 
 namespace {
 
-uint64_t ns(std::chrono::steady_clock::duration d) {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
+uint64_t steady_ns(std::chrono::steady_clock::time_point t) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
 }
 
+std::chrono::steady_clock::time_point steady_at(uint64_t ns) {
+  return std::chrono::steady_clock::time_point(
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::nanoseconds(ns)));
+}
+
+// Times completion and waits on tick_clock, or on steady_clock when traced
+// (the trace's events need steady_clock times, and the trace's totals must
+// equal the counters).
 class TrackedWork : public WorkImpl {
  public:
   TrackedWork(WorkPtr inner, std::shared_ptr<StatsCounters> counters, OpKind kind,
-              std::chrono::steady_clock::time_point issued, OpTrace trace)
+              uint64_t issued_ticks, OpTrace trace)
       : inner_(std::move(inner)),
         counters_(std::move(counters)),
         kind_(kind),
-        issued_(issued),
+        traced_(active(trace.tracer) != nullptr),
+        issued_(traced_ ? steady_ns(trace.issued) : issued_ticks),
         trace_(std::move(trace)) {}
 
   bool is_completed() override {
     if (!inner_->is_completed()) return false;
-    completed(std::chrono::steady_clock::now());
+    completed(read());
     return true;
   }
 
   void wait(Millis timeout) override {
-    const auto start = std::chrono::steady_clock::now();
+    const uint64_t start = read();
     inner_->wait(timeout);
-    const auto end = std::chrono::steady_clock::now();
-    (*counters_)[kind_].waiting_ns.fetch_add(ns(end - start), std::memory_order_relaxed);
+    const uint64_t end = read();
+    (*counters_)[kind_].waiting_ns.fetch_add(to_ns(end - start), std::memory_order_relaxed);
     if (Tracer* t = active(trace_.tracer)) {
-      t->complete(std::string("wait ") + to_string(kind_), "comm.wait", start, end,
-                  {TraceArg::num("id", static_cast<double>(trace_.id))});
+      t->complete(std::string("wait ") + to_string(kind_), "comm.wait", steady_at(start),
+                  steady_at(end), {TraceArg::num("id", static_cast<double>(trace_.id))});
     }
     completed(end);
   }
 
  private:
+  uint64_t read() const {
+    return traced_ ? steady_ns(std::chrono::steady_clock::now()) : tick_clock::now();
+  }
+  uint64_t to_ns(uint64_t d) const { return traced_ ? d : tick_clock::to_ns(d); }
+
   // Once per operation (a Work is waited for by one thread at a time).
-  void completed(std::chrono::steady_clock::time_point at) {
+  void completed(uint64_t at) {
     if (done_.exchange(true, std::memory_order_relaxed)) return;
     auto& k = (*counters_)[kind_];
     k.completed.fetch_add(1, std::memory_order_relaxed);
-    k.in_flight_ns.fetch_add(ns(at - issued_), std::memory_order_relaxed);
+    k.in_flight_ns.fetch_add(to_ns(at - issued_), std::memory_order_relaxed);
     if (Tracer* t = active(trace_.tracer)) {
-      t->async_span(to_string(kind_), "comm.flight", trace_.id, issued_, at,
+      t->async_span(to_string(kind_), "comm.flight", trace_.id, trace_.issued, steady_at(at),
                     std::move(trace_.args));
     }
   }
@@ -319,7 +336,8 @@ class TrackedWork : public WorkImpl {
   WorkPtr inner_;
   std::shared_ptr<StatsCounters> counters_;
   OpKind kind_;
-  std::chrono::steady_clock::time_point issued_;
+  bool traced_;
+  uint64_t issued_;  // on read()'s clock
   OpTrace trace_;
   std::atomic<bool> done_{false};
 };
@@ -327,21 +345,20 @@ class TrackedWork : public WorkImpl {
 }  // namespace
 
 WorkPtr track(WorkPtr impl, std::shared_ptr<StatsCounters> counters, OpKind kind,
-              std::chrono::steady_clock::time_point issued, OpTrace trace) {
+              uint64_t issued_ticks, OpTrace trace) {
   auto& k = (*counters)[kind];
   k.calls.fetch_add(1, std::memory_order_relaxed);
   // An operation the engine finished at issue (MPI's blocking path for small
   // messages) has no flight or wait left to time: count it now and return it
-  // unwrapped. That saves an allocation and two clock reads per call, a
-  // measurable share of a 1 KiB MPI all_reduce. A trace still wraps it, for
-  // its wait event.
+  // unwrapped. That saves an allocation per call, a measurable share of a
+  // 1 KiB MPI all_reduce. A trace still wraps it, for its wait event.
   if (active(trace.tracer) == nullptr && impl->is_completed()) {
     k.completed.fetch_add(1, std::memory_order_relaxed);
-    k.in_flight_ns.fetch_add(ns(std::chrono::steady_clock::now() - issued),
+    k.in_flight_ns.fetch_add(tick_clock::to_ns(tick_clock::now() - issued_ticks),
                              std::memory_order_relaxed);
     return impl;
   }
-  return std::make_shared<TrackedWork>(std::move(impl), std::move(counters), kind, issued,
+  return std::make_shared<TrackedWork>(std::move(impl), std::move(counters), kind, issued_ticks,
                                        std::move(trace));
 }
 

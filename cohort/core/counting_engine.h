@@ -9,7 +9,8 @@
 // engine it is given and counts into its own counters.
 //
 // Cost: relaxed atomic adds on counters that the caller's thread mostly
-// owns, two clock reads per operation, no locks.
+// owns, two reads of tick_clock (the TSC where the kernel trusts it) per
+// operation, no locks.
 #pragma once
 
 #include <atomic>
@@ -134,16 +135,19 @@ Bytes reduce_scatter(uint64_t per_rank, int rank, int size);
 /// What a traced operation records besides its counters: the tracer (null:
 /// not traced), the async span's id and the arguments of its events.
 struct OpTrace {
-  std::shared_ptr<Tracer> tracer;  ///< null: not traced
-  uint64_t id = 0;                 ///< the async span's id (Tracer::new_id)
-  std::vector<TraceArg> args;      ///< arguments of the in-flight span
+  std::shared_ptr<Tracer> tracer;                ///< null: not traced
+  std::chrono::steady_clock::time_point issued;  ///< when the operation was issued
+  uint64_t id = 0;                               ///< the async span's id (Tracer::new_id)
+  std::vector<TraceArg> args;                    ///< arguments of the in-flight span
 };
 
 /// `impl` wrapped so that completing and waiting on it are counted under
-/// `kind`; `issued` is when the operation was issued. With a tracer, its
-/// time in flight becomes an async span ("comm.flight") and each wait() a
-/// complete event ("comm.wait"), from the same clock reads as the counters.
+/// `kind`; `issued_ticks` (tick_clock::now()) is when the operation was
+/// issued. With a tracer, its time in flight becomes an async span
+/// ("comm.flight") and each wait() a complete event ("comm.wait"); the
+/// counters are then timed with steady_clock from `trace.issued`, so that
+/// the trace's totals and the counters come from the same clock reads.
 WorkPtr track(WorkPtr impl, std::shared_ptr<StatsCounters> counters, OpKind kind,
-              std::chrono::steady_clock::time_point issued, OpTrace trace = {});
+              uint64_t issued_ticks, OpTrace trace = {});
 
 }  // namespace cohort

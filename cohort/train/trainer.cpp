@@ -89,9 +89,11 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   step_span.arg(TraceArg::num("step", static_cast<double>(position_.step)));
   const auto start = std::chrono::steady_clock::now();
   // Gradients are reduced by the sync (DDP) or by the optimizer (fused,
-  // ZeRO): the two never both measure the same reduction.
-  const double comm_before = sync_.comm_seconds() + optimizer_.comm_seconds();
-  const auto bytes_before = comm_.stats().total().bytes_sent;
+  // ZeRO): the two never both measure the same reduction. A pipeline adds
+  // its send and receive actions.
+  const double comm_before =
+      sync_.comm_seconds() + optimizer_.comm_seconds() + pipeline_comm_seconds_;
+  const uint64_t bytes_before = bytes_sent();
   model_->train();
   optimizer_.zero_grad();
   const double loss = pipeline_ ? pipeline_step(micro_batches) : accumulate(micro_batches, tracer);
@@ -118,7 +120,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   }
   ++position_.step;
 
-  m.comm_bytes = static_cast<int64_t>(comm_.stats().total().bytes_sent - bytes_before);
+  m.comm_bytes = static_cast<int64_t>(bytes_sent() - bytes_before);
   auto totals = torch::tensor({loss, static_cast<double>(samples)}, torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
   // Every rank of a pipeline reports its replica's loss and samples.
@@ -129,8 +131,15 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   m.samples = static_cast<int64_t>(totals[1].item<double>()) / copies;
   m.step_seconds = seconds_since(start);
   m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
-  m.comm_seconds = sync_.comm_seconds() + optimizer_.comm_seconds() - comm_before;
+  m.comm_seconds =
+      sync_.comm_seconds() + optimizer_.comm_seconds() + pipeline_comm_seconds_ - comm_before;
   return m;
+}
+
+uint64_t Trainer::bytes_sent() const {
+  uint64_t bytes = 0;
+  for (const auto& c : wiring_.traffic()) bytes += c->stats().total().bytes_sent;
+  return bytes;
 }
 
 double Trainer::accumulate(const std::vector<torch::data::Example<>>& micro_batches,
@@ -161,7 +170,11 @@ double Trainer::pipeline_step(const std::vector<torch::data::Example<>>& micro_b
     data.push_back(b.data);
     targets.push_back(b.target);
   }
-  return pipeline_->step({torch::cat(data)}, {torch::cat(targets)}).loss;
+  const auto result = pipeline_->step({torch::cat(data)}, {torch::cat(targets)});
+  for (const auto& [type, ms] : result.action_ms) {
+    if (!pipeline::is_compute(type)) pipeline_comm_seconds_ += ms * 1e-3;
+  }
+  return result.loss;
 }
 
 std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {

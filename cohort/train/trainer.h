@@ -159,6 +159,7 @@ class Trainer {
   void check_loss_source() const;
   double accumulate(const std::vector<torch::data::Example<>>& micro_batches, Tracer* tracer);
   double pipeline_step(const std::vector<torch::data::Example<>>& micro_batches);
+  uint64_t bytes_sent() const;
   bool per_rank_state() const;
   void write_shard() const;
   void read_shard(int64_t step);
@@ -175,6 +176,7 @@ class Trainer {
   TrainerConfig config_;
   std::shared_ptr<GradNorm> norm_;
   pipeline::PipelineRuntime* pipeline_;
+  double pipeline_comm_seconds_ = 0.0;  // in the pipeline's send and receive actions
   std::optional<CheckpointDir> checkpoints_;
   MetricsLog metrics_;
   TrainingPosition position_;

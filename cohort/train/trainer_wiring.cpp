@@ -49,10 +49,10 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
                           " ranks, not pipeline " + std::to_string(pp) + " x data-parallel " +
                           std::to_string(dp_group->size()));
   }
-  auto sync = std::make_unique<AllReduceGradientSync>(std::move(dp_group), runtime.parameters());
+  auto sync = std::make_unique<AllReduceGradientSync>(dp_group, runtime.parameters());
   return TrainerWiring(std::move(world), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
-                       std::move(sync), &runtime);
+                       std::move(sync), &runtime, {runtime.shared_group(), std::move(dp_group)});
 }
 
 }  // namespace cohort

@@ -41,8 +41,10 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
@@ -140,11 +142,15 @@ class TrainerWiring {
   GradientSync& sync() const { return *sync_; }
   /// The pipeline the trainer steps, or null: the trainer runs its LossFn per micro-batch.
   pipeline::PipelineRuntime* pipeline() const { return pipeline_; }
+  /// Every communicator a step's traffic goes over, each once: communicator(), and under PP x DP
+  /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
+  const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
 
  private:
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
                 std::unique_ptr<TrainerOptimizer> optimizer, std::unique_ptr<GradientSync> sync,
-                pipeline::PipelineRuntime* pipeline = nullptr)
+                pipeline::PipelineRuntime* pipeline = nullptr,
+                std::vector<std::shared_ptr<Communicator>> more_traffic = {})
       : comm_(std::move(comm)),
         model_(std::move(model)),
         optimizer_(std::move(optimizer)),
@@ -152,6 +158,10 @@ class TrainerWiring {
         pipeline_(pipeline) {
     if (!comm_) throw InvalidArgument("TrainerWiring: communicator is null");
     if (!model_) throw InvalidArgument("TrainerWiring: model is null");
+    traffic_.push_back(comm_);
+    for (auto& c : more_traffic) {
+      if (std::find(traffic_.begin(), traffic_.end(), c) == traffic_.end()) traffic_.push_back(c);
+    }
   }
 
   std::shared_ptr<Communicator> comm_;
@@ -159,6 +169,7 @@ class TrainerWiring {
   std::unique_ptr<TrainerOptimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;
   pipeline::PipelineRuntime* pipeline_ = nullptr;
+  std::vector<std::shared_ptr<Communicator>> traffic_;
 };
 
 }  // namespace cohort

@@ -1,7 +1,8 @@
 // The Trainer driving a pipeline (ranks as threads): with clipping by the
 // global norm over all stages it takes the same steps as one process on the
 // whole batch (pipeline alone and pipeline x data parallel), its metrics
-// report that loss, and a resumed run is bitwise the uninterrupted one.
+// report that loss and the traffic of every group, and a resumed run is
+// bitwise the uninterrupted one.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -188,6 +189,22 @@ std::vector<double> logged_losses(const std::string& path) {
   return out;
 }
 
+// What rank `rank` sends in a step at least: each of its stages'
+// activations forward (but the last stage's) and input gradients back (but
+// the first's); with dp > 1 also its stages' gradients, all-reduced over the
+// data-parallel group (a ring sends 2(p-1)/p of them). Above that only
+// scalars (the norm) and, on the first step, the boundaries' shapes.
+int64_t min_bytes_sent(const Case& c, int rank) {
+  const auto schedule = pipeline::make_schedule(c.schedule, c.pp, c.v, c.m);
+  const int64_t activations = c.m * kMicro * kWidth * 4;
+  int64_t bytes = 0, grads = 0;
+  for (int s : schedule.stages_of(rank % c.pp)) {
+    bytes += (int64_t{s < schedule.num_stages - 1} + int64_t{s > 0}) * activations;
+    grads += (kWidth * kWidth + kWidth) * 4;
+  }
+  return bytes + 2 * (c.dp - 1) * grads / c.dp;
+}
+
 class PipelineTrainer : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PipelineTrainer, EqualsOneProcessWithGlobalNormClipping) {
@@ -207,6 +224,14 @@ TEST_P(PipelineTrainer, EqualsOneProcessWithGlobalNormClipping) {
       EXPECT_TRUE(close(m.grad_norm, ref.norms[s])) << m.grad_norm << " vs " << ref.norms[s];
       EXPECT_TRUE(close(m.loss, ref.losses[s])) << m.loss << " vs " << ref.losses[s];
       EXPECT_EQ(m.samples, global_batch(c));
+      // Every group's traffic counts: the pipeline's, the data-parallel one's.
+      const int64_t least = min_bytes_sent(c, static_cast<int>(r));
+      EXPECT_GE(m.comm_bytes, least) << "rank " << r << ", step " << s;
+      EXPECT_LE(m.comm_bytes, least + 4096) << "rank " << r << ", step " << s;
+      if (c.pp * c.dp > 1) {
+        EXPECT_GT(m.comm_seconds, 0.0) << "rank " << r << ", step " << s;
+        EXPECT_LE(m.comm_seconds, m.step_seconds) << "rank " << r << ", step " << s;
+      }
     }
     for (const auto& [k, p] : runs[r].params) {
       const double scale = ref.params[k].abs().max().item<double>();
