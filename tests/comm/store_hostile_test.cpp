@@ -15,10 +15,12 @@
 #include <random>
 #include <thread>
 
+#include "cohort/cohort.h"
 #include "cohort/core/error.h"
 #include "cohort/core/store/tcp_store.h"
 #include "cohort/core/store/tcp_store_protocol.h"
 #include "cohort/core/store/tcp_store_server.h"
+#include "support/subprocess.h"
 
 namespace cohort {
 namespace {
@@ -56,6 +58,19 @@ bool closed_by_server(const net::Socket& s, std::chrono::milliseconds within) {
     if (::poll(&p, 1, 50) <= 0) continue;
     ssize_t k = ::recv(s.fd(), buf, sizeof(buf), 0);
     if (k == 0 || (k < 0 && errno != EINTR && errno != EAGAIN)) return true;
+  }
+  return false;
+}
+
+// True when the server reset `s` within `within`, found without reading
+// from it: a client that reads would drain the outbox whose growth is
+// what gets a non-reading client dropped. (drop() resets the connection, and
+// a reset socket polls POLLHUP | POLLERR whatever is left in its buffer.)
+bool reset_without_reading(const net::Socket& s, std::chrono::milliseconds within) {
+  const auto deadline = net::Clock::now() + within;
+  while (net::Clock::now() < deadline) {
+    pollfd p{s.fd(), 0, 0};
+    if (::poll(&p, 1, 50) > 0 && (p.revents & (POLLHUP | POLLERR))) return true;
   }
   return false;
 }
@@ -122,10 +137,10 @@ TEST(TcpStoreHostile, ClientThatNeverReadsIsDroppedAndShutdownIsBounded) {
   send_bytes(slow, gets);
   client.set_timeout(3s);
   expect_served(client, "beside-slow-reader");
-  EXPECT_TRUE(closed_by_server(slow, 5s)) << "a client over its outbox cap stays connected";
-  auto start = net::Clock::now();
+  // 40 replies of 8 MiB against a 32 MiB outbox cap: only a client that
+  // reads could stay, and this one never does.
+  EXPECT_TRUE(reset_without_reading(slow, 20s)) << "a client over its outbox cap stays connected";
   EXPECT_TRUE(destroy_within(std::move(server), 5s)) << "~TcpStoreServer did not return";
-  EXPECT_LT(net::Clock::now() - start, 2s);
 }
 
 TEST(TcpStoreHostile, HugeFrameHeaderIsRefused) {
@@ -148,19 +163,123 @@ TEST(TcpStoreHostile, HugeFrameHeaderIsRefused) {
   expect_served(client, "after-huge-set");
 }
 
-TEST(TcpStoreHostile, ClientsOverTheCapAreRefused) {
+// At the cap, a new connection takes the place of the oldest one that has
+// said nothing; when every client has spoken, it is refused.
+TEST(TcpStoreHostile, ClientsOverTheCapEvictSilentOnesOrAreRefused) {
   TcpStoreServerOptions opt;
   opt.max_clients = 8;
+  opt.handshake_timeout = std::chrono::minutes(5);  // no expiry in this case
   TcpStoreServer server("127.0.0.1", 0, opt);
   TcpStore client("127.0.0.1", server.port(), false, 5s);
   std::vector<net::Socket> idle;
   for (int i = 0; i < 7; ++i) idle.push_back(raw_connect(server.port()));
   expect_served(client, "at-cap");
   auto extra = raw_connect(server.port());
-  EXPECT_TRUE(closed_by_server(extra, 3s)) << "the ninth client was kept";
+  EXPECT_TRUE(closed_by_server(idle[0], 5s)) << "the oldest silent client was kept at the cap";
+  expect_served(client, "after-eviction");
+  // Speaking clients fill the cap: the next connection is closed at once.
   idle.clear();
-  TcpStore late("127.0.0.1", server.port(), false, 5s);
-  expect_served(late, "after-idle-left");
+  extra = net::Socket();
+  std::vector<std::unique_ptr<TcpStore>> talking;
+  for (int tries = 0; talking.size() < 7 && tries < 50; ++tries) {
+    try {
+      talking.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), false, 5s));
+    } catch (const PeerError&) {
+      // a silent socket freed above may not have been closed yet: retry
+    }
+  }
+  ASSERT_EQ(talking.size(), 7u);
+  auto ninth = raw_connect(server.port());
+  EXPECT_TRUE(closed_by_server(ninth, 5s)) << "a ninth client was kept beside 8 that spoke";
+  for (auto& t : talking) expect_served(*t, "talking");
+}
+
+// A connection that sends no complete frame within the handshake deadline is
+// closed; one that spoke stays however long it idles after.
+TEST(TcpStoreHostile, SilentClientsAreClosedAfterTheHandshakeDeadline) {
+  TcpStoreServerOptions opt;
+  opt.handshake_timeout = 2s;
+  TcpStoreServer server("127.0.0.1", 0, opt);
+  auto silent = raw_connect(server.port());
+  auto partial = raw_connect(server.port());
+  auto f = encode_request(kSet, {"k", "v"});
+  f.resize(f.size() - 1);  // never completed
+  send_bytes(partial, f);
+  auto spoke = raw_connect(server.port());
+  send_bytes(spoke, encode_request(kCheck, {"k"}));
+  TcpStore client("127.0.0.1", server.port(), false, 5s);
+  EXPECT_TRUE(closed_by_server(silent, 20s)) << "a silent client outlived the deadline";
+  EXPECT_TRUE(closed_by_server(partial, 20s)) << "a half-sent frame outlived the deadline";
+  EXPECT_EQ(read_reply(spoke).first, kOk);
+  // A silent witness accepted after `client` and `spoke`: once it is closed,
+  // their deadlines have passed too, and they must still be served.
+  auto witness = raw_connect(server.port());
+  EXPECT_TRUE(closed_by_server(witness, 20s));
+  expect_served(client, "after-deadline");
+  send_bytes(spoke, encode_request(kCheck, {"probe/after-deadline"}));
+  EXPECT_EQ(read_reply(spoke).second, "1") << "a client that spoke was closed";
+}
+
+// Restores the process's descriptor limit when the test ends, however it ends.
+class NofileGuard {
+ public:
+  NofileGuard() { ::getrlimit(RLIMIT_NOFILE, &old_); }
+  ~NofileGuard() { ::setrlimit(RLIMIT_NOFILE, &old_); }
+  const rlimit& old() const { return old_; }
+
+ private:
+  rlimit old_{};
+};
+
+// Opens argv[2] connections to 127.0.0.1:argv[1], says "ready", and holds
+// them without sending a byte.
+constexpr const char* kSilentFlood = R"(
+import resource, socket, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # inherited from the test's tight limit
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(int(sys.argv[2]))]
+print("ready", flush=True)
+time.sleep(120)
+)";
+
+// Rank 0 may open 256 descriptors and another process holds 300 silent
+// connections to its store: a two-rank job still rendezvouses over that
+// store, connects (which needs descriptors of rank 0's own) and reduces.
+TEST(TcpStoreHostile, SilentFloodUnderADescriptorLimitDoesNotStopTheJob) {
+  NofileGuard guard;
+  rlimit tight = guard.old();
+  const int lowest_free = ::dup(0);
+  ::close(lowest_free);
+  tight.rlim_cur = static_cast<rlim_t>(std::max(256, lowest_free + 192));
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+  auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0, TcpStoreServerOptions{});
+  const uint16_t port = server->port();
+  testing::Subprocess flood({"/usr/bin/python3", "-c", kSilentFlood, std::to_string(port), "300"});
+  ASSERT_TRUE(flood.wait_for_stdout("ready", 1, testing::Seconds(60)))
+      << flood.finish(testing::Seconds(1)).err;
+  std::vector<float> got(2, -1);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        auto store = std::make_shared<TcpStore>("127.0.0.1", port, false, 20s);
+        ConnectOptions o;
+        o.timeout = 20s;
+        auto comm = connect(store, r, 2, o);
+        auto t = torch::full({3}, static_cast<float>(r + 1));
+        comm->all_reduce(t).wait();
+        got[static_cast<size_t>(r)] = t[0].item<float>();
+        comm->barrier().wait();
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(got, (std::vector<float>{3, 3}));
+  EXPECT_TRUE(destroy_within(std::move(server), 5s));
 }
 
 // Out of descriptors, accept() fails at once; the server must back off rather
@@ -235,7 +354,7 @@ TEST(TcpStoreHostile, StoreWithATokenRefusesClientsWithout) {
   EXPECT_EQ(client.get_string("probe/with-token"), "with-token");
 }
 
-// Random hostile traffic for a bounded time and count, with small caps, while
+// Random hostile traffic for a fixed count of rounds, with small caps, while
 // a real client checks after every round that it is served and the values it
 // keeps are intact; the process's memory must stay within the caps' bound.
 TEST(TcpStoreHostile, FuzzKeepsServingARealClient) {
@@ -248,7 +367,7 @@ TEST(TcpStoreHostile, FuzzKeepsServingARealClient) {
   auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0, opt);
   const uint16_t port = server->port();
   TcpStore client("127.0.0.1", port, false, 5s);
-  client.set_timeout(3s);
+  client.set_timeout(10s);
   const size_t rss_start = rss_bytes();
   std::mt19937 rng(12345);
   auto rand_bytes = [&](size_t n) {
@@ -257,10 +376,9 @@ TEST(TcpStoreHostile, FuzzKeepsServingARealClient) {
     return b;
   };
   std::vector<net::Socket> idle;  // held open, never read
-  const auto stop_at = net::Clock::now() + 8s;
   int rounds = 0;
   int64_t counter = 0;
-  for (; rounds < 400 && net::Clock::now() < stop_at; ++rounds) {
+  for (; rounds < 200; ++rounds) {
     auto s = raw_connect(port);
     switch (rng() % 7) {
       case 0: {  // random frame with a truthful length
@@ -312,7 +430,6 @@ TEST(TcpStoreHostile, FuzzKeepsServingARealClient) {
     ASSERT_EQ(counter, rounds + 1) << "round " << rounds;
     expect_served(client, "round");
   }
-  EXPECT_GE(rounds, 50) << "too few rounds to mean anything";
   const size_t growth = rss_bytes() > rss_start ? rss_bytes() - rss_start : 0;
   // Caps: 16 MiB buffered + 16 MiB stored, plus allocator slack.
   EXPECT_LT(growth, size_t{96} << 20) << "memory grew by " << (growth >> 20) << " MiB";

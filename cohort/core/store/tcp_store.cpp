@@ -37,7 +37,9 @@ void TcpStore::ensure_connected(net::Clock::time_point deadline) {
     throw TimeoutError(where() + ": rendezvous failed, " + e.what() +
                        "; is rank 0 running and MASTER_ADDR/MASTER_PORT the same on every rank?");
   }
-  if (token_.empty()) return;
+  // Speak at once, token or not: the server closes connections that stay
+  // silent (they would hold its descriptors), and refuses a wrong token here
+  // rather than at the first request.
   auto frame = encode_request(kAuth, {token_});
   try {
     net::send_all(conn_.fd(), frame.data(), frame.size());
@@ -46,10 +48,13 @@ void TcpStore::ensure_connected(net::Clock::time_point deadline) {
     std::vector<uint8_t> body(std::min<uint32_t>(len, 4096));
     net::recv_all(conn_.fd(), body.data(), body.size(), deadline);
     if (body.empty() || body[0] != kOk) {
-      throw PeerError(
-          "the store refused this job's token (is COHORT_STORE_TOKEN the same on "
-          "every rank?)");
+      throw PeerError("the store refused this connection: " +
+                      std::string(body.begin() + (body.empty() ? 0 : 1), body.end()) +
+                      " (is COHORT_STORE_TOKEN the same on every rank?)");
     }
+  } catch (const TimeoutError& e) {
+    conn_.close();
+    throw TimeoutError(where() + ": no answer to the connection's first request: " + e.what());
   } catch (const Error& e) {
     conn_.close();
     throw PeerError(where() + ": " + e.what());

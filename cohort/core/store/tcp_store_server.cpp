@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -37,11 +38,27 @@ bool parse_int64(const std::string& s, int64_t& out) {
 
 void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+// max_clients, and no more than half the descriptors this process may open:
+// silent connections must not take the ones the rank needs itself.
+size_t client_cap(size_t max_clients) {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return max_clients;
+  return std::max<size_t>(1, std::min<size_t>(max_clients, r.rlim_cur / 2));
+}
+
+int ms_until(std::chrono::steady_clock::time_point t, std::chrono::steady_clock::time_point now) {
+  return static_cast<int>(
+      std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(t - now).count()));
+}
+
 }  // namespace
 
 TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port,
                                TcpStoreServerOptions options)
-    : opt_(options), listener_(net::listen_on(host, port)), port_(net::local_port(listener_)) {
+    : opt_(options),
+      client_cap_(client_cap(options.max_clients)),
+      listener_(net::listen_on(host, port)),
+      port_(net::local_port(listener_)) {
   set_nonblocking(listener_.fd());
   if (::pipe2(stop_pipe_, O_CLOEXEC) != 0) {
     throw Error(std::string("TcpStoreServer: pipe failed: ") + std::strerror(errno));
@@ -69,17 +86,16 @@ void TcpStoreServer::run() {
       const bool pending = c.sent < c.outbox.size();
       fds.push_back({fd, static_cast<short>(POLLIN | (pending ? POLLOUT : 0)), 0});
     }
-    int timeout_ms = -1;
+    int timeout_ms = expire_silent(now);
     if (!accepting) {
-      timeout_ms = static_cast<int>(
-          std::chrono::ceil<std::chrono::milliseconds>(accept_paused_until_ - now).count());
+      const int pause = ms_until(accept_paused_until_, now);
+      timeout_ms = timeout_ms < 0 ? pause : std::min(timeout_ms, pause);
     }
     if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       return;
     }
     if (fds[0].revents) return;
-    if (fds[1].revents & POLLIN) accept_clients();
     for (size_t i = 2; i < fds.size(); ++i) {
       if (!fds[i].revents) continue;
       auto it = clients_.find(fds[i].fd);
@@ -89,11 +105,45 @@ void TcpStoreServer::run() {
         read_client(it->second);
       }
     }
+    // What a client sent before its deadline has been read just above.
+    expire_silent(std::chrono::steady_clock::now());
     // Erase dropped clients only here: handlers reach other clients (waiters).
     for (auto it = clients_.begin(); it != clients_.end();) {
       it = it->second.dropped ? clients_.erase(it) : std::next(it);
     }
+    // Last, so that a descriptor freed by an eviction and reused by accept()
+    // is never mistaken for the old client in `fds`.
+    if (fds[1].revents & POLLIN) accept_clients();
   }
+}
+
+int TcpStoreServer::expire_silent(std::chrono::steady_clock::time_point now) {
+  int next_ms = -1;
+  for (auto& [fd, c] : clients_) {
+    if (c.spoke || c.dropped) continue;
+    const auto deadline = c.accepted_at + opt_.handshake_timeout;
+    if (deadline <= now) {
+      drop(c);
+    } else {
+      const int ms = ms_until(deadline, now);
+      next_ms = next_ms < 0 ? ms : std::min(next_ms, ms);
+    }
+  }
+  return next_ms;
+}
+
+bool TcpStoreServer::evict_oldest_silent() {
+  auto oldest = clients_.end();
+  for (auto it = clients_.begin(); it != clients_.end(); ++it) {
+    if (it->second.spoke || it->second.dropped) continue;
+    if (oldest == clients_.end() || it->second.accepted_at < oldest->second.accepted_at) {
+      oldest = it;
+    }
+  }
+  if (oldest == clients_.end()) return false;
+  drop(oldest->second);
+  clients_.erase(oldest);  // closes the descriptor now
+  return true;
 }
 
 void TcpStoreServer::accept_clients() {
@@ -102,6 +152,8 @@ void TcpStoreServer::accept_clients() {
     int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // Silent connections must not lock real clients out: free one.
+        if (evict_oldest_silent()) continue;
         // The connection stays in the backlog; try again once descriptors
         // may have been freed rather than spin on a listener that stays
         // readable.
@@ -109,12 +161,13 @@ void TcpStoreServer::accept_clients() {
       }
       return;  // EAGAIN, or a connection aborted before accept
     }
-    if (clients_.size() >= opt_.max_clients) {
+    if (clients_.size() >= client_cap_ && !evict_oldest_silent()) {
       ::close(fd);
       continue;
     }
     Client& c = clients_[fd];
     c.sock = net::Socket(fd);
+    c.accepted_at = std::chrono::steady_clock::now();
     c.authenticated = opt_.token.empty();
   }
 }
@@ -159,6 +212,7 @@ void TcpStoreServer::read_client(Client& c) {
     std::vector<std::string> args;
     if (!decode_request(c.inbox.data() + pos + 4, len, cmd, args)) return drop(c);
     pos += 4 + len;
+    c.spoke = true;
     handle(c, cmd, args);
   }
   if (c.dropped) return;

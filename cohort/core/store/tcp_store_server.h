@@ -33,8 +33,15 @@ struct TcpStoreServerOptions {
   size_t max_buffered_bytes = 256u << 20;
   /// Keys and values stored; a SET or ADD beyond it is answered with an error.
   size_t max_stored_bytes = 256u << 20;
-  /// Connected clients; a connection beyond it is closed at once.
+  /// Connected clients, and at most half the process's descriptor limit (the
+  /// rank needs the rest for its own connections). At the cap, or when
+  /// accept() finds no descriptor, the oldest silent client (one that has
+  /// sent no complete frame) is closed to admit the new one; with no silent
+  /// client, the new connection is closed at once.
   size_t max_clients = 4096;
+  /// A client that has sent no complete frame this long after it was
+  /// accepted is closed. TcpStore sends one as soon as it connects.
+  std::chrono::milliseconds handshake_timeout{5000};
   /// When not empty, every client must send it (kAuth) before any other
   /// request; a client that does not is disconnected.
   std::string token;
@@ -58,8 +65,10 @@ class TcpStoreServer {
     std::vector<uint8_t> inbox;
     std::vector<uint8_t> outbox;
     size_t sent = 0;  // bytes of outbox already sent
+    std::chrono::steady_clock::time_point accepted_at;
     bool dropped = false;
     bool authenticated = false;
+    bool spoke = false;  // has sent a complete, valid frame
   };
   struct Waiter {
     int fd;
@@ -68,6 +77,12 @@ class TcpStoreServer {
 
   void run();
   void accept_clients();
+  // Closes the longest-connected silent client at once (its descriptor is
+  // free on return); false when every client has spoken.
+  bool evict_oldest_silent();
+  // Drops silent clients past the handshake deadline; returns the time until
+  // the next one expires (or -1 when none is waiting), for poll().
+  int expire_silent(std::chrono::steady_clock::time_point now);
   // Reads what the client sent and handles every complete frame.
   void read_client(Client& c);
   void flush(Client& c);
@@ -81,6 +96,7 @@ class TcpStoreServer {
   bool has_all(const std::vector<std::string>& keys) const;
 
   TcpStoreServerOptions opt_;
+  size_t client_cap_;  // max_clients, and half the descriptor limit
   net::Socket listener_;
   uint16_t port_;
   int stop_pipe_[2] = {-1, -1};
