@@ -1,15 +1,50 @@
 #include "cohort/core/trace.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
+#include <system_error>
 
 #include "cohort/core/error.h"
 
 namespace cohort {
 namespace {
+
+// A fresh file beside `target` (same folder, so that the final rename stays
+// on one filesystem), creating the folder. mkostemp opens with O_EXCL under
+// a random name, so a file or symlink planted in advance is never opened or
+// followed. Returns the descriptor and the name; throws naming the path.
+std::pair<int, std::string> create_aside(const std::string& target, int rank) {
+  const std::filesystem::path path(target);
+  std::error_code ec;
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+  const auto dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  std::string name = (dir / ("." + path.filename().string() + ".XXXXXX")).string();
+  const int fd = ::mkostemp(name.data(), O_CLOEXEC);
+  if (fd < 0) {
+    throw Error("cohort: rank " + std::to_string(rank) + ": cannot write the trace " + target +
+                ": " + (ec ? ec.message() : std::string(std::strerror(errno))));
+  }
+  return {fd, name};
+}
+
+void write_all(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t k = ::write(fd, text.data() + done, text.size() - done);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) throw std::system_error(errno, std::generic_category());
+    done += static_cast<size_t>(k);
+  }
+}
 
 int64_t ns_of(Tracer::Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -75,7 +110,12 @@ Tracer::Tracer(int rank, int world_size, std::string path, size_t max_events)
     : rank_(rank),
       world_size_(world_size),
       path_(std::move(path)),
-      max_events_(max_events > 0 ? max_events : kDefaultTraceMaxEvents) {}
+      max_events_(max_events > 0 ? max_events : kDefaultTraceMaxEvents) {
+  // Found now, not at exit after the whole run: the folder must take a file.
+  auto [fd, name] = create_aside(path_, rank_);
+  ::close(fd);
+  ::unlink(name.c_str());
+}
 
 Tracer::~Tracer() {
   try {
@@ -197,22 +237,24 @@ void Tracer::flush() {
     write_number(os, round_trip_us_);
     os << "}}\n";
   }
-  const std::filesystem::path path(path_);
-  std::error_code ec;
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
-  // Written aside and renamed: a reader never sees half a file.
-  const std::string tmp = path_ + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << os.str();
-    out.flush();
-    if (!out)
-      throw Error("cohort: rank " + std::to_string(rank_) + ": cannot write the trace " + tmp);
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
+  // Written aside and renamed: a reader never sees half a file, and
+  // rename() replaces whatever is at path_ (a symlink included) without
+  // following it.
+  auto [fd, tmp] = create_aside(path_, rank_);
+  try {
+    // mkostemp made it 0600; a trace is read by whoever merges the timelines.
+    ::fchmod(fd, 0644);
+    write_all(fd, os.str());
+    if (::close(fd) != 0) throw std::system_error(errno, std::generic_category());
+    fd = -1;
+    if (::rename(tmp.c_str(), path_.c_str()) != 0) {
+      throw std::system_error(errno, std::generic_category());
+    }
+  } catch (const std::system_error& e) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
     throw Error("cohort: rank " + std::to_string(rank_) + ": cannot write the trace " + path_ +
-                ": " + ec.message());
+                ": " + e.code().message());
   }
 }
 

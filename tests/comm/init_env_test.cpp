@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <thread>
 
 #include "cohort/cohort.h"
@@ -123,6 +124,32 @@ TEST(InitEnv, SingleRankJobInitializesAndReduces) {
   finalize();
   EXPECT_FALSE(is_initialized());
   EXPECT_THROW(world(), ConfigError);
+}
+
+// A trace folder that cannot be written is found by init(), before the job
+// runs, not when the trace is flushed at exit.
+TEST(InitEnv, UnwritableTraceFolderIsRefusedAtInit) {
+  const auto file = ::testing::TempDir() + "cohort_trace_file_" + std::to_string(::getpid());
+  { std::ofstream(file) << "a file, not a folder"; }
+  EnvGuard env;
+  env.set("WORLD_SIZE", "1");
+  env.set("RANK", "0");
+  env.set("COHORT_BACKEND", nullptr);
+  env.set("COHORT_TRACE", (file + "/trace").c_str());
+  InitOptions o;
+  o.init_method = "tcp://127.0.0.1:0";
+  std::string what = "no error";
+  try {
+    init(o);
+    finalize();
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("cannot write the trace " + file + "/trace/rank-0.json"), std::string::npos)
+      << what;
+  EXPECT_NE(what.find("rank 0"), std::string::npos) << what;
+  EXPECT_FALSE(is_initialized());
+  std::remove(file.c_str());
 }
 
 TEST(InitFile, FileRendezvousWithThreeRanks) {

@@ -365,7 +365,8 @@ TEST(Trace, SubgroupsShareTheRanksTimeline) {
   // Three files, named by world rank; the group's all_reduce is in rank 2's.
   for (int r = 0; r < 3; ++r)
     EXPECT_TRUE(std::filesystem::exists(dir / ("rank-" + std::to_string(r) + ".json")));
-  EXPECT_FALSE(std::filesystem::exists(dir / "rank-1.json.tmp"));
+  // Nothing but the three traces: no temporary file is left behind.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.str()), {}), 3);
   const json doc = read_json(dir / "rank-2.json");
   bool found = false;
   for (const auto& e : doc["traceEvents"]) {
@@ -376,6 +377,48 @@ TEST(Trace, SubgroupsShareTheRanksTimeline) {
     }
   }
   EXPECT_TRUE(found);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Someone who can write the trace folder plants symlinks where a trace or its
+// temporary file would go: flush() follows neither, and writes the trace.
+TEST(Trace, PlantedSymlinksAreNotFollowed) {
+  testing::TempDir dir("cohort-trace");
+  const auto victim = dir / "victim", other = dir / "other";
+  { std::ofstream(victim) << "precious"; }
+  { std::ofstream(other) << "also precious"; }
+  std::filesystem::create_directories(dir / "t");
+  std::filesystem::create_symlink(victim, dir / "t/rank-0.json.tmp");
+  std::filesystem::create_symlink(other, dir / "t/rank-0.json");
+  {
+    Tracer tracer(0, 1, dir / "t/rank-0.json");
+    const auto t0 = Tracer::Clock::now();
+    tracer.instant("mark", "test", t0);
+  }
+  EXPECT_EQ(read_text(victim), "precious");
+  EXPECT_EQ(read_text(other), "also precious");
+  EXPECT_FALSE(std::filesystem::is_symlink(dir / "t/rank-0.json"));
+  EXPECT_EQ(read_json(dir / "t/rank-0.json")["traceEvents"].size(), 3u);
+  // The planted link is left alone, and the temporary file is gone.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir / "t"), {}), 2);
+}
+
+TEST(Trace, UnwritableFolderIsRefusedWhenTheTracerIsBuilt) {
+  testing::TempDir dir("cohort-trace");
+  { std::ofstream(dir / "file") << "not a folder"; }
+  const std::string path = dir / "file/sub/rank-3.json";
+  try {
+    Tracer tracer(3, 4, path);
+    ADD_FAILURE() << "a trace under a regular file was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 3: cannot write the trace " + path),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Trace, TracerWritesValidJsonWithEscapedNames) {
