@@ -288,6 +288,9 @@ void Trainer::read_shard(int64_t step) {
     }
     if (!optimizer_.replicated_state()) optimizer_.load(archive);
     if (sync_.has_state()) sync_.load_state(archive);
+  } catch (const CheckpointError& e) {
+    throw CheckpointError("checkpoint " + shard_path(step) +
+                          ": does not fit this rank's stages: " + e.what());
   } catch (const c10::Error& e) {
     throw CheckpointError("checkpoint " + shard_path(step) + ": does not fit this " +
                           (pipeline_ ? "rank's stages or optimizer: " : "optimizer: ") +

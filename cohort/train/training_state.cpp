@@ -2,33 +2,83 @@
 
 #include <torch/serialize/archive.h>
 
+#include <set>
 #include <sstream>
+#include <vector>
 
 #include "cohort/train/checkpoint_file.h"
 
 namespace cohort {
 
+namespace {
+
+struct Assignment {
+  torch::Tensor target, loaded;
+};
+
+std::string shape_text(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+
+// Reads every parameter, buffer and child of `module` from `archive`, checking
+// that the names are the same on both sides and that each tensor has the
+// model's shape and dtype (copy_ would broadcast a [1] into any shape).
+// Throws CheckpointError naming the key; copies nothing.
+void collect(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+             const std::string& prefix, std::vector<Assignment>& out) {
+  std::set<std::string> expected;
+  auto take = [&](const std::string& name, const torch::Tensor& target, bool is_buffer) {
+    expected.insert(name);
+    const std::string key = prefix + name;
+    torch::Tensor loaded;
+    if (!archive.try_read(name, loaded, is_buffer)) {
+      throw CheckpointError("'" + key + "' is missing from the checkpoint");
+    }
+    if (!target.defined() || !loaded.defined()) {
+      if (target.defined() != loaded.defined()) {
+        throw CheckpointError("'" + key + "' is defined on one side only");
+      }
+      return;
+    }
+    if (loaded.sizes() != target.sizes() || loaded.scalar_type() != target.scalar_type()) {
+      throw CheckpointError("'" + key + "' is " + shape_text(loaded.sizes()) + " " +
+                            c10::toString(loaded.scalar_type()) + " in the checkpoint, " +
+                            shape_text(target.sizes()) + " " + c10::toString(target.scalar_type()) +
+                            " in the model");
+    }
+    out.push_back({target, loaded});
+  };
+  for (auto& p : module.named_parameters(/*recurse=*/false)) take(p.key(), p.value(), false);
+  for (auto& b : module.named_buffers(/*recurse=*/false)) take(b.key(), b.value(), true);
+  for (auto& child : module.named_children()) {
+    expected.insert(child.key());
+    torch::serialize::InputArchive sub;
+    if (!archive.try_read(child.key(), sub)) {
+      throw CheckpointError("module '" + prefix + child.key() + "' is missing from the checkpoint");
+    }
+    collect(*child.value(), sub, prefix + child.key() + ".", out);
+  }
+  for (const auto& key : archive.keys()) {
+    if (!expected.count(key)) {
+      throw CheckpointError("'" + prefix + key + "' is in the checkpoint but not in the model");
+    }
+  }
+}
+
+}  // namespace
+
 // Module::load would set_() each parameter to the loaded storage (and
 // LibTorch then gives it a new gradient accumulator, which DDP re-hooks at
 // the next forward); copying into the existing storage instead keeps
 // anything that holds views of the weights (flat optimizer buffers) valid.
+// Everything is checked before anything is copied.
 void load_module_state(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
+  std::vector<Assignment> all;
+  collect(module, archive, "", all);
   torch::NoGradGuard no_grad;
-  for (auto& p : module.named_parameters(/*recurse=*/false)) {
-    torch::Tensor loaded;
-    archive.read(p.key(), loaded);
-    p.value().copy_(loaded);
-  }
-  for (auto& b : module.named_buffers(/*recurse=*/false)) {
-    torch::Tensor loaded;
-    archive.read(b.key(), loaded, /*is_buffer=*/true);
-    b.value().copy_(loaded);
-  }
-  for (auto& child : module.named_children()) {
-    torch::serialize::InputArchive sub;
-    archive.read(child.key(), sub);
-    load_module_state(*child.value(), sub);
-  }
+  for (auto& a : all) a.target.copy_(a.loaded);
 }
 
 std::string encode_training_state(torch::nn::Module* model, const TrainerOptimizer& optimizer,
@@ -71,6 +121,8 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     state.position.batch = v.toInt();
     archive.read("rng_states", state.rng_states);
     return state;
+  } catch (const CheckpointError& e) {
+    throw CheckpointError("checkpoint " + source + ": does not fit this model: " + e.what());
   } catch (const c10::Error& e) {
     // The checksum passed, so this is a checkpoint of another model or
     // optimizer; say so rather than print LibTorch's backtrace.

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <sstream>
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/checkpoint_file.h"
@@ -15,6 +16,7 @@
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "cohort/train/trainer_adapters.h"
+#include "cohort/train/training_state.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
@@ -39,6 +41,67 @@ std::string error_of(const std::function<void()>& fn) {
     return e.what();
   }
   return "(no CheckpointError)";
+}
+
+// Loads what `saved` holds into `target` through load_module_state, as a
+// resume does; returns the error (or "(no CheckpointError)").
+std::string load_error(torch::nn::Module& saved, torch::nn::Module& target) {
+  torch::serialize::OutputArchive out;
+  saved.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in(bytes.str());
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  return error_of([&] { load_module_state(target, archive); });
+}
+
+// A checkpoint of another model: each difference is an error naming the key,
+// and the model is left as it was (nothing is copied, nothing broadcast).
+TEST(CheckpointLoad, ShapeMissingOrExtraKeyIsNamedAndNothingIsLoaded) {
+  torch::manual_seed(0);
+  auto model = [] {
+    return torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3));
+  };
+  struct Case {
+    torch::nn::Sequential saved;
+    const char* expect;
+  };
+  std::vector<Case> cases = {
+      // [1, 1] would broadcast into [3, 4] under copy_.
+      {torch::nn::Sequential(torch::nn::Linear(1, 1), torch::nn::BatchNorm1d(3)),
+       "'0.weight' is [1, 1] Float in the checkpoint, [3, 4] Float in the model"},
+      {torch::nn::Sequential(torch::nn::Linear(4, 2), torch::nn::BatchNorm1d(3)),
+       "'0.weight' is [2, 4] Float"},
+      {torch::nn::Sequential(torch::nn::Linear(4, 3)), "module '1' is missing"},
+      {torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(4, 3).bias(false)),
+                             torch::nn::BatchNorm1d(3)),
+       "'0.bias' is missing"},
+      {torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3),
+                             torch::nn::Linear(3, 1)),
+       "'2' is in the checkpoint but not in the model"},
+      {torch::nn::Sequential(torch::nn::Linear(4, 3),
+                             torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(3).affine(true))),
+       ""},
+  };
+  for (auto& c : cases) {
+    auto target = model();
+    std::vector<torch::Tensor> before;
+    for (const auto& t : target->parameters()) before.push_back(t.clone());
+    for (const auto& t : target->buffers()) before.push_back(t.clone());
+    const auto what = load_error(*c.saved, *target);
+    if (*c.expect == 0) {  // the same model: loads every tensor
+      EXPECT_EQ(what, "(no CheckpointError)");
+      auto want = c.saved->parameters();
+      auto got = target->parameters();
+      for (size_t k = 0; k < got.size(); ++k) EXPECT_TRUE(torch::equal(got[k], want[k]));
+      continue;
+    }
+    EXPECT_NE(what.find(c.expect), std::string::npos) << what;
+    size_t i = 0;
+    for (const auto& t : target->parameters()) EXPECT_TRUE(torch::equal(t, before[i++])) << what;
+    for (const auto& t : target->buffers()) EXPECT_TRUE(torch::equal(t, before[i++])) << what;
+  }
 }
 
 TEST(CheckpointFile, RoundTripsAndDetectsDamage) {
