@@ -1,7 +1,9 @@
 #include "support/thread_ranks.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <exception>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -18,6 +20,21 @@ void run_ranks_shared(int size,
   // others are usually its echo (a peer closing its connections).
   std::atomic<int> failures{0};
   std::vector<int> failed_as(static_cast<size_t>(size), size);
+  // Every rank's connect() has returned (or one failed): a body that finishes
+  // at once and drops its communicator would otherwise close connections a
+  // slower peer is still setting up, which that peer reports as "connection
+  // closed by peer" instead of the body's own result.
+  std::mutex mu;
+  std::condition_variable cv;
+  int connected = 0;
+  bool connect_failed = false;
+  auto all_connected = [&](bool ok) {
+    std::unique_lock<std::mutex> lock(mu);
+    ++connected;
+    connect_failed |= !ok;
+    cv.notify_all();
+    cv.wait_for(lock, options.timeout, [&] { return connected == size || connect_failed; });
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
@@ -28,7 +45,13 @@ void run_ranks_shared(int size,
         ConnectOptions co = options;
         if (options.node_of) co.node = options.node_of(r);
         // Each rank its own view of the store, as separate processes would have.
-        comm = connect(std::make_shared<PrefixStore>("t", store), r, size, co);
+        try {
+          comm = connect(std::make_shared<PrefixStore>("t", store), r, size, co);
+        } catch (...) {
+          all_connected(false);
+          throw;
+        }
+        all_connected(true);
         fn(comm);
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
