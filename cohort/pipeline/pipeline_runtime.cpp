@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <cmath>
 #include <sstream>
 #include <tuple>
 
@@ -91,6 +92,8 @@ struct PipelineRuntime::State {
   Tensors micro_inputs_flat;
   std::vector<Tensors> micro_inputs, micro_targets;
   std::vector<double> losses;
+  int bad_loss_mb = -1;        // the first micro-batch whose loss cannot train, this step
+  int64_t bad_loss_numel = 1;  // and its loss's element count
   int rank = 0;
   int64_t recv_blocked_ns = 0;  // in wait() during the current action (traced runs)
 };
@@ -215,6 +218,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
   split_batch(inputs, targets);
   PipelineStepResult result;
   state_->losses.assign(schedule_.num_microbatches, 0.0);
+  state_->bad_loss_mb = -1;
   Tracer* const tracer = active(group_->tracer());
   TraceSpan span(tracer, "pipeline step", "pipeline.step");
   if (tracer) {
@@ -306,9 +310,16 @@ void PipelineRuntime::forward(int stage, int mb) {
     return;
   }
   torch::Tensor loss = loss_fn_(out, st.micro_targets[mb]);
-  if (loss.numel() != 1)
-    throw InvalidArgument("PipelineRuntime: the loss function returned " +
-                          std::to_string(loss.numel()) + " elements, not a scalar");
+  if (loss.numel() != 1 || !loss.requires_grad()) {
+    // Refused on every rank at the step's end (finish_step), not here,
+    // where the other ranks wait for this micro-batch's gradients. Until
+    // then a zero without a graph stands in, so every stage's backward
+    // sends zeros and the schedule runs to its end.
+    if (st.bad_loss_mb < 0) st.bad_loss_mb = mb, st.bad_loss_numel = loss.numel();
+    st.losses[mb] = loss.numel() == 1 ? loss.item<double>() : std::nan("");
+    slot.outputs = {torch::zeros({})};
+    return;
+  }
   st.losses[mb] = loss.item<double>();
   // The gradient convention (file comment): d(loss / m).
   slot.outputs = {loss.reshape({}) / schedule_.num_microbatches};
@@ -573,15 +584,40 @@ void PipelineRuntime::finish_step(PipelineStepResult& result) {
   for (auto& [work, tensor] : st.sends) work.wait();
   st.sends.clear();
   st.slots.clear();
-  // Per-micro-batch losses from the last stage's rank to every rank.
-  torch::Tensor losses = torch::tensor(st.losses, torch::kFloat64);
+  // Per-micro-batch losses from the last stage's rank to every rank, then
+  // the first micro-batch whose loss was refused (-1: none) and its size.
+  std::vector<double> message = st.losses;
+  message.push_back(st.bad_loss_mb);
+  message.push_back(static_cast<double>(st.bad_loss_numel));
+  torch::Tensor losses = torch::tensor(message, torch::kFloat64);
   BroadcastOptions opts;
   opts.root = schedule_.stage_to_rank.back();
   group_->broadcast(losses, opts).wait();
-  result.losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + losses.numel());
+  const double* got = losses.data_ptr<double>();
+  const int m = schedule_.num_microbatches;
+  if (got[m] >= 0) throw InvalidArgument(loss_error(static_cast<int>(got[m]), got[m + 1]));
+  result.losses.assign(got, got + m);
   double sum = 0;
   for (double l : result.losses) sum += l;
   result.loss = sum / result.losses.size();
+}
+
+// The same text on every rank but for the rank's own number.
+std::string PipelineRuntime::loss_error(int mb, double numel) const {
+  const int last = schedule_.num_stages - 1;
+  const std::string where = "stage " + std::to_string(last) + " micro-batch " + std::to_string(mb) +
+                            " (on rank " + std::to_string(schedule_.stage_to_rank.back()) + ")";
+  std::ostringstream os;
+  os << "PipelineRuntime on rank " << state_->rank << " of group " << group_->name() << ": ";
+  if (numel != 1) {
+    os << "the loss function returned " << static_cast<int64_t>(numel) << " elements for " << where
+       << ", not a scalar";
+  } else {
+    os << "the loss of " << where
+       << " does not require grad (computed under NoGradGuard, or from detached outputs?): the "
+          "step would train nothing";
+  }
+  return os.str();
 }
 
 void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group) {

@@ -79,7 +79,11 @@ class PipelineRuntime {
   /// Runs one step. `inputs` (the whole batch, split along dim 0 into m
   /// micro-batches) matter on the rank holding stage 0, `targets` on the
   /// rank holding the last stage; other ranks may pass {}. Adds gradients
-  /// to the stages' parameters (see the file comment).
+  /// to the stages' parameters (see the file comment). A loss that is not a
+  /// scalar or does not require grad is an InvalidArgument on every rank at
+  /// the step's end, naming the last stage, its rank and the first such
+  /// micro-batch (the other micro-batches' gradients were added: zero the
+  /// gradients before the next step).
   PipelineStepResult step(const Tensors& inputs, const Tensors& targets);
 
   /// The stages this rank holds.
@@ -96,6 +100,7 @@ class PipelineRuntime {
  private:
   struct State;
   void check_local(const std::string& who) const;
+  std::string loss_error(int microbatch, double numel) const;
   void split_batch(const Tensors& inputs, const Tensors& targets);
   void run_action(const Action& action, PipelineStepResult& result);
   void forward(int stage, int mb);
