@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <sstream>
@@ -21,6 +22,14 @@ constexpr int kMetaMicrobatch = 0xFFFF;
 // 1 + ((b * 2 + dir) << 16) + micro-batch; dir 0 forward, 1 backward.
 int message_tag(int boundary, int dir, int microbatch) {
   return 1 + ((boundary * 2 + dir) << 16) + microbatch;
+}
+
+// FNV-1a over the stage-to-rank map: the construction exchange compares
+// maps by this, and only when they differ sends them whole to name them.
+int64_t map_hash(const std::vector<int>& map) {
+  uint64_t h = 1469598103934665603ull;
+  for (int r : map) h = (h ^ static_cast<uint64_t>(static_cast<uint32_t>(r))) * 1099511628211ull;
+  return static_cast<int64_t>(h);
 }
 
 std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
@@ -124,6 +133,72 @@ void PipelineRuntime::check_local(const std::string& who) const {
   }
 }
 
+// Every rank joins this exchange, even one whose local checks failed, so
+// that one rank's bad input or a disagreement is an error on every rank and
+// never leaves the others waiting.
+void PipelineRuntime::check_agreement(const std::string& who, const std::string& local_error) {
+  constexpr int kFields = 5;  // stages, micro-batches, local stages, ok, map hash
+  std::vector<int64_t> mine{schedule_.num_stages, schedule_.num_microbatches,
+                            static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0,
+                            map_hash(schedule_.stage_to_rank)};
+  torch::Tensor all = torch::empty({group_->size() * kFields}, torch::kInt64);
+  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
+  if (!local_error.empty()) throw InvalidArgument(local_error);
+  auto a = all.accessor<int64_t, 1>();
+  int64_t total_local = 0;
+  std::ostringstream seen;
+  bool agree = true, same_map = true;
+  for (int r = 0; r < group_->size(); ++r) {
+    const int64_t* f = &a[kFields * r];
+    if (f[3] == 0)
+      throw InvalidArgument(who + "rank " + std::to_string(r) +
+                            " refused the pipeline (see its error)");
+    seen << (r ? ", " : "") << "rank " << r << ": " << f[0] << " stages, " << f[1]
+         << " micro-batches";
+    agree = agree && f[0] == mine[0] && f[1] == mine[1];
+    same_map = same_map && f[4] == mine[4];
+    total_local += f[2];
+  }
+  if (!agree) throw InvalidArgument(who + "ranks disagree on the pipeline (" + seen.str() + ")");
+  // Every rank saw the same hashes, so all of them take this branch or none.
+  if (!same_map) throw InvalidArgument(who + describe_maps());
+  if (total_local != schedule_.num_stages)
+    throw InvalidArgument(who + "ranks hold " + std::to_string(total_local) +
+                          " stages together, the schedule has " +
+                          std::to_string(schedule_.num_stages));
+}
+
+// Collective: every rank's stage-to-rank map (the ranks agree on the number
+// of stages), grouped by map, the first 64 entries of each.
+std::string PipelineRuntime::describe_maps() const {
+  const int n = schedule_.num_stages;
+  const std::vector<int64_t> mine(schedule_.stage_to_rank.begin(), schedule_.stage_to_rank.end());
+  torch::Tensor all = torch::empty({group_->size() * n}, torch::kInt64);
+  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
+  std::vector<std::pair<torch::Tensor, std::vector<int>>> maps;  // by first rank
+  for (int r = 0; r < group_->size(); ++r) {
+    torch::Tensor map = all.narrow(0, int64_t{r} * n, n);
+    auto it = std::find_if(maps.begin(), maps.end(),
+                           [&](const auto& m) { return torch::equal(m.first, map); });
+    if (it == maps.end()) it = maps.insert(maps.end(), {map, {}});
+    it->second.push_back(r);
+  }
+  constexpr int kShown = 64;
+  std::ostringstream os;
+  os << "ranks disagree on the stage-to-rank map (";
+  for (size_t k = 0; k < maps.size(); ++k) {
+    const auto& [map, ranks] = maps[k];
+    os << (k ? "; " : "") << (ranks.size() == 1 ? "rank " : "ranks ");
+    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+    os << ": [";
+    for (int s = 0; s < std::min(n, kShown); ++s) os << (s ? ", " : "") << map[s].item<int64_t>();
+    os << (n > kShown ? ", ...]" : "]");
+  }
+  os << ")";
+  if (n > kShown) os << " (" << n << " stages, the first " << kShown << " shown)";
+  return os.str();
+}
+
 PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
                                  std::vector<PipelineStage> stages, PipelineSchedule schedule,
                                  PipelineLossFn loss_fn, PipelineOptions options)
@@ -137,37 +212,13 @@ PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
   const int rank = group_->rank();
   const std::string who =
       "PipelineRuntime on rank " + std::to_string(rank) + " of group " + group_->name() + ": ";
-  // Local checks first, but every rank joins the exchange below before any
-  // throws, so that one rank's bad input never leaves the others waiting.
   std::string local_error;
   try {
     check_local(who);
   } catch (const Error& e) {
     local_error = e.what();
   }
-  std::vector<int64_t> mine{schedule_.num_stages, schedule_.num_microbatches,
-                            static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0};
-  torch::Tensor all = torch::empty({group_->size() * 4}, torch::kInt64);
-  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
-  if (!local_error.empty()) throw InvalidArgument(local_error);
-  auto a = all.accessor<int64_t, 1>();
-  int64_t total_local = 0;
-  std::ostringstream seen;
-  bool agree = true;
-  for (int r = 0; r < group_->size(); ++r) {
-    if (a[4 * r + 3] == 0)
-      throw InvalidArgument(who + "rank " + std::to_string(r) +
-                            " refused the pipeline (see its error)");
-    seen << (r ? ", " : "") << "rank " << r << ": " << a[4 * r] << " stages, " << a[4 * r + 1]
-         << " micro-batches";
-    agree = agree && a[4 * r] == mine[0] && a[4 * r + 1] == mine[1];
-    total_local += a[4 * r + 2];
-  }
-  if (!agree) throw InvalidArgument(who + "ranks disagree on the pipeline (" + seen.str() + ")");
-  if (total_local != schedule_.num_stages)
-    throw InvalidArgument(who + "ranks hold " + std::to_string(total_local) +
-                          " stages together, the schedule has " +
-                          std::to_string(schedule_.num_stages));
+  check_agreement(who, local_error);
   bool has_comm = false;
   for (const auto& list : schedule_.actions)
     for (const auto& act : list) has_comm = has_comm || !is_compute(act.type);

@@ -70,8 +70,9 @@ class PipelineRuntime {
   /// Collective over `pp_group` (each rank passes its own stages, ascending
   /// by index, exactly the ones the schedule maps to it). Validates the
   /// schedule (ScheduleError) and checks that ranks agree on the number of
-  /// stages and micro-batches. A schedule without communication actions
-  /// gets them from add_communication.
+  /// stages and micro-batches and on the stage-to-rank map (each an error on
+  /// every rank). A schedule without communication actions gets them from
+  /// add_communication.
   PipelineRuntime(std::shared_ptr<Communicator> pp_group, std::vector<PipelineStage> stages,
                   PipelineSchedule schedule, PipelineLossFn loss_fn, PipelineOptions options = {});
   ~PipelineRuntime();
@@ -100,6 +101,8 @@ class PipelineRuntime {
  private:
   struct State;
   void check_local(const std::string& who) const;
+  void check_agreement(const std::string& who, const std::string& local_error);
+  std::string describe_maps() const;
   std::string loss_error(int microbatch, double numel) const;
   void split_batch(const Tensors& inputs, const Tensors& targets);
   void run_action(const Action& action, PipelineStepResult& result);

@@ -1,6 +1,7 @@
-// PipelineRuntime refusing what would not train: a loss outside autograd or
-// not a scalar. Each is an exception on every rank of the pipeline, named,
-// never a silent step or a timeout.
+// PipelineRuntime refusing what would not train or would not meet: a loss
+// outside autograd, ranks with different stage-to-rank maps. Each is an
+// exception on every rank of the pipeline, named, never a silent step or a
+// timeout.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -17,6 +18,48 @@ using cohort::testing::kNoError;
 
 bool has(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
+}
+
+// A function stage y = x * p with one scalar parameter p = 1, so that a
+// chain of any length has a closed-form loss and gradient.
+struct ScaleStage {
+  torch::Tensor p = torch::ones({}, torch::requires_grad());
+  PipelineStage stage(int index) const {
+    auto param = p;
+    return PipelineStage(index, [param](const Tensors& in) { return Tensors{in[0] * param}; },
+                         {param});
+  }
+};
+
+// A compute-only GPipe order on any stage-to-rank map: every forward by
+// micro-batch and ascending stage, then every backward by micro-batch and
+// descending stage (the runtime adds the transfers).
+PipelineSchedule gpipe_on(const std::vector<int>& map, int ranks, int m) {
+  PipelineSchedule s;
+  s.name = "GPipe on a map";
+  s.num_ranks = ranks;
+  s.num_stages = static_cast<int>(map.size());
+  s.num_microbatches = m;
+  s.stage_to_rank = map;
+  s.actions.resize(static_cast<size_t>(ranks));
+  for (int mb = 0; mb < m; ++mb)
+    for (int st = 0; st < s.num_stages; ++st)
+      s.actions[map[st]].push_back({st, ActionType::Forward, mb});
+  for (int mb = 0; mb < m; ++mb)
+    for (int st = s.num_stages - 1; st >= 0; --st)
+      s.actions[map[st]].push_back({st, ActionType::Backward, mb});
+  return s;
+}
+
+std::vector<PipelineStage> scale_stages(const PipelineSchedule& s, int rank,
+                                        std::vector<ScaleStage>& params) {
+  std::vector<PipelineStage> out;
+  for (int st : s.stages_of(rank)) out.push_back(params[static_cast<size_t>(st)].stage(st));
+  return out;
+}
+
+torch::Tensor mean_product(const Tensors& out, const Tensors& target) {
+  return (out[0] * target[0]).mean();
 }
 
 class LossWithoutGrad : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
@@ -76,6 +119,42 @@ TEST(LossNotAScalar, IsAnErrorOnEveryRank) {
     }
   }
 }
+
+class StageMapDisagreement : public ::testing::TestWithParam<int> {};
+
+// The last rank places two stages per rank in blocks, the others
+// interleaved (stage s on rank s % pp): each rank holds what its own map
+// says and the stage counts add up, so only the maps differ.
+TEST_P(StageMapDisagreement, IsNamedAtConstruction) {
+  const int pp = GetParam();
+  const int m = pp;
+  std::vector<int> blocks;
+  for (int r = 0; r < pp; ++r) blocks.insert(blocks.end(), {r, r});
+  auto errors = errors_on_every_rank(pp, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    auto s = r == pp - 1 ? gpipe_on(blocks, pp, m) : ScheduleInterleaved1F1B(pp, 2, m);
+    std::vector<ScaleStage> params(2 * static_cast<size_t>(pp));
+    PipelineRuntime rt(comm, scale_stages(s, r, params), s, mean_product);
+    rt.step({torch::ones({m, 1})}, {torch::ones({m, 1})});
+  });
+  auto text = [](const std::vector<int>& v) {
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+    return out + "]";
+  };
+  std::string others = pp == 2 ? "rank 0" : "ranks 0";
+  for (int r = 1; r < pp - 1; ++r) others += ", " + std::to_string(r);
+  const std::string expected = others + ": " + text(loop_stage_to_rank(pp, 2)) + "; rank " +
+                               std::to_string(pp - 1) + ": " + text(blocks);
+  for (int r = 0; r < pp; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_TRUE(has(e, "rank " + std::to_string(r) + " of group")) << e;
+    EXPECT_TRUE(has(e, "ranks disagree on the stage-to-rank map (" + expected + ")")) << e;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, StageMapDisagreement, ::testing::Values(2, 3),
+                         [](const auto& info) { return "pp" + std::to_string(info.param); });
 
 }  // namespace
 }  // namespace cohort::pipeline
