@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <tuple>
 
@@ -19,10 +20,21 @@ constexpr int kMetaSlots = 64;  // int64s in a boundary's shape message
 constexpr int kMetaMicrobatch = 0xFFFF;
 
 // Messages across boundary b (stage b -> b + 1) carry tag
-// 1 + ((b * 2 + dir) << 16) + micro-batch; dir 0 forward, 1 backward.
+// 1 + ((b * 2 + dir) << 16) + micro-batch; dir 0 forward, 1 backward. Each
+// (boundary, direction) owns a block of 2^16 tags (micro-batches below
+// kMetaMicrobatch, the shape message at it). The blocks of kMaxStages stages
+// end below 2^31; with more, a tag would wrap below zero or into another
+// block, so check_local refuses them.
 int message_tag(int boundary, int dir, int microbatch) {
-  return 1 + ((boundary * 2 + dir) << 16) + microbatch;
+  const int64_t tag = 1 + ((int64_t{boundary} * 2 + dir) << 16) + microbatch;
+  COHORT_CHECK(tag <= std::numeric_limits<int>::max(), "pipeline message tag " << tag);
+  return static_cast<int>(tag);
 }
+constexpr int64_t block_end(int stages) { return (int64_t{stages - 2} * 2 + 2) << 16; }
+static_assert(block_end(PipelineRuntime::kMaxStages) <= std::numeric_limits<int>::max(),
+              "the last boundary's tags fit in an int");
+static_assert(block_end(PipelineRuntime::kMaxStages + 1) > std::numeric_limits<int>::max(),
+              "kMaxStages is the most stages whose tags fit");
 
 // FNV-1a over the stage-to-rank map: the construction exchange compares
 // maps by this, and only when they differ sends them whole to name them.
@@ -113,7 +125,13 @@ void PipelineRuntime::check_local(const std::string& who) const {
   if (schedule_.num_microbatches <= 0)
     throw InvalidArgument(who + "zero micro-batches (schedule " + schedule_.name + ")");
   if (schedule_.num_microbatches > kMetaMicrobatch)
-    throw InvalidArgument(who + "at most 65534 micro-batches");
+    throw InvalidArgument(who + "schedule " + schedule_.name + " has " +
+                          std::to_string(schedule_.num_microbatches) +
+                          " micro-batches, more than the 65535 a message tag can number");
+  if (schedule_.num_stages > kMaxStages)
+    throw InvalidArgument(who + "schedule " + schedule_.name + " has " +
+                          std::to_string(schedule_.num_stages) + " stages, more than the " +
+                          std::to_string(kMaxStages) + " whose message tags fit in an int");
   if (schedule_.num_ranks != group_->size())
     throw InvalidArgument(who + "schedule " + schedule_.name + " is for " +
                           std::to_string(schedule_.num_ranks) + " ranks, the group has " +

@@ -67,11 +67,16 @@ struct PipelineStepResult {
 /// One rank's pipeline: its stages, the schedule, the pipeline group.
 class PipelineRuntime {
  public:
+  /// The most stages a schedule may have: message tags are ints, and each
+  /// boundary's two directions own 2^16 of them.
+  static constexpr int kMaxStages = 16384;
+
   /// Collective over `pp_group` (each rank passes its own stages, ascending
   /// by index, exactly the ones the schedule maps to it). Validates the
-  /// schedule (ScheduleError) and checks that ranks agree on the number of
-  /// stages and micro-batches and on the stage-to-rank map (each an error on
-  /// every rank). A schedule without communication actions gets them from
+  /// schedule (ScheduleError), refuses more than kMaxStages stages or 65535
+  /// micro-batches, and checks that ranks agree on the number of stages and
+  /// micro-batches and on the stage-to-rank map (each an error on every
+  /// rank). A schedule without communication actions gets them from
   /// add_communication.
   PipelineRuntime(std::shared_ptr<Communicator> pp_group, std::vector<PipelineStage> stages,
                   PipelineSchedule schedule, PipelineLossFn loss_fn, PipelineOptions options = {});

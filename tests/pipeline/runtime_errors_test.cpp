@@ -1,7 +1,7 @@
 // PipelineRuntime refusing what would not train or would not meet: a loss
-// outside autograd, ranks with different stage-to-rank maps. Each is an
-// exception on every rank of the pipeline, named, never a silent step or a
-// timeout.
+// outside autograd, ranks with different stage-to-rank maps, more stages than
+// the message tags can tell apart. Each is an exception on every rank of the
+// pipeline, named, never a silent step, a timeout or crossed messages.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -155,6 +155,62 @@ TEST_P(StageMapDisagreement, IsNamedAtConstruction) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, StageMapDisagreement, ::testing::Values(2, 3),
                          [](const auto& info) { return "pp" + std::to_string(info.param); });
+
+// A tag is 1 + (2 * boundary + direction) * 2^16 + micro-batch and must stay
+// below 2^31, a block of 2^16 per (boundary, direction): with S stages the
+// last block is 2 * (S - 2) + 1, whose end (its index + 1) * 2^16 stays below
+// 2^31 for S <= 16384.
+constexpr int kMaxStages = 16384;
+
+// Every stage but the last on rank 0: the one boundary that crosses ranks is
+// the last, whose messages carry the largest tags.
+std::vector<int> all_but_last_on_rank0(int stages, int ranks) {
+  std::vector<int> map(static_cast<size_t>(stages), 0);
+  if (ranks > 1) map.back() = 1;
+  return map;
+}
+
+// One more stage than the tags allow is refused on every rank, pipelines
+// of one rank included (the limit does not depend on the placement).
+TEST(StageCount, BeyondTheTagRangeIsRefused) {
+  EXPECT_EQ(PipelineRuntime::kMaxStages, kMaxStages);
+  const int stages = kMaxStages + 1;
+  for (int ranks : {1, 2}) {
+    auto errors = errors_on_every_rank(ranks, [&](std::shared_ptr<Communicator> comm) {
+      auto s = gpipe_on(all_but_last_on_rank0(stages, ranks), ranks, 1);
+      std::vector<ScaleStage> params(static_cast<size_t>(stages));
+      PipelineRuntime rt(comm, scale_stages(s, comm->rank(), params), s, mean_product);
+    });
+    for (int r = 0; r < ranks; ++r) {
+      const auto& e = errors[static_cast<size_t>(r)];
+      EXPECT_TRUE(has(e, "rank " + std::to_string(r) + " of group")) << e;
+      EXPECT_TRUE(has(e, "16385 stages, more than the 16384 whose message tags fit")) << e;
+    }
+  }
+}
+
+// At the limit the last boundary's messages (the largest tags) arrive where
+// they belong: with every p = 1 the output is x, so the loss is
+// mean(x * t) and each p's gradient is that same mean.
+TEST(StageCount, TheLargestStageCountRuns) {
+  const int stages = kMaxStages, m = 2;
+  const auto x = torch::arange(1.0, 5.0).reshape({4, 1}), t = torch::full({4, 1}, 0.5);
+  const double expected = (x * t).mean().item<double>();  // 1.25
+  auto errors = errors_on_every_rank(2, [&](std::shared_ptr<Communicator> comm) {
+    auto s = gpipe_on(all_but_last_on_rank0(stages, 2), 2, m);
+    std::vector<ScaleStage> params(static_cast<size_t>(stages));
+    const int r = comm->rank();
+    PipelineRuntime rt(comm, scale_stages(s, r, params), s, mean_product);
+    auto result = rt.step({x}, {t});
+    EXPECT_DOUBLE_EQ(result.loss, expected);
+    for (int st : s.stages_of(r)) {
+      const auto& g = params[static_cast<size_t>(st)].p.grad();
+      ASSERT_TRUE(g.defined()) << "stage " << st;
+      ASSERT_DOUBLE_EQ(g.item<double>(), expected) << "stage " << st;
+    }
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(2, kNoError));
+}
 
 }  // namespace
 }  // namespace cohort::pipeline
