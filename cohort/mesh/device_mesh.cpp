@@ -1,3 +1,6 @@
+// The shapes are compared first (one all-gather over the world): the checks
+// and group lists that follow are then the same on every rank, so a bad shape
+// is an error on every rank and never a split whose groups do not match.
 // The groups are built with Communicator::split, one call per dimension in a
 // fixed order (TP, DP, PP, embedding), so every rank creates them in the same
 // order, as split requires. The color of a group is the index of its list in
@@ -5,10 +8,19 @@
 #include "cohort/mesh/device_mesh.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "cohort/core/error.h"
 
 namespace cohort {
+
+int64_t MeshShape::world_size() const {
+  // Each factor is an int, so dp * pp fits in 64 bits; times tp may not.
+  int64_t product = 0;
+  if (__builtin_mul_overflow(int64_t{dp} * pp, int64_t{tp}, &product))
+    return std::numeric_limits<int64_t>::max();
+  return product;
+}
 
 std::string MeshShape::to_string() const {
   return "dp=" + std::to_string(dp) + " pp=" + std::to_string(pp) + " tp=" + std::to_string(tp);
@@ -99,18 +111,50 @@ std::shared_ptr<Communicator> join(Communicator& world, const std::vector<std::v
   return group;
 }
 
+// Throws on every rank when the ranks of `world` passed different shapes,
+// naming each group of ranks with its shape.
+void check_same_shape(Communicator& world, const MeshShape& shape, const std::string& who) {
+  if (world.size() == 1) return;
+  std::vector<int64_t> mine{shape.dp, shape.pp, shape.tp};
+  torch::Tensor all = torch::empty({world.size() * 3}, torch::kInt64);
+  world.all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
+  auto a = all.accessor<int64_t, 1>();
+  std::vector<std::pair<MeshShape, std::vector<int>>> seen;  // shape, ranks, by first rank
+  for (int r = 0; r < world.size(); ++r) {
+    const MeshShape s{static_cast<int>(a[3 * r]), static_cast<int>(a[3 * r + 1]),
+                      static_cast<int>(a[3 * r + 2])};
+    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) {
+      return e.first.dp == s.dp && e.first.pp == s.pp && e.first.tp == s.tp;
+    });
+    if (it == seen.end()) it = seen.insert(seen.end(), {s, {}});
+    it->second.push_back(r);
+  }
+  if (seen.size() == 1) return;
+  std::string text;
+  for (const auto& [s, ranks] : seen) {
+    text += text.empty() ? "" : "; ";
+    text += ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+    text += ": " + s.to_string();
+  }
+  throw InvalidArgument(who + "ranks disagree on the mesh shape (" + text + ")");
+}
+
 }  // namespace
 
 DeviceMesh::DeviceMesh(std::shared_ptr<Communicator> world, MeshShape shape)
     : world_(std::move(world)), shape_(shape) {
   if (!world_) throw InvalidArgument("cohort: DeviceMesh: the world communicator is null");
+  const std::string who = "cohort: DeviceMesh (rank " + std::to_string(world_->rank()) + "): ";
+  check_same_shape(*world_, shape, who);
   if (shape.dp < 1 || shape.pp < 1 || shape.tp < 1) {
-    throw InvalidArgument("cohort: DeviceMesh (rank " + std::to_string(world_->rank()) +
-                          "): every size must be at least 1, got " + shape.to_string());
+    throw InvalidArgument(who + "every size must be at least 1, got " + shape.to_string());
   }
-  if (shape.world_size() != world_->size()) {
-    throw InvalidArgument("cohort: DeviceMesh (rank " + std::to_string(world_->rank()) + "): " +
-                          shape.to_string() + " needs " + std::to_string(shape.world_size()) +
+  const int64_t needed = shape.world_size();
+  if (needed != world_->size()) {
+    const bool saturated = needed == std::numeric_limits<int64_t>::max();
+    throw InvalidArgument(who + shape.to_string() + " needs " +
+                          (saturated ? "2^63 or more" : std::to_string(needed)) +
                           " ranks, the world has " + std::to_string(world_->size()));
   }
   coord_ = coord_of(shape_, world_->rank());

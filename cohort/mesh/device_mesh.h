@@ -13,6 +13,7 @@
 //   mesh.tp_group()->all_reduce(partial);
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,8 +28,9 @@ struct MeshShape {
   int pp = 1;  ///< pipeline parallel size: stages of one replica
   int tp = 1;  ///< tensor parallel size: shards of each layer
 
-  /// dp * pp * tp.
-  int world_size() const { return dp * pp * tp; }
+  /// dp * pp * tp, in 64 bits (a product of three ints can pass 2^31 and
+  /// even 2^63: beyond INT64_MAX it saturates there).
+  int64_t world_size() const;
   /// "dp=2 pp=1 tp=2", for messages.
   std::string to_string() const;
 };
@@ -41,11 +43,13 @@ struct MeshCoord {
 };
 
 /// The ranks of the mesh and this rank's group communicators. Built
-/// collectively: every rank of `world` constructs it with the same shape.
+/// collectively: every rank of `world` constructs it with the same shape
+/// (checked: one all-gather of the shapes before the groups are built).
 class DeviceMesh {
  public:
   /// Splits `world` into the TP, PP, DP and embedding groups. Throws
-  /// InvalidArgument when a size is below 1 or the product is not the world
+  /// InvalidArgument on every rank when the ranks passed different shapes
+  /// (naming each rank's), a size is below 1 or the product is not the world
   /// size.
   DeviceMesh(std::shared_ptr<Communicator> world, MeshShape shape);
 

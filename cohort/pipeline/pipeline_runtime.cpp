@@ -2,7 +2,10 @@
 
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <sstream>
 #include <tuple>
 
@@ -17,9 +20,28 @@ constexpr int kMetaSlots = 64;  // int64s in a boundary's shape message
 constexpr int kMetaMicrobatch = 0xFFFF;
 
 // Messages across boundary b (stage b -> b + 1) carry tag
-// 1 + ((b * 2 + dir) << 16) + micro-batch; dir 0 forward, 1 backward.
+// 1 + ((b * 2 + dir) << 16) + micro-batch; dir 0 forward, 1 backward. Each
+// (boundary, direction) owns a block of 2^16 tags (micro-batches below
+// kMetaMicrobatch, the shape message at it). The blocks of kMaxStages stages
+// end below 2^31; with more, a tag would wrap below zero or into another
+// block, so check_local refuses them.
 int message_tag(int boundary, int dir, int microbatch) {
-  return 1 + ((boundary * 2 + dir) << 16) + microbatch;
+  const int64_t tag = 1 + ((int64_t{boundary} * 2 + dir) << 16) + microbatch;
+  COHORT_CHECK(tag <= std::numeric_limits<int>::max(), "pipeline message tag " << tag);
+  return static_cast<int>(tag);
+}
+constexpr int64_t block_end(int stages) { return (int64_t{stages - 2} * 2 + 2) << 16; }
+static_assert(block_end(PipelineRuntime::kMaxStages) <= std::numeric_limits<int>::max(),
+              "the last boundary's tags fit in an int");
+static_assert(block_end(PipelineRuntime::kMaxStages + 1) > std::numeric_limits<int>::max(),
+              "kMaxStages is the most stages whose tags fit");
+
+// FNV-1a over the stage-to-rank map: the construction exchange compares
+// maps by this, and only when they differ sends them whole to name them.
+int64_t map_hash(const std::vector<int>& map) {
+  uint64_t h = 1469598103934665603ull;
+  for (int r : map) h = (h ^ static_cast<uint64_t>(static_cast<uint32_t>(r))) * 1099511628211ull;
+  return static_cast<int64_t>(h);
 }
 
 std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
@@ -91,6 +113,8 @@ struct PipelineRuntime::State {
   Tensors micro_inputs_flat;
   std::vector<Tensors> micro_inputs, micro_targets;
   std::vector<double> losses;
+  int bad_loss_mb = -1;        // the first micro-batch whose loss cannot train, this step
+  int64_t bad_loss_numel = 1;  // and its loss's element count
   int rank = 0;
   int64_t recv_blocked_ns = 0;  // in wait() during the current action (traced runs)
 };
@@ -101,7 +125,13 @@ void PipelineRuntime::check_local(const std::string& who) const {
   if (schedule_.num_microbatches <= 0)
     throw InvalidArgument(who + "zero micro-batches (schedule " + schedule_.name + ")");
   if (schedule_.num_microbatches > kMetaMicrobatch)
-    throw InvalidArgument(who + "at most 65534 micro-batches");
+    throw InvalidArgument(who + "schedule " + schedule_.name + " has " +
+                          std::to_string(schedule_.num_microbatches) +
+                          " micro-batches, more than the 65535 a message tag can number");
+  if (schedule_.num_stages > kMaxStages)
+    throw InvalidArgument(who + "schedule " + schedule_.name + " has " +
+                          std::to_string(schedule_.num_stages) + " stages, more than the " +
+                          std::to_string(kMaxStages) + " whose message tags fit in an int");
   if (schedule_.num_ranks != group_->size())
     throw InvalidArgument(who + "schedule " + schedule_.name + " is for " +
                           std::to_string(schedule_.num_ranks) + " ranks, the group has " +
@@ -121,6 +151,72 @@ void PipelineRuntime::check_local(const std::string& who) const {
   }
 }
 
+// Every rank joins this exchange, even one whose local checks failed, so
+// that one rank's bad input or a disagreement is an error on every rank and
+// never leaves the others waiting.
+void PipelineRuntime::check_agreement(const std::string& who, const std::string& local_error) {
+  constexpr int kFields = 5;  // stages, micro-batches, local stages, ok, map hash
+  std::vector<int64_t> mine{schedule_.num_stages, schedule_.num_microbatches,
+                            static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0,
+                            map_hash(schedule_.stage_to_rank)};
+  torch::Tensor all = torch::empty({group_->size() * kFields}, torch::kInt64);
+  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
+  if (!local_error.empty()) throw InvalidArgument(local_error);
+  auto a = all.accessor<int64_t, 1>();
+  int64_t total_local = 0;
+  std::ostringstream seen;
+  bool agree = true, same_map = true;
+  for (int r = 0; r < group_->size(); ++r) {
+    const int64_t* f = &a[kFields * r];
+    if (f[3] == 0)
+      throw InvalidArgument(who + "rank " + std::to_string(r) +
+                            " refused the pipeline (see its error)");
+    seen << (r ? ", " : "") << "rank " << r << ": " << f[0] << " stages, " << f[1]
+         << " micro-batches";
+    agree = agree && f[0] == mine[0] && f[1] == mine[1];
+    same_map = same_map && f[4] == mine[4];
+    total_local += f[2];
+  }
+  if (!agree) throw InvalidArgument(who + "ranks disagree on the pipeline (" + seen.str() + ")");
+  // Every rank saw the same hashes, so all of them take this branch or none.
+  if (!same_map) throw InvalidArgument(who + describe_maps());
+  if (total_local != schedule_.num_stages)
+    throw InvalidArgument(who + "ranks hold " + std::to_string(total_local) +
+                          " stages together, the schedule has " +
+                          std::to_string(schedule_.num_stages));
+}
+
+// Collective: every rank's stage-to-rank map (the ranks agree on the number
+// of stages), grouped by map, the first 64 entries of each.
+std::string PipelineRuntime::describe_maps() const {
+  const int n = schedule_.num_stages;
+  const std::vector<int64_t> mine(schedule_.stage_to_rank.begin(), schedule_.stage_to_rank.end());
+  torch::Tensor all = torch::empty({group_->size() * n}, torch::kInt64);
+  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
+  std::vector<std::pair<torch::Tensor, std::vector<int>>> maps;  // by first rank
+  for (int r = 0; r < group_->size(); ++r) {
+    torch::Tensor map = all.narrow(0, int64_t{r} * n, n);
+    auto it = std::find_if(maps.begin(), maps.end(),
+                           [&](const auto& m) { return torch::equal(m.first, map); });
+    if (it == maps.end()) it = maps.insert(maps.end(), {map, {}});
+    it->second.push_back(r);
+  }
+  constexpr int kShown = 64;
+  std::ostringstream os;
+  os << "ranks disagree on the stage-to-rank map (";
+  for (size_t k = 0; k < maps.size(); ++k) {
+    const auto& [map, ranks] = maps[k];
+    os << (k ? "; " : "") << (ranks.size() == 1 ? "rank " : "ranks ");
+    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+    os << ": [";
+    for (int s = 0; s < std::min(n, kShown); ++s) os << (s ? ", " : "") << map[s].item<int64_t>();
+    os << (n > kShown ? ", ...]" : "]");
+  }
+  os << ")";
+  if (n > kShown) os << " (" << n << " stages, the first " << kShown << " shown)";
+  return os.str();
+}
+
 PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
                                  std::vector<PipelineStage> stages, PipelineSchedule schedule,
                                  PipelineLossFn loss_fn, PipelineOptions options)
@@ -134,37 +230,13 @@ PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
   const int rank = group_->rank();
   const std::string who =
       "PipelineRuntime on rank " + std::to_string(rank) + " of group " + group_->name() + ": ";
-  // Local checks first, but every rank joins the exchange below before any
-  // throws, so that one rank's bad input never leaves the others waiting.
   std::string local_error;
   try {
     check_local(who);
   } catch (const Error& e) {
     local_error = e.what();
   }
-  std::vector<int64_t> mine{schedule_.num_stages, schedule_.num_microbatches,
-                            static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0};
-  torch::Tensor all = torch::empty({group_->size() * 4}, torch::kInt64);
-  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
-  if (!local_error.empty()) throw InvalidArgument(local_error);
-  auto a = all.accessor<int64_t, 1>();
-  int64_t total_local = 0;
-  std::ostringstream seen;
-  bool agree = true;
-  for (int r = 0; r < group_->size(); ++r) {
-    if (a[4 * r + 3] == 0)
-      throw InvalidArgument(who + "rank " + std::to_string(r) +
-                            " refused the pipeline (see its error)");
-    seen << (r ? ", " : "") << "rank " << r << ": " << a[4 * r] << " stages, " << a[4 * r + 1]
-         << " micro-batches";
-    agree = agree && a[4 * r] == mine[0] && a[4 * r + 1] == mine[1];
-    total_local += a[4 * r + 2];
-  }
-  if (!agree) throw InvalidArgument(who + "ranks disagree on the pipeline (" + seen.str() + ")");
-  if (total_local != schedule_.num_stages)
-    throw InvalidArgument(who + "ranks hold " + std::to_string(total_local) +
-                          " stages together, the schedule has " +
-                          std::to_string(schedule_.num_stages));
+  check_agreement(who, local_error);
   bool has_comm = false;
   for (const auto& list : schedule_.actions)
     for (const auto& act : list) has_comm = has_comm || !is_compute(act.type);
@@ -215,6 +287,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
   split_batch(inputs, targets);
   PipelineStepResult result;
   state_->losses.assign(schedule_.num_microbatches, 0.0);
+  state_->bad_loss_mb = -1;
   Tracer* const tracer = active(group_->tracer());
   TraceSpan span(tracer, "pipeline step", "pipeline.step");
   if (tracer) {
@@ -306,9 +379,16 @@ void PipelineRuntime::forward(int stage, int mb) {
     return;
   }
   torch::Tensor loss = loss_fn_(out, st.micro_targets[mb]);
-  if (loss.numel() != 1)
-    throw InvalidArgument("PipelineRuntime: the loss function returned " +
-                          std::to_string(loss.numel()) + " elements, not a scalar");
+  if (loss.numel() != 1 || !loss.requires_grad()) {
+    // Refused on every rank at the step's end (finish_step), not here,
+    // where the other ranks wait for this micro-batch's gradients. Until
+    // then a zero without a graph stands in, so every stage's backward
+    // sends zeros and the schedule runs to its end.
+    if (st.bad_loss_mb < 0) st.bad_loss_mb = mb, st.bad_loss_numel = loss.numel();
+    st.losses[mb] = loss.numel() == 1 ? loss.item<double>() : std::nan("");
+    slot.outputs = {torch::zeros({})};
+    return;
+  }
   st.losses[mb] = loss.item<double>();
   // The gradient convention (file comment): d(loss / m).
   slot.outputs = {loss.reshape({}) / schedule_.num_microbatches};
@@ -573,15 +653,40 @@ void PipelineRuntime::finish_step(PipelineStepResult& result) {
   for (auto& [work, tensor] : st.sends) work.wait();
   st.sends.clear();
   st.slots.clear();
-  // Per-micro-batch losses from the last stage's rank to every rank.
-  torch::Tensor losses = torch::tensor(st.losses, torch::kFloat64);
+  // Per-micro-batch losses from the last stage's rank to every rank, then
+  // the first micro-batch whose loss was refused (-1: none) and its size.
+  std::vector<double> message = st.losses;
+  message.push_back(st.bad_loss_mb);
+  message.push_back(static_cast<double>(st.bad_loss_numel));
+  torch::Tensor losses = torch::tensor(message, torch::kFloat64);
   BroadcastOptions opts;
   opts.root = schedule_.stage_to_rank.back();
   group_->broadcast(losses, opts).wait();
-  result.losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + losses.numel());
+  const double* got = losses.data_ptr<double>();
+  const int m = schedule_.num_microbatches;
+  if (got[m] >= 0) throw InvalidArgument(loss_error(static_cast<int>(got[m]), got[m + 1]));
+  result.losses.assign(got, got + m);
   double sum = 0;
   for (double l : result.losses) sum += l;
   result.loss = sum / result.losses.size();
+}
+
+// The same text on every rank but for the rank's own number.
+std::string PipelineRuntime::loss_error(int mb, double numel) const {
+  const int last = schedule_.num_stages - 1;
+  const std::string where = "stage " + std::to_string(last) + " micro-batch " + std::to_string(mb) +
+                            " (on rank " + std::to_string(schedule_.stage_to_rank.back()) + ")";
+  std::ostringstream os;
+  os << "PipelineRuntime on rank " << state_->rank << " of group " << group_->name() << ": ";
+  if (numel != 1) {
+    os << "the loss function returned " << static_cast<int64_t>(numel) << " elements for " << where
+       << ", not a scalar";
+  } else {
+    os << "the loss of " << where
+       << " does not require grad (computed under NoGradGuard, or from detached outputs?): the "
+          "step would train nothing";
+  }
+  return os.str();
 }
 
 void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group) {

@@ -67,11 +67,17 @@ struct PipelineStepResult {
 /// One rank's pipeline: its stages, the schedule, the pipeline group.
 class PipelineRuntime {
  public:
+  /// The most stages a schedule may have: message tags are ints, and each
+  /// boundary's two directions own 2^16 of them.
+  static constexpr int kMaxStages = 16384;
+
   /// Collective over `pp_group` (each rank passes its own stages, ascending
   /// by index, exactly the ones the schedule maps to it). Validates the
-  /// schedule (ScheduleError) and checks that ranks agree on the number of
-  /// stages and micro-batches. A schedule without communication actions
-  /// gets them from add_communication.
+  /// schedule (ScheduleError), refuses more than kMaxStages stages or 65535
+  /// micro-batches, and checks that ranks agree on the number of stages and
+  /// micro-batches and on the stage-to-rank map (each an error on every
+  /// rank). A schedule without communication actions gets them from
+  /// add_communication.
   PipelineRuntime(std::shared_ptr<Communicator> pp_group, std::vector<PipelineStage> stages,
                   PipelineSchedule schedule, PipelineLossFn loss_fn, PipelineOptions options = {});
   ~PipelineRuntime();
@@ -79,7 +85,11 @@ class PipelineRuntime {
   /// Runs one step. `inputs` (the whole batch, split along dim 0 into m
   /// micro-batches) matter on the rank holding stage 0, `targets` on the
   /// rank holding the last stage; other ranks may pass {}. Adds gradients
-  /// to the stages' parameters (see the file comment).
+  /// to the stages' parameters (see the file comment). A loss that is not a
+  /// scalar or does not require grad is an InvalidArgument on every rank at
+  /// the step's end, naming the last stage, its rank and the first such
+  /// micro-batch (the other micro-batches' gradients were added: zero the
+  /// gradients before the next step).
   PipelineStepResult step(const Tensors& inputs, const Tensors& targets);
 
   /// The stages this rank holds.
@@ -96,6 +106,9 @@ class PipelineRuntime {
  private:
   struct State;
   void check_local(const std::string& who) const;
+  void check_agreement(const std::string& who, const std::string& local_error);
+  std::string describe_maps() const;
+  std::string loss_error(int microbatch, double numel) const;
   void split_batch(const Tensors& inputs, const Tensors& targets);
   void run_action(const Action& action, PipelineStepResult& result);
   void forward(int stage, int mb);

@@ -4,7 +4,7 @@
 // where m, z_target (held by one rank, zero elsewhere) and the sum of
 // exponentials are each one all-reduce of one value per token. The gradient
 // softmax(z) - onehot(target) needs only local columns, so backward sends
-// nothing.
+// nothing. A target equal to ignore_index has loss 0 and a zero gradient row.
 #include <torch/autograd.h>
 
 #include "cohort/core/error.h"
@@ -19,11 +19,12 @@ namespace {
 
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor target,
-                               int64_t group_handle) {
+                               int64_t ignore_index, int64_t group_handle) {
     auto& g = *reinterpret_cast<Communicator*>(static_cast<intptr_t>(group_handle));
     const auto vocab = logits.size(-1);
     auto z = logits.reshape({-1, vocab}).contiguous();
     auto t = target.reshape({-1});
+    auto ignored = t.eq(ignore_index);
     auto max = std::get<0>(z.max(1)).contiguous();
     if (g.size() > 1) {
       AllReduceOptions o;
@@ -44,9 +45,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     if (g.size() > 1) g.all_reduce(sum_exp).wait();
 
     auto softmax = exp / sum_exp.unsqueeze(1);
-    ctx->save_for_backward({softmax, local_target, outside});
+    ctx->save_for_backward({softmax, local_target, outside, ignored});
     ctx->saved_data["shape"] = logits.sizes().vec();
-    return (sum_exp.log() - predicted).reshape(target.sizes());
+    return (sum_exp.log() - predicted).masked_fill(ignored, 0.0).reshape(target.sizes());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -54,21 +55,55 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     auto grad = saved[0].clone();
     auto hit = saved[2].logical_not().to(grad.dtype());
     grad.scatter_add_(1, saved[1].unsqueeze(1), -hit.unsqueeze(1));
+    grad.masked_fill_(saved[3].unsqueeze(1), 0.0);
     grad.mul_(grads[0].reshape({-1, 1}));
-    return {grad.reshape(ctx->saved_data["shape"].toIntVector()), torch::Tensor(), torch::Tensor()};
+    return {grad.reshape(ctx->saved_data["shape"].toIntVector()), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
+
+// Every TP rank holds the same targets, so each finds the same bad one here,
+// before the first all-reduce: all ranks throw, none waits for the others.
+void check_targets(const torch::Tensor& logits, const torch::Tensor& target, int64_t ignore_index,
+                   const Communicator& g) {
+  const std::string who = "cohort: vocab_parallel_cross_entropy (rank " + std::to_string(g.rank()) +
+                          " of " + std::to_string(g.size()) + " in the TP group): ";
+  if (logits.dim() < 1 || target.sizes() != logits.sizes().slice(0, logits.dim() - 1)) {
+    throw InvalidArgument(who + "target must have the logits' shape without the last dimension");
+  }
+  if (target.scalar_type() != torch::kLong) {
+    throw InvalidArgument(who + "target must be int64, not " +
+                          std::string(c10::toString(target.scalar_type())));
+  }
+  const int64_t vocab = logits.size(-1) * g.size();
+  auto t = target.reshape({-1});
+  auto bad = t.ne(ignore_index).logical_and(t.lt(0).logical_or(t.ge(vocab)));
+  if (!bad.any().item<bool>()) return;
+  const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+  throw InvalidArgument(who + "target " + std::to_string(t[i].item<int64_t>()) + " at index " +
+                        std::to_string(i) + " is outside [0, " + std::to_string(vocab) +
+                        ") and is not ignore_index = " + std::to_string(ignore_index));
+}
 
 }  // namespace
 
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
-                                           Communicator& g) {
-  if (logits.dim() < 1 || target.sizes() != logits.sizes().slice(0, logits.dim() - 1)) {
-    throw InvalidArgument("cohort: vocab_parallel_cross_entropy (rank " + std::to_string(g.rank()) +
-                          "): target must have the logits' shape " + "without the last dimension");
+                                           Communicator& g,
+                                           const VocabParallelCrossEntropyOptions& options) {
+  check_targets(logits, target, options.ignore_index, g);
+  auto loss = VocabParallelCrossEntropy::apply(
+      logits, target, options.ignore_index, static_cast<int64_t>(reinterpret_cast<intptr_t>(&g)));
+  switch (options.reduction) {
+    case CrossEntropyReduction::None:
+      return loss;
+    case CrossEntropyReduction::Sum:
+      return loss.sum();
+    case CrossEntropyReduction::Mean:
+      // Over the targets not ignored; 0 / 0 (all ignored) is NaN, as in LibTorch.
+      return loss.sum() / target.ne(options.ignore_index).sum();
   }
-  return VocabParallelCrossEntropy::apply(logits, target,
-                                          static_cast<int64_t>(reinterpret_cast<intptr_t>(&g)));
+  COHORT_CHECK(false, "unknown CrossEntropyReduction");
+  return loss;
 }
 
 }  // namespace cohort::tensor_parallel

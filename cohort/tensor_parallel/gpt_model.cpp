@@ -149,7 +149,9 @@ torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {
 }
 
 torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return vocab_parallel_cross_entropy(logits, targets.t(), *tp_).mean();
+  VocabParallelCrossEntropyOptions o;
+  o.reduction = CrossEntropyReduction::Mean;
+  return vocab_parallel_cross_entropy(logits, targets.t(), *tp_, o);
 }
 
 std::vector<torch::Tensor> GPTStageImpl::sequence_parallel_parameters() const {

@@ -58,7 +58,8 @@ class GPTStageImpl : public torch::nn::Module {
   /// Hidden states are [T, B, H], or [T/tp, B, H] under sequence parallelism.
   torch::Tensor forward(const torch::Tensor& input);
   /// Last stage: the mean cross-entropy of `logits` (from forward) against
-  /// targets [B, T], the same value on every TP rank.
+  /// targets [B, T], the same value on every TP rank; targets equal to -100
+  /// are ignored (left out of the mean), as in LibTorch.
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
 
   /// Parameters replicated over TP whose gradients are partial under

@@ -86,7 +86,7 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> g, int64_t n,
                                                        int64_t dim, VocabParallelEmbeddingOptions o)
-    : group_(checked(std::move(g), "VocabParallelEmbedding")) {
+    : group_(checked(std::move(g), "VocabParallelEmbedding")), num_embeddings_(n) {
   check_divisible("VocabParallelEmbedding", "num_embeddings", n, *group_);
   start_ = group_->rank() * (n / group_->size());
   end_ = start_ + n / group_->size();
@@ -94,7 +94,24 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<Communica
   weight = register_parameter("weight", w.narrow(0, start_, end_ - start_).clone());
 }
 
+// The ids are the same on every TP rank, so each finds the same bad one
+// here, before the all-reduce: all ranks throw, none waits for the others.
+// (Without the check an id beyond the table would look up zeros on every
+// rank at tp > 1.)
+void VocabParallelEmbeddingImpl::check_ids(const torch::Tensor& ids) const {
+  auto flat = ids.reshape({-1});
+  auto bad = flat.lt(0).logical_or(flat.ge(num_embeddings_));
+  if (!bad.any().item<bool>()) return;
+  const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+  throw InvalidArgument("cohort: VocabParallelEmbedding (rank " + std::to_string(group_->rank()) +
+                        " of " + std::to_string(group_->size()) + " in the TP group): id " +
+                        std::to_string(flat[i].item<int64_t>()) + " at index " + std::to_string(i) +
+                        " is outside [0, " + std::to_string(num_embeddings_) +
+                        ") (num_embeddings)");
+}
+
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
+  check_ids(ids);
   if (group_->size() == 1) {
     return reduce_from_tensor_parallel_region(torch::embedding(weight, ids), *group_);
   }

@@ -90,14 +90,18 @@ struct VocabParallelEmbeddingOptions {
 
 /// An embedding table split by vocabulary rows: rank i holds the ids
 /// [i * V/tp, (i + 1) * V/tp); ids elsewhere look up zeros, and an
-/// all-reduce over TP adds the rows together.
+/// all-reduce over TP adds the rows together, so every id in [0, V) is found
+/// on exactly one rank.
 class VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
   /// Throws InvalidArgument when num_embeddings does not divide by tp (pad
   /// the vocabulary to a multiple of tp).
   VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> tp_group, int64_t num_embeddings,
                              int64_t embedding_dim, VocabParallelEmbeddingOptions options = {});
-  /// ids: int64 of any shape; returns [ids..., embedding_dim] on every TP rank.
+  /// ids: int64 of any shape, the same on every TP rank; returns [ids...,
+  /// embedding_dim] on every TP rank. Throws InvalidArgument on every TP rank,
+  /// before the all-reduce, for an id outside [0, num_embeddings), naming it
+  /// and its (flat) index.
   torch::Tensor forward(const torch::Tensor& ids);
 
   int64_t vocab_start_index() const { return start_; }  ///< first id of this rank's rows
@@ -106,18 +110,40 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   torch::Tensor weight;  ///< [num_embeddings/tp, embedding_dim]
 
  private:
+  void check_ids(const torch::Tensor& ids) const;
   std::shared_ptr<Communicator> group_;
-  int64_t start_ = 0, end_ = 0;
+  int64_t num_embeddings_ = 0, start_ = 0, end_ = 0;
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
-/// Per-token cross-entropy of logits split by vocabulary over `tp_group`
-/// (rank i holds columns [i * V/tp, (i + 1) * V/tp)) without gathering
-/// them: a max, a target logit and a sum of exponentials are all-reduced
-/// (three small all-reduces of one value per token). logits: [..., V/tp],
-/// target: int64 [...]; returns the loss per token, [...]. Backward is local.
+/// How vocab_parallel_cross_entropy reduces the per-token losses.
+enum class CrossEntropyReduction {
+  None,  ///< the loss per token, [...]
+  Mean,  ///< their mean over the targets that are not ignored (NaN when all are)
+  Sum,   ///< their sum
+};
+
+/// Options of vocab_parallel_cross_entropy, as
+/// torch::nn::functional::CrossEntropyFuncOptions (but per token by default).
+struct VocabParallelCrossEntropyOptions {
+  /// A target equal to it adds 0 to the loss and to the gradient; -100 as in
+  /// LibTorch (may also be a class in [0, V), which is then ignored).
+  int64_t ignore_index = -100;
+  /// Per token (the default), mean or sum.
+  CrossEntropyReduction reduction = CrossEntropyReduction::None;
+};
+
+/// Cross-entropy of logits split by vocabulary over `tp_group` (rank i holds
+/// columns [i * V/tp, (i + 1) * V/tp)) without gathering them: a max, a
+/// target logit and a sum of exponentials are all-reduced (three small
+/// all-reduces of one value per token). logits: [..., V/tp], target: int64
+/// [...], the same on every TP rank; returns the loss per token, [...] (or
+/// reduced, see the options). Backward is local. Throws InvalidArgument on
+/// every TP rank, before any all-reduce, for a target outside [0, V) that is
+/// not ignore_index, naming the target and its (flat) index.
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
-                                           Communicator& tp_group);
+                                           Communicator& tp_group,
+                                           const VocabParallelCrossEntropyOptions& options = {});
 
 /// The full (tp = 1) weights a layer with `seed` draws, as ColumnParallelLinear
 /// and RowParallelLinear do: {weight [out, in], bias [out]}, uniform in

@@ -1,0 +1,118 @@
+// The vocab-parallel cross-entropy's ignore_index and reductions at
+// tp = 1..4 against torch::nn::functional::cross_entropy (one process, the
+// full logits): ignored targets add nothing to the loss or the gradient, and
+// the mean counts only the others.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+
+#include <cmath>
+
+#include "cohort/tensor_parallel/layers.h"
+#include "cohort/tensor_parallel/mappings.h"
+#include "support/thread_ranks.h"
+
+namespace cohort::testing {
+namespace {
+
+using namespace cohort::tensor_parallel;
+namespace F = torch::nn::functional;
+
+constexpr int64_t kVocab = 12;
+
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5, /*equal_nan=*/true))
+      << what << ": got " << got << " want " << want;
+}
+
+// Logits [3, 5, V] and targets [3, 5] with every third token set to `ignore`.
+struct Batch {
+  torch::Tensor logits, target, weights;
+};
+
+Batch make_batch(int64_t ignore) {
+  auto gen = at::detail::createCPUGenerator(21);
+  Batch b;
+  b.logits = torch::randn({3, 5, kVocab}, gen) * 3;
+  b.target = torch::randint(kVocab, {3, 5}, gen);
+  b.target.view({-1}).slice(0, 0, 15, 3).fill_(ignore);
+  b.weights = torch::randn({3, 5}, gen);
+  return b;
+}
+
+class CrossEntropyIgnore : public ::testing::TestWithParam<int> {};
+
+// Per token (no reduction): the default ignore_index is -100, as in LibTorch.
+TEST_P(CrossEntropyIgnore, DefaultIgnoreIndexPerToken) {
+  const int tp = GetParam();
+  const Batch b = make_batch(-100);
+  auto zd = b.logits.clone().requires_grad_();
+  auto ld = F::cross_entropy(zd.reshape({-1, kVocab}), b.target.reshape({-1}),
+                             F::CrossEntropyFuncOptions().reduction(torch::kNone))
+                .reshape({3, 5});
+  (ld * b.weights).sum().backward();
+
+  run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+    auto z = split_along(b.logits, 2, g->rank(), tp, "z").clone().requires_grad_();
+    auto loss = vocab_parallel_cross_entropy(z, b.target, *g);
+    expect_close(loss, ld, "loss");
+    (loss * b.weights).sum().backward();
+    expect_close(z.grad(), split_along(zd.grad(), 2, g->rank(), tp, "gz"), "logit grad");
+  });
+}
+
+// Mean over the targets not ignored, with ignore_index a class of the
+// vocabulary (held by one rank at tp > 1) and the default -100.
+TEST_P(CrossEntropyIgnore, MeanOverTargetsNotIgnored) {
+  const int tp = GetParam();
+  for (int64_t ignore : {int64_t{-100}, int64_t{7}}) {
+    const Batch b = make_batch(ignore);
+    auto zd = b.logits.clone().requires_grad_();
+    auto ld = F::cross_entropy(zd.reshape({-1, kVocab}), b.target.reshape({-1}),
+                               F::CrossEntropyFuncOptions().ignore_index(ignore));
+    ld.backward();
+
+    run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+      auto z = split_along(b.logits, 2, g->rank(), tp, "z").clone().requires_grad_();
+      VocabParallelCrossEntropyOptions o;
+      o.ignore_index = ignore;
+      o.reduction = CrossEntropyReduction::Mean;
+      auto loss = vocab_parallel_cross_entropy(z, b.target, *g, o);
+      expect_close(loss, ld, "mean loss");
+      loss.backward();
+      expect_close(z.grad(), split_along(zd.grad(), 2, g->rank(), tp, "gz"), "logit grad");
+
+      o.reduction = CrossEntropyReduction::Sum;
+      auto sum = vocab_parallel_cross_entropy(z, b.target, *g, o);
+      auto sd = F::cross_entropy(
+          b.logits.reshape({-1, kVocab}), b.target.reshape({-1}),
+          F::CrossEntropyFuncOptions().ignore_index(ignore).reduction(torch::kSum));
+      expect_close(sum, sd, "sum loss");
+    });
+  }
+}
+
+// Every target ignored: the mean is 0 / 0, NaN, as in LibTorch; the
+// gradient is zero.
+TEST_P(CrossEntropyIgnore, AllTargetsIgnored) {
+  const int tp = GetParam();
+  const Batch b = make_batch(-100);
+  const auto target = torch::full({3, 5}, -100, torch::kLong);
+  const auto ld = F::cross_entropy(b.logits.reshape({-1, kVocab}), target.reshape({-1}));
+  ASSERT_TRUE(std::isnan(ld.item<double>()));
+  run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+    auto z = split_along(b.logits, 2, g->rank(), tp, "z").clone().requires_grad_();
+    VocabParallelCrossEntropyOptions o;
+    o.reduction = CrossEntropyReduction::Mean;
+    EXPECT_TRUE(std::isnan(vocab_parallel_cross_entropy(z, target, *g, o).item<double>()));
+    vocab_parallel_cross_entropy(z, target, *g).sum().backward();
+    EXPECT_TRUE(torch::equal(z.grad(), torch::zeros_like(z)));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(TensorParallel, CrossEntropyIgnore, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+}  // namespace
+}  // namespace cohort::testing
