@@ -20,6 +20,31 @@ struct Communicator::Health {
   std::string reason;
 };
 
+namespace {
+
+// Runs the engine's launch of a point-to-point call. A transport that refuses
+// at issue (a peer that has closed its connections) throws a PeerError that
+// names the call, and the communicator counts as failed, as after a failed
+// wait().
+template <class Call, class Health, class Launch>
+WorkPtr issue_p2p(const Call& call, Health& health, Launch&& launch) {
+  try {
+    return launch();
+  } catch (const PeerError& e) {
+    const std::string why = "cohort: " + call.where() + " failed: " + e.what();
+    {
+      std::lock_guard<std::mutex> lock(health.mu);
+      if (!health.broken) {
+        health.broken = true;
+        health.reason = why;
+      }
+    }
+    throw PeerError(why);
+  }
+}
+
+}  // namespace
+
 Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store> store,
                            CommunicatorOptions options)
     : counters_(std::make_shared<StatsCounters>()),
@@ -246,7 +271,8 @@ Work Communicator::send(const torch::Tensor& tensor, int dst, const SendOptions&
   if (opts.tag < 0) call.refuse("tag must be >= 0");
   call.bytes = detail::nbytes(tensor);
   auto wire = movement_view(tensor);
-  return finish(call, engine_->send(wire, dst, opts.tag));
+  return finish(call,
+                issue_p2p(call, *health_, [&] { return engine_->send(wire, dst, opts.tag); }));
 }
 
 Work Communicator::recv(torch::Tensor& tensor, int src, const RecvOptions& opts) {
@@ -256,7 +282,8 @@ Work Communicator::recv(torch::Tensor& tensor, int src, const RecvOptions& opts)
   if (opts.tag < 0) call.refuse("tag must be >= 0");
   call.bytes = detail::nbytes(tensor);
   auto wire = movement_view(tensor);
-  return finish(call, engine_->recv(wire, src, opts.tag));
+  return finish(call,
+                issue_p2p(call, *health_, [&] { return engine_->recv(wire, src, opts.tag); }));
 }
 
 }  // namespace cohort
