@@ -129,14 +129,16 @@ TEST(OverlappedHook, RunReturnsBeforeThePeersArrive) {
 TEST(OverlappedHook, WorkerErrorSurfacesFromWait) {
   std::atomic<bool> rank0_done{false};
   ThreadRanksOptions options;
-  options.timeout = std::chrono::milliseconds(500);
+  // Also the connect's timeout: seconds, so that a loaded machine still
+  // connects the two ranks in time.
+  options.timeout = std::chrono::seconds(3);
   run_ranks(
       2,
       [&](Communicator& comm) {
         torch::set_num_threads(1);
         if (comm.rank() == 1) {
           // Keep the connections open until rank 0 has seen its timeout.
-          const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
           while (!rank0_done && std::chrono::steady_clock::now() < give_up) {
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
           }

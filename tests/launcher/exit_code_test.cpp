@@ -84,9 +84,9 @@ TEST(ExitCode, LeftoverBackgroundProcessesAreStoppedAfterSuccess) {
 // child to the launcher after the first kill pass, so one pass is not enough.
 TEST(ExitCode, DaemonizedGrandchildrenAndTheirChildrenAreStopped) {
   TempDir dir;
-  const char* script =
-      R"(setsid sh -c 'exec </dev/null >/dev/null 2>&1; sleep 300 & echo $! > "$T/pid.0"; wait' &)"
-      R"( sleep 0.5)";
+  const char* script = R"(setsid sh -c 'exec </dev/null >/dev/null 2>&1; sleep 300 & )"
+                       R"(echo $! > "$T/pid.tmp" && mv "$T/pid.tmp" "$T/pid.0"; wait' &)"
+                       R"( while [ ! -s "$T/pid.0" ]; do sleep 0.02; done)";
   ProcessResult r =
       run_cohortrun({"-n", "1", "--", "sh", "-c", script}, Seconds(20), {"T=" + dir.path()});
   ASSERT_FALSE(r.timed_out);

@@ -97,13 +97,13 @@ TEST(MultiNode, TwoNodesInNetworkNamespaces) {
                                      "--master-port",
                                      kMasterPort,
                                      "--timeout",
-                                     "40",
+                                     "90",
                                      "--"};
     argv.insert(argv.end(), program.begin(), program.end());
     nodes.push_back(std::make_unique<Subprocess>(argv));
   }
   for (int node = 0; node < 2; ++node) {
-    ProcessResult r = nodes[node]->finish(Seconds(50));
+    ProcessResult r = nodes[node]->finish(Seconds(100));
     SCOPED_TRACE("node " + std::to_string(node));
     ASSERT_FALSE(r.timed_out) << r.out << r.err;
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;

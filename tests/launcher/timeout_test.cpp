@@ -12,13 +12,15 @@ TEST(Timeout, HangingRankIsReportedAndStopped) {
     if [ "$RANK" = 1 ]; then
       echo $$ > "$T/pid"; echo "stuck in step 7"; exec sleep 60
     fi)";
-  ProcessResult r = run_cohortrun({"-n", "2", "--timeout", "2", "--", "sh", "-c", script},
-                                  Seconds(20), {"T=" + dir.path()});
+  // 5 s: rank 1 must have printed its line before the timeout, even when it
+  // starts late on a loaded machine.
+  ProcessResult r = run_cohortrun({"-n", "2", "--timeout", "5", "--", "sh", "-c", script},
+                                  Seconds(40), {"T=" + dir.path()});
   ASSERT_FALSE(r.timed_out) << r.err;
   EXPECT_EQ(r.exit_code, 124) << r.err;
-  EXPECT_GE(r.seconds, 1.9);
-  EXPECT_LT(r.seconds, 6);
-  EXPECT_NE(r.err.find("job exceeded --timeout 2 s; ranks still running: [1]"), std::string::npos)
+  EXPECT_GE(r.seconds, 4.9);
+  EXPECT_LT(r.seconds, 30);  // rank 1 sleeps 60 s: only the timeout ends it sooner
+  EXPECT_NE(r.err.find("job exceeded --timeout 5 s; ranks still running: [1]"), std::string::npos)
       << r.err;
   EXPECT_NE(r.err.find("[1] stuck in step 7"), std::string::npos) << r.err;
   for (pid_t pid : read_pids(dir.path())) {
@@ -29,14 +31,15 @@ TEST(Timeout, HangingRankIsReportedAndStopped) {
 TEST(Timeout, RankIgnoringSigtermIsKilledAfterTheGrace) {
   TempDir dir;
   // The ignored SIGTERM is inherited by sleep: only SIGKILL stops it.
-  ProcessResult r = run_cohortrun({"-n", "2", "--timeout", "0.5", "--", "sh", "-c",
+  // 2 s: both shells must have run `trap` before the SIGTERM comes.
+  ProcessResult r = run_cohortrun({"-n", "2", "--timeout", "2", "--", "sh", "-c",
                                    R"(trap '' TERM; echo $$ > "$T/pid.$RANK"; exec sleep 60)"},
-                                  Seconds(20), {"T=" + dir.path()});
+                                  Seconds(40), {"T=" + dir.path()});
   ASSERT_FALSE(r.timed_out) << r.err;
   EXPECT_EQ(r.exit_code, 124) << r.err;
   EXPECT_NE(r.err.find("ranks still running: [0, 1]"), std::string::npos) << r.err;
-  EXPECT_GE(r.seconds, 3.4);  // 0.5 s timeout + 3 s grace
-  EXPECT_LT(r.seconds, 8);
+  EXPECT_GE(r.seconds, 4.9);  // 2 s timeout + 3 s grace
+  EXPECT_LT(r.seconds, 30);   // the ranks sleep 60 s: SIGKILL ended them
   for (pid_t pid : read_pids(dir.path())) {
     EXPECT_FALSE(process_exists(pid)) << "rank " << pid << " survived";
   }

@@ -34,11 +34,12 @@ bool has(const std::string& s, const std::string& part) {
 }
 
 TEST(MpiWatchdog, RankThatNeverJoinsEndsTheJobWithAClearMessage) {
-  // Timeout 2 s, grace 1 s: the watchdog fires ~3 s in; 60 s is the bound
-  // that says "it did not hang" (run_job reports 124 past it).
+  // Timeout 2 s, grace 5 s: the watchdog fires ~7 s in, long after rank 0
+  // has printed its TimeoutError however loaded the machine; 60 s is the
+  // bound that says "it did not hang" (run_job reports 124 past it).
   // The non-blocking path (COHORT_MPI_BLOCKING_BYTES=0): wait() times out first.
   const auto o = run_job(
-      "COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=1 COHORT_MPI_BLOCKING_BYTES=0 "
+      "COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=5 COHORT_MPI_BLOCKING_BYTES=0 "
       "OPENBLAS_NUM_THREADS=1",
       60);
   SCOPED_TRACE(o.output);
