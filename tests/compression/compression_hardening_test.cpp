@@ -1,9 +1,10 @@
 // Compressors facing what a real run throws at them: ranks whose settings
 // or sizes differ (an exception on every rank naming the setting, the ranks
 // and the key, never an abort or a hang), a step with NaN or inf (the next
-// finite step is normal), values near the float maximum (no sign flip),
-// and an all-zero step before PowerSGD (the layer's gradient is not 0 for
-// good).
+// finite step is normal), values near the float maximum (no sign flip), an
+// all-zero step before PowerSGD (the layer's gradient is not 0 for good),
+// and DDP's bucket rebuild (a bucket's state does not follow its index to
+// other parameters).
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <limits>
 
 #include "cohort/compression/compressor.h"
+#include "cohort/ddp/distributed_data_parallel.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing {
@@ -258,6 +260,65 @@ TEST(PowerSGDOptions, StartIterationAboveOneWithStateOnly) {
     }
   }
 }
+
+// ---- DDP's bucket rebuild ----
+
+// Two vectors of the same size, one bucket each. Registered a, b, the
+// buckets start as [b], [a]; the forward makes a's gradient ready first, so
+// the rebuild after the first iteration makes them [a], [b]: same sizes,
+// other contents.
+struct TwoVectorsImpl : torch::nn::Module {
+  explicit TwoVectorsImpl(int64_t n) {
+    a = register_parameter("a", torch::zeros({n}));
+    b = register_parameter("b", torch::zeros({n}));
+  }
+  torch::Tensor forward(const torch::Tensor& xa, const torch::Tensor& xb) {
+    auto lb = (xb * b).sum();
+    return lb + (xa * a).sum();
+  }
+  torch::Tensor a, b;
+};
+TORCH_MODULE(TwoVectors);
+
+class Rebuild : public ::testing::TestWithParam<std::tuple<int, CompressionKind>> {};
+
+// After the rebuild each bucket is reduced as by a fresh compressor: the
+// state of b's bucket is not added to a's gradient.
+TEST_P(Rebuild, ChangedBucketStartsAfresh) {
+  const int p = std::get<0>(GetParam());
+  const CompressionKind kind = std::get<1>(GetParam());
+  constexpr int64_t kN = 41;
+  run_ranks_shared(p, [&](std::shared_ptr<Communicator> comm) {
+    torch::set_num_threads(1);
+    const int r = comm->rank();
+    TwoVectors model(kN);
+    DDPOptions o;
+    o.bucket_cap_mb = o.first_bucket_mb = 1e-6;  // one parameter per bucket
+    o.compression = options_of(kind);
+    DistributedDataParallel<TwoVectors> ddp(model, comm, o);
+    const auto before = ddp.reducer().bucket_layout();
+    for (int64_t it = 0; it < 2; ++it) {
+      model->zero_grad();
+      auto xa = randn(100 * it + r, kN), xb = randn(100 * it + r + 50, kN);
+      ddp.forward(xa, xb).backward();
+      if (it == 0) continue;
+      ASSERT_NE(ddp.reducer().bucket_layout(), before) << "no rebuild: the test proves nothing";
+      ASSERT_EQ(ddp.reducer().bucket_layout()[0], std::vector<size_t>{0});
+      auto fresh = make_compressor(options_of(kind));
+      compressed_all_reduce(*comm, xa, *fresh, 0);
+      EXPECT_TRUE(torch::equal(model->a.grad(), xa)) << model->a.grad() - xa;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Compression, Rebuild,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(CompressionKind::Int8,
+                                                              CompressionKind::TopK)),
+                         [](const auto& info) {
+                           return to_string(std::get<1>(info.param)) + "_world" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
 
 }  // namespace
 }  // namespace cohort::testing
