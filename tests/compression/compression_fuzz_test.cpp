@@ -158,6 +158,9 @@ TEST_P(Fuzz, EveryCompressorSurvivesRandomTrials) {
   run_ranks(p, [&](Communicator& comm) {
     at::set_num_threads(1);
     const int r = comm.rank();
+    // What the trials covered, so that a change to draw_trial cannot leave
+    // the claims untested.
+    int refused = 0, finite_after_non_finite = 0;
     for (int i = 0; i < kTrials; ++i) {
       const uint64_t seed = base + 1000 * static_cast<uint64_t>(p) + i;
       Trial t = draw_trial(seed, p);
@@ -181,6 +184,7 @@ TEST_P(Fuzz, EveryCompressorSurvivesRandomTrials) {
           c->all_reduce(comm, flat, i, shaped);
         } catch (const MismatchError& e) {
           EXPECT_TRUE(t.differ) << "agreeing ranks refused: " << e.what();
+          ++refused;
           break;  // every rank throws at the first step: the next trial
         }
         ASSERT_FALSE(t.differ) << "ranks differ, yet step " << s << " went through";
@@ -198,8 +202,17 @@ TEST_P(Fuzz, EveryCompressorSurvivesRandomTrials) {
         if (finite_in) {
           ASSERT_TRUE(at::all(at::isfinite(flat)).item<bool>())
               << "finite inputs, non-finite output at step " << s;
+          bool after_non_finite = false;
+          for (size_t e = 0; e < s; ++e) {
+            for (auto v : t.steps[e]) after_non_finite = after_non_finite || !finite_values(v);
+          }
+          finite_after_non_finite += after_non_finite;
         }
       }
+    }
+    EXPECT_GT(finite_after_non_finite, 10);
+    if (p > 1) {
+      EXPECT_GT(refused, 10);
     }
   });
 }
