@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -143,12 +144,51 @@ float chunk_amax(const float* x, const float* error, int64_t begin, int64_t end)
   return amax;
 }
 
+// A chunk holding inf or NaN cannot be scaled: it is sent with the scale
+// kNonFinite and codes that name each value's class (kPosInf, kNegInf,
+// kNaN; 0 for a finite value, which arrives as 0 this step). So +inf stays
+// +inf however the ranks' values add up, where an infinite scale times
+// a clamped code would flip signs or spread NaN over the chunk. The error
+// buffer keeps each finite value (it was not delivered) and drops the
+// non-finite ones, so one bad step does not poison the steps after it.
+constexpr float kFloatMax = std::numeric_limits<float>::max();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNonFinite = kInf;  // the scale that marks such a chunk
+constexpr int8_t kPosInf = 127, kNegInf = -127, kNaN = -128;
+
+inline bool finite(float v) { return std::abs(v) <= kFloatMax; }
+
+inline float non_finite_value(int8_t code) {
+  if (code == kPosInf) return kInf;
+  if (code == kNegInf) return -kInf;
+  if (code == kNaN) return std::numeric_limits<float>::quiet_NaN();
+  return 0.0f;
+}
+
+template <bool kError>
+void quantize_non_finite(const float* x, float* error, int64_t begin, int64_t end, int8_t* codes) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float v = kError ? x[i] + error[i] : x[i];
+    codes[i] = std::isnan(v) ? kNaN : v == kInf ? kPosInf : v == -kInf ? kNegInf : 0;
+    if (kError) error[i] = finite(v) ? v : 0.0f;
+  }
+}
+
 template <bool kError>
 void quantize_chunks(const float* x, float* error, int64_t n, int64_t chunk, int8_t* codes,
                      float* scales) {
   for (int64_t c = 0, begin = 0; begin < n; ++c, begin += chunk) {
     const int64_t end = std::min(n, begin + chunk);
-    const float scale = chunk_amax<kError>(x, error, begin, end) / 127.0f;
+    const float amax = chunk_amax<kError>(x, error, begin, end);
+    if (!finite(amax)) {
+      quantize_non_finite<kError>(x, error, begin, end, codes);
+      scales[c] = kNonFinite;
+      continue;
+    }
+    // 127 * scale must stay finite (amax near the float maximum), or the
+    // error v - 127 * scale would be -inf.
+    float scale = amax / 127.0f;
+    while (!finite(scale * 127.0f)) scale = std::nextafter(scale, 0.0f);
     const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
     scales[c] = scale;
     for (int64_t i = begin; i < end; ++i) {
@@ -179,10 +219,18 @@ void dequantize_sum(const std::vector<const int8_t*>& codes,
                     float* out) {
   for (int64_t c = 0, begin = 0; begin < n; ++c, begin += chunk) {
     const int64_t end = std::min(n, begin + chunk);
-    for (int64_t i = begin; i < end; ++i) out[i] = codes[0][i] * scales[0][c];
-    for (size_t s = 1; s < codes.size(); ++s) {
+    for (size_t s = 0; s < codes.size(); ++s) {
       const float scale = scales[s][c];
-      for (int64_t i = begin; i < end; ++i) out[i] += codes[s][i] * scale;
+      const int8_t* code = codes[s];
+      if (!finite(scale)) {  // a chunk sent as kNonFinite (or a peer's garbage)
+        for (int64_t i = begin; i < end; ++i) {
+          out[i] = (s == 0 ? 0.0f : out[i]) + non_finite_value(code[i]);
+        }
+      } else if (s == 0) {
+        for (int64_t i = begin; i < end; ++i) out[i] = code[i] * scale;
+      } else {
+        for (int64_t i = begin; i < end; ++i) out[i] += code[i] * scale;
+      }
     }
     if (factor != 1.0f) {
       for (int64_t i = begin; i < end; ++i) out[i] *= factor;

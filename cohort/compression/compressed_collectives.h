@@ -59,7 +59,12 @@ struct Int8ErrorFeedback {
 /// gathered, so the arithmetic and both phases overlap on the wire.
 /// With `feedback` null no error is kept (a plain quantized all-reduce); else
 /// its buffers are (re)sized (worker: buf's size; owner: the elements this
-/// rank owns over all segments) and updated. Collective; blocking.
+/// rank owns over all segments) and updated. A chunk holding inf or NaN is
+/// sent as each value's class (+inf, -inf, NaN, or finite, which arrives as
+/// 0 and stays in the error buffer), so the result holds inf or NaN where
+/// the float32 sum would and the error buffers stay finite. Every rank must
+/// pass the same size and chunk (the compressors check; this does not).
+/// Collective; blocking.
 void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
                      Int8ErrorFeedback* feedback, int64_t segment_chunks = 64);
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
@@ -21,6 +22,8 @@ void check_input(const at::Tensor& t) {
     throw InvalidArgument("cohort: compressed_all_reduce takes a contiguous float32 CPU tensor");
   }
 }
+
+constexpr float kFloatMax = std::numeric_limits<float>::max();
 
 // State maps are keyed "<what>_<tensor key>" (no dots: checkpoint archives refuse them).
 std::string state_name(const std::string& what, int64_t key) {
@@ -47,8 +50,9 @@ void load_map(const std::map<std::string, at::Tensor>& in, const std::string& wh
 
 class NoCompression : public Compressor {
  public:
-  void all_reduce(Communicator& comm, at::Tensor& flat, int64_t,
+  void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
                   const std::vector<at::Tensor>&) override {
+    agree(comm, {}, key, flat.numel());
     comm.all_reduce(flat, {ReduceOp::Avg}).wait();
   }
   std::string name() const override { return "none"; }
@@ -56,22 +60,28 @@ class NoCompression : public Compressor {
 
 class LowPrecision : public Compressor {
  public:
-  explicit LowPrecision(at::ScalarType wire) : wire_(wire) {}
-  void all_reduce(Communicator& comm, at::Tensor& flat, int64_t,
+  explicit LowPrecision(at::ScalarType wire) : wire_(wire) {
+    o_.kind = wire == at::kHalf ? CompressionKind::Fp16 : CompressionKind::Bf16;
+  }
+  void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
                   const std::vector<at::Tensor>&) override {
+    agree(comm, o_, key, flat.numel());
     low_precision_all_reduce(comm, flat, wire_);
   }
   std::string name() const override { return wire_ == at::kHalf ? "fp16" : "bf16"; }
 
  private:
   at::ScalarType wire_;
+  CompressionOptions o_;
 };
 
 class Int8 : public Compressor {
  public:
-  explicit Int8(const CompressionOptions& o) : chunk_(o.int8_chunk), feedback_(o.error_feedback) {}
+  explicit Int8(const CompressionOptions& o)
+      : o_(o), chunk_(o.int8_chunk), feedback_(o.error_feedback) {}
   void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
                   const std::vector<at::Tensor>&) override {
+    agree(comm, o_, key, flat.numel());
     if (!feedback_) return int8_all_reduce(comm, flat, chunk_, nullptr);
     Int8ErrorFeedback ef{worker_[key], owner_[key]};
     int8_all_reduce(comm, flat, chunk_, &ef);
@@ -90,7 +100,14 @@ class Int8 : public Compressor {
     load_map(s, "int8_owner_error", owner_);
   }
 
+ protected:
+  void forget(int64_t key) override {
+    worker_.erase(key);
+    owner_.erase(key);
+  }
+
  private:
+  CompressionOptions o_;
   int64_t chunk_;
   bool feedback_;
   std::map<int64_t, at::Tensor> worker_, owner_;
@@ -104,7 +121,8 @@ class Int8 : public Compressor {
 // magnitudes in that bin give its exact value t; a last pass takes every
 // entry above t and the first ties. Magnitudes compare as their bit
 // patterns, which order non-negative floats as their values (NaN above inf).
-void select_top_k(const float* x, int64_t n, int64_t k, int32_t* index, float* values) {
+// Returns whether x holds a non-finite value (a bin at or above inf's).
+bool select_top_k(const float* x, int64_t n, int64_t k, int32_t* index, float* values) {
   constexpr int kShift = 20;
   auto magnitude = [x](int64_t i) {
     uint32_t bits;
@@ -134,6 +152,8 @@ void select_top_k(const float* x, int64_t n, int64_t k, int32_t* index, float* v
       values[j++] = x[i];
     }
   }
+  const auto first_non_finite = histogram.begin() + (0x7f800000u >> kShift);
+  return std::any_of(first_non_finite, histogram.end(), [](int64_t c) { return c > 0; });
 }
 
 // Sends the k largest magnitudes of (gradient + error) as (index, value)
@@ -143,14 +163,17 @@ void select_top_k(const float* x, int64_t n, int64_t k, int32_t* index, float* v
 // allocates a tensor of the bucket's size.
 class TopK : public Compressor {
  public:
-  explicit TopK(const CompressionOptions& o) : ratio_(o.topk_ratio), feedback_(o.error_feedback) {}
+  explicit TopK(const CompressionOptions& o)
+      : o_(o), ratio_(o.topk_ratio), feedback_(o.error_feedback) {}
   void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
                   const std::vector<at::Tensor>&) override {
     const int64_t n = flat.numel();
-    if (n == 0) return;
+    // Every rank refuses a tensor too large, before any message.
     if (n > std::numeric_limits<int32_t>::max()) {
       throw InvalidArgument("cohort: top-k compression sends int32 indices; tensor too large");
     }
+    agree(comm, o_, key, n);
+    if (n == 0) return;
     auto x = flat.view(-1);
     auto& error = error_[key];
     if (feedback_) {
@@ -160,11 +183,17 @@ class TopK : public Compressor {
     const int64_t k =
         std::min<int64_t>(n, std::max<int64_t>(1, std::llround(std::ceil(ratio_ * n))));
     auto index = at::empty({k}, at::kInt), values = at::empty({k}, at::kFloat);
-    select_top_k(x.data_ptr<float>(), n, k, index.data_ptr<int32_t>(), values.data_ptr<float>());
+    const bool non_finite = select_top_k(x.data_ptr<float>(), n, k, index.data_ptr<int32_t>(),
+                                         values.data_ptr<float>());
     if (feedback_) {
       float* e = error.data_ptr<float>();
       for (const int32_t* i = index.data_ptr<int32_t>(); i != index.data_ptr<int32_t>() + k; ++i) {
         e[*i] = 0.0f;
+      }
+      // A non-finite entry left behind would be sent, and return as NaN or
+      // inf, at every later step: it is this step's to carry, not theirs.
+      if (non_finite) {
+        for (int64_t i = 0; i < n; ++i) e[i] = std::abs(e[i]) <= kFloatMax ? e[i] : 0.0f;
       }
     }
     const int p = comm.size();
@@ -173,9 +202,10 @@ class TopK : public Compressor {
     auto w2 = comm.all_gather_into_tensor(all_values, values);
     w1.wait();
     w2.wait();
+    const int32_t* ai = all_index.data_ptr<int32_t>();
+    check_indices(comm, ai, k, n, key);
     flat.zero_();
     float* out = flat.data_ptr<float>();
-    const int32_t* ai = all_index.data_ptr<int32_t>();
     const float* av = all_values.data_ptr<float>();
     for (int64_t j = 0; j < p * k; ++j) out[ai[j]] += av[j];
     flat.div_(p);
@@ -190,13 +220,169 @@ class TopK : public Compressor {
     load_map(s, "topk_error", error_);
   }
 
+ protected:
+  void forget(int64_t key) override { error_.erase(key); }
+
  private:
+  // Indices come from peers: each must fall inside this rank's tensor
+  // before it is written through (the settings agreed, so only a peer's
+  // bug or corruption gets here).
+  static void check_indices(const Communicator& comm, const int32_t* index, int64_t k, int64_t n,
+                            int64_t key) {
+    for (int64_t j = 0; j < comm.size() * k; ++j) {
+      if (index[j] < 0 || index[j] >= n) {
+        throw Error("cohort: top-k compression on rank " + std::to_string(comm.rank()) + " of " +
+                    std::to_string(comm.size()) + " (group " + comm.name() + ", peer " +
+                    std::to_string(j / k) + ", tensor key " + std::to_string(key) +
+                    "): received index " + std::to_string(index[j]) + " outside [0, " +
+                    std::to_string(n) + ")");
+      }
+    }
+  }
+
+  CompressionOptions o_;
   double ratio_;
   bool feedback_;
   std::map<int64_t, at::Tensor> error_;
 };
 
+// The fingerprint agree() exchanges: the kind, every setting (0 where the
+// kind does not read it, so unused fields never differ), the size and a
+// hash of the layout words. Fixed length, so ranks of different kinds can
+// still gather each other's.
+enum class Shown { Kind, Bool, Int, Double };
+struct Field {
+  const char* name;
+  Shown shown;
+};
+constexpr Field kFields[] = {
+    {"compression kind", Shown::Kind},
+    {"error_feedback", Shown::Bool},
+    {"int8_chunk", Shown::Int},
+    {"topk_ratio", Shown::Double},
+    {"powersgd_rank", Shown::Int},
+    {"powersgd_start_iteration", Shown::Int},
+    {"powersgd_min_compression_rate", Shown::Double},
+    {"powersgd_warm_start", Shown::Bool},
+    {"powersgd_seed", Shown::Int},
+    {"tensor size (elements)", Shown::Int},
+    {"tensor layout (the shapes of its views, hashed)", Shown::Int},
+};
+constexpr int64_t kFieldCount = sizeof(kFields) / sizeof(kFields[0]);
+
+int64_t bits_of(double v) {
+  int64_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
+// FNV-1a over the words.
+int64_t hash_words(const std::vector<int64_t>& words) {
+  uint64_t h = 14695981039346656037ull;
+  for (int64_t w : words) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (static_cast<uint64_t>(w) >> (8 * i)) & 0xffu;
+      h *= 1099511628211ull;
+    }
+  }
+  return static_cast<int64_t>(h);
+}
+
+std::vector<int64_t> fingerprint(const CompressionOptions& o, int64_t numel,
+                                 const std::vector<int64_t>& layout) {
+  std::vector<int64_t> f(kFieldCount, 0);
+  const auto kind = o.kind;
+  f[0] = static_cast<int64_t>(kind);
+  const bool stateful = kind == CompressionKind::Int8 || kind == CompressionKind::TopK ||
+                        kind == CompressionKind::PowerSGD;
+  if (stateful) f[1] = o.error_feedback;
+  if (kind == CompressionKind::Int8) f[2] = o.int8_chunk;
+  if (kind == CompressionKind::TopK) f[3] = bits_of(o.topk_ratio);
+  if (kind == CompressionKind::PowerSGD) {
+    f[4] = o.powersgd_rank;
+    f[5] = o.powersgd_start_iteration;
+    f[6] = bits_of(o.powersgd_min_compression_rate);
+    f[7] = o.powersgd_warm_start;
+    f[8] = o.powersgd_seed;
+  }
+  f[9] = numel;
+  f[10] = layout.empty() ? 0 : hash_words(layout);
+  return f;
+}
+
+std::string show(const Field& field, int64_t v) {
+  switch (field.shown) {
+    case Shown::Kind:
+      return v >= 0 && v <= static_cast<int64_t>(CompressionKind::PowerSGD)
+                 ? to_string(static_cast<CompressionKind>(v))
+                 : "kind " + std::to_string(v);
+    case Shown::Bool:
+      return v ? "true" : "false";
+    case Shown::Int:
+      return std::to_string(v);
+    case Shown::Double: {
+      double d;
+      std::memcpy(&d, &v, sizeof d);
+      std::ostringstream os;
+      os.precision(17);
+      os << d;
+      return os.str();
+    }
+  }
+  return std::to_string(v);
+}
+
+at::Tensor all_gather_words(Communicator& comm, const std::vector<int64_t>& words) {
+  const auto n = static_cast<int64_t>(words.size());
+  auto local = at::empty({n}, at::kLong);
+  std::copy(words.begin(), words.end(), local.data_ptr<int64_t>());
+  auto all = at::empty({comm.size() * n}, at::kLong);
+  comm.all_gather_into_tensor(all, local).wait();
+  return all;
+}
+
+// One all-gather of the fingerprint's hash (8 bytes a rank: small next to
+// a compressed bucket); only when the hashes differ, a second of the whole
+// fingerprints, to say what differs. Every rank sees the same gathered
+// values and scans them in the same order, so every rank throws the same
+// message (but its own rank in it).
+void check_fingerprints(Communicator& comm, int64_t key, const std::vector<int64_t>& mine) {
+  const int p = comm.size();
+  auto hashes = all_gather_words(comm, {hash_words(mine)});
+  if (at::all(hashes == hashes[0]).item<bool>()) return;
+  auto all = all_gather_words(comm, mine);
+  const int64_t* a = all.data_ptr<int64_t>();
+  for (int r = 1; r < p; ++r) {
+    for (int64_t f = 0; f < kFieldCount; ++f) {
+      const int64_t first = a[f], other = a[r * kFieldCount + f];
+      if (first == other) continue;
+      std::string what = std::string(kFields[f].name) + " is " + show(kFields[f], first) +
+                         " on rank 0 but " + show(kFields[f], other) + " on rank " +
+                         std::to_string(r);
+      throw MismatchError("cohort: compression on rank " + std::to_string(comm.rank()) + " of " +
+                          std::to_string(p) + " (group " + comm.name() + ", tensor key " +
+                          std::to_string(key) + "): the ranks disagree: " + what +
+                          "; every rank must compress with the same settings and tensor sizes");
+    }
+  }
+  COHORT_CHECK(false, "compression fingerprints hash differently but are equal");
+}
+
 }  // namespace
+
+void Compressor::agree(Communicator& comm, const CompressionOptions& options, int64_t key,
+                       int64_t numel, const std::vector<int64_t>& layout) {
+  auto mine = fingerprint(options, numel, layout);
+  auto it = agreed_.find(key);
+  if (it != agreed_.end() && it->second == mine) return;
+  if (comm.size() > 1) check_fingerprints(comm, key, mine);
+  agreed_[key] = std::move(mine);
+}
+
+void Compressor::reset(int64_t key) {
+  agreed_.erase(key);
+  forget(key);
+}
 
 std::string to_string(CompressionKind kind) {
   switch (kind) {

@@ -14,6 +14,13 @@
 // step is added to the next step's input), held per tensor key; state()
 // and load_state() carry it, and PowerSGD's Q and step counters, through a
 // checkpoint.
+//
+// Before the first collective on a key (and again when the key's size or
+// shapes change), every compressor all-gathers the hash of a fingerprint of
+// its kind, the settings its kind uses and the tensor's layout, and refuses
+// on every rank, with a MismatchError, to go on when the ranks differ:
+// compressors that disagree would otherwise exchange messages of different
+// sizes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -80,6 +87,24 @@ class Compressor {
   virtual std::map<std::string, at::Tensor> state() const { return {}; }
   /// Restores state() of an earlier run (same world size and keys).
   virtual void load_state(const std::map<std::string, at::Tensor>& state) { (void)state; }
+  /// Forgets what is kept for `key` (error feedback, PowerSGD's Q; its step
+  /// counter stays) and the layout agreed for it: the tensor under `key` now
+  /// holds other values (DDP rebuilt the bucket). Call it on every rank.
+  void reset(int64_t key);
+
+ protected:
+  /// Checks that every rank of `comm` uses the settings of `options` that
+  /// its kind reads and a tensor of `numel` elements whose layout words
+  /// (shapes, for PowerSGD) hash alike: one all-gather of a fingerprint's
+  /// hash the first time a key is seen, or when its local layout changed.
+  /// Throws MismatchError on every rank otherwise. Collective.
+  void agree(Communicator& comm, const CompressionOptions& options, int64_t key, int64_t numel,
+             const std::vector<int64_t>& layout = {});
+  /// Drops the state kept for `key` (reset()); the default keeps none.
+  virtual void forget(int64_t key) { (void)key; }
+
+ private:
+  std::map<int64_t, std::vector<int64_t>> agreed_;  // key -> the fingerprint agreed on
 };
 
 /// A compressor of options.kind; throws InvalidArgument on bad options.

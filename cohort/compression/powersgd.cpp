@@ -3,6 +3,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -74,8 +76,14 @@ void reconstruct(float* m, float* error, const float* p, const float* qt, int64_
     }
     float* row = m + i * cols;
     if (error != nullptr) {
+      // A non-finite error (a step with inf or NaN) would be added to every
+      // later step: it is dropped, and this step alone carries the value.
+      constexpr float kMax = std::numeric_limits<float>::max();
       float* e = error + i * cols;
-      for (int64_t j = 0; j < cols; ++j) e[j] = row[j] - scratch[j];
+      for (int64_t j = 0; j < cols; ++j) {
+        const float d = row[j] - scratch[j];
+        e[j] = std::abs(d) <= kMax ? d : 0.0f;
+      }
     }
     std::copy(scratch, scratch + cols, row);
   }
@@ -110,15 +118,24 @@ at::Tensor strided_stack(const Batch& b) {
 class PowerSGD : public Compressor {
  public:
   explicit PowerSGD(const CompressionOptions& o) : o_(o) {
-    if (o.powersgd_rank < 1) throw InvalidArgument("cohort: PowerSGD needs rank >= 1");
+    if (o.powersgd_rank < 1) throw InvalidArgument("cohort: PowerSGD needs powersgd_rank >= 1");
     if (o.powersgd_start_iteration < 0) {
-      throw InvalidArgument("cohort: PowerSGD needs start_iteration >= 0");
+      throw InvalidArgument("cohort: PowerSGD needs powersgd_start_iteration >= 0");
+    }
+    // As PyTorch's hook: the error and Q kept from the first iteration would
+    // describe DDP's first bucket layout, which the rebuild after it changes.
+    if ((o.error_feedback || o.powersgd_warm_start) && o.powersgd_start_iteration <= 1) {
+      throw InvalidArgument(
+          "cohort: PowerSGD with error_feedback or powersgd_warm_start needs "
+          "powersgd_start_iteration > 1 (got " +
+          std::to_string(o.powersgd_start_iteration) + ")");
     }
   }
   std::string name() const override { return "powersgd"; }
 
   void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
                   const std::vector<at::Tensor>& shaped) override {
+    agree(comm, o_, key, flat.numel(), layout_words(flat, shaped));
     int64_t& step = steps_[key];
     if (step < o_.powersgd_start_iteration) {
       comm.all_reduce(flat, {ReduceOp::Avg}).wait();
@@ -201,7 +218,26 @@ class PowerSGD : public Compressor {
     }
   }
 
+ protected:
+  void forget(int64_t key) override {
+    errors_.erase(key);
+    q_.erase(key);
+  }
+
  private:
+  // What decides the batches: each view's offset and shape. Ranks whose
+  // views differ would all-reduce P and Q of different sizes.
+  static std::vector<int64_t> layout_words(const at::Tensor& flat,
+                                           const std::vector<at::Tensor>& shaped) {
+    std::vector<int64_t> words;
+    for (auto& t : shaped) {
+      words.push_back(t.storage_offset() - flat.storage_offset());
+      words.push_back(t.dim());
+      for (auto s : t.sizes()) words.push_back(s);
+    }
+    return words;
+  }
+
   // Position of `t` in `flat` (t must be a contiguous float32 view of it).
   static int64_t offset_in(const at::Tensor& flat, const at::Tensor& t) {
     const int64_t off = t.storage_offset() - flat.storage_offset();
@@ -258,20 +294,40 @@ class PowerSGD : public Compressor {
     if (p_.numel() != p_size) p_ = at::empty({p_size}, at::kFloat);
     auto& q = q_[key];
     const bool fresh = !q.defined() || q.numel() != q_size;
-    if (fresh) {
+    auto draw = [&] {
       auto gen = at::detail::createCPUGenerator(
           static_cast<uint64_t>(o_.powersgd_seed * 1000003 + key * 7919 + step));
-      q = at::randn({q_size}, gen, at::TensorOptions().dtype(at::kFloat));
-    }
+      return at::randn({q_size}, gen, at::TensorOptions().dtype(at::kFloat));
+    };
+    if (fresh) q = draw();
+    at::Tensor drawn;  // drawn once, only when some column needs it
     int64_t po = 0, qo = 0;
     for (auto& b : batches) {
       const int64_t n = static_cast<int64_t>(b.members.size());
       b.p = p_.narrow(0, po, n * b.rows * b.rank).view({n, b.rows, b.rank});
       b.q = q.narrow(0, qo, n * b.cols * b.rank).view({n, b.cols, b.rank});
+      if (!fresh) redraw_degenerate_columns(b.q, qo, drawn, draw);
       po += n * b.rows * b.rank;
       qo += n * b.cols * b.rank;
       orthogonalize(b.q);
     }
+  }
+
+  // A warm-start column that is zero (the last step's gradient was, as a
+  // frozen layer's is) or not finite (it held inf or NaN) would stay so for
+  // good: P = M Q would be zero or NaN at every later step. Such columns are
+  // drawn afresh from the shared seed; Q is the same on every rank (an
+  // all-reduce's result), so every rank redraws the same ones.
+  template <typename Draw>
+  static void redraw_degenerate_columns(at::Tensor& q, int64_t offset, at::Tensor& drawn,
+                                        Draw& draw) {
+    // One norm per column: (n, 1, rank).
+    auto norms = at::linalg_vector_norm(q, 2, at::IntArrayRef{1}, /*keepdim=*/true);
+    auto degenerate = at::isfinite(norms).logical_not().logical_or(norms.eq(0));
+    if (!degenerate.any().item<bool>()) return;
+    if (!drawn.defined()) drawn = draw();
+    auto fresh = drawn.narrow(0, offset, q.numel()).view(q.sizes());
+    q.copy_(at::where(degenerate, fresh, q));
   }
 
   // Averages the tensors not worth compressing in one all-reduce; with
@@ -298,6 +354,7 @@ class PowerSGD : public Compressor {
       if (error != nullptr) {
         auto dropped = error_of(error, t, off);
         at::sub_out(dropped, t.reshape(-1), average);
+        dropped.nan_to_num_(0, 0, 0);  // as reconstruct(): no non-finite error
       }
       t.copy_(average.view(t.sizes()));
       pos += t.numel();

@@ -76,4 +76,9 @@ void CompressionHook::load_state(const std::map<std::string, torch::Tensor>& sta
   compressor_->load_state(state);
 }
 
+void CompressionHook::buckets_changed(const std::vector<int64_t>& indices) {
+  if (worker_) worker_->drain();
+  for (int64_t i : indices) compressor_->reset(i);
+}
+
 }  // namespace cohort

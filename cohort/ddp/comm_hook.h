@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/compression/compressor.h"
@@ -52,6 +53,10 @@ class CommHook {
   virtual std::map<std::string, torch::Tensor> state() const { return {}; }
   /// Restores state() saved by the same rank of an earlier run.
   virtual void load_state(const std::map<std::string, torch::Tensor>& state) { (void)state; }
+  /// The buckets at `indices` now hold other parameters (DDP rebuilt its
+  /// buckets): state kept for them describes the old contents and must not
+  /// be applied to the new. Called on every rank, between iterations.
+  virtual void buckets_changed(const std::vector<int64_t>& indices) { (void)indices; }
 };
 
 /// all_reduce(Avg) of the bucket in place.
@@ -112,6 +117,8 @@ class CompressionHook : public CommHook {
   bool stateful() const override { return true; }
   std::map<std::string, torch::Tensor> state() const override;
   void load_state(const std::map<std::string, torch::Tensor>& state) override;
+  /// Resets the compressor's state of those buckets (Compressor::reset).
+  void buckets_changed(const std::vector<int64_t>& indices) override;
 
  private:
   std::shared_ptr<compression::Compressor> compressor_;

@@ -169,9 +169,21 @@ void GradientReducer::rebuild_buckets() {
     seen[i] = 1;
     agreed[k] = static_cast<size_t>(i);
   }
+  const auto before = bucket_layout();
   build_buckets(agreed);
   rebuilt_ = true;
   stats_.buckets_rebuilt = true;
+  // A bucket whose parameters changed (even at the same size) must not get
+  // the hook's state of the old ones, e.g. error feedback added to other
+  // gradients; every rank rebuilt the same buckets, so all tell the hook.
+  const auto after = bucket_layout();
+  std::vector<int64_t> changed;
+  for (size_t b = 0; b < std::max(before.size(), after.size()); ++b) {
+    if (b >= before.size() || b >= after.size() || before[b] != after[b]) {
+      changed.push_back(static_cast<int64_t>(b));
+    }
+  }
+  if (!changed.empty()) hook_->buckets_changed(changed);
 }
 
 void GradientReducer::set_reduction_owner(ReductionOwner* owner) {

@@ -80,7 +80,9 @@ TEST(DdpCompression, EveryCompressorKeepsReplicasIdentical) {
       torch::set_num_threads(1);
       DDPOptions o;
       o.compression.kind = kind;
-      o.compression.powersgd_start_iteration = 0;
+      o.compression.powersgd_start_iteration = 0;  // one step: no state to carry
+      o.compression.error_feedback = false;
+      o.compression.powersgd_warm_start = false;
       o.compression.powersgd_min_compression_rate = 1;
       const auto exact = grads_after_step(comm, {}, init);
       const auto g = grads_after_step(comm, o, init);

@@ -50,7 +50,7 @@ TEST_P(OverlappedHook, BitwiseTheCompressorCalledByHand) {
       DDPOptions o;
       o.compression.kind = kind;
       o.compression.topk_ratio = 0.2;
-      o.compression.powersgd_start_iteration = 0;
+      o.compression.powersgd_start_iteration = 2;
       o.compression.powersgd_min_compression_rate = 1;
       o.bucket_cap_mb = o.first_bucket_mb = 300.0 / (1 << 20);  // three buckets
       auto model = make_mlp(), reference = make_mlp();
@@ -58,8 +58,9 @@ TEST_P(OverlappedHook, BitwiseTheCompressorCalledByHand) {
       copy_parameters(*reference, init);
       DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, o);
       auto by_hand = compression::make_compressor(o.compression);
-      // Two steps: the second reads the error feedback and Q of the first.
-      for (int step = 0; step < 2; ++step) {
+      // Four steps: PowerSGD compresses from the third, and the fourth reads
+      // the error feedback and Q of the third.
+      for (int step = 0; step < 4; ++step) {
         const auto x = torch::full({4, 8}, 0.1 * (comm->rank() + 1) + step);
         const auto y = torch::ones({4, 4}) * comm->rank();
         model->zero_grad();

@@ -34,7 +34,7 @@ std::vector<torch::Tensor> train(CompressionKind kind, const std::string& dir, i
     DDPOptions o;
     o.compression.kind = kind;
     o.compression.topk_ratio = 0.2;
-    o.compression.powersgd_start_iteration = 1;
+    o.compression.powersgd_start_iteration = 2;
     o.compression.powersgd_min_compression_rate = 1;
     DistributedDataParallel<torch::nn::Sequential> ddp(net, comm, o);
     torch::optim::AdamW adamw(ddp.parameters(), torch::optim::AdamWOptions(1e-2));

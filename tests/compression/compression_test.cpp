@@ -213,7 +213,9 @@ TEST(PowerSGD, RecoversExactlyLowRankAverage) {
       CompressionOptions o;
       o.kind = CompressionKind::PowerSGD;
       o.powersgd_rank = 2;
-      o.powersgd_start_iteration = 0;
+      o.powersgd_start_iteration = 0;  // one step: no state to carry
+      o.error_feedback = false;
+      o.powersgd_warm_start = false;
       auto c = make_compressor(o);
       auto u = input(99, 40 * 2).view({40, 2});
       auto flat = at::empty({2 * 40 * 30 + 7}, at::kFloat);
