@@ -21,6 +21,7 @@
 #include "cohort/core/trace.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
+#include "cohort/memory/memory_scope.h"
 // Data parallelism and optimizers.
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/ddp/parameter_check.h"

@@ -12,15 +12,16 @@ cd "$root"
 # gets a line here: the check refuses folders it does not know.
 declare -A layer=(
   [core]=0
-  [algorithms]=1
-  [comm]=2
-  [compression]=3
-  [ddp]=4
-  [optim]=5
-  [pipeline]=6
-  [mesh]=7
-  [tensor_parallel]=8
-  [train]=9
+  [memory]=1
+  [algorithms]=2
+  [comm]=3
+  [compression]=4
+  [ddp]=5
+  [optim]=6
+  [pipeline]=7
+  [mesh]=8
+  [tensor_parallel]=9
+  [train]=10
 )
 
 status=0
