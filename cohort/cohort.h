@@ -33,6 +33,7 @@
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/pipeline_stage.h"
 #include "cohort/pipeline/schedule.h"
+#include "cohort/pipeline/schedule_memory.h"
 #include "cohort/pipeline/schedule_simulator.h"
 #include "cohort/pipeline/schedule_validator.h"
 #include "cohort/tensor_parallel/gpt_model.h"

@@ -6,7 +6,10 @@
 // averaged over ranks and steps) and a measured point-to-point time, and its
 // Monte Carlo mean with each action drawn from the run's measured durations.
 // --json adds each rank's action-duration distribution per type and the
-// host's steal, I/O wait and run-queue delays over the timed steps.
+// host's steal, I/O wait and run-queue delays over the timed steps. Each
+// row also gives every rank's peak activation memory in one step (counted
+// by a MemoryScope) beside the memory model's prediction from each stage's
+// measured StageMemory (schedule_memory).
 //
 //   cohortrun -n 2 -- build/bench/pipeline/pipeline_bench [--json]
 //       [--width 384] [--batch 256] [--steps 7] [--blocks 4] [--schedule NAME] [--m M]
@@ -143,6 +146,74 @@ std::string jitter_json(int rank, ActionType type, std::vector<double> v) {
   return buf;
 }
 
+// Per rank: the peak bytes of one step (gradients zeroed in place, so that
+// only what the step holds counts) and the model's prediction from each
+// stage measured on one micro-batch.
+struct MemoryRow {
+  std::vector<double> measured, predicted, live;
+};
+
+MemoryRow measure_memory(Communicator& comm, PipelineRuntime& rt, const Tensors& x,
+                         const Tensors& y, int m) {
+  const PipelineSchedule& schedule = rt.schedule();
+  const int pp = comm.size(), stages = schedule.num_stages;
+  const int64_t rows = x[0].size(0) / m;
+  // Each rank measures its stages; a sum over ranks gives every stage.
+  auto costs = torch::zeros({stages, 6}, torch::kFloat64);
+  for (const PipelineStage& st : rt.stages()) {
+    std::function<torch::Tensor(const Tensors&)> loss;
+    if (st.index() == stages - 1)
+      loss = [&](const Tensors& out) {
+        return torch::nn::functional::mse_loss(out[0], y[0].narrow(0, 0, rows)) / m;
+      };
+    Tensors in{st.index() == 0 ? x[0].narrow(0, 0, rows)
+                               : torch::randn_like(x[0].narrow(0, 0, rows))};
+    StageMemory sm = measure_stage_memory(st, in, loss);
+    costs[st.index()] =
+        torch::tensor({double(sm.activation_bytes), double(sm.split_activation_bytes),
+                       double(sm.workspace_bytes), double(sm.input_workspace_bytes),
+                       double(sm.weight_workspace_bytes), double(sm.weight_pending_bytes)},
+                      torch::kFloat64);
+  }
+  comm.all_reduce(costs, {ReduceOp::Sum}).wait();
+  MemoryCosts mc;
+  mc.stages.clear();
+  for (int st = 0; st < stages; ++st) {
+    auto c = costs[st];
+    mc.stages.push_back({int64_t(c[0].item<double>()), int64_t(c[1].item<double>()),
+                         int64_t(c[2].item<double>()), int64_t(c[3].item<double>()),
+                         int64_t(c[4].item<double>()), int64_t(c[5].item<double>())});
+  }
+  mc.boundary_bytes = {rows * x[0].size(1) * int64_t{sizeof(float)}};
+  const ScheduleMemory predicted = schedule_memory(schedule, mc);
+  for (auto& p : rt.parameters()) p.mutable_grad() = torch::zeros_like(p);
+  auto measured = torch::zeros({2, pp}, torch::kFloat64);
+  {
+    memory::MemoryScope scope;
+    auto r = rt.step(x, y);
+    measured[0][comm.rank()] = double(scope.peak_bytes());
+    measured[1][comm.rank()] = r.peak_live_microbatches;
+  }
+  comm.all_reduce(measured, {ReduceOp::Sum}).wait();
+  MemoryRow row;
+  for (int r = 0; r < pp; ++r) {
+    row.measured.push_back(measured[0][r].item<double>());
+    row.live.push_back(measured[1][r].item<double>());
+    row.predicted.push_back(double(predicted.peak_bytes[r]));
+  }
+  return row;
+}
+
+std::string join(const std::vector<double>& v, double scale, const char* fmt) {
+  std::string out;
+  char buf[32];
+  for (double x : v) {
+    std::snprintf(buf, sizeof buf, fmt, x * scale);
+    out += (out.empty() ? "" : ", ") + std::string(buf);
+  }
+  return out;
+}
+
 void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::string& name, int v,
              int m) {
   const int pp = comm->size();
@@ -264,6 +335,7 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   sc.boundary_bytes = {bytes};
   sc.transfer_ms = [t_p2p](int64_t) { return t_p2p; };
   auto sim = simulate_schedule(schedule, sc);
+  const MemoryRow mem = measure_memory(*comm, rt, {x}, {y}, m);
   if (comm->rank() != 0) return;
   // The same with each action's cost drawn from its rank's measured
   // durations of that type (this run's empirical distribution).
@@ -293,19 +365,24 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
         "\"fb_ms_by_rank\": [%s], \"step_min_ms\": %.3f, \"step_max_ms\": %.3f, "
         "\"steal_ms\": %.3f, \"steal_frac\": %.4f, \"iowait_ms\": %.3f, \"host_by_rank\": [%s], "
         "\"predicted_mc_ms\": %.3f, \"mc_p10_ms\": %.3f, \"mc_p90_ms\": %.3f, "
-        "\"mc_bubble\": %.4f, \"jitter\": [%s]}\n",
+        "\"mc_bubble\": %.4f, \"peak_bytes\": [%s], \"predicted_peak_bytes\": [%s], "
+        "\"peak_live_microbatches\": [%s], \"jitter\": [%s]}\n",
         name.c_str(), pp, v, m, step_ms, bub, formula_text, sim.step_ms, c.forward_ms,
         c.backward_ms, c.backward_input_ms, c.backward_weight_ms, t_p2p, sim.bubble_fraction,
         send_ms, recv_ms, other_ms, by_rank.c_str(), sorted_steps.front(), sorted_steps.back(),
         steal_ms, steal_frac, iowait_ms, host_by_rank.c_str(), mc.mean_step_ms, mc.p10_step_ms,
-        mc.p90_step_ms, mc.mean_bubble_fraction, jitter.c_str());
+        mc.p90_step_ms, mc.mean_bubble_fraction, join(mem.measured, 1, "%.0f").c_str(),
+        join(mem.predicted, 1, "%.0f").c_str(), join(mem.live, 1, "%.0f").c_str(), jitter.c_str());
   else
     std::printf(
         "%-12s pp %d v %d m %2d  step %8.2f ms  bubble %.3f (formula %.3f)  predicted "
-        "%8.2f ms (%+.1f%%)  Monte Carlo %8.2f ms (%+.1f%%)\n",
+        "%8.2f ms (%+.1f%%)  Monte Carlo %8.2f ms (%+.1f%%)  peak MiB by rank [%s] predicted "
+        "[%s]\n",
         name.c_str(), pp, v, m, step_ms, bub, formula, sim.step_ms,
         100 * (sim.step_ms - step_ms) / step_ms, mc.mean_step_ms,
-        100 * (mc.mean_step_ms - step_ms) / step_ms);
+        100 * (mc.mean_step_ms - step_ms) / step_ms,
+        join(mem.measured, 1.0 / (1 << 20), "%.2f").c_str(),
+        join(mem.predicted, 1.0 / (1 << 20), "%.2f").c_str());
   std::fflush(stdout);
 }
 

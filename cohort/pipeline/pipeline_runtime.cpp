@@ -70,6 +70,42 @@ void trace_action(Tracer& tracer, const Action& a, Clock::time_point start, Cloc
                   std::move(args));
 }
 
+// The peer's action matching each of `rank`'s communication actions, as a
+// position in the peer's list (-1 for compute actions).
+std::vector<int> peer_positions(const PipelineSchedule& s, int rank) {
+  using Key = std::tuple<ActionType, int, int>;
+  std::vector<std::map<Key, int>> pos(s.num_ranks);
+  for (int r = 0; r < s.num_ranks; ++r)
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const Action& a = s.actions[r][i];
+      if (!is_compute(a.type)) pos[r][{a.type, a.stage, a.microbatch}] = static_cast<int>(i);
+    }
+  std::vector<int> out;
+  for (const Action& a : s.actions[rank]) {
+    int stage = a.stage;
+    ActionType match = a.type;
+    switch (a.type) {
+      case ActionType::SendForward:
+        stage += 1, match = ActionType::RecvForward;
+        break;
+      case ActionType::SendBackward:
+        stage -= 1, match = ActionType::RecvBackward;
+        break;
+      case ActionType::RecvForward:
+        stage -= 1, match = ActionType::SendForward;
+        break;
+      case ActionType::RecvBackward:
+        stage += 1, match = ActionType::SendBackward;
+        break;
+      default:
+        out.push_back(-1);
+        continue;
+    }
+    out.push_back(pos[s.stage_to_rank[stage]].at({match, stage, a.microbatch}));
+  }
+  return out;
+}
+
 void add_gradients(const std::vector<torch::Tensor>& params,
                    const std::vector<torch::Tensor>& grads, size_t offset) {
   for (size_t i = 0; i < params.size(); ++i) {
@@ -101,13 +137,30 @@ struct Slot {
   bool weights_pending = false;  // I ran, W has not
 };
 
+// A send not known to be complete. Gloo reports a send complete only in its
+// wait, so the runtime also waits on it once the peer has visibly received
+// it: when a message arrives that the peer sent after its receive action
+// `peer_recv_pos` (see release_sends).
+struct PendingSend {
+  Work work;
+  torch::Tensor tensor;
+  int peer;
+  int peer_recv_pos;
+};
+
 struct PipelineRuntime::State {
   std::map<std::pair<int, int>, Slot> slots;
   std::map<std::pair<int, int>, Tensors> received_inputs, received_grads;
   std::map<int, BoundaryMeta> sent_meta, recv_meta;
-  std::vector<std::pair<Work, torch::Tensor>> sends;
-  // Receives posted at the step's start, by (boundary, direction, micro-batch).
+  std::vector<PendingSend> sends;  // until they complete
+  // Per action of this rank: for a send, the position of its receive in the
+  // peer's action list; for a receive, the position of its send there.
+  std::vector<int> peer_pos;
+  size_t running = 0;  // the action being run
+  // Receives posted ahead, by (boundary, direction, micro-batch).
   std::map<std::tuple<int, int, int>, std::vector<std::pair<Work, torch::Tensor>>> posted;
+  size_t post_cursor = 0;            // the next action post_receives looks at
+  int live = 0, peak_live = 0;       // (stage, micro-batch) pairs holding activations
   std::vector<bool> split_backward;  // per stage: the schedule uses I/W
   std::map<int, const PipelineStage*> local;
   Tensors micro_inputs_flat;
@@ -122,6 +175,9 @@ struct PipelineRuntime::State {
 void PipelineRuntime::check_local(const std::string& who) const {
   if (stages_.empty()) throw InvalidArgument(who + "empty stage list (every rank holds a stage)");
   if (!loss_fn_) throw InvalidArgument(who + "no loss function");
+  if (options_.recv_window < 0)
+    throw InvalidArgument(who + "recv_window is " + std::to_string(options_.recv_window) +
+                          " (0 or more receive actions posted ahead)");
   if (schedule_.num_microbatches <= 0)
     throw InvalidArgument(who + "zero micro-batches (schedule " + schedule_.name + ")");
   if (schedule_.num_microbatches > kMetaMicrobatch)
@@ -246,6 +302,7 @@ PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
   for (const auto& act : schedule_.actions[rank])
     if (act.type == ActionType::BackwardInput) state_->split_backward[act.stage] = true;
   for (const auto& st : stages_) state_->local[st.index()] = &st;
+  state_->peer_pos = peer_positions(schedule_, rank);
 }
 
 PipelineRuntime::~PipelineRuntime() = default;
@@ -295,8 +352,21 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
     span.arg(TraceArg::num("microbatches", schedule_.num_microbatches));
   }
   try {
-    post_receives();
-    for (const Action& a : schedule_.actions[state_->rank]) run_action(a, result);
+    const std::vector<Action>& actions = schedule_.actions[state_->rank];
+    state_->post_cursor = 0;
+    state_->live = state_->peak_live = 0;
+    for (size_t pc = 0; pc < actions.size(); ++pc) {
+      post_receives(pc);
+      const Action& a = actions[pc];
+      state_->running = pc;
+      run_action(a, result);
+      if (a.type == ActionType::RecvForward || a.type == ActionType::RecvBackward) {
+        const int from = a.stage + (a.type == ActionType::RecvForward ? -1 : 1);
+        release_sends(schedule_.stage_to_rank[from], state_->peer_pos[pc]);
+      }
+      reap_sends();
+    }
+    result.peak_live_microbatches = state_->peak_live;
     TraceSpan finish(tracer, "finish step", "pipeline.step");
     finish_step(result);
   } catch (...) {
@@ -373,6 +443,7 @@ void PipelineRuntime::forward(int stage, int mb) {
   }
   const PipelineStage& ps = *st.local.at(stage);
   Tensors out = ps.forward(in, st.split_backward[stage] ? &slot.units : nullptr);
+  st.peak_live = std::max(st.peak_live, ++st.live);
   slot.inputs = std::move(in);
   if (stage != schedule_.num_stages - 1) {
     slot.outputs = std::move(out);
@@ -407,7 +478,10 @@ void PipelineRuntime::backward(const Action& a) {
       grads = std::move(it->second);
       st.received_grads.erase(it);
     } else {
-      grads = std::move(st.slots.at({stage + 1, mb}).input_grads);
+      Slot& next = st.slots.at({stage + 1, mb});
+      grads = std::move(next.input_grads);
+      next.input_grads.clear();
+      if (!next.weights_pending) st.slots.erase({stage + 1, mb});  // W still needs it
     }
   }
   // Floating-point outputs pair with the gradients, in order.
@@ -419,9 +493,11 @@ void PipelineRuntime::backward(const Action& a) {
     if (needs_grad(o)) roots.push_back(o), root_grads.push_back(grads[gi]);
     ++gi;
   }
+  // Stage 0's inputs are the batch: no stage takes their gradients.
+  const bool send_back = stage > 0;
   Tensors want;
   std::vector<size_t> input_pos;
-  for (size_t i = 0; i < slot.inputs.size(); ++i)
+  for (size_t i = 0; send_back && i < slot.inputs.size(); ++i)
     if (needs_grad(slot.inputs[i])) want.push_back(slot.inputs[i]), input_pos.push_back(i);
   const size_t n_inputs = want.size();
   const PipelineStage& ps = *st.local.at(stage);
@@ -437,7 +513,7 @@ void PipelineRuntime::backward(const Action& a) {
   // Every floating-point input gets a gradient (zeros where unused): the
   // receiver expects one message per floating-point boundary tensor.
   slot.input_grads.clear();
-  for (size_t i = 0, k = 0; i < slot.inputs.size(); ++i) {
+  for (size_t i = 0, k = 0; send_back && i < slot.inputs.size(); ++i) {
     if (!slot.inputs[i].is_floating_point()) continue;
     torch::Tensor g;
     if (k < input_pos.size() && input_pos[k] == i) {
@@ -448,7 +524,7 @@ void PipelineRuntime::backward(const Action& a) {
   }
   if (full) {
     if (!got.empty()) add_gradients(ps.parameters(), got, n_inputs);
-    slot.inputs.clear(), slot.outputs.clear(), slot.units.clear();
+    release_activations(stage, mb);  // `slot` may be gone
   } else if (by_unit) {
     slot.weights_pending = true;
     slot.unit_grads.assign(got.begin() + (got.empty() ? 0 : n_inputs), got.end());
@@ -478,12 +554,54 @@ void PipelineRuntime::backward_weight(int stage, int mb) {
         torch::autograd::grad(slot.roots, ps.parameters(), slot.root_grads, false, false, true);
     add_gradients(ps.parameters(), g, 0);
   }
+  release_activations(stage, mb);
+}
+
+// After the micro-batch's last backward action on the stage. Its input
+// gradients may still wait for their SEND_B or the previous local stage,
+// which then drop the slot.
+void PipelineRuntime::release_activations(int stage, int mb) {
+  State& st = *state_;
+  auto it = st.slots.find({stage, mb});
+  Slot& slot = it->second;
   slot.inputs.clear(), slot.outputs.clear(), slot.units.clear(), slot.unit_grads.clear();
   slot.roots.clear(), slot.root_grads.clear();
   slot.weights_pending = false;
-  // The input gradients may still wait for their SEND_B or the previous
-  // local stage; finish_step drops what is left.
-  if (slot.input_grads.empty()) state_->slots.erase({stage, mb});
+  --st.live;
+  if (slot.input_grads.empty()) st.slots.erase(it);
+}
+
+// A completed send's tensor goes at once, not at the step's end: a step
+// otherwise keeps every output it sent, m of them.
+void PipelineRuntime::reap_sends() {
+  auto& sends = state_->sends;
+  auto done = std::remove_if(sends.begin(), sends.end(), [](PendingSend& s) {
+    if (!s.work.is_completed()) return false;
+    s.work.wait();  // a failed send throws here, naming its call
+    return true;
+  });
+  sends.erase(done, sends.end());
+}
+
+// A message from `peer` that it sent at its action `peer_send_pos` has
+// arrived. Every send of ours that the peer received at an earlier action
+// has arrived too, so its wait returns at once: the engine can tell (Gloo's
+// sends complete only in wait) and the tensor goes. Without this a rank
+// would keep its sends until the step's end, m of them.
+void PipelineRuntime::release_sends(int peer, int peer_send_pos) {
+  auto& sends = state_->sends;
+  auto done = std::remove_if(sends.begin(), sends.end(), [&](PendingSend& s) {
+    if (s.peer != peer || s.peer_recv_pos >= peer_send_pos) return false;
+    s.work.wait();
+    return true;
+  });
+  sends.erase(done, sends.end());
+}
+
+void PipelineRuntime::send(const torch::Tensor& tensor, int dst, int tag) {
+  torch::Tensor c = tensor.detach().contiguous();
+  Work w = group_->send(c, dst, {tag});
+  state_->sends.push_back({std::move(w), c, dst, state_->peer_pos[state_->running]});
 }
 
 void PipelineRuntime::send_forward(int stage, int mb) {
@@ -506,8 +624,7 @@ void PipelineRuntime::send_forward(int stage, int mb) {
                             " sends too many tensors or dimensions to describe (" +
                             std::to_string(enc.size()) + " > 64 values)");
     enc.resize(kMetaSlots, 0);
-    torch::Tensor m = torch::tensor(enc, torch::kInt64);
-    st.sends.emplace_back(group_->send(m, dst, {message_tag(stage, 0, kMetaMicrobatch)}), m);
+    send(torch::tensor(enc, torch::kInt64), dst, message_tag(stage, 0, kMetaMicrobatch));
     meta.known = true;
   }
   bool same = out.size() == meta.shapes.size();
@@ -525,37 +642,41 @@ void PipelineRuntime::send_forward(int stage, int mb) {
     os << "] (agreed on the boundary's first message)";
     throw InvalidArgument(os.str());
   }
-  for (const auto& t : out) {
-    torch::Tensor c = t.detach().contiguous();
-    st.sends.emplace_back(group_->send(c, dst, {message_tag(stage, 0, mb)}), c);
-  }
+  for (const auto& t : out) send(t, dst, message_tag(stage, 0, mb));
 }
 
-// Once a boundary's shapes are agreed (on the first step), every receive
-// of a step is posted at its start. A message then lands while this rank
-// computes; posted at the receive action, it would wait for the receiver to
-// ask and for the sender's transport to answer, on the critical path of
-// every micro-batch.
-void PipelineRuntime::post_receives() {
+// Once a boundary's shapes are agreed (on the first step), receives are
+// posted ahead: the next recv_window receive actions from the running one
+// on. A message then lands while this rank computes; posted at the receive
+// action, it would wait for the receiver to ask and for the sender's
+// transport to answer, on the critical path of every micro-batch. A
+// receive the window did not reach is posted at its own action.
+void PipelineRuntime::post_receives(size_t running) {
   State& st = *state_;
-  for (const Action& a : schedule_.actions[st.rank]) {
-    const bool fwd = a.type == ActionType::RecvForward;
-    if (!fwd && a.type != ActionType::RecvBackward) continue;
-    const int boundary = fwd ? a.stage - 1 : a.stage;
-    const auto& metas = fwd ? st.recv_meta : st.sent_meta;
-    auto it = metas.find(boundary);
-    if (it == metas.end() || !it->second.known) continue;
-    const BoundaryMeta& meta = it->second;
-    const int src = schedule_.stage_to_rank[fwd ? a.stage - 1 : a.stage + 1];
-    const int dir = fwd ? 0 : 1;
-    auto& list = st.posted[{boundary, dir, a.microbatch}];
-    for (size_t i = 0; i < meta.shapes.size(); ++i) {
-      if (!fwd && !c10::isFloatingType(meta.dtypes[i])) continue;  // no gradient
-      torch::Tensor buf =
-          torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
-      Work w = group_->recv(buf, src, {message_tag(boundary, dir, a.microbatch), options_.timeout});
-      list.emplace_back(std::move(w), buf);
-    }
+  const std::vector<Action>& actions = schedule_.actions[st.rank];
+  st.post_cursor = std::max(st.post_cursor, running);
+  while (st.post_cursor < actions.size() &&
+         st.posted.size() < static_cast<size_t>(options_.recv_window))
+    post_receive(actions[st.post_cursor++]);
+}
+
+void PipelineRuntime::post_receive(const Action& a) {
+  State& st = *state_;
+  const bool fwd = a.type == ActionType::RecvForward;
+  if (!fwd && a.type != ActionType::RecvBackward) return;
+  const int boundary = fwd ? a.stage - 1 : a.stage;
+  const auto& metas = fwd ? st.recv_meta : st.sent_meta;
+  auto it = metas.find(boundary);
+  if (it == metas.end() || !it->second.known) return;
+  const BoundaryMeta& meta = it->second;
+  const int src = schedule_.stage_to_rank[fwd ? a.stage - 1 : a.stage + 1];
+  const int dir = fwd ? 0 : 1;
+  auto& list = st.posted[{boundary, dir, a.microbatch}];
+  for (size_t i = 0; i < meta.shapes.size(); ++i) {
+    if (!fwd && !c10::isFloatingType(meta.dtypes[i])) continue;  // no gradient
+    torch::Tensor buf = torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
+    Work w = group_->recv(buf, src, {message_tag(boundary, dir, a.microbatch), options_.timeout});
+    list.emplace_back(std::move(w), buf);
   }
 }
 
@@ -624,10 +745,7 @@ void PipelineRuntime::send_backward(int stage, int mb) {
   Tensors grads = std::move(slot.input_grads);
   slot.input_grads.clear();
   const int dst = schedule_.stage_to_rank[stage - 1];
-  for (const auto& g : grads) {
-    torch::Tensor c = g.detach().contiguous();
-    st.sends.emplace_back(group_->send(c, dst, {message_tag(stage - 1, 1, mb)}), c);
-  }
+  for (const auto& g : grads) send(g, dst, message_tag(stage - 1, 1, mb));
   if (!slot.weights_pending) st.slots.erase({stage, mb});  // W still needs it
 }
 
@@ -650,7 +768,7 @@ void PipelineRuntime::recv_backward(int stage, int mb) {
 
 void PipelineRuntime::finish_step(PipelineStepResult& result) {
   State& st = *state_;
-  for (auto& [work, tensor] : st.sends) work.wait();
+  for (auto& pending : st.sends) pending.work.wait();
   st.sends.clear();
   st.slots.clear();
   // Per-micro-batch losses from the last stage's rank to every rank, then

@@ -8,13 +8,21 @@
 // loss.backward() on the whole batch (mean loss) adds: no further scaling
 // anywhere, gradients accumulate across steps until the caller zeros them.
 //
-// Transport: every send is posted without waiting (its Work is kept until
-// the end of the step) and a receive blocks only for its own message, so the
-// transport cannot deadlock a schedule that the validator's dry run accepts
-// (Megatron alternates even and odd ranks because NCCL's sends block).
+// Transport: every send is posted without waiting (its Work and tensor are
+// kept until it completes) and a receive blocks only for its own message, so
+// the transport cannot deadlock a schedule that the validator's dry run
+// accepts (Megatron alternates even and odd ranks because NCCL's sends
+// block).
 // Messages are tagged by (stage, direction, micro-batch). Shapes and dtypes
 // cross each boundary once, on its first message; later outputs that differ
 // are refused naming the stage, micro-batch, expected and actual shape.
+//
+// Memory: a rank holds what its schedule needs and no more. A micro-batch's
+// activations live from its F to its B (to its W under a split backward),
+// receives are posted at most PipelineOptions::recv_window actions ahead,
+// and a sent tensor is dropped when its send completes; nothing is sized by
+// the whole batch. So 1F1B, interleaved and ZB-H1 hold a number of
+// micro-batches that does not grow with m (schedule_memory predicts it).
 #pragma once
 
 #include <torch/types.h>
@@ -44,6 +52,11 @@ struct PipelineOptions {
   Millis timeout = kDefaultTimeout;
   /// Record each compute action's time (PipelineStepResult::compute_ms).
   bool measure = true;
+  /// Receive actions posted ahead of the running action, each with its
+  /// buffers: a message then lands while this rank computes instead of
+  /// waiting for the receiver to ask, and the buffers stay bounded whatever
+  /// m is. 0 posts each receive at its own action.
+  int recv_window = 4;
 };
 
 /// What one step returns on every rank.
@@ -62,6 +75,9 @@ struct PipelineStepResult {
   /// distribution behind action_ms: a pipeline's idle time depends on how
   /// much single actions vary, not only on their mean).
   std::vector<double> durations_ms;
+  /// The most (stage, micro-batch) pairs whose activations this rank held
+  /// at once: from an F to its B, or to its W after an I.
+  int peak_live_microbatches = 0;
 };
 
 /// One rank's pipeline: its stages, the schedule, the pipeline group.
@@ -119,7 +135,12 @@ class PipelineRuntime {
   void send_backward(int stage, int mb);
   void recv_backward(int stage, int mb);
   void finish_step(PipelineStepResult& result);
-  void post_receives();
+  void post_receives(size_t running);
+  void post_receive(const Action& action);
+  void reap_sends();
+  void release_sends(int peer, int peer_send_pos);
+  void send(const torch::Tensor& tensor, int dst, int tag);
+  void release_activations(int stage, int mb);
   bool take_posted(int boundary, int dir, int mb, Tensors& out);
   Work wait_recv(torch::Tensor& buffer, int src, int tag);
   std::shared_ptr<Communicator> group_;

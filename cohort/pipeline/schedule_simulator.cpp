@@ -70,7 +70,12 @@ const std::vector<double>& samples_of(const StageCostSamples& s, ActionType t) {
 
 SimulationResult simulate_schedule(const PipelineSchedule& input, const SimulatorCosts& costs) {
   const PipelineSchedule s = checked(input, costs, "simulate_schedule");
-  return run(s, costs, [&](const Action& a) { return compute_cost(a, costs); });
+  SimulationResult out = run(s, costs, [&](const Action& a) { return compute_cost(a, costs); });
+  const ScheduleMemory memory =
+      schedule_memory(s, MemoryCosts{costs.memory, costs.boundary_bytes, costs.recv_window});
+  out.peak_live_microbatches = memory.peak_live_microbatches;
+  out.peak_activation_bytes = memory.peak_bytes;
+  return out;
 }
 
 MonteCarloResult simulate_schedule_monte_carlo(const PipelineSchedule& input,

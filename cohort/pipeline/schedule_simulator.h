@@ -1,7 +1,8 @@
 // defines: StageCosts, SimulatorCosts, SimulationResult, simulate_schedule:
 // a schedule's step time and bubble from measured costs, without the model;
 // StageCostSamples, MonteCarloResult, simulate_schedule_monte_carlo: the same
-// with each action's cost drawn from measured durations.
+// with each action's cost drawn from measured durations. simulate_schedule
+// also reports each rank's peak activation memory (schedule_memory.h).
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "cohort/pipeline/schedule.h"
+#include "cohort/pipeline/schedule_memory.h"
 
 namespace cohort::pipeline {
 
@@ -34,6 +36,11 @@ struct SimulatorCosts {
   /// Time the sender spends posting a send and the receiver finishing a
   /// receive (host work, copies); charged to the rank, not overlapped.
   double p2p_overhead_ms = 0;
+  /// Per logical stage (a single entry: every stage): the memory model's
+  /// activation and workspace bytes (with boundary_bytes for the buffers).
+  std::vector<StageMemory> memory{StageMemory{}};
+  /// The runtime's PipelineOptions::recv_window.
+  int recv_window = 4;
 };
 
 /// What a simulated step looks like.
@@ -48,6 +55,10 @@ struct SimulationResult {
   double bubble_ratio = 0;
   std::vector<double> compute_ms;  ///< per rank
   std::vector<double> finish_ms;   ///< per rank
+  /// Per rank: the most micro-batches' activations held at once.
+  std::vector<int> peak_live_microbatches;
+  /// Per rank: the most bytes held at once (SimulatorCosts::memory).
+  std::vector<int64_t> peak_activation_bytes;
 };
 
 /// Runs the schedule on a model of the ranks: compute actions take their
