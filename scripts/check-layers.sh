@@ -13,6 +13,7 @@ cd "$root"
 declare -A layer=(
   [core]=0
   [algorithms]=1
+  [activation]=1
   [comm]=2
   [compression]=3
   [ddp]=4
