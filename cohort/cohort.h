@@ -21,6 +21,7 @@
 #include "cohort/core/trace.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
+#include "cohort/memory/memory_scope.h"
 // Activation checkpointing.
 #include "cohort/activation/checkpoint.h"
 #include "cohort/activation/checkpoint_wrapper.h"

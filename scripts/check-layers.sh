@@ -12,16 +12,17 @@ cd "$root"
 # gets a line here: the check refuses folders it does not know.
 declare -A layer=(
   [core]=0
-  [algorithms]=1
-  [activation]=1
-  [comm]=2
-  [compression]=3
-  [ddp]=4
-  [optim]=5
-  [pipeline]=6
-  [mesh]=7
-  [tensor_parallel]=8
-  [train]=9
+  [memory]=1
+  [activation]=2
+  [algorithms]=3
+  [comm]=4
+  [compression]=5
+  [ddp]=6
+  [optim]=7
+  [pipeline]=8
+  [mesh]=9
+  [tensor_parallel]=10
+  [train]=11
 )
 
 status=0
