@@ -2,7 +2,7 @@
 // gradients with checkpointing are bitwise those without, for the GPT's
 // tensor-parallel blocks at tp = 2 (their recompute re-runs collectives),
 // a pipeline stage under 1F1B and ZB-H1 (ZB-H1 recomputes for I and again
-// for W), and DDP (gradients reach the reducer through the accumulators).
+// for W), DDP and ZeRO-2 (gradients reach their hooks on the accumulators).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,6 +12,7 @@
 #include "cohort/activation/checkpoint.h"
 #include "cohort/activation/checkpoint_wrapper.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/tensor_parallel/gpt_model.h"
 #include "cohort/tensor_parallel/gpt_pipeline.h"
@@ -24,13 +25,15 @@ namespace {
 using Tensors = std::vector<torch::Tensor>;
 using Grads = std::map<std::string, torch::Tensor>;  // "name@rank" -> gradient
 
-// Collects each rank's gradients of `params`, keyed by name and rank.
+// Collects each rank's gradients of `params` (or their values), keyed by
+// name and rank.
 class GradSink {
  public:
-  void add(int rank, const torch::OrderedDict<std::string, torch::Tensor>& params) {
+  void add(int rank, const torch::OrderedDict<std::string, torch::Tensor>& params,
+           bool values = false) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& p : params) {
-      const auto& g = p.value().grad();
+      const auto& g = values ? p.value() : p.value().grad();
       grads_[p.key() + "@" + std::to_string(rank)] = g.defined() ? g.clone() : g;
     }
   }
@@ -211,6 +214,38 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CheckpointDdp,
                            return "world" + std::to_string(info.param.world) +
                                   (info.param.find_unused ? "_find_unused" : "");
                          });
+
+// ZeRO-2 alone: the gradients go straight from the accumulators' hooks into
+// reduce-scatters; compared are the parameters after one AdamW step.
+Grads zero2_params(int world, bool checkpointed) {
+  GradSink sink;
+  run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    torch::set_num_threads(1);
+    const int r = comm->rank();
+    auto model = make_mlp(3, 8);
+    auto net = checkpointed ? checkpoint_blocks(model) : model;
+    ZeroOptions zo;
+    zo.stage = 2;
+    zo.bucket_cap_mb = 0.0005;
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+        net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo);
+    zero->zero_grad();
+    auto x = torch::randn({3 * world, 8}, at::detail::createCPUGenerator(1)).narrow(0, 3 * r, 3);
+    weighted_loss(net->forward(x)).backward();
+    zero->step();
+    sink.add(r, model->named_parameters(), /*values=*/true);
+  });
+  return sink.take();
+}
+
+class CheckpointZero : public ::testing::TestWithParam<int> {};
+
+TEST_P(CheckpointZero, Stage2StepIsBitwiseThatWithout) {
+  expect_bitwise(zero2_params(GetParam(), true), zero2_params(GetParam(), false));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CheckpointZero, ::testing::Values(2, 3),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
 
 }  // namespace
 }  // namespace cohort::testing
