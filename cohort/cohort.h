@@ -2,8 +2,8 @@
 // defines (through its includes): the whole public API: init, Communicator,
 // Work, the options and error kinds, the stores, the algorithm choice,
 // DistributedDataParallel, ZeroRedundancyOptimizer, FusedDistributedOptimizer,
-// the pipeline schedules and runtime, the device mesh, the tensor-parallel
-// layers and the 3-D gradient synchronizer,
+// activation checkpointing, the pipeline schedules and runtime, the device
+// mesh, the tensor-parallel layers and the 3-D gradient synchronizer,
 // the Trainer with its optimizers, gradient syncs and data sources, and the
 // version macros.
 #pragma once
@@ -22,6 +22,9 @@
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
 #include "cohort/memory/memory_scope.h"
+// Activation checkpointing.
+#include "cohort/activation/checkpoint.h"
+#include "cohort/activation/checkpoint_wrapper.h"
 // Data parallelism and optimizers.
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/ddp/parameter_check.h"

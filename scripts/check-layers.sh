@@ -13,15 +13,16 @@ cd "$root"
 declare -A layer=(
   [core]=0
   [memory]=1
-  [algorithms]=2
-  [comm]=3
-  [compression]=4
-  [ddp]=5
-  [optim]=6
-  [pipeline]=7
-  [mesh]=8
-  [tensor_parallel]=9
-  [train]=10
+  [activation]=2
+  [algorithms]=3
+  [comm]=4
+  [compression]=5
+  [ddp]=6
+  [optim]=7
+  [pipeline]=8
+  [mesh]=9
+  [tensor_parallel]=10
+  [train]=11
 )
 
 status=0

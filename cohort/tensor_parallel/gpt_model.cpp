@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 
+#include "cohort/activation/checkpoint.h"
 #include "cohort/core/error.h"
 #include "cohort/tensor_parallel/mappings.h"
 
@@ -140,7 +141,18 @@ torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {
     if (config_.sequence_parallel) h = scatter_to_sequence_parallel_region(h, *tp_);
     if (config_.dropout > 0) h = torch::dropout(h, config_.dropout, is_training());
   }
-  for (auto& block : blocks_) h = block->forward(h);
+  for (auto& block : blocks_) {
+    if (!config_.checkpoint_activations) {
+      h = block->forward(h);
+      continue;
+    }
+    // The recompute re-runs the block's TP collectives inside backward. Every
+    // TP rank runs the same backward graph in the same order, so each block's
+    // recompute (its forward collectives, then its backward ones) pairs up
+    // across the group as the forward did.
+    h = checkpoint([block](const torch::Tensor& x) { return block->forward(x); }, h,
+                   block->parameters());
+  }
   if (!last_) return h;
   h = final_layernorm_(h);
   h = config_.sequence_parallel ? gather_from_sequence_parallel_region(h, *tp_)

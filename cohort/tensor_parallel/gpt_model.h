@@ -35,14 +35,15 @@ namespace cohort::tensor_parallel {
 /// The model's sizes. hidden, heads, vocab_size (and seq_len under sequence
 /// parallelism) must divide by tp, layers by pp.
 struct GPTConfig {
-  int64_t vocab_size = 64;         ///< tokens (characters); pad to a multiple of tp
-  int64_t seq_len = 16;            ///< context length T
-  int64_t hidden = 32;             ///< model width H
-  int64_t heads = 4;               ///< attention heads
-  int64_t layers = 2;              ///< transformer blocks
-  double dropout = 0.0;            ///< attention and residual dropout (training only)
-  bool sequence_parallel = false;  ///< split LayerNorm/dropout regions along the sequence
-  uint64_t seed = 1234;            ///< seed of every weight
+  int64_t vocab_size = 64;              ///< tokens (characters); pad to a multiple of tp
+  int64_t seq_len = 16;                 ///< context length T
+  int64_t hidden = 32;                  ///< model width H
+  int64_t heads = 4;                    ///< attention heads
+  int64_t layers = 2;                   ///< transformer blocks
+  double dropout = 0.0;                 ///< attention and residual dropout (training only)
+  bool sequence_parallel = false;       ///< split LayerNorm/dropout regions along the sequence
+  bool checkpoint_activations = false;  ///< keep only each block's input; recompute in backward
+  uint64_t seed = 1234;                 ///< seed of every weight
 };
 
 class TransformerBlockImpl;

@@ -41,6 +41,7 @@ struct Flags {
   std::string schedule = "1f1b";  // pp > 1
   int microbatches = 4;           // pp > 1
   bool sequence_parallel = false;
+  bool checkpoint_activations = false;
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
   int64_t sample_chars = 300;
@@ -150,6 +151,7 @@ int run(const Flags& f) {
   c.heads = f.heads;
   c.layers = f.layers;
   c.sequence_parallel = f.sequence_parallel;
+  c.checkpoint_activations = f.checkpoint_activations;
   c.seed = f.seed;
   GPTStage stage(*mesh, c);
   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
@@ -270,6 +272,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--sequence-parallel", f.sequence_parallel,
                "split LayerNorm/dropout regions by sequence");
+  app.add_flag("--checkpoint-activations", f.checkpoint_activations,
+               "keep only each block's input; recompute its activations in backward");
   app.add_option("--eval-every", f.eval_every, "steps between validation losses")
       ->check(CLI::PositiveNumber);
   app.add_option("--sample-chars", f.sample_chars, "characters to generate at the end");

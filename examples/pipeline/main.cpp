@@ -4,7 +4,8 @@
 // over their parameters; the loss comes from the last stage to every rank.
 // The Trainer drives the pipeline: --clip clips by the global gradient norm
 // over all stages, --checkpoint-dir saves every rank's stages and resumes
-// from the newest checkpoint there.
+// from the newest checkpoint there. --checkpoint-activations keeps only
+// each (Linear, Tanh) block's input and recomputes the block in backward.
 //
 //   build/tools/cohortrun/cohortrun -n 2 -- build/examples/pipeline/pipeline_mlp \
 //       --schedule 1f1b --microbatches 4 --steps 200
@@ -35,6 +36,7 @@ struct Config {
   std::string checkpoint_dir;  // empty: no checkpoints
   int checkpoint_every = 50;
   bool print_schedule = false;
+  bool checkpoint_activations = false;
 };
 
 // Layers [s * L, (s + 1) * L) of the student: Linear + Tanh blocks, the last
@@ -98,6 +100,8 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-dir", c.checkpoint_dir, "checkpoint here and resume from it");
   app.add_option("--checkpoint-every", c.checkpoint_every, "steps between checkpoints");
   app.add_flag("--print-schedule", c.print_schedule, "print the schedule's text form");
+  app.add_flag("--checkpoint-activations", c.checkpoint_activations,
+               "recompute each block's activations in backward instead of keeping them");
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
@@ -109,7 +113,9 @@ int main(int argc, char** argv) {
       std::printf("%s", format_schedule(add_communication(schedule)).c_str());
     std::vector<PipelineStage> mine;
     for (int s : schedule.stages_of(comm->rank()))
-      mine.emplace_back(s, build_stage(c, s, schedule.num_stages));
+      mine.emplace_back(s, c.checkpoint_activations
+                               ? cohort::checkpoint_blocks(build_stage(c, s, schedule.num_stages))
+                               : build_stage(c, s, schedule.num_stages));
     auto mse = [](const Tensors& out, const Tensors& y) {
       return torch::nn::functional::mse_loss(out[0], y[0]);
     };

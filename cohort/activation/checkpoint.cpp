@@ -1,0 +1,301 @@
+// checkpoint as an autograd node of its own. LibTorch 1.13's saved-tensor
+// default hooks take Python objects, so the C++ route is a node whose inputs
+// are the function's inputs and the parameters it reads: their gradients then
+// leave it along the ordinary edges, into the parameters' accumulators, where
+// DDP's, ZeRO's and the fused optimizer's hooks sit.
+//
+// Each call of the node recomputes. The zero-bubble pipeline calls it twice
+// per micro-batch: once for the input gradient (I), once for the weights (W),
+// each time asking only for its part (task_should_compute_output). Keeping
+// the recomputed graph from I until W would hold a block's full activations
+// across the schedule's delay between them, for every micro-batch in
+// flight, which is what checkpointing exists to avoid; so W recomputes
+// again, from the same saved RNG state, and I and W each differentiate only
+// what they need.
+#include "cohort/activation/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <mutex>
+#include <optional>
+#include <unordered_set>
+
+#include "cohort/core/error.h"
+
+namespace cohort {
+namespace {
+
+using Tensors = std::vector<torch::Tensor>;
+using torch::autograd::variable_list;
+
+[[noreturn]] void fail(const std::string& what) { throw InvalidArgument("checkpoint: " + what); }
+
+bool differentiable(const torch::Tensor& t) {
+  return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
+}
+
+// The default generators a function may draw from: the CPU one, and the
+// CUDA one of each device among the inputs (as PyTorch's checkpoint).
+class RngStates {
+ public:
+  static RngStates capture(const Tensors& inputs) {
+    RngStates s;
+    s.add(at::detail::getDefaultCPUGenerator());
+    for (const auto& t : inputs) {
+      if (!t.defined() || !t.is_cuda()) continue;
+      auto gen = at::globalContext().defaultGenerator(t.device());
+      bool seen = false;
+      for (const auto& entry : s.states_) seen = seen || entry.first == gen;
+      if (!seen) s.add(gen);
+    }
+    return s;
+  }
+  // The same generators' states now.
+  RngStates current() const {
+    RngStates s;
+    for (const auto& entry : states_) s.add(entry.first);
+    return s;
+  }
+  void restore() const {
+    for (auto [gen, state] : states_) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+  }
+
+ private:
+  void add(at::Generator gen) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    states_.emplace_back(gen, gen.get_state());
+  }
+  std::vector<std::pair<at::Generator, torch::Tensor>> states_;
+};
+
+// Runs the recompute from the forward's RNG states and gives the caller's
+// stream back afterwards, also when the function throws.
+class RngFork {
+ public:
+  explicit RngFork(const RngStates& saved) : caller_(saved.current()) { saved.restore(); }
+  ~RngFork() { caller_.restore(); }
+  RngFork(const RngFork&) = delete;
+  RngFork& operator=(const RngFork&) = delete;
+
+ private:
+  RngStates caller_;
+};
+
+// What the forward returned, to hold the recompute to it.
+struct OutputMeta {
+  bool defined = false;
+  bool differentiable = false;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> sizes;
+};
+
+std::string describe(const OutputMeta& m) {
+  if (!m.defined) return "undefined";
+  return std::string(c10::toString(m.dtype)) + " " + c10::str(c10::IntArrayRef(m.sizes));
+}
+
+// Leaves of the recomputed graph that require grad but are neither inputs
+// nor parameters: autograd::grad would never be asked for them, so their
+// gradient would vanish without a word.
+void check_leaves(const Tensors& roots, const Tensors& allowed_leaves) {
+  std::unordered_set<const c10::TensorImpl*> allowed;
+  for (const auto& t : allowed_leaves)
+    if (t.defined()) allowed.insert(t.unsafeGetTensorImpl());
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& r : roots) {
+    auto* fn = torch::autograd::impl::gradient_edge(r).function.get();
+    if (fn && seen.insert(fn).second) stack.push_back(fn);
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      if (!allowed.count(acc->variable.unsafeGetTensorImpl()))
+        fail("the function reads a tensor that requires grad (" +
+             std::string(c10::toString(acc->variable.scalar_type())) + " " +
+             c10::str(acc->variable.sizes()) +
+             ") but is neither an input nor in params, so its gradient would be lost: pass it "
+             "in params");
+      continue;
+    }
+    for (const auto& edge : node->next_edges()) {
+      auto* next = edge.function.get();
+      if (next && seen.insert(next).second) stack.push_back(next);
+    }
+  }
+}
+
+class CheckpointNode : public torch::autograd::Node {
+ public:
+  CheckpointNode(CheckpointFunction fn, const Tensors& inputs, const Tensors& params,
+                 std::optional<RngStates> rng)
+      : fn_(std::move(fn)), n_inputs_(inputs.size()), rng_(std::move(rng)) {
+    for (const auto& t : inputs) saved_.emplace_back(t, /*is_output=*/false);
+    for (const auto& t : params) saved_.emplace_back(t, /*is_output=*/false);
+  }
+
+  std::string name() const override { return "cohort::CheckpointBackward"; }
+
+  // The forward's outputs, made this node's: `out` is what fn returned.
+  Tensors adopt_outputs(Tensors out, const std::shared_ptr<Node>& self) {
+    bool any = false;
+    for (auto& o : out) {
+      OutputMeta m;
+      m.defined = o.defined();
+      m.differentiable = differentiable(o);
+      if (m.defined) m.dtype = o.scalar_type(), m.sizes = o.sizes().vec();
+      // detach: an output that is an input, or a view of one, becomes an
+      // alias of its own, so the history set here is not the input's.
+      if (m.differentiable) {
+        o = o.detach();
+        torch::autograd::set_history(o, self);
+      }
+      any = any || m.differentiable;
+      outputs_.push_back(std::move(m));
+    }
+    if (!any)
+      fail("the function returned no floating-point tensor, so no gradient can flow through it");
+    return out;
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (released_)
+      fail(
+          "backward through the same checkpointed call a second time; the first backward "
+          "freed its inputs (pass retain_graph=true to it)");
+    variable_list result(saved_.size());
+    std::vector<size_t> wanted;
+    for (size_t i = 0; i < saved_.size(); ++i)
+      if (task_should_compute_output(i)) wanted.push_back(i);
+    if (wanted.empty()) return result;
+    Tensors inputs(n_inputs_), params;
+    for (size_t i = 0; i < saved_.size(); ++i) {
+      auto t = saved_[i].unpack();
+      if (i >= n_inputs_) {
+        params.push_back(t);
+      } else if (t.defined()) {
+        // A leaf of the recompute's own, requiring grad only where this
+        // backward needs it, so the recompute builds only that graph.
+        bool want = std::find(wanted.begin(), wanted.end(), i) != wanted.end();
+        inputs[i] = t.detach().requires_grad_(want);
+      }
+    }
+    Tensors out = recompute(inputs);
+    Tensors roots, root_grads;
+    for (size_t i = 0, k = 0; i < out.size(); ++i) {
+      if (!outputs_[i].differentiable) continue;
+      const auto& g = grads[k++];
+      if (g.defined() && out[i].requires_grad()) roots.push_back(out[i]), root_grads.push_back(g);
+    }
+    if (roots.empty()) return result;  // no gradient reached an output that has a graph
+    Tensors leaves = inputs, wrt;
+    leaves.insert(leaves.end(), params.begin(), params.end());
+    check_leaves(roots, leaves);
+    for (size_t i : wanted) wrt.push_back(leaves[i]);
+    auto got = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t j = 0; j < wanted.size(); ++j) result[wanted[j]] = got[j];
+    return result;
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    saved_.clear();
+    fn_ = nullptr;
+    released_ = true;
+  }
+
+ private:
+  // fn again, with grad and from the forward's RNG state; its outputs must
+  // match the forward's.
+  Tensors recompute(const Tensors& inputs) {
+    Tensors out;
+    {
+      std::optional<RngFork> fork;
+      if (rng_) fork.emplace(*rng_);
+      torch::AutoGradMode grad(true);
+      out = fn_(inputs);
+    }
+    if (out.size() != outputs_.size())
+      fail("the recomputed function returned " + std::to_string(out.size()) +
+           " tensors, the forward " + std::to_string(outputs_.size()) +
+           ": it must be deterministic");
+    bool any_graph = false;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const OutputMeta& m = outputs_[i];
+      const bool same =
+          out[i].defined() == m.defined &&
+          (!m.defined || (out[i].scalar_type() == m.dtype && out[i].sizes() == m.sizes));
+      if (!same)
+        fail("the recomputed function's output " + std::to_string(i) + " is " +
+             (out[i].defined() ? std::string(c10::toString(out[i].scalar_type())) + " " +
+                                     c10::str(out[i].sizes())
+                               : "undefined") +
+             ", the forward's was " + describe(m) + ": it must be deterministic");
+      any_graph = any_graph || (m.differentiable && out[i].requires_grad());
+    }
+    if (!any_graph)
+      fail(
+          "the recomputed function returned no tensor that requires grad, though backward needs "
+          "gradients for its inputs or parameters (does it detach them, or run under "
+          "NoGradGuard?)");
+    return out;
+  }
+
+  std::mutex mu_;
+  CheckpointFunction fn_;
+  std::vector<torch::autograd::SavedVariable> saved_;  // inputs, then params
+  size_t n_inputs_;
+  std::optional<RngStates> rng_;
+  std::vector<OutputMeta> outputs_;
+  bool released_ = false;
+};
+
+}  // namespace
+
+Tensors checkpoint(CheckpointFunction fn, const Tensors& inputs, const Tensors& params,
+                   CheckpointOptions options) {
+  if (!fn) fail("no function to run");
+  Tensors trainable;
+  for (const auto& p : params)
+    if (p.defined() && p.requires_grad()) trainable.push_back(p);
+  bool needs_graph = false;
+  for (const auto& t : inputs) needs_graph = needs_graph || (t.defined() && t.requires_grad());
+  needs_graph = torch::GradMode::is_enabled() && (needs_graph || !trainable.empty());
+  if (!needs_graph) return fn(inputs);
+
+  std::optional<RngStates> rng;
+  if (options.preserve_rng_state) rng = RngStates::capture(inputs);
+  std::shared_ptr<CheckpointNode> node(new CheckpointNode(fn, inputs, trainable, std::move(rng)),
+                                       torch::autograd::deleteNode);
+  Tensors edges = inputs;
+  edges.insert(edges.end(), trainable.begin(), trainable.end());
+  node->set_next_edges(torch::autograd::collect_next_edges(edges));
+  Tensors out;
+  {
+    torch::NoGradGuard no_grad;
+    out = fn(inputs);
+  }
+  return node->adopt_outputs(std::move(out), node);
+}
+
+torch::Tensor checkpoint(std::function<torch::Tensor(const torch::Tensor&)> fn,
+                         const torch::Tensor& input, const Tensors& params,
+                         CheckpointOptions options) {
+  if (!fn) fail("no function to run");
+  auto wrapped = [fn = std::move(fn)](const Tensors& in) { return Tensors{fn(in[0])}; };
+  return checkpoint(wrapped, Tensors{input}, params, options)[0];
+}
+
+}  // namespace cohort

@@ -1,0 +1,69 @@
+// defines: checkpoint (activation checkpointing: recompute a function's
+// activations in backward instead of keeping them), CheckpointOptions.
+// Modules: checkpoint_wrapper.h.
+//
+// As PyTorch's torch.utils.checkpoint with use_reentrant=False: the forward
+// runs under no grad and keeps only its inputs; backward runs the function
+// again with grad enabled (the same RNG state, so the same dropout masks)
+// and differentiates it. The parameters the function uses are passed in, so
+// that their gradients reach their accumulators (and the hooks DDP, ZeRO and
+// the fused optimizer keep there) as they would without checkpointing.
+//
+//   auto y = cohort::checkpoint([block](const torch::Tensor& x) { return block->forward(x); },
+//                               x, block->parameters());
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+#include <vector>
+
+namespace cohort {
+
+/// How checkpoint recomputes.
+struct CheckpointOptions {
+  /// Save the default CPU generator's state (and the CUDA generators' of the
+  /// inputs' devices) at forward and run the recompute from it, so that
+  /// dropout draws the same masks; the caller's random stream after backward
+  /// is as if nothing had been recomputed. Off saves the copies, when the
+  /// function draws nothing random. The generators are process-wide: ranks
+  /// run as threads of one process share them.
+  bool preserve_rng_state = true;
+};
+
+/// A function from tensors to tensors, run once at forward (no grad) and
+/// again at each backward that needs its gradients.
+using CheckpointFunction =
+    std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
+
+/// Runs `fn(inputs)` without keeping its activations; returns its outputs.
+/// When grad mode is on and an input or a parameter requires grad, the
+/// floating-point outputs require grad and their backward recomputes `fn`
+/// and differentiates only what that backward pass needs (the inputs, the
+/// parameters, or both: zero-bubble's separate input and weight passes
+/// recompute once each). Otherwise it is `fn(inputs)`.
+///
+/// `params`: every tensor `fn` reads that requires grad and is not an input
+/// (a module's parameters); those not requiring grad are ignored. `fn` must
+/// be deterministic given the RNG state (and, under tensor parallelism, run
+/// the same collectives in the same order on every rank), must not modify
+/// its inputs, and must outlive the backward (capture by value). Inputs and
+/// parameters must not be modified in place before the backward.
+///
+/// Throws InvalidArgument (naming checkpoint) when `fn` returns no
+/// floating-point tensor while grad is needed; and, in backward, when its
+/// recompute returns no tensor requiring grad, outputs of another number,
+/// shape or dtype than the forward's, or reaches a tensor requiring grad that
+/// is neither an input nor in `params` (its gradient would be lost).
+/// Higher-order gradients (create_graph) through it are not supported.
+std::vector<torch::Tensor> checkpoint(CheckpointFunction fn,
+                                      const std::vector<torch::Tensor>& inputs,
+                                      const std::vector<torch::Tensor>& params = {},
+                                      CheckpointOptions options = {});
+
+/// The one-tensor form: `fn(input)`, checkpointed.
+torch::Tensor checkpoint(std::function<torch::Tensor(const torch::Tensor&)> fn,
+                         const torch::Tensor& input, const std::vector<torch::Tensor>& params = {},
+                         CheckpointOptions options = {});
+
+}  // namespace cohort
