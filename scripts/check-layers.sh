@@ -15,12 +15,13 @@ declare -A layer=(
   [algorithms]=1
   [comm]=2
   [compression]=3
-  [ddp]=4
-  [optim]=5
-  [pipeline]=6
-  [mesh]=7
-  [tensor_parallel]=8
-  [train]=9
+  [grad_sync]=4
+  [ddp]=5
+  [optim]=6
+  [pipeline]=7
+  [mesh]=8
+  [tensor_parallel]=9
+  [train]=10
 )
 
 status=0

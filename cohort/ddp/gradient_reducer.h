@@ -29,11 +29,11 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/accumulator_hooks.h"
 #include "cohort/ddp/comm_hook.h"
 #include "cohort/ddp/ddp_options.h"
 #include "cohort/ddp/ddp_stats.h"
-#include "cohort/ddp/reduction_owner.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
+#include "cohort/grad_sync/reduction_owner.h"
 
 namespace cohort {
 
@@ -134,7 +134,6 @@ class GradientReducer {
   void poll_buckets();
   void finish_backward();
   void wait_and_write_back(double backward_end_s);
-  std::vector<char> globally_used();
   double now_s() const;
 
   std::shared_ptr<torch::nn::Module> module_;

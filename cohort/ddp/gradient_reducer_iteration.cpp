@@ -10,6 +10,7 @@
 
 #include "cohort/core/error.h"
 #include "cohort/ddp/gradient_reducer.h"
+#include "cohort/grad_sync/gradient_presence.h"
 
 namespace cohort {
 namespace {
@@ -259,17 +260,6 @@ void GradientReducer::finish_backward() {
   wait_and_write_back(backward_end);
 }
 
-std::vector<char> GradientReducer::globally_used() {
-  // A parameter unused on this rank but used on another must still get the
-  // averaged gradient; one unused everywhere keeps an undefined .grad, as in
-  // single-process training. One small all-reduce of the usage bitmap.
-  auto used = torch::empty({static_cast<int64_t>(params_.size())}, torch::kInt32);
-  auto* d = used.data_ptr<int32_t>();
-  for (size_t i = 0; i < params_.size(); ++i) d[i] = locally_used_[i];
-  comm_->all_reduce(used, {ReduceOp::Max}).wait();
-  return std::vector<char>(d, d + params_.size());
-}
-
 void GradientReducer::wait_and_write_back(double backward_end) {
   TraceSpan span(active(comm_->tracer()), "wait and write back", "ddp");
   for (auto& b : buckets_) {
@@ -280,8 +270,10 @@ void GradientReducer::wait_and_write_back(double backward_end) {
     }
   }
   const double waited = now_s() - backward_end;
+  // A parameter unused on this rank but used on another still gets the
+  // average; one unused everywhere keeps an undefined .grad.
   std::vector<char> used(params_.size(), 1);
-  if (options_.find_unused_parameters) used = globally_used();
+  if (options_.find_unused_parameters) used = any_rank_has(*comm_, locally_used_);
 
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {

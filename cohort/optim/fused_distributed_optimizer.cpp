@@ -3,8 +3,9 @@
 #include <algorithm>
 
 #include "cohort/core/error.h"
-#include "cohort/ddp/flat_views.h"
-#include "cohort/ddp/parameter_check.h"
+#include "cohort/grad_sync/flat_views.h"
+#include "cohort/grad_sync/gradient_presence.h"
+#include "cohort/grad_sync/parameter_check.h"
 #include "cohort/optim/fused_adamw.h"
 
 namespace cohort {
@@ -139,13 +140,8 @@ void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
 }
 
 std::vector<char> FusedDistributedOptimizer::globally_has_grad() {
-  // Which parameters have a gradient on some rank (one small all-reduce).
-  auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
-  auto* m = mask.data_ptr<int>();
-  for (auto& b : buckets_) fill(b);
-  for (size_t i = 0; i < params_.size(); ++i) m[i] = seen_[i];
-  if (comm_->size() > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
-  return std::vector<char>(m, m + params_.size());
+  for (auto& b : buckets_) fill(b);  // a replaced .grad counts as seen
+  return any_rank_has(*comm_, seen_);
 }
 
 void FusedDistributedOptimizer::finish_gradients() {

@@ -33,7 +33,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/sync_statistics.h"
-#include "cohort/ddp/accumulator_hooks.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
 
 namespace cohort {
 

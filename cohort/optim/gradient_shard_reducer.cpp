@@ -18,16 +18,9 @@
 #include <map>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/gradient_presence.h"
 
 namespace cohort {
-
-std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& local) {
-  auto mask = torch::zeros({static_cast<int64_t>(local.size())}, torch::kInt);
-  auto* m = mask.data_ptr<int>();
-  for (size_t i = 0; i < local.size(); ++i) m[i] = local[i];
-  if (comm.size() > 1) comm.all_reduce(mask, {ReduceOp::Max}).wait();
-  return std::vector<char>(m, m + local.size());
-}
 
 GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
                                            const FlatPartition& partition,

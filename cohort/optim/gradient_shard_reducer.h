@@ -31,9 +31,9 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/accumulator_hooks.h"
 #include "cohort/ddp/gradient_reducer.h"
-#include "cohort/ddp/reduction_owner.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
+#include "cohort/grad_sync/reduction_owner.h"
 #include "cohort/optim/flat_partition.h"
 #include "cohort/optim/staging_buffer.h"
 
@@ -158,8 +158,5 @@ class GradientShardReducer : private ReductionOwner {
   GradientReducer* ddp_ = nullptr;           // with DDP
   std::vector<size_t> from_ddp_;             // DDP's parameter index -> ours
 };
-
-/// Collective over comm: per entry, whether any rank's `local` is nonzero.
-std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& local);
 
 }  // namespace cohort
