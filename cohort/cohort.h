@@ -27,7 +27,9 @@
 #include "cohort/activation/checkpoint_wrapper.h"
 // Data parallelism and optimizers.
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/ddp/parameter_check.h"
+#include "cohort/grad_sync/average_gradients.h"
+#include "cohort/grad_sync/gradient_presence.h"
+#include "cohort/grad_sync/parameter_check.h"
 #include "cohort/optim/fused_adamw.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"

@@ -17,12 +17,13 @@ declare -A layer=(
   [algorithms]=3
   [comm]=4
   [compression]=5
-  [ddp]=6
-  [optim]=7
-  [pipeline]=8
-  [mesh]=9
-  [tensor_parallel]=10
-  [train]=11
+  [grad_sync]=6
+  [ddp]=7
+  [optim]=8
+  [pipeline]=9
+  [mesh]=10
+  [tensor_parallel]=11
+  [train]=12
 )
 
 status=0

@@ -7,8 +7,8 @@
 #include <map>
 
 #include "cohort/core/error.h"
-#include "cohort/ddp/flat_views.h"
-#include "cohort/ddp/parameter_check.h"
+#include "cohort/grad_sync/flat_views.h"
+#include "cohort/grad_sync/parameter_check.h"
 
 namespace cohort {
 namespace {
@@ -22,7 +22,8 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
     : module_(std::move(module)),
       comm_(std::move(comm)),
       options_(options),
-      hook_(std::make_shared<AllReduceHook>()) {
+      hook_(std::make_shared<AllReduceHook>()),
+      queue_(comm_ ? comm_->tracer() : nullptr, "ddp", "ddp.bucket") {
   if (!module_ || !comm_) {
     throw InvalidArgument("DistributedDataParallel: module and communicator must be non-null");
   }
@@ -135,6 +136,17 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
     buckets_.push_back(std::move(bucket));
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
+  // Launched in index order: the buckets are sorted by when their first
+  // gradient is expected.
+  std::vector<size_t> launch_order(buckets_.size());
+  std::vector<int64_t> parts(buckets_.size()), bytes(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    launch_order[b] = b;
+    parts[b] = static_cast<int64_t>(buckets_[b].params.size());
+    const auto& buffer = buckets_[b].buffer;
+    bytes[b] = buffer.defined() ? buffer.numel() * buffer.element_size() : 0;
+  }
+  queue_.set_layout(std::move(launch_order), std::move(parts), std::move(bytes));
 
   if (options_.gradient_as_bucket_view && !owner_) {
     // Existing gradients move into the (new) buckets now, so .grad is a view

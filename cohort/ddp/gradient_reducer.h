@@ -16,7 +16,9 @@
 // Buckets are flat buffers of one dtype holding parameters in reverse
 // registration order (the order gradients usually become ready), later in
 // the order rank 0 observed; every rank launches them in the same order, so
-// the collectives match without negotiation.
+// the collectives match without negotiation. Launching, polling, waiting,
+// timing and tracing are grad_sync's BucketQueue, shared with ZeRO-2 and
+// the fused optimizer; what a bucket holds and the comm hook are DDP's.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -29,11 +31,12 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/accumulator_hooks.h"
 #include "cohort/ddp/comm_hook.h"
 #include "cohort/ddp/ddp_options.h"
 #include "cohort/ddp/ddp_stats.h"
-#include "cohort/ddp/reduction_owner.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
+#include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/grad_sync/reduction_owner.h"
 
 namespace cohort {
 
@@ -107,16 +110,11 @@ class GradientReducer {
   int no_sync_depth() const { return no_sync_depth_; }
 
  private:
+  // What a bucket holds; its launch, wait and timing are queue_'s.
   struct Bucket {
     std::vector<size_t> params;        // indices into params_
     torch::Tensor buffer;              // flat, one dtype
     std::vector<torch::Tensor> views;  // per parameter, shaped like it
-    size_t pending = 0;                // parameters not ready yet
-    bool launched = false;
-    bool done = false;
-    Work work;
-    double launch_s = 0;  // seconds since iteration start
-    double done_s = 0;
   };
   struct Slot {
     size_t bucket = 0;
@@ -130,12 +128,10 @@ class GradientReducer {
   void reset_iteration();
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets();
-  void launch(size_t b);
-  void poll_buckets();
+  Work launch(size_t b);
   void finish_backward();
   void wait_and_write_back(double backward_end_s);
-  std::vector<char> globally_used();
-  double now_s() const;
+  void start_iteration_clock();
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<Communicator> comm_;
@@ -151,6 +147,7 @@ class GradientReducer {
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;
+  BucketQueue queue_;  // buckets_ in index order
 
   /// Per-iteration state.
   bool sync_this_iteration_ = false;
@@ -162,10 +159,8 @@ class GradientReducer {
   std::vector<char> ready_;
   std::vector<char> locally_used_;
   std::vector<size_t> unused_;  // found at forward (find_unused_parameters)
-  size_t next_to_launch_ = 0;
   std::string pending_error_;
   int no_sync_depth_ = 0;
-  std::chrono::steady_clock::time_point start_;
 
   /// Bucket rebuild: the order of the first reduced iteration.
   std::vector<size_t> ready_order_;

@@ -10,47 +10,19 @@
 
 #include "cohort/core/error.h"
 #include "cohort/ddp/gradient_reducer.h"
+#include "cohort/grad_sync/gradient_presence.h"
 
 namespace cohort {
-namespace {
-
-// Seconds during which at least one [start, end] interval is open, counting
-// only time before `limit`.
-double union_seconds(std::vector<std::pair<double, double>> spans, double limit) {
-  std::sort(spans.begin(), spans.end());
-  double total = 0, cur_start = 0, cur_end = -1;
-  auto flush = [&] {
-    if (cur_end > cur_start)
-      total += std::max(0.0, std::min(cur_end, limit) - std::min(cur_start, limit));
-  };
-  for (auto [s, e] : spans) {
-    if (s > cur_end) {
-      flush();
-      cur_start = s;
-      cur_end = e;
-    } else {
-      cur_end = std::max(cur_end, e);
-    }
-  }
-  flush();
-  return total;
-}
-
-}  // namespace
-
-double GradientReducer::now_s() const {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+void GradientReducer::start_iteration_clock() {
+  queue_.start_clock();
+  stats_.bytes = 0;
+  sent_at_start_ = comm_->stats().total().bytes_sent;
 }
 
 void GradientReducer::reset_iteration() {
   std::fill(ready_.begin(), ready_.end(), 0);
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
-  for (auto& b : buckets_) {
-    b.pending = b.params.size();
-    b.launched = b.done = false;
-    b.work = Work();
-  }
-  next_to_launch_ = 0;
+  queue_.reset();
   if (!order_recorded_) ready_order_.clear();
   backward_started_ = false;
   backward_finished_ = true;
@@ -125,9 +97,7 @@ void GradientReducer::on_gradient_ready(size_t index) {
   if (!backward_started_) {
     backward_started_ = true;
     backward_finished_ = false;
-    start_ = std::chrono::steady_clock::now();
-    stats_.bytes = 0;
-    sent_at_start_ = comm_->stats().total().bytes_sent;
+    start_iteration_clock();
     // Runs once the whole backward pass is done, on the same thread.
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
     for (size_t u : unused_) {
@@ -144,7 +114,7 @@ void GradientReducer::on_gradient_ready(size_t index) {
   mark_ready(index, /*used=*/true);
   if (owner_) return;  // the owner launched what it could
   if (options_.strategy == SyncStrategy::Overlapped) launch_ready_buckets();
-  poll_buckets();
+  queue_.poll();  // completion times, for the hidden-communication figure
 }
 
 void GradientReducer::mark_ready(size_t index, bool used) {
@@ -171,7 +141,7 @@ void GradientReducer::mark_ready(size_t index, bool used) {
   } else {
     view.copy_(grad);
   }
-  if (--bucket.pending == 0) {
+  if (queue_.arrive(slots_[index].bucket)) {
     if (Tracer* t = active(comm_->tracer())) {
       t->instant("bucket ready", "ddp", std::chrono::steady_clock::now(),
                  {TraceArg::num("bucket", static_cast<double>(slots_[index].bucket)),
@@ -182,38 +152,19 @@ void GradientReducer::mark_ready(size_t index, bool used) {
 }
 
 void GradientReducer::launch_ready_buckets() {
-  // Strictly in index order: bucket i never goes before buckets < i, so
-  // every rank issues the same collectives in the same order.
-  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
-    launch(next_to_launch_++);
-  }
+  queue_.launch_ready([this](size_t b) { return launch(b); });
 }
 
-void GradientReducer::launch(size_t b) {
+Work GradientReducer::launch(size_t b) {
   auto& bucket = buckets_[b];
   GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size(), bucket.views};
-  TraceSpan span(active(comm_->tracer()), "launch bucket", "ddp");
-  span.arg(TraceArg::num("bucket", static_cast<double>(b)));
-  bucket.launch_s = now_s();
-  bucket.work = hook_->run(*comm_, view);
-  bucket.launched = true;
+  Work work = hook_->run(*comm_, view);
   stats_.bytes += bucket.buffer.numel() * bucket.buffer.element_size();
-}
-
-void GradientReducer::poll_buckets() {
-  // Completion times for the hidden-communication figure; a bucket is
-  // seen done at the next hook after it finished (good to a hook's spacing).
-  for (auto& b : buckets_) {
-    if (!b.launched) break;
-    if (b.done) continue;
-    if (!b.work.is_completed()) break;
-    b.done = true;
-    b.done_s = now_s();
-  }
+  return work;
 }
 
 void GradientReducer::finish_backward() {
-  const double backward_end = now_s();
+  const double backward_end = queue_.now_s();
   backward_finished_ = true;
   std::vector<size_t> missing;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -238,14 +189,7 @@ void GradientReducer::finish_backward() {
     os << ". Gradients were not reduced. Pass find_unused_parameters = true if parameters "
           "may take no part in the loss.";
     pending_error_ = os.str();
-    for (auto& b : buckets_) {
-      if (!b.launched) continue;
-      try {
-        b.work.wait();
-      } catch (const std::exception& e) {
-        pending_error_ += std::string(" Also: ") + e.what();
-      }
-    }
+    for (const auto& failure : queue_.drain()) pending_error_ += " Also: " + failure;
     return;
   }
   if (!order_recorded_) order_recorded_ = true;
@@ -259,29 +203,14 @@ void GradientReducer::finish_backward() {
   wait_and_write_back(backward_end);
 }
 
-std::vector<char> GradientReducer::globally_used() {
-  // A parameter unused on this rank but used on another must still get the
-  // averaged gradient; one unused everywhere keeps an undefined .grad, as in
-  // single-process training. One small all-reduce of the usage bitmap.
-  auto used = torch::empty({static_cast<int64_t>(params_.size())}, torch::kInt32);
-  auto* d = used.data_ptr<int32_t>();
-  for (size_t i = 0; i < params_.size(); ++i) d[i] = locally_used_[i];
-  comm_->all_reduce(used, {ReduceOp::Max}).wait();
-  return std::vector<char>(d, d + params_.size());
-}
-
 void GradientReducer::wait_and_write_back(double backward_end) {
   TraceSpan span(active(comm_->tracer()), "wait and write back", "ddp");
-  for (auto& b : buckets_) {
-    b.work.wait();
-    if (!b.done) {
-      b.done = true;
-      b.done_s = now_s();
-    }
-  }
-  const double waited = now_s() - backward_end;
+  while (queue_.in_flight() > 0) queue_.retire_oldest();
+  const double waited = queue_.now_s() - backward_end;
+  // A parameter unused on this rank but used on another still gets the
+  // average; one unused everywhere keeps an undefined .grad.
   std::vector<char> used(params_.size(), 1);
-  if (options_.find_unused_parameters) used = globally_used();
+  if (options_.find_unused_parameters) used = any_rank_has(*comm_, locally_used_);
 
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -294,25 +223,8 @@ void GradientReducer::wait_and_write_back(double backward_end) {
     }
   }
 
-  std::vector<std::pair<double, double>> spans;
-  for (auto& b : buckets_) spans.emplace_back(b.launch_s, b.done_s);
-  const double all = union_seconds(spans, 1e300);
-  const double hidden = union_seconds(spans, backward_end);
-  if (Tracer* t = active(comm_->tracer())) {
-    // Each bucket's reduction, launch to completion as DDP saw it.
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      auto at = [&](double s) {
-        return start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(s));
-      };
-      t->async_span(
-          "bucket " + std::to_string(b), "ddp.bucket", t->new_id(), at(buckets_[b].launch_s),
-          at(buckets_[b].done_s),
-          {TraceArg::num("bucket", static_cast<double>(b)),
-           TraceArg::num("bytes", static_cast<double>(buckets_[b].buffer.numel() *
-                                                      buckets_[b].buffer.element_size()))});
-    }
-  }
+  const double all = queue_.busy_seconds();
+  const double hidden = queue_.busy_seconds(backward_end);
   stats_.iterations += 1;
   stats_.backward_seconds = backward_end;
   stats_.comm_seconds = all;
@@ -326,9 +238,7 @@ void GradientReducer::wait_and_write_back(double backward_end) {
 
 void GradientReducer::synchronize() {
   reset_iteration();
-  start_ = std::chrono::steady_clock::now();
-  stats_.bytes = 0;
-  sent_at_start_ = comm_->stats().total().bytes_sent;
+  start_iteration_clock();
   if (owner_) {
     for (size_t i = 0; i < params_.size(); ++i) mark_ready(i, /*used=*/true);
     owner_->backward_finished();
@@ -347,9 +257,9 @@ void GradientReducer::synchronize() {
       ready_[i] = locally_used_[i] = 1;
     }
   }
-  for (auto& b : buckets_) b.pending = 0;
+  queue_.fill_all();
   launch_ready_buckets();
-  wait_and_write_back(now_s());
+  wait_and_write_back(queue_.now_s());
 }
 
 }  // namespace cohort

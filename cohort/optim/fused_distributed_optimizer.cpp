@@ -3,8 +3,9 @@
 #include <algorithm>
 
 #include "cohort/core/error.h"
-#include "cohort/ddp/flat_views.h"
-#include "cohort/ddp/parameter_check.h"
+#include "cohort/grad_sync/flat_views.h"
+#include "cohort/grad_sync/gradient_presence.h"
+#include "cohort/grad_sync/parameter_check.h"
 #include "cohort/optim/fused_adamw.h"
 
 namespace cohort {
@@ -19,7 +20,10 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
                                                      torch::optim::AdamWOptions options,
                                                      std::shared_ptr<Communicator> comm,
                                                      FusedOptions fused)
-    : comm_(std::move(comm)), options_(options), params_(std::move(params)) {
+    : comm_(std::move(comm)),
+      options_(options),
+      params_(std::move(params)),
+      queue_(comm_->tracer(), "fused", "fused.bucket") {
   const std::string where = "FusedDistributedOptimizer (rank " + std::to_string(comm_->rank()) +
                             " of " + std::to_string(comm_->size()) + ")";
   if (params_.empty()) throw InvalidArgument(where + ": no parameters");
@@ -69,6 +73,15 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
     params_[i].mutable_grad() = grad_views_[i];
   }
   hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { seen_[i] = 1; });
+  // All in step(), in bucket order: every bucket is ready at once.
+  std::vector<size_t> order(buckets_.size());
+  std::vector<int64_t> grad_bytes(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    order[b] = b;
+    grad_bytes[b] = buckets_[b].grad.nbytes();
+  }
+  queue_.set_layout(std::move(order), std::vector<int64_t>(buckets_.size(), 0),
+                    std::move(grad_bytes));
 }
 
 FusedDistributedOptimizer::~FusedDistributedOptimizer() = default;
@@ -139,13 +152,8 @@ void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
 }
 
 std::vector<char> FusedDistributedOptimizer::globally_has_grad() {
-  // Which parameters have a gradient on some rank (one small all-reduce).
-  auto mask = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
-  auto* m = mask.data_ptr<int>();
-  for (auto& b : buckets_) fill(b);
-  for (size_t i = 0; i < params_.size(); ++i) m[i] = seen_[i];
-  if (comm_->size() > 1) comm_->all_reduce(mask, {ReduceOp::Max}).wait();
-  return std::vector<char>(m, m + params_.size());
+  for (auto& b : buckets_) fill(b);  // a replaced .grad counts as seen
+  return any_rank_has(*comm_, seen_);
 }
 
 void FusedDistributedOptimizer::finish_gradients() {
@@ -154,11 +162,13 @@ void FusedDistributedOptimizer::finish_gradients() {
   torch::NoGradGuard no_grad;
   has_ = globally_has_grad();
   if (comm_->size() > 1) {
-    for (auto& b : buckets_) {
-      b.work = comm_->all_reduce(b.grad, {ReduceOp::Avg});
-      sync_.bucket_issued();
-    }
-    for (auto& b : buckets_) sync_.blocked([&] { b.work.wait(); });
+    queue_.reset();
+    queue_.start_clock();
+    // No bucket waits for parts: this launches all of them, in order.
+    queue_.launch_ready([this](size_t b) { return all_reduce(b, ReduceOp::Avg); });
+    sync_.blocked([&] {
+      while (queue_.in_flight() > 0) queue_.retire_oldest();
+    });
     sync_.sync_done();
   }
   averaged_ = true;
@@ -177,21 +187,29 @@ void FusedDistributedOptimizer::step() {
     return;
   }
   const auto has = globally_has_grad();
-  {
-    // Bucket i's all-reduce is in flight while bucket i-1 is updated.
-    for (size_t i = 0; i < buckets_.size(); ++i) {
-      buckets_[i].work = comm_->all_reduce(buckets_[i].grad, {ReduceOp::Sum});
-      sync_.bucket_issued();
-      if (i > 0) {
-        sync_.blocked([&] { buckets_[i - 1].work.wait(); });
-        apply(buckets_[i - 1], has);
-      }
-    }
-    sync_.blocked([&] { buckets_.back().work.wait(); });
-    sync_.sync_done();
-    apply(buckets_.back(), has);
+  queue_.reset();
+  queue_.start_clock();
+  // Bucket i's all-reduce is in flight while bucket i-1 is updated.
+  while (!queue_.all_launched()) {
+    queue_.launch_next([this](size_t b) { return all_reduce(b, ReduceOp::Sum); });
+    if (queue_.in_flight() > 1) apply(buckets_[wait_oldest()], has);
   }
+  const size_t last = wait_oldest();
+  sync_.sync_done();
+  apply(buckets_[last], has);
   ++timestep_;
+}
+
+Work FusedDistributedOptimizer::all_reduce(size_t b, ReduceOp op) {
+  Work work = comm_->all_reduce(buckets_[b].grad, {op});
+  sync_.bucket_issued();
+  return work;
+}
+
+size_t FusedDistributedOptimizer::wait_oldest() {
+  size_t b = 0;
+  sync_.blocked([&] { b = queue_.retire_oldest(); });
+  return b;
 }
 
 int64_t FusedDistributedOptimizer::state_bytes() const {

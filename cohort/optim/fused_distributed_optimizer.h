@@ -33,7 +33,8 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/sync_statistics.h"
-#include "cohort/ddp/accumulator_hooks.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
+#include "cohort/grad_sync/bucket_queue.h"
 
 namespace cohort {
 
@@ -98,15 +99,19 @@ class FusedDistributedOptimizer {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  // What a bucket holds; its all-reduce's launch and wait are queue_'s.
   struct Bucket {
     std::vector<size_t> params;
     std::vector<int64_t> offsets;  // of each parameter in the flat buffers
     torch::Tensor param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;
-    Work work;
   };
   void fill(Bucket& b);
   void apply(Bucket& b, const std::vector<char>& has);
   std::vector<char> globally_has_grad();
+  // Launches bucket b's all-reduce of its gradients with `op`.
+  Work all_reduce(size_t b, ReduceOp op);
+  // Waits for the oldest all-reduce in flight (time counted as exposed).
+  size_t wait_oldest();
 
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
@@ -116,6 +121,7 @@ class FusedDistributedOptimizer {
   std::vector<char> seen_;                   // got a gradient since zero_grad
   std::unique_ptr<AccumulatorHooks> hooks_;  // set seen_
   std::vector<Bucket> buckets_;
+  BucketQueue queue_;  // buckets_ in order; none waits for parts
   int64_t timestep_ = 0;
   /// finish_gradients() ran: the buckets hold averages; has_ its mask.
   bool averaged_ = false;

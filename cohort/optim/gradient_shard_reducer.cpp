@@ -18,16 +18,9 @@
 #include <map>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/gradient_presence.h"
 
 namespace cohort {
-
-std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& local) {
-  auto mask = torch::zeros({static_cast<int64_t>(local.size())}, torch::kInt);
-  auto* m = mask.data_ptr<int>();
-  for (size_t i = 0; i < local.size(); ++i) m[i] = local[i];
-  if (comm.size() > 1) comm.all_reduce(mask, {ReduceOp::Max}).wait();
-  return std::vector<char>(m, m + local.size());
-}
 
 GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
                                            const FlatPartition& partition,
@@ -38,7 +31,8 @@ GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
       partition_(partition),
       comm_(std::move(comm)),
       where_(std::move(where)),
-      max_staged_(static_cast<size_t>(std::max(1, max_staged))) {
+      max_staged_(static_cast<size_t>(std::max(1, max_staged))),
+      queue_(comm_->tracer(), "zero", "zero.bucket") {
   const auto options = params_.at(0).options().requires_grad(false);
   shard_ = torch::zeros({partition_.shard_numel()}, options);
   const auto& buckets = partition_.buckets();
@@ -48,7 +42,10 @@ GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
   has_.assign(params_.size(), 0);
   parts_left_.assign(params_.size(), 0);
   held_grad_.assign(params_.size(), 0);
+  std::vector<size_t> order(buckets.size());
+  std::vector<int64_t> parts(buckets.size(), 0), bytes(buckets.size());
   for (size_t b = 0; b < buckets.size(); ++b) {
+    order[b] = buckets.size() - 1 - b;
     buckets_[b].buffer = std::make_unique<StagingBuffer>(buckets[b].padded, options);
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& prm = partition_.params()[i];
@@ -58,11 +55,13 @@ GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
         buckets_[b].params.push_back(i);
         // Only parameters that can get a gradient are waited for; the
         // others are zeros when their bucket goes.
-        if (params_[i].requires_grad()) ++buckets_[b].pending_init;
+        if (params_[i].requires_grad()) ++parts[b];
       }
     }
     buckets_[b].staged.assign(buckets_[b].params.size(), 0);
+    bytes[b] = buckets_[b].buffer->nbytes();
   }
+  queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
   if (hook) {
     hooks_ =
         std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { on_gradient_ready(i); });
@@ -93,15 +92,13 @@ void GradientShardReducer::take_over(GradientReducer& ddp) {
 }
 
 void GradientShardReducer::begin_iteration() {
-  for (auto& b : buckets_) {
-    b.pending = b.pending_init;
-    std::fill(b.staged.begin(), b.staged.end(), 0);
-  }
+  for (auto& b : buckets_) std::fill(b.staged.begin(), b.staged.end(), 0);
+  queue_.reset();
+  queue_.start_clock();
   std::fill(arrived_.begin(), arrived_.end(), 0);
   std::fill(has_.begin(), has_.end(), 0);
   std::fill(held_grad_.begin(), held_grad_.end(), 0);
   held_.now = 0;
-  current_ = static_cast<int64_t>(buckets_.size()) - 1;
   twice_ = false;
   active_ = true;
 }
@@ -109,8 +106,8 @@ void GradientShardReducer::begin_iteration() {
 void GradientShardReducer::open_bucket(size_t b) {
   auto& bucket = buckets_[b];
   if (bucket.live.defined()) return;
-  release_finished(false);
-  while (in_flight_.size() >= max_staged_) release_finished(true);
+  release_finished();
+  while (queue_.in_flight() >= max_staged_) release(queue_.retire_oldest());
   bucket.live = bucket.buffer->acquire();
   staging_.add(bucket.buffer->nbytes());
   for (size_t k = 0; k < bucket.params.size(); ++k) {
@@ -142,25 +139,15 @@ void GradientShardReducer::stage_part(size_t b, size_t k) {
 
 void GradientShardReducer::release(size_t b) {
   auto& bucket = buckets_[b];
-  bucket.work = Work();  // a finished collective's hold on the buffer
   if (!bucket.live.defined()) return;
   bucket.live = torch::Tensor();
   bucket.buffer->release();
   staging_.add(-bucket.buffer->nbytes());
 }
 
-void GradientShardReducer::release_finished(bool block) {
-  for (size_t k = 0; k < in_flight_.size();) {
-    auto& bucket = buckets_[in_flight_[k]];
-    if ((block && k == 0) || bucket.work.is_completed()) {
-      bucket.work.wait();  // rethrows a failure
-      release(in_flight_[k]);
-      in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(k));
-      block = false;
-    } else {
-      ++k;
-    }
-  }
+void GradientShardReducer::release_finished() {
+  size_t b = 0;
+  while (queue_.retire_completed(b)) release(b);
 }
 
 void GradientShardReducer::on_gradient_ready(size_t i) {
@@ -199,18 +186,18 @@ void GradientShardReducer::arrive(size_t i) {
   parts_left_[i] = param_buckets_[i].size();
   bool in_current = false;
   for (const auto& [b, k] : param_buckets_[i]) {
-    if (params_[i].requires_grad()) --buckets_[b].pending;
-    in_current = in_current || static_cast<int64_t>(b) == current_;
+    if (params_[i].requires_grad()) queue_.arrive(b);
+    in_current = in_current || (!queue_.all_launched() && b == queue_.next());
     // Its bucket was reduced at the end of an earlier backward: this is a
     // second backward before step().
-    if (static_cast<int64_t>(b) > current_) twice_ = true;
+    if (queue_.launched(b)) twice_ = true;
   }
   if (parts_left_[i] == 0) {
     params_[i].mutable_grad() = torch::Tensor();
     return;
   }
   if (in_current) {
-    const auto b = static_cast<size_t>(current_);
+    const size_t b = queue_.next();
     if (!buckets_[b].live.defined()) {
       open_bucket(b);  // stages this gradient too
     } else {
@@ -228,28 +215,30 @@ void GradientShardReducer::arrive(size_t i) {
 
 void GradientShardReducer::launch_ready_buckets(bool all) {
   torch::NoGradGuard no_grad;
-  release_finished(false);
-  while (current_ >= 0 && (all || buckets_[current_].pending == 0)) {
-    const auto b = static_cast<size_t>(current_--);
-    open_bucket(b);
-    auto& bucket = buckets_[b];
-    const auto& range = partition_.buckets()[b];
-    // Parameters without a gradient this iteration count as zeros, and so
-    // does the padding.
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      if (bucket.staged[k]) continue;
-      const auto& prm = partition_.params()[bucket.params[k]];
-      const int64_t lo = std::max(range.offset, prm.offset);
-      const int64_t hi = std::min(range.offset + range.numel, prm.offset + prm.numel);
-      bucket.live.narrow(0, lo - range.offset, hi - lo).zero_();
-    }
-    if (range.padded > range.numel) {
-      bucket.live.narrow(0, range.numel, range.padded - range.numel).zero_();
-    }
-    auto out = shard_.narrow(0, range.shard_offset, range.chunk);
-    bucket.work = comm_->reduce_scatter_tensor(out, bucket.live, {ReduceOp::Avg});
-    in_flight_.push_back(b);
+  release_finished();
+  while (all ? !queue_.all_launched() : queue_.next_ready()) {
+    open_bucket(queue_.next());
+    queue_.launch_next([this](size_t b) { return reduce_scatter(b); });
   }
+}
+
+Work GradientShardReducer::reduce_scatter(size_t b) {
+  auto& bucket = buckets_[b];
+  const auto& range = partition_.buckets()[b];
+  // Parameters without a gradient this iteration count as zeros, and so
+  // does the padding.
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    if (bucket.staged[k]) continue;
+    const auto& prm = partition_.params()[bucket.params[k]];
+    const int64_t lo = std::max(range.offset, prm.offset);
+    const int64_t hi = std::min(range.offset + range.numel, prm.offset + prm.numel);
+    bucket.live.narrow(0, lo - range.offset, hi - lo).zero_();
+  }
+  if (range.padded > range.numel) {
+    bucket.live.narrow(0, range.numel, range.padded - range.numel).zero_();
+  }
+  auto out = shard_.narrow(0, range.shard_offset, range.chunk);
+  return comm_->reduce_scatter_tensor(out, bucket.live, {ReduceOp::Avg});
 }
 
 void GradientShardReducer::launch_rest() {
@@ -291,7 +280,7 @@ std::vector<char> GradientShardReducer::finish() {
 }
 
 void GradientShardReducer::drop() {
-  while (!in_flight_.empty()) release_finished(true);
+  while (queue_.in_flight() > 0) release(queue_.retire_oldest());
   for (size_t b = 0; b < buckets_.size(); ++b) release(b);
   std::fill(held_grad_.begin(), held_grad_.end(), 0);
   held_.now = 0;

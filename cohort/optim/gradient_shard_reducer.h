@@ -7,7 +7,8 @@
 // gradients to it instead of all-reducing its own buckets.
 //
 // Memory: buckets are reduced one after the other, from the last down (the
-// order backward fills them). Only the current bucket stages: a gradient
+// order backward fills them; grad_sync's BucketQueue launches and waits).
+// Only the current bucket (the queue's next) stages: a gradient
 // that lies (partly) in a later bucket, out of order or straddling a bucket
 // boundary, stays in its .grad until that bucket is current. Each bucket
 // has its own staging buffer, live from the first gradient staged into it
@@ -31,9 +32,10 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/accumulator_hooks.h"
 #include "cohort/ddp/gradient_reducer.h"
-#include "cohort/ddp/reduction_owner.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
+#include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/grad_sync/reduction_owner.h"
 #include "cohort/optim/flat_partition.h"
 #include "cohort/optim/staging_buffer.h"
 
@@ -103,12 +105,15 @@ class GradientShardReducer : private ReductionOwner {
   // Copies parameter i's part of bucket b (its k-th parameter) into b's
   // staging; .grad goes once every part of i is staged.
   void stage_part(size_t b, size_t k);
+  // Launches, from the last bucket down, those whose gradients are all in
+  // (`all`: every bucket left).
   void launch_ready_buckets(bool all);
+  // Bucket b's reduce-scatter into the shard (the bucket is open).
+  Work reduce_scatter(size_t b);
   // Stages what backward did not hand over and launches every bucket left.
   void launch_rest();
-  // Releases the staging of launched buckets whose reduce-scatter is done;
-  // with `block`, waits for the oldest one first.
-  void release_finished(bool block);
+  // Releases the staging of launched buckets whose reduce-scatter is done.
+  void release_finished();
   void release(size_t b);
 
   std::vector<torch::Tensor> params_;
@@ -119,18 +124,16 @@ class GradientShardReducer : private ReductionOwner {
   torch::Tensor shard_;
 
   // Per bucket: its parameters (and, per iteration, which of their parts
-  // are staged), how many of them it still waits for (those that require
-  // grad), its staging buffer, the buffer while in use, its Work.
+  // are staged), its staging buffer, the buffer while in use. Its launch
+  // and wait are queue_'s, which waits for its parameters that require grad.
   struct Bucket {
     std::vector<size_t> params;
     std::vector<char> staged;
-    int pending_init = 0;
-    int pending = 0;
     std::unique_ptr<StagingBuffer> buffer;
     torch::Tensor live;
-    Work work;
   };
   std::vector<Bucket> buckets_;
+  BucketQueue queue_;  // from the last bucket down
   // Per parameter: (bucket, index in the bucket's params) of each bucket it
   // lies in; whether its gradient arrived this iteration, whether it had
   // one here, how many of its parts are not staged yet.
@@ -138,9 +141,7 @@ class GradientShardReducer : private ReductionOwner {
   std::vector<char> arrived_, has_;
   std::vector<size_t> parts_left_;
   std::vector<int64_t> held_grad_;  // bytes of a .grad kept for a later bucket
-  std::vector<size_t> in_flight_;   // launched, staging not yet released
   bool active_ = false;             // an iteration is under way
-  int64_t current_ = -1;            // the bucket that stages; launched from the last down
   bool twice_ = false;
   int no_sync_depth_ = 0;
   // Bytes alive now, and the most at once so far.
@@ -158,8 +159,5 @@ class GradientShardReducer : private ReductionOwner {
   GradientReducer* ddp_ = nullptr;           // with DDP
   std::vector<size_t> from_ddp_;             // DDP's parameter index -> ours
 };
-
-/// Collective over comm: per entry, whether any rank's `local` is nonzero.
-std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& local);
 
 }  // namespace cohort

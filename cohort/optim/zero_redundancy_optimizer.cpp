@@ -6,8 +6,9 @@
 #include <numeric>
 
 #include "cohort/core/error.h"
-#include "cohort/ddp/flat_views.h"
-#include "cohort/ddp/parameter_check.h"
+#include "cohort/grad_sync/flat_views.h"
+#include "cohort/grad_sync/gradient_presence.h"
+#include "cohort/grad_sync/parameter_check.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort {

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/average_gradients.h"
 #include "cohort/pipeline/schedule_validator.h"
 
 namespace cohort::pipeline {
@@ -808,13 +809,7 @@ std::string PipelineRuntime::loss_error(int mb, double numel) const {
 }
 
 void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group) {
-  std::vector<torch::Tensor> grads;
-  for (auto p : params) {
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    grads.push_back(p.grad());
-  }
-  if (dp_group.size() > 1 && !grads.empty())
-    dp_group.all_reduce_coalesced(grads, {ReduceOp::Avg}).wait();
+  average_gradients(params, dp_group);
 }
 
 }  // namespace cohort::pipeline

@@ -157,7 +157,9 @@ class PipelineRuntime {
 /// optimizer: the micro-batches accumulate locally, so gradients cross the
 /// DP group once per step. (ZeroRedundancyOptimizer with reduce_gradients
 /// over the DP group does the same reduction in its step().) Undefined
-/// gradients count as zeros.
+/// gradients count as zeros when dp > 1; at dp = 1 nothing is sent and a
+/// missing gradient stays missing, so the optimizer skips it as in one
+/// process (grad_sync's average_gradients).
 void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group);
 
 }  // namespace cohort::pipeline

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/grad_sync/average_gradients.h"
 
 namespace cohort {
 
@@ -12,15 +13,8 @@ AllReduceGradientSync::AllReduceGradientSync(std::shared_ptr<Communicator> comm,
 
 void AllReduceGradientSync::finish_sync() {
   if (comm_->size() == 1) return;
-  std::vector<torch::Tensor> grads;
-  for (auto& p : params_) {
-    // A parameter unused on this rank still takes part, as zeros, so that
-    // every rank sends the same tensors.
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    grads.push_back(p.grad());
-  }
   const auto start = std::chrono::steady_clock::now();
-  comm_->all_reduce_coalesced(grads, {ReduceOp::Avg}).wait();
+  average_gradients(params_, *comm_);
   comm_seconds_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

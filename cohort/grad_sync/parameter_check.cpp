@@ -1,4 +1,4 @@
-#include "cohort/ddp/parameter_check.h"
+#include "cohort/grad_sync/parameter_check.h"
 
 #include <algorithm>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "cohort/ddp/accumulator_hooks.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>

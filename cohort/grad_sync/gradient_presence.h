@@ -1,0 +1,21 @@
+// defines: any_rank_has, the one answer to "does any rank have this
+// parameter's gradient?" for DDP (unused parameters), ZeRO and the fused
+// optimizer (parameters the optimizer must skip).
+//
+// A parameter with a gradient on some ranks only is reduced with zeros from
+// the others; one with a gradient on no rank keeps no gradient, as in
+// single-process training, so the optimizer skips it as LibTorch skips an
+// undefined .grad.
+#pragma once
+
+#include <vector>
+
+namespace cohort {
+
+class Communicator;
+
+/// Collective over `comm` (one small all-reduce; none at world size 1): per
+/// entry, whether any rank's `local` is nonzero.
+std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& local);
+
+}  // namespace cohort
