@@ -294,10 +294,7 @@ PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
     local_error = e.what();
   }
   check_agreement(who, local_error);
-  bool has_comm = false;
-  for (const auto& list : schedule_.actions)
-    for (const auto& act : list) has_comm = has_comm || !is_compute(act.type);
-  if (!has_comm) schedule_ = add_communication(schedule_);
+  if (!has_communication(schedule_)) schedule_ = add_communication(schedule_);
   state_->rank = rank;
   state_->split_backward.assign(schedule_.num_stages, false);
   for (const auto& act : schedule_.actions[rank])

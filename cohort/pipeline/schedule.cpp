@@ -262,6 +262,13 @@ PipelineSchedule make_schedule(const std::string& name, int pp, int v, int m) {
                         "' (gpipe, 1f1b, interleaved, zbh1)");
 }
 
+bool has_communication(const PipelineSchedule& s) {
+  for (const auto& list : s.actions)
+    for (const auto& a : list)
+      if (!is_compute(a.type)) return true;
+  return false;
+}
+
 PipelineSchedule add_communication(const PipelineSchedule& in) {
   PipelineSchedule out = in;
   const int last = in.num_stages - 1;

@@ -99,6 +99,9 @@ PipelineSchedule ScheduleZBH1(int pp, int m);
 /// Builds a generator by name: "gpipe", "1f1b", "interleaved", "zbh1".
 PipelineSchedule make_schedule(const std::string& name, int pp, int v, int m);
 
+/// True when any rank's list has a send or receive action.
+bool has_communication(const PipelineSchedule& schedule);
+
 /// Inserts the send and receive actions a compute-only schedule needs (see
 /// the file comment). Throws InvalidArgument if it already has some.
 PipelineSchedule add_communication(const PipelineSchedule& schedule);

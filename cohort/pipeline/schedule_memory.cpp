@@ -115,13 +115,6 @@ class RankWalk {
   int live_ = 0;
 };
 
-bool has_communication(const PipelineSchedule& s) {
-  for (const auto& list : s.actions)
-    for (const auto& a : list)
-      if (!is_compute(a.type)) return true;
-  return false;
-}
-
 }  // namespace
 
 ScheduleMemory schedule_memory(const PipelineSchedule& input, const MemoryCosts& costs) {

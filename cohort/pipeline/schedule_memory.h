@@ -30,9 +30,9 @@ struct StageMemory {
   /// The most a full B allocates on top while it runs
   /// (temporaries, gradients on their way out), freed when it ends.
   int64_t workspace_bytes = 0;
-  /// The same for an I (input gradients only) and a W (weight gradients,
-  /// one WeightUnit at a time), which keep the graph between them.
+  /// The same for an I (input gradients only; it keeps the graph for W).
   int64_t input_workspace_bytes = 0;
+  /// The same for a W (weight gradients, one WeightUnit at a time).
   int64_t weight_workspace_bytes = 0;
   /// What an I leaves for its W besides the activations: each layer's
   /// output gradient.

@@ -16,13 +16,6 @@ const T& per(const std::vector<T>& v, int i) {
   return v.size() == 1 ? v[0] : v.at(i);
 }
 
-bool has_communication(const PipelineSchedule& s) {
-  for (const auto& list : s.actions)
-    for (const auto& a : list)
-      if (!is_compute(a.type)) return true;
-  return false;
-}
-
 double compute_cost(const Action& a, const SimulatorCosts& c) {
   const StageCosts& sc = per(c.stages, a.stage);
   switch (a.type) {

@@ -191,13 +191,6 @@ class Checker {
   std::map<std::pair<int, int>, Progress> progress_;
 };
 
-bool has_communication(const PipelineSchedule& s) {
-  for (const auto& list : s.actions)
-    for (const auto& a : list)
-      if (!is_compute(a.type)) return true;
-  return false;
-}
-
 }  // namespace
 
 std::string format_grid(const PipelineSchedule& s, const std::vector<Mark>& marks) {
