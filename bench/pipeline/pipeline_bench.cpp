@@ -13,6 +13,7 @@
 //
 //   cohortrun -n 2 -- build/bench/pipeline/pipeline_bench [--json]
 //       [--width 384] [--batch 256] [--steps 7] [--blocks 4] [--schedule NAME] [--m M]
+//       [--recv-window N]
 #include <dirent.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -41,6 +42,7 @@ struct Args {
   int blocks = 4;             // Linear + Tanh blocks in the model, split evenly over pp * v stages
   std::string only_schedule;  // empty: every schedule
   int only_m = 0;             // 0: every m
+  int recv_window = PipelineOptions{}.recv_window;
 };
 
 double median(std::vector<double> v) {
@@ -234,7 +236,9 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   auto loss = [](const Tensors& out, const Tensors& y) {
     return torch::nn::functional::mse_loss(out[0], y[0]);
   };
-  PipelineRuntime rt(comm, std::move(mine), schedule, loss);
+  PipelineOptions options;
+  options.recv_window = args.recv_window;
+  PipelineRuntime rt(comm, std::move(mine), schedule, loss, options);
   auto x = torch::randn({args.batch, args.width}), y = torch::randn({args.batch, args.width});
 
   std::vector<double> step, bubble;
@@ -407,10 +411,12 @@ int main(int argc, char** argv) {
       args.only_schedule = next();
     else if (a == "--m")
       args.only_m = std::stoi(next());
+    else if (a == "--recv-window")
+      args.recv_window = std::stoi(next());
     else {
       std::fprintf(stderr,
                    "usage: pipeline_bench [--json] [--width N] [--batch N] [--steps N] "
-                   "[--blocks N] [--schedule NAME] [--m M]\n");
+                   "[--blocks N] [--schedule NAME] [--m M] [--recv-window N]\n");
       return 2;
     }
   }
