@@ -67,7 +67,8 @@ std::vector<Action> one_f_one_b(int pp, int rank, int m) {
 //   F  when its input is there and fewer than pp - rank micro-batches wait
 //      for I (1F1B's warm-up),
 //   W  of the oldest micro-batch whose I ran (it fills what would be idle).
-// With m >= pp the bubble is (pp - 1)(F + I - W), a third of 1F1B's.
+// With m >= pp the bubble is at most (pp - 1)(F + I - W) + W: the paper's,
+// and one W more that the memory bound costs.
 std::vector<std::vector<Action>> zero_bubble_h1(int pp, int m) {
   constexpr int kNotYet = std::numeric_limits<int>::max();
   std::vector<std::vector<int>> f_end(pp, std::vector<int>(m, kNotYet)), i_end = f_end;
