@@ -27,6 +27,7 @@
 #include "cohort/activation/checkpoint_wrapper.h"
 // Data parallelism and optimizers.
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/average_gradients.h"
 #include "cohort/grad_sync/gradient_presence.h"
 #include "cohort/grad_sync/parameter_check.h"

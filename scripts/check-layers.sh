@@ -19,11 +19,12 @@ declare -A layer=(
   [compression]=5
   [grad_sync]=6
   [ddp]=7
-  [optim]=8
-  [pipeline]=9
-  [mesh]=10
-  [tensor_parallel]=11
-  [train]=12
+  [fsdp]=8
+  [optim]=9
+  [pipeline]=10
+  [mesh]=11
+  [tensor_parallel]=12
+  [train]=13
 )
 
 status=0

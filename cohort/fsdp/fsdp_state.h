@@ -1,0 +1,102 @@
+// defines: FSDPState, what the root of a fully sharded model runs around its
+// units' forwards and backwards: unsharding each unit before it computes
+// (prefetching the next one's all-gather), resharding after, and the
+// reduce-scatter of each unit's gradients as soon as backward has produced
+// all of them, through grad_sync's BucketQueue (one bucket per unit).
+//
+// Order. Every rank issues the same collectives in the same order without
+// negotiation: units are numbered in pre-order of the module tree (the root
+// is 0 when it has parameters of its own; kRoot names it otherwise); the
+// forward prefetches unit u + 1 while unit u computes; backward runs the
+// units in reverse, so it prefetches in the order 0, k-1, ..., 1;
+// gradients are reduce-scattered from unit k-1 down to the root, each as
+// soon as it and the units after it have all their gradients. Ranks must
+// run the same units in the same order (as in FSDP2).
+//
+// Backward. A hook on each unit's output fires before the unit's backward:
+// it unshards the unit. The root's hook fires first and starts the
+// iteration; a callback at the end of backward launches what is left
+// (units whose parameters got no gradient send zeros), waits, tells each
+// parameter whether any rank had a gradient (none: it keeps none, as in one
+// process) and reshards every unit.
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/fsdp/param_group.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
+#include "cohort/grad_sync/bucket_queue.h"
+
+namespace cohort::fsdp {
+
+/// One unit as the root sees it.
+struct UnitEntry {
+  /// The unit's parameters.
+  FSDPParamGroup* group = nullptr;
+  /// Whether the unit frees its full parameters after its forward.
+  const bool* reshard_after_forward = nullptr;
+};
+
+/// The root's schedule of its units (see the file comment).
+class FSDPState : public std::enable_shared_from_this<FSDPState> {
+ public:
+  /// The root's index when it has no parameters of its own.
+  static constexpr size_t kRoot = static_cast<size_t>(-1);
+
+  /// `units` in pre-order, the root first if `root_has_params`; `buffers`
+  /// are broadcast from rank 0 before each training forward (DDP's rule).
+  FSDPState(std::vector<UnitEntry> units, bool root_has_params, std::vector<torch::Tensor> buffers,
+            std::shared_ptr<Communicator> comm);
+  FSDPState(const FSDPState&) = delete;
+  FSDPState& operator=(const FSDPState&) = delete;
+
+  /// Before unit u's forward (`training`: the module is in training mode);
+  /// u is 0 or kRoot for the root.
+  void pre_forward(size_t u, bool training);
+  /// After unit u's forward: reshards it (not the root) if it should, and
+  /// hooks `output` (if it requires grad) to unshard it before its backward.
+  void post_forward(size_t u, const torch::Tensor& output);
+  /// Unit u's output got its gradient: its backward is next.
+  void pre_backward(size_t u);
+
+  /// Whether backwards reduce-scatter gradients (false: they accumulate
+  /// full gradients locally until a backward with sync).
+  void set_requires_gradient_sync(bool sync) { sync_ = sync; }
+  /// Unshards every unit (collective).
+  void unshard_all();
+  /// Reshards every unit.
+  void reshard_all();
+  /// The units, root first.
+  const std::vector<UnitEntry>& units() const { return units_; }
+
+ private:
+  void begin_backward();
+  // The unit whose backward comes after unit u's (u may be kRoot); none: size.
+  size_t next_in_backward(size_t u) const;
+  void gradient_ready(size_t k);
+  void launch_ready();
+  Work launch(size_t u);
+  void end_backward();
+
+  std::vector<UnitEntry> units_;
+  std::vector<torch::Tensor> buffers_;
+  std::shared_ptr<Communicator> comm_;
+  size_t root_;                         // 0, or kRoot if the root has no parameters
+  std::vector<size_t> backward_order_;  // [0,] k-1, ..., 1[, 0]
+  std::vector<size_t> backward_next_;   // unit -> the unit after it in backward (none: size)
+  // Every parameter of every unit, and its unit.
+  std::vector<size_t> unit_of_;
+  std::vector<size_t> first_param_;  // unit -> index of its first parameter
+  std::unique_ptr<AccumulatorHooks> hooks_;
+  BucketQueue queue_;
+  bool sync_ = true;
+  bool in_backward_ = false;
+  bool reducing_ = false;  // this backward reduce-scatters
+};
+
+}  // namespace cohort::fsdp

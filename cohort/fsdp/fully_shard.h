@@ -1,0 +1,120 @@
+// defines: fully_shard and FullyShard, fully sharded data parallelism
+// (ZeRO-3) for LibTorch modules, after PyTorch's FSDP2:
+//
+//   auto model = torch::nn::Sequential(Block(...), Block(...), Linear(...));
+//   auto sharded = cohort::fully_shard(cohort::shard_blocks(model, comm), comm);
+//   torch::optim::AdamW opt(sharded->parameters(), ...);  // holds 1/N of the state
+//   auto loss = loss_fn(sharded->forward(x), y);  loss.backward();  opt.step();
+//
+// Each unit (a FullyShard) holds only this rank's rows of its parameters
+// (dim 0, uneven sizes padded; param_group.h) and all-gathers the full
+// values for its forward and again for its backward; its gradients are
+// reduce-scattered (averaged) into the shard as soon as backward has them.
+// The outermost FullyShard whose forward runs is the root: it owns the
+// schedule (fsdp_state.h) of every FullyShard inside it, and the
+// parameters of its own that no inner unit holds.
+//
+// C++ modules have no forward hooks, so a unit is a module wrapper (as
+// checkpoint_wrapper): its forward unshards, calls the wrapped module's
+// forward (whose code is unchanged) and reshards. The wrapper registers the
+// wrapped module's children, parameters and buffers under their own names,
+// so parameter and state-dict names are the bare model's.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/fsdp/fsdp_state.h"
+#include "cohort/fsdp/param_group.h"
+
+namespace cohort {
+
+/// How a unit shards (FSDP2's fully_shard arguments).
+struct FullyShardOptions {
+  /// true: free the full parameters after the unit's forward and gather
+  /// them again for its backward (ZeRO-3); false: keep them until the end
+  /// of backward (one all-gather per step, more memory). The root keeps its
+  /// own parameters through the forward either way.
+  bool reshard_after_forward = true;
+};
+
+/// A fully sharded unit around a module (one tensor in, one out); see the
+/// file comment.
+class FullyShardImpl : public torch::nn::Module {
+ public:
+  /// Shards the parameters of `module` that no FullyShard inside it holds.
+  /// Collective over `comm` (every rank wraps the same module: a mismatch
+  /// is an error on every rank).
+  FullyShardImpl(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+                 FullyShardOptions options = {});
+  /// Wraps a Sequential (whose templated forward an AnyModule cannot hold).
+  FullyShardImpl(torch::nn::Sequential module, std::shared_ptr<Communicator> comm,
+                 FullyShardOptions options = {});
+  ~FullyShardImpl() override;
+
+  /// The wrapped module's forward between unshard and reshard.
+  torch::Tensor forward(const torch::Tensor& input);
+  /// Also sets the wrapped module's own mode.
+  void train(bool on = true) override;
+
+  /// Gathers the full parameters of every unit this one is the root of
+  /// (collective); they stay until reshard() or the next backward's end.
+  void unshard();
+  /// Frees the full parameters of every unit this one is the root of.
+  void reshard();
+  /// false: backwards accumulate full gradients locally without
+  /// communication (FSDP2's set_requires_gradient_sync; call on the root).
+  void set_requires_gradient_sync(bool sync);
+  /// Whether this unit frees its full parameters after its forward.
+  void set_reshard_after_forward(bool reshard) { options_.reshard_after_forward = reshard; }
+
+  /// The full parameters and buffers by their names (collective: each unit
+  /// is gathered, copied, and resharded in turn). Loads into the bare module.
+  torch::OrderedDict<std::string, torch::Tensor> full_state_dict();
+  /// Loads a full state dict (the bare module's names and shapes): each
+  /// rank keeps its rows. Every key must be present with its shape.
+  void load_full_state_dict(const torch::OrderedDict<std::string, torch::Tensor>& state);
+
+  /// This unit's own parameters (those no inner unit holds).
+  const fsdp::FSDPParamGroup& param_group() const { return *group_; }
+  /// Whether this unit has parameters of its own.
+  bool has_param_group() const { return group_ != nullptr; }
+
+ private:
+  void adopt(const std::shared_ptr<torch::nn::Module>& inner, std::shared_ptr<Communicator> comm);
+  // Builds the root's schedule over every unit inside it (first forward).
+  std::shared_ptr<fsdp::FSDPState> root_state();
+
+  std::shared_ptr<torch::nn::Module> inner_;
+  std::function<torch::Tensor(const torch::Tensor&)> call_;
+  std::shared_ptr<Communicator> comm_;
+  FullyShardOptions options_;
+  std::unique_ptr<fsdp::FSDPParamGroup> group_;
+  std::shared_ptr<fsdp::FSDPState> state_;  // as the root
+  std::weak_ptr<fsdp::FSDPState> outer_;    // as a unit of another root
+  size_t index_ = 0;                        // in outer_'s units
+};
+TORCH_MODULE(FullyShard);
+
+/// `module` as a fully sharded unit (FSDP2's fully_shard).
+FullyShard fully_shard(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+                       FullyShardOptions options = {});
+/// A Sequential as a fully sharded unit; wrap its blocks first
+/// (shard_blocks) so that each is a unit of its own.
+FullyShard fully_shard(torch::nn::Sequential module, std::shared_ptr<Communicator> comm,
+                       FullyShardOptions options = {});
+/// A Sequential of the same layers where each layer with parameters is a
+/// FullyShard unit (names unchanged). Collective.
+torch::nn::Sequential shard_blocks(const torch::nn::Sequential& model,
+                                   std::shared_ptr<Communicator> comm,
+                                   FullyShardOptions options = {});
+
+}  // namespace cohort

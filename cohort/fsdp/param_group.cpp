@@ -1,0 +1,196 @@
+#include "cohort/fsdp/param_group.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <utility>
+
+#include "cohort/core/error.h"
+#include "cohort/grad_sync/flat_views.h"
+#include "cohort/grad_sync/parameter_check.h"
+
+namespace cohort::fsdp {
+namespace {
+
+// A tensor of `sizes` at element `offset` of `storage` (not an autograd
+// view of anything, so set_data to it leaves version counters alone).
+torch::Tensor over_storage(const c10::Storage& storage, const torch::TensorOptions& options,
+                           int64_t offset, c10::IntArrayRef sizes) {
+  auto t = torch::empty({0}, options);
+  t.set_(storage, offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+
+}  // namespace
+
+FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
+                               std::shared_ptr<Communicator> comm, std::string unit)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      comm_(std::move(comm)),
+      unit_(std::move(unit)) {
+  if (params_.empty()) throw InvalidArgument("fully_shard(" + unit_ + "): no parameters");
+  const auto options = params_[0].options().requires_grad(false);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].dtype() != params_[0].dtype() || params_[i].device() != params_[0].device()) {
+      throw InvalidArgument("fully_shard(" + unit_ + ") on rank " + std::to_string(comm_->rank()) +
+                            ": parameter '" + names_[i] + "' is " +
+                            std::string(params_[i].dtype().name()) + " on " +
+                            params_[i].device().str() + ", '" + names_[0] + "' is " +
+                            std::string(params_[0].dtype().name()) + " on " +
+                            params_[0].device().str() +
+                            "; a unit's parameters share dtype and device (wrap them in "
+                            "separate units)");
+    }
+  }
+  verify_same_parameters(*comm_, params_, names_, "fully_shard(" + unit_ + ")");
+  layout_ = make_shard_layout(params_, comm_->size(), comm_->rank());
+  const size_t n = params_.size();
+  stash_.resize(n);
+  grad_sharded_.assign(n, 0);
+  had_grad_.assign(n, 0);
+
+  // The full storage, with a view per parameter, made while it has its bytes
+  // (set_ would otherwise grow it).
+  const int64_t item = params_[0].element_size();
+  full_storage_ = c10::Storage(c10::Storage::use_byte_size_t(), layout_.full_numel * item,
+                               c10::GetAllocator(params_[0].device().type()), /*resizable=*/true);
+  shard_flat_ = torch::zeros({layout_.shard_numel}, options);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& p = layout_.params[i];
+    full_views_.push_back(over_storage(full_storage_, options, p.full_offset, p.full_sizes));
+    full_views_[i].copy_(params_[i]);
+    shard_views_.push_back(
+        over_storage(shard_flat_.storage(), options, p.shard_offset, p.shard_sizes));
+  }
+  // DDP's rule: every rank starts from rank 0's values.
+  if (comm_->size() > 1 && layout_.full_numel > 0) {
+    auto flat = over_storage(full_storage_, options, 0, {layout_.full_numel});
+    comm_->broadcast(flat, {0}).wait();
+  }
+  for (size_t i = 0; i < n; ++i) {
+    copy_local_rows(layout_.params[i], layout_.rank, full_views_[i], shard_flat_);
+    if (params_[i].requires_grad()) {
+      accumulators_.push_back(torch::autograd::impl::grad_accumulator(params_[i]));
+    }
+  }
+  unsharded_ = true;
+  reshard();
+}
+
+void FSDPParamGroup::allocate_full() {
+  auto* impl = full_storage_.unsafeGetStorageImpl();
+  const size_t bytes = layout_.full_numel * params_[0].element_size();
+  if (impl->nbytes() == bytes) return;
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+  impl->set_nbytes(bytes);
+}
+
+void FSDPParamGroup::free_full() {
+  auto* impl = full_storage_.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+}
+
+int64_t FSDPParamGroup::unsharded_bytes() const {
+  return static_cast<int64_t>(full_storage_.nbytes());
+}
+
+void FSDPParamGroup::start_unshard() {
+  if (unsharded_ || gathering_) return;
+  gathered_ = torch::empty({layout_.world * layout_.shard_numel}, shard_flat_.options());
+  gather_ = comm_->all_gather_into_tensor(gathered_, shard_flat_);
+  gathering_ = true;
+}
+
+void FSDPParamGroup::wait_unshard() {
+  if (unsharded_) return;
+  start_unshard();
+  gather_.wait();
+  gathering_ = false;
+  gather_ = Work();
+  allocate_full();
+  torch::NoGradGuard no_grad;
+  copy_out(layout_, gathered_, full_views_);
+  gathered_ = torch::Tensor();
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
+  unsharded_ = true;
+}
+
+void FSDPParamGroup::reshard() {
+  if (gathering_) {
+    gather_.wait();
+    gathering_ = false;
+    gather_ = Work();
+    gathered_ = torch::Tensor();
+  }
+  if (!unsharded_) return;
+  set_sharded();
+  free_full();
+  unsharded_ = false;
+}
+
+void FSDPParamGroup::set_sharded() {
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(shard_views_[i]);
+}
+
+void FSDPParamGroup::stash_gradients() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!grad_sharded_[i]) continue;  // a full accumulation, or none
+    stash_[i] = std::move(params_[i].mutable_grad());
+    params_[i].mutable_grad() = torch::Tensor();
+    grad_sharded_[i] = 0;
+  }
+}
+
+Work FSDPParamGroup::start_reduce_scatter() {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    grads[i] = params_[i].grad();
+    had_grad_[i] = grads[i].defined() ? 1 : 0;
+  }
+  rs_input_ = torch::empty({layout_.world * layout_.shard_numel}, shard_flat_.options());
+  copy_in(layout_, grads, rs_input_);
+  grads.clear();
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  rs_output_ = torch::empty({layout_.shard_numel}, shard_flat_.options());
+  return comm_->reduce_scatter_tensor(rs_output_, rs_input_, {ReduceOp::Avg});
+}
+
+void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> offsets;
+  for (const auto& p : layout_.params) offsets.push_back(p.shard_offset);
+  // Aliases, not views: Optimizer::zero_grad() detach_()es every .grad.
+  auto grads = flat_aliases(rs_output_, shard_views_, offsets);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& g = params_[i].mutable_grad();
+    if (any[i]) {
+      if (stash_[i].defined()) grads[i].add_(stash_[i]);
+      g = grads[i];
+    } else {
+      g = stash_[i];
+    }
+    grad_sharded_[i] = g.defined() ? 1 : 0;
+    stash_[i] = torch::Tensor();
+  }
+  rs_input_ = torch::Tensor();
+  rs_output_ = torch::Tensor();
+}
+
+void FSDPParamGroup::keep_full_gradients() {
+  for (size_t i = 0; i < params_.size(); ++i) grad_sharded_[i] = 0;
+}
+
+void FSDPParamGroup::load_full(const std::vector<torch::Tensor>& full) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    copy_local_rows(layout_.params[i], layout_.rank, full[i], shard_flat_);
+  }
+}
+
+}  // namespace cohort::fsdp

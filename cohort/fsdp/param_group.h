@@ -1,0 +1,126 @@
+// defines: FSDPParamGroup, the parameters of one fully sharded unit and
+// their two states (as FSDP2's FSDPParamGroup):
+//
+//   sharded    each parameter's data is this rank's rows of it, a view into
+//              the unit's flat shard (ShardLayout); an optimizer built over
+//              module.parameters() holds 1/N of the state;
+//   unsharded  each parameter's data is its full value, a view into one
+//              storage for the whole unit, filled by one all-gather.
+//
+// The switch is set_data on the module's own parameter tensors, so their
+// identity (the module's and the optimizer's references, the gradient
+// accumulators and their hooks) never changes. The full storage keeps its
+// identity too: resharding frees its bytes and unsharding allocates and
+// refills them. Autograd's saved tensors, views of the parameters (a
+// Linear saves weight.t()), point into that storage; so they hold no memory
+// while the unit is sharded, and read the refilled values when backward
+// unshards the unit again. A unit's parameters must share dtype and device.
+//
+// Gradients: backward accumulates full gradients in .grad; the unit's
+// reduce-scatter (Avg) turns them into this rank's rows, which become .grad
+// (plus the sharded gradient the unit held before that backward, so
+// gradients accumulate as in one process).
+#pragma once
+
+#include <c10/core/Storage.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+#include "cohort/comm/communicator.h"
+#include "cohort/fsdp/shard_layout.h"
+
+namespace cohort::fsdp {
+
+/// The parameters of one unit, sharded on dim 0 (see the file comment).
+class FSDPParamGroup {
+ public:
+  /// Takes `params` (full, the same on every rank: rank 0's values are
+  /// broadcast) and shards them. Collective over `comm`. `unit` names the
+  /// unit in errors. Leaves the parameters sharded.
+  FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
+                 std::shared_ptr<Communicator> comm, std::string unit);
+  FSDPParamGroup(const FSDPParamGroup&) = delete;
+  FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
+
+  /// The unit's name in errors.
+  const std::string& unit() const { return unit_; }
+  /// The parameters (the module's own tensors).
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  /// Their names, relative to the unit's module.
+  const std::vector<std::string>& names() const { return names_; }
+  /// Where each parameter's rows live.
+  const ShardLayout& layout() const { return layout_; }
+
+  /// Whether the parameters hold their full values.
+  bool is_unsharded() const { return unsharded_; }
+  /// Launches the all-gather of the full values (nothing if unsharded or
+  /// already launched).
+  void start_unshard();
+  /// Finishes unsharding (launching it if needed): the parameters hold
+  /// their full values.
+  void wait_unshard();
+  /// Frees the full values: the parameters hold their shards. Waits for an
+  /// all-gather still in flight first.
+  void reshard();
+  /// Bytes of the full storage now allocated (0 while sharded).
+  int64_t unsharded_bytes() const;
+
+  /// Before a backward: a sharded .grad is put aside (and added back when
+  /// this backward's gradients are reduced); a full .grad accumulated by
+  /// backwards without gradient sync stays to accumulate into.
+  void stash_gradients();
+  /// Copies the full .grad of every parameter (none: zeros) into the
+  /// reduce-scatter input, drops the full .grad and launches the
+  /// reduce-scatter into a new gradient shard.
+  Work start_reduce_scatter();
+  /// Whether parameter i had a gradient when its reduce-scatter started.
+  bool had_gradient(size_t i) const { return had_grad_[i] != 0; }
+  /// After the reduce-scatter completed: .grad is this rank's rows of the
+  /// averaged gradient plus what was stashed. `any[i]`: whether any rank
+  /// had parameter i's gradient (none did: .grad stays what was stashed).
+  void finish_gradients(const std::vector<char>& any);
+  /// After a backward without gradient sync: the full .grad stays.
+  void keep_full_gradients();
+
+  /// Copies this rank's rows of `full[i]` into parameter i's shard (the
+  /// parameters must be sharded).
+  void load_full(const std::vector<torch::Tensor>& full);
+
+ private:
+  void allocate_full();
+  void free_full();
+  void set_sharded();
+
+  std::vector<torch::Tensor> params_;
+  std::vector<std::string> names_;
+  std::shared_ptr<Communicator> comm_;
+  std::string unit_;
+  ShardLayout layout_;
+  bool unsharded_ = false;
+
+  torch::Tensor shard_flat_;                // this rank's flat shard (padded)
+  std::vector<torch::Tensor> shard_views_;  // per parameter: its local rows
+  c10::Storage full_storage_;               // all full values; bytes freed while sharded
+  std::vector<torch::Tensor> full_views_;   // per parameter: its full value
+  torch::Tensor gathered_;                  // the all-gather's output while in flight
+  Work gather_;                             // valid while an all-gather is in flight
+  bool gathering_ = false;
+
+  std::vector<torch::Tensor> stash_;  // sharded gradients put aside for a backward
+  std::vector<char> grad_sharded_;    // .grad is a shard (not a full accumulation)
+  std::vector<char> had_grad_;
+  torch::Tensor rs_input_, rs_output_;
+  // Made while the parameters were full: a gradient accumulator records its
+  // parameter's shape when made, and backward hands it full gradients. The
+  // variables hold them weakly; these keep them (and so that shape) alive.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+};
+
+}  // namespace cohort::fsdp
