@@ -2,10 +2,10 @@
 // gather's copy_out, against the closed forms of which rows each rank holds,
 // for shapes that do and do not divide by the world size (0-d, empty, fewer
 // rows than ranks).
+#include "cohort/fsdp/shard_layout.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
-#include "cohort/fsdp/shard_layout.h"
 
 namespace cohort::fsdp {
 namespace {
@@ -46,7 +46,8 @@ TEST_P(Layout, GatheredShardsRebuildTheParameters) {
   for (int rank = 0; rank < world; ++rank) {
     layout = make_shard_layout(params, world, rank);
     auto flat = torch::full({layout.shard_numel}, -1.0f);
-    for (size_t i = 0; i < params.size(); ++i) copy_local_rows(layout.params[i], rank, params[i], flat);
+    for (size_t i = 0; i < params.size(); ++i)
+      copy_local_rows(layout.params[i], rank, params[i], flat);
     shards.push_back(flat);
   }
   auto gathered = torch::cat(shards);

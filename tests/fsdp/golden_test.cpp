@@ -3,98 +3,32 @@
 // the gathered model equals the one-process model's within 1e-6 relative
 // (fp32), at world 1 to 4, for AdamW and SGD with momentum, resharding
 // after forward or not, shapes that do not divide by the world size, a
-// weight tied between two layers, a unit that is unused on some steps,
-// accumulation over two micro-batches, and BatchNorm (against cohort DDP,
-// whose local batch statistics one process does not have). Also: the
-// collectives per step, what a rank holds between steps, and bad input.
+// weight tied between the first and the last layer, and accumulation over
+// two micro-batches.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <map>
 #include <mutex>
 
-#include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "support/thread_ranks.h"
+#include "tests/fsdp/fsdp_test_models.h"
 
 namespace cohort::testing {
 namespace {
 
-using torch::nn::AnyModule;
-using torch::nn::Linear;
-using torch::nn::Sequential;
-using torch::nn::Tanh;
-using Named = torch::OrderedDict<std::string, torch::Tensor>;
-
-constexpr int kSteps = 10;
-constexpr int64_t kBatch = 12;  // divides by 1, 2, 3 and 4
-
-// Deterministic values for every parameter, without the global generator
-// (ranks are threads).
-void init_parameters(torch::nn::Module& m, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  torch::NoGradGuard no_grad;
-  for (auto& p : m.parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.5);
-}
-
-// A weight used by two layers: x @ w on the way in, h @ w^T on the way out.
-struct InProjImpl : torch::nn::Module {
-  torch::Tensor w;
-  explicit InProjImpl(torch::Tensor shared) { w = register_parameter("w", shared); }
-  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(w); }
-};
-TORCH_MODULE(InProj);
-struct OutProjImpl : torch::nn::Module {
-  torch::Tensor w;
-  explicit OutProjImpl(torch::Tensor shared) { w = register_parameter("w", shared); }
-  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(w.t()); }
-};
-TORCH_MODULE(OutProj);
-
-// The model: units of 7 and 6 rows (neither divides by 2, 4), a root-held
-// weight tied between the first and last layer, a root-held bias layer of
-// 5 rows. `wrap`: each Linear becomes a unit (comm given) or stays plain.
-Sequential make_model(const std::shared_ptr<Communicator>& comm, FullyShardOptions options) {
-  auto tied = torch::zeros({5, 7});
-  auto unit = [&](torch::nn::AnyModule m) {
-    if (!comm) return m;
-    return AnyModule(FullyShard(m, comm, options));
-  };
-  Sequential seq;
-  seq->push_back(InProj(tied));
-  seq->push_back(Tanh());
-  seq->push_back(unit(AnyModule(Linear(7, 6))));
-  seq->push_back(Tanh());
-  seq->push_back(unit(AnyModule(Linear(6, 7))));
-  seq->push_back(Tanh());
-  seq->push_back(OutProj(tied));
-  seq->push_back(Linear(5, 5));
-  return seq;
-}
-
-struct Batches {
-  std::vector<torch::Tensor> x, y;
-};
-
-Batches make_batches(uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  Batches b;
-  for (int s = 0; s < kSteps; ++s) {
-    b.x.push_back(torch::randn({kBatch, 5}, gen));
-    b.y.push_back(torch::randn({kBatch, 5}, gen));
-  }
-  return b;
-}
+using namespace fsdp_test;
 
 enum class Opt { AdamW, SGD };
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<torch::Tensor> params) {
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt,
+                                                        std::vector<torch::Tensor> params) {
   if (opt == Opt::AdamW) {
     return std::make_unique<torch::optim::AdamW>(
         params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   }
-  return std::make_unique<torch::optim::SGD>(params,
-                                             torch::optim::SGDOptions(0.05).momentum(0.9));
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
 }
 
 // One process on the whole batch.
@@ -111,24 +45,6 @@ Named reference(Opt opt, const Batches& b, int micro_batches = 1) {
   Named out;
   for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
   return out;
-}
-
-void expect_close(const Named& got, const Named& expected, double rel, const std::string& what) {
-  ASSERT_EQ(got.size(), expected.size()) << what;
-  for (const auto& e : expected) {
-    const auto* g = got.find(e.key());
-    ASSERT_NE(g, nullptr) << what << ": " << e.key();
-    ASSERT_EQ(g->sizes(), e.value().sizes()) << what << ": " << e.key();
-    const double scale = std::max(e.value().abs().max().item<double>(), 1e-30);
-    const double err = (*g - e.value()).abs().max().item<double>();
-    EXPECT_LE(err, rel * scale) << what << ": " << e.key() << " differs by " << err / scale;
-  }
-}
-
-// This rank's rows of the global batch.
-torch::Tensor local(const torch::Tensor& global, const Communicator& comm) {
-  const int64_t n = global.size(0) / comm.size();
-  return global.narrow(0, comm.rank() * n, n);
 }
 
 struct GoldenCase {
