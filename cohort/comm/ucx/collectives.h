@@ -1,0 +1,37 @@
+// defines: the UCX engine's collectives, written over Link (point-to-point)
+// like cohort's algorithm library, which they call for the all-reduce and
+// the all-gather.
+//
+// Cost models, p ranks, n bytes (alpha per message, beta per byte):
+//   broadcast, reduce (binomial tree):  ceil(log2 p) (alpha + n beta)
+//   gather, scatter (direct to/from the root): (p-1) alpha + (p-1)/p n beta at the root
+//   all_to_all (every pair at once):   (p-1) alpha + (p-1)/p n beta
+//   barrier (dissemination):            ceil(log2 p) alpha
+// All-reduce: halving-doubling up to kTreeBytes (latency log p), the ring
+// above (bandwidth-optimal); all-gather: the ring.
+#pragma once
+
+#include <vector>
+
+#include "cohort/algorithms/link.h"
+
+namespace cohort::ucx {
+
+using algorithms::Link;
+
+// At or below this many bytes an all-reduce takes halving-doubling.
+inline constexpr int64_t kHalvingDoublingBytes = 256 << 10;
+
+void all_reduce(Link& link, at::Tensor& buf, ReduceOp op);
+void broadcast(Link& link, at::Tensor& t, int root);
+// The root's `t` receives the reduction; other ranks' `t` is left as it was.
+void reduce(Link& link, at::Tensor& t, int root, ReduceOp op);
+void all_gather(Link& link, std::vector<at::Tensor>& outputs, const at::Tensor& input);
+void gather(Link& link, std::vector<at::Tensor>& outputs, const at::Tensor& input, int root);
+void scatter(Link& link, at::Tensor& output, std::vector<at::Tensor>& inputs, int root);
+// Counts are elements per rank; empty means an equal split.
+void all_to_all(Link& link, at::Tensor& output, const at::Tensor& input,
+                std::vector<int64_t> output_counts, std::vector<int64_t> input_counts);
+void barrier(Link& link);
+
+}  // namespace cohort::ucx
