@@ -157,11 +157,15 @@ class UcxEngine : public Engine {
       busy_ = true;
     }
     execute(*work, what, deadline, job);
+    bool queued;
     {
       std::lock_guard<std::mutex> lock(mu_);
       busy_ = false;
+      queued = !queue_.empty();
     }
-    worker_->signal();  // the engine's thread may have a job queued meanwhile
+    // Another thread may have queued a job meanwhile. Only then: a wake-up
+    // per inline collective would cost more than the collective.
+    if (queued) worker_->signal();
     return work;
   }
 
@@ -197,7 +201,7 @@ class UcxEngine : public Engine {
         }
       }
       if (!job) {
-        worker_->progress_or_sleep(Millis(100));
+        worker_->idle(Millis(100));
         continue;
       }
       job();

@@ -20,6 +20,9 @@ uint64_t tag_of(Channel channel, int sender, int tag) {
 
 // How long a waiter polls before it sleeps on the event fd: a reply within
 // this is taken at polling latency, a longer wait costs no CPU.
+// At or above this size a posted transfer wakes the engine's thread.
+constexpr size_t kWakeBytes = 64 << 10;
+
 int spin_us() {
   static const int us = env::get_int("COHORT_UCX_SPIN_US", 0, 1000000).value_or(100);
   return us;
@@ -30,7 +33,7 @@ void on_sent(void*, ucs_status_t status, void* user) {
   auto* t = static_cast<Transfer*>(user);
   t->status = status;
   t->done.store(true, std::memory_order_release);
-  t->owner->wake_all();
+  t->owner->completed(*t);
 }
 
 void on_received(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
@@ -38,7 +41,7 @@ void on_received(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, vo
   t->status = status;
   if (info) t->received = info->length;
   t->done.store(true, std::memory_order_release);
-  t->owner->wake_all();
+  t->owner->completed(*t);
 }
 
 }  // namespace
@@ -87,10 +90,16 @@ std::shared_ptr<Transfer> Worker::start(Channel channel, at::Tensor t, int peer,
     x->status = UCS_PTR_STATUS(r);
     x->done.store(true, std::memory_order_release);
   } else {
-    std::lock_guard<std::mutex> lock(mu_);
-    prune_locked();
-    x->request = r;
-    inflight_.push_back(x);
+    if (channel != Channel::Control) pending_.fetch_add(1, std::memory_order_acq_rel);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prune_locked();
+      x->request = r;
+      inflight_.push_back(x);
+    }
+    // A large transfer moves on while the caller computes: the engine's
+    // thread starts progressing it (small ones finish in the caller's wait).
+    if (x->bytes >= kWakeBytes && waiters_.load(std::memory_order_acquire) == 0) wake_idle();
   }
   return x;
 }
@@ -134,16 +143,48 @@ void Worker::wake_all() {
   wake_.notify_all();
 }
 
-void Worker::progress_or_sleep(Millis most) {
-  if (!progress()) block(nullptr, most);
+void Worker::completed(const Transfer& t) {
+  // Counted when posted (post() increments after the call, so this may run first).
+  if (t.channel != Channel::Control) pending_.fetch_sub(1, std::memory_order_acq_rel);
+  wake_all();
+}
+
+void Worker::wake_idle() {
+  {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    ++idle_generation_;
+  }
+  idle_.notify_all();
+}
+
+// The engine's thread between jobs. It sleeps on the event fd only while a
+// transfer is pending and nobody waits for one: otherwise a waiter drives
+// UCX, and an armed fd would cost a wake-up of this thread per message.
+void Worker::idle(Millis most) {
+  if (progress()) return;
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  const auto generation = idle_generation_;
+  if (waiters_.load(std::memory_order_acquire) == 0 &&
+      pending_.load(std::memory_order_acquire) > 0) {
+    lock.unlock();
+    block(nullptr, most);
+    return;
+  }
+  idle_.wait_for(lock, most, [&] { return idle_generation_ != generation; });
 }
 
 void Worker::signal() {
   ucp_worker_signal(worker_);
   wake_all();
+  wake_idle();
 }
 
 void Worker::wait(Transfer& t, Clock::time_point deadline) {
+  struct Waiting {  // counted while this thread drives UCX
+    std::atomic<int>& n;
+    explicit Waiting(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_acq_rel); }
+    ~Waiting() { n.fetch_sub(1, std::memory_order_acq_rel); }
+  } waiting(waiters_);
   const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us());
   while (!t.done.load(std::memory_order_acquire)) {
     check_notices();

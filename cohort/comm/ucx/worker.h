@@ -88,12 +88,13 @@ class Worker {
   void wait(Transfer& t, Clock::time_point deadline);
   // Progresses UCX once; true when something happened.
   bool progress();
-  // Progresses UCX; sleeps on the event fd (at most `most`) when idle.
-  void progress_or_sleep(Millis most);
-  // Wakes the threads sleeping in progress_or_sleep or wait.
+  // The engine's thread between jobs: progresses UCX, then sleeps at most
+  // `most` (on the event fd while transfers are pending and nobody waits).
+  void idle(Millis most);
+  // Wakes the threads sleeping in idle or wait.
   void signal();
-  // Wakes the threads that wait for a completion (not the event-fd sleeper).
-  void wake_all();
+  // Called by UCX's completion callbacks: counts `t` done, wakes waiters.
+  void completed(const Transfer& t);
 
  private:
   void rendezvous(Store& store, const WorkerConfig& config, Millis timeout);
@@ -133,7 +134,15 @@ class Worker {
   std::unique_ptr<PeerSlot[]> peer_slots_;
   std::atomic<bool> peer_failed_{false};
 
+  void wake_all();   // the threads waiting for a completion
+  void wake_idle();  // the engine's thread in idle()
+
   std::atomic<bool> sleeper_{false};  // a thread sleeps on event_fd_
+  std::atomic<int> waiters_{0};       // threads inside wait()
+  std::atomic<int> pending_{0};       // posted transfers not yet complete (not control)
+  std::mutex idle_mu_;
+  std::condition_variable idle_;
+  uint64_t idle_generation_ = 0;  // under idle_mu_: bumped by wake_idle
   std::mutex wake_mu_;
   std::condition_variable wake_;
   std::mutex mu_;  // inflight_, failure_
