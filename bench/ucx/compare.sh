@@ -41,7 +41,8 @@ done
 
 python3 - "$rows" "$reps" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+# cohortrun prefixes each line with its rank ("[0] ").
+rows = [json.loads(l[l.index("{"):]) for l in open(sys.argv[1]) if "{" in l]
 def med(backend, b, key):
     v = [r[key] for r in rows if r["backend"] == backend and r["bytes"] == b]
     return statistics.median(v) if v else float("nan")

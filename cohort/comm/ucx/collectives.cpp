@@ -2,6 +2,7 @@
 
 #include "cohort/algorithms/halving_doubling.h"
 #include "cohort/algorithms/ring.h"
+#include "cohort/core/error.h"
 
 namespace cohort::ucx {
 namespace {
@@ -16,7 +17,72 @@ std::vector<int64_t> counts_or_even(std::vector<int64_t> counts, int64_t n, int 
   return counts;
 }
 
+template <typename T>
+T min_of(T x, T y) {
+  if (x != x) return x;  // NaN wins, as in at::minimum
+  if (y != y) return y;
+  return y < x ? y : x;
+}
+
+template <typename T>
+T max_of(T x, T y) {
+  if (x != x) return x;
+  if (y != y) return y;
+  return y > x ? y : x;
+}
+
+template <typename T>
+void combine(T* a, const T* b, int64_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      for (int64_t i = 0; i < n; ++i) a[i] = static_cast<T>(a[i] + b[i]);
+      return;
+    case ReduceOp::Prod:
+      for (int64_t i = 0; i < n; ++i) a[i] = static_cast<T>(a[i] * b[i]);
+      return;
+    case ReduceOp::Min:
+      for (int64_t i = 0; i < n; ++i) a[i] = min_of(a[i], b[i]);
+      return;
+    case ReduceOp::Max:
+      for (int64_t i = 0; i < n; ++i) a[i] = max_of(a[i], b[i]);
+      return;
+    case ReduceOp::Avg:
+      break;
+  }
+  COHORT_CHECK(false, "the communicator turns avg into sum before the engine");
+}
+
 }  // namespace
+
+bool small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, ReduceOp op,
+                      Clock::time_point deadline) {
+  void (*reduce)(void*, const void*, int64_t, ReduceOp) = nullptr;
+  switch (buf.scalar_type()) {
+#define COHORT_UCX_COMBINE(type, name)                                   \
+  case at::k##name:                                                      \
+    reduce = [](void* a, const void* b, int64_t n, ReduceOp o) {         \
+      combine(static_cast<type*>(a), static_cast<const type*>(b), n, o); \
+    };                                                                   \
+    break;
+    COHORT_UCX_COMBINE(float, Float)
+    COHORT_UCX_COMBINE(double, Double)
+    COHORT_UCX_COMBINE(int32_t, Int)
+    COHORT_UCX_COMBINE(int64_t, Long)
+    COHORT_UCX_COMBINE(uint8_t, Byte)
+#undef COHORT_UCX_COMBINE
+    default:
+      return false;
+  }
+  const int p = worker.size(), r = worker.rank();
+  for (int mask = 1; mask < p; mask <<= 1) {
+    auto in = worker.post(Channel::Collective, tmp, r ^ mask, mask, false);
+    auto out = worker.post(Channel::Collective, buf, r ^ mask, mask, true);
+    worker.wait(*in, deadline);
+    worker.wait(*out, deadline);
+    reduce(buf.data_ptr(), tmp.data_ptr(), buf.numel(), op);
+  }
+  return true;
+}
 
 void all_reduce(Link& link, at::Tensor& buf, ReduceOp op) {
   if (link.size() == 1) return;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cohort/algorithms/link.h"
+#include "cohort/comm/ucx/worker.h"
 
 namespace cohort::ucx {
 
@@ -23,6 +24,18 @@ using algorithms::Link;
 inline constexpr int64_t kHalvingDoublingBytes = 256 << 10;
 
 void all_reduce(Link& link, at::Tensor& buf, ReduceOp op);
+
+// At or below this many bytes, on a power-of-two group, an all-reduce takes
+// recursive doubling on raw buffers (small_all_reduce).
+inline constexpr int64_t kRecursiveDoublingBytes = 64 << 10;
+// Recursive doubling: log2(p) rounds, each exchanging the whole vector with
+// rank ^ 2^k and reducing in place: half the rounds of halving-doubling, and
+// no tensor views (a LibTorch view costs about a microsecond, which is most
+// of a 1 KiB all-reduce). Every rank combines the same operands in an order
+// that differs only by commutation, so all get bitwise the same result.
+// `tmp` is like `buf`. False (nothing sent) for a dtype it does not handle.
+bool small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, ReduceOp op,
+                      Clock::time_point deadline);
 void broadcast(Link& link, at::Tensor& t, int root);
 // The root's `t` receives the reduction; other ranks' `t` is left as it was.
 void reduce(Link& link, at::Tensor& t, int root, ReduceOp op);

@@ -91,6 +91,15 @@ class UcxEngine : public Engine {
   }
 
   WorkPtr all_reduce(at::Tensor& t, ReduceOp op) override {
+    const int p = size();
+    if (p > 1 && (p & (p - 1)) == 0 &&
+        static_cast<int64_t>(t.nbytes()) <= kRecursiveDoublingBytes) {
+      return submit("ucx all_reduce", t.nbytes(), [this, t, op](Link& l) mutable {
+        if (!small_all_reduce(*worker_, t, small_tmp(t), op, l.deadline())) {
+          ucx::all_reduce(l, t, op);
+        }
+      });
+    }
     return submit("ucx all_reduce", t.nbytes(),
                   [t, op](Link& l) mutable { ucx::all_reduce(l, t, op); });
   }
@@ -210,12 +219,23 @@ class UcxEngine : public Engine {
     }
   }
 
+  // A buffer like `t` for small_all_reduce, kept between calls (allocating
+  // one costs more than the exchange). Used by whoever runs a job.
+  at::Tensor& small_tmp(const at::Tensor& t) {
+    if (!small_tmp_.defined() || small_tmp_.numel() != t.numel() ||
+        small_tmp_.scalar_type() != t.scalar_type()) {
+      small_tmp_ = at::empty({t.numel()}, t.options());
+    }
+    return small_tmp_;
+  }
+
   std::shared_ptr<Worker> worker_;
   CollectiveChannel channel_;
   std::string bind_address_;
   std::string interface_;
   Millis timeout_;
   algorithms::Scratch scratch_;  // used by whoever runs a job (one at a time: busy_)
+  at::Tensor small_tmp_;         // likewise
   std::string failure_;          // the first failed collective; written under busy_
   std::mutex mu_;
   std::deque<std::function<void()>> queue_;
