@@ -7,8 +7,10 @@
 //   gather, scatter (direct to/from the root): (p-1) alpha + (p-1)/p n beta at the root
 //   all_to_all (every pair at once):   (p-1) alpha + (p-1)/p n beta
 //   barrier (dissemination):            ceil(log2 p) alpha
-// All-reduce: halving-doubling up to kTreeBytes (latency log p), the ring
-// above (bandwidth-optimal); all-gather: the ring.
+// All-reduce: recursive doubling up to kRecursiveDoublingBytes on
+// power-of-two groups (the engine calls small_all_reduce), halving-doubling
+// up to kHalvingDoublingBytes (latency log p), the ring above
+// (bandwidth-optimal); all-gather: the ring.
 #pragma once
 
 #include <vector>
