@@ -13,11 +13,16 @@ install(TARGETS cohort EXPORT cohortTargets
 install(EXPORT cohortTargets NAMESPACE cohort:: DESTINATION ${COHORT_INSTALL_CMAKEDIR})
 
 # The config finds what the exported target links: Torch, Threads, ZLIB,
-# nlohmann_json, and MPI when this build has the MPI engine.
+# nlohmann_json, and MPI or UCX when this build has their engine.
 if(TARGET MPI::MPI_C)
   set(COHORT_PACKAGE_WITH_MPI ON)
 else()
   set(COHORT_PACKAGE_WITH_MPI OFF)
+endif()
+if(TARGET PkgConfig::UCX)
+  set(COHORT_PACKAGE_WITH_UCX ON)
+else()
+  set(COHORT_PACKAGE_WITH_UCX OFF)
 endif()
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/cohortConfig.cmake.in
   ${PROJECT_BINARY_DIR}/cohortConfig.cmake

@@ -9,6 +9,7 @@ packages=(
   libgloo-dev             # Gloo headers that c10d's ProcessGroupGloo.hpp includes
   libopenblas0-pthread    # fast BLAS for LibTorch's matmuls (reference BLAS is ~7x slower)
   libopenmpi-dev openmpi-bin
+  libucx-dev              # the UCX engine (shared memory on a host, TCP/RDMA across hosts)
   libgtest-dev googletest libgmock-dev
   libbenchmark-dev
   libcli11-dev

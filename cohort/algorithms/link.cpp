@@ -75,6 +75,8 @@ void Link::wait(const WorkPtr& work, const std::string& step) {
     work->wait(std::max(left, Millis(1)));
   } catch (const TimeoutError& e) {
     throw TimeoutError(what_ + ": " + step + " did not complete: " + e.what());
+  } catch (const MismatchError& e) {
+    throw MismatchError(what_ + ": " + step + " failed: " + e.what());
   } catch (const std::exception& e) {
     throw PeerError(what_ + ": " + step + " failed: " + e.what());
   }
@@ -100,6 +102,9 @@ void Link::wait(const Pending& p) {
     p.work->wait(std::max(left, Millis(1)));
   } catch (const TimeoutError& e) {
     throw TimeoutError(where + " did not complete: " + e.what());
+  } catch (const MismatchError& e) {
+    // An engine that sees the ranks disagree (UCX: a message of another size).
+    throw MismatchError(where + " failed: " + e.what());
   } catch (const PeerError& e) {
     throw PeerError(where + " failed: " + e.what());
   } catch (const std::exception& e) {

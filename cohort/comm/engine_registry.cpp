@@ -8,6 +8,9 @@
 #ifdef COHORT_WITH_MPI
 #include "cohort/comm/mpi/mpi_engine.h"
 #endif
+#ifdef COHORT_WITH_UCX
+#include "cohort/comm/ucx/ucx_engine.h"
+#endif
 
 namespace cohort {
 
@@ -24,10 +27,23 @@ MpiWorld mpi_world(Millis) {
 #endif
 
 std::vector<std::string> available_backends() {
+  std::vector<std::string> built{"gloo"};
 #ifdef COHORT_WITH_MPI
-  return {"gloo", "mpi"};
+  built.push_back("mpi");
+#endif
+#ifdef COHORT_WITH_UCX
+  built.push_back("ucx");
+#endif
+  return built;
+}
+
+std::string resolve_auto_backend(std::string* why) {
+#ifdef COHORT_WITH_UCX
+  if (why) *why = "UCX is built (shared memory on a host, no launcher needed)";
+  return "ucx";
 #else
-  return {"gloo"};
+  if (why) *why = "this build has no UCX engine";
+  return "gloo";
 #endif
 }
 
@@ -57,6 +73,13 @@ std::unique_ptr<Engine> create_engine(std::shared_ptr<Store> store, int rank, in
   // MPI needs no rendezvous: ranks come from MPI_COMM_WORLD, and the store
   // serves only the communicator (debug checks, subgroup key spaces).
   if (options.backend == "mpi") return make_mpi_engine(rank, size, options.timeout);
+#endif
+#ifdef COHORT_WITH_UCX
+  // UCX listens where Gloo would: the same bind address or interface.
+  if (options.backend == "ucx") {
+    return make_ucx_engine(std::move(store), rank, size, options.gloo.bind_address,
+                           options.gloo.interface, options.timeout);
+  }
 #endif
   require_backend(options.backend, "cohort");
   throw ConfigError("cohort: backend '" + options.backend + "' has no engine");

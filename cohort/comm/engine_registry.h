@@ -1,5 +1,5 @@
 // defines: create_engine, the one place that knows which engines this build
-// has. Optional engines (MPI, NCCL) are chosen here and nowhere else.
+// has. Optional engines (MPI, UCX) are chosen here and nowhere else.
 #pragma once
 
 #include <memory>
@@ -14,10 +14,14 @@ namespace cohort {
 std::unique_ptr<Engine> create_engine(std::shared_ptr<Store> store, int rank, int size,
                                       const ConnectOptions& options);
 
-// Engines compiled into this build, e.g. {"gloo", "mpi"}.
+// Engines compiled into this build, e.g. {"gloo", "mpi", "ucx"}.
 std::vector<std::string> available_backends();
 // Throws ConfigError naming the available ones unless `backend` is one.
 void require_backend(const std::string& backend, const std::string& where);
+
+// What COHORT_BACKEND=auto means in this build: "ucx" when the UCX engine is
+// built, else "gloo"; `why` (if given) receives the reason, for COHORT_DEBUG.
+std::string resolve_auto_backend(std::string* why = nullptr);
 
 // The backend init() uses when neither the caller nor COHORT_BACKEND names
 // one: the one whose launcher started this process (mpirun: "mpi"), else

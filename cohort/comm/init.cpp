@@ -1,6 +1,7 @@
 #include "cohort/comm/init.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 
 #include "cohort/algorithms/hierarchical.h"
@@ -57,6 +58,8 @@ ConnectOptions options_from_environment(const InitOptions& options) {
   ConnectOptions co;
   co.backend = !options.backend.empty() ? options.backend
                                         : env::get("COHORT_BACKEND").value_or(default_backend());
+  std::string auto_reason;
+  if (co.backend == "auto") co.backend = resolve_auto_backend(&auto_reason);
   require_backend(co.backend, "cohort::init");
   co.timeout = options.timeout ? *options.timeout
                                : env::timeout("COHORT_TIMEOUT").value_or(std::chrono::minutes(30));
@@ -77,6 +80,10 @@ ConnectOptions options_from_environment(const InitOptions& options) {
                         "' is not one of engine, ring, tree, hd, hierarchical, adaptive");
     }
     co.algorithm = *a;
+  }
+  if (co.debug_checks && !auto_reason.empty()) {
+    std::fprintf(stderr, "cohort: rank %s: backend auto is %s: %s\n",
+                 env::get("RANK").value_or("?").c_str(), co.backend.c_str(), auto_reason.c_str());
   }
   co.calibration_max_bytes =
       env::get_int("COHORT_CALIBRATION_MAX_BYTES", 1024, 1 << 30).value_or(0);

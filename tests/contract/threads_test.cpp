@@ -1,4 +1,5 @@
-// The contract suite (contract_cases.h) with ranks as threads over Gloo:
+// The contract suite (contract_cases.h) with ranks as threads over Gloo and,
+// when built, UCX:
 // every case at world 1..4 with the engine's own collectives, and every
 // algorithmic case under ring and tree at world 1..4, halving-doubling and
 // hierarchical (two fake hosts) at world 1..5 (5: a non-power-of-two
@@ -14,6 +15,7 @@ namespace cohort::testing {
 namespace {
 
 struct Param {
+  std::string backend;
   Algorithm algo;
   int world;
   size_t case_index;
@@ -34,6 +36,7 @@ class Contract : public ::testing::TestWithParam<Param> {};
 TEST_P(Contract, Holds) {
   const auto& p = GetParam();
   ThreadRanksOptions o;
+  o.backend = p.backend;
   o.algorithm = p.algo;
   // Hierarchical gets fake hosts (ranks 0,1 | 2,3 | 4) to exercise the node
   // reduce, the leaders' ring and the node broadcast.
@@ -45,17 +48,17 @@ TEST_P(Contract, Holds) {
       p.world, [&](Communicator& comm) { case_of(p).run(comm, p.dtype); }, o);
 }
 
-std::vector<Param> all_params() {
+std::vector<Param> all_params(const std::string& backend) {
   std::vector<Param> ps;
   auto add = [&](Algorithm a, int world, const std::vector<torch::Dtype>& dtypes) {
     for (size_t c = 0; c < contract_cases().size(); ++c) {
       const auto& k = contract_cases()[c];
       if (world < k.min_world || (a != Algorithm::Engine && !k.algorithmic)) continue;
       if (!k.every_dtype) {
-        ps.push_back({a, world, c, torch::kFloat32});
+        ps.push_back({backend, a, world, c, torch::kFloat32});
         continue;
       }
-      for (auto dt : dtypes) ps.push_back({a, world, c, dt});
+      for (auto dt : dtypes) ps.push_back({backend, a, world, c, dt});
     }
   };
   for (int w = 1; w <= 4; ++w) add(Algorithm::Engine, w, kDtypes);
@@ -69,7 +72,11 @@ std::vector<Param> all_params() {
   return ps;
 }
 
-INSTANTIATE_TEST_SUITE_P(Gloo, Contract, ::testing::ValuesIn(all_params()), name_of);
+INSTANTIATE_TEST_SUITE_P(Gloo, Contract, ::testing::ValuesIn(all_params("gloo")), name_of);
+#ifdef COHORT_WITH_UCX
+// Each rank its own UCX context and worker, over shared memory.
+INSTANTIATE_TEST_SUITE_P(Ucx, Contract, ::testing::ValuesIn(all_params("ucx")), name_of);
+#endif
 
 }  // namespace
 }  // namespace cohort::testing

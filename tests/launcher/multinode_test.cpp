@@ -1,5 +1,6 @@
 // Two "nodes" as two network namespaces joined by a veth pair, each running
-// the same cohortrun command with its own --node-rank. Runs the library's
+// the same cohortrun command with its own --node-rank (over Gloo, and over
+// UCX when it is built). Runs the library's
 // smoke program (an all-reduce over all 4 ranks) when it is built, and a
 // shell stand-in otherwise.
 #include <gtest/gtest.h>
@@ -63,7 +64,8 @@ conn.close()
 print("stand-in ok (tcp)")
 )py";
 
-TEST(MultiNode, TwoNodesInNetworkNamespaces) {
+// Runs the two nodes with `backend` ("" for cohortrun's default).
+void run_two_nodes(const std::string& backend) {
   std::string why;
   std::unique_ptr<VethNamespaces> ns = VethNamespaces::create(&why);
   if (!ns) GTEST_SKIP() << "cannot set up two network namespaces: " << why;
@@ -97,8 +99,9 @@ TEST(MultiNode, TwoNodesInNetworkNamespaces) {
                                      "--master-port",
                                      kMasterPort,
                                      "--timeout",
-                                     "90",
-                                     "--"};
+                                     "90"};
+    if (!backend.empty()) argv.insert(argv.end(), {"--backend", backend});
+    argv.push_back("--");
     argv.insert(argv.end(), program.begin(), program.end());
     nodes.push_back(std::make_unique<Subprocess>(argv));
   }
@@ -108,12 +111,23 @@ TEST(MultiNode, TwoNodesInNetworkNamespaces) {
     ASSERT_FALSE(r.timed_out) << r.out << r.err;
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
     EXPECT_EQ(count_of(r.out, success), kRanksPerNode) << r.out << r.err;
+    if (!backend.empty()) {
+      EXPECT_EQ(count_of(r.out, "(backend " + backend + ")"), kRanksPerNode) << r.out;
+    }
     for (int local = 0; local < kRanksPerNode; ++local) {
       std::string prefix = "[" + std::to_string(node * kRanksPerNode + local) + "] ";
       EXPECT_NE(r.out.find(prefix), std::string::npos) << r.out;
     }
   }
 }
+
+TEST(MultiNode, TwoNodesInNetworkNamespaces) { run_two_nodes(""); }
+
+#if defined(COHORT_TEST_UCX) && defined(COHORT_SMOKE_BIN)
+// Each namespace is a host to the UCX engine: the ranks reach each other
+// over UCX's TCP transport on the veth interface.
+TEST(MultiNode, TwoNodesInNetworkNamespacesOverUcx) { run_two_nodes("ucx"); }
+#endif
 
 }  // namespace
 }  // namespace cohort::testing

@@ -258,7 +258,8 @@ int main(int argc, char** argv) {
   auto* coll = app.add_subcommand("collectives", "nccl-tests style table of one collective");
   coll->add_option("--op", cfg.op, "all_reduce | all_gather | reduce_scatter | broadcast")
       ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "broadcast"}));
-  coll->add_option("--backend", cfg.backend, "gloo | mpi (default: COHORT_BACKEND or gloo)");
+  coll->add_option("--backend", cfg.backend,
+                   "gloo | mpi | ucx | auto (default: COHORT_BACKEND or gloo)");
   coll->add_option("--dtype", cfg.dtype, "float32 | float64 | float16 | bfloat16");
   coll->add_option("--min-bytes", cfg.min_bytes, "first size in bytes")->check(CLI::PositiveNumber);
   coll->add_option("--max-bytes", cfg.max_bytes, "last size in bytes")->check(CLI::PositiveNumber);

@@ -13,7 +13,7 @@ constexpr const char* kUsage =
     "Launches a cohort job, one process per rank.\n"
     "  cohortrun -n N [--nnodes M --node-rank K --master-addr A "
     "--master-port P]\n"
-    "            [--backend gloo|mpi] [--max-restarts R] [--timeout S]\n"
+    "            [--backend gloo|mpi|ucx|auto] [--max-restarts R] [--timeout S]\n"
     "            [--quiet-others] [--trace DIR] -- PROGRAM ARGS...";
 
 // Ports and counts are taken as text and checked here, so that every bad
@@ -88,8 +88,8 @@ void validate(Options& o) {
           "supported with --backend mpi (mpirun supervises the "
           "ranks)");
     }
-  } else if (o.backend != "gloo") {
-    throw UsageError("--backend must be gloo or mpi (got '" + o.backend + "')");
+  } else if (o.backend != "gloo" && o.backend != "ucx" && o.backend != "auto") {
+    throw UsageError("--backend must be gloo, mpi, ucx or auto (got '" + o.backend + "')");
   }
   if (o.nnodes > 1) {
     // Every node must agree on the rendezvous point; a default would let
@@ -120,7 +120,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
       ->type_name("ADDR");
   app.add_option("--master-port", port, "rendezvous port (default: a free port on one node)")
       ->type_name("PORT");
-  app.add_option("--backend", o.backend, "gloo (default) or mpi")->type_name("NAME");
+  app.add_option("--backend", o.backend, "gloo (default), mpi, ucx or auto")->type_name("NAME");
   app.add_option("--max-restarts", restarts,
                  "restart the job up to R times after a failure (default 0)")
       ->type_name("R");

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# compare.sh: cohort's UCX engine beside its Gloo and MPI engines and a plain
+# MPI_Allreduce loop, in one run: world 2, float32 sum all_reduce at 1 KiB,
+# 64 KiB, 1 MiB and 16 MiB. Each repetition runs the four back to back at
+# every size, so all see the same machine load; the table shows medians.
+#
+#   bench/ucx/compare.sh [BUILD_DIR]      (default: build; REPS=5)
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${1:-$root/build}
+reps=${REPS:-5}
+loop=$build/bench/mpi/mpi_allreduce_loop
+bench=$build/tools/cohort-bench/cohort-bench
+run=$build/tools/cohortrun/cohortrun
+for exe in "$loop" "$bench" "$run"; do
+  [[ -x $exe ]] || { echo "compare.sh: $exe is not built" >&2; exit 2; }
+done
+
+mpirun=(mpirun -np 2 --oversubscribe)
+[[ $(id -u) == 0 ]] && mpirun+=(--allow-run-as-root)
+export OPENBLAS_NUM_THREADS=1
+sizes=(1024 65536 1048576 16777216)
+iters=(5000 1000 100 20)  # same for all; enough for ~10 ms per measurement
+
+rows=$(mktemp)
+trap 'rm -f "$rows"' EXIT
+for ((rep = 1; rep <= reps; ++rep)); do
+  for i in "${!sizes[@]}"; do
+    b=${sizes[$i]}
+    n=${iters[$i]}
+    args=(collectives --op all_reduce --json --min-bytes "$b" --max-bytes "$b" --iters "$n"
+          --warmup 3)
+    timeout 120 "${mpirun[@]}" "$loop" --json --iters "$n" "$b" >>"$rows"
+    timeout 120 "${mpirun[@]}" "$bench" "${args[@]}" --backend mpi >>"$rows"
+    timeout 120 "$run" -n 2 --quiet-others -- "$bench" "${args[@]}" --backend ucx >>"$rows"
+    timeout 120 "$run" -n 2 --quiet-others -- "$bench" "${args[@]}" --backend gloo >>"$rows"
+  done
+  echo "compare.sh: repetition $rep of $reps done" >&2
+done
+
+python3 - "$rows" "$reps" <<'PY'
+import json, statistics, sys
+# cohortrun prefixes each line with its rank ("[0] ").
+rows = [json.loads(l[l.index("{"):]) for l in open(sys.argv[1]) if "{" in l]
+def med(backend, b, key):
+    v = [r[key] for r in rows if r["backend"] == backend and r["bytes"] == b]
+    return statistics.median(v) if v else float("nan")
+names = ("plain-mpi", "mpi", "ucx", "gloo")
+print(f"# world 2, float32 sum all_reduce, medians of {sys.argv[2]} runs")
+print(f"{'bytes':>10} " + " ".join(f"{n + ' us':>12}" for n in names) + " " +
+      " ".join(f"{n + ' GB/s':>14}" for n in names))
+for b in (1024, 65536, 1048576, 16777216):
+    us = [med(n, b, "us") for n in names]
+    bw = [med(n, b, "busbw_gbs") for n in names]
+    print(f"{b:>10} " + " ".join(f"{u:>12.2f}" for u in us) + " " +
+          " ".join(f"{x:>14.3f}" for x in bw))
+PY

@@ -1,0 +1,52 @@
+// defines: the UCX engine's collectives, written over Link (point-to-point)
+// like cohort's algorithm library, which they call for the all-reduce and
+// the all-gather.
+//
+// Cost models, p ranks, n bytes (alpha per message, beta per byte):
+//   broadcast, reduce (binomial tree):  ceil(log2 p) (alpha + n beta)
+//   gather, scatter (direct to/from the root): (p-1) alpha + (p-1)/p n beta at the root
+//   all_to_all (every pair at once):   (p-1) alpha + (p-1)/p n beta
+//   barrier (dissemination):            ceil(log2 p) alpha
+// All-reduce: recursive doubling up to kRecursiveDoublingBytes on
+// power-of-two groups (the engine calls small_all_reduce), halving-doubling
+// up to kHalvingDoublingBytes (latency log p), the ring above
+// (bandwidth-optimal); all-gather: the ring.
+#pragma once
+
+#include <vector>
+
+#include "cohort/algorithms/link.h"
+#include "cohort/comm/ucx/worker.h"
+
+namespace cohort::ucx {
+
+using algorithms::Link;
+
+// At or below this many bytes an all-reduce takes halving-doubling.
+inline constexpr int64_t kHalvingDoublingBytes = 256 << 10;
+
+void all_reduce(Link& link, at::Tensor& buf, ReduceOp op);
+
+// At or below this many bytes, on a power-of-two group, an all-reduce takes
+// recursive doubling on raw buffers (small_all_reduce).
+inline constexpr int64_t kRecursiveDoublingBytes = 64 << 10;
+// Recursive doubling: log2(p) rounds, each exchanging the whole vector with
+// rank ^ 2^k and reducing in place: half the rounds of halving-doubling, and
+// no tensor views (a LibTorch view costs about a microsecond, which is most
+// of a 1 KiB all-reduce). Every rank combines the same operands in an order
+// that differs only by commutation, so all get bitwise the same result.
+// `tmp` is like `buf`. False (nothing sent) for a dtype it does not handle.
+bool small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, ReduceOp op,
+                      Clock::time_point deadline);
+void broadcast(Link& link, at::Tensor& t, int root);
+// The root's `t` receives the reduction; other ranks' `t` is left as it was.
+void reduce(Link& link, at::Tensor& t, int root, ReduceOp op);
+void all_gather(Link& link, std::vector<at::Tensor>& outputs, const at::Tensor& input);
+void gather(Link& link, std::vector<at::Tensor>& outputs, const at::Tensor& input, int root);
+void scatter(Link& link, at::Tensor& output, std::vector<at::Tensor>& inputs, int root);
+// Counts are elements per rank; empty means an equal split.
+void all_to_all(Link& link, at::Tensor& output, const at::Tensor& input,
+                std::vector<int64_t> output_counts, std::vector<int64_t> input_counts);
+void barrier(Link& link);
+
+}  // namespace cohort::ucx

@@ -1,0 +1,265 @@
+// The UCX engine: point-to-point on UCX's tag matching, collectives over it
+// (collectives.h) run by the engine's thread, or inline when small and the
+// thread is idle. See README.md for the progress rule.
+#include "cohort/comm/ucx/ucx_engine.h"
+
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include "cohort/comm/ucx/collectives.h"
+#include "cohort/comm/ucx/worker.h"
+#include "cohort/core/env.h"
+#include "cohort/core/error.h"
+#include "cohort/core/job_work.h"
+
+namespace cohort::ucx {
+namespace {
+
+// Collectives up to this size run on the caller's thread when nothing is
+// queued: the hand-off to the engine's thread costs more than they do.
+int64_t inline_bytes() {
+  static const int64_t n = env::get_int("COHORT_UCX_INLINE_BYTES", 0, 1 << 30).value_or(64 << 10);
+  return n;
+}
+
+// The engine the algorithms see: send and recv on the collective channel,
+// so the engine's collective messages never meet the user's tags.
+class CollectiveChannel : public Engine {
+ public:
+  explicit CollectiveChannel(std::shared_ptr<Worker> w) : w_(std::move(w)) {}
+  std::string name() const override { return "ucx"; }
+  int rank() const override { return w_->rank(); }
+  int size() const override { return w_->size(); }
+  WorkPtr send(at::Tensor& t, int dst, int tag) override {
+    return std::make_shared<TransferWork>(w_, w_->post(Channel::Collective, t, dst, tag, true));
+  }
+  WorkPtr recv(at::Tensor& t, int src, int tag) override {
+    return std::make_shared<TransferWork>(w_, w_->post(Channel::Collective, t, src, tag, false));
+  }
+  WorkPtr all_reduce(at::Tensor&, ReduceOp) override { unsupported("all_reduce"); }
+  WorkPtr broadcast(at::Tensor&, int) override { unsupported("broadcast"); }
+  WorkPtr reduce(at::Tensor&, int, ReduceOp) override { unsupported("reduce"); }
+  WorkPtr all_gather(std::vector<at::Tensor>&, at::Tensor&) override { unsupported("all_gather"); }
+  WorkPtr gather(std::vector<at::Tensor>&, at::Tensor&, int) override { unsupported("gather"); }
+  WorkPtr scatter(at::Tensor&, std::vector<at::Tensor>&, int) override { unsupported("scatter"); }
+  WorkPtr all_to_all(at::Tensor&, at::Tensor&, std::vector<int64_t>&,
+                     std::vector<int64_t>&) override {
+    unsupported("all_to_all");
+  }
+  WorkPtr barrier() override { unsupported("barrier"); }
+  std::unique_ptr<Engine> create_subgroup(const std::vector<int>&, std::shared_ptr<Store>,
+                                          Millis) override {
+    unsupported("create_subgroup");
+  }
+
+ private:
+  std::shared_ptr<Worker> w_;
+};
+
+class UcxEngine : public Engine {
+ public:
+  UcxEngine(std::shared_ptr<Worker> worker, std::string bind_address, std::string interface,
+            Millis timeout)
+      : worker_(std::move(worker)),
+        channel_(worker_),
+        bind_address_(std::move(bind_address)),
+        interface_(std::move(interface)),
+        timeout_(timeout),
+        thread_([this] { run(); }) {}
+
+  ~UcxEngine() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    worker_->signal();
+    thread_.join();
+  }
+
+  std::string name() const override { return "ucx"; }
+  int rank() const override { return worker_->rank(); }
+  int size() const override { return worker_->size(); }
+
+  WorkPtr send(at::Tensor& t, int dst, int tag) override {
+    return std::make_shared<TransferWork>(worker_, worker_->post(Channel::User, t, dst, tag, true));
+  }
+  WorkPtr recv(at::Tensor& t, int src, int tag) override {
+    return std::make_shared<TransferWork>(worker_,
+                                          worker_->post(Channel::User, t, src, tag, false));
+  }
+
+  WorkPtr all_reduce(at::Tensor& t, ReduceOp op) override {
+    const int p = size();
+    if (p > 1 && (p & (p - 1)) == 0 &&
+        static_cast<int64_t>(t.nbytes()) <= kRecursiveDoublingBytes) {
+      return submit("ucx all_reduce", t.nbytes(), [this, t, op](Link& l) mutable {
+        if (!small_all_reduce(*worker_, t, small_tmp(t), op, l.deadline())) {
+          ucx::all_reduce(l, t, op);
+        }
+      });
+    }
+    return submit("ucx all_reduce", t.nbytes(),
+                  [t, op](Link& l) mutable { ucx::all_reduce(l, t, op); });
+  }
+  WorkPtr broadcast(at::Tensor& t, int root) override {
+    return submit("ucx broadcast", t.nbytes(),
+                  [t, root](Link& l) mutable { ucx::broadcast(l, t, root); });
+  }
+  WorkPtr reduce(at::Tensor& t, int root, ReduceOp op) override {
+    return submit("ucx reduce", t.nbytes(),
+                  [t, root, op](Link& l) mutable { ucx::reduce(l, t, root, op); });
+  }
+  WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
+    return submit("ucx all_gather", input.nbytes() * outputs.size(),
+                  [outputs, input](Link& l) mutable { ucx::all_gather(l, outputs, input); });
+  }
+  WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
+    return submit("ucx gather", input.nbytes(), [outputs, input, root](Link& l) mutable {
+      ucx::gather(l, outputs, input, root);
+    });
+  }
+  WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
+    return submit("ucx scatter", output.nbytes(), [output, inputs, root](Link& l) mutable {
+      ucx::scatter(l, output, inputs, root);
+    });
+  }
+  WorkPtr all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_counts,
+                     std::vector<int64_t>& input_counts) override {
+    return submit("ucx all_to_all", input.nbytes(),
+                  [output, input, oc = output_counts, ic = input_counts](Link& l) mutable {
+                    ucx::all_to_all(l, output, input, oc, ic);
+                  });
+  }
+  WorkPtr barrier() override {
+    return submit("ucx barrier", 0, [](Link& l) { ucx::barrier(l); });
+  }
+
+  std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
+                                          std::shared_ptr<Store> store, Millis timeout) override {
+    const int me = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+    COHORT_CHECK(me < static_cast<int>(ranks.size()), "caller is not a member");
+    // A worker of its own: the group's tags cannot meet any other group's.
+    return make_ucx_engine(std::move(store), me, static_cast<int>(ranks.size()), bind_address_,
+                           interface_, timeout);
+  }
+
+ private:
+  using Job = std::function<void(Link&)>;
+
+  // Runs `job` now on this thread when it is small and nothing is queued or
+  // running (so collectives stay in issue order), else on the engine's thread.
+  WorkPtr submit(std::string what, size_t bytes, Job job) {
+    const auto deadline = Clock::now() + timeout_;
+    auto work = std::make_shared<JobWork>(what, deadline);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const bool now = !busy_ && queue_.empty() && static_cast<int64_t>(bytes) <= inline_bytes();
+      if (!now) {
+        queue_.push_back([this, work, what, deadline, job = std::move(job)] {
+          execute(*work, what, deadline, job);
+        });
+        worker_->signal();
+        return work;
+      }
+      busy_ = true;
+    }
+    execute(*work, what, deadline, job);
+    bool queued;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+      queued = !queue_.empty();
+    }
+    // Another thread may have queued a job meanwhile. Only then: a wake-up
+    // per inline collective would cost more than the collective.
+    if (queued) worker_->signal();
+    return work;
+  }
+
+  void execute(JobWork& work, const std::string& what, Clock::time_point deadline, const Job& job) {
+    if (!failure_.empty()) {
+      work.finish(std::make_exception_ptr(
+          PeerError(what + ": refused, an earlier collective failed: " + failure_)));
+      return;
+    }
+    try {
+      Link link(channel_, what, deadline, &scratch_);
+      job(link);
+      work.finish(nullptr);
+    } catch (const std::exception& e) {
+      failure_ = e.what();
+      work.finish(std::current_exception());
+    }
+  }
+
+  // The engine's thread: runs queued collectives in order and, between
+  // them, sleeps on UCX's event fd, so transfers advance while callers compute.
+  void run() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!busy_ && !queue_.empty()) {
+          job = std::move(queue_.front());
+          queue_.pop_front();
+          busy_ = true;
+        } else if (stopping_ && queue_.empty()) {
+          return;
+        }
+      }
+      if (!job) {
+        worker_->idle(Millis(100));
+        continue;
+      }
+      job();
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+  }
+
+  // A buffer like `t` for small_all_reduce, kept between calls (allocating
+  // one costs more than the exchange). Used by whoever runs a job.
+  at::Tensor& small_tmp(const at::Tensor& t) {
+    if (!small_tmp_.defined() || small_tmp_.numel() != t.numel() ||
+        small_tmp_.scalar_type() != t.scalar_type()) {
+      small_tmp_ = at::empty({t.numel()}, t.options());
+    }
+    return small_tmp_;
+  }
+
+  std::shared_ptr<Worker> worker_;
+  CollectiveChannel channel_;
+  std::string bind_address_;
+  std::string interface_;
+  Millis timeout_;
+  algorithms::Scratch scratch_;  // used by whoever runs a job (one at a time: busy_)
+  at::Tensor small_tmp_;         // likewise
+  std::string failure_;          // the first failed collective; written under busy_
+  std::mutex mu_;
+  std::deque<std::function<void()>> queue_;
+  bool busy_ = false;  // a job is running (on either thread)
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+}  // namespace
+}  // namespace cohort::ucx
+
+namespace cohort {
+
+std::unique_ptr<Engine> make_ucx_engine(std::shared_ptr<Store> store, int rank, int size,
+                                        const std::string& bind_address,
+                                        const std::string& interface, Millis timeout) {
+  ucx::WorkerConfig config{bind_address, interface};
+  std::shared_ptr<ucx::Worker> worker;
+  try {
+    worker = std::make_shared<ucx::Worker>(*store, rank, size, config, timeout);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(std::string("ucx: rendezvous: ") + e.what());
+  }
+  return std::make_unique<ucx::UcxEngine>(std::move(worker), bind_address, interface, timeout);
+}
+
+}  // namespace cohort

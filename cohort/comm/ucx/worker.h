@@ -1,0 +1,170 @@
+// defines: Worker (one UCX context and worker with an endpoint to every rank
+// of a group), Transfer (one tagged send or receive in flight) and
+// TransferWork (the WorkImpl over it).
+//
+// Tags: a 64-bit UCX tag is the channel (2 bits), the sender's rank (30
+// bits) and the caller's tag (32 bits). Receives name their source, so they
+// match on the whole tag: user messages, the engine's collective messages
+// and control notices never meet.
+//
+// Progress: the thread that waits drives UCX (ucp_worker_progress), spinning
+// briefly and then sleeping: one thread on the worker's event fd, the others
+// until a completion callback wakes them. The engine's own thread sleeps the
+// same way when it has no job, so a transfer also advances while every
+// caller computes (see README.md).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cohort/core/store/store.h"
+#include "cohort/core/types.h"
+#include "cohort/core/work.h"
+
+namespace cohort::ucx {
+
+using Clock = std::chrono::steady_clock;
+
+enum class Channel : uint64_t { User = 0, Collective = 1, Control = 2 };
+
+// Where UCX may listen and which transports it may use (see rendezvous.cpp).
+struct WorkerConfig {
+  std::string bind_address;  // the network address of this rank's host, or loopback
+  std::string interface;     // a network interface to use instead (GLOO_SOCKET_IFNAME)
+};
+
+// One send or receive. Written by UCX's completion callback (status, length,
+// then done) and read by waiters; the Worker frees the UCX request.
+class Worker;
+
+struct Transfer {
+  Worker* owner = nullptr;  // woken by the completion callback
+  at::Tensor buffer;        // keeps the memory alive while UCX may touch it
+  int peer = -1;
+  int tag = 0;
+  Channel channel = Channel::User;
+  bool is_send = false;
+  size_t bytes = 0;  // the buffer's size
+  std::atomic<bool> done{false};
+  ucs_status_t status = UCS_OK;
+  size_t received = 0;      // a receive's message length
+  void* request = nullptr;  // UCX's request while not freed (Worker only)
+
+  // "receive from rank 1 (tag 3)"
+  std::string what() const;
+};
+
+class Worker {
+ public:
+  // Collective over the `size` ranks that share `store`: publishes this
+  // rank's host and UCX address, reads everyone's, creates the endpoints.
+  Worker(Store& store, int rank, int size, const WorkerConfig& config, Millis timeout);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // True when every rank runs on this host: UCX then uses shared memory only.
+  bool single_host() const { return single_host_; }
+  // The transports UCX was allowed ("self,sm", or UCX's default).
+  const std::string& transports() const { return transports_; }
+
+  // Posts a transfer of `t` (contiguous, CPU). Throws PeerError when the
+  // group already failed.
+  std::shared_ptr<Transfer> post(Channel channel, at::Tensor t, int peer, int tag, bool is_send);
+  // Drives UCX until `t` is done or `deadline`; throws TimeoutError,
+  // PeerError (dead peer, transport error) or MismatchError (a message
+  // longer or shorter than the receive buffer, on either rank).
+  void wait(Transfer& t, Clock::time_point deadline);
+  // Progresses UCX once; true when something happened.
+  bool progress();
+  // The engine's thread between jobs: progresses UCX, then sleeps at most
+  // `most` (on the event fd while transfers are pending and nobody waits).
+  void idle(Millis most);
+  // Wakes the threads sleeping in idle or wait.
+  void signal();
+  // Called by UCX's completion callbacks: counts `t` done, wakes waiters.
+  void completed(const Transfer& t);
+
+ private:
+  void rendezvous(Store& store, const WorkerConfig& config, Millis timeout);
+  // post() without the failed-group check (the notice of report_bad_receive).
+  std::shared_ptr<Transfer> start(Channel channel, at::Tensor t, int peer, int tag, bool is_send);
+  void create_endpoints(const std::vector<std::vector<uint8_t>>& addresses);
+  void post_control_receive();
+  // Turns a peer's notice or an endpoint error into the group's failure.
+  void check_notices();
+  void report_bad_receive(const Transfer& t);
+  void fail(const std::string& why, bool mismatch);
+  [[noreturn]] void throw_failure();
+  // Throws unless `t` succeeded with the expected length.
+  void finish(Transfer& t);
+  // Sleeps until `done` (if given), an event, or `most`.
+  void block(const std::atomic<bool>* done, Millis most);
+  void prune_locked();
+  void close();
+  static void on_peer_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  int rank_;
+  int size_;
+  bool single_host_ = false;
+  std::string transports_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int event_fd_ = -1;
+  std::vector<ucp_ep_h> endpoints_;
+  // An endpoint's error-callback argument. The callback runs inside UCX's
+  // progress (under UCX's worker lock), so it only records; waiters turn it
+  // into the group's failure.
+  struct PeerSlot {
+    Worker* self = nullptr;
+    int rank = -1;
+    std::atomic<int> status{UCS_OK};
+  };
+  std::unique_ptr<PeerSlot[]> peer_slots_;
+  std::atomic<bool> peer_failed_{false};
+
+  void wake_all();   // the threads waiting for a completion
+  void wake_idle();  // the engine's thread in idle()
+
+  std::atomic<bool> sleeper_{false};  // a thread sleeps on event_fd_
+  std::atomic<int> waiters_{0};       // threads inside wait()
+  std::atomic<int> pending_{0};       // posted transfers not yet complete (not control)
+  std::mutex idle_mu_;
+  std::condition_variable idle_;
+  uint64_t idle_generation_ = 0;  // under idle_mu_: bumped by wake_idle
+  std::mutex wake_mu_;
+  std::condition_variable wake_;
+  std::mutex mu_;  // inflight_, failure_
+  std::vector<std::shared_ptr<Transfer>> inflight_;
+  std::string failure_;  // the first error of the group; later operations fail with it
+  bool failure_is_mismatch_ = false;
+  std::atomic<bool> failed_{false};
+  // A notice from a peer whose receive did not fit (see report_bad_receive).
+  std::shared_ptr<Transfer> control_;
+};
+
+// Holds the worker: a Work may outlive its engine.
+class TransferWork : public WorkImpl {
+ public:
+  TransferWork(std::shared_ptr<Worker> worker, std::shared_ptr<Transfer> t)
+      : worker_(std::move(worker)), transfer_(std::move(t)) {}
+  bool is_completed() override;
+  void wait(Millis timeout) override;
+
+ private:
+  std::shared_ptr<Worker> worker_;
+  std::shared_ptr<Transfer> transfer_;
+};
+
+}  // namespace cohort::ucx
