@@ -19,6 +19,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kMetaSlots = 64;  // int64s in a boundary's shape message
 constexpr int kMetaMicrobatch = 0xFFFF;
+// post_receives refills the receive window once this few posted receives
+// remain (the memory model, schedule_memory, follows the same rule).
+constexpr size_t kRefillAt = 1;
 
 // Messages across boundary b (stage b -> b + 1) carry tag
 // 1 + ((b * 2 + dir) << 16) + micro-batch; dir 0 forward, 1 backward. Each
@@ -649,10 +652,18 @@ void PipelineRuntime::send_forward(int stage, int mb) {
 // action, it would wait for the receiver to ask and for the sender's
 // transport to answer, on the critical path of every micro-batch. A
 // receive the window did not reach is posted at its own action.
+//
+// The window is refilled in bursts, once at most kRefillAt posted receives
+// remain, not one receive each time one is taken: every posting call in
+// the middle of a step (Gloo locks the pair and notifies the peer) can
+// stall a rank whose cores are shared, and a burst pays that once for
+// up to window - 1 receives (docs/benchmarks.md has the measurement). The
+// peak stays recv_window buffers.
 void PipelineRuntime::post_receives(size_t running) {
   State& st = *state_;
   const std::vector<Action>& actions = schedule_.actions[st.rank];
   st.post_cursor = std::max(st.post_cursor, running);
+  if (st.posted.size() > kRefillAt) return;
   while (st.post_cursor < actions.size() &&
          st.posted.size() < static_cast<size_t>(options_.recv_window))
     post_receive(actions[st.post_cursor++]);

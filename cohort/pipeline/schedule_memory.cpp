@@ -45,9 +45,11 @@ class RankWalk {
   int64_t buffer_bytes(const Action& a) const {
     return per(costs_.boundary_bytes, a.type == ActionType::RecvForward ? a.stage - 1 : a.stage);
   }
-  // The runtime's rule: the next recv_window receive actions are posted.
+  // The runtime's rule: the next recv_window receive actions are posted,
+  // refilled in a burst once at most one posted receive remains.
   void post_ahead(size_t running) {
     cursor_ = std::max(cursor_, running);
+    if (posted_.size() > 1) return;
     while (cursor_ < actions_.size() && posted_.size() < size_t(costs_.recv_window)) {
       const Action& a = actions_[cursor_++];
       if (!is_recv(a.type)) continue;
