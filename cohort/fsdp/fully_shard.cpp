@@ -118,7 +118,8 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
     if (unit->group_) units.push_back(unit);
   }
   std::vector<fsdp::UnitEntry> entries;
-  for (auto* unit : units) entries.push_back({unit->group_.get(), &unit->options_.reshard_after_forward});
+  for (auto* unit : units)
+    entries.push_back({unit->group_.get(), &unit->options_.reshard_after_forward});
   std::vector<torch::Tensor> buffers;
   for (const auto& b : this->buffers()) buffers.push_back(b);
   state_ = std::make_shared<fsdp::FSDPState>(std::move(entries), group_ != nullptr,
@@ -190,7 +191,8 @@ void FullyShardImpl::load_full_state_dict(
     const torch::OrderedDict<std::string, torch::Tensor>& state_dict) {
   auto state = root_state();
   std::map<const void*, std::string> name_of;
-  for (const auto& p : named_parameters()) name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  for (const auto& p : named_parameters())
+    name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
   auto lookup = [&](const std::string& name, c10::IntArrayRef sizes) {
     const auto* t = state_dict.find(name);
     if (!t) {
@@ -216,7 +218,8 @@ void FullyShardImpl::load_full_state_dict(
     per_unit.push_back(std::move(full));
   }
   std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;
-  for (const auto& b : named_buffers()) buffers.emplace_back(b.value(), lookup(b.key(), b.value().sizes()));
+  for (const auto& b : named_buffers())
+    buffers.emplace_back(b.value(), lookup(b.key(), b.value().sizes()));
   state->reshard_all();
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < per_unit.size(); ++u) state->units()[u].group->load_full(per_unit[u]);

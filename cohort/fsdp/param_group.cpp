@@ -35,14 +35,13 @@ FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<st
   const auto options = params_[0].options().requires_grad(false);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].dtype() != params_[0].dtype() || params_[i].device() != params_[0].device()) {
-      throw InvalidArgument("fully_shard(" + unit_ + ") on rank " + std::to_string(comm_->rank()) +
-                            ": parameter '" + names_[i] + "' is " +
-                            std::string(params_[i].dtype().name()) + " on " +
-                            params_[i].device().str() + ", '" + names_[0] + "' is " +
-                            std::string(params_[0].dtype().name()) + " on " +
-                            params_[0].device().str() +
-                            "; a unit's parameters share dtype and device (wrap them in "
-                            "separate units)");
+      throw InvalidArgument(
+          "fully_shard(" + unit_ + ") on rank " + std::to_string(comm_->rank()) + ": parameter '" +
+          names_[i] + "' is " + std::string(params_[i].dtype().name()) + " on " +
+          params_[i].device().str() + ", '" + names_[0] + "' is " +
+          std::string(params_[0].dtype().name()) + " on " + params_[0].device().str() +
+          "; a unit's parameters share dtype and device (wrap them in "
+          "separate units)");
     }
   }
   verify_same_parameters(*comm_, params_, names_, "fully_shard(" + unit_ + ")");
