@@ -81,7 +81,8 @@ TEST(FSDPFeatures, UnitUnusedOnSomeStepsEqualsOneProcess) {
       std::lock_guard<std::mutex> lock(mu);
       got.push_back(state);
     });
-    for (const auto& state : got) expect_close(state, expected, 1e-6, "world " + std::to_string(world));
+    for (const auto& state : got)
+      expect_close(state, expected, 1e-6, "world " + std::to_string(world));
   }
 }
 
