@@ -60,15 +60,15 @@ std::vector<Action> one_f_one_b(int pp, int rank, int m) {
 
 // ZB-H1 as a list schedule on unit costs (F = I = W = 1, free transfers):
 // at each time step a free rank runs the first of
-//   W  of the oldest micro-batch whose I ran, first, when pp micro-batches
-//      hold activations (a micro-batch holds them until its W): the peak
-//      stays 1F1B's, pp micro-batches,
-//   I  when the next stage's input gradient is there (the critical path),
-//   F  when its input is there and fewer than pp - rank micro-batches wait
-//      for I (1F1B's warm-up),
-//   W  of the oldest micro-batch whose I ran (it fills what would be idle).
-// With m >= pp the bubble is at most (pp - 1)(F + I - W) + W: the paper's,
-// and one W more that the memory bound costs.
+//   F  when its input is there, fewer than pp - rank micro-batches wait for
+//      I (1F1B's warm-up) and fewer than pp hold activations (a micro-batch
+//      holds them until its W: the peak stays 1F1B's, pp micro-batches),
+//   I  when the next stage's input gradient is there,
+//   W  of the oldest micro-batch whose I ran (it fills what would be idle,
+//      and frees a slot once the bound holds F back).
+// With m >= pp the bubble is the paper's (pp - 1)(F + I - W). Running the
+// bound's W before a ready I instead costs one W more (the I is on the
+// critical path; the W is not).
 std::vector<std::vector<Action>> zero_bubble_h1(int pp, int m) {
   constexpr int kNotYet = std::numeric_limits<int>::max();
   std::vector<std::vector<int>> f_end(pp, std::vector<int>(m, kNotYet)), i_end = f_end;
@@ -81,19 +81,15 @@ std::vector<std::vector<Action>> zero_bubble_h1(int pp, int m) {
       if (free_at[r] > t) continue;
       const int f = next_f[r], i = next_i[r];
       const bool full = f - w_done[r] >= pp;  // pp micro-batches hold activations
-      if (full && !pending_w[r].empty()) {
-        out[r].push_back({r, ActionType::BackwardWeight, pending_w[r].front()});
-        pending_w[r].pop_front();
-        ++w_done[r];
+      if (f < m && (r == 0 || f_end[r - 1][f] <= t) && f - i < pp - r && !full) {
+        out[r].push_back({r, ActionType::Forward, f});
+        f_end[r][f] = t + 1;
+        ++next_f[r];
       } else if (i < f && f_end[r][i] <= t && (r == pp - 1 || i_end[r + 1][i] <= t)) {
         out[r].push_back({r, ActionType::BackwardInput, i});
         i_end[r][i] = t + 1;
         pending_w[r].push_back(i);
         ++next_i[r];
-      } else if (f < m && (r == 0 || f_end[r - 1][f] <= t) && f - i < pp - r && !full) {
-        out[r].push_back({r, ActionType::Forward, f});
-        f_end[r][f] = t + 1;
-        ++next_f[r];
       } else if (!pending_w[r].empty()) {
         out[r].push_back({r, ActionType::BackwardWeight, pending_w[r].front()});
         pending_w[r].pop_front();

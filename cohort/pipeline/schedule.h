@@ -93,9 +93,10 @@ PipelineSchedule Schedule1F1B(int pp, int m);
 /// multiple of pp.
 PipelineSchedule ScheduleInterleaved1F1B(int pp, int v, int m);
 /// Zero bubble H1 (Qi et al., 2023): B split into I and W, at most 1F1B's
-/// peak of pp micro-batches holding activations on any rank, I first, and W
-/// where the rank would otherwise wait. With equal costs and m >= pp its
-/// bubble is at most (pp - 1)(F + I - W) + W against 1F1B's (pp - 1)(F + B).
+/// peak of pp micro-batches holding activations on any rank, F as 1F1B's
+/// warm-up and that bound allow, then I, and W where the rank would
+/// otherwise wait. With equal costs and m >= pp its
+/// bubble is the paper's (pp - 1)(F + I - W) against 1F1B's (pp - 1)(F + B).
 PipelineSchedule ScheduleZBH1(int pp, int m);
 /// Builds a generator by name: "gpipe", "1f1b", "interleaved", "zbh1".
 PipelineSchedule make_schedule(const std::string& name, int pp, int v, int m);

@@ -166,14 +166,13 @@ TEST(PipelineSimulator, ClosedForms) {
           EXPECT_NEAR(r.bubble_ratio, double(pp - 1) / (v * m), 1e-12)
               << "interleaved pp " << pp << " v " << v << " m " << m;
         }
-      // ZB-H1 (m >= pp, as in the paper): at most (pp - 1)(F + I - W) + W,
-      // the paper's bubble and one W more (the generator runs a W first
-      // whenever pp micro-batches hold activations, which keeps 1F1B's
-      // peak), against 1F1B's (pp - 1)(F + B).
+      // ZB-H1 (m >= pp, as in the paper): the paper's bubble,
+      // (pp - 1)(F + I - W), within 1F1B's peak of pp micro-batches,
+      // against 1F1B's (pp - 1)(F + B).
       if (m < pp) continue;
       auto zb = simulate_schedule(ScheduleZBH1(pp, m), c);
       auto one = simulate_schedule(Schedule1F1B(pp, m), c);
-      EXPECT_LE(zb.step_ms - 3.0 * m, (pp - 1) * (1.0 + 1.0 - 1.0) + (pp > 1 ? 1.0 : 0.0))
+      EXPECT_DOUBLE_EQ(zb.step_ms - 3.0 * m, (pp - 1) * (1.0 + 1.0 - 1.0))
           << "zbh1 pp " << pp << " m " << m;
       EXPECT_LE(
           *std::max_element(zb.peak_live_microbatches.begin(), zb.peak_live_microbatches.end()),
