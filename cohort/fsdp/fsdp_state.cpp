@@ -100,9 +100,9 @@ void FSDPState::gradient_ready(size_t k) {
 void FSDPState::launch_ready() {
   queue_.poll();
   queue_.launch_ready([this](size_t u) { return launch(u); });
-  // Each finished reduce-scatter's input goes now, not at the end of backward.
+  // Each finished reduce-scatter's buffers go now, not at the end of backward.
   size_t u = 0;
-  while (queue_.retire_completed(u)) units_[u].group->release_reduce_input();
+  while (queue_.retire_completed(u)) units_[u].group->reduce_scatter_done();
 }
 
 Work FSDPState::launch(size_t u) {

@@ -198,28 +198,50 @@ Work FSDPParamGroup::start_reduce_scatter() {
   grads.clear();
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   rs_output_ = torch::empty({layout_.shard_numel}, reduce_options);
+  rs_pending_ = true;
   return comm_->reduce_scatter_tensor(rs_output_, rs_input_, {ReduceOp::Avg});
 }
 
-void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {
+void FSDPParamGroup::reduce_scatter_done() {
+  if (!rs_pending_) return;
+  rs_pending_ = false;
+  rs_input_ = torch::Tensor();
   torch::NoGradGuard no_grad;
-  std::vector<int64_t> offsets;
-  for (const auto& p : layout_.params) offsets.push_back(p.shard_offset);
-  // Aliases, not views: Optimizer::zero_grad() detach_()es every .grad.
-  // The shard's .grad has the shard's dtype.
-  auto grads = flat_aliases(rs_output_.to(sharded_dtype_), shard_views_, offsets);
+  rs_output_ = rs_output_.to(sharded_dtype_);  // the shard's .grad has the shard's dtype
+  bool all_stashed = true;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!stash_[i].defined()) {
+      all_stashed = false;
+      continue;
+    }
+    // A parameter no rank had a gradient for gets zeros here: unchanged.
+    const auto& p = layout_.params[i];
+    stash_[i].add_(
+        rs_output_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(p.shard_sizes));
+  }
+  if (all_stashed) rs_output_ = torch::Tensor();
+}
+
+void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {
+  reduce_scatter_done();
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  if (rs_output_.defined()) {
+    std::vector<int64_t> offsets;
+    for (const auto& p : layout_.params) offsets.push_back(p.shard_offset);
+    // Aliases, not views: Optimizer::zero_grad() detach_()es every .grad.
+    grads = flat_aliases(rs_output_, shard_views_, offsets);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& g = params_[i].mutable_grad();
-    if (any[i]) {
-      if (stash_[i].defined()) grads[i].add_(stash_[i]);
-      g = grads[i];
+    if (stash_[i].defined()) {
+      g = stash_[i];  // the result was added into it
     } else {
-      g = stash_[i];
+      g = any[i] ? grads[i] : torch::Tensor();
     }
     grad_sharded_[i] = g.defined() ? 1 : 0;
     stash_[i] = torch::Tensor();
   }
-  rs_input_ = torch::Tensor();
   rs_output_ = torch::Tensor();
 }
 

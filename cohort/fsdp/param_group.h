@@ -99,8 +99,11 @@ class FSDPParamGroup {
   /// reduce-scatter into a new gradient shard.
   Work start_reduce_scatter();
   /// The reduce-scatter was waited for: frees its input (the unit's full
-  /// gradients), so that backward holds one only while it is on the wire.
-  void release_reduce_input() { rs_input_ = torch::Tensor(); }
+  /// gradients) and adds its output into the sharded gradients put aside
+  /// for this backward, freeing it too when every parameter had one; so
+  /// backward holds a unit's buffers only while they are on the wire, not
+  /// until its end. Does nothing the second time.
+  void reduce_scatter_done();
   /// Whether parameter i had a gradient when its reduce-scatter started.
   bool had_gradient(size_t i) const { return had_grad_[i] != 0; }
   /// After the reduce-scatter completed: .grad is this rank's rows of the
@@ -146,7 +149,8 @@ class FSDPParamGroup {
   std::vector<torch::Tensor> stash_;  // sharded gradients put aside for a backward
   std::vector<char> grad_sharded_;    // .grad is a shard (not a full accumulation)
   std::vector<char> had_grad_;
-  torch::Tensor rs_input_, rs_output_;
+  torch::Tensor rs_input_, rs_output_;  // rs_output_: the shard's dtype once done
+  bool rs_pending_ = false;             // launched, reduce_scatter_done() not run
   // Made while the parameters were full: a gradient accumulator records its
   // parameter's shape when made, and backward hands it full gradients. The
   // variables hold them weakly; these keep them (and so that shape) alive.
