@@ -78,7 +78,8 @@ inline Batches make_batches(uint64_t seed) {
   return b;
 }
 
-inline void expect_close(const Named& got, const Named& expected, double rel, const std::string& what) {
+inline void expect_close(const Named& got, const Named& expected, double rel,
+                         const std::string& what) {
   ASSERT_EQ(got.size(), expected.size()) << what;
   for (const auto& e : expected) {
     const auto* g = got.find(e.key());
