@@ -35,7 +35,7 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
       unit_of_.push_back(u);
       if (p.requires_grad()) ++parts[u];
     }
-    bytes[u] = g->layout().world * g->layout().shard_numel * g->params()[0].element_size();
+    bytes[u] = g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());
   }
   queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
   hooks_ = std::make_unique<AccumulatorHooks>(all, [this](size_t i) { gradient_ready(i); });
@@ -100,6 +100,9 @@ void FSDPState::gradient_ready(size_t k) {
 void FSDPState::launch_ready() {
   queue_.poll();
   queue_.launch_ready([this](size_t u) { return launch(u); });
+  // Each finished reduce-scatter's buffers go now, not at the end of backward.
+  size_t u = 0;
+  while (queue_.retire_completed(u)) units_[u].group->reduce_scatter_done();
 }
 
 Work FSDPState::launch(size_t u) {

@@ -25,6 +25,12 @@ struct DepthGuard {
 
 std::string rank_of(const Communicator& comm) { return " on rank " + std::to_string(comm.rank()); }
 
+// `x` in `dtype` if both are floating (a differentiable cast).
+torch::Tensor cast_to(const torch::Tensor& x, std::optional<torch::Dtype> dtype) {
+  if (!dtype || !x.defined() || !x.is_floating_point() || x.scalar_type() == *dtype) return x;
+  return x.to(*dtype);
+}
+
 }  // namespace
 
 FullyShardImpl::FullyShardImpl(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
@@ -61,6 +67,17 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
       throw InvalidArgument(where + ": fully_shard was already applied to this module");
     }
   }
+  // A construction that throws (ranks that disagree) runs no destructor:
+  // forget the module, or a later one at its address would be refused.
+  struct Forget {
+    const torch::nn::Module* module;
+    bool armed = true;
+    ~Forget() {
+      if (!armed) return;
+      std::lock_guard<std::mutex> lock(wrapped_mutex);
+      wrapped.erase(module);
+    }
+  } forget{inner.get()};
   inner_ = inner;
   comm_ = std::move(comm);
   // The inner module's own names, so names match the bare model's.
@@ -96,10 +113,12 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
     own.push_back(p.value());
     names.push_back(p.key());
   }
+  fsdp::verify_same_policy(*comm_, options_.mp_policy, "fully_shard(" + inner->name() + ")");
   if (!own.empty()) {
     group_ = std::make_unique<fsdp::FSDPParamGroup>(std::move(own), std::move(names), comm_,
-                                                    inner->name());
+                                                    inner->name(), options_.mp_policy);
   }
+  forget.armed = false;
 }
 
 std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
@@ -133,12 +152,14 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
 }
 
 torch::Tensor FullyShardImpl::forward(const torch::Tensor& input) {
+  const auto& mp = options_.mp_policy;
+  const auto x = cast_to(input, mp.cast_forward_inputs ? mp.param_dtype : std::nullopt);
   std::shared_ptr<fsdp::FSDPState> state;
   if (forward_depth == 0) {
     state = root_state();
   } else if (!group_) {
     DepthGuard depth;
-    return call_(input);  // nothing of its own to gather
+    return cast_to(call_(x), mp.output_dtype);  // nothing of its own to gather
   } else {
     state = outer_.lock();
     if (!state) {
@@ -151,10 +172,10 @@ torch::Tensor FullyShardImpl::forward(const torch::Tensor& input) {
   torch::Tensor out;
   {
     DepthGuard depth;
-    out = call_(input);
+    out = call_(x);
   }
   state->post_forward(index_, out);
-  return out;
+  return cast_to(out, mp.output_dtype);
 }
 
 void FullyShardImpl::train(bool on) {
@@ -174,10 +195,13 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardImpl::full_state_dict()
   auto state = root_state();
   std::map<const void*, torch::Tensor> full;
   torch::NoGradGuard no_grad;
+  // Gathered from the shards: their dtype (the master weights under mixed
+  // precision), whether or not the units are unsharded now.
   for (const auto& unit : state->units()) {
-    unit.group->wait_unshard();
-    for (const auto& p : unit.group->params()) full[p.unsafeGetTensorImpl()] = p.clone();
-    unit.group->reshard();
+    auto values = unit.group->gather_full();
+    for (size_t i = 0; i < values.size(); ++i) {
+      full[unit.group->params()[i].unsafeGetTensorImpl()] = std::move(values[i]);
+    }
   }
   torch::OrderedDict<std::string, torch::Tensor> out;
   for (const auto& p : named_parameters()) {

@@ -33,6 +33,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/fsdp/fsdp_state.h"
+#include "cohort/fsdp/mixed_precision.h"
 #include "cohort/fsdp/param_group.h"
 
 namespace cohort {
@@ -44,6 +45,9 @@ struct FullyShardOptions {
   /// of backward (one all-gather per step, more memory). The root keeps its
   /// own parameters through the forward either way.
   bool reshard_after_forward = true;
+  /// The dtypes of the all-gather, the compute and the reduce-scatter
+  /// (mixed_precision.h; default: the parameters' own throughout).
+  MixedPrecisionPolicy mp_policy;
 };
 
 /// A fully sharded unit around a module (one tensor in, one out); see the
@@ -60,7 +64,9 @@ class FullyShardImpl : public torch::nn::Module {
                  FullyShardOptions options = {});
   ~FullyShardImpl() override;
 
-  /// The wrapped module's forward between unshard and reshard.
+  /// The wrapped module's forward between unshard and reshard (its
+  /// floating input cast to the policy's param_dtype, its output to its
+  /// output_dtype).
   torch::Tensor forward(const torch::Tensor& input);
   /// Also sets the wrapped module's own mode.
   void train(bool on = true) override;

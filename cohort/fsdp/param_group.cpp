@@ -5,9 +5,11 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <mutex>
 #include <utility>
 
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/parameter_check.h"
 
@@ -26,7 +28,8 @@ torch::Tensor over_storage(const c10::Storage& storage, const torch::TensorOptio
 }  // namespace
 
 FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
-                               std::shared_ptr<Communicator> comm, std::string unit)
+                               std::shared_ptr<Communicator> comm, std::string unit,
+                               const MixedPrecisionPolicy& policy)
     : params_(std::move(params)),
       names_(std::move(names)),
       comm_(std::move(comm)),
@@ -44,6 +47,10 @@ FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<st
           "separate units)");
     }
   }
+  sharded_dtype_ = params_[0].scalar_type();
+  param_dtype_ = policy.param_dtype.value_or(sharded_dtype_);
+  reduce_dtype_ = policy.reduce_dtype.value_or(param_dtype_);
+  check_policy();
   verify_same_parameters(*comm_, params_, names_, "fully_shard(" + unit_ + ")");
   layout_ = make_shard_layout(params_, comm_->size(), comm_->rank());
   const size_t n = params_.size();
@@ -53,36 +60,62 @@ FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<st
 
   // The full storage, with a view per parameter, made while it has its bytes
   // (set_ would otherwise grow it).
-  const int64_t item = params_[0].element_size();
-  full_storage_ = c10::Storage(c10::Storage::use_byte_size_t(), layout_.full_numel * item,
+  const auto full_options = options.dtype(param_dtype_);
+  full_storage_ = c10::Storage(c10::Storage::use_byte_size_t(),
+                               layout_.full_numel * c10::elementSize(param_dtype_),
                                c10::GetAllocator(params_[0].device().type()), /*resizable=*/true);
   shard_flat_ = torch::zeros({layout_.shard_numel}, options);
   torch::NoGradGuard no_grad;
+  // DDP's rule: every rank starts from rank 0's values (in the parameters'
+  // own dtype).
+  auto initial = torch::empty({layout_.full_numel}, options);
+  std::vector<torch::Tensor> initial_views;
   for (size_t i = 0; i < n; ++i) {
     const auto& p = layout_.params[i];
-    full_views_.push_back(over_storage(full_storage_, options, p.full_offset, p.full_sizes));
-    full_views_[i].copy_(params_[i]);
+    initial_views.push_back(over_storage(initial.storage(), options, p.full_offset, p.full_sizes));
+    initial_views[i].copy_(params_[i]);
+    full_views_.push_back(over_storage(full_storage_, full_options, p.full_offset, p.full_sizes));
     shard_views_.push_back(
         over_storage(shard_flat_.storage(), options, p.shard_offset, p.shard_sizes));
   }
-  // DDP's rule: every rank starts from rank 0's values.
-  if (comm_->size() > 1 && layout_.full_numel > 0) {
-    auto flat = over_storage(full_storage_, options, 0, {layout_.full_numel});
-    comm_->broadcast(flat, {0}).wait();
-  }
+  if (comm_->size() > 1 && layout_.full_numel > 0) comm_->broadcast(initial, {0}).wait();
   for (size_t i = 0; i < n; ++i) {
-    copy_local_rows(layout_.params[i], layout_.rank, full_views_[i], shard_flat_);
-    if (params_[i].requires_grad()) {
-      accumulators_.push_back(torch::autograd::impl::grad_accumulator(params_[i]));
-    }
+    copy_local_rows(layout_.params[i], layout_.rank, initial_views[i], shard_flat_);
+    full_views_[i].copy_(initial_views[i]);
+    // The accumulator records the full param_dtype parameter it is made for.
+    params_[i].set_data(full_views_[i]);
+    accumulators_.push_back(
+        params_[i].requires_grad() ? torch::autograd::impl::grad_accumulator(params_[i]) : nullptr);
   }
   unsharded_ = true;
   reshard();
 }
 
+void FSDPParamGroup::check_policy() const {
+  const auto floating = [](torch::Dtype t) { return c10::isFloatingType(t); };
+  if (param_dtype_ == sharded_dtype_ && reduce_dtype_ == sharded_dtype_) return;
+  if (!floating(sharded_dtype_) || !floating(param_dtype_) || !floating(reduce_dtype_)) {
+    throw InvalidArgument("fully_shard(" + unit_ + ") on rank " + std::to_string(comm_->rank()) +
+                          ": mixed precision casts floating parameters to floating dtypes; the "
+                          "parameters are " +
+                          dtype_name(sharded_dtype_) + ", param_dtype " + dtype_name(param_dtype_) +
+                          ", reduce_dtype " + dtype_name(reduce_dtype_));
+  }
+}
+
+void FSDPParamGroup::relink_accumulators() {
+  if (param_dtype_ == sharded_dtype_) return;  // set_data kept the link
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!accumulators_[i]) continue;
+    auto* meta = torch::autograd::impl::get_autograd_meta(params_[i]);
+    std::lock_guard<std::mutex> lock(meta->mutex_);
+    meta->grad_accumulator_ = accumulators_[i];
+  }
+}
+
 void FSDPParamGroup::allocate_full() {
   auto* impl = full_storage_.unsafeGetStorageImpl();
-  const size_t bytes = layout_.full_numel * params_[0].element_size();
+  const size_t bytes = layout_.full_numel * c10::elementSize(param_dtype_);
   if (impl->nbytes() == bytes) return;
   impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
   impl->set_nbytes(bytes);
@@ -100,8 +133,9 @@ int64_t FSDPParamGroup::unsharded_bytes() const {
 
 void FSDPParamGroup::start_unshard() {
   if (unsharded_ || gathering_) return;
-  gathered_ = torch::empty({layout_.world * layout_.shard_numel}, shard_flat_.options());
-  gather_ = comm_->all_gather_into_tensor(gathered_, shard_flat_);
+  gather_input_ = shard_flat_.to(param_dtype_);  // the shard itself when no cast
+  gathered_ = torch::empty({layout_.world * layout_.shard_numel}, gather_input_.options());
+  gather_ = comm_->all_gather_into_tensor(gathered_, gather_input_);
   gathering_ = true;
 }
 
@@ -115,7 +149,9 @@ void FSDPParamGroup::wait_unshard() {
   torch::NoGradGuard no_grad;
   copy_out(layout_, gathered_, full_views_);
   gathered_ = torch::Tensor();
+  gather_input_ = torch::Tensor();
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
+  relink_accumulators();
   unsharded_ = true;
 }
 
@@ -125,6 +161,7 @@ void FSDPParamGroup::reshard() {
     gathering_ = false;
     gather_ = Work();
     gathered_ = torch::Tensor();
+    gather_input_ = torch::Tensor();
   }
   if (!unsharded_) return;
   set_sharded();
@@ -134,6 +171,7 @@ void FSDPParamGroup::reshard() {
 
 void FSDPParamGroup::set_sharded() {
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(shard_views_[i]);
+  relink_accumulators();
 }
 
 void FSDPParamGroup::stash_gradients() {
@@ -152,37 +190,80 @@ Work FSDPParamGroup::start_reduce_scatter() {
     grads[i] = params_[i].grad();
     had_grad_[i] = grads[i].defined() ? 1 : 0;
   }
-  rs_input_ = torch::empty({layout_.world * layout_.shard_numel}, shard_flat_.options());
+  // copy_in casts the gradients (param_dtype, or reduce_dtype when
+  // accumulated without sync) to reduce_dtype.
+  const auto reduce_options = shard_flat_.options().dtype(reduce_dtype_);
+  rs_input_ = torch::empty({layout_.world * layout_.shard_numel}, reduce_options);
   copy_in(layout_, grads, rs_input_);
   grads.clear();
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
-  rs_output_ = torch::empty({layout_.shard_numel}, shard_flat_.options());
+  rs_output_ = torch::empty({layout_.shard_numel}, reduce_options);
+  rs_pending_ = true;
   return comm_->reduce_scatter_tensor(rs_output_, rs_input_, {ReduceOp::Avg});
 }
 
-void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {
+void FSDPParamGroup::reduce_scatter_done() {
+  if (!rs_pending_) return;
+  rs_pending_ = false;
+  rs_input_ = torch::Tensor();
   torch::NoGradGuard no_grad;
-  std::vector<int64_t> offsets;
-  for (const auto& p : layout_.params) offsets.push_back(p.shard_offset);
-  // Aliases, not views: Optimizer::zero_grad() detach_()es every .grad.
-  auto grads = flat_aliases(rs_output_, shard_views_, offsets);
+  rs_output_ = rs_output_.to(sharded_dtype_);  // the shard's .grad has the shard's dtype
+  bool all_stashed = true;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!stash_[i].defined()) {
+      all_stashed = false;
+      continue;
+    }
+    // A parameter no rank had a gradient for gets zeros here: unchanged.
+    const auto& p = layout_.params[i];
+    stash_[i].add_(
+        rs_output_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(p.shard_sizes));
+  }
+  if (all_stashed) rs_output_ = torch::Tensor();
+}
+
+void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {
+  reduce_scatter_done();
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  if (rs_output_.defined()) {
+    std::vector<int64_t> offsets;
+    for (const auto& p : layout_.params) offsets.push_back(p.shard_offset);
+    // Aliases, not views: Optimizer::zero_grad() detach_()es every .grad.
+    grads = flat_aliases(rs_output_, shard_views_, offsets);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& g = params_[i].mutable_grad();
-    if (any[i]) {
-      if (stash_[i].defined()) grads[i].add_(stash_[i]);
-      g = grads[i];
+    if (stash_[i].defined()) {
+      g = stash_[i];  // the result was added into it
     } else {
-      g = stash_[i];
+      g = any[i] ? grads[i] : torch::Tensor();
     }
     grad_sharded_[i] = g.defined() ? 1 : 0;
     stash_[i] = torch::Tensor();
   }
-  rs_input_ = torch::Tensor();
   rs_output_ = torch::Tensor();
 }
 
 void FSDPParamGroup::keep_full_gradients() {
-  for (size_t i = 0; i < params_.size(); ++i) grad_sharded_[i] = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    grad_sharded_[i] = 0;
+    // As FSDP2: full gradients accumulate in reduce_dtype across backwards
+    // without sync (the next backward adds its param_dtype gradient to it).
+    auto& g = params_[i].mutable_grad();
+    if (g.defined() && g.scalar_type() != reduce_dtype_) g = g.to(reduce_dtype_);
+  }
+}
+
+std::vector<torch::Tensor> FSDPParamGroup::gather_full() const {
+  torch::NoGradGuard no_grad;
+  auto gathered = torch::empty({layout_.world * layout_.shard_numel}, shard_flat_.options());
+  comm_->all_gather_into_tensor(gathered, shard_flat_).wait();
+  std::vector<torch::Tensor> full;
+  for (const auto& p : layout_.params)
+    full.push_back(torch::empty(p.full_sizes, shard_flat_.options()));
+  copy_out(layout_, gathered, full);
+  return full;
 }
 
 void FSDPParamGroup::load_full(const std::vector<torch::Tensor>& full) {

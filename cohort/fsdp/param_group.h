@@ -20,6 +20,15 @@
 // reduce-scatter (Avg) turns them into this rank's rows, which become .grad
 // (plus the sharded gradient the unit held before that backward, so
 // gradients accumulate as in one process).
+//
+// Mixed precision (mixed_precision.h): the shard and its .grad keep the
+// parameters' own dtype; the all-gather input, its output and the full
+// storage are param_dtype, the reduce-scatter's buffers reduce_dtype. The
+// switch then changes the parameters' dtype, and set_data drops a
+// variable's (weak) link to its accumulator when the dtype changes: the
+// group links each parameter back to the accumulator it keeps (made while
+// the parameters held their full param_dtype values, so backward's
+// param_dtype gradients accumulate in param_dtype, as in one process).
 #pragma once
 
 #include <c10/core/Storage.h>
@@ -34,6 +43,7 @@ struct Node;
 }  // namespace torch::autograd
 
 #include "cohort/comm/communicator.h"
+#include "cohort/fsdp/mixed_precision.h"
 #include "cohort/fsdp/shard_layout.h"
 
 namespace cohort::fsdp {
@@ -43,9 +53,11 @@ class FSDPParamGroup {
  public:
   /// Takes `params` (full, the same on every rank: rank 0's values are
   /// broadcast) and shards them. Collective over `comm`. `unit` names the
-  /// unit in errors. Leaves the parameters sharded.
+  /// unit in errors. Leaves the parameters sharded. `policy`: the dtypes
+  /// of the all-gather, the compute and the reduce-scatter.
   FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
-                 std::shared_ptr<Communicator> comm, std::string unit);
+                 std::shared_ptr<Communicator> comm, std::string unit,
+                 const MixedPrecisionPolicy& policy = {});
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
@@ -57,6 +69,12 @@ class FSDPParamGroup {
   const std::vector<std::string>& names() const { return names_; }
   /// Where each parameter's rows live.
   const ShardLayout& layout() const { return layout_; }
+  /// The shard's dtype (the parameters' own).
+  torch::Dtype sharded_dtype() const { return sharded_dtype_; }
+  /// The dtype of the all-gather and of the full parameters.
+  torch::Dtype param_dtype() const { return param_dtype_; }
+  /// The dtype of the reduce-scatter.
+  torch::Dtype reduce_dtype() const { return reduce_dtype_; }
 
   /// Whether the parameters hold their full values.
   bool is_unsharded() const { return unsharded_; }
@@ -80,6 +98,12 @@ class FSDPParamGroup {
   /// reduce-scatter input, drops the full .grad and launches the
   /// reduce-scatter into a new gradient shard.
   Work start_reduce_scatter();
+  /// The reduce-scatter was waited for: frees its input (the unit's full
+  /// gradients) and adds its output into the sharded gradients put aside
+  /// for this backward, freeing it too when every parameter had one; so
+  /// backward holds a unit's buffers only while they are on the wire, not
+  /// until its end. Does nothing the second time.
+  void reduce_scatter_done();
   /// Whether parameter i had a gradient when its reduce-scatter started.
   bool had_gradient(size_t i) const { return had_grad_[i] != 0; }
   /// After the reduce-scatter completed: .grad is this rank's rows of the
@@ -89,6 +113,9 @@ class FSDPParamGroup {
   /// After a backward without gradient sync: the full .grad stays.
   void keep_full_gradients();
 
+  /// The full values in the shard's dtype, one tensor per parameter
+  /// (collective; the parameters stay as they are).
+  std::vector<torch::Tensor> gather_full() const;
   /// Copies this rank's rows of `full[i]` into parameter i's shard (the
   /// parameters must be sharded).
   void load_full(const std::vector<torch::Tensor>& full);
@@ -97,6 +124,10 @@ class FSDPParamGroup {
   void allocate_full();
   void free_full();
   void set_sharded();
+  // Refuses a policy that casts non-floating dtypes.
+  void check_policy() const;
+  // Links each parameter back to its kept accumulator (see the file comment).
+  void relink_accumulators();
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
@@ -104,11 +135,13 @@ class FSDPParamGroup {
   std::string unit_;
   ShardLayout layout_;
   bool unsharded_ = false;
+  torch::Dtype sharded_dtype_, param_dtype_, reduce_dtype_;
 
   torch::Tensor shard_flat_;                // this rank's flat shard (padded)
   std::vector<torch::Tensor> shard_views_;  // per parameter: its local rows
   c10::Storage full_storage_;               // all full values; bytes freed while sharded
   std::vector<torch::Tensor> full_views_;   // per parameter: its full value
+  torch::Tensor gather_input_;              // the shard cast to param_dtype while in flight
   torch::Tensor gathered_;                  // the all-gather's output while in flight
   Work gather_;                             // valid while an all-gather is in flight
   bool gathering_ = false;
@@ -116,11 +149,12 @@ class FSDPParamGroup {
   std::vector<torch::Tensor> stash_;  // sharded gradients put aside for a backward
   std::vector<char> grad_sharded_;    // .grad is a shard (not a full accumulation)
   std::vector<char> had_grad_;
-  torch::Tensor rs_input_, rs_output_;
+  torch::Tensor rs_input_, rs_output_;  // rs_output_: the shard's dtype once done
+  bool rs_pending_ = false;             // launched, reduce_scatter_done() not run
   // Made while the parameters were full: a gradient accumulator records its
   // parameter's shape when made, and backward hands it full gradients. The
   // variables hold them weakly; these keep them (and so that shape) alive.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // per parameter (or null)
 };
 
 }  // namespace cohort::fsdp

@@ -174,7 +174,7 @@ TEST(FSDPFeatures, CollectivesPerStepAreOneAllGatherPerUnitAndPassAndOneReduceSc
   constexpr uint64_t kUnits = 3, kSteps3 = 3;
   for (bool reshard : {true, false}) {
     run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
-      auto model = fully_shard(make_model(comm, {reshard}), comm);
+      auto model = fully_shard(make_model(comm, {reshard, {}}), comm);
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
       comm->reset_stats();
       for (uint64_t s = 0; s < kSteps3; ++s) {

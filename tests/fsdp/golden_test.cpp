@@ -70,12 +70,12 @@ TEST_P(Golden, ParametersEqualOneProcess) {
   std::map<int, Named> got;
   run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
     torch::set_num_threads(1);
-    auto bare = make_model(comm, {c.reshard_after_forward});
+    auto bare = make_model(comm, {c.reshard_after_forward, {}});
     // Values set before sharding: each unit shards what its layer holds now,
     // so set them on an unsharded twin and load them.
     auto twin = make_model(nullptr, {});
     init_parameters(*twin, 7);
-    auto model = fully_shard(bare, comm, {c.reshard_after_forward});
+    auto model = fully_shard(bare, comm, {c.reshard_after_forward, {}});
     Named full;
     for (const auto& p : twin->named_parameters()) full.insert(p.key(), p.value());
     model->load_full_state_dict(full);
