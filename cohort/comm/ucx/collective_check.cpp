@@ -57,23 +57,23 @@ std::string Descriptor::describe() const {
   return args.empty() ? s : s + " (" + args + ")";
 }
 
+// Word 1: kind, dtype + 1 and op + 1 in a byte each (-1 is 0).
 void to_words(const Descriptor& d, int64_t* w) {
   w[0] = d.seq;
-  w[1] = static_cast<int64_t>(d.kind);
-  w[2] = d.dtype;
-  w[3] = d.op;
-  w[4] = d.root;
-  w[5] = d.bytes;
+  w[1] = static_cast<int64_t>(d.kind) | (int64_t{(d.dtype + 1) & 0xff} << 8) |
+         (int64_t{(d.op + 1) & 0xff} << 16);
+  w[2] = d.root;
+  w[3] = d.bytes;
 }
 
 Descriptor from_words(const int64_t* w) {
   Descriptor d;
   d.seq = w[0];
-  d.kind = static_cast<Kind>(w[1]);
-  d.dtype = static_cast<int>(w[2]);
-  d.op = static_cast<int>(w[3]);
-  d.root = w[4];
-  d.bytes = w[5];
+  d.kind = static_cast<Kind>(w[1] & 0xff);
+  d.dtype = static_cast<int>((w[1] >> 8) & 0xff) - 1;
+  d.op = static_cast<int>((w[1] >> 16) & 0xff) - 1;
+  d.root = w[2];
+  d.bytes = w[3];
   return d;
 }
 

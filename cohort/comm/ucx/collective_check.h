@@ -44,8 +44,10 @@ struct Descriptor {
   std::string describe() const;
 };
 
-// A check message: the descriptor as words.
-inline constexpr int kDescriptorWords = 6;
+// A check message: the descriptor as words (few: a notice carries two, and
+// a message that fits in a shared-memory FIFO entry (about 100 bytes) is
+// delivered even when its sender closes at once).
+inline constexpr int kDescriptorWords = 4;
 void to_words(const Descriptor& d, int64_t* words);
 Descriptor from_words(const int64_t* words);
 

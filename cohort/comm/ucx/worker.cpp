@@ -254,7 +254,7 @@ void Worker::report_bad_receive(const Transfer& t) {
            " than the receive buffer (" + std::to_string(t.bytes) +
            " bytes): the ranks called different operations or sizes",
        true);
-  auto notice = at::zeros({kNoticeWords}, at::kLong);
+  auto notice = at::zeros({4}, at::kLong);
   auto* w = notice.data_ptr<int64_t>();
   w[0] = kTruncated;
   w[1] = static_cast<int64_t>(tag_of(t.channel, rank_, t.tag));  // the complainer
@@ -306,14 +306,12 @@ void Worker::check_notices() {
   std::unique_lock<std::mutex> lock(control_mu_, std::try_to_lock);
   if (!lock.owns_lock() || control_.load(std::memory_order_acquire) != c) return;
   if (c->status != UCS_OK) return;  // cancelled by close()
-  if (c->received == static_cast<size_t>(kNoticeWords) * 8) {
-    handle_notice(c->buffer.data_ptr<int64_t>());
-  }
+  handle_notice(c->buffer.data_ptr<int64_t>(), c->received / sizeof(int64_t));
   post_control_receive();
 }
 
-void Worker::handle_notice(const int64_t* w) {
-  if (w[0] == kTruncated) {
+void Worker::handle_notice(const int64_t* w, size_t words) {
+  if (words == 4 && w[0] == kTruncated) {
     const auto word = static_cast<uint64_t>(w[1]);
     Transfer sent;  // what this rank sent, for its name
     sent.is_send = true;
@@ -326,20 +324,21 @@ void Worker::handle_notice(const int64_t* w) {
              size + " its receive buffer (" + std::to_string(w[3]) +
              " bytes): the ranks called different operations or sizes",
          true);
-  } else if (w[0] == kMismatch) {
-    const auto reporter = from_words(w + 2), other = from_words(w + 9);
+  } else if (words == static_cast<size_t>(kNoticeWords) && w[0] == kMismatch) {
+    const int K = kDescriptorWords;
+    const auto reporter = from_words(w + 2), other = from_words(w + 3 + K);
     std::string in;
     {
       std::lock_guard<std::mutex> lock(mu_);
       in = current_locked();
     }
     fail("ucx: collective #" + std::to_string(reporter.seq) + ": rank " + std::to_string(w[1]) +
-             " called " + reporter.describe() + " but rank " + std::to_string(w[8]) + " called " +
-             (other.seq < 0 ? "a collective it did not describe" : other.describe()) +
+             " called " + reporter.describe() + " but rank " + std::to_string(w[2 + K]) +
+             " called " + (other.seq < 0 ? "a collective it did not describe" : other.describe()) +
              " (reported by rank " + std::to_string(w[1]) + (in.empty() ? "" : "; " + in) +
              "): the ranks called different collectives",
          true);
-  } else if (w[0] == kClosed) {
+  } else if (words == 3 && w[0] == kClosed) {
     std::lock_guard<std::mutex> lock(mu_);
     const int peer = static_cast<int>(w[1]);
     if (peer < 0 || peer >= size_) return;

@@ -122,8 +122,9 @@ class Worker {
   std::shared_ptr<Transfer> start(Channel channel, at::Tensor t, int peer, int tag, bool is_send,
                                   uint64_t mask = ~uint64_t{0});
   void create_endpoints(const std::vector<std::vector<uint8_t>>& addresses);
-  // Notices on the control channel: a type word, then its fields (worker.cpp).
-  static constexpr int kNoticeWords = 2 + 2 * (1 + kDescriptorWords);
+  // Notices on the control channel: a type word, then its fields
+  // (worker.cpp); at most two ranks and their descriptors.
+  static constexpr int kNoticeWords = 3 + 2 * kDescriptorWords;
   enum Notice : int64_t { kTruncated = 1, kMismatch = 2, kClosed = 3 };
   void post_control_receive();
   // Turns a peer's notice or an endpoint error into the group's failure.
@@ -133,7 +134,7 @@ class Worker {
   void verify_check(Transfer& t);
   // Fails the group naming both collectives, tells every peer.
   [[noreturn]] void mismatch(int peer, const Descriptor& theirs);
-  void handle_notice(const int64_t* w);
+  void handle_notice(const int64_t* w, size_t words);
   void notify_all(const at::Tensor& notice);
   // "collective #3 (this rank called all_reduce (...))", or "" between collectives.
   std::string current_locked() const;

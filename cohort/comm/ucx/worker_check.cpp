@@ -127,8 +127,8 @@ void Worker::mismatch(int peer, const Descriptor& theirs) {
   w[0] = kMismatch;
   w[1] = rank_;
   to_words(mine, w + 2);
-  w[8] = peer;
-  to_words(theirs, w + 9);
+  w[2 + kDescriptorWords] = peer;
+  to_words(theirs, w + 3 + kDescriptorWords);
   notify_all(notice);
   throw_failure();
 }

@@ -194,7 +194,7 @@ void Worker::close() {
   // A peer still waiting in a collective this rank never ran learns now
   // that it never will (a rank that called more collectives than the rest).
   if (static_cast<int>(endpoints_.size()) == size_ && control_) {
-    auto notice = at::zeros({kNoticeWords}, at::kLong);
+    auto notice = at::zeros({3}, at::kLong);
     auto* w = notice.data_ptr<int64_t>();
     w[0] = kClosed;
     w[1] = rank_;
