@@ -5,7 +5,8 @@
 // Tags: a 64-bit UCX tag is the channel (2 bits), the sender's rank (30
 // bits) and the caller's tag (32 bits). Receives name their source, so they
 // match on the whole tag: user messages, the engine's collective messages
-// and control notices never meet.
+// and control notices never meet. The exception is a collective's check
+// (collective_check.h), received whatever its tag's low 31 bits hold.
 //
 // Progress: the thread that waits drives UCX (ucp_worker_progress), spinning
 // briefly and then sleeping: one thread on the worker's event fd, the others
