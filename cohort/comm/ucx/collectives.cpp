@@ -54,8 +54,21 @@ void combine(T* a, const T* b, int64_t n, ReduceOp op) {
 
 }  // namespace
 
-bool small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, ReduceOp op,
-                      Clock::time_point deadline) {
+bool small_all_reduce_handles(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kInt:
+    case at::kLong:
+    case at::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, at::Tensor& tmp_full,
+                      ReduceOp op, Clock::time_point deadline, uint32_t fused) {
   void (*reduce)(void*, const void*, int64_t, ReduceOp) = nullptr;
   switch (buf.scalar_type()) {
 #define COHORT_UCX_COMBINE(type, name)                                   \
@@ -71,17 +84,19 @@ bool small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, ReduceOp
     COHORT_UCX_COMBINE(uint8_t, Byte)
 #undef COHORT_UCX_COMBINE
     default:
-      return false;
+      COHORT_CHECK(false, "small_all_reduce_handles() said no to this dtype");
   }
   const int p = worker.size(), r = worker.rank();
   for (int mask = 1; mask < p; mask <<= 1) {
-    auto in = worker.post(Channel::Collective, tmp, r ^ mask, mask, false);
-    auto out = worker.post(Channel::Collective, buf, r ^ mask, mask, true);
+    const bool check = fused && mask == 1;
+    auto in = check ? worker.post_check_receive(tmp_full, r ^ mask)
+                    : worker.post(Channel::Collective, tmp, r ^ mask, mask, false);
+    auto out = worker.post(Channel::Collective, buf, r ^ mask,
+                           check ? static_cast<int>(fused) : mask, true);
     worker.wait(*in, deadline);
     worker.wait(*out, deadline);
     reduce(buf.data_ptr(), tmp.data_ptr(), buf.numel(), op);
   }
-  return true;
 }
 
 void all_reduce(Link& link, at::Tensor& buf, ReduceOp op) {

@@ -35,9 +35,13 @@ inline constexpr int64_t kRecursiveDoublingBytes = 64 << 10;
 // no tensor views (a LibTorch view costs about a microsecond, which is most
 // of a 1 KiB all-reduce). Every rank combines the same operands in an order
 // that differs only by commutation, so all get bitwise the same result.
-// `tmp` is like `buf`. False (nothing sent) for a dtype it does not handle.
-bool small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, ReduceOp op,
-                      Clock::time_point deadline);
+// `tmp` is like `buf`; `tmp_full` is its memory, at least a check message
+// long. With a `fused` tag (world 2, collective_check.h) the one exchange is
+// also the collective's check: the message carries the descriptor in its
+// tag and is received in the check slot.
+bool small_all_reduce_handles(at::ScalarType dtype);
+void small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, at::Tensor& tmp_full,
+                      ReduceOp op, Clock::time_point deadline, uint32_t fused);
 void broadcast(Link& link, at::Tensor& t, int root);
 // The root's `t` receives the reduction; other ranks' `t` is left as it was.
 void reduce(Link& link, at::Tensor& t, int root, ReduceOp op);

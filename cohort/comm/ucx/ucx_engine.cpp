@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include "cohort/comm/ucx/collectives.h"
@@ -91,49 +92,59 @@ class UcxEngine : public Engine {
   }
 
   WorkPtr all_reduce(at::Tensor& t, ReduceOp op) override {
+    const auto d = describe(Kind::AllReduce, t, -1, op);
     const int p = size();
     if (p > 1 && (p & (p - 1)) == 0 &&
-        static_cast<int64_t>(t.nbytes()) <= kRecursiveDoublingBytes) {
-      return submit("ucx all_reduce", t.nbytes(), [this, t, op](Link& l) mutable {
-        if (!small_all_reduce(*worker_, t, small_tmp(t), op, l.deadline())) {
-          ucx::all_reduce(l, t, op);
-        }
-      });
+        static_cast<int64_t>(t.nbytes()) <= kRecursiveDoublingBytes &&
+        small_all_reduce_handles(t.scalar_type())) {
+      // At world 2 the one message each way is also the collective's check.
+      const auto fused = p == 2 ? fused_tag(d) : std::nullopt;
+      return submit(
+          "ucx all_reduce", t.nbytes(), d,
+          [this, t, op, fused](Link& l) mutable {
+            auto& tmp = small_tmp(t);
+            small_all_reduce(*worker_, t, tmp.exact, tmp.full, op, l.deadline(), fused.value_or(0));
+          },
+          fused.has_value());
     }
-    return submit("ucx all_reduce", t.nbytes(),
+    return submit("ucx all_reduce", t.nbytes(), d,
                   [t, op](Link& l) mutable { ucx::all_reduce(l, t, op); });
   }
   WorkPtr broadcast(at::Tensor& t, int root) override {
-    return submit("ucx broadcast", t.nbytes(),
+    return submit("ucx broadcast", t.nbytes(), describe(Kind::Broadcast, t, root),
                   [t, root](Link& l) mutable { ucx::broadcast(l, t, root); });
   }
   WorkPtr reduce(at::Tensor& t, int root, ReduceOp op) override {
-    return submit("ucx reduce", t.nbytes(),
+    return submit("ucx reduce", t.nbytes(), describe(Kind::Reduce, t, root, op),
                   [t, root, op](Link& l) mutable { ucx::reduce(l, t, root, op); });
   }
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
     return submit("ucx all_gather", input.nbytes() * outputs.size(),
+                  describe(Kind::AllGather, input),
                   [outputs, input](Link& l) mutable { ucx::all_gather(l, outputs, input); });
   }
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
-    return submit("ucx gather", input.nbytes(), [outputs, input, root](Link& l) mutable {
-      ucx::gather(l, outputs, input, root);
-    });
+    return submit(
+        "ucx gather", input.nbytes(), describe(Kind::Gather, input, root),
+        [outputs, input, root](Link& l) mutable { ucx::gather(l, outputs, input, root); });
   }
   WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
-    return submit("ucx scatter", output.nbytes(), [output, inputs, root](Link& l) mutable {
-      ucx::scatter(l, output, inputs, root);
-    });
+    return submit(
+        "ucx scatter", output.nbytes(), describe(Kind::Scatter, output, root),
+        [output, inputs, root](Link& l) mutable { ucx::scatter(l, output, inputs, root); });
   }
   WorkPtr all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_counts,
                      std::vector<int64_t>& input_counts) override {
-    return submit("ucx all_to_all", input.nbytes(),
+    // Sizes may differ by rank; a receive that does not fit names them.
+    auto d = describe(Kind::AllToAll, input);
+    d.bytes = -1;
+    return submit("ucx all_to_all", input.nbytes(), d,
                   [output, input, oc = output_counts, ic = input_counts](Link& l) mutable {
                     ucx::all_to_all(l, output, input, oc, ic);
                   });
   }
   WorkPtr barrier() override {
-    return submit("ucx barrier", 0, [](Link& l) { ucx::barrier(l); });
+    return submit("ucx barrier", 0, Descriptor{}, [](Link& l) { ucx::barrier(l); });
   }
 
   std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
@@ -148,24 +159,37 @@ class UcxEngine : public Engine {
  private:
   using Job = std::function<void(Link&)>;
 
+  static Descriptor describe(Kind kind, const at::Tensor& t, int64_t root = -1,
+                             std::optional<ReduceOp> op = std::nullopt) {
+    Descriptor d;
+    d.kind = kind;
+    d.dtype = static_cast<int>(t.scalar_type());
+    d.bytes = static_cast<int64_t>(t.nbytes());
+    d.root = root;
+    d.op = op ? static_cast<int>(*op) : -1;
+    return d;
+  }
+
   // Runs `job` now on this thread when it is small and nothing is queued or
   // running (so collectives stay in issue order), else on the engine's thread.
-  WorkPtr submit(std::string what, size_t bytes, Job job) {
+  // `self_checked`: the job's first message is the collective's check.
+  WorkPtr submit(std::string what, size_t bytes, const Descriptor& d, Job job,
+                 bool self_checked = false) {
     const auto deadline = Clock::now() + timeout_;
     auto work = std::make_shared<JobWork>(what, deadline);
     {
       std::lock_guard<std::mutex> lock(mu_);
       const bool now = !busy_ && queue_.empty() && static_cast<int64_t>(bytes) <= inline_bytes();
       if (!now) {
-        queue_.push_back([this, work, what, deadline, job = std::move(job)] {
-          execute(*work, what, deadline, job);
+        queue_.push_back([this, work, what, d, self_checked, deadline, job = std::move(job)] {
+          execute(*work, what, d, self_checked, deadline, job);
         });
         worker_->signal();
         return work;
       }
       busy_ = true;
     }
-    execute(*work, what, deadline, job);
+    execute(*work, what, d, self_checked, deadline, job);
     bool queued;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -178,17 +202,27 @@ class UcxEngine : public Engine {
     return work;
   }
 
-  void execute(JobWork& work, const std::string& what, Clock::time_point deadline, const Job& job) {
+  // Runs one collective between its check's start and end (see
+  // collective_check.h): a neighbour that runs another one fails it at once.
+  void execute(JobWork& work, const std::string& what, Descriptor d, bool self_checked,
+               Clock::time_point deadline, const Job& job) {
     if (!failure_.empty()) {
       work.finish(std::make_exception_ptr(
           PeerError(what + ": refused, an earlier collective failed: " + failure_)));
       return;
     }
+    d.seq = ++collectives_;
+    bool ran = false;
     try {
+      worker_->begin_collective(d);
+      if (!self_checked) worker_->post_check();
       Link link(channel_, what, deadline, &scratch_);
       job(link);
+      ran = true;
+      worker_->end_collective(deadline, true);
       work.finish(nullptr);
     } catch (const std::exception& e) {
+      if (!ran) worker_->end_collective(deadline, false);
       failure_ = e.what();
       work.finish(std::current_exception());
     }
@@ -219,12 +253,19 @@ class UcxEngine : public Engine {
     }
   }
 
-  // A buffer like `t` for small_all_reduce, kept between calls (allocating
-  // one costs more than the exchange). Used by whoever runs a job.
-  at::Tensor& small_tmp(const at::Tensor& t) {
-    if (!small_tmp_.defined() || small_tmp_.numel() != t.numel() ||
-        small_tmp_.scalar_type() != t.scalar_type()) {
-      small_tmp_ = at::empty({t.numel()}, t.options());
+  // Buffers like `t` for small_all_reduce, kept between calls (allocating
+  // one costs more than the exchange), used by whoever runs a job: `exact`
+  // has t's size, `full` is the same memory, at least a check message long
+  // (it also receives a neighbour's check).
+  struct SmallTmp {
+    at::Tensor full, exact;
+  };
+  SmallTmp& small_tmp(const at::Tensor& t) {
+    if (!small_tmp_.exact.defined() || small_tmp_.exact.numel() != t.numel() ||
+        small_tmp_.exact.scalar_type() != t.scalar_type()) {
+      const int64_t check = (kDescriptorWords * 8 + t.element_size() - 1) / t.element_size();
+      small_tmp_.full = at::empty({std::max(t.numel(), check)}, t.options());
+      small_tmp_.exact = small_tmp_.full.narrow(0, 0, t.numel());
     }
     return small_tmp_;
   }
@@ -235,7 +276,8 @@ class UcxEngine : public Engine {
   std::string interface_;
   Millis timeout_;
   algorithms::Scratch scratch_;  // used by whoever runs a job (one at a time: busy_)
-  at::Tensor small_tmp_;         // likewise
+  SmallTmp small_tmp_;           // likewise
+  int64_t collectives_ = 0;      // run so far; written under busy_
   std::string failure_;          // the first failed collective; written under busy_
   std::mutex mu_;
   std::deque<std::function<void()>> queue_;

@@ -3,6 +3,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "cohort/core/env.h"
 #include "cohort/core/error.h"
@@ -39,7 +40,10 @@ void on_sent(void*, ucs_status_t status, void* user) {
 void on_received(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
   auto* t = static_cast<Transfer*>(user);
   t->status = status;
-  if (info) t->received = info->length;
+  if (info) {
+    t->received = info->length;
+    t->sender_tag = info->sender_tag;
+  }
   t->done.store(true, std::memory_order_release);
   t->owner->completed(*t);
 }
@@ -47,6 +51,7 @@ void on_received(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, vo
 }  // namespace
 
 std::string Transfer::what() const {
+  if (check) return "the collective check from rank " + std::to_string(peer);
   std::string s = (is_send ? "send to rank " : "receive from rank ") + std::to_string(peer);
   if (channel == Channel::User) return s + " (tag " + std::to_string(tag) + ")";
   return s + " (the engine's collective message)";
@@ -59,7 +64,7 @@ std::shared_ptr<Transfer> Worker::post(Channel channel, at::Tensor t, int peer, 
 }
 
 std::shared_ptr<Transfer> Worker::start(Channel channel, at::Tensor t, int peer, int tag,
-                                        bool is_send) {
+                                        bool is_send, uint64_t mask) {
   auto x = std::make_shared<Transfer>();
   x->owner = this;
   x->peer = peer;
@@ -82,7 +87,7 @@ std::shared_ptr<Transfer> Worker::start(Channel channel, at::Tensor t, int peer,
     // receives always complete through the callback, which has the length.
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = on_received;
-    r = ucp_tag_recv_nbx(worker_, data, x->bytes, tag_of(channel, peer, tag), kFullMask, &p);
+    r = ucp_tag_recv_nbx(worker_, data, x->bytes, tag_of(channel, peer, tag), mask, &p);
   }
   if (r == nullptr) {  // a send completed at once; no callback follows
     x->done.store(true, std::memory_order_release);
@@ -186,9 +191,17 @@ void Worker::wait(Transfer& t, Clock::time_point deadline) {
     ~Waiting() { n.fetch_sub(1, std::memory_order_acq_rel); }
   } waiting(waiters_);
   const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us());
+  // Only the thread running a collective waits for its messages, so it
+  // alone touches check_in_: a neighbour's check that shows another
+  // collective ends this wait at once.
+  const bool collective = t.channel == Channel::Collective && !t.check;
   while (!t.done.load(std::memory_order_acquire)) {
     check_notices();
     if (failed_.load(std::memory_order_acquire)) throw_failure();
+    if (collective && check_in_ && !check_in_->verified &&
+        check_in_->done.load(std::memory_order_acquire)) {
+      verify_check(*check_in_);
+    }
     if (progress()) continue;
     const auto now = Clock::now();
     if (now >= deadline) {
@@ -202,8 +215,23 @@ void Worker::wait(Transfer& t, Clock::time_point deadline) {
 }
 
 void Worker::finish(Transfer& t) {
+  if (t.check) return verify_check(t);
   if (t.status == UCS_OK && (t.is_send || t.received == t.bytes)) return;
   if (t.status == UCS_OK || t.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    // Inside a collective the checks name both collectives, which says
+    // more than a size: give the neighbour's check (or another rank's
+    // notice of it) a moment to arrive.
+    if (t.channel == Channel::Collective && check_in_) {
+      const auto until = Clock::now() + Millis(200);
+      while (!failed_.load(std::memory_order_acquire) && Clock::now() < until) {
+        if (!check_in_->verified && check_in_->done.load(std::memory_order_acquire)) {
+          verify_check(*check_in_);
+        }
+        check_notices();
+        if (!progress()) std::this_thread::yield();
+      }
+      if (failed_.load(std::memory_order_acquire)) throw_failure();
+    }
     report_bad_receive(t);
     throw_failure();
   }
@@ -216,17 +244,22 @@ void Worker::finish(Transfer& t) {
 // notice on the control channel, instead of waiting for its timeout.
 void Worker::report_bad_receive(const Transfer& t) {
   const bool longer = t.status == UCS_ERR_MESSAGE_TRUNCATED;
-  fail("ucx: " + t.what() + ": the message " +
-           (longer ? "is larger than"
-                   : "(" + std::to_string(t.received) + " bytes) is shorter than") +
-           " the receive buffer (" + std::to_string(t.bytes) +
+  std::string in;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in = current_locked();
+  }
+  fail("ucx: " + (in.empty() ? "" : in + ": ") + t.what() + ": the message (" +
+           std::to_string(t.received) + " bytes) is " + (longer ? "larger" : "shorter") +
+           " than the receive buffer (" + std::to_string(t.bytes) +
            " bytes): the ranks called different operations or sizes",
        true);
-  auto notice = at::empty({3}, at::kLong);
+  auto notice = at::zeros({4}, at::kLong);
   auto* w = notice.data_ptr<int64_t>();
-  w[0] = static_cast<int64_t>(tag_of(t.channel, rank_, t.tag));  // the complainer
-  w[1] = longer ? -1 : static_cast<int64_t>(t.received);
-  w[2] = static_cast<int64_t>(t.bytes);
+  w[0] = kTruncated;
+  w[1] = static_cast<int64_t>(tag_of(t.channel, rank_, t.tag));  // the complainer
+  w[2] = static_cast<int64_t>(t.received);
+  w[3] = static_cast<int64_t>(t.bytes);
   // Not waited for: the group has failed, and close() flushes it.
   start(Channel::Control, notice, t.peer, 0, true);
 }
@@ -235,7 +268,7 @@ void Worker::post_control_receive() {
   auto x = std::make_shared<Transfer>();
   x->owner = this;
   x->channel = Channel::Control;
-  x->buffer = at::empty({3}, at::kLong);
+  x->buffer = at::empty({kNoticeWords}, at::kLong);
   x->bytes = x->buffer.nbytes();
   ucp_request_param_t p{};
   p.op_attr_mask =
@@ -249,9 +282,11 @@ void Worker::post_control_receive() {
                     ucs_status_string(UCS_PTR_STATUS(r)));
   }
   std::lock_guard<std::mutex> lock(mu_);
+  prune_locked();
   x->request = r;
   inflight_.push_back(x);
-  control_ = std::move(x);
+  controls_.push_back(x);
+  control_.store(x.get(), std::memory_order_release);
 }
 
 void Worker::check_notices() {
@@ -265,22 +300,57 @@ void Worker::check_notices() {
            false);
     }
   }
-  const auto& c = control_;
-  if (!c || !c->done.load(std::memory_order_acquire) || c->status != UCS_OK) return;
-  if (failed_.load(std::memory_order_acquire)) return;
-  const auto* w = c->buffer.data_ptr<int64_t>();
-  const auto word = static_cast<uint64_t>(w[0]);
-  Transfer sent;  // what this rank sent, for its name
-  sent.is_send = true;
-  sent.peer = static_cast<int>((word >> 32) & ((uint64_t{1} << 30) - 1));
-  sent.channel = static_cast<Channel>(word >> 62);
-  sent.tag = static_cast<int>(static_cast<uint32_t>(word));
-  const std::string size =
-      w[1] < 0 ? "was larger than" : "(" + std::to_string(w[1]) + " bytes) was shorter than";
-  fail("ucx: " + sent.what() + ": rank " + std::to_string(sent.peer) + " reports the message " +
-           size + " its receive buffer (" + std::to_string(w[2]) +
-           " bytes): the ranks called different operations or sizes",
-       true);
+  // One thread handles a notice and posts the next receive.
+  Transfer* c = control_.load(std::memory_order_acquire);
+  if (!c || !c->done.load(std::memory_order_acquire)) return;
+  std::unique_lock<std::mutex> lock(control_mu_, std::try_to_lock);
+  if (!lock.owns_lock() || control_.load(std::memory_order_acquire) != c) return;
+  if (c->status != UCS_OK) return;  // cancelled by close()
+  handle_notice(c->buffer.data_ptr<int64_t>(), c->received / sizeof(int64_t));
+  post_control_receive();
+}
+
+void Worker::handle_notice(const int64_t* w, size_t words) {
+  if (words == 4 && w[0] == kTruncated) {
+    const auto word = static_cast<uint64_t>(w[1]);
+    Transfer sent;  // what this rank sent, for its name
+    sent.is_send = true;
+    sent.peer = static_cast<int>((word >> 32) & ((uint64_t{1} << 30) - 1));
+    sent.channel = static_cast<Channel>(word >> 62);
+    sent.tag = static_cast<int>(static_cast<uint32_t>(word));
+    const std::string size = "(" + std::to_string(w[2]) + " bytes) was " +
+                             (w[2] > w[3] ? "larger" : "shorter") + " than";
+    fail("ucx: " + sent.what() + ": rank " + std::to_string(sent.peer) + " reports the message " +
+             size + " its receive buffer (" + std::to_string(w[3]) +
+             " bytes): the ranks called different operations or sizes",
+         true);
+  } else if (words == static_cast<size_t>(kNoticeWords) && w[0] == kMismatch) {
+    const int K = kDescriptorWords;
+    const auto reporter = from_words(w + 2), other = from_words(w + 3 + K);
+    std::string in;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in = current_locked();
+    }
+    fail("ucx: collective #" + std::to_string(reporter.seq) + ": rank " + std::to_string(w[1]) +
+             " called " + reporter.describe() + " but rank " + std::to_string(w[2 + K]) +
+             " called " + (other.seq < 0 ? "a collective it did not describe" : other.describe()) +
+             " (reported by rank " + std::to_string(w[1]) + (in.empty() ? "" : "; " + in) +
+             "): the ranks called different collectives",
+         true);
+  } else if (words == 3 && w[0] == kClosed) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int peer = static_cast<int>(w[1]);
+    if (peer < 0 || peer >= size_) return;
+    closed_after_[static_cast<size_t>(peer)] = w[2];
+    if (in_collective_ && current_.seq > w[2] && failure_.empty()) {
+      failure_ = "ucx: " + current_locked() + ": rank " + std::to_string(peer) +
+                 " closed its communicator after " + std::to_string(w[2]) +
+                 " collective(s): the ranks called different numbers of collectives";
+      failure_is_mismatch_ = true;
+      failed_.store(true, std::memory_order_release);
+    }
+  }
 }
 
 void Worker::fail(const std::string& why, bool mismatch) {

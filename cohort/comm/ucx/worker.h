@@ -5,7 +5,8 @@
 // Tags: a 64-bit UCX tag is the channel (2 bits), the sender's rank (30
 // bits) and the caller's tag (32 bits). Receives name their source, so they
 // match on the whole tag: user messages, the engine's collective messages
-// and control notices never meet.
+// and control notices never meet. The exception is a collective's check
+// (collective_check.h), received whatever its tag's low 31 bits hold.
 //
 // Progress: the thread that waits drives UCX (ucp_worker_progress), spinning
 // briefly and then sleeping: one thread on the worker's event fd, the others
@@ -26,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/ucx/collective_check.h"
 #include "cohort/core/store/store.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
@@ -57,6 +59,9 @@ struct Transfer {
   std::atomic<bool> done{false};
   ucs_status_t status = UCS_OK;
   size_t received = 0;      // a receive's message length
+  uint64_t sender_tag = 0;  // a receive's message tag
+  bool check = false;       // a receive in the check slot (collective_check.h)
+  bool verified = false;    // a check compared with this rank's collective
   void* request = nullptr;  // UCX's request while not freed (Worker only)
 
   // "receive from rank 1 (tag 3)"
@@ -96,15 +101,44 @@ class Worker {
   // Called by UCX's completion callbacks: counts `t` done, wakes waiters.
   void completed(const Transfer& t);
 
+  // The collective this rank runs next (collective_check.h): its check is
+  // watched by every wait for the engine's collective messages. Called by
+  // the thread that runs the collective, which alone calls the three below.
+  // Throws MismatchError when a peer closed after fewer collectives.
+  void begin_collective(const Descriptor& d);
+  // Sends this rank's descriptor to rank + 1, receives rank - 1's.
+  void post_check();
+  // A receive in the check slot from `peer` into `t` (at least a check
+  // message long), watched as the collective's check: a fused message.
+  std::shared_ptr<Transfer> post_check_receive(at::Tensor t, int peer);
+  // Waits for the check (MismatchError naming both collectives when it
+  // differs) and ends the collective; `ok` false (a failed collective)
+  // only ends it.
+  void end_collective(Clock::time_point deadline, bool ok);
+
  private:
   void rendezvous(Store& store, const WorkerConfig& config, Millis timeout);
   // post() without the failed-group check (the notice of report_bad_receive).
-  std::shared_ptr<Transfer> start(Channel channel, at::Tensor t, int peer, int tag, bool is_send);
+  // A receive matches the tag's bits in `mask` (a check: all but the low 31).
+  std::shared_ptr<Transfer> start(Channel channel, at::Tensor t, int peer, int tag, bool is_send,
+                                  uint64_t mask = ~uint64_t{0});
   void create_endpoints(const std::vector<std::vector<uint8_t>>& addresses);
+  // Notices on the control channel: a type word, then its fields
+  // (worker.cpp); at most two ranks and their descriptors.
+  static constexpr int kNoticeWords = 3 + 2 * kDescriptorWords;
+  enum Notice : int64_t { kTruncated = 1, kMismatch = 2, kClosed = 3 };
   void post_control_receive();
   // Turns a peer's notice or an endpoint error into the group's failure.
   void check_notices();
   void report_bad_receive(const Transfer& t);
+  // The check of the current collective, compared once it arrived.
+  void verify_check(Transfer& t);
+  // Fails the group naming both collectives, tells every peer.
+  [[noreturn]] void mismatch(int peer, const Descriptor& theirs);
+  void handle_notice(const int64_t* w, size_t words);
+  void notify_all(const at::Tensor& notice);
+  // "collective #3 (this rank called all_reduce (...))", or "" between collectives.
+  std::string current_locked() const;
   void fail(const std::string& why, bool mismatch);
   [[noreturn]] void throw_failure();
   // Throws unless `t` succeeded with the expected length.
@@ -150,8 +184,23 @@ class Worker {
   std::string failure_;  // the first error of the group; later operations fail with it
   bool failure_is_mismatch_ = false;
   std::atomic<bool> failed_{false};
-  // A notice from a peer whose receive did not fit (see report_bad_receive).
-  std::shared_ptr<Transfer> control_;
+  // A notice from a peer: a receive that did not fit (report_bad_receive),
+  // collectives that differ (mismatch), or a peer that closed (close).
+  // Read without a lock: every control receive stays alive in controls_
+  // (under mu_) until the close; there are a few per peer at most. The
+  // one thread that handles a notice and reposts holds control_mu_.
+  std::atomic<Transfer*> control_{nullptr};
+  std::vector<std::shared_ptr<Transfer>> controls_;
+  std::mutex control_mu_;
+
+  // The current collective (under mu_), and how many collectives each peer
+  // ran before it closed (under mu_; INT64_MAX while open).
+  Descriptor current_;
+  bool in_collective_ = false;
+  int64_t collectives_ = 0;  // begun by this rank
+  std::vector<int64_t> closed_after_;
+  // The current collective's check messages (the collective's thread only).
+  std::shared_ptr<Transfer> check_in_, check_out_;
 };
 
 // Holds the worker: a Work may outlive its engine.

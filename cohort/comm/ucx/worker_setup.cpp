@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include "cohort/comm/ucx/worker.h"
@@ -79,7 +80,10 @@ std::vector<std::vector<uint8_t>> exchange(Store& store, const std::string& name
 }  // namespace
 
 Worker::Worker(Store& store, int rank, int size, const WorkerConfig& config, Millis timeout)
-    : rank_(rank), size_(size), peer_slots_(new PeerSlot[static_cast<size_t>(size)]) {
+    : rank_(rank),
+      size_(size),
+      peer_slots_(new PeerSlot[static_cast<size_t>(size)]),
+      closed_after_(static_cast<size_t>(size), std::numeric_limits<int64_t>::max()) {
   try {
     rendezvous(store, config, timeout);
   } catch (...) {
@@ -187,7 +191,20 @@ void Worker::close() {
     }
     ucp_request_free(request);
   };
-  // Sends the callers did not wait for (a last notice) reach their peers.
+  // A peer still waiting in a collective this rank never ran learns now
+  // that it never will (a rank that called more collectives than the rest).
+  if (static_cast<int>(endpoints_.size()) == size_ && control_) {
+    auto notice = at::zeros({3}, at::kLong);
+    auto* w = notice.data_ptr<int64_t>();
+    w[0] = kClosed;
+    w[1] = rank_;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      w[2] = collectives_;
+    }
+    notify_all(notice);
+  }
+  // Sends the callers did not wait for (the last notices) reach their peers.
   ucp_request_param_t p{};
   drive(ucp_worker_flush_nbx(worker_, &p), Millis(2000));
   {
