@@ -4,7 +4,8 @@
 // 1e-6 relative), reduce-scatters once per unit per step whatever the
 // number of micro-batches, and a run stopped and resumed from its per-rank
 // checkpoints is bitwise the uninterrupted one (every shard, buffer and
-// optimizer state).
+// optimizer state), also when an evaluation forward left the root's own
+// parameters gathered before a checkpoint.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -242,7 +243,16 @@ RankState run_rank(const Job& job, const std::shared_ptr<Communicator>& comm, co
     EXPECT_EQ(trainer.resume(), std::optional<int64_t>(3));
   }
   RankSource source(data, c, comm->rank());
-  trainer.fit(source);
+  // An evaluation forward after every step leaves the root's own
+  // parameters gathered: the checkpoint must still hold the shards.
+  FitCallbacks callbacks;
+  callbacks.on_step = [&](const StepMetrics&) {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    model->forward(source.batch(0).data);
+    model->train();
+  };
+  trainer.fit(source, callbacks);
   RankState out;
   for (const auto& p : model->named_parameters()) {
     out.names.push_back(p.key());
