@@ -7,8 +7,8 @@
 // after the last step, and its peak resident memory.
 //
 // Beyond DDP: under one per-rank memory limit (ulimit -v, inherited by every
-// rank), the default model (24 blocks of 2048: 403 MB of fp32 weights, so
-// 1.6 GB of weights + gradients + AdamW state per rank under DDP, 0.4 GB at
+// rank), the default model (24 blocks of 2048: 384 MB of fp32 weights, so
+// 1.5 GB of weights + gradients + AdamW state per rank under DDP, 384 MB at
 // world 4 under FSDP) trains at world 4 under FSDP, and DDP stops with an
 // out-of-memory error (exit status 1, reported by cohortrun); see README,
 // "Fully sharded data parallelism", for the command.
