@@ -93,6 +93,8 @@ class FullyShardImpl : public torch::nn::Module {
   const fsdp::FSDPParamGroup& param_group() const { return *group_; }
   /// Whether this unit has parameters of its own.
   bool has_param_group() const { return group_ != nullptr; }
+  /// The communicator the unit is sharded over.
+  const std::shared_ptr<Communicator>& communicator() const { return comm_; }
 
  private:
   void adopt(const std::shared_ptr<torch::nn::Module>& inner, std::shared_ptr<Communicator> comm);

@@ -80,8 +80,8 @@ void Trainer::check_loss_source() const {
 StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
   const auto k = static_cast<int64_t>(micro_batches.size());
   if (k != config_.accumulation_steps) {
-    throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) +
-                          ": got " + std::to_string(k) + " micro-batches, accumulation_steps is " +
+    throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) + ": got " +
+                          std::to_string(k) + " micro-batches, accumulation_steps is " +
                           std::to_string(config_.accumulation_steps));
   }
   Tracer* const tracer = active(comm_.tracer());
@@ -232,6 +232,9 @@ void Trainer::save_checkpoint() {
   // checksummed) before the gather below, so rank 0 writes the main file,
   // which is what makes the checkpoint exist, only once every shard is on disk.
   const bool sharded = per_rank_state();
+  // FSDP: the shards are what each rank saves (an evaluation forward may
+  // have left the root's own parameters gathered).
+  if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();
   if (sharded) write_shard();
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
   // so a crash cannot leave some ranks' parts newer than others.
@@ -242,8 +245,8 @@ void Trainer::save_checkpoint() {
   }
   comm_.gather(all, mine, {0}).wait();
   if (comm_.rank() == 0) {
-    const auto payload = encode_training_state(pipeline_ ? nullptr : model_.get(), optimizer_,
-                                               position_, torch::stack(all));
+    const auto payload = encode_training_state(wiring_.per_rank_model() ? nullptr : model_.get(),
+                                               optimizer_, position_, torch::stack(all));
     checkpoints_->write(position_.step, payload);
   }
   if (sharded) {
@@ -256,12 +259,12 @@ void Trainer::save_checkpoint() {
 }
 
 bool Trainer::per_rank_state() const {
-  return !optimizer_.replicated_state() || sync_.has_state() || pipeline_;
+  return !optimizer_.replicated_state() || sync_.has_state() || wiring_.per_rank_model();
 }
 
 void Trainer::write_shard() const {
   torch::serialize::OutputArchive archive;
-  if (pipeline_) {
+  if (wiring_.per_rank_model()) {
     torch::serialize::OutputArchive stages;
     model_->save(stages);
     archive.write("model", stages);
@@ -275,13 +278,14 @@ void Trainer::write_shard() const {
 
 void Trainer::read_shard(int64_t step) {
   // The optimizer checks that the shard was saved by the same rank of the
-  // same layout.
+  // same layout; a model's part, by its shapes.
+  const char* part = pipeline_ ? "rank's stages" : "rank's shards";
   const auto shard = read_checkpoint_file(shard_path(step));
   try {
     std::istringstream in(shard);
     torch::serialize::InputArchive archive;
     archive.load_from(in);
-    if (pipeline_) {
+    if (wiring_.per_rank_model()) {
       torch::serialize::InputArchive stages;
       archive.read("model", stages);
       load_module_state(*model_, stages);
@@ -289,11 +293,12 @@ void Trainer::read_shard(int64_t step) {
     if (!optimizer_.replicated_state()) optimizer_.load(archive);
     if (sync_.has_state()) sync_.load_state(archive);
   } catch (const CheckpointError& e) {
-    throw CheckpointError("checkpoint " + shard_path(step) +
-                          ": does not fit this rank's stages: " + e.what());
+    throw CheckpointError("checkpoint " + shard_path(step) + ": does not fit this " + part + ": " +
+                          e.what());
   } catch (const c10::Error& e) {
     throw CheckpointError("checkpoint " + shard_path(step) + ": does not fit this " +
-                          (pipeline_ ? "rank's stages or optimizer: " : "optimizer: ") +
+                          (wiring_.per_rank_model() ? std::string(part) + " or optimizer: "
+                                                    : std::string("optimizer: ")) +
                           e.what_without_backtrace());
   }
 }
@@ -357,7 +362,9 @@ std::optional<int64_t> Trainer::resume() {
   }
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
-  auto state = decode_training_state(payload, path, pipeline_ ? nullptr : model_.get(), optimizer_);
+  if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();  // loads into the shards
+  auto state = decode_training_state(payload, path,
+                                     wiring_.per_rank_model() ? nullptr : model_.get(), optimizer_);
   if (per_rank_state()) read_shard(step);
   if (state.rng_states.size(0) != comm_.size()) {
     throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +

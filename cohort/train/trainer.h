@@ -27,6 +27,13 @@
 // pipeline's size, whose ranks all report the same loss and samples. Each
 // rank saves its stages and their optimizer state in its checkpoint shard.
 //
+// With FSDP (TrainerWiring::fsdp) the backward reduce-scatters into each
+// rank's shards (non-final micro-batches under
+// set_requires_gradient_sync(false)), the norm of step 4 sums the shards'
+// squared norms over the communicator, each rank clips its rows and steps
+// its shards; each rank saves its shards, buffers and optimizer state in
+// its checkpoint shard.
+//
 // What it trains with comes as a TrainerWiring (trainer_wiring.h), whose
 // factories accept only the valid pairings of DDP and optimizer; the DDP and
 // optimizers behind it must outlive the trainer. It has no global state: several trainers (ranks as
@@ -142,7 +149,8 @@ class Trainer {
   /// its optimizer shard next to it, "<checkpoint>.shard-<rank>-of-<world>",
   /// and resume() reads it back (a missing or damaged shard is a
   /// CheckpointError naming the file). With a pipeline the shard also holds
-  /// the rank's stages and their optimizer state.
+  /// the rank's stages and their optimizer state; with FSDP its parameter
+  /// shards, buffers and optimizer state.
   void save_checkpoint();
 
   /// Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.

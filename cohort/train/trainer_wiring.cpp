@@ -1,6 +1,9 @@
 #include "cohort/train/trainer_wiring.h"
 
+#include <set>
 #include <string>
+
+#include "cohort/train/fsdp_adapters.h"
 
 namespace cohort {
 namespace {
@@ -53,6 +56,29 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
   return TrainerWiring(std::move(world), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::move(sync), &runtime, {runtime.shared_group(), std::move(dp_group)});
+}
+
+TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& optimizer) {
+  if (model.is_empty()) throw InvalidArgument("TrainerWiring::fsdp: model is null");
+  auto comm = model->communicator();
+  // An optimizer over other tensors (another model's, copies) would step
+  // values the model never reads.
+  std::set<const void*> mine;
+  for (const auto& p : model->parameters()) mine.insert(p.unsafeGetTensorImpl());
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (!mine.count(p.unsafeGetTensorImpl())) {
+        throw InvalidArgument("TrainerWiring::fsdp on rank " + std::to_string(comm->rank()) +
+                              ": the optimizer holds a tensor of shape " + c10::str(p.sizes()) +
+                              " that is not a parameter of the fully sharded model; build it "
+                              "over model->parameters()");
+      }
+    }
+  }
+  TrainerWiring wiring(comm, model.ptr(), std::make_unique<FsdpTrainerOptimizer>(optimizer),
+                       std::make_unique<FsdpGradientSync>(model));
+  wiring.fsdp_ = model.ptr();
+  return wiring;
 }
 
 }  // namespace cohort

@@ -20,6 +20,9 @@
 //                                             PP x DP: one all-reduce of the
 //                                             stages' gradients over dp_group
 //                                             after the step
+//   TrainerWiring::fsdp(model, o)              a fully_shard-ed model (its
+//                                             root) and a LibTorch optimizer
+//                                             over its parameters (the shards)
 //
 // A pairing outside this list (the fused optimizer under DDP, ZeRO alone
 // with DDP's sync, two syncs, ...) has no factory and does not compile; the
@@ -33,6 +36,12 @@
 // optimizer state their state, both saved in each rank's checkpoint shard;
 // the global gradient norm sums the squared norms of the stages over the
 // pipeline group.
+//
+// With FSDP each rank's parameters are its shards: each rank saves them,
+// its buffers and its optimizer state in its checkpoint shard, and the
+// norm sums the shards' squared norms over the communicator (padding is
+// never part of a shard's .grad). The non-final micro-batches run with
+// set_requires_gradient_sync(false).
 //
 // The wiring owns the adapters; the DDP, the optimizers, the pipeline
 // runtime and the model are the caller's and must outlive the Trainer.
@@ -49,6 +58,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
@@ -132,6 +142,11 @@ class TrainerWiring {
                                 torch::optim::Optimizer& optimizer,
                                 std::shared_ptr<Communicator> dp_group);
 
+  /// FSDP: `model` is the root FullyShard, `optimizer` any LibTorch optimizer built over
+  /// model->parameters() (the shards). InvalidArgument when the optimizer holds a tensor that is
+  /// not one of the model's parameters.
+  static TrainerWiring fsdp(FullyShard model, torch::optim::Optimizer& optimizer);
+
   /// The communicator every rank's trainer runs over.
   const std::shared_ptr<Communicator>& communicator() const { return comm_; }
   /// The module whose parameters get the gradients.
@@ -142,6 +157,11 @@ class TrainerWiring {
   GradientSync& sync() const { return *sync_; }
   /// The pipeline the trainer steps, or null: the trainer runs its LossFn per micro-batch.
   pipeline::PipelineRuntime* pipeline() const { return pipeline_; }
+  /// The fully sharded root the trainer steps, or null.
+  FullyShardImpl* fsdp() const { return fsdp_.get(); }
+  /// True when each rank's model holds its own part (a pipeline's stages, FSDP's shards):
+  /// every rank saves it in its checkpoint shard instead of rank 0 in the main file.
+  bool per_rank_model() const { return pipeline_ != nullptr || fsdp_ != nullptr; }
   /// Every communicator a step's traffic goes over, each once: communicator(), and under PP x DP
   /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
   const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
@@ -169,6 +189,7 @@ class TrainerWiring {
   std::unique_ptr<TrainerOptimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;
   pipeline::PipelineRuntime* pipeline_ = nullptr;
+  std::shared_ptr<FullyShardImpl> fsdp_;
   std::vector<std::shared_ptr<Communicator>> traffic_;
 };
 

@@ -2,7 +2,11 @@
 // cohort::Trainer, on as many ranks as cohortrun starts:
 //
 //   cohortrun -n 2 -- fashion_mnist --epochs 2
+//   cohortrun -n 2 -- fashion_mnist --epochs 2 --fsdp   # fully sharded
 //
+// --fsdp trains the same network (as a Sequential, each layer with weights
+// a fully_shard unit) through TrainerWiring::fsdp: each rank holds 1/N of
+// the weights, gradients and AdamW state, and checkpoints are per rank.
 // Each rank reads Debian's dataset files, trains on its shard of every
 // global batch, and evaluates its slice of the test set; the correct counts
 // are summed over ranks. Rank 0 writes the metrics and draws the curves.
@@ -11,10 +15,14 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <thread>
 
 #include "cohort/cohort.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
@@ -40,23 +48,26 @@ struct Flags {
   int powersgd_rank = 2;
   double powersgd_min_compression_rate = 2;  // PyTorch's default
   int64_t compression_start = 100;           // PowerSGD: uncompressed steps first
+  bool fsdp = false;                         // fully_shard instead of DDP
 };
 
+using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
+
 // Accuracy on the test set, each rank scoring a disjoint contiguous slice.
-double test_accuracy(fashion_mnist::Net& net, const fashion_mnist::Split& test,
-                     cohort::Communicator& comm) {
+double test_accuracy(const Forward& forward, torch::nn::Module& net,
+                     const fashion_mnist::Split& test, cohort::Communicator& comm) {
   torch::NoGradGuard no_grad;
-  net->eval();
+  net.eval();
   const int64_t n = test.images.size(0);
   const int64_t begin = n * comm.rank() / comm.size();
   const int64_t end = n * (comm.rank() + 1) / comm.size();
   int64_t correct = 0;
   for (int64_t i = begin; i < end; i += 1000) {
     const int64_t len = std::min<int64_t>(1000, end - i);
-    auto pred = net->forward(test.images.narrow(0, i, len)).argmax(1);
+    auto pred = forward(test.images.narrow(0, i, len)).argmax(1);
     correct += pred.eq(test.labels.narrow(0, i, len)).sum().item<int64_t>();
   }
-  net->train();
+  net.train();
   auto counts = torch::tensor({correct, end - begin}, torch::kInt64);
   comm.all_reduce(counts, {cohort::ReduceOp::Sum}).wait();
   return static_cast<double>(counts[0].item<int64_t>()) /
@@ -80,15 +91,41 @@ int run(const Flags& flags) {
   const auto train = fashion_mnist::load_split(flags.data, "train");
   const auto test = fashion_mnist::load_split(flags.data, "t10k");
 
+  if (flags.fsdp && flags.compression != "none") {
+    throw cohort::InvalidArgument("fashion_mnist: --compression is DDP's; not with --fsdp");
+  }
+
   torch::manual_seed(flags.seed);
-  fashion_mnist::Net net;
-  cohort::DDPOptions ddp_options;
-  ddp_options.compression.kind = cohort::compression::parse_compression_kind(flags.compression);
-  ddp_options.compression.powersgd_rank = flags.powersgd_rank;
-  ddp_options.compression.powersgd_min_compression_rate = flags.powersgd_min_compression_rate;
-  ddp_options.compression.powersgd_start_iteration = flags.compression_start;
-  cohort::DistributedDataParallel<fashion_mnist::Net> ddp(net, comm, ddp_options);
-  torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(flags.lr));
+  // The model as the loss and the evaluation call it, the module whose mode
+  // they set, the optimizer and the wiring: DDP's or FSDP's.
+  Forward forward;
+  std::shared_ptr<torch::nn::Module> module;
+  std::unique_ptr<cohort::DistributedDataParallel<fashion_mnist::Net>> ddp;
+  std::unique_ptr<torch::optim::AdamW> adamw;
+  std::optional<cohort::TrainerWiring> wiring;
+  if (flags.fsdp) {
+    auto sharded =
+        cohort::fully_shard(cohort::shard_blocks(fashion_mnist::make_sequential_net(), comm), comm);
+    adamw = std::make_unique<torch::optim::AdamW>(sharded->parameters(),
+                                                  torch::optim::AdamWOptions(flags.lr));
+    wiring.emplace(cohort::TrainerWiring::fsdp(sharded, *adamw));
+    forward = [sharded](const torch::Tensor& x) mutable { return sharded->forward(x); };
+    module = sharded.ptr();
+  } else {
+    fashion_mnist::Net net;
+    cohort::DDPOptions ddp_options;
+    ddp_options.compression.kind = cohort::compression::parse_compression_kind(flags.compression);
+    ddp_options.compression.powersgd_rank = flags.powersgd_rank;
+    ddp_options.compression.powersgd_min_compression_rate = flags.powersgd_min_compression_rate;
+    ddp_options.compression.powersgd_start_iteration = flags.compression_start;
+    ddp = std::make_unique<cohort::DistributedDataParallel<fashion_mnist::Net>>(net, comm,
+                                                                                ddp_options);
+    adamw = std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                                  torch::optim::AdamWOptions(flags.lr));
+    wiring.emplace(cohort::TrainerWiring::ddp(*ddp, *adamw));
+    forward = [&ddp](const torch::Tensor& x) { return ddp->forward(x); };
+    module = net.ptr();
+  }
 
   cohort::TrainerConfig config;
   config.accumulation_steps = flags.accumulation;
@@ -99,9 +136,9 @@ int run(const Flags& flags) {
   config.checkpoint_every = flags.checkpoint_every;
   config.metrics_path = flags.metrics;
   cohort::Trainer trainer(
-      cohort::TrainerWiring::ddp(ddp, adamw),
+      std::move(*wiring),
       [&](const torch::data::Example<>& b) {
-        return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+        return torch::nn::functional::cross_entropy(forward(b.data), b.target);
       },
       config);
   cohort::TensorDataSource source(train.images, train.labels, per_rank, comm->rank(), comm->size());
@@ -110,18 +147,18 @@ int run(const Flags& flags) {
   }
   if (lead) {
     std::printf(
-        "fashion_mnist: %d ranks, global batch %lld (%lld per rank x %lld), %lld epochs, "
+        "fashion_mnist: %d ranks, %s, global batch %lld (%lld per rank x %lld), %lld epochs, "
         "compression %s\n",
-        comm->size(), static_cast<long long>(flags.batch_size), static_cast<long long>(per_rank),
-        static_cast<long long>(flags.accumulation), static_cast<long long>(flags.epochs),
-        flags.compression.c_str());
+        comm->size(), flags.fsdp ? "FSDP" : "DDP", static_cast<long long>(flags.batch_size),
+        static_cast<long long>(per_rank), static_cast<long long>(flags.accumulation),
+        static_cast<long long>(flags.epochs), flags.compression.c_str());
   }
 
   double accuracy = -1;
   int64_t evaluated_at = -1;
   cohort::FitCallbacks callbacks;
   callbacks.on_epoch_end = [&](const cohort::EpochEnd& e) {
-    accuracy = test_accuracy(net, test, *comm);
+    accuracy = test_accuracy(forward, *module, test, *comm);
     evaluated_at = e.step;
     trainer.log_eval({{"test_accuracy", accuracy}, {"epoch_seconds", e.seconds}});
     if (lead) {
@@ -132,7 +169,7 @@ int run(const Flags& flags) {
   };
   const auto steps = trainer.fit(source, callbacks);
   if (evaluated_at != trainer.position().step) {  // stopped mid-epoch (--max-steps)
-    accuracy = test_accuracy(net, test, *comm);
+    accuracy = test_accuracy(forward, *module, test, *comm);
     trainer.log_eval({{"test_accuracy", accuracy}});
   }
   if (lead) {
@@ -156,7 +193,7 @@ int run(const Flags& flags) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Fashion-MNIST CNN with cohort DDP and Trainer (run it with cohortrun)."};
+  CLI::App app{"Fashion-MNIST CNN with cohort DDP or FSDP and Trainer (run it with cohortrun)."};
   Flags f;
   app.add_option("--epochs", f.epochs, "epochs to train")->check(CLI::PositiveNumber);
   app.add_option("--data", f.data, "folder with the gzip IDX files");
@@ -179,6 +216,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--compression-start", f.compression_start,
                  "PowerSGD: steps averaged uncompressed before compression starts");
+  app.add_flag("--fsdp", f.fsdp,
+               "fully sharded data parallelism (fully_shard) instead of DDP; per-rank checkpoints");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(f);

@@ -1,6 +1,7 @@
 // defines: Net, the CNN of the PyTorch MNIST example (without dropout):
 // conv1(1,32,3) relu conv2(32,64,3) relu maxpool2 flatten fc1(9216,128)
 // relu fc2(128,10). tests/reference/fashion_mnist_reference.py is the same.
+// make_sequential_net() is the same network as a Sequential.
 #pragma once
 
 #include <torch/torch.h>
@@ -27,5 +28,20 @@ struct NetImpl : torch::nn::Module {
   torch::nn::Linear fc2;
 };
 TORCH_MODULE(Net);
+
+/// Net's layers as a Sequential (the same layers built in the same order, so
+/// the same seed gives the same weights), whose layers fully_shard can make
+/// units of their own (fashion_mnist --fsdp).
+inline torch::nn::Sequential make_sequential_net() {
+  // One statement per layer: the order in which a call's arguments are
+  // evaluated (and so the weights drawn) is unspecified.
+  torch::nn::Conv2d conv1(1, 32, 3);
+  torch::nn::Conv2d conv2(32, 64, 3);
+  torch::nn::Linear fc1(9216, 128);
+  torch::nn::Linear fc2(128, 10);
+  return torch::nn::Sequential(conv1, torch::nn::ReLU(), conv2, torch::nn::ReLU(),
+                               torch::nn::MaxPool2d(2), torch::nn::Flatten(), fc1,
+                               torch::nn::ReLU(), fc2);
+}
 
 }  // namespace fashion_mnist

@@ -1,0 +1,60 @@
+// defines: FsdpTrainerOptimizer and FsdpGradientSync, what the Trainer
+// steps a fully sharded model (cohort::fully_shard) with.
+//
+// Sync: a fully sharded model reduce-scatters its gradients during backward
+// (cohort/fsdp/fsdp_state.h), and its end-of-backward callback has waited
+// for them, so finish_sync() has nothing to do; the non-final micro-batches
+// run with set_requires_gradient_sync(false) (full gradients accumulate
+// locally). Its communication time is the communicator's in-flight time of
+// the all-gathers, reduce-scatters and buffer broadcasts.
+//
+// Optimizer: any LibTorch optimizer built over the sharded parameters. Each
+// rank's .grad is its rows of the averaged gradient (padding is never part
+// of a .grad), a disjoint part of the whole: the trainer's default norm is
+// then ShardedGradNorm (squared partial norms all-reduced) and each rank
+// clips its own rows. Its state is per rank (the shards' state), saved in
+// each rank's checkpoint shard.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+
+#include "cohort/fsdp/fully_shard.h"
+#include "cohort/train/gradient_sync.h"
+#include "cohort/train/trainer_optimizer.h"
+
+namespace cohort {
+
+/// A LibTorch optimizer over a fully sharded model's parameters (its shards).
+class FsdpTrainerOptimizer : public TorchOptimizer {
+ public:
+  /// Adapts `optimizer`, which must outlive it.
+  explicit FsdpTrainerOptimizer(torch::optim::Optimizer& optimizer)
+      : TorchOptimizer(optimizer, /*replicated_state=*/false) {}
+  /// Each rank's .grad are its rows of the parameters.
+  bool sharded_gradients() const override { return true; }
+};
+
+/// The Trainer's GradientSync for a fully sharded model (see the file comment).
+class FsdpGradientSync : public GradientSync {
+ public:
+  /// Syncs through the root `model`, which must outlive it.
+  explicit FsdpGradientSync(FullyShard model);
+  /// Backward accumulates full gradients without communicating while the
+  /// guard lives.
+  std::shared_ptr<void> skip_sync() override;
+  /// The last backward already reduce-scattered and waited.
+  void finish_sync() override {}
+  /// In-flight seconds of the communicator's all-gathers, reduce-scatters
+  /// and coalesced broadcasts since construction.
+  double comm_seconds() const override;
+
+ private:
+  double seconds_now() const;
+
+  FullyShard model_;
+  double start_seconds_ = 0.0;
+};
+
+}  // namespace cohort
