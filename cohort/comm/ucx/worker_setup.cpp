@@ -147,6 +147,10 @@ void Worker::rendezvous(Store& store, const WorkerConfig& config, Millis timeout
   std::vector<uint8_t> mine(a, a + length);
   ucp_worker_release_address(worker_, address);
   create_endpoints(exchange(store, "address", rank_, size_, std::move(mine), timeout));
+  // Nobody leaves the rendezvous before everyone has connected: a rank that
+  // finished its work early and closed its worker would take the shared
+  // memory a slower peer was about to attach to ("Shared memory error").
+  exchange(store, "connected", rank_, size_, {1}, timeout);
   post_control_receive();
 }
 
