@@ -1,8 +1,9 @@
 // fully_shard's features beyond the golden grid, ranks as threads: a unit
-// unused on some steps (against one process), BatchNorm (against cohort
-// DDP: both normalize with each rank's own batch and broadcast rank 0's
-// buffers), the full state dict round trip, the collectives of one step,
-// what a rank holds between steps and at its peak, and bad input.
+// unused on some steps (against one process, world 1 to 4), BatchNorm
+// (against one process replaying DDP's rule, world 1 to 4, and against
+// cohort DDP: each rank normalizes with its own batch, and rank 0's
+// buffers are broadcast before each forward), the full state dict round trip, the collectives of
+// one step, what a rank holds between steps and at its peak, and bad input.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -58,7 +59,7 @@ TEST(FSDPFeatures, UnitUnusedOnSomeStepsEqualsOneProcess) {
     }
     for (const auto& p : ref->named_parameters()) expected.insert(p.key(), p.value().clone());
   }
-  for (int world : {2, 3}) {
+  for (int world : {1, 2, 3, 4}) {
     std::mutex mu;
     std::vector<Named> got;
     run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
@@ -88,6 +89,78 @@ TEST(FSDPFeatures, UnitUnusedOnSomeStepsEqualsOneProcess) {
 
 torch::nn::Sequential batch_norm_model() {
   return Sequential(Linear(5, 8), torch::nn::BatchNorm1d(8), Tanh(), Linear(8, 5));
+}
+
+// One process replaying what `world` ranks do under DDP's buffer rule: each
+// rank's slice (scaled by 1 + rank, as the ranks' inputs below) normalized
+// with its own statistics from rank 0's buffers, the gradient the mean of
+// the slices' gradients. Returns each rank's parameters and buffers after
+// the last step (a rank's buffers are rank 0's of the step before, updated
+// by its own slice: the broadcast comes before the next forward).
+std::vector<Named> batch_norm_reference(const Batches& batches, int world) {
+  auto model = batch_norm_model();
+  init_parameters(*model, 9);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto buffers = [&] {
+    std::vector<torch::Tensor> out;
+    for (const auto& b : model->buffers()) out.push_back(b.clone());
+    return out;
+  };
+  auto set_buffers = [&](const std::vector<torch::Tensor>& values) {
+    torch::NoGradGuard no_grad;
+    auto bs = model->buffers();
+    for (size_t i = 0; i < bs.size(); ++i) bs[i].copy_(values[i]);
+  };
+  const int64_t n = kBatch / world;
+  std::vector<std::vector<torch::Tensor>> per_rank(world);
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    const auto start = buffers();
+    for (int r = 0; r < world; ++r) {
+      set_buffers(start);
+      auto x = batches.x[s].narrow(0, r * n, n) * (1 + r), y = batches.y[s].narrow(0, r * n, n);
+      (torch::mse_loss(model->forward(x), y) / world).backward();
+      per_rank[r] = buffers();
+    }
+    set_buffers(per_rank[0]);
+    opt.step();
+  }
+  std::vector<Named> out(world);
+  for (int r = 0; r < world; ++r) {
+    set_buffers(per_rank[r]);
+    for (const auto& p : model->named_parameters()) out[r].insert(p.key(), p.value().clone());
+    for (const auto& b : model->named_buffers()) out[r].insert(b.key(), b.value().clone());
+  }
+  return out;
+}
+
+TEST(FSDPFeatures, BatchNormEqualsOneProcess) {
+  const auto batches = make_batches(4);
+  for (int world : {1, 2, 3, 4}) {
+    const auto expected = batch_norm_reference(batches, world);
+    std::mutex mu;
+    std::map<int, Named> got;
+    run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+      torch::set_num_threads(1);
+      auto twin = batch_norm_model();
+      init_parameters(*twin, 9);
+      auto model = fully_shard(shard_blocks(batch_norm_model(), comm), comm);
+      load_from(model, *twin);
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      for (int s = 0; s < kSteps; ++s) {
+        auto x = local(batches.x[s], *comm) * (1 + comm->rank()), y = local(batches.y[s], *comm);
+        opt.zero_grad();
+        torch::mse_loss(model->forward(x), y).backward();
+        opt.step();
+      }
+      auto state = model->full_state_dict();
+      std::lock_guard<std::mutex> lock(mu);
+      got[comm->rank()] = state;
+    });
+    for (const auto& [rank, state] : got)
+      expect_close(state, expected[rank], 1e-6,
+                   "world " + std::to_string(world) + " rank " + std::to_string(rank));
+  }
 }
 
 TEST(FSDPFeatures, BatchNormEqualsDDP) {
