@@ -18,10 +18,10 @@
 #include "cohort/core/store/hash_store.h"
 #include "cohort/core/store/prefix_store.h"
 #include "cohort/core/store/tcp_store.h"
-#include "cohort/core/trace.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
 #include "cohort/memory/memory_scope.h"
+#include "cohort/observability/trace.h"
 // Activation checkpointing.
 #include "cohort/activation/checkpoint.h"
 #include "cohort/activation/checkpoint_wrapper.h"

@@ -1,4 +1,4 @@
-#include "cohort/core/trace.h"
+#include "cohort/observability/trace.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,8 +1,8 @@
 #include <cstring>
 #include <sstream>
 
-#include "cohort/core/counting_engine.h"
-#include "cohort/core/tick_clock.h"
+#include "cohort/observability/counting_engine.h"
+#include "cohort/observability/tick_clock.h"
 
 namespace cohort {
 namespace {
