@@ -14,6 +14,7 @@
 #include <system_error>
 
 #include "cohort/core/error.h"
+#include "cohort/core/types.h"
 
 namespace cohort {
 namespace {
