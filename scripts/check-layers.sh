@@ -57,5 +57,15 @@ while IFS= read -r file; do
   fi
 done < <(git ls-files 'cohort/*.h' 'cohort/*.cpp' 'cohort/*.hpp')
 
+# The example models (examples/models) sit above the whole library: they may
+# include any of it and each other, nothing from tests, tools, benchmarks or
+# another example; the library never includes them (checked above).
+while IFS= read -r file; do
+  if grep -nE '^#include "(tests|tools|bench|examples)/' "$file" | grep -vE ':#include "examples/models/'; then
+    echo "layering: $file (an example model) includes a file outside the library and the models"
+    status=1
+  fi
+done < <(git ls-files 'examples/models/*.h' 'examples/models/*.cpp')
+
 [ $status -eq 0 ] && echo "layering: every include points down"
 exit $status
