@@ -18,10 +18,10 @@
 #include "cohort/core/store/hash_store.h"
 #include "cohort/core/store/prefix_store.h"
 #include "cohort/core/store/tcp_store.h"
-#include "cohort/core/trace.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
 #include "cohort/memory/memory_scope.h"
+#include "cohort/observability/trace.h"
 // Activation checkpointing.
 #include "cohort/activation/checkpoint.h"
 #include "cohort/activation/checkpoint_wrapper.h"
@@ -36,15 +36,13 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 // Pipeline, tensor and 3-D parallelism.
 #include "cohort/mesh/device_mesh.h"
+#include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/pipeline_stage.h"
 #include "cohort/pipeline/schedule.h"
 #include "cohort/pipeline/schedule_memory.h"
 #include "cohort/pipeline/schedule_simulator.h"
 #include "cohort/pipeline/schedule_validator.h"
-#include "cohort/tensor_parallel/gpt_model.h"
-#include "cohort/tensor_parallel/gpt_pipeline.h"
-#include "cohort/tensor_parallel/gradient_synchronizer.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
 // Training loop.

@@ -12,19 +12,20 @@ cd "$root"
 # gets a line here: the check refuses folders it does not know.
 declare -A layer=(
   [core]=0
-  [memory]=1
-  [activation]=2
-  [algorithms]=3
-  [comm]=4
-  [compression]=5
-  [grad_sync]=6
-  [ddp]=7
-  [fsdp]=8
-  [optim]=9
-  [pipeline]=10
-  [mesh]=11
-  [tensor_parallel]=12
-  [train]=13
+  [observability]=1
+  [memory]=2
+  [activation]=3
+  [algorithms]=4
+  [comm]=5
+  [compression]=6
+  [grad_sync]=7
+  [ddp]=8
+  [fsdp]=9
+  [optim]=10
+  [pipeline]=11
+  [mesh]=12
+  [tensor_parallel]=13
+  [train]=14
 )
 
 status=0
@@ -55,6 +56,16 @@ while IFS= read -r file; do
     status=1
   fi
 done < <(git ls-files 'cohort/*.h' 'cohort/*.cpp' 'cohort/*.hpp')
+
+# The example models (examples/models) sit above the whole library: they may
+# include any of it and each other, nothing from tests, tools, benchmarks or
+# another example; the library never includes them (checked above).
+while IFS= read -r file; do
+  if grep -nE '^#include "(tests|tools|bench|examples)/' "$file" | grep -vE ':#include "examples/models/'; then
+    echo "layering: $file (an example model) includes a file outside the library and the models"
+    status=1
+  fi
+done < <(git ls-files 'examples/models/*.h' 'examples/models/*.cpp')
 
 [ $status -eq 0 ] && echo "layering: every include points down"
 exit $status

@@ -1,5 +1,5 @@
 // Step time (forward + backward) and peak activation bytes of the GPT
-// (cohort/tensor_parallel/gpt_model.h, one rank, tp = 1) with and without
+// (examples/models/gpt_model.h, one rank, tp = 1) with and without
 // GPTConfig::checkpoint_activations. Rounds alternate which side runs first;
 // each round times `iters` steps per side. Prints each side's median step,
 // the median of the per-round ratios, and the peaks (MemoryScope: the CPU
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cohort/cohort.h"
+#include "examples/models/gpt_model.h"
 
 namespace {
 

@@ -3,10 +3,10 @@
 #include "cohort/algorithms/double_binary_tree.h"
 #include "cohort/algorithms/halving_doubling.h"
 #include "cohort/algorithms/ring.h"
-#include "cohort/core/counting_engine.h"
 #include "cohort/core/error.h"
 #include "cohort/core/job_work.h"
 #include "cohort/core/store/prefix_store.h"
+#include "cohort/observability/counting_engine.h"
 
 namespace cohort::algorithms {
 namespace {

@@ -7,10 +7,10 @@
 #include "cohort/algorithms/executor.h"
 #include "cohort/comm/collective_checker.h"
 #include "cohort/comm/communicator_internal.h"
-#include "cohort/core/counting_engine.h"
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
-#include "cohort/core/tick_clock.h"
+#include "cohort/observability/counting_engine.h"
+#include "cohort/observability/tick_clock.h"
 
 namespace cohort {
 

@@ -19,12 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "cohort/core/comm_stats.h"
 #include "cohort/core/engine.h"
 #include "cohort/core/store/store.h"
-#include "cohort/core/trace.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
+#include "cohort/observability/comm_stats.h"
+#include "cohort/observability/trace.h"
 
 namespace cohort {
 
@@ -139,7 +139,7 @@ class Communicator {
   /// negative color joins no group and gets nullptr (MPI_Comm_split).
   std::shared_ptr<Communicator> split(int color, int key);
 
-  // --- statistics (cohort/core/comm_stats.h) --------------------------------
+  // --- statistics (cohort/observability/comm_stats.h) --------------------------------
   /// A snapshot of this communicator's counters: per operation kind, calls,
   /// bytes sent and received by this rank (including the algorithms'
   /// point-to-point traffic), time in flight and time blocked in wait().

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,6 +27,11 @@ enum class ReduceOp { Sum, Avg, Min, Max, Prod };
 
 /// The operation's name, e.g. "sum".
 std::string to_string(ReduceOp op);
+
+/// Events a rank's timeline keeps when CommunicatorOptions::trace_max_events
+/// is 0 (a few hundred bytes each in memory: at most a few hundred MB per
+/// rank). Here, not with the Tracer, because the options name it.
+inline constexpr size_t kDefaultTraceMaxEvents = 1000000;
 
 /// What a Communicator is built with (connect() and init() fill it; the
 /// algorithms' Executor reads its own fields from it too).
@@ -49,7 +55,7 @@ struct CommunicatorOptions {
   /// collectives are small can cut its start-up time with it.
   int64_t calibration_max_bytes = 0;
   /// Non-empty: this rank writes its timeline to `trace_dir/rank-R.json`
-  /// (cohort/core/trace.h; init() reads COHORT_TRACE). Subgroups share
+  /// (docs/design.md, "The timeline"; init() reads COHORT_TRACE). Subgroups share
   /// their parent's trace.
   std::string trace_dir;
   /// The most events the trace keeps per rank; later ones are dropped and

@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include "cohort/core/trace.h"
 #include "cohort/core/work.h"
+#include "cohort/observability/trace.h"
 
 namespace cohort {
 

@@ -32,9 +32,9 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/core/sync_statistics.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/observability/sync_statistics.h"
 
 namespace cohort {
 

@@ -65,9 +65,9 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/core/sync_statistics.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/ddp/no_sync_guard.h"
+#include "cohort/observability/sync_statistics.h"
 #include "cohort/optim/flat_partition.h"
 #include "cohort/optim/gradient_shard_reducer.h"
 

@@ -16,12 +16,12 @@
 #include <thread>
 
 #include "cohort/cohort.h"
+#include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
-#include "cohort/tensor_parallel/gpt_model.h"
-#include "cohort/tensor_parallel/gpt_pipeline.h"
-#include "cohort/tensor_parallel/gradient_synchronizer.h"
 #include "cohort/train/metrics_log.h"
 #include "corpus.h"
+#include "examples/models/gpt_model.h"
+#include "examples/models/gpt_pipeline.h"
 #include "plot_metrics.h"
 
 namespace {

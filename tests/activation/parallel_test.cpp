@@ -14,8 +14,8 @@
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
-#include "cohort/tensor_parallel/gpt_model.h"
-#include "cohort/tensor_parallel/gpt_pipeline.h"
+#include "examples/models/gpt_model.h"
+#include "examples/models/gpt_pipeline.h"
 #include "support/thread_ranks.h"
 #include "tests/activation/activation_test_models.h"
 

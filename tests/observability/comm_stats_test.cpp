@@ -4,7 +4,7 @@
 // counts 0, 1 and a multiple of every world size.
 #include <gtest/gtest.h>
 
-#include "cohort/core/counting_engine.h"
+#include "cohort/observability/counting_engine.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing {

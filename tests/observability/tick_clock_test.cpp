@@ -1,6 +1,6 @@
 // tick_clock against steady_clock: its ticks, converted, measure the same
 // intervals, and it never runs backwards on one thread.
-#include "cohort/core/tick_clock.h"
+#include "cohort/observability/tick_clock.h"
 
 #include <gtest/gtest.h>
 

@@ -14,10 +14,10 @@
 #include <map>
 #include <mutex>
 
+#include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
-#include "cohort/tensor_parallel/gpt_model.h"
-#include "cohort/tensor_parallel/gpt_pipeline.h"
-#include "cohort/tensor_parallel/gradient_synchronizer.h"
+#include "examples/models/gpt_model.h"
+#include "examples/models/gpt_pipeline.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing {

@@ -13,8 +13,8 @@
 #include <map>
 #include <set>
 
-#include "cohort/core/counting_engine.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/observability/counting_engine.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"

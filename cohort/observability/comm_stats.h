@@ -3,7 +3,7 @@
 // caller spent blocked in wait().
 //
 // What "bytes" means. Bytes are counted where the communicator meets its
-// engine (cohort/core/counting_engine.h), per rank:
+// engine (cohort/observability/counting_engine.h), per rank:
 // - cohort's own algorithms (cohort/algorithms: ring, tree, halving-doubling,
 //   hierarchical) run over the engine's send/recv, and those are counted
 //   exactly: the bytes of every tensor sent and received.

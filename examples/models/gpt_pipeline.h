@@ -14,7 +14,7 @@
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/pipeline_stage.h"
-#include "cohort/tensor_parallel/gpt_model.h"
+#include "examples/models/gpt_model.h"
 
 namespace cohort::tensor_parallel {
 

@@ -1,7 +1,7 @@
 // The GPT stage and its transformer block. Head h of the QKV projection owns
 // output features [3 hd h, 3 hd (h+1)) (q, k, v of one head side by side),
 // so the column-parallel split gives each TP rank whole heads.
-#include "cohort/tensor_parallel/gpt_model.h"
+#include "examples/models/gpt_model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 

@@ -10,7 +10,7 @@
 // destructor, never on the operation's path.
 //
 // Memory. The buffer holds at most `max_events` events (default
-// kDefaultTraceMaxEvents; COHORT_TRACE_MAX_EVENTS): later ones are dropped
+// kDefaultTraceMaxEvents in core/types.h; COHORT_TRACE_MAX_EVENTS): later ones are dropped
 // and counted, and the file ends with a "dropped events" record saying how
 // many, so a long traced run stays bounded and says what it left out.
 //
@@ -37,10 +37,6 @@ namespace cohort {
 /// False in a build configured with -DCOHORT_TRACING=OFF: every trace hook
 /// is compiled out.
 inline constexpr bool kTracingCompiled = COHORT_TRACING != 0;
-
-/// Events a Tracer keeps when not told otherwise (a few hundred bytes each
-/// in memory: at most a few hundred MB per rank).
-inline constexpr size_t kDefaultTraceMaxEvents = 1000000;
 
 /// One argument of an event ("args" in the JSON): a number or a text.
 struct TraceArg {

@@ -1,4 +1,4 @@
-#include "cohort/core/tick_clock.h"
+#include "cohort/observability/tick_clock.h"
 
 #include <fstream>
 #include <string>

@@ -16,9 +16,9 @@
 #include <atomic>
 #include <memory>
 
-#include "cohort/core/comm_stats.h"
 #include "cohort/core/engine.h"
-#include "cohort/core/trace.h"
+#include "cohort/observability/comm_stats.h"
+#include "cohort/observability/trace.h"
 
 namespace cohort {
 

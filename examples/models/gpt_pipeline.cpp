@@ -1,4 +1,4 @@
-#include "cohort/tensor_parallel/gpt_pipeline.h"
+#include "examples/models/gpt_pipeline.h"
 
 namespace cohort::tensor_parallel {
 

@@ -1,4 +1,4 @@
-#include "cohort/core/trace.h"
+#include "cohort/observability/trace.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -14,6 +14,7 @@
 #include <system_error>
 
 #include "cohort/core/error.h"
+#include "cohort/core/types.h"
 
 namespace cohort {
 namespace {

@@ -1,4 +1,4 @@
-#include "cohort/tensor_parallel/gradient_synchronizer.h"
+#include "cohort/mesh/gradient_synchronizer.h"
 
 #include <chrono>
 
