@@ -76,6 +76,16 @@ std::vector<Case> cases() {
          c.barrier().wait();
        },
        "all_reduce (float32, 40 bytes, sum)", "barrier"},
+      // At world 2, 1 MiB is the largest direct exchange (its message is its
+      // check) and 1 MiB + 8 bytes takes the ring.
+      {"SizeAcrossTheDirectExchangeLimit",
+       [](Communicator& c) { all_reduce(c, floats(c.rank() == 0 ? 262144 : 262146)); },
+       "all_reduce (float32, 1048576 bytes, sum)", "all_reduce (float32, 1048584 bytes, sum)"},
+      {"DtypeOfAMegabyte",
+       [](Communicator& c) {
+         all_reduce(c, c.rank() == 0 ? torch::ones({262144}, torch::kInt) : floats(262144));
+       },
+       "all_reduce (int32, 1048576 bytes, sum)", "all_reduce (float32, 1048576 bytes, sum)"},
   };
 }
 
@@ -187,7 +197,7 @@ std::string name_of(const ::testing::TestParamInfo<std::tuple<int, int>>& info) 
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, UcxMismatch,
-                         ::testing::Combine(::testing::Values(2, 3), ::testing::Range(0, 6)),
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Range(0, 8)),
                          name_of);
 
 }  // namespace

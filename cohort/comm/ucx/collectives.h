@@ -8,7 +8,8 @@
 //   all_to_all (every pair at once):   (p-1) alpha + (p-1)/p n beta
 //   barrier (dissemination):            ceil(log2 p) alpha
 // All-reduce: recursive doubling up to kRecursiveDoublingBytes on
-// power-of-two groups (the engine calls small_all_reduce), halving-doubling
+// power-of-two groups, kDirectExchangeBytes at world 2 (the engine calls
+// small_all_reduce), halving-doubling
 // up to kHalvingDoublingBytes (latency log p), the ring above
 // (bandwidth-optimal); all-gather: the ring.
 #pragma once
@@ -30,6 +31,15 @@ void all_reduce(Link& link, at::Tensor& buf, ReduceOp op);
 // At or below this many bytes, on a power-of-two group, an all-reduce takes
 // recursive doubling on raw buffers (small_all_reduce).
 inline constexpr int64_t kRecursiveDoublingBytes = 64 << 10;
+// At world 2 recursive doubling is a direct exchange (one message each way,
+// then a local reduction), and it stays the choice up to this many bytes:
+// at 1 MiB it took 117 us against the ring's 125 us on the caller's thread,
+// 140 against 189 on the engine's (float32 sum, medians of 5 alternated
+// runs; plain MPI_Allreduce 128 us). The message is one rendezvous (a CMA
+// single-copy read) instead of the ring's two of half the size, plus no
+// tensor views. Above it the ring, which met MPI at 16 MiB. At most 2 MiB:
+// the fused check tag carries the size (collective_check.h).
+inline constexpr int64_t kDirectExchangeBytes = 1 << 20;
 // Recursive doubling: log2(p) rounds, each exchanging the whole vector with
 // rank ^ 2^k and reducing in place: half the rounds of halving-doubling, and
 // no tensor views (a LibTorch view costs about a microsecond, which is most

@@ -98,6 +98,19 @@ class Worker {
   void idle(Millis most);
   // Wakes the threads sleeping in idle or wait.
   void signal();
+  // While one lives, this thread drives UCX (it runs a collective inline and
+  // waits for each message it posts): posts do not wake the engine's
+  // thread, and idle() does not arm the event fd (see README.md).
+  class Driving {
+   public:
+    explicit Driving(Worker& w) : n_(w.waiters_) { n_.fetch_add(1, std::memory_order_acq_rel); }
+    ~Driving() { n_.fetch_sub(1, std::memory_order_acq_rel); }
+    Driving(const Driving&) = delete;
+    Driving& operator=(const Driving&) = delete;
+
+   private:
+    std::atomic<int>& n_;
+  };
   // Called by UCX's completion callbacks: counts `t` done, wakes waiters.
   void completed(const Transfer& t);
 
