@@ -44,17 +44,21 @@ void Progress::update(const StepMetrics& m) {
     if (filled < kWidth) bar += '>';
     bar.resize(kWidth, ' ');
     std::printf("\r[%s] %lld/%lld loss %.4f lr %.2e %.0f samples/s ETA %s   ", bar.c_str(),
-                static_cast<long long>(m.step), static_cast<long long>(total_steps_), m.loss,
-                m.lr, m.samples_per_s, format_duration(eta).c_str());
+                static_cast<long long>(m.step), static_cast<long long>(total_steps_), m.loss, m.lr,
+                m.samples_per_s, format_duration(eta).c_str());
     std::fflush(stdout);
     bar_open_ = true;
     return;
   }
   if (m.step % log_every_ != 0 && m.step != total_steps_) return;
-  std::printf("step %lld/%lld epoch %lld loss %.4f lr %.3e grad_norm %.3f %.0f samples/s comm %.3f s ETA %s\n",
-              static_cast<long long>(m.step), static_cast<long long>(total_steps_),
-              static_cast<long long>(m.epoch), m.loss, m.lr, m.grad_norm, m.samples_per_s,
-              m.comm_seconds, format_duration(eta).c_str());
+  // Epochs are counted from 1 wherever a person reads them (as in the
+  // examples' epoch summaries); m.epoch stays the 0-based index.
+  std::printf(
+      "step %lld/%lld epoch %lld loss %.4f lr %.3e grad_norm %.3f %.0f samples/s comm %.3f s ETA "
+      "%s\n",
+      static_cast<long long>(m.step), static_cast<long long>(total_steps_),
+      static_cast<long long>(m.epoch + 1), m.loss, m.lr, m.grad_norm, m.samples_per_s,
+      m.comm_seconds, format_duration(eta).c_str());
   std::fflush(stdout);
 }
 
