@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace cohort {
@@ -19,11 +20,20 @@ std::string format_duration(double seconds) {
   return text;
 }
 
+// A bar needs a terminal that honours '\r'. cohortrun under mpirun cuts the
+// ranks' output into prefixed lines although Open MPI gives them a
+// pseudo-terminal, so it asks for log lines with COHORT_PROGRESS=lines.
+bool draw_bar() {
+  const char* mode = std::getenv("COHORT_PROGRESS");
+  if (mode != nullptr && std::string(mode) == "lines") return false;
+  return ::isatty(STDOUT_FILENO) == 1;
+}
+
 }  // namespace
 
 Progress::Progress(bool enabled, int64_t first_step, int64_t total_steps, int64_t log_every)
     : enabled_(enabled),
-      tty_(::isatty(STDOUT_FILENO) == 1),
+      tty_(draw_bar()),
       first_step_(first_step),
       total_steps_(total_steps),
       log_every_(log_every > 0 ? log_every : 1),

@@ -39,7 +39,8 @@ TEST_F(Mpirun, RunsMpirunWithTheProgram) {
       run_cohortrun({"-n", "1", "--backend", "mpi", "--", "prog", "a", "-b"}, Seconds(20), {path_});
   ASSERT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 7) << r.err;  // mpirun's exit code is the job's
-  EXPECT_EQ(r.out, "<-np><1>" + expected_flags(1) + "<-x><COHORT_BACKEND=mpi><prog><a><-b>\n");
+  EXPECT_EQ(r.out, "<-np><1>" + expected_flags(1) +
+                       "<-x><COHORT_BACKEND=mpi><-x><COHORT_PROGRESS=lines><prog><a><-b>\n");
 }
 
 TEST_F(Mpirun, OversubscribesOnlyPastTheCoreCount) {

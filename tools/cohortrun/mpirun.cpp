@@ -67,6 +67,9 @@ std::vector<std::string> mpirun_command(const Options& options, bool as_root, lo
   // Tags name each line's rank; run_mpirun turns them into "[rank] ".
   cmd.push_back("--tag-output");
   cmd.insert(cmd.end(), {"-x", "COHORT_BACKEND=mpi"});
+  // Open MPI gives the ranks a pseudo-terminal, but the lines are cut at
+  // '\n': the Trainer's progress comes as log lines, as under Gloo.
+  cmd.insert(cmd.end(), {"-x", "COHORT_PROGRESS=lines"});
   // --trace: the value main() put in our environment (an absolute path).
   if (!options.trace_dir.empty()) cmd.insert(cmd.end(), {"-x", "COHORT_TRACE"});
   cmd.insert(cmd.end(), options.command.begin(), options.command.end());
