@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace cohort {
@@ -19,11 +20,20 @@ std::string format_duration(double seconds) {
   return text;
 }
 
+// A bar needs a terminal that honours '\r'. cohortrun under mpirun cuts the
+// ranks' output into prefixed lines although Open MPI gives them a
+// pseudo-terminal, so it asks for log lines with COHORT_PROGRESS=lines.
+bool draw_bar() {
+  const char* mode = std::getenv("COHORT_PROGRESS");
+  if (mode != nullptr && std::string(mode) == "lines") return false;
+  return ::isatty(STDOUT_FILENO) == 1;
+}
+
 }  // namespace
 
 Progress::Progress(bool enabled, int64_t first_step, int64_t total_steps, int64_t log_every)
     : enabled_(enabled),
-      tty_(::isatty(STDOUT_FILENO) == 1),
+      tty_(draw_bar()),
       first_step_(first_step),
       total_steps_(total_steps),
       log_every_(log_every > 0 ? log_every : 1),
@@ -44,17 +54,21 @@ void Progress::update(const StepMetrics& m) {
     if (filled < kWidth) bar += '>';
     bar.resize(kWidth, ' ');
     std::printf("\r[%s] %lld/%lld loss %.4f lr %.2e %.0f samples/s ETA %s   ", bar.c_str(),
-                static_cast<long long>(m.step), static_cast<long long>(total_steps_), m.loss,
-                m.lr, m.samples_per_s, format_duration(eta).c_str());
+                static_cast<long long>(m.step), static_cast<long long>(total_steps_), m.loss, m.lr,
+                m.samples_per_s, format_duration(eta).c_str());
     std::fflush(stdout);
     bar_open_ = true;
     return;
   }
   if (m.step % log_every_ != 0 && m.step != total_steps_) return;
-  std::printf("step %lld/%lld epoch %lld loss %.4f lr %.3e grad_norm %.3f %.0f samples/s comm %.3f s ETA %s\n",
-              static_cast<long long>(m.step), static_cast<long long>(total_steps_),
-              static_cast<long long>(m.epoch), m.loss, m.lr, m.grad_norm, m.samples_per_s,
-              m.comm_seconds, format_duration(eta).c_str());
+  // Epochs are counted from 1 wherever a person reads them (as in the
+  // examples' epoch summaries); m.epoch stays the 0-based index.
+  std::printf(
+      "step %lld/%lld epoch %lld loss %.4f lr %.3e grad_norm %.3f %.0f samples/s comm %.3f s ETA "
+      "%s\n",
+      static_cast<long long>(m.step), static_cast<long long>(total_steps_),
+      static_cast<long long>(m.epoch + 1), m.loss, m.lr, m.grad_norm, m.samples_per_s,
+      m.comm_seconds, format_duration(eta).c_str());
   std::fflush(stdout);
 }
 

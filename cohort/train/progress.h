@@ -1,6 +1,7 @@
 // defines: Progress, rank 0's view of training: a progress bar with ETA
 // when stdout is a terminal, plain log lines every few steps otherwise (so
-// that logs captured by a launcher stay readable).
+// that logs captured by a launcher stay readable) or when COHORT_PROGRESS
+// is "lines".
 #pragma once
 
 #include <chrono>

@@ -42,7 +42,7 @@ struct Flags {
   int64_t checkpoint_every = 0;
   std::string metrics = "metrics.jsonl";
   std::string plot = "curves.png";
-  int64_t max_steps = 0;
+  int64_t steps = 0;  // 0: train all epochs
   uint64_t seed = 0;
   std::string compression = "none";  // cohort/compression: none fp16 bf16 int8 topk powersgd
   int powersgd_rank = 2;
@@ -131,7 +131,7 @@ int run(const Flags& flags) {
   config.accumulation_steps = flags.accumulation;
   config.schedule.base_lr = flags.lr;
   config.epochs = flags.epochs;
-  config.max_steps = flags.max_steps;
+  config.max_steps = flags.steps;
   config.checkpoint_dir = flags.checkpoint_dir;
   config.checkpoint_every = flags.checkpoint_every;
   config.metrics_path = flags.metrics;
@@ -168,7 +168,7 @@ int run(const Flags& flags) {
     }
   };
   const auto steps = trainer.fit(source, callbacks);
-  if (evaluated_at != trainer.position().step) {  // stopped mid-epoch (--max-steps)
+  if (evaluated_at != trainer.position().step) {  // stopped mid-epoch (--steps)
     accuracy = test_accuracy(forward, *module, test, *comm);
     trainer.log_eval({{"test_accuracy", accuracy}});
   }
@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", f.checkpoint_every, "steps between checkpoints");
   app.add_option("--metrics", f.metrics, "JSON-lines metrics file (rank 0)");
   app.add_option("--plot", f.plot, "PNG of the curves (empty: none)");
-  app.add_option("--max-steps", f.max_steps, "stop after this many steps (0: no limit)");
+  app.add_option("--steps", f.steps, "stop after this many optimizer steps (0: all --epochs)");
   app.add_option("--seed", f.seed, "seed of the initial weights");
   app.add_option("--compression", f.compression,
                  "gradient compression: none, fp16, bf16, int8, topk, powersgd");

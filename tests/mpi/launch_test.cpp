@@ -5,9 +5,44 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <sstream>
 #include <string>
 
 namespace {
+
+// The output of `command` (stdout and stderr) and its exit status.
+std::pair<std::string, int> run_shell(const std::string& command) {
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {"popen failed", -1};
+  std::string output;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) output.append(buf, n);
+  const int raw = pclose(pipe);
+  return {output, WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw)};
+}
+
+// Under --backend mpi every line of both streams carries its rank's
+// "[rank] " prefix, as under the Gloo path, a partial line included.
+TEST(MpiLaunch, EveryLineHasItsRankPrefix) {
+  const auto [output, status] = run_shell(
+      "timeout -k 5 60 " COHORTRUN_BIN
+      " -n 2 --backend mpi -- sh -c 'r=$OMPI_COMM_WORLD_RANK; printf \"out $r\"; sleep 0.1;"
+      " echo \" rest\"; echo \"err $r\" >&2' 2>&1");
+  EXPECT_EQ(status, 0) << output;
+  std::istringstream lines(output);
+  std::string line;
+  int count = 0;
+  while (std::getline(lines, line)) {
+    ++count;
+    const std::string r = line.substr(1, 1);
+    EXPECT_TRUE(line == "[" + r + "] out " + r + " rest" || line == "[" + r + "] err " + r) << line;
+  }
+  EXPECT_EQ(count, 4) << output;
+  for (const char* want : {"[0] out 0 rest\n", "[1] out 1 rest\n", "[0] err 0\n", "[1] err 1\n"}) {
+    EXPECT_NE(output.find(want), std::string::npos) << want << " in:\n" << output;
+  }
+}
 
 TEST(MpiLaunch, RanksThatMpiSeesAsSingletonsAreRefused) {
   // `timeout` bounds the job even if init hangs.

@@ -4,8 +4,11 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <utility>
 
 #include "cohort/train/metrics_log.h"
 #include "plot_metrics.h"
@@ -54,6 +57,34 @@ TEST(CohortPlot, ReadsTrainerMetricsAndDrawsAPng) {
     cohort_plot::plot_metrics(curves, dir / "d.png", o);
   });
   EXPECT_NE(missing.find("gnuplot-nox"), std::string::npos) << missing;
+}
+
+// A job stopped after one step, or evaluated once, has curves of a single
+// point; gnuplot then warns of an empty x or y range on the job's stderr
+// unless the script gives the ranges. The stand-in gnuplot keeps the real
+// one's stderr for the drawing script.
+TEST(CohortPlot, SinglePointCurvesDrawWithoutGnuplotWarnings) {
+  if (std::system("command -v gnuplot > /dev/null 2>&1") != 0) GTEST_SKIP() << "no gnuplot";
+  cohort::testing::TempDir dir("cohort-plot-one");
+  const std::string err = dir / "gnuplot.err", wrapper = dir / "gnuplot";
+  std::ofstream(wrapper) << "#!/bin/sh\ncase \"$1\" in *.gp) exec gnuplot \"$@\" 2>>'" << err
+                         << "' ;; esac\nexec gnuplot \"$@\"\n";
+  std::filesystem::permissions(wrapper, std::filesystem::perms::owner_all);
+  cohort_plot::PlotOptions options;
+  options.gnuplot = wrapper;
+  for (const auto& [loss, accuracy] :
+       {std::pair{1.5, 0.782}, std::pair{0.0, 0.0}, std::pair{2.0, 1.0}}) {
+    std::filesystem::remove(err);
+    cohort_plot::Curves curves;
+    curves.loss = {{30, loss}};
+    curves.accuracy = {{30, accuracy}};
+    curves.accuracy_key = "test_accuracy";
+    cohort_plot::plot_metrics(curves, dir / "one.png", options);
+    ASSERT_TRUE(std::filesystem::exists(err));
+    std::ifstream in(err);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text, "") << "loss " << loss << ", accuracy " << accuracy;
+  }
 }
 
 TEST(CohortPlot, EmptyOrCorruptFilesAreNamed) {

@@ -1,19 +1,22 @@
+#include "plot_metrics.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <thread>
-
-#include "plot_metrics.h"
 
 extern char** environ;
 
@@ -59,6 +62,7 @@ int run_program(const std::vector<std::string>& argv, int timeout_s, bool quiet)
 
 void write_points(const std::string& path, const std::vector<std::pair<double, double>>& pts) {
   std::ofstream out(path);
+  out.precision(17);  // the values ranges() compared, not rounded together
   for (const auto& [x, y] : pts) out << x << ' ' << y << '\n';
   if (!out) throw PlotError("cohort-plot: cannot write " + path);
 }
@@ -68,6 +72,25 @@ std::string quoted(const std::string& s) {
   std::string out = "'";
   for (char c : s) out += c == '\'' ? std::string("''") : std::string(1, c);
   return out + "'";
+}
+
+// gnuplot warns ("empty x range") when all points share an x or a y, as a
+// one-point curve does: give such an axis a range around the value instead.
+std::string ranges(const std::vector<std::pair<double, double>>& pts) {
+  std::ostringstream out;
+  out.precision(17);
+  out << "set autoscale xy\n";
+  if (pts.empty()) return out.str();
+  auto [xmin, xmax] = std::minmax_element(pts.begin(), pts.end());
+  auto [ymin, ymax] = std::minmax_element(
+      pts.begin(), pts.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  auto around = [&](char axis, double v) {
+    const double pad = v != 0 ? std::abs(v) * 0.05 : 1.0;
+    out << "set " << axis << "range [" << v - pad << ':' << v + pad << "]\n";
+  };
+  if (xmin->first == xmax->first) around('x', xmin->first);
+  if (ymin->second == ymax->second) around('y', ymin->second);
+  return out.str();
 }
 
 }  // namespace
@@ -97,22 +120,25 @@ void plot_metrics(const Curves& curves, const std::string& png_path, const PlotO
   const bool with_acc = !curves.accuracy.empty();
 
   std::ofstream script(tmp / "plot.gp");
-  script << "set terminal " << (cairo ? "pngcairo" : "png") << " noenhanced size "
-         << options.width << ',' << options.height << '\n'
+  script << "set terminal " << (cairo ? "pngcairo" : "png") << " noenhanced size " << options.width
+         << ',' << options.height << '\n'
          << "set output " << quoted(png_path) << '\n'
          << "set grid\nset key top right\n"
          << "set multiplot layout 1," << (with_acc ? 2 : 1) << '\n'
          << "set title 'training loss'\nset xlabel 'step'\nset ylabel 'loss'\n"
-         << "plot " << quoted(loss_dat) << " using 1:2 with lines lw 1 title 'loss (mean over ranks)'\n";
+         << ranges(curves.loss) << "plot " << quoted(loss_dat)
+         << " using 1:2 with lines lw 1 title 'loss (mean over ranks)'\n";
   if (with_acc) {
-    script << "set title 'evaluation'\nset key bottom right\nset ylabel " << quoted(curves.accuracy_key) << '\n'
-           << "plot " << quoted(acc_dat) << " using 1:2 with linespoints pt 7 lw 2 title "
-           << quoted(curves.accuracy_key) << '\n';
+    script << "set title 'evaluation'\nset key bottom right\nset ylabel "
+           << quoted(curves.accuracy_key) << '\n'
+           << ranges(curves.accuracy) << "plot " << quoted(acc_dat)
+           << " using 1:2 with linespoints pt 7 lw 2 title " << quoted(curves.accuracy_key) << '\n';
   }
   script << "unset multiplot\n";
   script.close();
 
-  const int rc = run_program({options.gnuplot, (tmp / "plot.gp").string()}, options.timeout_s, false);
+  const int rc =
+      run_program({options.gnuplot, (tmp / "plot.gp").string()}, options.timeout_s, false);
   if (rc != 0) {
     throw PlotError("cohort-plot: gnuplot failed (exit " + std::to_string(rc) + ") drawing " +
                     png_path);

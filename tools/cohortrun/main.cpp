@@ -112,9 +112,9 @@ int run(int argc, char** argv) {
       return kUsageExitCode;
     }
   }
-  // mpirun replaces this process: its ranks' files are merged with
+  // mpirun supervises the ranks: their files are merged with
   // `cohort-trace merge DIR`.
-  if (options->backend == "mpi") return exec_mpirun(*options);
+  if (options->backend == "mpi") return run_mpirun(*options);
   const int status = supervise(*options);
   if (!options->trace_dir.empty()) merge_trace(*options);
   return status;

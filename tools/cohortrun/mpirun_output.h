@@ -1,0 +1,45 @@
+// defines: MpirunOutput — Open MPI's --tag-output stream rewritten into the
+// "[rank] line" form that the Gloo path writes.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <string_view>
+
+#include "line_splitter.h"
+
+namespace cohortrun {
+
+// mpirun --tag-output starts every piece of a rank's output with a tag,
+// "[jobid,rank]<stdout>:" (or <stderr>, <stddiag>), and repeats it after each
+// newline inside the piece. A piece without a trailing newline (a partial
+// line) is followed directly by the next piece's tag, possibly another
+// rank's, in the middle of a line. So the text after a tag belongs to that
+// rank up to the next tag or newline; text after a newline and without a tag
+// is mpirun's own and is passed on unprefixed. Each rank's text is cut into
+// whole lines of its own, as RankOutput does, so a partial line is joined
+// with its rest and never interleaves with another rank's line.
+class MpirunOutput {
+ public:
+  // fd: where the rewritten lines are written (the launcher's stdout or stderr).
+  explicit MpirunOutput(int fd) : fd_(fd) {}
+
+  void feed(std::string_view data);
+  // At end of stream: passes on what is left, last lines without a newline.
+  void flush();
+
+ private:
+  static constexpr int kMpirun = -1;  // the "rank" of mpirun's own text
+
+  // Hands `text` to the current rank's lines.
+  void emit(std::string_view text);
+  void on_line(int rank, std::string_view line);
+
+  int fd_;
+  std::string pending_;  // bytes not yet assigned: they may begin a tag
+  int current_ = kMpirun;
+  std::map<int, LineSplitter> lines_;  // by rank
+};
+
+}  // namespace cohortrun
