@@ -73,7 +73,8 @@ WorkPtr Executor::submit(std::string what, Millis timeout, Job job) {
       return;
     }
     try {
-      Link link(*engine_, what, deadline, &scratch_);
+      EnginePointToPoint transport(*engine_);
+      Link link(transport, what, deadline, &scratch_);
       job(link);
       work->finish(nullptr);
     } catch (const std::exception& e) {

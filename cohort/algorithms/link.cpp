@@ -56,12 +56,12 @@ at::Tensor Scratch::get(int slot, int64_t n, const at::TensorOptions& options) {
   return raw.narrow(0, 0, bytes).view(options.dtype().toScalarType());
 }
 
-Link::Link(Engine& engine, std::string what, Clock::time_point deadline, Scratch* scratch)
-    : engine_(engine),
+Link::Link(PointToPoint& transport, std::string what, Clock::time_point deadline, Scratch* scratch)
+    : transport_(transport),
       what_(std::move(what)),
       deadline_(deadline),
-      rank_(engine.rank()),
-      size_(engine.size()),
+      rank_(transport.rank()),
+      size_(transport.size()),
       scratch_(scratch) {}
 
 at::Tensor Link::scratch(int slot, int64_t n, const at::Tensor& like) {
@@ -85,12 +85,12 @@ void Link::wait(const WorkPtr& work, const std::string& step) {
 // Empty transfers are skipped on both sides: both compute the same sizes.
 Link::Pending Link::send(at::Tensor t, int peer, int tag) {
   if (t.numel() == 0) return {nullptr, peer, true};
-  return {engine_.send(t, peer, tag), peer, true};
+  return {transport_.send(t, peer, tag), peer, true};
 }
 
 Link::Pending Link::recv(at::Tensor t, int peer, int tag) {
   if (t.numel() == 0) return {nullptr, peer, false};
-  return {engine_.recv(t, peer, tag), peer, false};
+  return {transport_.recv(t, peer, tag), peer, false};
 }
 
 void Link::wait(const Pending& p) {

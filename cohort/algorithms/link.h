@@ -1,10 +1,11 @@
-// defines: Link, the point-to-point view every algorithm runs on (an engine
-// of its own, this operation's deadline, names for error messages), Span and
+// defines: Link, the point-to-point view every algorithm runs on (a
+// PointToPoint, this operation's deadline, names for error messages), Span and
 // the helpers that cut buffers into blocks and pipeline segments.
 //
 // Algorithms are written once over Link::send/recv, so they run on every
-// engine. Each wait is bounded by the operation's deadline; a timeout or a
-// failed transfer is rethrown naming the algorithm, the step and the peer.
+// engine and on a communicator's own tag space. Each wait is bounded by the
+// operation's deadline; a timeout or a failed transfer is rethrown naming
+// the algorithm, the step and the peer.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/core/engine.h"
+#include "cohort/core/point_to_point.h"
 
 namespace cohort::algorithms {
 
@@ -55,12 +56,11 @@ class Scratch {
 class Link {
  public:
   // `what` names the algorithm in messages ("ring all_reduce").
-  Link(Engine& engine, std::string what, Clock::time_point deadline,
+  Link(PointToPoint& transport, std::string what, Clock::time_point deadline,
        Scratch* scratch = nullptr);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  Engine& engine() { return engine_; }
   const std::string& what() const { return what_; }
   Clock::time_point deadline() const { return deadline_; }
 
@@ -76,13 +76,14 @@ class Link {
   // Waits until the operation's deadline; rethrows naming the peer.
   void wait(const Pending& p);
   void wait_all(std::vector<Pending>& ps);
-  // Waits for an engine operation that is not a single transfer.
+  // Waits for an engine operation that is not a single transfer (the
+  // executor's calls of its engine's own collectives).
   void wait(const WorkPtr& work, const std::string& step);
   // A temporary of `n` elements like `like` (see Scratch).
   at::Tensor scratch(int slot, int64_t n, const at::Tensor& like);
 
  private:
-  Engine& engine_;
+  PointToPoint& transport_;
   std::string what_;
   Clock::time_point deadline_;
   int rank_;

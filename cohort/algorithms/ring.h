@@ -19,9 +19,12 @@ namespace cohort::algorithms {
 
 // On return, blocks[rank] of `work` holds the reduction of blocks[rank] of
 // every rank's `src`; other blocks of `work` are scratch. `src` is only read
-// and may be `work` itself (in place).
+// and may be `work` itself (in place). A `wire` dtype other than work's makes
+// the partial results travel cast to it and be reduced in work's dtype
+// (compression's float16/bfloat16 all-reduce).
 void ring_reduce_scatter(Link& link, const at::Tensor& src, at::Tensor& work,
-                         const std::vector<Span>& blocks, ReduceOp op);
+                         const std::vector<Span>& blocks, ReduceOp op,
+                         at::ScalarType wire = at::ScalarType::Undefined);
 
 // On entry blocks[rank] of `buf` holds this rank's part; on return every
 // block holds its rank's part.

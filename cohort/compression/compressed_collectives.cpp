@@ -11,6 +11,7 @@
 #include "cohort/algorithms/link.h"
 #include "cohort/algorithms/ring.h"
 #include "cohort/comm/communicator.h"
+#include "cohort/comm/communicator_point_to_point.h"
 #include "cohort/core/error.h"
 
 namespace cohort::compression {
@@ -19,55 +20,10 @@ namespace {
 using algorithms::Link;
 using algorithms::Span;
 
-// A public Work seen as an engine-side WorkImpl (what a Link waits on).
-class WorkAdapter : public WorkImpl {
- public:
-  explicit WorkAdapter(Work work) : work_(std::move(work)) {}
-  bool is_completed() override { return work_.is_completed(); }
-  void wait(Millis timeout) override { work_.wait(timeout); }
-
- private:
-  Work work_;
-};
-
-// The communicator's tagged point-to-point as an Engine, so that cohort's
-// ring algorithms (written over a Link) run on it. Transfers go through the
-// Communicator, where they are validated and counted; tags are moved above
-// kCompressionTagBase. Collectives are not needed by a Link and refused.
-class PointToPointEngine : public Engine {
- public:
-  explicit PointToPointEngine(Communicator& comm) : comm_(comm) {}
-  std::string name() const override { return "point-to-point over " + comm_.backend(); }
-  int rank() const override { return comm_.rank(); }
-  int size() const override { return comm_.size(); }
-  WorkPtr send(at::Tensor& t, int dst, int tag) override {
-    return std::make_shared<WorkAdapter>(comm_.send(t, dst, {kCompressionTagBase + tag}));
-  }
-  WorkPtr recv(at::Tensor& t, int src, int tag) override {
-    return std::make_shared<WorkAdapter>(comm_.recv(t, src, {kCompressionTagBase + tag}));
-  }
-  WorkPtr all_reduce(at::Tensor&, ReduceOp) override { unsupported("all_reduce"); }
-  WorkPtr broadcast(at::Tensor&, int) override { unsupported("broadcast"); }
-  WorkPtr reduce(at::Tensor&, int, ReduceOp) override { unsupported("reduce"); }
-  WorkPtr all_gather(std::vector<at::Tensor>&, at::Tensor&) override { unsupported("all_gather"); }
-  WorkPtr gather(std::vector<at::Tensor>&, at::Tensor&, int) override { unsupported("gather"); }
-  WorkPtr scatter(at::Tensor&, std::vector<at::Tensor>&, int) override { unsupported("scatter"); }
-  WorkPtr all_to_all(at::Tensor&, at::Tensor&, std::vector<int64_t>&,
-                     std::vector<int64_t>&) override {
-    unsupported("all_to_all");
-  }
-  WorkPtr barrier() override { unsupported("barrier"); }
-  std::unique_ptr<Engine> create_subgroup(const std::vector<int>&, std::shared_ptr<Store>,
-                                          Millis) override {
-    unsupported("create_subgroup");
-  }
-
- private:
-  Communicator& comm_;
-};
-
-Link make_link(PointToPointEngine& engine, Communicator& comm, const std::string& what) {
-  return Link(engine,
+// A Link over the communicator's own send/recv, tags moved above
+// kCompressionTagBase, so that cohort's ring algorithms run on it.
+Link make_link(CommunicatorPointToPoint& transport, Communicator& comm, const std::string& what) {
+  return Link(transport,
               what + " on rank " + std::to_string(comm.rank()) + " of " +
                   std::to_string(comm.size()) + " (group " + comm.name() + ")",
               algorithms::Clock::now() + comm.timeout());
@@ -81,35 +37,6 @@ void check_flat_float(const at::Tensor& buf, const std::string& op) {
 }
 
 at::Tensor part(const at::Tensor& t, const Span& s) { return t.narrow(0, s.offset, s.count); }
-
-int64_t largest(const std::vector<Span>& spans) {
-  int64_t m = 0;
-  for (auto& s : spans) m = std::max(m, s.count);
-  return m;
-}
-
-// Ring reduce-scatter whose messages are `wire` casts of float32 partial
-// sums: step s sends block r-s-1 and adds the received block r-s-2 into
-// `buf` in float32, so after p-1 steps block r holds the sum over ranks.
-void ring_reduce_scatter_cast(Link& link, at::Tensor& buf, const std::vector<Span>& blocks,
-                              at::ScalarType wire) {
-  const int p = link.size(), r = link.rank();
-  const int right = (r + 1) % p, left = (r - 1 + p) % p;
-  const auto opts = buf.options().dtype(wire);
-  at::Tensor out = at::empty({largest(blocks)}, opts), in = at::empty({largest(blocks)}, opts);
-  for (int s = 0; s < p - 1; ++s) {
-    const Span send_block = blocks[(r - s - 1 + 2 * p) % p];
-    const Span recv_block = blocks[(r - s - 2 + 2 * p) % p];
-    auto staged = out.narrow(0, 0, send_block.count);
-    staged.copy_(part(buf, send_block));
-    auto landed = in.narrow(0, 0, recv_block.count);
-    auto recv = link.recv(landed, left, s);
-    auto send = link.send(staged, right, s);
-    link.wait(recv);
-    part(buf, recv_block).add_(landed);
-    link.wait(send);
-  }
-}
 
 // The int8 arithmetic as fused loops over raw float32 data: one pass per
 // chunk for its scale, one that rounds, clamps, stores the code and the
@@ -286,10 +213,11 @@ void low_precision_all_reduce(Communicator& comm, at::Tensor& buf, at::ScalarTyp
   // the world size in kind (what a user tests at p = 1 holds at p > 1).
   auto gathered = buf.to(wire);
   if (p > 1 && buf.numel() > 0) {
-    PointToPointEngine engine(comm);
-    auto link = make_link(engine, comm, "low_precision_all_reduce");
+    CommunicatorPointToPoint transport(comm, kCompressionTagBase);
+    auto link = make_link(transport, comm, "low_precision_all_reduce");
     const auto blocks = algorithms::even_spans(buf.numel(), p);
-    ring_reduce_scatter_cast(link, buf, blocks, wire);
+    // Partial sums travel as `wire` and are added in float32.
+    algorithms::ring_reduce_scatter(link, buf, buf, blocks, ReduceOp::Sum, wire);
     part(gathered, blocks[comm.rank()]).copy_(part(buf, blocks[comm.rank()]));
     algorithms::ring_all_gather(link, gathered, blocks);
   }
@@ -383,8 +311,8 @@ void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
   auto bytes = at::TensorOptions().dtype(at::kByte);
   at::Tensor local = at::empty({total_bytes}, bytes), gathered = at::empty({total_bytes}, bytes);
   std::vector<at::Tensor> inbox(segments.size());
-  PointToPointEngine engine(comm);
-  auto link = make_link(engine, comm, "int8_all_reduce");
+  CommunicatorPointToPoint transport(comm, kCompressionTagBase);
+  auto link = make_link(transport, comm, "int8_all_reduce");
   auto slot = [](const at::Tensor& t, const Segment& seg, int j) {
     return t.narrow(0, seg.slot[j], seg.slot_bytes[j]);
   };

@@ -62,6 +62,42 @@ TEST_P(Worlds, LowPrecisionWithinRoundingBound) {
   });
 }
 
+// The float16/bfloat16 ring's arithmetic replayed in one process: block b's
+// partial sum starts at rank b+1 and makes p-1 hops, each cast to the wire
+// dtype and added in float32 by the receiver; the all-gather carries the
+// owner's sum cast once more. Blocks as the ring cuts them: the first n % p
+// ranks' one element longer.
+at::Tensor low_precision_reference(int p, int64_t n, at::ScalarType wire) {
+  std::vector<at::Tensor> xs;
+  for (int r = 0; r < p; ++r) xs.push_back(input(r, n).div_(p));
+  auto expected = at::empty({n}, at::kFloat);
+  int64_t offset = 0;
+  for (int b = 0; b < p; ++b) {
+    const int64_t count = n / p + (b < n % p ? 1 : 0);
+    auto block = [&](int r) { return xs[r % p].narrow(0, offset, count); };
+    at::Tensor partial = block(b + 1).clone();
+    for (int k = 2; k <= p; ++k) partial = block(b + k) + partial.to(wire).to(at::kFloat);
+    expected.narrow(0, offset, count).copy_(partial.to(wire).to(at::kFloat));
+    offset += count;
+  }
+  return expected;
+}
+
+TEST_P(Worlds, LowPrecisionEqualsRingReference) {
+  const int p = GetParam();
+  run_ranks(p, [&](Communicator& comm) {
+    at::set_num_threads(1);
+    for (auto wire : {at::kHalf, at::kBFloat16}) {
+      for (int64_t n : kSizes) {
+        auto buf = input(comm.rank(), n);
+        low_precision_all_reduce(comm, buf, wire);
+        EXPECT_TRUE(at::equal(buf, low_precision_reference(p, n, wire)))
+            << "n " << n << " wire " << wire;
+      }
+    }
+  });
+}
+
 // Per element: phase 1 rounds each rank's value to half its chunk's scale,
 // phase 2 rounds the average to half of the averaged chunk's scale.
 at::Tensor int8_bound(const std::vector<at::Tensor>& xs, int64_t chunk) {

@@ -29,12 +29,11 @@ int64_t inline_bytes() {
   return n;
 }
 
-// The engine the algorithms see: send and recv on the collective channel,
-// so the engine's collective messages never meet the user's tags.
-class CollectiveChannel : public Engine {
+// The point-to-point the algorithms see: send and recv on the collective
+// channel, so the engine's collective messages never meet the user's tags.
+class CollectiveChannel : public PointToPoint {
  public:
   explicit CollectiveChannel(std::shared_ptr<Worker> w) : w_(std::move(w)) {}
-  std::string name() const override { return "ucx"; }
   int rank() const override { return w_->rank(); }
   int size() const override { return w_->size(); }
   WorkPtr send(at::Tensor& t, int dst, int tag) override {
@@ -42,21 +41,6 @@ class CollectiveChannel : public Engine {
   }
   WorkPtr recv(at::Tensor& t, int src, int tag) override {
     return std::make_shared<TransferWork>(w_, w_->post(Channel::Collective, t, src, tag, false));
-  }
-  WorkPtr all_reduce(at::Tensor&, ReduceOp) override { unsupported("all_reduce"); }
-  WorkPtr broadcast(at::Tensor&, int) override { unsupported("broadcast"); }
-  WorkPtr reduce(at::Tensor&, int, ReduceOp) override { unsupported("reduce"); }
-  WorkPtr all_gather(std::vector<at::Tensor>&, at::Tensor&) override { unsupported("all_gather"); }
-  WorkPtr gather(std::vector<at::Tensor>&, at::Tensor&, int) override { unsupported("gather"); }
-  WorkPtr scatter(at::Tensor&, std::vector<at::Tensor>&, int) override { unsupported("scatter"); }
-  WorkPtr all_to_all(at::Tensor&, at::Tensor&, std::vector<int64_t>&,
-                     std::vector<int64_t>&) override {
-    unsupported("all_to_all");
-  }
-  WorkPtr barrier() override { unsupported("barrier"); }
-  std::unique_ptr<Engine> create_subgroup(const std::vector<int>&, std::shared_ptr<Store>,
-                                          Millis) override {
-    unsupported("create_subgroup");
   }
 
  private:
