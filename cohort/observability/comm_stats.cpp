@@ -24,8 +24,6 @@ constexpr const char* kNames[kOpKindCount] = {"all_reduce",
                                               "calibration",
                                               "other"};
 
-thread_local OpKind t_current = OpKind::Other;
-
 }  // namespace
 
 const char* to_string(OpKind kind) { return kNames[static_cast<size_t>(kind)]; }
