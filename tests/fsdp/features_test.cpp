@@ -91,6 +91,15 @@ torch::nn::Sequential batch_norm_model() {
   return Sequential(Linear(5, 8), torch::nn::BatchNorm1d(8), Tanh(), Linear(8, 5));
 }
 
+// The BatchNorm model sharded over `comm`, with the values of seed 9.
+FullyShard sharded_batch_norm_model(const std::shared_ptr<Communicator>& comm) {
+  auto twin = batch_norm_model();
+  init_parameters(*twin, 9);
+  auto model = fully_shard(shard_blocks(batch_norm_model(), comm), comm);
+  load_from(model, *twin);
+  return model;
+}
+
 // One process replaying what `world` ranks do under DDP's buffer rule: each
 // rank's slice (scaled by 1 + rank, as the ranks' inputs below) normalized
 // with its own statistics from rank 0's buffers, the gradient the mean of
@@ -142,10 +151,7 @@ TEST(FSDPFeatures, BatchNormEqualsOneProcess) {
     std::map<int, Named> got;
     run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
       torch::set_num_threads(1);
-      auto twin = batch_norm_model();
-      init_parameters(*twin, 9);
-      auto model = fully_shard(shard_blocks(batch_norm_model(), comm), comm);
-      load_from(model, *twin);
+      auto model = sharded_batch_norm_model(comm);
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
       for (int s = 0; s < kSteps; ++s) {
         auto x = local(batches.x[s], *comm) * (1 + comm->rank()), y = local(batches.y[s], *comm);
@@ -170,10 +176,9 @@ TEST(FSDPFeatures, BatchNormEqualsDDP) {
     std::map<int, std::pair<Named, Named>> got;  // rank -> (FSDP, DDP)
     run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
       torch::set_num_threads(1);
+      auto model = sharded_batch_norm_model(comm);
       auto twin = batch_norm_model();
       init_parameters(*twin, 9);
-      auto model = fully_shard(shard_blocks(batch_norm_model(), comm), comm);
-      load_from(model, *twin);
       auto plain = batch_norm_model();
       {
         torch::NoGradGuard no_grad;
