@@ -290,24 +290,39 @@ void Worker::post_control_receive() {
 }
 
 void Worker::check_notices() {
-  if (peer_failed_.load(std::memory_order_acquire)) {
-    for (int r = 0; r < size_; ++r) {
-      const int s = peer_slots_[static_cast<size_t>(r)].status.load();
-      if (s == UCS_OK) continue;
-      fail("ucx: the connection to rank " + std::to_string(r) + " failed (" +
-               ucs_status_string(static_cast<ucs_status_t>(s)) +
-               "): the peer exited or its host is unreachable",
-           false);
-    }
+  // Notices first: a peer that announced its close and then closed its
+  // endpoints is not a failure. Its notice was sent before its endpoint
+  // closed, on the same connection, so it is here by the time the
+  // endpoint's error is.
+  handle_notices();
+  if (!peer_failed_.load(std::memory_order_acquire)) return;
+  for (int r = 0; r < size_; ++r) {
+    const int s = peer_slots_[static_cast<size_t>(r)].status.load();
+    if (s == UCS_OK || closed_cleanly(r)) continue;
+    fail("ucx: the connection to rank " + std::to_string(r) + " failed (" +
+             ucs_status_string(static_cast<ucs_status_t>(s)) +
+             "): the peer exited or its host is unreachable",
+         false);
   }
-  // One thread handles a notice and posts the next receive.
-  Transfer* c = control_.load(std::memory_order_acquire);
-  if (!c || !c->done.load(std::memory_order_acquire)) return;
-  std::unique_lock<std::mutex> lock(control_mu_, std::try_to_lock);
-  if (!lock.owns_lock() || control_.load(std::memory_order_acquire) != c) return;
-  if (c->status != UCS_OK) return;  // cancelled by close()
-  handle_notice(c->buffer.data_ptr<int64_t>(), c->received / sizeof(int64_t));
-  post_control_receive();
+}
+
+// One thread at a time handles the notices that have arrived, posting the
+// next receive after each (which matches any notice already queued).
+void Worker::handle_notices() {
+  for (;;) {
+    Transfer* c = control_.load(std::memory_order_acquire);
+    if (!c || !c->done.load(std::memory_order_acquire)) return;
+    std::unique_lock<std::mutex> lock(control_mu_, std::try_to_lock);
+    if (!lock.owns_lock() || control_.load(std::memory_order_acquire) != c) return;
+    if (c->status != UCS_OK) return;  // cancelled by close()
+    handle_notice(c->buffer.data_ptr<int64_t>(), c->received / sizeof(int64_t));
+    post_control_receive();
+  }
+}
+
+bool Worker::closed_cleanly(int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_clean_[static_cast<size_t>(peer)];
 }
 
 void Worker::handle_notice(const int64_t* w, size_t words) {
@@ -338,11 +353,12 @@ void Worker::handle_notice(const int64_t* w, size_t words) {
              " (reported by rank " + std::to_string(w[1]) + (in.empty() ? "" : "; " + in) +
              "): the ranks called different collectives",
          true);
-  } else if (words == 3 && w[0] == kClosed) {
+  } else if (words == 4 && w[0] == kClosed) {
     std::lock_guard<std::mutex> lock(mu_);
     const int peer = static_cast<int>(w[1]);
     if (peer < 0 || peer >= size_) return;
     closed_after_[static_cast<size_t>(peer)] = w[2];
+    closed_clean_[static_cast<size_t>(peer)] = w[3] != 0;
     if (in_collective_ && current_.seq > w[2] && failure_.empty()) {
       failure_ = "ucx: " + current_locked() + ": rank " + std::to_string(peer) +
                  " closed its communicator after " + std::to_string(w[2]) +

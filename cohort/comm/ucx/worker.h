@@ -143,6 +143,9 @@ class Worker {
   void post_control_receive();
   // Turns a peer's notice or an endpoint error into the group's failure.
   void check_notices();
+  void handle_notices();
+  // Whether `peer` announced that it closed its communicator cleanly.
+  bool closed_cleanly(int peer);
   void report_bad_receive(const Transfer& t);
   // The check of the current collective, compared once it arrived.
   void verify_check(Transfer& t);
@@ -207,11 +210,13 @@ class Worker {
   std::mutex control_mu_;
 
   // The current collective (under mu_), and how many collectives each peer
-  // ran before it closed (under mu_; INT64_MAX while open).
+  // ran before it closed (under mu_; INT64_MAX while open), and whether it
+  // closed cleanly (under mu_).
   Descriptor current_;
   bool in_collective_ = false;
   int64_t collectives_ = 0;  // begun by this rank
   std::vector<int64_t> closed_after_;
+  std::vector<bool> closed_clean_;
   // The current collective's check messages (the collective's thread only).
   std::shared_ptr<Transfer> check_in_, check_out_;
 };

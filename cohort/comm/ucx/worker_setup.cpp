@@ -83,7 +83,8 @@ Worker::Worker(Store& store, int rank, int size, const WorkerConfig& config, Mil
     : rank_(rank),
       size_(size),
       peer_slots_(new PeerSlot[static_cast<size_t>(size)]),
-      closed_after_(static_cast<size_t>(size), std::numeric_limits<int64_t>::max()) {
+      closed_after_(static_cast<size_t>(size), std::numeric_limits<int64_t>::max()),
+      closed_clean_(static_cast<size_t>(size), false) {
   try {
     rendezvous(store, config, timeout);
   } catch (...) {
@@ -198,13 +199,16 @@ void Worker::close() {
   // A peer still waiting in a collective this rank never ran learns now
   // that it never will (a rank that called more collectives than the rest).
   if (static_cast<int>(endpoints_.size()) == size_ && control_) {
-    auto notice = at::zeros({3}, at::kLong);
+    auto notice = at::zeros({4}, at::kLong);
     auto* w = notice.data_ptr<int64_t>();
     w[0] = kClosed;
     w[1] = rank_;
     {
       std::lock_guard<std::mutex> lock(mu_);
       w[2] = collectives_;
+      // Clean: every collective it began ended and nothing failed, so its
+      // peers may take its endpoint's coming error for the close it is.
+      w[3] = !in_collective_ && failure_.empty();
     }
     notify_all(notice);
   }
