@@ -74,6 +74,14 @@ void FSDPState::post_forward(size_t u, const torch::Tensor& output) {
 
 void FSDPState::pre_backward(size_t u) {
   if (!in_backward_) begin_backward();
+  // The unit before this one is reduce-scattering: its input (that unit's
+  // full gradients) goes before this unit's all-gather output is copied
+  // into its full storage and the next unit's all-gather starts, so that
+  // a backward holds at most three units (this one's parameters and
+  // gradients, the prefetched one). It went on the wire after this unit's
+  // all-gather and before the prefetch: when communication is the slower
+  // side this wait takes no extra time.
+  retire_in_flight();
   if (u != kRoot) units_[u].group->wait_unshard();
   const size_t next = next_in_backward(u);
   if (next < units_.size()) units_[next].group->start_unshard();
@@ -85,6 +93,7 @@ void FSDPState::begin_backward() {
   for (auto& unit : units_) unit.group->stash_gradients();
   queue_.reset();
   queue_.start_clock();
+  failures_.clear();
   std::weak_ptr<FSDPState> self = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self] {
     if (auto state = self.lock()) state->end_backward();
@@ -106,10 +115,23 @@ void FSDPState::launch_ready() {
 }
 
 Work FSDPState::launch(size_t u) {
-  auto work = units_[u].group->start_reduce_scatter();
-  // Its gradients are all in: backward needs its parameters no more.
+  // Its gradients are all in: backward needs its parameters no more, and
+  // they go before the reduce-scatter input is made.
   units_[u].group->reshard();
+  retire_in_flight();
+  auto work = units_[u].group->start_reduce_scatter();
   return work;
+}
+
+void FSDPState::retire_in_flight() {
+  while (queue_.in_flight() > 0) {
+    try {
+      const size_t b = queue_.retire_oldest();
+      units_[b].group->reduce_scatter_done();
+    } catch (const std::exception& e) {
+      failures_.emplace_back(e.what());  // thrown at the end of backward
+    }
+  }
 }
 
 void FSDPState::end_backward() {
@@ -122,7 +144,9 @@ void FSDPState::end_backward() {
     return;
   }
   while (!queue_.all_launched()) queue_.launch_next([this](size_t u) { return launch(u); });
-  const auto failures = queue_.drain();
+  auto failures = std::move(failures_);
+  failures_.clear();
+  for (auto& f : queue_.drain()) failures.push_back(std::move(f));
   if (!failures.empty()) throw Error(failures.front());
   std::vector<char> had;
   for (const auto& unit : units_) {

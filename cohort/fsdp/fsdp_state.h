@@ -81,6 +81,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void gradient_ready(size_t k);
   void launch_ready();
   Work launch(size_t u);
+  // Waits for the reduce-scatters in flight and frees their buffers (a
+  // failure is kept and thrown at the end of backward).
+  void retire_in_flight();
   void end_backward();
 
   std::vector<UnitEntry> units_;
@@ -96,7 +99,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   BucketQueue queue_;
   bool sync_ = true;
   bool in_backward_ = false;
-  bool reducing_ = false;  // this backward reduce-scatters
+  bool reducing_ = false;              // this backward reduce-scatters
+  std::vector<std::string> failures_;  // of reduce-scatters retired early
 };
 
 }  // namespace cohort::fsdp

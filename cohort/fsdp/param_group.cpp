@@ -185,18 +185,18 @@ void FSDPParamGroup::stash_gradients() {
 
 Work FSDPParamGroup::start_reduce_scatter() {
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    grads[i] = params_[i].grad();
-    had_grad_[i] = grads[i].defined() ? 1 : 0;
-  }
-  // copy_in casts the gradients (param_dtype, or reduce_dtype when
-  // accumulated without sync) to reduce_dtype.
   const auto reduce_options = shard_flat_.options().dtype(reduce_dtype_);
   rs_input_ = torch::empty({layout_.world * layout_.shard_numel}, reduce_options);
-  copy_in(layout_, grads, rs_input_);
-  grads.clear();
-  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  // Each full gradient goes as soon as it is copied in, so the unit's full
+  // gradients and the input coexist only while the copy runs. copy_in casts
+  // them (param_dtype, or reduce_dtype when accumulated without sync) to
+  // reduce_dtype.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor grad = std::move(params_[i].mutable_grad());
+    params_[i].mutable_grad() = torch::Tensor();
+    had_grad_[i] = grad.defined() ? 1 : 0;
+    copy_in_param(layout_, i, grad, rs_input_);
+  }
   rs_output_ = torch::empty({layout_.shard_numel}, reduce_options);
   rs_pending_ = true;
   return comm_->reduce_scatter_tensor(rs_output_, rs_input_, {ReduceOp::Avg});

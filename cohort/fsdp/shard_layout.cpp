@@ -71,25 +71,28 @@ void copy_out(const ShardLayout& layout, const torch::Tensor& gathered,
 
 void copy_in(const ShardLayout& layout, const std::vector<torch::Tensor>& grads,
              torch::Tensor& flat) {
-  for (size_t i = 0; i < layout.params.size(); ++i) {
-    const auto& p = layout.params[i];
-    if (p.chunk_rows * p.row_numel == 0) continue;
-    auto chunks = rank_chunks(layout, p, flat);
-    if (!grads[i].defined()) {
-      chunks.zero_();
-      continue;
-    }
-    auto src = grads[i].reshape({p.rows, p.row_numel});
-    if (layout.world * p.chunk_rows == p.rows) {
-      chunks.copy_(src.view({layout.world, p.chunk_rows, p.row_numel}));
-      continue;
-    }
-    // The last ranks' chunks run past the rows: their padding is zero.
-    for (int r = 0; r < layout.world; ++r) {
-      const auto [lo, n] = rank_rows(p, r);
-      if (n > 0) chunks[r].narrow(0, 0, n).copy_(src.narrow(0, lo, n));
-      if (n < p.chunk_rows) chunks[r].narrow(0, n, p.chunk_rows - n).zero_();
-    }
+  for (size_t i = 0; i < layout.params.size(); ++i) copy_in_param(layout, i, grads[i], flat);
+}
+
+void copy_in_param(const ShardLayout& layout, size_t i, const torch::Tensor& grad,
+                   torch::Tensor& flat) {
+  const auto& p = layout.params[i];
+  if (p.chunk_rows * p.row_numel == 0) return;
+  auto chunks = rank_chunks(layout, p, flat);
+  if (!grad.defined()) {
+    chunks.zero_();
+    return;
+  }
+  auto src = grad.reshape({p.rows, p.row_numel});
+  if (layout.world * p.chunk_rows == p.rows) {
+    chunks.copy_(src.view({layout.world, p.chunk_rows, p.row_numel}));
+    return;
+  }
+  // The last ranks' chunks run past the rows: their padding is zero.
+  for (int r = 0; r < layout.world; ++r) {
+    const auto [lo, n] = rank_rows(p, r);
+    if (n > 0) chunks[r].narrow(0, 0, n).copy_(src.narrow(0, lo, n));
+    if (n < p.chunk_rows) chunks[r].narrow(0, n, p.chunk_rows - n).zero_();
   }
 }
 

@@ -66,6 +66,9 @@ void copy_out(const ShardLayout& layout, const torch::Tensor& gathered,
 /// reduce-scatter input `flat` (world * shard_numel elements), padding zero.
 void copy_in(const ShardLayout& layout, const std::vector<torch::Tensor>& grads,
              torch::Tensor& flat);
+/// copy_in for parameter i alone (`grad` undefined: zeros).
+void copy_in_param(const ShardLayout& layout, size_t i, const torch::Tensor& grad,
+                   torch::Tensor& flat);
 
 /// This rank's rows of the full tensor `full`, as a flat shard piece of
 /// chunk_rows rows, padding zero: what rank `layout.rank` holds of it.
