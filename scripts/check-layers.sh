@@ -24,7 +24,8 @@ declare -A layer=(
   [pipeline]=10
   [mesh]=11
   [tensor_parallel]=12
-  [train]=13
+  [dcp]=13
+  [train]=14
 )
 
 status=0
