@@ -45,8 +45,12 @@
 #include "cohort/pipeline/schedule_validator.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
+// Distributed checkpoints.
+#include "cohort/dcp/adapters.h"
+#include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/dcp.h"
+#include "cohort/dcp/metadata.h"
 // Training loop.
-#include "cohort/train/checkpoint_file.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/fsdp_adapters.h"
 #include "cohort/train/progress.h"

@@ -25,7 +25,8 @@ declare -A layer=(
   [pipeline]=11
   [mesh]=12
   [tensor_parallel]=13
-  [train]=14
+  [dcp]=14
+  [train]=15
 )
 
 status=0

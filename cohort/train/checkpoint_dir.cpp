@@ -9,7 +9,7 @@
 #include <functional>
 
 #include "cohort/core/error.h"
-#include "cohort/train/checkpoint_file.h"
+#include "cohort/dcp/checkpoint_file.h"
 
 namespace cohort {
 namespace fs = std::filesystem;

@@ -6,7 +6,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
-#include "cohort/train/checkpoint_file.h"
+#include "cohort/dcp/checkpoint_file.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"
 

@@ -6,7 +6,7 @@
 #include <sstream>
 #include <vector>
 
-#include "cohort/train/checkpoint_file.h"
+#include "cohort/dcp/checkpoint_file.h"
 
 namespace cohort {
 

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/train/checkpoint_file.h"
+#include "cohort/dcp/checkpoint_file.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"

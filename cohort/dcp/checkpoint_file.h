@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cohort/core/error.h"
 
@@ -32,6 +34,16 @@ class CheckpointError : public Error {
  public:
   using Error::Error;
 };
+
+/// The zlib crc32 of `bytes` bytes at `data` (any length).
+uint32_t crc32_of(const void* data, size_t bytes);
+
+/// Writes the concatenation of `pieces` (pointer, length) to `path`
+/// atomically, without copying them into one buffer first. Throws Error on
+/// an I/O failure (with the path and errno text); never leaves a partial
+/// file at `path`.
+void write_file_atomically(const std::string& path,
+                           const std::vector<std::pair<const void*, size_t>>& pieces);
 
 /// Writes `payload` to `path` atomically. Throws Error on an I/O failure
 /// (with the path and errno text); never leaves a partial file at `path`.

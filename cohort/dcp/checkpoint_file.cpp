@@ -1,4 +1,4 @@
-#include "cohort/train/checkpoint_file.h"
+#include "cohort/dcp/checkpoint_file.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,28 +9,21 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <sstream>
+#include <thread>
 
 namespace cohort {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'O', 'H', 'O', 'R', 'T', 'C', 'K'};
 
-uint32_t crc_of(const std::string& data) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  // zlib takes uInt lengths: feed large payloads in pieces.
-  size_t off = 0;
-  while (off < data.size()) {
-    const size_t n = std::min<size_t>(data.size() - off, 1u << 30);
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(data.data() + off), static_cast<uInt>(n));
-    off += n;
-  }
-  return static_cast<uint32_t>(crc);
-}
+uint32_t crc_of(const std::string& data) { return crc32_of(data.data(), data.size()); }
 
 template <typename T>
 void put_le(std::string& out, T value) {
-  for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+  for (size_t i = 0; i < sizeof(T); ++i)
+    out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
 }
 
 template <typename T>
@@ -55,41 +48,49 @@ std::string folder_of(const std::string& path) {
 
 }  // namespace
 
-void write_checkpoint_file(const std::string& path, const std::string& payload) {
-  std::string header;
-  header.append(kMagic, sizeof(kMagic));
-  put_le<uint32_t>(header, kCheckpointVersion);
-  put_le<uint32_t>(header, crc_of(payload));
-  put_le<uint64_t>(header, payload.size());
+uint32_t crc32_of(const void* data, size_t bytes) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  const auto* p = static_cast<const Bytef*>(data);
+  // zlib takes uInt lengths: feed large buffers in pieces.
+  size_t off = 0;
+  while (off < bytes) {
+    const size_t n = std::min<size_t>(bytes - off, 1u << 30);
+    crc = crc32(crc, p + off, static_cast<uInt>(n));
+    off += n;
+  }
+  return static_cast<uint32_t>(crc);
+}
 
-  // The pid keeps concurrent writers (a restarted job racing a dying one)
-  // off each other's temporary files.
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+void write_file_atomically(const std::string& path,
+                           const std::vector<std::pair<const void*, size_t>>& pieces) {
+  // The pid and thread keep concurrent writers (a restarted job racing a
+  // dying one, ranks as threads) off each other's temporary files.
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
+                          std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) io_fail("open " + tmp, path);
-  auto write_all = [&](const std::string& data) {
-    size_t off = 0;
-    while (off < data.size()) {
-      const ssize_t n = ::write(fd, data.data() + off, data.size() - off);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        const int saved = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        errno = saved;
-        io_fail("write " + tmp, path);
-      }
-      off += static_cast<size_t>(n);
-    }
-  };
-  write_all(header);
-  write_all(payload);
-  if (::fsync(fd) != 0) {
+  auto fail_closed = [&](const std::string& what) {
+    const int saved = errno;
     ::close(fd);
     ::unlink(tmp.c_str());
-    io_fail("fsync " + tmp, path);
+    errno = saved;
+    io_fail(what + " " + tmp, path);
+  };
+  for (const auto& [data, bytes] : pieces) {
+    const auto* p = static_cast<const char*>(data);
+    size_t off = 0;
+    while (off < bytes) {
+      const ssize_t n = ::write(fd, p + off, bytes - off);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail_closed("write");
+      off += static_cast<size_t>(n);
+    }
   }
-  if (::close(fd) != 0) io_fail("close " + tmp, path);
+  if (::fsync(fd) != 0) fail_closed("fsync");
+  if (::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    io_fail("close " + tmp, path);
+  }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     ::unlink(tmp.c_str());
     io_fail("rename " + tmp, path);
@@ -101,6 +102,15 @@ void write_checkpoint_file(const std::string& path, const std::string& payload) 
   const int rc = ::fsync(dfd);
   ::close(dfd);
   if (rc != 0) io_fail("fsync folder " + dir, path);
+}
+
+void write_checkpoint_file(const std::string& path, const std::string& payload) {
+  std::string header;
+  header.append(kMagic, sizeof(kMagic));
+  put_le<uint32_t>(header, kCheckpointVersion);
+  put_le<uint32_t>(header, crc_of(payload));
+  put_le<uint64_t>(header, payload.size());
+  write_file_atomically(path, {{header.data(), header.size()}, {payload.data(), payload.size()}});
 }
 
 std::string read_checkpoint_file(const std::string& path) {

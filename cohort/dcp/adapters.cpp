@@ -1,0 +1,134 @@
+#include "cohort/dcp/adapters.h"
+
+#include <map>
+
+#include "cohort/core/error.h"
+#include "cohort/dcp/optimizer_slots.h"
+
+namespace cohort::dcp {
+namespace {
+
+TensorEntry replicated(const std::string& fqn, const torch::Tensor& t) {
+  return {fqn, t.sizes().vec(), t.scalar_type(), true, {{whole(t.sizes().vec()), t}}};
+}
+
+void add_buffers(StateDict& state, torch::nn::Module& model) {
+  for (const auto& b : model.named_buffers()) {
+    state.tensors.push_back(replicated("model." + b.key(), b.value()));
+  }
+  for (const auto& m : model.named_modules("", /*include_self=*/false)) {
+    state.modules.push_back("model." + m.key());
+  }
+}
+
+ParamSlot whole_slot(const std::string& fqn, const torch::Tensor& p) {
+  return {fqn, p.sizes().vec(), p, {whole(p.sizes().vec())}, {0}, true, true};
+}
+
+}  // namespace
+
+StateDict ddp_state_dict(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                         const Metadata* for_load) {
+  StateDict state;
+  std::vector<ParamSlot> slots;
+  for (const auto& p : model.named_parameters()) {
+    state.tensors.push_back(replicated("model." + p.key(), p.value()));
+    slots.push_back(whole_slot(p.key(), p.value()));
+  }
+  add_buffers(state, model);
+  if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
+  return state;
+}
+
+StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zero,
+                          const Metadata* for_load) {
+  StateDict state;
+  const auto named = model.named_parameters();
+  const auto& part = zero.partition();
+  if (named.size() != part.params().size()) {
+    throw InvalidArgument("dcp::zero_state_dict: the model has " + std::to_string(named.size()) +
+                          " parameters, the optimizer " + std::to_string(part.params().size()));
+  }
+  for (size_t i = 0; i < named.size(); ++i) {
+    if (named[i].value().numel() != part.params()[i].numel) {
+      throw InvalidArgument("dcp::zero_state_dict: parameter " + named[i].key() +
+                            " is not the optimizer's parameter " + std::to_string(i) +
+                            " (build the optimizer over model.parameters())");
+    }
+    state.tensors.push_back(replicated("model." + named[i].key(), named[i].value()));
+  }
+  add_buffers(state, model);
+  std::vector<ParamSlot> slots;
+  const auto& pieces = part.pieces();
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const auto& pc = pieces[k];
+    if (pc.numel == 0) continue;
+    ParamSlot slot;
+    slot.fqn = named[pc.param].key();
+    slot.shape = named[pc.param].value().sizes().vec();
+    slot.key = zero.shard_pieces()[k];
+    slot.boxes = boxes_of_range(slot.shape, pc.param_offset, pc.param_offset + pc.numel);
+    int64_t at = 0;
+    for (const auto& b : slot.boxes) {
+      slot.flat_offsets.push_back(at);
+      at += b.numel();
+    }
+    slot.owns_step = pc.param_offset == 0;
+    slots.push_back(std::move(slot));
+  }
+  add_optimizer_state(state, zero.shard_optimizer(), slots, for_load);
+  return state;
+}
+
+StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimizer,
+                          const Metadata* for_load) {
+  // Each sharded parameter's place: its unit's layout entry.
+  std::map<const void*, const fsdp::ParamShard*> shard_of;
+  int rank = 0;
+  for (const auto& m : model.modules()) {
+    auto* unit = dynamic_cast<FullyShardImpl*>(m.get());
+    if (!unit || !unit->has_param_group()) continue;
+    const auto& group = unit->param_group();
+    if (group.is_unsharded()) {
+      throw InvalidArgument("dcp::fsdp_state_dict: unit " + group.unit() +
+                            " holds its full parameters; call it between steps (sharded)");
+    }
+    rank = group.layout().rank;
+    for (size_t j = 0; j < group.params().size(); ++j) {
+      shard_of[group.params()[j].unsafeGetTensorImpl()] = &group.layout().params[j];
+    }
+  }
+  StateDict state;
+  std::vector<ParamSlot> slots;
+  for (const auto& p : model.named_parameters()) {
+    auto it = shard_of.find(p.value().unsafeGetTensorImpl());
+    if (it == shard_of.end()) {  // held whole by every rank
+      state.tensors.push_back(replicated("model." + p.key(), p.value()));
+      slots.push_back(whole_slot(p.key(), p.value()));
+      continue;
+    }
+    const auto& ps = *it->second;
+    TensorEntry e{"model." + p.key(), ps.full_sizes, p.value().scalar_type(), false, {}};
+    if (ps.local_rows > 0) {
+      Box box = whole(ps.full_sizes);
+      if (!box.offsets.empty()) {
+        box.offsets[0] = rank * ps.chunk_rows;
+        box.lengths[0] = ps.local_rows;
+      }
+      e.shards.push_back({box, p.value().view(box.lengths)});
+      slots.push_back({p.key(),
+                       ps.full_sizes,
+                       p.value(),
+                       {box},
+                       {0},
+                       false,
+                       box.offsets.empty() || box.offsets[0] == 0});
+    }
+    state.tensors.push_back(std::move(e));
+  }
+  add_buffers(state, model);
+  if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
+  return state;
+}
+
+}  // namespace cohort::dcp

@@ -1,0 +1,44 @@
+// defines: ddp_state_dict, zero_state_dict, fsdp_state_dict: each mode's
+// model and optimizer state as a dcp::StateDict (dcp.h), under the bare
+// model's names: "model.<fqn>" for parameters and buffers,
+// "optim.<param fqn>.<state>" for optimizer state ("exp_avg", ...,
+// "step"). So a checkpoint saved in one mode at one world size loads into
+// any mode at any world size:
+//
+//   DDP       parameters, buffers and optimizer state replicated;
+//   ZeRO-1/2  parameters and buffers replicated; each rank's pieces of the
+//             flat partition as boxes of the parameters (a flat range of a
+//             parameter is at most 2 * dims - 1 boxes);
+//   FSDP      each rank's dim-0 rows of every parameter and of its state
+//             (the padding left out); buffers replicated.
+//
+// Saving: pass for_load = nullptr. Loading: pass the checkpoint's metadata,
+// so that an optimizer that has not stepped yet gets the state the
+// checkpoint holds (installed only once the load succeeded).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "cohort/dcp/dcp.h"
+#include "cohort/fsdp/fully_shard.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+
+namespace cohort::dcp {
+
+/// A module whose parameters every rank holds whole (DDP's module, or one
+/// process), and its optimizer (may be null).
+StateDict ddp_state_dict(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                         const Metadata* for_load = nullptr);
+
+/// A module whose parameters `zero` was built over, in
+/// model.parameters() order.
+StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zero,
+                          const Metadata* for_load = nullptr);
+
+/// A fully sharded model (its root unit; sharded: between steps) and the
+/// optimizer over its parameters (may be null).
+StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimizer,
+                          const Metadata* for_load = nullptr);
+
+}  // namespace cohort::dcp

@@ -1,0 +1,82 @@
+// defines: StateDict and dcp::save / dcp::load / read_metadata, the
+// distributed checkpoint (after torch.distributed.checkpoint):
+//
+//   dcp::save(dcp::get_state_dict(model, &opt), dir, comm);   // every rank
+//   auto sd = dcp::get_state_dict(model, &opt, &dcp::read_metadata(dir));
+//   dcp::load(sd, dir, comm);                                  // any world size
+//
+// A StateDict is this rank's view of the logical tensors: for each its
+// name, global shape and dtype, and the boxes of it this rank holds
+// (adapters.h builds one for DDP, ZeRO and FSDP). Saving writes each rank's
+// boxes to its own file; a replicated tensor (every rank holds all of it)
+// is written once, by one rank, the tensors spread over the ranks by bytes.
+// Loading reads, for each box this rank holds, only the checksum blocks of
+// the stored chunks that overlap it (pread), whatever layout and world size
+// wrote them. Both are collective: an error on any rank (bad metadata, a
+// missing or truncated file, a checksum mismatch, a name or shape that
+// differs) is thrown on every rank, naming the file or tensor, and load
+// writes nothing into the state dict's tensors unless every rank read and
+// verified all it needs.
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/dcp/metadata.h"
+
+namespace cohort::dcp {
+
+/// A box of a logical tensor that this rank holds; `data` has the box's
+/// lengths as its shape (a view into the model or optimizer: load copies
+/// into it).
+struct LocalShard {
+  Box box;
+  torch::Tensor data;
+};
+
+/// One logical tensor as this rank sees it.
+struct TensorEntry {
+  std::string fqn;
+  std::vector<int64_t> shape;
+  torch::Dtype dtype = torch::kFloat;
+  /// Every rank holds the whole tensor, the same values: saved once.
+  bool replicated = false;
+  /// The boxes this rank holds (none: this rank holds nothing of it).
+  std::vector<LocalShard> shards;
+};
+
+struct StateDict {
+  std::vector<TensorEntry> tensors;
+  /// The names of the model's submodules ("model.<name>"), so that a
+  /// consolidated checkpoint can hold the archive of each, as
+  /// torch::save(module) does (saved from rank 0's state dict).
+  std::vector<std::string> modules;
+  /// Run by load() in order, after every tensor is in place (installs
+  /// optimizer state that did not exist before the load).
+  std::vector<std::function<void()>> after_load;
+};
+
+/// The data file of `rank` in a checkpoint folder.
+std::string data_file_name(int rank);
+
+/// Writes the checkpoint into folder `dir` (created if missing; every rank
+/// must see the same folder). Collective over `comm`.
+void save(const StateDict& state, const std::string& dir, Communicator& comm);
+
+/// Reads and verifies `dir`/.metadata.
+Metadata read_metadata(const std::string& dir);
+
+/// Fills every shard of `state` from the checkpoint in `dir`. Collective.
+/// `meta`: the checkpoint's metadata when the caller has read it already.
+void load(StateDict& state, const std::string& dir, Communicator& comm,
+          const Metadata* meta = nullptr);
+
+/// The whole tensor `fqn` read from `dir` (one process; every chunk's
+/// checksum verified). Throws CheckpointError naming the tensor or file.
+torch::Tensor read_tensor(const std::string& dir, const Metadata& meta, const std::string& fqn);
+
+}  // namespace cohort::dcp

@@ -1,0 +1,143 @@
+#include "cohort/dcp/optimizer_slots.h"
+
+#include <c10/util/string_utils.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <map>
+#include <memory>
+
+#include "cohort/core/error.h"
+#include "cohort/optim/optimizer_state.h"
+
+namespace cohort::dcp {
+namespace {
+
+using Named = std::map<std::string, torch::Tensor>;
+using torch::optim::OptimizerParamState;
+
+torch::Tensor get(const Named& t, const char* name) {
+  auto it = t.find(name);
+  return it == t.end() ? torch::Tensor() : it->second;
+}
+
+bool has_step(const torch::optim::Optimizer& opt) {
+  using namespace torch::optim;
+  return dynamic_cast<const AdamW*>(&opt) || dynamic_cast<const Adam*>(&opt) ||
+         dynamic_cast<const RMSprop*>(&opt) || dynamic_cast<const Adagrad*>(&opt);
+}
+
+// A state object of `opt`'s class holding `t` (the inverse of state_tensors).
+std::unique_ptr<OptimizerParamState> make_state(const torch::optim::Optimizer& opt,
+                                                const Named& t) {
+  using namespace torch::optim;
+  if (dynamic_cast<const AdamW*>(&opt)) {
+    auto s = std::make_unique<AdamWParamState>();
+    s->exp_avg(get(t, "exp_avg")).exp_avg_sq(get(t, "exp_avg_sq"));
+    s->max_exp_avg_sq(get(t, "max_exp_avg_sq"));
+    return s;
+  }
+  if (dynamic_cast<const Adam*>(&opt)) {
+    auto s = std::make_unique<AdamParamState>();
+    s->exp_avg(get(t, "exp_avg")).exp_avg_sq(get(t, "exp_avg_sq"));
+    s->max_exp_avg_sq(get(t, "max_exp_avg_sq"));
+    return s;
+  }
+  if (dynamic_cast<const SGD*>(&opt)) {
+    auto s = std::make_unique<SGDParamState>();
+    s->momentum_buffer(get(t, "momentum_buffer"));
+    return s;
+  }
+  if (dynamic_cast<const RMSprop*>(&opt)) {
+    auto s = std::make_unique<RMSpropParamState>();
+    s->square_avg(get(t, "square_avg")).momentum_buffer(get(t, "momentum_buffer"));
+    s->grad_avg(get(t, "grad_avg"));
+    return s;
+  }
+  if (dynamic_cast<const Adagrad*>(&opt)) {
+    auto s = std::make_unique<AdagradParamState>();
+    s->sum(get(t, "sum"));
+    return s;
+  }
+  throw Unsupported("dcp: cannot restore the state of this optimizer class");
+}
+
+void set_step(OptimizerParamState& state, int64_t step) {
+  using namespace torch::optim;
+  if (auto* s = dynamic_cast<AdamWParamState*>(&state)) s->step(step);
+  if (auto* s = dynamic_cast<AdamParamState*>(&state)) s->step(step);
+  if (auto* s = dynamic_cast<RMSpropParamState*>(&state)) s->step(step);
+  if (auto* s = dynamic_cast<AdagradParamState*>(&state)) s->step(step);
+}
+
+// The entry named `fqn` in `state` (added on first use: a parameter may
+// have several slots on one rank).
+TensorEntry& entry(StateDict& state, std::map<std::string, size_t>& index, const std::string& fqn,
+                   const std::vector<int64_t>& shape, torch::Dtype dtype, bool replicated) {
+  auto [it, fresh] = index.try_emplace(fqn, state.tensors.size());
+  if (fresh) state.tensors.push_back({fqn, shape, dtype, replicated, {}});
+  return state.tensors[it->second];
+}
+
+void add_boxes(TensorEntry& e, const ParamSlot& slot, const torch::Tensor& tensor) {
+  auto flat = tensor.reshape(-1);
+  for (size_t k = 0; k < slot.boxes.size(); ++k) {
+    e.shards.push_back(
+        {slot.boxes[k],
+         flat.narrow(0, slot.flat_offsets[k], slot.boxes[k].numel()).view(slot.boxes[k].lengths)});
+  }
+}
+
+}  // namespace
+
+void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
+                         const std::vector<ParamSlot>& slots, const Metadata* for_load) {
+  std::map<std::string, size_t> index;
+  const bool stepped = has_step(optimizer);
+  for (const auto& slot : slots) {
+    const auto key = c10::guts::to_string(slot.key.unsafeGetTensorImpl());
+    auto it = optimizer.state().find(key);
+    const bool exists = it != optimizer.state().end();
+    const std::string prefix = "optim." + slot.fqn + ".";
+    Named tensors;
+    if (exists) {
+      for (auto& [name, t] : state_tensors(*it->second)) tensors[name] = t;
+    } else if (for_load) {
+      for (const auto& name : state_names(optimizer)) {
+        if (for_load->find(prefix + name)) tensors[name] = torch::zeros_like(slot.key).contiguous();
+      }
+    }
+    if (tensors.empty()) continue;
+    for (const auto& [name, t] : tensors) {
+      add_boxes(entry(state, index, prefix + name, slot.shape, t.scalar_type(), slot.replicated),
+                slot, t);
+    }
+    if (!stepped) {
+      if (!exists) {
+        state.after_load.push_back([&optimizer, key, tensors] {
+          optimizer.state()[key] = make_state(optimizer, tensors);
+        });
+      }
+      continue;
+    }
+    const bool step_entry = for_load != nullptr || (slot.owns_step || slot.replicated);
+    if (!step_entry) continue;
+    auto& e = entry(state, index, prefix + "step", {}, torch::kLong, slot.replicated);
+    if (!for_load) {
+      if (!e.shards.empty()) continue;  // another slot of this rank saves it
+      e.shards.push_back({Box{}, torch::tensor(*state_step(*it->second), torch::kLong)});
+      continue;
+    }
+    auto step = torch::zeros({}, torch::kLong);
+    e.shards.push_back({Box{}, step});
+    state.after_load.push_back([&optimizer, key, tensors, step, exists] {
+      if (!exists) optimizer.state()[key] = make_state(optimizer, tensors);
+      set_step(*optimizer.state()[key], step.item<int64_t>());
+    });
+  }
+}
+
+}  // namespace cohort::dcp

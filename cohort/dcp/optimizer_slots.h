@@ -1,0 +1,37 @@
+// defines: ParamSlot and add_optimizer_state, which express a LibTorch
+// optimizer's per-parameter state as boxes of logical tensors
+// "optim.<param fqn>.<state name>" (and "optim.<param fqn>.step", 0-d).
+//
+// A slot is one tensor the optimizer steps (a parameter, an FSDP shard, a
+// ZeRO piece) and the boxes of the parameter it holds: box k is elements
+// [flat_offsets[k], + its numel) of the slot, flattened. Its state tensors
+// have the slot's shape, so each state tensor is cut the same way.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <string>
+#include <vector>
+
+#include "cohort/dcp/dcp.h"
+
+namespace cohort::dcp {
+
+struct ParamSlot {
+  std::string fqn;             ///< the parameter's name
+  std::vector<int64_t> shape;  ///< the parameter's global shape
+  torch::Tensor key;           ///< the tensor the optimizer holds
+  std::vector<Box> boxes;
+  std::vector<int64_t> flat_offsets;
+  bool replicated = false;  ///< every rank holds the same state (DDP)
+  bool owns_step = false;   ///< this slot saves the parameter's step count
+};
+
+/// Adds the optimizer state of `slots` to `state`. Saving (`for_load`
+/// null): the state that exists. Loading: every slot whose parameter has
+/// state in the checkpoint `for_load` gets targets: its state tensors, or
+/// new ones that state.after_load installs once the load succeeded.
+void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
+                         const std::vector<ParamSlot>& slots, const Metadata* for_load);
+
+}  // namespace cohort::dcp

@@ -1,0 +1,173 @@
+// dcp::save: each rank writes its chunks to its own file; rank 0 gathers
+// the chunk lists, checks that they cover every tensor exactly, and writes
+// the metadata last (so a folder with metadata is a whole checkpoint).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/collective_status.h"
+#include "cohort/dcp/dcp.h"
+
+namespace cohort::dcp {
+namespace {
+
+// Which rank writes each replicated tensor: the least loaded so far, in
+// the state dict's order (the same on every rank, so no exchange).
+std::vector<int> replicated_writers(const StateDict& state, int world) {
+  std::vector<int64_t> load(world, 0);
+  std::vector<int> writer;
+  for (const auto& t : state.tensors) {
+    if (!t.replicated) {
+      writer.push_back(-1);
+      continue;
+    }
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[r] += whole(t.shape).numel() * static_cast<int64_t>(c10::elementSize(t.dtype));
+    writer.push_back(r);
+  }
+  return writer;
+}
+
+std::vector<uint32_t> block_crcs(const char* data, int64_t bytes) {
+  std::vector<uint32_t> crcs;
+  for (int64_t off = 0; off < bytes; off += kBlockBytes) {
+    crcs.push_back(crc32_of(data + off, static_cast<size_t>(std::min(kBlockBytes, bytes - off))));
+  }
+  return crcs;
+}
+
+void make_folder(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    throw Error("checkpoint " + dir + ": mkdir failed: " + std::strerror(errno));
+  }
+}
+
+// This rank's file: writes it and returns its chunk list (JSON).
+nlohmann::json write_rank_file(const StateDict& state, const std::string& dir, int rank,
+                               int world) {
+  const auto writer = replicated_writers(state, world);
+  std::vector<torch::Tensor> keep;
+  std::vector<std::pair<const void*, size_t>> pieces;
+  nlohmann::json tensors = nlohmann::json::array();
+  int64_t offset = 0;
+  for (size_t i = 0; i < state.tensors.size(); ++i) {
+    const auto& t = state.tensors[i];
+    if (t.replicated && writer[i] != rank) continue;
+    nlohmann::json chunks = nlohmann::json::array();
+    for (const auto& s : t.shards) {
+      if (s.box.numel() == 0) continue;
+      if (s.data.scalar_type() != t.dtype || s.data.numel() != s.box.numel()) {
+        throw InvalidArgument("dcp::save: tensor " + t.fqn + ": the shard " + to_string(s.box) +
+                              " holds " + std::to_string(s.data.numel()) + " elements of " +
+                              c10::toString(s.data.scalar_type()));
+      }
+      auto data = s.data.detach().cpu().contiguous();
+      const auto bytes = static_cast<int64_t>(data.nbytes());
+      pieces.emplace_back(data.data_ptr(), static_cast<size_t>(bytes));
+      chunks.push_back({{"offsets", s.box.offsets},
+                        {"lengths", s.box.lengths},
+                        {"byte_offset", offset},
+                        {"crc32", block_crcs(static_cast<const char*>(data.data_ptr()), bytes)}});
+      keep.push_back(std::move(data));
+      offset += bytes;
+    }
+    tensors.push_back(
+        {{"fqn", t.fqn}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}, {"chunks", chunks}});
+  }
+  write_file_atomically(dir + "/" + data_file_name(rank), pieces);
+  return {{"bytes", offset}, {"tensors", tensors}};
+}
+
+// Rank 0: every rank's chunk lists as one Metadata; checks that the ranks
+// agree on each tensor and that its chunks cover it.
+Metadata merge(const std::vector<std::string>& lists) {
+  std::map<std::string, TensorMeta> by_name;
+  Metadata meta;
+  for (size_t r = 0; r < lists.size(); ++r) {
+    const auto j = nlohmann::json::parse(lists[r]);
+    meta.files.push_back({data_file_name(static_cast<int>(r)), j.at("bytes").get<int64_t>()});
+    for (const auto& t : j.at("tensors")) {
+      const std::string fqn = t.at("fqn");
+      const auto shape = t.at("shape").get<std::vector<int64_t>>();
+      const auto dtype = dtype_from_name(t.at("dtype"));
+      auto [it, fresh] = by_name.try_emplace(fqn);
+      if (fresh) {
+        it->second.fqn = fqn;
+        it->second.shape = shape;
+        it->second.dtype = dtype;
+      } else if (it->second.shape != shape || it->second.dtype != dtype) {
+        throw InvalidArgument("dcp::save: tensor " + fqn + ": rank " + std::to_string(r) +
+                              " has another shape or dtype than a lower rank");
+      }
+      for (const auto& c : t.at("chunks")) {
+        ChunkMeta cm;
+        cm.box.offsets = c.at("offsets").get<std::vector<int64_t>>();
+        cm.box.lengths = c.at("lengths").get<std::vector<int64_t>>();
+        cm.byte_offset = c.at("byte_offset");
+        cm.crc32 = c.at("crc32").get<std::vector<uint32_t>>();
+        cm.file = static_cast<int>(r);
+        it->second.chunks.push_back(std::move(cm));
+      }
+    }
+  }
+  for (auto& [fqn, t] : by_name) {
+    int64_t covered = 0;
+    for (const auto& c : t.chunks) covered += c.box.numel();
+    if (covered != whole(t.shape).numel()) {
+      throw InvalidArgument("dcp::save: tensor " + fqn + ": the ranks' shards hold " +
+                            std::to_string(covered) + " of its " +
+                            std::to_string(whole(t.shape).numel()) + " elements");
+    }
+    meta.tensors.push_back(std::move(t));
+  }
+  return meta;
+}
+
+}  // namespace
+
+std::string data_file_name(int rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
+
+void save(const StateDict& state, const std::string& dir, Communicator& comm) {
+  std::string error;
+  // No metadata while the data files change: a crash leaves no checkpoint
+  // rather than one whose files disagree.
+  if (comm.rank() == 0) {
+    try {
+      make_folder(dir);
+      const auto meta = dir + "/" + kMetadataName;
+      if (::unlink(meta.c_str()) != 0 && errno != ENOENT) {
+        throw Error("checkpoint " + meta + ": unlink failed: " + std::strerror(errno));
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  agree(comm, error);
+  std::string list;
+  try {
+    make_folder(dir);
+    list = write_rank_file(state, dir, comm.rank(), comm.size()).dump();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  agree(comm, error);
+  const auto lists = gather_strings(comm, list, 0);
+  if (comm.rank() == 0) {
+    try {
+      auto meta = merge(lists);
+      meta.modules = state.modules;
+      write_checkpoint_file(dir + "/" + kMetadataName, metadata_to_json(meta));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  agree(comm, error);
+}
+
+}  // namespace cohort::dcp

@@ -1,0 +1,141 @@
+// Bad checkpoints: metadata from another model, a missing data file, a
+// truncated one, a flipped byte, corrupt metadata, a model with another
+// name or shape. Each is an error on every rank naming the file or the
+// tensor, and nothing is loaded: the model and optimizer keep their values.
+#include <fstream>
+
+#include "support/rank_errors.h"
+#include "tests/dcp/dcp_test_support.h"
+
+namespace cohort::testing::dcp_test {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct OtherImpl : torch::nn::Module {
+  OtherImpl() { register_module("a", torch::nn::Linear(5, 8)); }
+};
+TORCH_MODULE(Other);
+
+struct RenamedImpl : torch::nn::Module {
+  RenamedImpl() {
+    register_module("a", torch::nn::Linear(5, 7));
+    register_module("bb", torch::nn::Linear(7, 3));
+    register_module("c", torch::nn::Linear(3, 1));
+    register_buffer("scale", torch::zeros({3}));
+  }
+};
+TORCH_MODULE(Renamed);
+
+// A checkpoint of Net (trained, with optimizer state) saved at world 2.
+fs::path saved(const std::string& name) {
+  const auto dir = temp_dir(name);
+  run_ranks(2, [&](Communicator& comm) {
+    Net net(1, false);
+    torch::optim::AdamW opt(net->parameters(), kAdamW);
+    train(net, 2, [&] { opt.step(); });
+    dcp::save(dcp::ddp_state_dict(*net, &opt), dir, comm);
+  });
+  return dir;
+}
+
+// Loads `dir` at world 3 into a Net that has stepped once; every rank's
+// error message; checks that nothing changed.
+std::vector<std::string> load_errors(const fs::path& dir) {
+  return errors_on_every_rank(3, [&](std::shared_ptr<Communicator> comm) {
+    Net net(2, false);
+    torch::optim::AdamW opt(net->parameters(), kAdamW);
+    train(net, 1, [&] { opt.step(); });
+    const auto before = snapshot(*net, &opt);
+    auto sd = dcp::ddp_state_dict(*net, &opt);
+    try {
+      dcp::load(sd, dir, *comm);
+    } catch (...) {
+      expect_equal(snapshot(*net, &opt), before, "after a failed load");
+      throw;
+    }
+  });
+}
+
+void expect_every_rank(const std::vector<std::string>& errors,
+                       const std::vector<std::string>& parts) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    for (const auto& p : parts) {
+      EXPECT_NE(errors[r].find(p), std::string::npos) << "rank " << r << ": " << errors[r];
+    }
+  }
+}
+
+void flip_byte(const fs::path& file, std::streamoff at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  char c = 0;
+  f.read(&c, 1);
+  c ^= 0x5a;
+  f.seekp(at);
+  f.write(&c, 1);
+}
+
+TEST(BadInput, MetadataOfAnotherModelNamesTheTensor) {
+  const auto dir = saved("other_model");
+  const auto other = temp_dir("other_model_src");
+  run_ranks(1, [&](Communicator& comm) {
+    Other m;
+    dcp::save(dcp::ddp_state_dict(*m, nullptr), other, comm);
+  });
+  fs::copy_file(other / ".metadata", dir / ".metadata", fs::copy_options::overwrite_existing);
+  expect_every_rank(load_errors(dir),
+                    {"tensor model.a.weight", "shape [8, 5] differs from the model's [7, 5]"});
+  fs::remove_all(dir);
+  fs::remove_all(other);
+}
+
+TEST(BadInput, MissingDataFileNamesTheFile) {
+  const auto dir = saved("missing");
+  fs::remove(dir / "__1_0.distcp");
+  expect_every_rank(load_errors(dir), {"__1_0.distcp", "cannot open"});
+  fs::remove_all(dir);
+}
+
+TEST(BadInput, TruncatedDataFileNamesTheFile) {
+  const auto dir = saved("truncated");
+  const auto file = dir / "__0_0.distcp";
+  fs::resize_file(file, fs::file_size(file) - 3);
+  expect_every_rank(load_errors(dir), {"__0_0.distcp", "truncated"});
+  fs::remove_all(dir);
+}
+
+TEST(BadInput, FlippedByteNamesTheFileAndTensor) {
+  const auto dir = saved("flipped");
+  const auto file = dir / "__1_0.distcp";
+  flip_byte(file, static_cast<std::streamoff>(fs::file_size(file) / 2));
+  expect_every_rank(load_errors(dir), {"__1_0.distcp", "checksum mismatch in tensor"});
+  fs::remove_all(dir);
+}
+
+TEST(BadInput, CorruptMetadataNamesTheFile) {
+  const auto dir = saved("bad_meta");
+  flip_byte(dir / ".metadata", 40);
+  expect_every_rank(load_errors(dir), {".metadata", "checksum mismatch"});
+  fs::remove_all(dir);
+}
+
+TEST(BadInput, ModelWithAnotherNameNamesTheTensor) {
+  const auto dir = saved("renamed");
+  const auto errors = errors_on_every_rank(3, [&](std::shared_ptr<Communicator> comm) {
+    Renamed m;
+    const auto before = m->named_parameters()["a.weight"].clone();
+    auto sd = dcp::ddp_state_dict(*m, nullptr);
+    try {
+      dcp::load(sd, dir, *comm);
+    } catch (...) {
+      EXPECT_TRUE(torch::equal(m->named_parameters()["a.weight"], before)) << "half-loaded";
+      throw;
+    }
+  });
+  expect_every_rank(errors, {"tensor model.bb.weight is not in the checkpoint"});
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace cohort::testing::dcp_test

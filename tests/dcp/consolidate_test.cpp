@@ -1,0 +1,80 @@
+// cohort-ckpt consolidate: a sharded checkpoint (FSDP world 3, ZeRO-2 world
+// 2) becomes one file that torch::load reads into the bare model, which
+// then gives the sharded model's outputs.
+#include <mutex>
+
+#include "ckpt_files.h"
+#include "cohort/fsdp/fully_shard.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+#include "support/thread_ranks.h"
+#include "tests/dcp/dcp_test_support.h"
+
+namespace cohort::testing::dcp_test {
+namespace {
+
+namespace fs = std::filesystem;
+
+torch::nn::Sequential make_seq(uint64_t seed) {
+  torch::nn::Sequential seq(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3),
+                            torch::nn::Tanh(), torch::nn::Linear(3, 1));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : seq->parameters()) p.copy_(torch::randn(p.sizes(), gen));
+  return seq;
+}
+
+TEST(Consolidate, FsdpWorld3LoadsWithTorchLoadAndGivesTheSameOutputs) {
+  const auto dir = temp_dir("consolidate_fsdp");
+  const auto out = (dir / "model.pt").string();
+  const auto x = batch(7, 9);
+  torch::Tensor sharded_out;
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    auto model = fully_shard(shard_blocks(make_seq(1), comm), comm);
+    torch::optim::AdamW opt(model->parameters(), kAdamW);
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      model->forward(batch(100 + s, 9)).pow(2).mean().backward();
+      opt.step();
+    }
+    dcp::save(dcp::fsdp_state_dict(*model, &opt), dir, *comm);
+    torch::NoGradGuard no_grad;
+    auto y = model->forward(x);
+    if (comm->rank() == 0) sharded_out = y;
+  });
+  EXPECT_EQ(cohort_ckpt::consolidate_checkpoint(dir.string(), out), 6);
+  auto bare = make_seq(2);
+  torch::load(bare, out);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(bare->forward(x), sharded_out));
+  fs::remove_all(dir);
+}
+
+TEST(Consolidate, ZeroWorld2LoadsWithTorchLoadIntoNestedModules) {
+  const auto dir = temp_dir("consolidate_zero");
+  const auto out = (dir / "model.pt").string();
+  const auto x = batch(8);
+  torch::Tensor trained_out;
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    Net net(1, false);
+    ZeroOptions zo;
+    zo.stage = 2;
+    auto zero =
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm, zo);
+    train(net, 2, [&] { zero->step(); });
+    dcp::save(dcp::zero_state_dict(*net, *zero), dir, *comm);
+    torch::NoGradGuard no_grad;
+    if (comm->rank() == 0) trained_out = net->forward(x);
+  });
+  EXPECT_EQ(cohort_ckpt::consolidate_checkpoint(dir.string(), out), 7);  // 6 parameters, 1 buffer
+  Net bare(2, false);
+  torch::load(bare, out);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(bare->forward(x), trained_out));
+  const auto text = cohort_ckpt::inspect_checkpoint(dir.string(), true);
+  EXPECT_NE(text.find("optim.a.weight.exp_avg  float32 [7, 5]"), std::string::npos) << text;
+  EXPECT_NE(text.find("every chunk's checksums verified"), std::string::npos) << text;
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace cohort::testing::dcp_test
