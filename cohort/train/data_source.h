@@ -23,6 +23,11 @@ class DataSource {
   virtual int64_t num_batches() const = 0;
   /// Micro-batch `index` (0 <= index < num_batches()) of the current epoch.
   virtual torch::data::Example<> batch(int64_t index) = 0;
+  /// g > 0 when the epoch has one global sample order that does not depend on the world size and
+  /// micro-batch `index` of all ranks together is its samples [index * g, (index + 1) * g): then
+  /// a checkpoint resumes at another world size, continuing that order (Trainer::resume). 0 when
+  /// the source has no such order; a checkpoint then resumes mid-epoch at its own world size only.
+  virtual int64_t global_micro_batch() const { return 0; }
 };
 
 }  // namespace cohort

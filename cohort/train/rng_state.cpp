@@ -20,4 +20,8 @@ void set_cpu_rng_state(const torch::Tensor& state) {
   gen.set_state(state.contiguous());
 }
 
+torch::Tensor seeded_cpu_rng_state(uint64_t seed) {
+  return at::detail::createCPUGenerator(seed).get_state();
+}
+
 }  // namespace cohort

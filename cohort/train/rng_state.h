@@ -9,5 +9,8 @@ namespace cohort {
 
 torch::Tensor cpu_rng_state();
 void set_cpu_rng_state(const torch::Tensor& state);
+/// The state of a fresh CPU generator seeded with `seed` (for a rank that a
+/// checkpoint has no state of: a job resumed at a bigger world size).
+torch::Tensor seeded_cpu_rng_state(uint64_t seed);
 
 }  // namespace cohort

@@ -1,24 +1,29 @@
 #include "cohort/train/tensor_data_source.h"
 
+#include <torch/data/samplers/distributed.h>
+
 #include <string>
+#include <vector>
 
 #include "cohort/core/error.h"
 
 namespace cohort {
 
-TensorDataSource::TensorDataSource(torch::Tensor data, torch::Tensor targets,
-                                   int64_t micro_batch, int rank, int world_size, bool shuffle)
+TensorDataSource::TensorDataSource(torch::Tensor data, torch::Tensor targets, int64_t micro_batch,
+                                   int rank, int world_size, bool shuffle)
     : data_(std::move(data)),
       targets_(std::move(targets)),
       micro_batch_(micro_batch),
-      shuffle_(shuffle),
-      random_(static_cast<size_t>(data_.size(0)), static_cast<size_t>(world_size),
-              static_cast<size_t>(rank)),
-      sequential_(static_cast<size_t>(data_.size(0)), static_cast<size_t>(world_size),
-                  static_cast<size_t>(rank)) {
+      rank_(rank),
+      world_size_(world_size),
+      shuffle_(shuffle) {
+  if (world_size_ < 1 || rank_ < 0 || rank_ >= world_size_) {
+    throw InvalidArgument("TensorDataSource: rank " + std::to_string(rank_) +
+                          " is out of range for world size " + std::to_string(world_size_));
+  }
   if (data_.size(0) != targets_.size(0)) {
-    throw InvalidArgument("TensorDataSource: " + std::to_string(data_.size(0)) +
-                          " samples but " + std::to_string(targets_.size(0)) + " targets");
+    throw InvalidArgument("TensorDataSource: " + std::to_string(data_.size(0)) + " samples but " +
+                          std::to_string(targets_.size(0)) + " targets");
   }
   if (micro_batch_ < 1) {
     throw InvalidArgument("TensorDataSource: micro-batch size must be positive, got " +
@@ -28,17 +33,27 @@ TensorDataSource::TensorDataSource(torch::Tensor data, torch::Tensor targets,
 }
 
 void TensorDataSource::set_epoch(int64_t epoch) {
-  torch::data::samplers::DistributedSampler<>& sampler =
-      shuffle_ ? static_cast<torch::data::samplers::DistributedSampler<>&>(random_)
-               : sequential_;
-  // The random sampler shuffles with the epoch as seed: every rank draws
-  // the same permutation and takes its own slice of it.
-  sampler.set_epoch(static_cast<size_t>(epoch));
-  sampler.reset({});  // keep the dataset size
-  auto picked = sampler.next(static_cast<size_t>(data_.size(0)));
-  std::vector<int64_t> idx;
-  if (picked) idx.assign(picked->begin(), picked->end());
-  indices_ = torch::tensor(idx, torch::kInt64);
+  const int64_t n = data_.size(0);
+  torch::Tensor order = torch::arange(n, torch::kInt64);
+  if (shuffle_) {
+    // The sampler of a one-rank world hands out its whole permutation, the
+    // one every rank of a bigger world would slice.
+    torch::data::samplers::DistributedRandomSampler sampler(static_cast<size_t>(n), 1, 0);
+    sampler.set_epoch(static_cast<size_t>(epoch));
+    sampler.reset({});
+    auto picked = sampler.next(static_cast<size_t>(n));
+    std::vector<int64_t> idx;
+    if (picked) idx.assign(picked->begin(), picked->end());
+    order = torch::tensor(idx, torch::kInt64);
+  }
+  // [micro-batches, world, micro_batch]: this rank's column, in order.
+  const int64_t g = global_micro_batch();
+  const int64_t batches = n / g;
+  indices_ = order.narrow(0, 0, batches * g)
+                 .view({batches, world_size_, micro_batch_})
+                 .select(1, rank_)
+                 .reshape({-1})
+                 .contiguous();
 }
 
 int64_t TensorDataSource::num_batches() const { return indices_.numel() / micro_batch_; }

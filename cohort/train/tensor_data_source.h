@@ -1,33 +1,37 @@
-// defines: TensorDataSource, in-memory tensors split over ranks by LibTorch's
-// DistributedRandomSampler (or the sequential one for evaluation).
+// defines: TensorDataSource, in-memory tensors split over ranks: one global
+// order per epoch (LibTorch's DistributedRandomSampler's permutation, or the
+// identity), dealt out micro-batch by micro-batch, so that the samples of a
+// global micro-batch are the same at every world size (elastic resume).
 #pragma once
 
-#include <torch/data/samplers/distributed.h>
+#include <torch/types.h>
 
 #include "cohort/train/data_source.h"
 
 namespace cohort {
 
-/// A DataSource over in-memory tensors: this rank's shard, as LibTorch's DistributedRandomSampler
-/// would choose it.
+/// A DataSource over in-memory tensors. The epoch's global order P is the permutation LibTorch's
+/// DistributedRandomSampler draws for it (shuffle; the identity otherwise); micro-batch i of rank
+/// r is P[(i * world + r) * micro_batch, + micro_batch), so micro-batch i of all ranks together is
+/// P[i * g, (i + 1) * g) with g = micro_batch * world at any world size (global_micro_batch).
 class TensorDataSource : public DataSource {
  public:
-  /// data[i], targets[i] is sample i. Each rank sees size / world samples
-  /// (padded with repeats so ranks have equal counts), reshuffled per epoch
-  /// when shuffle is true; incomplete micro-batches at the end are dropped.
+  /// data[i], targets[i] is sample i. An epoch has size / g micro-batches per rank; the last
+  /// size % g samples of P (an incomplete global micro-batch) are left out of that epoch.
   TensorDataSource(torch::Tensor data, torch::Tensor targets, int64_t micro_batch, int rank,
                    int world_size, bool shuffle = true);
   void set_epoch(int64_t epoch) override;
   int64_t num_batches() const override;
   torch::data::Example<> batch(int64_t index) override;
+  int64_t global_micro_batch() const override { return micro_batch_ * world_size_; }
 
  private:
   torch::Tensor data_;
   torch::Tensor targets_;
   int64_t micro_batch_;
+  int rank_;
+  int world_size_;
   bool shuffle_;
-  torch::data::samplers::DistributedRandomSampler random_;
-  torch::data::samplers::DistributedSequentialSampler sequential_;
   torch::Tensor indices_;  ///< this rank's sample order for the current epoch
 };
 

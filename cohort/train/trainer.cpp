@@ -180,6 +180,8 @@ double Trainer::pipeline_step(const std::vector<torch::data::Example<>>& micro_b
 std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {
   const int64_t k = config_.accumulation_steps;
   data.set_epoch(position_.epoch);
+  if (resized_) continue_epoch_order(data);
+  const int64_t g = data.global_micro_batch();
   const int64_t steps_per_epoch = data.num_batches() / k;
   if (steps_per_epoch == 0) {
     throw InvalidArgument("Trainer::fit on rank " + std::to_string(comm_.rank()) + ": " +
@@ -199,6 +201,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
     std::vector<torch::data::Example<>> batches;
     for (int64_t i = 0; i < k; ++i) batches.push_back(data.batch(position_.batch + i));
     position_.batch += k;
+    position_.epoch_samples = g > 0 ? position_.batch * g : -1;
     StepMetrics m = train_step(batches);
     metrics_.append(to_json(m));
     progress.update(m);
@@ -213,6 +216,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
       }
       ++position_.epoch;
       position_.batch = 0;
+      position_.epoch_samples = 0;
       if (position_.epoch < config_.epochs) data.set_epoch(position_.epoch);
       epoch_start = std::chrono::steady_clock::now();
     }
@@ -363,20 +367,65 @@ std::optional<int64_t> Trainer::resume() {
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
   if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();  // loads into the shards
-  auto state = decode_training_state(payload, path,
-                                     wiring_.per_rank_model() ? nullptr : model_.get(), optimizer_);
+  auto state =
+      decode_training_state(payload, path, wiring_.per_rank_model() ? nullptr : model_.get(),
+                            optimizer_, [&](int64_t world) { check_world(world, path); });
   if (per_rank_state()) read_shard(step);
-  if (state.rng_states.size(0) != comm_.size()) {
-    throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
-                      path + " was written by " + std::to_string(state.rng_states.size(0)) +
-                      " ranks, this job has " + std::to_string(comm_.size()) +
-                      "; resume needs the same world size");
+  const int64_t old_world = state.rng_states.size(0);
+  resized_ = old_world != comm_.size();
+  if (comm_.rank() < old_world) {
+    set_cpu_rng_state(state.rng_states[comm_.rank()]);
+  } else {
+    // A rank new to the job: its own stream, the same on every resume.
+    set_cpu_rng_state(seeded_cpu_rng_state(static_cast<uint64_t>(step) * 1000003u +
+                                           static_cast<uint64_t>(comm_.rank())));
   }
-  set_cpu_rng_state(state.rng_states[comm_.rank()]);
+  if (resized_ && comm_.rank() == 0) {
+    std::fprintf(stderr,
+                 "cohort: checkpoint %s (step %lld) was written by %lld ranks; resuming at world "
+                 "%d\n",
+                 path.c_str(), static_cast<long long>(step), static_cast<long long>(old_world),
+                 comm_.size());
+  }
   position_ = state.position;
   last_checkpoint_step_ = step;
   metrics_.keep_until(step);
   return step;
+}
+
+std::string Trainer::sharded_mode() const {
+  if (wiring_.fsdp()) return "FSDP (parameters and optimizer state sharded over the ranks)";
+  if (pipeline_) return "a pipeline (each rank holds its stages)";
+  if (!optimizer_.replicated_state()) return "a sharded optimizer (ZeRO)";
+  return "a stateful gradient compressor (per-rank state)";
+}
+
+void Trainer::check_world(int64_t checkpoint_world, const std::string& path) const {
+  if (checkpoint_world == comm_.size() || !per_rank_state()) return;
+  throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
+                    path + " was written by " + std::to_string(checkpoint_world) +
+                    " ranks, this job has " + std::to_string(comm_.size()) + "; the state of " +
+                    sharded_mode() + " resumes only at the world size that wrote it");
+}
+
+void Trainer::continue_epoch_order(const DataSource& data) {
+  // The same samples of the epoch's global order are done at any world
+  // size; the micro-batch index that follows them depends on the size.
+  resized_ = false;
+  if (position_.batch == 0 && position_.epoch_samples <= 0) return;
+  const int64_t g = data.global_micro_batch();
+  if (g <= 0 || position_.epoch_samples < 0 || position_.epoch_samples % g != 0) {
+    throw ConfigError(
+        "Trainer::fit on rank " + std::to_string(comm_.rank()) +
+        ": resumed at a new world size in the middle of epoch " + std::to_string(position_.epoch) +
+        (g <= 0 || position_.epoch_samples < 0
+             ? std::string(", but the data source (or the checkpoint's) has no global sample "
+                           "order (DataSource::global_micro_batch)")
+             : ", after " + std::to_string(position_.epoch_samples) +
+                   " samples, which is not a whole number of global micro-batches of " +
+                   std::to_string(g) + "; keep the global batch the same"));
+  }
+  position_.batch = position_.epoch_samples / g;
 }
 
 void Trainer::log_eval(const nlohmann::json& fields) {

@@ -134,6 +134,17 @@ class Trainer {
   /// (collective). Newer ones that fail are reported on stderr by rank 0 and
   /// listed in skipped_checkpoints(). Returns the step resumed at, or
   /// nullopt when training starts from scratch.
+  ///
+  /// A checkpoint written at another world size resumes when the state is
+  /// replicated (DDP, all-reduce or fused wiring: every rank loads the one
+  /// model and optimizer state). Rank r takes the RNG state of the old rank r;
+  /// a rank the old world did not have starts a generator seeded with its
+  /// rank and the step. The next fit() continues the epoch at the same
+  /// sample of its global order (DataSource::global_micro_batch), so keep the
+  /// global batch (micro-batch x accumulation_steps x world) the same. Sharded
+  /// state (ZeRO, FSDP, a pipeline's stages, a compressor's per-rank state)
+  /// resumes only at the world size that wrote it: ConfigError naming the
+  /// mode, with nothing loaded.
   std::optional<int64_t> resume();
 
   /// One optimizer step over `micro_batches` (accumulation_steps of them).
@@ -169,6 +180,9 @@ class Trainer {
   double pipeline_step(const std::vector<torch::data::Example<>>& micro_batches);
   uint64_t bytes_sent() const;
   bool per_rank_state() const;
+  std::string sharded_mode() const;
+  void check_world(int64_t checkpoint_world, const std::string& path) const;
+  void continue_epoch_order(const DataSource& data);
   void write_shard() const;
   void read_shard(int64_t step);
   std::string shard_path(int64_t step) const;
@@ -189,6 +203,7 @@ class Trainer {
   MetricsLog metrics_;
   TrainingPosition position_;
   int64_t last_checkpoint_step_ = -1;
+  bool resized_ = false;  // resumed at another world size; fit() re-partitions the epoch
   std::vector<std::string> skipped_;
 };
 

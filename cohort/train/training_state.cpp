@@ -94,6 +94,7 @@ std::string encode_training_state(torch::nn::Module* model, const TrainerOptimiz
   archive.write("step", c10::IValue(position.step));
   archive.write("epoch", c10::IValue(position.epoch));
   archive.write("batch", c10::IValue(position.batch));
+  archive.write("epoch_samples", c10::IValue(position.epoch_samples));
   archive.write("rng_states", rng_states);
   std::ostringstream out;
   archive.save_to(out);
@@ -101,17 +102,20 @@ std::string encode_training_state(torch::nn::Module* model, const TrainerOptimiz
 }
 
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
-                                   torch::nn::Module* model, TrainerOptimizer& optimizer) {
+                                   torch::nn::Module* model, TrainerOptimizer& optimizer,
+                                   const WorldCheck& check) {
   try {
     std::istringstream in(payload);
     torch::serialize::InputArchive archive;
     archive.load_from(in);
+    DecodedState state;
+    archive.read("rng_states", state.rng_states);
+    if (check) check(state.rng_states.size(0));
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
     if (model) load_module_state(*model, model_archive);
     if (optimizer.replicated_state()) optimizer.load(optimizer_archive);
-    DecodedState state;
     c10::IValue v;
     archive.read("step", v);
     state.position.step = v.toInt();
@@ -119,15 +123,16 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     state.position.epoch = v.toInt();
     archive.read("batch", v);
     state.position.batch = v.toInt();
-    archive.read("rng_states", state.rng_states);
+    // Older checkpoints: the epoch's order is unknown, same-size resume only.
+    state.position.epoch_samples = archive.try_read("epoch_samples", v) ? v.toInt() : -1;
     return state;
   } catch (const CheckpointError& e) {
     throw CheckpointError("checkpoint " + source + ": does not fit this model: " + e.what());
   } catch (const c10::Error& e) {
     // The checksum passed, so this is a checkpoint of another model or
     // optimizer; say so rather than print LibTorch's backtrace.
-    throw CheckpointError("checkpoint " + source + ": does not fit this model/optimizer: " +
-                          e.what_without_backtrace());
+    throw CheckpointError("checkpoint " + source +
+                          ": does not fit this model/optimizer: " + e.what_without_backtrace());
   }
 }
 

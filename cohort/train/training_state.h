@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "cohort/train/trainer_optimizer.h"
@@ -25,6 +26,10 @@ struct TrainingPosition {
   int64_t step = 0;   ///< optimizer steps done
   int64_t epoch = 0;  ///< epoch of the next micro-batch
   int64_t batch = 0;  ///< index of the next micro-batch in that epoch
+  /// Samples of the epoch's global order all ranks together have consumed
+  /// (batch x DataSource::global_micro_batch()); -1 when the source has no
+  /// global order. What a resume at another world size continues from.
+  int64_t epoch_samples = 0;
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
@@ -40,11 +45,16 @@ struct DecodedState {
   torch::Tensor rng_states;  ///< [world_size, state_bytes]
 };
 
+/// Called with the number of ranks that wrote the checkpoint before anything
+/// is loaded; throws to refuse it.
+using WorldCheck = std::function<void(int64_t checkpoint_world)>;
+
 /// Loads model (unless null) and optimizer from `payload` and returns the
 /// rest. Throws CheckpointError (naming `source`) when the payload does not
-/// parse or does not fit the model.
+/// parse or does not fit the model; what `check` throws, having loaded nothing.
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
-                                   torch::nn::Module* model, TrainerOptimizer& optimizer);
+                                   torch::nn::Module* model, TrainerOptimizer& optimizer,
+                                   const WorldCheck& check = {});
 
 /// Copies what Module::save wrote into `module`'s existing parameters and
 /// buffers (anything holding views of them stays valid). Throws c10::Error

@@ -267,6 +267,7 @@ AttemptResult Attempt::result() const {
     const Rank& rank = ranks_[failed_];
     r.outcome = Outcome::kRankFailed;
     r.exit_code = rank.status.exit_code();
+    r.failed_rank = rank.rank;
     r.cause = "rank " + std::to_string(rank.rank) + " " + rank.status.describe();
   } else if (timed_out_) {
     r.outcome = Outcome::kTimedOut;

@@ -21,8 +21,9 @@ enum class Outcome { kSucceeded, kRankFailed, kTimedOut, kInterrupted };
 
 struct AttemptResult {
   Outcome outcome = Outcome::kSucceeded;
-  int exit_code = 0;  // the launcher's exit code if it stops after this
-  std::string cause;  // "rank 1 exited with code 3", for the restart log
+  int exit_code = 0;     // the launcher's exit code if it stops after this
+  std::string cause;     // "rank 1 exited with code 3", for the restart log
+  int failed_rank = -1;  // the first rank that failed, when one did
 };
 
 class Attempt {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <regex>
 #include <string>
@@ -46,22 +47,64 @@ int pending_interrupt(SignalFd& signals) {
   return 0;
 }
 
+// What the job does after a failed attempt: restart at the same size while
+// the budget at this size lasts (--max-restarts), then, for an elastic job
+// above its minimum, go on without the rank that failed: one rank fewer,
+// a fresh budget. The ranks resume from their newest checkpoint.
+class RestartPolicy {
+ public:
+  explicit RestartPolicy(const Options& options) : options_(options), current_(options) {}
+  const Options& current() const { return current_; }
+
+  // Whether the job runs again after `result`.
+  bool wants_restart(const AttemptResult& result) const {
+    if (restarts_at_size_ < options_.max_restarts) return true;
+    // A timeout names no rank: dropping one at random would not help.
+    return result.failed_rank >= 0 && current_.nproc_per_node > options_.min_nproc;
+  }
+
+  // Prepares the next attempt (after wants_restart) and says why on stderr.
+  void next(const AttemptResult& result) {
+    if (result.failed_rank >= 0) ++failures_[result.failed_rank];
+    if (restarts_at_size_ < options_.max_restarts) {
+      ++restarts_at_size_;
+      log_line("restart " + std::to_string(restarts_at_size_) + "/" +
+               std::to_string(options_.max_restarts) + " after " + result.cause);
+      return;
+    }
+    --current_.nproc_per_node;
+    const int times = failures_[result.failed_rank];
+    log_line("rank " + std::to_string(result.failed_rank) + " failed " + std::to_string(times) +
+             (times == 1 ? " time" : " times") + " (" + result.cause + "); restarting at world " +
+             std::to_string(current_.world_size()) + " (min " + std::to_string(options_.min_nproc) +
+             ") from the newest checkpoint");
+    restarts_at_size_ = 0;
+    failures_.clear();
+  }
+
+ private:
+  const Options& options_;
+  Options current_;  // the size the next attempt runs at
+  int restarts_at_size_ = 0;
+  std::map<int, int> failures_;  // rank -> failed attempts at this size
+};
+
 int supervise(const Options& options) {
   ::signal(SIGPIPE, SIG_IGN);  // a closed stdout reader must not kill us
   become_subreaper();
   SignalFd signals;
+  RestartPolicy policy(options);
   for (int restart = 0;; ++restart) {
     // A port picked for us is fresh per attempt: the previous rank 0 may
     // have left it in a state the new one cannot bind.
     int port = options.master_port != 0 ? options.master_port : pick_free_port();
-    AttemptResult result = Attempt(options, signals, restart, port).run();
+    AttemptResult result = Attempt(policy.current(), signals, restart, port).run();
     if (result.outcome == Outcome::kSucceeded) return 0;
-    if (result.outcome == Outcome::kInterrupted || restart >= options.max_restarts) {
+    if (result.outcome == Outcome::kInterrupted || !policy.wants_restart(result)) {
       return result.exit_code;
     }
     if (int sig = pending_interrupt(signals)) return 128 + sig;
-    log_line("restart " + std::to_string(restart + 1) + "/" + std::to_string(options.max_restarts) +
-             " after " + result.cause);
+    policy.next(result);
   }
 }
 

@@ -11,7 +11,7 @@ namespace {
 
 constexpr const char* kUsage =
     "Launches a cohort job, one process per rank.\n"
-    "  cohortrun -n N [--nnodes M --node-rank K --master-addr A "
+    "  cohortrun -n N|MIN:MAX [--nnodes M --node-rank K --master-addr A "
     "--master-port P]\n"
     "            [--backend gloo|mpi|ucx|auto] [--max-restarts R] [--timeout S]\n"
     "            [--quiet-others] [--trace DIR] -- PROGRAM ARGS...";
@@ -47,6 +47,21 @@ double parse_timeout(const std::string& text) {
 
 constexpr int kMaxRanksPerNode = 1024;
 
+// -n N, or -n MIN:MAX for an elastic job (torchrun's --nnodes=MIN:MAX, in
+// ranks): it starts MAX ranks and may go on with as few as MIN.
+void parse_nproc(const std::string& text, Options& o) {
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    o.nproc_per_node = o.min_nproc = parse_int("-n", text);
+    return;
+  }
+  o.min_nproc = parse_int("-n (MIN of MIN:MAX)", text.substr(0, colon));
+  o.nproc_per_node = parse_int("-n (MAX of MIN:MAX)", text.substr(colon + 1));
+  if (o.min_nproc < 1 || o.min_nproc > o.nproc_per_node) {
+    throw UsageError("-n MIN:MAX needs 1 <= MIN <= MAX (got " + text + ")");
+  }
+}
+
 void validate(Options& o) {
   if (o.nproc_per_node <= 0) {
     throw UsageError("-n must be a positive number of ranks per node (got " +
@@ -65,6 +80,12 @@ void validate(Options& o) {
     throw UsageError("--node-rank " + std::to_string(o.node_rank) +
                      " is out of range for --nnodes " + std::to_string(o.nnodes) +
                      " (must be in 0.." + std::to_string(o.nnodes - 1) + ")");
+  }
+  if (o.elastic() && (o.nnodes > 1 || o.backend == "mpi")) {
+    // Shrinking needs one supervisor that sees every rank: a node's
+    // launcher cannot tell the others to restart smaller.
+    throw UsageError(
+        "-n MIN:MAX (an elastic job) supports a single node only, without --backend mpi");
   }
   if (o.max_restarts < 0) {
     throw UsageError("--max-restarts must be >= 0");
@@ -112,7 +133,10 @@ std::optional<Options> parse_options(int argc, char** argv) {
   Options o;
   std::string nproc, nnodes, node_rank, port, restarts;
   CLI::App app{kUsage, "cohortrun"};
-  app.add_option("-n,--nproc-per-node", nproc, "ranks to start on this node")->type_name("N");
+  app.add_option("-n,--nproc-per-node", nproc,
+                 "ranks to start on this node; MIN:MAX: start MAX, go on with fewer (>= MIN) "
+                 "when a rank keeps failing")
+      ->type_name("N|MIN:MAX");
   app.add_option("--nnodes", nnodes, "number of nodes (default 1)")->type_name("M");
   app.add_option("--node-rank", node_rank, "this node's index (default 0)")->type_name("K");
   app.add_option("--master-addr", o.master_addr,
@@ -154,7 +178,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
   if (nproc.empty()) {
     throw UsageError("-n (ranks per node) is required");
   }
-  o.nproc_per_node = parse_int("-n", nproc);
+  parse_nproc(nproc, o);
   if (!nnodes.empty()) o.nnodes = parse_int("--nnodes", nnodes);
   if (!node_rank.empty()) o.node_rank = parse_int("--node-rank", node_rank);
   if (!port.empty()) o.master_port = parse_port(port);

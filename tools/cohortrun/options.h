@@ -9,7 +9,8 @@
 namespace cohortrun {
 
 struct Options {
-  int nproc_per_node = 0;            // ranks this launcher starts (-n)
+  int nproc_per_node = 0;            // ranks this launcher starts (-n, or MAX of -n MIN:MAX)
+  int min_nproc = 0;                 // elastic: fewest ranks to go on with (MIN of -n MIN:MAX)
   int nnodes = 1;                    // nodes in the job, each running cohortrun
   int node_rank = 0;                 // this node's index in [0, nnodes)
   std::string master_addr;           // rank 0's host; 127.0.0.1 on one node
@@ -23,6 +24,7 @@ struct Options {
   std::vector<std::string> command;  // PROGRAM ARGS...
 
   int world_size() const { return nnodes * nproc_per_node; }
+  bool elastic() const { return min_nproc < nproc_per_node; }
 };
 
 // A bad command line. main prints "cohortrun: <what>" and exits

@@ -1,0 +1,70 @@
+// -n MIN:MAX: an elastic job restarts at the same size while --max-restarts
+// lasts, then goes on one rank smaller (never below MIN), each rank seeing
+// the new WORLD_SIZE.
+#include <gtest/gtest.h>
+
+#include "support/subprocess.h"
+
+namespace cohort::testing {
+namespace {
+
+// Rank 3 fails whenever the job has 4 ranks (a lost slot); rank 2 fails
+// when FAIL_RANK_2 is set, at any size.
+constexpr const char* kLostSlot = R"(
+  echo "attempt $COHORT_RESTART_COUNT world $WORLD_SIZE"
+  if [ "$WORLD_SIZE" = 4 ] && [ "$RANK" = 3 ]; then exit 7; fi
+  if [ -n "$FAIL_RANK_2" ] && [ "$RANK" = 2 ]; then exit 9; fi)";
+
+TEST(Elastic, ShrinksPastTheRestartBudgetAndFinishes) {
+  ProcessResult r =
+      run_cohortrun({"-n", "2:4", "--max-restarts", "1", "--", "sh", "-c", kLostSlot});
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(count_of(r.err, "cohortrun: restart 1/1 after rank 3 exited with code 7\n"), 1)
+      << r.err;
+  EXPECT_EQ(count_of(r.err,
+                     "cohortrun: rank 3 failed 2 times (rank 3 exited with code 7); restarting "
+                     "at world 3 (min 2) from the newest checkpoint\n"),
+            1)
+      << r.err;
+  // Attempts 0 and 1 ran 4 ranks, attempt 2 ran 3, each told so.
+  EXPECT_EQ(count_of(r.out, "attempt 1 world 4\n"), 4) << r.out;
+  EXPECT_EQ(count_of(r.out, "attempt 2 world 3\n"), 3) << r.out;
+  EXPECT_EQ(r.out.find("[3] attempt 2"), std::string::npos) << r.out;
+}
+
+TEST(Elastic, NeverGoesBelowTheMinimum) {
+  ProcessResult r =
+      run_cohortrun({"-n", "3:4", "--", "sh", "-c", kLostSlot}, Seconds(20), {"FAIL_RANK_2=1"});
+  ASSERT_FALSE(r.timed_out);
+  // World 4: rank 2 or 3 fails first; world 3: rank 2 fails, and 3 is the minimum.
+  EXPECT_EQ(r.exit_code, 9) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting at world 3 (min 3)"), 1) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting at world"), 1) << r.err;
+  EXPECT_EQ(count_of(r.out, "attempt 1 world 3\n"), 3) << r.out;
+  EXPECT_EQ(r.out.find("attempt 2"), std::string::npos) << r.out;
+}
+
+TEST(Elastic, FixedSizeNeverShrinks) {
+  ProcessResult r = run_cohortrun({"-n", "4", "--max-restarts", "1", "--", "sh", "-c", kLostSlot});
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 7) << r.err;
+  EXPECT_EQ(r.err.find("restarting at world"), std::string::npos) << r.err;
+}
+
+TEST(Elastic, BadRangesAreUsageErrors) {
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"-n", "4:3", "--", "true"},
+                                             {"-n", "0:2", "--", "true"},
+                                             {"-n", "2:x", "--", "true"},
+                                             {"-n", "2:4", "--nnodes", "2", "--master-addr",
+                                              "10.0.0.1", "--master-port", "29500", "--", "true"},
+                                             {"-n", "2:4", "--backend", "mpi", "--", "true"}}) {
+    ProcessResult r = run_cohortrun(args);
+    EXPECT_EQ(r.exit_code, 2) << args[1] << ": " << r.err;
+    EXPECT_NE(r.err.find("cohortrun: -n"), std::string::npos) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace cohort::testing

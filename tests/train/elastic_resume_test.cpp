@@ -1,0 +1,216 @@
+// Resuming at another world size (ranks as threads): a DDP job trains at
+// world 4 to a checkpoint, then resumes at world 1, 2, 3 or 6 with the same
+// global batch (12 samples a step: micro-batch x accumulation x world). The
+// next 10 steps must match the uninterrupted world-4 run within 1e-5
+// relative, and every step must train on the same samples: the epoch's
+// global order continues, no sample lost or seen twice.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+
+#include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/train/ddp_gradient_sync.h"
+#include "cohort/train/tensor_data_source.h"
+#include "cohort/train/trainer.h"
+#include "cohort/train/trainer_adapters.h"
+#include "support/thread_ranks.h"
+#include "train_fixtures.h"
+
+namespace cohort {
+namespace {
+
+using testing::TempDir;
+
+// 100 samples, 12 a step: 8 steps an epoch, the last 4 samples of each
+// epoch's order left out; sizes that neither 4 nor 3 divide.
+constexpr int64_t kSamples = 100;
+constexpr int64_t kGlobalBatch = 12;
+
+struct Layout {
+  int world;
+  int64_t micro_batch;
+  int64_t accumulation;
+};
+
+struct Job {
+  Layout layout;
+  std::string dir;
+  int64_t max_steps;
+  bool resume = false;
+  bool zero = false;
+};
+
+struct JobResult {
+  std::optional<int64_t> resumed_at;
+  std::map<int64_t, double> loss;                     // step -> loss
+  std::map<int64_t, std::multiset<int64_t>> samples;  // step -> samples of all ranks
+  std::map<int64_t, int64_t> epoch_of;                // step -> epoch
+  std::vector<torch::Tensor> params;                  // rank 0's, at the end
+};
+
+// Column 8 of the data is the sample's index: the loss records it and the
+// model reads columns 0..7.
+torch::Tensor indexed_data() {
+  auto data = testing::make_data(kSamples);
+  return torch::cat({data.x, torch::arange(kSamples, torch::kFloat32).unsqueeze(1)}, 1);
+}
+
+JobResult run_job(const Job& job) {
+  const auto data = testing::make_data(kSamples);
+  const auto x = indexed_data();
+  JobResult result;
+  std::mutex mu;
+  testing::run_ranks_shared(job.layout.world, [&](std::shared_ptr<Communicator> comm) {
+    auto net = testing::make_mlp(job.resume ? 99 : 7);  // resume must overwrite it
+    DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    std::unique_ptr<ZeroRedundancyOptimizer> zero;
+    if (job.zero) {
+      ZeroOptions zo;
+      zo.reduce_gradients = false;  // DDP averages them
+      zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+          net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
+    }
+    TrainerConfig config;
+    config.accumulation_steps = job.layout.accumulation;
+    config.max_grad_norm = 1.0;
+    config.schedule = {LrScheduleKind::WarmupCosine, 1e-2, 3, 30, 1e-4};
+    config.epochs = 100;
+    config.max_steps = job.max_steps;
+    config.checkpoint_dir = job.dir;
+    config.progress = false;
+    int64_t step = 0;
+    Trainer trainer(
+        job.zero ? TrainerWiring::ddp(ddp, *zero) : TrainerWiring::ddp(ddp, opt),
+        [&](const torch::data::Example<>& b) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            const auto ids = b.data.select(1, 8).to(torch::kInt64).contiguous();
+            const int64_t* p = ids.data_ptr<int64_t>();
+            for (int64_t i = 0; i < ids.numel(); ++i) result.samples[step + 1].insert(p[i]);
+          }
+          return torch::nn::functional::cross_entropy(ddp.forward(b.data.narrow(1, 0, 8)),
+                                                      b.target);
+        },
+        config);
+    TensorDataSource source(x, data.y, job.layout.micro_batch, comm->rank(), comm->size());
+    auto resumed = job.resume ? trainer.resume() : std::nullopt;
+    step = trainer.position().step;
+    FitCallbacks callbacks;
+    callbacks.on_step = [&](const StepMetrics& m) {
+      step = m.step;
+      if (comm->rank() == 0) {
+        result.loss[m.step] = m.loss;
+        result.epoch_of[m.step] = m.epoch;
+      }
+    };
+    trainer.fit(source, callbacks);
+    if (comm->rank() == 0) {
+      result.resumed_at = resumed;
+      for (auto& p : net->parameters()) result.params.push_back(p.detach().clone());
+    }
+  });
+  return result;
+}
+
+double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item<double>();
+}
+
+constexpr Layout kWorld4{4, 3, 1};
+constexpr int64_t kResumeAt = 11;  // mid-epoch: step 3 of epoch 1
+constexpr int64_t kSteps = 10;
+
+class ElasticResume : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ElasticResume, NextStepsMatchTheUninterruptedRunOnTheSameSamples) {
+  const Layout resized = GetParam();
+  ASSERT_EQ(resized.world * resized.micro_batch * resized.accumulation, kGlobalBatch);
+  TempDir whole("cohort-elastic-whole"), split("cohort-elastic-split");
+  const auto reference = run_job({kWorld4, whole.str(), kResumeAt + kSteps});
+
+  const auto first = run_job({kWorld4, split.str(), kResumeAt});
+  const auto second = run_job({resized, split.str(), kResumeAt + kSteps, /*resume=*/true});
+  ASSERT_EQ(second.resumed_at, std::optional<int64_t>(kResumeAt));
+  ASSERT_EQ(second.loss.size(), static_cast<size_t>(kSteps));
+
+  bool bitwise = true;
+  for (int64_t s = kResumeAt + 1; s <= kResumeAt + kSteps; ++s) {
+    EXPECT_NEAR(second.loss.at(s), reference.loss.at(s), 1e-5 * std::abs(reference.loss.at(s)))
+        << "step " << s;
+    bitwise = bitwise && second.loss.at(s) == reference.loss.at(s);
+    EXPECT_EQ(second.samples.at(s), reference.samples.at(s)) << "samples of step " << s;
+  }
+  ASSERT_EQ(second.params.size(), reference.params.size());
+  for (size_t i = 0; i < reference.params.size(); ++i) {
+    EXPECT_LE(relative_difference(second.params[i], reference.params[i]), 1e-5)
+        << "parameter " << i;
+    bitwise = bitwise && torch::equal(second.params[i], reference.params[i]);
+  }
+  RecordProperty("bitwise", bitwise ? "yes" : "no");
+  std::printf("world 4 -> %d: %s\n", resized.world,
+              bitwise ? "bitwise identical" : "equal within 1e-5, not bitwise");
+
+  // Epoch 1 (steps 9..16) ran partly at world 4, partly at the new size:
+  // every sample of its order once, none of the 4 left-out ones.
+  std::multiset<int64_t> epoch1;
+  for (int64_t s = 9; s <= 16; ++s) {
+    const auto& part = s <= kResumeAt ? first.samples.at(s) : second.samples.at(s);
+    epoch1.insert(part.begin(), part.end());
+  }
+  EXPECT_EQ(second.epoch_of.at(16), 1);
+  EXPECT_EQ(second.epoch_of.at(17), 2);
+  EXPECT_EQ(epoch1.size(), static_cast<size_t>(8 * kGlobalBatch));
+  EXPECT_EQ(std::set<int64_t>(epoch1.begin(), epoch1.end()).size(), epoch1.size())
+      << "a sample was seen twice in epoch 1";
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, ElasticResume,
+                         ::testing::Values(Layout{3, 4, 1}, Layout{2, 3, 2}, Layout{1, 6, 2},
+                                           Layout{6, 2, 1}),
+                         [](const ::testing::TestParamInfo<Layout>& i) {
+                           return "to_world" + std::to_string(i.param.world);
+                         });
+
+// ZeRO's optimizer state is sharded per rank: another world size is refused,
+// naming the mode, and nothing is loaded.
+TEST(ElasticResumeRefused, ShardedOptimizerStateNamesTheModeAndLoadsNothing) {
+  TempDir dir("cohort-elastic-zero");
+  run_job({kWorld4, dir.str(), 4, false, /*zero=*/true});
+  std::vector<std::string> errors(3);
+  std::vector<torch::Tensor> params(3);
+  const auto x = indexed_data();
+  testing::run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    auto net = testing::make_mlp(99);
+    DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+    ZeroOptions zo;
+    zo.reduce_gradients = false;
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+        net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
+    TrainerConfig config;
+    config.checkpoint_dir = dir.str();
+    config.progress = false;
+    Trainer trainer(
+        TrainerWiring::ddp(ddp, *zero),
+        [&](const torch::data::Example<>& b) { return ddp.forward(b.data).sum(); }, config);
+    try {
+      trainer.resume();
+    } catch (const ConfigError& e) {
+      errors[comm->rank()] = e.what();
+    }
+    params[comm->rank()] = net->parameters()[0].detach().clone();
+  });
+  const auto fresh = testing::make_mlp(99)->parameters()[0];
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("written by 4 ranks, this job has 3"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("ZeRO"), std::string::npos) << errors[r];
+    EXPECT_TRUE(torch::equal(params[r], fresh)) << "rank " << r << " loaded the model";
+  }
+}
+
+}  // namespace
+}  // namespace cohort
