@@ -34,23 +34,25 @@ namespace cohort::dcp {
 /// lengths as its shape (a view into the model or optimizer: load copies
 /// into it).
 struct LocalShard {
-  Box box;
-  torch::Tensor data;
+  Box box;             ///< where it sits in the logical tensor
+  torch::Tensor data;  ///< its values, shaped as box.lengths
 };
 
 /// One logical tensor as this rank sees it.
 struct TensorEntry {
-  std::string fqn;
-  std::vector<int64_t> shape;
-  torch::Dtype dtype = torch::kFloat;
+  std::string fqn;                     ///< "model.<name>" or "optim.<name>.<state>"
+  std::vector<int64_t> shape;          ///< the global shape
+  torch::Dtype dtype = torch::kFloat;  ///< every rank's shards have it
   /// Every rank holds the whole tensor, the same values: saved once.
   bool replicated = false;
   /// The boxes this rank holds (none: this rank holds nothing of it).
   std::vector<LocalShard> shards;
 };
 
+/// This rank's view of everything a checkpoint holds (adapters.h builds one
+/// per mode).
 struct StateDict {
-  std::vector<TensorEntry> tensors;
+  std::vector<TensorEntry> tensors;  ///< in the same order on every rank
   /// The names of the model's submodules ("model.<name>"), so that a
   /// consolidated checkpoint can hold the archive of each, as
   /// torch::save(module) does (saved from rank 0's state dict).

@@ -28,9 +28,11 @@ inline constexpr const char* kMetadataName = ".metadata";
 /// A box of a tensor: offsets[d] <= index[d] < offsets[d] + lengths[d].
 /// A 0-d tensor's only box has no dims.
 struct Box {
-  std::vector<int64_t> offsets;
-  std::vector<int64_t> lengths;
+  std::vector<int64_t> offsets;  ///< first index in each dim
+  std::vector<int64_t> lengths;  ///< extent in each dim
+  /// Elements in the box (1 for a 0-d tensor's box).
   int64_t numel() const;
+  /// Same offsets and lengths.
   bool operator==(const Box& o) const { return offsets == o.offsets && lengths == o.lengths; }
 };
 
@@ -47,26 +49,29 @@ std::string to_string(const Box& box);
 
 /// One stored chunk.
 struct ChunkMeta {
-  Box box;
+  Box box;                      ///< the part of the tensor it holds
   int file = 0;                 ///< index into Metadata::files
   int64_t byte_offset = 0;      ///< in that file
   std::vector<uint32_t> crc32;  ///< one per kBlockBytes block of the chunk's bytes
 };
 
+/// One logical tensor in the metadata.
 struct TensorMeta {
-  std::string fqn;
-  std::vector<int64_t> shape;
-  torch::Dtype dtype = torch::kFloat;
-  std::vector<ChunkMeta> chunks;
+  std::string fqn;                     ///< "model.<name>" or "optim.<name>.<state>"
+  std::vector<int64_t> shape;          ///< the global shape
+  torch::Dtype dtype = torch::kFloat;  ///< as stored and loaded
+  std::vector<ChunkMeta> chunks;       ///< together they cover the tensor
 };
 
+/// One data file of the checkpoint.
 struct FileMeta {
   std::string name;   ///< relative to the checkpoint folder
   int64_t bytes = 0;  ///< its size: a shorter file is truncated
 };
 
+/// The contents of `.metadata`: the files and every tensor's chunks.
 struct Metadata {
-  std::vector<FileMeta> files;
+  std::vector<FileMeta> files;      ///< one per rank, "__<rank>_0.distcp"
   std::vector<TensorMeta> tensors;  ///< sorted by fqn
   /// The model's submodule names, parameterless ones included (StateDict::modules).
   std::vector<std::string> modules;

@@ -10,8 +10,8 @@
 #include <optional>
 #include <sstream>
 
-#include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/dcp/checkpoint_file.h"
+#include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
@@ -144,15 +144,15 @@ struct Job {
   int keep_last = 3;
   std::string metrics;
   bool resume = false;
-  bool ddp = true;  // DDP's in-backward reduction, else the all-reduce fallback
+  bool ddp = true;    // DDP's in-backward reduction, else the all-reduce fallback
   bool zero = false;  // ZeRO stage 1 after DDP (sharded optimizer state)
 };
 
 struct JobResult {
   std::optional<int64_t> resumed_at;
-  std::vector<std::string> skipped;         // rank 0's skipped checkpoints
-  std::vector<double> losses;               // per step run (rank 0)
-  std::vector<torch::Tensor> params;        // rank 0's final parameters
+  std::vector<std::string> skipped;                         // rank 0's skipped checkpoints
+  std::vector<double> losses;                               // per step run (rank 0)
+  std::vector<torch::Tensor> params;                        // rank 0's final parameters
   std::map<int64_t, std::vector<torch::Tensor>> params_at;  // after step s
 };
 
@@ -167,7 +167,7 @@ JobResult run_job(const Job& job) {
     std::unique_ptr<ZeroRedundancyOptimizer> zero;
     if (job.zero) {
       ZeroOptions zo;
-      zo.reduce_gradients = false;  // DDP averages them
+      zo.reduce_gradients = false;                  // DDP averages them
       zo.bucket_cap_mb = 64.0 * 4 / (1024 * 1024);  // several buckets
       zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
           net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
