@@ -186,4 +186,8 @@ torch::Tensor GPTStageImpl::shared_embedding_weight() const {
   return {};
 }
 
+std::map<std::string, std::string> gpt_tied_parameters() {
+  return {{"output_embeddings.weight", "word_embeddings.weight"}};
+}
+
 }  // namespace cohort::tensor_parallel

@@ -24,7 +24,9 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cohort/mesh/device_mesh.h"
@@ -85,5 +87,14 @@ class GPTStageImpl : public torch::nn::Module {
   VocabParallelEmbedding output_embeddings_{nullptr};  // pp > 1: the last stage's copy
 };
 TORCH_MODULE(GPTStage);
+
+/// The one place where a stage's parameter names differ from the unsplit
+/// (pp = 1) model's: with pp > 1 the last stage holds a copy of the tied word
+/// embedding as "output_embeddings.weight"; in a checkpoint it is
+/// "word_embeddings.weight" (written once, from the first stage; loaded into
+/// both). Every other name is the same at any (tp, pp), since blocks are
+/// named by their global layer ("block<l>"). Pass it as the `tied` names of
+/// dcp::tensor_parallel_state_dict.
+std::map<std::string, std::string> gpt_tied_parameters();
 
 }  // namespace cohort::tensor_parallel

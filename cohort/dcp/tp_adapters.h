@@ -1,0 +1,52 @@
+// defines: tensor_parallel_state_dict: one pipeline stage of a
+// tensor-parallel model (cohort/tensor_parallel layers on a DeviceMesh) and
+// its optimizer as a dcp::StateDict under the unsplit model's names
+// ("model.<fqn>", "optim.<fqn>.<state>", as adapters.h), so a checkpoint
+// saved at one tp x pp x dp loads into any other (and into DDP, ZeRO or
+// FSDP at tp = pp = 1, and back):
+//
+//   ColumnParallelLinear  weight and bias: rows [r out/tp, (r+1) out/tp)
+//   RowParallelLinear     weight: columns [r in/tp, (r+1) in/tp); bias whole
+//   VocabParallelEmbedding weight: rows [r V/tp, (r+1) V/tp)
+//   everything else       whole (replicated over TP)
+//
+// where r is the TP rank; optimizer state is cut like its parameter, the
+// step is a 0-d tensor. A stage holds only its own parameters, under the
+// names they have in the unsplit model (the model names its layers by their
+// global index), so another pp split finds them. `tied` maps the name of a
+// parameter that is a copy of another (a tied output embedding held by the
+// last stage) to the name of the original: the copy is never written and
+// loads from the original's tensors and optimizer state.
+//
+// Written once: every element of a tensor is written by one rank of the
+// ranks that hold it (the DP replicas, and for whole tensors the TP ranks
+// too, take turns tensor by tensor), so dp replicas cost nothing on disk.
+//
+// Saving: pass for_load = nullptr (not collective). Loading: pass the
+// checkpoint's metadata; then this is collective over mesh.world(): a
+// sharded tensor whose checkpointed dimension does not divide by tp (the
+// layout cannot hold it) is a CheckpointError naming it on every rank,
+// before anything is read.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <string>
+
+#include "cohort/dcp/dcp.h"
+#include "cohort/mesh/device_mesh.h"
+
+namespace cohort::dcp {
+
+/// A parameter's name in a stage -> the name of the parameter it copies.
+using TiedNames = std::map<std::string, std::string>;
+
+/// This rank's stage of a model built from cohort/tensor_parallel layers
+/// over mesh.tp_group(), and the optimizer over its parameters (may be null).
+StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
+                                     torch::optim::Optimizer* optimizer, const TiedNames& tied = {},
+                                     const Metadata* for_load = nullptr);
+
+}  // namespace cohort::dcp
