@@ -18,12 +18,6 @@
 namespace cohort::dcp {
 namespace {
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
-  return s + "]";
-}
-
 // The data files one load reads, each opened (and its size checked) once.
 class DataFiles {
  public:

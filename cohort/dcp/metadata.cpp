@@ -85,6 +85,12 @@ std::vector<Box> boxes_of_range(const std::vector<int64_t>& shape, int64_t begin
   return out;
 }
 
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + "]";
+}
+
 std::string to_string(const Box& box) {
   std::string s = "[";
   for (size_t d = 0; d < box.offsets.size(); ++d) {

@@ -46,6 +46,8 @@ Box intersect(const Box& a, const Box& b);
 std::vector<Box> boxes_of_range(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
 /// "[0:4, 2:3]".
 std::string to_string(const Box& box);
+/// "[4, 3]".
+std::string shape_string(const std::vector<int64_t>& shape);
 
 /// One stored chunk.
 struct ChunkMeta {

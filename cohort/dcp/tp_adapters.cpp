@@ -30,12 +30,6 @@ std::map<const void*, int64_t> shard_dims(torch::nn::Module& stage) {
   return dims;
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
-  return s + "]";
-}
-
 // Loading: "" when the checkpoint's `fqn` can be split along `dim` over tp.
 std::string layout_error(const Metadata& meta, const std::string& fqn, int64_t dim, int tp,
                          int rank) {
