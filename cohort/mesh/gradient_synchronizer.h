@@ -1,14 +1,8 @@
 // defines: GradientSynchronizer, which finishes one step's gradients across
 // the three dimensions of a DeviceMesh, and its per-dimension statistics.
 //
-//   TP  parameters replicated over TP whose gradients are partial (under
-//       sequence parallelism: LayerNorms and row-parallel biases) are
-//       all-reduced over the TP group after backward;
-//   PP  the word embedding shared by the first and the last stage: at
-//       construction the first stage's copy is broadcast to the last; after
-//       backward the two gradients are all-reduced over the embedding group;
-//   DP  the stage's gradients are averaged over the DP group in buckets by
-//       cohort's DDP reducer, overlapped with backward (dp > 1 only).
+// What each dimension sends and when: docs/design.md, "Tensor parallelism
+// and the 3-D mesh".
 //
 //   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
 //                             stage->shared_embedding_weight());
@@ -18,9 +12,6 @@
 //   loss.backward();
 //   sync.finish_backward();   // TP and PP reductions; DP finished in backward
 //   optimizer.step();
-//
-// The three reductions are sums or averages of the same linear gradient,
-// so their order does not change the result.
 #pragma once
 
 #include <torch/nn/module.h>

@@ -12,45 +12,11 @@
 //       ddp, torch::optim::AdamWOptions(1e-3), comm, {.stage = 2});
 //   for (...) { zero->zero_grad(); loss(ddp).backward(); zero->step(); }
 //
-// The parameters are laid end to end in one flat buffer (the parameters
-// become views into it) and partitioned with FlatPartition. A LibTorch
-// optimizer of the caller's type (AdamW, Adam, SGD, ...) is built over this
-// rank's pieces only, one group per caller group with the caller's options,
-// so it holds 1/N of the state. One step:
-//   gradients  stage 1 alone: all-reduce (Avg) bucket by bucket into a full
-//                flat gradient buffer, then read this rank's slices;
-//              stage 1 with cohort DDP: read the slices of DDP's averaged
-//                .grad, no communication here;
-//              stage 2 (alone or with DDP): GradientShardReducer
-//                (gradient_shard_reducer.h). As each parameter's gradient
-//                is ready in backward it is copied into its bucket's
-//                staging buffer (and leaves .grad) and each full bucket is
-//                reduce-scattered (Avg) into this rank's gradient shard
-//                while backward goes on; a bucket's staging is released
-//                when its reduce-scatter is done. With DDP, DDP hands its
-//                reduction over (reduction_owner.h): it reports ready
-//                gradients instead of all-reducing its own buckets, whose
-//                buffers it frees; so the reduce-scatter replaces DDP's
-//                all-reduce rather than following it. A rank holds its
-//                shard of the gradients (1/N) plus, during backward, the
-//                one or two buckets being staged.
-//              world 1 (either stage): slices of .grad, no copies.
-//   update     the inner optimizer steps its pieces (in the flat buffer),
-//              bucket by bucket;
-//   parameters each bucket is all-gathered as soon as its pieces are
-//              updated (overlapping the next buckets' update), so all
-//              ranks hold the new values.
-// reduce-scatter + all-gather move as many bytes as one all-reduce, so
-// stage 2 costs the communication volume of plain data parallelism.
-//
-// Gradient accumulation at stage 2: backwards under ddp.no_sync() (with
-// DDP) or zero->no_sync() (alone) accumulate into .grad locally; the next
-// backward outside it reduce-scatters the sum once (or step() does, if
-// every backward ran under no_sync). A second backward outside no_sync
-// before step() is refused (its bucket may already be on the wire).
-//
-// Every element is updated by the same element-wise formula as in the
-// unsharded optimizer, so results equal DDP + the same optimizer (to
+// How the state, the gradients (stage 1 alone or after DDP, stage 2 through
+// GradientShardReducer), the update and the all-gather of the parameters
+// work, and gradient accumulation at stage 2: docs/design.md, "Distributed
+// optimizers". Every element is updated by the same element-wise formula as
+// in the unsharded optimizer, so results equal DDP + the same optimizer (to
 // rounding). Requirements: all parameters one floating dtype, dense, CPU.
 #pragma once
 
