@@ -79,6 +79,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // The unit whose backward comes after unit u's (u may be kRoot); none: size.
   size_t next_in_backward(size_t u) const;
   void gradient_ready(size_t k);
+  // Starts the all-gather of the unit whose backward follows unit u's.
+  void prefetch_after(size_t u);
   void launch_ready();
   Work launch(size_t u);
   // Waits for the reduce-scatters in flight and frees their buffers (a
@@ -95,6 +97,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Every parameter of every unit, and its unit.
   std::vector<size_t> unit_of_;
   std::vector<size_t> first_param_;  // unit -> index of its first parameter
+  std::vector<size_t> parts_;        // unit -> its parameters that require grad
+  std::vector<size_t> arrived_;      // unit -> gradients landed in this backward
+  std::vector<char> backward_started_;  // unit -> its pre_backward ran in this backward
   std::unique_ptr<AccumulatorHooks> hooks_;
   BucketQueue queue_;
   bool sync_ = true;
