@@ -35,6 +35,7 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
       unit_of_.push_back(u);
       if (p.requires_grad()) ++parts[u];
     }
+    parts_.push_back(static_cast<size_t>(parts[u]));
     bytes[u] = g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());
   }
   queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
@@ -74,6 +75,7 @@ void FSDPState::post_forward(size_t u, const torch::Tensor& output) {
 
 void FSDPState::pre_backward(size_t u) {
   if (!in_backward_) begin_backward();
+  if (u != kRoot) backward_started_[u] = 1;
   // The unit before this one is reduce-scattering: its input (that unit's
   // full gradients) goes before this unit's all-gather output is copied
   // into its full storage and the next unit's all-gather starts, so that
@@ -83,8 +85,17 @@ void FSDPState::pre_backward(size_t u) {
   // side this wait takes no extra time.
   retire_in_flight();
   if (u != kRoot) units_[u].group->wait_unshard();
+  // A unit whose gradients are reduce-scattered prefetches the next one once
+  // they have all landed (gradient_ready); the root (its parameters are
+  // few, or none) and a backward without sync prefetch now.
+  if (!reducing_ || u == root_) prefetch_after(u);
+}
+
+void FSDPState::prefetch_after(size_t u) {
   const size_t next = next_in_backward(u);
-  if (next < units_.size()) units_[next].group->start_unshard();
+  // Not a unit whose backward already ran (its gradients landed late: a
+  // parameter it shares with a later unit): that would gather it again.
+  if (next < units_.size() && !backward_started_[next]) units_[next].group->start_unshard();
 }
 
 void FSDPState::begin_backward() {
@@ -93,6 +104,8 @@ void FSDPState::begin_backward() {
   for (auto& unit : units_) unit.group->stash_gradients();
   queue_.reset();
   queue_.start_clock();
+  arrived_.assign(units_.size(), 0);
+  backward_started_.assign(units_.size(), 0);
   failures_.clear();
   std::weak_ptr<FSDPState> self = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self] {
@@ -102,8 +115,17 @@ void FSDPState::begin_backward() {
 
 void FSDPState::gradient_ready(size_t k) {
   if (!in_backward_ || !reducing_) return;
-  queue_.arrive(unit_of_[k]);
+  const size_t u = unit_of_[k];
+  queue_.arrive(u);
   launch_ready();
+  if (++arrived_[u] != parts_[u]) return;
+  // The unit's gradients are all in: its backward needs its parameters no
+  // more. They go (launch did it if the queue let the unit go) before the
+  // next unit's all-gather output is allocated, so a backward holds the
+  // unit computing (parameters and gradients) or the prefetched unit and
+  // the reduce-scatter input, two units, never three.
+  units_[u].group->reshard();
+  prefetch_after(u);
 }
 
 void FSDPState::launch_ready() {

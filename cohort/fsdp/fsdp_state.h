@@ -8,7 +8,9 @@
 // negotiation: units are numbered in pre-order of the module tree (the root
 // is 0 when it has parameters of its own; kRoot names it otherwise); the
 // forward prefetches unit u + 1 while unit u computes; backward runs the
-// units in reverse, so it prefetches in the order 0, k-1, ..., 1;
+// units in reverse (0, k-1, ..., 1) and prefetches the next one when the
+// root's hook runs, or when a unit's gradients have all landed (its
+// parameters freed first, so a backward holds two units, not three);
 // gradients are reduce-scattered from unit k-1 down to the root, each as
 // soon as it and the units after it have all their gradients. Ranks must
 // run the same units in the same order (as in FSDP2).
@@ -79,6 +81,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // The unit whose backward comes after unit u's (u may be kRoot); none: size.
   size_t next_in_backward(size_t u) const;
   void gradient_ready(size_t k);
+  // Starts the all-gather of the unit whose backward follows unit u's.
+  void prefetch_after(size_t u);
   void launch_ready();
   Work launch(size_t u);
   // Waits for the reduce-scatters in flight and frees their buffers (a
@@ -94,7 +98,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<size_t> backward_next_;   // unit -> the unit after it in backward (none: size)
   // Every parameter of every unit, and its unit.
   std::vector<size_t> unit_of_;
-  std::vector<size_t> first_param_;  // unit -> index of its first parameter
+  std::vector<size_t> first_param_;     // unit -> index of its first parameter
+  std::vector<size_t> parts_;           // unit -> its parameters that require grad
+  std::vector<size_t> arrived_;         // unit -> gradients landed in this backward
+  std::vector<char> backward_started_;  // unit -> its pre_backward ran in this backward
   std::unique_ptr<AccumulatorHooks> hooks_;
   BucketQueue queue_;
   bool sync_ = true;

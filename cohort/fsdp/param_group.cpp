@@ -25,6 +25,20 @@ torch::Tensor over_storage(const c10::Storage& storage, const torch::TensorOptio
   return t;
 }
 
+// Frees a collective's buffer once its collective completed, and drops
+// `t`. The engine may still hold a reference to it (its work object, until
+// its worker lets go), which would keep the bytes for as long as that takes:
+// the bytes go now, so what a rank holds does not depend on the engine's
+// timing. A buffer that shares its storage with `keep` is only dropped.
+void release(torch::Tensor& t, const torch::Tensor& keep = {}) {
+  if (t.defined() && !(keep.defined() && t.storage().is_alias_of(keep.storage()))) {
+    auto* impl = t.storage().unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(nullptr, impl->device()));
+    impl->set_nbytes(0);
+  }
+  t = torch::Tensor();
+}
+
 }  // namespace
 
 FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
@@ -148,8 +162,8 @@ void FSDPParamGroup::wait_unshard() {
   allocate_full();
   torch::NoGradGuard no_grad;
   copy_out(layout_, gathered_, full_views_);
-  gathered_ = torch::Tensor();
-  gather_input_ = torch::Tensor();
+  release(gathered_);
+  release(gather_input_, shard_flat_);
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(full_views_[i]);
   relink_accumulators();
   unsharded_ = true;
@@ -160,8 +174,8 @@ void FSDPParamGroup::reshard() {
     gather_.wait();
     gathering_ = false;
     gather_ = Work();
-    gathered_ = torch::Tensor();
-    gather_input_ = torch::Tensor();
+    release(gathered_);
+    release(gather_input_, shard_flat_);
   }
   if (!unsharded_) return;
   set_sharded();
@@ -205,7 +219,7 @@ Work FSDPParamGroup::start_reduce_scatter() {
 void FSDPParamGroup::reduce_scatter_done() {
   if (!rs_pending_) return;
   rs_pending_ = false;
-  rs_input_ = torch::Tensor();
+  release(rs_input_);
   torch::NoGradGuard no_grad;
   rs_output_ = rs_output_.to(sharded_dtype_);  // the shard's .grad has the shard's dtype
   bool all_stashed = true;
@@ -219,7 +233,7 @@ void FSDPParamGroup::reduce_scatter_done() {
     stash_[i].add_(
         rs_output_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(p.shard_sizes));
   }
-  if (all_stashed) rs_output_ = torch::Tensor();
+  if (all_stashed) release(rs_output_);
 }
 
 void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {

@@ -318,6 +318,57 @@ TEST(FSDPFeatures, ARankHoldsItsShardsAndAtMostThreeUnitBuffersInForward) {
   }
 }
 
+// The collectives on cohort's own ring: it gathers straight into FSDP's
+// buffer, where c10d's Gloo all-gather stages the output in a buffer of its
+// own, allocated on the rank's thread and freed by Gloo's worker whenever it
+// drops its reference: a count that depends on timing.
+ThreadRanksOptions ring_options() {
+  ThreadRanksOptions options;
+  options.algorithm = Algorithm::Ring;
+  return options;
+}
+
+TEST(FSDPFeatures, ABackwardHoldsAtMostTwoUnitsBeyondItsShards) {
+  // A unit's backward holds its full parameters and its full gradients;
+  // once they have all landed the parameters go, the gradients move into
+  // the reduce-scatter input, and only then is the next unit's all-gather
+  // output allocated: two units at any time (unit = the padded flat
+  // buffer), plus the reduce-scatter's output (a shard), the last weight
+  // gradient to land (autograd holds it until its accumulator's hooks
+  // return, and the prefetch starts in one) and the gradients of a few
+  // activation rows. Counted on the rank's thread over
+  // the backward alone (the activations were made by the forward), on the
+  // second step (the sharded gradients exist, so the result of each
+  // reduce-scatter is added into them). Holding a unit's parameters while
+  // the next unit gathers makes it three units.
+  constexpr int64_t kBatch = 1;
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks_shared(
+        world,
+        [&](std::shared_ptr<Communicator> comm) {
+          torch::set_num_threads(1);
+          auto model = fully_shard(shard_blocks(stack(), comm), comm);
+          auto x = torch::randn({kBatch, kWidth});
+          model->forward(x).sum().backward();
+          auto loss = model->forward(x).sum();
+          int64_t peak = 0;
+          {
+            memory::MemoryScope scope;
+            loss.backward();
+            peak = scope.peak_bytes();
+          }
+          const int64_t rows = (kWidth + world - 1) / world;  // per rank, padded
+          const int64_t shard = rows * (kWidth + 1) * 4;      // weight rows + bias rows
+          const int64_t unit = world * shard;
+          const int64_t activation_grads = 4 * kBatch * kWidth * 4;
+          const int64_t landing = kWidth * kWidth * 4;
+          EXPECT_LE(peak, 2 * unit + shard + landing + activation_grads) << "world " << world;
+          EXPECT_GE(peak, 2 * kUnitBytes) << "world " << world;  // it did gather
+        },
+        ring_options());
+  }
+}
+
 TEST(FSDPErrors, WrappingTwiceIsRefused) {
   run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
     auto lin = Linear(3, 3);
