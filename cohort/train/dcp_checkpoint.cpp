@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include "cohort/core/error.h"
 #include "cohort/dcp/checkpoint_file.h"
@@ -28,6 +29,16 @@ void verify_dcp_folder(const std::string& folder) {
       throw CheckpointError("checkpoint " + path + ": " + std::to_string(bytes) +
                             " bytes, the metadata says " + std::to_string(f.bytes));
     }
+  }
+}
+
+void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, int rank) {
+  std::set<std::string> buffers;
+  for (const auto& b : model.named_buffers()) buffers.insert("model." + b.key());
+  for (auto& e : state.tensors) {
+    if (!e.replicated || !buffers.count(e.fqn)) continue;
+    e.replicated = false;
+    if (rank != 0) e.shards.clear();
   }
 }
 

@@ -15,9 +15,12 @@
 // without a file, which the next save removes.
 #pragma once
 
+#include <torch/nn/module.h>
+
 #include <cstdint>
 #include <string>
 
+#include "cohort/dcp/dcp.h"
 #include "cohort/train/checkpoint_dir.h"
 
 namespace cohort {
@@ -29,6 +32,11 @@ std::string dcp_folder(const std::string& checkpoint_path);
 /// its .metadata does not verify, or a data file it lists is missing or has
 /// another size (data checksums are verified by dcp::load).
 void verify_dcp_folder(const std::string& folder);
+
+/// For saving: `model`'s buffers (BatchNorm statistics, which each rank
+/// updates from its own batch and rank 0 broadcasts before the next
+/// forward) are saved from rank 0, not from whichever rank dcp picks.
+void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, int rank);
 
 /// Removes the dcp folders in `dir` whose checkpoint file is gone, except
 /// that of `keep_step` (being written).

@@ -245,8 +245,9 @@ void Trainer::save_checkpoint() {
   // have left the root's own parameters gathered).
   if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();
   if (in_dcp) {
-    dcp::save(wiring_.dcp_state_dict(nullptr), dcp_folder(checkpoints_->path_for(position_.step)),
-              comm_);
+    auto state = wiring_.dcp_state_dict(nullptr);
+    save_buffers_from_rank0(state, *model_, comm_.rank());
+    dcp::save(state, dcp_folder(checkpoints_->path_for(position_.step)), comm_);
   }
   if (sharded) write_shard();
   // Every rank's RNG state goes into rank 0's file: one file, one rename,

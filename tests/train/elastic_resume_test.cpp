@@ -203,7 +203,7 @@ void expect_resume_continues(Mode from, Mode to, const Layout& resized) {
         << "parameter " << i;
     bitwise = bitwise && torch::equal(second.params[i], reference.params[i]);
   }
-  RecordProperty("bitwise", bitwise ? "yes" : "no");
+  ::testing::Test::RecordProperty("bitwise", bitwise ? "yes" : "no");
   std::printf("%s world 4 -> %s world %d: %s\n", mode_name(from), mode_name(to), resized.world,
               bitwise ? "bitwise identical" : "equal within 1e-5, not bitwise");
 
