@@ -123,6 +123,9 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
                        {0},
                        false,
                        box.offsets.empty() || box.offsets[0] == 0});
+    } else {
+      // An empty shard still has optimizer state (its step): loaded, never saved.
+      slots.push_back({p.key(), ps.full_sizes, p.value(), {}, {}, false, false});
     }
     state.tensors.push_back(std::move(e));
   }

@@ -120,12 +120,14 @@ std::vector<int64_t> CheckpointDir::steps() const {
   return out;
 }
 
-CheckpointDir::Loaded CheckpointDir::load_latest() const {
+CheckpointDir::Loaded CheckpointDir::load_latest(const Check& check, int64_t below) const {
   Loaded loaded;
   loaded.skipped = out_of_range_names(dir_);
   for (int64_t step : steps()) {
+    if (step >= below) continue;
     try {
       loaded.payload = read_checkpoint_file(path_for(step));
+      if (check) check(step, loaded.payload);
       loaded.step = step;
       loaded.found = true;
       return loaded;

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -45,8 +47,13 @@ class CheckpointDir {
     /// out of range.
     std::vector<std::string> skipped;
   };
-  /// The newest checkpoint that verifies, with what was wrong with newer ones.
-  Loaded load_latest() const;
+  /// Throws CheckpointError when a checkpoint whose file verifies is still
+  /// not whole (its distributed part, see dcp_checkpoint.h).
+  using Check = std::function<void(int64_t step, const std::string& payload)>;
+  /// The newest checkpoint below step `below` that verifies and passes
+  /// `check`, with what was wrong with newer ones.
+  Loaded load_latest(const Check& check = {},
+                     int64_t below = std::numeric_limits<int64_t>::max()) const;
   /// The payload of `step`'s checkpoint; throws CheckpointError.
   std::string load(int64_t step) const;
 

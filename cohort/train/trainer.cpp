@@ -7,6 +7,8 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
 #include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/dcp.h"
+#include "cohort/train/dcp_checkpoint.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"
 
@@ -231,14 +233,22 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
 
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
-  // Per-rank state (a sharded optimizer, a compressor's error feedback, a
-  // pipeline's stages) goes into each rank's shard file, written (atomic,
-  // checksummed) before the gather below, so rank 0 writes the main file,
-  // which is what makes the checkpoint exist, only once every shard is on disk.
-  const bool sharded = per_rank_state();
+  // Sharded model and optimizer state (ZeRO, FSDP) goes into the
+  // checkpoint's dcp folder; other per-rank state (a compressor's error
+  // feedback, a pipeline's stages) into each rank's shard file. Both are
+  // written (atomic, checksummed) before the gather below, so rank 0 writes
+  // the main file, which is what makes the checkpoint exist, only once every
+  // rank's part is on disk.
+  const bool in_dcp = dcp_state();
+  const bool sharded = per_rank_state() && !in_dcp;
   // FSDP: the shards are what each rank saves (an evaluation forward may
   // have left the root's own parameters gathered).
   if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();
+  if (in_dcp) {
+    auto state = wiring_.dcp_state_dict(nullptr);
+    save_buffers_from_rank0(state, *model_, comm_.rank());
+    dcp::save(state, dcp_folder(checkpoints_->path_for(position_.step)), comm_);
+  }
   if (sharded) write_shard();
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
   // so a crash cannot leave some ranks' parts newer than others.
@@ -249,9 +259,12 @@ void Trainer::save_checkpoint() {
   }
   comm_.gather(all, mine, {0}).wait();
   if (comm_.rank() == 0) {
-    const auto payload = encode_training_state(wiring_.per_rank_model() ? nullptr : model_.get(),
-                                               optimizer_, position_, torch::stack(all));
+    const bool model_in_main = !wiring_.per_rank_model() && !in_dcp;
+    const auto payload = encode_training_state(model_in_main ? model_.get() : nullptr, optimizer_,
+                                               position_, torch::stack(all), in_dcp);
     checkpoints_->write(position_.step, payload);
+    // The folders of rotated-out checkpoints, and any a crash left behind.
+    remove_orphan_dcp_folders(*checkpoints_, position_.step);
   }
   if (sharded) {
     // After rank 0's rotation, so that every rank sees which checkpoints
@@ -260,6 +273,12 @@ void Trainer::save_checkpoint() {
     remove_stale_shards();
   }
   last_checkpoint_step_ = position_.step;
+}
+
+bool Trainer::dcp_state() const {
+  // A compressor's per-rank state has no dcp form: such a job keeps its
+  // shard files (and its world size).
+  return wiring_.has_dcp_state() && !pipeline_ && !sync_.has_state();
 }
 
 bool Trainer::per_rank_state() const {
@@ -335,11 +354,16 @@ void Trainer::remove_stale_shards() const {
 std::optional<int64_t> Trainer::resume() {
   if (!checkpoints_) return std::nullopt;
   // Rank 0 picks the checkpoint and tells the others, so that all ranks
-  // load the same one even if they see the folder differently.
+  // load the same one even if they see the folder differently. A checkpoint
+  // whose dcp folder is not whole (no .metadata, a missing data file) is
+  // skipped like a file that does not verify.
   std::string payload;
   auto chosen = torch::tensor({int64_t{-1}}, torch::kInt64);
   if (comm_.rank() == 0) {
-    auto loaded = checkpoints_->load_latest();
+    auto loaded = checkpoints_->load_latest([&](int64_t step, const std::string& bytes) {
+      const auto path = checkpoints_->path_for(step);
+      if (training_state_in_dcp(bytes, path)) verify_dcp_folder(dcp_folder(path));
+    });
     skipped_ = loaded.skipped;
     for (const auto& why : skipped_) {
       std::fprintf(stderr, "cohort: skipping %s\n", why.c_str());
@@ -367,10 +391,14 @@ std::optional<int64_t> Trainer::resume() {
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
   if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();  // loads into the shards
-  auto state =
-      decode_training_state(payload, path, wiring_.per_rank_model() ? nullptr : model_.get(),
-                            optimizer_, [&](int64_t world) { check_world(world, path); });
-  if (per_rank_state()) read_shard(step);
+  auto state = decode_training_state(
+      payload, path, wiring_.per_rank_model() ? nullptr : model_.get(), optimizer_,
+      [&](int64_t world, bool in_dcp) { check_checkpoint(world, in_dcp, path); });
+  if (state.in_dcp) {
+    load_dcp(dcp_folder(path));
+  } else if (per_rank_state()) {
+    read_shard(step);
+  }
   const int64_t old_world = state.rng_states.size(0);
   resized_ = old_world != comm_.size();
   if (comm_.rank() < old_world) {
@@ -393,6 +421,15 @@ std::optional<int64_t> Trainer::resume() {
   return step;
 }
 
+void Trainer::load_dcp(const std::string& folder) {
+  // Every rank reads the metadata (verified) and then only the byte ranges
+  // of its own boxes; dcp::load copies nothing unless every rank verified
+  // all it read, and throws the same error on every rank otherwise.
+  const auto meta = dcp::read_metadata(folder);
+  auto state = wiring_.dcp_state_dict(&meta);
+  dcp::load(state, folder, comm_, &meta);
+}
+
 std::string Trainer::sharded_mode() const {
   if (wiring_.fsdp()) return "FSDP (parameters and optimizer state sharded over the ranks)";
   if (pipeline_) return "a pipeline (each rank holds its stages)";
@@ -400,10 +437,21 @@ std::string Trainer::sharded_mode() const {
   return "a stateful gradient compressor (per-rank state)";
 }
 
-void Trainer::check_world(int64_t checkpoint_world, const std::string& path) const {
+void Trainer::check_checkpoint(int64_t checkpoint_world, bool in_dcp,
+                               const std::string& path) const {
+  const std::string where =
+      "Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " + path;
+  if (in_dcp) {
+    // Sharded state saved through dcp loads into any layout that has a dcp
+    // form, at any world size.
+    if (dcp_state()) return;
+    throw ConfigError(where +
+                      " holds ZeRO or FSDP state (a distributed checkpoint), which loads only "
+                      "into a ZeRO or FSDP trainer; this one has " +
+                      (per_rank_state() ? sharded_mode() : std::string("replicated state")));
+  }
   if (checkpoint_world == comm_.size() || !per_rank_state()) return;
-  throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
-                    path + " was written by " + std::to_string(checkpoint_world) +
+  throw ConfigError(where + " was written by " + std::to_string(checkpoint_world) +
                     " ranks, this job has " + std::to_string(comm_.size()) + "; the state of " +
                     sharded_mode() + " resumes only at the world size that wrote it");
 }

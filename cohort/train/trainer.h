@@ -31,8 +31,12 @@
 // rank's shards (non-final micro-batches under
 // set_requires_gradient_sync(false)), the norm of step 4 sums the shards'
 // squared norms over the communicator, each rank clips its rows and steps
-// its shards; each rank saves its shards, buffers and optimizer state in
-// its checkpoint shard.
+// its shards.
+//
+// Checkpoints: with ZeRO or FSDP the model and optimizer state is saved
+// through cohort/dcp (dcp_checkpoint.h) and resumes resharded at any world
+// size, into ZeRO-1/2 or FSDP; the step, schedule position, RNG states and
+// data position stay in rank 0's checkpoint file.
 //
 // What it trains with comes as a TrainerWiring (trainer_wiring.h), whose
 // factories accept only the valid pairings of DDP and optimizer; the DDP and
@@ -141,10 +145,12 @@ class Trainer {
   /// a rank the old world did not have starts a generator seeded with its
   /// rank and the step. The next fit() continues the epoch at the same
   /// sample of its global order (DataSource::global_micro_batch), so keep the
-  /// global batch (micro-batch x accumulation_steps x world) the same. Sharded
-  /// state (ZeRO, FSDP, a pipeline's stages, a compressor's per-rank state)
-  /// resumes only at the world size that wrote it: ConfigError naming the
-  /// mode, with nothing loaded.
+  /// global batch (micro-batch x accumulation_steps x world) the same.
+  /// ZeRO and FSDP state is a distributed checkpoint (cohort/dcp) and
+  /// resumes resharded at any world size, into ZeRO stage 1 or 2 or FSDP.
+  /// Other per-rank state (a pipeline's stages, a compressor's error
+  /// feedback) resumes only at the world size that wrote it: ConfigError
+  /// naming the mode, with nothing loaded.
   std::optional<int64_t> resume();
 
   /// One optimizer step over `micro_batches` (accumulation_steps of them).
@@ -155,13 +161,13 @@ class Trainer {
   /// metrics of the steps it ran.
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
-  /// Writes a checkpoint of the current state (collective). With a sharded
-  /// optimizer (replicated_state() false, e.g. ZeRO) every rank also writes
-  /// its optimizer shard next to it, "<checkpoint>.shard-<rank>-of-<world>",
-  /// and resume() reads it back (a missing or damaged shard is a
-  /// CheckpointError naming the file). With a pipeline the shard also holds
-  /// the rank's stages and their optimizer state; with FSDP its parameter
-  /// shards, buffers and optimizer state.
+  /// Writes a checkpoint of the current state (collective). With ZeRO or
+  /// FSDP the model and optimizer state go into the folder
+  /// "<checkpoint>.dcp" (dcp::save, every rank its own data file; see
+  /// dcp_checkpoint.h). Other per-rank state (a pipeline's stages and their
+  /// optimizer state, a compressor's) goes into each rank's shard file,
+  /// "<checkpoint>.shard-<rank>-of-<world>", and resume() reads it back (a
+  /// missing or damaged shard is a CheckpointError naming the file).
   void save_checkpoint();
 
   /// Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
@@ -181,7 +187,9 @@ class Trainer {
   uint64_t bytes_sent() const;
   bool per_rank_state() const;
   std::string sharded_mode() const;
-  void check_world(int64_t checkpoint_world, const std::string& path) const;
+  bool dcp_state() const;
+  void check_checkpoint(int64_t checkpoint_world, bool in_dcp, const std::string& path) const;
+  void load_dcp(const std::string& folder);
   void continue_epoch_order(const DataSource& data);
   void write_shard() const;
   void read_shard(int64_t step);

@@ -37,10 +37,11 @@
 // the global gradient norm sums the squared norms of the stages over the
 // pipeline group.
 //
-// With FSDP each rank's parameters are its shards: each rank saves them,
-// its buffers and its optimizer state in its checkpoint shard, and the
-// norm sums the shards' squared norms over the communicator (padding is
-// never part of a shard's .grad). The non-final micro-batches run with
+// With ZeRO or FSDP the model and optimizer state go into the checkpoint
+// through cohort/dcp (dcp_state_dict()), so they resume at another world
+// size and in the other of these modes. With FSDP the norm sums the
+// shards' squared norms over the communicator (padding is never part of a
+// shard's .grad). The non-final micro-batches run with
 // set_requires_gradient_sync(false).
 //
 // The wiring owns the adapters; the DDP, the optimizers, the pipeline
@@ -51,12 +52,14 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
+#include "cohort/dcp/adapters.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
@@ -92,9 +95,11 @@ class TrainerWiring {
           "TrainerWiring::ddp: this ZeRO reduces the gradients itself; build it from the DDP "
           "(ZeroRedundancyOptimizer::make(ddp, ...)) or use TrainerWiring::zero without DDP");
     }
-    return TrainerWiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
+    TrainerWiring wiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
+    wiring.set_zero_state_dict(zero);
+    return wiring;
   }
 
   /// ZeRO alone (it reduces the gradients; its no_sync() between micro-batches). A ZeRO built
@@ -105,9 +110,11 @@ class TrainerWiring {
       throw InvalidArgument(
           "TrainerWiring::zero: this ZeRO reduces for a DDP; wire it with TrainerWiring::ddp");
     }
-    return TrainerWiring(zero.shared_communicator(), std::move(model),
+    TrainerWiring wiring(zero.shared_communicator(), std::move(model),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<InStepGradientSync>(zero));
+    wiring.set_zero_state_dict(zero);
+    return wiring;
   }
 
   /// The fused optimizer (it all-reduces its buckets; no DDP).
@@ -160,8 +167,18 @@ class TrainerWiring {
   /// The fully sharded root the trainer steps, or null.
   FullyShardImpl* fsdp() const { return fsdp_.get(); }
   /// True when each rank's model holds its own part (a pipeline's stages, FSDP's shards):
-  /// every rank saves it in its checkpoint shard instead of rank 0 in the main file.
+  /// rank 0's main checkpoint file does not hold it.
   bool per_rank_model() const { return pipeline_ != nullptr || fsdp_ != nullptr; }
+  /// True when the model and optimizer state is sharded over the ranks and
+  /// has a distributed-checkpoint form (ZeRO, FSDP): the Trainer saves it
+  /// with dcp::save and loads it resharded at any world size.
+  bool has_dcp_state() const { return static_cast<bool>(dcp_state_); }
+  /// This rank's model and optimizer state as a dcp::StateDict, under the
+  /// bare model's names (cohort/dcp/adapters.h); for_load: the checkpoint's
+  /// metadata when loading. Only when has_dcp_state().
+  dcp::StateDict dcp_state_dict(const dcp::Metadata* for_load) const {
+    return dcp_state_(for_load);
+  }
   /// Every communicator a step's traffic goes over, each once: communicator(), and under PP x DP
   /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
   const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
@@ -184,12 +201,21 @@ class TrainerWiring {
     }
   }
 
+  // ZeRO's state dict is the model's parameters and the optimizer's pieces.
+  void set_zero_state_dict(ZeroRedundancyOptimizer& zero) {
+    std::shared_ptr<torch::nn::Module> model = model_;
+    dcp_state_ = [model, z = &zero](const dcp::Metadata* for_load) {
+      return dcp::zero_state_dict(*model, *z, for_load);
+    };
+  }
+
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<torch::nn::Module> model_;
   std::unique_ptr<TrainerOptimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;
   pipeline::PipelineRuntime* pipeline_ = nullptr;
   std::shared_ptr<FullyShardImpl> fsdp_;
+  std::function<dcp::StateDict(const dcp::Metadata*)> dcp_state_;
   std::vector<std::shared_ptr<Communicator>> traffic_;
 };
 

@@ -82,13 +82,13 @@ void load_module_state(torch::nn::Module& module, torch::serialize::InputArchive
 }
 
 std::string encode_training_state(torch::nn::Module* model, const TrainerOptimizer& optimizer,
-                                  const TrainingPosition& position,
-                                  const torch::Tensor& rng_states) {
+                                  const TrainingPosition& position, const torch::Tensor& rng_states,
+                                  bool in_dcp) {
   torch::serialize::OutputArchive archive;
   torch::serialize::OutputArchive model_archive, optimizer_archive;
   if (model) model->save(model_archive);
   // A sharded optimizer (ZeRO) saves each rank's part in its own file.
-  if (optimizer.replicated_state()) optimizer.save(optimizer_archive);
+  if (optimizer.replicated_state() && !in_dcp) optimizer.save(optimizer_archive);
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("step", c10::IValue(position.step));
@@ -96,6 +96,7 @@ std::string encode_training_state(torch::nn::Module* model, const TrainerOptimiz
   archive.write("batch", c10::IValue(position.batch));
   archive.write("epoch_samples", c10::IValue(position.epoch_samples));
   archive.write("rng_states", rng_states);
+  if (in_dcp) archive.write("dcp", c10::IValue(true));
   std::ostringstream out;
   archive.save_to(out);
   return out.str();
@@ -110,13 +111,16 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     archive.load_from(in);
     DecodedState state;
     archive.read("rng_states", state.rng_states);
-    if (check) check(state.rng_states.size(0));
-    torch::serialize::InputArchive model_archive, optimizer_archive;
-    archive.read("model", model_archive);
-    archive.read("optimizer", optimizer_archive);
-    if (model) load_module_state(*model, model_archive);
-    if (optimizer.replicated_state()) optimizer.load(optimizer_archive);
     c10::IValue v;
+    state.in_dcp = archive.try_read("dcp", v) && v.toBool();
+    if (check) check(state.rng_states.size(0), state.in_dcp);
+    if (!state.in_dcp) {
+      torch::serialize::InputArchive model_archive, optimizer_archive;
+      archive.read("model", model_archive);
+      archive.read("optimizer", optimizer_archive);
+      if (model) load_module_state(*model, model_archive);
+      if (optimizer.replicated_state()) optimizer.load(optimizer_archive);
+    }
     archive.read("step", v);
     state.position.step = v.toInt();
     archive.read("epoch", v);
@@ -133,6 +137,18 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     // optimizer; say so rather than print LibTorch's backtrace.
     throw CheckpointError("checkpoint " + source +
                           ": does not fit this model/optimizer: " + e.what_without_backtrace());
+  }
+}
+
+bool training_state_in_dcp(const std::string& payload, const std::string& source) {
+  try {
+    std::istringstream in(payload);
+    torch::serialize::InputArchive archive;
+    archive.load_from(in);
+    c10::IValue v;
+    return archive.try_read("dcp", v) && v.toBool();
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint " + source + ": " + e.what_without_backtrace());
   }
 }
 

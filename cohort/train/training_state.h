@@ -34,24 +34,34 @@ struct TrainingPosition {
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
 /// model null: each rank saves its own part (a pipeline's stages) in its shard.
+/// in_dcp: the model and optimizer state are in the checkpoint's dcp folder
+/// (dcp_checkpoint.h); pass model null then.
 std::string encode_training_state(torch::nn::Module* model, const TrainerOptimizer& optimizer,
-                                  const TrainingPosition& position,
-                                  const torch::Tensor& rng_states);
+                                  const TrainingPosition& position, const torch::Tensor& rng_states,
+                                  bool in_dcp = false);
+
+/// True when `payload` (verified) keeps its model and optimizer state in
+/// the checkpoint's dcp folder. Throws CheckpointError naming `source` when
+/// it does not parse.
+bool training_state_in_dcp(const std::string& payload, const std::string& source);
 
 /// A checkpoint's contents, decoded.
 struct DecodedState {
   /// Where training was.
   TrainingPosition position;
   torch::Tensor rng_states;  ///< [world_size, state_bytes]
+  /// The model and optimizer state are in the dcp folder (nothing loaded).
+  bool in_dcp = false;
 };
 
-/// Called with the number of ranks that wrote the checkpoint before anything
-/// is loaded; throws to refuse it.
-using WorldCheck = std::function<void(int64_t checkpoint_world)>;
+/// Called with the number of ranks that wrote the checkpoint, and whether its
+/// state is in its dcp folder, before anything is loaded; throws to refuse it.
+using WorldCheck = std::function<void(int64_t checkpoint_world, bool in_dcp)>;
 
 /// Loads model (unless null) and optimizer from `payload` and returns the
-/// rest. Throws CheckpointError (naming `source`) when the payload does not
-/// parse or does not fit the model; what `check` throws, having loaded nothing.
+/// rest; a checkpoint whose state is in its dcp folder loads neither. Throws CheckpointError
+/// (naming `source`) when the payload does not parse or does not fit the model; what `check`
+/// throws, having loaded nothing.
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
                                    torch::nn::Module* model, TrainerOptimizer& optimizer,
                                    const WorldCheck& check = {});

@@ -258,9 +258,10 @@ INSTANTIATE_TEST_SUITE_P(TrainerCheckpoint, ResumeTest, ::testing::Values(true, 
                            return std::string(i.param ? "ddp" : "allreduce");
                          });
 
-// ZeRO's sharded state: every rank writes its shard next to the checkpoint,
-// resume reads it back, and the resumed run is bitwise the uninterrupted
-// one; rotated-out checkpoints take their shards with them.
+// ZeRO's sharded state: a distributed checkpoint next to rank 0's file
+// (every rank's data file and the metadata), resume reads it back, and the
+// resumed run is bitwise the uninterrupted one; rotated-out checkpoints take
+// their folders with them.
 TEST(TrainerCheckpoint, ZeroShardsResumeBitwise) {
   TempDir whole("cohort-zero-whole"), split("cohort-zero-split");
   Job job{2, whole.str(), 10, 5, 3, whole / "m.jsonl", false, true, true};
@@ -270,9 +271,10 @@ TEST(TrainerCheckpoint, ZeroShardsResumeBitwise) {
   job.metrics = split / "m.jsonl";
   job.max_steps = 5;
   run_job(job);
+  const std::string folder = CheckpointDir(split.str(), 3).path_for(5) + ".dcp";
+  EXPECT_TRUE(std::filesystem::exists(folder + "/.metadata"));
   for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(std::filesystem::exists(CheckpointDir(split.str(), 3).path_for(5) + ".shard-" +
-                                        std::to_string(r) + "-of-2"));
+    EXPECT_TRUE(std::filesystem::exists(folder + "/__" + std::to_string(r) + "_0.distcp"));
   }
   job.max_steps = 10;
   job.resume = true;
@@ -284,7 +286,7 @@ TEST(TrainerCheckpoint, ZeroShardsResumeBitwise) {
   }
   expect_equal_params(resumed.params, uninterrupted.params);
 
-  // keep_last 1: only the newest checkpoint and its two shards remain.
+  // keep_last 1: only the newest checkpoint and its folder remain.
   TempDir rotate("cohort-zero-rotate");
   run_job({2, rotate.str(), 6, 2, 1, rotate / "m.jsonl", false, true, true});
   std::vector<std::string> names;
@@ -292,9 +294,8 @@ TEST(TrainerCheckpoint, ZeroShardsResumeBitwise) {
     names.push_back(e.path().filename().string());
   }
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"ckpt-0000000006.cohort",
-                                             "ckpt-0000000006.cohort.shard-0-of-2",
-                                             "ckpt-0000000006.cohort.shard-1-of-2", "m.jsonl"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"ckpt-0000000006.cohort", "ckpt-0000000006.cohort.dcp",
+                                             "m.jsonl"}));
 }
 
 TEST(TrainerCheckpoint, DamagedNewestFallsBackToThePreviousOne) {
@@ -320,6 +321,42 @@ TEST(TrainerCheckpoint, DamagedNewestFallsBackToThePreviousOne) {
     ASSERT_EQ(r.skipped.size(), 1u) << d.name;
     EXPECT_NE(r.skipped[0].find(newest), std::string::npos) << r.skipped[0];
     EXPECT_NE(r.skipped[0].find(d.expect), std::string::npos) << r.skipped[0];
+    expect_equal_params(r.params, first.params_at.at(4));
+  }
+}
+
+// A ZeRO checkpoint is whole only with its distributed part: a folder
+// without .metadata, with a damaged .metadata or with a missing or
+// truncated data file is skipped like a damaged file, and resume falls
+// back to the previous checkpoint.
+TEST(TrainerCheckpoint, DamagedDcpFolderFallsBackToThePreviousOne) {
+  struct Damage {
+    std::string name, file, expect;
+    bool remove;
+  };
+  for (const auto& d : {Damage{"no metadata", ".metadata", ".metadata", true},
+                        Damage{"damaged metadata", ".metadata", "checksum mismatch", false},
+                        Damage{"missing data file", "__1_0.distcp", "__1_0.distcp", true},
+                        Damage{"truncated data file", "__0_0.distcp", "__0_0.distcp", false}}) {
+    TempDir dir("cohort-dcp-fallback");
+    const auto first = run_job({2, dir.str(), 6, 2, 2, "", false, true, true});
+    CheckpointDir folder(dir.str(), 2);
+    ASSERT_EQ(folder.steps(), (std::vector<int64_t>{6, 4}));
+    const std::string file = folder.path_for(6) + ".dcp/" + d.file;
+    const std::string good = slurp(file);
+    if (d.remove) {
+      std::filesystem::remove(file);
+    } else if (d.file == ".metadata") {
+      std::string flipped = good;
+      flipped[good.size() / 2] ^= 0x40;
+      dump(file, flipped);
+    } else {
+      dump(file, good.substr(0, good.size() / 2));
+    }
+    const auto r = run_job({2, dir.str(), 4, 2, 2, "", true, true, true});
+    EXPECT_EQ(r.resumed_at, std::optional<int64_t>(4)) << d.name;
+    ASSERT_EQ(r.skipped.size(), 1u) << d.name;
+    EXPECT_NE(r.skipped[0].find(d.expect), std::string::npos) << d.name << ": " << r.skipped[0];
     expect_equal_params(r.params, first.params_at.at(4));
   }
 }

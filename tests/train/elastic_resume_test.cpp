@@ -1,9 +1,11 @@
-// Resuming at another world size (ranks as threads): a DDP job trains at
-// world 4 to a checkpoint, then resumes at world 1, 2, 3 or 6 with the same
-// global batch (12 samples a step: micro-batch x accumulation x world). The
-// next 10 steps must match the uninterrupted world-4 run within 1e-5
-// relative, and every step must train on the same samples: the epoch's
-// global order continues, no sample lost or seen twice.
+// Resuming at another world size (ranks as threads): a job trains at world 4
+// to a checkpoint, then resumes at world 1, 2, 3 or 6 with the same global
+// batch (12 samples a step: micro-batch x accumulation x world). The next 10
+// steps must match the uninterrupted world-4 run within 1e-5 relative, and
+// every step must train on the same samples: the epoch's global order
+// continues, no sample lost or seen twice. DDP's replicated state, and the
+// sharded state of ZeRO-1/2 and FSDP (a distributed checkpoint, resharded on
+// load, also into the other of these modes).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -11,7 +13,9 @@
 #include <optional>
 #include <set>
 
+#include "cohort/ddp/comm_hook.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
@@ -36,12 +40,30 @@ struct Layout {
   int64_t accumulation;
 };
 
+// How the job trains: DDP and AdamW; DDP and ZeRO stage 1 or 2 over AdamW;
+// FSDP (each Linear a unit) and AdamW over the shards.
+enum class Mode { Ddp, Zero1, Zero2, Fsdp };
+
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::Ddp:
+      return "ddp";
+    case Mode::Zero1:
+      return "zero1";
+    case Mode::Zero2:
+      return "zero2";
+    case Mode::Fsdp:
+      return "fsdp";
+  }
+  return "?";
+}
+
 struct Job {
   Layout layout;
   std::string dir;
   int64_t max_steps;
   bool resume = false;
-  bool zero = false;
+  Mode mode = Mode::Ddp;
 };
 
 struct JobResult {
@@ -66,15 +88,41 @@ JobResult run_job(const Job& job) {
   std::mutex mu;
   testing::run_ranks_shared(job.layout.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = testing::make_mlp(job.resume ? 99 : 7);  // resume must overwrite it
-    DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
-    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-    std::unique_ptr<ZeroRedundancyOptimizer> zero;
-    if (job.zero) {
-      ZeroOptions zo;
-      zo.reduce_gradients = false;  // DDP averages them
-      zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-          net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
+    const bool fsdp = job.mode == Mode::Fsdp;
+    std::unique_ptr<DistributedDataParallel<torch::nn::Sequential>> ddp;
+    FullyShard sharded{nullptr};
+    std::function<torch::Tensor(const torch::Tensor&)> forward;
+    if (fsdp) {
+      torch::nn::Sequential units;
+      for (size_t i = 0; i < net->size(); ++i) {
+        if (i == 1) {
+          units->push_back(torch::nn::Tanh());
+          continue;
+        }
+        torch::nn::Linear linear(net->ptr<torch::nn::LinearImpl>(i));
+        units->push_back(FullyShard(torch::nn::AnyModule(linear), comm));
+      }
+      sharded = fully_shard(units, comm);
+      forward = [&](const torch::Tensor& x) { return sharded->forward(x); };
+    } else {
+      ddp = std::make_unique<DistributedDataParallel<torch::nn::Sequential>>(net, comm);
+      forward = [&](const torch::Tensor& x) { return ddp->forward(x); };
     }
+    torch::optim::AdamW opt(fsdp ? sharded->parameters() : net->parameters(),
+                            torch::optim::AdamWOptions(1e-2));
+    std::unique_ptr<ZeroRedundancyOptimizer> zero;
+    if (job.mode == Mode::Zero1 || job.mode == Mode::Zero2) {
+      ZeroOptions zo;
+      zo.stage = job.mode == Mode::Zero1 ? 1 : 2;
+      zo.reduce_gradients = false;  // DDP averages them (stage 2: through ZeRO)
+      zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+          *ddp, torch::optim::AdamWOptions(1e-2), comm, zo);
+    }
+    auto wiring = [&] {
+      if (fsdp) return TrainerWiring::fsdp(sharded, opt);
+      if (zero) return TrainerWiring::ddp(*ddp, *zero);
+      return TrainerWiring::ddp(*ddp, opt);
+    };
     TrainerConfig config;
     config.accumulation_steps = job.layout.accumulation;
     config.max_grad_norm = 1.0;
@@ -85,7 +133,7 @@ JobResult run_job(const Job& job) {
     config.progress = false;
     int64_t step = 0;
     Trainer trainer(
-        job.zero ? TrainerWiring::ddp(ddp, *zero) : TrainerWiring::ddp(ddp, opt),
+        wiring(),
         [&](const torch::data::Example<>& b) {
           {
             std::lock_guard<std::mutex> lock(mu);
@@ -93,8 +141,7 @@ JobResult run_job(const Job& job) {
             const int64_t* p = ids.data_ptr<int64_t>();
             for (int64_t i = 0; i < ids.numel(); ++i) result.samples[step + 1].insert(p[i]);
           }
-          return torch::nn::functional::cross_entropy(ddp.forward(b.data.narrow(1, 0, 8)),
-                                                      b.target);
+          return torch::nn::functional::cross_entropy(forward(b.data.narrow(1, 0, 8)), b.target);
         },
         config);
     TensorDataSource source(x, data.y, job.layout.micro_batch, comm->rank(), comm->size());
@@ -109,9 +156,15 @@ JobResult run_job(const Job& job) {
       }
     };
     trainer.fit(source, callbacks);
+    std::vector<torch::Tensor> params;
+    if (fsdp) {
+      for (const auto& item : sharded->full_state_dict()) params.push_back(item.value());
+    } else {
+      for (auto& p : net->parameters()) params.push_back(p.detach().clone());
+    }
     if (comm->rank() == 0) {
       result.resumed_at = resumed;
-      for (auto& p : net->parameters()) result.params.push_back(p.detach().clone());
+      result.params = std::move(params);
     }
   });
   return result;
@@ -125,16 +178,15 @@ constexpr Layout kWorld4{4, 3, 1};
 constexpr int64_t kResumeAt = 11;  // mid-epoch: step 3 of epoch 1
 constexpr int64_t kSteps = 10;
 
-class ElasticResume : public ::testing::TestWithParam<Layout> {};
-
-TEST_P(ElasticResume, NextStepsMatchTheUninterruptedRunOnTheSameSamples) {
-  const Layout resized = GetParam();
+// Trains at world 4 in mode `from`, resumes at `resized` in mode `to`, and
+// checks the next kSteps and the samples against the uninterrupted run.
+void expect_resume_continues(Mode from, Mode to, const Layout& resized) {
   ASSERT_EQ(resized.world * resized.micro_batch * resized.accumulation, kGlobalBatch);
   TempDir whole("cohort-elastic-whole"), split("cohort-elastic-split");
-  const auto reference = run_job({kWorld4, whole.str(), kResumeAt + kSteps});
+  const auto reference = run_job({kWorld4, whole.str(), kResumeAt + kSteps, false, from});
 
-  const auto first = run_job({kWorld4, split.str(), kResumeAt});
-  const auto second = run_job({resized, split.str(), kResumeAt + kSteps, /*resume=*/true});
+  const auto first = run_job({kWorld4, split.str(), kResumeAt, false, from});
+  const auto second = run_job({resized, split.str(), kResumeAt + kSteps, /*resume=*/true, to});
   ASSERT_EQ(second.resumed_at, std::optional<int64_t>(kResumeAt));
   ASSERT_EQ(second.loss.size(), static_cast<size_t>(kSteps));
 
@@ -151,8 +203,8 @@ TEST_P(ElasticResume, NextStepsMatchTheUninterruptedRunOnTheSameSamples) {
         << "parameter " << i;
     bitwise = bitwise && torch::equal(second.params[i], reference.params[i]);
   }
-  RecordProperty("bitwise", bitwise ? "yes" : "no");
-  std::printf("world 4 -> %d: %s\n", resized.world,
+  ::testing::Test::RecordProperty("bitwise", bitwise ? "yes" : "no");
+  std::printf("%s world 4 -> %s world %d: %s\n", mode_name(from), mode_name(to), resized.world,
               bitwise ? "bitwise identical" : "equal within 1e-5, not bitwise");
 
   // Epoch 1 (steps 9..16) ran partly at world 4, partly at the new size:
@@ -169,6 +221,12 @@ TEST_P(ElasticResume, NextStepsMatchTheUninterruptedRunOnTheSameSamples) {
       << "a sample was seen twice in epoch 1";
 }
 
+class ElasticResume : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ElasticResume, NextStepsMatchTheUninterruptedRunOnTheSameSamples) {
+  expect_resume_continues(Mode::Ddp, Mode::Ddp, GetParam());
+}
+
 INSTANTIATE_TEST_SUITE_P(Trainer, ElasticResume,
                          ::testing::Values(Layout{3, 4, 1}, Layout{2, 3, 2}, Layout{1, 6, 2},
                                            Layout{6, 2, 1}),
@@ -176,26 +234,100 @@ INSTANTIATE_TEST_SUITE_P(Trainer, ElasticResume,
                            return "to_world" + std::to_string(i.param.world);
                          });
 
-// ZeRO's optimizer state is sharded per rank: another world size is refused,
-// naming the mode, and nothing is loaded.
-TEST(ElasticResumeRefused, ShardedOptimizerStateNamesTheModeAndLoadsNothing) {
-  TempDir dir("cohort-elastic-zero");
-  run_job({kWorld4, dir.str(), 4, false, /*zero=*/true});
+// Sharded state (ZeRO-1/2, FSDP) is a distributed checkpoint: it resumes at
+// another world size, also into the other sharded mode, resharded.
+struct Resize {
+  Mode from, to;
+  Layout layout;
+};
+
+class ShardedElasticResume : public ::testing::TestWithParam<Resize> {};
+
+TEST_P(ShardedElasticResume, NextStepsMatchTheUninterruptedRunOnTheSameSamples) {
+  const Resize r = GetParam();
+  expect_resume_continues(r.from, r.to, r.layout);
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, ShardedElasticResume,
+                         ::testing::Values(Resize{Mode::Zero2, Mode::Zero1, {3, 4, 1}},
+                                           Resize{Mode::Fsdp, Mode::Fsdp, {2, 3, 2}},
+                                           Resize{Mode::Fsdp, Mode::Fsdp, {3, 4, 1}},
+                                           Resize{Mode::Zero1, Mode::Zero2, {1, 6, 2}},
+                                           Resize{Mode::Zero2, Mode::Fsdp, {2, 3, 2}},
+                                           Resize{Mode::Fsdp, Mode::Zero1, {6, 2, 1}}),
+                         [](const ::testing::TestParamInfo<Resize>& i) {
+                           return std::string(mode_name(i.param.from)) + "_to_" +
+                                  mode_name(i.param.to) + "_world" +
+                                  std::to_string(i.param.layout.world);
+                         });
+
+// A stateful gradient compressor's error feedback is per rank and has no
+// distributed form: another world size is refused, naming the mode, and
+// nothing is loaded.
+TEST(ElasticResumeRefused, CompressorStateNamesTheModeAndLoadsNothing) {
+  TempDir dir("cohort-elastic-compressor");
+  compression::CompressionOptions options;
+  options.kind = compression::CompressionKind::Int8;
+  auto train = [&](int world, int64_t max_steps, bool resume, std::vector<std::string>* errors,
+                   std::vector<torch::Tensor>* params) {
+    const auto data = testing::make_data(kSamples);
+    testing::run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+      auto net = testing::make_mlp(resume ? 99 : 7);
+      DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+      ddp.register_comm_hook(std::make_shared<CompressionHook>(options));
+      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+      TrainerConfig config;
+      config.checkpoint_dir = dir.str();
+      config.max_steps = max_steps;
+      config.progress = false;
+      Trainer trainer(
+          TrainerWiring::ddp(ddp, opt),
+          [&](const torch::data::Example<>& b) {
+            return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+          },
+          config);
+      if (!resume) {
+        TensorDataSource source(data.x, data.y, 3, comm->rank(), comm->size());
+        trainer.fit(source);
+        return;
+      }
+      try {
+        trainer.resume();
+      } catch (const ConfigError& e) {
+        (*errors)[comm->rank()] = e.what();
+      }
+      (*params)[comm->rank()] = net->parameters()[0].detach().clone();
+    });
+  };
+  train(4, 4, false, nullptr, nullptr);
   std::vector<std::string> errors(3);
   std::vector<torch::Tensor> params(3);
-  const auto x = indexed_data();
-  testing::run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+  train(3, 4, true, &errors, &params);
+  const auto fresh = testing::make_mlp(99)->parameters()[0];
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("written by 4 ranks, this job has 3"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("compressor"), std::string::npos) << errors[r];
+    EXPECT_TRUE(torch::equal(params[r], fresh)) << "rank " << r << " loaded the model";
+  }
+}
+
+// A distributed checkpoint (ZeRO, FSDP) loads only into a trainer whose
+// state has a distributed form: plain DDP is refused, naming the modes, and
+// nothing is loaded.
+TEST(ElasticResumeRefused, ShardedCheckpointIntoDdpNamesTheModesAndLoadsNothing) {
+  TempDir dir("cohort-elastic-zero");
+  run_job({kWorld4, dir.str(), 4, false, Mode::Zero2});
+  std::vector<std::string> errors(2);
+  std::vector<torch::Tensor> params(2);
+  testing::run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     auto net = testing::make_mlp(99);
     DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
-    ZeroOptions zo;
-    zo.reduce_gradients = false;
-    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-        net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
     TrainerConfig config;
     config.checkpoint_dir = dir.str();
     config.progress = false;
     Trainer trainer(
-        TrainerWiring::ddp(ddp, *zero),
+        TrainerWiring::ddp(ddp, opt),
         [&](const torch::data::Example<>& b) { return ddp.forward(b.data).sum(); }, config);
     try {
       trainer.resume();
@@ -205,9 +337,9 @@ TEST(ElasticResumeRefused, ShardedOptimizerStateNamesTheModeAndLoadsNothing) {
     params[comm->rank()] = net->parameters()[0].detach().clone();
   });
   const auto fresh = testing::make_mlp(99)->parameters()[0];
-  for (int r = 0; r < 3; ++r) {
-    EXPECT_NE(errors[r].find("written by 4 ranks, this job has 3"), std::string::npos) << errors[r];
-    EXPECT_NE(errors[r].find("ZeRO"), std::string::npos) << errors[r];
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("ZeRO or FSDP"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("replicated state"), std::string::npos) << errors[r];
     EXPECT_TRUE(torch::equal(params[r], fresh)) << "rank " << r << " loaded the model";
   }
 }

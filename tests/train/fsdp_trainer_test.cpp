@@ -2,8 +2,8 @@
 // 3): with accumulation and clipping by the global norm over the shards it
 // takes the same steps as one process on the whole global batch (within
 // 1e-6 relative), reduce-scatters once per unit per step whatever the
-// number of micro-batches, and a run stopped and resumed from its per-rank
-// checkpoints is bitwise the uninterrupted one (every shard, buffer and
+// number of micro-batches, and a run stopped and resumed from its
+// distributed checkpoint is bitwise the uninterrupted one (every shard, buffer and
 // optimizer state), also when an evaluation forward left the root's own
 // parameters gathered before a checkpoint.
 #include <gtest/gtest.h>
@@ -292,11 +292,13 @@ TEST_P(FsdpTrainerResume, StopAndResumeIsBitwiseTheUninterruptedRun) {
   testing::TempDir straight("fsdp_straight"), broken("fsdp_broken");
   const auto expected = run_job({c, straight.path()}, data);
   run_job({c, broken.path(), /*max_steps=*/3}, data);
-  // Each rank wrote its shard next to rank 0's file.
+  // Each rank wrote its data file into the distributed checkpoint next to
+  // rank 0's file.
+  const auto folder = std::filesystem::path(broken.path()) / "ckpt-0000000003.cohort.dcp";
+  EXPECT_TRUE(std::filesystem::exists(folder / ".metadata"));
   for (int r = 0; r < c.world; ++r) {
-    const auto shard =
-        "ckpt-0000000003.cohort.shard-" + std::to_string(r) + "-of-" + std::to_string(c.world);
-    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(broken.path()) / shard)) << shard;
+    const auto file = "__" + std::to_string(r) + "_0.distcp";
+    EXPECT_TRUE(std::filesystem::exists(folder / file)) << file;
   }
   const auto resumed = run_job({c, broken.path(), kSteps, /*resume=*/true}, data);
   for (int r = 0; r < c.world; ++r) {

@@ -1,0 +1,45 @@
+// defines: the Trainer's glue to cohort/dcp for sharded state (ZeRO, FSDP):
+// where a checkpoint's distributed part lives, the check that a resume
+// makes before choosing it, and the clean-up of parts whose checkpoint was
+// rotated out.
+//
+// A checkpoint of step s is then two things in the checkpoint folder:
+//   ckpt-<s>.cohort      rank 0's file (atomic, checksummed): the step,
+//                        epoch and sample position, every rank's RNG state,
+//                        and the flag saying the rest is in the folder below;
+//   ckpt-<s>.cohort.dcp/ the model and optimizer state as a distributed
+//                        checkpoint (dcp::save: one data file per rank and
+//                        .metadata, written last).
+// Rank 0 writes its file only after dcp::save returned on every rank, so a
+// checkpoint that exists is whole; a crash in between leaves a folder
+// without a file, which the next save removes.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cohort/dcp/dcp.h"
+#include "cohort/train/checkpoint_dir.h"
+
+namespace cohort {
+
+/// The distributed part of the checkpoint at `checkpoint_path`.
+std::string dcp_folder(const std::string& checkpoint_path);
+
+/// Throws CheckpointError naming the file when `folder` has no .metadata,
+/// its .metadata does not verify, or a data file it lists is missing or has
+/// another size (data checksums are verified by dcp::load).
+void verify_dcp_folder(const std::string& folder);
+
+/// For saving: `model`'s buffers (BatchNorm statistics, which each rank
+/// updates from its own batch and rank 0 broadcasts before the next
+/// forward) are saved from rank 0, not from whichever rank dcp picks.
+void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, int rank);
+
+/// Removes the dcp folders in `dir` whose checkpoint file is gone, except
+/// that of `keep_step` (being written).
+void remove_orphan_dcp_folders(const CheckpointDir& dir, int64_t keep_step);
+
+}  // namespace cohort
