@@ -14,15 +14,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-torch::nn::Sequential make_seq(uint64_t seed) {
-  torch::nn::Sequential seq(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3),
-                            torch::nn::Tanh(), torch::nn::Linear(3, 1));
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  torch::NoGradGuard no_grad;
-  for (auto& p : seq->parameters()) p.copy_(torch::randn(p.sizes(), gen));
-  return seq;
-}
-
 TEST(Consolidate, FsdpWorld3LoadsWithTorchLoadAndGivesTheSameOutputs) {
   const auto dir = temp_dir("consolidate_fsdp");
   const auto out = (dir / "model.pt").string();

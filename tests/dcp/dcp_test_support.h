@@ -83,6 +83,16 @@ inline void expect_equal(const Named& got, const Named& expected, const std::str
   }
 }
 
+// A small Sequential with nested unnamed modules, its weights drawn from `seed`.
+inline torch::nn::Sequential make_seq(uint64_t seed) {
+  torch::nn::Sequential seq(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3),
+                            torch::nn::Tanh(), torch::nn::Linear(3, 1));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : seq->parameters()) p.copy_(torch::randn(p.sizes(), gen));
+  return seq;
+}
+
 inline std::filesystem::path temp_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
              ("cohort_dcp_" + std::to_string(::getpid()) + "_" + name);

@@ -124,15 +124,6 @@ TEST(ZeroRoundTrip, Stage2World4LoadsIntoStage1World3AndDdpWorld2) {
   fs::remove_all(dir);
 }
 
-torch::nn::Sequential make_seq(uint64_t seed) {
-  torch::nn::Sequential seq(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3),
-                            torch::nn::Tanh(), torch::nn::Linear(3, 1));
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  torch::NoGradGuard no_grad;
-  for (auto& p : seq->parameters()) p.copy_(torch::randn(p.sizes(), gen));
-  return seq;
-}
-
 FullyShard make_fsdp(uint64_t seed, std::shared_ptr<Communicator> comm) {
   return fully_shard(shard_blocks(make_seq(seed), comm), comm);
 }
