@@ -11,7 +11,7 @@
 #include "cohort/core/error.h"
 #include "tests/activation/activation_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::checkpoint_test {
 namespace {
 
 using Tensors = std::vector<torch::Tensor>;
@@ -269,4 +269,4 @@ INSTANTIATE_TEST_SUITE_P(Cases, CheckpointErrors, ::testing::ValuesIn(error_case
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::checkpoint_test

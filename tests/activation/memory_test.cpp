@@ -23,7 +23,7 @@
 #include "cohort/memory/memory_scope.h"
 #include "tests/activation/activation_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::memory_test {
 namespace {
 
 constexpr int kBlocks = 12;
@@ -73,4 +73,4 @@ TEST(CheckpointMemory, TwelveBlocksPeakAtMostAQuarter) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::memory_test

@@ -19,7 +19,7 @@
 #include "support/thread_ranks.h"
 #include "tests/activation/activation_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::parallel_test {
 namespace {
 
 using Tensors = std::vector<torch::Tensor>;
@@ -248,4 +248,4 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CheckpointZero, ::testing::Values(2, 3),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::parallel_test

@@ -13,7 +13,7 @@
 #include "support/thread_ranks.h"
 #include "tests/contract/contract_values.h"
 
-namespace cohort::algorithms {
+namespace cohort::algorithms::cost_model_test {
 namespace {
 
 TEST(PiecewiseCost, IsTheLineThroughTheMeasuredEndsOfEachBand) {
@@ -207,4 +207,4 @@ TEST(Algorithm, BadEnvironmentChoiceIsAConfigErrorOfInitOnly) {
 }
 
 }  // namespace
-}  // namespace cohort::algorithms
+}  // namespace cohort::algorithms::cost_model_test

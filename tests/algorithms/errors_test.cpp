@@ -4,7 +4,7 @@
 
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::errors_test {
 namespace {
 
 // A peer that never joins (alive, elsewhere): the wait times out within the operation's
@@ -42,4 +42,4 @@ TEST(AlgorithmErrors, TimeoutNamesTheStepAndThePeer) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::errors_test

@@ -10,7 +10,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::netns_test {
 namespace {
 
 // Slows every non-loopback device of namespace `ns`: netem (1 Gbit/s,
@@ -76,4 +76,4 @@ TEST(Hierarchical, TwoHostsOfTwoRanksInNetworkNamespaces) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::netns_test

@@ -9,7 +9,7 @@
 
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::errors_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -170,4 +170,4 @@ TEST(Options, NonPositiveTimeoutAndBadRootAreRefused) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::errors_test

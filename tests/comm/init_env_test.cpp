@@ -9,7 +9,7 @@
 #include "cohort/cohort.h"
 #include "cohort/comm/gloo/c10d_adapter.h"
 
-namespace cohort {
+namespace cohort::init_env_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -172,4 +172,4 @@ TEST(InitFile, FileRendezvousWithThreeRanks) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::init_env_test

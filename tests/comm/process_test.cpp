@@ -10,7 +10,7 @@
 #include "cohort/core/store/socket.h"
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::process_test {
 namespace {
 
 uint16_t free_port() {
@@ -56,4 +56,4 @@ TEST(ProcessFailure, SurvivorsOfAKilledRankFailWithANamedError) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::process_test

@@ -22,7 +22,7 @@
 #include "cohort/core/store/tcp_store_server.h"
 #include "support/subprocess.h"
 
-namespace cohort {
+namespace cohort::store_hostile_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -438,4 +438,4 @@ TEST(TcpStoreHostile, FuzzKeepsServingARealClient) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::store_hostile_test

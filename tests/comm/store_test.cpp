@@ -9,7 +9,7 @@
 #include "cohort/comm/gloo/c10d_adapter.h"
 #include "cohort/cohort.h"
 
-namespace cohort {
+namespace cohort::store_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -117,4 +117,4 @@ TEST(PrefixStore, KeepsKeySpacesApart) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::store_test

@@ -8,7 +8,7 @@
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::compression_ddp_test {
 namespace {
 
 using compression::CompressionKind;
@@ -17,7 +17,7 @@ std::vector<torch::Tensor> grads_after_step(std::shared_ptr<Communicator> comm,
                                             const DDPOptions& options,
                                             const std::vector<torch::Tensor>& init,
                                             int64_t* bytes_sent = nullptr) {
-  auto model = make_mlp();
+  auto model = make_ddp_mlp();
   copy_parameters(*model, init);
   DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
   const int r = comm->rank();
@@ -33,7 +33,7 @@ std::vector<torch::Tensor> grads_after_step(std::shared_ptr<Communicator> comm,
 // fp16/bf16 send half of the float32 all-reduce, int8 about a quarter.
 TEST(DdpCompression, StatsCountTheCompressedBytes) {
   torch::manual_seed(5);
-  const auto init = clone_all(make_mlp()->parameters());
+  const auto init = clone_all(make_ddp_mlp()->parameters());
   run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
     torch::set_num_threads(1);
     int64_t plain = 0;
@@ -55,7 +55,7 @@ TEST(DdpCompression, StatsCountTheCompressedBytes) {
 
 TEST(DdpCompression, UncompressedPathIsUnchanged) {
   torch::manual_seed(3);
-  const auto init = clone_all(make_mlp()->parameters());
+  const auto init = clone_all(make_ddp_mlp()->parameters());
   run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
     torch::set_num_threads(1);
     const auto plain = grads_after_step(comm, {}, init);
@@ -73,7 +73,7 @@ TEST(DdpCompression, UncompressedPathIsUnchanged) {
 
 TEST(DdpCompression, EveryCompressorKeepsReplicasIdentical) {
   torch::manual_seed(4);
-  const auto init = clone_all(make_mlp()->parameters());
+  const auto init = clone_all(make_ddp_mlp()->parameters());
   for (auto kind : {CompressionKind::Fp16, CompressionKind::Bf16, CompressionKind::Int8,
                     CompressionKind::TopK, CompressionKind::PowerSGD}) {
     run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
@@ -105,4 +105,4 @@ TEST(DdpCompression, EveryCompressorKeepsReplicasIdentical) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::compression_ddp_test

@@ -19,7 +19,7 @@
 #include "cohort/compression/compressor.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::compression_fuzz_test {
 namespace {
 
 using namespace cohort::compression;
@@ -221,4 +221,4 @@ INSTANTIATE_TEST_SUITE_P(Compression, Fuzz, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::compression_fuzz_test

@@ -15,7 +15,7 @@
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::compression_hardening_test {
 namespace {
 
 using namespace cohort::compression;
@@ -321,4 +321,4 @@ INSTANTIATE_TEST_SUITE_P(Compression, Rebuild,
                          });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::compression_hardening_test

@@ -13,7 +13,7 @@
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::compression_overlap_test {
 namespace {
 
 using compression::CompressionKind;
@@ -42,7 +42,7 @@ class OverlappedHook : public ::testing::TestWithParam<int> {};
 
 TEST_P(OverlappedHook, BitwiseTheCompressorCalledByHand) {
   torch::manual_seed(6);
-  const auto init = clone_all(make_mlp()->parameters());
+  const auto init = clone_all(make_ddp_mlp()->parameters());
   for (auto kind : {CompressionKind::Fp16, CompressionKind::Int8, CompressionKind::TopK,
                     CompressionKind::PowerSGD}) {
     run_ranks_shared(GetParam(), [&](std::shared_ptr<Communicator> comm) {
@@ -53,7 +53,7 @@ TEST_P(OverlappedHook, BitwiseTheCompressorCalledByHand) {
       o.compression.powersgd_start_iteration = 2;
       o.compression.powersgd_min_compression_rate = 1;
       o.bucket_cap_mb = o.first_bucket_mb = 300.0 / (1 << 20);  // three buckets
-      auto model = make_mlp(), reference = make_mlp();
+      auto model = make_ddp_mlp(), reference = make_ddp_mlp();
       copy_parameters(*model, init);
       copy_parameters(*reference, init);
       DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, o);
@@ -166,4 +166,4 @@ TEST(OverlappedHook, WorkerErrorSurfacesFromWait) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::compression_overlap_test

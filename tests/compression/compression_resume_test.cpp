@@ -13,7 +13,7 @@
 #include "support/thread_ranks.h"
 #include "tests/train/train_fixtures.h"
 
-namespace cohort::testing {
+namespace cohort::testing::compression_resume_test {
 namespace {
 
 using compression::CompressionKind;
@@ -87,4 +87,4 @@ INSTANTIATE_TEST_SUITE_P(Compression, Resume,
                          [](const auto& info) { return compression::to_string(info.param); });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::compression_resume_test

@@ -10,7 +10,7 @@
 #include "cohort/compression/compressor.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::compression_test {
 namespace {
 
 using namespace cohort::compression;
@@ -326,4 +326,4 @@ TEST(Compression, BadInputIsRefused) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::compression_test

@@ -11,7 +11,7 @@
 #include "tests/contract/contract_cases.h"
 #include "tests/contract/contract_values.h"
 
-namespace cohort::testing {
+namespace cohort::testing::threads_test {
 namespace {
 
 struct Param {
@@ -79,4 +79,4 @@ INSTANTIATE_TEST_SUITE_P(Ucx, Contract, ::testing::ValuesIn(all_params("ucx")), 
 #endif
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::threads_test

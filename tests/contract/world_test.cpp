@@ -12,7 +12,7 @@
 #include "tests/contract/contract_cases.h"
 #include "tests/contract/contract_values.h"
 
-namespace cohort::testing {
+namespace cohort::testing::world_test {
 namespace {
 
 struct Param {
@@ -81,4 +81,4 @@ INSTANTIATE_TEST_SUITE_P(Contract, World, ::testing::ValuesIn(all_params()),
                          });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::world_test

@@ -7,7 +7,7 @@
 #include "support/rank_errors.h"
 #include "tests/dcp/dcp_test_support.h"
 
-namespace cohort::testing::dcp_test {
+namespace cohort::testing::dcp_test::bad_input_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -138,4 +138,4 @@ TEST(BadInput, ModelWithAnotherNameNamesTheTensor) {
 }
 
 }  // namespace
-}  // namespace cohort::testing::dcp_test
+}  // namespace cohort::testing::dcp_test::bad_input_test

@@ -9,7 +9,7 @@
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
 
-namespace cohort::testing::dcp_test {
+namespace cohort::testing::dcp_test::consolidate_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -68,4 +68,4 @@ TEST(Consolidate, ZeroWorld2LoadsWithTorchLoadIntoNestedModules) {
 }
 
 }  // namespace
-}  // namespace cohort::testing::dcp_test
+}  // namespace cohort::testing::dcp_test::consolidate_test

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-namespace cohort::testing {
+namespace cohort::testing::metadata_test {
 namespace {
 
 using dcp::Box;
@@ -70,4 +70,4 @@ TEST(Metadata, JsonRoundTrip) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::metadata_test

@@ -9,7 +9,7 @@
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
 
-namespace cohort::testing::dcp_test {
+namespace cohort::testing::dcp_test::round_trip_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -196,4 +196,4 @@ TEST(FsdpRoundTrip, World4LoadsIntoWorld2AndBack) {
 }
 
 }  // namespace
-}  // namespace cohort::testing::dcp_test
+}  // namespace cohort::testing::dcp_test::round_trip_test

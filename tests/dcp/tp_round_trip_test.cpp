@@ -19,7 +19,7 @@
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
 
-namespace cohort::testing::dcp_test {
+namespace cohort::testing::dcp_test::tp_round_trip_test {
 namespace {
 
 using namespace cohort::tensor_parallel;
@@ -237,4 +237,4 @@ TEST(TensorParallelBadInput, TpThatDoesNotDivideIsAnErrorOnEveryRank) {
 }
 
 }  // namespace
-}  // namespace cohort::testing::dcp_test
+}  // namespace cohort::testing::dcp_test::tp_round_trip_test

@@ -7,7 +7,7 @@
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::buckets_test {
 namespace {
 
 std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
@@ -162,7 +162,7 @@ TEST(DdpBuckets, GradientsAreViewsIntoTheBuckets) {
 
 TEST(DdpStats, CountBytesBucketsAndShares) {
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
-    auto model = make_mlp();
+    auto model = make_ddp_mlp();
     DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, one_param_per_bucket());
     int64_t bytes = 0;
     for (auto& p : ddp.parameters()) bytes += p.nbytes();
@@ -179,4 +179,4 @@ TEST(DdpStats, CountBytesBucketsAndShares) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::buckets_test

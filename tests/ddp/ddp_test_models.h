@@ -11,7 +11,7 @@
 namespace cohort::testing {
 
 // 8 -> 16 -> 16 -> 4, tanh; small enough that 20 steps at N = 4 take ms.
-inline torch::nn::Sequential make_mlp() {
+inline torch::nn::Sequential make_ddp_mlp() {
   return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                                torch::nn::Linear(16, 16), torch::nn::Tanh(),
                                torch::nn::Linear(16, 4));

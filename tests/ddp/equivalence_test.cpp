@@ -9,7 +9,7 @@
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::equivalence_test {
 namespace {
 
 constexpr int kSteps = 20;
@@ -44,7 +44,7 @@ TEST_P(Equivalence, TwentyStepsMatchSingleProcess) {
   const auto c = GetParam();
   torch::set_num_threads(1);
   torch::manual_seed(11);
-  auto reference = make_mlp();
+  auto reference = make_ddp_mlp();
   const auto init = clone_all(reference->parameters());
   const int64_t rows = c.world * kRowsPerRank;
   const auto xs = torch::randn({kSteps, rows, 8});
@@ -64,7 +64,7 @@ TEST_P(Equivalence, TwentyStepsMatchSingleProcess) {
   std::vector<int64_t> buckets(c.world);
   run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
-    auto model = make_mlp();  // other ranks start elsewhere: DDP broadcasts rank 0's
+    auto model = make_ddp_mlp();  // other ranks start elsewhere: DDP broadcasts rank 0's
     if (r == 0) copy_parameters(*model, init);
     DDPOptions options;
     options.bucket_cap_mb = 0.0005;   // ~130 floats: several buckets
@@ -100,7 +100,7 @@ TEST_P(ReloadMidTraining, ModuleLoadKeepsEquivalence) {
   constexpr int kWorld = 2;
   torch::set_num_threads(1);
   torch::manual_seed(12);
-  auto reference = make_mlp();
+  auto reference = make_ddp_mlp();
   const auto init = clone_all(reference->parameters());
   const auto xs = torch::randn({kSteps, kWorld * kRowsPerRank, 8});
   const auto ys = torch::randn({kSteps, kWorld * kRowsPerRank, 4});
@@ -116,7 +116,7 @@ TEST_P(ReloadMidTraining, ModuleLoadKeepsEquivalence) {
   std::vector<std::vector<torch::Tensor>> got(kWorld);
   run_ranks_shared(kWorld, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
-    auto model = make_mlp();
+    auto model = make_ddp_mlp();
     if (r == 0) copy_parameters(*model, init);
     DDPOptions options;
     options.bucket_cap_mb = 0.0005;
@@ -168,4 +168,4 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Ddp, Equivalence, ::testing::ValuesIn(cases()), case_name);
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::equivalence_test

@@ -12,7 +12,7 @@
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::features_test {
 namespace {
 
 using Mlp = torch::nn::Sequential;
@@ -21,7 +21,7 @@ TEST(DdpConstruction, BroadcastsRankZerosParameters) {
   torch::set_num_threads(1);
   std::vector<std::vector<torch::Tensor>> got(3);
   run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
-    auto model = make_mlp();
+    auto model = make_ddp_mlp();
     {
       torch::NoGradGuard g;
       for (auto& p : model->parameters()) p.fill_(comm->rank() + 1);
@@ -162,7 +162,7 @@ TEST(DdpModuleApi, ForwardsToTheModuleAndSaveLoadKeepsReducing) {
 TEST(DdpNoSync, AccumulatesLocallyThenReducesTheSum) {
   torch::set_num_threads(1);
   torch::manual_seed(3);
-  auto reference = make_mlp();
+  auto reference = make_ddp_mlp();
   const auto init = clone_all(reference->parameters());
   const auto xs = torch::randn({3, 2, 4, 8});  // micro-step, rank, rows, features
   const auto ys = torch::randn({3, 2, 4, 4});
@@ -181,7 +181,7 @@ TEST(DdpNoSync, AccumulatesLocallyThenReducesTheSum) {
   }
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
-    auto model = make_mlp();
+    auto model = make_ddp_mlp();
     copy_parameters(*model, init);
     DistributedDataParallel<Mlp> ddp(model, comm);
     model->zero_grad();
@@ -206,9 +206,9 @@ TEST(DdpNoSync, AccumulatesLocallyThenReducesTheSum) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::features_test
 
-namespace cohort::testing {
+namespace cohort::testing::features_test {
 namespace {
 
 TEST(DdpNoSyncStrategy, SynchronizeAveragesOnDemand) {
@@ -248,4 +248,4 @@ TEST(DdpData, DistributedRandomSamplerGivesDisjointShards) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::features_test

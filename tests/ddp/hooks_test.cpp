@@ -7,7 +7,7 @@
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::hooks_test {
 namespace {
 
 // Reduced gradients of one step with `hook` (null: the default), per rank.
@@ -15,7 +15,7 @@ std::vector<torch::Tensor> reduced_grads(std::shared_ptr<Communicator> comm,
                                          std::shared_ptr<CommHook> hook,
                                          const std::vector<torch::Tensor>& init,
                                          const torch::Tensor& x, const torch::Tensor& y) {
-  auto model = make_mlp();
+  auto model = make_ddp_mlp();
   copy_parameters(*model, init);
   DistributedDataParallel<torch::nn::Sequential> ddp(model, comm);
   if (hook) ddp.register_comm_hook(hook);
@@ -36,7 +36,7 @@ class CompressionHooks : public ::testing::TestWithParam<Compression> {};
 TEST_P(CompressionHooks, BoundedErrorAgainstExactAverage) {
   torch::set_num_threads(1);
   torch::manual_seed(1);
-  auto reference = make_mlp();
+  auto reference = make_ddp_mlp();
   const auto init = clone_all(reference->parameters());
   const auto& c = GetParam();
   constexpr int kWorld = 3;
@@ -95,7 +95,7 @@ class RecordingHook : public AllReduceHook {
 
 TEST(DdpCommHook, CustomHookSeesEveryBucketOnceInOrder) {
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
-    auto model = make_mlp();
+    auto model = make_ddp_mlp();
     DDPOptions options;
     options.bucket_cap_mb = 0.0005;
     options.first_bucket_mb = 0.0002;
@@ -119,4 +119,4 @@ TEST(DdpCommHook, CustomHookSeesEveryBucketOnceInOrder) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::hooks_test

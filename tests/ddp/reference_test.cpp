@@ -22,7 +22,7 @@
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::reference_test {
 namespace {
 
 constexpr int kWorld = 2;
@@ -207,4 +207,4 @@ INSTANTIATE_TEST_SUITE_P(Ddp, PyTorchReference,
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::reference_test

@@ -17,7 +17,7 @@
 #include "support/thread_ranks.h"
 #include "tests/fsdp/fsdp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::features_test {
 namespace {
 
 using namespace fsdp_test;
@@ -419,4 +419,4 @@ TEST(FSDPErrors, BackwardAfterANoGradForwardFailsAndTheNextStepWorks) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::features_test

@@ -19,7 +19,7 @@
 #include "support/thread_ranks.h"
 #include "tests/fsdp/fsdp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::fsdp_tp_test {
 namespace {
 
 using namespace fsdp_test;
@@ -145,4 +145,4 @@ INSTANTIATE_TEST_SUITE_P(FSDP, FsdpTp,
                          });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::fsdp_tp_test

@@ -15,7 +15,7 @@
 #include "support/thread_ranks.h"
 #include "tests/fsdp/fsdp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::golden_test {
 namespace {
 
 using namespace fsdp_test;
@@ -110,4 +110,4 @@ INSTANTIATE_TEST_SUITE_P(
     name_of);
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::golden_test

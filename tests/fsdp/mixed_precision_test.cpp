@@ -21,7 +21,7 @@
 #include "support/thread_ranks.h"
 #include "tests/fsdp/fsdp_test_models.h"
 
-namespace cohort::testing {
+namespace cohort::testing::mixed_precision_test {
 namespace {
 
 using namespace fsdp_test;
@@ -275,4 +275,4 @@ TEST(MixedPrecisionErrors, AnIntegerParamDtypeIsRefused) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::mixed_precision_test

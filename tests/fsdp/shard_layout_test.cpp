@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-namespace cohort::fsdp {
+namespace cohort::fsdp::shard_layout_test {
 namespace {
 
 std::vector<torch::Tensor> shapes() {
@@ -78,4 +78,4 @@ TEST_P(Layout, CopyInPutsEachRanksRowsInItsSegment) {
 INSTANTIATE_TEST_SUITE_P(Worlds, Layout, ::testing::Values(1, 2, 3, 4, 8));
 
 }  // namespace
-}  // namespace cohort::fsdp
+}  // namespace cohort::fsdp::shard_layout_test

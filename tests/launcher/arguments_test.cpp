@@ -7,7 +7,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::arguments_test {
 namespace {
 
 struct BadArgs {
@@ -111,4 +111,4 @@ TEST(Usage, HelpExitsZero) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::arguments_test

@@ -5,7 +5,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::elastic_test {
 namespace {
 
 // Rank 3 fails whenever the job has 4 ranks (a lost slot); rank 2 fails
@@ -67,4 +67,4 @@ TEST(Elastic, BadRangesAreUsageErrors) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::elastic_test

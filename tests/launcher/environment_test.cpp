@@ -7,7 +7,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::environment_test {
 namespace {
 
 constexpr const char* kPrintEnv =
@@ -119,4 +119,4 @@ TEST(Environment, SecondNodeOfTwo) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::environment_test

@@ -6,7 +6,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::exit_code_test {
 namespace {
 
 void expect_all_gone(const std::string& dir) {
@@ -115,4 +115,4 @@ TEST(ExitCode, OfRanksFailingTogetherTheFirstToFailIsNamed) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::exit_code_test

@@ -4,7 +4,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::misuse_test {
 namespace {
 
 TEST(Misuse, DuplicateRankIsNamed) {
@@ -28,4 +28,4 @@ TEST(Misuse, DuplicateRankIsNamed) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::misuse_test

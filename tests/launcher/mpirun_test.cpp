@@ -8,7 +8,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::mpirun_test {
 namespace {
 
 class Mpirun : public ::testing::Test {
@@ -83,4 +83,4 @@ TEST_F(Mpirun, MissingMpirunGives127) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::mpirun_test

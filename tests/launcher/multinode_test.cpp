@@ -10,7 +10,7 @@
 #include "support/netns.h"
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::multinode_test {
 namespace {
 
 constexpr int kRanksPerNode = 2;
@@ -130,4 +130,4 @@ TEST(MultiNode, TwoNodesInNetworkNamespacesOverUcx) { run_two_nodes("ucx"); }
 #endif
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::multinode_test

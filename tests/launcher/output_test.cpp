@@ -7,7 +7,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::output_test {
 namespace {
 
 TEST(Output, LinesStayWholeUnderConcurrentOutput) {
@@ -85,4 +85,4 @@ TEST(Output, FailureReportKeepsOnlyTheLastTenLines) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::output_test

@@ -6,7 +6,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::restart_test {
 namespace {
 
 // Rank 1 fails in attempts 0 and 1; attempt 2 succeeds.
@@ -76,4 +76,4 @@ TEST(Restart, TimeoutCountsAsAFailedAttempt) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::restart_test

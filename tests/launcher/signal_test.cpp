@@ -7,7 +7,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::signal_test {
 namespace {
 
 // Each rank records its pid and a background child's (which, as a shell's
@@ -66,4 +66,4 @@ TEST(Signals, RanksDieWhenTheLauncherIsKilled) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::signal_test

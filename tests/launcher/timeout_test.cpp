@@ -3,7 +3,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::timeout_test {
 namespace {
 
 TEST(Timeout, HangingRankIsReportedAndStopped) {
@@ -46,4 +46,4 @@ TEST(Timeout, RankIgnoringSigtermIsKilledAfterTheGrace) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::timeout_test

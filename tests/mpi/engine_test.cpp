@@ -7,7 +7,7 @@
 
 #include "cohort/cohort.h"
 
-namespace cohort::testing {
+namespace cohort::testing::engine_test {
 namespace {
 
 #define NEED_PEERS(n) \
@@ -117,4 +117,4 @@ TEST(MpiDebug, MismatchedCollectivesAreNamedBeforeMpiSeesThem) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::engine_test

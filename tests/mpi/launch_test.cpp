@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 
+namespace launch_test {
 namespace {
 
 // The output of `command` (stdout and stderr) and its exit status.
@@ -66,3 +67,4 @@ TEST(MpiLaunch, RanksThatMpiSeesAsSingletonsAreRefused) {
 }
 
 }  // namespace
+}  // namespace launch_test

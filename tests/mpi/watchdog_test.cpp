@@ -8,7 +8,7 @@
 
 #include "support/subprocess.h"
 
-namespace cohort::testing {
+namespace cohort::testing::watchdog_test {
 namespace {
 
 struct Outcome {
@@ -73,4 +73,4 @@ TEST(MpiWatchdog, BlockingSmallCollectiveIsEndedByTheWatchdog) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::watchdog_test

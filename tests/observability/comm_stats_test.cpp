@@ -7,7 +7,7 @@
 #include "cohort/observability/counting_engine.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::comm_stats_test {
 namespace {
 
 constexpr int64_t kCounts[] = {0, 1, 1200};  // 1200: divisible by 1..4
@@ -195,4 +195,4 @@ INSTANTIATE_TEST_SUITE_P(World, CommStatsTest,
                          [](const auto& info) { return "w" + std::to_string(info.param.world); });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::comm_stats_test

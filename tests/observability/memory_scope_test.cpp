@@ -7,7 +7,7 @@
 
 #include <thread>
 
-namespace cohort::memory {
+namespace cohort::memory::memory_scope_test {
 namespace {
 
 constexpr int64_t kFloat = sizeof(float);
@@ -96,4 +96,4 @@ TEST(MemoryScope, AutogradSavedTensorsAreCounted) {
 }
 
 }  // namespace
-}  // namespace cohort::memory
+}  // namespace cohort::memory::memory_scope_test

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <chrono>
 
-namespace cohort {
+namespace cohort::tick_clock_test {
 namespace {
 
 using Steady = std::chrono::steady_clock;
@@ -52,4 +52,4 @@ TEST(TickClock, NeverRunsBackwardsOnOneThread) {
 TEST(TickClock, ZeroTicksAreZeroNanoseconds) { EXPECT_EQ(tick_clock::to_ns(0), 0u); }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::tick_clock_test

@@ -13,7 +13,7 @@
 #include "support/thread_ranks.h"
 #include "tests/train/train_fixtures.h"
 
-namespace cohort {
+namespace cohort::trainer_comm_test {
 namespace {
 
 enum class Mode { Ddp, Zero2Ddp, Zero1Alone, Fused };
@@ -113,4 +113,4 @@ INSTANTIATE_TEST_SUITE_P(World, TrainerComm, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "w" + std::to_string(info.param); });
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::trainer_comm_test

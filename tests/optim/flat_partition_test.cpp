@@ -6,7 +6,7 @@
 
 #include "cohort/core/error.h"
 
-namespace cohort {
+namespace cohort::flat_partition_test {
 namespace {
 
 TEST(FlatPartition, PiecesCoverEveryParameterOnceAndShardsAreBalanced) {
@@ -61,4 +61,4 @@ TEST(FlatPartition, RejectsBadArguments) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::flat_partition_test

@@ -7,7 +7,7 @@
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "tests/optim/optim_test_support.h"
 
-namespace cohort::testing {
+namespace cohort::testing::fused_test {
 namespace {
 
 class FusedEquivalence : public ::testing::TestWithParam<std::tuple<int, bool>> {};
@@ -124,4 +124,4 @@ TEST(Fused, SaveLoadResumes) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::fused_test

@@ -6,7 +6,7 @@
 #include <sys/mman.h>  // MADV_FREE, where the buffer reuses its pages
 #include <torch/torch.h>
 
-namespace cohort {
+namespace cohort::staging_buffer_test {
 namespace {
 
 TEST(StagingBuffer, ReusesItsMemoryBetweenUses) {
@@ -46,4 +46,4 @@ TEST(StagingBuffer, KeepsMemoryMappedForTensorsThatOutliveIt) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::staging_buffer_test

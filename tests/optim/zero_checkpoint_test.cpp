@@ -10,7 +10,7 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "tests/optim/optim_test_support.h"
 
-namespace cohort::testing {
+namespace cohort::testing::zero_checkpoint_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -143,4 +143,4 @@ TEST(ZeroConsolidate, RebuildsTheFullAdamWStateOnOneRank) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::zero_checkpoint_test

@@ -7,7 +7,7 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "tests/optim/optim_test_support.h"
 
-namespace cohort::testing {
+namespace cohort::testing::zero_ddp_test {
 namespace {
 
 constexpr double kTinyBucketMb = 16.0 * 4 / (1024 * 1024);  // 16 floats
@@ -213,4 +213,4 @@ TEST(ZeroAccumulationEdge, Stage2StepAfterOnlyNoSyncBackwards) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::zero_ddp_test

@@ -8,7 +8,7 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "tests/optim/optim_test_support.h"
 
-namespace cohort::testing {
+namespace cohort::testing::zero_test {
 namespace {
 
 constexpr double kTinyBucketMb = 16.0 * 4 / (1024 * 1024);  // 16 floats
@@ -363,4 +363,4 @@ TEST(Zero, RefusesMismatchedModels) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::zero_test

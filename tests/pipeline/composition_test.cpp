@@ -9,7 +9,7 @@
 #include "pipeline_test_models.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::pipeline {
+namespace cohort::pipeline::composition_test {
 namespace {
 
 using namespace cohort::pipeline::testing;
@@ -81,4 +81,4 @@ TEST(PipelineComposition, PipelineWithZeroOneEqualsOneProcess) {
 }
 
 }  // namespace
-}  // namespace cohort::pipeline
+}  // namespace cohort::pipeline::composition_test

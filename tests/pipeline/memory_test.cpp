@@ -15,7 +15,7 @@
 #include "pipeline_test_models.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::pipeline {
+namespace cohort::pipeline::memory_test {
 namespace {
 
 using namespace cohort::pipeline::testing;
@@ -203,4 +203,4 @@ TEST(ScheduleMemory, ValidatorRefusesAScheduleOverTheCap) {
 }
 
 }  // namespace
-}  // namespace cohort::pipeline
+}  // namespace cohort::pipeline::memory_test

@@ -13,7 +13,7 @@
 #include "pipeline_job_cases.h"
 #include "support/subprocess.h"
 
-namespace cohort::pipeline::testing {
+namespace cohort::pipeline::testing::process_test {
 namespace {
 
 using cohort::testing::Seconds;
@@ -94,4 +94,4 @@ TEST(PipelineProcesses, CohortrunRunsEqualOneProcess) {
 }
 
 }  // namespace
-}  // namespace cohort::pipeline::testing
+}  // namespace cohort::pipeline::testing::process_test

@@ -9,7 +9,7 @@
 #include "pipeline_test_models.h"
 #include "support/rank_errors.h"
 
-namespace cohort::pipeline {
+namespace cohort::pipeline::runtime_errors_test {
 namespace {
 
 using namespace cohort::pipeline::testing;
@@ -213,4 +213,4 @@ TEST(StageCount, TheLargestStageCountRuns) {
 }
 
 }  // namespace
-}  // namespace cohort::pipeline
+}  // namespace cohort::pipeline::runtime_errors_test

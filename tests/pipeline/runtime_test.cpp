@@ -11,7 +11,7 @@
 #include "pipeline_test_models.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::pipeline {
+namespace cohort::pipeline::runtime_test {
 namespace {
 
 using namespace cohort::pipeline::testing;
@@ -310,4 +310,4 @@ TEST(PipelineStages, BalancedBoundaries) {
 }
 
 }  // namespace
-}  // namespace cohort::pipeline
+}  // namespace cohort::pipeline::runtime_test

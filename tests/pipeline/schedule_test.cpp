@@ -9,7 +9,7 @@
 #include "cohort/pipeline/schedule_simulator.h"
 #include "cohort/pipeline/schedule_validator.h"
 
-namespace cohort::pipeline {
+namespace cohort::pipeline::schedule_test {
 namespace {
 
 std::string error_of(const PipelineSchedule& s) {
@@ -241,4 +241,4 @@ TEST(PipelineSimulator, MonteCarloRefusesBadInput) {
 }
 
 }  // namespace
-}  // namespace cohort::pipeline
+}  // namespace cohort::pipeline::schedule_test

@@ -12,7 +12,7 @@
 #include "cohort/tensor_parallel/mappings.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::cross_entropy_test {
 namespace {
 
 using namespace cohort::tensor_parallel;
@@ -115,4 +115,4 @@ INSTANTIATE_TEST_SUITE_P(TensorParallel, CrossEntropyIgnore, ::testing::Values(1
                          [](const auto& info) { return "tp" + std::to_string(info.param); });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::cross_entropy_test

@@ -7,7 +7,7 @@
 #include "cohort/tensor_parallel/mappings.h"
 #include "support/rank_errors.h"
 
-namespace cohort::testing {
+namespace cohort::testing::errors_test {
 namespace {
 
 using namespace cohort::tensor_parallel;
@@ -65,4 +65,4 @@ INSTANTIATE_TEST_SUITE_P(TensorParallel, TensorParallelErrors, ::testing::Values
                          [](const auto& info) { return "tp" + std::to_string(info.param); });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::errors_test

@@ -20,7 +20,7 @@
 #include "examples/models/gpt_pipeline.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::gpt_equivalence_test {
 namespace {
 
 using namespace cohort::tensor_parallel;
@@ -203,4 +203,4 @@ INSTANTIATE_TEST_SUITE_P(
     case_name);
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::gpt_equivalence_test

@@ -11,7 +11,7 @@
 #include "cohort/tensor_parallel/mappings.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::layers_test {
 namespace {
 
 using namespace cohort::tensor_parallel;
@@ -202,4 +202,4 @@ TEST(LayerErrors, SizesThatDoNotDivideNameTheLayer) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::layers_test

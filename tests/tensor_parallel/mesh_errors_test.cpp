@@ -7,7 +7,7 @@
 #include "cohort/mesh/device_mesh.h"
 #include "support/rank_errors.h"
 
-namespace cohort::testing {
+namespace cohort::testing::mesh_errors_test {
 namespace {
 
 bool has(const std::string& text, const std::string& part) {
@@ -68,4 +68,4 @@ INSTANTIATE_TEST_SUITE_P(Worlds, MeshDisagreement, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::mesh_errors_test

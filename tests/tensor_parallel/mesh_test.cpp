@@ -8,7 +8,7 @@
 #include "cohort/mesh/device_mesh.h"
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::mesh_test {
 namespace {
 
 std::string shape_name(const ::testing::TestParamInfo<MeshShape>& info) {
@@ -112,4 +112,4 @@ TEST(MeshErrors, ProductMustBeTheWorldSize) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::mesh_test

@@ -25,7 +25,7 @@
 #include "trace_files.h"
 #include "trace_summary.h"
 
-namespace cohort {
+namespace cohort::trace_test {
 namespace {
 
 using nlohmann::json;
@@ -459,4 +459,4 @@ TEST(Trace, CohortrunTraceMergesOneLanePerRank) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::trace_test

@@ -20,7 +20,7 @@
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
-namespace cohort {
+namespace cohort::checkpoint_test {
 namespace {
 
 using cohort::testing::TempDir;
@@ -426,4 +426,4 @@ TEST(TrainerCheckpoint, AllDamagedStartsFromZeroAndKeepsTheNewCheckpoint) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::checkpoint_test

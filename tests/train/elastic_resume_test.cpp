@@ -24,7 +24,7 @@
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
-namespace cohort {
+namespace cohort::elastic_resume_test {
 namespace {
 
 using testing::TempDir;
@@ -345,4 +345,4 @@ TEST(ElasticResumeRefused, ShardedCheckpointIntoDdpNamesTheModesAndLoadsNothing)
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::elastic_resume_test

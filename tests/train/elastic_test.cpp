@@ -8,6 +8,7 @@
 
 #include "train_fixtures.h"
 
+namespace elastic_test {
 namespace {
 
 using cohort::testing::TempDir;
@@ -64,3 +65,4 @@ TEST(ElasticRun, GoesOnAtThreeRanksFromTheLastCheckpointAndMatchesTheReference) 
 }
 
 }  // namespace
+}  // namespace elastic_test

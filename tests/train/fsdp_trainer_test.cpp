@@ -18,7 +18,7 @@
 #include "support/subprocess.h"
 #include "support/thread_ranks.h"
 
-namespace cohort {
+namespace cohort::fsdp_trainer_test {
 namespace {
 
 using torch::nn::AnyModule;
@@ -335,4 +335,4 @@ TEST(FsdpTrainerWiring, AnOptimizerOverOtherTensorsIsRefusedOnEveryRank) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::fsdp_trainer_test

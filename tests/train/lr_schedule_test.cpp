@@ -6,7 +6,7 @@
 
 #include "cohort/core/error.h"
 
-namespace cohort {
+namespace cohort::lr_schedule_test {
 namespace {
 
 TEST(LrSchedule, ConstantIsBaseLrAtEveryStep) {
@@ -47,4 +47,4 @@ TEST(LrSchedule, MalformedScheduleIsRefused) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::lr_schedule_test

@@ -10,7 +10,7 @@
 #include "cohort/core/error.h"
 #include "train_fixtures.h"
 
-namespace cohort {
+namespace cohort::metrics_log_test {
 namespace {
 
 std::vector<nlohmann::json> read_lines(const std::string& path) {
@@ -116,4 +116,4 @@ TEST(MetricsLog, LineCutShortIsRemovedWhole) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::metrics_log_test

@@ -18,7 +18,7 @@
 #include "support/subprocess.h"
 #include "support/thread_ranks.h"
 
-namespace cohort {
+namespace cohort::pipeline_trainer_test {
 namespace {
 
 using pipeline::Tensors;
@@ -327,4 +327,4 @@ INSTANTIATE_TEST_SUITE_P(Trainer, PipelineTrainerResume,
                          name_of);
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::pipeline_trainer_test

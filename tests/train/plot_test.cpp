@@ -14,6 +14,7 @@
 #include "plot_metrics.h"
 #include "train_fixtures.h"
 
+namespace plot_test {
 namespace {
 
 std::string error_of(const std::function<void()>& fn) {
@@ -101,3 +102,4 @@ TEST(CohortPlot, EmptyOrCorruptFilesAreNamed) {
 }
 
 }  // namespace
+}  // namespace plot_test

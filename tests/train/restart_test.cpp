@@ -9,6 +9,7 @@
 
 #include "train_fixtures.h"
 
+namespace restart_test {
 namespace {
 
 struct JobRun {
@@ -45,3 +46,4 @@ TEST(KillAndRestart, ResumesFromTheLastCheckpointWithTheSameFinalLoss) {
 }
 
 }  // namespace
+}  // namespace restart_test

@@ -13,7 +13,7 @@
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
-namespace cohort {
+namespace cohort::trainer_equivalence_test {
 namespace {
 
 using cohort::testing::make_data;
@@ -154,4 +154,4 @@ TEST(ShardedGradNorm, EqualsTheNormOfAllGradients) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::trainer_equivalence_test

@@ -17,7 +17,7 @@
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
-namespace cohort {
+namespace cohort::trainer_optimizers_test {
 namespace {
 
 using cohort::testing::make_data;
@@ -198,4 +198,4 @@ TEST(TrainerWiring, RefusesAZeroBuiltForTheOtherPairing) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::trainer_optimizers_test

@@ -11,7 +11,7 @@
 
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::all_reduce_sizes_test {
 namespace {
 
 using Param = std::tuple<int, int64_t, torch::Dtype>;  // world, bytes, dtype
@@ -74,4 +74,4 @@ INSTANTIATE_TEST_SUITE_P(OneElement, UcxAllReduceSizes,
                          name_of);
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::all_reduce_sizes_test

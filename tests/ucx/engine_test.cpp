@@ -15,7 +15,7 @@
 
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::engine_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -234,4 +234,4 @@ TEST(UcxEngine, SubgroupTagsAreTheirOwn) {
 }
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::engine_test

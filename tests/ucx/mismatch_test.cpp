@@ -15,7 +15,7 @@
 
 #include "support/thread_ranks.h"
 
-namespace cohort::testing {
+namespace cohort::testing::mismatch_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -201,4 +201,4 @@ INSTANTIATE_TEST_SUITE_P(Cases, UcxMismatch,
                          name_of);
 
 }  // namespace
-}  // namespace cohort::testing
+}  // namespace cohort::testing::mismatch_test
