@@ -20,10 +20,8 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring) {
-  // A pipeline's ranks hold disjoint stages whose gradients the DP sync
-  // already averaged: the squares sum over the pipeline group only.
-  if (wiring.pipeline())
-    return std::make_shared<ShardedGradNorm>(wiring.pipeline()->shared_group());
+  // A pipeline's or a mesh's layout brings its own.
+  if (wiring.norm()) return wiring.norm();
   if (wiring.optimizer().sharded_gradients()) {
     return std::make_shared<ShardedGradNorm>(wiring.communicator());
   }
@@ -96,6 +94,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   const double comm_before =
       sync_.comm_seconds() + optimizer_.comm_seconds() + pipeline_comm_seconds_;
   const uint64_t bytes_before = bytes_sent();
+  const auto dims_before = dimension_bytes();
   model_->train();
   optimizer_.zero_grad();
   const double loss = pipeline_ ? pipeline_step(micro_batches) : accumulate(micro_batches, tracer);
@@ -123,10 +122,16 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   ++position_.step;
 
   m.comm_bytes = static_cast<int64_t>(bytes_sent() - bytes_before);
+  const auto dims_after = dimension_bytes();
+  for (size_t i = 0; i < dims_after.size(); ++i) {
+    m.comm_bytes_by_dimension[wiring_.dimensions()[i].first] =
+        static_cast<int64_t>(dims_after[i] - dims_before[i]);
+  }
   auto totals = torch::tensor({loss, static_cast<double>(samples)}, torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
-  // Every rank of a pipeline reports its replica's loss and samples.
-  const int copies = pipeline_ ? pipeline_->group().size() : 1;
+  // Every rank of a pipeline (and of a mesh's TP group) reports its
+  // replica's loss and samples.
+  const int copies = wiring_.ranks_per_sample();
   m.step = position_.step;
   m.epoch = position_.epoch;
   m.loss = totals[0].item<double>() / comm_.size();
@@ -142,6 +147,16 @@ uint64_t Trainer::bytes_sent() const {
   uint64_t bytes = 0;
   for (const auto& c : wiring_.traffic()) bytes += c->stats().total().bytes_sent;
   return bytes;
+}
+
+std::vector<uint64_t> Trainer::dimension_bytes() const {
+  std::vector<uint64_t> out;
+  for (const auto& [name, groups] : wiring_.dimensions()) {
+    uint64_t bytes = 0;
+    for (const auto& c : groups) bytes += c->stats().total().bytes_sent;
+    out.push_back(bytes);
+  }
+  return out;
 }
 
 double Trainer::accumulate(const std::vector<torch::data::Example<>>& micro_batches,

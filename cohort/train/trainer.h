@@ -185,6 +185,7 @@ class Trainer {
   double accumulate(const std::vector<torch::data::Example<>>& micro_batches, Tracer* tracer);
   double pipeline_step(const std::vector<torch::data::Example<>>& micro_batches);
   uint64_t bytes_sent() const;
+  std::vector<uint64_t> dimension_bytes() const;
   bool per_rank_state() const;
   std::string sharded_mode() const;
   bool dcp_state() const;

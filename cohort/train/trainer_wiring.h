@@ -20,6 +20,12 @@
 //                                             PP x DP: one all-reduce of the
 //                                             stages' gradients over dp_group
 //                                             after the step
+//   TrainerWiring::mesh(mesh, runtime, o, sync)
+//                                             TP x PP x DP on a DeviceMesh:
+//                                             the pipeline of this rank's
+//                                             TP shard of its stage, the
+//                                             gradients finished by the
+//                                             mesh's GradientSynchronizer
 //   TrainerWiring::fsdp(model, o)              a fully_shard-ed model (its
 //                                             root) and a LibTorch optimizer
 //                                             over its parameters (the shards)
@@ -35,7 +41,9 @@
 // the last stage) instead of a LossFn; each rank's model is its stages, its
 // optimizer state their state, both saved in each rank's checkpoint shard;
 // the global gradient norm sums the squared norms of the stages over the
-// pipeline group.
+// pipeline group. On a mesh the norm counts each parameter once
+// (MeshGradNorm, mesh_wiring.h), and a step's traffic is also reported per
+// dimension (StepMetrics::comm_bytes_by_dimension).
 //
 // With ZeRO or FSDP the model and optimizer state go into the checkpoint
 // through cohort/dcp (dcp_state_dict()), so they resume at another world
@@ -54,6 +62,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -62,10 +71,13 @@
 #include "cohort/dcp/adapters.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/mesh/device_mesh.h"
+#include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/ddp_gradient_sync.h"
+#include "cohort/train/grad_norm.h"
 #include "cohort/train/gradient_sync.h"
 #include "cohort/train/trainer_adapters.h"
 #include "cohort/train/trainer_optimizer.h"
@@ -149,6 +161,16 @@ class TrainerWiring {
                                 torch::optim::Optimizer& optimizer,
                                 std::shared_ptr<Communicator> dp_group);
 
+  /// TP x PP x DP: `runtime` runs this rank's stage (its TP shard) over mesh->pp_group() (a
+  /// runtime of one stage when pp is 1), `optimizer` is any LibTorch optimizer over
+  /// runtime.parameters(), `sync` the mesh's GradientSynchronizer over the same stage. The
+  /// global norm counts every parameter once over the mesh (MeshGradNorm); each rank saves its
+  /// stage and optimizer state in its checkpoint shard. InvalidArgument when the runtime's group
+  /// is not the mesh's PP group.
+  static TrainerWiring mesh(std::shared_ptr<DeviceMesh> mesh, pipeline::PipelineRuntime& runtime,
+                            torch::optim::Optimizer& optimizer,
+                            tensor_parallel::GradientSynchronizer& sync);
+
   /// FSDP: `model` is the root FullyShard, `optimizer` any LibTorch optimizer built over
   /// model->parameters() (the shards). InvalidArgument when the optimizer holds a tensor that is
   /// not one of the model's parameters.
@@ -182,6 +204,16 @@ class TrainerWiring {
   /// Every communicator a step's traffic goes over, each once: communicator(), and under PP x DP
   /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
   const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
+  /// The same traffic by dimension ("tp", "pp", "dp"), for a pipeline or a mesh; empty otherwise.
+  const std::vector<std::pair<std::string, std::vector<std::shared_ptr<Communicator>>>>&
+  dimensions() const {
+    return dimensions_;
+  }
+  /// The global norm this layout needs, or null: the Trainer picks one from the optimizer.
+  const std::shared_ptr<GradNorm>& norm() const { return norm_; }
+  /// Ranks that see the same samples (and report the same loss): the pipeline's stages, times
+  /// the TP ranks on a mesh.
+  int ranks_per_sample() const { return ranks_per_sample_; }
 
  private:
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
@@ -201,6 +233,10 @@ class TrainerWiring {
     }
   }
 
+  // A pipeline's norm, loss copies and dimensions; dp_group may be null.
+  void set_pipeline_layout(const pipeline::PipelineRuntime& runtime,
+                           std::shared_ptr<Communicator> dp_group);
+
   // ZeRO's state dict is the model's parameters and the optimizer's pieces.
   void set_zero_state_dict(ZeroRedundancyOptimizer& zero) {
     std::shared_ptr<torch::nn::Module> model = model_;
@@ -217,6 +253,9 @@ class TrainerWiring {
   std::shared_ptr<FullyShardImpl> fsdp_;
   std::function<dcp::StateDict(const dcp::Metadata*)> dcp_state_;
   std::vector<std::shared_ptr<Communicator>> traffic_;
+  std::vector<std::pair<std::string, std::vector<std::shared_ptr<Communicator>>>> dimensions_;
+  std::shared_ptr<GradNorm> norm_;
+  int ranks_per_sample_ = 1;
 };
 
 }  // namespace cohort
