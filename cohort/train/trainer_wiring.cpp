@@ -63,14 +63,15 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
   return wiring;
 }
 
-void TrainerWiring::set_pipeline_layout(const pipeline::PipelineRuntime& runtime,
+void TrainerWiring::set_pipeline_layout(pipeline::PipelineRuntime& runtime,
                                         std::shared_ptr<Communicator> dp_group) {
   // The DP sync already averaged the stages' gradients: the squares sum over
   // the pipeline group only.
-  norm_ = std::make_shared<ShardedGradNorm>(runtime.shared_group());
-  ranks_per_sample_ = runtime.group().size();
-  dimensions_ = {{"pp", {runtime.shared_group()}}};
-  if (dp_group) dimensions_.push_back({"dp", {std::move(dp_group)}});
+  TrafficDimensions dims = {{"pp", {runtime.shared_group()}}};
+  if (dp_group) dims.push_back({"dp", {std::move(dp_group)}});
+  layout_ = std::make_unique<PipelineLayout>(
+      runtime, std::make_shared<ShardedGradNorm>(runtime.shared_group()), runtime.group().size(),
+      std::move(dims));
 }
 
 TrainerWiring TrainerWiring::mesh(std::shared_ptr<DeviceMesh> mesh,
@@ -92,10 +93,11 @@ TrainerWiring TrainerWiring::mesh(std::shared_ptr<DeviceMesh> mesh,
                        std::make_unique<MeshGradientSync>(sync), &runtime, more);
   // The last stage's copy of the tied embedding (pp > 1) is not a parameter of its own.
   const bool copy = mesh->pp_size() > 1 && mesh->is_pp_last();
-  wiring.norm_ = std::make_shared<MeshGradNorm>(mesh, *wiring.model_,
-                                                copy ? sync.shared_embedding() : torch::Tensor());
-  wiring.ranks_per_sample_ = mesh->pp_size() * mesh->tp_size();
-  wiring.dimensions_ = {{"tp", {mesh->tp_group()}}, {"pp", pp}, {"dp", {mesh->dp_group()}}};
+  auto norm = std::make_shared<MeshGradNorm>(mesh, *wiring.model_,
+                                             copy ? sync.shared_embedding() : torch::Tensor());
+  wiring.layout_ = std::make_unique<PipelineLayout>(
+      runtime, std::move(norm), mesh->pp_size() * mesh->tp_size(),
+      TrafficDimensions{{"tp", {mesh->tp_group()}}, {"pp", pp}, {"dp", {mesh->dp_group()}}});
   return wiring;
 }
 

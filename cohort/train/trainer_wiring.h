@@ -80,6 +80,7 @@
 #include "cohort/train/grad_norm.h"
 #include "cohort/train/gradient_sync.h"
 #include "cohort/train/trainer_adapters.h"
+#include "cohort/train/trainer_layout.h"
 #include "cohort/train/trainer_optimizer.h"
 
 namespace cohort {
@@ -190,7 +191,7 @@ class TrainerWiring {
   FullyShardImpl* fsdp() const { return fsdp_.get(); }
   /// True when each rank's model holds its own part (a pipeline's stages, FSDP's shards):
   /// rank 0's main checkpoint file does not hold it.
-  bool per_rank_model() const { return pipeline_ != nullptr || fsdp_ != nullptr; }
+  bool per_rank_model() const { return layout_->per_rank_model() || fsdp_ != nullptr; }
   /// True when the model and optimizer state is sharded over the ranks and
   /// has a distributed-checkpoint form (ZeRO, FSDP): the Trainer saves it
   /// with dcp::save and loads it resharded at any world size.
@@ -204,16 +205,9 @@ class TrainerWiring {
   /// Every communicator a step's traffic goes over, each once: communicator(), and under PP x DP
   /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
   const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
-  /// The same traffic by dimension ("tp", "pp", "dp"), for a pipeline or a mesh; empty otherwise.
-  const std::vector<std::pair<std::string, std::vector<std::shared_ptr<Communicator>>>>&
-  dimensions() const {
-    return dimensions_;
-  }
-  /// The global norm this layout needs, or null: the Trainer picks one from the optimizer.
-  const std::shared_ptr<GradNorm>& norm() const { return norm_; }
-  /// Ranks that see the same samples (and report the same loss): the pipeline's stages, times
-  /// the TP ranks on a mesh.
-  int ranks_per_sample() const { return ranks_per_sample_; }
+  /// How the model is laid out over the ranks (trainer_layout.h): what the Trainer calls to run
+  /// a step's micro-batches, for the norm, the loss's copies and the traffic per dimension.
+  TrainerLayout& layout() const { return *layout_; }
 
  private:
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
@@ -224,6 +218,7 @@ class TrainerWiring {
         model_(std::move(model)),
         optimizer_(std::move(optimizer)),
         sync_(std::move(sync)),
+        layout_(std::make_unique<ReplicaLayout>(*sync_)),
         pipeline_(pipeline) {
     if (!comm_) throw InvalidArgument("TrainerWiring: communicator is null");
     if (!model_) throw InvalidArgument("TrainerWiring: model is null");
@@ -233,8 +228,8 @@ class TrainerWiring {
     }
   }
 
-  // A pipeline's norm, loss copies and dimensions; dp_group may be null.
-  void set_pipeline_layout(const pipeline::PipelineRuntime& runtime,
+  // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
+  void set_pipeline_layout(pipeline::PipelineRuntime& runtime,
                            std::shared_ptr<Communicator> dp_group);
 
   // ZeRO's state dict is the model's parameters and the optimizer's pieces.
@@ -249,13 +244,11 @@ class TrainerWiring {
   std::shared_ptr<torch::nn::Module> model_;
   std::unique_ptr<TrainerOptimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;
+  std::unique_ptr<TrainerLayout> layout_;
   pipeline::PipelineRuntime* pipeline_ = nullptr;
   std::shared_ptr<FullyShardImpl> fsdp_;
   std::function<dcp::StateDict(const dcp::Metadata*)> dcp_state_;
   std::vector<std::shared_ptr<Communicator>> traffic_;
-  std::vector<std::pair<std::string, std::vector<std::shared_ptr<Communicator>>>> dimensions_;
-  std::shared_ptr<GradNorm> norm_;
-  int ranks_per_sample_ = 1;
 };
 
 }  // namespace cohort
