@@ -145,16 +145,23 @@ std::string generate(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpu
 }
 
 // Step s's global batch (drawn from one seed, s from 1), this DP rank's
-// rows of it, cut into m micro-batches: index s * m + i is micro-batch i of
-// step s + 1. Every TP rank and stage of a replica reads the same.
+// rows of it, cut into m micro-batches. An epoch is as many steps as it
+// takes to draw about as many characters as the text has (never fewer than
+// 1, and independent of --max-steps, so a longer rerun continues the same
+// epoch); micro-batch i of the epoch's step j belongs to step
+// epoch * steps_per_epoch + j + 1. Every TP rank and stage of a replica
+// reads the same.
 class GptBatches : public cohort::DataSource {
  public:
-  GptBatches(const torch::Tensor& text, const Flags& f, int dp_rank, int64_t m)
-      : text_(text), f_(f), dp_rank_(dp_rank), m_(m) {}
-  void set_epoch(int64_t) override {}
-  int64_t num_batches() const override { return f_.max_steps * m_; }
+  GptBatches(const torch::Tensor& text, const Flags& f, int dp_rank)
+      : text_(text), f_(f), dp_rank_(dp_rank), m_(f.microbatches) {}
+  int64_t steps_per_epoch() const {
+    return std::max<int64_t>(1, text_.size(0) / (f_.batch_size * f_.seq_len));
+  }
+  void set_epoch(int64_t epoch) override { epoch_ = epoch; }
+  int64_t num_batches() const override { return steps_per_epoch() * m_; }
   torch::data::Example<> batch(int64_t index) override {
-    const int64_t step = index / m_ + 1, i = index % m_;
+    const int64_t step = epoch_ * steps_per_epoch() + index / m_ + 1, i = index % m_;
     auto [ids, targets] = draw_batch(text_, f_.batch_size, f_.seq_len, f_.seed * 7919 + step);
     const int64_t rows = f_.batch_size / f_.dp, micro = rows / m_;
     const int64_t start = dp_rank_ * rows + i * micro;
@@ -166,6 +173,7 @@ class GptBatches : public cohort::DataSource {
   const Flags& f_;
   int dp_rank_;
   int64_t m_;
+  int64_t epoch_ = 0;
 };
 
 GPTConfig model_config(const Flags& f) {
@@ -181,8 +189,9 @@ GPTConfig model_config(const Flags& f) {
   return c;
 }
 
-cohort::TrainerConfig trainer_config(const Flags& f) {
+cohort::TrainerConfig trainer_config(const Flags& f, int64_t steps_per_epoch) {
   cohort::TrainerConfig config;
+  config.epochs = (f.max_steps + steps_per_epoch - 1) / steps_per_epoch;
   config.accumulation_steps = f.microbatches;
   config.max_grad_norm = f.max_grad_norm;
   config.schedule.base_lr = f.lr;
@@ -276,7 +285,9 @@ int run(const Flags& f) {
       cohort::pipeline::make_schedule(f.schedule, f.pp, 1, f.microbatches),
       gpt_pipeline_loss(stage));
   torch::optim::AdamW opt(rt.parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
-  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, rt, opt, sync), trainer_config(f));
+  GptBatches source(corpus.train, f, mesh->dp_rank());
+  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, rt, opt, sync),
+                          trainer_config(f, source.steps_per_epoch()));
   if (auto step = trainer.resume(); step && lead) {
     std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));
   }
@@ -297,7 +308,6 @@ int run(const Flags& f) {
       std::fflush(stdout);
     }
   };
-  GptBatches source(corpus.train, f, mesh->dp_rank(), f.microbatches);
   const auto t_start = std::chrono::steady_clock::now();
   const auto steps = trainer.fit(source, callbacks);
   const double total =
