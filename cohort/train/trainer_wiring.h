@@ -52,6 +52,9 @@
 // shard's .grad). The non-final micro-batches run with
 // set_requires_gradient_sync(false).
 //
+// Each factory also makes the wiring's TrainerLayout (trainer_layout.h):
+// PipelineLayout for pipeline() and mesh(), ReplicaLayout for the others.
+//
 // The wiring owns the adapters; the DDP, the optimizers, the pipeline
 // runtime and the model are the caller's and must outlive the Trainer.
 #pragma once
