@@ -53,6 +53,7 @@
 // Training loop.
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/fsdp_adapters.h"
+#include "cohort/train/mesh_wiring.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"
 #include "cohort/train/tensor_data_source.h"

@@ -28,7 +28,7 @@ for ((rep = 1; rep <= reps; ++rep)); do
   engines=(ucx gloo)
   ((rep % 2 == 0)) && engines=(gloo ucx)
   for e in "${engines[@]}"; do
-    v=$(timeout 300 "$run" -n 2 --backend "$e" --quiet-others -- "$gpt" --tp 2 --steps 30 \
+    v=$(timeout 300 "$run" -n 2 --backend "$e" --quiet-others -- "$gpt" --tp 2 --steps 30 --checkpoint-dir "" \
           --eval-every 1000 --sample-chars 0 --plot "" | sed -n 's/.*tokens\/s: \([0-9.]*\).*/\1/p')
     echo "gpt-tp2 $e $v" >>"$rows"
   done

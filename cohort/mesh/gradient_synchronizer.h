@@ -85,6 +85,9 @@ class GradientSynchronizer {
   void synchronize();
   /// Per-dimension counters.
   const GradientSyncStats& stats() const { return stats_; }
+  /// The word embedding (first stage) or the last stage's copy of it; undefined on middle
+  /// stages and when not passed.
+  const torch::Tensor& shared_embedding() const { return shared_embedding_; }
   /// The DP reducer (nullptr when dp == 1).
   GradientReducer* dp_reducer() { return reducer_.get(); }
 

@@ -14,18 +14,20 @@
 namespace cohort {
 
 nlohmann::json to_json(const StepMetrics& m) {
-  return {{"kind", "train"},
-          {"step", m.step},
-          {"epoch", m.epoch},
-          {"loss", m.loss},
-          {"lr", m.lr},
-          {"grad_norm", m.grad_norm},
-          {"clipped", m.clipped},
-          {"samples", m.samples},
-          {"step_seconds", m.step_seconds},
-          {"samples_per_s", m.samples_per_s},
-          {"comm_seconds", m.comm_seconds},
-          {"comm_bytes", m.comm_bytes}};
+  nlohmann::json line = {{"kind", "train"},
+                         {"step", m.step},
+                         {"epoch", m.epoch},
+                         {"loss", m.loss},
+                         {"lr", m.lr},
+                         {"grad_norm", m.grad_norm},
+                         {"clipped", m.clipped},
+                         {"samples", m.samples},
+                         {"step_seconds", m.step_seconds},
+                         {"samples_per_s", m.samples_per_s},
+                         {"comm_seconds", m.comm_seconds},
+                         {"comm_bytes", m.comm_bytes}};
+  for (const auto& [dim, bytes] : m.comm_bytes_by_dimension) line["comm_bytes_" + dim] = bytes;
+  return line;
 }
 
 MetricsLog::MetricsLog(std::string path, bool enabled, bool strict)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -24,6 +25,9 @@ struct StepMetrics {
   double samples_per_s = 0.0;  ///< samples / step_seconds
   double comm_seconds = 0.0;   ///< gradient communication time in this step
   int64_t comm_bytes = 0;      ///< bytes this rank sent in this step (Communicator::stats)
+  /// The part of comm_bytes sent over each dimension's groups ("tp", "pp", "dp") when the
+  /// wiring names them (a pipeline, a mesh); logged as "comm_bytes_<dimension>".
+  std::map<std::string, int64_t> comm_bytes_by_dimension;
 };
 
 nlohmann::json to_json(const StepMetrics& m);

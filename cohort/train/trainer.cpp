@@ -20,10 +20,8 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring) {
-  // A pipeline's ranks hold disjoint stages whose gradients the DP sync
-  // already averaged: the squares sum over the pipeline group only.
-  if (wiring.pipeline())
-    return std::make_shared<ShardedGradNorm>(wiring.pipeline()->shared_group());
+  // A pipeline's or a mesh's layout brings its own.
+  if (wiring.layout().norm()) return wiring.layout().norm();
   if (wiring.optimizer().sharded_gradients()) {
     return std::make_shared<ShardedGradNorm>(wiring.communicator());
   }
@@ -42,7 +40,7 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
       norm_(norm ? std::move(norm) : default_norm(wiring_)),
-      pipeline_(wiring_.pipeline()),
+      layout_(wiring_.layout()),
       metrics_(config_.metrics_path, comm_.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
@@ -50,7 +48,7 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
                           std::to_string(config_.accumulation_steps));
   }
   if (config_.max_grad_norm < 0) throw InvalidArgument("Trainer: negative max_grad_norm");
-  check_loss_source();
+  layout_.check(loss_fn_, config_.accumulation_steps, comm_.rank());
   params_ = model_->parameters();
   if (!config_.checkpoint_dir.empty()) {
     checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last);
@@ -59,25 +57,6 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
 
 Trainer::Trainer(TrainerWiring wiring, TrainerConfig config, std::shared_ptr<GradNorm> norm)
     : Trainer(std::move(wiring), LossFn{}, std::move(config), std::move(norm)) {}
-
-void Trainer::check_loss_source() const {
-  if (!pipeline_) {
-    if (!loss_fn_) throw InvalidArgument("Trainer: no LossFn (only a pipeline brings its own)");
-    return;
-  }
-  if (loss_fn_) {
-    throw InvalidArgument(
-        "Trainer: a pipeline computes its loss on its last stage; construct the Trainer "
-        "without a LossFn");
-  }
-  const int m = pipeline_->schedule().num_microbatches;
-  if (config_.accumulation_steps != m) {
-    throw InvalidArgument("Trainer on rank " + std::to_string(comm_.rank()) +
-                          ": accumulation_steps " + std::to_string(config_.accumulation_steps) +
-                          " differs from the pipeline schedule's " + std::to_string(m) +
-                          " micro-batches");
-  }
-}
 
 StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
   const auto k = static_cast<int64_t>(micro_batches.size());
@@ -90,15 +69,12 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   TraceSpan step_span(tracer, "train step", "train");
   step_span.arg(TraceArg::num("step", static_cast<double>(position_.step)));
   const auto start = std::chrono::steady_clock::now();
-  // Gradients are reduced by the sync (DDP) or by the optimizer (fused,
-  // ZeRO): the two never both measure the same reduction. A pipeline adds
-  // its send and receive actions.
-  const double comm_before =
-      sync_.comm_seconds() + optimizer_.comm_seconds() + pipeline_comm_seconds_;
+  const double comm_before = comm_seconds();
   const uint64_t bytes_before = bytes_sent();
+  const auto dims_before = dimension_bytes();
   model_->train();
   optimizer_.zero_grad();
-  const double loss = pipeline_ ? pipeline_step(micro_batches) : accumulate(micro_batches, tracer);
+  const double loss = layout_.step(micro_batches, loss_fn_, tracer);
   int64_t samples = 0;
   for (const auto& b : micro_batches) samples += b.data.size(0);
   {
@@ -123,18 +99,23 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   ++position_.step;
 
   m.comm_bytes = static_cast<int64_t>(bytes_sent() - bytes_before);
+  const auto dims_after = dimension_bytes();
+  for (size_t i = 0; i < dims_after.size(); ++i) {
+    m.comm_bytes_by_dimension[layout_.dimensions()[i].first] =
+        static_cast<int64_t>(dims_after[i] - dims_before[i]);
+  }
   auto totals = torch::tensor({loss, static_cast<double>(samples)}, torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
-  // Every rank of a pipeline reports its replica's loss and samples.
-  const int copies = pipeline_ ? pipeline_->group().size() : 1;
+  // Every rank of a pipeline (and of a mesh's TP group) reports its
+  // replica's loss and samples.
+  const int copies = layout_.ranks_per_sample();
   m.step = position_.step;
   m.epoch = position_.epoch;
   m.loss = totals[0].item<double>() / comm_.size();
   m.samples = static_cast<int64_t>(totals[1].item<double>()) / copies;
   m.step_seconds = seconds_since(start);
   m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
-  m.comm_seconds =
-      sync_.comm_seconds() + optimizer_.comm_seconds() + pipeline_comm_seconds_ - comm_before;
+  m.comm_seconds = comm_seconds() - comm_before;
   return m;
 }
 
@@ -144,39 +125,21 @@ uint64_t Trainer::bytes_sent() const {
   return bytes;
 }
 
-double Trainer::accumulate(const std::vector<torch::data::Example<>>& micro_batches,
-                           Tracer* tracer) {
-  const size_t k = micro_batches.size();
-  double loss_sum = 0.0;
-  for (size_t i = 0; i < k; ++i) {
-    std::shared_ptr<void> no_sync = i + 1 == k ? nullptr : sync_.skip_sync();
-    torch::Tensor loss;
-    {
-      TraceSpan span(tracer, "forward", "train");
-      loss = loss_fn_(micro_batches[i]);
-    }
-    // Dividing by k makes the accumulated gradient that of the mean loss
-    // over the k micro-batches (equal sizes), as one k-times batch would.
-    TraceSpan span(tracer, "backward", "train");
-    (loss / static_cast<double>(k)).backward();
-    loss_sum += loss.item<double>();
+std::vector<uint64_t> Trainer::dimension_bytes() const {
+  std::vector<uint64_t> out;
+  for (const auto& [name, groups] : layout_.dimensions()) {
+    uint64_t bytes = 0;
+    for (const auto& c : groups) bytes += c->stats().total().bytes_sent;
+    out.push_back(bytes);
   }
-  return loss_sum / static_cast<double>(k);
+  return out;
 }
 
-double Trainer::pipeline_step(const std::vector<torch::data::Example<>>& micro_batches) {
-  // The runtime splits the batch back into the same k micro-batches and
-  // backpropagates each loss / k, as accumulate() does.
-  std::vector<torch::Tensor> data, targets;
-  for (const auto& b : micro_batches) {
-    data.push_back(b.data);
-    targets.push_back(b.target);
-  }
-  const auto result = pipeline_->step({torch::cat(data)}, {torch::cat(targets)});
-  for (const auto& [type, ms] : result.action_ms) {
-    if (!pipeline::is_compute(type)) pipeline_comm_seconds_ += ms * 1e-3;
-  }
-  return result.loss;
+double Trainer::comm_seconds() const {
+  // Gradients are reduced by the sync (DDP) or by the optimizer (fused,
+  // ZeRO): the two never both measure the same reduction. A pipeline adds
+  // its send and receive actions.
+  return sync_.comm_seconds() + optimizer_.comm_seconds() + layout_.comm_seconds();
 }
 
 std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {
@@ -278,7 +241,7 @@ void Trainer::save_checkpoint() {
 bool Trainer::dcp_state() const {
   // A compressor's per-rank state has no dcp form: such a job keeps its
   // shard files (and its world size).
-  return wiring_.has_dcp_state() && !pipeline_ && !sync_.has_state();
+  return wiring_.has_dcp_state() && !sync_.has_state();
 }
 
 bool Trainer::per_rank_state() const {
@@ -302,7 +265,7 @@ void Trainer::write_shard() const {
 void Trainer::read_shard(int64_t step) {
   // The optimizer checks that the shard was saved by the same rank of the
   // same layout; a model's part, by its shapes.
-  const char* part = pipeline_ ? "rank's stages" : "rank's shards";
+  const char* part = layout_.per_rank_model() ? "rank's stages" : "rank's shards";
   const auto shard = read_checkpoint_file(shard_path(step));
   try {
     std::istringstream in(shard);
@@ -432,7 +395,7 @@ void Trainer::load_dcp(const std::string& folder) {
 
 std::string Trainer::sharded_mode() const {
   if (wiring_.fsdp()) return "FSDP (parameters and optimizer state sharded over the ranks)";
-  if (pipeline_) return "a pipeline (each rank holds its stages)";
+  if (!layout_.describe().empty()) return layout_.describe();
   if (!optimizer_.replicated_state()) return "a sharded optimizer (ZeRO)";
   return "a stateful gradient compressor (per-rank state)";
 }

@@ -39,7 +39,10 @@
 // data position stay in rank 0's checkpoint file.
 //
 // What it trains with comes as a TrainerWiring (trainer_wiring.h), whose
-// factories accept only the valid pairings of DDP and optimizer; the DDP and
+// factories accept only the valid pairings of DDP and optimizer; how the
+// model is laid out over the ranks (replicas, a pipeline, a TP x PP x DP
+// mesh) is the wiring's TrainerLayout (trainer_layout.h), which runs step 2
+// and gives the norm of step 4 and the copies of step 6; the DDP and
 // optimizers behind it must outlive the trainer. It has no global state: several trainers (ranks as
 // threads) coexist.
 #pragma once
@@ -96,10 +99,6 @@ struct TrainerConfig {
   /// Steps between log lines when stdout is not a terminal.
   int64_t log_every = 50;
 };
-
-/// Computes the scalar loss of one micro-batch (forward through the DDP
-/// module, then the criterion). Must return a tensor that requires grad.
-using LossFn = std::function<torch::Tensor(const torch::data::Example<>&)>;
 
 /// What FitCallbacks::on_epoch_end receives.
 struct EpochEnd {
@@ -181,10 +180,9 @@ class Trainer {
   const TrainerConfig& config() const { return config_; }
 
  private:
-  void check_loss_source() const;
-  double accumulate(const std::vector<torch::data::Example<>>& micro_batches, Tracer* tracer);
-  double pipeline_step(const std::vector<torch::data::Example<>>& micro_batches);
+  double comm_seconds() const;
   uint64_t bytes_sent() const;
+  std::vector<uint64_t> dimension_bytes() const;
   bool per_rank_state() const;
   std::string sharded_mode() const;
   bool dcp_state() const;
@@ -205,8 +203,7 @@ class Trainer {
   LossFn loss_fn_;
   TrainerConfig config_;
   std::shared_ptr<GradNorm> norm_;
-  pipeline::PipelineRuntime* pipeline_;
-  double pipeline_comm_seconds_ = 0.0;  // in the pipeline's send and receive actions
+  TrainerLayout& layout_;
   std::optional<CheckpointDir> checkpoints_;
   MetricsLog metrics_;
   TrainingPosition position_;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cohort/train/fsdp_adapters.h"
+#include "cohort/train/mesh_wiring.h"
 
 namespace cohort {
 namespace {
@@ -31,9 +32,11 @@ std::shared_ptr<torch::nn::Module> stages_module(const pipeline::PipelineRuntime
 
 TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
                                       torch::optim::Optimizer& optimizer) {
-  return TrainerWiring(runtime.shared_group(), stages_module(runtime),
+  TrainerWiring wiring(runtime.shared_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::make_unique<LocalGradientSync>(), &runtime);
+  wiring.set_pipeline_layout(runtime, nullptr);
+  return wiring;
 }
 
 TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
@@ -53,9 +56,49 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
                           std::to_string(dp_group->size()));
   }
   auto sync = std::make_unique<AllReduceGradientSync>(dp_group, runtime.parameters());
-  return TrainerWiring(std::move(world), stages_module(runtime),
+  TrainerWiring wiring(std::move(world), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
-                       std::move(sync), &runtime, {runtime.shared_group(), std::move(dp_group)});
+                       std::move(sync), &runtime, {runtime.shared_group(), dp_group});
+  wiring.set_pipeline_layout(runtime, dp_group);
+  return wiring;
+}
+
+void TrainerWiring::set_pipeline_layout(pipeline::PipelineRuntime& runtime,
+                                        std::shared_ptr<Communicator> dp_group) {
+  // The DP sync already averaged the stages' gradients: the squares sum over
+  // the pipeline group only.
+  TrafficDimensions dims = {{"pp", {runtime.shared_group()}}};
+  if (dp_group) dims.push_back({"dp", {std::move(dp_group)}});
+  layout_ = std::make_unique<PipelineLayout>(
+      runtime, std::make_shared<ShardedGradNorm>(runtime.shared_group()), runtime.group().size(),
+      std::move(dims));
+}
+
+TrainerWiring TrainerWiring::mesh(std::shared_ptr<DeviceMesh> mesh,
+                                  pipeline::PipelineRuntime& runtime,
+                                  torch::optim::Optimizer& optimizer,
+                                  tensor_parallel::GradientSynchronizer& sync) {
+  if (!mesh) throw InvalidArgument("TrainerWiring::mesh: mesh is null");
+  if (runtime.shared_group() != mesh->pp_group()) {
+    throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh->rank()) +
+                          ": the pipeline runtime must run over the mesh's PP group");
+  }
+  std::vector<std::shared_ptr<Communicator>> pp = {mesh->pp_group()};
+  if (mesh->embedding_group()) pp.push_back(mesh->embedding_group());
+  std::vector<std::shared_ptr<Communicator>> more = pp;
+  more.push_back(mesh->tp_group());
+  more.push_back(mesh->dp_group());
+  TrainerWiring wiring(mesh->world(), stages_module(runtime),
+                       std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
+                       std::make_unique<MeshGradientSync>(sync), &runtime, more);
+  // The last stage's copy of the tied embedding (pp > 1) is not a parameter of its own.
+  const bool copy = mesh->pp_size() > 1 && mesh->is_pp_last();
+  auto norm = std::make_shared<MeshGradNorm>(mesh, *wiring.model_,
+                                             copy ? sync.shared_embedding() : torch::Tensor());
+  wiring.layout_ = std::make_unique<PipelineLayout>(
+      runtime, std::move(norm), mesh->pp_size() * mesh->tp_size(),
+      TrafficDimensions{{"tp", {mesh->tp_group()}}, {"pp", pp}, {"dp", {mesh->dp_group()}}});
+  return wiring;
 }
 
 TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& optimizer) {

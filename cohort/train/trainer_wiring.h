@@ -20,6 +20,12 @@
 //                                             PP x DP: one all-reduce of the
 //                                             stages' gradients over dp_group
 //                                             after the step
+//   TrainerWiring::mesh(mesh, runtime, o, sync)
+//                                             TP x PP x DP on a DeviceMesh:
+//                                             the pipeline of this rank's
+//                                             TP shard of its stage, the
+//                                             gradients finished by the
+//                                             mesh's GradientSynchronizer
 //   TrainerWiring::fsdp(model, o)              a fully_shard-ed model (its
 //                                             root) and a LibTorch optimizer
 //                                             over its parameters (the shards)
@@ -35,7 +41,9 @@
 // the last stage) instead of a LossFn; each rank's model is its stages, its
 // optimizer state their state, both saved in each rank's checkpoint shard;
 // the global gradient norm sums the squared norms of the stages over the
-// pipeline group.
+// pipeline group. On a mesh the norm counts each parameter once
+// (MeshGradNorm, mesh_wiring.h), and a step's traffic is also reported per
+// dimension (StepMetrics::comm_bytes_by_dimension).
 //
 // With ZeRO or FSDP the model and optimizer state go into the checkpoint
 // through cohort/dcp (dcp_state_dict()), so they resume at another world
@@ -43,6 +51,9 @@
 // shards' squared norms over the communicator (padding is never part of a
 // shard's .grad). The non-final micro-batches run with
 // set_requires_gradient_sync(false).
+//
+// Each factory also makes the wiring's TrainerLayout (trainer_layout.h):
+// PipelineLayout for pipeline() and mesh(), ReplicaLayout for the others.
 //
 // The wiring owns the adapters; the DDP, the optimizers, the pipeline
 // runtime and the model are the caller's and must outlive the Trainer.
@@ -54,6 +65,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -62,12 +74,16 @@
 #include "cohort/dcp/adapters.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/mesh/device_mesh.h"
+#include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/ddp_gradient_sync.h"
+#include "cohort/train/grad_norm.h"
 #include "cohort/train/gradient_sync.h"
 #include "cohort/train/trainer_adapters.h"
+#include "cohort/train/trainer_layout.h"
 #include "cohort/train/trainer_optimizer.h"
 
 namespace cohort {
@@ -149,6 +165,16 @@ class TrainerWiring {
                                 torch::optim::Optimizer& optimizer,
                                 std::shared_ptr<Communicator> dp_group);
 
+  /// TP x PP x DP: `runtime` runs this rank's stage (its TP shard) over mesh->pp_group() (a
+  /// runtime of one stage when pp is 1), `optimizer` is any LibTorch optimizer over
+  /// runtime.parameters(), `sync` the mesh's GradientSynchronizer over the same stage. The
+  /// global norm counts every parameter once over the mesh (MeshGradNorm); each rank saves its
+  /// stage and optimizer state in its checkpoint shard. InvalidArgument when the runtime's group
+  /// is not the mesh's PP group.
+  static TrainerWiring mesh(std::shared_ptr<DeviceMesh> mesh, pipeline::PipelineRuntime& runtime,
+                            torch::optim::Optimizer& optimizer,
+                            tensor_parallel::GradientSynchronizer& sync);
+
   /// FSDP: `model` is the root FullyShard, `optimizer` any LibTorch optimizer built over
   /// model->parameters() (the shards). InvalidArgument when the optimizer holds a tensor that is
   /// not one of the model's parameters.
@@ -168,7 +194,7 @@ class TrainerWiring {
   FullyShardImpl* fsdp() const { return fsdp_.get(); }
   /// True when each rank's model holds its own part (a pipeline's stages, FSDP's shards):
   /// rank 0's main checkpoint file does not hold it.
-  bool per_rank_model() const { return pipeline_ != nullptr || fsdp_ != nullptr; }
+  bool per_rank_model() const { return layout_->per_rank_model() || fsdp_ != nullptr; }
   /// True when the model and optimizer state is sharded over the ranks and
   /// has a distributed-checkpoint form (ZeRO, FSDP): the Trainer saves it
   /// with dcp::save and loads it resharded at any world size.
@@ -182,6 +208,9 @@ class TrainerWiring {
   /// Every communicator a step's traffic goes over, each once: communicator(), and under PP x DP
   /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
   const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
+  /// How the model is laid out over the ranks (trainer_layout.h): what the Trainer calls to run
+  /// a step's micro-batches, for the norm, the loss's copies and the traffic per dimension.
+  TrainerLayout& layout() const { return *layout_; }
 
  private:
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
@@ -192,6 +221,7 @@ class TrainerWiring {
         model_(std::move(model)),
         optimizer_(std::move(optimizer)),
         sync_(std::move(sync)),
+        layout_(std::make_unique<ReplicaLayout>(*sync_)),
         pipeline_(pipeline) {
     if (!comm_) throw InvalidArgument("TrainerWiring: communicator is null");
     if (!model_) throw InvalidArgument("TrainerWiring: model is null");
@@ -200,6 +230,10 @@ class TrainerWiring {
       if (std::find(traffic_.begin(), traffic_.end(), c) == traffic_.end()) traffic_.push_back(c);
     }
   }
+
+  // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
+  void set_pipeline_layout(pipeline::PipelineRuntime& runtime,
+                           std::shared_ptr<Communicator> dp_group);
 
   // ZeRO's state dict is the model's parameters and the optimizer's pieces.
   void set_zero_state_dict(ZeroRedundancyOptimizer& zero) {
@@ -213,6 +247,7 @@ class TrainerWiring {
   std::shared_ptr<torch::nn::Module> model_;
   std::unique_ptr<TrainerOptimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;
+  std::unique_ptr<TrainerLayout> layout_;
   pipeline::PipelineRuntime* pipeline_ = nullptr;
   std::shared_ptr<FullyShardImpl> fsdp_;
   std::function<dcp::StateDict(const dcp::Metadata*)> dcp_state_;

@@ -1,18 +1,24 @@
 // gpt: a character-level decoder-only transformer trained with tensor (--tp),
 // pipeline (--pp) and data (--dp) parallelism on the fortunes corpus:
 //
-//   cohortrun -n 8 -- gpt --tp 2 --pp 2 --dp 2
+//   cohortrun -n 8 -- gpt --tp 2 --pp 2 --dp 2 --max-steps 300
 //
-// Every rank draws the same global batch (one seed per step) and keeps its
-// DP slice. With pp > 1 each step runs --microbatches micro-batches through
-// the stages with a pipeline schedule (--schedule gpipe, 1f1b or zbh1). The
-// last stage's first rank prints, logs the metrics and draws the curves.
+// It trains through the Trainer (TrainerWiring::mesh): each step runs
+// --microbatches micro-batches of the DP rank's slice of the global batch
+// (one seed per step) through the stages with a pipeline schedule
+// (--schedule gpipe, 1f1b or zbh1; one stage when pp is 1), clips by the
+// global norm over the mesh and checkpoints every rank's shard into
+// --checkpoint-dir; a rerun resumes from the newest checkpoint there. Rank 0
+// prints, logs the metrics and draws the curves.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "cohort/cohort.h"
@@ -31,7 +37,10 @@ using namespace cohort::tensor_parallel;
 
 struct Flags {
   int tp = 1, pp = 1, dp = 1;
-  int64_t steps = 300;
+  int64_t max_steps = 300;
+  double max_grad_norm = 1.0;
+  std::string checkpoint_dir = "gpt_checkpoints";
+  int64_t checkpoint_every = 50;
   int64_t batch_size = 32;  // global
   int64_t seq_len = 64;
   int64_t hidden = 128;
@@ -39,7 +48,7 @@ struct Flags {
   int64_t layers = 4;
   double lr = 3e-3;
   std::string schedule = "1f1b";  // pp > 1
-  int microbatches = 4;           // pp > 1
+  int microbatches = 4;           // per step and DP rank
   bool sequence_parallel = false;
   bool checkpoint_activations = false;
   int64_t eval_every = 50;
@@ -103,7 +112,10 @@ double validation_loss(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& cor
     if (mesh.is_pp_last()) sum += dp_mean(mesh, stage->loss(out, targets));
   }
   stage->train();
-  return sum / static_cast<double>(f.eval_batches);
+  // The last stage's mean, on every rank.
+  auto mean = torch::tensor({sum / static_cast<double>(f.eval_batches)}, torch::kFloat64);
+  mesh.pp_group()->broadcast(mean, {mesh.pp_size() - 1}).wait();
+  return mean.item<double>();
 }
 
 // Samples `n` characters after a prompt from the validation text; every
@@ -132,18 +144,39 @@ std::string generate(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpu
   return text;
 }
 
-int run(const Flags& f) {
-  auto world = cohort::init();
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  torch::set_num_threads(static_cast<int>(std::max<unsigned>(1, cores / world->size())));
-  auto mesh = std::make_shared<DeviceMesh>(world, cohort::MeshShape{f.dp, f.pp, f.tp});
-  if (f.batch_size % f.dp != 0) {
-    throw cohort::InvalidArgument("gpt: --batch-size " + std::to_string(f.batch_size) +
-                                  " does not divide by --dp " + std::to_string(f.dp));
+// Step s's global batch (drawn from one seed, s from 1), this DP rank's
+// rows of it, cut into m micro-batches. An epoch is as many steps as it
+// takes to draw about as many characters as the text has (never fewer than
+// 1, and independent of --max-steps, so a longer rerun continues the same
+// epoch); micro-batch i of the epoch's step j belongs to step
+// epoch * steps_per_epoch + j + 1. Every TP rank and stage of a replica
+// reads the same.
+class GptBatches : public cohort::DataSource {
+ public:
+  GptBatches(const torch::Tensor& text, const Flags& f, int dp_rank)
+      : text_(text), f_(f), dp_rank_(dp_rank), m_(f.microbatches) {}
+  int64_t steps_per_epoch() const {
+    return std::max<int64_t>(1, text_.size(0) / (f_.batch_size * f_.seq_len));
   }
-  const bool lead = mesh->is_pp_last() && mesh->tp_rank() == 0 && mesh->dp_rank() == 0;
-  const auto corpus = gpt::load_corpus(f.corpus);
+  void set_epoch(int64_t epoch) override { epoch_ = epoch; }
+  int64_t num_batches() const override { return steps_per_epoch() * m_; }
+  torch::data::Example<> batch(int64_t index) override {
+    const int64_t step = epoch_ * steps_per_epoch() + index / m_ + 1, i = index % m_;
+    auto [ids, targets] = draw_batch(text_, f_.batch_size, f_.seq_len, f_.seed * 7919 + step);
+    const int64_t rows = f_.batch_size / f_.dp, micro = rows / m_;
+    const int64_t start = dp_rank_ * rows + i * micro;
+    return {ids.narrow(0, start, micro), targets.narrow(0, start, micro)};
+  }
 
+ private:
+  torch::Tensor text_;
+  const Flags& f_;
+  int dp_rank_;
+  int64_t m_;
+  int64_t epoch_ = 0;
+};
+
+GPTConfig model_config(const Flags& f) {
   GPTConfig c;
   c.vocab_size = gpt::kVocabSize;
   c.seq_len = f.seq_len;
@@ -153,99 +186,135 @@ int run(const Flags& f) {
   c.sequence_parallel = f.sequence_parallel;
   c.checkpoint_activations = f.checkpoint_activations;
   c.seed = f.seed;
-  GPTStage stage(*mesh, c);
+  return c;
+}
+
+cohort::TrainerConfig trainer_config(const Flags& f, int64_t steps_per_epoch) {
+  cohort::TrainerConfig config;
+  config.epochs = (f.max_steps + steps_per_epoch - 1) / steps_per_epoch;
+  config.accumulation_steps = f.microbatches;
+  config.max_grad_norm = f.max_grad_norm;
+  config.schedule.base_lr = f.lr;
+  config.max_steps = f.max_steps;
+  config.checkpoint_dir = f.checkpoint_dir;
+  config.checkpoint_every = f.checkpoint_every;
+  config.metrics_path = f.metrics;
+  config.log_every = f.eval_every;
+  return config;
+}
+
+void check_sizes(const Flags& f) {
+  if (f.batch_size % (static_cast<int64_t>(f.dp) * f.microbatches) != 0) {
+    throw cohort::InvalidArgument("gpt: --batch-size " + std::to_string(f.batch_size) +
+                                  " does not divide by --dp x --microbatches " +
+                                  std::to_string(f.dp * f.microbatches));
+  }
+}
+
+// The metrics file's curves: train loss and validation loss by step.
+void plot(const Flags& f) {
+  if (f.plot.empty() || f.metrics.empty()) return;
+  try {
+    auto curves = cohort_plot::read_metrics(f.metrics);
+    curves.accuracy_key = "val_loss";
+    curves.accuracy.clear();
+    std::ifstream in(f.metrics);
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("val_loss")) curves.accuracy.emplace_back(j["step"], j["val_loss"]);
+    }
+    cohort_plot::plot_metrics(curves, f.plot);
+    std::printf("curves: %s\n", f.plot.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());  // the training result stands
+  }
+}
+
+// Every parameter of the model once (TP shards and stages summed over the
+// world, DP replicas and the tied copy left out): equal runs print equal sums.
+double parameter_sum(DeviceMesh& mesh, GPTStage& stage) {
+  double sum = 0;
+  if (mesh.dp_rank() == 0) {
+    const auto tied = mesh.pp_size() > 1 && mesh.is_pp_last() ? stage->shared_embedding_weight()
+                                                              : torch::Tensor();
+    for (const auto& p : stage->parameters()) {
+      if (tied.defined() && p.is_same(tied)) continue;
+      sum += p.detach().to(torch::kFloat64).sum().item<double>();
+    }
+  }
+  auto t = torch::tensor({sum}, torch::kFloat64);
+  mesh.world()->all_reduce(t, {cohort::ReduceOp::Sum}).wait();
+  return t.item<double>();
+}
+
+void summarize(const Flags& f, const std::vector<cohort::StepMetrics>& steps, double seconds,
+               double params, const std::string& sample) {
+  if (!steps.empty()) {
+    std::map<std::string, double> bytes;
+    for (const auto& m : steps)
+      for (const auto& [dim, b] : m.comm_bytes_by_dimension) bytes[dim] += static_cast<double>(b);
+    const auto n = static_cast<double>(steps.size());
+    std::printf("tokens/s: %.0f (%zu steps in %.1f s, evaluation included)\n",
+                n * static_cast<double>(f.batch_size * f.seq_len) / seconds, steps.size(), seconds);
+    std::printf("sent by rank 0 per step: TP %.0f, PP %.0f, DP %.0f bytes\n", bytes["tp"] / n,
+                bytes["pp"] / n, bytes["dp"] / n);
+    std::printf("final train loss %.17g at step %lld\n", steps.back().loss,
+                static_cast<long long>(steps.back().step));
+  }
+  std::printf("parameter sum: %.17g\n", params);
+  std::printf("sample:\n%s\n", sample.c_str());
+  plot(f);
+  std::fflush(stdout);
+}
+
+int run(const Flags& f) {
+  auto world = cohort::init();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  torch::set_num_threads(static_cast<int>(std::max<unsigned>(1, cores / world->size())));
+  auto mesh = std::make_shared<DeviceMesh>(world, cohort::MeshShape{f.dp, f.pp, f.tp});
+  check_sizes(f);
+  const bool lead = world->rank() == 0;  // holds the loss after the Trainer's all-reduce
+  const auto corpus = gpt::load_corpus(f.corpus);
+
+  GPTStage stage(*mesh, model_config(f));
   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                             stage->shared_embedding_weight());
-  std::unique_ptr<cohort::pipeline::PipelineRuntime> rt;
-  if (f.pp > 1) {
-    rt = std::make_unique<cohort::pipeline::PipelineRuntime>(
-        mesh->pp_group(),
-        std::vector<cohort::pipeline::PipelineStage>{gpt_pipeline_stage(*mesh, stage)},
-        cohort::pipeline::make_schedule(f.schedule, f.pp, 1, f.microbatches),
-        gpt_pipeline_loss(stage));
+  cohort::pipeline::PipelineRuntime rt(
+      mesh->pp_group(),
+      std::vector<cohort::pipeline::PipelineStage>{gpt_pipeline_stage(*mesh, stage)},
+      cohort::pipeline::make_schedule(f.schedule, f.pp, 1, f.microbatches),
+      gpt_pipeline_loss(stage));
+  torch::optim::AdamW opt(rt.parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
+  GptBatches source(corpus.train, f, mesh->dp_rank());
+  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, rt, opt, sync),
+                          trainer_config(f, source.steps_per_epoch()));
+  if (auto step = trainer.resume(); step && lead) {
+    std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));
   }
-  torch::optim::AdamW opt(stage->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
-  cohort::MetricsLog log(f.metrics, lead);
-  cohort_plot::Curves curves;
-  curves.accuracy_key = "val_loss";
   if (lead) {
     std::printf("gpt: %s, %lld train / %lld validation chars, global batch %lld x %lld\n",
                 mesh->shape().to_string().c_str(), static_cast<long long>(corpus.train.size(0)),
                 static_cast<long long>(corpus.validation.size(0)),
                 static_cast<long long>(f.batch_size), static_cast<long long>(f.seq_len));
   }
-  const auto rows = f.batch_size / f.dp;
-  const auto t_start = std::chrono::steady_clock::now();
-  for (int64_t step = 1; step <= f.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto [ids, targets] = draw_batch(corpus.train, f.batch_size, f.seq_len, f.seed * 7919 + step);
-    ids = ids.narrow(0, mesh->dp_rank() * rows, rows);
-    targets = targets.narrow(0, mesh->dp_rank() * rows, rows);
-    opt.zero_grad();
-    torch::Tensor loss;
-    if (rt) {
-      auto r = rt->step({ids}, {targets});
-      sync.synchronize();
-      loss = torch::tensor(r.loss);
-    } else {  // one stage: the DP reduction overlaps backward
-      sync.prepare_forward();
-      loss = stage->loss(stage(ids), targets);
-      sync.after_forward({loss});
-      loss.backward();
-      sync.finish_backward();
-    }
-    opt.step();
-    const double train_loss = dp_mean(*mesh, loss);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  cohort::FitCallbacks callbacks;
+  callbacks.on_step = [&](const cohort::StepMetrics& m) {
+    if (m.step % f.eval_every != 0 && m.step != f.max_steps) return;
+    const double val = validation_loss(*mesh, stage, corpus, f);
+    trainer.log_eval({{"val_loss", val}});
     if (lead) {
-      cohort::StepMetrics m;
-      m.step = step;
-      m.loss = train_loss;
-      m.lr = f.lr;
-      m.samples = f.batch_size;
-      m.step_seconds = seconds;
-      m.samples_per_s = f.batch_size / seconds;
-      log.append(cohort::to_json(m));
-      curves.loss.emplace_back(step, train_loss);
+      std::printf("step %lld: train loss %.4f, validation loss %.4f\n",
+                  static_cast<long long>(m.step), m.loss, val);
+      std::fflush(stdout);
     }
-    if (step % f.eval_every == 0 || step == f.steps) {
-      const double val = validation_loss(*mesh, stage, corpus, f);
-      if (lead) {
-        log.append({{"kind", "eval"}, {"step", step}, {"val_loss", val}});
-        curves.accuracy.emplace_back(step, val);
-        std::printf("step %lld: train loss %.4f, validation loss %.4f\n",
-                    static_cast<long long>(step), train_loss, val);
-        std::fflush(stdout);
-      }
-    }
-  }
+  };
+  const auto t_start = std::chrono::steady_clock::now();
+  const auto steps = trainer.fit(source, callbacks);
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  const double params = parameter_sum(*mesh, stage);
   const auto sample = generate(*mesh, stage, corpus, f.sample_chars, f);
-  if (lead) {
-    const auto& s = sync.stats();
-    std::printf("tokens/s: %.0f (%lld steps in %.1f s, evaluation included)\n",
-                f.steps * f.batch_size * f.seq_len / total, static_cast<long long>(f.steps), total);
-    std::printf(
-        "gradient sync on this rank, per step: TP %.2f ms (%lld ops, %lld bytes), "
-        "PP %.2f ms (%lld ops, %lld bytes), DP %.2f ms (%lld buckets, %lld bytes)\n",
-        1e3 * s.tp.seconds / s.steps, static_cast<long long>(s.tp.ops / s.steps),
-        static_cast<long long>(s.tp.bytes / s.steps), 1e3 * s.pp.seconds / s.steps,
-        static_cast<long long>(s.pp.ops / s.steps), static_cast<long long>(s.pp.bytes / s.steps),
-        1e3 * s.dp.seconds / s.steps, static_cast<long long>(s.dp.ops / s.steps),
-        static_cast<long long>(s.dp.bytes / s.steps));
-    std::printf("sample:\n%s\n", sample.c_str());
-    if (!f.plot.empty()) {
-      try {
-        cohort_plot::plot_metrics(curves, f.plot);
-        std::printf("curves: %s\n", f.plot.c_str());
-      } catch (const cohort_plot::PlotError& e) {
-        std::fprintf(stderr, "%s\n", e.what());
-      }
-    }
-    std::fflush(stdout);
-  }
+  if (lead) summarize(f, steps, total, params, sample);
   cohort::finalize();
   return 0;
 }
@@ -259,7 +328,11 @@ int main(int argc, char** argv) {
   app.add_option("--tp", f.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--pp", f.pp, "pipeline-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--dp", f.dp, "data-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--steps", f.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--max-steps,--steps", f.max_steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--max-grad-norm", f.max_grad_norm, "clip to this global norm (0: never)");
+  app.add_option("--checkpoint-dir", f.checkpoint_dir,
+                 "checkpoint folder, resumed from (empty: none)");
+  app.add_option("--checkpoint-every", f.checkpoint_every, "steps between checkpoints");
   app.add_option("--batch-size", f.batch_size, "global batch (sequences)")
       ->check(CLI::PositiveNumber);
   app.add_option("--seq-len", f.seq_len, "context length")->check(CLI::PositiveNumber);
@@ -268,7 +341,7 @@ int main(int argc, char** argv) {
   app.add_option("--layers", f.layers, "transformer blocks")->check(CLI::PositiveNumber);
   app.add_option("--lr", f.lr, "AdamW learning rate");
   app.add_option("--schedule", f.schedule, "pipeline schedule with pp > 1: gpipe, 1f1b or zbh1");
-  app.add_option("--microbatches", f.microbatches, "micro-batches per step with pp > 1")
+  app.add_option("--microbatches", f.microbatches, "micro-batches per step (the schedule's)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--sequence-parallel", f.sequence_parallel,
                "split LayerNorm/dropout regions by sequence");

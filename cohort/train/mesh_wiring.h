@@ -1,0 +1,65 @@
+// defines: MeshGradientSync and MeshGradNorm, what TrainerWiring::mesh adds
+// to a pipeline's wiring for a TP x PP x DP mesh (cohort/mesh).
+//
+// MeshGradientSync finishes a step's gradients through the mesh's
+// GradientSynchronizer (DP average, the sequence-parallel TP all-reduce and
+// the tied embedding's all-reduce between the first and last stage).
+//
+// MeshGradNorm is the norm of the whole model, each parameter once: a
+// parameter that the TP layers shard (column- and row-parallel weights, a
+// column-parallel bias, a vocabulary-parallel table) counts on every TP rank
+// (each holds its own rows or columns); one replicated over TP (LayerNorms,
+// row-parallel biases, position embeddings) counts on TP rank 0 only; the
+// last stage's copy of the tied embedding does not count (the first stage's
+// does; their gradients are equal after the sync). The squares are summed
+// over the TP group, then over the PP group; the DP replicas hold the same
+// gradients and compute the same sum.
+#pragma once
+
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "cohort/mesh/device_mesh.h"
+#include "cohort/mesh/gradient_synchronizer.h"
+#include "cohort/train/grad_norm.h"
+#include "cohort/train/gradient_sync.h"
+
+namespace cohort {
+
+/// The Trainer's gradient sync over a mesh: GradientSynchronizer::synchronize after the
+/// pipeline's step (its gradients bypass the DP reducer's backward hooks).
+class MeshGradientSync : public GradientSync {
+ public:
+  /// `sync` must outlive it.
+  explicit MeshGradientSync(tensor_parallel::GradientSynchronizer& sync) : sync_(sync) {}
+  std::shared_ptr<void> skip_sync() override { return nullptr; }
+  void finish_sync() override { sync_.synchronize(); }
+  /// Seconds in the TP, embedding and DP reductions.
+  double comm_seconds() const override {
+    const auto& s = sync_.stats();
+    return s.tp.seconds + s.pp.seconds + s.dp.seconds;
+  }
+
+ private:
+  tensor_parallel::GradientSynchronizer& sync_;
+};
+
+/// The global gradient norm of a model split over a mesh (file comment).
+class MeshGradNorm : public GradNorm {
+ public:
+  /// `stages`: this rank's stages (their TP layers tell which parameters are sharded);
+  /// `tied_copy`: the last stage's copy of the tied embedding, or undefined.
+  MeshGradNorm(std::shared_ptr<DeviceMesh> mesh, torch::nn::Module& stages,
+               const torch::Tensor& tied_copy);
+  double global_norm(const std::vector<torch::Tensor>& params) override;
+
+ private:
+  bool counts(const torch::Tensor& p) const;
+
+  std::shared_ptr<DeviceMesh> mesh_;
+  std::set<const void*> sharded_;  // TP-sharded parameters
+  const void* tied_copy_ = nullptr;
+};
+
+}  // namespace cohort

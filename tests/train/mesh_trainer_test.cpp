@@ -1,0 +1,229 @@
+// The Trainer driving a TP x PP x DP mesh (TrainerWiring::mesh; ranks as
+// threads) on the example GPT: its clipped global norm and loss equal one
+// process's clip_grad_norm_ on the whole batch, it reports the traffic of
+// each dimension, and a run resumed from its per-rank checkpoint shards is
+// bitwise the uninterrupted one.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/optim/sgd.h>
+
+#include <filesystem>
+#include <map>
+#include <mutex>
+
+#include "cohort/mesh/gradient_synchronizer.h"
+#include "cohort/pipeline/schedule.h"
+#include "cohort/train/trainer.h"
+#include "examples/models/gpt_model.h"
+#include "examples/models/gpt_pipeline.h"
+#include "support/subprocess.h"
+#include "support/thread_ranks.h"
+
+namespace cohort {
+namespace {
+
+using namespace cohort::tensor_parallel;
+
+constexpr int64_t kMicro = 2;   // micro-batches per step and DP rank
+constexpr int64_t kBatch = 12;  // global, divides by dp x kMicro (dp 1, 2, 3)
+constexpr double kLr = 0.1, kMaxNorm = 0.1;
+
+struct Case {
+  int tp, pp, dp;
+  bool sp;
+};
+
+std::string name_of(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return "tp" + std::to_string(c.tp) + "_pp" + std::to_string(c.pp) + "_dp" + std::to_string(c.dp) +
+         (c.sp ? "_sp" : "");
+}
+
+GPTConfig gpt_config(bool sp, uint64_t seed = 7) {
+  GPTConfig c;
+  c.vocab_size = 8;
+  c.seq_len = 4;
+  c.hidden = 8;
+  c.heads = 2;
+  c.layers = 2;
+  c.sequence_parallel = sp;
+  c.seed = seed;
+  return c;
+}
+
+// Step s's global batch: random ids, targets a fixed function of them.
+std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t s) {
+  auto ids = torch::randint(8, {kBatch, 4}, at::detail::createCPUGenerator(100 + s));
+  return {ids, (ids * 5 + 3) % 8};
+}
+
+// Micro-batch i of step s: the DP rank's rows of the step's batch, cut in kMicro.
+class Batches : public DataSource {
+ public:
+  Batches(int dp, int dp_rank) : dp_(dp), dp_rank_(dp_rank) {}
+  void set_epoch(int64_t) override {}
+  int64_t num_batches() const override { return 100 * kMicro; }
+  torch::data::Example<> batch(int64_t index) override {
+    auto [ids, targets] = global_batch(index / kMicro);
+    const int64_t rows = kBatch / dp_, micro = rows / kMicro;
+    const int64_t start = dp_rank_ * rows + index % kMicro * micro;
+    return {ids.narrow(0, start, micro), targets.narrow(0, start, micro)};
+  }
+
+ private:
+  int dp_, dp_rank_;
+};
+
+torch::optim::SGD make_sgd(std::vector<torch::Tensor> params) {
+  return torch::optim::SGD(std::move(params), torch::optim::SGDOptions(kLr).momentum(0.9));
+}
+
+struct Job {
+  Case c;
+  int64_t max_steps;
+  std::string dir;  // checkpoints; empty: none
+  bool resume = false;
+};
+
+struct RankRun {
+  std::vector<StepMetrics> metrics;
+  std::map<std::string, torch::Tensor> params;
+};
+
+RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
+  torch::set_num_threads(1);
+  const Case& c = job.c;
+  auto mesh = std::make_shared<DeviceMesh>(world, MeshShape{c.dp, c.pp, c.tp});
+  // A resumed run starts from other weights: the checkpoint must replace them.
+  GPTStage stage(*mesh, gpt_config(c.sp, job.resume ? 8 : 7));
+  GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
+                            stage->shared_embedding_weight());
+  pipeline::PipelineRuntime rt(mesh->pp_group(), {gpt_pipeline_stage(*mesh, stage)},
+                               pipeline::make_schedule("1f1b", c.pp, 1, kMicro),
+                               gpt_pipeline_loss(stage));
+  auto opt = make_sgd(rt.parameters());
+  TrainerConfig config;
+  config.accumulation_steps = kMicro;
+  config.max_grad_norm = kMaxNorm;
+  config.schedule.base_lr = kLr;
+  config.max_steps = job.max_steps;
+  config.checkpoint_dir = job.dir;
+  config.checkpoint_every = 2;
+  config.progress = false;
+  Trainer trainer(TrainerWiring::mesh(mesh, rt, opt, sync), config);
+  if (job.resume) {
+    EXPECT_TRUE(trainer.resume().has_value());
+  }
+  Batches source(c.dp, mesh->dp_rank());
+  RankRun run;
+  run.metrics = trainer.fit(source);
+  for (const auto& p : stage->named_parameters()) run.params[p.key()] = p.value().detach().clone();
+  return run;
+}
+
+std::vector<RankRun> run_job(const Job& job) {
+  const int world = job.c.tp * job.c.pp * job.c.dp;
+  std::vector<RankRun> runs(static_cast<size_t>(world));
+  std::mutex mu;
+  testing::run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    RankRun run = run_rank(job, comm);
+    std::lock_guard<std::mutex> lock(mu);
+    runs[static_cast<size_t>(comm->rank())] = std::move(run);
+  });
+  return runs;
+}
+
+struct Reference {
+  std::vector<double> losses, norms;
+};
+
+// One process, one unsplit GPT, the whole global batch per step,
+// clip_grad_norm_ and the same SGD.
+Reference reference_run(bool sp, int64_t steps) {
+  Reference ref;
+  testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    DeviceMesh mesh(world, MeshShape{1, 1, 1});
+    GPTStage model(mesh, gpt_config(sp));
+    auto opt = make_sgd(model->parameters());
+    for (int64_t s = 0; s < steps; ++s) {
+      auto [ids, targets] = global_batch(s);
+      opt.zero_grad();
+      auto loss = model->loss(model(ids), targets);
+      loss.backward();
+      ref.norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), kMaxNorm));
+      opt.step();
+      ref.losses.push_back(loss.item<double>());
+    }
+  });
+  return ref;
+}
+
+bool close(double a, double b) { return std::abs(a - b) <= 1e-5 * std::abs(b); }
+
+class MeshTrainer : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MeshTrainer, ClipsByTheOneProcessGlobalNorm) {
+  const Case c = GetParam();
+  constexpr int64_t kSteps = 3;
+  const Reference ref = reference_run(c.sp, kSteps);
+  const auto runs = run_job({c, kSteps, ""});
+  for (size_t r = 0; r < runs.size(); ++r) {
+    ASSERT_EQ(runs[r].metrics.size(), static_cast<size_t>(kSteps));
+    for (size_t s = 0; s < static_cast<size_t>(kSteps); ++s) {
+      const StepMetrics& m = runs[r].metrics[s];
+      ASSERT_GT(ref.norms[s], kMaxNorm) << "the test must exercise clipping";
+      EXPECT_TRUE(m.clipped) << "rank " << r << ", step " << s;
+      EXPECT_TRUE(close(m.grad_norm, ref.norms[s]))
+          << "rank " << r << ", step " << s << ": " << m.grad_norm << " vs " << ref.norms[s];
+      EXPECT_TRUE(close(m.loss, ref.losses[s])) << m.loss << " vs " << ref.losses[s];
+      EXPECT_EQ(m.samples, kBatch);
+      // Each dimension of more than one rank carries traffic, and the
+      // dimensions are part of the step's total.
+      int64_t dims = 0;
+      for (const auto& [dim, bytes] : m.comm_bytes_by_dimension) {
+        const int size = dim == "tp" ? c.tp : dim == "pp" ? c.pp : c.dp;
+        EXPECT_EQ(bytes > 0, size > 1) << dim << " on rank " << r;
+        dims += bytes;
+      }
+      EXPECT_EQ(m.comm_bytes_by_dimension.size(), 3u);
+      EXPECT_LE(dims, m.comm_bytes);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, MeshTrainer,
+                         ::testing::Values(Case{1, 1, 1, false}, Case{2, 1, 1, true},
+                                           Case{1, 2, 1, false}, Case{1, 1, 3, false},
+                                           Case{2, 2, 2, false}, Case{2, 2, 2, true}),
+                         name_of);
+
+// Every rank saves its stage's shard and optimizer state; resumed at step 2
+// (from other initial weights), steps 3 and 4 are bit for bit the
+// uninterrupted run's.
+TEST(MeshTrainerResume, IsBitwiseIdenticalAtTp2Pp2Dp2) {
+  const Case c{2, 2, 2, false};
+  testing::TempDir whole("cohort-mesh-whole"), split("cohort-mesh-split");
+  const auto uninterrupted = run_job({c, 4, whole.str()});
+  run_job({c, 2, split.str()});
+  for (int r = 0; r < 8; ++r) {
+    const std::string shard =
+        CheckpointDir(split.str(), 3).path_for(2) + ".shard-" + std::to_string(r) + "-of-8";
+    EXPECT_TRUE(std::filesystem::exists(shard)) << shard;
+  }
+  const auto resumed = run_job({c, 4, split.str(), true});
+  for (size_t r = 0; r < resumed.size(); ++r) {
+    ASSERT_EQ(resumed[r].metrics.size(), 2u);
+    for (size_t s = 0; s < 2; ++s) {
+      EXPECT_EQ(resumed[r].metrics[s].loss, uninterrupted[r].metrics[2 + s].loss);
+      EXPECT_EQ(resumed[r].metrics[s].grad_norm, uninterrupted[r].metrics[2 + s].grad_norm);
+    }
+    ASSERT_EQ(resumed[r].params.size(), uninterrupted[r].params.size());
+    for (const auto& [name, p] : resumed[r].params) {
+      EXPECT_TRUE(torch::equal(p, uninterrupted[r].params.at(name))) << name << " on rank " << r;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cohort
