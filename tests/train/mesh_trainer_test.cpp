@@ -19,7 +19,7 @@
 #include "support/subprocess.h"
 #include "support/thread_ranks.h"
 
-namespace cohort {
+namespace cohort::mesh_trainer_test {
 namespace {
 
 using namespace cohort::tensor_parallel;
@@ -226,4 +226,4 @@ TEST(MeshTrainerResume, IsBitwiseIdenticalAtTp2Pp2Dp2) {
 }
 
 }  // namespace
-}  // namespace cohort
+}  // namespace cohort::mesh_trainer_test
