@@ -23,8 +23,6 @@ void check_input(const at::Tensor& t) {
   }
 }
 
-constexpr float kFloatMax = std::numeric_limits<float>::max();
-
 // State maps are keyed "<what>_<tensor key>" (no dots: checkpoint archives refuse them).
 std::string state_name(const std::string& what, int64_t key) {
   return what + "_" + std::to_string(key);
@@ -193,7 +191,7 @@ class TopK : public Compressor {
       // A non-finite entry left behind would be sent, and return as NaN or
       // inf, at every later step: it is this step's to carry, not theirs.
       if (non_finite) {
-        for (int64_t i = 0; i < n; ++i) e[i] = std::abs(e[i]) <= kFloatMax ? e[i] : 0.0f;
+        for (int64_t i = 0; i < n; ++i) e[i] = std::isfinite(e[i]) ? e[i] : 0.0f;
       }
     }
     const int p = comm.size();

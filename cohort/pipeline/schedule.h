@@ -60,6 +60,14 @@ std::string to_string(const Action& action);
 /// Parses one token; throws InvalidArgument naming the token.
 Action parse_action(const std::string& token);
 
+/// Entry `stage` of a per-stage list that may instead hold one entry for
+/// every stage: the convention of the simulator's and the memory model's
+/// costs.
+template <typename T>
+const T& per_stage(const std::vector<T>& v, int stage) {
+  return v.size() == 1 ? v[0] : v.at(stage);
+}
+
 /// A schedule: for each rank, the actions it runs in order.
 struct PipelineSchedule {
   std::string name;          ///< "GPipe", "1F1B", ... (for messages)

@@ -13,11 +13,6 @@
 namespace cohort::pipeline {
 namespace {
 
-template <typename T>
-const T& per(const std::vector<T>& v, int i) {
-  return v.size() == 1 ? v[0] : v.at(i);
-}
-
 bool is_recv(ActionType t) { return t == ActionType::RecvForward || t == ActionType::RecvBackward; }
 
 // One rank's actions in order, with what the runtime holds after each.
@@ -43,7 +38,8 @@ class RankWalk {
   static Key key(const Action& a) { return {a.type, a.stage, a.microbatch}; }
 
   int64_t buffer_bytes(const Action& a) const {
-    return per(costs_.boundary_bytes, a.type == ActionType::RecvForward ? a.stage - 1 : a.stage);
+    return per_stage(costs_.boundary_bytes,
+                     a.type == ActionType::RecvForward ? a.stage - 1 : a.stage);
   }
   // The runtime's rule: the next recv_window receive actions are posted,
   // refilled in a burst once at most one posted receive remains.
@@ -69,7 +65,7 @@ class RankWalk {
     return bytes;
   }
   void step(const Action& a) {
-    const StageMemory& sm = per(costs_.stages, a.stage);
+    const StageMemory& sm = per_stage(costs_.stages, a.stage);
     const int64_t activations =
         split_.count(a.stage) ? sm.split_activation_bytes : sm.activation_bytes;
     if (is_recv(a.type)) {

@@ -11,13 +11,8 @@
 namespace cohort::pipeline {
 namespace {
 
-template <typename T>
-const T& per(const std::vector<T>& v, int i) {
-  return v.size() == 1 ? v[0] : v.at(i);
-}
-
 double compute_cost(const Action& a, const SimulatorCosts& c) {
-  const StageCosts& sc = per(c.stages, a.stage);
+  const StageCosts& sc = per_stage(c.stages, a.stage);
   switch (a.type) {
     case ActionType::Forward:
       return sc.forward_ms;
@@ -83,7 +78,7 @@ MonteCarloResult simulate_schedule_monte_carlo(const PipelineSchedule& input,
                           " stages (one per stage, or one for all)");
   std::mt19937_64 rng(seed);
   auto cost = [&](const Action& a) {
-    const std::vector<double>& v = samples_of(per(samples, a.stage), a.type);
+    const std::vector<double>& v = samples_of(per_stage(samples, a.stage), a.type);
     if (v.empty()) return compute_cost(a, costs);
     return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)];
   };
@@ -106,7 +101,7 @@ namespace {
 
 SimulationResult run(const PipelineSchedule& s, const SimulatorCosts& costs, const CostFn& cost) {
   auto transfer = [&](int boundary) {
-    int64_t bytes = per(costs.boundary_bytes, boundary);
+    int64_t bytes = per_stage(costs.boundary_bytes, boundary);
     return costs.transfer_ms ? costs.transfer_ms(bytes) : 0.0;
   };
   SimulationResult out;
