@@ -55,7 +55,8 @@ class FixedBatch : public cohort::DataSource {
 int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
 // A /proc/self/status figure in MB: "VmHWM" (peak resident), "VmPeak"
-// (peak address space, what ulimit -v limits).
+// (peak address space, what ulimit -v limits), "VmData" (private writable
+// memory now, what ulimit -d limits).
 double status_mb(const std::string& key) {
   std::ifstream in("/proc/self/status");
   for (std::string line; std::getline(in, line);) {
@@ -79,9 +80,10 @@ void report(const cohort::Communicator& comm, const Flags& f, torch::nn::Module&
   const double mb = 1024.0 * 1024.0;
   std::printf(
       "fsdp_train %s rank %d/%d: loss %.5f -> %.5f; holds %.2f MB parameters, %.2f MB gradients, "
-      "%.2f MB AdamW state; peak resident %.0f MB, peak address space %.0f MB\n",
+      "%.2f MB AdamW state; peak resident %.0f MB, peak address space %.0f MB, private "
+      "writable %.0f MB\n",
       f.mode.c_str(), comm.rank(), comm.size(), first, last, params / mb, grads / mb, state / mb,
-      status_mb("VmHWM"), status_mb("VmPeak"));
+      status_mb("VmHWM"), status_mb("VmPeak"), status_mb("VmData"));
   std::fflush(stdout);
 }
 
