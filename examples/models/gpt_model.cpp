@@ -87,8 +87,13 @@ class TransformerBlockImpl : public torch::nn::Module {
 };
 
 GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
-    : config_(c), tp_(mesh.tp_group()), first_(mesh.is_pp_first()), last_(mesh.is_pp_last()) {
-  const int tp = mesh.tp_size(), pp = mesh.pp_size();
+    : config_(c),
+      tp_(mesh.tp_group()),
+      pp_(mesh.pp_size()),
+      pp_rank_(mesh.pp_rank()),
+      first_(mesh.is_pp_first()),
+      last_(mesh.is_pp_last()) {
+  const int tp = mesh.tp_size(), pp = mesh.pp_size(), v = c.virtual_stages;
   const auto& g = *tp_;
   require(
       c.hidden % c.heads == 0,
@@ -98,9 +103,11 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
           "heads " + std::to_string(c.heads) + " does not divide by the tensor-parallel size " +
               std::to_string(tp),
           g);
-  require(c.layers % pp == 0,
-          "layers " + std::to_string(c.layers) + " does not divide by the pipeline-parallel size " +
-              std::to_string(pp),
+  require(v >= 1, "virtual_stages " + std::to_string(v) + " is not positive", g);
+  require(c.layers % (int64_t{pp} * v) == 0,
+          "layers " + std::to_string(c.layers) + " do not divide into pp " + std::to_string(pp) +
+              " x virtual_stages " + std::to_string(v) + " = " + std::to_string(pp * v) +
+              " model chunks",
           g);
   require(!c.sequence_parallel || c.seq_len % tp == 0,
           "seq_len " + std::to_string(c.seq_len) + " does not divide by the tensor-parallel size " +
@@ -116,11 +123,15 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
     position_embeddings_ = register_parameter(
         "position_embeddings", torch::empty({c.seq_len, c.hidden}).normal_(0.0, 0.02, gen));
   }
-  const auto per_stage = c.layers / pp;
-  for (int64_t i = 0; i < per_stage; ++i) {
-    const auto layer = mesh.pp_rank() * per_stage + i;
-    blocks_.push_back(register_module("block" + std::to_string(layer),
-                                      std::make_shared<TransformerBlockImpl>(tp_, c, layer)));
+  // Registered in layer order, so that names and order match the unsplit model.
+  const auto per_chunk = c.layers / (int64_t{pp} * v);
+  chunks_.resize(v);
+  for (int k = 0; k < v; ++k) {
+    for (int64_t i = 0; i < per_chunk; ++i) {
+      const auto layer = chunk_index(k) * per_chunk + i;
+      chunks_[k].push_back(register_module("block" + std::to_string(layer),
+                                           std::make_shared<TransformerBlockImpl>(tp_, c, layer)));
+    }
   }
   if (last_) {
     final_layernorm_ = register_module(
@@ -133,15 +144,23 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
 }
 
 torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {
+  require(pp_ == 1 || num_chunks() == 1,
+          "forward() runs the chunks of one rank in turn, which is not the model at pp " +
+              std::to_string(pp_) + " x virtual_stages " + std::to_string(num_chunks()) +
+              "; run each chunk (forward_chunk) as its own pipeline stage",
+          *tp_);
   auto h = input;
-  if (first_) {
-    const auto T = input.size(1);
-    auto ids = input.t();  // [T, B]
-    h = word_embeddings_(ids) + position_embeddings_.narrow(0, 0, T).unsqueeze(1);
-    if (config_.sequence_parallel) h = scatter_to_sequence_parallel_region(h, *tp_);
-    if (config_.dropout > 0) h = torch::dropout(h, config_.dropout, is_training());
-  }
-  for (auto& block : blocks_) {
+  for (int k = 0; k < num_chunks(); ++k) h = forward_chunk(k, h);
+  return h;
+}
+
+torch::Tensor GPTStageImpl::forward_chunk(int k, const torch::Tensor& input) {
+  require(
+      k >= 0 && k < num_chunks(),
+      "chunk " + std::to_string(k) + " is not one of this rank's " + std::to_string(num_chunks()),
+      *tp_);
+  auto h = chunk_index(k) == 0 ? embed(input) : input;
+  for (auto& block : chunks_[k]) {
     if (!config_.checkpoint_activations) {
       h = block->forward(h);
       continue;
@@ -153,7 +172,19 @@ torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {
     h = checkpoint([block](const torch::Tensor& x) { return block->forward(x); }, h,
                    block->parameters());
   }
-  if (!last_) return h;
+  return chunk_index(k) == pp_ * num_chunks() - 1 ? head(h) : h;
+}
+
+torch::Tensor GPTStageImpl::embed(const torch::Tensor& input) {
+  const auto T = input.size(1);
+  auto ids = input.t();  // [T, B]
+  auto h = word_embeddings_(ids) + position_embeddings_.narrow(0, 0, T).unsqueeze(1);
+  if (config_.sequence_parallel) h = scatter_to_sequence_parallel_region(h, *tp_);
+  if (config_.dropout > 0) h = torch::dropout(h, config_.dropout, is_training());
+  return h;
+}
+
+torch::Tensor GPTStageImpl::head(torch::Tensor h) {
   h = final_layernorm_(h);
   h = config_.sequence_parallel ? gather_from_sequence_parallel_region(h, *tp_)
                                 : copy_to_tensor_parallel_region(h, *tp_);
@@ -169,13 +200,33 @@ torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tenso
 std::vector<torch::Tensor> GPTStageImpl::sequence_parallel_parameters() const {
   if (!config_.sequence_parallel) return {};
   std::vector<torch::Tensor> out;
-  for (const auto& b : blocks_) {
-    auto p = b->sequence_parallel_parameters();
-    out.insert(out.end(), p.begin(), p.end());
+  for (const auto& chunk : chunks_) {
+    for (const auto& b : chunk) {
+      auto p = b->sequence_parallel_parameters();
+      out.insert(out.end(), p.begin(), p.end());
+    }
   }
   if (last_) {
     out.push_back(final_layernorm_->weight);
     out.push_back(final_layernorm_->bias);
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> GPTStageImpl::chunk_parameters(int k) const {
+  std::vector<torch::Tensor> out;
+  if (chunk_index(k) == 0) {
+    out.push_back(word_embeddings_->weight);
+    out.push_back(position_embeddings_);
+  }
+  for (const auto& block : chunks_.at(k)) {
+    auto p = block->parameters();
+    out.insert(out.end(), p.begin(), p.end());
+  }
+  if (chunk_index(k) == pp_ * num_chunks() - 1) {
+    auto p = final_layernorm_->parameters();
+    out.insert(out.end(), p.begin(), p.end());
+    out.push_back(shared_embedding_weight());
   }
   return out;
 }

@@ -11,12 +11,16 @@
 // on [T/tp, B, H] shards (the column layers all-gather the sequence, the row
 // layers reduce-scatter it).
 //
-// Stage p of pp holds layers [p L/pp, (p+1) L/pp); the first stage also the
-// word and position embeddings, the last the final LayerNorm and the output
-// layer, whose weight is the word embedding (tied; with pp > 1 the last
-// stage holds its own copy, kept equal by GradientSynchronizer). Every
-// weight is drawn from a seed derived from (config.seed, layer, role), so a
-// seed gives the same model at any (tp, pp).
+// The layers are cut into pp * v model chunks of L / (pp v) layers each
+// (v = config.virtual_stages); PP rank p holds chunks p, p + pp, ...,
+// p + (v - 1) pp (Megatron's interleaved layout; v = 1 is one stage of
+// L / pp layers per rank). Chunk 0 also holds the word and position
+// embeddings, the last chunk the final LayerNorm and the output layer,
+// whose weight is the word embedding (tied; with pp > 1 the last rank holds
+// its own copy, kept equal by GradientSynchronizer; with pp = 1 both chunks
+// use the one weight). Every weight is drawn from a seed derived from
+// (config.seed, layer, role), so a seed gives the same model at any
+// (tp, pp, v).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -35,7 +39,7 @@
 namespace cohort::tensor_parallel {
 
 /// The model's sizes. hidden, heads, vocab_size (and seq_len under sequence
-/// parallelism) must divide by tp, layers by pp.
+/// parallelism) must divide by tp, layers by pp * virtual_stages.
 struct GPTConfig {
   int64_t vocab_size = 64;              ///< tokens (characters); pad to a multiple of tp
   int64_t seq_len = 16;                 ///< context length T
@@ -45,21 +49,28 @@ struct GPTConfig {
   double dropout = 0.0;                 ///< attention and residual dropout (training only)
   bool sequence_parallel = false;       ///< split LayerNorm/dropout regions along the sequence
   bool checkpoint_activations = false;  ///< keep only each block's input; recompute in backward
+  int virtual_stages = 1;               ///< model chunks per PP rank (interleaved schedules)
   uint64_t seed = 1234;                 ///< seed of every weight
 };
 
 class TransformerBlockImpl;
 
-/// One pipeline stage of the GPT on one TP rank.
+/// One PP rank's model chunks of the GPT on one TP rank (one pipeline stage
+/// when virtual_stages is 1).
 class GPTStageImpl : public torch::nn::Module {
  public:
   /// Throws InvalidArgument when a size does not divide (naming it).
   GPTStageImpl(const DeviceMesh& mesh, GPTConfig config);
 
-  /// First stage: ids [B, T] int64 -> hidden; other stages: hidden ->
-  /// hidden; the last stage returns vocab-parallel logits [T, B, V/tp].
-  /// Hidden states are [T, B, H], or [T/tp, B, H] under sequence parallelism.
+  /// Every chunk of this rank in turn: the model's pipeline stage when v is
+  /// 1, the whole model when pp is 1. Throws InvalidArgument when pp and v
+  /// are both above 1 (the chunks are not consecutive; use forward_chunk).
   torch::Tensor forward(const torch::Tensor& input);
+  /// Local chunk k (global chunk k pp + pp_rank). Chunk 0: ids [B, T] int64
+  /// -> hidden; other chunks: hidden -> hidden; the last chunk returns
+  /// vocab-parallel logits [T, B, V/tp]. Hidden states are [T, B, H], or
+  /// [T/tp, B, H] under sequence parallelism.
+  torch::Tensor forward_chunk(int k, const torch::Tensor& input);
   /// Last stage: the mean cross-entropy of `logits` (from forward) against
   /// targets [B, T], the same value on every TP rank; targets equal to -100
   /// are ignored (left out of the mean), as in LibTorch.
@@ -72,17 +83,28 @@ class GPTStageImpl : public torch::nn::Module {
   /// stage); undefined on middle stages.
   torch::Tensor shared_embedding_weight() const;
 
+  /// The parameters local chunk k uses (the tied weight in both the first
+  /// and the last chunk when one rank holds both).
+  std::vector<torch::Tensor> chunk_parameters(int k) const;
+  /// The global index (pipeline stage) of local chunk k: k pp + pp_rank.
+  int chunk_index(int k) const { return k * pp_ + pp_rank_; }
+  int num_chunks() const { return config_.virtual_stages; }  ///< local chunks (v)
+
   const GPTConfig& config() const { return config_; }  ///< the sizes
   bool is_first() const { return first_; }             ///< holds the embeddings
   bool is_last() const { return last_; }               ///< holds the output layer
 
  private:
+  torch::Tensor embed(const torch::Tensor& ids);
+  torch::Tensor head(torch::Tensor h);
+
   GPTConfig config_;
   std::shared_ptr<Communicator> tp_;
+  int pp_, pp_rank_;
   bool first_, last_;
   VocabParallelEmbedding word_embeddings_{nullptr};
   torch::Tensor position_embeddings_;
-  std::vector<std::shared_ptr<TransformerBlockImpl>> blocks_;
+  std::vector<std::vector<std::shared_ptr<TransformerBlockImpl>>> chunks_;  // local chunk -> blocks
   torch::nn::LayerNorm final_layernorm_{nullptr};
   VocabParallelEmbedding output_embeddings_{nullptr};  // pp > 1: the last stage's copy
 };

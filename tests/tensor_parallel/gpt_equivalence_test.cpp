@@ -3,8 +3,9 @@
 // global batch: every step's loss and, at the end, every parameter (each
 // shard against the matching slice of the reference) within 1e-5 relative.
 //
-// pp > 1 runs each step through the pipeline's schedules (PipelineRuntime
-// over the mesh's PP group, the batch split into micro-batches) and
+// pp > 1 (or v > 1 model chunks per rank, interleaved) runs each step
+// through the pipeline's schedules (PipelineRuntime over the mesh's PP
+// group, the batch split into micro-batches) and
 // GradientSynchronizer::synchronize; pp = 1 through forward, backward and
 // the DP reducer overlapped with it.
 #include <ATen/CPUGeneratorImpl.h>
@@ -18,6 +19,7 @@
 #include "cohort/pipeline/schedule.h"
 #include "examples/models/gpt_model.h"
 #include "examples/models/gpt_pipeline.h"
+#include "support/rank_errors.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing::gpt_equivalence_test {
@@ -33,15 +35,21 @@ struct Case {
   bool sp;
   const char* schedule = "1f1b";  // pp > 1
   int microbatches = 2;           // pp > 1; divides kBatch / dp
+  int v = 1;                      // model chunks per PP rank (interleaved)
 };
 
-GPTConfig config(bool sp) {
+bool pipelined(const Case& k) { return k.pp > 1 || k.v > 1; }
+
+// Interleaved cases cut the model into pp * v chunks, so they train (and
+// their reference has) four layers.
+GPTConfig config(bool sp, int v = 1, int64_t layers = 2) {
   GPTConfig c;
   c.vocab_size = 12;
   c.seq_len = 6;
   c.hidden = 24;
   c.heads = 6;
-  c.layers = 2;
+  c.layers = layers;
+  c.virtual_stages = v;
   c.sequence_parallel = sp;
   c.seed = 7;
   return c;
@@ -54,6 +62,8 @@ std::pair<torch::Tensor, torch::Tensor> batch(int s, const GPTConfig& c) {
       torch::randint(c.vocab_size, {kBatch, c.seq_len}, at::detail::createCPUGenerator(100 + s));
   return {ids, (ids * 5 + 3) % c.vocab_size};
 }
+
+int64_t layers_of(const Case& k) { return k.v > 1 ? 4 : 2; }
 
 struct Result {
   std::vector<double> losses;                   // global mean per step
@@ -85,22 +95,19 @@ torch::Tensor step(DeviceMesh& mesh, pipeline::PipelineRuntime& rt, GradientSync
   return mesh.is_pp_last() ? torch::tensor(r.loss, torch::kFloat64) : torch::Tensor();
 }
 
-Result train(const Case& k) {
+Result train(const Case& k, int64_t layers) {
   Result result;
   std::mutex mu;
   run_ranks_shared(k.tp * k.pp * k.dp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
     auto mesh = std::make_shared<DeviceMesh>(world, MeshShape{k.dp, k.pp, k.tp});
-    const auto c = config(k.sp);
+    const auto c = config(k.sp, k.v, layers);
     GPTStage stage(*mesh, c);
     GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                               stage->shared_embedding_weight());
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     std::unique_ptr<pipeline::PipelineRuntime> rt;
-    if (k.pp > 1)
-      rt = std::make_unique<pipeline::PipelineRuntime>(
-          mesh->pp_group(), std::vector<pipeline::PipelineStage>{gpt_pipeline_stage(*mesh, stage)},
-          pipeline::make_schedule(k.schedule, k.pp, 1, k.microbatches), gpt_pipeline_loss(stage));
+    if (pipelined(k)) rt = make_gpt_pipeline(*mesh, stage, k.schedule, k.microbatches);
     const auto rows = kBatch / k.dp;
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) {
@@ -147,21 +154,22 @@ double relative_diff(const torch::Tensor& got, const torch::Tensor& want) {
   return (got - want).abs().max().item<double>() / scale;
 }
 
-const Result& reference() {
-  static const Result r = train({1, 1, 1, false});
-  return r;
+const Result& reference(int64_t layers) {
+  static const Result two = train({1, 1, 1, false}, 2);
+  static const Result four = train({1, 1, 1, false}, 4);
+  return layers == 4 ? four : two;
 }
 
 class GPTEquivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GPTEquivalence, TenStepsMatchSingleProcess) {
   const auto k = GetParam();
-  const auto& ref = reference();
+  const auto& ref = reference(layers_of(k));
   ASSERT_EQ(ref.losses.size(), static_cast<size_t>(kSteps));
   // Training must have moved: otherwise equality would prove nothing.
   ASSERT_LT(ref.losses.back(), ref.losses.front() - 0.05);
 
-  const auto got = train(k);
+  const auto got = train(k, layers_of(k));
   ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps));
   for (int s = 0; s < kSteps; ++s) {
     EXPECT_LE(std::abs(got.losses[s] - ref.losses[s]) / std::abs(ref.losses[s]), 1e-5)
@@ -187,20 +195,60 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const auto& k = info.param;
   return "tp" + std::to_string(k.tp) + "_pp" + std::to_string(k.pp) + "_dp" + std::to_string(k.dp) +
          (k.sp ? "_sp" : "") +
-         (k.pp > 1 ? std::string("_") + k.schedule + "_m" + std::to_string(k.microbatches) : "");
+         (pipelined(k) ? std::string("_") + k.schedule + "_m" + std::to_string(k.microbatches)
+                       : "") +
+         (k.v > 1 ? "_v" + std::to_string(k.v) : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Meshes, GPTEquivalence,
-    ::testing::Values(Case{2, 1, 1, false}, Case{1, 2, 1, false}, Case{1, 1, 2, false},
-                      Case{2, 2, 1, false}, Case{2, 1, 2, false}, Case{1, 2, 2, false},
-                      Case{2, 2, 2, false}, Case{3, 1, 1, false},
-                      // Every schedule with one stage per rank.
-                      Case{1, 2, 1, false, "gpipe", 4}, Case{2, 2, 1, false, "zbh1", 4},
-                      Case{2, 2, 2, false, "zbh1", 2},
-                      // Sequence parallelism: the same run as without it.
-                      Case{2, 1, 1, true}, Case{3, 1, 1, true}, Case{2, 2, 2, true}),
+    ::testing::Values(
+        Case{2, 1, 1, false}, Case{1, 2, 1, false}, Case{1, 1, 2, false}, Case{2, 2, 1, false},
+        Case{2, 1, 2, false}, Case{1, 2, 2, false}, Case{2, 2, 2, false}, Case{3, 1, 1, false},
+        // Every schedule with one stage per rank.
+        Case{1, 2, 1, false, "gpipe", 4}, Case{2, 2, 1, false, "zbh1", 4},
+        Case{2, 2, 2, false, "zbh1", 2},
+        // Sequence parallelism: the same run as without it.
+        Case{2, 1, 1, true}, Case{3, 1, 1, true}, Case{2, 2, 2, true},
+        // Interleaved: v = 2 model chunks per PP rank (four
+        // layers, one per chunk at pp 2), with TP, DP and SP
+        // inside, and pp = 1 (both chunks on one rank).
+        Case{1, 2, 1, false, "interleaved", 2, 2}, Case{1, 2, 1, false, "interleaved", 4, 2},
+        Case{2, 2, 1, false, "interleaved", 2, 2}, Case{1, 2, 2, false, "interleaved", 2, 2},
+        Case{2, 2, 2, true, "interleaved", 2, 2}, Case{1, 1, 1, false, "interleaved", 2, 2},
+        Case{2, 1, 1, false, "interleaved", 4, 2}),
     case_name);
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// Interleaved sizes that do not fit: an InvalidArgument on every rank naming
+// the values, before any message is sent.
+TEST(GPTInterleavedErrors, SizesThatDoNotFitAreNamed) {
+  // Two layers cannot make pp 2 x v 2 chunks.
+  auto errors = errors_on_every_rank(2, [](std::shared_ptr<Communicator> world) {
+    DeviceMesh mesh(world, MeshShape{1, 2, 1});
+    GPTStage stage(mesh, config(false, 2, 2));
+  });
+  for (const auto& e : errors) {
+    EXPECT_TRUE(has(e, "layers 2 do not divide into pp 2 x virtual_stages 2 = 4 model chunks"))
+        << e;
+  }
+  // Only the interleaved schedule drives v > 1 chunks, with m a multiple of pp.
+  const std::pair<const char*, int> bad[] = {{"1f1b", 2}, {"interleaved", 3}};
+  for (const auto& [name, m] : bad) {
+    errors = errors_on_every_rank(2, [&](std::shared_ptr<Communicator> world) {
+      DeviceMesh mesh(world, MeshShape{1, 2, 1});
+      GPTStage stage(mesh, config(false, 2, 4));
+      make_gpt_pipeline(mesh, stage, name, m);
+    });
+    for (const auto& e : errors) {
+      EXPECT_TRUE(has(e, "virtual_stages 2")) << e;
+      EXPECT_TRUE(m == 2 ? has(e, "not '1f1b'") : has(e, "multiple of pp 2; got 3")) << e;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace cohort::testing::gpt_equivalence_test
