@@ -6,7 +6,8 @@
 // It trains through the Trainer (TrainerWiring::mesh): each step runs
 // --microbatches micro-batches of the DP rank's slice of the global batch
 // (one seed per step) through the stages with a pipeline schedule
-// (--schedule gpipe, 1f1b or zbh1; one stage when pp is 1), clips by the
+// (--schedule gpipe, 1f1b, zbh1, or interleaved with --virtual-stages v:
+// v model chunks per rank; one stage when pp and v are 1), clips by the
 // global norm over the mesh and checkpoints every rank's shard into
 // --checkpoint-dir; a rerun resumes from the newest checkpoint there. Rank 0
 // prints, logs the metrics and draws the curves.
@@ -49,6 +50,7 @@ struct Flags {
   double lr = 3e-3;
   std::string schedule = "1f1b";  // pp > 1
   int microbatches = 4;           // per step and DP rank
+  int virtual_stages = 1;         // model chunks per pipeline rank (interleaved)
   bool sequence_parallel = false;
   bool checkpoint_activations = false;
   int64_t eval_every = 50;
@@ -73,20 +75,26 @@ std::pair<torch::Tensor, torch::Tensor> draw_batch(const torch::Tensor& text, in
   return {w.narrow(1, 0, T), w.narrow(1, 1, T)};
 }
 
-// Forward only (evaluation, sampling): receives the previous stage's
-// activations and sends this stage's on. Returns the stage output (last
-// stage: logits).
+// Forward only (evaluation, sampling): this rank's chunks in order of their
+// pipeline stage k pp + pp_rank, each receiving the previous stage's
+// activations (from the rank before, wrapping around between chunks) and
+// sending its own on. Returns the last chunk's output (last stage: logits).
 torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& ids) {
   const auto& c = stage->config();
   auto& pp = *mesh.pp_group();
-  torch::Tensor input = ids;
-  if (!mesh.is_pp_first()) {
-    const auto T = c.sequence_parallel ? c.seq_len / mesh.tp_size() : c.seq_len;
-    input = torch::empty({T, ids.size(0), c.hidden});
-    pp.recv(input, mesh.pp_rank() - 1).wait();
+  const int P = mesh.pp_size(), r = mesh.pp_rank(), chunks = P * stage->num_chunks();
+  torch::Tensor out;
+  for (int k = 0; k < stage->num_chunks(); ++k) {
+    const int index = stage->chunk_index(k);
+    torch::Tensor input = ids;
+    if (index > 0) {
+      const auto T = c.sequence_parallel ? c.seq_len / mesh.tp_size() : c.seq_len;
+      input = torch::empty({T, ids.size(0), c.hidden});
+      pp.recv(input, (r + P - 1) % P).wait();
+    }
+    out = stage->forward_chunk(k, input);
+    if (index + 1 < chunks) pp.send(out.detach().contiguous(), (r + 1) % P).wait();
   }
-  auto out = stage(input);
-  if (!mesh.is_pp_last()) pp.send(out.detach().contiguous(), mesh.pp_rank() + 1).wait();
   return out;
 }
 
@@ -183,6 +191,7 @@ GPTConfig model_config(const Flags& f) {
   c.hidden = f.hidden;
   c.heads = f.heads;
   c.layers = f.layers;
+  c.virtual_stages = f.virtual_stages;
   c.sequence_parallel = f.sequence_parallel;
   c.checkpoint_activations = f.checkpoint_activations;
   c.seed = f.seed;
@@ -279,14 +288,10 @@ int run(const Flags& f) {
   GPTStage stage(*mesh, model_config(f));
   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                             stage->shared_embedding_weight());
-  cohort::pipeline::PipelineRuntime rt(
-      mesh->pp_group(),
-      std::vector<cohort::pipeline::PipelineStage>{gpt_pipeline_stage(*mesh, stage)},
-      cohort::pipeline::make_schedule(f.schedule, f.pp, 1, f.microbatches),
-      gpt_pipeline_loss(stage));
-  torch::optim::AdamW opt(rt.parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
+  auto rt = make_gpt_pipeline(*mesh, stage, f.schedule, f.microbatches);
+  torch::optim::AdamW opt(rt->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
   GptBatches source(corpus.train, f, mesh->dp_rank());
-  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, rt, opt, sync),
+  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, *rt, opt, sync),
                           trainer_config(f, source.steps_per_epoch()));
   if (auto step = trainer.resume(); step && lead) {
     std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));
@@ -340,7 +345,11 @@ int main(int argc, char** argv) {
   app.add_option("--heads", f.heads, "attention heads")->check(CLI::PositiveNumber);
   app.add_option("--layers", f.layers, "transformer blocks")->check(CLI::PositiveNumber);
   app.add_option("--lr", f.lr, "AdamW learning rate");
-  app.add_option("--schedule", f.schedule, "pipeline schedule with pp > 1: gpipe, 1f1b or zbh1");
+  app.add_option("--schedule", f.schedule,
+                 "pipeline schedule: gpipe, 1f1b, zbh1, or interleaved (with --virtual-stages)");
+  app.add_option("--virtual-stages", f.virtual_stages,
+                 "model chunks per pipeline rank (interleaved schedule)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--microbatches", f.microbatches, "micro-batches per step (the schedule's)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--sequence-parallel", f.sequence_parallel,
