@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -309,9 +310,16 @@ PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
 PipelineRuntime::~PipelineRuntime() = default;
 
 std::vector<torch::Tensor> PipelineRuntime::parameters() const {
+  // Each once: a weight two of this rank's stages share (a tied embedding
+  // when one rank holds the first and the last stage) would otherwise be
+  // stepped twice by an optimizer built over the list.
   std::vector<torch::Tensor> out;
-  for (const auto& st : stages_)
-    out.insert(out.end(), st.parameters().begin(), st.parameters().end());
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& st : stages_) {
+    for (const auto& p : st.parameters()) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+    }
+  }
   return out;
 }
 

@@ -110,7 +110,7 @@ class PipelineRuntime {
 
   /// The stages this rank holds.
   const std::vector<PipelineStage>& stages() const { return stages_; }
-  /// Every parameter of this rank's stages.
+  /// Every parameter of this rank's stages, each once (in stage order).
   std::vector<torch::Tensor> parameters() const;
   /// The schedule the runtime executes.
   const PipelineSchedule& schedule() const { return schedule_; }

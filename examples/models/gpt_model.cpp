@@ -226,7 +226,7 @@ std::vector<torch::Tensor> GPTStageImpl::chunk_parameters(int k) const {
   if (chunk_index(k) == pp_ * num_chunks() - 1) {
     auto p = final_layernorm_->parameters();
     out.insert(out.end(), p.begin(), p.end());
-    out.push_back(shared_embedding_weight());
+    if (chunk_index(k) != 0) out.push_back(shared_embedding_weight());  // else listed above
   }
   return out;
 }
