@@ -12,13 +12,19 @@ namespace {
 // This rank's stages as one module, so that the Trainer's model-wide steps
 // (train(), parameters(), a checkpoint's save and load) see exactly them:
 // each stage's module under "stage<index>", or, for a function stage
-// without one, its parameters under "stage<index>_<n>".
+// without one, its parameters under "stage<index>_<n>". A module that
+// several stages share (one model holding a rank's interleaved chunks) is
+// registered once, under its first stage: twice, its parameters would be
+// counted twice by the norm and scaled twice by clipping.
 std::shared_ptr<torch::nn::Module> stages_module(const pipeline::PipelineRuntime& runtime) {
   auto holder = std::make_shared<torch::nn::Module>("PipelineStages");
+  std::set<const torch::nn::Module*> registered;
   for (const auto& stage : runtime.stages()) {
     const std::string name = "stage" + std::to_string(stage.index());
     if (stage.module()) {
-      holder->register_module(name, stage.module());
+      if (registered.insert(stage.module().get()).second) {
+        holder->register_module(name, stage.module());
+      }
       continue;
     }
     for (size_t i = 0; i < stage.parameters().size(); ++i) {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -31,21 +32,25 @@ constexpr double kLr = 0.1, kMaxNorm = 0.1;
 struct Case {
   int tp, pp, dp;
   bool sp;
+  int v = 1;  // model chunks per pipeline rank (interleaved when > 1)
 };
+
+// Two layers, or one per model chunk when there are more chunks.
+int64_t layers_of(const Case& c) { return std::max<int64_t>(2, c.pp * c.v); }
 
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return "tp" + std::to_string(c.tp) + "_pp" + std::to_string(c.pp) + "_dp" + std::to_string(c.dp) +
-         (c.sp ? "_sp" : "");
+         (c.sp ? "_sp" : "") + (c.v > 1 ? "_v" + std::to_string(c.v) : "");
 }
 
-GPTConfig gpt_config(bool sp, uint64_t seed = 7) {
+GPTConfig gpt_config(bool sp, int64_t layers, uint64_t seed = 7) {
   GPTConfig c;
   c.vocab_size = 8;
   c.seq_len = 4;
   c.hidden = 8;
   c.heads = 2;
-  c.layers = 2;
+  c.layers = layers;
   c.sequence_parallel = sp;
   c.seed = seed;
   return c;
@@ -95,13 +100,13 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   const Case& c = job.c;
   auto mesh = std::make_shared<DeviceMesh>(world, MeshShape{c.dp, c.pp, c.tp});
   // A resumed run starts from other weights: the checkpoint must replace them.
-  GPTStage stage(*mesh, gpt_config(c.sp, job.resume ? 8 : 7));
+  GPTConfig config_of_model = gpt_config(c.sp, layers_of(c), job.resume ? 8 : 7);
+  config_of_model.virtual_stages = c.v;
+  GPTStage stage(*mesh, config_of_model);
   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                             stage->shared_embedding_weight());
-  pipeline::PipelineRuntime rt(mesh->pp_group(), {gpt_pipeline_stage(*mesh, stage)},
-                               pipeline::make_schedule("1f1b", c.pp, 1, kMicro),
-                               gpt_pipeline_loss(stage));
-  auto opt = make_sgd(rt.parameters());
+  auto rt = make_gpt_pipeline(*mesh, stage, c.v > 1 ? "interleaved" : "1f1b", kMicro);
+  auto opt = make_sgd(rt->parameters());
   TrainerConfig config;
   config.accumulation_steps = kMicro;
   config.max_grad_norm = kMaxNorm;
@@ -110,7 +115,7 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   config.checkpoint_dir = job.dir;
   config.checkpoint_every = 2;
   config.progress = false;
-  Trainer trainer(TrainerWiring::mesh(mesh, rt, opt, sync), config);
+  Trainer trainer(TrainerWiring::mesh(mesh, *rt, opt, sync), config);
   if (job.resume) {
     EXPECT_TRUE(trainer.resume().has_value());
   }
@@ -139,12 +144,12 @@ struct Reference {
 
 // One process, one unsplit GPT, the whole global batch per step,
 // clip_grad_norm_ and the same SGD.
-Reference reference_run(bool sp, int64_t steps) {
+Reference reference_run(bool sp, int64_t layers, int64_t steps) {
   Reference ref;
   testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
     DeviceMesh mesh(world, MeshShape{1, 1, 1});
-    GPTStage model(mesh, gpt_config(sp));
+    GPTStage model(mesh, gpt_config(sp, layers));
     auto opt = make_sgd(model->parameters());
     for (int64_t s = 0; s < steps; ++s) {
       auto [ids, targets] = global_batch(s);
@@ -166,7 +171,7 @@ class MeshTrainer : public ::testing::TestWithParam<Case> {};
 TEST_P(MeshTrainer, ClipsByTheOneProcessGlobalNorm) {
   const Case c = GetParam();
   constexpr int64_t kSteps = 3;
-  const Reference ref = reference_run(c.sp, kSteps);
+  const Reference ref = reference_run(c.sp, layers_of(c), kSteps);
   const auto runs = run_job({c, kSteps, ""});
   for (size_t r = 0; r < runs.size(); ++r) {
     ASSERT_EQ(runs[r].metrics.size(), static_cast<size_t>(kSteps));
@@ -195,7 +200,9 @@ TEST_P(MeshTrainer, ClipsByTheOneProcessGlobalNorm) {
 INSTANTIATE_TEST_SUITE_P(Trainer, MeshTrainer,
                          ::testing::Values(Case{1, 1, 1, false}, Case{2, 1, 1, true},
                                            Case{1, 2, 1, false}, Case{1, 1, 3, false},
-                                           Case{2, 2, 2, false}, Case{2, 2, 2, true}),
+                                           Case{2, 2, 2, false}, Case{2, 2, 2, true},
+                                           Case{1, 1, 1, false, 2}, Case{1, 2, 1, false, 2},
+                                           Case{2, 2, 2, false, 2}),
                          name_of);
 
 // Every rank saves its stage's shard and optimizer state; resumed at step 2
