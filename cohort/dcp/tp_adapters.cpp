@@ -7,29 +7,6 @@
 namespace cohort::dcp {
 namespace {
 
-using tensor_parallel::ColumnParallelLinearImpl;
-using tensor_parallel::RowParallelLinearImpl;
-using tensor_parallel::VocabParallelEmbeddingImpl;
-
-// The dimension each TP-sharded parameter of `stage` is split along.
-std::map<const void*, int64_t> shard_dims(torch::nn::Module& stage) {
-  std::map<const void*, int64_t> dims;
-  auto add = [&](const torch::Tensor& t, int64_t d) {
-    if (t.defined()) dims[t.unsafeGetTensorImpl()] = d;
-  };
-  for (const auto& m : stage.modules()) {
-    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.get())) {
-      add(c->weight, 0);
-      add(c->bias, 0);
-    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m.get())) {
-      add(r->weight, 1);
-    } else if (auto* v = dynamic_cast<VocabParallelEmbeddingImpl*>(m.get())) {
-      add(v->weight, 0);
-    }
-  }
-  return dims;
-}
-
 // Loading: "" when the checkpoint's `fqn` can be split along `dim` over tp.
 std::string layout_error(const Metadata& meta, const std::string& fqn, int64_t dim, int tp,
                          int rank) {
@@ -46,7 +23,7 @@ std::string layout_error(const Metadata& meta, const std::string& fqn, int64_t d
 StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied,
                                      const Metadata* for_load) {
-  const auto dims = shard_dims(stage);
+  const auto dims = tensor_parallel::split_dims(stage);
   const int tp = mesh.tp_size(), dp = mesh.dp_size();
   StateDict state;
   std::vector<ParamSlot> slots;

@@ -3,20 +3,17 @@
 // its optimizer as a dcp::StateDict under the unsplit model's names
 // ("model.<fqn>", "optim.<fqn>.<state>", as adapters.h), so a checkpoint
 // saved at one tp x pp x dp loads into any other (and into DDP, ZeRO or
-// FSDP at tp = pp = 1, and back):
-//
-//   ColumnParallelLinear  weight and bias: rows [r out/tp, (r+1) out/tp)
-//   RowParallelLinear     weight: columns [r in/tp, (r+1) in/tp); bias whole
-//   VocabParallelEmbedding weight: rows [r V/tp, (r+1) V/tp)
-//   everything else       whole (replicated over TP)
-//
-// where r is the TP rank; optimizer state is cut like its parameter, the
-// step is a 0-d tensor. A stage holds only its own parameters, under the
-// names they have in the unsplit model (the model names its layers by their
-// global index), so another pp split finds them. `tied` maps the name of a
-// parameter that is a copy of another (a tied output embedding held by the
-// last stage) to the name of the original: the copy is never written and
-// loads from the original's tensors and optimizer state.
+// FSDP at tp = pp = 1, and back). A parameter the TP layers split
+// (tensor_parallel::split_dims: column and row weights, a column bias, a
+// vocabulary table) is TP rank r's slice r of tp along its split dimension;
+// everything else is whole (replicated over TP). Optimizer state is cut like
+// its parameter, the step is a 0-d tensor. A stage holds only its own
+// parameters, under the names they have in the unsplit model (the model
+// names its layers by their global index), so another pp split finds them.
+// `tied` maps the name of a parameter that is a copy of another (a tied
+// output embedding held by the last stage) to the name of the original: the
+// copy is never written and loads from the original's tensors and
+// optimizer state.
 //
 // Written once: every element of a tensor is written by one rank of the
 // ranks that hold it (the DP replicas, and for whole tensors the TP ranks

@@ -7,28 +7,11 @@
 //   unsharded  each parameter's data is its full value, a view into one
 //              storage for the whole unit, filled by one all-gather.
 //
-// The switch is set_data on the module's own parameter tensors, so their
-// identity (the module's and the optimizer's references, the gradient
-// accumulators and their hooks) never changes. The full storage keeps its
-// identity too: resharding frees its bytes and unsharding allocates and
-// refills them. Autograd's saved tensors, views of the parameters (a
-// Linear saves weight.t()), point into that storage; so they hold no memory
-// while the unit is sharded, and read the refilled values when backward
-// unshards the unit again. A unit's parameters must share dtype and device.
-//
-// Gradients: backward accumulates full gradients in .grad; the unit's
-// reduce-scatter (Avg) turns them into this rank's rows, which become .grad
-// (plus the sharded gradient the unit held before that backward, so
-// gradients accumulate as in one process).
-//
-// Mixed precision (mixed_precision.h): the shard and its .grad keep the
-// parameters' own dtype; the all-gather input, its output and the full
-// storage are param_dtype, the reduce-scatter's buffers reduce_dtype. The
-// switch then changes the parameters' dtype, and set_data drops a
-// variable's (weak) link to its accumulator when the dtype changes: the
-// group links each parameter back to the accumulator it keeps (made while
-// the parameters held their full param_dtype values, so backward's
-// param_dtype gradients accumulate in param_dtype, as in one process).
+// The switch never changes the identity of the parameter tensors (the
+// module's and the optimizer's references, the gradient accumulators) or of
+// the full storage. A unit's parameters must share dtype and device. How the
+// switch, the gradients' reduce-scatter and mixed precision work:
+// docs/design.md, "Fully sharded data parallelism".
 #pragma once
 
 #include <c10/core/Storage.h>

@@ -121,4 +121,25 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
   return reduce_from_tensor_parallel_region(rows, *group_);
 }
 
+std::map<const void*, int64_t> split_dims(torch::nn::Module& module) {
+  std::map<const void*, int64_t> dims;
+  auto add = [&](const torch::Tensor& t, int64_t dim) {
+    if (t.defined()) dims[t.unsafeGetTensorImpl()] = dim;
+  };
+  auto visit = [&](torch::nn::Module* m) {
+    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m)) {
+      add(c->weight, 0);
+      add(c->bias, 0);
+    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m)) {
+      add(r->weight, 1);
+    } else if (auto* v = dynamic_cast<VocabParallelEmbeddingImpl*>(m)) {
+      add(v->weight, 0);
+    }
+  };
+  // The root by address: modules() with itself needs it held by a shared_ptr.
+  visit(&module);
+  for (const auto& m : module.modules(/*include_self=*/false)) visit(m.get());
+  return dims;
+}
+
 }  // namespace cohort::tensor_parallel

@@ -19,6 +19,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
 
 #include "cohort/comm/communicator.h"
@@ -144,6 +145,13 @@ struct VocabParallelCrossEntropyOptions {
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
                                            Communicator& tp_group,
                                            const VocabParallelCrossEntropyOptions& options = {});
+
+/// The parameters of `module` (itself and every descendant) that the TP
+/// layers above split, each with the dimension it is split along, keyed by
+/// its TensorImpl: a column-parallel weight and bias and a vocab-parallel
+/// table along 0, a row-parallel weight along 1. Every other parameter
+/// (a row-parallel bias included) is whole on every TP rank.
+std::map<const void*, int64_t> split_dims(torch::nn::Module& module);
 
 /// The full (tp = 1) weights a layer with `seed` draws, as ColumnParallelLinear
 /// and RowParallelLinear do: {weight [out, in], bias [out]}, uniform in

@@ -7,36 +7,10 @@
 #include "cohort/train/trainer_wiring.h"
 
 namespace cohort {
-namespace {
-
-using tensor_parallel::ColumnParallelLinearImpl;
-using tensor_parallel::RowParallelLinearImpl;
-using tensor_parallel::VocabParallelEmbeddingImpl;
-
-// The parameters the TP layers split (a row-parallel bias is whole).
-std::set<const void*> tp_sharded(torch::nn::Module& stages) {
-  std::set<const void*> out;
-  auto add = [&](const torch::Tensor& t) {
-    if (t.defined()) out.insert(t.unsafeGetTensorImpl());
-  };
-  for (const auto& m : stages.modules()) {
-    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.get())) {
-      add(c->weight);
-      add(c->bias);
-    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m.get())) {
-      add(r->weight);
-    } else if (auto* v = dynamic_cast<VocabParallelEmbeddingImpl*>(m.get())) {
-      add(v->weight);
-    }
-  }
-  return out;
-}
-
-}  // namespace
 
 MeshGradNorm::MeshGradNorm(std::shared_ptr<DeviceMesh> mesh, torch::nn::Module& stages,
                            const torch::Tensor& tied_copy)
-    : mesh_(std::move(mesh)), sharded_(tp_sharded(stages)) {
+    : mesh_(std::move(mesh)), sharded_(tensor_parallel::split_dims(stages)) {
   if (tied_copy.defined()) tied_copy_ = tied_copy.unsafeGetTensorImpl();
 }
 

@@ -16,8 +16,8 @@
 // gradients and compute the same sum.
 #pragma once
 
+#include <map>
 #include <memory>
-#include <set>
 #include <vector>
 
 #include "cohort/mesh/device_mesh.h"
@@ -58,7 +58,7 @@ class MeshGradNorm : public GradNorm {
   bool counts(const torch::Tensor& p) const;
 
   std::shared_ptr<DeviceMesh> mesh_;
-  std::set<const void*> sharded_;  // TP-sharded parameters
+  std::map<const void*, int64_t> sharded_;  // TP-split parameters (tensor_parallel::split_dims)
   const void* tied_copy_ = nullptr;
 };
 

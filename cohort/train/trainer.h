@@ -19,32 +19,16 @@
 // Steps 1-5 are the same arithmetic on every rank, so the replicas stay
 // identical without broadcasting weights.
 //
-// With a pipeline (TrainerWiring::pipeline) step 2 is one PipelineRuntime
-// step over the k micro-batches (k must be the schedule's m): the runtime's
-// loss function runs on the last stage and its mean loss reaches every rank;
-// the norm of step 4 sums the stages' squared norms over the pipeline group
-// (the DP all-reduce of step 3 already averaged them); step 6 divides by the
-// pipeline's size, whose ranks all report the same loss and samples. Each
-// rank saves its stages and their optimizer state in its checkpoint shard.
-//
-// With FSDP (TrainerWiring::fsdp) the backward reduce-scatters into each
-// rank's shards (non-final micro-batches under
-// set_requires_gradient_sync(false)), the norm of step 4 sums the shards'
-// squared norms over the communicator, each rank clips its rows and steps
-// its shards.
-//
-// Checkpoints: with ZeRO or FSDP the model and optimizer state is saved
-// through cohort/dcp (dcp_checkpoint.h) and resumes resharded at any world
-// size, into ZeRO-1/2 or FSDP; the step, schedule position, RNG states and
-// data position stay in rank 0's checkpoint file.
-//
-// What it trains with comes as a TrainerWiring (trainer_wiring.h), whose
-// factories accept only the valid pairings of DDP and optimizer; how the
+// What it trains with comes as a TrainerWiring (trainer_wiring.h); how the
 // model is laid out over the ranks (replicas, a pipeline, a TP x PP x DP
 // mesh) is the wiring's TrainerLayout (trainer_layout.h), which runs step 2
-// and gives the norm of step 4 and the copies of step 6; the DDP and
-// optimizers behind it must outlive the trainer. It has no global state: several trainers (ranks as
-// threads) coexist.
+// (with a pipeline: one PipelineRuntime step over the k micro-batches, k
+// being the schedule's m) and gives the norm of step 4 and the copies of
+// step 6. How each wiring clips and checkpoints (per-rank shard files, or
+// dcp for ZeRO and FSDP, resharded at any world size): docs/design.md,
+// "Distributed optimizers" ("With the Trainer") and the sections it names.
+// The DDP and optimizers behind the wiring must outlive the trainer. It has
+// no global state: several trainers (ranks as threads) coexist.
 #pragma once
 
 #include <torch/data/example.h>

@@ -1,62 +1,18 @@
 // defines: TrainerWiring, what a Trainer trains with (its communicator, the
-// model whose parameters get the gradients, the optimizer adapter and the
-// gradient sync), made only by one factory per valid pairing of data
-// parallelism and optimizer:
-//
-//   TrainerWiring::ddp(ddp, torch_optimizer)   DDP averages during backward;
-//                                             any LibTorch optimizer steps
-//   TrainerWiring::ddp(ddp, zero)              ZeRO built from the DDP
-//                                             (make(ddp, ...)): stage 1 reads
-//                                             DDP's averages, stage 2 takes
-//                                             over DDP's reduction
-//   TrainerWiring::zero(model, zero)           ZeRO alone (it reduces)
-//   TrainerWiring::fused(model, fused)         FusedDistributedOptimizer
-//   TrainerWiring::all_reduce(comm, model, o)  no DDP: one all-reduce after
-//                                             the last micro-batch
-//   TrainerWiring::pipeline(runtime, o)        a pipeline (this rank's stages)
-//                                             and a LibTorch optimizer over
-//                                             runtime.parameters()
-//   TrainerWiring::pipeline(world, runtime, o, dp_group)
-//                                             PP x DP: one all-reduce of the
-//                                             stages' gradients over dp_group
-//                                             after the step
-//   TrainerWiring::mesh(mesh, runtime, o, sync)
-//                                             TP x PP x DP on a DeviceMesh:
-//                                             the pipeline of this rank's
-//                                             TP shard of its stage, the
-//                                             gradients finished by the
-//                                             mesh's GradientSynchronizer
-//   TrainerWiring::fsdp(model, o)              a fully_shard-ed model (its
-//                                             root) and a LibTorch optimizer
-//                                             over its parameters (the shards)
-//
-// A pairing outside this list (the fused optimizer under DDP, ZeRO alone
-// with DDP's sync, two syncs, ...) has no factory and does not compile; the
-// one rule the types cannot say (the ZeRO of ddp(ddp, zero) was built from
-// that DDP) is checked when the wiring is made. The communicator comes from
-// the DDP or the distributed optimizer, which share it; all_reduce() takes
-// it as every holder of a communicator does, a std::shared_ptr.
-//
-// With a pipeline the Trainer runs the runtime's step (its loss function, on
-// the last stage) instead of a LossFn; each rank's model is its stages, its
-// optimizer state their state, both saved in each rank's checkpoint shard;
-// the global gradient norm sums the squared norms of the stages over the
-// pipeline group. On a mesh the norm counts each parameter once
-// (MeshGradNorm, mesh_wiring.h), and a step's traffic is also reported per
-// dimension (StepMetrics::comm_bytes_by_dimension).
-//
-// With ZeRO or FSDP the model and optimizer state go into the checkpoint
-// through cohort/dcp (dcp_state_dict()), so they resume at another world
-// size and in the other of these modes. With FSDP the norm sums the
-// shards' squared norms over the communicator (padding is never part of a
-// shard's .grad). The non-final micro-batches run with
-// set_requires_gradient_sync(false).
-//
-// Each factory also makes the wiring's TrainerLayout (trainer_layout.h):
-// PipelineLayout for pipeline() and mesh(), ReplicaLayout for the others.
+// model whose parameters get the gradients, the optimizer adapter, the
+// gradient sync and the TrainerLayout), made only by one factory per valid
+// pairing of data parallelism and optimizer (ddp, zero, fused, all_reduce,
+// pipeline, mesh, fsdp; each documented below). A pairing outside the list
+// has no factory and does not compile; the one rule the types cannot say
+// (the ZeRO of ddp(ddp, zero) was built from that DDP) is checked when the
+// wiring is made, as InvalidArgument.
 //
 // The wiring owns the adapters; the DDP, the optimizers, the pipeline
 // runtime and the model are the caller's and must outlive the Trainer.
+// How each wiring clips, checkpoints and reports: docs/design.md,
+// "Distributed optimizers" ("With the Trainer"), "Distributed checkpoints",
+// "Fully sharded data parallelism", "Tensor parallelism and the 3-D mesh"
+// and "Pipeline parallelism".
 #pragma once
 
 #include <torch/nn/module.h>

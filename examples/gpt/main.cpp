@@ -1,7 +1,7 @@
 // gpt: a character-level decoder-only transformer trained with tensor (--tp),
 // pipeline (--pp) and data (--dp) parallelism on the fortunes corpus:
 //
-//   cohortrun -n 8 -- gpt --tp 2 --pp 2 --dp 2 --max-steps 300
+//   cohortrun -n 8 -- gpt --tp 2 --pp 2 --dp 2 --steps 300
 //
 // It trains through the Trainer (TrainerWiring::mesh): each step runs
 // --microbatches micro-batches of the DP rank's slice of the global batch
@@ -38,7 +38,7 @@ using namespace cohort::tensor_parallel;
 
 struct Flags {
   int tp = 1, pp = 1, dp = 1;
-  int64_t max_steps = 300;
+  int64_t steps = 300;
   double max_grad_norm = 1.0;
   std::string checkpoint_dir = "gpt_checkpoints";
   int64_t checkpoint_every = 50;
@@ -155,7 +155,7 @@ std::string generate(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpu
 // Step s's global batch (drawn from one seed, s from 1), this DP rank's
 // rows of it, cut into m micro-batches. An epoch is as many steps as it
 // takes to draw about as many characters as the text has (never fewer than
-// 1, and independent of --max-steps, so a longer rerun continues the same
+// 1, and independent of --steps, so a longer rerun continues the same
 // epoch); micro-batch i of the epoch's step j belongs to step
 // epoch * steps_per_epoch + j + 1. Every TP rank and stage of a replica
 // reads the same.
@@ -200,11 +200,11 @@ GPTConfig model_config(const Flags& f) {
 
 cohort::TrainerConfig trainer_config(const Flags& f, int64_t steps_per_epoch) {
   cohort::TrainerConfig config;
-  config.epochs = (f.max_steps + steps_per_epoch - 1) / steps_per_epoch;
+  config.epochs = (f.steps + steps_per_epoch - 1) / steps_per_epoch;
   config.accumulation_steps = f.microbatches;
   config.max_grad_norm = f.max_grad_norm;
   config.schedule.base_lr = f.lr;
-  config.max_steps = f.max_steps;
+  config.max_steps = f.steps;
   config.checkpoint_dir = f.checkpoint_dir;
   config.checkpoint_every = f.checkpoint_every;
   config.metrics_path = f.metrics;
@@ -304,7 +304,7 @@ int run(const Flags& f) {
   }
   cohort::FitCallbacks callbacks;
   callbacks.on_step = [&](const cohort::StepMetrics& m) {
-    if (m.step % f.eval_every != 0 && m.step != f.max_steps) return;
+    if (m.step % f.eval_every != 0 && m.step != f.steps) return;
     const double val = validation_loss(*mesh, stage, corpus, f);
     trainer.log_eval({{"val_loss", val}});
     if (lead) {
@@ -333,7 +333,7 @@ int main(int argc, char** argv) {
   app.add_option("--tp", f.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--pp", f.pp, "pipeline-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--dp", f.dp, "data-parallel size")->check(CLI::PositiveNumber);
-  app.add_option("--max-steps,--steps", f.max_steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--steps", f.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--max-grad-norm", f.max_grad_norm, "clip to this global norm (0: never)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir,
                  "checkpoint folder, resumed from (empty: none)");

@@ -1,12 +1,14 @@
 // Each tensor-parallel layer at tp = 1..4 against its dense LibTorch
 // equivalent built from the same seed (master_*_weights), forward and
 // backward; the vocab-parallel cross-entropy against
-// torch::nn::functional::cross_entropy; f and g against closed forms.
+// torch::nn::functional::cross_entropy; f and g against closed forms;
+// split_dims against the layers it must name.
 #include "cohort/tensor_parallel/layers.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
 
 #include "cohort/tensor_parallel/mappings.h"
 #include "support/thread_ranks.h"
@@ -171,6 +173,41 @@ TEST_P(Layers, ConjugateMappingsClosedForm) {
     EXPECT_TRUE(torch::equal(scattered, torch::full({2, 3}, total)));
     scattered.backward(torch::full({2, 3}, mine));
     for (int r = 0; r < n; ++r) EXPECT_EQ(x4.grad()[2 * r][0].item<double>(), r + 1);
+  });
+}
+
+// split_dims names exactly the parameters the layers shard, with the dimension
+// whose size is the full size divided by tp, in nested modules too.
+TEST_P(Layers, SplitDimsNamesTheShardedParameters) {
+  const int tp = GetParam();
+  run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+    torch::nn::Module root;
+    auto block = std::make_shared<torch::nn::Module>();
+    auto col = root.register_module("col", ColumnParallelLinear(g, 4, 12));
+    ColumnParallelLinearOptions no_bias;
+    no_bias.bias = false;
+    auto col2 = block->register_module("col2", ColumnParallelLinear(g, 4, 12, no_bias));
+    auto row = block->register_module("row", RowParallelLinear(g, 12, 4));
+    auto emb = block->register_module("emb", VocabParallelEmbedding(g, 12, 4));
+    auto dense = block->register_module("dense", torch::nn::Linear(4, 4));
+    root.register_module("block", block);
+    const auto dims = split_dims(root);
+    auto dim_of = [&](const torch::Tensor& t) {
+      const auto it = dims.find(t.unsafeGetTensorImpl());
+      return it == dims.end() ? int64_t{-1} : it->second;
+    };
+    EXPECT_EQ(dims.size(), 5u);
+    EXPECT_EQ(dim_of(col->weight), 0);
+    EXPECT_EQ(dim_of(col->bias), 0);
+    EXPECT_EQ(dim_of(col2->weight), 0);
+    EXPECT_EQ(dim_of(row->weight), 1);
+    EXPECT_EQ(dim_of(row->bias), -1);  // replicated
+    EXPECT_EQ(dim_of(emb->weight), 0);
+    EXPECT_EQ(dim_of(dense->weight), -1);
+    EXPECT_EQ(dim_of(dense->bias), -1);
+    EXPECT_EQ(col->weight.size(0) * tp, 12);
+    EXPECT_EQ(row->weight.size(1) * tp, 12);
+    EXPECT_EQ(emb->weight.size(0) * tp, 12);
   });
 }
 
