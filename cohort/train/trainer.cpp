@@ -206,7 +206,7 @@ void Trainer::save_checkpoint() {
   const bool sharded = per_rank_state() && !in_dcp;
   // FSDP: the shards are what each rank saves (an evaluation forward may
   // have left the root's own parameters gathered).
-  if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();
+  layout_.before_checkpoint();
   if (in_dcp) {
     auto state = wiring_.dcp_state_dict(nullptr);
     save_buffers_from_rank0(state, *model_, comm_.rank());
@@ -353,7 +353,7 @@ std::optional<int64_t> Trainer::resume() {
   }
   const std::string path = checkpoints_->path_for(step);
   if (comm_.rank() != 0) payload = checkpoints_->load(step);
-  if (auto* fsdp = wiring_.fsdp()) fsdp->reshard();  // loads into the shards
+  layout_.before_checkpoint();  // FSDP loads into the shards
   auto state = decode_training_state(
       payload, path, wiring_.per_rank_model() ? nullptr : model_.get(), optimizer_,
       [&](int64_t world, bool in_dcp) { check_checkpoint(world, in_dcp, path); });
@@ -394,7 +394,6 @@ void Trainer::load_dcp(const std::string& folder) {
 }
 
 std::string Trainer::sharded_mode() const {
-  if (wiring_.fsdp()) return "FSDP (parameters and optimizer state sharded over the ranks)";
   if (!layout_.describe().empty()) return layout_.describe();
   if (!optimizer_.replicated_state()) return "a sharded optimizer (ZeRO)";
   return "a stateful gradient compressor (per-rank state)";

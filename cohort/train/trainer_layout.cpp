@@ -1,6 +1,7 @@
 #include "cohort/train/trainer_layout.h"
 
 #include "cohort/core/error.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/observability/trace.h"
 
 namespace cohort {
@@ -28,6 +29,8 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
   }
   return loss_sum / static_cast<double>(k);
 }
+
+void FsdpLayout::before_checkpoint() { root_.reshard(); }
 
 void PipelineLayout::check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const {
   if (loss_fn) {

@@ -6,10 +6,12 @@
 // Trainer calls it and never asks which layout it has. One implementation
 // per layout (made by TrainerWiring's factories):
 //
-//   ReplicaLayout    the whole model on every rank, or FSDP's shards (DDP,
-//                    ZeRO, the fused optimizer, all-reduce, FSDP): the
-//                    Trainer's LossFn per micro-batch, all but the last under
+//   ReplicaLayout    the whole model on every rank (DDP, ZeRO, the fused
+//                    optimizer, all-reduce): the Trainer's LossFn per
+//                    micro-batch, all but the last under
 //                    GradientSync::skip_sync()
+//   FsdpLayout       FSDP's shards: a ReplicaLayout whose checkpoints hold
+//                    the shards (TrainerWiring::fsdp)
 //   PipelineLayout   a pipeline's stages on each rank (TrainerWiring::pipeline,
 //                    and ::mesh, whose stages are TP shards): one
 //                    PipelineRuntime step over the micro-batches; the norm,
@@ -31,6 +33,7 @@
 namespace cohort {
 
 class Communicator;
+class FullyShardImpl;
 class Tracer;
 
 /// Computes the scalar loss of one micro-batch (forward through the DDP
@@ -64,6 +67,8 @@ class TrainerLayout {
   /// What the layout is, for messages ("a pipeline (each rank holds its stages)"); empty for
   /// replicas.
   virtual std::string describe() const { return ""; }
+  /// Brings the model to the form its checkpoint holds, before a save or a load.
+  virtual void before_checkpoint() {}
 
  private:
   TrafficDimensions none_;
@@ -80,6 +85,21 @@ class ReplicaLayout : public TrainerLayout {
 
  private:
   GradientSync& sync_;
+};
+
+/// FSDP's shards on every rank: a checkpoint saves and loads the shards, so
+/// parameters an evaluation forward left gathered are resharded first.
+class FsdpLayout : public ReplicaLayout {
+ public:
+  /// `sync` and `root` must outlive the layout.
+  FsdpLayout(GradientSync& sync, FullyShardImpl& root) : ReplicaLayout(sync), root_(root) {}
+  std::string describe() const override {
+    return "FSDP (parameters and optimizer state sharded over the ranks)";
+  }
+  void before_checkpoint() override;
+
+ private:
+  FullyShardImpl& root_;
 };
 
 /// A pipeline's stages on each rank: one PipelineRuntime step per optimizer step.
