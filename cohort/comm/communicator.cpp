@@ -229,6 +229,9 @@ Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> 
 
 Work Communicator::finish_reduction(const Call& call, WorkPtr impl, torch::Tensor out,
                                     torch::Tensor buf, ReduceOp op) {
+  // The engine reduced the caller's own tensor, as asked: no completion
+  // step, which saves a std::function (a heap allocation) per call.
+  if (op != ReduceOp::Avg && buf.is_same(out)) return finish(call, std::move(impl));
   return finish(call, std::move(impl),
                 [out, buf, op, n = size_]() mutable { detail::finish_reduction(out, buf, op, n); });
 }
