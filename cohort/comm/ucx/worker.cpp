@@ -139,8 +139,15 @@ void Worker::block(const std::atomic<bool>* done, Millis most) {
     wake_all();  // a waiter may take over the fd
     return;
   }
-  std::unique_lock<std::mutex> lock(wake_mu_);
-  wake_.wait_for(lock, most, [&] { return finished() || !sleeper_.load(); });
+  // Counted before the predicate is read, so that completed() either sees
+  // this sleeper or its `done` is seen here (both sides fence).
+  blocked_.fetch_add(1, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  {
+    std::unique_lock<std::mutex> lock(wake_mu_);
+    wake_.wait_for(lock, most, [&] { return finished() || !sleeper_.load(); });
+  }
+  blocked_.fetch_sub(1, std::memory_order_release);
 }
 
 void Worker::wake_all() {
@@ -151,7 +158,11 @@ void Worker::wake_all() {
 void Worker::completed(const Transfer& t) {
   // Counted when posted (post() increments after the call, so this may run first).
   if (t.channel != Channel::Control) pending_.fetch_sub(1, std::memory_order_acq_rel);
-  wake_all();
+  // Only a thread asleep on the condition variable needs the lock and the
+  // notify: a spinning waiter sees `done` itself, and this callback runs on
+  // the critical path of every small collective.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (blocked_.load(std::memory_order_relaxed) > 0) wake_all();
 }
 
 void Worker::wake_idle() {
