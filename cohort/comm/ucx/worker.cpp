@@ -196,6 +196,9 @@ void Worker::signal() {
 }
 
 void Worker::wait(Transfer& t, Clock::time_point deadline) {
+  // Done already (an eager send, a check that came with the data): no
+  // count of waiters, whose atomics are a share of a small collective.
+  if (t.done.load(std::memory_order_acquire)) return finish(t);
   struct Waiting {  // counted while this thread drives UCX
     std::atomic<int>& n;
     explicit Waiting(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_acq_rel); }
