@@ -165,8 +165,8 @@ class UcxEngine : public Engine {
   // running (so collectives stay in issue order), else on the engine's thread.
   // `self_checked`: the job's first message is the collective's check.
   // Inline, a job that succeeds returns the shared finished Work: no Work
-  // object, no std::function and no lock of its own per call (about a
-  // tenth of a 1 KiB all-reduce at world 2; docs/benchmarks.md).
+  // object, no std::function and no lock of its own per call, which add up
+  // on a 1 KiB all-reduce of about 1 us (docs/benchmarks.md).
   template <class F>
   WorkPtr submit(const char* what, size_t bytes, const Descriptor& d, F&& job,
                  bool self_checked = false) {
