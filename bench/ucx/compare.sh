@@ -5,6 +5,11 @@
 # every size, so all see the same machine load; the table shows medians.
 #
 #   bench/ucx/compare.sh [BUILD_DIR]      (default: build; REPS=5)
+#
+# ROWS=FILE keeps every run's JSON row in FILE (the table shows medians).
+# UCX_BASELINE=PATH also runs another cohort-bench binary (a copy of an
+# earlier build) over UCX right after this build's, as "ucx-base": an A/B of
+# two versions of the engine, alternated, in one table.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,8 +28,15 @@ export OPENBLAS_NUM_THREADS=1
 sizes=(1024 65536 1048576 16777216)
 iters=(5000 1000 100 20)  # same for all; enough for ~10 ms per measurement
 
-rows=$(mktemp)
-trap 'rm -f "$rows"' EXIT
+base=${UCX_BASELINE:-}
+[[ -z $base || -x $base ]] || { echo "compare.sh: $base is not executable" >&2; exit 2; }
+if [[ -n ${ROWS:-} ]]; then
+  rows=$ROWS
+  : >"$rows"
+else
+  rows=$(mktemp)
+  trap 'rm -f "$rows"' EXIT
+fi
 for ((rep = 1; rep <= reps; ++rep)); do
   for i in "${!sizes[@]}"; do
     b=${sizes[$i]}
@@ -34,19 +46,23 @@ for ((rep = 1; rep <= reps; ++rep)); do
     timeout 120 "${mpirun[@]}" "$loop" --json --iters "$n" "$b" >>"$rows"
     timeout 120 "${mpirun[@]}" "$bench" "${args[@]}" --backend mpi >>"$rows"
     timeout 120 "$run" -n 2 --quiet-others -- "$bench" "${args[@]}" --backend ucx >>"$rows"
+    if [[ -n $base ]]; then
+      timeout 120 "$run" -n 2 --quiet-others -- "$base" "${args[@]}" --backend ucx |
+        sed 's/"backend":"ucx"/"backend":"ucx-base"/' >>"$rows"
+    fi
     timeout 120 "$run" -n 2 --quiet-others -- "$bench" "${args[@]}" --backend gloo >>"$rows"
   done
   echo "compare.sh: repetition $rep of $reps done" >&2
 done
 
-python3 - "$rows" "$reps" <<'PY'
+python3 - "$rows" "$reps" "${base:+ucx-base}" <<'PY'
 import json, statistics, sys
 # cohortrun prefixes each line with its rank ("[0] ").
 rows = [json.loads(l[l.index("{"):]) for l in open(sys.argv[1]) if "{" in l]
 def med(backend, b, key):
     v = [r[key] for r in rows if r["backend"] == backend and r["bytes"] == b]
     return statistics.median(v) if v else float("nan")
-names = ("plain-mpi", "mpi", "ucx", "gloo")
+names = ("plain-mpi", "mpi", "ucx", "gloo") + tuple(a for a in sys.argv[3:] if a)
 print(f"# world 2, float32 sum all_reduce, medians of {sys.argv[2]} runs")
 print(f"{'bytes':>10} " + " ".join(f"{n + ' us':>12}" for n in names) + " " +
       " ".join(f"{n + ' GB/s':>14}" for n in names))

@@ -217,7 +217,11 @@ Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> 
                   TraceArg::num("id", static_cast<double>(trace.id))};
     t->complete(call.ctx.op, "comm", call.issued, std::chrono::steady_clock::now(), trace.args);
   }
+  const bool traced = trace.tracer != nullptr;
   impl = track(std::move(impl), counters_, call.kind, call.issued_ticks, std::move(trace));
+  // An operation the engine finished at issue, with nothing to run after it,
+  // needs no state: the empty Work (no allocation, no context copy) is done.
+  if (!traced && !on_success && impl == done_work()) return Work();
   return Work(std::move(impl), call.ctx, std::move(on_success), [health](const std::string& why) {
     std::lock_guard<std::mutex> lock(health->mu);
     if (!health->broken) {
@@ -229,6 +233,9 @@ Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> 
 
 Work Communicator::finish_reduction(const Call& call, WorkPtr impl, torch::Tensor out,
                                     torch::Tensor buf, ReduceOp op) {
+  // The engine reduced the caller's own tensor, as asked: no completion
+  // step, which saves a std::function (a heap allocation) per call.
+  if (op != ReduceOp::Avg && buf.is_same(out)) return finish(call, std::move(impl));
   return finish(call, std::move(impl),
                 [out, buf, op, n = size_]() mutable { detail::finish_reduction(out, buf, op, n); });
 }

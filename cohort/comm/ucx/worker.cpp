@@ -139,8 +139,15 @@ void Worker::block(const std::atomic<bool>* done, Millis most) {
     wake_all();  // a waiter may take over the fd
     return;
   }
-  std::unique_lock<std::mutex> lock(wake_mu_);
-  wake_.wait_for(lock, most, [&] { return finished() || !sleeper_.load(); });
+  // Counted before the predicate is read, so that completed() either sees
+  // this sleeper or its `done` is seen here (both sides fence).
+  blocked_.fetch_add(1, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  {
+    std::unique_lock<std::mutex> lock(wake_mu_);
+    wake_.wait_for(lock, most, [&] { return finished() || !sleeper_.load(); });
+  }
+  blocked_.fetch_sub(1, std::memory_order_release);
 }
 
 void Worker::wake_all() {
@@ -151,7 +158,11 @@ void Worker::wake_all() {
 void Worker::completed(const Transfer& t) {
   // Counted when posted (post() increments after the call, so this may run first).
   if (t.channel != Channel::Control) pending_.fetch_sub(1, std::memory_order_acq_rel);
-  wake_all();
+  // Only a thread asleep on the condition variable needs the lock and the
+  // notify: a spinning waiter sees `done` itself, and this callback runs on
+  // the critical path of every small collective.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (blocked_.load(std::memory_order_relaxed) > 0) wake_all();
 }
 
 void Worker::wake_idle() {
@@ -185,25 +196,36 @@ void Worker::signal() {
 }
 
 void Worker::wait(Transfer& t, Clock::time_point deadline) {
+  // Done already (an eager send, a check that came with the data): no
+  // count of waiters, whose atomics are a share of a small collective.
+  if (t.done.load(std::memory_order_acquire)) return finish(t);
   struct Waiting {  // counted while this thread drives UCX
     std::atomic<int>& n;
     explicit Waiting(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_acq_rel); }
     ~Waiting() { n.fetch_sub(1, std::memory_order_acq_rel); }
   } waiting(waiters_);
-  const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us());
   // Only the thread running a collective waits for its messages, so it
   // alone touches check_in_: a neighbour's check that shows another
   // collective ends this wait at once.
   const bool collective = t.channel == Channel::Collective && !t.check;
+  // The notices, the check and the clock are looked at once per
+  // kPollsPerLook idle polls, not after each: a clock read costs about
+  // as much as an idle poll, and a 1 KiB all-reduce waits for a few polls
+  // (README.md). A look every few microseconds still sees a notice and
+  // the deadline at once.
+  constexpr unsigned kPollsPerLook = 16;
+  unsigned polls = 0;
+  Clock::time_point spin_until{};
   while (!t.done.load(std::memory_order_acquire)) {
+    if (progress() || ++polls % kPollsPerLook != 1) continue;
     check_notices();
     if (failed_.load(std::memory_order_acquire)) throw_failure();
     if (collective && check_in_ && !check_in_->verified &&
         check_in_->done.load(std::memory_order_acquire)) {
       verify_check(*check_in_);
     }
-    if (progress()) continue;
     const auto now = Clock::now();
+    if (polls == 1) spin_until = now + std::chrono::microseconds(spin_us());
     if (now >= deadline) {
       throw TimeoutError("ucx: " + t.what() + " did not complete in time");
     }

@@ -189,6 +189,7 @@ class Worker {
 
   std::atomic<bool> sleeper_{false};  // a thread sleeps on event_fd_
   std::atomic<int> waiters_{0};       // threads inside wait()
+  std::atomic<int> blocked_{0};       // threads asleep on wake_ in block()
   std::atomic<int> pending_{0};       // posted transfers not yet complete (not control)
   std::mutex idle_mu_;
   std::condition_variable idle_;
