@@ -7,6 +7,7 @@
 #include "cohort/algorithms/hierarchical.h"
 #include "cohort/comm/engine_registry.h"
 #include "cohort/comm/gloo/c10d_adapter.h"
+#include "cohort/core/blas_workspace.h"
 #include "cohort/core/env.h"
 #include "cohort/core/error.h"
 #include "cohort/core/store/socket.h"
@@ -124,6 +125,9 @@ std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, in
     throw InvalidArgument("cohort::connect: rank " + std::to_string(rank) +
                           " is not in a world of " + std::to_string(size));
   }
+  // Before the job's model and data take the memory: a rank that later runs
+  // out must fail, not spin in the BLAS (see blas_workspace.h).
+  reserve_blas_workspace();
   store->set_timeout(options.timeout);
   auto engine = create_engine(store, rank, size, options);
   return std::make_shared<Communicator>(std::move(engine), std::move(store), options);
