@@ -27,8 +27,11 @@ TEST(Elastic, ShrinksPastTheRestartBudgetAndFinishes) {
                      "at world 3 (min 2) from the newest checkpoint\n"),
             1)
       << r.err;
-  // Attempts 0 and 1 ran 4 ranks, attempt 2 ran 3, each told so.
-  EXPECT_EQ(count_of(r.out, "attempt 1 world 4\n"), 4) << r.out;
+  // Attempts 0 and 1 ran 4 ranks, attempt 2 ran 3, each told so. In a
+  // failing attempt the others may be stopped before they print: only the
+  // failing rank's line (printed before it exits) is certain.
+  EXPECT_EQ(count_of(r.out, "[3] attempt 1 world 4\n"), 1) << r.out;
+  EXPECT_EQ(r.out.find("attempt 1 world 3"), std::string::npos) << r.out;
   EXPECT_EQ(count_of(r.out, "attempt 2 world 3\n"), 3) << r.out;
   EXPECT_EQ(r.out.find("[3] attempt 2"), std::string::npos) << r.out;
 }
@@ -41,7 +44,9 @@ TEST(Elastic, NeverGoesBelowTheMinimum) {
   EXPECT_EQ(r.exit_code, 9) << r.err;
   EXPECT_EQ(count_of(r.err, "restarting at world 3 (min 3)"), 1) << r.err;
   EXPECT_EQ(count_of(r.err, "restarting at world"), 1) << r.err;
-  EXPECT_EQ(count_of(r.out, "attempt 1 world 3\n"), 3) << r.out;
+  // Rank 2 prints before it fails; its peers may be stopped before they do.
+  EXPECT_EQ(count_of(r.out, "[2] attempt 1 world 3\n"), 1) << r.out;
+  EXPECT_EQ(r.out.find("attempt 1 world 2"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("attempt 2"), std::string::npos) << r.out;
 }
 
