@@ -15,7 +15,8 @@ source "$(dirname "$0")/../netns_pair.sh"
 netns_pair_up cohort_bench 10.78.0 netem
 run_node() {
   ip netns exec "${ns[$1]}" env OPENBLAS_NUM_THREADS=1 "$build/tools/cohortrun/cohortrun" -n 2 \
-    --nnodes 2 --node-rank "$1" --master-addr 10.78.0.1 --master-port 29591 --timeout 1500 -- \
+    --nnodes 2 --node-rank "$1" --master-addr 10.78.0.1 --master-port 29591 --timeout 1500 \
+    --backend gloo -- \
     "$build/tools/cohort-bench/cohort-bench" collectives --algo all --rounds "$rounds" \
     --min-bytes "$min" --max-bytes "$max"
 }

@@ -39,7 +39,7 @@ malloc_env=(MALLOC_MMAP_THRESHOLD_=$((64 << 20)) MALLOC_TRIM_THRESHOLD_=$((256 <
 cohort_row() {  # compressor-args...
   port=$((port + 1))
   local run=("$build/tools/cohortrun/cohortrun" -n "$ranks" --nnodes 2 --master-addr 10.79.0.1
-             --master-port "$port" --timeout 900)
+             --master-port "$port" --timeout 900 --backend gloo)
   ip netns exec "${ns[1]}" env OPENBLAS_NUM_THREADS=1 "${malloc_env[@]}" \
     COMPRESSION_BENCH_DEV="${veth[1]}" "${limit[@]}" "${run[@]}" --node-rank 1 -- \
     "$build/bench/compression/compression_bench" "$@" > /dev/null &

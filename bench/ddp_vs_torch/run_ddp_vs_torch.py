@@ -37,12 +37,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_once(cmd, world, timeout):
+def run_once(cmd, world, timeout, backend=None):
+    """Starts `world` ranks of `cmd` with torchrun's variables. cohort's engine
+    is `backend`, else COHORT_BACKEND, else gloo: the engine these benches'
+    tables were measured with and PyTorch's (not init()'s default, auto)."""
     port = free_port()
+    backend = backend or os.environ.get("COHORT_BACKEND", "gloo")
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OPENBLAS_NUM_THREADS="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COHORT_BACKEND=backend,
+                   OPENBLAS_NUM_THREADS="1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **MALLOC_ENV)
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
@@ -89,7 +94,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "mpi"],
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "mpi", "ucx"],
                     help="cohort's engine (PyTorch always runs gloo: Debian's torch has no MPI)")
     ap.add_argument("--cohort-args", default="",
                     help="extra DDP options for cohort, e.g. '--bucket-view 0'")
@@ -108,7 +113,7 @@ def main():
                 if a.backend == "mpi":
                     cohort.append(run_mpi_once(cohort_cmd, world, a.timeout))
                 else:
-                    cohort.append(run_once(cohort_cmd, world, a.timeout))
+                    cohort.append(run_once(cohort_cmd, world, a.timeout, a.backend))
                 torch.append(run_once([a.python, os.path.join(HERE, "ddp_vs_torch.py")] + args +
                                       a.torch_args.split(), world, a.timeout))
             c_sps = statistics.median(r["sps"] for r in cohort)

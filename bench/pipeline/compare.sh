@@ -5,7 +5,8 @@
 # compare.py summarizes (medians per point, ratio new / old).
 #   bench/pipeline/compare.sh OLD_BIN NEW_BIN OUT.jsonl
 # Env: ROUNDS (6), SCHEDS ("zbh1 1f1b"), PPS ("2 4"), MS ("4 8 16"),
-#      DEADLINE (seconds; stops cleanly when passed), COHORTRUN.
+#      DEADLINE (seconds; stops cleanly when passed), COHORTRUN,
+#      BACKEND (gloo: the engine the tables were measured with).
 set -u
 [ $# -eq 3 ] || { sed -n 2,8p "$0"; exit 2; }
 bins=("$1" "$2") names=(old new) out=$3
@@ -24,7 +25,7 @@ for round in $(seq "${ROUNDS:-6}"); do
           fi
           # cohortrun prefixes rank 0's JSON line with "[0] "; the sed turns it
           # into {"side": ..., "round": ..., "ranks": ..., <the bench's fields>}.
-          timeout 120 "$run" -n "$pp" --timeout 100 -- "${bins[$i]}" $B --m "$m" --schedule "$s" |
+          timeout 120 "$run" -n "$pp" --backend "${BACKEND:-gloo}" --timeout 100 -- "${bins[$i]}" $B --m "$m" --schedule "$s" |
             sed "s/^\[[0-9]*\] //; s/^{/{\"side\": \"${names[$i]}\", \"round\": $round, \"ranks\": $pp, /" >>"$out"
         done
       done

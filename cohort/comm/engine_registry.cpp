@@ -56,7 +56,7 @@ void require_backend(const std::string& backend, const std::string& where) {
                     "' is not available in this build (available: " + known + ")");
 }
 
-std::string default_backend() { return mpi_launched() ? "mpi" : "gloo"; }
+std::string default_backend() { return mpi_launched() ? "mpi" : "auto"; }
 
 std::optional<LaunchedWorld> launched_world(const std::string& backend, Millis timeout) {
   if (backend != "mpi") return std::nullopt;

@@ -25,7 +25,7 @@ std::string resolve_auto_backend(std::string* why = nullptr);
 
 // The backend init() uses when neither the caller nor COHORT_BACKEND names
 // one: the one whose launcher started this process (mpirun: "mpi"), else
-// "gloo".
+// "auto" (resolve_auto_backend).
 std::string default_backend();
 
 // Ranks and store given by `backend`'s own launcher (MPI: MPI_COMM_WORLD and

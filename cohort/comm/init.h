@@ -19,8 +19,8 @@ namespace cohort {
 /// What connect() builds: the communicator's options, plus the engine and
 /// where its transport listens. connect() reads no environment.
 struct ConnectOptions : CommunicatorOptions {
-  /// "gloo" (default), "mpi" in a build with MPI (COHORT_WITH_MPI), "ucx" in a build with UCX
-  /// (COHORT_WITH_UCX; it listens where `gloo` says).
+  /// "gloo" (connect()'s default; init()'s is "auto"), "mpi" in a build with MPI (COHORT_WITH_MPI),
+  /// "ucx" in a build with UCX (COHORT_WITH_UCX; it listens where `gloo` says).
   std::string backend = "gloo";
   /// Gloo binds loopback unless the ranks span several hosts.
   GlooOptions gloo;
@@ -33,7 +33,7 @@ std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, in
 /// What init() reads from the environment unless set here.
 struct InitOptions {
   /// Empty: COHORT_BACKEND, else "mpi" when started by mpirun (or after the
-  /// application's MPI_Init) in a build with MPI, else "gloo". "auto": "ucx" when built, else
+  /// application's MPI_Init) in a build with MPI, else "auto": "ucx" when built, else
   /// "gloo" (COHORT_DEBUG=detail prints the choice and why).
   std::string backend;
   /// "env://" (default: MASTER_ADDR/MASTER_PORT), "tcp://HOST:PORT" or

@@ -56,6 +56,8 @@ TEST(Hierarchical, TwoHostsOfTwoRanksInNetworkNamespaces) {
                                  "29581",
                                  "--timeout",
                                  "100",
+                                 "--backend",
+                                 "gloo",
                                  "--",
                                  CONTRACT_WORLD_BIN,
                                  "--gtest_filter=-Contract/World.Holds/world_*"},

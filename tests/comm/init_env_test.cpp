@@ -87,7 +87,8 @@ TEST(InitEnv, BadPortAndTimeoutAreNamed) {
   EXPECT_NE(init_error(env).find("MASTER_PORT=70000 is outside"), std::string::npos);
   env.set("MASTER_PORT", "29500");
   env.set("COHORT_TIMEOUT", "-3");
-  EXPECT_NE(init_error(env).find("COHORT_TIMEOUT='-3' is not a positive number"), std::string::npos);
+  EXPECT_NE(init_error(env).find("COHORT_TIMEOUT='-3' is not a positive number"),
+            std::string::npos);
   // Not finite, overflowing a deadline, or rounding to 0 ms.
   for (const char* bad : {"inf", "nan", "1e10", "1e-9", "0"}) {
     env.set("COHORT_TIMEOUT", bad);
@@ -124,6 +125,29 @@ TEST(InitEnv, SingleRankJobInitializesAndReduces) {
   finalize();
   EXPECT_FALSE(is_initialized());
   EXPECT_THROW(world(), ConfigError);
+}
+
+// With no backend asked for, init() takes "auto": UCX when this build has
+// it, else Gloo, and COHORT_DEBUG=detail says which and why.
+TEST(InitEnv, DefaultBackendIsAutoAndDebugSaysWhy) {
+  EnvGuard env;
+  env.set("WORLD_SIZE", "1");
+  env.set("RANK", "0");
+  env.set("COHORT_BACKEND", nullptr);
+  env.set("COHORT_DEBUG", "detail");
+  InitOptions o;
+  o.init_method = "tcp://127.0.0.1:0";
+  ::testing::internal::CaptureStderr();
+  auto comm = init(o);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+#ifdef COHORT_WITH_UCX
+  const std::string expected = "ucx";
+#else
+  const std::string expected = "gloo";
+#endif
+  EXPECT_EQ(comm->backend(), expected);
+  EXPECT_NE(err.find("backend auto is " + expected + ": "), std::string::npos) << err;
+  finalize();
 }
 
 // A trace folder that cannot be written is found by init(), before the job

@@ -56,7 +56,7 @@ TEST(Environment, SingleNodeVariables) {
     EXPECT_EQ(e["GROUP_RANK"], "0");
     EXPECT_EQ(e["MASTER_ADDR"], "127.0.0.1");
     EXPECT_EQ(e["MASTER_PORT"], port);
-    EXPECT_EQ(e["COHORT_BACKEND"], "gloo");
+    EXPECT_EQ(e["COHORT_BACKEND"], "auto");
     EXPECT_EQ(e["COHORT_RESTART_COUNT"], "0");
     EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
     // One store token per job, 128 random bits in hex.

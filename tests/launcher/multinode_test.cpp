@@ -64,7 +64,7 @@ conn.close()
 print("stand-in ok (tcp)")
 )py";
 
-// Runs the two nodes with `backend` ("" for cohortrun's default).
+// Runs the two nodes with `backend`.
 void run_two_nodes(const std::string& backend) {
   std::string why;
   std::unique_ptr<VethNamespaces> ns = VethNamespaces::create(&why);
@@ -74,11 +74,13 @@ void run_two_nodes(const std::string& backend) {
 #ifdef COHORT_SMOKE_BIN
   const std::vector<std::string> program = {COHORT_SMOKE_BIN};
   const std::string success = "all_reduce ok";
+  const std::string engine_line = "(backend " + backend + ")";
 #else
   write_file(dir.path() + "/stand_in.sh", kStandIn, /*executable=*/true);
   write_file(dir.path() + "/exchange.py", kExchange);
   const std::vector<std::string> program = {dir.path() + "/stand_in.sh"};
   const std::string success = "stand-in ok";
+  const std::string engine_line;  // the stand-in uses no engine
 #endif
 
   std::vector<std::unique_ptr<Subprocess>> nodes;
@@ -99,9 +101,10 @@ void run_two_nodes(const std::string& backend) {
                                      "--master-port",
                                      kMasterPort,
                                      "--timeout",
-                                     "90"};
-    if (!backend.empty()) argv.insert(argv.end(), {"--backend", backend});
-    argv.push_back("--");
+                                     "90",
+                                     "--backend",
+                                     backend,
+                                     "--"};
     argv.insert(argv.end(), program.begin(), program.end());
     nodes.push_back(std::make_unique<Subprocess>(argv));
   }
@@ -111,9 +114,7 @@ void run_two_nodes(const std::string& backend) {
     ASSERT_FALSE(r.timed_out) << r.out << r.err;
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
     EXPECT_EQ(count_of(r.out, success), kRanksPerNode) << r.out << r.err;
-    if (!backend.empty()) {
-      EXPECT_EQ(count_of(r.out, "(backend " + backend + ")"), kRanksPerNode) << r.out;
-    }
+    if (!engine_line.empty()) EXPECT_EQ(count_of(r.out, engine_line), kRanksPerNode) << r.out;
     for (int local = 0; local < kRanksPerNode; ++local) {
       std::string prefix = "[" + std::to_string(node * kRanksPerNode + local) + "] ";
       EXPECT_NE(r.out.find(prefix), std::string::npos) << r.out;
@@ -121,7 +122,7 @@ void run_two_nodes(const std::string& backend) {
   }
 }
 
-TEST(MultiNode, TwoNodesInNetworkNamespaces) { run_two_nodes(""); }
+TEST(MultiNode, TwoNodesInNetworkNamespaces) { run_two_nodes("gloo"); }
 
 #if defined(COHORT_TEST_UCX) && defined(COHORT_SMOKE_BIN)
 // Each namespace is a host to the UCX engine: the ranks reach each other

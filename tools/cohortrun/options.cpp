@@ -144,7 +144,9 @@ std::optional<Options> parse_options(int argc, char** argv) {
       ->type_name("ADDR");
   app.add_option("--master-port", port, "rendezvous port (default: a free port on one node)")
       ->type_name("PORT");
-  app.add_option("--backend", o.backend, "gloo (default), mpi, ucx or auto")->type_name("NAME");
+  app.add_option("--backend", o.backend,
+                 "auto (default: ucx when built, else gloo), gloo, mpi or ucx")
+      ->type_name("NAME");
   app.add_option("--max-restarts", restarts,
                  "restart the job up to R times after a failure (default 0)")
       ->type_name("R");

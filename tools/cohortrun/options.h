@@ -15,7 +15,7 @@ struct Options {
   int node_rank = 0;                 // this node's index in [0, nnodes)
   std::string master_addr;           // rank 0's host; 127.0.0.1 on one node
   int master_port = 0;               // 0: a free loopback port, new per attempt
-  std::string backend = "gloo";      // gloo: spawn ranks; mpi: hand to mpirun
+  std::string backend = "auto";      // gloo: spawn ranks; mpi: hand to mpirun
   int max_restarts = 0;              // whole-job restarts after a failure
   double timeout_s = 0;              // wall-clock limit per attempt; 0: none
   std::string timeout_text;          // --timeout as written, for messages
