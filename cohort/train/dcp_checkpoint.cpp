@@ -6,6 +6,7 @@
 
 #include "cohort/core/error.h"
 #include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/dcp.h"
 
 namespace cohort {
@@ -30,6 +31,35 @@ void verify_dcp_folder(const std::string& folder) {
                             " bytes, the metadata says " + std::to_string(f.bytes));
     }
   }
+}
+
+void check_state_covers_model(const dcp::Metadata& meta, const dcp::StateDict& state,
+                              Communicator& comm, const std::string& folder) {
+  std::string mine;
+  for (const auto& e : state.tensors) {
+    if (e.fqn.rfind("model.", 0) == 0) mine += e.fqn + "\n";
+  }
+  const auto all = dcp::gather_strings(comm, mine, 0);
+  std::string error;
+  if (comm.rank() == 0) {
+    std::set<std::string> asked;
+    for (const auto& names : all) {
+      for (size_t at = 0, end; (end = names.find('\n', at)) != std::string::npos; at = end + 1) {
+        asked.insert(names.substr(at, end - at));
+      }
+    }
+    std::vector<std::string> extra;
+    for (const auto& t : meta.tensors) {
+      if (t.fqn.rfind("model.", 0) == 0 && !asked.count(t.fqn)) extra.push_back(t.fqn);
+    }
+    if (!extra.empty()) {
+      error = "checkpoint " + folder + " holds " + extra.front() +
+              (extra.size() > 1 ? " and " + std::to_string(extra.size() - 1) + " more tensor(s)"
+                                : std::string()) +
+              " that this job's model does not have: resume with the model that wrote it";
+    }
+  }
+  dcp::agree(comm, error);
 }
 
 void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, int rank) {

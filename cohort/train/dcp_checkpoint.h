@@ -33,6 +33,14 @@ std::string dcp_folder(const std::string& checkpoint_path);
 /// another size (data checksums are verified by dcp::load).
 void verify_dcp_folder(const std::string& folder);
 
+/// Before loading (collective over `comm`): throws CheckpointError on every
+/// rank, naming `folder` and a tensor, when the checkpoint `meta` holds a
+/// model tensor that no rank's `state` asks for. dcp::load alone fills what
+/// is asked and ignores the rest, as PyTorch's does; a resume must not
+/// quietly continue a larger model's training with part of its weights.
+void check_state_covers_model(const dcp::Metadata& meta, const dcp::StateDict& state,
+                              Communicator& comm, const std::string& folder);
+
 /// For saving: `model`'s buffers (BatchNorm statistics, which each rank
 /// updates from its own batch and rank 0 broadcasts before the next
 /// forward) are saved from rank 0, not from whichever rank dcp picks.

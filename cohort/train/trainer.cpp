@@ -390,6 +390,7 @@ void Trainer::load_dcp(const std::string& folder) {
   // all it read, and throws the same error on every rank otherwise.
   const auto meta = dcp::read_metadata(folder);
   auto state = wiring_.dcp_state_dict(&meta);
+  check_state_covers_model(meta, state, comm_, folder);
   dcp::load(state, folder, comm_, &meta);
 }
 

@@ -34,6 +34,38 @@ std::shared_ptr<torch::nn::Module> stages_module(const pipeline::PipelineRuntime
   return holder;
 }
 
+// This rank's stage modules as one module under the unsplit model's names
+// (each stage module's children and own tensors, unprefixed), for
+// dcp::tensor_parallel_state_dict; null when a stage is a function (its
+// tensors have no names). A module shared by several stages counts once.
+std::shared_ptr<torch::nn::Module> unsplit_stages(const pipeline::PipelineRuntime& runtime,
+                                                  int rank) {
+  auto holder = std::make_shared<torch::nn::Module>("PipelineStages");
+  std::set<const torch::nn::Module*> seen;
+  auto clash = [&](const std::string& name) {
+    return InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(rank) +
+                           ": two of this rank's stage modules hold '" + name +
+                           "'; stage modules must name their layers as the unsplit model does");
+  };
+  for (const auto& stage : runtime.stages()) {
+    if (!stage.module()) return nullptr;
+    if (!seen.insert(stage.module().get()).second) continue;
+    for (const auto& child : stage.module()->named_children()) {
+      if (holder->named_children().contains(child.key())) throw clash(child.key());
+      holder->register_module(child.key(), child.value());
+    }
+    for (const auto& p : stage.module()->named_parameters(/*recurse=*/false)) {
+      if (holder->named_parameters(false).contains(p.key())) throw clash(p.key());
+      holder->register_parameter(p.key(), p.value(), p.value().requires_grad());
+    }
+    for (const auto& b : stage.module()->named_buffers(/*recurse=*/false)) {
+      if (holder->named_buffers(false).contains(b.key())) throw clash(b.key());
+      holder->register_buffer(b.key(), b.value());
+    }
+  }
+  return holder;
+}
+
 }  // namespace
 
 TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
@@ -83,7 +115,8 @@ void TrainerWiring::set_pipeline_layout(pipeline::PipelineRuntime& runtime,
 TrainerWiring TrainerWiring::mesh(std::shared_ptr<DeviceMesh> mesh,
                                   pipeline::PipelineRuntime& runtime,
                                   torch::optim::Optimizer& optimizer,
-                                  tensor_parallel::GradientSynchronizer& sync) {
+                                  tensor_parallel::GradientSynchronizer& sync,
+                                  dcp::TiedNames tied) {
   if (!mesh) throw InvalidArgument("TrainerWiring::mesh: mesh is null");
   if (runtime.shared_group() != mesh->pp_group()) {
     throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh->rank()) +
@@ -104,6 +137,12 @@ TrainerWiring TrainerWiring::mesh(std::shared_ptr<DeviceMesh> mesh,
   wiring.layout_ = std::make_unique<PipelineLayout>(
       runtime, std::move(norm), mesh->pp_size() * mesh->tp_size(),
       TrafficDimensions{{"tp", {mesh->tp_group()}}, {"pp", pp}, {"dp", {mesh->dp_group()}}});
+  if (auto stages = unsplit_stages(runtime, mesh->rank())) {
+    wiring.dcp_state_ = [stages, mesh, opt = &optimizer,
+                         tied = std::move(tied)](const dcp::Metadata* for_load) {
+      return dcp::tensor_parallel_state_dict(*stages, *mesh, opt, tied, for_load);
+    };
+  }
   return wiring;
 }
 

@@ -28,6 +28,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
 #include "cohort/dcp/adapters.h"
+#include "cohort/dcp/tp_adapters.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
@@ -124,12 +125,15 @@ class TrainerWiring {
   /// TP x PP x DP: `runtime` runs this rank's stage (its TP shard) over mesh->pp_group() (a
   /// runtime of one stage when pp is 1), `optimizer` is any LibTorch optimizer over
   /// runtime.parameters(), `sync` the mesh's GradientSynchronizer over the same stage. The
-  /// global norm counts every parameter once over the mesh (MeshGradNorm); each rank saves its
-  /// stage and optimizer state in its checkpoint shard. InvalidArgument when the runtime's group
-  /// is not the mesh's PP group.
+  /// global norm counts every parameter once over the mesh (MeshGradNorm). Checkpoints are
+  /// distributed (dcp::tensor_parallel_state_dict: the unsplit model's names, `tied` as there),
+  /// so they resume at any other tp x pp x dp, when every stage has a module and the stage
+  /// modules name their layers as the unsplit model does; with a function stage, each rank saves
+  /// its stages in its own shard and resumes at the same layout only. InvalidArgument when the
+  /// runtime's group is not the mesh's PP group, or two stage modules name a layer alike.
   static TrainerWiring mesh(std::shared_ptr<DeviceMesh> mesh, pipeline::PipelineRuntime& runtime,
                             torch::optim::Optimizer& optimizer,
-                            tensor_parallel::GradientSynchronizer& sync);
+                            tensor_parallel::GradientSynchronizer& sync, dcp::TiedNames tied = {});
 
   /// FSDP: `model` is the root FullyShard, `optimizer` any LibTorch optimizer built over
   /// model->parameters() (the shards). InvalidArgument when the optimizer holds a tensor that is

@@ -8,9 +8,11 @@
 // (one seed per step) through the stages with a pipeline schedule
 // (--schedule gpipe, 1f1b, zbh1, or interleaved with --virtual-stages v:
 // v model chunks per rank; one stage when pp and v are 1), clips by the
-// global norm over the mesh and checkpoints every rank's shard into
-// --checkpoint-dir; a rerun resumes from the newest checkpoint there. Rank 0
-// prints, logs the metrics and draws the curves.
+// global norm over the mesh and checkpoints into --checkpoint-dir (a
+// distributed checkpoint); a rerun resumes from the newest checkpoint there,
+// at the same or any other --tp, --pp, --dp and --microbatches (the same
+// model and --batch-size). Rank 0 prints, logs the metrics and draws the
+// curves.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -175,6 +177,9 @@ class GptBatches : public cohort::DataSource {
     const int64_t start = dp_rank_ * rows + i * micro;
     return {ids.narrow(0, start, micro), targets.narrow(0, start, micro)};
   }
+  // A step's micro-batches over all DP ranks are its global batch, whatever
+  // dp is: so a checkpoint (taken between steps) resumes at another layout.
+  int64_t global_micro_batch() const override { return f_.batch_size / m_; }
 
  private:
   torch::Tensor text_;
@@ -291,7 +296,7 @@ int run(const Flags& f) {
   auto rt = make_gpt_pipeline(*mesh, stage, f.schedule, f.microbatches);
   torch::optim::AdamW opt(rt->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
   GptBatches source(corpus.train, f, mesh->dp_rank());
-  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, *rt, opt, sync),
+  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, *rt, opt, sync, gpt_tied_parameters()),
                           trainer_config(f, source.steps_per_epoch()));
   if (auto step = trainer.resume(); step && lead) {
     std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));

@@ -1,8 +1,9 @@
 // The Trainer driving a TP x PP x DP mesh (TrainerWiring::mesh; ranks as
 // threads) on the example GPT: its clipped global norm and loss equal one
 // process's clip_grad_norm_ on the whole batch, it reports the traffic of
-// each dimension, and a run resumed from its per-rank checkpoint shards is
-// bitwise the uninterrupted one.
+// each dimension, a run resumed from its distributed checkpoint is bitwise
+// the uninterrupted one, and one resumed at another tp x pp x dp (and
+// interleaving) continues the one-process run.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
@@ -14,6 +15,7 @@
 
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
+#include "cohort/train/dcp_checkpoint.h"
 #include "cohort/train/trainer.h"
 #include "examples/models/gpt_model.h"
 #include "examples/models/gpt_pipeline.h"
@@ -68,6 +70,9 @@ class Batches : public DataSource {
   Batches(int dp, int dp_rank) : dp_(dp), dp_rank_(dp_rank) {}
   void set_epoch(int64_t) override {}
   int64_t num_batches() const override { return 100 * kMicro; }
+  // Between steps (where checkpoints are) the micro-batches done over all
+  // DP ranks are whole global batches, at any dp.
+  int64_t global_micro_batch() const override { return kBatch / kMicro; }
   torch::data::Example<> batch(int64_t index) override {
     auto [ids, targets] = global_batch(index / kMicro);
     const int64_t rows = kBatch / dp_, micro = rows / kMicro;
@@ -88,6 +93,7 @@ struct Job {
   int64_t max_steps;
   std::string dir;  // checkpoints; empty: none
   bool resume = false;
+  int64_t layers = 0;  // 0: layers_of(c)
 };
 
 struct RankRun {
@@ -100,7 +106,8 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   const Case& c = job.c;
   auto mesh = std::make_shared<DeviceMesh>(world, MeshShape{c.dp, c.pp, c.tp});
   // A resumed run starts from other weights: the checkpoint must replace them.
-  GPTConfig config_of_model = gpt_config(c.sp, layers_of(c), job.resume ? 8 : 7);
+  GPTConfig config_of_model =
+      gpt_config(c.sp, job.layers > 0 ? job.layers : layers_of(c), job.resume ? 8 : 7);
   config_of_model.virtual_stages = c.v;
   GPTStage stage(*mesh, config_of_model);
   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
@@ -115,7 +122,7 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   config.checkpoint_dir = job.dir;
   config.checkpoint_every = 2;
   config.progress = false;
-  Trainer trainer(TrainerWiring::mesh(mesh, *rt, opt, sync), config);
+  Trainer trainer(TrainerWiring::mesh(mesh, *rt, opt, sync, gpt_tied_parameters()), config);
   if (job.resume) {
     EXPECT_TRUE(trainer.resume().has_value());
   }
@@ -205,19 +212,16 @@ INSTANTIATE_TEST_SUITE_P(Trainer, MeshTrainer,
                                            Case{2, 2, 2, false, 2}),
                          name_of);
 
-// Every rank saves its stage's shard and optimizer state; resumed at step 2
-// (from other initial weights), steps 3 and 4 are bit for bit the
-// uninterrupted run's.
+// Every rank saves its boxes of the model and optimizer state into the
+// checkpoint's dcp folder; resumed at step 2 (from other initial weights),
+// steps 3 and 4 are bit for bit the uninterrupted run's.
 TEST(MeshTrainerResume, IsBitwiseIdenticalAtTp2Pp2Dp2) {
   const Case c{2, 2, 2, false};
   testing::TempDir whole("cohort-mesh-whole"), split("cohort-mesh-split");
   const auto uninterrupted = run_job({c, 4, whole.str()});
   run_job({c, 2, split.str()});
-  for (int r = 0; r < 8; ++r) {
-    const std::string shard =
-        CheckpointDir(split.str(), 3).path_for(2) + ".shard-" + std::to_string(r) + "-of-8";
-    EXPECT_TRUE(std::filesystem::exists(shard)) << shard;
-  }
+  const std::string folder = dcp_folder(CheckpointDir(split.str(), 3).path_for(2));
+  EXPECT_TRUE(std::filesystem::exists(folder + "/.metadata")) << folder;
   const auto resumed = run_job({c, 4, split.str(), true});
   for (size_t r = 0; r < resumed.size(); ++r) {
     ASSERT_EQ(resumed[r].metrics.size(), 2u);
@@ -231,6 +235,72 @@ TEST(MeshTrainerResume, IsBitwiseIdenticalAtTp2Pp2Dp2) {
     }
   }
 }
+
+// A model with fewer layers than the checkpoint's would load only its part:
+// refused on every rank, naming a tensor it lacks, before anything loads.
+TEST(MeshTrainerResume, RefusesAModelWithoutTheCheckpointsLayers) {
+  const Case c{1, 2, 1, false};
+  testing::TempDir dir("cohort-mesh-fewer");
+  run_job({c, 2, dir.str(), false, 4});
+  std::vector<std::string> errors(2);
+  testing::run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    try {
+      run_rank({c, 4, dir.str(), true, 2}, comm);
+    } catch (const CheckpointError& e) {
+      errors[static_cast<size_t>(comm->rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("holds model.block2."), std::string::npos) << e;
+    EXPECT_NE(e.find("that this job's model does not have"), std::string::npos) << e;
+  }
+}
+
+// Saved at one layout after 2 steps, resumed at another (from other initial
+// weights) for steps 3 and 4: the losses and norms continue the one-process
+// run, as an uninterrupted run at either layout does.
+struct Reshard {
+  Case from, to;
+};
+
+class MeshTrainerReshard : public ::testing::TestWithParam<Reshard> {};
+
+TEST_P(MeshTrainerReshard, ContinuesTheOneProcessRun) {
+  const auto [from, to] = GetParam();
+  const int64_t layers = layers_of(from);
+  ASSERT_EQ(layers, layers_of(to));
+  const Reference ref = reference_run(from.sp, layers, 4);
+  testing::TempDir dir("cohort-mesh-reshard");
+  run_job({from, 2, dir.str(), false, layers});
+  const auto resumed = run_job({to, 4, dir.str(), true, layers});
+  for (size_t r = 0; r < resumed.size(); ++r) {
+    ASSERT_EQ(resumed[r].metrics.size(), 2u) << "rank " << r;
+    for (size_t s = 0; s < 2; ++s) {
+      const StepMetrics& m = resumed[r].metrics[s];
+      EXPECT_TRUE(close(m.loss, ref.losses[2 + s]))
+          << "rank " << r << ", step " << 2 + s << ": " << m.loss << " vs " << ref.losses[2 + s];
+      EXPECT_TRUE(close(m.grad_norm, ref.norms[2 + s]))
+          << "rank " << r << ", step " << 2 + s << ": " << m.grad_norm << " vs "
+          << ref.norms[2 + s];
+      EXPECT_EQ(m.samples, kBatch);
+    }
+  }
+}
+
+void PrintTo(const Reshard& r, std::ostream* os) {
+  *os << name_of({r.from, 0}) << " to " << name_of({r.to, 0});
+}
+
+std::string reshard_name(const ::testing::TestParamInfo<Reshard>& info) {
+  return name_of({info.param.from, 0}) + "_to_" + name_of({info.param.to, 0});
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, MeshTrainerReshard,
+                         ::testing::Values(Reshard{{2, 2, 2, false}, {1, 1, 1, false}},
+                                           Reshard{{1, 1, 1, false}, {2, 2, 2, false}},
+                                           Reshard{{1, 2, 1, false}, {2, 1, 3, false}},
+                                           Reshard{{1, 2, 1, false, 2}, {2, 2, 2, false, 2}}),
+                         reshard_name);
 
 }  // namespace
 }  // namespace cohort::mesh_trainer_test
