@@ -10,10 +10,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <vector>
 
+#include "bench/cli.h"
 #include "cohort/cohort.h"
 #include "examples/models/gpt_model.h"
 
@@ -63,34 +63,28 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    const long long v = std::stoll(argv[i + 1]);
-    if (k == "--layers")
-      a.layers = v;
-    else if (k == "--hidden")
-      a.hidden = v;
-    else if (k == "--seq")
-      a.seq = v;
-    else if (k == "--batch")
-      a.batch = v;
-    else if (k == "--iters")
-      a.iters = static_cast<int>(v);
-    else if (k == "--rounds")
-      a.rounds = static_cast<int>(v);
-    else
-      throw InvalidArgument("checkpoint_bench: unknown option " + k);
-  }
-  return a;
+void add_flags(CLI::App& app, Args& a) {
+  cohort::bench::show_defaults(app);
+  app.add_option("--layers", a.layers, "transformer blocks")->check(cohort::bench::positive());
+  app.add_option("--hidden", a.hidden, "model width")->check(cohort::bench::positive());
+  app.add_option("--seq", a.seq, "sequence length")->check(cohort::bench::positive());
+  app.add_option("--batch", a.batch, "sequences per step")->check(cohort::bench::positive());
+  app.add_option("--iters", a.iters, "timed steps per side and round")
+      ->check(cohort::bench::positive());
+  app.add_option("--rounds", a.rounds, "rounds, alternating which side runs first")
+      ->check(cohort::bench::positive());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{
+      "checkpoint_bench: a GPT's step time and activation peak with and without "
+      "activation checkpointing"};
+  add_flags(app, a);
+  CLI11_PARSE(app, argc, argv);
   try {
-    const Args a = parse(argc, argv);
     torch::set_num_threads(1);
     auto comm = connect(std::make_shared<HashStore>(), 0, 1, ConnectOptions{});
     DeviceMesh mesh(comm, MeshShape{1, 1, 1});

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cli.h"
 #include "bench/ddp_vs_torch/bench_models.h"
 #include "cohort/cohort.h"
 #include "cohort/ddp/distributed_data_parallel.h"
@@ -29,41 +30,39 @@ namespace {
 struct Args {
   std::string model = "cnn";  // cnn | transformer | mlp
   std::string compressor = "none";
-  int64_t batch = 32;            // per rank
-  int steps = 10;                // timed
-  int warmup = 3;                // untimed (bucket rebuild; PowerSGD's first Q)
-  bool compressor_only = false;  // --only compressor: time the arithmetic alone
+  int64_t batch = 32;         // per rank
+  int steps = 10;             // timed
+  int warmup = 3;             // untimed (bucket rebuild; PowerSGD's first Q)
+  std::string only = "step";  // compressor: time the compressor's arithmetic alone
   cohort::DDPOptions ddp;
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  // The least PowerSGD accepts with error feedback and warm start: its two
-  // uncompressed steps fall within the (untimed) warm-up.
-  a.ddp.compression.powersgd_start_iteration = 2;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--model")
-      a.model = v;
-    else if (k == "--compression")
-      a.compressor = v;
-    else if (k == "--batch")
-      a.batch = std::stoll(v);
-    else if (k == "--steps")
-      a.steps = std::stoi(v);
-    else if (k == "--warmup")
-      a.warmup = std::stoi(v);
-    else if (k == "--powersgd-rank")
-      a.ddp.compression.powersgd_rank = std::stoi(v);
-    else if (k == "--topk-ratio")
-      a.ddp.compression.topk_ratio = std::stod(v);
-    else if (k == "--only" && (v == "compressor" || v == "step"))
-      a.compressor_only = v == "compressor";
-    else
-      throw std::invalid_argument("unknown option " + k);
-  }
-  a.ddp.compression.kind = cohort::compression::parse_compression_kind(a.compressor);
-  return a;
+// A compressor name as parse_compression_kind takes it; its message otherwise.
+const CLI::Validator kCompressionName(
+    [](std::string& name) {
+      try {
+        cohort::compression::parse_compression_kind(name);
+        return std::string();
+      } catch (const std::exception& e) {
+        return std::string(e.what());
+      }
+    },
+    "none|fp16|bf16|int8|topk|powersgd");
+
+// Flags as run_compression_bench.sh and docs/benchmarks.md pass them;
+// --help lists them with their defaults.
+void add_flags(CLI::App& app, Args& a) {
+  cohort::bench::show_defaults(app);
+  app.add_option("--model", a.model, "cnn | transformer | mlp")
+      ->check(CLI::IsMember({"cnn", "transformer", "mlp"}));
+  app.add_option("--compression", a.compressor, "the DDP compressor")->check(kCompressionName);
+  cohort::bench::add_loop_flags(app, a.batch, a.steps, a.warmup);
+  app.add_option("--powersgd-rank", a.ddp.compression.powersgd_rank,
+                 "CompressionOptions::powersgd_rank");
+  app.add_option("--topk-ratio", a.ddp.compression.topk_ratio, "CompressionOptions::topk_ratio");
+  app.add_option("--only", a.only,
+                 "step: whole training steps; compressor: the compressor's all-reduce alone")
+      ->check(CLI::IsMember({"step", "compressor"}));
 }
 
 // Bytes sent so far by the link named in COMPRESSION_BENCH_DEV (-1 without).
@@ -191,12 +190,19 @@ void run_compressor_only(const Args& a, torch::nn::Module& model, cohort::Commun
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args a;
+  // The least PowerSGD accepts with error feedback and warm start: its two
+  // uncompressed steps fall within the (untimed) warm-up.
+  a.ddp.compression.powersgd_start_iteration = 2;
+  CLI::App app{"compression_bench: one rank of a DDP training loop with gradient compression"};
+  add_flags(app, a);
+  CLI11_PARSE(app, argc, argv);
   try {
-    const Args a = parse(argc, argv);
+    a.ddp.compression.kind = cohort::compression::parse_compression_kind(a.compressor);
     torch::set_num_threads(1);
     auto comm = cohort::init();
     torch::manual_seed(comm->rank());
-    if (a.compressor_only) {
+    if (a.only == "compressor") {
       auto stack = cohort::bench::TransformerStack();
       auto cnn = cohort::bench::make_cnn();
       auto mlp = cohort::bench::make_mlp();

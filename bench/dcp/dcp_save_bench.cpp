@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "bench/cli.h"
 #include "cohort/cohort.h"
 
 namespace {
@@ -53,14 +54,18 @@ std::string archive_bytes(torch::serialize::OutputArchive& archive) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: dcp_save_bench zero2|ddp RUNS DIR\n");
-    return 2;
-  }
+  std::string mode;
+  int runs = 0;
+  std::string dir_text;
+  CLI::App app{"dcp_save_bench: checkpoint save time, dcp::save against per-rank files"};
+  app.add_option("MODE", mode, "zero2 | ddp")->required()->check(CLI::IsMember({"zero2", "ddp"}));
+  app.add_option("RUNS", runs, "alternating runs of each side")
+      ->required()
+      ->check(cohort::bench::positive());
+  app.add_option("DIR", dir_text, "folder the checkpoints are written to")->required();
+  CLI11_PARSE(app, argc, argv);
   try {
-    const std::string mode = argv[1];
-    const int runs = std::stoi(argv[2]);
-    const std::filesystem::path dir = argv[3];
+    const std::filesystem::path dir = dir_text;
     torch::set_num_threads(1);
     auto comm = cohort::init();
     torch::manual_seed(0);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cli.h"
 #include "bench/ddp_vs_torch/bench_models.h"
 #include "cohort/cohort.h"
 #include "cohort/ddp/distributed_data_parallel.h"
@@ -28,20 +29,18 @@ struct Args {
   cohort::DDPOptions ddp;     // --bucket-cap-mb, --first-bucket-mb, --bucket-view 0|1
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--model") a.model = v;
-    else if (k == "--batch") a.batch = std::stoll(v);
-    else if (k == "--steps") a.steps = std::stoi(v);
-    else if (k == "--warmup") a.warmup = std::stoi(v);
-    else if (k == "--bucket-cap-mb") a.ddp.bucket_cap_mb = std::stod(v);
-    else if (k == "--first-bucket-mb") a.ddp.first_bucket_mb = std::stod(v);
-    else if (k == "--bucket-view") a.ddp.gradient_as_bucket_view = v == "1";
-    else throw std::invalid_argument("unknown option " + k);
-  }
-  return a;
+// Flags as run_ddp_vs_torch.py, compare_binaries.py, run_trace_overhead.py
+// and bench/ucx/training.sh pass them; --help lists them with their defaults.
+void add_flags(CLI::App& app, Args& a) {
+  cohort::bench::show_defaults(app);
+  app.add_option("--model", a.model, "mlp | cnn | transformer")
+      ->check(CLI::IsMember({"mlp", "cnn", "transformer"}));
+  cohort::bench::add_loop_flags(app, a.batch, a.steps, a.warmup);
+  app.add_option("--bucket-cap-mb", a.ddp.bucket_cap_mb, "DDPOptions::bucket_cap_mb");
+  app.add_option("--first-bucket-mb", a.ddp.first_bucket_mb, "DDPOptions::first_bucket_mb");
+  app.add_option("--bucket-view", a.ddp.gradient_as_bucket_view,
+                 "DDPOptions::gradient_as_bucket_view (0 | 1)")
+      ->check(CLI::IsMember({"0", "1"}));
 }
 
 template <typename Holder>
@@ -86,8 +85,11 @@ void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"ddp_vs_torch: one rank of cohort DDP's side of the ddp_vs_torch benchmark"};
+  add_flags(app, a);
+  CLI11_PARSE(app, argc, argv);
   try {
-    const Args a = parse(argc, argv);
     torch::set_num_threads(1);
     auto comm = cohort::init();
     torch::manual_seed(comm->rank());

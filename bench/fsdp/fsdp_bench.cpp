@@ -33,6 +33,7 @@
 #include <set>
 #include <string>
 
+#include "bench/cli.h"
 #include "cohort/cohort.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
@@ -50,24 +51,16 @@ struct Args {
   bool reshard_after_forward = true;
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--mode")
-      a.mode = v;
-    else if (k == "--batch")
-      a.batch = std::stoll(v);
-    else if (k == "--steps")
-      a.steps = std::stoi(v);
-    else if (k == "--warmup")
-      a.warmup = std::stoi(v);
-    else if (k == "--reshard-after-forward")
-      a.reshard_after_forward = v != "0";
-    else
-      throw std::invalid_argument("unknown option " + k);
-  }
-  return a;
+// Flags as run_fsdp_bench.py passes them; --help lists them with their
+// defaults.
+void add_flags(CLI::App& app, Args& a) {
+  cohort::bench::show_defaults(app);
+  app.add_option("--mode", a.mode, "ddp | zero2 | fsdp | fsdp_bf16")
+      ->check(CLI::IsMember({"ddp", "zero2", "fsdp", "fsdp_bf16"}));
+  cohort::bench::add_loop_flags(app, a.batch, a.steps, a.warmup);
+  app.add_option("--reshard-after-forward", a.reshard_after_forward,
+                 "FullyShardOptions::reshard_after_forward (0 | 1)")
+      ->check(CLI::IsMember({"0", "1"}));
 }
 
 // bench_models.h's TransformerStack, layer by layer.
@@ -116,8 +109,11 @@ int64_t activation_peak(torch::Dtype dtype, const torch::Tensor& x, const torch:
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"fsdp_bench: one rank of the fully_shard memory and step-time benchmark"};
+  add_flags(app, a);
+  CLI11_PARSE(app, argc, argv);
   try {
-    const Args a = parse(argc, argv);
     cohort::memory::MemoryScope rank_scope;
     torch::set_num_threads(1);
     auto comm = cohort::init();

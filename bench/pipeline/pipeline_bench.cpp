@@ -26,6 +26,7 @@
 #include <sstream>
 #include <string>
 
+#include "bench/cli.h"
 #include "cohort/cohort.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/schedule_simulator.h"
@@ -390,36 +391,34 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   std::fflush(stdout);
 }
 
+// Flags as docs/benchmarks.md and compare.sh pass them; --help lists them
+// with their defaults.
+void add_flags(CLI::App& app, Args& args) {
+  cohort::bench::show_defaults(app);
+  app.add_flag("--json", args.json, "one JSON object per row, with the jitter and host figures");
+  app.add_option("--width", args.width, "features of every Linear")
+      ->check(cohort::bench::positive());
+  app.add_option("--batch", args.batch, "global batch (rows), split into m micro-batches")
+      ->check(cohort::bench::positive());
+  app.add_option("--steps", args.steps, "timed steps per row (after 2 warm-up steps)")
+      ->check(cohort::bench::positive());
+  app.add_option("--blocks", args.blocks, "Linear + Tanh blocks, split evenly over the stages")
+      ->check(cohort::bench::positive());
+  app.add_option("--schedule", args.only_schedule, "only this schedule (default: every one)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "zbh1", "interleaved"}));
+  app.add_option("--m", args.only_m, "only this number of micro-batches (0: every one)")
+      ->check(CLI::IsMember({0, 2, 4, 8, 16}));
+  app.add_option("--recv-window", args.recv_window, "PipelineOptions::recv_window")
+      ->check(cohort::bench::non_negative());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Args args;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string("0"); };
-    if (a == "--json")
-      args.json = true;
-    else if (a == "--width")
-      args.width = std::stoll(next());
-    else if (a == "--batch")
-      args.batch = std::stoll(next());
-    else if (a == "--steps")
-      args.steps = std::stoi(next());
-    else if (a == "--blocks")
-      args.blocks = std::stoi(next());
-    else if (a == "--schedule")
-      args.only_schedule = next();
-    else if (a == "--m")
-      args.only_m = std::stoi(next());
-    else if (a == "--recv-window")
-      args.recv_window = std::stoi(next());
-    else {
-      std::fprintf(stderr,
-                   "usage: pipeline_bench [--json] [--width N] [--batch N] [--steps N] "
-                   "[--blocks N] [--schedule NAME] [--m M] [--recv-window N]\n");
-      return 2;
-    }
-  }
+  CLI::App app{"pipeline_bench: step time, bubble and memory of every pipeline schedule"};
+  add_flags(app, args);
+  CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
     auto comm = cohort::init();

@@ -8,11 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <thread>
 #include <vector>
 
+#include "bench/cli.h"
 #include "cohort/cohort.h"
 #include "cohort/tensor_parallel/layers.h"
 
@@ -70,22 +69,16 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    const auto v = std::atoll(argv[i + 1]);
-    if (k == "--hidden")
-      a.hidden = v;
-    else if (k == "--tokens")
-      a.tokens = v;
-    else if (k == "--iters")
-      a.iters = static_cast<int>(v);
-    else if (k == "--rounds")
-      a.rounds = static_cast<int>(v);
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
-      return 2;
-    }
-  }
+  CLI::App app{"tp_scaling: tokens/s of a transformer MLP block at TP = 1 and TP = 2"};
+  cohort::bench::show_defaults(app);
+  app.add_option("--hidden", a.hidden, "model width H (the block is H -> 4H -> H)")
+      ->check(cohort::bench::positive());
+  app.add_option("--tokens", a.tokens, "tokens per iteration")->check(cohort::bench::positive());
+  app.add_option("--iters", a.iters, "timed iterations per side and round")
+      ->check(cohort::bench::positive());
+  app.add_option("--rounds", a.rounds, "rounds, alternating which side runs first")
+      ->check(cohort::bench::positive());
+  CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);
   std::printf("MLP block H=%lld -> %lld -> H, %lld tokens, fwd+bwd, %d iters x %d rounds\n",
               static_cast<long long>(a.hidden), static_cast<long long>(4 * a.hidden),

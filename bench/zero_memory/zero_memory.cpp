@@ -37,6 +37,7 @@
 #include <set>
 #include <string>
 
+#include "bench/cli.h"
 #include "bench/ddp_vs_torch/bench_models.h"
 #include "cohort/cohort.h"
 #include "cohort/ddp/distributed_data_parallel.h"
@@ -56,28 +57,19 @@ struct Args {
   int staged_buckets = 1;               // ZeRO-2's max_staged_buckets
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--mode")
-      a.mode = v;
-    else if (k == "--batch")
-      a.batch = std::stoll(v);
-    else if (k == "--steps")
-      a.steps = std::stoi(v);
-    else if (k == "--warmup")
-      a.warmup = std::stoi(v);
-    else if (k == "--bucket-mb")
-      a.bucket_mb = std::stod(v);
-    else if (k == "--gather-algo")
-      a.gather_algo = v;
-    else if (k == "--staged-buckets")
-      a.staged_buckets = std::stoi(v);
-    else
-      throw std::invalid_argument("unknown option " + k);
-  }
-  return a;
+// Flags as run_zero_memory.py passes them; --help lists them with their
+// defaults.
+void add_flags(CLI::App& app, Args& a) {
+  cohort::bench::show_defaults(app);
+  app.add_option("--mode", a.mode, "ddp | zero1 | zero2 | zero2_ddp | fused")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "zero2_ddp", "fused"}));
+  cohort::bench::add_loop_flags(app, a.batch, a.steps, a.warmup);
+  app.add_option("--bucket-mb", a.bucket_mb, "ZeRO's and the fused optimizer's bucket cap");
+  app.add_option("--gather-algo", a.gather_algo, "ZeRO's parameter all-gather algorithm")
+      ->check(
+          CLI::IsMember({"default", "engine", "ring", "tree", "hd", "hierarchical", "adaptive"}));
+  app.add_option("--staged-buckets", a.staged_buckets, "ZeroOptions::max_staged_buckets")
+      ->check(CLI::IsMember({1, 2}));
 }
 
 // Bytes of the distinct storages among the given tensors.
@@ -101,8 +93,11 @@ int64_t max_over_ranks(cohort::Communicator& comm, int64_t v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"zero_memory: one rank of the ZeRO and fused-optimizer memory benchmark"};
+  add_flags(app, a);
+  CLI11_PARSE(app, argc, argv);
   try {
-    const Args a = parse(argc, argv);
     torch::set_num_threads(1);
     auto comm = cohort::init();
     torch::manual_seed(0);  // same initial model everywhere

@@ -5,15 +5,19 @@
 // averages the gradients across ranks, so every replica takes the same step.
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include <limits>
 
 #include "cohort/cohort.h"
 
 int main(int argc, char** argv) {
   int steps = 30;
-  if (argc == 3 && std::strcmp(argv[1], "--steps") == 0) steps = std::atoi(argv[2]);
+  CLI::App app{"ddp_train: data-parallel training with DistributedDataParallel (cohortrun)"};
+  app.option_defaults()->always_capture_default();
+  app.add_option("--steps", steps, "optimizer steps")
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
+  CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
     auto comm = cohort::init();

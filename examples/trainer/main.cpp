@@ -8,6 +8,7 @@
 // state, data position and random generators), not from step 0.
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -18,10 +19,12 @@
 int main(int argc, char** argv) {
   std::string dir = "/tmp/cohort-trainer-example";
   int64_t fail_at = -1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::string(argv[i]) == "--dir") dir = argv[i + 1];
-    if (std::string(argv[i]) == "--fail-at") fail_at = std::atoll(argv[i + 1]);
-  }
+  CLI::App app{"trainer_restart: the Trainer through a crash and a restart (cohortrun)"};
+  app.option_defaults()->always_capture_default();
+  app.add_option("--dir", dir, "checkpoint folder");
+  app.add_option("--fail-at", fail_at,
+                 "rank 1 crashes after this step on the first attempt (-1: never)");
+  CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
     auto comm = cohort::init();

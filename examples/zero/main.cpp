@@ -7,15 +7,19 @@
 // that of DDP + AdamW, with 1/N of the optimizer's memory per rank.
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include <limits>
 
 #include "cohort/cohort.h"
 
 int main(int argc, char** argv) {
   int steps = 20;
-  if (argc == 3 && std::strcmp(argv[1], "--steps") == 0) steps = std::atoi(argv[2]);
+  CLI::App app{"zero_train: ZeRO stage 2 under DDP (cohortrun)"};
+  app.option_defaults()->always_capture_default();
+  app.add_option("--steps", steps, "optimizer steps")
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
+  CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
     auto comm = cohort::init();
