@@ -27,6 +27,7 @@ nlohmann::json to_json(const StepMetrics& m) {
                          {"comm_seconds", m.comm_seconds},
                          {"comm_bytes", m.comm_bytes}};
   for (const auto& [dim, bytes] : m.comm_bytes_by_dimension) line["comm_bytes_" + dim] = bytes;
+  if (m.tp_comm_seconds) line["tp_comm_seconds"] = *m.tp_comm_seconds;
   return line;
 }
 

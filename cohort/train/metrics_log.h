@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 namespace cohort {
@@ -24,7 +25,12 @@ struct StepMetrics {
   double step_seconds = 0.0;   ///< wall time of the step on this rank
   double samples_per_s = 0.0;  ///< samples / step_seconds
   double comm_seconds = 0.0;   ///< gradient communication time in this step
-  int64_t comm_bytes = 0;      ///< bytes this rank sent in this step (Communicator::stats)
+  /// Seconds this rank was blocked in tensor parallelism's collectives during the step's
+  /// forwards and backwards (the activations' all-reduces and all-gathers, their gradients'
+  /// conjugates, the vocabulary-parallel loss), which comm_seconds leaves out; set when the
+  /// wiring has a "tp" dimension (a mesh), absent otherwise.
+  std::optional<double> tp_comm_seconds;
+  int64_t comm_bytes = 0;  ///< bytes this rank sent in this step (Communicator::stats)
   /// The part of comm_bytes sent over each dimension's groups ("tp", "pp", "dp") when the
   /// wiring names them (a pipeline, a mesh); logged as "comm_bytes_<dimension>".
   std::map<std::string, int64_t> comm_bytes_by_dimension;

@@ -63,12 +63,16 @@ void Progress::update(const StepMetrics& m) {
   if (m.step % log_every_ != 0 && m.step != total_steps_) return;
   // Epochs are counted from 1 wherever a person reads them (as in the
   // examples' epoch summaries); m.epoch stays the 0-based index.
+  // "comm" is the gradients' communication; tensor parallelism's, inside
+  // forward and backward, is shown beside it where there is a TP dimension.
+  char tp[48] = "";
+  if (m.tp_comm_seconds) std::snprintf(tp, sizeof(tp), " tp comm %.3f s", *m.tp_comm_seconds);
   std::printf(
-      "step %lld/%lld epoch %lld loss %.4f lr %.3e grad_norm %.3f %.0f samples/s comm %.3f s ETA "
-      "%s\n",
+      "step %lld/%lld epoch %lld loss %.4f lr %.3e grad_norm %.3f %.0f samples/s comm %.3f s%s "
+      "ETA %s\n",
       static_cast<long long>(m.step), static_cast<long long>(total_steps_),
       static_cast<long long>(m.epoch + 1), m.loss, m.lr, m.grad_norm, m.samples_per_s,
-      m.comm_seconds, format_duration(eta).c_str());
+      m.comm_seconds, tp, format_duration(eta).c_str());
   std::fflush(stdout);
 }
 

@@ -74,7 +74,11 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   const auto dims_before = dimension_bytes();
   model_->train();
   optimizer_.zero_grad();
+  // Tensor parallelism's collectives run inside the forwards and backwards
+  // only: the sync's and the norm's TP all-reduces come after.
+  const auto tp_before = tp_wait_seconds();
   const double loss = layout_.step(micro_batches, loss_fn_, tracer);
+  const auto tp_after = tp_wait_seconds();
   int64_t samples = 0;
   for (const auto& b : micro_batches) samples += b.data.size(0);
   {
@@ -116,7 +120,18 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   m.step_seconds = seconds_since(start);
   m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
   m.comm_seconds = comm_seconds() - comm_before;
+  if (tp_after) m.tp_comm_seconds = *tp_after - *tp_before;
   return m;
+}
+
+std::optional<double> Trainer::tp_wait_seconds() const {
+  for (const auto& [name, groups] : layout_.dimensions()) {
+    if (name != "tp") continue;
+    double seconds = 0;
+    for (const auto& c : groups) seconds += c->stats().total().seconds_waiting;
+    return seconds;
+  }
+  return std::nullopt;
 }
 
 uint64_t Trainer::bytes_sent() const {

@@ -167,6 +167,8 @@ class Trainer {
   double comm_seconds() const;
   uint64_t bytes_sent() const;
   std::vector<uint64_t> dimension_bytes() const;
+  // Seconds blocked in the "tp" dimension's collectives so far; none without one.
+  std::optional<double> tp_wait_seconds() const;
   bool per_rank_state() const;
   std::string sharded_mode() const;
   bool dcp_state() const;

@@ -1,9 +1,9 @@
 // The Trainer driving a TP x PP x DP mesh (TrainerWiring::mesh; ranks as
 // threads) on the example GPT: its clipped global norm and loss equal one
 // process's clip_grad_norm_ on the whole batch, it reports the traffic of
-// each dimension, a run resumed from its distributed checkpoint is bitwise
-// the uninterrupted one, and one resumed at another tp x pp x dp (and
-// interleaving) continues the one-process run.
+// each dimension and the time of its TP collectives, a run resumed from its
+// distributed checkpoint is bitwise the uninterrupted one, and one resumed
+// at another tp x pp x dp (and interleaving) continues the one-process run.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
@@ -200,6 +200,15 @@ TEST_P(MeshTrainer, ClipsByTheOneProcessGlobalNorm) {
       }
       EXPECT_EQ(m.comm_bytes_by_dimension.size(), 3u);
       EXPECT_LE(dims, m.comm_bytes);
+      // The TP collectives in forward and backward are counted, apart from
+      // the gradients' comm_seconds: exactly 0 without TP (none is issued).
+      ASSERT_TRUE(m.tp_comm_seconds.has_value()) << "rank " << r << ", step " << s;
+      if (c.tp > 1) {
+        EXPECT_GT(*m.tp_comm_seconds, 0.0) << "rank " << r << ", step " << s;
+      } else {
+        EXPECT_EQ(*m.tp_comm_seconds, 0.0) << "rank " << r << ", step " << s;
+      }
+      EXPECT_LE(*m.tp_comm_seconds, m.step_seconds) << "rank " << r << ", step " << s;
     }
   }
 }
