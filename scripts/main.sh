@@ -14,5 +14,10 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 # after every step (README, "Performance tips"); the user's values win.
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-67108864}
 export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-268435456}
+# 2 epochs unless the arguments name --epochs (the example takes it once).
+epochs=(--epochs 2)
+for a in "$@"; do
+  case $a in --epochs | --epochs=*) epochs=() ;; esac
+done
 exec "$build/tools/cohortrun/cohortrun" -n 2 -- \
-  "$build/examples/fashion_mnist/fashion_mnist" --epochs 2 "$@"
+  "$build/examples/fashion_mnist/fashion_mnist" "${epochs[@]}" "$@"
