@@ -76,7 +76,7 @@ INSTANTIATE_TEST_SUITE_P(
                 "--master-port is required when --nnodes > 1"},
         BadArgs{"UnknownBackend",
                 {"-n", "2", "--backend", "nccl", PROG},
-                "--backend must be gloo, mpi, ucx or auto"},
+                "--backend (or COHORT_BACKEND) must be gloo, mpi, ucx or auto"},
         BadArgs{"MultiNodeMpi",
                 {"-n", "2", "--backend", "mpi", "--nnodes", "2", "--node-rank", "0",
                  "--master-addr", "10.0.0.1", "--master-port", "29500", PROG},

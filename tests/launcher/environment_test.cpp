@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <map>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "support/subprocess.h"
 
@@ -70,6 +72,35 @@ TEST(Environment, SingleNodeVariables) {
   EXPECT_LE(p, 65535);
 }
 
+// The engine: --backend, else a COHORT_BACKEND the caller exported, else
+// auto; an unknown name from the environment is refused like the flag's.
+TEST(Environment, BackendFromTheFlagElseTheCallersEnvironment) {
+  struct Case {
+    std::vector<std::string> flag;
+    std::vector<std::string> env;
+    std::string expected;
+  };
+  for (const Case& c : {Case{{}, {"COHORT_BACKEND=gloo"}, "gloo"},
+                        Case{{"--backend", "ucx"}, {"COHORT_BACKEND=gloo"}, "ucx"},
+                        Case{{}, {"COHORT_BACKEND="}, "auto"}}) {
+    std::vector<std::string> args = {"-n", "2"};
+    args.insert(args.end(), c.flag.begin(), c.flag.end());
+    args.insert(args.end(), {"--", "sh", "-c", kPrintEnv});
+    ProcessResult r = run_cohortrun(args, Seconds(20), c.env);
+    ASSERT_FALSE(r.timed_out);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::map<int, Env> envs = parse(r.out);
+    ASSERT_EQ(envs.size(), 2u) << r.out;
+    for (auto& [rank, e] : envs) EXPECT_EQ(e["COHORT_BACKEND"], c.expected) << "rank " << rank;
+  }
+  ProcessResult r = run_cohortrun({"-n", "2", "--", "true"}, Seconds(20), {"COHORT_BACKEND=nccl"});
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("(or COHORT_BACKEND) must be gloo, mpi, ucx or auto (got 'nccl')"),
+            std::string::npos)
+      << r.err;
+}
+
 // Ranks sharing the machine get one intra-op thread each unless the caller
 // chose; a lone rank keeps the library's default (all cores).
 TEST(Environment, OneOpenMpThreadPerRankUnlessTheCallerChose) {
@@ -78,8 +109,8 @@ TEST(Environment, OneOpenMpThreadPerRankUnlessTheCallerChose) {
   unsetenv("OMP_NUM_THREADS");
   ProcessResult shared = run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20));
   ProcessResult alone = run_cohortrun({"-n", "1", "--", "sh", "-c", kPrintEnv}, Seconds(20));
-  ProcessResult chosen = run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20),
-                                       {"OMP_NUM_THREADS=3"});
+  ProcessResult chosen =
+      run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20), {"OMP_NUM_THREADS=3"});
   if (inherited) setenv("OMP_NUM_THREADS", saved.c_str(), 1);
   for (auto* r : {&shared, &alone, &chosen}) {
     ASSERT_FALSE(r->timed_out);

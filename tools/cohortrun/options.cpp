@@ -110,7 +110,8 @@ void validate(Options& o) {
           "ranks)");
     }
   } else if (o.backend != "gloo" && o.backend != "ucx" && o.backend != "auto") {
-    throw UsageError("--backend must be gloo, mpi, ucx or auto (got '" + o.backend + "')");
+    throw UsageError("--backend (or COHORT_BACKEND) must be gloo, mpi, ucx or auto (got '" +
+                     o.backend + "')");
   }
   if (o.nnodes > 1) {
     // Every node must agree on the rendezvous point; a default would let
@@ -131,6 +132,8 @@ void validate(Options& o) {
 
 std::optional<Options> parse_options(int argc, char** argv) {
   Options o;
+  // As init() does: a COHORT_BACKEND the caller exported holds unless --backend names another.
+  if (const char* env = std::getenv("COHORT_BACKEND"); env && *env) o.backend = env;
   std::string nproc, nnodes, node_rank, port, restarts;
   CLI::App app{kUsage, "cohortrun"};
   app.add_option("-n,--nproc-per-node", nproc,
@@ -145,7 +148,8 @@ std::optional<Options> parse_options(int argc, char** argv) {
   app.add_option("--master-port", port, "rendezvous port (default: a free port on one node)")
       ->type_name("PORT");
   app.add_option("--backend", o.backend,
-                 "auto (default: ucx when built, else gloo), gloo, mpi or ucx")
+                 "auto (default, unless COHORT_BACKEND names another: ucx when built, else "
+                 "gloo), gloo, mpi or ucx")
       ->type_name("NAME");
   app.add_option("--max-restarts", restarts,
                  "restart the job up to R times after a failure (default 0)")
