@@ -13,4 +13,5 @@ if [ -f "$build/CMakeCache.txt" ]; then
 else
   cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release
 fi
-cmake --build "$build" --parallel "$(nproc)"
+# (nproc without OMP_NUM_THREADS, which it would answer instead.)
+cmake --build "$build" --parallel "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
