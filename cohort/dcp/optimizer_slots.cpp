@@ -1,6 +1,5 @@
 #include "cohort/dcp/optimizer_slots.h"
 
-#include <c10/util/string_utils.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -11,6 +10,7 @@
 #include <memory>
 
 #include "cohort/core/error.h"
+#include "cohort/core/torch_compat.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort::dcp {
@@ -98,7 +98,7 @@ void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
   std::map<std::string, size_t> index;
   const bool stepped = has_step(optimizer);
   for (const auto& slot : slots) {
-    const auto key = c10::guts::to_string(slot.key.unsafeGetTensorImpl());
+    const auto key = optimizer_state_key(slot.key);
     auto it = optimizer.state().find(key);
     const bool exists = it != optimizer.state().end();
     const std::string prefix = "optim." + slot.fqn + ".";

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "cohort/core/error.h"
+#include "cohort/core/torch_compat.h"
 
 namespace cohort::memory {
 
@@ -66,9 +67,9 @@ void counting_delete(void* data) {
 
 // The data pointer is its own context, so the raw interface works too (some
 // LibTorch paths, e.g. oneDNN's, allocate through raw_allocate).
-class CountingAllocator final : public c10::Allocator {
+class CountingAllocator final : public CpuAllocatorBase {
  public:
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate_bytes(size_t n) const override {
     if (n == 0) return {nullptr, nullptr, &counting_delete, c10::Device(c10::DeviceType::CPU)};
     void* base = g_base->raw_allocate(n + kHeaderBytes);
     auto* header = static_cast<Header*>(base);

@@ -1,8 +1,8 @@
 // ZeroRedundancyOptimizer, checkpoint half: the sharded save/load (each rank
 // its own archive) and consolidate_state_dict (everything on one rank).
-#include <c10/util/string_utils.h>
 
 #include "cohort/core/error.h"
+#include "cohort/core/torch_compat.h"
 #include "cohort/optim/optimizer_state.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 
@@ -69,7 +69,7 @@ std::vector<std::map<std::string, torch::Tensor>> ZeroRedundancyOptimizer::conso
   auto steps = torch::full({n_params}, -1, torch::kLong);
   const auto& pieces = part.pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
-    auto it = inner_->state().find(c10::guts::to_string(pieces_[k].unsafeGetTensorImpl()));
+    auto it = inner_->state().find(optimizer_state_key(pieces_[k]));
     if (it == inner_->state().end()) continue;
     const auto step = state_step(*it->second);
     if (step) steps[pieces[k].param] = *step;

@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 
+#include "cohort/core/torch_compat.h"
 #include "cohort/dcp/adapters.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/optim/optimizer_state.h"
@@ -63,7 +64,7 @@ inline Named snapshot(torch::nn::Module& net, torch::optim::Optimizer* opt) {
   for (const auto& b : net.named_buffers()) out["model." + b.key()] = b.value().clone();
   if (!opt) return out;
   for (const auto& p : net.named_parameters()) {
-    auto it = opt->state().find(c10::guts::to_string(p.value().unsafeGetTensorImpl()));
+    auto it = opt->state().find(cohort::optimizer_state_key(p.value()));
     if (it == opt->state().end()) continue;
     for (const auto& [name, t] : state_tensors(*it->second)) {
       out["optim." + p.key() + "." + name] = t.clone();

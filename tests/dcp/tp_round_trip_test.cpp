@@ -61,7 +61,7 @@ Named rank_state(GPTStage& stage, torch::optim::Optimizer& opt) {
   for (const auto& p : stage->named_parameters()) {
     const auto name = checkpoint_name(p.key());
     out["model." + name] = p.value().detach().clone();
-    auto it = opt.state().find(c10::guts::to_string(p.value().unsafeGetTensorImpl()));
+    auto it = opt.state().find(cohort::optimizer_state_key(p.value()));
     if (it == opt.state().end()) continue;
     auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
     out["optim." + name + ".exp_avg"] = s.exp_avg().clone();

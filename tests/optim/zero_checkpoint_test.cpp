@@ -6,6 +6,7 @@
 
 #include <filesystem>
 
+#include "cohort/core/torch_compat.h"
 #include "cohort/optim/optimizer_state.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "tests/optim/optim_test_support.h"
@@ -112,7 +113,7 @@ TEST(ZeroConsolidate, RebuildsTheFullAdamWStateOnOneRank) {
     }
     if (comm->rank() != 0) return;
     for (const auto& p : net->parameters()) {
-      const auto& st = *opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      const auto& st = *opt.state().at(cohort::optimizer_state_key(p));
       std::map<std::string, torch::Tensor> m;
       for (const auto& [name, t] : state_tensors(st)) m[name] = t.clone();
       m["step"] = torch::tensor({*state_step(st)});

@@ -64,6 +64,8 @@ def main():
     args = ap.parse_args()
 
     torch.set_num_threads(1)
+    # Debian 13's PyTorch 2.6 refuses its default libuv TCPStore; 1.13 ignores this.
+    os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, in_shape = make_model(args.model)

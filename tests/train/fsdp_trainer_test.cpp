@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 
+#include "cohort/core/torch_compat.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/train/trainer.h"
 #include "support/subprocess.h"
@@ -258,7 +259,7 @@ RankState run_rank(const Job& job, const std::shared_ptr<Communicator>& comm, co
     out.names.push_back(p.key());
     out.tensors.push_back(p.value().detach().clone());
     const auto& st = static_cast<const torch::optim::AdamWParamState&>(
-        *opt.state().at(c10::guts::to_string(p.value().unsafeGetTensorImpl())));
+        *opt.state().at(cohort::optimizer_state_key(p.value())));
     out.names.push_back(p.key() + ".exp_avg");
     out.tensors.push_back(st.exp_avg().clone());
     out.names.push_back(p.key() + ".exp_avg_sq");
