@@ -68,5 +68,13 @@ while IFS= read -r file; do
   fi
 done < <(git ls-files 'examples/models/*.h' 'examples/models/*.cpp')
 
+# Differences between LibTorch releases live in one header: nothing else
+# names a LibTorch version.
+if git ls-files -z --cached --others --exclude-standard cohort tests tools bench examples | grep -zv '^cohort/core/torch_compat\.h$' |
+  xargs -0 grep -nE 'TORCH_VERSION'; then
+  echo "layering: only cohort/core/torch_compat.h may name a LibTorch version"
+  status=1
+fi
+
 [ $status -eq 0 ] && echo "layering: every include points down"
 exit $status

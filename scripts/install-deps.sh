@@ -22,6 +22,7 @@ packages=(
   python3-torch           # reference peer for tests and benchmarks only
   iproute2                # network namespaces for the multi-host launcher tests
   clang-format git        # the formatting check on changed lines (git clang-format)
+  debootstrap             # scripts/test-debian13.sh: the Debian 13 lane
 )
 
 missing=()

@@ -6,6 +6,7 @@ by bench/collectives/compare.sh through cohortrun).
 Run with Debian's interpreter: /usr/bin/python3 (python3-torch)."""
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -21,6 +22,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args()
     torch.set_num_threads(1)
+    # Debian 13's PyTorch 2.6 refuses its default libuv TCPStore; 1.13 ignores this.
+    os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     nbytes = a.min_bytes

@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    # Debian 13's PyTorch 2.6 refuses its default libuv TCPStore; 1.13 ignores this.
+    os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())
     ddp = nn.parallel.DistributedDataParallel(make_model(a.model))

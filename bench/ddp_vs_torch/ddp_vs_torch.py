@@ -5,6 +5,7 @@ Rank 0 prints one JSON line: {"engine": "torch", "model", "world", "batch", "sps
 Run with /usr/bin/python3 (Debian's python3-torch)."""
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -52,6 +53,8 @@ def main():
                     help="gradient_as_bucket_view (PyTorch's default: 0)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    # Debian 13's PyTorch 2.6 refuses its default libuv TCPStore; 1.13 ignores this.
+    os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())
     ddp = nn.parallel.DistributedDataParallel(make_model(a.model),

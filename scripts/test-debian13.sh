@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The fresh-Debian-13 path on a Debian 12 machine (root): makes a minimal
+# Debian 13 root with debootstrap from the Debian archive apt already uses
+# here, copies this checkout into it, and runs ./scripts/test.sh there with
+# chroot: the README's set-up and the whole suite against Debian 13's
+# LibTorch 2.x. Exits with the suite's status. `.ci/run` runs it after
+# ./scripts/test.sh.
+#
+#   scripts/test-debian13.sh [COMMAND...]   (default ./scripts/test.sh)
+#
+# COHORT_DEBIAN13_ROOT=DIR keeps the root in DIR and reuses it on the next
+# run (its packages and its build/ folder), for developers; without it the
+# root is made fresh in /var/tmp and removed on exit. A COMMAND runs in the
+# checkout's copy instead of the suite, e.g. ./scripts/build.sh.
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+"$src/scripts/install-deps.sh"   # debootstrap among them
+
+# The Debian archive apt uses here (the one serving this release's main).
+mirror() {
+  . /etc/os-release
+  apt-get indextargets --format '$(REPO_URI) $(LABEL) $(CODENAME) $(COMPONENT)' 2>/dev/null |
+    awk -v c="$VERSION_CODENAME" '$2 == "Debian" && $3 == c && $4 == "main" { print $1; exit }'
+}
+url=$(mirror)
+if [ -z "$url" ]; then
+  apt-get update -qq   # no package lists yet
+  url=$(mirror)
+fi
+[ -n "$url" ] || { echo "test-debian13: no Debian archive in apt's sources" >&2; exit 1; }
+
+keep=${COHORT_DEBIAN13_ROOT:-}
+if [ -n "$keep" ]; then
+  root=$(mkdir -p "$keep" && cd "$keep" && pwd)
+else
+  root=$(mktemp -d /var/tmp/cohort-debian13.XXXXXX)
+fi
+mounted=()
+cleanup() {
+  local i
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
+    umount "${mounted[i]}" 2>/dev/null || umount -l "${mounted[i]}" || true
+  done
+  if [ -z "$keep" ]; then rm -rf --one-file-system "$root"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+mount_in() {   # TYPE SOURCE PATH [OPTIONS]
+  mkdir -p "$root/$3"
+  mount -t "$1" ${4:+-o "$4"} "$2" "$root/$3"
+  mounted+=("$root/$3")
+}
+
+start=$SECONDS
+if [ ! -x "$root/usr/bin/apt-get" ]; then
+  echo "test-debian13: debootstrap trixie from $url into $root"
+  debootstrap --variant=minbase trixie "$root" "$url" >"$root/debootstrap.log" 2>&1 ||
+    { tail -20 "$root/debootstrap.log" >&2; exit 1; }
+  echo "test-debian13: root made in $((SECONDS - start)) s"
+fi
+cp /etc/resolv.conf "$root/etc/resolv.conf"   # for apt inside
+
+# The checkout as git sees it (tracked and untracked files, not ignored
+# ones such as build/), and its .git so the FetchContent check can clone it.
+# A kept root keeps its build/ folder and gets everything else afresh.
+dest=$root/cohort
+mkdir -p "$dest"
+find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+{ git -C "$src" ls-files -z --cached --others --exclude-standard; printf '.git\0'; } |
+  tar -C "$src" --null -T - -c | tar -C "$dest" -x
+
+# UCX and Open MPI put their shared memory in /dev/shm and read the
+# topology from /proc and /sys.
+mount_in proc proc proc
+mount_in sysfs sysfs sys ro
+mount_in tmpfs tmpfs dev/shm mode=1777
+
+[ $# -gt 0 ] || set -- ./scripts/test.sh
+status=0
+chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+  /bin/bash -c 'cd /cohort && exec "$@"' bash "$@" || status=$?
+echo "test-debian13: '$*' exited $status after $((SECONDS - start)) s"
+exit $status
