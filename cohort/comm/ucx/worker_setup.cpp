@@ -227,10 +227,26 @@ void Worker::close() {
     cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
     drive(ucp_ep_close_nbx(ep, &cp), Millis(1000));
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& t : inflight_) ucp_request_free(t->request);
-    inflight_.clear();
+  // A cancelled request (or one purged by its endpoint's forced close)
+  // completes only as the worker progresses, and holds its buffer's memory
+  // registration until then; UCX (1.18) aborts the process in ucp_cleanup
+  // over a registration still held. So progress until none is left, and if
+  // one never completes, leave the worker and context to the process's end
+  // rather than let UCX abort it.
+  bool settled = false;
+  for (const auto until = Clock::now() + Millis(2000);;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prune_locked();
+      settled = inflight_.empty();
+    }
+    if (settled || Clock::now() >= until) break;
+    if (!progress()) std::this_thread::yield();
+  }
+  if (!settled) {
+    worker_ = nullptr;
+    context_ = nullptr;
+    return;
   }
   ucp_worker_destroy(worker_);
   ucp_cleanup(context_);
