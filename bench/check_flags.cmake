@@ -1,7 +1,8 @@
 # The check behind cohort_bench_flags (bench/CMakeLists.txt), run as
 #   cmake -D BIN=... -D "FLAGS=--a=1;--b" -P check_flags.cmake
 # BIN --help must exit 0 and list each FLAGS entry: NAME=DEFAULT as CLI11
-# prints it ("--steps INT:POSITIVE=20"), or a bare NAME; BIN --no-such-flag
+# prints it ("--steps INT:POSITIVE=20" in CLI11 2.3, "--steps INT:POSITIVE
+# [20]" in 2.4), or a bare NAME; BIN --no-such-flag
 # must exit non-zero with CLI11's pointer to --help.
 execute_process(COMMAND ${BIN} --help OUTPUT_VARIABLE help ERROR_VARIABLE err
                 RESULT_VARIABLE rc TIMEOUT 60)
@@ -12,7 +13,7 @@ foreach(flag IN LISTS FLAGS)
   if(flag MATCHES "^([^=]+)=(.*)$")
     set(name "${CMAKE_MATCH_1}")
     string(REGEX REPLACE "([.+*?^$()])" "\\\\\\1" value "${CMAKE_MATCH_2}")
-    set(pattern "(^|[ \n])${name} [^ \n]*=${value}[ \n]")
+    set(pattern "(^|[ \n])${name} [^ \n]*(=${value}| \\[${value}\\])[ \n]")
   else()
     set(name "${flag}")
     set(pattern "(^|[ \n])${name}[ \n]")
