@@ -12,14 +12,21 @@ install(TARGETS cohort EXPORT cohortTargets
   FILE_SET HEADERS DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT cohortTargets NAMESPACE cohort:: DESTINATION ${COHORT_INSTALL_CMAKEDIR})
 
-# The config finds what the exported target links: Torch, Threads, ZLIB,
-# nlohmann_json, and MPI or UCX when this build has their engine.
+# The config finds what the exported target needs: Torch, Threads,
+# nlohmann_json (an installed header uses it), MPI when this build has its
+# engine (linked publicly) and, for a static libcohort only, zlib and UCX,
+# which a consumer's link then needs too.
+if(COHORT_BUILD_SHARED)
+  set(COHORT_PACKAGE_STATIC OFF)
+else()
+  set(COHORT_PACKAGE_STATIC ON)
+endif()
 if(TARGET MPI::MPI_C)
   set(COHORT_PACKAGE_WITH_MPI ON)
 else()
   set(COHORT_PACKAGE_WITH_MPI OFF)
 endif()
-if(TARGET PkgConfig::UCX)
+if(TARGET PkgConfig::UCX AND COHORT_PACKAGE_STATIC)
   set(COHORT_PACKAGE_WITH_UCX ON)
 else()
   set(COHORT_PACKAGE_WITH_UCX OFF)

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The consumer test: installs the already-built cohort into a fresh prefix,
-# checks what was installed, builds tests/packaging/consumer against it with
-# find_package and runs it on 2 ranks through the installed cohortrun; then
-# configures the consumer with add_subdirectory(cohort) and with
-# FetchContent (a git clone of this repository's HEAD) and compiles its
-# source each time (linking would rebuild all of cohort, which CI already
-# built).
-#   consumer_test.sh SOURCE_DIR BUILD_DIR WORK_DIR [COMPILER_LAUNCHER]
+# The consumer test: runs the README's install commands verbatim (the sh
+# block under "Use cohort in your project") on a copy of the checkout, so in
+# a build folder that holds nothing else, with only the prefix moved into
+# WORK_DIR; checks what was installed, builds tests/packaging/consumer
+# against it with find_package and runs it on 2 ranks through the installed
+# cohortrun; then configures the consumer with add_subdirectory(cohort) and
+# with FetchContent (a git clone of this repository's HEAD) and compiles its
+# source each time.
+#   consumer_test.sh SOURCE_DIR WORK_DIR [COMPILER_LAUNCHER]
 set -euo pipefail
-src=$1 build=$2 work=$3 launcher=${4:-}
+src=$1 work=$2 launcher=${3:-}
 consumer=$src/tests/packaging/consumer
 rm -rf "$work"
 mkdir -p "$work"
@@ -17,11 +18,30 @@ prefix=$work/prefix
 step() { echo "== consumer_test: $*"; }
 fail() { echo "consumer_test: FAILED: $*" >&2; exit 1; }
 
-step "cmake --install into $prefix"
-cmake --install "$build" --prefix "$prefix" >"$work/install.log"
+step "the README's install commands in a copy of the checkout"
+copy=$work/source
+mkdir -p "$copy"
+if git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
+  git -C "$src" ls-files -z --cached --others --exclude-standard |
+    tar -C "$src" --null -T - -c | tar -C "$copy" -x
+else
+  tar -C "$src" --exclude=./build -c . | tar -C "$copy" -x
+fi
+commands=$(awk '/^## Use cohort in your project/ { f = 1 }
+                f && /^```sh$/ { b = 1; next }
+                b && /^```$/ { exit }
+                b' "$src/README.md")
+[ -n "$commands" ] || fail "no install commands in README.md"
+echo "$commands"
+(cd "$copy" && bash -euo pipefail -c "${commands//\/opt\/cohort/$prefix}") >"$work/install.log" 2>&1 ||
+  { tail -40 "$work/install.log"; fail "the README's install commands"; }
+if grep -q '^GTest_DIR:' "$copy/build/CMakeCache.txt"; then
+  fail "the install configure looked for GoogleTest"
+fi
 
 step "installed files"
-for f in bin/cohortrun bin/cohort-plot bin/cohort-bench include/cohort/cohort.h \
+for f in bin/cohortrun bin/cohort-plot bin/cohort-bench bin/cohort-ckpt bin/cohort-trace \
+         include/cohort/cohort.h \
          include/cohort/version.h include/cohort/comm/communicator.h \
          lib/cmake/cohort/cohortConfig.cmake lib/cmake/cohort/cohortConfigVersion.cmake \
          lib/cmake/cohort/cohortTargets.cmake; do
