@@ -25,7 +25,7 @@ class Mpirun : public ::testing::Test {
     if (::geteuid() == 0) flags += "<--allow-run-as-root>";
     if (n > ::sysconf(_SC_NPROCESSORS_ONLN)) flags += "<--oversubscribe>";
     // A single-node job stays on loopback.
-    flags += "<--mca><oob_tcp_if_include><lo><--mca><btl_tcp_if_include><lo>";
+    flags += "<--mca><btl_tcp_if_include><lo>";
     flags += "<--tag-output>";  // the launcher turns the tags into "[rank] "
     return flags;
   }

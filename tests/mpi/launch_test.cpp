@@ -23,13 +23,12 @@ std::pair<std::string, int> run_shell(const std::string& command) {
   return {output, WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw)};
 }
 
-// Under --backend mpi every line of both streams carries its rank's
-// "[rank] " prefix, as under the Gloo path, a partial line included.
-TEST(MpiLaunch, EveryLineHasItsRankPrefix) {
+// Runs `script` on 2 ranks under `cohortrun --backend mpi` and checks that
+// every line of both streams carries its rank's "[rank] " prefix, as under
+// the Gloo path: rank r writes "out r rest" and "err r".
+void expect_prefixed_lines(const std::string& script) {
   const auto [output, status] = run_shell(
-      "timeout -k 5 60 " COHORTRUN_BIN
-      " -n 2 --backend mpi -- sh -c 'r=$OMPI_COMM_WORLD_RANK; printf \"out $r\"; sleep 0.1;"
-      " echo \" rest\"; echo \"err $r\" >&2' 2>&1");
+      "timeout -k 5 60 " COHORTRUN_BIN " -n 2 --backend mpi -- sh -c '" + script + "' 2>&1");
   EXPECT_EQ(status, 0) << output;
   std::istringstream lines(output);
   std::string line;
@@ -43,6 +42,22 @@ TEST(MpiLaunch, EveryLineHasItsRankPrefix) {
   for (const char* want : {"[0] out 0 rest\n", "[1] out 1 rest\n", "[0] err 0\n", "[1] err 1\n"}) {
     EXPECT_NE(output.find(want), std::string::npos) << want << " in:\n" << output;
   }
+}
+
+TEST(MpiLaunch, EveryLineHasItsRankPrefix) {
+  expect_prefixed_lines("r=$OMPI_COMM_WORLD_RANK; echo \"out $r rest\"; echo \"err $r\" >&2");
+}
+
+// A partial line is joined with its rest under its rank's prefix.
+TEST(MpiLaunch, APartialLineJoinsItsRest) {
+  const std::string version = run_shell("mpirun --version 2>&1").first;
+  if (version.find("(Open MPI) 5.") != std::string::npos) {
+    // Seen with 5.0.7: "[1,1]<stdout>: out 1out 0 rest" — rank 0's partial
+    // line comes untagged inside rank 1's, so no launcher can attribute it.
+    GTEST_SKIP() << "Open MPI 5's mpirun does not tag a partial line";
+  }
+  expect_prefixed_lines(
+      "r=$OMPI_COMM_WORLD_RANK; printf \"out $r\"; sleep 0.1; echo \" rest\"; echo \"err $r\" >&2");
 }
 
 TEST(MpiLaunch, RanksThatMpiSeesAsSingletonsAreRefused) {

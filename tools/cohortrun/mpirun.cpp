@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string_view>
@@ -21,6 +22,21 @@ extern char** environ;
 
 namespace cohortrun {
 namespace {
+
+// Open MPI's major version from `mpirun --version` ("mpirun (Open MPI)
+// 5.0.7"); 0 when it says something else.
+int open_mpi_major() {
+  FILE* pipe = ::popen("mpirun --version 2>/dev/null", "r");
+  if (pipe == nullptr) return 0;
+  std::string text;
+  char buf[256];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) text.append(buf, n);
+  ::pclose(pipe);
+  const std::string marker = "(Open MPI) ";
+  const size_t at = text.find(marker);
+  return at == std::string::npos ? 0 : std::atoi(text.c_str() + at + marker.size());
+}
 
 bool on_path(const std::string& program) {
   const char* path = std::getenv("PATH");
@@ -63,7 +79,10 @@ std::vector<std::string> mpirun_command(const Options& options, bool as_root, lo
   if (options.nproc_per_node > online_cores) cmd.push_back("--oversubscribe");
   // One node: keep mpirun's control channel and the ranks' TCP transport on
   // loopback (by default both listen on every interface).
-  cmd.insert(cmd.end(), {"--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"});
+  // (The control channel's setting goes through the environment, run_mpirun:
+  // Open MPI 5's mpirun refuses it as a flag, "No network interfaces were
+  // found for out-of-band communications", and 4.1 reads either.)
+  cmd.insert(cmd.end(), {"--mca", "btl_tcp_if_include", "lo"});
   // Tags name each line's rank; run_mpirun turns them into "[rank] ".
   cmd.push_back("--tag-output");
   cmd.insert(cmd.end(), {"-x", "COHORT_BACKEND=mpi"});
@@ -84,9 +103,11 @@ int run_mpirun(const Options& options) {
   SignalFd signals;  // before the fork: no signal is missed
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  env.emplace_back("OMPI_MCA_oob_tcp_if_include=lo");
   RankProcess mpirun =
       spawn_rank(mpirun_command(options, ::geteuid() == 0, ::sysconf(_SC_NPROCESSORS_ONLN)), env);
-  MpirunOutput out(STDOUT_FILENO), err(STDERR_FILENO);
+  const bool space_after_tag = open_mpi_major() >= 5;
+  MpirunOutput out(STDOUT_FILENO, space_after_tag), err(STDERR_FILENO, space_after_tag);
   std::optional<ExitStatus> status;
   // Until mpirun has exited and its pipes are closed (a rank that outlives
   // it and keeps them open must not hold the launcher: stop then).

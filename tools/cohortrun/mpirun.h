@@ -9,12 +9,13 @@
 namespace cohortrun {
 
 // mpirun -np N [--allow-run-as-root] [--oversubscribe]
-//        --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo
+//        --mca btl_tcp_if_include lo
 //        --tag-output -x COHORT_BACKEND=mpi -x COHORT_PROGRESS=lines
 //        PROGRAM ARGS...
 // Open MPI refuses to run as root without the first flag, and refuses more
 // ranks than cores without the second; each is added only when needed so
-// that mpirun's own safety checks stay on otherwise. The --mca options keep
+// that mpirun's own safety checks stay on otherwise. The --mca option, and
+// OMPI_MCA_oob_tcp_if_include=lo in mpirun's environment (run_mpirun), keep
 // a single-node job's sockets on loopback.
 std::vector<std::string> mpirun_command(const Options& options, bool as_root, long online_cores);
 

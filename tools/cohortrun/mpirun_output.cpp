@@ -21,7 +21,7 @@ struct Tag {
 // The tag "[digits,digits]<letters>:" at the start of `s`: nullopt when `s`
 // does not start with one; `incomplete` set when `s` ends inside what may
 // still become one.
-std::optional<Tag> match_tag(std::string_view s, bool& incomplete) {
+std::optional<Tag> match_tag(std::string_view s, bool space_after, bool& incomplete) {
   incomplete = false;
   size_t i = 0;
   auto at = [&](size_t k) { return k < s.size(); };
@@ -45,6 +45,7 @@ std::optional<Tag> match_tag(std::string_view s, bool& incomplete) {
   const size_t name_start = i;
   while (at(i) && std::isalpha(static_cast<unsigned char>(s[i]))) ++i;
   if (i == name_start || !expect('>') || !expect(':')) return ran_out();
+  if (space_after && !expect(' ')) return ran_out();
   if (rank_text.size() > 9) return std::nullopt;  // not a rank of ours
   return Tag{i, std::stoi(std::string(rank_text))};
 }
@@ -63,7 +64,7 @@ void MpirunOutput::feed(std::string_view data) {
       start = ++i;
     } else if (text[i] == '[') {
       bool incomplete = false;
-      const std::optional<Tag> tag = match_tag(text.substr(i), incomplete);
+      const std::optional<Tag> tag = match_tag(text.substr(i), space_after_tag_, incomplete);
       if (incomplete) break;  // wait for the rest of a possible tag
       if (!tag) {
         ++i;

@@ -19,11 +19,13 @@ namespace cohortrun {
 // rank up to the next tag or newline; text after a newline and without a tag
 // is mpirun's own and is passed on unprefixed. Each rank's text is cut into
 // whole lines of its own, as RankOutput does, so a partial line is joined
-// with its rest and never interleaves with another rank's line.
+// with its rest and never interleaves with another rank's line. Open MPI 5
+// writes a space after each tag ("...<stdout>: text"), which is the tag's.
 class MpirunOutput {
  public:
   // fd: where the rewritten lines are written (the launcher's stdout or stderr).
-  explicit MpirunOutput(int fd) : fd_(fd) {}
+  // space_after_tag: Open MPI 5's tags, each followed by one space.
+  MpirunOutput(int fd, bool space_after_tag) : fd_(fd), space_after_tag_(space_after_tag) {}
 
   void feed(std::string_view data);
   // At end of stream: passes on what is left, last lines without a newline.
@@ -37,6 +39,7 @@ class MpirunOutput {
   void on_line(int rank, std::string_view line);
 
   int fd_;
+  bool space_after_tag_;
   std::string pending_;  // bytes not yet assigned: they may begin a tag
   int current_ = kMpirun;
   std::map<int, LineSplitter> lines_;  // by rank
