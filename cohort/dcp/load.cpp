@@ -36,7 +36,7 @@ class DataFiles {
     const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw CheckpointError("checkpoint " + p + ": cannot open: " + std::strerror(errno));
     fds_[file] = fd;
-    struct stat st {};
+    struct stat st = {};
     if (::fstat(fd, &st) != 0) {
       throw CheckpointError("checkpoint " + p + ": fstat failed: " + std::strerror(errno));
     }

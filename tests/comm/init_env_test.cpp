@@ -154,7 +154,7 @@ TEST(InitEnv, DefaultBackendIsAutoAndDebugSaysWhy) {
 // runs, not when the trace is flushed at exit.
 TEST(InitEnv, UnwritableTraceFolderIsRefusedAtInit) {
   const auto file = ::testing::TempDir() + "cohort_trace_file_" + std::to_string(::getpid());
-  { std::ofstream(file) << "a file, not a folder"; }
+  std::ofstream(file) << "a file, not a folder";
   EnvGuard env;
   env.set("WORLD_SIZE", "1");
   env.set("RANK", "0");

@@ -44,8 +44,8 @@ TEST_P(Contract, Holds) {
     o.node_of = [](int r) { return "host" + std::to_string(r / 2); };
   // Adaptive calibrates every new communicator: small sizes keep it short.
   if (p.algo == Algorithm::Adaptive) o.calibration_max_bytes = 16 << 10;
-  run_ranks(
-      p.world, [&](Communicator& comm) { case_of(p).run(comm, p.dtype); }, o);
+  auto body = [&](Communicator& comm) { case_of(p).run(comm, p.dtype); };
+  run_ranks(p.world, body, o);
 }
 
 std::vector<Param> all_params(const std::string& backend) {

@@ -151,7 +151,8 @@ void Worker::block(const std::atomic<bool>* done, Millis most) {
 }
 
 void Worker::wake_all() {
-  { std::lock_guard<std::mutex> lock(wake_mu_); }
+  std::unique_lock<std::mutex> lock(wake_mu_);
+  lock.unlock();
   wake_.notify_all();
 }
 
