@@ -37,10 +37,13 @@ else
 fi
 mounted=()
 cleanup() {
-  local i
-  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
-    umount "${mounted[i]}" 2>/dev/null || umount -l "${mounted[i]}" || true
-  done
+  # Ours, and any the suite made inside (ip netns mounts run/netns),
+  # innermost first.
+  local m
+  while read -r m; do
+    umount "$m" 2>/dev/null || umount -l "$m" || true
+  done < <({ printf '%s\n' "${mounted[@]}"; awk -v r="$root/" 'index($2, r) == 1 { print $2 }' /proc/self/mounts; } |
+    awk 'NF && !seen[$0]++' | sort -r)
   if [ -z "$keep" ]; then rm -rf --one-file-system "$root"; fi
 }
 trap cleanup EXIT
@@ -77,9 +80,14 @@ mount_in sysfs sysfs sys ro
 mount_in tmpfs tmpfs dev/shm mode=1777
 
 [ $# -gt 0 ] || set -- ./scripts/test.sh
-status=0
 chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
-  /bin/bash -c 'cd /cohort && exec "$@"' bash "$@" || status=$?
+  /bin/bash -c 'cd /cohort && exec "$@"' bash "$@" &
+child=$!
+# Stopped from outside: end the run inside before unmounting under it.
+trap 'kill -TERM $child 2>/dev/null; wait $child; exit 143' TERM
+trap 'kill -INT $child 2>/dev/null; wait $child; exit 130' INT
+status=0
+wait $child || status=$?
 echo "test-debian13: '$*' exited $status after $((SECONDS - start)) s"
 exit $status
