@@ -25,29 +25,18 @@ struct Kind {
   MakeOptimizer make;
 };
 
+template <class Optimizer, class Options>
+Kind kind(std::string name, Options options) {
+  return {std::move(name), [options](const std::vector<torch::Tensor>& params) {
+            return std::make_unique<Optimizer>(params, options);
+          }};
+}
+
 std::vector<Kind> kinds() {
-  return {
-      {"SGD",
-       [](auto p) {
-         return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
-       }},
-      {"Adam",
-       [](auto p) {
-         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.1));
-       }},
-      {"AdamW",
-       [](auto p) {
-         return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(0.1));
-       }},
-      {"RMSprop",
-       [](auto p) {
-         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(0.1));
-       }},
-      {"Adagrad",
-       [](auto p) {
-         return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.1));
-       }},
-  };
+  using namespace torch::optim;
+  return {kind<SGD>("SGD", SGDOptions(0.1).momentum(0.9)), kind<Adam>("Adam", AdamOptions(0.1)),
+          kind<AdamW>("AdamW", AdamWOptions(0.1)), kind<RMSprop>("RMSprop", RMSpropOptions(0.1)),
+          kind<Adagrad>("Adagrad", AdagradOptions(0.1))};
 }
 
 void PrintTo(const Kind& kind, std::ostream* os) { *os << kind.name; }
