@@ -26,6 +26,11 @@ struct Param {
 
 const AgreementCase& case_of(const Param& p) { return agreement_cases()[p.case_index]; }
 
+// gtest prints a failing case's parameter.
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.backend << " world " << p.world << " " << case_of(p).name;
+}
+
 class FSDPAgreement : public ::testing::TestWithParam<Param> {};
 
 TEST_P(FSDPAgreement, EveryRankNamesWhatDiffers) {
@@ -48,12 +53,8 @@ TEST_P(FSDPAgreement, EveryRankNamesWhatDiffers) {
 
 std::vector<Param> params() {
   std::vector<Param> out;
-  std::vector<std::string> backends = {"gloo"};
-#ifdef COHORT_WITH_UCX
-  backends.push_back("ucx");
-#endif
   const auto& cases = agreement_cases();
-  for (const auto& b : backends) {
+  for (const auto& b : thread_backends()) {
     for (int world : {1, 2, 3}) {
       for (size_t c = 0; c < cases.size(); ++c) {
         if (world >= cases[c].min_world) out.push_back({b, world, c});

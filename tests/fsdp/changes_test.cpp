@@ -71,15 +71,14 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 std::vector<Case> cases() {
   std::vector<Case> out;
-  std::vector<std::string> backends = {"gloo"};
-#ifdef COHORT_WITH_UCX
-  backends.push_back("ucx");
-#endif
-  for (const auto& b : backends) {
+  for (const auto& b : thread_backends()) {
     for (int w : {1, 2, 3}) out.push_back({b, w});
   }
   return out;
 }
+
+// gtest prints a failing case's parameter.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.backend << " world " << c.world; }
 
 ThreadRanksOptions options_for(const Case& c) {
   ThreadRanksOptions o;
@@ -132,30 +131,26 @@ std::map<int, Named> sharded(const Case& c, const Batches& b, const Schedule& wh
   return got;
 }
 
+// After 10 steps every rank's gathered model equals one process's.
+void expect_one_process(const Case& c, uint64_t seed, const Schedule& when, bool checkpointed) {
+  const auto batches = make_batches(seed);
+  const auto expected = reference(batches, when, checkpointed);
+  for (const auto& [rank, state] : sharded(c, batches, when, checkpointed))
+    expect_close(state, expected, 1e-6, "rank " + std::to_string(rank));
+}
+
 class FSDPChanges : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FSDPChanges, UnfrozenAfterTheFirstStepAndFrozenAgainEqualsOneProcess) {
-  const auto batches = make_batches(5);
-  const Schedule when{true, 1, 6};
-  const auto expected = reference(batches, when, false);
-  for (const auto& [rank, state] : sharded(GetParam(), batches, when, false))
-    expect_close(state, expected, 1e-6, "rank " + std::to_string(rank));
+  expect_one_process(GetParam(), 5, {true, 1, 6}, false);
 }
 
 TEST_P(FSDPChanges, UnfrozenBeforeTheFirstForwardAndFrozenAgainEqualsOneProcess) {
-  const auto batches = make_batches(6);
-  const Schedule when{true, 0, 4};
-  const auto expected = reference(batches, when, false);
-  for (const auto& [rank, state] : sharded(GetParam(), batches, when, false))
-    expect_close(state, expected, 1e-6, "rank " + std::to_string(rank));
+  expect_one_process(GetParam(), 6, {true, 0, 4}, false);
 }
 
 TEST_P(FSDPChanges, CheckpointedShardedBlocksWithZeroedGradientsEqualOneProcess) {
-  const auto batches = make_batches(8);
-  const Schedule all_trained{false, -1, -1};
-  const auto expected = reference(batches, all_trained, true);
-  for (const auto& [rank, state] : sharded(GetParam(), batches, all_trained, true))
-    expect_close(state, expected, 1e-6, "rank " + std::to_string(rank));
+  expect_one_process(GetParam(), 8, {false, -1, -1}, true);
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPChanges, ::testing::ValuesIn(cases()), case_name);
