@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "cohort/core/error.h"
@@ -9,37 +10,112 @@
 
 namespace cohort::fsdp {
 
+namespace {
+
+std::vector<std::string> unit_names(const std::vector<UnitEntry>& units) {
+  std::vector<std::string> out;
+  for (const auto& u : units) out.push_back(u.name);
+  return out;
+}
+
+// What each settings flag is (ScheduleCheck::set_settings).
+std::vector<std::string> setting_names(const std::vector<UnitEntry>& units) {
+  std::vector<std::string> out;
+  for (const auto& u : units) out.push_back("reshard_after_forward of unit '" + u.name + "'");
+  for (const auto& u : units) {
+    for (const auto& name : u.group->names())
+      out.push_back("requires_grad of '" + name + "' of unit '" + u.name + "'");
+  }
+  return out;
+}
+
+}  // namespace
+
 FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
                      std::vector<torch::Tensor> buffers, std::shared_ptr<Communicator> comm)
     : units_(std::move(units)),
       buffers_(std::move(buffers)),
       comm_(std::move(comm)),
       root_(root_has_params ? 0 : kRoot),
-      queue_(comm_->tracer(), "fsdp", "fsdp.reduce_scatter") {
+      queue_(comm_->tracer(), "fsdp", "fsdp.reduce_scatter"),
+      check_(comm_, unit_names(units_), setting_names(units_)) {
   const size_t k = units_.size();
   if (root_ == 0) backward_order_.push_back(0);
   for (size_t u = k; u-- > (root_ == 0 ? 1 : 0);) backward_order_.push_back(u);
   backward_next_.assign(k, k);
   for (size_t i = 0; i + 1 < k; ++i) backward_next_[backward_order_[i]] = backward_order_[i + 1];
+  for (size_t u = 0; u < k; ++u) {
+    first_param_.push_back(params_.size());
+    for (const auto& p : units_[u].group->params()) {
+      params_.push_back(p);
+      unit_of_.push_back(u);
+    }
+  }
+  settings_ = settings();
+  check_.set_settings(settings_);
+  layout_gradients();
+}
 
+std::vector<int64_t> FSDPState::settings() const {
+  std::vector<int64_t> out;
+  for (const auto& u : units_) out.push_back(*u.reshard_after_forward ? 1 : 0);
+  for (const auto& p : params_) out.push_back(p.requires_grad() ? 1 : 0);
+  return out;
+}
+
+void FSDPState::layout_gradients() {
+  // Hooks come off before the accumulators are remade (a parameter frozen
+  // when it was wrapped has none, and one made now, while its parameter is
+  // sharded, would expect gradients of the shard's shape).
+  hooks_.reset();
+  const size_t k = units_.size();
   // Gradients are reduce-scattered from the last unit down to the root.
   std::vector<size_t> order;
   std::vector<int64_t> parts(k, 0), bytes(k, 0);
   for (size_t u = k; u-- > 0;) order.push_back(u);
-  std::vector<torch::Tensor> all;
+  parts_.assign(k, 0);
   for (size_t u = 0; u < k; ++u) {
-    first_param_.push_back(all.size());
-    const auto* g = units_[u].group;
-    for (const auto& p : g->params()) {
-      all.push_back(p);
-      unit_of_.push_back(u);
-      if (p.requires_grad()) ++parts[u];
-    }
-    parts_.push_back(static_cast<size_t>(parts[u]));
+    auto* g = units_[u].group;
+    g->make_accumulators();
+    for (const auto& p : g->params()) parts[u] += p.requires_grad() ? 1 : 0;
+    parts_[u] = static_cast<size_t>(parts[u]);
     bytes[u] = g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());
   }
   queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
-  hooks_ = std::make_unique<AccumulatorHooks>(all, [this](size_t i) { gradient_ready(i); });
+  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { gradient_ready(i); });
+}
+
+void FSDPState::begin_forward(bool training) {
+  check_.next_pass();
+  // What shapes the schedule, taken up (and agreed on by the next
+  // collective's check) once per forward: FSDP2 too lets requires_grad and
+  // reshard_after_forward change between steps.
+  auto now = settings();
+  if (now != settings_) {
+    const auto first_param = static_cast<std::ptrdiff_t>(units_.size());
+    const bool grads_changed =
+        !std::equal(now.begin() + first_param, now.end(), settings_.begin() + first_param);
+    settings_ = now;
+    check_.set_settings(std::move(now));
+    if (grads_changed) layout_gradients();
+  }
+  if (training && comm_->size() > 1 && !buffers_.empty() && torch::GradMode::is_enabled()) {
+    check_.before(ScheduleStep::kBuffers, kNoUnit);
+    torch::NoGradGuard no_grad;
+    comm_->broadcast_coalesced(buffers_, {0}).wait();
+  }
+}
+
+void FSDPState::start_unshard(size_t u, ScheduleStep step) {
+  auto* group = units_[u].group;
+  if (!group->will_gather()) return;
+  check_.before(step, u);
+  group->start_unshard();
+}
+
+void FSDPState::wait_unshard(size_t u, ScheduleStep step) {
+  start_unshard(u, step);
+  units_[u].group->wait_unshard();
 }
 
 size_t FSDPState::next_in_backward(size_t u) const {
@@ -48,14 +124,12 @@ size_t FSDPState::next_in_backward(size_t u) const {
 }
 
 void FSDPState::pre_forward(size_t u, bool training) {
-  if (u == root_ && training && comm_->size() > 1 && !buffers_.empty() &&
-      torch::GradMode::is_enabled()) {
-    torch::NoGradGuard no_grad;
-    comm_->broadcast_coalesced(buffers_, {0}).wait();
-  }
+  if (u == root_ && !in_backward_) begin_forward(training);
   if (u == kRoot) return;
-  units_[u].group->wait_unshard();
-  if (u + 1 < units_.size()) units_[u + 1].group->start_unshard();
+  wait_unshard(u, ScheduleStep::kForwardGather);
+  // Not while a checkpointed unit recomputes in backward: the next unit's
+  // backward came before.
+  if (!in_backward_ && u + 1 < units_.size()) start_unshard(u + 1, ScheduleStep::kForwardGather);
 }
 
 void FSDPState::post_forward(size_t u, const torch::Tensor& output) {
@@ -84,7 +158,7 @@ void FSDPState::pre_backward(size_t u) {
   // all-gather and before the prefetch: when communication is the slower
   // side this wait takes no extra time.
   retire_in_flight();
-  if (u != kRoot) units_[u].group->wait_unshard();
+  if (u != kRoot) wait_unshard(u, ScheduleStep::kBackwardGather);
   // A unit whose gradients are reduce-scattered prefetches the next one once
   // they have all landed (gradient_ready); the root (its parameters are
   // few, or none) and a backward without sync prefetch now.
@@ -95,7 +169,9 @@ void FSDPState::prefetch_after(size_t u) {
   const size_t next = next_in_backward(u);
   // Not a unit whose backward already ran (its gradients landed late: a
   // parameter it shares with a later unit): that would gather it again.
-  if (next < units_.size() && !backward_started_[next]) units_[next].group->start_unshard();
+  if (next < units_.size() && !backward_started_[next]) {
+    start_unshard(next, ScheduleStep::kBackwardGather);
+  }
 }
 
 void FSDPState::begin_backward() {
@@ -141,8 +217,8 @@ Work FSDPState::launch(size_t u) {
   // they go before the reduce-scatter input is made.
   units_[u].group->reshard();
   retire_in_flight();
-  auto work = units_[u].group->start_reduce_scatter();
-  return work;
+  check_.before(ScheduleStep::kReduceScatter, u);
+  return units_[u].group->start_reduce_scatter();
 }
 
 void FSDPState::retire_in_flight() {
@@ -176,6 +252,7 @@ void FSDPState::end_backward() {
       had.push_back(unit.group->had_gradient(i) ? 1 : 0);
     }
   }
+  check_.before(ScheduleStep::kGradientPresence, kNoUnit);
   const auto any = any_rank_has(*comm_, had);
   for (size_t u = 0; u < units_.size(); ++u) {
     const size_t n = units_[u].group->params().size();
@@ -186,7 +263,7 @@ void FSDPState::end_backward() {
 }
 
 void FSDPState::unshard_all() {
-  for (auto& unit : units_) unit.group->start_unshard();
+  for (size_t u = 0; u < units_.size(); ++u) start_unshard(u, ScheduleStep::kUnshard);
   for (auto& unit : units_) unit.group->wait_unshard();
 }
 

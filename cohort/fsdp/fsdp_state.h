@@ -13,7 +13,17 @@
 // parameters freed first, so a backward holds two units, not three);
 // gradients are reduce-scattered from unit k-1 down to the root, each as
 // soon as it and the units after it have all their gradients. Ranks must
-// run the same units in the same order (as in FSDP2).
+// run the same units in the same order (as in FSDP2): before each of these
+// collectives the ranks check that they are about to issue the same one
+// (ScheduleCheck, unit_agreement.h: one all-gather of a few words), so a
+// rank whose forward skipped a unit is named with the unit, on every rank,
+// instead of exchanging buffers of another size.
+//
+// Changes between steps. Each forward of the root takes up each unit's
+// reshard_after_forward and each parameter's requires_grad: a parameter
+// unfrozen since the last forward gets its gradient accumulator (made for
+// its full shape) and its unit waits for its gradient; one frozen is no
+// longer waited for. The next collective's check covers both.
 //
 // Backward. A hook on each unit's output fires before the unit's backward:
 // it unshards the unit. The root's hook fires first and starts the
@@ -31,6 +41,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/fsdp/param_group.h"
+#include "cohort/fsdp/unit_agreement.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
 
@@ -42,6 +53,8 @@ struct UnitEntry {
   FSDPParamGroup* group = nullptr;
   /// Whether the unit frees its full parameters after its forward.
   const bool* reshard_after_forward = nullptr;
+  /// Its path in the root (errors).
+  std::string name;
 };
 
 /// The root's schedule of its units (see the file comment).
@@ -68,7 +81,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   /// Whether backwards reduce-scatter gradients (false: they accumulate
   /// full gradients locally until a backward with sync).
-  void set_requires_gradient_sync(bool sync) { sync_ = sync; }
+  void set_requires_gradient_sync(bool sync) {
+    sync_ = sync;
+    check_.set_sync(sync);
+  }
   /// Unshards every unit (collective).
   void unshard_all();
   /// Reshards every unit.
@@ -77,6 +93,19 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   const std::vector<UnitEntry>& units() const { return units_; }
 
  private:
+  // The root's forward begins: takes up changed settings (requires_grad,
+  // reshard_after_forward) and broadcasts the buffers if it trains.
+  void begin_forward(bool training);
+  // Counts, per unit, the parameters that require grad, makes their
+  // accumulators and hooks them (at construction, and when requires_grad
+  // changed between steps).
+  void layout_gradients();
+  // Per unit its reshard_after_forward, then per parameter its requires_grad.
+  std::vector<int64_t> settings() const;
+  // Launches unit u's all-gather if it is needed (after the ranks agreed on
+  // it); wait_unshard: and waits for it.
+  void start_unshard(size_t u, ScheduleStep step);
+  void wait_unshard(size_t u, ScheduleStep step);
   void begin_backward();
   // The unit whose backward comes after unit u's (u may be kRoot); none: size.
   size_t next_in_backward(size_t u) const;
@@ -99,6 +128,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Every parameter of every unit, and its unit.
   std::vector<size_t> unit_of_;
   std::vector<size_t> first_param_;     // unit -> index of its first parameter
+  std::vector<torch::Tensor> params_;   // every parameter of every unit
   std::vector<size_t> parts_;           // unit -> its parameters that require grad
   std::vector<size_t> arrived_;         // unit -> gradients landed in this backward
   std::vector<char> backward_started_;  // unit -> its pre_backward ran in this backward
@@ -108,6 +138,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool in_backward_ = false;
   bool reducing_ = false;              // this backward reduce-scatters
   std::vector<std::string> failures_;  // of reduce-scatters retired early
+  ScheduleCheck check_;
+  std::vector<int64_t> settings_;  // as last agreed: reshard per unit, requires_grad per parameter
 };
 
 }  // namespace cohort::fsdp

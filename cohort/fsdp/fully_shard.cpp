@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "cohort/core/error.h"
+#include "cohort/fsdp/unit_agreement.h"
 
 namespace cohort {
 namespace {
@@ -13,6 +14,19 @@ namespace {
 // Modules wrapped by a live FullyShard: wrapping one twice is an error.
 std::mutex wrapped_mutex;
 std::set<const torch::nn::Module*> wrapped;
+// Parameters held by live units, and a description of the unit: a parameter
+// tied across two units that do not nest is refused before the second one
+// would shard it again.
+std::map<const void*, std::string> held_by;
+
+std::string held_elsewhere(const void* impl, const std::string& name) {
+  std::lock_guard<std::mutex> lock(wrapped_mutex);
+  auto it = held_by.find(impl);
+  if (it == held_by.end()) return "";
+  return "parameter '" + name + "' is also held by another unit (" + it->second +
+         "), which already sharded it; a parameter shared by two units must belong to a unit "
+         "that holds both (wrap only their common parent)";
+}
 
 // Forwards of FullyShard units running on this thread: the outermost one
 // (depth 0) is the root.
@@ -52,12 +66,23 @@ FullyShardImpl::FullyShardImpl(torch::nn::Sequential module, std::shared_ptr<Com
 FullyShardImpl::~FullyShardImpl() {
   std::lock_guard<std::mutex> lock(wrapped_mutex);
   wrapped.erase(inner_.get());
+  for (const void* impl : holding_) held_by.erase(impl);
+}
+
+void FullyShardImpl::hold(const std::string& unit) {
+  std::lock_guard<std::mutex> lock(wrapped_mutex);
+  for (size_t i = 0; i < group_->params().size(); ++i) {
+    const void* impl = group_->params()[i].unsafeGetTensorImpl();
+    held_by[impl] = "the unit around " + unit + ", as its '" + group_->names()[i] + "'";
+    holding_.push_back(impl);
+  }
 }
 
 void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
                            std::shared_ptr<Communicator> comm) {
   if (!comm) throw InvalidArgument("fully_shard: no communicator");
-  const std::string where = "fully_shard(" + inner->name() + ")" + rank_of(*comm);
+  const std::string where_name = "fully_shard(" + inner->name() + ")";
+  const std::string where = where_name + rank_of(*comm);
   if (dynamic_cast<FullyShardImpl*>(inner.get())) {
     throw InvalidArgument(where + ": the module is already a FullyShard unit");
   }
@@ -87,36 +112,56 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
   }
   for (const auto& b : inner->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
 
-  // Parameters an inner unit holds, and the unit's path.
+  // Parameters an inner unit holds, and the unit's path; the inner units'
+  // digests in pre-order.
+  fsdp::UnitRecord record;
+  record.module = inner->name();
+  record.reshard_after_forward = options_.reshard_after_forward;
+  record.policy = options_.mp_policy;
+  std::vector<int64_t> inner_digests;
   std::map<const void*, std::string> held;
   for (const auto& m : inner->named_modules("", /*include_self=*/false)) {
     auto* unit = dynamic_cast<FullyShardImpl*>(m.value().get());
-    if (!unit || !unit->group_) continue;
+    if (!unit) continue;
+    ++record.units;
+    inner_digests.push_back(static_cast<int64_t>(unit->digest_));
+    if (!unit->group_) continue;
     for (const auto& p : unit->group_->params()) held[p.unsafeGetTensorImpl()] = m.key();
   }
+  record.inner = fsdp::digest_words(inner_digests);
   std::vector<torch::Tensor> own;
   std::vector<std::string> names;
   std::set<const void*> seen;
+  std::vector<int64_t> shapes;
   for (const auto& p : inner->named_parameters()) {
     const void* impl = p.value().unsafeGetTensorImpl();
     auto it = held.find(impl);
     if (it != held.end()) {
-      if (p.key().rfind(it->second + ".", 0) != 0) {
-        throw InvalidArgument(where + ": parameter '" + p.key() + "' is also held by the unit '" +
-                              it->second +
-                              "'; a parameter shared by two units must belong to a unit that "
-                              "holds both (wrap only their common parent)");
+      if (p.key().rfind(it->second + ".", 0) != 0 && record.refusal.empty()) {
+        record.refusal = "parameter '" + p.key() + "' is also held by the unit '" + it->second +
+                         "'; a parameter shared by two units must belong to a unit that holds "
+                         "both (wrap only their common parent)";
       }
       continue;
     }
     if (!seen.insert(impl).second) continue;  // tied within this unit: held once
+    if (record.refusal.empty()) record.refusal = held_elsewhere(impl, p.key());
     own.push_back(p.value());
     names.push_back(p.key());
+    shapes.push_back(static_cast<int64_t>(p.value().scalar_type()));
+    shapes.push_back(p.value().dim());
+    for (auto s : p.value().sizes()) shapes.push_back(s);
+    record.numel += p.value().numel();
   }
-  fsdp::verify_same_policy(*comm_, options_.mp_policy, "fully_shard(" + inner->name() + ")");
+  record.params = static_cast<int64_t>(own.size());
+  record.shapes = fsdp::digest_words(shapes);
+  digest_ = record.digest();
+  // Before anything is sharded or sent: every rank wraps the same unit.
+  fsdp::agree_unit(*comm_, record, where_name);
   if (!own.empty()) {
     group_ = std::make_unique<fsdp::FSDPParamGroup>(std::move(own), std::move(names), comm_,
                                                     inner->name(), options_.mp_policy);
+    hold(inner->name());
   }
   forget.armed = false;
 }
@@ -124,8 +169,9 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
 std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
   if (state_) return state_;
   std::vector<FullyShardImpl*> units;
-  if (group_) units.push_back(this);
-  std::set<const FullyShardImpl*> listed{this};
+  std::vector<std::string> paths;
+  if (group_) units.push_back(this), paths.push_back("<root>");
+  std::set<FullyShardImpl*> listed{this};
   for (const auto& m : named_modules("", /*include_self=*/false)) {
     auto* unit = dynamic_cast<FullyShardImpl*>(m.value().get());
     if (!unit || !listed.insert(unit).second) continue;
@@ -134,19 +180,21 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
                             "' already ran as a root of its own; run the outer model from its "
                             "first forward on");
     }
-    if (unit->group_) units.push_back(unit);
+    if (unit->group_) units.push_back(unit), paths.push_back(m.key());
   }
   std::vector<fsdp::UnitEntry> entries;
-  for (auto* unit : units)
-    entries.push_back({unit->group_.get(), &unit->options_.reshard_after_forward});
+  for (size_t u = 0; u < units.size(); ++u) {
+    entries.push_back(
+        {units[u]->group_.get(), &units[u]->options_.reshard_after_forward, paths[u]});
+  }
   std::vector<torch::Tensor> buffers;
   for (const auto& b : this->buffers()) buffers.push_back(b);
   state_ = std::make_shared<fsdp::FSDPState>(std::move(entries), group_ != nullptr,
                                              std::move(buffers), comm_);
-  for (size_t u = 0; u < units.size(); ++u) {
-    units[u]->outer_ = state_;
-    units[u]->index_ = u;
+  for (auto* unit : listed) {
+    if (unit != this) unit->outer_ = state_;
   }
+  for (size_t u = 0; u < units.size(); ++u) units[u]->index_ = u;
   if (!group_) index_ = fsdp::FSDPState::kRoot;
   return state_;
 }
@@ -154,19 +202,18 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
 torch::Tensor FullyShardImpl::forward(const torch::Tensor& input) {
   const auto& mp = options_.mp_policy;
   const auto x = cast_to(input, mp.cast_forward_inputs ? mp.param_dtype : std::nullopt);
-  std::shared_ptr<fsdp::FSDPState> state;
-  if (forward_depth == 0) {
-    state = root_state();
-  } else if (!group_) {
-    DepthGuard depth;
-    return cast_to(call_(x), mp.output_dtype);  // nothing of its own to gather
-  } else {
-    state = outer_.lock();
-    if (!state) {
+  // A unit of a root stays one when it runs outside the root's forward (a
+  // checkpointed block recomputing it in backward): never a root of its own.
+  auto state = outer_.lock();
+  if (!state && forward_depth == 0) state = root_state();
+  if (!state || (!group_ && state != state_)) {
+    if (group_) {
       throw InvalidArgument("fully_shard(" + inner_->name() + ")" + rank_of(*comm_) +
                             ": this unit runs inside a module that is not a FullyShard root; "
                             "wrap the whole model with fully_shard");
     }
+    DepthGuard depth;
+    return cast_to(call_(x), mp.output_dtype);  // nothing of its own to gather
   }
   state->pre_forward(index_, is_training());
   torch::Tensor out;
@@ -263,6 +310,30 @@ FullyShard fully_shard(torch::nn::Sequential module, std::shared_ptr<Communicato
 torch::nn::Sequential shard_blocks(const torch::nn::Sequential& model,
                                    std::shared_ptr<Communicator> comm, FullyShardOptions options) {
   if (model.is_empty()) throw InvalidArgument("shard_blocks: no model");
+  if (!comm) throw InvalidArgument("shard_blocks: no communicator");
+  // A parameter tied across two layers would be sharded by the first unit
+  // and found sharded by the second: refused before any unit is made, on
+  // every rank (the agreement below).
+  fsdp::UnitRecord check;
+  check.module = "shard_blocks";
+  std::map<const void*, std::string> first_seen;
+  size_t i = 0;
+  for (const auto& layer : *model) {
+    for (const auto& p : layer.ptr()->named_parameters()) {
+      const std::string name = std::to_string(i) + "." + p.key();
+      auto [it, fresh] = first_seen.emplace(p.value().unsafeGetTensorImpl(), name);
+      if (fresh || it->second.substr(0, it->second.find('.')) == std::to_string(i)) continue;
+      if (check.refusal.empty()) {
+        check.refusal = "parameter '" + name + "' is the same tensor as '" + it->second +
+                        "', and shard_blocks would make layers " +
+                        it->second.substr(0, it->second.find('.')) + " and " + std::to_string(i) +
+                        " units of their own, each sharding it; leave those layers to a unit "
+                        "that holds both (the root)";
+      }
+    }
+    ++i;
+  }
+  fsdp::agree_unit(*comm, check, "shard_blocks");
   torch::nn::Sequential out;
   for (const auto& layer : *model) {
     if (layer.ptr()->parameters().empty()) {

@@ -98,6 +98,8 @@ class FullyShardImpl : public torch::nn::Module {
 
  private:
   void adopt(const std::shared_ptr<torch::nn::Module>& inner, std::shared_ptr<Communicator> comm);
+  // Records the group's parameters as held by this unit (`unit` describes it).
+  void hold(const std::string& unit);
   // Builds the root's schedule over every unit inside it (first forward).
   std::shared_ptr<fsdp::FSDPState> root_state();
 
@@ -109,6 +111,8 @@ class FullyShardImpl : public torch::nn::Module {
   std::shared_ptr<fsdp::FSDPState> state_;  // as the root
   std::weak_ptr<fsdp::FSDPState> outer_;    // as a unit of another root
   size_t index_ = 0;                        // in outer_'s units
+  uint64_t digest_ = 0;                     // what every rank agreed on at construction
+  std::vector<const void*> holding_;        // its parameters' TensorImpls
 };
 TORCH_MODULE(FullyShard);
 

@@ -1,6 +1,6 @@
 // defines: MixedPrecisionPolicy (FSDP2's), the dtypes a fully sharded unit
-// computes and communicates in, and verify_same_policy, the check that every
-// rank wraps a unit with the same policy.
+// computes and communicates in (every rank wraps a unit with the same one:
+// unit_agreement.h).
 //
 // The sharded parameters keep their own dtype (float32 master weights: what
 // the optimizer sees and updates). With param_dtype set, the unit casts its
@@ -14,8 +14,6 @@
 
 #include <optional>
 #include <string>
-
-#include "cohort/comm/communicator.h"
 
 namespace cohort {
 
@@ -39,11 +37,6 @@ namespace fsdp {
 
 /// "{param_dtype=bfloat16, reduce_dtype=float32, ...}" (none: "none").
 std::string describe(const MixedPrecisionPolicy& policy);
-
-/// Collective over `comm`. Throws MismatchError on every rank naming `who`,
-/// the first rank whose policy differs from rank 0's and both policies.
-void verify_same_policy(Communicator& comm, const MixedPrecisionPolicy& policy,
-                        const std::string& who);
 
 }  // namespace fsdp
 }  // namespace cohort

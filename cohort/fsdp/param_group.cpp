@@ -11,7 +11,6 @@
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
 #include "cohort/grad_sync/flat_views.h"
-#include "cohort/grad_sync/parameter_check.h"
 
 namespace cohort::fsdp {
 namespace {
@@ -65,7 +64,6 @@ FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<st
   param_dtype_ = policy.param_dtype.value_or(sharded_dtype_);
   reduce_dtype_ = policy.reduce_dtype.value_or(param_dtype_);
   check_policy();
-  verify_same_parameters(*comm_, params_, names_, "fully_shard(" + unit_ + ")");
   layout_ = make_shard_layout(params_, comm_->size(), comm_->rank());
   const size_t n = params_.size();
   stash_.resize(n);
@@ -125,6 +123,29 @@ void FSDPParamGroup::relink_accumulators() {
     std::lock_guard<std::mutex> lock(meta->mutex_);
     meta->grad_accumulator_ = accumulators_[i];
   }
+}
+
+void FSDPParamGroup::make_accumulators() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].requires_grad() || accumulators_[i]) continue;
+    // The accumulator records the shape, dtype and device of the tensor it
+    // is made for: a placeholder of the full parameter's (one element, no
+    // full storage needed) stands in while it is made.
+    torch::NoGradGuard no_grad;
+    const auto current = unsharded_ ? full_views_[i] : shard_views_[i];
+    const auto& sizes = layout_.params[i].full_sizes;
+    params_[i].set_data(at::empty_strided(sizes, std::vector<int64_t>(sizes.size(), 0),
+                                          shard_flat_.options().dtype(param_dtype_)));
+    {
+      // One LibTorch made while the parameter was sharded expects the shard.
+      auto* meta = torch::autograd::impl::get_autograd_meta(params_[i]);
+      std::lock_guard<std::mutex> lock(meta->mutex_);
+      meta->grad_accumulator_.reset();
+    }
+    accumulators_[i] = torch::autograd::impl::grad_accumulator(params_[i]);
+    params_[i].set_data(current);
+  }
+  relink_accumulators();
 }
 
 void FSDPParamGroup::allocate_full() {

@@ -61,6 +61,13 @@ class FSDPParamGroup {
 
   /// Whether the parameters hold their full values.
   bool is_unsharded() const { return unsharded_; }
+  /// Whether start_unshard() would launch an all-gather.
+  bool will_gather() const { return !unsharded_ && !gathering_; }
+  /// Makes the gradient accumulator of each parameter that requires grad
+  /// and has none (frozen when the unit was made, unfrozen since), for the
+  /// full parameter backward hands gradients of, whether the parameters are
+  /// sharded or not now.
+  void make_accumulators();
   /// Launches the all-gather of the full values (nothing if unsharded or
   /// already launched).
   void start_unshard();

@@ -261,9 +261,13 @@ TEST(FSDPFeatures, CollectivesPerStepAreOneAllGatherPerUnitAndPassAndOneReduceSc
         opt.step();
       }
       // Forward gathers every unit; backward gathers again the units that
-      // resharded after forward (all but the root).
+      // resharded after forward (all but the root). Each collective of the
+      // schedule (the gathers, the reduce-scatters, the end of backward's
+      // all-reduce) is preceded by the ranks' check that they issue the
+      // same one: an all-gather of a few words.
       const uint64_t gathers = kUnits + (reshard ? kUnits - 1 : 0);
-      EXPECT_EQ(calls(*comm, OpKind::AllGatherIntoTensor), kSteps3 * gathers) << reshard;
+      const uint64_t checks = gathers + kUnits + 1;
+      EXPECT_EQ(calls(*comm, OpKind::AllGatherIntoTensor), kSteps3 * (gathers + checks)) << reshard;
       EXPECT_EQ(calls(*comm, OpKind::ReduceScatterTensor), kSteps3 * kUnits) << reshard;
       // "Does any rank have this gradient?"
       EXPECT_EQ(calls(*comm, OpKind::AllReduce), kSteps3) << reshard;

@@ -21,6 +21,15 @@ using Named = torch::OrderedDict<std::string, torch::Tensor>;
 inline constexpr int kSteps = 10;
 inline constexpr int64_t kBatch = 12;  // divides by 1, 2, 3 and 4
 
+// The engines ranks as threads run on: Gloo, and UCX where it is built.
+inline std::vector<std::string> thread_backends() {
+  std::vector<std::string> out = {"gloo"};
+#ifdef COHORT_WITH_UCX
+  out.push_back("ucx");
+#endif
+  return out;
+}
+
 // Deterministic values for every parameter, without the global generator
 // (ranks are threads).
 inline void init_parameters(torch::nn::Module& m, uint64_t seed) {

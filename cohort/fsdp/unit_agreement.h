@@ -1,0 +1,113 @@
+// defines: the cross-rank agreements of fully sharded units, each one
+// all-gather of a few fixed-size words, so that ranks that disagree meet a
+// clear error on every rank instead of exchanging buffers of other sizes
+// (an engine's abort, a truncated message, a hang):
+//
+//   agree_unit      at each unit's construction, before anything is sharded:
+//                   the wrapped module, its own parameters (count, elements,
+//                   dtypes and shapes), reshard_after_forward, the mixed
+//                   precision policy, and a digest of every unit inside it
+//                   (so the root's covers the whole tree: count, order,
+//                   shapes, options); a rank that refuses to wrap it (a
+//                   parameter tied to another unit) is an error everywhere.
+//   ScheduleCheck   before each collective of the root's schedule: which
+//                   collective, of which unit, in which forward, and a digest
+//                   of the settings that shape the schedule (each unit's
+//                   reshard_after_forward, each parameter's requires_grad,
+//                   gradient sync). Ranks whose forwards ran other units
+//                   (rank-dependent control flow) are named, with the unit.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/fsdp/mixed_precision.h"
+
+namespace cohort::fsdp {
+
+/// 64-bit FNV-1a of `words`, continuing from `seed`.
+uint64_t digest_words(const std::vector<int64_t>& words, uint64_t seed = 14695981039346656037ull);
+
+/// What every rank must agree on about one unit at its construction.
+struct UnitRecord {
+  /// The wrapped module's name (its first 48 characters are compared).
+  std::string module;
+  /// Units in its tree, itself included.
+  int64_t units = 1;
+  /// Digest of the units inside it, in pre-order (their digest()).
+  uint64_t inner = 0;
+  /// Its own parameters (those no inner unit holds), their elements, and a
+  /// digest of their dtypes and shapes in order.
+  int64_t params = 0;
+  int64_t numel = 0;
+  uint64_t shapes = 0;
+  bool reshard_after_forward = true;
+  MixedPrecisionPolicy policy;
+  /// Non-empty: why this rank refuses to wrap the unit.
+  std::string refusal;
+
+  /// A digest of every field but `refusal` (a parent's `inner` combines them).
+  uint64_t digest() const;
+};
+
+/// Collective over `comm` (one all-gather of 18 words per rank; none at
+/// world size 1). Throws on every rank when any rank refused (InvalidArgument
+/// with its own reason on the ranks that refused; MismatchError naming them on
+/// the others) or when the records differ (MismatchError naming `who`, each
+/// field that differs and each group of ranks with its value).
+void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& who);
+
+/// ScheduleCheck::before's unit for a collective of no unit.
+inline constexpr size_t kNoUnit = static_cast<size_t>(-1);
+
+/// The collectives of a root's schedule (ScheduleCheck::before).
+enum class ScheduleStep : int64_t {
+  kForwardGather = 1,  // a unit's all-gather for its forward (or a prefetch)
+  kBackwardGather,     // a unit's all-gather for its backward
+  kReduceScatter,      // a unit's gradients
+  kGradientPresence,   // the end of backward: which parameters had gradients
+  kBuffers,            // rank 0's buffers, before a training forward
+  kUnshard,            // unshard() of every unit
+};
+
+/// The check before each collective of one root's schedule (see the file
+/// comment).
+class ScheduleCheck {
+ public:
+  /// `units`: each unit's name in errors, in the schedule's order; `owners`:
+  /// what each settings flag is, in errors (set_settings).
+  ScheduleCheck(std::shared_ptr<Communicator> comm, std::vector<std::string> units,
+                std::vector<std::string> owners);
+
+  /// The settings that shape the schedule, one flag (0 or 1) per owner: per
+  /// unit its reshard_after_forward, then per parameter its requires_grad.
+  void set_settings(std::vector<int64_t> flags);
+  /// Whether backwards reduce-scatter.
+  void set_sync(bool sync) { sync_ = sync; }
+  /// A new forward of the root begins.
+  void next_pass() { ++pass_; }
+
+  /// Collective (one all-gather of 6 words per rank; none at world size 1):
+  /// every rank is about to issue `step` for unit `unit` (kNoUnit: none). Throws MismatchError on
+  /// every rank otherwise, naming each group of ranks and what it was about to do.
+  void before(ScheduleStep step, size_t unit);
+
+ private:
+  std::string describe(const int64_t* header) const;
+  // The settings differ: names the first flag that differs (one more
+  // all-gather, of the flags; every rank takes this path together).
+  std::string describe_settings();
+
+  std::shared_ptr<Communicator> comm_;
+  std::vector<std::string> units_;
+  std::vector<int64_t> flags_;
+  std::vector<std::string> owner_;
+  uint64_t settings_ = 0;
+  bool sync_ = true;
+  int64_t pass_ = 0;
+};
+
+}  // namespace cohort::fsdp
