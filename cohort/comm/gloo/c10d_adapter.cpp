@@ -326,12 +326,16 @@ class GlooEngine : public Engine {
       }
       for (auto& w : works) w->wait(options_->timeout);
     } catch (const std::exception& e) {
+      // A peer that never calls is a TimeoutError, as the collective's own
+      // wait would be; one that closed, a PeerError.
+      const std::string what = "gloo: the check of collective #" + std::to_string(s.seq) +
+                               " (this rank called " + s.describe() + ") failed: ";
       try {
         rethrow_translated(e);
-      } catch (const Error& translated) {
-        return failed_work(std::make_exception_ptr(
-            PeerError("gloo: the check of collective #" + std::to_string(s.seq) +
-                      " (this rank called " + s.describe() + ") failed: " + translated.what())));
+      } catch (const TimeoutError& t) {
+        return failed_work(std::make_exception_ptr(TimeoutError(what + t.what())));
+      } catch (const Error& t) {
+        return failed_work(std::make_exception_ptr(PeerError(what + t.what())));
       }
     }
     const auto differs = compare_rows("gloo", s, recv, me, p, theirs.data_ptr<int64_t>());

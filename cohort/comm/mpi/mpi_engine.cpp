@@ -372,7 +372,8 @@ class MpiEngine : public Engine {
     s.seq = ++collectives_;
     return check_signature(
         comm_, rank_, size_, s, send, recv,
-        new_op("MPI_Alltoall (the signature check of collective #", std::to_string(s.seq)));
+        new_op("MPI_Ialltoall (the signature check of collective #", std::to_string(s.seq)),
+        timeout_);
   }
 
   void check_tag(int tag, const char* what) const {
