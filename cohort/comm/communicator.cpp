@@ -282,7 +282,9 @@ void Communicator::check_per_rank(const Call& call, const std::vector<torch::Ten
 Work Communicator::barrier(const BarrierOptions& opts) {
   auto call = begin_collective("barrier", opts.timeout);
   debug_check(call, [] { return std::string("barrier()"); });
-  SignatureScope scope(Signature{});
+  Signature sig;
+  sig.timeout = call.ctx.timeout;
+  SignatureScope scope(sig);
   return finish(call, engine_->barrier());
 }
 

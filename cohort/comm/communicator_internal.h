@@ -29,11 +29,23 @@ inline std::string fingerprint(const std::string& op, const torch::Tensor& t,
   return s + "dtype=" + dtype_name(t.scalar_type()) + ", shape=" + shape_string(t.sizes()) + ")";
 }
 
+// The signature of a collective on `t` as the caller asked for it (the
+// engine sees avg as sum, float16 as float32), waited for as long as the
+// operation.
+inline Signature call_signature(const OpContext& ctx, CollectiveKind kind, const torch::Tensor& t,
+                                int64_t root = -1, std::optional<ReduceOp> op = std::nullopt) {
+  auto s = signature_of(kind, t, root, op);
+  s.timeout = ctx.timeout;
+  return s;
+}
+
 // The signature of a coalesced collective: every tensor's elements, and
 // their dtype when they share one (-1 when they do not).
-inline Signature coalesced_signature(CollectiveKind kind, const std::vector<torch::Tensor>& ts) {
+inline Signature coalesced_signature(const OpContext& ctx, CollectiveKind kind,
+                                     const std::vector<torch::Tensor>& ts) {
   Signature s;
   s.kind = kind;
+  s.timeout = ctx.timeout;
   s.count = 0;
   s.dtype = ts.empty() ? -1 : static_cast<int>(ts[0].scalar_type());
   for (auto& t : ts) {

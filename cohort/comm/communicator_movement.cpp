@@ -31,7 +31,7 @@ Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts
   call.bytes = detail::nbytes(tensor);
   debug_check(
       call, [&] { return fingerprint("broadcast", tensor, "root=" + std::to_string(opts.root)); });
-  const auto sig = signature_of(CollectiveKind::Broadcast, tensor, opts.root);
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::Broadcast, tensor, opts.root);
   if (tensor.numel() == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   auto wire = movement_view(tensor);
   SignatureScope scope(sig);
@@ -54,7 +54,7 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
   int64_t total = 0;
   for (auto& t : tensors) total += t.numel() * t.element_size();
   call.bytes = total;
-  auto sig = detail::coalesced_signature(CollectiveKind::BroadcastCoalesced, tensors);
+  auto sig = detail::coalesced_signature(call.ctx, CollectiveKind::BroadcastCoalesced, tensors);
   sig.root = opts.root;
   if (total == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   auto flat = torch::empty({total}, torch::kUInt8);
@@ -91,8 +91,9 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::
   call.bytes = size_ * detail::nbytes(input);
   debug_check(call, [&] { return fingerprint("all_gather", input); });
   if (input.numel() == 0) {
-    return finish(call,
-                  nothing_to_move(*engine_, size_, signature_of(CollectiveKind::AllGather, input)));
+    return finish(
+        call, nothing_to_move(*engine_, size_,
+                              detail::call_signature(call.ctx, CollectiveKind::AllGather, input)));
   }
   std::vector<torch::Tensor> wire_out;
   for (auto& o : outputs) wire_out.push_back(movement_view(o));
@@ -112,8 +113,9 @@ Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Te
   call.bytes = detail::nbytes(output);
   debug_check(call, [&] { return fingerprint("all_gather_into_tensor", input); });
   if (input.numel() == 0) {
-    return finish(call,
-                  nothing_to_move(*engine_, size_, signature_of(CollectiveKind::AllGather, input)));
+    return finish(
+        call, nothing_to_move(*engine_, size_,
+                              detail::call_signature(call.ctx, CollectiveKind::AllGather, input)));
   }
   auto flat = movement_view(output).view({-1});
   auto chunks = detail::flat_chunks(flat, input.numel(), size_, input.sizes());
@@ -124,7 +126,7 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
                                   torch::Tensor flat, const torch::Tensor& input,
                                   const AllGatherOptions& opts) {
   auto wire_in = movement_view(input);
-  const auto sig = signature_of(CollectiveKind::AllGather, input);
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::AllGather, input);
   WorkPtr failed;
   const auto algo = detail::resolve_agreed(
       *engine_, sig, call.ctx.timeout,
@@ -163,7 +165,7 @@ Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tens
   if (is_root) check_per_rank(call, outputs, input, "outputs (on the root)");
   debug_check(call,
               [&] { return fingerprint("gather", input, "root=" + std::to_string(opts.root)); });
-  const auto sig = signature_of(CollectiveKind::Gather, input, opts.root);
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::Gather, input, opts.root);
   if (input.numel() == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   std::vector<torch::Tensor> wire_out;
   if (is_root) {
@@ -183,7 +185,7 @@ Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tenso
   if (is_root) check_per_rank(call, inputs, output, "inputs (on the root)");
   debug_check(call,
               [&] { return fingerprint("scatter", output, "root=" + std::to_string(opts.root)); });
-  const auto sig = signature_of(CollectiveKind::Scatter, output, opts.root);
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::Scatter, output, opts.root);
   if (output.numel() == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   std::vector<torch::Tensor> wire_in;
   if (is_root) {
@@ -236,7 +238,7 @@ Work Communicator::all_to_all_single(torch::Tensor& output, const torch::Tensor&
   auto wire_out = movement_view(output).view({-1});
   auto wire_in = movement_view(input).view({-1});
   // The engine compares the elements each rank sends to each other rank.
-  auto sig = signature_of(CollectiveKind::AllToAll, input);
+  auto sig = detail::call_signature(call.ctx, CollectiveKind::AllToAll, input);
   sig.count = -1;
   SignatureScope scope(sig);
   return finish(call, engine_->all_to_all(wire_out, wire_in, out_counts, in_counts));
@@ -274,7 +276,7 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& outputs,
   }
   auto wire_in = at::cat(flat_in);
   auto wire_out = torch::empty({out_total}, wire_in.options());
-  auto sig = signature_of(CollectiveKind::AllToAll, wire_in);
+  auto sig = detail::call_signature(call.ctx, CollectiveKind::AllToAll, wire_in);
   sig.dtype = static_cast<int>(inputs[0].scalar_type());
   sig.count = -1;
   WorkPtr impl;

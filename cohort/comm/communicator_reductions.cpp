@@ -34,7 +34,7 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   // Alone, every reduction (avg included) is the identity: no engine round
   // trip, no pass over the data (DDP at world 1 calls this every step).
   if (size_ == 1) return finish(call, done_work());
-  const auto sig = signature_of(CollectiveKind::AllReduce, tensor, -1, opts.op);
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::AllReduce, tensor, -1, opts.op);
   if (tensor.numel() == 0) return finish(call, detail::check_signature(*engine_, sig));
   auto buf = reduction_buffer(tensor);
   WorkPtr failed;
@@ -72,7 +72,7 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
     return print + ")";
   });
 
-  auto sig = detail::coalesced_signature(CollectiveKind::AllReduceCoalesced, tensors);
+  auto sig = detail::coalesced_signature(call.ctx, CollectiveKind::AllReduceCoalesced, tensors);
   sig.op = static_cast<int>(opts.op);
   if (size_ == 1) return finish(call, done_work());
   // The first engine collective carries the signature; with none, a check.
@@ -128,7 +128,8 @@ Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
                        "root=" + std::to_string(opts.root) + ", op=" + to_string(opts.op));
   });
   if (size_ == 1) return finish(call, done_work());
-  const auto sig = signature_of(CollectiveKind::Reduce, tensor, opts.root, opts.op);
+  const auto sig =
+      detail::call_signature(call.ctx, CollectiveKind::Reduce, tensor, opts.root, opts.op);
   if (tensor.numel() == 0) return finish(call, detail::check_signature(*engine_, sig));
   auto buf = reduction_buffer(tensor);
   WorkPtr impl;
@@ -152,9 +153,10 @@ Work Communicator::reduce_scatter(torch::Tensor& output, const std::vector<torch
               [&] { return fingerprint("reduce_scatter", output, "op=" + to_string(opts.op)); });
   if (size_ == 1 && output.numel() == 0) return finish(call, done_work());
   if (output.numel() == 0) {
-    return finish(call,
-                  detail::check_signature(
-                      *engine_, signature_of(CollectiveKind::ReduceScatter, output, -1, opts.op)));
+    return finish(
+        call, detail::check_signature(
+                  *engine_, detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output,
+                                                   -1, opts.op)));
   }
   std::vector<torch::Tensor> chunks;
   for (auto& t : inputs) chunks.push_back(reduction_buffer(t));
@@ -178,9 +180,10 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Ten
   });
   if (size_ == 1 && output.numel() == 0) return finish(call, done_work());
   if (output.numel() == 0) {
-    return finish(call,
-                  detail::check_signature(
-                      *engine_, signature_of(CollectiveKind::ReduceScatter, output, -1, opts.op)));
+    return finish(
+        call, detail::check_signature(
+                  *engine_, detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output,
+                                                   -1, opts.op)));
   }
   auto flat = reduction_buffer(input).view({-1});
   auto chunks = detail::flat_chunks(flat, output.numel(), size_, output.sizes());
@@ -191,7 +194,8 @@ Work Communicator::run_reduce_scatter(const Call& call, torch::Tensor& output,
                                       std::vector<torch::Tensor> chunks, torch::Tensor flat,
                                       const ReduceScatterOptions& opts) {
   auto buf = reduction_buffer(output);
-  const auto sig = signature_of(CollectiveKind::ReduceScatter, output, -1, opts.op);
+  const auto sig =
+      detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output, -1, opts.op);
   WorkPtr failed;
   const auto algo = detail::resolve_agreed(
       *engine_, sig, call.ctx.timeout,

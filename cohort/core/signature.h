@@ -45,6 +45,9 @@ struct Signature {
   // Elements per rank; for all_to_all, those sent to (or expected from) one
   // peer, which the engine fills in per peer; -1 for none.
   int64_t count = -1;
+  // How long the engine waits for the peers' signatures (the operation's
+  // timeout; 0: the engine's). Not compared, not sent.
+  Millis timeout{0};
 
   bool operator==(const Signature& o) const {
     return seq == o.seq && kind == o.kind && dtype == o.dtype && op == o.op && root == o.root &&

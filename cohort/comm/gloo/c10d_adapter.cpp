@@ -316,20 +316,26 @@ class GlooEngine : public Engine {
     auto mine = at::empty({p, kSignatureWords}, at::kLong);  // row q: sent to rank q
     auto theirs = at::empty({p, kSignatureWords}, at::kLong);
     fill_rows(s, send, p, mine.data_ptr<int64_t>());
+    const auto timeout = s.timeout.count() > 0 ? s.timeout : options_->timeout;
+    int peer = -1;  // whose exchange is being waited for
     try {
-      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
       for (int q = 0; q < p; ++q) {
         if (q == me) continue;
         std::vector<at::Tensor> out{mine[q]}, in{theirs[q]};
-        works.push_back(pg_->send(out, q, kCheckTag));
-        works.push_back(pg_->recv(in, q, kCheckTag));
+        works.emplace_back(q, pg_->send(out, q, kCheckTag));
+        works.emplace_back(q, pg_->recv(in, q, kCheckTag));
       }
-      for (auto& w : works) w->wait(options_->timeout);
+      for (auto& [q, w] : works) {
+        peer = q;
+        w->wait(timeout);
+      }
     } catch (const std::exception& e) {
       // A peer that never calls is a TimeoutError, as the collective's own
       // wait would be; one that closed, a PeerError.
       const std::string what = "gloo: the check of collective #" + std::to_string(s.seq) +
-                               " (this rank called " + s.describe() + ") failed: ";
+                               " (this rank called " + s.describe() + ") with rank " +
+                               std::to_string(peer) + " failed: ";
       try {
         rethrow_translated(e);
       } catch (const TimeoutError& t) {

@@ -373,7 +373,7 @@ class MpiEngine : public Engine {
     return check_signature(
         comm_, rank_, size_, s, send, recv,
         new_op("MPI_Ialltoall (the signature check of collective #", std::to_string(s.seq)),
-        timeout_);
+        s.timeout.count() > 0 ? s.timeout : timeout_);
   }
 
   void check_tag(int tag, const char* what) const {
