@@ -45,6 +45,20 @@ WorkPtr issue_p2p(const Call& call, Health& health, Launch&& launch) {
 
 }  // namespace
 
+namespace detail {
+
+WorkPtr agree(Engine& engine, const Signature& s, Millis timeout) {
+  auto w = check_signature(engine, s);
+  try {
+    w->wait(timeout);
+  } catch (const Error&) {
+    return w;
+  }
+  return nullptr;
+}
+
+}  // namespace detail
+
 Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store> store,
                            CommunicatorOptions options)
     : counters_(std::make_shared<StatsCounters>()),
@@ -268,6 +282,9 @@ void Communicator::check_per_rank(const Call& call, const std::vector<torch::Ten
 Work Communicator::barrier(const BarrierOptions& opts) {
   auto call = begin_collective("barrier", opts.timeout);
   debug_check(call, [] { return std::string("barrier()"); });
+  Signature sig;
+  sig.timeout = call.ctx.timeout;
+  SignatureScope scope(sig);
   return finish(call, engine_->barrier());
 }
 

@@ -1,13 +1,19 @@
 // defines: the helpers the Communicator's source files share (private to
-// cohort/comm): fingerprints for the debug check, how reductions are put on
-// the wire (avg as sum, f16/bf16 in f32) and taken off it.
+// cohort/comm): fingerprints for the debug check, each collective's
+// signature and its check where no engine collective carries it, how
+// reductions are put on the wire (avg as sum, f16/bf16 in f32) and taken
+// off it.
 #pragma once
 
 #include <torch/types.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cohort/core/algorithm.h"
+#include "cohort/core/engine.h"
+#include "cohort/core/signature.h"
 #include "cohort/core/tensor_checks.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work_then.h"
@@ -21,6 +27,60 @@ inline std::string fingerprint(const std::string& op, const torch::Tensor& t,
   std::string s = op + "(";
   if (!extra.empty()) s += extra + ", ";
   return s + "dtype=" + dtype_name(t.scalar_type()) + ", shape=" + shape_string(t.sizes()) + ")";
+}
+
+// The signature of a collective on `t` as the caller asked for it (the
+// engine sees avg as sum, float16 as float32), waited for as long as the
+// operation.
+inline Signature call_signature(const OpContext& ctx, CollectiveKind kind, const torch::Tensor& t,
+                                int64_t root = -1, std::optional<ReduceOp> op = std::nullopt) {
+  auto s = signature_of(kind, t, root, op);
+  s.timeout = ctx.timeout;
+  return s;
+}
+
+// The signature of a coalesced collective: every tensor's elements, and
+// their dtype when they share one (-1 when they do not).
+inline Signature coalesced_signature(const OpContext& ctx, CollectiveKind kind,
+                                     const std::vector<torch::Tensor>& ts) {
+  Signature s;
+  s.kind = kind;
+  s.timeout = ctx.timeout;
+  s.count = 0;
+  s.dtype = ts.empty() ? -1 : static_cast<int>(ts[0].scalar_type());
+  for (auto& t : ts) {
+    if (static_cast<int>(t.scalar_type()) != s.dtype) s.dtype = -1;
+    s.count += t.numel();
+  }
+  return s;
+}
+
+// Where no engine collective carries a call's signature (nothing to move,
+// or an algorithm over point-to-point), an engine barrier carries it: its
+// Work fails with a MismatchError when the ranks' signatures differ.
+inline WorkPtr check_signature(Engine& engine, const Signature& s) {
+  SignatureScope scope(s);
+  return engine.barrier();
+}
+
+// check_signature, waited for: null when the ranks agree, else its Work,
+// which rethrows the error.
+WorkPtr agree(Engine& engine, const Signature& s, Millis timeout);
+
+// The algorithm a collective runs with (`resolve`), decided only after the
+// ranks agreed on its signature unless it is the engine's own (whose
+// collective carries the check): an algorithm's private engine and the
+// adaptive choice's calibration are collective too, and ranks that called
+// different collectives must not reach them. `failed` receives the failed
+// check.
+template <class Resolve>
+Algorithm resolve_agreed(Engine& engine, const Signature& s, Millis timeout, Algorithm requested,
+                         Resolve&& resolve, WorkPtr& failed) {
+  const bool early = requested != Algorithm::Engine;
+  if (early && (failed = agree(engine, s, timeout))) return Algorithm::Engine;
+  const Algorithm a = resolve();
+  if (a != Algorithm::Engine && !early) failed = agree(engine, s, timeout);
+  return a;
 }
 
 // The bytes a tensor holds (what a trace event's "bytes" names).

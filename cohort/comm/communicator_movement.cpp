@@ -14,6 +14,16 @@ namespace cohort {
 
 using detail::fingerprint;
 
+namespace {
+
+// A collective with nothing to move: alone, done; else its signature is
+// still compared, so ranks that moved something else get an error.
+WorkPtr nothing_to_move(Engine& engine, int size, const Signature& s) {
+  return size == 1 ? done_work() : detail::check_signature(engine, s);
+}
+
+}  // namespace
+
 Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts) {
   auto call = begin_collective("broadcast", opts.timeout);
   check_root(call, opts.root);
@@ -21,8 +31,10 @@ Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts
   call.bytes = detail::nbytes(tensor);
   debug_check(
       call, [&] { return fingerprint("broadcast", tensor, "root=" + std::to_string(opts.root)); });
-  if (tensor.numel() == 0) return finish(call, done_work());
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::Broadcast, tensor, opts.root);
+  if (tensor.numel() == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   auto wire = movement_view(tensor);
+  SignatureScope scope(sig);
   return finish(call, engine_->broadcast(wire, opts.root));
 }
 
@@ -42,7 +54,9 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
   int64_t total = 0;
   for (auto& t : tensors) total += t.numel() * t.element_size();
   call.bytes = total;
-  if (total == 0) return finish(call, done_work());
+  auto sig = detail::coalesced_signature(call.ctx, CollectiveKind::BroadcastCoalesced, tensors);
+  sig.root = opts.root;
+  if (total == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   auto flat = torch::empty({total}, torch::kUInt8);
   if (rank_ == opts.root) {
     int64_t offset = 0;
@@ -52,7 +66,11 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
       offset += n;
     }
   }
-  auto impl = engine_->broadcast(flat, opts.root);
+  WorkPtr impl;
+  {
+    SignatureScope scope(sig);
+    impl = engine_->broadcast(flat, opts.root);
+  }
   auto copy_back = [tensors, flat, root = opts.root, me = rank_]() mutable {
     if (me == root) return;
     int64_t offset = 0;
@@ -72,7 +90,11 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::
   check_per_rank(call, outputs, input, "outputs");
   call.bytes = size_ * detail::nbytes(input);
   debug_check(call, [&] { return fingerprint("all_gather", input); });
-  if (input.numel() == 0) return finish(call, done_work());
+  if (input.numel() == 0) {
+    return finish(
+        call, nothing_to_move(*engine_, size_,
+                              detail::call_signature(call.ctx, CollectiveKind::AllGather, input)));
+  }
   std::vector<torch::Tensor> wire_out;
   for (auto& o : outputs) wire_out.push_back(movement_view(o));
   return run_all_gather(call, std::move(wire_out), {}, input, opts);
@@ -90,7 +112,11 @@ Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Te
   }
   call.bytes = detail::nbytes(output);
   debug_check(call, [&] { return fingerprint("all_gather_into_tensor", input); });
-  if (input.numel() == 0) return finish(call, done_work());
+  if (input.numel() == 0) {
+    return finish(
+        call, nothing_to_move(*engine_, size_,
+                              detail::call_signature(call.ctx, CollectiveKind::AllGather, input)));
+  }
   auto flat = movement_view(output).view({-1});
   auto chunks = detail::flat_chunks(flat, input.numel(), size_, input.sizes());
   return run_all_gather(call, std::move(chunks), flat, input, opts);
@@ -100,10 +126,22 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
                                   torch::Tensor flat, const torch::Tensor& input,
                                   const AllGatherOptions& opts) {
   auto wire_in = movement_view(input);
-  const auto algo = resolve_algorithm(Collective::AllGather,
-                                      size_ * input.numel() * input.element_size(), opts.algo);
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::AllGather, input);
+  WorkPtr failed;
+  const auto algo = detail::resolve_agreed(
+      *engine_, sig, call.ctx.timeout,
+      opts.algo == Algorithm::Default ? options_.algorithm : opts.algo,
+      [&] {
+        return resolve_algorithm(Collective::AllGather,
+                                 size_ * input.numel() * input.element_size(), opts.algo);
+      },
+      failed);
+  if (failed) return finish(call, failed);
   call.algo = algo;
-  if (algo == Algorithm::Engine) return finish(call, engine_->all_gather(outputs, wire_in));
+  if (algo == Algorithm::Engine) {
+    SignatureScope scope(sig);
+    return finish(call, engine_->all_gather(outputs, wire_in));
+  }
   if (flat.defined()) {
     return finish(call,
                   algorithms().all_gather(flat, wire_in.reshape({-1}), algo, call.ctx.timeout));
@@ -127,12 +165,14 @@ Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tens
   if (is_root) check_per_rank(call, outputs, input, "outputs (on the root)");
   debug_check(call,
               [&] { return fingerprint("gather", input, "root=" + std::to_string(opts.root)); });
-  if (input.numel() == 0) return finish(call, done_work());
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::Gather, input, opts.root);
+  if (input.numel() == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   std::vector<torch::Tensor> wire_out;
   if (is_root) {
     for (auto& o : outputs) wire_out.push_back(movement_view(o));
   }
   auto wire_in = movement_view(input);
+  SignatureScope scope(sig);
   return finish(call, engine_->gather(wire_out, wire_in, opts.root));
 }
 
@@ -145,12 +185,14 @@ Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tenso
   if (is_root) check_per_rank(call, inputs, output, "inputs (on the root)");
   debug_check(call,
               [&] { return fingerprint("scatter", output, "root=" + std::to_string(opts.root)); });
-  if (output.numel() == 0) return finish(call, done_work());
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::Scatter, output, opts.root);
+  if (output.numel() == 0) return finish(call, nothing_to_move(*engine_, size_, sig));
   std::vector<torch::Tensor> wire_in;
   if (is_root) {
     for (auto& t : inputs) wire_in.push_back(movement_view(t));
   }
   auto wire_out = movement_view(output);
+  SignatureScope scope(sig);
   return finish(call, engine_->scatter(wire_out, wire_in, opts.root));
 }
 
@@ -195,6 +237,10 @@ Work Communicator::all_to_all_single(torch::Tensor& output, const torch::Tensor&
   });
   auto wire_out = movement_view(output).view({-1});
   auto wire_in = movement_view(input).view({-1});
+  // The engine compares the elements each rank sends to each other rank.
+  auto sig = detail::call_signature(call.ctx, CollectiveKind::AllToAll, input);
+  sig.count = -1;
+  SignatureScope scope(sig);
   return finish(call, engine_->all_to_all(wire_out, wire_in, out_counts, in_counts));
 }
 
@@ -230,7 +276,14 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& outputs,
   }
   auto wire_in = at::cat(flat_in);
   auto wire_out = torch::empty({out_total}, wire_in.options());
-  auto impl = engine_->all_to_all(wire_out, wire_in, out_counts, in_counts);
+  auto sig = detail::call_signature(call.ctx, CollectiveKind::AllToAll, wire_in);
+  sig.dtype = static_cast<int>(inputs[0].scalar_type());
+  sig.count = -1;
+  WorkPtr impl;
+  {
+    SignatureScope scope(sig);
+    impl = engine_->all_to_all(wire_out, wire_in, out_counts, in_counts);
+  }
   return finish(call, std::move(impl), [outputs, wire_out]() mutable {
     int64_t offset = 0;
     for (auto& o : outputs) {

@@ -33,15 +33,28 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   debug_check(call, [&] { return fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)); });
   // Alone, every reduction (avg included) is the identity: no engine round
   // trip, no pass over the data (DDP at world 1 calls this every step).
-  if (tensor.numel() == 0 || size_ == 1) return finish(call, done_work());
+  if (size_ == 1) return finish(call, done_work());
+  const auto sig = detail::call_signature(call.ctx, CollectiveKind::AllReduce, tensor, -1, opts.op);
+  if (tensor.numel() == 0) return finish(call, detail::check_signature(*engine_, sig));
   auto buf = reduction_buffer(tensor);
-  const auto algo =
-      resolve_algorithm(Collective::AllReduce, buf.numel() * buf.element_size(), opts.algo);
+  WorkPtr failed;
+  const auto algo = detail::resolve_agreed(
+      *engine_, sig, call.ctx.timeout,
+      opts.algo == Algorithm::Default ? options_.algorithm : opts.algo,
+      [&] {
+        return resolve_algorithm(Collective::AllReduce, buf.numel() * buf.element_size(),
+                                 opts.algo);
+      },
+      failed);
+  if (failed) return finish(call, failed);
   call.algo = algo;
-  auto impl =
-      algo == Algorithm::Engine
-          ? engine_->all_reduce(buf, engine_op(opts.op))
-          : algorithms().all_reduce(buf.view({-1}), engine_op(opts.op), algo, call.ctx.timeout);
+  WorkPtr impl;
+  if (algo == Algorithm::Engine) {
+    SignatureScope scope(sig);
+    impl = engine_->all_reduce(buf, engine_op(opts.op));
+  } else {
+    impl = algorithms().all_reduce(buf.view({-1}), engine_op(opts.op), algo, call.ctx.timeout);
+  }
   return finish_reduction(call, std::move(impl), tensor, buf, opts.op);
 }
 
@@ -58,6 +71,13 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
     for (auto& t : tensors) print += ", " + dtype_name(t.scalar_type()) + shape_string(t.sizes());
     return print + ")";
   });
+
+  auto sig = detail::coalesced_signature(call.ctx, CollectiveKind::AllReduceCoalesced, tensors);
+  sig.op = static_cast<int>(opts.op);
+  if (size_ == 1) return finish(call, done_work());
+  // The first engine collective carries the signature; with none, a check.
+  std::optional<SignatureScope> scope;
+  scope.emplace(sig);
 
   // One flat buffer per reduction dtype, in order of first appearance, which
   // is the same on every rank because the tensor lists match.
@@ -79,8 +99,10 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
     if (members.empty()) continue;
     auto flat = at::cat(pieces);
     parts.push_back(engine_->all_reduce(flat, engine_op(opts.op)));
+    scope.reset();
     flats.emplace_back(flat, std::move(members));
   }
+  if (scope) parts.push_back(engine_->barrier());
   auto copy_back = [tensors, flats, op = opts.op, n = size_]() mutable {
     for (auto& [flat, members] : flats) {
       if (op == ReduceOp::Avg) flat.div_(n);
@@ -105,9 +127,16 @@ Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
     return fingerprint("reduce", tensor,
                        "root=" + std::to_string(opts.root) + ", op=" + to_string(opts.op));
   });
-  if (tensor.numel() == 0) return finish(call, done_work());
+  if (size_ == 1) return finish(call, done_work());
+  const auto sig =
+      detail::call_signature(call.ctx, CollectiveKind::Reduce, tensor, opts.root, opts.op);
+  if (tensor.numel() == 0) return finish(call, detail::check_signature(*engine_, sig));
   auto buf = reduction_buffer(tensor);
-  auto impl = engine_->reduce(buf, opts.root, engine_op(opts.op));
+  WorkPtr impl;
+  {
+    SignatureScope scope(sig);
+    impl = engine_->reduce(buf, opts.root, engine_op(opts.op));
+  }
   // Off the root the result is unspecified; the buffer lives until the end.
   if (rank_ != opts.root) return finish(call, std::move(impl), [buf] {});
   return finish_reduction(call, std::move(impl), tensor, buf, opts.op);
@@ -122,7 +151,13 @@ Work Communicator::reduce_scatter(torch::Tensor& output, const std::vector<torch
   call.bytes = size_ * detail::nbytes(output);
   debug_check(call,
               [&] { return fingerprint("reduce_scatter", output, "op=" + to_string(opts.op)); });
-  if (output.numel() == 0) return finish(call, done_work());
+  if (size_ == 1 && output.numel() == 0) return finish(call, done_work());
+  if (output.numel() == 0) {
+    return finish(
+        call, detail::check_signature(
+                  *engine_, detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output,
+                                                   -1, opts.op)));
+  }
   std::vector<torch::Tensor> chunks;
   for (auto& t : inputs) chunks.push_back(reduction_buffer(t));
   return run_reduce_scatter(call, output, std::move(chunks), {}, opts);
@@ -143,7 +178,13 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Ten
   debug_check(call, [&] {
     return fingerprint("reduce_scatter_tensor", output, "op=" + to_string(opts.op));
   });
-  if (output.numel() == 0) return finish(call, done_work());
+  if (size_ == 1 && output.numel() == 0) return finish(call, done_work());
+  if (output.numel() == 0) {
+    return finish(
+        call, detail::check_signature(
+                  *engine_, detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output,
+                                                   -1, opts.op)));
+  }
   auto flat = reduction_buffer(input).view({-1});
   auto chunks = detail::flat_chunks(flat, output.numel(), size_, output.sizes());
   return run_reduce_scatter(call, output, std::move(chunks), flat, opts);
@@ -153,11 +194,22 @@ Work Communicator::run_reduce_scatter(const Call& call, torch::Tensor& output,
                                       std::vector<torch::Tensor> chunks, torch::Tensor flat,
                                       const ReduceScatterOptions& opts) {
   auto buf = reduction_buffer(output);
-  const auto algo = resolve_algorithm(Collective::ReduceScatter,
-                                      size_ * buf.numel() * buf.element_size(), opts.algo);
+  const auto sig =
+      detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output, -1, opts.op);
+  WorkPtr failed;
+  const auto algo = detail::resolve_agreed(
+      *engine_, sig, call.ctx.timeout,
+      opts.algo == Algorithm::Default ? options_.algorithm : opts.algo,
+      [&] {
+        return resolve_algorithm(Collective::ReduceScatter,
+                                 size_ * buf.numel() * buf.element_size(), opts.algo);
+      },
+      failed);
+  if (failed) return finish(call, failed);
   call.algo = algo;
   WorkPtr impl;
   if (algo == Algorithm::Engine) {
+    SignatureScope scope(sig);
     impl = engine_->reduce_scatter(buf, chunks, engine_op(opts.op));
   } else {
     if (!flat.defined()) {

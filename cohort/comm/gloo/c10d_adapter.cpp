@@ -1,11 +1,15 @@
 // The one file that talks to c10d. Needs -DUSE_C10D_GLOO.
 #include "cohort/comm/gloo/c10d_adapter.h"
 
+#include <limits>
+#include <optional>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "cohort/core/error.h"
+#include "cohort/core/job_work.h"
+#include "cohort/core/signature.h"
 #include "cohort/core/store/missing_keys.h"
 
 namespace cohort {
@@ -150,6 +154,21 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   COHORT_CHECK(false, "the communicator turns avg into sum before the engine");
 }
 
+// The point-to-point tag of the signature checks (user tags below it).
+constexpr int kCheckTag = std::numeric_limits<int32_t>::max();
+
+WorkPtr failed_work(std::exception_ptr error) {
+  auto w = std::make_shared<JobWork>("gloo signature check");
+  w->finish(std::move(error));
+  return w;
+}
+
+// Every collective first compares its signature (cohort/core/signature.h)
+// with every other rank's, 32 bytes each way per peer on point-to-point,
+// whose sizes never differ: Gloo aborts the process (an enforce on its own
+// thread) when a collective's sizes differ across ranks, so the check must
+// end before Gloo sees the data. Each rank compares all the others itself,
+// so all of them refuse a collective that any two called differently.
 class GlooEngine : public Engine {
  public:
   GlooEngine(c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options,
@@ -161,6 +180,7 @@ class GlooEngine : public Engine {
   int size() const override { return pg_->getSize(); }
 
   WorkPtr all_reduce(at::Tensor& tensor, ReduceOp op) override {
+    if (auto failed = check(given_or(CollectiveKind::AllReduce, tensor, -1, op))) return failed;
     std::vector<at::Tensor> ts{tensor};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
@@ -168,6 +188,7 @@ class GlooEngine : public Engine {
   }
 
   WorkPtr broadcast(at::Tensor& tensor, int root) override {
+    if (auto failed = check(given_or(CollectiveKind::Broadcast, tensor, root))) return failed;
     std::vector<at::Tensor> ts{tensor};
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -175,6 +196,7 @@ class GlooEngine : public Engine {
   }
 
   WorkPtr reduce(at::Tensor& tensor, int root, ReduceOp op) override {
+    if (auto failed = check(given_or(CollectiveKind::Reduce, tensor, root, op))) return failed;
     std::vector<at::Tensor> ts{tensor};
     c10d::ReduceOptions o;
     o.rootRank = root;
@@ -183,12 +205,14 @@ class GlooEngine : public Engine {
   }
 
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
+    if (auto failed = check(given_or(CollectiveKind::AllGather, input))) return failed;
     std::vector<std::vector<at::Tensor>> out{outputs};
     std::vector<at::Tensor> in{input};
     return call([&] { return pg_->allgather(out, in); });
   }
 
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
+    if (auto failed = check(given_or(CollectiveKind::Gather, input, root))) return failed;
     std::vector<std::vector<at::Tensor>> out;
     if (!outputs.empty()) out.push_back(outputs);
     std::vector<at::Tensor> in{input};
@@ -198,6 +222,7 @@ class GlooEngine : public Engine {
   }
 
   WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
+    if (auto failed = check(given_or(CollectiveKind::Scatter, output, root))) return failed;
     std::vector<at::Tensor> out{output};
     std::vector<std::vector<at::Tensor>> in;
     if (!inputs.empty()) in.push_back(inputs);
@@ -209,19 +234,29 @@ class GlooEngine : public Engine {
   WorkPtr all_to_all(at::Tensor& output, at::Tensor& input,
                      std::vector<int64_t>& output_counts,
                      std::vector<int64_t>& input_counts) override {
+    auto s = given_or(CollectiveKind::AllToAll, input);
+    s.count = -1;
+    const auto p = static_cast<size_t>(size());
+    auto send = input_counts, recv = output_counts;
+    if (send.empty()) send.assign(p, input.numel() / size());
+    if (recv.empty()) recv.assign(p, output.numel() / size());
+    if (auto failed = check(s, send, recv)) return failed;
     return call([&] { return pg_->alltoall_base(output, input, output_counts, input_counts); });
   }
 
   WorkPtr barrier() override {
+    if (auto failed = check(take_signature().value_or(Signature{}))) return failed;
     return call([&] { return pg_->barrier(); });
   }
 
   WorkPtr send(at::Tensor& tensor, int dst, int tag) override {
+    check_tag(tag, "send");
     std::vector<at::Tensor> ts{tensor};
     return call([&] { return pg_->send(ts, dst, tag); });
   }
 
   WorkPtr recv(at::Tensor& tensor, int src, int tag) override {
+    check_tag(tag, "recv");
     std::vector<at::Tensor> ts{tensor};
     return call([&] { return pg_->recv(ts, src, tag); });
   }
@@ -262,8 +297,61 @@ class GlooEngine : public Engine {
     }
   }
 
+  static void check_tag(int tag, const char* what) {
+    if (tag == kCheckTag) {
+      throw InvalidArgument(std::string("engine gloo: ") + what + " tag " + std::to_string(tag) +
+                            " is reserved for the collectives' checks");
+    }
+  }
+
+  // Null when every rank called this collective as this one did; else a
+  // failed Work (MismatchError naming both calls, or the check's own
+  // error). An all_to_all compares, per peer, the elements sent with those
+  // expected.
+  WorkPtr check(Signature s, const std::vector<int64_t>& send = {},
+                const std::vector<int64_t>& recv = {}) {
+    const int p = size(), me = rank();
+    if (p == 1) return nullptr;
+    s.seq = ++collectives_;
+    auto mine = at::empty({p, kSignatureWords}, at::kLong);  // row q: sent to rank q
+    auto theirs = at::empty({p, kSignatureWords}, at::kLong);
+    fill_rows(s, send, p, mine.data_ptr<int64_t>());
+    const auto timeout = s.timeout.count() > 0 ? s.timeout : options_->timeout;
+    int peer = -1;  // whose exchange is being waited for
+    try {
+      std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
+      for (int q = 0; q < p; ++q) {
+        if (q == me) continue;
+        std::vector<at::Tensor> out{mine[q]}, in{theirs[q]};
+        works.emplace_back(q, pg_->send(out, q, kCheckTag));
+        works.emplace_back(q, pg_->recv(in, q, kCheckTag));
+      }
+      for (auto& [q, w] : works) {
+        peer = q;
+        w->wait(timeout);
+      }
+    } catch (const std::exception& e) {
+      // A peer that never calls is a TimeoutError, as the collective's own
+      // wait would be; one that closed, a PeerError.
+      const std::string what = "gloo: the check of collective #" + std::to_string(s.seq) +
+                               " (this rank called " + s.describe() + ") with rank " +
+                               std::to_string(peer) + " failed: ";
+      try {
+        rethrow_translated(e);
+      } catch (const TimeoutError& t) {
+        return failed_work(std::make_exception_ptr(TimeoutError(what + t.what())));
+      } catch (const Error& t) {
+        return failed_work(std::make_exception_ptr(PeerError(what + t.what())));
+      }
+    }
+    const auto differs = compare_rows("gloo", s, recv, me, p, theirs.data_ptr<int64_t>());
+    if (differs.empty()) return nullptr;
+    return failed_work(std::make_exception_ptr(MismatchError(differs)));
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  int64_t collectives_ = 0;  // checked so far
 };
 
 }  // namespace

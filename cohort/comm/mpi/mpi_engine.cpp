@@ -22,9 +22,11 @@
 #include <cstring>
 #include <limits>
 
+#include "cohort/comm/mpi/buffers.h"
 #include "cohort/comm/mpi/datatypes.h"
 #include "cohort/comm/mpi/op.h"
 #include "cohort/comm/mpi/runtime.h"
+#include "cohort/comm/mpi/signature_check.h"
 #include "cohort/comm/mpi/watchdog.h"
 #include "cohort/core/env.h"
 #include "cohort/core/error.h"
@@ -36,43 +38,6 @@ namespace {
 // Any tag works as long as every member uses the same one; subgroups of one
 // parent are created in the same order everywhere.
 constexpr int kCreateGroupTag = 4242;
-
-const char* ptr(const at::Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
-int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
-
-// True when `parts` lie back to back in one buffer, equally sized, as the
-// communicator's *_into_tensor forms pass them: MPI can use them in place.
-bool back_to_back(const std::vector<at::Tensor>& parts) {
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (!parts[i].is_contiguous() || parts[i].numel() != parts[0].numel() ||
-        ptr(parts[i]) != ptr(parts[0]) + static_cast<int64_t>(i) * nbytes(parts[0])) {
-      return false;
-    }
-  }
-  return true;
-}
-
-bool overlaps(const char* a, int64_t a_bytes, const char* b, int64_t b_bytes) {
-  return a_bytes > 0 && b_bytes > 0 && a < b + b_bytes && b < a + a_bytes;
-}
-
-// The parts as one flat tensor: a copy.
-at::Tensor concat(const std::vector<at::Tensor>& parts) {
-  std::vector<at::Tensor> flat;
-  for (auto& p : parts) flat.push_back(p.reshape({-1}));
-  return at::cat(flat);
-}
-
-// After MPI filled `flat`, hand each part its slice.
-std::function<void()> copy_out(std::vector<at::Tensor> parts, at::Tensor flat) {
-  return [parts, flat]() mutable {
-    int64_t offset = 0;
-    for (auto& p : parts) {
-      p.view({-1}).copy_(flat.narrow(0, offset, p.numel()));
-      offset += p.numel();
-    }
-  };
-}
 
 // The result of a blocking call, finished before the engine returns it.
 class FinishedWork : public WorkImpl {
@@ -131,6 +96,7 @@ class MpiEngine : public Engine {
   int size() const override { return size_; }
 
   WorkPtr all_reduce(at::Tensor& t, ReduceOp op) override {
+    if (auto failed = check(given_or(CollectiveKind::AllReduce, t, -1, op))) return failed;
     const auto type = to_mpi_type(t.scalar_type(), "all_reduce", true);
     const int n = to_mpi_count(t.numel(), "all_reduce");
     if (nbytes(t) <= blocking_max_bytes_) {
@@ -147,6 +113,7 @@ class MpiEngine : public Engine {
   }
 
   WorkPtr broadcast(at::Tensor& t, int root) override {
+    if (auto failed = check(given_or(CollectiveKind::Broadcast, t, root))) return failed;
     const auto type = to_mpi_type(t.scalar_type(), "broadcast");
     const int n = to_mpi_count(t.numel(), "broadcast");
     if (nbytes(t) <= blocking_max_bytes_) {
@@ -160,6 +127,7 @@ class MpiEngine : public Engine {
   }
 
   WorkPtr reduce(at::Tensor& t, int root, ReduceOp op) override {
+    if (auto failed = check(given_or(CollectiveKind::Reduce, t, root, op))) return failed;
     auto o = new_op("MPI_Ireduce (reduce", ", root " + std::to_string(root));
     const auto type = to_mpi_type(t.scalar_type(), "reduce", true);
     const int n = to_mpi_count(t.numel(), "reduce");
@@ -172,6 +140,7 @@ class MpiEngine : public Engine {
   }
 
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
+    if (auto failed = check(given_or(CollectiveKind::AllGather, input))) return failed;
     auto o = new_op("MPI_Iallgather (all_gather");
     const auto type = to_mpi_type(input.scalar_type(), "all_gather");
     const int n = to_mpi_count(input.numel(), "all_gather");
@@ -197,6 +166,7 @@ class MpiEngine : public Engine {
 
   WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
                          ReduceOp op) override {
+    if (auto failed = check(given_or(CollectiveKind::ReduceScatter, output, -1, op))) return failed;
     auto o = new_op("MPI_Ireduce_scatter_block (reduce_scatter");
     const auto type = to_mpi_type(output.scalar_type(), "reduce_scatter", true);
     const int n = to_mpi_count(output.numel(), "reduce_scatter");
@@ -215,6 +185,7 @@ class MpiEngine : public Engine {
   }
 
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
+    if (auto failed = check(given_or(CollectiveKind::Gather, input, root))) return failed;
     auto o = new_op("MPI_Igather (gather", ", root " + std::to_string(root));
     const auto type = to_mpi_type(input.scalar_type(), "gather");
     const int n = to_mpi_count(input.numel(), "gather");
@@ -242,6 +213,7 @@ class MpiEngine : public Engine {
   }
 
   WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
+    if (auto failed = check(given_or(CollectiveKind::Scatter, output, root))) return failed;
     auto o = new_op("MPI_Iscatter (scatter", ", root " + std::to_string(root));
     const auto type = to_mpi_type(output.scalar_type(), "scatter");
     const int n = to_mpi_count(output.numel(), "scatter");
@@ -278,14 +250,20 @@ class MpiEngine : public Engine {
     int* sd = sc + size_;
     int* rc = sd + size_;
     int* rd = rc + size_;
+    std::vector<int64_t> sent(static_cast<size_t>(size_)), expected(sent.size());
     for (int i = 0; i < size_; ++i) {
       sc[i] = static_cast<int>(input_counts.empty() ? input.numel() / size_ : input_counts[i]);
       rc[i] = static_cast<int>(output_counts.empty() ? output.numel() / size_ : output_counts[i]);
+      sent[static_cast<size_t>(i)] = sc[i];
+      expected[static_cast<size_t>(i)] = rc[i];
       if (i > 0) {
         sd[i] = sd[i - 1] + sc[i - 1];
         rd[i] = rd[i - 1] + rc[i - 1];
       }
     }
+    auto s = given_or(CollectiveKind::AllToAll, input);
+    s.count = -1;  // per peer: the elements sent to it, or expected from it
+    if (auto failed = check(s, sent, expected)) return failed;
     at::Tensor send = input;
     if (overlaps(ptr(input), nbytes(input), ptr(output), nbytes(output))) send = input.clone();
     o->keep(send);
@@ -296,6 +274,7 @@ class MpiEngine : public Engine {
   }
 
   WorkPtr barrier() override {
+    if (auto failed = check(take_signature().value_or(Signature{}))) return failed;
     auto o = new_op("MPI_Ibarrier (barrier");
     MpiLock lock;
     return launch(o, MPI_Ibarrier(comm_, o->requests(1)));
@@ -387,6 +366,16 @@ class MpiEngine : public Engine {
     return std::make_shared<FinishedWork>(o->what() + ": " + error_string(code));
   }
 
+  WorkPtr check(Signature s, const std::vector<int64_t>& send = {},
+                const std::vector<int64_t>& recv = {}) {
+    if (size_ == 1) return nullptr;
+    s.seq = ++collectives_;
+    return check_signature(
+        comm_, rank_, size_, s, send, recv,
+        new_op("MPI_Ialltoall (the signature check of collective #", std::to_string(s.seq)),
+        s.timeout.count() > 0 ? s.timeout : timeout_);
+  }
+
   void check_tag(int tag, const char* what) const {
     if (tag > tag_ub_) {
       throw InvalidArgument(std::string("engine mpi: ") + what + " tag " + std::to_string(tag) +
@@ -402,6 +391,7 @@ class MpiEngine : public Engine {
   int tag_ub_ = 32767;
   // all_reduce and broadcast of at most this many bytes block (run_blocking).
   int64_t blocking_max_bytes_;
+  int64_t collectives_ = 0;  // checked so far (check_signature)
 };
 
 }  // namespace
@@ -419,6 +409,13 @@ std::unique_ptr<Engine> make_mpi_engine(int rank, int size, Millis timeout) {
                       std::to_string(size) + ", but MPI_COMM_WORLD has this process as rank " +
                       std::to_string(world_rank) + " of " + std::to_string(world_size) +
                       "; start the job with mpirun (cohortrun --backend mpi)");
+  }
+  // Errors return, turned into the engines' exceptions, on the world too:
+  // Open MPI raises some errors of a communicator's requests there (a
+  // truncated message in MPI_Testall), whose default aborts the job.
+  {
+    mpi::MpiLock lock;
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   }
   // A private copy of the world: cohort's messages never match the
   // application's own MPI calls. MPI_Comm_dup is collective and blocking,

@@ -37,8 +37,9 @@ inline constexpr int64_t kRecursiveDoublingBytes = 64 << 10;
 // 140 against 189 on the engine's (float32 sum, medians of 5 alternated
 // runs; plain MPI_Allreduce 128 us). The message is one rendezvous (a CMA
 // single-copy read) instead of the ring's two of half the size, plus no
-// tensor views. Above it the ring, which met MPI at 16 MiB. At most 2 MiB:
-// the fused check tag carries the size (collective_check.h).
+// tensor views. Above it the ring, which met MPI at 16 MiB. At most 2 Mi
+// elements of one byte: the fused check tag carries the count
+// (collective_check.h).
 inline constexpr int64_t kDirectExchangeBytes = 1 << 20;
 // Recursive doubling: log2(p) rounds, each exchanging the whole vector with
 // rank ^ 2^k and reducing in place: half the rounds of halving-doubling, and

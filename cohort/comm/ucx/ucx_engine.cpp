@@ -81,14 +81,14 @@ class UcxEngine : public Engine {
   }
 
   WorkPtr all_reduce(at::Tensor& t, ReduceOp op) override {
-    const auto d = describe(Kind::AllReduce, t, -1, op);
+    const auto d = given_or(Kind::AllReduce, t, -1, op);
     const int p = size();
     if (p > 1 && (p & (p - 1)) == 0 &&
         static_cast<int64_t>(t.nbytes()) <=
             (p == 2 ? kDirectExchangeBytes : kRecursiveDoublingBytes) &&
         small_all_reduce_handles(t.scalar_type())) {
       // At world 2 the one message each way is also the collective's check
-      // (kDirectExchangeBytes fits the fused tag's size field).
+      // (kDirectExchangeBytes fits the fused tag's count field).
       const auto fused = p == 2 ? fused_tag(d) : std::nullopt;
       return submit(
           "ucx all_reduce", t.nbytes(), d,
@@ -102,40 +102,45 @@ class UcxEngine : public Engine {
                   [t, op](Link& l) mutable { ucx::all_reduce(l, t, op); });
   }
   WorkPtr broadcast(at::Tensor& t, int root) override {
-    return submit("ucx broadcast", t.nbytes(), describe(Kind::Broadcast, t, root),
+    return submit("ucx broadcast", t.nbytes(), given_or(Kind::Broadcast, t, root),
                   [t, root](Link& l) mutable { ucx::broadcast(l, t, root); });
   }
   WorkPtr reduce(at::Tensor& t, int root, ReduceOp op) override {
-    return submit("ucx reduce", t.nbytes(), describe(Kind::Reduce, t, root, op),
+    return submit("ucx reduce", t.nbytes(), given_or(Kind::Reduce, t, root, op),
                   [t, root, op](Link& l) mutable { ucx::reduce(l, t, root, op); });
   }
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
     return submit("ucx all_gather", input.nbytes() * outputs.size(),
-                  describe(Kind::AllGather, input),
+                  given_or(Kind::AllGather, input),
                   [outputs, input](Link& l) mutable { ucx::all_gather(l, outputs, input); });
   }
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
     return submit(
-        "ucx gather", input.nbytes(), describe(Kind::Gather, input, root),
+        "ucx gather", input.nbytes(), given_or(Kind::Gather, input, root),
         [outputs, input, root](Link& l) mutable { ucx::gather(l, outputs, input, root); });
   }
   WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
     return submit(
-        "ucx scatter", output.nbytes(), describe(Kind::Scatter, output, root),
+        "ucx scatter", output.nbytes(), given_or(Kind::Scatter, output, root),
         [output, inputs, root](Link& l) mutable { ucx::scatter(l, output, inputs, root); });
   }
   WorkPtr all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_counts,
                      std::vector<int64_t>& input_counts) override {
-    // Sizes may differ by rank; a receive that does not fit names them.
-    auto d = describe(Kind::AllToAll, input);
-    d.bytes = -1;
-    return submit("ucx all_to_all", input.nbytes(), d,
+    // Sizes may differ by rank: each peer's check carries the elements
+    // sent to it, compared with those it expects.
+    Check c(given_or(Kind::AllToAll, input), input_counts, output_counts);
+    c.d.count = -1;
+    const int p = size();
+    if (c.send.empty()) c.send.assign(static_cast<size_t>(p), input.numel() / p);
+    if (c.recv.empty()) c.recv.assign(static_cast<size_t>(p), output.numel() / p);
+    return submit("ucx all_to_all", input.nbytes(), std::move(c),
                   [output, input, oc = output_counts, ic = input_counts](Link& l) mutable {
                     ucx::all_to_all(l, output, input, oc, ic);
                   });
   }
   WorkPtr barrier() override {
-    return submit("ucx barrier", 0, Descriptor{}, [](Link& l) { ucx::barrier(l); });
+    return submit("ucx barrier", 0, take_signature().value_or(Descriptor{}),
+                  [](Link& l) { ucx::barrier(l); });
   }
 
   std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
@@ -150,16 +155,14 @@ class UcxEngine : public Engine {
  private:
   using Job = std::function<void(Link&)>;
 
-  static Descriptor describe(Kind kind, const at::Tensor& t, int64_t root = -1,
-                             std::optional<ReduceOp> op = std::nullopt) {
+  // The collective's check: its signature (given_or: what the user called,
+  // avg, float16), and an all_to_all's elements per peer.
+  struct Check {
+    Check(Descriptor desc, std::vector<int64_t> s = {}, std::vector<int64_t> r = {})
+        : d(desc), send(std::move(s)), recv(std::move(r)) {}
     Descriptor d;
-    d.kind = kind;
-    d.dtype = static_cast<int>(t.scalar_type());
-    d.bytes = static_cast<int64_t>(t.nbytes());
-    d.root = root;
-    d.op = op ? static_cast<int>(*op) : -1;
-    return d;
-  }
+    std::vector<int64_t> send, recv;
+  };
 
   // Runs `job` now on this thread when it is small and nothing is queued or
   // running (so collectives stay in issue order), else on the engine's thread.
@@ -168,18 +171,17 @@ class UcxEngine : public Engine {
   // object, no std::function and no lock of its own per call, which add up
   // on a 1 KiB all-reduce of about 1 us (docs/benchmarks.md).
   template <class F>
-  WorkPtr submit(const char* what, size_t bytes, const Descriptor& d, F&& job,
-                 bool self_checked = false) {
+  WorkPtr submit(const char* what, size_t bytes, Check c, F&& job, bool self_checked = false) {
     const auto deadline = Clock::now() + timeout_;
     {
       std::lock_guard<std::mutex> lock(mu_);
       const bool now = !busy_ && queue_.empty() && static_cast<int64_t>(bytes) <= inline_bytes();
       if (!now) {
         auto work = std::make_shared<JobWork>(what, deadline);
-        queue_.push_back(
-            [this, work, what, d, self_checked, deadline, job = Job(std::forward<F>(job))] {
-              work->finish(execute(what, d, self_checked, deadline, job));
-            });
+        queue_.push_back([this, work, what, c = std::move(c), self_checked, deadline,
+                          job = Job(std::forward<F>(job))]() mutable {
+          work->finish(execute(what, std::move(c), self_checked, deadline, job));
+        });
         worker_->signal();
         return work;
       }
@@ -191,7 +193,7 @@ class UcxEngine : public Engine {
       // thread to progress them too made the two threads fight over the
       // worker (64 KiB, world 2: 35-50 us, 17-19 us without; README.md).
       Worker::Driving driving(*worker_);
-      error = execute(what, d, self_checked, deadline, job);
+      error = execute(what, std::move(c), self_checked, deadline, job);
     }
     bool queued;
     {
@@ -212,16 +214,16 @@ class UcxEngine : public Engine {
   // collective_check.h): a neighbour that runs another one fails it at once.
   // Returns its error, or null.
   template <class F>
-  std::exception_ptr execute(const char* what, Descriptor d, bool self_checked,
+  std::exception_ptr execute(const char* what, Check c, bool self_checked,
                              Clock::time_point deadline, F& job) {
     if (!failure_.empty()) {
       return std::make_exception_ptr(
           PeerError(std::string(what) + ": refused, an earlier collective failed: " + failure_));
     }
-    d.seq = ++collectives_;
+    c.d.seq = ++collectives_;
     bool ran = false;
     try {
-      worker_->begin_collective(d);
+      worker_->begin_collective(c.d, std::move(c.send), std::move(c.recv));
       if (!self_checked) worker_->post_check();
       Link link(channel_, what, deadline, &scratch_);
       job(link);

@@ -206,7 +206,7 @@ void Worker::wait(Transfer& t, Clock::time_point deadline) {
     ~Waiting() { n.fetch_sub(1, std::memory_order_acq_rel); }
   } waiting(waiters_);
   // Only the thread running a collective waits for its messages, so it
-  // alone touches check_in_: a neighbour's check that shows another
+  // alone touches checks_in_: a peer's check that shows another
   // collective ends this wait at once.
   const bool collective = t.channel == Channel::Collective && !t.check;
   // The notices, the check and the clock are looked at once per
@@ -221,10 +221,7 @@ void Worker::wait(Transfer& t, Clock::time_point deadline) {
     if (progress() || ++polls % kPollsPerLook != 1) continue;
     check_notices();
     if (failed_.load(std::memory_order_acquire)) throw_failure();
-    if (collective && check_in_ && !check_in_->verified &&
-        check_in_->done.load(std::memory_order_acquire)) {
-      verify_check(*check_in_);
-    }
+    if (collective) verify_arrived();
     const auto now = Clock::now();
     if (polls == 1) spin_until = now + std::chrono::microseconds(spin_us());
     if (now >= deadline) {
@@ -244,12 +241,10 @@ void Worker::finish(Transfer& t) {
     // Inside a collective the checks name both collectives, which says
     // more than a size: give the neighbour's check (or another rank's
     // notice of it) a moment to arrive.
-    if (t.channel == Channel::Collective && check_in_) {
+    if (t.channel == Channel::Collective && !checks_in_.empty()) {
       const auto until = Clock::now() + Millis(200);
       while (!failed_.load(std::memory_order_acquire) && Clock::now() < until) {
-        if (!check_in_->verified && check_in_->done.load(std::memory_order_acquire)) {
-          verify_check(*check_in_);
-        }
+        verify_arrived();
         check_notices();
         if (!progress()) std::this_thread::yield();
       }

@@ -114,12 +114,15 @@ class Worker {
   // Called by UCX's completion callbacks: counts `t` done, wakes waiters.
   void completed(const Transfer& t);
 
-  // The collective this rank runs next (collective_check.h): its check is
+  // The collective this rank runs next (collective_check.h): its checks are
   // watched by every wait for the engine's collective messages. Called by
   // the thread that runs the collective, which alone calls the three below.
-  // Throws MismatchError when a peer closed after fewer collectives.
-  void begin_collective(const Descriptor& d);
-  // Sends this rank's descriptor to rank + 1, receives rank - 1's.
+  // An all_to_all gives the elements it sends to and expects from each
+  // peer (d.count is then per peer). Throws MismatchError when a peer
+  // closed after fewer collectives.
+  void begin_collective(const Descriptor& d, std::vector<int64_t> send_counts = {},
+                        std::vector<int64_t> recv_counts = {});
+  // Sends this rank's descriptor to every other rank, receives theirs.
   void post_check();
   // A receive in the check slot from `peer` into `t` (at least a check
   // message long), watched as the collective's check: a fused message.
@@ -149,6 +152,11 @@ class Worker {
   void report_bad_receive(const Transfer& t);
   // The check of the current collective, compared once it arrived.
   void verify_check(Transfer& t);
+  // Compares the checks that arrived and are not compared yet.
+  void verify_arrived();
+  // This rank's descriptor as sent to `peer`, or as expected from it
+  // (they differ only in an all_to_all's count).
+  Descriptor for_peer(int peer, bool sent);
   // Fails the group naming both collectives, tells every peer.
   [[noreturn]] void mismatch(int peer, const Descriptor& theirs);
   void handle_notice(const int64_t* w, size_t words);
@@ -218,8 +226,10 @@ class Worker {
   int64_t collectives_ = 0;  // begun by this rank
   std::vector<int64_t> closed_after_;
   std::vector<bool> closed_clean_;
-  // The current collective's check messages (the collective's thread only).
-  std::shared_ptr<Transfer> check_in_, check_out_;
+  // The current collective's check messages, and an all_to_all's counts per
+  // peer (the collective's thread only).
+  std::vector<std::shared_ptr<Transfer>> checks_in_, checks_out_;
+  std::vector<int64_t> send_counts_, recv_counts_;
 };
 
 // Holds the worker: a Work may outlive its engine.

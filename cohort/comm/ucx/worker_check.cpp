@@ -1,5 +1,5 @@
 // The Worker's part in naming collectives that differ across ranks
-// (collective_check.h): each collective's check ring, its verification,
+// (collective_check.h): each collective's checks, their verification,
 // and the notices that tell every rank of the group.
 #include <limits>
 
@@ -21,9 +21,12 @@ std::string Worker::current_locked() const {
          current_.describe() + ")";
 }
 
-void Worker::begin_collective(const Descriptor& d) {
-  check_in_.reset();
-  check_out_.reset();
+void Worker::begin_collective(const Descriptor& d, std::vector<int64_t> send_counts,
+                              std::vector<int64_t> recv_counts) {
+  checks_in_.clear();
+  checks_out_.clear();
+  send_counts_ = std::move(send_counts);
+  recv_counts_ = std::move(recv_counts);
   std::lock_guard<std::mutex> lock(mu_);
   current_ = d;
   in_collective_ = true;
@@ -39,17 +42,30 @@ void Worker::begin_collective(const Descriptor& d) {
   }
 }
 
-void Worker::post_check() {
-  if (size_ == 1) return;
-  auto words = at::empty({kDescriptorWords}, at::kLong);
+Descriptor Worker::for_peer(int peer, bool sent) {
+  Descriptor d;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    to_words(current_, words.data_ptr<int64_t>());
+    d = current_;
   }
-  // Receive first: the neighbour's check then never waits unexpected.
-  post_check_receive(at::empty({kDescriptorWords}, at::kLong), (rank_ - 1 + size_) % size_);
-  check_out_ =
-      post(Channel::Collective, words, (rank_ + 1) % size_, static_cast<int>(kCheckBit), true);
+  const auto& counts = sent ? send_counts_ : recv_counts_;
+  if (!counts.empty()) d.count = counts[static_cast<size_t>(peer)];
+  return d;
+}
+
+// To every peer, not to a neighbour only: each rank then compares every
+// other rank's call itself, so none finishes a collective another rank
+// called differently (with a ring, a rank whose neighbours agree could
+// finish before the notice of a rank further on arrived).
+void Worker::post_check() {
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    // Receive first: the peer's check then never waits unexpected.
+    post_check_receive(at::empty({kDescriptorWords}, at::kLong), q);
+    auto words = at::empty({kDescriptorWords}, at::kLong);
+    to_words(for_peer(q, true), words.data_ptr<int64_t>());
+    checks_out_.push_back(post(Channel::Collective, words, q, static_cast<int>(kCheckBit), true));
+  }
 }
 
 std::shared_ptr<Transfer> Worker::post_check_receive(at::Tensor t, int peer) {
@@ -58,7 +74,7 @@ std::shared_ptr<Transfer> Worker::post_check_receive(at::Tensor t, int peer) {
   auto x = start(Channel::Collective, std::move(t), peer, static_cast<int>(kCheckBit), false,
                  kCheckMask);
   x->check = true;
-  check_in_ = x;
+  checks_in_.push_back(x);
   return x;
 }
 
@@ -66,15 +82,21 @@ void Worker::end_collective(Clock::time_point deadline, bool ok) {
   struct End {  // the collective ends however this returns
     Worker& w;
     ~End() {
-      w.check_in_.reset();
-      w.check_out_.reset();
+      w.checks_in_.clear();
+      w.checks_out_.clear();
       std::lock_guard<std::mutex> lock(w.mu_);
       w.in_collective_ = false;
     }
   } end{*this};
   if (!ok) return;
-  if (check_in_) wait(*check_in_, deadline);
-  if (check_out_) wait(*check_out_, deadline);
+  for (auto& c : checks_in_) wait(*c, deadline);
+  for (auto& c : checks_out_) wait(*c, deadline);
+}
+
+void Worker::verify_arrived() {
+  for (auto& c : checks_in_) {
+    if (!c->verified && c->done.load(std::memory_order_acquire)) verify_check(*c);
+  }
 }
 
 void Worker::verify_check(Transfer& t) {
@@ -84,11 +106,7 @@ void Worker::verify_check(Transfer& t) {
     throw PeerError("ucx: " + t.what() + " failed: " + ucs_status_string(t.status));
   }
   t.verified = true;
-  Descriptor mine;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    mine = current_;
-  }
+  const Descriptor mine = for_peer(t.peer, false);
   const auto low = static_cast<uint32_t>(t.sender_tag);
   if (low & kFusedBit) {
     const auto theirs = from_fused_tag(low, mine.seq);
@@ -107,19 +125,8 @@ void Worker::verify_check(Transfer& t) {
 }
 
 void Worker::mismatch(int peer, const Descriptor& theirs) {
-  Descriptor mine;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    mine = current_;
-  }
-  const std::string what =
-      theirs.seq == mine.seq ? theirs.describe()
-      : theirs.seq < 0       ? "a collective it did not describe"
-                       : theirs.describe() + " as its collective #" + std::to_string(theirs.seq);
-  fail("ucx: collective #" + std::to_string(mine.seq) + ": this rank called " + mine.describe() +
-           " but rank " + std::to_string(peer) + " called " + what +
-           ": the ranks called different collectives",
-       true);
+  const Descriptor mine = for_peer(peer, false);
+  fail(mismatch_message("ucx", mine, peer, theirs), true);
   // Every rank of the group learns it now, not at its timeout: the others
   // may be waiting for ranks that already gave up.
   auto notice = at::zeros({kNoticeWords}, at::kLong);

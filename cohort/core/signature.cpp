@@ -1,0 +1,141 @@
+#include "cohort/core/signature.h"
+
+#include "cohort/core/tensor_checks.h"
+
+namespace cohort {
+namespace {
+
+const char* kind_name(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::AllReduce:
+      return "all_reduce";
+    case CollectiveKind::Broadcast:
+      return "broadcast";
+    case CollectiveKind::Reduce:
+      return "reduce";
+    case CollectiveKind::AllGather:
+      return "all_gather";
+    case CollectiveKind::Gather:
+      return "gather";
+    case CollectiveKind::Scatter:
+      return "scatter";
+    case CollectiveKind::AllToAll:
+      return "all_to_all";
+    case CollectiveKind::Barrier:
+      return "barrier";
+    case CollectiveKind::ReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::AllReduceCoalesced:
+      return "all_reduce_coalesced";
+    case CollectiveKind::BroadcastCoalesced:
+      return "broadcast_coalesced";
+  }
+  return "an unknown collective";
+}
+
+thread_local std::optional<Signature> t_signature;
+
+}  // namespace
+
+std::string Signature::describe() const {
+  std::string s = kind_name(kind);
+  std::string args;
+  auto add = [&](const std::string& a) { args += (args.empty() ? "" : ", ") + a; };
+  // A peer's signature comes off the wire: name what is out of range as a number.
+  if (dtype >= 0 && dtype < static_cast<int>(at::NumScalarTypes)) {
+    add(dtype_name(static_cast<at::ScalarType>(dtype)));
+  } else if (dtype >= 0) {
+    add("dtype " + std::to_string(dtype));
+  }
+  if (count >= 0) add(std::to_string(count) + (count == 1 ? " element" : " elements"));
+  if (op >= 0 && op <= static_cast<int>(ReduceOp::Prod)) {
+    add(to_string(static_cast<ReduceOp>(op)));
+  } else if (op >= 0) {
+    add("op " + std::to_string(op));
+  }
+  if (root >= 0) add("root " + std::to_string(root));
+  return args.empty() ? s : s + " (" + args + ")";
+}
+
+Signature signature_of(CollectiveKind kind, const at::Tensor& t, int64_t root,
+                       std::optional<ReduceOp> op) {
+  Signature s;
+  s.kind = kind;
+  s.dtype = static_cast<int>(t.scalar_type());
+  s.count = t.numel();
+  s.root = root;
+  s.op = op ? static_cast<int>(*op) : -1;
+  return s;
+}
+
+// Word 1: kind, dtype + 1 and op + 1 in a byte each (-1 is 0).
+void to_words(const Signature& s, int64_t* w) {
+  w[0] = s.seq;
+  w[1] = static_cast<int64_t>(s.kind) | (int64_t{(s.dtype + 1) & 0xff} << 8) |
+         (int64_t{(s.op + 1) & 0xff} << 16);
+  w[2] = s.root;
+  w[3] = s.count;
+}
+
+Signature from_words(const int64_t* w) {
+  Signature s;
+  s.seq = w[0];
+  s.kind = static_cast<CollectiveKind>(w[1] & 0xff);
+  s.dtype = static_cast<int>((w[1] >> 8) & 0xff) - 1;
+  s.op = static_cast<int>((w[1] >> 16) & 0xff) - 1;
+  s.root = w[2];
+  s.count = w[3];
+  return s;
+}
+
+std::string mismatch_message(const std::string& engine, const Signature& mine, int peer,
+                             const Signature& theirs) {
+  const std::string what =
+      theirs.seq == mine.seq ? theirs.describe()
+      : theirs.seq < 0       ? "a collective it did not describe"
+                       : theirs.describe() + " as its collective #" + std::to_string(theirs.seq);
+  return engine + ": collective #" + std::to_string(mine.seq) + ": this rank called " +
+         mine.describe() + " but rank " + std::to_string(peer) + " called " + what +
+         ": the ranks called different collectives";
+}
+
+namespace {
+Signature with_count(Signature s, const std::vector<int64_t>& counts, int q) {
+  if (!counts.empty()) s.count = counts[static_cast<size_t>(q)];
+  return s;
+}
+}  // namespace
+
+void fill_rows(const Signature& s, const std::vector<int64_t>& send, int size, int64_t* rows) {
+  for (int q = 0; q < size; ++q) to_words(with_count(s, send, q), rows + q * kSignatureWords);
+}
+
+std::string compare_rows(const std::string& engine, const Signature& s,
+                         const std::vector<int64_t>& recv, int rank, int size,
+                         const int64_t* rows) {
+  for (int q = 0; q < size; ++q) {
+    if (q == rank) continue;
+    const auto want = with_count(s, recv, q);
+    const auto got = from_words(rows + q * kSignatureWords);
+    if (got != want) return mismatch_message(engine, want, q, got);
+  }
+  return "";
+}
+
+SignatureScope::SignatureScope(const Signature& s) { t_signature = s; }
+
+SignatureScope::~SignatureScope() { t_signature.reset(); }
+
+std::optional<Signature> take_signature() {
+  auto s = t_signature;
+  t_signature.reset();
+  return s;
+}
+
+Signature given_or(CollectiveKind kind, const at::Tensor& t, int64_t root,
+                   std::optional<ReduceOp> op) {
+  if (auto given = take_signature()) return *given;
+  return signature_of(kind, t, root, op);
+}
+
+}  // namespace cohort

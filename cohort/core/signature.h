@@ -1,0 +1,103 @@
+// defines: Signature (what a rank calls as its n-th collective of a group:
+// kind, dtype, reduce op, root, elements), its encoding as four words, and
+// SignatureScope, through which the Communicator tells the engine it calls
+// what the user asked for.
+//
+// Every engine compares each collective's signature across ranks before any
+// data moves where a difference could do harm (Gloo aborts, MPI truncates),
+// or alongside the data where it cannot (UCX): ranks that call different
+// collectives get a MismatchError naming both calls, never a wrong result.
+// The engine sees a sum where the user asked for avg, and float32 where the
+// user passed float16; the Communicator's signature says what was asked.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cohort/core/types.h"
+
+namespace cohort {
+
+enum class CollectiveKind : int8_t {
+  AllReduce = 1,
+  Broadcast,
+  Reduce,
+  AllGather,
+  Gather,
+  Scatter,
+  AllToAll,
+  Barrier,
+  ReduceScatter,
+  AllReduceCoalesced,
+  BroadcastCoalesced,
+};
+
+struct Signature {
+  int64_t seq = 0;  // 1 for the group's first collective (set by the engine)
+  CollectiveKind kind = CollectiveKind::Barrier;
+  int dtype = -1;  // at::ScalarType, or -1 (none, or several)
+  int op = -1;     // ReduceOp, or -1
+  int64_t root = -1;
+  // Elements per rank; for all_to_all, those sent to (or expected from) one
+  // peer, which the engine fills in per peer; -1 for none.
+  int64_t count = -1;
+  // How long the engine waits for the peers' signatures (the operation's
+  // timeout; 0: the engine's). Not compared, not sent.
+  Millis timeout{0};
+
+  bool operator==(const Signature& o) const {
+    return seq == o.seq && kind == o.kind && dtype == o.dtype && op == o.op && root == o.root &&
+           count == o.count;
+  }
+  bool operator!=(const Signature& o) const { return !(*this == o); }
+  // "all_reduce (float32, 1024 elements, sum)"
+  std::string describe() const;
+};
+
+// The signature of a collective on `t` (elements per rank).
+Signature signature_of(CollectiveKind kind, const at::Tensor& t, int64_t root = -1,
+                       std::optional<ReduceOp> op = std::nullopt);
+
+// A signature as words: few, so a check fits in one small message.
+inline constexpr int kSignatureWords = 4;
+void to_words(const Signature& s, int64_t* words);
+Signature from_words(const int64_t* words);
+
+// "<engine>: collective #3: this rank called X but rank 1 called Y: the
+// ranks called different collectives" (theirs.seq < 0: a peer's message
+// that did not describe its collective).
+std::string mismatch_message(const std::string& engine, const Signature& mine, int peer,
+                             const Signature& theirs);
+
+// An exchange with every peer (engines over point-to-point): row q of
+// `rows` (size x kSignatureWords) is what this rank sends rank q, `s` with
+// the count send[q] when given (an all_to_all's elements per peer).
+void fill_rows(const Signature& s, const std::vector<int64_t>& send, int size, int64_t* rows);
+// Row q of `rows` is what rank q sent this rank; compared with `s` (with
+// the count recv[q] when given). The mismatch_message of the first peer
+// that differs, or empty.
+std::string compare_rows(const std::string& engine, const Signature& s,
+                         const std::vector<int64_t>& recv, int rank, int size, const int64_t* rows);
+
+// The signature of the collective the Communicator is issuing on this
+// thread, for the engine call it makes inside the scope. The first engine
+// collective takes it (take_signature); one with none describes itself from
+// its arguments (the algorithms' private engine, calibration).
+class SignatureScope {
+ public:
+  explicit SignatureScope(const Signature& s);
+  ~SignatureScope();
+  SignatureScope(const SignatureScope&) = delete;
+  SignatureScope& operator=(const SignatureScope&) = delete;
+};
+std::optional<Signature> take_signature();
+// What an engine collective checks: the signature the Communicator gave
+// (take_signature), else signature_of its arguments.
+Signature given_or(CollectiveKind kind, const at::Tensor& t, int64_t root = -1,
+                   std::optional<ReduceOp> op = std::nullopt);
+
+}  // namespace cohort
