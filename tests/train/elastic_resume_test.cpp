@@ -5,7 +5,8 @@
 // every step must train on the same samples: the epoch's global order
 // continues, no sample lost or seen twice. DDP's replicated state, and the
 // sharded state of ZeRO-1/2 and FSDP (a distributed checkpoint, resharded on
-// load, also into the other of these modes).
+// load, also into the other of these modes). And at the same world size
+// with another micro-batch and accumulation, against one process.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -72,6 +73,7 @@ struct JobResult {
   std::map<int64_t, std::multiset<int64_t>> samples;  // step -> samples of all ranks
   std::map<int64_t, int64_t> epoch_of;                // step -> epoch
   std::vector<torch::Tensor> params;                  // rank 0's, at the end
+  std::vector<std::string> errors;                    // what resume() threw, by rank
 };
 
 // Column 8 of the data is the sample's index: the loss records it and the
@@ -145,7 +147,13 @@ JobResult run_job(const Job& job) {
         },
         config);
     TensorDataSource source(x, data.y, job.layout.micro_batch, comm->rank(), comm->size());
-    auto resumed = job.resume ? trainer.resume() : std::nullopt;
+    std::optional<int64_t> resumed;
+    std::string error;
+    try {
+      resumed = job.resume ? trainer.resume() : std::nullopt;
+    } catch (const ConfigError& e) {
+      error = e.what();  // every rank alike: none trains
+    }
     step = trainer.position().step;
     FitCallbacks callbacks;
     callbacks.on_step = [&](const StepMetrics& m) {
@@ -155,7 +163,12 @@ JobResult run_job(const Job& job) {
         result.epoch_of[m.step] = m.epoch;
       }
     };
-    trainer.fit(source, callbacks);
+    if (error.empty()) trainer.fit(source, callbacks);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      result.errors.resize(job.layout.world);
+      result.errors[comm->rank()] = error;
+    }
     std::vector<torch::Tensor> params;
     if (fsdp) {
       for (const auto& item : sharded->full_state_dict()) params.push_back(item.value());
@@ -178,14 +191,20 @@ constexpr Layout kWorld4{4, 3, 1};
 constexpr int64_t kResumeAt = 11;  // mid-epoch: step 3 of epoch 1
 constexpr int64_t kSteps = 10;
 
-// Trains at world 4 in mode `from`, resumes at `resized` in mode `to`, and
-// checks the next kSteps and the samples against the uninterrupted run.
-void expect_resume_continues(Mode from, Mode to, const Layout& resized) {
-  ASSERT_EQ(resized.world * resized.micro_batch * resized.accumulation, kGlobalBatch);
+// Trains at `origin` in mode `from`, resumes at `resized` in mode `to`, and
+// checks the next kSteps and the samples against the uninterrupted run at
+// `reference` (by default the origin's).
+void expect_resume_continues(Mode from, Mode to, const Layout& resized,
+                             const Layout& origin = kWorld4,
+                             std::optional<Layout> reference_layout = std::nullopt) {
+  for (const auto& l : {resized, origin, reference_layout.value_or(origin)}) {
+    ASSERT_EQ(l.world * l.micro_batch * l.accumulation, kGlobalBatch);
+  }
   TempDir whole("cohort-elastic-whole"), split("cohort-elastic-split");
-  const auto reference = run_job({kWorld4, whole.str(), kResumeAt + kSteps, false, from});
+  const auto reference =
+      run_job({reference_layout.value_or(origin), whole.str(), kResumeAt + kSteps, false, from});
 
-  const auto first = run_job({kWorld4, split.str(), kResumeAt, false, from});
+  const auto first = run_job({origin, split.str(), kResumeAt, false, from});
   const auto second = run_job({resized, split.str(), kResumeAt + kSteps, /*resume=*/true, to});
   ASSERT_EQ(second.resumed_at, std::optional<int64_t>(kResumeAt));
   ASSERT_EQ(second.loss.size(), static_cast<size_t>(kSteps));
@@ -204,7 +223,9 @@ void expect_resume_continues(Mode from, Mode to, const Layout& resized) {
     bitwise = bitwise && torch::equal(second.params[i], reference.params[i]);
   }
   ::testing::Test::RecordProperty("bitwise", bitwise ? "yes" : "no");
-  std::printf("%s world 4 -> %s world %d: %s\n", mode_name(from), mode_name(to), resized.world,
+  std::printf("%s world %d x %lld -> %s world %d x %lld: %s\n", mode_name(from), origin.world,
+              static_cast<long long>(origin.accumulation), mode_name(to), resized.world,
+              static_cast<long long>(resized.accumulation),
               bitwise ? "bitwise identical" : "equal within 1e-5, not bitwise");
 
   // Epoch 1 (steps 9..16) ran partly at world 4, partly at the new size:
@@ -232,6 +253,36 @@ INSTANTIATE_TEST_SUITE_P(Trainer, ElasticResume,
                                            Layout{6, 2, 1}),
                          [](const ::testing::TestParamInfo<Layout>& i) {
                            return "to_world" + std::to_string(i.param.world);
+                         });
+
+// The same world size with the global batch cut into other micro-batches
+// (micro-batch x accumulation): the checkpoint's micro-batch index counts
+// the old ones, so the position must come from the samples done. Checked
+// against one process, at world 1 and 2, both ways, DDP and FSDP.
+struct Recut {
+  Mode mode;
+  Layout from, to;
+};
+
+class RecutResume : public ::testing::TestWithParam<Recut> {};
+
+TEST_P(RecutResume, NextStepsMatchOneProcessOnTheSameSamples) {
+  const Recut r = GetParam();
+  expect_resume_continues(r.mode, r.mode, r.to, r.from, Layout{1, kGlobalBatch, 1});
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, RecutResume,
+                         ::testing::Values(Recut{Mode::Ddp, {2, 6, 1}, {2, 3, 2}},
+                                           Recut{Mode::Ddp, {2, 3, 2}, {2, 6, 1}},
+                                           Recut{Mode::Ddp, {1, 12, 1}, {1, 6, 2}},
+                                           Recut{Mode::Ddp, {1, 4, 3}, {1, 6, 2}},
+                                           Recut{Mode::Fsdp, {2, 6, 1}, {2, 3, 2}}),
+                         [](const ::testing::TestParamInfo<Recut>& i) {
+                           const auto& r = i.param;
+                           return std::string(mode_name(r.mode)) + "_world" +
+                                  std::to_string(r.from.world) + "_accumulation" +
+                                  std::to_string(r.from.accumulation) + "_to" +
+                                  std::to_string(r.to.accumulation);
                          });
 
 // Sharded state (ZeRO-1/2, FSDP) is a distributed checkpoint: it resumes at
@@ -341,6 +392,37 @@ TEST(ElasticResumeRefused, ShardedCheckpointIntoDdpNamesTheModesAndLoadsNothing)
     EXPECT_NE(errors[r].find("ZeRO or FSDP"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("replicated state"), std::string::npos) << errors[r];
     EXPECT_TRUE(torch::equal(params[r], fresh)) << "rank " << r << " loaded the model";
+  }
+}
+
+// A checkpoint whose state is in its file (DDP) cannot be resumed by a
+// trainer whose state is a distributed checkpoint (FSDP, ZeRO): a
+// ConfigError on every rank naming both, at the same world size and at
+// another, with nothing loaded.
+TEST(ElasticResumeRefused, ReplicatedCheckpointIntoFsdpOrZeroNamesBothAndLoadsNothing) {
+  TempDir dir("cohort-elastic-ddp");
+  run_job({{2, 6, 1}, dir.str(), 4, false, Mode::Ddp});
+  const auto fresh = testing::make_mlp(99)->parameters();
+  struct Into {
+    Mode mode;
+    Layout layout;
+    const char* names;
+  };
+  for (const auto& into : {Into{Mode::Fsdp, {2, 6, 1}, "FSDP"}, Into{Mode::Fsdp, {3, 4, 1}, "FSDP"},
+                           Into{Mode::Zero1, {2, 6, 1}, "ZeRO"}}) {
+    const auto r = run_job({into.layout, dir.str(), 8, /*resume=*/true, into.mode});
+    ASSERT_EQ(r.errors.size(), static_cast<size_t>(into.layout.world));
+    for (const auto& e : r.errors) {
+      EXPECT_NE(e.find("was written by a trainer with replicated state (a DDP"), std::string::npos)
+          << e;
+      EXPECT_NE(e.find(into.names), std::string::npos) << e;
+      EXPECT_NE(e.find("loads only from a distributed checkpoint"), std::string::npos) << e;
+    }
+    EXPECT_TRUE(r.loss.empty());
+    ASSERT_EQ(r.params.size(), fresh.size());
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      EXPECT_TRUE(torch::equal(r.params[i], fresh[i])) << mode_name(into.mode) << " loaded " << i;
+    }
   }
 }
 
