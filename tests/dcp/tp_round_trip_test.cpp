@@ -10,7 +10,6 @@
 
 #include <mutex>
 
-#include "ckpt_files.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/tp_adapters.h"
 #include "cohort/mesh/gradient_synchronizer.h"
@@ -203,30 +202,6 @@ INSTANTIATE_TEST_SUITE_P(Meshes, TensorParallelRoundTrip,
                            return "tp" + std::to_string(s.tp) + "_pp" + std::to_string(s.pp) +
                                   "_dp" + std::to_string(s.dp);
                          });
-
-// cohort-ckpt consolidate of a pipeline checkpoint (pp 2, tp 2): every
-// rank's stage modules are in the file, so torch::load reads it into the
-// whole model (one process), bit for bit what the job held.
-TEST(TensorParallelConsolidate, PipelineCheckpointLoadsIntoTheWholeModel) {
-  const auto dir = temp_dir("tp_consolidate");
-  const auto out = (dir / "model.pt").string();
-  const auto expected = train_and_save({1, 2, 2}, 2, dir.string(), config(7));
-  cohort_ckpt::consolidate_checkpoint(dir.string(), out);
-  run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
-    DeviceMesh mesh(world, {1, 1, 1});
-    GPTStage whole(mesh, config(99));
-    torch::load(whole, out);
-    size_t compared = 0;
-    for (const auto& p : whole->named_parameters()) {
-      auto it = expected.find("model." + p.key());
-      ASSERT_NE(it, expected.end()) << p.key();
-      EXPECT_TRUE(torch::equal(p.value(), it->second)) << p.key();
-      ++compared;
-    }
-    EXPECT_EQ(compared, 52u);
-  });
-  std::filesystem::remove_all(dir);
-}
 
 // A vocabulary of 14 saved at tp 2 cannot be split over tp 3 (whose model
 // pads it to 15): every rank throws naming the tensor; nothing changes.
