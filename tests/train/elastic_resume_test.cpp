@@ -9,6 +9,7 @@
 // with another micro-batch and accumulation, against one process.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -65,6 +66,20 @@ struct Job {
   int64_t max_steps;
   bool resume = false;
   Mode mode = Mode::Ddp;
+  bool global_order = true;  // false: the source hides its global order
+};
+
+// A source without a global sample order (global_micro_batch() 0): the
+// same micro-batches, an index that means something to it alone.
+class OrderlessSource : public DataSource {
+ public:
+  explicit OrderlessSource(TensorDataSource& source) : source_(source) {}
+  void set_epoch(int64_t epoch) override { source_.set_epoch(epoch); }
+  int64_t num_batches() const override { return source_.num_batches(); }
+  torch::data::Example<> batch(int64_t index) override { return source_.batch(index); }
+
+ private:
+  TensorDataSource& source_;
 };
 
 struct JobResult {
@@ -163,7 +178,13 @@ JobResult run_job(const Job& job) {
         result.epoch_of[m.step] = m.epoch;
       }
     };
-    if (error.empty()) trainer.fit(source, callbacks);
+    OrderlessSource orderless(source);
+    try {
+      if (error.empty())
+        trainer.fit(job.global_order ? static_cast<DataSource&>(source) : orderless, callbacks);
+    } catch (const ConfigError& e) {
+      error = e.what();  // before the first step, on every rank alike
+    }
     {
       std::lock_guard<std::mutex> lock(mu);
       result.errors.resize(job.layout.world);
@@ -392,6 +413,82 @@ TEST(ElasticResumeRefused, ShardedCheckpointIntoDdpNamesTheModesAndLoadsNothing)
     EXPECT_NE(errors[r].find("ZeRO or FSDP"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("replicated state"), std::string::npos) << errors[r];
     EXPECT_TRUE(torch::equal(params[r], fresh)) << "rank " << r << " loaded the model";
+  }
+}
+
+// A source without a global order keeps the checkpoint's micro-batch index:
+// right for another accumulation with the same micro-batches, but with
+// micro-batches of another size it would train on other samples, so that is
+// a ConfigError on every rank naming both counts, before any step.
+TEST(ElasticResumeRefused, SourceWithoutGlobalOrderRefusesMicroBatchesOfAnotherSize) {
+  TempDir dir("cohort-elastic-orderless");
+  run_job({{2, 6, 1}, dir.str(), kResumeAt, false, Mode::Ddp, false});
+  const auto refused = run_job({{2, 3, 2}, dir.str(), kResumeAt + 2, true, Mode::Ddp, false});
+  ASSERT_EQ(refused.errors.size(), 2u);
+  for (const auto& e : refused.errors) {
+    EXPECT_NE(e.find("16 micro-batches an epoch, the job that wrote the checkpoint had 8"),
+              std::string::npos)
+        << e;
+  }
+  EXPECT_TRUE(refused.loss.empty());
+  const auto same = run_job({{2, 6, 1}, dir.str(), kResumeAt + 2, true, Mode::Ddp, false});
+  EXPECT_EQ(same.errors, std::vector<std::string>(2));
+  EXPECT_EQ(same.loss.size(), 2u);
+}
+
+// A stateful compressor's per-rank shard file of the newest checkpoint
+// damaged, which only its own rank reads: every rank falls back to the
+// previous checkpoint alike, and says which file and why.
+TEST(ShardFallback, DamagedShardFileFallsBackOnEveryRank) {
+  TempDir dir("cohort-shard-fallback");
+  compression::CompressionOptions options;
+  options.kind = compression::CompressionKind::Int8;
+  const auto data = testing::make_data(kSamples);
+  std::vector<std::optional<int64_t>> resumed(2);
+  std::vector<std::string> skipped(2);
+  auto train = [&](bool resume) {
+    testing::run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+      auto net = testing::make_mlp(resume ? 99 : 7);
+      DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+      ddp.register_comm_hook(std::make_shared<CompressionHook>(options));
+      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+      TrainerConfig config;
+      config.checkpoint_dir = dir.str();
+      config.checkpoint_every = 2;
+      config.max_steps = 4;
+      config.progress = false;
+      Trainer trainer(
+          TrainerWiring::ddp(ddp, opt),
+          [&](const torch::data::Example<>& b) {
+            return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+          },
+          config);
+      if (!resume) {
+        TensorDataSource source(data.x, data.y, 3, comm->rank(), comm->size());
+        trainer.fit(source);
+        return;
+      }
+      resumed[comm->rank()] = trainer.resume();
+      if (!trainer.skipped_checkpoints().empty()) {
+        skipped[comm->rank()] = trainer.skipped_checkpoints().front();
+      }
+    });
+  };
+  train(false);
+  const std::string shard = CheckpointDir(dir.str(), 3).path_for(4) + ".shard-1-of-2";
+  std::string bytes;
+  {
+    std::ifstream in(shard, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GT(bytes.size(), 100u);
+  bytes[bytes.size() / 2] ^= 0x40;
+  std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+  train(true);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(resumed[r], std::optional<int64_t>(2)) << "rank " << r;
+    EXPECT_NE(skipped[r].find(shard), std::string::npos) << skipped[r];
+    EXPECT_NE(skipped[r].find("checksum mismatch"), std::string::npos) << skipped[r];
   }
 }
 
