@@ -55,7 +55,8 @@ struct StateDict {
   std::vector<TensorEntry> tensors;  ///< in the same order on every rank
   /// The names of the model's submodules ("model.<name>"), so that a
   /// consolidated checkpoint can hold the archive of each, as
-  /// torch::save(module) does (saved from rank 0's state dict).
+  /// torch::save(module) does. The checkpoint holds every rank's (a
+  /// pipeline's ranks each hold their own stages).
   std::vector<std::string> modules;
   /// Run by load() in order, after every tensor is in place (installs
   /// optimizer state that did not exist before the load).
@@ -71,6 +72,12 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm);
 
 /// Reads and verifies `dir`/.metadata.
 Metadata read_metadata(const std::string& dir);
+
+/// Throws CheckpointError naming `dir` and the tensor when a tensor of
+/// `state` is not in `meta`, or has another shape or dtype there: whether the
+/// checkpoint fits the model, apart from its data (load() checks it first).
+/// Not collective.
+void check_fits(const StateDict& state, const Metadata& meta, const std::string& dir);
 
 /// Fills every shard of `state` from the checkpoint in `dir`. Collective.
 /// `meta`: the checkpoint's metadata when the caller has read it already.

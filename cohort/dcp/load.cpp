@@ -126,21 +126,18 @@ int64_t read_overlap(const TensorMeta& t, const ChunkMeta& c, const Box& target,
 // CheckpointError naming the tensor or file.
 std::vector<torch::Tensor> stage(const StateDict& state, const std::string& dir,
                                  const Metadata& meta) {
+  check_fits(state, meta, dir);
   DataFiles files(dir, meta);
   std::vector<torch::Tensor> staged;
   for (const auto& e : state.tensors) {
     const auto* t = meta.find(e.fqn);
     const std::string where = "checkpoint " + dir + ": tensor " + e.fqn;
-    if (!t) throw CheckpointError(where + " is not in the checkpoint");
-    if (t->shape != e.shape) {
-      throw CheckpointError(where + ": the checkpoint's shape " + shape_string(t->shape) +
-                            " differs from the model's " + shape_string(e.shape));
-    }
-    if (t->dtype != e.dtype) {
-      throw CheckpointError(where + ": the checkpoint's dtype " + dtype_name(t->dtype) +
-                            " differs from the model's " + dtype_name(e.dtype));
-    }
     for (const auto& s : e.shards) {
+      // The files' sizes first: the metadata keeps every chunk inside its
+      // file, so what is allocated below is at most what is on disk.
+      for (const auto& c : t->chunks) {
+        if (intersect(c.box, s.box).numel() > 0) files.fd(c.file);
+      }
       auto out = torch::empty(s.box.lengths, torch::TensorOptions().dtype(e.dtype));
       int64_t covered = 0;
       for (const auto& c : t->chunks) covered += read_overlap(*t, c, s.box, out, files);
@@ -156,6 +153,22 @@ std::vector<torch::Tensor> stage(const StateDict& state, const std::string& dir,
 }
 
 }  // namespace
+
+void check_fits(const StateDict& state, const Metadata& meta, const std::string& dir) {
+  for (const auto& e : state.tensors) {
+    const auto* t = meta.find(e.fqn);
+    const std::string where = "checkpoint " + dir + ": tensor " + e.fqn;
+    if (!t) throw CheckpointError(where + " is not in the checkpoint");
+    if (t->shape != e.shape) {
+      throw CheckpointError(where + ": the checkpoint's shape " + shape_string(t->shape) +
+                            " differs from the model's " + shape_string(e.shape));
+    }
+    if (t->dtype != e.dtype) {
+      throw CheckpointError(where + ": the checkpoint's dtype " + dtype_name(t->dtype) +
+                            " differs from the model's " + dtype_name(e.dtype));
+    }
+  }
+}
 
 Metadata read_metadata(const std::string& dir) {
   const auto path = dir + "/" + kMetadataName;

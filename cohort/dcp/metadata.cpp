@@ -59,6 +59,39 @@ void cut(const std::vector<int64_t>& shape, size_t dim, std::vector<int64_t>& pr
   throw CheckpointError("checkpoint " + source + ": " + what);
 }
 
+// Extents a tensor can have: none negative, its bytes within int64 (so that
+// every box and byte count below is exact).
+void check_shape(const TensorMeta& t, const std::string& source) {
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(t.dtype));
+  for (int64_t n : t.shape) {
+    if (n < 0) {
+      bad(source, "tensor " + t.fqn + ": negative extent in its shape " + shape_string(t.shape));
+    }
+    if (__builtin_mul_overflow(bytes, n, &bytes)) {
+      bad(source, "tensor " + t.fqn + ": its shape " + shape_string(t.shape) +
+                      " has more bytes than any file can hold");
+    }
+  }
+}
+
+// Each chunk's bytes inside its file, and the chunks tiling the tensor.
+void check_chunks(const TensorMeta& t, const std::vector<FileMeta>& files,
+                  const std::string& source) {
+  const std::string tiling = tiling_error(t);
+  if (!tiling.empty()) bad(source, "tensor " + t.fqn + ": " + tiling);
+  const auto element = static_cast<int64_t>(c10::elementSize(t.dtype));
+  for (const auto& c : t.chunks) {
+    const int64_t bytes = c.box.numel() * element;  // inside the tensor: no overflow
+    const auto& f = files[static_cast<size_t>(c.file)];
+    if (c.byte_offset < 0 || c.byte_offset > f.bytes - bytes) {
+      bad(source, "tensor " + t.fqn + ": the chunk " + to_string(c.box) + " (" +
+                      std::to_string(bytes) + " bytes at " + std::to_string(c.byte_offset) +
+                      ") lies outside its file " + f.name + " of " + std::to_string(f.bytes) +
+                      " bytes");
+    }
+  }
+}
+
 }  // namespace
 
 int64_t Box::numel() const { return product(lengths); }
@@ -104,6 +137,50 @@ const TensorMeta* Metadata::find(const std::string& fqn) const {
   auto it = std::lower_bound(tensors.begin(), tensors.end(), fqn,
                              [](const TensorMeta& t, const std::string& n) { return t.fqn < n; });
   return it != tensors.end() && it->fqn == fqn ? &*it : nullptr;
+}
+
+std::string tiling_error(const TensorMeta& t) {
+  const size_t dims = t.shape.size();
+  std::vector<size_t> order;  // the chunks that hold elements, by their first row
+  int64_t held = 0;
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    const Box& b = t.chunks[i].box;
+    if (b.offsets.size() != dims || b.lengths.size() != dims) {
+      return "a chunk has another number of dimensions than the shape " + shape_string(t.shape);
+    }
+    for (size_t d = 0; d < dims; ++d) {
+      if (b.offsets[d] < 0 || b.lengths[d] < 0 || b.offsets[d] > t.shape[d] - b.lengths[d]) {
+        return "the chunk " + to_string(b) + " lies outside the shape " + shape_string(t.shape);
+      }
+    }
+    if (b.numel() == 0) continue;
+    order.push_back(i);
+    held += b.numel();  // each is inside the tensor, so no sum of them passes 2^63 unnoticed
+    if (held > whole(t.shape).numel()) break;
+  }
+  // A sweep over the first dimension: only chunks whose rows meet can share
+  // an element, so each is compared with those still open at its first row.
+  auto first = [&](size_t i) { return dims ? t.chunks[i].box.offsets[0] : 0; };
+  auto end = [&](size_t i) { return dims ? first(i) + t.chunks[i].box.lengths[0] : 1; };
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return first(a) < first(b); });
+  std::vector<size_t> open;
+  for (size_t i : order) {
+    open.erase(
+        std::remove_if(open.begin(), open.end(), [&](size_t j) { return end(j) <= first(i); }),
+        open.end());
+    for (size_t j : open) {
+      if (intersect(t.chunks[i].box, t.chunks[j].box).numel() > 0) {
+        return "the chunks " + to_string(t.chunks[j].box) + " and " + to_string(t.chunks[i].box) +
+               " overlap";
+      }
+    }
+    open.push_back(i);
+  }
+  if (held != whole(t.shape).numel()) {
+    return "its chunks hold " + std::to_string(held) + " of its " +
+           std::to_string(whole(t.shape).numel()) + " elements";
+  }
+  return "";
 }
 
 namespace {
@@ -166,14 +243,19 @@ Metadata metadata_from_json(const std::string& text, const std::string& source) 
                       std::to_string(kFormatVersion));
     }
     if (j.at("block_bytes") != kBlockBytes) bad(source, "checksum block size differs");
-    for (const auto& f : j.at("files"))
+    for (const auto& f : j.at("files")) {
       meta.files.push_back({f.at("name").get<std::string>(), f.at("bytes").get<int64_t>()});
+      if (meta.files.back().bytes < 0) {
+        bad(source, "file " + meta.files.back().name + ": negative size");
+      }
+    }
     meta.modules = j.value("modules", std::vector<std::string>{});
     for (const auto& t : j.at("tensors")) {
       TensorMeta tm;
       tm.fqn = t.at("fqn").get<std::string>();
       tm.shape = t.at("shape").get<std::vector<int64_t>>();
       tm.dtype = dtype_from_name(t.at("dtype"));
+      check_shape(tm, source);
       for (const auto& c : t.at("chunks")) {
         ChunkMeta cm;
         cm.box.offsets = c.at("offsets").get<std::vector<int64_t>>();
@@ -187,6 +269,7 @@ Metadata metadata_from_json(const std::string& text, const std::string& source) 
         }
         tm.chunks.push_back(std::move(cm));
       }
+      check_chunks(tm, meta.files, source);
       meta.tensors.push_back(std::move(tm));
     }
   } catch (const nlohmann::json::exception& e) {

@@ -85,8 +85,17 @@ struct Metadata {
 std::string dtype_name(torch::Dtype dtype);
 torch::Dtype dtype_from_name(const std::string& name);
 
+/// "" when the chunks of `t` tile its shape exactly: each inside the tensor,
+/// no two sharing an element, every element in one. Otherwise what is wrong,
+/// naming the chunks ("the chunks [0:4, 0:5] and [3:7, 0:5] overlap").
+/// Saving checks what it writes with it, reading what it reads.
+std::string tiling_error(const TensorMeta& t);
+
 std::string metadata_to_json(const Metadata& meta);
-/// Throws CheckpointError naming `source` when the text is not metadata.
+/// Throws CheckpointError naming `source` and the tensor when the text is not
+/// metadata, or describes what no checkpoint can hold: a negative extent, a
+/// shape whose bytes overflow, a chunk outside its file's bytes, chunks that
+/// do not tile their tensor (tiling_error).
 Metadata metadata_from_json(const std::string& text, const std::string& source);
 
 }  // namespace cohort::dcp

@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
@@ -48,6 +50,19 @@ void make_folder(const std::string& dir) {
   }
 }
 
+// What a writer killed before its rename left in `dir`
+// (write_file_atomically's "<name>.tmp.<pid>.<thread>"): a save into a
+// folder an earlier attempt was writing would otherwise keep it for good.
+// Called before any rank of this save writes.
+void remove_temporary_files(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().filename().string().find(".tmp.") != std::string::npos) {
+      std::filesystem::remove(entry.path(), ec);
+    }
+  }
+}
+
 // This rank's file: writes it and returns its chunk list (JSON).
 nlohmann::json write_rank_file(const StateDict& state, const std::string& dir, int rank,
                                int world) {
@@ -81,16 +96,19 @@ nlohmann::json write_rank_file(const StateDict& state, const std::string& dir, i
         {{"fqn", t.fqn}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}, {"chunks", chunks}});
   }
   write_file_atomically(dir + "/" + data_file_name(rank), pieces);
-  return {{"bytes", offset}, {"tensors", tensors}};
+  return {{"bytes", offset}, {"tensors", tensors}, {"modules", state.modules}};
 }
 
 // Rank 0: every rank's chunk lists as one Metadata; checks that the ranks
-// agree on each tensor and that its chunks cover it.
+// agree on each tensor and that its chunks tile it.
 Metadata merge(const std::vector<std::string>& lists) {
   std::map<std::string, TensorMeta> by_name;
+  std::set<std::string> modules;
   Metadata meta;
   for (size_t r = 0; r < lists.size(); ++r) {
     const auto j = nlohmann::json::parse(lists[r]);
+    // Every rank's submodules: a pipeline's ranks each hold their own stages.
+    for (const auto& m : j.at("modules")) modules.insert(m.get<std::string>());
     meta.files.push_back({data_file_name(static_cast<int>(r)), j.at("bytes").get<int64_t>()});
     for (const auto& t : j.at("tensors")) {
       const std::string fqn = t.at("fqn");
@@ -117,15 +135,14 @@ Metadata merge(const std::vector<std::string>& lists) {
     }
   }
   for (auto& [fqn, t] : by_name) {
-    int64_t covered = 0;
-    for (const auto& c : t.chunks) covered += c.box.numel();
-    if (covered != whole(t.shape).numel()) {
-      throw InvalidArgument("dcp::save: tensor " + fqn + ": the ranks' shards hold " +
-                            std::to_string(covered) + " of its " +
-                            std::to_string(whole(t.shape).numel()) + " elements");
+    const auto error = tiling_error(t);
+    if (!error.empty()) {
+      throw InvalidArgument("dcp::save: tensor " + fqn +
+                            ": the ranks' shards do not tile it: " + error);
     }
     meta.tensors.push_back(std::move(t));
   }
+  meta.modules.assign(modules.begin(), modules.end());
   return meta;
 }
 
@@ -140,6 +157,7 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   if (comm.rank() == 0) {
     try {
       make_folder(dir);
+      remove_temporary_files(dir);
       const auto meta = dir + "/" + kMetadataName;
       if (::unlink(meta.c_str()) != 0 && errno != ENOENT) {
         throw Error("checkpoint " + meta + ": unlink failed: " + std::strerror(errno));
@@ -160,8 +178,7 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   const auto lists = gather_strings(comm, list, 0);
   if (comm.rank() == 0) {
     try {
-      auto meta = merge(lists);
-      meta.modules = state.modules;
+      const auto meta = merge(lists);
       write_checkpoint_file(dir + "/" + kMetadataName, metadata_to_json(meta));
     } catch (const std::exception& e) {
       error = e.what();

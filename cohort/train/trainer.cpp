@@ -1,16 +1,10 @@
 #include "cohort/train/trainer.h"
 
-#include <cstdio>
-#include <filesystem>
-#include <sstream>
+#include <string>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
-#include "cohort/dcp/checkpoint_file.h"
-#include "cohort/dcp/dcp.h"
-#include "cohort/train/dcp_checkpoint.h"
 #include "cohort/train/progress.h"
-#include "cohort/train/rng_state.h"
 
 namespace cohort {
 namespace {
@@ -160,7 +154,7 @@ double Trainer::comm_seconds() const {
 std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {
   const int64_t k = config_.accumulation_steps;
   data.set_epoch(position_.epoch);
-  if (resized_) continue_epoch_order(data);
+  if (resumed_) continue_epoch_order(data);
   const int64_t g = data.global_micro_batch();
   const int64_t steps_per_epoch = data.num_batches() / k;
   if (steps_per_epoch == 0) {
@@ -182,6 +176,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
     for (int64_t i = 0; i < k; ++i) batches.push_back(data.batch(position_.batch + i));
     position_.batch += k;
     position_.epoch_samples = g > 0 ? position_.batch * g : -1;
+    position_.epoch_batches = data.num_batches();
     StepMetrics m = train_step(batches);
     metrics_.append(to_json(m));
     progress.update(m);
@@ -209,249 +204,42 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   return out;
 }
 
-void Trainer::save_checkpoint() {
-  if (!checkpoints_) return;
-  // Sharded model and optimizer state (ZeRO, FSDP) goes into the
-  // checkpoint's dcp folder; other per-rank state (a compressor's error
-  // feedback, a pipeline's stages) into each rank's shard file. Both are
-  // written (atomic, checksummed) before the gather below, so rank 0 writes
-  // the main file, which is what makes the checkpoint exist, only once every
-  // rank's part is on disk.
-  const bool in_dcp = dcp_state();
-  const bool sharded = per_rank_state() && !in_dcp;
-  // FSDP: the shards are what each rank saves (an evaluation forward may
-  // have left the root's own parameters gathered).
-  layout_.before_checkpoint();
-  if (in_dcp) {
-    auto state = wiring_.dcp_state_dict(nullptr);
-    save_buffers_from_rank0(state, *model_, comm_.rank());
-    dcp::save(state, dcp_folder(checkpoints_->path_for(position_.step)), comm_);
-  }
-  if (sharded) write_shard();
-  // Every rank's RNG state goes into rank 0's file: one file, one rename,
-  // so a crash cannot leave some ranks' parts newer than others.
-  auto mine = cpu_rng_state();
-  std::vector<torch::Tensor> all;
-  if (comm_.rank() == 0) {
-    for (int r = 0; r < comm_.size(); ++r) all.push_back(torch::empty_like(mine));
-  }
-  comm_.gather(all, mine, {0}).wait();
-  if (comm_.rank() == 0) {
-    const bool model_in_main = !wiring_.per_rank_model() && !in_dcp;
-    const auto payload = encode_training_state(model_in_main ? model_.get() : nullptr, optimizer_,
-                                               position_, torch::stack(all), in_dcp);
-    checkpoints_->write(position_.step, payload);
-    // The folders of rotated-out checkpoints, and any a crash left behind.
-    remove_orphan_dcp_folders(*checkpoints_, position_.step);
-  }
-  if (sharded) {
-    // After rank 0's rotation, so that every rank sees which checkpoints
-    // are gone.
-    comm_.barrier().wait();
-    remove_stale_shards();
-  }
-  last_checkpoint_step_ = position_.step;
-}
-
-bool Trainer::dcp_state() const {
-  // A compressor's per-rank state has no dcp form: such a job keeps its
-  // shard files (and its world size).
-  return wiring_.has_dcp_state() && !sync_.has_state();
-}
-
-bool Trainer::per_rank_state() const {
-  return !optimizer_.replicated_state() || sync_.has_state() || wiring_.per_rank_model();
-}
-
-void Trainer::write_shard() const {
-  torch::serialize::OutputArchive archive;
-  if (wiring_.per_rank_model()) {
-    torch::serialize::OutputArchive stages;
-    model_->save(stages);
-    archive.write("model", stages);
-  }
-  if (!optimizer_.replicated_state()) optimizer_.save(archive);
-  if (sync_.has_state()) sync_.save_state(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  write_checkpoint_file(shard_path(position_.step), out.str());
-}
-
-void Trainer::read_shard(int64_t step) {
-  // The optimizer checks that the shard was saved by the same rank of the
-  // same layout; a model's part, by its shapes.
-  const char* part = layout_.per_rank_model() ? "rank's stages" : "rank's shards";
-  const auto shard = read_checkpoint_file(shard_path(step));
-  try {
-    std::istringstream in(shard);
-    torch::serialize::InputArchive archive;
-    archive.load_from(in);
-    if (wiring_.per_rank_model()) {
-      torch::serialize::InputArchive stages;
-      archive.read("model", stages);
-      load_module_state(*model_, stages);
-    }
-    if (!optimizer_.replicated_state()) optimizer_.load(archive);
-    if (sync_.has_state()) sync_.load_state(archive);
-  } catch (const CheckpointError& e) {
-    throw CheckpointError("checkpoint " + shard_path(step) + ": does not fit this " + part + ": " +
-                          e.what());
-  } catch (const c10::Error& e) {
-    throw CheckpointError("checkpoint " + shard_path(step) + ": does not fit this " +
-                          (wiring_.per_rank_model() ? std::string(part) + " or optimizer: "
-                                                    : std::string("optimizer: ")) +
-                          e.what_without_backtrace());
-  }
-}
-
-std::string Trainer::shard_path(int64_t step) const {
-  return checkpoints_->path_for(step) + ".shard-" + std::to_string(comm_.rank()) + "-of-" +
-         std::to_string(comm_.size());
-}
-
-void Trainer::remove_stale_shards() const {
-  // This rank's shards whose main checkpoint is gone (rotated out by
-  // keep_last); the one just written is kept even before rank 0's file
-  // appears.
-  const auto kept = checkpoints_->steps();
-  const std::string suffix =
-      ".shard-" + std::to_string(comm_.rank()) + "-of-" + std::to_string(comm_.size());
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(checkpoints_->dir(), ec)) {
-    const auto path = entry.path().string();
-    if (path.size() <= suffix.size() ||
-        path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0) {
-      continue;
-    }
-    bool keep = false;
-    for (int64_t step : kept) keep = keep || shard_path(step) == path;
-    if (!keep && shard_path(position_.step) != path) std::filesystem::remove(entry.path(), ec);
-  }
-}
-
-std::optional<int64_t> Trainer::resume() {
-  if (!checkpoints_) return std::nullopt;
-  // Rank 0 picks the checkpoint and tells the others, so that all ranks
-  // load the same one even if they see the folder differently. A checkpoint
-  // whose dcp folder is not whole (no .metadata, a missing data file) is
-  // skipped like a file that does not verify.
-  std::string payload;
-  auto chosen = torch::tensor({int64_t{-1}}, torch::kInt64);
-  if (comm_.rank() == 0) {
-    auto loaded = checkpoints_->load_latest([&](int64_t step, const std::string& bytes) {
-      const auto path = checkpoints_->path_for(step);
-      if (training_state_in_dcp(bytes, path)) verify_dcp_folder(dcp_folder(path));
-    });
-    skipped_ = loaded.skipped;
-    for (const auto& why : skipped_) {
-      std::fprintf(stderr, "cohort: skipping %s\n", why.c_str());
-    }
-    if (loaded.found) {
-      chosen.fill_(loaded.step);
-      payload = std::move(loaded.payload);
-      if (!skipped_.empty()) {
-        std::fprintf(stderr, "cohort: resuming from the previous good checkpoint %s\n",
-                     checkpoints_->path_for(loaded.step).c_str());
-      }
-    } else if (!skipped_.empty()) {
-      std::fprintf(stderr,
-                   "cohort: no checkpoint in %s verifies (%zu skipped); starting from step 0\n",
-                   checkpoints_->dir().c_str(), skipped_.size());
-    }
-  }
-  comm_.broadcast(chosen, {0}).wait();
-  const int64_t step = chosen.item<int64_t>();
-  if (step < 0) {
-    metrics_.keep_until(-1);
-    last_checkpoint_step_ = -1;
-    return std::nullopt;
-  }
-  const std::string path = checkpoints_->path_for(step);
-  if (comm_.rank() != 0) payload = checkpoints_->load(step);
-  layout_.before_checkpoint();  // FSDP loads into the shards
-  auto state = decode_training_state(
-      payload, path, wiring_.per_rank_model() ? nullptr : model_.get(), optimizer_,
-      [&](int64_t world, bool in_dcp) { check_checkpoint(world, in_dcp, path); });
-  if (state.in_dcp) {
-    load_dcp(dcp_folder(path));
-  } else if (per_rank_state()) {
-    read_shard(step);
-  }
-  const int64_t old_world = state.rng_states.size(0);
-  resized_ = old_world != comm_.size();
-  if (comm_.rank() < old_world) {
-    set_cpu_rng_state(state.rng_states[comm_.rank()]);
-  } else {
-    // A rank new to the job: its own stream, the same on every resume.
-    set_cpu_rng_state(seeded_cpu_rng_state(static_cast<uint64_t>(step) * 1000003u +
-                                           static_cast<uint64_t>(comm_.rank())));
-  }
-  if (resized_ && comm_.rank() == 0) {
-    std::fprintf(stderr,
-                 "cohort: checkpoint %s (step %lld) was written by %lld ranks; resuming at world "
-                 "%d\n",
-                 path.c_str(), static_cast<long long>(step), static_cast<long long>(old_world),
-                 comm_.size());
-  }
-  position_ = state.position;
-  last_checkpoint_step_ = step;
-  metrics_.keep_until(step);
-  return step;
-}
-
-void Trainer::load_dcp(const std::string& folder) {
-  // Every rank reads the metadata (verified) and then only the byte ranges
-  // of its own boxes; dcp::load copies nothing unless every rank verified
-  // all it read, and throws the same error on every rank otherwise.
-  const auto meta = dcp::read_metadata(folder);
-  auto state = wiring_.dcp_state_dict(&meta);
-  check_state_covers_model(meta, state, comm_, folder);
-  dcp::load(state, folder, comm_, &meta);
-}
-
-std::string Trainer::sharded_mode() const {
-  if (!layout_.describe().empty()) return layout_.describe();
-  if (!optimizer_.replicated_state()) return "a sharded optimizer (ZeRO)";
-  return "a stateful gradient compressor (per-rank state)";
-}
-
-void Trainer::check_checkpoint(int64_t checkpoint_world, bool in_dcp,
-                               const std::string& path) const {
-  const std::string where =
-      "Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " + path;
-  if (in_dcp) {
-    // Sharded state saved through dcp loads into any layout that has a dcp
-    // form, at any world size.
-    if (dcp_state()) return;
-    throw ConfigError(where +
-                      " holds ZeRO or FSDP state (a distributed checkpoint), which loads only "
-                      "into a ZeRO or FSDP trainer; this one has " +
-                      (per_rank_state() ? sharded_mode() : std::string("replicated state")));
-  }
-  if (checkpoint_world == comm_.size() || !per_rank_state()) return;
-  throw ConfigError(where + " was written by " + std::to_string(checkpoint_world) +
-                    " ranks, this job has " + std::to_string(comm_.size()) + "; the state of " +
-                    sharded_mode() + " resumes only at the world size that wrote it");
-}
-
 void Trainer::continue_epoch_order(const DataSource& data) {
-  // The same samples of the epoch's global order are done at any world
-  // size; the micro-batch index that follows them depends on the size.
-  resized_ = false;
+  // The checkpoint's micro-batch index counts the micro-batches of the job
+  // that wrote it; another world size, micro-batch or accumulation cuts the
+  // epoch into others. The samples of the epoch's global order done so far
+  // say where this job's cut continues.
+  const bool resized = resized_;
+  resumed_ = resized_ = false;
   if (position_.batch == 0 && position_.epoch_samples <= 0) return;
   const int64_t g = data.global_micro_batch();
-  if (g <= 0 || position_.epoch_samples < 0 || position_.epoch_samples % g != 0) {
-    throw ConfigError(
-        "Trainer::fit on rank " + std::to_string(comm_.rank()) +
-        ": resumed at a new world size in the middle of epoch " + std::to_string(position_.epoch) +
-        (g <= 0 || position_.epoch_samples < 0
-             ? std::string(", but the data source (or the checkpoint's) has no global sample "
-                           "order (DataSource::global_micro_batch)")
-             : ", after " + std::to_string(position_.epoch_samples) +
-                   " samples, which is not a whole number of global micro-batches of " +
-                   std::to_string(g) + "; keep the global batch the same"));
+  const std::string where = "Trainer::fit on rank " + std::to_string(comm_.rank()) +
+                            ": resumed in the middle of epoch " + std::to_string(position_.epoch);
+  if (g > 0 && position_.epoch_samples >= 0) {
+    if (position_.epoch_samples % g != 0) {
+      throw ConfigError(where + " after " + std::to_string(position_.epoch_samples) +
+                        " samples, which is not a whole number of this job's global "
+                        "micro-batches of " +
+                        std::to_string(g) +
+                        " (micro-batch x world); keep the global batch the same");
+    }
+    position_.batch = position_.epoch_samples / g;
+    return;
   }
-  position_.batch = position_.epoch_samples / g;
+  // No global order to count in (or a checkpoint older than its record):
+  // the index carries over to the same cut of the epoch only.
+  if (resized) {
+    throw ConfigError(where +
+                      " at a new world size, but the data source (or the checkpoint's) has no "
+                      "global sample order (DataSource::global_micro_batch)");
+  }
+  if (position_.epoch_batches > 0 && position_.epoch_batches != data.num_batches()) {
+    throw ConfigError(where + ": the data source has " + std::to_string(data.num_batches()) +
+                      " micro-batches an epoch, the job that wrote the checkpoint had " +
+                      std::to_string(position_.epoch_batches) +
+                      "; without a global sample order (DataSource::global_micro_batch) its "
+                      "position does not carry over to micro-batches of another size");
+  }
 }
 
 void Trainer::log_eval(const nlohmann::json& fields) {

@@ -25,7 +25,7 @@
 // (with a pipeline: one PipelineRuntime step over the k micro-batches, k
 // being the schedule's m) and gives the norm of step 4 and the copies of
 // step 6. How each wiring clips and checkpoints (per-rank shard files, or
-// dcp for ZeRO and FSDP, resharded at any world size): docs/design.md,
+// dcp for ZeRO, FSDP and the mesh, resharded at any world size): docs/design.md,
 // "Distributed optimizers" ("With the Trainer") and the sections it names.
 // The DDP and optimizers behind the wiring must outlive the trainer. It has
 // no global state: several trainers (ranks as threads) coexist.
@@ -39,6 +39,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cohort/train/checkpoint_dir.h"
@@ -73,6 +74,10 @@ struct TrainerConfig {
   int64_t checkpoint_every = 0;
   /// Checkpoints kept on disk (older ones are deleted).
   int keep_last = 3;
+  /// When checkpoint_dir holds checkpoints but none of them verifies,
+  /// resume() throws CheckpointError on every rank (false), or reports them
+  /// and starts from step 0 (true). Damaged files are left in place either way.
+  bool start_fresh_if_damaged = false;
   /// JSON-lines metrics file written by rank 0; empty: none.
   std::string metrics_path;
   /// A metrics line that cannot be written (a full disk) throws Error instead
@@ -118,22 +123,30 @@ class Trainer {
   Trainer(TrainerWiring wiring, TrainerConfig config, std::shared_ptr<GradNorm> norm = nullptr);
 
   /// Loads the newest checkpoint that verifies from config.checkpoint_dir
-  /// (collective). Newer ones that fail are reported on stderr by rank 0 and
-  /// listed in skipped_checkpoints(). Returns the step resumed at, or
-  /// nullopt when training starts from scratch.
+  /// (collective). Newer ones that fail (a damaged file, or a damaged part
+  /// that a rank meets while loading: a data file of its dcp folder, a
+  /// rank's shard file) are reported on stderr by rank 0 and listed in
+  /// skipped_checkpoints(), and every rank falls back to the same older one.
+  /// Returns the step resumed at, or nullopt when there is no checkpoint; when
+  /// there are some and none verifies, CheckpointError on every rank unless
+  /// config.start_fresh_if_damaged.
   ///
   /// A checkpoint written at another world size resumes when the state is
   /// replicated (DDP, all-reduce or fused wiring: every rank loads the one
   /// model and optimizer state). Rank r takes the RNG state of the old rank r;
   /// a rank the old world did not have starts a generator seeded with its
-  /// rank and the step. The next fit() continues the epoch at the same
-  /// sample of its global order (DataSource::global_micro_batch), so keep the
+  /// rank and the step. The next fit() continues the epoch after the samples
+  /// of its global order already trained (DataSource::global_micro_batch),
+  /// whatever the world size, micro-batch and accumulation_steps; keep the
   /// global batch (micro-batch x accumulation_steps x world) the same.
-  /// ZeRO and FSDP state is a distributed checkpoint (cohort/dcp) and
-  /// resumes resharded at any world size, into ZeRO stage 1 or 2 or FSDP.
-  /// Other per-rank state (a pipeline's stages, a compressor's error
-  /// feedback) resumes only at the world size that wrote it: ConfigError
-  /// naming the mode, with nothing loaded.
+  /// The state of ZeRO, FSDP and a mesh whose stages are modules is a
+  /// distributed checkpoint (cohort/dcp) and resumes resharded at any world
+  /// size, into ZeRO stage 1 or 2 or FSDP (a mesh: at any tp x pp x dp).
+  /// Other per-rank state (the stages of TrainerWiring::pipeline or of a
+  /// mesh's function stages, a compressor's error feedback) resumes only at
+  /// the world size that wrote it: ConfigError naming the mode, with nothing
+  /// loaded; so does a checkpoint with a file's state into a trainer whose
+  /// state is a distributed checkpoint.
   std::optional<int64_t> resume();
 
   /// One optimizer step over `micro_batches` (accumulation_steps of them).
@@ -144,11 +157,12 @@ class Trainer {
   /// metrics of the steps it ran.
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
-  /// Writes a checkpoint of the current state (collective). With ZeRO or
-  /// FSDP the model and optimizer state go into the folder
-  /// "<checkpoint>.dcp" (dcp::save, every rank its own data file; see
-  /// dcp_checkpoint.h). Other per-rank state (a pipeline's stages and their
-  /// optimizer state, a compressor's) goes into each rank's shard file,
+  /// Writes a checkpoint of the current state (collective). With ZeRO,
+  /// FSDP or a mesh whose stages are modules the model and optimizer state go
+  /// into the folder "<checkpoint>.dcp" (dcp::save, every rank its own data
+  /// file; see dcp_checkpoint.h). Other per-rank state (the stages of
+  /// TrainerWiring::pipeline and their optimizer state, a compressor's) goes
+  /// into each rank's shard file,
   /// "<checkpoint>.shard-<rank>-of-<world>", and resume() reads it back (a
   /// missing or damaged shard is a CheckpointError naming the file).
   void save_checkpoint();
@@ -172,11 +186,14 @@ class Trainer {
   bool per_rank_state() const;
   std::string sharded_mode() const;
   bool dcp_state() const;
-  void check_checkpoint(int64_t checkpoint_world, bool in_dcp, const std::string& path) const;
+  std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);
+  void load_checkpoint(int64_t step, std::string payload);
+  std::optional<int64_t> start_fresh(int64_t skipped);
+  void check_checkpoint(const CheckpointKind& kind, const std::string& path) const;
   void load_dcp(const std::string& folder);
   void continue_epoch_order(const DataSource& data);
   void write_shard() const;
-  void read_shard(int64_t step);
+  void load_shard(int64_t step, const std::string& shard);
   std::string shard_path(int64_t step) const;
   void remove_stale_shards() const;
 
@@ -194,7 +211,8 @@ class Trainer {
   MetricsLog metrics_;
   TrainingPosition position_;
   int64_t last_checkpoint_step_ = -1;
-  bool resized_ = false;  // resumed at another world size; fit() re-partitions the epoch
+  bool resumed_ = false;  // fit() finds this job's micro-batch in the resumed epoch
+  bool resized_ = false;  // ...resumed at another world size
   std::vector<std::string> skipped_;
 };
 

@@ -2,6 +2,7 @@
 
 #include <torch/serialize/archive.h>
 
+#include <functional>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -95,6 +96,7 @@ std::string encode_training_state(torch::nn::Module* model, const TrainerOptimiz
   archive.write("epoch", c10::IValue(position.epoch));
   archive.write("batch", c10::IValue(position.batch));
   archive.write("epoch_samples", c10::IValue(position.epoch_samples));
+  archive.write("epoch_batches", c10::IValue(position.epoch_batches));
   archive.write("rng_states", rng_states);
   if (in_dcp) archive.write("dcp", c10::IValue(true));
   std::ostringstream out;
@@ -102,25 +104,48 @@ std::string encode_training_state(torch::nn::Module* model, const TrainerOptimiz
   return out.str();
 }
 
+namespace {
+
+// Runs `fn`, naming `source` in what it throws: the checksum passed, so a
+// failure is a checkpoint of another model or optimizer; said so rather
+// than with LibTorch's backtrace.
+void as_misfit(const std::string& source, const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const CheckpointError& e) {
+    throw CheckpointError("checkpoint " + source + ": does not fit this model: " + e.what());
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint " + source +
+                          ": does not fit this model/optimizer: " + e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
                                    torch::nn::Module* model, TrainerOptimizer& optimizer,
-                                   const WorldCheck& check) {
-  try {
+                                   const CheckpointCheck& check) {
+  torch::serialize::InputArchive archive, model_archive;
+  DecodedState state;
+  CheckpointKind kind;
+  as_misfit(source, [&] {
     std::istringstream in(payload);
-    torch::serialize::InputArchive archive;
     archive.load_from(in);
-    DecodedState state;
     archive.read("rng_states", state.rng_states);
     c10::IValue v;
     state.in_dcp = archive.try_read("dcp", v) && v.toBool();
-    if (check) check(state.rng_states.size(0), state.in_dcp);
+    archive.read("model", model_archive);
+    kind = {state.rng_states.size(0), state.in_dcp, !model_archive.keys().empty()};
+  });
+  if (check) check(kind);  // what it throws, as it is
+  as_misfit(source, [&] {
     if (!state.in_dcp) {
-      torch::serialize::InputArchive model_archive, optimizer_archive;
-      archive.read("model", model_archive);
+      torch::serialize::InputArchive optimizer_archive;
       archive.read("optimizer", optimizer_archive);
       if (model) load_module_state(*model, model_archive);
       if (optimizer.replicated_state()) optimizer.load(optimizer_archive);
     }
+    c10::IValue v;
     archive.read("step", v);
     state.position.step = v.toInt();
     archive.read("epoch", v);
@@ -129,15 +154,9 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     state.position.batch = v.toInt();
     // Older checkpoints: the epoch's order is unknown, same-size resume only.
     state.position.epoch_samples = archive.try_read("epoch_samples", v) ? v.toInt() : -1;
-    return state;
-  } catch (const CheckpointError& e) {
-    throw CheckpointError("checkpoint " + source + ": does not fit this model: " + e.what());
-  } catch (const c10::Error& e) {
-    // The checksum passed, so this is a checkpoint of another model or
-    // optimizer; say so rather than print LibTorch's backtrace.
-    throw CheckpointError("checkpoint " + source +
-                          ": does not fit this model/optimizer: " + e.what_without_backtrace());
-  }
+    state.position.epoch_batches = archive.try_read("epoch_batches", v) ? v.toInt() : 0;
+  });
+  return state;
 }
 
 bool training_state_in_dcp(const std::string& payload, const std::string& source) {

@@ -28,8 +28,12 @@ struct TrainingPosition {
   int64_t batch = 0;  ///< index of the next micro-batch in that epoch
   /// Samples of the epoch's global order all ranks together have consumed
   /// (batch x DataSource::global_micro_batch()); -1 when the source has no
-  /// global order. What a resume at another world size continues from.
+  /// global order. What a resume continues from: another world size,
+  /// micro-batch or accumulation cuts the epoch into other micro-batches.
   int64_t epoch_samples = 0;
+  /// DataSource::num_batches() of the job that wrote it (0: unknown). Without
+  /// a global order, `batch` means the same samples only when this is the same.
+  int64_t epoch_batches = 0;
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
@@ -54,17 +58,23 @@ struct DecodedState {
   bool in_dcp = false;
 };
 
-/// Called with the number of ranks that wrote the checkpoint, and whether its
-/// state is in its dcp folder, before anything is loaded; throws to refuse it.
-using WorldCheck = std::function<void(int64_t checkpoint_world, bool in_dcp)>;
+/// What wrote a checkpoint, as far as its payload says.
+struct CheckpointKind {
+  int64_t world = 0;           ///< the number of ranks that wrote it
+  bool in_dcp = false;         ///< the model and optimizer state are in its dcp folder
+  bool model_in_file = false;  ///< the model is in this file (replicated: DDP, all-reduce, fused)
+};
+
+/// Called with what wrote the checkpoint before anything is loaded; throws to refuse it.
+using CheckpointCheck = std::function<void(const CheckpointKind& kind)>;
 
 /// Loads model (unless null) and optimizer from `payload` and returns the
 /// rest; a checkpoint whose state is in its dcp folder loads neither. Throws CheckpointError
 /// (naming `source`) when the payload does not parse or does not fit the model; what `check`
-/// throws, having loaded nothing.
+/// throws, unchanged, having loaded nothing.
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
                                    torch::nn::Module* model, TrainerOptimizer& optimizer,
-                                   const WorldCheck& check = {});
+                                   const CheckpointCheck& check = {});
 
 /// Copies what Module::save wrote into `module`'s existing parameters and
 /// buffers (anything holding views of them stays valid). Throws c10::Error

@@ -3,7 +3,11 @@
 // name or shape. Each is an error on every rank naming the file or the
 // tensor, and nothing is loaded: the model and optimizer keep their values.
 #include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "ckpt_files.h"
+#include "cohort/dcp/checkpoint_file.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "support/rank_errors.h"
 #include "tests/dcp/dcp_test_support.h"
 
@@ -135,6 +139,97 @@ TEST(BadInput, ModelWithAnotherNameNamesTheTensor) {
   });
   expect_every_rank(errors, {"tensor model.bb.weight is not in the checkpoint"});
   fs::remove_all(dir);
+}
+
+// Rewrites `dir`'s metadata through `edit` and signs it again, as a bad
+// writer or a hand edit would leave it: its checksum verifies.
+void edit_metadata(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
+  const auto path = (dir / ".metadata").string();
+  auto j = nlohmann::json::parse(read_checkpoint_file(path));
+  edit(j);
+  write_checkpoint_file(path, j.dump(1));
+}
+
+// Every way of reading `dir` (a load at world 1, 2 and 3 into whole
+// tensors, inspect, inspect --verify, consolidate) fails with a
+// CheckpointError whose message holds each of `parts`, without LibTorch's
+// backtrace.
+void expect_refused_everywhere(const fs::path& dir, const std::vector<std::string>& parts) {
+  for (int world : {1, 2, 3}) {
+    expect_every_rank(errors_on_every_rank(world,
+                                           [&](std::shared_ptr<Communicator> comm) {
+                                             auto seq = make_seq(3);
+                                             auto sd = dcp::ddp_state_dict(*seq, nullptr);
+                                             dcp::load(sd, dir, *comm);
+                                           }),
+                      parts);
+  }
+  for (const auto& what : std::vector<std::function<void()>>{
+           [&] { cohort_ckpt::inspect_checkpoint(dir.string(), false); },
+           [&] { cohort_ckpt::inspect_checkpoint(dir.string(), true); },
+           [&] { cohort_ckpt::consolidate_checkpoint(dir.string(), (dir / "out.pt").string()); }}) {
+    try {
+      what();
+      ADD_FAILURE() << "read without an error";
+    } catch (const CheckpointError& e) {
+      expect_every_rank({e.what()}, parts);
+      EXPECT_EQ(std::string(e.what()).find("Exception raised from"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// make_seq's parameters saved by FSDP at world 2: each weight in two dim-0
+// chunks, rows [0, 4) and [4, rows).
+fs::path saved_fsdp(const std::string& name) {
+  const auto dir = temp_dir(name);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    auto model = fully_shard(shard_blocks(make_seq(1), comm), comm);
+    dcp::save(dcp::fsdp_state_dict(*model, nullptr), dir, *comm);
+  });
+  return dir;
+}
+
+// Chunk 0 of a weight moved one row down: as many elements as the tensor
+// has, but row 0 in none of them and row 4 in both. Refused at every world
+// size and by cohort-ckpt, naming the file, the tensor and the chunks.
+TEST(BadInput, ChunksThatOverlapAndLeaveAGapAreRefusedEverywhere) {
+  const auto dir = saved_fsdp("overlap");
+  std::string fqn;
+  edit_metadata(dir, [&](nlohmann::json& j) {
+    for (auto& t : j.at("tensors")) {
+      if (t.at("chunks").size() != 2 || t.at("fqn") != "model.0.weight") continue;
+      fqn = t.at("fqn");
+      for (auto& c : t.at("chunks")) {
+        if (c.at("offsets")[0] == 0) c.at("offsets")[0] = 1;
+      }
+    }
+  });
+  ASSERT_EQ(fqn, "model.0.weight");
+  expect_refused_everywhere(
+      dir, {".metadata", "tensor model.0.weight", "the chunks [1:5, 0:5] and [4:7, 0:5] overlap"});
+  fs::remove_all(dir);
+}
+
+// Shapes no checkpoint can hold (a negative extent, bytes past 2^63, more
+// elements than the chunks hold) are errors naming the file and the
+// tensor, never LibTorch's allocator error.
+TEST(BadInput, ImpossibleShapesNameTheFileAndTensor) {
+  struct Case {
+    std::vector<int64_t> shape;
+    const char* expect;
+  };
+  for (const auto& c : {Case{{-3, 5}, "negative extent in its shape [-3, 5]"},
+                        Case{{int64_t{1} << 40, int64_t{1} << 40}, "has more bytes than any file"},
+                        Case{{int64_t{1} << 40, 5}, "its chunks hold 35 of its 5497558138880"}}) {
+    const auto dir = saved_fsdp("shape");
+    edit_metadata(dir, [&](nlohmann::json& j) {
+      for (auto& t : j.at("tensors")) {
+        if (t.at("fqn") == "model.0.weight") t.at("shape") = c.shape;
+      }
+    });
+    expect_refused_everywhere(dir, {".metadata", "tensor model.0.weight", c.expect});
+    fs::remove_all(dir);
+  }
 }
 
 }  // namespace

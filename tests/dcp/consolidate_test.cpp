@@ -1,10 +1,12 @@
 // cohort-ckpt consolidate: a sharded checkpoint (FSDP world 3, ZeRO-2 world
-// 2) becomes one file that torch::load reads into the bare model, which
-// then gives the sharded model's outputs.
+// 2, a pipeline's stages at pp 2) becomes one file that torch::load reads
+// into the bare model, which then gives the sharded model's outputs.
 #include <mutex>
 
 #include "ckpt_files.h"
+#include "cohort/dcp/tp_adapters.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/mesh/device_mesh.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
@@ -64,6 +66,36 @@ TEST(Consolidate, ZeroWorld2LoadsWithTorchLoadIntoNestedModules) {
   const auto text = cohort_ckpt::inspect_checkpoint(dir.string(), true);
   EXPECT_NE(text.find("optim.a.weight.exp_avg  float32 [7, 5]"), std::string::npos) << text;
   EXPECT_NE(text.find("every chunk's checksums verified"), std::string::npos) << text;
+  fs::remove_all(dir);
+}
+
+// A pipeline's checkpoint (pp 2, each rank's stage under the whole model's
+// names, as the mesh wiring saves it): the second stage holds the Tanh at
+// index 3, which has no parameters, so only that rank knows the module.
+// consolidate writes an archive for every rank's modules, and torch::load
+// reads the file into the whole model, equal to the bit.
+TEST(Consolidate, PipelineStagesLoadWithTorchLoadIntoTheWholeModel) {
+  const auto dir = temp_dir("consolidate_pp");
+  const auto out = (dir / "model.pt").string();
+  auto full = make_seq(1);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> world) {
+    DeviceMesh mesh(world, {/*dp=*/1, /*pp=*/2, /*tp=*/1});
+    auto stage = std::make_shared<torch::nn::Module>("Stage");
+    const auto children = full->named_children();
+    for (size_t i = 0; i < children.size(); ++i) {
+      if ((i >= 2) == (mesh.pp_rank() == 1)) {
+        stage->register_module(children[i].key(), children[i].value());
+      }
+    }
+    dcp::save(dcp::tensor_parallel_state_dict(*stage, mesh, nullptr), dir, *world);
+  });
+  EXPECT_EQ(cohort_ckpt::consolidate_checkpoint(dir.string(), out), 6);
+  auto bare = make_seq(2);
+  torch::load(bare, out);
+  const auto want = full->named_parameters();
+  for (const auto& p : bare->named_parameters()) {
+    EXPECT_TRUE(torch::equal(p.value(), want[p.key()])) << p.key();
+  }
   fs::remove_all(dir);
 }
 

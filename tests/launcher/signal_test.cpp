@@ -43,6 +43,33 @@ TEST(Signals, SigintIsForwardedAndGives130) { expect_stops_on(SIGINT, 130); }
 
 TEST(Signals, SigtermIsForwardedAndGives143) { expect_stops_on(SIGTERM, 143); }
 
+// A rank fails, and a SIGTERM comes while the other rank (which traps it)
+// shuts down: it is the launcher's first, so it is not called a repeat, and
+// it ends the teardown at once with SIGKILL.
+TEST(Signals, FirstSigtermDuringATeardownIsNotCalledARepeat) {
+  TempDir dir;
+  const char* script = R"(
+    if [ "$RANK" = 1 ]; then
+      while [ ! -e "$T/trapped" ]; do sleep 0.05; done; exit 3
+    fi
+    trap 'echo terminating' TERM
+    echo $$ > "$T/pid.$RANK"; touch "$T/trapped"
+    while :; do sleep 0.1; done)";
+  Subprocess launcher(cohortrun_argv({"-n", "2", "--", "sh", "-c", script}), {"T=" + dir.path()});
+  ASSERT_TRUE(launcher.wait_for_stdout("terminating", 1, Seconds(20)));
+  ::kill(launcher.pid(), SIGTERM);
+  ProcessResult r = launcher.finish(Seconds(20));
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 143) << r.err;
+  EXPECT_NE(r.err.find("received SIGTERM while the ranks shut down; killing the ranks"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("again"), std::string::npos) << r.err;
+  for (pid_t pid : read_pids(dir.path())) {
+    EXPECT_FALSE(process_exists(pid)) << "process " << pid << " survived";
+  }
+}
+
 TEST(Signals, RanksDieWhenTheLauncherIsKilled) {
   TempDir dir;
   Subprocess launcher(cohortrun_argv({"-n", "2", "--", "sh", "-c",

@@ -146,10 +146,13 @@ struct Job {
   bool resume = false;
   bool ddp = true;    // DDP's in-backward reduction, else the all-reduce fallback
   bool zero = false;  // ZeRO stage 1 after DDP (sharded optimizer state)
+  bool start_fresh_if_damaged = false;
 };
 
 struct JobResult {
   std::optional<int64_t> resumed_at;
+  std::vector<std::optional<int64_t>> resumed_by_rank;
+  std::vector<std::string> errors;                          // what resume() threw, by rank
   std::vector<std::string> skipped;                         // rank 0's skipped checkpoints
   std::vector<double> losses;                               // per step run (rank 0)
   std::vector<torch::Tensor> params;                        // rank 0's final parameters
@@ -159,6 +162,8 @@ struct JobResult {
 JobResult run_job(const Job& job) {
   const auto data = testing::make_data(96);
   JobResult result;
+  result.resumed_by_rank.resize(job.world);
+  result.errors.resize(job.world);
   testing::run_ranks_shared(job.world, [&](std::shared_ptr<Communicator> comm) {
     // A different init than the checkpoint's: resume must overwrite it.
     auto net = testing::make_mlp(job.resume ? 99 : 7);
@@ -187,6 +192,7 @@ JobResult run_job(const Job& job) {
     config.keep_last = job.keep_last;
     config.metrics_path = job.metrics;
     config.progress = false;
+    config.start_fresh_if_damaged = job.start_fresh_if_damaged;
     Trainer trainer(
         std::move(wiring),
         [&](const torch::data::Example<>& b) {
@@ -195,7 +201,17 @@ JobResult run_job(const Job& job) {
         },
         config);
     TensorDataSource source(data.x, data.y, 4, comm->rank(), comm->size());
-    auto resumed = job.resume ? trainer.resume() : std::nullopt;
+    std::optional<int64_t> resumed;
+    try {
+      resumed = job.resume ? trainer.resume() : std::nullopt;
+    } catch (const CheckpointError& e) {
+      result.errors[comm->rank()] = e.what();
+      if (comm->rank() == 0) {
+        for (auto& p : net->parameters()) result.params.push_back(p.detach().clone());
+      }
+      return;
+    }
+    result.resumed_by_rank[comm->rank()] = resumed;
     FitCallbacks callbacks;
     std::vector<double> losses;
     std::map<int64_t, std::vector<torch::Tensor>> params_at;
@@ -361,6 +377,59 @@ TEST(TrainerCheckpoint, DamagedDcpFolderFallsBackToThePreviousOne) {
   }
 }
 
+// A flipped byte in a data file of the newest checkpoint's dcp folder, which
+// only the rank that reads it meets (the file has the listed size): every
+// rank falls back to the previous checkpoint alike, saying which and why.
+TEST(TrainerCheckpoint, DamagedDcpDataFallsBackOnEveryRank) {
+  for (const int world : {1, 3}) {
+    TempDir dir("cohort-dcp-data-fallback");
+    const auto first = run_job({world, dir.str(), 6, 2, 2, "", false, true, true});
+    CheckpointDir folder(dir.str(), 2);
+    ASSERT_EQ(folder.steps(), (std::vector<int64_t>{6, 4}));
+    const std::string file =
+        folder.path_for(6) + ".dcp/__" + std::to_string(world - 1) + "_0.distcp";
+    std::string bytes = slurp(file);
+    bytes[bytes.size() / 2] ^= 0x40;
+    dump(file, bytes);
+    ::testing::internal::CaptureStderr();
+    const auto r = run_job({world, dir.str(), 4, 2, 2, "", true, true, true});
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_EQ(r.resumed_by_rank[rank], std::optional<int64_t>(4))
+          << "rank " << rank << ": " << r.errors[rank];
+    }
+    ASSERT_EQ(r.skipped.size(), 1u) << err;
+    EXPECT_NE(r.skipped[0].find(file), std::string::npos) << r.skipped[0];
+    EXPECT_NE(r.skipped[0].find("checksum mismatch"), std::string::npos) << r.skipped[0];
+    EXPECT_NE(err.find("cohort: skipping"), std::string::npos) << err;
+    EXPECT_NE(err.find("resuming from the previous good checkpoint " + folder.path_for(4)),
+              std::string::npos)
+        << err;
+    expect_equal_params(r.params, first.params_at.at(4));
+  }
+}
+
+// A rank killed while writing its data file leaves write_file_atomically's
+// temporary file in the dcp folder; the resumed job saves that step again
+// into the same folder, which must not keep it.
+TEST(TrainerCheckpoint, TemporaryFilesOfAKilledWriterAreRemoved) {
+  TempDir dir("cohort-dcp-tmp");
+  run_job({2, dir.str(), 4, 2, 3, "", false, true, true});
+  const std::string folder = CheckpointDir(dir.str(), 3).path_for(6) + ".dcp";
+  std::filesystem::create_directories(folder);
+  const std::string left = folder + "/__1_0.distcp.tmp.999999.12345";
+  dump(left, "half a data file");
+  const auto r = run_job({2, dir.str(), 6, 2, 3, "", true, true, true});
+  ASSERT_EQ(r.resumed_at, std::optional<int64_t>(4));
+  EXPECT_FALSE(std::filesystem::exists(left));
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(folder)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{".metadata", "__0_0.distcp", "__1_0.distcp"}));
+}
+
 // Damaged checkpoints count for nothing in rotation: the step just written
 // and the newest good ones stay, damaged files are left alone.
 TEST(CheckpointDir, RotatesOnlyCheckpointsThatVerify) {
@@ -401,9 +470,39 @@ TEST(CheckpointDir, StepOutOfRangeInANameIsSkippedWithAMessage) {
   folder.write(6, "next");  // rotation ignores it too
 }
 
-// Every checkpoint damaged, then a resume with finer checkpoints: the job
-// starts from step 0, says so in one line, and keeps what it writes.
-TEST(TrainerCheckpoint, AllDamagedStartsFromZeroAndKeepsTheNewCheckpoint) {
+// Every checkpoint damaged: resume() is an error on every rank, naming the
+// folder, the newest checkpoint's fault and the way to start over, and
+// nothing is loaded or written.
+TEST(TrainerCheckpoint, AllDamagedIsAnErrorOnEveryRank) {
+  for (const bool zero : {false, true}) {
+    TempDir dir("cohort-alldamaged-error");
+    run_job({2, dir.str(), 6, 2, 2, "", false, true, zero});
+    CheckpointDir folder(dir.str(), 2);
+    ASSERT_EQ(folder.steps(), (std::vector<int64_t>{6, 4}));
+    for (int64_t step : folder.steps()) {
+      // ZeRO: damage that only the rank reading it meets, in the dcp folder.
+      const auto file = zero ? folder.path_for(step) + ".dcp/__1_0.distcp" : folder.path_for(step);
+      std::string bytes = slurp(file);
+      bytes[bytes.size() / 2] ^= 0x40;
+      dump(file, bytes);
+    }
+    const auto r = run_job({2, dir.str(), 8, 1, 2, "", true, true, zero});
+    for (int rank = 0; rank < 2; ++rank) {
+      const auto& e = r.errors[rank];
+      EXPECT_NE(e.find("no checkpoint in " + dir.str() + " verifies (2 skipped"), std::string::npos)
+          << "rank " << rank << ": " << e;
+      EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << e;
+      EXPECT_NE(e.find("start_fresh_if_damaged"), std::string::npos) << e;
+    }
+    expect_equal_params(r.params, testing::make_mlp(99)->parameters());
+    EXPECT_EQ(CheckpointDir(dir.str(), 2).steps(), (std::vector<int64_t>{6, 4}));
+  }
+}
+
+// Every checkpoint damaged and start_fresh_if_damaged, then a resume with
+// finer checkpoints: the job starts from step 0, says so in one line, and
+// keeps what it writes.
+TEST(TrainerCheckpoint, AllDamagedStartsFromZeroWhenAskedAndKeepsTheNewCheckpoint) {
   TempDir dir("cohort-alldamaged");
   run_job({2, dir.str(), 6, 2, 2, ""});
   CheckpointDir folder(dir.str(), 2);
@@ -412,7 +511,9 @@ TEST(TrainerCheckpoint, AllDamagedStartsFromZeroAndKeepsTheNewCheckpoint) {
     dump(folder.path_for(step), slurp(folder.path_for(step)).substr(0, 40));
   }
   ::testing::internal::CaptureStderr();
-  const auto r = run_job({2, dir.str(), 3, 1, 2, "", true});
+  Job job{2, dir.str(), 3, 1, 2, "", true};
+  job.start_fresh_if_damaged = true;
+  const auto r = run_job(job);
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_FALSE(r.resumed_at.has_value());
   EXPECT_EQ(r.skipped.size(), 2u);

@@ -5,9 +5,11 @@
 // every step must train on the same samples: the epoch's global order
 // continues, no sample lost or seen twice. DDP's replicated state, and the
 // sharded state of ZeRO-1/2 and FSDP (a distributed checkpoint, resharded on
-// load, also into the other of these modes).
+// load, also into the other of these modes). And at the same world size
+// with another micro-batch and accumulation, against one process.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -64,6 +66,20 @@ struct Job {
   int64_t max_steps;
   bool resume = false;
   Mode mode = Mode::Ddp;
+  bool global_order = true;  // false: the source hides its global order
+};
+
+// A source without a global sample order (global_micro_batch() 0): the
+// same micro-batches, an index that means something to it alone.
+class OrderlessSource : public DataSource {
+ public:
+  explicit OrderlessSource(TensorDataSource& source) : source_(source) {}
+  void set_epoch(int64_t epoch) override { source_.set_epoch(epoch); }
+  int64_t num_batches() const override { return source_.num_batches(); }
+  torch::data::Example<> batch(int64_t index) override { return source_.batch(index); }
+
+ private:
+  TensorDataSource& source_;
 };
 
 struct JobResult {
@@ -72,6 +88,7 @@ struct JobResult {
   std::map<int64_t, std::multiset<int64_t>> samples;  // step -> samples of all ranks
   std::map<int64_t, int64_t> epoch_of;                // step -> epoch
   std::vector<torch::Tensor> params;                  // rank 0's, at the end
+  std::vector<std::string> errors;                    // what resume() threw, by rank
 };
 
 // Column 8 of the data is the sample's index: the loss records it and the
@@ -145,7 +162,13 @@ JobResult run_job(const Job& job) {
         },
         config);
     TensorDataSource source(x, data.y, job.layout.micro_batch, comm->rank(), comm->size());
-    auto resumed = job.resume ? trainer.resume() : std::nullopt;
+    std::optional<int64_t> resumed;
+    std::string error;
+    try {
+      resumed = job.resume ? trainer.resume() : std::nullopt;
+    } catch (const ConfigError& e) {
+      error = e.what();  // every rank alike: none trains
+    }
     step = trainer.position().step;
     FitCallbacks callbacks;
     callbacks.on_step = [&](const StepMetrics& m) {
@@ -155,7 +178,18 @@ JobResult run_job(const Job& job) {
         result.epoch_of[m.step] = m.epoch;
       }
     };
-    trainer.fit(source, callbacks);
+    OrderlessSource orderless(source);
+    try {
+      if (error.empty())
+        trainer.fit(job.global_order ? static_cast<DataSource&>(source) : orderless, callbacks);
+    } catch (const ConfigError& e) {
+      error = e.what();  // before the first step, on every rank alike
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      result.errors.resize(job.layout.world);
+      result.errors[comm->rank()] = error;
+    }
     std::vector<torch::Tensor> params;
     if (fsdp) {
       for (const auto& item : sharded->full_state_dict()) params.push_back(item.value());
@@ -178,14 +212,20 @@ constexpr Layout kWorld4{4, 3, 1};
 constexpr int64_t kResumeAt = 11;  // mid-epoch: step 3 of epoch 1
 constexpr int64_t kSteps = 10;
 
-// Trains at world 4 in mode `from`, resumes at `resized` in mode `to`, and
-// checks the next kSteps and the samples against the uninterrupted run.
-void expect_resume_continues(Mode from, Mode to, const Layout& resized) {
-  ASSERT_EQ(resized.world * resized.micro_batch * resized.accumulation, kGlobalBatch);
+// Trains at `origin` in mode `from`, resumes at `resized` in mode `to`, and
+// checks the next kSteps and the samples against the uninterrupted run at
+// `reference` (by default the origin's).
+void expect_resume_continues(Mode from, Mode to, const Layout& resized,
+                             const Layout& origin = kWorld4,
+                             std::optional<Layout> reference_layout = std::nullopt) {
+  for (const auto& l : {resized, origin, reference_layout.value_or(origin)}) {
+    ASSERT_EQ(l.world * l.micro_batch * l.accumulation, kGlobalBatch);
+  }
   TempDir whole("cohort-elastic-whole"), split("cohort-elastic-split");
-  const auto reference = run_job({kWorld4, whole.str(), kResumeAt + kSteps, false, from});
+  const auto reference =
+      run_job({reference_layout.value_or(origin), whole.str(), kResumeAt + kSteps, false, from});
 
-  const auto first = run_job({kWorld4, split.str(), kResumeAt, false, from});
+  const auto first = run_job({origin, split.str(), kResumeAt, false, from});
   const auto second = run_job({resized, split.str(), kResumeAt + kSteps, /*resume=*/true, to});
   ASSERT_EQ(second.resumed_at, std::optional<int64_t>(kResumeAt));
   ASSERT_EQ(second.loss.size(), static_cast<size_t>(kSteps));
@@ -204,7 +244,9 @@ void expect_resume_continues(Mode from, Mode to, const Layout& resized) {
     bitwise = bitwise && torch::equal(second.params[i], reference.params[i]);
   }
   ::testing::Test::RecordProperty("bitwise", bitwise ? "yes" : "no");
-  std::printf("%s world 4 -> %s world %d: %s\n", mode_name(from), mode_name(to), resized.world,
+  std::printf("%s world %d x %lld -> %s world %d x %lld: %s\n", mode_name(from), origin.world,
+              static_cast<long long>(origin.accumulation), mode_name(to), resized.world,
+              static_cast<long long>(resized.accumulation),
               bitwise ? "bitwise identical" : "equal within 1e-5, not bitwise");
 
   // Epoch 1 (steps 9..16) ran partly at world 4, partly at the new size:
@@ -232,6 +274,36 @@ INSTANTIATE_TEST_SUITE_P(Trainer, ElasticResume,
                                            Layout{6, 2, 1}),
                          [](const ::testing::TestParamInfo<Layout>& i) {
                            return "to_world" + std::to_string(i.param.world);
+                         });
+
+// The same world size with the global batch cut into other micro-batches
+// (micro-batch x accumulation): the checkpoint's micro-batch index counts
+// the old ones, so the position must come from the samples done. Checked
+// against one process, at world 1 and 2, both ways, DDP and FSDP.
+struct Recut {
+  Mode mode;
+  Layout from, to;
+};
+
+class RecutResume : public ::testing::TestWithParam<Recut> {};
+
+TEST_P(RecutResume, NextStepsMatchOneProcessOnTheSameSamples) {
+  const Recut r = GetParam();
+  expect_resume_continues(r.mode, r.mode, r.to, r.from, Layout{1, kGlobalBatch, 1});
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, RecutResume,
+                         ::testing::Values(Recut{Mode::Ddp, {2, 6, 1}, {2, 3, 2}},
+                                           Recut{Mode::Ddp, {2, 3, 2}, {2, 6, 1}},
+                                           Recut{Mode::Ddp, {1, 12, 1}, {1, 6, 2}},
+                                           Recut{Mode::Ddp, {1, 4, 3}, {1, 6, 2}},
+                                           Recut{Mode::Fsdp, {2, 6, 1}, {2, 3, 2}}),
+                         [](const ::testing::TestParamInfo<Recut>& i) {
+                           const auto& r = i.param;
+                           return std::string(mode_name(r.mode)) + "_world" +
+                                  std::to_string(r.from.world) + "_accumulation" +
+                                  std::to_string(r.from.accumulation) + "_to" +
+                                  std::to_string(r.to.accumulation);
                          });
 
 // Sharded state (ZeRO-1/2, FSDP) is a distributed checkpoint: it resumes at
@@ -341,6 +413,113 @@ TEST(ElasticResumeRefused, ShardedCheckpointIntoDdpNamesTheModesAndLoadsNothing)
     EXPECT_NE(errors[r].find("ZeRO or FSDP"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("replicated state"), std::string::npos) << errors[r];
     EXPECT_TRUE(torch::equal(params[r], fresh)) << "rank " << r << " loaded the model";
+  }
+}
+
+// A source without a global order keeps the checkpoint's micro-batch index:
+// right for another accumulation with the same micro-batches, but with
+// micro-batches of another size it would train on other samples, so that is
+// a ConfigError on every rank naming both counts, before any step.
+TEST(ElasticResumeRefused, SourceWithoutGlobalOrderRefusesMicroBatchesOfAnotherSize) {
+  TempDir dir("cohort-elastic-orderless");
+  run_job({{2, 6, 1}, dir.str(), kResumeAt, false, Mode::Ddp, false});
+  const auto refused = run_job({{2, 3, 2}, dir.str(), kResumeAt + 2, true, Mode::Ddp, false});
+  ASSERT_EQ(refused.errors.size(), 2u);
+  for (const auto& e : refused.errors) {
+    EXPECT_NE(e.find("16 micro-batches an epoch, the job that wrote the checkpoint had 8"),
+              std::string::npos)
+        << e;
+  }
+  EXPECT_TRUE(refused.loss.empty());
+  const auto same = run_job({{2, 6, 1}, dir.str(), kResumeAt + 2, true, Mode::Ddp, false});
+  EXPECT_EQ(same.errors, std::vector<std::string>(2));
+  EXPECT_EQ(same.loss.size(), 2u);
+}
+
+// A stateful compressor's per-rank shard file of the newest checkpoint
+// damaged, which only its own rank reads: every rank falls back to the
+// previous checkpoint alike, and says which file and why.
+TEST(ShardFallback, DamagedShardFileFallsBackOnEveryRank) {
+  TempDir dir("cohort-shard-fallback");
+  compression::CompressionOptions options;
+  options.kind = compression::CompressionKind::Int8;
+  const auto data = testing::make_data(kSamples);
+  std::vector<std::optional<int64_t>> resumed(2);
+  std::vector<std::string> skipped(2);
+  auto train = [&](bool resume) {
+    testing::run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+      auto net = testing::make_mlp(resume ? 99 : 7);
+      DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+      ddp.register_comm_hook(std::make_shared<CompressionHook>(options));
+      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+      TrainerConfig config;
+      config.checkpoint_dir = dir.str();
+      config.checkpoint_every = 2;
+      config.max_steps = 4;
+      config.progress = false;
+      Trainer trainer(
+          TrainerWiring::ddp(ddp, opt),
+          [&](const torch::data::Example<>& b) {
+            return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+          },
+          config);
+      if (!resume) {
+        TensorDataSource source(data.x, data.y, 3, comm->rank(), comm->size());
+        trainer.fit(source);
+        return;
+      }
+      resumed[comm->rank()] = trainer.resume();
+      if (!trainer.skipped_checkpoints().empty()) {
+        skipped[comm->rank()] = trainer.skipped_checkpoints().front();
+      }
+    });
+  };
+  train(false);
+  const std::string shard = CheckpointDir(dir.str(), 3).path_for(4) + ".shard-1-of-2";
+  std::string bytes;
+  {
+    std::ifstream in(shard, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GT(bytes.size(), 100u);
+  bytes[bytes.size() / 2] ^= 0x40;
+  std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+  train(true);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(resumed[r], std::optional<int64_t>(2)) << "rank " << r;
+    EXPECT_NE(skipped[r].find(shard), std::string::npos) << skipped[r];
+    EXPECT_NE(skipped[r].find("checksum mismatch"), std::string::npos) << skipped[r];
+  }
+}
+
+// A checkpoint whose state is in its file (DDP) cannot be resumed by a
+// trainer whose state is a distributed checkpoint (FSDP, ZeRO): a
+// ConfigError on every rank naming both, at the same world size and at
+// another, with nothing loaded.
+TEST(ElasticResumeRefused, ReplicatedCheckpointIntoFsdpOrZeroNamesBothAndLoadsNothing) {
+  TempDir dir("cohort-elastic-ddp");
+  run_job({{2, 6, 1}, dir.str(), 4, false, Mode::Ddp});
+  const auto fresh = testing::make_mlp(99)->parameters();
+  struct Into {
+    Mode mode;
+    Layout layout;
+    const char* names;
+  };
+  for (const auto& into : {Into{Mode::Fsdp, {2, 6, 1}, "FSDP"}, Into{Mode::Fsdp, {3, 4, 1}, "FSDP"},
+                           Into{Mode::Zero1, {2, 6, 1}, "ZeRO"}}) {
+    const auto r = run_job({into.layout, dir.str(), 8, /*resume=*/true, into.mode});
+    ASSERT_EQ(r.errors.size(), static_cast<size_t>(into.layout.world));
+    for (const auto& e : r.errors) {
+      EXPECT_NE(e.find("was written by a trainer with replicated state (a DDP"), std::string::npos)
+          << e;
+      EXPECT_NE(e.find(into.names), std::string::npos) << e;
+      EXPECT_NE(e.find("loads only from a distributed checkpoint"), std::string::npos) << e;
+    }
+    EXPECT_TRUE(r.loss.empty());
+    ASSERT_EQ(r.params.size(), fresh.size());
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      EXPECT_TRUE(torch::equal(r.params[i], fresh[i])) << mode_name(into.mode) << " loaded " << i;
+    }
   }
 }
 

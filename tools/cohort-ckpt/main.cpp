@@ -1,6 +1,8 @@
 // cohort-ckpt: a distributed checkpoint folder (cohort/dcp).
 //   cohort-ckpt inspect DIR [--verify]   tensors, shapes, layout, checksums
 //   cohort-ckpt consolidate DIR OUT      the model, whole, for torch::load
+#include <c10/util/Exception.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
@@ -28,6 +30,10 @@ int main(int argc, char** argv) {
       std::printf("cohort-ckpt: %d tensors -> %s\n", n, out.c_str());
     }
     return 0;
+  } catch (const c10::Error& e) {
+    // LibTorch's own: its message without the backtrace of cohort's frames.
+    std::fprintf(stderr, "cohort-ckpt: %s: %s\n", dir.c_str(), e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cohort-ckpt: %s\n", e.what());
     return 1;

@@ -119,13 +119,16 @@ void Attempt::on_signals() {
 }
 
 void Attempt::on_interrupt(int sig) {
-  if (interrupt_ == 0) interrupt_ = sig;
+  const bool first = interrupt_ == 0;
+  if (first) interrupt_ = sig;
   if (phase_ == Phase::kRunning) {
     log_line("received " + signal_name(sig) + "; forwarding it to the ranks");
     begin_teardown(sig);
   } else if (phase_ == Phase::kTerminating) {
-    // A second request while ranks shut down: the user will not wait.
-    log_line("received " + signal_name(sig) + " again; killing the ranks");
+    // A request while ranks shut down (after an earlier one, or a failed
+    // rank or the timeout): the user will not wait.
+    log_line("received " + signal_name(sig) + (first ? " while the ranks shut down" : " again") +
+             "; killing the ranks");
     kill_all();
   }
 }

@@ -1,0 +1,348 @@
+// The Trainer's checkpoints: save_checkpoint, resume and the per-rank shard
+// files (the rest of Trainer is in trainer.cpp).
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <sstream>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/core/error.h"
+#include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/collective_status.h"
+#include "cohort/dcp/dcp.h"
+#include "cohort/train/dcp_checkpoint.h"
+#include "cohort/train/rng_state.h"
+#include "cohort/train/trainer.h"
+
+namespace cohort {
+namespace {
+
+// A part of a checkpoint that does not verify, met by some rank while
+// loading; thrown alike on every rank, which then falls back to an older
+// checkpoint. A checkpoint that verifies but does not fit the model is a
+// plain CheckpointError or ConfigError: an older one would not fit either.
+class DamagedCheckpoint : public CheckpointError {
+ public:
+  using CheckpointError::CheckpointError;
+};
+
+// Runs `read` (this rank's read of a part of a checkpoint); a CheckpointError
+// on any rank becomes the same DamagedCheckpoint on every rank.
+void read_on_every_rank(Communicator& comm, const std::function<void()>& read) {
+  std::string error;
+  try {
+    read();
+  } catch (const CheckpointError& e) {
+    error = e.what();
+  }
+  try {
+    dcp::agree(comm, error);
+  } catch (const CheckpointError& e) {
+    throw DamagedCheckpoint(e.what());
+  }
+}
+
+}  // namespace
+
+void Trainer::save_checkpoint() {
+  if (!checkpoints_) return;
+  // Sharded model and optimizer state (ZeRO, FSDP) goes into the
+  // checkpoint's dcp folder; other per-rank state (a compressor's error
+  // feedback, a pipeline's stages) into each rank's shard file. Both are
+  // written (atomic, checksummed) before the gather below, so rank 0 writes
+  // the main file, which is what makes the checkpoint exist, only once every
+  // rank's part is on disk.
+  const bool in_dcp = dcp_state();
+  const bool sharded = per_rank_state() && !in_dcp;
+  // FSDP: the shards are what each rank saves (an evaluation forward may
+  // have left the root's own parameters gathered).
+  layout_.before_checkpoint();
+  if (in_dcp) {
+    auto state = wiring_.dcp_state_dict(nullptr);
+    save_buffers_from_rank0(state, *model_, comm_.rank());
+    dcp::save(state, dcp_folder(checkpoints_->path_for(position_.step)), comm_);
+  }
+  if (sharded) write_shard();
+  // Every rank's RNG state goes into rank 0's file: one file, one rename,
+  // so a crash cannot leave some ranks' parts newer than others.
+  auto mine = cpu_rng_state();
+  std::vector<torch::Tensor> all;
+  if (comm_.rank() == 0) {
+    for (int r = 0; r < comm_.size(); ++r) all.push_back(torch::empty_like(mine));
+  }
+  comm_.gather(all, mine, {0}).wait();
+  if (comm_.rank() == 0) {
+    const bool model_in_main = !wiring_.per_rank_model() && !in_dcp;
+    const auto payload = encode_training_state(model_in_main ? model_.get() : nullptr, optimizer_,
+                                               position_, torch::stack(all), in_dcp);
+    checkpoints_->write(position_.step, payload);
+    // The folders of rotated-out checkpoints, and any a crash left behind.
+    remove_orphan_dcp_folders(*checkpoints_, position_.step);
+  }
+  if (sharded) {
+    // After rank 0's rotation, so that every rank sees which checkpoints
+    // are gone.
+    comm_.barrier().wait();
+    remove_stale_shards();
+  }
+  last_checkpoint_step_ = position_.step;
+}
+
+bool Trainer::dcp_state() const {
+  // A compressor's per-rank state has no dcp form: such a job keeps its
+  // shard files (and its world size).
+  return wiring_.has_dcp_state() && !sync_.has_state();
+}
+
+bool Trainer::per_rank_state() const {
+  return !optimizer_.replicated_state() || sync_.has_state() || wiring_.per_rank_model();
+}
+
+void Trainer::write_shard() const {
+  torch::serialize::OutputArchive archive;
+  if (wiring_.per_rank_model()) {
+    torch::serialize::OutputArchive stages;
+    model_->save(stages);
+    archive.write("model", stages);
+  }
+  if (!optimizer_.replicated_state()) optimizer_.save(archive);
+  if (sync_.has_state()) sync_.save_state(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  write_checkpoint_file(shard_path(position_.step), out.str());
+}
+
+void Trainer::load_shard(int64_t step, const std::string& shard) {
+  // The optimizer checks that the shard was saved by the same rank of the
+  // same layout; a model's part, by its shapes.
+  const char* part = layout_.per_rank_model() ? "rank's stages" : "rank's shards";
+  std::string error;
+  try {
+    std::istringstream in(shard);
+    torch::serialize::InputArchive archive;
+    archive.load_from(in);
+    if (wiring_.per_rank_model()) {
+      torch::serialize::InputArchive stages;
+      archive.read("model", stages);
+      load_module_state(*model_, stages);
+    }
+    if (!optimizer_.replicated_state()) optimizer_.load(archive);
+    if (sync_.has_state()) sync_.load_state(archive);
+  } catch (const CheckpointError& e) {
+    error = "checkpoint " + shard_path(step) + ": does not fit this " + part + ": " + e.what();
+  } catch (const c10::Error& e) {
+    error = "checkpoint " + shard_path(step) + ": does not fit this " +
+            (wiring_.per_rank_model() ? std::string(part) + " or optimizer: "
+                                      : std::string("optimizer: ")) +
+            e.what_without_backtrace();
+  }
+  dcp::agree(comm_, error);
+}
+
+std::string Trainer::shard_path(int64_t step) const {
+  return checkpoints_->path_for(step) + ".shard-" + std::to_string(comm_.rank()) + "-of-" +
+         std::to_string(comm_.size());
+}
+
+void Trainer::remove_stale_shards() const {
+  // This rank's shards whose main checkpoint is gone (rotated out by
+  // keep_last); the one just written is kept even before rank 0's file
+  // appears.
+  const auto kept = checkpoints_->steps();
+  const std::string suffix =
+      ".shard-" + std::to_string(comm_.rank()) + "-of-" + std::to_string(comm_.size());
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoints_->dir(), ec)) {
+    const auto path = entry.path().string();
+    if (path.size() <= suffix.size() ||
+        path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    bool keep = false;
+    for (int64_t step : kept) keep = keep || shard_path(step) == path;
+    if (!keep && shard_path(position_.step) != path) std::filesystem::remove(entry.path(), ec);
+  }
+}
+
+std::optional<int64_t> Trainer::resume() {
+  if (!checkpoints_) return std::nullopt;
+  skipped_.clear();
+  int64_t below = std::numeric_limits<int64_t>::max();
+  for (;;) {
+    std::string payload;
+    const auto [step, skipped] = choose_checkpoint(below, payload);
+    if (step < 0) return start_fresh(skipped);
+    try {
+      load_checkpoint(step, std::move(payload));
+    } catch (const DamagedCheckpoint& e) {
+      skipped_.push_back(e.what());
+      if (comm_.rank() == 0) std::fprintf(stderr, "cohort: skipping %s\n", e.what());
+      below = step;
+      continue;
+    }
+    if (comm_.rank() == 0 && !skipped_.empty()) {
+      std::fprintf(stderr, "cohort: resuming from the previous good checkpoint %s\n",
+                   checkpoints_->path_for(step).c_str());
+    }
+    return step;
+  }
+}
+
+std::pair<int64_t, int64_t> Trainer::choose_checkpoint(int64_t below, std::string& payload) {
+  // Rank 0 picks the newest checkpoint below `below` and tells the others,
+  // so that all ranks load the same one even if they see the folder
+  // differently. A checkpoint whose dcp folder is not whole (no .metadata,
+  // a missing data file) is skipped like a file that does not verify.
+  auto chosen = torch::tensor({int64_t{-1}, int64_t{0}}, torch::kInt64);
+  if (comm_.rank() == 0) {
+    auto loaded = checkpoints_->load_latest(
+        [&](int64_t step, const std::string& bytes) {
+          const auto path = checkpoints_->path_for(step);
+          if (training_state_in_dcp(bytes, path)) verify_dcp_folder(dcp_folder(path));
+        },
+        below);
+    for (const auto& why : loaded.skipped) {
+      if (std::find(skipped_.begin(), skipped_.end(), why) != skipped_.end()) continue;
+      skipped_.push_back(why);
+      std::fprintf(stderr, "cohort: skipping %s\n", why.c_str());
+    }
+    if (loaded.found) {
+      chosen[0].fill_(loaded.step);
+      payload = std::move(loaded.payload);
+    }
+    chosen[1].fill_(static_cast<int64_t>(skipped_.size()));
+  }
+  comm_.broadcast(chosen, {0}).wait();
+  return {chosen[0].item<int64_t>(), chosen[1].item<int64_t>()};
+}
+
+std::optional<int64_t> Trainer::start_fresh(int64_t skipped) {
+  if (skipped > 0) {
+    // Starting over would quietly throw away the run the checkpoints hold.
+    std::string error;
+    if (comm_.rank() == 0) {
+      error = "Trainer::resume: no checkpoint in " + checkpoints_->dir() + " verifies (" +
+              std::to_string(skipped) + " skipped; the newest: " + skipped_.front() + ")";
+    }
+    if (!config_.start_fresh_if_damaged) {
+      dcp::agree(comm_, error.empty() ? error
+                                      : error +
+                                            "; repair or remove them, or set "
+                                            "TrainerConfig::start_fresh_if_damaged to train "
+                                            "from step 0");
+    }
+    if (comm_.rank() == 0) {
+      std::fprintf(stderr,
+                   "cohort: no checkpoint in %s verifies (%lld skipped); starting from step 0 "
+                   "(start_fresh_if_damaged)\n",
+                   checkpoints_->dir().c_str(), static_cast<long long>(skipped));
+    }
+  }
+  metrics_.keep_until(-1);
+  last_checkpoint_step_ = -1;
+  return std::nullopt;
+}
+
+void Trainer::load_checkpoint(int64_t step, std::string payload) {
+  const std::string path = checkpoints_->path_for(step);
+  read_on_every_rank(comm_, [&] {
+    if (comm_.rank() != 0) payload = checkpoints_->load(step);
+  });
+  layout_.before_checkpoint();  // FSDP loads into the shards
+  // Every part is read and verified before anything is loaded, so a damaged
+  // one leaves the model as it was for the fall-back.
+  std::string shard;
+  auto state = decode_training_state(
+      payload, path, wiring_.per_rank_model() ? nullptr : model_.get(), optimizer_,
+      [&](const CheckpointKind& kind) {
+        check_checkpoint(kind, path);
+        if (kind.in_dcp || !per_rank_state()) return;
+        read_on_every_rank(comm_, [&] { shard = read_checkpoint_file(shard_path(step)); });
+      });
+  if (state.in_dcp) {
+    load_dcp(dcp_folder(path));
+  } else if (per_rank_state()) {
+    load_shard(step, shard);
+  }
+  const int64_t old_world = state.rng_states.size(0);
+  resized_ = old_world != comm_.size();
+  resumed_ = true;
+  if (comm_.rank() < old_world) {
+    set_cpu_rng_state(state.rng_states[comm_.rank()]);
+  } else {
+    // A rank new to the job: its own stream, the same on every resume.
+    set_cpu_rng_state(seeded_cpu_rng_state(static_cast<uint64_t>(step) * 1000003u +
+                                           static_cast<uint64_t>(comm_.rank())));
+  }
+  if (resized_ && comm_.rank() == 0) {
+    std::fprintf(stderr,
+                 "cohort: checkpoint %s (step %lld) was written by %lld ranks; resuming at world "
+                 "%d\n",
+                 path.c_str(), static_cast<long long>(step), static_cast<long long>(old_world),
+                 comm_.size());
+  }
+  position_ = state.position;
+  last_checkpoint_step_ = step;
+  metrics_.keep_until(step);
+}
+
+void Trainer::load_dcp(const std::string& folder) {
+  // Every rank reads the metadata (verified) and then only the byte ranges
+  // of its own boxes; dcp::load copies nothing unless every rank verified
+  // all it read, and throws the same error on every rank otherwise. Whether
+  // the checkpoint fits the model is settled first: what fails after that
+  // is the data on disk, and an older checkpoint may be whole.
+  dcp::Metadata meta;
+  read_on_every_rank(comm_, [&] { meta = dcp::read_metadata(folder); });
+  auto state = wiring_.dcp_state_dict(&meta);
+  check_state_covers_model(meta, state, comm_, folder);
+  std::string misfit;
+  try {
+    dcp::check_fits(state, meta, folder);
+  } catch (const CheckpointError& e) {
+    misfit = e.what();
+  }
+  dcp::agree(comm_, misfit);
+  try {
+    dcp::load(state, folder, comm_, &meta);
+  } catch (const CheckpointError& e) {
+    throw DamagedCheckpoint(e.what());
+  }
+}
+
+std::string Trainer::sharded_mode() const {
+  if (!layout_.describe().empty()) return layout_.describe();
+  if (!optimizer_.replicated_state()) return "a sharded optimizer (ZeRO)";
+  return "a stateful gradient compressor (per-rank state)";
+}
+
+void Trainer::check_checkpoint(const CheckpointKind& kind, const std::string& path) const {
+  const std::string where =
+      "Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " + path;
+  if (kind.in_dcp) {
+    // Sharded state saved through dcp loads into any layout that has a dcp
+    // form, at any world size.
+    if (dcp_state()) return;
+    throw ConfigError(where +
+                      " holds ZeRO or FSDP state (a distributed checkpoint), which loads only "
+                      "into a ZeRO or FSDP trainer; this one has " +
+                      (per_rank_state() ? sharded_mode() : std::string("replicated state")));
+  }
+  if (dcp_state()) {
+    throw ConfigError(
+        where + " was written by a trainer " +
+        (kind.model_in_file
+             ? std::string("with replicated state (a DDP, all-reduce or fused wiring: the model "
+                           "and optimizer in this file)")
+             : std::string("with per-rank shard files (a pipeline, or a stateful compressor)")) +
+        "; this one has " + sharded_mode() +
+        ", whose state loads only from a distributed checkpoint (as ZeRO, FSDP and mesh "
+        "trainers write); resume it with the wiring that wrote it");
+  }
+  if (kind.world == comm_.size() || !per_rank_state()) return;
+  throw ConfigError(where + " was written by " + std::to_string(kind.world) +
+                    " ranks, this job has " + std::to_string(comm_.size()) + "; the state of " +
+                    sharded_mode() + " resumes only at the world size that wrote it");
+}
+
+}  // namespace cohort
