@@ -68,6 +68,52 @@ TEST(ProcessFailure, SurvivorsOfAKilledRankFailWithANamedError) {
   }
 }
 
+// A rank that stops answering (SIGSTOP, as a debugger or job control does)
+// while the others run a collective: each survivor's timeout names it,
+// whichever neighbour that survivor was waiting for. UCX only: the
+// engine asks its peers whether they still answer (Gloo's timeouts are
+// Gloo's own).
+TEST(ProcessFailure, SurvivorsOfAStoppedRankNameIt) {
+#ifndef COHORT_WITH_UCX
+  GTEST_SKIP() << "built without UCX";
+#endif
+  const auto start = Clock::now();
+  auto ranks = start_ranks({STOPPED_PEER_BIN}, 3, {"COHORT_BACKEND=ucx"});
+  for (int r : {0, 2}) {
+    const auto result = ranks[r]->finish(Seconds(60));
+    EXPECT_EQ(result.exit_code, 3) << "rank " << r << ":\n" << result.err;
+    EXPECT_NE(result.err.find("rank 1 did not answer"), std::string::npos) << result.err;
+    EXPECT_EQ(result.err.find("rank 2 did not answer"), std::string::npos) << result.err;
+    EXPECT_EQ(result.err.find("rank 0 did not answer"), std::string::npos) << result.err;
+  }
+  EXPECT_LT(Clock::now() - start, Seconds(45));
+  ::kill(ranks[1]->pid(), SIGKILL);
+  EXPECT_EQ(ranks[1]->finish(Seconds(10)).exit_code, 128 + SIGKILL);
+}
+
+// Subgroups built until the descriptors run out (a limit of 256, as
+// `ulimit -n 256`): UCX says "Endpoint timeout" or "No resources", so the
+// error must name the limit, on every rank (the one that failed tells the
+// others through the store), well before the 30 s timeout.
+TEST(ProcessFailure, OutOfDescriptorsIsNamedOnEveryRank) {
+#ifndef COHORT_WITH_UCX
+  GTEST_SKIP() << "built without UCX";
+#endif
+  for (int world : {2, 3}) {
+    const auto start = Clock::now();
+    auto results = run_ranks_as_processes({FD_LIMIT_BIN, "256"}, world, Seconds(120),
+                                          {"COHORT_BACKEND=ucx", "COHORT_TIMEOUT=30"});
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(results[r].exit_code, 3) << "rank " << r << " of " << world << ":\n"
+                                         << results[r].err;
+      EXPECT_NE(results[r].err.find("file descriptors open of its limit of 256 (ulimit -n)"),
+                std::string::npos)
+          << results[r].err;
+    }
+    EXPECT_LT(Clock::now() - start, Seconds(25)) << "world " << world;
+  }
+}
+
 // init() -> all_reduce -> finalize() in a loop, as a job that rebuilds its
 // default group does. Every cycle's rank 0 hosts a new store on the same
 // MASTER_PORT: a rank must not reach the previous cycle's store (it would
