@@ -234,7 +234,20 @@ Communicator& world() { return *world_ptr(); }
 
 void finalize() {
   std::lock_guard<std::mutex> lock(g_world_mu);
+  if (!g_world) return;
+  const int rank = g_world->rank();
+  const Millis timeout = g_world->timeout();
+  auto store = std::dynamic_pointer_cast<TcpStore>(g_world->store());
   g_world.reset();
+  // Rank 0 closes the group's store; the others wait until it has. The
+  // next init() hosts a new store on the same port, and a rank that reached
+  // this one instead would find its rank already claimed there, or lose the
+  // connection when rank 0 closed it.
+  if (store && !store->close_for_group(timeout)) {
+    throw TimeoutError("cohort::finalize (rank " + std::to_string(rank) + "): rank 0 did not " +
+                       "close the group's store within " + std::to_string(timeout.count()) +
+                       " ms: call finalize() on every rank");
+  }
 }
 
 }  // namespace cohort

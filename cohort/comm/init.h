@@ -61,7 +61,10 @@ bool is_initialized();
 /// The default group; throws if init() was not called.
 Communicator& world();
 std::shared_ptr<Communicator> world_ptr();
-/// Drops the default group (collective: call it on every rank).
+/// Drops the default group (collective: call it on every rank). Rank 0
+/// closes the group's store, and the other ranks return once it has, so
+/// that init() can be called again at once. Throws TimeoutError when rank 0
+/// does not finalize within the group's timeout.
 void finalize();
 
 }  // namespace cohort

@@ -18,20 +18,33 @@ uint16_t free_port() {
   return net::local_port(s);
 }
 
-// Runs `world` ranks of DEAD_PEER_BIN with the torchrun environment; each
-// is killed if still running after `limit`.
-std::vector<ProcessResult> run_ranks_as_processes(int world, Seconds limit) {
+// Starts `world` ranks of `argv` with the torchrun environment (and `env`).
+std::vector<std::unique_ptr<Subprocess>> start_ranks(const std::vector<std::string>& argv,
+                                                     int world,
+                                                     const std::vector<std::string>& env = {}) {
   const auto port = std::to_string(free_port());
   std::vector<std::unique_ptr<Subprocess>> ranks;
   for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::make_unique<Subprocess>(
-        std::vector<std::string>{DEAD_PEER_BIN},
-        std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
-                                 "LOCAL_RANK=" + std::to_string(r),
-                                 "LOCAL_WORLD_SIZE=" + std::to_string(world),
-                                 "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port,
-                                 "COHORT_TIMEOUT=20", "OPENBLAS_NUM_THREADS=1"}));
+    std::vector<std::string> e{"RANK=" + std::to_string(r),
+                               "WORLD_SIZE=" + std::to_string(world),
+                               "LOCAL_RANK=" + std::to_string(r),
+                               "LOCAL_WORLD_SIZE=" + std::to_string(world),
+                               "MASTER_ADDR=127.0.0.1",
+                               "MASTER_PORT=" + port,
+                               "COHORT_TIMEOUT=20",
+                               "OPENBLAS_NUM_THREADS=1"};
+    e.insert(e.end(), env.begin(), env.end());
+    ranks.push_back(std::make_unique<Subprocess>(argv, e));
   }
+  return ranks;
+}
+
+// start_ranks, then each rank's result; a rank still running after `limit`
+// is killed.
+std::vector<ProcessResult> run_ranks_as_processes(const std::vector<std::string>& argv, int world,
+                                                  Seconds limit,
+                                                  const std::vector<std::string>& env = {}) {
+  auto ranks = start_ranks(argv, world, env);
   std::vector<ProcessResult> results;
   const auto deadline = Clock::now() + limit;
   for (auto& p : ranks) {
@@ -44,7 +57,7 @@ TEST(ProcessFailure, SurvivorsOfAKilledRankFailWithANamedError) {
   const auto start = Clock::now();
   // Three LibTorch start-ups and a 5 s operation timeout; a hang would show
   // as the 20 s COHORT_TIMEOUT or the 90 s limit.
-  auto results = run_ranks_as_processes(3, Seconds(90));
+  auto results = run_ranks_as_processes({DEAD_PEER_BIN}, 3, Seconds(90));
   EXPECT_LT(Clock::now() - start, Seconds(60));
   EXPECT_EQ(results[1].exit_code, 128 + SIGKILL);
   for (int r : {0, 2}) {
@@ -54,6 +67,78 @@ TEST(ProcessFailure, SurvivorsOfAKilledRankFailWithANamedError) {
         << results[r].err;
   }
 }
+
+// A rank that stops answering (SIGSTOP, as a debugger or job control does)
+// while the others run a collective: each survivor's timeout names it,
+// whichever neighbour that survivor was waiting for. UCX only: the
+// engine asks its peers whether they still answer (Gloo's timeouts are
+// Gloo's own).
+TEST(ProcessFailure, SurvivorsOfAStoppedRankNameIt) {
+#ifndef COHORT_WITH_UCX
+  GTEST_SKIP() << "built without UCX";
+#endif
+  const auto start = Clock::now();
+  auto ranks = start_ranks({STOPPED_PEER_BIN}, 3, {"COHORT_BACKEND=ucx"});
+  for (int r : {0, 2}) {
+    const auto result = ranks[r]->finish(Seconds(60));
+    EXPECT_EQ(result.exit_code, 3) << "rank " << r << ":\n" << result.err;
+    EXPECT_NE(result.err.find("rank 1 did not answer"), std::string::npos) << result.err;
+    EXPECT_EQ(result.err.find("rank 2 did not answer"), std::string::npos) << result.err;
+    EXPECT_EQ(result.err.find("rank 0 did not answer"), std::string::npos) << result.err;
+  }
+  EXPECT_LT(Clock::now() - start, Seconds(45));
+  ::kill(ranks[1]->pid(), SIGKILL);
+  EXPECT_EQ(ranks[1]->finish(Seconds(10)).exit_code, 128 + SIGKILL);
+}
+
+// Subgroups built until the descriptors run out (a limit of 256, as
+// `ulimit -n 256`): UCX says "Endpoint timeout" or "No resources", so the
+// error must name the limit, on every rank (the one that failed tells the
+// others through the store), well before the 30 s timeout.
+TEST(ProcessFailure, OutOfDescriptorsIsNamedOnEveryRank) {
+#ifndef COHORT_WITH_UCX
+  GTEST_SKIP() << "built without UCX";
+#endif
+  for (int world : {2, 3}) {
+    const auto start = Clock::now();
+    auto results = run_ranks_as_processes({FD_LIMIT_BIN, "256"}, world, Seconds(120),
+                                          {"COHORT_BACKEND=ucx", "COHORT_TIMEOUT=30"});
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(results[r].exit_code, 3) << "rank " << r << " of " << world << ":\n"
+                                         << results[r].err;
+      EXPECT_NE(results[r].err.find("file descriptors open of its limit of 256 (ulimit -n)"),
+                std::string::npos)
+          << results[r].err;
+    }
+    EXPECT_LT(Clock::now() - start, Seconds(25)) << "world " << world;
+  }
+}
+
+// init() -> all_reduce -> finalize() in a loop, as a job that rebuilds its
+// default group does. Every cycle's rank 0 hosts a new store on the same
+// MASTER_PORT: a rank must not reach the previous cycle's store (it would
+// find its own rank already claimed there, or lose the connection when that
+// store closes). 150 cycles take 5-8 s per case here; before finalize()
+// waited for the old store to close, UCX failed within 100 (cycles 15-55).
+class InitFinalizeLoop : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(InitFinalizeLoop, EveryCycleConnectsAndReduces) {
+  const auto& [backend, world] = GetParam();
+  auto results = run_ranks_as_processes({INIT_LOOP_BIN, "150"}, world, Seconds(200),
+                                        {"COHORT_BACKEND=" + backend});
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ":\n" << results[r].err;
+  }
+  EXPECT_NE(results[0].out.find("cycles 150 in"), std::string::npos) << results[0].out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, InitFinalizeLoop,
+                         ::testing::Combine(::testing::Values(
+#ifdef COHORT_WITH_UCX
+                                                "ucx",
+#endif
+                                                "gloo"),
+                                            ::testing::Values(2, 3)));
 
 }  // namespace
 }  // namespace cohort::testing::process_test

@@ -19,6 +19,11 @@ uint64_t tag_of(Channel channel, int sender, int tag) {
          static_cast<uint32_t>(tag);
 }
 
+// How long a timed-out wait waits for its peers' answers to the liveness
+// probe (worker_probe.cpp). A live peer's engine thread answers within its
+// 100 ms idle slice; the rest is room for a loaded machine.
+constexpr Millis kProbeTime{1000};
+
 // How long a waiter polls before it sleeps on the event fd: a reply within
 // this is taken at polling latency, a longer wait costs no CPU.
 // At or above this size a posted transfer wakes the engine's thread.
@@ -178,7 +183,10 @@ void Worker::wake_idle() {
 // transfer is pending and nobody waits for one: otherwise a waiter drives
 // UCX, and an armed fd would cost a wake-up of this thread per message.
 void Worker::idle(Millis most) {
-  if (progress()) return;
+  const bool busy = progress();
+  // A peer's ping is answered here too, while every caller computes.
+  handle_notices();
+  if (busy) return;
   std::unique_lock<std::mutex> lock(idle_mu_);
   const auto generation = idle_generation_;
   if (waiters_.load(std::memory_order_acquire) == 0 &&
@@ -225,7 +233,10 @@ void Worker::wait(Transfer& t, Clock::time_point deadline) {
     const auto now = Clock::now();
     if (polls == 1) spin_until = now + std::chrono::microseconds(spin_us());
     if (now >= deadline) {
-      throw TimeoutError("ucx: " + t.what() + " did not complete in time");
+      // Name the rank that stopped answering: the peer this rank waited
+      // for may itself be waiting for another.
+      throw TimeoutError("ucx: " + t.what() + " did not complete in time" +
+                         probe_peers(kProbeTime));
     }
     if (now < spin_until) continue;
     // Sleep in slices, so a peer's notice is seen within 100 ms.
@@ -338,6 +349,11 @@ void Worker::handle_notices() {
   }
 }
 
+int64_t Worker::closed_after(int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_after_[static_cast<size_t>(peer)];
+}
+
 bool Worker::closed_cleanly(int peer) {
   std::lock_guard<std::mutex> lock(mu_);
   return closed_clean_[static_cast<size_t>(peer)];
@@ -371,6 +387,10 @@ void Worker::handle_notice(const int64_t* w, size_t words) {
              " (reported by rank " + std::to_string(w[1]) + (in.empty() ? "" : "; " + in) +
              "): the ranks called different collectives",
          true);
+  } else if (words == 4 && w[0] == kPing) {
+    answer_ping(static_cast<int>(w[1]), w[2]);
+  } else if (words == 4 && w[0] == kPong) {
+    record_pong(static_cast<int>(w[1]), w[2]);
   } else if (words == 4 && w[0] == kClosed) {
     std::lock_guard<std::mutex> lock(mu_);
     const int peer = static_cast<int>(w[1]);

@@ -133,7 +133,8 @@ class Worker {
   void end_collective(Clock::time_point deadline, bool ok);
 
  private:
-  void rendezvous(Store& store, const WorkerConfig& config, Millis timeout);
+  class Exchange;  // the rendezvous's stages through the store (worker_setup.cpp)
+  void rendezvous(Exchange& exchange, const WorkerConfig& config);
   // post() without the failed-group check (the notice of report_bad_receive).
   // A receive matches the tag's bits in `mask` (a check: all but the low 31).
   std::shared_ptr<Transfer> start(Channel channel, at::Tensor t, int peer, int tag, bool is_send,
@@ -142,13 +143,21 @@ class Worker {
   // Notices on the control channel: a type word, then its fields
   // (worker.cpp); at most two ranks and their descriptors.
   static constexpr int kNoticeWords = 3 + 2 * kDescriptorWords;
-  enum Notice : int64_t { kTruncated = 1, kMismatch = 2, kClosed = 3 };
+  enum Notice : int64_t { kTruncated = 1, kMismatch = 2, kClosed = 3, kPing = 4, kPong = 5 };
   void post_control_receive();
   // Turns a peer's notice or an endpoint error into the group's failure.
   void check_notices();
   void handle_notices();
   // Whether `peer` announced that it closed its communicator cleanly.
   bool closed_cleanly(int peer);
+  // How many collectives `peer` ran before it closed (INT64_MAX while open).
+  int64_t closed_after(int peer);
+  // The liveness probe (worker_probe.cpp): asks every open peer whether it
+  // still answers and waits up to `most`; returns what to add to a timeout's
+  // message, naming the peers that did not answer.
+  std::string probe_peers(Millis most);
+  void answer_ping(int peer, int64_t round);
+  void record_pong(int peer, int64_t round);
   void report_bad_receive(const Transfer& t);
   // The check of the current collective, compared once it arrived.
   void verify_check(Transfer& t);
@@ -190,6 +199,9 @@ class Worker {
     std::atomic<int> status{UCS_OK};
   };
   std::unique_ptr<PeerSlot[]> peer_slots_;
+  // Per peer, the last probe round it answered; the current round.
+  std::unique_ptr<std::atomic<int64_t>[]> answered_;
+  std::atomic<int64_t> probe_round_{0};
   std::atomic<bool> peer_failed_{false};
 
   void wake_all();   // the threads waiting for a completion

@@ -1,11 +1,14 @@
 // The Worker's life: which transports UCX may use (locality), the address
 // exchange through the group's store, and an orderly close.
+#include <dirent.h>
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
@@ -58,36 +61,112 @@ std::string interface_of(const std::string& address) {
   return found;
 }
 
+// UCX does not say when it ran out of file descriptors: its shared-memory
+// transports then fail as "Endpoint timeout" or "Shared memory error". Each
+// group's context and worker take several (about 6 at world 2), so when the
+// process is within a group's worth of its limit, that is named instead.
+std::string descriptor_note() {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return "";
+  const auto limit = static_cast<long long>(r.rlim_cur);
+  long long open = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (::readdir(d)) ++open;
+    ::closedir(d);
+    open -= 3;  // ".", ".." and the directory's own descriptor
+  } else if (errno == EMFILE) {
+    open = limit;  // not even one left to read the count with
+  }
+  constexpr int kGroupWorth = 32;
+  if (open + kGroupWorth < limit) return "";
+  return " (this process has " + std::to_string(open) + " file descriptors open of its limit of " +
+         std::to_string(limit) +
+         " (ulimit -n): every UCX group takes several; raise the limit, e.g. ulimit -n 65536, "
+         "or build fewer groups)";
+}
+
 void check(ucs_status_t s, const std::string& what) {
-  if (s != UCS_OK) throw ConfigError("ucx: " + what + ": " + ucs_status_string(s));
+  if (s != UCS_OK) {
+    throw ConfigError("ucx: " + what + ": " + ucs_status_string(s) + descriptor_note());
+  }
 }
 
 std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
-// Reads every rank's value of `name` (published by each under its rank).
-std::vector<std::vector<uint8_t>> exchange(Store& store, const std::string& name, int rank,
-                                           int size, std::vector<uint8_t> mine, Millis timeout) {
-  const std::string base = "cohort/ucx/" + name + "/";
-  store.set(base + std::to_string(rank), mine);
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(base + std::to_string(r));
-  store.wait(keys, timeout);
-  std::vector<std::vector<uint8_t>> all;
-  for (auto& k : keys) all.push_back(store.get(k));
-  return all;
-}
-
 }  // namespace
+
+// The address exchange through the group's store, in stages ("host",
+// "address", "connected"): each rank publishes its value under
+// cohort/ucx/STAGE/RANK and reads everyone's. A value starts with a status
+// byte. A rank that cannot join (out of descriptors, a bad UCX_TLS)
+// publishes its error under every stage it has not reached, so the others
+// fail at once, naming it, instead of waiting out the timeout.
+class Worker::Exchange {
+ public:
+  Exchange(Store& store, int rank, int size, Millis timeout)
+      : store_(store), rank_(rank), size_(size), timeout_(timeout) {}
+
+  std::vector<std::vector<uint8_t>> operator()(const std::string& stage,
+                                               std::vector<uint8_t> mine) {
+    mine.insert(mine.begin(), kJoined);
+    store_.set(key(stage, rank_), mine);
+    ++published_;
+    std::vector<std::string> keys;
+    for (int r = 0; r < size_; ++r) keys.push_back(key(stage, r));
+    store_.wait(keys, timeout_);
+    std::vector<std::vector<uint8_t>> all;
+    for (int r = 0; r < size_; ++r) {
+      auto v = store_.get(keys[static_cast<size_t>(r)]);
+      if (v.empty() || v[0] != kJoined) {
+        const std::string why = "ucx: rank " + std::to_string(r) + " could not join the group: " +
+                                std::string(v.begin() + (v.empty() ? 0 : 1), v.end());
+        if (!v.empty() && v[0] == kConfigFailure) throw ConfigError(why);
+        throw PeerError(why);
+      }
+      all.emplace_back(v.begin() + 1, v.end());
+    }
+    return all;
+  }
+
+  // Publishes `e` under the stages this rank has not published. Never
+  // throws: the store may be what failed.
+  void fail(const std::exception& e) noexcept {
+    try {
+      std::vector<uint8_t> v{dynamic_cast<const ConfigError*>(&e) ? kConfigFailure : kFailure};
+      const std::string what = e.what();
+      v.insert(v.end(), what.begin(), what.end());
+      for (size_t i = static_cast<size_t>(published_); i < std::size(kStages); ++i) {
+        store_.set(key(kStages[i], rank_), v);
+      }
+    } catch (...) {
+    }
+  }
+
+ private:
+  static constexpr uint8_t kJoined = 0, kConfigFailure = 1, kFailure = 2;
+  static constexpr const char* kStages[] = {"host", "address", "connected"};
+  static std::string key(const std::string& stage, int rank) {
+    return "cohort/ucx/" + stage + "/" + std::to_string(rank);
+  }
+
+  Store& store_;
+  int rank_, size_;
+  Millis timeout_;
+  int published_ = 0;
+};
 
 Worker::Worker(Store& store, int rank, int size, const WorkerConfig& config, Millis timeout)
     : rank_(rank),
       size_(size),
       peer_slots_(new PeerSlot[static_cast<size_t>(size)]),
+      answered_(new std::atomic<int64_t>[static_cast<size_t>(size)] {}),
       closed_after_(static_cast<size_t>(size), std::numeric_limits<int64_t>::max()),
       closed_clean_(static_cast<size_t>(size), false) {
+  Exchange exchange(store, rank, size, timeout);
   try {
-    rendezvous(store, config, timeout);
-  } catch (...) {
+    rendezvous(exchange, config);
+  } catch (const std::exception& e) {
+    exchange.fail(e);
     close();
     throw;
   }
@@ -95,10 +174,10 @@ Worker::Worker(Store& store, int rank, int size, const WorkerConfig& config, Mil
 
 Worker::~Worker() { close(); }
 
-void Worker::rendezvous(Store& store, const WorkerConfig& config, Millis timeout) {
+void Worker::rendezvous(Exchange& exchange, const WorkerConfig& config) {
   const auto me = to_bytes(host_identity());
   single_host_ = true;
-  for (auto& h : exchange(store, "host", rank_, size_, me, timeout)) single_host_ &= h == me;
+  for (auto& h : exchange("host", me)) single_host_ &= h == me;
 
   ucp_config_t* cfg = nullptr;
   check(ucp_config_read(nullptr, nullptr, &cfg), "reading UCX's configuration");
@@ -147,11 +226,11 @@ void Worker::rendezvous(Store& store, const WorkerConfig& config, Millis timeout
   const auto* a = reinterpret_cast<const uint8_t*>(address);
   std::vector<uint8_t> mine(a, a + length);
   ucp_worker_release_address(worker_, address);
-  create_endpoints(exchange(store, "address", rank_, size_, std::move(mine), timeout));
+  create_endpoints(exchange("address", std::move(mine)));
   // Nobody leaves the rendezvous before everyone has connected: a rank that
   // finished its work early and closed its worker would take the shared
   // memory a slower peer was about to attach to ("Shared memory error").
-  exchange(store, "connected", rank_, size_, {1}, timeout);
+  exchange("connected", {1});
   post_control_receive();
 }
 

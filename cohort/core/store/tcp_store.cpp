@@ -31,6 +31,8 @@ std::string TcpStore::where() const { return "TcpStore at " + host_ + ":" + std:
 
 void TcpStore::ensure_connected(net::Clock::time_point deadline) {
   if (conn_.valid()) return;
+  // Reconnecting could reach the next group's store on the same port.
+  if (closed_) throw PeerError(where() + ": this store was closed by cohort::finalize()");
   try {
     conn_ = net::connect_to(host_, port_, deadline);
   } catch (const TimeoutError& e) {
@@ -125,6 +127,30 @@ void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
     }
     throw TimeoutError(missing_keys_message(where(), missing, timeout));
   }
+}
+
+bool TcpStore::close_for_group(Millis timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  if (server_) {
+    server_.reset();
+    conn_.close();
+    return true;
+  }
+  // Not connected (a failed request closed it): nothing tells when the
+  // server stops, and a new connection might reach a later group's store.
+  if (!conn_.valid()) return true;
+  // The server never speaks unasked: the next event on the connection is
+  // its close.
+  try {
+    uint8_t byte = 0;
+    net::recv_all(conn_.fd(), &byte, 1, net::Clock::now() + timeout);
+  } catch (const TimeoutError&) {
+    return false;
+  } catch (const PeerError&) {
+  }
+  conn_.close();
+  return true;
 }
 
 bool TcpStore::delete_key(const std::string& key) {

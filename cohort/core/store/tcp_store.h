@@ -38,6 +38,14 @@ class TcpStore : public Store {
   /// The port the server listens on (the one picked when constructed with port 0).
   uint16_t port() const { return port_; }
 
+  /// Ends this store for its group (cohort::finalize()): the server's host
+  /// stops serving at once (its listener closes before its clients'
+  /// connections); a client waits up to `timeout` until the server closes
+  /// its connection, so that a rank that then builds a new group on the same
+  /// port cannot reach this one. Returns false when the server still serves
+  /// at the timeout. Later calls on this store throw PeerError.
+  bool close_for_group(Millis timeout);
+
  private:
   /// One request and its reply on the client connection.
   std::vector<uint8_t> call(uint8_t cmd, const std::vector<std::string>& args, Millis timeout);
@@ -50,6 +58,7 @@ class TcpStore : public Store {
   std::unique_ptr<TcpStoreServer> server_;
   std::mutex mu_;  // one request at a time on the connection
   net::Socket conn_;
+  bool closed_ = false;  // close_for_group() ran (under mu_)
 };
 
 }  // namespace cohort

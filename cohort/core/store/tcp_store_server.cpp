@@ -70,6 +70,10 @@ TcpStoreServer::~TcpStoreServer() {
   char b = 0;
   (void)!::write(stop_pipe_[1], &b, 1);
   thread_.join();
+  // The listener first: a client that sees its connection close must find
+  // no listener left here (cohort::finalize() relies on it).
+  listener_.close();
+  clients_.clear();
   ::close(stop_pipe_[0]);
   ::close(stop_pipe_[1]);
 }
