@@ -39,12 +39,15 @@ struct UnitRecord {
   int64_t units = 1;
   /// Digest of the units inside it, in pre-order (their digest()).
   uint64_t inner = 0;
-  /// Its own parameters (those no inner unit holds), their elements, and a
-  /// digest of their dtypes and shapes in order.
+  /// Its own parameters (those no inner unit holds).
   int64_t params = 0;
+  /// Their elements.
   int64_t numel = 0;
+  /// A digest of their dtypes and shapes, in order.
   uint64_t shapes = 0;
+  /// Whether the unit frees its full parameters after forward.
   bool reshard_after_forward = true;
+  /// Its mixed precision policy.
   MixedPrecisionPolicy policy;
   /// Non-empty: why this rank refuses to wrap the unit.
   std::string refusal;

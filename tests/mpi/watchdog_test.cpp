@@ -29,6 +29,11 @@ Outcome run_job(const std::string& env, int bound_s) {
   return {r.timed_out ? 124 : r.exit_code, r.out + r.err, r.seconds};
 }
 
+// The watchdog's abort of a collective whose peer never called it.
+constexpr const char* kCheckAbort =
+    "MPI watchdog on world rank 0: MPI_Ialltoall (the signature check of collective #1) on rank 0 "
+    "of 2";
+
 bool has(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
@@ -50,24 +55,25 @@ TEST(MpiWatchdog, RankThatNeverJoinsEndsTheJobWithAClearMessage) {
   // The caller's TimeoutError names the collective, the rank and the peer.
   EXPECT_TRUE(has(o.output, "rank 0 caught TimeoutError: cohort: all_reduce on rank 0 of 2"));
   EXPECT_TRUE(has(o.output, "peer 1"));
-  // The watchdog's abort names the MPI call and the rank.
-  EXPECT_TRUE(
-      has(o.output, "MPI watchdog on world rank 0: MPI_Iallreduce (all_reduce) on rank 0 of 2"));
+  // The watchdog's abort names the MPI call and the rank: the collective's
+  // signature check, the first thing a collective sends.
+  EXPECT_TRUE(has(o.output, kCheckAbort));
   EXPECT_FALSE(has(o.output, "was released"));
 }
 
 TEST(MpiWatchdog, BlockingSmallCollectiveIsEndedByTheWatchdog) {
-  // By default a 64-byte all_reduce takes the blocking path: rank 0 stays
-  // inside MPI_Allreduce, gets no TimeoutError, and the watchdog must end
-  // the job naming the blocking call.
+  // By default a 64-byte all_reduce takes the blocking path (MPI_Allreduce),
+  // but its non-blocking signature check comes first: rank 0 gets a
+  // TimeoutError naming the check instead of staying inside MPI_Allreduce,
+  // and the watchdog ends the job naming the check.
   const auto o = run_job("COHORT_TIMEOUT=2 COHORT_MPI_ABORT_GRACE=1 OPENBLAS_NUM_THREADS=1", 60);
   SCOPED_TRACE(o.output);
   EXPECT_NE(o.status, 0);
   EXPECT_NE(o.status, 124) << "the job hung until the bound killed it";
   EXPECT_LT(o.seconds, 45.0);
-  EXPECT_FALSE(has(o.output, "caught TimeoutError"));
-  EXPECT_TRUE(
-      has(o.output, "MPI watchdog on world rank 0: MPI_Allreduce (all_reduce) on rank 0 of 2"));
+  EXPECT_TRUE(has(o.output, "rank 0 caught TimeoutError: cohort: all_reduce on rank 0 of 2"));
+  EXPECT_TRUE(has(o.output, "the signature check of collective #1"));
+  EXPECT_TRUE(has(o.output, kCheckAbort));
   EXPECT_FALSE(has(o.output, "was released"));
   EXPECT_FALSE(has(o.output, "finished without rank 1"));
 }

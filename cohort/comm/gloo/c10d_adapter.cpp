@@ -313,9 +313,14 @@ class GlooEngine : public Engine {
     const int p = size(), me = rank();
     if (p == 1) return nullptr;
     s.seq = ++collectives_;
-    auto mine = at::empty({p, kSignatureWords}, at::kLong);  // row q: sent to rank q
-    auto theirs = at::empty({p, kSignatureWords}, at::kLong);
-    fill_rows(s, send, p, mine.data_ptr<int64_t>());
+    // Row q: sent to (received from) rank q. Plain buffers, waited for
+    // below: the check is the engine's, not tensor memory the caller's
+    // MemoryScope should count.
+    std::vector<int64_t> mine_rows(static_cast<size_t>(p * kSignatureWords));
+    std::vector<int64_t> their_rows(mine_rows.size());
+    auto mine = at::from_blob(mine_rows.data(), {p, kSignatureWords}, at::kLong);
+    auto theirs = at::from_blob(their_rows.data(), {p, kSignatureWords}, at::kLong);
+    fill_rows(s, send, p, mine_rows.data());
     const auto timeout = s.timeout.count() > 0 ? s.timeout : options_->timeout;
     int peer = -1;  // whose exchange is being waited for
     try {
@@ -344,7 +349,7 @@ class GlooEngine : public Engine {
         return failed_work(std::make_exception_ptr(PeerError(what + t.what())));
       }
     }
-    const auto differs = compare_rows("gloo", s, recv, me, p, theirs.data_ptr<int64_t>());
+    const auto differs = compare_rows("gloo", s, recv, me, p, their_rows.data());
     if (differs.empty()) return nullptr;
     return failed_work(std::make_exception_ptr(MismatchError(differs)));
   }
