@@ -29,7 +29,8 @@ namespace cohort::algorithms {
 // Open MPI's all_reduce at world 2 here loses 65% of its bandwidth from 16
 // to 32 MiB), the timed runs per block at each and the blocks per
 // candidate: more of both where a run is short and noise is relatively
-// large. 5-13 s at world 2 here (MPI, Gloo; see docs/design.md).
+// large. Its duration: docs/benchmarks.md,
+// "Collective algorithms side by side".
 struct CalibrationPoint {
   int64_t bytes;
   int runs;

@@ -55,7 +55,7 @@ struct CommunicatorOptions {
   /// collectives are small can cut its start-up time with it.
   int64_t calibration_max_bytes = 0;
   /// Non-empty: this rank writes its timeline to `trace_dir/rank-R.json`
-  /// (docs/design.md, "The timeline"; init() reads COHORT_TRACE). Subgroups share
+  /// (cohort/observability/README.md; init() reads COHORT_TRACE). Subgroups share
   /// their parent's trace.
   std::string trace_dir;
   /// The most events the trace keeps per rank; later ones are dropped and

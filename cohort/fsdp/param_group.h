@@ -11,7 +11,7 @@
 // module's and the optimizer's references, the gradient accumulators) or of
 // the full storage. A unit's parameters must share dtype and device. How the
 // switch, the gradients' reduce-scatter and mixed precision work:
-// docs/design.md, "Fully sharded data parallelism".
+// cohort/fsdp/README.md.
 #pragma once
 
 #include <c10/core/Storage.h>

@@ -1,8 +1,7 @@
 // defines: GradientSynchronizer, which finishes one step's gradients across
 // the three dimensions of a DeviceMesh, and its per-dimension statistics.
 //
-// What each dimension sends and when: docs/design.md, "Tensor parallelism
-// and the 3-D mesh".
+// What each dimension sends and when: cohort/mesh/README.md.
 //
 //   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
 //                             stage->shared_embedding_weight());

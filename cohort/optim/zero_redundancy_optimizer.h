@@ -14,8 +14,8 @@
 //
 // How the state, the gradients (stage 1 alone or after DDP, stage 2 through
 // GradientShardReducer), the update and the all-gather of the parameters
-// work, and gradient accumulation at stage 2: docs/design.md, "Distributed
-// optimizers". Every element is updated by the same element-wise formula as
+// work, and gradient accumulation at stage 2: cohort/optim/README.md.
+// Every element is updated by the same element-wise formula as
 // in the unsharded optimizer, so results equal DDP + the same optimizer (to
 // rounding). Requirements: all parameters one floating dtype, dense, CPU.
 #pragma once

@@ -25,8 +25,8 @@
 // (with a pipeline: one PipelineRuntime step over the k micro-batches, k
 // being the schedule's m) and gives the norm of step 4 and the copies of
 // step 6. How each wiring clips and checkpoints (per-rank shard files, or
-// dcp for ZeRO, FSDP and the mesh, resharded at any world size): docs/design.md,
-// "Distributed optimizers" ("With the Trainer") and the sections it names.
+// dcp for ZeRO, FSDP and the mesh, resharded at any world size):
+// cohort/train/README.md.
 // The DDP and optimizers behind the wiring must outlive the trainer. It has
 // no global state: several trainers (ranks as threads) coexist.
 #pragma once

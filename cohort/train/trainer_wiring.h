@@ -9,10 +9,7 @@
 //
 // The wiring owns the adapters; the DDP, the optimizers, the pipeline
 // runtime and the model are the caller's and must outlive the Trainer.
-// How each wiring clips, checkpoints and reports: docs/design.md,
-// "Distributed optimizers" ("With the Trainer"), "Distributed checkpoints",
-// "Fully sharded data parallelism", "Tensor parallelism and the 3-D mesh"
-// and "Pipeline parallelism".
+// How each wiring clips, checkpoints and reports: cohort/train/README.md.
 #pragma once
 
 #include <torch/nn/module.h>

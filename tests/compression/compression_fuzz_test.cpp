@@ -4,7 +4,7 @@
 // agree or differ across ranks. Each trial must either throw MismatchError
 // on every rank (they differ) or finish on every rank with the same bits,
 // finite wherever the step's inputs were finite on every rank. Built with
-// -fsanitize=address (docs/design.md, "Gradient compression") it also shows
+// -fsanitize=address (cohort/compression/README.md, "Tests") it also shows
 // that nothing is read or written out of bounds.
 //
 // Seeded: every rank draws trial t from the same generator (seed
