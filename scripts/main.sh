@@ -11,7 +11,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 # glibc keeps large freed tensors instead of returning them to the kernel
-# after every step (README, "Performance tips"); the user's values win.
+# after every step (docs/usage.md, "Performance tips"); the user's values win.
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-67108864}
 export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-268435456}
 # 2 epochs unless the arguments name --epochs (the example takes it once).

@@ -16,8 +16,8 @@
 # really left the host, TCP/IP headers included). Every process runs under
 # `timeout` (ROW_TIMEOUT seconds, default 120), so a peer whose partner died
 # cannot spin on. Both sides get the DDP benchmark's fixed glibc malloc
-# thresholds (bench/ddp_vs_torch/run_ddp_vs_torch.py, README "Performance
-# tips").
+# thresholds (bench/ddp_vs_torch/run_ddp_vs_torch.py, docs/usage.md
+# "Performance tips").
 set -euo pipefail
 build=${1:-build}
 ranks=${2:-1}

@@ -18,7 +18,7 @@ for exe in "$run" "$gpt" "$ddp"; do
   [[ -x $exe ]] || { echo "training.sh: $exe is not built" >&2; exit 2; }
 done
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-# As bench/ddp_vs_torch/run_ddp_vs_torch.py (README, "Performance tips").
+# As bench/ddp_vs_torch/run_ddp_vs_torch.py (docs/usage.md, "Performance tips").
 export MALLOC_MMAP_THRESHOLD_=$((64 << 20)) MALLOC_TRIM_THRESHOLD_=$((256 << 20))
 
 rows=$(mktemp)

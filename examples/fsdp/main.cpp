@@ -11,8 +11,8 @@
 // fp32 weights, so 2561 MiB of weights + gradients + AdamW state per rank
 // under DDP, more than the limit on their own; 640 MiB at world 4 under FSDP)
 // trains at world 4 under FSDP, and DDP stops with an out-of-memory error
-// (exit status 1, reported by cohortrun); see README, "Fully sharded data
-// parallelism", for the command.
+// (exit status 1, reported by cohortrun); see docs/usage.md, "Fully sharded
+// data parallelism", for the command.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
