@@ -98,7 +98,8 @@ class PyTorchTensorParallel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PyTorchTensorParallel, MatchesDTensorColwiseRowwise) {
   const Case c = GetParam();
-  if (auto missing = probe_torch_peer(kScript)) GTEST_SKIP() << *missing;
+  static const std::optional<std::string> missing = probe_torch_peer(kScript);  // once
+  if (missing) GTEST_SKIP() << *missing;
   TempDir dir("cohort-tp-golden");
   auto [w1, b1] = master_linear_weights(kWidth, kHidden, kSeed1);
   auto [w2, b2] = master_linear_weights(kHidden, kWidth, kSeed2);
@@ -116,7 +117,7 @@ TEST_P(PyTorchTensorParallel, MatchesDTensorColwiseRowwise) {
       {"--dir", dir.str(), "--steps", std::to_string(kSteps), "--batch", std::to_string(kBatch),
        "--width", std::to_string(kWidth), "--hidden", std::to_string(kHidden), "--lr",
        std::to_string(kLr), "--run", "ref:none", "--run", "ctl:" + c.control},
-      c.tp, 120);
+      c.tp, 60);
   ASSERT_EQ(failed, "");
 
   const Trained mine = train_cohort(c.tp, x, y);
