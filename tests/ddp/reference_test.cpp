@@ -9,8 +9,6 @@
 // must use rank 0's running statistics, and accumulation under no_sync(),
 // where only the first micro-batch of each group broadcasts.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -20,6 +18,7 @@
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "support/thread_ranks.h"
+#include "support/torch_peer.h"
 #include "tests/ddp/ddp_test_models.h"
 
 namespace cohort::testing::reference_test {
@@ -40,33 +39,6 @@ torch::nn::Sequential make_model(const std::string& kind) {
 
 std::vector<int64_t> input_shape(const std::string& kind) {
   return kind == "mlp" ? std::vector<int64_t>{20} : std::vector<int64_t>{1, 8, 8};
-}
-
-void write_raw(const std::string& path, const torch::Tensor& t) {
-  auto c = t.contiguous();
-  std::ofstream f(path, std::ios::binary);
-  f.write(static_cast<const char*>(c.data_ptr()), c.nbytes());
-  ASSERT_TRUE(f.good()) << path;
-}
-
-torch::Tensor read_raw(const std::string& path, const torch::Tensor& like) {
-  std::ifstream f(path, std::ios::binary);
-  auto out = torch::empty_like(like).contiguous();
-  f.read(static_cast<char*>(out.data_ptr()), out.nbytes());
-  EXPECT_TRUE(f.good() && f.gcount() == static_cast<std::streamsize>(out.nbytes())) << path;
-  return out;
-}
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 std::string slurp(const std::string& path) {
@@ -117,7 +89,7 @@ TEST_P(PyTorchReference, MatchesPyTorchDdp) {
                            std::to_string(kMomentum) + " --accum " + std::to_string(c.accum) +
                            (c.eval ? " --eval" : "");
   const std::string env =
-      "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+      "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_loopback_port()) +
       " OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ";
   cmd << "timeout 100 sh -c '"
       << "RANK=0 " << env << DDP_REFERENCE_PYTHON << args << " > " << dir
