@@ -65,6 +65,7 @@ void step(Job& j, Communicator& comm) {
 // Seconds of one run of `mode`: 0 none, 1 blocking, 2 async.
 double run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
   const auto base = std::filesystem::path(a.dir) / ("r" + std::to_string(round));
+  std::filesystem::create_directories(base);
   comm.barrier().wait();
   const auto t0 = std::chrono::steady_clock::now();
   dcp::AsyncSave pending;

@@ -2,6 +2,10 @@
 // on a writer thread, the commit at wait() (see async_save.h for why).
 #include "cohort/dcp/async_save.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -44,6 +48,12 @@ std::mutex registry_mu;
 std::map<const Communicator*, std::weak_ptr<AsyncSave::State>> registry;
 
 void write_in_background(AsyncSave::State& s) {
+  // The writer yields the CPU to the training: where the ranks keep every
+  // core busy (a CPU job) its checksums and page-cache copies would
+  // otherwise come out of the step time; it runs in the gaps instead, and
+  // the next save waits if it has not finished. Best effort: a failure
+  // leaves the default priority.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
   std::string list, error;
   try {
     list = write_staged_file(s.staged, s.dir, s.comm.rank());
