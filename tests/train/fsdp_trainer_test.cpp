@@ -287,6 +287,20 @@ std::vector<RankState> run_job(const Job& job, const Data& data) {
   return out;
 }
 
+void expect_same_states(const std::vector<RankState>& resumed,
+                        const std::vector<RankState>& expected, const std::string& what) {
+  ASSERT_EQ(resumed.size(), expected.size());
+  for (size_t r = 0; r < expected.size(); ++r) {
+    const auto& want = expected[r];
+    const auto& got = resumed[r];
+    ASSERT_EQ(got.names, want.names);
+    for (size_t i = 0; i < want.tensors.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got.tensors[i], want.tensors[i]))
+          << want.names[i] << " on rank " << r << " differs after " << what;
+    }
+  }
+}
+
 class FsdpTrainerResume : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FsdpTrainerResume, StopAndResumeIsBitwiseTheUninterruptedRun) {
@@ -304,15 +318,7 @@ TEST_P(FsdpTrainerResume, StopAndResumeIsBitwiseTheUninterruptedRun) {
     EXPECT_TRUE(std::filesystem::exists(folder / file)) << file;
   }
   const auto resumed = run_job({c, broken.path(), kSteps, /*resume=*/true}, data);
-  for (int r = 0; r < c.world; ++r) {
-    const auto& want = expected[static_cast<size_t>(r)];
-    const auto& got = resumed[static_cast<size_t>(r)];
-    ASSERT_EQ(got.names, want.names);
-    for (size_t i = 0; i < want.tensors.size(); ++i) {
-      EXPECT_TRUE(torch::equal(got.tensors[i], want.tensors[i]))
-          << want.names[i] << " on rank " << r << " differs after resume";
-    }
-  }
+  expect_same_states(resumed, expected, "resume");
 }
 
 // With async_checkpoint the saves are committed at the next save or at the
@@ -329,15 +335,7 @@ TEST_P(FsdpTrainerResume, AsyncCheckpointsResumeLikeBlockingOnes) {
   EXPECT_TRUE(std::filesystem::exists(dir / "ckpt-0000000003.cohort.dcp" / ".metadata"));
   EXPECT_TRUE(std::filesystem::exists(dir / "ckpt-0000000002.cohort.dcp" / ".metadata"));
   const auto resumed = run_job({c, broken.path(), kSteps, /*resume=*/true, /*async=*/true}, data);
-  for (int r = 0; r < c.world; ++r) {
-    const auto& want = expected[static_cast<size_t>(r)];
-    const auto& got = resumed[static_cast<size_t>(r)];
-    ASSERT_EQ(got.names, want.names);
-    for (size_t i = 0; i < want.tensors.size(); ++i) {
-      EXPECT_TRUE(torch::equal(got.tensors[i], want.tensors[i]))
-          << want.names[i] << " on rank " << r << " differs after an async resume";
-    }
-  }
+  expect_same_states(resumed, expected, "an async resume");
 }
 
 INSTANTIATE_TEST_SUITE_P(Trainer, FsdpTrainerResume,
