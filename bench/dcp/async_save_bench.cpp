@@ -159,8 +159,11 @@ int main(int argc, char** argv) {
                       timing.run, inside[mode].back());
         }
       }
+      // This round's folder only: the next round's may be in the making.
       comm->barrier().wait();
-      if (comm->rank() == 0) std::filesystem::remove_all(a.dir);
+      if (comm->rank() == 0) {
+        std::filesystem::remove_all(std::filesystem::path(a.dir) / ("r" + std::to_string(round)));
+      }
     }
     if (comm->rank() == 0) {
       const int steps = (a.saves + 1) * a.every;
