@@ -173,9 +173,10 @@ int main(int argc, char** argv) {
       const double pause_b = (blocking - none) / a.saves, pause_a = (async - none) / a.saves;
       std::printf("pause per save: blocking %.4f s, async %.4f s; async/blocking %.3f\n", pause_b,
                   pause_a, pause_a / pause_b);
-      std::printf("median time in the save calls per save (rank 0): blocking %.4f s, async %.4f "
-                  "s; async/blocking %.3f\n",
-                  median(inside[1]), median(inside[2]), median(inside[2]) / median(inside[1]));
+      std::printf(
+          "median time in the save calls per save (rank 0): blocking %.4f s, async %.4f "
+          "s; async/blocking %.3f\n",
+          median(inside[1]), median(inside[2]), median(inside[2]) / median(inside[1]));
     }
     return 0;
   } catch (const std::exception& e) {
