@@ -47,6 +47,7 @@
 #include "cohort/tensor_parallel/mappings.h"
 // Distributed checkpoints.
 #include "cohort/dcp/adapters.h"
+#include "cohort/dcp/async_save.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/dcp/metadata.h"

@@ -15,6 +15,7 @@
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/dcp.h"
+#include "cohort/dcp/save_steps.h"
 
 namespace cohort::dcp {
 namespace {
@@ -63,13 +64,14 @@ void remove_temporary_files(const std::string& dir) {
   }
 }
 
-// This rank's file: writes it and returns its chunk list (JSON).
-nlohmann::json write_rank_file(const StateDict& state, const std::string& dir, int rank,
-                               int world) {
+}  // namespace
+
+StagedFile stage_rank_file(const StateDict& state, int rank, int world, bool copy,
+                           const std::string& op) {
   const auto writer = replicated_writers(state, world);
-  std::vector<torch::Tensor> keep;
-  std::vector<std::pair<const void*, size_t>> pieces;
-  nlohmann::json tensors = nlohmann::json::array();
+  StagedFile staged;
+  staged.modules = state.modules;
+  staged.tensors = nlohmann::json::array();
   int64_t offset = 0;
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     const auto& t = state.tensors[i];
@@ -78,26 +80,46 @@ nlohmann::json write_rank_file(const StateDict& state, const std::string& dir, i
     for (const auto& s : t.shards) {
       if (s.box.numel() == 0) continue;
       if (s.data.scalar_type() != t.dtype || s.data.numel() != s.box.numel()) {
-        throw InvalidArgument("dcp::save: tensor " + t.fqn + ": the shard " + to_string(s.box) +
+        throw InvalidArgument(op + ": tensor " + t.fqn + ": the shard " + to_string(s.box) +
                               " holds " + std::to_string(s.data.numel()) + " elements of " +
                               c10::toString(s.data.scalar_type()));
       }
-      auto data = s.data.detach().cpu().contiguous();
-      const auto bytes = static_cast<int64_t>(data.nbytes());
-      pieces.emplace_back(data.data_ptr(), static_cast<size_t>(bytes));
-      chunks.push_back({{"offsets", s.box.offsets},
-                        {"lengths", s.box.lengths},
-                        {"byte_offset", offset},
-                        {"crc32", block_crcs(static_cast<const char*>(data.data_ptr()), bytes)}});
-      keep.push_back(std::move(data));
-      offset += bytes;
+      // An async save's staging copy: the caller may change the model as
+      // soon as async_save returns. (On CUDA this is where a pinned host
+      // buffer, reused from save to save, would take a non_blocking copy.)
+      auto data = copy ? s.data.detach().to(torch::kCPU).clone(at::MemoryFormat::Contiguous)
+                       : s.data.detach().cpu().contiguous();
+      chunks.push_back(
+          {{"offsets", s.box.offsets}, {"lengths", s.box.lengths}, {"byte_offset", offset}});
+      offset += static_cast<int64_t>(data.nbytes());
+      staged.data.push_back(std::move(data));
     }
-    tensors.push_back(
+    staged.tensors.push_back(
         {{"fqn", t.fqn}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}, {"chunks", chunks}});
   }
-  write_file_atomically(dir + "/" + data_file_name(rank), pieces);
-  return {{"bytes", offset}, {"tensors", tensors}, {"modules", state.modules}};
+  staged.bytes = offset;
+  return staged;
 }
+
+std::string write_staged_file(StagedFile& staged, const std::string& dir, int rank) {
+  make_folder(dir);
+  std::vector<std::pair<const void*, size_t>> pieces;
+  size_t next = 0;
+  for (auto& t : staged.tensors) {
+    for (auto& c : t.at("chunks")) {
+      const auto& data = staged.data.at(next++);
+      const auto* bytes = static_cast<const char*>(data.data_ptr());
+      pieces.emplace_back(bytes, data.nbytes());
+      c["crc32"] = block_crcs(bytes, static_cast<int64_t>(data.nbytes()));
+    }
+  }
+  write_file_atomically(dir + "/" + data_file_name(rank), pieces);
+  return nlohmann::json{
+      {"bytes", staged.bytes}, {"tensors", staged.tensors}, {"modules", staged.modules}}
+      .dump();
+}
+
+namespace {
 
 // Rank 0: every rank's chunk lists as one Metadata; checks that the ranks
 // agree on each tensor and that its chunks tile it.
@@ -150,30 +172,24 @@ Metadata merge(const std::vector<std::string>& lists) {
 
 std::string data_file_name(int rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
 
-void save(const StateDict& state, const std::string& dir, Communicator& comm) {
-  std::string error;
+std::string prepare_folder(const std::string& dir) {
   // No metadata while the data files change: a crash leaves no checkpoint
   // rather than one whose files disagree.
-  if (comm.rank() == 0) {
-    try {
-      make_folder(dir);
-      remove_temporary_files(dir);
-      const auto meta = dir + "/" + kMetadataName;
-      if (::unlink(meta.c_str()) != 0 && errno != ENOENT) {
-        throw Error("checkpoint " + meta + ": unlink failed: " + std::strerror(errno));
-      }
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
-  agree(comm, error);
-  std::string list;
   try {
     make_folder(dir);
-    list = write_rank_file(state, dir, comm.rank(), comm.size()).dump();
+    remove_temporary_files(dir);
+    const auto meta = dir + "/" + kMetadataName;
+    if (::unlink(meta.c_str()) != 0 && errno != ENOENT) {
+      throw Error("checkpoint " + meta + ": unlink failed: " + std::strerror(errno));
+    }
   } catch (const std::exception& e) {
-    error = e.what();
+    return e.what();
   }
+  return "";
+}
+
+void commit(Communicator& comm, const std::string& dir, const std::string& list,
+            std::string error) {
   agree(comm, error);
   const auto lists = gather_strings(comm, list, 0);
   if (comm.rank() == 0) {
@@ -185,6 +201,20 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
     }
   }
   agree(comm, error);
+}
+
+void save(const StateDict& state, const std::string& dir, Communicator& comm) {
+  finish_pending_save(comm);
+  std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
+  agree(comm, error);
+  std::string list;
+  try {
+    auto staged = stage_rank_file(state, comm.rank(), comm.size(), false, "dcp::save");
+    list = write_staged_file(staged, dir, comm.rank());
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  commit(comm, dir, list, error);
 }
 
 }  // namespace cohort::dcp

@@ -201,6 +201,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   }
   progress.finish();
   if (last_checkpoint_step_ != position_.step) save_checkpoint();
+  finish_pending_checkpoint();
   return out;
 }
 

@@ -42,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/dcp/async_save.h"
 #include "cohort/train/checkpoint_dir.h"
 #include "cohort/train/data_source.h"
 #include "cohort/train/grad_norm.h"
@@ -72,6 +73,14 @@ struct TrainerConfig {
   std::string checkpoint_dir;
   /// Checkpoint every this many steps (0: only at the end of fit()).
   int64_t checkpoint_every = 0;
+  /// Sharded state (ZeRO, FSDP, a mesh's module stages) is saved with
+  /// dcp::async_save: a checkpoint costs the training the staging copy, the
+  /// files are written in the background, and the checkpoint is committed
+  /// (its folder's .metadata, then rank 0's file) at the next save, at the
+  /// end of fit() or at resume(), where a failed write throws on every rank.
+  /// A crash before that leaves the previous checkpoint the newest. Other
+  /// state is saved as before (blocking).
+  bool async_checkpoint = false;
   /// Checkpoints kept on disk (older ones are deleted).
   int keep_last = 3;
   /// When checkpoint_dir holds checkpoints but none of them verifies,
@@ -196,6 +205,8 @@ class Trainer {
   void load_shard(int64_t step, const std::string& shard);
   std::string shard_path(int64_t step) const;
   void remove_stale_shards() const;
+  void write_main_file(int64_t step, const std::string& payload);
+  void finish_pending_checkpoint();
 
   TrainerWiring wiring_;
   Communicator& comm_;
@@ -214,6 +225,14 @@ class Trainer {
   bool resumed_ = false;  // fit() finds this job's micro-batch in the resumed epoch
   bool resized_ = false;  // ...resumed at another world size
   std::vector<std::string> skipped_;
+  // The async checkpoint being written: its dcp save, and rank 0's main
+  // file, written once the save is committed.
+  struct PendingCheckpoint {
+    dcp::AsyncSave save;
+    int64_t step = -1;
+    std::string payload;
+  };
+  std::optional<PendingCheckpoint> pending_;
 };
 
 }  // namespace cohort

@@ -46,6 +46,7 @@ void read_on_every_rank(Communicator& comm, const std::function<void()>& read) {
 
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
+  finish_pending_checkpoint();
   // Sharded model and optimizer state (ZeRO, FSDP) goes into the
   // checkpoint's dcp folder; other per-rank state (a compressor's error
   // feedback, a pipeline's stages) into each rank's shard file. Both are
@@ -60,7 +61,12 @@ void Trainer::save_checkpoint() {
   if (in_dcp) {
     auto state = wiring_.dcp_state_dict(nullptr);
     save_buffers_from_rank0(state, *model_, comm_.rank());
-    dcp::save(state, dcp_folder(checkpoints_->path_for(position_.step)), comm_);
+    const auto folder = dcp_folder(checkpoints_->path_for(position_.step));
+    if (config_.async_checkpoint) {
+      pending_ = PendingCheckpoint{dcp::async_save(state, folder, comm_), position_.step, ""};
+    } else {
+      dcp::save(state, folder, comm_);
+    }
   }
   if (sharded) write_shard();
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
@@ -73,11 +79,13 @@ void Trainer::save_checkpoint() {
   comm_.gather(all, mine, {0}).wait();
   if (comm_.rank() == 0) {
     const bool model_in_main = !wiring_.per_rank_model() && !in_dcp;
-    const auto payload = encode_training_state(model_in_main ? model_.get() : nullptr, optimizer_,
-                                               position_, torch::stack(all), in_dcp);
-    checkpoints_->write(position_.step, payload);
-    // The folders of rotated-out checkpoints, and any a crash left behind.
-    remove_orphan_dcp_folders(*checkpoints_, position_.step);
+    auto payload = encode_training_state(model_in_main ? model_.get() : nullptr, optimizer_,
+                                         position_, torch::stack(all), in_dcp);
+    if (pending_) {
+      pending_->payload = std::move(payload);  // written once the dcp part is committed
+    } else {
+      write_main_file(position_.step, payload);
+    }
   }
   if (sharded) {
     // After rank 0's rotation, so that every rank sees which checkpoints
@@ -86,6 +94,22 @@ void Trainer::save_checkpoint() {
     remove_stale_shards();
   }
   last_checkpoint_step_ = position_.step;
+}
+
+void Trainer::write_main_file(int64_t step, const std::string& payload) {
+  checkpoints_->write(step, payload);
+  // The folders of rotated-out checkpoints, and any a crash left behind.
+  remove_orphan_dcp_folders(*checkpoints_, step);
+}
+
+void Trainer::finish_pending_checkpoint() {
+  if (!pending_) return;
+  auto pending = std::move(*pending_);
+  pending_.reset();
+  // Collective: every rank's data file is on disk and rank 0 wrote the
+  // folder's .metadata, or every rank throws the failing rank's error.
+  pending.save.wait();
+  if (comm_.rank() == 0) write_main_file(pending.step, pending.payload);
 }
 
 bool Trainer::dcp_state() const {
@@ -166,6 +190,7 @@ void Trainer::remove_stale_shards() const {
 
 std::optional<int64_t> Trainer::resume() {
   if (!checkpoints_) return std::nullopt;
+  finish_pending_checkpoint();
   skipped_.clear();
   int64_t below = std::numeric_limits<int64_t>::max();
   for (;;) {

@@ -12,6 +12,7 @@
 #include "cohort/core/torch_compat.h"
 #include "cohort/dcp/adapters.h"
 #include "cohort/dcp/dcp.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort::testing::dcp_test {
@@ -92,6 +93,19 @@ inline torch::nn::Sequential make_seq(uint64_t seed) {
   torch::NoGradGuard no_grad;
   for (auto& p : seq->parameters()) p.copy_(torch::randn(p.sizes(), gen));
   return seq;
+}
+
+// make_seq(seed) under FSDP, one unit per Linear.
+inline FullyShard make_fsdp(uint64_t seed, std::shared_ptr<Communicator> comm) {
+  return fully_shard(shard_blocks(make_seq(seed), comm), comm);
+}
+
+inline void train_fsdp(FullyShard& model, torch::optim::Optimizer& opt, int steps) {
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    model->forward(batch(100 + s, 12)).pow(2).mean().backward();
+    opt.step();
+  }
 }
 
 inline std::filesystem::path temp_dir(const std::string& name) {

@@ -124,18 +124,6 @@ TEST(ZeroRoundTrip, Stage2World4LoadsIntoStage1World3AndDdpWorld2) {
   fs::remove_all(dir);
 }
 
-FullyShard make_fsdp(uint64_t seed, std::shared_ptr<Communicator> comm) {
-  return fully_shard(shard_blocks(make_seq(seed), comm), comm);
-}
-
-void train_fsdp(FullyShard& model, torch::optim::Optimizer& opt, int steps) {
-  for (int s = 0; s < steps; ++s) {
-    opt.zero_grad();
-    model->forward(batch(100 + s, 12)).pow(2).mean().backward();
-    opt.step();
-  }
-}
-
 // What one process holds after loading `dir` into the bare model.
 Named load_whole(const fs::path& dir) {
   Named got;

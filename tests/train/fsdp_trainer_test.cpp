@@ -223,6 +223,7 @@ struct Job {
   std::string dir;
   int64_t max_steps = kSteps;
   bool resume = false;
+  bool async = false;  // TrainerConfig::async_checkpoint
 };
 
 RankState run_rank(const Job& job, const std::shared_ptr<Communicator>& comm, const Data& data) {
@@ -236,6 +237,7 @@ RankState run_rank(const Job& job, const std::shared_ptr<Communicator>& comm, co
   config.max_steps = job.max_steps;
   config.checkpoint_dir = job.dir;
   config.checkpoint_every = 2;
+  config.async_checkpoint = job.async;
   LossFn loss = [&](const torch::data::Example<>& b) {
     return torch::mse_loss(model->forward(b.data), b.target);
   };
@@ -285,6 +287,20 @@ std::vector<RankState> run_job(const Job& job, const Data& data) {
   return out;
 }
 
+void expect_same_states(const std::vector<RankState>& resumed,
+                        const std::vector<RankState>& expected, const std::string& what) {
+  ASSERT_EQ(resumed.size(), expected.size());
+  for (size_t r = 0; r < expected.size(); ++r) {
+    const auto& want = expected[r];
+    const auto& got = resumed[r];
+    ASSERT_EQ(got.names, want.names);
+    for (size_t i = 0; i < want.tensors.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got.tensors[i], want.tensors[i]))
+          << want.names[i] << " on rank " << r << " differs after " << what;
+    }
+  }
+}
+
 class FsdpTrainerResume : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FsdpTrainerResume, StopAndResumeIsBitwiseTheUninterruptedRun) {
@@ -302,15 +318,24 @@ TEST_P(FsdpTrainerResume, StopAndResumeIsBitwiseTheUninterruptedRun) {
     EXPECT_TRUE(std::filesystem::exists(folder / file)) << file;
   }
   const auto resumed = run_job({c, broken.path(), kSteps, /*resume=*/true}, data);
-  for (int r = 0; r < c.world; ++r) {
-    const auto& want = expected[static_cast<size_t>(r)];
-    const auto& got = resumed[static_cast<size_t>(r)];
-    ASSERT_EQ(got.names, want.names);
-    for (size_t i = 0; i < want.tensors.size(); ++i) {
-      EXPECT_TRUE(torch::equal(got.tensors[i], want.tensors[i]))
-          << want.names[i] << " on rank " << r << " differs after resume";
-    }
-  }
+  expect_same_states(resumed, expected, "resume");
+}
+
+// With async_checkpoint the saves are committed at the next save or at the
+// end of fit(): the stopped run's last checkpoint is whole, and resuming
+// from it is the uninterrupted (blocking-save) run, bit for bit.
+TEST_P(FsdpTrainerResume, AsyncCheckpointsResumeLikeBlockingOnes) {
+  const Case c = GetParam();
+  const auto data = make_data(kSteps * global_batch(c));
+  testing::TempDir straight("fsdp_straight"), broken("fsdp_async");
+  const auto expected = run_job({c, straight.path()}, data);
+  run_job({c, broken.path(), /*max_steps=*/3, /*resume=*/false, /*async=*/true}, data);
+  const auto dir = std::filesystem::path(broken.path());
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt-0000000003.cohort"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt-0000000003.cohort.dcp" / ".metadata"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt-0000000002.cohort.dcp" / ".metadata"));
+  const auto resumed = run_job({c, broken.path(), kSteps, /*resume=*/true, /*async=*/true}, data);
+  expect_same_states(resumed, expected, "an async resume");
 }
 
 INSTANTIATE_TEST_SUITE_P(Trainer, FsdpTrainerResume,

@@ -1,0 +1,186 @@
+// One rank of the async checkpoint benchmark (run under cohortrun):
+//
+//   cohortrun -n 2 -- async_save_bench [--every 5] [--saves 4] [--rounds 5] DIR
+//
+// A data-parallel GPT (examples/models/gpt_model.h, tp = pp = 1, AdamW, the
+// gradients averaged with one all-reduce of their concatenation) trains
+// (saves + 1) * every steps per run, saving a checkpoint of its whole state
+// (dcp::ddp_state_dict: model and AdamW state) every `every` steps, in three
+// modes: none, blocking (dcp::save) and async (dcp::async_save, committed
+// by the next save or at the run's end). Each round runs every mode once,
+// the order rotated from round to round. A run is timed from a barrier to a
+// barrier. Rank 0 prints each run, then per mode the median seconds per
+// step, the median pause per save (the run's time over none's, per save),
+// and async's pause over blocking's: the bar is at most 0.05. It prints
+// too the time rank 0's training thread spent inside the save calls (and
+// the last wait()) per save, which loaded cores disturb less; it leaves out
+// what the writer thread takes from the training's cores.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "bench/cli.h"
+#include "cohort/cohort.h"
+#include "cohort/dcp/async_save.h"
+#include "examples/models/gpt_model.h"
+
+namespace {
+
+using namespace cohort;
+using namespace cohort::tensor_parallel;
+
+struct Args {
+  int64_t layers = 4, hidden = 256, seq = 32, batch = 4, vocab = 2048;
+  int every = 5, saves = 4, rounds = 5;
+  std::string dir;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+struct Job {
+  GPTStage model{nullptr};
+  std::unique_ptr<torch::optim::AdamW> opt;
+  torch::Tensor ids, targets;
+};
+
+void step(Job& j, Communicator& comm) {
+  j.opt->zero_grad();
+  j.model->loss(j.model(j.ids), j.targets).backward();
+  std::vector<torch::Tensor> grads;
+  for (auto& p : j.model->parameters()) grads.push_back(p.grad().view(-1));
+  auto flat = torch::cat(grads);
+  comm.all_reduce(flat).wait();
+  flat.div_(comm.size());
+  int64_t at = 0;
+  for (auto& p : j.model->parameters()) {
+    p.mutable_grad().view(-1).copy_(flat.narrow(0, at, p.numel()));
+    at += p.numel();
+  }
+  j.opt->step();
+}
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Timing {
+  double run = 0;     // the run, barrier to barrier
+  double inside = 0;  // in the save calls and the last wait(): the training's pause
+};
+
+// One run of `mode`: 0 none, 1 blocking, 2 async.
+Timing run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
+  const auto base = std::filesystem::path(a.dir) / ("r" + std::to_string(round));
+  std::filesystem::create_directories(base);
+  comm.barrier().wait();
+  const auto t0 = std::chrono::steady_clock::now();
+  Timing t;
+  dcp::AsyncSave pending;
+  for (int s = 1; s <= (a.saves + 1) * a.every; ++s) {
+    step(j, comm);
+    if (mode == 0 || s % a.every != 0 || s > a.saves * a.every) continue;
+    const auto dir = (base / ("m" + std::to_string(mode) + "-" + std::to_string(s))).string();
+    const auto in = std::chrono::steady_clock::now();
+    if (mode == 1) {
+      dcp::save(dcp::ddp_state_dict(*j.model, j.opt.get()), dir, comm);
+    } else {
+      pending = dcp::async_save(dcp::ddp_state_dict(*j.model, j.opt.get()), dir, comm);
+    }
+    t.inside += since(in);
+  }
+  const auto in = std::chrono::steady_clock::now();
+  pending.wait();
+  t.inside += since(in);
+  comm.barrier().wait();
+  t.run = since(t0);
+  return t;
+}
+
+void add_flags(CLI::App& app, Args& a) {
+  cohort::bench::show_defaults(app);
+  app.add_option("--layers", a.layers, "transformer blocks")->check(cohort::bench::positive());
+  app.add_option("--hidden", a.hidden, "model width")->check(cohort::bench::positive());
+  app.add_option("--vocab", a.vocab, "vocabulary")->check(cohort::bench::positive());
+  app.add_option("--seq", a.seq, "sequence length")->check(cohort::bench::positive());
+  app.add_option("--batch", a.batch, "sequences per rank and step")
+      ->check(cohort::bench::positive());
+  app.add_option("--every", a.every, "steps between saves")->check(cohort::bench::positive());
+  app.add_option("--saves", a.saves, "saves per run")->check(cohort::bench::positive());
+  app.add_option("--rounds", a.rounds, "rounds of one run per mode")
+      ->check(cohort::bench::positive());
+  app.add_option("DIR", a.dir, "folder the checkpoints are written to")->required();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"async_save_bench: step time with no, blocking and async checkpoints"};
+  add_flags(app, a);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    torch::set_num_threads(1);
+    auto comm = init();
+    DeviceMesh mesh(comm, MeshShape{comm->size(), 1, 1});
+    GPTConfig c;
+    c.vocab_size = a.vocab, c.seq_len = a.seq, c.hidden = a.hidden, c.heads = 4;
+    c.layers = a.layers;
+    Job j{GPTStage(mesh, c), nullptr, {}, {}};
+    j.opt = std::make_unique<torch::optim::AdamW>(j.model->parameters(),
+                                                  torch::optim::AdamWOptions(1e-4));
+    torch::manual_seed(comm->rank());
+    j.ids = torch::randint(c.vocab_size, {a.batch, c.seq_len}, torch::kInt64);
+    j.targets = (j.ids * 5 + 3) % c.vocab_size;
+    step(j, *comm);  // AdamW's state exists from here on
+    int64_t numel = 0;
+    for (const auto& p : j.model->parameters()) numel += p.numel();
+    if (comm->rank() == 0) {
+      std::printf(
+          "GPT of %lld parameters (%.1f MiB with AdamW state), world %d, a save every "
+          "%d steps\n",
+          static_cast<long long>(numel), numel * 12.0 / (1 << 20), comm->size(), a.every);
+    }
+    const char* names[] = {"none", "blocking", "async"};
+    std::vector<double> t[3], inside[3];
+    for (int round = 0; round < a.rounds; ++round) {
+      for (int k = 0; k < 3; ++k) {
+        const int mode = (round + k) % 3;
+        const auto timing = run(j, *comm, a, mode, round);
+        t[mode].push_back(timing.run);
+        inside[mode].push_back(timing.inside / a.saves);
+        if (comm->rank() == 0) {
+          std::printf("round %d %-8s %.4f s, %.4f s per save in the calls\n", round, names[mode],
+                      timing.run, inside[mode].back());
+        }
+      }
+      // This round's folder only: the next round's may be in the making.
+      comm->barrier().wait();
+      if (comm->rank() == 0) {
+        std::filesystem::remove_all(std::filesystem::path(a.dir) / ("r" + std::to_string(round)));
+      }
+    }
+    if (comm->rank() == 0) {
+      const int steps = (a.saves + 1) * a.every;
+      const double none = median(t[0]), blocking = median(t[1]), async = median(t[2]);
+      std::printf("median s/step: none %.4f, blocking %.4f, async %.4f\n", none / steps,
+                  blocking / steps, async / steps);
+      const double pause_b = (blocking - none) / a.saves, pause_a = (async - none) / a.saves;
+      std::printf("pause per save: blocking %.4f s, async %.4f s; async/blocking %.3f\n", pause_b,
+                  pause_a, pause_a / pause_b);
+      std::printf(
+          "median time in the save calls per save (rank 0): blocking %.4f s, async %.4f "
+          "s; async/blocking %.3f\n",
+          median(inside[1]), median(inside[2]), median(inside[2]) / median(inside[1]));
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "async_save_bench: %s\n", e.what());
+    return 1;
+  }
+}

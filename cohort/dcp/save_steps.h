@@ -1,0 +1,45 @@
+// defines: the steps of a save that dcp::save runs in a row and
+// dcp::async_save splits between the caller's thread (collectives, the
+// staging copy) and its writer thread (checksums, the file). Internal to dcp.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cohort/dcp/dcp.h"
+
+namespace cohort::dcp {
+
+/// The bytes this rank writes and their chunk list, before checksums.
+struct StagedFile {
+  nlohmann::json tensors;           ///< per tensor: fqn, shape, dtype, chunks (no crc32 yet)
+  std::vector<torch::Tensor> data;  ///< every chunk's values, contiguous, in file order
+  std::vector<std::string> modules;
+  int64_t bytes = 0;
+};
+
+/// This rank's chunks of `state`; `copy`: cloned (the caller may change the
+/// model afterwards), else views where the data is contiguous already.
+/// Throws InvalidArgument (named `op`) for a shard that does not fit its box.
+StagedFile stage_rank_file(const StateDict& state, int rank, int world, bool copy,
+                           const std::string& op);
+
+/// Checksums and writes `staged` as this rank's file (atomic); returns its
+/// chunk list (JSON) for commit(). Touches no communicator.
+std::string write_staged_file(StagedFile& staged, const std::string& dir, int rank);
+
+/// Rank 0, before any rank writes: makes `dir`, removes a killed writer's
+/// temporary files and the old .metadata. Returns the error text ("" if none).
+std::string prepare_folder(const std::string& dir);
+
+/// Collective: agrees on every rank's `error`, then rank 0 merges the chunk
+/// lists and writes .metadata (last, atomically). Throws CheckpointError on
+/// every rank when any rank failed.
+void commit(Communicator& comm, const std::string& dir, const std::string& list, std::string error);
+
+/// Collective: waits for and commits the async save still pending on `comm`
+/// (none: returns), so that saves on one communicator never overlap.
+void finish_pending_save(Communicator& comm);
+
+}  // namespace cohort::dcp

@@ -1,0 +1,253 @@
+// dcp::async_save: its files equal save()'s byte for byte (DDP and FSDP
+// state, worlds 1 and 3); what the model does after it returns is not in
+// the checkpoint; a second save commits the first; a write error on one
+// rank is thrown on every rank; a process killed mid-write leaves the
+// previous checkpoint loadable and the partial one refused.
+#include "cohort/dcp/async_save.h"
+
+#include <signal.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include "cohort/dcp/checkpoint_file.h"
+#include "support/subprocess.h"
+#include "support/thread_ranks.h"
+#include "tests/dcp/dcp_test_support.h"
+
+namespace cohort::testing::dcp_test::async_save_test {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string contents(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Every file of folder `a` (data files and .metadata) equals `b`'s, byte for byte.
+void expect_same_files(const fs::path& a, const fs::path& b) {
+  int files = 0;
+  for (const auto& entry : fs::directory_iterator(a)) {
+    const auto name = entry.path().filename();
+    EXPECT_EQ(contents(entry.path()), contents(b / name)) << name;
+    ++files;
+  }
+  EXPECT_EQ(files, std::distance(fs::directory_iterator(b), fs::directory_iterator{}));
+  EXPECT_TRUE(fs::exists(a / ".metadata"));
+}
+
+// Rows [r·kRows, (r+1)·kRows) of a [world·kRows, kCols] float tensor whose
+// element (i, j) is i·kCols + j + shift (exact in float: below 2^24).
+constexpr int64_t kRows = 1024, kCols = 4096;  // 16 MiB per rank
+
+torch::Tensor rows_of(int rank, float shift) {
+  return torch::arange(rank * kRows * kCols, (rank + 1) * kRows * kCols, torch::kFloat)
+             .reshape({kRows, kCols}) +
+         shift;
+}
+
+dcp::StateDict rows_state(const torch::Tensor& rows, int64_t first_row, int world) {
+  dcp::TensorEntry e;
+  e.fqn = "model.big";
+  e.shape = {world * kRows, kCols};
+  e.shards.push_back({dcp::Box{{first_row, 0}, {rows.size(0), kCols}}, rows});
+  dcp::StateDict sd;
+  sd.tensors.push_back(std::move(e));
+  return sd;
+}
+
+// The whole "model.big" of `dir`, read in one process.
+torch::Tensor read_big(const fs::path& dir) {
+  return dcp::read_tensor(dir, dcp::read_metadata(dir), "model.big");
+}
+
+class AsyncSave : public ::testing::TestWithParam<int> {};
+
+TEST_P(AsyncSave, DdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
+  const int world = GetParam();
+  const auto blocking = temp_dir("ddp_blocking" + std::to_string(world));
+  const auto async = temp_dir("ddp_async" + std::to_string(world));
+  Named expected;
+  std::mutex mu;
+  run_ranks(world, [&](Communicator& comm) {
+    Net net(1, true);
+    torch::optim::AdamW opt(net->parameters(), kAdamW);
+    train(net, 3, [&] { opt.step(); });
+    if (comm.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      expected = snapshot(*net, &opt);
+    }
+    dcp::save(dcp::ddp_state_dict(*net, &opt), blocking, comm);
+    auto pending = dcp::async_save(dcp::ddp_state_dict(*net, &opt), async, comm);
+    train(net, 2, [&] { opt.step(); });  // parameters and state change in place
+    pending.wait();
+  });
+  expect_same_files(async, blocking);
+  run_ranks(1, [&](Communicator& comm) {
+    Net net(2, true);
+    torch::optim::AdamW opt(net->parameters(), kAdamW);
+    const auto meta = dcp::read_metadata(async);
+    auto sd = dcp::ddp_state_dict(*net, &opt, &meta);
+    dcp::load(sd, async, comm, &meta);
+    expect_equal(snapshot(*net, &opt), expected, "async save, world 1");
+  });
+  fs::remove_all(blocking);
+  fs::remove_all(async);
+}
+
+TEST_P(AsyncSave, FsdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
+  const int world = GetParam();
+  const auto blocking = temp_dir("fsdp_blocking" + std::to_string(world));
+  const auto async = temp_dir("fsdp_async" + std::to_string(world));
+  run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    auto model = make_fsdp(1, comm);
+    torch::optim::AdamW opt(model->parameters(), kAdamW);
+    train_fsdp(model, opt, 3);
+    dcp::save(dcp::fsdp_state_dict(*model, &opt), blocking, *comm);
+    auto pending = dcp::async_save(dcp::fsdp_state_dict(*model, &opt), async, *comm);
+    train_fsdp(model, opt, 2);
+    pending.wait();
+  });
+  expect_same_files(async, blocking);
+  fs::remove_all(blocking);
+  fs::remove_all(async);
+}
+
+// 16 MiB per rank, overwritten the moment async_save returns: the writer
+// must be writing the staging copy, or the file or its checksums hold the
+// new values.
+TEST_P(AsyncSave, TheStagingCopyIsTakenBeforeItReturns) {
+  const int world = GetParam();
+  const auto dir = temp_dir("staging" + std::to_string(world));
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    auto pending = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), dir, comm);
+    rows.fill_(-1);
+    pending.wait();
+  });
+  torch::Tensor expected = torch::cat([&] {
+    std::vector<torch::Tensor> parts;
+    for (int r = 0; r < world; ++r) parts.push_back(rows_of(r, 0));
+    return parts;
+  }());
+  EXPECT_TRUE(torch::equal(read_big(dir), expected));
+  fs::remove_all(dir);
+}
+
+TEST_P(AsyncSave, ASecondSaveCommitsTheFirstBeforeItStarts) {
+  const int world = GetParam();
+  const auto first = temp_dir("first" + std::to_string(world));
+  const auto second = temp_dir("second" + std::to_string(world));
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    auto a = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), first, comm);
+    rows.add_(1);
+    auto b = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), second, comm);
+    // The first is committed on every rank; the second is not, until wait().
+    EXPECT_TRUE(a.ready());
+    EXPECT_TRUE(fs::exists(first / ".metadata"));
+    EXPECT_FALSE(fs::exists(second / ".metadata"));
+    comm.barrier().wait();  // nobody commits b before every rank looked
+    a.wait();               // done already: returns without a collective
+    b.wait();
+  });
+  EXPECT_TRUE(torch::equal(read_big(second), read_big(first) + 1));
+  fs::remove_all(first);
+  fs::remove_all(second);
+}
+
+TEST_P(AsyncSave, AFailedWriteThrowsOnEveryRankAtWaitAndAtTheNextSave) {
+  const int world = GetParam();
+  const auto dir = temp_dir("fails" + std::to_string(world));
+  const auto other = temp_dir("other" + std::to_string(world));
+  // A folder where the last rank's data file goes: its rename fails.
+  const int bad = world - 1;
+  fs::create_directories(dir / dcp::data_file_name(bad) / "x");
+  std::mutex mu;
+  std::vector<std::string> errors;
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    const auto sd = rows_state(rows, comm.rank() * kRows, world);
+    for (int round = 0; round < 2; ++round) {
+      auto pending = dcp::async_save(sd, dir, comm);
+      try {
+        // Round 0: wait(); round 1: the next save finishes the pending one.
+        if (round == 0) {
+          pending.wait();
+        } else {
+          dcp::save(sd, other, comm);
+        }
+        ADD_FAILURE() << "no error on rank " << comm.rank();
+      } catch (const CheckpointError& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        errors.push_back(e.what());
+      }
+      // A second wait() rethrows the same error, with no collective.
+      EXPECT_THROW(pending.wait(), CheckpointError);
+    }
+  });
+  ASSERT_EQ(errors.size(), static_cast<size_t>(2 * world));
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank " + std::to_string(bad) + ": dcp::async_save of " + dir.string() +
+                     " on rank " + std::to_string(bad) + ": background write"),
+              std::string::npos)
+        << e;
+  }
+  EXPECT_FALSE(fs::exists(dir / ".metadata"));
+  EXPECT_FALSE(fs::exists(other / ".metadata"));  // the next save threw before it began
+  fs::remove_all(dir);
+  fs::remove_all(other);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, AsyncSave, ::testing::Values(1, 3));
+
+constexpr const char* kKillDir = "COHORT_ASYNC_SAVE_KILL_DIR";
+
+// The child of the next test (skipped when run on its own): three ranks save
+// step1, change their rows, start an async save of step2, and rank 0
+// SIGKILLs the process while the writers are busy.
+TEST(AsyncSaveKill, Child) {
+  const char* dir = std::getenv(kKillDir);
+  if (dir == nullptr) GTEST_SKIP() << "runs as the child of KilledMidWrite";
+  run_ranks(3, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    const auto sd = rows_state(rows, comm.rank() * kRows, 3);
+    dcp::save(sd, std::string(dir) + "/step1", comm);
+    rows.add_(1);
+    auto pending = dcp::async_save(sd, std::string(dir) + "/step2", comm);
+    comm.barrier().wait();
+    if (comm.rank() == 0) ::raise(SIGKILL);
+    pending.wait();
+  });
+}
+
+TEST(AsyncSaveKill, KilledMidWriteLeavesThePreviousCheckpointAndRefusesThePartialOne) {
+  const auto dir = temp_dir("killed");
+  Subprocess child({"/proc/self/exe", "--gtest_filter=AsyncSaveKill.Child"},
+                   {std::string(kKillDir) + "=" + dir.string()});
+  const auto r = child.finish(Seconds(120));
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  ASSERT_EQ(r.exit_code, 128 + SIGKILL) << r.out << r.err;
+  std::vector<torch::Tensor> parts;
+  for (int rank = 0; rank < 3; ++rank) parts.push_back(rows_of(rank, 0));
+  EXPECT_TRUE(torch::equal(read_big(dir / "step1"), torch::cat(parts)));
+  EXPECT_THROW(read_big(dir / "step2"), CheckpointError);
+  // Saving into the folder again clears what the killed writers left.
+  run_ranks(1, [&](Communicator& comm) {
+    auto rows = rows_of(0, 7);
+    dcp::async_save(rows_state(rows, 0, 1), dir / "step2", comm).wait();
+  });
+  for (const auto& entry : fs::directory_iterator(dir / "step2")) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
+  }
+  EXPECT_TRUE(torch::equal(read_big(dir / "step2"), rows_of(0, 7)));
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace cohort::testing::dcp_test::async_save_test
