@@ -36,7 +36,39 @@ else
   root=$(mktemp -d /var/tmp/cohort-debian13.XXXXXX)
 fi
 mounted=()
+child=
+# Ends what runs in the background (debootstrap, the command in the root):
+# signals its process group (setsid made it one), waits for the group to
+# go, then ends whatever still has its root in ours (a test that made a
+# session of its own), so nothing writes into the root while it goes.
+stop() {   # SIGNAL
+  [ -n "$child" ] || return 0
+  kill -"$1" -- -"$child" 2>/dev/null || true
+  local t
+  for t in $(seq 100); do   # 20 s for ctest to end its tests
+    kill -0 -- -"$child" 2>/dev/null || break
+    sleep 0.2
+  done
+  kill -KILL -- -"$child" 2>/dev/null || true
+  wait "$child" 2>/dev/null || true
+  child=
+}
+in_root() {   # the pids whose root directory is ours
+  local p
+  for p in /proc/[0-9]*; do
+    [ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] && echo "${p#/proc/}"
+  done
+  return 0
+}
 cleanup() {
+  stop TERM
+  local pids t
+  for t in TERM TERM TERM KILL; do
+    pids=$(in_root)
+    [ -n "$pids" ] || break
+    kill -"$t" $pids 2>/dev/null || true
+    sleep 1
+  done
   # Ours, and any the suite made inside (ip netns mounts run/netns),
   # innermost first.
   local m
@@ -47,8 +79,18 @@ cleanup() {
   if [ -z "$keep" ]; then rm -rf --one-file-system "$root"; fi
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+trap 'stop INT; exit 130' INT
+trap 'stop TERM; exit 143' TERM
+# Runs COMMAND... in its own session and process group, in the background
+# so that a signal to this script is handled at once; returns its status.
+run_group() {
+  setsid "$@" &
+  child=$!
+  local status=0
+  wait "$child" || status=$?
+  child=
+  return $status
+}
 mount_in() {   # TYPE SOURCE PATH [OPTIONS]
   mkdir -p "$root/$3"
   mount -t "$1" ${4:+-o "$4"} "$2" "$root/$3"
@@ -58,7 +100,7 @@ mount_in() {   # TYPE SOURCE PATH [OPTIONS]
 start=$SECONDS
 if [ ! -x "$root/usr/bin/apt-get" ]; then
   echo "test-debian13: debootstrap trixie from $url into $root"
-  debootstrap --variant=minbase trixie "$root" "$url" >"$root/debootstrap.log" 2>&1 ||
+  run_group debootstrap --variant=minbase trixie "$root" "$url" >"$root/debootstrap.log" 2>&1 ||
     { tail -20 "$root/debootstrap.log" >&2; exit 1; }
   echo "test-debian13: root made in $((SECONDS - start)) s"
 fi
@@ -80,14 +122,9 @@ mount_in sysfs sysfs sys ro
 mount_in tmpfs tmpfs dev/shm mode=1777
 
 [ $# -gt 0 ] || set -- ./scripts/test.sh
-chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
-  /bin/bash -c 'cd /cohort && exec "$@"' bash "$@" &
-child=$!
-# Stopped from outside: end the run inside before unmounting under it.
-trap 'kill -TERM $child 2>/dev/null; wait $child; exit 143' TERM
-trap 'kill -INT $child 2>/dev/null; wait $child; exit 130' INT
 status=0
-wait $child || status=$?
+run_group chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+  /bin/bash -c 'cd /cohort && exec "$@"' bash "$@" || status=$?
 echo "test-debian13: '$*' exited $status after $((SECONDS - start)) s"
 exit $status
