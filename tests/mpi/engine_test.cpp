@@ -68,10 +68,10 @@ TEST(MpiP2P, ShortMessageIsAnErrorNamingThePeer) {
 }
 
 // A message longer than its receive buffer: Open MPI reports the
-// truncation from MPI_Testall (MPI_ERR_IN_STATUS) through MPI_COMM_WORLD's
-// error handler, whose default ends the job. cohort sets MPI_ERRORS_RETURN
-// on the world too, so the receiver gets a PeerError naming the call and
-// the peer, and the job goes on (the world barrier after it).
+// truncation from MPI_Testall (MPI_ERR_IN_STATUS), on the receive's
+// communicator, whose default handler would end the job. The receiver gets a
+// PeerError naming the call and the peer, and the job goes on (the world
+// barrier after it).
 TEST(MpiP2P, TruncatedMessageIsAnErrorNotAnAbort) {
   NEED_PEERS(2);
   auto pair = world_ptr()->new_group({0, 1});
