@@ -122,6 +122,14 @@ std::string compare_rows(const std::string& engine, const Signature& s,
   return "";
 }
 
+std::string silent_peers_message(const std::vector<int>& silent, Millis waited) {
+  std::string s = silent.size() == 1 ? "rank " : "ranks [";
+  for (size_t i = 0; i < silent.size(); ++i) s += (i ? ", " : "") + std::to_string(silent[i]);
+  if (silent.size() != 1) s += "]";
+  return s + " did not answer within " + std::to_string(waited.count()) +
+         " ms: stopped (SIGSTOP, a debugger), hung, or not calling this collective";
+}
+
 SignatureScope::SignatureScope(const Signature& s) { t_signature = s; }
 
 SignatureScope::~SignatureScope() { t_signature.reset(); }

@@ -82,6 +82,11 @@ void fill_rows(const Signature& s, const std::vector<int64_t>& send, int size, i
 // that differs, or empty.
 std::string compare_rows(const std::string& engine, const Signature& s,
                          const std::vector<int64_t>& recv, int rank, int size, const int64_t* rows);
+// What a timed-out exchange says of the peers whose rows never came: "rank
+// 1 did not answer within 3000 ms: stopped (SIGSTOP, a debugger), hung, or
+// not calling this collective". A rank in a collective sends its row at
+// once, so every waiting rank names the same silent ones.
+std::string silent_peers_message(const std::vector<int>& silent, Millis waited);
 
 // The signature of the collective the Communicator is issuing on this
 // thread, for the engine call it makes inside the scope. The first engine

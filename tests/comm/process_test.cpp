@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <memory>
 
 #include "cohort/core/store/socket.h"
@@ -68,28 +69,70 @@ TEST(ProcessFailure, SurvivorsOfAKilledRankFailWithANamedError) {
   }
 }
 
-// A rank that stops answering (SIGSTOP, as a debugger or job control does)
-// while the others run a collective: each survivor's timeout names it,
-// whichever neighbour that survivor was waiting for. UCX only: the
-// engine asks its peers whether they still answer (Gloo's timeouts are
-// Gloo's own).
-TEST(ProcessFailure, SurvivorsOfAStoppedRankNameIt) {
-#ifndef COHORT_WITH_UCX
-  GTEST_SKIP() << "built without UCX";
-#endif
+// Ranks that stop answering (SIGSTOP, as a debugger or job control does)
+// while the others run a collective: each survivor's timeout names them, and
+// no survivor, whichever neighbour it was waiting for. UCX asks its peers
+// whether they still answer; Gloo and MPI name the peers whose signature
+// check never came (under mpirun: tests/mpi/watchdog_test.cpp).
+struct Stopped {
+  std::string backend;
+  int world;
+  std::vector<int> stopped;
+};
+
+class StoppedRanks : public ::testing::TestWithParam<Stopped> {};
+
+TEST_P(StoppedRanks, SurvivorsNameThem) {
+  const auto& c = GetParam();
+  std::vector<std::string> argv{STOPPED_PEER_BIN};
+  std::string named = c.stopped.size() == 1 ? "rank " : "ranks [";
+  for (size_t i = 0; i < c.stopped.size(); ++i) {
+    argv.push_back(std::to_string(c.stopped[i]));
+    named += (i ? ", " : "") + std::to_string(c.stopped[i]);
+  }
+  named += c.stopped.size() == 1 ? " did not answer" : "] did not answer";
   const auto start = Clock::now();
-  auto ranks = start_ranks({STOPPED_PEER_BIN}, 3, {"COHORT_BACKEND=ucx"});
-  for (int r : {0, 2}) {
+  auto ranks = start_ranks(argv, c.world, {"COHORT_BACKEND=" + c.backend});
+  for (int r = 0; r < c.world; ++r) {
+    if (std::count(c.stopped.begin(), c.stopped.end(), r)) continue;
     const auto result = ranks[r]->finish(Seconds(60));
-    EXPECT_EQ(result.exit_code, 3) << "rank " << r << ":\n" << result.err;
-    EXPECT_NE(result.err.find("rank 1 did not answer"), std::string::npos) << result.err;
-    EXPECT_EQ(result.err.find("rank 2 did not answer"), std::string::npos) << result.err;
-    EXPECT_EQ(result.err.find("rank 0 did not answer"), std::string::npos) << result.err;
+    EXPECT_EQ(result.exit_code, 3) << "rank " << r << ":\n" << result.out << result.err;
+    EXPECT_NE(result.out.find(named), std::string::npos) << result.out << result.err;
+    for (int q = 0; q < c.world; ++q) {
+      if (c.stopped.size() == 1 && q == c.stopped[0]) continue;
+      EXPECT_EQ(result.out.find("rank " + std::to_string(q) + " did not answer"), std::string::npos)
+          << result.out;
+    }
   }
   EXPECT_LT(Clock::now() - start, Seconds(45));
-  ::kill(ranks[1]->pid(), SIGKILL);
-  EXPECT_EQ(ranks[1]->finish(Seconds(10)).exit_code, 128 + SIGKILL);
+  for (int r : c.stopped) {
+    ::kill(ranks[r]->pid(), SIGKILL);
+    EXPECT_EQ(ranks[r]->finish(Seconds(10)).exit_code, 128 + SIGKILL);
+  }
 }
+
+std::vector<Stopped> stopped_cases() {
+  std::vector<Stopped> cases;
+  for (std::string backend : {
+#ifdef COHORT_WITH_UCX
+           "ucx",
+#endif
+           "gloo"}) {
+    cases.push_back({backend, 2, {1}});
+    cases.push_back({backend, 3, {1}});
+    cases.push_back({backend, 3, {0}});
+    if (backend != "ucx") cases.push_back({backend, 3, {1, 2}});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, StoppedRanks, ::testing::ValuesIn(stopped_cases()),
+                         [](const ::testing::TestParamInfo<Stopped>& info) {
+                           std::string name = info.param.backend + "_world" +
+                                              std::to_string(info.param.world) + "_stopped";
+                           for (int r : info.param.stopped) name += std::to_string(r);
+                           return name;
+                         });
 
 // Subgroups built until the descriptors run out (a limit of 256, as
 // `ulimit -n 256`): UCX says "Endpoint timeout" or "No resources", so the

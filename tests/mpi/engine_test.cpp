@@ -67,6 +67,30 @@ TEST(MpiP2P, ShortMessageIsAnErrorNamingThePeer) {
   }
 }
 
+// A message longer than its receive buffer: Open MPI reports the
+// truncation from MPI_Testall (MPI_ERR_IN_STATUS), on the receive's
+// communicator, whose default handler would end the job. The receiver gets a
+// PeerError naming the call and the peer, and the job goes on (the world
+// barrier after it).
+TEST(MpiP2P, TruncatedMessageIsAnErrorNotAnAbort) {
+  NEED_PEERS(2);
+  auto pair = world_ptr()->new_group({0, 1});
+  if (pair && pair->rank() == 0) {
+    pair->send(torch::ones({5}), 1, {6}).wait();
+  } else if (pair) {
+    auto t = torch::zeros({4});
+    try {
+      pair->recv(t, 0, {6}).wait();
+      FAIL() << "a 5-element message fit a 4-element tensor";
+    } catch (const PeerError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("recv on rank 1 of 2"), std::string::npos) << m;
+      EXPECT_NE(m.find("peer 0"), std::string::npos) << m;
+    }
+  }
+  world().barrier().wait();
+}
+
 // The receive nobody sends to times out with a message naming the
 // operation, the rank and the peer; then the message comes, so nothing is
 // left for the watchdog.

@@ -37,6 +37,8 @@ class Subprocess {
   pid_t pid() const { return pid_; }
   // Reads output until stdout holds `count` occurrences of `needle`.
   bool wait_for_stdout(const std::string& needle, int count, Seconds limit);
+  // The stdout read so far (by wait_for_stdout).
+  const std::string& out_so_far() const { return out_; }
   // Reads all output and waits for exit.
   ProcessResult finish(Seconds limit);
 

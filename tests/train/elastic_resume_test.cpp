@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -333,42 +334,57 @@ INSTANTIATE_TEST_SUITE_P(Trainer, ShardedElasticResume,
                                   std::to_string(i.param.layout.world);
                          });
 
+// A DDP Trainer with a stateful compressor (Int8 with error feedback, per
+// rank) on `comm`, checkpointing into `dir` (TrainerConfig's
+// checkpoint_every); `use` gets the trainer and the model.
+void with_compressed_ddp_trainer(const std::shared_ptr<Communicator>& comm, int seed,
+                                 const std::string& dir, int64_t max_steps,
+                                 int64_t checkpoint_every,
+                                 const std::function<void(Trainer&, torch::nn::Sequential&)>& use) {
+  compression::CompressionOptions options;
+  options.kind = compression::CompressionKind::Int8;
+  auto net = testing::make_mlp(seed);
+  DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+  ddp.register_comm_hook(std::make_shared<CompressionHook>(options));
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  TrainerConfig config;
+  config.checkpoint_dir = dir;
+  config.checkpoint_every = checkpoint_every;
+  config.max_steps = max_steps;
+  config.progress = false;
+  Trainer trainer(
+      TrainerWiring::ddp(ddp, opt),
+      [&](const torch::data::Example<>& b) {
+        return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+      },
+      config);
+  use(trainer, net);
+}
+
 // A stateful gradient compressor's error feedback is per rank and has no
 // distributed form: another world size is refused, naming the mode, and
 // nothing is loaded.
 TEST(ElasticResumeRefused, CompressorStateNamesTheModeAndLoadsNothing) {
   TempDir dir("cohort-elastic-compressor");
-  compression::CompressionOptions options;
-  options.kind = compression::CompressionKind::Int8;
   auto train = [&](int world, int64_t max_steps, bool resume, std::vector<std::string>* errors,
                    std::vector<torch::Tensor>* params) {
     const auto data = testing::make_data(kSamples);
     testing::run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
-      auto net = testing::make_mlp(resume ? 99 : 7);
-      DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
-      ddp.register_comm_hook(std::make_shared<CompressionHook>(options));
-      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-      TrainerConfig config;
-      config.checkpoint_dir = dir.str();
-      config.max_steps = max_steps;
-      config.progress = false;
-      Trainer trainer(
-          TrainerWiring::ddp(ddp, opt),
-          [&](const torch::data::Example<>& b) {
-            return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
-          },
-          config);
-      if (!resume) {
-        TensorDataSource source(data.x, data.y, 3, comm->rank(), comm->size());
-        trainer.fit(source);
-        return;
-      }
-      try {
-        trainer.resume();
-      } catch (const ConfigError& e) {
-        (*errors)[comm->rank()] = e.what();
-      }
-      (*params)[comm->rank()] = net->parameters()[0].detach().clone();
+      with_compressed_ddp_trainer(comm, resume ? 99 : 7, dir.str(), max_steps, 0,
+                                  [&](Trainer& trainer, torch::nn::Sequential& net) {
+                                    if (!resume) {
+                                      TensorDataSource source(data.x, data.y, 3, comm->rank(),
+                                                              comm->size());
+                                      trainer.fit(source);
+                                      return;
+                                    }
+                                    try {
+                                      trainer.resume();
+                                    } catch (const ConfigError& e) {
+                                      (*errors)[comm->rank()] = e.what();
+                                    }
+                                    (*params)[comm->rank()] = net->parameters()[0].detach().clone();
+                                  });
     });
   };
   train(4, 4, false, nullptr, nullptr);
@@ -441,37 +457,23 @@ TEST(ElasticResumeRefused, SourceWithoutGlobalOrderRefusesMicroBatchesOfAnotherS
 // previous checkpoint alike, and says which file and why.
 TEST(ShardFallback, DamagedShardFileFallsBackOnEveryRank) {
   TempDir dir("cohort-shard-fallback");
-  compression::CompressionOptions options;
-  options.kind = compression::CompressionKind::Int8;
   const auto data = testing::make_data(kSamples);
   std::vector<std::optional<int64_t>> resumed(2);
   std::vector<std::string> skipped(2);
   auto train = [&](bool resume) {
     testing::run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
-      auto net = testing::make_mlp(resume ? 99 : 7);
-      DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
-      ddp.register_comm_hook(std::make_shared<CompressionHook>(options));
-      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-      TrainerConfig config;
-      config.checkpoint_dir = dir.str();
-      config.checkpoint_every = 2;
-      config.max_steps = 4;
-      config.progress = false;
-      Trainer trainer(
-          TrainerWiring::ddp(ddp, opt),
-          [&](const torch::data::Example<>& b) {
-            return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
-          },
-          config);
-      if (!resume) {
-        TensorDataSource source(data.x, data.y, 3, comm->rank(), comm->size());
-        trainer.fit(source);
-        return;
-      }
-      resumed[comm->rank()] = trainer.resume();
-      if (!trainer.skipped_checkpoints().empty()) {
-        skipped[comm->rank()] = trainer.skipped_checkpoints().front();
-      }
+      with_compressed_ddp_trainer(
+          comm, resume ? 99 : 7, dir.str(), 4, 2, [&](Trainer& trainer, torch::nn::Sequential&) {
+            if (!resume) {
+              TensorDataSource source(data.x, data.y, 3, comm->rank(), comm->size());
+              trainer.fit(source);
+              return;
+            }
+            resumed[comm->rank()] = trainer.resume();
+            if (!trainer.skipped_checkpoints().empty()) {
+              skipped[comm->rank()] = trainer.skipped_checkpoints().front();
+            }
+          });
     });
   };
   train(false);

@@ -322,18 +322,41 @@ class GlooEngine : public Engine {
     auto theirs = at::from_blob(their_rows.data(), {p, kSignatureWords}, at::kLong);
     fill_rows(s, send, p, mine_rows.data());
     const auto timeout = s.timeout.count() > 0 ? s.timeout : options_->timeout;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto left = [&] {
+      return std::max(Millis(1), std::chrono::duration_cast<Millis>(
+                                     deadline - std::chrono::steady_clock::now()));
+    };
+    // Receives first, against one deadline: the rows that never came name
+    // the peers that did not call, all of them, not only the first waited
+    // for (a peer that stopped, or one still in an earlier collective).
+    std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> recvs, sends;
+    std::vector<int> silent;
     int peer = -1;  // whose exchange is being waited for
     try {
-      std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
       for (int q = 0; q < p; ++q) {
         if (q == me) continue;
         std::vector<at::Tensor> out{mine[q]}, in{theirs[q]};
-        works.emplace_back(q, pg_->send(out, q, kCheckTag));
-        works.emplace_back(q, pg_->recv(in, q, kCheckTag));
+        sends.emplace_back(q, pg_->send(out, q, kCheckTag));
+        recvs.emplace_back(q, pg_->recv(in, q, kCheckTag));
       }
-      for (auto& [q, w] : works) {
+      for (auto& [q, w] : recvs) {
         peer = q;
-        w->wait(timeout);
+        try {
+          w->wait(left());
+        } catch (const std::exception& e) {
+          if (!says_timeout(c10d_message(e))) throw;
+          silent.push_back(q);
+        }
+      }
+      if (!silent.empty()) {
+        return failed_work(std::make_exception_ptr(TimeoutError(
+            "gloo: the check of collective #" + std::to_string(s.seq) + " (this rank called " +
+            s.describe() + ") timed out: " + silent_peers_message(silent, timeout))));
+      }
+      for (auto& [q, w] : sends) {
+        peer = q;
+        w->wait(left());
       }
     } catch (const std::exception& e) {
       // A peer that never calls is a TimeoutError, as the collective's own

@@ -64,6 +64,23 @@ int64_t blocking_max_bytes_from_env() {
   return v ? *v : kDefaultBlockingMaxBytes;
 }
 
+// MPI_Comm_dup of `comm`, watched (it is collective and blocking); `what`
+// names it for the watchdog and errors. Throws PeerError when MPI fails.
+MPI_Comm duplicate(MPI_Comm comm, const std::string& what, Millis timeout) {
+  auto o = std::make_shared<MpiOp>(what, timeout);
+  Watchdog::instance().watch(o);
+  MPI_Comm dup = MPI_COMM_NULL;
+  int code;
+  {
+    MpiLock lock;
+    code = MPI_Comm_dup(comm, &dup);
+  }
+  o->mark_finished();
+  mpi_check(code, o->what());
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  return dup;
+}
+
 class MpiEngine : public Engine {
  public:
   MpiEngine(MPI_Comm comm, std::string label, Millis timeout)
@@ -76,6 +93,11 @@ class MpiEngine : public Engine {
     // Errors become return codes, turned into exceptions by mpi_check and
     // MpiOp, instead of MPI's default of aborting the job.
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    check_comm_ =
+        duplicate(comm_,
+                  "MPI_Comm_dup (the signature checks' communicator of " + *label_ + ") on rank " +
+                      std::to_string(rank_) + " of " + std::to_string(size_),
+                  timeout_);
     int* ub = nullptr;
     int found = 0;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
@@ -88,6 +110,7 @@ class MpiEngine : public Engine {
     if (finalized) return;
     MpiLock lock;
     // Operations still in flight keep the communicator alive inside MPI.
+    MPI_Comm_free(&check_comm_);
     MPI_Comm_free(&comm_);
   }
 
@@ -346,10 +369,11 @@ class MpiEngine : public Engine {
   // The blocking path: `call` runs on the caller's thread under the
   // watchdog and the returned work is already finished. Small collectives
   // gain the most (no request object, and Open MPI's tuned blocking
-  // algorithms instead of libnbc's schedules); they lose the TimeoutError of
-  // wait(timeout): a rank that never joins leaves this call blocked inside
-  // MPI, and the watchdog ends the job after timeout + grace with a message
-  // naming the call and the rank. COHORT_MPI_BLOCKING_BYTES=0 turns it off.
+  // algorithms instead of libnbc's schedules). A rank that never joins is
+  // a TimeoutError of the signature check before this call; one that stops
+  // after its check leaves this call blocked inside MPI, and the watchdog
+  // ends the job after timeout + grace with a message naming the call and
+  // the rank. COHORT_MPI_BLOCKING_BYTES=0 turns it off.
   template <typename Call>
   WorkPtr run_blocking(const std::shared_ptr<MpiOp>& o, Call&& call) {
     Watchdog::instance().watch(o);
@@ -371,8 +395,8 @@ class MpiEngine : public Engine {
     if (size_ == 1) return nullptr;
     s.seq = ++collectives_;
     return check_signature(
-        comm_, rank_, size_, s, send, recv,
-        new_op("MPI_Ialltoall (the signature check of collective #", std::to_string(s.seq)),
+        check_comm_, rank_, size_, s, send, recv,
+        new_op("MPI_Isend/MPI_Irecv (the signature check of collective #", std::to_string(s.seq)),
         s.timeout.count() > 0 ? s.timeout : timeout_);
   }
 
@@ -384,6 +408,7 @@ class MpiEngine : public Engine {
   }
 
   MPI_Comm comm_;
+  MPI_Comm check_comm_ = MPI_COMM_NULL;       // the signature checks' messages alone
   std::shared_ptr<const std::string> label_;  // "MPI_COMM_WORLD/[1, 3]"
   Millis timeout_;
   int rank_ = 0;
@@ -420,18 +445,10 @@ std::unique_ptr<Engine> make_mpi_engine(int rank, int size, Millis timeout) {
   // A private copy of the world: cohort's messages never match the
   // application's own MPI calls. MPI_Comm_dup is collective and blocking,
   // hence watched.
-  auto o = std::make_shared<mpi::MpiOp>(
+  MPI_Comm comm = mpi::duplicate(
+      MPI_COMM_WORLD,
       "MPI_Comm_dup (connect) on rank " + std::to_string(rank) + " of " + std::to_string(size),
       timeout);
-  mpi::Watchdog::instance().watch(o);
-  MPI_Comm comm = MPI_COMM_NULL;
-  int code;
-  {
-    mpi::MpiLock lock;
-    code = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-  }
-  o->mark_finished();
-  mpi::mpi_check(code, o->what());
   return std::make_unique<mpi::MpiEngine>(comm, "MPI_COMM_WORLD", timeout);
 }
 

@@ -72,6 +72,21 @@ bool MpiOp::try_test() {
   return lock.owns_lock() ? test_locked() : finished();
 }
 
+std::vector<int> MpiOp::unfinished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> left;
+  if (finished()) return left;
+  MpiLock mpi;
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    int flag = 1;
+    // A finished request becomes MPI_REQUEST_NULL, which MPI_Testall takes
+    // as finished later.
+    if (requests_[i] != MPI_REQUEST_NULL) MPI_Test(&requests_[i], &flag, MPI_STATUS_IGNORE);
+    if (!flag) left.push_back(static_cast<int>(i));
+  }
+  return left;
+}
+
 void MpiOp::mark_finished() {
   std::lock_guard<std::mutex> lock(mu_);
   finished_.store(true, std::memory_order_release);

@@ -54,6 +54,7 @@ class MpiOp {
   // Buffers and arrays that must outlive the operation.
   void keep(at::Tensor t) { tensors_.push_back(std::move(t)); }
   std::vector<int>& ints() { return ints_; }
+  std::vector<int64_t>& words() { return words_; }
   // For a receive: fail unless exactly `count` elements of `type` arrived
   // (MPI accepts shorter messages silently; Gloo and cohort do not).
   void expect_count(int count, MPI_Datatype type) {
@@ -69,6 +70,9 @@ class MpiOp {
   // Polls until finished; throws TimeoutError after `timeout`, PeerError
   // with MPI's message when MPI reports an error.
   void wait(Millis timeout);
+  // The indices (in the order of requests()) of the requests still
+  // unfinished; tests each once.
+  std::vector<int> unfinished();
   // For blocking MPI calls, which have no request: marks the end.
   void mark_finished();
 
@@ -86,6 +90,7 @@ class MpiOp {
   std::vector<MPI_Request> requests_;
   std::vector<at::Tensor> tensors_;
   std::vector<int> ints_;
+  std::vector<int64_t> words_;
   int expected_count_ = -1;
   MPI_Datatype count_type_ = MPI_DATATYPE_NULL;
   std::string error_;

@@ -19,18 +19,34 @@ WorkPtr failed(std::exception_ptr error) {
 WorkPtr check_signature(MPI_Comm comm, int rank, int size, const Signature& s,
                         const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
                         const std::shared_ptr<MpiOp>& op, Millis timeout) {
-  std::vector<int64_t> mine(static_cast<size_t>(size * kSignatureWords));
-  std::vector<int64_t> theirs(mine.size());
-  fill_rows(s, send, size, mine.data());
+  // Owned by `op`, which outlives a receive that timed out and stays
+  // posted; plain memory, not tensors a caller's MemoryScope would count.
+  auto& words = op->words();
+  words.assign(static_cast<size_t>(2 * size * kSignatureWords), 0);
+  int64_t* mine = words.data();
+  int64_t* theirs = mine + size * kSignatureWords;
+  fill_rows(s, send, size, mine);
   // Non-blocking, waited for here: a blocking call would hold MpiLock while
   // its peers wait, and another thread of this process (the algorithms'
   // executor checking a collective of its own engine) could then never
-  // reach the peers' matching call.
-  int code;
+  // reach the peers' matching call. Point-to-point rather than one
+  // MPI_Ialltoall: on a timeout, the receives still open name the peers
+  // that did not call.
+  MPI_Request* requests = op->requests(2 * (size - 1));
+  int code = MPI_SUCCESS;
   {
     MpiLock lock;
-    code = MPI_Ialltoall(mine.data(), kSignatureWords, MPI_INT64_T, theirs.data(), kSignatureWords,
-                         MPI_INT64_T, comm, op->requests(1));
+    int i = 0;
+    for (int q = 0; q < size && code == MPI_SUCCESS; ++q) {
+      if (q == rank) continue;
+      code = MPI_Irecv(theirs + q * kSignatureWords, kSignatureWords, MPI_INT64_T, q, kCheckTag,
+                       comm, &requests[i]);
+      if (code == MPI_SUCCESS) {
+        code = MPI_Isend(mine + q * kSignatureWords, kSignatureWords, MPI_INT64_T, q, kCheckTag,
+                         comm, &requests[size - 1 + i]);
+      }
+      ++i;
+    }
   }
   if (code != MPI_SUCCESS) {
     return failed(std::make_exception_ptr(PeerError(op->what() + ": " + error_string(code))));
@@ -38,10 +54,18 @@ WorkPtr check_signature(MPI_Comm comm, int rank, int size, const Signature& s,
   Watchdog::instance().watch(op);
   try {
     op->wait(timeout);
+  } catch (const TimeoutError& e) {
+    std::vector<int> silent;
+    for (int i : op->unfinished()) {
+      if (i < size - 1) silent.push_back(i < rank ? i : i + 1);  // a receive: its peer
+    }
+    if (silent.empty()) return failed(std::current_exception());
+    return failed(std::make_exception_ptr(
+        TimeoutError(std::string(e.what()) + "; " + silent_peers_message(silent, timeout))));
   } catch (const Error&) {
     return failed(std::current_exception());
   }
-  const auto differs = compare_rows("mpi", s, recv, rank, size, theirs.data());
+  const auto differs = compare_rows("mpi", s, recv, rank, size, theirs);
   if (differs.empty()) return nullptr;
   return failed(std::make_exception_ptr(MismatchError(differs)));
 }

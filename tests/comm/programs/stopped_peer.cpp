@@ -1,27 +1,40 @@
-// One rank of the stopped-peer test (tests/comm/process_test.cpp), started
-// with the torchrun environment: after a first all_reduce, rank 1 stops
-// itself (SIGSTOP) and the others run a second all_reduce with a 3 s
-// timeout. A survivor prints its error and exits 3 (1 if the all_reduce
-// completed, 2 on any other error); the test then kills rank 1.
+// One rank of the stopped-peer tests (tests/comm/process_test.cpp, and
+// under mpirun tests/mpi/watchdog_test.cpp), started with the torchrun
+// environment or by mpirun: after a first all_reduce, the ranks given as
+// arguments (rank 1 when none is) print "stopping pid N" and stop
+// themselves (SIGSTOP), and the others run a second all_reduce with a 3 s
+// timeout. A survivor prints its error on stdout and exits 3 (1 if the all_reduce
+// completed, 2 on any other error); the test then kills the stopped ranks.
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <set>
 
 #include "cohort/cohort.h"
 
 using namespace cohort;
 
-int main() {
+int main(int argc, char** argv) {
   torch::set_num_threads(1);
+  std::set<int> stopping;
+  for (int i = 1; i < argc; ++i) stopping.insert(std::atoi(argv[i]));
+  if (stopping.empty()) stopping.insert(1);
   try {
     auto comm = init();
     auto t = torch::ones({1024});
     comm->all_reduce(t).wait();
-    if (comm->rank() == 1) ::raise(SIGSTOP);
+    if (stopping.count(comm->rank())) {
+      std::printf("stopping pid %d\n", static_cast<int>(::getpid()));
+      std::fflush(stdout);
+      ::raise(SIGSTOP);
+    }
     try {
       comm->all_reduce(t, {ReduceOp::Sum, std::chrono::seconds(3)}).wait();
     } catch (const Error& e) {
-      std::fprintf(stderr, "survivor error: %s\n", e.what());
+      std::printf("survivor error: %s\n", e.what());
+      std::fflush(stdout);  // before exit: MPI_Finalize may wait for the stopped rank
       return 3;
     }
     return 1;
