@@ -1,5 +1,3 @@
-#include "cohort/dcp/param_group_options.h"
-
 #include <c10/util/Exception.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -11,6 +9,7 @@
 #include <tuple>
 
 #include "cohort/core/error.h"
+#include "cohort/dcp/param_group_options.h"
 
 namespace cohort::dcp {
 namespace {
@@ -25,63 +24,51 @@ struct Field {
   void (*set)(O&, double);
 };
 
+// An option `name` of the options class O in scope, through its TORCH_ARG
+// accessors (a number, or a flag as 0 or 1).
+// clang-format off
+#define COHORT_NUMBER(name) \
+  Field<O>{#name, [](const O& o) { return o.name(); }, [](O& o, double v) { o.name(v); }}
+#define COHORT_FLAG(name) \
+  Field<O>{#name, [](const O& o) { return o.name() ? 1.0 : 0.0; }, \
+           [](O& o, double v) { o.name(v != 0); }}
+// clang-format on
+
 // Adam's and AdamW's options, which have the same fields.
 template <class O>
 std::vector<Field<O>> adam_fields() {
   return {
-      {"lr", [](const O& o) { return o.lr(); }, [](O& o, double v) { o.lr(v); }},
+      COHORT_NUMBER(lr),
       {"betas.0", [](const O& o) { return std::get<0>(o.betas()); },
        [](O& o, double v) { o.betas(std::make_tuple(v, std::get<1>(o.betas()))); }},
       {"betas.1", [](const O& o) { return std::get<1>(o.betas()); },
        [](O& o, double v) { o.betas(std::make_tuple(std::get<0>(o.betas()), v)); }},
-      {"eps", [](const O& o) { return o.eps(); }, [](O& o, double v) { o.eps(v); }},
-      {"weight_decay", [](const O& o) { return o.weight_decay(); },
-       [](O& o, double v) { o.weight_decay(v); }},
-      {"amsgrad", [](const O& o) { return o.amsgrad() ? 1.0 : 0.0; },
-       [](O& o, double v) { o.amsgrad(v != 0); }},
+      COHORT_NUMBER(eps),
+      COHORT_NUMBER(weight_decay),
+      COHORT_FLAG(amsgrad),
   };
 }
 
 std::vector<Field<torch::optim::SGDOptions>> sgd_fields() {
   using O = torch::optim::SGDOptions;
-  return {
-      {"lr", [](const O& o) { return o.lr(); }, [](O& o, double v) { o.lr(v); }},
-      {"momentum", [](const O& o) { return o.momentum(); }, [](O& o, double v) { o.momentum(v); }},
-      {"dampening", [](const O& o) { return o.dampening(); },
-       [](O& o, double v) { o.dampening(v); }},
-      {"weight_decay", [](const O& o) { return o.weight_decay(); },
-       [](O& o, double v) { o.weight_decay(v); }},
-      {"nesterov", [](const O& o) { return o.nesterov() ? 1.0 : 0.0; },
-       [](O& o, double v) { o.nesterov(v != 0); }},
-  };
+  return {COHORT_NUMBER(lr), COHORT_NUMBER(momentum), COHORT_NUMBER(dampening),
+          COHORT_NUMBER(weight_decay), COHORT_FLAG(nesterov)};
 }
 
 std::vector<Field<torch::optim::RMSpropOptions>> rmsprop_fields() {
   using O = torch::optim::RMSpropOptions;
-  return {
-      {"lr", [](const O& o) { return o.lr(); }, [](O& o, double v) { o.lr(v); }},
-      {"alpha", [](const O& o) { return o.alpha(); }, [](O& o, double v) { o.alpha(v); }},
-      {"eps", [](const O& o) { return o.eps(); }, [](O& o, double v) { o.eps(v); }},
-      {"weight_decay", [](const O& o) { return o.weight_decay(); },
-       [](O& o, double v) { o.weight_decay(v); }},
-      {"momentum", [](const O& o) { return o.momentum(); }, [](O& o, double v) { o.momentum(v); }},
-      {"centered", [](const O& o) { return o.centered() ? 1.0 : 0.0; },
-       [](O& o, double v) { o.centered(v != 0); }},
-  };
+  return {COHORT_NUMBER(lr),           COHORT_NUMBER(alpha),    COHORT_NUMBER(eps),
+          COHORT_NUMBER(weight_decay), COHORT_NUMBER(momentum), COHORT_FLAG(centered)};
 }
 
 std::vector<Field<torch::optim::AdagradOptions>> adagrad_fields() {
   using O = torch::optim::AdagradOptions;
-  return {
-      {"lr", [](const O& o) { return o.lr(); }, [](O& o, double v) { o.lr(v); }},
-      {"lr_decay", [](const O& o) { return o.lr_decay(); }, [](O& o, double v) { o.lr_decay(v); }},
-      {"weight_decay", [](const O& o) { return o.weight_decay(); },
-       [](O& o, double v) { o.weight_decay(v); }},
-      {"initial_accumulator_value", [](const O& o) { return o.initial_accumulator_value(); },
-       [](O& o, double v) { o.initial_accumulator_value(v); }},
-      {"eps", [](const O& o) { return o.eps(); }, [](O& o, double v) { o.eps(v); }},
-  };
+  return {COHORT_NUMBER(lr), COHORT_NUMBER(lr_decay), COHORT_NUMBER(weight_decay),
+          COHORT_NUMBER(initial_accumulator_value), COHORT_NUMBER(eps)};
 }
+
+#undef COHORT_NUMBER
+#undef COHORT_FLAG
 
 // Calls fn(options as its class, that class's fields) for the known
 // classes; returns false for another class.
