@@ -20,6 +20,8 @@
 #include "cohort/core/store/tcp_store.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
+#include "cohort/data/distributed_sampler.h"
+#include "cohort/data/seed.h"
 #include "cohort/memory/memory_scope.h"
 #include "cohort/observability/trace.h"
 // Activation checkpointing.

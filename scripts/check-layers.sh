@@ -18,6 +18,7 @@ declare -A layer=(
   [algorithms]=4
   [comm]=5
   [compression]=6
+  [data]=6
   [grad_sync]=7
   [ddp]=8
   [fsdp]=9

@@ -66,8 +66,9 @@ struct StateDict {
 /// The data file of `rank` in a checkpoint folder.
 std::string data_file_name(int rank);
 
-/// Writes the checkpoint into folder `dir` (created if missing; every rank
-/// must see the same folder). Collective over `comm`.
+/// Writes the checkpoint into folder `dir` (created with any missing parent
+/// folders; every rank must see the same folder). Collective over `comm`; a
+/// folder that cannot be created is a CheckpointError on every rank.
 void save(const StateDict& state, const std::string& dir, Communicator& comm);
 
 /// Reads and verifies `dir`/.metadata.

@@ -11,6 +11,7 @@
 
 #include "cohort/core/error.h"
 #include "cohort/core/torch_compat.h"
+#include "cohort/dcp/param_group_options.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort::dcp {
@@ -91,13 +92,45 @@ void add_boxes(TensorEntry& e, const ParamSlot& slot, const torch::Tensor& tenso
   }
 }
 
+// The options of the group that holds `slot` (lr, betas, ...), as 0-d
+// float64 tensors "optim.param_groups.<param fqn>.<option>": saved once per
+// parameter, by the slot that saves its step, whether or not it has state
+// yet; loaded into the group of every slot whose parameter the checkpoint
+// has them for (a checkpoint without them leaves the options as they are).
+void add_group_options(StateDict& state, std::map<std::string, size_t>& index,
+                       const std::map<const void*, torch::optim::OptimizerParamGroup*>& groups,
+                       const ParamSlot& slot, const Metadata* for_load) {
+  auto it = groups.find(slot.key.unsafeGetTensorImpl());
+  if (it == groups.end()) return;
+  auto* group = it->second;
+  const std::string prefix = "optim.param_groups." + slot.fqn + ".";
+  for (const auto& [name, value] : group_options(group->options())) {
+    const auto fqn = prefix + name;
+    if (for_load) {
+      if (!for_load->find(fqn)) continue;
+      auto target = torch::zeros({}, torch::kDouble);
+      entry(state, index, fqn, {}, torch::kDouble, slot.replicated)
+          .shards.push_back({Box{}, target});
+      state.after_load.push_back([group, option = name, target] {
+        set_group_option(group->options(), option, target.item<double>());
+      });
+      continue;
+    }
+    if (!slot.owns_step && !slot.replicated) continue;
+    auto& e = entry(state, index, fqn, {}, torch::kDouble, slot.replicated);
+    if (e.shards.empty()) e.shards.push_back({Box{}, torch::tensor(value, torch::kDouble)});
+  }
+}
+
 }  // namespace
 
 void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
                          const std::vector<ParamSlot>& slots, const Metadata* for_load) {
   std::map<std::string, size_t> index;
   const bool stepped = has_step(optimizer);
+  const auto groups = groups_by_param(optimizer);
   for (const auto& slot : slots) {
+    add_group_options(state, index, groups, slot, for_load);
     const auto key = optimizer_state_key(slot.key);
     auto it = optimizer.state().find(key);
     const bool exists = it != optimizer.state().end();

@@ -1,6 +1,9 @@
 // defines: ParamSlot and add_optimizer_state, which express a LibTorch
 // optimizer's per-parameter state as boxes of logical tensors
-// "optim.<param fqn>.<state name>" (and "optim.<param fqn>.step", 0-d).
+// "optim.<param fqn>.<state name>" (and "optim.<param fqn>.step", 0-d),
+// and the options of each parameter's group (lr, betas, weight decay, ...)
+// as 0-d float64 tensors "optim.param_groups.<param fqn>.<option>"
+// (param_group_options.h).
 //
 // A slot is one tensor the optimizer steps (a parameter, an FSDP shard, a
 // ZeRO piece) and the boxes of the parameter it holds: box k is elements

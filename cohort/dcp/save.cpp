@@ -1,7 +1,6 @@
 // dcp::save: each rank writes its chunks to its own file; rank 0 gathers
 // the chunk lists, checks that they cover every tensor exactly, and writes
 // the metadata last (so a folder with metadata is a whole checkpoint).
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -45,9 +44,14 @@ std::vector<uint32_t> block_crcs(const char* data, int64_t bytes) {
   return crcs;
 }
 
+// The folder and any missing parents (mkdir -p); a path that exists but is
+// no folder is an error, as mkdir's.
 void make_folder(const std::string& dir) {
-  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    throw Error("checkpoint " + dir + ": mkdir failed: " + std::strerror(errno));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw Error("checkpoint " + dir + ": cannot create the folder: " + ec.message());
+  if (!std::filesystem::is_directory(dir, ec)) {
+    throw Error("checkpoint " + dir + ": cannot create the folder: a file of that name exists");
   }
 }
 

@@ -21,19 +21,23 @@ int main(int argc, char** argv) {
   try {
     torch::set_num_threads(1);
     auto comm = cohort::init();
-    const int rank = comm->rank(), n = comm->size();
+    const int rank = comm->rank();
 
-    // The same data on every rank (seed 0); each rank trains on the rows
-    // r, r + n, r + 2n, ... (LibTorch's DistributedRandomSampler does this
-    // for a torch::data dataset).
-    torch::manual_seed(0);
+    // The same data on every rank (seed 0, alike); each rank trains on the
+    // rows r, r + n, r + 2n, ... that DistributedSampler deals it (with a
+    // torch::data dataset, the sampler goes to make_data_loader instead).
+    cohort::data::manual_seed(0, cohort::data::SeedScope::Same, *comm);
     auto x = torch::randn({256, 8});
     auto y = x.matmul(torch::randn({8, 1}));
-    auto shard = torch::arange(rank, 256, n);
+    cohort::data::DistributedSamplerOptions deal;
+    deal.shuffle = false;
+    const auto rows = cohort::data::DistributedSampler(256, *comm, deal).indices();
+    auto shard = torch::tensor(std::vector<int64_t>(rows.begin(), rows.end()));
     auto xs = x.index_select(0, shard), ys = y.index_select(0, shard);
 
     // DDP broadcasts rank 0's initial weights, so replicas start equal.
-    torch::manual_seed(rank);  // different on purpose: DDP fixes it
+    // Seeded per rank on purpose: DDP fixes it.
+    cohort::data::manual_seed(0, cohort::data::SeedScope::PerRank, *comm);
     torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                               torch::nn::Linear(16, 1));
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);

@@ -1,0 +1,125 @@
+#include "cohort/data/distributed_sampler.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <string>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/core/error.h"
+
+namespace cohort::data {
+namespace {
+
+DistributedSamplerOptions with_defaults(DistributedSamplerOptions o, const Communicator& comm) {
+  if (!o.num_replicas) o.num_replicas = comm.size();
+  if (!o.rank) o.rank = comm.rank();
+  return o;
+}
+
+int checked_replicas(const DistributedSamplerOptions& o) {
+  if (!o.num_replicas || !o.rank) {
+    throw InvalidArgument(
+        "DistributedSampler: set num_replicas and rank, or pass a Communicator to take them from");
+  }
+  if (*o.num_replicas < 1 || *o.rank < 0 || *o.rank >= *o.num_replicas) {
+    throw InvalidArgument("DistributedSampler: rank " + std::to_string(*o.rank) +
+                          " is out of range for num_replicas " + std::to_string(*o.num_replicas));
+  }
+  return *o.num_replicas;
+}
+
+}  // namespace
+
+DistributedSampler::DistributedSampler(size_t dataset_size, const Communicator& comm,
+                                       DistributedSamplerOptions options)
+    : DistributedSampler(dataset_size, with_defaults(options, comm)) {}
+
+DistributedSampler::DistributedSampler(size_t dataset_size, DistributedSamplerOptions options)
+    : size_(dataset_size),
+      num_replicas_(checked_replicas(options)),
+      rank_(*options.rank),
+      shuffle_(options.shuffle),
+      seed_(options.seed),
+      drop_last_(options.drop_last),
+      epoch_(std::make_shared<std::atomic<int64_t>>(0)) {
+  reset();
+}
+
+void DistributedSampler::set_epoch(int64_t epoch) { epoch_->store(epoch); }
+
+int64_t DistributedSampler::epoch() const { return epoch_->load(); }
+
+size_t DistributedSampler::num_samples() const {
+  // PyTorch: ceil((n - R) / R) with drop_last when R does not divide n,
+  // which is floor(n / R); ceil(n / R) otherwise.
+  const auto r = static_cast<size_t>(num_replicas_);
+  return drop_last_ ? size_ / r : (size_ + r - 1) / r;
+}
+
+size_t DistributedSampler::total_size() const {
+  return num_samples() * static_cast<size_t>(num_replicas_);
+}
+
+std::vector<size_t> DistributedSampler::indices() const {
+  std::vector<size_t> order(size_);
+  if (shuffle_) {
+    // The generator and call of PyTorch's sampler (g.manual_seed(seed +
+    // epoch); torch.randperm(n, generator=g)): the same permutation.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ + static_cast<uint64_t>(epoch()));
+    const auto perm = torch::randperm(static_cast<int64_t>(size_), gen, torch::kLong);
+    const auto* p = perm.data_ptr<int64_t>();
+    for (size_t i = 0; i < size_; ++i) order[i] = static_cast<size_t>(p[i]);
+  } else {
+    for (size_t i = 0; i < size_; ++i) order[i] = i;
+  }
+  // Padded by repeating the order from its start (as often as it takes),
+  // or cut; then every num_replicas-th element from this rank's.
+  const size_t total = total_size();
+  std::vector<size_t> mine;
+  mine.reserve(num_samples());
+  for (size_t i = static_cast<size_t>(rank_); i < total; i += static_cast<size_t>(num_replicas_)) {
+    mine.push_back(order[i % size_]);
+  }
+  return mine;
+}
+
+void DistributedSampler::reset(c10::optional<size_t> new_size) {
+  if (new_size) size_ = *new_size;
+  indices_ = indices();
+  next_ = 0;
+}
+
+c10::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
+  if (next_ >= indices_.size()) return c10::nullopt;
+  const size_t end = std::min(indices_.size(), next_ + batch_size);
+  std::vector<size_t> batch(indices_.begin() + static_cast<std::ptrdiff_t>(next_),
+                            indices_.begin() + static_cast<std::ptrdiff_t>(end));
+  next_ = end;
+  return batch;
+}
+
+void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("epoch", torch::tensor(epoch(), torch::kLong), /*is_buffer=*/true);
+  archive.write("next", torch::tensor(static_cast<int64_t>(next_), torch::kLong),
+                /*is_buffer=*/true);
+}
+
+void DistributedSampler::load(torch::serialize::InputArchive& archive) {
+  torch::Tensor epoch, next;
+  archive.read("epoch", epoch, /*is_buffer=*/true);
+  archive.read("next", next, /*is_buffer=*/true);
+  set_epoch(epoch.item<int64_t>());
+  reset();
+  const auto at = next.item<int64_t>();
+  if (at < 0 || static_cast<size_t>(at) > indices_.size()) {
+    throw InvalidArgument("DistributedSampler::load: position " + std::to_string(at) +
+                          " is outside this rank's " + std::to_string(indices_.size()) +
+                          " samples");
+  }
+  next_ = static_cast<size_t>(at);
+}
+
+}  // namespace cohort::data

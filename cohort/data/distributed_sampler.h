@@ -1,0 +1,105 @@
+// defines: DistributedSampler, DistributedSamplerOptions: PyTorch's
+// torch.utils.data.DistributedSampler for LibTorch's data loader.
+//
+//   cohort::data::DistributedSampler sampler(dataset.size().value(), *comm);
+//   auto loader = torch::data::make_data_loader(dataset, sampler, batch_size);
+//   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+//     sampler.set_epoch(epoch);   // the loader's copy sees it
+//     for (auto& batch : *loader) ...
+//   }
+//
+// make_data_loader keeps its own copy of the sampler, so an epoch stored in
+// the sampler could never be changed once the loader holds it (every epoch
+// would see the same order, as with LibTorch's DistributedRandomSampler).
+// Copies of a DistributedSampler share their epoch instead: set_epoch on
+// any copy takes effect at every copy's next reset(), which the loader
+// calls when an epoch's iteration begins.
+#pragma once
+
+#include <torch/data/samplers/base.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace cohort {
+class Communicator;
+}
+
+namespace cohort::data {
+
+/// How a DistributedSampler deals the dataset (the arguments of PyTorch's).
+struct DistributedSamplerOptions {
+  /// Ranks that share the dataset; unset: the communicator's size.
+  std::optional<int> num_replicas;
+  /// This rank's place in [0, num_replicas); unset: the communicator's rank.
+  std::optional<int> rank;
+  /// Each epoch permutes the dataset: torch.randperm with a CPU generator
+  /// seeded `seed + epoch`, the same on every rank.
+  bool shuffle = true;
+  /// The permutation's seed; must be the same on every rank.
+  uint64_t seed = 0;
+  /// Drops the tail that does not divide evenly over the ranks; otherwise
+  /// the order is padded by repeating it from its start.
+  bool drop_last = false;
+};
+
+/// A sampler for torch::data::make_data_loader that gives each rank its
+/// share of the dataset, index for index as PyTorch's DistributedSampler:
+/// the epoch's order (permuted, or 0..n-1) is padded to, or cut at, a
+/// multiple of num_replicas, and rank r takes its elements r, r +
+/// num_replicas, .... Copies share the epoch (see the file comment).
+class DistributedSampler : public torch::data::samplers::Sampler<> {
+ public:
+  /// Over `dataset_size` samples, with num_replicas and rank from `comm`
+  /// unless `options` sets them.
+  DistributedSampler(size_t dataset_size, const Communicator& comm,
+                     DistributedSamplerOptions options = {});
+  /// Over `dataset_size` samples; `options` must set num_replicas and rank.
+  DistributedSampler(size_t dataset_size, DistributedSamplerOptions options);
+
+  /// The copy shares this sampler's epoch (a copy, not a move, so that a
+  /// sampler handed to the loader with std::move keeps its epoch too).
+  DistributedSampler(const DistributedSampler&) = default;
+  /// Shares `other`'s epoch from now on.
+  DistributedSampler& operator=(const DistributedSampler&) = default;
+  ~DistributedSampler() override = default;
+
+  /// Sets the epoch of this sampler and of every copy; it takes effect at
+  /// each one's next reset() (a loader's next epoch).
+  void set_epoch(int64_t epoch);
+  /// The epoch set last (0 at first).
+  int64_t epoch() const;
+
+  /// The samples this rank gets per epoch (PyTorch's len(sampler)).
+  size_t num_samples() const;
+  /// num_samples() times num_replicas: the padded or cut epoch.
+  size_t total_size() const;
+  /// This rank's indices for the current epoch, in order.
+  std::vector<size_t> indices() const;
+
+  /// Draws this rank's indices for the current epoch and starts over;
+  /// `new_size`: the dataset's new size.
+  void reset(c10::optional<size_t> new_size = c10::nullopt) override;
+  /// The next up to `batch_size` indices; none when the epoch is done.
+  c10::optional<std::vector<size_t>> next(size_t batch_size) override;
+  /// Saves the epoch and the position in it.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Restores what save() wrote (and sets the shared epoch).
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  size_t size_;
+  int num_replicas_;
+  int rank_;
+  bool shuffle_;
+  uint64_t seed_;
+  bool drop_last_;
+  std::shared_ptr<std::atomic<int64_t>> epoch_;
+  std::vector<size_t> indices_;  ///< this rank's, drawn by the last reset()
+  size_t next_ = 0;              ///< the first of indices_ not handed out
+};
+
+}  // namespace cohort::data

@@ -1,0 +1,139 @@
+#include <c10/util/Exception.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <map>
+#include <tuple>
+
+#include "cohort/core/error.h"
+#include "cohort/dcp/param_group_options.h"
+
+namespace cohort::dcp {
+namespace {
+
+using torch::optim::OptimizerOptions;
+
+// One option of options class O: its name, how to read and write it.
+template <class O>
+struct Field {
+  const char* name;
+  double (*get)(const O&);
+  void (*set)(O&, double);
+};
+
+// An option `name` of the options class O in scope, through its TORCH_ARG
+// accessors (a number, or a flag as 0 or 1).
+// clang-format off
+#define COHORT_NUMBER(name) \
+  Field<O>{#name, [](const O& o) { return o.name(); }, [](O& o, double v) { o.name(v); }}
+#define COHORT_FLAG(name) \
+  Field<O>{#name, [](const O& o) { return o.name() ? 1.0 : 0.0; }, \
+           [](O& o, double v) { o.name(v != 0); }}
+// clang-format on
+
+// Adam's and AdamW's options, which have the same fields.
+template <class O>
+std::vector<Field<O>> adam_fields() {
+  return {
+      COHORT_NUMBER(lr),
+      {"betas.0", [](const O& o) { return std::get<0>(o.betas()); },
+       [](O& o, double v) { o.betas(std::make_tuple(v, std::get<1>(o.betas()))); }},
+      {"betas.1", [](const O& o) { return std::get<1>(o.betas()); },
+       [](O& o, double v) { o.betas(std::make_tuple(std::get<0>(o.betas()), v)); }},
+      COHORT_NUMBER(eps),
+      COHORT_NUMBER(weight_decay),
+      COHORT_FLAG(amsgrad),
+  };
+}
+
+std::vector<Field<torch::optim::SGDOptions>> sgd_fields() {
+  using O = torch::optim::SGDOptions;
+  return {COHORT_NUMBER(lr), COHORT_NUMBER(momentum), COHORT_NUMBER(dampening),
+          COHORT_NUMBER(weight_decay), COHORT_FLAG(nesterov)};
+}
+
+std::vector<Field<torch::optim::RMSpropOptions>> rmsprop_fields() {
+  using O = torch::optim::RMSpropOptions;
+  return {COHORT_NUMBER(lr),           COHORT_NUMBER(alpha),    COHORT_NUMBER(eps),
+          COHORT_NUMBER(weight_decay), COHORT_NUMBER(momentum), COHORT_FLAG(centered)};
+}
+
+std::vector<Field<torch::optim::AdagradOptions>> adagrad_fields() {
+  using O = torch::optim::AdagradOptions;
+  return {COHORT_NUMBER(lr), COHORT_NUMBER(lr_decay), COHORT_NUMBER(weight_decay),
+          COHORT_NUMBER(initial_accumulator_value), COHORT_NUMBER(eps)};
+}
+
+#undef COHORT_NUMBER
+#undef COHORT_FLAG
+
+// Calls fn(options as its class, that class's fields) for the known
+// classes; returns false for another class.
+template <class Fn>
+bool with_fields(OptimizerOptions& options, Fn&& fn) {
+  using namespace torch::optim;
+  if (auto* o = dynamic_cast<AdamWOptions*>(&options)) {
+    fn(*o, adam_fields<AdamWOptions>());
+  } else if (auto* o = dynamic_cast<AdamOptions*>(&options)) {
+    fn(*o, adam_fields<AdamOptions>());
+  } else if (auto* o = dynamic_cast<SGDOptions*>(&options)) {
+    fn(*o, sgd_fields());
+  } else if (auto* o = dynamic_cast<RMSpropOptions*>(&options)) {
+    fn(*o, rmsprop_fields());
+  } else if (auto* o = dynamic_cast<AdagradOptions*>(&options)) {
+    fn(*o, adagrad_fields());
+  } else {
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, double>> group_options(const OptimizerOptions& options) {
+  std::vector<std::pair<std::string, double>> out;
+  // Only read: with_fields hands out the options mutable for set_group_option.
+  auto& mutable_options = const_cast<OptimizerOptions&>(options);
+  const bool known = with_fields(mutable_options, [&](const auto& o, const auto& fields) {
+    for (const auto& f : fields) out.emplace_back(f.name, f.get(o));
+  });
+  if (!known) {
+    try {
+      out.emplace_back("lr", options.get_lr());
+    } catch (const c10::Error&) {
+      // An options class that does not override get_lr: nothing to keep.
+    }
+  }
+  return out;
+}
+
+void set_group_option(OptimizerOptions& options, const std::string& name, double value) {
+  bool found = false;
+  const bool known = with_fields(options, [&](auto& o, const auto& fields) {
+    for (const auto& f : fields) {
+      if (name == f.name) {
+        f.set(o, value);
+        found = true;
+      }
+    }
+  });
+  if (!known && name == "lr") {
+    options.set_lr(value);
+    found = true;
+  }
+  if (!found) throw InvalidArgument("dcp: this optimizer's groups have no option " + name);
+}
+
+std::map<const void*, torch::optim::OptimizerParamGroup*> groups_by_param(
+    torch::optim::Optimizer& optimizer) {
+  std::map<const void*, torch::optim::OptimizerParamGroup*> out;
+  for (auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) out[p.unsafeGetTensorImpl()] = &group;
+  }
+  return out;
+}
+
+}  // namespace cohort::dcp
