@@ -39,6 +39,7 @@ class AsyncSave {
  public:
   struct State;
   AsyncSave() = default;  ///< nothing pending: wait() returns, ready() is true
+  /// A handle on a save async_save started (not for users: async_save makes it).
   explicit AsyncSave(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
   /// Whether this rank's background write has finished (not collective;

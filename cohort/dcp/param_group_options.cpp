@@ -1,3 +1,5 @@
+#include "cohort/dcp/param_group_options.h"
+
 #include <c10/util/Exception.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -9,7 +11,6 @@
 #include <tuple>
 
 #include "cohort/core/error.h"
-#include "cohort/dcp/param_group_options.h"
 
 namespace cohort::dcp {
 namespace {
