@@ -288,7 +288,8 @@ Work Communicator::barrier(const BarrierOptions& opts) {
   return finish(call, engine_->barrier());
 }
 
-Work Communicator::send(const torch::Tensor& tensor, int dst, const SendOptions& opts) {
+Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendOptions& opts) {
+  auto tensor = detail::data_of(caller_tensor);
   auto call = begin("send", opts.timeout, {dst});
   check_peer(call, dst);
   check_tensor(tensor, call.ctx, "tensor");
@@ -299,7 +300,8 @@ Work Communicator::send(const torch::Tensor& tensor, int dst, const SendOptions&
                 issue_p2p(call, *health_, [&] { return engine_->send(wire, dst, opts.tag); }));
 }
 
-Work Communicator::recv(torch::Tensor& tensor, int src, const RecvOptions& opts) {
+Work Communicator::recv(torch::Tensor& caller_tensor, int src, const RecvOptions& opts) {
+  auto tensor = detail::data_of(caller_tensor);
   auto call = begin("recv", opts.timeout, {src});
   check_peer(call, src);
   check_tensor(tensor, call.ctx, "tensor");

@@ -7,6 +7,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -81,6 +82,20 @@ Algorithm resolve_agreed(Engine& engine, const Signature& s, Millis timeout, Alg
   const Algorithm a = resolve();
   if (a != Algorithm::Engine && !early) failed = agree(engine, s, timeout);
   return a;
+}
+
+// Collectives move data, not autograd history, as c10d's do: a tensor that
+// requires grad (a parameter) takes part through an alias without it, so the
+// engines may write into leaves and no output picks up a graph. Tensors that
+// do not require grad pass as they are (no cost on the common path).
+inline torch::Tensor data_of(const torch::Tensor& t) { return t.requires_grad() ? t.detach() : t; }
+template <class Tensors>  // std::vector<torch::Tensor>, const or not
+Tensors& data_of(Tensors& ts, std::vector<torch::Tensor>& aliases) {
+  if (std::none_of(ts.begin(), ts.end(), [](const torch::Tensor& t) { return t.requires_grad(); }))
+    return ts;
+  aliases.clear();
+  for (const auto& t : ts) aliases.push_back(data_of(t));
+  return aliases;
 }
 
 // The bytes a tensor holds (what a trace event's "bytes" names).

@@ -24,7 +24,8 @@ WorkPtr nothing_to_move(Engine& engine, int size, const Signature& s) {
 
 }  // namespace
 
-Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts) {
+Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOptions& opts) {
+  auto tensor = detail::data_of(caller_tensor);
   auto call = begin_collective("broadcast", opts.timeout);
   check_root(call, opts.root);
   check_tensor(tensor, call.ctx, "tensor");
@@ -38,8 +39,10 @@ Work Communicator::broadcast(torch::Tensor& tensor, const BroadcastOptions& opts
   return finish(call, engine_->broadcast(wire, opts.root));
 }
 
-Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
+Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                        const BroadcastOptions& opts) {
+  std::vector<torch::Tensor> tensors_aliases;
+  auto& tensors = detail::data_of(caller_tensors, tensors_aliases);
   auto call = begin_collective("broadcast_coalesced", opts.timeout);
   check_root(call, opts.root);
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -83,8 +86,11 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& tensors,
   return finish(call, std::move(impl), std::move(copy_back));
 }
 
-Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
-                              const AllGatherOptions& opts) {
+Work Communicator::all_gather(std::vector<torch::Tensor>& caller_outputs,
+                              const torch::Tensor& caller_input, const AllGatherOptions& opts) {
+  std::vector<torch::Tensor> outputs_aliases;
+  auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
+  auto input = detail::data_of(caller_input);
   auto call = begin_collective("all_gather", opts.timeout);
   check_tensor(input, call.ctx, "input");
   check_per_rank(call, outputs, input, "outputs");
@@ -100,8 +106,11 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& outputs, const torch::
   return run_all_gather(call, std::move(wire_out), {}, input, opts);
 }
 
-Work Communicator::all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input,
+Work Communicator::all_gather_into_tensor(torch::Tensor& caller_output,
+                                          const torch::Tensor& caller_input,
                                           const AllGatherOptions& opts) {
+  auto output = detail::data_of(caller_output);
+  auto input = detail::data_of(caller_input);
   auto call = begin_collective("all_gather_into_tensor", opts.timeout);
   check_tensor(input, call.ctx, "input");
   check_tensor(output, call.ctx, "output");
@@ -156,8 +165,11 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
   });
 }
 
-Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
-                          const GatherOptions& opts) {
+Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
+                          const torch::Tensor& caller_input, const GatherOptions& opts) {
+  std::vector<torch::Tensor> outputs_aliases;
+  auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
+  auto input = detail::data_of(caller_input);
   auto call = begin_collective("gather", opts.timeout);
   check_root(call, opts.root);
   check_tensor(input, call.ctx, "input");
@@ -176,8 +188,12 @@ Work Communicator::gather(std::vector<torch::Tensor>& outputs, const torch::Tens
   return finish(call, engine_->gather(wire_out, wire_in, opts.root));
 }
 
-Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
+Work Communicator::scatter(torch::Tensor& caller_output,
+                           const std::vector<torch::Tensor>& caller_inputs,
                            const ScatterOptions& opts) {
+  auto output = detail::data_of(caller_output);
+  std::vector<torch::Tensor> inputs_aliases;
+  auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
   auto call = begin_collective("scatter", opts.timeout);
   check_root(call, opts.root);
   check_tensor(output, call.ctx, "output");
@@ -196,10 +212,13 @@ Work Communicator::scatter(torch::Tensor& output, const std::vector<torch::Tenso
   return finish(call, engine_->scatter(wire_out, wire_in, opts.root));
 }
 
-Work Communicator::all_to_all_single(torch::Tensor& output, const torch::Tensor& input,
+Work Communicator::all_to_all_single(torch::Tensor& caller_output,
+                                     const torch::Tensor& caller_input,
                                      std::vector<int64_t> output_split_sizes,
                                      std::vector<int64_t> input_split_sizes,
                                      const AllToAllOptions& opts) {
+  auto output = detail::data_of(caller_output);
+  auto input = detail::data_of(caller_input);
   auto call = begin_collective("all_to_all_single", opts.timeout);
   check_tensor(input, call.ctx, "input");
   check_tensor(output, call.ctx, "output");
@@ -244,9 +263,13 @@ Work Communicator::all_to_all_single(torch::Tensor& output, const torch::Tensor&
   return finish(call, engine_->all_to_all(wire_out, wire_in, out_counts, in_counts));
 }
 
-Work Communicator::all_to_all(std::vector<torch::Tensor>& outputs,
-                              const std::vector<torch::Tensor>& inputs,
+Work Communicator::all_to_all(std::vector<torch::Tensor>& caller_outputs,
+                              const std::vector<torch::Tensor>& caller_inputs,
                               const AllToAllOptions& opts) {
+  std::vector<torch::Tensor> outputs_aliases;
+  auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
+  std::vector<torch::Tensor> inputs_aliases;
+  auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
   auto call = begin_collective("all_to_all", opts.timeout);
   if (static_cast<int>(outputs.size()) != size_ || static_cast<int>(inputs.size()) != size_) {
     call.refuse("needs one input and one output per rank (" + std::to_string(size_) + "), got " +

@@ -25,7 +25,8 @@ using detail::engine_op;
 using detail::fingerprint;
 using detail::reduction_buffer;
 
-Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opts) {
+Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptions& opts) {
+  auto tensor = detail::data_of(caller_tensor);
   auto call = begin_collective("all_reduce", opts.timeout);
   check_tensor(tensor, call.ctx, "tensor");
   check_avg(call.ctx, tensor, opts.op);
@@ -58,8 +59,10 @@ Work Communicator::all_reduce(torch::Tensor& tensor, const AllReduceOptions& opt
   return finish_reduction(call, std::move(impl), tensor, buf, opts.op);
 }
 
-Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
+Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                         const AllReduceOptions& opts) {
+  std::vector<torch::Tensor> tensors_aliases;
+  auto& tensors = detail::data_of(caller_tensors, tensors_aliases);
   auto call = begin_collective("all_reduce_coalesced", opts.timeout);
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
@@ -117,7 +120,8 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& tensors,
   return finish(call, std::make_shared<WorkList>(std::move(parts)), std::move(copy_back));
 }
 
-Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
+Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opts) {
+  auto tensor = detail::data_of(caller_tensor);
   auto call = begin_collective("reduce", opts.timeout);
   check_root(call, opts.root);
   check_tensor(tensor, call.ctx, "tensor");
@@ -142,8 +146,12 @@ Work Communicator::reduce(torch::Tensor& tensor, const ReduceOptions& opts) {
   return finish_reduction(call, std::move(impl), tensor, buf, opts.op);
 }
 
-Work Communicator::reduce_scatter(torch::Tensor& output, const std::vector<torch::Tensor>& inputs,
+Work Communicator::reduce_scatter(torch::Tensor& caller_output,
+                                  const std::vector<torch::Tensor>& caller_inputs,
                                   const ReduceScatterOptions& opts) {
+  auto output = detail::data_of(caller_output);
+  std::vector<torch::Tensor> inputs_aliases;
+  auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
   auto call = begin_collective("reduce_scatter", opts.timeout);
   check_tensor(output, call.ctx, "output");
   check_avg(call.ctx, output, opts.op);
@@ -163,8 +171,11 @@ Work Communicator::reduce_scatter(torch::Tensor& output, const std::vector<torch
   return run_reduce_scatter(call, output, std::move(chunks), {}, opts);
 }
 
-Work Communicator::reduce_scatter_tensor(torch::Tensor& output, const torch::Tensor& input,
+Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
+                                         const torch::Tensor& caller_input,
                                          const ReduceScatterOptions& opts) {
+  auto output = detail::data_of(caller_output);
+  auto input = detail::data_of(caller_input);
   auto call = begin_collective("reduce_scatter_tensor", opts.timeout);
   check_tensor(output, call.ctx, "output");
   check_tensor(input, call.ctx, "input");

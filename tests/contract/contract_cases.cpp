@@ -127,6 +127,48 @@ void reduce_scatter_both_forms(Communicator& comm, torch::Dtype dt) {
   }
 }
 
+// Leaves that require grad (parameters) are data to a collective, as in
+// PyTorch's c10d: every op gives the formula's result, and the tensors still
+// require grad afterwards.
+void tensors_that_require_grad(Communicator& comm, torch::Dtype dt) {
+  const int w = comm.size();
+  // Every algorithm here (not by the drivers: adaptive's calibration would
+  // cost seconds per world and reduce with these same algorithms).
+  for (auto algo :
+       {Algorithm::Engine, Algorithm::Ring, Algorithm::Tree, Algorithm::HalvingDoubling}) {
+    for (auto op : ops_for(dt)) {
+      for (int64_t n : {1, 7, 1001}) {
+        auto t = input_for(op, comm.rank(), n, dt).requires_grad_();
+        AllReduceOptions o;
+        o.op = op;
+        o.algo = algo;
+        comm.all_reduce(t, o).wait();
+        ASSERT_TRUE(t.requires_grad());
+        EXPECT_REDUCED(t.detach(), expected_reduction(op, w, n),
+                       "all_reduce " + to_string(op) + " " + to_string(algo));
+      }
+    }
+  }
+  auto b = rank_input(comm.rank(), 5, dt).requires_grad_();
+  comm.broadcast(b, {w - 1}).wait();
+  EXPECT_TRUE(torch::equal(b.detach(), rank_input(w - 1, 5, dt)));
+  std::vector<torch::Tensor> outs;
+  for (int r = 0; r < w; ++r) outs.push_back(torch::zeros({3}, dt).requires_grad_());
+  comm.all_gather(outs, rank_input(comm.rank(), 3, dt).requires_grad_()).wait();
+  for (int r = 0; r < w; ++r) EXPECT_TRUE(torch::equal(outs[r].detach(), rank_input(r, 3, dt)));
+  auto flat = torch::zeros({3 * w}, dt).requires_grad_();
+  comm.all_gather_into_tensor(flat, rank_input(comm.rank(), 3, dt)).wait();
+  for (int r = 0; r < w; ++r)
+    EXPECT_TRUE(torch::equal(flat.detach().narrow(0, 3 * r, 3), rank_input(r, 3, dt)));
+  auto out = torch::zeros({3}, dt).requires_grad_();
+  ReduceScatterOptions o;
+  o.op = ReduceOp::Max;
+  comm.reduce_scatter_tensor(
+          out, torch::cat(std::vector<torch::Tensor>(w, rank_input(comm.rank(), 3, dt))), o)
+      .wait();
+  EXPECT_REDUCED(out.detach(), expected_reduction(ReduceOp::Max, w, 3), "reduce_scatter max");
+}
+
 // Operations in flight at once, waited in reverse, each with its own result.
 void many_in_flight(Communicator& comm, torch::Dtype dt) {
   std::vector<torch::Tensor> ts;
@@ -317,6 +359,7 @@ const std::vector<ContractCase>& contract_cases() {
       {"AllGatherBothForms", all_gather_both_forms, true, true},
       {"ReduceScatterBothForms", reduce_scatter_both_forms, true, true},
       {"ManyInFlight", many_in_flight, false, true},
+      {"TensorsThatRequireGrad", tensors_that_require_grad, false, false},
       {"GatherAndScatterAtLastRank", gather_and_scatter_at_last_rank, true, false},
       {"AllToAllEqualAndUneven", all_to_all_equal_and_uneven, true, false},
       {"P2PTagsKeepMessagesApart", p2p_tags_keep_messages_apart, false, false, 2},
