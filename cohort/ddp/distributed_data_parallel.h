@@ -113,6 +113,12 @@ class DistributedDataParallel {
   /// The wrapped module (parameters and buffers are the module's own).
   ModuleHolder& module() { return module_; }
 
+  /// Module-holder syntax, as every LibTorch module: `ddp->forward(x)`,
+  /// `ddp->zero_grad()`, `ddp->parameters()` compile where the bare module's
+  /// holder was used, so wrapping changes no call site.
+  DistributedDataParallel* operator->() { return this; }
+  const DistributedDataParallel* operator->() const { return this; }
+
   // What users expect of a module, forwarded to the wrapped one. Names carry
   // no "module." prefix (unlike PyTorch's DDP state_dict): a checkpoint
   // saved through DDP loads into the bare module and the other way round.
@@ -141,6 +147,10 @@ class DistributedDataParallel {
   void eval() { module_->eval(); }
   /// Whether the module is in training mode.
   bool is_training() const { return module_->is_training(); }
+  /// The module's zero_grad, with this LibTorch's default for set_to_none.
+  void zero_grad() { module_->zero_grad(); }
+  /// The module's zero_grad; DDP's hooks handle gradients set to none.
+  void zero_grad(bool set_to_none) { module_->zero_grad(set_to_none); }
   /// Saves the module's parameters and buffers (same names as the module).
   void save(torch::serialize::OutputArchive& archive) const { module_->save(archive); }
   /// Loads parameters and buffers into the module; DDP's hooks follow the
@@ -170,5 +180,22 @@ class DistributedDataParallel {
   std::unique_ptr<GradientReducer> reducer_;
   std::shared_ptr<CommHook> hook_;
 };
+
+/// `torch::save(ddp, path)`: the module's state under its own names, so the
+/// file loads into the bare module and the other way round.
+template <typename M>
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const DistributedDataParallel<M>& ddp) {
+  ddp.save(archive);
+  return archive;
+}
+
+/// `torch::load(ddp, path)`: loads into the wrapped module (see load()).
+template <typename M>
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           DistributedDataParallel<M>& ddp) {
+  ddp.load(archive);
+  return archive;
+}
 
 }  // namespace cohort

@@ -3,7 +3,9 @@
 // gradients as bucket views, synchronize() for SyncStrategy::NoSync, stats,
 // and LibTorch's DistributedRandomSampler as the data shard.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -157,6 +159,53 @@ TEST(DdpModuleApi, ForwardsToTheModuleAndSaveLoadKeepsReducing) {
     for (auto& p : other_ddp.parameters()) grads[r].push_back(p.grad().clone());
   });
   EXPECT_EQ(max_abs_diff(grads[0], grads[1]), 0.0);
+}
+
+// A program written for bare LibTorch modules (two networks, as a GAN has)
+// keeps its call sites once each network is wrapped: `->forward`,
+// `->zero_grad`, `->parameters`, `torch::save`/`torch::load` on the wrapper,
+// with the bare module's names in the file.
+TEST(DdpModuleApi, WrappersKeepModuleHolderCallSites) {
+  torch::set_num_threads(1);
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("cohort_ddp_holder_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::vector<std::vector<torch::Tensor>> after(2);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    torch::manual_seed(0);
+    auto g_net =
+        torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 3));
+    auto d_net =
+        torch::nn::Sequential(torch::nn::Linear(3, 5), torch::nn::ReLU(), torch::nn::Linear(5, 1));
+    DistributedDataParallel<Mlp> generator(g_net, comm), discriminator(d_net, comm);
+    torch::optim::Adam g_opt(generator->parameters(), 1e-2),
+        d_opt(discriminator->parameters(), 1e-2);
+    for (int step = 0; step < 2; ++step) {
+      auto noise = torch::full({4, 4}, r + 1.0) * torch::arange(4.0) / 4;
+      discriminator->zero_grad();
+      auto fake = generator->forward(noise);
+      discriminator->forward(fake.detach()).mean().backward();
+      d_opt.step();
+      generator->zero_grad();
+      (-discriminator->forward(fake).mean()).backward();
+      g_opt.step();
+    }
+    for (auto& p : generator->parameters()) after[r].push_back(p.detach().clone());
+    const auto path = (dir / ("generator-" + std::to_string(r) + ".pt")).string();
+    torch::save(generator, path);
+    auto bare =
+        torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 3));
+    torch::load(bare, path);  // the wrapper wrote the bare module's names
+    EXPECT_EQ(max_abs_diff(bare->parameters(), generator->parameters()), 0.0);
+    auto again =
+        torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 3));
+    DistributedDataParallel<Mlp> reloaded(again, comm);
+    torch::load(reloaded, path);
+    EXPECT_EQ(max_abs_diff(reloaded->parameters(), generator->parameters()), 0.0);
+  });
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(max_abs_diff(after[0], after[1]), 0.0);  // the replicas stayed equal
 }
 
 TEST(DdpNoSync, AccumulatesLocallyThenReducesTheSum) {
