@@ -15,13 +15,18 @@ struct Case {
   std::vector<std::string> names;
 };
 
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+std::string to_string(const Case& c) {
   std::string s;
-  for (size_t i = 0; i < info.param.shape.size(); ++i) {
-    s += (i ? "_" : "") + info.param.names[i] + std::to_string(info.param.shape[i]);
+  for (size_t i = 0; i < c.shape.size(); ++i) {
+    s += (i ? "_" : "") + c.names[i] + std::to_string(c.shape[i]);
   }
   return s;
 }
+
+// What a failure prints as the case.
+void PrintTo(const Case& c, std::ostream* os) { *os << to_string(c); }
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) { return to_string(info.param); }
 
 int world_of(const std::vector<int>& shape) {
   int n = 1;
