@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <mutex>
 
 #include "cohort/core/error.h"
 
@@ -22,7 +23,10 @@ struct DeviceMesh::Root {
   std::vector<int> shape;
   std::vector<std::string> names;
   std::vector<int> coord;  // this rank's, one per dimension
-  std::map<std::vector<int>, std::shared_ptr<Communicator>> groups;  // by dimensions spanned
+  // By dimensions spanned. The mutex lets threads of one rank share a mesh:
+  // a lookup never reads the map while another thread adds a combination.
+  std::mutex mu;
+  std::map<std::vector<int>, std::shared_ptr<Communicator>> groups;
 };
 
 namespace {
@@ -187,7 +191,10 @@ DeviceMesh DeviceMesh::from_group(std::shared_ptr<Communicator> group, std::stri
 }
 
 DeviceMesh::DeviceMesh(std::shared_ptr<Root> root, std::vector<int> dims)
-    : root_(std::move(root)), dims_(std::move(dims)), group_(root_->groups.at(dims_)) {}
+    : root_(std::move(root)), dims_(std::move(dims)) {
+  std::lock_guard<std::mutex> lock(root_->mu);
+  group_ = root_->groups.at(dims_);
+}
 
 int DeviceMesh::dim_index(const std::string& name) const {
   for (int d : dims_) {
@@ -215,9 +222,12 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
     dims.push_back(d);
   }
   if (dims.empty()) throw InvalidArgument(who + "needs at least one dimension name");
-  if (root_->groups.count(dims) == 0) {
-    agree(*root_->world, join(names, ", "), who, "the dimensions asked for");
-    root_->groups[dims] = split_over(root_->shape, root_->coord, *root_->world, dims);
+  {
+    std::lock_guard<std::mutex> lock(root_->mu);
+    if (root_->groups.count(dims) == 0) {
+      agree(*root_->world, join(names, ", "), who, "the dimensions asked for");
+      root_->groups[dims] = split_over(root_->shape, root_->coord, *root_->world, dims);
+    }
   }
   return DeviceMesh(root_, std::move(dims));
 }
