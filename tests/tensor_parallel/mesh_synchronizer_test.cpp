@@ -53,37 +53,31 @@ TEST_P(EmbeddingGroup, JoinsTheFirstAndTheLastStage) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EmbeddingGroup,
-                         ::testing::Values(Layout{1, 1}, Layout{3, 1}, Layout{3, 2},
-                                           Layout{2, 2}),
+                         ::testing::Values(Layout{1, 1}, Layout{3, 1}, Layout{3, 2}, Layout{2, 2}),
                          [](const auto& info) {
                            return "pp" + std::to_string(info.param.pp) + "_dp" +
                                   std::to_string(info.param.dp);
                          });
 
-TEST(GradientSynchronizerMesh, DimensionsItCannotReduceOverAreNamed) {
-  struct Bad {
-    std::vector<int> shape;
-    std::vector<std::string> names;
-    std::string message;
-  };
-  const std::vector<Bad> cases = {
-      {{2, 1}, {"dp", "tp"}, "the mesh (dp=2 tp=1) has no dimension 'pp'"},
-      {{1, 1, 2, 1},
-       {"pp", "dp", "cp", "tp"},
-       "dimension 'cp' of the mesh (pp=1 dp=1 cp=2 tp=1) would be left unreduced"},
-  };
-  for (const auto& bad : cases) {
-    auto errors = errors_on_every_rank(2, [&](std::shared_ptr<Communicator> world) {
-      auto mesh = init_device_mesh(world, bad.shape, bad.names);
-      auto stage = std::make_shared<torch::nn::LinearImpl>(3, 2);
-      GradientSynchronizer sync(mesh, stage, {}, stage->weight);
-    });
-    for (int r = 0; r < 2; ++r) {
-      const auto& e = errors[static_cast<size_t>(r)];
-      EXPECT_TRUE(has(e, "GradientSynchronizer (rank " + std::to_string(r) + "): ")) << e;
-      EXPECT_TRUE(has(e, bad.message)) << e;
-    }
+// A synchronizer over a mesh of `sizes` and `names` (world 2) fails on every
+// rank with `message`.
+void expect_refused(const std::vector<int>& sizes, const std::vector<std::string>& names,
+                    const std::string& message) {
+  auto errors = errors_on_every_rank(2, [&](std::shared_ptr<Communicator> world) {
+    auto stage = std::make_shared<torch::nn::LinearImpl>(3, 2);
+    GradientSynchronizer sync(init_device_mesh(world, sizes, names), stage, {}, stage->weight);
+  });
+  for (int r = 0; r < 2; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_TRUE(has(e, "GradientSynchronizer (rank " + std::to_string(r) + "): ")) << e;
+    EXPECT_TRUE(has(e, message)) << e;
   }
+}
+
+TEST(GradientSynchronizerMesh, DimensionsItCannotReduceOverAreNamed) {
+  expect_refused({2, 1}, {"dp", "tp"}, "the mesh (dp=2 tp=1) has no dimension 'pp'");
+  expect_refused({1, 1, 2, 1}, {"pp", "dp", "cp", "tp"},
+                 "dimension 'cp' of the mesh (pp=1 dp=1 cp=2 tp=1) would be left unreduced");
 }
 
 }  // namespace
