@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   try {
     torch::set_num_threads(1);
     auto comm = connect(std::make_shared<HashStore>(), 0, 1, ConnectOptions{});
-    DeviceMesh mesh(comm, MeshShape{1, 1, 1});
+    auto mesh = init_device_mesh(comm, {1, 1, 1}, {"pp", "dp", "tp"});
     Side plain = make_side(mesh, a, false), ckpt = make_side(mesh, a, true);
     step(plain), step(ckpt);  // warm-up
     std::vector<double> t_plain, t_ckpt, ratios;

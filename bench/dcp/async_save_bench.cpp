@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
   try {
     torch::set_num_threads(1);
     auto comm = init();
-    DeviceMesh mesh(comm, MeshShape{comm->size(), 1, 1});
+    auto mesh = init_device_mesh(comm, {1, comm->size(), 1}, {"pp", "dp", "tp"});
     GPTConfig c;
     c.vocab_size = a.vocab, c.seq_len = a.seq, c.hidden = a.hidden, c.heads = 4;
     c.layers = a.layers;

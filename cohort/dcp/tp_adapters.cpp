@@ -24,7 +24,8 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied,
                                      const Metadata* for_load) {
   const auto dims = tensor_parallel::split_dims(stage);
-  const int tp = mesh.tp_size(), dp = mesh.dp_size();
+  const int tp = mesh.size("tp"), dp = mesh.size("dp");
+  const int tp_rank = mesh.local_rank("tp"), dp_rank = mesh.local_rank("dp");
   StateDict state;
   std::vector<ParamSlot> slots;
   std::string error;
@@ -33,8 +34,8 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
   int64_t i = 0;
   auto writes = [&](bool sharded) {
     const auto k = i++;
-    if (k % dp != mesh.dp_rank()) return false;
-    return sharded || (k / dp) % tp == mesh.tp_rank();
+    if (k % dp != dp_rank) return false;
+    return sharded || (k / dp) % tp == tp_rank;
   };
   for (const auto& p : stage.named_parameters()) {
     const auto tie = tied.find(p.key());
@@ -51,11 +52,11 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
     Box box = whole(shape);
     if (dim >= 0) {
       shape[dim] *= tp;
-      box.offsets[dim] = mesh.tp_rank() * box.lengths[dim];
+      box.offsets[dim] = tp_rank * box.lengths[dim];
     }
     state.tensors.push_back(
         {"model." + name, shape, p.value().scalar_type(), false, {{box, p.value()}}});
-    slots.push_back({name, shape, p.value(), {box}, {0}, false, dim < 0 || mesh.tp_rank() == 0});
+    slots.push_back({name, shape, p.value(), {box}, {0}, false, dim < 0 || tp_rank == 0});
   }
   for (const auto& b : stage.named_buffers()) {
     if (!for_load && !writes(false)) continue;
@@ -68,7 +69,7 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
   for (const auto& m : stage.named_modules("", /*include_self=*/false)) {
     state.modules.push_back("model." + m.key());
   }
-  if (for_load) agree(*mesh.world(), error);
+  if (for_load) agree(*mesh.process_group(), error);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
   return state;
 }

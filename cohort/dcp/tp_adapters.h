@@ -20,7 +20,7 @@
 // too, take turns tensor by tensor), so dp replicas cost nothing on disk.
 //
 // Saving: pass for_load = nullptr (not collective). Loading: pass the
-// checkpoint's metadata; then this is collective over mesh.world(): a
+// checkpoint's metadata; then this is collective over mesh.process_group(): a
 // sharded tensor whose checkpointed dimension does not divide by tp (the
 // layout cannot hold it) is a CheckpointError naming it on every rank,
 // before anything is read.
@@ -41,7 +41,8 @@ namespace cohort::dcp {
 using TiedNames = std::map<std::string, std::string>;
 
 /// This rank's stage of a model built from cohort/tensor_parallel layers
-/// over mesh.tp_group(), and the optimizer over its parameters (may be null).
+/// over mesh["tp"] (the mesh has "tp" and "dp" dimensions), and the
+/// optimizer over its parameters (may be null).
 StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied = {},
                                      const Metadata* for_load = nullptr);

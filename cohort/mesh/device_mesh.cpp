@@ -1,167 +1,284 @@
-// The shapes are compared first (one all-gather over the world): the checks
-// and group lists that follow are then the same on every rank, so a bad shape
-// is an error on every rank and never a split whose groups do not match.
-// The groups are built with Communicator::split, one call per dimension in a
-// fixed order (TP, DP, PP, embedding), so every rank creates them in the same
-// order, as split requires. The color of a group is the index of its list in
-// *_groups(shape), the key the rank's place in it.
+// Every group is made by Communicator::split of the mesh's root communicator,
+// which is collective over it and pairs the calls of the ranks in the order
+// they are made. init_device_mesh therefore splits once per dimension, in
+// dimension order, on every rank; a combination of dimensions is split when
+// first asked for, after one all-gather that checks every rank asked for the
+// same one (two ranks asking for two combinations in different orders would
+// otherwise pair unrelated splits and build groups of the wrong ranks).
+// Shape and names are agreed the same way before any check, so that a bad
+// shape is an error on every rank, not a split whose groups do not match.
 #include "cohort/mesh/device_mesh.h"
 
 #include <algorithm>
 #include <limits>
+#include <map>
+#include <mutex>
 
 #include "cohort/core/error.h"
 
 namespace cohort {
 
-int64_t MeshShape::world_size() const {
-  // Each factor is an int, so dp * pp fits in 64 bits; times tp may not.
-  int64_t product = 0;
-  if (__builtin_mul_overflow(int64_t{dp} * pp, int64_t{tp}, &product))
-    return std::numeric_limits<int64_t>::max();
-  return product;
-}
-
-std::string MeshShape::to_string() const {
-  return "dp=" + std::to_string(dp) + " pp=" + std::to_string(pp) + " tp=" + std::to_string(tp);
-}
-
-int DeviceMesh::rank_of(const MeshShape& s, const MeshCoord& c) {
-  return c.pp_rank * (s.dp * s.tp) + c.dp_rank * s.tp + c.tp_rank;
-}
-
-MeshCoord DeviceMesh::coord_of(const MeshShape& s, int rank) {
-  MeshCoord c;
-  c.tp_rank = rank % s.tp;
-  c.dp_rank = (rank / s.tp) % s.dp;
-  c.pp_rank = rank / (s.tp * s.dp);
-  return c;
-}
-
-std::vector<std::vector<int>> DeviceMesh::tp_groups(const MeshShape& s) {
-  std::vector<std::vector<int>> groups;
-  for (int p = 0; p < s.pp; ++p) {
-    for (int d = 0; d < s.dp; ++d) {
-      std::vector<int> g;
-      for (int t = 0; t < s.tp; ++t) g.push_back(rank_of(s, {d, p, t}));
-      groups.push_back(g);
-    }
-  }
-  return groups;
-}
-
-std::vector<std::vector<int>> DeviceMesh::dp_groups(const MeshShape& s) {
-  std::vector<std::vector<int>> groups;
-  for (int p = 0; p < s.pp; ++p) {
-    for (int t = 0; t < s.tp; ++t) {
-      std::vector<int> g;
-      for (int d = 0; d < s.dp; ++d) g.push_back(rank_of(s, {d, p, t}));
-      groups.push_back(g);
-    }
-  }
-  return groups;
-}
-
-std::vector<std::vector<int>> DeviceMesh::pp_groups(const MeshShape& s) {
-  std::vector<std::vector<int>> groups;
-  for (int d = 0; d < s.dp; ++d) {
-    for (int t = 0; t < s.tp; ++t) {
-      std::vector<int> g;
-      for (int p = 0; p < s.pp; ++p) g.push_back(rank_of(s, {d, p, t}));
-      groups.push_back(g);
-    }
-  }
-  return groups;
-}
-
-std::vector<std::vector<int>> DeviceMesh::embedding_groups(const MeshShape& s) {
-  std::vector<std::vector<int>> groups;
-  for (const auto& pp : pp_groups(s)) {
-    if (pp.size() == 1) {
-      groups.push_back(pp);
-    } else {
-      groups.push_back({pp.front(), pp.back()});
-    }
-  }
-  return groups;
-}
+struct DeviceMesh::Root {
+  std::shared_ptr<Communicator> world;
+  std::vector<int> shape;
+  std::vector<std::string> names;
+  std::vector<int> coord;  // this rank's, one per dimension
+  // By dimensions spanned. The mutex lets threads of one rank share a mesh:
+  // a lookup never reads the map while another thread adds a combination.
+  std::mutex mu;
+  std::map<std::vector<int>, std::shared_ptr<Communicator>> groups;
+};
 
 namespace {
 
-// Finds `rank` in `groups`: (group index, position), or (-1, -1).
-std::pair<int, int> locate(const std::vector<std::vector<int>>& groups, int rank) {
-  for (size_t g = 0; g < groups.size(); ++g) {
-    auto it = std::find(groups[g].begin(), groups[g].end(), rank);
-    if (it != groups[g].end()) {
-      return {static_cast<int>(g), static_cast<int>(it - groups[g].begin())};
-    }
-  }
-  return {-1, -1};
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string text;
+  for (size_t i = 0; i < parts.size(); ++i) text += (i ? sep : "") + parts[i];
+  return text;
 }
 
-// Joins this rank's group of `groups` (collective over `world`).
-std::shared_ptr<Communicator> join(Communicator& world, const std::vector<std::vector<int>>& groups,
-                                   std::vector<int>& ranks_out) {
-  const auto [color, key] = locate(groups, world.rank());
-  auto group = world.split(color, key);
-  ranks_out = color < 0 ? std::vector<int>{} : groups[static_cast<size_t>(color)];
-  COHORT_CHECK(color < 0 || (group && group->size() == static_cast<int>(ranks_out.size()) &&
-                             group->rank() == key),
+std::string describe(const std::vector<int>& shape, const std::vector<std::string>& names) {
+  std::vector<std::string> parts;
+  if (shape.size() == names.size()) {
+    for (size_t i = 0; i < shape.size(); ++i) {
+      parts.push_back((names[i].empty() ? "\"\"" : names[i]) + "=" + std::to_string(shape[i]));
+    }
+    return shape.empty() ? "no dimensions" : join(parts, " ");
+  }
+  for (int s : shape) parts.push_back(std::to_string(s));
+  return "sizes (" + join(parts, ", ") + ") names (" + join(names, ", ") + ")";
+}
+
+// A fixed-size record of `text` for one all-gather: its length, a 64-bit
+// FNV-1a hash of all of it (texts longer than the record still compare) and
+// its first kChars characters (for the message).
+constexpr int kChars = 120;
+constexpr int kRecord = kChars + 2;
+
+std::vector<int64_t> record(const std::string& text) {
+  uint64_t hash = 14695981039346656037ull;
+  for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
+  std::vector<int64_t> r(kRecord, 0);
+  r[0] = static_cast<int64_t>(text.size());
+  r[1] = static_cast<int64_t>(hash);
+  for (size_t i = 0; i < text.size() && i < kChars; ++i)
+    r[i + 2] = static_cast<unsigned char>(text[i]);
+  return r;
+}
+
+// Throws on every rank of `world` when its ranks passed different `text`,
+// naming the ranks that passed each (one all-gather).
+void agree(Communicator& world, const std::string& text, const std::string& who,
+           const std::string& what) {
+  if (world.size() == 1) return;
+  torch::Tensor all = torch::empty({world.size() * kRecord}, torch::kInt64);
+  world.all_gather_into_tensor(all, torch::tensor(record(text), torch::kInt64)).wait();
+  const auto a = all.accessor<int64_t, 1>();
+  std::vector<std::pair<std::vector<int64_t>, std::vector<int>>> seen;  // record, ranks
+  for (int r = 0; r < world.size(); ++r) {
+    std::vector<int64_t> rec(kRecord);
+    for (int i = 0; i < kRecord; ++i) rec[static_cast<size_t>(i)] = a[r * kRecord + i];
+    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) { return e.first == rec; });
+    if (it == seen.end()) it = seen.insert(seen.end(), {rec, {}});
+    it->second.push_back(r);
+  }
+  if (seen.size() == 1) return;
+  std::vector<std::string> parts;
+  for (const auto& [rec, ranks] : seen) {
+    std::string t;
+    for (int i = 0; i < std::min<int64_t>(rec[0], kChars); ++i) t += static_cast<char>(rec[i + 2]);
+    if (rec[0] > kChars) t += "...";
+    std::vector<std::string> rs;
+    for (int r : ranks) rs.push_back(std::to_string(r));
+    parts.push_back((ranks.size() == 1 ? "rank " : "ranks ") + join(rs, ", ") + ": " + t);
+  }
+  throw InvalidArgument(who + "ranks disagree on " + what + " (" + join(parts, "; ") + ")");
+}
+
+// Row-major index of `coord` over `dims`.
+int row_major(const std::vector<int>& shape, const std::vector<int>& coord,
+              const std::vector<int>& dims) {
+  int index = 0;
+  for (int d : dims) index = index * shape[static_cast<size_t>(d)] + coord[static_cast<size_t>(d)];
+  return index;
+}
+
+// This rank's group over `dims` (collective over root.world).
+std::shared_ptr<Communicator> split_over(const std::vector<int>& shape,
+                                         const std::vector<int>& coord, Communicator& world,
+                                         const std::vector<int>& dims) {
+  std::vector<int> others;
+  for (int d = 0; d < static_cast<int>(shape.size()); ++d) {
+    if (std::find(dims.begin(), dims.end(), d) == dims.end()) others.push_back(d);
+  }
+  int size = 1;
+  for (int d : dims) size *= shape[static_cast<size_t>(d)];
+  const int key = row_major(shape, coord, dims);
+  auto group = world.split(row_major(shape, coord, others), key);
+  COHORT_CHECK(group && group->size() == size && group->rank() == key,
                "mesh group does not match its closed form");
   return group;
 }
 
-// Throws on every rank when the ranks of `world` passed different shapes,
-// naming each group of ranks with its shape.
-void check_same_shape(Communicator& world, const MeshShape& shape, const std::string& who) {
-  if (world.size() == 1) return;
-  std::vector<int64_t> mine{shape.dp, shape.pp, shape.tp};
-  torch::Tensor all = torch::empty({world.size() * 3}, torch::kInt64);
-  world.all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
-  auto a = all.accessor<int64_t, 1>();
-  std::vector<std::pair<MeshShape, std::vector<int>>> seen;  // shape, ranks, by first rank
-  for (int r = 0; r < world.size(); ++r) {
-    const MeshShape s{static_cast<int>(a[3 * r]), static_cast<int>(a[3 * r + 1]),
-                      static_cast<int>(a[3 * r + 2])};
-    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) {
-      return e.first.dp == s.dp && e.first.pp == s.pp && e.first.tp == s.tp;
-    });
-    if (it == seen.end()) it = seen.insert(seen.end(), {s, {}});
-    it->second.push_back(r);
-  }
-  if (seen.size() == 1) return;
-  std::string text;
-  for (const auto& [s, ranks] : seen) {
-    text += text.empty() ? "" : "; ";
-    text += ranks.size() == 1 ? "rank " : "ranks ";
-    for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
-    text += ": " + s.to_string();
-  }
-  throw InvalidArgument(who + "ranks disagree on the mesh shape (" + text + ")");
-}
-
 }  // namespace
 
-DeviceMesh::DeviceMesh(std::shared_ptr<Communicator> world, MeshShape shape)
-    : world_(std::move(world)), shape_(shape) {
-  if (!world_) throw InvalidArgument("cohort: DeviceMesh: the world communicator is null");
-  const std::string who = "cohort: DeviceMesh (rank " + std::to_string(world_->rank()) + "): ";
-  check_same_shape(*world_, shape, who);
-  if (shape.dp < 1 || shape.pp < 1 || shape.tp < 1) {
-    throw InvalidArgument(who + "every size must be at least 1, got " + shape.to_string());
+DeviceMesh init_device_mesh(std::shared_ptr<Communicator> world, std::vector<int> shape,
+                            std::vector<std::string> names) {
+  if (!world) throw InvalidArgument("cohort: init_device_mesh: the world communicator is null");
+  const std::string who = "cohort: init_device_mesh (rank " + std::to_string(world->rank()) + "): ";
+  const std::string text = describe(shape, names);
+  agree(*world, text, who, "the mesh shape");
+  if (shape.empty() || shape.size() != names.size()) {
+    throw InvalidArgument(who + "needs one name per size and at least one of each, got " + text);
   }
-  const int64_t needed = shape.world_size();
-  if (needed != world_->size()) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i].empty())
+      throw InvalidArgument(who + "dimension " + std::to_string(i) + " has an empty name (" + text +
+                            ")");
+    if (std::count(names.begin(), names.end(), names[i]) > 1) {
+      throw InvalidArgument(who + "dimension name '" + names[i] + "' is repeated (" + text + ")");
+    }
+    if (shape[i] < 1) throw InvalidArgument(who + "every size must be at least 1, got " + text);
+  }
+  // The product in 64 bits, saturating: a shape whose 32-bit product wraps to
+  // the world size must be refused.
+  int64_t needed = 1;
+  for (int s : shape) {
+    if (__builtin_mul_overflow(needed, int64_t{s}, &needed)) {
+      needed = std::numeric_limits<int64_t>::max();
+      break;
+    }
+  }
+  if (needed != world->size()) {
     const bool saturated = needed == std::numeric_limits<int64_t>::max();
-    throw InvalidArgument(who + shape.to_string() + " needs " +
+    throw InvalidArgument(who + text + " needs " +
                           (saturated ? "2^63 or more" : std::to_string(needed)) +
-                          " ranks, the world has " + std::to_string(world_->size()));
+                          " ranks, the world has " + std::to_string(world->size()));
   }
-  coord_ = coord_of(shape_, world_->rank());
-  tp_group_ = join(*world_, tp_groups(shape_), tp_ranks_);
-  dp_group_ = join(*world_, dp_groups(shape_), dp_ranks_);
-  pp_group_ = join(*world_, pp_groups(shape_), pp_ranks_);
-  embedding_group_ = join(*world_, embedding_groups(shape_), embedding_ranks_);
+  auto root = std::make_shared<DeviceMesh::Root>();
+  root->world = world;
+  root->shape = std::move(shape);
+  root->names = std::move(names);
+  for (size_t d = root->shape.size(), rest = static_cast<size_t>(world->rank()); d-- > 0;) {
+    root->coord.insert(root->coord.begin(), static_cast<int>(rest % root->shape[d]));
+    rest /= root->shape[d];
+  }
+  const int n = static_cast<int>(root->shape.size());
+  std::vector<int> all;
+  for (int d = 0; d < n; ++d) {
+    root->groups[{d}] = split_over(root->shape, root->coord, *world, {d});
+    all.push_back(d);
+  }
+  // Each dimension has its own communicator even when it spans the world, so
+  // a mode's traffic never shares one with the world's own.
+  if (n > 1) root->groups[all] = world;
+  return DeviceMesh(std::move(root), std::move(all));
 }
+
+DeviceMesh DeviceMesh::from_group(std::shared_ptr<Communicator> group, std::string name) {
+  if (!group || name.empty()) {
+    throw InvalidArgument("cohort: DeviceMesh::from_group: needs a group and a name, got " +
+                          std::string(group ? "" : "a null group") +
+                          (name.empty() ? (group ? "an empty name" : " and an empty name") : ""));
+  }
+  auto root = std::make_shared<Root>();
+  root->world = group;
+  root->shape = {group->size()};
+  root->names = {std::move(name)};
+  root->coord = {group->rank()};
+  root->groups[{0}] = std::move(group);
+  return DeviceMesh(std::move(root), {0});
+}
+
+DeviceMesh::DeviceMesh(std::shared_ptr<Root> root, std::vector<int> dims)
+    : root_(std::move(root)), dims_(std::move(dims)) {
+  std::lock_guard<std::mutex> lock(root_->mu);
+  group_ = root_->groups.at(dims_);
+}
+
+int DeviceMesh::dim_index(const std::string& name) const {
+  for (int d : dims_) {
+    if (root_->names[static_cast<size_t>(d)] == name) return d;
+  }
+  throw InvalidArgument("cohort: DeviceMesh (rank " + std::to_string(root_->world->rank()) +
+                        "): no dimension '" + name + "' (the mesh has " + join(dim_names(), ", ") +
+                        ")");
+}
+
+DeviceMesh DeviceMesh::operator[](const std::string& name) const {
+  return DeviceMesh(root_, {dim_index(name)});
+}
+
+DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
+  const std::string who = "cohort: DeviceMesh[{" + join(names, ", ") + "}] (rank " +
+                          std::to_string(root_->world->rank()) + "): ";
+  std::vector<int> dims;
+  for (const auto& name : names) {
+    const int d = dim_index(name);
+    if (!dims.empty() && d <= dims.back()) {
+      throw InvalidArgument(who + "names must be distinct and in the mesh's order (" +
+                            join(dim_names(), ", ") + ")");
+    }
+    dims.push_back(d);
+  }
+  if (dims.empty()) throw InvalidArgument(who + "needs at least one dimension name");
+  {
+    std::lock_guard<std::mutex> lock(root_->mu);
+    if (root_->groups.count(dims) == 0) {
+      agree(*root_->world, join(names, ", "), who, "the dimensions asked for");
+      root_->groups[dims] = split_over(root_->shape, root_->coord, *root_->world, dims);
+    }
+  }
+  return DeviceMesh(root_, std::move(dims));
+}
+
+std::vector<std::string> DeviceMesh::dim_names() const {
+  std::vector<std::string> names;
+  for (int d : dims_) names.push_back(root_->names[static_cast<size_t>(d)]);
+  return names;
+}
+
+std::vector<int> DeviceMesh::shape() const {
+  std::vector<int> sizes;
+  for (int d : dims_) sizes.push_back(root_->shape[static_cast<size_t>(d)]);
+  return sizes;
+}
+
+int DeviceMesh::size() const { return group_->size(); }
+
+int DeviceMesh::size(const std::string& name) const {
+  return root_->shape[static_cast<size_t>(dim_index(name))];
+}
+
+int DeviceMesh::local_rank(const std::string& name) const {
+  return root_->coord[static_cast<size_t>(dim_index(name))];
+}
+
+std::vector<int> DeviceMesh::coordinate() const {
+  std::vector<int> coord;
+  for (int d : dims_) coord.push_back(root_->coord[static_cast<size_t>(d)]);
+  return coord;
+}
+
+int DeviceMesh::rank() const { return row_major(root_->shape, root_->coord, dims_); }
+
+std::vector<int> DeviceMesh::group_ranks() const {
+  // Walk this mesh's coordinates row-major, the other dimensions fixed at
+  // this rank's.
+  std::vector<int> coord = root_->coord, ranks;
+  std::vector<int> every(root_->shape.size());
+  for (size_t d = 0; d < every.size(); ++d) every[d] = static_cast<int>(d);
+  for (int i = 0; i < size(); ++i) {
+    for (size_t k = dims_.size(), rest = static_cast<size_t>(i); k-- > 0;) {
+      const auto d = static_cast<size_t>(dims_[k]);
+      coord[d] = static_cast<int>(rest % root_->shape[d]);
+      rest /= root_->shape[d];
+    }
+    ranks.push_back(row_major(root_->shape, coord, every));
+  }
+  return ranks;
+}
+
+std::string DeviceMesh::to_string() const { return describe(shape(), dim_names()); }
 
 }  // namespace cohort

@@ -1,19 +1,22 @@
-// defines: MeshShape, DeviceMesh, the 3-D (data, pipeline, tensor) layout of
-// the ranks and one communicator per group of each dimension.
+// defines: DeviceMesh, the ranks of a communicator laid out as a grid of
+// named dimensions, each with its own group communicator, and
+// init_device_mesh, which builds one.
 //
-// Rank order as Megatron-LM's default: tensor parallel fastest, then data
-// parallel, then pipeline parallel,
+// Ranks are row-major, the last dimension fastest: for sizes (s_0 .. s_n-1)
+// the rank at coordinates (c_0 .. c_n-1) is
 //
-//   rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank,
+//   rank = (..((c_0 * s_1 + c_1) * s_2 + c_2) ..) * s_n-1 + c_n-1,
 //
-// so a TP group is tp consecutive ranks (on a real cluster: one node, where
-// the all-reduces of every layer are cheapest).
+// so the last dimension's groups are consecutive ranks (on a cluster: one
+// node, where TP's per-layer all-reduces are cheapest, Megatron-LM's order).
 //
-//   auto mesh = cohort::DeviceMesh(world, {/*dp=*/2, /*pp=*/2, /*tp=*/2});
-//   mesh.tp_group()->all_reduce(partial);
+//   auto mesh = cohort::init_device_mesh(world, {2, 2, 2}, {"pp", "dp", "tp"});
+//   mesh["tp"].process_group()->all_reduce(partial);
+//   auto dp_cp = mesh[{"dp", "cp"}];  // one group over both dimensions
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,93 +25,82 @@
 
 namespace cohort {
 
-/// The sizes of the three dimensions; their product is the world size.
-struct MeshShape {
-  int dp = 1;  ///< data parallel size: replicas of the model
-  int pp = 1;  ///< pipeline parallel size: stages of one replica
-  int tp = 1;  ///< tensor parallel size: shards of each layer
-
-  /// dp * pp * tp, in 64 bits (a product of three ints can pass 2^31 and
-  /// even 2^63: beyond INT64_MAX it saturates there).
-  int64_t world_size() const;
-  /// "dp=2 pp=1 tp=2", for messages.
-  std::string to_string() const;
-};
-
-/// Where one rank sits in the mesh.
-struct MeshCoord {
-  int dp_rank = 0;  ///< index among the data-parallel replicas
-  int pp_rank = 0;  ///< pipeline stage
-  int tp_rank = 0;  ///< tensor-parallel shard
-};
-
-/// The ranks of the mesh and this rank's group communicators. Built
-/// collectively: every rank of `world` constructs it with the same shape
-/// (checked: one all-gather of the shapes before the groups are built).
+/// A grid of named dimensions over the ranks of a communicator (file
+/// comment). A cheap value: copies and sub-meshes share the groups.
+///
+/// Groups: init_device_mesh creates one communicator per dimension, in
+/// dimension order, on every rank; `mesh[{names...}]` of two or more
+/// dimensions creates that combination's group the first time it is asked
+/// for (cached after), which is collective over the whole mesh, like
+/// init_device_mesh itself. Its ranks first agree on which dimensions were
+/// asked for, so ranks that ask in different orders get an InvalidArgument,
+/// never groups of mismatched ranks.
 class DeviceMesh {
  public:
-  /// Splits `world` into the TP, PP, DP and embedding groups. Throws
-  /// InvalidArgument on every rank when the ranks passed different shapes
-  /// (naming each rank's), a size is below 1 or the product is not the world
-  /// size.
-  DeviceMesh(std::shared_ptr<Communicator> world, MeshShape shape);
+  /// A 1-D mesh whose one dimension, `name`, is `group` itself (no
+  /// collective): for a mode that takes a mesh when all one has is a group.
+  static DeviceMesh from_group(std::shared_ptr<Communicator> group, std::string name);
 
-  /// The rank at `coord` (the closed formula above).
-  static int rank_of(const MeshShape& shape, const MeshCoord& coord);
-  /// The coordinates of `rank`.
-  static MeshCoord coord_of(const MeshShape& shape, int rank);
-  /// Every TP group of the mesh, each in TP-rank order.
-  static std::vector<std::vector<int>> tp_groups(const MeshShape& shape);
-  /// Every DP group, each in DP-rank order.
-  static std::vector<std::vector<int>> dp_groups(const MeshShape& shape);
-  /// Every PP group, each in stage order.
-  static std::vector<std::vector<int>> pp_groups(const MeshShape& shape);
-  /// Every embedding group: the first and the last stage of each PP group
-  /// (one rank when pp == 1).
-  static std::vector<std::vector<int>> embedding_groups(const MeshShape& shape);
+  /// The 1-D sub-mesh of dimension `name`: this rank's group along it.
+  /// InvalidArgument naming the mesh's dimensions when there is none.
+  DeviceMesh operator[](const std::string& name) const;
+  /// The sub-mesh of `names` (in the mesh's order, each once): its
+  /// process_group() spans those dimensions, ranked row-major over them
+  /// (flattened). Collective over the whole mesh the first time (class
+  /// comment).
+  DeviceMesh operator[](const std::vector<std::string>& names) const;
+  /// mesh[{"dp", "cp"}]: as the vector overload (a braced pair of literals
+  /// would otherwise also read as std::string's iterator-pair constructor).
+  DeviceMesh operator[](std::initializer_list<std::string> names) const {
+    return (*this)[std::vector<std::string>(names)];
+  }
 
-  const MeshShape& shape() const { return shape_; }  ///< the sizes
-  const MeshCoord& coord() const { return coord_; }  ///< this rank's place
-  int rank() const { return world_->rank(); }        ///< rank in the world
-  int tp_rank() const { return coord_.tp_rank; }     ///< rank in the TP group
-  int pp_rank() const { return coord_.pp_rank; }     ///< stage
-  int dp_rank() const { return coord_.dp_rank; }     ///< rank in the DP group
-  int tp_size() const { return shape_.tp; }          ///< TP group size
-  int pp_size() const { return shape_.pp; }          ///< number of stages
-  int dp_size() const { return shape_.dp; }          ///< DP group size
-  /// True on the first pipeline stage (holds the input embedding).
-  bool is_pp_first() const { return coord_.pp_rank == 0; }
-  /// True on the last pipeline stage (holds the output layer and the loss).
-  bool is_pp_last() const { return coord_.pp_rank == shape_.pp - 1; }
-  /// True on ranks of the embedding group (first or last stage).
-  bool in_embedding_group() const { return embedding_group_ != nullptr; }
+  /// This rank's group over all of this mesh's dimensions, ranked row-major
+  /// (the world for the whole mesh).
+  const std::shared_ptr<Communicator>& process_group() const { return group_; }
 
-  /// World ranks of this rank's TP group, in TP-rank order.
-  const std::vector<int>& tp_ranks() const { return tp_ranks_; }
-  /// World ranks of this rank's PP group, in stage order.
-  const std::vector<int>& pp_ranks() const { return pp_ranks_; }
-  /// World ranks of this rank's DP group, in DP-rank order.
-  const std::vector<int>& dp_ranks() const { return dp_ranks_; }
-  /// World ranks of this rank's embedding group (empty when not a member).
-  const std::vector<int>& embedding_ranks() const { return embedding_ranks_; }
-
-  /// The whole world.
-  const std::shared_ptr<Communicator>& world() const { return world_; }
-  /// This rank's TP group (ranked by tp_rank).
-  const std::shared_ptr<Communicator>& tp_group() const { return tp_group_; }
-  /// This rank's PP group (ranked by stage).
-  const std::shared_ptr<Communicator>& pp_group() const { return pp_group_; }
-  /// This rank's DP group (ranked by dp_rank).
-  const std::shared_ptr<Communicator>& dp_group() const { return dp_group_; }
-  /// The embedding group (first and last stage); nullptr on middle stages.
-  const std::shared_ptr<Communicator>& embedding_group() const { return embedding_group_; }
+  int ndim() const { return static_cast<int>(dims_.size()); }  ///< number of dimensions
+  /// The dimensions' names, in order.
+  std::vector<std::string> dim_names() const;
+  /// The dimensions' sizes, in order.
+  std::vector<int> shape() const;
+  /// The number of ranks: the product of the sizes.
+  int size() const;
+  /// The size of dimension `name` (InvalidArgument when there is none).
+  int size(const std::string& name) const;
+  /// This rank's coordinate along dimension `name` (InvalidArgument when
+  /// there is none).
+  int local_rank(const std::string& name) const;
+  /// This rank's coordinates, one per dimension.
+  std::vector<int> coordinate() const;
+  /// This rank's rank in process_group(): its coordinates read row-major.
+  int rank() const;
+  /// The ranks of process_group(), as ranks of the communicator the whole
+  /// mesh was built over, in row-major order.
+  std::vector<int> group_ranks() const;
+  /// "pp=2 dp=1 tp=2", for messages.
+  std::string to_string() const;
 
  private:
-  std::shared_ptr<Communicator> world_;
-  MeshShape shape_;
-  MeshCoord coord_;
-  std::vector<int> tp_ranks_, pp_ranks_, dp_ranks_, embedding_ranks_;
-  std::shared_ptr<Communicator> tp_group_, pp_group_, dp_group_, embedding_group_;
+  struct Root;
+  DeviceMesh(std::shared_ptr<Root> root, std::vector<int> dims);
+  friend DeviceMesh init_device_mesh(std::shared_ptr<Communicator>, std::vector<int>,
+                                     std::vector<std::string>);
+
+  int dim_index(const std::string& name) const;  // index into root_'s dimensions
+
+  std::shared_ptr<Root> root_;
+  std::vector<int> dims_;  // the root's dimensions this mesh spans, ascending
+  std::shared_ptr<Communicator> group_;
 };
+
+/// Builds a mesh of `shape` named `names` over `world`; collective over it.
+/// The ranks agree on shape and names first (one all-gather): ranks that
+/// passed different ones all get an InvalidArgument naming each rank's. Then
+/// InvalidArgument on every rank when the sizes and names differ in number, a
+/// size is below 1, their product is not world's size, or a name is empty or
+/// repeated.
+DeviceMesh init_device_mesh(std::shared_ptr<Communicator> world, std::vector<int> shape,
+                            std::vector<std::string> names);
 
 }  // namespace cohort

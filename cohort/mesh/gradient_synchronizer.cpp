@@ -1,10 +1,12 @@
 #include "cohort/mesh/gradient_synchronizer.h"
 
+#include <algorithm>
 #include <chrono>
+#include <string>
 
 #include "cohort/core/error.h"
 
-namespace cohort::tensor_parallel {
+namespace cohort {
 
 namespace {
 
@@ -24,13 +26,13 @@ class AlgorithmAllReduceHook : public CommHook {
   Algorithm algo_;
 };
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
+double sync_seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
 
-GradientSynchronizer::GradientSynchronizer(std::shared_ptr<DeviceMesh> mesh,
+GradientSynchronizer::GradientSynchronizer(DeviceMesh mesh,
                                            std::shared_ptr<torch::nn::Module> stage,
                                            std::vector<torch::Tensor> sp_params,
                                            torch::Tensor shared_embedding,
@@ -39,21 +41,40 @@ GradientSynchronizer::GradientSynchronizer(std::shared_ptr<DeviceMesh> mesh,
       sp_params_(std::move(sp_params)),
       shared_embedding_(std::move(shared_embedding)),
       options_(std::move(options)) {
-  if (!mesh_ || !stage) throw InvalidArgument("cohort: GradientSynchronizer: null mesh or stage");
-  const bool tied = mesh_->pp_size() > 1 && mesh_->in_embedding_group();
+  const std::string who =
+      "cohort: GradientSynchronizer (rank " + std::to_string(mesh_.rank()) + "): ";
+  if (!stage) throw InvalidArgument(who + "null stage");
+  const auto names = mesh_.dim_names();
+  for (const char* needed : {"pp", "dp", "tp"}) {
+    if (std::find(names.begin(), names.end(), needed) == names.end()) {
+      throw InvalidArgument(who + "the mesh (" + mesh_.to_string() + ") has no dimension '" +
+                            needed + "'");
+    }
+  }
+  for (const auto& name : names) {
+    if (name != "pp" && name != "dp" && name != "tp" && mesh_.size(name) > 1) {
+      throw InvalidArgument(who + "reduces over pp, dp and tp only; dimension '" + name +
+                            "' of the mesh (" + mesh_.to_string() + ") would be left unreduced");
+    }
+  }
+  // The embedding group is the pipeline's, not the mesh's: a split of the PP
+  // group, collective over it, made here on every rank of the mesh.
+  const int pp = mesh_.size("pp"), stage_index = mesh_.local_rank("pp");
+  const bool end = stage_index == 0 || stage_index == pp - 1;
+  embedding_group_ = mesh_["pp"].process_group()->split(end ? 0 : -1, stage_index == 0 ? 0 : 1);
+  const bool tied = pp > 1 && embedding_group_;
   if (tied && !shared_embedding_.defined()) {
-    throw InvalidArgument("cohort: GradientSynchronizer (rank " + std::to_string(mesh_->rank()) +
-                          "): the first and last stages need the shared embedding");
+    throw InvalidArgument(who + "the first and last stages need the shared embedding");
   }
   if (tied) {
     // The first stage's copy becomes the last stage's: one model.
     torch::NoGradGuard no_grad;
     auto w = shared_embedding_.detach().contiguous();
-    mesh_->embedding_group()->broadcast(w, {0}).wait();
+    embedding_group_->broadcast(w, {0}).wait();
     shared_embedding_.detach().copy_(w);
   }
-  if (mesh_->dp_size() > 1) {
-    reducer_ = std::make_unique<GradientReducer>(stage, mesh_->dp_group(), options_.ddp);
+  if (mesh_.size("dp") > 1) {
+    reducer_ = std::make_unique<GradientReducer>(stage, mesh_["dp"].process_group(), options_.ddp);
     reducer_->register_comm_hook(
         options_.dp_comm_hook ? options_.dp_comm_hook
                               : std::make_shared<AlgorithmAllReduceHook>(options_.dp_algorithm));
@@ -90,13 +111,13 @@ void GradientSynchronizer::all_reduce_grads(Communicator& group,
     if (!grads[i].is_same(params[i].grad())) params[i].mutable_grad().copy_(grads[i]);
   }
   stats.ops += 1;
-  stats.seconds += seconds_since(t0);
+  stats.seconds += sync_seconds_since(t0);
 }
 
 void GradientSynchronizer::finish_backward() {
-  all_reduce_grads(*mesh_->tp_group(), sp_params_, options_.tp_algorithm, stats_.tp);
-  if (mesh_->pp_size() > 1 && mesh_->in_embedding_group()) {
-    all_reduce_grads(*mesh_->embedding_group(), {shared_embedding_}, options_.embedding_algorithm,
+  all_reduce_grads(*mesh_["tp"].process_group(), sp_params_, options_.tp_algorithm, stats_.tp);
+  if (mesh_.size("pp") > 1 && embedding_group_) {
+    all_reduce_grads(*embedding_group_, {shared_embedding_}, options_.embedding_algorithm,
                      stats_.pp);
   }
   if (reducer_) {
@@ -113,4 +134,4 @@ void GradientSynchronizer::synchronize() {
   finish_backward();
 }
 
-}  // namespace cohort::tensor_parallel
+}  // namespace cohort

@@ -1,8 +1,10 @@
 // defines: GradientSynchronizer, which finishes one step's gradients across
-// the three dimensions of a DeviceMesh, and its per-dimension statistics.
+// the "tp", "pp" and "dp" dimensions of a DeviceMesh, and its per-dimension
+// statistics.
 //
 // What each dimension sends and when: cohort/mesh/README.md.
 //
+//   auto mesh = init_device_mesh(world, {pp, dp, tp}, {"pp", "dp", "tp"});
 //   GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
 //                             stage->shared_embedding_weight());
 //   sync.prepare_forward();
@@ -24,7 +26,7 @@
 #include "cohort/ddp/gradient_reducer.h"
 #include "cohort/mesh/device_mesh.h"
 
-namespace cohort::tensor_parallel {
+namespace cohort {
 
 /// Counters of one dimension, summed over the steps since construction.
 struct DimensionStats {
@@ -59,12 +61,15 @@ struct GradientSynchronizerOptions {
 /// Finishes each step's gradients over TP, PP and DP (file comment).
 class GradientSynchronizer {
  public:
-  /// Collective over the whole mesh: broadcasts the shared embedding from the
-  /// first to the last stage, and builds the DP reducer (which broadcasts the
-  /// stage from DP rank 0). `sequence_parallel_parameters` and
+  /// Collective over the whole mesh: builds the embedding group (the first
+  /// and the last stage of this rank's "pp" group), broadcasts the shared
+  /// embedding from the first to the last stage, and builds the DP reducer
+  /// (which broadcasts the stage from DP rank 0). `mesh` has the dimensions
+  /// "pp", "dp" and "tp" (any order; others only of size 1: InvalidArgument
+  /// naming them otherwise). `sequence_parallel_parameters` and
   /// `shared_embedding` (undefined on middle stages) must be parameters of
   /// `stage`.
-  GradientSynchronizer(std::shared_ptr<DeviceMesh> mesh, std::shared_ptr<torch::nn::Module> stage,
+  GradientSynchronizer(DeviceMesh mesh, std::shared_ptr<torch::nn::Module> stage,
                        std::vector<torch::Tensor> sequence_parallel_parameters,
                        torch::Tensor shared_embedding, GradientSynchronizerOptions options = {});
   ~GradientSynchronizer();
@@ -89,12 +94,17 @@ class GradientSynchronizer {
   const torch::Tensor& shared_embedding() const { return shared_embedding_; }
   /// The DP reducer (nullptr when dp == 1).
   GradientReducer* dp_reducer() { return reducer_.get(); }
+  /// The first and the last stage of this rank's "pp" group (this rank alone
+  /// when pp == 1), where the tied embedding's gradients are summed; nullptr
+  /// on middle stages.
+  const std::shared_ptr<Communicator>& embedding_group() const { return embedding_group_; }
 
  private:
   void all_reduce_grads(Communicator& group, const std::vector<torch::Tensor>& params,
                         Algorithm algo, DimensionStats& stats);
 
-  std::shared_ptr<DeviceMesh> mesh_;
+  DeviceMesh mesh_;
+  std::shared_ptr<Communicator> embedding_group_;
   std::vector<torch::Tensor> sp_params_;
   torch::Tensor shared_embedding_;
   GradientSynchronizerOptions options_;
@@ -102,4 +112,13 @@ class GradientSynchronizer {
   GradientSyncStats stats_;
 };
 
+}  // namespace cohort
+
+namespace cohort::tensor_parallel {
+using DimensionStats [[deprecated("use cohort::DimensionStats")]] = cohort::DimensionStats;
+using GradientSyncStats [[deprecated("use cohort::GradientSyncStats")]] = cohort::GradientSyncStats;
+using GradientSynchronizerOptions [[deprecated("use cohort::GradientSynchronizerOptions")]] =
+    cohort::GradientSynchronizerOptions;
+using GradientSynchronizer [[deprecated("use cohort::GradientSynchronizer")]] =
+    cohort::GradientSynchronizer;
 }  // namespace cohort::tensor_parallel

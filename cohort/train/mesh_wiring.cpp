@@ -8,7 +8,7 @@
 
 namespace cohort {
 
-MeshGradNorm::MeshGradNorm(std::shared_ptr<DeviceMesh> mesh, torch::nn::Module& stages,
+MeshGradNorm::MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages,
                            const torch::Tensor& tied_copy)
     : mesh_(std::move(mesh)), sharded_(tensor_parallel::split_dims(stages)) {
   if (tied_copy.defined()) tied_copy_ = tied_copy.unsafeGetTensorImpl();
@@ -16,7 +16,7 @@ MeshGradNorm::MeshGradNorm(std::shared_ptr<DeviceMesh> mesh, torch::nn::Module& 
 
 bool MeshGradNorm::counts(const torch::Tensor& p) const {
   if (p.unsafeGetTensorImpl() == tied_copy_) return false;
-  return mesh_->tp_rank() == 0 || sharded_.count(p.unsafeGetTensorImpl()) > 0;
+  return mesh_.local_rank("tp") == 0 || sharded_.count(p.unsafeGetTensorImpl()) > 0;
 }
 
 double MeshGradNorm::global_norm(const std::vector<torch::Tensor>& params) {
@@ -25,8 +25,8 @@ double MeshGradNorm::global_norm(const std::vector<torch::Tensor>& params) {
     if (counts(p)) counted.push_back(p);
   }
   auto sq = torch::tensor({local_squared_norm(counted)}, torch::kFloat64);
-  mesh_->tp_group()->all_reduce(sq, {ReduceOp::Sum}).wait();
-  mesh_->pp_group()->all_reduce(sq, {ReduceOp::Sum}).wait();
+  mesh_["tp"].process_group()->all_reduce(sq, {ReduceOp::Sum}).wait();
+  mesh_["pp"].process_group()->all_reduce(sq, {ReduceOp::Sum}).wait();
   return std::sqrt(sq.item<double>());
 }
 

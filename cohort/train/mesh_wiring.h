@@ -32,7 +32,7 @@ namespace cohort {
 class MeshGradientSync : public GradientSync {
  public:
   /// `sync` must outlive it.
-  explicit MeshGradientSync(tensor_parallel::GradientSynchronizer& sync) : sync_(sync) {}
+  explicit MeshGradientSync(GradientSynchronizer& sync) : sync_(sync) {}
   std::shared_ptr<void> skip_sync() override { return nullptr; }
   void finish_sync() override { sync_.synchronize(); }
   /// Seconds in the TP, embedding and DP reductions.
@@ -42,7 +42,7 @@ class MeshGradientSync : public GradientSync {
   }
 
  private:
-  tensor_parallel::GradientSynchronizer& sync_;
+  GradientSynchronizer& sync_;
 };
 
 /// The global gradient norm of a model split over a mesh (file comment).
@@ -50,14 +50,13 @@ class MeshGradNorm : public GradNorm {
  public:
   /// `stages`: this rank's stages (their TP layers tell which parameters are sharded);
   /// `tied_copy`: the last stage's copy of the tied embedding, or undefined.
-  MeshGradNorm(std::shared_ptr<DeviceMesh> mesh, torch::nn::Module& stages,
-               const torch::Tensor& tied_copy);
+  MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages, const torch::Tensor& tied_copy);
   double global_norm(const std::vector<torch::Tensor>& params) override;
 
  private:
   bool counts(const torch::Tensor& p) const;
 
-  std::shared_ptr<DeviceMesh> mesh_;
+  DeviceMesh mesh_;
   std::map<const void*, int64_t> sharded_;  // TP-split parameters (tensor_parallel::split_dims)
   const void* tied_copy_ = nullptr;
 };

@@ -112,35 +112,35 @@ void TrainerWiring::set_pipeline_layout(pipeline::PipelineRuntime& runtime,
       std::move(dims));
 }
 
-TrainerWiring TrainerWiring::mesh(std::shared_ptr<DeviceMesh> mesh,
-                                  pipeline::PipelineRuntime& runtime,
-                                  torch::optim::Optimizer& optimizer,
-                                  tensor_parallel::GradientSynchronizer& sync,
+TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
+                                  torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
                                   dcp::TiedNames tied) {
-  if (!mesh) throw InvalidArgument("TrainerWiring::mesh: mesh is null");
-  if (runtime.shared_group() != mesh->pp_group()) {
-    throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh->rank()) +
+  const auto pp_group = mesh["pp"].process_group(), tp_group = mesh["tp"].process_group(),
+             dp_group = mesh["dp"].process_group();
+  if (runtime.shared_group() != pp_group) {
+    throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh.rank()) +
                           ": the pipeline runtime must run over the mesh's PP group");
   }
-  std::vector<std::shared_ptr<Communicator>> pp = {mesh->pp_group()};
-  if (mesh->embedding_group()) pp.push_back(mesh->embedding_group());
+  std::vector<std::shared_ptr<Communicator>> pp = {pp_group};
+  if (sync.embedding_group()) pp.push_back(sync.embedding_group());
   std::vector<std::shared_ptr<Communicator>> more = pp;
-  more.push_back(mesh->tp_group());
-  more.push_back(mesh->dp_group());
-  TrainerWiring wiring(mesh->world(), stages_module(runtime),
+  more.push_back(tp_group);
+  more.push_back(dp_group);
+  TrainerWiring wiring(mesh.process_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::make_unique<MeshGradientSync>(sync), &runtime, more);
   // The last stage's copy of the tied embedding (pp > 1) is not a parameter of its own.
-  const bool copy = mesh->pp_size() > 1 && mesh->is_pp_last();
+  const int stages = mesh.size("pp");
+  const bool copy = stages > 1 && mesh.local_rank("pp") == stages - 1;
   auto norm = std::make_shared<MeshGradNorm>(mesh, *wiring.model_,
                                              copy ? sync.shared_embedding() : torch::Tensor());
   wiring.layout_ = std::make_unique<PipelineLayout>(
-      runtime, std::move(norm), mesh->pp_size() * mesh->tp_size(),
-      TrafficDimensions{{"tp", {mesh->tp_group()}}, {"pp", pp}, {"dp", {mesh->dp_group()}}});
-  if (auto stages = unsplit_stages(runtime, mesh->rank())) {
-    wiring.dcp_state_ = [stages, mesh, opt = &optimizer,
+      runtime, std::move(norm), stages * mesh.size("tp"),
+      TrafficDimensions{{"tp", {tp_group}}, {"pp", pp}, {"dp", {dp_group}}});
+  if (auto unsplit = unsplit_stages(runtime, mesh.rank())) {
+    wiring.dcp_state_ = [unsplit, mesh, opt = &optimizer,
                          tied = std::move(tied)](const dcp::Metadata* for_load) {
-      return dcp::tensor_parallel_state_dict(*stages, *mesh, opt, tied, for_load);
+      return dcp::tensor_parallel_state_dict(*unsplit, mesh, opt, tied, for_load);
     };
   }
   return wiring;

@@ -119,7 +119,8 @@ class TrainerWiring {
                                 torch::optim::Optimizer& optimizer,
                                 std::shared_ptr<Communicator> dp_group);
 
-  /// TP x PP x DP: `runtime` runs this rank's stage (its TP shard) over mesh->pp_group() (a
+  /// TP x PP x DP: `mesh` has the dimensions "pp", "dp" and "tp" (as GradientSynchronizer's),
+  /// `runtime` runs this rank's stage (its TP shard) over mesh["pp"]'s group (a
   /// runtime of one stage when pp is 1), `optimizer` is any LibTorch optimizer over
   /// runtime.parameters(), `sync` the mesh's GradientSynchronizer over the same stage. The
   /// global norm counts every parameter once over the mesh (MeshGradNorm). Checkpoints are
@@ -128,9 +129,9 @@ class TrainerWiring {
   /// modules name their layers as the unsplit model does; with a function stage, each rank saves
   /// its stages in its own shard and resumes at the same layout only. InvalidArgument when the
   /// runtime's group is not the mesh's PP group, or two stage modules name a layer alike.
-  static TrainerWiring mesh(std::shared_ptr<DeviceMesh> mesh, pipeline::PipelineRuntime& runtime,
-                            torch::optim::Optimizer& optimizer,
-                            tensor_parallel::GradientSynchronizer& sync, dcp::TiedNames tied = {});
+  static TrainerWiring mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
+                            torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
+                            dcp::TiedNames tied = {});
 
   /// FSDP: `model` is the root FullyShard, `optimizer` any LibTorch optimizer built over
   /// model->parameters() (the shards). InvalidArgument when the optimizer holds a tensor that is

@@ -83,14 +83,14 @@ std::pair<torch::Tensor, torch::Tensor> draw_batch(const torch::Tensor& text, in
 // sending its own on. Returns the last chunk's output (last stage: logits).
 torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& ids) {
   const auto& c = stage->config();
-  auto& pp = *mesh.pp_group();
-  const int P = mesh.pp_size(), r = mesh.pp_rank(), chunks = P * stage->num_chunks();
+  auto& pp = *mesh["pp"].process_group();
+  const int P = mesh.size("pp"), r = mesh.local_rank("pp"), chunks = P * stage->num_chunks();
   torch::Tensor out;
   for (int k = 0; k < stage->num_chunks(); ++k) {
     const int index = stage->chunk_index(k);
     torch::Tensor input = ids;
     if (index > 0) {
-      const auto T = c.sequence_parallel ? c.seq_len / mesh.tp_size() : c.seq_len;
+      const auto T = c.sequence_parallel ? c.seq_len / mesh.size("tp") : c.seq_len;
       input = torch::empty({T, ids.size(0), c.hidden});
       pp.recv(input, (r + P - 1) % P).wait();
     }
@@ -100,11 +100,13 @@ torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& 
   return out;
 }
 
+bool is_last_stage(const DeviceMesh& mesh) { return mesh.local_rank("pp") == mesh.size("pp") - 1; }
+
 // Mean over DP of a last-stage scalar (other stages return 0).
 double dp_mean(DeviceMesh& mesh, const torch::Tensor& loss) {
-  if (!mesh.is_pp_last()) return 0;
+  if (!is_last_stage(mesh)) return 0;
   auto l = loss.detach().reshape({1}).clone();
-  mesh.dp_group()->all_reduce(l, {cohort::ReduceOp::Avg}).wait();
+  mesh["dp"].process_group()->all_reduce(l, {cohort::ReduceOp::Avg}).wait();
   return l.item<double>();
 }
 
@@ -116,15 +118,15 @@ double validation_loss(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& cor
   double sum = 0;
   for (int64_t i = 0; i < f.eval_batches; ++i) {
     auto [ids, targets] = draw_batch(corpus.validation, f.batch_size, f.seq_len, 1000 + i);
-    ids = ids.narrow(0, mesh.dp_rank() * rows, rows);
-    targets = targets.narrow(0, mesh.dp_rank() * rows, rows);
+    ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows);
+    targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows);
     auto out = run_stage(mesh, stage, ids);
-    if (mesh.is_pp_last()) sum += dp_mean(mesh, stage->loss(out, targets));
+    if (is_last_stage(mesh)) sum += dp_mean(mesh, stage->loss(out, targets));
   }
   stage->train();
   // The last stage's mean, on every rank.
   auto mean = torch::tensor({sum / static_cast<double>(f.eval_batches)}, torch::kFloat64);
-  mesh.pp_group()->broadcast(mean, {mesh.pp_size() - 1}).wait();
+  mesh["pp"].process_group()->broadcast(mean, {mesh.size("pp") - 1}).wait();
   return mean.item<double>();
 }
 
@@ -140,13 +142,13 @@ std::string generate(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpu
   for (int64_t i = 0; i < n; ++i) {
     auto out = run_stage(mesh, stage, context);
     auto token = torch::zeros({1}, torch::kInt64);
-    if (mesh.is_pp_last()) {
+    if (is_last_stage(mesh)) {
       auto local = out[f.seq_len - 1][0].contiguous();  // [V/tp]
-      auto full = torch::empty({local.size(0) * mesh.tp_size()});
-      mesh.tp_group()->all_gather_into_tensor(full, local).wait();
+      auto full = torch::empty({local.size(0) * mesh.size("tp")});
+      mesh["tp"].process_group()->all_gather_into_tensor(full, local).wait();
       token = torch::multinomial(torch::softmax(full / 0.8, 0), 1, false, gen);
     }
-    mesh.pp_group()->broadcast(token, {mesh.pp_size() - 1}).wait();
+    mesh["pp"].process_group()->broadcast(token, {mesh.size("pp") - 1}).wait();
     text += gpt::decode(token.item<int64_t>());
     context = torch::cat({context.narrow(1, 1, f.seq_len - 1), token.view({1, 1})}, 1);
   }
@@ -248,16 +250,16 @@ void plot(const Flags& f) {
 // world, DP replicas and the tied copy left out): equal runs print equal sums.
 double parameter_sum(DeviceMesh& mesh, GPTStage& stage) {
   double sum = 0;
-  if (mesh.dp_rank() == 0) {
-    const auto tied = mesh.pp_size() > 1 && mesh.is_pp_last() ? stage->shared_embedding_weight()
-                                                              : torch::Tensor();
+  if (mesh.local_rank("dp") == 0) {
+    const auto tied = mesh.size("pp") > 1 && is_last_stage(mesh) ? stage->shared_embedding_weight()
+                                                                 : torch::Tensor();
     for (const auto& p : stage->parameters()) {
       if (tied.defined() && p.is_same(tied)) continue;
       sum += p.detach().to(torch::kFloat64).sum().item<double>();
     }
   }
   auto t = torch::tensor({sum}, torch::kFloat64);
-  mesh.world()->all_reduce(t, {cohort::ReduceOp::Sum}).wait();
+  mesh.process_group()->all_reduce(t, {cohort::ReduceOp::Sum}).wait();
   return t.item<double>();
 }
 
@@ -285,17 +287,17 @@ int run(const Flags& f) {
   auto world = cohort::init();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   torch::set_num_threads(static_cast<int>(std::max<unsigned>(1, cores / world->size())));
-  auto mesh = std::make_shared<DeviceMesh>(world, cohort::MeshShape{f.dp, f.pp, f.tp});
+  auto mesh = cohort::init_device_mesh(world, {f.pp, f.dp, f.tp}, {"pp", "dp", "tp"});
   check_sizes(f);
   const bool lead = world->rank() == 0;  // holds the loss after the Trainer's all-reduce
   const auto corpus = gpt::load_corpus(f.corpus);
 
-  GPTStage stage(*mesh, model_config(f));
-  GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                            stage->shared_embedding_weight());
-  auto rt = make_gpt_pipeline(*mesh, stage, f.schedule, f.microbatches);
+  GPTStage stage(mesh, model_config(f));
+  cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
+                                    stage->shared_embedding_weight());
+  auto rt = make_gpt_pipeline(mesh, stage, f.schedule, f.microbatches);
   torch::optim::AdamW opt(rt->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
-  GptBatches source(corpus.train, f, mesh->dp_rank());
+  GptBatches source(corpus.train, f, mesh.local_rank("dp"));
   cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, *rt, opt, sync, gpt_tied_parameters()),
                           trainer_config(f, source.steps_per_epoch()));
   if (auto step = trainer.resume(); step && lead) {
@@ -303,14 +305,14 @@ int run(const Flags& f) {
   }
   if (lead) {
     std::printf("gpt: %s, %lld train / %lld validation chars, global batch %lld x %lld\n",
-                mesh->shape().to_string().c_str(), static_cast<long long>(corpus.train.size(0)),
+                mesh.to_string().c_str(), static_cast<long long>(corpus.train.size(0)),
                 static_cast<long long>(corpus.validation.size(0)),
                 static_cast<long long>(f.batch_size), static_cast<long long>(f.seq_len));
   }
   cohort::FitCallbacks callbacks;
   callbacks.on_step = [&](const cohort::StepMetrics& m) {
     if (m.step % f.eval_every != 0 && m.step != f.steps) return;
-    const double val = validation_loss(*mesh, stage, corpus, f);
+    const double val = validation_loss(mesh, stage, corpus, f);
     trainer.log_eval({{"val_loss", val}});
     if (lead) {
       std::printf("step %lld: train loss %.4f, validation loss %.4f\n",
@@ -322,8 +324,8 @@ int run(const Flags& f) {
   const auto steps = trainer.fit(source, callbacks);
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  const double params = parameter_sum(*mesh, stage);
-  const auto sample = generate(*mesh, stage, corpus, f.sample_chars, f);
+  const double params = parameter_sum(mesh, stage);
+  const auto sample = generate(mesh, stage, corpus, f.sample_chars, f);
   if (lead) summarize(f, steps, total, params, sample);
   cohort::finalize();
   return 0;

@@ -88,12 +88,12 @@ class TransformerBlockImpl : public torch::nn::Module {
 
 GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
     : config_(c),
-      tp_(mesh.tp_group()),
-      pp_(mesh.pp_size()),
-      pp_rank_(mesh.pp_rank()),
-      first_(mesh.is_pp_first()),
-      last_(mesh.is_pp_last()) {
-  const int tp = mesh.tp_size(), pp = mesh.pp_size(), v = c.virtual_stages;
+      tp_(mesh["tp"].process_group()),
+      pp_(mesh.size("pp")),
+      pp_rank_(mesh.local_rank("pp")),
+      first_(pp_rank_ == 0),
+      last_(pp_rank_ == pp_ - 1) {
+  const int tp = mesh.size("tp"), pp = mesh.size("pp"), v = c.virtual_stages;
   const auto& g = *tp_;
   require(
       c.hidden % c.heads == 0,

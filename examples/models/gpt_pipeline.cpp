@@ -7,7 +7,7 @@ namespace {
 
 void require(bool ok, const DeviceMesh& mesh, const std::string& what) {
   if (!ok) {
-    throw InvalidArgument("cohort: GPT pipeline (pp rank " + std::to_string(mesh.pp_rank()) +
+    throw InvalidArgument("cohort: GPT pipeline (pp rank " + std::to_string(mesh.local_rank("pp")) +
                           "): " + what);
   }
 }
@@ -35,7 +35,7 @@ std::vector<pipeline::PipelineStage> gpt_pipeline_stages(GPTStage stage) {
 
 pipeline::PipelineSchedule gpt_pipeline_schedule(const DeviceMesh& mesh, const GPTConfig& config,
                                                  const std::string& name, int microbatches) {
-  const int pp = mesh.pp_size(), v = config.virtual_stages;
+  const int pp = mesh.size("pp"), v = config.virtual_stages;
   require(v == 1 || name == "interleaved", mesh,
           "virtual_stages " + std::to_string(v) + " needs the interleaved schedule, not '" + name +
               "'");
@@ -58,7 +58,7 @@ std::unique_ptr<pipeline::PipelineRuntime> make_gpt_pipeline(const DeviceMesh& m
                                                              int microbatches,
                                                              pipeline::PipelineOptions options) {
   return std::make_unique<pipeline::PipelineRuntime>(
-      mesh.pp_group(), gpt_pipeline_stages(stage),
+      mesh["pp"].process_group(), gpt_pipeline_stages(stage),
       gpt_pipeline_schedule(mesh, stage->config(), name, microbatches), gpt_pipeline_loss(stage),
       options);
 }

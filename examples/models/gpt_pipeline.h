@@ -25,7 +25,7 @@
 
 namespace cohort::tensor_parallel {
 
-/// `stage` as logical pipeline stage `mesh.pp_rank()` (one stage per PP
+/// `stage` as logical pipeline stage `mesh.local_rank("pp")` (one stage per PP
 /// rank): one boundary tensor, the ids [B, T] into the first stage and the
 /// hidden states between stages. Throws InvalidArgument when the stage has
 /// several chunks (use gpt_pipeline_stages).
@@ -46,7 +46,7 @@ pipeline::PipelineSchedule gpt_pipeline_schedule(const DeviceMesh& mesh, const G
 pipeline::PipelineLossFn gpt_pipeline_loss(GPTStage stage);
 
 /// The runtime of `stage`'s chunks under schedule `name` with `microbatches`
-/// micro-batches per step. Collective over the mesh's PP group.
+/// micro-batches per step. Collective over the group of mesh["pp"].
 std::unique_ptr<pipeline::PipelineRuntime> make_gpt_pipeline(
     const DeviceMesh& mesh, GPTStage stage, const std::string& name, int microbatches,
     pipeline::PipelineOptions options = {});

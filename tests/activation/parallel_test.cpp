@@ -68,18 +68,18 @@ Grads gpt_grads(const TpCase& k, bool checkpointed) {
   GradSink sink;
   run_ranks_shared(2 * k.pp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    auto mesh = std::make_shared<DeviceMesh>(world, MeshShape{1, k.pp, 2});
+    auto mesh = init_device_mesh(world, {k.pp, 1, 2}, {"pp", "dp", "tp"});
     tensor_parallel::GPTConfig c;
     c.vocab_size = 12, c.seq_len = 6, c.hidden = 24, c.heads = 6, c.layers = 2 * k.pp;
     c.sequence_parallel = k.sequence_parallel;
     c.checkpoint_activations = checkpointed;
-    tensor_parallel::GPTStage stage(*mesh, c);
+    tensor_parallel::GPTStage stage(mesh, c);
     auto ids = torch::randint(c.vocab_size, {4, c.seq_len}, at::detail::createCPUGenerator(100));
     auto targets = (ids * 5 + 3) % c.vocab_size;
     if (k.pp == 1) {
       stage->loss(stage(ids), targets).backward();
     } else {
-      pipeline::PipelineRuntime rt(mesh->pp_group(), {gpt_pipeline_stage(*mesh, stage)},
+      pipeline::PipelineRuntime rt(mesh["pp"].process_group(), {gpt_pipeline_stage(mesh, stage)},
                                    pipeline::make_schedule(k.schedule, k.pp, 1, 2),
                                    gpt_pipeline_loss(stage));
       rt.step({ids}, {targets});

@@ -79,11 +79,11 @@ TEST(Consolidate, PipelineStagesLoadWithTorchLoadIntoTheWholeModel) {
   const auto out = (dir / "model.pt").string();
   auto full = make_seq(1);
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> world) {
-    DeviceMesh mesh(world, {/*dp=*/1, /*pp=*/2, /*tp=*/1});
+    auto mesh = init_device_mesh(world, {2, 1, 1}, {"pp", "dp", "tp"});
     auto stage = std::make_shared<torch::nn::Module>("Stage");
     const auto children = full->named_children();
     for (size_t i = 0; i < children.size(); ++i) {
-      if ((i >= 2) == (mesh.pp_rank() == 1)) {
+      if ((i >= 2) == (mesh.local_rank("pp") == 1)) {
         stage->register_module(children[i].key(), children[i].value());
       }
     }

@@ -26,6 +26,18 @@ using namespace cohort::tensor_parallel;
 
 constexpr int64_t kBatch = 4;
 
+// A (dp, pp, tp) layout: the mesh (pp, dp, tp), TP fastest.
+struct Shape {
+  int dp = 1, pp = 1, tp = 1;
+  std::string to_string() const {
+    return "dp" + std::to_string(dp) + "_pp" + std::to_string(pp) + "_tp" + std::to_string(tp);
+  }
+};
+
+DeviceMesh mesh_of(std::shared_ptr<Communicator> world, const Shape& s) {
+  return init_device_mesh(std::move(world), {s.pp, s.dp, s.tp}, {"pp", "dp", "tp"});
+}
+
 GPTConfig config(uint64_t seed, int64_t vocab = 12) {
   GPTConfig c;
   c.vocab_size = vocab;
@@ -80,14 +92,14 @@ torch::Tensor slice_of(const torch::Tensor& full, const std::string& name, int t
 }
 
 void train_step(DeviceMesh& mesh, GPTStage& stage, pipeline::PipelineRuntime* rt,
-                GradientSynchronizer& sync, torch::optim::Optimizer& opt, int s) {
+                cohort::GradientSynchronizer& sync, torch::optim::Optimizer& opt, int s) {
   const auto& c = stage->config();
   auto ids =
       torch::randint(c.vocab_size, {kBatch, c.seq_len}, at::detail::createCPUGenerator(100 + s));
   auto targets = (ids * 5 + 3) % c.vocab_size;
-  const auto rows = kBatch / mesh.dp_size();
-  ids = ids.narrow(0, mesh.dp_rank() * rows, rows);
-  targets = targets.narrow(0, mesh.dp_rank() * rows, rows);
+  const auto rows = kBatch / mesh.size("dp");
+  ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows);
+  targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows);
   opt.zero_grad();
   if (rt) {
     rt->step({ids}, {targets});
@@ -104,24 +116,24 @@ void train_step(DeviceMesh& mesh, GPTStage& stage, pipeline::PipelineRuntime* rt
 
 // Trains `steps` steps at `shape` and saves into `dir`; returns the full
 // tensors the job held, assembled from the TP shards of DP replica 0.
-Named train_and_save(const MeshShape& shape, int steps, const std::string& dir,
-                     const GPTConfig& c) {
+Named train_and_save(const Shape& shape, int steps, const std::string& dir, const GPTConfig& c) {
   std::map<std::string, std::vector<torch::Tensor>> shards;
   std::mutex mu;
   run_ranks_shared(shape.dp * shape.pp * shape.tp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    auto mesh = std::make_shared<DeviceMesh>(world, shape);
-    GPTStage stage(*mesh, c);
-    GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                              stage->shared_embedding_weight());
+    auto mesh = mesh_of(world, shape);
+    GPTStage stage(mesh, c);
+    cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
+                                      stage->shared_embedding_weight());
     torch::optim::AdamW opt(stage->parameters(), kAdamW);
     std::unique_ptr<pipeline::PipelineRuntime> rt;
     if (shape.pp > 1)
       rt = std::make_unique<pipeline::PipelineRuntime>(
-          mesh->pp_group(), std::vector<pipeline::PipelineStage>{gpt_pipeline_stage(*mesh, stage)},
+          mesh["pp"].process_group(),
+          std::vector<pipeline::PipelineStage>{gpt_pipeline_stage(mesh, stage)},
           pipeline::make_schedule("1f1b", shape.pp, 1, 2), gpt_pipeline_loss(stage));
-    for (int s = 0; s < steps; ++s) train_step(*mesh, stage, rt.get(), sync, opt, s);
-    dcp::save(dcp::tensor_parallel_state_dict(*stage, *mesh, &opt, gpt_tied_parameters()), dir,
+    for (int s = 0; s < steps; ++s) train_step(mesh, stage, rt.get(), sync, opt, s);
+    dcp::save(dcp::tensor_parallel_state_dict(*stage, mesh, &opt, gpt_tied_parameters()), dir,
               *world);
     std::lock_guard<std::mutex> lock(mu);
     for (auto& [name, t] : rank_state(stage, opt)) {
@@ -129,7 +141,8 @@ Named train_and_save(const MeshShape& shape, int steps, const std::string& dir,
       v.resize(shape.tp * shape.dp * 2);  // [copy][dp][tp]
       const bool copy = stage->named_parameters().find("output_embeddings.weight") &&
                         name.find("word_embeddings") != std::string::npos;
-      v[(copy ? shape.dp * shape.tp : 0) + mesh->dp_rank() * shape.tp + mesh->tp_rank()] = t;
+      v[(copy ? shape.dp * shape.tp : 0) + mesh.local_rank("dp") * shape.tp +
+        mesh.local_rank("tp")] = t;
     }
   });
   Named full;
@@ -149,7 +162,7 @@ Named train_and_save(const MeshShape& shape, int steps, const std::string& dir,
 }
 
 struct Load {
-  MeshShape shape;
+  Shape shape;
 };
 
 class TensorParallelRoundTrip : public ::testing::TestWithParam<Load> {};
@@ -178,7 +191,7 @@ TEST_P(TensorParallelRoundTrip, LoadsExactlyIntoAnotherMesh) {
   int compared = 0;
   run_ranks_shared(to.dp * to.pp * to.tp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    DeviceMesh mesh(world, to);
+    auto mesh = mesh_of(world, to);
     GPTStage stage(mesh, config(99));  // other weights, no optimizer state
     torch::optim::AdamW opt(stage->parameters(), kAdamW);
     auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, &opt, gpt_tied_parameters(), &meta);
@@ -189,7 +202,7 @@ TEST_P(TensorParallelRoundTrip, LoadsExactlyIntoAnotherMesh) {
     for (const auto& [name, t] : got) {
       auto it = expected.find(name);
       ASSERT_NE(it, expected.end()) << name;
-      EXPECT_TRUE(torch::equal(t, slice_of(it->second, name, to.tp, mesh.tp_rank())))
+      EXPECT_TRUE(torch::equal(t, slice_of(it->second, name, to.tp, mesh.local_rank("tp"))))
           << "rank " << mesh.rank() << ": " << name;
       ++compared;
     }
@@ -216,7 +229,7 @@ TEST(TensorParallelBadInput, TpThatDoesNotDivideIsAnErrorOnEveryRank) {
   int errors = 0;
   run_ranks_shared(3, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    DeviceMesh mesh(world, {1, 1, 3});
+    auto mesh = mesh_of(world, {1, 1, 3});
     GPTStage stage(mesh, config(99, 15));
     torch::optim::AdamW opt(stage->parameters(), kAdamW);
     const auto before = rank_state(stage, opt);

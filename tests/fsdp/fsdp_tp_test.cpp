@@ -111,20 +111,21 @@ TEST_P(FsdpTp, ShardsEqualOneProcessSlices) {
   std::map<int, std::pair<int, Named>> got;  // world rank -> (tp rank, gathered shards)
   run_ranks_shared(c.dp * c.tp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    DeviceMesh mesh(world, {c.dp, 1, c.tp});
+    auto mesh = init_device_mesh(world, {c.dp, c.tp}, {"dp", "tp"});
+    const auto dp_group = mesh["dp"].process_group();
     const FullyShardOptions options{c.reshard_after_forward, {}};
-    auto model = fully_shard(make_tp_model(mesh.tp_group(), mesh.dp_group(), options),
-                             mesh.dp_group(), options);
+    auto model = fully_shard(make_tp_model(mesh["tp"].process_group(), dp_group, options), dp_group,
+                             options);
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
     for (int s = 0; s < kSteps; ++s) {
       opt.zero_grad();
-      auto x = local(batches.x[s], *mesh.dp_group()), y = local(batches.y[s], *mesh.dp_group());
+      auto x = local(batches.x[s], *dp_group), y = local(batches.y[s], *dp_group);
       torch::mse_loss(model->forward(x), y).backward();
       opt.step();
     }
     auto state = model->full_state_dict();
     std::lock_guard<std::mutex> lock(mu);
-    got[world->rank()] = {mesh.tp_rank(), state};
+    got[world->rank()] = {mesh.local_rank("tp"), state};
   });
   ASSERT_EQ(got.size(), static_cast<size_t>(c.dp * c.tp));
   for (const auto& [rank, entry] : got) {

@@ -71,8 +71,9 @@ struct Result {
 };
 
 // One training step of one rank without a pipeline; returns the loss.
-torch::Tensor step(GPTStage& stage, GradientSynchronizer& sync, torch::optim::Optimizer& opt,
-                   const torch::Tensor& ids, const torch::Tensor& targets) {
+torch::Tensor step(GPTStage& stage, cohort::GradientSynchronizer& sync,
+                   torch::optim::Optimizer& opt, const torch::Tensor& ids,
+                   const torch::Tensor& targets) {
   opt.zero_grad();
   sync.prepare_forward();
   auto loss = stage->loss(stage(ids), targets);
@@ -83,16 +84,18 @@ torch::Tensor step(GPTStage& stage, GradientSynchronizer& sync, torch::optim::Op
   return loss;
 }
 
+bool is_last_stage(const DeviceMesh& mesh) { return mesh.local_rank("pp") == mesh.size("pp") - 1; }
+
 // One step through the pipeline; returns the batch's loss on the last stage
 // (undefined elsewhere).
-torch::Tensor step(DeviceMesh& mesh, pipeline::PipelineRuntime& rt, GradientSynchronizer& sync,
-                   torch::optim::Optimizer& opt, const torch::Tensor& ids,
-                   const torch::Tensor& targets) {
+torch::Tensor step(DeviceMesh& mesh, pipeline::PipelineRuntime& rt,
+                   cohort::GradientSynchronizer& sync, torch::optim::Optimizer& opt,
+                   const torch::Tensor& ids, const torch::Tensor& targets) {
   opt.zero_grad();
   auto r = rt.step({ids}, {targets});
   sync.synchronize();
   opt.step();
-  return mesh.is_pp_last() ? torch::tensor(r.loss, torch::kFloat64) : torch::Tensor();
+  return is_last_stage(mesh) ? torch::tensor(r.loss, torch::kFloat64) : torch::Tensor();
 }
 
 Result train(const Case& k, int64_t layers) {
@@ -100,37 +103,37 @@ Result train(const Case& k, int64_t layers) {
   std::mutex mu;
   run_ranks_shared(k.tp * k.pp * k.dp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    auto mesh = std::make_shared<DeviceMesh>(world, MeshShape{k.dp, k.pp, k.tp});
+    auto mesh = init_device_mesh(world, {k.pp, k.dp, k.tp}, {"pp", "dp", "tp"});
     const auto c = config(k.sp, k.v, layers);
-    GPTStage stage(*mesh, c);
-    GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                              stage->shared_embedding_weight());
+    GPTStage stage(mesh, c);
+    cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
+                                      stage->shared_embedding_weight());
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     std::unique_ptr<pipeline::PipelineRuntime> rt;
-    if (pipelined(k)) rt = make_gpt_pipeline(*mesh, stage, k.schedule, k.microbatches);
+    if (pipelined(k)) rt = make_gpt_pipeline(mesh, stage, k.schedule, k.microbatches);
     const auto rows = kBatch / k.dp;
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) {
       auto [ids, targets] = batch(s, c);
-      ids = ids.narrow(0, mesh->dp_rank() * rows, rows);
-      targets = targets.narrow(0, mesh->dp_rank() * rows, rows);
+      ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows);
+      targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows);
       auto loss =
-          rt ? step(*mesh, *rt, sync, opt, ids, targets) : step(stage, sync, opt, ids, targets);
+          rt ? step(mesh, *rt, sync, opt, ids, targets) : step(stage, sync, opt, ids, targets);
       if (loss.defined()) {
         auto l = loss.detach().clone();
-        mesh->dp_group()->all_reduce(l, {ReduceOp::Avg}).wait();
+        mesh["dp"].process_group()->all_reduce(l, {ReduceOp::Avg}).wait();
         losses.push_back(l.item<double>());
       }
     }
     std::lock_guard<std::mutex> lock(mu);
-    if (mesh->is_pp_last() && mesh->tp_rank() == 0 && mesh->dp_rank() == 0) {
+    if (is_last_stage(mesh) && mesh.local_rank("tp") == 0 && mesh.local_rank("dp") == 0) {
       result.losses = losses;
     }
     // Keyed by name and coordinates, so each shard can be found.
     for (const auto& p : stage->named_parameters()) {
       auto name = p.key() == "output_embeddings.weight" ? "word_embeddings.weight#last" : p.key();
-      result.params[name + "@tp" + std::to_string(mesh->tp_rank()) + "dp" +
-                    std::to_string(mesh->dp_rank())] = p.value().detach().clone();
+      result.params[name + "@tp" + std::to_string(mesh.local_rank("tp")) + "dp" +
+                    std::to_string(mesh.local_rank("dp"))] = p.value().detach().clone();
     }
   });
   return result;
@@ -228,7 +231,7 @@ bool has(const std::string& text, const std::string& part) {
 TEST(GPTInterleavedErrors, SizesThatDoNotFitAreNamed) {
   // Two layers cannot make pp 2 x v 2 chunks.
   auto errors = errors_on_every_rank(2, [](std::shared_ptr<Communicator> world) {
-    DeviceMesh mesh(world, MeshShape{1, 2, 1});
+    auto mesh = init_device_mesh(world, {2, 1, 1}, {"pp", "dp", "tp"});
     GPTStage stage(mesh, config(false, 2, 2));
   });
   for (const auto& e : errors) {
@@ -239,7 +242,7 @@ TEST(GPTInterleavedErrors, SizesThatDoNotFitAreNamed) {
   const std::pair<const char*, int> bad[] = {{"1f1b", 2}, {"interleaved", 3}};
   for (const auto& [name, m] : bad) {
     errors = errors_on_every_rank(2, [&](std::shared_ptr<Communicator> world) {
-      DeviceMesh mesh(world, MeshShape{1, 2, 1});
+      auto mesh = init_device_mesh(world, {2, 1, 1}, {"pp", "dp", "tp"});
       GPTStage stage(mesh, config(false, 2, 4));
       make_gpt_pipeline(mesh, stage, name, m);
     });

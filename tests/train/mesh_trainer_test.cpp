@@ -104,15 +104,15 @@ struct RankRun {
 RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   torch::set_num_threads(1);
   const Case& c = job.c;
-  auto mesh = std::make_shared<DeviceMesh>(world, MeshShape{c.dp, c.pp, c.tp});
+  auto mesh = init_device_mesh(world, {c.pp, c.dp, c.tp}, {"pp", "dp", "tp"});
   // A resumed run starts from other weights: the checkpoint must replace them.
   GPTConfig config_of_model =
       gpt_config(c.sp, job.layers > 0 ? job.layers : layers_of(c), job.resume ? 8 : 7);
   config_of_model.virtual_stages = c.v;
-  GPTStage stage(*mesh, config_of_model);
-  GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                            stage->shared_embedding_weight());
-  auto rt = make_gpt_pipeline(*mesh, stage, c.v > 1 ? "interleaved" : "1f1b", kMicro);
+  GPTStage stage(mesh, config_of_model);
+  cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
+                                    stage->shared_embedding_weight());
+  auto rt = make_gpt_pipeline(mesh, stage, c.v > 1 ? "interleaved" : "1f1b", kMicro);
   auto opt = make_sgd(rt->parameters());
   TrainerConfig config;
   config.accumulation_steps = kMicro;
@@ -126,7 +126,7 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   if (job.resume) {
     EXPECT_TRUE(trainer.resume().has_value());
   }
-  Batches source(c.dp, mesh->dp_rank());
+  Batches source(c.dp, mesh.local_rank("dp"));
   RankRun run;
   run.metrics = trainer.fit(source);
   for (const auto& p : stage->named_parameters()) run.params[p.key()] = p.value().detach().clone();
@@ -155,7 +155,7 @@ Reference reference_run(bool sp, int64_t layers, int64_t steps) {
   Reference ref;
   testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    DeviceMesh mesh(world, MeshShape{1, 1, 1});
+    auto mesh = init_device_mesh(world, {1, 1, 1}, {"pp", "dp", "tp"});
     GPTStage model(mesh, gpt_config(sp, layers));
     auto opt = make_sgd(model->parameters());
     for (int64_t s = 0; s < steps; ++s) {
