@@ -4,9 +4,10 @@
 # 4 CPUs), all their files in a temporary folder. Then:
 #   srun -n 4 ddp_train    every task is its own rank of a world of 4, and
 #                          the replicas agree (ddp_train checks it);
-#   sbatch -n 4 --wait     the batch script itself, not a job step, refuses
-#                          to be a rank of 4, and srun inside it trains;
-#   cohortrun in a step    reads the allocation for its nodes and master.
+#   sbatch -n 4            the batch script itself, not a job step, refuses
+#                          to be a rank of 4;
+#   examples/slurm/train.sbatch trains (srun inside a batch script);
+#   srun cohortrun -n 4    cohortrun's ranks are its own, not the step's.
 # Usage: slurm_test.sh DDP_TRAIN COHORTRUN. Exit 77 (skipped) when not root
 # or Slurm is not installed.
 set -euo pipefail
@@ -128,29 +129,40 @@ timeout -k 5 60 srun -n 4 -l "$train" --steps 5 >"$dir/srun.out.log" 2>&1 ||
 expect_ranks "$dir/srun.out.log" "srun -n 4"
 echo "slurm_test: srun -n 4 trained, ranks 0..3 agree ($SECONDS s)"
 
+# Waits for batch job $1 to end (sbatch --wait polls only every 10 s).
+wait_job() {
+  local state=""
+  for _ in $(seq 600); do
+    state=$(scontrol show job "$1" | grep -o 'JobState=[A-Z]*' || true)
+    case $state in JobState=PENDING | JobState=RUNNING | JobState=CONFIGURING | JobState=COMPLETING) ;;
+      *) break ;; esac
+    sleep 0.1
+  done
+  [ "$state" = JobState=COMPLETED ] || fail "batch job $1: $state"
+}
+
 # 2. The batch script of a 4-task job is one process: the program run in it
-# directly must refuse at once; srun inside it starts the 4 ranks.
+# without srun must refuse at once, not wait as rank 0 of 4.
 cat >"$dir/batch.sh" <<BATCH
 #!/bin/bash
 timeout 20 "$train" --steps 1 >"$dir/direct.out.log" 2>&1
 echo "direct exit \$?" >>"$dir/direct.out.log"
-srun -l "$train" --steps 3 >"$dir/batch-srun.out.log" 2>&1
 BATCH
-job=$(sbatch --parsable -n 4 -o "$dir/batch.out.log" "$dir/batch.sh")
-# Polled here: sbatch --wait checks every 10 s.
-job_state=""
-for _ in $(seq 600); do
-  job_state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z]*' || true)
-  case $job_state in JobState=PENDING | JobState=RUNNING | JobState=CONFIGURING | JobState=COMPLETING) ;; *) break ;; esac
-  sleep 0.1
-done
-[ "$job_state" = JobState=COMPLETED ] || fail "batch job $job: $job_state"
+wait_job "$(sbatch --parsable -n 4 -o "$dir/batch.out.log" "$dir/batch.sh")"
 grep -q "not in a job step" "$dir/direct.out.log" && grep -q "direct exit 1" "$dir/direct.out.log" ||
   fail "the batch script's own process did not refuse: $(cat "$dir/direct.out.log")"
-expect_ranks "$dir/batch-srun.out.log" "srun in a batch script"
-echo "slurm_test: the batch script refused to be rank 0 of 4; srun in it trained ($SECONDS s)"
+echo "slurm_test: the batch script refused to be rank 0 of 4 ($SECONDS s)"
 
-# 3. cohortrun as the step's one task on the node: its ranks are its own
+# 3. The documented example, on the one node here (sbatch passes the
+# environment on).
+example=$(dirname "$0")/../../examples/slurm/train.sbatch
+job=$(COHORT_BUILD=$(dirname "$(dirname "$(dirname "$train")")") STEPS=3 \
+  sbatch --parsable -N 1 -n 4 -o "$dir/example.out.log" "$example")
+wait_job "$job"
+expect_ranks "$dir/example.out.log" "examples/slurm/train.sbatch"
+echo "slurm_test: examples/slurm/train.sbatch trained ($SECONDS s)"
+
+# 4. cohortrun as the step's one task on the node: its ranks are its own
 # (RANK wins over the SLURM_ variables they inherit).
 timeout -k 5 60 srun -n 1 "$cohortrun" -n 4 --timeout 50 -- "$train" --steps 3 \
   >"$dir/cohortrun.out.log" 2>&1 || fail "srun cohortrun: exit $?"
