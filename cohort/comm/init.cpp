@@ -240,7 +240,8 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   } else if (co.gloo.interface.empty() && spans_hosts(world_size, step)) {
     throw ConfigError(where +
                       ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE, or a Slurm "
-                      "step on several nodes) but the rendezvous is local; set COHORT_BIND_ADDR or GLOO_SOCKET_IFNAME");
+                      "step on several nodes) but the rendezvous is local; set COHORT_BIND_ADDR or "
+                      "GLOO_SOCKET_IFNAME");
   }
 
   try {

@@ -15,8 +15,8 @@ constexpr size_t kMaxHosts = 65536;
 }
 
 bool host_char(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-         c == '-' || c == '_' || c == '.';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+         c == '_' || c == '.';
 }
 
 unsigned long long parse_bound(const std::string& list, const std::string& text) {
@@ -83,8 +83,8 @@ int parse_int(const Lookup& env, const char* name, long long lo, long long hi) {
   const long long v = std::strtoll(text->c_str(), &end, 10);
   if (*end != '\0' || errno == ERANGE || v < lo || v > hi) {
     throw ConfigError(std::string("cohort: environment variable ") + name + "='" + *text +
-                      "' is not an integer in [" + std::to_string(lo) + ", " +
-                      std::to_string(hi) + "]");
+                      "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                      "]");
   }
   return static_cast<int>(v);
 }

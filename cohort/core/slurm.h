@@ -29,12 +29,12 @@ int default_port(unsigned long long job_id, unsigned long long step_id);
 
 /// What one task of a job step is.
 struct Step {
-  int rank = 0;        ///< SLURM_PROCID
-  int size = 0;        ///< SLURM_STEP_NUM_TASKS, else SLURM_NTASKS
-  int local_rank = 0;  ///< SLURM_LOCALID (0 when unset)
+  int rank = 0;                    ///< SLURM_PROCID
+  int size = 0;                    ///< SLURM_STEP_NUM_TASKS, else SLURM_NTASKS
+  int local_rank = 0;              ///< SLURM_LOCALID (0 when unset)
   std::vector<std::string> hosts;  ///< SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST
-  std::string master_addr;  ///< MASTER_ADDR, else 127.0.0.1 on one host, else hosts[0]
-  int master_port = 0;      ///< MASTER_PORT, else default_port(SLURM_JOB_ID, SLURM_STEP_ID)
+  std::string master_addr;         ///< MASTER_ADDR, else 127.0.0.1 on one host, else hosts[0]
+  int master_port = 0;             ///< MASTER_PORT, else default_port(SLURM_JOB_ID, SLURM_STEP_ID)
 };
 
 /// Reads one variable; nullopt when unset or empty.

@@ -74,10 +74,14 @@ TEST(SlurmStep, DefaultPortIsInItsRange) {
 
 // A step as srun describes task 2 of 4 on two nodes.
 std::map<std::string, std::string> srun_task() {
-  return {{"SLURM_JOB_ID", "4321"},       {"SLURM_STEP_ID", "3"},
-          {"SLURM_PROCID", "2"},          {"SLURM_NTASKS", "4"},
-          {"SLURM_STEP_NUM_TASKS", "4"},  {"SLURM_LOCALID", "0"},
-          {"SLURM_JOB_NODELIST", "n[1-3]"}, {"SLURM_STEP_NODELIST", "n[2-3]"}};
+  return {{"SLURM_JOB_ID", "4321"},
+          {"SLURM_STEP_ID", "3"},
+          {"SLURM_PROCID", "2"},
+          {"SLURM_NTASKS", "4"},
+          {"SLURM_STEP_NUM_TASKS", "4"},
+          {"SLURM_LOCALID", "0"},
+          {"SLURM_JOB_NODELIST", "n[1-3]"},
+          {"SLURM_STEP_NODELIST", "n[2-3]"}};
 }
 
 std::optional<Step> step_of(const std::map<std::string, std::string>& vars) {

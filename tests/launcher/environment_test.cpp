@@ -126,11 +126,9 @@ TEST(Environment, OneOpenMpThreadPerRankUnlessTheCallerChose) {
   EXPECT_EQ(a[0]["OMP_NUM_THREADS"], "");
 }
 
-TEST(Environment, SecondNodeOfTwo) {
-  // No rank connects anywhere, so node 1 can run without node 0.
-  ProcessResult r =
-      run_cohortrun({"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
-                     "--master-port", "29511", "--", "sh", "-c", kPrintEnv});
+// Node 1 of two with two ranks each: ranks 2 and 3 of 4 at ADDR:PORT.
+void expect_second_node_of_two(const ProcessResult& r, const std::string& addr,
+                               const std::string& port) {
   ASSERT_FALSE(r.timed_out);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::map<int, Env> envs = parse(r.out);
@@ -143,19 +141,28 @@ TEST(Environment, SecondNodeOfTwo) {
     EXPECT_EQ(e["LOCAL_RANK"], std::to_string(local));
     EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "2");
     EXPECT_EQ(e["GROUP_RANK"], "1");
-    EXPECT_EQ(e["MASTER_ADDR"], "10.1.2.3");
-    EXPECT_EQ(e["MASTER_PORT"], "29511");
+    EXPECT_EQ(e["MASTER_ADDR"], addr);
+    EXPECT_EQ(e["MASTER_PORT"], port);
     EXPECT_EQ(e["COHORT_STORE_TOKEN"], "") << "nodes cannot share a generated token";
   }
 }
 
+TEST(Environment, SecondNodeOfTwo) {
+  // No rank connects anywhere, so node 1 can run without node 0.
+  expect_second_node_of_two(
+      run_cohortrun({"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
+                     "--master-port", "29511", "--", "sh", "-c", kPrintEnv}),
+      "10.1.2.3", "29511");
+}
 
 // One cohortrun per node in a Slurm job step: node 1 of the step on n[1-2]
 // (job 4321, step 3), as srun --ntasks-per-node=1 describes it.
 const std::vector<std::string> kSlurmNode1 = {
-    "SLURM_JOB_ID=4321",      "SLURM_STEP_ID=3",           "SLURM_PROCID=1",
-    "SLURM_NODEID=1",         "SLURM_STEP_NUM_TASKS=2",    "SLURM_STEP_NUM_NODES=2",
-    "SLURM_NNODES=2",         "SLURM_STEP_NODELIST=n[1-2]", "SLURM_JOB_NODELIST=n[1-2]"};
+    "SLURM_JOB_ID=4321",        "SLURM_STEP_ID=3",
+    "SLURM_PROCID=1",           "SLURM_NODEID=1",
+    "SLURM_STEP_NUM_TASKS=2",   "SLURM_STEP_NUM_NODES=2",
+    "SLURM_NNODES=2",           "SLURM_STEP_NODELIST=n[1-2]",
+    "SLURM_JOB_NODELIST=n[1-2]"};
 
 // kSlurmNode1 with one variable set to another value (or added).
 std::vector<std::string> slurm_node1_with(const std::string& entry) {
@@ -169,26 +176,17 @@ std::vector<std::string> slurm_node1_with(const std::string& entry) {
 }
 
 TEST(Environment, SlurmStepGivesTheNodesAndMaster) {
-  ProcessResult r = run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20), kSlurmNode1);
-  ASSERT_FALSE(r.timed_out);
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  std::map<int, Env> envs = parse(r.out);
-  ASSERT_EQ(envs.size(), 2u) << r.out;
-  for (int local = 0; local < 2; ++local) {
-    Env& e = envs[2 + local];
-    SCOPED_TRACE("rank " + std::to_string(2 + local));
-    EXPECT_EQ(e["WORLD_SIZE"], "4");
-    EXPECT_EQ(e["GROUP_RANK"], "1");
-    EXPECT_EQ(e["MASTER_ADDR"], "n1");
-    EXPECT_EQ(e["MASTER_PORT"], "23213");  // 20000 + 10 * (4321 mod 1000) + 3 mod 10
-  }
+  // Port 20000 + 10 * (4321 mod 1000) + 3 mod 10.
+  expect_second_node_of_two(
+      run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20), kSlurmNode1), "n1",
+      "23213");
 
   // The command line wins over the step; MASTER_PORT over the job's port.
-  r = run_cohortrun({"-n", "1", "--node-rank", "0", "--master-addr", "10.1.2.3", "--", "sh", "-c",
-                     kPrintEnv},
-                    Seconds(20), slurm_node1_with("MASTER_PORT=29600"));
+  ProcessResult r = run_cohortrun(
+      {"-n", "1", "--node-rank", "0", "--master-addr", "10.1.2.3", "--", "sh", "-c", kPrintEnv},
+      Seconds(20), slurm_node1_with("MASTER_PORT=29600"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  envs = parse(r.out);
+  std::map<int, Env> envs = parse(r.out);
   ASSERT_EQ(envs.count(0), 1u) << r.out;
   EXPECT_EQ(envs[0]["WORLD_SIZE"], "2");
   EXPECT_EQ(envs[0]["MASTER_ADDR"], "10.1.2.3");
