@@ -29,9 +29,12 @@ chmod 700 "$dir"
 pids=()
 finish() {
   local status=$?
-  # By pid only: other jobs on this host may run their own Slurm.
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do
+  # By pid only (other jobs on this host may run their own Slurm), newest
+  # first: the Slurm daemons still talk to munged as they stop.
+  local i p
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    p=${pids[i]}
+    kill "$p" 2>/dev/null || true
     for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
     kill -9 "$p" 2>/dev/null || true
   done
