@@ -9,7 +9,8 @@
 #   examples/slurm/train.sbatch trains (srun inside a batch script);
 #   srun cohortrun -n 4    cohortrun's ranks are its own, not the step's.
 # Usage: slurm_test.sh DDP_TRAIN COHORTRUN. Exit 77 (skipped) when not root
-# or Slurm is not installed.
+# or Slurm is not installed. Runs in the Debian 13 lane's chroot too: it
+# needs root, /proc and loopback, which the chroot shares with the host.
 set -euo pipefail
 train=$1 cohortrun=$2
 
