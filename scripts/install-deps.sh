@@ -21,6 +21,7 @@ packages=(
   fortunes                # plain-text corpus of the gpt example
   python3-torch           # reference peer for tests and benchmarks only
   iproute2                # network namespaces for the multi-host launcher tests
+  slurmctld slurmd slurm-client munge   # the Slurm test runs a one-node cluster
   clang-format git        # the formatting check on changed lines (git clang-format)
   debootstrap             # scripts/test-debian13.sh: the Debian 13 lane
 )

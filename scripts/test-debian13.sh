@@ -105,6 +105,10 @@ if [ ! -x "$root/usr/bin/apt-get" ]; then
   echo "test-debian13: root made in $((SECONDS - start)) s"
 fi
 cp /etc/resolv.conf "$root/etc/resolv.conf"   # for apt inside
+# Packages installed inside start no services (munge's, Slurm's): a daemon
+# started in the root would outlive it. The Slurm test starts its own.
+printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
+chmod 755 "$root/usr/sbin/policy-rc.d"
 
 # The checkout as git sees it (tracked and untracked files, not ignored
 # ones such as build/), and its .git so the FetchContent check can clone it.

@@ -10,6 +10,7 @@
 #include "cohort/core/blas_workspace.h"
 #include "cohort/core/env.h"
 #include "cohort/core/error.h"
+#include "cohort/core/slurm.h"
 #include "cohort/core/store/socket.h"
 #include "cohort/core/store/tcp_store.h"
 
@@ -47,9 +48,35 @@ Endpoint parse_tcp(const std::string& url) {
   return e;
 }
 
-bool spans_hosts(int world_size) {
+bool spans_hosts(int world_size, const std::optional<slurm::Step>& step) {
+  if (step) return step->hosts.size() > 1;
   auto local = env::get_int("LOCAL_WORLD_SIZE", 1, 1 << 20);
   return local && *local < world_size;
+}
+
+// The Slurm job step this process is a task of, unless a launcher nearer
+// to it says otherwise: torchrun's variables (cohortrun's ranks inherit the
+// step's SLURM_ ones), or Open MPI's (under mpirun inside an allocation the
+// SLURM_ ones describe the batch step, not the MPI ranks).
+std::optional<slurm::Step> slurm_step() {
+  if (env::get("RANK") || env::get("WORLD_SIZE") || env::get("OMPI_COMM_WORLD_SIZE")) {
+    return std::nullopt;
+  }
+  return slurm::job_step();
+}
+
+int world_size_from_environment() {
+  // A batch script (or salloc shell) is one process whatever SLURM_NTASKS
+  // says; as rank 0 of that many it would wait for ranks never started.
+  if (!env::get("WORLD_SIZE") && !env::get("RANK") && !env::get("OMPI_COMM_WORLD_SIZE") &&
+      env::get("SLURM_JOB_ID")) {
+    throw ConfigError(
+        "cohort::init: WORLD_SIZE is not set and this process is in a Slurm job but not in a "
+        "job step (SLURM_STEP_ID is unset: a batch script or an salloc shell, one process); "
+        "start the ranks with `srun PROGRAM` (a task per rank) or `srun cohortrun -n N -- "
+        "PROGRAM` (a launcher per node)");
+  }
+  return env::require_int("WORLD_SIZE", 1, 1 << 20);
 }
 
 // The environment's part of the options (the only place cohort reads it for
@@ -142,11 +169,15 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   // store come from the engine's launcher instead of the environment.
   const auto launched = launched_world(co.backend, co.timeout);
   if (launched && co.backend == "mpi") refuse_mpi_singletons(launched->size, options);
+  // Else torchrun's variables, else a Slurm job step's (slurm_step()).
+  const auto step = launched ? std::nullopt : slurm_step();
   const int world_size = options.world_size > 0 ? options.world_size
                          : launched             ? launched->size
-                                                : env::require_int("WORLD_SIZE", 1, 1 << 20);
+                         : step                 ? step->size
+                                                : world_size_from_environment();
   const int rank = options.rank >= 0 ? options.rank
                    : launched        ? launched->rank
+                   : step            ? step->rank
                                      : env::require_int("RANK", 0, world_size - 1);
   if (rank >= world_size) {
     throw ConfigError("cohort::init: rank " + std::to_string(rank) +
@@ -165,7 +196,10 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
       store = make_file_store(method.substr(7), world_size, co.timeout);
     } else {
       Endpoint ep;
-      if (method == "env://" || method.empty()) {
+      if ((method == "env://" || method.empty()) && step) {
+        ep.host = step->master_addr;
+        ep.port = step->master_port;
+      } else if (method == "env://" || method.empty()) {
         ep.host = env::get("MASTER_ADDR").value_or("");
         if (ep.host.empty()) {
           throw ConfigError(
@@ -203,10 +237,11 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
     co.gloo.bind_address = *addr;
   } else if (!master_host.empty() && !net::is_loopback(master_host)) {
     co.gloo.bind_address = net::source_address_for(master_host);
-  } else if (co.gloo.interface.empty() && spans_hosts(world_size)) {
+  } else if (co.gloo.interface.empty() && spans_hosts(world_size, step)) {
     throw ConfigError(where +
-                      ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE) "
-                      "but the rendezvous is local; set COHORT_BIND_ADDR or GLOO_SOCKET_IFNAME");
+                      ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE, or a Slurm "
+                      "step on several nodes) but the rendezvous is local; set COHORT_BIND_ADDR or "
+                      "GLOO_SOCKET_IFNAME");
   }
 
   try {

@@ -1,4 +1,5 @@
 // Run: cohortrun -n 2 -- build/examples/ddp/ddp_train --steps 30
+//  or, under Slurm: srun -n 2 build/examples/ddp/ddp_train --steps 30
 //
 // Data-parallel training with DistributedDataParallel: every rank holds a
 // replica of the model and trains on its own shard of the data; backward
@@ -68,8 +69,9 @@ int main(int argc, char** argv) {
     comm->all_reduce(hi, max_op).wait();
     comm->all_reduce(lo, min_op).wait();
     const bool ok = torch::equal(hi, lo) && (steps < 2 || last < first);
-    std::printf("ddp_train %s on rank %d: loss %.4f -> %.4f, replicas identical: %s\n",
-                ok ? "ok" : "WRONG", rank, first, last, torch::equal(hi, lo) ? "yes" : "no");
+    std::printf("ddp_train %s on rank %d of %d: loss %.4f -> %.4f, replicas identical: %s\n",
+                ok ? "ok" : "WRONG", rank, comm->size(), first, last,
+                torch::equal(hi, lo) ? "yes" : "no");
     cohort::finalize();
     return ok ? 0 : 1;
   } catch (const std::exception& e) {

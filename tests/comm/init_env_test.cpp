@@ -1,6 +1,11 @@
-// cohort::init() reads torchrun's environment; a wrong or missing variable is
-// a ConfigError that names it.
+// cohort::init() reads torchrun's environment, and a Slurm job step's when
+// torchrun's is absent; a wrong or missing variable is a ConfigError that
+// names it.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -8,6 +13,8 @@
 
 #include "cohort/cohort.h"
 #include "cohort/comm/gloo/c10d_adapter.h"
+#include "cohort/core/slurm.h"
+#include "cohort/core/store/tcp_store.h"
 
 namespace cohort::init_env_test {
 namespace {
@@ -174,6 +181,94 @@ TEST(InitEnv, UnwritableTraceFolderIsRefusedAtInit) {
   EXPECT_NE(what.find("rank 0"), std::string::npos) << what;
   EXPECT_FALSE(is_initialized());
   std::remove(file.c_str());
+}
+
+// A Slurm job id whose step 0's default port is free on loopback now.
+int job_with_free_port() {
+  for (int i = 0; i < 1000; ++i) {
+    const int job = (::getpid() + i) % 1000;
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(slurm::default_port(job, 0)));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    ::close(fd);
+    if (free) return job;
+  }
+  throw std::runtime_error("no free port in [20000, 29999]");
+}
+
+// Task `procid` of a step of `ntasks` on one node, as srun starts it, and
+// nothing from torchrun or mpirun. A failure waits 5 s, not 30 minutes.
+void set_slurm_step(EnvGuard& env, int job, const char* ntasks, const char* procid) {
+  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                           "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "COHORT_BACKEND"}) {
+    env.set(name, nullptr);
+  }
+  env.set("COHORT_TIMEOUT", "5");
+  env.set("SLURM_JOB_ID", std::to_string(job).c_str());
+  env.set("SLURM_STEP_ID", "0");
+  env.set("SLURM_STEP_NUM_TASKS", ntasks);
+  env.set("SLURM_PROCID", procid);
+  env.set("SLURM_LOCALID", procid);
+  env.set("SLURM_STEP_NODELIST", "node[07]");
+}
+
+TEST(InitSlurm, TaskOfAStepIsItsRankUnlessALauncherSaysOtherwise) {
+  EnvGuard env;
+  const int job = job_with_free_port();
+  set_slurm_step(env, job, "1", "0");
+  auto comm = init();
+  EXPECT_EQ(comm->rank(), 0);
+  EXPECT_EQ(comm->size(), 1);
+  // One node: the store listens on loopback, at the job's port.
+  auto store = std::dynamic_pointer_cast<TcpStore>(comm->store());
+  ASSERT_TRUE(store);
+  EXPECT_EQ(store->port(), slurm::default_port(job, 0));
+  auto t = torch::full({2}, 1.5);
+  comm->all_reduce(t).wait();
+  EXPECT_EQ(t[1].item<float>(), 1.5f);
+  finalize();
+
+  // Inside a step of 4, torchrun's variables (cohortrun's ranks) win.
+  set_slurm_step(env, job, "4", "2");
+  env.set("RANK", "0");
+  env.set("WORLD_SIZE", "1");
+  InitOptions o;
+  o.init_method = "tcp://127.0.0.1:0";
+  comm = init(o);
+  EXPECT_EQ(comm->size(), 1);
+  finalize();
+  // Under mpirun the SLURM_ variables are the batch step's: not read.
+  env.set("RANK", nullptr);
+  env.set("WORLD_SIZE", nullptr);
+  env.set("OMPI_COMM_WORLD_SIZE", "4");
+  env.set("COHORT_BACKEND", "gloo");  // not the MPI engine: that would MPI_Init this process
+  EXPECT_NE(init_error(env).find("WORLD_SIZE is not set"), std::string::npos);
+}
+
+// The batch script has SLURM_PROCID=0 and SLURM_NTASKS=4 but is one
+// process: as rank 0 of 4 it would wait for ranks nobody starts.
+TEST(InitSlurm, BatchScriptIsNotRankZeroOfMany) {
+  EnvGuard env;
+  set_slurm_step(env, job_with_free_port(), "4", "0");
+  env.set("SLURM_STEP_ID", nullptr);
+  env.set("SLURM_STEP_NUM_TASKS", nullptr);
+  env.set("SLURM_NTASKS", "4");
+  const std::string err = init_error(env);
+  EXPECT_NE(err.find("not in a job step"), std::string::npos) << err;
+  EXPECT_NE(err.find("srun PROGRAM"), std::string::npos) << err;
+}
+
+TEST(InitSlurm, ContradictionIsNamed) {
+  EnvGuard env;
+  set_slurm_step(env, job_with_free_port(), "4", "4");
+  const std::string err = init_error(env);
+  EXPECT_NE(err.find("SLURM_PROCID=4 is not below SLURM_STEP_NUM_TASKS=4"), std::string::npos)
+      << err;
 }
 
 TEST(InitFile, FileRendezvousWithThreeRanks) {

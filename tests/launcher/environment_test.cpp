@@ -126,11 +126,9 @@ TEST(Environment, OneOpenMpThreadPerRankUnlessTheCallerChose) {
   EXPECT_EQ(a[0]["OMP_NUM_THREADS"], "");
 }
 
-TEST(Environment, SecondNodeOfTwo) {
-  // No rank connects anywhere, so node 1 can run without node 0.
-  ProcessResult r =
-      run_cohortrun({"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
-                     "--master-port", "29511", "--", "sh", "-c", kPrintEnv});
+// Node 1 of two with two ranks each: ranks 2 and 3 of 4 at ADDR:PORT.
+void expect_second_node_of_two(const ProcessResult& r, const std::string& addr,
+                               const std::string& port) {
   ASSERT_FALSE(r.timed_out);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::map<int, Env> envs = parse(r.out);
@@ -143,10 +141,79 @@ TEST(Environment, SecondNodeOfTwo) {
     EXPECT_EQ(e["LOCAL_RANK"], std::to_string(local));
     EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "2");
     EXPECT_EQ(e["GROUP_RANK"], "1");
-    EXPECT_EQ(e["MASTER_ADDR"], "10.1.2.3");
-    EXPECT_EQ(e["MASTER_PORT"], "29511");
+    EXPECT_EQ(e["MASTER_ADDR"], addr);
+    EXPECT_EQ(e["MASTER_PORT"], port);
     EXPECT_EQ(e["COHORT_STORE_TOKEN"], "") << "nodes cannot share a generated token";
   }
+}
+
+TEST(Environment, SecondNodeOfTwo) {
+  // No rank connects anywhere, so node 1 can run without node 0.
+  expect_second_node_of_two(
+      run_cohortrun({"-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
+                     "--master-port", "29511", "--", "sh", "-c", kPrintEnv}),
+      "10.1.2.3", "29511");
+}
+
+// One cohortrun per node in a Slurm job step: node 1 of the step on n[1-2]
+// (job 4321, step 3), as srun --ntasks-per-node=1 describes it.
+const std::vector<std::string> kSlurmNode1 = {
+    "SLURM_JOB_ID=4321",        "SLURM_STEP_ID=3",
+    "SLURM_PROCID=1",           "SLURM_NODEID=1",
+    "SLURM_STEP_NUM_TASKS=2",   "SLURM_STEP_NUM_NODES=2",
+    "SLURM_NNODES=2",           "SLURM_STEP_NODELIST=n[1-2]",
+    "SLURM_JOB_NODELIST=n[1-2]"};
+
+// kSlurmNode1 with one variable set to another value (or added).
+std::vector<std::string> slurm_node1_with(const std::string& entry) {
+  std::vector<std::string> env;
+  const std::string key = entry.substr(0, entry.find('=') + 1);
+  for (const auto& e : kSlurmNode1) {
+    if (e.rfind(key, 0) != 0) env.push_back(e);
+  }
+  env.push_back(entry);
+  return env;
+}
+
+TEST(Environment, SlurmStepGivesTheNodesAndMaster) {
+  // Port 20000 + 10 * (4321 mod 1000) + 3 mod 10.
+  expect_second_node_of_two(
+      run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20), kSlurmNode1), "n1",
+      "23213");
+
+  // The command line wins over the step; MASTER_PORT over the job's port.
+  ProcessResult r = run_cohortrun(
+      {"-n", "1", "--node-rank", "0", "--master-addr", "10.1.2.3", "--", "sh", "-c", kPrintEnv},
+      Seconds(20), slurm_node1_with("MASTER_PORT=29600"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<int, Env> envs = parse(r.out);
+  ASSERT_EQ(envs.count(0), 1u) << r.out;
+  EXPECT_EQ(envs[0]["WORLD_SIZE"], "2");
+  EXPECT_EQ(envs[0]["MASTER_ADDR"], "10.1.2.3");
+  EXPECT_EQ(envs[0]["MASTER_PORT"], "29600");
+}
+
+TEST(Environment, SlurmMisuseIsRefused) {
+  // Two tasks per node would be two launchers claiming one node rank.
+  ProcessResult r = run_cohortrun({"-n", "2", "--", "true"}, Seconds(20),
+                                  slurm_node1_with("SLURM_STEP_NUM_TASKS=4"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("start one cohortrun per node (srun --ntasks-per-node=1)"),
+            std::string::npos)
+      << r.err;
+  r = run_cohortrun({"-n", "2", "--", "true"}, Seconds(20),
+                    slurm_node1_with("SLURM_STEP_NODELIST=n[2-1]"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("node list 'n[2-1]' is malformed: range '2-1' descends"), std::string::npos)
+      << r.err;
+  // A batch script (no SLURM_STEP_ID) is one node, whatever the job has.
+  r = run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20),
+                    slurm_node1_with("SLURM_STEP_ID="));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto envs = parse(r.out);
+  ASSERT_EQ(envs.count(0), 1u) << r.out;
+  EXPECT_EQ(envs[0]["WORLD_SIZE"], "2");
+  EXPECT_EQ(envs[0]["MASTER_ADDR"], "127.0.0.1");
 }
 
 }  // namespace

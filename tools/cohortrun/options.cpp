@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "cohort/core/error.h"
+#include "cohort/core/slurm.h"
+
 namespace cohortrun {
 namespace {
 
@@ -60,6 +63,37 @@ void parse_nproc(const std::string& text, Options& o) {
   if (o.min_nproc < 1 || o.min_nproc > o.nproc_per_node) {
     throw UsageError("-n MIN:MAX needs 1 <= MIN <= MAX (got " + text + ")");
   }
+}
+
+// Inside a Slurm job step (`srun --ntasks-per-node=1 cohortrun ...`), the
+// step says what the command line leaves open: its nodes are --nnodes,
+// SLURM_NODEID is --node-rank, and the master and port are the library's
+// (cohort/core/slurm.h: MASTER_ADDR/MASTER_PORT, else the step's first node
+// and the job's port). Outside a step (a batch script) nothing is read: that
+// one process is not one node of many.
+void take_slurm_step(Options& o, bool nnodes_given, bool node_rank_given, bool port_given) {
+  std::optional<cohort::slurm::Step> step;
+  try {
+    step = cohort::slurm::job_step();
+  } catch (const cohort::ConfigError& e) {
+    throw UsageError(std::string(e.what()) + " (cohortrun in a Slurm job step)");
+  }
+  if (!step) return;
+  const int nodes = static_cast<int>(step->hosts.size());
+  if (step->size != nodes) {
+    throw UsageError("a Slurm job step of " + std::to_string(step->size) + " tasks on " +
+                     std::to_string(nodes) +
+                     " nodes: start one cohortrun per node (srun --ntasks-per-node=1)");
+  }
+  if (!nnodes_given) o.nnodes = nodes;
+  if (nodes == 1) return;  // one node: loopback and a free port, as without Slurm
+  if (!node_rank_given) {
+    const char* id = std::getenv("SLURM_NODEID");
+    if (!id) throw UsageError("a Slurm job step on several nodes without SLURM_NODEID");
+    o.node_rank = parse_int("SLURM_NODEID", id);
+  }
+  if (o.master_addr.empty()) o.master_addr = step->master_addr;
+  if (!port_given) o.master_port = step->master_port;
 }
 
 void validate(Options& o) {
@@ -140,12 +174,15 @@ std::optional<Options> parse_options(int argc, char** argv) {
                  "ranks to start on this node; MIN:MAX: start MAX, go on with fewer (>= MIN) "
                  "when a rank keeps failing")
       ->type_name("N|MIN:MAX");
-  app.add_option("--nnodes", nnodes, "number of nodes (default 1)")->type_name("M");
-  app.add_option("--node-rank", node_rank, "this node's index (default 0)")->type_name("K");
+  app.add_option("--nnodes", nnodes, "number of nodes (default 1; in a Slurm step, its nodes)")
+      ->type_name("M");
+  app.add_option("--node-rank", node_rank, "this node's index (default 0; SLURM_NODEID)")
+      ->type_name("K");
   app.add_option("--master-addr", o.master_addr,
-                 "address of node 0 (default 127.0.0.1 on one node)")
+                 "address of node 0 (default 127.0.0.1 on one node; the Slurm step's first)")
       ->type_name("ADDR");
-  app.add_option("--master-port", port, "rendezvous port (default: a free port on one node)")
+  app.add_option("--master-port", port,
+                 "rendezvous port (default: a free port on one node; the Slurm job's)")
       ->type_name("PORT");
   app.add_option("--backend", o.backend,
                  "auto (default, unless COHORT_BACKEND names another: ucx when built, else "
@@ -189,6 +226,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
   if (!node_rank.empty()) o.node_rank = parse_int("--node-rank", node_rank);
   if (!port.empty()) o.master_port = parse_port(port);
   if (!restarts.empty()) o.max_restarts = parse_int("--max-restarts", restarts);
+  take_slurm_step(o, !nnodes.empty(), !node_rank.empty(), !port.empty());
   if (!o.timeout_text.empty()) o.timeout_s = parse_timeout(o.timeout_text);
   validate(o);
   return o;

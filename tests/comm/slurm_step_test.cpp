@@ -1,0 +1,166 @@
+// Slurm's node list syntax and a job step's variables (cohort/core/slurm.h),
+// as tables; init() under them is in init_env_test.cpp.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "cohort/core/error.h"
+#include "cohort/core/slurm.h"
+
+namespace cohort::slurm_step_test {
+namespace {
+
+using namespace slurm;
+using Hosts = std::vector<std::string>;
+
+TEST(SlurmNodelist, ExpandsEveryForm) {
+  const std::vector<std::pair<std::string, Hosts>> cases = {
+      {"node7", {"node7"}},
+      {"a,b,c", {"a", "b", "c"}},
+      {"host[01-04,07]", {"host01", "host02", "host03", "host04", "host07"}},
+      {"a[1-2],b3", {"a1", "a2", "b3"}},
+      {"n[1-2]-ib", {"n1-ib", "n2-ib"}},
+      {"gpu-a100-2[8-10]", {"gpu-a100-28", "gpu-a100-29", "gpu-a100-210"}},
+      {"n[008-010]", {"n008", "n009", "n010"}},
+      {"n[9-11]", {"n9", "n10", "n11"}},
+      {"x[3]", {"x3"}},
+      {"r[1-2]c[0-1]", {"r1c0", "r1c1", "r2c0", "r2c1"}},
+      {"a.b[1-2].c,d_e", {"a.b1.c", "a.b2.c", "d_e"}},
+      {"[1-2]", {"1", "2"}},
+  };
+  for (const auto& [list, hosts] : cases) {
+    EXPECT_EQ(expand_nodelist(list), hosts) << list;
+  }
+}
+
+TEST(SlurmNodelist, MalformedListsAreNamed) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"", "it is empty"},
+      {"n[1-2", "'[' without ']'"},
+      {"n1-2]", "']' without '['"},
+      {"n[1-[2]]", "nested '['"},
+      {"n[]", "empty brackets"},
+      {"n[3-1]", "range '3-1' descends"},
+      {"n[a-b]", "range bound 'a' is not a number"},
+      {"n[1-]", "range bound ''"},
+      {"n[1,]", "range bound ''"},
+      {"n[-1]", "range bound ''"},
+      {"n[1-2-3]", "range bound '2-3' is not a number"},
+      {"a,,b", "an empty host name"},
+      {"a,", "an empty host name"},
+      {"a b", "character ' '"},
+      {"n[0-70000]", "more than 65536 hosts"},
+      {"n[0-999]m[0-999]", "more than 65536 hosts"},
+  };
+  for (const auto& [list, why] : cases) {
+    std::string what = "no error";
+    try {
+      expand_nodelist(list);
+    } catch (const ConfigError& e) {
+      what = e.what();
+    }
+    EXPECT_EQ(what, "cohort: Slurm node list '" + list + "' is malformed: " + why) << list;
+  }
+}
+
+TEST(SlurmStep, DefaultPortIsInItsRange) {
+  EXPECT_EQ(default_port(0, 0), 20000);
+  EXPECT_EQ(default_port(4321, 3), 23213);
+  EXPECT_EQ(default_port(999, 9), 29999);
+  EXPECT_EQ(default_port(67108863, 4294967294ULL), 28634);
+  EXPECT_NE(default_port(4321, 0), default_port(4322, 0));
+  EXPECT_NE(default_port(4321, 0), default_port(4321, 1));
+}
+
+// A step as srun describes task 2 of 4 on two nodes.
+std::map<std::string, std::string> srun_task() {
+  return {{"SLURM_JOB_ID", "4321"},
+          {"SLURM_STEP_ID", "3"},
+          {"SLURM_PROCID", "2"},
+          {"SLURM_NTASKS", "4"},
+          {"SLURM_STEP_NUM_TASKS", "4"},
+          {"SLURM_LOCALID", "0"},
+          {"SLURM_JOB_NODELIST", "n[1-3]"},
+          {"SLURM_STEP_NODELIST", "n[2-3]"}};
+}
+
+std::optional<Step> step_of(const std::map<std::string, std::string>& vars) {
+  return job_step([&](const char* name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+TEST(SlurmStep, ReadsTheStepsVariables) {
+  auto vars = srun_task();
+  auto s = step_of(vars);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->rank, 2);
+  EXPECT_EQ(s->size, 4);
+  EXPECT_EQ(s->local_rank, 0);
+  EXPECT_EQ(s->hosts, (Hosts{"n2", "n3"}));  // the step's nodes, not the job's
+  EXPECT_EQ(s->master_addr, "n2");
+  EXPECT_EQ(s->master_port, 23213);
+
+  // The step's task count wins over the job's; the job's node list serves
+  // when the step's is missing; MASTER_ADDR and MASTER_PORT win.
+  vars["SLURM_NTASKS"] = "8";
+  vars.erase("SLURM_STEP_NODELIST");
+  vars["MASTER_PORT"] = "29500";
+  s = step_of(vars);
+  EXPECT_EQ(s->size, 4);
+  EXPECT_EQ(s->hosts, (Hosts{"n1", "n2", "n3"}));
+  EXPECT_EQ(s->master_port, 29500);
+  vars["MASTER_ADDR"] = "10.0.0.9";
+  EXPECT_EQ(step_of(vars)->master_addr, "10.0.0.9");
+
+  // One node: loopback only.
+  vars = srun_task();
+  vars["SLURM_STEP_NODELIST"] = "n2";
+  EXPECT_EQ(step_of(vars)->master_addr, "127.0.0.1");
+}
+
+TEST(SlurmStep, OutsideAStepIsNone) {
+  auto vars = srun_task();
+  vars.erase("SLURM_STEP_ID");  // a batch script: SLURM_PROCID=0, SLURM_NTASKS=4
+  vars["SLURM_PROCID"] = "0";
+  vars.erase("SLURM_STEP_NUM_TASKS");
+  EXPECT_FALSE(step_of(vars));
+}
+
+TEST(SlurmStep, ContradictionsAreNamed) {
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"SLURM_PROCID", "4", "SLURM_PROCID=4 is not below SLURM_STEP_NUM_TASKS=4"},
+      {"SLURM_PROCID", "", "Slurm job step without SLURM_PROCID"},
+      {"SLURM_PROCID", "two", "SLURM_PROCID='two' is not an integer in [0, 1048576]"},
+      {"SLURM_STEP_NUM_TASKS", "0", "SLURM_STEP_NUM_TASKS='0' is not an integer in [1, 1048576]"},
+      {"SLURM_LOCALID", "4", "SLURM_LOCALID='4' is not an integer in [0, 3]"},
+      {"SLURM_JOB_ID", "-1", "SLURM_JOB_ID='-1' is not a Slurm id"},
+      {"SLURM_JOB_ID", "", "Slurm job step without SLURM_JOB_ID"},
+      {"MASTER_PORT", "0", "MASTER_PORT='0' is not an integer in [1, 65535]"},
+      {"SLURM_STEP_NODELIST", "n[2-", "node list 'n[2-' is malformed: '[' without ']'"},
+  };
+  for (const auto& [name, value, message] : cases) {
+    auto vars = srun_task();
+    if (value.empty()) {
+      vars.erase(name);
+    } else {
+      vars[name] = value;
+    }
+    std::string what = "no error";
+    try {
+      step_of(vars);
+    } catch (const ConfigError& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find(message), std::string::npos) << name << "=" << value << ": " << what;
+  }
+  auto vars = srun_task();
+  vars.erase("SLURM_STEP_NUM_TASKS");
+  vars.erase("SLURM_NTASKS");
+  EXPECT_THROW(step_of(vars), ConfigError);
+}
+
+}  // namespace
+}  // namespace cohort::slurm_step_test
