@@ -72,9 +72,9 @@ std::pair<torch::Tensor, torch::Tensor> finish_softmax(const SoftmaxState& state
 
 void accumulate_grads(const QuerySide& side, const torch::Tensor& k, const torch::Tensor& v,
                       const Piece& p, torch::Tensor& dq, torch::Tensor& dk, torch::Tensor& dv) {
-  auto probs = (scores(side.q, k, p, side.scale) -
-                side.lse.narrow(2, p.offset, p.rows).unsqueeze(-1))
-                   .exp_();
+  auto probs =
+      (scores(side.q, k, p, side.scale) - side.lse.narrow(2, p.offset, p.rows).unsqueeze(-1))
+          .exp_();
   auto dout = side.dout.narrow(2, p.offset, p.rows);
   auto keys = k.narrow(2, 0, p.keys);
   dv.narrow(2, 0, p.keys).add_(probs.transpose(-2, -1).matmul(dout));

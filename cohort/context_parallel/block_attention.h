@@ -60,7 +60,6 @@ struct QuerySide {
 // Adds one piece's gradients: into dq (rows of the piece) and into dk, dv
 // (the piece's key prefix of the block).
 void accumulate_grads(const QuerySide& side, const torch::Tensor& k, const torch::Tensor& v,
-                      const Piece& piece, torch::Tensor& dq, torch::Tensor& dk,
-                      torch::Tensor& dv);
+                      const Piece& piece, torch::Tensor& dq, torch::Tensor& dk, torch::Tensor& dv);
 
 }  // namespace cohort::context_parallel

@@ -81,9 +81,10 @@ ZigZagLayout agree_inputs(const torch::Tensor& q, const torch::Tensor& k, const 
   for (int r = 0; r < cp; ++r) {
     if (w[r * kWords + 3] != layout.local_length(r)) {
       throw InvalidArgument(where + "rank " + std::to_string(r) + " holds " +
-                            std::to_string(w[r * kWords + 3]) + " positions; the zig-zag layout of " +
-                            std::to_string(length) + " over cp = " + std::to_string(cp) +
-                            " gives it " + std::to_string(layout.local_length(r)));
+                            std::to_string(w[r * kWords + 3]) +
+                            " positions; the zig-zag layout of " + std::to_string(length) +
+                            " over cp = " + std::to_string(cp) + " gives it " +
+                            std::to_string(layout.local_length(r)));
     }
   }
   return layout;

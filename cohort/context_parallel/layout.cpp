@@ -79,10 +79,11 @@ torch::Tensor unshard_sequence(const std::vector<torch::Tensor>& shards, int64_t
   for (int r = 0; r < cp; ++r) {
     const auto& s = shards[static_cast<size_t>(r)];
     if (s.size(d) != layout.local_length(r)) {
-      throw InvalidArgument("cohort: unshard_sequence: rank " + std::to_string(r) + "'s shard has " +
-                            std::to_string(s.size(d)) + " positions; the zig-zag layout of " +
-                            std::to_string(length) + " over cp = " + std::to_string(cp) +
-                            " gives it " + std::to_string(layout.local_length(r)));
+      throw InvalidArgument("cohort: unshard_sequence: rank " + std::to_string(r) +
+                            "'s shard has " + std::to_string(s.size(d)) +
+                            " positions; the zig-zag layout of " + std::to_string(length) +
+                            " over cp = " + std::to_string(cp) + " gives it " +
+                            std::to_string(layout.local_length(r)));
     }
     const auto c = layout.chunks_of(r);
     const int64_t early = layout.chunk_length(c[0]);

@@ -52,6 +52,7 @@ struct Ring {
   }
 
   // Posts the receive first, so the message never waits for its buffer.
+  // Without overlap (a benchmark's baseline) the hop completes here.
   Hop pass(torch::Tensor outgoing, int from, int tag) const {
     Hop hop{std::move(outgoing), {}, {}};
     hop.incoming = torch::empty(shape_of(from), hop.outgoing.options());
@@ -59,6 +60,7 @@ struct Ring {
     const int prev = (rank() - 1 + cp()) % cp();
     hop.works.push_back(group.recv(hop.incoming, prev, {options.tag + tag, options.timeout}));
     hop.works.push_back(group.send(hop.outgoing, next, {options.tag + tag, options.timeout}));
+    if (!options.overlap) hop.wait();
     return hop;
   }
 };
@@ -120,6 +122,25 @@ std::pair<torch::Tensor, torch::Tensor> ring_backward(const Ring& ring, const Qu
   return {dq, grads.incoming};
 }
 
+// The options travel to backward in the context's IValue map.
+void save_options(AutogradContext* ctx, const RingAttentionOptions& o) {
+  ctx->saved_data["scale"] = o.scale;
+  ctx->saved_data["tag"] = static_cast<int64_t>(o.tag);
+  ctx->saved_data["timeout"] = static_cast<int64_t>(o.timeout.count());
+  ctx->saved_data["overlap"] = o.overlap;
+  ctx->saved_data["skip"] = static_cast<int64_t>(o.skip_step);
+}
+
+RingAttentionOptions load_options(AutogradContext* ctx) {
+  RingAttentionOptions o;
+  o.scale = ctx->saved_data["scale"].toDouble();
+  o.tag = static_cast<int>(ctx->saved_data["tag"].toInt());
+  o.timeout = Millis(ctx->saved_data["timeout"].toInt());
+  o.overlap = ctx->saved_data["overlap"].toBool();
+  o.skip_step = static_cast<int>(ctx->saved_data["skip"].toInt());
+  return o;
+}
+
 // The group lives in the autograd context as a capsule: saved_data holds
 // IValues only, and the graph must keep the group alive until backward.
 struct GroupHolder : torch::CustomClassHolder {
@@ -131,36 +152,30 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
                                torch::Tensor v, std::shared_ptr<Communicator> group,
                                RingAttentionOptions options) {
     const Ring ring = make_ring(*group, q, k, v, options);
-    const double scale = options.scale;
     torch::NoGradGuard no_grad;
-    auto [out, lse] = ring_forward(ring, q, torch::stack({k, v}), scale);
+    auto [out, lse] = ring_forward(ring, q, torch::stack({k, v}), ring.options.scale);
     auto holder = c10::make_intrusive<GroupHolder>();
     holder->group = std::move(group);
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(holder));
     ctx->saved_data["length"] = ring.layout.length();
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["tag"] = static_cast<int64_t>(options.tag);
-    ctx->saved_data["timeout"] = static_cast<int64_t>(options.timeout.count());
-    ctx->saved_data["skip"] = static_cast<int64_t>(options.skip_step);
+    save_options(ctx, ring.options);
     ctx->save_for_backward({q, k, v, out, lse});
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto holder = c10::static_intrusive_pointer_cast<GroupHolder>(
-        ctx->saved_data["group"].toCapsule());
-    RingAttentionOptions options;
-    options.scale = ctx->saved_data["scale"].toDouble();
-    options.tag = static_cast<int>(ctx->saved_data["tag"].toInt());
-    options.timeout = Millis(ctx->saved_data["timeout"].toInt());
-    options.skip_step = static_cast<int>(ctx->saved_data["skip"].toInt());
+    auto holder =
+        c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule());
+    const auto options = load_options(ctx);
     const auto saved = ctx->get_saved_variables();
     const auto& q = saved[0];
-    Ring ring{*holder->group, ZigZagLayout(ctx->saved_data["length"].toInt(), holder->group->size()),
-              options, block_shape_of(q)};
+    Ring ring{*holder->group,
+              ZigZagLayout(ctx->saved_data["length"].toInt(), holder->group->size()), options,
+              block_shape_of(q)};
     auto dout = grads[0].contiguous();
     QuerySide side{q.detach(), dout, saved[4], (dout * saved[3]).sum(-1), options.scale};
-    auto [dq, dkv] = ring_backward(ring, side, torch::stack({saved[1].detach(), saved[2].detach()}));
+    auto [dq, dkv] =
+        ring_backward(ring, side, torch::stack({saved[1].detach(), saved[2].detach()}));
     return {dq, dkv[0], dkv[1], torch::Tensor(), torch::Tensor()};
   }
 
@@ -179,8 +194,8 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
 
 }  // namespace
 
-torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k,
-                             const torch::Tensor& v, const std::shared_ptr<Communicator>& group,
+torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const std::shared_ptr<Communicator>& group,
                              const RingAttentionOptions& options) {
   if (!group) throw InvalidArgument("cohort: ring_attention: the cp group is null");
   return RingAttentionFunction::apply(q.contiguous(), k.contiguous(), v.contiguous(), group,

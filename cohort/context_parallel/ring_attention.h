@@ -48,6 +48,10 @@ struct RingAttentionOptions {
   /// Timeout of each transfer and of the shape agreement (kDefaultTimeout:
   /// the group's).
   Millis timeout = kDefaultTimeout;
+  /// Post each step's transfer before its block's attention, so the two run
+  /// together (false: finish it first; the baseline that shows what overlap
+  /// hides).
+  bool overlap = true;
   /// For tests only: the ring step (0 .. cp-1) whose K/V block is left out
   /// of forward and backward, so a test can show that its check notices a
   /// missing block. Negative: none.
@@ -63,8 +67,8 @@ struct RingAttentionOptions {
 /// all-gather agrees on them first, so a rank that differs is an
 /// InvalidArgument on every rank. Its backward communicates too, so every
 /// rank runs backward through it. The group stays alive with the graph.
-torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k,
-                             const torch::Tensor& v, const std::shared_ptr<Communicator>& group,
+torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const std::shared_ptr<Communicator>& group,
                              const RingAttentionOptions& options = {});
 
 }  // namespace cohort::context_parallel

@@ -33,8 +33,8 @@ class RingAttentionErrors : public ::testing::TestWithParam<std::string> {
         options);
     for (int r = 0; r < cp; ++r) {
       const auto& e = errors[static_cast<size_t>(r)];
-      EXPECT_TRUE(has(e, "ring_attention on rank " + std::to_string(r) + " of " +
-                             std::to_string(cp)))
+      EXPECT_TRUE(
+          has(e, "ring_attention on rank " + std::to_string(r) + " of " + std::to_string(cp)))
           << e;
       EXPECT_TRUE(has(e, part)) << e;
     }
@@ -48,32 +48,37 @@ ring_cases::Inputs rows(int64_t n, int64_t heads = 3) {
 TEST_P(RingAttentionErrors, SequenceShorterThanItsChunks) {
   // 5 positions over cp = 3 (6 chunks), and 3 over cp = 4: shorter than cp,
   // one rank holding none.
-  expect_everywhere(3, [](int r) { return rows(r == 0 ? 1 : 2); },
-                    "the sequence of 5 positions is shorter than its 2·cp = 6 zig-zag chunks");
-  expect_everywhere(4, [](int r) { return rows(r == 3 ? 0 : 1); },
-                    "the sequence of 3 positions is shorter than its 2·cp = 8 zig-zag chunks");
+  expect_everywhere(
+      3, [](int r) { return rows(r == 0 ? 1 : 2); },
+      "the sequence of 5 positions is shorter than its 2·cp = 6 zig-zag chunks");
+  expect_everywhere(
+      4, [](int r) { return rows(r == 3 ? 0 : 1); },
+      "the sequence of 3 positions is shorter than its 2·cp = 8 zig-zag chunks");
 }
 
 TEST_P(RingAttentionErrors, ShapesDifferAcrossRanks) {
-  expect_everywhere(2, [](int r) { return rows(4, r == 1 ? 4 : 3); },
-                    "ranks differ in batch, heads, head_dim or dtype: rank 0 [2, 3, 4, 4] Float, "
-                    "rank 1 [2, 4, 4, 4] Float");
+  expect_everywhere(
+      2, [](int r) { return rows(4, r == 1 ? 4 : 3); },
+      "ranks differ in batch, heads, head_dim or dtype: rank 0 [2, 3, 4, 4] Float, "
+      "rank 1 [2, 4, 4, 4] Float");
 }
 
 TEST_P(RingAttentionErrors, RowsOtherThanTheLayoutGives) {
   // 8 positions over cp = 2: the layout gives each rank 4.
-  expect_everywhere(2, [](int r) { return rows(r == 0 ? 5 : 3); },
-                    "rank 0 holds 5 positions; the zig-zag layout of 8 over cp = 2 gives it 4");
+  expect_everywhere(
+      2, [](int r) { return rows(r == 0 ? 5 : 3); },
+      "rank 0 holds 5 positions; the zig-zag layout of 8 over cp = 2 gives it 4");
 }
 
 TEST_P(RingAttentionErrors, KeysUnlikeQueries) {
-  expect_everywhere(3,
-                    [](int r) {
-                      auto in = rows(4);
-                      if (r == 2) in.k = in.k.narrow(3, 0, 2);
-                      return in;
-                    },
-                    "rank 2's inputs are refused: k and v must have q's shape");
+  expect_everywhere(
+      3,
+      [](int r) {
+        auto in = rows(4);
+        if (r == 2) in.k = in.k.narrow(3, 0, 2);
+        return in;
+      },
+      "rank 2's inputs are refused: k and v must have q's shape");
 }
 
 INSTANTIATE_TEST_SUITE_P(ContextParallel, RingAttentionErrors,

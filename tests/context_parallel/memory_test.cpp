@@ -50,10 +50,11 @@ TEST(RingAttentionMemory, FourRanksPeakAtMostAThirdOfOne) {
   const int64_t one = peak_bytes(1, in);
   const int64_t four = peak_bytes(4, in);
   const double ratio = static_cast<double>(four) / static_cast<double>(one);
-  std::printf("[ measured ] attention peak per rank, S = %lld: cp 1 %lld B, cp 4 %lld B, "
-              "ratio %.3f\n",
-              static_cast<long long>(kLength), static_cast<long long>(one),
-              static_cast<long long>(four), ratio);
+  std::printf(
+      "[ measured ] attention peak per rank, S = %lld: cp 1 %lld B, cp 4 %lld B, "
+      "ratio %.3f\n",
+      static_cast<long long>(kLength), static_cast<long long>(one), static_cast<long long>(four),
+      ratio);
   EXPECT_LE(ratio, 0.35);
 }
 

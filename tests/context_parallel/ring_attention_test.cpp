@@ -25,11 +25,16 @@ TEST_P(RingAttentionGolden, MatchesFullCausalAttention) {
   const auto& [engine, cp, length] = GetParam();
   const auto in = make_inputs(kBatch, kHeads, length, kDim);
   const auto want = reference(in);
-  const auto got = ring(in, cp, engine);
-  EXPECT_LE(max_diff(got.out, want.out), kTolerance);
-  EXPECT_LE(max_diff(got.dq, want.dq), kTolerance);
-  EXPECT_LE(max_diff(got.dk, want.dk), kTolerance);
-  EXPECT_LE(max_diff(got.dv, want.dv), kTolerance);
+  // Overlapped or not, the same arithmetic.
+  for (bool overlap : {true, false}) {
+    RingAttentionOptions options;
+    options.overlap = overlap;
+    const auto got = ring(in, cp, engine, options);
+    EXPECT_LE(max_diff(got.out, want.out), kTolerance) << "overlap " << overlap;
+    EXPECT_LE(max_diff(got.dq, want.dq), kTolerance) << "overlap " << overlap;
+    EXPECT_LE(max_diff(got.dk, want.dk), kTolerance) << "overlap " << overlap;
+    EXPECT_LE(max_diff(got.dv, want.dv), kTolerance) << "overlap " << overlap;
+  }
 }
 
 // The negative control: the same comparison must reject a ring that skips
