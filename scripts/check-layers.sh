@@ -26,6 +26,7 @@ declare -A layer=(
   [optim]=11
   [pipeline]=12
   [tensor_parallel]=13
+  [context_parallel]=13
   [dcp]=14
   [train]=15
 )
