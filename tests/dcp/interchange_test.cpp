@@ -64,6 +64,9 @@ struct Malformed {
   std::string name, bytes, expect;
 };
 
+// The case's name in gtest's messages, not its bytes.
+void PrintTo(const Malformed& m, std::ostream* os) { *os << m.name; }
+
 class SafetensorsMalformed : public ::testing::TestWithParam<Malformed> {};
 
 TEST_P(SafetensorsMalformed, IsAClearErrorNamingTheFileAndTensor) {
