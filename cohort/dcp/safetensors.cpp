@@ -32,9 +32,9 @@ constexpr int64_t kMaxTensorBytes = int64_t{1} << 62;
 
 const std::vector<std::pair<torch::Dtype, const char*>>& safetensors_dtypes() {
   static const std::vector<std::pair<torch::Dtype, const char*>> names = {
-      {torch::kFloat, "F32"}, {torch::kDouble, "F64"}, {torch::kHalf, "F16"},
-      {torch::kBFloat16, "BF16"}, {torch::kLong, "I64"}, {torch::kInt, "I32"},
-      {torch::kShort, "I16"}, {torch::kChar, "I8"},    {torch::kByte, "U8"},
+      {torch::kFloat, "F32"},     {torch::kDouble, "F64"}, {torch::kHalf, "F16"},
+      {torch::kBFloat16, "BF16"}, {torch::kLong, "I64"},   {torch::kInt, "I32"},
+      {torch::kShort, "I16"},     {torch::kChar, "I8"},    {torch::kByte, "U8"},
       {torch::kBool, "BOOL"}};
   return names;
 }
@@ -52,11 +52,12 @@ struct Fd {
 
 void pread_all(int fd, char* out, int64_t bytes, int64_t at, const std::string& file) {
   for (int64_t done = 0; done < bytes;) {
-    const ssize_t n = ::pread(fd, out + done, static_cast<size_t>(bytes - done),
-                              static_cast<off_t>(at + done));
+    const ssize_t n =
+        ::pread(fd, out + done, static_cast<size_t>(bytes - done), static_cast<off_t>(at + done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      throw file_error(file, n == 0 ? "truncated" : std::string("read failed: ") + std::strerror(errno));
+      throw file_error(file,
+                       n == 0 ? "truncated" : std::string("read failed: ") + std::strerror(errno));
     }
     done += n;
   }
@@ -186,7 +187,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   }
   if (entries_.size() != wants.size()) {
     for (const auto& e : entries_) {
-      if (!wants.count(e.name)) throw file_error(e.file, "tensor " + e.name + " is not in the index");
+      if (!wants.count(e.name))
+        throw file_error(e.file, "tensor " + e.name + " is not in the index");
     }
   }
 }
@@ -196,15 +198,17 @@ void SafetensorsFile::read_header(const std::string& file) {
   f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (f.fd < 0) throw file_error(file, "cannot open: " + std::string(std::strerror(errno)));
   struct stat st = {};
-  if (::fstat(f.fd, &st) != 0) throw file_error(file, "fstat failed: " + std::string(strerror(errno)));
+  if (::fstat(f.fd, &st) != 0)
+    throw file_error(file, "fstat failed: " + std::string(strerror(errno)));
   const auto size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) throw file_error(file, "truncated: " + std::to_string(size) + " bytes, no header length");
+  if (size < 8)
+    throw file_error(file, "truncated: " + std::to_string(size) + " bytes, no header length");
   uint64_t n = 0;
   pread_all(f.fd, reinterpret_cast<char*>(&n), 8, 0, file);
   if (n > kMaxHeaderBytes || n > size - 8) {
     throw file_error(file, "the header length " + std::to_string(n) + " passes the file's " +
-                        std::to_string(size) + " bytes or the limit of " +
-                        std::to_string(kMaxHeaderBytes));
+                               std::to_string(size) + " bytes or the limit of " +
+                               std::to_string(kMaxHeaderBytes));
   }
   std::string text(n, '\0');
   pread_all(f.fd, text.data(), static_cast<int64_t>(n), 8, file);
@@ -221,7 +225,8 @@ void SafetensorsFile::read_header(const std::string& file) {
     if (name == "__metadata__") {
       if (!v.is_object()) throw file_error(file, "\"__metadata__\" is not an object");
       for (const auto& [k, s] : v.items()) {
-        if (!s.is_string()) throw file_error(file, "\"__metadata__\" entry " + k + " is not a string");
+        if (!s.is_string())
+          throw file_error(file, "\"__metadata__\" entry " + k + " is not a string");
         metadata_[k] = s.get<std::string>();
       }
       continue;
@@ -235,7 +240,8 @@ void SafetensorsFile::read_header(const std::string& file) {
     const auto dtype = v["dtype"].get<std::string>();
     auto it = std::find_if(safetensors_dtypes().begin(), safetensors_dtypes().end(),
                            [&](const auto& d) { return dtype == d.second; });
-    if (it == safetensors_dtypes().end()) throw file_error(file, where + "unsupported dtype \"" + dtype + "\"");
+    if (it == safetensors_dtypes().end())
+      throw file_error(file, where + "unsupported dtype \"" + dtype + "\"");
     std::vector<int64_t> shape;
     for (const auto& d : v["shape"]) {
       if (!d.is_number_integer()) throw file_error(file, where + "a dimension is not an integer");
@@ -244,20 +250,21 @@ void SafetensorsFile::read_header(const std::string& file) {
                           : d.get<int64_t>());
     }
     const int64_t bytes = tensor_bytes(shape, static_cast<int64_t>(c10::elementSize(it->first)));
-    if (bytes < 0) throw file_error(file, where + "the shape " + shape_string(shape) + " is impossible");
+    if (bytes < 0)
+      throw file_error(file, where + "the shape " + shape_string(shape) + " is impossible");
     int64_t off[2];
     for (int i = 0; i < 2; ++i) {
       const auto& o = v["data_offsets"][i];
       if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(data)) {
         throw file_error(file, where + "data_offsets " + v["data_offsets"].dump() +
-                            " pass the data's " + std::to_string(data) + " bytes");
+                                   " pass the data's " + std::to_string(data) + " bytes");
       }
       off[i] = o.get<int64_t>();
     }
     if (off[1] - off[0] != bytes) {
       throw file_error(file, where + "data_offsets " + v["data_offsets"].dump() + " hold " +
-                          std::to_string(off[1] - off[0]) + " bytes; " + dtype + " " +
-                          shape_string(shape) + " needs " + std::to_string(bytes));
+                                 std::to_string(off[1] - off[0]) + " bytes; " + dtype + " " +
+                                 shape_string(shape) + " needs " + std::to_string(bytes));
     }
     if (find(name)) throw file_error(file, where + "named twice");
     spans.push_back({{off[0], off[1]}, name});
@@ -268,7 +275,7 @@ void SafetensorsFile::read_header(const std::string& file) {
   for (size_t i = 1; i < spans.size(); ++i) {
     if (spans[i].first.first < spans[i - 1].first.second) {
       throw file_error(file, "tensors " + spans[i - 1].second + " and " + spans[i].second +
-                          " overlap in the data");
+                                 " overlap in the data");
     }
   }
 }
@@ -295,7 +302,7 @@ torch::Tensor SafetensorsFile::read_box(const std::string& name, const Box& box)
   }
   if (!inside) {
     throw file_error(e->file, "tensor " + name + ": the box " + to_string(box) + " is not inside " +
-                           shape_string(e->shape));
+                                  shape_string(e->shape));
   }
   auto out = torch::empty(box.lengths, torch::TensorOptions().dtype(e->dtype));
   if (out.numel() == 0) return out;

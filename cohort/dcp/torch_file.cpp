@@ -17,16 +17,26 @@ namespace {
 // The name of a dtype's storage class in Python's torch.save pickles.
 const char* storage_class(torch::Dtype dtype) {
   switch (dtype) {
-    case torch::kFloat: return "FloatStorage";
-    case torch::kDouble: return "DoubleStorage";
-    case torch::kHalf: return "HalfStorage";
-    case torch::kBFloat16: return "BFloat16Storage";
-    case torch::kLong: return "LongStorage";
-    case torch::kInt: return "IntStorage";
-    case torch::kShort: return "ShortStorage";
-    case torch::kChar: return "CharStorage";
-    case torch::kByte: return "ByteStorage";
-    case torch::kBool: return "BoolStorage";
+    case torch::kFloat:
+      return "FloatStorage";
+    case torch::kDouble:
+      return "DoubleStorage";
+    case torch::kHalf:
+      return "HalfStorage";
+    case torch::kBFloat16:
+      return "BFloat16Storage";
+    case torch::kLong:
+      return "LongStorage";
+    case torch::kInt:
+      return "IntStorage";
+    case torch::kShort:
+      return "ShortStorage";
+    case torch::kChar:
+      return "CharStorage";
+    case torch::kByte:
+      return "ByteStorage";
+    case torch::kBool:
+      return "BoolStorage";
     default:
       throw Unsupported(std::string("save_torch: dtype ") + c10::toString(dtype) +
                         " is not supported");
@@ -155,8 +165,10 @@ NamedTensors load_torch(const std::string& path) {
     std::string what = e.what_without_backtrace();
     // Some LibTorch releases unpickle collections.OrderedDict as None.
     if (what.find("got None") != std::string::npos) {
-      what = "an OrderedDict (a state_dict() saved as it is) reads as None in this LibTorch: "
-             "save dict(model.state_dict()) (" + what + ")";
+      what =
+          "an OrderedDict (a state_dict() saved as it is) reads as None in this LibTorch: "
+          "save dict(model.state_dict()) (" +
+          what + ")";
     }
     throw CheckpointError("torch file " + path + ": " + what);
   }
@@ -172,8 +184,8 @@ NamedTensors load_torch(const std::string& path) {
     }
     const auto& name = item.key().toStringRef();
     if (!item.value().isTensor()) {
-      throw CheckpointError("torch file " + path + ": " + name + " is a " +
-                            item.value().tagKind() + ", not a tensor");
+      throw CheckpointError("torch file " + path + ": " + name + " is a " + item.value().tagKind() +
+                            ", not a tensor");
     }
     out.insert(name, item.value().toTensor());
   }

@@ -74,7 +74,8 @@ std::string stage(const StateDict& state, const std::string& path,
       }
       for (const auto& s : t.shards) staged.emplace_back(s.data, src.read_box(name, s.box));
     }
-    if (!missing.empty()) return where + "the model's tensors " + joined(missing) + " are not in it";
+    if (!missing.empty())
+      return where + "the model's tensors " + joined(missing) + " are not in it";
     std::vector<std::string> unexpected;
     for (const auto& [name, shape] : src.shapes) {
       if (!held.count(name)) unexpected.push_back(name);

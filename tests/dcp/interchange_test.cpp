@@ -35,9 +35,8 @@ std::string read_bytes(const fs::path& path) {
 
 // {"a": float32 [1, -2], "b": int16 7 (0-d)}: 1.0f is 00 00 80 3f, -2.0f
 // 00 00 00 c0; the header padded with spaces to a multiple of 8 bytes.
-const char* kHeader =
-    R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-    R"("b":{"dtype":"I16","shape":[],"data_offsets":[8,10]}})";
+const char* kHeader = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                      R"("b":{"dtype":"I16","shape":[],"data_offsets":[8,10]}})";
 const std::string kData("\x00\x00\x80\x3f\x00\x00\x00\xc0\x07\x00", 10);
 
 TEST(Safetensors, WritesAndReadsTheBytesOfTheFormat) {
@@ -99,13 +98,15 @@ INSTANTIATE_TEST_SUITE_P(
                   one(R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                       R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]})"),
                   "tensors a and b overlap"},
-        Malformed{"unknown_dtype", one(R"("a":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]})"),
+        Malformed{"unknown_dtype",
+                  one(R"("a":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]})"),
                   "tensor a: unsupported dtype \"F8_E4M3\""},
         Malformed{"negative_shape", one(R"("a":{"dtype":"U8","shape":[-8],"data_offsets":[0,8]})"),
                   "tensor a: the shape [-8] is impossible"},
-        Malformed{"huge_shape",
-                  one(R"("a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]})"),
-                  "tensor a: the shape [4294967296, 4294967296] is impossible"},
+        Malformed{
+            "huge_shape",
+            one(R"("a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]})"),
+            "tensor a: the shape [4294967296, 4294967296] is impossible"},
         Malformed{"past_data", one(R"("a":{"dtype":"F64","shape":[2],"data_offsets":[0,16]})"),
                   "tensor a: data_offsets [0,16] pass the data's 8 bytes"},
         Malformed{"size_mismatch", one(R"("a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]})"),

@@ -37,7 +37,8 @@ dcp::NamedTensors closed_form(bool contiguous_only) {
 void run_peer(const std::vector<std::string>& args) {
   std::vector<std::string> argv{kTorchPython, kPeer};
   argv.insert(argv.end(), args.begin(), args.end());
-  const auto r = run_process(argv, Seconds(120), {"PYTHONDONTWRITEBYTECODE=1", "OMP_NUM_THREADS=1"});
+  const auto r =
+      run_process(argv, Seconds(120), {"PYTHONDONTWRITEBYTECODE=1", "OMP_NUM_THREADS=1"});
   ASSERT_EQ(r.exit_code, 0) << kPeer << " " << args[0] << ":\n" << r.out << r.err;
 }
 

@@ -143,12 +143,15 @@ std::vector<std::string> export_checkpoint(const std::string& dir, const std::st
 
 int import_weights(const std::string& file, const std::string& dir, const std::string& prefix) {
   const auto tensors = cohort::dcp::is_torch_file(file) ? cohort::dcp::load_torch(file)
-                                           : cohort::dcp::load_safetensors(file);
+                                                        : cohort::dcp::load_safetensors(file);
   cohort::dcp::StateDict state;
   std::set<std::string> modules;
   for (const auto& item : tensors) {
     const auto shape = item.value().sizes().vec();
-    state.tensors.push_back({prefix + item.key(), shape, item.value().scalar_type(), true,
+    state.tensors.push_back({prefix + item.key(),
+                             shape,
+                             item.value().scalar_type(),
+                             true,
                              {{cohort::dcp::whole(shape), item.value()}}});
     // Every module the names imply (a.b.weight: a and a.b).
     for (auto dot = item.key().find('.'); dot != std::string::npos;

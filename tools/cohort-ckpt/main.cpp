@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
   exp->add_option("out", out, "the file to write (model.safetensors, model.pt)")->required();
   exp->add_option("--format", ex.format, "safetensors (default) or torch")
       ->check(CLI::IsMember({"safetensors", "torch"}));
-  exp->add_option("--prefix", ex.prefix, "the tensors to write (default: model.), named without it");
+  exp->add_option("--prefix", ex.prefix,
+                  "the tensors to write (default: model.), named without it");
   exp->add_option("--shard-size", ex.max_shard_bytes,
                   "safetensors: shards of at most this many bytes and an index when larger "
                   "(default 0: one file)");
