@@ -76,13 +76,23 @@ void expect_same(const dcp::NamedTensors& got, const dcp::NamedTensors& want) {
   }
 }
 
-TEST(TorchPython, TorchLoadReadsWhatCohortWrote) {
-  const auto dir = temp_dir("py_torch_load");
-  dcp::save_torch(closed_form(false), (dir / "w.pt").string());
-  run_peer({"torch-read", (dir / "w.pt").string(), (dir / "read").string()});
-  expect_read_by_python(dir / "read", closed_form(false));
+// cohort writes the closed-form dict (save_torch for torch-read, else
+// save_safetensors) and the peer's `command` reads it.
+void expect_python_reads(const std::string& command, bool contiguous_only) {
+  const auto dir = temp_dir("py_" + command);
+  const auto path = (dir / "w").string();
+  const auto want = closed_form(contiguous_only);
+  if (command == "torch-read") {
+    dcp::save_torch(want, path);
+  } else {
+    dcp::save_safetensors(want, path);
+  }
+  run_peer({command, path, (dir / "read").string()});
+  expect_read_by_python(dir / "read", want);
   fs::remove_all(dir);
 }
+
+TEST(TorchPython, TorchLoadReadsWhatCohortWrote) { expect_python_reads("torch-read", false); }
 
 // The zip format is read, strided views included; the legacy format is a
 // clear error.
@@ -114,13 +124,7 @@ class SafetensorsPython : public ::testing::Test {
   }
 };
 
-TEST_F(SafetensorsPython, SafetensorsReadsWhatCohortWrote) {
-  const auto dir = temp_dir("py_st_read");
-  dcp::save_safetensors(closed_form(true), (dir / "w.safetensors").string());
-  run_peer({"st-read", (dir / "w.safetensors").string(), (dir / "read").string()});
-  expect_read_by_python(dir / "read", closed_form(true));
-  fs::remove_all(dir);
-}
+TEST_F(SafetensorsPython, SafetensorsReadsWhatCohortWrote) { expect_python_reads("st-read", true); }
 
 TEST_F(SafetensorsPython, CohortReadsWhatSafetensorsWrote) {
   const auto dir = temp_dir("py_st_write");
