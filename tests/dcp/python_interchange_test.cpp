@@ -4,20 +4,15 @@
 // Face's safetensors where python3-safetensors is installed (Debian 13; the
 // SafetensorsPython cases skip elsewhere). Equal to the bit: names, dtypes,
 // shapes and bytes.
-#include <fstream>
-
 #include "cohort/dcp/safetensors.h"
 #include "cohort/dcp/torch_file.h"
-#include "support/subprocess.h"
-#include "support/torch_peer.h"
 #include "tests/dcp/dcp_test_support.h"
+#include "tests/dcp/python_peer.h"
 
 namespace cohort::testing::dcp_test::python_interchange_test {
 namespace {
 
 namespace fs = std::filesystem;
-
-const std::string kPeer = std::string(DCP_TEST_DIR) + "/interchange_peer.py";
 
 // The dict interchange_peer.py builds, computed here.
 dcp::NamedTensors closed_form(bool contiguous_only) {
@@ -32,48 +27,6 @@ dcp::NamedTensors closed_form(bool contiguous_only) {
   d.insert("e", torch::zeros({0, 3}));
   if (!contiguous_only) d.insert("t", (torch::arange(6, torch::kFloat).reshape({2, 3}) + 1).t());
   return d;
-}
-
-void run_peer(const std::vector<std::string>& args) {
-  std::vector<std::string> argv{kTorchPython, kPeer};
-  argv.insert(argv.end(), args.begin(), args.end());
-  const auto r =
-      run_process(argv, Seconds(120), {"PYTHONDONTWRITEBYTECODE=1", "OMP_NUM_THREADS=1"});
-  ASSERT_EQ(r.exit_code, 0) << kPeer << " " << args[0] << ":\n" << r.out << r.err;
-}
-
-std::string shape_text(const torch::Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? "," : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
-// What the peer read (its manifest and each tensor's bytes) is `want`.
-void expect_read_by_python(const fs::path& dir, const dcp::NamedTensors& want) {
-  std::ifstream manifest(dir / "manifest.txt");
-  std::string name, dtype, shape;
-  size_t n = 0;
-  while (manifest >> name >> dtype >> shape) {
-    ++n;
-    const auto* t = want.find(name);
-    ASSERT_NE(t, nullptr) << name;
-    EXPECT_EQ(dtype, dcp::dtype_name(t->scalar_type())) << name;
-    EXPECT_EQ(shape, shape_text(*t)) << name;
-    if (shape != shape_text(*t) || dtype != dcp::dtype_name(t->scalar_type())) continue;
-    EXPECT_TRUE(torch::equal(read_raw((dir / (name + ".bin")).string(), t->contiguous()), *t))
-        << name;
-  }
-  EXPECT_EQ(n, want.size());
-}
-
-void expect_same(const dcp::NamedTensors& got, const dcp::NamedTensors& want) {
-  ASSERT_EQ(got.size(), want.size());
-  for (const auto& item : want) {
-    const auto* t = got.find(item.key());
-    ASSERT_NE(t, nullptr) << item.key();
-    EXPECT_EQ(t->scalar_type(), item.value().scalar_type()) << item.key();
-    EXPECT_TRUE(torch::equal(*t, item.value())) << item.key();
-  }
 }
 
 // cohort writes the closed-form dict (save_torch for torch-read, else
@@ -113,14 +66,8 @@ TEST(TorchPython, CohortReadsWhatTorchSaveWrote) {
 
 class SafetensorsPython : public ::testing::Test {
  protected:
-  // Probed once (a Python start imports torch: a second).
-  static const ProcessResult& probe() {
-    static const auto r = run_process({kTorchPython, kPeer, "--probe-safetensors"}, Seconds(60));
-    return r;
-  }
   void SetUp() override {
-    if (probe().exit_code == 77) GTEST_SKIP() << probe().out;
-    ASSERT_EQ(probe().exit_code, 0) << probe().out << probe().err;
+    if (auto reason = python_lacks_safetensors()) GTEST_SKIP() << *reason;
   }
 };
 

@@ -21,6 +21,7 @@
 #include "examples/models/gpt_pipeline.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
+#include "tests/dcp/python_peer.h"
 
 namespace cohort::testing::dcp_test::tp_round_trip_test {
 namespace {
@@ -244,9 +245,11 @@ TEST(TensorParallelBadInput, TpThatDoesNotDivideIsAnErrorOnEveryRank) {
 
 // cohort-ckpt export of a pp 2 x tp 2 checkpoint (one training step) is the
 // one-process model's state dict (the checkpoint loaded at tp1 x pp1 x dp1)
-// to the bit, as sharded safetensors and as a torch.save dict that Python's
-// torch.load reads; and load_weights initializes a pp 2 x tp 2 model from
-// the safetensors, each rank reading its stage's slices.
+// to the bit, as sharded safetensors and as a torch.save dict, read by
+// cohort and by Python (torch.load; safetensors where installed); import
+// turns the file back into a checkpoint; and load_weights initializes a
+// pp 2 x tp 2 model from the safetensors, each rank reading its stage's
+// slices.
 TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
   const auto dir = temp_dir("tp_export");
   const auto ckpt = (dir / "ckpt").string();
@@ -266,12 +269,27 @@ TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
   EXPECT_GT(files.size(), 2u);  // shards and the index
   const auto pt = (dir / "model.pt").string();
   cohort_ckpt::export_checkpoint(ckpt, pt, {"torch"});
-  for (const auto& got : {dcp::load_safetensors(files.back()), dcp::load_torch(pt)}) {
-    ASSERT_EQ(got.size(), one.size());
-    for (const auto& item : one) {
-      ASSERT_NE(got.find(item.key()), nullptr) << item.key();
-      EXPECT_TRUE(torch::equal(got[item.key()], item.value())) << item.key();
-    }
+  expect_same(dcp::load_safetensors(files.back()), one);
+  expect_same(dcp::load_torch(pt), one);
+  // Python reads them: torch.load, and safetensors where it is installed.
+  run_peer({"torch-read", pt, (dir / "py_pt").string()});
+  expect_read_by_python(dir / "py_pt", one);
+  if (auto reason = python_lacks_safetensors()) {
+    std::printf("safetensors part skipped: %s\n", reason->c_str());
+  } else {
+    const auto whole = (dir / "whole.safetensors").string();
+    cohort_ckpt::export_checkpoint(ckpt, whole);
+    run_peer({"st-read", whole, (dir / "py_st").string()});
+    expect_read_by_python(dir / "py_st", one);
+  }
+
+  // And back: cohort-ckpt import writes the file as a checkpoint.
+  const auto imported = (dir / "imported").string();
+  EXPECT_EQ(cohort_ckpt::import_weights(files.back(), imported), static_cast<int>(one.size()));
+  const auto back = dcp::read_metadata(imported);
+  for (const auto& item : one) {
+    EXPECT_TRUE(torch::equal(dcp::read_tensor(imported, back, "model." + item.key()), item.value()))
+        << item.key();
   }
 
   std::mutex mu;
