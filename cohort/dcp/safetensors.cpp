@@ -106,11 +106,14 @@ void write_one(const std::vector<std::pair<std::string, torch::Tensor>>& tensors
 }  // namespace
 
 std::string safetensors_dtype_name(torch::Dtype dtype) {
-  for (const auto& [d, n] : safetensors_dtypes()) {
-    if (d == dtype) return n;
+  const auto& names = safetensors_dtypes();
+  auto it =
+      std::find_if(names.begin(), names.end(), [&](const auto& d) { return d.first == dtype; });
+  if (it == names.end()) {
+    throw Unsupported(std::string("safetensors: dtype ") + c10::toString(dtype) +
+                      " is not supported");
   }
-  throw Unsupported(std::string("safetensors: dtype ") + c10::toString(dtype) +
-                    " is not supported");
+  return it->second;
 }
 
 std::vector<std::string> save_safetensors(const NamedTensors& tensors, const std::string& path,

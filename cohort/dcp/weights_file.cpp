@@ -5,6 +5,7 @@
 #include <set>
 
 #include "cohort/dcp/adapters.h"
+#include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/safetensors.h"
 #include "cohort/dcp/torch_file.h"
