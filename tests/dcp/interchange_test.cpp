@@ -231,5 +231,43 @@ TEST_P(LoadWeightsFsdp, EachRankReadsItsRows) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, LoadWeightsFsdp, ::testing::Values(1, 3));
 
+// A tensor only rank 2 holds is not in the file: with options.comm every
+// rank throws rank 2's error, and no rank changed a tensor.
+TEST(LoadWeights, OneRanksErrorIsEveryRanksAndNothingChanges) {
+  const auto dir = temp_dir("weights_agree");
+  const auto path = (dir / "w.safetensors").string();
+  Net source(1, false);
+  dcp::NamedTensors t;
+  for (const auto& p : source->named_parameters()) t.insert(p.key(), p.value());
+  for (const auto& b : source->named_buffers()) t.insert(b.key(), b.value());
+  dcp::save_safetensors(t, path);
+  std::mutex mu;
+  int errors = 0;
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    Net target(2, false);
+    const auto before = snapshot(*target, nullptr);
+    auto sd = dcp::ddp_state_dict(*target, nullptr);
+    auto extra = torch::zeros({2});
+    if (comm->rank() == 2)
+      sd.tensors.push_back({"model.extra", {2}, torch::kFloat, true, {{dcp::whole({2}), extra}}});
+    dcp::LoadWeightsOptions options;
+    options.comm = comm.get();
+    try {
+      dcp::load_weights(sd, path, options);
+    } catch (const CheckpointError& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_NE(std::string(e.what()).find("rank 2: dcp::load_weights: " + path +
+                                           ": the model's tensors extra are not in it"),
+                std::string::npos)
+          << e.what();
+      ++errors;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    expect_equal(snapshot(*target, nullptr), before, "rank " + std::to_string(comm->rank()));
+  });
+  EXPECT_EQ(errors, 3);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace cohort::testing::dcp_test::interchange_test
