@@ -56,6 +56,9 @@
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/dcp/metadata.h"
+#include "cohort/dcp/safetensors.h"
+#include "cohort/dcp/torch_file.h"
+#include "cohort/dcp/weights_file.h"
 // Training loop.
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/fsdp_adapters.h"

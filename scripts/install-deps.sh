@@ -25,6 +25,11 @@ packages=(
   clang-format git        # the formatting check on changed lines (git clang-format)
   debootstrap             # scripts/test-debian13.sh: the Debian 13 lane
 )
+# Hugging Face's safetensors reader, the peer of dcp's safetensors tests;
+# Debian 12 has no package (those tests skip there).
+if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = trixie ]; then
+  packages+=(python3-safetensors)
+fi
 
 missing=()
 for p in "${packages[@]}"; do

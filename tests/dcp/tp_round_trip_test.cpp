@@ -10,14 +10,18 @@
 
 #include <mutex>
 
+#include "ckpt_files.h"
 #include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/torch_file.h"
 #include "cohort/dcp/tp_adapters.h"
+#include "cohort/dcp/weights_file.h"
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
 #include "examples/models/gpt_model.h"
 #include "examples/models/gpt_pipeline.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
+#include "tests/dcp/python_peer.h"
 
 namespace cohort::testing::dcp_test::tp_round_trip_test {
 namespace {
@@ -249,6 +253,76 @@ TEST(TensorParallelBadInput, TpThatDoesNotDivideIsAnErrorOnEveryRank) {
     expect_equal(rank_state(stage, opt), before, "rank " + std::to_string(mesh.rank()));
   });
   EXPECT_EQ(errors, 3);
+  std::filesystem::remove_all(dir);
+}
+
+// cohort-ckpt export of a pp 2 x tp 2 checkpoint (one training step) is the
+// one-process model's state dict (the checkpoint loaded at tp1 x pp1 x dp1)
+// to the bit, as sharded safetensors and as a torch.save dict, read by
+// cohort and by Python (torch.load; safetensors where installed); import
+// turns the file back into a checkpoint; and load_weights initializes a
+// pp 2 x tp 2 model from the safetensors, each rank reading its stage's
+// slices.
+TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
+  const auto dir = temp_dir("tp_export");
+  const auto ckpt = (dir / "ckpt").string();
+  const auto expected = train_and_save({1, 2, 2}, 1, ckpt, config(7));
+  const auto meta = dcp::read_metadata(ckpt);
+  dcp::NamedTensors one;
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
+    DeviceMesh mesh(world, {1, 1, 1});
+    GPTStage stage(mesh, config(99));
+    auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, nullptr, gpt_tied_parameters(), &meta);
+    dcp::load(sd, ckpt, *world, &meta);
+    for (const auto& p : stage->named_parameters()) one.insert(p.key(), p.value().detach().clone());
+    for (const auto& b : stage->named_buffers()) one.insert(b.key(), b.value().clone());
+  });
+  const auto st = (dir / "model.safetensors").string();
+  const auto files = cohort_ckpt::export_checkpoint(ckpt, st, {"safetensors", "model.", 40000});
+  EXPECT_GT(files.size(), 2u);  // shards and the index
+  const auto pt = (dir / "model.pt").string();
+  cohort_ckpt::export_checkpoint(ckpt, pt, {"torch"});
+  expect_same(dcp::load_safetensors(files.back()), one);
+  expect_same(dcp::load_torch(pt), one);
+  // Python reads them: torch.load, and safetensors where it is installed.
+  run_peer({"torch-read", pt, (dir / "py_pt").string()});
+  expect_read_by_python(dir / "py_pt", one);
+  if (auto reason = python_lacks_safetensors()) {
+    std::printf("safetensors part skipped: %s\n", reason->c_str());
+  } else {
+    const auto whole = (dir / "whole.safetensors").string();
+    cohort_ckpt::export_checkpoint(ckpt, whole);
+    run_peer({"st-read", whole, (dir / "py_st").string()});
+    expect_read_by_python(dir / "py_st", one);
+  }
+
+  // And back: cohort-ckpt import writes the file as a checkpoint.
+  const auto imported = (dir / "imported").string();
+  EXPECT_EQ(cohort_ckpt::import_weights(files.back(), imported), static_cast<int>(one.size()));
+  const auto back = dcp::read_metadata(imported);
+  for (const auto& item : one) {
+    EXPECT_TRUE(torch::equal(dcp::read_tensor(imported, back, "model." + item.key()), item.value()))
+        << item.key();
+  }
+
+  std::mutex mu;
+  run_ranks_shared(4, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    DeviceMesh mesh(world, {1, 2, 2});
+    GPTStage stage(mesh, config(99));
+    dcp::Metadata none;  // for loading: every tensor the stage holds
+    auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, nullptr, gpt_tied_parameters(), &none);
+    dcp::LoadWeightsOptions options;
+    options.allow_unexpected = true;  // the other stage's tensors
+    options.comm = world.get();
+    dcp::load_weights(sd, files.back(), options);
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& p : stage->named_parameters()) {
+      const auto name = "model." + checkpoint_name(p.key());
+      EXPECT_TRUE(torch::equal(p.value(), slice_of(expected.at(name), name, 2, mesh.tp_rank())))
+          << "rank " << mesh.rank() << ": " << name;
+    }
+  });
   std::filesystem::remove_all(dir);
 }
 

@@ -5,9 +5,13 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <set>
 
+#include "cohort/comm/init.h"
+#include "cohort/core/store/hash_store.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/dcp.h"
+#include "cohort/dcp/torch_file.h"
 
 namespace cohort_ckpt {
 namespace {
@@ -48,6 +52,17 @@ struct Node {
   }
 };
 
+// The archive of the module holding tensor `name` ("a.b.weight": a's b).
+Node* node_of(Node& root, const std::string& name) {
+  Node* node = &root;
+  for (size_t at = 0, dot; (dot = name.find('.', at)) != std::string::npos; at = dot + 1) {
+    node = &node->children[name.substr(at, dot - at)];
+  }
+  return node;
+}
+
+std::string leaf_name(const std::string& name) { return name.substr(name.rfind('.') + 1); }
+
 }  // namespace
 
 std::string inspect_checkpoint(const std::string& dir, bool verify) {
@@ -77,41 +92,77 @@ std::string inspect_checkpoint(const std::string& dir, bool verify) {
   return out;
 }
 
+cohort::dcp::NamedTensors model_tensors(const std::string& dir, const std::string& prefix) {
+  const auto meta = cohort::dcp::read_metadata(dir);
+  cohort::dcp::NamedTensors out;
+  for (const auto& t : meta.tensors) {
+    if (t.fqn.compare(0, prefix.size(), prefix) != 0) continue;
+    out.insert(t.fqn.substr(prefix.size()), cohort::dcp::read_tensor(dir, meta, t.fqn));
+  }
+  if (out.is_empty()) {
+    throw cohort::CheckpointError("checkpoint " + dir + ": no tensor named " + prefix + "*");
+  }
+  return out;
+}
+
 int consolidate_checkpoint(const std::string& dir, const std::string& out,
                            const std::string& prefix) {
+  const auto tensors = model_tensors(dir, prefix);
   const auto meta = cohort::dcp::read_metadata(dir);
   Node root;
   // Every submodule gets its archive, parameterless ones too: Module::load
   // reads one per child.
   for (const auto& m : meta.modules) {
-    if (m.compare(0, prefix.size(), prefix) != 0) continue;
-    Node* node = &root;
-    std::string name = m.substr(prefix.size());
-    for (auto dot = name.find('.'); dot != std::string::npos; dot = name.find('.')) {
-      node = &node->children[name.substr(0, dot)];
-      name = name.substr(dot + 1);
-    }
-    node->children[name];
+    if (m.compare(0, prefix.size(), prefix) == 0) node_of(root, m.substr(prefix.size()) + ".x");
   }
-  int n = 0;
-  for (const auto& t : meta.tensors) {
-    if (t.fqn.compare(0, prefix.size(), prefix) != 0) continue;
-    std::string name = t.fqn.substr(prefix.size());
-    Node* node = &root;
-    for (auto dot = name.find('.'); dot != std::string::npos; dot = name.find('.')) {
-      node = &node->children[name.substr(0, dot)];
-      name = name.substr(dot + 1);
-    }
-    node->tensors.emplace_back(name, cohort::dcp::read_tensor(dir, meta, t.fqn));
-    ++n;
-  }
-  if (n == 0) {
-    throw cohort::CheckpointError("checkpoint " + dir + ": no tensor named " + prefix + "*");
+  for (const auto& item : tensors) {
+    node_of(root, item.key())->tensors.emplace_back(leaf_name(item.key()), item.value());
   }
   torch::serialize::OutputArchive archive;
   root.write(archive);
   archive.save_to(out);
-  return n;
+  return static_cast<int>(tensors.size());
+}
+
+std::vector<std::string> export_checkpoint(const std::string& dir, const std::string& out,
+                                           const ExportOptions& options) {
+  const auto tensors = model_tensors(dir, options.prefix);
+  if (options.format == "torch") {
+    cohort::dcp::save_torch(tensors, out);
+    return {out};
+  }
+  if (options.format != "safetensors") {
+    throw cohort::ConfigError("cohort-ckpt export: unknown format '" + options.format +
+                              "' (safetensors or torch)");
+  }
+  cohort::dcp::SafetensorsOptions st;
+  st.metadata = {{"format", "pt"}};  // transformers refuses a file without it
+  st.max_shard_bytes = options.max_shard_bytes;
+  return cohort::dcp::save_safetensors(tensors, out, st);
+}
+
+int import_weights(const std::string& file, const std::string& dir, const std::string& prefix) {
+  const auto tensors = cohort::dcp::is_torch_file(file) ? cohort::dcp::load_torch(file)
+                                                        : cohort::dcp::load_safetensors(file);
+  cohort::dcp::StateDict state;
+  std::set<std::string> modules;
+  for (const auto& item : tensors) {
+    const auto shape = item.value().sizes().vec();
+    state.tensors.push_back({prefix + item.key(),
+                             shape,
+                             item.value().scalar_type(),
+                             true,
+                             {{cohort::dcp::whole(shape), item.value()}}});
+    // Every module the names imply (a.b.weight: a and a.b).
+    for (auto dot = item.key().find('.'); dot != std::string::npos;
+         dot = item.key().find('.', dot + 1)) {
+      modules.insert(prefix + item.key().substr(0, dot));
+    }
+  }
+  state.modules.assign(modules.begin(), modules.end());
+  auto comm = cohort::connect(std::make_shared<cohort::HashStore>(), 0, 1);
+  cohort::dcp::save(state, dir, *comm);
+  return static_cast<int>(tensors.size());
 }
 
 }  // namespace cohort_ckpt
