@@ -26,6 +26,7 @@ declare -A layer=(
   [pipeline]=11
   [mesh]=12
   [tensor_parallel]=13
+  [expert_parallel]=13
   [dcp]=14
   [train]=15
 )
