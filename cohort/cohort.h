@@ -3,9 +3,9 @@
 // Work, the options and error kinds, the stores, the algorithm choice,
 // DistributedDataParallel, ZeroRedundancyOptimizer, FusedDistributedOptimizer,
 // activation checkpointing, the pipeline schedules and runtime, the device
-// mesh, the tensor-parallel layers and the 3-D gradient synchronizer,
-// the Trainer with its optimizers, gradient syncs and data sources, and the
-// version macros.
+// mesh, the tensor-parallel layers and the 3-D gradient synchronizer, the
+// expert-parallel MoE layer, the Trainer with its optimizers, gradient syncs
+// and data sources, and the version macros.
 #pragma once
 
 // Communication.
@@ -47,6 +47,8 @@
 #include "cohort/pipeline/schedule_validator.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
+// Expert parallelism.
+#include "cohort/expert_parallel/moe.h"
 // Distributed checkpoints.
 #include "cohort/dcp/adapters.h"
 #include "cohort/dcp/async_save.h"

@@ -65,9 +65,11 @@ class MoEImpl : public torch::nn::Module {
   const torch::Tensor& aux_loss() const { return aux_loss_; }
   /// Assignments of this rank's tokens that the last route() dropped.
   int64_t dropped() const { return dropped_; }
-  /// E / ep, the experts this rank holds (global ids first_expert() on).
+  /// E / ep, the experts this rank holds.
   int64_t local_experts() const { return local_; }
+  /// The global id of this rank's first expert (ep rank * E / ep).
   int64_t first_expert() const { return first_; }
+  /// What it was built with.
   const MoEOptions& options() const { return options_; }
 
   torch::Tensor router;  ///< [E, H], replicated
