@@ -129,6 +129,10 @@ void MoEImpl::agree() const {
 }
 
 Routing MoEImpl::route(const torch::Tensor& x) {
+  if (x.dim() == 0 || x.size(-1) != options_.hidden) {
+    throw InvalidArgument(where(options_) + ": the input's last dimension must be hidden = " +
+                          std::to_string(options_.hidden) + ", got shape " + c10::str(x.sizes()));
+  }
   auto flat = x.reshape({-1, options_.hidden});
   auto routing =
       expert_parallel::route(torch::linear(flat, router), options_.top_k, options_.capacity_factor);

@@ -320,6 +320,17 @@ TEST_P(MoeErrors, TopKOutOfRange) {
   expect_on_every_rank(errors, {"top_k must be 1 or 2, got 3"});
 }
 
+TEST_P(MoeErrors, InputOfAnotherWidth) {
+  auto errors = errors_on_every_rank(
+      2,
+      [](std::shared_ptr<Communicator> g) {
+        MoE m(small(g, 4, 1));
+        m(torch::zeros({3, 5}));
+      },
+      briefly_on(GetParam()));
+  expect_on_every_rank(errors, {"the input's last dimension must be hidden = 4, got shape [3, 5]"});
+}
+
 INSTANTIATE_TEST_SUITE_P(Moe, MoeErrors, ::testing::ValuesIn(backends()),
                          [](const auto& info) { return info.param; });
 
