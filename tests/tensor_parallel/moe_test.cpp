@@ -228,6 +228,27 @@ TEST_P(ExpertParallelChecks, RerouteOneTokenIsCaught) {
       on(GetParam()));
 }
 
+// Rank 1's input needs no gradient, rank 0's does: both ranks still join
+// the backward exchanges, and the gradients are one process's.
+TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRank) {
+  const Reference ref(1, false, 2, std::vector<double>(4, 1.0));
+  auto o = on(GetParam());
+  o.timeout = std::chrono::seconds(5);
+  run_ranks_shared(
+      2,
+      [&](std::shared_ptr<Communicator> g) {
+        torch::set_num_threads(1);
+        const int r = g->rank();
+        MoE m(options(1, false, g));
+        auto x = tokens_of(r).requires_grad_(r == 0);
+        auto y = m(x);
+        ((y * probe_of(r)).sum() + m->aux_loss()).backward();
+        if (r == 0) expect_close(x.grad(), ref.input_grad[0], "input grad");
+        expect_expert_grads(m, ref);
+      },
+      o);
+}
+
 // dp 2 x ep 2 on 4 ranks, the loss the mean of the four ranks' losses: after
 // average_moe_gradients every rank's gradients equal one process's.
 TEST_P(ExpertParallelChecks, AverageGradientsOverDataAndExpertGroups) {
