@@ -4,8 +4,9 @@
 // DistributedDataParallel, ZeroRedundancyOptimizer, FusedDistributedOptimizer,
 // activation checkpointing, the pipeline schedules and runtime, the device
 // mesh, the tensor-parallel layers and the 3-D gradient synchronizer, ring
-// attention over a context-parallel group, the Trainer with its optimizers,
-// gradient syncs and data sources, and the version macros.
+// attention over a context-parallel group, the expert-parallel MoE layer,
+// the Trainer with its optimizers, gradient syncs and data sources, and the
+// version macros.
 #pragma once
 
 // Communication.
@@ -50,6 +51,8 @@
 // Context parallelism.
 #include "cohort/context_parallel/layout.h"
 #include "cohort/context_parallel/ring_attention.h"
+// Expert parallelism.
+#include "cohort/expert_parallel/moe.h"
 // Distributed checkpoints.
 #include "cohort/dcp/adapters.h"
 #include "cohort/dcp/async_save.h"

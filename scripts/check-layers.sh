@@ -27,6 +27,7 @@ declare -A layer=(
   [pipeline]=12
   [tensor_parallel]=13
   [context_parallel]=13
+  [expert_parallel]=13
   [dcp]=14
   [train]=15
 )

@@ -2,6 +2,8 @@
 // all_gather (list and flat forms), gather, scatter, all-to-all. Data moves
 // as bytes of its own dtype (bf16 as f16 bits, movement_view), so nothing is
 // converted on the way.
+#include <c10/util/accumulate.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -229,7 +231,9 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
     bad("output and input differ beyond dim 0: " + shape_string(output.sizes()) + " vs " +
         shape_string(input.sizes()));
   }
-  const int64_t row = input.numel() / std::max<int64_t>(input.size(0), 1);
+  // Elements per row from the shape, not numel / rows: an input of no rows
+  // still receives rows of this width.
+  const int64_t row = c10::multiply_integers(input.sizes().slice(1));
   auto counts = [&](std::vector<int64_t>& splits, const torch::Tensor& t, const std::string& name) {
     if (splits.empty()) {
       if (t.size(0) % size_ != 0) {

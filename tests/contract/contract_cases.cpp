@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "cohort/cohort.h"
 #include "tests/contract/contract_values.h"
 
@@ -225,6 +227,18 @@ void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
   auto uexp =
       torch::arange(w, torch::kInt64).repeat_interleave(me + 1).unsqueeze(1).expand({-1, 2});
   EXPECT_TRUE(torch::equal(uout, uexp.to(dt)));
+
+  // Rank 0 sends no rows (its input has none) and receives one row of width
+  // 2 from every other rank, filled with that rank.
+  const int64_t sends = me == 0 ? 0 : 1, gets = me == 0 ? w - 1 : 0;
+  std::vector<int64_t> one_in(static_cast<size_t>(w), 0), one_out(static_cast<size_t>(w), 0);
+  one_in[0] = sends;
+  if (me == 0) std::fill(one_out.begin() + 1, one_out.end(), 1);
+  auto ein = torch::full({sends, 2}, me, dt);
+  auto eout = torch::empty({gets, 2}, dt);
+  comm.all_to_all_single(eout, ein, one_out, one_in).wait();
+  auto eexp = torch::arange(1, w, torch::kInt64).unsqueeze(1).expand({-1, 2});
+  if (me == 0) EXPECT_TRUE(torch::equal(eout, eexp.to(dt)));
 
   // List form.
   std::vector<torch::Tensor> ins, outs;

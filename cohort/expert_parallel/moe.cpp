@@ -1,0 +1,234 @@
+#include "cohort/expert_parallel/moe.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional/activation.h>
+
+#include <cmath>
+#include <cstring>
+#include <unordered_set>
+
+#include "cohort/core/error.h"
+#include "cohort/expert_parallel/all_to_all.h"
+#include "cohort/grad_sync/average_gradients.h"
+
+namespace cohort::expert_parallel {
+
+namespace {
+
+std::string where(const MoEOptions& o) {
+  if (!o.ep_group) return "cohort: MoE";
+  const auto& g = *o.ep_group;
+  return "cohort: MoE (rank " + std::to_string(g.rank()) + " of " + std::to_string(g.size()) +
+         ", group " + g.name() + ")";
+}
+
+void check_options(const MoEOptions& o, int ep) {
+  auto bad = [&](const std::string& why) { throw InvalidArgument(where(o) + ": " + why); };
+  if (o.hidden <= 0 || o.ffn <= 0 || o.experts <= 0) {
+    bad("hidden, ffn and experts must be positive (got " + std::to_string(o.hidden) + ", " +
+        std::to_string(o.ffn) + ", " + std::to_string(o.experts) + ")");
+  }
+  if (o.top_k != 1 && o.top_k != 2) bad("top_k must be 1 or 2, got " + std::to_string(o.top_k));
+  if (o.top_k > o.experts) bad("top_k " + std::to_string(o.top_k) + " exceeds the experts");
+  if (!(o.capacity_factor > 0) || !std::isfinite(o.capacity_factor))
+    bad("capacity_factor must be positive, got " + std::to_string(o.capacity_factor));
+  if (o.experts % ep != 0) {
+    bad(std::to_string(o.experts) + " experts do not divide by the expert-parallel size " +
+        std::to_string(ep));
+  }
+}
+
+// Draws the full (ep = 1) weights in a fixed order and keeps experts
+// [first, first + local).
+std::vector<torch::Tensor> master_weights(const MoEOptions& o, int64_t first, int64_t local) {
+  auto gen = at::detail::createCPUGenerator(o.seed);
+  auto uniform = [&](at::IntArrayRef sizes, int64_t fan_in) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+    return torch::empty(sizes).uniform_(-bound, bound, gen);
+  };
+  const int64_t e = o.experts, h = o.hidden, f = o.ffn;
+  std::vector<torch::Tensor> w = {uniform({e, h}, h), uniform({e, f, h}, h), uniform({e, f}, h),
+                                  uniform({e, h, f}, f), uniform({e, h}, f)};
+  for (size_t i = 1; i < w.size(); ++i) w[i] = w[i].narrow(0, first, local).clone();
+  return w;
+}
+
+// Indices that reorder rows received from each rank s, grouped by local
+// expert j (src-major, counts[s][j]), into expert-major order.
+torch::Tensor expert_major(const torch::Tensor& counts) {
+  const int64_t ranks = counts.size(0), local = counts.size(1);
+  auto c = counts.accessor<int64_t, 2>();
+  std::vector<int64_t> offset(static_cast<size_t>(ranks * local));
+  int64_t at = 0;
+  for (int64_t i = 0; i < ranks * local; ++i) {
+    offset[static_cast<size_t>(i)] = at;
+    at += c[i / local][i % local];
+  }
+  std::vector<torch::Tensor> parts;
+  for (int64_t j = 0; j < local; ++j) {
+    for (int64_t s = 0; s < ranks; ++s) {
+      const auto begin = offset[static_cast<size_t>(s * local + j)];
+      parts.push_back(torch::arange(begin, begin + c[s][j], torch::kInt64));
+    }
+  }
+  return torch::cat(parts);
+}
+
+std::vector<int64_t> to_vector(const torch::Tensor& t) {
+  auto c = t.contiguous();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
+}  // namespace
+
+MoEImpl::MoEImpl(MoEOptions options) : options_(std::move(options)) {
+  const int ep = options_.ep_group ? options_.ep_group->size() : 1;
+  // Agreement first, so that ranks with different options all reach the
+  // all-gather and all throw, instead of some throwing and some waiting.
+  agree();
+  check_options(options_, ep);
+  local_ = options_.experts / ep;
+  first_ = (options_.ep_group ? options_.ep_group->rank() : 0) * local_;
+  auto w = master_weights(options_, first_, local_);
+  router = register_parameter("router", w[0]);
+  w1 = register_parameter("w1", w[1]);
+  b1 = register_parameter("b1", w[2]);
+  w2 = register_parameter("w2", w[3]);
+  b2 = register_parameter("b2", w[4]);
+}
+
+void MoEImpl::agree() const {
+  if (!options_.ep_group || options_.ep_group->size() == 1) return;
+  auto& g = *options_.ep_group;
+  int64_t factor_bits = 0;
+  std::memcpy(&factor_bits, &options_.capacity_factor, sizeof factor_bits);
+  const std::vector<std::pair<const char*, int64_t>> mine = {
+      {"experts", options_.experts},    {"top_k", options_.top_k},
+      {"hidden", options_.hidden},      {"ffn", options_.ffn},
+      {"capacity_factor", factor_bits}, {"seed", static_cast<int64_t>(options_.seed)}};
+  const auto n = static_cast<int64_t>(mine.size());
+  auto words = torch::empty({n}, torch::kInt64);
+  for (int64_t i = 0; i < n; ++i) words[i] = mine[static_cast<size_t>(i)].second;
+  auto all = torch::empty({g.size(), n}, torch::kInt64);
+  g.all_gather_into_tensor(all, words).wait();
+  auto a = all.accessor<int64_t, 2>();
+  for (int r = 1; r < g.size(); ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (a[r][i] == a[0][i]) continue;
+      auto value = [&](int rank) {
+        if (i != 4) return std::to_string(a[rank][i]);
+        double d = 0;
+        std::memcpy(&d, &a[rank][i], sizeof d);
+        return std::to_string(d);
+      };
+      throw MismatchError(where(options_) + ": " + mine[static_cast<size_t>(i)].first +
+                          " differs across the expert-parallel group: rank 0 has " + value(0) +
+                          ", rank " + std::to_string(r) + " has " + value(r));
+    }
+  }
+}
+
+Routing MoEImpl::route(const torch::Tensor& x) {
+  if (x.dim() == 0 || x.size(-1) != options_.hidden) {
+    throw InvalidArgument(where(options_) + ": the input's last dimension must be hidden = " +
+                          std::to_string(options_.hidden) + ", got shape " + c10::str(x.sizes()));
+  }
+  auto flat = x.reshape({-1, options_.hidden});
+  auto routing =
+      expert_parallel::route(torch::linear(flat, router), options_.top_k, options_.capacity_factor);
+  aux_loss_ = load_balancing_loss(routing) * options_.aux_loss_coef;
+  dropped_ = routing.kept.numel() - routing.kept.sum().item<int64_t>();
+  return routing;
+}
+
+torch::Tensor MoEImpl::forward(const torch::Tensor& x) { return forward_routed(x, route(x)); }
+
+torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts) {
+  std::vector<torch::Tensor> out;
+  int64_t start = 0;
+  // Every expert runs, even on no rows, so that its output is in the graph
+  // on every rank alike.
+  for (int64_t j = 0; j < local_; ++j) {
+    auto chunk = rows.narrow(0, start, counts[static_cast<size_t>(j)]);
+    auto h = torch::gelu(torch::linear(chunk, w1[j], b1[j]));
+    out.push_back(torch::linear(h, w2[j], b2[j]));
+    start += counts[static_cast<size_t>(j)];
+  }
+  return torch::cat(out);
+}
+
+torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& routing) {
+  const int64_t h = options_.hidden;
+  auto flat = x.reshape({-1, h});
+  // Kept assignments sorted by expert (stable: in claiming order within one).
+  auto kept = routing.kept.nonzero().squeeze(1);
+  auto by_expert =
+      std::get<1>(routing.expert.index_select(0, kept).sort(c10::optional<bool>(true), 0));
+  auto order = kept.index_select(0, by_expert);
+  auto token = routing.token.index_select(0, order);
+  auto rows = flat.index_select(0, token);
+  auto counts = torch::bincount(routing.expert.index_select(0, order), {}, options_.experts);
+  torch::Tensor back;
+  const auto& g = options_.ep_group;
+  if (!g || g->size() == 1) {
+    back = run_experts(rows, to_vector(counts));
+  } else {
+    auto received = exchange_counts(counts, *g);  // [ep, local]
+    auto send = to_vector(counts.view({g->size(), local_}).sum(1));
+    auto recv = to_vector(received.sum(1));
+    auto anchor = router.narrow(0, 0, 0);
+    auto got = all_to_all_rows(rows, anchor, send, recv, *g);
+    auto perm = expert_major(received);
+    auto out = run_experts(got.index_select(0, perm), to_vector(received.sum(0)));
+    back = all_to_all_rows(out.index_select(0, torch::argsort(perm)), anchor, recv, send, *g);
+  }
+  auto weighted = back * routing.gate.index_select(0, order).unsqueeze(1);
+  return torch::zeros({flat.size(0), h}, weighted.options())
+      .index_add(0, token, weighted)
+      .reshape(x.sizes());
+}
+
+std::vector<torch::Tensor> expert_parameters(const torch::nn::Module& model) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const void*> seen;
+  model.apply([&](const torch::nn::Module& m) {
+    const auto* moe = dynamic_cast<const MoEImpl*>(&m);
+    if (!moe) return;
+    for (const auto& t : {moe->w1, moe->b1, moe->w2, moe->b2}) {
+      if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+    }
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model) {
+  std::unordered_set<const void*> experts;
+  for (const auto& t : expert_parameters(model)) experts.insert(t.unsafeGetTensorImpl());
+  std::vector<torch::Tensor> out;
+  for (const auto& t : model.parameters()) {
+    if (!experts.count(t.unsafeGetTensorImpl())) out.push_back(t);
+  }
+  return out;
+}
+
+void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
+                           Communicator& expert_replicas) {
+  if (dense.size() % expert_replicas.size() != 0) {
+    throw InvalidArgument("cohort: average_moe_gradients (rank " + std::to_string(dense.rank()) +
+                          " of " + std::to_string(dense.size()) + "): the dense group's " +
+                          std::to_string(dense.size()) + " ranks do not divide by the " +
+                          std::to_string(expert_replicas.size()) + " expert replicas");
+  }
+  average_gradients(non_expert_parameters(model), dense);
+  auto experts = expert_parameters(model);
+  average_gradients(experts, expert_replicas);
+  // The replicas' mean is ep times the dense mean: each rank's expert
+  // gradient sums the tokens of its whole ep group.
+  const double scale = static_cast<double>(expert_replicas.size()) / dense.size();
+  torch::NoGradGuard no_grad;
+  for (auto& p : experts) {
+    if (p.grad().defined()) p.mutable_grad().mul_(scale);
+  }
+}
+
+}  // namespace cohort::expert_parallel

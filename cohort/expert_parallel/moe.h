@@ -1,0 +1,110 @@
+// defines: MoE, a mixture-of-experts feed-forward layer whose E experts are
+// split over an expert-parallel ("ep") group, and the parameter split that
+// data parallelism needs around it.
+//
+// Every rank of the ep group routes its own tokens with a replicated router
+// (routing.h), sends each kept assignment's row to the rank holding its
+// expert (E / ep experts per rank, expert e on rank e / (E / ep)), runs its
+// experts on what it received, and sends the results back, where they are
+// weighted by the gates and summed per token. Both exchanges are
+// all_to_all_single with the per-expert counts exchanged first; backward runs
+// them in reverse (all_to_all.h).
+//
+// Initialization: every rank draws the full (ep = 1) router and experts from
+// a CPU generator seeded with `seed` and keeps its experts, so one seed is one
+// model at every ep size (as the tensor-parallel layers do).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/expert_parallel/routing.h"
+
+namespace cohort::expert_parallel {
+
+/// Options of MoE.
+struct MoEOptions {
+  int64_t hidden = 0;             ///< H, the token width (input and output)
+  int64_t ffn = 0;                ///< F, each expert's inner width (H -> F -> GELU -> H)
+  int64_t experts = 0;            ///< E, experts in total over the ep group
+  int64_t top_k = 1;              ///< k, experts per token: 1 (Switch) or 2 (GShard)
+  double capacity_factor = 1.25;  ///< C = ceil(capacity_factor * T * k / E) per expert
+  double aux_loss_coef = 0.01;    ///< weight of the load-balancing loss in aux_loss()
+  uint64_t seed = 0;              ///< seed of the full weights (see the file comment)
+  /// The expert-parallel group (a mesh's "ep" dimension); null: one process
+  /// holding all experts, no communication.
+  std::shared_ptr<Communicator> ep_group;
+};
+
+/// y = sum over a token's kept assignments of gate * expert(x). Dropped
+/// assignments add nothing: the residual connection is the caller's.
+class MoEImpl : public torch::nn::Module {
+ public:
+  /// Collective over ep_group: one all-gather that checks E, k, H, F, the
+  /// capacity factor and the seed agree. Throws on every rank: MismatchError
+  /// naming two ranks and their values, InvalidArgument when E does not
+  /// divide by the ep size or an option is out of range.
+  explicit MoEImpl(MoEOptions options);
+
+  /// x: [..., H], this rank's tokens; returns [..., H]. Collective over the
+  /// ep group (forward and backward). Sets aux_loss() and dropped().
+  torch::Tensor forward(const torch::Tensor& x);
+  /// The router's decisions for x (sets aux_loss() and dropped()).
+  Routing route(const torch::Tensor& x);
+  /// Runs x through the experts as `routing` says (forward is
+  /// forward_routed(x, route(x))). Collective over the ep group.
+  torch::Tensor forward_routed(const torch::Tensor& x, const Routing& routing);
+
+  /// aux_loss_coef * load_balancing_loss of the last route(): add it to the
+  /// loss. It covers this rank's tokens only.
+  const torch::Tensor& aux_loss() const { return aux_loss_; }
+  /// Assignments of this rank's tokens that the last route() dropped.
+  int64_t dropped() const { return dropped_; }
+  /// E / ep, the experts this rank holds.
+  int64_t local_experts() const { return local_; }
+  /// The global id of this rank's first expert (ep rank * E / ep).
+  int64_t first_expert() const { return first_; }
+  /// What it was built with.
+  const MoEOptions& options() const { return options_; }
+
+  torch::Tensor router;  ///< [E, H], replicated
+  torch::Tensor w1;      ///< [E / ep, F, H], this rank's experts
+  torch::Tensor b1;      ///< [E / ep, F]
+  torch::Tensor w2;      ///< [E / ep, H, F]
+  torch::Tensor b2;      ///< [E / ep, H]
+
+ private:
+  void agree() const;
+  /// Rows grouped by local expert (counts[j] each) through the experts.
+  torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts);
+
+  MoEOptions options_;
+  int64_t local_ = 0, first_ = 0;
+  torch::Tensor aux_loss_;
+  int64_t dropped_ = 0;
+};
+TORCH_MODULE(MoE);
+
+/// The parameters of every MoE's experts inside `model` (itself included).
+/// Their gradients are reduced over the ranks that hold the same experts
+/// (same ep rank), not over ep.
+std::vector<torch::Tensor> expert_parameters(const torch::nn::Module& model);
+/// Every other parameter of `model` (routers included): replicated over ep,
+/// reduced over all ranks that see different tokens (dp x ep).
+std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model);
+
+/// Averages `model`'s gradients after backward, for a loss that is the mean
+/// of every rank's loss over `dense` (the dp x ep ranks): non-expert
+/// parameters over `dense`; expert parameters summed over `expert_replicas`
+/// (the ranks holding the same experts) and divided by dense.size(), since
+/// each rank's expert gradient already sums over its ep group's tokens.
+/// Collective over both groups.
+void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
+                           Communicator& expert_replicas);
+
+}  // namespace cohort::expert_parallel

@@ -1,0 +1,40 @@
+#include "cohort/expert_parallel/routing.h"
+
+#include <cmath>
+
+namespace cohort::expert_parallel {
+
+int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t k, int64_t experts) {
+  const double slots = capacity_factor * static_cast<double>(tokens * k) / experts;
+  return static_cast<int64_t>(std::ceil(slots));
+}
+
+Routing route(const torch::Tensor& logits, int64_t k, double capacity_factor) {
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  Routing r;
+  r.probs = torch::softmax(logits, -1);
+  auto [values, indices] = r.probs.topk(k, -1);
+  auto gates = k == 1 ? values : values / values.sum(-1, /*keepdim=*/true);
+  // Choice-major: all first choices, then all second choices.
+  r.expert = indices.t().reshape({-1});
+  r.gate = gates.t().reshape({-1});
+  r.token = torch::arange(tokens, torch::kInt64).repeat({k});
+  r.capacity = expert_capacity(capacity_factor, tokens, k, experts);
+  // Each assignment's place in its expert's queue: the running count of
+  // earlier assignments to the same expert.
+  auto onehot = torch::one_hot(r.expert, experts);
+  auto place = (onehot.cumsum(0) - 1).gather(1, r.expert.unsqueeze(1)).squeeze(1);
+  r.kept = place < r.capacity;
+  return r;
+}
+
+torch::Tensor load_balancing_loss(const Routing& routing) {
+  const int64_t tokens = routing.probs.size(0), experts = routing.probs.size(1);
+  if (tokens == 0) return routing.probs.sum() * 0;
+  auto f = torch::bincount(routing.expert, {}, experts).to(routing.probs.scalar_type()) /
+           static_cast<double>(routing.expert.numel());
+  auto p = routing.probs.mean(0);
+  return (f * p).sum() * static_cast<double>(experts);
+}
+
+}  // namespace cohort::expert_parallel

@@ -1,0 +1,49 @@
+// defines: Routing and route(), the top-k router's decisions for one rank's
+// batch, and load_balancing_loss(), Switch Transformer's auxiliary loss.
+//
+// The decisions, written out so that a one-process run reproduces them:
+//   probabilities  softmax of the router's logits over all E experts;
+//   choices        the k largest (torch::topk, ties to the lower index);
+//   gates          k = 1: the chosen probability itself (Switch: the router
+//                  learns through it); k = 2: the two chosen probabilities
+//                  renormalized to sum to one (GShard, Mixtral);
+//   capacity       C = ceil(capacity_factor * T * k / E) assignments per
+//                  expert for this rank's T tokens;
+//   dropping       assignments claim their expert's C slots first come,
+//                  first served: every token's first choice in token order,
+//                  then every token's second choice in token order (so a
+//                  second choice never displaces a first one, as in GShard).
+//                  An assignment past its expert's C is dropped: it adds
+//                  nothing to the token's output.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+
+namespace cohort::expert_parallel {
+
+/// One rank's routing. Assignment a = choice * T + token (choice-major), so
+/// index order is the order in which assignments claim capacity.
+struct Routing {
+  torch::Tensor probs;   ///< [T, E] softmax of the logits (differentiable)
+  torch::Tensor expert;  ///< [T * k] int64, the expert of each assignment
+  torch::Tensor token;   ///< [T * k] int64, the token of each assignment
+  torch::Tensor gate;    ///< [T * k] the weight of each assignment (differentiable)
+  torch::Tensor kept;    ///< [T * k] bool, false where the assignment was dropped
+  int64_t capacity = 0;  ///< C, slots per expert
+};
+
+/// The routing of `logits` [T, E] (see the file comment); k is 1 or 2.
+Routing route(const torch::Tensor& logits, int64_t k, double capacity_factor);
+
+/// C = ceil(capacity_factor * tokens * k / experts).
+int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t k, int64_t experts);
+
+/// Switch Transformer's E * sum_e f_e * P_e: f_e the share of the T * k
+/// assignments that chose expert e (counted before dropping; no gradient),
+/// P_e the mean probability of e over the T tokens. 1 when both are uniform;
+/// 0 (still in the graph) for a rank without tokens.
+torch::Tensor load_balancing_loss(const Routing& routing);
+
+}  // namespace cohort::expert_parallel

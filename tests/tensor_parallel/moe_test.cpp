@@ -1,0 +1,359 @@
+// The expert-parallel MoE layer at ep = 1..4 against one process holding all
+// experts (the same layer without a group, same seed), which runs each rank's
+// tokens in turn: outputs, input gradients, the router's gradient (summed
+// over ranks) and each rank's expert gradients, with the auxiliary loss in
+// the loss; k = 1 and 2, with a capacity that drops tokens and one that drops
+// none. A negative control reroutes one token and must be caught by the same
+// comparison; average_moe_gradients at dp 2 x ep 2 against the mean loss;
+// route() against hand-worked routings; options that differ across ranks.
+#include "cohort/expert_parallel/moe.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include "support/rank_errors.h"
+
+namespace cohort::testing::moe_test {
+namespace {
+
+using namespace cohort::expert_parallel;
+
+constexpr int64_t kHidden = 6, kFfn = 10, kExperts = 12;
+// Tokens of rank r: rank-dependent counts, and a rank without tokens.
+const std::vector<int64_t> kTokens = {9, 4, 0, 7};
+
+torch::Tensor randn(at::IntArrayRef sizes, uint64_t seed) {
+  return torch::randn(sizes, at::detail::createCPUGenerator(seed));
+}
+torch::Tensor tokens_of(int rank) { return randn({kTokens[rank], kHidden}, 100 + rank); }
+// The loss of rank r is sum(y * probe_of(r)) + its auxiliary loss.
+torch::Tensor probe_of(int rank) { return randn({kTokens[rank], kHidden}, 200 + rank); }
+
+std::vector<std::string> backends() {
+  std::vector<std::string> out = {"gloo"};
+#ifdef COHORT_WITH_UCX
+  out.push_back("ucx");
+#endif
+  return out;
+}
+
+struct Param {
+  std::string backend;
+  int ep;
+  int64_t k;
+  bool drops;
+};
+
+MoEOptions options(int64_t k, bool drops, std::shared_ptr<Communicator> group) {
+  MoEOptions o;
+  o.hidden = kHidden;
+  o.ffn = kFfn;
+  o.experts = kExperts;
+  o.top_k = k;
+  // 0.5 leaves 1 or 2 slots per expert for these batches; E leaves T * k,
+  // more than any expert can be asked for.
+  o.capacity_factor = drops ? 0.5 : static_cast<double>(kExperts);
+  o.aux_loss_coef = 0.1;
+  o.seed = 3;
+  o.ep_group = std::move(group);
+  return o;
+}
+
+torch::Tensor or_zeros(const torch::Tensor& grad, const torch::Tensor& like) {
+  return grad.defined() ? grad : torch::zeros_like(like);
+}
+
+// The one comparison every case (and the negative control) uses.
+bool close(const torch::Tensor& got, const torch::Tensor& want) {
+  return got.sizes() == want.sizes() && torch::allclose(got, want, 1e-5, 1e-5);
+}
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  EXPECT_TRUE(close(got, want)) << what << ": max |diff| "
+                                << (got - want).abs().max().item<float>();
+}
+
+// One process, ranks' tokens in turn; `weights[r]` scales rank r's loss.
+struct Reference {
+  MoE moe;
+  std::vector<torch::Tensor> out, input_grad;
+  std::vector<int64_t> dropped;
+  std::vector<float> aux;
+  Reference(int64_t k, bool drops, int ranks, std::vector<double> weights)
+      : moe(options(k, drops, nullptr)) {
+    torch::Tensor loss = torch::zeros({});
+    std::vector<torch::Tensor> xs;
+    for (int r = 0; r < ranks; ++r) {
+      xs.push_back(tokens_of(r).requires_grad_());
+      auto y = moe(xs.back());
+      out.push_back(y.detach());
+      dropped.push_back(moe->dropped());
+      aux.push_back(moe->aux_loss().item<float>());
+      loss = loss + ((y * probe_of(r)).sum() + moe->aux_loss()) * weights[static_cast<size_t>(r)];
+    }
+    loss.backward();
+    for (auto& x : xs) input_grad.push_back(or_zeros(x.grad(), x));
+  }
+  // Expert weight gradients of experts [first, first + n).
+  torch::Tensor grad(const torch::Tensor& p, int64_t first, int64_t n) const {
+    return or_zeros(p.grad(), p).narrow(0, first, n);
+  }
+};
+
+void expect_expert_grads(const MoE& m, const Reference& ref) {
+  const auto first = m->first_expert(), n = m->local_experts();
+  expect_close(or_zeros(m->w1.grad(), m->w1), ref.grad(ref.moe->w1, first, n), "w1 grad");
+  expect_close(or_zeros(m->b1.grad(), m->b1), ref.grad(ref.moe->b1, first, n), "b1 grad");
+  expect_close(or_zeros(m->w2.grad(), m->w2), ref.grad(ref.moe->w2, first, n), "w2 grad");
+  expect_close(or_zeros(m->b2.grad(), m->b2), ref.grad(ref.moe->b2, first, n), "b2 grad");
+}
+
+ThreadRanksOptions on(const std::string& backend) {
+  ThreadRanksOptions o;
+  o.backend = backend;
+  return o;
+}
+
+class ExpertParallel : public ::testing::TestWithParam<Param> {};
+
+TEST_P(ExpertParallel, MatchesOneProcess) {
+  const auto p = GetParam();
+  const Reference ref(p.k, p.drops, p.ep, std::vector<double>(4, 1.0));
+  int64_t dropped = 0;
+  for (auto d : ref.dropped) dropped += d;
+  if (p.drops) {
+    EXPECT_GT(dropped, 0) << "the capacity factor was meant to drop assignments";
+  } else {
+    EXPECT_EQ(dropped, 0);
+  }
+  run_ranks_shared(
+      p.ep,
+      [&](std::shared_ptr<Communicator> g) {
+        torch::set_num_threads(1);
+        const int r = g->rank();
+        MoE m(options(p.k, p.drops, g));
+        auto x = tokens_of(r).requires_grad_();
+        auto y = m(x);
+        ((y * probe_of(r)).sum() + m->aux_loss()).backward();
+        EXPECT_EQ(m->dropped(), ref.dropped[static_cast<size_t>(r)]);
+        EXPECT_NEAR(m->aux_loss().item<float>(), ref.aux[static_cast<size_t>(r)], 1e-6);
+        expect_close(y, ref.out[static_cast<size_t>(r)], "output");
+        expect_close(or_zeros(x.grad(), x), ref.input_grad[static_cast<size_t>(r)], "input grad");
+        // The router is replicated; each rank's gradient covers its tokens.
+        auto router = m->router.grad().clone();
+        g->all_reduce(router).wait();
+        expect_close(router, ref.moe->router.grad(), "router grad (summed over ep)");
+        expect_expert_grads(m, ref);
+      },
+      on(p.backend));
+}
+
+std::vector<Param> params() {
+  std::vector<Param> out;
+  for (const auto& b : backends()) {
+    for (int ep : {1, 2, 3, 4}) {
+      for (int64_t k : {1, 2}) {
+        for (bool drops : {true, false}) out.push_back({b, ep, k, drops});
+      }
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Moe, ExpertParallel, ::testing::ValuesIn(params()), [](const auto& info) {
+  const auto& p = info.param;
+  return p.backend + "_ep" + std::to_string(p.ep) + "_k" + std::to_string(p.k) +
+         (p.drops ? "_drops" : "_nodrops");
+});
+
+// Capacity and claiming order against hand-worked routings.
+TEST(ExpertRouting, CapacityDropsInClaimingOrder) {
+  // k = 1, E = 4, T = 5, factor 1: C = ceil(5 / 4) = 2; tokens choose
+  // experts 0, 0, 0, 1, 2, so token 2 (expert 0's third) is dropped.
+  auto logits = torch::zeros({5, 4});
+  for (int64_t t : {0, 1, 2}) logits[t][0] = 3;
+  logits[3][1] = 3;
+  logits[4][2] = 3;
+  auto r = route(logits, 1, 1.0);
+  EXPECT_EQ(r.capacity, 2);
+  EXPECT_TRUE(torch::equal(r.expert, torch::tensor({0, 0, 0, 1, 2}, torch::kInt64)));
+  EXPECT_TRUE(torch::equal(r.kept, torch::tensor({true, true, false, true, true})));
+  // f = (3, 1, 1, 0) / 5; P the mean softmax.
+  auto f = torch::tensor({0.6, 0.2, 0.2, 0.0}, torch::kFloat32);
+  auto want = (f * torch::softmax(logits, -1).mean(0)).sum() * 4;
+  EXPECT_NEAR(load_balancing_loss(r).item<float>(), want.item<float>(), 1e-6);
+
+  // k = 2, E = 3, T = 2, factor 0.75: C = ceil(0.75 * 4 / 3) = 1. Token 0
+  // chooses 0 then 1, token 1 chooses 1 then 2. First choices claim first,
+  // so token 1's first choice keeps expert 1 and token 0's second is dropped.
+  auto two = torch::tensor({{2.0, 1.0, 0.0}, {0.0, 2.0, 1.0}});
+  auto q = route(two, 2, 0.75);
+  EXPECT_EQ(q.capacity, 1);
+  EXPECT_TRUE(torch::equal(q.expert, torch::tensor({0, 1, 1, 2}, torch::kInt64)));
+  EXPECT_TRUE(torch::equal(q.token, torch::tensor({0, 1, 0, 1}, torch::kInt64)));
+  EXPECT_TRUE(torch::equal(q.kept, torch::tensor({true, true, false, true})));
+  // k = 2 gates are renormalized: each token's two sum to one.
+  auto sums = torch::zeros({2}).index_add(0, q.token, q.gate.detach());
+  EXPECT_TRUE(torch::allclose(sums, torch::ones({2})));
+  // No tokens: no capacity, a zero loss.
+  auto none = route(torch::zeros({0, 3}), 2, 1.0);
+  EXPECT_EQ(none.capacity, 0);
+  EXPECT_EQ(load_balancing_loss(none).item<float>(), 0.0f);
+}
+
+class ExpertParallelChecks : public ::testing::TestWithParam<std::string> {};
+
+// A token sent to an expert other than the router's choice must fail the
+// comparison above: the golden test can see a wrong dispatch.
+TEST_P(ExpertParallelChecks, RerouteOneTokenIsCaught) {
+  const Reference ref(1, false, 2, std::vector<double>(4, 1.0));
+  run_ranks_shared(
+      2,
+      [&](std::shared_ptr<Communicator> g) {
+        torch::set_num_threads(1);
+        const int r = g->rank();
+        MoE m(options(1, false, g));
+        auto x = tokens_of(r);
+        auto routing = m->route(x);
+        // Token 0 of rank 0 goes to the matching expert of the other rank.
+        if (r == 0) routing.expert[0] = (routing.expert[0].item<int64_t>() + 6) % kExperts;
+        auto y = m->forward_routed(x, routing);
+        const auto& want = ref.out[static_cast<size_t>(r)];
+        EXPECT_EQ(close(y, want), r != 0);
+        if (r == 0) {
+          EXPECT_FALSE(close(y[0], want[0]));
+          EXPECT_TRUE(close(y.narrow(0, 1, kTokens[0] - 1), want.narrow(0, 1, kTokens[0] - 1)));
+        }
+      },
+      on(GetParam()));
+}
+
+// Rank 1's input needs no gradient, rank 0's does: both ranks still join
+// the backward exchanges, and the gradients are one process's.
+TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRank) {
+  const Reference ref(1, false, 2, std::vector<double>(4, 1.0));
+  auto o = on(GetParam());
+  o.timeout = std::chrono::seconds(5);
+  run_ranks_shared(
+      2,
+      [&](std::shared_ptr<Communicator> g) {
+        torch::set_num_threads(1);
+        const int r = g->rank();
+        MoE m(options(1, false, g));
+        auto x = tokens_of(r).requires_grad_(r == 0);
+        auto y = m(x);
+        ((y * probe_of(r)).sum() + m->aux_loss()).backward();
+        if (r == 0) expect_close(x.grad(), ref.input_grad[0], "input grad");
+        expect_expert_grads(m, ref);
+      },
+      o);
+}
+
+// dp 2 x ep 2 on 4 ranks, the loss the mean of the four ranks' losses: after
+// average_moe_gradients every rank's gradients equal one process's.
+TEST_P(ExpertParallelChecks, AverageGradientsOverDataAndExpertGroups) {
+  const Reference ref(2, true, 4, std::vector<double>(4, 0.25));
+  run_ranks_shared(
+      4,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        const int r = world->rank();
+        auto ep = world->split(r / 2, r);        // {0, 1}, {2, 3}
+        auto replicas = world->split(r % 2, r);  // {0, 2}, {1, 3}: the same experts
+        MoE m(options(2, true, ep));
+        auto x = tokens_of(r).requires_grad_();
+        auto y = m(x);
+        ((y * probe_of(r)).sum() + m->aux_loss()).backward();
+        average_moe_gradients(*m, *world, *replicas);
+        expect_close(m->router.grad(), ref.moe->router.grad(), "router grad");
+        expect_expert_grads(m, ref);
+        EXPECT_EQ(expert_parameters(*m).size(), 4u);
+        EXPECT_EQ(non_expert_parameters(*m).size(), 1u);
+      },
+      on(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Moe, ExpertParallelChecks, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return info.param; });
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+MoEOptions small(std::shared_ptr<Communicator> g, int64_t experts, int64_t k) {
+  MoEOptions o;
+  o.hidden = 4;
+  o.ffn = 8;
+  o.experts = experts;
+  o.top_k = k;
+  o.ep_group = std::move(g);
+  return o;
+}
+
+// A rank left waiting reports a timeout within seconds, never the error
+// a case expects.
+ThreadRanksOptions briefly_on(const std::string& backend) {
+  auto o = on(backend);
+  o.timeout = std::chrono::seconds(3);
+  return o;
+}
+
+void expect_on_every_rank(const std::vector<std::string>& errors,
+                          const std::vector<std::string>& parts) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_TRUE(has(errors[r], "MoE (rank " + std::to_string(r) + " of ")) << errors[r];
+    for (const auto& part : parts) EXPECT_TRUE(has(errors[r], part)) << errors[r];
+  }
+}
+
+// Options that cannot make one layer across the ep group: an exception on
+// every rank naming the problem (and, for options that differ, both ranks
+// and both values), never a hang or a layer built from mismatched halves.
+class MoeErrors : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoeErrors, ExpertsNotDivisibleByEp) {
+  auto errors = errors_on_every_rank(
+      3, [](std::shared_ptr<Communicator> g) { MoE m(small(g, 8, 1)); }, briefly_on(GetParam()));
+  expect_on_every_rank(errors, {"8 experts do not divide by the expert-parallel size 3"});
+}
+
+// Rank 1 would also fail the divisibility check alone; the agreement comes
+// first, so every rank names the real cause.
+TEST_P(MoeErrors, ExpertCountsDiffer) {
+  auto errors = errors_on_every_rank(
+      3, [](std::shared_ptr<Communicator> g) { MoE m(small(g, g->rank() == 1 ? 10 : 12, 1)); },
+      briefly_on(GetParam()));
+  expect_on_every_rank(
+      errors, {"experts differs across the expert-parallel group", "rank 0 has 12, rank 1 has 10"});
+}
+
+TEST_P(MoeErrors, TopKDiffers) {
+  auto errors = errors_on_every_rank(
+      3, [](std::shared_ptr<Communicator> g) { MoE m(small(g, 6, g->rank() == 2 ? 2 : 1)); },
+      briefly_on(GetParam()));
+  expect_on_every_rank(
+      errors, {"top_k differs across the expert-parallel group", "rank 0 has 1, rank 2 has 2"});
+}
+
+TEST_P(MoeErrors, TopKOutOfRange) {
+  auto errors = errors_on_every_rank(
+      2, [](std::shared_ptr<Communicator> g) { MoE m(small(g, 4, 3)); }, briefly_on(GetParam()));
+  expect_on_every_rank(errors, {"top_k must be 1 or 2, got 3"});
+}
+
+TEST_P(MoeErrors, InputOfAnotherWidth) {
+  auto errors = errors_on_every_rank(
+      2,
+      [](std::shared_ptr<Communicator> g) {
+        MoE m(small(g, 4, 1));
+        m(torch::zeros({3, 5}));
+      },
+      briefly_on(GetParam()));
+  expect_on_every_rank(errors, {"the input's last dimension must be hidden = 4, got shape [3, 5]"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Moe, MoeErrors, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace cohort::testing::moe_test
