@@ -270,7 +270,7 @@ TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
   const auto meta = dcp::read_metadata(ckpt);
   dcp::NamedTensors one;
   run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
-    DeviceMesh mesh(world, {1, 1, 1});
+    auto mesh = mesh_of(world, {1, 1, 1});
     GPTStage stage(mesh, config(99));
     auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, nullptr, gpt_tied_parameters(), &meta);
     dcp::load(sd, ckpt, *world, &meta);
@@ -308,7 +308,7 @@ TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
   std::mutex mu;
   run_ranks_shared(4, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    DeviceMesh mesh(world, {1, 2, 2});
+    auto mesh = mesh_of(world, {1, 2, 2});
     GPTStage stage(mesh, config(99));
     dcp::Metadata none;  // for loading: every tensor the stage holds
     auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, nullptr, gpt_tied_parameters(), &none);
@@ -319,7 +319,7 @@ TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& p : stage->named_parameters()) {
       const auto name = "model." + checkpoint_name(p.key());
-      EXPECT_TRUE(torch::equal(p.value(), slice_of(expected.at(name), name, 2, mesh.tp_rank())))
+      EXPECT_TRUE(torch::equal(p.value(), slice_of(expected.at(name), name, 2, mesh.local_rank("tp"))))
           << "rank " << mesh.rank() << ": " << name;
     }
   });
