@@ -48,11 +48,11 @@
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
 // Distributed checkpoints.
-#include "cohort/dcp/adapters.h"
 #include "cohort/dcp/async_save.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/dcp/metadata.h"
+#include "cohort/dcp/state_dict.h"
 // Training loop.
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/fsdp_adapters.h"

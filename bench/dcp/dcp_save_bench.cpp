@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
       }
     };
     auto distributed = [&] {
-      auto sd = zero ? cohort::dcp::zero_state_dict(*net, *zero)
+      auto sd = zero ? cohort::dcp::get_state_dict(*net, *zero)
                      : cohort::dcp::ddp_state_dict(*net, adamw.get());
       cohort::dcp::save(sd, (dir / "dcp").string(), *comm);
     };

@@ -24,8 +24,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
-#include "cohort/dcp/adapters.h"
-#include "cohort/dcp/tp_adapters.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
@@ -123,7 +122,7 @@ class TrainerWiring {
   /// runtime of one stage when pp is 1), `optimizer` is any LibTorch optimizer over
   /// runtime.parameters(), `sync` the mesh's GradientSynchronizer over the same stage. The
   /// global norm counts every parameter once over the mesh (MeshGradNorm). Checkpoints are
-  /// distributed (dcp::tensor_parallel_state_dict: the unsplit model's names, `tied` as there),
+  /// distributed (dcp::get_state_dict with the mesh: the unsplit model's names, `tied` as there),
   /// so they resume at any other tp x pp x dp, when every stage has a module and the stage
   /// modules name their layers as the unsplit model does; with a function stage, each rank saves
   /// its stages in its own shard and resumes at the same layout only. InvalidArgument when the
@@ -157,7 +156,7 @@ class TrainerWiring {
   /// with dcp::save and loads it resharded at any world size.
   bool has_dcp_state() const { return static_cast<bool>(dcp_state_); }
   /// This rank's model and optimizer state as a dcp::StateDict, under the
-  /// bare model's names (cohort/dcp/adapters.h); for_load: the checkpoint's
+  /// bare model's names (cohort/dcp/state_dict.h); for_load: the checkpoint's
   /// metadata when loading. Only when has_dcp_state().
   dcp::StateDict dcp_state_dict(const dcp::Metadata* for_load) const {
     return dcp_state_(for_load);
@@ -196,8 +195,14 @@ class TrainerWiring {
   void set_zero_state_dict(ZeroRedundancyOptimizer& zero) {
     std::shared_ptr<torch::nn::Module> model = model_;
     dcp_state_ = [model, z = &zero](const dcp::Metadata* for_load) {
-      return dcp::zero_state_dict(*model, *z, for_load);
+      return saving_or_loading(dcp::get_state_dict(*model, *z), for_load);
     };
+  }
+
+  // `state`, or with for_load its targets for loading that checkpoint (the
+  // Trainer checks them against the checkpoint before it loads).
+  static dcp::StateDict saving_or_loading(dcp::StateDict state, const dcp::Metadata* for_load) {
+    return for_load ? state.load_targets(*for_load) : state;
   }
 
   std::shared_ptr<Communicator> comm_;
