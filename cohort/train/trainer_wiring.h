@@ -49,9 +49,11 @@ class TrainerWiring {
   template <typename ModuleHolder>
   static TrainerWiring ddp(DistributedDataParallel<ModuleHolder>& ddp,
                            torch::optim::Optimizer& optimizer) {
-    return TrainerWiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
+    TrainerWiring wiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
                          std::make_unique<TorchOptimizer>(optimizer),
                          std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
+    wiring.set_replicated_state_dict(optimizer);
+    return wiring;
   }
 
   /// DDP + ZeRO built from it (ZeroRedundancyOptimizer::make(ddp, ...)): stage 1 steps DDP's
@@ -101,8 +103,10 @@ class TrainerWiring {
                                   torch::optim::Optimizer& optimizer) {
     if (!model) throw InvalidArgument("TrainerWiring::all_reduce: model is null");
     auto sync = std::make_unique<AllReduceGradientSync>(comm, model->parameters());
-    return TrainerWiring(std::move(comm), std::move(model),
+    TrainerWiring wiring(std::move(comm), std::move(model),
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
+    wiring.set_replicated_state_dict(optimizer);
+    return wiring;
   }
 
   /// A pipeline alone (its group is the whole job) with any LibTorch optimizer over
@@ -151,9 +155,10 @@ class TrainerWiring {
   /// True when each rank's model holds its own part (a pipeline's stages, FSDP's shards):
   /// rank 0's main checkpoint file does not hold it.
   bool per_rank_model() const { return layout_->per_rank_model() || fsdp_ != nullptr; }
-  /// True when the model and optimizer state is sharded over the ranks and
-  /// has a distributed-checkpoint form (ZeRO, FSDP): the Trainer saves it
-  /// with dcp::save and loads it resharded at any world size.
+  /// True when the model and optimizer state has a distributed-checkpoint
+  /// form (every wiring but the fused one and a pipeline of function
+  /// stages): the Trainer saves it with dcp::save and loads it resharded at
+  /// any world size, into any of these wirings.
   bool has_dcp_state() const { return static_cast<bool>(dcp_state_); }
   /// This rank's model and optimizer state as a dcp::StateDict, under the
   /// bare model's names (cohort/dcp/state_dict.h); for_load: the checkpoint's
@@ -190,6 +195,15 @@ class TrainerWiring {
   // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
   void set_pipeline_layout(pipeline::PipelineRuntime& runtime,
                            std::shared_ptr<Communicator> dp_group);
+
+  // DDP's and all-reduce's: every rank holds the model and the optimizer's
+  // state whole (written once).
+  void set_replicated_state_dict(torch::optim::Optimizer& optimizer) {
+    std::shared_ptr<torch::nn::Module> model = model_;
+    dcp_state_ = [model, opt = &optimizer](const dcp::Metadata* for_load) {
+      return saving_or_loading(dcp::get_state_dict(*model, *opt), for_load);
+    };
+  }
 
   // ZeRO's state dict is the model's parameters and the optimizer's pieces.
   void set_zero_state_dict(ZeroRedundancyOptimizer& zero) {
