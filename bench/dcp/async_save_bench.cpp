@@ -88,9 +88,9 @@ Timing run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
     const auto dir = (base / ("m" + std::to_string(mode) + "-" + std::to_string(s))).string();
     const auto in = std::chrono::steady_clock::now();
     if (mode == 1) {
-      dcp::save(dcp::ddp_state_dict(*j.model, j.opt.get()), dir, comm);
+      dcp::save(dcp::get_state_dict(*j.model, *j.opt), dir, comm);
     } else {
-      pending = dcp::async_save(dcp::ddp_state_dict(*j.model, j.opt.get()), dir, comm);
+      pending = dcp::async_save(dcp::get_state_dict(*j.model, *j.opt), dir, comm);
     }
     t.inside += since(in);
   }

@@ -119,11 +119,13 @@ template <typename Model>
 void set_state_dict(Model& model, const StateDict& state, const StateDictOptions& options = {}) {
   detail::set_state_dict_of(detail::module_of(model), nullptr, nullptr, state, options);
 }
+/// The same into the model and its optimizer.
 template <typename Model>
 void set_state_dict(Model& model, torch::optim::Optimizer& optimizer, const StateDict& state,
                     const StateDictOptions& options = {}) {
   detail::set_state_dict_of(detail::module_of(model), &optimizer, nullptr, state, options);
 }
+/// The same into the model and ZeRO.
 template <typename Model>
 void set_state_dict(Model& model, ZeroRedundancyOptimizer& zero, const StateDict& state,
                     const StateDictOptions& options = {}) {
