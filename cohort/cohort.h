@@ -54,12 +54,12 @@
 // Expert parallelism.
 #include "cohort/expert_parallel/moe.h"
 // Distributed checkpoints.
-#include "cohort/dcp/adapters.h"
 #include "cohort/dcp/async_save.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/dcp/metadata.h"
 #include "cohort/dcp/safetensors.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/dcp/torch_file.h"
 #include "cohort/dcp/weights_file.h"
 // Training loop.

@@ -5,7 +5,7 @@
 // A data-parallel GPT (examples/models/gpt_model.h, tp = pp = 1, AdamW, the
 // gradients averaged with one all-reduce of their concatenation) trains
 // (saves + 1) * every steps per run, saving a checkpoint of its whole state
-// (dcp::ddp_state_dict: model and AdamW state) every `every` steps, in three
+// (dcp::get_state_dict: model and AdamW state) every `every` steps, in three
 // modes: none, blocking (dcp::save) and async (dcp::async_save, committed
 // by the next save or at the run's end). Each round runs every mode once,
 // the order rotated from round to round. A run is timed from a barrier to a
@@ -88,9 +88,9 @@ Timing run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
     const auto dir = (base / ("m" + std::to_string(mode) + "-" + std::to_string(s))).string();
     const auto in = std::chrono::steady_clock::now();
     if (mode == 1) {
-      dcp::save(dcp::ddp_state_dict(*j.model, j.opt.get()), dir, comm);
+      dcp::save(dcp::get_state_dict(*j.model, *j.opt), dir, comm);
     } else {
-      pending = dcp::async_save(dcp::ddp_state_dict(*j.model, j.opt.get()), dir, comm);
+      pending = dcp::async_save(dcp::get_state_dict(*j.model, *j.opt), dir, comm);
     }
     t.inside += since(in);
   }

@@ -110,8 +110,8 @@ int main(int argc, char** argv) {
       }
     };
     auto distributed = [&] {
-      auto sd = zero ? cohort::dcp::zero_state_dict(*net, *zero)
-                     : cohort::dcp::ddp_state_dict(*net, adamw.get());
+      auto sd = zero ? cohort::dcp::get_state_dict(*net, *zero)
+                     : cohort::dcp::get_state_dict(*net, *adamw);
       cohort::dcp::save(sd, (dir / "dcp").string(), *comm);
     };
     std::vector<double> a, b;

@@ -1,7 +1,7 @@
 // defines: dcp::async_save and AsyncSave, a distributed checkpoint written
 // while training goes on (after torch.distributed.checkpoint.async_save):
 //
-//   auto pending = dcp::async_save(dcp::fsdp_state_dict(model, &opt), dir, comm);
+//   auto pending = dcp::async_save(dcp::get_state_dict(model, opt), dir, comm);
 //   ... train: the model may change as soon as async_save returns ...
 //   pending.wait();  // every rank: the checkpoint is whole (or the error)
 //

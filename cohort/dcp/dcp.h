@@ -1,22 +1,23 @@
 // defines: StateDict and dcp::save / dcp::load / read_metadata, the
 // distributed checkpoint (after torch.distributed.checkpoint):
 //
-//   dcp::save(dcp::get_state_dict(model, &opt), dir, comm);   // every rank
-//   auto sd = dcp::get_state_dict(model, &opt, &dcp::read_metadata(dir));
-//   dcp::load(sd, dir, comm);                                  // any world size
+//   dcp::save(dcp::get_state_dict(model, opt), dir, comm);   // every rank
+//   auto sd = dcp::get_state_dict(model, opt);                // fresh objects
+//   dcp::load(sd, dir, comm);                                 // any world size
+//   dcp::set_state_dict(model, opt, sd);
 //
-// A StateDict is this rank's view of the logical tensors: for each its
-// name, global shape and dtype, and the boxes of it this rank holds
-// (adapters.h builds one for DDP, ZeRO and FSDP). Saving writes each rank's
-// boxes to its own file; a replicated tensor (every rank holds all of it)
-// is written once, by one rank, the tensors spread over the ranks by bytes.
-// Loading reads, for each box this rank holds, only the checksum blocks of
-// the stored chunks that overlap it (pread), whatever layout and world size
-// wrote them. Both are collective: an error on any rank (bad metadata, a
-// missing or truncated file, a checksum mismatch, a name or shape that
-// differs) is thrown on every rank, naming the file or tensor, and load
-// writes nothing into the state dict's tensors unless every rank read and
-// verified all it needs.
+// (tests/dcp/state_dict_test.cpp runs exactly this.) A StateDict is this
+// rank's view of the logical tensors: for each its name, global shape and
+// dtype, and the boxes of it this rank holds (state_dict.h builds one for
+// every mode). Saving writes each rank's boxes to its own file; a
+// replicated tensor (every rank holds all of it) is written once, by one
+// rank, the tensors spread over the ranks by bytes. Loading reads, for each
+// box this rank holds, only the checksum blocks of the stored chunks that
+// overlap it (pread), whatever layout and world size wrote them. Both are
+// collective: an error on any rank (bad metadata, a missing or truncated
+// file, a checksum mismatch, a name or shape that differs) is thrown on
+// every rank, naming the file or tensor, and load writes nothing into the
+// state dict's tensors unless every rank read and verified all it needs.
 #pragma once
 
 #include <torch/types.h>
@@ -47,10 +48,14 @@ struct TensorEntry {
   bool replicated = false;
   /// The boxes this rank holds (none: this rank holds nothing of it).
   std::vector<LocalShard> shards;
+  /// This rank writes its boxes; false where another rank holding the same
+  /// values does (a tensor-parallel replica, a parameter's step count
+  /// another rank saves): they are loaded all the same.
+  bool write = true;
 };
 
-/// This rank's view of everything a checkpoint holds (adapters.h builds one
-/// per mode).
+/// This rank's view of everything a checkpoint holds (get_state_dict,
+/// state_dict.h, builds one for every mode).
 struct StateDict {
   std::vector<TensorEntry> tensors;  ///< in the same order on every rank
   /// The names of the model's submodules ("model.<name>"), so that a
@@ -61,6 +66,12 @@ struct StateDict {
   /// Run by load() in order, after every tensor is in place (installs
   /// optimizer state that did not exist before the load).
   std::vector<std::function<void()>> after_load;
+  /// The state dict rebuilt for loading a checkpoint with this metadata:
+  /// targets for everything the checkpoint holds for this model and
+  /// optimizer, the state an optimizer that has not stepped lacks included.
+  /// get_state_dict sets it, and load() loads into what it returns, so a
+  /// state dict built before the checkpoint was known loads everything.
+  std::function<StateDict(const Metadata&)> load_targets;
 };
 
 /// The data file of `rank` in a checkpoint folder.
@@ -80,8 +91,11 @@ Metadata read_metadata(const std::string& dir);
 /// Not collective.
 void check_fits(const StateDict& state, const Metadata& meta, const std::string& dir);
 
-/// Fills every shard of `state` from the checkpoint in `dir`. Collective.
-/// `meta`: the checkpoint's metadata when the caller has read it already.
+/// Fills every shard of `state` from the checkpoint in `dir`, and so the
+/// model and optimizer it views. With state.load_targets: everything the
+/// checkpoint holds for them, and `state` becomes what was loaded into
+/// (views of all they now hold). Collective. `meta`: the checkpoint's
+/// metadata when the caller has read it already.
 void load(StateDict& state, const std::string& dir, Communicator& comm,
           const Metadata* meta = nullptr);
 

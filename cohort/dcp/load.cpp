@@ -175,18 +175,19 @@ Metadata read_metadata(const std::string& dir) {
   return metadata_from_json(read_checkpoint_file(path), path);
 }
 
-void load(StateDict& state, const std::string& dir, Communicator& comm, const Metadata* meta) {
-  std::string error;
+namespace {
+
+// Stages every shard of `state` (unless a rank failed before: `error`),
+// agrees, then copies the staged values in and runs after_load.
+void fill(StateDict& state, const std::string& dir, Communicator& comm, const Metadata& meta,
+          std::string error) {
   std::vector<torch::Tensor> staged;
-  try {
-    Metadata read;
-    if (!meta) {
-      read = read_metadata(dir);
-      meta = &read;
+  if (error.empty()) {
+    try {
+      staged = stage(state, dir, meta);
+    } catch (const std::exception& e) {
+      error = e.what();
     }
-    staged = stage(state, dir, *meta);
-  } catch (const std::exception& e) {
-    error = e.what();
   }
   agree(comm, error);
   torch::NoGradGuard no_grad;
@@ -195,6 +196,42 @@ void load(StateDict& state, const std::string& dir, Communicator& comm, const Me
     for (auto& s : e.shards) s.data.copy_(staged[k++].view(s.data.sizes()));
   }
   for (auto& f : state.after_load) f();
+}
+
+}  // namespace
+
+void load(StateDict& state, const std::string& dir, Communicator& comm, const Metadata* meta) {
+  std::string error;
+  Metadata read;
+  if (!meta) {
+    try {
+      read = read_metadata(dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    meta = &read;
+  }
+  if (!state.load_targets) {
+    fill(state, dir, comm, *meta, error);
+    return;
+  }
+  // The targets depend on the metadata, and building a tensor-parallel
+  // stage's is collective: every rank gets there with the metadata read.
+  agree(comm, error);
+  StateDict targets;
+  try {
+    targets = state.load_targets(*meta);
+  } catch (const CheckpointError&) {
+    throw;  // the ranks agreed on it already (a layout that cannot hold a tensor)
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  fill(targets, dir, comm, *meta, error);
+  // The caller's state dict becomes what was loaded: it views all the model
+  // and optimizer now hold (state that did not exist before included), so
+  // set_state_dict(sd) and a later save see it.
+  targets.load_targets = std::move(state.load_targets);
+  state = std::move(targets);
 }
 
 torch::Tensor read_tensor(const std::string& dir, const Metadata& meta, const std::string& fqn) {

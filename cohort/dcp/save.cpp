@@ -79,7 +79,7 @@ StagedFile stage_rank_file(const StateDict& state, int rank, int world, bool cop
   int64_t offset = 0;
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     const auto& t = state.tensors[i];
-    if (t.replicated && writer[i] != rank) continue;
+    if (!t.write || (t.replicated && writer[i] != rank)) continue;
     nlohmann::json chunks = nlohmann::json::array();
     for (const auto& s : t.shards) {
       if (s.box.numel() == 0) continue;

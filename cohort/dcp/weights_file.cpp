@@ -4,10 +4,10 @@
 #include <optional>
 #include <set>
 
-#include "cohort/dcp/adapters.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/safetensors.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/dcp/torch_file.h"
 
 namespace cohort::dcp {
@@ -112,7 +112,7 @@ int load_weights(StateDict& state, const std::string& path, const LoadWeightsOpt
 
 int load_weights(torch::nn::Module& module, const std::string& path,
                  const LoadWeightsOptions& options) {
-  auto state = ddp_state_dict(module, nullptr);
+  auto state = get_state_dict(module);  // an FSDP root's: its shards
   return load_weights(state, path, options);
 }
 

@@ -3,13 +3,12 @@
 // model's weights), before or after wrapping, in any mode.
 //
 //   dcp::load_weights(*model, "model.safetensors");            // one process, or before DDP
-//   dcp::Metadata none;                                         // (for_load: every held tensor)
-//   auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, nullptr, tied, &none);
-//   dcp::load_weights(sd, "model.safetensors.index.json", {.allow_unexpected = true,
-//                                                          .comm = mesh.world().get()});
+//   auto sd = dcp::get_state_dict(*stage, {&mesh, tied});       // every tensor it holds
+//   dcp::load_weights(sd, "model.safetensors.index.json",
+//                     {.allow_unexpected = true, .comm = mesh.process_group().get()});
 //
 // The file's names are the bare model's (state_dict() keys); the state
-// dict's are "model." + those (adapters.h). Each shard of the state dict
+// dict's are "model." + those (state_dict.h). Each shard of the state dict
 // (FSDP's dim-0 rows, TP's column, row or vocabulary slices, a pipeline
 // stage's tensors) is read from a safetensors file as just its bytes: a
 // range of rows is one pread, a slice along a later dim one pread per

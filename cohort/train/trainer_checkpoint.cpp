@@ -349,20 +349,23 @@ void Trainer::check_checkpoint(const CheckpointKind& kind, const std::string& pa
     // form, at any world size.
     if (dcp_state()) return;
     throw ConfigError(where +
-                      " holds ZeRO or FSDP state (a distributed checkpoint), which loads only "
-                      "into a ZeRO or FSDP trainer; this one has " +
-                      (per_rank_state() ? sharded_mode() : std::string("replicated state")));
+                      " is a distributed checkpoint, which loads only into a trainer whose state "
+                      "has a distributed form (DDP, all-reduce, ZeRO, FSDP, mesh); this one has " +
+                      (per_rank_state() ? sharded_mode() : std::string("a fused optimizer")));
   }
-  if (dcp_state()) {
+  // A checkpoint whose model and optimizer are in its file (a fused wiring,
+  // or one written before DDP wrote distributed checkpoints) loads into a
+  // trainer whose state is replicated too.
+  if (dcp_state() && (per_rank_state() || !kind.model_in_file)) {
     throw ConfigError(
         where + " was written by a trainer " +
         (kind.model_in_file
-             ? std::string("with replicated state (a DDP, all-reduce or fused wiring: the model "
-                           "and optimizer in this file)")
+             ? std::string("with replicated state (a fused wiring or a stateful compressor: "
+                           "the model and optimizer in this file)")
              : std::string("with per-rank shard files (a pipeline, or a stateful compressor)")) +
         "; this one has " + sharded_mode() +
-        ", whose state loads only from a distributed checkpoint (as ZeRO, FSDP and mesh "
-        "trainers write); resume it with the wiring that wrote it");
+        ", whose state loads only from a distributed checkpoint (as the other wirings "
+        "write); resume it with the wiring that wrote it");
   }
   if (kind.world == comm_.size() || !per_rank_state()) return;
   throw ConfigError(where + " was written by " + std::to_string(kind.world) +

@@ -36,7 +36,7 @@ std::shared_ptr<torch::nn::Module> stages_module(const pipeline::PipelineRuntime
 
 // This rank's stage modules as one module under the unsplit model's names
 // (each stage module's children and own tensors, unprefixed), for
-// dcp::tensor_parallel_state_dict; null when a stage is a function (its
+// dcp::get_state_dict; null when a stage is a function (its
 // tensors have no names). A module shared by several stages counts once.
 std::shared_ptr<torch::nn::Module> unsplit_stages(const pipeline::PipelineRuntime& runtime,
                                                   int rank) {
@@ -140,7 +140,10 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   if (auto unsplit = unsplit_stages(runtime, mesh.rank())) {
     wiring.dcp_state_ = [unsplit, mesh, opt = &optimizer,
                          tied = std::move(tied)](const dcp::Metadata* for_load) {
-      return dcp::tensor_parallel_state_dict(*unsplit, mesh, opt, tied, for_load);
+      dcp::StateDictOptions options;
+      options.mesh = &mesh;
+      options.tied = tied;
+      return saving_or_loading(dcp::get_state_dict(*unsplit, *opt, options), for_load);
     };
   }
   return wiring;
@@ -169,7 +172,7 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
   wiring.layout_ = std::make_unique<FsdpLayout>(*wiring.sync_, *model);
   std::shared_ptr<FullyShardImpl> root = model.ptr();
   wiring.dcp_state_ = [root, opt = &optimizer](const dcp::Metadata* for_load) {
-    return dcp::fsdp_state_dict(*root, opt, for_load);
+    return saving_or_loading(dcp::get_state_dict(*root, *opt), for_load);
   };
   return wiring;
 }

@@ -24,8 +24,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
-#include "cohort/dcp/adapters.h"
-#include "cohort/dcp/tp_adapters.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
@@ -50,9 +49,11 @@ class TrainerWiring {
   template <typename ModuleHolder>
   static TrainerWiring ddp(DistributedDataParallel<ModuleHolder>& ddp,
                            torch::optim::Optimizer& optimizer) {
-    return TrainerWiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
+    TrainerWiring wiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
                          std::make_unique<TorchOptimizer>(optimizer),
                          std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
+    wiring.set_replicated_state_dict(optimizer);
+    return wiring;
   }
 
   /// DDP + ZeRO built from it (ZeroRedundancyOptimizer::make(ddp, ...)): stage 1 steps DDP's
@@ -102,8 +103,10 @@ class TrainerWiring {
                                   torch::optim::Optimizer& optimizer) {
     if (!model) throw InvalidArgument("TrainerWiring::all_reduce: model is null");
     auto sync = std::make_unique<AllReduceGradientSync>(comm, model->parameters());
-    return TrainerWiring(std::move(comm), std::move(model),
+    TrainerWiring wiring(std::move(comm), std::move(model),
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
+    wiring.set_replicated_state_dict(optimizer);
+    return wiring;
   }
 
   /// A pipeline alone (its group is the whole job) with any LibTorch optimizer over
@@ -124,7 +127,7 @@ class TrainerWiring {
   /// runtime of one stage when pp is 1), `optimizer` is any LibTorch optimizer over
   /// runtime.parameters(), `sync` the mesh's GradientSynchronizer over the same stage. The
   /// global norm counts every parameter once over the mesh (MeshGradNorm). Checkpoints are
-  /// distributed (dcp::tensor_parallel_state_dict: the unsplit model's names, `tied` as there),
+  /// distributed (dcp::get_state_dict with the mesh: the unsplit model's names, `tied` as there),
   /// so they resume at any other tp x pp x dp, when every stage has a module and the stage
   /// modules name their layers as the unsplit model does; with a function stage, each rank saves
   /// its stages in its own shard and resumes at the same layout only. InvalidArgument when the
@@ -153,12 +156,13 @@ class TrainerWiring {
   /// True when each rank's model holds its own part (a pipeline's stages, FSDP's shards):
   /// rank 0's main checkpoint file does not hold it.
   bool per_rank_model() const { return layout_->per_rank_model() || fsdp_ != nullptr; }
-  /// True when the model and optimizer state is sharded over the ranks and
-  /// has a distributed-checkpoint form (ZeRO, FSDP): the Trainer saves it
-  /// with dcp::save and loads it resharded at any world size.
+  /// True when the model and optimizer state has a distributed-checkpoint
+  /// form (every wiring but the fused one and a pipeline of function
+  /// stages): the Trainer saves it with dcp::save and loads it resharded at
+  /// any world size, into any of these wirings.
   bool has_dcp_state() const { return static_cast<bool>(dcp_state_); }
   /// This rank's model and optimizer state as a dcp::StateDict, under the
-  /// bare model's names (cohort/dcp/adapters.h); for_load: the checkpoint's
+  /// bare model's names (cohort/dcp/state_dict.h); for_load: the checkpoint's
   /// metadata when loading. Only when has_dcp_state().
   dcp::StateDict dcp_state_dict(const dcp::Metadata* for_load) const {
     return dcp_state_(for_load);
@@ -193,12 +197,27 @@ class TrainerWiring {
   void set_pipeline_layout(pipeline::PipelineRuntime& runtime,
                            std::shared_ptr<Communicator> dp_group);
 
+  // DDP's and all-reduce's: every rank holds the model and the optimizer's
+  // state whole (written once).
+  void set_replicated_state_dict(torch::optim::Optimizer& optimizer) {
+    std::shared_ptr<torch::nn::Module> model = model_;
+    dcp_state_ = [model, opt = &optimizer](const dcp::Metadata* for_load) {
+      return saving_or_loading(dcp::get_state_dict(*model, *opt), for_load);
+    };
+  }
+
   // ZeRO's state dict is the model's parameters and the optimizer's pieces.
   void set_zero_state_dict(ZeroRedundancyOptimizer& zero) {
     std::shared_ptr<torch::nn::Module> model = model_;
     dcp_state_ = [model, z = &zero](const dcp::Metadata* for_load) {
-      return dcp::zero_state_dict(*model, *z, for_load);
+      return saving_or_loading(dcp::get_state_dict(*model, *z), for_load);
     };
+  }
+
+  // `state`, or with for_load its targets for loading that checkpoint (the
+  // Trainer checks them against the checkpoint before it loads).
+  static dcp::StateDict saving_or_loading(dcp::StateDict state, const dcp::Metadata* for_load) {
+    return for_load ? state.load_targets(*for_load) : state;
   }
 
   std::shared_ptr<Communicator> comm_;

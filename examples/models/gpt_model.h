@@ -116,7 +116,7 @@ TORCH_MODULE(GPTStage);
 /// "word_embeddings.weight" (written once, from the first stage; loaded into
 /// both). Every other name is the same at any (tp, pp), since blocks are
 /// named by their global layer ("block<l>"). Pass it as the `tied` names of
-/// dcp::tensor_parallel_state_dict.
+/// dcp::get_state_dict with its mesh.
 std::map<std::string, std::string> gpt_tied_parameters();
 
 }  // namespace cohort::tensor_parallel

@@ -82,8 +82,8 @@ TEST_P(AsyncSave, DdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
       std::lock_guard<std::mutex> lock(mu);
       expected = snapshot(*net, &opt);
     }
-    dcp::save(dcp::ddp_state_dict(*net, &opt), blocking, comm);
-    auto pending = dcp::async_save(dcp::ddp_state_dict(*net, &opt), async, comm);
+    dcp::save(dcp::get_state_dict(*net, opt), blocking, comm);
+    auto pending = dcp::async_save(dcp::get_state_dict(*net, opt), async, comm);
     train(net, 2, [&] { opt.step(); });  // parameters and state change in place
     pending.wait();
   });
@@ -92,7 +92,7 @@ TEST_P(AsyncSave, DdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
     Net net(2, true);
     torch::optim::AdamW opt(net->parameters(), kAdamW);
     const auto meta = dcp::read_metadata(async);
-    auto sd = dcp::ddp_state_dict(*net, &opt, &meta);
+    auto sd = dcp::get_state_dict(*net, opt);
     dcp::load(sd, async, comm, &meta);
     expect_equal(snapshot(*net, &opt), expected, "async save, world 1");
   });
@@ -108,8 +108,8 @@ TEST_P(AsyncSave, FsdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
     auto model = make_fsdp(1, comm);
     torch::optim::AdamW opt(model->parameters(), kAdamW);
     train_fsdp(model, opt, 3);
-    dcp::save(dcp::fsdp_state_dict(*model, &opt), blocking, *comm);
-    auto pending = dcp::async_save(dcp::fsdp_state_dict(*model, &opt), async, *comm);
+    dcp::save(dcp::get_state_dict(*model, opt), blocking, *comm);
+    auto pending = dcp::async_save(dcp::get_state_dict(*model, opt), async, *comm);
     train_fsdp(model, opt, 2);
     pending.wait();
   });

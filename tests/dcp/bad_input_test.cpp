@@ -38,7 +38,7 @@ fs::path saved(const std::string& name) {
     Net net(1, false);
     torch::optim::AdamW opt(net->parameters(), kAdamW);
     train(net, 2, [&] { opt.step(); });
-    dcp::save(dcp::ddp_state_dict(*net, &opt), dir, comm);
+    dcp::save(dcp::get_state_dict(*net, opt), dir, comm);
   });
   return dir;
 }
@@ -51,7 +51,7 @@ std::vector<std::string> load_errors(const fs::path& dir) {
     torch::optim::AdamW opt(net->parameters(), kAdamW);
     train(net, 1, [&] { opt.step(); });
     const auto before = snapshot(*net, &opt);
-    auto sd = dcp::ddp_state_dict(*net, &opt);
+    auto sd = dcp::get_state_dict(*net, opt);
     try {
       dcp::load(sd, dir, *comm);
     } catch (...) {
@@ -85,7 +85,7 @@ TEST(BadInput, MetadataOfAnotherModelNamesTheTensor) {
   const auto other = temp_dir("other_model_src");
   run_ranks(1, [&](Communicator& comm) {
     Other m;
-    dcp::save(dcp::ddp_state_dict(*m, nullptr), other, comm);
+    dcp::save(dcp::get_state_dict(*m), other, comm);
   });
   fs::copy_file(other / ".metadata", dir / ".metadata", fs::copy_options::overwrite_existing);
   expect_every_rank(load_errors(dir),
@@ -129,7 +129,7 @@ TEST(BadInput, ModelWithAnotherNameNamesTheTensor) {
   const auto errors = errors_on_every_rank(3, [&](std::shared_ptr<Communicator> comm) {
     Renamed m;
     const auto before = m->named_parameters()["a.weight"].clone();
-    auto sd = dcp::ddp_state_dict(*m, nullptr);
+    auto sd = dcp::get_state_dict(*m);
     try {
       dcp::load(sd, dir, *comm);
     } catch (...) {
@@ -159,7 +159,7 @@ void expect_refused_everywhere(const fs::path& dir, const std::vector<std::strin
     expect_every_rank(errors_on_every_rank(world,
                                            [&](std::shared_ptr<Communicator> comm) {
                                              auto seq = make_seq(3);
-                                             auto sd = dcp::ddp_state_dict(*seq, nullptr);
+                                             auto sd = dcp::get_state_dict(*seq);
                                              dcp::load(sd, dir, *comm);
                                            }),
                       parts);
@@ -184,7 +184,7 @@ fs::path saved_fsdp(const std::string& name) {
   const auto dir = temp_dir(name);
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     auto model = fully_shard(shard_blocks(make_seq(1), comm), comm);
-    dcp::save(dcp::fsdp_state_dict(*model, nullptr), dir, *comm);
+    dcp::save(dcp::get_state_dict(*model), dir, *comm);
   });
   return dir;
 }

@@ -4,7 +4,7 @@
 #include <mutex>
 
 #include "ckpt_files.h"
-#include "cohort/dcp/tp_adapters.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
@@ -29,7 +29,7 @@ TEST(Consolidate, FsdpWorld3LoadsWithTorchLoadAndGivesTheSameOutputs) {
       model->forward(batch(100 + s, 9)).pow(2).mean().backward();
       opt.step();
     }
-    dcp::save(dcp::fsdp_state_dict(*model, &opt), dir, *comm);
+    dcp::save(dcp::get_state_dict(*model, opt), dir, *comm);
     torch::NoGradGuard no_grad;
     auto y = model->forward(x);
     if (comm->rank() == 0) sharded_out = y;
@@ -54,7 +54,7 @@ TEST(Consolidate, ZeroWorld2LoadsWithTorchLoadIntoNestedModules) {
     auto zero =
         ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm, zo);
     train(net, 2, [&] { zero->step(); });
-    dcp::save(dcp::zero_state_dict(*net, *zero), dir, *comm);
+    dcp::save(dcp::get_state_dict(*net, *zero), dir, *comm);
     torch::NoGradGuard no_grad;
     if (comm->rank() == 0) trained_out = net->forward(x);
   });
@@ -87,7 +87,7 @@ TEST(Consolidate, PipelineStagesLoadWithTorchLoadIntoTheWholeModel) {
         stage->register_module(children[i].key(), children[i].value());
       }
     }
-    dcp::save(dcp::tensor_parallel_state_dict(*stage, mesh, nullptr), dir, *world);
+    dcp::save(dcp::get_state_dict(*stage, {&mesh, {}}), dir, *world);
   });
   EXPECT_EQ(cohort_ckpt::consolidate_checkpoint(dir.string(), out), 6);
   auto bare = make_seq(2);

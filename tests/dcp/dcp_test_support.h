@@ -10,8 +10,8 @@
 #include <string>
 
 #include "cohort/core/torch_compat.h"
-#include "cohort/dcp/adapters.h"
 #include "cohort/dcp/dcp.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/optimizer_state.h"
 

@@ -25,7 +25,7 @@ TEST_P(SaveFolder, MissingParentsAreCreated) {
     torch::optim::AdamW opt(net->parameters(), kAdamW);
     train(net, 2, [&] { opt.step(); });
     if (comm.rank() == 0) saved = snapshot(*net, &opt);
-    dcp::save(dcp::ddp_state_dict(*net, &opt), dir, comm);
+    dcp::save(dcp::get_state_dict(*net, opt), dir, comm);
   });
   ASSERT_TRUE(fs::is_regular_file(dir / ".metadata"));
   run_ranks(world, [&](Communicator& comm) {
@@ -33,7 +33,7 @@ TEST_P(SaveFolder, MissingParentsAreCreated) {
     torch::optim::AdamW opt(net->parameters(), kAdamW);
     train(net, 1, [&] { opt.step(); });
     const auto meta = dcp::read_metadata(dir);
-    auto sd = dcp::ddp_state_dict(*net, &opt, &meta);
+    auto sd = dcp::get_state_dict(*net, opt);
     dcp::load(sd, dir, comm, &meta);
     expect_equal(snapshot(*net, &opt), saved, "rank " + std::to_string(comm.rank()));
   });
@@ -48,7 +48,7 @@ TEST_P(SaveFolder, UncreatableFolderIsACheckpointErrorOnEveryRank) {
   const auto errors = errors_on_every_rank(world, [&](std::shared_ptr<Communicator> comm) {
     Net net(1, false);
     try {
-      dcp::save(dcp::ddp_state_dict(*net, nullptr), dir, *comm);
+      dcp::save(dcp::get_state_dict(*net), dir, *comm);
     } catch (const CheckpointError& e) {
       throw std::runtime_error(std::string("CheckpointError: ") + e.what());
     }

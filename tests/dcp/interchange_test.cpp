@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "cohort/dcp/safetensors.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/dcp/weights_file.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
@@ -216,7 +217,7 @@ TEST_P(LoadWeightsFsdp, EachRankReadsItsRows) {
   std::mutex mu;
   run_ranks_shared(GetParam(), [&](std::shared_ptr<Communicator> comm) {
     auto model = make_fsdp(2, comm);
-    auto sd = dcp::fsdp_state_dict(*model, nullptr);
+    auto sd = dcp::get_state_dict(*model);
     dcp::LoadWeightsOptions options;
     options.comm = comm.get();
     const int filled = dcp::load_weights(sd, path, options);
@@ -246,7 +247,7 @@ TEST(LoadWeights, OneRanksErrorIsEveryRanksAndNothingChanges) {
   run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
     Net target(2, false);
     const auto before = snapshot(*target, nullptr);
-    auto sd = dcp::ddp_state_dict(*target, nullptr);
+    auto sd = dcp::get_state_dict(*target);
     auto extra = torch::zeros({2});
     if (comm->rank() == 2)
       sd.tensors.push_back({"model.extra", {2}, torch::kFloat, true, {{dcp::whole({2}), extra}}});

@@ -75,10 +75,10 @@ struct Job {
     }
   }
 
-  dcp::StateDict state(const dcp::Metadata* for_load = nullptr) {
-    if (mode == Mode::Fsdp) return dcp::fsdp_state_dict(*fsdp, opt.get(), for_load);
-    if (mode == Mode::Zero) return dcp::zero_state_dict(*seq, *zero, for_load);
-    return dcp::ddp_state_dict(*seq, opt.get(), for_load);
+  dcp::StateDict state() {
+    if (mode == Mode::Fsdp) return dcp::get_state_dict(fsdp, *opt);
+    if (mode == Mode::Zero) return dcp::get_state_dict(seq, *zero);
+    return dcp::get_state_dict(seq, *opt);
   }
 
   Mode mode;
@@ -130,9 +130,8 @@ TEST_P(ParamGroups, OptionsChangedBeforeSavingAreRestored) {
   std::mutex mu;
   run_ranks_shared(load_world, [&, load_mode = load_mode](std::shared_ptr<Communicator> comm) {
     Job job(load_mode, comm, 2, kAdamW, kAdamW);
-    const auto meta = dcp::read_metadata(dir);
-    auto sd = job.state(&meta);
-    dcp::load(sd, dir, *comm, &meta);
+    auto sd = job.state();
+    dcp::load(sd, dir, *comm);
     std::lock_guard<std::mutex> lock(mu);
     ASSERT_EQ(job.groups().size(), 2u);
     for (size_t g = 0; g < 2; ++g) {

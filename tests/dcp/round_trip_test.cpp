@@ -34,7 +34,7 @@ TEST_P(DdpRoundTrip, LoadsExactlyAtAnotherWorldSize) {
     Net net(1, true);
     torch::optim::AdamW opt(net->parameters(), kAdamW);
     train(net, 3, [&] { opt.step(); });
-    dcp::save(dcp::ddp_state_dict(*net, &opt), dir, comm);
+    dcp::save(dcp::get_state_dict(*net, opt), dir, comm);
   });
   // Replicated tensors are written once, whatever the world size.
   int64_t bytes = 0;
@@ -51,7 +51,7 @@ TEST_P(DdpRoundTrip, LoadsExactlyAtAnotherWorldSize) {
     // Odd ranks load into state that exists, even ranks into none.
     if (comm.rank() % 2 == 1) train(net, 1, [&] { opt.step(); });
     const auto meta = dcp::read_metadata(dir);
-    auto sd = dcp::ddp_state_dict(*net, &opt, &meta);
+    auto sd = dcp::get_state_dict(*net, opt);
     dcp::load(sd, dir, comm, &meta);
     const auto got = snapshot(*net, &opt);
     std::lock_guard<std::mutex> lock(mu);
@@ -94,7 +94,7 @@ TEST(ZeroRoundTrip, Stage2World4LoadsIntoStage1World3AndDdpWorld2) {
     train(net, 3, [&] { zero->step(); });
     auto full = zero_snapshot(net, *zero);
     if (comm->rank() == 0) expected = full;
-    dcp::save(dcp::zero_state_dict(*net, *zero), dir, *comm);
+    dcp::save(dcp::get_state_dict(*net, *zero), dir, *comm);
   });
   ASSERT_FALSE(expected.empty());
   ASSERT_EQ(expected.count("optim.a.weight.exp_avg_sq"), 1u);
@@ -104,7 +104,7 @@ TEST(ZeroRoundTrip, Stage2World4LoadsIntoStage1World3AndDdpWorld2) {
     Net net(2, false);
     auto zero = make_zero(net, comm, 1);
     const auto meta = dcp::read_metadata(dir);
-    auto sd = dcp::zero_state_dict(*net, *zero, &meta);
+    auto sd = dcp::get_state_dict(*net, *zero);
     dcp::load(sd, dir, *comm, &meta);
     auto got = zero_snapshot(net, *zero);
     std::lock_guard<std::mutex> lock(mu);
@@ -118,7 +118,7 @@ TEST(ZeroRoundTrip, Stage2World4LoadsIntoStage1World3AndDdpWorld2) {
     Net net(2, false);
     torch::optim::AdamW opt(net->parameters(), kAdamW);
     const auto meta = dcp::read_metadata(dir);
-    auto sd = dcp::ddp_state_dict(*net, &opt, &meta);
+    auto sd = dcp::get_state_dict(*net, opt);
     dcp::load(sd, dir, comm, &meta);
     const auto got = snapshot(*net, &opt);
     std::lock_guard<std::mutex> lock(mu);
@@ -134,7 +134,7 @@ Named load_whole(const fs::path& dir) {
     auto seq = make_seq(3);
     torch::optim::AdamW opt(seq->parameters(), kAdamW);
     const auto meta = dcp::read_metadata(dir);
-    auto sd = dcp::ddp_state_dict(*seq, &opt, &meta);
+    auto sd = dcp::get_state_dict(*seq, opt);
     dcp::load(sd, dir, comm, &meta);
     got = snapshot(*seq, &opt);
   });
@@ -150,7 +150,7 @@ TEST(FsdpRoundTrip, World4LoadsIntoWorld2AndBack) {
     train_fsdp(model, opt, 3);
     auto f = model->full_state_dict();
     if (comm->rank() == 0) full = f;
-    dcp::save(dcp::fsdp_state_dict(*model, &opt), dir4, *comm);
+    dcp::save(dcp::get_state_dict(*model, opt), dir4, *comm);
   });
   // FSDP -> one process: the parameters FSDP gathers, exactly.
   const auto whole = load_whole(dir4);
@@ -164,9 +164,9 @@ TEST(FsdpRoundTrip, World4LoadsIntoWorld2AndBack) {
     auto model = make_fsdp(2, comm);
     torch::optim::AdamW opt(model->parameters(), kAdamW);
     const auto meta = dcp::read_metadata(dir4);
-    auto sd = dcp::fsdp_state_dict(*model, &opt, &meta);
+    auto sd = dcp::get_state_dict(*model, opt);
     dcp::load(sd, dir4, *comm, &meta);
-    const auto live = dcp::fsdp_state_dict(*model, &opt);
+    const auto live = dcp::get_state_dict(*model, opt);
     {
       std::lock_guard<std::mutex> lock(mu);
       for (const auto& e : live.tensors) {

@@ -1,4 +1,6 @@
-// Tensor-parallel and pipeline checkpoints move between meshes exactly: the
+// Tensor-parallel and pipeline checkpoints move between meshes exactly, through
+// dcp::get_state_dict / load / set_state_dict into optimizers that have not
+// stepped (the saved rate restored too): the
 // GPT trained three AdamW steps at tp2 x pp2 x dp2 is saved, then loaded at
 // tp1 x pp4 x dp2, tp2 x pp1 x dp1 and tp1 x pp1 x dp1 (one process, whole
 // tensors), and every parameter and optimizer state tensor (each shard
@@ -12,8 +14,8 @@
 
 #include "ckpt_files.h"
 #include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/dcp/torch_file.h"
-#include "cohort/dcp/tp_adapters.h"
 #include "cohort/dcp/weights_file.h"
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
@@ -118,27 +120,48 @@ void train_step(DeviceMesh& mesh, GPTStage& stage, pipeline::PipelineRuntime* rt
   opt.step();
 }
 
-// Trains `steps` steps at `shape` and saves into `dir`; returns the full
-// tensors the job held, assembled from the TP shards of DP replica 0.
-Named train_and_save(const Shape& shape, int steps, const std::string& dir, const GPTConfig& c) {
-  std::map<std::string, std::vector<torch::Tensor>> shards;
-  std::mutex mu;
-  run_ranks_shared(shape.dp * shape.pp * shape.tp, [&](std::shared_ptr<Communicator> world) {
-    torch::set_num_threads(1);
-    auto mesh = mesh_of(world, shape);
-    GPTStage stage(mesh, c);
-    cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                                      stage->shared_embedding_weight());
-    torch::optim::AdamW opt(stage->parameters(), kAdamW);
-    std::unique_ptr<pipeline::PipelineRuntime> rt;
+// One rank's GPT stage at `shape`, its AdamW (kAdamW) and what steps it.
+struct GptJob {
+  GptJob(std::shared_ptr<Communicator> world, const Shape& shape, const GPTConfig& c)
+      : mesh(mesh_of(std::move(world), shape)),
+        stage(mesh, c),
+        sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
+             stage->shared_embedding_weight()),
+        opt(stage->parameters(), kAdamW) {
     if (shape.pp > 1)
       rt = std::make_unique<pipeline::PipelineRuntime>(
           mesh["pp"].process_group(),
           std::vector<pipeline::PipelineStage>{gpt_pipeline_stage(mesh, stage)},
           pipeline::make_schedule("1f1b", shape.pp, 1, 2), gpt_pipeline_loss(stage));
-    for (int s = 0; s < steps; ++s) train_step(mesh, stage, rt.get(), sync, opt, s);
-    dcp::save(dcp::tensor_parallel_state_dict(*stage, mesh, &opt, gpt_tied_parameters()), dir,
-              *world);
+  }
+  void step(int s) { train_step(mesh, stage, rt.get(), sync, opt, s); }
+  dcp::StateDictOptions options() const { return {&mesh, gpt_tied_parameters()}; }
+
+  DeviceMesh mesh;
+  GPTStage stage;
+  GradientSynchronizer sync;
+  torch::optim::AdamW opt;
+  std::unique_ptr<pipeline::PipelineRuntime> rt;
+};
+
+// What a schedule would have changed by the checkpoint.
+constexpr double kSavedLr = 0.004;
+
+// Trains `steps` steps at `shape`, sets the rate to kSavedLr and saves into
+// `dir`; returns the full tensors the job held, assembled from the TP
+// shards of DP replica 0.
+Named train_and_save(const Shape& shape, int steps, const std::string& dir, const GPTConfig& c) {
+  std::map<std::string, std::vector<torch::Tensor>> shards;
+  std::mutex mu;
+  run_ranks_shared(shape.dp * shape.pp * shape.tp, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    GptJob job(world, shape, c);
+    auto& mesh = job.mesh;
+    auto& stage = job.stage;
+    auto& opt = job.opt;
+    for (int s = 0; s < steps; ++s) job.step(s);
+    for (auto& g : opt.param_groups()) g.options().set_lr(kSavedLr);
+    dcp::save(dcp::get_state_dict(*stage, opt, job.options()), dir, *world);
     std::lock_guard<std::mutex> lock(mu);
     for (auto& [name, t] : rank_state(stage, opt)) {
       auto& v = shards[name];
@@ -198,10 +221,12 @@ TEST_P(TensorParallelRoundTrip, LoadsExactlyIntoAnotherMesh) {
     auto mesh = mesh_of(world, to);
     GPTStage stage(mesh, config(99));  // other weights, no optimizer state
     torch::optim::AdamW opt(stage->parameters(), kAdamW);
-    auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, &opt, gpt_tied_parameters(), &meta);
+    auto sd = dcp::get_state_dict(*stage, opt, {&mesh, gpt_tied_parameters()});
     dcp::load(sd, dir.string(), *world, &meta);
+    dcp::set_state_dict(*stage, opt, sd, {&mesh, gpt_tied_parameters()});
     const auto got = rank_state(stage, opt);
     std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(opt.param_groups()[0].options().get_lr(), kSavedLr);
     EXPECT_EQ(got.size(), stage->parameters().size() * 4);
     for (const auto& [name, t] : got) {
       auto it = expected.find(name);
@@ -214,6 +239,58 @@ TEST_P(TensorParallelRoundTrip, LoadsExactlyIntoAnotherMesh) {
   EXPECT_GE(compared, static_cast<int>(expected.size()));
   std::filesystem::remove_all(dir);
 }
+
+// get_state_dict -> save -> a fresh stage and optimizer -> get_state_dict
+// -> load -> set_state_dict at the same mesh (tp 3, pp 3, one process):
+// every tensor and the rate equal the saving job's bit for bit, and so
+// does the next step's.
+class TensorParallelContinues : public ::testing::TestWithParam<Load> {};
+
+TEST_P(TensorParallelContinues, NextStepEqualsTheSavingJobs) {
+  const auto shape = GetParam().shape;
+  const auto dir = temp_dir("tp_continue_" + shape.to_string());
+  auto c = config(7);
+  c.layers = 3;  // divides by pp 3
+  std::map<int, Named> saved, continued;
+  std::mutex mu;
+  const int world = shape.dp * shape.pp * shape.tp;
+  run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    torch::set_num_threads(1);
+    GptJob job(comm, shape, c);
+    for (int s = 0; s < 2; ++s) job.step(s);
+    for (auto& g : job.opt.param_groups()) g.options().set_lr(kSavedLr);
+    dcp::save(dcp::get_state_dict(*job.stage, job.opt, job.options()), dir.string(), *comm);
+    auto at_save = rank_state(job.stage, job.opt);
+    job.step(2);
+    std::lock_guard<std::mutex> lock(mu);
+    saved[comm->rank()] = std::move(at_save);
+    continued[comm->rank()] = rank_state(job.stage, job.opt);
+  });
+  c.seed = 99;  // other weights, no optimizer state
+  run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    torch::set_num_threads(1);
+    GptJob job(comm, shape, c);
+    auto sd = dcp::get_state_dict(*job.stage, job.opt, job.options());
+    dcp::load(sd, dir.string(), *comm);
+    dcp::set_state_dict(*job.stage, job.opt, sd, job.options());
+    const auto loaded = rank_state(job.stage, job.opt);
+    const double lr = job.opt.param_groups()[0].options().get_lr();
+    job.step(2);
+    const auto where = "rank " + std::to_string(comm->rank());
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(lr, kSavedLr) << where;
+    expect_equal(loaded, saved.at(comm->rank()), where + ", loaded");
+    expect_equal(rank_state(job.stage, job.opt), continued.at(comm->rank()), where + ", next");
+  });
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, TensorParallelContinues,
+                         ::testing::Values(Load{{1, 1, 3}}, Load{{1, 3, 1}}, Load{{1, 1, 1}}),
+                         [](const auto& info) {
+                           const auto& s = info.param.shape;
+                           return "tp" + std::to_string(s.tp) + "_pp" + std::to_string(s.pp);
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Meshes, TensorParallelRoundTrip,
                          ::testing::Values(Load{{2, 4, 1}}, Load{{1, 1, 2}}, Load{{1, 1, 1}}),
@@ -238,7 +315,7 @@ TEST(TensorParallelBadInput, TpThatDoesNotDivideIsAnErrorOnEveryRank) {
     torch::optim::AdamW opt(stage->parameters(), kAdamW);
     const auto before = rank_state(stage, opt);
     try {
-      auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, &opt, gpt_tied_parameters(), &meta);
+      auto sd = dcp::get_state_dict(*stage, opt, {&mesh, gpt_tied_parameters()});
       dcp::load(sd, dir.string(), *world, &meta);
       ADD_FAILURE() << "rank " << mesh.rank() << " loaded";
     } catch (const CheckpointError& e) {
@@ -272,8 +349,10 @@ TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
   run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
     auto mesh = mesh_of(world, {1, 1, 1});
     GPTStage stage(mesh, config(99));
-    auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, nullptr, gpt_tied_parameters(), &meta);
+    const dcp::StateDictOptions o{&mesh, gpt_tied_parameters()};
+    auto sd = dcp::get_state_dict(*stage, o);
     dcp::load(sd, ckpt, *world, &meta);
+    dcp::set_state_dict(*stage, sd, o);
     for (const auto& p : stage->named_parameters()) one.insert(p.key(), p.value().detach().clone());
     for (const auto& b : stage->named_buffers()) one.insert(b.key(), b.value().clone());
   });
@@ -310,8 +389,7 @@ TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
     torch::set_num_threads(1);
     auto mesh = mesh_of(world, {1, 2, 2});
     GPTStage stage(mesh, config(99));
-    dcp::Metadata none;  // for loading: every tensor the stage holds
-    auto sd = dcp::tensor_parallel_state_dict(*stage, mesh, nullptr, gpt_tied_parameters(), &none);
+    auto sd = dcp::get_state_dict(*stage, {&mesh, gpt_tied_parameters()});  // all it holds
     dcp::LoadWeightsOptions options;
     options.allow_unexpected = true;  // the other stage's tensors
     options.comm = world.get();

@@ -1,11 +1,11 @@
-#include "cohort/dcp/adapters.h"
+#include "cohort/dcp/detail/adapters.h"
 
 #include <map>
 
 #include "cohort/core/error.h"
-#include "cohort/dcp/optimizer_slots.h"
+#include "cohort/dcp/detail/optimizer_slots.h"
 
-namespace cohort::dcp {
+namespace cohort::dcp::detail {
 namespace {
 
 TensorEntry replicated(const std::string& fqn, const torch::Tensor& t) {
@@ -19,6 +19,12 @@ void add_buffers(StateDict& state, torch::nn::Module& model) {
   for (const auto& m : model.named_modules("", /*include_self=*/false)) {
     state.modules.push_back("model." + m.key());
   }
+}
+
+// The saving form (no for_load) rebuilds itself for a checkpoint: `build`.
+template <typename Build>
+void set_load_targets(StateDict& state, const Metadata* for_load, Build build) {
+  if (!for_load) state.load_targets = std::move(build);
 }
 
 ParamSlot whole_slot(const std::string& fqn, const torch::Tensor& p) {
@@ -37,6 +43,9 @@ StateDict ddp_state_dict(torch::nn::Module& model, torch::optim::Optimizer* opti
   }
   add_buffers(state, model);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
+  set_load_targets(state, for_load, [&model, optimizer](const Metadata& meta) {
+    return ddp_state_dict(model, optimizer, &meta);
+  });
   return state;
 }
 
@@ -77,6 +86,9 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
     slots.push_back(std::move(slot));
   }
   add_optimizer_state(state, zero.shard_optimizer(), slots, for_load);
+  set_load_targets(state, for_load, [&model, &zero](const Metadata& meta) {
+    return zero_state_dict(model, zero, &meta);
+  });
   return state;
 }
 
@@ -131,7 +143,10 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
   }
   add_buffers(state, model);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
+  set_load_targets(state, for_load, [&model, optimizer](const Metadata& meta) {
+    return fsdp_state_dict(model, optimizer, &meta);
+  });
   return state;
 }
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

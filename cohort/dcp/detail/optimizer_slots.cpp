@@ -1,4 +1,4 @@
-#include "cohort/dcp/optimizer_slots.h"
+#include "cohort/dcp/detail/optimizer_slots.h"
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -11,10 +11,10 @@
 
 #include "cohort/core/error.h"
 #include "cohort/core/torch_compat.h"
-#include "cohort/dcp/param_group_options.h"
+#include "cohort/dcp/detail/param_group_options.h"
 #include "cohort/optim/optimizer_state.h"
 
-namespace cohort::dcp {
+namespace cohort::dcp::detail {
 namespace {
 
 using Named = std::map<std::string, torch::Tensor>;
@@ -75,12 +75,15 @@ void set_step(OptimizerParamState& state, int64_t step) {
 }
 
 // The entry named `fqn` in `state` (added on first use: a parameter may
-// have several slots on one rank).
+// have several slots on one rank); written when any of them writes it.
 TensorEntry& entry(StateDict& state, std::map<std::string, size_t>& index, const std::string& fqn,
-                   const std::vector<int64_t>& shape, torch::Dtype dtype, bool replicated) {
+                   const std::vector<int64_t>& shape, torch::Dtype dtype, bool replicated,
+                   bool write) {
   auto [it, fresh] = index.try_emplace(fqn, state.tensors.size());
-  if (fresh) state.tensors.push_back({fqn, shape, dtype, replicated, {}});
-  return state.tensors[it->second];
+  if (fresh) state.tensors.push_back({fqn, shape, dtype, replicated, {}, false});
+  auto& e = state.tensors[it->second];
+  e.write = e.write || write;
+  return e;
 }
 
 void add_boxes(TensorEntry& e, const ParamSlot& slot, const torch::Tensor& tensor) {
@@ -92,11 +95,23 @@ void add_boxes(TensorEntry& e, const ParamSlot& slot, const torch::Tensor& tenso
   }
 }
 
+// A 0-d value every slot of a parameter on this rank shares (its step, an
+// option of its group): one shard per rank, which load fills and every
+// slot then takes; written by the slot that saves the step.
+torch::Tensor shared_value(StateDict& state, std::map<std::string, size_t>& index,
+                           const std::string& fqn, torch::Dtype dtype, const ParamSlot& slot,
+                           double value) {
+  auto& e = entry(state, index, fqn, {}, dtype, slot.replicated,
+                  slot.write && (slot.owns_step || slot.replicated));
+  if (e.shards.empty()) e.shards.push_back({Box{}, torch::tensor(value, dtype)});
+  return e.shards[0].data;
+}
+
 // The options of the group that holds `slot` (lr, betas, ...), as 0-d
-// float64 tensors "optim.param_groups.<param fqn>.<option>": saved once per
-// parameter, by the slot that saves its step, whether or not it has state
-// yet; loaded into the group of every slot whose parameter the checkpoint
-// has them for (a checkpoint without them leaves the options as they are).
+// float64 tensors "optim.param_groups.<param fqn>.<option>", whether or
+// not the slot has state yet. Loading into the group of every slot; a
+// checkpoint without them (`for_load` lacks them) leaves the options as
+// they are.
 void add_group_options(StateDict& state, std::map<std::string, size_t>& index,
                        const std::map<const void*, torch::optim::OptimizerParamGroup*>& groups,
                        const ParamSlot& slot, const Metadata* for_load) {
@@ -105,20 +120,11 @@ void add_group_options(StateDict& state, std::map<std::string, size_t>& index,
   auto* group = it->second;
   const std::string prefix = "optim.param_groups." + slot.fqn + ".";
   for (const auto& [name, value] : group_options(group->options())) {
-    const auto fqn = prefix + name;
-    if (for_load) {
-      if (!for_load->find(fqn)) continue;
-      auto target = torch::zeros({}, torch::kDouble);
-      entry(state, index, fqn, {}, torch::kDouble, slot.replicated)
-          .shards.push_back({Box{}, target});
-      state.after_load.push_back([group, option = name, target] {
-        set_group_option(group->options(), option, target.item<double>());
-      });
-      continue;
-    }
-    if (!slot.owns_step && !slot.replicated) continue;
-    auto& e = entry(state, index, fqn, {}, torch::kDouble, slot.replicated);
-    if (e.shards.empty()) e.shards.push_back({Box{}, torch::tensor(value, torch::kDouble)});
+    if (for_load && !for_load->find(prefix + name)) continue;
+    auto target = shared_value(state, index, prefix + name, torch::kDouble, slot, value);
+    state.after_load.push_back([group, option = name, target] {
+      set_group_option(group->options(), option, target.item<double>());
+    });
   }
 }
 
@@ -145,32 +151,20 @@ void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
     }
     if (tensors.empty()) continue;
     for (const auto& [name, t] : tensors) {
-      add_boxes(entry(state, index, prefix + name, slot.shape, t.scalar_type(), slot.replicated),
+      add_boxes(entry(state, index, prefix + name, slot.shape, t.scalar_type(), slot.replicated,
+                      slot.write),
                 slot, t);
     }
-    if (!stepped) {
-      if (!exists) {
-        state.after_load.push_back([&optimizer, key, tensors] {
-          optimizer.state()[key] = make_state(optimizer, tensors);
-        });
-      }
-      continue;
+    if (!exists) {
+      state.after_load.push_back(
+          [&optimizer, key, tensors] { optimizer.state()[key] = make_state(optimizer, tensors); });
     }
-    const bool step_entry = for_load != nullptr || (slot.owns_step || slot.replicated);
-    if (!step_entry) continue;
-    auto& e = entry(state, index, prefix + "step", {}, torch::kLong, slot.replicated);
-    if (!for_load) {
-      if (!e.shards.empty()) continue;  // another slot of this rank saves it
-      e.shards.push_back({Box{}, torch::tensor(*state_step(*it->second), torch::kLong)});
-      continue;
-    }
-    auto step = torch::zeros({}, torch::kLong);
-    e.shards.push_back({Box{}, step});
-    state.after_load.push_back([&optimizer, key, tensors, step, exists] {
-      if (!exists) optimizer.state()[key] = make_state(optimizer, tensors);
-      set_step(*optimizer.state()[key], step.item<int64_t>());
-    });
+    if (!stepped) continue;
+    const auto value = exists ? static_cast<double>(*state_step(*it->second)) : 0.0;
+    auto step = shared_value(state, index, prefix + "step", torch::kLong, slot, value);
+    state.after_load.push_back(
+        [&optimizer, key, step] { set_step(*optimizer.state().at(key), step.item<int64_t>()); });
   }
 }
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

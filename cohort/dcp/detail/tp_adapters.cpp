@@ -1,10 +1,10 @@
-#include "cohort/dcp/tp_adapters.h"
+#include "cohort/dcp/detail/tp_adapters.h"
 
 #include "cohort/dcp/collective_status.h"
-#include "cohort/dcp/optimizer_slots.h"
+#include "cohort/dcp/detail/optimizer_slots.h"
 #include "cohort/tensor_parallel/layers.h"
 
-namespace cohort::dcp {
+namespace cohort::dcp::detail {
 namespace {
 
 // Loading: "" when the checkpoint's `fqn` can be split along `dim` over tp.
@@ -44,7 +44,6 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
     const auto it = dims.find(p.value().unsafeGetTensorImpl());
     const int64_t dim = it == dims.end() || tp == 1 ? -1 : it->second;
     const bool mine = writes(dim >= 0) && !copy;
-    if (!for_load && !mine) continue;
     if (for_load && dim >= 0 && error.empty()) {
       error = layout_error(*for_load, "model." + name, dim, tp, mesh.rank());
     }
@@ -55,23 +54,28 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
       box.offsets[dim] = tp_rank * box.lengths[dim];
     }
     state.tensors.push_back(
-        {"model." + name, shape, p.value().scalar_type(), false, {{box, p.value()}}});
-    slots.push_back({name, shape, p.value(), {box}, {0}, false, dim < 0 || tp_rank == 0});
+        {"model." + name, shape, p.value().scalar_type(), false, {{box, p.value()}}, mine});
+    slots.push_back({name, shape, p.value(), {box}, {0}, false, dim < 0 || tp_rank == 0, mine});
   }
   for (const auto& b : stage.named_buffers()) {
-    if (!for_load && !writes(false)) continue;
     state.tensors.push_back({"model." + b.key(),
                              b.value().sizes().vec(),
                              b.value().scalar_type(),
                              false,
-                             {{whole(b.value().sizes().vec()), b.value()}}});
+                             {{whole(b.value().sizes().vec()), b.value()}},
+                             writes(false)});
   }
   for (const auto& m : stage.named_modules("", /*include_self=*/false)) {
     state.modules.push_back("model." + m.key());
   }
   if (for_load) agree(*mesh.process_group(), error);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
+  if (!for_load) {
+    state.load_targets = [&stage, &mesh, optimizer, tied](const Metadata& meta) {
+      return tensor_parallel_state_dict(stage, mesh, optimizer, tied, &meta);
+    };
+  }
   return state;
 }
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-namespace cohort::dcp {
+namespace cohort::dcp::detail {
 
 /// The group's options by name, booleans as 0 or 1: every option of Adam,
 /// AdamW, SGD, RMSprop and Adagrad; of another optimizer class its lr
@@ -28,4 +28,4 @@ void set_group_option(torch::optim::OptimizerOptions& options, const std::string
 std::map<const void*, torch::optim::OptimizerParamGroup*> groups_by_param(
     torch::optim::Optimizer& optimizer);
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

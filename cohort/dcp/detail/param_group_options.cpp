@@ -1,4 +1,4 @@
-#include "cohort/dcp/param_group_options.h"
+#include "cohort/dcp/detail/param_group_options.h"
 
 #include <c10/util/Exception.h>
 #include <torch/optim/adagrad.h>
@@ -12,7 +12,7 @@
 
 #include "cohort/core/error.h"
 
-namespace cohort::dcp {
+namespace cohort::dcp::detail {
 namespace {
 
 using torch::optim::OptimizerOptions;
@@ -137,4 +137,4 @@ std::map<const void*, torch::optim::OptimizerParamGroup*> groups_by_param(
   return out;
 }
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

@@ -18,7 +18,7 @@
 
 #include "cohort/dcp/dcp.h"
 
-namespace cohort::dcp {
+namespace cohort::dcp::detail {
 
 struct ParamSlot {
   std::string fqn;             ///< the parameter's name
@@ -28,13 +28,16 @@ struct ParamSlot {
   std::vector<int64_t> flat_offsets;
   bool replicated = false;  ///< every rank holds the same state (DDP)
   bool owns_step = false;   ///< this slot saves the parameter's step count
+  bool write = true;        ///< false: another rank writes the same state (TP)
 };
 
-/// Adds the optimizer state of `slots` to `state`. Saving (`for_load`
-/// null): the state that exists. Loading: every slot whose parameter has
-/// state in the checkpoint `for_load` gets targets: its state tensors, or
-/// new ones that state.after_load installs once the load succeeded.
+/// Adds the optimizer state of `slots` to `state`: the state that exists,
+/// its step counts and the options of its groups, which state.after_load
+/// sets from the loaded values. With `for_load` (a checkpoint's metadata):
+/// also, for every slot whose parameter has state in that checkpoint but
+/// not in the optimizer, new tensors that after_load installs; and only the
+/// group options the checkpoint holds.
 void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
                          const std::vector<ParamSlot>& slots, const Metadata* for_load);
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

@@ -1,4 +1,5 @@
-// defines: tensor_parallel_state_dict: one pipeline stage of a
+// defines: tensor_parallel_state_dict (internal: get_state_dict with
+// StateDictOptions::mesh, state_dict.h, calls it): one pipeline stage of a
 // tensor-parallel model (cohort/tensor_parallel layers on a DeviceMesh) and
 // its optimizer as a dcp::StateDict under the unsplit model's names
 // ("model.<fqn>", "optim.<fqn>.<state>", as adapters.h), so a checkpoint
@@ -19,8 +20,9 @@
 // ranks that hold it (the DP replicas, and for whole tensors the TP ranks
 // too, take turns tensor by tensor), so dp replicas cost nothing on disk.
 //
-// Saving: pass for_load = nullptr (not collective). Loading: pass the
-// checkpoint's metadata; then this is collective over mesh.process_group(): a
+// for_load = nullptr: every tensor this rank holds, those another rank
+// writes marked so (not collective). for_load = a checkpoint's metadata:
+// the targets for loading it; then this is collective over mesh.process_group(): a
 // sharded tensor whose checkpointed dimension does not divide by tp (the
 // layout cannot hold it) is a CheckpointError naming it on every rank,
 // before anything is read.
@@ -33,12 +35,10 @@
 #include <string>
 
 #include "cohort/dcp/dcp.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/mesh/device_mesh.h"
 
-namespace cohort::dcp {
-
-/// A parameter's name in a stage -> the name of the parameter it copies.
-using TiedNames = std::map<std::string, std::string>;
+namespace cohort::dcp::detail {
 
 /// This rank's stage of a model built from cohort/tensor_parallel layers
 /// over mesh["tp"] (the mesh has "tp" and "dp" dimensions), and the
@@ -47,4 +47,4 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied = {},
                                      const Metadata* for_load = nullptr);
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

@@ -1,4 +1,5 @@
-// defines: ddp_state_dict, zero_state_dict, fsdp_state_dict: each mode's
+// defines: ddp_state_dict, zero_state_dict, fsdp_state_dict (internal:
+// get_state_dict, state_dict.h, picks one by the model's type): each mode's
 // model and optimizer state as a dcp::StateDict (dcp.h), under the bare
 // model's names: "model.<fqn>" for parameters and buffers,
 // "optim.<param fqn>.<state>" for optimizer state ("exp_avg", ...,
@@ -12,9 +13,10 @@
 //   FSDP      each rank's dim-0 rows of every parameter and of its state
 //             (the padding left out); buffers replicated.
 //
-// Saving: pass for_load = nullptr. Loading: pass the checkpoint's metadata,
-// so that an optimizer that has not stepped yet gets the state the
-// checkpoint holds (installed only once the load succeeded).
+// for_load = nullptr: what the model and optimizer hold, with load_targets
+// set. for_load = a checkpoint's metadata: the targets for loading it, so
+// that an optimizer that has not stepped yet gets the state the checkpoint
+// holds (installed only once the load succeeded).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -24,7 +26,7 @@
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 
-namespace cohort::dcp {
+namespace cohort::dcp::detail {
 
 /// A module whose parameters every rank holds whole (DDP's module, or one
 /// process), and its optimizer (may be null).
@@ -41,4 +43,4 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
 StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimizer,
                           const Metadata* for_load = nullptr);
 
-}  // namespace cohort::dcp
+}  // namespace cohort::dcp::detail

@@ -1,0 +1,101 @@
+#include "cohort/dcp/state_dict.h"
+
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <map>
+
+#include "cohort/core/error.h"
+#include "cohort/dcp/checkpoint_file.h"
+#include "cohort/dcp/detail/adapters.h"
+#include "cohort/dcp/detail/tp_adapters.h"
+#include "cohort/fsdp/fully_shard.h"
+#include "cohort/tensor_parallel/layers.h"
+
+namespace cohort::dcp::detail {
+namespace {
+
+// What `state` says of each tensor, as a checkpoint's metadata says it
+// (no chunks): the adapters' targets for loading it.
+Metadata metadata_of(const StateDict& state) {
+  Metadata meta;
+  for (const auto& e : state.tensors) meta.tensors.push_back({e.fqn, e.shape, e.dtype, {}});
+  std::sort(meta.tensors.begin(), meta.tensors.end(),
+            [](const TensorMeta& a, const TensorMeta& b) { return a.fqn < b.fqn; });
+  meta.modules = state.modules;
+  return meta;
+}
+
+// The part of `t` (the box `at`) that lies in `box`.
+torch::Tensor narrowed(torch::Tensor t, const Box& at, const Box& box) {
+  for (size_t d = 0; d < box.offsets.size(); ++d) {
+    t = t.narrow(static_cast<int64_t>(d), box.offsets[d] - at.offsets[d], box.lengths[d]);
+  }
+  return t;
+}
+
+using ByName = std::map<std::string, const TensorEntry*>;
+
+// Throws CheckpointError naming the tensor unless `from` holds every box of
+// `to` with its shape and dtype (a rank's shards of a tensor never overlap).
+void check_covers(const ByName& from, const StateDict& to) {
+  for (const auto& e : to.tensors) {
+    const std::string where = "dcp::set_state_dict: tensor " + e.fqn;
+    auto it = from.find(e.fqn);
+    if (it == from.end()) throw CheckpointError(where + " is not in the state dict");
+    const auto& src = *it->second;
+    if (src.shape != e.shape || src.dtype != e.dtype) {
+      throw CheckpointError(where + ": the state dict's " + shape_string(src.shape) + " " +
+                            dtype_name(src.dtype) + " differs from the model's " +
+                            shape_string(e.shape) + " " + dtype_name(e.dtype));
+    }
+    for (const auto& s : e.shards) {
+      int64_t held = 0;
+      for (const auto& h : src.shards) held += intersect(h.box, s.box).numel();
+      if (held != s.box.numel()) {
+        throw CheckpointError(where + ": this rank's state dict does not hold all of " +
+                              to_string(s.box));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+StateDict state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                        ZeroRedundancyOptimizer* zero, const StateDictOptions& options) {
+  if (zero) return zero_state_dict(model, *zero);
+  if (auto* sharded = dynamic_cast<FullyShardImpl*>(&model)) {
+    return fsdp_state_dict(*sharded, optimizer);
+  }
+  if (options.mesh) {
+    return tensor_parallel_state_dict(model, *options.mesh, optimizer, options.tied);
+  }
+  if (!tensor_parallel::split_dims(model).empty()) {
+    throw InvalidArgument(
+        "dcp::get_state_dict: the model holds tensor-parallel layers: pass "
+        "StateDictOptions::mesh, the mesh they were built on");
+  }
+  return ddp_state_dict(model, optimizer);
+}
+
+void set_state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                       ZeroRedundancyOptimizer* zero, const StateDict& state,
+                       const StateDictOptions& options) {
+  auto targets = state_dict_of(model, optimizer, zero, options).load_targets(metadata_of(state));
+  ByName from;
+  for (const auto& e : state.tensors) from[e.fqn] = &e;
+  check_covers(from, targets);
+  torch::NoGradGuard no_grad;
+  for (auto& e : targets.tensors) {
+    for (auto& s : e.shards) {
+      for (const auto& h : from.at(e.fqn)->shards) {
+        const Box in = intersect(h.box, s.box);
+        if (in.numel() > 0) narrowed(s.data, s.box, in).copy_(narrowed(h.data, h.box, in));
+      }
+    }
+  }
+  for (auto& f : targets.after_load) f();
+}
+
+}  // namespace cohort::dcp::detail
