@@ -117,6 +117,7 @@ class DistributedDataParallel {
   /// `ddp->zero_grad()`, `ddp->parameters()` compile where the bare module's
   /// holder was used, so wrapping changes no call site.
   DistributedDataParallel* operator->() { return this; }
+  /// Module-holder syntax on a const wrapper (`ddp->is_training()`).
   const DistributedDataParallel* operator->() const { return this; }
 
   // What users expect of a module, forwarded to the wrapped one. Names carry

@@ -397,7 +397,8 @@ TEST(TensorParallelExport, Pp2Tp2ExportIsTheOneProcessModel) {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& p : stage->named_parameters()) {
       const auto name = "model." + checkpoint_name(p.key());
-      EXPECT_TRUE(torch::equal(p.value(), slice_of(expected.at(name), name, 2, mesh.local_rank("tp"))))
+      EXPECT_TRUE(
+          torch::equal(p.value(), slice_of(expected.at(name), name, 2, mesh.local_rank("tp"))))
           << "rank " << mesh.rank() << ": " << name;
     }
   });
