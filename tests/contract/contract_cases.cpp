@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "cohort/cohort.h"
 #include "tests/contract/contract_values.h"
@@ -355,6 +356,16 @@ void split_by_color_ranks_by_key(Communicator& comm, torch::Dtype) {
   EXPECT_EQ(u[0].item<float>(), 3.0f);
 }
 
+// A group dropped as soon as it is made: no rank's construction may fail
+// because a faster peer already closed its side.
+void groups_dropped_at_once(Communicator& comm, torch::Dtype) {
+  for (int i = 0; i < 20; ++i) {
+    std::vector<int> all(static_cast<size_t>(comm.size()));
+    std::iota(all.begin(), all.end(), 0);
+    ASSERT_NE(comm.new_group(all), nullptr) << "group " << i;
+  }
+}
+
 void bad_group_ranks_are_refused(Communicator& comm, torch::Dtype) {
   EXPECT_THROW(comm.new_group({0, 0}), InvalidArgument);
   EXPECT_THROW(comm.new_group({0, comm.size()}), InvalidArgument);
@@ -382,6 +393,7 @@ const std::vector<ContractCase>& contract_cases() {
       {"NewGroupOfOddRanksInReverse", new_group_of_odd_ranks_in_reverse, false, false, 2},
       {"SplitByColorRanksByKey", split_by_color_ranks_by_key, false, false},
       {"BadGroupRanksAreRefused", bad_group_ranks_are_refused, false, false},
+      {"GroupsDroppedAtOnce", groups_dropped_at_once, false, false},
   };
   return cases;
 }

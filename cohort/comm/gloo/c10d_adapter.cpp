@@ -279,6 +279,11 @@ class GlooEngine : public Engine {
     auto bridge = c10::make_intrusive<StoreBridge>(std::move(store));
     try {
       auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(bridge, rank, size, options);
+      // A rank's side of a pair can finish connecting before its peer's has
+      // read the handshake; a rank that then dropped the group at once made
+      // the peer's constructor fail with "Connection closed by peer". No
+      // rank leaves this barrier before every rank has connected.
+      pg->barrier()->wait();
       return std::make_unique<GlooEngine>(std::move(options), std::move(pg));
     } catch (const cohort::Error&) {
       throw;
