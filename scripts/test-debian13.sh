@@ -35,6 +35,9 @@ if [ -n "$keep" ]; then
 else
   root=$(mktemp -d /var/tmp/cohort-debian13.XXXXXX)
 fi
+# The root's / as a system's (mktemp makes it 0700): package scripts that run
+# as their own user (munge's key) must reach /bin/sh.
+chmod 755 "$root"
 mounted=()
 child=
 # Ends what runs in the background (debootstrap, the command in the root):
