@@ -4,9 +4,10 @@
 # a build folder that holds nothing else, with only the prefix moved into
 # WORK_DIR; checks what was installed, builds tests/packaging/consumer
 # against it with find_package and runs it on 2 ranks through the installed
-# cohortrun; then configures the consumer with add_subdirectory(cohort) and
-# with FetchContent (a git clone of this repository's HEAD) and compiles its
-# source each time.
+# cohortrun, with a source naming every installed public type through
+# cohort.h alone (public_types.py); then configures the consumer with
+# add_subdirectory(cohort) and with FetchContent (a git clone of this
+# repository's HEAD) and compiles its source each time.
 #   consumer_test.sh SOURCE_DIR WORK_DIR [COMPILER_LAUNCHER]
 set -euo pipefail
 src=$1 work=$2 launcher=${3:-}
@@ -57,11 +58,16 @@ if grep -rlE '#include ?[<"](c10d/|torch/csrc/distributed|mpi\.h)' "$prefix/incl
   fail "an installed header includes c10d or mpi.h"
 fi
 
+step "every public type through the installed cohort.h"
+python3 "$src/tests/packaging/public_types.py" "$prefix/include" "$work/public_types.cpp" ||
+  fail "the installed headers against cohort.h"
+
 config=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
 [ -n "$launcher" ] && config+=(-DCMAKE_CXX_COMPILER_LAUNCHER="$launcher")
 
 step "find_package(cohort) build"
 cmake -S "$consumer" -B "$work/find" "${config[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCOHORT_PUBLIC_TYPES_SOURCE="$work/public_types.cpp" \
   >"$work/find-configure.log" || { cat "$work/find-configure.log"; fail "configure"; }
 cmake --build "$work/find" || fail "build against the installed cohort"
 
