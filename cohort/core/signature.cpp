@@ -122,12 +122,13 @@ std::string compare_rows(const std::string& engine, const Signature& s,
   return "";
 }
 
-std::string silent_peers_message(const std::vector<int>& silent, Millis waited) {
+std::string silent_peers_message(const std::vector<int>& silent, Millis waited,
+                                 const std::string& not_doing) {
   std::string s = silent.size() == 1 ? "rank " : "ranks [";
   for (size_t i = 0; i < silent.size(); ++i) s += (i ? ", " : "") + std::to_string(silent[i]);
   if (silent.size() != 1) s += "]";
   return s + " did not answer within " + std::to_string(waited.count()) +
-         " ms: stopped (SIGSTOP, a debugger), hung, or not calling this collective";
+         " ms: stopped (SIGSTOP, a debugger), hung, or not " + not_doing;
 }
 
 SignatureScope::SignatureScope(const Signature& s) { t_signature = s; }

@@ -86,7 +86,8 @@ std::string compare_rows(const std::string& engine, const Signature& s,
 // 1 did not answer within 3000 ms: stopped (SIGSTOP, a debugger), hung, or
 // not calling this collective". A rank in a collective sends its row at
 // once, so every waiting rank names the same silent ones.
-std::string silent_peers_message(const std::vector<int>& silent, Millis waited);
+std::string silent_peers_message(const std::vector<int>& silent, Millis waited,
+                                 const std::string& not_doing = "calling this collective");
 
 // The signature of the collective the Communicator is issuing on this
 // thread, for the engine call it makes inside the scope. The first engine

@@ -71,13 +71,17 @@ TEST(ProcessFailure, SurvivorsOfAKilledRankFailWithANamedError) {
 
 // Ranks that stop answering (SIGSTOP, as a debugger or job control does)
 // while the others run a collective: each survivor's timeout names them, and
-// no survivor, whichever neighbour it was waiting for. UCX asks its peers
-// whether they still answer; Gloo and MPI name the peers whose signature
-// check never came (under mpirun: tests/mpi/watchdog_test.cpp).
+// no survivor, whichever neighbour it was waiting for, whether they stopped
+// before the collective or inside it, past its signature check. UCX asks its
+// peers whether they still answer; Gloo and MPI name the peers whose
+// signature check never came, and Gloo those whose mark in the store never
+// came once the collective itself timed out (under mpirun:
+// tests/mpi/watchdog_test.cpp).
 struct Stopped {
   std::string backend;
   int world;
   std::vector<int> stopped;
+  bool inside = false;  // stopped inside the engine's collective, past its check
 };
 
 class StoppedRanks : public ::testing::TestWithParam<Stopped> {};
@@ -85,6 +89,7 @@ class StoppedRanks : public ::testing::TestWithParam<Stopped> {};
 TEST_P(StoppedRanks, SurvivorsNameThem) {
   const auto& c = GetParam();
   std::vector<std::string> argv{STOPPED_PEER_BIN};
+  if (c.inside) argv.push_back("--inside");
   std::string named = c.stopped.size() == 1 ? "rank " : "ranks [";
   for (size_t i = 0; i < c.stopped.size(); ++i) {
     argv.push_back(std::to_string(c.stopped[i]));
@@ -122,6 +127,11 @@ std::vector<Stopped> stopped_cases() {
     cases.push_back({backend, 3, {1}});
     cases.push_back({backend, 3, {0}});
     if (backend != "ucx") cases.push_back({backend, 3, {1, 2}});
+    // Inside: Gloo asks through the store, whose server is rank 0 here, so
+    // a stopped rank 0 is named only by UCX (liveness_probe.h).
+    cases.push_back({backend, 3, {1}, true});
+    cases.push_back(backend == "ucx" ? Stopped{backend, 3, {0}, true}
+                                     : Stopped{backend, 3, {1, 2}, true});
   }
   return cases;
 }
@@ -131,7 +141,7 @@ INSTANTIATE_TEST_SUITE_P(Engines, StoppedRanks, ::testing::ValuesIn(stopped_case
                            std::string name = info.param.backend + "_world" +
                                               std::to_string(info.param.world) + "_stopped";
                            for (int r : info.param.stopped) name += std::to_string(r);
-                           return name;
+                           return info.param.inside ? name + "_inside" : name;
                          });
 
 // Subgroups built until the descriptors run out (a limit of 256, as

@@ -1,12 +1,15 @@
 // The one file that talks to c10d. Needs -DUSE_C10D_GLOO.
 #include "cohort/comm/gloo/c10d_adapter.h"
 
+#include <algorithm>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "cohort/comm/gloo/liveness_probe.h"
 #include "cohort/core/error.h"
 #include "cohort/core/job_work.h"
 #include "cohort/core/signature.h"
@@ -120,9 +123,14 @@ class C10dStore : public cohort::Store {
   std::string name_;
 };
 
+// What a timed-out collective asks before it reports (liveness_probe.h);
+// empty for point-to-point, whose one peer the caller already names.
+using Probe = std::function<std::string(Millis waited)>;
+
 class C10dWork : public WorkImpl {
  public:
-  explicit C10dWork(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+  C10dWork(c10::intrusive_ptr<c10d::Work> work, Probe probe)
+      : work_(std::move(work)), probe_(std::move(probe)) {}
 
   bool is_completed() override { return work_->isCompleted(); }
 
@@ -130,12 +138,15 @@ class C10dWork : public WorkImpl {
     try {
       work_->wait(timeout);
     } catch (const std::exception& e) {
+      const auto m = c10d_message(e);
+      if (probe_ && says_timeout(m)) throw TimeoutError(m + probe_(timeout));
       rethrow_translated(e);
     }
   }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
+  Probe probe_;
 };
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -172,8 +183,8 @@ WorkPtr failed_work(std::exception_ptr error) {
 class GlooEngine : public Engine {
  public:
   GlooEngine(c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options,
-             c10::intrusive_ptr<c10d::ProcessGroupGloo> pg)
-      : options_(std::move(options)), pg_(std::move(pg)) {}
+             c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, std::shared_ptr<cohort::Store> store)
+      : options_(std::move(options)), pg_(std::move(pg)), store_(std::move(store)) {}
 
   std::string name() const override { return "gloo"; }
   int rank() const override { return pg_->getRank(); }
@@ -252,13 +263,13 @@ class GlooEngine : public Engine {
   WorkPtr send(at::Tensor& tensor, int dst, int tag) override {
     check_tag(tag, "send");
     std::vector<at::Tensor> ts{tensor};
-    return call([&] { return pg_->send(ts, dst, tag); });
+    return call([&] { return pg_->send(ts, dst, tag); }, false);
   }
 
   WorkPtr recv(at::Tensor& tensor, int src, int tag) override {
     check_tag(tag, "recv");
     std::vector<at::Tensor> ts{tensor};
-    return call([&] { return pg_->recv(ts, src, tag); });
+    return call([&] { return pg_->recv(ts, src, tag); }, false);
   }
 
   std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
@@ -276,7 +287,7 @@ class GlooEngine : public Engine {
   static std::unique_ptr<Engine> connect(
       std::shared_ptr<cohort::Store> store, int rank, int size,
       c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options) {
-    auto bridge = c10::make_intrusive<StoreBridge>(std::move(store));
+    auto bridge = c10::make_intrusive<StoreBridge>(store);
     try {
       auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(bridge, rank, size, options);
       // A rank's side of a pair can finish connecting before its peer's has
@@ -284,7 +295,7 @@ class GlooEngine : public Engine {
       // the peer's constructor fail with "Connection closed by peer". No
       // rank leaves this barrier before every rank has connected.
       pg->barrier()->wait();
-      return std::make_unique<GlooEngine>(std::move(options), std::move(pg));
+      return std::make_unique<GlooEngine>(std::move(options), std::move(pg), std::move(store));
     } catch (const cohort::Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -293,10 +304,19 @@ class GlooEngine : public Engine {
   }
 
  private:
+  // A collective's Work probes its group when its wait times out, under
+  // the number its check gave it (the same on every rank).
   template <typename F>
-  WorkPtr call(F&& launch) {
+  WorkPtr call(F&& launch, bool collective = true) {
+    Probe probe;
+    if (collective && size() > 1) {
+      probe = [store = store_, rank = rank(), size = size(), seq = collectives_](Millis waited) {
+        const auto most = std::clamp(waited / 2, Millis(500), Millis(5000));
+        return store_liveness_probe(*store, rank, size, seq, most);
+      };
+    }
     try {
-      return std::make_shared<C10dWork>(launch());
+      return std::make_shared<C10dWork>(launch(), std::move(probe));
     } catch (const std::exception& e) {
       rethrow_translated(e);
     }
@@ -384,7 +404,8 @@ class GlooEngine : public Engine {
 
   c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
-  int64_t collectives_ = 0;  // checked so far
+  std::shared_ptr<cohort::Store> store_;  // the group's: the liveness probe's
+  int64_t collectives_ = 0;               // checked so far
 };
 
 }  // namespace

@@ -172,12 +172,16 @@ class UcxEngine : public Engine {
   // on a 1 KiB all-reduce of about 1 us (docs/benchmarks.md).
   template <class F>
   WorkPtr submit(const char* what, size_t bytes, Check c, F&& job, bool self_checked = false) {
-    const auto deadline = Clock::now() + timeout_;
+    // The call's own timeout when it has one: a job that outlived the
+    // caller's wait would only fail later, with no one to name the peer to.
+    const auto deadline = Clock::now() + (c.d.timeout.count() > 0 ? c.d.timeout : timeout_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       const bool now = !busy_ && queue_.empty() && static_cast<int64_t>(bytes) <= inline_bytes();
       if (!now) {
-        auto work = std::make_shared<JobWork>(what, deadline);
+        // The grace covers the job's own timeout error, which first asks
+        // the peers whether they still answer.
+        auto work = std::make_shared<JobWork>(what, deadline, ucx::kProbeTime + Millis(500));
         queue_.push_back([this, work, what, c = std::move(c), self_checked, deadline,
                           job = Job(std::forward<F>(job))]() mutable {
           work->finish(execute(what, std::move(c), self_checked, deadline, job));

@@ -19,11 +19,6 @@ uint64_t tag_of(Channel channel, int sender, int tag) {
          static_cast<uint32_t>(tag);
 }
 
-// How long a timed-out wait waits for its peers' answers to the liveness
-// probe (worker_probe.cpp). A live peer's engine thread answers within its
-// 100 ms idle slice; the rest is room for a loaded machine.
-constexpr Millis kProbeTime{1000};
-
 // How long a waiter polls before it sleeps on the event fd: a reply within
 // this is taken at polling latency, a longer wait costs no CPU.
 // At or above this size a posted transfer wakes the engine's thread.

@@ -44,6 +44,11 @@ struct WorkerConfig {
   std::string interface;     // a network interface to use instead (GLOO_SOCKET_IFNAME)
 };
 
+// How long a timed-out wait waits for its peers' answers to the liveness
+// probe (worker_probe.cpp). A live peer's engine thread answers within its
+// 100 ms idle slice; the rest is room for a loaded machine.
+inline constexpr Millis kProbeTime{1000};
+
 // One send or receive. Written by UCX's completion callback (status, length,
 // then done) and read by waiters; the Worker frees the UCX request.
 class Worker;

@@ -3,14 +3,18 @@
 // environment or by mpirun: after a first all_reduce, the ranks given as
 // arguments (rank 1 when none is) print "stopping pid N" and stop
 // themselves (SIGSTOP), and the others run a second all_reduce with a 3 s
-// timeout. A survivor prints its error on stdout and exits 3 (1 if the all_reduce
-// completed, 2 on any other error); the test then kills the stopped ranks.
+// timeout. With --inside, the stopping ranks stop just after issuing that
+// all_reduce themselves (16 MiB, so it is still running): inside the
+// engine's own collective, past its signature check. A survivor prints its
+// error on stdout and exits 3 (1 if the all_reduce completed, 2 on any
+// other error); the test then kills the stopped ranks.
 #include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <set>
+#include <string>
 
 #include "cohort/cohort.h"
 
@@ -19,22 +23,38 @@ using namespace cohort;
 int main(int argc, char** argv) {
   torch::set_num_threads(1);
   std::set<int> stopping;
-  for (int i = 1; i < argc; ++i) stopping.insert(std::atoi(argv[i]));
+  bool inside = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--inside") {
+      inside = true;
+    } else {
+      stopping.insert(std::atoi(argv[i]));
+    }
+  }
   if (stopping.empty()) stopping.insert(1);
   try {
     auto comm = init();
     auto t = torch::ones({1024});
     comm->all_reduce(t).wait();
-    if (stopping.count(comm->rank())) {
+    const bool stops = stopping.count(comm->rank()) > 0;
+    auto stop = [] {
       std::printf("stopping pid %d\n", static_cast<int>(::getpid()));
       std::fflush(stdout);
       ::raise(SIGSTOP);
-    }
+    };
+    if (stops && !inside) stop();
+    if (inside) t = torch::ones({4 << 20});
     try {
-      comm->all_reduce(t, {ReduceOp::Sum, std::chrono::seconds(3)}).wait();
+      auto work = comm->all_reduce(t, {ReduceOp::Sum, std::chrono::seconds(3)});
+      if (stops) stop();
+      work.wait();
     } catch (const Error& e) {
       std::printf("survivor error: %s\n", e.what());
       std::fflush(stdout);  // before exit: MPI_Finalize may wait for the stopped rank
+      // Inside, the engine's own threads are still in the collective the
+      // stopped rank holds, and tearing the group down waits for the
+      // engine's own timeout (COHORT_TIMEOUT): the error is what is tested.
+      if (inside) std::_Exit(3);
       return 3;
     }
     return 1;

@@ -1,0 +1,30 @@
+// defines: store_liveness_probe — after a Gloo collective's wait timed out,
+// which ranks of the group still answer.
+//
+// Why through the store: the signature check names a rank that never called
+// the collective, but a rank stopped (SIGSTOP, a debugger) or hung after its
+// check passed stops inside Gloo's own collective, where every survivor times
+// out waiting for its neighbour, which may itself be waiting for the stopped
+// rank. Gloo's pairs cannot be asked then (the stuck collective holds them);
+// the group's store can. Each rank whose wait timed out marks itself under
+// the collective's number and waits a while for the others' marks: a rank
+// that never marks did not answer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cohort/core/store/store.h"
+
+namespace cohort {
+
+/// Marks `rank` alive for collective `seq` of a group of `size` ranks in
+/// `store`, then waits up to `most` for the other ranks' marks. Returns the
+/// text a TimeoutError appends: "; rank 1 did not answer within 1500 ms: ..."
+/// or "; every peer still answers". Never throws: a store that fails makes
+/// the text say so instead. A store whose server is in a stopped process
+/// (rank 0 under torchrun's variables) answers nothing: the probe then ends
+/// at the store's own timeout.
+std::string store_liveness_probe(Store& store, int rank, int size, int64_t seq, Millis most);
+
+}  // namespace cohort
