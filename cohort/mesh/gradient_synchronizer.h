@@ -44,11 +44,11 @@ struct DimensionStats {
 
 /// Per-dimension statistics of a GradientSynchronizer.
 struct GradientSyncStats {
-  DimensionStats tp;  ///< sequence-parallel gradients over the TP group
-  DimensionStats pp;  ///< the shared embedding over the embedding group
-  DimensionStats dp;  ///< every non-expert gradient over the dense group (dp x ep x cp)
+  DimensionStats tp;       ///< sequence-parallel gradients over the TP group
+  DimensionStats pp;       ///< the shared embedding over the embedding group
+  DimensionStats dp;       ///< every non-expert gradient over the dense group (dp x ep x cp)
   DimensionStats experts;  ///< expert gradients over the ranks holding the same experts
-  int64_t steps = 0;  ///< finish_backward calls
+  int64_t steps = 0;       ///< finish_backward calls
 };
 
 /// How each dimension reduces.
