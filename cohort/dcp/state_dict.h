@@ -8,7 +8,8 @@
 //   a module, DDP(module)          ZeroRedundancy...   the optimizer's pieces
 //   fully_shard(...)               a LibTorch one      each rank's dim-0 rows
 //   a stage of TP layers or a      a LibTorch one      each rank's TP boxes of
-//   pipeline stage (options.mesh)                      its stage's tensors
+//   pipeline stage (options.mesh)                      its stage's tensors (and
+//                                                      its ep box of each expert)
 //
 // under the bare model's names ("model.<fqn>", "optim.<fqn>.<state>",
 // "optim.<fqn>.step", "optim.param_groups.<fqn>.<option>"), so that a
@@ -52,7 +53,9 @@ using TiedNames = std::map<std::string, std::string>;
 /// What get_state_dict cannot see from the model's type.
 struct StateDictOptions {
   /// A stage of tensor-parallel layers or a pipeline stage: the mesh it was
-  /// built on (it must outlive the state dict). Required for a module that
+  /// built on (it must outlive the state dict). Its "ep" dimension splits
+  /// the experts of every expert_parallel::MoE inside (boxes along dimension
+  /// 0 of the global [E, ...] tensors); "dp" and "cp" hold replicas. Required for a module that
   /// holds tensor-parallel layers; then set_state_dict is collective over
   /// mesh.process_group().
   const DeviceMesh* mesh = nullptr;

@@ -1,6 +1,7 @@
 // defines: GradientSynchronizer, which finishes one step's gradients across
-// the "tp", "pp" and "dp" dimensions of a DeviceMesh, and its per-dimension
-// statistics.
+// the "tp", "pp" and "dp" dimensions of a DeviceMesh, and "ep" (expert
+// parallelism) and "cp" (context parallelism) where the mesh has them, and
+// its per-dimension statistics.
 //
 // What each dimension sends and when: cohort/mesh/README.md.
 //
@@ -13,6 +14,12 @@
 //   loss.backward();
 //   sync.finish_backward();   // TP and PP reductions; DP finished in backward
 //   optimizer.step();
+//
+// With experts split over "ep" (mesh {"pp", "dp", "ep", "tp"}), name them:
+//
+//   GradientSynchronizerOptions o;
+//   o.expert_parameters = expert_parallel::expert_parameters(*stage);
+//   GradientSynchronizer sync(mesh, stage.ptr(), {}, embedding, o);
 #pragma once
 
 #include <torch/nn/module.h>
@@ -37,10 +44,11 @@ struct DimensionStats {
 
 /// Per-dimension statistics of a GradientSynchronizer.
 struct GradientSyncStats {
-  DimensionStats tp;  ///< sequence-parallel gradients over the TP group
-  DimensionStats pp;  ///< the shared embedding over the embedding group
-  DimensionStats dp;  ///< every gradient over the DP group
-  int64_t steps = 0;  ///< finish_backward calls
+  DimensionStats tp;       ///< sequence-parallel gradients over the TP group
+  DimensionStats pp;       ///< the shared embedding over the embedding group
+  DimensionStats dp;       ///< every non-expert gradient over the dense group (dp x ep x cp)
+  DimensionStats experts;  ///< expert gradients over the ranks holding the same experts
+  int64_t steps = 0;       ///< finish_backward calls
 };
 
 /// How each dimension reduces.
@@ -56,6 +64,13 @@ struct GradientSynchronizerOptions {
   std::shared_ptr<CommHook> dp_comm_hook;
   /// Bucketing and overlap of the DP reduction.
   DDPOptions ddp;
+  /// Parameters sharded over the mesh's "ep" dimension (each rank holds its
+  /// own experts: expert_parallel::expert_parameters(stage)). Their gradients
+  /// are summed over the ranks that hold the same experts ("dp" x "cp") and
+  /// divided by the dense group's size, never reduced over "ep"; every other
+  /// parameter is averaged over the dense group. Empty: every parameter is
+  /// replicated over the dense group.
+  std::vector<torch::Tensor> expert_parameters;
 };
 
 /// Finishes each step's gradients over TP, PP and DP (file comment).
@@ -65,8 +80,13 @@ class GradientSynchronizer {
   /// and the last stage of this rank's "pp" group), broadcasts the shared
   /// embedding from the first to the last stage, and builds the DP reducer
   /// (which broadcasts the stage from DP rank 0). `mesh` has the dimensions
-  /// "pp", "dp" and "tp" (any order; others only of size 1: InvalidArgument
-  /// naming them otherwise). `sequence_parallel_parameters` and
+  /// "pp", "dp" and "tp" (any order), optionally "ep" and "cp" (others only
+  /// of size 1: InvalidArgument naming them otherwise). The dense group is
+  /// "dp" with "ep" and "cp" where they are above 1: ranks that see
+  /// different tokens, over which the non-expert gradients are averaged.
+  /// options.expert_parameters must be parameters of `stage`; with "ep" above
+  /// 1 they must not be empty (InvalidArgument: the experts would be
+  /// averaged with other ranks' experts). `sequence_parallel_parameters` and
   /// `shared_embedding` (undefined on middle stages) must be parameters of
   /// `stage`.
   GradientSynchronizer(DeviceMesh mesh, std::shared_ptr<torch::nn::Module> stage,
@@ -92,8 +112,14 @@ class GradientSynchronizer {
   /// The word embedding (first stage) or the last stage's copy of it; undefined on middle
   /// stages and when not passed.
   const torch::Tensor& shared_embedding() const { return shared_embedding_; }
-  /// The DP reducer (nullptr when dp == 1).
+  /// The DP reducer over the dense group (nullptr when it is one rank).
   GradientReducer* dp_reducer() { return reducer_.get(); }
+  /// The ranks that see different tokens: "dp", with "ep" and "cp" where the
+  /// mesh has them above size 1. Non-expert gradients are averaged over it.
+  const std::shared_ptr<Communicator>& dense_group() const { return dense_; }
+  /// The ranks that hold this rank's experts: "dp", with "cp" where the mesh
+  /// has it above size 1. Expert gradients are reduced over it.
+  const std::shared_ptr<Communicator>& expert_replica_group() const { return replicas_; }
   /// The first and the last stage of this rank's "pp" group (this rank alone
   /// when pp == 1), where the tied embedding's gradients are summed; nullptr
   /// on middle stages.
@@ -102,12 +128,17 @@ class GradientSynchronizer {
  private:
   void all_reduce_grads(Communicator& group, const std::vector<torch::Tensor>& params,
                         Algorithm algo, DimensionStats& stats);
+  void check_dimensions(const std::string& who) const;
+  void build_groups();
+  void reduce_experts();
 
   DeviceMesh mesh_;
   std::shared_ptr<Communicator> embedding_group_;
   std::vector<torch::Tensor> sp_params_;
   torch::Tensor shared_embedding_;
   GradientSynchronizerOptions options_;
+  std::shared_ptr<Communicator> dense_, replicas_;
+  std::shared_ptr<torch::nn::Module> dense_module_;  // the non-expert parameters, with experts
   std::unique_ptr<GradientReducer> reducer_;
   GradientSyncStats stats_;
 };

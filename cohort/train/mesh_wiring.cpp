@@ -1,8 +1,10 @@
 #include "cohort/train/mesh_wiring.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/train/trainer_wiring.h"
 
@@ -12,6 +14,12 @@ MeshGradNorm::MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages,
                            const torch::Tensor& tied_copy)
     : mesh_(std::move(mesh)), sharded_(tensor_parallel::split_dims(stages)) {
   if (tied_copy.defined()) tied_copy_ = tied_copy.unsafeGetTensorImpl();
+  const auto names = mesh_.dim_names();
+  if (std::find(names.begin(), names.end(), "ep") != names.end() && mesh_.size("ep") > 1) {
+    for (const auto& p : expert_parallel::expert_parameters(stages)) {
+      experts_.insert(p.unsafeGetTensorImpl());
+    }
+  }
 }
 
 bool MeshGradNorm::counts(const torch::Tensor& p) const {
@@ -20,11 +28,16 @@ bool MeshGradNorm::counts(const torch::Tensor& p) const {
 }
 
 double MeshGradNorm::global_norm(const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> counted;
+  std::vector<torch::Tensor> counted, experts;
   for (const auto& p : params) {
-    if (counts(p)) counted.push_back(p);
+    if (counts(p)) (experts_.count(p.unsafeGetTensorImpl()) ? experts : counted).push_back(p);
   }
   auto sq = torch::tensor({local_squared_norm(counted)}, torch::kFloat64);
+  if (!experts_.empty()) {
+    auto e = torch::tensor({local_squared_norm(experts)}, torch::kFloat64);
+    mesh_["ep"].process_group()->all_reduce(e, {ReduceOp::Sum}).wait();
+    sq += e;
+  }
   mesh_["tp"].process_group()->all_reduce(sq, {ReduceOp::Sum}).wait();
   mesh_["pp"].process_group()->all_reduce(sq, {ReduceOp::Sum}).wait();
   return std::sqrt(sq.item<double>());

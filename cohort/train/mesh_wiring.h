@@ -13,11 +13,15 @@
 // last stage's copy of the tied embedding does not count (the first stage's
 // does; their gradients are equal after the sync). The squares are summed
 // over the TP group, then over the PP group; the DP replicas hold the same
-// gradients and compute the same sum.
+// gradients and compute the same sum. Under expert parallelism (a mesh "ep"
+// dimension above 1) each ep rank holds other experts: their squares are
+// summed over the ep group first, while everything else is the same on every
+// ep rank after the sync and counts once. The "cp" ranks hold replicas.
 #pragma once
 
 #include <map>
 #include <memory>
+#include <set>
 #include <vector>
 
 #include "cohort/mesh/device_mesh.h"
@@ -38,7 +42,7 @@ class MeshGradientSync : public GradientSync {
   /// Seconds in the TP, embedding and DP reductions.
   double comm_seconds() const override {
     const auto& s = sync_.stats();
-    return s.tp.seconds + s.pp.seconds + s.dp.seconds;
+    return s.tp.seconds + s.pp.seconds + s.dp.seconds + s.experts.seconds;
   }
 
  private:
@@ -58,6 +62,7 @@ class MeshGradNorm : public GradNorm {
 
   DeviceMesh mesh_;
   std::map<const void*, int64_t> sharded_;  // TP-split parameters (tensor_parallel::split_dims)
+  std::set<const void*> experts_;           // split over "ep" (when it is above 1)
   const void* tied_copy_ = nullptr;
 };
 

@@ -1,5 +1,6 @@
 #include "cohort/train/trainer_wiring.h"
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -134,8 +135,11 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   const bool copy = stages > 1 && mesh.local_rank("pp") == stages - 1;
   auto norm = std::make_shared<MeshGradNorm>(mesh, *wiring.model_,
                                              copy ? sync.shared_embedding() : torch::Tensor());
+  // The cp ranks share their samples (each holds part of every sequence).
+  const auto names = mesh.dim_names();
+  const int cp = std::find(names.begin(), names.end(), "cp") != names.end() ? mesh.size("cp") : 1;
   wiring.layout_ = std::make_unique<PipelineLayout>(
-      runtime, std::move(norm), stages * mesh.size("tp"),
+      runtime, std::move(norm), stages * mesh.size("tp") * cp,
       TrafficDimensions{{"tp", {tp_group}}, {"pp", pp}, {"dp", {dp_group}}});
   if (auto unsplit = unsplit_stages(runtime, mesh.rank())) {
     wiring.dcp_state_ = [unsplit, mesh, opt = &optimizer,

@@ -1,7 +1,12 @@
 // gpt: a character-level decoder-only transformer trained with tensor (--tp),
-// pipeline (--pp) and data (--dp) parallelism on the fortunes corpus:
+// pipeline (--pp), data (--dp), expert (--ep: a mixture-of-experts
+// feed-forward every other block, the experts split over ep ranks) and
+// context (--cp: ring attention over the zig-zag split of the sequence)
+// parallelism on the fortunes corpus:
 //
 //   cohortrun -n 8 -- gpt --tp 2 --pp 2 --dp 2 --steps 300
+//   cohortrun -n 4 -- gpt --dp 2 --ep 2
+//   cohortrun -n 4 -- gpt --cp 2 --tp 2
 //
 // It trains through the Trainer (TrainerWiring::mesh): each step runs
 // --microbatches micro-batches of the DP rank's slice of the global batch
@@ -10,9 +15,10 @@
 // v model chunks per rank; one stage when pp and v are 1), clips by the
 // global norm over the mesh and checkpoints into --checkpoint-dir (a
 // distributed checkpoint); a rerun resumes from the newest checkpoint there,
-// at the same or any other --tp, --pp, --dp and --microbatches (the same
-// model and --batch-size). Rank 0 prints, logs the metrics and draws the
-// curves.
+// at the same or any other --tp, --pp, --dp, --ep, --cp and --microbatches
+// (the same model and --batch-size). The mesh is (pp, dp, ep, cp, tp), TP
+// fastest; the batch's rows are split over dp x ep, each sequence over cp. Rank 0 prints, logs the
+// metrics and draws the curves.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -22,6 +28,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "cohort/cohort.h"
@@ -39,7 +46,9 @@ using cohort::DeviceMesh;
 using namespace cohort::tensor_parallel;
 
 struct Flags {
-  int tp = 1, pp = 1, dp = 1;
+  int tp = 1, pp = 1, dp = 1, ep = 1, cp = 1;
+  int64_t experts = 0;  // 0: 2 x ep when ep > 1, else dense blocks only
+  int64_t top_k = 1;
   int64_t steps = 300;
   double max_grad_norm = 1.0;
   std::string checkpoint_dir = "gpt_checkpoints";
@@ -90,7 +99,7 @@ torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& 
     const int index = stage->chunk_index(k);
     torch::Tensor input = ids;
     if (index > 0) {
-      const auto T = c.sequence_parallel ? c.seq_len / mesh.size("tp") : c.seq_len;
+      const auto T = c.sequence_parallel ? c.seq_len / mesh.size("tp") : ids.size(1);
       input = torch::empty({T, ids.size(0), c.hidden});
       pp.recv(input, (r + P - 1) % P).wait();
     }
@@ -102,26 +111,32 @@ torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& 
 
 bool is_last_stage(const DeviceMesh& mesh) { return mesh.local_rank("pp") == mesh.size("pp") - 1; }
 
-// Mean over DP of a last-stage scalar (other stages return 0).
-double dp_mean(DeviceMesh& mesh, const torch::Tensor& loss) {
+// Mean over the dense group (dp x ep x cp) of a last-stage scalar (other
+// stages return 0).
+double dp_mean(DeviceMesh& mesh, cohort::Communicator& dense, const torch::Tensor& loss) {
   if (!is_last_stage(mesh)) return 0;
   auto l = loss.detach().reshape({1}).clone();
-  mesh["dp"].process_group()->all_reduce(l, {cohort::ReduceOp::Avg}).wait();
+  dense.all_reduce(l, {cohort::ReduceOp::Avg}).wait();
   return l.item<double>();
 }
 
-double validation_loss(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpus,
-                       const Flags& f) {
+// This rank's place among the ranks that read different rows (dp x ep).
+int row_rank(const DeviceMesh& mesh) {
+  return mesh.local_rank("dp") * mesh.size("ep") + mesh.local_rank("ep");
+}
+
+double validation_loss(DeviceMesh& mesh, cohort::Communicator& dense, GPTStage& stage,
+                       const gpt::Corpus& corpus, const Flags& f) {
   torch::NoGradGuard no_grad;
   stage->eval();
-  const auto rows = f.batch_size / f.dp;
+  const auto rows = f.batch_size / (f.dp * f.ep);
   double sum = 0;
   for (int64_t i = 0; i < f.eval_batches; ++i) {
     auto [ids, targets] = draw_batch(corpus.validation, f.batch_size, f.seq_len, 1000 + i);
-    ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows);
-    targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows);
+    ids = stage->local_sequence(ids.narrow(0, row_rank(mesh) * rows, rows));
+    targets = stage->local_sequence(targets.narrow(0, row_rank(mesh) * rows, rows));
     auto out = run_stage(mesh, stage, ids);
-    if (is_last_stage(mesh)) sum += dp_mean(mesh, stage->loss(out, targets));
+    if (is_last_stage(mesh)) sum += dp_mean(mesh, dense, stage->loss(out, targets));
   }
   stage->train();
   // The last stage's mean, on every rank.
@@ -140,13 +155,15 @@ std::string generate(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpu
   auto gen = at::detail::createCPUGenerator(f.seed + 99);
   std::string text;
   for (int64_t i = 0; i < n; ++i) {
-    auto out = run_stage(mesh, stage, context);
+    auto out = run_stage(mesh, stage, stage->local_sequence(context));
     auto token = torch::zeros({1}, torch::kInt64);
     if (is_last_stage(mesh)) {
-      auto local = out[f.seq_len - 1][0].contiguous();  // [V/tp]
+      // The last position is the last row of cp rank 0 (its late chunk).
+      auto local = out[out.size(0) - 1][0].contiguous();  // [V/tp]
       auto full = torch::empty({local.size(0) * mesh.size("tp")});
       mesh["tp"].process_group()->all_gather_into_tensor(full, local).wait();
       token = torch::multinomial(torch::softmax(full / 0.8, 0), 1, false, gen);
+      if (f.cp > 1) mesh["cp"].process_group()->broadcast(token, {0}).wait();
     }
     mesh["pp"].process_group()->broadcast(token, {mesh.size("pp") - 1}).wait();
     text += gpt::decode(token.item<int64_t>());
@@ -156,17 +173,16 @@ std::string generate(DeviceMesh& mesh, GPTStage& stage, const gpt::Corpus& corpu
   return text;
 }
 
-// Step s's global batch (drawn from one seed, s from 1), this DP rank's
-// rows of it, cut into m micro-batches. An epoch is as many steps as it
-// takes to draw about as many characters as the text has (never fewer than
-// 1, and independent of --steps, so a longer rerun continues the same
-// epoch); micro-batch i of the epoch's step j belongs to step
-// epoch * steps_per_epoch + j + 1. Every TP rank and stage of a replica
-// reads the same.
+// Step s's global batch (drawn from one seed, s from 1), this dp x ep
+// rank's rows of it (and under cp its columns), cut into m micro-batches. An epoch is as many steps
+// as it takes to draw about as many characters as the text has (never fewer than 1, and independent
+// of --steps, so a longer rerun continues the same epoch); micro-batch i of the epoch's step j
+// belongs to step epoch * steps_per_epoch + j + 1. Every TP rank and stage of a replica reads the
+// same.
 class GptBatches : public cohort::DataSource {
  public:
-  GptBatches(const torch::Tensor& text, const Flags& f, int dp_rank)
-      : text_(text), f_(f), dp_rank_(dp_rank), m_(f.microbatches) {}
+  GptBatches(const torch::Tensor& text, const Flags& f, int row_rank, GPTStage stage)
+      : text_(text), f_(f), dp_rank_(row_rank), m_(f.microbatches), stage_(std::move(stage)) {}
   int64_t steps_per_epoch() const {
     return std::max<int64_t>(1, text_.size(0) / (f_.batch_size * f_.seq_len));
   }
@@ -175,9 +191,10 @@ class GptBatches : public cohort::DataSource {
   torch::data::Example<> batch(int64_t index) override {
     const int64_t step = epoch_ * steps_per_epoch() + index / m_ + 1, i = index % m_;
     auto [ids, targets] = draw_batch(text_, f_.batch_size, f_.seq_len, f_.seed * 7919 + step);
-    const int64_t rows = f_.batch_size / f_.dp, micro = rows / m_;
+    const int64_t rows = f_.batch_size / (f_.dp * f_.ep), micro = rows / m_;
     const int64_t start = dp_rank_ * rows + i * micro;
-    return {ids.narrow(0, start, micro), targets.narrow(0, start, micro)};
+    return {stage_->local_sequence(ids.narrow(0, start, micro)),
+            stage_->local_sequence(targets.narrow(0, start, micro))};
   }
   // A step's micro-batches over all DP ranks are its global batch, whatever
   // dp is: so a checkpoint (taken between steps) resumes at another layout.
@@ -188,6 +205,7 @@ class GptBatches : public cohort::DataSource {
   const Flags& f_;
   int dp_rank_;
   int64_t m_;
+  GPTStage stage_;
   int64_t epoch_ = 0;
 };
 
@@ -202,6 +220,8 @@ GPTConfig model_config(const Flags& f) {
   c.sequence_parallel = f.sequence_parallel;
   c.checkpoint_activations = f.checkpoint_activations;
   c.seed = f.seed;
+  c.experts = f.experts > 0 ? f.experts : (f.ep > 1 ? 2 * f.ep : 0);
+  c.top_k = f.top_k;
   return c;
 }
 
@@ -220,10 +240,10 @@ cohort::TrainerConfig trainer_config(const Flags& f, int64_t steps_per_epoch) {
 }
 
 void check_sizes(const Flags& f) {
-  if (f.batch_size % (static_cast<int64_t>(f.dp) * f.microbatches) != 0) {
+  if (f.batch_size % (static_cast<int64_t>(f.dp) * f.ep * f.microbatches) != 0) {
     throw cohort::InvalidArgument("gpt: --batch-size " + std::to_string(f.batch_size) +
-                                  " does not divide by --dp x --microbatches " +
-                                  std::to_string(f.dp * f.microbatches));
+                                  " does not divide by --dp x --ep x --microbatches " +
+                                  std::to_string(f.dp * f.ep * f.microbatches));
   }
 }
 
@@ -246,15 +266,19 @@ void plot(const Flags& f) {
   }
 }
 
-// Every parameter of the model once (TP shards and stages summed over the
-// world, DP replicas and the tied copy left out): equal runs print equal sums.
+// Every parameter of the model once (TP shards, experts and stages summed
+// over the world; DP and CP replicas, the copies of replicated parameters
+// over ep and the tied copy left out): equal runs print equal sums.
 double parameter_sum(DeviceMesh& mesh, GPTStage& stage) {
   double sum = 0;
-  if (mesh.local_rank("dp") == 0) {
+  if (mesh.local_rank("dp") == 0 && mesh.local_rank("cp") == 0) {
     const auto tied = mesh.size("pp") > 1 && is_last_stage(mesh) ? stage->shared_embedding_weight()
                                                                  : torch::Tensor();
+    std::set<const void*> experts;
+    for (const auto& p : stage->expert_parameters()) experts.insert(p.unsafeGetTensorImpl());
     for (const auto& p : stage->parameters()) {
       if (tied.defined() && p.is_same(tied)) continue;
+      if (mesh.local_rank("ep") != 0 && !experts.count(p.unsafeGetTensorImpl())) continue;
       sum += p.detach().to(torch::kFloat64).sum().item<double>();
     }
   }
@@ -287,17 +311,20 @@ int run(const Flags& f) {
   auto world = cohort::init();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   torch::set_num_threads(static_cast<int>(std::max<unsigned>(1, cores / world->size())));
-  auto mesh = cohort::init_device_mesh(world, {f.pp, f.dp, f.tp}, {"pp", "dp", "tp"});
+  auto mesh = cohort::init_device_mesh(world, {f.pp, f.dp, f.ep, f.cp, f.tp},
+                                       {"pp", "dp", "ep", "cp", "tp"});
   check_sizes(f);
   const bool lead = world->rank() == 0;  // holds the loss after the Trainer's all-reduce
   const auto corpus = gpt::load_corpus(f.corpus);
 
   GPTStage stage(mesh, model_config(f));
+  cohort::GradientSynchronizerOptions sync_options;
+  sync_options.expert_parameters = stage->expert_parameters();
   cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                                    stage->shared_embedding_weight());
+                                    stage->shared_embedding_weight(), sync_options);
   auto rt = make_gpt_pipeline(mesh, stage, f.schedule, f.microbatches);
   torch::optim::AdamW opt(rt->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
-  GptBatches source(corpus.train, f, mesh.local_rank("dp"));
+  GptBatches source(corpus.train, f, row_rank(mesh), stage);
   cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, *rt, opt, sync, gpt_tied_parameters()),
                           trainer_config(f, source.steps_per_epoch()));
   if (auto step = trainer.resume(); step && lead) {
@@ -312,7 +339,7 @@ int run(const Flags& f) {
   cohort::FitCallbacks callbacks;
   callbacks.on_step = [&](const cohort::StepMetrics& m) {
     if (m.step % f.eval_every != 0 && m.step != f.steps) return;
-    const double val = validation_loss(mesh, stage, corpus, f);
+    const double val = validation_loss(mesh, *sync.dense_group(), stage, corpus, f);
     trainer.log_eval({{"val_loss", val}});
     if (lead) {
       std::printf("step %lld: train loss %.4f, validation loss %.4f\n",
@@ -335,11 +362,18 @@ int run(const Flags& f) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "Character-level GPT with tensor, pipeline and data parallelism (run it with cohortrun)."};
+      "Character-level GPT with tensor, pipeline, data, expert and context parallelism (run it "
+      "with cohortrun)."};
   Flags f;
   app.add_option("--tp", f.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--pp", f.pp, "pipeline-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--dp", f.dp, "data-parallel size")->check(CLI::PositiveNumber);
+  app.add_option("--ep", f.ep, "expert-parallel size (a MoE feed-forward every other block)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--cp", f.cp, "context-parallel size (ring attention over sequence chunks)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--experts", f.experts, "experts per MoE block (0: 2 x ep when --ep > 1)");
+  app.add_option("--top-k", f.top_k, "experts per token (1 or 2)");
   app.add_option("--steps", f.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--max-grad-norm", f.max_grad_norm, "clip to this global norm (0: never)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir,

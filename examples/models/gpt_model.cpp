@@ -5,11 +5,15 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "cohort/activation/checkpoint.h"
+#include "cohort/context_parallel/layout.h"
+#include "cohort/context_parallel/ring_attention.h"
 #include "cohort/core/error.h"
+#include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/mappings.h"
 
 namespace cohort::tensor_parallel {
@@ -22,9 +26,48 @@ uint64_t seed_of(const GPTConfig& c, int64_t layer, int role) {
 }
 constexpr int64_t kEmbeddingLayer = 1 << 20;
 
+bool has_dim(const DeviceMesh& mesh, const std::string& name) {
+  const auto names = mesh.dim_names();
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+// The size of an optional dimension ("ep", "cp"): 1 when the mesh lacks it.
+int size_of(const DeviceMesh& mesh, const std::string& name) {
+  return has_dim(mesh, name) ? mesh.size(name) : 1;
+}
+// Its group; null when the mesh lacks it.
+std::shared_ptr<Communicator> group_of(const DeviceMesh& mesh, const std::string& name) {
+  return has_dim(mesh, name) ? mesh[name].process_group() : nullptr;
+}
+bool moe_layer(const GPTConfig& c, int64_t layer) { return c.experts > 0 && layer % 2 == 1; }
+
 void require(bool ok, const std::string& what, const Communicator& g) {
   if (!ok) {
     throw InvalidArgument("cohort: GPTStage (rank " + std::to_string(g.rank()) + "): " + what);
+  }
+}
+
+// What the MoE blocks and ring attention do not compose with (yet), named
+// before any block is built (the same on every rank).
+void check_expert_and_context(const DeviceMesh& mesh, const GPTConfig& c, const Communicator& g) {
+  const int ep = size_of(mesh, "ep"), cp = size_of(mesh, "cp");
+  require(ep == 1 || c.experts > 0,
+          "the mesh splits experts over ep " + std::to_string(ep) + " but config.experts is 0", g);
+  if (c.experts > 0) {
+    // Every MoE's load-balancing loss joins the loss on the last stage.
+    require(mesh.size("pp") == 1,
+            "MoE blocks need pp 1 (their auxiliary losses join the last stage's loss)", g);
+    // Under sequence parallelism each TP rank would route other tokens.
+    require(!c.sequence_parallel, "MoE blocks do not take sequence parallelism", g);
+    require(!c.checkpoint_activations, "MoE blocks do not take activation checkpointing", g);
+  }
+  if (cp > 1) {
+    // Equal shards: the mean of the ranks' mean losses is the sequence's mean.
+    require(c.seq_len % (2 * cp) == 0,
+            "seq_len " + std::to_string(c.seq_len) + " does not divide into 2 x cp " +
+                std::to_string(cp) + " equal chunks",
+            g);
+    require(!c.sequence_parallel, "context parallelism does not take sequence parallelism", g);
+    require(c.dropout == 0, "ring attention has no attention dropout; set dropout 0", g);
   }
 }
 
@@ -32,8 +75,9 @@ void require(bool ok, const std::string& what, const Communicator& g) {
 
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  TransformerBlockImpl(std::shared_ptr<Communicator> tp, const GPTConfig& c, int64_t layer)
-      : tp_(tp), c_(c) {
+  TransformerBlockImpl(std::shared_ptr<Communicator> tp, std::shared_ptr<Communicator> ep,
+                       std::shared_ptr<Communicator> cp, const GPTConfig& c, int64_t layer)
+      : tp_(tp), cp_(cp), c_(c) {
     const bool sp = c.sequence_parallel;
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
@@ -45,6 +89,21 @@ class TransformerBlockImpl : public torch::nn::Module {
     qkv = register_module("qkv", ColumnParallelLinear(tp, c.hidden, 3 * c.hidden, col));
     row.seed = seed_of(c, layer, 1);
     proj = register_module("proj", RowParallelLinear(tp, c.hidden, c.hidden, row));
+    if (moe_layer(c, layer)) {
+      // Replicated over TP (each TP rank routes the same tokens alike), the
+      // experts split over ep. Experts as wide as the dense feed-forward.
+      expert_parallel::MoEOptions o;
+      o.hidden = c.hidden;
+      o.ffn = 4 * c.hidden;
+      o.experts = c.experts;
+      o.top_k = c.top_k;
+      o.capacity_factor = c.capacity_factor;
+      o.aux_loss_coef = c.aux_loss_coef;
+      o.seed = seed_of(c, layer, 4);
+      o.ep_group = ep;
+      moe = register_module("moe", expert_parallel::MoE(o));
+      return;
+    }
     col.seed = seed_of(c, layer, 2);
     fc1 = register_module("fc1", ColumnParallelLinear(tp, c.hidden, 4 * c.hidden, col));
     row.seed = seed_of(c, layer, 3);
@@ -53,6 +112,7 @@ class TransformerBlockImpl : public torch::nn::Module {
 
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = x + dropout(proj(attention(qkv(ln1(x)))));
+    if (!moe.is_empty()) return h + dropout(moe(ln2(h)));
     return h + dropout(fc2(torch::gelu(fc1(ln2(h)))));
   }
 
@@ -62,6 +122,14 @@ class TransformerBlockImpl : public torch::nn::Module {
     const auto hd = c_.hidden / c_.heads, heads = c_.heads / tp_->size();
     auto parts = qkv_out.view({T, B, heads, 3, hd}).permute({1, 2, 3, 0, 4});  // B, h, 3, T, hd
     auto q = parts.select(2, 0), k = parts.select(2, 1), v = parts.select(2, 2);
+    if (cp_ && cp_->size() > 1) {
+      // This rank's rows are its zig-zag chunks; the mask is by global position.
+      context_parallel::RingAttentionOptions o;
+      o.skip_step = c_.ring_skip_step;
+      auto out =
+          context_parallel::ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), cp_, o);
+      return out.permute({2, 0, 1, 3}).reshape({T, B, heads * hd});
+    }
     auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     auto future = torch::ones({T, T}, torch::kBool).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
@@ -80,15 +148,17 @@ class TransformerBlockImpl : public torch::nn::Module {
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   ColumnParallelLinear qkv{nullptr}, fc1{nullptr};
   RowParallelLinear proj{nullptr}, fc2{nullptr};
+  expert_parallel::MoE moe{nullptr};  // in place of fc1, fc2 in a MoE block
 
  private:
-  std::shared_ptr<Communicator> tp_;
+  std::shared_ptr<Communicator> tp_, cp_;
   GPTConfig c_;
 };
 
 GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
     : config_(c),
       tp_(mesh["tp"].process_group()),
+      cp_(group_of(mesh, "cp")),
       pp_(mesh.size("pp")),
       pp_rank_(mesh.local_rank("pp")),
       first_(pp_rank_ == 0),
@@ -113,6 +183,7 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
           "seq_len " + std::to_string(c.seq_len) + " does not divide by the tensor-parallel size " +
               std::to_string(tp) + " (sequence parallelism)",
           g);
+  check_expert_and_context(mesh, c, g);
   VocabParallelEmbeddingOptions emb;
   emb.init_std = 0.02;
   emb.seed = seed_of(c, kEmbeddingLayer, 0);
@@ -129,8 +200,9 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
   for (int k = 0; k < v; ++k) {
     for (int64_t i = 0; i < per_chunk; ++i) {
       const auto layer = chunk_index(k) * per_chunk + i;
-      chunks_[k].push_back(register_module("block" + std::to_string(layer),
-                                           std::make_shared<TransformerBlockImpl>(tp_, c, layer)));
+      chunks_[k].push_back(register_module(
+          "block" + std::to_string(layer),
+          std::make_shared<TransformerBlockImpl>(tp_, group_of(mesh, "ep"), cp_, c, layer)));
     }
   }
   if (last_) {
@@ -178,7 +250,18 @@ torch::Tensor GPTStageImpl::forward_chunk(int k, const torch::Tensor& input) {
 torch::Tensor GPTStageImpl::embed(const torch::Tensor& input) {
   const auto T = input.size(1);
   auto ids = input.t();  // [T, B]
-  auto h = word_embeddings_(ids) + position_embeddings_.narrow(0, 0, T).unsqueeze(1);
+  auto positions = position_embeddings_.narrow(0, 0, T);
+  if (cp_ && cp_->size() > 1) {
+    // The rank's rows are its two zig-zag chunks of the seq_len positions.
+    const context_parallel::ZigZagLayout layout(config_.seq_len, cp_->size());
+    require(T == layout.local_length(cp_->rank()),
+            "input of " + std::to_string(T) + " positions is not this cp rank's " +
+                std::to_string(layout.local_length(cp_->rank())) + " of seq_len " +
+                std::to_string(config_.seq_len) + " (local_sequence)",
+            *tp_);
+    positions = position_embeddings_.index_select(0, layout.positions(cp_->rank()));
+  }
+  auto h = word_embeddings_(ids) + positions.unsqueeze(1);
   if (config_.sequence_parallel) h = scatter_to_sequence_parallel_region(h, *tp_);
   if (config_.dropout > 0) h = torch::dropout(h, config_.dropout, is_training());
   return h;
@@ -194,7 +277,27 @@ torch::Tensor GPTStageImpl::head(torch::Tensor h) {
 torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) {
   VocabParallelCrossEntropyOptions o;
   o.reduction = CrossEntropyReduction::Mean;
-  return vocab_parallel_cross_entropy(logits, targets.t(), *tp_, o);
+  auto loss = vocab_parallel_cross_entropy(logits, targets.t(), *tp_, o);
+  return config_.experts > 0 ? loss + aux_loss() : loss;
+}
+
+torch::Tensor GPTStageImpl::aux_loss() const {
+  auto sum = torch::zeros({});
+  for (const auto& chunk : chunks_) {
+    for (const auto& b : chunk) {
+      if (!b->moe.is_empty() && b->moe->aux_loss().defined()) sum = sum + b->moe->aux_loss();
+    }
+  }
+  return sum;
+}
+
+std::vector<torch::Tensor> GPTStageImpl::expert_parameters() const {
+  return expert_parallel::expert_parameters(*this);
+}
+
+torch::Tensor GPTStageImpl::local_sequence(const torch::Tensor& full) const {
+  if (!cp_ || cp_->size() == 1) return full;
+  return context_parallel::shard_sequence(full, cp_->rank(), cp_->size(), /*dim=*/1);
 }
 
 std::vector<torch::Tensor> GPTStageImpl::sequence_parallel_parameters() const {

@@ -20,7 +20,13 @@
 // its own copy, kept equal by GradientSynchronizer; with pp = 1 both chunks
 // use the one weight). Every weight is drawn from a seed derived from
 // (config.seed, layer, role), so a seed gives the same model at any
-// (tp, pp, v).
+// (tp, pp, v, ep, cp).
+//
+// With config.experts > 0 every other block (the odd layers) has a
+// mixture-of-experts feed-forward (expert_parallel::MoE) in place of the
+// dense one, its experts split over the mesh's "ep" dimension. With a "cp"
+// dimension above 1 each rank holds its two zig-zag chunks of the sequence
+// (local_sequence) and attention is ring attention over the "cp" group.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -51,6 +57,14 @@ struct GPTConfig {
   bool checkpoint_activations = false;  ///< keep only each block's input; recompute in backward
   int virtual_stages = 1;               ///< model chunks per PP rank (interleaved schedules)
   uint64_t seed = 1234;                 ///< seed of every weight
+  /// Experts of each MoE feed-forward (every other block); 0: dense blocks only.
+  int64_t experts = 0;
+  int64_t top_k = 1;              ///< experts per token (1 or 2)
+  double capacity_factor = 1.25;  ///< slots per expert, as MoEOptions
+  double aux_loss_coef = 0.01;    ///< weight of the load-balancing loss added by loss()
+  /// For tests only: the ring step whose K/V block attention leaves out
+  /// (RingAttentionOptions::skip_step) under context parallelism; -1: none.
+  int ring_skip_step = -1;
 };
 
 class TransformerBlockImpl;
@@ -73,8 +87,21 @@ class GPTStageImpl : public torch::nn::Module {
   torch::Tensor forward_chunk(int k, const torch::Tensor& input);
   /// Last stage: the mean cross-entropy of `logits` (from forward) against
   /// targets [B, T], the same value on every TP rank; targets equal to -100
-  /// are ignored (left out of the mean), as in LibTorch.
+  /// are ignored (left out of the mean), as in LibTorch. With experts, plus
+  /// every MoE's load-balancing loss of the last forward (aux_loss()).
+  /// Under context parallelism targets are this rank's columns
+  /// (local_sequence) and the mean is over them.
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
+  /// The sum of this stage's MoE load-balancing losses from the last forward
+  /// (a zero scalar without experts).
+  torch::Tensor aux_loss() const;
+  /// The experts' parameters (split over "ep"): GradientSynchronizerOptions::
+  /// expert_parameters. Empty without experts.
+  std::vector<torch::Tensor> expert_parameters() const;
+  /// This rank's columns of a [B, T] batch of ids or targets under context
+  /// parallelism (its two zig-zag chunks of the sequence); `full` itself at
+  /// cp 1.
+  torch::Tensor local_sequence(const torch::Tensor& full) const;
 
   /// Parameters replicated over TP whose gradients are partial under
   /// sequence parallelism (LayerNorms, row-parallel biases); empty without it.
@@ -99,7 +126,7 @@ class GPTStageImpl : public torch::nn::Module {
   torch::Tensor head(torch::Tensor h);
 
   GPTConfig config_;
-  std::shared_ptr<Communicator> tp_;
+  std::shared_ptr<Communicator> tp_, cp_;
   int pp_, pp_rank_;
   bool first_, last_;
   VocabParallelEmbedding word_embeddings_{nullptr};

@@ -4,6 +4,7 @@
 // Face's safetensors where python3-safetensors is installed (Debian 13; the
 // SafetensorsPython cases skip elsewhere). Equal to the bit: names, dtypes,
 // shapes and bytes.
+#include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/safetensors.h"
 #include "cohort/dcp/torch_file.h"
 #include "tests/dcp/dcp_test_support.h"

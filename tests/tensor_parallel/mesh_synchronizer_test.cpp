@@ -76,8 +76,13 @@ void expect_refused(const std::vector<int>& sizes, const std::vector<std::string
 
 TEST(GradientSynchronizerMesh, DimensionsItCannotReduceOverAreNamed) {
   expect_refused({2, 1}, {"dp", "tp"}, "the mesh (dp=2 tp=1) has no dimension 'pp'");
-  expect_refused({1, 1, 2, 1}, {"pp", "dp", "cp", "tp"},
-                 "dimension 'cp' of the mesh (pp=1 dp=1 cp=2 tp=1) would be left unreduced");
+  expect_refused({1, 1, 2, 1}, {"pp", "dp", "sp", "tp"},
+                 "dimension 'sp' of the mesh (pp=1 dp=1 sp=2 tp=1) would be left unreduced");
+  // Experts split over ep, but not named: averaging them over ep would mix
+  // different experts' gradients.
+  expect_refused({1, 1, 2, 1}, {"pp", "dp", "ep", "tp"},
+                 "the mesh (pp=1 dp=1 ep=2 tp=1) splits experts over ep, but "
+                 "options.expert_parameters is empty");
 }
 
 }  // namespace

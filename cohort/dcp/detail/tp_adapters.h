@@ -7,7 +7,10 @@
 // FSDP at tp = pp = 1, and back). A parameter the TP layers split
 // (tensor_parallel::split_dims: column and row weights, a column bias, a
 // vocabulary table) is TP rank r's slice r of tp along its split dimension;
-// everything else is whole (replicated over TP). Optimizer state is cut like
+// everything else is whole (replicated over TP). With a mesh "ep" dimension
+// above 1, an expert parameter (expert_parallel::expert_parameters, [E / ep,
+// ...]) is ep rank r's box r of ep along dimension 0 of the global [E, ...]
+// tensor; "cp" ranks hold replicas, as "dp" ranks do. Optimizer state is cut like
 // its parameter, the step is a 0-d tensor. A stage holds only its own
 // parameters, under the names they have in the unsplit model (the model
 // names its layers by their global index), so another pp split finds them.
@@ -17,14 +20,16 @@
 // optimizer state.
 //
 // Written once: every element of a tensor is written by one rank of the
-// ranks that hold it (the DP replicas, and for whole tensors the TP ranks
-// too, take turns tensor by tensor), so dp replicas cost nothing on disk.
+// ranks that hold it (the DP and CP replicas, and the EP and TP ranks where
+// they do not split the tensor, take turns tensor by tensor), so replicas
+// cost nothing on disk.
 //
 // for_load = nullptr: every tensor this rank holds, those another rank
 // writes marked so (not collective). for_load = a checkpoint's metadata:
 // the targets for loading it; then this is collective over mesh.process_group(): a
 // sharded tensor whose checkpointed dimension does not divide by tp (the
-// layout cannot hold it) is a CheckpointError naming it on every rank,
+// layout cannot hold it; for experts: E that does not divide by ep) is a
+// CheckpointError naming it on every rank,
 // before anything is read.
 #pragma once
 
@@ -41,7 +46,8 @@
 namespace cohort::dcp::detail {
 
 /// This rank's stage of a model built from cohort/tensor_parallel layers
-/// over mesh["tp"] (the mesh has "tp" and "dp" dimensions), and the
+/// over mesh["tp"] (the mesh has "tp" and "pp" dimensions, any others
+/// replicate the stage except "ep", which splits its experts), and the
 /// optimizer over its parameters (may be null).
 StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied = {},

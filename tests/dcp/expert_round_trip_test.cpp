@@ -1,0 +1,186 @@
+// Checkpoints of the GPT with experts move between expert- and
+// context-parallel meshes exactly: trained two AdamW steps at dp2 x ep2
+// (each rank holding two of the four experts of each MoE block), saved with
+// dcp::get_state_dict (StateDictOptions::mesh), then loaded at ep1 in one
+// process and at cp2 (replicated parameters, the DP-like case) into models of
+// other weights and optimizers that have not stepped: every parameter and
+// AdamW state tensor equals the saving job's full tensor (the ep shards put
+// together along dimension 0) bit for bit, and every element is written once.
+// A mesh whose ep does not divide the checkpoint's experts is an error
+// naming the tensor on every rank.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/adamw.h>
+
+#include <mutex>
+
+#include "cohort/dcp/state_dict.h"
+#include "cohort/mesh/gradient_synchronizer.h"
+#include "examples/models/gpt_model.h"
+#include "support/rank_errors.h"
+#include "support/thread_ranks.h"
+#include "tests/dcp/dcp_test_support.h"
+
+namespace cohort::testing::dcp_test::expert_round_trip_test {
+namespace {
+
+using namespace cohort::tensor_parallel;
+
+struct Shape {
+  int dp = 1, ep = 1, cp = 1;
+};
+
+DeviceMesh mesh_of(std::shared_ptr<Communicator> world, const Shape& s) {
+  return init_device_mesh(std::move(world), {1, s.dp, s.ep, s.cp, 1},
+                          {"pp", "dp", "ep", "cp", "tp"});
+}
+
+GPTConfig config(uint64_t seed, int64_t experts = 4) {
+  GPTConfig c;
+  c.vocab_size = 12;
+  c.seq_len = 8;
+  c.hidden = 16;
+  c.heads = 4;
+  c.layers = 2;
+  c.experts = experts;
+  c.top_k = 2;
+  c.seed = seed;
+  return c;
+}
+
+const auto kAdamW = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
+
+// The test's own knowledge of which tensors the experts split (dim 0).
+bool expert_tensor(const std::string& name) {
+  for (const char* s : {".moe.w1", ".moe.b1", ".moe.w2", ".moe.b2"}) {
+    if (name.find(s) != std::string::npos) return name.find(".step") == std::string::npos;
+  }
+  return false;
+}
+
+// Every checkpoint name -> this rank's tensor (parameter or AdamW state).
+Named rank_state(GPTStage& stage, torch::optim::Optimizer& opt) {
+  Named out;
+  for (const auto& p : stage->named_parameters()) {
+    out["model." + p.key()] = p.value().detach().clone();
+    auto it = opt.state().find(cohort::optimizer_state_key(p.value()));
+    if (it == opt.state().end()) continue;
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    out["optim." + p.key() + ".exp_avg"] = s.exp_avg().clone();
+    out["optim." + p.key() + ".exp_avg_sq"] = s.exp_avg_sq().clone();
+    out["optim." + p.key() + ".step"] = torch::tensor(s.step());
+  }
+  return out;
+}
+
+// Trains two steps at dp x ep and saves into `dir`; returns the full tensors
+// (expert shards concatenated over ep), checking the replicas agree.
+Named train_and_save(const Shape& shape, const std::string& dir) {
+  std::map<std::string, std::map<std::pair<int, int>, torch::Tensor>> shards;  // [ep, dp]
+  std::mutex mu;
+  run_ranks_shared(shape.dp * shape.ep, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    auto mesh = mesh_of(world, shape);
+    GPTStage stage(mesh, config(7));
+    GradientSynchronizerOptions options;
+    options.expert_parameters = stage->expert_parameters();
+    GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight(), options);
+    torch::optim::AdamW opt(stage->parameters(), kAdamW);
+    for (int s = 0; s < 2; ++s) {
+      auto ids = torch::randint(12, {1, 8}, at::detail::createCPUGenerator(world->rank() + 10 * s));
+      opt.zero_grad();
+      sync.prepare_forward();
+      auto loss = stage->loss(stage(ids), (ids * 5 + 3) % 12);
+      sync.after_forward({loss});
+      loss.backward();
+      sync.finish_backward();
+      opt.step();
+    }
+    dcp::save(dcp::get_state_dict(*stage, opt, {&mesh, gpt_tied_parameters()}), dir, *world);
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& [name, t] : rank_state(stage, opt)) {
+      shards[name][{mesh.local_rank("ep"), mesh.local_rank("dp")}] = t;
+    }
+  });
+  Named full;
+  for (const auto& [name, by_rank] : shards) {
+    std::vector<torch::Tensor> parts;
+    for (int e = 0; e < shape.ep; ++e) parts.push_back(by_rank.at({e, 0}));
+    full[name] = expert_tensor(name) ? torch::cat(parts, 0) : parts[0];
+    for (const auto& [at, t] : by_rank) {
+      const auto want = expert_tensor(name) ? parts[at.first] : parts[0];
+      EXPECT_TRUE(torch::equal(t, want)) << name << " differs between replicas";
+    }
+  }
+  return full;
+}
+
+// Loads `dir` at `shape` into another model; every rank's tensors against
+// the full ones (its ep slice of an expert tensor).
+void load_and_compare(const Shape& shape, const std::string& dir, const Named& expected) {
+  std::mutex mu;
+  run_ranks_shared(shape.dp * shape.ep * shape.cp, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    auto mesh = mesh_of(world, shape);
+    GPTStage stage(mesh, config(99));
+    torch::optim::AdamW opt(stage->parameters(), kAdamW);
+    auto sd = dcp::get_state_dict(*stage, opt, {&mesh, gpt_tied_parameters()});
+    dcp::load(sd, dir, *world);
+    dcp::set_state_dict(*stage, opt, sd, {&mesh, gpt_tied_parameters()});
+    const auto got = rank_state(stage, opt);
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(got.size(), expected.size());
+    for (const auto& [name, t] : got) {
+      auto it = expected.find(name);
+      ASSERT_NE(it, expected.end()) << name;
+      auto want = it->second;
+      if (expert_tensor(name)) {
+        const auto n = want.size(0) / shape.ep;
+        want = want.narrow(0, mesh.local_rank("ep") * n, n);
+      }
+      EXPECT_TRUE(torch::equal(t, want)) << "rank " << mesh.rank() << ": " << name;
+    }
+  });
+}
+
+TEST(ExpertParallelRoundTrip, Dp2Ep2LoadsIntoOneProcessAndCp2) {
+  const auto dir = temp_dir("ep_round_trip");
+  const auto expected = train_and_save({2, 2, 1}, dir.string());
+  // 2 blocks (one dense with 12 tensors, one MoE with 13: two LayerNorms,
+  // QKV, projection, router and four expert tensors) + 2 embeddings + 2
+  // final LayerNorm = 29 parameters, each with 3 state tensors.
+  EXPECT_EQ(expected.size(), 29u * 4);
+  const auto meta = dcp::read_metadata(dir.string());
+  int64_t bytes = 0, stored = 0;
+  for (const auto& [name, t] : expected) bytes += static_cast<int64_t>(t.nbytes());
+  bytes += 29 * 6 * static_cast<int64_t>(sizeof(double));  // AdamW's group options
+  for (const auto& f : meta.files) stored += f.bytes;
+  EXPECT_EQ(stored, bytes) << "every element is written once";
+  load_and_compare({1, 1, 1}, dir.string(), expected);
+  load_and_compare({1, 1, 2}, dir.string(), expected);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ExpertParallelRoundTrip, EpThatDoesNotDivideTheExpertsIsAnErrorOnEveryRank) {
+  const auto dir = temp_dir("ep_bad");
+  // Saved with 2 experts in one process; loaded at ep 4 with 4 experts.
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = mesh_of(world, {1, 1, 1});
+    GPTStage stage(mesh, config(7, 2));
+    torch::optim::AdamW opt(stage->parameters(), kAdamW);
+    dcp::save(dcp::get_state_dict(*stage, opt, {&mesh, gpt_tied_parameters()}), dir, *world);
+  });
+  auto errors = errors_on_every_rank(4, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = mesh_of(world, {1, 4, 1});
+    GPTStage stage(mesh, config(99));
+    torch::optim::AdamW opt(stage->parameters(), kAdamW);
+    auto sd = dcp::get_state_dict(*stage, opt, {&mesh, gpt_tied_parameters()});
+    dcp::load(sd, dir.string(), *world);
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("does not divide by the expert-parallel size 4"), std::string::npos) << e;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace cohort::testing::dcp_test::expert_round_trip_test
