@@ -109,6 +109,9 @@ int main(int argc, char** argv) {
     if (auto step = trainer.resume(); step && comm->rank() == 0) {
       std::printf("resumed from step %lld at world %d\n", static_cast<long long>(*step),
                   comm->size());
+      // A generation may end with this rank killed: the line must not die in
+      // stdout's buffer (the pipe to the launcher is not a terminal).
+      std::fflush(stdout);
     }
     cohort::FitCallbacks callbacks;
     callbacks.on_step = [&](const cohort::StepMetrics& m) {
