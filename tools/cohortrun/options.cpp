@@ -123,7 +123,7 @@ void take_slurm_step(Options& o, bool nnodes_given, bool node_rank_given, bool p
                      std::to_string(nodes) +
                      " nodes: start one cohortrun per node (srun --ntasks-per-node=1)");
   }
-  if (!nnodes_given) o.nnodes = nodes;
+  if (!nnodes_given) o.nnodes = o.min_nnodes = nodes;  // a fixed count, not MIN:MAX
   if (nodes == 1) return;  // one node: loopback and a free port, as without Slurm
   if (!node_rank_given) {
     const char* id = std::getenv("SLURM_NODEID");
