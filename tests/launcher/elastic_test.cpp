@@ -71,5 +71,32 @@ TEST(Elastic, BadRangesAreUsageErrors) {
   }
 }
 
+// --nnodes MIN:MAX: the rendezvous assigns node ranks, needs the host's
+// address and two ports, and a fixed -n.
+TEST(Elastic, BadNodeRangesAreUsageErrors) {
+  const std::vector<std::string> host = {"--master-addr", "10.0.0.1", "--master-port", "29500"};
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"-n", "1", "--nnodes", "3:2"}, "--nnodes MIN:MAX needs 1 <= MIN <= MAX"},
+      {{"-n", "1", "--nnodes", "0:2"}, "--nnodes MIN:MAX needs 1 <= MIN <= MAX"},
+      {{"-n", "1", "--nnodes", "2:x"}, "--nnodes (MAX of MIN:MAX) must be an integer"},
+      {{"-n", "1", "--nnodes", "2:3", "--node-rank", "1"}, "drop --node-rank"},
+      {{"-n", "1:2", "--nnodes", "2:3"}, "needs a fixed -n"},
+      {{"-n", "1", "--nnodes", "2:3", "--rdzv-id", "a/b"}, "--rdzv-id must be"},
+      {{"-n", "1", "--nnodes", "2:3", "--heartbeat-timeout", "0"},
+       "--heartbeat-timeout must be a positive number"},
+  };
+  for (const auto& [args, message] : cases) {
+    std::vector<std::string> argv = args;
+    argv.insert(argv.end(), host.begin(), host.end());
+    argv.insert(argv.end(), {"--", "true"});
+    ProcessResult r = run_cohortrun(argv);
+    EXPECT_EQ(r.exit_code, 2) << message << ": " << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+  ProcessResult r = run_cohortrun({"-n", "1", "--nnodes", "2:3", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--master-addr is required"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace cohort::testing::elastic_test

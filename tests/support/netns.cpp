@@ -123,4 +123,75 @@ void VethNamespaces::remove_stale() {
   }
 }
 
+BridgedNamespaces::BridgedNamespaces(std::string ip, int count) : ip_(std::move(ip)) {
+  // Named as VethNamespaces' are, so that its stale-run cleanup covers them.
+  const std::string pid = std::to_string(::getpid());
+  for (int i = 0; i < count; ++i)
+    names_.push_back(kNamespacePrefix + pid + "_n" + std::to_string(i));
+}
+
+std::unique_ptr<BridgedNamespaces> BridgedNamespaces::create(int count, std::string* why) {
+  if (::geteuid() != 0) {
+    *why = "creating network namespaces needs root";
+    return nullptr;
+  }
+  std::string ip = find_program("ip");
+  if (ip.empty()) {
+    *why = "the iproute2 'ip' tool is not installed";
+    return nullptr;
+  }
+  std::unique_ptr<BridgedNamespaces> ns(new BridgedNamespaces(ip, count));
+  // Same names as ours: left by an earlier process with our pid.
+  for (const std::string& name : ns->names_)
+    run_process({ip, "netns", "delete", name}, Seconds(10));
+  if (!ns->set_up(why)) return nullptr;  // the destructor cleans up
+  return ns;
+}
+
+bool BridgedNamespaces::set_up(std::string* why) {
+  const std::string pid = std::to_string(::getpid());
+  std::vector<std::vector<std::string>> steps;
+  for (const std::string& name : names_) steps.push_back({"netns", "add", name});
+  steps.push_back({"-n", names_[0], "link", "add", "br0", "type", "bridge"});
+  steps.push_back({"-n", names_[0], "addr", "add", address(0) + "/24", "dev", "br0"});
+  steps.push_back({"-n", names_[0], "link", "set", "br0", "up"});
+  steps.push_back({"-n", names_[0], "link", "set", "lo", "up"});
+  for (size_t i = 1; i < names_.size(); ++i) {
+    const std::string node = kVethPrefix + pid + "n" + std::to_string(i);
+    const std::string port = kVethPrefix + pid + "b" + std::to_string(i);
+    const std::string& ns = names_[i];
+    steps.push_back({"link", "add", node, "type", "veth", "peer", "name", port});
+    steps.push_back({"link", "set", port, "netns", names_[0]});
+    steps.push_back({"link", "set", node, "netns", ns});
+    steps.push_back({"-n", names_[0], "link", "set", port, "master", "br0"});
+    steps.push_back({"-n", names_[0], "link", "set", port, "up"});
+    steps.push_back({"-n", ns, "addr", "add", address(static_cast<int>(i)) + "/24", "dev", node});
+    steps.push_back({"-n", ns, "link", "set", node, "up"});
+    steps.push_back({"-n", ns, "link", "set", "lo", "up"});
+  }
+  for (const auto& step : steps) {
+    std::vector<std::string> argv = {ip_};
+    argv.insert(argv.end(), step.begin(), step.end());
+    ProcessResult r = run_process(argv, Seconds(10));
+    if (r.exit_code != 0) {
+      std::string command;
+      for (const std::string& a : argv) command += " " + a;
+      *why = "'" + command.substr(1) + "' failed: " + r.err;
+      return false;
+    }
+  }
+  return true;
+}
+
+BridgedNamespaces::~BridgedNamespaces() {
+  for (const std::string& name : names_) run_process({ip_, "netns", "delete", name}, Seconds(10));
+}
+
+std::vector<std::string> BridgedNamespaces::exec_in(int i,
+                                                    const std::vector<std::string>& command) const {
+  std::vector<std::string> argv = {ip_, "netns", "exec", names_.at(i)};
+  argv.insert(argv.end(), command.begin(), command.end());
+  return argv;
+}
+
 }  // namespace cohort::testing

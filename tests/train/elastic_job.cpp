@@ -4,11 +4,23 @@
 // after step S on every attempt that has a rank R: a slot that is lost for
 // good, which only a smaller world gets past. Rank 0 saves the final
 // parameters to --out.
+//
+// With --hold STEP@WORLD[,STEP@WORLD...], rank 0 of a world of WORLD ranks
+// stops after step STEP, creates DIR/held-STEP-world-WORLD and waits there
+// (at most 120 s, then fails) for the launcher to end the attempt: a test
+// can then kill or stop a node at a known step, so the steps each world
+// size runs are known and a reference can follow them.
 #include <signal.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "cohort/cohort.h"
 #include "cohort/ddp/distributed_data_parallel.h"
@@ -16,8 +28,37 @@
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 
+namespace {
+
+// "12@3,17@2" -> {(12, 3), (17, 2)}.
+std::set<std::pair<int64_t, int>> parse_holds(const std::string& text) {
+  std::set<std::pair<int64_t, int>> holds;
+  std::istringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    const auto at = item.find('@');
+    if (at == std::string::npos) throw std::invalid_argument("--hold wants STEP@WORLD: " + item);
+    holds.emplace(std::stoll(item.substr(0, at)), std::stoi(item.substr(at + 1)));
+  }
+  return holds;
+}
+
+// Tells the test where the job is, then waits to be stopped by the launcher.
+[[noreturn]] void hold(const std::string& dir, int64_t step, int world) {
+  const std::string marker =
+      dir + "/held-" + std::to_string(step) + "-world-" + std::to_string(world);
+  std::ofstream(marker) << "held\n";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  throw std::runtime_error("held at step " + std::to_string(step) +
+                           " for 120 s and nobody ended the attempt");
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  std::string dir, out;
+  std::string dir, out, holds_text;
   int64_t fail_rank = -1, fail_at = -1, max_steps = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -26,15 +67,17 @@ int main(int argc, char** argv) {
     if (flag == "--fail-rank") fail_rank = std::stoll(argv[i + 1]);
     if (flag == "--fail-at") fail_at = std::stoll(argv[i + 1]);
     if (flag == "--max-steps") max_steps = std::stoll(argv[i + 1]);
+    if (flag == "--hold") holds_text = argv[i + 1];
   }
   if (dir.empty()) {
     std::fprintf(stderr,
                  "usage: elastic_job --dir DIR [--out FILE] [--max-steps N] "
-                 "[--fail-rank R --fail-at STEP]\n");
+                 "[--fail-rank R --fail-at STEP] [--hold STEP@WORLD,...]\n");
     return 2;
   }
   constexpr int64_t kGlobalBatch = 12;
   try {
+    const auto holds = parse_holds(holds_text);
     torch::set_num_threads(1);
     auto comm = cohort::init();
     if (kGlobalBatch % comm->size() != 0) {
@@ -66,10 +109,16 @@ int main(int argc, char** argv) {
     if (auto step = trainer.resume(); step && comm->rank() == 0) {
       std::printf("resumed from step %lld at world %d\n", static_cast<long long>(*step),
                   comm->size());
+      // A generation may end with this rank killed: the line must not die in
+      // stdout's buffer (the pipe to the launcher is not a terminal).
+      std::fflush(stdout);
     }
     cohort::FitCallbacks callbacks;
     callbacks.on_step = [&](const cohort::StepMetrics& m) {
       if (comm->rank() == fail_rank && m.step == fail_at) ::raise(SIGKILL);
+      if (comm->rank() == 0 && holds.count({m.step, comm->size()}) != 0) {
+        hold(dir, m.step, comm->size());
+      }
     };
     const auto steps = trainer.fit(source, callbacks);
     if (comm->rank() == 0 && !steps.empty()) {

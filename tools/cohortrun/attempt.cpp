@@ -17,8 +17,13 @@
 
 namespace cohortrun {
 
-Attempt::Attempt(const Options& options, SignalFd& signals, int restart, int master_port)
-    : options_(options), signals_(signals), restart_(restart), master_port_(master_port) {}
+Attempt::Attempt(const Options& options, SignalFd& signals, int restart, int master_port,
+                 const std::atomic<bool>* end_requested)
+    : options_(options),
+      signals_(signals),
+      restart_(restart),
+      master_port_(master_port),
+      end_requested_(end_requested) {}
 
 AttemptResult Attempt::run() {
   spawn_all();
@@ -29,6 +34,10 @@ AttemptResult Attempt::run() {
   while (!finished()) {
     wait_for_events();
     check_deadlines();
+    if (phase_ == Phase::kRunning && end_requested_ != nullptr && end_requested_->load()) {
+      ended_ = true;
+      begin_teardown(SIGTERM);
+    }
     // With every rank exited, whatever is left in their groups (a helper
     // started in the background) has outlived the job: stop it.
     if (phase_ == Phase::kRunning && !any_running()) {
@@ -48,7 +57,7 @@ void Attempt::spawn_all() {
   const int n = options_.nproc_per_node;
   ranks_.reserve(n);
   for (int local = 0; local < n; ++local) {
-    const int rank = options_.node_rank * n + local;
+    const int rank = options_.first_rank() + local;
     ranks_.emplace_back(rank, !options_.quiet_others || rank == 0);
   }
   for (int local = 0; local < n; ++local) {
@@ -251,13 +260,16 @@ bool Attempt::finished() const {
 
 int Attempt::poll_timeout_ms() const {
   Clock::time_point deadline = phase_ == Phase::kRunning ? job_deadline_ : phase_deadline_;
+  // While running, look at end_requested this often.
+  const int watch_ms = end_requested_ != nullptr && phase_ == Phase::kRunning ? 100 : -1;
   if (phase_ == Phase::kAbandoned || deadline == Clock::time_point::max()) {
-    return -1;
+    return watch_ms;
   }
   auto left = deadline - Clock::now();
   if (left <= Clock::duration::zero()) return 0;
   // Round up: waking a hair early would only spin until the deadline.
-  return static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
+  const int ms = static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
+  return watch_ms < 0 ? ms : std::min(ms, watch_ms);
 }
 
 AttemptResult Attempt::result() const {
@@ -272,6 +284,10 @@ AttemptResult Attempt::result() const {
     r.exit_code = rank.status.exit_code();
     r.failed_rank = rank.rank;
     r.cause = "rank " + std::to_string(rank.rank) + " " + rank.status.describe();
+  } else if (ended_) {
+    r.outcome = Outcome::kEnded;
+    r.exit_code = 1;
+    r.cause = "the generation ended";
   } else if (timed_out_) {
     r.outcome = Outcome::kTimedOut;
     r.exit_code = kTimeoutExitCode;

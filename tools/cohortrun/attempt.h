@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -17,7 +18,9 @@
 
 namespace cohortrun {
 
-enum class Outcome { kSucceeded, kRankFailed, kTimedOut, kInterrupted };
+// kEnded: the job's generation ended elsewhere (--nnodes MIN:MAX), and the
+// ranks were stopped for the next rendezvous.
+enum class Outcome { kSucceeded, kRankFailed, kTimedOut, kInterrupted, kEnded };
 
 struct AttemptResult {
   Outcome outcome = Outcome::kSucceeded;
@@ -35,7 +38,10 @@ class Attempt {
   // a process that escaped its group and still holds one.
   static constexpr std::chrono::seconds kKillWait{2};
 
-  Attempt(const Options& options, SignalFd& signals, int restart, int master_port);
+  // `end_requested` (optional): once it turns true, the ranks are stopped
+  // and the attempt ends with Outcome::kEnded.
+  Attempt(const Options& options, SignalFd& signals, int restart, int master_port,
+          const std::atomic<bool>* end_requested = nullptr);
   Attempt(const Attempt&) = delete;
   Attempt& operator=(const Attempt&) = delete;
 
@@ -80,6 +86,8 @@ class Attempt {
   SignalFd& signals_;
   const int restart_;
   const int master_port_;
+  const std::atomic<bool>* end_requested_;
+  bool ended_ = false;
   std::vector<Rank> ranks_;
   Phase phase_ = Phase::kRunning;
   Clock::time_point job_deadline_ = Clock::time_point::max();

@@ -13,6 +13,7 @@
 
 #include "attempt.h"
 #include "mpirun.h"
+#include "node_supervisor.h"
 #include "options.h"
 #include "output.h"
 #include "ports.h"
@@ -158,7 +159,7 @@ int run(int argc, char** argv) {
   // mpirun supervises the ranks: their files are merged with
   // `cohort-trace merge DIR`.
   if (options->backend == "mpi") return run_mpirun(*options);
-  const int status = supervise(*options);
+  const int status = options->elastic_nodes() ? supervise_nodes(*options) : supervise(*options);
   if (!options->trace_dir.empty()) merge_trace(*options);
   return status;
 }

@@ -16,6 +16,8 @@ constexpr const char* kUsage =
     "Launches a cohort job, one process per rank.\n"
     "  cohortrun -n N|MIN:MAX [--nnodes M --node-rank K --master-addr A "
     "--master-port P]\n"
+    "  cohortrun -n N --nnodes MIN:MAX --master-addr A --master-port P [--rdzv-id ID]\n"
+    "            [--heartbeat-timeout S] [--rdzv-last-call S] [--rdzv-timeout S]\n"
     "            [--backend gloo|mpi|ucx|auto] [--max-restarts R] [--timeout S]\n"
     "            [--quiet-others] [--trace DIR] -- PROGRAM ARGS...";
 
@@ -39,13 +41,49 @@ int parse_port(const std::string& text) {
   return port;
 }
 
-double parse_timeout(const std::string& text) {
+double parse_seconds(const std::string& flag, const std::string& text) {
   char* end = nullptr;
   double v = std::strtod(text.c_str(), &end);
   if (text.empty() || *end != '\0' || !std::isfinite(v) || v <= 0) {
-    throw UsageError("--timeout must be a positive number of seconds (got '" + text + "')");
+    throw UsageError(flag + " must be a positive number of seconds (got '" + text + "')");
   }
   return v;
+}
+
+double parse_timeout(const std::string& text) { return parse_seconds("--timeout", text); }
+
+// --nnodes M, or --nnodes MIN:MAX for a job whose nodes may leave and join
+// (torchrun's --nnodes=MIN:MAX): the launchers rendezvous (rendezvous.h).
+void parse_nnodes(const std::string& text, Options& o) {
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    o.nnodes = o.min_nnodes = parse_int("--nnodes", text);
+    return;
+  }
+  o.min_nnodes = parse_int("--nnodes (MIN of MIN:MAX)", text.substr(0, colon));
+  o.nnodes = parse_int("--nnodes (MAX of MIN:MAX)", text.substr(colon + 1));
+  if (o.min_nnodes < 1 || o.min_nnodes > o.nnodes) {
+    throw UsageError("--nnodes MIN:MAX needs 1 <= MIN <= MAX (got " + text + ")");
+  }
+}
+
+// What --nnodes MIN:MAX needs: the launchers' store on MASTER_ADDR:P and the
+// ranks' on P+1, and node ranks that only the rendezvous assigns.
+void validate_elastic_nodes(const Options& o, bool node_rank_given) {
+  if (!o.elastic_nodes()) return;
+  if (node_rank_given) {
+    throw UsageError("--nnodes MIN:MAX assigns node ranks at each rendezvous: drop --node-rank");
+  }
+  if (o.elastic()) {
+    throw UsageError("--nnodes MIN:MAX needs a fixed -n (ranks per node)");
+  }
+  if (o.master_port == 65535) {
+    throw UsageError("--nnodes MIN:MAX uses --master-port P and P+1: P must be below 65535");
+  }
+  if (o.rdzv_id.empty() || o.rdzv_id.size() > 128 ||
+      o.rdzv_id.find_first_of("/ \t\n") != std::string::npos) {
+    throw UsageError("--rdzv-id must be 1 to 128 characters without '/' or spaces");
+  }
 }
 
 constexpr int kMaxRanksPerNode = 1024;
@@ -85,7 +123,7 @@ void take_slurm_step(Options& o, bool nnodes_given, bool node_rank_given, bool p
                      std::to_string(nodes) +
                      " nodes: start one cohortrun per node (srun --ntasks-per-node=1)");
   }
-  if (!nnodes_given) o.nnodes = nodes;
+  if (!nnodes_given) o.nnodes = o.min_nnodes = nodes;  // a fixed count, not MIN:MAX
   if (nodes == 1) return;  // one node: loopback and a free port, as without Slurm
   if (!node_rank_given) {
     const char* id = std::getenv("SLURM_NODEID");
@@ -168,14 +206,29 @@ std::optional<Options> parse_options(int argc, char** argv) {
   Options o;
   // As init() does: a COHORT_BACKEND the caller exported holds unless --backend names another.
   if (const char* env = std::getenv("COHORT_BACKEND"); env && *env) o.backend = env;
-  std::string nproc, nnodes, node_rank, port, restarts;
+  std::string nproc, nnodes, node_rank, port, restarts, heartbeat, last_call, rdzv_timeout;
   CLI::App app{kUsage, "cohortrun"};
   app.add_option("-n,--nproc-per-node", nproc,
                  "ranks to start on this node; MIN:MAX: start MAX, go on with fewer (>= MIN) "
                  "when a rank keeps failing")
       ->type_name("N|MIN:MAX");
-  app.add_option("--nnodes", nnodes, "number of nodes (default 1; in a Slurm step, its nodes)")
-      ->type_name("M");
+  app.add_option("--nnodes", nnodes,
+                 "number of nodes (default 1; in a Slurm step, its nodes); MIN:MAX: nodes may "
+                 "leave (dropped at the next rendezvous) and join (admitted at the next restart)")
+      ->type_name("M|MIN:MAX");
+  app.add_option("--rdzv-id", o.rdzv_id,
+                 "--nnodes MIN:MAX: the job's id; launchers with the same id form one job")
+      ->type_name("ID");
+  app.add_option("--heartbeat-timeout", heartbeat,
+                 "--nnodes MIN:MAX: drop a node whose launcher is silent this long (default 15)")
+      ->type_name("S");
+  app.add_option("--rdzv-last-call", last_call,
+                 "--nnodes MIN:MAX: once MIN nodes joined, wait this long for more (default 3)")
+      ->type_name("S");
+  app.add_option("--rdzv-timeout", rdzv_timeout,
+                 "--nnodes MIN:MAX: give up when a rendezvous does not complete in time "
+                 "(default 300)")
+      ->type_name("S");
   app.add_option("--node-rank", node_rank, "this node's index (default 0; SLURM_NODEID)")
       ->type_name("K");
   app.add_option("--master-addr", o.master_addr,
@@ -222,12 +275,19 @@ std::optional<Options> parse_options(int argc, char** argv) {
     throw UsageError("-n (ranks per node) is required");
   }
   parse_nproc(nproc, o);
-  if (!nnodes.empty()) o.nnodes = parse_int("--nnodes", nnodes);
+  if (!nnodes.empty()) parse_nnodes(nnodes, o);
   if (!node_rank.empty()) o.node_rank = parse_int("--node-rank", node_rank);
   if (!port.empty()) o.master_port = parse_port(port);
   if (!restarts.empty()) o.max_restarts = parse_int("--max-restarts", restarts);
   take_slurm_step(o, !nnodes.empty(), !node_rank.empty(), !port.empty());
   if (!o.timeout_text.empty()) o.timeout_s = parse_timeout(o.timeout_text);
+  if (!heartbeat.empty()) o.heartbeat_timeout_s = parse_seconds("--heartbeat-timeout", heartbeat);
+  if (!last_call.empty()) o.last_call_s = parse_seconds("--rdzv-last-call", last_call);
+  if (!rdzv_timeout.empty()) o.rdzv_timeout_s = parse_seconds("--rdzv-timeout", rdzv_timeout);
+  if (o.elastic_nodes()) {
+    validate_elastic_nodes(o, !node_rank.empty());
+    o.node_rank = 0;  // until the first rendezvous (a Slurm step's SLURM_NODEID does not hold)
+  }
   validate(o);
   return o;
 }

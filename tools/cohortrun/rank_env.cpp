@@ -28,7 +28,7 @@ std::string new_job_token() {
 
 std::vector<std::string> rank_environment(const Options& options, int local_rank, int restart,
                                           int master_port) {
-  const int rank = options.node_rank * options.nproc_per_node + local_rank;
+  const int rank = options.first_rank() + local_rank;
   const std::pair<const char*, std::string> ours[] = {
       {"RANK", std::to_string(rank)},
       {"WORLD_SIZE", std::to_string(options.world_size())},
