@@ -52,7 +52,7 @@ void SerialWorker::loop() {
   }
 }
 
-WorkPtr SerialWorker::submit(std::string what, Clock::time_point deadline,
+std::shared_ptr<WorkImpl> SerialWorker::submit(std::string what, Clock::time_point deadline,
                              std::function<void()> job) {
   auto work = std::make_shared<JobWork>(what, deadline);
   {

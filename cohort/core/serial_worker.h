@@ -20,6 +20,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -60,7 +61,8 @@ class SerialWorker {
   /// Queues `job` behind every earlier one. The Work completes when the job
   /// has run, with its exception if it threw (a TimeoutError naming `what`
   /// when a wait outlasts `deadline` and 500 ms more), or refused as above.
-  WorkPtr submit(std::string what, Clock::time_point deadline, std::function<void()> job);
+  std::shared_ptr<WorkImpl> submit(std::string what, Clock::time_point deadline,
+                                   std::function<void()> job);
 
   /// Runs `job` now on the calling thread, as submit would run it, when
   /// nothing is queued or running, and returns true with `error` its
