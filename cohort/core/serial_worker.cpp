@@ -53,7 +53,7 @@ void SerialWorker::loop() {
 }
 
 std::shared_ptr<WorkImpl> SerialWorker::submit(std::string what, Clock::time_point deadline,
-                             std::function<void()> job) {
+                                               std::function<void()> job) {
   auto work = std::make_shared<JobWork>(what, deadline);
   {
     std::lock_guard<std::mutex> lock(mu_);
