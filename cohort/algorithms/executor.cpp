@@ -4,7 +4,7 @@
 #include "cohort/algorithms/halving_doubling.h"
 #include "cohort/algorithms/ring.h"
 #include "cohort/core/error.h"
-#include "cohort/core/job_work.h"
+#include "cohort/core/serial_worker.h"
 #include "cohort/core/store/prefix_store.h"
 #include "cohort/observability/counting_engine.h"
 
@@ -27,66 +27,25 @@ Executor::Executor(Engine& parent, const std::shared_ptr<Store>& store, Communic
   std::vector<int> all(static_cast<size_t>(parent.size()));
   for (int r = 0; r < parent.size(); ++r) all[static_cast<size_t>(r)] = r;
   engine_ = parent.create_subgroup(all, store_, options_.timeout);
-  thread_ = std::thread([this] { worker(); });
+  SerialWorker::Options worker;
+  worker.refusal = "an earlier algorithm operation failed";
+  worker_ = std::make_unique<SerialWorker>(std::move(worker));
 }
 
-Executor::~Executor() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  wake_.notify_all();
-  thread_.join();
-}
-
-void Executor::worker() {
-  for (;;) {
-    std::function<void()> job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      // Jobs already issued still run at shutdown: the peers expect them.
-      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    job();
-  }
-}
+// The worker goes first (its destructor runs the jobs already issued: the
+// peers expect them), while the engine and scratch its jobs use still exist.
+Executor::~Executor() { worker_.reset(); }
 
 WorkPtr Executor::submit(std::string what, Millis timeout, Job job) {
   const auto deadline = Clock::now() + timeout;
-  auto work = std::make_shared<JobWork>(what, deadline);
-  std::lock_guard<std::mutex> lock(mu_);
   // The job's traffic counts under the operation that issued it.
-  queue_.push_back([this, work, what = std::move(what), deadline, job = std::move(job),
-                    kind = current_op_kind()] {
-    OpKindScope counted_as(kind);
-    std::string earlier;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      earlier = failure_;
-    }
-    if (!earlier.empty()) {
-      work->finish(std::make_exception_ptr(
-          PeerError(what + ": refused, an earlier algorithm operation failed: " + earlier)));
-      return;
-    }
-    try {
-      EnginePointToPoint transport(*engine_);
-      Link link(transport, what, deadline, &scratch_);
-      job(link);
-      work->finish(nullptr);
-    } catch (const std::exception& e) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        failure_ = e.what();
-      }
-      work->finish(std::current_exception());
-    }
-  });
-  wake_.notify_one();
-  return work;
+  return worker_->submit(what, deadline,
+                         [this, what, deadline, job = std::move(job), kind = current_op_kind()] {
+                           OpKindScope counted_as(kind);
+                           EnginePointToPoint transport(*engine_);
+                           Link link(transport, what, deadline, &scratch_);
+                           job(link);
+                         });
 }
 
 std::vector<Algorithm> Executor::candidates(Collective op) {

@@ -7,24 +7,21 @@
 // like MPI_Comm_dup), so algorithm messages never meet the user's tagged
 // send/recv, and the engine's own collectives stay ordered on theirs.
 //
-// Asynchrony: one worker thread runs jobs in the order they were issued
-// (which is the same on every rank). A job's Work completes when the job
+// Asynchrony: one worker thread (a SerialWorker) runs jobs in the order they
+// were issued (which is the same on every rank). A job's Work completes when the job
 // finishes; every wait inside it is bounded by the operation's deadline. A
 // failed job fails every later one: the peers' state is unknown.
 #pragma once
 
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
-#include <thread>
 
 #include "cohort/algorithms/calibration.h"
 #include "cohort/algorithms/hierarchical.h"
 #include "cohort/algorithms/link.h"
 #include "cohort/core/algorithm.h"
+#include "cohort/core/serial_worker.h"
 #include "cohort/core/store/store.h"
 
 namespace cohort::algorithms {
@@ -56,7 +53,6 @@ class Executor {
  private:
   using Job = std::function<void(Link&)>;
   WorkPtr submit(std::string what, Millis timeout, Job job);
-  void worker();
   // Synchronous forms, run on the worker thread.
   void run_all_reduce(Link& link, at::Tensor& buf, ReduceOp op, Algorithm algo);
   void run_reduce_scatter(Link& link, at::Tensor& out, const at::Tensor& in, ReduceOp op,
@@ -75,12 +71,7 @@ class Executor {
   std::unique_ptr<Hierarchy> hierarchy_;  // worker only, built on first use
   std::map<Collective, Calibration> calibrations_;  // caller thread only
 
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::deque<std::function<void()>> queue_;
-  bool stopping_ = false;
-  std::string failure_;  // set by the first failed job
-  std::thread thread_;   // last: starts after everything above exists
+  std::unique_ptr<SerialWorker> worker_;  // last: its jobs use everything above
 };
 
 }  // namespace cohort::algorithms

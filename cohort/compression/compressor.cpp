@@ -12,6 +12,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/compression/compressed_collectives.h"
 #include "cohort/compression/powersgd.h"
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort::compression {
@@ -274,18 +275,6 @@ int64_t bits_of(double v) {
   return b;
 }
 
-// FNV-1a over the words.
-int64_t hash_words(const std::vector<int64_t>& words) {
-  uint64_t h = 14695981039346656037ull;
-  for (int64_t w : words) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (static_cast<uint64_t>(w) >> (8 * i)) & 0xffu;
-      h *= 1099511628211ull;
-    }
-  }
-  return static_cast<int64_t>(h);
-}
-
 std::vector<int64_t> fingerprint(const CompressionOptions& o, int64_t numel,
                                  const std::vector<int64_t>& layout) {
   std::vector<int64_t> f(kFieldCount, 0);
@@ -304,7 +293,7 @@ std::vector<int64_t> fingerprint(const CompressionOptions& o, int64_t numel,
     f[8] = o.powersgd_seed;
   }
   f[9] = numel;
-  f[10] = layout.empty() ? 0 : hash_words(layout);
+  f[10] = layout.empty() ? 0 : static_cast<int64_t>(fnv1a_words(layout));
   return f;
 }
 
@@ -330,15 +319,6 @@ std::string show(const Field& field, int64_t v) {
   return std::to_string(v);
 }
 
-at::Tensor all_gather_words(Communicator& comm, const std::vector<int64_t>& words) {
-  const auto n = static_cast<int64_t>(words.size());
-  auto local = at::empty({n}, at::kLong);
-  std::copy(words.begin(), words.end(), local.data_ptr<int64_t>());
-  auto all = at::empty({comm.size() * n}, at::kLong);
-  comm.all_gather_into_tensor(all, local).wait();
-  return all;
-}
-
 // One all-gather of the fingerprint's hash (8 bytes a rank: small next to
 // a compressed bucket); only when the hashes differ, a second of the whole
 // fingerprints, to say what differs. Every rank sees the same gathered
@@ -346,22 +326,20 @@ at::Tensor all_gather_words(Communicator& comm, const std::vector<int64_t>& word
 // message (but its own rank in it).
 void check_fingerprints(Communicator& comm, int64_t key, const std::vector<int64_t>& mine) {
   const int p = comm.size();
-  auto hashes = all_gather_words(comm, {hash_words(mine)});
-  if (at::all(hashes == hashes[0]).item<bool>()) return;
-  auto all = all_gather_words(comm, mine);
-  const int64_t* a = all.data_ptr<int64_t>();
-  for (int r = 1; r < p; ++r) {
-    for (int64_t f = 0; f < kFieldCount; ++f) {
-      const int64_t first = a[f], other = a[r * kFieldCount + f];
-      if (first == other) continue;
-      std::string what = std::string(kFields[f].name) + " is " + show(kFields[f], first) +
-                         " on rank 0 but " + show(kFields[f], other) + " on rank " +
-                         std::to_string(r);
-      throw MismatchError("cohort: compression on rank " + std::to_string(comm.rank()) + " of " +
-                          std::to_string(p) + " (group " + comm.name() + ", tensor key " +
-                          std::to_string(key) + "): the ranks disagree: " + what +
-                          "; every rank must compress with the same settings and tensor sizes");
-    }
+  if (gather_words(comm, {static_cast<int64_t>(fnv1a_words(mine))}).same()) return;
+  const RankWords all = gather_words(comm, mine);
+  for (int64_t f = 0; f < kFieldCount; ++f) {
+    const auto values = all.values([&](const int64_t* w) { return show(kFields[f], w[f]); });
+    if (all_same(values)) continue;
+    int r = 1;
+    while (all.of(r)[f] == all.of(0)[f]) ++r;
+    const std::string what = std::string(kFields[f].name) + " is " + values[0] + " on rank 0 but " +
+                             values[static_cast<size_t>(r)] + " on rank " + std::to_string(r) +
+                             " (" + name_groups(values) + ")";
+    throw MismatchError("cohort: compression on rank " + std::to_string(comm.rank()) + " of " +
+                        std::to_string(p) + " (group " + comm.name() + ", tensor key " +
+                        std::to_string(key) + "): the ranks disagree: " + what +
+                        "; every rank must compress with the same settings and tensor sizes");
   }
   COHORT_CHECK(false, "compression fingerprints hash differently but are equal");
 }

@@ -2,29 +2,16 @@
 
 #include <sstream>
 
+#include "cohort/core/dtypes.h"
 #include "cohort/core/error.h"
 
 namespace cohort {
 
+// The collectives' dtypes by their Python names; others (refused by
+// check_tensor) as LibTorch spells them in C++, as the caller wrote them.
 std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return "float32";
-    case at::kDouble:
-      return "float64";
-    case at::kHalf:
-      return "float16";
-    case at::kBFloat16:
-      return "bfloat16";
-    case at::kInt:
-      return "int32";
-    case at::kLong:
-      return "int64";
-    case at::kByte:
-      return "uint8";
-    default:
-      return c10::toString(t);
-  }
+  const DtypeInfo* d = find_dtype(t);
+  return d && d->collective ? d->name : c10::toString(t);
 }
 
 std::string shape_string(at::IntArrayRef sizes) {
@@ -37,18 +24,15 @@ std::string shape_string(at::IntArrayRef sizes) {
 
 namespace {
 bool supported(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kInt:
-    case at::kLong:
-    case at::kByte:
-      return true;
-    default:
-      return false;
-  }
+  const DtypeInfo* d = find_dtype(t);
+  return d && d->collective;
+}
+
+std::string supported_names() {
+  std::string names;
+  for (const auto& d : kDtypes)
+    if (d.collective) names += (names.empty() ? "" : ", ") + std::string(d.name);
+  return names;
 }
 }  // namespace
 
@@ -62,8 +46,7 @@ void check_tensor(const at::Tensor& t, const std::string& where, const std::stri
     fail("is on device " + t.device().str() + "; this engine needs CPU tensors");
   }
   if (!supported(t.scalar_type())) {
-    fail("has dtype " + dtype_name(t.scalar_type()) +
-         "; supported: float32, float64, float16, bfloat16, int32, int64, uint8");
+    fail("has dtype " + dtype_name(t.scalar_type()) + "; supported: " + supported_names());
   }
   if (!t.is_contiguous()) {
     fail("is not contiguous (shape " + shape_string(t.sizes()) + "); call .contiguous() first");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "cohort/core/dtypes.h"
 #include "cohort/core/error.h"
 #include "cohort/dcp/checkpoint_file.h"
 
@@ -183,29 +184,14 @@ std::string tiling_error(const TensorMeta& t) {
   return "";
 }
 
-namespace {
-const std::vector<std::pair<torch::Dtype, const char*>>& dtype_names() {
-  static const std::vector<std::pair<torch::Dtype, const char*>> names = {
-      {torch::kFloat, "float32"},     {torch::kDouble, "float64"}, {torch::kHalf, "float16"},
-      {torch::kBFloat16, "bfloat16"}, {torch::kLong, "int64"},     {torch::kInt, "int32"},
-      {torch::kShort, "int16"},       {torch::kChar, "int8"},      {torch::kByte, "uint8"},
-      {torch::kBool, "bool"}};
-  return names;
-}
-}  // namespace
-
 std::string dtype_name(torch::Dtype dtype) {
-  for (const auto& [d, n] : dtype_names()) {
-    if (d == dtype) return n;
-  }
+  if (const DtypeInfo* d = find_dtype(dtype)) return d->name;
   throw Unsupported(std::string("distributed checkpoint: dtype ") + c10::toString(dtype) +
                     " is not supported");
 }
 
 torch::Dtype dtype_from_name(const std::string& name) {
-  for (const auto& [d, n] : dtype_names()) {
-    if (n == name) return d;
-  }
+  if (const DtypeInfo* d = find_dtype(&DtypeInfo::name, name)) return d->dtype;
   throw CheckpointError("distributed checkpoint: unknown dtype '" + name + "'");
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "cohort/core/dtypes.h"
 #include "cohort/dcp/checkpoint_file.h"
 
 // The data is written and read as the host's bytes; the format is little
@@ -29,15 +30,6 @@ using json = nlohmann::ordered_json;
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 // Tensor bytes past this would overflow the offset arithmetic.
 constexpr int64_t kMaxTensorBytes = int64_t{1} << 62;
-
-const std::vector<std::pair<torch::Dtype, const char*>>& safetensors_dtypes() {
-  static const std::vector<std::pair<torch::Dtype, const char*>> names = {
-      {torch::kFloat, "F32"},     {torch::kDouble, "F64"}, {torch::kHalf, "F16"},
-      {torch::kBFloat16, "BF16"}, {torch::kLong, "I64"},   {torch::kInt, "I32"},
-      {torch::kShort, "I16"},     {torch::kChar, "I8"},    {torch::kByte, "U8"},
-      {torch::kBool, "BOOL"}};
-  return names;
-}
 
 CheckpointError file_error(const std::string& file, const std::string& what) {
   return CheckpointError("safetensors " + file + ": " + what);
@@ -106,14 +98,9 @@ void write_one(const std::vector<std::pair<std::string, torch::Tensor>>& tensors
 }  // namespace
 
 std::string safetensors_dtype_name(torch::Dtype dtype) {
-  const auto& names = safetensors_dtypes();
-  auto it =
-      std::find_if(names.begin(), names.end(), [&](const auto& d) { return d.first == dtype; });
-  if (it == names.end()) {
-    throw Unsupported(std::string("safetensors: dtype ") + c10::toString(dtype) +
-                      " is not supported");
-  }
-  return it->second;
+  if (const DtypeInfo* d = find_dtype(dtype)) return d->safetensors;
+  throw Unsupported(std::string("safetensors: dtype ") + c10::toString(dtype) +
+                    " is not supported");
 }
 
 std::vector<std::string> save_safetensors(const NamedTensors& tensors, const std::string& path,
@@ -241,10 +228,8 @@ void SafetensorsFile::read_header(const std::string& file) {
       throw file_error(file, where + "needs \"dtype\", \"shape\" and two \"data_offsets\"");
     }
     const auto dtype = v["dtype"].get<std::string>();
-    auto it = std::find_if(safetensors_dtypes().begin(), safetensors_dtypes().end(),
-                           [&](const auto& d) { return dtype == d.second; });
-    if (it == safetensors_dtypes().end())
-      throw file_error(file, where + "unsupported dtype \"" + dtype + "\"");
+    const DtypeInfo* info = find_dtype(&DtypeInfo::safetensors, dtype);
+    if (!info) throw file_error(file, where + "unsupported dtype \"" + dtype + "\"");
     std::vector<int64_t> shape;
     for (const auto& d : v["shape"]) {
       if (!d.is_number_integer()) throw file_error(file, where + "a dimension is not an integer");
@@ -252,7 +237,7 @@ void SafetensorsFile::read_header(const std::string& file) {
                           ? -1
                           : d.get<int64_t>());
     }
-    const int64_t bytes = tensor_bytes(shape, static_cast<int64_t>(c10::elementSize(it->first)));
+    const int64_t bytes = tensor_bytes(shape, static_cast<int64_t>(c10::elementSize(info->dtype)));
     if (bytes < 0)
       throw file_error(file, where + "the shape " + shape_string(shape) + " is impossible");
     int64_t off[2];
@@ -272,7 +257,7 @@ void SafetensorsFile::read_header(const std::string& file) {
     if (find(name)) throw file_error(file, where + "named twice");
     spans.push_back({{off[0], off[1]}, name});
     index_[name] = entries_.size();
-    entries_.push_back({name, it->first, shape, file, static_cast<int64_t>(8 + n) + off[0]});
+    entries_.push_back({name, info->dtype, shape, file, static_cast<int64_t>(8 + n) + off[0]});
   }
   std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i) {

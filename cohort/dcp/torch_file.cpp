@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "cohort/core/dtypes.h"
 #include "cohort/dcp/checkpoint_file.h"
 
 namespace cohort::dcp {
@@ -16,31 +17,8 @@ namespace {
 
 // The name of a dtype's storage class in Python's torch.save pickles.
 const char* storage_class(torch::Dtype dtype) {
-  switch (dtype) {
-    case torch::kFloat:
-      return "FloatStorage";
-    case torch::kDouble:
-      return "DoubleStorage";
-    case torch::kHalf:
-      return "HalfStorage";
-    case torch::kBFloat16:
-      return "BFloat16Storage";
-    case torch::kLong:
-      return "LongStorage";
-    case torch::kInt:
-      return "IntStorage";
-    case torch::kShort:
-      return "ShortStorage";
-    case torch::kChar:
-      return "CharStorage";
-    case torch::kByte:
-      return "ByteStorage";
-    case torch::kBool:
-      return "BoolStorage";
-    default:
-      throw Unsupported(std::string("save_torch: dtype ") + c10::toString(dtype) +
-                        " is not supported");
-  }
+  if (const DtypeInfo* d = find_dtype(dtype)) return d->storage;
+  throw Unsupported(std::string("save_torch: dtype ") + c10::toString(dtype) + " is not supported");
 }
 
 // Pickle protocol 2, the opcodes a state dict needs. torch::pickle_save

@@ -1,10 +1,11 @@
 #include "cohort/ddp/comm_hook.h"
 
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "cohort/compression/compressed_collectives.h"
 #include "cohort/core/error.h"
-#include "cohort/ddp/hook_worker.h"
+#include "cohort/core/serial_worker.h"
 
 namespace cohort {
 namespace {
@@ -30,13 +31,28 @@ OpContext bucket_context(const Communicator& comm, const std::string& hook, int6
 
 // Hands `reduce` to the hook's worker (started on first use). The job holds
 // its own handles to the bucket's tensors: they outlive the caller's view.
-Work run_on_worker(std::shared_ptr<HookWorker>& worker, Communicator& comm, const std::string& hook,
-                   int64_t index, std::function<void()> reduce) {
-  if (!worker) worker = std::make_shared<HookWorker>();
-  return worker->submit(bucket_context(comm, hook, index), [reduce = std::move(reduce)] {
-    torch::NoGradGuard no_grad;  // grad mode is per thread; gradients need none
-    reduce();
-  });
+// One FIFO thread per hook: buckets are launched in index order on every
+// rank, so the worker issues their collectives in the same order everywhere.
+// While a job runs, the hook's communicator belongs to the worker; DDP waits
+// for every bucket before it issues a collective of its own.
+Work run_on_worker(std::shared_ptr<SerialWorker>& worker, Communicator& comm,
+                   const std::string& hook, int64_t index, std::function<void()> reduce) {
+  if (!worker) {
+    SerialWorker::Options options;
+    options.refusal = "an earlier job of this hook failed";
+    // The process-wide intra-op thread count (torch::set_num_threads) is
+    // per-thread state under OpenMP: take it over, as autograd's threads do.
+    options.on_start = [] { at::init_num_threads(); };
+    worker = std::make_shared<SerialWorker>(std::move(options));
+  }
+  OpContext context = bucket_context(comm, hook, index);
+  // No deadline of its own: a wait that times out gives the job 500 ms more.
+  auto work = worker->submit(context.op, SerialWorker::Clock::time_point::min(),
+                             [reduce = std::move(reduce)] {
+                               torch::NoGradGuard no_grad;  // grad mode is per thread
+                               reduce();
+                             });
+  return Work(std::move(work), std::move(context));
 }
 
 }  // namespace

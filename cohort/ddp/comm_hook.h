@@ -19,7 +19,7 @@
 
 namespace cohort {
 
-class HookWorker;
+class SerialWorker;
 
 /// One bucket handed to a hook.
 struct GradBucket {
@@ -70,7 +70,7 @@ class AllReduceHook : public CommHook {
 /// reduce-scatter with 16-bit messages and float32 sums at each hop, then a
 /// ring all-gather (compression::low_precision_all_reduce), over the
 /// communicator's point-to-point, so every engine sends half the bytes of a
-/// float32 all-reduce. Runs on the hook's worker thread (hook_worker.h): the
+/// float32 all-reduce. Runs on the hook's worker thread (cohort/core/serial_worker.h): the
 /// Work returned completes there, while backward goes on.
 class ReducedPrecisionHook : public CommHook {
  public:
@@ -81,7 +81,7 @@ class ReducedPrecisionHook : public CommHook {
 
  private:
   torch::Dtype wire_dtype_;
-  std::shared_ptr<HookWorker> worker_;  // started at the first bucket
+  std::shared_ptr<SerialWorker> worker_;  // started at the first bucket
 };
 
 /// ReducedPrecisionHook with f16 on the wire.
@@ -100,7 +100,7 @@ class Bf16CompressHook : public ReducedPrecisionHook {
 // Averages each bucket with a compressor (cohort/compression/compressor.h),
 // keyed by the bucket's index; what it keeps (error feedback, PowerSGD's Q)
 // is reachable through compressor() for checkpoints. Runs on the hook's
-// worker thread (hook_worker.h), as ReducedPrecisionHook; state() and
+// worker thread (cohort/core/serial_worker.h), as ReducedPrecisionHook; state() and
 // load_state() first wait for it. A float32 bucket is required.
 class CompressionHook : public CommHook {
  public:
@@ -122,7 +122,7 @@ class CompressionHook : public CommHook {
 
  private:
   std::shared_ptr<compression::Compressor> compressor_;
-  std::shared_ptr<HookWorker> worker_;  // started at the first bucket
+  std::shared_ptr<SerialWorker> worker_;  // started at the first bucket
 };
 
 }  // namespace cohort

@@ -5,6 +5,7 @@
 #include <set>
 #include <utility>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/fsdp/unit_agreement.h"
 
@@ -128,7 +129,7 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
     if (!unit->group_) continue;
     for (const auto& p : unit->group_->params()) held[p.unsafeGetTensorImpl()] = m.key();
   }
-  record.inner = fsdp::digest_words(inner_digests);
+  record.inner = fnv1a_words(inner_digests);
   std::vector<torch::Tensor> own;
   std::vector<std::string> names;
   std::set<const void*> seen;
@@ -154,7 +155,7 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
     record.numel += p.value().numel();
   }
   record.params = static_cast<int64_t>(own.size());
-  record.shapes = fsdp::digest_words(shapes);
+  record.shapes = fnv1a_words(shapes);
   digest_ = record.digest();
   // Before anything is sharded or sent: every rank wraps the same unit.
   fsdp::agree_unit(*comm_, record, where_name);

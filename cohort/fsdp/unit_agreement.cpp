@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
-#include <map>
-#include <sstream>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort::fsdp {
@@ -18,50 +17,6 @@ constexpr int64_t kWords = 18;
 constexpr int64_t kUnitMagic = 0x4653445055524543;      // "FSDPUREC"
 constexpr int64_t kScheduleMagic = 0x4653445053434845;  // "FSDPSCHE"
 constexpr size_t kNameWords = 6;                        // 48 characters of the module's name
-
-// Every rank's `kWords` words, rank-major.
-std::vector<int64_t> gather_words(Communicator& comm, const std::vector<int64_t>& mine) {
-  auto local = torch::tensor(mine, torch::kLong);
-  auto all = torch::empty({comm.size() * kWords}, torch::kLong);
-  comm.all_gather_into_tensor(all, local).wait();
-  const int64_t* d = all.data_ptr<int64_t>();
-  return std::vector<int64_t>(d, d + all.numel());
-}
-
-// "ranks 0, 1: a; rank 2: b": each group of ranks with its value, in the
-// order of each group's first rank.
-std::string by_rank(const std::vector<std::string>& values) {
-  std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (int r = 0; r < static_cast<int>(values.size()); ++r) {
-    auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const auto& g) { return g.first == values[r]; });
-    if (it == groups.end()) {
-      groups.push_back({values[r], {r}});
-    } else {
-      it->second.push_back(r);
-    }
-  }
-  std::ostringstream os;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& ranks = groups[g].second;
-    os << (g ? "; " : "") << (ranks.size() > 1 ? "ranks " : "rank ");
-    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-    os << ": " << groups[g].first;
-  }
-  return os.str();
-}
-
-// Per rank, `field(words of that rank)`.
-std::vector<std::string> per_rank(const std::vector<int64_t>& all, int n,
-                                  const std::function<std::string(const int64_t*)>& field) {
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) out.push_back(field(all.data() + r * kWords));
-  return out;
-}
-
-bool all_equal(const std::vector<std::string>& v) {
-  return std::all_of(v.begin(), v.end(), [&](const std::string& s) { return s == v[0]; });
-}
 
 std::string who_on(const std::string& who, const Communicator& comm) {
   return who + " on rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size());
@@ -114,21 +69,10 @@ MixedPrecisionPolicy policy_of(const int64_t* w) {
 
 }  // namespace
 
-uint64_t digest_words(const std::vector<int64_t>& words, uint64_t seed) {
-  uint64_t h = seed;
-  for (int64_t word : words) {
-    for (int b = 0; b < 8; ++b) {
-      h ^= (static_cast<uint64_t>(word) >> (8 * b)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  }
-  return h;
-}
-
 uint64_t UnitRecord::digest() const {
   UnitRecord copy = *this;
   copy.refusal.clear();
-  return digest_words(encode(copy));
+  return fnv1a_words(encode(copy));
 }
 
 void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& who) {
@@ -137,29 +81,29 @@ void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& w
     if (!mine.refusal.empty()) throw InvalidArgument(who_on(who, comm) + ": " + mine.refusal);
     return;
   }
-  const auto all = gather_words(comm, encode(mine));
-  const auto magic = per_rank(all, n, [](const int64_t* w) {
+  const RankWords all = gather_words(comm, encode(mine));
+  const auto magic = all.values([](const int64_t* w) {
     return w[kMagic] == kUnitMagic ? "wrapping a unit" : "running a fully sharded model";
   });
-  if (!all_equal(magic)) {
+  if (!all_same(magic)) {
     throw MismatchError(who_on(who, comm) +
-                        ": the ranks are not all wrapping a unit: " + by_rank(magic));
+                        ": the ranks are not all wrapping a unit: " + name_groups(magic));
   }
-  const auto refused = per_rank(all, n, [](const int64_t* w) {
+  const auto refused = all.values([](const int64_t* w) {
     return w[kRefused] ? std::string("refuses it") : std::string("accepts it");
   });
-  if (!all_equal(refused)) {
+  if (!all_same(refused)) {
     if (!mine.refusal.empty()) throw InvalidArgument(who_on(who, comm) + ": " + mine.refusal);
     throw MismatchError(
         who_on(who, comm) +
-        ": a rank refuses to wrap this unit (its own error says why): " + by_rank(refused));
+        ": a rank refuses to wrap this unit (its own error says why): " + name_groups(refused));
   }
   if (!mine.refusal.empty()) throw InvalidArgument(who_on(who, comm) + ": " + mine.refusal);
 
   std::vector<std::string> clauses;
   auto clause = [&](const std::string& what, const std::function<std::string(const int64_t*)>& f) {
-    const auto values = per_rank(all, n, f);
-    if (!all_equal(values)) clauses.push_back(what + ": " + by_rank(values));
+    const auto values = all.values(f);
+    if (!all_same(values)) clauses.push_back(what + ": " + name_groups(values));
   };
   clause("the wrapped module and the units in its tree differ", [](const int64_t* w) {
     return module_of(w) + " with " + std::to_string(w[kUnits]) + " unit(s) in its tree";
@@ -177,13 +121,12 @@ void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& w
   clause("reshard_after_forward differs",
          [](const int64_t* w) { return std::string(w[kReshard] ? "true" : "false"); });
   for (int r = 1; r < n; ++r) {
-    const int64_t* first = all.data() + kPolicy;
-    const int64_t* other = all.data() + r * kWords + kPolicy;
+    const int64_t* first = all.of(0) + kPolicy;
+    const int64_t* other = all.of(r) + kPolicy;
     if (std::equal(first, first + 4, other)) continue;
     clauses.push_back(
-        "the mixed precision policy differs across ranks: " + describe(policy_of(all.data())) +
-        " on rank 0 but " + describe(policy_of(all.data() + r * kWords)) + " on rank " +
-        std::to_string(r));
+        "the mixed precision policy differs across ranks: " + describe(policy_of(all.of(0))) +
+        " on rank 0 but " + describe(policy_of(all.of(r))) + " on rank " + std::to_string(r));
     break;
   }
   if (clauses.empty()) return;
@@ -199,7 +142,7 @@ ScheduleCheck::ScheduleCheck(std::shared_ptr<Communicator> comm, std::vector<std
     : comm_(std::move(comm)), units_(std::move(units)), owner_(std::move(owners)) {}
 
 void ScheduleCheck::set_settings(std::vector<int64_t> flags) {
-  settings_ = digest_words(flags);
+  settings_ = fnv1a_words(flags);
   flags_ = std::move(flags);
 }
 
@@ -214,25 +157,24 @@ void ScheduleCheck::before(ScheduleStep step, size_t unit) {
   mine[3] = pass_;
   mine[4] = static_cast<int64_t>(settings_);
   mine[5] = sync_ ? 1 : 0;
-  const auto all = gather_words(*comm_, mine);
+  const RankWords all = gather_words(*comm_, mine);
   const std::string who = who_on("fully_shard", *comm_);
-  const auto where = per_rank(all, n, [this](const int64_t* w) { return describe(w); });
-  if (!all_equal(where)) {
+  const auto where = all.values([this](const int64_t* w) { return describe(w); });
+  if (!all_same(where)) {
     throw MismatchError(
         who + ": the ranks are at different points of the fully sharded model's schedule: " +
-        by_rank(where) +
+        name_groups(where) +
         ". Every rank must run the same units' forwards in the same order and call backward "
         "on the same outputs (rank-dependent control flow that skips or adds a unit cannot be "
         "sharded)");
   }
-  const auto sync =
-      per_rank(all, n, [](const int64_t* w) { return std::string(w[5] ? "on" : "off"); });
-  if (!all_equal(sync)) {
-    throw MismatchError(who +
-                        ": gradient sync (set_requires_gradient_sync) differs: " + by_rank(sync));
+  const auto sync = all.values([](const int64_t* w) { return std::string(w[5] ? "on" : "off"); });
+  if (!all_same(sync)) {
+    throw MismatchError(
+        who + ": gradient sync (set_requires_gradient_sync) differs: " + name_groups(sync));
   }
-  const auto settings = per_rank(all, n, [](const int64_t* w) { return std::to_string(w[4]); });
-  if (!all_equal(settings)) throw MismatchError(who + ": " + describe_settings());
+  const auto settings = all.values([](const int64_t* w) { return std::to_string(w[4]); });
+  if (!all_same(settings)) throw MismatchError(who + ": " + describe_settings());
 }
 
 std::string ScheduleCheck::describe(const int64_t* w) const {
@@ -269,17 +211,12 @@ std::string ScheduleCheck::describe(const int64_t* w) const {
 }
 
 std::string ScheduleCheck::describe_settings() {
-  const int n = comm_->size();
-  const auto count = static_cast<int64_t>(flags_.size());
-  auto local = torch::tensor(flags_, torch::kLong);
-  auto all = torch::empty({n * count}, torch::kLong);
-  comm_->all_gather_into_tensor(all, local).wait();
-  const int64_t* d = all.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    std::vector<std::string> values;
-    for (int r = 0; r < n; ++r) values.push_back(d[r * count + i] ? "true" : "false");
-    if (all_equal(values)) continue;
-    return owner_[static_cast<size_t>(i)] + " differs across ranks: " + by_rank(values) +
+  const RankWords all = gather_words(*comm_, flags_);
+  for (size_t i = 0; i < flags_.size(); ++i) {
+    const auto values =
+        all.values([i](const int64_t* w) { return std::string(w[i] ? "true" : "false"); });
+    if (all_same(values)) continue;
+    return owner_[i] + " differs across ranks: " + name_groups(values) +
            " (set it alike on every rank before the forward)";
   }
   return "the units' settings differ across ranks";

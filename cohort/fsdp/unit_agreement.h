@@ -28,9 +28,6 @@
 
 namespace cohort::fsdp {
 
-/// 64-bit FNV-1a of `words`, continuing from `seed`.
-uint64_t digest_words(const std::vector<int64_t>& words, uint64_t seed = 14695981039346656037ull);
-
 /// What every rank must agree on about one unit at its construction.
 struct UnitRecord {
   /// The wrapped module's name (its first 48 characters are compared).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort {
@@ -25,8 +26,8 @@ std::vector<int64_t> encode(const std::vector<torch::Tensor>& params) {
   return out;
 }
 
-std::vector<ParamSignature> decode(const torch::Tensor& t) {
-  const int64_t* d = t.data_ptr<int64_t>();
+std::vector<ParamSignature> decode(const std::vector<int64_t>& words) {
+  const int64_t* d = words.data();
   std::vector<ParamSignature> out(d[0]);
   int64_t pos = 1;
   for (auto& sig : out) {
@@ -52,21 +53,8 @@ void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>
                             const std::vector<std::string>& names, const std::string& who) {
   const int n = comm.size();
   if (n == 1) return;
-  // Signatures differ in length across ranks when the models differ: gather
-  // the lengths first, then the signatures padded to the longest.
-  auto local = encode(params);
-  auto len = torch::tensor({static_cast<int64_t>(local.size())}, torch::kLong);
-  std::vector<torch::Tensor> lens(n);
-  for (auto& l : lens) l = torch::empty({1}, torch::kLong);
-  comm.all_gather(lens, len).wait();
-  int64_t longest = 0;
-  for (auto& l : lens) longest = std::max(longest, l.item<int64_t>());
-  auto mine = torch::full({longest}, -1, torch::kLong);
-  mine.narrow(0, 0, local.size()).copy_(torch::tensor(local, torch::kLong));
-  std::vector<torch::Tensor> all(n);
-  for (auto& t : all) t = torch::empty({longest}, torch::kLong);
-  comm.all_gather(all, mine).wait();
-
+  // Signatures differ in length across ranks when the models differ.
+  const auto all = gather_varying_words(comm, encode(params));
   const auto reference = decode(all[0]);
   for (int r = 1; r < n; ++r) {
     const auto other = decode(all[r]);

@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort {
@@ -49,52 +50,6 @@ std::string describe(const std::vector<int>& shape, const std::vector<std::strin
   return "sizes (" + join(parts, ", ") + ") names (" + join(names, ", ") + ")";
 }
 
-// A fixed-size record of `text` for one all-gather: its length, a 64-bit
-// FNV-1a hash of all of it (texts longer than the record still compare) and
-// its first kChars characters (for the message).
-constexpr int kChars = 120;
-constexpr int kRecord = kChars + 2;
-
-std::vector<int64_t> record(const std::string& text) {
-  uint64_t hash = 14695981039346656037ull;
-  for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
-  std::vector<int64_t> r(kRecord, 0);
-  r[0] = static_cast<int64_t>(text.size());
-  r[1] = static_cast<int64_t>(hash);
-  for (size_t i = 0; i < text.size() && i < kChars; ++i)
-    r[i + 2] = static_cast<unsigned char>(text[i]);
-  return r;
-}
-
-// Throws on every rank of `world` when its ranks passed different `text`,
-// naming the ranks that passed each (one all-gather).
-void agree(Communicator& world, const std::string& text, const std::string& who,
-           const std::string& what) {
-  if (world.size() == 1) return;
-  torch::Tensor all = torch::empty({world.size() * kRecord}, torch::kInt64);
-  world.all_gather_into_tensor(all, torch::tensor(record(text), torch::kInt64)).wait();
-  const auto a = all.accessor<int64_t, 1>();
-  std::vector<std::pair<std::vector<int64_t>, std::vector<int>>> seen;  // record, ranks
-  for (int r = 0; r < world.size(); ++r) {
-    std::vector<int64_t> rec(kRecord);
-    for (int i = 0; i < kRecord; ++i) rec[static_cast<size_t>(i)] = a[r * kRecord + i];
-    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) { return e.first == rec; });
-    if (it == seen.end()) it = seen.insert(seen.end(), {rec, {}});
-    it->second.push_back(r);
-  }
-  if (seen.size() == 1) return;
-  std::vector<std::string> parts;
-  for (const auto& [rec, ranks] : seen) {
-    std::string t;
-    for (int i = 0; i < std::min<int64_t>(rec[0], kChars); ++i) t += static_cast<char>(rec[i + 2]);
-    if (rec[0] > kChars) t += "...";
-    std::vector<std::string> rs;
-    for (int r : ranks) rs.push_back(std::to_string(r));
-    parts.push_back((ranks.size() == 1 ? "rank " : "ranks ") + join(rs, ", ") + ": " + t);
-  }
-  throw InvalidArgument(who + "ranks disagree on " + what + " (" + join(parts, "; ") + ")");
-}
-
 // Row-major index of `coord` over `dims`.
 int row_major(const std::vector<int>& shape, const std::vector<int>& coord,
               const std::vector<int>& dims) {
@@ -127,7 +82,7 @@ DeviceMesh init_device_mesh(std::shared_ptr<Communicator> world, std::vector<int
   if (!world) throw InvalidArgument("cohort: init_device_mesh: the world communicator is null");
   const std::string who = "cohort: init_device_mesh (rank " + std::to_string(world->rank()) + "): ";
   const std::string text = describe(shape, names);
-  agree(*world, text, who, "the mesh shape");
+  agree_text(*world, text, who, "the mesh shape");
   if (shape.empty() || shape.size() != names.size()) {
     throw InvalidArgument(who + "needs one name per size and at least one of each, got " + text);
   }
@@ -225,7 +180,7 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
   {
     std::lock_guard<std::mutex> lock(root_->mu);
     if (root_->groups.count(dims) == 0) {
-      agree(*root_->world, join(names, ", "), who, "the dimensions asked for");
+      agree_text(*root_->world, join(names, ", "), who, "the dimensions asked for");
       root_->groups[dims] = split_over(root_->shape, root_->coord, *root_->world, dims);
     }
   }

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/grad_sync/average_gradients.h"
 #include "cohort/pipeline/schedule_validator.h"
@@ -40,14 +41,6 @@ static_assert(block_end(PipelineRuntime::kMaxStages) <= std::numeric_limits<int>
               "the last boundary's tags fit in an int");
 static_assert(block_end(PipelineRuntime::kMaxStages + 1) > std::numeric_limits<int>::max(),
               "kMaxStages is the most stages whose tags fit");
-
-// FNV-1a over the stage-to-rank map: the construction exchange compares
-// maps by this, and only when they differ sends them whole to name them.
-int64_t map_hash(const std::vector<int>& map) {
-  uint64_t h = 1469598103934665603ull;
-  for (int r : map) h = (h ^ static_cast<uint64_t>(static_cast<uint32_t>(r))) * 1099511628211ull;
-  return static_cast<int64_t>(h);
-}
 
 std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
   std::ostringstream os;
@@ -216,31 +209,28 @@ void PipelineRuntime::check_local(const std::string& who) const {
 // that one rank's bad input or a disagreement is an error on every rank and
 // never leaves the others waiting.
 void PipelineRuntime::check_agreement(const std::string& who, const std::string& local_error) {
-  constexpr int kFields = 5;  // stages, micro-batches, local stages, ok, map hash
-  std::vector<int64_t> mine{schedule_.num_stages, schedule_.num_microbatches,
-                            static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0,
-                            map_hash(schedule_.stage_to_rank)};
-  torch::Tensor all = torch::empty({group_->size() * kFields}, torch::kInt64);
-  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
+  // stages, micro-batches, local stages, ok, a digest of the stage-to-rank map
+  const std::vector<int64_t> map(schedule_.stage_to_rank.begin(), schedule_.stage_to_rank.end());
+  const RankWords all =
+      gather_words(*group_, {schedule_.num_stages, schedule_.num_microbatches,
+                             static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0,
+                             static_cast<int64_t>(fnv1a_words(map))});
   if (!local_error.empty()) throw InvalidArgument(local_error);
-  auto a = all.accessor<int64_t, 1>();
   int64_t total_local = 0;
-  std::ostringstream seen;
-  bool agree = true, same_map = true;
-  for (int r = 0; r < group_->size(); ++r) {
-    const int64_t* f = &a[kFields * r];
-    if (f[3] == 0)
+  for (int r = 0; r < all.ranks(); ++r) {
+    if (all.of(r)[3] == 0)
       throw InvalidArgument(who + "rank " + std::to_string(r) +
                             " refused the pipeline (see its error)");
-    seen << (r ? ", " : "") << "rank " << r << ": " << f[0] << " stages, " << f[1]
-         << " micro-batches";
-    agree = agree && f[0] == mine[0] && f[1] == mine[1];
-    same_map = same_map && f[4] == mine[4];
-    total_local += f[2];
+    total_local += all.of(r)[2];
   }
-  if (!agree) throw InvalidArgument(who + "ranks disagree on the pipeline (" + seen.str() + ")");
-  // Every rank saw the same hashes, so all of them take this branch or none.
-  if (!same_map) throw InvalidArgument(who + describe_maps());
+  const auto shape = all.values([](const int64_t* f) {
+    return std::to_string(f[0]) + " stages, " + std::to_string(f[1]) + " micro-batches";
+  });
+  if (!all_same(shape))
+    throw InvalidArgument(who + "ranks disagree on the pipeline (" + name_groups(shape) + ")");
+  // Every rank saw the same digests, so all of them take this branch or none.
+  if (!all_same(all.values([](const int64_t* f) { return std::to_string(f[4]); })))
+    throw InvalidArgument(who + describe_maps());
   if (total_local != schedule_.num_stages)
     throw InvalidArgument(who + "ranks hold " + std::to_string(total_local) +
                           " stages together, the schedule has " +
@@ -250,32 +240,21 @@ void PipelineRuntime::check_agreement(const std::string& who, const std::string&
 // Collective: every rank's stage-to-rank map (the ranks agree on the number
 // of stages), grouped by map, the first 64 entries of each.
 std::string PipelineRuntime::describe_maps() const {
+  constexpr int kShown = 64;
   const int n = schedule_.num_stages;
   const std::vector<int64_t> mine(schedule_.stage_to_rank.begin(), schedule_.stage_to_rank.end());
-  torch::Tensor all = torch::empty({group_->size() * n}, torch::kInt64);
-  group_->all_gather_into_tensor(all, torch::tensor(mine, torch::kInt64)).wait();
-  std::vector<std::pair<torch::Tensor, std::vector<int>>> maps;  // by first rank
-  for (int r = 0; r < group_->size(); ++r) {
-    torch::Tensor map = all.narrow(0, int64_t{r} * n, n);
-    auto it = std::find_if(maps.begin(), maps.end(),
-                           [&](const auto& m) { return torch::equal(m.first, map); });
-    if (it == maps.end()) it = maps.insert(maps.end(), {map, {}});
-    it->second.push_back(r);
-  }
-  constexpr int kShown = 64;
-  std::ostringstream os;
-  os << "ranks disagree on the stage-to-rank map (";
-  for (size_t k = 0; k < maps.size(); ++k) {
-    const auto& [map, ranks] = maps[k];
-    os << (k ? "; " : "") << (ranks.size() == 1 ? "rank " : "ranks ");
-    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-    os << ": [";
-    for (int s = 0; s < std::min(n, kShown); ++s) os << (s ? ", " : "") << map[s].item<int64_t>();
-    os << (n > kShown ? ", ...]" : "]");
-  }
-  os << ")";
-  if (n > kShown) os << " (" << n << " stages, the first " << kShown << " shown)";
-  return os.str();
+  const auto maps = gather_words(*group_, mine).values([&](const int64_t* map) {
+    std::string text = "[";
+    for (int s = 0; s < std::min(n, kShown); ++s) text += (s ? ", " : "") + std::to_string(map[s]);
+    if (n <= kShown) return text + "]";
+    // Maps that differ past the shown entries still form their own groups.
+    const std::vector<int64_t> whole(map, map + n);
+    return text + ", ...] (digest " + std::to_string(fnv1a_words(whole)) + ")";
+  });
+  std::string text = "ranks disagree on the stage-to-rank map (" + name_groups(maps) + ")";
+  if (n > kShown)
+    text += " (" + std::to_string(n) + " stages, the first " + std::to_string(kShown) + " shown)";
+  return text;
 }
 
 PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,

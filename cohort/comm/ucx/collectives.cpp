@@ -2,7 +2,9 @@
 
 #include "cohort/algorithms/halving_doubling.h"
 #include "cohort/algorithms/ring.h"
+#include "cohort/core/dtypes.h"
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort::ucx {
 namespace {
@@ -54,17 +56,11 @@ void combine(T* a, const T* b, int64_t n, ReduceOp op) {
 
 }  // namespace
 
+// Every dtype collectives carry that reduces in itself (the 16-bit floats
+// accumulate in float32): small_all_reduce combines in the buffer's dtype.
 bool small_all_reduce_handles(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kInt:
-    case at::kLong:
-    case at::kByte:
-      return true;
-    default:
-      return false;
-  }
+  const DtypeInfo* d = find_dtype(dtype);
+  return d && d->collective && reduction_dtype(dtype) == dtype;
 }
 
 void small_all_reduce(Worker& worker, at::Tensor& buf, at::Tensor& tmp, at::Tensor& tmp_full,

@@ -4,16 +4,15 @@
 #include "cohort/comm/ucx/ucx_engine.h"
 
 #include <algorithm>
-#include <deque>
 #include <functional>
 #include <optional>
-#include <thread>
 
 #include "cohort/comm/ucx/collectives.h"
 #include "cohort/comm/ucx/worker.h"
 #include "cohort/core/env.h"
 #include "cohort/core/error.h"
 #include "cohort/core/job_work.h"
+#include "cohort/core/serial_worker.h"
 #include "cohort/core/work_then.h"
 
 namespace cohort::ucx {
@@ -57,16 +56,7 @@ class UcxEngine : public Engine {
         bind_address_(std::move(bind_address)),
         interface_(std::move(interface)),
         timeout_(timeout),
-        thread_([this] { run(); }) {}
-
-  ~UcxEngine() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    worker_->signal();
-    thread_.join();
-  }
+        serial_(serial_options(*worker_)) {}
 
   std::string name() const override { return "ucx"; }
   int rank() const override { return worker_->rank(); }
@@ -164,66 +154,57 @@ class UcxEngine : public Engine {
     std::vector<int64_t> send, recv;
   };
 
+  // The engine's thread runs queued collectives in order and, between them,
+  // sleeps on UCX's event fd, so transfers advance while callers compute.
+  static SerialWorker::Options serial_options(Worker& worker) {
+    SerialWorker::Options o;
+    o.refusal = "an earlier collective failed";
+    o.idle = [&worker] { worker.idle(Millis(100)); };
+    o.wake = [&worker] { worker.signal(); };
+    return o;
+  }
+
   // Runs `job` now on this thread when it is small and nothing is queued or
   // running (so collectives stay in issue order), else on the engine's thread.
   // `self_checked`: the job's first message is the collective's check.
   // Inline, a job that succeeds returns the shared finished Work: no Work
-  // object, no std::function and no lock of its own per call, which add up
-  // on a 1 KiB all-reduce of about 1 us (docs/benchmarks.md).
+  // object and no std::function of its own per call, which add up on a
+  // 1 KiB all-reduce of about 1 us (docs/benchmarks.md).
   template <class F>
   WorkPtr submit(const char* what, size_t bytes, Check c, F&& job, bool self_checked = false) {
     // The call's own timeout when it has one: a job that outlived the
     // caller's wait would only fail later, with no one to name the peer to.
     const auto deadline = Clock::now() + (c.d.timeout.count() > 0 ? c.d.timeout : timeout_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      const bool now = !busy_ && queue_.empty() && static_cast<int64_t>(bytes) <= inline_bytes();
-      if (!now) {
-        // The grace covers the job's own timeout error, which first asks
-        // the peers whether they still answer.
-        auto work = std::make_shared<JobWork>(what, deadline, ucx::kProbeTime + Millis(500));
-        queue_.push_back([this, work, what, c = std::move(c), self_checked, deadline,
-                          job = Job(std::forward<F>(job))]() mutable {
-          work->finish(execute(what, std::move(c), self_checked, deadline, job));
-        });
-        worker_->signal();
+    if (static_cast<int64_t>(bytes) <= inline_bytes()) {
+      auto here = [&] {
+        // This thread waits for every message it posts: waking the engine's
+        // thread to progress them too made the two threads fight over the
+        // worker (64 KiB, world 2: 35-50 us, 17-19 us without; README.md).
+        Worker::Driving driving(*worker_);
+        execute(what, c, self_checked, deadline, job);
+      };
+      std::exception_ptr error;
+      if (serial_.run_here(what, here, error)) {
+        if (!error) return done_work();
+        auto work = std::make_shared<JobWork>(what, deadline);
+        work->finish(std::move(error));
         return work;
       }
-      busy_ = true;
     }
-    std::exception_ptr error;
-    {
-      // This thread waits for every message it posts: waking the engine's
-      // thread to progress them too made the two threads fight over the
-      // worker (64 KiB, world 2: 35-50 us, 17-19 us without; README.md).
-      Worker::Driving driving(*worker_);
-      error = execute(what, std::move(c), self_checked, deadline, job);
-    }
-    bool queued;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
-      queued = !queue_.empty();
-    }
-    // Another thread may have queued a job meanwhile. Only then: a wake-up
-    // per inline collective would cost more than the collective.
-    if (queued) worker_->signal();
-    if (!error) return done_work();
-    auto work = std::make_shared<JobWork>(what, deadline);
-    work->finish(std::move(error));
-    return work;
+    // The grace covers the job's own timeout error, which first asks the
+    // peers whether they still answer.
+    return serial_.submit(
+        what, deadline,
+        [this, what, c = std::move(c), self_checked, deadline, job = Job(std::forward<F>(job))]()
+            mutable { execute(what, c, self_checked, deadline, job); },
+        ucx::kProbeTime + Millis(500));
   }
 
   // Runs one collective between its check's start and end (see
   // collective_check.h): a neighbour that runs another one fails it at once.
-  // Returns its error, or null.
+  // Runs under the serial worker's rule (one at a time, none after a failure).
   template <class F>
-  std::exception_ptr execute(const char* what, Check c, bool self_checked,
-                             Clock::time_point deadline, F& job) {
-    if (!failure_.empty()) {
-      return std::make_exception_ptr(
-          PeerError(std::string(what) + ": refused, an earlier collective failed: " + failure_));
-    }
+  void execute(const char* what, Check& c, bool self_checked, Clock::time_point deadline, F& job) {
     c.d.seq = ++collectives_;
     bool ran = false;
     try {
@@ -233,36 +214,9 @@ class UcxEngine : public Engine {
       job(link);
       ran = true;
       worker_->end_collective(deadline, true);
-      return nullptr;
-    } catch (const std::exception& e) {
+    } catch (...) {
       if (!ran) worker_->end_collective(deadline, false);
-      failure_ = e.what();
-      return std::current_exception();
-    }
-  }
-
-  // The engine's thread: runs queued collectives in order and, between
-  // them, sleeps on UCX's event fd, so transfers advance while callers compute.
-  void run() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!busy_ && !queue_.empty()) {
-          job = std::move(queue_.front());
-          queue_.pop_front();
-          busy_ = true;
-        } else if (stopping_ && queue_.empty()) {
-          return;
-        }
-      }
-      if (!job) {
-        worker_->idle(Millis(100));
-        continue;
-      }
-      job();
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
+      throw;
     }
   }
 
@@ -288,15 +242,12 @@ class UcxEngine : public Engine {
   std::string bind_address_;
   std::string interface_;
   Millis timeout_;
-  algorithms::Scratch scratch_;  // used by whoever runs a job (one at a time: busy_)
+  algorithms::Scratch scratch_;  // used by whoever runs a job (one at a time: serial_)
   SmallTmp small_tmp_;           // likewise
-  int64_t collectives_ = 0;      // run so far; written under busy_
-  std::string failure_;          // the first failed collective; written under busy_
-  std::mutex mu_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false;  // a job is running (on either thread)
-  bool stopping_ = false;
-  std::thread thread_;  // last: starts after everything above exists
+  int64_t collectives_ = 0;      // run so far; likewise
+  // Last: starts after everything above exists, and its destructor (which
+  // runs the collectives already queued) runs first.
+  SerialWorker serial_;
 };
 
 }  // namespace
