@@ -35,11 +35,11 @@ class LeafTree {
  public:
   /// One node: leaves [lo, hi); children and parent are indices (-1: none).
   struct Node {
-    int64_t lo = 0;
-    int64_t hi = 0;
-    int left = -1;
-    int right = -1;
-    int parent = -1;
+    int64_t lo = 0;   ///< first leaf
+    int64_t hi = 0;   ///< one past the last leaf
+    int left = -1;    ///< left child (leaves [lo, lo + 2^k)), -1 for a leaf
+    int right = -1;   ///< right child, -1 for a leaf
+    int parent = -1;  ///< -1 for the root
   };
 
   /// Throws InvalidArgument unless 1 <= leaves <= 65536.
