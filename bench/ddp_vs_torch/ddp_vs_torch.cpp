@@ -3,7 +3,10 @@
 // torchrun and cohortrun set them). Rank 0 prints one JSON line:
 //   {"engine": "cohort", "model": ..., "world": ..., "batch": ...,
 //    "sps": samples per second over all ranks, "hidden_comm_share": ...,
-//    "step_ms": rank 0's timed steps one by one, in milliseconds}
+//    "step_ms": rank 0's timed steps one by one, in milliseconds,
+//    "bytes_sent_per_step": rank 0's bytes on the wire per timed step}
+// With --leaves L (> 0), Determinism::WorldSizeInvariant: each rank runs its
+// L / world leaves of batch * world / L samples, one forward and backward each.
 // (single steps let a caller take medians: a few steps stall on a busy host)
 // run_ddp_vs_torch.py starts it next to ddp_vs_torch.py (PyTorch's DDP).
 #include <torch/torch.h>
@@ -26,7 +29,7 @@ struct Args {
   int64_t batch = 32;         // per rank
   int steps = 20;             // timed steps
   int warmup = 5;             // untimed steps first (bucket rebuild, caches)
-  cohort::DDPOptions ddp;     // --bucket-cap-mb, --first-bucket-mb, --bucket-view 0|1
+  cohort::DDPOptions ddp;     // --bucket-cap-mb, --first-bucket-mb, --bucket-view 0|1, --leaves
 };
 
 // Flags as run_ddp_vs_torch.py, compare_binaries.py, run_trace_overhead.py
@@ -41,24 +44,43 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--bucket-view", a.ddp.gradient_as_bucket_view,
                  "DDPOptions::gradient_as_bucket_view (0 | 1)")
       ->check(CLI::IsMember({"0", "1"}));
+  app.add_option("--leaves", a.ddp.leaves,
+                 "leaves of the global batch for Determinism::WorldSizeInvariant (0: off)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 template <typename Holder>
 void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm) {
-  cohort::DistributedDataParallel<Holder> ddp(model, comm, a.ddp);
+  auto options = a.ddp;
+  int64_t leaf_batch = a.batch;
+  if (options.leaves > 0) {
+    options.determinism = cohort::Determinism::WorldSizeInvariant;
+    if ((a.batch * comm->size()) % options.leaves != 0) {
+      throw std::invalid_argument("--leaves must divide the global batch (batch x world)");
+    }
+    leaf_batch = a.batch * comm->size() / options.leaves;
+  }
+  cohort::DistributedDataParallel<Holder> ddp(model, comm, options);
   torch::optim::SGD opt(ddp.parameters(), 0.01);
-  auto [x, y] = cohort::bench::make_batch(a.model, a.batch);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> leaves;
+  for (int64_t l = 0; l < ddp.local_leaves(); ++l) {
+    leaves.push_back(cohort::bench::make_batch(a.model, leaf_batch));
+  }
   auto step = [&] {
     opt.zero_grad();
-    auto out = ddp.forward(x);
-    auto loss = a.model == "transformer" ? torch::mse_loss(out, y) : torch::cross_entropy_loss(out, y);
-    loss.backward();
+    for (const auto& [x, y] : leaves) {
+      auto out = ddp.forward(x);
+      auto loss =
+          a.model == "transformer" ? torch::mse_loss(out, y) : torch::cross_entropy_loss(out, y);
+      loss.backward();
+    }
     opt.step();
   };
   for (int i = 0; i < a.warmup; ++i) step();
   comm->barrier().wait();
   const double comm0 = ddp.stats().total_comm_seconds;
   const double hidden0 = ddp.stats().total_hidden_comm_seconds;
+  const auto sent0 = comm->stats().total().bytes_sent;
   std::vector<double> step_ms;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < a.steps; ++i) {
@@ -70,6 +92,7 @@ void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm
   comm->barrier().wait();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double comm_s = ddp.stats().total_comm_seconds - comm0;
+  const double sent = static_cast<double>(comm->stats().total().bytes_sent - sent0) / a.steps;
   const double hidden = comm_s > 0 ? (ddp.stats().total_hidden_comm_seconds - hidden0) / comm_s : 0;
   if (comm->rank() == 0) {
     std::printf(
@@ -78,7 +101,8 @@ void run(const Args& a, Holder model, std::shared_ptr<cohort::Communicator> comm
         a.model.c_str(), comm->size(), static_cast<long long>(a.batch),
         a.steps * a.batch * comm->size() / secs, hidden, comm_s / a.steps);
     for (size_t i = 0; i < step_ms.size(); ++i) std::printf("%s%.3f", i ? ", " : "", step_ms[i]);
-    std::printf("]}\n");
+    std::printf("], \"leaves\": %lld, \"bytes_sent_per_step\": %.0f}\n",
+                static_cast<long long>(options.leaves), sent);
   }
 }
 

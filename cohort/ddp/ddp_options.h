@@ -2,7 +2,10 @@
 // reduces gradients).
 #pragma once
 
+#include <cstdint>
+
 #include "cohort/compression/compressor.h"
+#include "cohort/grad_sync/leaf_tree.h"
 
 namespace cohort {
 
@@ -46,6 +49,17 @@ struct DDPOptions {
   /// registers a CompressionHook built from these options at construction
   /// (register_comm_hook replaces it). Buckets must be float32.
   compression::CompressionOptions compression;
+  /// Determinism::WorldSizeInvariant: the global batch is `leaves` leaves;
+  /// each rank runs one forward and one backward per leaf it owns
+  /// (DistributedDataParallel::local_leaves()), and the backward of its last
+  /// leaf sets every .grad to the mean over all leaves, summed in the
+  /// canonical tree: the same bits at every world size dividing `leaves`
+  /// (cohort/ddp/README.md, "World-size invariant training"). Refuses comm
+  /// hooks, compression, no_sync() and a reduction owner.
+  Determinism determinism = Determinism::Default;
+  /// The leaf count L of the global batch (WorldSizeInvariant only; the
+  /// world size must divide it, the same on every rank).
+  int64_t leaves = 0;
 };
 
 }  // namespace cohort

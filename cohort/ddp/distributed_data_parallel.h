@@ -172,6 +172,11 @@ class DistributedDataParallel {
   const std::shared_ptr<CommHook>& comm_hook() const { return hook_; }
   /// What DDP measured about its gradient reduction (iterations, buckets, bytes, time).
   const DDPStats& stats() const { return reducer_->stats(); }
+  /// Determinism::WorldSizeInvariant: this rank's first leaf of the global batch; run one forward
+  /// and one backward per leaf, leaves first_leaf() .. first_leaf() + local_leaves() - 1 in order.
+  int64_t first_leaf() const { return reducer_->first_leaf(); }
+  /// How many leaves this rank computes per step (leaves / world size; 1 without the option).
+  int64_t local_leaves() const { return reducer_->local_leaves(); }
   /// The gradient reducer (bucket layout, synchronize(), reduction owner for ZeRO-2).
   GradientReducer& reducer() { return *reducer_; }
 

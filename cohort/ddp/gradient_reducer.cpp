@@ -53,6 +53,7 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
   for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
   build_buckets(order);
 
+  if (options_.determinism == Determinism::WorldSizeInvariant) setup_leaves();
   hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { on_gradient_ready(i); });
   ready_.assign(params_.size(), 0);
   locally_used_.assign(params_.size(), 0);
@@ -199,6 +200,7 @@ void GradientReducer::rebuild_buckets() {
 }
 
 void GradientReducer::set_reduction_owner(ReductionOwner* owner) {
+  if (owner) refuse_with_leaves("set_reduction_owner");
   if (backward_started_ && !backward_finished_) {
     throw InvalidArgument("DistributedDataParallel: set_reduction_owner on rank " +
                           std::to_string(comm_->rank()) + " during a backward pass");
@@ -229,6 +231,7 @@ void GradientReducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
     throw InvalidArgument("DistributedDataParallel: register_comm_hook on rank " +
                           std::to_string(comm_->rank()) + " got a null hook");
   }
+  refuse_with_leaves("register_comm_hook");
   hook_ = std::move(hook);
 }
 

@@ -36,6 +36,7 @@
 #include "cohort/ddp/ddp_stats.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/grad_sync/leaf_tree.h"
 #include "cohort/grad_sync/reduction_owner.h"
 
 namespace cohort {
@@ -104,6 +105,13 @@ class GradientReducer {
   /// The flat buffer of bucket i (undefined while a reduction owner is set).
   const torch::Tensor& bucket_buffer(size_t i) const { return buckets_.at(i).buffer; }
 
+  /// Determinism::WorldSizeInvariant: this rank's first leaf of the global
+  /// batch and how many it computes per step (one forward and backward
+  /// each, in leaf order). Without it: leaf 0 and 1.
+  int64_t first_leaf() const { return leaf_ ? leaf_->first_leaf() : 0; }
+  /// See first_leaf().
+  int64_t local_leaves() const { return leaf_ ? leaf_->local_leaves() : 1; }
+
   /// Called by the accumulator hook of parameter `index` (internal).
   void on_gradient_ready(size_t index);
   /// Depth of no_sync() scopes (NoSyncGuard counts it).
@@ -132,6 +140,14 @@ class GradientReducer {
   void finish_backward();
   void wait_and_write_back(double backward_end_s);
   void start_iteration_clock();
+  // Determinism::WorldSizeInvariant (gradient_reducer_leaves.cpp).
+  void setup_leaves();
+  void refuse_with_leaves(const std::string& what) const;
+  void prepare_leaf_forward();
+  void on_leaf_gradient(size_t index);
+  void finish_leaf_backward();
+  void keep_buffers(std::vector<torch::Tensor>& into);
+  void restore_buffers(const std::vector<torch::Tensor>& from);
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<Communicator> comm_;
@@ -168,6 +184,13 @@ class GradientReducer {
   bool rebuilt_ = false;
 
   DDPStats stats_;
+
+  /// Determinism::WorldSizeInvariant: the leaf sums, and the buffers at the
+  /// step's start and after this rank's first leaf (BatchNorm statistics).
+  std::unique_ptr<LeafReduction> leaf_;
+  std::vector<torch::Tensor> step_buffers_;
+  std::vector<torch::Tensor> first_leaf_buffers_;
+  bool leaf_forward_pending_ = false;
 };
 
 }  // namespace cohort

@@ -39,6 +39,10 @@ void GradientReducer::prepare_forward() {
   // LibTorch gives a parameter a new accumulator when Module::load
   // replaces its storage: follow it, or gradients stop being reduced.
   hooks_->refresh();
+  if (leaf_) {
+    prepare_leaf_forward();
+    return;
+  }
   // An owner reduces in its own layout: nothing to rebuild (and no
   // collective to spend on it).
   if (order_recorded_ && !rebuilt_) {
@@ -62,6 +66,7 @@ void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
   // Updated after the module's forward, as PyTorch does: a forward that
   // threw leaves the flag as it was.
   require_forward_param_sync_ = sync_this_iteration_ && torch::GradMode::is_enabled();
+  if (leaf_) return;
   if (!sync_this_iteration_ || !options_.find_unused_parameters) return;
   // Walk the autograd graph from the outputs, as PyTorch does; every
   // parameter whose accumulator is not reached takes no part in this
@@ -93,6 +98,10 @@ void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
 }
 
 void GradientReducer::on_gradient_ready(size_t index) {
+  if (leaf_) {
+    on_leaf_gradient(index);
+    return;
+  }
   if (!sync_this_iteration_) return;  // no_sync: .grad accumulates locally
   if (!backward_started_) {
     backward_started_ = true;
@@ -237,6 +246,7 @@ void GradientReducer::wait_and_write_back(double backward_end) {
 }
 
 void GradientReducer::synchronize() {
+  refuse_with_leaves("synchronize");
   reset_iteration();
   start_iteration_clock();
   if (owner_) {

@@ -1,0 +1,148 @@
+// GradientReducer, Determinism::WorldSizeInvariant: one forward and backward
+// per leaf, each leaf's gradient captured as computed, the leaves summed in
+// the canonical tree (grad_sync's LeafReduction), and the buffers of the
+// global batch's first leaf kept. Design: cohort/ddp/README.md.
+#include <torch/csrc/autograd/engine.h>
+
+#include "cohort/core/error.h"
+#include "cohort/ddp/gradient_reducer.h"
+#include "cohort/grad_sync/flat_views.h"
+
+namespace cohort {
+
+void GradientReducer::setup_leaves() {
+  const std::string where =
+      " on rank " + std::to_string(comm_->rank()) + " of " + std::to_string(comm_->size());
+  if (options_.leaves < 1) {
+    throw InvalidArgument(
+        "DistributedDataParallel: determinism WorldSizeInvariant needs leaves >= 1" + where +
+        ", got " + std::to_string(options_.leaves));
+  }
+  if (options_.compression.kind != compression::CompressionKind::None ||
+      options_.strategy == SyncStrategy::NoSync) {
+    throw InvalidArgument("DistributedDataParallel: determinism WorldSizeInvariant" + where +
+                          " takes neither compression nor SyncStrategy::NoSync");
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].is_floating_point() || params_[i].scalar_type() != params_[0].scalar_type()) {
+      throw InvalidArgument("DistributedDataParallel: determinism WorldSizeInvariant" + where +
+                            " needs parameters of one floating dtype; '" + names_[i] + "' is " +
+                            std::string(c10::toString(params_[i].scalar_type())));
+    }
+  }
+  // Every rank must split the batch alike, or the exchange mixes leaves.
+  auto mine = torch::full({1}, options_.leaves, torch::kLong);
+  auto all = torch::empty({comm_->size()}, torch::kLong);
+  comm_->all_gather_into_tensor(all, mine).wait();
+  for (int r = 0; r < comm_->size(); ++r) {
+    if (all[r].item<int64_t>() != options_.leaves) {
+      throw MismatchError("DistributedDataParallel: leaves = " + std::to_string(options_.leaves) +
+                          where + " but rank " + std::to_string(r) + " has " +
+                          std::to_string(all[r].item<int64_t>()));
+    }
+  }
+  leaf_ = std::make_unique<LeafReduction>(options_.leaves, comm_->rank(), comm_->size(),
+                                          "DistributedDataParallel");
+}
+
+void GradientReducer::refuse_with_leaves(const std::string& what) const {
+  if (!leaf_) return;
+  throw InvalidArgument("DistributedDataParallel: " + what + " on rank " +
+                        std::to_string(comm_->rank()) +
+                        " is refused with determinism WorldSizeInvariant (it would change the "
+                        "order of the gradient sums)");
+}
+
+void GradientReducer::keep_buffers(std::vector<torch::Tensor>& into) {
+  buffers_ = module_->buffers(/*recurse=*/true);
+  into.clear();
+  for (const auto& b : buffers_) into.push_back(b.detach().clone());
+}
+
+void GradientReducer::restore_buffers(const std::vector<torch::Tensor>& from) {
+  buffers_ = module_->buffers(/*recurse=*/true);
+  COHORT_CHECK(from.size() == buffers_.size(), "the module's buffers changed within a step");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < from.size(); ++i) buffers_[i].detach().copy_(from[i]);
+}
+
+void GradientReducer::prepare_leaf_forward() {
+  if (no_sync_depth_ > 0) refuse_with_leaves("no_sync()");
+  reset_iteration();
+  sync_this_iteration_ = true;
+  // An evaluation forward leaves the buffers as the last step made them
+  // (the same on every rank).
+  if (!torch::GradMode::is_enabled() || !module_->is_training()) return;
+  if (leaf_->pushed() == 0) {
+    keep_buffers(step_buffers_);
+    first_leaf_buffers_.clear();
+    // Every leaf's backward starts from undefined gradients, so
+    // AccumulateGrad stores the leaf's gradient as computed: the same bits
+    // whichever leaf ran before it on this rank (0 + g would turn -0 into +0).
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+    return;
+  }
+  // Each leaf's forward sees the step's starting buffers; what the step
+  // keeps is the first leaf's update (rank 0's is leaf 0's).
+  if (leaf_->pushed() == 1) keep_buffers(first_leaf_buffers_);
+  restore_buffers(step_buffers_);
+}
+
+void GradientReducer::on_leaf_gradient(size_t index) {
+  if (!backward_started_) {
+    backward_started_ = true;
+    backward_finished_ = false;
+    if (leaf_->pushed() == 0) start_iteration_clock();
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [this] { finish_leaf_backward(); });
+  }
+  if (ready_[index]) {
+    throw InvalidArgument("DistributedDataParallel: parameter '" + names_[index] + "' on rank " +
+                          std::to_string(comm_->rank()) +
+                          " got a gradient twice in one leaf (two backward passes over one "
+                          "forward); with WorldSizeInvariant run one forward per leaf");
+  }
+  ready_[index] = 1;
+}
+
+void GradientReducer::finish_leaf_backward() {
+  backward_finished_ = true;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> pieces;
+  pieces.reserve(params_.size());
+  for (auto& p : params_) {
+    auto& grad = p.mutable_grad();
+    // No gradient in this leaf: zeros, the same on every rank.
+    pieces.push_back(grad.defined() ? grad.reshape({-1}) : torch::zeros({p.numel()}, p.options()));
+    grad = torch::Tensor();
+  }
+  leaf_->push(torch::cat(pieces));
+  if (leaf_->pushed() < leaf_->local_leaves()) return;
+
+  const double backward_end = queue_.now_s();
+  auto mean = leaf_->finish(*comm_);
+  // Aliases, not autograd views: LibTorch's zero_grad() detach_()es every .grad.
+  std::vector<int64_t> offsets;
+  int64_t offset = 0;
+  for (const auto& p : params_) {
+    offsets.push_back(offset);
+    offset += p.numel();
+  }
+  auto grads = flat_aliases(mean, params_, offsets);
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grads[i];
+  if (!first_leaf_buffers_.empty()) restore_buffers(first_leaf_buffers_);
+  first_leaf_buffers_.clear();
+  // Rank 0's first leaf is the global batch's leaf 0: its statistics are the
+  // step's on every rank and at every world size.
+  if (options_.broadcast_buffers) broadcast_buffers();
+  const double all = queue_.now_s() - backward_end;
+  stats_.iterations += 1;
+  stats_.backward_seconds = backward_end;
+  stats_.comm_seconds = all;
+  stats_.exposed_wait_seconds = all;
+  stats_.total_comm_seconds += all;
+  stats_.bytes = mean.numel() * mean.element_size();
+  stats_.bytes_sent = static_cast<int64_t>(comm_->stats().total().bytes_sent - sent_at_start_);
+}
+
+}  // namespace cohort

@@ -1,0 +1,269 @@
+// Determinism::WorldSizeInvariant: a CNN with BatchNorm and a small
+// transformer, AdamW with gradient clipping, 20 steps: parameters and
+// buffers bitwise equal (bytes compared) at worlds 1, 2, 4, 8 with L = 8 and
+// 1, 3, 6 with L = 12, and through an elastic resume 4 -> 3 (L = 12: the
+// state saved after 10 steps at world 4, 10 more at world 3). Negative control: without the option,
+// the same leaf loop (no_sync accumulation, ring all-reduce) differs between worlds 1 and 4, and
+// the test prints by how much. The canonical tree's shape and the refused uses are checked too.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <iostream>
+#include <sstream>
+
+#include "cohort/ddp/distributed_data_parallel.h"
+#include "support/thread_ranks.h"
+#include "tests/ddp/ddp_test_models.h"
+
+namespace cohort::testing::determinism_test {
+namespace {
+
+constexpr int kSteps = 20;
+
+// 2 images of 1 x 6 x 6 per leaf -> conv 3x3 -> BatchNorm -> ReLU -> linear.
+struct DetCnnImpl : torch::nn::Module {
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d norm{nullptr};
+  torch::nn::Linear head{nullptr};
+  DetCnnImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
+    norm = register_module("norm", torch::nn::BatchNorm2d(4));
+    head = register_module("head", torch::nn::Linear(4 * 6 * 6, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(torch::relu(norm(conv(x))).flatten(1)); }
+};
+TORCH_MODULE(DetCnn);
+
+// One encoder layer (d 8, 2 heads, no dropout) over 4 tokens, mean-pooled.
+struct DetTransformerImpl : torch::nn::Module {
+  torch::nn::TransformerEncoderLayer layer{nullptr};
+  torch::nn::Linear head{nullptr};
+  DetTransformerImpl() {
+    layer = register_module(
+        "layer",
+        torch::nn::TransformerEncoderLayer(
+            torch::nn::TransformerEncoderLayerOptions(8, 2).dim_feedforward(16).dropout(0)));
+    head = register_module("head", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(layer(x).mean(0)); }
+};
+TORCH_MODULE(DetTransformer);
+
+// Per step and leaf: the leaf's input and target (the global batch, leaf by leaf).
+struct Data {
+  torch::Tensor xs, ys;
+};
+
+Data make_data(bool cnn, int64_t leaves) {
+  torch::manual_seed(7);  // before the rank threads start
+  auto xs = cnn ? torch::randn({kSteps, leaves, 2, 1, 6, 6})
+                : torch::randn({kSteps, leaves, 4, 2, 8});  // (seq, batch, d)
+  return {xs, torch::randn({kSteps, leaves, 2, 3})};
+}
+
+struct State {
+  std::vector<torch::Tensor> params, buffers;
+};
+
+std::vector<torch::Tensor> all_state(torch::nn::Module& m) {
+  auto out = clone_all(m.parameters());
+  for (const auto& b : m.buffers()) out.push_back(b.detach().clone());
+  return out;
+}
+
+bool same_bytes(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto x = a[i].contiguous();
+    auto y = b[i].contiguous();
+    if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
+    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) != 0) return false;
+  }
+  return true;
+}
+
+// Where a run starts or stops: parameters then buffers, and the optimizer's
+// state as LibTorch serializes it (empty: a fresh optimizer).
+struct Checkpoint {
+  std::vector<torch::Tensor> state;
+  std::string optimizer;
+};
+
+// Trains `world` ranks on steps [begin, end) of `data` from `from` and
+// returns every rank's parameters followed by its buffers (rank 0's state
+// and optimizer go to `to` if given). With `deterministic`, one forward and
+// backward per leaf; without, the same leaves under no_sync() but the last,
+// each loss scaled by 1 / local leaves (DDP then averages over ranks).
+template <typename Holder>
+std::vector<std::vector<torch::Tensor>> train(int world, int64_t leaves, bool deterministic,
+                                              const Data& data, const Checkpoint& from,
+                                              int begin = 0, int end = kSteps,
+                                              Checkpoint* to = nullptr) {
+  std::vector<std::vector<torch::Tensor>> got(world);
+  run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    Holder model;
+    {
+      torch::NoGradGuard no_grad;
+      auto state = model->parameters();
+      for (const auto& b : model->buffers()) state.push_back(b);
+      for (size_t i = 0; i < state.size(); ++i) state[i].copy_(from.state[i]);
+    }
+    DDPOptions options;
+    if (deterministic) {
+      options.determinism = Determinism::WorldSizeInvariant;
+      options.leaves = leaves;
+    }
+    DistributedDataParallel<Holder> ddp(model, comm, options);
+    torch::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.01));
+    if (!from.optimizer.empty()) {
+      std::istringstream bytes(from.optimizer);
+      torch::serialize::InputArchive archive;
+      archive.load_from(bytes);
+      opt.load(archive);
+    }
+    const int64_t local = leaves / world;
+    const int64_t first = local * comm->rank();
+    for (int s = begin; s < end; ++s) {
+      opt.zero_grad();
+      for (int64_t l = first; l < first + local; ++l) {
+        // A leaf is a tensor of its own (fresh, aligned storage), as a loader's batch.
+        auto x = data.xs[s][l].clone();
+        auto y = data.ys[s][l].clone();
+        if (deterministic) {
+          torch::mse_loss(ddp.forward(x), y).backward();
+        } else if (l + 1 < first + local) {
+          auto guard = ddp.no_sync();
+          (torch::mse_loss(ddp.forward(x), y) / static_cast<double>(local)).backward();
+        } else {
+          (torch::mse_loss(ddp.forward(x), y) / static_cast<double>(local)).backward();
+        }
+      }
+      torch::nn::utils::clip_grad_norm_(ddp.parameters(), 0.05);  // active: norms are ~0.1-1
+      opt.step();
+    }
+    got[comm->rank()] = all_state(*model);
+    if (to && comm->rank() == 0) {
+      to->state = got[0];
+      torch::serialize::OutputArchive archive;
+      opt.save(archive);
+      std::ostringstream bytes;
+      archive.save_to(bytes);
+      to->optimizer = bytes.str();
+    }
+  });
+  return got;
+}
+
+template <typename Holder>
+void check_model(bool cnn) {
+  torch::set_num_threads(1);
+  torch::manual_seed(5);
+  Holder proto;
+  const Checkpoint init{all_state(*proto), ""};
+  const size_t n_params = proto->parameters().size();
+  auto params_of = [&](const std::vector<torch::Tensor>& s) {
+    return std::vector<torch::Tensor>(s.begin(), s.begin() + static_cast<int64_t>(n_params));
+  };
+  for (const int64_t leaves : {8, 12}) {
+    const auto data = make_data(cnn, leaves);
+    const auto reference = train<Holder>(1, leaves, true, data, init)[0];
+    ASSERT_GT(max_abs_diff(params_of(reference), params_of(init.state)), 1e-3)
+        << "training moved nothing";
+    const std::vector<int> worlds =
+        leaves == 8 ? std::vector<int>{2, 4, 8} : std::vector<int>{3, 6};
+    for (int world : worlds) {
+      const auto got = train<Holder>(world, leaves, true, data, init);
+      for (int r = 0; r < world; ++r) {
+        EXPECT_TRUE(same_bytes(got[r], reference))
+            << "L " << leaves << " world " << world << " rank " << r << ": largest difference "
+            << max_abs_diff(got[r], reference);
+      }
+    }
+    if (leaves == 12) {
+      // Elastic resume: 10 steps at world 4, the state saved, 10 at world 3.
+      Checkpoint middle;
+      train<Holder>(4, leaves, true, data, init, 0, kSteps / 2, &middle);
+      const auto resumed = train<Holder>(3, leaves, true, data, middle, kSteps / 2, kSteps);
+      for (int r = 0; r < 3; ++r) {
+        EXPECT_TRUE(same_bytes(resumed[r], reference))
+            << "resumed 4 -> 3, rank " << r << ": largest difference "
+            << max_abs_diff(resumed[r], reference);
+      }
+      continue;
+    }
+    // Negative control: the usual reduction order is not world-size invariant.
+    const auto plain1 = train<Holder>(1, leaves, false, data, init)[0];
+    const auto plain4 = train<Holder>(4, leaves, false, data, init)[0];
+    const double off = max_abs_diff(params_of(plain1), params_of(plain4));
+    std::cout << (cnn ? "cnn" : "transformer")
+              << ": without the option, world 1 and world 4 differ by " << off
+              << " (largest parameter difference after " << kSteps << " steps)\n";
+    EXPECT_FALSE(same_bytes(params_of(plain1), params_of(plain4)));
+    // The canonical mean is the same mean, in another order: one step lands
+    // where plain DDP's does, to rounding (20 steps of AdamW magnify rounding
+    // to ~1e-3, as between worlds 1 and 4 above).
+    const auto det_one = train<Holder>(1, leaves, true, data, init, 0, 1)[0];
+    const auto plain_one = train<Holder>(1, leaves, false, data, init, 0, 1)[0];
+    EXPECT_LT(max_abs_diff(params_of(det_one), params_of(plain_one)), 1e-6);
+    EXPECT_GT(max_abs_diff(params_of(det_one), params_of(init.state)), 1e-3);
+  }
+}
+
+TEST(DdpDeterminism, CnnWithBatchNormBitwiseAtEveryWorld) { check_model<DetCnn>(true); }
+
+TEST(DdpDeterminism, TransformerBitwiseAtEveryWorld) { check_model<DetTransformer>(false); }
+
+TEST(DdpDeterminism, CanonicalTreeShape) {
+  LeafTree tree(12);
+  // Splits at the largest power of two below n: [0,8) [8,12), [0,4) [4,8), ...
+  const auto& root = tree.nodes()[0];
+  EXPECT_EQ(tree.nodes()[root.left].hi, 8);
+  EXPECT_EQ(tree.frontier(0, 4), std::vector<int>{tree.nodes()[root.left].left});
+  // Worlds 1, 3, 6 at L = 12: one subtree per rank; world 4: [0,3) is [0,2) + [2,3).
+  for (int world : {1, 2, 3, 4, 6, 12}) {
+    const int64_t k = 12 / world;
+    for (int r = 0; r < world; ++r) {
+      const auto f = tree.frontier(k * r, k * (r + 1));
+      if (world != 2 && world != 4) {
+        EXPECT_EQ(f.size(), 1u) << "world " << world;
+      }
+      int64_t covered = 0;
+      for (int id : f) covered += tree.nodes()[id].hi - tree.nodes()[id].lo;
+      EXPECT_EQ(covered, k);
+    }
+  }
+  EXPECT_EQ(tree.frontier(0, 3).size(), 2u);
+}
+
+TEST(DdpDeterminism, RefusesWhatWouldReorderSums) {
+  // World 3 does not divide 8 leaves: a clear error on every rank.
+  std::vector<std::string> errors(3);
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    DDPOptions options;
+    options.determinism = Determinism::WorldSizeInvariant;
+    options.leaves = 8;
+    try {
+      DistributedDataParallel<torch::nn::Sequential> ddp(make_ddp_mlp(), comm, options);
+    } catch (const InvalidArgument& e) {
+      errors[comm->rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("divide the leaf count (8)"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r)), std::string::npos) << errors[r];
+  }
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    DDPOptions options;
+    options.determinism = Determinism::WorldSizeInvariant;
+    options.leaves = 4;
+    DistributedDataParallel<torch::nn::Sequential> ddp(make_ddp_mlp(), comm, options);
+    EXPECT_EQ(ddp.local_leaves(), 2);
+    EXPECT_EQ(ddp.first_leaf(), 2 * comm->rank());
+    EXPECT_THROW(ddp.register_comm_hook(std::make_shared<AllReduceHook>()), InvalidArgument);
+    auto guard = ddp.no_sync();
+    EXPECT_THROW(ddp.forward(torch::randn({2, 8})), InvalidArgument);
+  });
+}
+
+}  // namespace
+}  // namespace cohort::testing::determinism_test
