@@ -89,7 +89,7 @@ std::vector<int64_t> encode(const UnitRecord& u) {
   w[kParams] = u.params;
   w[kNumel] = u.numel;
   w[kShapes] = static_cast<int64_t>(u.shapes);
-  w[kReshard] = u.reshard_after_forward ? 1 : 0;
+  w[kReshard] = u.reshard_after_forward.code();
   w[kPolicy] = dtype_code(u.policy.param_dtype);
   w[kPolicy + 1] = dtype_code(u.policy.reduce_dtype);
   w[kPolicy + 2] = dtype_code(u.policy.output_dtype);
@@ -175,7 +175,7 @@ void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& w
            " elements (dtypes and shapes digest " + std::to_string(w[kShapes]) + ")";
   });
   clause("reshard_after_forward differs",
-         [](const int64_t* w) { return std::string(w[kReshard] ? "true" : "false"); });
+         [](const int64_t* w) { return ReshardAfterForward::from_code(w[kReshard]).to_string(); });
   for (int r = 1; r < n; ++r) {
     const int64_t* first = all.data() + kPolicy;
     const int64_t* other = all.data() + r * kWords + kPolicy;
@@ -277,7 +277,11 @@ std::string ScheduleCheck::describe_settings() {
   const int64_t* d = all.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     std::vector<std::string> values;
-    for (int r = 0; r < n; ++r) values.push_back(d[r * count + i] ? "true" : "false");
+    // A flag, or a unit's post-forward group size (N >= 2: hpZ).
+    for (int r = 0; r < n; ++r) {
+      const int64_t v = d[r * count + i];
+      values.push_back(v == 0 ? "false" : v == 1 ? "true" : std::to_string(v));
+    }
     if (all_equal(values)) continue;
     return owner_[static_cast<size_t>(i)] + " differs across ranks: " + by_rank(values) +
            " (set it alike on every rank before the forward)";
