@@ -6,7 +6,7 @@
 //   model                          optimizer           the state dict
 //   a module, DDP(module)          a LibTorch one      every tensor replicated
 //   a module, DDP(module)          ZeroRedundancy...   the optimizer's pieces
-//   fully_shard(...)               a LibTorch one      each rank's dim-0 rows
+//   fully_shard(...) (FSDP, HSDP)  a LibTorch one      each rank's dim-0 rows
 //   a stage of TP layers or a      a LibTorch one      each rank's TP boxes of
 //   pipeline stage (options.mesh)                      its stage's tensors (and
 //                                                      its ep box of each expert)

@@ -32,13 +32,15 @@ std::vector<std::string> setting_names(const std::vector<UnitEntry>& units) {
 }  // namespace
 
 FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
-                     std::vector<torch::Tensor> buffers, std::shared_ptr<Communicator> comm)
+                     std::vector<torch::Tensor> buffers, std::shared_ptr<Communicator> comm,
+                     std::shared_ptr<Communicator> world)
     : units_(std::move(units)),
       buffers_(std::move(buffers)),
       comm_(std::move(comm)),
+      world_(std::move(world)),
       root_(root_has_params ? 0 : kRoot),
       queue_(comm_->tracer(), "fsdp", "fsdp.reduce_scatter"),
-      check_(comm_, unit_names(units_), setting_names(units_)) {
+      check_(world_, unit_names(units_), setting_names(units_)) {
   const size_t k = units_.size();
   if (root_ == 0) backward_order_.push_back(0);
   for (size_t u = k; u-- > (root_ == 0 ? 1 : 0);) backward_order_.push_back(u);
@@ -58,7 +60,7 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
 
 std::vector<int64_t> FSDPState::settings() const {
   std::vector<int64_t> out;
-  for (const auto& u : units_) out.push_back(*u.reshard_after_forward ? 1 : 0);
+  for (const auto& u : units_) out.push_back(*u.reshard_after_forward);
   for (const auto& p : params_) out.push_back(p.requires_grad() ? 1 : 0);
   return out;
 }
@@ -87,6 +89,8 @@ void FSDPState::layout_gradients() {
 
 void FSDPState::begin_forward(bool training) {
   check_.next_pass();
+  // hpZ's kept spans are for the backward of the forward that made them.
+  for (auto& unit : units_) unit.group->drop_post_forward_shard();
   // What shapes the schedule, taken up (and agreed on by the next
   // collective's check) once per forward: FSDP2 too lets requires_grad and
   // reshard_after_forward change between steps.
@@ -99,10 +103,10 @@ void FSDPState::begin_forward(bool training) {
     check_.set_settings(std::move(now));
     if (grads_changed) layout_gradients();
   }
-  if (training && comm_->size() > 1 && !buffers_.empty() && torch::GradMode::is_enabled()) {
+  if (training && world_->size() > 1 && !buffers_.empty() && torch::GradMode::is_enabled()) {
     check_.before(ScheduleStep::kBuffers, kNoUnit);
     torch::NoGradGuard no_grad;
-    comm_->broadcast_coalesced(buffers_, {0}).wait();
+    world_->broadcast_coalesced(buffers_, {0}).wait();
   }
 }
 
@@ -135,8 +139,8 @@ void FSDPState::pre_forward(size_t u, bool training) {
 void FSDPState::post_forward(size_t u, const torch::Tensor& output) {
   // The root's parameters are needed again as soon as backward starts; a
   // forward inside backward (a checkpointed unit recomputing) keeps them.
-  if (u != root_ && !in_backward_ && *units_[u].reshard_after_forward) {
-    units_[u].group->reshard();
+  if (u != root_ && !in_backward_) {
+    units_[u].group->reshard_after_forward(*units_[u].reshard_after_forward);
   }
   if (!torch::GradMode::is_enabled() || !output.defined() || !output.requires_grad()) return;
   std::weak_ptr<FSDPState> self = shared_from_this();
@@ -253,7 +257,8 @@ void FSDPState::end_backward() {
     }
   }
   check_.before(ScheduleStep::kGradientPresence, kNoUnit);
-  const auto any = any_rank_has(*comm_, had);
+  // Over every replica too: a rank whose replica had a gradient gets one.
+  const auto any = any_rank_has(*world_, had);
   for (size_t u = 0; u < units_.size(); ++u) {
     const size_t n = units_[u].group->params().size();
     units_[u].group->finish_gradients(

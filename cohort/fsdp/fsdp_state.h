@@ -51,8 +51,9 @@ namespace cohort::fsdp {
 struct UnitEntry {
   /// The unit's parameters.
   FSDPParamGroup* group = nullptr;
-  /// Whether the unit frees its full parameters after its forward.
-  const bool* reshard_after_forward = nullptr;
+  /// What the unit does after its forward (ReshardAfterForward::resolve's
+  /// code: 0 keep, 1 reshard, N >= 2 reshard to groups of N ranks).
+  const int* reshard_after_forward = nullptr;
   /// Its path in the root (errors).
   std::string name;
 };
@@ -65,8 +66,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   /// `units` in pre-order, the root first if `root_has_params`; `buffers`
   /// are broadcast from rank 0 before each training forward (DDP's rule).
+  /// `comm`: the shard group; `world`: every rank of the mesh (the shard
+  /// group itself for FSDP, every replica's for HSDP), over which the
+  /// schedule is checked, buffers broadcast and gradient presence agreed.
   FSDPState(std::vector<UnitEntry> units, bool root_has_params, std::vector<torch::Tensor> buffers,
-            std::shared_ptr<Communicator> comm);
+            std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> world);
   FSDPState(const FSDPState&) = delete;
   FSDPState& operator=(const FSDPState&) = delete;
 
@@ -122,6 +126,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<UnitEntry> units_;
   std::vector<torch::Tensor> buffers_;
   std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> world_;
   size_t root_;                         // 0, or kRoot if the root has no parameters
   std::vector<size_t> backward_order_;  // [0,] k-1, ..., 1[, 0]
   std::vector<size_t> backward_next_;   // unit -> the unit after it in backward (none: size)
@@ -139,7 +144,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool reducing_ = false;              // this backward reduce-scatters
   std::vector<std::string> failures_;  // of reduce-scatters retired early
   ScheduleCheck check_;
-  std::vector<int64_t> settings_;  // as last agreed: reshard per unit, requires_grad per parameter
+  std::vector<int64_t>
+      settings_;  // as last agreed: reshard code per unit, requires_grad per parameter
 };
 
 }  // namespace cohort::fsdp

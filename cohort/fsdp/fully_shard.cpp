@@ -46,23 +46,58 @@ torch::Tensor cast_to(const torch::Tensor& x, std::optional<torch::Dtype> dtype)
   return x.to(*dtype);
 }
 
+// The 1-D mesh of `comm` (the Communicator overloads).
+DeviceMesh mesh_of(std::shared_ptr<Communicator> comm, const std::string& who) {
+  if (!comm) throw InvalidArgument(who + ": no communicator");
+  return DeviceMesh::from_group(std::move(comm), "shard");
+}
+
+struct MeshGroups {
+  std::shared_ptr<Communicator> shard, replicate;
+};
+
+// The shard group and (HSDP) the replicate group of `mesh`. The mesh's
+// shape is the same on every rank (init_device_mesh agreed on it), so a
+// refusal is one on every rank.
+MeshGroups groups_of(const DeviceMesh& mesh, const std::string& who) {
+  if (mesh.ndim() == 1) return {mesh.process_group(), nullptr};
+  if (mesh.ndim() == 2) {
+    auto names = mesh.dim_names();
+    // By name when so named, else by position, as FSDP2: (replicate, shard).
+    if (names[0] == "shard" && names[1] == "replicate") std::swap(names[0], names[1]);
+    return {mesh[names[1]].process_group(), mesh[names[0]].process_group()};
+  }
+  throw InvalidArgument(who + rank_of(*mesh.process_group()) +
+                        ": needs a mesh of 1 dimension (FSDP) or 2 (HSDP: replicate, shard), "
+                        "got " +
+                        std::to_string(mesh.ndim()) + " (" + mesh.to_string() + ")");
+}
+
 }  // namespace
 
-FullyShardImpl::FullyShardImpl(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+FullyShardImpl::FullyShardImpl(torch::nn::AnyModule module, const DeviceMesh& mesh,
                                FullyShardOptions options)
     : options_(options) {
   if (module.is_empty()) throw InvalidArgument("fully_shard: no module to wrap");
   call_ = [module](const torch::Tensor& x) mutable { return module.forward<torch::Tensor>(x); };
-  adopt(module.ptr(), std::move(comm));
+  adopt(module.ptr(), mesh);
 }
 
-FullyShardImpl::FullyShardImpl(torch::nn::Sequential module, std::shared_ptr<Communicator> comm,
+FullyShardImpl::FullyShardImpl(torch::nn::Sequential module, const DeviceMesh& mesh,
                                FullyShardOptions options)
     : options_(options) {
   if (module.is_empty()) throw InvalidArgument("fully_shard: no module to wrap");
   call_ = [module](const torch::Tensor& x) mutable { return module->forward(x); };
-  adopt(module.ptr(), std::move(comm));
+  adopt(module.ptr(), mesh);
 }
+
+FullyShardImpl::FullyShardImpl(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+                               FullyShardOptions options)
+    : FullyShardImpl(std::move(module), mesh_of(std::move(comm), "fully_shard"), options) {}
+
+FullyShardImpl::FullyShardImpl(torch::nn::Sequential module, std::shared_ptr<Communicator> comm,
+                               FullyShardOptions options)
+    : FullyShardImpl(std::move(module), mesh_of(std::move(comm), "fully_shard"), options) {}
 
 FullyShardImpl::~FullyShardImpl() {
   std::lock_guard<std::mutex> lock(wrapped_mutex);
@@ -80,10 +115,10 @@ void FullyShardImpl::hold(const std::string& unit) {
 }
 
 void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
-                           std::shared_ptr<Communicator> comm) {
-  if (!comm) throw InvalidArgument("fully_shard: no communicator");
+                           const DeviceMesh& mesh) {
   const std::string where_name = "fully_shard(" + inner->name() + ")";
-  const std::string where = where_name + rank_of(*comm);
+  auto groups = groups_of(mesh, where_name);
+  const std::string where = where_name + rank_of(*mesh.process_group());
   if (dynamic_cast<FullyShardImpl*>(inner.get())) {
     throw InvalidArgument(where + ": the module is already a FullyShard unit");
   }
@@ -105,7 +140,10 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
     }
   } forget{inner.get()};
   inner_ = inner;
-  comm_ = std::move(comm);
+  mesh_ = mesh;
+  comm_ = std::move(groups.shard);
+  replicate_ = std::move(groups.replicate);
+  world_ = mesh.process_group();
   // The inner module's own names, so names match the bare model's.
   for (const auto& child : inner->named_children()) register_module(child.key(), child.value());
   for (const auto& p : inner->named_parameters(/*recurse=*/false)) {
@@ -157,11 +195,22 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
   record.params = static_cast<int64_t>(own.size());
   record.shapes = fnv1a_words(shapes);
   digest_ = record.digest();
-  // Before anything is sharded or sent: every rank wraps the same unit.
-  fsdp::agree_unit(*comm_, record, where_name);
+  // Before anything is sharded or sent: every rank of the mesh wraps the
+  // same unit (its replicas too).
+  fsdp::agree_unit(*world_, record, where_name);
+  // Agreed, so a bad value is refused on every rank.
+  reshard_code_ = options_.reshard_after_forward.resolve(comm_->size(), where);
   if (!own.empty()) {
+    std::shared_ptr<Communicator> post_forward;
+    if (reshard_code_ >= 2) {
+      // hpZ: groups of N consecutive ranks of the shard group (collective
+      // over it; every rank makes it, having agreed on N above).
+      post_forward = comm_->split(comm_->rank() / reshard_code_, comm_->rank() % reshard_code_);
+      post_forward_size_ = reshard_code_;
+    }
     group_ = std::make_unique<fsdp::FSDPParamGroup>(std::move(own), std::move(names), comm_,
-                                                    inner->name(), options_.mp_policy);
+                                                    inner->name(), options_.mp_policy, replicate_,
+                                                    std::move(post_forward));
     hold(inner->name());
   }
   forget.armed = false;
@@ -177,21 +226,26 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
     auto* unit = dynamic_cast<FullyShardImpl*>(m.value().get());
     if (!unit || !listed.insert(unit).second) continue;
     if (unit->state_) {
-      throw InvalidArgument("fully_shard" + rank_of(*comm_) + ": the unit '" + m.key() +
+      throw InvalidArgument("fully_shard" + rank_of(*world_) + ": the unit '" + m.key() +
                             "' already ran as a root of its own; run the outer model from its "
                             "first forward on");
+    }
+    if (unit->comm_ != comm_ || unit->replicate_ != replicate_) {
+      throw InvalidArgument("fully_shard" + rank_of(*world_) + ": the unit '" + m.key() +
+                            "' was made over another mesh than its root (" +
+                            unit->mesh_->to_string() + " against " + mesh_->to_string() +
+                            "); make every unit of a model over the same mesh");
     }
     if (unit->group_) units.push_back(unit), paths.push_back(m.key());
   }
   std::vector<fsdp::UnitEntry> entries;
   for (size_t u = 0; u < units.size(); ++u) {
-    entries.push_back(
-        {units[u]->group_.get(), &units[u]->options_.reshard_after_forward, paths[u]});
+    entries.push_back({units[u]->group_.get(), &units[u]->reshard_code_, paths[u]});
   }
   std::vector<torch::Tensor> buffers;
   for (const auto& b : this->buffers()) buffers.push_back(b);
   state_ = std::make_shared<fsdp::FSDPState>(std::move(entries), group_ != nullptr,
-                                             std::move(buffers), comm_);
+                                             std::move(buffers), comm_, world_);
   for (auto* unit : listed) {
     if (unit != this) unit->outer_ = state_;
   }
@@ -209,7 +263,7 @@ torch::Tensor FullyShardImpl::forward(const torch::Tensor& input) {
   if (!state && forward_depth == 0) state = root_state();
   if (!state || (!group_ && state != state_)) {
     if (group_) {
-      throw InvalidArgument("fully_shard(" + inner_->name() + ")" + rank_of(*comm_) +
+      throw InvalidArgument("fully_shard(" + inner_->name() + ")" + rank_of(*world_) +
                             ": this unit runs inside a module that is not a FullyShard root; "
                             "wrap the whole model with fully_shard");
     }
@@ -234,6 +288,18 @@ void FullyShardImpl::train(bool on) {
 void FullyShardImpl::unshard() { root_state()->unshard_all(); }
 
 void FullyShardImpl::reshard() { root_state()->reshard_all(); }
+
+void FullyShardImpl::set_reshard_after_forward(ReshardAfterForward reshard) {
+  const std::string who = "set_reshard_after_forward(" + inner_->name() + ")" + rank_of(*world_);
+  const int code = reshard.resolve(comm_->size(), who);
+  if (code >= 2 && group_ && code != post_forward_size_) {
+    throw InvalidArgument(who + ": reshard_after_forward = " + reshard.to_string() +
+                          " needs its group of ranks, which fully_shard makes (collectively): "
+                          "pass it in FullyShardOptions");
+  }
+  options_.reshard_after_forward = reshard;
+  reshard_code_ = code;
+}
 
 void FullyShardImpl::set_requires_gradient_sync(bool sync) {
   root_state()->set_requires_gradient_sync(sync);
@@ -268,11 +334,11 @@ void FullyShardImpl::load_full_state_dict(
   auto lookup = [&](const std::string& name, c10::IntArrayRef sizes) {
     const auto* t = state_dict.find(name);
     if (!t) {
-      throw InvalidArgument("load_full_state_dict" + rank_of(*comm_) + ": '" + name +
+      throw InvalidArgument("load_full_state_dict" + rank_of(*world_) + ": '" + name +
                             "' is missing from the state dict");
     }
     if (t->sizes() != sizes) {
-      throw InvalidArgument("load_full_state_dict" + rank_of(*comm_) + ": '" + name + "' is " +
+      throw InvalidArgument("load_full_state_dict" + rank_of(*world_) + ": '" + name + "' is " +
                             c10::str(t->sizes()) + " in the state dict, " + c10::str(sizes) +
                             " in the model");
     }
@@ -298,6 +364,16 @@ void FullyShardImpl::load_full_state_dict(
   for (auto& [mine, theirs] : buffers) mine.copy_(theirs);
 }
 
+FullyShard fully_shard(torch::nn::AnyModule module, const DeviceMesh& mesh,
+                       FullyShardOptions options) {
+  return FullyShard(std::move(module), mesh, options);
+}
+
+FullyShard fully_shard(torch::nn::Sequential module, const DeviceMesh& mesh,
+                       FullyShardOptions options) {
+  return FullyShard(std::move(module), mesh, options);
+}
+
 FullyShard fully_shard(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
                        FullyShardOptions options) {
   return FullyShard(std::move(module), std::move(comm), options);
@@ -311,7 +387,12 @@ FullyShard fully_shard(torch::nn::Sequential module, std::shared_ptr<Communicato
 torch::nn::Sequential shard_blocks(const torch::nn::Sequential& model,
                                    std::shared_ptr<Communicator> comm, FullyShardOptions options) {
   if (model.is_empty()) throw InvalidArgument("shard_blocks: no model");
-  if (!comm) throw InvalidArgument("shard_blocks: no communicator");
+  return shard_blocks(model, mesh_of(std::move(comm), "shard_blocks"), options);
+}
+
+torch::nn::Sequential shard_blocks(const torch::nn::Sequential& model, const DeviceMesh& mesh,
+                                   FullyShardOptions options) {
+  if (model.is_empty()) throw InvalidArgument("shard_blocks: no model");
   // A parameter tied across two layers would be sharded by the first unit
   // and found sharded by the second: refused before any unit is made, on
   // every rank (the agreement below).
@@ -334,13 +415,13 @@ torch::nn::Sequential shard_blocks(const torch::nn::Sequential& model,
     }
     ++i;
   }
-  fsdp::agree_unit(*comm, check, "shard_blocks");
+  fsdp::agree_unit(*mesh.process_group(), check, "shard_blocks");
   torch::nn::Sequential out;
   for (const auto& layer : *model) {
     if (layer.ptr()->parameters().empty()) {
       out->push_back(layer);
     } else {
-      out->push_back(FullyShard(layer, comm, options));
+      out->push_back(FullyShard(layer, mesh, options));
     }
   }
   return out;

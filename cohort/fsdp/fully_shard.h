@@ -2,7 +2,8 @@
 // (ZeRO-3) for LibTorch modules, after PyTorch's FSDP2:
 //
 //   auto model = torch::nn::Sequential(Block(...), Block(...), Linear(...));
-//   auto sharded = cohort::fully_shard(cohort::shard_blocks(model, comm), comm);
+//   auto mesh = cohort::DeviceMesh::from_group(comm, "shard");  // or a Communicator
+//   auto sharded = cohort::fully_shard(cohort::shard_blocks(model, mesh), mesh);
 //   torch::optim::AdamW opt(sharded->parameters(), ...);  // holds 1/N of the state
 //   auto loss = loss_fn(sharded->forward(x), y);  loss.backward();  opt.step();
 //
@@ -19,6 +20,14 @@
 // forward (whose code is unchanged) and reshards. The wrapper registers the
 // wrapped module's children, parameters and buffers under their own names,
 // so parameter and state-dict names are the bare model's.
+//
+// HSDP: on a 2-D mesh (replicate, shard), as FSDP2's, each unit is sharded
+// within its shard group and replicated across the replicate group; the
+// gradient shards are reduce-scattered within the shard group, then
+// all-reduced (averaged) across the replicas (cohort/fsdp/README.md):
+//
+//   auto mesh = cohort::init_device_mesh(world, {2, 4}, {"replicate", "shard"});
+//   auto sharded = cohort::fully_shard(cohort::shard_blocks(model, mesh), mesh);
 #pragma once
 
 #include <torch/nn/module.h>
@@ -29,12 +38,15 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/fsdp/fsdp_state.h"
 #include "cohort/fsdp/mixed_precision.h"
 #include "cohort/fsdp/param_group.h"
+#include "cohort/fsdp/reshard_after_forward.h"
+#include "cohort/mesh/device_mesh.h"
 
 namespace cohort {
 
@@ -42,9 +54,11 @@ namespace cohort {
 struct FullyShardOptions {
   /// true: free the full parameters after the unit's forward and gather
   /// them again for its backward (ZeRO-3); false: keep them until the end
-  /// of backward (one all-gather per step, more memory). The root keeps its
-  /// own parameters through the forward either way.
-  bool reshard_after_forward = true;
+  /// of backward (one all-gather per step, more memory); an int N: keep
+  /// 1/N of them and gather within groups of N ranks for backward (hpZ;
+  /// reshard_after_forward.h). The root keeps its own parameters through
+  /// the forward either way.
+  ReshardAfterForward reshard_after_forward = true;
   /// The dtypes of the all-gather, the compute and the reduce-scatter
   /// (mixed_precision.h; default: the parameters' own throughout).
   MixedPrecisionPolicy mp_policy;
@@ -54,12 +68,21 @@ struct FullyShardOptions {
 /// file comment.
 class FullyShardImpl : public torch::nn::Module {
  public:
-  /// Shards the parameters of `module` that no FullyShard inside it holds.
-  /// Collective over `comm` (every rank wraps the same module: a mismatch
-  /// is an error on every rank).
-  FullyShardImpl(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+  /// Shards the parameters of `module` that no FullyShard inside it holds
+  /// over `mesh`: 1-D, sharded over it; 2-D (replicate, shard: by those
+  /// names, else by position as FSDP2), sharded within the shard dimension
+  /// and replicated across the other (HSDP). Collective over the whole mesh
+  /// (every rank wraps the same module: a mismatch is an error on every
+  /// rank; so is a mesh of another number of dimensions).
+  FullyShardImpl(torch::nn::AnyModule module, const DeviceMesh& mesh,
                  FullyShardOptions options = {});
   /// Wraps a Sequential (whose templated forward an AnyModule cannot hold).
+  FullyShardImpl(torch::nn::Sequential module, const DeviceMesh& mesh,
+                 FullyShardOptions options = {});
+  /// Sharded over `comm`: a 1-D mesh of it (DeviceMesh::from_group).
+  FullyShardImpl(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+                 FullyShardOptions options = {});
+  /// Wraps a Sequential, sharded over `comm`.
   FullyShardImpl(torch::nn::Sequential module, std::shared_ptr<Communicator> comm,
                  FullyShardOptions options = {});
   ~FullyShardImpl() override;
@@ -79,8 +102,10 @@ class FullyShardImpl : public torch::nn::Module {
   /// false: backwards accumulate full gradients locally without
   /// communication (FSDP2's set_requires_gradient_sync; call on the root).
   void set_requires_gradient_sync(bool sync);
-  /// Whether this unit frees its full parameters after its forward.
-  void set_reshard_after_forward(bool reshard) { options_.reshard_after_forward = reshard; }
+  /// What this unit frees after its forward, from the next forward on
+  /// (true and false always; an int N only one that resolves as the one it
+  /// was made with, whose group exists: InvalidArgument otherwise).
+  void set_reshard_after_forward(ReshardAfterForward reshard);
 
   /// The full parameters and buffers by their names (collective: each unit
   /// is gathered, copied, and resharded in turn). Loads into the bare module.
@@ -93,11 +118,15 @@ class FullyShardImpl : public torch::nn::Module {
   const fsdp::FSDPParamGroup& param_group() const { return *group_; }
   /// Whether this unit has parameters of its own.
   bool has_param_group() const { return group_ != nullptr; }
-  /// The communicator the unit is sharded over.
+  /// The communicator the unit is sharded over (the shard group).
   const std::shared_ptr<Communicator>& communicator() const { return comm_; }
+  /// HSDP: the group of the ranks holding the same shards (null for FSDP).
+  const std::shared_ptr<Communicator>& replicate_group() const { return replicate_; }
+  /// The mesh the unit was made over.
+  const DeviceMesh& mesh() const { return *mesh_; }
 
  private:
-  void adopt(const std::shared_ptr<torch::nn::Module>& inner, std::shared_ptr<Communicator> comm);
+  void adopt(const std::shared_ptr<torch::nn::Module>& inner, const DeviceMesh& mesh);
   // Records the group's parameters as held by this unit (`unit` describes it).
   void hold(const std::string& unit);
   // Builds the root's schedule over every unit inside it (first forward).
@@ -105,8 +134,13 @@ class FullyShardImpl : public torch::nn::Module {
 
   std::shared_ptr<torch::nn::Module> inner_;
   std::function<torch::Tensor(const torch::Tensor&)> call_;
-  std::shared_ptr<Communicator> comm_;
+  std::optional<DeviceMesh> mesh_;
+  std::shared_ptr<Communicator> comm_;       // the shard group
+  std::shared_ptr<Communicator> replicate_;  // HSDP's replicas (or null)
+  std::shared_ptr<Communicator> world_;      // every rank of the mesh
   FullyShardOptions options_;
+  int reshard_code_ = 1;       // options_.reshard_after_forward resolved (fsdp_state.h)
+  int post_forward_size_ = 0;  // the hpZ group's size, if one was made
   std::unique_ptr<fsdp::FSDPParamGroup> group_;
   std::shared_ptr<fsdp::FSDPState> state_;  // as the root
   std::weak_ptr<fsdp::FSDPState> outer_;    // as a unit of another root
@@ -116,15 +150,25 @@ class FullyShardImpl : public torch::nn::Module {
 };
 TORCH_MODULE(FullyShard);
 
-/// `module` as a fully sharded unit (FSDP2's fully_shard).
-FullyShard fully_shard(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+/// `module` as a fully sharded unit over `mesh` (FSDP2's fully_shard:
+/// 1-D FSDP, 2-D HSDP; see FullyShardImpl).
+FullyShard fully_shard(torch::nn::AnyModule module, const DeviceMesh& mesh,
                        FullyShardOptions options = {});
 /// A Sequential as a fully sharded unit; wrap its blocks first
 /// (shard_blocks) so that each is a unit of its own.
-FullyShard fully_shard(torch::nn::Sequential module, std::shared_ptr<Communicator> comm,
+FullyShard fully_shard(torch::nn::Sequential module, const DeviceMesh& mesh,
                        FullyShardOptions options = {});
 /// A Sequential of the same layers where each layer with parameters is a
-/// FullyShard unit (names unchanged). Collective.
+/// FullyShard unit over `mesh` (names unchanged). Collective.
+torch::nn::Sequential shard_blocks(const torch::nn::Sequential& model, const DeviceMesh& mesh,
+                                   FullyShardOptions options = {});
+/// fully_shard over a 1-D mesh of `comm`.
+FullyShard fully_shard(torch::nn::AnyModule module, std::shared_ptr<Communicator> comm,
+                       FullyShardOptions options = {});
+/// fully_shard of a Sequential over a 1-D mesh of `comm`.
+FullyShard fully_shard(torch::nn::Sequential module, std::shared_ptr<Communicator> comm,
+                       FullyShardOptions options = {});
+/// shard_blocks over a 1-D mesh of `comm`.
 torch::nn::Sequential shard_blocks(const torch::nn::Sequential& model,
                                    std::shared_ptr<Communicator> comm,
                                    FullyShardOptions options = {});

@@ -42,10 +42,14 @@ void release(torch::Tensor& t, const torch::Tensor& keep = {}) {
 
 FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
                                std::shared_ptr<Communicator> comm, std::string unit,
-                               const MixedPrecisionPolicy& policy)
+                               const MixedPrecisionPolicy& policy,
+                               std::shared_ptr<Communicator> replicate,
+                               std::shared_ptr<Communicator> post_forward)
     : params_(std::move(params)),
       names_(std::move(names)),
       comm_(std::move(comm)),
+      replicate_(std::move(replicate)),
+      post_forward_(std::move(post_forward)),
       unit_(std::move(unit)) {
   if (params_.empty()) throw InvalidArgument("fully_shard(" + unit_ + "): no parameters");
   const auto options = params_[0].options().requires_grad(false);
@@ -91,6 +95,11 @@ FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<st
         over_storage(shard_flat_.storage(), options, p.shard_offset, p.shard_sizes));
   }
   if (comm_->size() > 1 && layout_.full_numel > 0) comm_->broadcast(initial, {0}).wait();
+  // HSDP: then from the first replica, so every rank starts from the
+  // values of the mesh's rank 0.
+  if (replicate_ && replicate_->size() > 1 && layout_.full_numel > 0) {
+    replicate_->broadcast(initial, {0}).wait();
+  }
   for (size_t i = 0; i < n; ++i) {
     copy_local_rows(layout_.params[i], layout_.rank, initial_views[i], shard_flat_);
     full_views_[i].copy_(initial_views[i]);
@@ -168,10 +177,37 @@ int64_t FSDPParamGroup::unsharded_bytes() const {
 
 void FSDPParamGroup::start_unshard() {
   if (unsharded_ || gathering_) return;
-  gather_input_ = shard_flat_.to(param_dtype_);  // the shard itself when no cast
+  const bool post_forward = post_forward_shard_.defined();
+  // After hpZ's reshard: the post-forward shards, within the smaller group.
+  gather_input_ = post_forward ? std::move(post_forward_shard_)
+                               : shard_flat_.to(param_dtype_);  // the shard itself when no cast
+  post_forward_shard_ = torch::Tensor();
   gathered_ = torch::empty({layout_.world * layout_.shard_numel}, gather_input_.options());
-  gather_ = comm_->all_gather_into_tensor(gathered_, gather_input_);
+  gather_ =
+      (post_forward ? post_forward_ : comm_)->all_gather_into_tensor(gathered_, gather_input_);
   gathering_ = true;
+}
+
+void FSDPParamGroup::reshard_after_forward(int code) {
+  if (code == 0 || !unsharded_) return;
+  if (code == 1 || !post_forward_ || post_forward_->size() != code) {
+    COHORT_CHECK(code == 1, "fully_shard: no post-forward group of the size asked for");
+    reshard();
+    return;
+  }
+  // The full buffer, rank-major as the all-gather over the shard group
+  // would fill it (copy_in lays out full tensors that way); this rank keeps
+  // the span of W/N ranks' shards its place in its post-forward group owns.
+  torch::NoGradGuard no_grad;
+  const int64_t span = layout_.world / code * layout_.shard_numel;
+  auto flat = torch::empty({layout_.world * layout_.shard_numel},
+                           shard_flat_.options().dtype(param_dtype_));
+  for (size_t i = 0; i < params_.size(); ++i) copy_in_param(layout_, i, full_views_[i], flat);
+  post_forward_shard_ = flat.narrow(0, post_forward_->rank() * span, span).clone();
+  release(flat);
+  set_sharded();
+  free_full();
+  unsharded_ = false;
 }
 
 void FSDPParamGroup::wait_unshard() {
@@ -190,7 +226,10 @@ void FSDPParamGroup::wait_unshard() {
   unsharded_ = true;
 }
 
+void FSDPParamGroup::drop_post_forward_shard() { release(post_forward_shard_); }
+
 void FSDPParamGroup::reshard() {
+  release(post_forward_shard_);
   if (gathering_) {
     gather_.wait();
     gathering_ = false;
@@ -234,7 +273,15 @@ Work FSDPParamGroup::start_reduce_scatter() {
   }
   rs_output_ = torch::empty({layout_.shard_numel}, reduce_options);
   rs_pending_ = true;
-  return comm_->reduce_scatter_tensor(rs_output_, rs_input_, {ReduceOp::Avg});
+  if (!replicate_ || replicate_->size() == 1) {
+    return comm_->reduce_scatter_tensor(rs_output_, rs_input_, {ReduceOp::Avg});
+  }
+  // HSDP: the shard group's average, then the replicas' average of it: the
+  // average over the whole mesh. The reduce-scatter is waited for here (its
+  // completion step finishes the average before the all-reduce reads it),
+  // so only the all-reduce overlaps the rest of backward.
+  comm_->reduce_scatter_tensor(rs_output_, rs_input_, {ReduceOp::Avg}).wait();
+  return replicate_->all_reduce(rs_output_, {ReduceOp::Avg});
 }
 
 void FSDPParamGroup::reduce_scatter_done() {

@@ -37,10 +37,16 @@ class FSDPParamGroup {
   /// Takes `params` (full, the same on every rank: rank 0's values are
   /// broadcast) and shards them. Collective over `comm`. `unit` names the
   /// unit in errors. Leaves the parameters sharded. `policy`: the dtypes
-  /// of the all-gather, the compute and the reduce-scatter.
+  /// of the all-gather, the compute and the reduce-scatter. `replicate`
+  /// (HSDP; collective over it too): the group of the ranks holding the same
+  /// shard, across which reduced gradients are averaged. `post_forward`
+  /// (hpZ): this rank's group of N consecutive ranks of `comm` that a
+  /// backward's all-gather runs in after reshard_after_forward(N).
   FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
                  std::shared_ptr<Communicator> comm, std::string unit,
-                 const MixedPrecisionPolicy& policy = {});
+                 const MixedPrecisionPolicy& policy = {},
+                 std::shared_ptr<Communicator> replicate = nullptr,
+                 std::shared_ptr<Communicator> post_forward = nullptr);
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
@@ -77,6 +83,15 @@ class FSDPParamGroup {
   /// Frees the full values: the parameters hold their shards. Waits for an
   /// all-gather still in flight first.
   void reshard();
+  /// After the unit's forward: `code` 0 keeps the full parameters, 1
+  /// reshards, N >= 2 (a post_forward group of N ranks was given) keeps this
+  /// rank's 1/N of them (the shards of W/N ranks of the shard group, whose
+  /// all-gather over that group rebuilds the rank-major full buffer) and
+  /// frees the full storage.
+  void reshard_after_forward(int code);
+  /// Drops what reshard_after_forward(N) kept (a new forward of the root
+  /// gathers from the shard, which an optimizer may have changed since).
+  void drop_post_forward_shard();
   /// Bytes of the full storage now allocated (0 while sharded).
   int64_t unsharded_bytes() const;
 
@@ -122,6 +137,8 @@ class FSDPParamGroup {
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
   std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> replicate_;     // HSDP: same shard, other replicas
+  std::shared_ptr<Communicator> post_forward_;  // hpZ: N consecutive ranks of comm_
   std::string unit_;
   ShardLayout layout_;
   bool unsharded_ = false;
@@ -131,6 +148,7 @@ class FSDPParamGroup {
   std::vector<torch::Tensor> shard_views_;  // per parameter: its local rows
   c10::Storage full_storage_;               // all full values; bytes freed while sharded
   std::vector<torch::Tensor> full_views_;   // per parameter: its full value
+  torch::Tensor post_forward_shard_;        // hpZ: 1/N of the full buffer (param_dtype)
   torch::Tensor gather_input_;              // the shard cast to param_dtype while in flight
   torch::Tensor gathered_;                  // the all-gather's output while in flight
   Work gather_;                             // valid while an all-gather is in flight

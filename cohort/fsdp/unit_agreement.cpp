@@ -44,7 +44,7 @@ std::vector<int64_t> encode(const UnitRecord& u) {
   w[kParams] = u.params;
   w[kNumel] = u.numel;
   w[kShapes] = static_cast<int64_t>(u.shapes);
-  w[kReshard] = u.reshard_after_forward ? 1 : 0;
+  w[kReshard] = u.reshard_after_forward.code();
   w[kPolicy] = dtype_code(u.policy.param_dtype);
   w[kPolicy + 1] = dtype_code(u.policy.reduce_dtype);
   w[kPolicy + 2] = dtype_code(u.policy.output_dtype);
@@ -119,7 +119,7 @@ void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& w
            " elements (dtypes and shapes digest " + std::to_string(w[kShapes]) + ")";
   });
   clause("reshard_after_forward differs",
-         [](const int64_t* w) { return std::string(w[kReshard] ? "true" : "false"); });
+         [](const int64_t* w) { return ReshardAfterForward::from_code(w[kReshard]).to_string(); });
   for (int r = 1; r < n; ++r) {
     const int64_t* first = all.of(0) + kPolicy;
     const int64_t* other = all.of(r) + kPolicy;
@@ -213,8 +213,10 @@ std::string ScheduleCheck::describe(const int64_t* w) const {
 std::string ScheduleCheck::describe_settings() {
   const RankWords all = gather_words(*comm_, flags_);
   for (size_t i = 0; i < flags_.size(); ++i) {
-    const auto values =
-        all.values([i](const int64_t* w) { return std::string(w[i] ? "true" : "false"); });
+    // A flag, or a unit's post-forward group size (N >= 2: hpZ).
+    const auto values = all.values([i](const int64_t* w) {
+      return w[i] == 0 ? std::string("false") : w[i] == 1 ? std::string("true") : std::to_string(w[i]);
+    });
     if (all_same(values)) continue;
     return owner_[i] + " differs across ranks: " + name_groups(values) +
            " (set it alike on every rank before the forward)";

@@ -25,6 +25,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/fsdp/mixed_precision.h"
+#include "cohort/fsdp/reshard_after_forward.h"
 
 namespace cohort::fsdp {
 
@@ -42,8 +43,8 @@ struct UnitRecord {
   int64_t numel = 0;
   /// A digest of their dtypes and shapes, in order.
   uint64_t shapes = 0;
-  /// Whether the unit frees its full parameters after forward.
-  bool reshard_after_forward = true;
+  /// What the unit frees after forward.
+  ReshardAfterForward reshard_after_forward;
   /// Its mixed precision policy.
   MixedPrecisionPolicy policy;
   /// Non-empty: why this rank refuses to wrap the unit.

@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/mesh/device_mesh.h"
 
 namespace cohort::testing::fsdp_test {
 
@@ -54,13 +57,9 @@ TORCH_MODULE(OutProj);
 
 // The model: units of 7 and 6 rows (neither divides by 2, 4), a root-held
 // weight tied between the first and last layer, a root-held bias layer of
-// 5 rows. `wrap`: each Linear becomes a unit (comm given) or stays plain.
-inline Sequential make_model(const std::shared_ptr<Communicator>& comm, FullyShardOptions options) {
+// 5 rows. `unit` makes each Linear a unit, or leaves it plain.
+inline Sequential make_model_with(const std::function<AnyModule(AnyModule)>& unit) {
   auto tied = torch::zeros({5, 7});
-  auto unit = [&](torch::nn::AnyModule m) {
-    if (!comm) return m;
-    return AnyModule(FullyShard(m, comm, options));
-  };
   Sequential seq;
   seq->push_back(InProj(tied));
   seq->push_back(Tanh());
@@ -71,6 +70,19 @@ inline Sequential make_model(const std::shared_ptr<Communicator>& comm, FullySha
   seq->push_back(OutProj(tied));
   seq->push_back(Linear(5, 5));
   return seq;
+}
+
+// The model with units over `comm` (null: plain).
+inline Sequential make_model(const std::shared_ptr<Communicator>& comm, FullyShardOptions options) {
+  return make_model_with([&](AnyModule m) {
+    if (!comm) return m;
+    return AnyModule(FullyShard(m, comm, options));
+  });
+}
+
+// The model with units over `mesh`.
+inline Sequential make_model(const DeviceMesh& mesh, FullyShardOptions options) {
+  return make_model_with([&](AnyModule m) { return AnyModule(FullyShard(m, mesh, options)); });
 }
 
 struct Batches {
@@ -98,6 +110,45 @@ inline void expect_close(const Named& got, const Named& expected, double rel,
     const double err = (*g - e.value()).abs().max().item<double>();
     EXPECT_LE(err, rel * scale) << what << ": " << e.key() << " differs by " << err / scale;
   }
+}
+
+// The largest difference of a tensor of `got` from `expected`'s, relative to
+// the largest magnitude of `expected`'s tensor.
+inline double max_relative_error(const Named& got, const Named& expected) {
+  double worst = 0;
+  for (const auto& e : expected) {
+    const auto* g = got.find(e.key());
+    if (!g || g->sizes() != e.value().sizes()) return INFINITY;
+    const double scale = std::max(e.value().abs().max().item<double>(), 1e-30);
+    worst = std::max(worst, (*g - e.value()).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+enum class Opt { AdamW, SGD };
+
+inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt,
+                                                               std::vector<torch::Tensor> params) {
+  if (opt == Opt::AdamW) {
+    return std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  }
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+// The model trained by one process on the whole batch for kSteps steps.
+inline Named reference(Opt opt, const Batches& b) {
+  auto model = make_model(nullptr, {});
+  init_parameters(*model, 7);
+  auto optimizer = make_optimizer(opt, model->parameters());
+  for (int s = 0; s < kSteps; ++s) {
+    optimizer->zero_grad();
+    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
+    optimizer->step();
+  }
+  Named out;
+  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
+  return out;
 }
 
 // This rank's rows of the global batch.

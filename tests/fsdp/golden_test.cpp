@@ -20,33 +20,6 @@ namespace {
 
 using namespace fsdp_test;
 
-enum class Opt { AdamW, SGD };
-
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt,
-                                                        std::vector<torch::Tensor> params) {
-  if (opt == Opt::AdamW) {
-    return std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  }
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
-}
-
-// One process on the whole batch.
-Named reference(Opt opt, const Batches& b, int micro_batches = 1) {
-  auto model = make_model(nullptr, {});
-  init_parameters(*model, 7);
-  auto optimizer = make_optimizer(opt, model->parameters());
-  for (int s = 0; s < kSteps; ++s) {
-    optimizer->zero_grad();
-    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
-    optimizer->step();
-  }
-  (void)micro_batches;
-  Named out;
-  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
-}
-
 struct GoldenCase {
   int world;
   Opt opt;

@@ -97,6 +97,9 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
   // Each sharded parameter's place: its unit's layout entry.
   std::map<const void*, const fsdp::ParamShard*> shard_of;
   int rank = 0;
+  // HSDP: every replica holds the same shards; the first one writes them
+  // (every rank loads its own).
+  bool writes = true;
   for (const auto& m : model.modules()) {
     auto* unit = dynamic_cast<FullyShardImpl*>(m.get());
     if (!unit || !unit->has_param_group()) continue;
@@ -106,6 +109,7 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
                             " holds its full parameters; call it between steps (sharded)");
     }
     rank = group.layout().rank;
+    if (unit->replicate_group()) writes = unit->replicate_group()->rank() == 0;
     for (size_t j = 0; j < group.params().size(); ++j) {
       shard_of[group.params()[j].unsafeGetTensorImpl()] = &group.layout().params[j];
     }
@@ -120,7 +124,7 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
       continue;
     }
     const auto& ps = *it->second;
-    TensorEntry e{"model." + p.key(), ps.full_sizes, p.value().scalar_type(), false, {}};
+    TensorEntry e{"model." + p.key(), ps.full_sizes, p.value().scalar_type(), false, {}, writes};
     if (ps.local_rows > 0) {
       Box box = whole(ps.full_sizes);
       if (!box.offsets.empty()) {
@@ -134,7 +138,8 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
                        {box},
                        {0},
                        false,
-                       box.offsets.empty() || box.offsets[0] == 0});
+                       box.offsets.empty() || box.offsets[0] == 0,
+                       writes});
     } else {
       // An empty shard still has optimizer state (its step): loaded, never saved.
       slots.push_back({p.key(), ps.full_sizes, p.value(), {}, {}, false, false});
