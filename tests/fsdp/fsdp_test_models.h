@@ -166,4 +166,21 @@ inline void load_from(FullyShard& model, torch::nn::Module& twin) {
   model->load_full_state_dict(full);
 }
 
+// kSteps steps on this rank's rows of each batch, in `micro_batches`
+// micro-batches whose gradients are synchronized on the last.
+inline void train_steps(FullyShard& model, torch::optim::Optimizer& optimizer, const Batches& b,
+                        const Communicator& comm, int micro_batches) {
+  for (int s = 0; s < kSteps; ++s) {
+    optimizer.zero_grad();
+    auto x = local(b.x[s], comm), y = local(b.y[s], comm);
+    const int64_t n = x.size(0) / micro_batches;
+    for (int m = 0; m < micro_batches; ++m) {
+      model->set_requires_gradient_sync(m + 1 == micro_batches);
+      auto loss = torch::mse_loss(model->forward(x.narrow(0, m * n, n)), y.narrow(0, m * n, n));
+      (loss / micro_batches).backward();
+    }
+    optimizer.step();
+  }
+}
+
 }  // namespace cohort::testing::fsdp_test

@@ -53,17 +53,7 @@ TEST_P(Golden, ParametersEqualOneProcess) {
     for (const auto& p : twin->named_parameters()) full.insert(p.key(), p.value());
     model->load_full_state_dict(full);
     auto optimizer = make_optimizer(c.opt, model->parameters());
-    for (int s = 0; s < kSteps; ++s) {
-      optimizer->zero_grad();
-      auto x = local(batches.x[s], *comm), y = local(batches.y[s], *comm);
-      const int64_t n = x.size(0) / c.micro_batches;
-      for (int m = 0; m < c.micro_batches; ++m) {
-        model->set_requires_gradient_sync(m + 1 == c.micro_batches);
-        auto loss = torch::mse_loss(model->forward(x.narrow(0, m * n, n)), y.narrow(0, m * n, n));
-        (loss / c.micro_batches).backward();
-      }
-      optimizer->step();
-    }
+    train_steps(model, *optimizer, batches, *comm, c.micro_batches);
     auto state = model->full_state_dict();
     std::lock_guard<std::mutex> lock(mu);
     got[comm->rank()] = state;

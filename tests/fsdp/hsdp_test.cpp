@@ -65,17 +65,7 @@ Named train(const HsdpCase& c, const Batches& batches, std::shared_ptr<Communica
   init_parameters(*twin, 7);
   load_from(model, *twin);
   auto optimizer = make_optimizer(c.opt, model->parameters());
-  for (int s = 0; s < kSteps; ++s) {
-    optimizer->zero_grad();
-    auto x = local(batches.x[s], *world), y = local(batches.y[s], *world);
-    const int64_t n = x.size(0) / c.micro_batches;
-    for (int m = 0; m < c.micro_batches; ++m) {
-      model->set_requires_gradient_sync(m + 1 == c.micro_batches);
-      auto loss = torch::mse_loss(model->forward(x.narrow(0, m * n, n)), y.narrow(0, m * n, n));
-      (loss / c.micro_batches).backward();
-    }
-    optimizer->step();
-  }
+  train_steps(model, *optimizer, batches, *world, c.micro_batches);
   return model->full_state_dict();
 }
 

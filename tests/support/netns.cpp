@@ -24,6 +24,24 @@ pid_t pid_in(const std::string& name, const std::string& prefix) {
 
 bool is_stale(pid_t pid) { return pid > 0 && (pid == ::getpid() || !process_running(pid)); }
 
+// Runs `ip` with each step's arguments in turn; false, saying which failed
+// and why, at the first that does.
+bool run_ip_steps(const std::string& ip, const std::vector<std::vector<std::string>>& steps,
+                  std::string* why) {
+  for (const auto& step : steps) {
+    std::vector<std::string> argv = {ip};
+    argv.insert(argv.end(), step.begin(), step.end());
+    ProcessResult r = run_process(argv, Seconds(10));
+    if (r.exit_code != 0) {
+      std::string command;
+      for (const std::string& a : argv) command += " " + a;
+      *why = "'" + command.substr(1) + "' failed: " + r.err;
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 std::string find_program(const std::string& name) {
@@ -79,18 +97,7 @@ bool VethNamespaces::set_up(std::string* why) {
       {"-n", names_[0], "link", "set", "lo", "up"},
       {"-n", names_[1], "link", "set", "lo", "up"},
   };
-  for (const auto& step : steps) {
-    std::vector<std::string> argv = {ip_};
-    argv.insert(argv.end(), step.begin(), step.end());
-    ProcessResult r = run_process(argv, Seconds(10));
-    if (r.exit_code != 0) {
-      std::string command;
-      for (const std::string& a : argv) command += " " + a;
-      *why = "'" + command.substr(1) + "' failed: " + r.err;
-      return false;
-    }
-  }
-  return true;
+  return run_ip_steps(ip_, steps, why);
 }
 
 void VethNamespaces::tear_down() {
@@ -169,18 +176,7 @@ bool BridgedNamespaces::set_up(std::string* why) {
     steps.push_back({"-n", ns, "link", "set", node, "up"});
     steps.push_back({"-n", ns, "link", "set", "lo", "up"});
   }
-  for (const auto& step : steps) {
-    std::vector<std::string> argv = {ip_};
-    argv.insert(argv.end(), step.begin(), step.end());
-    ProcessResult r = run_process(argv, Seconds(10));
-    if (r.exit_code != 0) {
-      std::string command;
-      for (const std::string& a : argv) command += " " + a;
-      *why = "'" + command.substr(1) + "' failed: " + r.err;
-      return false;
-    }
-  }
-  return true;
+  return run_ip_steps(ip_, steps, why);
 }
 
 BridgedNamespaces::~BridgedNamespaces() {

@@ -52,19 +52,24 @@ double parse_seconds(const std::string& flag, const std::string& text) {
 
 double parse_timeout(const std::string& text) { return parse_seconds("--timeout", text); }
 
+// N (MIN = MAX = N) or MIN:MAX with 1 <= MIN <= MAX, for `flag`.
+void parse_range(const std::string& flag, const std::string& text, int& min, int& max) {
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    max = min = parse_int(flag, text);
+    return;
+  }
+  min = parse_int(flag + " (MIN of MIN:MAX)", text.substr(0, colon));
+  max = parse_int(flag + " (MAX of MIN:MAX)", text.substr(colon + 1));
+  if (min < 1 || min > max) {
+    throw UsageError(flag + " MIN:MAX needs 1 <= MIN <= MAX (got " + text + ")");
+  }
+}
+
 // --nnodes M, or --nnodes MIN:MAX for a job whose nodes may leave and join
 // (torchrun's --nnodes=MIN:MAX): the launchers rendezvous (rendezvous.h).
 void parse_nnodes(const std::string& text, Options& o) {
-  const auto colon = text.find(':');
-  if (colon == std::string::npos) {
-    o.nnodes = o.min_nnodes = parse_int("--nnodes", text);
-    return;
-  }
-  o.min_nnodes = parse_int("--nnodes (MIN of MIN:MAX)", text.substr(0, colon));
-  o.nnodes = parse_int("--nnodes (MAX of MIN:MAX)", text.substr(colon + 1));
-  if (o.min_nnodes < 1 || o.min_nnodes > o.nnodes) {
-    throw UsageError("--nnodes MIN:MAX needs 1 <= MIN <= MAX (got " + text + ")");
-  }
+  parse_range("--nnodes", text, o.min_nnodes, o.nnodes);
 }
 
 // What --nnodes MIN:MAX needs: the launchers' store on MASTER_ADDR:P and the
@@ -91,16 +96,7 @@ constexpr int kMaxRanksPerNode = 1024;
 // -n N, or -n MIN:MAX for an elastic job (torchrun's --nnodes=MIN:MAX, in
 // ranks): it starts MAX ranks and may go on with as few as MIN.
 void parse_nproc(const std::string& text, Options& o) {
-  const auto colon = text.find(':');
-  if (colon == std::string::npos) {
-    o.nproc_per_node = o.min_nproc = parse_int("-n", text);
-    return;
-  }
-  o.min_nproc = parse_int("-n (MIN of MIN:MAX)", text.substr(0, colon));
-  o.nproc_per_node = parse_int("-n (MAX of MIN:MAX)", text.substr(colon + 1));
-  if (o.min_nproc < 1 || o.min_nproc > o.nproc_per_node) {
-    throw UsageError("-n MIN:MAX needs 1 <= MIN <= MAX (got " + text + ")");
-  }
+  parse_range("-n", text, o.min_nproc, o.nproc_per_node);
 }
 
 // Inside a Slurm job step (`srun --ntasks-per-node=1 cohortrun ...`), the
