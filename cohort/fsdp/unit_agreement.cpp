@@ -215,7 +215,9 @@ std::string ScheduleCheck::describe_settings() {
   for (size_t i = 0; i < flags_.size(); ++i) {
     // A flag, or a unit's post-forward group size (N >= 2: hpZ).
     const auto values = all.values([i](const int64_t* w) {
-      return w[i] == 0 ? std::string("false") : w[i] == 1 ? std::string("true") : std::to_string(w[i]);
+      return w[i] == 0   ? std::string("false")
+             : w[i] == 1 ? std::string("true")
+                         : std::to_string(w[i]);
     });
     if (all_same(values)) continue;
     return owner_[i] + " differs across ranks: " + name_groups(values) +

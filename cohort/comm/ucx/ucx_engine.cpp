@@ -195,8 +195,10 @@ class UcxEngine : public Engine {
     // peers whether they still answer.
     return serial_.submit(
         what, deadline,
-        [this, what, c = std::move(c), self_checked, deadline, job = Job(std::forward<F>(job))]()
-            mutable { execute(what, c, self_checked, deadline, job); },
+        [this, what, c = std::move(c), self_checked, deadline,
+         job = Job(std::forward<F>(job))]() mutable {
+          execute(what, c, self_checked, deadline, job);
+        },
         ucx::kProbeTime + Millis(500));
   }
 
