@@ -47,6 +47,7 @@ struct Job {
   GPTStage model{nullptr};
   std::unique_ptr<torch::optim::AdamW> opt;
   torch::Tensor ids, targets;
+  dcp::StateDictOptions layout;  // the mesh the stage's tensor-parallel layers were built on
 };
 
 void step(Job& j, Communicator& comm) {
@@ -88,9 +89,9 @@ Timing run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
     const auto dir = (base / ("m" + std::to_string(mode) + "-" + std::to_string(s))).string();
     const auto in = std::chrono::steady_clock::now();
     if (mode == 1) {
-      dcp::save(dcp::get_state_dict(*j.model, *j.opt), dir, comm);
+      dcp::save(dcp::get_state_dict(*j.model, *j.opt, j.layout), dir, comm);
     } else {
-      pending = dcp::async_save(dcp::get_state_dict(*j.model, *j.opt), dir, comm);
+      pending = dcp::async_save(dcp::get_state_dict(*j.model, *j.opt, j.layout), dir, comm);
     }
     t.inside += since(in);
   }
@@ -131,7 +132,8 @@ int main(int argc, char** argv) {
     GPTConfig c;
     c.vocab_size = a.vocab, c.seq_len = a.seq, c.hidden = a.hidden, c.heads = 4;
     c.layers = a.layers;
-    Job j{GPTStage(mesh, c), nullptr, {}, {}};
+    Job j{GPTStage(mesh, c), nullptr, {}, {}, {}};
+    j.layout.mesh = &mesh;
     j.opt = std::make_unique<torch::optim::AdamW>(j.model->parameters(),
                                                   torch::optim::AdamWOptions(1e-4));
     torch::manual_seed(comm->rank());
