@@ -28,6 +28,7 @@ struct AsyncSave::State {
   Communicator& comm;
   const std::string dir;
   StagedFile staged;
+  torch::Tensor arena;  // the staging memory staged.data views; the next save reuses it
   std::thread writer;
   // Set by the writer, under mu.
   std::mutex mu;
@@ -89,11 +90,6 @@ void finish(AsyncSave::State& s, Millis timeout) {
               std::to_string(timeout.count()) + " ms";
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = registry.find(&s.comm);
-    if (it != registry.end() && it->second.lock().get() == &s) registry.erase(it);
-  }
   try {
     commit(s.comm, s.dir, list, error);
   } catch (...) {
@@ -114,22 +110,37 @@ void AsyncSave::wait(Millis timeout) {
   if (state_) finish(*state_, timeout);
 }
 
+namespace {
+
+// The last save started on `comm` while a handle on it lives (its staging
+// memory is reused by the next save there), or null.
+std::shared_ptr<AsyncSave::State> last_save(Communicator& comm) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = registry.find(&comm);
+  if (it == registry.end()) return nullptr;
+  auto last = it->second.lock();
+  if (!last) registry.erase(it);
+  return last;
+}
+
+}  // namespace
+
 void finish_pending_save(Communicator& comm) {
-  std::shared_ptr<AsyncSave::State> pending;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = registry.find(&comm);
-    if (it != registry.end()) pending = it->second.lock();
-  }
-  if (pending) finish(*pending, kAsyncSaveTimeout);
+  // A committed save's error was thrown by its own wait(): not again here.
+  if (auto last = last_save(comm); last && !last->committed) finish(*last, kAsyncSaveTimeout);
 }
 
 AsyncSave async_save(const StateDict& state, const std::string& dir, Communicator& comm) {
-  finish_pending_save(comm);
+  auto last = last_save(comm);
+  if (last && !last->committed) finish(*last, kAsyncSaveTimeout);
   auto s = std::make_shared<AsyncSave::State>(comm, dir);
+  // The last save's staging memory, unless its writer still reads it (one
+  // that did not finish in time): stage_rank_file checks that nothing else
+  // holds the arena before it writes into it.
+  if (last) s->arena = std::move(last->arena);
   std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
   try {
-    s->staged = stage_rank_file(state, comm.rank(), comm.size(), true, "dcp::async_save");
+    s->staged = stage_rank_file(state, comm.rank(), comm.size(), &s->arena, "dcp::async_save");
   } catch (const std::exception& e) {
     if (error.empty()) error = e.what();
   }

@@ -10,7 +10,10 @@
 //   finished first (collective); rank 0 prepares the folder (the old
 //   .metadata and a killed writer's temporary files removed); every rank
 //   copies its chunks into host staging memory; the ranks agree on errors
-//   (an all-gather). This is the pause the training sees.
+//   (an all-gather). This is the pause the training sees. The staging
+//   memory of the last save on the same communicator is reused while a
+//   handle on that save lives (`pending = dcp::async_save(...)` keeps it):
+//   fresh memory costs page faults several times the copy itself.
 // - On a writer thread: the checksums and the data file (temporary file,
 //   fsync, rename). It uses no communicator: a background thread issuing
 //   collectives while the training issues its own on the same communicator

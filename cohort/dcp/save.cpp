@@ -68,18 +68,42 @@ void remove_temporary_files(const std::string& dir) {
   }
 }
 
+// Chunks start on cache-line boundaries in the staging arena, so every
+// dtype's copy kernel sees aligned data.
+int64_t aligned(size_t bytes) { return (static_cast<int64_t>(bytes) + 63) / 64 * 64; }
+
+// An arena of at least `bytes`: the one given when it is large enough and
+// no earlier save's views still hold it (its writer has finished), else a
+// new one. Reuse matters: a new arena's pages fault in on first touch, which
+// costs several times the copy itself.
+void reserve_arena(torch::Tensor& arena, int64_t bytes) {
+  if (arena.defined() && arena.numel() >= bytes && arena.storage().use_count() == 1) return;
+  arena = torch::empty({bytes}, torch::kUInt8);
+}
+
 }  // namespace
 
-StagedFile stage_rank_file(const StateDict& state, int rank, int world, bool copy,
+StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::Tensor* arena,
                            const std::string& op) {
   const auto writer = replicated_writers(state, world);
+  auto written = [&](size_t i) {
+    return state.tensors[i].write && (!state.tensors[i].replicated || writer[i] == rank);
+  };
+  if (arena) {
+    int64_t bytes = 0;
+    for (size_t i = 0; i < state.tensors.size(); ++i) {
+      if (!written(i)) continue;
+      for (const auto& s : state.tensors[i].shards) bytes += aligned(s.data.nbytes());
+    }
+    reserve_arena(*arena, bytes);
+  }
   StagedFile staged;
   staged.modules = state.modules;
   staged.tensors = nlohmann::json::array();
-  int64_t offset = 0;
+  int64_t offset = 0, at = 0;
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     const auto& t = state.tensors[i];
-    if (!t.write || (t.replicated && writer[i] != rank)) continue;
+    if (!written(i)) continue;
     nlohmann::json chunks = nlohmann::json::array();
     for (const auto& s : t.shards) {
       if (s.box.numel() == 0) continue;
@@ -88,11 +112,16 @@ StagedFile stage_rank_file(const StateDict& state, int rank, int world, bool cop
                               " holds " + std::to_string(s.data.numel()) + " elements of " +
                               c10::toString(s.data.scalar_type()));
       }
-      // An async save's staging copy: the caller may change the model as
-      // soon as async_save returns. (On CUDA this is where a pinned host
-      // buffer, reused from save to save, would take a non_blocking copy.)
-      auto data = copy ? s.data.detach().to(torch::kCPU).clone(at::MemoryFormat::Contiguous)
-                       : s.data.detach().cpu().contiguous();
+      torch::Tensor data;
+      if (arena) {
+        // The caller may change the model as soon as an async save returns.
+        const auto bytes = static_cast<int64_t>(s.data.nbytes());
+        data = arena->narrow(0, at, bytes).view(t.dtype).view(s.data.sizes());
+        data.copy_(s.data.detach());
+        at += aligned(bytes);
+      } else {
+        data = s.data.detach().cpu().contiguous();
+      }
       chunks.push_back(
           {{"offsets", s.box.offsets}, {"lengths", s.box.lengths}, {"byte_offset", offset}});
       offset += static_cast<int64_t>(data.nbytes());
@@ -213,7 +242,7 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   agree(comm, error);
   std::string list;
   try {
-    auto staged = stage_rank_file(state, comm.rank(), comm.size(), false, "dcp::save");
+    auto staged = stage_rank_file(state, comm.rank(), comm.size(), nullptr, "dcp::save");
     list = write_staged_file(staged, dir, comm.rank());
   } catch (const std::exception& e) {
     error = e.what();

@@ -19,10 +19,12 @@ struct StagedFile {
   int64_t bytes = 0;
 };
 
-/// This rank's chunks of `state`; `copy`: cloned (the caller may change the
-/// model afterwards), else views where the data is contiguous already.
-/// Throws InvalidArgument (named `op`) for a shard that does not fit its box.
-StagedFile stage_rank_file(const StateDict& state, int rank, int world, bool copy,
+/// This rank's chunks of `state`; with `arena`, copied into it (the caller
+/// may change the model afterwards): `*arena` is reused when it is large
+/// enough and nothing else holds it, else replaced by a new one; without,
+/// views where the data is contiguous already. Throws InvalidArgument
+/// (named `op`) for a shard that does not fit its box.
+StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::Tensor* arena,
                            const std::string& op);
 
 /// Checksums and writes `staged` as this rank's file (atomic); returns its
