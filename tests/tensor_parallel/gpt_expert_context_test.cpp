@@ -170,15 +170,16 @@ const Result& reference_for(const Case& k) {
   return k.dp * k.ep == 4 ? dp2_ep2 : ep2;
 }
 
-// The slice of `full` a shard holds: experts split dimension 0 over ep, the
-// TP layers their split dimension over tp.
+// The slice of `full` a shard holds: experts split dimension 0 over ep and
+// their FFN dimension over tp, the TP layers their split dimension over tp.
 torch::Tensor matching_slice(const torch::Tensor& full, const Shard& shard) {
   const bool expert = shard.name.find(".moe.") != std::string::npos &&
                       shard.name.find(".moe.router") == std::string::npos;
   auto out = full;
   for (int64_t d = 0; d < full.dim(); ++d) {
     const auto n = shard.value.size(d);
-    if (full.size(d) != n) out = out.narrow(d, (expert ? shard.ep_rank : shard.tp_rank) * n, n);
+    if (full.size(d) != n)
+      out = out.narrow(d, (expert && d == 0 ? shard.ep_rank : shard.tp_rank) * n, n);
   }
   return out;
 }
