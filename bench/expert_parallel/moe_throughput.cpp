@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
   CLI::App app{"moe_throughput: tokens/s of the GPT with MoE at ep 2 against dense at dp 2"};
   cohort::bench::show_defaults(app);
   app.add_option("--layers", a.layers, "blocks (the odd ones MoE)")
-      ->check(cohort::bench::at_least(2, "AT LEAST 2"));
+      ->check(cohort::bench::at_least(2, "AT_LEAST_2"));
   app.add_option("--hidden", a.hidden, "model width H (FFN H -> 4H -> H)")
       ->check(cohort::bench::positive());
   app.add_option("--heads", a.heads, "attention heads")->check(cohort::bench::positive());
@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", a.batch, "sequences per rank and step")
       ->check(cohort::bench::positive());
   app.add_option("--experts", a.experts, "experts per MoE block (even: split over ep 2)")
-      ->check(cohort::bench::at_least(2, "AT LEAST 2"));
+      ->check(cohort::bench::at_least(2, "AT_LEAST_2"));
   app.add_option("--capacity", a.capacity, "capacity factor")->check(CLI::PositiveNumber);
   app.add_option("--iters", a.iters, "timed steps per side and round")
       ->check(cohort::bench::positive());
