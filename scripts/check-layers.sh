@@ -27,9 +27,9 @@ declare -A layer=(
   [pipeline]=12
   [tensor_parallel]=13
   [context_parallel]=13
-  [expert_parallel]=13
-  [dcp]=14
-  [train]=15
+  [expert_parallel]=14
+  [dcp]=15
+  [train]=16
 )
 
 status=0

@@ -10,6 +10,7 @@
 #include "cohort/core/error.h"
 #include "cohort/expert_parallel/all_to_all.h"
 #include "cohort/grad_sync/average_gradients.h"
+#include "cohort/tensor_parallel/mappings.h"
 
 namespace cohort::expert_parallel {
 
@@ -21,6 +22,8 @@ std::string where(const MoEOptions& o) {
   return "cohort: MoE (rank " + std::to_string(g.rank()) + " of " + std::to_string(g.size()) +
          ", group " + g.name() + ")";
 }
+
+int tp_size(const MoEOptions& o) { return o.tp_group ? o.tp_group->size() : 1; }
 
 void check_options(const MoEOptions& o, int ep) {
   auto bad = [&](const std::string& why) { throw InvalidArgument(where(o) + ": " + why); };
@@ -36,10 +39,14 @@ void check_options(const MoEOptions& o, int ep) {
     bad(std::to_string(o.experts) + " experts do not divide by the expert-parallel size " +
         std::to_string(ep));
   }
+  if (o.ffn % tp_size(o) != 0) {
+    bad("ffn " + std::to_string(o.ffn) + " does not divide by the tensor-parallel size " +
+        std::to_string(tp_size(o)));
+  }
 }
 
-// Draws the full (ep = 1) weights in a fixed order and keeps experts
-// [first, first + local).
+// Draws the full (ep = 1, tp = 1) weights in a fixed order and keeps
+// experts [first, first + local) and, of each, this tp rank's F / tp slice.
 std::vector<torch::Tensor> master_weights(const MoEOptions& o, int64_t first, int64_t local) {
   auto gen = at::detail::createCPUGenerator(o.seed);
   auto uniform = [&](at::IntArrayRef sizes, int64_t fan_in) {
@@ -49,7 +56,15 @@ std::vector<torch::Tensor> master_weights(const MoEOptions& o, int64_t first, in
   const int64_t e = o.experts, h = o.hidden, f = o.ffn;
   std::vector<torch::Tensor> w = {uniform({e, h}, h), uniform({e, f, h}, h), uniform({e, f}, h),
                                   uniform({e, h, f}, f), uniform({e, h}, f)};
-  for (size_t i = 1; i < w.size(); ++i) w[i] = w[i].narrow(0, first, local).clone();
+  for (size_t i = 1; i < w.size(); ++i) w[i] = w[i].narrow(0, first, local);
+  const int tp = tp_size(o);
+  if (tp > 1) {
+    const int64_t part = f / tp, at = o.tp_group->rank() * part;
+    w[1] = w[1].narrow(1, at, part);
+    w[2] = w[2].narrow(1, at, part);
+    w[3] = w[3].narrow(2, at, part);
+  }
+  for (size_t i = 1; i < w.size(); ++i) w[i] = w[i].clone();
   return w;
 }
 
@@ -146,15 +161,25 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x) { return forward_routed(x
 torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts) {
   std::vector<torch::Tensor> out;
   int64_t start = 0;
+  // Split over tp, each rank computes its F / tp slice of every expert's
+  // hidden layer and a partial output: the input's gradient and the output
+  // are sums over tp (Megatron's f and g around an MLP), b2 added once after.
+  const auto& tp = options_.tp_group;
+  const bool split = tp && tp->size() > 1;
+  auto in = split ? tensor_parallel::copy_to_tensor_parallel_region(rows, *tp) : rows;
   // Every expert runs, even on no rows, so that its output is in the graph
   // on every rank alike.
   for (int64_t j = 0; j < local_; ++j) {
-    auto chunk = rows.narrow(0, start, counts[static_cast<size_t>(j)]);
+    auto chunk = in.narrow(0, start, counts[static_cast<size_t>(j)]);
     auto h = torch::gelu(torch::linear(chunk, w1[j], b1[j]));
-    out.push_back(torch::linear(h, w2[j], b2[j]));
+    out.push_back(split ? torch::linear(h, w2[j]) : torch::linear(h, w2[j], b2[j]));
     start += counts[static_cast<size_t>(j)];
   }
-  return torch::cat(out);
+  if (!split) return torch::cat(out);
+  auto expert_of_row =
+      torch::repeat_interleave(torch::tensor(counts, torch::kInt64));  // local expert of each row
+  return tensor_parallel::reduce_from_tensor_parallel_region(torch::cat(out), *tp) +
+         b2.index_select(0, expert_of_row);
 }
 
 torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& routing) {
@@ -199,6 +224,18 @@ std::vector<torch::Tensor> expert_parameters(const torch::nn::Module& model) {
     }
   });
   return out;
+}
+
+std::map<const void*, int64_t> expert_tensor_split_dims(const torch::nn::Module& model) {
+  std::map<const void*, int64_t> dims;
+  model.apply([&](const torch::nn::Module& m) {
+    const auto* moe = dynamic_cast<const MoEImpl*>(&m);
+    if (!moe || tp_size(moe->options()) == 1) return;
+    dims[moe->w1.unsafeGetTensorImpl()] = 1;
+    dims[moe->b1.unsafeGetTensorImpl()] = 1;
+    dims[moe->w2.unsafeGetTensorImpl()] = 2;
+  });
+  return dims;
 }
 
 std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model) {

@@ -19,6 +19,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -39,6 +40,12 @@ struct MoEOptions {
   /// The expert-parallel group (a mesh's "ep" dimension); null: one process
   /// holding all experts, no communication.
   std::shared_ptr<Communicator> ep_group;
+  /// The tensor-parallel group (a mesh's "tp" dimension) that splits each
+  /// expert's FFN as the dense MLP is split (expert tensor parallelism): w1
+  /// and b1 by rows, w2 by columns, F / tp each; the input's gradient and
+  /// the output are all-reduced over it. Its ranks must route the same
+  /// tokens alike (the same input and router). Null: whole experts.
+  std::shared_ptr<Communicator> tp_group;
 };
 
 /// y = sum over a token's kept assignments of gate * expert(x). Dropped
@@ -73,10 +80,10 @@ class MoEImpl : public torch::nn::Module {
   const MoEOptions& options() const { return options_; }
 
   torch::Tensor router;  ///< [E, H], replicated
-  torch::Tensor w1;      ///< [E / ep, F, H], this rank's experts
-  torch::Tensor b1;      ///< [E / ep, F]
-  torch::Tensor w2;      ///< [E / ep, H, F]
-  torch::Tensor b2;      ///< [E / ep, H]
+  torch::Tensor w1;      ///< [E / ep, F / tp, H], this rank's experts
+  torch::Tensor b1;      ///< [E / ep, F / tp]
+  torch::Tensor w2;      ///< [E / ep, H, F / tp]
+  torch::Tensor b2;      ///< [E / ep, H], replicated over tp
 
  private:
   void agree() const;
@@ -94,6 +101,10 @@ TORCH_MODULE(MoE);
 /// Their gradients are reduced over the ranks that hold the same experts
 /// (same ep rank), not over ep.
 std::vector<torch::Tensor> expert_parameters(const torch::nn::Module& model);
+/// The expert parameters split over a tensor-parallel group of more than
+/// one rank (MoEOptions::tp_group), each with the dimension it splits (w1
+/// and b1: 1, w2: 2), keyed by TensorImpl, as tensor_parallel::split_dims.
+std::map<const void*, int64_t> expert_tensor_split_dims(const torch::nn::Module& model);
 /// Every other parameter of `model` (routers included): replicated over ep,
 /// reduced over all ranks that see different tokens (dp x ep).
 std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model);

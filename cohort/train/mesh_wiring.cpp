@@ -14,6 +14,8 @@ MeshGradNorm::MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages,
                            const torch::Tensor& tied_copy)
     : mesh_(std::move(mesh)), sharded_(tensor_parallel::split_dims(stages)) {
   if (tied_copy.defined()) tied_copy_ = tied_copy.unsafeGetTensorImpl();
+  // Experts split over tp hold different slices on each tp rank: each counts.
+  for (const auto& e : expert_parallel::expert_tensor_split_dims(stages)) sharded_.insert(e);
   const auto names = mesh_.dim_names();
   if (std::find(names.begin(), names.end(), "ep") != names.end() && mesh_.size("ep") > 1) {
     for (const auto& p : expert_parallel::expert_parameters(stages)) {

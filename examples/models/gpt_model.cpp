@@ -90,8 +90,9 @@ class TransformerBlockImpl : public torch::nn::Module {
     row.seed = seed_of(c, layer, 1);
     proj = register_module("proj", RowParallelLinear(tp, c.hidden, c.hidden, row));
     if (moe_layer(c, layer)) {
-      // Replicated over TP (each TP rank routes the same tokens alike), the
-      // experts split over ep. Experts as wide as the dense feed-forward.
+      // The router replicated over TP (each TP rank routes the same tokens
+      // alike), the experts split over ep and each expert's FFN over tp as
+      // the dense one is. Experts as wide as the dense feed-forward.
       expert_parallel::MoEOptions o;
       o.hidden = c.hidden;
       o.ffn = 4 * c.hidden;
@@ -101,6 +102,7 @@ class TransformerBlockImpl : public torch::nn::Module {
       o.aux_loss_coef = c.aux_loss_coef;
       o.seed = seed_of(c, layer, 4);
       o.ep_group = ep;
+      o.tp_group = tp;
       moe = register_module("moe", expert_parallel::MoE(o));
       return;
     }

@@ -24,7 +24,8 @@
 //
 // With config.experts > 0 every other block (the odd layers) has a
 // mixture-of-experts feed-forward (expert_parallel::MoE) in place of the
-// dense one, its experts split over the mesh's "ep" dimension. With a "cp"
+// dense one, its experts split over the mesh's "ep" dimension and each
+// expert's FFN over "tp" (w1 by rows, w2 by columns, as the dense MLP). With a "cp"
 // dimension above 1 each rank holds its two zig-zag chunks of the sequence
 // (local_sequence) and attention is ring attention over the "cp" group.
 #pragma once

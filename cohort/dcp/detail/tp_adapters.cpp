@@ -56,7 +56,9 @@ class Writers {
 StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied,
                                      const Metadata* for_load) {
-  const auto dims = tensor_parallel::split_dims(stage);
+  auto dims = tensor_parallel::split_dims(stage);
+  // Experts split over tp (F / tp of each) are TP-split tensors too.
+  for (const auto& e : expert_parallel::expert_tensor_split_dims(stage)) dims.insert(e);
   std::set<const void*> experts;
   for (const auto& t : expert_parallel::expert_parameters(stage)) {
     experts.insert(t.unsafeGetTensorImpl());
