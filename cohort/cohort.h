@@ -32,6 +32,7 @@
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/average_gradients.h"
+#include "cohort/grad_sync/canonical_norm.h"
 #include "cohort/grad_sync/gradient_presence.h"
 #include "cohort/grad_sync/parameter_check.h"
 #include "cohort/optim/fused_adamw.h"

@@ -200,7 +200,7 @@ void GradientReducer::rebuild_buckets() {
 }
 
 void GradientReducer::set_reduction_owner(ReductionOwner* owner) {
-  if (owner) refuse_with_leaves("set_reduction_owner");
+  if (owner && !owner->takes_leaf_chunks()) refuse_with_leaves("set_reduction_owner");
   if (backward_started_ && !backward_finished_) {
     throw InvalidArgument("DistributedDataParallel: set_reduction_owner on rank " +
                           std::to_string(comm_->rank()) + " during a backward pass");

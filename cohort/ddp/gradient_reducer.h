@@ -146,6 +146,7 @@ class GradientReducer {
   void prepare_leaf_forward();
   void on_leaf_gradient(size_t index);
   void finish_leaf_backward();
+  void finish_leaf_step(double backward_end, int64_t bytes);
   void keep_buffers(std::vector<torch::Tensor>& into);
   void restore_buffers(const std::vector<torch::Tensor>& from);
 

@@ -120,6 +120,13 @@ void GradientReducer::finish_leaf_backward() {
   if (leaf_->pushed() < leaf_->local_leaves()) return;
 
   const double backward_end = queue_.now_s();
+  if (owner_) {
+    // A shard owner (ZeRO-2) keeps its chunk: no all-gather, no .grad.
+    auto chunk = leaf_->finish_chunk(*comm_);
+    owner_->leaf_chunk_ready(chunk);
+    finish_leaf_step(backward_end, chunk.numel() * chunk.element_size());
+    return;
+  }
   auto mean = leaf_->finish(*comm_);
   // Aliases, not autograd views: LibTorch's zero_grad() detach_()es every .grad.
   std::vector<int64_t> offsets;
@@ -130,6 +137,10 @@ void GradientReducer::finish_leaf_backward() {
   }
   auto grads = flat_aliases(mean, params_, offsets);
   for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grads[i];
+  finish_leaf_step(backward_end, mean.numel() * mean.element_size());
+}
+
+void GradientReducer::finish_leaf_step(double backward_end, int64_t bytes) {
   if (!first_leaf_buffers_.empty()) restore_buffers(first_leaf_buffers_);
   first_leaf_buffers_.clear();
   // Rank 0's first leaf is the global batch's leaf 0: its statistics are the
@@ -141,7 +152,7 @@ void GradientReducer::finish_leaf_backward() {
   stats_.comm_seconds = all;
   stats_.exposed_wait_seconds = all;
   stats_.total_comm_seconds += all;
-  stats_.bytes = mean.numel() * mean.element_size();
+  stats_.bytes = bytes;
   stats_.bytes_sent = static_cast<int64_t>(comm_->stats().total().bytes_sent - sent_at_start_);
 }
 

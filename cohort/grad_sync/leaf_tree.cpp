@@ -117,6 +117,15 @@ torch::Tensor LeafReduction::complete_chunk(const torch::Tensor& received) const
 }
 
 torch::Tensor LeafReduction::finish(Communicator& comm) {
+  const int64_t n = pushed_ > 0 ? stack_.front().second.numel() : 0;
+  auto mean = finish_chunk(comm);
+  if (world_ == 1) return mean;
+  auto gathered = torch::empty({world_ * mean.numel()}, mean.options());
+  comm.all_gather_into_tensor(gathered, mean).wait();
+  return gathered.narrow(0, 0, n);
+}
+
+torch::Tensor LeafReduction::finish_chunk(Communicator& comm) {
   if (pushed_ != count_ || comm.size() != world_) {
     throw InvalidArgument(what_ + ": rank " + std::to_string(rank_) + " finished a step after " +
                           std::to_string(pushed_) + " of its " + std::to_string(count_) +
@@ -130,7 +139,7 @@ torch::Tensor LeafReduction::finish(Communicator& comm) {
   pushed_ = 0;
   if (world_ == 1) return mine.front().second.div(leaves);
   const int64_t n = mine.front().second.numel();
-  const int64_t chunk = (n + world_ - 1) / world_;
+  const int64_t chunk = chunk_numel(n);
   const auto m = static_cast<int64_t>(max_frontier_);
   // send[j][k]: chunk j of this rank's k-th subtree sum (zero padded).
   auto send = torch::zeros({world_, m, chunk}, mine.front().second.options());
@@ -141,10 +150,7 @@ torch::Tensor LeafReduction::finish(Communicator& comm) {
   }
   auto received = torch::empty_like(send);
   comm.all_to_all_single(received, send).wait();
-  auto mean = complete_chunk(received).div(leaves);
-  auto gathered = torch::empty({world_ * chunk}, mean.options());
-  comm.all_gather_into_tensor(gathered, mean.contiguous()).wait();
-  return gathered.narrow(0, 0, n);
+  return complete_chunk(received).div(leaves).contiguous();
 }
 
 }  // namespace cohort

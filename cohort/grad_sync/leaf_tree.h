@@ -87,6 +87,14 @@ class LeafReduction {
   /// tree on chunk j and divides; an all-gather assembles the mean. At aligned
   /// world sizes (one subtree per rank) that is the bytes of a ring all-reduce.
   torch::Tensor finish(Communicator& comm);
+  /// Collective, as finish() but without the all-gather: this rank's chunk of
+  /// the mean, elements [rank * c, (rank + 1) * c) of the mean zero padded to
+  /// world * c, c = ceil(numel / world) (chunk_numel()). The bits of each
+  /// element are finish()'s, so a shard owner (ZeRO-2, FSDP) keeps them as
+  /// its gradient shard when its shards are these chunks.
+  torch::Tensor finish_chunk(Communicator& comm);
+  /// The chunk finish_chunk() returns for a gradient of `numel` elements.
+  int64_t chunk_numel(int64_t numel) const { return (numel + world_ - 1) / world_; }
 
  private:
   torch::Tensor complete_chunk(const torch::Tensor& received) const;

@@ -12,6 +12,8 @@
 // buffers are the only gradient memory besides autograd's own.
 #pragma once
 
+#include <torch/types.h>
+
 #include <cstddef>
 
 namespace cohort {
@@ -29,6 +31,15 @@ class ReductionOwner {
   virtual void gradient_ready(size_t index) = 0;
   /// Every parameter has been reported (end of backward, or synchronize()).
   virtual void backward_finished() = 0;
+  /// Whether the owner takes DDP's Determinism::WorldSizeInvariant result as
+  /// a chunk (leaf_chunk_ready()); DDP refuses an owner that does not.
+  virtual bool takes_leaf_chunks() const { return false; }
+  /// WorldSizeInvariant, at the end of the rank's last leaf's backward
+  /// instead of gradient_ready()/backward_finished(): `chunk` is this rank's
+  /// chunk of the canonical mean (LeafReduction::finish_chunk()) of the
+  /// parameters' gradients laid end to end in GradientReducer::parameters()
+  /// order. No .grad is set.
+  virtual void leaf_chunk_ready(torch::Tensor chunk) { (void)chunk; }
 };
 
 }  // namespace cohort

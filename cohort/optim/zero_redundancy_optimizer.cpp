@@ -3,15 +3,37 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
+#include <utility>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/canonical_norm.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/gradient_presence.h"
 #include "cohort/grad_sync/parameter_check.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort {
+
+// DDP's WorldSizeInvariant chunk, kept as the rank's gradient shard.
+class LeafChunkOwner : public ReductionOwner {
+ public:
+  explicit LeafChunkOwner(GradientReducer& ddp) : ddp_(ddp) {}
+  ~LeafChunkOwner() override { ddp_.set_reduction_owner(nullptr); }
+  void gradient_ready(size_t) override {}
+  void backward_finished() override {}
+  bool takes_leaf_chunks() const override { return true; }
+  void leaf_chunk_ready(torch::Tensor chunk) override { chunk_ = std::move(chunk); }
+  // The chunk of the last backward (undefined after take()).
+  torch::Tensor take() { return std::exchange(chunk_, torch::Tensor()); }
+
+ private:
+  GradientReducer& ddp_;
+  torch::Tensor chunk_;
+};
+
 std::string ZeroRedundancyOptimizer::where(const std::string& op) const {
   return "ZeroRedundancyOptimizer::" + op + " (rank " + std::to_string(comm_->rank()) + " of " +
          std::to_string(comm_->size()) + ", group " + comm_->name() + ")";
@@ -55,8 +77,16 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   verify_same_parameters(*comm_, params_, {}, "ZeroRedundancyOptimizer");
 
   const int64_t elem = params_[0].element_size();
-  const auto bucket_elements =
+  auto bucket_elements =
       static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024 / static_cast<double>(elem));
+  const bool leaves = options_.determinism == Determinism::WorldSizeInvariant;
+  if (leaves && options_.reduce_gradients) {
+    throw InvalidArgument(where("constructor") +
+                          ": determinism WorldSizeInvariant needs cohort DDP with the same "
+                          "option (make(ddp, ...)), which runs the leaf loop");
+  }
+  // One bucket: rank r's shard is then chunk r of the leaf reduction.
+  if (leaves) bucket_elements = std::numeric_limits<int64_t>::max() / 2;
   partition_ = std::make_unique<FlatPartition>(numels, group_of, world, comm_->rank(),
                                                std::max<int64_t>(bucket_elements, 1));
 
@@ -66,7 +96,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   std::vector<int64_t> offsets;
   for (const auto& prm : partition_->params()) offsets.push_back(prm.offset);
   flat_params_ = flatten_into(params_, offsets, partition_->padded_numel());
-  if (options_.stage == 2 && world > 1) {
+  if (options_.stage == 2 && world > 1 && !leaves) {
     shard_reducer_ = std::make_unique<GradientShardReducer>(
         params_, *partition_, comm_, /*hook=*/options_.reduce_gradients,
         [this](const std::string& op) { return where(op); }, options_.max_staged_buckets);
@@ -115,7 +145,74 @@ void ZeroRedundancyOptimizer::take_over_reduction(GradientReducer& ddp) {
                           ")");
   }
   if (comm_->size() == 1) return;  // nothing to reduce: .grad is read as it is
+  if (options_.determinism == Determinism::WorldSizeInvariant) {
+    check_determinism(ddp);
+    if (leaf_owner_) throw InvalidArgument(where("take_over_reduction") + ": already taken over");
+    leaf_owner_ = std::make_unique<LeafChunkOwner>(ddp);
+    ddp.set_reduction_owner(leaf_owner_.get());
+    return;
+  }
   shard_reducer_->take_over(ddp);
+}
+
+void ZeroRedundancyOptimizer::check_determinism(const GradientReducer& ddp) const {
+  const auto& d = ddp.options();
+  const bool mine = options_.determinism == Determinism::WorldSizeInvariant;
+  const bool theirs = d.determinism == Determinism::WorldSizeInvariant;
+  if (mine != theirs || (mine && d.leaves != options_.leaves)) {
+    throw InvalidArgument(
+        where("make") + ": determinism differs from DDP's (" +
+        (mine ? "WorldSizeInvariant, " + std::to_string(options_.leaves) + " leaves"
+              : std::string("Default")) +
+        " here, " +
+        (theirs ? "WorldSizeInvariant, " + std::to_string(d.leaves) + " leaves"
+                : std::string("Default")) +
+        " in DDP)");
+  }
+  if (!mine) return;
+  const auto& theirs_params = ddp.parameters();
+  bool same = theirs_params.size() == params_.size();
+  for (size_t i = 0; same && i < params_.size(); ++i) {
+    same = theirs_params[i].is_same(params_[i]);
+  }
+  if (!same) {
+    throw InvalidArgument(where("make") +
+                          ": with WorldSizeInvariant the parameters must be DDP's, in DDP's "
+                          "order (ddp.parameters())");
+  }
+}
+
+double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
+  if (options_.determinism != Determinism::WorldSizeInvariant) {
+    throw Unsupported(where("clip_grad_norm") +
+                      ": the canonical norm needs determinism WorldSizeInvariant (otherwise "
+                      "clip the shard_pieces() with the Trainer's ShardedGradNorm)");
+  }
+  finish_gradients();
+  torch::NoGradGuard no_grad;
+  const int64_t total = partition_->numel();
+  double squares = 0;
+  if (!leaf_shard_.defined()) {
+    // Stage 1 or world 1: every rank holds DDP's whole canonical mean.
+    std::vector<torch::Tensor> flat;
+    for (const auto& p : params_) {
+      flat.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}));
+    }
+    squares = canonical_squared_norm(nullptr, torch::cat(flat), 0, total);
+  } else {
+    const int64_t chunk = partition_->buckets().front().chunk;
+    const int64_t offset = std::min(total, chunk * comm_->rank());
+    const int64_t len = std::min(total, offset + chunk) - offset;
+    squares = canonical_squared_norm(comm_.get(), leaf_shard_.narrow(0, 0, len), offset, total);
+  }
+  const double norm = std::sqrt(squares);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto& t : pieces_) {
+      if (t.grad().defined()) t.mutable_grad().mul_(coef);
+    }
+  }
+  return norm;
 }
 
 std::vector<torch::optim::OptimizerParamGroup>& ZeroRedundancyOptimizer::param_groups() {
@@ -130,6 +227,8 @@ void ZeroRedundancyOptimizer::zero_grad() {
   // A backward whose reduction was never finished is dropped (its
   // reduce-scatters were launched alike on every rank; wait for them).
   if (shard_reducer_) shard_reducer_->drop();
+  if (leaf_owner_) leaf_owner_->take();
+  leaf_shard_ = torch::Tensor();
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   for (auto& t : pieces_) t.mutable_grad() = torch::Tensor();
   reduced_ = false;
@@ -181,7 +280,9 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
     return;
   }
 
-  if (options_.stage == 2) {
+  if (options_.stage == 2 && options_.determinism == Determinism::WorldSizeInvariant) {
+    take_leaf_chunk();
+  } else if (options_.stage == 2) {
     reduce_scatter_gradients();
   } else {
     all_reduce_gradients();
@@ -263,6 +364,26 @@ void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
 // buckets after it. LibTorch's optimizers update every parameter from its
 // own gradient and state only (a parameter without .grad is skipped), so
 // stepping the pieces bucket by bucket equals stepping them all at once.
+void ZeroRedundancyOptimizer::take_leaf_chunk() {
+  if (!leaf_owner_) {
+    throw InvalidArgument(where("step") +
+                          ": WorldSizeInvariant at stage 2 needs DDP's reduction taken over "
+                          "(make(ddp, ...))");
+  }
+  leaf_shard_ = leaf_owner_->take();
+  if (!leaf_shard_.defined() || leaf_shard_.numel() != partition_->buckets().front().chunk) {
+    throw InvalidArgument(where("step") +
+                          ": no gradient chunk from DDP's leaves (run one forward and backward "
+                          "per local leaf before step())");
+  }
+  // The shard is chunk r of the single bucket: a piece's shard offset is
+  // its offset in the chunk.
+  const auto& pieces = partition_->pieces();
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    pieces_[k].mutable_grad() = leaf_shard_.narrow(0, pieces[k].shard_offset, pieces[k].numel);
+  }
+}
+
 void ZeroRedundancyOptimizer::step_and_all_gather() {
   torch::NoGradGuard no_grad;
   const auto& buckets = partition_->buckets();
@@ -298,6 +419,7 @@ int64_t ZeroRedundancyOptimizer::state_bytes() const { return optimizer_state_by
 std::vector<torch::Tensor> ZeroRedundancyOptimizer::grad_buffers() const {
   std::vector<torch::Tensor> out;
   if (flat_grads_.defined()) out.push_back(flat_grads_);
+  if (leaf_shard_.defined()) out.push_back(leaf_shard_);
   if (shard_reducer_) {
     out.push_back(shard_reducer_->shard());
     for (auto& t : shard_reducer_->live_staging()) out.push_back(t);

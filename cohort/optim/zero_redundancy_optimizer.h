@@ -60,7 +60,19 @@ struct ZeroOptions {
   /// How the updated parameters are all-gathered (cohort/algorithms);
   /// Default: the communicator's choice.
   Algorithm gather_algo = Algorithm::Default;
+  /// Determinism::WorldSizeInvariant (with cohort DDP built with the same
+  /// option and leaf count, which runs the leaf loop): the partition is one
+  /// bucket, so rank r's shard is chunk r of LeafReduction::finish_chunk();
+  /// at stage 2 DDP hands that chunk over (no reduce-scatter, no
+  /// all-gather of gradients), at stage 1 ZeRO reads DDP's canonical mean.
+  /// Use clip_grad_norm() for clipping. Refused without DDP.
+  Determinism determinism = Determinism::Default;
+  /// The leaf count (WorldSizeInvariant only): must equal DDP's.
+  int64_t leaves = 0;
 };
+
+/// Stage 2 with WorldSizeInvariant: keeps the chunk DDP hands over (internal).
+class LeafChunkOwner;
 
 /// ZeRO stage 1 or 2 (DeepSpeed's ZeRO, PyTorch's ZeroRedundancyOptimizer) around any LibTorch
 /// optimizer: each rank keeps and steps the optimizer state of its own shard of the parameters,
@@ -120,6 +132,7 @@ class ZeroRedundancyOptimizer {
                                                        ZeroOptions options = {}) {
     options.reduce_gradients = false;
     auto zero = make<Opt>(ddp.parameters(), defaults, std::move(comm), options);
+    zero->check_determinism(ddp.reducer());
     if (options.stage == 2) zero->take_over_reduction(ddp.reducer());
     return zero;
   }
@@ -129,6 +142,17 @@ class ZeroRedundancyOptimizer {
   /// all-reducing them itself (see reduction_owner.h). Every parameter DDP
   /// reduces must be one of this optimizer's (InvalidArgument otherwise).
   void take_over_reduction(GradientReducer& ddp);
+  /// Throws InvalidArgument (naming the rank) unless `ddp` has this
+  /// optimizer's determinism and leaf count, in this optimizer's parameter
+  /// order. make(ddp, ...) calls it.
+  void check_determinism(const GradientReducer& ddp) const;
+
+  /// Collective, WorldSizeInvariant only: finishes the gradients, measures
+  /// their global L2 norm in the canonical order (canonical_norm.h: the same
+  /// bits at every world size and as over the whole gradient on one rank)
+  /// and scales the shard's gradients by max_norm / (norm + 1e-6) when that
+  /// is below 1, as torch::nn::utils::clip_grad_norm_. Returns the norm.
+  double clip_grad_norm(double max_norm);
 
   /// Collective: reduce gradients as the stage says, step the shard,
   /// all-gather the updated parameters.
@@ -230,6 +254,7 @@ class ZeroRedundancyOptimizer {
   void step_and_all_gather();
   std::vector<char> globally_has_grad();
   void reduce_scatter_gradients();
+  void take_leaf_chunk();
   std::string where(const std::string& op) const;
 
   std::shared_ptr<Communicator> comm_;
@@ -245,8 +270,11 @@ class ZeroRedundancyOptimizer {
 
   // Stage 2 (world > 1): the gradients' staging and reduce-scatter.
   std::unique_ptr<GradientShardReducer> shard_reducer_;
-  SyncRecorder sync_;     // stage 1 and the all-gathers: SyncStatistics
-  bool reduced_ = false;  // finish_gradients() ran since the last step
+  // Stage 2, WorldSizeInvariant (world > 1): receives DDP's chunk.
+  std::unique_ptr<LeafChunkOwner> leaf_owner_;
+  torch::Tensor leaf_shard_;  // this step's chunk (the pieces' .grad view it)
+  SyncRecorder sync_;         // stage 1 and the all-gathers: SyncStatistics
+  bool reduced_ = false;      // finish_gradients() ran since the last step
 };
 
 }  // namespace cohort

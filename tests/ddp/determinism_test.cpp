@@ -1,17 +1,25 @@
-// Determinism::WorldSizeInvariant: a CNN with BatchNorm and a small
-// transformer, AdamW with gradient clipping, 20 steps: parameters and
-// buffers bitwise equal (bytes compared) at worlds 1, 2, 4, 8 with L = 8 and
-// 1, 3, 6 with L = 12, and through an elastic resume 4 -> 3 (L = 12: the
-// state saved after 10 steps at world 4, 10 more at world 3). Negative control: without the option,
-// the same leaf loop (no_sync accumulation, ring all-reduce) differs between worlds 1 and 4, and
-// the test prints by how much. The canonical tree's shape and the refused uses are checked too.
+// Determinism::WorldSizeInvariant, for DDP and for ZeRO-2 over DDP (one
+// test per mode and model): a CNN with BatchNorm and a small transformer,
+// AdamW with gradient clipping, 20 steps: parameters and buffers bitwise
+// equal (bytes compared) at worlds 1, 2, 4, 8 with L = 8 and 1, 3, 6 with
+// L = 12, and through an elastic resume 4 -> 3 (L = 12: the state saved
+// after 10 steps at world 4, 10 more at world 3). ZeRO-2 clips by the
+// canonical norm (ZeroRedundancyOptimizer::clip_grad_norm). Negative
+// control: without the option, the same leaf loop (no_sync accumulation,
+// ring all-reduce or reduce-scatter) differs between worlds 1 and 4, and the
+// test prints by how much. The canonical tree's shape, the canonical norm
+// and the refused uses are checked too.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <iostream>
 #include <sstream>
 
+#include "cohort/core/torch_compat.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/grad_sync/canonical_norm.h"
+#include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/train/grad_norm.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
@@ -19,6 +27,8 @@ namespace cohort::testing::determinism_test {
 namespace {
 
 constexpr int kSteps = 20;
+
+enum class Mode { Ddp, Zero2 };
 
 // 2 images of 1 x 6 x 6 per leaf -> conv 3x3 -> BatchNorm -> ReLU -> linear.
 struct DetCnnImpl : torch::nn::Module {
@@ -86,8 +96,29 @@ bool same_bytes(const std::vector<torch::Tensor>& a, const std::vector<torch::Te
 // state as LibTorch serializes it (empty: a fresh optimizer).
 struct Checkpoint {
   std::vector<torch::Tensor> state;
-  std::string optimizer;
+  std::string optimizer;                                   // DDP: LibTorch's AdamW archive
+  std::vector<std::map<std::string, torch::Tensor>> zero;  // ZeRO: consolidated, per parameter
 };
+
+// Loads consolidated AdamW state into this rank's ZeRO pieces (a resharding
+// resume: the pieces of world 3 are not those of world 4).
+void load_zero_state(ZeroRedundancyOptimizer& zero,
+                     const std::vector<std::map<std::string, torch::Tensor>>& full) {
+  const auto& part = zero.partition();
+  for (size_t k = 0; k < part.pieces().size(); ++k) {
+    const auto& piece = part.pieces()[k];
+    const auto& m = full.at(piece.param);
+    if (m.empty()) continue;
+    auto slice = [&](const char* name) {
+      return m.at(name).reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
+    };
+    auto state = std::make_unique<torch::optim::AdamWParamState>();
+    state->step(m.at("step").item<int64_t>());
+    state->exp_avg(slice("exp_avg"));
+    state->exp_avg_sq(slice("exp_avg_sq"));
+    zero.shard_optimizer().state()[optimizer_state_key(zero.shard_pieces()[k])] = std::move(state);
+  }
+}
 
 // Trains `world` ranks on steps [begin, end) of `data` from `from` and
 // returns every rank's parameters followed by its buffers (rank 0's state
@@ -95,10 +126,10 @@ struct Checkpoint {
 // backward per leaf; without, the same leaves under no_sync() but the last,
 // each loss scaled by 1 / local leaves (DDP then averages over ranks).
 template <typename Holder>
-std::vector<std::vector<torch::Tensor>> train(int world, int64_t leaves, bool deterministic,
-                                              const Data& data, const Checkpoint& from,
-                                              int begin = 0, int end = kSteps,
-                                              Checkpoint* to = nullptr) {
+std::vector<std::vector<torch::Tensor>> train(Mode mode, int world, int64_t leaves,
+                                              bool deterministic, const Data& data,
+                                              const Checkpoint& from, int begin = 0,
+                                              int end = kSteps, Checkpoint* to = nullptr) {
   std::vector<std::vector<torch::Tensor>> got(world);
   run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
     Holder model;
@@ -109,22 +140,33 @@ std::vector<std::vector<torch::Tensor>> train(int world, int64_t leaves, bool de
       for (size_t i = 0; i < state.size(); ++i) state[i].copy_(from.state[i]);
     }
     DDPOptions options;
+    ZeroOptions zero_options;
+    zero_options.stage = 2;
     if (deterministic) {
-      options.determinism = Determinism::WorldSizeInvariant;
-      options.leaves = leaves;
+      options.determinism = zero_options.determinism = Determinism::WorldSizeInvariant;
+      options.leaves = zero_options.leaves = leaves;
     }
     DistributedDataParallel<Holder> ddp(model, comm, options);
-    torch::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.01));
-    if (!from.optimizer.empty()) {
-      std::istringstream bytes(from.optimizer);
-      torch::serialize::InputArchive archive;
-      archive.load_from(bytes);
-      opt.load(archive);
+    const auto adamw = torch::optim::AdamWOptions(0.01).weight_decay(0.01);
+    std::unique_ptr<torch::optim::AdamW> opt;
+    std::unique_ptr<ZeroRedundancyOptimizer> zero;
+    if (mode == Mode::Ddp) {
+      opt = std::make_unique<torch::optim::AdamW>(ddp.parameters(), adamw);
+      if (!from.optimizer.empty()) {
+        std::istringstream bytes(from.optimizer);
+        torch::serialize::InputArchive archive;
+        archive.load_from(bytes);
+        opt->load(archive);
+      }
+    } else {
+      zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, adamw, comm, zero_options);
+      if (!from.zero.empty()) load_zero_state(*zero, from.zero);
     }
+    ShardedGradNorm sharded(comm);
     const int64_t local = leaves / world;
     const int64_t first = local * comm->rank();
     for (int s = begin; s < end; ++s) {
-      opt.zero_grad();
+      opt ? opt->zero_grad() : zero->zero_grad();
       for (int64_t l = first; l < first + local; ++l) {
         // A leaf is a tensor of its own (fresh, aligned storage), as a loader's batch.
         auto x = data.xs[s][l].clone();
@@ -138,24 +180,40 @@ std::vector<std::vector<torch::Tensor>> train(int world, int64_t leaves, bool de
           (torch::mse_loss(ddp.forward(x), y) / static_cast<double>(local)).backward();
         }
       }
-      torch::nn::utils::clip_grad_norm_(ddp.parameters(), 0.05);  // active: norms are ~0.1-1
-      opt.step();
+      constexpr double kMaxNorm = 0.05;  // active: norms are ~0.1-1
+      if (opt) {
+        torch::nn::utils::clip_grad_norm_(ddp.parameters(), kMaxNorm);
+        opt->step();
+      } else if (deterministic) {
+        zero->clip_grad_norm(kMaxNorm);
+        zero->step();
+      } else {
+        zero->finish_gradients();
+        const auto& pieces = zero->shard_pieces();
+        clip_grad_norm(pieces, sharded.global_norm(pieces), kMaxNorm);
+        zero->step();
+      }
     }
     got[comm->rank()] = all_state(*model);
+    auto consolidated = zero ? zero->consolidate_state_dict(0)
+                             : std::vector<std::map<std::string, torch::Tensor>>{};
     if (to && comm->rank() == 0) {
       to->state = got[0];
-      torch::serialize::OutputArchive archive;
-      opt.save(archive);
-      std::ostringstream bytes;
-      archive.save_to(bytes);
-      to->optimizer = bytes.str();
+      to->zero = consolidated;
+      if (opt) {
+        torch::serialize::OutputArchive archive;
+        opt->save(archive);
+        std::ostringstream bytes;
+        archive.save_to(bytes);
+        to->optimizer = bytes.str();
+      }
     }
   });
   return got;
 }
 
 template <typename Holder>
-void check_model(bool cnn) {
+void check_model(Mode mode, bool cnn) {
   torch::set_num_threads(1);
   torch::manual_seed(5);
   Holder proto;
@@ -166,13 +224,13 @@ void check_model(bool cnn) {
   };
   for (const int64_t leaves : {8, 12}) {
     const auto data = make_data(cnn, leaves);
-    const auto reference = train<Holder>(1, leaves, true, data, init)[0];
+    const auto reference = train<Holder>(mode, 1, leaves, true, data, init)[0];
     ASSERT_GT(max_abs_diff(params_of(reference), params_of(init.state)), 1e-3)
         << "training moved nothing";
     const std::vector<int> worlds =
         leaves == 8 ? std::vector<int>{2, 4, 8} : std::vector<int>{3, 6};
     for (int world : worlds) {
-      const auto got = train<Holder>(world, leaves, true, data, init);
+      const auto got = train<Holder>(mode, world, leaves, true, data, init);
       for (int r = 0; r < world; ++r) {
         EXPECT_TRUE(same_bytes(got[r], reference))
             << "L " << leaves << " world " << world << " rank " << r << ": largest difference "
@@ -182,8 +240,8 @@ void check_model(bool cnn) {
     if (leaves == 12) {
       // Elastic resume: 10 steps at world 4, the state saved, 10 at world 3.
       Checkpoint middle;
-      train<Holder>(4, leaves, true, data, init, 0, kSteps / 2, &middle);
-      const auto resumed = train<Holder>(3, leaves, true, data, middle, kSteps / 2, kSteps);
+      train<Holder>(mode, 4, leaves, true, data, init, 0, kSteps / 2, &middle);
+      const auto resumed = train<Holder>(mode, 3, leaves, true, data, middle, kSteps / 2, kSteps);
       for (int r = 0; r < 3; ++r) {
         EXPECT_TRUE(same_bytes(resumed[r], reference))
             << "resumed 4 -> 3, rank " << r << ": largest difference "
@@ -192,26 +250,61 @@ void check_model(bool cnn) {
       continue;
     }
     // Negative control: the usual reduction order is not world-size invariant.
-    const auto plain1 = train<Holder>(1, leaves, false, data, init)[0];
-    const auto plain4 = train<Holder>(4, leaves, false, data, init)[0];
+    const auto plain1 = train<Holder>(mode, 1, leaves, false, data, init)[0];
+    const auto plain4 = train<Holder>(mode, 4, leaves, false, data, init)[0];
     const double off = max_abs_diff(params_of(plain1), params_of(plain4));
-    std::cout << (cnn ? "cnn" : "transformer")
+    std::cout << (mode == Mode::Ddp ? "ddp " : "zero-2 ") << (cnn ? "cnn" : "transformer")
               << ": without the option, world 1 and world 4 differ by " << off
               << " (largest parameter difference after " << kSteps << " steps)\n";
     EXPECT_FALSE(same_bytes(params_of(plain1), params_of(plain4)));
+    if (mode != Mode::Ddp) continue;
     // The canonical mean is the same mean, in another order: one step lands
     // where plain DDP's does, to rounding (20 steps of AdamW magnify rounding
     // to ~1e-3, as between worlds 1 and 4 above).
-    const auto det_one = train<Holder>(1, leaves, true, data, init, 0, 1)[0];
-    const auto plain_one = train<Holder>(1, leaves, false, data, init, 0, 1)[0];
+    const auto det_one = train<Holder>(mode, 1, leaves, true, data, init, 0, 1)[0];
+    const auto plain_one = train<Holder>(mode, 1, leaves, false, data, init, 0, 1)[0];
     EXPECT_LT(max_abs_diff(params_of(det_one), params_of(plain_one)), 1e-6);
     EXPECT_GT(max_abs_diff(params_of(det_one), params_of(init.state)), 1e-3);
   }
 }
 
-TEST(DdpDeterminism, CnnWithBatchNormBitwiseAtEveryWorld) { check_model<DetCnn>(true); }
+TEST(DdpDeterminism, CnnWithBatchNormBitwiseAtEveryWorld) { check_model<DetCnn>(Mode::Ddp, true); }
 
-TEST(DdpDeterminism, TransformerBitwiseAtEveryWorld) { check_model<DetTransformer>(false); }
+TEST(DdpDeterminism, TransformerBitwiseAtEveryWorld) {
+  check_model<DetTransformer>(Mode::Ddp, false);
+}
+
+TEST(DdpDeterminism, Zero2CnnWithBatchNormBitwiseAtEveryWorld) {
+  check_model<DetCnn>(Mode::Zero2, true);
+}
+
+TEST(DdpDeterminism, Zero2TransformerBitwiseAtEveryWorld) {
+  check_model<DetTransformer>(Mode::Zero2, false);
+}
+
+TEST(DdpDeterminism, CanonicalNormIsTheSameBitsForEverySlicing) {
+  // 10000 elements (blocks 4096, 4096, 1808) cut into the chunks ZeRO-2
+  // holds at worlds 2, 3, 5, 7, and into slices of 1000 over 16 ranks (six
+  // empty, blocks over five ranks): the same bits as over the whole.
+  torch::manual_seed(3);
+  const auto v = torch::randn({10000});
+  const double whole = canonical_squared_norm(nullptr, v, 0, v.numel());
+  EXPECT_NEAR(whole, v.to(torch::kFloat64).square().sum().item<double>(), 1e-9 * whole);
+  for (int world : {2, 3, 5, 7, 16}) {
+    std::vector<double> got(world);
+    run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+      const int64_t chunk = world == 16 ? 1000 : (v.numel() + world - 1) / world;
+      const int64_t lo = std::min<int64_t>(v.numel(), chunk * comm->rank());
+      const int64_t hi = std::min<int64_t>(v.numel(), lo + chunk);
+      got[comm->rank()] =
+          canonical_squared_norm(comm.get(), v.narrow(0, lo, hi - lo), lo, v.numel());
+    });
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(std::memcmp(&got[r], &whole, sizeof(double)), 0)
+          << "world " << world << " rank " << r << ": " << got[r] << " vs " << whole;
+    }
+  }
+}
 
 TEST(DdpDeterminism, CanonicalTreeShape) {
   LeafTree tree(12);
@@ -260,6 +353,17 @@ TEST(DdpDeterminism, RefusesWhatWouldReorderSums) {
     EXPECT_EQ(ddp.local_leaves(), 2);
     EXPECT_EQ(ddp.first_leaf(), 2 * comm->rank());
     EXPECT_THROW(ddp.register_comm_hook(std::make_shared<AllReduceHook>()), InvalidArgument);
+    // ZeRO with another leaf count than DDP's, or without DDP: refused.
+    ZeroOptions zo;
+    zo.stage = 2;
+    zo.determinism = Determinism::WorldSizeInvariant;
+    zo.leaves = 8;
+    EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+                     ddp, torch::optim::AdamWOptions(0.01), comm, zo),
+                 InvalidArgument);
+    EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
+                     ddp.parameters(), torch::optim::AdamWOptions(0.01), comm, zo),
+                 InvalidArgument);
     auto guard = ddp.no_sync();
     EXPECT_THROW(ddp.forward(torch::randn({2, 8})), InvalidArgument);
   });
