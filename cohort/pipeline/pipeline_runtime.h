@@ -120,29 +120,14 @@ class PipelineRuntime {
   const std::shared_ptr<Communicator>& shared_group() const { return group_; }
 
  private:
-  struct State;
+  struct State;  // the channel and the executor (internal headers)
   void check_local(const std::string& who) const;
   void check_agreement(const std::string& who, const std::string& local_error);
   std::string describe_maps() const;
-  std::string loss_error(int microbatch, double numel) const;
   void split_batch(const Tensors& inputs, const Tensors& targets);
   void run_action(const Action& action, PipelineStepResult& result);
-  void forward(int stage, int mb);
-  void backward(const Action& action);
-  void backward_weight(int stage, int mb);
-  void send_forward(int stage, int mb);
-  void recv_forward(int stage, int mb);
-  void send_backward(int stage, int mb);
-  void recv_backward(int stage, int mb);
+  void dispatch(const Action& action);
   void finish_step(PipelineStepResult& result);
-  void post_receives(size_t running);
-  void post_receive(const Action& action);
-  void reap_sends();
-  void release_sends(int peer, int peer_send_pos);
-  void send(const torch::Tensor& tensor, int dst, int tag);
-  void release_activations(int stage, int mb);
-  bool take_posted(int boundary, int dir, int mb, Tensors& out);
-  Work wait_recv(torch::Tensor& buffer, int src, int tag);
   std::shared_ptr<Communicator> group_;
   std::vector<PipelineStage> stages_;
   PipelineSchedule schedule_;

@@ -1,0 +1,299 @@
+#include "cohort/pipeline/boundary_channel.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <sstream>
+
+#include "cohort/core/error.h"
+#include "cohort/pipeline/pipeline_runtime.h"
+
+namespace cohort::pipeline {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kMetaSlots = 64;  // int64s in a boundary's shape message
+// begin_action refills the receive window once this few posted receives
+// remain (the memory model, schedule_memory, follows the same rule).
+constexpr size_t kRefillAt = 1;
+
+// Each (boundary, direction) owns a block of 2^16 tags (micro-batches below
+// kMetaMicrobatch, the shape message at it). The blocks of kMaxStages stages
+// end below 2^31; with more, a tag would wrap below zero or into another
+// block, so the runtime refuses them at construction.
+constexpr int64_t block_end(int stages) { return (int64_t{stages - 2} * 2 + 2) << 16; }
+static_assert(block_end(PipelineRuntime::kMaxStages) <= std::numeric_limits<int>::max(),
+              "the last boundary's tags fit in an int");
+static_assert(block_end(PipelineRuntime::kMaxStages + 1) > std::numeric_limits<int>::max(),
+              "kMaxStages is the most stages whose tags fit");
+
+std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
+  std::ostringstream os;
+  os << c10::toString(t) << '[';
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << ']';
+  return os.str();
+}
+
+// The peer's action matching each of `rank`'s communication actions, as a
+// position in the peer's list (-1 for compute actions).
+std::vector<int> peer_positions(const PipelineSchedule& s, int rank) {
+  using Key = std::tuple<ActionType, int, int>;
+  std::vector<std::map<Key, int>> pos(s.num_ranks);
+  for (int r = 0; r < s.num_ranks; ++r)
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const Action& a = s.actions[r][i];
+      if (!is_compute(a.type)) pos[r][{a.type, a.stage, a.microbatch}] = static_cast<int>(i);
+    }
+  std::vector<int> out;
+  for (const Action& a : s.actions[rank]) {
+    int stage = a.stage;
+    ActionType match = a.type;
+    switch (a.type) {
+      case ActionType::SendForward:
+        stage += 1, match = ActionType::RecvForward;
+        break;
+      case ActionType::SendBackward:
+        stage -= 1, match = ActionType::RecvBackward;
+        break;
+      case ActionType::RecvForward:
+        stage -= 1, match = ActionType::SendForward;
+        break;
+      case ActionType::RecvBackward:
+        stage += 1, match = ActionType::SendBackward;
+        break;
+      default:
+        out.push_back(-1);
+        continue;
+    }
+    out.push_back(pos[s.stage_to_rank[stage]].at({match, stage, a.microbatch}));
+  }
+  return out;
+}
+
+}  // namespace
+
+int message_tag(int boundary, int dir, int microbatch) {
+  const int64_t tag = 1 + ((int64_t{boundary} * 2 + dir) << 16) + microbatch;
+  COHORT_CHECK(tag <= std::numeric_limits<int>::max(), "pipeline message tag " << tag);
+  return static_cast<int>(tag);
+}
+
+BoundaryChannel::BoundaryChannel(Communicator& group, const PipelineSchedule& schedule,
+                                 Millis timeout, int recv_window)
+    : group_(group),
+      schedule_(schedule),
+      timeout_(timeout),
+      recv_window_(static_cast<size_t>(recv_window)),
+      rank_(group.rank()),
+      actions_(schedule.actions[rank_]),
+      peer_pos_(peer_positions(schedule, rank_)) {}
+
+// Once a boundary's shapes are agreed (on the first step), receives are
+// posted ahead: the next recv_window receive actions from the running one
+// on. A message then lands while this rank computes; posted at the receive
+// action, it would wait for the receiver to ask and for the sender's
+// transport to answer, on the critical path of every micro-batch. A
+// receive the window did not reach is posted at its own action.
+//
+// The window is refilled in bursts, once at most kRefillAt posted receives
+// remain, not one receive each time one is taken: every posting call in
+// the middle of a step (Gloo locks the pair and notifies the peer) can
+// stall a rank whose cores are shared, and a burst pays that once for
+// up to window - 1 receives (docs/benchmarks.md has the measurement). The
+// peak stays recv_window buffers.
+void BoundaryChannel::begin_action(size_t pc) {
+  if (pc == 0) post_cursor_ = 0;
+  running_ = pc;
+  post_cursor_ = std::max(post_cursor_, pc);
+  if (posted_.size() > kRefillAt) return;
+  while (post_cursor_ < actions_.size() && posted_.size() < recv_window_)
+    post_receive(actions_[post_cursor_++]);
+}
+
+void BoundaryChannel::end_action(size_t pc) {
+  const Action& a = actions_[pc];
+  if (a.type == ActionType::RecvForward || a.type == ActionType::RecvBackward) {
+    const int from = a.stage + (a.type == ActionType::RecvForward ? -1 : 1);
+    release_sends(schedule_.stage_to_rank[from], peer_pos_[pc]);
+  }
+  reap_sends();
+}
+
+void BoundaryChannel::post_receive(const Action& a) {
+  const bool fwd = a.type == ActionType::RecvForward;
+  if (!fwd && a.type != ActionType::RecvBackward) return;
+  const int boundary = fwd ? a.stage - 1 : a.stage;
+  const auto& metas = fwd ? recv_meta_ : sent_meta_;
+  auto it = metas.find(boundary);
+  if (it == metas.end() || !it->second.known) return;
+  const BoundaryMeta& meta = it->second;
+  const int src = schedule_.stage_to_rank[fwd ? a.stage - 1 : a.stage + 1];
+  const int dir = fwd ? 0 : 1;
+  auto& list = posted_[{boundary, dir, a.microbatch}];
+  for (size_t i = 0; i < meta.shapes.size(); ++i) {
+    if (!fwd && !c10::isFloatingType(meta.dtypes[i])) continue;  // no gradient
+    torch::Tensor buf = torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
+    Work w = group_.recv(buf, src, {message_tag(boundary, dir, a.microbatch), timeout_});
+    list.emplace_back(std::move(w), buf);
+  }
+}
+
+bool BoundaryChannel::take_posted(int boundary, int dir, int mb, Tensors& out) {
+  auto it = posted_.find({boundary, dir, mb});
+  if (it == posted_.end()) return false;
+  for (auto& [work, buf] : it->second) {
+    wait_timed(work);
+    out.push_back(buf);
+  }
+  posted_.erase(it);
+  return true;
+}
+
+// Waits; in traced runs also counts the time blocked.
+void BoundaryChannel::wait_timed(Work& work) {
+  if (!active(group_.tracer())) {
+    work.wait();
+    return;
+  }
+  const auto start = Clock::now();
+  work.wait();
+  blocked_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+}
+
+void BoundaryChannel::wait_recv(torch::Tensor& buffer, int src, int tag) {
+  Work w = group_.recv(buffer, src, {tag, timeout_});
+  wait_timed(w);
+}
+
+int64_t BoundaryChannel::take_blocked_ns() { return std::exchange(blocked_ns_, 0); }
+
+void BoundaryChannel::send(const torch::Tensor& tensor, int dst, int tag) {
+  torch::Tensor c = tensor.detach().contiguous();
+  Work w = group_.send(c, dst, {tag});
+  sends_.push_back({std::move(w), c, dst, peer_pos_[running_]});
+}
+
+// A completed send's tensor goes at once, not at the step's end: a step
+// otherwise keeps every output it sent, m of them.
+void BoundaryChannel::reap_sends() {
+  auto done = std::remove_if(sends_.begin(), sends_.end(), [](PendingSend& s) {
+    if (!s.work.is_completed()) return false;
+    s.work.wait();  // a failed send throws here, naming its call
+    return true;
+  });
+  sends_.erase(done, sends_.end());
+}
+
+// A message from `peer` that it sent at its action `peer_send_pos` has
+// arrived. Every send of ours that the peer received at an earlier action
+// has arrived too, so its wait returns at once: the engine can tell (Gloo's
+// sends complete only in wait) and the tensor goes. Without this a rank
+// would keep its sends until the step's end, m of them.
+void BoundaryChannel::release_sends(int peer, int peer_send_pos) {
+  auto done = std::remove_if(sends_.begin(), sends_.end(), [&](PendingSend& s) {
+    if (s.peer != peer || s.peer_recv_pos >= peer_send_pos) return false;
+    s.work.wait();
+    return true;
+  });
+  sends_.erase(done, sends_.end());
+}
+
+void BoundaryChannel::send_forward(int stage, int mb, const Tensors& out) {
+  const int dst = schedule_.stage_to_rank[stage + 1];
+  BoundaryMeta& meta = sent_meta_[stage];
+  if (!meta.known) {
+    // The boundary's shapes, once: count, then (dtype, ndim, sizes...) each.
+    std::vector<int64_t> enc{static_cast<int64_t>(out.size())};
+    for (const auto& t : out) {
+      enc.push_back(static_cast<int64_t>(t.scalar_type()));
+      enc.push_back(t.dim());
+      for (auto d : t.sizes()) enc.push_back(d);
+      meta.shapes.push_back(t.sizes().vec());
+      meta.dtypes.push_back(t.scalar_type());
+    }
+    if (enc.size() > static_cast<size_t>(kMetaSlots))
+      throw InvalidArgument("PipelineRuntime: stage " + std::to_string(stage) +
+                            " sends too many tensors or dimensions to describe (" +
+                            std::to_string(enc.size()) + " > 64 values)");
+    enc.resize(kMetaSlots, 0);
+    send(torch::tensor(enc, torch::kInt64), dst, message_tag(stage, 0, kMetaMicrobatch));
+    meta.known = true;
+  }
+  check_same(stage, mb, out, meta);
+  for (const auto& t : out) send(t, dst, message_tag(stage, 0, mb));
+}
+
+void BoundaryChannel::check_same(int stage, int mb, const Tensors& out,
+                                 const BoundaryMeta& meta) const {
+  bool same = out.size() == meta.shapes.size();
+  for (size_t i = 0; same && i < out.size(); ++i)
+    same = out[i].sizes().vec() == meta.shapes[i] && out[i].scalar_type() == meta.dtypes[i];
+  if (same) return;
+  std::ostringstream os;
+  os << "PipelineRuntime on rank " << rank_ << ": stage " << stage << " micro-batch " << mb
+     << " outputs [";
+  for (size_t i = 0; i < out.size(); ++i)
+    os << (i ? ", " : "") << shape_text(out[i].sizes().vec(), out[i].scalar_type());
+  os << "], expected [";
+  for (size_t i = 0; i < meta.shapes.size(); ++i)
+    os << (i ? ", " : "") << shape_text(meta.shapes[i], meta.dtypes[i]);
+  os << "] (agreed on the boundary's first message)";
+  throw InvalidArgument(os.str());
+}
+
+Tensors BoundaryChannel::recv_forward(int stage, int mb) {
+  const int src = schedule_.stage_to_rank[stage - 1];
+  Tensors in;
+  if (take_posted(stage - 1, 0, mb, in)) return in;
+  BoundaryMeta& meta = recv_meta_[stage - 1];
+  if (!meta.known) {
+    torch::Tensor m = torch::empty({kMetaSlots}, torch::kInt64);
+    wait_recv(m, src, message_tag(stage - 1, 0, kMetaMicrobatch));
+    auto a = m.accessor<int64_t, 1>();
+    int64_t k = 1;
+    for (int64_t i = 0; i < a[0]; ++i) {
+      meta.dtypes.push_back(static_cast<c10::ScalarType>(a[k]));
+      int64_t nd = a[k + 1];
+      meta.shapes.emplace_back(&a[k + 2], &a[k + 2] + nd);
+      k += 2 + nd;
+    }
+    meta.known = true;
+  }
+  for (size_t i = 0; i < meta.shapes.size(); ++i) {
+    torch::Tensor buf = torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
+    wait_recv(buf, src, message_tag(stage - 1, 0, mb));
+    in.push_back(buf);
+  }
+  return in;
+}
+
+void BoundaryChannel::send_backward(int stage, int mb, const Tensors& grads) {
+  const int dst = schedule_.stage_to_rank[stage - 1];
+  for (const auto& g : grads) send(g, dst, message_tag(stage - 1, 1, mb));
+}
+
+Tensors BoundaryChannel::recv_backward(int stage, int mb, const Tensors& outputs) {
+  const int src = schedule_.stage_to_rank[stage + 1];
+  Tensors grads;
+  if (take_posted(stage, 1, mb, grads)) return grads;
+  for (const auto& o : outputs) {
+    if (!o.is_floating_point()) continue;
+    torch::Tensor buf = torch::empty_like(o, torch::MemoryFormat::Contiguous);
+    wait_recv(buf, src, message_tag(stage, 1, mb));
+    grads.push_back(buf);
+  }
+  return grads;
+}
+
+void BoundaryChannel::finish() {
+  for (auto& pending : sends_) pending.work.wait();
+  sends_.clear();
+}
+
+void BoundaryChannel::abort() {
+  sends_.clear();
+  posted_.clear();
+}
+
+}  // namespace cohort::pipeline

@@ -1,0 +1,111 @@
+// defines: BoundaryChannel: the messages between one rank's pipeline stages
+// and its peers' (internal to PipelineRuntime).
+//
+// Wire: a message across boundary b (stage b -> b + 1) carries tag
+// message_tag(b, dir, micro-batch), dir 0 forward (activations), 1 backward
+// (input gradients). Each boundary's shapes and dtypes travel once, in a
+// 64-int64 shape message on its first forward send; a later output that
+// differs is refused. Gradients travel for floating-point tensors only.
+//
+// Threading: one thread. Every call comes from the thread running
+// PipelineRuntime::step; the channel takes no lock and none of its calls is
+// safe to overlap (the Communicator's own calls are, but this state is not).
+//
+// Ordering: a rank calls begin_action/end_action around each action of its
+// list, in list order. Receives are posted in that order, at most
+// `recv_window` ahead, each before anything waits on its tag; a send's
+// tensor is kept until its Work is known complete (polled, or proven by a
+// later message from the same peer, see release_sends); finish() waits for
+// every send, abort() drops everything after a failed step.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/pipeline/pipeline_stage.h"
+#include "cohort/pipeline/schedule.h"
+
+namespace cohort::pipeline {
+
+/// The most micro-batches a schedule may have: the tag of micro-batch
+/// kMetaMicrobatch is the boundary's shape message.
+constexpr int kMetaMicrobatch = 0xFFFF;
+
+/// The tag of a message across `boundary` in direction `dir` (0 forward,
+/// 1 backward) for `microbatch`: 1 + ((boundary * 2 + dir) << 16) + mb.
+int message_tag(int boundary, int dir, int microbatch);
+
+/// Shapes and dtypes that cross one boundary, agreed on its first message.
+struct BoundaryMeta {
+  bool known = false;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<c10::ScalarType> dtypes;
+};
+
+/// One rank's sends and receives across its stages' boundaries.
+class BoundaryChannel {
+ public:
+  BoundaryChannel(Communicator& group, const PipelineSchedule& schedule, Millis timeout,
+                  int recv_window);
+
+  /// Before action `pc` of this rank's list: refills the receive window.
+  void begin_action(size_t pc);
+  /// After action `pc`: drops the sends now known complete.
+  void end_action(size_t pc);
+  /// Sends stage `stage`'s outputs of micro-batch `mb` to the next stage
+  /// (the shape message first, once per boundary).
+  void send_forward(int stage, int mb, const Tensors& outputs);
+  /// Stage `stage`'s inputs of micro-batch `mb` from the previous stage.
+  Tensors recv_forward(int stage, int mb);
+  /// Sends stage `stage`'s input gradients to the previous stage.
+  void send_backward(int stage, int mb, const Tensors& grads);
+  /// The gradients of stage `stage`'s floating-point `outputs`.
+  Tensors recv_backward(int stage, int mb, const Tensors& outputs);
+  /// Waits for every send of the step (their errors surface here).
+  void finish();
+  /// Forgets every posted receive and pending send (a failed step).
+  void abort();
+  /// Nanoseconds blocked in receives since the last call (traced runs).
+  int64_t take_blocked_ns();
+
+ private:
+  // A send not known to be complete, and the position of its receive in the
+  // peer's action list.
+  struct PendingSend {
+    Work work;
+    torch::Tensor tensor;
+    int peer;
+    int peer_recv_pos;
+  };
+  void post_receive(const Action& action);
+  bool take_posted(int boundary, int dir, int mb, Tensors& out);
+  void wait_recv(torch::Tensor& buffer, int src, int tag);
+  void wait_timed(Work& work);
+  void send(const torch::Tensor& tensor, int dst, int tag);
+  void reap_sends();
+  void release_sends(int peer, int peer_send_pos);
+  void check_same(int stage, int mb, const Tensors& out, const BoundaryMeta& meta) const;
+
+  Communicator& group_;
+  const PipelineSchedule& schedule_;
+  const Millis timeout_;
+  const size_t recv_window_;
+  const int rank_;
+  const std::vector<Action>& actions_;
+  // Per action of this rank: for a send, the position of its receive in the
+  // peer's action list; for a receive, the position of its send there.
+  const std::vector<int> peer_pos_;
+  std::map<int, BoundaryMeta> sent_meta_, recv_meta_;
+  std::vector<PendingSend> sends_;
+  // Receives posted ahead, by (boundary, direction, micro-batch).
+  std::map<std::tuple<int, int, int>, std::vector<std::pair<Work, torch::Tensor>>> posted_;
+  size_t post_cursor_ = 0;  // the next action begin_action looks at
+  size_t running_ = 0;      // the action being run
+  int64_t blocked_ns_ = 0;
+};
+
+}  // namespace cohort::pipeline

@@ -1,0 +1,299 @@
+#include "cohort/pipeline/stage_executor.h"
+
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "cohort/core/error.h"
+
+namespace cohort::pipeline {
+namespace {
+
+bool needs_grad(const torch::Tensor& t) { return t.defined() && t.requires_grad(); }
+
+void add_gradients(const std::vector<torch::Tensor>& params,
+                   const std::vector<torch::Tensor>& grads, size_t offset) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& g = grads[offset + i];
+    if (!g.defined()) continue;
+    torch::Tensor p = params[i];
+    if (p.grad().defined())
+      p.mutable_grad().add_(g);
+    else
+      p.mutable_grad() = g.detach();
+  }
+}
+
+}  // namespace
+
+const char* slot_state_name(SlotState state) {
+  switch (state) {
+    case SlotState::Free:
+      return "Free";
+    case SlotState::Forwarded:
+      return "Forwarded";
+    case SlotState::WeightsAndGrads:
+      return "WeightsAndGrads";
+    case SlotState::Weights:
+      return "Weights";
+    case SlotState::Grads:
+      return "Grads";
+  }
+  return "?";
+}
+
+StageExecutor::StageExecutor(const std::vector<PipelineStage>& stages,
+                             const PipelineSchedule& schedule, int rank,
+                             const PipelineLossFn& loss_fn)
+    : schedule_(schedule), rank_(rank), loss_fn_(loss_fn) {
+  split_backward_.assign(schedule_.num_stages, false);
+  for (const auto& act : schedule_.actions[rank])
+    if (act.type == ActionType::BackwardInput) split_backward_[act.stage] = true;
+  for (const auto& st : stages) local_[st.index()] = &st;
+}
+
+void StageExecutor::begin_step(std::vector<Tensors> micro_inputs,
+                               std::vector<Tensors> micro_targets) {
+  micro_inputs_ = std::move(micro_inputs);
+  micro_targets_ = std::move(micro_targets);
+  losses_ = StepLosses{};
+  losses_.losses.assign(schedule_.num_microbatches, 0.0);
+  live_ = peak_live_ = 0;
+}
+
+void StageExecutor::put_inputs(int stage, int mb, Tensors inputs) {
+  received_inputs_[{stage, mb}] = std::move(inputs);
+}
+
+void StageExecutor::put_grads(int stage, int mb, Tensors grads) {
+  received_grads_[{stage, mb}] = std::move(grads);
+}
+
+SlotState StageExecutor::state(int stage, int mb) const {
+  auto it = slots_.find({stage, mb});
+  return it == slots_.end() ? SlotState::Free : it->second.state;
+}
+
+// The slot of `key`, which must be in one of the states `from`.
+StageExecutor::Slot& StageExecutor::slot_in(const Key& key, std::initializer_list<SlotState> from,
+                                            const char* action) {
+  auto it = slots_.find(key);
+  const SlotState now = it == slots_.end() ? SlotState::Free : it->second.state;
+  if (std::find(from.begin(), from.end(), now) == from.end()) {
+    std::ostringstream os;
+    for (SlotState s : from) os << (s == *from.begin() ? "" : " or ") << slot_state_name(s);
+    COHORT_CHECK(false, "PipelineRuntime on rank " << rank_ << ": " << action << " of stage "
+                                                   << key.first << " micro-batch " << key.second
+                                                   << " found its slot " << slot_state_name(now)
+                                                   << ", expected " << os.str());
+  }
+  return it->second;
+}
+
+void StageExecutor::move_to(std::map<Key, Slot>::iterator it, SlotState to) {
+  if (to == SlotState::Free)
+    slots_.erase(it);
+  else
+    it->second.state = to;
+}
+
+const Tensors& StageExecutor::outputs(int stage, int mb) const {
+  auto it = slots_.find({stage, mb});
+  const SlotState now = it == slots_.end() ? SlotState::Free : it->second.state;
+  COHORT_CHECK(now == SlotState::Forwarded, "PipelineRuntime on rank "
+                                                << rank_ << ": the outputs of stage " << stage
+                                                << " micro-batch " << mb << " are wanted in state "
+                                                << slot_state_name(now) << ", expected Forwarded");
+  return it->second.outputs;
+}
+
+Tensors StageExecutor::take_input_grads(int stage, int mb) {
+  Slot& slot = slot_in({stage, mb}, {SlotState::Grads, SlotState::WeightsAndGrads},
+                       "handing over the input gradients");
+  Tensors grads = std::move(slot.input_grads);
+  slot.input_grads.clear();
+  // W still needs the slot after an I.
+  const bool weights = slot.state == SlotState::WeightsAndGrads;
+  move_to(slots_.find({stage, mb}), weights ? SlotState::Weights : SlotState::Free);
+  return grads;
+}
+
+// F's inputs: the micro-batch (stage 0), the received tensors, or the
+// previous local stage's outputs.
+Tensors StageExecutor::stage_inputs(int stage, int mb) {
+  if (stage == 0) return micro_inputs_[mb];
+  Tensors in;
+  auto it = received_inputs_.find({stage, mb});
+  if (it != received_inputs_.end()) {
+    in = std::move(it->second);
+    received_inputs_.erase(it);
+  } else {
+    in = outputs(stage - 1, mb);  // the same rank: no copy
+  }
+  // A graph per stage, so that each stage's backward stops at its inputs.
+  for (auto& t : in)
+    if (t.is_floating_point()) t = t.detach().requires_grad_(true);
+  return in;
+}
+
+void StageExecutor::forward(int stage, int mb) {
+  const Key key{stage, mb};
+  slot_in(key, {SlotState::Free}, "F");
+  Tensors in = stage_inputs(stage, mb);
+  Slot slot;
+  const PipelineStage& ps = *local_.at(stage);
+  Tensors out = ps.forward(in, split_backward_[stage] ? &slot.units : nullptr);
+  peak_live_ = std::max(peak_live_, ++live_);
+  slot.inputs = std::move(in);
+  slot.state = SlotState::Forwarded;
+  Slot& held = slots_[key] = std::move(slot);
+  if (stage != schedule_.num_stages - 1)
+    held.outputs = std::move(out);
+  else
+    apply_loss(mb, held, out);
+}
+
+void StageExecutor::apply_loss(int mb, Slot& slot, const Tensors& out) {
+  torch::Tensor loss = loss_fn_(out, micro_targets_[mb]);
+  if (loss.numel() != 1 || !loss.requires_grad()) {
+    // Refused on every rank at the step's end, not here, where the other
+    // ranks wait for this micro-batch's gradients. Until then a zero
+    // without a graph stands in, so every stage's backward sends zeros and
+    // the schedule runs to its end.
+    if (losses_.bad_mb < 0) losses_.bad_mb = mb, losses_.bad_numel = loss.numel();
+    losses_.losses[mb] = loss.numel() == 1 ? loss.item<double>() : std::nan("");
+    slot.outputs = {torch::zeros({})};
+    return;
+  }
+  losses_.losses[mb] = loss.item<double>();
+  // The gradient convention (pipeline_runtime.h): d(loss / m).
+  slot.outputs = {loss.reshape({}) / schedule_.num_microbatches};
+}
+
+// The gradients of a Forwarded slot's outputs: ones for the loss, else
+// received or handed over by the next local stage.
+Tensors StageExecutor::output_grads(int stage, int mb, const Slot& slot) {
+  if (stage == schedule_.num_stages - 1) return {torch::ones_like(slot.outputs[0])};
+  auto it = received_grads_.find({stage, mb});
+  if (it == received_grads_.end()) return take_input_grads(stage + 1, mb);
+  Tensors grads = std::move(it->second);
+  received_grads_.erase(it);
+  return grads;
+}
+
+void StageExecutor::backward(int stage, int mb, bool full) {
+  Slot& slot = slot_in({stage, mb}, {SlotState::Forwarded}, full ? "B" : "I");
+  const Tensors grads = output_grads(stage, mb, slot);
+  // Floating-point outputs pair with the gradients, in order.
+  Tensors roots, root_grads;
+  size_t gi = 0;
+  for (const auto& o : slot.outputs) {
+    if (!o.is_floating_point()) continue;
+    COHORT_CHECK(gi < grads.size(), "stage " << stage << " has more outputs than gradients");
+    if (needs_grad(o)) roots.push_back(o), root_grads.push_back(grads[gi]);
+    ++gi;
+  }
+  // Stage 0's inputs are the batch: no stage takes their gradients.
+  const bool send_back = stage > 0;
+  Tensors want;
+  std::vector<size_t> input_pos;
+  for (size_t i = 0; send_back && i < slot.inputs.size(); ++i)
+    if (needs_grad(slot.inputs[i])) want.push_back(slot.inputs[i]), input_pos.push_back(i);
+  const size_t n_inputs = want.size();
+  const PipelineStage& ps = *local_.at(stage);
+  const bool by_unit = !full && !slot.units.empty();
+  if (full) want.insert(want.end(), ps.parameters().begin(), ps.parameters().end());
+  if (by_unit)
+    for (const auto& u : slot.units) want.push_back(u.output);
+  Tensors got;
+  if (!roots.empty() && !want.empty())
+    got = torch::autograd::grad(roots, want, root_grads, /*retain_graph=*/!full,
+                                /*create_graph=*/false, /*allow_unused=*/true);
+  keep_input_grads(stage, slot, got, input_pos);
+  auto it = slots_.find({stage, mb});
+  if (full) {
+    if (!got.empty()) add_gradients(ps.parameters(), got, n_inputs);
+    release_activations(it);
+    return;
+  }
+  if (by_unit) {
+    slot.unit_grads.assign(got.begin() + (got.empty() ? 0 : n_inputs), got.end());
+    if (got.empty()) slot.units.clear();
+    slot.roots.clear();
+  } else {
+    slot.roots = std::move(roots), slot.root_grads = std::move(root_grads);
+  }
+  move_to(it, send_back ? SlotState::WeightsAndGrads : SlotState::Weights);
+}
+
+// Every floating-point input gets a gradient (zeros where unused): the
+// receiver expects one message per floating-point boundary tensor.
+void StageExecutor::keep_input_grads(int stage, Slot& slot, const Tensors& got,
+                                     const std::vector<size_t>& input_pos) {
+  slot.input_grads.clear();
+  for (size_t i = 0, k = 0; stage > 0 && i < slot.inputs.size(); ++i) {
+    if (!slot.inputs[i].is_floating_point()) continue;
+    torch::Tensor g;
+    if (k < input_pos.size() && input_pos[k] == i) {
+      if (!got.empty()) g = got[k];
+      ++k;
+    }
+    slot.input_grads.push_back(g.defined() ? g : torch::zeros_like(slot.inputs[i]));
+  }
+}
+
+void StageExecutor::backward_weight(int stage, int mb) {
+  Slot& slot = slot_in({stage, mb}, {SlotState::WeightsAndGrads, SlotState::Weights}, "W");
+  const PipelineStage& ps = *local_.at(stage);
+  if (!slot.units.empty()) {
+    // Each layer from its own output gradient: the engine runs only the
+    // nodes between that output and the layer's parameters.
+    for (size_t u = 0; u < slot.units.size(); ++u) {
+      const auto& unit = slot.units[u];
+      if (!needs_grad(unit.output) || !slot.unit_grads[u].defined()) continue;
+      auto g = torch::autograd::grad({unit.output}, unit.parameters, {slot.unit_grads[u]},
+                                     /*retain_graph=*/true, false, /*allow_unused=*/true);
+      add_gradients(unit.parameters, g, 0);
+    }
+  } else if (!slot.roots.empty() && !ps.parameters().empty()) {
+    auto g =
+        torch::autograd::grad(slot.roots, ps.parameters(), slot.root_grads, false, false, true);
+    add_gradients(ps.parameters(), g, 0);
+  }
+  release_activations(slots_.find({stage, mb}));
+}
+
+// After the micro-batch's last backward action on the stage (B, or W after
+// an I). Input gradients still waiting for their SEND_B or the previous
+// local stage keep the slot, in Grads.
+void StageExecutor::release_activations(std::map<Key, Slot>::iterator it) {
+  Slot& slot = it->second;
+  const bool hand_over = slot.state == SlotState::WeightsAndGrads ||
+                         (slot.state == SlotState::Forwarded && it->first.first > 0);
+  slot.inputs.clear(), slot.outputs.clear(), slot.units.clear(), slot.unit_grads.clear();
+  slot.roots.clear(), slot.root_grads.clear();
+  --live_;
+  move_to(it, hand_over ? SlotState::Grads : SlotState::Free);
+}
+
+void StageExecutor::end_step() {
+  auto it = slots_.begin();
+  if (it == slots_.end()) return;
+  const Key key = it->first;
+  const SlotState now = it->second.state;
+  abort();
+  COHORT_CHECK(false, "PipelineRuntime on rank " << rank_ << ": the step ended with stage "
+                                                 << key.first << " micro-batch " << key.second
+                                                 << " in state " << slot_state_name(now)
+                                                 << ", expected Free");
+}
+
+void StageExecutor::abort() {
+  slots_.clear();
+  received_inputs_.clear();
+  received_grads_.clear();
+}
+
+}  // namespace cohort::pipeline
