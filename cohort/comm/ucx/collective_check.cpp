@@ -77,8 +77,12 @@ void CollectiveCheck::begin(const Descriptor& d, std::vector<int64_t> send_count
     in_collective_ = true;
     collectives_ = d.seq;
   }
-  for (int q = 0; q < size_ && !worker_.failure_.failed(); ++q) {
-    const std::string why = outlived(q, worker_.control_.closed_after(q));
+  // A peer that closed before this collective never runs it. Read without
+  // a lock first: this runs before every collective.
+  for (int q = 0; q < size_; ++q) {
+    const int64_t n = worker_.control_.closed_after(q);
+    if (n >= d.seq) continue;
+    const std::string why = outlived(q, n);
     if (!why.empty()) worker_.failure_.fail(why, true);
   }
 }
