@@ -1,26 +1,11 @@
 #include "cohort/comm/collective_checker.h"
 
-#include <map>
-#include <sstream>
 #include <vector>
 
 #include "cohort/core/error.h"
+#include "cohort/core/signature.h"
 
 namespace cohort {
-
-namespace {
-std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  if (ranks.size() == 1) {
-    os << "rank " << ranks[0];
-    return os.str();
-  }
-  os << "ranks [";
-  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  os << "]";
-  return os.str();
-}
-}  // namespace
 
 CollectiveChecker::CollectiveChecker(std::shared_ptr<Store> store, int rank, int size)
     : store_(std::move(store)), rank_(rank), size_(size) {}
@@ -43,9 +28,9 @@ void CollectiveChecker::verify(const std::string& fingerprint, Millis timeout) {
     for (int r = 0; r < size_; ++r) {
       if (!store_->check({keys[r]})) absent.push_back(r);
     }
-    throw TimeoutError("debug check of collective #" + std::to_string(seq) + " (" +
-                       fingerprint + "): " + rank_list(absent) +
-                       " did not reach it within " + std::to_string(timeout.count()) +
+    throw TimeoutError("debug check of collective #" + std::to_string(seq) + " (" + fingerprint +
+                       "): " + name_ranks(absent) + " did not reach it within " +
+                       std::to_string(timeout.count()) +
                        " ms (a different number of collectives, or a dead rank)");
   }
 
@@ -53,16 +38,13 @@ void CollectiveChecker::verify(const std::string& fingerprint, Millis timeout) {
   // this rank's old key can go.
   if (seq > 0) store_->delete_key(key(seq - 1, rank_));
 
-  std::map<std::string, std::vector<int>> by_print;
+  // The one collective checker (core/signature.h) decides and words it.
+  std::vector<std::string> calls;
   for (int r = 0; r < size_; ++r) {
-    by_print[r == rank_ ? fingerprint : store_->get_string(keys[r])].push_back(r);
+    calls.push_back(r == rank_ ? fingerprint : store_->get_string(keys[r]));
   }
-  if (by_print.size() == 1) return;
-
-  std::ostringstream os;
-  os << "collective #" << seq << " differs across ranks:";
-  for (auto& [print, ranks] : by_print) os << " " << rank_list(ranks) << " called " << print << ";";
-  throw MismatchError(os.str());
+  const std::string differs = compare_calls("debug check", static_cast<int64_t>(seq), rank_, calls);
+  if (!differs.empty()) throw MismatchError(differs);
 }
 
 }  // namespace cohort

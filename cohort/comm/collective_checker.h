@@ -1,9 +1,11 @@
-// defines: CollectiveChecker, debug mode's cross-rank agreement check.
+// defines: CollectiveChecker, debug mode's exchange of full calls.
 //
 // With COHORT_DEBUG=detail every collective first publishes a fingerprint
 // ("all_reduce(op=sum, dtype=float32, shape=[4, 5])") to the store and reads
-// everyone else's. Ranks that called something else, or never arrived, are
-// named in the error instead of the job hanging or reducing garbage.
+// everyone else's; the one collective checker (compare_calls in
+// core/signature.h, which every engine's check uses too) decides whether
+// they agree and names both calls and each group of ranks. Ranks that never
+// arrive are named in the timeout instead of the job hanging.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,8 @@
 #include "cohort/core/signature.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "cohort/core/tensor_checks.h"
 
 namespace cohort {
@@ -88,15 +91,51 @@ Signature from_words(const int64_t* w) {
   return s;
 }
 
+std::string name_ranks(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks [";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return ranks.size() == 1 ? s : s + "]";
+}
+
+std::string differing_calls(const std::string& engine, int64_t seq, const std::string& who,
+                            const std::string& mine, int peer, const std::string& theirs,
+                            const std::string& note) {
+  return engine + ": collective #" + std::to_string(seq) + ": " + who + " called " + mine +
+         " but rank " + std::to_string(peer) + " called " + theirs +
+         (note.empty() ? "" : " (" + note + ")") + ": the ranks called different collectives";
+}
+
 std::string mismatch_message(const std::string& engine, const Signature& mine, int peer,
                              const Signature& theirs) {
   const std::string what =
       theirs.seq == mine.seq ? theirs.describe()
       : theirs.seq < 0       ? "a collective it did not describe"
                        : theirs.describe() + " as its collective #" + std::to_string(theirs.seq);
-  return engine + ": collective #" + std::to_string(mine.seq) + ": this rank called " +
-         mine.describe() + " but rank " + std::to_string(peer) + " called " + what +
-         ": the ranks called different collectives";
+  return differing_calls(engine, mine.seq, "this rank", mine.describe(), peer, what);
+}
+
+std::string compare_calls(const std::string& engine, int64_t seq, int rank,
+                          const std::vector<std::string>& calls) {
+  const auto& mine = calls[static_cast<size_t>(rank)];
+  int peer = -1;
+  for (size_t q = 0; q < calls.size() && peer < 0; ++q) {
+    if (calls[q] != mine) peer = static_cast<int>(q);
+  }
+  if (peer < 0) return "";
+  // Each group of ranks with its call, in the order of each group's first rank.
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (size_t q = 0; q < calls.size(); ++q) {
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const auto& x) { return x.first == calls[q]; });
+    if (g == groups.end()) g = groups.insert(groups.end(), {calls[q], {}});
+    g->second.push_back(static_cast<int>(q));
+  }
+  std::string note;
+  for (const auto& [call, ranks] : groups) {
+    note += (note.empty() ? "" : "; ") + name_ranks(ranks) + " called " + call;
+  }
+  return differing_calls(engine, seq, "this rank", mine, peer, calls[static_cast<size_t>(peer)],
+                         note);
 }
 
 namespace {
@@ -124,10 +163,7 @@ std::string compare_rows(const std::string& engine, const Signature& s,
 
 std::string silent_peers_message(const std::vector<int>& silent, Millis waited,
                                  const std::string& not_doing) {
-  std::string s = silent.size() == 1 ? "rank " : "ranks [";
-  for (size_t i = 0; i < silent.size(); ++i) s += (i ? ", " : "") + std::to_string(silent[i]);
-  if (silent.size() != 1) s += "]";
-  return s + " did not answer within " + std::to_string(waited.count()) +
+  return name_ranks(silent) + " did not answer within " + std::to_string(waited.count()) +
          " ms: stopped (SIGSTOP, a debugger), hung, or not " + not_doing;
 }
 

@@ -67,11 +67,28 @@ inline constexpr int kSignatureWords = 4;
 void to_words(const Signature& s, int64_t* words);
 Signature from_words(const int64_t* words);
 
-// "<engine>: collective #3: this rank called X but rank 1 called Y: the
-// ranks called different collectives" (theirs.seq < 0: a peer's message
-// that did not describe its collective).
+// The one collective checker: every engine's check (UCX's messages, Gloo's
+// and MPI's exchanges) and debug mode's store check of full calls decide
+// and word a difference here.
+//
+// "rank 1" or "ranks [0, 2]".
+std::string name_ranks(const std::vector<int>& ranks);
+// "<engine>: collective #3: <who> called X but rank 1 called Y[ (<note>)]:
+// the ranks called different collectives": the one wording of two ranks'
+// calls that differ (`who`: "this rank", or "rank 2" in a notice).
+std::string differing_calls(const std::string& engine, int64_t seq, const std::string& who,
+                            const std::string& mine, int peer, const std::string& theirs,
+                            const std::string& note = "");
+// differing_calls of two signatures (theirs.seq < 0: a peer's message that
+// did not describe its collective; another seq is named).
 std::string mismatch_message(const std::string& engine, const Signature& mine, int peer,
                              const Signature& theirs);
+// Every rank's call as text (debug mode's full calls, with shapes): empty
+// when all are the same, else differing_calls of this rank's and the first
+// peer's that differs, with each group of ranks and its call as the note
+// ("ranks [0, 2] called X; rank 1 called Y").
+std::string compare_calls(const std::string& engine, int64_t seq, int rank,
+                          const std::vector<std::string>& calls);
 
 // An exchange with every peer (engines over point-to-point): row q of
 // `rows` (size x kSignatureWords) is what this rank sends rank q, `s` with

@@ -159,9 +159,8 @@ Worker::Worker(Store& store, int rank, int size, const WorkerConfig& config, Mil
     : rank_(rank),
       size_(size),
       peer_slots_(new PeerSlot[static_cast<size_t>(size)]),
-      answered_(new std::atomic<int64_t>[static_cast<size_t>(size)] {}),
-      closed_after_(static_cast<size_t>(size), std::numeric_limits<int64_t>::max()),
-      closed_clean_(static_cast<size_t>(size), false) {
+      control_(*this, rank, size),
+      check_(*this, rank, size) {
   Exchange exchange(store, rank, size, timeout);
   try {
     rendezvous(exchange, config);
@@ -218,7 +217,9 @@ void Worker::rendezvous(Exchange& exchange, const WorkerConfig& config) {
   if (attr.thread_mode != UCS_THREAD_MODE_MULTI) {
     throw ConfigError("ucx: this libucx has no thread support (built without --enable-mt)");
   }
-  check(ucp_worker_get_efd(worker_, &event_fd_), "getting the worker's event fd");
+  int event_fd = -1;
+  check(ucp_worker_get_efd(worker_, &event_fd), "getting the worker's event fd");
+  progress_.attach(worker_, event_fd);
 
   ucp_address_t* address = nullptr;
   size_t length = 0;
@@ -231,7 +232,7 @@ void Worker::rendezvous(Exchange& exchange, const WorkerConfig& config) {
   // finished its work early and closed its worker would take the shared
   // memory a slower peer was about to attach to ("Shared memory error").
   exchange("connected", {1});
-  post_control_receive();
+  control_.post_receive();
 }
 
 void Worker::create_endpoints(const std::vector<std::vector<uint8_t>>& addresses) {
@@ -271,25 +272,16 @@ void Worker::close() {
     if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
     const auto until = Clock::now() + most;
     while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < until) {
-      if (!progress()) std::this_thread::yield();
+      if (!progress_.poll()) std::this_thread::yield();
     }
     ucp_request_free(request);
   };
   // A peer still waiting in a collective this rank never ran learns now
   // that it never will (a rank that called more collectives than the rest).
-  if (static_cast<int>(endpoints_.size()) == size_ && control_) {
-    auto notice = at::zeros({4}, at::kLong);
-    auto* w = notice.data_ptr<int64_t>();
-    w[0] = kClosed;
-    w[1] = rank_;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      w[2] = collectives_;
-      // Clean: every collective it began ended and nothing failed, so its
-      // peers may take its endpoint's coming error for the close it is.
-      w[3] = !in_collective_ && failure_.empty();
-    }
-    notify_all(notice);
+  if (static_cast<int>(endpoints_.size()) == size_ && control_.open()) {
+    // Clean: every collective it began ended and nothing failed, so its
+    // peers may take its endpoint's coming error for the close it is.
+    control_.notify_closed(check_.begun(), !check_.inside() && !failure_.failed());
   }
   // Sends the callers did not wait for (the last notices) reach their peers.
   ucp_request_param_t p{};
@@ -320,7 +312,7 @@ void Worker::close() {
       settled = inflight_.empty();
     }
     if (settled || Clock::now() >= until) break;
-    if (!progress()) std::this_thread::yield();
+    if (!progress_.poll()) std::this_thread::yield();
   }
   if (!settled) {
     worker_ = nullptr;

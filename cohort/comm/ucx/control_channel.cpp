@@ -1,0 +1,196 @@
+#include "cohort/comm/ucx/control_channel.h"
+
+#include <thread>
+
+#include "cohort/comm/ucx/worker.h"
+#include "cohort/core/error.h"
+
+namespace cohort::ucx {
+namespace {
+
+// A control receive matches the channel alone: any sender, any tag.
+constexpr uint64_t kChannelMask = uint64_t{3} << 62;
+
+}  // namespace
+
+ControlChannel::ControlChannel(Worker& worker, int rank, int size)
+    : worker_(worker),
+      rank_(rank),
+      size_(size),
+      closed_after_(new std::atomic<int64_t>[static_cast<size_t>(size)]),
+      closed_clean_(new std::atomic<bool>[static_cast<size_t>(size)]),
+      answered_(new std::atomic<int64_t>[static_cast<size_t>(size)]) {
+  for (size_t q = 0; q < static_cast<size_t>(size); ++q) {
+    closed_after_[q].store(std::numeric_limits<int64_t>::max());
+    closed_clean_[q].store(false);
+    answered_[q].store(0);
+  }
+}
+
+at::Tensor ControlChannel::notice(Notice type, int64_t a, int64_t b, int64_t c) {
+  auto t = at::zeros({4}, at::kLong);
+  auto* w = t.data_ptr<int64_t>();
+  w[0] = type;
+  w[1] = a;
+  w[2] = b;
+  w[3] = c;
+  return t;
+}
+
+void ControlChannel::post_receive() {
+  std::lock_guard<std::mutex> lock(mu_);
+  post_receive_locked();
+}
+
+void ControlChannel::post_receive_locked() {
+  // Through the Worker's in-flight list, so the close cancels it.
+  auto x = worker_.start(Channel::Control, at::empty({kNoticeWords}, at::kLong), 0, 0, false,
+                         kChannelMask);
+  if (x->done.load(std::memory_order_acquire) && x->status != UCS_OK) {
+    throw PeerError(std::string("ucx: cannot post the control receive: ") +
+                    ucs_status_string(x->status));
+  }
+  controls_.push_back(x);
+  current_.store(x.get(), std::memory_order_release);
+}
+
+void ControlChannel::handle() {
+  for (;;) {
+    Transfer* c = current_.load(std::memory_order_acquire);
+    if (!c || !c->done.load(std::memory_order_acquire)) return;
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock() || current_.load(std::memory_order_acquire) != c) return;
+    if (c->status != UCS_OK) return;  // cancelled by the close
+    on_notice(c->buffer.data_ptr<int64_t>(), c->received / sizeof(int64_t));
+    post_receive_locked();
+  }
+}
+
+void ControlChannel::send(const at::Tensor& notice, int peer) {
+  // Not waited for: the close flushes it.
+  worker_.start(Channel::Control, notice, peer, 0, true);
+}
+
+void ControlChannel::send_all(const at::Tensor& notice) {
+  for (int q = 0; q < size_; ++q) {
+    if (q != rank_) send(notice, q);
+  }
+}
+
+void ControlChannel::notify_truncated(const Transfer& t) {
+  // The complainer and what it received in the tag's word; the sizes.
+  send(notice(kTruncated, static_cast<int64_t>(tag_of(t.channel, rank_, t.tag)),
+              static_cast<int64_t>(t.received), static_cast<int64_t>(t.bytes)),
+       t.peer);
+}
+
+void ControlChannel::notify_mismatch(const Signature& mine, int peer, const Signature& theirs) {
+  auto n = at::zeros({kNoticeWords}, at::kLong);
+  auto* w = n.data_ptr<int64_t>();
+  w[0] = kMismatch;
+  w[1] = rank_;
+  to_words(mine, w + 2);
+  w[2 + kDescriptorWords] = peer;
+  to_words(theirs, w + 3 + kDescriptorWords);
+  send_all(n);
+}
+
+void ControlChannel::notify_closed(int64_t collectives, bool clean) {
+  send_all(notice(kClosed, rank_, collectives, clean ? 1 : 0));
+}
+
+void ControlChannel::on_notice(const int64_t* w, size_t words) {
+  if (words == 4 && w[0] == kTruncated) {
+    on_truncated(w);
+  } else if (words == static_cast<size_t>(kNoticeWords) && w[0] == kMismatch) {
+    on_mismatch(w);
+  } else if (words == 4 && w[0] == kPing) {
+    const int peer = static_cast<int>(w[1]);
+    // Not waited for: the asking rank waits for it.
+    if (peer >= 0 && peer < size_ && peer != rank_) send(notice(kPong, rank_, w[2], 0), peer);
+  } else if (words == 4 && w[0] == kPong) {
+    const int peer = static_cast<int>(w[1]);
+    if (peer >= 0 && peer < size_) {
+      answered_[static_cast<size_t>(peer)].store(w[2], std::memory_order_release);
+    }
+  } else if (words == 4 && w[0] == kClosed) {
+    on_closed(static_cast<int>(w[1]), w[2], w[3] != 0);
+  }
+}
+
+void ControlChannel::on_truncated(const int64_t* w) {
+  const auto word = static_cast<uint64_t>(w[1]);
+  Transfer sent;  // what this rank sent, for its name
+  sent.is_send = true;
+  sent.peer = static_cast<int>((word >> 32) & ((uint64_t{1} << 30) - 1));
+  sent.channel = static_cast<Channel>(word >> 62);
+  sent.tag = static_cast<int>(static_cast<uint32_t>(word));
+  const std::string size =
+      "(" + std::to_string(w[2]) + " bytes) was " + (w[2] > w[3] ? "larger" : "shorter") + " than";
+  worker_.failure_.fail("ucx: " + sent.what() + ": rank " + std::to_string(sent.peer) +
+                            " reports the message " + size + " its receive buffer (" +
+                            std::to_string(w[3]) +
+                            " bytes): the ranks called different operations or sizes",
+                        true);
+}
+
+void ControlChannel::on_mismatch(const int64_t* w) {
+  const int K = kDescriptorWords;
+  const auto reporter = from_words(w + 2), other = from_words(w + 3 + K);
+  const std::string in = worker_.check_.current();
+  worker_.failure_.fail(
+      differing_calls("ucx", reporter.seq, "rank " + std::to_string(w[1]), reporter.describe(),
+                      static_cast<int>(w[2 + K]),
+                      other.seq < 0 ? "a collective it did not describe" : other.describe(),
+                      "reported by rank " + std::to_string(w[1]) + (in.empty() ? "" : "; " + in)),
+      true);
+}
+
+void ControlChannel::on_closed(int peer, int64_t collectives, bool clean) {
+  if (peer < 0 || peer >= size_) return;
+  // Clean first: a reader that sees the count closed also sees how.
+  closed_clean_[static_cast<size_t>(peer)].store(clean, std::memory_order_release);
+  closed_after_[static_cast<size_t>(peer)].store(collectives, std::memory_order_release);
+  const std::string why = worker_.check_.outlived(peer, collectives);
+  if (!why.empty()) worker_.failure_.fail(why, true);
+}
+
+// A timed-out wait asks every peer whether it still answers, so the error
+// names the rank that stopped (a SIGSTOP, a debugger, a hang) instead of
+// only the neighbour this rank was waiting for, which may itself be waiting
+// for the stopped one. A peer answers from whichever of its threads handles
+// notices: a waiter, or the engine's thread between jobs (at least every
+// 100 ms), so a rank that only computes still answers; a stopped one does not.
+std::string ControlChannel::probe(Millis most) {
+  if (size_ == 1) return "";
+  const int64_t round = ++probe_round_;
+  const auto ping = notice(kPing, rank_, round, 0);
+  std::vector<int> asked;
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_ || closed_after(q) != std::numeric_limits<int64_t>::max()) continue;
+    send(ping, q);
+    asked.push_back(q);
+  }
+  auto silent = [&] {
+    std::vector<int> s;
+    for (int q : asked) {
+      if (answered_[static_cast<size_t>(q)].load(std::memory_order_acquire) != round) {
+        s.push_back(q);
+      }
+    }
+    return s;
+  };
+  const auto until = Clock::now() + most;
+  while (!silent().empty() && Clock::now() < until) {
+    const bool busy = worker_.progress();
+    handle();
+    if (!busy) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  const auto quiet = silent();
+  if (quiet.empty()) return asked.empty() ? "" : "; every peer still answers";
+  return "; " + name_ranks(quiet) + " did not answer within " + std::to_string(most.count()) +
+         " ms: stopped (SIGSTOP, a debugger) or hung" +
+         (quiet.size() < asked.size() ? ", while the other peers answered" : "");
+}
+
+}  // namespace cohort::ucx
