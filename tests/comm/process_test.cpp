@@ -128,15 +128,12 @@ std::vector<Stopped> stopped_cases() {
     cases.push_back({backend, 3, {0}});
     if (backend != "ucx") cases.push_back({backend, 3, {1, 2}});
     // Inside: Gloo asks through the store, whose server is rank 0 here, so
-    // a stopped rank 0 is named only by UCX (liveness_probe.h); and with two
-    // survivors, rank 0 may finish its probe and exit (taking the store)
-    // while the other still probes, so Gloo's case keeps rank 0 the only one.
-    if (backend == "ucx") {
-      cases.push_back({backend, 3, {1}, true});
-      cases.push_back({backend, 3, {0}, true});
-    } else {
-      cases.push_back({backend, 3, {1, 2}, true});
-    }
+    // a stopped rank 0 is named only by UCX (liveness_probe.h). With two
+    // survivors, rank 0 (the store's host) waits for the other's probe
+    // before it returns, and so exits only after it.
+    cases.push_back({backend, 3, {1}, true});
+    cases.push_back(backend == "ucx" ? Stopped{backend, 3, {0}, true}
+                                     : Stopped{backend, 3, {1, 2}, true});
   }
   return cases;
 }

@@ -3,7 +3,11 @@
 // checks through MPI's store. Tests that need peers skip at world 1.
 #include <gtest/gtest.h>
 
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+
 #include <cstdlib>
+#include <vector>
 
 #include "cohort/cohort.h"
 
@@ -89,6 +93,26 @@ TEST(MpiP2P, TruncatedMessageIsAnErrorNotAnAbort) {
     }
   }
   world().barrier().wait();
+}
+
+// cohort sets MPI_ERRORS_RETURN on MPI_COMM_WORLD too (Open MPI raises some
+// errors of cohort's own requests there): a truncated message on the world
+// returns MPI_ERR_TRUNCATE to the caller, where MPI's default handler
+// (MPI_ERRORS_ARE_FATAL) would abort the whole job.
+TEST(MpiErrors, WorldReturnsErrorsAfterInit) {
+  NEED_PEERS(2);
+  (void)world();  // init() has run: the handler is cohort's
+  const int rank = world().rank();
+  std::vector<int> buf(8, 7);
+  if (rank == 1) {
+    ASSERT_EQ(MPI_Send(buf.data(), 8, MPI_INT, 0, 911, MPI_COMM_WORLD), MPI_SUCCESS);
+  } else if (rank == 0) {
+    const int code = MPI_Recv(buf.data(), 4, MPI_INT, 1, 911, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    int error_class = MPI_SUCCESS;
+    MPI_Error_class(code, &error_class);
+    EXPECT_EQ(error_class, MPI_ERR_TRUNCATE);
+  }
+  world().barrier().wait();  // the job survived on every rank
 }
 
 // The receive nobody sends to times out with a message naming the

@@ -101,6 +101,7 @@ TEST(MpiWatchdog, BlockingSmallCollectiveEndsInTheCallersTimeoutError) {
 struct Stopped {
   int world;
   std::vector<int> stopped;
+  bool inside = false;  // stopped inside MPI's own collective, past its check
 };
 
 class MpiStoppedRanks : public ::testing::TestWithParam<Stopped> {};
@@ -111,6 +112,7 @@ TEST_P(MpiStoppedRanks, SurvivorsNameThem) {
   std::istringstream flags(MPIRUN_FLAGS);
   for (std::string word; flags >> word;) argv.push_back(word);
   argv.push_back(STOPPED_PEER_BIN);
+  if (c.inside) argv.push_back("--inside");
   std::string named = c.stopped.size() == 1 ? "rank " : "ranks [";
   for (size_t i = 0; i < c.stopped.size(); ++i) {
     argv.push_back(std::to_string(c.stopped[i]));
@@ -140,12 +142,13 @@ TEST_P(MpiStoppedRanks, SurvivorsNameThem) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, MpiStoppedRanks,
                          ::testing::Values(Stopped{2, {1}}, Stopped{3, {1}}, Stopped{3, {0}},
-                                           Stopped{3, {1, 2}}),
+                                           Stopped{3, {1, 2}}, Stopped{3, {1}, true},
+                                           Stopped{3, {0}, true}),
                          [](const ::testing::TestParamInfo<Stopped>& info) {
                            std::string name =
                                "world" + std::to_string(info.param.world) + "_stopped";
                            for (int r : info.param.stopped) name += std::to_string(r);
-                           return name;
+                           return info.param.inside ? name + "_inside" : name;
                          });
 
 }  // namespace

@@ -24,7 +24,10 @@ namespace cohort {
 /// or "; every peer still answers". Never throws: a store that fails makes
 /// the text say so instead. A store whose server is in a stopped process
 /// (rank 0 under torchrun's variables) answers nothing: the probe then ends
-/// at the store's own timeout.
+/// at the store's own timeout. Before returning, it waits for every rank
+/// that marked itself alive to finish its own probe (3 * `most` + 1 s in all
+/// at most), so that the store's host does not exit while a survivor still
+/// reads it.
 std::string store_liveness_probe(Store& store, int rank, int size, int64_t seq, Millis most);
 
 }  // namespace cohort

@@ -311,7 +311,7 @@ class MpiEngine : public Engine {
     const int n = to_mpi_count(t.numel(), "send");
     o->keep(t);
     MpiLock lock;
-    return launch(o, MPI_Isend(t.data_ptr(), n, type, dst, tag, comm_, o->requests(1)));
+    return launch(o, MPI_Isend(t.data_ptr(), n, type, dst, tag, comm_, o->requests(1)), false);
   }
 
   WorkPtr recv(at::Tensor& t, int src, int tag) override {
@@ -323,7 +323,7 @@ class MpiEngine : public Engine {
     o->keep(t);
     o->expect_count(n, type);
     MpiLock lock;
-    return launch(o, MPI_Irecv(t.data_ptr(), n, type, src, tag, comm_, o->requests(1)));
+    return launch(o, MPI_Irecv(t.data_ptr(), n, type, src, tag, comm_, o->requests(1)), false);
   }
 
   std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
@@ -360,10 +360,21 @@ class MpiEngine : public Engine {
   }
 
   // Called with the MpiLock held, with the start call's return code.
-  WorkPtr launch(const std::shared_ptr<MpiOp>& o, int code) {
+  // A collective's Work probes its peers when its wait times out
+  // (liveness_probe); point-to-point's one peer is already named.
+  WorkPtr launch(const std::shared_ptr<MpiOp>& o, int code, bool collective = true) {
     mpi_check(code, o->what());
     Watchdog::instance().watch(o);
-    return std::make_shared<MpiWork>(o);
+    Probe probe;
+    if (collective && size_ > 1) {
+      probe = [comm = check_comm_, rank = rank_, size = size_, seq = collectives_](Millis waited) {
+        // Well inside the watchdog's grace, which ends the job after it.
+        const auto most = std::min(std::clamp(waited / 2, Millis(500), Millis(5000)),
+                                   Watchdog::instance().grace() / 2);
+        return liveness_probe(comm, rank, size, seq, most);
+      };
+    }
+    return std::make_shared<MpiWork>(o, std::move(probe));
   }
 
   // The blocking path: `call` runs on the caller's thread under the

@@ -14,11 +14,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "cohort/core/error.h"
 #include "cohort/core/types.h"
 #include "cohort/core/work.h"
 
@@ -98,14 +100,27 @@ class MpiOp {
   std::atomic<Clock::rep> abort_at_;
 };
 
+// What a collective whose wait timed out asks its peers before it reports
+// (liveness_probe in signature_check.h): text appended to the TimeoutError.
+using Probe = std::function<std::string(Millis waited)>;
+
 class MpiWork : public WorkImpl {
  public:
-  explicit MpiWork(std::shared_ptr<MpiOp> op) : op_(std::move(op)) {}
+  explicit MpiWork(std::shared_ptr<MpiOp> op, Probe probe = {})
+      : op_(std::move(op)), probe_(std::move(probe)) {}
   bool is_completed() override { return op_->test(); }
-  void wait(Millis timeout) override { op_->wait(timeout); }
+  void wait(Millis timeout) override {
+    try {
+      op_->wait(timeout);
+    } catch (const TimeoutError& e) {
+      if (!probe_) throw;
+      throw TimeoutError(e.what() + probe_(timeout));
+    }
+  }
 
  private:
   std::shared_ptr<MpiOp> op_;
+  Probe probe_;
 };
 
 }  // namespace cohort::mpi

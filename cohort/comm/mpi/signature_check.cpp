@@ -70,4 +70,50 @@ WorkPtr check_signature(MPI_Comm comm, int rank, int size, const Signature& s,
   return failed(std::make_exception_ptr(MismatchError(differs)));
 }
 
+std::string liveness_probe(MPI_Comm comm, int rank, int size, int64_t seq, Millis most) {
+  if (size <= 1) return "";
+  // MPI may still hold the receives from a silent peer (and a send to it)
+  // after this returns, and no request can be taken back from a stopped
+  // process: the words live as long as the process (a few bytes, once per
+  // communicator, which refuses further work after a timeout).
+  auto* words = new int64_t[2 * static_cast<size_t>(size)]();
+  std::vector<MPI_Request> recvs(static_cast<size_t>(size), MPI_REQUEST_NULL);
+  std::vector<MPI_Request> sends(static_cast<size_t>(size), MPI_REQUEST_NULL);
+  {
+    MpiLock lock;
+    for (int q = 0; q < size; ++q) {
+      if (q == rank) continue;
+      words[size + q] = seq;
+      MPI_Irecv(&words[q], 1, MPI_INT64_T, q, kLivenessTag, comm, &recvs[q]);
+      MPI_Isend(&words[size + q], 1, MPI_INT64_T, q, kLivenessTag, comm, &sends[q]);
+    }
+  }
+  // Spun, not slept: MPI moves the words only inside MPI calls.
+  const auto until = Clock::now() + most;
+  std::vector<int> silent;
+  while (true) {
+    silent.clear();
+    {
+      MpiLock lock;
+      for (int q = 0; q < size; ++q) {
+        int flag = 1;
+        if (recvs[q] != MPI_REQUEST_NULL) MPI_Test(&recvs[q], &flag, MPI_STATUS_IGNORE);
+        if (!flag) silent.push_back(q);
+        if (sends[q] != MPI_REQUEST_NULL) MPI_Test(&sends[q], &flag, MPI_STATUS_IGNORE);
+      }
+    }
+    if (silent.empty()) return "; every peer still answers";
+    if (Clock::now() >= until) break;
+  }
+  {
+    MpiLock lock;
+    for (auto* r : {&recvs, &sends}) {
+      for (auto& q : *r) {
+        if (q != MPI_REQUEST_NULL) MPI_Request_free(&q);
+      }
+    }
+  }
+  return "; " + silent_peers_message(silent, most, "waiting for this collective");
+}
+
 }  // namespace cohort::mpi

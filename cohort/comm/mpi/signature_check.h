@@ -31,4 +31,16 @@ WorkPtr check_signature(MPI_Comm comm, int rank, int size, const Signature& s,
                         const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
                         const std::shared_ptr<MpiOp>& op, Millis timeout);
 
+// The tag of the liveness probes' messages on the checks' communicator.
+inline constexpr int kLivenessTag = 2;
+
+// After collective `seq`'s wait timed out: a rank stopped (SIGSTOP, a
+// debugger) or hung inside MPI's own collective, past its signature check,
+// leaves every survivor waiting there, and the stuck collective cannot say
+// which peer it waits for. Each survivor sends a word to every peer on the
+// checks' communicator (which the stuck collective does not use) and waits
+// up to `most` for theirs: a peer whose word never came did not answer.
+// Returns the text a TimeoutError appends; never throws.
+std::string liveness_probe(MPI_Comm comm, int rank, int size, int64_t seq, Millis most);
+
 }  // namespace cohort::mpi
