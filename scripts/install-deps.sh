@@ -5,6 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
+  ccache                  # the packaging test's second build of the library hits its cache
   libtorch-dev            # LibTorch 1.13: tensors, autograd, nn, optim, c10d (Gloo, TCPStore)
   libgloo-dev             # Gloo headers that c10d's ProcessGroupGloo.hpp includes
   libopenblas0-pthread    # fast BLAS for LibTorch's matmuls (reference BLAS is ~7x slower)
