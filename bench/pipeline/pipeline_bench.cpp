@@ -239,7 +239,8 @@ void run_row(std::shared_ptr<Communicator> comm, const Args& args, const std::st
   };
   PipelineOptions options;
   options.recv_window = args.recv_window;
-  PipelineRuntime rt(comm, std::move(mine), schedule, loss, options);
+  PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule, loss,
+                     options);
   auto x = torch::randn({args.batch, args.width}), y = torch::randn({args.batch, args.width});
 
   std::vector<double> step, bubble;

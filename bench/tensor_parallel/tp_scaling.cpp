@@ -39,8 +39,10 @@ double measure(const Args& a, int tp) {
       col.seed = 1;
       RowParallelLinearOptions row;
       row.seed = 2;
-      ColumnParallelLinear fc1(comm, a.hidden, 4 * a.hidden, col);
-      RowParallelLinear fc2(comm, 4 * a.hidden, a.hidden, row);
+      ColumnParallelLinear fc1(cohort::DeviceMesh::from_group(comm, "tp"), a.hidden, 4 * a.hidden,
+                               col);
+      RowParallelLinear fc2(cohort::DeviceMesh::from_group(comm, "tp"), 4 * a.hidden, a.hidden,
+                            row);
       auto x = torch::randn({a.tokens, a.hidden}).requires_grad_();
       auto iterate = [&] {
         auto y = fc2(torch::gelu(fc1(x)));

@@ -112,6 +112,8 @@ class DistributedDataParallel {
 
   /// The wrapped module (parameters and buffers are the module's own).
   ModuleHolder& module() { return module_; }
+  /// The communicator the gradients are reduced over.
+  const std::shared_ptr<Communicator>& process_group() const { return reducer_->process_group(); }
 
   /// Module-holder syntax, as every LibTorch module: `ddp->forward(x)`,
   /// `ddp->zero_grad()`, `ddp->parameters()` compile where the bare module's

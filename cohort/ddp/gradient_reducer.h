@@ -91,9 +91,14 @@ class GradientReducer {
   /// The options it was built with.
   const DDPOptions& options() const { return options_; }
   /// The communicator the gradients are reduced over.
-  Communicator& communicator() { return *comm_; }
-  /// The same communicator, shared (for what keeps it, e.g. a TrainerWiring).
-  const std::shared_ptr<Communicator>& shared_communicator() const { return comm_; }
+  const std::shared_ptr<Communicator>& process_group() const { return comm_; }
+  /// The same communicator, by reference.
+  [[deprecated("use *process_group()")]] Communicator& communicator() { return *comm_; }
+  /// The same communicator, shared.
+  [[deprecated("use process_group()")]] const std::shared_ptr<Communicator>& shared_communicator()
+      const {
+    return comm_;
+  }
 
   /// The parameters that are reduced (requires_grad), in registration order,
   /// and their qualified names.

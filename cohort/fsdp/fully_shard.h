@@ -119,7 +119,11 @@ class FullyShardImpl : public torch::nn::Module {
   /// Whether this unit has parameters of its own.
   bool has_param_group() const { return group_ != nullptr; }
   /// The communicator the unit is sharded over (the shard group).
-  const std::shared_ptr<Communicator>& communicator() const { return comm_; }
+  const std::shared_ptr<Communicator>& process_group() const { return comm_; }
+  /// The shard group.
+  [[deprecated("use process_group()")]] const std::shared_ptr<Communicator>& communicator() const {
+    return comm_;
+  }
   /// HSDP: the group of the ranks holding the same shards (null for FSDP).
   const std::shared_ptr<Communicator>& replicate_group() const { return replicate_; }
   /// The mesh the unit was made over.

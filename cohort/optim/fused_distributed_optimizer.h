@@ -84,9 +84,13 @@ class FusedDistributedOptimizer {
   /// The gradient all-reduces measured so far (in step() they overlap the
   /// update of the previous bucket).
   const SyncStatistics& sync_statistics() const { return sync_.statistics(); }
-  /// The communicator the gradients are all-reduced over (shared, for what keeps it, e.g. a
-  /// TrainerWiring).
-  const std::shared_ptr<Communicator>& shared_communicator() const { return comm_; }
+  /// The communicator the gradients are all-reduced over.
+  const std::shared_ptr<Communicator>& process_group() const { return comm_; }
+  /// The same communicator.
+  [[deprecated("use process_group()")]] const std::shared_ptr<Communicator>& shared_communicator()
+      const {
+    return comm_;
+  }
   /// Bytes of the flat gradient buffers (the .grad views live in them).
   int64_t grad_bytes() const;
   /// The flat gradient buffer of each bucket, in bucket order (shares memory with the .grad views).

@@ -139,10 +139,10 @@ void ZeroRedundancyOptimizer::take_over_reduction(GradientReducer& ddp) {
                           ": only stage 2 with reduce_gradients = false reduces for DDP (stage 1 "
                           "reads DDP's averaged gradients)");
   }
-  if (&ddp.communicator() != comm_.get()) {
+  if (ddp.process_group() != comm_) {
     throw InvalidArgument(where("take_over_reduction") +
-                          ": DDP reduces over another communicator (" + ddp.communicator().name() +
-                          ")");
+                          ": DDP reduces over another communicator (" +
+                          ddp.process_group()->name() + ")");
   }
   if (comm_->size() == 1) return;  // nothing to reduce: .grad is read as it is
   if (options_.determinism == Determinism::WorldSizeInvariant) {

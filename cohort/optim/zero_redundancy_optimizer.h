@@ -197,9 +197,14 @@ class ZeroRedundancyOptimizer {
   /// The options it was built with (reduce_gradients is false when built from DDP).
   const ZeroOptions& options() const { return options_; }
   /// The communicator the shards are exchanged over.
-  Communicator& communicator() { return *comm_; }
-  /// The same communicator, shared (for what keeps it, e.g. a TrainerWiring).
-  const std::shared_ptr<Communicator>& shared_communicator() const { return comm_; }
+  const std::shared_ptr<Communicator>& process_group() const { return comm_; }
+  /// The same communicator, by reference.
+  [[deprecated("use *process_group()")]] Communicator& communicator() { return *comm_; }
+  /// The same communicator, shared.
+  [[deprecated("use process_group()")]] const std::shared_ptr<Communicator>& shared_communicator()
+      const {
+    return comm_;
+  }
 
   /// Bytes of optimizer state this rank holds (its shard's).
   int64_t state_bytes() const;

@@ -43,10 +43,37 @@ struct PipelineRuntime::State {
   std::unique_ptr<StageExecutor> executor;
 };
 
+namespace {
+
+// A 1-D mesh named "pp" over `group` (the deprecated group constructor);
+// null keeps its own message.
+DeviceMesh pp_mesh(std::shared_ptr<Communicator> group) {
+  if (!group) throw InvalidArgument("PipelineRuntime: no pipeline communicator");
+  return DeviceMesh::from_group(std::move(group), "pp");
+}
+
+// The group of `pp`, which must be a 1-D slice: stages exchange activations
+// along one dimension.
+std::shared_ptr<Communicator> pp_group_of(const DeviceMesh& pp) {
+  if (pp.ndim() != 1) {
+    throw InvalidArgument("PipelineRuntime on rank " + std::to_string(pp.process_group()->rank()) +
+                          ": the pipeline mesh must be 1-D (mesh[\"pp\"]), got " + pp.to_string());
+  }
+  return pp.process_group();
+}
+
+}  // namespace
+
 PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
                                  std::vector<PipelineStage> stages, PipelineSchedule schedule,
                                  PipelineLossFn loss_fn, PipelineOptions options)
-    : group_(std::move(pp_group)),
+    : PipelineRuntime(pp_mesh(std::move(pp_group)), std::move(stages), std::move(schedule),
+                      std::move(loss_fn), options) {}
+
+PipelineRuntime::PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage> stages,
+                                 PipelineSchedule schedule, PipelineLossFn loss_fn,
+                                 PipelineOptions options)
+    : group_(pp_group_of(pp)),
       stages_(std::move(stages)),
       schedule_(std::move(schedule)),
       loss_fn_(std::move(loss_fn)),

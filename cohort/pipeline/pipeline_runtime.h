@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/mesh/device_mesh.h"
 #include "cohort/pipeline/pipeline_stage.h"
 #include "cohort/pipeline/schedule.h"
 
@@ -87,15 +88,31 @@ class PipelineRuntime {
   /// boundary's two directions own 2^16 of them.
   static constexpr int kMaxStages = 16384;
 
-  /// Collective over `pp_group` (each rank passes its own stages, ascending
+  /// Collective over `pp`, a 1-D mesh (`mesh["pp"]`; each rank passes its own stages, ascending
   /// by index, exactly the ones the schedule maps to it). Validates the
   /// schedule (ScheduleError), refuses more than kMaxStages stages or 65535
   /// micro-batches, and checks that ranks agree on the number of stages and
   /// micro-batches and on the stage-to-rank map (each an error on every
   /// rank). A schedule without communication actions gets them from
-  /// add_communication.
-  PipelineRuntime(std::shared_ptr<Communicator> pp_group, std::vector<PipelineStage> stages,
+  /// add_communication. InvalidArgument when `pp` is not 1-D.
+  PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage> stages,
                   PipelineSchedule schedule, PipelineLossFn loss_fn, PipelineOptions options = {});
+  /// The same over a bare group.
+  [[deprecated(
+      "use PipelineRuntime(DeviceMesh::from_group(pp_group, \"pp\"), ...)")]] PipelineRuntime(std::
+                                                                                                  shared_ptr<
+                                                                                                      Communicator>
+                                                                                                      pp_group,
+                                                                                              std::vector<
+                                                                                                  PipelineStage>
+                                                                                                  stages,
+                                                                                              PipelineSchedule
+                                                                                                  schedule,
+                                                                                              PipelineLossFn
+                                                                                                  loss_fn,
+                                                                                              PipelineOptions
+                                                                                                  options =
+                                                                                                      {});
   ~PipelineRuntime();
 
   /// Runs one step. `inputs` (the whole batch, split along dim 0 into m
@@ -115,9 +132,13 @@ class PipelineRuntime {
   /// The schedule the runtime executes.
   const PipelineSchedule& schedule() const { return schedule_; }
   /// The pipeline-parallel group the stages exchange activations over.
-  Communicator& group() const { return *group_; }
-  /// The same group, for holders that keep it (the Trainer's grad norm).
-  const std::shared_ptr<Communicator>& shared_group() const { return group_; }
+  const std::shared_ptr<Communicator>& process_group() const { return group_; }
+  /// The pipeline-parallel group, by reference.
+  [[deprecated("use *process_group()")]] Communicator& group() const { return *group_; }
+  /// The pipeline-parallel group, shared.
+  [[deprecated("use process_group()")]] const std::shared_ptr<Communicator>& shared_group() const {
+    return group_;
+  }
 
  private:
   struct State;  // the channel and the executor (internal headers)

@@ -27,6 +27,22 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> g, const cha
   return g;
 }
 
+// The group of `tp`, which must be a 1-D slice: a TP layer splits over one
+// dimension, and a flattened or whole mesh here is a wiring mistake.
+std::shared_ptr<Communicator> tp_group(const DeviceMesh& tp, const char* layer) {
+  if (tp.ndim() != 1) {
+    throw InvalidArgument(std::string("cohort: ") + layer + " (rank " +
+                          std::to_string(tp.process_group()->rank()) +
+                          "): the TP mesh must be 1-D (mesh[\"tp\"]), got " + tp.to_string());
+  }
+  return tp.process_group();
+}
+
+// A 1-D mesh named "tp" over `g` (the deprecated group constructors).
+DeviceMesh tp_mesh(std::shared_ptr<Communicator> g, const char* layer) {
+  return DeviceMesh::from_group(checked(std::move(g), layer), "tp");
+}
+
 }  // namespace
 
 std::pair<torch::Tensor, torch::Tensor> master_linear_weights(int64_t in, int64_t out,
@@ -46,7 +62,11 @@ torch::Tensor master_embedding_weight(int64_t n, int64_t dim,
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(std::shared_ptr<Communicator> g, int64_t in,
                                                    int64_t out, ColumnParallelLinearOptions o)
-    : group_(checked(std::move(g), "ColumnParallelLinear")), options_(o) {
+    : ColumnParallelLinearImpl(tp_mesh(std::move(g), "ColumnParallelLinear"), in, out, o) {}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const DeviceMesh& tp, int64_t in, int64_t out,
+                                                   ColumnParallelLinearOptions o)
+    : group_(tp_group(tp, "ColumnParallelLinear")), options_(o) {
   check_divisible("ColumnParallelLinear", "out_features", out, *group_);
   auto [w, b] = master_linear_weights(in, out, o.seed);
   const int r = group_->rank(), n = group_->size();
@@ -65,7 +85,11 @@ torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
 
 RowParallelLinearImpl::RowParallelLinearImpl(std::shared_ptr<Communicator> g, int64_t in,
                                              int64_t out, RowParallelLinearOptions o)
-    : group_(checked(std::move(g), "RowParallelLinear")), options_(o) {
+    : RowParallelLinearImpl(tp_mesh(std::move(g), "RowParallelLinear"), in, out, o) {}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const DeviceMesh& tp, int64_t in, int64_t out,
+                                             RowParallelLinearOptions o)
+    : group_(tp_group(tp, "RowParallelLinear")), options_(o) {
   check_divisible("RowParallelLinear", "in_features", in, *group_);
   if (o.sequence_parallel && !o.input_is_parallel) {
     throw InvalidArgument("cohort: RowParallelLinear: sequence_parallel needs input_is_parallel");
@@ -86,7 +110,11 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> g, int64_t n,
                                                        int64_t dim, VocabParallelEmbeddingOptions o)
-    : group_(checked(std::move(g), "VocabParallelEmbedding")), num_embeddings_(n) {
+    : VocabParallelEmbeddingImpl(tp_mesh(std::move(g), "VocabParallelEmbedding"), n, dim, o) {}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const DeviceMesh& tp, int64_t n, int64_t dim,
+                                                       VocabParallelEmbeddingOptions o)
+    : group_(tp_group(tp, "VocabParallelEmbedding")), num_embeddings_(n) {
   check_divisible("VocabParallelEmbedding", "num_embeddings", n, *group_);
   start_ = group_->rank() * (n / group_->size());
   end_ = start_ + n / group_->size();

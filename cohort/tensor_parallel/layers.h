@@ -23,6 +23,7 @@
 #include <memory>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/mesh/device_mesh.h"
 
 namespace cohort::tensor_parallel {
 
@@ -38,12 +39,21 @@ struct ColumnParallelLinearOptions {
 /// y = x A^T + b with A split by output features: A_i is [out/tp, in].
 class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
-  /// Throws InvalidArgument when out_features does not divide by tp.
-  ColumnParallelLinearImpl(std::shared_ptr<Communicator> tp_group, int64_t in_features,
-                           int64_t out_features, ColumnParallelLinearOptions options = {});
+  /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
+  /// not 1-D or out_features does not divide by its size.
+  ColumnParallelLinearImpl(const DeviceMesh& tp, int64_t in_features, int64_t out_features,
+                           ColumnParallelLinearOptions options = {});
+  /// The same over a bare group.
+  [[deprecated(
+      "use the DeviceMesh form: ColumnParallelLinear(DeviceMesh::from_group(group, \"tp\"), "
+      "...)")]] ColumnParallelLinearImpl(std::shared_ptr<Communicator> tp_group,
+                                         int64_t in_features, int64_t out_features,
+                                         ColumnParallelLinearOptions options = {});
   /// x: [..., in] (under sequence parallelism [s/tp, ..., in]); returns
   /// [..., out/tp], or [..., out] with gather_output.
   torch::Tensor forward(const torch::Tensor& x);
+  /// The TP group the layer's collectives run over.
+  const std::shared_ptr<Communicator>& process_group() const { return group_; }
 
   torch::Tensor weight;  ///< [out/tp, in]
   torch::Tensor bias;    ///< [out/tp], undefined without bias
@@ -66,12 +76,20 @@ struct RowParallelLinearOptions {
 /// y = x A^T + b with A split by input features: A_i is [out, in/tp].
 class RowParallelLinearImpl : public torch::nn::Module {
  public:
-  /// Throws InvalidArgument when in_features does not divide by tp.
-  RowParallelLinearImpl(std::shared_ptr<Communicator> tp_group, int64_t in_features,
-                        int64_t out_features, RowParallelLinearOptions options = {});
+  /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
+  /// not 1-D or in_features does not divide by its size.
+  RowParallelLinearImpl(const DeviceMesh& tp, int64_t in_features, int64_t out_features,
+                        RowParallelLinearOptions options = {});
+  /// The same over a bare group.
+  [[deprecated(
+      "use the DeviceMesh form: RowParallelLinear(DeviceMesh::from_group(group, \"tp\"), "
+      "...)")]] RowParallelLinearImpl(std::shared_ptr<Communicator> tp_group, int64_t in_features,
+                                      int64_t out_features, RowParallelLinearOptions options = {});
   /// x: [..., in/tp] (or [..., in] without input_is_parallel); returns
   /// [..., out] (under sequence parallelism [s/tp, ..., out]).
   torch::Tensor forward(const torch::Tensor& x);
+  /// The TP group the layer's collectives run over.
+  const std::shared_ptr<Communicator>& process_group() const { return group_; }
 
   torch::Tensor weight;  ///< [out, in/tp]
   torch::Tensor bias;    ///< [out], replicated; under sequence parallelism its
@@ -95,10 +113,17 @@ struct VocabParallelEmbeddingOptions {
 /// on exactly one rank.
 class VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
-  /// Throws InvalidArgument when num_embeddings does not divide by tp (pad
-  /// the vocabulary to a multiple of tp).
-  VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> tp_group, int64_t num_embeddings,
-                             int64_t embedding_dim, VocabParallelEmbeddingOptions options = {});
+  /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
+  /// not 1-D or num_embeddings does not divide by its size (pad the
+  /// vocabulary to a multiple of tp).
+  VocabParallelEmbeddingImpl(const DeviceMesh& tp, int64_t num_embeddings, int64_t embedding_dim,
+                             VocabParallelEmbeddingOptions options = {});
+  /// The same over a bare group.
+  [[deprecated(
+      "use the DeviceMesh form: VocabParallelEmbedding(DeviceMesh::from_group(group, \"tp\"), "
+      "...)")]] VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> tp_group,
+                                           int64_t num_embeddings, int64_t embedding_dim,
+                                           VocabParallelEmbeddingOptions options = {});
   /// ids: int64 of any shape, the same on every TP rank; returns [ids...,
   /// embedding_dim] on every TP rank. Throws InvalidArgument on every TP rank,
   /// before the all-reduce, for an id outside [0, num_embeddings), naming it
@@ -107,6 +132,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
 
   int64_t vocab_start_index() const { return start_; }  ///< first id of this rank's rows
   int64_t vocab_end_index() const { return end_; }      ///< one past the last
+  /// The TP group the layer's collectives run over.
+  const std::shared_ptr<Communicator>& process_group() const { return group_; }
 
   torch::Tensor weight;  ///< [num_embeddings/tp, embedding_dim]
 

@@ -20,7 +20,7 @@ std::shared_ptr<void> FsdpGradientSync::skip_sync() {
 }
 
 double FsdpGradientSync::seconds_now() const {
-  const auto stats = model_->communicator()->stats();
+  const auto stats = model_->process_group()->stats();
   return stats[OpKind::AllGatherIntoTensor].seconds_in_flight +
          stats[OpKind::ReduceScatterTensor].seconds_in_flight +
          stats[OpKind::BroadcastCoalesced].seconds_in_flight;

@@ -71,7 +71,7 @@ std::shared_ptr<torch::nn::Module> unsplit_stages(const pipeline::PipelineRuntim
 
 TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
                                       torch::optim::Optimizer& optimizer) {
-  TrainerWiring wiring(runtime.shared_group(), stages_module(runtime),
+  TrainerWiring wiring(runtime.process_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::make_unique<LocalGradientSync>(), &runtime);
   wiring.set_pipeline_layout(runtime, nullptr);
@@ -87,7 +87,7 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
         "TrainerWiring::pipeline: the world and the data-parallel group must "
         "not be null");
   }
-  const int pp = runtime.group().size();
+  const int pp = runtime.process_group()->size();
   if (world->size() != pp * dp_group->size()) {
     throw InvalidArgument("TrainerWiring::pipeline on rank " + std::to_string(world->rank()) +
                           ": the world has " + std::to_string(world->size()) +
@@ -97,7 +97,7 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
   auto sync = std::make_unique<AllReduceGradientSync>(dp_group, runtime.parameters());
   TrainerWiring wiring(std::move(world), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
-                       std::move(sync), &runtime, {runtime.shared_group(), dp_group});
+                       std::move(sync), &runtime, {runtime.process_group(), dp_group});
   wiring.set_pipeline_layout(runtime, dp_group);
   return wiring;
 }
@@ -106,11 +106,11 @@ void TrainerWiring::set_pipeline_layout(pipeline::PipelineRuntime& runtime,
                                         std::shared_ptr<Communicator> dp_group) {
   // The DP sync already averaged the stages' gradients: the squares sum over
   // the pipeline group only.
-  TrafficDimensions dims = {{"pp", {runtime.shared_group()}}};
+  TrafficDimensions dims = {{"pp", {runtime.process_group()}}};
   if (dp_group) dims.push_back({"dp", {std::move(dp_group)}});
   layout_ = std::make_unique<PipelineLayout>(
-      runtime, std::make_shared<ShardedGradNorm>(runtime.shared_group()), runtime.group().size(),
-      std::move(dims));
+      runtime, std::make_shared<ShardedGradNorm>(runtime.process_group()),
+      runtime.process_group()->size(), std::move(dims));
 }
 
 TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
@@ -118,7 +118,7 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
                                   dcp::TiedNames tied) {
   const auto pp_group = mesh["pp"].process_group(), tp_group = mesh["tp"].process_group(),
              dp_group = mesh["dp"].process_group();
-  if (runtime.shared_group() != pp_group) {
+  if (runtime.process_group() != pp_group) {
     throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh.rank()) +
                           ": the pipeline runtime must run over the mesh's PP group");
   }
@@ -155,7 +155,7 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
 
 TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& optimizer) {
   if (model.is_empty()) throw InvalidArgument("TrainerWiring::fsdp: model is null");
-  auto comm = model->communicator();
+  auto comm = model->process_group();
   // An optimizer over other tensors (another model's, copies) would step
   // values the model never reads.
   std::set<const void*> mine;

@@ -49,7 +49,7 @@ class TrainerWiring {
   template <typename ModuleHolder>
   static TrainerWiring ddp(DistributedDataParallel<ModuleHolder>& ddp,
                            torch::optim::Optimizer& optimizer) {
-    TrainerWiring wiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
+    TrainerWiring wiring(ddp.process_group(), ddp.module().ptr(),
                          std::make_unique<TorchOptimizer>(optimizer),
                          std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
     wiring.set_replicated_state_dict(optimizer);
@@ -66,7 +66,7 @@ class TrainerWiring {
           "TrainerWiring::ddp: this ZeRO reduces the gradients itself; build it from the DDP "
           "(ZeroRedundancyOptimizer::make(ddp, ...)) or use TrainerWiring::zero without DDP");
     }
-    TrainerWiring wiring(ddp.reducer().shared_communicator(), ddp.module().ptr(),
+    TrainerWiring wiring(ddp.process_group(), ddp.module().ptr(),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
     wiring.set_zero_state_dict(zero);
@@ -81,7 +81,7 @@ class TrainerWiring {
       throw InvalidArgument(
           "TrainerWiring::zero: this ZeRO reduces for a DDP; wire it with TrainerWiring::ddp");
     }
-    TrainerWiring wiring(zero.shared_communicator(), std::move(model),
+    TrainerWiring wiring(zero.process_group(), std::move(model),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<InStepGradientSync>(zero));
     wiring.set_zero_state_dict(zero);
@@ -91,7 +91,7 @@ class TrainerWiring {
   /// The fused optimizer (it all-reduces its buckets; no DDP).
   static TrainerWiring fused(std::shared_ptr<torch::nn::Module> model,
                              FusedDistributedOptimizer& fused) {
-    return TrainerWiring(fused.shared_communicator(), std::move(model),
+    return TrainerWiring(fused.process_group(), std::move(model),
                          std::make_unique<FusedTrainerOptimizer>(fused),
                          std::make_unique<InStepGradientSync>());
   }

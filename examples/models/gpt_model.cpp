@@ -75,9 +75,9 @@ void check_expert_and_context(const DeviceMesh& mesh, const GPTConfig& c, const 
 
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  TransformerBlockImpl(std::shared_ptr<Communicator> tp, std::shared_ptr<Communicator> ep,
+  TransformerBlockImpl(const DeviceMesh& tp, std::shared_ptr<Communicator> ep,
                        std::shared_ptr<Communicator> cp, const GPTConfig& c, int64_t layer)
-      : tp_(tp), cp_(cp), c_(c) {
+      : tp_(tp.process_group()), cp_(cp), c_(c) {
     const bool sp = c.sequence_parallel;
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
@@ -102,7 +102,7 @@ class TransformerBlockImpl : public torch::nn::Module {
       o.aux_loss_coef = c.aux_loss_coef;
       o.seed = seed_of(c, layer, 4);
       o.ep_group = ep;
-      o.tp_group = tp;
+      o.tp_group = tp_;
       moe = register_module("moe", expert_parallel::MoE(o));
       return;
     }
@@ -190,8 +190,8 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
   emb.init_std = 0.02;
   emb.seed = seed_of(c, kEmbeddingLayer, 0);
   if (first_) {
-    word_embeddings_ = register_module("word_embeddings",
-                                       VocabParallelEmbedding(tp_, c.vocab_size, c.hidden, emb));
+    word_embeddings_ = register_module(
+        "word_embeddings", VocabParallelEmbedding(mesh["tp"], c.vocab_size, c.hidden, emb));
     auto gen = at::detail::createCPUGenerator(seed_of(c, kEmbeddingLayer, 1));
     position_embeddings_ = register_parameter(
         "position_embeddings", torch::empty({c.seq_len, c.hidden}).normal_(0.0, 0.02, gen));
@@ -204,7 +204,7 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
       const auto layer = chunk_index(k) * per_chunk + i;
       chunks_[k].push_back(register_module(
           "block" + std::to_string(layer),
-          std::make_shared<TransformerBlockImpl>(tp_, group_of(mesh, "ep"), cp_, c, layer)));
+          std::make_shared<TransformerBlockImpl>(mesh["tp"], group_of(mesh, "ep"), cp_, c, layer)));
     }
   }
   if (last_) {
@@ -212,7 +212,7 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
         "final_layernorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
     if (!first_) {
       output_embeddings_ = register_module(
-          "output_embeddings", VocabParallelEmbedding(tp_, c.vocab_size, c.hidden, emb));
+          "output_embeddings", VocabParallelEmbedding(mesh["tp"], c.vocab_size, c.hidden, emb));
     }
   }
 }

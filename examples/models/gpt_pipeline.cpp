@@ -58,7 +58,7 @@ std::unique_ptr<pipeline::PipelineRuntime> make_gpt_pipeline(const DeviceMesh& m
                                                              int microbatches,
                                                              pipeline::PipelineOptions options) {
   return std::make_unique<pipeline::PipelineRuntime>(
-      mesh["pp"].process_group(), gpt_pipeline_stages(stage),
+      mesh["pp"], gpt_pipeline_stages(stage),
       gpt_pipeline_schedule(mesh, stage->config(), name, microbatches), gpt_pipeline_loss(stage),
       options);
 }

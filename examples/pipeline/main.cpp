@@ -107,6 +107,7 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     auto comm = cohort::init();
     const int pp = comm->size();
+    auto mesh = cohort::init_device_mesh(comm, {pp}, {"pp"});
     const int v = c.schedule == "interleaved" ? c.virtual_stages : 1;
     auto schedule = make_schedule(c.schedule, pp, v, c.microbatches);
     if (c.print_schedule && comm->rank() == 0)
@@ -119,7 +120,7 @@ int main(int argc, char** argv) {
     auto mse = [](const Tensors& out, const Tensors& y) {
       return torch::nn::functional::mse_loss(out[0], y[0]);
     };
-    PipelineRuntime rt(comm, std::move(mine), schedule, mse);
+    PipelineRuntime rt(mesh["pp"], std::move(mine), schedule, mse);
     torch::optim::Adam opt(rt.parameters(), torch::optim::AdamOptions(c.lr));
 
     torch::manual_seed(7);  // the teacher: the same on every rank

@@ -79,7 +79,7 @@ Grads gpt_grads(const TpCase& k, bool checkpointed) {
     if (k.pp == 1) {
       stage->loss(stage(ids), targets).backward();
     } else {
-      pipeline::PipelineRuntime rt(mesh["pp"].process_group(), {gpt_pipeline_stage(mesh, stage)},
+      pipeline::PipelineRuntime rt(mesh["pp"], {gpt_pipeline_stage(mesh, stage)},
                                    pipeline::make_schedule(k.schedule, k.pp, 1, 2),
                                    gpt_pipeline_loss(stage));
       rt.step({ids}, {targets});
@@ -138,7 +138,8 @@ std::pair<Grads, std::vector<int>> pipeline_grads(const PipeCase& k, bool checkp
     auto seq = pipeline::split_sequential(make_mlp(4, 6), {4}, r);
     auto mse = [](const Tensors& out, const Tensors& t) { return torch::mse_loss(out[0], t[0]); };
     auto count = std::make_shared<int>(0);
-    pipeline::PipelineRuntime rt(comm, {make_stage(r, seq, k.function_stage, checkpointed, count)},
+    pipeline::PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                                 {make_stage(r, seq, k.function_stage, checkpointed, count)},
                                  pipeline::make_schedule(k.schedule, 2, 1, kMicrobatches), mse);
     rt.step({torch::randn({8, 6}, at::detail::createCPUGenerator(1))},
             {torch::randn({8, 6}, at::detail::createCPUGenerator(2))});

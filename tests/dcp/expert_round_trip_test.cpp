@@ -81,9 +81,10 @@ Named train_and_save(const Shape& shape, const std::string& dir) {
     torch::set_num_threads(1);
     auto mesh = mesh_of(world, shape);
     GPTStage stage(mesh, config(7));
-    GradientSynchronizerOptions options;
+    cohort::GradientSynchronizerOptions options;
     options.expert_parameters = stage->expert_parameters();
-    GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight(), options);
+    cohort::GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight(),
+                                      options);
     torch::optim::AdamW opt(stage->parameters(), kAdamW);
     for (int s = 0; s < 2; ++s) {
       auto ids = torch::randint(12, {1, 8}, at::detail::createCPUGenerator(world->rank() + 10 * s));

@@ -130,8 +130,7 @@ struct GptJob {
         opt(stage->parameters(), kAdamW) {
     if (shape.pp > 1)
       rt = std::make_unique<pipeline::PipelineRuntime>(
-          mesh["pp"].process_group(),
-          std::vector<pipeline::PipelineStage>{gpt_pipeline_stage(mesh, stage)},
+          mesh["pp"], std::vector<pipeline::PipelineStage>{gpt_pipeline_stage(mesh, stage)},
           pipeline::make_schedule("1f1b", shape.pp, 1, 2), gpt_pipeline_loss(stage));
   }
   void step(int s) { train_step(mesh, stage, rt.get(), sync, opt, s); }
@@ -139,7 +138,7 @@ struct GptJob {
 
   DeviceMesh mesh;
   GPTStage stage;
-  GradientSynchronizer sync;
+  cohort::GradientSynchronizer sync;
   torch::optim::AdamW opt;
   std::unique_ptr<pipeline::PipelineRuntime> rt;
 };

@@ -36,8 +36,11 @@ struct TpBlockImpl : torch::nn::Module {
     c.seed = seed;
     tp::RowParallelLinearOptions r;
     r.seed = seed + 1;
-    col = register_module("col", tp::ColumnParallelLinear(group, kWidth, kHidden, c));
-    row = register_module("row", tp::RowParallelLinear(group, kHidden, kWidth, r));
+    col = register_module(
+        "col",
+        tp::ColumnParallelLinear(cohort::DeviceMesh::from_group(group, "tp"), kWidth, kHidden, c));
+    row = register_module("row", tp::RowParallelLinear(cohort::DeviceMesh::from_group(group, "tp"),
+                                                       kHidden, kWidth, r));
   }
   torch::Tensor forward(const torch::Tensor& x) { return x + row(torch::tanh(col(x))); }
 };

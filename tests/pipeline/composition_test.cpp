@@ -43,8 +43,9 @@ TEST(PipelineComposition, PipelineTimesDataParallelEqualsOneProcess) {
     Mesh mesh = make_mesh(world);
     auto model = make_mlp(kPP);
     const int s = mesh.pp_rank;
-    PipelineRuntime rt(mesh.pp, {PipelineStage(s, split_sequential(model, {2}, s))},
-                       Schedule1F1B(kPP, kM), mse);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(mesh.pp, "pp"),
+                       {PipelineStage(s, split_sequential(model, {2}, s))}, Schedule1F1B(kPP, kM),
+                       mse);
     auto xs = x.chunk(kDP), ys = y.chunk(kDP);
     auto r = rt.step({xs[mesh.dp_rank]}, {ys[mesh.dp_rank]});
     all_reduce_gradients(rt.parameters(), *mesh.dp);
@@ -67,8 +68,9 @@ TEST(PipelineComposition, PipelineWithZeroOneEqualsOneProcess) {
     Mesh mesh = make_mesh(world);
     auto model = make_mlp(kPP);
     const int s = mesh.pp_rank;
-    PipelineRuntime rt(mesh.pp, {PipelineStage(s, split_sequential(model, {2}, s))},
-                       ScheduleZBH1(kPP, kM), mse);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(mesh.pp, "pp"),
+                       {PipelineStage(s, split_sequential(model, {2}, s))}, ScheduleZBH1(kPP, kM),
+                       mse);
     auto zero = ZeroRedundancyOptimizer::make<torch::optim::SGD>(
         rt.parameters(), torch::optim::SGDOptions(lr), mesh.dp);  // reduces in step()
     auto xs = x.chunk(kDP), ys = y.chunk(kDP);

@@ -76,7 +76,7 @@ Measured run_step(const PipelineSchedule& schedule, int m) {
     std::vector<PipelineStage> mine;
     for (int s : schedule.stages_of(comm->rank()))
       mine.emplace_back(s, split_sequential(model, boundaries(schedule.num_stages), s));
-    PipelineRuntime rt(comm, std::move(mine), schedule, mse);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule, mse);
     rt.step({x}, {y});
     memory::MemoryScope scope;
     auto result = rt.step({x}, {y});

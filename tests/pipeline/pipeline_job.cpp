@@ -32,7 +32,7 @@ void run_case(const std::shared_ptr<cohort::Communicator>& comm, const JobCase& 
   std::vector<PipelineStage> mine;
   for (int s : schedule.stages_of(comm->rank()))
     mine.emplace_back(s, split_sequential(model, mlp_boundaries(schedule.num_stages), s));
-  PipelineRuntime rt(comm, std::move(mine), schedule, mse);
+  PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule, mse);
   torch::optim::SGD opt(rt.parameters(), torch::optim::SGDOptions(kJobLr));
   std::ofstream out(dir + "/" + c.name() + ".rank" + std::to_string(comm->rank()) + ".txt");
   out.precision(17);

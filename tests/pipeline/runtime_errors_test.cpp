@@ -72,7 +72,8 @@ TEST_P(LossWithoutGrad, IsAnErrorOnEveryRank) {
   auto errors = errors_on_every_rank(pp, [&](std::shared_ptr<Communicator> comm) {
     auto model = make_mlp(pp);
     const int r = comm->rank();
-    PipelineRuntime rt(comm, {PipelineStage(r, split_sequential(model, mlp_boundaries(pp), r))},
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                       {PipelineStage(r, split_sequential(model, mlp_boundaries(pp), r))},
                        make_schedule(name, pp, 1, m), [](const Tensors& out, const Tensors& y) {
                          return mse(Tensors{out[0].detach()}, y);
                        });
@@ -103,7 +104,8 @@ TEST(LossNotAScalar, IsAnErrorOnEveryRank) {
     auto errors = errors_on_every_rank(pp, [&](std::shared_ptr<Communicator> comm) {
       auto model = make_mlp(pp);
       const int r = comm->rank();
-      PipelineRuntime rt(comm, {PipelineStage(r, split_sequential(model, mlp_boundaries(pp), r))},
+      PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                         {PipelineStage(r, split_sequential(model, mlp_boundaries(pp), r))},
                          Schedule1F1B(pp, 2), [](const Tensors& out, const Tensors& y) {
                            return (out[0] - y[0]).pow(2).mean(1);  // one loss per row
                          });
@@ -134,7 +136,8 @@ TEST_P(StageMapDisagreement, IsNamedAtConstruction) {
     const int r = comm->rank();
     auto s = r == pp - 1 ? gpipe_on(blocks, pp, m) : ScheduleInterleaved1F1B(pp, 2, m);
     std::vector<ScaleStage> params(2 * static_cast<size_t>(pp));
-    PipelineRuntime rt(comm, scale_stages(s, r, params), s, mean_product);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), scale_stages(s, r, params), s,
+                       mean_product);
     rt.step({torch::ones({m, 1})}, {torch::ones({m, 1})});
   });
   auto text = [](const std::vector<int>& v) {
@@ -179,7 +182,8 @@ TEST(StageCount, BeyondTheTagRangeIsRefused) {
     auto errors = errors_on_every_rank(ranks, [&](std::shared_ptr<Communicator> comm) {
       auto s = gpipe_on(all_but_last_on_rank0(stages, ranks), ranks, 1);
       std::vector<ScaleStage> params(static_cast<size_t>(stages));
-      PipelineRuntime rt(comm, scale_stages(s, comm->rank(), params), s, mean_product);
+      PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                         scale_stages(s, comm->rank(), params), s, mean_product);
     });
     for (int r = 0; r < ranks; ++r) {
       const auto& e = errors[static_cast<size_t>(r)];
@@ -200,7 +204,8 @@ TEST(StageCount, TheLargestStageCountRuns) {
     auto s = gpipe_on(all_but_last_on_rank0(stages, 2), 2, m);
     std::vector<ScaleStage> params(static_cast<size_t>(stages));
     const int r = comm->rank();
-    PipelineRuntime rt(comm, scale_stages(s, r, params), s, mean_product);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), scale_stages(s, r, params), s,
+                       mean_product);
     auto result = rt.step({x}, {t});
     EXPECT_DOUBLE_EQ(result.loss, expected);
     for (int st : s.stages_of(r)) {

@@ -60,7 +60,7 @@ TEST_P(PipelineEquivalence, LossesAndGradientsMatchOneProcess) {
     std::vector<PipelineStage> mine;
     for (int s : schedule.stages_of(comm->rank()))
       mine.emplace_back(s, split_sequential(model, mlp_boundaries(stages), s));
-    PipelineRuntime rt(comm, std::move(mine), schedule, mse);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule, mse);
     auto result = rt.step({x}, {y});
     ASSERT_EQ(result.losses.size(), static_cast<size_t>(c.m));
     // Every action the rank ran is counted and timed, communication included.
@@ -94,8 +94,9 @@ TEST(PipelineRuntime, StepsAccumulateWithoutExtraScaling) {
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     auto model = make_mlp(2);
     int r = comm->rank();
-    PipelineRuntime rt(comm, {PipelineStage(r, split_sequential(model, {2}, r))},
-                       Schedule1F1B(2, m), mse);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                       {PipelineStage(r, split_sequential(model, {2}, r))}, Schedule1F1B(2, m),
+                       mse);
     rt.step({x}, {y});
     rt.step({x}, {y});
     auto params = model->parameters();
@@ -136,7 +137,8 @@ TEST(PipelineRuntime, BoundaryOfSeveralTensors) {
     auto lin = layers[r];
     PipelineStage stage(
         r, [lin](const Tensors& in) { return block(lin, in); }, lin->parameters(), lin.ptr());
-    PipelineRuntime rt(comm, {stage}, ScheduleZBH1(pp, m), mse);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), {stage}, ScheduleZBH1(pp, m),
+                       mse);
     auto res = rt.step({x, x, mask}, {y});
     expect_close(lin->weight.grad(), ref_layers[r]->weight.grad(), "weight");
     expect_close(lin->bias.grad(), ref_layers[r]->bias.grad(), "bias");
@@ -176,8 +178,10 @@ TEST(PipelineRuntime, RefusesBadSetup) {
         auto model = make_mlp(2);
         std::vector<PipelineStage> mine;
         if (comm->rank() == 0) mine.emplace_back(0, split_sequential(model, {2}, 0));
-        seen[comm->rank()] =
-            error_text([&] { PipelineRuntime rt(comm, std::move(mine), Schedule1F1B(2, 2), mse); });
+        seen[comm->rank()] = error_text([&] {
+          PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine),
+                             Schedule1F1B(2, 2), mse);
+        });
       },
       quick());
   EXPECT_NE(seen[0].find("rank 1 refused the pipeline"), std::string::npos) << seen[0];
@@ -189,7 +193,8 @@ TEST(PipelineRuntime, RefusesBadSetup) {
     run_ranks_shared(1, [](std::shared_ptr<Communicator> comm) {
       auto s = Schedule1F1B(1, 1);
       s.num_microbatches = 0;
-      PipelineRuntime rt(comm, {PipelineStage(0, make_mlp(1))}, s, mse);
+      PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                         {PipelineStage(0, make_mlp(1))}, s, mse);
     });
   });
   EXPECT_NE(e.find("zero micro-batches"), std::string::npos) << e;
@@ -202,13 +207,15 @@ TEST(PipelineRuntime, RefusesBadSetup) {
           auto model = make_mlp(4);
           int r = comm->rank();
           if (r == 0) {
-            PipelineRuntime rt(comm, {PipelineStage(0, split_sequential(model, {2}, 0))},
+            PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                               {PipelineStage(0, split_sequential(model, {2}, 0))},
                                Schedule1F1B(2, 2), mse);
           } else {
             std::vector<PipelineStage> mine;
             mine.emplace_back(1, split_sequential(model, {2, 4, 6}, 1));
             mine.emplace_back(3, split_sequential(model, {2, 4, 6}, 3));
-            PipelineRuntime rt(comm, std::move(mine), ScheduleInterleaved1F1B(2, 2, 2), mse);
+            PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine),
+                               ScheduleInterleaved1F1B(2, 2, 2), mse);
           }
         },
         quick());
@@ -224,7 +231,8 @@ TEST(PipelineRuntime, RefusesBadSetup) {
         [&](std::shared_ptr<Communicator> comm) {
           auto model = make_mlp(2);
           per_rank[comm->rank()] = error_text([&] {
-            PipelineRuntime rt(comm, {PipelineStage(0, split_sequential(model, {2}, 0))},
+            PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                               {PipelineStage(0, split_sequential(model, {2}, 0))},
                                Schedule1F1B(2, 2), mse);
           });
         },
@@ -238,7 +246,8 @@ TEST(PipelineRuntime, RefusesBadSetup) {
 TEST(PipelineRuntime, RefusesBatchThatDoesNotSplit) {
   std::string e = error_text([] {
     run_ranks_shared(1, [](std::shared_ptr<Communicator> comm) {
-      PipelineRuntime rt(comm, {PipelineStage(0, make_mlp(1))}, ScheduleGPipe(1, 4), mse);
+      PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                         {PipelineStage(0, make_mlp(1))}, ScheduleGPipe(1, 4), mse);
       rt.step({det({6, kWidth}, 0)}, {det({6, kWidth}, 1)});
     });
   });
@@ -255,7 +264,8 @@ TEST(PipelineRuntime, RefusesShapeMismatchNamingStageAndMicrobatch) {
           int r = comm->rank();
           PipelineOptions o;
           o.timeout = std::chrono::seconds(2);
-          PipelineRuntime rt(comm, {PipelineStage(r, split_sequential(model, {2}, r))},
+          PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                             {PipelineStage(r, split_sequential(model, {2}, r))},
                              ScheduleGPipe(2, 2), mse, o);
           rt.step({det({4, kWidth}, 0)}, {det({4, kWidth}, 1)});
           rt.step({det({6, kWidth}, 0)}, {det({6, kWidth}, 1)});  // 3 rows per micro-batch
@@ -277,7 +287,8 @@ TEST(PipelineRuntime, DeadPeerIsReportedWithinTheTimeout) {
           int r = comm->rank();
           PipelineOptions o;
           o.timeout = std::chrono::seconds(1);
-          PipelineRuntime rt(comm, {PipelineStage(r, split_sequential(model, {2}, r))},
+          PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                             {PipelineStage(r, split_sequential(model, {2}, r))},
                              Schedule1F1B(2, 2), mse, o);
           if (r == 1) return;  // rank 1 dies before the step
           rt.step({det({4, kWidth}, 0)}, {});
@@ -307,6 +318,27 @@ TEST(PipelineStages, BalancedBoundaries) {
   auto b = balance_by_time(make_mlp(4), det({4, kWidth}, 0), 4, 1);
   EXPECT_EQ(b.size(), 3u);
   EXPECT_TRUE(std::is_sorted(b.begin(), b.end()));
+}
+
+// Stages exchange activations along one dimension: a whole 2-D mesh is
+// refused on every rank, naming the mesh; its "pp" slice runs the pipeline.
+TEST(PipelineRuntime, MeshThatIsNotOneDimensionalIsRefused) {
+  run_ranks_shared(2, [](std::shared_ptr<Communicator> comm) {
+    auto mesh = init_device_mesh(comm, {1, 2}, {"dp", "pp"});
+    const int r = comm->rank();
+    auto model = make_mlp(2);
+    auto stages = [&] { return std::vector{PipelineStage(r, split_sequential(model, {2}, r))}; };
+    std::string m = "no error";
+    try {
+      PipelineRuntime rt(mesh, stages(), Schedule1F1B(2, 2), mse);
+    } catch (const InvalidArgument& e) {
+      m = e.what();
+    }
+    EXPECT_NE(m.find("the pipeline mesh must be 1-D"), std::string::npos) << m;
+    EXPECT_NE(m.find("dp=1 pp=2"), std::string::npos) << m;
+    PipelineRuntime rt(mesh["pp"], stages(), Schedule1F1B(2, 2), mse);
+    EXPECT_EQ(rt.process_group(), mesh["pp"].process_group());
+  });
 }
 
 }  // namespace

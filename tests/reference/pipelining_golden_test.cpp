@@ -57,7 +57,8 @@ Trained train_cohort(const Case& c, const torch::Tensor& x, const torch::Tensor&
     std::vector<PipelineStage> mine;
     for (int s : schedule.stages_of(comm->rank()))
       mine.emplace_back(s, split_sequential(model, pipeline::testing::mlp_boundaries(stages), s));
-    PipelineRuntime rt(comm, std::move(mine), schedule, pipeline::testing::mse);
+    PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule,
+                       pipeline::testing::mse);
     torch::optim::SGD opt(rt.parameters(), torch::optim::SGDOptions(kLr));
     const bool last = schedule.stages_of(comm->rank()).back() == stages - 1;
     for (int step = 0; step < kSteps; ++step) {

@@ -55,8 +55,8 @@ Trained train_cohort(int tp, const torch::Tensor& x, const torch::Tensor& y) {
     co.seed = kSeed1;
     RowParallelLinearOptions ro;
     ro.seed = kSeed2;
-    ColumnParallelLinear col(g, kWidth, kHidden, co);
-    RowParallelLinear row(g, kHidden, kWidth, ro);
+    ColumnParallelLinear col(cohort::DeviceMesh::from_group(g, "tp"), kWidth, kHidden, co);
+    RowParallelLinear row(cohort::DeviceMesh::from_group(g, "tp"), kHidden, kWidth, ro);
     std::vector<torch::Tensor> params{col->weight, col->bias, row->weight, row->bias};
     torch::optim::SGD opt(params, torch::optim::SGDOptions(kLr));
     const int r = g->rank();

@@ -49,7 +49,7 @@ TEST_P(TensorParallelErrors, EmbeddingIdOutsideTheVocabulary) {
     auto ids = torch::randint(kVocab, {3, 2});
     ids[2][1] = bad;
     auto errors = errors_on_every_rank(tp, [&](std::shared_ptr<Communicator> g) {
-      VocabParallelEmbedding layer(g, kVocab, 4);
+      VocabParallelEmbedding layer(cohort::DeviceMesh::from_group(g, "tp"), kVocab, 4);
       layer(ids);
     });
     for (int r = 0; r < tp; ++r) {

@@ -133,7 +133,7 @@ Result train(const Case& k) {
     auto mesh = mesh_of(world, k);
     const auto c = config(moe(k), k.ring_skip_step);
     GPTStage stage(mesh, c);
-    GradientSynchronizerOptions options;
+    cohort::GradientSynchronizerOptions options;
     options.expert_parameters = stage->expert_parameters();
     cohort::GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight(),
                                       options);

@@ -46,7 +46,7 @@ TEST_P(Layers, ColumnParallelLinearMatchesDense) {
       ColumnParallelLinearOptions o;
       o.seed = 5;
       o.gather_output = gather;
-      ColumnParallelLinear layer(g, in, out, o);
+      ColumnParallelLinear layer(cohort::DeviceMesh::from_group(g, "tp"), in, out, o);
       const auto r = g->rank();
       expect_close(layer->weight, split_along(w, 0, r, tp, "w"), "weight shard");
       auto x = x0.clone().requires_grad_();
@@ -79,7 +79,7 @@ TEST_P(Layers, RowParallelLinearMatchesDense) {
       RowParallelLinearOptions o;
       o.seed = 7;
       o.input_is_parallel = parallel_input;
-      RowParallelLinear layer(g, in, out, o);
+      RowParallelLinear layer(cohort::DeviceMesh::from_group(g, "tp"), in, out, o);
       const auto r = g->rank();
       auto x = (parallel_input ? split_along(x0, 1, r, tp, "x") : x0).clone().requires_grad_();
       auto y = layer(x);
@@ -106,7 +106,7 @@ TEST_P(Layers, VocabParallelEmbeddingMatchesDense) {
 
   run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
     torch::set_num_threads(1);
-    VocabParallelEmbedding layer(g, vocab, dim, o);
+    VocabParallelEmbedding layer(cohort::DeviceMesh::from_group(g, "tp"), vocab, dim, o);
     auto y = layer(ids);
     expect_close(y, yd, "output");
     (y * c).sum().backward();
@@ -183,12 +183,16 @@ TEST_P(Layers, SplitDimsNamesTheShardedParameters) {
   run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
     torch::nn::Module root;
     auto block = std::make_shared<torch::nn::Module>();
-    auto col = root.register_module("col", ColumnParallelLinear(g, 4, 12));
+    auto col = root.register_module(
+        "col", ColumnParallelLinear(cohort::DeviceMesh::from_group(g, "tp"), 4, 12));
     ColumnParallelLinearOptions no_bias;
     no_bias.bias = false;
-    auto col2 = block->register_module("col2", ColumnParallelLinear(g, 4, 12, no_bias));
-    auto row = block->register_module("row", RowParallelLinear(g, 12, 4));
-    auto emb = block->register_module("emb", VocabParallelEmbedding(g, 12, 4));
+    auto col2 = block->register_module(
+        "col2", ColumnParallelLinear(cohort::DeviceMesh::from_group(g, "tp"), 4, 12, no_bias));
+    auto row = block->register_module(
+        "row", RowParallelLinear(cohort::DeviceMesh::from_group(g, "tp"), 12, 4));
+    auto emb = block->register_module(
+        "emb", VocabParallelEmbedding(cohort::DeviceMesh::from_group(g, "tp"), 12, 4));
     auto dense = block->register_module("dense", torch::nn::Linear(4, 4));
     root.register_module("block", block);
     const auto dims = split_dims(root);
@@ -224,17 +228,45 @@ TEST(LayerErrors, SizesThatDoNotDivideNameTheLayer) {
       }
       return std::string("no error");
     };
-    auto m = message([&] { ColumnParallelLinear(g, 4, 10); });
+    auto m = message([&] { ColumnParallelLinear(cohort::DeviceMesh::from_group(g, "tp"), 4, 10); });
     EXPECT_NE(m.find("ColumnParallelLinear"), std::string::npos) << m;
     EXPECT_NE(m.find("out_features = 10 does not divide by the tensor-parallel size 4"),
               std::string::npos)
         << m;
-    m = message([&] { RowParallelLinear(g, 6, 4); });
+    m = message([&] { RowParallelLinear(cohort::DeviceMesh::from_group(g, "tp"), 6, 4); });
     EXPECT_NE(m.find("RowParallelLinear"), std::string::npos) << m;
     EXPECT_NE(m.find("in_features = 6"), std::string::npos) << m;
-    m = message([&] { VocabParallelEmbedding(g, 65, 8); });
+    m = message([&] { VocabParallelEmbedding(cohort::DeviceMesh::from_group(g, "tp"), 65, 8); });
     EXPECT_NE(m.find("VocabParallelEmbedding"), std::string::npos) << m;
     EXPECT_NE(m.find("num_embeddings = 65"), std::string::npos) << m;
+  });
+}
+
+// A layer splits over one dimension: the whole 2-D mesh is refused on every
+// rank, naming the layer and the mesh, while its 1-D slice builds.
+TEST(LayerErrors, MeshesThatAreNotOneDimensionalAreRefused) {
+  run_ranks_shared(4, [](std::shared_ptr<Communicator> g) {
+    auto mesh = init_device_mesh(g, {2, 2}, {"dp", "tp"});
+    auto message = [](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const InvalidArgument& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    for (const auto& [layer, build] :
+         std::vector<std::pair<std::string, std::function<void(const DeviceMesh&)>>>{
+             {"ColumnParallelLinear", [](const DeviceMesh& m) { ColumnParallelLinear(m, 4, 4); }},
+             {"RowParallelLinear", [](const DeviceMesh& m) { RowParallelLinear(m, 4, 4); }},
+             {"VocabParallelEmbedding",
+              [](const DeviceMesh& m) { VocabParallelEmbedding(m, 4, 4); }}}) {
+      auto m = message([&] { build(mesh); });
+      EXPECT_NE(m.find(layer), std::string::npos) << m;
+      EXPECT_NE(m.find("must be 1-D"), std::string::npos) << m;
+      EXPECT_NE(m.find("dp=2 tp=2"), std::string::npos) << m;
+      EXPECT_EQ(message([&] { build(mesh["tp"]); }), "no error") << layer;
+    }
   });
 }
 

@@ -236,7 +236,8 @@ TEST(Trace, PipelineActionsAppearOncePerRank) {
         const int r = comm->rank();
         auto model = pipeline::testing::make_mlp(kPP);
         pipeline::PipelineRuntime rt(
-            comm, {pipeline::PipelineStage(r, pipeline::split_sequential(model, {2}, r))},
+            cohort::DeviceMesh::from_group(comm, "pp"),
+            {pipeline::PipelineStage(r, pipeline::split_sequential(model, {2}, r))},
             pipeline::Schedule1F1B(kPP, kM), pipeline::testing::mse);
         rt.step({x}, {y});
         actions[static_cast<size_t>(r)] = rt.schedule().actions[static_cast<size_t>(r)];

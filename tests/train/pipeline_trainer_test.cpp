@@ -141,7 +141,8 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torc
   auto mse = [](const Tensors& out, const Tensors& t) {
     return torch::nn::functional::mse_loss(out[0], t[0]);
   };
-  pipeline::PipelineRuntime rt(pp_group, std::move(stages), schedule, mse);
+  pipeline::PipelineRuntime rt(cohort::DeviceMesh::from_group(pp_group, "pp"), std::move(stages),
+                               schedule, mse);
   auto opt = make_sgd(rt.parameters());
   auto wiring = dp_group ? TrainerWiring::pipeline(world, rt, opt, dp_group)
                          : TrainerWiring::pipeline(rt, opt);
@@ -272,8 +273,9 @@ TEST(PipelineTrainerErrors, RefusesALossFnAndAMismatchedAccumulation) {
     auto mse = [](const Tensors& out, const Tensors& t) {
       return torch::nn::functional::mse_loss(out[0], t[0]);
     };
-    pipeline::PipelineRuntime rt(world, {pipeline::PipelineStage(0, model)},
-                                 pipeline::Schedule1F1B(1, 2), mse);
+    pipeline::PipelineRuntime rt(cohort::DeviceMesh::from_group(world, "pp"),
+                                 {pipeline::PipelineStage(0, model)}, pipeline::Schedule1F1B(1, 2),
+                                 mse);
     auto opt = make_sgd(rt.parameters());
     TrainerConfig config;
     config.accumulation_steps = 2;
