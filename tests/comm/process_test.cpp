@@ -69,6 +69,34 @@ TEST(ProcessFailure, SurvivorsOfAKilledRankFailWithANamedError) {
   }
 }
 
+// A peer SIGKILLed while transfers are outstanding (64 MiB all_reduces,
+// rendezvous sized; bursts of 64 small ones issued before the first wait),
+// then the survivor drops its group and finalizes: its error names the dead
+// peer, finalize() returns, and UCX prints no warning at exit about requests
+// never returned to its pools ("not returned to mpool", seen once after a
+// dead peer). Not reproduced here with UCX 1.13 (nor with close() freeing
+// unfinished requests at once, the older close): a guard.
+TEST(ProcessFailure, PeerKilledMidTransferLeavesNoUcxWarningsAtExit) {
+#ifndef COHORT_WITH_UCX
+  GTEST_SKIP() << "built without UCX";
+#endif
+  const auto start = Clock::now();
+  std::vector<std::pair<std::string, std::vector<std::unique_ptr<Subprocess>>>> jobs;
+  for (std::string mode : {"large", "burst"}) {
+    jobs.emplace_back(mode, start_ranks({DEAD_TRANSFER_BIN, mode}, 2, {"COHORT_BACKEND=ucx"}));
+  }
+  for (auto& [mode, ranks] : jobs) {
+    const auto survivor = ranks[0]->finish(Seconds(60));
+    EXPECT_EQ(ranks[1]->finish(Seconds(10)).exit_code, 128 + SIGKILL) << mode;
+    EXPECT_EQ(survivor.exit_code, 3) << mode << ":\n" << survivor.err;
+    EXPECT_NE(survivor.err.find("on rank 0 of 2 (group world, peer 1)"), std::string::npos)
+        << mode << ":\n"
+        << survivor.err;
+    EXPECT_EQ(survivor.err.find("mpool"), std::string::npos) << mode << ":\n" << survivor.err;
+  }
+  EXPECT_LT(Clock::now() - start, Seconds(30));
+}
+
 // Ranks that stop answering (SIGSTOP, as a debugger or job control does)
 // while the others run a collective: each survivor's timeout names them, and
 // no survivor, whichever neighbour it was waiting for, whether they stopped
