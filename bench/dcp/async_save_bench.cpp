@@ -6,15 +6,19 @@
 // gradients averaged with one all-reduce of their concatenation) trains
 // (saves + 1) * every steps per run, saving a checkpoint of its whole state
 // (dcp::get_state_dict: model and AdamW state) every `every` steps, in three
-// modes: none, blocking (dcp::save) and async (dcp::async_save, committed
-// by the next save or at the run's end). Each round runs every mode once,
-// the order rotated from round to round. A run is timed from a barrier to a
-// barrier. Rank 0 prints each run, then per mode the median seconds per
-// step, the median pause per save (the run's time over none's, per save),
-// and async's pause over blocking's: the bar is at most 0.05. It prints
-// too the time rank 0's training thread spent inside the save calls (and
-// the last wait()) per save, which loaded cores disturb less; it leaves out
-// what the writer thread takes from the training's cores.
+// modes: none, blocking (dcp::save) and async (dcp::async_save; the next
+// step's forward and backward run while it stages, wait_staged() before
+// that step's optimizer step; committed by the next save or at the run's
+// end). Each round runs every mode once, the order rotated from round to
+// round. Rank 0 prints each run, then per mode the medians of:
+// - the run, barrier to barrier: pause per save = (run − none's) / saves;
+// - the window of each save: from the save call to the end of the next
+//   step (for none, that step alone), where a save's cost lands unless the
+//   writer thread slows later steps; shorter than a run, so less noisy;
+// - the time the training thread spent inside the save calls,
+//   wait_staged() and the last wait().
+// and each as async's overhead over blocking's, (async − none) /
+// (blocking − none) (the bar: at most 0.05).
 #include <malloc.h>
 
 #include <algorithm>
@@ -55,7 +59,9 @@ struct Job {
   dcp::AsyncSave pending;
 };
 
-void step(Job& j, Communicator& comm) {
+// One training step; `before_step` runs between backward and the optimizer.
+template <typename BeforeStep>
+void step(Job& j, Communicator& comm, BeforeStep&& before_step) {
   j.opt->zero_grad();
   j.model->loss(j.model(j.ids), j.targets).backward();
   std::vector<torch::Tensor> grads;
@@ -68,6 +74,7 @@ void step(Job& j, Communicator& comm) {
     p.mutable_grad().view(-1).copy_(flat.narrow(0, at, p.numel()));
     at += p.numel();
   }
+  before_step();
   j.opt->step();
 }
 
@@ -76,8 +83,9 @@ double since(std::chrono::steady_clock::time_point t0) {
 }
 
 struct Timing {
-  double run = 0;     // the run, barrier to barrier
-  double inside = 0;  // in the save calls and the last wait(): the training's pause
+  double run = 0;              // the run, barrier to barrier
+  double inside = 0;           // in the save calls, wait_staged() and the last wait()
+  std::vector<double> window;  // per save: the call and the next step
 };
 
 // One run of `mode`: 0 none, 1 blocking, 2 async.
@@ -87,17 +95,27 @@ Timing run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
   comm.barrier().wait();
   const auto t0 = std::chrono::steady_clock::now();
   Timing t;
+  std::chrono::steady_clock::time_point window_start;
+  bool in_window = false;
   for (int s = 1; s <= (a.saves + 1) * a.every; ++s) {
-    step(j, comm);
-    if (mode == 0 || s % a.every != 0 || s > a.saves * a.every) continue;
+    step(j, comm, [&] {
+      if (mode != 2 || !in_window) return;
+      const auto in = std::chrono::steady_clock::now();
+      j.pending.wait_staged();
+      t.inside += since(in);
+    });
+    if (in_window) t.window.push_back(since(window_start));
+    in_window = s % a.every == 0 && s <= a.saves * a.every;
+    if (!in_window) continue;
+    window_start = std::chrono::steady_clock::now();
+    if (mode == 0) continue;
     const auto dir = (base / ("m" + std::to_string(mode) + "-" + std::to_string(s))).string();
-    const auto in = std::chrono::steady_clock::now();
     if (mode == 1) {
       dcp::save(dcp::get_state_dict(*j.model, *j.opt, j.layout), dir, comm);
     } else {
       j.pending = dcp::async_save(dcp::get_state_dict(*j.model, *j.opt, j.layout), dir, comm);
     }
-    t.inside += since(in);
+    t.inside += since(window_start);
   }
   const auto in = std::chrono::steady_clock::now();
   j.pending.wait();
@@ -120,6 +138,23 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--rounds", a.rounds, "rounds of one run per mode")
       ->check(cohort::bench::positive());
   app.add_option("DIR", a.dir, "folder the checkpoints are written to")->required();
+}
+
+// Per mode, a median and its excess over none's; async's over blocking's.
+void report_line(const char* what, double none, double blocking, double async) {
+  std::printf("%s: none %.4f, blocking %.4f, async %.4f; async overhead / blocking's %.3f\n", what,
+              none, blocking, async, (async - none) / (blocking - none));
+}
+
+void report(const Args& a, const std::vector<double> (&t)[3],
+            const std::vector<double> (&inside)[3], const std::vector<double> (&window)[3]) {
+  const int steps = (a.saves + 1) * a.every;
+  report_line("median s/step (runs)", median(t[0]) / steps, median(t[1]) / steps,
+              median(t[2]) / steps);
+  report_line("median save window s (call + next step)", median(window[0]), median(window[1]),
+              median(window[2]));
+  report_line("median s per save inside the calls (rank 0)", 0, median(inside[1]),
+              median(inside[2]));
 }
 
 }  // namespace
@@ -148,7 +183,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(comm->rank());
     j.ids = torch::randint(c.vocab_size, {a.batch, c.seq_len}, torch::kInt64);
     j.targets = (j.ids * 5 + 3) % c.vocab_size;
-    step(j, *comm);  // AdamW's state exists from here on
+    step(j, *comm, [] {});  // AdamW's state exists from here on
     int64_t numel = 0;
     for (const auto& p : j.model->parameters()) numel += p.numel();
     if (comm->rank() == 0) {
@@ -158,16 +193,19 @@ int main(int argc, char** argv) {
           static_cast<long long>(numel), numel * 12.0 / (1 << 20), comm->size(), a.every);
     }
     const char* names[] = {"none", "blocking", "async"};
-    std::vector<double> t[3], inside[3];
+    std::vector<double> t[3], inside[3], window[3];
     for (int round = 0; round < a.rounds; ++round) {
       for (int k = 0; k < 3; ++k) {
         const int mode = (round + k) % 3;
         const auto timing = run(j, *comm, a, mode, round);
         t[mode].push_back(timing.run);
         inside[mode].push_back(timing.inside / a.saves);
+        window[mode].insert(window[mode].end(), timing.window.begin(), timing.window.end());
         if (comm->rank() == 0) {
-          std::printf("round %d %-8s %.4f s, %.4f s per save in the calls\n", round, names[mode],
-                      timing.run, inside[mode].back());
+          std::printf("round %d %-8s %.4f s, %.4f s per save in the calls, windows", round,
+                      names[mode], timing.run, inside[mode].back());
+          for (double w : timing.window) std::printf(" %.4f", w);
+          std::printf("\n");
         }
       }
       // This round's folder only: the next round's may be in the making.
@@ -176,19 +214,7 @@ int main(int argc, char** argv) {
         std::filesystem::remove_all(std::filesystem::path(a.dir) / ("r" + std::to_string(round)));
       }
     }
-    if (comm->rank() == 0) {
-      const int steps = (a.saves + 1) * a.every;
-      const double none = median(t[0]), blocking = median(t[1]), async = median(t[2]);
-      std::printf("median s/step: none %.4f, blocking %.4f, async %.4f\n", none / steps,
-                  blocking / steps, async / steps);
-      const double pause_b = (blocking - none) / a.saves, pause_a = (async - none) / a.saves;
-      std::printf("pause per save: blocking %.4f s, async %.4f s; async/blocking %.3f\n", pause_b,
-                  pause_a, pause_a / pause_b);
-      std::printf(
-          "median time in the save calls per save (rank 0): blocking %.4f s, async %.4f "
-          "s; async/blocking %.3f\n",
-          median(inside[1]), median(inside[2]), median(inside[2]) / median(inside[1]));
-    }
+    if (comm->rank() == 0) report(a, t, inside, window);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "async_save_bench: %s\n", e.what());

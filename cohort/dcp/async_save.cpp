@@ -1,5 +1,6 @@
-// dcp::async_save: the staging copy and the agreement at the call, the file
-// on a writer thread, the commit at wait() (see async_save.h for why).
+// dcp::async_save: the placing, the agreement and the buffers' copy at the
+// call; the staging copy and the file on a background thread; the version
+// check at wait_staged(); the commit at wait() (see async_save.h for why).
 #include "cohort/dcp/async_save.h"
 
 #include <sys/resource.h>
@@ -11,15 +12,31 @@
 #include <mutex>
 #include <thread>
 
+#include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/save_steps.h"
 
 namespace cohort::dcp {
+// A chunk copied on the background thread, and the version counter its
+// source had at the call.
+struct DeferredCopy {
+  size_t chunk;
+  torch::Tensor source;
+  std::string fqn;
+  int64_t version;
+};
+
+// The save pending on each communicator (collectives are ordered per
+// communicator; different communicators save independently).
+namespace {
+std::mutex registry_mu;
+std::map<const Communicator*, std::weak_ptr<AsyncSave::State>> registry;
+}  // namespace
 
 struct AsyncSave::State {
   State(Communicator& c, std::string d) : comm(c), dir(std::move(d)) {}
   ~State() {
-    if (writer.joinable()) writer.join();
+    if (worker.joinable()) worker.join();
   }
   std::string where() const {
     return "dcp::async_save of " + dir + " on rank " + std::to_string(comm.rank());
@@ -29,46 +46,97 @@ struct AsyncSave::State {
   const std::string dir;
   StagedFile staged;
   torch::Tensor arena;  // the staging memory staged.data views; the next save reuses it
-  std::thread writer;
-  // Set by the writer, under mu.
+  std::vector<DeferredCopy> deferred;
+  std::thread worker;
+  // Set by the worker, under mu.
   std::mutex mu;
   std::condition_variable done;
-  bool written = false;
-  std::string list;   // the chunk list for commit()
-  std::string error;  // the write's error, "" when none
+  bool copied = false;      // the staging copy has finished
+  bool written = false;     // ...and the file (or an error)
+  std::string copy_error;   // the copy's error, "" when none
+  std::string list;         // the chunk list for commit()
+  std::string write_error;  // the write's error, "" when none
   // The caller's thread only.
+  bool checked = false;      // wait_staged()'s version check has run
+  bool copy_late = false;    // ...or wait_staged() gave up on the copy
+  std::string change_error;  // a changed tensor, or the copy's timeout
   bool committed = false;
   std::exception_ptr outcome;
 };
 
 namespace {
 
-// The save pending on each communicator (collectives are ordered per
-// communicator; different communicators save independently).
-std::mutex registry_mu;
-std::map<const Communicator*, std::weak_ptr<AsyncSave::State>> registry;
+// The same check the worker makes early; the caller's is the one that
+// counts (see async_save.h).
+std::string changed_tensor(const AsyncSave::State& s) {
+  for (const auto& d : s.deferred) {
+    if (d.source._version() != d.version) {
+      return s.where() + ": tensor " + d.fqn +
+             " was changed in place before its staging copy was done (call "
+             "AsyncSave::wait_staged() before the optimizer step or a load): the checkpoint "
+             "would not hold one step's state";
+    }
+  }
+  return "";
+}
 
-void write_in_background(AsyncSave::State& s) {
-  // The writer yields the CPU to the training: where the ranks keep every
+void copy_and_write(AsyncSave::State& s) {
+  std::string error;
+  try {
+    for (const auto& d : s.deferred) s.staged.data[d.chunk].copy_(d.source);
+    error = changed_tensor(s);
+  } catch (const std::exception& e) {
+    error = s.where() + ": staging copy: " + e.what();
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.copied = true;
+    s.copy_error = error;
+    s.done.notify_all();
+  }
+  // The write yields the CPU to the training: where the ranks keep every
   // core busy (a CPU job) its checksums and page-cache copies would
   // otherwise come out of the step time; it runs in the gaps instead, and
   // the next save waits if it has not finished. Best effort: a failure
-  // leaves the default priority.
+  // leaves the default priority. (The copy above ran at the default: the
+  // optimizer step waits for it.)
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
-  std::string list, error;
-  try {
-    list = write_staged_file(s.staged, s.dir, s.comm.rank());
-  } catch (const std::exception& e) {
-    error = s.where() + ": background write: " + e.what();
-  } catch (...) {
-    error = s.where() + ": background write: unknown exception";
+  std::string list;
+  if (error.empty()) {
+    try {
+      list = write_staged_file(s.staged, s.dir, s.comm.rank());
+    } catch (const std::exception& e) {
+      error = s.where() + ": background write: " + e.what();
+    } catch (...) {
+      error = s.where() + ": background write: unknown exception";
+    }
   }
   s.staged.data.clear();  // the staging memory goes back now, not at wait()
   std::lock_guard<std::mutex> lock(s.mu);
   s.written = true;
   s.list = std::move(list);
-  s.error = std::move(error);
+  s.write_error = std::move(error);
   s.done.notify_all();
+}
+
+// wait_staged() without the throw: false when the copy did not finish in
+// time (recorded, so that the commit fails).
+bool await_staged(AsyncSave::State& s, Millis timeout) {
+  if (s.checked) return !s.copy_late;
+  {
+    std::unique_lock<std::mutex> lock(s.mu);
+    if (!s.done.wait_for(lock, timeout, [&] { return s.copied; })) {
+      s.change_error = s.where() + ": the staging copy did not finish within " +
+                       std::to_string(timeout.count()) + " ms";
+      s.checked = s.copy_late = true;
+      return false;
+    }
+  }
+  s.change_error = changed_tensor(s);
+  s.checked = true;
+  // The sources are no longer needed: the model's tensors are the caller's.
+  s.deferred.clear();
+  return true;
 }
 
 void finish(AsyncSave::State& s, Millis timeout) {
@@ -77,14 +145,18 @@ void finish(AsyncSave::State& s, Millis timeout) {
     return;
   }
   s.committed = true;
-  std::string list, error;
+  const auto start = std::chrono::steady_clock::now();
+  await_staged(s, timeout);
+  const auto left = std::max(Millis(0), timeout - std::chrono::duration_cast<Millis>(
+                                                      std::chrono::steady_clock::now() - start));
+  std::string list, error = s.change_error;
   {
     std::unique_lock<std::mutex> lock(s.mu);
-    if (s.done.wait_for(lock, timeout, [&] { return s.written; })) {
+    if (s.done.wait_for(lock, left, [&] { return s.written; })) {
       list = s.list;
-      error = s.error;
-    } else {
-      // Agreed below, so every rank throws; the writer is joined later, and
+      if (error.empty()) error = s.copy_error.empty() ? s.write_error : s.copy_error;
+    } else if (error.empty()) {
+      // Agreed below, so every rank throws; the worker is joined later, and
       // without a commit its file is never part of a checkpoint.
       error = s.where() + ": the background write did not finish within " +
               std::to_string(timeout.count()) + " ms";
@@ -99,6 +171,18 @@ void finish(AsyncSave::State& s, Millis timeout) {
 }
 
 }  // namespace
+
+bool AsyncSave::staged() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->copied;
+}
+
+void AsyncSave::wait_staged(Millis timeout) {
+  if (state_ && !state_->committed && !await_staged(*state_, timeout)) {
+    throw CheckpointError(state_->change_error);
+  }
+}
 
 bool AsyncSave::ready() const {
   if (!state_) return true;
@@ -123,6 +207,30 @@ std::shared_ptr<AsyncSave::State> last_save(Communicator& comm) {
   return last;
 }
 
+// Tensors copied at the call: the model's buffers, which forward may change
+// (BatchNorm's running statistics), and tensors without a version counter
+// (inference tensors), whose changes the check could not see. Parameters
+// (they require grad) and the optimizer's state change only in the step.
+bool copy_at_call(const torch::Tensor& source, const std::string& fqn) {
+  if (source.is_inference()) return true;
+  return fqn.rfind("model.", 0) == 0 && !source.requires_grad();
+}
+
+// Copies what copy_at_call picks; records the others for the worker.
+void split_copies(AsyncSave::State& s) {
+  auto& staged = s.staged;
+  for (size_t i = 0; i < staged.sources.size(); ++i) {
+    const auto& source = staged.sources[i];
+    if (copy_at_call(source, staged.source_fqns[i])) {
+      staged.data[i].copy_(source);
+    } else {
+      s.deferred.push_back({i, source, staged.source_fqns[i], source._version()});
+    }
+  }
+  staged.sources.clear();
+  staged.source_fqns.clear();
+}
+
 }  // namespace
 
 void finish_pending_save(Communicator& comm) {
@@ -130,22 +238,27 @@ void finish_pending_save(Communicator& comm) {
   if (auto last = last_save(comm); last && !last->committed) finish(*last, kAsyncSaveTimeout);
 }
 
+void wait_pending_staging(Communicator& comm) {
+  if (auto last = last_save(comm)) AsyncSave(last).wait_staged();
+}
+
 AsyncSave async_save(const StateDict& state, const std::string& dir, Communicator& comm) {
   auto last = last_save(comm);
   if (last && !last->committed) finish(*last, kAsyncSaveTimeout);
   auto s = std::make_shared<AsyncSave::State>(comm, dir);
-  // The last save's staging memory, unless its writer still reads it (one
+  // The last save's staging memory, unless its worker still reads it (one
   // that did not finish in time): stage_rank_file checks that nothing else
   // holds the arena before it writes into it.
   if (last) s->arena = std::move(last->arena);
   std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
   try {
     s->staged = stage_rank_file(state, comm.rank(), comm.size(), &s->arena, "dcp::async_save");
+    split_copies(*s);
   } catch (const std::exception& e) {
     if (error.empty()) error = e.what();
   }
   agree(comm, error);
-  s->writer = std::thread([raw = s.get()] { write_in_background(*raw); });
+  s->worker = std::thread([raw = s.get()] { copy_and_write(*raw); });
   {
     std::lock_guard<std::mutex> lock(registry_mu);
     registry[&comm] = s;

@@ -1,29 +1,42 @@
 // defines: dcp::async_save and AsyncSave, a distributed checkpoint written
-// while training goes on (after torch.distributed.checkpoint.async_save):
+// while training goes on (after torch.distributed.checkpoint.async_save and
+// its asynchronous staging):
 //
 //   auto pending = dcp::async_save(dcp::get_state_dict(model, opt), dir, comm);
-//   ... train: the model may change as soon as async_save returns ...
+//   ... forward and backward: they only read what is saved ...
+//   pending.wait_staged();  // before anything changes it: the optimizer step
+//   opt.step();
+//   ...
 //   pending.wait();  // every rank: the checkpoint is whole (or the error)
 //
 // Where each step runs, and why:
 // - At the call, on the caller's thread: a save still pending on `comm` is
 //   finished first (collective); rank 0 prepares the folder (the old
 //   .metadata and a killed writer's temporary files removed); every rank
-//   copies its chunks into host staging memory; the ranks agree on errors
-//   (an all-gather). This is the pause the training sees. The staging
-//   memory of the last save on the same communicator is reused while a
-//   handle on that save lives (`pending = dcp::async_save(...)` keeps it):
-//   fresh memory costs page faults several times the copy itself.
-// - On a writer thread: the checksums and the data file (temporary file,
-//   fsync, rename). It uses no communicator: a background thread issuing
-//   collectives while the training issues its own on the same communicator
-//   would order them differently on different ranks, a deadlock or messages
-//   silently matched to the wrong operation.
-// - At wait(), on the caller's thread (collective): every rank's write
-//   outcome is agreed and rank 0 writes .metadata, last and atomically.
-//   Until then the folder has no .metadata, so a crash before the commit
-//   (a SIGKILL mid-write) leaves no checkpoint there, and the checkpoints in
-//   other folders as they were.
+//   places its chunks in host staging memory, copies there at once the
+//   tensors forward may change (the model's buffers: BatchNorm's running
+//   statistics; tensors without a version counter) and records the version
+//   counter of every other; the ranks agree on errors (an all-gather).
+//   The staging memory of the last save on the same communicator is reused
+//   while a handle on that save lives (`pending = dcp::async_save(...)`
+//   keeps it): fresh memory costs page faults several times the copy.
+// - On a background thread: the staging copy of the parameters and the
+//   optimizer state (what forward and backward only read), then the
+//   checksums and the data file (temporary file, fsync, rename). It uses no
+//   communicator: a background thread issuing collectives while the training
+//   issues its own on the same communicator would order them differently on
+//   different ranks, a deadlock or messages silently matched to the wrong
+//   operation.
+// - At wait_staged() (not collective): the copy has finished; a saved
+//   tensor whose version counter moved since the call (an in-place change:
+//   an optimizer step, a load) fails the save, since its copy may be torn
+//   or newer than the rest. The check runs on the caller's thread, so every
+//   change the caller made before it counts, whatever the copy's timing.
+// - At wait(), on the caller's thread (collective): wait_staged() if not
+//   called yet, then every rank's outcome is agreed and rank 0 writes
+//   .metadata, last and atomically. Until then the folder has no .metadata,
+//   so a crash before the commit (a SIGKILL mid-write) leaves no checkpoint
+//   there, and the checkpoints in other folders as they were.
 #pragma once
 
 #include <memory>
@@ -41,19 +54,32 @@ inline constexpr Millis kAsyncSaveTimeout{30 * 60 * 1000};
 class AsyncSave {
  public:
   struct State;
-  AsyncSave() = default;  ///< nothing pending: wait() returns, ready() is true
+  AsyncSave() = default;  ///< nothing pending: the waits return, staged() and ready() are true
   /// A handle on a save async_save started (not for users: async_save makes it).
   explicit AsyncSave(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+  /// Whether this rank's staging copy has finished (not collective).
+  bool staged() const;
+
+  /// Not collective: waits up to `timeout` for this rank's staging copy,
+  /// then checks that no saved tensor changed since async_save (its version
+  /// counter). Call it before changing what is saved (the optimizer step,
+  /// a load into the model); wait() calls it too. A tensor changed before
+  /// it does not throw here (the ranks would part ways): the save fails at
+  /// wait(), on every rank, naming the tensor. Throws CheckpointError when
+  /// the copy did not finish in time (and wait() fails too).
+  void wait_staged(Millis timeout = kAsyncSaveTimeout);
 
   /// Whether this rank's background write has finished (not collective;
   /// the checkpoint exists only after wait()).
   bool ready() const;
 
-  /// Collective over the save's communicator: waits up to `timeout` for this
-  /// rank's write, then commits (rank 0 writes .metadata). Throws
-  /// CheckpointError on every rank, naming dcp::async_save, the folder and
-  /// the failing rank, when any rank's write failed or timed out; a second
-  /// wait() returns at once, or rethrows that error.
+  /// Collective over the save's communicator: wait_staged(), then waits up
+  /// to `timeout` for this rank's write, then commits (rank 0 writes
+  /// .metadata). Throws CheckpointError on every rank, naming
+  /// dcp::async_save, the folder and the failing rank, when any rank's copy
+  /// or write failed or timed out, or a saved tensor changed before
+  /// wait_staged(); a second wait() returns at once, or rethrows that error.
   void wait(Millis timeout = kAsyncSaveTimeout);
 
  private:
@@ -61,11 +87,13 @@ class AsyncSave {
 };
 
 /// Starts saving `state` into `dir` as save() does (collective over `comm`):
-/// returns once this rank's chunks are copied to host staging memory; the
-/// file is written in the background and committed by wait(). A save still
-/// pending on `comm` is finished first (its error thrown here), as save()
-/// does too: saves on one communicator never overlap. A handle dropped
-/// without wait() is never committed (its writer is joined).
+/// returns once this rank's chunks have their place in host staging memory
+/// and the background copy has started; the caller must call wait_staged()
+/// before it changes a saved tensor in place. The file is written in the
+/// background and committed by wait(). A save still pending on `comm` is
+/// finished first (its error thrown here), as save() does too: saves on one
+/// communicator never overlap; load() waits for its staging. A handle dropped without wait()
+/// is never committed (its thread is joined).
 AsyncSave async_save(const StateDict& state, const std::string& dir, Communicator& comm);
 
 }  // namespace cohort::dcp

@@ -14,6 +14,7 @@
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/dcp.h"
+#include "cohort/dcp/save_steps.h"
 
 namespace cohort::dcp {
 namespace {
@@ -201,6 +202,8 @@ void fill(StateDict& state, const std::string& dir, Communicator& comm, const Me
 }  // namespace
 
 void load(StateDict& state, const std::string& dir, Communicator& comm, const Metadata* meta) {
+  // A save still staging reads the tensors this load writes into.
+  wait_pending_staging(comm);
   std::string error;
   Metadata read;
   if (!meta) {

@@ -114,10 +114,12 @@ StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::T
       }
       torch::Tensor data;
       if (arena) {
-        // The caller may change the model as soon as an async save returns.
+        // Only the place: the caller copies (async_save, partly on its
+        // staging thread).
         const auto bytes = static_cast<int64_t>(s.data.nbytes());
         data = arena->narrow(0, at, bytes).view(t.dtype).view(s.data.sizes());
-        data.copy_(s.data.detach());
+        staged.sources.push_back(s.data.detach());
+        staged.source_fqns.push_back(t.fqn);
         at += aligned(bytes);
       } else {
         data = s.data.detach().cpu().contiguous();

@@ -17,13 +17,18 @@ struct StagedFile {
   std::vector<torch::Tensor> data;  ///< every chunk's values, contiguous, in file order
   std::vector<std::string> modules;
   int64_t bytes = 0;
+  /// With an arena: what each chunk of `data` is to be copied from (not yet
+  /// copied), and the fqn of its tensor.
+  std::vector<torch::Tensor> sources;
+  std::vector<std::string> source_fqns;
 };
 
-/// This rank's chunks of `state`; with `arena`, copied into it (the caller
-/// may change the model afterwards): `*arena` is reused when it is large
-/// enough and nothing else holds it, else replaced by a new one; without,
-/// views where the data is contiguous already. Throws InvalidArgument
-/// (named `op`) for a shard that does not fit its box.
+/// This rank's chunks of `state`; with `arena`, places for them in it, which
+/// the caller fills from `sources` (so that the caller may change the model
+/// afterwards): `*arena` is reused when it is large enough and nothing else
+/// holds it, else replaced by a new one; without, views where the data is
+/// contiguous already. Throws InvalidArgument (named `op`) for a shard that
+/// does not fit its box.
 StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::Tensor* arena,
                            const std::string& op);
 
@@ -39,6 +44,11 @@ std::string prepare_folder(const std::string& dir);
 /// lists and writes .metadata (last, atomically). Throws CheckpointError on
 /// every rank when any rank failed.
 void commit(Communicator& comm, const std::string& dir, const std::string& list, std::string error);
+
+/// Not collective: waits until the async save pending on `comm` (if any)
+/// has copied its staging data, so that the caller may change the tensors
+/// it saves (AsyncSave::wait_staged).
+void wait_pending_staging(Communicator& comm);
 
 /// Collective: waits for and commits the async save still pending on `comm`
 /// (none: returns), so that saves on one communicator never overlap.

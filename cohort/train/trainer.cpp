@@ -89,6 +89,8 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
     m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
   }
   m.lr = lr_at(config_.schedule, position_.step);
+  // An async checkpoint's staging copy reads what the step changes.
+  if (pending_) pending_->save.wait_staged();
   optimizer_.set_lr(m.lr);
   {
     TraceSpan span(tracer, "optimizer", "train");

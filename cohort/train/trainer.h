@@ -74,7 +74,8 @@ struct TrainerConfig {
   /// Checkpoint every this many steps (0: only at the end of fit()).
   int64_t checkpoint_every = 0;
   /// Sharded state (ZeRO, FSDP, a mesh's module stages) is saved with
-  /// dcp::async_save: a checkpoint costs the training the staging copy, the
+  /// dcp::async_save: the staging copy runs during the next step's forward
+  /// and backward (the step waits for it before the optimizer step), the
   /// files are written in the background, and the checkpoint is committed
   /// (its folder's .metadata, then rank 0's file) at the next save, at the
   /// end of fit() or at resume(), where a failed write throws on every rank.

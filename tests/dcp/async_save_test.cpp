@@ -1,8 +1,11 @@
-// dcp::async_save: its files equal save()'s byte for byte (DDP and FSDP
-// state, worlds 1 and 3); what the model does after it returns is not in
-// the checkpoint; a second save commits the first; a write error on one
-// rank is thrown on every rank; a process killed mid-write leaves the
-// previous checkpoint loadable and the partial one refused.
+// dcp::async_save: its files equal save()'s byte for byte when forward and
+// backward run during its staging copy (DDP and FSDP state, worlds 1 and
+// 3); what the model does after wait_staged() is not in the checkpoint; a
+// tensor changed in place before wait_staged() fails the save on every rank;
+// a buffer is copied before it returns; a second save commits the first; a
+// write error on one rank is thrown on every rank; a process killed
+// mid-write leaves the previous checkpoint loadable and the partial one
+// refused.
 #include "cohort/dcp/async_save.h"
 
 #include <signal.h>
@@ -51,9 +54,12 @@ torch::Tensor rows_of(int rank, float shift) {
          shift;
 }
 
-dcp::StateDict rows_state(const torch::Tensor& rows, int64_t first_row, int world) {
+// "model.big" (no grad: a buffer, copied at the call) or, as `fqn`, an
+// optimizer's state (copied on async_save's background thread).
+dcp::StateDict rows_state(const torch::Tensor& rows, int64_t first_row, int world,
+                          const std::string& fqn = "model.big") {
   dcp::TensorEntry e;
-  e.fqn = "model.big";
+  e.fqn = fqn;
   e.shape = {world * kRows, kCols};
   e.shards.push_back({dcp::Box{{first_row, 0}, {rows.size(0), kCols}}, rows});
   dcp::StateDict sd;
@@ -62,8 +68,8 @@ dcp::StateDict rows_state(const torch::Tensor& rows, int64_t first_row, int worl
 }
 
 // The whole "model.big" of `dir`, read in one process.
-torch::Tensor read_big(const fs::path& dir) {
-  return dcp::read_tensor(dir, dcp::read_metadata(dir), "model.big");
+torch::Tensor read_big(const fs::path& dir, const std::string& fqn = "model.big") {
+  return dcp::read_tensor(dir, dcp::read_metadata(dir), fqn);
 }
 
 class AsyncSave : public ::testing::TestWithParam<int> {};
@@ -84,7 +90,12 @@ TEST_P(AsyncSave, DdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
     }
     dcp::save(dcp::get_state_dict(*net, opt), blocking, comm);
     auto pending = dcp::async_save(dcp::get_state_dict(*net, opt), async, comm);
-    train(net, 2, [&] { opt.step(); });  // parameters and state change in place
+    // Forward and backward run while the parameters and AdamW's state are
+    // copied; the steps change them in place.
+    train(net, 2, [&] {
+      pending.wait_staged();
+      opt.step();
+    });
     pending.wait();
   });
   expect_same_files(async, blocking);
@@ -110,7 +121,7 @@ TEST_P(AsyncSave, FsdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
     train_fsdp(model, opt, 3);
     dcp::save(dcp::get_state_dict(*model, opt), blocking, *comm);
     auto pending = dcp::async_save(dcp::get_state_dict(*model, opt), async, *comm);
-    train_fsdp(model, opt, 2);
+    train_fsdp(model, opt, 2, [&] { pending.wait_staged(); });
     pending.wait();
   });
   expect_same_files(async, blocking);
@@ -118,10 +129,10 @@ TEST_P(AsyncSave, FsdpStateEqualsTheBlockingSaveWithoutTheStepsAfterIt) {
   fs::remove_all(async);
 }
 
-// 16 MiB per rank, overwritten the moment async_save returns: the writer
-// must be writing the staging copy, or the file or its checksums hold the
-// new values.
-TEST_P(AsyncSave, TheStagingCopyIsTakenBeforeItReturns) {
+// 16 MiB per rank, overwritten the moment async_save returns: a buffer
+// (forward may change it) must be copied before it returns, or the file or
+// its checksums hold the new values.
+TEST_P(AsyncSave, ABufferIsCopiedBeforeItReturns) {
   const int world = GetParam();
   const auto dir = temp_dir("staging" + std::to_string(world));
   run_ranks(world, [&](Communicator& comm) {
@@ -136,6 +147,63 @@ TEST_P(AsyncSave, TheStagingCopyIsTakenBeforeItReturns) {
     return parts;
   }());
   EXPECT_TRUE(torch::equal(read_big(dir), expected));
+  fs::remove_all(dir);
+}
+
+constexpr const char* kState = "optim.big.exp_avg";
+
+// Optimizer state is copied in the background: changed after wait_staged(),
+// the checkpoint holds the values at the call.
+TEST_P(AsyncSave, StateChangedAfterWaitStagedIsNotInTheCheckpoint) {
+  const int world = GetParam();
+  const auto dir = temp_dir("after_staged" + std::to_string(world));
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    auto pending = dcp::async_save(rows_state(rows, comm.rank() * kRows, world, kState), dir, comm);
+    pending.wait_staged();
+    EXPECT_TRUE(pending.staged());
+    rows.fill_(-1);
+    pending.wait();
+  });
+  std::vector<torch::Tensor> parts;
+  for (int r = 0; r < world; ++r) parts.push_back(rows_of(r, 0));
+  EXPECT_TRUE(torch::equal(read_big(dir, kState), torch::cat(parts)));
+  fs::remove_all(dir);
+}
+
+// Changed in place before wait_staged() (an optimizer step too early): the
+// copy may be torn, so the save fails on every rank, naming the tensor and
+// the rank that changed it, and leaves no checkpoint. Only the last rank
+// changes its rows; it does so before the copy can have finished, and it
+// would be caught after too (the check is on the caller's thread).
+TEST_P(AsyncSave, StateChangedBeforeWaitStagedFailsTheSaveOnEveryRank) {
+  const int world = GetParam();
+  const auto dir = temp_dir("before_staged" + std::to_string(world));
+  const int bad = world - 1;
+  std::mutex mu;
+  std::vector<std::string> errors;
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    auto pending = dcp::async_save(rows_state(rows, comm.rank() * kRows, world, kState), dir, comm);
+    if (comm.rank() == bad) rows.add_(1);
+    pending.wait_staged();  // no throw here: the ranks stay in step
+    try {
+      pending.wait();
+      ADD_FAILURE() << "no error on rank " << comm.rank();
+    } catch (const CheckpointError& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors.push_back(e.what());
+    }
+  });
+  ASSERT_EQ(errors.size(), static_cast<size_t>(world));
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank " + std::to_string(bad) + ": dcp::async_save of " + dir.string() +
+                     " on rank " + std::to_string(bad) + ": tensor " + kState +
+                     " was changed in place before its staging copy was done"),
+              std::string::npos)
+        << e;
+  }
+  EXPECT_FALSE(fs::exists(dir / ".metadata"));
   fs::remove_all(dir);
 }
 

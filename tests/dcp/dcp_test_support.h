@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -100,10 +101,13 @@ inline FullyShard make_fsdp(uint64_t seed, std::shared_ptr<Communicator> comm) {
   return fully_shard(shard_blocks(make_seq(seed), comm), comm);
 }
 
-inline void train_fsdp(FullyShard& model, torch::optim::Optimizer& opt, int steps) {
+// `before_step` runs between each backward and optimizer step.
+inline void train_fsdp(FullyShard& model, torch::optim::Optimizer& opt, int steps,
+                       const std::function<void()>& before_step = {}) {
   for (int s = 0; s < steps; ++s) {
     opt.zero_grad();
     model->forward(batch(100 + s, 12)).pow(2).mean().backward();
+    if (before_step) before_step();
     opt.step();
   }
 }
