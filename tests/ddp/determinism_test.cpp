@@ -17,6 +17,7 @@
 
 #include "cohort/core/torch_compat.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/canonical_norm.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/train/grad_norm.h"
@@ -28,7 +29,7 @@ namespace {
 
 constexpr int kSteps = 20;
 
-enum class Mode { Ddp, Zero2 };
+enum class Mode { Ddp, Zero2, Fsdp };
 
 // 2 images of 1 x 6 x 6 per leaf -> conv 3x3 -> BatchNorm -> ReLU -> linear.
 struct DetCnnImpl : torch::nn::Module {
@@ -58,6 +59,20 @@ struct DetTransformerImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) { return head(layer(x).mean(0)); }
 };
 TORCH_MODULE(DetTransformer);
+
+// FSDP: the CNN's layers as three units (conv, norm, head) of a root
+// without parameters; the transformer as one unit.
+FullyShard wrap(DetCnn& m, std::shared_ptr<Communicator> comm, const FullyShardOptions& o) {
+  torch::nn::Sequential seq;
+  seq->push_back("conv", m->conv);
+  seq->push_back("norm", m->norm);
+  seq->push_back(torch::nn::Functional([](torch::Tensor x) { return torch::relu(x).flatten(1); }));
+  seq->push_back("head", m->head);
+  return fully_shard(shard_blocks(seq, comm, o), comm, o);
+}
+FullyShard wrap(DetTransformer& m, std::shared_ptr<Communicator> comm, const FullyShardOptions& o) {
+  return fully_shard(torch::nn::AnyModule(m), comm, o);
+}
 
 // Per step and leaf: the leaf's input and target (the global batch, leaf by leaf).
 struct Data {
@@ -212,6 +227,56 @@ std::vector<std::vector<torch::Tensor>> train(Mode mode, int world, int64_t leav
   return got;
 }
 
+// train() for FSDP: the same leaf loop (without the option, the leaves but
+// the last under set_requires_gradient_sync(false)), AdamW over the shards,
+// clipping by FullyShard::clip_grad_norm (without: ShardedGradNorm).
+template <typename Holder>
+std::vector<std::vector<torch::Tensor>> train_fsdp(int world, int64_t leaves, bool deterministic,
+                                                   const Data& data, const Checkpoint& from) {
+  std::vector<std::vector<torch::Tensor>> got(world);
+  run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    Holder model;
+    {
+      torch::NoGradGuard no_grad;
+      auto state = model->parameters();
+      for (const auto& b : model->buffers()) state.push_back(b);
+      for (size_t i = 0; i < state.size(); ++i) state[i].copy_(from.state[i]);
+    }
+    FullyShardOptions options;
+    if (deterministic) {
+      options.determinism = Determinism::WorldSizeInvariant;
+      options.leaves = leaves;
+    }
+    auto root = wrap(model, comm, options);
+    torch::optim::AdamW opt(root->parameters(),
+                            torch::optim::AdamWOptions(0.01).weight_decay(0.01));
+    ShardedGradNorm sharded(comm);
+    const int64_t local = leaves / world;
+    const int64_t first = local * comm->rank();
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      for (int64_t l = first; l < first + local; ++l) {
+        auto x = data.xs[s][l].clone();
+        auto y = data.ys[s][l].clone();
+        const double scale = deterministic ? 1.0 : static_cast<double>(local);
+        if (!deterministic) root->set_requires_gradient_sync(l + 1 == first + local);
+        (torch::mse_loss(root->forward(x), y) / scale).backward();
+      }
+      constexpr double kMaxNorm = 0.05;
+      if (deterministic) {
+        root->clip_grad_norm(kMaxNorm);
+      } else {
+        clip_grad_norm(root->parameters(), sharded.global_norm(root->parameters()), kMaxNorm);
+      }
+      opt.step();
+    }
+    root->unshard();  // the module's own tensors hold the full values
+    got[comm->rank()] = all_state(*model);
+    root->reshard();
+  });
+  return got;
+}
+
 template <typename Holder>
 void check_model(Mode mode, bool cnn) {
   torch::set_num_threads(1);
@@ -224,20 +289,31 @@ void check_model(Mode mode, bool cnn) {
   };
   for (const int64_t leaves : {8, 12}) {
     const auto data = make_data(cnn, leaves);
-    const auto reference = train<Holder>(mode, 1, leaves, true, data, init)[0];
+    auto run = [&](int world, bool deterministic) {
+      return mode == Mode::Fsdp ? train_fsdp<Holder>(world, leaves, deterministic, data, init)
+                                : train<Holder>(mode, world, leaves, deterministic, data, init);
+    };
+    const auto reference = run(1, true)[0];
+    if (mode == Mode::Fsdp) {
+      const auto ddp = train<Holder>(Mode::Ddp, 1, leaves, true, data, init)[0];
+      std::cout << "fsdp " << (cnn ? "cnn" : "transformer") << " L " << leaves
+                << ": bitwise equal to DDP's: " << same_bytes(params_of(ddp), params_of(reference))
+                << ", largest difference " << max_abs_diff(params_of(ddp), params_of(reference))
+                << "\n";
+    }
     ASSERT_GT(max_abs_diff(params_of(reference), params_of(init.state)), 1e-3)
         << "training moved nothing";
     const std::vector<int> worlds =
         leaves == 8 ? std::vector<int>{2, 4, 8} : std::vector<int>{3, 6};
     for (int world : worlds) {
-      const auto got = train<Holder>(mode, world, leaves, true, data, init);
+      const auto got = run(world, true);
       for (int r = 0; r < world; ++r) {
         EXPECT_TRUE(same_bytes(got[r], reference))
             << "L " << leaves << " world " << world << " rank " << r << ": largest difference "
             << max_abs_diff(got[r], reference);
       }
     }
-    if (leaves == 12) {
+    if (leaves == 12 && mode != Mode::Fsdp) {
       // Elastic resume: 10 steps at world 4, the state saved, 10 at world 3.
       Checkpoint middle;
       train<Holder>(mode, 4, leaves, true, data, init, 0, kSteps / 2, &middle);
@@ -250,10 +326,14 @@ void check_model(Mode mode, bool cnn) {
       continue;
     }
     // Negative control: the usual reduction order is not world-size invariant.
-    const auto plain1 = train<Holder>(mode, 1, leaves, false, data, init)[0];
-    const auto plain4 = train<Holder>(mode, 4, leaves, false, data, init)[0];
+    if (leaves == 12) continue;
+    const auto plain1 = run(1, false)[0];
+    const auto plain4 = run(4, false)[0];
     const double off = max_abs_diff(params_of(plain1), params_of(plain4));
-    std::cout << (mode == Mode::Ddp ? "ddp " : "zero-2 ") << (cnn ? "cnn" : "transformer")
+    std::cout << (mode == Mode::Ddp     ? "ddp "
+                  : mode == Mode::Zero2 ? "zero-2 "
+                                        : "fsdp ")
+              << (cnn ? "cnn" : "transformer")
               << ": without the option, world 1 and world 4 differ by " << off
               << " (largest parameter difference after " << kSteps << " steps)\n";
     EXPECT_FALSE(same_bytes(params_of(plain1), params_of(plain4)));
@@ -280,6 +360,14 @@ TEST(DdpDeterminism, Zero2CnnWithBatchNormBitwiseAtEveryWorld) {
 
 TEST(DdpDeterminism, Zero2TransformerBitwiseAtEveryWorld) {
   check_model<DetTransformer>(Mode::Zero2, false);
+}
+
+TEST(DdpDeterminism, FsdpCnnWithBatchNormBitwiseAtEveryWorld) {
+  check_model<DetCnn>(Mode::Fsdp, true);
+}
+
+TEST(DdpDeterminism, FsdpTransformerBitwiseAtEveryWorld) {
+  check_model<DetTransformer>(Mode::Fsdp, false);
 }
 
 TEST(DdpDeterminism, CanonicalNormIsTheSameBitsForEverySlicing) {
