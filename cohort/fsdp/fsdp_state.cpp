@@ -33,7 +33,7 @@ std::vector<std::string> setting_names(const std::vector<UnitEntry>& units) {
 
 FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
                      std::vector<torch::Tensor> buffers, std::shared_ptr<Communicator> comm,
-                     std::shared_ptr<Communicator> world)
+                     std::shared_ptr<Communicator> world, int64_t leaves)
     : units_(std::move(units)),
       buffers_(std::move(buffers)),
       comm_(std::move(comm)),
@@ -56,6 +56,7 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
   settings_ = settings();
   check_.set_settings(settings_);
   layout_gradients();
+  if (leaves > 0) setup_leaves(leaves);
 }
 
 std::vector<int64_t> FSDPState::settings() const {
@@ -102,6 +103,10 @@ void FSDPState::begin_forward(bool training) {
     settings_ = now;
     check_.set_settings(std::move(now));
     if (grads_changed) layout_gradients();
+  }
+  if (!leaf_.empty() && training && torch::GradMode::is_enabled()) {
+    begin_leaf_forward();
+    return;
   }
   if (training && world_->size() > 1 && !buffers_.empty() && torch::GradMode::is_enabled()) {
     check_.before(ScheduleStep::kBuffers, kNoUnit);
@@ -196,6 +201,10 @@ void FSDPState::begin_backward() {
 void FSDPState::gradient_ready(size_t k) {
   if (!in_backward_ || !reducing_) return;
   const size_t u = unit_of_[k];
+  if (!leaf_.empty()) {
+    if (++arrived_[u] == parts_[u]) leaf_gradients_ready(u);
+    return;
+  }
   queue_.arrive(u);
   launch_ready();
   if (++arrived_[u] != parts_[u]) return;
@@ -238,6 +247,10 @@ void FSDPState::retire_in_flight() {
 
 void FSDPState::end_backward() {
   in_backward_ = false;
+  if (!leaf_.empty() && reducing_) {
+    end_leaf_backward();
+    return;
+  }
   if (!reducing_) {
     for (auto& unit : units_) {
       unit.group->keep_full_gradients();

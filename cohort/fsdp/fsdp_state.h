@@ -44,6 +44,7 @@
 #include "cohort/fsdp/unit_agreement.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/grad_sync/leaf_tree.h"
 
 namespace cohort::fsdp {
 
@@ -69,8 +70,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// `comm`: the shard group; `world`: every rank of the mesh (the shard
   /// group itself for FSDP, every replica's for HSDP), over which the
   /// schedule is checked, buffers broadcast and gradient presence agreed.
+  /// `leaves` > 0: Determinism::WorldSizeInvariant over that many leaves
+  /// (one forward and backward per leaf; fsdp_state_leaves.cpp; collective:
+  /// every rank must pass the same count).
   FSDPState(std::vector<UnitEntry> units, bool root_has_params, std::vector<torch::Tensor> buffers,
-            std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> world);
+            std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> world,
+            int64_t leaves = 0);
   FSDPState(const FSDPState&) = delete;
   FSDPState& operator=(const FSDPState&) = delete;
 
@@ -85,16 +90,20 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   /// Whether backwards reduce-scatter gradients (false: they accumulate
   /// full gradients locally until a backward with sync).
-  void set_requires_gradient_sync(bool sync) {
-    sync_ = sync;
-    check_.set_sync(sync);
-  }
+  void set_requires_gradient_sync(bool sync);
   /// Unshards every unit (collective).
   void unshard_all();
   /// Reshards every unit.
   void reshard_all();
   /// The units, root first.
   const std::vector<UnitEntry>& units() const { return units_; }
+  /// WorldSizeInvariant: the leaves this rank computes per step (0 without).
+  int64_t local_leaves() const { return leaf_.empty() ? 0 : leaf_.front()->local_leaves(); }
+  /// Collective, WorldSizeInvariant only: the squared norm of every unit's
+  /// sharded .grad, the same bits at every world size: per parameter (whose
+  /// rows the ranks hold in rank order) grad_sync's canonical_squared_norm,
+  /// added in unit and parameter order.
+  double squared_grad_norm();
 
  private:
   // The root's forward begins: takes up changed settings (requires_grad,
@@ -122,6 +131,14 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // failure is kept and thrown at the end of backward).
   void retire_in_flight();
   void end_backward();
+  // WorldSizeInvariant (fsdp_state_leaves.cpp).
+  void setup_leaves(int64_t leaves);
+  void begin_leaf_forward();
+  void leaf_gradients_ready(size_t u);
+  void end_leaf_backward();
+  void keep_buffers(std::vector<torch::Tensor>& into) const;
+  void restore_buffers(const std::vector<torch::Tensor>& from);
+  std::string where() const;
 
   std::vector<UnitEntry> units_;
   std::vector<torch::Tensor> buffers_;
@@ -146,6 +163,13 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   ScheduleCheck check_;
   std::vector<int64_t>
       settings_;  // as last agreed: reshard code per unit, requires_grad per parameter
+  // WorldSizeInvariant: per unit its leaf sums; whether this leaf pushed it;
+  // leaves done in this step; the step's starting buffers and those the
+  // rank's first leaf left (the step keeps global leaf 0's, rank 0's).
+  std::vector<std::unique_ptr<LeafReduction>> leaf_;
+  std::vector<char> leaf_pushed_;
+  int64_t leaf_done_ = 0;
+  std::vector<torch::Tensor> step_buffers_, first_leaf_buffers_;
 };
 
 }  // namespace cohort::fsdp

@@ -1,5 +1,6 @@
 #include "cohort/fsdp/fully_shard.h"
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <set>
@@ -244,8 +245,23 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
   }
   std::vector<torch::Tensor> buffers;
   for (const auto& b : this->buffers()) buffers.push_back(b);
-  state_ = std::make_shared<fsdp::FSDPState>(std::move(entries), group_ != nullptr,
-                                             std::move(buffers), comm_, world_);
+  const bool leaves = options_.determinism == Determinism::WorldSizeInvariant;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const auto& o = units[u]->options_;
+    if (o.determinism != options_.determinism || (leaves && o.leaves != options_.leaves)) {
+      throw InvalidArgument("fully_shard" + rank_of(*world_) + ": the unit '" + paths[u] +
+                            "' has another determinism or leaf count than its root; give every "
+                            "unit of a model the same");
+    }
+  }
+  if (leaves && options_.leaves < 1) {
+    throw InvalidArgument("fully_shard" + rank_of(*world_) +
+                          ": determinism WorldSizeInvariant needs leaves >= 1, got " +
+                          std::to_string(options_.leaves));
+  }
+  state_ =
+      std::make_shared<fsdp::FSDPState>(std::move(entries), group_ != nullptr, std::move(buffers),
+                                        comm_, world_, leaves ? options_.leaves : 0);
   for (auto* unit : listed) {
     if (unit != this) unit->outer_ = state_;
   }
@@ -299,6 +315,26 @@ void FullyShardImpl::set_reshard_after_forward(ReshardAfterForward reshard) {
   }
   options_.reshard_after_forward = reshard;
   reshard_code_ = code;
+}
+
+int64_t FullyShardImpl::local_leaves() const {
+  if (options_.determinism != Determinism::WorldSizeInvariant) return 1;
+  return options_.leaves / comm_->size();
+}
+
+double FullyShardImpl::clip_grad_norm(double max_norm) {
+  auto state = root_state();
+  const double norm = std::sqrt(state->squared_grad_norm());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    torch::NoGradGuard no_grad;
+    for (const auto& unit : state->units()) {
+      for (const auto& p : unit.group->params()) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+    }
+  }
+  return norm;
 }
 
 void FullyShardImpl::set_requires_gradient_sync(bool sync) {

@@ -46,6 +46,7 @@
 #include "cohort/fsdp/mixed_precision.h"
 #include "cohort/fsdp/param_group.h"
 #include "cohort/fsdp/reshard_after_forward.h"
+#include "cohort/grad_sync/leaf_tree.h"
 #include "cohort/mesh/device_mesh.h"
 
 namespace cohort {
@@ -62,6 +63,18 @@ struct FullyShardOptions {
   /// The dtypes of the all-gather, the compute and the reduce-scatter
   /// (mixed_precision.h; default: the parameters' own throughout).
   MixedPrecisionPolicy mp_policy;
+  /// Determinism::WorldSizeInvariant (the root's setting; every unit inside
+  /// it must have the same): the global batch is `leaves` leaves; each rank
+  /// runs one forward and one backward per leaf, leaves first_leaf() ..
+  /// first_leaf() + local_leaves() - 1 in order, and the backward of its
+  /// last leaf sets each sharded .grad to this rank's rows of the mean over
+  /// all leaves, summed in grad_sync's canonical tree: the same bits as DDP
+  /// with leaves computes for those elements, at every world size dividing
+  /// `leaves` (1-D meshes only; conditions in cohort/fsdp/README.md).
+  Determinism determinism = Determinism::Default;
+  /// The leaf count L of the global batch (WorldSizeInvariant only; the
+  /// same on every rank).
+  int64_t leaves = 0;
 };
 
 /// A fully sharded unit around a module (one tensor in, one out); see the
@@ -106,6 +119,18 @@ class FullyShardImpl : public torch::nn::Module {
   /// (true and false always; an int N only one that resolves as the one it
   /// was made with, whose group exists: InvalidArgument otherwise).
   void set_reshard_after_forward(ReshardAfterForward reshard);
+
+  /// WorldSizeInvariant: this rank's first leaf of the global batch.
+  int64_t first_leaf() const { return local_leaves() * comm_->rank(); }
+  /// How many leaves this rank computes per step (leaves / world; 1 without
+  /// the option).
+  int64_t local_leaves() const;
+  /// Collective, on the root, WorldSizeInvariant only (Unsupported
+  /// otherwise), after the step's last backward: measures the global norm
+  /// of the sharded gradients in an order fixed by each parameter's flat
+  /// index alone (the same bits at every world size), scales every .grad
+  /// by max_norm / (norm + 1e-6) when that is below 1, and returns the norm.
+  double clip_grad_norm(double max_norm);
 
   /// The full parameters and buffers by their names (collective: each unit
   /// is gathered, copied, and resharded in turn). Loads into the bare module.

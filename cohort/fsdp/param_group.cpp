@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 
@@ -335,6 +336,35 @@ void FSDPParamGroup::keep_full_gradients() {
     auto& g = params_[i].mutable_grad();
     if (g.defined() && g.scalar_type() != reduce_dtype_) g = g.to(reduce_dtype_);
   }
+}
+
+void FSDPParamGroup::push_leaf_gradient(LeafReduction& leaf, bool first) {
+  torch::NoGradGuard no_grad;
+  if (first) std::fill(had_grad_.begin(), had_grad_.end(), 0);
+  // The rank-major layout of the reduce-scatter input: the canonical sums
+  // are elementwise, so each element's sum is the same whatever the layout,
+  // and the chunk each rank gets back is its flat shard.
+  auto flat = torch::empty({layout_.world * layout_.shard_numel},
+                           shard_flat_.options().dtype(reduce_dtype_));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor grad = std::move(params_[i].mutable_grad());
+    params_[i].mutable_grad() = torch::Tensor();
+    if (grad.defined()) had_grad_[i] = 1;
+    copy_in_param(layout_, i, grad, flat);
+  }
+  leaf.push(std::move(flat));
+}
+
+void FSDPParamGroup::finish_leaf_gradients(LeafReduction& leaf, const std::vector<char>& any) {
+  torch::NoGradGuard no_grad;
+  auto chunk = leaf.finish_chunk(*comm_);
+  COHORT_CHECK(chunk.numel() == layout_.shard_numel,
+               "fully_shard: a leaf chunk is not the unit's flat shard");
+  rs_output_ = chunk.to(sharded_dtype_);
+  rs_pending_ = false;
+  // As DDP with leaves: .grad is set to the step's mean, not added to.
+  for (auto& s : stash_) s = torch::Tensor();
+  finish_gradients(any);
 }
 
 std::vector<torch::Tensor> FSDPParamGroup::gather_full() const {

@@ -28,6 +28,7 @@ struct Node;
 #include "cohort/comm/communicator.h"
 #include "cohort/fsdp/mixed_precision.h"
 #include "cohort/fsdp/shard_layout.h"
+#include "cohort/grad_sync/leaf_tree.h"
 
 namespace cohort::fsdp {
 
@@ -117,6 +118,19 @@ class FSDPParamGroup {
   void finish_gradients(const std::vector<char>& any);
   /// After a backward without gradient sync: the full .grad stays.
   void keep_full_gradients();
+
+  /// Determinism::WorldSizeInvariant, after one leaf's backward: lays the
+  /// full .grad of every parameter (none: zeros) out as the reduce-scatter
+  /// input would be, drops the full .grad and pushes that vector as the
+  /// leaf's gradient into `leaf` (no communication). `first`: the step's
+  /// first leaf (had_gradient() starts over).
+  void push_leaf_gradient(LeafReduction& leaf, bool first);
+  /// WorldSizeInvariant, after the step's last leaf (collective): .grad is
+  /// this rank's rows of the canonical mean over every leaf
+  /// (LeafReduction::finish_chunk(); its chunks are exactly the ranks'
+  /// flat shards). It replaces what was stashed: the leaves are the step's
+  /// accumulation. `any[i]`: whether any rank had parameter i's gradient.
+  void finish_leaf_gradients(LeafReduction& leaf, const std::vector<char>& any);
 
   /// The full values in the shard's dtype, one tensor per parameter
   /// (collective; the parameters stay as they are).
