@@ -65,8 +65,8 @@ struct FullyShardOptions {
   MixedPrecisionPolicy mp_policy;
   /// Determinism::WorldSizeInvariant (the root's setting; every unit inside
   /// it must have the same): the global batch is `leaves` leaves; each rank
-  /// runs one forward and one backward per leaf, leaves first_leaf() ..
-  /// first_leaf() + local_leaves() - 1 in order, and the backward of its
+  /// runs one forward and one backward per leaf, its local_leaves() leaves
+  /// from first_leaf() on, in order, and the backward of its
   /// last leaf sets each sharded .grad to this rank's rows of the mean over
   /// all leaves, summed in grad_sync's canonical tree: the same bits as DDP
   /// with leaves computes for those elements, at every world size dividing
