@@ -263,12 +263,7 @@ void FSDPState::end_backward() {
   failures_.clear();
   for (auto& f : queue_.drain()) failures.push_back(std::move(f));
   if (!failures.empty()) throw Error(failures.front());
-  std::vector<char> had;
-  for (const auto& unit : units_) {
-    for (size_t i = 0; i < unit.group->params().size(); ++i) {
-      had.push_back(unit.group->had_gradient(i) ? 1 : 0);
-    }
-  }
+  const auto had = had_gradients();
   check_.before(ScheduleStep::kGradientPresence, kNoUnit);
   // Over every replica too: a rank whose replica had a gradient gets one.
   const auto any = any_rank_has(*world_, had);
@@ -287,6 +282,16 @@ void FSDPState::unshard_all() {
 
 void FSDPState::reshard_all() {
   for (auto& unit : units_) unit.group->reshard();
+}
+
+std::vector<char> FSDPState::had_gradients() const {
+  std::vector<char> had;
+  for (const auto& unit : units_) {
+    for (size_t i = 0; i < unit.group->params().size(); ++i) {
+      had.push_back(unit.group->had_gradient(i) ? 1 : 0);
+    }
+  }
+  return had;
 }
 
 }  // namespace cohort::fsdp

@@ -139,6 +139,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void keep_buffers(std::vector<torch::Tensor>& into) const;
   void restore_buffers(const std::vector<torch::Tensor>& from);
   std::string where() const;
+  /// Whether each parameter of each unit, in unit order, had a gradient.
+  std::vector<char> had_gradients() const;
 
   std::vector<UnitEntry> units_;
   std::vector<torch::Tensor> buffers_;

@@ -103,12 +103,7 @@ void FSDPState::end_leaf_backward() {
     return;
   }
   leaf_done_ = 0;
-  std::vector<char> had;
-  for (const auto& unit : units_) {
-    for (size_t i = 0; i < unit.group->params().size(); ++i) {
-      had.push_back(unit.group->had_gradient(i) ? 1 : 0);
-    }
-  }
+  const auto had = had_gradients();
   check_.before(ScheduleStep::kGradientPresence, kNoUnit);
   const auto any = any_rank_has(*world_, had);
   // Each unit's tree completed across the ranks (one all_to_all each), from

@@ -117,6 +117,14 @@ struct Checkpoint {
   std::vector<std::map<std::string, torch::Tensor>> zero;  // ZeRO: consolidated, per parameter
 };
 
+// Starts a model from a checkpoint's parameters and buffers.
+void load_model(torch::nn::Module& model, const Checkpoint& from) {
+  torch::NoGradGuard no_grad;
+  auto state = model.parameters();
+  for (const auto& b : model.buffers()) state.push_back(b);
+  for (size_t i = 0; i < state.size(); ++i) state[i].copy_(from.state[i]);
+}
+
 // Loads consolidated AdamW state into this rank's ZeRO pieces (a resharding
 // resume: the pieces of world 3 are not those of world 4).
 void load_zero_state(ZeroRedundancyOptimizer& zero,
@@ -150,12 +158,7 @@ std::vector<std::vector<torch::Tensor>> train(Mode mode, int world, int64_t leav
   std::vector<std::vector<torch::Tensor>> got(world);
   run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
     Holder model;
-    {
-      torch::NoGradGuard no_grad;
-      auto state = model->parameters();
-      for (const auto& b : model->buffers()) state.push_back(b);
-      for (size_t i = 0; i < state.size(); ++i) state[i].copy_(from.state[i]);
-    }
+    load_model(*model, from);
     DDPOptions options;
     ZeroOptions zero_options;
     zero_options.stage = 2;
@@ -239,12 +242,7 @@ std::vector<std::vector<torch::Tensor>> train_fsdp(int world, int64_t leaves, bo
   std::vector<std::vector<torch::Tensor>> got(world);
   run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
     Holder model;
-    {
-      torch::NoGradGuard no_grad;
-      auto state = model->parameters();
-      for (const auto& b : model->buffers()) state.push_back(b);
-      for (size_t i = 0; i < state.size(); ++i) state[i].copy_(from.state[i]);
-    }
+    load_model(*model, from);
     FullyShardOptions options;
     if (deterministic) {
       options.determinism = Determinism::WorldSizeInvariant;
