@@ -7,7 +7,11 @@
 // all_reduce themselves (16 MiB, so it is still running): inside the
 // engine's own collective, past its signature check. A survivor prints its
 // error on stdout and exits 3 (1 if the all_reduce completed, 2 on any
-// other error); the test then kills the stopped ranks.
+// other error); the test then kills the stopped ranks. Under mpirun a rank
+// that exits ends the whole job, perhaps before the other survivors have
+// printed: with --hold a survivor waits for the job's end instead (mpirun
+// ends it once the test kills the stopped ranks), at most 60 s.
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -20,13 +24,26 @@
 
 using namespace cohort;
 
+// Waits up to 60 s for SIGTERM or SIGINT (mpirun's end of the job).
+void hold() {
+  sigset_t ending;
+  sigemptyset(&ending);
+  sigaddset(&ending, SIGTERM);
+  sigaddset(&ending, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &ending, nullptr);
+  const timespec limit{60, 0};
+  sigtimedwait(&ending, nullptr, &limit);
+}
+
 int main(int argc, char** argv) {
   torch::set_num_threads(1);
   std::set<int> stopping;
-  bool inside = false;
+  bool inside = false, holds = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--inside") {
       inside = true;
+    } else if (std::string(argv[i]) == "--hold") {
+      holds = true;
     } else {
       stopping.insert(std::atoi(argv[i]));
     }
@@ -51,6 +68,7 @@ int main(int argc, char** argv) {
     } catch (const Error& e) {
       std::printf("survivor error: %s\n", e.what());
       std::fflush(stdout);  // before exit: MPI_Finalize may wait for the stopped rank
+      if (holds) hold();
       // Inside, the engine's own threads are still in the collective the
       // stopped rank holds, and tearing the group down waits for the
       // engine's own timeout (COHORT_TIMEOUT): the error is what is tested.
