@@ -7,8 +7,8 @@
 // from the newest checkpoint there. --checkpoint-activations keeps only
 // each (Linear, Tanh) block's input and recomputes the block in backward.
 //
-//   build/tools/cohortrun/cohortrun -n 2 -- build/examples/pipeline/pipeline_mlp \
-//       --schedule 1f1b --microbatches 4 --steps 200
+// From the build folder:
+//   tools/cohortrun/cohortrun -n 2 -- examples/pipeline/pipeline_mlp --schedule 1f1b --steps 200
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 

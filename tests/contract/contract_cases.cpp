@@ -239,7 +239,9 @@ void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
   auto eout = torch::empty({gets, 2}, dt);
   comm.all_to_all_single(eout, ein, one_out, one_in).wait();
   auto eexp = torch::arange(1, w, torch::kInt64).unsqueeze(1).expand({-1, 2});
-  if (me == 0) EXPECT_TRUE(torch::equal(eout, eexp.to(dt)));
+  if (me == 0) {
+    EXPECT_TRUE(torch::equal(eout, eexp.to(dt)));
+  }
 
   // List form.
   std::vector<torch::Tensor> ins, outs;

@@ -114,7 +114,9 @@ void run_two_nodes(const std::string& backend) {
     ASSERT_FALSE(r.timed_out) << r.out << r.err;
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
     EXPECT_EQ(count_of(r.out, success), kRanksPerNode) << r.out << r.err;
-    if (!engine_line.empty()) EXPECT_EQ(count_of(r.out, engine_line), kRanksPerNode) << r.out;
+    if (!engine_line.empty()) {
+      EXPECT_EQ(count_of(r.out, engine_line), kRanksPerNode) << r.out;
+    }
     for (int local = 0; local < kRanksPerNode; ++local) {
       std::string prefix = "[" + std::to_string(node * kRanksPerNode + local) + "] ";
       EXPECT_NE(r.out.find(prefix), std::string::npos) << r.out;

@@ -126,7 +126,9 @@ std::string run_job(const BridgedNamespaces& ns, const std::string& dir, Loss lo
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
     if (i == 0) host_output = r.out + r.err;
   }
-  if (back) EXPECT_EQ(nodes[2]->finish(Seconds(10)).exit_code, 128 + SIGKILL);
+  if (back) {
+    EXPECT_EQ(nodes[2]->finish(Seconds(10)).exit_code, 128 + SIGKILL);
+  }
   return host_output;
 }
 
