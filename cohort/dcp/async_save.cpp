@@ -221,10 +221,12 @@ void split_copies(AsyncSave::State& s) {
   auto& staged = s.staged;
   for (size_t i = 0; i < staged.sources.size(); ++i) {
     const auto& source = staged.sources[i];
+    // Detached: the copies are no part of the autograd graph (a view
+    // shares its tensor's version counter, so the check still sees changes).
     if (copy_at_call(source, staged.source_fqns[i])) {
-      staged.data[i].copy_(source);
+      staged.data[i].copy_(source.detach());
     } else {
-      s.deferred.push_back({i, source, staged.source_fqns[i], source._version()});
+      s.deferred.push_back({i, source.detach(), staged.source_fqns[i], source._version()});
     }
   }
   staged.sources.clear();

@@ -118,7 +118,9 @@ StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::T
         // staging thread).
         const auto bytes = static_cast<int64_t>(s.data.nbytes());
         data = arena->narrow(0, at, bytes).view(t.dtype).view(s.data.sizes());
-        staged.sources.push_back(s.data.detach());
+        // As the state dict holds it: async_save tells a parameter (it
+        // requires grad) from a buffer.
+        staged.sources.push_back(s.data);
         staged.source_fqns.push_back(t.fqn);
         at += aligned(bytes);
       } else {

@@ -18,7 +18,8 @@ struct StagedFile {
   std::vector<std::string> modules;
   int64_t bytes = 0;
   /// With an arena: what each chunk of `data` is to be copied from (not yet
-  /// copied), and the fqn of its tensor.
+  /// copied; as the state dict holds it, not detached), and the fqn of its
+  /// tensor.
   std::vector<torch::Tensor> sources;
   std::vector<std::string> source_fqns;
 };

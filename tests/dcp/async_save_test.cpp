@@ -2,10 +2,10 @@
 // backward run during its staging copy (DDP and FSDP state, worlds 1 and
 // 3); what the model does after wait_staged() is not in the checkpoint; a
 // tensor changed in place before wait_staged() fails the save on every rank;
-// a buffer is copied before it returns; a second save commits the first; a
-// write error on one rank is thrown on every rank; a process killed
-// mid-write leaves the previous checkpoint loadable and the partial one
-// refused.
+// a buffer is copied before it returns, a parameter after; a second save
+// commits the first; a write error on one rank is thrown on every rank; a
+// process killed mid-write leaves the previous checkpoint loadable and the
+// partial one refused.
 #include "cohort/dcp/async_save.h"
 
 #include <signal.h>
@@ -151,6 +151,39 @@ TEST_P(AsyncSave, ABufferIsCopiedBeforeItReturns) {
 }
 
 constexpr const char* kState = "optim.big.exp_avg";
+
+// A parameter (it requires grad) is copied in the background, as optimizer
+// state is, not at the call: changed in place before wait_staged(), it fails
+// the save on every rank.
+TEST_P(AsyncSave, AParameterIsCopiedInTheBackground) {
+  const int world = GetParam();
+  const auto dir = temp_dir("parameter" + std::to_string(world));
+  std::mutex mu;
+  int failed = 0;
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0).requires_grad_();
+    const auto sd = rows_state(rows, comm.rank() * kRows, world, "model.weight");
+    auto pending = dcp::async_save(sd, dir, comm);
+    {
+      torch::NoGradGuard no_grad;
+      rows.add_(1);
+    }
+    pending.wait_staged();
+    try {
+      pending.wait();
+      ADD_FAILURE() << "no error on rank " << comm.rank();
+    } catch (const CheckpointError& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_NE(std::string(e.what()).find("tensor model.weight was changed in place"),
+                std::string::npos)
+          << e.what();
+      ++failed;
+    }
+  });
+  EXPECT_EQ(failed, world);
+  EXPECT_FALSE(fs::exists(dir / ".metadata"));
+  fs::remove_all(dir);
+}
 
 // Optimizer state is copied in the background: changed after wait_staged(),
 // the checkpoint holds the values at the call.
