@@ -225,19 +225,32 @@ std::string prepare_folder(const std::string& dir) {
   return "";
 }
 
-void commit(Communicator& comm, const std::string& dir, const std::string& list,
-            std::string error) {
+std::vector<std::string> gather_lists(Communicator& comm, const std::string& list,
+                                      const std::string& error) {
   agree(comm, error);
-  const auto lists = gather_strings(comm, list, 0);
+  return gather_strings(comm, list, 0);
+}
+
+void write_metadata_file(const std::vector<std::string>& lists, const std::string& dir) {
+  write_checkpoint_file(dir + "/" + kMetadataName, metadata_to_json(merge(lists)));
+}
+
+void write_metadata(Communicator& comm, const std::string& dir,
+                    const std::vector<std::string>& lists) {
+  std::string error;
   if (comm.rank() == 0) {
     try {
-      const auto meta = merge(lists);
-      write_checkpoint_file(dir + "/" + kMetadataName, metadata_to_json(meta));
+      write_metadata_file(lists, dir);
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
   agree(comm, error);
+}
+
+void commit(Communicator& comm, const std::string& dir, const std::string& list,
+            const std::string& error) {
+  write_metadata(comm, dir, gather_lists(comm, list, error));
 }
 
 void save(const StateDict& state, const std::string& dir, Communicator& comm) {
