@@ -334,7 +334,8 @@ void finish_pending_save(Communicator& comm) {
 
 void wait_pending_staging(Communicator& comm) {
   if (auto last = last_save(comm)) {
-    settle_last(*last, kAsyncSaveTimeout);
+    // Once: an error agreed before was thrown then, not at every load.
+    if (!last->last_settled) settle_last(*last, kAsyncSaveTimeout);
     AsyncSave(last).wait_staged();
   }
 }
