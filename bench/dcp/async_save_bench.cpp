@@ -16,7 +16,7 @@
 //   step (for none, that step alone), where a save's cost lands unless the
 //   writer thread slows later steps; shorter than a run, so less noisy;
 // - the time the training thread spent inside the save calls,
-//   wait_staged() and the last wait().
+//   wait_staged() and the last wait() (async's also by part),
 // and each as async's overhead over blocking's, (async − none) /
 // (blocking − none) (the bar: at most 0.05).
 #include <malloc.h>
@@ -82,9 +82,16 @@ double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Where the time inside the calls goes (async): get_state_dict, the
+// async_save call (with the commit of the previous save), wait_staged()
+// and the run's last wait().
+enum Part { kStateDict, kCall, kStaged, kLast, kParts };
+const char* const kPartNames[kParts] = {"get_state_dict", "the call", "wait_staged", "last wait"};
+
 struct Timing {
   double run = 0;              // the run, barrier to barrier
   double inside = 0;           // in the save calls, wait_staged() and the last wait()
+  double part[kParts] = {};    // async: `inside` by part
   std::vector<double> window;  // per save: the call and the next step
 };
 
@@ -102,6 +109,7 @@ Timing run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
       if (mode != 2 || !in_window) return;
       const auto in = std::chrono::steady_clock::now();
       j.pending.wait_staged();
+      t.part[kStaged] += since(in);
       t.inside += since(in);
     });
     if (in_window) t.window.push_back(since(window_start));
@@ -113,12 +121,17 @@ Timing run(Job& j, Communicator& comm, const Args& a, int mode, int round) {
     if (mode == 1) {
       dcp::save(dcp::get_state_dict(*j.model, *j.opt, j.layout), dir, comm);
     } else {
-      j.pending = dcp::async_save(dcp::get_state_dict(*j.model, *j.opt, j.layout), dir, comm);
+      auto state = dcp::get_state_dict(*j.model, *j.opt, j.layout);
+      const auto got = std::chrono::steady_clock::now();
+      j.pending = dcp::async_save(state, dir, comm);
+      t.part[kStateDict] += std::chrono::duration<double>(got - window_start).count();
+      t.part[kCall] += since(got);
     }
     t.inside += since(window_start);
   }
   const auto in = std::chrono::steady_clock::now();
   j.pending.wait();
+  t.part[kLast] += since(in);
   t.inside += since(in);
   comm.barrier().wait();
   t.run = since(t0);
@@ -147,7 +160,8 @@ void report_line(const char* what, double none, double blocking, double async) {
 }
 
 void report(const Args& a, const std::vector<double> (&t)[3],
-            const std::vector<double> (&inside)[3], const std::vector<double> (&window)[3]) {
+            const std::vector<double> (&inside)[3], const std::vector<double> (&window)[3],
+            const std::vector<double> (&parts)[kParts]) {
   const int steps = (a.saves + 1) * a.every;
   report_line("median s/step (runs)", median(t[0]) / steps, median(t[1]) / steps,
               median(t[2]) / steps);
@@ -155,6 +169,9 @@ void report(const Args& a, const std::vector<double> (&t)[3],
               median(window[2]));
   report_line("median s per save inside the calls (rank 0)", 0, median(inside[1]),
               median(inside[2]));
+  std::printf("async, median s per save by part:");
+  for (int p = 0; p < kParts; ++p) std::printf(" %s %.4f", kPartNames[p], median(parts[p]));
+  std::printf("\n");
 }
 
 }  // namespace
@@ -193,7 +210,7 @@ int main(int argc, char** argv) {
           static_cast<long long>(numel), numel * 12.0 / (1 << 20), comm->size(), a.every);
     }
     const char* names[] = {"none", "blocking", "async"};
-    std::vector<double> t[3], inside[3], window[3];
+    std::vector<double> t[3], inside[3], window[3], parts[kParts];
     for (int round = 0; round < a.rounds; ++round) {
       for (int k = 0; k < 3; ++k) {
         const int mode = (round + k) % 3;
@@ -201,10 +218,19 @@ int main(int argc, char** argv) {
         t[mode].push_back(timing.run);
         inside[mode].push_back(timing.inside / a.saves);
         window[mode].insert(window[mode].end(), timing.window.begin(), timing.window.end());
+        if (mode == 2) {
+          for (int p = 0; p < kParts; ++p) parts[p].push_back(timing.part[p] / a.saves);
+        }
         if (comm->rank() == 0) {
           std::printf("round %d %-8s %.4f s, %.4f s per save in the calls, windows", round,
                       names[mode], timing.run, inside[mode].back());
           for (double w : timing.window) std::printf(" %.4f", w);
+          if (mode == 2) {
+            std::printf("; per save");
+            for (int p = 0; p < kParts; ++p) {
+              std::printf(" %s %.4f", kPartNames[p], parts[p].back());
+            }
+          }
           std::printf("\n");
         }
       }
@@ -214,7 +240,7 @@ int main(int argc, char** argv) {
         std::filesystem::remove_all(std::filesystem::path(a.dir) / ("r" + std::to_string(round)));
       }
     }
-    if (comm->rank() == 0) report(a, t, inside, window);
+    if (comm->rank() == 0) report(a, t, inside, window, parts);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "async_save_bench: %s\n", e.what());

@@ -1,6 +1,7 @@
 // dcp::async_save: the placing, the agreement and the buffers' copy at the
-// call; the staging copy and the file on a background thread; the version
-// check at wait_staged(); the commit at wait() (see async_save.h for why).
+// call; the last save's .metadata, the staging copy and the file on a
+// background thread; the version check at wait_staged(); the commit at
+// wait() (see async_save.h for why).
 #include "cohort/dcp/async_save.h"
 
 #include <sys/resource.h>
@@ -8,6 +9,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -51,17 +53,29 @@ struct AsyncSave::State {
   // Set by the worker, under mu.
   std::mutex mu;
   std::condition_variable done;
-  bool copied = false;      // the staging copy has finished
-  bool written = false;     // ...and the file (or an error)
-  std::string copy_error;   // the copy's error, "" when none
-  std::string list;         // the chunk list for commit()
-  std::string write_error;  // the write's error, "" when none
+  bool copied = false;        // the staging copy has finished
+  bool written = false;       // ...and the file (or an error)
+  std::string copy_error;     // the copy's error, "" when none
+  std::string list;           // the chunk list for commit()
+  std::string write_error;    // the write's error, "" when none
+  bool last_written = false;  // the last save's .metadata (commits_last)
+  std::string last_error;     // ...its error on rank 0, "" when none
+  // The last save's commit, when this save's call finished it: its folder
+  // and, on rank 0, every rank's chunk list, which the worker merges and
+  // writes as its .metadata first. Set before the worker starts.
+  bool commits_last = false;
+  std::string last_dir;
+  std::vector<std::string> last_lists;
   // The caller's thread only.
   bool checked = false;      // wait_staged()'s version check has run
   bool copy_late = false;    // ...or wait_staged() gave up on the copy
   std::string change_error;  // a changed tensor, or the copy's timeout
   bool committed = false;
   std::exception_ptr outcome;
+  bool last_settled = false;  // the last save's .metadata write agreed (commits_last)
+  std::exception_ptr last_outcome;
+  // In the last save's state: the save whose worker writes its .metadata.
+  std::shared_ptr<State> committer;
 };
 
 namespace {
@@ -80,7 +94,25 @@ std::string changed_tensor(const AsyncSave::State& s) {
   return "";
 }
 
+// The last save's .metadata, first: a crash during this save's write leaves
+// the last one whole.
+void write_last_metadata(AsyncSave::State& s) {
+  std::string error;
+  if (s.comm.rank() == 0) {
+    try {
+      write_metadata_file(s.last_lists, s.last_dir);
+    } catch (const std::exception& e) {
+      error = "dcp::async_save of " + s.last_dir + " on rank 0: .metadata: " + e.what();
+    }
+  }
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.last_written = true;
+  s.last_error = std::move(error);
+  s.done.notify_all();
+}
+
 void copy_and_write(AsyncSave::State& s) {
+  if (s.commits_last) write_last_metadata(s);
   std::string error;
   try {
     for (const auto& d : s.deferred) s.staged.data[d.chunk].copy_(d.source);
@@ -139,31 +171,82 @@ bool await_staged(AsyncSave::State& s, Millis timeout) {
   return true;
 }
 
-void finish(AsyncSave::State& s, Millis timeout) {
-  if (s.committed) {
-    if (s.outcome) std::rethrow_exception(s.outcome);
+// Collective, where `s` writes the last save's .metadata: waits for that
+// write and agrees on its outcome, once (later calls rethrow it).
+void settle_last(AsyncSave::State& s, Millis timeout) {
+  if (!s.commits_last) return;
+  if (s.last_settled) {
+    if (s.last_outcome) std::rethrow_exception(s.last_outcome);
     return;
   }
-  s.committed = true;
-  const auto start = std::chrono::steady_clock::now();
-  await_staged(s, timeout);
-  const auto left = std::max(Millis(0), timeout - std::chrono::duration_cast<Millis>(
-                                                      std::chrono::steady_clock::now() - start));
-  std::string list, error = s.change_error;
+  s.last_settled = true;
+  std::string error;
   {
     std::unique_lock<std::mutex> lock(s.mu);
-    if (s.done.wait_for(lock, left, [&] { return s.written; })) {
-      list = s.list;
-      if (error.empty()) error = s.copy_error.empty() ? s.write_error : s.copy_error;
-    } else if (error.empty()) {
-      // Agreed below, so every rank throws; the worker is joined later, and
-      // without a commit its file is never part of a checkpoint.
-      error = s.where() + ": the background write did not finish within " +
-              std::to_string(timeout.count()) + " ms";
+    if (s.done.wait_for(lock, timeout, [&] { return s.last_written; })) {
+      error = s.last_error;
+    } else {
+      error = "dcp::async_save of " + s.last_dir + " on rank " + std::to_string(s.comm.rank()) +
+              ": its .metadata write did not finish within " + std::to_string(timeout.count()) +
+              " ms";
     }
   }
   try {
-    commit(s.comm, s.dir, list, error);
+    agree(s.comm, error);
+  } catch (...) {
+    s.last_outcome = std::current_exception();
+    throw;
+  }
+}
+
+// Collective: the commit of `s` but rank 0's .metadata: the save before it
+// settled, this rank's copy and write waited for, every rank's outcome
+// agreed. Returns every rank's chunk list on rank 0 (none elsewhere).
+std::vector<std::string> plan_commit(AsyncSave::State& s, Millis timeout) {
+  s.committed = true;
+  try {
+    settle_last(s, timeout);
+    const auto start = std::chrono::steady_clock::now();
+    await_staged(s, timeout);
+    const auto left = std::max(Millis(0), timeout - std::chrono::duration_cast<Millis>(
+                                                        std::chrono::steady_clock::now() - start));
+    std::string list, error = s.change_error;
+    {
+      std::unique_lock<std::mutex> lock(s.mu);
+      if (s.done.wait_for(lock, left, [&] { return s.written; })) {
+        list = s.list;
+        if (error.empty()) error = s.copy_error.empty() ? s.write_error : s.copy_error;
+      } else if (error.empty()) {
+        // Agreed below, so every rank throws; the worker is joined later, and
+        // without a commit its file is never part of a checkpoint.
+        error = s.where() + ": the background write did not finish within " +
+                std::to_string(timeout.count()) + " ms";
+      }
+    }
+    return gather_lists(s.comm, list, error);
+  } catch (...) {
+    s.outcome = std::current_exception();
+    throw;
+  }
+}
+
+void finish(AsyncSave::State& s, Millis timeout) {
+  if (s.committed) {
+    if (s.outcome) std::rethrow_exception(s.outcome);
+    // Committed by the next save's call: its worker writes the .metadata.
+    if (auto next = std::move(s.committer)) {
+      try {
+        settle_last(*next, timeout);
+      } catch (...) {
+        s.outcome = std::current_exception();
+        throw;
+      }
+    }
+    return;
+  }
+  const auto lists = plan_commit(s, timeout);
+  try {
+    write_metadata(s.comm, s.dir, lists);
   } catch (...) {
     s.outcome = std::current_exception();
     throw;
@@ -216,15 +299,26 @@ bool copy_at_call(const torch::Tensor& source, const std::string& fqn) {
   return fqn.rfind("model.", 0) == 0 && !source.requires_grad();
 }
 
+// By their paths (every rank decides alike, without a message).
+bool same_folder(const std::string& a, const std::string& b) {
+  auto normal = [](const std::string& dir) {
+    auto p = std::filesystem::absolute(dir).lexically_normal();
+    return p.has_filename() ? p : p.parent_path();
+  };
+  return normal(a) == normal(b);
+}
+
 // Copies what copy_at_call picks; records the others for the worker.
 void split_copies(AsyncSave::State& s) {
   auto& staged = s.staged;
   for (size_t i = 0; i < staged.sources.size(); ++i) {
     const auto& source = staged.sources[i];
+    // Detached: the copies are no part of the autograd graph (a view
+    // shares its tensor's version counter, so the check still sees changes).
     if (copy_at_call(source, staged.source_fqns[i])) {
-      staged.data[i].copy_(source);
+      staged.data[i].copy_(source.detach());
     } else {
-      s.deferred.push_back({i, source, staged.source_fqns[i], source._version()});
+      s.deferred.push_back({i, source.detach(), staged.source_fqns[i], source._version()});
     }
   }
   staged.sources.clear();
@@ -239,12 +333,25 @@ void finish_pending_save(Communicator& comm) {
 }
 
 void wait_pending_staging(Communicator& comm) {
-  if (auto last = last_save(comm)) AsyncSave(last).wait_staged();
+  if (auto last = last_save(comm)) {
+    // Once: an error agreed before was thrown then, not at every load.
+    if (!last->last_settled) settle_last(*last, kAsyncSaveTimeout);
+    AsyncSave(last).wait_staged();
+  }
 }
 
 AsyncSave async_save(const StateDict& state, const std::string& dir, Communicator& comm) {
   auto last = last_save(comm);
-  if (last && !last->committed) finish(*last, kAsyncSaveTimeout);
+  // The last save's commit. Its .metadata is written by this save's worker
+  // (or this call, should this save fail to start), unless this save goes
+  // into the same folder, which must lose that .metadata before it changes.
+  const bool commits_last = last && !last->committed && !same_folder(last->dir, dir);
+  std::vector<std::string> last_lists;
+  if (commits_last) {
+    last_lists = plan_commit(*last, kAsyncSaveTimeout);
+  } else if (last && !last->committed) {
+    finish(*last, kAsyncSaveTimeout);
+  }
   auto s = std::make_shared<AsyncSave::State>(comm, dir);
   // The last save's staging memory, unless its worker still reads it (one
   // that did not finish in time): stage_rank_file checks that nothing else
@@ -257,7 +364,25 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
   } catch (const std::exception& e) {
     if (error.empty()) error = e.what();
   }
-  agree(comm, error);
+  try {
+    agree(comm, error);
+  } catch (const CheckpointError&) {
+    if (commits_last) {
+      try {
+        write_metadata(comm, last->dir, last_lists);
+      } catch (...) {
+        last->outcome = std::current_exception();
+        throw;
+      }
+    }
+    throw;
+  }
+  if (commits_last) {
+    s->commits_last = true;
+    s->last_dir = last->dir;
+    s->last_lists = std::move(last_lists);
+    last->committer = s;
+  }
   s->worker = std::thread([raw = s.get()] { copy_and_write(*raw); });
   {
     std::lock_guard<std::mutex> lock(registry_mu);

@@ -11,7 +11,13 @@
 //
 // Where each step runs, and why:
 // - At the call, on the caller's thread: a save still pending on `comm` is
-//   finished first (collective); rank 0 prepares the folder (the old
+//   committed first (collective): its copy and write waited for, every
+//   rank's outcome agreed, the chunk lists gathered on rank 0; rank 0's
+//   making .metadata of them (parsing, the tiling check, the file and its
+//   folder fsynced: milliseconds on a large model) is left to this save's
+//   background thread. A save into the same folder writes it here
+//   instead, since the folder must lose it before it changes. Then rank 0
+//   prepares the folder (the old
 //   .metadata and a killed writer's temporary files removed); every rank
 //   places its chunks in host staging memory, copies there at once the
 //   tensors forward may change (the model's buffers: BatchNorm's running
@@ -20,9 +26,11 @@
 //   The staging memory of the last save on the same communicator is reused
 //   while a handle on that save lives (`pending = dcp::async_save(...)`
 //   keeps it): fresh memory costs page faults several times the copy.
-// - On a background thread: the staging copy of the parameters and the
-//   optimizer state (what forward and backward only read), then the
-//   checksums and the data file (temporary file, fsync, rename). It uses no
+// - On a background thread: the last save's .metadata (rank 0), first, so
+//   that a crash during this save's write leaves the last one whole; the
+//   staging copy of the parameters and the optimizer state (what forward
+//   and backward only read); then the checksums and the data file
+//   (temporary file, fsync, rename). It uses no
 //   communicator: a background thread issuing collectives while the training
 //   issues its own on the same communicator would order them differently on
 //   different ranks, a deadlock or messages silently matched to the wrong
@@ -36,7 +44,10 @@
 //   called yet, then every rank's outcome is agreed and rank 0 writes
 //   .metadata, last and atomically. Until then the folder has no .metadata,
 //   so a crash before the commit (a SIGKILL mid-write) leaves no checkpoint
-//   there, and the checkpoints in other folders as they were.
+//   there, and the checkpoints in other folders as they were. A save the
+//   next one's call committed reports its .metadata write at the next
+//   one's wait() (or its own wait(), which waits for that write), on every
+//   rank.
 #pragma once
 
 #include <memory>
@@ -80,6 +91,8 @@ class AsyncSave {
   /// dcp::async_save, the folder and the failing rank, when any rank's copy
   /// or write failed or timed out, or a saved tensor changed before
   /// wait_staged(); a second wait() returns at once, or rethrows that error.
+  /// After the next save's call committed this one: waits up to `timeout`
+  /// for the .metadata that save's thread writes and agrees on its outcome.
   void wait(Millis timeout = kAsyncSaveTimeout);
 
  private:
@@ -91,9 +104,11 @@ class AsyncSave {
 /// and the background copy has started; the caller must call wait_staged()
 /// before it changes a saved tensor in place. The file is written in the
 /// background and committed by wait(). A save still pending on `comm` is
-/// finished first (its error thrown here), as save() does too: saves on one
-/// communicator never overlap; load() waits for its staging. A handle dropped without wait()
-/// is never committed (its thread is joined).
+/// committed first (its error thrown here; its .metadata written on this
+/// save's thread before anything of this one), as save() does too: saves on
+/// one communicator never overlap; load() waits for its staging and that
+/// .metadata. A handle dropped without wait() is never committed (its
+/// thread is joined).
 AsyncSave async_save(const StateDict& state, const std::string& dir, Communicator& comm);
 
 }  // namespace cohort::dcp

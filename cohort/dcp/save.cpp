@@ -118,7 +118,9 @@ StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::T
         // staging thread).
         const auto bytes = static_cast<int64_t>(s.data.nbytes());
         data = arena->narrow(0, at, bytes).view(t.dtype).view(s.data.sizes());
-        staged.sources.push_back(s.data.detach());
+        // As the state dict holds it: async_save tells a parameter (it
+        // requires grad) from a buffer.
+        staged.sources.push_back(s.data);
         staged.source_fqns.push_back(t.fqn);
         at += aligned(bytes);
       } else {
@@ -223,19 +225,32 @@ std::string prepare_folder(const std::string& dir) {
   return "";
 }
 
-void commit(Communicator& comm, const std::string& dir, const std::string& list,
-            std::string error) {
+std::vector<std::string> gather_lists(Communicator& comm, const std::string& list,
+                                      const std::string& error) {
   agree(comm, error);
-  const auto lists = gather_strings(comm, list, 0);
+  return gather_strings(comm, list, 0);
+}
+
+void write_metadata_file(const std::vector<std::string>& lists, const std::string& dir) {
+  write_checkpoint_file(dir + "/" + kMetadataName, metadata_to_json(merge(lists)));
+}
+
+void write_metadata(Communicator& comm, const std::string& dir,
+                    const std::vector<std::string>& lists) {
+  std::string error;
   if (comm.rank() == 0) {
     try {
-      const auto meta = merge(lists);
-      write_checkpoint_file(dir + "/" + kMetadataName, metadata_to_json(meta));
+      write_metadata_file(lists, dir);
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
   agree(comm, error);
+}
+
+void commit(Communicator& comm, const std::string& dir, const std::string& list,
+            const std::string& error) {
+  write_metadata(comm, dir, gather_lists(comm, list, error));
 }
 
 void save(const StateDict& state, const std::string& dir, Communicator& comm) {

@@ -18,7 +18,8 @@ struct StagedFile {
   std::vector<std::string> modules;
   int64_t bytes = 0;
   /// With an arena: what each chunk of `data` is to be copied from (not yet
-  /// copied), and the fqn of its tensor.
+  /// copied; as the state dict holds it, not detached), and the fqn of its
+  /// tensor.
   std::vector<torch::Tensor> sources;
   std::vector<std::string> source_fqns;
 };
@@ -40,14 +41,32 @@ std::string write_staged_file(StagedFile& staged, const std::string& dir, int ra
 /// temporary files and the old .metadata. Returns the error text ("" if none).
 std::string prepare_folder(const std::string& dir);
 
-/// Collective: agrees on every rank's `error`, then rank 0 merges the chunk
-/// lists and writes .metadata (last, atomically). Throws CheckpointError on
-/// every rank when any rank failed.
-void commit(Communicator& comm, const std::string& dir, const std::string& list, std::string error);
+/// Collective: agrees on every rank's `error` (CheckpointError on every
+/// rank when any rank failed), then gathers every rank's chunk list on rank
+/// 0 (the others get none).
+std::vector<std::string> gather_lists(Communicator& comm, const std::string& list,
+                                      const std::string& error);
 
-/// Not collective: waits until the async save pending on `comm` (if any)
-/// has copied its staging data, so that the caller may change the tensors
-/// it saves (AsyncSave::wait_staged).
+/// Rank 0: merges the chunk lists, checks that they tile every tensor, and
+/// writes them as .metadata of `dir` (atomically). Throws InvalidArgument or
+/// Error; touches no communicator.
+void write_metadata_file(const std::vector<std::string>& lists, const std::string& dir);
+
+/// Collective: rank 0 runs write_metadata_file; every rank throws
+/// CheckpointError when it failed.
+void write_metadata(Communicator& comm, const std::string& dir,
+                    const std::vector<std::string>& lists);
+
+/// Collective: gather_lists, then write_metadata (.metadata last). Throws
+/// CheckpointError on every rank when any rank failed.
+void commit(Communicator& comm, const std::string& dir, const std::string& list,
+            const std::string& error);
+
+/// Waits until the async save pending on `comm` (if any) has copied its
+/// staging data, so that the caller may change the tensors it saves
+/// (AsyncSave::wait_staged); collective when that save writes the .metadata
+/// of the one before it: that write's outcome is agreed, so that every rank
+/// may read the folder.
 void wait_pending_staging(Communicator& comm);
 
 /// Collective: waits for and commits the async save still pending on `comm`

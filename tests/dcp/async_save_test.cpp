@@ -2,10 +2,11 @@
 // backward run during its staging copy (DDP and FSDP state, worlds 1 and
 // 3); what the model does after wait_staged() is not in the checkpoint; a
 // tensor changed in place before wait_staged() fails the save on every rank;
-// a buffer is copied before it returns; a second save commits the first; a
-// write error on one rank is thrown on every rank; a process killed
-// mid-write leaves the previous checkpoint loadable and the partial one
-// refused.
+// a buffer is copied before it returns, a parameter after; a second save
+// commits the first (its .metadata written on the second's background
+// thread, a failure of that write thrown on every rank); a write error on
+// one rank is thrown on every rank; a process killed mid-write leaves the
+// previous checkpoint loadable and the partial one refused.
 #include "cohort/dcp/async_save.h"
 
 #include <signal.h>
@@ -152,6 +153,39 @@ TEST_P(AsyncSave, ABufferIsCopiedBeforeItReturns) {
 
 constexpr const char* kState = "optim.big.exp_avg";
 
+// A parameter (it requires grad) is copied in the background, as optimizer
+// state is, not at the call: changed in place before wait_staged(), it fails
+// the save on every rank.
+TEST_P(AsyncSave, AParameterIsCopiedInTheBackground) {
+  const int world = GetParam();
+  const auto dir = temp_dir("parameter" + std::to_string(world));
+  std::mutex mu;
+  int failed = 0;
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0).requires_grad_();
+    const auto sd = rows_state(rows, comm.rank() * kRows, world, "model.weight");
+    auto pending = dcp::async_save(sd, dir, comm);
+    {
+      torch::NoGradGuard no_grad;
+      rows.add_(1);
+    }
+    pending.wait_staged();
+    try {
+      pending.wait();
+      ADD_FAILURE() << "no error on rank " << comm.rank();
+    } catch (const CheckpointError& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_NE(std::string(e.what()).find("tensor model.weight was changed in place"),
+                std::string::npos)
+          << e.what();
+      ++failed;
+    }
+  });
+  EXPECT_EQ(failed, world);
+  EXPECT_FALSE(fs::exists(dir / ".metadata"));
+  fs::remove_all(dir);
+}
+
 // Optimizer state is copied in the background: changed after wait_staged(),
 // the checkpoint holds the values at the call.
 TEST_P(AsyncSave, StateChangedAfterWaitStagedIsNotInTheCheckpoint) {
@@ -216,8 +250,11 @@ TEST_P(AsyncSave, ASecondSaveCommitsTheFirstBeforeItStarts) {
     auto a = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), first, comm);
     rows.add_(1);
     auto b = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), second, comm);
-    // The first is committed on every rank; the second is not, until wait().
+    // The first is committed: every rank's write finished and agreed on;
+    // b's worker writes its .metadata, and a.wait() waits for that. The
+    // second is not committed until its wait().
     EXPECT_TRUE(a.ready());
+    a.wait();
     EXPECT_TRUE(fs::exists(first / ".metadata"));
     EXPECT_FALSE(fs::exists(second / ".metadata"));
     comm.barrier().wait();  // nobody commits b before every rank looked
@@ -225,6 +262,44 @@ TEST_P(AsyncSave, ASecondSaveCommitsTheFirstBeforeItStarts) {
     b.wait();
   });
   EXPECT_TRUE(torch::equal(read_big(second), read_big(first) + 1));
+  fs::remove_all(first);
+  fs::remove_all(second);
+}
+
+TEST_P(AsyncSave, AFailedMetadataWriteOnTheNextSavesThreadThrowsOnEveryRank) {
+  const int world = GetParam();
+  const auto first = temp_dir("meta_first" + std::to_string(world));
+  const auto second = temp_dir("meta_second" + std::to_string(world));
+  std::mutex mu;
+  std::vector<std::string> errors;
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    const auto sd = rows_state(rows, comm.rank() * kRows, world);
+    auto a = dcp::async_save(sd, first, comm);
+    comm.barrier().wait();
+    // A folder where the first save's .metadata goes: its rename fails.
+    if (comm.rank() == 0) fs::create_directories(first / ".metadata" / "x");
+    comm.barrier().wait();
+    // The call commits the first (its data files are fine); the .metadata
+    // write on b's thread fails, and both waits throw it on every rank.
+    auto b = dcp::async_save(sd, second, comm);
+    for (auto* pending : {&a, &b}) {
+      try {
+        pending->wait();
+        ADD_FAILURE() << "no error on rank " << comm.rank();
+      } catch (const CheckpointError& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        errors.push_back(e.what());
+      }
+    }
+  });
+  ASSERT_EQ(errors.size(), static_cast<size_t>(2 * world));
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank 0: dcp::async_save of " + first.string() + " on rank 0: .metadata: "),
+              std::string::npos)
+        << e;
+  }
+  EXPECT_FALSE(fs::exists(second / ".metadata"));
   fs::remove_all(first);
   fs::remove_all(second);
 }
@@ -276,18 +351,22 @@ INSTANTIATE_TEST_SUITE_P(Worlds, AsyncSave, ::testing::Values(1, 3));
 
 constexpr const char* kKillDir = "COHORT_ASYNC_SAVE_KILL_DIR";
 
-// The child of the next test (skipped when run on its own): three ranks save
-// step1, change their rows, start an async save of step2, and rank 0
-// SIGKILLs the process while the writers are busy.
+// The child of the next test (skipped when run on its own): three ranks
+// start an async save of step1, change their rows after its staging, start
+// an async save of step2 (whose background thread writes step1's .metadata
+// before its own copy), and rank 0 SIGKILLs the process while the writers
+// are busy.
 TEST(AsyncSaveKill, Child) {
   const char* dir = std::getenv(kKillDir);
   if (dir == nullptr) GTEST_SKIP() << "runs as the child of KilledMidWrite";
   run_ranks(3, [&](Communicator& comm) {
     auto rows = rows_of(comm.rank(), 0);
     const auto sd = rows_state(rows, comm.rank() * kRows, 3);
-    dcp::save(sd, std::string(dir) + "/step1", comm);
+    auto first = dcp::async_save(sd, std::string(dir) + "/step1", comm);
+    first.wait_staged();
     rows.add_(1);
     auto pending = dcp::async_save(sd, std::string(dir) + "/step2", comm);
+    pending.wait_staged();
     comm.barrier().wait();
     if (comm.rank() == 0) ::raise(SIGKILL);
     pending.wait();
