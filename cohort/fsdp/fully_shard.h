@@ -153,6 +153,8 @@ class FullyShardImpl : public torch::nn::Module {
   const std::shared_ptr<Communicator>& replicate_group() const { return replicate_; }
   /// The mesh the unit was made over.
   const DeviceMesh& mesh() const { return *mesh_; }
+  /// The options the unit was made with.
+  const FullyShardOptions& options() const { return options_; }
 
  private:
   void adopt(const std::shared_ptr<torch::nn::Module>& inner, const DeviceMesh& mesh);

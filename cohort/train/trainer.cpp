@@ -1,5 +1,6 @@
 #include "cohort/train/trainer.h"
 
+#include <limits>
 #include <string>
 
 #include "cohort/comm/communicator.h"
@@ -13,7 +14,16 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring) {
+std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring, std::shared_ptr<GradNorm> norm,
+                                       const TrainerConfig& config) {
+  if (norm) {
+    if (config.determinism == Determinism::WorldSizeInvariant) {
+      throw InvalidArgument("Trainer on rank " + std::to_string(wiring.communicator()->rank()) +
+                            ": a GradNorm of one's own with determinism WorldSizeInvariant "
+                            "(the norm is measured in the canonical order)");
+    }
+    return norm;
+  }
   // A pipeline's or a mesh's layout brings its own.
   if (wiring.layout().norm()) return wiring.layout().norm();
   if (wiring.optimizer().sharded_gradients()) {
@@ -33,7 +43,7 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
       sync_(wiring_.sync()),
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
-      norm_(norm ? std::move(norm) : default_norm(wiring_)),
+      norm_(default_norm(wiring_, std::move(norm), config_)),
       layout_(wiring_.layout()),
       metrics_(config_.metrics_path, comm_.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
@@ -43,6 +53,7 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
   }
   if (config_.max_grad_norm < 0) throw InvalidArgument("Trainer: negative max_grad_norm");
   layout_.check(loss_fn_, config_.accumulation_steps, comm_.rank());
+  check_determinism();
   params_ = model_->parameters();
   if (!config_.checkpoint_dir.empty()) {
     checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last);
@@ -83,10 +94,17 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   StepMetrics m;
   // The averaged gradients: the model's .grad, or where an optimizer that
   // averages them itself put them (its shard, for ZeRO).
-  const auto grads = optimizer_.gradients(params_);
-  m.grad_norm = norm_->global_norm(grads);
-  if (config_.max_grad_norm > 0) {
-    m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
+  if (const auto& clip = wiring_.canonical_clip()) {
+    // ZeRO's and FSDP's canonical norm; without clipping, only measured.
+    const double max_norm = config_.max_grad_norm;
+    m.grad_norm = clip(max_norm > 0 ? max_norm : std::numeric_limits<double>::infinity());
+    m.clipped = max_norm > 0 && max_norm / (m.grad_norm + 1e-6) < 1.0;
+  } else {
+    const auto grads = optimizer_.gradients(params_);
+    m.grad_norm = norm_->global_norm(grads);
+    if (config_.max_grad_norm > 0) {
+      m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
+    }
   }
   m.lr = lr_at(config_.schedule, position_.step);
   // An async checkpoint's staging copy reads what the step changes.
@@ -242,6 +260,40 @@ void Trainer::continue_epoch_order(const DataSource& data) {
                       std::to_string(position_.epoch_batches) +
                       "; without a global sample order (DataSource::global_micro_batch) its "
                       "position does not carry over to micro-batches of another size");
+  }
+}
+
+void Trainer::check_determinism() const {
+  const std::string where = "Trainer on rank " + std::to_string(comm_.rank()) + ": ";
+  const bool wanted = config_.determinism == Determinism::WorldSizeInvariant;
+  const bool built = wiring_.determinism() == Determinism::WorldSizeInvariant;
+  if (wanted && !built) {
+    const bool can =
+        wiring_.mode() == "DDP" || wiring_.mode() == "ZeRO over DDP" || wiring_.mode() == "FSDP";
+    throw InvalidArgument(
+        where + "determinism WorldSizeInvariant, but " + wiring_.mode() +
+        (can ? " was built without it (DDPOptions, ZeroOptions or FullyShardOptions::determinism "
+               "and leaves)"
+             : " cannot honour it (only DDP, ZeRO over DDP and FSDP sum the leaves in the "
+               "canonical tree)"));
+  }
+  if (!wanted && built) {
+    throw InvalidArgument(where + "the " + wiring_.mode() +
+                          " was built with determinism WorldSizeInvariant; set "
+                          "TrainerConfig::determinism and leaves to the same");
+  }
+  if (!wanted) return;
+  if (config_.leaves != wiring_.leaves()) {
+    throw InvalidArgument(where + "TrainerConfig::leaves " + std::to_string(config_.leaves) +
+                          ", but the " + wiring_.mode() + " was built with " +
+                          std::to_string(wiring_.leaves()));
+  }
+  if (config_.accumulation_steps != wiring_.local_leaves()) {
+    throw InvalidArgument(where + "accumulation_steps must be this rank's leaves per step, " +
+                          std::to_string(wiring_.local_leaves()) + " (" +
+                          std::to_string(config_.leaves) + " leaves over " +
+                          std::to_string(comm_.size()) + " ranks), got " +
+                          std::to_string(config_.accumulation_steps));
   }
 }
 

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "cohort/dcp/async_save.h"
+#include "cohort/grad_sync/leaf_tree.h"
 #include "cohort/train/checkpoint_dir.h"
 #include "cohort/train/data_source.h"
 #include "cohort/train/grad_norm.h"
@@ -97,6 +98,23 @@ struct TrainerConfig {
   bool progress = true;
   /// Steps between log lines when stdout is not a terminal.
   int64_t log_every = 50;
+  /// Determinism::WorldSizeInvariant: training is the same bits at every
+  /// world size dividing `leaves` (README, "Determinism"). The wiring's DDP
+  /// (alone or with a ZeRO built from it) or FSDP root must have been built
+  /// with the same determinism and leaves, and the Trainer with neither when
+  /// they were not: InvalidArgument on every rank otherwise, and for every
+  /// other wiring (fused, all-reduce, ZeRO without DDP, pipeline, mesh),
+  /// which cannot honour it. Each of a step's micro-batches is then one leaf
+  /// (accumulation_steps = leaves / world): rank r's micro-batch i must be
+  /// leaf r x accumulation_steps + i of the global batch, in train_step and
+  /// in a DataSource for fit() (a contiguous slice per rank; not
+  /// TensorDataSource's order, which interleaves the ranks). Each backward
+  /// is unscaled and reaches the reducer; the norm is measured in the
+  /// canonical order (ZeRO, FSDP: their clip_grad_norm; DDP: the same
+  /// replicated bits on every rank), and a GradNorm of one's own is refused.
+  Determinism determinism = Determinism::Default;
+  /// The leaf count of the global batch (WorldSizeInvariant only).
+  int64_t leaves = 0;
 };
 
 /// What FitCallbacks::on_epoch_end receives.
@@ -194,6 +212,7 @@ class Trainer {
   // Seconds blocked in the "tp" dimension's collectives so far; none without one.
   std::optional<double> tp_wait_seconds() const;
   bool per_rank_state() const;
+  void check_determinism() const;
   std::string sharded_mode() const;
   bool dcp_state() const;
   std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);

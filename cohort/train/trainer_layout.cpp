@@ -15,7 +15,9 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
   const size_t k = micro_batches.size();
   double loss_sum = 0.0;
   for (size_t i = 0; i < k; ++i) {
-    std::shared_ptr<void> no_sync = i + 1 == k ? nullptr : sync_.skip_sync();
+    // Per leaf, every backward reaches the reducer, which sums the leaves
+    // in its canonical tree and divides by the leaf count.
+    std::shared_ptr<void> no_sync = i + 1 == k || per_leaf_ ? nullptr : sync_.skip_sync();
     torch::Tensor loss;
     {
       TraceSpan span(tracer, "forward", "train");
@@ -24,7 +26,7 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
     // Dividing by k makes the accumulated gradient that of the mean loss
     // over the k micro-batches (equal sizes), as one k-times batch would.
     TraceSpan span(tracer, "backward", "train");
-    (loss / static_cast<double>(k)).backward();
+    (per_leaf_ ? loss : loss / static_cast<double>(k)).backward();
     loss_sum += loss.item<double>();
   }
   return loss_sum / static_cast<double>(k);

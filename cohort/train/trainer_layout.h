@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/core/error.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/grad_norm.h"
 #include "cohort/train/gradient_sync.h"
@@ -69,6 +70,13 @@ class TrainerLayout {
   virtual std::string describe() const { return ""; }
   /// Brings the model to the form its checkpoint holds, before a save or a load.
   virtual void before_checkpoint() {}
+  /// Determinism::WorldSizeInvariant: each micro-batch is one leaf, its
+  /// backward unscaled and synchronized (the DDP or FSDP root averages over
+  /// the leaves in the canonical tree). Only layouts that run the LossFn per
+  /// micro-batch support it.
+  virtual void set_per_leaf() {
+    throw InvalidArgument("TrainerLayout: " + describe() + " has no per-leaf step");
+  }
 
  private:
   TrafficDimensions none_;
@@ -82,9 +90,11 @@ class ReplicaLayout : public TrainerLayout {
   void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const override;
   double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
               Tracer* tracer) override;
+  void set_per_leaf() override { per_leaf_ = true; }
 
  private:
   GradientSync& sync_;
+  bool per_leaf_ = false;
 };
 
 /// FSDP's shards on every rank: a checkpoint saves and loads the shards, so

@@ -75,6 +75,7 @@ TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::make_unique<LocalGradientSync>(), &runtime);
   wiring.set_pipeline_layout(runtime, nullptr);
+  wiring.mode_ = "a pipeline";
   return wiring;
 }
 
@@ -99,6 +100,7 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::move(sync), &runtime, {runtime.process_group(), dp_group});
   wiring.set_pipeline_layout(runtime, dp_group);
+  wiring.mode_ = "a pipeline";
   return wiring;
 }
 
@@ -150,6 +152,7 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
       return saving_or_loading(dcp::get_state_dict(*unsplit, *opt, options), for_load);
     };
   }
+  wiring.mode_ = "a TP x PP x DP mesh";
   return wiring;
 }
 
@@ -178,7 +181,20 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
   wiring.dcp_state_ = [root, opt = &optimizer](const dcp::Metadata* for_load) {
     return saving_or_loading(dcp::get_state_dict(*root, *opt), for_load);
   };
+  wiring.mode_ = "FSDP";
+  wiring.set_leaves(model->options().determinism, model->options().leaves, model->local_leaves(),
+                    [root](double max_norm) { return root->clip_grad_norm(max_norm); });
   return wiring;
+}
+
+void TrainerWiring::set_leaves(Determinism determinism, int64_t leaves, int64_t local_leaves,
+                               std::function<double(double)> canonical_clip) {
+  if (determinism != Determinism::WorldSizeInvariant) return;
+  determinism_ = determinism;
+  leaves_ = leaves;
+  local_leaves_ = local_leaves;
+  canonical_clip_ = std::move(canonical_clip);
+  layout_->set_per_leaf();
 }
 
 }  // namespace cohort

@@ -53,6 +53,9 @@ class TrainerWiring {
                          std::make_unique<TorchOptimizer>(optimizer),
                          std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
     wiring.set_replicated_state_dict(optimizer);
+    wiring.mode_ = "DDP";
+    wiring.set_leaves(ddp.reducer().options().determinism, ddp.reducer().options().leaves,
+                      ddp.local_leaves(), nullptr);
     return wiring;
   }
 
@@ -70,6 +73,11 @@ class TrainerWiring {
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
     wiring.set_zero_state_dict(zero);
+    wiring.mode_ = "ZeRO over DDP";
+    // make(ddp, ...) checked that ZeRO has DDP's determinism and leaves.
+    const auto& o = ddp.reducer().options();
+    wiring.set_leaves(o.determinism, o.leaves, ddp.local_leaves(),
+                      [z = &zero](double max_norm) { return z->clip_grad_norm(max_norm); });
     return wiring;
   }
 
@@ -85,15 +93,18 @@ class TrainerWiring {
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<InStepGradientSync>(zero));
     wiring.set_zero_state_dict(zero);
+    wiring.mode_ = "ZeRO without DDP";
     return wiring;
   }
 
   /// The fused optimizer (it all-reduces its buckets; no DDP).
   static TrainerWiring fused(std::shared_ptr<torch::nn::Module> model,
                              FusedDistributedOptimizer& fused) {
-    return TrainerWiring(fused.process_group(), std::move(model),
+    TrainerWiring wiring(fused.process_group(), std::move(model),
                          std::make_unique<FusedTrainerOptimizer>(fused),
                          std::make_unique<InStepGradientSync>());
+    wiring.mode_ = "the fused optimizer";
+    return wiring;
   }
 
   /// No DDP: a LibTorch optimizer, the gradients averaged by one all-reduce after the last
@@ -106,6 +117,7 @@ class TrainerWiring {
     TrainerWiring wiring(std::move(comm), std::move(model),
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
     wiring.set_replicated_state_dict(optimizer);
+    wiring.mode_ = "the all-reduce wiring";
     return wiring;
   }
 
@@ -174,6 +186,22 @@ class TrainerWiring {
   /// a step's micro-batches, for the norm, the loss's copies and the traffic per dimension.
   TrainerLayout& layout() const { return *layout_; }
 
+  /// Determinism::WorldSizeInvariant when the wiring's DDP (alone or with a
+  /// ZeRO built from it) or FSDP root was built with it; Default otherwise,
+  /// and for every other wiring, which cannot honour it.
+  Determinism determinism() const { return determinism_; }
+  /// The leaf count of the global batch (WorldSizeInvariant; 0 otherwise).
+  int64_t leaves() const { return leaves_; }
+  /// The leaves this rank computes per step (WorldSizeInvariant; 1 otherwise).
+  int64_t local_leaves() const { return local_leaves_; }
+  /// WorldSizeInvariant with sharded gradients (ZeRO, FSDP): measures the
+  /// global norm in the canonical order and clips to its argument
+  /// (collective; returns the norm). Null otherwise: replicated gradients
+  /// are the same bits on every rank, and so is their local norm.
+  const std::function<double(double)>& canonical_clip() const { return canonical_clip_; }
+  /// What the wiring trains with ("DDP", "FSDP", "a pipeline", ...), for messages.
+  const std::string& mode() const { return mode_; }
+
  private:
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
                 std::unique_ptr<TrainerOptimizer> optimizer, std::unique_ptr<GradientSync> sync,
@@ -192,6 +220,11 @@ class TrainerWiring {
       if (std::find(traffic_.begin(), traffic_.end(), c) == traffic_.end()) traffic_.push_back(c);
     }
   }
+
+  // Records the determinism of the wiring's DDP or FSDP root; with
+  // WorldSizeInvariant, each micro-batch is a leaf (trainer_layout.h).
+  void set_leaves(Determinism determinism, int64_t leaves, int64_t local_leaves,
+                  std::function<double(double)> canonical_clip);
 
   // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
   void set_pipeline_layout(pipeline::PipelineRuntime& runtime,
@@ -229,6 +262,11 @@ class TrainerWiring {
   std::shared_ptr<FullyShardImpl> fsdp_;
   std::function<dcp::StateDict(const dcp::Metadata*)> dcp_state_;
   std::vector<std::shared_ptr<Communicator>> traffic_;
+  Determinism determinism_ = Determinism::Default;
+  int64_t leaves_ = 0;
+  int64_t local_leaves_ = 1;
+  std::function<double(double)> canonical_clip_;
+  std::string mode_;
 };
 
 }  // namespace cohort

@@ -8,16 +8,21 @@
 // control: without the option, the same leaf loop (no_sync accumulation,
 // ring all-reduce or reduce-scatter) differs between worlds 1 and 4, and the
 // test prints by how much. FSDP with the option (FullyShard::clip_grad_norm):
-// the same models, bitwise at the worlds each test names (check_fsdp). The
+// the same models, bitwise at the worlds each test names and through an
+// elastic resume 4 -> 3 resharded by dcp (check_fsdp). The
 // canonical tree's shape, the canonical norm and the refused uses are
 // checked too.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
 #include "cohort/core/torch_compat.h"
+#include "cohort/dcp/dcp.h"
+#include "cohort/dcp/state_dict.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/canonical_norm.h"
@@ -25,105 +30,12 @@
 #include "cohort/train/grad_norm.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
+#include "tests/ddp/determinism_support.h"
 
 namespace cohort::testing::determinism_test {
 namespace {
 
-constexpr int kSteps = 20;
-
 enum class Mode { Ddp, Zero2 };
-
-// 2 images of 1 x 6 x 6 per leaf -> conv 3x3 -> BatchNorm -> ReLU -> linear.
-struct DetCnnImpl : torch::nn::Module {
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::BatchNorm2d norm{nullptr};
-  torch::nn::Linear head{nullptr};
-  DetCnnImpl() {
-    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
-    norm = register_module("norm", torch::nn::BatchNorm2d(4));
-    head = register_module("head", torch::nn::Linear(4 * 6 * 6, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) { return head(torch::relu(norm(conv(x))).flatten(1)); }
-};
-TORCH_MODULE(DetCnn);
-
-// One encoder layer (d 8, 2 heads, no dropout) over 4 tokens, mean-pooled.
-struct DetTransformerImpl : torch::nn::Module {
-  torch::nn::TransformerEncoderLayer layer{nullptr};
-  torch::nn::Linear head{nullptr};
-  DetTransformerImpl() {
-    layer = register_module(
-        "layer",
-        torch::nn::TransformerEncoderLayer(
-            torch::nn::TransformerEncoderLayerOptions(8, 2).dim_feedforward(16).dropout(0)));
-    head = register_module("head", torch::nn::Linear(8, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) { return head(layer(x).mean(0)); }
-};
-TORCH_MODULE(DetTransformer);
-
-// FSDP: the CNN's layers as three units (conv, norm, head) of a root
-// without parameters; the transformer as one unit.
-FullyShard wrap(DetCnn& m, std::shared_ptr<Communicator> comm, const FullyShardOptions& o) {
-  torch::nn::Sequential seq;
-  seq->push_back("conv", m->conv);
-  seq->push_back("norm", m->norm);
-  seq->push_back(torch::nn::Functional([](torch::Tensor x) { return torch::relu(x).flatten(1); }));
-  seq->push_back("head", m->head);
-  return fully_shard(shard_blocks(seq, comm, o), comm, o);
-}
-FullyShard wrap(DetTransformer& m, std::shared_ptr<Communicator> comm, const FullyShardOptions& o) {
-  return fully_shard(torch::nn::AnyModule(m), comm, o);
-}
-
-// Per step and leaf: the leaf's input and target (the global batch, leaf by leaf).
-struct Data {
-  torch::Tensor xs, ys;
-};
-
-Data make_data(bool cnn, int64_t leaves) {
-  torch::manual_seed(7);  // before the rank threads start
-  auto xs = cnn ? torch::randn({kSteps, leaves, 2, 1, 6, 6})
-                : torch::randn({kSteps, leaves, 4, 2, 8});  // (seq, batch, d)
-  return {xs, torch::randn({kSteps, leaves, 2, 3})};
-}
-
-struct State {
-  std::vector<torch::Tensor> params, buffers;
-};
-
-std::vector<torch::Tensor> all_state(torch::nn::Module& m) {
-  auto out = clone_all(m.parameters());
-  for (const auto& b : m.buffers()) out.push_back(b.detach().clone());
-  return out;
-}
-
-bool same_bytes(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    auto x = a[i].contiguous();
-    auto y = b[i].contiguous();
-    if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;
-    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) != 0) return false;
-  }
-  return true;
-}
-
-// Where a run starts or stops: parameters then buffers, and the optimizer's
-// state as LibTorch serializes it (empty: a fresh optimizer).
-struct Checkpoint {
-  std::vector<torch::Tensor> state;
-  std::string optimizer;                                   // DDP: LibTorch's AdamW archive
-  std::vector<std::map<std::string, torch::Tensor>> zero;  // ZeRO: consolidated, per parameter
-};
-
-// Starts a model from a checkpoint's parameters and buffers.
-void load_model(torch::nn::Module& model, const Checkpoint& from) {
-  torch::NoGradGuard no_grad;
-  auto state = model.parameters();
-  for (const auto& b : model.buffers()) state.push_back(b);
-  for (size_t i = 0; i < state.size(); ++i) state[i].copy_(from.state[i]);
-}
 
 // Loads consolidated AdamW state into this rank's ZeRO pieces (a resharding
 // resume: the pieces of world 3 are not those of world 4).
@@ -232,13 +144,23 @@ std::vector<std::vector<torch::Tensor>> train(Mode mode, int world, int64_t leav
   return got;
 }
 
+// Where an FSDP run starts and stops: its steps [begin, end), and the dcp
+// checkpoint folders it resumes from and saves to (empty: none).
+struct FsdpRun {
+  int begin = 0, end = kSteps;
+  std::string load, save;
+};
+
 // train() for FSDP: the same leaf loop (without the option, the leaves but
 // the last under set_requires_gradient_sync(false)), AdamW over the shards,
-// clipping by FullyShard::clip_grad_norm (without: ShardedGradNorm).
+// clipping by FullyShard::clip_grad_norm (without: ShardedGradNorm). A
+// resume loads parameters, buffers and AdamW state resharded, as the
+// Trainer's FSDP checkpoints do (dcp::get_state_dict, dcp::load,
+// dcp::set_state_dict into a fresh model and optimizer).
 template <typename Holder>
 std::vector<std::vector<torch::Tensor>> train_fsdp(int world, int64_t leaves, bool deterministic,
                                                    const Data& data, const Checkpoint& from,
-                                                   int steps) {
+                                                   const FsdpRun& run) {
   std::vector<std::vector<torch::Tensor>> got(world);
   run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
     Holder model;
@@ -251,10 +173,15 @@ std::vector<std::vector<torch::Tensor>> train_fsdp(int world, int64_t leaves, bo
     auto root = wrap(model, comm, options);
     torch::optim::AdamW opt(root->parameters(),
                             torch::optim::AdamWOptions(0.01).weight_decay(0.01));
+    if (!run.load.empty()) {
+      auto sd = dcp::get_state_dict(root, opt);
+      dcp::load(sd, run.load, *comm);
+      dcp::set_state_dict(root, opt, sd);
+    }
     ShardedGradNorm sharded(comm);
     const int64_t local = leaves / world;
     const int64_t first = local * comm->rank();
-    for (int s = 0; s < steps; ++s) {
+    for (int s = run.begin; s < run.end; ++s) {
       opt.zero_grad();
       for (int64_t l = first; l < first + local; ++l) {
         auto x = data.xs[s][l].clone();
@@ -271,6 +198,7 @@ std::vector<std::vector<torch::Tensor>> train_fsdp(int world, int64_t leaves, bo
       }
       opt.step();
     }
+    if (!run.save.empty()) dcp::save(dcp::get_state_dict(root, opt), run.save, *comm);
     root->unshard();  // the module's own tensors hold the full values
     got[comm->rank()] = all_state(*model);
     root->reshard();
@@ -334,12 +262,22 @@ void check_model(Mode mode, bool cnn) {
   }
 }
 
-// FSDP at `worlds` against world 1, `steps` steps (CI time: the whole
-// matrix of check_model, both models at 20 steps, passes too but takes 75 s
-// with threads as ranks; the README gives the figures). `control`: the
-// negative control, world 1 against world 4 without the option.
+// What check_fsdp runs against world 1: `worlds`, `steps` steps each (CI
+// time: the whole matrix of check_model, both models at 20 steps, passes
+// too but takes 75 s with threads as ranks; the README gives the figures).
+// `control`: the negative control, world 1 against world 4 without the
+// option. `resume`: an elastic resume, steps / 2 at world 4, the state
+// saved (dcp), the rest at world 3 (leaves 12).
+struct FsdpCheck {
+  int64_t leaves = 8;
+  std::vector<int> worlds;
+  int steps = 10;
+  bool control = false;
+  bool resume = false;
+};
+
 template <typename Holder>
-void check_fsdp(bool cnn, int64_t leaves, const std::vector<int>& worlds, int steps, bool control) {
+void check_fsdp(bool cnn, const FsdpCheck& c) {
   torch::set_num_threads(1);
   torch::manual_seed(5);
   Holder proto;
@@ -348,25 +286,41 @@ void check_fsdp(bool cnn, int64_t leaves, const std::vector<int>& worlds, int st
   auto params_of = [&](const std::vector<torch::Tensor>& s) {
     return std::vector<torch::Tensor>(s.begin(), s.begin() + static_cast<int64_t>(n_params));
   };
-  const auto data = make_data(cnn, leaves);
-  const auto reference = train_fsdp<Holder>(1, leaves, true, data, init, steps)[0];
+  const auto data = make_data(cnn, c.leaves);
+  const FsdpRun whole{0, c.steps, "", ""};
+  const auto reference = train_fsdp<Holder>(1, c.leaves, true, data, init, whole)[0];
   ASSERT_GT(max_abs_diff(params_of(reference), params_of(init.state)), 1e-3)
       << "training moved nothing";
-  for (int world : worlds) {
-    const auto got = train_fsdp<Holder>(world, leaves, true, data, init, steps);
+  for (int world : c.worlds) {
+    const auto got = train_fsdp<Holder>(world, c.leaves, true, data, init, whole);
     for (int r = 0; r < world; ++r) {
       EXPECT_TRUE(same_bytes(got[r], reference))
-          << "L " << leaves << " world " << world << " rank " << r << ": largest difference "
+          << "L " << c.leaves << " world " << world << " rank " << r << ": largest difference "
           << max_abs_diff(got[r], reference);
     }
   }
-  if (!control) return;
-  const auto plain1 = train_fsdp<Holder>(1, leaves, false, data, init, steps)[0];
-  const auto plain4 = train_fsdp<Holder>(4, leaves, false, data, init, steps)[0];
+  if (c.resume) {
+    const auto dir = std::filesystem::temp_directory_path() /
+                     ("cohort_det_" + std::to_string(::getpid()) + (cnn ? "_cnn" : "_tr"));
+    std::filesystem::remove_all(dir);
+    const int half = c.steps / 2;
+    train_fsdp<Holder>(4, c.leaves, true, data, init, {0, half, "", dir.string()});
+    const auto resumed =
+        train_fsdp<Holder>(3, c.leaves, true, data, init, {half, c.steps, dir.string(), ""});
+    std::filesystem::remove_all(dir);
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_TRUE(same_bytes(resumed[r], reference))
+          << "resumed 4 -> 3, rank " << r << ": largest difference "
+          << max_abs_diff(resumed[r], reference);
+    }
+  }
+  if (!c.control) return;
+  const auto plain1 = train_fsdp<Holder>(1, c.leaves, false, data, init, whole)[0];
+  const auto plain4 = train_fsdp<Holder>(4, c.leaves, false, data, init, whole)[0];
   std::cout << "fsdp " << (cnn ? "cnn" : "transformer")
             << ": without the option, world 1 and world 4 differ by "
             << max_abs_diff(params_of(plain1), params_of(plain4))
-            << " (largest parameter difference after " << steps << " steps)\n";
+            << " (largest parameter difference after " << c.steps << " steps)\n";
   EXPECT_FALSE(same_bytes(params_of(plain1), params_of(plain4)));
 }
 
@@ -385,13 +339,18 @@ TEST(DdpDeterminism, Zero2TransformerBitwiseAtEveryWorld) {
 }
 
 // The CNN (three units and BatchNorm) at the aligned worlds of L = 8, the
-// transformer (one unit) at worlds 3 and 6 of L = 12.
+// transformer (one unit) at worlds 3 and 6 of L = 12; both through an
+// elastic resume 4 -> 3 at L = 12.
 TEST(DdpDeterminism, FsdpCnnWithBatchNormBitwiseAtWorlds1248) {
-  check_fsdp<DetCnn>(true, 8, {2, 4, 8}, 10, true);
+  check_fsdp<DetCnn>(true, {8, {2, 4, 8}, 10, true, false});
 }
 
-TEST(DdpDeterminism, FsdpTransformerBitwiseAtWorlds136) {
-  check_fsdp<DetTransformer>(false, 12, {3, 6}, 10, false);
+TEST(DdpDeterminism, FsdpCnnWithBatchNormBitwiseThroughResume4To3) {
+  check_fsdp<DetCnn>(true, {12, {}, 10, false, true});
+}
+
+TEST(DdpDeterminism, FsdpTransformerBitwiseAtWorlds136AndThroughResume4To3) {
+  check_fsdp<DetTransformer>(false, {12, {3, 6}, 10, false, true});
 }
 
 TEST(DdpDeterminism, CanonicalNormIsTheSameBitsForEverySlicing) {
