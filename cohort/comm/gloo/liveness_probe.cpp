@@ -6,7 +6,10 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/core/error.h"
 #include "cohort/core/signature.h"
+#include "cohort/core/store/prefix_store.h"
+#include "cohort/core/store/tcp_store.h"
 
 namespace cohort {
 
@@ -16,12 +19,46 @@ std::string mark(int64_t seq, int rank, const char* what = "") {
   return "cohort/liveness/" + std::to_string(seq) + "/" + std::to_string(rank) + what;
 }
 
+// The group's store as the probe uses it: where another process serves it
+// (a TcpStore, reached through the PrefixStores of subgroups), each request
+// waits `most` at most for its reply, so that a server that stopped is found
+// out and named (server()) instead of waited for to the store's timeout.
+class ProbeStore {
+ public:
+  ProbeStore(Store& store, Millis most) : store_(store), most_(most) {
+    Store* s = &store;
+    while (auto* p = dynamic_cast<PrefixStore*>(s)) {
+      prefix_ = p->prefix() + "/" + prefix_;
+      s = p->inner().get();
+    }
+    tcp_ = dynamic_cast<TcpStore*>(s);
+  }
+  void set(const std::string& key) {
+    if (tcp_) {
+      tcp_->set_within(prefix_ + key, {1}, most_);
+    } else {
+      store_.set(key, {1});
+    }
+  }
+  bool check(const std::string& key) {
+    return tcp_ ? tcp_->check_within({prefix_ + key}, most_) : store_.check({key});
+  }
+  // Empty for a store no other process serves (in-process, file).
+  std::string server() const { return tcp_ ? tcp_->server() : ""; }
+
+ private:
+  Store& store_;
+  Millis most_;
+  std::string prefix_;  // the PrefixStores' prefixes, outermost last
+  TcpStore* tcp_ = nullptr;
+};
+
 // The ranks of `peers` without `what`'s mark for `seq`.
-std::vector<int> unmarked(Store& store, const std::vector<int>& peers, int64_t seq,
+std::vector<int> unmarked(ProbeStore& store, const std::vector<int>& peers, int64_t seq,
                           const char* what) {
   std::vector<int> still;
   for (int q : peers) {
-    if (!store.check({mark(seq, q, what)})) still.push_back(q);
+    if (!store.check(mark(seq, q, what))) still.push_back(q);
   }
   return still;
 }
@@ -38,9 +75,9 @@ using Clock = std::chrono::steady_clock;
 // their probe off ("Connection reset") and leave them without a name. A
 // peer's verdict is made before it marks done, so the store may go away
 // during this wait (its host saw every mark and left): that ends it.
-void wait_for_answering_probes(Store& store, int rank, int size, int64_t seq, Millis most,
+void wait_for_answering_probes(ProbeStore& store, int rank, int size, int64_t seq, Millis most,
                                std::map<int, Clock::time_point> seen, Clock::time_point start) {
-  store.set(mark(seq, rank, "/done"), {1});
+  store.set(mark(seq, rank, "/done"));
   std::vector<int> peers;
   for (int q = 0; q < size; ++q) {
     if (q != rank) peers.push_back(q);
@@ -51,7 +88,7 @@ void wait_for_answering_probes(Store& store, int rank, int size, int64_t seq, Mi
     // after this one's window ended, and still reads the marks through here.
     auto until = Clock::time_point::min();
     for (int q : unmarked(store, peers, seq, "/done")) {
-      if (!seen.count(q) && store.check({mark(seq, q)})) seen[q] = Clock::now();
+      if (!seen.count(q) && store.check(mark(seq, q))) seen[q] = Clock::now();
       if (seen.count(q)) until = std::max(until, seen[q] + most + std::chrono::seconds(1));
     }
     if (Clock::now() >= until) return;
@@ -61,10 +98,11 @@ void wait_for_answering_probes(Store& store, int rank, int size, int64_t seq, Mi
 
 }  // namespace
 
-std::string store_liveness_probe(Store& store, int rank, int size, int64_t seq, Millis most) {
+std::string store_liveness_probe(Store& group_store, int rank, int size, int64_t seq, Millis most) {
   if (size <= 1 || seq <= 0) return "";
+  ProbeStore store(group_store, most);
   try {
-    store.set(mark(seq, rank), {1});
+    store.set(mark(seq, rank));
     std::vector<int> silent;
     for (int q = 0; q < size; ++q) {
       if (q != rank) silent.push_back(q);
@@ -89,11 +127,16 @@ std::string store_liveness_probe(Store& store, int rank, int size, int64_t seq, 
     }
     if (silent.empty()) return "; every peer still answers";
     return "; " + silent_peers_message(silent, most, "waiting for this collective");
+  } catch (const TimeoutError& e) {
+    // A server that did not reply within `most` stopped answering, as a
+    // silent peer does; it holds the marks, so no other rank can be asked.
+    if (store.server().empty()) return std::string("; the liveness probe failed: ") + e.what();
+    return "; " + store.server() + " (the store's host) did not answer within " +
+           std::to_string(most.count()) +
+           " ms: stopped (SIGSTOP, a debugger) or hung; the other ranks cannot be asked (" +
+           e.what() + ")";
   } catch (const std::exception& e) {
-    // The store's server lives in rank 0 or the launcher: when that one is
-    // the stopped process, its own timeout ends the probe.
-    return std::string("; the liveness probe could not use the store (its server, in rank 0 or ") +
-           "the launcher, may be the process that stopped): " + e.what();
+    return std::string("; the liveness probe could not use the store: ") + e.what();
   }
 }
 

@@ -22,9 +22,11 @@ namespace cohort {
 /// `store`, then waits up to `most` for the other ranks' marks. Returns the
 /// text a TimeoutError appends: "; rank 1 did not answer within 1500 ms: ..."
 /// or "; every peer still answers". Never throws: a store that fails makes
-/// the text say so instead. A store whose server is in a stopped process
-/// (rank 0 under torchrun's variables) answers nothing: the probe then ends
-/// at the store's own timeout. Before returning, it waits for every rank
+/// the text say so instead. Each store request waits `most` at most for its
+/// reply: a store whose server is in a stopped process (world rank 0 under
+/// torchrun's variables) answers nothing, and the text names that process
+/// instead ("; world rank 0 (the store's host) did not answer within 1500
+/// ms: ...", Store::server()). Before returning, it waits for every rank
 /// that marked itself alive to finish its own probe (3 * `most` + 1 s in all
 /// at most), so that the store's host does not exit while a survivor still
 /// reads it.
