@@ -215,8 +215,11 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
       master_host = ep.host;
       // cohortrun sets a per-job token; other launchers (or a user, for
       // several nodes) may set one, and without one the store is open.
-      store = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0,
-                                         co.timeout, env::get("COHORT_STORE_TOKEN").value_or(""));
+      auto tcp =
+          std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0, co.timeout,
+                                     env::get("COHORT_STORE_TOKEN").value_or(""));
+      tcp->set_server_name("world rank 0");
+      store = tcp;
       // This store is new to this job: a second claim on a rank is a
       // second process started with the same RANK.
       const std::string claim = "cohort/init/rank-claims/" + std::to_string(rank);

@@ -287,6 +287,7 @@ class GlooEngine : public Engine {
   static std::unique_ptr<Engine> connect(
       std::shared_ptr<cohort::Store> store, int rank, int size,
       c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options) {
+    publish_process(*store, rank);
     auto bridge = c10::make_intrusive<StoreBridge>(store);
     try {
       auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(bridge, rank, size, options);

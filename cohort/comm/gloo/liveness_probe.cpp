@@ -6,7 +6,11 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/core/error.h"
+#include "cohort/core/process_identity.h"
 #include "cohort/core/signature.h"
+#include "cohort/core/store/prefix_store.h"
+#include "cohort/core/store/tcp_store.h"
 
 namespace cohort {
 
@@ -16,17 +20,111 @@ std::string mark(int64_t seq, int rank, const char* what = "") {
   return "cohort/liveness/" + std::to_string(seq) + "/" + std::to_string(rank) + what;
 }
 
+std::string process_key(int rank) { return "cohort/liveness/process/" + std::to_string(rank); }
+
+// The group's store as the probe uses it: where another process serves it
+// (a TcpStore, reached through the PrefixStores of subgroups), each request
+// waits `most` at most for its reply, so that a server that stopped is found
+// out and named (server()) instead of waited for to the store's timeout.
+class ProbeStore {
+ public:
+  ProbeStore(Store& store, Millis most) : store_(store), most_(most) {
+    Store* s = &store;
+    while (auto* p = dynamic_cast<PrefixStore*>(s)) {
+      prefix_ = p->prefix() + "/" + prefix_;
+      s = p->inner().get();
+    }
+    tcp_ = dynamic_cast<TcpStore*>(s);
+  }
+  void set(const std::string& key) {
+    if (tcp_) {
+      tcp_->set_within(prefix_ + key, {1}, most_);
+    } else {
+      store_.set(key, {1});
+    }
+  }
+  bool check(const std::string& key) {
+    return tcp_ ? tcp_->check_within({prefix_ + key}, most_) : store_.check({key});
+  }
+  // `key`'s value, or empty when it has none or the store fails. Only the
+  // check has the deadline: a server that answered it answers the read at
+  // once.
+  std::string read(const std::string& key) {
+    try {
+      if (!check(key)) return "";
+      const auto v = store_.get(key);
+      return std::string(v.begin(), v.end());
+    } catch (const std::exception&) {
+      return "";  // the peer is then named without its process's state
+    }
+  }
+  // Empty for a store no other process serves (in-process, file).
+  std::string server() const { return tcp_ ? tcp_->server() : ""; }
+
+ private:
+  Store& store_;
+  Millis most_;
+  std::string prefix_;  // the PrefixStores' prefixes, outermost last
+  TcpStore* tcp_ = nullptr;
+};
+
 // The ranks of `peers` without `what`'s mark for `seq`.
-std::vector<int> unmarked(Store& store, const std::vector<int>& peers, int64_t seq,
+std::vector<int> unmarked(ProbeStore& store, const std::vector<int>& peers, int64_t seq,
                           const char* what) {
   std::vector<int> still;
   for (int q : peers) {
-    if (!store.check({mark(seq, q, what)})) still.push_back(q);
+    if (!store.check(mark(seq, q, what))) still.push_back(q);
   }
   return still;
 }
 
 using Clock = std::chrono::steady_clock;
+
+// "rank 1 did not answer within 1500 ms: its process (pid 4242, on this
+// machine) <state>" (`state` for one process, `states` for several).
+std::string on_this_machine(const std::vector<int>& ranks, const std::vector<long>& pids,
+                            Millis most, const char* state, const char* states) {
+  std::string listed;
+  for (long p : pids) listed += (listed.empty() ? "" : ", ") + std::to_string(p);
+  const bool one = ranks.size() == 1;
+  return name_ranks(ranks) + " did not answer within " + std::to_string(most.count()) +
+         " ms: " + (one ? "its process (pid " : "their processes (pids ") + listed +
+         ", on this machine) " + (one ? state : states);
+}
+
+// What the probe says of the peers whose marks never came: those on this
+// machine whose process is gone or stopped (/proc, through the words each
+// rank published), then the others, which may be stopped, hung or elsewhere.
+std::string silent_text(ProbeStore& store, const std::vector<int>& silent, Millis most) {
+  std::vector<int> gone, stopped, other;
+  std::vector<long> gone_pids, stopped_pids;
+  for (int q : silent) {
+    long pid = 0;
+    switch (process_state(store.read(process_key(q)), &pid)) {
+      case ProcessState::Gone:
+        gone.push_back(q);
+        gone_pids.push_back(pid);
+        break;
+      case ProcessState::Stopped:
+        stopped.push_back(q);
+        stopped_pids.push_back(pid);
+        break;
+      default:
+        other.push_back(q);
+    }
+  }
+  std::string text;
+  auto add = [&](const std::string& part) { text += "; " + part; };
+  if (!gone.empty()) {
+    add(on_this_machine(gone, gone_pids, most, "exited or was killed", "exited or were killed"));
+  }
+  if (!stopped.empty()) {
+    add(on_this_machine(stopped, stopped_pids, most, "is stopped (SIGSTOP, a debugger)",
+                        "are stopped (SIGSTOP, a debugger)"));
+  }
+  if (!other.empty()) add(silent_peers_message(other, most, "waiting for this collective"));
+  return text;
+}
 
 // Marks this rank's probe done, then waits until every rank that marked
 // itself alive has marked done too: a peer first seen alive at time t ends
@@ -38,9 +136,9 @@ using Clock = std::chrono::steady_clock;
 // their probe off ("Connection reset") and leave them without a name. A
 // peer's verdict is made before it marks done, so the store may go away
 // during this wait (its host saw every mark and left): that ends it.
-void wait_for_answering_probes(Store& store, int rank, int size, int64_t seq, Millis most,
+void wait_for_answering_probes(ProbeStore& store, int rank, int size, int64_t seq, Millis most,
                                std::map<int, Clock::time_point> seen, Clock::time_point start) {
-  store.set(mark(seq, rank, "/done"), {1});
+  store.set(mark(seq, rank, "/done"));
   std::vector<int> peers;
   for (int q = 0; q < size; ++q) {
     if (q != rank) peers.push_back(q);
@@ -51,7 +149,7 @@ void wait_for_answering_probes(Store& store, int rank, int size, int64_t seq, Mi
     // after this one's window ended, and still reads the marks through here.
     auto until = Clock::time_point::min();
     for (int q : unmarked(store, peers, seq, "/done")) {
-      if (!seen.count(q) && store.check({mark(seq, q)})) seen[q] = Clock::now();
+      if (!seen.count(q) && store.check(mark(seq, q))) seen[q] = Clock::now();
       if (seen.count(q)) until = std::max(until, seen[q] + most + std::chrono::seconds(1));
     }
     if (Clock::now() >= until) return;
@@ -61,10 +159,15 @@ void wait_for_answering_probes(Store& store, int rank, int size, int64_t seq, Mi
 
 }  // namespace
 
-std::string store_liveness_probe(Store& store, int rank, int size, int64_t seq, Millis most) {
+void publish_process(Store& store, int rank) {
+  store.set_string(process_key(rank), this_process());
+}
+
+std::string store_liveness_probe(Store& group_store, int rank, int size, int64_t seq, Millis most) {
   if (size <= 1 || seq <= 0) return "";
+  ProbeStore store(group_store, most);
   try {
-    store.set(mark(seq, rank), {1});
+    store.set(mark(seq, rank));
     std::vector<int> silent;
     for (int q = 0; q < size; ++q) {
       if (q != rank) silent.push_back(q);
@@ -82,18 +185,25 @@ std::string store_liveness_probe(Store& store, int rank, int size, int64_t seq, 
       if (silent.empty() || Clock::now() >= start + most) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+    // Worded before the wait below, while the store surely still serves.
+    const auto verdict = silent.empty() ? std::string("; every peer still answers")
+                                        : silent_text(store, silent, most);
     try {
       wait_for_answering_probes(store, rank, size, seq, most, std::move(seen), start);
     } catch (const std::exception&) {
       // The verdict above stands: the host left once every probe was done.
     }
-    if (silent.empty()) return "; every peer still answers";
-    return "; " + silent_peers_message(silent, most, "waiting for this collective");
+    return verdict;
+  } catch (const TimeoutError& e) {
+    // A server that did not reply within `most` stopped answering, as a
+    // silent peer does; it holds the marks, so no other rank can be asked.
+    if (store.server().empty()) return std::string("; the liveness probe failed: ") + e.what();
+    return "; " + store.server() + " (the store's host) did not answer within " +
+           std::to_string(most.count()) +
+           " ms: stopped (SIGSTOP, a debugger) or hung; the other ranks cannot be asked (" +
+           e.what() + ")";
   } catch (const std::exception& e) {
-    // The store's server lives in rank 0 or the launcher: when that one is
-    // the stopped process, its own timeout ends the probe.
-    return std::string("; the liveness probe could not use the store (its server, in rank 0 or ") +
-           "the launcher, may be the process that stopped): " + e.what();
+    return std::string("; the liveness probe could not use the store: ") + e.what();
   }
 }
 

@@ -23,6 +23,8 @@ class PrefixStore : public Store {
 
   /// The prefix added to every key.
   const std::string& prefix() const { return prefix_; }
+  /// The store the keys are in.
+  const std::shared_ptr<Store>& inner() const { return inner_; }
 
  private:
   std::string full(const std::string& key) const { return prefix_ + "/" + key; }

@@ -65,8 +65,12 @@ void TcpStore::ensure_connected(net::Clock::time_point deadline) {
 
 std::vector<uint8_t> TcpStore::call(uint8_t cmd, const std::vector<std::string>& args,
                                     Millis timeout) {
-  std::lock_guard<std::mutex> lock(mu_);
   const auto deadline = net::Clock::now() + timeout;
+  std::unique_lock<std::timed_mutex> lock(mu_, deadline);
+  if (!lock.owns_lock()) {
+    throw TimeoutError(where() + ": another request on this connection had no reply within " +
+                       std::to_string(timeout.count()) + " ms");
+  }
   ensure_connected(deadline);
   auto frame = encode_request(cmd, args);
   if (frame.size() - 4 > kMaxFrameBytes) {
@@ -97,7 +101,7 @@ std::vector<uint8_t> TcpStore::call(uint8_t cmd, const std::vector<std::string>&
 }
 
 void TcpStore::set(const std::string& key, const std::vector<uint8_t>& value) {
-  call(kSet, {key, std::string(value.begin(), value.end())}, timeout_);
+  set_within(key, value, timeout_);
 }
 
 std::vector<uint8_t> TcpStore::get(const std::string& key) {
@@ -112,9 +116,21 @@ int64_t TcpStore::add(const std::string& key, int64_t delta) {
   return std::stoll(std::string(body.begin() + 1, body.end()));
 }
 
-bool TcpStore::check(const std::vector<std::string>& keys) {
-  auto body = call(kCheck, keys, timeout_);
+bool TcpStore::check(const std::vector<std::string>& keys) { return check_within(keys, timeout_); }
+
+void TcpStore::set_within(const std::string& key, const std::vector<uint8_t>& value,
+                          Millis timeout) {
+  call(kSet, {key, std::string(value.begin(), value.end())}, timeout);
+}
+
+bool TcpStore::check_within(const std::vector<std::string>& keys, Millis timeout) {
+  auto body = call(kCheck, keys, timeout);
   return body.size() == 2 && body[1] == '1';
+}
+
+std::string TcpStore::server() const {
+  return server_name_.empty() ? "the process serving " + host_ + ":" + std::to_string(port_)
+                              : server_name_;
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
@@ -130,7 +146,7 @@ void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
 }
 
 bool TcpStore::close_for_group(Millis timeout) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::timed_mutex> lock(mu_);
   closed_ = true;
   if (server_) {
     server_.reset();

@@ -34,6 +34,17 @@ class TcpStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
   bool delete_key(const std::string& key) override;
+  /// set() and check() that wait at most `timeout` for the reply, then
+  /// throw TimeoutError: for a caller that must learn soon whether the
+  /// process serving the store still answers.
+  void set_within(const std::string& key, const std::vector<uint8_t>& value, Millis timeout);
+  bool check_within(const std::vector<std::string>& keys, Millis timeout);
+  /// How errors name the process serving this store: the name
+  /// set_server_name() gave, else "the process serving HOST:PORT".
+  std::string server() const;
+  /// How errors name the process serving this store ("world rank 0"): its
+  /// creator knows which rank that is. Set before the store is shared.
+  void set_server_name(std::string name) { server_name_ = std::move(name); }
 
   /// The port the server listens on (the one picked when constructed with port 0).
   uint16_t port() const { return port_; }
@@ -55,8 +66,11 @@ class TcpStore : public Store {
   std::string host_;
   uint16_t port_;
   std::string token_;
+  std::string server_name_;
   std::unique_ptr<TcpStoreServer> server_;
-  std::mutex mu_;  // one request at a time on the connection
+  // One request at a time on the connection; timed, so that a request with
+  // a deadline does not wait past it behind another one.
+  std::timed_mutex mu_;
   net::Socket conn_;
   bool closed_ = false;  // close_for_group() ran (under mu_)
 };
