@@ -34,10 +34,11 @@ class TcpStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
   bool delete_key(const std::string& key) override;
-  /// set() and check() that wait at most `timeout` for the reply, then
-  /// throw TimeoutError: for a caller that must learn soon whether the
-  /// process serving the store still answers.
+  /// set() that waits at most `timeout` for the reply, then throws
+  /// TimeoutError: for a caller that must learn soon whether the process
+  /// serving the store still answers.
   void set_within(const std::string& key, const std::vector<uint8_t>& value, Millis timeout);
+  /// check() that waits at most `timeout` for the reply, as set_within().
   bool check_within(const std::vector<std::string>& keys, Millis timeout);
   /// How errors name the process serving this store: the name
   /// set_server_name() gave, else "the process serving HOST:PORT".
