@@ -86,8 +86,11 @@ trap 'stop INT; exit 130' INT
 trap 'stop TERM; exit 143' TERM
 # Runs COMMAND... in its own session and process group, in the background
 # so that a signal to this script is handled at once; returns its status.
+# The session keeps this script's nice value: with the kernel's autogroups
+# a new session otherwise competes for the CPU as an equal of every other
+# (`nice ./scripts/test-debian13.sh` in .ci/run means "only idle cores").
 run_group() {
-  setsid "$@" &
+  setsid bash -c 'echo "$(nice)" >/proc/self/autogroup 2>/dev/null; exec "$@"' bash "$@" &
   child=$!
   local status=0
   wait "$child" || status=$?
