@@ -1,6 +1,6 @@
 // defines: this_process() and process_state(): this process as words that
 // another process can later look up, and what the process they describe is
-// doing now.
+// doing now; silent_processes(): the words for silent peers from it.
 //
 // Why: a rank that stops answering may be stopped (SIGSTOP, a debugger),
 // hung, or gone (exited, or killed: by the OOM killer, a signal). A peer on
