@@ -5,6 +5,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "cohort/core/signature.h"
+
 namespace cohort {
 namespace {
 
@@ -34,6 +36,18 @@ bool read_stat(long pid, char* state, unsigned long long* start) {
   return static_cast<bool>(rest);
 }
 
+// "rank 1 did not answer within 1500 ms: its process (pid 4242, on this
+// machine) <state>" (`state` for one process, `states` for several).
+std::string on_this_machine(const std::vector<int>& ranks, const std::vector<long>& pids,
+                            Millis most, const char* state, const char* states) {
+  std::string listed;
+  for (long p : pids) listed += (listed.empty() ? "" : ", ") + std::to_string(p);
+  const bool one = ranks.size() == 1;
+  return name_ranks(ranks) + " did not answer within " + std::to_string(most.count()) +
+         " ms: " + (one ? "its process (pid " : "their processes (pids ") + listed +
+         ", on this machine) " + (one ? state : states);
+}
+
 }  // namespace
 
 std::string this_process() {
@@ -61,6 +75,38 @@ ProcessState process_state(const std::string& described, long* pid) {
   if (state == 'Z' || state == 'X') return ProcessState::Gone;
   if (state == 'T' || state == 't') return ProcessState::Stopped;
   return ProcessState::Running;
+}
+
+std::string silent_processes(const std::vector<int>& silent,
+                             const std::vector<std::string>& described, Millis most,
+                             std::vector<int>& others) {
+  std::vector<int> gone, stopped;
+  std::vector<long> gone_pids, stopped_pids;
+  for (size_t i = 0; i < silent.size(); ++i) {
+    long pid = 0;
+    switch (process_state(i < described.size() ? described[i] : "", &pid)) {
+      case ProcessState::Gone:
+        gone.push_back(silent[i]);
+        gone_pids.push_back(pid);
+        break;
+      case ProcessState::Stopped:
+        stopped.push_back(silent[i]);
+        stopped_pids.push_back(pid);
+        break;
+      default:
+        others.push_back(silent[i]);
+    }
+  }
+  std::string text;
+  if (!gone.empty()) {
+    text += "; " +
+            on_this_machine(gone, gone_pids, most, "exited or was killed", "exited or were killed");
+  }
+  if (!stopped.empty()) {
+    text += "; " + on_this_machine(stopped, stopped_pids, most, "is stopped (SIGSTOP, a debugger)",
+                                   "are stopped (SIGSTOP, a debugger)");
+  }
+  return text;
 }
 
 }  // namespace cohort

@@ -104,12 +104,15 @@ TEST(ProcessFailure, PeerKilledMidTransferLeavesNoUcxWarningsAtExit) {
 // peers whether they still answer; Gloo and MPI name the peers whose
 // signature check never came, and Gloo those whose mark in the store never
 // came once the collective itself timed out (under mpirun:
-// tests/mpi/watchdog_test.cpp).
+// tests/mpi/watchdog_test.cpp). A rank SIGKILLed instead goes unnoticed by
+// UCX on shared memory until the timeout; its probe then says from /proc
+// that the process is gone, not stopped.
 struct Stopped {
   std::string backend;
   int world;
   std::vector<int> stopped;
   bool inside = false;  // stopped inside the engine's collective, past its check
+  bool killed = false;  // SIGKILLed rather than stopped
 };
 
 class StoppedRanks : public ::testing::TestWithParam<Stopped> {};
@@ -118,6 +121,7 @@ TEST_P(StoppedRanks, SurvivorsNameThem) {
   const auto& c = GetParam();
   std::vector<std::string> argv{STOPPED_PEER_BIN};
   if (c.inside) argv.push_back("--inside");
+  if (c.killed) argv.push_back("--kill");
   std::string named = c.stopped.size() == 1 ? "rank " : "ranks [";
   for (size_t i = 0; i < c.stopped.size(); ++i) {
     argv.push_back(std::to_string(c.stopped[i]));
@@ -134,11 +138,15 @@ TEST_P(StoppedRanks, SurvivorsNameThem) {
     const auto result = ranks[r]->finish(Seconds(60));
     EXPECT_EQ(result.exit_code, 3) << "rank " << r << ":\n" << result.out << result.err;
     EXPECT_NE(result.out.find(named), std::string::npos) << result.out << result.err;
-    // Gloo's probe tells from /proc that a silent peer on this machine is
-    // stopped (the store's host, stopped, cannot be asked for its pid).
-    if (c.backend == "gloo" && c.inside && !host_stopped) {
-      const std::string state = c.stopped.size() == 1 ? "on this machine) is stopped (SIGSTOP"
-                                                      : "on this machine) are stopped (SIGSTOP";
+    // The probes tell from /proc that a silent peer on this machine is
+    // stopped or gone (UCX's from the rendezvous, Gloo's from the store: the
+    // store's host, stopped, cannot be asked for its pid; Gloo's check, which
+    // names a rank stopped before the collective, does not look).
+    if (c.backend == "ucx" || (c.inside && !host_stopped)) {
+      const bool one = c.stopped.size() == 1;
+      const std::string state = c.killed ? "on this machine) exited or was killed"
+                                         : (one ? "on this machine) is stopped (SIGSTOP"
+                                                : "on this machine) are stopped (SIGSTOP");
       EXPECT_NE(result.out.find(state), std::string::npos) << result.out;
     }
     for (int q = 0; q < c.world; ++q) {
@@ -174,6 +182,12 @@ std::vector<Stopped> stopped_cases() {
     cases.push_back({backend, 3, {0}, true});
     if (backend != "ucx") cases.push_back({backend, 3, {1, 2}, true});
   }
+#ifdef COHORT_WITH_UCX
+  // Gloo needs no probe for a killed rank: the kernel closes its sockets,
+  // and the survivors fail at once with the closed connection.
+  cases.push_back({"ucx", 2, {1}, false, true});
+  cases.push_back({"ucx", 3, {1}, false, true});
+#endif
   return cases;
 }
 
@@ -182,6 +196,7 @@ INSTANTIATE_TEST_SUITE_P(Engines, StoppedRanks, ::testing::ValuesIn(stopped_case
                            std::string name = info.param.backend + "_world" +
                                               std::to_string(info.param.world) + "_stopped";
                            for (int r : info.param.stopped) name += std::to_string(r);
+                           if (info.param.killed) name += "_killed";
                            return info.param.inside ? name + "_inside" : name;
                          });
 

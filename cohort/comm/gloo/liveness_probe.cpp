@@ -80,49 +80,17 @@ std::vector<int> unmarked(ProbeStore& store, const std::vector<int>& peers, int6
 
 using Clock = std::chrono::steady_clock;
 
-// "rank 1 did not answer within 1500 ms: its process (pid 4242, on this
-// machine) <state>" (`state` for one process, `states` for several).
-std::string on_this_machine(const std::vector<int>& ranks, const std::vector<long>& pids,
-                            Millis most, const char* state, const char* states) {
-  std::string listed;
-  for (long p : pids) listed += (listed.empty() ? "" : ", ") + std::to_string(p);
-  const bool one = ranks.size() == 1;
-  return name_ranks(ranks) + " did not answer within " + std::to_string(most.count()) +
-         " ms: " + (one ? "its process (pid " : "their processes (pids ") + listed +
-         ", on this machine) " + (one ? state : states);
-}
-
 // What the probe says of the peers whose marks never came: those on this
 // machine whose process is gone or stopped (/proc, through the words each
 // rank published), then the others, which may be stopped, hung or elsewhere.
 std::string silent_text(ProbeStore& store, const std::vector<int>& silent, Millis most) {
-  std::vector<int> gone, stopped, other;
-  std::vector<long> gone_pids, stopped_pids;
-  for (int q : silent) {
-    long pid = 0;
-    switch (process_state(store.read(process_key(q)), &pid)) {
-      case ProcessState::Gone:
-        gone.push_back(q);
-        gone_pids.push_back(pid);
-        break;
-      case ProcessState::Stopped:
-        stopped.push_back(q);
-        stopped_pids.push_back(pid);
-        break;
-      default:
-        other.push_back(q);
-    }
+  std::vector<std::string> described;
+  for (int q : silent) described.push_back(store.read(process_key(q)));
+  std::vector<int> other;
+  std::string text = silent_processes(silent, described, most, other);
+  if (!other.empty()) {
+    text += "; " + silent_peers_message(other, most, "waiting for this collective");
   }
-  std::string text;
-  auto add = [&](const std::string& part) { text += "; " + part; };
-  if (!gone.empty()) {
-    add(on_this_machine(gone, gone_pids, most, "exited or was killed", "exited or were killed"));
-  }
-  if (!stopped.empty()) {
-    add(on_this_machine(stopped, stopped_pids, most, "is stopped (SIGSTOP, a debugger)",
-                        "are stopped (SIGSTOP, a debugger)"));
-  }
-  if (!other.empty()) add(silent_peers_message(other, most, "waiting for this collective"));
   return text;
 }
 

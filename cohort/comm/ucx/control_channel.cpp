@@ -4,6 +4,7 @@
 
 #include "cohort/comm/ucx/worker.h"
 #include "cohort/core/error.h"
+#include "cohort/core/process_identity.h"
 
 namespace cohort::ucx {
 namespace {
@@ -188,9 +189,18 @@ std::string ControlChannel::probe(Millis most) {
   }
   const auto quiet = silent();
   if (quiet.empty()) return asked.empty() ? "" : "; every peer still answers";
-  return "; " + name_ranks(quiet) + " did not answer within " + std::to_string(most.count()) +
-         " ms: stopped (SIGSTOP, a debugger) or hung" +
-         (quiet.size() < asked.size() ? ", while the other peers answered" : "");
+  // A silent peer on this machine is named with what /proc says of its
+  // process: a SIGKILLed one is gone, and on shared memory UCX does not
+  // notice (the wait timed out); the others may be stopped, hung or elsewhere.
+  std::vector<std::string> described;
+  for (int q : quiet) described.push_back(worker_.processes_[static_cast<size_t>(q)]);
+  std::vector<int> other;
+  std::string text = silent_processes(quiet, described, most, other);
+  if (!other.empty()) {
+    text += "; " + name_ranks(other) + " did not answer within " + std::to_string(most.count()) +
+            " ms: stopped (SIGSTOP, a debugger) or hung";
+  }
+  return text + (quiet.size() < asked.size() ? ", while the other peers answered" : "");
 }
 
 }  // namespace cohort::ucx

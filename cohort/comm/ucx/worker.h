@@ -134,6 +134,9 @@ class Worker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::vector<ucp_ep_h> endpoints_;
+  // Each rank's process (this_process()), published in the rendezvous: the
+  // liveness probe's words for a silent peer.
+  std::vector<std::string> processes_;
   // An endpoint's error-callback argument. The callback runs inside UCX's
   // progress (under UCX's worker lock), so it only records; waiters turn it
   // into the group's failure.

@@ -16,6 +16,7 @@
 
 #include "cohort/comm/ucx/worker.h"
 #include "cohort/core/error.h"
+#include "cohort/core/process_identity.h"
 #include "cohort/core/store/socket.h"
 
 namespace cohort::ucx {
@@ -174,9 +175,17 @@ Worker::Worker(Store& store, int rank, int size, const WorkerConfig& config, Mil
 Worker::~Worker() { close(); }
 
 void Worker::rendezvous(Exchange& exchange, const WorkerConfig& config) {
-  const auto me = to_bytes(host_identity());
+  // Each rank's host, then its process: the hosts decide the transports;
+  // the processes let a timeout tell a peer on this machine that exited or
+  // was killed from one that is stopped (process_identity.h).
+  const auto host = host_identity();
   single_host_ = true;
-  for (auto& h : exchange("host", me)) single_host_ &= h == me;
+  for (auto& v : exchange("host", to_bytes(host + "\n" + this_process()))) {
+    const std::string s(v.begin(), v.end());
+    const auto cut = s.find('\n');
+    single_host_ &= s.substr(0, cut) == host;
+    processes_.push_back(cut == std::string::npos ? "" : s.substr(cut + 1));
+  }
 
   ucp_config_t* cfg = nullptr;
   check(ucp_config_read(nullptr, nullptr, &cfg), "reading UCX's configuration");

@@ -10,7 +10,8 @@
 // other error); the test then kills the stopped ranks. Under mpirun a rank
 // that exits ends the whole job, perhaps before the other survivors have
 // printed: with --hold a survivor waits for the job's end instead (mpirun
-// ends it once the test kills the stopped ranks), at most 60 s.
+// ends it once the test kills the stopped ranks), at most 60 s. With --kill
+// the ranks SIGKILL themselves instead of stopping.
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -38,12 +39,14 @@ void hold() {
 int main(int argc, char** argv) {
   torch::set_num_threads(1);
   std::set<int> stopping;
-  bool inside = false, holds = false;
+  bool inside = false, holds = false, kills = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--inside") {
       inside = true;
     } else if (std::string(argv[i]) == "--hold") {
       holds = true;
+    } else if (std::string(argv[i]) == "--kill") {
+      kills = true;
     } else {
       stopping.insert(std::atoi(argv[i]));
     }
@@ -54,10 +57,10 @@ int main(int argc, char** argv) {
     auto t = torch::ones({1024});
     comm->all_reduce(t).wait();
     const bool stops = stopping.count(comm->rank()) > 0;
-    auto stop = [] {
-      std::printf("stopping pid %d\n", static_cast<int>(::getpid()));
+    auto stop = [kills] {
+      std::printf("%s pid %d\n", kills ? "killing" : "stopping", static_cast<int>(::getpid()));
       std::fflush(stdout);
-      ::raise(SIGSTOP);
+      ::raise(kills ? SIGKILL : SIGSTOP);
     };
     if (stops && !inside) stop();
     if (inside) t = torch::ones({4 << 20});
