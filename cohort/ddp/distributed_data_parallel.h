@@ -31,11 +31,11 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/comm_hook.h"
-#include "cohort/ddp/ddp_options.h"
-#include "cohort/ddp/ddp_stats.h"
-#include "cohort/ddp/gradient_reducer.h"
-#include "cohort/ddp/no_sync_guard.h"
+#include "cohort/grad_sync/comm_hook.h"
+#include "cohort/grad_sync/ddp_options.h"
+#include "cohort/grad_sync/ddp_stats.h"
+#include "cohort/grad_sync/gradient_reducer.h"
+#include "cohort/grad_sync/no_sync_guard.h"
 
 namespace cohort {
 namespace detail {

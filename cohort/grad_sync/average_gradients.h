@@ -1,7 +1,8 @@
 // defines: average_gradients, data parallelism without buckets: the
-// gradients averaged after backward in one coalesced all-reduce. The
-// Trainer's AllReduceGradientSync (a model without DDP) and a pipeline's
-// data-parallel group (pipeline::all_reduce_gradients) both call it.
+// gradients averaged after backward in one coalesced all-reduce: the one
+// spelling of "average the gradients". The Trainer's AllReduceGradientSync
+// (a model without DDP), a pipeline's data-parallel group and the MoE
+// layer's dense and expert groups call it.
 #pragma once
 
 #include <torch/types.h>

@@ -28,9 +28,9 @@
 #include <memory>
 #include <vector>
 
-#include "cohort/ddp/comm_hook.h"
-#include "cohort/ddp/ddp_options.h"
-#include "cohort/ddp/gradient_reducer.h"
+#include "cohort/grad_sync/comm_hook.h"
+#include "cohort/grad_sync/ddp_options.h"
+#include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/mesh/device_mesh.h"
 
 namespace cohort {

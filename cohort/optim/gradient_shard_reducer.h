@@ -32,9 +32,9 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/gradient_reducer.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/reduction_owner.h"
 #include "cohort/optim/flat_partition.h"
 #include "cohort/optim/staging_buffer.h"

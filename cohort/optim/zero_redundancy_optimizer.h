@@ -28,11 +28,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/ddp/no_sync_guard.h"
+#include "cohort/grad_sync/gradient_reducer.h"
+#include "cohort/grad_sync/no_sync_guard.h"
 #include "cohort/observability/sync_statistics.h"
 #include "cohort/optim/flat_partition.h"
 #include "cohort/optim/gradient_shard_reducer.h"
@@ -121,13 +123,16 @@ class ZeroRedundancyOptimizer {
     return make<Opt>(std::move(groups), defaults, std::move(comm), options);
   }
 
-  /// With cohort DDP (every rank passes its DDP model; the parameters are
+  /// With cohort DDP (every rank passes its DistributedDataParallel model,
+  /// or anything whose reducer() is a GradientReducer; the parameters are
   /// ddp.parameters()): stage 1 reads DDP's averaged gradients, stage 2
   /// takes over DDP's reduction. comm must be DDP's communicator. The DDP
   /// model must outlive the optimizer.
-  template <typename Opt, typename Options, typename ModuleHolder>
-  static std::unique_ptr<ZeroRedundancyOptimizer> make(DistributedDataParallel<ModuleHolder>& ddp,
-                                                       const Options& defaults,
+  template <
+      typename Opt, typename Options, typename Model,
+      std::enable_if_t<std::is_same_v<decltype(std::declval<Model&>().reducer()), GradientReducer&>,
+                       int> = 0>
+  static std::unique_ptr<ZeroRedundancyOptimizer> make(Model& ddp, const Options& defaults,
                                                        std::shared_ptr<Communicator> comm,
                                                        ZeroOptions options = {}) {
     options.reduce_gradients = false;

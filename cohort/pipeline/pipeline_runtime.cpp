@@ -9,7 +9,6 @@
 #include <set>
 
 #include "cohort/core/error.h"
-#include "cohort/grad_sync/average_gradients.h"
 #include "cohort/pipeline/boundary_channel.h"
 #include "cohort/pipeline/loss_broadcast.h"
 #include "cohort/pipeline/stage_executor.h"
@@ -229,10 +228,6 @@ void PipelineRuntime::finish_step(PipelineStepResult& result) {
   for (double l : result.losses) sum += l;
   result.loss = sum / result.losses.size();
   state_->executor->end_step();
-}
-
-void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group) {
-  average_gradients(params, dp_group);
 }
 
 }  // namespace cohort::pipeline

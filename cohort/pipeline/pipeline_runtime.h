@@ -23,6 +23,13 @@
 // and a sent tensor is dropped when its send completes; nothing is sized by
 // the whole batch. So 1F1B, interleaved and ZB-H1 hold a number of
 // micro-batches that does not grow with m (schedule_memory predicts it).
+//
+// PP x DP: average_gradients (cohort/grad_sync/average_gradients.h) over the
+// data-parallel group (the ranks holding the same stages for other shards of
+// the batch), once per step, after step() and before the optimizer: the
+// micro-batches accumulate locally, so gradients cross the DP group once per
+// step. (ZeroRedundancyOptimizer with reduce_gradients over the DP group does
+// the same reduction in its step().)
 #pragma once
 
 #include <torch/types.h>
@@ -156,16 +163,5 @@ class PipelineRuntime {
   PipelineOptions options_;
   std::unique_ptr<State> state_;
 };
-
-/// PP x DP: averages `params`' gradients over the data-parallel group (the
-/// ranks holding the same stages for other shards of the batch) in one
-/// coalesced all-reduce. Call it once per step, after step() and before the
-/// optimizer: the micro-batches accumulate locally, so gradients cross the
-/// DP group once per step. (ZeroRedundancyOptimizer with reduce_gradients
-/// over the DP group does the same reduction in its step().) Undefined
-/// gradients count as zeros when dp > 1; at dp = 1 nothing is sent and a
-/// missing gradient stays missing, so the optimizer skips it as in one
-/// process (grad_sync's average_gradients).
-void all_reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& dp_group);
 
 }  // namespace cohort::pipeline

@@ -16,9 +16,9 @@
 #include <optional>
 #include <set>
 
-#include "cohort/ddp/comm_hook.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/grad_sync/comm_hook.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"

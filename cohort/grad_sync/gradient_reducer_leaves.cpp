@@ -5,8 +5,8 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "cohort/core/error.h"
-#include "cohort/ddp/gradient_reducer.h"
 #include "cohort/grad_sync/flat_views.h"
+#include "cohort/grad_sync/gradient_reducer.h"
 
 namespace cohort {
 

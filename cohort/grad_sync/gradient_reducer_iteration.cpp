@@ -9,8 +9,8 @@
 #include <unordered_set>
 
 #include "cohort/core/error.h"
-#include "cohort/ddp/gradient_reducer.h"
 #include "cohort/grad_sync/gradient_presence.h"
+#include "cohort/grad_sync/gradient_reducer.h"
 
 namespace cohort {
 void GradientReducer::start_iteration_clock() {

@@ -19,6 +19,9 @@
 // the collectives match without negotiation. Launching, polling, waiting,
 // timing and tracing are grad_sync's BucketQueue, shared with ZeRO-2 and
 // the fused optimizer; what a bucket holds and the comm hook are DDP's.
+// It lives in grad_sync, not ddp, so that ZeRO-2 (which takes its reduction
+// over) and the mesh's GradientSynchronizer (which runs one over its dense
+// group) reach it without including cohort/ddp.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -31,11 +34,11 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/ddp/comm_hook.h"
-#include "cohort/ddp/ddp_options.h"
-#include "cohort/ddp/ddp_stats.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/grad_sync/comm_hook.h"
+#include "cohort/grad_sync/ddp_options.h"
+#include "cohort/grad_sync/ddp_stats.h"
 #include "cohort/grad_sync/leaf_tree.h"
 #include "cohort/grad_sync/reduction_owner.h"
 

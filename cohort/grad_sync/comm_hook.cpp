@@ -1,4 +1,4 @@
-#include "cohort/ddp/comm_hook.h"
+#include "cohort/grad_sync/comm_hook.h"
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/grad_mode.h>

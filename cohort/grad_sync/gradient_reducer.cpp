@@ -1,7 +1,7 @@
 // GradientReducer, setup half: parameters, hooks, the construction-time
 // check and broadcast, bucket layout and its one rebuild. The per-iteration
 // half is gradient_reducer_iteration.cpp.
-#include "cohort/ddp/gradient_reducer.h"
+#include "cohort/grad_sync/gradient_reducer.h"
 
 #include <algorithm>
 #include <map>

@@ -5,7 +5,7 @@
 // communication); the first backward after it reduces the accumulated sum.
 #pragma once
 
-#include "cohort/ddp/gradient_reducer.h"
+#include "cohort/grad_sync/gradient_reducer.h"
 
 namespace cohort {
 
