@@ -7,6 +7,7 @@
 #include <map>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/leaf_buckets.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/parameter_check.h"
 
@@ -117,8 +118,9 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
     for (size_t i : members) numel += params_[i].numel();
     for (size_t k = 0; k < members.size(); ++k) slots_[members[k]] = Slot{buckets_.size(), k};
     bucket.params = std::move(members);
-    // With a reduction owner the buckets are bookkeeping only: no memory.
-    if (owner_) {
+    // With a reduction owner the buckets are bookkeeping only: no memory;
+    // with leaves, LeafBuckets holds the sums in this layout.
+    if (owner_ || options_.determinism == Determinism::WorldSizeInvariant) {
       buckets_.push_back(std::move(bucket));
       continue;
     }
@@ -149,7 +151,8 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
   }
   queue_.set_layout(std::move(launch_order), std::move(parts), std::move(bytes));
 
-  if (options_.gradient_as_bucket_view && !owner_) {
+  if (options_.gradient_as_bucket_view && !owner_ &&
+      options_.determinism != Determinism::WorldSizeInvariant) {
     // Existing gradients move into the (new) buckets now, so .grad is a view
     // from here on; AccumulateGrad then accumulates into it in place.
     torch::NoGradGuard no_grad;

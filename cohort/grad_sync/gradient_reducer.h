@@ -44,6 +44,8 @@
 
 namespace cohort {
 
+class LeafBuckets;
+
 /// The non-template engine of DistributedDataParallel: buckets the parameters' gradients and
 /// reduces each bucket (through the comm hook) as soon as backward has filled it, in the same order
 /// on every rank. Built by DistributedDataParallel; reach it through
@@ -110,7 +112,8 @@ class GradientReducer {
   const std::vector<std::string>& parameter_names() const { return names_; }
   /// Parameter indices of each bucket, in launch order (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
-  /// The flat buffer of bucket i (undefined while a reduction owner is set).
+  /// The flat buffer of bucket i (undefined while a reduction owner is set,
+  /// and with Determinism::WorldSizeInvariant, whose sums live elsewhere).
   const torch::Tensor& bucket_buffer(size_t i) const { return buckets_.at(i).buffer; }
 
   /// Determinism::WorldSizeInvariant: this rank's first leaf of the global
@@ -153,7 +156,10 @@ class GradientReducer {
   void refuse_with_leaves(const std::string& what) const;
   void prepare_leaf_forward();
   void on_leaf_gradient(size_t index);
+  void fold_leaf_gradient(size_t index, bool last_leaf);
   void finish_leaf_backward();
+  void finish_owner_leaf();
+  void finish_leaf_exchange(double backward_end);
   void finish_leaf_step(double backward_end, int64_t bytes);
   void keep_buffers(std::vector<torch::Tensor>& into);
   void restore_buffers(const std::vector<torch::Tensor>& from);
@@ -197,6 +203,7 @@ class GradientReducer {
   /// Determinism::WorldSizeInvariant: the leaf sums, and the buffers at the
   /// step's start and after this rank's first leaf (BatchNorm statistics).
   std::unique_ptr<LeafReduction> leaf_;
+  std::unique_ptr<LeafBuckets> leaf_buckets_;  // without an owner
   std::vector<torch::Tensor> step_buffers_;
   std::vector<torch::Tensor> first_leaf_buffers_;
   bool leaf_forward_pending_ = false;

@@ -1,12 +1,15 @@
 // GradientReducer, Determinism::WorldSizeInvariant: one forward and backward
-// per leaf, each leaf's gradient captured as computed, the leaves summed in
-// the canonical tree (grad_sync's LeafReduction), and the buffers of the
-// global batch's first leaf kept. Design: cohort/ddp/README.md.
+// per leaf, each gradient folded into the leaf sums of the canonical tree as
+// it is computed (LeafBuckets, on grad_sync's LeafReduction; an owner takes
+// whole leaves), each bucket's exchange started during the last leaf's
+// backward, and the buffers of the global batch's first leaf kept. Design:
+// cohort/ddp/README.md.
 #include <torch/csrc/autograd/engine.h>
 
 #include "cohort/core/error.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/gradient_reducer.h"
+#include "cohort/grad_sync/leaf_buckets.h"
 
 namespace cohort {
 
@@ -103,11 +106,65 @@ void GradientReducer::on_leaf_gradient(size_t index) {
                           "forward); with WorldSizeInvariant run one forward per leaf");
   }
   ready_[index] = 1;
+  // An owner takes whole leaves (finish_owner_leaf()).
+  if (!owner_) fold_leaf_gradient(index, leaf_->pushed() + 1 == leaf_->local_leaves());
+}
+
+void GradientReducer::fold_leaf_gradient(size_t index, bool last_leaf) {
+  if (!leaf_buckets_) {
+    leaf_buckets_ = std::make_unique<LeafBuckets>(params_, bucket_layout(), *leaf_, comm_->size());
+  }
+  auto& grad = params_[index].mutable_grad();
+  leaf_buckets_->fold(index, leaf_->pushed(), grad);
+  // Released at once: the next leaf's AccumulateGrad stores its gradient as
+  // computed, and the memory serves the gradients still to come.
+  grad = torch::Tensor();
+  if (!last_leaf) return;
+  // The rank's subtree sums of a bucket are complete: its exchange goes
+  // while backward computes the rest (buckets in index order on every rank).
+  if (queue_.arrive(slots_[index].bucket)) {
+    queue_.launch_ready([this](size_t b) { return leaf_buckets_->exchange(*comm_, b); });
+  }
+  queue_.poll();
 }
 
 void GradientReducer::finish_leaf_backward() {
   backward_finished_ = true;
   torch::NoGradGuard no_grad;
+  if (owner_) {
+    finish_owner_leaf();
+    return;
+  }
+  const bool last = leaf_->pushed() + 1 == leaf_->local_leaves();
+  // No gradient in this leaf: zeros, the same on every rank.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) fold_leaf_gradient(i, last);
+  }
+  leaf_->count_folded();
+  if (last) finish_leaf_exchange(queue_.now_s());
+}
+
+void GradientReducer::finish_leaf_exchange(double backward_end) {
+  TraceSpan span(active(comm_->tracer()), "wait and write back", "ddp");
+  // Every bucket was launched as its last gradient came. Each exchange's
+  // completion and all-gather follow in bucket order, the same on every rank.
+  std::vector<Work> gathers;
+  while (queue_.in_flight() > 0) {
+    const size_t b = queue_.retire_oldest();
+    if (comm_->size() > 1) gathers.push_back(leaf_buckets_->gather(*comm_, b));
+  }
+  wait_all(gathers);
+  leaf_->restart();
+  const auto& mean = leaf_buckets_->mean();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].mutable_grad() = options_.gradient_as_bucket_view ? mean[i] : mean[i].clone();
+  }
+  stats_.hidden_comm_seconds = queue_.busy_seconds(backward_end);
+  stats_.total_hidden_comm_seconds += stats_.hidden_comm_seconds;
+  finish_leaf_step(backward_end, leaf_buckets_->bytes());
+}
+
+void GradientReducer::finish_owner_leaf() {
   std::vector<torch::Tensor> pieces;
   pieces.reserve(params_.size());
   for (auto& p : params_) {
@@ -118,26 +175,12 @@ void GradientReducer::finish_leaf_backward() {
   }
   leaf_->push(torch::cat(pieces));
   if (leaf_->pushed() < leaf_->local_leaves()) return;
-
   const double backward_end = queue_.now_s();
-  if (owner_) {
-    // A shard owner (ZeRO-2) keeps its chunk: no all-gather, no .grad.
-    auto chunk = leaf_->finish_chunk(*comm_);
-    owner_->leaf_chunk_ready(chunk);
-    finish_leaf_step(backward_end, chunk.numel() * chunk.element_size());
-    return;
-  }
-  auto mean = leaf_->finish(*comm_);
-  // Aliases, not autograd views: LibTorch's zero_grad() detach_()es every .grad.
-  std::vector<int64_t> offsets;
-  int64_t offset = 0;
-  for (const auto& p : params_) {
-    offsets.push_back(offset);
-    offset += p.numel();
-  }
-  auto grads = flat_aliases(mean, params_, offsets);
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grads[i];
-  finish_leaf_step(backward_end, mean.numel() * mean.element_size());
+  // A shard owner (ZeRO-2) keeps its chunk: no all-gather, no .grad.
+  auto chunk = leaf_->finish_chunk(*comm_);
+  owner_->leaf_chunk_ready(chunk);
+  stats_.hidden_comm_seconds = 0;
+  finish_leaf_step(backward_end, chunk.numel() * chunk.element_size());
 }
 
 void GradientReducer::finish_leaf_step(double backward_end, int64_t bytes) {
@@ -146,12 +189,16 @@ void GradientReducer::finish_leaf_step(double backward_end, int64_t bytes) {
   // Rank 0's first leaf is the global batch's leaf 0: its statistics are the
   // step's on every rank and at every world size.
   if (options_.broadcast_buffers) broadcast_buffers();
-  const double all = queue_.now_s() - backward_end;
+  // Exposed: after backward; hidden (set by the caller): exchanges in
+  // flight before it ended.
+  const double exposed = queue_.now_s() - backward_end;
   stats_.iterations += 1;
   stats_.backward_seconds = backward_end;
-  stats_.comm_seconds = all;
-  stats_.exposed_wait_seconds = all;
-  stats_.total_comm_seconds += all;
+  stats_.comm_seconds = exposed + stats_.hidden_comm_seconds;
+  stats_.exposed_wait_seconds = exposed;
+  stats_.hidden_comm_share =
+      stats_.comm_seconds > 0 ? stats_.hidden_comm_seconds / stats_.comm_seconds : 0;
+  stats_.total_comm_seconds += stats_.comm_seconds;
   stats_.bytes = bytes;
   stats_.bytes_sent = static_cast<int64_t>(comm_->stats().total().bytes_sent - sent_at_start_);
 }

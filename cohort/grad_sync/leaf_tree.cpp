@@ -65,14 +65,53 @@ LeafReduction::LeafReduction(int64_t leaves, int rank, int world, const std::str
     frontiers_.push_back(tree_.frontier(count_ * r, count_ * (r + 1)));
     max_frontier_ = std::max(max_frontier_, frontiers_.back().size());
   }
+  // push()'s merges, on node ids only: where each leaf's sum ends up.
+  const auto& nodes = tree_.nodes();
+  std::vector<int> stack;
+  for (int64_t k = 0; k < count_; ++k) {
+    int id = tree_.leaf_node(first_ + k);
+    Fold f;
+    while (true) {
+      const int parent = nodes[static_cast<size_t>(id)].parent;
+      if (parent < 0 || nodes[static_cast<size_t>(parent)].right != id) break;
+      const auto& p = nodes[static_cast<size_t>(parent)];
+      if (p.lo < first_ || p.hi > first_ + count_) break;
+      stack.pop_back();
+      ++f.merges;
+      id = parent;
+    }
+    f.slot = static_cast<int64_t>(stack.size());
+    stack.push_back(id);
+    folds_.push_back(f);
+    slots_ = std::max(slots_, static_cast<int64_t>(stack.size()));
+  }
 }
 
-void LeafReduction::push(torch::Tensor flat) {
+void LeafReduction::check_next_leaf() const {
   if (pushed_ >= count_) {
     throw InvalidArgument(what_ + ": rank " + std::to_string(rank_) + " got a gradient for leaf " +
                           std::to_string(first_ + pushed_) + " but owns only " +
                           std::to_string(count_) + " leaves per step");
   }
+}
+
+void LeafReduction::count_folded() {
+  check_next_leaf();
+  ++pushed_;
+}
+
+void LeafReduction::restart() {
+  if (pushed_ != count_) {
+    throw InvalidArgument(what_ + ": rank " + std::to_string(rank_) + " finished a step after " +
+                          std::to_string(pushed_) + " of its " + std::to_string(count_) +
+                          " leaves");
+  }
+  pushed_ = 0;
+  stack_.clear();
+}
+
+void LeafReduction::push(torch::Tensor flat) {
+  check_next_leaf();
   if (!stack_.empty() && (flat.numel() != stack_.front().second.numel() ||
                           flat.scalar_type() != stack_.front().second.scalar_type())) {
     throw InvalidArgument(what_ + ": rank " + std::to_string(rank_) +
@@ -97,7 +136,8 @@ void LeafReduction::push(torch::Tensor flat) {
   stack_.emplace_back(id, std::move(flat));
 }
 
-torch::Tensor LeafReduction::complete_chunk(const torch::Tensor& received) const {
+torch::Tensor LeafReduction::complete_chunk(const torch::Tensor& received,
+                                            torch::Tensor* out) const {
   // received[s][k]: chunk of rank s's k-th subtree sum.
   std::map<int, torch::Tensor> known;
   for (int s = 0; s < world_; ++s) {
@@ -111,9 +151,19 @@ torch::Tensor LeafReduction::complete_chunk(const torch::Tensor& received) const
     auto it = known.find(id);
     if (it != known.end()) return it->second;
     const auto& node = nodes[static_cast<size_t>(id)];
+    // The root's addition writes straight into `out` (the same kernel).
+    if (id == 0 && out) return at::add_out(*out, sum(node.left), sum(node.right));
     return torch::add(sum(node.left), sum(node.right));
   };
-  return sum(0);
+  auto root = sum(0);
+  if (out && !root.is_same(*out)) out->copy_(root);
+  return root;
+}
+
+void LeafReduction::complete_into(const torch::Tensor& received, torch::Tensor& out) const {
+  torch::NoGradGuard no_grad;
+  complete_chunk(received, &out);
+  out.div_(static_cast<double>(tree_.leaves()));
 }
 
 torch::Tensor LeafReduction::finish(Communicator& comm) {

@@ -71,6 +71,8 @@ class LeafReduction {
   /// Rank `rank` of `world` owns leaves [rank * L / world, (rank + 1) * L / world).
   /// Throws InvalidArgument (naming `what` and the rank) unless world divides L.
   LeafReduction(int64_t leaves, int rank, int world, const std::string& what);
+  /// L.
+  int64_t leaves() const { return tree_.leaves(); }
   /// This rank's first leaf.
   int64_t first_leaf() const { return first_; }
   /// How many leaves this rank computes per step (L / world).
@@ -96,8 +98,41 @@ class LeafReduction {
   /// The chunk finish_chunk() returns for a gradient of `numel` elements.
   int64_t chunk_numel(int64_t numel) const { return (numel + world_ - 1) / world_; }
 
+  /// For a caller that keeps the partial sums itself, in numbered slots (DDP
+  /// folds each parameter's gradient as backward produces it): where local
+  /// leaf k's gradient goes. merges == 0: it is copied into `slot`; else it
+  /// is added into slot + merges - 1, that slot into the one below, and so
+  /// on down to `slot`: each addition is left + right of the canonical tree,
+  /// as push() adds.
+  struct Fold {
+    int64_t slot = 0;    ///< where the leaf's subtree sum ends
+    int64_t merges = 0;  ///< completed left siblings it is added to
+  };
+  /// fold() of local leaf k, 0 <= k < local_leaves().
+  const Fold& fold(int64_t k) const { return folds_.at(static_cast<size_t>(k)); }
+  /// The slots fold() uses: the most partial sums held at once.
+  int64_t slots() const { return slots_; }
+  /// Counts the next local leaf as pushed when the caller folded it by
+  /// fold() instead of push() (InvalidArgument after the last local leaf).
+  void count_folded();
+  /// After the last leaf: slots [0, frontier_size()) hold this rank's
+  /// subtree sums, left to right.
+  int64_t frontier_size() const {
+    return static_cast<int64_t>(frontiers_[static_cast<size_t>(rank_)].size());
+  }
+  /// The most subtree sums any rank holds (the exchange's m).
+  int64_t max_frontier() const { return static_cast<int64_t>(max_frontier_); }
+  /// finish_chunk()'s completion for a caller that exchanged the subtree sums
+  /// itself: received[s][k] is (a chunk of) rank s's k-th subtree sum, a
+  /// [world, max_frontier(), c] tensor; writes the tree's sum divided by L
+  /// into `out` (c elements). The same bits as finish_chunk()'s elements.
+  void complete_into(const torch::Tensor& received, torch::Tensor& out) const;
+  /// Ends a step whose leaves were all counted by count_folded().
+  void restart();
+
  private:
-  torch::Tensor complete_chunk(const torch::Tensor& received) const;
+  torch::Tensor complete_chunk(const torch::Tensor& received, torch::Tensor* out = nullptr) const;
+  void check_next_leaf() const;
 
   LeafTree tree_;
   std::string what_;
@@ -111,6 +146,9 @@ class LeafReduction {
   size_t max_frontier_ = 0;
   /// Completed local subtrees not yet merged: (node, sum).
   std::vector<std::pair<int, torch::Tensor>> stack_;
+  /// fold() per local leaf, and the slots they use.
+  std::vector<Fold> folds_;
+  int64_t slots_ = 0;
 };
 
 }  // namespace cohort

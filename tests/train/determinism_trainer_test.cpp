@@ -5,7 +5,8 @@
 // ZeRO-2 over DDP and FSDP wirings. Negative control: the same runs without
 // the option (the Trainer's no_sync accumulation, loss / k) differ between
 // worlds 1 and 4, and the test prints by how much. A wiring that cannot
-// honour the option, or one built without it, refuses it on every rank.
+// honour the option (the all-reduce wiring, a pipeline), or one built
+// without it, refuses it on every rank.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -18,6 +19,7 @@
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/trainer.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/determinism_support.h"
@@ -187,6 +189,20 @@ TEST(TrainerDeterminism, RefusedWhereItCannotHold) {
            Trainer trainer(TrainerWiring::ddp(ddp, sgd), loss, wrong);
          }),
          "accumulation_steps must be this rank's leaves per step, 2");
+  // A pipeline (here 2 stages, one per rank): its gradients are not summed
+  // over leaves at all, so the option is refused by the wiring's name.
+  expect(refusals([&](std::shared_ptr<Communicator> comm) {
+           torch::nn::Sequential stage(torch::nn::Linear(2, 2));
+           auto mse = [](const pipeline::Tensors& out, const pipeline::Tensors& t) {
+             return torch::nn::functional::mse_loss(out[0], t[0]);
+           };
+           pipeline::PipelineRuntime rt(DeviceMesh::from_group(comm, "pp"),
+                                        {pipeline::PipelineStage(comm->rank(), stage)},
+                                        pipeline::Schedule1F1B(2, 2), mse);
+           torch::optim::SGD sgd(rt.parameters(), torch::optim::SGDOptions(0.1));
+           Trainer trainer(TrainerWiring::pipeline(rt, sgd), config);
+         }),
+         "a pipeline cannot honour it");
 }
 
 }  // namespace
