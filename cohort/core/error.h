@@ -1,5 +1,7 @@
-// defines: Error and its kinds (InvalidArgument, ConfigError, TimeoutError,
-// PeerError, MismatchError, Unsupported), COHORT_CHECK for broken invariants.
+// defines: Error and its kinds (InvalidArgument and its ScheduleError,
+// ConfigError, TimeoutError, PeerError, MismatchError, Unsupported,
+// CheckpointError), COHORT_CHECK for broken invariants: every public
+// exception type, in one place.
 //
 // Two kinds of failure, as in docs/errors.md: what a caller or a peer can cause
 // (bad input, a dead or slow rank, a bad environment) is one of the exception
@@ -53,6 +55,22 @@ class MismatchError : public Error {
 
 /// The engine does not implement this operation or dtype.
 class Unsupported : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A pipeline schedule that is malformed or would deadlock. what() names the
+/// failing action and prints the step-by-rank grid with the failing step(s)
+/// marked (cohort/pipeline/schedule_validator.h).
+class ScheduleError : public InvalidArgument {
+ public:
+  using InvalidArgument::InvalidArgument;
+};
+
+/// A checkpoint that cannot be used: missing, truncated, corrupt, of another
+/// format, or (Trainer::resume) only damaged ones where a good one was
+/// required. The message names the file or folder.
+class CheckpointError : public Error {
  public:
   using Error::Error;
 };

@@ -28,12 +28,8 @@ namespace cohort {
 inline constexpr uint32_t kCheckpointVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
 
-/// A checkpoint file that cannot be used: missing, truncated, corrupt, or of
-/// another format. The message starts with "checkpoint <path>: ".
-class CheckpointError : public Error {
- public:
-  using Error::Error;
-};
+// A checkpoint file that cannot be used throws CheckpointError
+// (core/error.h), its message starting with "checkpoint <path>: ".
 
 /// The zlib crc32 of `bytes` bytes at `data` (any length).
 uint32_t crc32_of(const void* data, size_t bytes);

@@ -1,5 +1,6 @@
-// defines: ScheduleError, validate_schedule (the checks and the dry run a
-// schedule passes before anything runs), format_grid.
+// defines: validate_schedule (the checks and the dry run a
+// schedule passes before anything runs; ScheduleError is in core/error.h),
+// format_grid.
 #pragma once
 
 #include <string>
@@ -11,12 +12,8 @@
 
 namespace cohort::pipeline {
 
-/// A schedule that is malformed or would deadlock. what() names the failing
-/// action and prints the step-by-rank grid with the failing step(s) marked.
-class ScheduleError : public InvalidArgument {
- public:
-  using InvalidArgument::InvalidArgument;
-};
+/// cohort::ScheduleError (core/error.h), under the pipeline's namespace too.
+using ScheduleError = cohort::ScheduleError;
 
 /// The step-by-rank grid: one row per step, one column per rank; cells in
 /// `marks` ((rank, step) pairs; step == list size marks the end) get `<<`.
