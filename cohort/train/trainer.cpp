@@ -15,7 +15,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring, std::shared_ptr<GradNorm> norm,
-                                       const TrainerConfig& config) {
+                                       const TrainerOptions& config) {
   if (norm) {
     if (config.determinism == Determinism::WorldSizeInvariant) {
       throw InvalidArgument("Trainer on rank " + std::to_string(wiring.communicator()->rank()) +
@@ -34,7 +34,7 @@ std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring, std::shared_
 
 }  // namespace
 
-Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
+Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerOptions config,
                  std::shared_ptr<GradNorm> norm)
     : wiring_(std::move(wiring)),
       comm_(*wiring_.communicator()),
@@ -60,7 +60,7 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
   }
 }
 
-Trainer::Trainer(TrainerWiring wiring, TrainerConfig config, std::shared_ptr<GradNorm> norm)
+Trainer::Trainer(TrainerWiring wiring, TrainerOptions config, std::shared_ptr<GradNorm> norm)
     : Trainer(std::move(wiring), LossFn{}, std::move(config), std::move(norm)) {}
 
 StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
@@ -280,11 +280,11 @@ void Trainer::check_determinism() const {
   if (!wanted && built) {
     throw InvalidArgument(where + "the " + wiring_.mode() +
                           " was built with determinism WorldSizeInvariant; set "
-                          "TrainerConfig::determinism and leaves to the same");
+                          "TrainerOptions::determinism and leaves to the same");
   }
   if (!wanted) return;
   if (config_.leaves != wiring_.leaves()) {
-    throw InvalidArgument(where + "TrainerConfig::leaves " + std::to_string(config_.leaves) +
+    throw InvalidArgument(where + "TrainerOptions::leaves " + std::to_string(config_.leaves) +
                           ", but the " + wiring_.mode() + " was built with " +
                           std::to_string(wiring_.leaves()));
   }

@@ -1,4 +1,4 @@
-// defines: TrainerConfig and Trainer, the data-parallel training loop:
+// defines: TrainerOptions and Trainer, the data-parallel training loop:
 // micro-batches with gradient accumulation, clipping by global norm,
 // learning-rate schedule, metrics, progress, and checkpoints with resume.
 //
@@ -59,7 +59,7 @@ namespace cohort {
 class Tracer;
 
 /// What the Trainer does each step and around it; the same on every rank.
-struct TrainerConfig {
+struct TrainerOptions {
   /// Micro-batches per optimizer step (gradient accumulation); >= 1.
   int64_t accumulation_steps = 1;
   /// Clip gradients to this global L2 norm; 0 disables clipping.
@@ -117,6 +117,9 @@ struct TrainerConfig {
   int64_t leaves = 0;
 };
 
+/// Deprecated: the former name of TrainerOptions.
+using TrainerConfig [[deprecated("use cohort::TrainerOptions")]] = TrainerOptions;
+
 /// What FitCallbacks::on_epoch_end receives.
 struct EpochEnd {
   int64_t epoch = 0;     ///< the epoch that ended (0-based)
@@ -142,13 +145,13 @@ class Trainer {
   /// TrainerWiring's factories (only valid pairings compile);
   /// norm: nullptr means ReplicatedGradNorm, or ShardedGradNorm when the
   /// optimizer's gradients are sharded (TrainerOptimizer::sharded_gradients).
-  Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerConfig config,
+  Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerOptions config,
           std::shared_ptr<GradNorm> norm = nullptr);
 
   /// A trainer that steps a pipeline (TrainerWiring::pipeline): the runtime's loss function,
   /// on the last stage, computes the loss. config.accumulation_steps must be the schedule's
   /// number of micro-batches; norm: nullptr means ShardedGradNorm over the pipeline group.
-  Trainer(TrainerWiring wiring, TrainerConfig config, std::shared_ptr<GradNorm> norm = nullptr);
+  Trainer(TrainerWiring wiring, TrainerOptions config, std::shared_ptr<GradNorm> norm = nullptr);
 
   /// Loads the newest checkpoint that verifies from config.checkpoint_dir
   /// (collective). Newer ones that fail (a damaged file, or a damaged part
@@ -203,7 +206,7 @@ class Trainer {
   /// Why each newer checkpoint was skipped by the last resume(), newest first.
   const std::vector<std::string>& skipped_checkpoints() const { return skipped_; }
   /// The configuration it was built with.
-  const TrainerConfig& config() const { return config_; }
+  const TrainerOptions& config() const { return config_; }
 
  private:
   double comm_seconds() const;
@@ -235,7 +238,7 @@ class Trainer {
   TrainerOptimizer& optimizer_;
   GradientSync& sync_;
   LossFn loss_fn_;
-  TrainerConfig config_;
+  TrainerOptions config_;
   std::shared_ptr<GradNorm> norm_;
   TrainerLayout& layout_;
   std::optional<CheckpointDir> checkpoints_;

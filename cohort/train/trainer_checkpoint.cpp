@@ -253,7 +253,7 @@ std::optional<int64_t> Trainer::start_fresh(int64_t skipped) {
       dcp::agree(comm_, error.empty() ? error
                                       : error +
                                             "; repair or remove them, or set "
-                                            "TrainerConfig::start_fresh_if_damaged to train "
+                                            "TrainerOptions::start_fresh_if_damaged to train "
                                             "from step 0");
     }
     if (comm_.rank() == 0) {

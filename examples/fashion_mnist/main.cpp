@@ -127,7 +127,7 @@ int run(const Flags& flags) {
     module = net.ptr();
   }
 
-  cohort::TrainerConfig config;
+  cohort::TrainerOptions config;
   config.accumulation_steps = flags.accumulation;
   config.schedule.base_lr = flags.lr;
   config.epochs = flags.epochs;

@@ -113,7 +113,7 @@ int run(const Flags& f) {
     model = blocks.ptr();
   }
   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(f.lr));
-  cohort::TrainerConfig config;
+  cohort::TrainerOptions config;
   config.schedule.base_lr = f.lr;
   config.max_steps = f.steps;
   config.epochs = f.steps;

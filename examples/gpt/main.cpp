@@ -225,8 +225,8 @@ GPTConfig model_config(const Flags& f) {
   return c;
 }
 
-cohort::TrainerConfig trainer_config(const Flags& f, int64_t steps_per_epoch) {
-  cohort::TrainerConfig config;
+cohort::TrainerOptions trainer_config(const Flags& f, int64_t steps_per_epoch) {
+  cohort::TrainerOptions config;
   config.epochs = (f.steps + steps_per_epoch - 1) / steps_per_epoch;
   config.accumulation_steps = f.microbatches;
   config.max_grad_norm = f.max_grad_norm;

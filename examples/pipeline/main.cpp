@@ -72,8 +72,8 @@ class TeacherData : public cohort::DataSource {
   int64_t micro_, width_, batches_;
 };
 
-cohort::TrainerConfig trainer_config(const Config& c) {
-  cohort::TrainerConfig config;
+cohort::TrainerOptions trainer_config(const Config& c) {
+  cohort::TrainerOptions config;
   config.accumulation_steps = c.microbatches;
   config.max_grad_norm = c.clip;
   config.schedule.base_lr = c.lr;

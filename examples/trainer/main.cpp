@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW adamw(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
 
-    cohort::TrainerConfig config;
+    cohort::TrainerOptions config;
     config.accumulation_steps = 2;  // 2 micro-batches of 8 rows per rank and step
     config.max_grad_norm = 1.0;
     config.epochs = 2;  // 256 rows / 2 ranks / 16 = 8 steps an epoch

@@ -38,7 +38,7 @@ std::vector<torch::Tensor> train(CompressionKind kind, const std::string& dir, i
     o.compression.powersgd_min_compression_rate = 1;
     DistributedDataParallel<torch::nn::Sequential> ddp(net, comm, o);
     torch::optim::AdamW adamw(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
-    TrainerConfig config;
+    TrainerOptions config;
     config.schedule.base_lr = 1e-2;
     config.progress = false;
     config.checkpoint_dir = dir;

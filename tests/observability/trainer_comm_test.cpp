@@ -70,7 +70,7 @@ void check_mode(Mode mode, int world) {
         wiring.emplace(TrainerWiring::fused(net.ptr(), *fused));
         break;
     }
-    TrainerConfig config;
+    TrainerOptions config;
     config.progress = false;
     LossFn loss = [&](const torch::data::Example<>& b) {
       auto y = ddp ? ddp->forward(b.data) : net->forward(b.data);

@@ -54,7 +54,7 @@ std::vector<CommStats> traced_ddp_run(int world, const std::string& dir) {
         ddp_options.bucket_cap_mb = 0.0005;
         DistributedDataParallel<torch::nn::Sequential> ddp(net, comm, ddp_options);
         torch::optim::SGD sgd(ddp.parameters(), 0.1);
-        TrainerConfig config;
+        TrainerOptions config;
         config.progress = false;
         LossFn loss = [&](const torch::data::Example<>& b) {
           return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);

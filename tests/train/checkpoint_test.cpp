@@ -181,7 +181,7 @@ JobResult run_job(const Job& job) {
     auto wiring = job.zero  ? TrainerWiring::ddp(ddp, *zero)
                   : job.ddp ? TrainerWiring::ddp(ddp, opt)
                             : TrainerWiring::all_reduce(comm, net.ptr(), opt);
-    TrainerConfig config;
+    TrainerOptions config;
     config.accumulation_steps = 2;
     config.max_grad_norm = 1.0;
     config.schedule = {LrScheduleKind::WarmupCosine, 1e-2, 3, 12, 1e-4};

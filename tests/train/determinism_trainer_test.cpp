@@ -1,4 +1,4 @@
-// The Trainer with TrainerConfig::determinism WorldSizeInvariant: the CNN
+// The Trainer with TrainerOptions::determinism WorldSizeInvariant: the CNN
 // with BatchNorm of the DDP determinism tests, AdamW, clipping on, L = 4
 // leaves, 6 steps through train_step (rank r's micro-batches its leaves):
 // parameters and buffers the same bytes at worlds 1, 2 and 4 for the DDP,
@@ -44,7 +44,7 @@ std::vector<std::vector<torch::Tensor>> train(Wiring w, int world, bool det, con
   run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
     DetCnn model;
     load_model(*model, init);
-    TrainerConfig config;
+    TrainerOptions config;
     config.max_grad_norm = 0.05;  // active: norms are ~0.1-1
     config.progress = false;
     config.accumulation_steps = kLeaves / world;
@@ -152,7 +152,7 @@ std::vector<std::string> refusals(Make&& make) {
 }
 
 TEST(TrainerDeterminism, RefusedWhereItCannotHold) {
-  TrainerConfig config;
+  TrainerOptions config;
   config.progress = false;
   config.determinism = Determinism::WorldSizeInvariant;
   config.leaves = 4;

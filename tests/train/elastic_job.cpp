@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
                               torch::nn::Linear(32, 4));
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-    cohort::TrainerConfig config;
+    cohort::TrainerOptions config;
     config.max_grad_norm = 1.0;
     config.epochs = 2;  // 240 / 12 = 20 steps an epoch
     config.max_steps = max_steps;

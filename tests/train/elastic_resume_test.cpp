@@ -141,7 +141,7 @@ JobResult run_job(const Job& job) {
       if (zero) return TrainerWiring::ddp(*ddp, *zero);
       return TrainerWiring::ddp(*ddp, opt);
     };
-    TrainerConfig config;
+    TrainerOptions config;
     config.accumulation_steps = job.layout.accumulation;
     config.max_grad_norm = 1.0;
     config.schedule = {LrScheduleKind::WarmupCosine, 1e-2, 3, 30, 1e-4};
@@ -335,7 +335,7 @@ INSTANTIATE_TEST_SUITE_P(Trainer, ShardedElasticResume,
                          });
 
 // A DDP Trainer with a stateful compressor (Int8 with error feedback, per
-// rank) on `comm`, checkpointing into `dir` (TrainerConfig's
+// rank) on `comm`, checkpointing into `dir` (TrainerOptions's
 // checkpoint_every); `use` gets the trainer and the model.
 void with_compressed_ddp_trainer(const std::shared_ptr<Communicator>& comm, int seed,
                                  const std::string& dir, int64_t max_steps,
@@ -347,7 +347,7 @@ void with_compressed_ddp_trainer(const std::shared_ptr<Communicator>& comm, int 
   DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
   ddp.register_comm_hook(std::make_shared<CompressionHook>(options));
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-  TrainerConfig config;
+  TrainerOptions config;
   config.checkpoint_dir = dir;
   config.checkpoint_every = checkpoint_every;
   config.max_steps = max_steps;

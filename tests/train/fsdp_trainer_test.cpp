@@ -142,8 +142,8 @@ Reference reference_run(const Case& c, const Data& data) {
   return ref;
 }
 
-TrainerConfig make_config(const Case& c) {
-  TrainerConfig config;
+TrainerOptions make_config(const Case& c) {
+  TrainerOptions config;
   config.accumulation_steps = c.accumulation;
   config.max_grad_norm = kMaxNorm;
   config.schedule.base_lr = lr_of(c.opt);
@@ -223,7 +223,7 @@ struct Job {
   std::string dir;
   int64_t max_steps = kSteps;
   bool resume = false;
-  bool async = false;  // TrainerConfig::async_checkpoint
+  bool async = false;  // TrainerOptions::async_checkpoint
 };
 
 RankState run_rank(const Job& job, const std::shared_ptr<Communicator>& comm, const Data& data) {

@@ -114,7 +114,7 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
                                     stage->shared_embedding_weight());
   auto rt = make_gpt_pipeline(mesh, stage, c.v > 1 ? "interleaved" : "1f1b", kMicro);
   auto opt = make_sgd(rt->parameters());
-  TrainerConfig config;
+  TrainerOptions config;
   config.accumulation_steps = kMicro;
   config.max_grad_norm = kMaxNorm;
   config.schedule.base_lr = kLr;

@@ -146,7 +146,7 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torc
   auto opt = make_sgd(rt.parameters());
   auto wiring = dp_group ? TrainerWiring::pipeline(world, rt, opt, dp_group)
                          : TrainerWiring::pipeline(rt, opt);
-  TrainerConfig config;
+  TrainerOptions config;
   config.accumulation_steps = c.m;
   config.max_grad_norm = kMaxNorm;
   config.schedule.base_lr = kLr;
@@ -277,7 +277,7 @@ TEST(PipelineTrainerErrors, RefusesALossFnAndAMismatchedAccumulation) {
                                  {pipeline::PipelineStage(0, model)}, pipeline::Schedule1F1B(1, 2),
                                  mse);
     auto opt = make_sgd(rt.parameters());
-    TrainerConfig config;
+    TrainerOptions config;
     config.accumulation_steps = 2;
     config.progress = false;
     LossFn loss = [](const torch::data::Example<>&) { return torch::zeros({}); };

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
 
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-    cohort::TrainerConfig config;
+    cohort::TrainerOptions config;
     config.accumulation_steps = 2;
     config.max_grad_norm = 1.0;
     config.epochs = 3;  // 512 / 2 ranks / 8 / 2 = 16 steps an epoch

@@ -78,7 +78,7 @@ TEST_P(TrainerEquivalence, MatchesSingleProcessStepsOnTheGlobalBatch) {
   testing::run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = make_mlp();
     torch::optim::SGD opt(net->parameters(), kLr);
-    TrainerConfig config;
+    TrainerOptions config;
     config.accumulation_steps = c.accumulation;
     config.max_grad_norm = c.max_norm;
     config.schedule.base_lr = kLr;

@@ -76,7 +76,7 @@ TrainRun train_run(Mode mode, int world, const testing::Synthetic& data) {
         break;
       }
     }
-    TrainerConfig config;
+    TrainerOptions config;
     config.accumulation_steps = kAccumulation;
     config.max_grad_norm = kMaxNorm;
     config.schedule.base_lr = 1e-2;
@@ -138,7 +138,7 @@ static_assert(WiresFused<Module, FusedDistributedOptimizer>::value, "the fused o
 static_assert(!WiresFused<Ddp&, FusedDistributedOptimizer>::value, "nor with a DDP as its model");
 static_assert(!WiresFused<Module, torch::optim::AdamW>::value, "a LibTorch optimizer is not fused");
 static_assert(!std::is_constructible_v<Trainer, Communicator&, Module, TrainerOptimizer&,
-                                       GradientSync&, LossFn, TrainerConfig>,
+                                       GradientSync&, LossFn, TrainerOptions>,
               "no Trainer from loose parts");
 static_assert(
     !std::is_constructible_v<TrainerWiring, std::shared_ptr<Communicator>, Module,

@@ -15,7 +15,7 @@ int main() {
     options.bucket_cap_mb = 0.0005;
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm, options);
     torch::optim::SGD sgd(ddp.parameters(), 0.1);
-    cohort::TrainerConfig config;
+    cohort::TrainerOptions config;
     config.progress = false;
     cohort::LossFn loss = [&](const torch::data::Example<>& b) {
       return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
