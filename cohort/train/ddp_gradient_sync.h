@@ -1,4 +1,4 @@
-// defines: DdpGradientSync, the GradientSync of a model wrapped in
+// defines: DDPGradientSync, the GradientSync of a model wrapped in
 // cohort::DistributedDataParallel: DDP reduces the gradient buckets during
 // backward, no_sync() keeps non-final micro-batches local, and DDP's stats
 // give the communication time.
@@ -18,10 +18,10 @@ namespace cohort {
 /// The Trainer's GradientSync for a DistributedDataParallel model: no_sync() for the non-final
 /// micro-batches.
 template <typename ModuleHolder>
-class DdpGradientSync : public GradientSync {
+class DDPGradientSync : public GradientSync {
  public:
   /// Syncs through `ddp`, which must outlive it.
-  explicit DdpGradientSync(DistributedDataParallel<ModuleHolder>& ddp) : ddp_(ddp) {}
+  explicit DDPGradientSync(DistributedDataParallel<ModuleHolder>& ddp) : ddp_(ddp) {}
 
   std::shared_ptr<void> skip_sync() override {
     return std::make_shared<NoSyncGuard>(ddp_.no_sync());

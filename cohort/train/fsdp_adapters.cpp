@@ -6,12 +6,12 @@
 
 namespace cohort {
 
-FsdpGradientSync::FsdpGradientSync(FullyShard model) : model_(std::move(model)) {
-  if (model_.is_empty()) throw InvalidArgument("FsdpGradientSync: no model");
+FSDPGradientSync::FSDPGradientSync(FullyShard model) : model_(std::move(model)) {
+  if (model_.is_empty()) throw InvalidArgument("FSDPGradientSync: no model");
   start_seconds_ = seconds_now();
 }
 
-std::shared_ptr<void> FsdpGradientSync::skip_sync() {
+std::shared_ptr<void> FSDPGradientSync::skip_sync() {
   model_->set_requires_gradient_sync(false);
   // The deleter turns the sync back on when the micro-batch is done.
   std::shared_ptr<FullyShardImpl> model = model_.ptr();
@@ -19,13 +19,13 @@ std::shared_ptr<void> FsdpGradientSync::skip_sync() {
                                [model](void*) { model->set_requires_gradient_sync(true); });
 }
 
-double FsdpGradientSync::seconds_now() const {
+double FSDPGradientSync::seconds_now() const {
   const auto stats = model_->process_group()->stats();
   return stats[OpKind::AllGatherIntoTensor].seconds_in_flight +
          stats[OpKind::ReduceScatterTensor].seconds_in_flight +
          stats[OpKind::BroadcastCoalesced].seconds_in_flight;
 }
 
-double FsdpGradientSync::comm_seconds() const { return seconds_now() - start_seconds_; }
+double FSDPGradientSync::comm_seconds() const { return seconds_now() - start_seconds_; }
 
 }  // namespace cohort

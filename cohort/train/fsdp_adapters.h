@@ -1,4 +1,4 @@
-// defines: FsdpTrainerOptimizer and FsdpGradientSync, what the Trainer
+// defines: FSDPTrainerOptimizer and FSDPGradientSync, what the Trainer
 // steps a fully sharded model (cohort::fully_shard) with.
 //
 // Sync: a fully sharded model reduce-scatters its gradients during backward
@@ -27,20 +27,20 @@
 namespace cohort {
 
 /// A LibTorch optimizer over a fully sharded model's parameters (its shards).
-class FsdpTrainerOptimizer : public TorchOptimizer {
+class FSDPTrainerOptimizer : public TorchOptimizer {
  public:
   /// Adapts `optimizer`, which must outlive it.
-  explicit FsdpTrainerOptimizer(torch::optim::Optimizer& optimizer)
+  explicit FSDPTrainerOptimizer(torch::optim::Optimizer& optimizer)
       : TorchOptimizer(optimizer, /*replicated_state=*/false) {}
   /// Each rank's .grad are its rows of the parameters.
   bool sharded_gradients() const override { return true; }
 };
 
 /// The Trainer's GradientSync for a fully sharded model (see the file comment).
-class FsdpGradientSync : public GradientSync {
+class FSDPGradientSync : public GradientSync {
  public:
   /// Syncs through the root `model`, which must outlive it.
-  explicit FsdpGradientSync(FullyShard model);
+  explicit FSDPGradientSync(FullyShard model);
   /// Backward accumulates full gradients without communicating while the
   /// guard lives.
   std::shared_ptr<void> skip_sync() override;

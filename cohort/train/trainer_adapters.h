@@ -4,7 +4,7 @@
 // sync for an optimizer that averages the gradients itself.
 //
 // Which sync goes with which optimizer:
-//   - ZeRO (stage 1 or 2) with cohort DDP: DdpGradientSync. At stage 1 DDP
+//   - ZeRO (stage 1 or 2) with cohort DDP: DDPGradientSync. At stage 1 DDP
 //     averages in backward and ZeRO steps its shard; at stage 2 DDP hands
 //     its reduction to ZeRO (reduce-scatter into the shards) and no_sync()
 //     keeps the non-final micro-batches local as usual;

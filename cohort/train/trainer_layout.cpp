@@ -32,7 +32,7 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
   return loss_sum / static_cast<double>(k);
 }
 
-void FsdpLayout::before_checkpoint() { root_.reshard(); }
+void FSDPLayout::before_checkpoint() { root_.reshard(); }
 
 void PipelineLayout::check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const {
   if (loss_fn) {

@@ -10,7 +10,7 @@
 //                    optimizer, all-reduce): the Trainer's LossFn per
 //                    micro-batch, all but the last under
 //                    GradientSync::skip_sync()
-//   FsdpLayout       FSDP's shards: a ReplicaLayout whose checkpoints hold
+//   FSDPLayout       FSDP's shards: a ReplicaLayout whose checkpoints hold
 //                    the shards (TrainerWiring::fsdp)
 //   PipelineLayout   a pipeline's stages on each rank (TrainerWiring::pipeline,
 //                    and ::mesh, whose stages are TP shards): one
@@ -99,10 +99,10 @@ class ReplicaLayout : public TrainerLayout {
 
 /// FSDP's shards on every rank: a checkpoint saves and loads the shards, so
 /// parameters an evaluation forward left gathered are resharded first.
-class FsdpLayout : public ReplicaLayout {
+class FSDPLayout : public ReplicaLayout {
  public:
   /// `sync` and `root` must outlive the layout.
-  FsdpLayout(GradientSync& sync, FullyShardImpl& root) : ReplicaLayout(sync), root_(root) {}
+  FSDPLayout(GradientSync& sync, FullyShardImpl& root) : ReplicaLayout(sync), root_(root) {}
   std::string describe() const override {
     return "FSDP (parameters and optimizer state sharded over the ranks)";
   }

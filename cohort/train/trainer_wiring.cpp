@@ -173,10 +173,10 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
       }
     }
   }
-  TrainerWiring wiring(comm, model.ptr(), std::make_unique<FsdpTrainerOptimizer>(optimizer),
-                       std::make_unique<FsdpGradientSync>(model));
+  TrainerWiring wiring(comm, model.ptr(), std::make_unique<FSDPTrainerOptimizer>(optimizer),
+                       std::make_unique<FSDPGradientSync>(model));
   wiring.fsdp_ = model.ptr();
-  wiring.layout_ = std::make_unique<FsdpLayout>(*wiring.sync_, *model);
+  wiring.layout_ = std::make_unique<FSDPLayout>(*wiring.sync_, *model);
   std::shared_ptr<FullyShardImpl> root = model.ptr();
   wiring.dcp_state_ = [root, opt = &optimizer](const dcp::Metadata* for_load) {
     return saving_or_loading(dcp::get_state_dict(*root, *opt), for_load);

@@ -51,7 +51,7 @@ class TrainerWiring {
                            torch::optim::Optimizer& optimizer) {
     TrainerWiring wiring(ddp.process_group(), ddp.module().ptr(),
                          std::make_unique<TorchOptimizer>(optimizer),
-                         std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
+                         std::make_unique<DDPGradientSync<ModuleHolder>>(ddp));
     wiring.set_replicated_state_dict(optimizer);
     wiring.mode_ = "DDP";
     wiring.set_leaves(ddp.reducer().options().determinism, ddp.reducer().options().leaves,
@@ -71,7 +71,7 @@ class TrainerWiring {
     }
     TrainerWiring wiring(ddp.process_group(), ddp.module().ptr(),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
-                         std::make_unique<DdpGradientSync<ModuleHolder>>(ddp));
+                         std::make_unique<DDPGradientSync<ModuleHolder>>(ddp));
     wiring.set_zero_state_dict(zero);
     wiring.mode_ = "ZeRO over DDP";
     // make(ddp, ...) checked that ZeRO has DDP's determinism and leaves.
