@@ -11,7 +11,9 @@
 # COHORT_DEBIAN13_ROOT=DIR keeps the root in DIR and reuses it on the next
 # run (its packages and its build/ folder), for developers; without it the
 # root is made fresh in /var/tmp and removed on exit. A COMMAND runs in the
-# checkout's copy instead of the suite, e.g. ./scripts/build.sh.
+# checkout's copy instead of the suite, e.g.
+#   bash -c './scripts/install-deps.sh && ./scripts/build.sh'
+# (a fresh root has no packages until install-deps.sh has run).
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 "$src/scripts/install-deps.sh"   # debootstrap among them
