@@ -262,16 +262,14 @@ void check_model(Mode mode, bool cnn) {
   }
 }
 
-// What check_fsdp runs against world 1: `worlds`, `steps` steps each (CI
-// time: the whole matrix of check_model, both models at 20 steps, passes
-// too but takes 75 s with threads as ranks; the README gives the figures).
+// What check_fsdp runs against world 1: `worlds`, `steps` steps each.
 // `control`: the negative control, world 1 against world 4 without the
 // option. `resume`: an elastic resume, steps / 2 at world 4, the state
 // saved (dcp), the rest at world 3 (leaves 12).
 struct FsdpCheck {
   int64_t leaves = 8;
   std::vector<int> worlds;
-  int steps = 10;
+  int steps = kSteps;
   bool control = false;
   bool resume = false;
 };
@@ -338,19 +336,23 @@ TEST(DdpDeterminism, Zero2TransformerBitwiseAtEveryWorld) {
   check_model<DetTransformer>(Mode::Zero2, false);
 }
 
-// The CNN (three units and BatchNorm) at the aligned worlds of L = 8, the
-// transformer (one unit) at worlds 3 and 6 of L = 12; both through an
-// elastic resume 4 -> 3 at L = 12.
-TEST(DdpDeterminism, FsdpCnnWithBatchNormBitwiseAtWorlds1248) {
-  check_fsdp<DetCnn>(true, {8, {2, 4, 8}, 10, true, false});
+// Both models (the CNN as three units with BatchNorm, the transformer as
+// one unit), 20 steps: at worlds 1, 2, 4, 8 with L = 8 (with the negative
+// control), at 1, 3, 6 with L = 12 and through an elastic resume 4 -> 3.
+TEST(FsdpDeterminism, CnnWithBatchNormBitwiseAtWorlds1248) {
+  check_fsdp<DetCnn>(true, {8, {2, 4, 8}, kSteps, true, false});
 }
 
-TEST(DdpDeterminism, FsdpCnnWithBatchNormBitwiseThroughResume4To3) {
-  check_fsdp<DetCnn>(true, {12, {}, 10, false, true});
+TEST(FsdpDeterminism, CnnWithBatchNormBitwiseAtWorlds136AndThroughResume4To3) {
+  check_fsdp<DetCnn>(true, {12, {3, 6}, kSteps, false, true});
 }
 
-TEST(DdpDeterminism, FsdpTransformerBitwiseAtWorlds136AndThroughResume4To3) {
-  check_fsdp<DetTransformer>(false, {12, {3, 6}, 10, false, true});
+TEST(FsdpDeterminism, TransformerBitwiseAtWorlds1248) {
+  check_fsdp<DetTransformer>(false, {8, {2, 4, 8}, kSteps, true, false});
+}
+
+TEST(FsdpDeterminism, TransformerBitwiseAtWorlds136AndThroughResume4To3) {
+  check_fsdp<DetTransformer>(false, {12, {3, 6}, kSteps, false, true});
 }
 
 TEST(DdpDeterminism, CanonicalNormIsTheSameBitsForEverySlicing) {

@@ -5,7 +5,7 @@
 // ZeRO-2 over DDP and FSDP wirings. Negative control: the same runs without
 // the option (the Trainer's no_sync accumulation, loss / k) differ between
 // worlds 1 and 4, and the test prints by how much. A wiring that cannot
-// honour the option (the all-reduce wiring, a pipeline), or one built
+// honour the option (the all-reduce wiring, a pipeline, the mesh), or one built
 // without it, refuses it on every rank.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -18,6 +18,8 @@
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/mesh/device_mesh.h"
+#include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/trainer.h"
@@ -203,6 +205,21 @@ TEST(TrainerDeterminism, RefusedWhereItCannotHold) {
            Trainer trainer(TrainerWiring::pipeline(rt, sgd), config);
          }),
          "a pipeline cannot honour it");
+  // The TP x PP x DP mesh (here dp 2 alone): its synchronizer averages each
+  // step's gradients in one all-reduce, not over leaves.
+  expect(refusals([&](std::shared_ptr<Communicator> comm) {
+           auto mesh = init_device_mesh(comm, {1, 2, 1}, {"pp", "dp", "tp"});
+           torch::nn::Sequential stage(torch::nn::Linear(2, 2));
+           GradientSynchronizer sync(mesh, stage.ptr(), {}, torch::Tensor());
+           auto mse = [](const pipeline::Tensors& out, const pipeline::Tensors& t) {
+             return torch::nn::functional::mse_loss(out[0], t[0]);
+           };
+           pipeline::PipelineRuntime rt(mesh["pp"], {pipeline::PipelineStage(0, stage)},
+                                        pipeline::Schedule1F1B(1, 2), mse);
+           torch::optim::SGD sgd(rt.parameters(), torch::optim::SGDOptions(0.1));
+           Trainer trainer(TrainerWiring::mesh(mesh, rt, sgd, sync), config);
+         }),
+         "a TP x PP x DP mesh cannot honour it");
 }
 
 }  // namespace
