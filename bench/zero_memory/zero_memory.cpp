@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
         zo.gather_algo = *algo;
       }
       if (ddp) {
-        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, comm, zo);
+        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, zo);
       } else {
         zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), opts,
                                                                           comm, zo);

@@ -155,6 +155,15 @@ void ZeroRedundancyOptimizer::take_over_reduction(GradientReducer& ddp) {
   shard_reducer_->take_over(ddp);
 }
 
+void ZeroRedundancyOptimizer::check_is_ddps(const std::shared_ptr<Communicator>& comm,
+                                            const GradientReducer& ddp) {
+  if (comm == ddp.process_group()) return;
+  throw InvalidArgument("ZeroRedundancyOptimizer::make on rank " +
+                        std::to_string(ddp.process_group()->rank()) +
+                        ": the communicator given is not DDP's; ZeRO over DDP runs over DDP's "
+                        "(make(ddp, defaults, options) takes it from DDP)");
+}
+
 void ZeroRedundancyOptimizer::check_determinism(const GradientReducer& ddp) const {
   const auto& d = ddp.options();
   const bool mine = options_.determinism == Determinism::WorldSizeInvariant;

@@ -9,7 +9,7 @@
 //   // With cohort DDP (DDP broadcasts, finds unused parameters, no_sync()):
 //   cohort::DistributedDataParallel<Net> ddp(model, comm);
 //   auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-//       ddp, torch::optim::AdamWOptions(1e-3), comm, {.stage = 2});
+//       ddp, torch::optim::AdamWOptions(1e-3), {.stage = 2});
 //   for (...) { zero->zero_grad(); loss(ddp).backward(); zero->step(); }
 //
 // How the state, the gradients (stage 1 alone or after DDP, stage 2 through
@@ -125,21 +125,33 @@ class ZeroRedundancyOptimizer {
 
   /// With cohort DDP (every rank passes its DistributedDataParallel model,
   /// or anything whose reducer() is a GradientReducer; the parameters are
-  /// ddp.parameters()): stage 1 reads DDP's averaged gradients, stage 2
-  /// takes over DDP's reduction. comm must be DDP's communicator. The DDP
-  /// model must outlive the optimizer.
+  /// ddp.parameters(), the communicator DDP's): stage 1 reads DDP's averaged
+  /// gradients, stage 2 takes over DDP's reduction. The DDP model must
+  /// outlive the optimizer.
   template <
       typename Opt, typename Options, typename Model,
       std::enable_if_t<std::is_same_v<decltype(std::declval<Model&>().reducer()), GradientReducer&>,
                        int> = 0>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(Model& ddp, const Options& defaults,
-                                                       std::shared_ptr<Communicator> comm,
                                                        ZeroOptions options = {}) {
     options.reduce_gradients = false;
-    auto zero = make<Opt>(ddp.parameters(), defaults, std::move(comm), options);
+    auto zero = make<Opt>(ddp.parameters(), defaults, ddp.reducer().process_group(), options);
     zero->check_determinism(ddp.reducer());
     if (options.stage == 2) zero->take_over_reduction(ddp.reducer());
     return zero;
+  }
+  /// The earlier spelling, kept for programs written against it: `comm` must
+  /// be DDP's own (InvalidArgument, naming the rank, otherwise).
+  template <
+      typename Opt, typename Options, typename Model,
+      std::enable_if_t<std::is_same_v<decltype(std::declval<Model&>().reducer()), GradientReducer&>,
+                       int> = 0>
+  [[deprecated("use make(ddp, defaults, options): the communicator is DDP's")]] static std::
+      unique_ptr<ZeroRedundancyOptimizer>
+      make(Model& ddp, const Options& defaults, std::shared_ptr<Communicator> comm,
+           ZeroOptions options = {}) {
+    check_is_ddps(comm, ddp.reducer());
+    return make<Opt>(ddp, defaults, options);
   }
 
   /// Stage 2 with reduce_gradients = false: from now on `ddp` reports ready
@@ -151,6 +163,8 @@ class ZeroRedundancyOptimizer {
   /// optimizer's determinism and leaf count, in this optimizer's parameter
   /// order. make(ddp, ...) calls it.
   void check_determinism(const GradientReducer& ddp) const;
+  /// InvalidArgument unless `comm` is `ddp`'s communicator.
+  static void check_is_ddps(const std::shared_ptr<Communicator>& comm, const GradientReducer& ddp);
 
   /// Collective, WorldSizeInvariant only: finishes the gradients, measures
   /// their global L2 norm in the canonical order (canonical_norm.h: the same

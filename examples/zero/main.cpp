@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
     zero_options.bucket_cap_mb = 1;
     // make(ddp, ...) makes ZeRO the owner of DDP's gradient reduction.
     auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-        ddp, torch::optim::AdamWOptions(1e-2), comm, zero_options);
+        ddp, torch::optim::AdamWOptions(1e-2), zero_options);
 
     double first = 0, last = 0;
     for (int step = 0; step < steps; ++step) {

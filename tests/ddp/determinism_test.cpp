@@ -91,7 +91,7 @@ std::vector<std::vector<torch::Tensor>> train(Mode mode, int world, int64_t leav
         opt->load(archive);
       }
     } else {
-      zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, adamw, comm, zero_options);
+      zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, adamw, zero_options);
       if (!from.zero.empty()) load_zero_state(*zero, from.zero);
     }
     ShardedGradNorm sharded(comm);
@@ -432,7 +432,7 @@ TEST(DdpDeterminism, RefusesWhatWouldReorderSums) {
     zo.determinism = Determinism::WorldSizeInvariant;
     zo.leaves = 8;
     EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-                     ddp, torch::optim::AdamWOptions(0.01), comm, zo),
+                     ddp, torch::optim::AdamWOptions(0.01), zo),
                  InvalidArgument);
     EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
                      ddp.parameters(), torch::optim::AdamWOptions(0.01), comm, zo),

@@ -56,7 +56,7 @@ void check_mode(Mode mode, int world) {
         break;
       case Mode::Zero2Ddp:
         zo.stage = 2;
-        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, comm, zo);
+        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, zo);
         wiring.emplace(TrainerWiring::ddp(*ddp, *zero));
         break;
       case Mode::Zero1Alone:

@@ -37,7 +37,7 @@ TEST(ZeroDdp, Stage2ReplacesDdpAllReduceAndHoldsOnlyTheShard) {
     o.find_unused_parameters = true;
     DistributedDataParallel<OptimNet> ddp(net, comm, o);
     {
-      auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, comm, stage2());
+      auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, stage2());
       EXPECT_FALSE(zero->options().reduce_gradients);
       for (size_t b = 0; b < ddp.reducer().bucket_layout().size(); ++b) {
         EXPECT_FALSE(ddp.reducer().bucket_buffer(b).defined());
@@ -94,6 +94,36 @@ TEST(ZeroDdp, RefusesWhatItCannotDo) {
   });
 }
 
+// The earlier make(ddp, defaults, comm, options) still compiles (deprecated)
+// and takes DDP's own communicator only; another one, even over the same
+// ranks, is refused on every rank rather than used beside DDP's.
+TEST(ZeroDdp, TheEarlierSpellingTakesOnlyDdpsCommunicator) {
+  torch::set_num_threads(1);
+  const Problem pb(2);
+  std::vector<std::string> errors(2);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    DistributedDataParallel<OptimNet> ddp(pb.make_net(), comm);
+    auto other = comm->new_group({0, 1});
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    auto same = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, comm, stage2());
+    same.reset();
+    try {
+      ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, other, stage2());
+    } catch (const InvalidArgument& e) {
+      errors[comm->rank()] = e.what();
+    }
+#pragma GCC diagnostic pop
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("on rank " + std::to_string(r) +
+                             ": the communicator given is not "
+                             "DDP's"),
+              std::string::npos)
+        << errors[r];
+  }
+}
+
 // k micro-batches per step: DDP + AdamW with no_sync() around all but the
 // last backward is the reference.
 constexpr int kMicro = 3;
@@ -141,7 +171,7 @@ TEST_P(ZeroAccumulation, Stage2WithAndWithoutDdpMatchesDdpNoSync) {
       std::unique_ptr<ZeroRedundancyOptimizer> zero;
       if (with_ddp) {
         ddp = std::make_unique<DistributedDataParallel<OptimNet>>(net, comm);
-        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, kOpts, comm, stage2());
+        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, kOpts, stage2());
       } else {
         zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kOpts, comm,
                                                                   stage2());

@@ -80,7 +80,7 @@ std::vector<std::vector<torch::Tensor>> train(Wiring w, int world, bool det, con
         zo.stage = 2;
         zo.determinism = config.determinism;
         zo.leaves = config.leaves;
-        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, adamw, comm, zo);
+        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, adamw, zo);
         wiring = TrainerWiring::ddp(*ddp, *zero);
       }
     }

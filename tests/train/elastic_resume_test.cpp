@@ -134,7 +134,7 @@ JobResult run_job(const Job& job) {
       zo.stage = job.mode == Mode::Zero1 ? 1 : 2;
       zo.reduce_gradients = false;  // DDP averages them (stage 2: through ZeRO)
       zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-          *ddp, torch::optim::AdamWOptions(1e-2), comm, zo);
+          *ddp, torch::optim::AdamWOptions(1e-2), zo);
     }
     auto wiring = [&] {
       if (fsdp) return TrainerWiring::fsdp(sharded, opt);

@@ -60,7 +60,7 @@ TrainRun train_run(Mode mode, int world, const testing::Synthetic& data) {
         wiring.emplace(TrainerWiring::ddp(*ddp, *adamw));
         break;
       case Mode::Zero2Ddp:
-        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, kAdamW, comm, zo);
+        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, kAdamW, zo);
         wiring.emplace(TrainerWiring::ddp(*ddp, *zero));
         break;
       case Mode::Zero2Alone:
@@ -191,7 +191,7 @@ TEST(TrainerWiring, RefusesAZeroBuiltForTheOtherPairing) {
     auto alone =
         ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm);
     EXPECT_THROW(TrainerWiring::ddp(ddp, *alone), InvalidArgument);
-    auto for_ddp = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW, comm);
+    auto for_ddp = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW);
     EXPECT_THROW(TrainerWiring::zero(net.ptr(), *for_ddp), InvalidArgument);
     EXPECT_NO_THROW(TrainerWiring::ddp(ddp, *for_ddp));
   });
