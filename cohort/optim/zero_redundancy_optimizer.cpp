@@ -8,6 +8,7 @@
 #include <numeric>
 #include <utility>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/grad_sync/canonical_norm.h"
 #include "cohort/grad_sync/flat_views.h"
@@ -157,10 +158,16 @@ void ZeroRedundancyOptimizer::take_over_reduction(GradientReducer& ddp) {
 
 void ZeroRedundancyOptimizer::check_is_ddps(const std::shared_ptr<Communicator>& comm,
                                             const GradientReducer& ddp) {
-  if (comm == ddp.process_group()) return;
-  throw InvalidArgument("ZeroRedundancyOptimizer::make on rank " +
-                        std::to_string(ddp.process_group()->rank()) +
-                        ": the communicator given is not DDP's; ZeRO over DDP runs over DDP's "
+  // Agreed first, so that a rank passing another communicator fails every
+  // rank rather than leaving the others waiting in ZeRO's first collective.
+  Communicator& group = *ddp.process_group();
+  const bool ddps = comm == ddp.process_group();
+  const std::string who =
+      "ZeroRedundancyOptimizer::make on rank " + std::to_string(group.rank()) + ": ";
+  agree_text(group, ddps ? "DDP's" : "another", who, "whether the communicator given is DDP's");
+  if (ddps) return;
+  throw InvalidArgument(who +
+                        "the communicator given is not DDP's; ZeRO over DDP runs over DDP's "
                         "(make(ddp, defaults, options) takes it from DDP)");
 }
 

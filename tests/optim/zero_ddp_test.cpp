@@ -100,27 +100,34 @@ TEST(ZeroDdp, RefusesWhatItCannotDo) {
 TEST(ZeroDdp, TheEarlierSpellingTakesOnlyDdpsCommunicator) {
   torch::set_num_threads(1);
   const Problem pb(2);
-  std::vector<std::string> errors(2);
+  std::vector<std::string> errors(2), mixed(2);
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     DistributedDataParallel<OptimNet> ddp(pb.make_net(), comm);
     auto other = comm->new_group({0, 1});
+    const auto make = [&](std::shared_ptr<Communicator> given, std::string& error) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-    auto same = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, comm, stage2());
-    same.reset();
-    try {
-      ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, other, stage2());
-    } catch (const InvalidArgument& e) {
-      errors[comm->rank()] = e.what();
-    }
+      try {
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, given, stage2());
+      } catch (const InvalidArgument& e) {
+        error = e.what();
+      }
 #pragma GCC diagnostic pop
+    };
+    std::string none;
+    make(comm, none);
+    EXPECT_EQ(none, "");
+    make(other, errors[comm->rank()]);
+    // Only rank 1 passes another: both ranks fail, neither waits.
+    make(comm->rank() == 1 ? other : comm, mixed[comm->rank()]);
   });
   for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[r].find("on rank " + std::to_string(r) +
-                             ": the communicator given is not "
-                             "DDP's"),
-              std::string::npos)
+    const std::string rank = "on rank " + std::to_string(r) + ": ";
+    EXPECT_NE(errors[r].find(rank + "the communicator given is not DDP's"), std::string::npos)
         << errors[r];
+    EXPECT_NE(mixed[r].find(rank + "ranks disagree on whether the communicator given is DDP's"),
+              std::string::npos)
+        << mixed[r];
   }
 }
 
