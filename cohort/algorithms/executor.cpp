@@ -60,6 +60,80 @@ std::vector<Algorithm> Executor::candidates(Collective op) {
   return c;
 }
 
+// Buffers per size, reused by every candidate: f32 sums, as training's
+// (zeros, but for the warm-up votes at the start of each rank's block:
+// repeated sums neither overflow nor turn denormal).
+struct Executor::ProbeBuffers {
+  at::Tensor in, out;
+  int64_t prepared = -1;  // the bytes they are sized for
+};
+
+double Executor::probe(Collective op, Algorithm algo, int64_t bytes, double vote,
+                       ProbeBuffers& buffers) {
+  const int p = engine_->size();
+  const int64_t n = std::max<int64_t>(bytes / 4 / p, 1) * p;
+  if (bytes != buffers.prepared) {
+    buffers.prepared = bytes;
+    if (op == Collective::AllReduce) {
+      buffers.in = at::zeros({n}, at::kFloat);
+    } else if (op == Collective::ReduceScatter) {
+      buffers.in = at::zeros({n}, at::kFloat);
+      buffers.out = at::empty({n / p}, at::kFloat);
+    } else {
+      buffers.in = at::zeros({n / p}, at::kFloat);
+      buffers.out = at::empty({n}, at::kFloat);
+    }
+  }
+  at::Tensor& in = buffers.in;
+  at::Tensor& out = buffers.out;
+  // The vote rides at the start of every rank's block; the sum of all
+  // ranks' votes is read back at the same places.
+  const int64_t block = n / p;
+  float* src = in.data_ptr<float>();
+  if (op == Collective::ReduceScatter) {
+    for (int k = 0; k < p; ++k) src[k * block] = static_cast<float>(vote);
+  } else {
+    src[0] = static_cast<float>(vote);
+  }
+  const std::string step = "calibration of " + to_string(op) + " (" + to_string(algo) + ")";
+  WorkPtr work;
+  std::vector<at::Tensor> parts;  // outlives the wait
+  if (algo == Algorithm::Engine) {
+    if (op == Collective::AllReduce) {
+      work = parent_.all_reduce(in, ReduceOp::Sum);
+    } else if (op == Collective::ReduceScatter) {
+      parts = chunks(in, p);
+      work = parent_.reduce_scatter(out, parts, ReduceOp::Sum);
+    } else {
+      parts = chunks(out, p);
+      work = parent_.all_gather(parts, in);
+    }
+  } else {
+    // The job holds its own handles: a timed-out wait leaves it running.
+    work = submit(step, options_.timeout, [this, op, algo, in, out](Link& link) mutable {
+      if (op == Collective::AllReduce) {
+        run_all_reduce(link, in, ReduceOp::Sum, algo);
+      } else if (op == Collective::ReduceScatter) {
+        run_reduce_scatter(link, out, in, ReduceOp::Sum, algo);
+      } else {
+        run_all_gather(link, out, in, algo);
+      }
+    });
+  }
+  try {
+    work->wait(options_.timeout);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError("cohort: " + step + " on rank " + std::to_string(engine_->rank()) + ": " +
+                       e.what());
+  }
+  if (op == Collective::AllReduce) return static_cast<double>(src[0]);
+  const float* dst = out.data_ptr<float>();
+  if (op == Collective::ReduceScatter) return static_cast<double>(dst[0]);
+  double sum = 0;
+  for (int k = 0; k < p; ++k) sum += dst[k * block];
+  return sum;
+}
+
 const Calibration& Executor::calibration(Collective op) {
   auto it = calibrations_.find(op);
   if (it != calibrations_.end()) return it->second;
@@ -75,79 +149,14 @@ const Calibration& Executor::calibration(Collective op) {
   // hand-off only the algorithms pay. The private engine is free for this
   // thread once the jobs issued before have run: the caller is the only
   // one issuing, and it is here.
-  submit("calibration of " + to_string(op) + " (earlier operations)", options_.timeout,
-         [](Link&) {})
-      ->wait(options_.timeout);
-  // Buffers per size, reused by every candidate: f32 sums, as training's
-  // (zeros, but for the warm-up votes at the start of each rank's block:
-  // repeated sums neither overflow nor turn denormal).
-  at::Tensor in, out;
-  int64_t prepared = -1;
-  const std::string what = "calibration of " + to_string(op);
+  submit("calibration of " + to_string(op) + " (earlier operations)", options_.timeout, [](Link&) {
+  })->wait(options_.timeout);
+  ProbeBuffers buffers;
   auto run = [&](Algorithm algo, int64_t bytes, double vote) {
-    const int p = engine_->size();
-    const int64_t n = std::max<int64_t>(bytes / 4 / p, 1) * p;
-    if (bytes != prepared) {
-      prepared = bytes;
-      if (op == Collective::AllReduce) {
-        in = at::zeros({n}, at::kFloat);
-      } else if (op == Collective::ReduceScatter) {
-        in = at::zeros({n}, at::kFloat);
-        out = at::empty({n / p}, at::kFloat);
-      } else {
-        in = at::zeros({n / p}, at::kFloat);
-        out = at::empty({n}, at::kFloat);
-      }
-    }
-    // The vote rides at the start of every rank's block; the sum of all
-    // ranks' votes is read back at the same places.
-    const int64_t block = n / p;
-    float* src = in.data_ptr<float>();
-    if (op == Collective::ReduceScatter) {
-      for (int k = 0; k < p; ++k) src[k * block] = static_cast<float>(vote);
-    } else {
-      src[0] = static_cast<float>(vote);
-    }
-    const std::string step = what + " (" + to_string(algo) + ")";
-    WorkPtr work;
-    std::vector<at::Tensor> parts;  // outlives the wait
-    if (algo == Algorithm::Engine) {
-      if (op == Collective::AllReduce) {
-        work = parent_.all_reduce(in, ReduceOp::Sum);
-      } else if (op == Collective::ReduceScatter) {
-        parts = chunks(in, p);
-        work = parent_.reduce_scatter(out, parts, ReduceOp::Sum);
-      } else {
-        parts = chunks(out, p);
-        work = parent_.all_gather(parts, in);
-      }
-    } else {
-      // The job holds its own handles: a timed-out wait leaves it running.
-      work = submit(step, options_.timeout, [this, op, algo, in, out](Link& link) mutable {
-        if (op == Collective::AllReduce) {
-          run_all_reduce(link, in, ReduceOp::Sum, algo);
-        } else if (op == Collective::ReduceScatter) {
-          run_reduce_scatter(link, out, in, ReduceOp::Sum, algo);
-        } else {
-          run_all_gather(link, out, in, algo);
-        }
-      });
-    }
-    try {
-      work->wait(options_.timeout);
-    } catch (const TimeoutError& e) {
-      throw TimeoutError("cohort: " + step + " on rank " + std::to_string(engine_->rank()) +
-                         ": " + e.what());
-    }
-    if (op == Collective::AllReduce) return static_cast<double>(src[0]);
-    const float* dst = out.data_ptr<float>();
-    if (op == Collective::ReduceScatter) return static_cast<double>(dst[0]);
-    double sum = 0;
-    for (int k = 0; k < p; ++k) sum += dst[k * block];
-    return sum;
+    return probe(op, algo, bytes, vote, buffers);
   };
-  return calibrations_[op] = calibrate(*engine_, *store_, op, candidates(op), run,
-                                       options_.timeout, options_.calibration_max_bytes);
+  return calibrations_[op] = calibrate(*engine_, *store_, op, candidates(op), run, options_.timeout,
+                                       options_.calibration_max_bytes);
 }
 
 Algorithm Executor::resolve(Collective op, Algorithm requested, int64_t bytes) {
@@ -161,9 +170,9 @@ Algorithm Executor::resolve(Collective op, Algorithm requested, int64_t bytes) {
 
 const Topology& Executor::topology() {
   if (!topology_) {
-    topology_ = std::make_unique<Topology>(exchange_topology(
-        *store_, engine_->rank(), engine_->size(), local_node_key(options_.node),
-        options_.timeout));
+    topology_ = std::make_unique<Topology>(
+        exchange_topology(*store_, engine_->rank(), engine_->size(), local_node_key(options_.node),
+                          options_.timeout));
   }
   return *topology_;
 }
@@ -190,8 +199,8 @@ void Executor::run_all_reduce(Link& link, at::Tensor& buf, ReduceOp op, Algorith
   }
 }
 
-void Executor::run_reduce_scatter(Link& link, at::Tensor& out, const at::Tensor& in,
-                                  ReduceOp op, Algorithm algo) {
+void Executor::run_reduce_scatter(Link& link, at::Tensor& out, const at::Tensor& in, ReduceOp op,
+                                  Algorithm algo) {
   const int p = link.size();
   const auto blocks = equal_spans(out.numel(), p);
   const auto& mine = blocks[static_cast<size_t>(link.rank())];
@@ -209,8 +218,7 @@ void Executor::run_reduce_scatter(Link& link, at::Tensor& out, const at::Tensor&
   out.copy_(work.narrow(0, mine.offset, mine.count));
 }
 
-void Executor::run_all_gather(Link& link, at::Tensor& out, const at::Tensor& in,
-                              Algorithm algo) {
+void Executor::run_all_gather(Link& link, at::Tensor& out, const at::Tensor& in, Algorithm algo) {
   const int p = link.size();
   if (algo == Algorithm::Engine) {
     auto outputs = chunks(out, p);

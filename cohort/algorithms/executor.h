@@ -53,6 +53,10 @@ class Executor {
  private:
   using Job = std::function<void(Link&)>;
   WorkPtr submit(std::string what, Millis timeout, Job job);
+  // One timed call of a calibration candidate (calibration()'s measure):
+  // `vote` summed over the ranks, read back from the result.
+  struct ProbeBuffers;
+  double probe(Collective op, Algorithm algo, int64_t bytes, double vote, ProbeBuffers& buffers);
   // Synchronous forms, run on the worker thread.
   void run_all_reduce(Link& link, at::Tensor& buf, ReduceOp op, Algorithm algo);
   void run_reduce_scatter(Link& link, at::Tensor& out, const at::Tensor& in, ReduceOp op,

@@ -144,6 +144,62 @@ void refuse_mpi_singletons(int mpi_size, const InitOptions& options) {
                     n + " -- PROGRAM` or `mpirun -n " + n + " PROGRAM`");
 }
 
+// Where rank 0's store listens: a Slurm step's, torchrun's variables
+// (env:// or no method), or a tcp:// URL.
+Endpoint rendezvous_endpoint(const std::string& method, const std::optional<slurm::Step>& step) {
+  Endpoint ep;
+  if ((method == "env://" || method.empty()) && step) {
+    ep.host = step->master_addr;
+    ep.port = step->master_port;
+  } else if (method == "env://" || method.empty()) {
+    ep.host = env::get("MASTER_ADDR").value_or("");
+    if (ep.host.empty()) {
+      throw ConfigError(
+          "environment variable MASTER_ADDR is not set; start the job with "
+          "cohortrun (or torchrun), or use init_method file:// or tcp://");
+    }
+    ep.port = env::require_int("MASTER_PORT", 1, 65535);
+  } else if (method.rfind("tcp://", 0) == 0) {
+    ep = parse_tcp(method);
+  } else {
+    throw ConfigError("init_method '" + method + "' is not env://, tcp:// or file://");
+  }
+  return ep;
+}
+
+// The job's TCP store, rank 0 serving it; this rank's claim on its RANK.
+std::shared_ptr<Store> open_tcp_store(const Endpoint& ep, int rank, Millis timeout) {
+  // cohortrun sets a per-job token; other launchers (or a user, for
+  // several nodes) may set one, and without one the store is open.
+  auto tcp = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0, timeout,
+                                        env::get("COHORT_STORE_TOKEN").value_or(""));
+  tcp->set_server_name("world rank 0");
+  // This store is new to this job: a second claim on a rank is a
+  // second process started with the same RANK.
+  const std::string claim = "cohort/init/rank-claims/" + std::to_string(rank);
+  if (tcp->add(claim, 1) > 1) {
+    throw ConfigError("RANK=" + std::to_string(rank) +
+                      " is used by more than one process (a duplicate RANK); every "
+                      "process needs its own RANK in [0, WORLD_SIZE)");
+  }
+  return tcp;
+}
+
+// Binds Gloo where the peers can reach this rank, and nowhere else.
+void choose_bind_address(ConnectOptions& co, const std::string& master_host, int world_size,
+                         const std::optional<slurm::Step>& step, const std::string& where) {
+  if (auto addr = env::get("COHORT_BIND_ADDR")) {
+    co.gloo.bind_address = *addr;
+  } else if (!master_host.empty() && !net::is_loopback(master_host)) {
+    co.gloo.bind_address = net::source_address_for(master_host);
+  } else if (co.gloo.interface.empty() && spans_hosts(world_size, step)) {
+    throw ConfigError(where +
+                      ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE, or a Slurm "
+                      "step on several nodes) but the rendezvous is local; set COHORT_BIND_ADDR or "
+                      "GLOO_SOCKET_IFNAME");
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
@@ -195,39 +251,9 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
     } else if (method.rfind("file://", 0) == 0) {
       store = make_file_store(method.substr(7), world_size, co.timeout);
     } else {
-      Endpoint ep;
-      if ((method == "env://" || method.empty()) && step) {
-        ep.host = step->master_addr;
-        ep.port = step->master_port;
-      } else if (method == "env://" || method.empty()) {
-        ep.host = env::get("MASTER_ADDR").value_or("");
-        if (ep.host.empty()) {
-          throw ConfigError(
-              "environment variable MASTER_ADDR is not set; start the job with "
-              "cohortrun (or torchrun), or use init_method file:// or tcp://");
-        }
-        ep.port = env::require_int("MASTER_PORT", 1, 65535);
-      } else if (method.rfind("tcp://", 0) == 0) {
-        ep = parse_tcp(method);
-      } else {
-        throw ConfigError("init_method '" + method + "' is not env://, tcp:// or file://");
-      }
+      const Endpoint ep = rendezvous_endpoint(method, step);
       master_host = ep.host;
-      // cohortrun sets a per-job token; other launchers (or a user, for
-      // several nodes) may set one, and without one the store is open.
-      auto tcp =
-          std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0, co.timeout,
-                                     env::get("COHORT_STORE_TOKEN").value_or(""));
-      tcp->set_server_name("world rank 0");
-      store = tcp;
-      // This store is new to this job: a second claim on a rank is a
-      // second process started with the same RANK.
-      const std::string claim = "cohort/init/rank-claims/" + std::to_string(rank);
-      if (store->add(claim, 1) > 1) {
-        throw ConfigError("RANK=" + std::to_string(rank) +
-                          " is used by more than one process (a duplicate RANK); every "
-                          "process needs its own RANK in [0, WORLD_SIZE)");
-      }
+      store = open_tcp_store(ep, rank, co.timeout);
     }
   } catch (const TimeoutError& e) {
     throw TimeoutError(where + ": rendezvous with rank 0 failed: " + e.what());
@@ -235,17 +261,7 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
     throw ConfigError(where + ": " + e.what());
   }
 
-  // Bind Gloo where the peers can reach us, and nowhere else.
-  if (auto addr = env::get("COHORT_BIND_ADDR")) {
-    co.gloo.bind_address = *addr;
-  } else if (!master_host.empty() && !net::is_loopback(master_host)) {
-    co.gloo.bind_address = net::source_address_for(master_host);
-  } else if (co.gloo.interface.empty() && spans_hosts(world_size, step)) {
-    throw ConfigError(where +
-                      ": the ranks span several hosts (LOCAL_WORLD_SIZE < WORLD_SIZE, or a Slurm "
-                      "step on several nodes) but the rendezvous is local; set COHORT_BIND_ADDR or "
-                      "GLOO_SOCKET_IFNAME");
-  }
+  choose_bind_address(co, master_host, world_size, step, where);
 
   try {
     g_world = connect(store, rank, world_size, co);

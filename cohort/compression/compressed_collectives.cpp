@@ -282,6 +282,142 @@ Message message(const at::Tensor& bytes, const Segment& seg, int j) {
                     seg.chunk_blocks[j].count);
 }
 
+// One int8_all_reduce: its buffers, its posted transfers, and the three
+// steps each segment goes through.
+class Int8AllReduce {
+ public:
+  Int8AllReduce(Communicator& comm, at::Tensor& buf, int64_t chunk, Int8ErrorFeedback* feedback,
+                int64_t segment_chunks)
+      : p_(comm.size()),
+        r_(comm.rank()),
+        chunk_(chunk),
+        transport_(comm, kCompressionTagBase),
+        link_(make_link(transport_, comm, "int8_all_reduce")) {
+    const int64_t n = buf.numel();
+    int64_t total_bytes = 0, owned = 0;
+    segments_ = plan_segments(n, chunk, segment_chunks, p_, r_, &total_bytes, &owned);
+    if (feedback) {
+      reset_if_sized_otherwise(feedback->worker, n);
+      reset_if_sized_otherwise(feedback->owner, owned);
+    }
+    x_ = buf.data_ptr<float>();
+    worker_error_ = feedback ? feedback->worker.data_ptr<float>() : nullptr;
+    owner_error_ = feedback ? feedback->owner.data_ptr<float>() : nullptr;
+    auto bytes = at::TensorOptions().dtype(at::kByte);
+    local_ = at::empty({total_bytes}, bytes);
+    gathered_ = at::empty({total_bytes}, bytes);
+    post_receives();
+  }
+
+  // A software pipeline over the segments: segment s is quantized and sent
+  // while s-1's chunks are averaged and s-2's averages are on the wire, so
+  // the arithmetic and both phases overlap instead of running in turn.
+  void run() {
+    const size_t count = segments_.size();
+    for (size_t s = 0; s < count + 2; ++s) {
+      if (s < count) start_phase1(s);
+      if (s >= 1 && s - 1 < count) start_phase2(s - 1);
+      if (s >= 2) finish(s - 2);
+    }
+  }
+
+ private:
+  at::Tensor slot(const at::Tensor& t, const Segment& seg, int j) const {
+    return t.narrow(0, seg.slot[j], seg.slot_bytes[j]);
+  }
+
+  // Every receive is posted up front, so no sender waits for a matching
+  // receive; tags keep the segments and phases apart.
+  void post_receives() {
+    const size_t count = segments_.size();
+    inbox_.resize(count);
+    phase1_.resize(count);
+    phase2_.resize(count);
+    auto bytes = at::TensorOptions().dtype(at::kByte);
+    for (size_t s = 0; s < count; ++s) {
+      const auto& seg = segments_[s];
+      inbox_[s] = at::empty({p_, seg.slot_bytes[r_]}, bytes);
+      for (int i = 0; i < p_; ++i) {
+        if (i == r_) continue;
+        if (seg.slot_bytes[r_] > 0) {
+          phase1_[s].push_back(link_.recv(inbox_[s][i], i, static_cast<int>(2 * s)));
+        }
+        if (seg.slot_bytes[i] > 0) {
+          phase2_[s].push_back(link_.recv(slot(gathered_, seg, i), i, static_cast<int>(2 * s + 1)));
+        }
+      }
+    }
+  }
+
+  // Phase 1 of segment s: quantize (+ worker error) and send each owner its
+  // chunks, one hop, so they are quantized once.
+  void start_phase1(size_t s) {
+    const auto& seg = segments_[s];
+    for (int j = 0; j < p_; ++j) {
+      const auto m = message(local_, seg, j);
+      const auto& b = seg.blocks[j];
+      quantize(x_ + b.offset, worker_error_ ? worker_error_ + b.offset : nullptr, b.count, chunk_,
+               m.codes, m.scales);
+      if (j != r_ && seg.slot_bytes[j] > 0) {
+        phase1_[s].push_back(link_.send(slot(local_, seg, j), j, static_cast<int>(2 * s)));
+      }
+    }
+  }
+
+  // Phase 2 of segment s: the owner averages its chunks in float32 (ranks in
+  // order), requantizes them (+ owner error) in place, and sends them to
+  // every rank (an all-gather as direct sends: (p-1)/p of the tensor per
+  // rank, as a ring's, without its p-1 dependent steps).
+  void start_phase2(size_t s) {
+    const auto& seg = segments_[s];
+    link_.wait_all(phase1_[s]);
+    std::vector<const int8_t*> codes;
+    std::vector<const float*> scales;
+    for (int i = 0; i < p_; ++i) {
+      const auto m = i == r_ ? message(local_, seg, r_)
+                             : message_at(static_cast<uint8_t*>(inbox_[s][i].data_ptr()),
+                                          seg.chunk_blocks[r_].count);
+      codes.push_back(m.codes);
+      scales.push_back(m.scales);
+    }
+    const auto own = message(local_, seg, r_);
+    average_and_requantize(codes, scales, seg.blocks[r_].count, chunk_, 1.0f / p_,
+                           owner_error_ ? owner_error_ + seg.owner_error_offset : nullptr,
+                           own.codes, own.scales);
+    for (int j = 0; j < p_; ++j) {
+      if (j != r_ && seg.slot_bytes[r_] > 0) {
+        phase2_[s].push_back(link_.send(slot(local_, seg, r_), j, static_cast<int>(2 * s + 1)));
+      }
+    }
+  }
+
+  // Segment s's averages are in: every owner's chunks, dequantized into x.
+  void finish(size_t s) {
+    const auto& seg = segments_[s];
+    link_.wait_all(phase2_[s]);
+    for (int j = 0; j < p_; ++j) {
+      const auto m = message(j == r_ ? local_ : gathered_, seg, j);
+      dequantize_sum({m.codes}, {m.scales}, seg.blocks[j].count, chunk_, 1.0f,
+                     x_ + seg.blocks[j].offset);
+    }
+  }
+
+  const int p_, r_;
+  const int64_t chunk_;
+  CommunicatorPointToPoint transport_;
+  Link link_;
+  std::vector<Segment> segments_;
+  float* x_ = nullptr;
+  float* worker_error_ = nullptr;
+  float* owner_error_ = nullptr;
+  // `local_` holds this rank's quantized chunks (phase 1 sends) and, in its
+  // own slots, the requantized average (phase 2 sends); `gathered_` receives
+  // the other owners' averages; `inbox_` the other ranks' chunks of ours.
+  at::Tensor local_, gathered_;
+  std::vector<at::Tensor> inbox_;
+  std::vector<std::vector<Link::Pending>> phase1_, phase2_;
+};
+
 }  // namespace
 
 void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
@@ -290,106 +426,13 @@ void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
   if (chunk < 1 || segment_chunks < 1) {
     throw InvalidArgument("cohort: int8_all_reduce needs chunk >= 1 and segment_chunks >= 1");
   }
-  const int p = comm.size(), r = comm.rank();
+  const int p = comm.size();
   const int64_t n = buf.numel();
   if (n == 0) return;
   // Small tensors get smaller chunks, so that every rank owns one (else one
   // owner would receive and send the whole tensor).
   chunk = std::min(chunk, (n + p - 1) / p);
-  int64_t total_bytes = 0, owned = 0;
-  const auto segments = plan_segments(n, chunk, segment_chunks, p, r, &total_bytes, &owned);
-  if (feedback) {
-    reset_if_sized_otherwise(feedback->worker, n);
-    reset_if_sized_otherwise(feedback->owner, owned);
-  }
-  float* x = buf.data_ptr<float>();
-  float* worker_error = feedback ? feedback->worker.data_ptr<float>() : nullptr;
-  float* owner_error = feedback ? feedback->owner.data_ptr<float>() : nullptr;
-  // `local` holds this rank's quantized chunks (phase 1 sends) and, in its
-  // own slots, the requantized average (phase 2 sends); `gathered` receives
-  // the other owners' averages; `inbox` the other ranks' chunks of ours.
-  auto bytes = at::TensorOptions().dtype(at::kByte);
-  at::Tensor local = at::empty({total_bytes}, bytes), gathered = at::empty({total_bytes}, bytes);
-  std::vector<at::Tensor> inbox(segments.size());
-  CommunicatorPointToPoint transport(comm, kCompressionTagBase);
-  auto link = make_link(transport, comm, "int8_all_reduce");
-  auto slot = [](const at::Tensor& t, const Segment& seg, int j) {
-    return t.narrow(0, seg.slot[j], seg.slot_bytes[j]);
-  };
-  // Every receive is posted up front, so no sender waits for a matching
-  // receive; tags keep the segments and phases apart.
-  std::vector<std::vector<Link::Pending>> phase1(segments.size()), phase2(segments.size());
-  for (size_t s = 0; s < segments.size(); ++s) {
-    const auto& seg = segments[s];
-    inbox[s] = at::empty({p, seg.slot_bytes[r]}, bytes);
-    for (int i = 0; i < p; ++i) {
-      if (i == r) continue;
-      if (seg.slot_bytes[r] > 0) {
-        phase1[s].push_back(link.recv(inbox[s][i], i, static_cast<int>(2 * s)));
-      }
-      if (seg.slot_bytes[i] > 0) {
-        phase2[s].push_back(link.recv(slot(gathered, seg, i), i, static_cast<int>(2 * s + 1)));
-      }
-    }
-  }
-  // Phase 1 of segment s: quantize (+ worker error) and send each owner its
-  // chunks, one hop, so they are quantized once.
-  auto start_phase1 = [&](size_t s) {
-    const auto& seg = segments[s];
-    for (int j = 0; j < p; ++j) {
-      const auto m = message(local, seg, j);
-      const auto& b = seg.blocks[j];
-      quantize(x + b.offset, worker_error ? worker_error + b.offset : nullptr, b.count, chunk,
-               m.codes, m.scales);
-      if (j != r && seg.slot_bytes[j] > 0) {
-        phase1[s].push_back(link.send(slot(local, seg, j), j, static_cast<int>(2 * s)));
-      }
-    }
-  };
-  // Phase 2 of segment s: the owner averages its chunks in float32 (ranks in
-  // order), requantizes them (+ owner error) in place, and sends them to
-  // every rank (an all-gather as direct sends: (p-1)/p of the tensor per
-  // rank, as a ring's, without its p-1 dependent steps).
-  auto start_phase2 = [&](size_t s) {
-    const auto& seg = segments[s];
-    link.wait_all(phase1[s]);
-    std::vector<const int8_t*> codes;
-    std::vector<const float*> scales;
-    for (int i = 0; i < p; ++i) {
-      const auto m = i == r ? message(local, seg, r)
-                            : message_at(static_cast<uint8_t*>(inbox[s][i].data_ptr()),
-                                         seg.chunk_blocks[r].count);
-      codes.push_back(m.codes);
-      scales.push_back(m.scales);
-    }
-    const auto own = message(local, seg, r);
-    average_and_requantize(codes, scales, seg.blocks[r].count, chunk, 1.0f / p,
-                           owner_error ? owner_error + seg.owner_error_offset : nullptr, own.codes,
-                           own.scales);
-    for (int j = 0; j < p; ++j) {
-      if (j != r && seg.slot_bytes[r] > 0) {
-        phase2[s].push_back(link.send(slot(local, seg, r), j, static_cast<int>(2 * s + 1)));
-      }
-    }
-  };
-  auto finish = [&](size_t s) {
-    const auto& seg = segments[s];
-    link.wait_all(phase2[s]);
-    for (int j = 0; j < p; ++j) {
-      const auto m = message(j == r ? local : gathered, seg, j);
-      dequantize_sum({m.codes}, {m.scales}, seg.blocks[j].count, chunk, 1.0f,
-                     x + seg.blocks[j].offset);
-    }
-  };
-  // A software pipeline over the segments: segment s is quantized and sent
-  // while s-1's chunks are averaged and s-2's averages are on the wire, so
-  // the arithmetic and both phases overlap instead of running in turn.
-  const size_t count = segments.size();
-  for (size_t s = 0; s < count + 2; ++s) {
-    if (s < count) start_phase1(s);
-    if (s >= 1 && s - 1 < count) start_phase2(s - 1);
-    if (s >= 2) finish(s - 2);
-  }
+  Int8AllReduce(comm, buf, chunk, feedback, segment_chunks).run();
 }
 
 }  // namespace cohort::compression

@@ -115,6 +115,49 @@ void FullyShardImpl::hold(const std::string& unit) {
   }
 }
 
+FullyShardImpl::OwnParameters FullyShardImpl::describe_unit(const torch::nn::Module& inner,
+                                                            fsdp::UnitRecord& record) {
+  // Parameters an inner unit holds, and the unit's path; the inner units'
+  // digests in pre-order.
+  std::vector<int64_t> inner_digests;
+  std::map<const void*, std::string> held;
+  for (const auto& m : inner.named_modules("", /*include_self=*/false)) {
+    auto* unit = dynamic_cast<FullyShardImpl*>(m.value().get());
+    if (!unit) continue;
+    ++record.units;
+    inner_digests.push_back(static_cast<int64_t>(unit->digest_));
+    if (!unit->group_) continue;
+    for (const auto& p : unit->group_->params()) held[p.unsafeGetTensorImpl()] = m.key();
+  }
+  record.inner = fnv1a_words(inner_digests);
+  OwnParameters own;
+  std::set<const void*> seen;
+  std::vector<int64_t> shapes;
+  for (const auto& p : inner.named_parameters()) {
+    const void* impl = p.value().unsafeGetTensorImpl();
+    auto it = held.find(impl);
+    if (it != held.end()) {
+      if (p.key().rfind(it->second + ".", 0) != 0 && record.refusal.empty()) {
+        record.refusal = "parameter '" + p.key() + "' is also held by the unit '" + it->second +
+                         "'; a parameter shared by two units must belong to a unit that holds "
+                         "both (wrap only their common parent)";
+      }
+      continue;
+    }
+    if (!seen.insert(impl).second) continue;  // tied within this unit: held once
+    if (record.refusal.empty()) record.refusal = held_elsewhere(impl, p.key());
+    own.params.push_back(p.value());
+    own.names.push_back(p.key());
+    shapes.push_back(static_cast<int64_t>(p.value().scalar_type()));
+    shapes.push_back(p.value().dim());
+    for (auto s : p.value().sizes()) shapes.push_back(s);
+    record.numel += p.value().numel();
+  }
+  record.params = static_cast<int64_t>(own.params.size());
+  record.shapes = fnv1a_words(shapes);
+  return own;
+}
+
 void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
                            const DeviceMesh& mesh) {
   const std::string where_name = "fully_shard(" + inner->name() + ")";
@@ -152,49 +195,11 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
   }
   for (const auto& b : inner->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
 
-  // Parameters an inner unit holds, and the unit's path; the inner units'
-  // digests in pre-order.
   fsdp::UnitRecord record;
   record.module = inner->name();
   record.reshard_after_forward = options_.reshard_after_forward;
   record.policy = options_.mp_policy;
-  std::vector<int64_t> inner_digests;
-  std::map<const void*, std::string> held;
-  for (const auto& m : inner->named_modules("", /*include_self=*/false)) {
-    auto* unit = dynamic_cast<FullyShardImpl*>(m.value().get());
-    if (!unit) continue;
-    ++record.units;
-    inner_digests.push_back(static_cast<int64_t>(unit->digest_));
-    if (!unit->group_) continue;
-    for (const auto& p : unit->group_->params()) held[p.unsafeGetTensorImpl()] = m.key();
-  }
-  record.inner = fnv1a_words(inner_digests);
-  std::vector<torch::Tensor> own;
-  std::vector<std::string> names;
-  std::set<const void*> seen;
-  std::vector<int64_t> shapes;
-  for (const auto& p : inner->named_parameters()) {
-    const void* impl = p.value().unsafeGetTensorImpl();
-    auto it = held.find(impl);
-    if (it != held.end()) {
-      if (p.key().rfind(it->second + ".", 0) != 0 && record.refusal.empty()) {
-        record.refusal = "parameter '" + p.key() + "' is also held by the unit '" + it->second +
-                         "'; a parameter shared by two units must belong to a unit that holds "
-                         "both (wrap only their common parent)";
-      }
-      continue;
-    }
-    if (!seen.insert(impl).second) continue;  // tied within this unit: held once
-    if (record.refusal.empty()) record.refusal = held_elsewhere(impl, p.key());
-    own.push_back(p.value());
-    names.push_back(p.key());
-    shapes.push_back(static_cast<int64_t>(p.value().scalar_type()));
-    shapes.push_back(p.value().dim());
-    for (auto s : p.value().sizes()) shapes.push_back(s);
-    record.numel += p.value().numel();
-  }
-  record.params = static_cast<int64_t>(own.size());
-  record.shapes = fnv1a_words(shapes);
+  auto [own, names] = describe_unit(*inner, record);
   digest_ = record.digest();
   // Before anything is sharded or sent: every rank of the mesh wraps the
   // same unit (its replicas too).

@@ -40,6 +40,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/fsdp/fsdp_state.h"
@@ -50,6 +51,9 @@
 #include "cohort/mesh/device_mesh.h"
 
 namespace cohort {
+namespace fsdp {
+struct UnitRecord;
+}  // namespace fsdp
 
 /// How a unit shards (FSDP2's fully_shard arguments).
 struct FullyShardOptions {
@@ -158,6 +162,13 @@ class FullyShardImpl : public torch::nn::Module {
 
  private:
   void adopt(const std::shared_ptr<torch::nn::Module>& inner, const DeviceMesh& mesh);
+  // The parameters this unit holds itself (an inner unit's are not; a tied
+  // one once), described in `record` with the inner units' digests.
+  struct OwnParameters {
+    std::vector<torch::Tensor> params;
+    std::vector<std::string> names;
+  };
+  static OwnParameters describe_unit(const torch::nn::Module& inner, fsdp::UnitRecord& record);
   // Records the group's parameters as held by this unit (`unit` describes it).
   void hold(const std::string& unit);
   // Builds the root's schedule over every unit inside it (first forward).

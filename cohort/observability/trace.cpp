@@ -105,6 +105,27 @@ void write_number(std::ostream& os, double v) {
   os << buf;
 }
 
+// Writes `text` aside and renames it onto `path`: a reader never sees half
+// a file, and rename() replaces whatever is at path (a symlink included)
+// without following it. std::system_error on failure, nothing left aside.
+void replace_file(const std::string& path, int rank, const std::string& text) {
+  auto [fd, tmp] = create_aside(path, rank);
+  try {
+    // mkostemp made it 0600; a trace is read by whoever merges the timelines.
+    ::fchmod(fd, 0644);
+    write_all(fd, text);
+    if (::close(fd) != 0) throw std::system_error(errno, std::generic_category());
+    fd = -1;
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      throw std::system_error(errno, std::generic_category());
+    }
+  } catch (const std::system_error&) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+}
+
 }  // namespace
 
 Tracer::Tracer(int rank, int world_size, std::string path, size_t max_events)
@@ -171,6 +192,47 @@ size_t Tracer::dropped_events() const {
   return dropped_;
 }
 
+void Tracer::write_event(std::ostream& os, const Event& e, int pid) {
+  auto head = [&](char phase, int64_t ts) {
+    os << ",\n{\"ph\":\"" << phase << "\",\"name\":";
+    write_string(os, e.name);
+    os << ",\"cat\":\"" << e.category << "\",\"pid\":" << pid << ",\"tid\":" << e.tid << ",\"ts\":";
+    write_us(os, ts);
+  };
+  auto args = [&] {
+    os << ",\"args\":{";
+    for (size_t i = 0; i < e.args.size(); ++i) {
+      if (i) os << ',';
+      write_string(os, e.args[i].key);
+      os << ':';
+      if (e.args[i].is_number) {
+        write_number(os, e.args[i].number);
+      } else {
+        write_string(os, e.args[i].text);
+      }
+    }
+    os << '}';
+  };
+  if (e.phase == 'b') {
+    head('b', e.ts_ns);
+    os << ",\"id\":" << e.id;
+    args();
+    os << '}';
+    head('e', e.ts_ns + e.dur_ns);
+    os << ",\"id\":" << e.id << '}';
+  } else {
+    head(e.phase, e.ts_ns);
+    if (e.phase == 'X') {
+      os << ",\"dur\":";
+      write_us(os, e.dur_ns);
+    } else {
+      os << ",\"s\":\"t\"";
+    }
+    args();
+    os << '}';
+  }
+}
+
 void Tracer::flush() {
   std::ostringstream os;
   {
@@ -180,47 +242,7 @@ void Tracer::flush() {
        << ",\"tid\":0,\"args\":{\"name\":\"rank " << rank_ << "\"}},\n";
     os << "{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":" << rank_
        << ",\"tid\":0,\"args\":{\"sort_index\":" << rank_ << "}}";
-    for (const auto& e : events_) {
-      auto head = [&](char phase, int64_t ts) {
-        os << ",\n{\"ph\":\"" << phase << "\",\"name\":";
-        write_string(os, e.name);
-        os << ",\"cat\":\"" << e.category << "\",\"pid\":" << rank_ << ",\"tid\":" << e.tid
-           << ",\"ts\":";
-        write_us(os, ts);
-      };
-      auto args = [&] {
-        os << ",\"args\":{";
-        for (size_t i = 0; i < e.args.size(); ++i) {
-          if (i) os << ',';
-          write_string(os, e.args[i].key);
-          os << ':';
-          if (e.args[i].is_number) {
-            write_number(os, e.args[i].number);
-          } else {
-            write_string(os, e.args[i].text);
-          }
-        }
-        os << '}';
-      };
-      if (e.phase == 'b') {
-        head('b', e.ts_ns);
-        os << ",\"id\":" << e.id;
-        args();
-        os << '}';
-        head('e', e.ts_ns + e.dur_ns);
-        os << ",\"id\":" << e.id << '}';
-      } else {
-        head(e.phase, e.ts_ns);
-        if (e.phase == 'X') {
-          os << ",\"dur\":";
-          write_us(os, e.dur_ns);
-        } else {
-          os << ",\"s\":\"t\"";
-        }
-        args();
-        os << '}';
-      }
-    }
+    for (const auto& e : events_) write_event(os, e, rank_);
     if (dropped_ > 0) {
       // One process-wide mark where the trace stops being complete; the
       // summary reads its count.
@@ -238,22 +260,9 @@ void Tracer::flush() {
     write_number(os, round_trip_us_);
     os << "}}\n";
   }
-  // Written aside and renamed: a reader never sees half a file, and
-  // rename() replaces whatever is at path_ (a symlink included) without
-  // following it.
-  auto [fd, tmp] = create_aside(path_, rank_);
   try {
-    // mkostemp made it 0600; a trace is read by whoever merges the timelines.
-    ::fchmod(fd, 0644);
-    write_all(fd, os.str());
-    if (::close(fd) != 0) throw std::system_error(errno, std::generic_category());
-    fd = -1;
-    if (::rename(tmp.c_str(), path_.c_str()) != 0) {
-      throw std::system_error(errno, std::generic_category());
-    }
+    replace_file(path_, rank_, os.str());
   } catch (const std::system_error& e) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
     throw Error("cohort: rank " + std::to_string(rank_) + ": cannot write the trace " + path_ +
                 ": " + e.code().message());
   }

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -113,6 +114,8 @@ class Tracer {
     std::vector<TraceArg> args;
   };
   void add(Event e);
+  // One event as Chrome trace JSON (an async span as its begin and end).
+  static void write_event(std::ostream& os, const Event& e, int pid);
 
   const int rank_;
   const int world_size_;
