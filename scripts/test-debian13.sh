@@ -119,13 +119,19 @@ printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
 chmod 755 "$root/usr/sbin/policy-rc.d"
 
 # The checkout as git sees it (tracked and untracked files, not ignored
-# ones such as build/), and its .git so the FetchContent check can clone it.
-# A kept root keeps its build/ folder and gets everything else afresh.
+# ones such as build/), and a repository so the FetchContent check can
+# clone it. The repository is a clone, not a copy of .git: git writes into
+# .git while it runs (an index refresh), and CI's other lane runs git at
+# the same time. A kept root keeps its build/ folder and gets everything
+# else afresh.
 dest=$root/cohort
 mkdir -p "$dest"
 find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
-{ git -C "$src" ls-files -z --cached --others --exclude-standard; printf '.git\0'; } |
+git -C "$src" ls-files -z --cached --others --exclude-standard |
   tar -C "$src" --null -T - -c | tar -C "$dest" -x
+git clone -q --no-checkout "$src" "$dest/.clone"
+mv "$dest/.clone/.git" "$dest/.git" && rmdir "$dest/.clone"
+git -C "$dest" reset -q   # the index from HEAD; the files stay as copied
 
 # UCX and Open MPI put their shared memory in /dev/shm and read the
 # topology from /proc and /sys.

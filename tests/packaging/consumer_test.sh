@@ -85,7 +85,7 @@ grep -q '^COHORT_BUILD_TESTS:BOOL=OFF' "$work/subdir/CMakeCache.txt" ||
 cmake --build "$work/subdir" --target CMakeFiles/cohort_consumer.dir/consumer.cpp.o ||
   fail "compile through add_subdirectory"
 step "FetchContent(cohort) configure and compile"
-if [ -n "$(git -C "$src" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+if [ -n "$(GIT_OPTIONAL_LOCKS=0 git -C "$src" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
   echo "skipped: the source tree has uncommitted changes, and FetchContent would fetch HEAD"
 elif head=$(git -C "$src" rev-parse HEAD 2>/dev/null); then
   cmake -S "$consumer" -B "$work/fetch" "${config[@]}" -DCOHORT_GIT_REPOSITORY="$src" \
