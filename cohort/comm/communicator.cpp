@@ -289,6 +289,12 @@ Work Communicator::barrier(const BarrierOptions& opts) {
 }
 
 Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendOptions& opts) {
+  if (detail::on_device(caller_tensor)) {
+    auto s = detail::staging(*this, "send");
+    auto host = s.read(caller_tensor, "tensor");
+    s.ready();
+    return s.finish(send(host, dst, opts));
+  }
   auto tensor = detail::data_of(caller_tensor);
   auto call = begin("send", opts.timeout, {dst});
   check_peer(call, dst);
@@ -301,6 +307,12 @@ Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendO
 }
 
 Work Communicator::recv(torch::Tensor& caller_tensor, int src, const RecvOptions& opts) {
+  if (detail::on_device(caller_tensor)) {
+    auto s = detail::staging(*this, "recv");
+    auto host = s.write(caller_tensor, "tensor");
+    s.ready();
+    return s.finish(recv(host, src, opts));
+  }
   auto tensor = detail::data_of(caller_tensor);
   auto call = begin("recv", opts.timeout, {src});
   check_peer(call, src);

@@ -3,8 +3,10 @@
 //
 // Names follow torch.distributed (all_reduce, all_gather_into_tensor,
 // reduce_scatter_tensor, all_to_all_single, new_group, ...). Tensors must be
-// dense, contiguous CPU tensors of float32, float64, float16, bfloat16, int32,
-// int64 or uint8; anything else is refused before a byte is sent.
+// dense, contiguous CPU or CUDA tensors of float32, float64, float16,
+// bfloat16, int32, int64 or uint8; anything else is refused before a byte
+// is sent. CUDA tensors travel through pinned host memory
+// (device_staging.h).
 //
 // A communicator is used from one thread at a time per group, and every rank
 // of a group must issue the group's collectives in the same order (as in

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/communicator.h"
+#include "cohort/comm/device_staging.h"
 #include "cohort/core/algorithm.h"
 #include "cohort/core/engine.h"
 #include "cohort/core/signature.h"
@@ -96,6 +98,20 @@ Tensors& data_of(Tensors& ts, std::vector<torch::Tensor>& aliases) {
   aliases.clear();
   for (const auto& t : ts) aliases.push_back(data_of(t));
   return aliases;
+}
+
+// The staging of `op`'s CUDA tensors through host memory on `comm`
+// (device_staging.h): each public operation given one stages them and runs
+// itself again on the host tensors.
+inline DeviceStaging staging(const Communicator& comm, const char* op) {
+  return DeviceStaging([&comm, op] {
+    OpContext ctx;
+    ctx.op = op;
+    ctx.group = comm.name();
+    ctx.rank = comm.rank();
+    ctx.size = comm.size();
+    return ctx.describe();
+  });
 }
 
 // The bytes a tensor holds (what a trace event's "bytes" names).

@@ -27,6 +27,12 @@ WorkPtr nothing_to_move(Engine& engine, int size, const Signature& s) {
 }  // namespace
 
 Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOptions& opts) {
+  if (detail::on_device(caller_tensor)) {
+    auto s = detail::staging(*this, "broadcast");
+    auto host = s.write(caller_tensor, "tensor", /*also_read=*/rank_ == opts.root);
+    s.ready();
+    return s.finish(broadcast(host, opts));
+  }
   auto tensor = detail::data_of(caller_tensor);
   auto call = begin_collective("broadcast", opts.timeout);
   check_root(call, opts.root);
@@ -43,6 +49,16 @@ Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOption
 
 Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                        const BroadcastOptions& opts) {
+  if (detail::any_on_device(caller_tensors)) {
+    auto s = detail::staging(*this, "broadcast_coalesced");
+    std::vector<torch::Tensor> host;
+    for (size_t i = 0; i < caller_tensors.size(); ++i) {
+      host.push_back(
+          s.write(caller_tensors[i], "tensors[" + std::to_string(i) + "]", rank_ == opts.root));
+    }
+    s.ready();
+    return s.finish(broadcast_coalesced(host, opts));
+  }
   std::vector<torch::Tensor> tensors_aliases;
   auto& tensors = detail::data_of(caller_tensors, tensors_aliases);
   auto call = begin_collective("broadcast_coalesced", opts.timeout);
@@ -90,6 +106,13 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensor
 
 Work Communicator::all_gather(std::vector<torch::Tensor>& caller_outputs,
                               const torch::Tensor& caller_input, const AllGatherOptions& opts) {
+  if (detail::any_on_device(caller_outputs) || detail::on_device(caller_input)) {
+    auto s = detail::staging(*this, "all_gather");
+    auto out = s.write(caller_outputs, "outputs");
+    auto in = s.read(caller_input, "input");
+    s.ready();
+    return s.finish(all_gather(out, in, opts));
+  }
   std::vector<torch::Tensor> outputs_aliases;
   auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
   auto input = detail::data_of(caller_input);
@@ -111,6 +134,13 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& caller_outputs,
 Work Communicator::all_gather_into_tensor(torch::Tensor& caller_output,
                                           const torch::Tensor& caller_input,
                                           const AllGatherOptions& opts) {
+  if (detail::on_device(caller_output) || detail::on_device(caller_input)) {
+    auto s = detail::staging(*this, "all_gather_into_tensor");
+    auto out = s.write(caller_output, "output");
+    auto in = s.read(caller_input, "input");
+    s.ready();
+    return s.finish(all_gather_into_tensor(out, in, opts));
+  }
   auto output = detail::data_of(caller_output);
   auto input = detail::data_of(caller_input);
   auto call = begin_collective("all_gather_into_tensor", opts.timeout);
@@ -169,6 +199,15 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
 
 Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
                           const torch::Tensor& caller_input, const GatherOptions& opts) {
+  if (detail::on_device(caller_input) ||
+      (rank_ == opts.root && detail::any_on_device(caller_outputs))) {
+    auto s = detail::staging(*this, "gather");
+    // Off the root the outputs are ignored, and left as they are.
+    auto out = rank_ == opts.root ? s.write(caller_outputs, "outputs") : caller_outputs;
+    auto in = s.read(caller_input, "input");
+    s.ready();
+    return s.finish(gather(out, in, opts));
+  }
   std::vector<torch::Tensor> outputs_aliases;
   auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
   auto input = detail::data_of(caller_input);
@@ -193,6 +232,14 @@ Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
 Work Communicator::scatter(torch::Tensor& caller_output,
                            const std::vector<torch::Tensor>& caller_inputs,
                            const ScatterOptions& opts) {
+  if (detail::on_device(caller_output) ||
+      (rank_ == opts.root && detail::any_on_device(caller_inputs))) {
+    auto s = detail::staging(*this, "scatter");
+    auto out = s.write(caller_output, "output");
+    auto in = rank_ == opts.root ? s.read(caller_inputs, "inputs") : caller_inputs;
+    s.ready();
+    return s.finish(scatter(out, in, opts));
+  }
   auto output = detail::data_of(caller_output);
   std::vector<torch::Tensor> inputs_aliases;
   auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
@@ -219,6 +266,14 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
                                      std::vector<int64_t> output_split_sizes,
                                      std::vector<int64_t> input_split_sizes,
                                      const AllToAllOptions& opts) {
+  if (detail::on_device(caller_output) || detail::on_device(caller_input)) {
+    auto s = detail::staging(*this, "all_to_all_single");
+    auto out = s.write(caller_output, "output");
+    auto in = s.read(caller_input, "input");
+    s.ready();
+    return s.finish(all_to_all_single(out, in, std::move(output_split_sizes),
+                                      std::move(input_split_sizes), opts));
+  }
   auto output = detail::data_of(caller_output);
   auto input = detail::data_of(caller_input);
   auto call = begin_collective("all_to_all_single", opts.timeout);
@@ -270,6 +325,13 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
 Work Communicator::all_to_all(std::vector<torch::Tensor>& caller_outputs,
                               const std::vector<torch::Tensor>& caller_inputs,
                               const AllToAllOptions& opts) {
+  if (detail::any_on_device(caller_outputs) || detail::any_on_device(caller_inputs)) {
+    auto s = detail::staging(*this, "all_to_all");
+    auto out = s.write(caller_outputs, "outputs");
+    auto in = s.read(caller_inputs, "inputs");
+    s.ready();
+    return s.finish(all_to_all(out, in, opts));
+  }
   std::vector<torch::Tensor> outputs_aliases;
   auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
   std::vector<torch::Tensor> inputs_aliases;

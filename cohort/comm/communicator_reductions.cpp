@@ -26,9 +26,15 @@ using detail::fingerprint;
 using detail::reduction_buffer;
 
 Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptions& opts) {
+  if (size_ > 1 && detail::on_device(caller_tensor)) {
+    auto s = detail::staging(*this, "all_reduce");
+    auto host = s.write(caller_tensor, "tensor", /*also_read=*/true);
+    s.ready();
+    return s.finish(all_reduce(host, opts));
+  }
   auto tensor = detail::data_of(caller_tensor);
   auto call = begin_collective("all_reduce", opts.timeout);
-  check_tensor(tensor, call.ctx, "tensor");
+  check_device_tensor(tensor, call.ctx, "tensor");  // alone a device tensor stays where it is
   check_avg(call.ctx, tensor, opts.op);
   call.bytes = detail::nbytes(tensor);
   debug_check(call, [&] { return fingerprint("all_reduce", tensor, "op=" + to_string(opts.op)); });
@@ -61,11 +67,20 @@ Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptio
 
 Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                         const AllReduceOptions& opts) {
+  if (size_ > 1 && detail::any_on_device(caller_tensors)) {
+    auto s = detail::staging(*this, "all_reduce_coalesced");
+    std::vector<torch::Tensor> host;
+    for (size_t i = 0; i < caller_tensors.size(); ++i) {
+      host.push_back(s.write(caller_tensors[i], "tensors[" + std::to_string(i) + "]", true));
+    }
+    s.ready();
+    return s.finish(all_reduce_coalesced(host, opts));
+  }
   std::vector<torch::Tensor> tensors_aliases;
   auto& tensors = detail::data_of(caller_tensors, tensors_aliases);
   auto call = begin_collective("all_reduce_coalesced", opts.timeout);
   for (size_t i = 0; i < tensors.size(); ++i) {
-    check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
+    check_device_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
     check_avg(call.ctx, tensors[i], opts.op);
     call.bytes += detail::nbytes(tensors[i]);
   }
@@ -121,10 +136,16 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tenso
 }
 
 Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opts) {
+  if (size_ > 1 && detail::on_device(caller_tensor)) {
+    auto s = detail::staging(*this, "reduce");
+    auto host = s.write(caller_tensor, "tensor", /*also_read=*/true);
+    s.ready();
+    return s.finish(reduce(host, opts));
+  }
   auto tensor = detail::data_of(caller_tensor);
   auto call = begin_collective("reduce", opts.timeout);
   check_root(call, opts.root);
-  check_tensor(tensor, call.ctx, "tensor");
+  check_device_tensor(tensor, call.ctx, "tensor");  // alone a device tensor stays where it is
   check_avg(call.ctx, tensor, opts.op);
   call.bytes = detail::nbytes(tensor);
   debug_check(call, [&] {
@@ -149,6 +170,13 @@ Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opt
 Work Communicator::reduce_scatter(torch::Tensor& caller_output,
                                   const std::vector<torch::Tensor>& caller_inputs,
                                   const ReduceScatterOptions& opts) {
+  if (detail::on_device(caller_output) || detail::any_on_device(caller_inputs)) {
+    auto s = detail::staging(*this, "reduce_scatter");
+    auto out = s.write(caller_output, "output");
+    auto in = s.read(caller_inputs, "inputs");
+    s.ready();
+    return s.finish(reduce_scatter(out, in, opts));
+  }
   auto output = detail::data_of(caller_output);
   std::vector<torch::Tensor> inputs_aliases;
   auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
@@ -174,6 +202,13 @@ Work Communicator::reduce_scatter(torch::Tensor& caller_output,
 Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
                                          const torch::Tensor& caller_input,
                                          const ReduceScatterOptions& opts) {
+  if (detail::on_device(caller_output) || detail::on_device(caller_input)) {
+    auto s = detail::staging(*this, "reduce_scatter_tensor");
+    auto out = s.write(caller_output, "output");
+    auto in = s.read(caller_input, "input");
+    s.ready();
+    return s.finish(reduce_scatter_tensor(out, in, opts));
+  }
   auto output = detail::data_of(caller_output);
   auto input = detail::data_of(caller_input);
   auto call = begin_collective("reduce_scatter_tensor", opts.timeout);

@@ -36,14 +36,17 @@ std::string supported_names() {
 }
 }  // namespace
 
-void check_tensor(const at::Tensor& t, const std::string& where, const std::string& what) {
+namespace {
+void check_dense(const at::Tensor& t, const std::string& where, const std::string& what,
+                 bool cuda) {
   auto fail = [&](const std::string& why) {
     throw InvalidArgument("cohort: " + where + ": " + what + " " + why);
   };
   if (!t.defined()) fail("is undefined");
   if (t.layout() != at::kStrided) fail("is not a dense (strided) tensor");
-  if (!t.device().is_cpu()) {
-    fail("is on device " + t.device().str() + "; this engine needs CPU tensors");
+  if (!t.device().is_cpu() && !(cuda && t.device().is_cuda())) {
+    fail("is on device " + t.device().str() +
+         (cuda ? "; cohort carries CPU and CUDA tensors" : "; this needs CPU tensors"));
   }
   if (!supported(t.scalar_type())) {
     fail("has dtype " + dtype_name(t.scalar_type()) + "; supported: " + supported_names());
@@ -51,6 +54,15 @@ void check_tensor(const at::Tensor& t, const std::string& where, const std::stri
   if (!t.is_contiguous()) {
     fail("is not contiguous (shape " + shape_string(t.sizes()) + "); call .contiguous() first");
   }
+}
+}  // namespace
+
+void check_tensor(const at::Tensor& t, const std::string& where, const std::string& what) {
+  check_dense(t, where, what, false);
+}
+
+void check_device_tensor(const at::Tensor& t, const std::string& where, const std::string& what) {
+  check_dense(t, where, what, true);
 }
 
 void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& where,
@@ -77,6 +89,10 @@ bool passes(const at::Tensor& t) {
 
 void check_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what) {
   if (!passes(t)) check_tensor(t, ctx.describe(), what);
+}
+
+void check_device_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what) {
+  if (!passes(t)) check_device_tensor(t, ctx.describe(), what);
 }
 
 void check_like(const at::Tensor& t, const at::Tensor& ref, const OpContext& ctx,

@@ -24,6 +24,10 @@ std::string shape_string(at::IntArrayRef sizes);
 // CPU tensor of a supported dtype.
 void check_tensor(const at::Tensor& t, const std::string& where, const std::string& what);
 
+// The same checks, except that `t` may also be a CUDA tensor (one the
+// Communicator stages through host memory).
+void check_device_tensor(const at::Tensor& t, const std::string& where, const std::string& what);
+
 // Same dtype and shape as `ref`.
 void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& where,
                 const std::string& what);
@@ -33,6 +37,7 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& w
 void check_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what);
 void check_like(const at::Tensor& t, const at::Tensor& ref, const OpContext& ctx,
                 const std::string& what);
+void check_device_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what);
 
 // The dtype a reduction runs in: f16 and bf16 accumulate in f32.
 at::ScalarType reduction_dtype(at::ScalarType t);

@@ -49,6 +49,10 @@ struct Work::State {
   std::function<void()> on_success;
   FailureHook on_failure;
 
+  // A then() handle: its impl is another Work, whose errors already name
+  // the operation.
+  bool chained = false;
+
   std::mutex mu;
   bool finished = false;
   std::exception_ptr error;
@@ -110,8 +114,13 @@ std::string message_of(const std::exception_ptr& p) {
 
 void Work::finish(State& s, Millis timeout) {
   try {
-    s.impl->wait(timeout);
-    if (s.on_success) s.on_success();
+    try {
+      s.impl->wait(timeout);
+    } catch (...) {
+      if (!s.chained) throw;
+      s.error = std::current_exception();
+    }
+    if (!s.error && s.on_success) s.on_success();
   } catch (...) {
     s.error = with_context(s.context, timeout);
     if (s.on_failure) s.on_failure(message_of(s.error));
@@ -135,6 +144,28 @@ bool Work::is_completed() {
   // completion step or records the error for the next wait().
   finish(*state_, Millis(1));
   return true;
+}
+
+namespace {
+
+// then()'s engine half: the Work it follows.
+class AfterWork : public WorkImpl {
+ public:
+  explicit AfterWork(Work inner) : inner_(std::move(inner)) {}
+  bool is_completed() override { return inner_.is_completed(); }
+  void wait(Millis timeout) override { inner_.wait(timeout); }
+
+ private:
+  Work inner_;
+};
+
+}  // namespace
+
+Work Work::then(std::function<void()> step) const {
+  Work out(std::make_shared<AfterWork>(*this), state_ ? state_->context : OpContext{},
+           std::move(step));
+  out.state_->chained = true;
+  return out;
 }
 
 void wait_all(std::vector<Work>& works) {

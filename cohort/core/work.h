@@ -81,6 +81,10 @@ class Work {
   void wait(Millis timeout);
   /// Non-blocking; runs the completion step when the operation has finished.
   bool is_completed();
+  /// A handle that waits for this operation, then runs `step` once on the
+  /// waiting thread (a copy back to a device); this operation's errors
+  /// come through it as they are.
+  Work then(std::function<void()> step) const;
 
  private:
   struct State;

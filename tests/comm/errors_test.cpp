@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "support/thread_ranks.h"
@@ -51,6 +52,102 @@ TEST(BadTensors, AreRefusedBeforeAnythingIsSent) {
     EXPECT_NE(m.find("outputs[1] has shape [4], expected [3]"), std::string::npos) << m;
 
     // The communicator is still usable: nothing was sent.
+    auto ok = torch::ones({2});
+    comm.all_reduce(ok).wait();
+    EXPECT_EQ(ok[0].item<float>(), 2.0f);
+  });
+}
+
+// A tensor on a device cohort does not carry (meta) is refused by every
+// operation that stages device tensors, before anything is sent, naming
+// the operation: the same path a CUDA tensor takes to its host copy.
+TEST(BadTensors, OnAnotherDeviceAreRefusedByEveryOperation) {
+  run_ranks(2, [](Communicator& comm) {
+    const auto meta = [] { return torch::empty({2}, torch::TensorOptions().device(torch::kMeta)); };
+    const auto cpu = [] { return torch::zeros({2}); };
+    const int peer = 1 - comm.rank();
+    std::vector<std::pair<std::string, std::function<void()>>> ops = {
+        {"all_reduce",
+         [&] {
+           auto t = meta();
+           comm.all_reduce(t);
+         }},
+        {"all_reduce_coalesced",
+         [&] {
+           std::vector<torch::Tensor> ts{cpu(), meta()};
+           comm.all_reduce_coalesced(ts);
+         }},
+        {"broadcast",
+         [&] {
+           auto t = meta();
+           comm.broadcast(t);
+         }},
+        {"broadcast_coalesced",
+         [&] {
+           std::vector<torch::Tensor> ts{meta()};
+           comm.broadcast_coalesced(ts);
+         }},
+        {"reduce",
+         [&] {
+           auto t = meta();
+           comm.reduce(t);
+         }},
+        {"all_gather",
+         [&] {
+           std::vector<torch::Tensor> o{cpu(), meta()};
+           comm.all_gather(o, cpu());
+         }},
+        {"all_gather_into_tensor",
+         [&] {
+           auto o = torch::zeros({4});
+           comm.all_gather_into_tensor(o, meta());
+         }},
+        {"reduce_scatter",
+         [&] {
+           auto o = meta();
+           comm.reduce_scatter(o, {cpu(), cpu()});
+         }},
+        {"reduce_scatter_tensor",
+         [&] {
+           auto o = cpu();
+           comm.reduce_scatter_tensor(
+               o, torch::empty({4}, torch::TensorOptions().device(torch::kMeta)));
+         }},
+        {"gather",
+         [&] {
+           std::vector<torch::Tensor> o{cpu(), cpu()};
+           comm.gather(o, meta());
+         }},
+        {"scatter",
+         [&] {
+           auto o = meta();
+           comm.scatter(o, {cpu(), cpu()});
+         }},
+        {"all_to_all_single",
+         [&] {
+           auto o = cpu();
+           comm.all_to_all_single(o, meta());
+         }},
+        {"all_to_all",
+         [&] {
+           std::vector<torch::Tensor> o{cpu(), cpu()};
+           comm.all_to_all(o, {meta(), cpu()});
+         }},
+        {"send", [&] { comm.send(meta(), peer); }},
+        {"recv",
+         [&] {
+           auto t = meta();
+           comm.recv(t, peer);
+         }},
+    };
+    for (auto& [op, run] : ops) {
+      const auto m = message_of<InvalidArgument>(run);
+      EXPECT_NE(m.find(op + " on rank " + std::to_string(comm.rank()) + " of 2"), std::string::npos)
+          << m;
+      EXPECT_NE(m.find("is on device meta; cohort carries CPU and CUDA tensors"), std::string::npos)
+          << m;
+    }
+    // Nothing was sent: the next collective pairs up as usual.
     auto ok = torch::ones({2});
     comm.all_reduce(ok).wait();
     EXPECT_EQ(ok[0].item<float>(), 2.0f);

@@ -91,9 +91,9 @@ void all_gather_both_forms(Communicator& comm, torch::Dtype dt) {
     if (n > 1000 && dt != torch::kFloat32 && dt != torch::kBFloat16) continue;
     auto in = rank_input(comm.rank(), n, dt);
     std::vector<torch::Tensor> outs;
-    for (int r = 0; r < comm.size(); ++r) outs.push_back(torch::full({n}, 99, dt));
+    for (int r = 0; r < comm.size(); ++r) outs.push_back(torch::full({n}, 99, on(dt)));
     comm.all_gather(outs, in).wait();
-    auto flat = torch::empty({n * comm.size()}, dt);
+    auto flat = torch::empty({n * comm.size()}, on(dt));
     comm.all_gather_into_tensor(flat, in).wait();
     for (int r = 0; r < comm.size(); ++r) {
       ASSERT_TRUE(torch::equal(outs[r], rank_input(r, n, dt))) << "n " << n << " r " << r;
@@ -115,14 +115,14 @@ void reduce_scatter_both_forms(Communicator& comm, torch::Dtype dt) {
       const auto expected =
           expected_reduction(op, w, n) + (op == ReduceOp::Sum ? w : 1) * comm.rank();
       const auto what = to_string(op) + " n " + std::to_string(n);
-      auto out = torch::empty({n}, dt);
+      auto out = torch::empty({n}, on(dt));
       ReduceScatterOptions o;
       o.op = op;
       comm.reduce_scatter(out, inputs, o).wait();
       EXPECT_REDUCED(out, expected, "list " + what);
       auto flat = torch::cat(inputs);
       auto before = flat.clone();
-      auto out2 = torch::empty({n}, dt);
+      auto out2 = torch::empty({n}, on(dt));
       comm.reduce_scatter_tensor(out2, flat, o).wait();
       EXPECT_REDUCED(out2, expected, "tensor " + what);
       ASSERT_TRUE(torch::equal(flat, before)) << "the input must not change";
@@ -156,14 +156,14 @@ void tensors_that_require_grad(Communicator& comm, torch::Dtype dt) {
   comm.broadcast(b, {w - 1}).wait();
   EXPECT_TRUE(torch::equal(b.detach(), rank_input(w - 1, 5, dt)));
   std::vector<torch::Tensor> outs;
-  for (int r = 0; r < w; ++r) outs.push_back(torch::zeros({3}, dt).requires_grad_());
+  for (int r = 0; r < w; ++r) outs.push_back(torch::zeros({3}, on(dt)).requires_grad_());
   comm.all_gather(outs, rank_input(comm.rank(), 3, dt).requires_grad_()).wait();
   for (int r = 0; r < w; ++r) EXPECT_TRUE(torch::equal(outs[r].detach(), rank_input(r, 3, dt)));
-  auto flat = torch::zeros({3 * w}, dt).requires_grad_();
+  auto flat = torch::zeros({3 * w}, on(dt)).requires_grad_();
   comm.all_gather_into_tensor(flat, rank_input(comm.rank(), 3, dt)).wait();
   for (int r = 0; r < w; ++r)
     EXPECT_TRUE(torch::equal(flat.detach().narrow(0, 3 * r, 3), rank_input(r, 3, dt)));
-  auto out = torch::zeros({3}, dt).requires_grad_();
+  auto out = torch::zeros({3}, on(dt)).requires_grad_();
   ReduceScatterOptions o;
   o.op = ReduceOp::Max;
   comm.reduce_scatter_tensor(
@@ -193,7 +193,7 @@ void gather_and_scatter_at_last_rank(Communicator& comm, torch::Dtype dt) {
     auto in = rank_input(comm.rank(), n, dt);
     std::vector<torch::Tensor> outs;
     if (comm.rank() == root) {
-      for (int r = 0; r < comm.size(); ++r) outs.push_back(torch::zeros({n}, dt));
+      for (int r = 0; r < comm.size(); ++r) outs.push_back(torch::zeros({n}, on(dt)));
     }
     comm.gather(outs, in, {root}).wait();
     for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
@@ -203,7 +203,7 @@ void gather_and_scatter_at_last_rank(Communicator& comm, torch::Dtype dt) {
     if (comm.rank() == root) {
       for (int r = 0; r < comm.size(); ++r) pieces.push_back(rank_input(r + 1, n, dt));
     }
-    auto out = torch::zeros({n}, dt);
+    auto out = torch::zeros({n}, on(dt));
     comm.scatter(out, pieces, {root}).wait();
     ASSERT_TRUE(torch::equal(out, rank_input(comm.rank() + 1, n, dt)));
   }
@@ -212,22 +212,22 @@ void gather_and_scatter_at_last_rank(Communicator& comm, torch::Dtype dt) {
 void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
   const int w = comm.size(), me = comm.rank();
   // Equal splits: row block j of rank r holds 10*r + j.
-  auto in = torch::arange(w, torch::kInt64).repeat_interleave(3).add(10 * me).to(dt);
-  auto out = torch::empty({3 * w}, dt);
+  auto in = torch::arange(w, torch::kInt64).repeat_interleave(3).add(10 * me).to(on(dt));
+  auto out = torch::empty({3 * w}, on(dt));
   comm.all_to_all_single(out, in).wait();
-  auto expected = (torch::arange(w, torch::kInt64) * 10 + me).repeat_interleave(3).to(dt);
+  auto expected = (torch::arange(w, torch::kInt64) * 10 + me).repeat_interleave(3).to(on(dt));
   EXPECT_TRUE(torch::equal(out, expected));
 
   // Uneven: rank r sends j+1 rows of width 2 to rank j, filled with r.
   std::vector<int64_t> in_splits, out_splits;
   for (int j = 0; j < w; ++j) in_splits.push_back(j + 1);
   for (int r = 0; r < w; ++r) out_splits.push_back(me + 1);
-  auto uin = torch::full({w * (w + 1) / 2, 2}, me, dt);
-  auto uout = torch::empty({w * (me + 1), 2}, dt);
+  auto uin = torch::full({w * (w + 1) / 2, 2}, me, on(dt));
+  auto uout = torch::empty({w * (me + 1), 2}, on(dt));
   comm.all_to_all_single(uout, uin, out_splits, in_splits).wait();
   auto uexp =
       torch::arange(w, torch::kInt64).repeat_interleave(me + 1).unsqueeze(1).expand({-1, 2});
-  EXPECT_TRUE(torch::equal(uout, uexp.to(dt)));
+  EXPECT_TRUE(torch::equal(uout, uexp.to(on(dt))));
 
   // Rank 0 sends no rows (its input has none) and receives one row of width
   // 2 from every other rank, filled with that rank.
@@ -235,23 +235,23 @@ void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
   std::vector<int64_t> one_in(static_cast<size_t>(w), 0), one_out(static_cast<size_t>(w), 0);
   one_in[0] = sends;
   if (me == 0) std::fill(one_out.begin() + 1, one_out.end(), 1);
-  auto ein = torch::full({sends, 2}, me, dt);
-  auto eout = torch::empty({gets, 2}, dt);
+  auto ein = torch::full({sends, 2}, me, on(dt));
+  auto eout = torch::empty({gets, 2}, on(dt));
   comm.all_to_all_single(eout, ein, one_out, one_in).wait();
   auto eexp = torch::arange(1, w, torch::kInt64).unsqueeze(1).expand({-1, 2});
   if (me == 0) {
-    EXPECT_TRUE(torch::equal(eout, eexp.to(dt)));
+    EXPECT_TRUE(torch::equal(eout, eexp.to(on(dt))));
   }
 
   // List form.
   std::vector<torch::Tensor> ins, outs;
   for (int j = 0; j < w; ++j) {
-    ins.push_back(torch::full({j + 1}, me * 10 + j, dt));
-    outs.push_back(torch::empty({me + 1}, dt));
+    ins.push_back(torch::full({j + 1}, me * 10 + j, on(dt)));
+    outs.push_back(torch::empty({me + 1}, on(dt)));
   }
   comm.all_to_all(outs, ins).wait();
   for (int r = 0; r < w; ++r) {
-    EXPECT_TRUE(torch::equal(outs[r], torch::full({me + 1}, r * 10 + me, dt)));
+    EXPECT_TRUE(torch::equal(outs[r], torch::full({me + 1}, r * 10 + me, on(dt))));
   }
 }
 
@@ -262,18 +262,18 @@ void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
 void p2p_tags_keep_messages_apart(Communicator& comm, torch::Dtype) {
   const int w = comm.size(), me = comm.rank();
   const int right = (me + 1) % w, left = (me + w - 1) % w;
-  auto a = torch::full({100000}, 100.0 * me + 7);
-  auto b = torch::full({10}, 100.0 * me + 3, torch::kBFloat16);
+  auto a = torch::full({100000}, 100.0 * me + 7, on());
+  auto b = torch::full({10}, 100.0 * me + 3, on(torch::kBFloat16));
   auto sa = comm.send(a, right, {7});
   auto sb = comm.send(b, right, {3});
-  auto rb = torch::zeros({10}, torch::kBFloat16);
-  auto ra = torch::zeros({100000});
+  auto rb = torch::zeros({10}, on(torch::kBFloat16));
+  auto ra = torch::zeros({100000}, on());
   comm.recv(rb, left, {3}).wait();
   comm.recv(ra, left, {7}).wait();
   sa.wait();
   sb.wait();
-  EXPECT_TRUE(torch::equal(ra, torch::full({100000}, 100.0 * left + 7)));
-  EXPECT_TRUE(torch::equal(rb, torch::full({10}, 100.0 * left + 3, torch::kBFloat16)));
+  EXPECT_TRUE(torch::equal(ra, torch::full({100000}, 100.0 * left + 7, on())));
+  EXPECT_TRUE(torch::equal(rb, torch::full({10}, 100.0 * left + 3, on(torch::kBFloat16))));
 }
 
 void p2p_one_tag_arrives_in_order(Communicator& comm, torch::Dtype) {
@@ -281,11 +281,11 @@ void p2p_one_tag_arrives_in_order(Communicator& comm, torch::Dtype) {
   std::vector<Work> sends;
   std::vector<torch::Tensor> outgoing;
   for (int k = 0; k < 5; ++k) {
-    outgoing.push_back(torch::full({3}, me * 10 + k, torch::kInt64));
+    outgoing.push_back(torch::full({3}, me * 10 + k, on(torch::kInt64)));
     sends.push_back(comm.send(outgoing.back(), (me + 1) % w, {0}));
   }
   for (int k = 0; k < 5; ++k) {
-    auto t = torch::empty({3}, torch::kInt64);
+    auto t = torch::empty({3}, on(torch::kInt64));
     comm.recv(t, (me + w - 1) % w, {0}).wait();
     EXPECT_EQ(t[0].item<int64_t>(), ((me + w - 1) % w) * 10 + k);
   }
@@ -293,7 +293,7 @@ void p2p_one_tag_arrives_in_order(Communicator& comm, torch::Dtype) {
 }
 
 void p2p_bad_peers_and_tags_are_refused(Communicator& comm, torch::Dtype) {
-  auto t = torch::zeros({2});
+  auto t = torch::zeros({2}, on());
   EXPECT_THROW(comm.send(t, comm.rank()), InvalidArgument);
   EXPECT_THROW(comm.recv(t, comm.size()), InvalidArgument);
   EXPECT_THROW(comm.recv(t, -1), InvalidArgument);
@@ -316,14 +316,14 @@ void new_group_of_odd_ranks_in_reverse(Communicator& comm, torch::Dtype) {
     EXPECT_EQ(group->size(), static_cast<int>(odd.size()));
     const auto at = std::find(odd.begin(), odd.end(), comm.rank()) - odd.begin();
     EXPECT_EQ(group->rank(), at);
-    auto t = torch::full({4}, static_cast<float>(comm.rank()));
+    auto t = torch::full({4}, static_cast<float>(comm.rank()), on());
     group->all_reduce(t).wait();
     float sum = 0;
     for (int r : odd) sum += static_cast<float>(r);
-    EXPECT_TRUE(torch::equal(t, torch::full({4}, sum)));
+    EXPECT_TRUE(torch::equal(t, torch::full({4}, sum, on())));
   }
   // The parent keeps working after a subgroup was made.
-  auto t = torch::ones({1});
+  auto t = torch::ones({1}, on());
   comm.all_reduce(t).wait();
   EXPECT_EQ(t.item<float>(), static_cast<float>(comm.size()));
 }
@@ -345,7 +345,7 @@ void split_by_color_ranks_by_key(Communicator& comm, torch::Dtype) {
   }
   EXPECT_EQ(sub->size(), static_cast<int>(members.size()));
   EXPECT_EQ(sub->rank(), std::find(members.begin(), members.end(), me) - members.begin());
-  auto t = torch::full({3}, static_cast<double>(me), torch::kFloat64);
+  auto t = torch::full({3}, static_cast<double>(me), on(torch::kFloat64));
   sub->all_reduce(t).wait();
   double sum = 0;
   for (int r : members) sum += r;
@@ -353,7 +353,7 @@ void split_by_color_ranks_by_key(Communicator& comm, torch::Dtype) {
   auto solo = sub->split(sub->rank(), 0);
   ASSERT_NE(solo, nullptr);
   EXPECT_EQ(solo->size(), 1);
-  auto u = torch::full({2}, 3.0f);
+  auto u = torch::full({2}, 3.0f, on());
   solo->all_reduce(u).wait();
   EXPECT_EQ(u[0].item<float>(), 3.0f);
 }

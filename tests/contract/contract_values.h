@@ -11,6 +11,17 @@
 
 namespace cohort::testing {
 
+// The device the contract's tensors live on: the CPU, or a CUDA device
+// for the GPU check (the engines then carry them through host memory, or
+// NCCL directly). Per thread, since ranks may be threads.
+inline torch::Device& contract_device() {
+  thread_local torch::Device device(torch::kCPU);
+  return device;
+}
+inline torch::TensorOptions on(torch::Dtype dt = torch::kFloat32) {
+  return torch::TensorOptions().dtype(dt).device(contract_device());
+}
+
 // Element counts every collective is tried with: empty, one, odd, ~1M.
 inline const std::vector<int64_t> kCounts = {0, 1, 7, (1 << 20) + 3};
 
@@ -22,13 +33,13 @@ inline const std::vector<torch::Dtype> kDtypes = {
 // every dtype, and sums for world <= 4 fit in uint8.
 inline torch::Tensor rank_input(int r, int64_t n, torch::Dtype dt) {
   auto i = torch::arange(n, torch::kInt64);
-  return ((i.remainder(3) + 1) * (r + 1)).to(dt);
+  return ((i.remainder(3) + 1) * (r + 1)).to(on(dt));
 }
 
 // For prod: 1 + (r+i)%2, so products stay <= 2^world.
 inline torch::Tensor prod_input(int r, int64_t n, torch::Dtype dt) {
   auto i = torch::arange(n, torch::kInt64);
-  return ((i + r).remainder(2) + 1).to(dt);
+  return ((i + r).remainder(2) + 1).to(on(dt));
 }
 
 inline torch::Tensor input_for(ReduceOp op, int r, int64_t n, torch::Dtype dt) {
@@ -71,7 +82,7 @@ inline bool matches(const torch::Tensor& got, const torch::Tensor& expected_f64)
   const double tol = got.scalar_type() == torch::kBFloat16  ? 1e-2
                      : got.scalar_type() == torch::kFloat16 ? 1e-3
                                                             : 0.0;
-  return torch::allclose(got.to(torch::kFloat64), expected, tol, tol);
+  return torch::allclose(got.cpu().to(torch::kFloat64), expected, tol, tol);
 }
 
 inline std::string dtype_label(torch::Dtype dt) { return std::string(c10::toString(dt)); }

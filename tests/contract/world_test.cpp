@@ -3,9 +3,10 @@
 // every dtype it takes on world() itself ("world_<case>_<dtype>"), and every
 // algorithmic case again under each algorithm ("<algo>_<case>_<dtype>"), on
 // a communicator of its own over the world's store. ctest picks which with
-// --gtest_filter.
+// --gtest_filter. With COHORT_TEST_DEVICE=cuda the tensors are CUDA tensors.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <map>
 
 #include "cohort/cohort.h"
@@ -42,10 +43,18 @@ Communicator& communicator_for(Algorithm algo) {
 
 class World : public ::testing::TestWithParam<Param> {};
 
+// COHORT_TEST_DEVICE=cuda (scripts/gpu-check.sh): the same cases on CUDA
+// tensors. Every rank of a one-GPU machine shares its device.
+torch::Device test_device() {
+  const char* d = std::getenv("COHORT_TEST_DEVICE");
+  return torch::Device(d && *d ? d : "cpu");
+}
+
 TEST_P(World, Holds) {
   const auto& p = GetParam();
   const auto& c = contract_cases()[p.case_index];
   if (world().size() < c.min_world) GTEST_SKIP() << "needs " << c.min_world << " ranks";
+  contract_device() = test_device();
   c.run(communicator_for(p.algo), p.dtype);
 }
 
