@@ -212,7 +212,8 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
     // Stage 1 or world 1: every rank holds DDP's whole canonical mean.
     std::vector<torch::Tensor> flat;
     for (const auto& p : params_) {
-      flat.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}));
+      flat.push_back(p.grad().defined() ? p.grad().reshape(-1)
+                                        : torch::zeros({p.numel()}, p.options()));
     }
     squares = canonical_squared_norm(nullptr, torch::cat(flat), 0, total);
   } else {

@@ -6,12 +6,12 @@
 // --gtest_filter. With COHORT_TEST_DEVICE=cuda the tensors are CUDA tensors.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <map>
 
 #include "cohort/cohort.h"
 #include "tests/contract/contract_cases.h"
 #include "tests/contract/contract_values.h"
+#include "tests/support/test_device.h"
 
 namespace cohort::testing::world_test {
 namespace {
@@ -43,18 +43,11 @@ Communicator& communicator_for(Algorithm algo) {
 
 class World : public ::testing::TestWithParam<Param> {};
 
-// COHORT_TEST_DEVICE=cuda (scripts/gpu-check.sh): the same cases on CUDA
-// tensors. Every rank of a one-GPU machine shares its device.
-torch::Device test_device() {
-  const char* d = std::getenv("COHORT_TEST_DEVICE");
-  return torch::Device(d && *d ? d : "cpu");
-}
-
 TEST_P(World, Holds) {
   const auto& p = GetParam();
   const auto& c = contract_cases()[p.case_index];
   if (world().size() < c.min_world) GTEST_SKIP() << "needs " << c.min_world << " ranks";
-  contract_device() = test_device();
+  contract_device() = test_device();  // every rank of a one-GPU machine shares it
   c.run(communicator_for(p.algo), p.dtype);
 }
 

@@ -2,10 +2,13 @@
 // (within 1e-5) as single-process training on the concatenated batch, for
 // SGD with momentum and Adam, for each strategy and with gradients as
 // bucket views. Tiny bucket caps give several buckets per model, so the
-// launch order and the bucket boundaries are exercised too.
+// launch order and the bucket boundaries are exercised too. With
+// COHORT_TEST_DEVICE=cuda the models, the data and the reference live on
+// the GPU.
 #include <gtest/gtest.h>
 
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
@@ -44,11 +47,13 @@ TEST_P(Equivalence, TwentyStepsMatchSingleProcess) {
   const auto c = GetParam();
   torch::set_num_threads(1);
   torch::manual_seed(11);
+  const auto device = test_device();
   auto reference = make_ddp_mlp();
+  reference->to(device);
   const auto init = clone_all(reference->parameters());
   const int64_t rows = c.world * kRowsPerRank;
-  const auto xs = torch::randn({kSteps, rows, 8});
-  const auto ys = torch::randn({kSteps, rows, 4});
+  const auto xs = torch::randn({kSteps, rows, 8}).to(device);
+  const auto ys = torch::randn({kSteps, rows, 4}).to(device);
 
   auto opt = make_optimizer(c.optimizer, reference->parameters());
   for (int s = 0; s < kSteps; ++s) {
@@ -65,6 +70,7 @@ TEST_P(Equivalence, TwentyStepsMatchSingleProcess) {
   run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
     const int r = comm->rank();
     auto model = make_ddp_mlp();  // other ranks start elsewhere: DDP broadcasts rank 0's
+    model->to(device);
     if (r == 0) copy_parameters(*model, init);
     DDPOptions options;
     options.bucket_cap_mb = 0.0005;   // ~130 floats: several buckets
