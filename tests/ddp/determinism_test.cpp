@@ -211,7 +211,7 @@ void check_model(Mode mode, bool cnn) {
   torch::set_num_threads(1);
   torch::manual_seed(5);
   Holder proto;
-  const Checkpoint init{all_state(*proto), ""};
+  const Checkpoint init{all_state(*proto), "", {}};
   const size_t n_params = proto->parameters().size();
   auto params_of = [&](const std::vector<torch::Tensor>& s) {
     return std::vector<torch::Tensor>(s.begin(), s.begin() + static_cast<int64_t>(n_params));
@@ -279,7 +279,7 @@ void check_fsdp(bool cnn, const FsdpCheck& c) {
   torch::set_num_threads(1);
   torch::manual_seed(5);
   Holder proto;
-  const Checkpoint init{all_state(*proto), ""};
+  const Checkpoint init{all_state(*proto), "", {}};
   const size_t n_params = proto->parameters().size();
   auto params_of = [&](const std::vector<torch::Tensor>& s) {
     return std::vector<torch::Tensor>(s.begin(), s.begin() + static_cast<int64_t>(n_params));

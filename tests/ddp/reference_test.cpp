@@ -13,7 +13,6 @@
 
 #include <cstdlib>
 #include <fstream>
-#include <optional>
 #include <sstream>
 
 #include "cohort/ddp/distributed_data_parallel.h"
@@ -112,13 +111,20 @@ TEST_P(PyTorchReference, MatchesPyTorchDdp) {
     for (int s = 0; s < c.steps; ++s) {
       if (s % c.accum == 0) opt.zero_grad();
       const bool sync = (s + 1) % c.accum == 0;
-      std::optional<NoSyncGuard> guard;
-      if (!sync) guard.emplace(ddp.no_sync());
-      auto loss = torch::cross_entropy_loss(ddp.forward(x[s].narrow(0, r * kRows, kRows)),
-                                            y[s].narrow(0, r * kRows, kRows));
-      loss.backward();
-      guard.reset();
-      if (sync) opt.step();
+      const auto step = [&] {
+        auto loss = torch::cross_entropy_loss(ddp.forward(x[s].narrow(0, r * kRows, kRows)),
+                                              y[s].narrow(0, r * kRows, kRows));
+        loss.backward();
+        return loss;
+      };
+      torch::Tensor loss;
+      if (sync) {
+        loss = step();
+        opt.step();
+      } else {
+        NoSyncGuard guard = ddp.no_sync();
+        loss = step();
+      }
       losses[r].push_back(loss.item<float>());
     }
     trained_buffers[r] = clone_all(ddp.buffers());

@@ -107,7 +107,7 @@ void check(Wiring w) {
   torch::set_num_threads(1);
   torch::manual_seed(5);
   DetCnn proto;
-  const Checkpoint init{all_state(*proto), ""};
+  const Checkpoint init{all_state(*proto), "", {}};
   const auto n_params = static_cast<int64_t>(proto->parameters().size());
   auto params_of = [&](const std::vector<torch::Tensor>& s) {
     return std::vector<torch::Tensor>(s.begin(), s.begin() + n_params);

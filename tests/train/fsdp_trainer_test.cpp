@@ -161,8 +161,9 @@ TEST_P(FsdpTrainer, MatchesOneProcessOnTheGlobalBatchWithClipping) {
   std::map<int, torch::OrderedDict<std::string, torch::Tensor>> got;
   testing::run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
     torch::set_num_threads(1);
-    auto model = fully_shard(make_model(comm, false, c.reshard_after_forward), comm,
-                             {c.reshard_after_forward});
+    FullyShardOptions options;
+    options.reshard_after_forward = c.reshard_after_forward;
+    auto model = fully_shard(make_model(comm, false, c.reshard_after_forward), comm, options);
     auto opt = make_optimizer(c.opt, model->parameters());
     LossFn loss = [&](const torch::data::Example<>& b) {
       return torch::mse_loss(model->forward(b.data), b.target);
@@ -171,8 +172,9 @@ TEST_P(FsdpTrainer, MatchesOneProcessOnTheGlobalBatchWithClipping) {
     RankSource source(data, c, comm->rank());
     for (int64_t s = 0; s < kSteps; ++s) {
       std::vector<torch::data::Example<>> batches;
-      for (int64_t i = 0; i < c.accumulation; ++i)
+      for (int64_t i = 0; i < c.accumulation; ++i) {
         batches.push_back(source.batch(s * c.accumulation + i));
+      }
       const auto before = comm->stats();
       const auto m = trainer.train_step(batches);
       const auto during = comm->stats().since(before);
@@ -184,7 +186,9 @@ TEST_P(FsdpTrainer, MatchesOneProcessOnTheGlobalBatchWithClipping) {
       // reduce-scatter per unit per step.
       EXPECT_EQ(during[OpKind::ReduceScatterTensor].calls, static_cast<uint64_t>(kUnits))
           << "step " << s << " on rank " << comm->rank();
-      if (c.world > 1) EXPECT_GT(m.comm_seconds, 0.0);
+      if (c.world > 1) {
+        EXPECT_GT(m.comm_seconds, 0.0);
+      }
     }
     auto state = model->full_state_dict();
     std::lock_guard<std::mutex> lock(mu);
@@ -229,8 +233,10 @@ struct Job {
 RankState run_rank(const Job& job, const std::shared_ptr<Communicator>& comm, const Data& data) {
   torch::set_num_threads(1);
   const Case& c = job.c;
+  FullyShardOptions options;
+  options.reshard_after_forward = c.reshard_after_forward;
   auto model = fully_shard(make_model(comm, true, c.reshard_after_forward, job.resume ? 0.5 : 0),
-                           comm, {c.reshard_after_forward});
+                           comm, options);
   torch::optim::AdamW opt(model->parameters(),
                           torch::optim::AdamWOptions(lr_of(Opt::AdamW)).weight_decay(0.1));
   auto config = make_config(c);
