@@ -32,6 +32,18 @@ if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = trixie ]; then
   packages+=(python3-safetensors)
 fi
 
+# COHORT_LIBTORCH=cuda (a Debian 13 root with contrib and non-free, for
+# scripts/check-cuda-build.sh): LibTorch with CUDA and c10d's NCCL, its
+# Gloo built with CUDA, CUDA's compiler and headers, and NCCL's, instead of
+# the CPU ones. The Python peer conflicts with that LibTorch and is left out.
+if [ "${COHORT_LIBTORCH:-cpu}" = cuda ]; then
+  cpu=("${packages[@]}")
+  packages=(libtorch-cuda-dev libgloo-cuda-dev libnccl-dev nvidia-cuda-toolkit)
+  for p in "${cpu[@]}"; do
+    case $p in libtorch-dev | libgloo-dev | python3-torch) ;; *) packages+=("$p") ;; esac
+  done
+fi
+
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
