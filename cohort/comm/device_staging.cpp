@@ -44,13 +44,15 @@ DeviceStaging::Side& DeviceStaging::side_for(const torch::Tensor& t) {
 
 torch::Tensor DeviceStaging::stage(const torch::Tensor& t, const std::string& what, bool copy_in) {
   if (!t.defined() || t.device().is_cpu()) return t;
-  // The same checks as a CPU tensor's, on the caller's tensor: a staged
-  // copy would otherwise hide a non-contiguous one.
-  check_device_tensor(t, where_(), what);
-  auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(t.is_cuda()));
+  // The checks a CPU tensor gets, on the caller's tensor: a staged copy
+  // would hide a non-contiguous one. (Its dtype is checked on the copy.)
+  if (!t.is_cuda() || t.layout() != torch::kStrided || !t.is_contiguous()) {
+    check_device_tensor(t, where_(), what);
+  }
+  auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
   if (copy_in) {
     c10::StreamGuard on_side(side_for(t).stream);
-    host.copy_(t, /*non_blocking=*/true);
+    host.copy_(t.detach(), /*non_blocking=*/true);  // data, not autograd history
   }
   staged_.push_back(host);
   return host;
