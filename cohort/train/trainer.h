@@ -24,8 +24,8 @@
 // mesh) is the wiring's TrainerLayout (trainer_layout.h), which runs step 2
 // (with a pipeline: one PipelineRuntime step over the k micro-batches, k
 // being the schedule's m) and gives the norm of step 4 and the copies of
-// step 6. How each wiring clips and checkpoints (per-rank shard files, or
-// dcp for ZeRO, FSDP and the mesh, resharded at any world size):
+// step 6. How each wiring clips and checkpoints (dcp, resharded at any
+// world size, or per-rank shard files for a compressor's state):
 // cohort/train/README.md.
 // The DDP and optimizers behind the wiring must outlive the trainer. It has
 // no global state: several trainers (ranks as threads) coexist.
@@ -74,7 +74,7 @@ struct TrainerOptions {
   std::string checkpoint_dir;
   /// Checkpoint every this many steps (0: only at the end of fit()).
   int64_t checkpoint_every = 0;
-  /// Sharded state (ZeRO, FSDP, a mesh's module stages) is saved with
+  /// Sharded state (ZeRO, FSDP, a pipeline's or a mesh's stages) is saved with
   /// dcp::async_save: the staging copy runs during the next step's forward
   /// and backward (the step waits for it before the optimizer step), the
   /// files are written in the background, and the checkpoint is committed
@@ -170,11 +170,11 @@ class Trainer {
   /// of its global order already trained (DataSource::global_micro_batch),
   /// whatever the world size, micro-batch and accumulation_steps; keep the
   /// global batch (micro-batch x accumulation_steps x world) the same.
-  /// The state of ZeRO, FSDP and a mesh whose stages are modules is a
-  /// distributed checkpoint (cohort/dcp) and resumes resharded at any world
-  /// size, into ZeRO stage 1 or 2 or FSDP (a mesh: at any tp x pp x dp).
-  /// Other per-rank state (the stages of TrainerWiring::pipeline or of a
-  /// mesh's function stages, a compressor's error feedback) resumes only at
+  /// The state of ZeRO, FSDP, a pipeline and a mesh is a distributed
+  /// checkpoint (cohort/dcp) and resumes resharded at any world size, into
+  /// ZeRO stage 1 or 2 or FSDP (a mesh whose stages are modules: at any
+  /// tp x pp x dp; a pipeline: with the same stages, TrainerWiring::pipeline).
+  /// Other per-rank state (a compressor's error feedback) resumes only at
   /// the world size that wrote it: ConfigError naming the mode, with nothing
   /// loaded; so does a checkpoint with a file's state into a trainer whose
   /// state is a distributed checkpoint.
@@ -189,11 +189,10 @@ class Trainer {
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
   /// Writes a checkpoint of the current state (collective). With ZeRO,
-  /// FSDP or a mesh whose stages are modules the model and optimizer state go
-  /// into the folder "<checkpoint>.dcp" (dcp::save, every rank its own data
-  /// file; see dcp_checkpoint.h). Other per-rank state (the stages of
-  /// TrainerWiring::pipeline and their optimizer state, a compressor's) goes
-  /// into each rank's shard file,
+  /// FSDP, a pipeline or a mesh the model and optimizer state go into the
+  /// folder "<checkpoint>.dcp" (dcp::save, every rank its own data file; see
+  /// dcp_checkpoint.h). Other per-rank state (a compressor's) goes into each
+  /// rank's shard file,
   /// "<checkpoint>.shard-<rank>-of-<world>", and resume() reads it back (a
   /// missing or damaged shard is a CheckpointError naming the file).
   void save_checkpoint();

@@ -47,9 +47,9 @@ void read_on_every_rank(Communicator& comm, const std::function<void()>& read) {
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
   finish_pending_checkpoint();
-  // Sharded model and optimizer state (ZeRO, FSDP) goes into the
-  // checkpoint's dcp folder; other per-rank state (a compressor's error
-  // feedback, a pipeline's stages) into each rank's shard file. Both are
+  // Sharded model and optimizer state (ZeRO, FSDP, a pipeline's stages)
+  // goes into the checkpoint's dcp folder; other per-rank state (a
+  // compressor's error feedback) into each rank's shard file. Both are
   // written (atomic, checksummed) before the gather below, so rank 0 writes
   // the main file, which is what makes the checkpoint exist, only once every
   // rank's part is on disk.
@@ -362,7 +362,7 @@ void Trainer::check_checkpoint(const CheckpointKind& kind, const std::string& pa
         (kind.model_in_file
              ? std::string("with replicated state (a fused wiring or a stateful compressor: "
                            "the model and optimizer in this file)")
-             : std::string("with per-rank shard files (a pipeline, or a stateful compressor)")) +
+             : std::string("with per-rank shard files (a stateful compressor)")) +
         "; this one has " + sharded_mode() +
         ", whose state loads only from a distributed checkpoint (as the other wirings "
         "write); resume it with the wiring that wrote it");

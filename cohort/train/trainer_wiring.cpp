@@ -75,6 +75,9 @@ TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::make_unique<LocalGradientSync>(), &runtime);
   wiring.set_pipeline_layout(runtime, nullptr);
+  // Every rank writes all of its stages' tensors: they are its alone.
+  wiring.set_stage_state(DeviceMesh::from_group(runtime.process_group(), "pp"), optimizer,
+                         wiring.model_, {});
   wiring.mode_ = "a pipeline";
   return wiring;
 }
@@ -100,6 +103,10 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
                        std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
                        std::move(sync), &runtime, {runtime.process_group(), dp_group});
   wiring.set_pipeline_layout(runtime, dp_group);
+  // The replicas of a stage (its data-parallel group) take turns writing
+  // its tensors; the pipeline dimension needs no mesh, since no two stages
+  // share a name.
+  wiring.set_stage_state(DeviceMesh::from_group(dp_group, "dp"), optimizer, wiring.model_, {});
   wiring.mode_ = "a pipeline";
   return wiring;
 }
@@ -143,15 +150,10 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   wiring.layout_ = std::make_unique<PipelineLayout>(
       runtime, std::move(norm), stages * mesh.size("tp") * cp,
       TrafficDimensions{{"tp", {tp_group}}, {"pp", pp}, {"dp", {dp_group}}});
-  if (auto unsplit = unsplit_stages(runtime, mesh.rank())) {
-    wiring.dcp_state_ = [unsplit, mesh, opt = &optimizer,
-                         tied = std::move(tied)](const dcp::Metadata* for_load) {
-      dcp::StateDictOptions options;
-      options.mesh = &mesh;
-      options.tied = tied;
-      return saving_or_loading(dcp::get_state_dict(*unsplit, *opt, options), for_load);
-    };
-  }
+  // The unsplit model's names when every stage is a module (the checkpoint
+  // then resumes at any tp x pp x dp); the stages' own names otherwise.
+  auto unsplit = unsplit_stages(runtime, mesh.rank());
+  wiring.set_stage_state(mesh, optimizer, unsplit ? unsplit : wiring.model_, std::move(tied));
   wiring.mode_ = "a TP x PP x DP mesh";
   return wiring;
 }
@@ -185,6 +187,18 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
   wiring.set_leaves(model->options().determinism, model->options().leaves, model->local_leaves(),
                     [root](double max_norm) { return root->clip_grad_norm(max_norm); });
   return wiring;
+}
+
+void TrainerWiring::set_stage_state(DeviceMesh mesh, torch::optim::Optimizer& optimizer,
+                                    std::shared_ptr<torch::nn::Module> stages,
+                                    dcp::TiedNames tied) {
+  dcp_state_ = [stages = std::move(stages), mesh = std::move(mesh), opt = &optimizer,
+                tied = std::move(tied)](const dcp::Metadata* for_load) {
+    dcp::StateDictOptions options;
+    options.mesh = &mesh;
+    options.tied = tied;
+    return saving_or_loading(dcp::get_state_dict(*stages, *opt, options), for_load);
+  };
 }
 
 void TrainerWiring::set_leaves(Determinism determinism, int64_t leaves, int64_t local_leaves,

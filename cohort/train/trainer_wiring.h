@@ -123,6 +123,9 @@ class TrainerWiring {
 
   /// A pipeline alone (its group is the whole job) with any LibTorch optimizer over
   /// runtime.parameters(): no data parallelism, so the gradients need no averaging.
+  /// Checkpoints are distributed, under the stages' names ("stage<index>." and the stage
+  /// module's names; a function stage's tensors "stage<index>_<n>"), so they resume with the
+  /// same stages over any number of ranks (schedule and pipeline size may change).
   static TrainerWiring pipeline(pipeline::PipelineRuntime& runtime,
                                 torch::optim::Optimizer& optimizer);
 
@@ -141,9 +144,10 @@ class TrainerWiring {
   /// global norm counts every parameter once over the mesh (MeshGradNorm). Checkpoints are
   /// distributed (dcp::get_state_dict with the mesh: the unsplit model's names, `tied` as there),
   /// so they resume at any other tp x pp x dp, when every stage has a module and the stage
-  /// modules name their layers as the unsplit model does; with a function stage, each rank saves
-  /// its stages in its own shard and resumes at the same layout only. InvalidArgument when the
-  /// runtime's group is not the mesh's PP group, or two stage modules name a layer alike.
+  /// modules name their layers as the unsplit model does; with a function stage, under the
+  /// stages' names (as pipeline()'s), so they resume with the same stages only. InvalidArgument
+  /// when the runtime's group is not the mesh's PP group, or two stage modules name a layer
+  /// alike.
   static TrainerWiring mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
                             torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
                             dcp::TiedNames tied = {});
@@ -169,9 +173,9 @@ class TrainerWiring {
   /// rank 0's main checkpoint file does not hold it.
   bool per_rank_model() const { return layout_->per_rank_model() || fsdp_ != nullptr; }
   /// True when the model and optimizer state has a distributed-checkpoint
-  /// form (every wiring but the fused one and a pipeline of function
-  /// stages): the Trainer saves it with dcp::save and loads it resharded at
-  /// any world size, into any of these wirings.
+  /// form (every wiring but the fused one): the Trainer saves it with
+  /// dcp::save and loads it resharded at any world size, into any of these
+  /// wirings where the names agree.
   bool has_dcp_state() const { return static_cast<bool>(dcp_state_); }
   /// This rank's model and optimizer state as a dcp::StateDict, under the
   /// bare model's names (cohort/dcp/state_dict.h); for_load: the checkpoint's
@@ -229,6 +233,12 @@ class TrainerWiring {
   // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
   void set_pipeline_layout(pipeline::PipelineRuntime& runtime,
                            std::shared_ptr<Communicator> dp_group);
+
+  // A pipeline's or a mesh's: `stages` (this rank's stage modules as one)
+  // through the mesh's state dict, whose dimensions other than "pp" say
+  // which replica writes each tensor (mesh.h, StateDictOptions).
+  void set_stage_state(DeviceMesh mesh, torch::optim::Optimizer& optimizer,
+                       std::shared_ptr<torch::nn::Module> stages, dcp::TiedNames tied);
 
   // DDP's and all-reduce's: every rank holds the model and the optimizer's
   // state whole (written once).

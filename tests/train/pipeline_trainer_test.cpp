@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
@@ -64,17 +65,19 @@ torch::optim::SGD make_sgd(std::vector<torch::Tensor> params) {
 
 int64_t global_batch(const Case& c) { return c.dp * c.m * kMicro; }
 
-// Replica r's micro-batch i of step s: a contiguous slice of step s's
-// global batch; every rank of a pipeline reads the same.
+// Micro-batch `index` of all replicas together is rows [index * g,
+// (index + 1) * g) of the data, g = dp micro-batches (so step s reads the
+// global batch s at any layout); replica r's is the r-th micro-batch of
+// those, and every rank of a pipeline reads its replica's.
 class ReplicaSource : public DataSource {
  public:
   ReplicaSource(torch::Tensor x, torch::Tensor y, const Case& c, int replica)
       : x_(std::move(x)), y_(std::move(y)), c_(c), replica_(replica) {}
   void set_epoch(int64_t) override {}
   int64_t num_batches() const override { return x_.size(0) / global_batch(c_) * c_.m; }
+  int64_t global_micro_batch() const override { return c_.dp * kMicro; }
   torch::data::Example<> batch(int64_t index) override {
-    const int64_t step = index / c_.m, i = index % c_.m;
-    const int64_t start = step * global_batch(c_) + (replica_ * c_.m + i) * kMicro;
+    const int64_t start = (index * c_.dp + replica_) * kMicro;
     return {x_.narrow(0, start, kMicro), y_.narrow(0, start, kMicro)};
   }
 
@@ -295,8 +298,9 @@ TEST(PipelineTrainerErrors, RefusesALossFnAndAMismatchedAccumulation) {
 
 class PipelineTrainerResume : public ::testing::TestWithParam<Case> {};
 
-// Every rank writes its stages' parameters and optimizer state into its own
-// shard; resuming at step 2 reproduces steps 3 and 4 bit for bit.
+// Every rank writes its stages' parameters and optimizer state into the
+// checkpoint's dcp folder (no per-rank files); resuming at step 2
+// reproduces steps 3 and 4 bit for bit.
 TEST_P(PipelineTrainerResume, IsBitwiseIdentical) {
   const Case c = GetParam();
   const auto x = det({4 * global_batch(c), kWidth}, 0.4);
@@ -304,11 +308,10 @@ TEST_P(PipelineTrainerResume, IsBitwiseIdentical) {
   testing::TempDir whole("cohort-pipe-whole"), split("cohort-pipe-split");
   const auto uninterrupted = run_job({c, whole.str(), 4, false, ""}, x, y);
   run_job({c, split.str(), 2, false, ""}, x, y);
-  const int world = c.pp * c.dp;
-  for (int r = 0; r < world; ++r) {
-    const std::string shard = CheckpointDir(split.str(), 3).path_for(2) + ".shard-" +
-                              std::to_string(r) + "-of-" + std::to_string(world);
-    EXPECT_TRUE(std::filesystem::exists(shard)) << shard;
+  const std::string main_file = CheckpointDir(split.str(), 3).path_for(2);
+  EXPECT_TRUE(std::filesystem::exists(main_file + ".dcp/.metadata")) << main_file;
+  for (const auto& entry : std::filesystem::directory_iterator(split.str())) {
+    EXPECT_EQ(entry.path().string().find(".shard-"), std::string::npos) << entry.path();
   }
   const auto resumed = run_job({c, split.str(), 4, true, ""}, x, y);
   for (size_t r = 0; r < resumed.size(); ++r) {
@@ -319,6 +322,42 @@ TEST_P(PipelineTrainerResume, IsBitwiseIdentical) {
     }
     for (const auto& [k, p] : resumed[r].params) {
       EXPECT_TRUE(torch::equal(p, uninterrupted[r].params.at(k))) << "parameter " << k;
+    }
+  }
+}
+
+// The checkpoint names the tensors by stage, so it resumes over another
+// number of ranks, pipeline size and schedule with the same stages and
+// global batch, continuing the run that kept its layout within 1e-5.
+TEST(PipelineTrainerReshard, ContinuesAtAnotherLayout) {
+  const std::pair<Case, Case> moves[] = {
+      {Case{"zbh1", 2, 1, 2, 2}, Case{"1f1b", 2, 1, 1, 4}},          // world 4 -> 2
+      {Case{"interleaved", 2, 2, 1, 2}, Case{"gpipe", 4, 1, 1, 2}}};  // world 2 -> 4
+  for (const auto& [from, to] : moves) {
+    SCOPED_TRACE(std::string(from.schedule) + " -> " + to.schedule);
+    ASSERT_EQ(global_batch(from), global_batch(to));
+    const auto x = det({4 * global_batch(from), kWidth}, 0.4);
+    const auto y = det({4 * global_batch(from), kWidth}, 1.3);
+    testing::TempDir whole("cohort-pipe-whole"), split("cohort-pipe-split");
+    const auto uninterrupted = run_job({from, whole.str(), 4, false, ""}, x, y);
+    run_job({from, split.str(), 2, false, ""}, x, y);
+    const auto resumed = run_job({to, split.str(), 4, true, ""}, x, y);
+    std::map<int64_t, torch::Tensor> want, got;
+    for (const auto& r : uninterrupted) want.insert(r.params.begin(), r.params.end());
+    for (size_t r = 0; r < resumed.size(); ++r) {
+      ASSERT_EQ(resumed[r].metrics.size(), 2u);
+      for (size_t s = 0; s < 2; ++s) {
+        const double loss = uninterrupted[0].metrics[2 + s].loss;
+        EXPECT_TRUE(close(resumed[r].metrics[s].loss, loss))
+            << "rank " << r << ", step " << 3 + s << ": " << resumed[r].metrics[s].loss
+            << " vs " << loss;
+      }
+      got.insert(resumed[r].params.begin(), resumed[r].params.end());
+    }
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [k, p] : got) {
+      const double scale = want.at(k).abs().max().item<double>();
+      EXPECT_LE((p - want.at(k)).abs().max().item<double>(), 1e-5 * scale) << "parameter " << k;
     }
   }
 }

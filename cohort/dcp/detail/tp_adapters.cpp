@@ -63,7 +63,8 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
   for (const auto& t : expert_parallel::expert_parameters(stage)) {
     experts.insert(t.unsafeGetTensorImpl());
   }
-  const int tp = mesh.size("tp"), tp_rank = mesh.local_rank("tp");
+  // A pipeline's mesh may have no "tp": its stages' tensors are whole.
+  const int tp = size_or_one(mesh, "tp"), tp_rank = tp > 1 ? mesh.local_rank("tp") : 0;
   const int ep = size_or_one(mesh, "ep"), ep_rank = ep > 1 ? mesh.local_rank("ep") : 0;
   const Writers writers(mesh);
   StateDict state;

@@ -48,9 +48,10 @@
 namespace cohort::dcp::detail {
 
 /// This rank's stage of a model built from cohort/tensor_parallel layers
-/// over mesh["tp"] (the mesh has "tp" and "pp" dimensions, any others
-/// replicate the stage except "ep", which splits its experts), and the
-/// optimizer over its parameters (may be null).
+/// over mesh["tp"], or a pipeline stage, and the optimizer over its
+/// parameters (may be null). Of the mesh's dimensions, "tp" splits the TP
+/// layers' tensors (none: tp = 1), "ep" the experts, "pp" holds other
+/// stages, and any other holds replicas of the stage.
 StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied = {},
                                      const Metadata* for_load = nullptr);
