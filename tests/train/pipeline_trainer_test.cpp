@@ -331,7 +331,7 @@ TEST_P(PipelineTrainerResume, IsBitwiseIdentical) {
 // global batch, continuing the run that kept its layout within 1e-5.
 TEST(PipelineTrainerReshard, ContinuesAtAnotherLayout) {
   const std::pair<Case, Case> moves[] = {
-      {Case{"zbh1", 2, 1, 2, 2}, Case{"1f1b", 2, 1, 1, 4}},          // world 4 -> 2
+      {Case{"zbh1", 2, 1, 2, 2}, Case{"1f1b", 2, 1, 1, 4}},           // world 4 -> 2
       {Case{"interleaved", 2, 2, 1, 2}, Case{"gpipe", 4, 1, 1, 2}}};  // world 2 -> 4
   for (const auto& [from, to] : moves) {
     SCOPED_TRACE(std::string(from.schedule) + " -> " + to.schedule);
@@ -349,8 +349,8 @@ TEST(PipelineTrainerReshard, ContinuesAtAnotherLayout) {
       for (size_t s = 0; s < 2; ++s) {
         const double loss = uninterrupted[0].metrics[2 + s].loss;
         EXPECT_TRUE(close(resumed[r].metrics[s].loss, loss))
-            << "rank " << r << ", step " << 3 + s << ": " << resumed[r].metrics[s].loss
-            << " vs " << loss;
+            << "rank " << r << ", step " << 3 + s << ": " << resumed[r].metrics[s].loss << " vs "
+            << loss;
       }
       got.insert(resumed[r].params.begin(), resumed[r].params.end());
     }
