@@ -31,11 +31,13 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/error.h"
 #include "cohort/grad_sync/comm_hook.h"
 #include "cohort/grad_sync/ddp_options.h"
 #include "cohort/grad_sync/ddp_stats.h"
 #include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/no_sync_guard.h"
+#include "cohort/mesh/device_mesh.h"
 
 namespace cohort {
 namespace detail {
@@ -78,6 +80,17 @@ void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out
   std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
 }
 
+// The group of DDP's mesh, which must be 1-D: DDP replicates along one
+// dimension (mesh["dp"] of a larger mesh).
+inline std::shared_ptr<Communicator> replica_group(const DeviceMesh& mesh) {
+  if (mesh.ndim() != 1) {
+    throw InvalidArgument("DistributedDataParallel on rank " +
+                          std::to_string(mesh.process_group()->rank()) +
+                          ": the mesh must be 1-D (mesh[\"dp\"]), got " + mesh.to_string());
+  }
+  return mesh.process_group();
+}
+
 }  // namespace detail
 
 /// Data parallel training of a torch::nn::Module (PyTorch's DistributedDataParallel): each rank
@@ -97,6 +110,12 @@ class DistributedDataParallel {
       register_comm_hook(std::make_shared<CompressionHook>(options.compression));
     }
   }
+
+  /// Over a 1-D mesh (PyTorch's DDP with device_mesh): its group; InvalidArgument naming
+  /// the mesh when it has more dimensions. Collective over it.
+  DistributedDataParallel(ModuleHolder module, const DeviceMesh& mesh, DDPOptions options = {})
+      : DistributedDataParallel(std::move(module), detail::replica_group(mesh),
+                                std::move(options)) {}
 
   /// Pre-forward work (previous iteration check, bucket rebuild, buffer
   /// broadcast), the module's own forward, then the unused-parameter search.

@@ -36,6 +36,46 @@ TEST(DdpConstruction, BroadcastsRankZerosParameters) {
   }
 }
 
+// A 1-D mesh is its group: the same gradients as over the Communicator;
+// a 2-D mesh is refused on every rank, naming it.
+TEST(DdpConstruction, TakesAOneDimensionalMesh) {
+  torch::set_num_threads(1);
+  std::vector<std::vector<torch::Tensor>> by_comm(2), by_mesh(2);
+  std::vector<std::string> refused(2);
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    const int r = comm->rank();
+    const auto x = torch::full({3, 8}, 0.5 + r), y = torch::full({3, 4}, 1.0 - r);
+    auto model = make_ddp_mlp();
+    Mlp copy(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
+    auto grads = [&](DistributedDataParallel<Mlp>& ddp) {
+      torch::nn::functional::mse_loss(ddp.forward(x), y).backward();
+      std::vector<torch::Tensor> g;
+      for (const auto& p : ddp.parameters()) g.push_back(p.grad().clone());
+      return g;
+    };
+    DistributedDataParallel<Mlp> over_comm(model, comm);
+    by_comm[r] = grads(over_comm);
+    const auto mesh = init_device_mesh(comm, {2}, {"dp"});
+    DistributedDataParallel<Mlp> over_mesh(copy, mesh);
+    EXPECT_EQ(over_mesh.process_group(), mesh.process_group());
+    by_mesh[r] = grads(over_mesh);
+    try {
+      DistributedDataParallel<Mlp> ddp(make_ddp_mlp(), init_device_mesh(comm, {1, 2}, {"pp", "dp"}));
+    } catch (const InvalidArgument& e) {
+      refused[r] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(by_mesh[r].size(), by_comm[r].size());
+    for (size_t i = 0; i < by_comm[r].size(); ++i) {
+      EXPECT_TRUE(torch::equal(by_mesh[r][i], by_comm[r][i])) << "rank " << r << ", tensor " << i;
+    }
+    EXPECT_NE(refused[r].find("the mesh must be 1-D (mesh[\"dp\"]), got pp=1 dp=2"),
+              std::string::npos)
+        << refused[r];
+  }
+}
+
 TEST(DdpConstruction, MismatchedShapesNameTheParameterAndRanks) {
   run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
     // Rank 2's second layer is wider.
