@@ -60,7 +60,8 @@ TEST(DdpConstruction, TakesAOneDimensionalMesh) {
     EXPECT_EQ(over_mesh.process_group(), mesh.process_group());
     by_mesh[r] = grads(over_mesh);
     try {
-      DistributedDataParallel<Mlp> ddp(make_ddp_mlp(), init_device_mesh(comm, {1, 2}, {"pp", "dp"}));
+      DistributedDataParallel<Mlp> ddp(make_ddp_mlp(),
+                                       init_device_mesh(comm, {1, 2}, {"pp", "dp"}));
     } catch (const InvalidArgument& e) {
       refused[r] = e.what();
     }
