@@ -67,6 +67,7 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
       options_(std::move(options)),
       rank_(engine_->rank()),
       size_(engine_->size()),
+      device_tensors_(engine_->carries_device_tensors()),
       health_(std::make_shared<Health>()) {
   // Once per process, before the first counted operation.
   tick_clock::calibrate();
@@ -80,7 +81,11 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
     align_trace_clock();
   }
   // No environment here: init() reads it, connect() is explicit.
-  if (options_.algorithm == Algorithm::Default) options_.algorithm = Algorithm::Engine;
+  // cohort's algorithms read and write host memory: over an engine that
+  // moves device tensors itself, every collective is the engine's.
+  if (options_.algorithm == Algorithm::Default || device_tensors_) {
+    options_.algorithm = Algorithm::Engine;
+  }
   if (options_.calibration_max_bytes <= 0) options_.calibration_max_bytes = 64 << 20;
   // Construction is collective, so a communicator whose default is an
   // algorithm builds its private engine here; built lazily, a rank whose
@@ -150,13 +155,13 @@ algorithms::Executor& Communicator::algorithms() {
 
 Algorithm Communicator::resolve_algorithm(Collective op, int64_t bytes, Algorithm requested) {
   const Algorithm a = requested == Algorithm::Default ? options_.algorithm : requested;
-  if (a == Algorithm::Engine) {
+  if (a == Algorithm::Engine || device_tensors_) {
     // Gloo 1.13 has no reduce_scatter: the engine's fallback all-reduces the
     // whole input (twice a ring's traffic), so its "native" choice is the ring.
     if (op == Collective::ReduceScatter && size_ > 1 && !engine_->has_native_reduce_scatter()) {
       return Algorithm::Ring;
     }
-    return a;
+    return Algorithm::Engine;
   }
   return algorithms().resolve(op, a, bytes);
 }
@@ -173,6 +178,7 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
   call.ctx.rank = rank_;
   call.ctx.size = size_;
   call.ctx.peers = std::move(peers);
+  call.ctx.device_tensors = device_tensors_;
   // Engine traffic from here to the next operation counts under this kind.
   call.kind = op_kind_from_name(op);
   call.issued_ticks = tick_clock::now();
@@ -289,7 +295,7 @@ Work Communicator::barrier(const BarrierOptions& opts) {
 }
 
 Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendOptions& opts) {
-  if (detail::on_device(caller_tensor)) {
+  if (detail::stages(*engine_, detail::on_device(caller_tensor))) {
     auto s = detail::staging(*this, "send");
     auto host = s.read(caller_tensor, "tensor");
     s.ready();
@@ -307,7 +313,7 @@ Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendO
 }
 
 Work Communicator::recv(torch::Tensor& caller_tensor, int src, const RecvOptions& opts) {
-  if (detail::on_device(caller_tensor)) {
+  if (detail::stages(*engine_, detail::on_device(caller_tensor))) {
     auto s = detail::staging(*this, "recv");
     auto host = s.write(caller_tensor, "tensor");
     s.ready();

@@ -213,6 +213,7 @@ class Communicator {
   CommunicatorOptions options_;
   int rank_;
   int size_;
+  bool device_tensors_;  // the engine moves CUDA tensors itself: no staging, no algorithms
   std::unique_ptr<CollectiveChecker> checker_;
   uint64_t groups_created_ = 0;
 

@@ -100,6 +100,12 @@ Tensors& data_of(Tensors& ts, std::vector<torch::Tensor>& aliases) {
   return aliases;
 }
 
+// Whether an operation stages its device tensors through host memory: one
+// of them is on a device (`any_device`) and `engine` moves host memory only.
+inline bool stages(const Engine& engine, bool any_device) {
+  return any_device && !engine.carries_device_tensors();
+}
+
 // The staging of `op`'s CUDA tensors through host memory on `comm`
 // (device_staging.h): each public operation given one stages them and runs
 // itself again on the host tensors.

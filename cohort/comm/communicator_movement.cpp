@@ -27,7 +27,7 @@ WorkPtr nothing_to_move(Engine& engine, int size, const Signature& s) {
 }  // namespace
 
 Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOptions& opts) {
-  if (detail::on_device(caller_tensor)) {
+  if (detail::stages(*engine_, detail::on_device(caller_tensor))) {
     auto s = detail::staging(*this, "broadcast");
     auto host = s.write(caller_tensor, "tensor", /*also_read=*/rank_ == opts.root);
     s.ready();
@@ -49,7 +49,7 @@ Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOption
 
 Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                        const BroadcastOptions& opts) {
-  if (detail::any_on_device(caller_tensors)) {
+  if (detail::stages(*engine_, detail::any_on_device(caller_tensors))) {
     auto s = detail::staging(*this, "broadcast_coalesced");
     std::vector<torch::Tensor> host;
     for (size_t i = 0; i < caller_tensors.size(); ++i) {
@@ -106,7 +106,8 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensor
 
 Work Communicator::all_gather(std::vector<torch::Tensor>& caller_outputs,
                               const torch::Tensor& caller_input, const AllGatherOptions& opts) {
-  if (detail::any_on_device(caller_outputs) || detail::on_device(caller_input)) {
+  if (detail::stages(*engine_,
+                     detail::any_on_device(caller_outputs) || detail::on_device(caller_input))) {
     auto s = detail::staging(*this, "all_gather");
     auto out = s.write(caller_outputs, "outputs");
     auto in = s.read(caller_input, "input");
@@ -134,7 +135,8 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& caller_outputs,
 Work Communicator::all_gather_into_tensor(torch::Tensor& caller_output,
                                           const torch::Tensor& caller_input,
                                           const AllGatherOptions& opts) {
-  if (detail::on_device(caller_output) || detail::on_device(caller_input)) {
+  if (detail::stages(*engine_,
+                     detail::on_device(caller_output) || detail::on_device(caller_input))) {
     auto s = detail::staging(*this, "all_gather_into_tensor");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_input, "input");
@@ -199,8 +201,8 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
 
 Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
                           const torch::Tensor& caller_input, const GatherOptions& opts) {
-  if (detail::on_device(caller_input) ||
-      (rank_ == opts.root && detail::any_on_device(caller_outputs))) {
+  if (detail::stages(*engine_, detail::on_device(caller_input) ||
+                                   (rank_ == opts.root && detail::any_on_device(caller_outputs)))) {
     auto s = detail::staging(*this, "gather");
     // Off the root the outputs are ignored, and left as they are.
     auto out = rank_ == opts.root ? s.write(caller_outputs, "outputs") : caller_outputs;
@@ -232,8 +234,8 @@ Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
 Work Communicator::scatter(torch::Tensor& caller_output,
                            const std::vector<torch::Tensor>& caller_inputs,
                            const ScatterOptions& opts) {
-  if (detail::on_device(caller_output) ||
-      (rank_ == opts.root && detail::any_on_device(caller_inputs))) {
+  if (detail::stages(*engine_, detail::on_device(caller_output) ||
+                                   (rank_ == opts.root && detail::any_on_device(caller_inputs)))) {
     auto s = detail::staging(*this, "scatter");
     auto out = s.write(caller_output, "output");
     auto in = rank_ == opts.root ? s.read(caller_inputs, "inputs") : caller_inputs;
@@ -266,7 +268,8 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
                                      std::vector<int64_t> output_split_sizes,
                                      std::vector<int64_t> input_split_sizes,
                                      const AllToAllOptions& opts) {
-  if (detail::on_device(caller_output) || detail::on_device(caller_input)) {
+  if (detail::stages(*engine_,
+                     detail::on_device(caller_output) || detail::on_device(caller_input))) {
     auto s = detail::staging(*this, "all_to_all_single");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_input, "input");
@@ -325,7 +328,8 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
 Work Communicator::all_to_all(std::vector<torch::Tensor>& caller_outputs,
                               const std::vector<torch::Tensor>& caller_inputs,
                               const AllToAllOptions& opts) {
-  if (detail::any_on_device(caller_outputs) || detail::any_on_device(caller_inputs)) {
+  if (detail::stages(*engine_, detail::any_on_device(caller_outputs) ||
+                                   detail::any_on_device(caller_inputs))) {
     auto s = detail::staging(*this, "all_to_all");
     auto out = s.write(caller_outputs, "outputs");
     auto in = s.read(caller_inputs, "inputs");

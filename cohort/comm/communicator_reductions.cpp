@@ -26,7 +26,7 @@ using detail::fingerprint;
 using detail::reduction_buffer;
 
 Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptions& opts) {
-  if (size_ > 1 && detail::on_device(caller_tensor)) {
+  if (detail::stages(*engine_, size_ > 1 && detail::on_device(caller_tensor))) {
     auto s = detail::staging(*this, "all_reduce");
     auto host = s.write(caller_tensor, "tensor", /*also_read=*/true);
     s.ready();
@@ -67,7 +67,7 @@ Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptio
 
 Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                         const AllReduceOptions& opts) {
-  if (size_ > 1 && detail::any_on_device(caller_tensors)) {
+  if (detail::stages(*engine_, size_ > 1 && detail::any_on_device(caller_tensors))) {
     auto s = detail::staging(*this, "all_reduce_coalesced");
     std::vector<torch::Tensor> host;
     for (size_t i = 0; i < caller_tensors.size(); ++i) {
@@ -136,7 +136,7 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tenso
 }
 
 Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opts) {
-  if (size_ > 1 && detail::on_device(caller_tensor)) {
+  if (detail::stages(*engine_, size_ > 1 && detail::on_device(caller_tensor))) {
     auto s = detail::staging(*this, "reduce");
     auto host = s.write(caller_tensor, "tensor", /*also_read=*/true);
     s.ready();
@@ -170,7 +170,8 @@ Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opt
 Work Communicator::reduce_scatter(torch::Tensor& caller_output,
                                   const std::vector<torch::Tensor>& caller_inputs,
                                   const ReduceScatterOptions& opts) {
-  if (detail::on_device(caller_output) || detail::any_on_device(caller_inputs)) {
+  if (detail::stages(*engine_,
+                     detail::on_device(caller_output) || detail::any_on_device(caller_inputs))) {
     auto s = detail::staging(*this, "reduce_scatter");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_inputs, "inputs");
@@ -202,7 +203,8 @@ Work Communicator::reduce_scatter(torch::Tensor& caller_output,
 Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
                                          const torch::Tensor& caller_input,
                                          const ReduceScatterOptions& opts) {
-  if (detail::on_device(caller_output) || detail::on_device(caller_input)) {
+  if (detail::stages(*engine_,
+                     detail::on_device(caller_output) || detail::on_device(caller_input))) {
     auto s = detail::staging(*this, "reduce_scatter_tensor");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_input, "input");

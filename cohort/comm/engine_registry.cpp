@@ -11,6 +11,9 @@
 #ifdef COHORT_WITH_UCX
 #include "cohort/comm/ucx/ucx_engine.h"
 #endif
+#ifdef COHORT_WITH_NCCL
+#include "cohort/comm/nccl/c10d_adapter.h"
+#endif
 
 namespace cohort {
 
@@ -33,6 +36,9 @@ std::vector<std::string> available_backends() {
 #endif
 #ifdef COHORT_WITH_UCX
   built.push_back("ucx");
+#endif
+#ifdef COHORT_WITH_NCCL
+  built.push_back("nccl");
 #endif
   return built;
 }
@@ -79,6 +85,13 @@ std::unique_ptr<Engine> create_engine(std::shared_ptr<Store> store, int rank, in
   if (options.backend == "ucx") {
     return make_ucx_engine(std::move(store), rank, size, options.gloo.bind_address,
                            options.gloo.interface, options.timeout);
+  }
+#endif
+#ifdef COHORT_WITH_NCCL
+  // NCCL on the calling thread's current CUDA device; its own rendezvous
+  // (the unique id) goes through the store.
+  if (options.backend == "nccl") {
+    return make_nccl_engine(std::move(store), rank, size, options.timeout);
   }
 #endif
   require_backend(options.backend, "cohort");

@@ -1,5 +1,5 @@
 // defines: create_engine, the one place that knows which engines this build
-// has. Optional engines (MPI, UCX) are chosen here and nowhere else.
+// has. Optional engines (MPI, UCX, NCCL) are chosen here and nowhere else.
 #pragma once
 
 #include <memory>
@@ -14,7 +14,7 @@ namespace cohort {
 std::unique_ptr<Engine> create_engine(std::shared_ptr<Store> store, int rank, int size,
                                       const ConnectOptions& options);
 
-// Engines compiled into this build, e.g. {"gloo", "mpi", "ucx"}.
+// Engines compiled into this build, e.g. {"gloo", "mpi", "ucx", "nccl"}.
 std::vector<std::string> available_backends();
 // Throws ConfigError naming the available ones unless `backend` is one.
 void require_backend(const std::string& backend, const std::string& where);

@@ -1,9 +1,10 @@
-// defines: Engine, the interface every transport implements (Gloo through
-// c10d, MPI, later NCCL), and WorkPtr.
+// defines: Engine, the interface every transport implements (Gloo and NCCL
+// through c10d, MPI, UCX), and WorkPtr.
 //
-// The Communicator validates and prepares tensors (contiguous, CPU, a dtype
-// the wire carries) before it calls an engine, so engines stay thin. An engine
-// implements what it supports; the defaults below either build the operation
+// The Communicator validates and prepares tensors (contiguous, CPU unless
+// the engine carries device tensors, a dtype the wire carries) before it
+// calls an engine, so engines stay thin. An engine implements what it
+// supports; the defaults below either build the operation
 // from others (reduce_scatter) or refuse it by name.
 #pragma once
 
@@ -51,6 +52,11 @@ class Engine {
   /// built from all_reduce); without one, the communicator's "engine" choice
   /// for reduce_scatter means cohort's ring (cohort/algorithms).
   virtual bool has_native_reduce_scatter() const { return false; }
+  /// True when the transport moves device (CUDA) tensors itself (NCCL): the
+  /// Communicator then hands them over as they are, without staging them
+  /// through host memory, and runs no algorithm of cohort's on them (those
+  /// read host memory).
+  virtual bool carries_device_tensors() const { return false; }
   /// On the root, outputs has size() tensors; elsewhere it is empty.
   virtual WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) = 0;
   /// On the root, inputs has size() tensors; elsewhere it is empty.

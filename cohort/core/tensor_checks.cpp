@@ -65,9 +65,10 @@ void check_device_tensor(const at::Tensor& t, const std::string& where, const st
   check_dense(t, where, what, true);
 }
 
-void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& where,
-                const std::string& what) {
-  check_tensor(t, where, what);
+namespace {
+void check_like_on(const at::Tensor& t, const at::Tensor& ref, const std::string& where,
+                   const std::string& what, bool cuda) {
+  check_dense(t, where, what, cuda);
   if (t.scalar_type() != ref.scalar_type()) {
     throw InvalidArgument("cohort: " + where + ": " + what + " has dtype " +
                           dtype_name(t.scalar_type()) + ", expected " +
@@ -79,26 +80,36 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& w
   }
 }
 
+}  // namespace
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& where,
+                const std::string& what) {
+  check_like_on(t, ref, where, what, false);
+}
+
 namespace {
-// True when check_tensor would accept `t`; the fast path of the OpContext forms.
-bool passes(const at::Tensor& t) {
-  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
-         supported(t.scalar_type()) && t.is_contiguous();
+// True when check_tensor would accept `t` (or check_device_tensor, when
+// `cuda`); the fast path of the OpContext forms.
+bool passes(const at::Tensor& t, bool cuda = false) {
+  return t.defined() && t.layout() == at::kStrided &&
+         (t.device().is_cpu() || (cuda && t.device().is_cuda())) && supported(t.scalar_type()) &&
+         t.is_contiguous();
 }
 }  // namespace
 
 void check_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what) {
-  if (!passes(t)) check_tensor(t, ctx.describe(), what);
+  if (!passes(t, ctx.device_tensors)) check_dense(t, ctx.describe(), what, ctx.device_tensors);
 }
 
 void check_device_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what) {
-  if (!passes(t)) check_device_tensor(t, ctx.describe(), what);
+  if (!passes(t, true)) check_device_tensor(t, ctx.describe(), what);
 }
 
 void check_like(const at::Tensor& t, const at::Tensor& ref, const OpContext& ctx,
                 const std::string& what) {
-  if (!passes(t) || t.scalar_type() != ref.scalar_type() || t.sizes() != ref.sizes()) {
-    check_like(t, ref, ctx.describe(), what);
+  if (!passes(t, ctx.device_tensors) || t.scalar_type() != ref.scalar_type() ||
+      t.sizes() != ref.sizes()) {
+    check_like_on(t, ref, ctx.describe(), what, ctx.device_tensors);
   }
 }
 

@@ -34,6 +34,8 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, const std::string& w
 
 // The same checks naming `ctx`, which is described only when a check fails:
 // describing it on every call cost about a microsecond per operation.
+// check_tensor and check_like also accept a CUDA tensor when
+// `ctx.device_tensors` (the engine moves it itself).
 void check_tensor(const at::Tensor& t, const OpContext& ctx, const std::string& what);
 void check_like(const at::Tensor& t, const at::Tensor& ref, const OpContext& ctx,
                 const std::string& what);

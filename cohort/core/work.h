@@ -29,6 +29,9 @@ struct OpContext {
   /// Whether the debug checks (COHORT_DEBUG=detail) ran before this
   /// collective; when not, a collective's error suggests turning them on.
   bool debug_checks = false;
+  /// Whether the engine moves CUDA tensors itself (NCCL): the tensor
+  /// checks then accept them as they accept CPU tensors.
+  bool device_tensors = false;
   Millis timeout{0};  ///< resolved timeout of this operation
 
   /// "all_reduce on rank 0 of 4 (group world, peers [1, 2, 3])"

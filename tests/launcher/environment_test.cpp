@@ -93,10 +93,10 @@ TEST(Environment, BackendFromTheFlagElseTheCallersEnvironment) {
     ASSERT_EQ(envs.size(), 2u) << r.out;
     for (auto& [rank, e] : envs) EXPECT_EQ(e["COHORT_BACKEND"], c.expected) << "rank " << rank;
   }
-  ProcessResult r = run_cohortrun({"-n", "2", "--", "true"}, Seconds(20), {"COHORT_BACKEND=nccl"});
+  ProcessResult r = run_cohortrun({"-n", "2", "--", "true"}, Seconds(20), {"COHORT_BACKEND=tcp"});
   ASSERT_FALSE(r.timed_out);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("(or COHORT_BACKEND) must be gloo, mpi, ucx or auto (got 'nccl')"),
+  EXPECT_NE(r.err.find("(or COHORT_BACKEND) must be gloo, mpi, ucx, nccl or auto (got 'tcp')"),
             std::string::npos)
       << r.err;
 }

@@ -18,7 +18,7 @@ constexpr const char* kUsage =
     "--master-port P]\n"
     "  cohortrun -n N --nnodes MIN:MAX --master-addr A --master-port P [--rdzv-id ID]\n"
     "            [--heartbeat-timeout S] [--rdzv-last-call S] [--rdzv-timeout S]\n"
-    "            [--backend gloo|mpi|ucx|auto] [--max-restarts R] [--timeout S]\n"
+    "            [--backend gloo|mpi|ucx|nccl|auto] [--max-restarts R] [--timeout S]\n"
     "            [--quiet-others] [--trace DIR] -- PROGRAM ARGS...";
 
 // Ports and counts are taken as text and checked here, so that every bad
@@ -177,8 +177,9 @@ void validate(Options& o) {
           "supported with --backend mpi (mpirun supervises the "
           "ranks)");
     }
-  } else if (o.backend != "gloo" && o.backend != "ucx" && o.backend != "auto") {
-    throw UsageError("--backend (or COHORT_BACKEND) must be gloo, mpi, ucx or auto (got '" +
+  } else if (o.backend != "gloo" && o.backend != "ucx" && o.backend != "nccl" &&
+             o.backend != "auto") {
+    throw UsageError("--backend (or COHORT_BACKEND) must be gloo, mpi, ucx, nccl or auto (got '" +
                      o.backend + "')");
   }
   if (o.nnodes > 1) {

@@ -9,61 +9,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "cohort/comm/gloo/liveness_probe.h"
+#include "cohort/comm/c10d_common.h"
 #include "cohort/core/error.h"
-#include "cohort/core/job_work.h"
 #include "cohort/core/signature.h"
 #include "cohort/core/store/missing_keys.h"
 
 namespace cohort {
 namespace {
 
-// c10d error text without LibTorch's C++ backtrace.
-std::string c10d_message(const std::exception& e) {
-  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
-  return e.what();
-}
-
-bool says_timeout(const std::string& m) {
-  return m.find("imed out") != std::string::npos || m.find("imeout") != std::string::npos;
-}
-
-[[noreturn]] void rethrow_translated(const std::exception& e) {
-  const auto m = c10d_message(e);
-  if (says_timeout(m)) throw TimeoutError(m);
-  throw PeerError(m);
-}
-
-// Lets Gloo rendezvous through a cohort Store (TcpStore, HashStore, ...).
-class StoreBridge : public c10d::Store {
- public:
-  explicit StoreBridge(std::shared_ptr<cohort::Store> inner)
-      : c10d::Store(inner->timeout()), inner_(std::move(inner)) {}
-
-  void set(const std::string& key, const std::vector<uint8_t>& value) override {
-    inner_->set(key, value);
-  }
-  std::vector<uint8_t> get(const std::string& key) override {
-    inner_->wait({key}, timeout_);
-    return inner_->get(key);
-  }
-  int64_t add(const std::string& key, int64_t value) override {
-    return inner_->add(key, value);
-  }
-  bool deleteKey(const std::string& key) override { return inner_->delete_key(key); }
-  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
-  int64_t getNumKeys() override {
-    throw Unsupported("cohort stores do not count their keys");
-  }
-  void wait(const std::vector<std::string>& keys) override { inner_->wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    inner_->wait(keys, timeout);
-  }
-
- private:
-  std::shared_ptr<cohort::Store> inner_;
-};
+using namespace c10d_common;  // the adapters' shared part
 
 // A cohort Store over a c10d store (FileStore).
 class C10dStore : public cohort::Store {
@@ -123,55 +77,11 @@ class C10dStore : public cohort::Store {
   std::string name_;
 };
 
-// What a timed-out collective asks before it reports (liveness_probe.h);
-// empty for point-to-point, whose one peer the caller already names.
-using Probe = std::function<std::string(Millis waited)>;
-
-class C10dWork : public WorkImpl {
- public:
-  C10dWork(c10::intrusive_ptr<c10d::Work> work, Probe probe)
-      : work_(std::move(work)), probe_(std::move(probe)) {}
-
-  bool is_completed() override { return work_->isCompleted(); }
-
-  void wait(Millis timeout) override {
-    try {
-      work_->wait(timeout);
-    } catch (const std::exception& e) {
-      const auto m = c10d_message(e);
-      if (probe_ && says_timeout(m)) throw TimeoutError(m + probe_(timeout));
-      rethrow_translated(e);
-    }
-  }
-
- private:
-  c10::intrusive_ptr<c10d::Work> work_;
-  Probe probe_;
-};
-
-c10d::ReduceOp to_c10d(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return c10d::ReduceOp::SUM;
-    case ReduceOp::Min:
-      return c10d::ReduceOp::MIN;
-    case ReduceOp::Max:
-      return c10d::ReduceOp::MAX;
-    case ReduceOp::Prod:
-      return c10d::ReduceOp::PRODUCT;
-    case ReduceOp::Avg:
-      break;
-  }
-  COHORT_CHECK(false, "the communicator turns avg into sum before the engine");
-}
-
 // The point-to-point tag of the signature checks (user tags below it).
 constexpr int kCheckTag = std::numeric_limits<int32_t>::max();
 
 WorkPtr failed_work(std::exception_ptr error) {
-  auto w = std::make_shared<JobWork>("gloo signature check");
-  w->finish(std::move(error));
-  return w;
+  return c10d_common::failed_work("gloo signature check", std::move(error));
 }
 
 // Every collective first compares its signature (cohort/core/signature.h)
@@ -245,13 +155,8 @@ class GlooEngine : public Engine {
   WorkPtr all_to_all(at::Tensor& output, at::Tensor& input,
                      std::vector<int64_t>& output_counts,
                      std::vector<int64_t>& input_counts) override {
-    auto s = given_or(CollectiveKind::AllToAll, input);
-    s.count = -1;
-    const auto p = static_cast<size_t>(size());
-    auto send = input_counts, recv = output_counts;
-    if (send.empty()) send.assign(p, input.numel() / size());
-    if (recv.empty()) recv.assign(p, output.numel() / size());
-    if (auto failed = check(s, send, recv)) return failed;
+    const auto c = all_to_all_check(output, input, output_counts, input_counts, size());
+    if (auto failed = check(c.signature, c.send, c.recv)) return failed;
     return call([&] { return pg_->alltoall_base(output, input, output_counts, input_counts); });
   }
 
@@ -275,9 +180,7 @@ class GlooEngine : public Engine {
   std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
                                           std::shared_ptr<cohort::Store> store,
                                           Millis timeout) override {
-    const int me = static_cast<int>(
-        std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
-    COHORT_CHECK(me < static_cast<int>(ranks.size()), "caller is not a member");
+    const int me = member_index(ranks, rank());
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     options->devices = options_->devices;
     options->threads = options_->threads;
@@ -310,12 +213,7 @@ class GlooEngine : public Engine {
   template <typename F>
   WorkPtr call(F&& launch, bool collective = true) {
     Probe probe;
-    if (collective && size() > 1) {
-      probe = [store = store_, rank = rank(), size = size(), seq = collectives_](Millis waited) {
-        const auto most = std::clamp(waited / 2, Millis(500), Millis(5000));
-        return store_liveness_probe(*store, rank, size, seq, most);
-      };
-    }
+    if (collective && size() > 1) probe = group_probe(store_, rank(), size(), collectives_);
     try {
       return std::make_shared<C10dWork>(launch(), std::move(probe));
     } catch (const std::exception& e) {
