@@ -80,14 +80,23 @@ int message_tag(int boundary, int dir, int microbatch) {
 }
 
 BoundaryChannel::BoundaryChannel(Communicator& group, const PipelineSchedule& schedule,
-                                 Millis timeout, int recv_window)
+                                 Millis timeout, int recv_window,
+                                 std::map<int, c10::Device> devices)
     : group_(group),
       schedule_(schedule),
       timeout_(timeout),
       recv_window_(static_cast<size_t>(recv_window)),
       rank_(group.rank()),
       actions_(schedule.actions[rank_]),
-      peer_pos_(peer_positions(schedule, rank_)) {}
+      peer_pos_(peer_positions(schedule, rank_)),
+      devices_(std::move(devices)) {}
+
+torch::Tensor BoundaryChannel::buffer(int stage, const std::vector<int64_t>& shape,
+                                      c10::ScalarType dtype) const {
+  const auto it = devices_.find(stage);
+  const c10::Device device = it == devices_.end() ? c10::Device(c10::kCPU) : it->second;
+  return torch::empty(shape, torch::TensorOptions().dtype(dtype).device(device));
+}
 
 // Once a boundary's shapes are agreed (on the first step), receives are
 // posted ahead: the next recv_window receive actions from the running one
@@ -133,7 +142,8 @@ void BoundaryChannel::post_receive(const Action& a) {
   auto& list = posted_[{boundary, dir, a.microbatch}];
   for (size_t i = 0; i < meta.shapes.size(); ++i) {
     if (!fwd && !c10::isFloatingType(meta.dtypes[i])) continue;  // no gradient
-    torch::Tensor buf = torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
+    // Into stage a.stage: its inputs (forward) or its outputs' gradients.
+    torch::Tensor buf = buffer(a.stage, meta.shapes[i], meta.dtypes[i]);
     Work w = group_.recv(buf, src, {message_tag(boundary, dir, a.microbatch), timeout_});
     list.emplace_back(std::move(w), buf);
   }
@@ -261,7 +271,7 @@ Tensors BoundaryChannel::recv_forward(int stage, int mb) {
     meta.known = true;
   }
   for (size_t i = 0; i < meta.shapes.size(); ++i) {
-    torch::Tensor buf = torch::empty(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]));
+    torch::Tensor buf = buffer(stage, meta.shapes[i], meta.dtypes[i]);
     wait_recv(buf, src, message_tag(stage - 1, 0, mb));
     in.push_back(buf);
   }

@@ -49,8 +49,11 @@ struct BoundaryMeta {
 /// One rank's sends and receives across its stages' boundaries.
 class BoundaryChannel {
  public:
+  /// `devices`: the device of each of this rank's stages (by stage index),
+  /// where the tensors it receives are put; a stage not in it receives on
+  /// the CPU.
   BoundaryChannel(Communicator& group, const PipelineSchedule& schedule, Millis timeout,
-                  int recv_window);
+                  int recv_window, std::map<int, c10::Device> devices = {});
 
   /// Before action `pc` of this rank's list: refills the receive window.
   void begin_action(size_t pc);
@@ -89,6 +92,8 @@ class BoundaryChannel {
   void reap_sends();
   void release_sends(int peer, int peer_send_pos);
   void check_same(int stage, int mb, const Tensors& out, const BoundaryMeta& meta) const;
+  // A receive buffer for this rank's stage `stage`, on its device.
+  torch::Tensor buffer(int stage, const std::vector<int64_t>& shape, c10::ScalarType dtype) const;
 
   Communicator& group_;
   const PipelineSchedule& schedule_;
@@ -99,6 +104,7 @@ class BoundaryChannel {
   // Per action of this rank: for a send, the position of its receive in the
   // peer's action list; for a receive, the position of its send there.
   const std::vector<int> peer_pos_;
+  const std::map<int, c10::Device> devices_;
   std::map<int, BoundaryMeta> sent_meta_, recv_meta_;
   std::vector<PendingSend> sends_;
   // Receives posted ahead, by (boundary, direction, micro-batch).

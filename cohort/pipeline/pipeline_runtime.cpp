@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <set>
 
 #include "cohort/core/error.h"
@@ -93,8 +94,14 @@ PipelineRuntime::PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage
   // Both keep references to schedule_, stages_ and loss_fn_, which stay
   // put: the runtime is neither copied nor moved.
   state_->rank = rank;
-  state_->channel =
-      std::make_unique<BoundaryChannel>(*group_, schedule_, options_.timeout, options_.recv_window);
+  // A stage receives where its parameters are (a parameterless stage: on
+  // the CPU), so a CUDA stage gets CUDA inputs.
+  std::map<int, c10::Device> devices;
+  for (const auto& stage : stages_) {
+    if (!stage.parameters().empty()) devices.emplace(stage.index(), stage.parameters()[0].device());
+  }
+  state_->channel = std::make_unique<BoundaryChannel>(*group_, schedule_, options_.timeout,
+                                                      options_.recv_window, std::move(devices));
   state_->executor = std::make_unique<StageExecutor>(stages_, schedule_, rank, loss_fn_);
 }
 
