@@ -20,11 +20,13 @@ ControlChannel::ControlChannel(Worker& worker, int rank, int size)
       size_(size),
       closed_after_(new std::atomic<int64_t>[static_cast<size_t>(size)]),
       closed_clean_(new std::atomic<bool>[static_cast<size_t>(size)]),
-      answered_(new std::atomic<int64_t>[static_cast<size_t>(size)]) {
+      answered_(new std::atomic<int64_t>[static_cast<size_t>(size)]),
+      pinged_at_(new std::atomic<int64_t>[static_cast<size_t>(size)]) {
   for (size_t q = 0; q < static_cast<size_t>(size); ++q) {
     closed_after_[q].store(std::numeric_limits<int64_t>::max());
     closed_clean_[q].store(false);
     answered_[q].store(0);
+    pinged_at_[q].store(std::numeric_limits<int64_t>::min());
   }
 }
 
@@ -107,15 +109,26 @@ void ControlChannel::on_notice(const int64_t* w, size_t words) {
     on_mismatch(w);
   } else if (words == 4 && w[0] == kPing) {
     const int peer = static_cast<int>(w[1]);
-    // Not waited for: the asking rank waits for it.
-    if (peer >= 0 && peer < size_ && peer != rank_) send(notice(kPong, rank_, w[2], 0), peer);
+    if (peer >= 0 && peer < size_ && peer != rank_) {
+      // Not waited for: the asking rank waits for it.
+      send(notice(kPong, rank_, w[2], 0), peer);
+      pinged_at_[static_cast<size_t>(peer)].store(
+          Clock::now().time_since_epoch().count(), std::memory_order_release);
+    }
   } else if (words == 4 && w[0] == kPong) {
     const int peer = static_cast<int>(w[1]);
-    if (peer >= 0 && peer < size_) {
-      answered_[static_cast<size_t>(peer)].store(w[2], std::memory_order_release);
-    }
+    if (peer >= 0 && peer < size_) answered(peer, w[2]);
   } else if (words == 4 && w[0] == kClosed) {
     on_closed(static_cast<int>(w[1]), w[2], w[3] != 0);
+  }
+}
+
+void ControlChannel::answered(int peer, int64_t round) {
+  // Only ever raised: a late pong from an earlier round (another thread's
+  // probe) must not hide one of the current round.
+  auto& a = answered_[static_cast<size_t>(peer)];
+  int64_t seen = a.load(std::memory_order_acquire);
+  while (seen < round && !a.compare_exchange_weak(seen, round, std::memory_order_acq_rel)) {
   }
 }
 
@@ -172,10 +185,17 @@ std::string ControlChannel::probe(Millis most) {
     send(ping, q);
     asked.push_back(q);
   }
+  // A peer that asked this rank within the probe's window is alive too,
+  // past its own timeout: when two ranks time out together, each knows the
+  // other from its ping alone, without depending on the other's thread to
+  // answer in time on a loaded machine.
+  const int64_t recent = (Clock::now() - most).time_since_epoch().count();
   auto silent = [&] {
     std::vector<int> s;
     for (int q : asked) {
-      if (answered_[static_cast<size_t>(q)].load(std::memory_order_acquire) != round) {
+      const auto i = static_cast<size_t>(q);
+      if (answered_[i].load(std::memory_order_acquire) < round &&
+          pinged_at_[i].load(std::memory_order_acquire) < recent) {
         s.push_back(q);
       }
     }

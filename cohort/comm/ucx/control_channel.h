@@ -67,7 +67,7 @@ class ControlChannel {
   }
   // The liveness probe: asks every open peer whether it still answers and
   // waits up to `most`; what to add to a timeout's message, naming the
-  // peers that did not answer (control_probe.cpp).
+  // peers that did not answer.
   std::string probe(Millis most);
 
  private:
@@ -80,6 +80,8 @@ class ControlChannel {
   void post_receive_locked();  // mu_ held
   void send(const at::Tensor& notice, int peer);
   void send_all(const at::Tensor& notice);
+  // Records that `peer` answered this rank's probe round `round`.
+  void answered(int peer, int64_t round);
   // A four-word notice: its type and three fields.
   static at::Tensor notice(Notice type, int64_t a, int64_t b, int64_t c);
 
@@ -90,8 +92,10 @@ class ControlChannel {
   std::atomic<Transfer*> current_{nullptr};
   std::unique_ptr<std::atomic<int64_t>[]> closed_after_;
   std::unique_ptr<std::atomic<bool>[]> closed_clean_;
-  // Per peer, the last probe round it answered; the current round.
+  // Per peer, the last probe round it answered; when its last ping came
+  // (steady clock, ns); the current round.
   std::unique_ptr<std::atomic<int64_t>[]> answered_;
+  std::unique_ptr<std::atomic<int64_t>[]> pinged_at_;
   std::atomic<int64_t> probe_round_{0};
 };
 
