@@ -46,8 +46,8 @@ class CommHook {
   /// The hook's name, for logs and benchmarks.
   virtual std::string name() const = 0;
   /// True when the hook keeps state across iterations that a resumed run
-  /// needs (error feedback, PowerSGD's Q): the Trainer then saves state()
-  /// in each rank's checkpoint shard. The same on every rank.
+  /// needs (error feedback, PowerSGD's Q): the Trainer then saves each rank's
+  /// state() in the checkpoint. The same on every rank.
   virtual bool stateful() const { return false; }
   /// This rank's state, as named tensors (copies).
   virtual std::map<std::string, torch::Tensor> state() const { return {}; }

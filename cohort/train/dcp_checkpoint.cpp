@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <memory>
 #include <set>
 
 #include "cohort/core/error.h"
@@ -13,6 +14,20 @@ namespace cohort {
 namespace fs = std::filesystem;
 namespace {
 constexpr const char* kFolderSuffix = ".dcp";
+constexpr const char* kSyncPrefix = "sync.rank";
+
+std::string sync_prefix(int rank) { return kSyncPrefix + std::to_string(rank) + "."; }
+
+// A tensor only this rank holds, whole, and writes.
+dcp::TensorEntry own_entry(const std::string& fqn, const torch::Tensor& data) {
+  dcp::TensorEntry e;
+  e.fqn = fqn;
+  e.shape = data.sizes().vec();
+  e.dtype = data.scalar_type();
+  e.shards.push_back({dcp::whole(e.shape), data});
+  return e;
+}
+
 }  // namespace
 
 std::string dcp_folder(const std::string& checkpoint_path) {
@@ -70,6 +85,31 @@ void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, in
     e.replicated = false;
     if (rank != 0) e.shards.clear();
   }
+}
+
+void add_sync_state(dcp::StateDict& state, const std::map<std::string, torch::Tensor>& sync,
+                    int rank) {
+  for (const auto& [name, t] : sync) {
+    state.tensors.push_back(own_entry(sync_prefix(rank) + name, t.detach().cpu().clone()));
+  }
+}
+
+void add_sync_targets(dcp::StateDict& state, const dcp::Metadata& meta, int rank,
+                      std::function<void(const std::map<std::string, torch::Tensor>&)> install) {
+  const auto prefix = sync_prefix(rank);
+  auto loaded = std::make_shared<std::map<std::string, torch::Tensor>>();
+  for (const auto& t : meta.tensors) {
+    if (t.fqn.rfind(prefix, 0) != 0) continue;
+    auto target = torch::empty(t.shape, torch::TensorOptions().dtype(t.dtype));
+    (*loaded)[t.fqn.substr(prefix.size())] = target;
+    state.tensors.push_back(own_entry(t.fqn, target));
+  }
+  state.after_load.push_back([loaded, install = std::move(install)] { install(*loaded); });
+}
+
+bool holds_sync_state(const dcp::Metadata& meta) {
+  return std::any_of(meta.tensors.begin(), meta.tensors.end(),
+                     [](const dcp::TensorMeta& t) { return t.fqn.rfind(kSyncPrefix, 0) == 0; });
 }
 
 void remove_orphan_dcp_folders(const CheckpointDir& dir, int64_t keep_step) {

@@ -1,15 +1,16 @@
-// defines: the Trainer's glue to cohort/dcp for sharded state (ZeRO, FSDP):
-// where a checkpoint's distributed part lives, the check that a resume
-// makes before choosing it, and the clean-up of parts whose checkpoint was
-// rotated out.
+// defines: the Trainer's glue to cohort/dcp: where a checkpoint's
+// distributed part lives, the check that a resume makes before choosing it,
+// the gradient sync's per-rank state as entries of the state dict, and the
+// clean-up of parts whose checkpoint was rotated out.
 //
 // A checkpoint of step s is then two things in the checkpoint folder:
 //   ckpt-<s>.cohort      rank 0's file (atomic, checksummed): the step,
 //                        epoch and sample position, every rank's RNG state,
 //                        and the flag saying the rest is in the folder below;
-//   ckpt-<s>.cohort.dcp/ the model and optimizer state as a distributed
-//                        checkpoint (dcp::save: one data file per rank and
-//                        .metadata, written last).
+//   ckpt-<s>.cohort.dcp/ the model and optimizer state, and each rank's
+//                        gradient-sync state, as a distributed checkpoint
+//                        (dcp::save: one data file per rank and .metadata,
+//                        written last).
 // Rank 0 writes its file only after dcp::save returned on every rank, so a
 // checkpoint that exists is whole; a crash in between leaves a folder
 // without a file, which the next save removes.
@@ -18,6 +19,8 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 
 #include "cohort/dcp/dcp.h"
@@ -45,6 +48,23 @@ void check_state_covers_model(const dcp::Metadata& meta, const dcp::StateDict& s
 /// updates from its own batch and rank 0 broadcasts before the next
 /// forward) are saved from rank 0, not from whichever rank dcp picks.
 void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, int rank);
+
+/// Adds rank `rank`'s gradient-sync state (a compressor's error feedback)
+/// to `state` as tensors of its own, "sync.rank<rank>.<name>", which only
+/// this rank holds and writes (copies: the sync may change its tensors
+/// while an async save writes them).
+void add_sync_state(dcp::StateDict& state, const std::map<std::string, torch::Tensor>& sync,
+                    int rank);
+
+/// For loading: adds to `state` a target for each of rank `rank`'s
+/// "sync.rank<rank>." tensors in `meta`, and an after_load step that hands
+/// them, named as add_sync_state got them, to `install` (empty when the
+/// checkpoint holds none).
+void add_sync_targets(dcp::StateDict& state, const dcp::Metadata& meta, int rank,
+                      std::function<void(const std::map<std::string, torch::Tensor>&)> install);
+
+/// True when `meta` holds some rank's gradient-sync state.
+bool holds_sync_state(const dcp::Metadata& meta);
 
 /// Removes the dcp folders in `dir` whose checkpoint file is gone, except
 /// that of `keep_step` (being written).

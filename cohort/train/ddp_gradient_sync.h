@@ -4,8 +4,6 @@
 // give the communication time.
 #pragma once
 
-#include <torch/serialize/archive.h>
-
 #include <map>
 #include <memory>
 #include <string>
@@ -29,27 +27,17 @@ class DDPGradientSync : public GradientSync {
   /// DDP's backward already left averaged gradients on every rank.
   void finish_sync() override {}
   double comm_seconds() const override { return ddp_.stats().total_comm_seconds; }
-  /// A stateful comm hook (a compressor with error feedback) is saved in
-  /// each rank's checkpoint shard, its tensors under "comm_hook_".
+  /// A stateful comm hook (a compressor with error feedback) is saved per
+  /// rank with the checkpoint.
   bool has_state() const override { return ddp_.comm_hook() && ddp_.comm_hook()->stateful(); }
-  /// Writes the comm hook's tensors under "comm_hook_<name>".
-  void save_state(torch::serialize::OutputArchive& archive) const override {
-    for (auto& [name, t] : ddp_.comm_hook()->state()) archive.write(kPrefix + name, t);
-  }
-  /// Hands the "comm_hook_" tensors of the archive back to the comm hook.
-  void load_state(torch::serialize::InputArchive& archive) override {
-    std::map<std::string, torch::Tensor> state;
-    for (const auto& key : archive.keys()) {
-      if (key.rfind(kPrefix, 0) != 0) continue;
-      torch::Tensor t;
-      archive.read(key, t);
-      state[key.substr(kPrefix.size())] = t;
-    }
+  /// The comm hook's tensors.
+  std::map<std::string, torch::Tensor> state() const override { return ddp_.comm_hook()->state(); }
+  /// Hands the tensors back to the comm hook.
+  void load_state(const std::map<std::string, torch::Tensor>& state) override {
     ddp_.comm_hook()->load_state(state);
   }
 
  private:
-  inline static const std::string kPrefix = "comm_hook_";
   DistributedDataParallel<ModuleHolder>& ddp_;
 };
 

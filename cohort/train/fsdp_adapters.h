@@ -13,7 +13,7 @@
 // of a .grad), a disjoint part of the whole: the trainer's default norm is
 // then ShardedGradNorm (squared partial norms all-reduced) and each rank
 // clips its own rows. Its state is per rank (the shards' state), saved in
-// each rank's checkpoint shard.
+// the checkpoint's dcp folder.
 #pragma once
 
 #include <torch/optim/optimizer.h>

@@ -12,13 +12,10 @@
 
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
-
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
 
 namespace cohort {
 
@@ -37,14 +34,15 @@ class GradientSync {
   /// Seconds spent in gradient communication since construction.
   virtual double comm_seconds() const = 0;
   /// True when the synchronization keeps per-rank state a resumed run needs
-  /// (a compressor's error feedback): the trainer then writes each rank's
-  /// checkpoint shard with save_state() and restores it with load_state().
-  /// The same on every rank.
+  /// (a compressor's error feedback): the trainer then saves each rank's
+  /// state() in the checkpoint's dcp folder and hands it back to the same
+  /// rank with load_state(). The same on every rank.
   virtual bool has_state() const { return false; }
-  /// Writes this rank's state (when has_state()) into its checkpoint shard.
-  virtual void save_state(torch::serialize::OutputArchive& archive) const { (void)archive; }
-  /// Restores what save_state() wrote on the same rank of an earlier run.
-  virtual void load_state(torch::serialize::InputArchive& archive) { (void)archive; }
+  /// This rank's state (when has_state()) as named tensors.
+  virtual std::map<std::string, torch::Tensor> state() const { return {}; }
+  /// Restores what state() returned on the same rank of an earlier run
+  /// (empty: the state of a sync that has not run yet).
+  virtual void load_state(const std::map<std::string, torch::Tensor>& state) { (void)state; }
 };
 
 /// A GradientSync for a model without DDP: one all-reduce (average) of the gradients after the last

@@ -25,8 +25,7 @@
 // (with a pipeline: one PipelineRuntime step over the k micro-batches, k
 // being the schedule's m) and gives the norm of step 4 and the copies of
 // step 6. How each wiring clips and checkpoints (dcp, resharded at any
-// world size, or per-rank shard files for a compressor's state):
-// cohort/train/README.md.
+// world size but for a compressor's per-rank state): cohort/train/README.md.
 // The DDP and optimizers behind the wiring must outlive the trainer. It has
 // no global state: several trainers (ranks as threads) coexist.
 #pragma once
@@ -155,8 +154,8 @@ class Trainer {
 
   /// Loads the newest checkpoint that verifies from config.checkpoint_dir
   /// (collective). Newer ones that fail (a damaged file, or a damaged part
-  /// that a rank meets while loading: a data file of its dcp folder, a
-  /// rank's shard file) are reported on stderr by rank 0 and listed in
+  /// that a rank meets while loading: a data file of its dcp folder) are
+  /// reported on stderr by rank 0 and listed in
   /// skipped_checkpoints(), and every rank falls back to the same older one.
   /// Returns the step resumed at, or nullopt when there is no checkpoint; when
   /// there are some and none verifies, CheckpointError on every rank unless
@@ -174,10 +173,14 @@ class Trainer {
   /// checkpoint (cohort/dcp) and resumes resharded at any world size, into
   /// ZeRO stage 1 or 2 or FSDP (a mesh whose stages are modules: at any
   /// tp x pp x dp; a pipeline: with the same stages, TrainerWiring::pipeline).
-  /// Other per-rank state (a compressor's error feedback) resumes only at
-  /// the world size that wrote it: ConfigError naming the mode, with nothing
-  /// loaded; so does a checkpoint with a file's state into a trainer whose
-  /// state is a distributed checkpoint.
+  /// A stateful gradient compressor's per-rank state (error feedback) is in
+  /// the distributed checkpoint too, each rank's under its own names: it
+  /// resumes only at the world size that wrote it, and only into a trainer
+  /// with such a compressor (a checkpoint without it starts the compressor
+  /// afresh): ConfigError on every rank otherwise, with nothing loaded. So
+  /// does a checkpoint with a file's state into a trainer whose state is a
+  /// distributed checkpoint, and a checkpoint of an earlier cohort with
+  /// per-rank shard files.
   std::optional<int64_t> resume();
 
   /// One optimizer step over `micro_batches` (accumulation_steps of them).
@@ -188,13 +191,11 @@ class Trainer {
   /// metrics of the steps it ran.
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
-  /// Writes a checkpoint of the current state (collective). With ZeRO,
-  /// FSDP, a pipeline or a mesh the model and optimizer state go into the
-  /// folder "<checkpoint>.dcp" (dcp::save, every rank its own data file; see
-  /// dcp_checkpoint.h). Other per-rank state (a compressor's) goes into each
-  /// rank's shard file,
-  /// "<checkpoint>.shard-<rank>-of-<world>", and resume() reads it back (a
-  /// missing or damaged shard is a CheckpointError naming the file).
+  /// Writes a checkpoint of the current state (collective). The model and
+  /// optimizer state (every wiring's but the fused one's, which rank 0 writes
+  /// into its file) and each rank's gradient-sync state go into the folder
+  /// "<checkpoint>.dcp" (dcp::save, every rank its own data file; see
+  /// dcp_checkpoint.h).
   void save_checkpoint();
 
   /// Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
@@ -216,17 +217,14 @@ class Trainer {
   bool per_rank_state() const;
   void check_determinism() const;
   std::string sharded_mode() const;
-  bool dcp_state() const;
   std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);
   void load_checkpoint(int64_t step, std::string payload);
   std::optional<int64_t> start_fresh(int64_t skipped);
   void check_checkpoint(const CheckpointKind& kind, const std::string& path) const;
-  void load_dcp(const std::string& folder);
+  void load_dcp(const std::string& folder, int64_t old_world);
+  void check_sync_state(const dcp::Metadata& meta, int64_t old_world,
+                        const std::string& folder) const;
   void continue_epoch_order(const DataSource& data);
-  void write_shard() const;
-  void load_shard(int64_t step, const std::string& shard);
-  std::string shard_path(int64_t step) const;
-  void remove_stale_shards() const;
   void write_main_file(int64_t step, const std::string& payload);
   void finish_pending_checkpoint();
 

@@ -1,13 +1,12 @@
-// The Trainer's checkpoints: save_checkpoint, resume and the per-rank shard
-// files (the rest of Trainer is in trainer.cpp).
+// The Trainer's checkpoints: save_checkpoint and resume (the rest of
+// Trainer is in trainer.cpp).
+#include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <limits>
-#include <sstream>
+#include <map>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
-#include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/train/dcp_checkpoint.h"
@@ -47,20 +46,20 @@ void read_on_every_rank(Communicator& comm, const std::function<void()>& read) {
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
   finish_pending_checkpoint();
-  // Sharded model and optimizer state (ZeRO, FSDP, a pipeline's stages)
-  // goes into the checkpoint's dcp folder; other per-rank state (a
-  // compressor's error feedback) into each rank's shard file. Both are
-  // written (atomic, checksummed) before the gather below, so rank 0 writes
-  // the main file, which is what makes the checkpoint exist, only once every
-  // rank's part is on disk.
-  const bool in_dcp = dcp_state();
-  const bool sharded = per_rank_state() && !in_dcp;
+  // The model, optimizer and gradient-sync state go into the checkpoint's
+  // dcp folder (every rank its data file, then .metadata) before the gather
+  // below, so rank 0 writes the main file, which is what makes the
+  // checkpoint exist, only once every rank's part is on disk. The fused
+  // optimizer's state has no dcp form; it is replicated, and rank 0 writes
+  // it with the model into the main file.
+  const bool in_dcp = wiring_.has_dcp_state();
   // FSDP: the shards are what each rank saves (an evaluation forward may
   // have left the root's own parameters gathered).
   layout_.before_checkpoint();
   if (in_dcp) {
     auto state = wiring_.dcp_state_dict(nullptr);
     save_buffers_from_rank0(state, *model_, comm_.rank());
+    if (sync_.has_state()) add_sync_state(state, sync_.state(), comm_.rank());
     const auto folder = dcp_folder(checkpoints_->path_for(position_.step));
     if (config_.async_checkpoint) {
       pending_ = PendingCheckpoint{dcp::async_save(state, folder, comm_), position_.step, ""};
@@ -68,7 +67,6 @@ void Trainer::save_checkpoint() {
       dcp::save(state, folder, comm_);
     }
   }
-  if (sharded) write_shard();
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
   // so a crash cannot leave some ranks' parts newer than others.
   auto mine = cpu_rng_state();
@@ -78,20 +76,13 @@ void Trainer::save_checkpoint() {
   }
   comm_.gather(all, mine, {0}).wait();
   if (comm_.rank() == 0) {
-    const bool model_in_main = !wiring_.per_rank_model() && !in_dcp;
-    auto payload = encode_training_state(model_in_main ? model_.get() : nullptr, optimizer_,
-                                         position_, torch::stack(all), in_dcp);
+    auto payload = encode_training_state(in_dcp ? nullptr : model_.get(), optimizer_, position_,
+                                         torch::stack(all), in_dcp);
     if (pending_) {
       pending_->payload = std::move(payload);  // written once the dcp part is committed
     } else {
       write_main_file(position_.step, payload);
     }
-  }
-  if (sharded) {
-    // After rank 0's rotation, so that every rank sees which checkpoints
-    // are gone.
-    comm_.barrier().wait();
-    remove_stale_shards();
   }
   last_checkpoint_step_ = position_.step;
 }
@@ -112,80 +103,8 @@ void Trainer::finish_pending_checkpoint() {
   if (comm_.rank() == 0) write_main_file(pending.step, pending.payload);
 }
 
-bool Trainer::dcp_state() const {
-  // A compressor's per-rank state has no dcp form: such a job keeps its
-  // shard files (and its world size).
-  return wiring_.has_dcp_state() && !sync_.has_state();
-}
-
 bool Trainer::per_rank_state() const {
   return !optimizer_.replicated_state() || sync_.has_state() || wiring_.per_rank_model();
-}
-
-void Trainer::write_shard() const {
-  torch::serialize::OutputArchive archive;
-  if (wiring_.per_rank_model()) {
-    torch::serialize::OutputArchive stages;
-    model_->save(stages);
-    archive.write("model", stages);
-  }
-  if (!optimizer_.replicated_state()) optimizer_.save(archive);
-  if (sync_.has_state()) sync_.save_state(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  write_checkpoint_file(shard_path(position_.step), out.str());
-}
-
-void Trainer::load_shard(int64_t step, const std::string& shard) {
-  // The optimizer checks that the shard was saved by the same rank of the
-  // same layout; a model's part, by its shapes.
-  const char* part = layout_.per_rank_model() ? "rank's stages" : "rank's shards";
-  std::string error;
-  try {
-    std::istringstream in(shard);
-    torch::serialize::InputArchive archive;
-    archive.load_from(in);
-    if (wiring_.per_rank_model()) {
-      torch::serialize::InputArchive stages;
-      archive.read("model", stages);
-      load_module_state(*model_, stages);
-    }
-    if (!optimizer_.replicated_state()) optimizer_.load(archive);
-    if (sync_.has_state()) sync_.load_state(archive);
-  } catch (const CheckpointError& e) {
-    error = "checkpoint " + shard_path(step) + ": does not fit this " + part + ": " + e.what();
-  } catch (const c10::Error& e) {
-    error = "checkpoint " + shard_path(step) + ": does not fit this " +
-            (wiring_.per_rank_model() ? std::string(part) + " or optimizer: "
-                                      : std::string("optimizer: ")) +
-            e.what_without_backtrace();
-  }
-  dcp::agree(comm_, error);
-}
-
-std::string Trainer::shard_path(int64_t step) const {
-  return checkpoints_->path_for(step) + ".shard-" + std::to_string(comm_.rank()) + "-of-" +
-         std::to_string(comm_.size());
-}
-
-void Trainer::remove_stale_shards() const {
-  // This rank's shards whose main checkpoint is gone (rotated out by
-  // keep_last); the one just written is kept even before rank 0's file
-  // appears.
-  const auto kept = checkpoints_->steps();
-  const std::string suffix =
-      ".shard-" + std::to_string(comm_.rank()) + "-of-" + std::to_string(comm_.size());
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(checkpoints_->dir(), ec)) {
-    const auto path = entry.path().string();
-    if (path.size() <= suffix.size() ||
-        path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0) {
-      continue;
-    }
-    bool keep = false;
-    for (int64_t step : kept) keep = keep || shard_path(step) == path;
-    if (!keep && shard_path(position_.step) != path) std::filesystem::remove(entry.path(), ec);
-  }
 }
 
 std::optional<int64_t> Trainer::resume() {
@@ -276,20 +195,11 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
   layout_.before_checkpoint();  // FSDP loads into the shards
   // Every part is read and verified before anything is loaded, so a damaged
   // one leaves the model as it was for the fall-back.
-  std::string shard;
-  auto state = decode_training_state(
-      payload, path, wiring_.per_rank_model() ? nullptr : model_.get(), optimizer_,
-      [&](const CheckpointKind& kind) {
-        check_checkpoint(kind, path);
-        if (kind.in_dcp || !per_rank_state()) return;
-        read_on_every_rank(comm_, [&] { shard = read_checkpoint_file(shard_path(step)); });
-      });
-  if (state.in_dcp) {
-    load_dcp(dcp_folder(path));
-  } else if (per_rank_state()) {
-    load_shard(step, shard);
-  }
+  auto state =
+      decode_training_state(payload, path, model_.get(), optimizer_,
+                            [&](const CheckpointKind& kind) { check_checkpoint(kind, path); });
   const int64_t old_world = state.rng_states.size(0);
+  if (state.in_dcp) load_dcp(dcp_folder(path), old_world);
   resized_ = old_world != comm_.size();
   resumed_ = true;
   if (comm_.rank() < old_world) {
@@ -311,7 +221,7 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
   metrics_.keep_until(step);
 }
 
-void Trainer::load_dcp(const std::string& folder) {
+void Trainer::load_dcp(const std::string& folder, int64_t old_world) {
   // Every rank reads the metadata (verified) and then only the byte ranges
   // of its own boxes; dcp::load copies nothing unless every rank verified
   // all it read, and throws the same error on every rank otherwise. Whether
@@ -319,8 +229,14 @@ void Trainer::load_dcp(const std::string& folder) {
   // is the data on disk, and an older checkpoint may be whole.
   dcp::Metadata meta;
   read_on_every_rank(comm_, [&] { meta = dcp::read_metadata(folder); });
+  check_sync_state(meta, old_world, folder);
   auto state = wiring_.dcp_state_dict(&meta);
   check_state_covers_model(meta, state, comm_, folder);
+  if (sync_.has_state()) {
+    add_sync_targets(
+        state, meta, comm_.rank(),
+        [this](const std::map<std::string, torch::Tensor>& s) { sync_.load_state(s); });
+  }
   std::string misfit;
   try {
     dcp::check_fits(state, meta, folder);
@@ -335,6 +251,28 @@ void Trainer::load_dcp(const std::string& folder) {
   }
 }
 
+void Trainer::check_sync_state(const dcp::Metadata& meta, int64_t old_world,
+                               const std::string& folder) const {
+  // Every rank reads the same metadata, so every rank throws alike.
+  if (!holds_sync_state(meta)) return;
+  const std::string where =
+      "Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " + folder;
+  if (!sync_.has_state()) {
+    throw ConfigError(where +
+                      " holds each rank's state of a stateful gradient compressor (its error "
+                      "feedback), which this trainer (" +
+                      wiring_.mode() + ") does not run: resume with the compressor that wrote it");
+  }
+  // Each rank's error feedback is its own gradients' residual: it has no
+  // meaning on another rank, nor summed or split over other ranks.
+  if (old_world == comm_.size()) return;
+  throw ConfigError(where + " was written by " + std::to_string(old_world) +
+                    " ranks, this job has " + std::to_string(comm_.size()) +
+                    "; the per-rank state of its stateful gradient compressor (error feedback) "
+                    "cannot be resharded: resume at " +
+                    std::to_string(old_world) + " ranks");
+}
+
 std::string Trainer::sharded_mode() const {
   if (!layout_.describe().empty()) return layout_.describe();
   if (!optimizer_.replicated_state()) return "a sharded optimizer (ZeRO)";
@@ -344,33 +282,29 @@ std::string Trainer::sharded_mode() const {
 void Trainer::check_checkpoint(const CheckpointKind& kind, const std::string& path) const {
   const std::string where =
       "Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " + path;
+  const bool in_dcp = wiring_.has_dcp_state();
   if (kind.in_dcp) {
-    // Sharded state saved through dcp loads into any layout that has a dcp
-    // form, at any world size.
-    if (dcp_state()) return;
+    // Saved through dcp: loads into any wiring that has a dcp form, at any
+    // world size (the gradient sync's state: see check_sync_state).
+    if (in_dcp) return;
     throw ConfigError(where +
                       " is a distributed checkpoint, which loads only into a trainer whose state "
-                      "has a distributed form (DDP, all-reduce, ZeRO, FSDP, mesh); this one has " +
-                      (per_rank_state() ? sharded_mode() : std::string("a fused optimizer")));
+                      "has a distributed form (every wiring but the fused one); this one has " +
+                      wiring_.mode());
   }
-  // A checkpoint whose model and optimizer are in its file (a fused wiring,
-  // or one written before DDP wrote distributed checkpoints) loads into a
-  // trainer whose state is replicated too.
-  if (dcp_state() && (per_rank_state() || !kind.model_in_file)) {
-    throw ConfigError(
-        where + " was written by a trainer " +
-        (kind.model_in_file
-             ? std::string("with replicated state (a fused wiring or a stateful compressor: "
-                           "the model and optimizer in this file)")
-             : std::string("with per-rank shard files (a stateful compressor)")) +
-        "; this one has " + sharded_mode() +
-        ", whose state loads only from a distributed checkpoint (as the other wirings "
-        "write); resume it with the wiring that wrote it");
+  if (!kind.model_in_file) {
+    throw ConfigError(where +
+                      " was written by an earlier cohort with per-rank shard files, which this "
+                      "version no longer reads; resume from a checkpoint of this version");
   }
-  if (kind.world == comm_.size() || !per_rank_state()) return;
-  throw ConfigError(where + " was written by " + std::to_string(kind.world) +
-                    " ranks, this job has " + std::to_string(comm_.size()) + "; the state of " +
-                    sharded_mode() + " resumes only at the world size that wrote it");
+  // The model and optimizer in the file (the fused optimizer's, or an
+  // earlier cohort's replicated state) load into replicated state alone.
+  if (!in_dcp || !per_rank_state()) return;
+  throw ConfigError(where +
+                    " holds its model and optimizer in this file (written by the fused optimizer, "
+                    "or by an earlier cohort, whose per-rank shard files this version no longer "
+                    "reads); this one has " +
+                    sharded_mode() + ", whose state loads only from a distributed checkpoint");
 }
 
 }  // namespace cohort

@@ -2,7 +2,7 @@
 // laid out over the ranks: how one optimizer step's micro-batches run
 // forward and backward, which global norm clips them, how many ranks see
 // the same samples, which communicators carry each dimension's traffic, and
-// whether each rank's checkpoint shard holds its part of the model. The
+// whether each rank holds its own part of the model. The
 // Trainer calls it and never asks which layout it has. One implementation
 // per layout (made by TrainerWiring's factories):
 //
@@ -63,7 +63,7 @@ class TrainerLayout {
   virtual int ranks_per_sample() const { return 1; }
   /// Each dimension's communicators (per-dimension traffic); empty: not reported.
   virtual const TrafficDimensions& dimensions() const { return none_; }
-  /// True when each rank holds its own part of the model (its stages), saved in its shard.
+  /// True when each rank holds its own part of the model (its stages).
   virtual bool per_rank_model() const { return false; }
   /// What the layout is, for messages ("a pipeline (each rank holds its stages)"); empty for
   /// replicas.

@@ -2,11 +2,10 @@
 // and TorchOptimizer (any torch::optim::Optimizer: AdamW, SGD, ...).
 //
 // The fused optimizer and ZeRO plug in here (cohort/train/trainer_adapters.h).
-// ZeRO's state is sharded: it answers replicated_state() false, and the
-// trainer then has every rank save and load its own shard next to the
-// checkpoint. Optimizers that average the gradients inside step() (fused,
-// ZeRO stage 2) average them in gradients() instead, which the trainer
-// calls before clipping.
+// ZeRO's state is sharded: it answers replicated_state() false (the
+// trainer saves it through the wiring's dcp state dict). Optimizers that
+// average the gradients inside step() (fused, ZeRO stage 2) average them in
+// gradients() instead, which the trainer calls before clipping.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -53,8 +52,7 @@ class TrainerOptimizer {
 class TorchOptimizer : public TrainerOptimizer {
  public:
   /// Adapts `optimizer`, which must outlive it. replicated_state false: each
-  /// rank's optimizer holds other parameters (a pipeline's stages), so every
-  /// rank saves its own state.
+  /// rank's optimizer holds other parameters (a pipeline's stages).
   explicit TorchOptimizer(torch::optim::Optimizer& optimizer, bool replicated_state = true)
       : optimizer_(optimizer), replicated_(replicated_state) {}
   void zero_grad() override { optimizer_.zero_grad(); }

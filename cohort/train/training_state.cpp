@@ -88,7 +88,7 @@ std::string encode_training_state(torch::nn::Module* model, const TrainerOptimiz
   torch::serialize::OutputArchive archive;
   torch::serialize::OutputArchive model_archive, optimizer_archive;
   if (model) model->save(model_archive);
-  // A sharded optimizer (ZeRO) saves each rank's part in its own file.
+  // A sharded optimizer (ZeRO) is saved in the dcp folder.
   if (optimizer.replicated_state() && !in_dcp) optimizer.save(optimizer_archive);
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);

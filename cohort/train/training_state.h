@@ -2,11 +2,10 @@
 // model, optimizer, position (step, epoch, micro-batch index), world size
 // and every rank's RNG state, in one torch::serialize archive.
 //
-// Model and optimizer are replicated, so rank 0 writes them once (a
-// sharded optimizer, replicated_state() false, is left out: every rank
-// writes its shard next to the checkpoint, see Trainer); the RNG
-// states differ per rank (dropout draws), so rank 0 gathers them and stores
-// one row per rank.
+// The fused wiring's model and optimizer are replicated, so rank 0 writes
+// them once into the payload; every other wiring's are in the checkpoint's
+// dcp folder (see Trainer). The RNG states differ per rank (dropout draws),
+// so rank 0 gathers them and stores one row per rank.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -37,7 +36,7 @@ struct TrainingPosition {
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
-/// model null: each rank saves its own part (a pipeline's stages) in its shard.
+/// model null: the model is not in this file.
 /// in_dcp: the model and optimizer state are in the checkpoint's dcp folder
 /// (dcp_checkpoint.h); pass model null then.
 std::string encode_training_state(torch::nn::Module* model, const TrainerOptimizer& optimizer,

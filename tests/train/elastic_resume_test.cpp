@@ -16,6 +16,7 @@
 #include <optional>
 #include <set>
 
+#include "cohort/dcp/dcp.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/comm_hook.h"
@@ -361,9 +362,10 @@ void with_compressed_ddp_trainer(const std::shared_ptr<Communicator>& comm, int 
   use(trainer, net);
 }
 
-// A stateful gradient compressor's error feedback is per rank and has no
-// distributed form: another world size is refused, naming the mode, and
-// nothing is loaded.
+// A stateful gradient compressor's error feedback is per rank and cannot be
+// resharded: another world size is refused on every rank, naming the
+// compressor state, and nothing is loaded (at world 3 every rank finds its
+// own entries of the world-4 checkpoint, so only the check stops it).
 TEST(ElasticResumeRefused, CompressorStateNamesTheModeAndLoadsNothing) {
   TempDir dir("cohort-elastic-compressor");
   auto train = [&](int world, int64_t max_steps, bool resume, std::vector<std::string>* errors,
@@ -395,6 +397,9 @@ TEST(ElasticResumeRefused, CompressorStateNamesTheModeAndLoadsNothing) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_NE(errors[r].find("written by 4 ranks, this job has 3"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("compressor"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("cannot be resharded: resume at 4 ranks"), std::string::npos)
+        << errors[r];
+    EXPECT_NE(errors[r].find("on rank " + std::to_string(r)), std::string::npos) << errors[r];
     EXPECT_TRUE(torch::equal(params[r], fresh)) << "rank " << r << " loaded the model";
   }
 }
@@ -429,11 +434,11 @@ TEST(ElasticResumeRefused, SourceWithoutGlobalOrderRefusesMicroBatchesOfAnotherS
   EXPECT_EQ(same.loss.size(), 2u);
 }
 
-// A stateful compressor's per-rank shard file of the newest checkpoint
-// damaged, which only its own rank reads: every rank falls back to the
-// previous checkpoint alike, and says which file and why.
-TEST(ShardFallback, DamagedShardFileFallsBackOnEveryRank) {
-  TempDir dir("cohort-shard-fallback");
+// A stateful compressor's state of rank 1 damaged in the newest
+// checkpoint's dcp folder, which only rank 1 reads: every rank falls back to
+// the previous checkpoint alike, and says which file and why.
+TEST(SyncStateFallback, DamagedCompressorStateFallsBackOnEveryRank) {
+  TempDir dir("cohort-sync-fallback");
   const auto data = testing::make_data(kSamples);
   std::vector<std::optional<int64_t>> resumed(2);
   std::vector<std::string> skipped(2);
@@ -454,29 +459,38 @@ TEST(ShardFallback, DamagedShardFileFallsBackOnEveryRank) {
     });
   };
   train(false);
-  const std::string shard = CheckpointDir(dir.str(), 3).path_for(4) + ".shard-1-of-2";
+  const std::string folder = CheckpointDir(dir.str(), 3).path_for(4) + ".dcp";
+  const auto meta = dcp::read_metadata(folder);
+  const dcp::ChunkMeta* chunk = nullptr;
+  for (const auto& t : meta.tensors) {
+    if (t.fqn.rfind("sync.rank1.", 0) == 0 && !t.chunks.empty()) chunk = &t.chunks.front();
+  }
+  ASSERT_NE(chunk, nullptr) << "rank 1's compressor state is not in " << folder;
+  ASSERT_EQ(chunk->file, 1);
+  const std::string file = folder + "/" + dcp::data_file_name(1);
   std::string bytes;
   {
-    std::ifstream in(shard, std::ios::binary);
+    std::ifstream in(file, std::ios::binary);
     bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
-  ASSERT_GT(bytes.size(), 100u);
-  bytes[bytes.size() / 2] ^= 0x40;
-  std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+  ASSERT_GT(bytes.size(), static_cast<size_t>(chunk->byte_offset));
+  bytes[chunk->byte_offset] ^= 0x40;
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
   train(true);
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(resumed[r], std::optional<int64_t>(2)) << "rank " << r;
-    EXPECT_NE(skipped[r].find(shard), std::string::npos) << skipped[r];
-    EXPECT_NE(skipped[r].find("checksum mismatch"), std::string::npos) << skipped[r];
+    EXPECT_NE(skipped[r].find(file), std::string::npos) << skipped[r];
+    EXPECT_NE(skipped[r].find("checksum mismatch in tensor sync.rank1."), std::string::npos)
+        << skipped[r];
   }
 }
 
-// A checkpoint whose model and optimizer are in its file (a DDP trainer with
-// a stateful compressor, whose state has no distributed form) cannot be
-// resumed by a trainer whose state is sharded (FSDP, ZeRO): a ConfigError
-// on every rank naming both, at the same world size and at another, with
-// nothing loaded.
-TEST(ElasticResumeRefused, ReplicatedCheckpointIntoFsdpOrZeroNamesBothAndLoadsNothing) {
+// A DDP trainer with a stateful compressor writes its per-rank state into
+// the distributed checkpoint; a trainer without such a compressor (FSDP,
+// ZeRO) does not resume it: a ConfigError on every rank naming the
+// compressor state and its own mode, at the same world size and at another,
+// with nothing loaded.
+TEST(ElasticResumeRefused, CompressorCheckpointIntoFsdpOrZeroNamesBothAndLoadsNothing) {
   TempDir dir("cohort-elastic-ddp");
   const auto data = testing::make_data(kSamples);
   testing::run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
@@ -497,9 +511,9 @@ TEST(ElasticResumeRefused, ReplicatedCheckpointIntoFsdpOrZeroNamesBothAndLoadsNo
     const auto r = run_job({into.layout, dir.str(), 8, /*resume=*/true, into.mode});
     ASSERT_EQ(r.errors.size(), static_cast<size_t>(into.layout.world));
     for (const auto& e : r.errors) {
-      EXPECT_NE(e.find("was written by a trainer with replicated state"), std::string::npos) << e;
+      EXPECT_NE(e.find("state of a stateful gradient compressor"), std::string::npos) << e;
       EXPECT_NE(e.find(into.names), std::string::npos) << e;
-      EXPECT_NE(e.find("loads only from a distributed checkpoint"), std::string::npos) << e;
+      EXPECT_NE(e.find("resume with the compressor that wrote it"), std::string::npos) << e;
     }
     EXPECT_TRUE(r.loss.empty());
     ASSERT_EQ(r.params.size(), fresh.size());
