@@ -112,8 +112,8 @@ void ControlChannel::on_notice(const int64_t* w, size_t words) {
     if (peer >= 0 && peer < size_ && peer != rank_) {
       // Not waited for: the asking rank waits for it.
       send(notice(kPong, rank_, w[2], 0), peer);
-      pinged_at_[static_cast<size_t>(peer)].store(
-          Clock::now().time_since_epoch().count(), std::memory_order_release);
+      pinged_at_[static_cast<size_t>(peer)].store(Clock::now().time_since_epoch().count(),
+                                                  std::memory_order_release);
     }
   } else if (words == 4 && w[0] == kPong) {
     const int peer = static_cast<int>(w[1]);
