@@ -7,10 +7,12 @@
 #include <cstdio>
 
 #include "cohort/cohort.h"
+#include "comm/programs/programs.h"
 
-using namespace cohort;
+namespace cohort::testing::programs::dead_peer {
 
-int main() {
+
+int run(int argc, char** argv) {
   torch::set_num_threads(1);
   try {
     auto comm = init();
@@ -32,3 +34,5 @@ int main() {
     return 2;
   }
 }
+
+}  // namespace cohort::testing::programs::dead_peer

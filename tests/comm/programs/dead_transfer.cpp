@@ -18,8 +18,10 @@
 #include <vector>
 
 #include "cohort/cohort.h"
+#include "comm/programs/programs.h"
 
-using namespace cohort;
+namespace cohort::testing::programs::dead_transfer {
+
 
 namespace {
 
@@ -43,7 +45,7 @@ void round(Communicator& comm, const std::string& mode, std::vector<torch::Tenso
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   torch::set_num_threads(1);
   const std::string mode = argc > 1 ? argv[1] : "large";
   std::vector<torch::Tensor> ts;
@@ -82,3 +84,5 @@ int main(int argc, char** argv) {
   }
   return 1;
 }
+
+}  // namespace cohort::testing::programs::dead_transfer

@@ -11,10 +11,12 @@
 #include <cstdlib>
 
 #include "cohort/cohort.h"
+#include "comm/programs/programs.h"
 
-using namespace cohort;
+namespace cohort::testing::programs::fd_limit {
 
-int main(int argc, char** argv) {
+
+int run(int argc, char** argv) {
   torch::set_num_threads(1);
   const rlimit limit{static_cast<rlim_t>(argc > 1 ? std::atoi(argv[1]) : 256),
                      static_cast<rlim_t>(argc > 1 ? std::atoi(argv[1]) : 256)};
@@ -45,3 +47,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace cohort::testing::programs::fd_limit

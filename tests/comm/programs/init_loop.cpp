@@ -9,10 +9,12 @@
 #include <cstdlib>
 
 #include "cohort/cohort.h"
+#include "comm/programs/programs.h"
 
-using namespace cohort;
+namespace cohort::testing::programs::init_loop {
 
-int main(int argc, char** argv) {
+
+int run(int argc, char** argv) {
   torch::set_num_threads(1);
   const int cycles = argc > 1 ? std::atoi(argv[1]) : 100;
   const auto start = std::chrono::steady_clock::now();
@@ -40,3 +42,5 @@ int main(int argc, char** argv) {
   std::printf("cycles %d in %.1f s\n", cycles, s);
   return 0;
 }
+
+}  // namespace cohort::testing::programs::init_loop

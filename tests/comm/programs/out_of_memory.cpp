@@ -15,6 +15,9 @@
 #include <vector>
 
 #include "cohort/cohort.h"
+#include "comm/programs/programs.h"
+
+namespace cohort::testing::programs::out_of_memory {
 
 namespace {
 
@@ -42,7 +45,7 @@ void cap_data_segment(long long headroom) {
 
 }  // namespace
 
-int main() {
+int run(int argc, char** argv) {
   int rank = -1;
   try {
     auto comm = cohort::init();
@@ -68,3 +71,5 @@ int main() {
     return 2;
   }
 }
+
+}  // namespace cohort::testing::programs::out_of_memory

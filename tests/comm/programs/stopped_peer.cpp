@@ -22,8 +22,10 @@
 #include <string>
 
 #include "cohort/cohort.h"
+#include "comm/programs/programs.h"
 
-using namespace cohort;
+namespace cohort::testing::programs::stopped_peer {
+
 
 // Waits up to 60 s for SIGTERM or SIGINT (mpirun's end of the job).
 void hold() {
@@ -36,7 +38,7 @@ void hold() {
   sigtimedwait(&ending, nullptr, &limit);
 }
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   torch::set_num_threads(1);
   std::set<int> stopping;
   bool inside = false, holds = false, kills = false;
@@ -84,3 +86,5 @@ int main(int argc, char** argv) {
     return 2;
   }
 }
+
+}  // namespace cohort::testing::programs::stopped_peer
