@@ -11,7 +11,6 @@
 
 namespace cohort::testing::programs::dead_peer {
 
-
 int run(int argc, char** argv) {
   torch::set_num_threads(1);
   try {

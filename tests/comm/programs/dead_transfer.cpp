@@ -22,7 +22,6 @@
 
 namespace cohort::testing::programs::dead_transfer {
 
-
 namespace {
 
 // One round of the mode's traffic; returns when every transfer completed.

@@ -15,7 +15,6 @@
 
 namespace cohort::testing::programs::fd_limit {
 
-
 int run(int argc, char** argv) {
   torch::set_num_threads(1);
   const rlimit limit{static_cast<rlim_t>(argc > 1 ? std::atoi(argv[1]) : 256),

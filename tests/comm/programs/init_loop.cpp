@@ -13,7 +13,6 @@
 
 namespace cohort::testing::programs::init_loop {
 
-
 int run(int argc, char** argv) {
   torch::set_num_threads(1);
   const int cycles = argc > 1 ? std::atoi(argv[1]) : 100;

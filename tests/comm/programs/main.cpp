@@ -15,8 +15,8 @@ struct Entry {
   Program run;
 };
 constexpr Entry kPrograms[] = {
-    {"dead_peer", p::dead_peer::run},   {"dead_transfer", p::dead_transfer::run},
-    {"fd_limit", p::fd_limit::run},     {"init_loop", p::init_loop::run},
+    {"dead_peer", p::dead_peer::run},         {"dead_transfer", p::dead_transfer::run},
+    {"fd_limit", p::fd_limit::run},           {"init_loop", p::init_loop::run},
     {"out_of_memory", p::out_of_memory::run}, {"stopped_peer", p::stopped_peer::run},
 };
 

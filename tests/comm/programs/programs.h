@@ -6,11 +6,23 @@
 
 namespace cohort::testing::programs {
 
-namespace dead_peer { int run(int argc, char** argv); }
-namespace dead_transfer { int run(int argc, char** argv); }
-namespace fd_limit { int run(int argc, char** argv); }
-namespace init_loop { int run(int argc, char** argv); }
-namespace out_of_memory { int run(int argc, char** argv); }
-namespace stopped_peer { int run(int argc, char** argv); }
+namespace dead_peer {
+int run(int argc, char** argv);
+}
+namespace dead_transfer {
+int run(int argc, char** argv);
+}
+namespace fd_limit {
+int run(int argc, char** argv);
+}
+namespace init_loop {
+int run(int argc, char** argv);
+}
+namespace out_of_memory {
+int run(int argc, char** argv);
+}
+namespace stopped_peer {
+int run(int argc, char** argv);
+}
 
 }  // namespace cohort::testing::programs

@@ -26,7 +26,6 @@
 
 namespace cohort::testing::programs::stopped_peer {
 
-
 // Waits up to 60 s for SIGTERM or SIGINT (mpirun's end of the job).
 void hold() {
   sigset_t ending;
