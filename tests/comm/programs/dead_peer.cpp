@@ -9,9 +9,9 @@
 #include "cohort/cohort.h"
 #include "comm/programs/programs.h"
 
-namespace cohort::testing::programs::dead_peer {
+namespace cohort::testing::programs {
 
-int run(int argc, char** argv) {
+int dead_peer(int argc, char** argv) {
   torch::set_num_threads(1);
   try {
     auto comm = init();
@@ -34,4 +34,4 @@ int run(int argc, char** argv) {
   }
 }
 
-}  // namespace cohort::testing::programs::dead_peer
+}  // namespace cohort::testing::programs

@@ -20,7 +20,7 @@
 #include "cohort/cohort.h"
 #include "comm/programs/programs.h"
 
-namespace cohort::testing::programs::dead_transfer {
+namespace cohort::testing::programs {
 
 namespace {
 
@@ -44,7 +44,7 @@ void round(Communicator& comm, const std::string& mode, std::vector<torch::Tenso
 
 }  // namespace
 
-int run(int argc, char** argv) {
+int dead_transfer(int argc, char** argv) {
   torch::set_num_threads(1);
   const std::string mode = argc > 1 ? argv[1] : "large";
   std::vector<torch::Tensor> ts;
@@ -84,4 +84,4 @@ int run(int argc, char** argv) {
   return 1;
 }
 
-}  // namespace cohort::testing::programs::dead_transfer
+}  // namespace cohort::testing::programs

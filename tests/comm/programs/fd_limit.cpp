@@ -13,9 +13,9 @@
 #include "cohort/cohort.h"
 #include "comm/programs/programs.h"
 
-namespace cohort::testing::programs::fd_limit {
+namespace cohort::testing::programs {
 
-int run(int argc, char** argv) {
+int fd_limit(int argc, char** argv) {
   torch::set_num_threads(1);
   const rlimit limit{static_cast<rlim_t>(argc > 1 ? std::atoi(argv[1]) : 256),
                      static_cast<rlim_t>(argc > 1 ? std::atoi(argv[1]) : 256)};
@@ -47,4 +47,4 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-}  // namespace cohort::testing::programs::fd_limit
+}  // namespace cohort::testing::programs

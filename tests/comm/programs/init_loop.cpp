@@ -11,9 +11,9 @@
 #include "cohort/cohort.h"
 #include "comm/programs/programs.h"
 
-namespace cohort::testing::programs::init_loop {
+namespace cohort::testing::programs {
 
-int run(int argc, char** argv) {
+int init_loop(int argc, char** argv) {
   torch::set_num_threads(1);
   const int cycles = argc > 1 ? std::atoi(argv[1]) : 100;
   const auto start = std::chrono::steady_clock::now();
@@ -42,4 +42,4 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-}  // namespace cohort::testing::programs::init_loop
+}  // namespace cohort::testing::programs

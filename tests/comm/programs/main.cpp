@@ -15,9 +15,9 @@ struct Entry {
   Program run;
 };
 constexpr Entry kPrograms[] = {
-    {"dead_peer", p::dead_peer::run},         {"dead_transfer", p::dead_transfer::run},
-    {"fd_limit", p::fd_limit::run},           {"init_loop", p::init_loop::run},
-    {"out_of_memory", p::out_of_memory::run}, {"stopped_peer", p::stopped_peer::run},
+    {"dead_peer", p::dead_peer},         {"dead_transfer", p::dead_transfer},
+    {"fd_limit", p::fd_limit},           {"init_loop", p::init_loop},
+    {"out_of_memory", p::out_of_memory}, {"stopped_peer", p::stopped_peer},
 };
 
 }  // namespace

@@ -17,7 +17,7 @@
 #include "cohort/cohort.h"
 #include "comm/programs/programs.h"
 
-namespace cohort::testing::programs::out_of_memory {
+namespace cohort::testing::programs {
 
 namespace {
 
@@ -45,7 +45,7 @@ void cap_data_segment(long long headroom) {
 
 }  // namespace
 
-int run(int argc, char** argv) {
+int out_of_memory(int argc, char** argv) {
   int rank = -1;
   try {
     auto comm = cohort::init();
@@ -72,4 +72,4 @@ int run(int argc, char** argv) {
   }
 }
 
-}  // namespace cohort::testing::programs::out_of_memory
+}  // namespace cohort::testing::programs

@@ -6,23 +6,11 @@
 
 namespace cohort::testing::programs {
 
-namespace dead_peer {
-int run(int argc, char** argv);
-}
-namespace dead_transfer {
-int run(int argc, char** argv);
-}
-namespace fd_limit {
-int run(int argc, char** argv);
-}
-namespace init_loop {
-int run(int argc, char** argv);
-}
-namespace out_of_memory {
-int run(int argc, char** argv);
-}
-namespace stopped_peer {
-int run(int argc, char** argv);
-}
+int dead_peer(int argc, char** argv);
+int dead_transfer(int argc, char** argv);
+int fd_limit(int argc, char** argv);
+int init_loop(int argc, char** argv);
+int out_of_memory(int argc, char** argv);
+int stopped_peer(int argc, char** argv);
 
 }  // namespace cohort::testing::programs

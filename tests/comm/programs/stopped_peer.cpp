@@ -24,7 +24,7 @@
 #include "cohort/cohort.h"
 #include "comm/programs/programs.h"
 
-namespace cohort::testing::programs::stopped_peer {
+namespace cohort::testing::programs {
 
 // Waits up to 60 s for SIGTERM or SIGINT (mpirun's end of the job).
 void hold() {
@@ -37,7 +37,7 @@ void hold() {
   sigtimedwait(&ending, nullptr, &limit);
 }
 
-int run(int argc, char** argv) {
+int stopped_peer(int argc, char** argv) {
   torch::set_num_threads(1);
   std::set<int> stopping;
   bool inside = false, holds = false, kills = false;
@@ -86,4 +86,4 @@ int run(int argc, char** argv) {
   }
 }
 
-}  // namespace cohort::testing::programs::stopped_peer
+}  // namespace cohort::testing::programs
