@@ -1,8 +1,12 @@
 #include "cohort/comm/init.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <utility>
 
 #include "cohort/algorithms/hierarchical.h"
 #include "cohort/comm/engine_registry.h"
@@ -167,12 +171,30 @@ Endpoint rendezvous_endpoint(const std::string& method, const std::optional<slur
   return ep;
 }
 
+// The socket cohortrun bound for rank 0's store and handed down
+// (COHORT_STORE_FD), when it listens on the rendezvous port: serving on it
+// leaves no moment in which another process can take the port. Looked at
+// once per process (under g_world_mu), so that a later init() after
+// finalize() binds the port itself; a descriptor that is not such a socket
+// stays untouched. (Not unsetenv: other threads may read the environment.)
+net::Socket inherited_store_listener(int rank, int port) {
+  static bool looked = false;
+  if (std::exchange(looked, true)) return {};
+  const auto fd = env::get("COHORT_STORE_FD");
+  if (!fd) return {};
+  char* end = nullptr;
+  const long n = std::strtol(fd->c_str(), &end, 10);
+  if (rank != 0 || fd->empty() || *end != '\0' || n < 0 || n > INT32_MAX) return {};
+  return net::adopt_listener(static_cast<int>(n), static_cast<uint16_t>(port));
+}
+
 // The job's TCP store, rank 0 serving it; this rank's claim on its RANK.
 std::shared_ptr<Store> open_tcp_store(const Endpoint& ep, int rank, Millis timeout) {
   // cohortrun sets a per-job token; other launchers (or a user, for
   // several nodes) may set one, and without one the store is open.
   auto tcp = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0, timeout,
-                                        env::get("COHORT_STORE_TOKEN").value_or(""));
+                                        env::get("COHORT_STORE_TOKEN").value_or(""),
+                                        inherited_store_listener(rank, ep.port));
   tcp->set_server_name("world rank 0");
   // This store is new to this job: a second claim on a rank is a
   // second process started with the same RANK.

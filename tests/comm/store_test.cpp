@@ -1,13 +1,17 @@
 // Stores: the TcpStore's protocol and its loopback-only listener, waits that
 // time out naming the missing keys, prefixes that keep key spaces apart.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <sstream>
 #include <thread>
 
-#include "cohort/comm/gloo/c10d_adapter.h"
 #include "cohort/cohort.h"
+#include "cohort/comm/gloo/c10d_adapter.h"
+#include "cohort/core/store/socket.h"
 
 namespace cohort::store_test {
 namespace {
@@ -87,6 +91,42 @@ TEST(TcpStore, ListensOnLoopbackOnly) {
     }
   }
   EXPECT_TRUE(found) << "listener on port " << server.port() << " not in /proc/net/tcp";
+}
+
+// A launcher's listening socket handed to the store (cohortrun's
+// COHORT_STORE_FD): a client that connected before the server existed is
+// served once it does, and descriptors that are not a TCP listener on the
+// port are refused and left open.
+TEST(TcpStore, ServesOnAnAdoptedListener) {
+  net::Socket held = net::listen_on("127.0.0.1", 0);
+  const uint16_t port = net::local_port(held);
+  std::thread early([port] {
+    TcpStore client("127.0.0.1", port, false, 10s);  // connects into the backlog
+    client.set_string("early", "1");
+    EXPECT_EQ(client.get_string("late"), "2");
+  });
+  std::this_thread::sleep_for(100ms);  // let the client connect first
+  const int fd = held.release();
+  // The wrong port, a pipe, a socket that does not listen: not taken.
+  EXPECT_FALSE(net::adopt_listener(fd, static_cast<uint16_t>(port + 1)).valid());
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  EXPECT_FALSE(net::adopt_listener(pipe_fds[0], port).valid());
+  EXPECT_NE(::fcntl(pipe_fds[0], F_GETFD), -1) << "a refused descriptor must stay open";
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  net::Socket unlistened(::socket(AF_INET, SOCK_STREAM, 0));
+  EXPECT_FALSE(net::adopt_listener(unlistened.fd(), 0).valid());
+  EXPECT_NE(::fcntl(fd, F_GETFD), -1);
+
+  net::Socket adopted = net::adopt_listener(fd, port);
+  ASSERT_TRUE(adopted.valid());
+  EXPECT_EQ(::fcntl(fd, F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+  TcpStore server("127.0.0.1", port, true, 10s, "", std::move(adopted));
+  EXPECT_EQ(server.port(), port);
+  EXPECT_EQ(server.get_string("early"), "1");
+  server.set_string("late", "2");
+  early.join();
 }
 
 TEST(TcpStore, ClientGivesUpWhenNoServerComes) {

@@ -72,6 +72,29 @@ TEST(Environment, SingleNodeVariables) {
   EXPECT_LE(p, 65535);
 }
 
+// Rank 0 starts with the store's socket already listening on MASTER_PORT
+// (COHORT_STORE_FD): no other process can take the port before rank 0
+// serves on it. The kernel's table shows the listener before any rank binds
+// anything; no other rank gets a descriptor number, even one the caller
+// exported.
+TEST(Environment, RankZeroInheritsTheStoresListeningSocket) {
+  const std::string script =
+      "echo fd=${COHORT_STORE_FD:-none} "
+      "link=$(readlink /proc/$$/fd/${COHORT_STORE_FD:-none} 2>/dev/null | cut -c1-7) "
+      "listening=$(grep -ci \"^ *[0-9]*: 0100007F:$(printf %04X $MASTER_PORT) 00000000:0000 0A\" "
+      "/proc/net/tcp)";
+  ProcessResult r =
+      run_cohortrun({"-n", "3", "--", "sh", "-c", script}, Seconds(20), {"COHORT_STORE_FD=5"});
+  ASSERT_FALSE(r.timed_out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<int, Env> envs = parse(r.out);
+  ASSERT_EQ(envs.size(), 3u) << r.out;
+  EXPECT_NE(envs[0]["fd"], "none") << r.out;
+  EXPECT_EQ(envs[0]["link"], "socket:") << r.out;
+  EXPECT_EQ(envs[0]["listening"], "1") << r.out;
+  for (int rank : {1, 2}) EXPECT_EQ(envs[rank]["fd"], "none") << r.out;
+}
+
 // The engine: --backend, else a COHORT_BACKEND the caller exported, else
 // auto; an unknown name from the environment is refused like the flag's.
 TEST(Environment, BackendFromTheFlagElseTheCallersEnvironment) {

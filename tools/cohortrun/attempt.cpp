@@ -18,11 +18,12 @@
 namespace cohortrun {
 
 Attempt::Attempt(const Options& options, SignalFd& signals, int restart, int master_port,
-                 const std::atomic<bool>* end_requested)
+                 const std::atomic<bool>* end_requested, UniqueFd store_listener)
     : options_(options),
       signals_(signals),
       restart_(restart),
       master_port_(master_port),
+      store_listener_(std::move(store_listener)),
       end_requested_(end_requested) {}
 
 AttemptResult Attempt::run() {
@@ -63,8 +64,11 @@ void Attempt::spawn_all() {
   for (int local = 0; local < n; ++local) {
     Rank& r = ranks_[local];
     try {
+      const int store_fd = r.rank == 0 ? store_listener_.get() : -1;
       RankProcess p =
-          spawn_rank(options_.command, rank_environment(options_, local, restart_, master_port_));
+          spawn_rank(options_.command,
+                     rank_environment(options_, local, restart_, master_port_, store_fd), store_fd);
+      if (store_fd >= 0) store_listener_.reset();  // rank 0 holds it now
       r.pid = p.pid;
       r.running = true;
       r.out = std::move(p.out);

@@ -39,9 +39,11 @@ class Attempt {
   static constexpr std::chrono::seconds kKillWait{2};
 
   // `end_requested` (optional): once it turns true, the ranks are stopped
-  // and the attempt ends with Outcome::kEnded.
+  // and the attempt ends with Outcome::kEnded. `store_listener` (optional):
+  // a socket listening on master_port, handed to rank 0 for its store and
+  // closed here once rank 0 is started.
   Attempt(const Options& options, SignalFd& signals, int restart, int master_port,
-          const std::atomic<bool>* end_requested = nullptr);
+          const std::atomic<bool>* end_requested = nullptr, UniqueFd store_listener = {});
   Attempt(const Attempt&) = delete;
   Attempt& operator=(const Attempt&) = delete;
 
@@ -86,6 +88,7 @@ class Attempt {
   SignalFd& signals_;
   const int restart_;
   const int master_port_;
+  UniqueFd store_listener_;
   const std::atomic<bool>* end_requested_;
   bool ended_ = false;
   std::vector<Rank> ranks_;

@@ -29,6 +29,12 @@ constexpr int kInternalErrorExitCode = 1;
 
 bool single_node(const Options& o) { return o.nnodes == 1; }
 
+// Rank 0 binds MASTER_ADDR; a socket on 127.0.0.1 can stand in for it only
+// when that is where the ranks connect.
+bool hands_store_listener(const Options& o) {
+  return single_node(o) && (o.master_addr == "127.0.0.1" || o.master_addr == "localhost");
+}
+
 // An explicit port that is taken would only surface later as a rendezvous
 // timeout on every rank; refuse it up front instead.
 void check_port(const Options& o) {
@@ -97,9 +103,19 @@ int supervise(const Options& options) {
   RestartPolicy policy(options);
   for (int restart = 0;; ++restart) {
     // A port picked for us is fresh per attempt: the previous rank 0 may
-    // have left it in a state the new one cannot bind.
-    int port = options.master_port != 0 ? options.master_port : pick_free_port();
-    AttemptResult result = Attempt(policy.current(), signals, restart, port).run();
+    // have left it in a state the new one cannot bind. On loopback we keep
+    // it listening and hand it to rank 0, so that no other process can take
+    // it before rank 0 serves.
+    StoreListener listener;
+    int port = options.master_port;
+    if (port == 0 && hands_store_listener(options)) {
+      listener = listen_on_free_port();
+      port = listener.port;
+    } else if (port == 0) {
+      port = pick_free_port();
+    }
+    AttemptResult result =
+        Attempt(policy.current(), signals, restart, port, nullptr, std::move(listener.fd)).run();
     if (result.outcome == Outcome::kSucceeded) return 0;
     if (result.outcome == Outcome::kInterrupted || !policy.wants_restart(result)) {
       return result.exit_code;

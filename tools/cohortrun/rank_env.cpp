@@ -27,7 +27,7 @@ std::string new_job_token() {
 }  // namespace
 
 std::vector<std::string> rank_environment(const Options& options, int local_rank, int restart,
-                                          int master_port) {
+                                          int master_port, int store_fd) {
   const int rank = options.first_rank() + local_rank;
   const std::pair<const char*, std::string> ours[] = {
       {"RANK", std::to_string(rank)},
@@ -56,9 +56,13 @@ std::vector<std::string> rank_environment(const Options& options, int local_rank
   for (char** e = environ; *e != nullptr; ++e) {
     std::string entry = *e;
     if (entry.compare(0, 16, "OMP_NUM_THREADS=") == 0) omp_set = true;
+    // A descriptor number means nothing in another process: only the value
+    // set below for rank 0 may reach a rank.
+    if (entry.compare(0, 16, "COHORT_STORE_FD=") == 0) continue;
     if (!is_ours(entry)) env.push_back(std::move(entry));
   }
   for (const auto& [key, value] : ours) env.push_back(key + ("=" + value));
+  if (store_fd >= 0 && rank == 0) env.push_back("COHORT_STORE_FD=" + std::to_string(store_fd));
   // Ranks sharing a machine would each start one intra-op thread per core
   // (LibTorch's pool, OpenBLAS) and oversubscribe it; torchrun sets the
   // same default. The user's own value wins.

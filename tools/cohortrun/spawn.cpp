@@ -42,8 +42,8 @@ std::vector<char*> c_strings(const std::vector<std::string>& strings) {
 }
 
 // Runs in the forked child; only raw system calls from here to exec.
-[[noreturn]] void exec_child(pid_t launcher, int in, int out, int err, char* const argv[],
-                             char* const envp[]) {
+[[noreturn]] void exec_child(pid_t launcher, int in, int out, int err, int inherit_fd,
+                             char* const argv[], char* const envp[]) {
   ::setpgid(0, 0);
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The launcher may have died before prctl took effect; then no signal
@@ -59,6 +59,7 @@ std::vector<char*> c_strings(const std::vector<std::string>& strings) {
       ::dup2(err, STDERR_FILENO) < 0) {
     ::_exit(126);
   }
+  if (inherit_fd >= 0 && ::fcntl(inherit_fd, F_SETFD, 0) != 0) ::_exit(126);
   ::execvpe(argv[0], argv, envp);
 
   const int error = errno;
@@ -74,8 +75,8 @@ std::vector<char*> c_strings(const std::vector<std::string>& strings) {
 
 }  // namespace
 
-RankProcess spawn_rank(const std::vector<std::string>& command,
-                       const std::vector<std::string>& env) {
+RankProcess spawn_rank(const std::vector<std::string>& command, const std::vector<std::string>& env,
+                       int inherit_fd) {
   // Everything the child needs is built before fork.
   std::vector<char*> argv = c_strings(command);
   std::vector<char*> envp = c_strings(env);
@@ -88,7 +89,8 @@ RankProcess spawn_rank(const std::vector<std::string>& command,
   pid_t pid = ::fork();
   if (pid < 0) fail("fork");
   if (pid == 0) {
-    exec_child(launcher, devnull.get(), out.write.get(), err.write.get(), argv.data(), envp.data());
+    exec_child(launcher, devnull.get(), out.write.get(), err.write.get(), inherit_fd, argv.data(),
+               envp.data());
   }
   // Also set the group here, so it exists before the launcher might signal
   // it, whichever process runs first. EACCES: the child already exec'd,

@@ -24,7 +24,8 @@ struct RankProcess {
 // dies. A program that cannot be executed makes the rank print why on its
 // stderr and exit 127 (not found) or 126 (not executable), as a shell would.
 // Throws std::system_error when the launcher cannot create pipes or fork.
-RankProcess spawn_rank(const std::vector<std::string>& command,
-                       const std::vector<std::string>& env);
+// `inherit_fd` (when >= 0) stays open across exec in the rank, at its number.
+RankProcess spawn_rank(const std::vector<std::string>& command, const std::vector<std::string>& env,
+                       int inherit_fd = -1);
 
 }  // namespace cohortrun

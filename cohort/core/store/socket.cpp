@@ -1,11 +1,13 @@
 #include "cohort/core/store/socket.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -81,6 +83,28 @@ uint16_t local_port(const Socket& s) {
     return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
   }
   return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+}
+
+Socket adopt_listener(int fd, uint16_t port) {
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return Socket();
+  auto option = [fd](int name) {
+    int value = -1;
+    socklen_t len = sizeof(value);
+    return ::getsockopt(fd, SOL_SOCKET, name, &value, &len) == 0 ? value : -1;
+  };
+  const int domain = option(SO_DOMAIN);
+  if ((domain != AF_INET && domain != AF_INET6) || option(SO_TYPE) != SOCK_STREAM ||
+      option(SO_ACCEPTCONN) != 1) {
+    return Socket();
+  }
+  Socket s(fd);
+  if (local_port(s) != port) {
+    s.release();
+    return Socket();
+  }
+  ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  return s;
 }
 
 Socket connect_to(const std::string& host, uint16_t port, Clock::time_point deadline) {

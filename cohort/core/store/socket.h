@@ -38,6 +38,12 @@ class Socket {
 Socket listen_on(const std::string& host, uint16_t port);
 uint16_t local_port(const Socket& s);
 
+/// Takes `fd` when it is a TCP socket already listening on `port` (a
+/// launcher bound it and handed it over, so that no other process could take
+/// the port in between), setting close-on-exec; an invalid Socket, with `fd`
+/// left alone, otherwise.
+Socket adopt_listener(int fd, uint16_t port);
+
 /// Connects to host:port, retrying refused connections until `deadline`
 /// (the listener may not be up yet). Throws TimeoutError.
 Socket connect_to(const std::string& host, uint16_t port, Clock::time_point deadline);

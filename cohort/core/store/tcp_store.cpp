@@ -13,13 +13,14 @@ namespace cohort {
 using namespace tcp_store;
 
 TcpStore::TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout,
-                   std::string token)
+                   std::string token, net::Socket listener)
     : host_(std::move(host)), port_(port), token_(std::move(token)) {
   timeout_ = timeout;
   if (is_server) {
     TcpStoreServerOptions options;
     options.token = token_;
-    server_ = std::make_unique<TcpStoreServer>(host_, port_, options);
+    server_ = listener.valid() ? std::make_unique<TcpStoreServer>(std::move(listener), options)
+                               : std::make_unique<TcpStoreServer>(host_, port_, options);
     port_ = server_->port();
   }
   ensure_connected(net::Clock::now() + timeout_);

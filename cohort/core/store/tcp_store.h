@@ -22,10 +22,12 @@ class TcpStoreServer;
 class TcpStore : public Store {
  public:
   /// is_server: host the store on host:port (port 0 picks a free port; see
-  /// port()). Clients retry connecting until `timeout`. A non-empty `token`
-  /// is shown on every connection, and the server (is_server) requires it
-  /// of every client.
-  TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout, std::string token = {});
+  /// port()), or on `listener` when it is valid (a socket already listening
+  /// on that port: net::adopt_listener). Clients retry connecting until
+  /// `timeout`. A non-empty `token` is shown on every connection, and the
+  /// server (is_server) requires it of every client.
+  TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout, std::string token = {},
+           net::Socket listener = {});
   ~TcpStore() override;
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;

@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "cohort/core/error.h"
 #include "cohort/core/store/tcp_store_protocol.h"
@@ -55,9 +56,12 @@ int ms_until(std::chrono::steady_clock::time_point t, std::chrono::steady_clock:
 
 TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port,
                                TcpStoreServerOptions options)
-    : opt_(options),
-      client_cap_(client_cap(options.max_clients)),
-      listener_(net::listen_on(host, port)),
+    : TcpStoreServer(net::listen_on(host, port), std::move(options)) {}
+
+TcpStoreServer::TcpStoreServer(net::Socket listener, TcpStoreServerOptions options)
+    : opt_(std::move(options)),
+      client_cap_(client_cap(opt_.max_clients)),
+      listener_(std::move(listener)),
       port_(net::local_port(listener_)) {
   set_nonblocking(listener_.fd());
   if (::pipe2(stop_pipe_, O_CLOEXEC) != 0) {

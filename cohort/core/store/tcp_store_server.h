@@ -53,6 +53,8 @@ class TcpStoreServer {
  public:
   /// Listens on host:port (port 0 picks a free port) and starts serving.
   TcpStoreServer(const std::string& host, uint16_t port, TcpStoreServerOptions options = {});
+  /// Serves on `listener`, a socket already listening (see net::adopt_listener).
+  TcpStoreServer(net::Socket listener, TcpStoreServerOptions options = {});
   /// Stops the loop and joins it; bounded because the loop never blocks
   /// outside poll().
   ~TcpStoreServer();
