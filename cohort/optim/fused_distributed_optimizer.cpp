@@ -52,11 +52,14 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
     bytes += nb;
   }
   torch::NoGradGuard no_grad;
-  for (auto& b : buckets_) {
+  place_.resize(params_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    auto& b = buckets_[bi];
     int64_t n = 0;
-    for (size_t i : b.params) {
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      place_[b.params[k]] = {bi, k};
       b.offsets.push_back(n);
-      n += params_[i].numel();
+      n += params_[b.params[k]].numel();
     }
     std::vector<torch::Tensor> members;
     for (size_t i : b.params) members.push_back(params_[i]);
@@ -119,6 +122,8 @@ void FusedDistributedOptimizer::fill(Bucket& b) {
 }
 
 void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
+  // amsgrad turned on after construction (through options() or a checkpoint).
+  if (options_.amsgrad() && !b.max_exp_avg_sq.defined()) allocate_amsgrad_state();
   // The all-reduce summed (finish_gradients() divided already).
   if (comm_->size() > 1 && !averaged_) b.grad.div_(comm_->size());
   // Consecutive parameters with a gradient and the same step count share one
@@ -233,6 +238,28 @@ int64_t FusedDistributedOptimizer::grad_bytes() const {
   return bytes;
 }
 
+FusedParamState FusedDistributedOptimizer::param_state(size_t i) const {
+  const auto [bi, k] = place_.at(i);
+  const auto& b = buckets_[bi];
+  auto view = [&](const torch::Tensor& flat) {
+    return flat.defined()
+               ? flat.narrow(0, b.offsets[k], params_[i].numel()).view(params_[i].sizes())
+               : torch::Tensor();
+  };
+  return {view(b.exp_avg), view(b.exp_avg_sq), view(b.max_exp_avg_sq), steps_[i]};
+}
+
+void FusedDistributedOptimizer::set_param_step(size_t i, int64_t step) {
+  steps_.at(i) = step;
+  timestep_ = *std::max_element(steps_.begin(), steps_.end());
+}
+
+void FusedDistributedOptimizer::allocate_amsgrad_state() {
+  for (auto& b : buckets_) {
+    if (!b.max_exp_avg_sq.defined()) b.max_exp_avg_sq = torch::zeros_like(b.param);
+  }
+}
+
 void FusedDistributedOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("fused_timestep", torch::tensor({timestep_}));
   archive.write("fused_steps", torch::tensor(steps_));
@@ -254,6 +281,7 @@ void FusedDistributedOptimizer::load(torch::serialize::InputArchive& archive) {
                         " parameters, this optimizer " + std::to_string(params_.size()));
   }
   torch::NoGradGuard no_grad;
+  if (options_.amsgrad()) allocate_amsgrad_state();  // turned on after construction
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const auto key = "fused_bucket_" + std::to_string(i) + "_";
     auto read_into = [&](const std::string& name, torch::Tensor& dst) {

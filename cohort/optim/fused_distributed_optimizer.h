@@ -29,6 +29,7 @@
 #include <torch/types.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
@@ -37,6 +38,20 @@
 #include "cohort/observability/sync_statistics.h"
 
 namespace cohort {
+
+/// One parameter's AdamW state in FusedDistributedOptimizer, under LibTorch's AdamW names.
+struct FusedParamState {
+  /// A view into the flat buffer, shaped as the parameter: writing it writes the state.
+  torch::Tensor exp_avg;
+  /// The same for the second moment.
+  torch::Tensor exp_avg_sq;
+  /// The same for amsgrad's maximum; undefined unless amsgrad is on or
+  /// allocate_amsgrad_state() ran.
+  torch::Tensor max_exp_avg_sq;
+  /// Steps this parameter took: 0 when it has not stepped (LibTorch's AdamW then holds no
+  /// state for it).
+  int64_t step = 0;
+};
 
 /// How FusedDistributedOptimizer groups parameters into buckets.
 struct FusedOptions {
@@ -96,6 +111,17 @@ class FusedDistributedOptimizer {
   /// The flat gradient buffer of each bucket, in bucket order (shares memory with the .grad views).
   std::vector<torch::Tensor> grad_buffers() const;
 
+  /// The parameters, in the order the constructor got them.
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  /// Parameter i's state (dcp's state dict reads and loads it there: cohort/dcp/state_dict.h).
+  FusedParamState param_state(size_t i) const;
+  /// Sets parameter i's step count, as a checkpoint that was copied into param_state(i) holds
+  /// it; timestep() becomes the largest step count.
+  void set_param_step(size_t i, int64_t step);
+  /// Allocates the max_exp_avg_sq buffers (zeros) unless they exist, so that state saved with
+  /// amsgrad has somewhere to load; step() allocates them when amsgrad was turned on later.
+  void allocate_amsgrad_state();
+
   /// Replicated state (every rank holds all of it): rank 0's save suffices.
   void save(torch::serialize::OutputArchive& archive) const;
   /// Restores state written by save() for the same parameters; throws MismatchError when the
@@ -125,7 +151,8 @@ class FusedDistributedOptimizer {
   std::vector<char> seen_;                   // got a gradient since zero_grad
   std::unique_ptr<AccumulatorHooks> hooks_;  // set seen_
   std::vector<Bucket> buckets_;
-  BucketQueue queue_;  // buckets_ in order; none waits for parts
+  std::vector<std::pair<size_t, size_t>> place_;  // per parameter: its bucket, its index there
+  BucketQueue queue_;                             // buckets_ in order; none waits for parts
   int64_t timestep_ = 0;
   /// finish_gradients() ran: the buckets hold averages; has_ its mask.
   bool averaged_ = false;
