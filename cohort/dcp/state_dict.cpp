@@ -79,10 +79,21 @@ StateDict state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optim
   return ddp_state_dict(model, optimizer);
 }
 
-void set_state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                       ZeroRedundancyOptimizer* zero, const StateDict& state,
-                       const StateDictOptions& options) {
-  auto targets = state_dict_of(model, optimizer, zero, options).load_targets(metadata_of(state));
+StateDict fused_state_dict_of(torch::nn::Module& model, FusedDistributedOptimizer& fused,
+                              const StateDictOptions& options) {
+  // The fused optimizer steps whole replicated parameters: a sharded or
+  // split model is not what it was built over.
+  if (dynamic_cast<FullyShardImpl*>(&model) || options.mesh ||
+      !tensor_parallel::split_dims(model).empty()) {
+    throw InvalidArgument(
+        "dcp::get_state_dict: the fused optimizer's model must be a plain module (no FSDP, "
+        "tensor-parallel layers or mesh)");
+  }
+  return fused_state_dict(model, fused);
+}
+
+void set_state_dict_of(const StateDict& mine, const StateDict& state) {
+  auto targets = mine.load_targets(metadata_of(state));
   ByName from;
   for (const auto& e : state.tensors) from[e.fqn] = &e;
   check_covers(from, targets);

@@ -6,6 +6,8 @@
 //   model                          optimizer           the state dict
 //   a module, DDP(module)          a LibTorch one      every tensor replicated
 //   a module, DDP(module)          ZeroRedundancy...   the optimizer's pieces
+//   a module                       FusedDistributed... every tensor replicated,
+//                                                      as with LibTorch's AdamW
 //   fully_shard(...) (FSDP, HSDP)  a LibTorch one      each rank's dim-0 rows
 //   a stage of TP layers or a      a LibTorch one      each rank's TP boxes of
 //   pipeline stage (options.mesh)                      its stage's tensors (and
@@ -37,6 +39,7 @@
 
 #include "cohort/dcp/dcp.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 
 namespace cohort {
@@ -83,10 +86,14 @@ torch::nn::Module& module_of(DistributedDataParallel<ModuleHolder>& ddp) {
 StateDict state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                         ZeroRedundancyOptimizer* zero, const StateDictOptions& options);
 
-/// Copies `state` into `model` and its optimizer (see set_state_dict).
-void set_state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                       ZeroRedundancyOptimizer* zero, const StateDict& state,
-                       const StateDictOptions& options);
+/// The state dict of `model` (a plain module: InvalidArgument for a fully
+/// sharded one, or with `options.mesh`) with the fused optimizer.
+StateDict fused_state_dict_of(torch::nn::Module& model, FusedDistributedOptimizer& fused,
+                              const StateDictOptions& options);
+
+/// Copies `state` into what `mine` (a state dict get_state_dict made) views
+/// (see set_state_dict).
+void set_state_dict_of(const StateDict& mine, const StateDict& state);
 
 }  // namespace detail
 
@@ -112,6 +119,16 @@ StateDict get_state_dict(Model& model, ZeroRedundancyOptimizer& zero,
   return detail::state_dict_of(detail::module_of(model), nullptr, &zero, options);
 }
 
+/// The same with the fused optimizer (built over model.parameters(), in
+/// that order; the model a plain module): the keys and layout a LibTorch
+/// AdamW over the same module gives, so the checkpoint moves between the
+/// fused optimizer and DDP, ZeRO or FSDP with AdamW, at any world size.
+template <typename Model>
+StateDict get_state_dict(Model& model, FusedDistributedOptimizer& fused,
+                         const StateDictOptions& options = {}) {
+  return detail::fused_state_dict_of(detail::module_of(model), fused, options);
+}
+
 /// Copies the values of `state` into the model (and optimizer): every tensor
 /// the model and optimizer hold, and every one `state` holds for them that
 /// the optimizer has no state for yet, with step counts and group options.
@@ -120,19 +137,30 @@ StateDict get_state_dict(Model& model, ZeroRedundancyOptimizer& zero,
 /// naming the tensor, with nothing changed, when it does not.
 template <typename Model>
 void set_state_dict(Model& model, const StateDict& state, const StateDictOptions& options = {}) {
-  detail::set_state_dict_of(detail::module_of(model), nullptr, nullptr, state, options);
+  detail::set_state_dict_of(
+      detail::state_dict_of(detail::module_of(model), nullptr, nullptr, options), state);
 }
 /// The same into the model and its optimizer.
 template <typename Model>
 void set_state_dict(Model& model, torch::optim::Optimizer& optimizer, const StateDict& state,
                     const StateDictOptions& options = {}) {
-  detail::set_state_dict_of(detail::module_of(model), &optimizer, nullptr, state, options);
+  detail::set_state_dict_of(
+      detail::state_dict_of(detail::module_of(model), &optimizer, nullptr, options), state);
 }
 /// The same into the model and ZeRO.
 template <typename Model>
 void set_state_dict(Model& model, ZeroRedundancyOptimizer& zero, const StateDict& state,
                     const StateDictOptions& options = {}) {
-  detail::set_state_dict_of(detail::module_of(model), nullptr, &zero, state, options);
+  detail::set_state_dict_of(
+      detail::state_dict_of(detail::module_of(model), nullptr, &zero, options), state);
+}
+/// The same into the model and the fused optimizer (in place: the
+/// parameters and state stay views into its flat buffers).
+template <typename Model>
+void set_state_dict(Model& model, FusedDistributedOptimizer& fused, const StateDict& state,
+                    const StateDictOptions& options = {}) {
+  detail::set_state_dict_of(detail::fused_state_dict_of(detail::module_of(model), fused, options),
+                            state);
 }
 
 }  // namespace cohort::dcp

@@ -8,11 +8,14 @@
 // everything the optimizer holds comes from the checkpoint. Across modes
 // (DDP world 2 -> FSDP world 3, FSDP world 3 -> DDP world 1) the next step
 // equals one process's within 1e-5, with the saved steps and options.
+// The fused optimizer's state dict has the keys and layout of LibTorch's
+// AdamW on the same module, and round-trips from world 2 to worlds 1 and 3.
 #include "cohort/dcp/state_dict.h"
 
 #include <mutex>
 
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
@@ -20,10 +23,10 @@
 namespace cohort::testing::dcp_test::state_dict_test {
 namespace {
 
-enum class Mode { Plain, Ddp, Zero, Fsdp };
+enum class Mode { Plain, Ddp, Zero, Fsdp, Fused };
 
 std::string name(Mode m) {
-  const char* names[] = {"plain", "ddp", "zero2", "fsdp"};
+  const char* names[] = {"plain", "ddp", "zero2", "fsdp", "fused"};
   return names[static_cast<int>(m)];
 }
 
@@ -31,20 +34,28 @@ std::string job_name(Mode m, int world) { return name(m) + std::to_string(world)
 
 using Ddp = DistributedDataParallel<torch::nn::Sequential>;
 
-// One rank's make_seq(seed) in `mode` and its AdamW (kAdamW).
+// One rank's make_seq(seed) in `mode` and its AdamW (`options`).
 struct Job {
-  Job(Mode mode, std::shared_ptr<Communicator> comm, uint64_t seed) : seq(make_seq(seed)) {
+  Job(Mode mode, std::shared_ptr<Communicator> comm, uint64_t seed,
+      const torch::optim::AdamWOptions& options = kAdamW)
+      : seq(make_seq(seed)) {
     if (mode == Mode::Ddp) ddp = std::make_unique<Ddp>(seq, comm);
+    if (mode == Mode::Fused) {
+      FusedOptions fo;
+      fo.bucket_cap_mb = 40.0 * 4 / (1024 * 1024);  // 40 elements: several buckets
+      fused = std::make_unique<FusedDistributedOptimizer>(seq->parameters(), options, comm, fo);
+      return;
+    }
     if (mode == Mode::Fsdp) fsdp = fully_shard(shard_blocks(seq, comm), comm);
     if (mode == Mode::Zero) {
       ZeroOptions zo;
       zo.stage = 2;
       zo.bucket_cap_mb = 16.0 * 4 / (1024 * 1024);  // 16 elements: parameters straddle ranks
       zero =
-          ZeroRedundancyOptimizer::make<torch::optim::AdamW>(seq->parameters(), kAdamW, comm, zo);
+          ZeroRedundancyOptimizer::make<torch::optim::AdamW>(seq->parameters(), options, comm, zo);
     } else {
       opt = std::make_unique<torch::optim::AdamW>(fsdp ? fsdp->parameters() : seq->parameters(),
-                                                  kAdamW);
+                                                  options);
     }
   }
 
@@ -52,6 +63,12 @@ struct Job {
   // process does.
   void step(int s) {
     const auto x = batch(100 + s, 12);
+    if (fused) {
+      fused->zero_grad();
+      seq->forward(x).pow(2).mean().backward();
+      fused->step();
+      return;
+    }
     if (zero) {
       zero->zero_grad();
       seq->forward(x).pow(2).mean().backward();
@@ -66,12 +83,17 @@ struct Job {
 
   // What a schedule would have changed by the checkpoint.
   void change_options() {
+    if (fused) {
+      fused->options().lr(0.004).weight_decay(0.2);
+      return;
+    }
     for (auto& g : zero ? zero->param_groups() : opt->param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(g.options()).lr(0.004).weight_decay(0.2);
     }
   }
 
   dcp::StateDict get() {
+    if (fused) return dcp::get_state_dict(seq, *fused);
     if (zero) return dcp::get_state_dict(seq, *zero);
     if (fsdp) return dcp::get_state_dict(fsdp, *opt);
     if (ddp) return dcp::get_state_dict(*ddp, *opt);
@@ -79,6 +101,7 @@ struct Job {
   }
 
   void set(const dcp::StateDict& sd) {
+    if (fused) return dcp::set_state_dict(seq, *fused, sd);
     if (zero) return dcp::set_state_dict(seq, *zero, sd);
     if (fsdp) return dcp::set_state_dict(fsdp, *opt, sd);
     if (ddp) return dcp::set_state_dict(*ddp, *opt, sd);
@@ -110,6 +133,7 @@ struct Job {
   FullyShard fsdp{nullptr};
   std::unique_ptr<torch::optim::AdamW> opt;
   std::unique_ptr<ZeroRedundancyOptimizer> zero;
+  std::unique_ptr<FusedDistributedOptimizer> fused;
 };
 
 constexpr int kSteps = 3;
@@ -176,11 +200,13 @@ TEST_P(SameMode, LoadsEverythingAndContinuesBitForBit) {
   std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Modes, SameMode,
-    ::testing::Combine(::testing::Values(Mode::Plain, Mode::Ddp, Mode::Zero, Mode::Fsdp),
-                       ::testing::Values(1, 3)),
-    [](const auto& info) { return job_name(std::get<0>(info.param), std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Modes, SameMode,
+                         ::testing::Combine(::testing::Values(Mode::Plain, Mode::Ddp, Mode::Zero,
+                                                              Mode::Fsdp, Mode::Fused),
+                                            ::testing::Values(1, 3)),
+                         [](const auto& info) {
+                           return job_name(std::get<0>(info.param), std::get<1>(info.param));
+                         });
 
 class AcrossModes : public ::testing::TestWithParam<std::tuple<Mode, int, Mode, int>> {};
 
@@ -201,9 +227,16 @@ TEST_P(AcrossModes, ContinuesAsOneProcess) {
   load_fresh(to, to_world, dir.string(), [&](Job& job, int rank) {
     std::vector<int64_t> steps;
     std::vector<double> lrs;
-    auto& opt = job.opt ? *job.opt : job.zero->shard_optimizer();
-    for (auto& [key, state] : opt.state()) steps.push_back(*state_step(*state));
-    for (auto& g : opt.param_groups()) lrs.push_back(g.options().get_lr());
+    if (job.fused) {
+      for (size_t i = 0; i < job.fused->params().size(); ++i) {
+        steps.push_back(job.fused->param_state(i).step);
+      }
+      lrs.push_back(job.fused->options().lr());
+    } else {
+      auto& opt = job.opt ? *job.opt : job.zero->shard_optimizer();
+      for (auto& [key, state] : opt.state()) steps.push_back(*state_step(*state));
+      for (auto& g : opt.param_groups()) lrs.push_back(g.options().get_lr());
+    }
     job.step(kSteps);
     const auto got = job.parameters();
     std::lock_guard<std::mutex> lock(mu);
@@ -221,12 +254,171 @@ TEST_P(AcrossModes, ContinuesAsOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, AcrossModes,
                          ::testing::Values(std::make_tuple(Mode::Ddp, 2, Mode::Fsdp, 3),
-                                           std::make_tuple(Mode::Fsdp, 3, Mode::Ddp, 1)),
+                                           std::make_tuple(Mode::Fsdp, 3, Mode::Ddp, 1),
+                                           std::make_tuple(Mode::Fused, 2, Mode::Fsdp, 3),
+                                           std::make_tuple(Mode::Zero, 3, Mode::Fused, 1)),
                          [](const auto& info) {
                            const auto& p = info.param;
                            return job_name(std::get<0>(p), std::get<1>(p)) + "_to_" +
                                   job_name(std::get<2>(p), std::get<3>(p));
                          });
+
+// The fused optimizer saved at world 2 loads at worlds 1 and 3 into a
+// fresh one (other weights, never stepped, default options): every tensor
+// of its state dict (parameters, exp_avg, exp_avg_sq, steps, group
+// options) equals the saving job's bit for bit, on every rank. The next
+// step uses what was loaded, so it was loaded into the flat buffers the
+// update reads: at world 1 it equals the saving job's bit for bit (a sum
+// of two equal gradients halved is exact), at world 3 within 1e-6.
+TEST(FusedStateDict, RoundTripsFromWorld2ToWorlds1And3) {
+  const auto dir = temp_dir("state_dict_fused_round_trip");
+  const auto [saved, continued] = train_and_save(Mode::Fused, 2, dir.string());
+  for (int world : {1, 3}) {
+    std::mutex mu;
+    load_fresh(Mode::Fused, world, dir.string(), [&](Job& job, int rank) {
+      const auto loaded = job.boxes();
+      const int64_t timestep = job.fused->timestep();
+      job.step(kSteps);
+      const auto next = job.boxes();
+      std::lock_guard<std::mutex> lock(mu);
+      const auto where = "world " + std::to_string(world) + ", rank " + std::to_string(rank);
+      int states = 0, options = 0;
+      for (const auto& [key, t] : loaded) {
+        states += key.find(".exp_avg_sq[") != std::string::npos;
+        options += key.rfind("optim.param_groups.", 0) == 0;
+      }
+      EXPECT_EQ(states, 6) << where;       // every parameter stepped
+      EXPECT_EQ(options, 6 * 6) << where;  // lr, betas.0, betas.1, eps, weight_decay, amsgrad
+      expect_equal(loaded, saved.at(0), where + ", loaded");
+      EXPECT_EQ(job.fused->options().lr(), 0.004) << where;
+      EXPECT_EQ(job.fused->options().weight_decay(), 0.2) << where;
+      EXPECT_EQ(timestep, kSteps) << where;
+      for (const auto& [key, t] : continued.at(0)) {
+        const auto& got = next.at(key);
+        if (world == 1 || !t.is_floating_point()) {
+          EXPECT_TRUE(torch::equal(got, t)) << where << ", next step: " << key;
+        } else {
+          EXPECT_TRUE(torch::allclose(got, t, 1e-6, 1e-7)) << where << ", next step: " << key;
+        }
+      }
+    });
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// What LibTorch's AdamW state dict holds, entry by entry: name, global
+// shape, dtype, replicated, boxes, and the value (the fused update is
+// AdamW's to rounding; the step counts exactly).
+struct EntryView {
+  std::vector<int64_t> shape;
+  torch::Dtype dtype;
+  bool replicated;
+  std::vector<std::string> boxes;
+  torch::Tensor value;
+};
+
+std::map<std::string, EntryView> entries(const dcp::StateDict& sd) {
+  std::map<std::string, EntryView> out;
+  for (const auto& e : sd.tensors) {
+    EntryView v{e.shape, e.dtype, e.replicated, {}, {}};
+    for (const auto& sh : e.shards) v.boxes.push_back(dcp::to_string(sh.box));
+    if (!e.shards.empty()) v.value = e.shards.front().data.clone();
+    out[e.fqn] = std::move(v);
+  }
+  return out;
+}
+
+// Before any step, after one step with a parameter that got no gradient
+// (LibTorch's AdamW then holds no state for it), and after three with
+// amsgrad: the fused optimizer's state dict has exactly the entries of
+// LibTorch's AdamW over the same module, laid out alike.
+TEST(FusedStateDict, KeysAndLayoutAreLibTorchAdamWs) {
+  for (bool amsgrad : {false, true}) {
+    const auto options = torch::optim::AdamWOptions(kAdamW).amsgrad(amsgrad);
+    run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+      Job plain(Mode::Plain, comm, 1, options), fused(Mode::Fused, comm, 1, options);
+      auto compare = [&](const std::string& when) {
+        const auto want = entries(plain.get()), got = entries(fused.get());
+        std::vector<std::string> want_keys, got_keys;
+        for (const auto& [k, v] : want) want_keys.push_back(k);
+        for (const auto& [k, v] : got) got_keys.push_back(k);
+        ASSERT_EQ(got_keys, want_keys) << when;
+        for (const auto& [k, w] : want) {
+          const auto& g = got.at(k);
+          EXPECT_EQ(g.shape, w.shape) << when << ": " << k;
+          EXPECT_EQ(g.dtype, w.dtype) << when << ": " << k;
+          EXPECT_EQ(g.replicated, w.replicated) << when << ": " << k;
+          EXPECT_EQ(g.boxes, w.boxes) << when << ": " << k;
+          if (w.dtype == torch::kLong) {
+            EXPECT_TRUE(torch::equal(g.value, w.value)) << when << ": " << k;
+          } else {
+            EXPECT_TRUE(torch::allclose(g.value, w.value, 1e-5, 1e-7)) << when << ": " << k;
+          }
+        }
+      };
+      const std::string mode = amsgrad ? "amsgrad, " : "";
+      compare(mode + "before any step");
+      // A forward without the last Linear's bias: it gets no gradient, and
+      // both optimizers skip it (no state, no step).
+      for (Job* job : {&plain, &fused}) {
+        auto linear = [&](size_t i) { return job->seq->ptr<torch::nn::LinearImpl>(i); };
+        auto h = torch::tanh(linear(2)->forward(torch::tanh(linear(0)->forward(batch(7, 12)))));
+        torch::matmul(h, linear(4)->weight.t()).pow(2).mean().backward();
+        if (job->opt) job->opt->step();
+        if (job->fused) job->fused->step();
+      }
+      compare(mode + "after a step without the last bias");
+      for (int s = 0; s < 3; ++s) {
+        plain.step(s);
+        fused.step(s);
+      }
+      compare(mode + "after four steps");
+    });
+  }
+}
+
+// LibTorch's AdamW with two groups (no weight decay on the biases) does not
+// fit the fused optimizer's one group: loading it is a ConfigError on every
+// rank naming the option and a parameter of each group, and the fused
+// optimizer's options are left as they were (taking one group's would
+// train the other's parameters with options they never had).
+TEST(FusedStateDict, GroupsWithOtherOptionsAreAConfigError) {
+  const auto dir = temp_dir("state_dict_fused_groups");
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    auto seq = make_seq(1);
+    std::vector<torch::Tensor> weights, biases;
+    for (const auto& p : seq->named_parameters()) {
+      (p.key().find("bias") != std::string::npos ? biases : weights).push_back(p.value());
+    }
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(weights, std::make_unique<torch::optim::AdamWOptions>(kAdamW));
+    groups.emplace_back(biases, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(kAdamW).weight_decay(0)));
+    torch::optim::AdamW opt(std::move(groups), kAdamW);
+    opt.zero_grad();
+    seq->forward(batch(100, 12)).pow(2).mean().backward();
+    opt.step();
+    dcp::save(dcp::get_state_dict(seq, opt), dir.string(), *comm);
+  });
+  std::mutex mu;
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    Job job(Mode::Fused, comm, 2, torch::optim::AdamWOptions(0.003).weight_decay(0.05));
+    auto sd = job.get();
+    std::string error;
+    try {
+      dcp::load(sd, dir.string(), *comm);
+    } catch (const ConfigError& e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_NE(error.find("weight_decay is 0.100000 for 0.weight and 0.000000 for 0.bias"),
+              std::string::npos)
+        << error;
+    EXPECT_EQ(job.fused->options().weight_decay(), 0.05);
+    EXPECT_EQ(job.fused->options().lr(), 0.003);
+  });
+  std::filesystem::remove_all(dir);
+}
 
 }  // namespace
 }  // namespace cohort::testing::dcp_test::state_dict_test

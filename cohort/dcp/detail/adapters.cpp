@@ -4,6 +4,7 @@
 
 #include "cohort/core/error.h"
 #include "cohort/dcp/detail/optimizer_slots.h"
+#include "cohort/dcp/detail/param_group_options.h"
 
 namespace cohort::dcp::detail {
 namespace {
@@ -29,6 +30,71 @@ void set_load_targets(StateDict& state, const Metadata* for_load, Build build) {
 
 ParamSlot whole_slot(const std::string& fqn, const torch::Tensor& p) {
   return {fqn, p.sizes().vec(), p, {whole(p.sizes().vec())}, {0}, true, true};
+}
+
+// Parameter i of `fused` (named fqn): its AdamW state where LibTorch's
+// AdamW would hold it, once the parameter stepped, or when loading a
+// checkpoint that holds it (a view into the flat buffers: loaded in place).
+void add_fused_state(StateDict& state, FusedDistributedOptimizer& fused, size_t i,
+                     const std::string& fqn, const Metadata* for_load) {
+  const std::string prefix = "optim." + fqn + ".";
+  auto in_checkpoint = [&](const std::string& name) {
+    return for_load && for_load->find(prefix + name);
+  };
+  // amsgrad state saved elsewhere needs the buffers this optimizer may lack.
+  if (in_checkpoint("max_exp_avg_sq")) fused.allocate_amsgrad_state();
+  const auto held = fused.param_state(i);
+  const bool stepped = held.step > 0;
+  bool any = false;
+  for (const auto& [name, t] : {std::pair<std::string, torch::Tensor>{"exp_avg", held.exp_avg},
+                                {"exp_avg_sq", held.exp_avg_sq},
+                                {"max_exp_avg_sq", held.max_exp_avg_sq}}) {
+    if (!t.defined() || !(stepped || in_checkpoint(name))) continue;
+    state.tensors.push_back(replicated(prefix + name, t));
+    any = true;
+  }
+  if (!any) return;
+  auto step = torch::tensor(held.step, torch::kLong);
+  state.tensors.push_back(replicated(prefix + "step", step));
+  state.after_load.push_back([&fused, i, step] { fused.set_param_step(i, step.item<int64_t>()); });
+}
+
+// The options of the fused optimizer's one group under every parameter's
+// name, as add_optimizer_state writes a LibTorch optimizer's groups.
+// Loading, each option must be the same for every parameter: a checkpoint
+// of groups with different options (no weight decay on the biases) does
+// not fit one group, and taking one parameter's would train the others
+// with options they never had.
+void add_fused_options(StateDict& state, FusedDistributedOptimizer& fused,
+                       const std::vector<std::string>& fqns, const Metadata* for_load) {
+  using Values = std::vector<std::pair<std::string, torch::Tensor>>;  // fqn, value
+  std::map<std::string, Values> by_option;
+  for (const auto& fqn : fqns) {
+    const std::string prefix = "optim.param_groups." + fqn + ".";
+    for (const auto& [name, value] : group_options(fused.options())) {
+      if (for_load && !for_load->find(prefix + name)) continue;
+      auto t = torch::tensor(value, torch::kDouble);
+      state.tensors.push_back(replicated(prefix + name, t));
+      by_option[name].emplace_back(fqn, t);
+    }
+  }
+  if (by_option.empty()) return;
+  state.after_load.push_back([&fused, by_option] {
+    for (const auto& [name, values] : by_option) {
+      const double first = values.front().second.item<double>();
+      for (const auto& [fqn, t] : values) {
+        if (t.item<double>() == first) continue;
+        throw ConfigError("dcp::load into FusedDistributedOptimizer: the checkpoint's " + name +
+                          " is " + std::to_string(first) + " for " + values.front().first +
+                          " and " + std::to_string(t.item<double>()) + " for " + fqn +
+                          "; the fused optimizer has one parameter group (its options are "
+                          "left as they were)");
+      }
+    }
+    for (const auto& [name, values] : by_option) {
+      set_group_option(fused.options(), name, values.front().second.item<double>());
+    }
+  });
 }
 
 }  // namespace
@@ -150,6 +216,34 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
   set_load_targets(state, for_load, [&model, optimizer](const Metadata& meta) {
     return fsdp_state_dict(model, optimizer, &meta);
+  });
+  return state;
+}
+
+StateDict fused_state_dict(torch::nn::Module& model, FusedDistributedOptimizer& fused,
+                           const Metadata* for_load) {
+  const auto named = model.named_parameters();
+  const auto& params = fused.params();
+  if (named.size() != params.size()) {
+    throw InvalidArgument("dcp::fused_state_dict: the model has " + std::to_string(named.size()) +
+                          " parameters, the optimizer " + std::to_string(params.size()));
+  }
+  StateDict state;
+  std::vector<std::string> fqns;
+  for (size_t i = 0; i < named.size(); ++i) {
+    if (!named[i].value().is_same(params[i])) {
+      throw InvalidArgument("dcp::fused_state_dict: parameter " + named[i].key() +
+                            " is not the optimizer's parameter " + std::to_string(i) +
+                            " (build the optimizer over model.parameters())");
+    }
+    state.tensors.push_back(replicated("model." + named[i].key(), named[i].value()));
+    fqns.push_back(named[i].key());
+  }
+  add_buffers(state, model);
+  add_fused_options(state, fused, fqns, for_load);
+  for (size_t i = 0; i < fqns.size(); ++i) add_fused_state(state, fused, i, fqns[i], for_load);
+  set_load_targets(state, for_load, [&model, &fused](const Metadata& meta) {
+    return fused_state_dict(model, fused, &meta);
   });
   return state;
 }

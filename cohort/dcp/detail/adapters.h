@@ -11,7 +11,9 @@
 //             flat partition as boxes of the parameters (a flat range of a
 //             parameter is at most 2 * dims - 1 boxes);
 //   FSDP      each rank's dim-0 rows of every parameter and of its state
-//             (the padding left out); buffers replicated.
+//             (the padding left out); buffers replicated;
+//   fused     as DDP with LibTorch's AdamW: each parameter's slice of the
+//             flat AdamW buffers under the names AdamW gives its state.
 //
 // for_load = nullptr: what the model and optimizer hold, with load_targets
 // set. for_load = a checkpoint's metadata: the targets for loading it, so
@@ -24,6 +26,7 @@
 
 #include "cohort/dcp/dcp.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 
 namespace cohort::dcp::detail {
@@ -42,5 +45,12 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
 /// optimizer over its parameters (may be null).
 StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimizer,
                           const Metadata* for_load = nullptr);
+
+/// A module whose parameters `fused` was built over, in
+/// model.parameters() order: the keys and layout of ddp_state_dict with
+/// LibTorch's AdamW (state only for parameters that stepped), so that a
+/// checkpoint moves between the fused optimizer and the other modes.
+StateDict fused_state_dict(torch::nn::Module& model, FusedDistributedOptimizer& fused,
+                           const Metadata* for_load = nullptr);
 
 }  // namespace cohort::dcp::detail
