@@ -161,26 +161,25 @@ class Trainer {
   /// there are some and none verifies, CheckpointError on every rank unless
   /// config.start_fresh_if_damaged.
   ///
-  /// A checkpoint written at another world size resumes when the state is
-  /// replicated (DDP, all-reduce or fused wiring: every rank loads the one
-  /// model and optimizer state). Rank r takes the RNG state of the old rank r;
-  /// a rank the old world did not have starts a generator seeded with its
-  /// rank and the step. The next fit() continues the epoch after the samples
-  /// of its global order already trained (DataSource::global_micro_batch),
-  /// whatever the world size, micro-batch and accumulation_steps; keep the
-  /// global batch (micro-batch x accumulation_steps x world) the same.
-  /// The state of ZeRO, FSDP, a pipeline and a mesh is a distributed
-  /// checkpoint (cohort/dcp) and resumes resharded at any world size, into
-  /// ZeRO stage 1 or 2 or FSDP (a mesh whose stages are modules: at any
-  /// tp x pp x dp; a pipeline: with the same stages, TrainerWiring::pipeline).
+  /// Every wiring's model and optimizer state is a distributed checkpoint
+  /// (cohort/dcp) under the bare model's names, so a checkpoint resumes
+  /// resharded at any world size and into any other wiring where the model
+  /// agrees (DDP, all-reduce, ZeRO stage 1 or 2, the fused optimizer, FSDP;
+  /// a mesh whose stages are modules: at any tp x pp x dp; a pipeline: with
+  /// the same stages, TrainerWiring::pipeline). Rank r takes the RNG state
+  /// of the old rank r; a rank the old world did not have starts a
+  /// generator seeded with its rank and the step. The next fit() continues
+  /// the epoch after the samples of its global order already trained
+  /// (DataSource::global_micro_batch), whatever the world size, micro-batch
+  /// and accumulation_steps; keep the global batch (micro-batch x
+  /// accumulation_steps x world) the same.
   /// A stateful gradient compressor's per-rank state (error feedback) is in
   /// the distributed checkpoint too, each rank's under its own names: it
   /// resumes only at the world size that wrote it, and only into a trainer
   /// with such a compressor (a checkpoint without it starts the compressor
   /// afresh): ConfigError on every rank otherwise, with nothing loaded. So
-  /// does a checkpoint with a file's state into a trainer whose state is a
-  /// distributed checkpoint, and a checkpoint of an earlier cohort with
-  /// per-rank shard files.
+  /// is a checkpoint of an earlier cohort without a dcp folder (the model
+  /// and optimizer in rank 0's file, or per-rank shard files).
   std::optional<int64_t> resume();
 
   /// One optimizer step over `micro_batches` (accumulation_steps of them).
@@ -192,8 +191,7 @@ class Trainer {
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
   /// Writes a checkpoint of the current state (collective). The model and
-  /// optimizer state (every wiring's but the fused one's, which rank 0 writes
-  /// into its file) and each rank's gradient-sync state go into the folder
+  /// optimizer state and each rank's gradient-sync state go into the folder
   /// "<checkpoint>.dcp" (dcp::save, every rank its own data file; see
   /// dcp_checkpoint.h).
   void save_checkpoint();
@@ -214,9 +212,7 @@ class Trainer {
   std::vector<uint64_t> dimension_bytes() const;
   // Seconds blocked in the "tp" dimension's collectives so far; none without one.
   std::optional<double> tp_wait_seconds() const;
-  bool per_rank_state() const;
   void check_determinism() const;
-  std::string sharded_mode() const;
   std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);
   void load_checkpoint(int64_t step, std::string payload);
   std::optional<int64_t> start_fresh(int64_t skipped);

@@ -49,23 +49,18 @@ void Trainer::save_checkpoint() {
   // The model, optimizer and gradient-sync state go into the checkpoint's
   // dcp folder (every rank its data file, then .metadata) before the gather
   // below, so rank 0 writes the main file, which is what makes the
-  // checkpoint exist, only once every rank's part is on disk. The fused
-  // optimizer's state has no dcp form; it is replicated, and rank 0 writes
-  // it with the model into the main file.
-  const bool in_dcp = wiring_.has_dcp_state();
+  // checkpoint exist, only once every rank's part is on disk.
   // FSDP: the shards are what each rank saves (an evaluation forward may
   // have left the root's own parameters gathered).
   layout_.before_checkpoint();
-  if (in_dcp) {
-    auto state = wiring_.dcp_state_dict(nullptr);
-    save_buffers_from_rank0(state, *model_, comm_.rank());
-    if (sync_.has_state()) add_sync_state(state, sync_.state(), comm_.rank());
-    const auto folder = dcp_folder(checkpoints_->path_for(position_.step));
-    if (config_.async_checkpoint) {
-      pending_ = PendingCheckpoint{dcp::async_save(state, folder, comm_), position_.step, ""};
-    } else {
-      dcp::save(state, folder, comm_);
-    }
+  auto state = wiring_.dcp_state_dict(nullptr);
+  save_buffers_from_rank0(state, *model_, comm_.rank());
+  if (sync_.has_state()) add_sync_state(state, sync_.state(), comm_.rank());
+  const auto folder = dcp_folder(checkpoints_->path_for(position_.step));
+  if (config_.async_checkpoint) {
+    pending_ = PendingCheckpoint{dcp::async_save(state, folder, comm_), position_.step, ""};
+  } else {
+    dcp::save(state, folder, comm_);
   }
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
   // so a crash cannot leave some ranks' parts newer than others.
@@ -76,8 +71,7 @@ void Trainer::save_checkpoint() {
   }
   comm_.gather(all, mine, {0}).wait();
   if (comm_.rank() == 0) {
-    auto payload = encode_training_state(in_dcp ? nullptr : model_.get(), optimizer_, position_,
-                                         torch::stack(all), in_dcp);
+    auto payload = encode_training_state(position_, torch::stack(all));
     if (pending_) {
       pending_->payload = std::move(payload);  // written once the dcp part is committed
     } else {
@@ -101,10 +95,6 @@ void Trainer::finish_pending_checkpoint() {
   // folder's .metadata, or every rank throws the failing rank's error.
   pending.save.wait();
   if (comm_.rank() == 0) write_main_file(pending.step, pending.payload);
-}
-
-bool Trainer::per_rank_state() const {
-  return !optimizer_.replicated_state() || sync_.has_state() || wiring_.per_rank_model();
 }
 
 std::optional<int64_t> Trainer::resume() {
@@ -195,11 +185,10 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
   layout_.before_checkpoint();  // FSDP loads into the shards
   // Every part is read and verified before anything is loaded, so a damaged
   // one leaves the model as it was for the fall-back.
-  auto state =
-      decode_training_state(payload, path, model_.get(), optimizer_,
-                            [&](const CheckpointKind& kind) { check_checkpoint(kind, path); });
+  auto state = decode_training_state(
+      payload, path, [&](const CheckpointKind& kind) { check_checkpoint(kind, path); });
   const int64_t old_world = state.rng_states.size(0);
-  if (state.in_dcp) load_dcp(dcp_folder(path), old_world);
+  load_dcp(dcp_folder(path), old_world);
   resized_ = old_world != comm_.size();
   resumed_ = true;
   if (comm_.rank() < old_world) {
@@ -273,38 +262,19 @@ void Trainer::check_sync_state(const dcp::Metadata& meta, int64_t old_world,
                     std::to_string(old_world) + " ranks");
 }
 
-std::string Trainer::sharded_mode() const {
-  if (!layout_.describe().empty()) return layout_.describe();
-  if (!optimizer_.replicated_state()) return "a sharded optimizer (ZeRO)";
-  return "a stateful gradient compressor (per-rank state)";
-}
-
 void Trainer::check_checkpoint(const CheckpointKind& kind, const std::string& path) const {
-  const std::string where =
-      "Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " + path;
-  const bool in_dcp = wiring_.has_dcp_state();
-  if (kind.in_dcp) {
-    // Saved through dcp: loads into any wiring that has a dcp form, at any
-    // world size (the gradient sync's state: see check_sync_state).
-    if (in_dcp) return;
-    throw ConfigError(where +
-                      " is a distributed checkpoint, which loads only into a trainer whose state "
-                      "has a distributed form (every wiring but the fused one); this one has " +
-                      wiring_.mode());
-  }
-  if (!kind.model_in_file) {
-    throw ConfigError(where +
-                      " was written by an earlier cohort with per-rank shard files, which this "
-                      "version no longer reads; resume from a checkpoint of this version");
-  }
-  // The model and optimizer in the file (the fused optimizer's, or an
-  // earlier cohort's replicated state) load into replicated state alone.
-  if (!in_dcp || !per_rank_state()) return;
-  throw ConfigError(where +
-                    " holds its model and optimizer in this file (written by the fused optimizer, "
-                    "or by an earlier cohort, whose per-rank shard files this version no longer "
-                    "reads); this one has " +
-                    sharded_mode() + ", whose state loads only from a distributed checkpoint");
+  // Saved through dcp: loads into any wiring at any world size (the
+  // gradient sync's state: see check_sync_state).
+  if (kind.in_dcp) return;
+  // An earlier cohort's checkpoint has no dcp folder; refused here by what
+  // it is, before anything is loaded, rather than skipped as damaged when
+  // the folder is not found.
+  throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
+                    path + " was written by an earlier cohort " +
+                    (kind.model_in_file ? "that held the model and optimizer in this file"
+                                        : "with per-rank shard files") +
+                    ", which this version no longer reads; resume from a checkpoint of this "
+                    "version");
 }
 
 }  // namespace cohort

@@ -97,12 +97,28 @@ class TrainerWiring {
     return wiring;
   }
 
-  /// The fused optimizer (it all-reduces its buckets; no DDP).
+  /// The fused optimizer (it all-reduces its buckets; no DDP), built over model->parameters() in
+  /// that order (its checkpoint names their state by the model's names): InvalidArgument
+  /// otherwise.
   static TrainerWiring fused(std::shared_ptr<torch::nn::Module> model,
                              FusedDistributedOptimizer& fused) {
     TrainerWiring wiring(fused.process_group(), std::move(model),
                          std::make_unique<FusedTrainerOptimizer>(fused),
                          std::make_unique<InStepGradientSync>());
+    // Its checkpoint names the state by the model's parameter names.
+    const auto params = wiring.model_->parameters();
+    const auto& stepped = fused.params();
+    if (params.size() != stepped.size() ||
+        !std::equal(params.begin(), params.end(), stepped.begin(),
+                    [](const torch::Tensor& a, const torch::Tensor& b) { return a.is_same(b); })) {
+      throw InvalidArgument("TrainerWiring::fused on rank " + std::to_string(wiring.comm_->rank()) +
+                            ": the fused optimizer must be built over model->parameters(), in "
+                            "that order");
+    }
+    std::shared_ptr<torch::nn::Module> bare = wiring.model_;
+    wiring.dcp_state_ = [bare, f = &fused](const dcp::Metadata* for_load) {
+      return saving_or_loading(dcp::get_state_dict(*bare, *f), for_load);
+    };
     wiring.mode_ = "the fused optimizer";
     return wiring;
   }
@@ -169,17 +185,11 @@ class TrainerWiring {
   pipeline::PipelineRuntime* pipeline() const { return pipeline_; }
   /// The fully sharded root the trainer steps, or null.
   FullyShardImpl* fsdp() const { return fsdp_.get(); }
-  /// True when each rank's model holds its own part (a pipeline's stages, FSDP's shards):
-  /// rank 0's main checkpoint file does not hold it.
-  bool per_rank_model() const { return layout_->per_rank_model() || fsdp_ != nullptr; }
-  /// True when the model and optimizer state has a distributed-checkpoint
-  /// form (every wiring but the fused one): the Trainer saves it with
-  /// dcp::save and loads it resharded at any world size, into any of these
-  /// wirings where the names agree.
-  bool has_dcp_state() const { return static_cast<bool>(dcp_state_); }
   /// This rank's model and optimizer state as a dcp::StateDict, under the
   /// bare model's names (cohort/dcp/state_dict.h); for_load: the checkpoint's
-  /// metadata when loading. Only when has_dcp_state().
+  /// metadata when loading. Every wiring has one: the Trainer saves it with
+  /// dcp::save and loads it resharded at any world size, into any wiring
+  /// where the names agree.
   dcp::StateDict dcp_state_dict(const dcp::Metadata* for_load) const {
     return dcp_state_(for_load);
   }

@@ -1,22 +1,17 @@
 // defines: TrainingPosition and encode/decode of a checkpoint's payload:
-// model, optimizer, position (step, epoch, micro-batch index), world size
-// and every rank's RNG state, in one torch::serialize archive.
+// position (step, epoch, micro-batch index), world size and every rank's
+// RNG state, in one torch::serialize archive.
 //
-// The fused wiring's model and optimizer are replicated, so rank 0 writes
-// them once into the payload; every other wiring's are in the checkpoint's
-// dcp folder (see Trainer). The RNG states differ per rank (dropout draws),
-// so rank 0 gathers them and stores one row per rank.
+// The model and optimizer are in the checkpoint's dcp folder (see Trainer).
+// The RNG states differ per rank (dropout draws), so rank 0 gathers them
+// and stores one row per rank.
 #pragma once
 
-#include <torch/nn/module.h>
-#include <torch/serialize/archive.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <functional>
 #include <string>
-
-#include "cohort/train/trainer_optimizer.h"
 
 namespace cohort {
 
@@ -36,12 +31,10 @@ struct TrainingPosition {
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
-/// model null: the model is not in this file.
-/// in_dcp: the model and optimizer state are in the checkpoint's dcp folder
-/// (dcp_checkpoint.h); pass model null then.
-std::string encode_training_state(torch::nn::Module* model, const TrainerOptimizer& optimizer,
-                                  const TrainingPosition& position, const torch::Tensor& rng_states,
-                                  bool in_dcp = false);
+/// The payload marks the model and optimizer state as being in the
+/// checkpoint's dcp folder (dcp_checkpoint.h).
+std::string encode_training_state(const TrainingPosition& position,
+                                  const torch::Tensor& rng_states);
 
 /// True when `payload` (verified) keeps its model and optimizer state in
 /// the checkpoint's dcp folder. Throws CheckpointError naming `source` when
@@ -53,31 +46,22 @@ struct DecodedState {
   /// Where training was.
   TrainingPosition position;
   torch::Tensor rng_states;  ///< [world_size, state_bytes]
-  /// The model and optimizer state are in the dcp folder (nothing loaded).
-  bool in_dcp = false;
 };
 
 /// What wrote a checkpoint, as far as its payload says.
 struct CheckpointKind {
   int64_t world = 0;           ///< the number of ranks that wrote it
   bool in_dcp = false;         ///< the model and optimizer state are in its dcp folder
-  bool model_in_file = false;  ///< the model is in this file (replicated: DDP, all-reduce, fused)
+  bool model_in_file = false;  ///< the model is in this file (an earlier cohort's)
 };
 
 /// Called with what wrote the checkpoint before anything is loaded; throws to refuse it.
 using CheckpointCheck = std::function<void(const CheckpointKind& kind)>;
 
-/// Loads model (unless null) and optimizer from `payload` and returns the
-/// rest; a checkpoint whose state is in its dcp folder loads neither. Throws CheckpointError
-/// (naming `source`) when the payload does not parse or does not fit the model; what `check`
-/// throws, unchanged, having loaded nothing.
+/// Decodes `payload` (nothing of the model or optimizer: they are in the
+/// dcp folder). Throws CheckpointError (naming `source`) when it does not
+/// parse; what `check` throws, unchanged.
 DecodedState decode_training_state(const std::string& payload, const std::string& source,
-                                   torch::nn::Module* model, TrainerOptimizer& optimizer,
                                    const CheckpointCheck& check = {});
-
-/// Copies what Module::save wrote into `module`'s existing parameters and
-/// buffers (anything holding views of them stays valid). Throws c10::Error
-/// when the archive does not fit the module.
-void load_module_state(torch::nn::Module& module, torch::serialize::InputArchive& archive);
 
 }  // namespace cohort

@@ -5,10 +5,14 @@
 // every step must train on the same samples: the epoch's global order
 // continues, no sample lost or seen twice. DDP's replicated state, and the
 // sharded state of ZeRO-1/2 and FSDP (a distributed checkpoint, resharded on
-// load, also into the other of these modes). And at the same world size
-// with another micro-batch and accumulation, against one process.
+// load, also into the other of these modes), and the fused optimizer's (a
+// distributed checkpoint under LibTorch AdamW's names, so it resumes as DDP
+// or FSDP and they as it). And at the same world size with another
+// micro-batch and accumulation, against one process.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -20,6 +24,7 @@
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/comm_hook.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
@@ -45,8 +50,9 @@ struct Layout {
 };
 
 // How the job trains: DDP and AdamW; DDP and ZeRO stage 1 or 2 over AdamW;
-// FSDP (each Linear a unit) and AdamW over the shards.
-enum class Mode { Ddp, Zero1, Zero2, Fsdp };
+// FSDP (each Linear a unit) and AdamW over the shards; the fused optimizer
+// (AdamW over flat buckets, no DDP).
+enum class Mode { Ddp, Zero1, Zero2, Fsdp, Fused };
 
 const char* mode_name(Mode m) {
   switch (m) {
@@ -58,6 +64,8 @@ const char* mode_name(Mode m) {
       return "zero2";
     case Mode::Fsdp:
       return "fsdp";
+    case Mode::Fused:
+      return "fused";
   }
   return "?";
 }
@@ -123,12 +131,19 @@ JobResult run_job(const Job& job) {
       }
       sharded = fully_shard(units, comm);
       forward = [&](const torch::Tensor& x) { return sharded->forward(x); };
+    } else if (job.mode == Mode::Fused) {
+      forward = [&](const torch::Tensor& x) { return net->forward(x); };
     } else {
       ddp = std::make_unique<DistributedDataParallel<torch::nn::Sequential>>(net, comm);
       forward = [&](const torch::Tensor& x) { return ddp->forward(x); };
     }
     torch::optim::AdamW opt(fsdp ? sharded->parameters() : net->parameters(),
                             torch::optim::AdamWOptions(1e-2));
+    std::unique_ptr<FusedDistributedOptimizer> fused;
+    if (job.mode == Mode::Fused) {
+      fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(),
+                                                          torch::optim::AdamWOptions(1e-2), comm);
+    }
     std::unique_ptr<ZeroRedundancyOptimizer> zero;
     if (job.mode == Mode::Zero1 || job.mode == Mode::Zero2) {
       ZeroOptions zo;
@@ -139,6 +154,7 @@ JobResult run_job(const Job& job) {
     }
     auto wiring = [&] {
       if (fsdp) return TrainerWiring::fsdp(sharded, opt);
+      if (fused) return TrainerWiring::fused(net.ptr(), *fused);
       if (zero) return TrainerWiring::ddp(*ddp, *zero);
       return TrainerWiring::ddp(*ddp, opt);
     };
@@ -216,16 +232,18 @@ constexpr int64_t kSteps = 10;
 
 // Trains at `origin` in mode `from`, resumes at `resized` in mode `to`, and
 // checks the next kSteps and the samples against the uninterrupted run at
-// `reference` (by default the origin's).
+// `reference` (by default the origin's) in `reference_mode` (by default
+// `from`).
 void expect_resume_continues(Mode from, Mode to, const Layout& resized,
                              const Layout& origin = kWorld4,
-                             std::optional<Layout> reference_layout = std::nullopt) {
+                             std::optional<Layout> reference_layout = std::nullopt,
+                             std::optional<Mode> reference_mode = std::nullopt) {
   for (const auto& l : {resized, origin, reference_layout.value_or(origin)}) {
     ASSERT_EQ(l.world * l.micro_batch * l.accumulation, kGlobalBatch);
   }
   TempDir whole("cohort-elastic-whole"), split("cohort-elastic-split");
-  const auto reference =
-      run_job({reference_layout.value_or(origin), whole.str(), kResumeAt + kSteps, false, from});
+  const auto reference = run_job({reference_layout.value_or(origin), whole.str(),
+                                  kResumeAt + kSteps, false, reference_mode.value_or(from)});
 
   const auto first = run_job({origin, split.str(), kResumeAt, false, from});
   const auto second = run_job({resized, split.str(), kResumeAt + kSteps, /*resume=*/true, to});
@@ -233,23 +251,27 @@ void expect_resume_continues(Mode from, Mode to, const Layout& resized,
   ASSERT_EQ(second.loss.size(), static_cast<size_t>(kSteps));
 
   bool bitwise = true;
+  double worst = 0;  // the largest relative difference of a loss or parameter
   for (int64_t s = kResumeAt + 1; s <= kResumeAt + kSteps; ++s) {
     EXPECT_NEAR(second.loss.at(s), reference.loss.at(s), 1e-5 * std::abs(reference.loss.at(s)))
         << "step " << s;
+    worst = std::max(
+        worst, std::abs(second.loss.at(s) - reference.loss.at(s)) / std::abs(reference.loss.at(s)));
     bitwise = bitwise && second.loss.at(s) == reference.loss.at(s);
     EXPECT_EQ(second.samples.at(s), reference.samples.at(s)) << "samples of step " << s;
   }
   ASSERT_EQ(second.params.size(), reference.params.size());
   for (size_t i = 0; i < reference.params.size(); ++i) {
-    EXPECT_LE(relative_difference(second.params[i], reference.params[i]), 1e-5)
-        << "parameter " << i;
+    const double d = relative_difference(second.params[i], reference.params[i]);
+    EXPECT_LE(d, 1e-5) << "parameter " << i;
+    worst = std::max(worst, d);
     bitwise = bitwise && torch::equal(second.params[i], reference.params[i]);
   }
   ::testing::Test::RecordProperty("bitwise", bitwise ? "yes" : "no");
-  std::printf("%s world %d x %lld -> %s world %d x %lld: %s\n", mode_name(from), origin.world,
-              static_cast<long long>(origin.accumulation), mode_name(to), resized.world,
-              static_cast<long long>(resized.accumulation),
-              bitwise ? "bitwise identical" : "equal within 1e-5, not bitwise");
+  std::printf("%s world %d x %lld -> %s world %d x %lld: %s (largest relative difference %.2g)\n",
+              mode_name(from), origin.world, static_cast<long long>(origin.accumulation),
+              mode_name(to), resized.world, static_cast<long long>(resized.accumulation),
+              bitwise ? "bitwise identical" : "equal within 1e-5, not bitwise", worst);
 
   // Epoch 1 (steps 9..16) ran partly at world 4, partly at the new size:
   // every sample of its order once, none of the 4 left-out ones.
@@ -404,14 +426,33 @@ TEST(ElasticResumeRefused, CompressorStateNamesTheModeAndLoadsNothing) {
   }
 }
 
-// Every wiring but the fused one writes a distributed checkpoint, so a
-// Trainer checkpoint resumes in another mode at another world size: DDP at
-// world 2 as FSDP at world 3, FSDP at world 4 as DDP at world 1, each
-// continuing one process's run within 1e-5 on the same samples.
+// Every wiring writes a distributed checkpoint, so a Trainer checkpoint
+// resumes in another mode at another world size: DDP at world 2 as FSDP at
+// world 3, FSDP at world 4 as DDP at world 1, each continuing one process's
+// run within 1e-5 on the same samples.
 TEST(CrossModeResume, DdpToFsdpAndFsdpToDdpContinueOneProcess) {
   const Layout one_process{1, kGlobalBatch, 1};
   expect_resume_continues(Mode::Ddp, Mode::Fsdp, {3, 4, 1}, {2, 6, 1}, one_process);
   expect_resume_continues(Mode::Fsdp, Mode::Ddp, one_process, {4, 3, 1}, one_process);
+}
+
+// The fused optimizer's checkpoint holds its AdamW state under LibTorch
+// AdamW's names: fused at world 2 resumes as DDP + AdamW at world 3 and as
+// FSDP at world 3, and DDP at world 2 as fused at world 3, each continuing
+// one process's DDP + AdamW run within 1e-5 on the same samples.
+TEST(CrossModeResume, FusedToDdpContinuesOneProcess) {
+  const Layout one_process{1, kGlobalBatch, 1};
+  expect_resume_continues(Mode::Fused, Mode::Ddp, {3, 4, 1}, {2, 6, 1}, one_process, Mode::Ddp);
+}
+
+TEST(CrossModeResume, FusedToFsdpContinuesOneProcess) {
+  const Layout one_process{1, kGlobalBatch, 1};
+  expect_resume_continues(Mode::Fused, Mode::Fsdp, {3, 4, 1}, {2, 6, 1}, one_process, Mode::Ddp);
+}
+
+TEST(CrossModeResume, DdpToFusedContinuesOneProcess) {
+  const Layout one_process{1, kGlobalBatch, 1};
+  expect_resume_continues(Mode::Ddp, Mode::Fused, {3, 4, 1}, {2, 6, 1}, one_process, Mode::Ddp);
 }
 
 // A source without a global order keeps the checkpoint's micro-batch index:
