@@ -30,8 +30,7 @@ namespace cohort {
 class FSDPTrainerOptimizer : public TorchOptimizer {
  public:
   /// Adapts `optimizer`, which must outlive it.
-  explicit FSDPTrainerOptimizer(torch::optim::Optimizer& optimizer)
-      : TorchOptimizer(optimizer, /*replicated_state=*/false) {}
+  explicit FSDPTrainerOptimizer(torch::optim::Optimizer& optimizer) : TorchOptimizer(optimizer) {}
   /// Each rank's .grad are its rows of the parameters.
   bool sharded_gradients() const override { return true; }
 };

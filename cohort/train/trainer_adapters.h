@@ -17,8 +17,8 @@
 // shard's pieces, a disjoint part of the gradients on each rank, so the
 // trainer measures with ShardedGradNorm (squared partial norms all-reduced)
 // and each rank clips its own part.
-// ZeRO's state is sharded (replicated_state() false): save/load write and
-// read this rank's shard only.
+// Both checkpoint through the wiring's dcp state dict
+// (cohort/dcp/state_dict.h), not through these adapters.
 #pragma once
 
 #include <memory>
@@ -39,8 +39,6 @@ class FusedTrainerOptimizer : public TrainerOptimizer {
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
   void set_lr(double lr) override { optimizer_.set_lr(lr); }
-  void save(torch::serialize::OutputArchive& archive) const override { optimizer_.save(archive); }
-  void load(torch::serialize::InputArchive& archive) override { optimizer_.load(archive); }
   /// The .grad (views into the buckets) hold the averages afterwards.
   std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>& model_params) override {
     optimizer_.finish_gradients();
@@ -61,12 +59,6 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
   void set_lr(double lr) override { optimizer_.set_lr(lr); }
-  /// This rank's shard only.
-  void save(torch::serialize::OutputArchive& archive) const override {
-    optimizer_.save_shard(archive);
-  }
-  void load(torch::serialize::InputArchive& archive) override { optimizer_.load_shard(archive); }
-  bool replicated_state() const override { return false; }
   /// The shard's pieces, whose .grad are this rank's averaged gradients.
   std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>&) override {
     optimizer_.finish_gradients();

@@ -63,8 +63,6 @@ class TrainerLayout {
   virtual int ranks_per_sample() const { return 1; }
   /// Each dimension's communicators (per-dimension traffic); empty: not reported.
   virtual const TrafficDimensions& dimensions() const { return none_; }
-  /// True when each rank holds its own part of the model (its stages).
-  virtual bool per_rank_model() const { return false; }
   /// What the layout is, for messages ("a pipeline (each rank holds its stages)"); empty for
   /// replicas.
   virtual std::string describe() const { return ""; }
@@ -130,7 +128,6 @@ class PipelineLayout : public TrainerLayout {
   std::shared_ptr<GradNorm> norm() const override { return norm_; }
   int ranks_per_sample() const override { return ranks_per_sample_; }
   const TrafficDimensions& dimensions() const override { return dimensions_; }
-  bool per_rank_model() const override { return true; }
   std::string describe() const override { return "a pipeline (each rank holds its stages)"; }
 
  private:

@@ -2,14 +2,14 @@
 // and TorchOptimizer (any torch::optim::Optimizer: AdamW, SGD, ...).
 //
 // The fused optimizer and ZeRO plug in here (cohort/train/trainer_adapters.h).
-// ZeRO's state is sharded: it answers replicated_state() false (the
-// trainer saves it through the wiring's dcp state dict). Optimizers that
-// average the gradients inside step() (fused, ZeRO stage 2) average them in
-// gradients() instead, which the trainer calls before clipping.
+// The trainer checkpoints every optimizer's state through the wiring's dcp
+// state dict (TrainerWiring::dcp_state_dict), not through this seam.
+// Optimizers that average the gradients inside step() (fused, ZeRO stage 2)
+// average them in gradients() instead, which the trainer calls before
+// clipping.
 #pragma once
 
 #include <torch/optim/optimizer.h>
-#include <torch/serialize/archive.h>
 
 #include <vector>
 
@@ -26,12 +26,6 @@ class TrainerOptimizer {
   virtual void step() = 0;
   /// Sets the rate of every parameter group (the schedule's value).
   virtual void set_lr(double lr) = 0;
-  /// Writes the optimizer's state into a checkpoint.
-  virtual void save(torch::serialize::OutputArchive& archive) const = 0;
-  /// Reads back what save() wrote.
-  virtual void load(torch::serialize::InputArchive& archive) = 0;
-  /// True when every rank holds the same optimizer state (rank 0 saves it).
-  virtual bool replicated_state() const { return true; }
   /// Called after the trainer's gradient sync, before step(): the tensors
   /// whose .grad are the averaged gradients, which the trainer measures and
   /// clips. By default the model's parameters (DDP or the all-reduce sync
@@ -51,24 +45,16 @@ class TrainerOptimizer {
 /// Any LibTorch optimizer (SGD, AdamW, ...) as the Trainer's optimizer.
 class TorchOptimizer : public TrainerOptimizer {
  public:
-  /// Adapts `optimizer`, which must outlive it. replicated_state false: each
-  /// rank's optimizer holds other parameters (a pipeline's stages).
-  explicit TorchOptimizer(torch::optim::Optimizer& optimizer, bool replicated_state = true)
-      : optimizer_(optimizer), replicated_(replicated_state) {}
+  /// Adapts `optimizer`, which must outlive it.
+  explicit TorchOptimizer(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
   void set_lr(double lr) override {
     for (auto& group : optimizer_.param_groups()) group.options().set_lr(lr);
   }
-  void save(torch::serialize::OutputArchive& archive) const override {
-    optimizer_.save(archive);
-  }
-  void load(torch::serialize::InputArchive& archive) override { optimizer_.load(archive); }
-  bool replicated_state() const override { return replicated_; }
 
  private:
   torch::optim::Optimizer& optimizer_;
-  bool replicated_;
 };
 
 }  // namespace cohort

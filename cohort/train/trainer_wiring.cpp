@@ -72,7 +72,7 @@ std::shared_ptr<torch::nn::Module> unsplit_stages(const pipeline::PipelineRuntim
 TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
                                       torch::optim::Optimizer& optimizer) {
   TrainerWiring wiring(runtime.process_group(), stages_module(runtime),
-                       std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
+                       std::make_unique<TorchOptimizer>(optimizer),
                        std::make_unique<LocalGradientSync>(), &runtime);
   wiring.set_pipeline_layout(runtime, nullptr);
   // Every rank writes all of its stages' tensors: they are its alone.
@@ -100,8 +100,8 @@ TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
   }
   auto sync = std::make_unique<AllReduceGradientSync>(dp_group, runtime.parameters());
   TrainerWiring wiring(std::move(world), stages_module(runtime),
-                       std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
-                       std::move(sync), &runtime, {runtime.process_group(), dp_group});
+                       std::make_unique<TorchOptimizer>(optimizer), std::move(sync), &runtime,
+                       {runtime.process_group(), dp_group});
   wiring.set_pipeline_layout(runtime, dp_group);
   // The replicas of a stage (its data-parallel group) take turns writing
   // its tensors; the pipeline dimension needs no mesh, since no two stages
@@ -137,7 +137,7 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   more.push_back(tp_group);
   more.push_back(dp_group);
   TrainerWiring wiring(mesh.process_group(), stages_module(runtime),
-                       std::make_unique<TorchOptimizer>(optimizer, /*replicated_state=*/false),
+                       std::make_unique<TorchOptimizer>(optimizer),
                        std::make_unique<MeshGradientSync>(sync), &runtime, more);
   // The last stage's copy of the tied embedding (pp > 1) is not a parameter of its own.
   const int stages = mesh.size("pp");
