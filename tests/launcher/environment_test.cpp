@@ -39,14 +39,22 @@ std::map<int, Env> parse(const std::string& out) {
   return by_rank;
 }
 
+// What each of `cohortrun -n 3 -- sh -c script` ranks printed, the caller
+// exporting `env`; empty (with the failure recorded) when the job failed.
+std::map<int, Env> three_ranks_print(const std::string& script, const std::string& env) {
+  ProcessResult r = run_cohortrun({"-n", "3", "--", "sh", "-c", script}, Seconds(20), {env});
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  if (r.timed_out || r.exit_code != 0) return {};
+  std::map<int, Env> envs = parse(r.out);
+  EXPECT_EQ(envs.size(), 3u) << r.out;
+  return envs;
+}
+
 TEST(Environment, SingleNodeVariables) {
   // A RANK inherited from the caller must be replaced, not kept.
-  ProcessResult r =
-      run_cohortrun({"-n", "3", "--", "sh", "-c", kPrintEnv}, Seconds(20), {"RANK=99"});
-  ASSERT_FALSE(r.timed_out);
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  std::map<int, Env> envs = parse(r.out);
-  ASSERT_EQ(envs.size(), 3u) << r.out;
+  std::map<int, Env> envs = three_ranks_print(kPrintEnv, "RANK=99");
+  ASSERT_EQ(envs.size(), 3u);
   const std::string port = envs[0]["MASTER_PORT"];
   for (int rank = 0; rank < 3; ++rank) {
     Env& e = envs[rank];
@@ -83,16 +91,12 @@ TEST(Environment, RankZeroInheritsTheStoresListeningSocket) {
       "link=$(readlink /proc/$$/fd/${COHORT_STORE_FD:-none} 2>/dev/null | cut -c1-7) "
       "listening=$(grep -ci \"^ *[0-9]*: 0100007F:$(printf %04X $MASTER_PORT) 00000000:0000 0A\" "
       "/proc/net/tcp)";
-  ProcessResult r =
-      run_cohortrun({"-n", "3", "--", "sh", "-c", script}, Seconds(20), {"COHORT_STORE_FD=5"});
-  ASSERT_FALSE(r.timed_out);
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  std::map<int, Env> envs = parse(r.out);
-  ASSERT_EQ(envs.size(), 3u) << r.out;
-  EXPECT_NE(envs[0]["fd"], "none") << r.out;
-  EXPECT_EQ(envs[0]["link"], "socket:") << r.out;
-  EXPECT_EQ(envs[0]["listening"], "1") << r.out;
-  for (int rank : {1, 2}) EXPECT_EQ(envs[rank]["fd"], "none") << r.out;
+  std::map<int, Env> envs = three_ranks_print(script, "COHORT_STORE_FD=5");
+  ASSERT_EQ(envs.size(), 3u);
+  EXPECT_NE(envs[0]["fd"], "none");
+  EXPECT_EQ(envs[0]["link"], "socket:");
+  EXPECT_EQ(envs[0]["listening"], "1");
+  for (int rank : {1, 2}) EXPECT_EQ(envs[rank]["fd"], "none");
 }
 
 // The engine: --backend, else a COHORT_BACKEND the caller exported, else
