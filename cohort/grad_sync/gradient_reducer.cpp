@@ -7,6 +7,7 @@
 #include <map>
 
 #include "cohort/core/error.h"
+#include "cohort/core/serial_worker.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/leaf_buckets.h"
 #include "cohort/grad_sync/parameter_check.h"

@@ -45,6 +45,7 @@
 namespace cohort {
 
 class LeafBuckets;
+class SerialWorker;
 
 /// The non-template engine of DistributedDataParallel: buckets the parameters' gradients and
 /// reduces each bucket (through the comm hook) as soon as backward has filled it, in the same order
@@ -157,6 +158,7 @@ class GradientReducer {
   void prepare_leaf_forward();
   void on_leaf_gradient(size_t index);
   void fold_leaf_gradient(size_t index, bool last_leaf);
+  Work launch_leaf_bucket(size_t b);
   void finish_leaf_backward();
   void finish_owner_leaf();
   void finish_leaf_exchange(double backward_end);
@@ -207,6 +209,11 @@ class GradientReducer {
   std::vector<torch::Tensor> step_buffers_;
   std::vector<torch::Tensor> first_leaf_buffers_;
   bool leaf_forward_pending_ = false;
+  // Without an owner, at world > 1: per bucket, the all-gather of its mean
+  // that its job started.
+  std::vector<Work> leaf_gathers_;
+  // Last: destroyed first, it runs its submitted jobs, which use the above.
+  std::unique_ptr<SerialWorker> leaf_worker_;
 };
 
 }  // namespace cohort

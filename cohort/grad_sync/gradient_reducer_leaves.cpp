@@ -1,12 +1,14 @@
 // GradientReducer, Determinism::WorldSizeInvariant: one forward and backward
 // per leaf, each gradient folded into the leaf sums of the canonical tree as
 // it is computed (LeafBuckets, on grad_sync's LeafReduction; an owner takes
-// whole leaves), each bucket's exchange started during the last leaf's
-// backward, and the buffers of the global batch's first leaf kept. Design:
-// cohort/ddp/README.md.
+// whole leaves), each bucket's exchange and all-gather run by a worker
+// thread from the last leaf's backward on, and the buffers of the global batch's first leaf kept.
+// Design: cohort/ddp/README.md.
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include "cohort/core/error.h"
+#include "cohort/core/serial_worker.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/leaf_buckets.h"
@@ -123,9 +125,42 @@ void GradientReducer::fold_leaf_gradient(size_t index, bool last_leaf) {
   // The rank's subtree sums of a bucket are complete: its exchange goes
   // while backward computes the rest (buckets in index order on every rank).
   if (queue_.arrive(slots_[index].bucket)) {
-    queue_.launch_ready([this](size_t b) { return leaf_buckets_->exchange(*comm_, b); });
+    queue_.launch_ready([this](size_t b) { return launch_leaf_bucket(b); });
   }
   queue_.poll();
+}
+
+Work GradientReducer::launch_leaf_bucket(size_t b) {
+  if (comm_->size() == 1) return leaf_buckets_->exchange(*comm_, b);
+  // One job per bucket on a thread of DDP's own: the exchange, its wait, the
+  // tree's completion on this rank's chunk and the all-gather's start. So
+  // the collectives go out in one order on every rank (exchange b, gather b,
+  // exchange b + 1, ...) however the exchanges' completions fall, a gather
+  // starts while backward goes on, and backward never waits for a peer.
+  // While jobs run the communicator belongs to the worker: the step issues
+  // nothing of its own before finish_leaf_exchange() has waited for them.
+  if (!leaf_worker_) {
+    SerialWorker::Options options;
+    options.refusal = "an earlier bucket of this DDP failed";
+    // The intra-op thread count is per thread under OpenMP: take it over.
+    options.on_start = [] { at::init_num_threads(); };
+    leaf_worker_ = std::make_unique<SerialWorker>(std::move(options));
+    leaf_gathers_.assign(buckets_.size(), Work());
+  }
+  OpContext context;
+  context.op = "DistributedDataParallel leaf exchange (bucket " + std::to_string(b) + ")";
+  context.group = comm_->name();
+  context.rank = comm_->rank();
+  context.size = comm_->size();
+  context.all_peers = true;
+  context.timeout = comm_->timeout();
+  // leaf_gathers_[b] is written here and read only after this job's Work was waited for.
+  auto job = leaf_worker_->submit(context.op, SerialWorker::Clock::time_point::min(), [this, b] {
+    torch::NoGradGuard no_grad;  // grad mode is per thread
+    leaf_buckets_->exchange(*comm_, b).wait();
+    leaf_gathers_[b] = leaf_buckets_->gather(*comm_, b);
+  });
+  return Work(std::move(job), std::move(context));
 }
 
 void GradientReducer::finish_leaf_backward() {
@@ -146,14 +181,11 @@ void GradientReducer::finish_leaf_backward() {
 
 void GradientReducer::finish_leaf_exchange(double backward_end) {
   TraceSpan span(active(comm_->tracer()), "wait and write back", "ddp");
-  // Every bucket was launched as its last gradient came. Each exchange's
-  // completion and all-gather follow in bucket order, the same on every rank.
-  std::vector<Work> gathers;
-  while (queue_.in_flight() > 0) {
-    const size_t b = queue_.retire_oldest();
-    if (comm_->size() > 1) gathers.push_back(leaf_buckets_->gather(*comm_, b));
-  }
-  wait_all(gathers);
+  // Every bucket was launched as its last gradient came; its job started
+  // its all-gather (launch_leaf_bucket()).
+  while (queue_.in_flight() > 0) queue_.retire_oldest();
+  wait_all(leaf_gathers_);
+  std::fill(leaf_gathers_.begin(), leaf_gathers_.end(), Work());
   leaf_->restart();
   const auto& mean = leaf_buckets_->mean();
   for (size_t i = 0; i < params_.size(); ++i) {
