@@ -80,17 +80,6 @@ void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out
   std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
 }
 
-// The group of DDP's mesh, which must be 1-D: DDP replicates along one
-// dimension (mesh["dp"] of a larger mesh).
-inline std::shared_ptr<Communicator> replica_group(const DeviceMesh& mesh) {
-  if (mesh.ndim() != 1) {
-    throw InvalidArgument("DistributedDataParallel on rank " +
-                          std::to_string(mesh.process_group()->rank()) +
-                          ": the mesh must be 1-D (mesh[\"dp\"]), got " + mesh.to_string());
-  }
-  return mesh.process_group();
-}
-
 }  // namespace detail
 
 /// Data parallel training of a torch::nn::Module (PyTorch's DistributedDataParallel): each rank
@@ -114,7 +103,8 @@ class DistributedDataParallel {
   /// Over a 1-D mesh (PyTorch's DDP with device_mesh): its group; InvalidArgument naming
   /// the mesh when it has more dimensions. Collective over it.
   DistributedDataParallel(ModuleHolder module, const DeviceMesh& mesh, DDPOptions options = {})
-      : DistributedDataParallel(std::move(module), detail::replica_group(mesh),
+      : DistributedDataParallel(std::move(module),
+                                one_dimension_group(mesh, "DistributedDataParallel", "dp"),
                                 std::move(options)) {}
 
   /// Pre-forward work (previous iteration check, bucket rebuild, buffer

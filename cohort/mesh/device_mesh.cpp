@@ -236,4 +236,14 @@ std::vector<int> DeviceMesh::group_ranks() const {
 
 std::string DeviceMesh::to_string() const { return describe(shape(), dim_names()); }
 
+std::shared_ptr<Communicator> one_dimension_group(const DeviceMesh& mesh, const std::string& who,
+                                                  const std::string& dim) {
+  if (mesh.ndim() != 1) {
+    throw InvalidArgument(who + " on rank " + std::to_string(mesh.process_group()->rank()) +
+                          ": the mesh must be 1-D (mesh[\"" + dim + "\"]), got " +
+                          mesh.to_string());
+  }
+  return mesh.process_group();
+}
+
 }  // namespace cohort

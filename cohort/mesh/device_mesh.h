@@ -103,4 +103,10 @@ class DeviceMesh {
 DeviceMesh init_device_mesh(std::shared_ptr<Communicator> world, std::vector<int> shape,
                             std::vector<std::string> names);
 
+/// The group of `mesh`, for a mode that runs along one dimension (`dim`:
+/// the name the message suggests). InvalidArgument "`who` on rank R: the mesh
+/// must be 1-D (mesh["dim"]), got ..." when the mesh has more dimensions.
+std::shared_ptr<Communicator> one_dimension_group(const DeviceMesh& mesh, const std::string& who,
+                                                  const std::string& dim);
+
 }  // namespace cohort

@@ -52,16 +52,6 @@ DeviceMesh pp_mesh(std::shared_ptr<Communicator> group) {
   return DeviceMesh::from_group(std::move(group), "pp");
 }
 
-// The group of `pp`, which must be a 1-D slice: stages exchange activations
-// along one dimension.
-std::shared_ptr<Communicator> pp_group_of(const DeviceMesh& pp) {
-  if (pp.ndim() != 1) {
-    throw InvalidArgument("PipelineRuntime on rank " + std::to_string(pp.process_group()->rank()) +
-                          ": the pipeline mesh must be 1-D (mesh[\"pp\"]), got " + pp.to_string());
-  }
-  return pp.process_group();
-}
-
 }  // namespace
 
 PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
@@ -73,7 +63,7 @@ PipelineRuntime::PipelineRuntime(std::shared_ptr<Communicator> pp_group,
 PipelineRuntime::PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage> stages,
                                  PipelineSchedule schedule, PipelineLossFn loss_fn,
                                  PipelineOptions options)
-    : group_(pp_group_of(pp)),
+    : group_(one_dimension_group(pp, "PipelineRuntime", "pp")),
       stages_(std::move(stages)),
       schedule_(std::move(schedule)),
       loss_fn_(std::move(loss_fn)),

@@ -27,17 +27,6 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> g, const cha
   return g;
 }
 
-// The group of `tp`, which must be a 1-D slice: a TP layer splits over one
-// dimension, and a flattened or whole mesh here is a wiring mistake.
-std::shared_ptr<Communicator> tp_group(const DeviceMesh& tp, const char* layer) {
-  if (tp.ndim() != 1) {
-    throw InvalidArgument(std::string("cohort: ") + layer + " (rank " +
-                          std::to_string(tp.process_group()->rank()) +
-                          "): the TP mesh must be 1-D (mesh[\"tp\"]), got " + tp.to_string());
-  }
-  return tp.process_group();
-}
-
 // A 1-D mesh named "tp" over `g` (the deprecated group constructors).
 DeviceMesh tp_mesh(std::shared_ptr<Communicator> g, const char* layer) {
   return DeviceMesh::from_group(checked(std::move(g), layer), "tp");
@@ -66,7 +55,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(std::shared_ptr<Communicator>
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const DeviceMesh& tp, int64_t in, int64_t out,
                                                    ColumnParallelLinearOptions o)
-    : group_(tp_group(tp, "ColumnParallelLinear")), options_(o) {
+    : group_(one_dimension_group(tp, "ColumnParallelLinear", "tp")), options_(o) {
   check_divisible("ColumnParallelLinear", "out_features", out, *group_);
   auto [w, b] = master_linear_weights(in, out, o.seed);
   const int r = group_->rank(), n = group_->size();
@@ -89,7 +78,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(std::shared_ptr<Communicator> g, in
 
 RowParallelLinearImpl::RowParallelLinearImpl(const DeviceMesh& tp, int64_t in, int64_t out,
                                              RowParallelLinearOptions o)
-    : group_(tp_group(tp, "RowParallelLinear")), options_(o) {
+    : group_(one_dimension_group(tp, "RowParallelLinear", "tp")), options_(o) {
   check_divisible("RowParallelLinear", "in_features", in, *group_);
   if (o.sequence_parallel && !o.input_is_parallel) {
     throw InvalidArgument("cohort: RowParallelLinear: sequence_parallel needs input_is_parallel");
@@ -114,7 +103,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<Communica
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const DeviceMesh& tp, int64_t n, int64_t dim,
                                                        VocabParallelEmbeddingOptions o)
-    : group_(tp_group(tp, "VocabParallelEmbedding")), num_embeddings_(n) {
+    : group_(one_dimension_group(tp, "VocabParallelEmbedding", "tp")), num_embeddings_(n) {
   check_divisible("VocabParallelEmbedding", "num_embeddings", n, *group_);
   start_ = group_->rank() * (n / group_->size());
   end_ = start_ + n / group_->size();

@@ -334,7 +334,10 @@ TEST(PipelineRuntime, MeshThatIsNotOneDimensionalIsRefused) {
     } catch (const InvalidArgument& e) {
       m = e.what();
     }
-    EXPECT_NE(m.find("the pipeline mesh must be 1-D"), std::string::npos) << m;
+    EXPECT_NE(m.find("PipelineRuntime on rank " + std::to_string(r) +
+                     ": the mesh must be 1-D (mesh[\"pp\"])"),
+              std::string::npos)
+        << m;
     EXPECT_NE(m.find("dp=1 pp=2"), std::string::npos) << m;
     PipelineRuntime rt(mesh["pp"], stages(), Schedule1F1B(2, 2), mse);
     EXPECT_EQ(rt.process_group(), mesh["pp"].process_group());
