@@ -21,6 +21,7 @@
 
 #include "bench/cli.h"
 #include "cohort/cohort.h"
+#include "cohort/dcp/checkpoint_file.h"  // the replicated file it compares against
 
 namespace {
 
@@ -76,8 +77,8 @@ int main(int argc, char** argv) {
     if (mode == "zero2") {
       cohort::ZeroOptions zo;
       zo.stage = 2;
-      zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts,
-                                                                        comm, zo);
+      zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm,
+                                                                        opts, zo);
     } else {
       adamw = std::make_unique<torch::optim::AdamW>(net->parameters(), opts);
     }

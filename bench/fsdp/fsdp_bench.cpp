@@ -141,8 +141,8 @@ int main(int argc, char** argv) {
       for (auto p : model->parameters()) comm->broadcast(p).wait();
       cohort::ZeroOptions zo;
       zo.stage = 2;
-      zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), opts,
-                                                                        comm, zo);
+      zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), comm,
+                                                                        opts, zo);
     } else if (a.mode == "fsdp" || bf16) {
       cohort::FullyShardOptions fo;
       fo.reshard_after_forward = a.reshard_after_forward;

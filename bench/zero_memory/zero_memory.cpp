@@ -135,14 +135,14 @@ int main(int argc, char** argv) {
       if (ddp) {
         zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, opts, zo);
       } else {
-        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), opts,
-                                                                          comm, zo);
+        zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), comm,
+                                                                          opts, zo);
       }
     } else if (a.mode == "fused") {
       cohort::FusedOptions fo;
       fo.bucket_cap_mb = a.bucket_mb;
       fused =
-          std::make_unique<cohort::FusedDistributedOptimizer>(model->parameters(), opts, comm, fo);
+          std::make_unique<cohort::FusedDistributedOptimizer>(model->parameters(), comm, opts, fo);
     } else {
       throw std::invalid_argument("unknown mode " + a.mode);
     }

@@ -17,8 +17,8 @@ constexpr int64_t kUpdateSlice = 64 * 1024;
 }  // namespace
 
 FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> params,
-                                                     torch::optim::AdamWOptions options,
                                                      std::shared_ptr<Communicator> comm,
+                                                     torch::optim::AdamWOptions options,
                                                      FusedOptions fused)
     : comm_(std::move(comm)),
       options_(options),

@@ -35,6 +35,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
+#include "cohort/mesh/device_mesh.h"
 #include "cohort/observability/sync_statistics.h"
 
 namespace cohort {
@@ -67,8 +68,33 @@ class FusedDistributedOptimizer {
   /// Collective: every rank passes the same shapes in the same order
   /// (checked: MismatchError), with equal values (broadcast them first, e.g.
   /// by building DDP once, or seed).
-  FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
-                            std::shared_ptr<Communicator> comm, FusedOptions fused = {});
+  /// What it steps, the group it averages over, AdamW's options, its own (the order of
+  /// ZeroRedundancyOptimizer::make).
+  FusedDistributedOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Communicator> comm,
+                            torch::optim::AdamWOptions options, FusedOptions fused = {});
+  /// Over a 1-D mesh (mesh["dp"]): its group; InvalidArgument naming the mesh otherwise.
+  FusedDistributedOptimizer(std::vector<torch::Tensor> params, const DeviceMesh& mesh,
+                            torch::optim::AdamWOptions options, FusedOptions fused = {})
+      : FusedDistributedOptimizer(std::move(params),
+                                  one_dimension_group(mesh, "FusedDistributedOptimizer", "dp"),
+                                  options, fused) {}
+  /// The earlier order, kept for programs written against it.
+  [[deprecated(
+      "use FusedDistributedOptimizer(params, comm, options, fused)")]] FusedDistributedOptimizer(std::
+                                                                                                     vector<
+                                                                                                         torch::
+                                                                                                             Tensor>
+                                                                                                         params,
+                                                                                                 torch::optim::
+                                                                                                     AdamWOptions
+                                                                                                         options,
+                                                                                                 std::shared_ptr<
+                                                                                                     Communicator>
+                                                                                                     comm,
+                                                                                                 FusedOptions
+                                                                                                     fused =
+                                                                                                         {})
+      : FusedDistributedOptimizer(std::move(params), std::move(comm), options, fused) {}
   /// Removes the gradient hooks from the parameters.
   ~FusedDistributedOptimizer();
   /// The hooks hold this object's address.

@@ -5,9 +5,9 @@
 //
 //   // Alone (a plain module):
 //   auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-//       model->parameters(), torch::optim::AdamWOptions(1e-3), comm, {.stage = 2});
+//       model->parameters(), mesh["dp"], torch::optim::AdamWOptions(1e-3), {.stage = 2});
 //   // With cohort DDP (DDP broadcasts, finds unused parameters, no_sync()):
-//   cohort::DistributedDataParallel<Net> ddp(model, comm);
+//   cohort::DistributedDataParallel<Net> ddp(model, mesh["dp"]);
 //   auto zero = cohort::ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
 //       ddp, torch::optim::AdamWOptions(1e-3), {.stage = 2});
 //   for (...) { zero->zero_grad(); loss(ddp).backward(); zero->step(); }
@@ -35,6 +35,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/no_sync_guard.h"
+#include "cohort/mesh/device_mesh.h"
 #include "cohort/observability/sync_statistics.h"
 #include "cohort/optim/flat_partition.h"
 #include "cohort/optim/gradient_shard_reducer.h"
@@ -100,11 +101,13 @@ class ZeroRedundancyOptimizer {
   ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
   ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
 
-  /// ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, AdamWOptions(lr), comm)
+  /// ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, mesh["dp"], AdamWOptions(lr)):
+  /// what it steps, the group it shards over, the inner optimizer's defaults, ZeRO's options
+  /// (the order of DDP and fully_shard).
   template <typename Opt, typename Options>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(
-      std::vector<torch::optim::OptimizerParamGroup> groups, const Options& defaults,
-      std::shared_ptr<Communicator> comm, ZeroOptions options = {}) {
+      std::vector<torch::optim::OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+      const Options& defaults, ZeroOptions options = {}) {
     return std::make_unique<ZeroRedundancyOptimizer>(
         std::move(groups),
         [defaults](std::vector<torch::optim::OptimizerParamGroup> shard) {
@@ -112,15 +115,41 @@ class ZeroRedundancyOptimizer {
         },
         std::move(comm), options);
   }
-  template <typename Opt, typename Options>
   /// The same over one group of parameters with the `defaults` options.
+  template <typename Opt, typename Options>
   static std::unique_ptr<ZeroRedundancyOptimizer> make(std::vector<torch::Tensor> params,
-                                                       const Options& defaults,
                                                        std::shared_ptr<Communicator> comm,
+                                                       const Options& defaults,
                                                        ZeroOptions options = {}) {
     std::vector<torch::optim::OptimizerParamGroup> groups;
     groups.emplace_back(std::move(params));
-    return make<Opt>(std::move(groups), defaults, std::move(comm), options);
+    return make<Opt>(std::move(groups), std::move(comm), defaults, options);
+  }
+  /// Over a 1-D mesh (mesh["dp"]): its group; InvalidArgument naming the mesh otherwise.
+  template <typename Opt, typename Options>
+  static std::unique_ptr<ZeroRedundancyOptimizer> make(std::vector<torch::Tensor> params,
+                                                       const DeviceMesh& mesh,
+                                                       const Options& defaults,
+                                                       ZeroOptions options = {}) {
+    return make<Opt>(std::move(params),
+                     one_dimension_group(mesh, "ZeroRedundancyOptimizer::make", "dp"), defaults,
+                     options);
+  }
+  /// The earlier order, kept for programs written against it.
+  template <typename Opt, typename Options>
+  [[deprecated(
+      "use make(params, comm, defaults, options)")]] static std::unique_ptr<ZeroRedundancyOptimizer>
+  make(std::vector<torch::optim::OptimizerParamGroup> groups, const Options& defaults,
+       std::shared_ptr<Communicator> comm, ZeroOptions options = {}) {
+    return make<Opt>(std::move(groups), std::move(comm), defaults, options);
+  }
+  /// The earlier order, kept for programs written against it.
+  template <typename Opt, typename Options>
+  [[deprecated(
+      "use make(params, comm, defaults, options)")]] static std::unique_ptr<ZeroRedundancyOptimizer>
+  make(std::vector<torch::Tensor> params, const Options& defaults,
+       std::shared_ptr<Communicator> comm, ZeroOptions options = {}) {
+    return make<Opt>(std::move(params), std::move(comm), defaults, options);
   }
 
   /// With cohort DDP (every rank passes its DistributedDataParallel model,
@@ -135,7 +164,7 @@ class ZeroRedundancyOptimizer {
   static std::unique_ptr<ZeroRedundancyOptimizer> make(Model& ddp, const Options& defaults,
                                                        ZeroOptions options = {}) {
     options.reduce_gradients = false;
-    auto zero = make<Opt>(ddp.parameters(), defaults, ddp.reducer().process_group(), options);
+    auto zero = make<Opt>(ddp.parameters(), ddp.reducer().process_group(), defaults, options);
     zero->check_determinism(ddp.reducer());
     if (options.stage == 2) zero->take_over_reduction(ddp.reducer());
     return zero;

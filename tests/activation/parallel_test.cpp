@@ -229,7 +229,7 @@ Grads zero2_params(int world, bool checkpointed) {
     zo.stage = 2;
     zo.bucket_cap_mb = 0.0005;
     auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-        net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo);
+        net->parameters(), comm, torch::optim::AdamWOptions(0.01), zo);
     zero->zero_grad();
     auto x = torch::randn({3 * world, 8}, at::detail::createCPUGenerator(1)).narrow(0, 3 * r, 3);
     weighted_loss(net->forward(x)).backward();

@@ -52,7 +52,7 @@ TEST(Consolidate, ZeroWorld2LoadsWithTorchLoadIntoNestedModules) {
     ZeroOptions zo;
     zo.stage = 2;
     auto zero =
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm, zo);
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, kAdamW, zo);
     train(net, 2, [&] { zero->step(); });
     dcp::save(dcp::get_state_dict(*net, *zero), dir, *comm);
     torch::NoGradGuard no_grad;

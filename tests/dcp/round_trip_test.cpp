@@ -69,7 +69,7 @@ std::unique_ptr<ZeroRedundancyOptimizer> make_zero(Net& net, std::shared_ptr<Com
   ZeroOptions zo;
   zo.stage = stage;
   zo.bucket_cap_mb = 16.0 * 4 / (1024 * 1024);  // 16 elements: parameters straddle ranks
-  return ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm, zo);
+  return ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, kAdamW, zo);
 }
 
 // The whole state a ZeRO job holds, on rank 0 (collective).

@@ -43,7 +43,7 @@ struct Job {
     if (mode == Mode::Fused) {
       FusedOptions fo;
       fo.bucket_cap_mb = 40.0 * 4 / (1024 * 1024);  // 40 elements: several buckets
-      fused = std::make_unique<FusedDistributedOptimizer>(seq->parameters(), options, comm, fo);
+      fused = std::make_unique<FusedDistributedOptimizer>(seq->parameters(), comm, options, fo);
       return;
     }
     if (mode == Mode::Fsdp) fsdp = fully_shard(shard_blocks(seq, comm), comm);
@@ -52,7 +52,7 @@ struct Job {
       zo.stage = 2;
       zo.bucket_cap_mb = 16.0 * 4 / (1024 * 1024);  // 16 elements: parameters straddle ranks
       zero =
-          ZeroRedundancyOptimizer::make<torch::optim::AdamW>(seq->parameters(), options, comm, zo);
+          ZeroRedundancyOptimizer::make<torch::optim::AdamW>(seq->parameters(), comm, options, zo);
     } else {
       opt = std::make_unique<torch::optim::AdamW>(fsdp ? fsdp->parameters() : seq->parameters(),
                                                   options);

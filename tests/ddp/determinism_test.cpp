@@ -435,7 +435,7 @@ TEST(DdpDeterminism, RefusesWhatWouldReorderSums) {
                      ddp, torch::optim::AdamWOptions(0.01), zo),
                  InvalidArgument);
     EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-                     ddp.parameters(), torch::optim::AdamWOptions(0.01), comm, zo),
+                     ddp.parameters(), comm, torch::optim::AdamWOptions(0.01), zo),
                  InvalidArgument);
     auto guard = ddp.no_sync();
     EXPECT_THROW(ddp.forward(torch::randn({2, 8})), InvalidArgument);

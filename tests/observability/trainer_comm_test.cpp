@@ -62,11 +62,11 @@ void check_mode(Mode mode, int world) {
       case Mode::Zero1Alone:
         zo.stage = 1;
         zero =
-            ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm, zo);
+            ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, opts, zo);
         wiring.emplace(TrainerWiring::zero(net.ptr(), *zero));
         break;
       case Mode::Fused:
-        fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(), opts, comm);
+        fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(), comm, opts);
         wiring.emplace(TrainerWiring::fused(net.ptr(), *fused));
         break;
     }

@@ -38,7 +38,7 @@ TEST_P(FusedEquivalence, MatchesDdpAdamW) {
     auto net = pb.make_net();
     FusedOptions fo;
     fo.bucket_cap_mb = 100.0 / (1024 * 1024);
-    FusedDistributedOptimizer opt(net->parameters(), opts, comm, fo);
+    FusedDistributedOptimizer opt(net->parameters(), comm, opts, fo);
     EXPECT_GE(opt.bucket_count(), 4u);
     for (int s = 0; s < kSteps; ++s) {
       if (s == lr_step) opt.set_lr(0.002);
@@ -69,7 +69,7 @@ TEST(Fused, RefusesMismatchedParameters) {
     std::vector<torch::Tensor> params{torch::zeros({4, 6}, torch::requires_grad())};
     if (comm->rank() == 1) params.push_back(torch::zeros({2}, torch::requires_grad()));
     try {
-      FusedDistributedOptimizer opt(params, torch::optim::AdamWOptions(), comm);
+      FusedDistributedOptimizer opt(params, comm, torch::optim::AdamWOptions());
       ADD_FAILURE() << "no error on rank " << comm->rank();
     } catch (const MismatchError& e) {
       const std::string m = e.what();
@@ -91,7 +91,7 @@ TEST(Fused, SaveLoadResumes) {
       auto net = pb.make_net();
       FusedOptions fo;
       fo.bucket_cap_mb = 100.0 / (1024 * 1024);
-      FusedDistributedOptimizer opt(net->parameters(), opts, comm, fo);
+      FusedDistributedOptimizer opt(net->parameters(), comm, opts, fo);
       if (load) {
         torch::serialize::InputArchive in;
         in.load_from(saved[comm->rank()].data(), saved[comm->rank()].size());

@@ -24,7 +24,7 @@ std::unique_ptr<ZeroRedundancyOptimizer> make_zero(OptimNet& net,
   ZeroOptions zo;
   zo.stage = stage;
   zo.bucket_cap_mb = kTinyBucketMb;
-  return ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm, zo);
+  return ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, kAdamW, zo);
 }
 
 void train(const Problem& pb, OptimNet& net, ZeroRedundancyOptimizer& zero, int rank, int from,

@@ -76,19 +76,19 @@ TEST(ZeroDdp, RefusesWhatItCannotDo) {
     zo.reduce_gradients = false;
     // Stage 2 for DDP, but no DDP ever handed its reduction over.
     auto orphan =
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp.parameters(), kOpts, comm, zo);
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp.parameters(), comm, kOpts, zo);
     torch::mse_loss(ddp.forward(pb.xs[0][comm->rank()]), pb.ys[0][comm->rank()]).backward();
     EXPECT_THROW(orphan->step(), Error);
     // Stage 1 reads DDP's gradients; it takes nothing over.
     zo.stage = 1;
     auto one =
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp.parameters(), kOpts, comm, zo);
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp.parameters(), comm, kOpts, zo);
     EXPECT_THROW(one->take_over_reduction(ddp.reducer()), InvalidArgument);
     // Every parameter DDP reduces must be the optimizer's.
     zo.stage = 2;
     auto ps = ddp.parameters();
     ps.pop_back();
-    auto part = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ps, kOpts, comm, zo);
+    auto part = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ps, comm, kOpts, zo);
     EXPECT_THROW(part->take_over_reduction(ddp.reducer()), InvalidArgument);
     EXPECT_TRUE(ddp.reducer().bucket_buffer(0).defined());
   });
@@ -180,7 +180,7 @@ TEST_P(ZeroAccumulation, Stage2WithAndWithoutDdpMatchesDdpNoSync) {
         ddp = std::make_unique<DistributedDataParallel<OptimNet>>(net, comm);
         zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(*ddp, kOpts, stage2());
       } else {
-        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kOpts, comm,
+        zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, kOpts,
                                                                   stage2());
       }
       for (int s = 0; s < kSteps; ++s) {
@@ -226,7 +226,7 @@ TEST(ZeroAccumulationEdge, Stage2StepAfterOnlyNoSyncBackwards) {
   RankResults got(pb.world);
   run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = pb.make_net();
-    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kOpts, comm,
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, kOpts,
                                                                    stage2());
     for (int s = 0; s < kSteps; ++s) {
       zero->zero_grad();

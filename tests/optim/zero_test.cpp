@@ -98,7 +98,7 @@ TEST_P(ZeroEquivalence, AdamWTwentyStepsMatchDdp) {
   zo.reduce_gradients = !c.with_ddp;
   zo.bucket_cap_mb = kTinyBucketMb;
   const auto got = zero_run(pb, c.with_ddp, [&](auto ps, auto comm) {
-    auto z = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ps, opts, comm, zo);
+    auto z = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ps, comm, opts, zo);
     // Balanced: every rank's shard is the padded total over the world.
     EXPECT_EQ(z->partition().shard_numel() * c.world, z->partition().padded_numel());
     EXPECT_GT(z->partition().buckets().size(), 2u);
@@ -126,7 +126,7 @@ TEST(Zero, AdamAndSgdMomentumMatchDdp) {
     return std::make_unique<torch::optim::Adam>(ps, adam);
   });
   auto got = zero_run(pb, false, [&](auto ps, auto comm) {
-    return ZeroRedundancyOptimizer::make<torch::optim::Adam>(ps, adam, comm, zo);
+    return ZeroRedundancyOptimizer::make<torch::optim::Adam>(ps, comm, adam, zo);
   });
   expect_all_ranks_equal(got, expected, pb.init);
 
@@ -135,7 +135,7 @@ TEST(Zero, AdamAndSgdMomentumMatchDdp) {
     return std::make_unique<torch::optim::SGD>(ps, sgd);
   });
   got = zero_run(pb, false, [&](auto ps, auto comm) {
-    return ZeroRedundancyOptimizer::make<torch::optim::SGD>(ps, sgd, comm, zo);
+    return ZeroRedundancyOptimizer::make<torch::optim::SGD>(ps, comm, sgd, zo);
   });
   expect_all_ranks_equal(got, expected, pb.init);
 }
@@ -182,8 +182,8 @@ TEST(Zero, ParamGroupsAndLrChangesMatchDdp) {
   const auto got = zero_run(
       pb, false,
       [&](auto ps, auto comm) {
-        return ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-            groups_of(ps), torch::optim::AdamWOptions(), comm, zo);
+        return ZeroRedundancyOptimizer::make<torch::optim::AdamW>(groups_of(ps), comm,
+                                                                  torch::optim::AdamWOptions(), zo);
       },
       [&](int s, ZeroRedundancyOptimizer& z) {
         schedule(s, z.param_groups(), [&](double lr) { z.set_lr(lr); });
@@ -202,7 +202,7 @@ TEST(Zero, ShardsStateAndGradients) {
       ZeroOptions zo;
       zo.stage = stage;
       auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-          net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo);
+          net->parameters(), comm, torch::optim::AdamWOptions(0.01), zo);
       torch::mse_loss(net->forward(pb.xs[0][comm->rank()]), pb.ys[0][comm->rank()]).backward();
       zero->step();
       const int64_t shard = zero->partition().shard_numel();  // ceil(61 / 4) = 16
@@ -235,7 +235,7 @@ TEST(Zero, Stage2StagesBucketByBucketAndSkipsUnusedParameters) {
   RankResults got(pb.world);
   run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = pb.make_net();
-    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm,
+    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, opts,
                                                                    tiny_stage2());
     // enough buckets for the bound to mean something
     ASSERT_GE(zero->partition().buckets().size(), 4u);
@@ -277,7 +277,7 @@ TEST(Zero, Stage2StagingPeakIsAtMostTheStagedBuckets) {
     RankResults got(pb.world);
     run_ranks_shared(pb.world, [&](std::shared_ptr<Communicator> comm) {
       auto net = pb.make_net();
-      auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), opts, comm,
+      auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, opts,
                                                                      tiny_stage2(staged));
       ASSERT_EQ(zero->partition().buckets().size(), 4u);
       const int64_t largest = largest_bucket_bytes(*zero);
@@ -302,7 +302,7 @@ TEST(Zero, RefusesMaxStagedBucketsOtherThanOneOrTwo) {
   run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
     auto net = pb.make_net();
     EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-                     net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo),
+                     net->parameters(), comm, torch::optim::AdamWOptions(0.01), zo),
                  InvalidArgument);
   });
 }
@@ -315,7 +315,7 @@ TEST(Zero, Stage2RefusesTwoBackwardsPerStep) {
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     auto net = pb.make_net();
     auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-        net->parameters(), torch::optim::AdamWOptions(0.01), comm, zo);
+        net->parameters(), comm, torch::optim::AdamWOptions(0.01), zo);
     pb.loss(net, 0, comm->rank()).backward();
     pb.loss(net, 1, comm->rank()).backward();
     EXPECT_THROW(zero->step(), Error);
@@ -338,8 +338,8 @@ TEST(Zero, RefusesTransposedShapesNamingTheParameter) {
       ZeroOptions zo;
       zo.stage = stage;
       try {
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, torch::optim::AdamWOptions(),
-                                                           comm, zo);
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(params, comm,
+                                                           torch::optim::AdamWOptions(), zo);
         ADD_FAILURE() << "no error on rank " << comm->rank();
       } catch (const MismatchError& e) {
         const std::string m = e.what();
@@ -356,8 +356,8 @@ TEST(Zero, RefusesMismatchedModels) {
   torch::set_num_threads(1);
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     OptimNet net(comm->rank() == 1);  // rank 1 has an extra layer
-    EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-                     net->parameters(), torch::optim::AdamWOptions(), comm),
+    EXPECT_THROW(ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm,
+                                                                    torch::optim::AdamWOptions()),
                  MismatchError);
   });
 }

@@ -73,7 +73,7 @@ TEST(PipelineComposition, PipelineWithZeroOneEqualsOneProcess) {
                        {PipelineStage(s, split_sequential(model, {2}, s))}, ScheduleZBH1(kPP, kM),
                        mse);
     auto zero = ZeroRedundancyOptimizer::make<torch::optim::SGD>(
-        rt.parameters(), torch::optim::SGDOptions(lr), mesh.dp);  // reduces in step()
+        rt.parameters(), mesh.dp, torch::optim::SGDOptions(lr));  // reduces in step()
     auto xs = x.chunk(kDP), ys = y.chunk(kDP);
     zero->zero_grad();
     rt.step({xs[mesh.dp_rank]}, {ys[mesh.dp_rank]});

@@ -199,7 +199,7 @@ TEST(Trace, FusedOptimizerStepsAreTraced) {
       [&](std::shared_ptr<Communicator> comm) {
         torch::set_num_threads(1);
         auto net = testing::make_mlp();
-        FusedDistributedOptimizer fused(net->parameters(), torch::optim::AdamWOptions(1e-2), comm);
+        FusedDistributedOptimizer fused(net->parameters(), comm, torch::optim::AdamWOptions(1e-2));
         for (int s = 0; s < 2; ++s) {
           auto x = torch::full({4, 8}, 0.1 * (comm->rank() + 1));
           net->forward(x).sum().backward();

@@ -114,7 +114,7 @@ JobResult run_job(const Job& job) {
       zo.reduce_gradients = false;                  // DDP averages them
       zo.bucket_cap_mb = 64.0 * 4 / (1024 * 1024);  // several buckets
       zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(
-          net->parameters(), torch::optim::AdamWOptions(1e-2), comm, zo);
+          net->parameters(), comm, torch::optim::AdamWOptions(1e-2), zo);
     }
     // ZeRO here steps DDP's averages (reduce_gradients false), so it goes with DDP only.
     auto wiring = job.zero  ? TrainerWiring::ddp(ddp, *zero)

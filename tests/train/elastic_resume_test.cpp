@@ -141,8 +141,8 @@ JobResult run_job(const Job& job) {
                             torch::optim::AdamWOptions(1e-2));
     std::unique_ptr<FusedDistributedOptimizer> fused;
     if (job.mode == Mode::Fused) {
-      fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(),
-                                                          torch::optim::AdamWOptions(1e-2), comm);
+      fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(), comm,
+                                                          torch::optim::AdamWOptions(1e-2));
     }
     std::unique_ptr<ZeroRedundancyOptimizer> zero;
     if (job.mode == Mode::Zero1 || job.mode == Mode::Zero2) {

@@ -65,13 +65,13 @@ TrainRun train_run(Mode mode, int world, const testing::Synthetic& data) {
         break;
       case Mode::Zero2Alone:
         zero =
-            ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm, zo);
+            ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, kAdamW, zo);
         wiring.emplace(TrainerWiring::zero(net.ptr(), *zero));
         break;
       case Mode::Fused: {
         FusedOptions fo;
         fo.bucket_cap_mb = kTinyBucketMb;
-        fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(), kAdamW, comm, fo);
+        fused = std::make_unique<FusedDistributedOptimizer>(net->parameters(), comm, kAdamW, fo);
         wiring.emplace(TrainerWiring::fused(net.ptr(), *fused));
         break;
       }
@@ -189,7 +189,7 @@ TEST(TrainerWiring, RefusesAZeroBuiltForTheOtherPairing) {
     auto net = make_mlp();
     Ddp ddp(net, comm);
     auto alone =
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), kAdamW, comm);
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, kAdamW);
     EXPECT_THROW(TrainerWiring::ddp(ddp, *alone), InvalidArgument);
     auto for_ddp = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW);
     EXPECT_THROW(TrainerWiring::zero(net.ptr(), *for_ddp), InvalidArgument);
