@@ -36,6 +36,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/types.h"
+#include "cohort/mesh/device_mesh.h"
 
 namespace cohort::context_parallel {
 
@@ -70,5 +71,12 @@ struct RingAttentionOptions {
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const std::shared_ptr<Communicator>& group,
                              const RingAttentionOptions& options = {});
+/// The same over a 1-D mesh (mesh["cp"]): its group; InvalidArgument naming
+/// the mesh when it has more dimensions.
+inline torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const DeviceMesh& cp,
+                                    const RingAttentionOptions& options = {}) {
+  return ring_attention(q, k, v, one_dimension_group(cp, "ring_attention", "cp"), options);
+}
 
 }  // namespace cohort::context_parallel

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <unordered_set>
@@ -94,7 +95,27 @@ std::vector<int64_t> to_vector(const torch::Tensor& t) {
   return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
 }
 
+// The options with the mesh's "ep" and "tp" groups (MoEImpl's mesh form).
+MoEOptions with_mesh_groups(const DeviceMesh& mesh, MoEOptions options) {
+  if (options.ep_group || options.tp_group) {
+    const auto& group = mesh.process_group();
+    throw InvalidArgument("MoE (rank " + std::to_string(group->rank()) + " of " +
+                          std::to_string(group->size()) +
+                          "): the groups come from the mesh or from ep_group/tp_group, not both");
+  }
+  const auto names = mesh.dim_names();
+  const auto has = [&](const char* name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  if (has("ep")) options.ep_group = mesh["ep"].process_group();
+  if (has("tp")) options.tp_group = mesh["tp"].process_group();
+  return options;
+}
+
 }  // namespace
+
+MoEImpl::MoEImpl(const DeviceMesh& mesh, MoEOptions options)
+    : MoEImpl(with_mesh_groups(mesh, std::move(options))) {}
 
 MoEImpl::MoEImpl(MoEOptions options) : options_(std::move(options)) {
   const int ep = options_.ep_group ? options_.ep_group->size() : 1;

@@ -25,6 +25,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/expert_parallel/routing.h"
+#include "cohort/mesh/device_mesh.h"
 
 namespace cohort::expert_parallel {
 
@@ -57,6 +58,11 @@ class MoEImpl : public torch::nn::Module {
   /// naming two ranks and their values, InvalidArgument when E does not
   /// divide by the ep size or an option is out of range.
   explicit MoEImpl(MoEOptions options);
+  /// Over a mesh: its "ep" dimension splits the experts and its "tp"
+  /// dimension, when it has one, each expert's FFN (the groups options'
+  /// ep_group and tp_group name, which must then be unset: InvalidArgument);
+  /// other dimensions hold replicas. A mesh without "ep" holds every expert.
+  MoEImpl(const DeviceMesh& mesh, MoEOptions options);
 
   /// x: [..., H], this rank's tokens; returns [..., H]. Collective over the
   /// ep group (forward and backward). Sets aux_loss() and dropped().

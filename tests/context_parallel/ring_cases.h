@@ -85,7 +85,9 @@ inline Result ring(const Inputs& in, int cp, const std::string& engine,
         auto q = shard_sequence(in.q, r, cp).requires_grad_();
         auto k = shard_sequence(in.k, r, cp).requires_grad_();
         auto v = shard_sequence(in.v, r, cp).requires_grad_();
-        auto out = context_parallel::ring_attention(q, k, v, g, options);
+        // The mesh form here; memory_test and errors_test call the group form.
+        auto out =
+            context_parallel::ring_attention(q, k, v, DeviceMesh::from_group(g, "cp"), options);
         (out * shard_sequence(in.w, r, cp)).sum().backward();
         parts[static_cast<size_t>(r)] = {out.detach(), q.grad(), k.grad(), v.grad()};
       },

@@ -114,6 +114,27 @@ ThreadRanksOptions on(const std::string& backend) {
   return o;
 }
 
+// The mesh form takes the "ep" and "tp" groups of a 2-D mesh: the layer is
+// the one the options form builds over those groups.
+TEST(MoeMesh, TakesTheEpAndTpDimensions) {
+  run_ranks_shared(4, [](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    auto mesh = init_device_mesh(world, {2, 2}, {"ep", "tp"});
+    MoEOptions o;
+    o.hidden = 4;
+    o.ffn = 8;
+    o.experts = 4;
+    MoE from_mesh(mesh, o);
+    o.ep_group = mesh["ep"].process_group();
+    o.tp_group = mesh["tp"].process_group();
+    MoE from_groups(o);
+    EXPECT_EQ(from_mesh->options().ep_group, o.ep_group);
+    EXPECT_EQ(from_mesh->options().tp_group, o.tp_group);
+    EXPECT_EQ(from_mesh->w1.sizes(), (std::vector<int64_t>{2, 4, 4}));  // [E/ep, F/tp, H]
+    EXPECT_TRUE(torch::equal(from_mesh->w1, from_groups->w1));
+  });
+}
+
 class ExpertParallel : public ::testing::TestWithParam<Param> {};
 
 TEST_P(ExpertParallel, MatchesOneProcess) {
@@ -131,7 +152,8 @@ TEST_P(ExpertParallel, MatchesOneProcess) {
       [&](std::shared_ptr<Communicator> g) {
         torch::set_num_threads(1);
         const int r = g->rank();
-        MoE m(options(p.k, p.drops, g));
+        // The mesh form (the groups in the options: the other tests).
+        MoE m(DeviceMesh::from_group(g, "ep"), options(p.k, p.drops, nullptr));
         auto x = tokens_of(r).requires_grad_();
         auto y = m(x);
         ((y * probe_of(r)).sum() + m->aux_loss()).backward();
@@ -350,6 +372,16 @@ TEST_P(MoeErrors, InputOfAnotherWidth) {
       },
       briefly_on(GetParam()));
   expect_on_every_rank(errors, {"the input's last dimension must be hidden = 4, got shape [3, 5]"});
+}
+
+TEST_P(MoeErrors, GroupsFromBothTheMeshAndTheOptions) {
+  auto errors = errors_on_every_rank(
+      2,
+      [](std::shared_ptr<Communicator> g) {
+        MoE m(DeviceMesh::from_group(g, "ep"), small(g, 4, 1));
+      },
+      briefly_on(GetParam()));
+  expect_on_every_rank(errors, {"from the mesh or from ep_group/tp_group, not both"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Moe, MoeErrors, ::testing::ValuesIn(backends()),
