@@ -32,6 +32,11 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
   return loss_sum / static_cast<double>(k);
 }
 
+FSDPLayout::FSDPLayout(GradientSync& sync, FullyShardImpl& root)
+    : ReplicaLayout(sync),
+      root_(root),
+      norm_(std::make_shared<ShardedGradNorm>(root.process_group())) {}
+
 void FSDPLayout::before_checkpoint() { root_.reshard(); }
 
 void PipelineLayout::check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const {

@@ -100,14 +100,18 @@ class ReplicaLayout : public TrainerLayout {
 class FSDPLayout : public ReplicaLayout {
  public:
   /// `sync` and `root` must outlive the layout.
-  FSDPLayout(GradientSync& sync, FullyShardImpl& root) : ReplicaLayout(sync), root_(root) {}
+  FSDPLayout(GradientSync& sync, FullyShardImpl& root);
   std::string describe() const override {
     return "FSDP (parameters and optimizer state sharded over the ranks)";
   }
   void before_checkpoint() override;
+  /// The shards' squared norms summed over the shard group (under HSDP the
+  /// replicas hold equal shards and must not count twice).
+  std::shared_ptr<GradNorm> norm() const override { return norm_; }
 
  private:
   FullyShardImpl& root_;
+  std::shared_ptr<GradNorm> norm_;
 };
 
 /// A pipeline's stages on each rank: one PipelineRuntime step per optimizer step.

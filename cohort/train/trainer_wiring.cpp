@@ -160,7 +160,10 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
 
 TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& optimizer) {
   if (model.is_empty()) throw InvalidArgument("TrainerWiring::fsdp: model is null");
-  auto comm = model->process_group();
+  // The Trainer's own collectives (the loss, checkpoints, agreement) span
+  // every data-parallel rank: under HSDP the whole mesh, not one replica's
+  // shard group. The norm sums the shards over the shard group (FSDPLayout).
+  auto comm = model->mesh().process_group();
   // An optimizer over other tensors (another model's, copies) would step
   // values the model never reads.
   std::set<const void*> mine;
@@ -175,8 +178,10 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
       }
     }
   }
+  std::vector<std::shared_ptr<Communicator>> traffic = {model->process_group()};
+  if (model->replicate_group()) traffic.push_back(model->replicate_group());
   TrainerWiring wiring(comm, model.ptr(), std::make_unique<FSDPTrainerOptimizer>(optimizer),
-                       std::make_unique<FSDPGradientSync>(model));
+                       std::make_unique<FSDPGradientSync>(model), nullptr, std::move(traffic));
   wiring.fsdp_ = model.ptr();
   wiring.layout_ = std::make_unique<FSDPLayout>(*wiring.sync_, *model);
   std::shared_ptr<FullyShardImpl> root = model.ptr();

@@ -1,10 +1,15 @@
 // Run: cohortrun -n 4 -- build/examples/fsdp/fsdp_train --mode fsdp
+//      cohortrun -n 4 -- build/examples/fsdp/fsdp_train --mode fsdp --replicate 2   # HSDP
 //
 // A stack of `--layers` Linear(width, width) + tanh blocks trained through
 // cohort::Trainer with AdamW, fully sharded (--mode fsdp: each block a
-// fully_shard unit, TrainerWiring::fsdp) or replicated (--mode ddp). Each
-// rank prints the bytes of parameters, gradients and AdamW state it holds
-// after the last step, and its peak resident memory.
+// fully_shard unit, TrainerWiring::fsdp) or replicated (--mode ddp). With
+// --replicate R, FSDP is hybrid (HSDP): the mesh is R replicas x N/R shards,
+// each block sharded within a replica's group and its gradient shards
+// averaged across the replicas. Each rank prints the bytes of parameters,
+// gradients and AdamW state it holds after the last step, and its peak
+// resident memory. With --checkpoint-dir the Trainer saves a distributed
+// checkpoint at the end, which resumes in any mode at any world size.
 //
 // Beyond DDP: under one per-rank memory limit of 2400 MiB (ulimit -v,
 // inherited by every rank), the default model (40 blocks of 2048: 640 MiB of
@@ -34,6 +39,8 @@ struct Flags {
   int64_t steps = 3;
   int64_t batch = 8;  // per rank
   double lr = 1e-4;
+  int replicate = 1;  // HSDP's replica groups (1: plain FSDP)
+  std::string checkpoint_dir;
 };
 
 // One batch per rank, every step (an epoch is one step), so the loss must
@@ -67,7 +74,7 @@ double status_mb(const std::string& key) {
 }
 
 // What this rank holds of the model and its training state.
-void report(const cohort::Communicator& comm, const Flags& f, torch::nn::Module& model,
+void report(const cohort::DeviceMesh& mesh, const Flags& f, torch::nn::Module& model,
             torch::optim::AdamW& adamw, double first, double last) {
   int64_t params = 0, grads = 0, state = 0;
   for (const auto& p : model.parameters()) {
@@ -80,36 +87,47 @@ void report(const cohort::Communicator& comm, const Flags& f, torch::nn::Module&
   }
   const double mb = 1024.0 * 1024.0;
   std::printf(
-      "fsdp_train %s rank %d/%d: loss %.5f -> %.5f; holds %.2f MB parameters, %.2f MB gradients, "
+      "fsdp_train %s (mesh %s) rank %d/%d: loss %.5f -> %.5f; holds %.2f MB parameters, %.2f MB "
+      "gradients, "
       "%.2f MB AdamW state; peak resident %.0f MB, peak address space %.0f MB, private "
       "writable %.0f MB\n",
-      f.mode.c_str(), comm.rank(), comm.size(), first, last, params / mb, grads / mb, state / mb,
-      status_mb("VmHWM"), status_mb("VmPeak"), status_mb("VmData"));
+      f.mode.c_str(), mesh.to_string().c_str(), mesh.rank(), mesh.size(), first, last, params / mb,
+      grads / mb, state / mb, status_mb("VmHWM"), status_mb("VmPeak"), status_mb("VmData"));
   std::fflush(stdout);
 }
 
 int run(const Flags& f) {
   torch::set_num_threads(1);
-  auto comm = cohort::init();
+  auto world = cohort::init();
   const bool fsdp = f.mode == "fsdp";
   if (!fsdp && f.mode != "ddp") throw cohort::InvalidArgument("--mode must be fsdp or ddp");
+  const int n = world->size();
+  if (f.replicate < 1 || n % f.replicate != 0 || (!fsdp && f.replicate != 1)) {
+    throw cohort::InvalidArgument("--replicate must divide the world size (" + std::to_string(n) +
+                                  ") and needs --mode fsdp");
+  }
+  // FSDP: 1-D ("shard") or HSDP's 2-D mesh; DDP: the replicas.
+  auto mesh = !fsdp              ? cohort::init_device_mesh(world, {n}, {"dp"})
+              : f.replicate == 1 ? cohort::init_device_mesh(world, {n}, {"shard"})
+                                 : cohort::init_device_mesh(world, {f.replicate, n / f.replicate},
+                                                            {"replicate", "shard"});
   torch::manual_seed(0);
   // FSDP: each block is sharded as soon as it is built, so the full model
   // never exists on a rank.
   torch::nn::Sequential blocks;
   for (int64_t l = 0; l < f.layers; ++l) {
     torch::nn::AnyModule linear(torch::nn::Linear(f.width, f.width));
-    blocks->push_back(fsdp ? torch::nn::AnyModule(cohort::fully_shard(linear, comm)) : linear);
+    blocks->push_back(fsdp ? torch::nn::AnyModule(cohort::fully_shard(linear, mesh)) : linear);
     blocks->push_back(torch::nn::Tanh());
   }
   cohort::FullyShard sharded{nullptr};
   std::unique_ptr<cohort::DistributedDataParallel<torch::nn::Sequential>> ddp;
   std::shared_ptr<torch::nn::Module> model;
   if (fsdp) {
-    sharded = cohort::fully_shard(blocks, comm);
+    sharded = cohort::fully_shard(blocks, mesh);
     model = sharded.ptr();
   } else {
-    ddp = std::make_unique<cohort::DistributedDataParallel<torch::nn::Sequential>>(blocks, comm);
+    ddp = std::make_unique<cohort::DistributedDataParallel<torch::nn::Sequential>>(blocks, mesh);
     model = blocks.ptr();
   }
   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(f.lr));
@@ -118,6 +136,7 @@ int run(const Flags& f) {
   config.max_steps = f.steps;
   config.epochs = f.steps;
   config.progress = false;
+  config.checkpoint_dir = f.checkpoint_dir;  // saved at the end of fit()
   cohort::Trainer trainer(
       fsdp ? cohort::TrainerWiring::fsdp(sharded, adamw) : cohort::TrainerWiring::ddp(*ddp, adamw),
       [&](const torch::data::Example<>& b) {
@@ -125,10 +144,10 @@ int run(const Flags& f) {
         return torch::mse_loss(out, b.target);
       },
       config);
-  FixedBatch data(f.width, f.batch, comm->rank());
+  FixedBatch data(f.width, f.batch, world->rank());
   const auto steps = trainer.fit(data);
   const double first = steps.front().loss, last = steps.back().loss;
-  report(*comm, f, *model, adamw, first, last);
+  report(mesh, f, *model, adamw, first, last);
   cohort::finalize();
   return steps.size() < 2 || last < first ? 0 : 1;
 }
@@ -144,6 +163,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", f.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", f.batch, "samples per rank and step")->check(CLI::PositiveNumber);
   app.add_option("--lr", f.lr, "AdamW learning rate");
+  app.add_option("--replicate", f.replicate, "HSDP: replica groups (FSDP within each)");
+  app.add_option("--checkpoint-dir", f.checkpoint_dir, "save a checkpoint there at the end");
   CLI11_PARSE(app, argc, argv);
   const char* rank = std::getenv("RANK");
   const std::string who = std::string("fsdp_train on rank ") + (rank ? rank : "0");

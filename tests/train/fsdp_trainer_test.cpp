@@ -1,7 +1,8 @@
 // The Trainer stepping a fully sharded model (ranks as threads, world 1 to
-// 3): with accumulation and clipping by the global norm over the shards it
-// takes the same steps as one process on the whole global batch (within
-// 1e-6 relative), reduce-scatters once per unit per step whatever the
+// 3, and HSDP at 2 x 2 and 3 x 2): with accumulation and clipping by the
+// global norm over the shards it takes the same steps as one process on the
+// whole global batch (within 1e-6 relative; the reported loss is the global
+// batch's), reduce-scatters once per unit per step whatever the
 // number of micro-batches, and a run stopped and resumed from its
 // distributed checkpoint is bitwise the uninterrupted one (every shard, buffer and
 // optimizer state), also when an evaluation forward left the root's own
@@ -12,9 +13,11 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "cohort/core/torch_compat.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/mesh/device_mesh.h"
 #include "cohort/train/trainer.h"
 #include "support/subprocess.h"
 #include "support/thread_ranks.h"
@@ -35,12 +38,20 @@ struct Case {
   int64_t accumulation;
   Opt opt;
   bool reshard_after_forward;
+  int replicate = 1;  // HSDP's replica groups (world / replicate ranks shard each unit)
 };
 
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return "world" + std::to_string(c.world) + "_k" + std::to_string(c.accumulation) +
-         (c.opt == Opt::AdamW ? "_adamw" : "_sgd") + (c.reshard_after_forward ? "" : "_keep");
+         (c.opt == Opt::AdamW ? "_adamw" : "_sgd") + (c.reshard_after_forward ? "" : "_keep") +
+         (c.replicate > 1 ? "_hsdp" + std::to_string(c.replicate) : "");
+}
+
+// Case c's mesh over the world: 1-D, or HSDP's replicate x shard.
+DeviceMesh mesh_of(const Case& c, const std::shared_ptr<Communicator>& world) {
+  if (c.replicate == 1) return DeviceMesh::from_group(world, "shard");
+  return init_device_mesh(world, {c.replicate, c.world / c.replicate}, {"replicate", "shard"});
 }
 
 double lr_of(Opt opt) { return opt == Opt::AdamW ? 1e-2 : 0.05; }
@@ -60,7 +71,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt,
 // other ranks an empty shard. With `comm` the first two Linears (and the
 // BatchNorm) are units and the last Linear is the root's own; `phase`
 // shifts every value (a resumed run must overwrite them).
-torch::nn::Sequential make_model(const std::shared_ptr<Communicator>& comm, bool batch_norm,
+torch::nn::Sequential make_model(const std::optional<DeviceMesh>& mesh, bool batch_norm,
                                  bool reshard_after_forward = true, double phase = 0) {
   torch::nn::Linear a(kIn, 7), b(7, 5), c(5, 1);
   torch::nn::BatchNorm1d bn(7);
@@ -77,7 +88,7 @@ torch::nn::Sequential make_model(const std::shared_ptr<Communicator>& comm, bool
   }
   FullyShardOptions options;
   options.reshard_after_forward = reshard_after_forward;
-  auto unit = [&](AnyModule m) { return comm ? AnyModule(FullyShard(m, comm, options)) : m; };
+  auto unit = [&](AnyModule m) { return mesh ? AnyModule(FullyShard(m, *mesh, options)) : m; };
   torch::nn::Sequential seq;
   seq->push_back(unit(AnyModule(a)));
   seq->push_back(torch::nn::Tanh());
@@ -121,20 +132,21 @@ using Named = std::map<std::string, torch::Tensor>;
 
 struct Reference {
   Named params;
-  std::vector<double> norms;
+  std::vector<double> norms, losses;
 };
 
 // One process, the whole global batch per step, clip_grad_norm_.
 Reference reference_run(const Case& c, const Data& data) {
-  auto model = make_model(nullptr, false);
+  auto model = make_model(std::nullopt, false);
   auto opt = make_optimizer(c.opt, model->parameters());
   Reference ref;
   const int64_t global = global_batch(c);
   for (int64_t s = 0; s < kSteps; ++s) {
     opt->zero_grad();
-    torch::mse_loss(model->forward(data.x.narrow(0, s * global, global)),
-                    data.y.narrow(0, s * global, global))
-        .backward();
+    auto loss = torch::mse_loss(model->forward(data.x.narrow(0, s * global, global)),
+                                data.y.narrow(0, s * global, global));
+    ref.losses.push_back(loss.item<double>());
+    loss.backward();
     ref.norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), kMaxNorm));
     opt->step();
   }
@@ -163,7 +175,8 @@ TEST_P(FsdpTrainer, MatchesOneProcessOnTheGlobalBatchWithClipping) {
     torch::set_num_threads(1);
     FullyShardOptions options;
     options.reshard_after_forward = c.reshard_after_forward;
-    auto model = fully_shard(make_model(comm, false, c.reshard_after_forward), comm, options);
+    const auto mesh = mesh_of(c, comm);
+    auto model = fully_shard(make_model(mesh, false, c.reshard_after_forward), mesh, options);
     auto opt = make_optimizer(c.opt, model->parameters());
     LossFn loss = [&](const torch::data::Example<>& b) {
       return torch::mse_loss(model->forward(b.data), b.target);
@@ -175,11 +188,15 @@ TEST_P(FsdpTrainer, MatchesOneProcessOnTheGlobalBatchWithClipping) {
       for (int64_t i = 0; i < c.accumulation; ++i) {
         batches.push_back(source.batch(s * c.accumulation + i));
       }
-      const auto before = comm->stats();
+      // The shard group's own count (under HSDP a subgroup of the world).
+      const auto& shard_group = *model->process_group();
+      const auto before = shard_group.stats();
       const auto m = trainer.train_step(batches);
-      const auto during = comm->stats().since(before);
+      const auto during = shard_group.stats().since(before);
       const double expected = ref.norms[static_cast<size_t>(s)];
       EXPECT_NEAR(m.grad_norm, expected, 1e-5 * expected) << "step " << s;
+      const double loss = ref.losses[static_cast<size_t>(s)];
+      EXPECT_NEAR(m.loss, loss, 1e-5 * loss) << "step " << s << " on rank " << comm->rank();
       EXPECT_TRUE(m.clipped) << "the test must exercise clipping";
       EXPECT_EQ(m.samples, global_batch(c));
       // Accumulation keeps the non-final micro-batches local: one
@@ -208,13 +225,13 @@ TEST_P(FsdpTrainer, MatchesOneProcessOnTheGlobalBatchWithClipping) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Trainer, FsdpTrainer,
-                         ::testing::Values(Case{1, 1, Opt::AdamW, true},
-                                           Case{2, 1, Opt::AdamW, true},
-                                           Case{3, 1, Opt::AdamW, true}, Case{2, 2, Opt::SGD, true},
-                                           Case{3, 2, Opt::AdamW, false},
-                                           Case{1, 3, Opt::SGD, false}),
-                         name_of);
+INSTANTIATE_TEST_SUITE_P(
+    Trainer, FsdpTrainer,
+    ::testing::Values(Case{1, 1, Opt::AdamW, true}, Case{2, 1, Opt::AdamW, true},
+                      Case{3, 1, Opt::AdamW, true}, Case{2, 2, Opt::SGD, true},
+                      Case{3, 2, Opt::AdamW, false}, Case{1, 3, Opt::SGD, false},
+                      Case{4, 1, Opt::AdamW, true, 2}, Case{6, 2, Opt::SGD, false, 3}),
+    name_of);
 
 // What one rank holds after a run: its shards, buffers and AdamW state.
 struct RankState {
@@ -235,8 +252,9 @@ RankState run_rank(const Job& job, const std::shared_ptr<Communicator>& comm, co
   const Case& c = job.c;
   FullyShardOptions options;
   options.reshard_after_forward = c.reshard_after_forward;
-  auto model = fully_shard(make_model(comm, true, c.reshard_after_forward, job.resume ? 0.5 : 0),
-                           comm, options);
+  const auto mesh = mesh_of(c, comm);
+  auto model = fully_shard(make_model(mesh, true, c.reshard_after_forward, job.resume ? 0.5 : 0),
+                           mesh, options);
   torch::optim::AdamW opt(model->parameters(),
                           torch::optim::AdamWOptions(lr_of(Opt::AdamW)).weight_decay(0.1));
   auto config = make_config(c);
@@ -347,13 +365,15 @@ TEST_P(FsdpTrainerResume, AsyncCheckpointsResumeLikeBlockingOnes) {
 INSTANTIATE_TEST_SUITE_P(Trainer, FsdpTrainerResume,
                          ::testing::Values(Case{1, 1, Opt::AdamW, true},
                                            Case{2, 2, Opt::AdamW, true},
-                                           Case{3, 1, Opt::AdamW, false}),
+                                           Case{3, 1, Opt::AdamW, false},
+                                           Case{4, 1, Opt::AdamW, true, 2}),
                          name_of);
 
 TEST(FsdpTrainerWiring, AnOptimizerOverOtherTensorsIsRefusedOnEveryRank) {
   testing::run_ranks_shared(2, [](std::shared_ptr<Communicator> comm) {
-    auto model = fully_shard(make_model(comm, false), comm);
-    auto other = make_model(nullptr, false);
+    const auto mesh = DeviceMesh::from_group(comm, "shard");
+    auto model = fully_shard(make_model(mesh, false), mesh);
+    auto other = make_model(std::nullopt, false);
     torch::optim::SGD opt(other->parameters(), 0.1);
     try {
       TrainerWiring::fsdp(model, opt);
