@@ -45,8 +45,6 @@
 #include "cohort/pipeline/pipeline_stage.h"
 #include "cohort/pipeline/schedule.h"
 #include "cohort/pipeline/schedule_memory.h"
-#include "cohort/pipeline/schedule_simulator.h"
-#include "cohort/pipeline/schedule_validator.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
 // Context parallelism.
@@ -56,7 +54,6 @@
 #include "cohort/expert_parallel/moe.h"
 // Distributed checkpoints.
 #include "cohort/dcp/async_save.h"
-#include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/dcp/metadata.h"
 #include "cohort/dcp/safetensors.h"

@@ -224,17 +224,17 @@ void choose_bind_address(ConnectOptions& co, const std::string& master_host, int
 
 }  // namespace
 
-std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
+std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int world_size,
                                       const ConnectOptions& options) {
-  if (size < 1 || rank < 0 || rank >= size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw InvalidArgument("cohort::connect: rank " + std::to_string(rank) +
-                          " is not in a world of " + std::to_string(size));
+                          " is not in a world of " + std::to_string(world_size));
   }
   // Before the job's model and data take the memory: a rank that later runs
   // out must fail, not spin in the BLAS (see blas_workspace.h).
   reserve_blas_workspace();
   store->set_timeout(options.timeout);
-  auto engine = create_engine(store, rank, size, options);
+  auto engine = create_engine(store, rank, world_size, options);
   return std::make_shared<Communicator>(std::move(engine), std::move(store), options);
 }
 

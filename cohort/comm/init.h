@@ -12,7 +12,8 @@
 #include <string>
 
 #include "cohort/comm/communicator.h"
-#include "cohort/comm/gloo/c10d_adapter.h"
+#include "cohort/comm/gloo/gloo_options.h"
+#include "cohort/core/store/store.h"
 
 namespace cohort {
 
@@ -26,8 +27,8 @@ struct ConnectOptions : CommunicatorOptions {
   GlooOptions gloo;
 };
 
-/// Builds a communicator of `size` ranks over `store`; every rank calls it.
-std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int size,
+/// Builds a communicator of `world_size` ranks over `store`; every rank calls it.
+std::shared_ptr<Communicator> connect(std::shared_ptr<Store> store, int rank, int world_size,
                                       const ConnectOptions& options = {});
 
 /// What init() reads from the environment unless set here.

@@ -18,7 +18,7 @@ std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring, std::shared_
                                        const TrainerOptions& config) {
   if (norm) {
     if (config.determinism == Determinism::WorldSizeInvariant) {
-      throw InvalidArgument("Trainer on rank " + std::to_string(wiring.communicator()->rank()) +
+      throw InvalidArgument("Trainer on rank " + std::to_string(wiring.process_group()->rank()) +
                             ": a GradNorm of one's own with determinism WorldSizeInvariant "
                             "(the norm is measured in the canonical order)");
     }
@@ -27,7 +27,7 @@ std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring, std::shared_
   // A pipeline's or a mesh's layout brings its own.
   if (wiring.layout().norm()) return wiring.layout().norm();
   if (wiring.optimizer().sharded_gradients()) {
-    return std::make_shared<ShardedGradNorm>(wiring.communicator());
+    return std::make_shared<ShardedGradNorm>(wiring.process_group());
   }
   return std::make_shared<ReplicatedGradNorm>();
 }
@@ -37,7 +37,7 @@ std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring, std::shared_
 Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerOptions config,
                  std::shared_ptr<GradNorm> norm)
     : wiring_(std::move(wiring)),
-      comm_(*wiring_.communicator()),
+      comm_(*wiring_.process_group()),
       model_(wiring_.model()),
       optimizer_(wiring_.optimizer()),
       sync_(wiring_.sync()),

@@ -174,7 +174,11 @@ class TrainerWiring {
   static TrainerWiring fsdp(FullyShard model, torch::optim::Optimizer& optimizer);
 
   /// The communicator every rank's trainer runs over.
-  const std::shared_ptr<Communicator>& communicator() const { return comm_; }
+  const std::shared_ptr<Communicator>& process_group() const { return comm_; }
+  /// The earlier name.
+  [[deprecated("use process_group()")]] const std::shared_ptr<Communicator>& communicator() const {
+    return comm_;
+  }
   /// The module whose parameters get the gradients.
   const std::shared_ptr<torch::nn::Module>& model() const { return model_; }
   /// The optimizer adapter.
@@ -193,7 +197,7 @@ class TrainerWiring {
   dcp::StateDict dcp_state_dict(const dcp::Metadata* for_load) const {
     return dcp_state_(for_load);
   }
-  /// Every communicator a step's traffic goes over, each once: communicator(), and under PP x DP
+  /// Every communicator a step's traffic goes over, each once: process_group(), and under PP x DP
   /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
   const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
   /// How the model is laid out over the ranks (trainer_layout.h): what the Trainer calls to run

@@ -17,7 +17,6 @@
 
 #include "cohort/cohort.h"
 #include "cohort/pipeline/pipeline_runtime.h"
-#include "cohort/pipeline/schedule_validator.h"
 #include "cohort/train/trainer.h"
 
 using namespace cohort::pipeline;

@@ -8,21 +8,11 @@
 #include <memory>
 #include <string>
 
+#include "cohort/comm/gloo/gloo_options.h"
 #include "cohort/core/engine.h"
 #include "cohort/core/store/store.h"
 
 namespace cohort {
-
-/// Where Gloo's transport listens (the timeout is the communicator's).
-struct GlooOptions {
-  /// Address Gloo's transport binds to: 127.0.0.1 for single-host jobs, the
-  /// interface that reaches the other hosts otherwise.
-  std::string bind_address = "127.0.0.1";
-  /// Network interface to bind instead of an address (GLOO_SOCKET_IFNAME).
-  std::string interface;
-  /// Gloo worker threads per group; operations of one group run in order.
-  int threads = 2;
-};
 
 /// Connects `size` ranks through `store` (a collective call: every rank calls
 /// it with the same store). Throws TimeoutError naming the missing ranks.
