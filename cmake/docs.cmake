@@ -25,4 +25,16 @@ add_custom_target(docs
 if(COHORT_BUILD_TESTS)
   add_test(NAME docs COMMAND ${DOXYGEN_EXECUTABLE} ${PROJECT_BINARY_DIR}/Doxyfile)
   set_tests_properties(docs PROPERTIES TIMEOUT 120)
+  # Its negative control: the same configuration over a planted public
+  # header whose type has no doc comment must fail, naming the type.
+  # (Doxygen passes over an undocumented type with no members at all.)
+  set(planted_dir ${PROJECT_BINARY_DIR}/docs_planted)
+  file(WRITE ${planted_dir}/cohort/planted.h
+       "#pragma once\nnamespace cohort {\nstruct PlantedUndocumented {\n  /// A member.\n  int x = 0;\n};\n}\n")
+  set(COHORT_DOXYGEN_INPUT "\"${planted_dir}/cohort/planted.h\"")
+  set(COHORT_DOXYGEN_OUTPUT ${planted_dir}/out)
+  configure_file(${PROJECT_SOURCE_DIR}/docs/Doxyfile.in ${planted_dir}/Doxyfile @ONLY)
+  add_test(NAME docs_fails_on_undocumented
+           COMMAND sh -c "! '${DOXYGEN_EXECUTABLE}' '${planted_dir}/Doxyfile' > '${planted_dir}/log' 2>&1 && grep 'PlantedUndocumented.*not documented' '${planted_dir}/log'")
+  set_tests_properties(docs_fails_on_undocumented PROPERTIES TIMEOUT 60)
 endif()
