@@ -4,24 +4,32 @@
 // Data-parallel training with DistributedDataParallel: every rank holds a
 // replica of the model and trains on its own shard of the data; backward
 // averages the gradients across ranks, so every replica takes the same step.
+// At the end the model and optimizer go to a distributed checkpoint, which
+// any other mode and world size can load (cohort/dcp/state_dict.h).
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <limits>
+#include <string>
 
 #include "cohort/cohort.h"
 
 int main(int argc, char** argv) {
   int steps = 30;
+  std::string dir = "/tmp/cohort-ddp-example";
   CLI::App app{"ddp_train: data-parallel training with DistributedDataParallel (cohortrun)"};
   app.option_defaults()->always_capture_default();
   app.add_option("--steps", steps, "optimizer steps")
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
+  app.add_option("--checkpoint-dir", dir, "where the checkpoint goes");
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
-    auto comm = cohort::init();
+    auto world = cohort::init();
+    // One dimension of replicas: DDP takes the mesh, data and checkpoints its group.
+    auto mesh = cohort::init_device_mesh(world, {world->size()}, {"dp"});
+    const auto& comm = mesh.process_group();
     const int rank = comm->rank();
 
     // The same data on every rank (seed 0, alike); each rank trains on the
@@ -41,8 +49,8 @@ int main(int argc, char** argv) {
     cohort::data::manual_seed(0, cohort::data::SeedScope::PerRank, *comm);
     torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                               torch::nn::Linear(16, 1));
-    cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
-    torch::optim::SGD opt(ddp.parameters(), torch::optim::SGDOptions(0.05));
+    cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, mesh);
+    torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.05));
 
     double first = 0, last = 0;
     for (int step = 0; step < steps; ++step) {
@@ -51,10 +59,10 @@ int main(int argc, char** argv) {
       // no_sync() (local only); the second one all-reduces the sum.
       const auto half = xs.size(0) / 2;
       {
-        auto guard = ddp.no_sync();
-        torch::mse_loss(ddp.forward(xs.slice(0, 0, half)), ys.slice(0, 0, half)).backward();
+        auto guard = ddp->no_sync();
+        torch::mse_loss(ddp->forward(xs.slice(0, 0, half)), ys.slice(0, 0, half)).backward();
       }
-      auto loss = torch::mse_loss(ddp.forward(xs.slice(0, half)), ys.slice(0, half));
+      auto loss = torch::mse_loss(ddp->forward(xs.slice(0, half)), ys.slice(0, half));
       loss.backward();
       opt.step();
       (step == 0 ? first : last) = loss.item<double>();
@@ -68,6 +76,8 @@ int main(int argc, char** argv) {
     min_op.op = cohort::ReduceOp::Min;
     comm->all_reduce(hi, max_op).wait();
     comm->all_reduce(lo, min_op).wait();
+    // Every rank saves its view; a replicated tensor is written once.
+    cohort::dcp::save(cohort::dcp::get_state_dict(ddp, opt), dir, *comm);
     const bool ok = torch::equal(hi, lo) && (steps < 2 || last < first);
     std::printf("ddp_train %s on rank %d of %d: loss %.4f -> %.4f, replicas identical: %s\n",
                 ok ? "ok" : "WRONG", rank, comm->size(), first, last,

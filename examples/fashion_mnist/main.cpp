@@ -6,7 +6,8 @@
 //
 // --fsdp trains the same network (as a Sequential, each layer with weights
 // a fully_shard unit) through TrainerWiring::fsdp: each rank holds 1/N of
-// the weights, gradients and AdamW state, and checkpoints are per rank.
+// the weights, gradients and AdamW state. Checkpoints are distributed (dcp)
+// in both modes, so they resume at any number of ranks.
 // Each rank reads Debian's dataset files, trains on its shard of every
 // global batch, and evaluates its slice of the test set; the correct counts
 // are summed over ranks. Rank 0 writes the metrics and draws the curves.
@@ -76,7 +77,10 @@ double test_accuracy(const Forward& forward, torch::nn::Module& net,
 
 int run(const Flags& flags) {
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) setenv("OPENBLAS_NUM_THREADS", "1", 0);
-  auto comm = cohort::init();
+  auto world = cohort::init();
+  // One dimension of data parallelism: DDP's replicas or FSDP's shards.
+  auto mesh = cohort::init_device_mesh(world, {world->size()}, {"dp"});
+  const auto& comm = mesh.process_group();
   // Ranks share the machine's cores: split them instead of oversubscribing.
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   torch::set_num_threads(static_cast<int>(std::max<unsigned>(1, cores / comm->size())));
@@ -105,7 +109,7 @@ int run(const Flags& flags) {
   std::optional<cohort::TrainerWiring> wiring;
   if (flags.fsdp) {
     auto sharded =
-        cohort::fully_shard(cohort::shard_blocks(fashion_mnist::make_sequential_net(), comm), comm);
+        cohort::fully_shard(cohort::shard_blocks(fashion_mnist::make_sequential_net(), mesh), mesh);
     adamw = std::make_unique<torch::optim::AdamW>(sharded->parameters(),
                                                   torch::optim::AdamWOptions(flags.lr));
     wiring.emplace(cohort::TrainerWiring::fsdp(sharded, *adamw));
@@ -118,7 +122,7 @@ int run(const Flags& flags) {
     ddp_options.compression.powersgd_rank = flags.powersgd_rank;
     ddp_options.compression.powersgd_min_compression_rate = flags.powersgd_min_compression_rate;
     ddp_options.compression.powersgd_start_iteration = flags.compression_start;
-    ddp = std::make_unique<cohort::DistributedDataParallel<fashion_mnist::Net>>(net, comm,
+    ddp = std::make_unique<cohort::DistributedDataParallel<fashion_mnist::Net>>(net, mesh,
                                                                                 ddp_options);
     adamw = std::make_unique<torch::optim::AdamW>(net->parameters(),
                                                   torch::optim::AdamWOptions(flags.lr));
@@ -216,8 +220,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--compression-start", f.compression_start,
                  "PowerSGD: steps averaged uncompressed before compression starts");
-  app.add_flag("--fsdp", f.fsdp,
-               "fully sharded data parallelism (fully_shard) instead of DDP; per-rank checkpoints");
+  app.add_flag("--fsdp", f.fsdp, "fully sharded data parallelism (fully_shard) instead of DDP");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(f);

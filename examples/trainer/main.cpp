@@ -27,7 +27,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
-    auto comm = cohort::init();
+    auto world = cohort::init();
+    auto mesh = cohort::init_device_mesh(world, {world->size()}, {"dp"});
+    const auto& comm = mesh.process_group();
     const char* restart = std::getenv("COHORT_RESTART_COUNT");  // set by cohortrun
     const bool first_attempt = restart == nullptr || std::string(restart) == "0";
 
@@ -36,8 +38,8 @@ int main(int argc, char** argv) {
     auto y = x.matmul(torch::randn({16, 3})).argmax(1);  // 3 classes
     torch::nn::Sequential net(torch::nn::Linear(16, 32), torch::nn::ReLU(),
                               torch::nn::Linear(32, 3));
-    cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
-    torch::optim::AdamW adamw(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
+    cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, mesh);
+    torch::optim::AdamW adamw(ddp->parameters(), torch::optim::AdamWOptions(1e-2));
 
     cohort::TrainerOptions config;
     config.accumulation_steps = 2;  // 2 micro-batches of 8 rows per rank and step
@@ -50,7 +52,7 @@ int main(int argc, char** argv) {
     cohort::Trainer trainer(
         cohort::TrainerWiring::ddp(ddp, adamw),
         [&](const torch::data::Example<>& b) {
-          return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+          return torch::nn::functional::cross_entropy(ddp->forward(b.data), b.target);
         },
         config);
     // Each rank reads its shard, reshuffled every epoch.

@@ -4,26 +4,32 @@
 // gradients of only its 1/N of the parameters. Backward reduce-scatters the
 // gradients into the shards (instead of DDP's all-reduce), each rank updates
 // its shard, and the updated parameters are all-gathered. The arithmetic is
-// that of DDP + AdamW, with 1/N of the optimizer's memory per rank.
+// that of DDP + AdamW, with 1/N of the optimizer's memory per rank. At the
+// end each rank saves its pieces of the AdamW state into one distributed
+// checkpoint, which loads into any other mode and world size.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <limits>
+#include <string>
 
 #include "cohort/cohort.h"
 
 int main(int argc, char** argv) {
   int steps = 20;
+  std::string dir = "/tmp/cohort-zero-example";
   CLI::App app{"zero_train: ZeRO stage 2 under DDP (cohortrun)"};
   app.option_defaults()->always_capture_default();
   app.add_option("--steps", steps, "optimizer steps")
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
+  app.add_option("--checkpoint-dir", dir, "where the checkpoint goes");
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
-    auto comm = cohort::init();
-    const int rank = comm->rank(), n = comm->size();
+    auto world = cohort::init();
+    auto mesh = cohort::init_device_mesh(world, {world->size()}, {"dp"});
+    const int rank = mesh.rank(), n = mesh.size();
 
     torch::manual_seed(0);
     auto x = torch::randn({128, 32});
@@ -33,7 +39,7 @@ int main(int argc, char** argv) {
 
     torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(),
                               torch::nn::Linear(64, 4));
-    cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+    cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, mesh);
     // The options of a C++17 aggregate are set field by field.
     cohort::ZeroOptions zero_options;
     zero_options.stage = 2;
@@ -45,7 +51,7 @@ int main(int argc, char** argv) {
     double first = 0, last = 0;
     for (int step = 0; step < steps; ++step) {
       zero->zero_grad();
-      auto loss = torch::mse_loss(ddp.forward(xs), ys);
+      auto loss = torch::mse_loss(ddp->forward(xs), ys);
       loss.backward();  // reduce-scatters buckets into the shards as they fill
       zero->step();     // updates this rank's shard, all-gathers the parameters
       (step == 0 ? first : last) = loss.item<double>();
@@ -56,6 +62,7 @@ int main(int argc, char** argv) {
     int64_t param_bytes = 0;
     for (const auto& p : net->parameters()) param_bytes += p.numel() * p.element_size();
     const double share = zero->state_bytes() / (2.0 * param_bytes);
+    cohort::dcp::save(cohort::dcp::get_state_dict(ddp, *zero), dir, *mesh.process_group());
     const bool ok = (steps < 2 || last < first) && share < 1.0 / n + 0.05;
     std::printf("zero_train %s on rank %d: loss %.4f -> %.4f, optimizer state %.2f of AdamW's\n",
                 ok ? "ok" : "WRONG", rank, first, last, share);
