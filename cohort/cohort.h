@@ -66,6 +66,7 @@
 #include "cohort/train/mesh_wiring.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"
+#include "cohort/train/sampled_data_source.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "cohort/train/trainer_adapters.h"

@@ -277,7 +277,10 @@ TEST(HSDPMemory, ARanksParametersGradientsAndStateAreTheShardGroupsFSDPsToTheByt
       // few words per rank of the whole mesh, and the all-reduce across the
       // replicas stages its shard, so they grow by tens to hundreds of bytes.
       EXPECT_GT(b.params, 0);
-      if (rank == 0) std::printf("[measured] %d x %d: %s\n", replicate, shard, describe(b).c_str());
+      if (rank == 0) {
+        std::printf("[measured] %d x %d rank 0: HSDP %s; FSDP %s\n", replicate, shard,
+                    describe(b).c_str(), describe(want).c_str());
+      }
     }
   }
 }

@@ -1,0 +1,44 @@
+// defines: SampledDataSource, the Trainer's DataSource over in-memory tensors
+// dealt by a data::DistributedSampler: each rank gets what PyTorch's
+// DistributedSampler gives it (elements r, r + n, ... of the epoch's
+// order, padded or cut by drop_last), reshuffled by the sampler every epoch.
+//
+// For programs ported from PyTorch that deal with DistributedSampler.
+// TensorDataSource deals whole micro-batches of one global order instead,
+// which resumes at another world size; this one resumes at its own only.
+#pragma once
+
+#include <torch/types.h>
+
+#include <vector>
+
+#include "cohort/data/distributed_sampler.h"
+#include "cohort/train/data_source.h"
+
+namespace cohort {
+
+/// A DataSource over data[i], targets[i] through `sampler` (file comment):
+/// micro-batch k of an epoch is this rank's sampled indices [k * micro_batch,
+/// (k + 1) * micro_batch); a last incomplete micro-batch is left out.
+class SampledDataSource : public DataSource {
+ public:
+  /// InvalidArgument when data and targets differ in length, micro_batch < 1,
+  /// or the sampler deals an index past the data.
+  SampledDataSource(torch::Tensor data, torch::Tensor targets, int64_t micro_batch,
+                    data::DistributedSampler sampler);
+  /// Sets the sampler's epoch (and its copies') and draws this rank's indices.
+  void set_epoch(int64_t epoch) override;
+  int64_t num_batches() const override;
+  torch::data::Example<> batch(int64_t index) override;
+  /// The sampler this source deals with.
+  const data::DistributedSampler& sampler() const { return sampler_; }
+
+ private:
+  torch::Tensor data_;
+  torch::Tensor targets_;
+  int64_t micro_batch_;
+  data::DistributedSampler sampler_;
+  torch::Tensor indices_;  ///< this rank's, for the current epoch
+};
+
+}  // namespace cohort
