@@ -79,22 +79,12 @@ class FusedDistributedOptimizer {
                                   one_dimension_group(mesh, "FusedDistributedOptimizer", "dp"),
                                   options, fused) {}
   /// The earlier order, kept for programs written against it.
-  [[deprecated(
-      "use FusedDistributedOptimizer(params, comm, options, fused)")]] FusedDistributedOptimizer(std::
-                                                                                                     vector<
-                                                                                                         torch::
-                                                                                                             Tensor>
-                                                                                                         params,
-                                                                                                 torch::optim::
-                                                                                                     AdamWOptions
-                                                                                                         options,
-                                                                                                 std::shared_ptr<
-                                                                                                     Communicator>
-                                                                                                     comm,
-                                                                                                 FusedOptions
-                                                                                                     fused =
-                                                                                                         {})
+  // clang-format off
+  [[deprecated("use FusedDistributedOptimizer(params, comm, options, fused)")]]
+  FusedDistributedOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options,
+                            std::shared_ptr<Communicator> comm, FusedOptions fused = {})
       : FusedDistributedOptimizer(std::move(params), std::move(comm), options, fused) {}
+  // clang-format on
   /// Removes the gradient hooks from the parameters.
   ~FusedDistributedOptimizer();
   /// The hooks hold this object's address.
