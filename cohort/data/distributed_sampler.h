@@ -73,6 +73,8 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   /// The epoch set last (0 at first).
   int64_t epoch() const;
 
+  /// The number of samples it deals from (the dataset's size).
+  size_t dataset_size() const { return size_; }
   /// The samples this rank gets per epoch (PyTorch's len(sampler)).
   size_t num_samples() const;
   /// num_samples() times num_replicas: the padded or cut epoch.

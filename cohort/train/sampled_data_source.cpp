@@ -20,14 +20,14 @@ SampledDataSource::SampledDataSource(torch::Tensor data, torch::Tensor targets, 
     throw InvalidArgument("SampledDataSource: micro-batch size must be positive, got " +
                           std::to_string(micro_batch_));
   }
-  set_epoch(sampler_.epoch());
-  // Every index drawn must be a sample: a sampler over more samples would
-  // read past the data (index_select would say so only at the first batch).
-  if (indices_.numel() > 0 && indices_.max().item<int64_t>() >= data_.size(0)) {
-    throw InvalidArgument("SampledDataSource: the sampler deals " +
-                          std::to_string(indices_.max().item<int64_t>() + 1) +
-                          " or more samples but the data has " + std::to_string(data_.size(0)));
+  // A sampler over more samples would read past the data, one over fewer
+  // would never deal the rest.
+  if (static_cast<int64_t>(sampler_.dataset_size()) != data_.size(0)) {
+    throw InvalidArgument("SampledDataSource: the sampler deals from " +
+                          std::to_string(sampler_.dataset_size()) + " samples but the data has " +
+                          std::to_string(data_.size(0)));
   }
+  set_epoch(sampler_.epoch());
 }
 
 void SampledDataSource::set_epoch(int64_t epoch) {

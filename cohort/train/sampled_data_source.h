@@ -23,7 +23,7 @@ namespace cohort {
 class SampledDataSource : public DataSource {
  public:
   /// InvalidArgument when data and targets differ in length, micro_batch < 1,
-  /// or the sampler deals an index past the data.
+  /// or the sampler was made for another number of samples.
   SampledDataSource(torch::Tensor data, torch::Tensor targets, int64_t micro_batch,
                     data::DistributedSampler sampler);
   /// Sets the sampler's epoch (and its copies') and draws this rank's indices.

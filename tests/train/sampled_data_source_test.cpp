@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "cohort/train/trainer.h"
@@ -100,13 +101,22 @@ TEST(SampledDataSource, ARemainderIsPaddedOrDropped) {
   }
 }
 
-TEST(SampledDataSource, ASamplerPastTheDataIsRefused) {
+TEST(SampledDataSource, ASamplerOfAnotherSizeIsRefused) {
   data::DistributedSamplerOptions deal;
   deal.num_replicas = 1;
   deal.rank = 0;
-  EXPECT_THROW(SampledDataSource(torch::zeros({4, 1}), torch::zeros({4, 1}), 1,
-                                 data::DistributedSampler(8, deal)),
-               InvalidArgument);
+  for (size_t size : {3u, 8u}) {
+    try {
+      SampledDataSource(torch::zeros({4, 1}), torch::zeros({4, 1}), 1,
+                        data::DistributedSampler(size, deal));
+      ADD_FAILURE() << "no error for a sampler of " << size;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("deals from " + std::to_string(size) +
+                                           " samples but the data has 4"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 }  // namespace
