@@ -2,6 +2,7 @@
 // started here directly (not by cohortrun, which would tear the survivors
 // down before they could report). The contract across processes is
 // tests/contract (contract_processes_*).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -14,16 +15,20 @@
 namespace cohort::testing::process_test {
 namespace {
 
-uint16_t free_port() {
-  auto s = net::listen_on("127.0.0.1", 0);
-  return net::local_port(s);
+void set_inheritable(int fd, bool inheritable) {
+  const int flags = ::fcntl(fd, F_GETFD);
+  ::fcntl(fd, F_SETFD, inheritable ? flags & ~FD_CLOEXEC : flags | FD_CLOEXEC);
 }
 
 // Starts `world` ranks of `argv` with the torchrun environment (and `env`).
+// Rank 0 serves the store on a socket this process opened (COHORT_STORE_FD,
+// as cohortrun does), so a test running beside this one cannot take the
+// port between the pick and rank 0's start.
 std::vector<std::unique_ptr<Subprocess>> start_ranks(const std::vector<std::string>& argv,
                                                      int world,
                                                      const std::vector<std::string>& env = {}) {
-  const auto port = std::to_string(free_port());
+  auto listener = net::listen_on("127.0.0.1", 0);
+  const auto port = std::to_string(net::local_port(listener));
   std::vector<std::unique_ptr<Subprocess>> ranks;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> e{"RANK=" + std::to_string(r),
@@ -34,9 +39,13 @@ std::vector<std::unique_ptr<Subprocess>> start_ranks(const std::vector<std::stri
                                "MASTER_PORT=" + port,
                                "COHORT_TIMEOUT=20",
                                "OPENBLAS_NUM_THREADS=1"};
+    if (r == 0) e.push_back("COHORT_STORE_FD=" + std::to_string(listener.fd()));
     e.insert(e.end(), env.begin(), env.end());
+    // Only rank 0 inherits the listener (the process tests run one at a time).
+    set_inheritable(listener.fd(), r == 0);
     ranks.push_back(std::make_unique<Subprocess>(argv, e));
   }
+  set_inheritable(listener.fd(), false);
   return ranks;
 }
 
@@ -158,7 +167,10 @@ TEST_P(StoppedRanks, SurvivorsNameThem) {
   EXPECT_LT(Clock::now() - start, Seconds(45));
   for (int r : c.stopped) {
     ::kill(ranks[r]->pid(), SIGKILL);
-    EXPECT_EQ(ranks[r]->finish(Seconds(10)).exit_code, 128 + SIGKILL);
+    // A stopped rank that exited instead says why (once under load: an error
+    // in init() before it reached its stop).
+    const auto result = ranks[r]->finish(Seconds(10));
+    EXPECT_EQ(result.exit_code, 128 + SIGKILL) << "rank " << r << ":\n" << result.out << result.err;
   }
 }
 
