@@ -3,6 +3,7 @@
 #include <string>
 
 #include "cohort/core/error.h"
+#include "cohort/train/tensor_data_source.h"
 
 namespace cohort {
 
@@ -12,14 +13,7 @@ SampledDataSource::SampledDataSource(torch::Tensor data, torch::Tensor targets, 
       targets_(std::move(targets)),
       micro_batch_(micro_batch),
       sampler_(std::move(sampler)) {
-  if (data_.size(0) != targets_.size(0)) {
-    throw InvalidArgument("SampledDataSource: " + std::to_string(data_.size(0)) + " samples but " +
-                          std::to_string(targets_.size(0)) + " targets");
-  }
-  if (micro_batch_ < 1) {
-    throw InvalidArgument("SampledDataSource: micro-batch size must be positive, got " +
-                          std::to_string(micro_batch_));
-  }
+  detail::check_samples(data_, targets_, micro_batch_, "SampledDataSource");
   // A sampler over more samples would read past the data, one over fewer
   // would never deal the rest.
   if (static_cast<int64_t>(sampler_.dataset_size()) != data_.size(0)) {
@@ -39,12 +33,8 @@ void SampledDataSource::set_epoch(int64_t epoch) {
 int64_t SampledDataSource::num_batches() const { return indices_.numel() / micro_batch_; }
 
 torch::data::Example<> SampledDataSource::batch(int64_t index) {
-  if (index < 0 || index >= num_batches()) {
-    throw InvalidArgument("SampledDataSource: batch " + std::to_string(index) + " of " +
-                          std::to_string(num_batches()));
-  }
-  auto rows = indices_.narrow(0, index * micro_batch_, micro_batch_);
-  return {data_.index_select(0, rows), targets_.index_select(0, rows)};
+  return detail::micro_batch_of(data_, targets_, indices_, micro_batch_, index,
+                                "SampledDataSource");
 }
 
 }  // namespace cohort

@@ -21,14 +21,7 @@ TensorDataSource::TensorDataSource(torch::Tensor data, torch::Tensor targets, in
     throw InvalidArgument("TensorDataSource: rank " + std::to_string(rank_) +
                           " is out of range for world size " + std::to_string(world_size_));
   }
-  if (data_.size(0) != targets_.size(0)) {
-    throw InvalidArgument("TensorDataSource: " + std::to_string(data_.size(0)) + " samples but " +
-                          std::to_string(targets_.size(0)) + " targets");
-  }
-  if (micro_batch_ < 1) {
-    throw InvalidArgument("TensorDataSource: micro-batch size must be positive, got " +
-                          std::to_string(micro_batch_));
-  }
+  detail::check_samples(data_, targets_, micro_batch_, "TensorDataSource");
   set_epoch(0);
 }
 
@@ -59,12 +52,35 @@ void TensorDataSource::set_epoch(int64_t epoch) {
 int64_t TensorDataSource::num_batches() const { return indices_.numel() / micro_batch_; }
 
 torch::data::Example<> TensorDataSource::batch(int64_t index) {
-  if (index < 0 || index >= num_batches()) {
-    throw InvalidArgument("TensorDataSource: batch " + std::to_string(index) + " of " +
-                          std::to_string(num_batches()));
-  }
-  auto rows = indices_.narrow(0, index * micro_batch_, micro_batch_);
-  return {data_.index_select(0, rows), targets_.index_select(0, rows)};
+  return detail::micro_batch_of(data_, targets_, indices_, micro_batch_, index, "TensorDataSource");
 }
+
+namespace detail {
+
+void check_samples(const torch::Tensor& data, const torch::Tensor& targets, int64_t micro_batch,
+                   const char* source) {
+  if (data.size(0) != targets.size(0)) {
+    throw InvalidArgument(std::string(source) + ": " + std::to_string(data.size(0)) +
+                          " samples but " + std::to_string(targets.size(0)) + " targets");
+  }
+  if (micro_batch < 1) {
+    throw InvalidArgument(std::string(source) + ": micro-batch size must be positive, got " +
+                          std::to_string(micro_batch));
+  }
+}
+
+torch::data::Example<> micro_batch_of(const torch::Tensor& data, const torch::Tensor& targets,
+                                      const torch::Tensor& indices, int64_t micro_batch,
+                                      int64_t index, const char* source) {
+  const int64_t batches = indices.numel() / micro_batch;
+  if (index < 0 || index >= batches) {
+    throw InvalidArgument(std::string(source) + ": batch " + std::to_string(index) + " of " +
+                          std::to_string(batches));
+  }
+  auto rows = indices.narrow(0, index * micro_batch, micro_batch);
+  return {data.index_select(0, rows), targets.index_select(0, rows)};
+}
+
+}  // namespace detail
 
 }  // namespace cohort

@@ -35,4 +35,19 @@ class TensorDataSource : public DataSource {
   torch::Tensor indices_;  ///< this rank's sample order for the current epoch
 };
 
+namespace detail {
+
+/// InvalidArgument naming `source` unless data and targets have as many
+/// samples and micro_batch is positive.
+void check_samples(const torch::Tensor& data, const torch::Tensor& targets, int64_t micro_batch,
+                   const char* source);
+
+/// Micro-batch `index` of `indices`, `micro_batch` rows of data and targets
+/// each; InvalidArgument naming `source` when it is not one of the epoch's.
+torch::data::Example<> micro_batch_of(const torch::Tensor& data, const torch::Tensor& targets,
+                                      const torch::Tensor& indices, int64_t micro_batch,
+                                      int64_t index, const char* source);
+
+}  // namespace detail
+
 }  // namespace cohort
