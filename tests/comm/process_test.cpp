@@ -7,7 +7,9 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "cohort/core/store/socket.h"
 #include "support/subprocess.h"
@@ -241,16 +243,21 @@ TEST(ProcessFailure, OutOfDescriptorsIsNamedOnEveryRank) {
 // find its own rank already claimed there, or lose the connection when that
 // store closes). 150 cycles take 5-8 s per case here; before finalize()
 // waited for the old store to close, UCX failed within 100 (cycles 15-55).
+// COHORT_INIT_LOOP_CYCLES sets the count for a longer soak (1,000: about
+// 60 s for Gloo at world 3).
 class InitFinalizeLoop : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(InitFinalizeLoop, EveryCycleConnectsAndReduces) {
   const auto& [backend, world] = GetParam();
-  auto results = run_ranks_as_processes({INIT_LOOP_BIN, "150"}, world, Seconds(200),
+  const char* env_cycles = std::getenv("COHORT_INIT_LOOP_CYCLES");
+  const std::string cycles = env_cycles ? env_cycles : "150";
+  auto results = run_ranks_as_processes({INIT_LOOP_BIN, cycles}, world,
+                                        Seconds(200 + 2 * std::stoi(cycles)),
                                         {"COHORT_BACKEND=" + backend});
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ":\n" << results[r].err;
   }
-  EXPECT_NE(results[0].out.find("cycles 150 in"), std::string::npos) << results[0].out;
+  EXPECT_NE(results[0].out.find("cycles " + cycles + " in"), std::string::npos) << results[0].out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, InitFinalizeLoop,
