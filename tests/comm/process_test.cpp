@@ -251,9 +251,9 @@ TEST_P(InitFinalizeLoop, EveryCycleConnectsAndReduces) {
   const auto& [backend, world] = GetParam();
   const char* env_cycles = std::getenv("COHORT_INIT_LOOP_CYCLES");
   const std::string cycles = env_cycles ? env_cycles : "150";
-  auto results = run_ranks_as_processes({INIT_LOOP_BIN, cycles}, world,
-                                        Seconds(200 + 2 * std::stoi(cycles)),
-                                        {"COHORT_BACKEND=" + backend});
+  auto results =
+      run_ranks_as_processes({INIT_LOOP_BIN, cycles}, world, Seconds(200 + 2 * std::stoi(cycles)),
+                             {"COHORT_BACKEND=" + backend});
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ":\n" << results[r].err;
   }
