@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/train/progress.h"
 
@@ -174,6 +175,7 @@ double Trainer::comm_seconds() const {
 std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {
   const int64_t k = config_.accumulation_steps;
   data.set_epoch(position_.epoch);
+  agree_on_epoch(data);
   if (resumed_) continue_epoch_order(data);
   const int64_t g = data.global_micro_batch();
   const int64_t steps_per_epoch = data.num_batches() / k;
@@ -212,7 +214,10 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
       ++position_.epoch;
       position_.batch = 0;
       position_.epoch_samples = 0;
-      if (position_.epoch < config_.epochs) data.set_epoch(position_.epoch);
+      if (position_.epoch < config_.epochs) {
+        data.set_epoch(position_.epoch);
+        agree_on_epoch(data);
+      }
       epoch_start = std::chrono::steady_clock::now();
     }
     if (config_.checkpoint_every > 0 && position_.step % config_.checkpoint_every == 0) {
@@ -223,6 +228,19 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   if (last_checkpoint_step_ != position_.step) save_checkpoint();
   finish_pending_checkpoint();
   return out;
+}
+
+void Trainer::agree_on_epoch(const DataSource& data) {
+  // Every rank steps together: a rank with fewer micro-batches, another
+  // accumulation or another step limit would leave the loop while the
+  // others wait in their next step's collectives until the timeout.
+  const std::string mine =
+      "epoch " + std::to_string(position_.epoch) + ": " + std::to_string(data.num_batches()) +
+      " micro-batches (global " + std::to_string(data.global_micro_batch()) + "), accumulation " +
+      std::to_string(config_.accumulation_steps) + ", epochs " + std::to_string(config_.epochs) +
+      ", max_steps " + std::to_string(config_.max_steps);
+  agree_text(comm_, mine, "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ",
+             "the data source's micro-batches or the training length");
 }
 
 void Trainer::continue_epoch_order(const DataSource& data) {

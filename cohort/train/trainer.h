@@ -221,6 +221,9 @@ class Trainer {
   void check_sync_state(const dcp::Metadata& meta, int64_t old_world,
                         const std::string& folder) const;
   void continue_epoch_order(const DataSource& data);
+  /// Collective: throws on every rank unless all have the same micro-batches
+  /// this epoch and the same accumulation, epochs and max_steps.
+  void agree_on_epoch(const DataSource& data);
   void write_main_file(int64_t step, const std::string& payload);
   void finish_pending_checkpoint();
 

@@ -11,11 +11,13 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "support/thread_ranks.h"
 
@@ -115,6 +117,55 @@ TEST(SampledDataSource, ASamplerOfAnotherSizeIsRefused) {
                                            " samples but the data has 4"),
                 std::string::npos)
           << e.what();
+    }
+  }
+}
+
+// Careless input on one rank: a data source over other data (fewer
+// micro-batches an epoch) or another step limit. Every rank must fail at
+// once, naming each group of ranks, rather than one leaving the loop early
+// and the others waiting in their next step until the timeout.
+TEST(TrainerData, RanksThatDisagreeOnTheEpochFailTogether) {
+  for (const std::string odd : {"samples", "max_steps"}) {
+    const int world = 3;
+    std::vector<std::string> errors(world);
+    const auto start = std::chrono::steady_clock::now();
+    testing::run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+      torch::set_num_threads(1);
+      const bool is_odd = comm->rank() == 1;
+      const int64_t n = odd == "samples" && is_odd ? 18 : 24;
+      TensorDataSource source(torch::zeros({n, 1}), torch::zeros({n, 1}), 2, comm->rank(), world);
+      auto model = std::make_shared<torch::nn::LinearImpl>(1, 1);
+      torch::optim::SGD opt(model->parameters(), 0.01);
+      TrainerOptions config;
+      config.progress = false;
+      config.max_steps = odd == "max_steps" && is_odd ? 2 : 3;
+      Trainer trainer(
+          TrainerWiring::all_reduce(comm, model, opt),
+          [&](const torch::data::Example<>& b) {
+            return torch::mse_loss(model->forward(b.data), b.target);
+          },
+          config);
+      try {
+        trainer.fit(source);
+      } catch (const InvalidArgument& e) {
+        errors[static_cast<size_t>(comm->rank())] = e.what();
+      }
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << odd;
+    const std::string groups = odd == "samples"
+                                   ? "epoch 0: 3 micro-batches"
+                                   : "epoch 0: 4 micro-batches (global 6), accumulation 1, "
+                                     "epochs 1, max_steps 2";
+    for (int r = 0; r < world; ++r) {
+      const auto& e = errors[static_cast<size_t>(r)];
+      EXPECT_NE(e.find("Trainer::fit on rank " + std::to_string(r) +
+                       ": ranks disagree on the data source's micro-batches or the training "
+                       "length"),
+                std::string::npos)
+          << odd << ", rank " << r << ": " << e;
+      EXPECT_NE(e.find("rank 1: " + groups), std::string::npos) << odd << ": " << e;
+      EXPECT_NE(e.find("ranks 0, 2: "), std::string::npos) << odd << ": " << e;
     }
   }
 }
