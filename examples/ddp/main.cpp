@@ -8,22 +8,18 @@
 // any other mode and world size can load (cohort/dcp/state_dict.h).
 #include <torch/torch.h>
 
-#include <CLI/CLI.hpp>
 #include <cstdio>
-#include <limits>
 #include <string>
 
+#include "../common/train_args.h"
 #include "cohort/cohort.h"
 
 int main(int argc, char** argv) {
-  int steps = 30;
-  std::string dir = "/tmp/cohort-ddp-example";
-  CLI::App app{"ddp_train: data-parallel training with DistributedDataParallel (cohortrun)"};
-  app.option_defaults()->always_capture_default();
-  app.add_option("--steps", steps, "optimizer steps")
-      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
-  app.add_option("--checkpoint-dir", dir, "where the checkpoint goes");
-  CLI11_PARSE(app, argc, argv);
+  cohort_examples::TrainArgs args{30, "/tmp/cohort-ddp-example"};
+  if (auto code = cohort_examples::parse_train_args(
+          argc, argv, "ddp_train: data-parallel training with DistributedDataParallel (cohortrun)",
+          args))
+    return *code;
   try {
     torch::set_num_threads(1);
     auto world = cohort::init();
@@ -53,7 +49,7 @@ int main(int argc, char** argv) {
     torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.05));
 
     double first = 0, last = 0;
-    for (int step = 0; step < steps; ++step) {
+    for (int step = 0; step < args.steps; ++step) {
       opt.zero_grad();
       // Gradient accumulation: the first half-batch's backward runs under
       // no_sync() (local only); the second one all-reduces the sum.
@@ -77,8 +73,8 @@ int main(int argc, char** argv) {
     comm->all_reduce(hi, max_op).wait();
     comm->all_reduce(lo, min_op).wait();
     // Every rank saves its view; a replicated tensor is written once.
-    cohort::dcp::save(cohort::dcp::get_state_dict(ddp, opt), dir, *comm);
-    const bool ok = torch::equal(hi, lo) && (steps < 2 || last < first);
+    cohort::dcp::save(cohort::dcp::get_state_dict(ddp, opt), args.checkpoint_dir, *comm);
+    const bool ok = torch::equal(hi, lo) && (args.steps < 2 || last < first);
     std::printf("ddp_train %s on rank %d of %d: loss %.4f -> %.4f, replicas identical: %s\n",
                 ok ? "ok" : "WRONG", rank, comm->size(), first, last,
                 torch::equal(hi, lo) ? "yes" : "no");

@@ -9,11 +9,10 @@
 // LibTorch MLP, whose output must match the sharded model's.
 #include <torch/torch.h>
 
-#include <CLI/CLI.hpp>
 #include <cstdio>
-#include <limits>
 #include <string>
 
+#include "../common/train_args.h"
 #include "cohort/cohort.h"
 
 namespace {
@@ -87,16 +86,12 @@ int run(int steps, const std::string& dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int steps = 20;
-  std::string dir = "/tmp/cohort-tp-example";
-  CLI::App app{"tp_train: a tensor-parallel MLP (cohortrun)"};
-  app.option_defaults()->always_capture_default();
-  app.add_option("--steps", steps, "optimizer steps")
-      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
-  app.add_option("--checkpoint-dir", dir, "where the checkpoint goes");
-  CLI11_PARSE(app, argc, argv);
+  cohort_examples::TrainArgs args{20, "/tmp/cohort-tp-example"};
+  if (auto code = cohort_examples::parse_train_args(
+          argc, argv, "tp_train: a tensor-parallel MLP (cohortrun)", args))
+    return *code;
   try {
-    return run(steps, dir);
+    return run(args.steps, args.checkpoint_dir);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tp_train: %s\n", e.what());
     return 1;

@@ -9,22 +9,17 @@
 // checkpoint, which loads into any other mode and world size.
 #include <torch/torch.h>
 
-#include <CLI/CLI.hpp>
 #include <cstdio>
-#include <limits>
 #include <string>
 
+#include "../common/train_args.h"
 #include "cohort/cohort.h"
 
 int main(int argc, char** argv) {
-  int steps = 20;
-  std::string dir = "/tmp/cohort-zero-example";
-  CLI::App app{"zero_train: ZeRO stage 2 under DDP (cohortrun)"};
-  app.option_defaults()->always_capture_default();
-  app.add_option("--steps", steps, "optimizer steps")
-      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
-  app.add_option("--checkpoint-dir", dir, "where the checkpoint goes");
-  CLI11_PARSE(app, argc, argv);
+  cohort_examples::TrainArgs args{20, "/tmp/cohort-zero-example"};
+  if (auto code = cohort_examples::parse_train_args(
+          argc, argv, "zero_train: ZeRO stage 2 under DDP (cohortrun)", args))
+    return *code;
   try {
     torch::set_num_threads(1);
     auto world = cohort::init();
@@ -49,7 +44,7 @@ int main(int argc, char** argv) {
         ddp, torch::optim::AdamWOptions(1e-2), zero_options);
 
     double first = 0, last = 0;
-    for (int step = 0; step < steps; ++step) {
+    for (int step = 0; step < args.steps; ++step) {
       zero->zero_grad();
       auto loss = torch::mse_loss(ddp->forward(xs), ys);
       loss.backward();  // reduce-scatters buckets into the shards as they fill
@@ -62,8 +57,9 @@ int main(int argc, char** argv) {
     int64_t param_bytes = 0;
     for (const auto& p : net->parameters()) param_bytes += p.numel() * p.element_size();
     const double share = zero->state_bytes() / (2.0 * param_bytes);
-    cohort::dcp::save(cohort::dcp::get_state_dict(ddp, *zero), dir, *mesh.process_group());
-    const bool ok = (steps < 2 || last < first) && share < 1.0 / n + 0.05;
+    cohort::dcp::save(cohort::dcp::get_state_dict(ddp, *zero), args.checkpoint_dir,
+                      *mesh.process_group());
+    const bool ok = (args.steps < 2 || last < first) && share < 1.0 / n + 0.05;
     std::printf("zero_train %s on rank %d: loss %.4f -> %.4f, optimizer state %.2f of AdamW's\n",
                 ok ? "ok" : "WRONG", rank, first, last, share);
     cohort::finalize();
