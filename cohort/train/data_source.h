@@ -19,7 +19,7 @@ class DataSource {
   /// Prepares `epoch` (e.g. reshuffles). Same epoch, same order.
   virtual void set_epoch(int64_t epoch) = 0;
   /// Micro-batches this rank has in the current epoch; must be the same on
-  /// every rank (all ranks step together).
+  /// every rank (all ranks step together; Trainer::fit checks it).
   virtual int64_t num_batches() const = 0;
   /// Micro-batch `index` (0 <= index < num_batches()) of the current epoch.
   virtual torch::data::Example<> batch(int64_t index) = 0;
