@@ -82,10 +82,26 @@ TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
   return wiring;
 }
 
+TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
+                                      torch::optim::Optimizer& optimizer, const DeviceMesh& mesh) {
+  if (runtime.process_group() != mesh["pp"].process_group()) {
+    throw InvalidArgument("TrainerWiring::pipeline on rank " + std::to_string(mesh.rank()) +
+                          ": the pipeline runtime must run over the mesh's PP group");
+  }
+  return pipeline_over(mesh.process_group(), runtime, optimizer, mesh["dp"].process_group());
+}
+
 TrainerWiring TrainerWiring::pipeline(std::shared_ptr<Communicator> world,
                                       pipeline::PipelineRuntime& runtime,
                                       torch::optim::Optimizer& optimizer,
                                       std::shared_ptr<Communicator> dp_group) {
+  return pipeline_over(std::move(world), runtime, optimizer, std::move(dp_group));
+}
+
+TrainerWiring TrainerWiring::pipeline_over(std::shared_ptr<Communicator> world,
+                                           pipeline::PipelineRuntime& runtime,
+                                           torch::optim::Optimizer& optimizer,
+                                           std::shared_ptr<Communicator> dp_group) {
   if (!world || !dp_group) {
     throw InvalidArgument(
         "TrainerWiring::pipeline: the world and the data-parallel group must "

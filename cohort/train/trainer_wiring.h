@@ -123,11 +123,11 @@ class TrainerWiring {
     return wiring;
   }
 
-  /// No DDP: a LibTorch optimizer, the gradients averaged by one all-reduce after the last
-  /// micro-batch.
-  static TrainerWiring all_reduce(std::shared_ptr<Communicator> comm,
-                                  std::shared_ptr<torch::nn::Module> model,
-                                  torch::optim::Optimizer& optimizer) {
+  /// No DDP: a LibTorch optimizer, the gradients averaged by one all-reduce over `comm` (or
+  /// the 1-D mesh's group) after the last micro-batch.
+  static TrainerWiring all_reduce(std::shared_ptr<torch::nn::Module> model,
+                                  torch::optim::Optimizer& optimizer,
+                                  std::shared_ptr<Communicator> comm) {
     if (!model) throw InvalidArgument("TrainerWiring::all_reduce: model is null");
     auto sync = std::make_unique<AllReduceGradientSync>(comm, model->parameters());
     TrainerWiring wiring(std::move(comm), std::move(model),
@@ -135,6 +135,16 @@ class TrainerWiring {
     wiring.set_replicated_state_dict(optimizer);
     wiring.mode_ = "the all-reduce wiring";
     return wiring;
+  }
+  static TrainerWiring all_reduce(std::shared_ptr<torch::nn::Module> model,
+                                  torch::optim::Optimizer& optimizer, const DeviceMesh& mesh) {
+    return all_reduce(std::move(model), optimizer,
+                      one_dimension_group(mesh, "TrainerWiring::all_reduce", "dp"));
+  }
+  [[deprecated("use TrainerWiring::all_reduce(model, optimizer, comm)")]] static TrainerWiring
+  all_reduce(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
+             torch::optim::Optimizer& optimizer) {
+    return all_reduce(std::move(model), optimizer, std::move(comm));
   }
 
   /// A pipeline alone (its group is the whole job) with any LibTorch optimizer over
@@ -145,13 +155,19 @@ class TrainerWiring {
   static TrainerWiring pipeline(pipeline::PipelineRuntime& runtime,
                                 torch::optim::Optimizer& optimizer);
 
-  /// PP x DP: `world` holds every rank, `dp_group` the ranks holding the same stages for other
-  /// shards of the batch; the stages' gradients are averaged over dp_group once per step, after
-  /// the pipeline's last backward. InvalidArgument unless world is pipeline x dp_group ranks.
-  static TrainerWiring pipeline(std::shared_ptr<Communicator> world,
-                                pipeline::PipelineRuntime& runtime,
-                                torch::optim::Optimizer& optimizer,
-                                std::shared_ptr<Communicator> dp_group);
+  /// PP x DP: `mesh` has the dimensions "dp" and "pp" (every rank), `runtime` runs this rank's
+  /// stages over mesh["pp"]'s group; the stages' gradients are averaged over mesh["dp"] once per
+  /// step, after the pipeline's last backward. InvalidArgument when the runtime's group is not
+  /// the mesh's PP group.
+  static TrainerWiring pipeline(pipeline::PipelineRuntime& runtime,
+                                torch::optim::Optimizer& optimizer, const DeviceMesh& mesh);
+  /// The same with the groups given: `world` holds every rank, `dp_group` the ranks holding the
+  /// same stages for other shards of the batch.
+  [[deprecated(
+      "use TrainerWiring::pipeline(runtime, optimizer, mesh) with a \"dp\" x \"pp\" "
+      "mesh")]] static TrainerWiring
+  pipeline(std::shared_ptr<Communicator> world, pipeline::PipelineRuntime& runtime,
+           torch::optim::Optimizer& optimizer, std::shared_ptr<Communicator> dp_group);
 
   /// TP x PP x DP: `mesh` has the dimensions "pp", "dp" and "tp" (as GradientSynchronizer's),
   /// `runtime` runs this rank's stage (its TP shard) over mesh["pp"]'s group (a
@@ -221,6 +237,11 @@ class TrainerWiring {
   const std::string& mode() const { return mode_; }
 
  private:
+  // PP x DP over `world`, the stages' gradients averaged over `dp_group`.
+  static TrainerWiring pipeline_over(std::shared_ptr<Communicator> world,
+                                     pipeline::PipelineRuntime& runtime,
+                                     torch::optim::Optimizer& optimizer,
+                                     std::shared_ptr<Communicator> dp_group);
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
                 std::unique_ptr<TrainerOptimizer> optimizer, std::unique_ptr<GradientSync> sync,
                 pipeline::PipelineRuntime* pipeline = nullptr,

@@ -119,7 +119,7 @@ JobResult run_job(const Job& job) {
     // ZeRO here steps DDP's averages (reduce_gradients false), so it goes with DDP only.
     auto wiring = job.zero  ? TrainerWiring::ddp(ddp, *zero)
                   : job.ddp ? TrainerWiring::ddp(ddp, opt)
-                            : TrainerWiring::all_reduce(comm, net.ptr(), opt);
+                            : TrainerWiring::all_reduce(net.ptr(), opt, comm);
     TrainerOptions config;
     config.accumulation_steps = 2;
     config.max_grad_norm = 1.0;

@@ -170,7 +170,7 @@ TEST(TrainerDeterminism, RefusedWhereItCannotHold) {
   expect(refusals([&](std::shared_ptr<Communicator> comm) {
            auto net = torch::nn::Linear(2, 1);
            torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
-           Trainer trainer(TrainerWiring::all_reduce(comm, net.ptr(), sgd), loss, config);
+           Trainer trainer(TrainerWiring::all_reduce(net.ptr(), sgd, comm), loss, config);
          }),
          "the all-reduce wiring cannot honour it");
   // DDP built without the option; with it, but another accumulation.

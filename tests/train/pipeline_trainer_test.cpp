@@ -132,8 +132,7 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torc
   torch::set_num_threads(1);
   const Case& c = job.c;
   const int pp_rank = world->rank() % c.pp, dp_rank = world->rank() / c.pp;
-  auto pp_group = c.dp > 1 ? world->split(dp_rank, pp_rank) : world;
-  auto dp_group = c.dp > 1 ? world->split(pp_rank, dp_rank) : nullptr;
+  const auto mesh = init_device_mesh(world, {c.dp, c.pp}, {"dp", "pp"});
   auto model = make_model(c.pp * c.v, job.resume ? 0.5 : 0.0);  // resume overwrites it
   const auto schedule = pipeline::make_schedule(c.schedule, c.pp, c.v, c.m);
   std::vector<int64_t> boundaries;
@@ -144,11 +143,10 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torc
   auto mse = [](const Tensors& out, const Tensors& t) {
     return torch::nn::functional::mse_loss(out[0], t[0]);
   };
-  pipeline::PipelineRuntime rt(cohort::DeviceMesh::from_group(pp_group, "pp"), std::move(stages),
-                               schedule, mse);
+  pipeline::PipelineRuntime rt(mesh["pp"], std::move(stages), schedule, mse);
   auto opt = make_sgd(rt.parameters());
-  auto wiring = dp_group ? TrainerWiring::pipeline(world, rt, opt, dp_group)
-                         : TrainerWiring::pipeline(rt, opt);
+  auto wiring =
+      c.dp > 1 ? TrainerWiring::pipeline(rt, opt, mesh) : TrainerWiring::pipeline(rt, opt);
   TrainerOptions config;
   config.accumulation_steps = c.m;
   config.max_grad_norm = kMaxNorm;

@@ -49,7 +49,7 @@ Seen train(int world, int64_t n, int64_t micro, bool drop_last) {
     int64_t batches = 0;
     const int64_t per_epoch = source.num_batches();
     Trainer trainer(
-        TrainerWiring::all_reduce(comm, model, opt),
+        TrainerWiring::all_reduce(model, opt, comm),
         [&](const torch::data::Example<>& b) {
           const auto epoch = static_cast<size_t>(batches++ / per_epoch);
           std::lock_guard<std::mutex> lock(mu);
@@ -141,7 +141,7 @@ TEST(TrainerData, RanksThatDisagreeOnTheEpochFailTogether) {
       config.progress = false;
       config.max_steps = odd == "max_steps" && is_odd ? 2 : 3;
       Trainer trainer(
-          TrainerWiring::all_reduce(comm, model, opt),
+          TrainerWiring::all_reduce(model, opt, comm),
           [&](const torch::data::Example<>& b) {
             return torch::mse_loss(model->forward(b.data), b.target);
           },

@@ -94,7 +94,7 @@ TEST_P(TrainerEquivalence, MatchesSingleProcessStepsOnTheGlobalBatch) {
         return torch::nn::functional::cross_entropy(ddp->forward(b.data), b.target);
       };
     } else {
-      wiring.emplace(TrainerWiring::all_reduce(comm, net.ptr(), opt));
+      wiring.emplace(TrainerWiring::all_reduce(net.ptr(), opt, comm));
       loss = [&](const torch::data::Example<>& b) {
         return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
       };
