@@ -136,11 +136,13 @@ class TrainerWiring {
     wiring.mode_ = "the all-reduce wiring";
     return wiring;
   }
+  /// The same over a 1-D mesh's group.
   static TrainerWiring all_reduce(std::shared_ptr<torch::nn::Module> model,
                                   torch::optim::Optimizer& optimizer, const DeviceMesh& mesh) {
     return all_reduce(std::move(model), optimizer,
                       one_dimension_group(mesh, "TrainerWiring::all_reduce", "dp"));
   }
+  /// The same, the group first (the older order).
   [[deprecated("use TrainerWiring::all_reduce(model, optimizer, comm)")]] static TrainerWiring
   all_reduce(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
              torch::optim::Optimizer& optimizer) {

@@ -141,7 +141,7 @@ TEST(TrainerData, RanksThatDisagreeOnTheEpochFailTogether) {
       config.progress = false;
       config.max_steps = odd == "max_steps" && is_odd ? 2 : 3;
       Trainer trainer(
-          TrainerWiring::all_reduce(model, opt, comm),
+          TrainerWiring::all_reduce(model, opt, DeviceMesh::from_group(comm, "dp")),
           [&](const torch::data::Example<>& b) {
             return torch::mse_loss(model->forward(b.data), b.target);
           },
