@@ -126,7 +126,8 @@ struct RankRun {
   std::map<int64_t, torch::Tensor> params;
 };
 
-// Rank = dp_rank * pp + pp_rank; with dp 1 the pipeline group is the world.
+// Rank = dp_rank * pp + pp_rank (the "dp" x "pp" mesh); with dp 1 the
+// pipeline group spans the world.
 RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torch::Tensor& x,
                  const torch::Tensor& y) {
   torch::set_num_threads(1);
