@@ -6,11 +6,12 @@
 // the same training sharded over the shard group alone (no all-reduce
 // across the replicas) is far from it. Bad meshes and group sizes fail on
 // every rank; a rank's parameter, gradient and optimizer bytes equal the
-// shard group's plain FSDP's.
+// shard group's plain FSDP's, and its peaks match them within 1%.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
@@ -199,17 +200,30 @@ TEST(HSDPFeatures, HpzGathersForBackwardOutsideTheShardGroup) {
   }
 }
 
-// What one rank holds: parameters, gradients, optimizer state (compared to
-// the byte), and the peak of a forward and of a backward (reported).
+// What one rank holds: parameters, gradients, optimizer state, and the peak
+// of a forward and of a backward.
 struct Bytes {
   int64_t params = 0, grads = 0, optimizer = 0, forward_peak = 0, backward_peak = 0;
 };
 
-Bytes measure(const DeviceMesh& mesh) {
+// Three units of kWide x kWide under a root: a unit's gathered parameters
+// and gradients (263 KB at 256) dwarf the schedule's control words.
+constexpr int64_t kWide = 256;
+Sequential wide_model(const DeviceMesh& mesh) {
+  Sequential seq;
+  for (int i = 0; i < 3; ++i) {
+    seq->push_back(
+        AnyModule(FullyShard(AnyModule(Linear(kWide, kWide)), mesh, FullyShardOptions{})));
+    seq->push_back(Tanh());
+  }
+  return seq;
+}
+
+Bytes measure(const DeviceMesh& mesh, bool wide) {
   torch::set_num_threads(1);
-  auto model = fully_shard(make_model(mesh, {}), mesh, {});
+  auto model = fully_shard(wide ? wide_model(mesh) : make_model(mesh, {}), mesh, {});
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
-  auto x = torch::randn({3, 5});
+  auto x = torch::randn({3, wide ? kWide : 5});
   Bytes b;
   for (int step = 0; step < 2; ++step) {  // the second: gradients and state exist
     opt.zero_grad();
@@ -243,44 +257,76 @@ std::string describe(const Bytes& b) {
          std::to_string(b.forward_peak) + ", backward peak " + std::to_string(b.backward_peak);
 }
 
-TEST(HSDPMemory, ARanksParametersGradientsAndStateAreTheShardGroupsFSDPsToTheByte) {
+// Every rank's Bytes under HSDP (replicate x shard) and under plain FSDP
+// over `shard` ranks.
+std::pair<std::map<int, Bytes>, std::map<int, Bytes>> measure_both(int replicate, int shard,
+                                                                   bool wide) {
+  // The first scope installs the counting allocator; storage made before it
+  // (a unit's full buffer, made when wrapped) would go uncounted.
+  { memory::MemoryScope install; }
   ThreadRanksOptions ring;
   ring.algorithm = Algorithm::Ring;
-  for (const auto& [replicate, shard] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}}) {
-    std::mutex mu;
-    std::map<int, Bytes> hsdp, fsdp;
-    run_ranks_shared(
-        replicate * shard,
-        [&](std::shared_ptr<Communicator> world) {
-          auto b = measure(init_device_mesh(world, {replicate, shard}, {"replicate", "shard"}));
-          std::lock_guard<std::mutex> lock(mu);
-          hsdp[world->rank()] = b;
-        },
-        ring);
-    run_ranks_shared(
-        shard,
-        [&](std::shared_ptr<Communicator> world) {
-          auto b = measure(DeviceMesh::from_group(world, "shard"));
-          std::lock_guard<std::mutex> lock(mu);
-          fsdp[world->rank()] = b;
-        },
-        ring);
+  std::mutex mu;
+  std::map<int, Bytes> hsdp, fsdp;
+  run_ranks_shared(
+      replicate * shard,
+      [&](std::shared_ptr<Communicator> world) {
+        auto b = measure(init_device_mesh(world, {replicate, shard}, {"replicate", "shard"}), wide);
+        std::lock_guard<std::mutex> lock(mu);
+        hsdp[world->rank()] = b;
+      },
+      ring);
+  run_ranks_shared(
+      shard,
+      [&](std::shared_ptr<Communicator> world) {
+        auto b = measure(DeviceMesh::from_group(world, "shard"), wide);
+        std::lock_guard<std::mutex> lock(mu);
+        fsdp[world->rank()] = b;
+      },
+      ring);
+  return {hsdp, fsdp};
+}
+
+constexpr std::pair<int, int> kMeshes[] = {{2, 2}, {3, 2}, {2, 3}};
+
+// A rank's parameters, gradients and AdamW state are the shard group's FSDP
+// ones to the byte: sharded over the shard group only, nothing replicated
+// held beside them.
+TEST(HSDPMemory, ARanksParametersGradientsAndStateAreTheShardGroupsFSDPsToTheByte) {
+  for (const auto& [replicate, shard] : kMeshes) {
+    const auto [hsdp, fsdp] = measure_both(replicate, shard, false);
+    for (const auto& [rank, b] : hsdp) {
+      const auto& want = fsdp.at(rank % shard);
+      const std::string what = std::to_string(replicate) + " x " + std::to_string(shard) +
+                               " rank " + std::to_string(rank) + ": HSDP " + describe(b) +
+                               "; FSDP " + describe(want);
+      EXPECT_GT(b.params, 0);
+      EXPECT_EQ(b.params, want.params) << what;
+      EXPECT_EQ(b.grads, want.grads) << what;
+      EXPECT_EQ(b.optimizer, want.optimizer) << what;
+    }
+  }
+}
+
+// The transient peaks of a forward and a backward: the gathered units and
+// the reduce-scatter's buffers are the shard group's FSDP ones, so on units
+// of 263 KB the peaks agree within 1% (one more shard of a unit: 10% or more).
+// What is left is the schedule check's words, gathered from every rank of
+// the mesh (a few hundred bytes), and plain FSDP's own peaks vary by as
+// much from run to run.
+TEST(HSDPMemory, PeaksOfAForwardAndABackwardAreTheShardGroupsFSDPsWithinOnePercent) {
+  for (const auto& [replicate, shard] : kMeshes) {
+    const auto [hsdp, fsdp] = measure_both(replicate, shard, true);
     for (const auto& [rank, b] : hsdp) {
       const auto& want = fsdp.at(rank % shard);
       const std::string what = std::to_string(replicate) + " x " + std::to_string(shard) +
                                " rank " + std::to_string(rank) + ": HSDP " + describe(b) +
                                "; FSDP " + describe(want);
       EXPECT_EQ(b.params, want.params) << what;
-      EXPECT_EQ(b.grads, want.grads) << what;
-      EXPECT_EQ(b.optimizer, want.optimizer) << what;
-      // The peaks are reported, not compared: the schedule's checks gather a
-      // few words per rank of the whole mesh, and the all-reduce across the
-      // replicas stages its shard, so they grow by tens to hundreds of bytes.
-      EXPECT_GT(b.params, 0);
-      if (rank == 0) {
-        std::printf("[measured] %d x %d rank 0: HSDP %s; FSDP %s\n", replicate, shard,
-                    describe(b).c_str(), describe(want).c_str());
-      }
+      EXPECT_GT(want.forward_peak, kWide * kWide * 4) << what;  // at least one gathered unit
+      EXPECT_LE(std::abs(b.forward_peak - want.forward_peak), want.forward_peak / 100) << what;
+      EXPECT_LE(std::abs(b.backward_peak - want.backward_peak), want.backward_peak / 100) << what;
+      if (rank == 0) std::printf("[measured] %s\n", what.c_str());
     }
   }
 }
