@@ -346,65 +346,6 @@ void FullyShardImpl::set_requires_gradient_sync(bool sync) {
   root_state()->set_requires_gradient_sync(sync);
 }
 
-torch::OrderedDict<std::string, torch::Tensor> FullyShardImpl::full_state_dict() {
-  auto state = root_state();
-  std::map<const void*, torch::Tensor> full;
-  torch::NoGradGuard no_grad;
-  // Gathered from the shards: their dtype (the master weights under mixed
-  // precision), whether or not the units are unsharded now.
-  for (const auto& unit : state->units()) {
-    auto values = unit.group->gather_full();
-    for (size_t i = 0; i < values.size(); ++i) {
-      full[unit.group->params()[i].unsafeGetTensorImpl()] = std::move(values[i]);
-    }
-  }
-  torch::OrderedDict<std::string, torch::Tensor> out;
-  for (const auto& p : named_parameters()) {
-    out.insert(p.key(), full.at(p.value().unsafeGetTensorImpl()));
-  }
-  for (const auto& b : named_buffers()) out.insert(b.key(), b.value().clone());
-  return out;
-}
-
-void FullyShardImpl::load_full_state_dict(
-    const torch::OrderedDict<std::string, torch::Tensor>& state_dict) {
-  auto state = root_state();
-  std::map<const void*, std::string> name_of;
-  for (const auto& p : named_parameters())
-    name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
-  auto lookup = [&](const std::string& name, c10::IntArrayRef sizes) {
-    const auto* t = state_dict.find(name);
-    if (!t) {
-      throw InvalidArgument("load_full_state_dict" + rank_of(*world_) + ": '" + name +
-                            "' is missing from the state dict");
-    }
-    if (t->sizes() != sizes) {
-      throw InvalidArgument("load_full_state_dict" + rank_of(*world_) + ": '" + name + "' is " +
-                            c10::str(t->sizes()) + " in the state dict, " + c10::str(sizes) +
-                            " in the model");
-    }
-    return *t;
-  };
-  // Every key is checked before anything is copied.
-  std::vector<std::vector<torch::Tensor>> per_unit;
-  for (const auto& unit : state->units()) {
-    std::vector<torch::Tensor> full;
-    const auto& layout = unit.group->layout();
-    for (size_t i = 0; i < unit.group->params().size(); ++i) {
-      full.push_back(lookup(name_of.at(unit.group->params()[i].unsafeGetTensorImpl()),
-                            layout.params[i].full_sizes));
-    }
-    per_unit.push_back(std::move(full));
-  }
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;
-  for (const auto& b : named_buffers())
-    buffers.emplace_back(b.value(), lookup(b.key(), b.value().sizes()));
-  state->reshard_all();
-  torch::NoGradGuard no_grad;
-  for (size_t u = 0; u < per_unit.size(); ++u) state->units()[u].group->load_full(per_unit[u]);
-  for (auto& [mine, theirs] : buffers) mine.copy_(theirs);
-}
-
 FullyShard fully_shard(torch::nn::AnyModule module, const DeviceMesh& mesh,
                        FullyShardOptions options) {
   return FullyShard(std::move(module), mesh, options);
