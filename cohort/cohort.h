@@ -57,7 +57,7 @@
 #include "cohort/dcp/dcp.h"
 #include "cohort/dcp/metadata.h"
 #include "cohort/dcp/safetensors.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/dcp/torch_file.h"
 #include "cohort/dcp/weights_file.h"
 // Training loop.

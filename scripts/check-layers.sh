@@ -9,7 +9,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 # Layer of each module folder under cohort/, bottom (0) to top. A new module
-# gets a line here: the check refuses folders it does not know.
+# gets a line here: the check refuses folders it does not know. A sub-module
+# (a folder inside a module, "dcp/state_dict") may have a layer of its own:
+# a file belongs to the innermost folder of its path that has one.
 declare -A layer=(
   [core]=0
   [observability]=1
@@ -27,24 +29,40 @@ declare -A layer=(
   [pipeline]=12
   [tensor_parallel]=13
   [context_parallel]=13
+  [dcp]=6  # its core: state dicts, save, load, the files; no mode
   [expert_parallel]=14
-  [dcp]=15
+  [dcp/state_dict]=15  # get_state_dict/set_state_dict: knows every mode
   [train]=16
 )
+
+# The module of a path under cohort/ (in REPLY; no subshell per include).
+module_of() {
+  local dir=${1%/*}
+  REPLY=${1%%/*}
+  while [ "$dir" != "$1" ] && [ -n "$dir" ]; do
+    if [ -n "${layer[$dir]+x}" ]; then
+      REPLY=$dir
+      return
+    fi
+    [ "$dir" = "${dir%/*}" ] && return
+    dir=${dir%/*}
+  done
+}
 
 status=0
 while IFS= read -r file; do
   rel=${file#cohort/}
-  from=${rel%%/*}
-  [ "$from" = "$rel" ] && continue  # cohort/cohort.h, the umbrella: may include all
+  [ "${rel%%/*}" = "$rel" ] && continue  # cohort/cohort.h, the umbrella: may include all
+  module_of "$rel"
+  from=$REPLY
   if [ -z "${layer[$from]+x}" ]; then
     echo "layering: $file: module '$from' has no layer in scripts/check-layers.sh"
     status=1
     continue
   fi
   while IFS=: read -r line target; do
-    to=${target#cohort/}
-    to=${to%%/*}
+    module_of "${target#cohort/}"
+    to=$REPLY
     [ "$to" = "$from" ] && continue
     if [ -z "${layer[$to]+x}" ]; then
       echo "layering: $file:$line includes cohort/$to, which has no layer"

@@ -7,7 +7,6 @@
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/safetensors.h"
-#include "cohort/dcp/state_dict.h"
 #include "cohort/dcp/torch_file.h"
 
 namespace cohort::dcp {
@@ -108,12 +107,6 @@ int load_weights(StateDict& state, const std::string& path, const LoadWeightsOpt
     filled.insert(shard.unsafeGetTensorImpl());
   }
   return static_cast<int>(filled.size());
-}
-
-int load_weights(torch::nn::Module& module, const std::string& path,
-                 const LoadWeightsOptions& options) {
-  auto state = get_state_dict(module);  // an FSDP root's: its shards
-  return load_weights(state, path, options);
 }
 
 }  // namespace cohort::dcp

@@ -2,7 +2,7 @@
 // buffers initialized from a safetensors or torch.save file (a published
 // model's weights), before or after wrapping, in any mode.
 //
-//   dcp::load_weights(*model, "model.safetensors");            // one process, or before DDP
+//   dcp::load_weights(*model, "model.safetensors");  // state_dict/state_dict.h: any module
 //   auto sd = dcp::get_state_dict(*stage, {&mesh, tied});       // every tensor it holds
 //   dcp::load_weights(sd, "model.safetensors.index.json",
 //                     {.allow_unexpected = true, .comm = mesh.process_group().get()});
@@ -15,8 +15,6 @@
 // contiguous run. A torch.save file has no per-tensor offsets that
 // pickle_load exposes: it is read whole and sliced.
 #pragma once
-
-#include <torch/nn/module.h>
 
 #include <string>
 
@@ -48,10 +46,5 @@ struct LoadWeightsOptions {
 /// shape, or a bad file, is a CheckpointError naming the file and tensor,
 /// thrown before anything changes. Returns the number of shards filled.
 int load_weights(StateDict& state, const std::string& path, const LoadWeightsOptions& options = {});
-
-/// The same for a module whose parameters this process holds whole (one
-/// process, or a model before DDP, ZeRO or fully_shard wraps it).
-int load_weights(torch::nn::Module& module, const std::string& path,
-                 const LoadWeightsOptions& options = {});
 
 }  // namespace cohort::dcp

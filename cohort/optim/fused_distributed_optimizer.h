@@ -129,7 +129,8 @@ class FusedDistributedOptimizer {
 
   /// The parameters, in the order the constructor got them.
   const std::vector<torch::Tensor>& params() const { return params_; }
-  /// Parameter i's state (dcp's state dict reads and loads it there: cohort/dcp/state_dict.h).
+  /// Parameter i's state (dcp's state dict reads and loads it there:
+  /// cohort/dcp/state_dict/state_dict.h).
   FusedParamState param_state(size_t i) const;
   /// Sets parameter i's step count, as a checkpoint that was copied into param_state(i) holds
   /// it; timestep() becomes the largest step count.

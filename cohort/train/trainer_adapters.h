@@ -18,7 +18,7 @@
 // trainer measures with ShardedGradNorm (squared partial norms all-reduced)
 // and each rank clips its own part.
 // Both checkpoint through the wiring's dcp state dict
-// (cohort/dcp/state_dict.h), not through these adapters.
+// (cohort/dcp/state_dict/state_dict.h), not through these adapters.
 #pragma once
 
 #include <memory>

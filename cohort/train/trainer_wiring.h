@@ -24,7 +24,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
@@ -208,7 +208,7 @@ class TrainerWiring {
   /// The fully sharded root the trainer steps, or null.
   FullyShardImpl* fsdp() const { return fsdp_.get(); }
   /// This rank's model and optimizer state as a dcp::StateDict, under the
-  /// bare model's names (cohort/dcp/state_dict.h); for_load: the checkpoint's
+  /// bare model's names (cohort/dcp/state_dict/state_dict.h); for_load: the checkpoint's
   /// metadata when loading. Every wiring has one: the Trainer saves it with
   /// dcp::save and loads it resharded at any world size, into any wiring
   /// where the names agree.

@@ -5,7 +5,7 @@
 // replica of the model and trains on its own shard of the data; backward
 // averages the gradients across ranks, so every replica takes the same step.
 // At the end the model and optimizer go to a distributed checkpoint, which
-// any other mode and world size can load (cohort/dcp/state_dict.h).
+// any other mode and world size can load (cohort/dcp/state_dict/state_dict.h).
 #include <torch/torch.h>
 
 #include <cstdio>

@@ -4,7 +4,7 @@
 #include <mutex>
 
 #include "ckpt_files.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"

@@ -12,7 +12,7 @@
 
 #include "cohort/core/torch_compat.h"
 #include "cohort/dcp/dcp.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/optimizer_state.h"
 

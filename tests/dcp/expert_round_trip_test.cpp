@@ -13,7 +13,7 @@
 
 #include <mutex>
 
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "examples/models/gpt_model.h"
 #include "support/rank_errors.h"

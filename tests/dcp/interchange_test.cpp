@@ -6,7 +6,7 @@
 #include <mutex>
 
 #include "cohort/dcp/safetensors.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/dcp/weights_file.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"

@@ -10,7 +10,7 @@
 // equals one process's within 1e-5, with the saved steps and options.
 // The fused optimizer's state dict has the keys and layout of LibTorch's
 // AdamW on the same module, and round-trips from world 2 to worlds 1 and 3.
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 
 #include <mutex>
 

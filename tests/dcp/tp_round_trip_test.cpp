@@ -14,7 +14,7 @@
 
 #include "ckpt_files.h"
 #include "cohort/dcp/checkpoint_file.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/dcp/torch_file.h"
 #include "cohort/dcp/weights_file.h"
 #include "cohort/mesh/gradient_synchronizer.h"

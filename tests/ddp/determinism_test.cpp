@@ -22,7 +22,7 @@
 
 #include "cohort/core/torch_compat.h"
 #include "cohort/dcp/dcp.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/canonical_norm.h"

@@ -13,7 +13,7 @@
 #include <mutex>
 #include <optional>
 
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
 #include "support/thread_ranks.h"

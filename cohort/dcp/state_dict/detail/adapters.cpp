@@ -1,10 +1,10 @@
-#include "cohort/dcp/detail/adapters.h"
+#include "cohort/dcp/state_dict/detail/adapters.h"
 
 #include <map>
 
 #include "cohort/core/error.h"
-#include "cohort/dcp/detail/optimizer_slots.h"
-#include "cohort/dcp/detail/param_group_options.h"
+#include "cohort/dcp/state_dict/detail/optimizer_slots.h"
+#include "cohort/dcp/state_dict/detail/param_group_options.h"
 
 namespace cohort::dcp::detail {
 namespace {

@@ -42,7 +42,7 @@
 #include <string>
 
 #include "cohort/dcp/dcp.h"
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/mesh/device_mesh.h"
 
 namespace cohort::dcp::detail {

@@ -1,9 +1,9 @@
-#include "cohort/dcp/detail/tp_adapters.h"
+#include "cohort/dcp/state_dict/detail/tp_adapters.h"
 
 #include <set>
 
 #include "cohort/dcp/collective_status.h"
-#include "cohort/dcp/detail/optimizer_slots.h"
+#include "cohort/dcp/state_dict/detail/optimizer_slots.h"
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/layers.h"
 

@@ -38,6 +38,7 @@
 #include <string>
 
 #include "cohort/dcp/dcp.h"
+#include "cohort/dcp/weights_file.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
@@ -162,5 +163,11 @@ void set_state_dict(Model& model, FusedDistributedOptimizer& fused, const StateD
   detail::set_state_dict_of(detail::fused_state_dict_of(detail::module_of(model), fused, options),
                             state);
 }
+
+/// load_weights (weights_file.h) for a module whose parameters this process
+/// holds whole (one process, or a model before DDP, ZeRO or fully_shard
+/// wraps it), or a fully sharded root (its shards).
+int load_weights(torch::nn::Module& module, const std::string& path,
+                 const LoadWeightsOptions& options = {});
 
 }  // namespace cohort::dcp

@@ -1,4 +1,4 @@
-#include "cohort/dcp/detail/param_group_options.h"
+#include "cohort/dcp/state_dict/detail/param_group_options.h"
 
 #include <c10/util/Exception.h>
 #include <torch/optim/adagrad.h>

@@ -1,4 +1,4 @@
-#include "cohort/dcp/detail/optimizer_slots.h"
+#include "cohort/dcp/state_dict/detail/optimizer_slots.h"
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -11,7 +11,7 @@
 
 #include "cohort/core/error.h"
 #include "cohort/core/torch_compat.h"
-#include "cohort/dcp/detail/param_group_options.h"
+#include "cohort/dcp/state_dict/detail/param_group_options.h"
 #include "cohort/optim/optimizer_state.h"
 
 namespace cohort::dcp::detail {

@@ -1,4 +1,4 @@
-#include "cohort/dcp/state_dict.h"
+#include "cohort/dcp/state_dict/state_dict.h"
 
 #include <torch/utils.h>
 
@@ -7,8 +7,8 @@
 
 #include "cohort/core/error.h"
 #include "cohort/dcp/checkpoint_file.h"
-#include "cohort/dcp/detail/adapters.h"
-#include "cohort/dcp/detail/tp_adapters.h"
+#include "cohort/dcp/state_dict/detail/adapters.h"
+#include "cohort/dcp/state_dict/detail/tp_adapters.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/tensor_parallel/layers.h"
 
@@ -110,3 +110,13 @@ void set_state_dict_of(const StateDict& mine, const StateDict& state) {
 }
 
 }  // namespace cohort::dcp::detail
+
+namespace cohort::dcp {
+
+int load_weights(torch::nn::Module& module, const std::string& path,
+                 const LoadWeightsOptions& options) {
+  auto state = get_state_dict(module);  // an FSDP root's: its shards
+  return load_weights(state, path, options);
+}
+
+}  // namespace cohort::dcp
