@@ -8,8 +8,8 @@
 //
 // (tests/dcp/state_dict_test.cpp runs exactly this.) A StateDict is this
 // rank's view of the logical tensors: for each its name, global shape and
-// dtype, and the boxes of it this rank holds (state_dict.h builds one for
-// every mode). Saving writes each rank's boxes to its own file; a
+// dtype, and the boxes of it this rank holds (state_dict/state_dict.h builds
+// one for every mode). Saving writes each rank's boxes to its own file; a
 // replicated tensor (every rank holds all of it) is written once, by one
 // rank, the tensors spread over the ranks by bytes. Loading reads, for each
 // box this rank holds, only the checksum blocks of the stored chunks that
@@ -55,7 +55,7 @@ struct TensorEntry {
 };
 
 /// This rank's view of everything a checkpoint holds (get_state_dict,
-/// state_dict.h, builds one for every mode).
+/// state_dict/state_dict.h, builds one for every mode).
 struct StateDict {
   std::vector<TensorEntry> tensors;  ///< in the same order on every rank
   /// The names of the model's submodules ("model.<name>"), so that a

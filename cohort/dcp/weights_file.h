@@ -1,14 +1,16 @@
-// defines: load_weights and LoadWeightsOptions: a model's parameters and
-// buffers initialized from a safetensors or torch.save file (a published
-// model's weights), before or after wrapping, in any mode.
+// defines: load_weights and LoadWeightsOptions: the tensors of a state dict
+// (any mode's: a model's parameters and buffers, before or after wrapping)
+// initialized from a safetensors or torch.save file (a published model's
+// weights). state_dict/state_dict.h has the overload for a module held
+// whole or a fully sharded root:
 //
-//   dcp::load_weights(*model, "model.safetensors");  // state_dict/state_dict.h: any module
+//   dcp::load_weights(*model, "model.safetensors");            // state_dict/state_dict.h
 //   auto sd = dcp::get_state_dict(*stage, {&mesh, tied});       // every tensor it holds
 //   dcp::load_weights(sd, "model.safetensors.index.json",
 //                     {.allow_unexpected = true, .comm = mesh.process_group().get()});
 //
 // The file's names are the bare model's (state_dict() keys); the state
-// dict's are "model." + those (state_dict.h). Each shard of the state dict
+// dict's are "model." + those (state_dict/state_dict.h). Each shard of the state dict
 // (FSDP's dim-0 rows, TP's column, row or vocabulary slices, a pipeline
 // stage's tensors) is read from a safetensors file as just its bytes: a
 // range of rows is one pread, a slice along a later dim one pread per
