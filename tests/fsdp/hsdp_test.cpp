@@ -12,6 +12,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -287,25 +288,33 @@ std::pair<std::map<int, Bytes>, std::map<int, Bytes>> measure_both(int replicate
   return {hsdp, fsdp};
 }
 
-constexpr std::pair<int, int> kMeshes[] = {{2, 2}, {3, 2}, {2, 3}};
-
-// A rank's parameters, gradients and AdamW state are the shard group's FSDP
-// ones to the byte: sharded over the shard group only, nothing replicated
-// held beside them.
-TEST(HSDPMemory, ARanksParametersGradientsAndStateAreTheShardGroupsFSDPsToTheByte) {
-  for (const auto& [replicate, shard] : kMeshes) {
-    const auto [hsdp, fsdp] = measure_both(replicate, shard, false);
+// Calls check(hsdp, fsdp, what) for every rank of HSDP at 2 x 2, 3 x 2
+// and 2 x 3, against the same rank of the shard group's plain FSDP.
+void for_each_mesh(
+    bool wide, const std::function<void(const Bytes&, const Bytes&, const std::string&)>& check) {
+  for (const auto& [replicate, shard] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}}) {
+    const auto [hsdp, fsdp] = measure_both(replicate, shard, wide);
     for (const auto& [rank, b] : hsdp) {
       const auto& want = fsdp.at(rank % shard);
       const std::string what = std::to_string(replicate) + " x " + std::to_string(shard) +
                                " rank " + std::to_string(rank) + ": HSDP " + describe(b) +
                                "; FSDP " + describe(want);
-      EXPECT_GT(b.params, 0);
-      EXPECT_EQ(b.params, want.params) << what;
-      EXPECT_EQ(b.grads, want.grads) << what;
-      EXPECT_EQ(b.optimizer, want.optimizer) << what;
+      check(b, want, what);
+      if (wide && rank == 0) std::printf("[measured] %s\n", what.c_str());
     }
   }
+}
+
+// A rank's parameters, gradients and AdamW state are the shard group's FSDP
+// ones to the byte: sharded over the shard group only, nothing replicated
+// held beside them.
+TEST(HSDPMemory, ARanksParametersGradientsAndStateAreTheShardGroupsFSDPsToTheByte) {
+  for_each_mesh(false, [](const Bytes& b, const Bytes& want, const std::string& what) {
+    EXPECT_GT(b.params, 0);
+    EXPECT_EQ(b.params, want.params) << what;
+    EXPECT_EQ(b.grads, want.grads) << what;
+    EXPECT_EQ(b.optimizer, want.optimizer) << what;
+  });
 }
 
 // The transient peaks of a forward and a backward, as MemoryScope counts
@@ -319,21 +328,13 @@ TEST(HSDPMemory, ARanksParametersGradientsAndStateAreTheShardGroupsFSDPsToTheByt
 // 2.6, and HSDP's differed from it by a unit's gradients under load, so
 // the backward peaks are reported, not compared.
 TEST(HSDPMemory, AForwardsPeakIsTheShardGroupsFSDPsWithinOnePercent) {
-  for (const auto& [replicate, shard] : kMeshes) {
-    const auto [hsdp, fsdp] = measure_both(replicate, shard, true);
-    for (const auto& [rank, b] : hsdp) {
-      const auto& want = fsdp.at(rank % shard);
-      const std::string what = std::to_string(replicate) + " x " + std::to_string(shard) +
-                               " rank " + std::to_string(rank) + ": HSDP " + describe(b) +
-                               "; FSDP " + describe(want);
-      EXPECT_EQ(b.params, want.params) << what;
-      EXPECT_GT(want.forward_peak, kWide * kWide * 4) << what;  // at least one gathered unit
-      EXPECT_GT(want.backward_peak, kWide * kWide * 4) << what;
-      EXPECT_LE(std::abs(b.forward_peak - want.forward_peak), want.forward_peak / 100) << what;
-      EXPECT_GT(b.backward_peak, kWide * kWide * 4) << what;
-      if (rank == 0) std::printf("[measured] %s\n", what.c_str());
-    }
-  }
+  for_each_mesh(true, [](const Bytes& b, const Bytes& want, const std::string& what) {
+    EXPECT_EQ(b.params, want.params) << what;
+    EXPECT_GT(want.forward_peak, kWide * kWide * 4) << what;  // at least one gathered unit
+    EXPECT_GT(want.backward_peak, kWide * kWide * 4) << what;
+    EXPECT_GT(b.backward_peak, kWide * kWide * 4) << what;
+    EXPECT_LE(std::abs(b.forward_peak - want.forward_peak), want.forward_peak / 100) << what;
+  });
 }
 
 }  // namespace
