@@ -24,6 +24,19 @@ size_t balanced_order(size_t n, int round, size_t j) {
   return (base + r) % n;
 }
 
+namespace {
+
+// Rank 0's model of `c`'s samples, the one every rank uses.
+CostModel rank_zeros_model(Engine& engine, Store& store, Collective op, const Calibration& c,
+                           Millis timeout) {
+  const std::string key = "cost_model/" + to_string(op);
+  if (engine.rank() == 0) store.set_string(key, CostModel::fit(c.samples).serialize());
+  store.wait({key}, timeout);
+  return CostModel::parse(store.get_string(key));
+}
+
+}  // namespace
+
 Calibration calibrate(Engine& engine, Store& store, Collective op,
                       const std::vector<Algorithm>& candidates,
                       const std::function<double(Algorithm, int64_t, double)>& run, Millis timeout,
@@ -100,11 +113,7 @@ Calibration calibrate(Engine& engine, Store& store, Collective op,
     // them would cost seconds (37 s at 1 Gbit/s with 64 MiB measured).
     if (*std::min_element(cost.begin(), cost.end()) > kCalibrationRunBudgetUs) break;
   }
-  // Rank 0's model is the one every rank uses.
-  const std::string key = "cost_model/" + to_string(op);
-  if (engine.rank() == 0) store.set_string(key, CostModel::fit(c.samples).serialize());
-  store.wait({key}, timeout);
-  c.model = CostModel::parse(store.get_string(key));
+  c.model = rank_zeros_model(engine, store, op, c, timeout);
   c.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return c;
 }

@@ -95,6 +95,47 @@ void write_one(const std::vector<std::pair<std::string, torch::Tensor>>& tensors
   write_file_atomically(path, pieces);
 }
 
+// One tensor's header entry `v` in `file`, whose data section holds `data`
+// bytes, checked: the entry (its offset within the data section) and its
+// byte range there.
+std::pair<SafetensorsEntry, std::pair<int64_t, int64_t>> parse_entry(const std::string& file,
+                                                                     const std::string& name,
+                                                                     const json& v, int64_t data) {
+  const auto where = "tensor " + name + ": ";
+  if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+      !v.contains("data_offsets") || !v["dtype"].is_string() || !v["shape"].is_array() ||
+      !v["data_offsets"].is_array() || v["data_offsets"].size() != 2) {
+    throw file_error(file, where + "needs \"dtype\", \"shape\" and two \"data_offsets\"");
+  }
+  const auto dtype = v["dtype"].get<std::string>();
+  const DtypeInfo* info = find_dtype(&DtypeInfo::safetensors, dtype);
+  if (!info) throw file_error(file, where + "unsupported dtype \"" + dtype + "\"");
+  std::vector<int64_t> shape;
+  for (const auto& d : v["shape"]) {
+    if (!d.is_number_integer()) throw file_error(file, where + "a dimension is not an integer");
+    shape.push_back(
+        d.is_number_unsigned() && d.get<uint64_t>() > uint64_t{INT64_MAX} ? -1 : d.get<int64_t>());
+  }
+  const int64_t bytes = tensor_bytes(shape, static_cast<int64_t>(c10::elementSize(info->dtype)));
+  if (bytes < 0)
+    throw file_error(file, where + "the shape " + shape_string(shape) + " is impossible");
+  int64_t off[2];
+  for (int i = 0; i < 2; ++i) {
+    const auto& o = v["data_offsets"][i];
+    if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(data)) {
+      throw file_error(file, where + "data_offsets " + v["data_offsets"].dump() +
+                                 " pass the data's " + std::to_string(data) + " bytes");
+    }
+    off[i] = o.get<int64_t>();
+  }
+  if (off[1] - off[0] != bytes) {
+    throw file_error(file, where + "data_offsets " + v["data_offsets"].dump() + " hold " +
+                               std::to_string(off[1] - off[0]) + " bytes; " + dtype + " " +
+                               shape_string(shape) + " needs " + std::to_string(bytes));
+  }
+  return {{name, info->dtype, shape, file, off[0]}, {off[0], off[1]}};
+}
+
 }  // namespace
 
 std::string safetensors_dtype_name(torch::Dtype dtype) {
@@ -222,42 +263,12 @@ void SafetensorsFile::read_header(const std::string& file) {
       continue;
     }
     const auto where = "tensor " + name + ": ";
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
-        !v.contains("data_offsets") || !v["dtype"].is_string() || !v["shape"].is_array() ||
-        !v["data_offsets"].is_array() || v["data_offsets"].size() != 2) {
-      throw file_error(file, where + "needs \"dtype\", \"shape\" and two \"data_offsets\"");
-    }
-    const auto dtype = v["dtype"].get<std::string>();
-    const DtypeInfo* info = find_dtype(&DtypeInfo::safetensors, dtype);
-    if (!info) throw file_error(file, where + "unsupported dtype \"" + dtype + "\"");
-    std::vector<int64_t> shape;
-    for (const auto& d : v["shape"]) {
-      if (!d.is_number_integer()) throw file_error(file, where + "a dimension is not an integer");
-      shape.push_back(d.is_number_unsigned() && d.get<uint64_t>() > uint64_t{INT64_MAX}
-                          ? -1
-                          : d.get<int64_t>());
-    }
-    const int64_t bytes = tensor_bytes(shape, static_cast<int64_t>(c10::elementSize(info->dtype)));
-    if (bytes < 0)
-      throw file_error(file, where + "the shape " + shape_string(shape) + " is impossible");
-    int64_t off[2];
-    for (int i = 0; i < 2; ++i) {
-      const auto& o = v["data_offsets"][i];
-      if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(data)) {
-        throw file_error(file, where + "data_offsets " + v["data_offsets"].dump() +
-                                   " pass the data's " + std::to_string(data) + " bytes");
-      }
-      off[i] = o.get<int64_t>();
-    }
-    if (off[1] - off[0] != bytes) {
-      throw file_error(file, where + "data_offsets " + v["data_offsets"].dump() + " hold " +
-                                 std::to_string(off[1] - off[0]) + " bytes; " + dtype + " " +
-                                 shape_string(shape) + " needs " + std::to_string(bytes));
-    }
+    const auto [entry, span] = parse_entry(file, name, v, data);
     if (find(name)) throw file_error(file, where + "named twice");
-    spans.push_back({{off[0], off[1]}, name});
+    spans.push_back({span, name});
     index_[name] = entries_.size();
-    entries_.push_back({name, info->dtype, shape, file, static_cast<int64_t>(8 + n) + off[0]});
+    entries_.push_back(entry);
+    entries_.back().offset += static_cast<int64_t>(8 + n);
   }
   std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i) {

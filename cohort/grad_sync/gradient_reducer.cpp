@@ -151,19 +151,22 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
     bytes[b] = buffer.defined() ? buffer.numel() * buffer.element_size() : 0;
   }
   queue_.set_layout(std::move(launch_order), std::move(parts), std::move(bytes));
-
   if (options_.gradient_as_bucket_view && !owner_ &&
       options_.determinism != Determinism::WorldSizeInvariant) {
-    // Existing gradients move into the (new) buckets now, so .grad is a view
-    // from here on; AccumulateGrad then accumulates into it in place.
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      auto& grad = params_[i].mutable_grad();
-      if (!grad.defined()) continue;
-      auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
-      view.copy_(grad);
-      grad = view;
-    }
+    move_grads_into_buckets();
+  }
+}
+
+void GradientReducer::move_grads_into_buckets() {
+  // Existing gradients move into the (new) buckets now, so .grad is a view
+  // from here on; AccumulateGrad then accumulates into it in place.
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& grad = params_[i].mutable_grad();
+    if (!grad.defined()) continue;
+    auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
+    view.copy_(grad);
+    grad = view;
   }
 }
 

@@ -144,6 +144,8 @@ class GradientReducer {
   void broadcast_state();
   void broadcast_buffers();
   void build_buckets(const std::vector<size_t>& order);
+  // gradient_as_bucket_view: each existing .grad becomes its bucket view.
+  void move_grads_into_buckets();
   void rebuild_buckets();
   void reset_iteration();
   void mark_ready(size_t index, bool used);

@@ -64,23 +64,6 @@ int64_t blocking_max_bytes_from_env() {
   return v ? *v : kDefaultBlockingMaxBytes;
 }
 
-// MPI_Comm_dup of `comm`, watched (it is collective and blocking); `what`
-// names it for the watchdog and errors. Throws PeerError when MPI fails.
-MPI_Comm duplicate(MPI_Comm comm, const std::string& what, Millis timeout) {
-  auto o = std::make_shared<MpiOp>(what, timeout);
-  Watchdog::instance().watch(o);
-  MPI_Comm dup = MPI_COMM_NULL;
-  int code;
-  {
-    MpiLock lock;
-    code = MPI_Comm_dup(comm, &dup);
-  }
-  o->mark_finished();
-  mpi_check(code, o->what());
-  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
-  return dup;
-}
-
 class MpiEngine : public Engine {
  public:
   MpiEngine(MPI_Comm comm, std::string label, Millis timeout)
@@ -94,10 +77,10 @@ class MpiEngine : public Engine {
     // MpiOp, instead of MPI's default of aborting the job.
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     check_comm_ =
-        duplicate(comm_,
-                  "MPI_Comm_dup (the signature checks' communicator of " + *label_ + ") on rank " +
-                      std::to_string(rank_) + " of " + std::to_string(size_),
-                  timeout_);
+        watched_comm_dup(comm_,
+                         "MPI_Comm_dup (the signature checks' communicator of " + *label_ +
+                             ") on rank " + std::to_string(rank_) + " of " + std::to_string(size_),
+                         timeout_);
     int* ub = nullptr;
     int found = 0;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
@@ -456,7 +439,7 @@ std::unique_ptr<Engine> make_mpi_engine(int rank, int size, Millis timeout) {
   // A private copy of the world: cohort's messages never match the
   // application's own MPI calls. MPI_Comm_dup is collective and blocking,
   // hence watched.
-  MPI_Comm comm = mpi::duplicate(
+  MPI_Comm comm = mpi::watched_comm_dup(
       MPI_COMM_WORLD,
       "MPI_Comm_dup (connect) on rank " + std::to_string(rank) + " of " + std::to_string(size),
       timeout);

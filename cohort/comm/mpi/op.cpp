@@ -122,4 +122,21 @@ void MpiOp::wait(Millis timeout) {
   if (!error_.empty()) throw PeerError(error_);
 }
 
+// MPI_Comm_dup of `comm`, watched (it is collective and blocking); `what`
+// names it for the watchdog and errors. Throws PeerError when MPI fails.
+MPI_Comm watched_comm_dup(MPI_Comm comm, const std::string& what, Millis timeout) {
+  auto o = std::make_shared<MpiOp>(what, timeout);
+  Watchdog::instance().watch(o);
+  MPI_Comm dup = MPI_COMM_NULL;
+  int code;
+  {
+    MpiLock lock;
+    code = MPI_Comm_dup(comm, &dup);
+  }
+  o->mark_finished();
+  mpi_check(code, o->what());
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  return dup;
+}
+
 }  // namespace cohort::mpi

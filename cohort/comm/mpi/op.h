@@ -123,4 +123,9 @@ class MpiWork : public WorkImpl {
   Probe probe_;
 };
 
+// MPI_Comm_dup of `comm`, watched (it is collective and blocking); `what`
+// names it for the watchdog and errors. Throws PeerError when MPI fails.
+// The copy returns errors rather than aborting (MPI_ERRORS_RETURN).
+MPI_Comm watched_comm_dup(MPI_Comm comm, const std::string& what, Millis timeout);
+
 }  // namespace cohort::mpi
