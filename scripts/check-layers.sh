@@ -23,16 +23,18 @@ declare -A layer=(
   [data]=6
   [dcp]=6  # its core: state dicts, save, load, the files; no mode
   [grad_sync]=7
-  [mesh]=8
-  [fsdp]=9
-  [optim]=10
-  [ddp]=11  # above optim and mesh: they reduce through grad_sync, not DDP
-  [pipeline]=12
-  [tensor_parallel]=13
-  [context_parallel]=13
-  [expert_parallel]=14
-  [dcp/state_dict]=15  # get_state_dict/set_state_dict: knows every mode
-  [train]=16
+  [plan]=8  # what the Trainer calls: TrainingPlan and its interfaces; no mode
+  [train]=9  # below every mode: it knows them only through the plan
+  [mesh]=10
+  [fsdp]=11
+  [optim]=12
+  [ddp]=13  # above optim and mesh: they reduce through grad_sync, not DDP
+  [pipeline]=14
+  [tensor_parallel]=15
+  [context_parallel]=15
+  [expert_parallel]=16
+  [dcp/state_dict]=17  # get_state_dict/set_state_dict: knows every mode
+  [wiring]=18  # TrainerWiring's factories: a mode's parts and its state dict
 )
 
 # The module of a path under cohort/ (in REPLY; no subshell per include).

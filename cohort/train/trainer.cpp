@@ -15,37 +15,37 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-std::shared_ptr<GradNorm> default_norm(const TrainerWiring& wiring, std::shared_ptr<GradNorm> norm,
+std::shared_ptr<GradNorm> default_norm(const TrainingPlan& plan, std::shared_ptr<GradNorm> norm,
                                        const TrainerOptions& config) {
   if (norm) {
     if (config.determinism == Determinism::WorldSizeInvariant) {
-      throw InvalidArgument("Trainer on rank " + std::to_string(wiring.process_group()->rank()) +
+      throw InvalidArgument("Trainer on rank " + std::to_string(plan.process_group()->rank()) +
                             ": a GradNorm of one's own with determinism WorldSizeInvariant "
                             "(the norm is measured in the canonical order)");
     }
     return norm;
   }
   // A pipeline's or a mesh's layout brings its own.
-  if (wiring.layout().norm()) return wiring.layout().norm();
-  if (wiring.optimizer().sharded_gradients()) {
-    return std::make_shared<ShardedGradNorm>(wiring.process_group());
+  if (plan.layout().norm()) return plan.layout().norm();
+  if (plan.optimizer().sharded_gradients()) {
+    return std::make_shared<ShardedGradNorm>(plan.process_group());
   }
   return std::make_shared<ReplicatedGradNorm>();
 }
 
 }  // namespace
 
-Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerOptions config,
+Trainer::Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
                  std::shared_ptr<GradNorm> norm)
-    : wiring_(std::move(wiring)),
-      comm_(*wiring_.process_group()),
-      model_(wiring_.model()),
-      optimizer_(wiring_.optimizer()),
-      sync_(wiring_.sync()),
+    : plan_(std::move(plan)),
+      comm_(*plan_.process_group()),
+      model_(plan_.model()),
+      optimizer_(plan_.optimizer()),
+      sync_(plan_.sync()),
       loss_fn_(std::move(loss_fn)),
       config_(std::move(config)),
-      norm_(default_norm(wiring_, std::move(norm), config_)),
-      layout_(wiring_.layout()),
+      norm_(default_norm(plan_, std::move(norm), config_)),
+      layout_(plan_.layout()),
       metrics_(config_.metrics_path, comm_.rank() == 0, config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
@@ -61,8 +61,8 @@ Trainer::Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerOptions config,
   }
 }
 
-Trainer::Trainer(TrainerWiring wiring, TrainerOptions config, std::shared_ptr<GradNorm> norm)
-    : Trainer(std::move(wiring), LossFn{}, std::move(config), std::move(norm)) {}
+Trainer::Trainer(TrainingPlan plan, TrainerOptions config, std::shared_ptr<GradNorm> norm)
+    : Trainer(std::move(plan), LossFn{}, std::move(config), std::move(norm)) {}
 
 StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
   const auto k = static_cast<int64_t>(micro_batches.size());
@@ -95,7 +95,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   StepMetrics m;
   // The averaged gradients: the model's .grad, or where an optimizer that
   // averages them itself put them (its shard, for ZeRO).
-  if (const auto& clip = wiring_.canonical_clip()) {
+  if (const auto& clip = plan_.canonical_clip()) {
     // ZeRO's and FSDP's canonical norm; without clipping, only measured.
     const double max_norm = config_.max_grad_norm;
     m.grad_norm = clip(max_norm > 0 ? max_norm : std::numeric_limits<double>::infinity());
@@ -151,7 +151,7 @@ std::optional<double> Trainer::tp_wait_seconds() const {
 
 uint64_t Trainer::bytes_sent() const {
   uint64_t bytes = 0;
-  for (const auto& c : wiring_.traffic()) bytes += c->stats().total().bytes_sent;
+  for (const auto& c : plan_.traffic()) bytes += c->stats().total().bytes_sent;
   return bytes;
 }
 
@@ -284,31 +284,30 @@ void Trainer::continue_epoch_order(const DataSource& data) {
 void Trainer::check_determinism() const {
   const std::string where = "Trainer on rank " + std::to_string(comm_.rank()) + ": ";
   const bool wanted = config_.determinism == Determinism::WorldSizeInvariant;
-  const bool built = wiring_.determinism() == Determinism::WorldSizeInvariant;
+  const bool built = plan_.determinism() == Determinism::WorldSizeInvariant;
   if (wanted && !built) {
-    const bool can =
-        wiring_.mode() == "DDP" || wiring_.mode() == "ZeRO over DDP" || wiring_.mode() == "FSDP";
+    const bool can = plan_.can_be_world_size_invariant();
     throw InvalidArgument(
-        where + "determinism WorldSizeInvariant, but " + wiring_.mode() +
+        where + "determinism WorldSizeInvariant, but " + plan_.mode() +
         (can ? " was built without it (DDPOptions, ZeroOptions or FullyShardOptions::determinism "
                "and leaves)"
              : " cannot honour it (only DDP, ZeRO over DDP and FSDP sum the leaves in the "
                "canonical tree)"));
   }
   if (!wanted && built) {
-    throw InvalidArgument(where + "the " + wiring_.mode() +
+    throw InvalidArgument(where + "the " + plan_.mode() +
                           " was built with determinism WorldSizeInvariant; set "
                           "TrainerOptions::determinism and leaves to the same");
   }
   if (!wanted) return;
-  if (config_.leaves != wiring_.leaves()) {
+  if (config_.leaves != plan_.leaves()) {
     throw InvalidArgument(where + "TrainerOptions::leaves " + std::to_string(config_.leaves) +
-                          ", but the " + wiring_.mode() + " was built with " +
-                          std::to_string(wiring_.leaves()));
+                          ", but the " + plan_.mode() + " was built with " +
+                          std::to_string(plan_.leaves()));
   }
-  if (config_.accumulation_steps != wiring_.local_leaves()) {
+  if (config_.accumulation_steps != plan_.local_leaves()) {
     throw InvalidArgument(where + "accumulation_steps must be this rank's leaves per step, " +
-                          std::to_string(wiring_.local_leaves()) + " (" +
+                          std::to_string(plan_.local_leaves()) + " (" +
                           std::to_string(config_.leaves) + " leaves over " +
                           std::to_string(comm_.size()) + " ranks), got " +
                           std::to_string(config_.accumulation_steps));

@@ -19,14 +19,15 @@
 // Steps 1-5 are the same arithmetic on every rank, so the replicas stay
 // identical without broadcasting weights.
 //
-// What it trains with comes as a TrainerWiring (trainer_wiring.h); how the
-// model is laid out over the ranks (replicas, a pipeline, a TP x PP x DP
-// mesh) is the wiring's TrainerLayout (trainer_layout.h), which runs step 2
+// What it trains with comes as a TrainingPlan (cohort/plan/training_plan.h,
+// made by TrainerWiring's factories, cohort/wiring): the Trainer knows no
+// mode. How the model is laid out over the ranks (replicas, a pipeline, a
+// TP x PP x DP mesh) is the plan's TrainerLayout, which runs step 2
 // (with a pipeline: one PipelineRuntime step over the k micro-batches, k
 // being the schedule's m) and gives the norm of step 4 and the copies of
-// step 6. How each wiring clips and checkpoints (dcp, resharded at any
+// step 6. How each plan clips and checkpoints (dcp, resharded at any
 // world size but for a compressor's per-rank state): cohort/train/README.md.
-// The DDP and optimizers behind the wiring must outlive the trainer. It has
+// The DDP and optimizers behind the plan must outlive the trainer. It has
 // no global state: several trainers (ranks as threads) coexist.
 #pragma once
 
@@ -43,14 +44,14 @@
 
 #include "cohort/dcp/async_save.h"
 #include "cohort/grad_sync/leaf_tree.h"
+#include "cohort/plan/grad_norm.h"
+#include "cohort/plan/gradient_sync.h"
+#include "cohort/plan/trainer_optimizer.h"
+#include "cohort/plan/training_plan.h"
 #include "cohort/train/checkpoint_dir.h"
 #include "cohort/train/data_source.h"
-#include "cohort/train/grad_norm.h"
-#include "cohort/train/gradient_sync.h"
 #include "cohort/train/lr_schedule.h"
 #include "cohort/train/metrics_log.h"
-#include "cohort/train/trainer_optimizer.h"
-#include "cohort/train/trainer_wiring.h"
 #include "cohort/train/training_state.h"
 
 namespace cohort {
@@ -140,17 +141,17 @@ struct FitCallbacks {
 /// order.
 class Trainer {
  public:
-  /// wiring: the communicator, model, optimizer and gradient sync, from one of
-  /// TrainerWiring's factories (only valid pairings compile);
+  /// plan: the communicator, model, optimizer, gradient sync, layout and state dict, from one
+  /// of TrainerWiring's factories (only valid pairings compile);
   /// norm: nullptr means ReplicatedGradNorm, or ShardedGradNorm when the
   /// optimizer's gradients are sharded (TrainerOptimizer::sharded_gradients).
-  Trainer(TrainerWiring wiring, LossFn loss_fn, TrainerOptions config,
+  Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
           std::shared_ptr<GradNorm> norm = nullptr);
 
   /// A trainer that steps a pipeline (TrainerWiring::pipeline): the runtime's loss function,
   /// on the last stage, computes the loss. config.accumulation_steps must be the schedule's
   /// number of micro-batches; norm: nullptr means ShardedGradNorm over the pipeline group.
-  Trainer(TrainerWiring wiring, TrainerOptions config, std::shared_ptr<GradNorm> norm = nullptr);
+  Trainer(TrainingPlan plan, TrainerOptions config, std::shared_ptr<GradNorm> norm = nullptr);
 
   /// Loads the newest checkpoint that verifies from config.checkpoint_dir
   /// (collective). Newer ones that fail (a damaged file, or a damaged part
@@ -227,7 +228,7 @@ class Trainer {
   void write_main_file(int64_t step, const std::string& payload);
   void finish_pending_checkpoint();
 
-  TrainerWiring wiring_;
+  TrainingPlan plan_;
   Communicator& comm_;
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<torch::Tensor> params_;

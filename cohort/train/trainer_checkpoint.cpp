@@ -53,7 +53,7 @@ void Trainer::save_checkpoint() {
   // FSDP: the shards are what each rank saves (an evaluation forward may
   // have left the root's own parameters gathered).
   layout_.before_checkpoint();
-  auto state = wiring_.dcp_state_dict(nullptr);
+  auto state = plan_.dcp_state_dict(nullptr);
   save_buffers_from_rank0(state, *model_, comm_.rank());
   if (sync_.has_state()) add_sync_state(state, sync_.state(), comm_.rank());
   const auto folder = dcp_folder(checkpoints_->path_for(position_.step));
@@ -219,7 +219,7 @@ void Trainer::load_dcp(const std::string& folder, int64_t old_world) {
   dcp::Metadata meta;
   read_on_every_rank(comm_, [&] { meta = dcp::read_metadata(folder); });
   check_sync_state(meta, old_world, folder);
-  auto state = wiring_.dcp_state_dict(&meta);
+  auto state = plan_.dcp_state_dict(&meta);
   check_state_covers_model(meta, state, comm_, folder);
   if (sync_.has_state()) {
     add_sync_targets(
@@ -250,7 +250,7 @@ void Trainer::check_sync_state(const dcp::Metadata& meta, int64_t old_world,
     throw ConfigError(where +
                       " holds each rank's state of a stateful gradient compressor (its error "
                       "feedback), which this trainer (" +
-                      wiring_.mode() + ") does not run: resume with the compressor that wrote it");
+                      plan_.mode() + ") does not run: resume with the compressor that wrote it");
   }
   // Each rank's error feedback is its own gradients' residual: it has no
   // meaning on another rank, nor summed or split over other ranks.

@@ -22,9 +22,9 @@
 #include <thread>
 
 #include "cohort/cohort.h"
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
-#include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "dataset.h"

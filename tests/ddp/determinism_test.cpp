@@ -27,7 +27,7 @@
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/canonical_norm.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
-#include "cohort/train/grad_norm.h"
+#include "cohort/plan/grad_norm.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 #include "tests/ddp/determinism_support.h"

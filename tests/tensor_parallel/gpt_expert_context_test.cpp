@@ -23,7 +23,7 @@
 #include <mutex>
 
 #include "cohort/mesh/gradient_synchronizer.h"
-#include "cohort/train/mesh_wiring.h"
+#include "cohort/wiring/mesh_wiring.h"
 #include "examples/models/gpt_model.h"
 #include "support/rank_errors.h"
 #include "support/thread_ranks.h"

@@ -13,12 +13,13 @@
 #include <map>
 #include <set>
 
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/observability/counting_engine.h"
+#include "cohort/optim/trainer_adapters.h"
 #include "cohort/pipeline/pipeline_runtime.h"
-#include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"
-#include "cohort/train/trainer_adapters.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
 #include "tests/pipeline/pipeline_test_models.h"
 #include "tests/train/train_fixtures.h"

@@ -23,6 +23,7 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/trainer.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/determinism_support.h"
 

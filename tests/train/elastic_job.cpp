@@ -23,8 +23,8 @@
 #include <utility>
 
 #include "cohort/cohort.h"
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 

@@ -21,15 +21,16 @@
 #include <set>
 
 #include "cohort/dcp/dcp.h"
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/grad_sync/comm_hook.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
+#include "cohort/optim/trainer_adapters.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
-#include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
-#include "cohort/train/trainer_adapters.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 

@@ -19,6 +19,7 @@
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/train/trainer.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "support/subprocess.h"
 #include "support/thread_ranks.h"
 

@@ -17,6 +17,7 @@
 #include "cohort/pipeline/schedule.h"
 #include "cohort/train/dcp_checkpoint.h"
 #include "cohort/train/trainer.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "examples/models/gpt_model.h"
 #include "examples/models/gpt_pipeline.h"
 #include "support/subprocess.h"

@@ -6,16 +6,15 @@
 // Unlike the thread tests, each rank here has its own global generator, so
 // the model uses dropout and the resume must restore every rank's RNG.
 #include <signal.h>
+#include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
-#include <torch/torch.h>
-
 #include "cohort/cohort.h"
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 

@@ -19,6 +19,7 @@
 
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::sampled_data_source_test {

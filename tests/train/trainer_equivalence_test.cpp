@@ -7,9 +7,10 @@
 #include <memory>
 #include <optional>
 
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/train/ddp_gradient_sync.h"
 #include "cohort/train/trainer.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 

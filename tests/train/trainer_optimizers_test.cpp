@@ -10,10 +10,11 @@
 #include <type_traits>
 #include <utility>
 
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/train/ddp_gradient_sync.h"
+#include "cohort/optim/trainer_adapters.h"
 #include "cohort/train/trainer.h"
-#include "cohort/train/trainer_adapters.h"
+#include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "cohort/train/gradient_sync.h"
+#include "cohort/plan/gradient_sync.h"
 
 namespace cohort {
 

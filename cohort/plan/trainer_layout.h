@@ -4,15 +4,17 @@
 // the same samples, which communicators carry each dimension's traffic, and
 // whether each rank holds its own part of the model. The
 // Trainer calls it and never asks which layout it has. One implementation
-// per layout (made by TrainerWiring's factories):
+// per layout (made by TrainerWiring's factories, cohort/wiring):
 //
 //   ReplicaLayout    the whole model on every rank (DDP, ZeRO, the fused
 //                    optimizer, all-reduce): the Trainer's LossFn per
 //                    micro-batch, all but the last under
 //                    GradientSync::skip_sync()
 //   FSDPLayout       FSDP's shards: a ReplicaLayout whose checkpoints hold
-//                    the shards (TrainerWiring::fsdp)
-//   PipelineLayout   a pipeline's stages on each rank (TrainerWiring::pipeline,
+//                    the shards (TrainerWiring::fsdp;
+//                    cohort/fsdp/fsdp_adapters.h)
+//   PipelineLayout   a pipeline's stages on each rank
+//                    (cohort/pipeline/pipeline_layout.h; TrainerWiring::pipeline,
 //                    and ::mesh, whose stages are TP shards): one
 //                    PipelineRuntime step over the micro-batches; the norm,
 //                    ranks per sample and dimensions come from the factory
@@ -27,14 +29,12 @@
 #include <vector>
 
 #include "cohort/core/error.h"
-#include "cohort/pipeline/pipeline_runtime.h"
-#include "cohort/train/grad_norm.h"
-#include "cohort/train/gradient_sync.h"
+#include "cohort/plan/grad_norm.h"
+#include "cohort/plan/gradient_sync.h"
 
 namespace cohort {
 
 class Communicator;
-class FullyShardImpl;
 class Tracer;
 
 /// Computes the scalar loss of one micro-batch (forward through the DDP
@@ -93,53 +93,6 @@ class ReplicaLayout : public TrainerLayout {
  private:
   GradientSync& sync_;
   bool per_leaf_ = false;
-};
-
-/// FSDP's shards on every rank: a checkpoint saves and loads the shards, so
-/// parameters an evaluation forward left gathered are resharded first.
-class FSDPLayout : public ReplicaLayout {
- public:
-  /// `sync` and `root` must outlive the layout.
-  FSDPLayout(GradientSync& sync, FullyShardImpl& root);
-  std::string describe() const override {
-    return "FSDP (parameters and optimizer state sharded over the ranks)";
-  }
-  void before_checkpoint() override;
-  /// The shards' squared norms summed over the shard group (under HSDP the
-  /// replicas hold equal shards and must not count twice).
-  std::shared_ptr<GradNorm> norm() const override { return norm_; }
-
- private:
-  FullyShardImpl& root_;
-  std::shared_ptr<GradNorm> norm_;
-};
-
-/// A pipeline's stages on each rank: one PipelineRuntime step per optimizer step.
-class PipelineLayout : public TrainerLayout {
- public:
-  /// `runtime` must outlive the layout.
-  PipelineLayout(pipeline::PipelineRuntime& runtime, std::shared_ptr<GradNorm> norm,
-                 int ranks_per_sample, TrafficDimensions dimensions)
-      : runtime_(runtime),
-        norm_(std::move(norm)),
-        ranks_per_sample_(ranks_per_sample),
-        dimensions_(std::move(dimensions)) {}
-  void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const override;
-  double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
-              Tracer* tracer) override;
-  /// The pipeline's send and receive actions.
-  double comm_seconds() const override { return comm_seconds_; }
-  std::shared_ptr<GradNorm> norm() const override { return norm_; }
-  int ranks_per_sample() const override { return ranks_per_sample_; }
-  const TrafficDimensions& dimensions() const override { return dimensions_; }
-  std::string describe() const override { return "a pipeline (each rank holds its stages)"; }
-
- private:
-  pipeline::PipelineRuntime& runtime_;
-  std::shared_ptr<GradNorm> norm_;
-  int ranks_per_sample_;
-  TrafficDimensions dimensions_;
-  double comm_seconds_ = 0.0;
 };
 
 }  // namespace cohort

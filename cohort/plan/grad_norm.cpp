@@ -1,4 +1,4 @@
-#include "cohort/train/grad_norm.h"
+#include "cohort/plan/grad_norm.h"
 
 #include <cmath>
 

@@ -1,9 +1,9 @@
 // defines: TrainerOptimizer (the seam between the trainer and an optimizer)
 // and TorchOptimizer (any torch::optim::Optimizer: AdamW, SGD, ...).
 //
-// The fused optimizer and ZeRO plug in here (cohort/train/trainer_adapters.h).
-// The trainer checkpoints every optimizer's state through the wiring's dcp
-// state dict (TrainerWiring::dcp_state_dict), not through this seam.
+// The fused optimizer and ZeRO plug in here (cohort/optim/trainer_adapters.h).
+// The trainer checkpoints every optimizer's state through the plan's dcp
+// state dict (TrainingPlan::dcp_state_dict), not through this seam.
 // Optimizers that average the gradients inside step() (fused, ZeRO stage 2)
 // average them in gradients() instead, which the trainer calls before
 // clipping.

@@ -1,5 +1,5 @@
 // defines: FusedTrainerOptimizer and ZeroTrainerOptimizer, the
-// TrainerOptimizer adapters (cohort/train/trainer_optimizer.h) of the
+// TrainerOptimizer adapters (cohort/plan/trainer_optimizer.h) of the
 // distributed optimizers, and InStepGradientSync, the trainer's gradient
 // sync for an optimizer that averages the gradients itself.
 //
@@ -26,8 +26,8 @@
 
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
-#include "cohort/train/gradient_sync.h"
-#include "cohort/train/trainer_optimizer.h"
+#include "cohort/plan/gradient_sync.h"
+#include "cohort/plan/trainer_optimizer.h"
 
 namespace cohort {
 

@@ -1,11 +1,12 @@
-#include "cohort/train/trainer_wiring.h"
+#include "cohort/wiring/trainer_wiring.h"
 
 #include <algorithm>
 #include <set>
 #include <string>
 
-#include "cohort/train/fsdp_adapters.h"
-#include "cohort/train/mesh_wiring.h"
+#include "cohort/fsdp/fsdp_adapters.h"
+#include "cohort/pipeline/pipeline_layout.h"
+#include "cohort/wiring/mesh_wiring.h"
 
 namespace cohort {
 namespace {
@@ -73,7 +74,7 @@ TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
                                       torch::optim::Optimizer& optimizer) {
   TrainerWiring wiring(runtime.process_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer),
-                       std::make_unique<LocalGradientSync>(), &runtime);
+                       std::make_unique<LocalGradientSync>());
   wiring.set_pipeline_layout(runtime, nullptr);
   // Every rank writes all of its stages' tensors: they are its alone.
   wiring.set_stage_state(DeviceMesh::from_group(runtime.process_group(), "pp"), optimizer,
@@ -116,7 +117,7 @@ TrainerWiring TrainerWiring::pipeline_over(std::shared_ptr<Communicator> world,
   }
   auto sync = std::make_unique<AllReduceGradientSync>(dp_group, runtime.parameters());
   TrainerWiring wiring(std::move(world), stages_module(runtime),
-                       std::make_unique<TorchOptimizer>(optimizer), std::move(sync), &runtime,
+                       std::make_unique<TorchOptimizer>(optimizer), std::move(sync),
                        {runtime.process_group(), dp_group});
   wiring.set_pipeline_layout(runtime, dp_group);
   // The replicas of a stage (its data-parallel group) take turns writing
@@ -154,7 +155,7 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   more.push_back(dp_group);
   TrainerWiring wiring(mesh.process_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer),
-                       std::make_unique<MeshGradientSync>(sync), &runtime, more);
+                       std::make_unique<MeshGradientSync>(sync), more);
   // The last stage's copy of the tied embedding (pp > 1) is not a parameter of its own.
   const int stages = mesh.size("pp");
   const bool copy = stages > 1 && mesh.local_rank("pp") == stages - 1;
@@ -197,8 +198,7 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
   std::vector<std::shared_ptr<Communicator>> traffic = {model->process_group()};
   if (model->replicate_group()) traffic.push_back(model->replicate_group());
   TrainerWiring wiring(comm, model.ptr(), std::make_unique<FSDPTrainerOptimizer>(optimizer),
-                       std::make_unique<FSDPGradientSync>(model), nullptr, std::move(traffic));
-  wiring.fsdp_ = model.ptr();
+                       std::make_unique<FSDPGradientSync>(model), std::move(traffic));
   wiring.layout_ = std::make_unique<FSDPLayout>(*wiring.sync_, *model);
   std::shared_ptr<FullyShardImpl> root = model.ptr();
   wiring.dcp_state_ = [root, opt = &optimizer](const dcp::Metadata* for_load) {
@@ -220,16 +220,6 @@ void TrainerWiring::set_stage_state(DeviceMesh mesh, torch::optim::Optimizer& op
     options.tied = tied;
     return saving_or_loading(dcp::get_state_dict(*stages, *opt, options), for_load);
   };
-}
-
-void TrainerWiring::set_leaves(Determinism determinism, int64_t leaves, int64_t local_leaves,
-                               std::function<double(double)> canonical_clip) {
-  if (determinism != Determinism::WorldSizeInvariant) return;
-  determinism_ = determinism;
-  leaves_ = leaves;
-  local_leaves_ = local_leaves;
-  canonical_clip_ = std::move(canonical_clip);
-  layout_->set_per_leaf();
 }
 
 }  // namespace cohort

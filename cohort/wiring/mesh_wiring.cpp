@@ -1,4 +1,4 @@
-#include "cohort/train/mesh_wiring.h"
+#include "cohort/wiring/mesh_wiring.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/layers.h"
-#include "cohort/train/trainer_wiring.h"
+#include "cohort/wiring/trainer_wiring.h"
 
 namespace cohort {
 

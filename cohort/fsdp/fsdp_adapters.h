@@ -1,5 +1,6 @@
-// defines: FSDPTrainerOptimizer and FSDPGradientSync, what the Trainer
-// steps a fully sharded model (cohort::fully_shard) with.
+// defines: FSDPTrainerOptimizer, FSDPGradientSync and FSDPLayout, what the
+// Trainer steps a fully sharded model (cohort::fully_shard) with (the
+// interfaces of cohort/plan; TrainerWiring::fsdp puts them together).
 //
 // Sync: a fully sharded model reduce-scatters its gradients during backward
 // (cohort/fsdp/fsdp_state.h), and its end-of-backward callback has waited
@@ -19,10 +20,12 @@
 #include <torch/optim/optimizer.h>
 
 #include <memory>
+#include <string>
 
 #include "cohort/fsdp/fully_shard.h"
-#include "cohort/train/gradient_sync.h"
-#include "cohort/train/trainer_optimizer.h"
+#include "cohort/plan/gradient_sync.h"
+#include "cohort/plan/trainer_layout.h"
+#include "cohort/plan/trainer_optimizer.h"
 
 namespace cohort {
 
@@ -54,6 +57,25 @@ class FSDPGradientSync : public GradientSync {
 
   FullyShard model_;
   double start_seconds_ = 0.0;
+};
+
+/// FSDP's shards on every rank: a checkpoint saves and loads the shards, so
+/// parameters an evaluation forward left gathered are resharded first.
+class FSDPLayout : public ReplicaLayout {
+ public:
+  /// `sync` and `root` must outlive the layout.
+  FSDPLayout(GradientSync& sync, FullyShardImpl& root);
+  std::string describe() const override {
+    return "FSDP (parameters and optimizer state sharded over the ranks)";
+  }
+  void before_checkpoint() override;
+  /// The shards' squared norms summed over the shard group (under HSDP the
+  /// replicas hold equal shards and must not count twice).
+  std::shared_ptr<GradNorm> norm() const override { return norm_; }
+
+ private:
+  FullyShardImpl& root_;
+  std::shared_ptr<GradNorm> norm_;
 };
 
 }  // namespace cohort

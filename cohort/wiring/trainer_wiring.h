@@ -1,13 +1,16 @@
-// defines: TrainerWiring, what a Trainer trains with (its communicator, the
-// model whose parameters get the gradients, the optimizer adapter, the
-// gradient sync and the TrainerLayout), made only by one factory per valid
-// pairing of data parallelism and optimizer (ddp, zero, fused, all_reduce,
-// pipeline, mesh, fsdp; each documented below). A pairing outside the list
-// has no factory and does not compile; the one rule the types cannot say
-// (the ZeRO of ddp(ddp, zero) was built from that DDP) is checked when the
-// wiring is made, as InvalidArgument.
+// defines: TrainerWiring, the factories of a Trainer's TrainingPlan
+// (cohort/plan/training_plan.h: its communicator, the model whose
+// parameters get the gradients, the optimizer adapter, the gradient sync,
+// the TrainerLayout and the state dict), one per valid pairing of data
+// parallelism and optimizer (ddp, zero, fused, all_reduce, pipeline, mesh,
+// fsdp; each documented below). Each puts together the parts its mode's
+// folder exports and the mode's state dict (cohort/dcp/state_dict), so this
+// module sits above every mode, and the Trainer, which takes the plan,
+// below. A pairing outside the list has no factory and does not compile;
+// the one rule the types cannot say (the ZeRO of ddp(ddp, zero) was built
+// from that DDP) is checked when the wiring is made, as InvalidArgument.
 //
-// The wiring owns the adapters; the DDP, the optimizers, the pipeline
+// The plan owns the adapters; the DDP, the optimizers, the pipeline
 // runtime and the model are the caller's and must outlive the Trainer.
 // How each wiring clips, checkpoints and reports: cohort/train/README.md.
 #pragma once
@@ -25,25 +28,22 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
 #include "cohort/dcp/state_dict/state_dict.h"
+#include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
+#include "cohort/optim/trainer_adapters.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
-#include "cohort/train/ddp_gradient_sync.h"
-#include "cohort/train/grad_norm.h"
-#include "cohort/train/gradient_sync.h"
-#include "cohort/train/trainer_adapters.h"
-#include "cohort/train/trainer_layout.h"
-#include "cohort/train/trainer_optimizer.h"
+#include "cohort/plan/training_plan.h"
 
 namespace cohort {
 
-/// The Trainer's communicator, model, optimizer adapter and gradient sync, made by one factory per
-/// valid pairing (see the file comment).
-class TrainerWiring {
+/// A TrainingPlan made by one factory per valid pairing (see the file comment); the Trainer
+/// takes it as its TrainingPlan.
+class TrainerWiring : public TrainingPlan {
  public:
   /// DDP + any LibTorch optimizer (DDP averages in backward, no_sync() between micro-batches).
   template <typename ModuleHolder>
@@ -191,53 +191,6 @@ class TrainerWiring {
   /// not one of the model's parameters.
   static TrainerWiring fsdp(FullyShard model, torch::optim::Optimizer& optimizer);
 
-  /// The communicator every rank's trainer runs over.
-  const std::shared_ptr<Communicator>& process_group() const { return comm_; }
-  /// The earlier name.
-  [[deprecated("use process_group()")]] const std::shared_ptr<Communicator>& communicator() const {
-    return comm_;
-  }
-  /// The module whose parameters get the gradients.
-  const std::shared_ptr<torch::nn::Module>& model() const { return model_; }
-  /// The optimizer adapter.
-  TrainerOptimizer& optimizer() const { return *optimizer_; }
-  /// The gradient sync.
-  GradientSync& sync() const { return *sync_; }
-  /// The pipeline the trainer steps, or null: the trainer runs its LossFn per micro-batch.
-  pipeline::PipelineRuntime* pipeline() const { return pipeline_; }
-  /// The fully sharded root the trainer steps, or null.
-  FullyShardImpl* fsdp() const { return fsdp_.get(); }
-  /// This rank's model and optimizer state as a dcp::StateDict, under the
-  /// bare model's names (cohort/dcp/state_dict/state_dict.h); for_load: the checkpoint's
-  /// metadata when loading. Every wiring has one: the Trainer saves it with
-  /// dcp::save and loads it resharded at any world size, into any wiring
-  /// where the names agree.
-  dcp::StateDict dcp_state_dict(const dcp::Metadata* for_load) const {
-    return dcp_state_(for_load);
-  }
-  /// Every communicator a step's traffic goes over, each once: process_group(), and under PP x DP
-  /// also the pipeline group and the data-parallel group (a subgroup counts its own traffic).
-  const std::vector<std::shared_ptr<Communicator>>& traffic() const { return traffic_; }
-  /// How the model is laid out over the ranks (trainer_layout.h): what the Trainer calls to run
-  /// a step's micro-batches, for the norm, the loss's copies and the traffic per dimension.
-  TrainerLayout& layout() const { return *layout_; }
-
-  /// Determinism::WorldSizeInvariant when the wiring's DDP (alone or with a
-  /// ZeRO built from it) or FSDP root was built with it; Default otherwise,
-  /// and for every other wiring, which cannot honour it.
-  Determinism determinism() const { return determinism_; }
-  /// The leaf count of the global batch (WorldSizeInvariant; 0 otherwise).
-  int64_t leaves() const { return leaves_; }
-  /// The leaves this rank computes per step (WorldSizeInvariant; 1 otherwise).
-  int64_t local_leaves() const { return local_leaves_; }
-  /// WorldSizeInvariant with sharded gradients (ZeRO, FSDP): measures the
-  /// global norm in the canonical order and clips to its argument
-  /// (collective; returns the norm). Null otherwise: replicated gradients
-  /// are the same bits on every rank, and so is their local norm.
-  const std::function<double(double)>& canonical_clip() const { return canonical_clip_; }
-  /// What the wiring trains with ("DDP", "FSDP", "a pipeline", ...), for messages.
-  const std::string& mode() const { return mode_; }
-
  private:
   // PP x DP over `world`, the stages' gradients averaged over `dp_group`.
   static TrainerWiring pipeline_over(std::shared_ptr<Communicator> world,
@@ -246,26 +199,9 @@ class TrainerWiring {
                                      std::shared_ptr<Communicator> dp_group);
   TrainerWiring(std::shared_ptr<Communicator> comm, std::shared_ptr<torch::nn::Module> model,
                 std::unique_ptr<TrainerOptimizer> optimizer, std::unique_ptr<GradientSync> sync,
-                pipeline::PipelineRuntime* pipeline = nullptr,
                 std::vector<std::shared_ptr<Communicator>> more_traffic = {})
-      : comm_(std::move(comm)),
-        model_(std::move(model)),
-        optimizer_(std::move(optimizer)),
-        sync_(std::move(sync)),
-        layout_(std::make_unique<ReplicaLayout>(*sync_)),
-        pipeline_(pipeline) {
-    if (!comm_) throw InvalidArgument("TrainerWiring: communicator is null");
-    if (!model_) throw InvalidArgument("TrainerWiring: model is null");
-    traffic_.push_back(comm_);
-    for (auto& c : more_traffic) {
-      if (std::find(traffic_.begin(), traffic_.end(), c) == traffic_.end()) traffic_.push_back(c);
-    }
-  }
-
-  // Records the determinism of the wiring's DDP or FSDP root; with
-  // WorldSizeInvariant, each micro-batch is a leaf (trainer_layout.h).
-  void set_leaves(Determinism determinism, int64_t leaves, int64_t local_leaves,
-                  std::function<double(double)> canonical_clip);
+      : TrainingPlan(std::move(comm), std::move(model), std::move(optimizer), std::move(sync),
+                     std::move(more_traffic)) {}
 
   // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
   void set_pipeline_layout(pipeline::PipelineRuntime& runtime,
@@ -293,27 +229,6 @@ class TrainerWiring {
       return saving_or_loading(dcp::get_state_dict(*model, *z), for_load);
     };
   }
-
-  // `state`, or with for_load its targets for loading that checkpoint (the
-  // Trainer checks them against the checkpoint before it loads).
-  static dcp::StateDict saving_or_loading(dcp::StateDict state, const dcp::Metadata* for_load) {
-    return for_load ? state.load_targets(*for_load) : state;
-  }
-
-  std::shared_ptr<Communicator> comm_;
-  std::shared_ptr<torch::nn::Module> model_;
-  std::unique_ptr<TrainerOptimizer> optimizer_;
-  std::unique_ptr<GradientSync> sync_;
-  std::unique_ptr<TrainerLayout> layout_;
-  pipeline::PipelineRuntime* pipeline_ = nullptr;
-  std::shared_ptr<FullyShardImpl> fsdp_;
-  std::function<dcp::StateDict(const dcp::Metadata*)> dcp_state_;
-  std::vector<std::shared_ptr<Communicator>> traffic_;
-  Determinism determinism_ = Determinism::Default;
-  int64_t leaves_ = 0;
-  int64_t local_leaves_ = 1;
-  std::function<double(double)> canonical_clip_;
-  std::string mode_;
 };
 
 }  // namespace cohort

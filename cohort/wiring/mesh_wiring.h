@@ -27,8 +27,8 @@
 
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/mesh/gradient_synchronizer.h"
-#include "cohort/train/grad_norm.h"
-#include "cohort/train/gradient_sync.h"
+#include "cohort/plan/grad_norm.h"
+#include "cohort/plan/gradient_sync.h"
 
 namespace cohort {
 

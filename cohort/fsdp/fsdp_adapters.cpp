@@ -1,4 +1,4 @@
-#include "cohort/train/fsdp_adapters.h"
+#include "cohort/fsdp/fsdp_adapters.h"
 
 #include <utility>
 
@@ -27,5 +27,12 @@ double FSDPGradientSync::seconds_now() const {
 }
 
 double FSDPGradientSync::comm_seconds() const { return seconds_now() - start_seconds_; }
+
+FSDPLayout::FSDPLayout(GradientSync& sync, FullyShardImpl& root)
+    : ReplicaLayout(sync),
+      root_(root),
+      norm_(std::make_shared<ShardedGradNorm>(root.process_group())) {}
+
+void FSDPLayout::before_checkpoint() { root_.reshard(); }
 
 }  // namespace cohort

@@ -4,7 +4,7 @@
 //
 // The trainer runs k micro-batches per optimizer step. Only the last one's
 // backward must communicate: earlier ones accumulate into .grad locally.
-// DDP does that with no_sync() during backward (see ddp_gradient_sync.h);
+// DDP does that with no_sync() during backward (cohort/ddp/ddp_gradient_sync.h);
 // the all-reduce fallback does it after the final backward. LocalGradientSync
 // is for gradients that need no averaging (one data-parallel replica: a
 // pipeline alone).

@@ -1,4 +1,4 @@
-#include "cohort/train/gradient_sync.h"
+#include "cohort/plan/gradient_sync.h"
 
 #include <chrono>
 
@@ -15,8 +15,7 @@ void AllReduceGradientSync::finish_sync() {
   if (comm_->size() == 1) return;
   const auto start = std::chrono::steady_clock::now();
   average_gradients(params_, *comm_);
-  comm_seconds_ +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  comm_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace cohort
