@@ -201,9 +201,7 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
                        std::make_unique<FSDPGradientSync>(model), std::move(traffic));
   wiring.layout_ = std::make_unique<FSDPLayout>(*wiring.sync_, *model);
   std::shared_ptr<FullyShardImpl> root = model.ptr();
-  wiring.dcp_state_ = [root, opt = &optimizer](const dcp::Metadata* for_load) {
-    return saving_or_loading(dcp::get_state_dict(*root, *opt), for_load);
-  };
+  wiring.set_dcp_state(root, optimizer);
   wiring.mode_ = "FSDP";
   wiring.set_leaves(model->options().determinism, model->options().leaves, model->local_leaves(),
                     [root](double max_norm) { return root->clip_grad_norm(max_norm); });

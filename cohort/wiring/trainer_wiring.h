@@ -52,7 +52,7 @@ class TrainerWiring : public TrainingPlan {
     TrainerWiring wiring(ddp.process_group(), ddp.module().ptr(),
                          std::make_unique<TorchOptimizer>(optimizer),
                          std::make_unique<DDPGradientSync<ModuleHolder>>(ddp));
-    wiring.set_replicated_state_dict(optimizer);
+    wiring.set_dcp_state(wiring.model_, optimizer);
     wiring.mode_ = "DDP";
     wiring.set_leaves(ddp.reducer().options().determinism, ddp.reducer().options().leaves,
                       ddp.local_leaves(), nullptr);
@@ -72,7 +72,7 @@ class TrainerWiring : public TrainingPlan {
     TrainerWiring wiring(ddp.process_group(), ddp.module().ptr(),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<DDPGradientSync<ModuleHolder>>(ddp));
-    wiring.set_zero_state_dict(zero);
+    wiring.set_dcp_state(wiring.model_, zero);
     wiring.mode_ = "ZeRO over DDP";
     // make(ddp, ...) checked that ZeRO has DDP's determinism and leaves.
     const auto& o = ddp.reducer().options();
@@ -92,7 +92,7 @@ class TrainerWiring : public TrainingPlan {
     TrainerWiring wiring(zero.process_group(), std::move(model),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<InStepGradientSync>(zero));
-    wiring.set_zero_state_dict(zero);
+    wiring.set_dcp_state(wiring.model_, zero);
     wiring.mode_ = "ZeRO without DDP";
     return wiring;
   }
@@ -115,10 +115,7 @@ class TrainerWiring : public TrainingPlan {
                             ": the fused optimizer must be built over model->parameters(), in "
                             "that order");
     }
-    std::shared_ptr<torch::nn::Module> bare = wiring.model_;
-    wiring.dcp_state_ = [bare, f = &fused](const dcp::Metadata* for_load) {
-      return saving_or_loading(dcp::get_state_dict(*bare, *f), for_load);
-    };
+    wiring.set_dcp_state(wiring.model_, fused);
     wiring.mode_ = "the fused optimizer";
     return wiring;
   }
@@ -132,7 +129,7 @@ class TrainerWiring : public TrainingPlan {
     auto sync = std::make_unique<AllReduceGradientSync>(comm, model->parameters());
     TrainerWiring wiring(std::move(comm), std::move(model),
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
-    wiring.set_replicated_state_dict(optimizer);
+    wiring.set_dcp_state(wiring.model_, optimizer);
     wiring.mode_ = "the all-reduce wiring";
     return wiring;
   }
@@ -213,20 +210,14 @@ class TrainerWiring : public TrainingPlan {
   void set_stage_state(DeviceMesh mesh, torch::optim::Optimizer& optimizer,
                        std::shared_ptr<torch::nn::Module> stages, dcp::TiedNames tied);
 
-  // DDP's and all-reduce's: every rank holds the model and the optimizer's
-  // state whole (written once).
-  void set_replicated_state_dict(torch::optim::Optimizer& optimizer) {
-    std::shared_ptr<torch::nn::Module> model = model_;
-    dcp_state_ = [model, opt = &optimizer](const dcp::Metadata* for_load) {
+  // dcp::get_state_dict of `model` with `optimizer`, whose type picks the
+  // mode's layout (dcp/state_dict/state_dict.h): a LibTorch optimizer over a
+  // replicated module or a fully sharded root, ZeRO's pieces, the fused
+  // optimizer's buffers.
+  template <typename Model, typename Optimizer>
+  void set_dcp_state(std::shared_ptr<Model> model, Optimizer& optimizer) {
+    dcp_state_ = [model = std::move(model), opt = &optimizer](const dcp::Metadata* for_load) {
       return saving_or_loading(dcp::get_state_dict(*model, *opt), for_load);
-    };
-  }
-
-  // ZeRO's state dict is the model's parameters and the optimizer's pieces.
-  void set_zero_state_dict(ZeroRedundancyOptimizer& zero) {
-    std::shared_ptr<torch::nn::Module> model = model_;
-    dcp_state_ = [model, z = &zero](const dcp::Metadata* for_load) {
-      return saving_or_loading(dcp::get_state_dict(*model, *z), for_load);
     };
   }
 };
