@@ -1,5 +1,6 @@
 #include "cohort/fsdp/param_group.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/function.h>
@@ -78,6 +79,9 @@ FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<st
   // The full storage, with a view per parameter, made while it has its bytes
   // (set_ would otherwise grow it).
   const auto full_options = options.dtype(param_dtype_);
+  // A device's allocator allocates on the current device: make it the
+  // parameters' (here and in allocate_full()).
+  const c10::DeviceGuard on_device(params_[0].device());
   full_storage_ = c10::Storage(c10::Storage::use_byte_size_t(),
                                layout_.full_numel * c10::elementSize(param_dtype_),
                                c10::GetAllocator(params_[0].device().type()), /*resizable=*/true);
@@ -162,6 +166,7 @@ void FSDPParamGroup::allocate_full() {
   auto* impl = full_storage_.unsafeGetStorageImpl();
   const size_t bytes = layout_.full_numel * c10::elementSize(param_dtype_);
   if (impl->nbytes() == bytes) return;
+  const c10::DeviceGuard on_device(params_[0].device());
   impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
   impl->set_nbytes(bytes);
 }

@@ -35,18 +35,22 @@ StagingBuffer::StagingBuffer(int64_t numel, torch::TensorOptions options)
 torch::Tensor StagingBuffer::acquire() {
   if (current_.defined()) return current_;
 #ifdef MADV_FREE
-  if (!mapping_) {
-    const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-    const auto bytes = static_cast<size_t>(std::max<int64_t>(nbytes(), 1));
-    mapping_ = std::make_shared<Mapping>((bytes + page - 1) / page * page);
+  // Host memory only: a GPU's buffer comes from its caching allocator,
+  // which keeps freed blocks without page faults already.
+  if (options_.device().is_cpu()) {
+    if (!mapping_) {
+      const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+      const auto bytes = static_cast<size_t>(std::max<int64_t>(nbytes(), 1));
+      mapping_ = std::make_shared<Mapping>((bytes + page - 1) / page * page);
+    }
+    // The deleter holds the mapping: a tensor that outlives the buffer (or
+    // a use) still points at mapped memory.
+    current_ = torch::from_blob(
+        mapping_->data, {numel_}, [keep = mapping_](void*) {}, options_);
+    return current_;
   }
-  // The deleter holds the mapping: a tensor that outlives the buffer (or
-  // a use) still points at mapped memory.
-  current_ = torch::from_blob(
-      mapping_->data, {numel_}, [keep = mapping_](void*) {}, options_);
-#else
-  current_ = torch::empty({numel_}, options_);
 #endif
+  current_ = torch::empty({numel_}, options_);
   return current_;
 }
 
@@ -61,7 +65,7 @@ void StagingBuffer::release() {
   // stays valid memory (its deleter holds the mapping) with undefined
   // contents, like a view of a reused bucket. The advice is only a hint:
   // if it fails the pages simply stay resident.
-  ::madvise(mapping_->data, mapping_->bytes, MADV_FREE);
+  if (mapping_) ::madvise(mapping_->data, mapping_->bytes, MADV_FREE);
 #endif
 }
 

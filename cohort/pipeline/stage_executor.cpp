@@ -164,7 +164,7 @@ void StageExecutor::apply_loss(int mb, Slot& slot, const Tensors& out) {
     // the schedule runs to its end.
     if (losses_.bad_mb < 0) losses_.bad_mb = mb, losses_.bad_numel = loss.numel();
     losses_.losses[mb] = loss.numel() == 1 ? loss.item<double>() : std::nan("");
-    slot.outputs = {torch::zeros({})};
+    slot.outputs = {torch::zeros({}, loss.options())};
     return;
   }
   losses_.losses[mb] = loss.item<double>();

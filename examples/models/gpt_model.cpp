@@ -133,7 +133,7 @@ class TransformerBlockImpl : public torch::nn::Module {
       return out.permute({2, 0, 1, 3}).reshape({T, B, heads * hd});
     }
     auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    auto future = torch::ones({T, T}, torch::kBool).triu(1);
+    auto future = torch::ones({T, T}, scores.options().dtype(torch::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
     auto probs = dropout(torch::softmax(scores, -1));
     return torch::matmul(probs, v).permute({2, 0, 1, 3}).reshape({T, B, heads * hd});

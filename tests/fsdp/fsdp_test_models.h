@@ -1,4 +1,5 @@
-// defines: the models, batches and comparisons the FSDP tests share.
+// defines: the models, batches and comparisons the FSDP tests share. The
+// models, batches and one-process references live on test_device().
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
+#include "tests/support/test_device.h"
 
 namespace cohort::testing::fsdp_test {
 
@@ -57,18 +59,23 @@ TORCH_MODULE(OutProj);
 
 // The model: units of 7 and 6 rows (neither divides by 2, 4), a root-held
 // weight tied between the first and last layer, a root-held bias layer of
-// 5 rows. `unit` makes each Linear a unit, or leaves it plain.
+// 5 rows. `unit` makes each Linear a unit, or leaves it plain. Every layer
+// is on test_device() before it is wrapped: a unit shards what it holds then.
 inline Sequential make_model_with(const std::function<AnyModule(AnyModule)>& unit) {
-  auto tied = torch::zeros({5, 7});
+  auto on_device = [](Linear l) {
+    l->to(test_device());
+    return l;
+  };
+  auto tied = torch::zeros({5, 7}, test_device());
   Sequential seq;
   seq->push_back(InProj(tied));
   seq->push_back(Tanh());
-  seq->push_back(unit(AnyModule(Linear(7, 6))));
+  seq->push_back(unit(AnyModule(on_device(Linear(7, 6)))));
   seq->push_back(Tanh());
-  seq->push_back(unit(AnyModule(Linear(6, 7))));
+  seq->push_back(unit(AnyModule(on_device(Linear(6, 7)))));
   seq->push_back(Tanh());
   seq->push_back(OutProj(tied));
-  seq->push_back(Linear(5, 5));
+  seq->push_back(on_device(Linear(5, 5)));
   return seq;
 }
 
@@ -93,8 +100,8 @@ inline Batches make_batches(uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   Batches b;
   for (int s = 0; s < kSteps; ++s) {
-    b.x.push_back(torch::randn({kBatch, 5}, gen));
-    b.y.push_back(torch::randn({kBatch, 5}, gen));
+    b.x.push_back(torch::randn({kBatch, 5}, gen).to(test_device()));
+    b.y.push_back(torch::randn({kBatch, 5}, gen).to(test_device()));
   }
   return b;
 }

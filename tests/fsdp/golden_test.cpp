@@ -4,7 +4,8 @@
 // (fp32), at world 1 to 4, for AdamW and SGD with momentum, resharding
 // after forward or not, shapes that do not divide by the world size, a
 // weight tied between the first and the last layer, and accumulation over
-// two micro-batches.
+// two micro-batches. With COHORT_TEST_DEVICE=cuda the models, the data and
+// the reference live on the GPU (fsdp_test_models.h).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

@@ -10,6 +10,8 @@
 // - reduce-scatters start during backward (the gradient accumulators stay
 //   hooked although the parameters change dtype);
 // - ranks that disagree on the policy fail on every rank.
+// With COHORT_TEST_DEVICE=cuda the models, the data and the reference live
+// on the GPU (fsdp_test_models.h).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -18,6 +20,7 @@
 
 #include "cohort/fsdp/fully_shard.h"
 #include "support/rank_errors.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 #include "tests/fsdp/fsdp_test_models.h"
 
@@ -89,7 +92,7 @@ TEST_P(MixedPrecisionBytes, Bf16AllGathersHalfTheBytesOfFp32) {
       comm->reset_stats();
       for (int s = 0; s < kSteps3; ++s) {
         opt.zero_grad();
-        model->forward(torch::randn({4, 5})).square().mean().backward();
+        model->forward(torch::randn({4, 5}, test_device())).square().mean().backward();
         opt.step();
       }
       std::lock_guard<std::mutex> lock(mu);
@@ -230,7 +233,7 @@ TEST(MixedPrecision, ReduceScattersStartDuringBackward) {
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
     auto model = mixed_model(comm, bf16_policy(torch::kFloat), true);
     for (int s = 0; s < 2; ++s) {
-      auto x = torch::randn({4, 5}).requires_grad_();
+      auto x = torch::randn({4, 5}, test_device()).requires_grad_();
       uint64_t launched = 0;
       // The input's gradient is the last thing backward computes before
       // its end; by then both inner units have had all their gradients.

@@ -2,7 +2,8 @@
 // a three-layer net with 61 parameters (not divisible by 2, 3 or 4) and an
 // optional layer that never takes part (it gets no gradient), per-rank
 // batches fixed before the ranks start, and DDP + a LibTorch optimizer as
-// the reference every sharded or fused optimizer must reproduce.
+// the reference every sharded or fused optimizer must reproduce. A Problem
+// made for a device keeps its parameters and batches there.
 #pragma once
 
 #include <torch/torch.h>
@@ -31,22 +32,26 @@ TORCH_MODULE(OptimNet);
 constexpr int kSteps = 20;
 
 // Everything a run needs, made on the main thread (the global RNG is not
-// for threads): initial parameters and every rank's batches.
+// for threads): initial parameters and every rank's batches. The values are
+// drawn on the CPU, so they are the same whatever the device.
 struct Problem {
   int world = 1;
   bool with_unused = false;
+  torch::Device device = torch::kCPU;
   std::vector<torch::Tensor> init;
   torch::Tensor xs, ys;  // [steps, world, rows, features]
 
-  Problem(int w, bool unused = false, int steps = kSteps) : world(w), with_unused(unused) {
+  Problem(int w, bool unused = false, int steps = kSteps, torch::Device d = torch::kCPU)
+      : world(w), with_unused(unused), device(d) {
     torch::manual_seed(1234);
     OptimNet net(unused);
-    for (auto& p : net->parameters()) init.push_back(p.detach().clone());
-    xs = torch::randn({steps, w, 3, 7});
-    ys = torch::randn({steps, w, 3, 1});
+    for (auto& p : net->parameters()) init.push_back(p.detach().clone().to(d));
+    xs = torch::randn({steps, w, 3, 7}).to(d);
+    ys = torch::randn({steps, w, 3, 1}).to(d);
   }
   OptimNet make_net() const {
     OptimNet net(with_unused);
+    net->to(device);
     torch::NoGradGuard no_grad;
     auto ps = net->parameters();
     for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(init[i]);

@@ -2,10 +2,14 @@
 // 20 steps at the parameters of DDP + the same LibTorch optimizer, within
 // 1e-6, at world sizes 1-4 with 61 parameters (divisible by none of 2, 3,
 // 4) and buckets of 16 elements, so parameters straddle chunks and ranks.
+// With COHORT_TEST_DEVICE=cuda the equivalence cases (ZeroEquivalence,
+// Zero.AdamAndSgdMomentumMatchDdp) put the models, the data and the DDP
+// reference on the GPU.
 #include <gtest/gtest.h>
 
 #include "cohort/optim/optimizer_state.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+#include "support/test_device.h"
 #include "tests/optim/optim_test_support.h"
 
 namespace cohort::testing::zero_test {
@@ -88,7 +92,7 @@ class ZeroEquivalence : public ::testing::TestWithParam<Case> {};
 TEST_P(ZeroEquivalence, AdamWTwentyStepsMatchDdp) {
   const auto c = GetParam();
   torch::set_num_threads(1);
-  const Problem pb(c.world);
+  const Problem pb(c.world, false, kSteps, test_device());
   const auto opts = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
   const auto expected = reference_run(pb, [&](std::vector<torch::Tensor> ps) {
     return std::make_unique<torch::optim::AdamW>(ps, opts);
@@ -117,7 +121,7 @@ INSTANTIATE_TEST_SUITE_P(Zero, ZeroEquivalence,
 
 TEST(Zero, AdamAndSgdMomentumMatchDdp) {
   torch::set_num_threads(1);
-  const Problem pb(3);
+  const Problem pb(3, false, kSteps, test_device());
   ZeroOptions zo;
   zo.stage = 2;
   zo.bucket_cap_mb = kTinyBucketMb;

@@ -1,6 +1,8 @@
 // Pipeline x data parallel on 4 ranks (pp 2 x dp 2): with an all-reduce of
 // the stage gradients once per step, and with ZeRO-1 over the DP group;
-// both must equal one process on the whole batch.
+// both must equal one process on the whole batch. With
+// COHORT_TEST_DEVICE=cuda the models, the data and the reference live on
+// the GPU.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -8,6 +10,7 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "pipeline_test_models.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::pipeline::composition_test {
@@ -38,11 +41,13 @@ void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::str
 }
 
 TEST(PipelineComposition, PipelineTimesDataParallelEqualsOneProcess) {
-  const auto x = det({kDP * 2 * kM, kWidth}, 0.4), y = det({kDP * 2 * kM, kWidth}, 1.3);
+  const auto device = cohort::testing::test_device();
+  const auto x = det({kDP * 2 * kM, kWidth}, 0.4).to(device);
+  const auto y = det({kDP * 2 * kM, kWidth}, 1.3).to(device);
   const Reference ref = reference_run(kPP, x, y, kM);
   cohort::testing::run_ranks(kDP * kPP, [&](Communicator& world) {
     Mesh mesh = make_mesh(world);
-    auto model = make_mlp(kPP);
+    auto model = make_mlp(kPP, device);
     const int s = mesh.pp_rank;
     PipelineRuntime rt(cohort::DeviceMesh::from_group(mesh.pp, "pp"),
                        {PipelineStage(s, split_sequential(model, {2}, s))}, Schedule1F1B(kPP, kM),
@@ -59,15 +64,17 @@ TEST(PipelineComposition, PipelineTimesDataParallelEqualsOneProcess) {
 
 TEST(PipelineComposition, PipelineWithZeroOneEqualsOneProcess) {
   const double lr = 0.1;
-  const auto x = det({kDP * 2 * kM, kWidth}, 0.4), y = det({kDP * 2 * kM, kWidth}, 1.3);
+  const auto device = cohort::testing::test_device();
+  const auto x = det({kDP * 2 * kM, kWidth}, 0.4).to(device);
+  const auto y = det({kDP * 2 * kM, kWidth}, 1.3).to(device);
   // One process: one SGD step on the whole batch.
-  auto ref_model = make_mlp(kPP);
+  auto ref_model = make_mlp(kPP, device);
   torch::nn::functional::mse_loss(ref_model->forward(x), y).backward();
   torch::optim::SGD(ref_model->parameters(), torch::optim::SGDOptions(lr)).step();
   auto ref_params = ref_model->parameters();
   cohort::testing::run_ranks(kDP * kPP, [&](Communicator& world) {
     Mesh mesh = make_mesh(world);
-    auto model = make_mlp(kPP);
+    auto model = make_mlp(kPP, device);
     const int s = mesh.pp_rank;
     PipelineRuntime rt(cohort::DeviceMesh::from_group(mesh.pp, "pp"),
                        {PipelineStage(s, split_sequential(model, {2}, s))}, ScheduleZBH1(kPP, kM),

@@ -24,8 +24,8 @@ inline torch::Tensor det(std::vector<int64_t> shape, double phase) {
   return torch::sin(torch::arange(n, torch::kFloat32) * 0.37 + phase).reshape(shape) * 0.5;
 }
 
-// `stages` blocks of (Linear, Tanh): two layers per stage.
-inline torch::nn::Sequential make_mlp(int stages) {
+// `stages` blocks of (Linear, Tanh): two layers per stage, on `device`.
+inline torch::nn::Sequential make_mlp(int stages, torch::Device device = torch::kCPU) {
   torch::nn::Sequential seq;
   torch::NoGradGuard no_grad;
   for (int s = 0; s < stages; ++s) {
@@ -35,6 +35,7 @@ inline torch::nn::Sequential make_mlp(int stages) {
     seq->push_back(lin);
     seq->push_back(torch::nn::Tanh());
   }
+  seq->to(device);
   return seq;
 }
 
@@ -53,10 +54,10 @@ struct Reference {
   std::vector<torch::Tensor> grads;  // model->parameters() order
 };
 
-// The whole batch in one process: the mean loss, its gradients, and each
-// micro-batch's loss.
+// The whole batch in one process, on x's device: the mean loss, its
+// gradients, and each micro-batch's loss.
 inline Reference reference_run(int stages, const torch::Tensor& x, const torch::Tensor& y, int m) {
-  auto model = make_mlp(stages);
+  auto model = make_mlp(stages, x.device());
   auto loss = torch::nn::functional::mse_loss(model->forward(x), y);
   loss.backward();
   Reference r;

@@ -1,5 +1,7 @@
 // The pipeline runtime against one process: every schedule x pp x v x m on a
 // small MLP (ranks as threads), a boundary of several tensors, the errors.
+// With COHORT_TEST_DEVICE=cuda PipelineEquivalence puts the models, the
+// data and the reference on the GPU.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -9,6 +11,7 @@
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/schedule_validator.h"
 #include "pipeline_test_models.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::pipeline::runtime_test {
@@ -51,12 +54,13 @@ class PipelineEquivalence : public ::testing::TestWithParam<Case> {};
 TEST_P(PipelineEquivalence, LossesAndGradientsMatchOneProcess) {
   const Case c = GetParam();
   const int stages = c.pp * c.v;
-  const auto x = det({2 * c.m, kWidth}, 0.3), y = det({2 * c.m, kWidth}, 1.1);
+  const auto device = cohort::testing::test_device();
+  const auto x = det({2 * c.m, kWidth}, 0.3).to(device), y = det({2 * c.m, kWidth}, 1.1).to(device);
   const Reference ref = reference_run(stages, x, y, c.m);
   run_ranks_shared(c.pp, [&](std::shared_ptr<Communicator> comm) {
     torch::set_num_threads(1);
     auto schedule = make_schedule(c.schedule, c.pp, c.v, c.m);
-    auto model = make_mlp(stages);
+    auto model = make_mlp(stages, device);
     std::vector<PipelineStage> mine;
     for (int s : schedule.stages_of(comm->rank()))
       mine.emplace_back(s, split_sequential(model, mlp_boundaries(stages), s));

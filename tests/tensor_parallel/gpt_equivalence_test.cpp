@@ -8,6 +8,9 @@
 // group, the batch split into micro-batches) and
 // GradientSynchronizer::synchronize; pp = 1 through forward, backward and
 // the DP reducer overlapped with it.
+//
+// With COHORT_TEST_DEVICE=cuda the stages, the batches and the one-process
+// reference live on the GPU.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
@@ -20,6 +23,7 @@
 #include "examples/models/gpt_model.h"
 #include "examples/models/gpt_pipeline.h"
 #include "support/rank_errors.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing::gpt_equivalence_test {
@@ -106,6 +110,7 @@ Result train(const Case& k, int64_t layers) {
     auto mesh = init_device_mesh(world, {k.pp, k.dp, k.tp}, {"pp", "dp", "tp"});
     const auto c = config(k.sp, k.v, layers);
     GPTStage stage(mesh, c);
+    stage->to(test_device());  // before the synchronizer and the pipeline take its parameters
     cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                                       stage->shared_embedding_weight());
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -115,8 +120,8 @@ Result train(const Case& k, int64_t layers) {
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) {
       auto [ids, targets] = batch(s, c);
-      ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows);
-      targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows);
+      ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows).to(test_device());
+      targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows).to(test_device());
       auto loss =
           rt ? step(mesh, *rt, sync, opt, ids, targets) : step(stage, sync, opt, ids, targets);
       if (loss.defined()) {

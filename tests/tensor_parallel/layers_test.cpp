@@ -3,6 +3,8 @@
 // backward; the vocab-parallel cross-entropy against
 // torch::nn::functional::cross_entropy; f and g against closed forms;
 // split_dims against the layers it must name.
+// With COHORT_TEST_DEVICE=cuda the layer-against-dense cases put the
+// layers, the data and the dense reference on the GPU.
 #include "cohort/tensor_parallel/layers.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -11,6 +13,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "cohort/tensor_parallel/mappings.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing::layers_test {
@@ -18,8 +21,14 @@ namespace {
 
 using namespace cohort::tensor_parallel;
 
+// Drawn on the CPU (the same values on every device), kept on test_device().
 torch::Tensor randn(at::IntArrayRef sizes, uint64_t seed) {
-  return torch::randn(sizes, at::detail::createCPUGenerator(seed));
+  return torch::randn(sizes, at::detail::createCPUGenerator(seed)).to(test_device());
+}
+
+std::pair<torch::Tensor, torch::Tensor> linear_weights(int64_t in, int64_t out, uint64_t seed) {
+  auto [w, b] = master_linear_weights(in, out, seed);
+  return {w.to(test_device()), b.to(test_device())};
 }
 
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
@@ -33,7 +42,7 @@ class Layers : public ::testing::TestWithParam<int> {};
 TEST_P(Layers, ColumnParallelLinearMatchesDense) {
   const int tp = GetParam();
   const int64_t in = 6, out = 12;
-  auto [w, b] = master_linear_weights(in, out, 5);
+  auto [w, b] = linear_weights(in, out, 5);
   const auto x0 = randn({2, 3, in}, 1), c = randn({2, 3, out}, 2);
   auto wd = w.clone().requires_grad_(), bd = b.clone().requires_grad_();
   auto xd = x0.clone().requires_grad_();
@@ -47,6 +56,7 @@ TEST_P(Layers, ColumnParallelLinearMatchesDense) {
       o.seed = 5;
       o.gather_output = gather;
       ColumnParallelLinear layer(cohort::DeviceMesh::from_group(g, "tp"), in, out, o);
+      layer->to(test_device());
       const auto r = g->rank();
       expect_close(layer->weight, split_along(w, 0, r, tp, "w"), "weight shard");
       auto x = x0.clone().requires_grad_();
@@ -66,7 +76,7 @@ TEST_P(Layers, ColumnParallelLinearMatchesDense) {
 TEST_P(Layers, RowParallelLinearMatchesDense) {
   const int tp = GetParam();
   const int64_t in = 12, out = 5;
-  auto [w, b] = master_linear_weights(in, out, 7);
+  auto [w, b] = linear_weights(in, out, 7);
   const auto x0 = randn({4, in}, 3), c = randn({4, out}, 4);
   auto wd = w.clone().requires_grad_(), bd = b.clone().requires_grad_();
   auto xd = x0.clone().requires_grad_();
@@ -80,6 +90,7 @@ TEST_P(Layers, RowParallelLinearMatchesDense) {
       o.seed = 7;
       o.input_is_parallel = parallel_input;
       RowParallelLinear layer(cohort::DeviceMesh::from_group(g, "tp"), in, out, o);
+      layer->to(test_device());
       const auto r = g->rank();
       auto x = (parallel_input ? split_along(x0, 1, r, tp, "x") : x0).clone().requires_grad_();
       auto y = layer(x);
@@ -98,8 +109,9 @@ TEST_P(Layers, VocabParallelEmbeddingMatchesDense) {
   const int64_t vocab = 12, dim = 5;
   VocabParallelEmbeddingOptions o;
   o.seed = 9;
-  auto wd = master_embedding_weight(vocab, dim, o).requires_grad_();
-  const auto ids = torch::randint(vocab, {3, 4}, at::detail::createCPUGenerator(8));
+  auto wd = master_embedding_weight(vocab, dim, o).to(test_device()).requires_grad_();
+  const auto ids =
+      torch::randint(vocab, {3, 4}, at::detail::createCPUGenerator(8)).to(test_device());
   const auto c = randn({3, 4, dim}, 10);
   auto yd = torch::embedding(wd, ids);
   (yd * c).sum().backward();
@@ -107,6 +119,7 @@ TEST_P(Layers, VocabParallelEmbeddingMatchesDense) {
   run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
     torch::set_num_threads(1);
     VocabParallelEmbedding layer(cohort::DeviceMesh::from_group(g, "tp"), vocab, dim, o);
+    layer->to(test_device());
     auto y = layer(ids);
     expect_close(y, yd, "output");
     (y * c).sum().backward();
@@ -121,7 +134,8 @@ TEST_P(Layers, VocabParallelCrossEntropyMatchesTorch) {
   // Large logits: the max subtraction must keep exp() finite.
   for (double offset : {0.0, 80.0}) {
     const auto z0 = randn({3, 5, vocab}, 11) * 3 + offset;
-    const auto target = torch::randint(vocab, {3, 5}, at::detail::createCPUGenerator(12));
+    const auto target =
+        torch::randint(vocab, {3, 5}, at::detail::createCPUGenerator(12)).to(test_device());
     const auto c = randn({3, 5}, 13);
     auto zd = z0.clone().requires_grad_();
     namespace F = torch::nn::functional;
