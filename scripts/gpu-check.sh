@@ -5,11 +5,13 @@
 # checks; every result goes to one JSON file.
 #
 #   scripts/gpu-check.sh --fetch   # here, with apt: the build's other
-#                                  # dependencies into .gpu-deps/ (~2 MB)
+#                                  # dependencies and the main job's data
+#                                  # into .gpu-deps/ (~33 MB)
 #   scripts/gpu-check.sh           # there, with .gpu-deps carried along
 #
-# Writes $OUT/gpu-check.json (./gpu-check-out/ without OUT) and the build's
-# log beside it. The checks:
+# Writes $OUT/gpu-check.json (./gpu-check-out/ without OUT: "checks", one
+# row per check, and "figures", the measured numbers) and each check's log
+# beside it. The checks:
 #   - the Communicator contract on CUDA tensors, ranks as processes sharing
 #     the GPU, at world 1 and 2 over Gloo (CUDA tensors staged through
 #     pinned host memory);
@@ -17,7 +19,14 @@
 #     build has it: at world 1, and at world 2 on the one GPU where NCCL is
 #     2.30 or newer (NCCL_MULTI_RANK_GPU_ENABLE=1; older NCCL refuses two
 #     ranks on one GPU, and the JSON says it was skipped);
-#   - DDP against one process, models and data on the GPU, worlds 2-4.
+#   - the golden tests against one process, models and data on the GPU
+#     (the `goldens` list below: DDP, ZeRO, FSDP with and without mixed
+#     precision, the pipeline, the TP layers), ranks as threads;
+#   - the main job (Fashion-MNIST, DDP and the Trainer) on 2 ranks sharing
+#     the GPU: its test accuracy and epoch times;
+#   - cohort's DDP step time against PyTorch's DDP at worlds 1 and 2, and
+#     against plain LibTorch at world 1 (bench/ddp_vs_torch/run_step_time.py,
+#     3 alternated rounds).
 # The build tries the NCCL engine first; if the library does not compile
 # with that PyTorch's c10d, it is rebuilt without it and the checks go on
 # ("nccl_engine" in the JSON says which happened).
@@ -26,12 +35,15 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 deps=$root/.gpu-deps
-packages=(libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev zlib1g-dev)
+# dataset-fashion-mnist (31 MB) is the main job's data.
+packages=(libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev zlib1g-dev dataset-fashion-mnist)
 
 if [ "${1:-}" = --fetch ]; then
   set -e
   mkdir -p "$deps"
-  rm -f "$deps"/*.deb
+  # Only the packages travel: the unpacked copy of an earlier run here
+  # would double the carried size.
+  rm -rf "$deps"/*.deb "$deps/root"
   (cd "$deps" && apt-get download "${packages[@]}")
   ls -la "$deps"
   exit 0
@@ -43,9 +55,18 @@ results=$out/gpu-check.json
 log=$out/build.log
 started=$SECONDS
 nccl_engine="not configured yet"
-declare -a rows=()
+declare -a rows=() figures=()
 record() {   # NAME STATUS SECONDS [DETAIL]
   rows+=("{\"check\": \"$1\", \"status\": \"$2\", \"seconds\": $3, \"detail\": \"${4:-}\"}")
+}
+json_list() {   # NAME END ITEMS...: a JSON array named NAME, one item per line, then END
+  local name=$1 end=$2 i
+  shift 2
+  echo "  \"$name\": ["
+  for ((i = 1; i <= $#; i++)); do
+    echo "    ${!i}$([ "$i" -lt $# ] && echo ,)"
+  done
+  echo "  ]$end"
 }
 write_results() {
   {
@@ -56,12 +77,8 @@ write_results() {
     echo "  \"nccl\": \"$(python3 -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null)\","
     echo "  \"nccl_engine\": \"$nccl_engine\","
     echo "  \"seconds\": $((SECONDS - started)),"
-    echo "  \"checks\": ["
-    local i
-    for i in "${!rows[@]}"; do
-      echo "    ${rows[$i]}$([ "$i" -lt $((${#rows[@]} - 1)) ] && echo ,)"
-    done
-    echo "  ]"
+    json_list checks , "${rows[@]}"
+    json_list figures "" "${figures[@]}"
     echo "}"
   } >"$results"
   cat "$results"
@@ -85,10 +102,20 @@ build=$root/build-gpu
 configure() {   # COHORT_WITH_NCCL value
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr;$prefix/usr/lib/x86_64-linux-gnu/cmake" \
-    -DCOHORT_WITH_UCX=OFF -DCOHORT_WITH_MPI=OFF -DCOHORT_BUILD_BENCH=OFF \
-    -DCOHORT_BUILD_EXAMPLES=OFF -DCOHORT_WITH_NCCL="$1" \
+    -DCOHORT_WITH_UCX=OFF -DCOHORT_WITH_MPI=OFF -DCOHORT_WITH_NCCL="$1" \
     ${nccl_include:+-DCOHORT_NCCL_INCLUDE_DIR="$(dirname "$nccl_include")"}
 }
+# The golden tests against one process, on the device: name, test binary,
+# gtest filter.
+goldens=(
+  ddp_equivalence ddp_tests 'Ddp/Equivalence.*'
+  zero_equivalence optim_tests 'Zero/ZeroEquivalence.*:Zero.AdamAndSgdMomentumMatchDdp'
+  fsdp_golden fsdp_tests 'FSDP/Golden.*:FSDP/MixedPrecisionGolden.*:FSDP/MixedPrecisionBytes.*:MixedPrecision.*'
+  pipeline_equivalence pipeline_tests 'AllSchedules/PipelineEquivalence.*:PipelineComposition.*'
+  tp_equivalence tensor_parallel_tests 'Meshes/GPTEquivalence.*:TensorParallel/Layers.*Matches*'
+)
+test_binaries=()
+for ((i = 1; i < ${#goldens[@]}; i += 3)); do test_binaries+=("${goldens[$i]}"); done
 t=$SECONDS
 status=ok
 # The library first, with the NCCL engine when CMake finds it: c10d's API
@@ -108,49 +135,107 @@ else
 fi
 # Then only what the checks run; -k 0 reports every compile error in one run.
 if [ "$status" = ok ] &&
-  ! cmake --build "$build" -- -k 0 cohortrun contract_world ddp_tests >>"$log" 2>&1; then
+  ! cmake --build "$build" -- -k 0 cohortrun contract_world "${test_binaries[@]}" fashion_mnist \
+    ddp_vs_torch >>"$log" 2>&1; then
   status=failed
 fi
 record build "$status" $((SECONDS - t)) "log: build.log"
 [ "$status" = ok ] || { tail -40 "$log"; exit 1; }
 
 failed=0
-check() {   # NAME TIMEOUT COMMAND...
-  local name=$1 limit=$2 t=$SECONDS
+# The tests and the main job run side by side (16 cores, one GPU with room
+# for all), so the check fits its time; the step times run alone after them.
+pending=()
+start() {   # NAME TIMEOUT COMMAND...: runs a check in the background
+  local name=$1 limit=$2
   shift 2
-  if timeout "$limit" "$@" >"$out/$name.log" 2>&1; then
-    record "$name" ok $((SECONDS - t)) "$(grep -o 'PASSED  \] [0-9]* tests' "$out/$name.log" | tail -1)"
-  else
-    record "$name" failed $((SECONDS - t)) "log: $name.log"
-    tail -30 "$out/$name.log"
-    failed=1
-  fi
+  (
+    t=$SECONDS
+    if timeout "$limit" "$@" >"$out/$name.log" 2>&1; then s=ok; else s=failed; fi
+    echo "$s $((SECONDS - t))" >"$out/$name.status"
+  ) &
+  pending+=("$name")
+}
+finish() {   # waits for the started checks and records each
+  wait
+  local name status secs
+  for name in "${pending[@]}"; do
+    read -r status secs <"$out/$name.status"
+    rm -f "$out/$name.status"
+    if [ "$status" = ok ]; then
+      # The test count, the main job's accuracy or a step time's ratio.
+      record "$name" ok "$secs" "$(grep -o -e 'PASSED  \] [0-9]* tests' -e 'test accuracy: [0-9.]*' \
+        -e '"ratio": [0-9.]*' "$out/$name.log" | tail -1 | tr -d '"')"
+    else
+      record "$name" failed "$secs" "log: $name.log"
+      tail -30 "$out/$name.log"
+      failed=1
+    fi
+  done
+  pending=()
 }
 # (COHORT_TEST_DEVICE=cpu runs the same flow on a machine without a GPU.)
 export COHORT_TEST_DEVICE=${COHORT_TEST_DEVICE:-cuda} OPENBLAS_NUM_THREADS=1
+dev=$COHORT_TEST_DEVICE
 run=$build/tools/cohortrun/cohortrun
-for world in 1 2; do
-  check "contract_${COHORT_TEST_DEVICE}_gloo_world$world" 180 "$run" -n "$world" --backend gloo --timeout 150 \
+contract() {   # ENGINE WORLD
+  start "contract_${dev}_$1_world$2" 180 "$run" -n "$2" --backend "$1" --timeout 150 \
     --quiet-others -- "$build/tests/contract/contract_world" --gtest_filter='Contract/World.Holds/world_*'
-done
+}
+contract gloo 1
+contract gloo 2
+# Both ranks on the current GPU: NCCL refuses two ranks on one GPU before
+# 2.30, and then only with NCCL_MULTI_RANK_GPU_ENABLE=1.
+nccl_version=$(python3 -c 'import torch; print("%d %d" % torch.cuda.nccl.version()[:2])' 2>/dev/null)
+nccl_two_ranks=0
+if [ -n "$nccl_version" ] && [ "$(echo "$nccl_version" | awk '{ print ($1 > 2 || ($1 == 2 && $2 >= 30)) }')" = 1 ]; then
+  nccl_two_ranks=1
+  export NCCL_MULTI_RANK_GPU_ENABLE=1
+fi
 if [ "$nccl_engine" = built ]; then
-  nccl_version=$(python3 -c 'import torch; print("%d %d" % torch.cuda.nccl.version()[:2])' 2>/dev/null)
-  worlds=(1)
-  # Both ranks on the current GPU: NCCL refuses two ranks on one GPU before
-  # 2.30, and then only with NCCL_MULTI_RANK_GPU_ENABLE=1.
-  if [ -n "$nccl_version" ] && [ "$(echo "$nccl_version" | awk '{ print ($1 > 2 || ($1 == 2 && $2 >= 30)) }')" = 1 ]; then
-    worlds+=(2)
-    export NCCL_MULTI_RANK_GPU_ENABLE=1
+  contract nccl 1
+  if [ "$nccl_two_ranks" = 1 ]; then
+    contract nccl 2
   else
-    record "contract_${COHORT_TEST_DEVICE}_nccl_world2" skipped 0 \
+    record "contract_${dev}_nccl_world2" skipped 0 \
       "one GPU and NCCL ${nccl_version:-unknown} (two ranks on one GPU need NCCL 2.30+)"
   fi
-  for world in "${worlds[@]}"; do
-    check "contract_${COHORT_TEST_DEVICE}_nccl_world$world" 180 "$run" -n "$world" --backend nccl --timeout 150 \
-      --quiet-others -- "$build/tests/contract/contract_world" --gtest_filter='Contract/World.Holds/world_*'
-  done
 else
   record nccl skipped 0 "$nccl_engine"
 fi
-check "ddp_${COHORT_TEST_DEVICE}_equivalence" 180 "$build/tests/ddp/ddp_tests" --gtest_filter='Ddp/Equivalence.*'
+for ((i = 0; i < ${#goldens[@]}; i += 3)); do
+  start "${goldens[$i]}_$dev" 180 "$(find "$build/tests" -type f -name "${goldens[$((i + 1))]}" | head -1)" \
+    --gtest_filter="${goldens[$((i + 2))]}"
+done
+# The main job: the README's Fashion-MNIST CNN, DDP and the Trainer, 2 ranks
+# sharing the GPU over Gloo, 2 epochs (COHORT_MAIN_ARGS adds arguments, e.g.
+# "--steps 50" for a quick run on a CPU).
+start "main_job_$dev" 300 bash -c 'cd "$1" && shift && exec "$@"' _ "$out" "$run" -n 2 --backend gloo \
+  --timeout 280 -- "$build/examples/fashion_mnist/fashion_mnist" --device "$dev" \
+  --data "$prefix/usr/share/datasets/fashion-mnist" --plot "" --metrics "$out/metrics.jsonl" \
+  ${COHORT_MAIN_ARGS:-}
+finish
+if accuracy=$(grep -o 'test accuracy: [0-9.]*' "$out/main_job_$dev.log" | tail -1 | awk '{ print $3 }') &&
+  [ -n "$accuracy" ]; then
+  epochs=$(grep -o 'epoch [0-9]*: [0-9.]* s' "$out/main_job_$dev.log" | awk '{ print $3 }' | paste -sd, -)
+  figures+=("{\"figure\": \"main_job\", \"device\": \"$dev\", \"ranks\": 2, \"test_accuracy\": $accuracy, \"epoch_seconds\": [$epochs]}")
+fi
+
+# cohort's DDP against PyTorch's (same model, GPU and engine) at worlds 1
+# and 2, and against plain LibTorch at world 1: the ddp_vs_torch transformer
+# (12 layers, d 256, 9.5M parameters), 32 sequences of 16 tokens per rank.
+# NCCL where both sides can run it (world 2 needs two ranks on the GPU),
+# else Gloo staging through host memory on both.
+for world in 1 2; do
+  engine=gloo
+  if [ "$nccl_engine" = built ] && { [ "$world" = 1 ] || [ "$nccl_two_ranks" = 1 ]; }; then
+    engine=nccl
+  fi
+  name="step_time_${dev}_world${world}_$engine"
+  start "$name" 240 python3 "$root/bench/ddp_vs_torch/run_step_time.py" --python python3 \
+    --binary "$build/bench/ddp_vs_torch/ddp_vs_torch" --model transformer --batch 32 \
+    --device "$dev" --backend "$engine" --worlds "$world" --rounds 3 --steps 20 --warmup 5
+  finish
+  if figure=$(grep '^{' "$out/$name.log" | tail -1) && [ -n "$figure" ]; then figures+=("$figure"); fi
+done
 exit $failed

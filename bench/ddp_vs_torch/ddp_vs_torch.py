@@ -1,8 +1,11 @@
 """The PyTorch half of the ddp_vs_torch benchmark: one rank of the same
 training loop as ddp_vs_torch.cpp, with torch.nn.parallel.DistributedDataParallel
-over gloo (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment).
-Rank 0 prints one JSON line: {"engine": "torch", "model", "world", "batch", "sps"}.
-Run with /usr/bin/python3 (Debian's python3-torch)."""
+over gloo, or --backend (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
+environment). Rank 0 prints one JSON line: {"engine": "torch", "model",
+"device", "world", "batch", "sps", "step_ms"}. --device cuda puts the model
+and data on the GPU and ends each step with torch.cuda.synchronize(), as
+the cohort side does. Run with /usr/bin/python3 (Debian's python3-torch) or
+a pip PyTorch."""
 import argparse
 import json
 import os
@@ -51,16 +54,25 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--bucket-view", type=int, default=0,
                     help="gradient_as_bucket_view (PyTorch's default: 0)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--backend", default="gloo", help="torch.distributed's backend")
     a = ap.parse_args()
     torch.set_num_threads(1)
     # Debian 13's PyTorch 2.6 refuses its default libuv TCPStore; 1.13 ignores this.
     os.environ.setdefault("USE_LIBUV", "0")
-    dist.init_process_group("gloo")
+    device = torch.device(a.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(a.backend)
     torch.manual_seed(dist.get_rank())
-    ddp = nn.parallel.DistributedDataParallel(make_model(a.model),
+    ddp = nn.parallel.DistributedDataParallel(make_model(a.model).to(device),
                                               gradient_as_bucket_view=bool(a.bucket_view))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x, y = make_batch(a.model, a.batch)
+    x, y = (t.to(device) for t in make_batch(a.model, a.batch))
+
+    def done():  # a CUDA step is queued, not done, when the host returns from it
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     def step():
         opt.zero_grad()
@@ -71,16 +83,22 @@ def main():
 
     for _ in range(a.warmup):
         step()
+    done()
     dist.barrier()
+    step_ms = []
     t0 = time.perf_counter()
     for _ in range(a.steps):
+        s0 = time.perf_counter()
         step()
+        done()
+        step_ms.append(round((time.perf_counter() - s0) * 1e3, 3))
     dist.barrier()
     secs = time.perf_counter() - t0
     if dist.get_rank() == 0:
-        print(json.dumps({"engine": "torch", "model": a.model, "world": dist.get_world_size(),
-                          "batch": a.batch, "sps": a.steps * a.batch * dist.get_world_size() / secs}),
-              flush=True)
+        print(json.dumps({"engine": "torch", "model": a.model, "device": a.device,
+                          "world": dist.get_world_size(), "batch": a.batch,
+                          "sps": a.steps * a.batch * dist.get_world_size() / secs,
+                          "step_ms": step_ms}), flush=True)
     dist.destroy_process_group()
 
 

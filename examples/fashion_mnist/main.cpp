@@ -3,6 +3,7 @@
 //
 //   cohortrun -n 2 -- fashion_mnist --epochs 2
 //   cohortrun -n 2 -- fashion_mnist --epochs 2 --fsdp   # fully sharded
+//   cohortrun -n 2 -- fashion_mnist --device cuda       # on the GPU
 //
 // --fsdp trains the same network (as a Sequential, each layer with weights
 // a fully_shard unit) through TrainerWiring::fsdp: each rank holds 1/N of
@@ -11,6 +12,7 @@
 // Each rank reads Debian's dataset files, trains on its shard of every
 // global batch, and evaluates its slice of the test set; the correct counts
 // are summed over ranks. Rank 0 writes the metrics and draws the curves.
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -50,13 +52,29 @@ struct Flags {
   double powersgd_min_compression_rate = 2;  // PyTorch's default
   int64_t compression_start = 100;           // PowerSGD: uncompressed steps first
   bool fsdp = false;                         // fully_shard instead of DDP
+  std::string device = "cpu";  // the model's; the data stay on the host, a batch at a time moves
 };
 
 using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
 
+// "cuda" without an index: the GPU of this rank's LOCAL_RANK (cohortrun sets
+// it), so the ranks of a node spread over its GPUs (sharing them in turn
+// when there are fewer).
+torch::Device pick_device(const std::string& name) {
+  torch::Device device(name);
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  if (device.is_cuda() && !device.has_index() && local_rank && gpus > 0) {
+    device =
+        torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(std::atoi(local_rank) % gpus));
+  }
+  return device;
+}
+
 // Accuracy on the test set, each rank scoring a disjoint contiguous slice.
 double test_accuracy(const Forward& forward, torch::nn::Module& net,
-                     const fashion_mnist::Split& test, cohort::Communicator& comm) {
+                     const fashion_mnist::Split& test, cohort::Communicator& comm,
+                     torch::Device device) {
   torch::NoGradGuard no_grad;
   net.eval();
   const int64_t n = test.images.size(0);
@@ -65,8 +83,8 @@ double test_accuracy(const Forward& forward, torch::nn::Module& net,
   int64_t correct = 0;
   for (int64_t i = begin; i < end; i += 1000) {
     const int64_t len = std::min<int64_t>(1000, end - i);
-    auto pred = forward(test.images.narrow(0, i, len)).argmax(1);
-    correct += pred.eq(test.labels.narrow(0, i, len)).sum().item<int64_t>();
+    auto pred = forward(test.images.narrow(0, i, len).to(device)).argmax(1);
+    correct += pred.eq(test.labels.narrow(0, i, len).to(device)).sum().item<int64_t>();
   }
   net.train();
   auto counts = torch::tensor({correct, end - begin}, torch::kInt64);
@@ -99,6 +117,7 @@ int run(const Flags& flags) {
     throw cohort::InvalidArgument("fashion_mnist: --compression is DDP's; not with --fsdp");
   }
 
+  const torch::Device device = pick_device(flags.device);
   torch::manual_seed(flags.seed);
   // The model as the loss and the evaluation call it, the module whose mode
   // they set, the optimizer and the wiring: DDP's or FSDP's.
@@ -108,8 +127,9 @@ int run(const Flags& flags) {
   std::unique_ptr<torch::optim::AdamW> adamw;
   std::optional<cohort::TrainerWiring> wiring;
   if (flags.fsdp) {
-    auto sharded =
-        cohort::fully_shard(cohort::shard_blocks(fashion_mnist::make_sequential_net(), mesh), mesh);
+    auto net = fashion_mnist::make_sequential_net();
+    net->to(device);  // before sharding: each shard lives on its parameter's device
+    auto sharded = cohort::fully_shard(cohort::shard_blocks(net, mesh), mesh);
     adamw = std::make_unique<torch::optim::AdamW>(sharded->parameters(),
                                                   torch::optim::AdamWOptions(flags.lr));
     wiring.emplace(cohort::TrainerWiring::fsdp(sharded, *adamw));
@@ -117,6 +137,7 @@ int run(const Flags& flags) {
     module = sharded.ptr();
   } else {
     fashion_mnist::Net net;
+    net->to(device);
     cohort::DDPOptions ddp_options;
     ddp_options.compression.kind = cohort::compression::parse_compression_kind(flags.compression);
     ddp_options.compression.powersgd_rank = flags.powersgd_rank;
@@ -142,7 +163,8 @@ int run(const Flags& flags) {
   cohort::Trainer trainer(
       std::move(*wiring),
       [&](const torch::data::Example<>& b) {
-        return torch::nn::functional::cross_entropy(forward(b.data), b.target);
+        return torch::nn::functional::cross_entropy(forward(b.data.to(device)),
+                                                    b.target.to(device));
       },
       config);
   cohort::TensorDataSource source(train.images, train.labels, per_rank, comm->rank(), comm->size());
@@ -162,7 +184,7 @@ int run(const Flags& flags) {
   int64_t evaluated_at = -1;
   cohort::FitCallbacks callbacks;
   callbacks.on_epoch_end = [&](const cohort::EpochEnd& e) {
-    accuracy = test_accuracy(forward, *module, test, *comm);
+    accuracy = test_accuracy(forward, *module, test, *comm, device);
     evaluated_at = e.step;
     trainer.log_eval({{"test_accuracy", accuracy}, {"epoch_seconds", e.seconds}});
     if (lead) {
@@ -173,7 +195,7 @@ int run(const Flags& flags) {
   };
   const auto steps = trainer.fit(source, callbacks);
   if (evaluated_at != trainer.position().step) {  // stopped mid-epoch (--steps)
-    accuracy = test_accuracy(forward, *module, test, *comm);
+    accuracy = test_accuracy(forward, *module, test, *comm, device);
     trainer.log_eval({{"test_accuracy", accuracy}});
   }
   if (lead) {
@@ -221,6 +243,7 @@ int main(int argc, char** argv) {
   app.add_option("--compression-start", f.compression_start,
                  "PowerSGD: steps averaged uncompressed before compression starts");
   app.add_flag("--fsdp", f.fsdp, "fully sharded data parallelism (fully_shard) instead of DDP");
+  app.add_option("--device", f.device, "where the model trains: cpu, cuda or cuda:N");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(f);
