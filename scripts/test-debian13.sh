@@ -122,13 +122,25 @@ chmod 755 "$root/usr/sbin/policy-rc.d"
 # ones such as build/), and a repository so the FetchContent check can
 # clone it. The repository is a clone, not a copy of .git: git writes into
 # .git while it runs (an index refresh), and CI's other lane runs git at
-# the same time. A kept root keeps its build/ folder and gets everything
-# else afresh.
+# the same time. A kept root keeps its build/ folder, and of its copy
+# only the files whose contents changed are written, stamped now: tar
+# restores the checkout's times, which are older than the objects a
+# previous run built from a file edited while that run went on.
 dest=$root/cohort
-mkdir -p "$dest"
-find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+stage=$root/cohort.new
+rm -rf "$stage" "$dest/.git"
+mkdir -p "$stage" "$dest"
 git -C "$src" ls-files -z --cached --others --exclude-standard |
-  tar -C "$src" --null -T - -c | tar -C "$dest" -x
+  tar -C "$src" --null -T - -c | tar -C "$stage" -x
+(cd "$stage" && find . -type f -print0) | while IFS= read -r -d '' f; do
+  cmp -s "$stage/$f" "$dest/$f" && continue
+  mkdir -p "$(dirname "$dest/$f")"
+  cp -f --preserve=mode "$stage/$f" "$dest/$f"
+done
+(cd "$dest" && find . -path ./build -prune -o -type f -print0) | while IFS= read -r -d '' f; do
+  [ -e "$stage/$f" ] || rm -f "$dest/$f"
+done
+rm -rf "$stage"
 git clone -q --no-checkout "$src" "$dest/.clone"
 mv "$dest/.clone/.git" "$dest/.git" && rmdir "$dest/.clone"
 git -C "$dest" reset -q   # the index from HEAD; the files stay as copied

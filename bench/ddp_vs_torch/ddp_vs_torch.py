@@ -56,6 +56,8 @@ def main():
                     help="gradient_as_bucket_view (PyTorch's default: 0)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--backend", default="gloo", help="torch.distributed's backend")
+    ap.add_argument("--plain", action="store_true",
+                    help="plain PyTorch at world 1: the same loop without DDP or a process group")
     a = ap.parse_args()
     torch.set_num_threads(1)
     # Debian 13's PyTorch 2.6 refuses its default libuv TCPStore; 1.13 ignores this.
@@ -63,11 +65,18 @@ def main():
     device = torch.device(a.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    dist.init_process_group(a.backend)
-    torch.manual_seed(dist.get_rank())
-    ddp = nn.parallel.DistributedDataParallel(make_model(a.model).to(device),
-                                              gradient_as_bucket_view=bool(a.bucket_view))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    if a.plain:
+        rank, world = 0, 1
+        torch.manual_seed(0)
+        ddp = make_model(a.model).to(device)
+    else:
+        dist.init_process_group(a.backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(rank)
+        ddp = nn.parallel.DistributedDataParallel(make_model(a.model).to(device),
+                                                  gradient_as_bucket_view=bool(a.bucket_view))
+    # One update per parameter, as LibTorch's SGD does (not the foreach kernels).
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, foreach=False)
     x, y = (t.to(device) for t in make_batch(a.model, a.batch))
 
     def done():  # a CUDA step is queued, not done, when the host returns from it
@@ -81,10 +90,14 @@ def main():
         loss.backward()
         opt.step()
 
+    def fence():
+        if not a.plain:
+            dist.barrier()
+
     for _ in range(a.warmup):
         step()
     done()
-    dist.barrier()
+    fence()
     step_ms = []
     t0 = time.perf_counter()
     for _ in range(a.steps):
@@ -92,14 +105,14 @@ def main():
         step()
         done()
         step_ms.append(round((time.perf_counter() - s0) * 1e3, 3))
-    dist.barrier()
+    fence()
     secs = time.perf_counter() - t0
-    if dist.get_rank() == 0:
-        print(json.dumps({"engine": "torch", "model": a.model, "device": a.device,
-                          "world": dist.get_world_size(), "batch": a.batch,
-                          "sps": a.steps * a.batch * dist.get_world_size() / secs,
-                          "step_ms": step_ms}), flush=True)
-    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"engine": "torch_plain" if a.plain else "torch", "model": a.model,
+                          "device": a.device, "world": world, "batch": a.batch,
+                          "sps": a.steps * a.batch * world / secs, "step_ms": step_ms}), flush=True)
+    if not a.plain:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Step time of cohort's DDP against PyTorch's DDP (same model, device and
-engine, ranks as processes), and at world 1 against plain LibTorch (the
-same loop without cohort, `ddp_vs_torch --plain`). The sides alternate run
-by run (the order rotates each round); per run the median of rank 0's step
-times, per side the median over the rounds. One JSON line per world:
+"""Step time of cohort's DDP against PyTorch's DDP (same model, device,
+engine, bucket views and per-parameter SGD; ranks as processes), and at
+world 1 each against its own frontend without DDP: cohort's against plain
+LibTorch (`ddp_vs_torch --plain`), PyTorch's against plain PyTorch (the two
+frontends' models differ in their kernels, e.g. PyTorch's attention). The
+sides alternate run by run (the order rotates each round); per run the
+median of rank 0's step times, per side the median over the rounds. One
+JSON line per world:
 
   {"model", "device", "engine", "world", "batch", "cohort_ms", "torch_ms",
-   "ratio": cohort_ms / torch_ms, and at world 1 "plain_ms" and
-   "overhead": cohort_ms / plain_ms - 1, each side's runs}
+   "ratio": cohort_ms / torch_ms, and at world 1 "plain_ms", "overhead":
+   cohort_ms / plain_ms - 1, "torch_plain_ms", "torch_overhead":
+   torch_ms / torch_plain_ms - 1; each side's runs}
 
   python3 bench/ddp_vs_torch/run_step_time.py --binary build/bench/ddp_vs_torch/ddp_vs_torch \\
       --python python3 --device cuda --backend nccl --worlds 1 --batch 32 --rounds 5
@@ -48,24 +52,28 @@ def main():
               "--warmup", str(a.warmup), "--device", a.device]
     commands = {
         "cohort": [a.binary] + common,
-        "torch": [a.python, os.path.join(HERE, "ddp_vs_torch.py")] + common + ["--backend", a.backend],
+        "torch": [a.python, os.path.join(HERE, "ddp_vs_torch.py")] + common +
+                 ["--backend", a.backend, "--bucket-view", "1"],
         "plain": [a.binary] + common + ["--plain"],
+        "torch_plain": [a.python, os.path.join(HERE, "ddp_vs_torch.py")] + common + ["--plain"],
     }
     for world in [int(w) for w in a.worlds.split(",")]:
-        sides = ["cohort", "torch"] + (["plain"] if world == 1 else [])
+        sides = ["cohort", "torch"] + (["plain", "torch_plain"] if world == 1 else [])
         runs = {side: [] for side in sides}
         for r in range(a.rounds):
             for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-                out = run_once(commands[side], 1 if side == "plain" else world, a.timeout, a.backend)
+                out = run_once(commands[side], 1 if "plain" in side else world, a.timeout, a.backend)
                 runs[side].append(round(median_ms(out), 3))
-        ms = {side: statistics.median(v) for side, v in runs.items()}
+        ms = {side: round(statistics.median(v), 3) for side, v in runs.items()}
         row = {"model": a.model, "device": a.device, "engine": a.backend, "world": world,
                "batch": a.batch, "cohort_ms": ms["cohort"], "torch_ms": ms["torch"],
                "ratio": round(ms["cohort"] / ms["torch"], 3), "cohort_runs": runs["cohort"],
                "torch_runs": runs["torch"]}
         if "plain" in ms:
             row.update({"plain_ms": ms["plain"], "overhead": round(ms["cohort"] / ms["plain"] - 1, 4),
-                        "plain_runs": runs["plain"]})
+                        "torch_plain_ms": ms["torch_plain"],
+                        "torch_overhead": round(ms["torch"] / ms["torch_plain"] - 1, 4),
+                        "plain_runs": runs["plain"], "torch_plain_runs": runs["torch_plain"]})
         print(json.dumps(row), flush=True)
     return 0
 
