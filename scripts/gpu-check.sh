@@ -19,9 +19,10 @@
 #     build has it: at world 1, and at world 2 on the one GPU where NCCL is
 #     2.30 or newer (NCCL_MULTI_RANK_GPU_ENABLE=1; older NCCL refuses two
 #     ranks on one GPU, and the JSON says it was skipped);
-#   - the golden tests against one process, models and data on the GPU
-#     (the `goldens` list below: DDP, ZeRO, FSDP with and without mixed
-#     precision, the pipeline, the TP layers), ranks as threads;
+#   - the golden tests against one process, models and data on the GPU:
+#     ranks as threads (the `goldens` list below: DDP, ZeRO, FSDP with and
+#     without mixed precision, the pipeline, the TP layers), and DDP's and
+#     FSDP's with ranks as processes at world 2;
 #   - the main job (Fashion-MNIST, DDP and the Trainer) on 2 ranks sharing
 #     the GPU: its test accuracy and epoch times;
 #   - cohort's DDP step time against PyTorch's DDP at worlds 1 and 2, and at
@@ -123,7 +124,8 @@ configure() {   # COHORT_WITH_NCCL value
 # all-reduces) two ranks as threads on one GPU may wait for each other
 # until their timeout. The first group avoids that (world 1, or the
 # pipeline, whose exchanges run between backward passes); the second runs
-# one case of each at world 2 and finds out.
+# one case of each at world 2 and finds out. DDP's and FSDP's goldens also
+# run with ranks as processes (below), which share no thread.
 goldens=(
   zero_equivalence optim_tests 'Zero/ZeroEquivalence.*world1*'
   fsdp_golden fsdp_tests 'FSDP/Golden.*World1*:FSDP/MixedPrecisionGolden.*World1*:FSDP/MixedPrecisionBytes.*World1'
@@ -155,8 +157,8 @@ else
 fi
 # Then only what the checks run; -k 0 reports every compile error in one run.
 if [ "$status" = ok ] &&
-  ! cmake --build "$build" -- -k 0 cohortrun contract_world "${test_binaries[@]}" fashion_mnist \
-    ddp_vs_torch >>"$log" 2>&1; then
+  ! cmake --build "$build" -- -k 0 cohortrun contract_world ddp_world fsdp_world \
+    "${test_binaries[@]}" fashion_mnist ddp_vs_torch >>"$log" 2>&1; then
   status=failed
 fi
 record build "$status" $((SECONDS - t)) "log: build.log"
@@ -185,7 +187,7 @@ finish() {   # waits for the started checks and records each
     rm -f "$out/$name.status"
     if [ "$status" = ok ]; then
       # The test count, the main job's accuracy or a step time's ratio.
-      record "$name" ok "$secs" "$(grep -o -e 'PASSED  \] [0-9]* tests' -e 'test accuracy: [0-9.]*' \
+      record "$name" ok "$secs" "$(grep -o -e 'PASSED  \] [0-9]* tests\?' -e 'test accuracy: [0-9.]*' \
         -e '"ratio": [0-9.]*' "$out/$name.log" | tail -1 | tr -d '"')"
     else
       record "$name" failed "$secs" "log: $name.log"
@@ -227,6 +229,10 @@ for ((i = 0; i < ${#goldens[@]}; i += 3)); do
   start "${goldens[$i]}_$dev" 120 "$(find "$build/tests" -type f -name "${goldens[$((i + 1))]}" | head -1)" \
     --gtest_filter="${goldens[$((i + 2))]}"
 done
+start "ddp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 100 --quiet-others -- \
+  "$build/tests/ddp/ddp_world"
+start "fsdp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 100 --quiet-others -- \
+  "$build/tests/fsdp/fsdp_world" --gtest_filter='FSDPWorldGolden.*'
 # The main job: the README's Fashion-MNIST CNN, DDP and the Trainer, 2 ranks
 # sharing the GPU over Gloo, 2 epochs (COHORT_MAIN_ARGS adds arguments, e.g.
 # "--steps 50" for a quick run on a CPU).

@@ -9,6 +9,7 @@
 
 #include "cohort/cohort.h"
 #include "tests/fsdp/agreement_cases.h"
+#include "tests/fsdp/fsdp_test_models.h"
 
 namespace cohort::testing::fsdp_world_test {
 namespace {
@@ -39,6 +40,26 @@ INSTANTIATE_TEST_SUITE_P(FSDP, FSDPWorld, ::testing::Range<size_t>(0, agreement_
                          [](const ::testing::TestParamInfo<size_t>& info) {
                            return agreement_cases()[info.param].name;
                          });
+
+// The golden case with ranks as processes: fully_shard at this world
+// trains 10 steps and gathers the one-process parameters within 1e-6
+// (golden_test.cpp's case, AdamW, resharding after forward). With
+// COHORT_TEST_DEVICE=cuda on the GPU, where ranks as threads cannot share
+// one (scripts/gpu-check.sh).
+TEST(FSDPWorldGolden, ParametersEqualOneProcess) {
+  auto comm = world_ptr();
+  if (kBatch % comm->size() != 0) GTEST_SKIP() << "the batch of " << kBatch << " needs 1-4 ranks";
+  const auto batches = make_batches(11);
+  const auto expected = reference(Opt::AdamW, batches);
+  auto bare = make_model(comm, {true, {}});
+  auto twin = make_model(nullptr, {});
+  init_parameters(*twin, 7);
+  auto model = fully_shard(bare, comm, {true, {}});
+  load_from(model, *twin);
+  auto optimizer = make_optimizer(Opt::AdamW, model->parameters());
+  train_steps(model, *optimizer, batches, *comm, 1);
+  expect_close(model->full_state_dict(), expected, 1e-6, "rank " + std::to_string(comm->rank()));
+}
 
 }  // namespace
 }  // namespace cohort::testing::fsdp_world_test
