@@ -37,15 +37,28 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
     const auto& p = item.value();
-    if (p.is_sparse() || !p.is_contiguous() || !p.device().is_cpu()) {
+    if (p.is_sparse() || !p.is_contiguous()) {
       throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() + "' on rank " +
-                            std::to_string(comm_->rank()) +
-                            " must be a dense, contiguous CPU tensor");
+                            std::to_string(comm_->rank()) + " must be a dense, contiguous tensor");
+    }
+    // A bucket is one flat tensor: its parameters share one device.
+    if (!params_.empty() && p.device() != params_[0].device()) {
+      throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() + "' on rank " +
+                            std::to_string(comm_->rank()) + " is on " + p.device().str() +
+                            " but '" + names_[0] + "' on " + params_[0].device().str() +
+                            "; the module's parameters must share one device");
     }
     params_.push_back(p);
     names_.push_back(item.key());
   }
   for (const auto& b : module_->buffers(/*recurse=*/true)) buffers_.push_back(b);
+  // The compressors work on host memory.
+  if (options_.compression.kind != compression::CompressionKind::None && !params_.empty() &&
+      !params_[0].device().is_cpu()) {
+    throw InvalidArgument("DistributedDataParallel: gradient compression on rank " +
+                          std::to_string(comm_->rank()) + " takes CPU parameters; these are on " +
+                          params_[0].device().str());
+  }
 
   verify_same_parameters(*comm_, params_, names_);
   broadcast_state();

@@ -28,9 +28,10 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
                             " of " + std::to_string(comm_->size()) + ")";
   if (params_.empty()) throw InvalidArgument(where + ": no parameters");
   for (const auto& p : params_) {
-    if (!p.is_floating_point() || p.is_sparse() || !p.device().is_cpu() ||
+    if (!p.is_floating_point() || p.is_sparse() || p.device() != params_[0].device() ||
         p.scalar_type() != params_[0].scalar_type()) {
-      throw Unsupported(where + ": parameters must be dense CPU tensors of one floating dtype");
+      throw Unsupported(where +
+                        ": parameters must be dense tensors of one floating dtype on one device");
     }
   }
   // Every rank must build the same buckets, or the all-reduces would mix

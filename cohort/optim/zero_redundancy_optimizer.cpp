@@ -56,9 +56,14 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   std::vector<size_t> group_of;
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& p : groups[g].params()) {
-      if (!p.is_floating_point() || p.is_sparse() || !p.device().is_cpu()) {
+      if (!p.is_floating_point() || p.is_sparse()) {
         throw Unsupported(where("constructor") +
-                          ": parameters must be dense floating-point CPU tensors");
+                          ": parameters must be dense floating-point tensors");
+      }
+      // The flat parameters and shards are one tensor on one device.
+      if (!params_.empty() && p.device() != params_[0].device()) {
+        throw Unsupported(where("constructor") + ": all parameters must share one device (" +
+                          params_[0].device().str() + " and " + p.device().str() + " found)");
       }
       if (!params_.empty() && p.scalar_type() != params_[0].scalar_type()) {
         throw Unsupported(where("constructor") + ": all parameters must share one dtype (" +

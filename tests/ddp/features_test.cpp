@@ -108,6 +108,44 @@ TEST(DdpConstruction, MismatchedParameterCountIsNamed) {
   });
 }
 
+// Parameters "a" and "b" on the devices given.
+struct OnDevicesImpl : torch::nn::Module {
+  OnDevicesImpl(torch::Device a, torch::Device b) {
+    register_parameter("a", torch::empty({4}, torch::TensorOptions().device(a)));
+    register_parameter("b", torch::empty({4}, torch::TensorOptions().device(b)));
+  }
+};
+TORCH_MODULE(OnDevices);
+
+// A bucket is one flat tensor, so a module on two devices is refused by
+// name, as is compression (which works on host memory) off the CPU; the
+// meta device stands in for a GPU here.
+TEST(DdpConstruction, ParametersOnTwoDevicesAndCompressionOffTheCpuAreRefused) {
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    try {
+      DistributedDataParallel<OnDevices> ddp(OnDevices(torch::kCPU, torch::kMeta), comm);
+      ADD_FAILURE() << "no error on rank " << comm->rank();
+    } catch (const InvalidArgument& e) {
+      const std::string m = e.what();
+      EXPECT_NE(
+          m.find("'b' on rank " + std::to_string(comm->rank()) + " is on meta but 'a' on cpu"),
+          std::string::npos)
+          << m;
+    }
+    DDPOptions options;
+    options.compression.kind = compression::CompressionKind::Fp16;
+    try {
+      DistributedDataParallel<OnDevices> ddp(OnDevices(torch::kMeta, torch::kMeta), comm, options);
+      ADD_FAILURE() << "no error on rank " << comm->rank();
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("compression on rank " + std::to_string(comm->rank()) +
+                                           " takes CPU parameters; these are on meta"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 TEST(DdpBuffers, RebroadcastBeforeForwardUnlessDisabled) {
   for (bool broadcast : {true, false}) {
     run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
