@@ -248,7 +248,8 @@ if accuracy=$(grep -o 'test accuracy: [0-9.]*' "$out/main_job_$dev.log" | tail -
 fi
 
 # cohort's DDP against PyTorch's (same model, GPU and engine) at worlds 1
-# and 2, and against plain LibTorch at world 1: the ddp_vs_torch transformer
+# and 2, and at world 1 each against its frontend without DDP (plain
+# LibTorch, plain PyTorch): the ddp_vs_torch transformer
 # (12 layers, d 256, 9.5M parameters), 32 sequences of 16 tokens per rank.
 # NCCL where both sides can run it (world 2 needs two ranks on the GPU),
 # else Gloo staging through host memory on both.
@@ -267,7 +268,8 @@ for world in 1 2; do
   fi
   name="step_time_${dev}_world${world}_$engine"
   start "$name" $((world == 1 ? left * 2 / 3 : left - 10)) \
-    python3 "$root/bench/ddp_vs_torch/run_step_time.py" --python python3 --binary "$build/bench/ddp_vs_torch/ddp_vs_torch" --model transformer --batch 32 \
+    python3 "$root/bench/ddp_vs_torch/run_step_time.py" --python python3 \
+    --binary "$build/bench/ddp_vs_torch/ddp_vs_torch" --model transformer --batch 32 \
     --device "$dev" --backend "$engine" --worlds "$world" --rounds 3 --steps 20 --warmup 5
   finish
   if figure=$(grep '^{' "$out/$name.log" | tail -1) && [ -n "$figure" ]; then figures+=("$figure"); fi
