@@ -12,7 +12,8 @@ namespace {
 
 std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
   std::vector<torch::Tensor> out;
-  for (auto& p : m.parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  for (auto& p : m.parameters())
+    out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
   return out;
 }
 

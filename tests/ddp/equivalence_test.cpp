@@ -8,15 +8,14 @@
 #include <gtest/gtest.h>
 
 #include "cohort/ddp/distributed_data_parallel.h"
-#include "support/test_device.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
+#include "tests/ddp/equivalence_case.h"
 
 namespace cohort::testing::equivalence_test {
 namespace {
 
-constexpr int kSteps = 20;
-constexpr int64_t kRowsPerRank = 4;
+constexpr int kSteps = kEquivalenceSteps;
 
 struct Case {
   int world;
@@ -33,66 +32,24 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return s;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
-                                                        std::vector<torch::Tensor> params) {
-  if (name == "adam") {
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-  }
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.5));
-}
-
 class Equivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Equivalence, TwentyStepsMatchSingleProcess) {
   const auto c = GetParam();
   torch::set_num_threads(1);
-  torch::manual_seed(11);
-  const auto device = test_device();
-  auto reference = make_ddp_mlp();
-  reference->to(device);
-  const auto init = clone_all(reference->parameters());
-  const int64_t rows = c.world * kRowsPerRank;
-  const auto xs = torch::randn({kSteps, rows, 8}).to(device);
-  const auto ys = torch::randn({kSteps, rows, 4}).to(device);
-
-  auto opt = make_optimizer(c.optimizer, reference->parameters());
-  for (int s = 0; s < kSteps; ++s) {
-    opt->zero_grad();
-    torch::mse_loss(reference->forward(xs[s]), ys[s]).backward();
-    opt->step();
-  }
-  const auto expected = clone_all(reference->parameters());
+  const auto problem = make_equivalence_problem(c.world, c.optimizer);
   // The test is only meaningful if training moved the parameters.
-  ASSERT_GT(max_abs_diff(expected, init), 1e-2);
+  ASSERT_GT(max_abs_diff(problem.expected, problem.init), 1e-2);
 
-  std::vector<std::vector<torch::Tensor>> got(c.world);
-  std::vector<int64_t> buckets(c.world);
+  std::vector<EquivalenceRank> got(c.world);
   run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
-    const int r = comm->rank();
-    auto model = make_ddp_mlp();  // other ranks start elsewhere: DDP broadcasts rank 0's
-    model->to(device);
-    if (r == 0) copy_parameters(*model, init);
-    DDPOptions options;
-    options.bucket_cap_mb = 0.0005;   // ~130 floats: several buckets
-    options.first_bucket_mb = 0.0002;
-    options.strategy = c.strategy;
-    options.gradient_as_bucket_view = c.bucket_view;
-    DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
-    auto ropt = make_optimizer(c.optimizer, ddp.parameters());
-    for (int s = 0; s < kSteps; ++s) {
-      ropt->zero_grad();
-      auto x = xs[s].narrow(0, r * kRowsPerRank, kRowsPerRank);
-      auto y = ys[s].narrow(0, r * kRowsPerRank, kRowsPerRank);
-      torch::mse_loss(ddp.forward(x), y).backward();
-      ropt->step();
-    }
-    got[r] = clone_all(ddp.parameters());
-    buckets[r] = ddp.stats().buckets;
-    EXPECT_EQ(ddp.stats().iterations, kSteps);
+    got[comm->rank()] =
+        train_equivalence_rank(comm, problem, c.optimizer, c.strategy, c.bucket_view);
   });
   for (int r = 0; r < c.world; ++r) {
-    EXPECT_GT(buckets[r], 2) << "bucket caps should split the model";
-    EXPECT_LT(max_abs_diff(got[r], expected), 1e-5) << "rank " << r;
+    EXPECT_EQ(got[r].iterations, kSteps) << "rank " << r;
+    EXPECT_GT(got[r].buckets, 2) << "bucket caps should split the model";
+    EXPECT_LT(max_abs_diff(got[r].params, problem.expected), 1e-5) << "rank " << r;
   }
 }
 

@@ -51,7 +51,10 @@ TEST_P(CompressionHooks, BoundedErrorAgainstExactAverage) {
     auto params = reference->parameters();
     for (size_t i = 0; i < params.size(); ++i) {
       auto m = params[i].grad().abs() / kWorld;
-      if (r == 0) magnitude.push_back(m); else magnitude[i] += m;
+      if (r == 0)
+        magnitude.push_back(m);
+      else
+        magnitude[i] += m;
     }
   }
   run_ranks_shared(kWorld, [&](std::shared_ptr<Communicator> comm) {
@@ -76,8 +79,9 @@ TEST_P(CompressionHooks, BoundedErrorAgainstExactAverage) {
 
 INSTANTIATE_TEST_SUITE_P(
     Ddp, CompressionHooks,
-    ::testing::Values(Compression{"fp16", [] { return std::make_shared<Fp16CompressHook>(); }, 0x1p-11},
-                      Compression{"bf16", [] { return std::make_shared<Bf16CompressHook>(); }, 0x1p-8}),
+    ::testing::Values(
+        Compression{"fp16", [] { return std::make_shared<Fp16CompressHook>(); }, 0x1p-11},
+        Compression{"bf16", [] { return std::make_shared<Bf16CompressHook>(); }, 0x1p-8}),
     [](const auto& info) { return info.param.name; });
 
 // Records what it was given, then reduces as the default does.
