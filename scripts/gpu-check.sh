@@ -21,8 +21,9 @@
 #     ranks on one GPU, and the JSON says it was skipped);
 #   - the golden tests against one process, models and data on the GPU:
 #     ranks as threads (the `goldens` list below: DDP, ZeRO, FSDP with and
-#     without mixed precision, the pipeline, the TP layers), and DDP's and
-#     FSDP's with ranks as processes at world 2;
+#     without mixed precision, the pipeline, the TP layers, the Trainer's
+#     gradient norm), and DDP's and FSDP's with ranks as processes at
+#     world 2;
 #   - the main job (Fashion-MNIST, DDP and the Trainer) on 2 ranks sharing
 #     the GPU: its test accuracy and epoch times;
 #   - cohort's DDP step time against PyTorch's DDP at worlds 1 and 2, and at
@@ -131,6 +132,7 @@ goldens=(
   fsdp_golden fsdp_tests 'FSDP/Golden.*World1*:FSDP/MixedPrecisionGolden.*World1*:FSDP/MixedPrecisionBytes.*World1'
   pipeline_equivalence pipeline_tests 'AllSchedules/PipelineEquivalence.*:PipelineComposition.*'
   tp_equivalence tensor_parallel_tests '*tp1_pp1_dp1*:*tp1_pp2_dp1*:TensorParallel/Layers.*Matches*/tp1'
+  grad_norm cohort_train_test 'ReplicatedGradNorm.*'
   ddp_threads_world2 ddp_tests 'Ddp/Equivalence.*world2_sgd_overlapped:Ddp/Equivalence.*world2_sgd_synchronous'
   zero_threads_world2 optim_tests 'Zero/ZeroEquivalence.*world2_stage2_ddp'
   fsdp_threads_world2 fsdp_tests 'FSDP/Golden.*World2AdamWReshard1Micro:FSDP/MixedPrecisionGolden.*World2*'

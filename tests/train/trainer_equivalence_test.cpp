@@ -4,6 +4,7 @@
 // global norm (== torch::nn::utils::clip_grad_norm_ on the whole batch).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <memory>
 #include <optional>
 
@@ -11,6 +12,7 @@
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
@@ -133,6 +135,27 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{3, 2, 0, true}, Case{2, 4, 0, false}, Case{2, 2, 0.05, true},
                       Case{3, 1, 0.05, false}, Case{1, 3, 0.05, true}),
     name_of);
+
+// The norm is summed on the gradients' device and read once; its value must
+// be the host loop's, addition for addition, and a parameter without a
+// gradient counts as zero.
+TEST(ReplicatedGradNorm, IsTheHostLoopOfFloat64SquaresInParameterOrder) {
+  auto net = make_mlp();
+  net->to(testing::test_device());
+  auto data = make_data(16);
+  auto out = net->forward(data.x.to(testing::test_device()));
+  torch::nn::functional::cross_entropy(out, data.y.to(testing::test_device())).backward();
+  auto params = net->parameters();
+  auto idle = torch::zeros({3}, params.front().options().requires_grad(true));
+  params.insert(params.begin() + 1, idle);  // no gradient: counts as zero
+  double host = 0.0;
+  for (const auto& p : params) {
+    if (p.grad().defined()) host += p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
+  }
+  ASSERT_GT(host, 0.0);
+  EXPECT_EQ(std::sqrt(host), ReplicatedGradNorm().global_norm(params));
+  EXPECT_EQ(0.0, ReplicatedGradNorm().global_norm({idle}));
+}
 
 // ZeRO's layout: each rank holds the gradients of a disjoint subset of the
 // parameters; the all-reduced squared partial norms give the full norm.
