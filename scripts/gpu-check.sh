@@ -46,6 +46,20 @@ if [ "${1:-}" = --fetch ]; then
   mkdir -p "$deps"
   rm -rf "$deps"/*.deb "$deps/root"   # (root: where an older script unpacked them)
   (cd "$deps" && apt-get download "${packages[@]}")
+  # Gloo's headers, which c10d's ProcessGroupGloo.hpp includes and a pip
+  # wheel may not ship: Debian 13's (Gloo of 2023-12; Debian 12's, of 2022,
+  # lacks the store calls a newer header overrides), through a package
+  # list of Debian 13's main kept apart from this machine's.
+  lists=$(mktemp -d)
+  mirror=$(apt-get indextargets --format '$(REPO_URI) $(LABEL) $(COMPONENT)' |
+    awk '$2 == "Debian" && $3 == "main" { print $1; exit }')
+  echo "deb ${mirror:-http://deb.debian.org/debian/} trixie main" >"$lists/sources.list"
+  mkdir -p "$lists/state/partial" "$lists/cache/archives/partial"
+  apt13=(-o Dir::Etc::SourceList="$lists/sources.list" -o Dir::Etc::SourceParts=/nonexistent
+    -o Dir::State::Lists="$lists/state" -o Dir::Cache="$lists/cache")
+  apt-get "${apt13[@]}" update -qq
+  (cd "$deps" && apt-get "${apt13[@]}" download libgloo-dev)
+  rm -rf "$lists"
   ls -la "$deps"
   exit 0
 fi

@@ -22,6 +22,7 @@
 #include "cohort/core/job_work.h"
 #include "cohort/core/signature.h"
 #include "cohort/core/store/store.h"
+#include "cohort/core/torch_compat.h"
 
 namespace cohort::c10d_common {
 
@@ -63,6 +64,14 @@ class StoreBridge : public c10d::Store {
             const std::chrono::milliseconds& timeout) override {
     inner_->wait(keys, timeout);
   }
+#if COHORT_C10D_STORE_HAS_CLONE
+  // The copy shares the cohort store, whose clients are thread-safe.
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    auto copy = c10::make_intrusive<StoreBridge>(inner_);
+    copy->setTimeout(timeout_);
+    return copy;
+  }
+#endif
 
  private:
   std::shared_ptr<cohort::Store> inner_;

@@ -1,6 +1,7 @@
-// defines: OptimizerStateKey, optimizer_state_key, CpuAllocatorBase: every
-// difference between the LibTorch releases cohort builds against (Debian 12's
-// 1.13 and 2.x, e.g. Debian 13's 2.6), in one place. Nothing else in the
+// defines: OptimizerStateKey, optimizer_state_key, CpuAllocatorBase,
+// COHORT_C10D_STORE_HAS_CLONE: every difference between the LibTorch
+// releases cohort builds against (Debian 12's 1.13 and 2.x, e.g. Debian 13's
+// 2.6, a pip wheel's 2.11), in one place. Nothing else in the
 // library, tests, tools or benchmarks names a LibTorch version.
 #pragma once
 
@@ -13,6 +14,15 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+// c10d::Store::clone() (a copy for another thread, over the same store)
+// became pure virtual in LibTorch 2.8: a c10d store of cohort's defines it
+// there, and only there, where it would override nothing.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define COHORT_C10D_STORE_HAS_CLONE 1
+#else
+#define COHORT_C10D_STORE_HAS_CLONE 0
+#endif
 
 namespace cohort {
 
