@@ -47,19 +47,21 @@ if [ "${1:-}" = --fetch ]; then
   rm -rf "$deps"/*.deb "$deps/root"   # (root: where an older script unpacked them)
   (cd "$deps" && apt-get download "${packages[@]}")
   # Gloo's headers, which c10d's ProcessGroupGloo.hpp includes and a pip
-  # wheel may not ship: Debian 13's (Gloo of 2023-12; Debian 12's, of 2022,
-  # lacks the store calls a newer header overrides), through a package
-  # list of Debian 13's main kept apart from this machine's.
+  # wheel may not ship: Debian 13's (Gloo of 2023-12, nearer a recent
+  # wheel's own than Debian 12's of 2022), through package lists of
+  # Debian 13's main kept apart from this machine's.
   lists=$(mktemp -d)
+  chmod 755 "$lists"   # readable by apt's download user
+  trap 'rm -rf "$lists"' EXIT
   mirror=$(apt-get indextargets --format '$(REPO_URI) $(LABEL) $(COMPONENT)' |
-    awk '$2 == "Debian" && $3 == "main" { print $1; exit }')
+    awk '$2 == "Debian" && $3 == "main" && !m { m = $1 } END { print m }')
   echo "deb ${mirror:-http://deb.debian.org/debian/} trixie main" >"$lists/sources.list"
   mkdir -p "$lists/state/partial" "$lists/cache/archives/partial"
   apt13=(-o Dir::Etc::SourceList="$lists/sources.list" -o Dir::Etc::SourceParts=/nonexistent
-    -o Dir::State::Lists="$lists/state" -o Dir::Cache="$lists/cache")
+    -o Dir::State::Lists="$lists/state" -o Dir::Cache="$lists/cache"
+    -o Dir::State::status=/dev/null)
   apt-get "${apt13[@]}" update -qq
   (cd "$deps" && apt-get "${apt13[@]}" download libgloo-dev)
-  rm -rf "$lists"
   ls -la "$deps"
   exit 0
 fi
@@ -113,13 +115,14 @@ trap write_results EXIT
 
 # The carried packages, unpacked in the build folder (never over /, and
 # never into .gpu-deps, which must stay small enough to carry).
+# A stamp per package: one fetched since the last run is unpacked too.
 prefix=$root/build-gpu/deps
-if [ ! -d "$prefix" ]; then
-  for f in "$deps"/*.deb; do
-    [ -f "$f" ] || { echo "gpu-check: no packages in $deps (run --fetch here)" >&2; exit 1; }
-    dpkg -x "$f" "$prefix"
-  done
-fi
+mkdir -p "$prefix/.unpacked"
+for f in "$deps"/*.deb; do
+  [ -f "$f" ] || { echo "gpu-check: no packages in $deps (run --fetch here)" >&2; exit 1; }
+  stamp=$prefix/.unpacked/$(basename "$f")
+  [ -f "$stamp" ] || { dpkg -x "$f" "$prefix" && touch "$stamp"; }
+done
 
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 # A pip PyTorch's NCCL headers come with its nvidia-nccl wheel.

@@ -65,7 +65,10 @@ class StoreBridge : public c10d::Store {
     inner_->wait(keys, timeout);
   }
 #if COHORT_C10D_STORE_HAS_CLONE
-  // The copy shares the cohort store, whose clients are thread-safe.
+  // The copy shares the cohort store, whose clients are thread-safe; over a
+  // TcpStore it shares its one connection too, so a call through the copy
+  // waits behind one through the original. c10d clones only to split or
+  // shrink a group, which cohort never asks of it.
   c10::intrusive_ptr<c10d::Store> clone() override {
     auto copy = c10::make_intrusive<StoreBridge>(inner_);
     copy->setTimeout(timeout_);

@@ -16,7 +16,7 @@
 // calls when an epoch's iteration begins.
 #pragma once
 
-#include <c10/util/Optional.h>  // c10::optional: its own type in LibTorch 1.13
+#include <c10/util/Optional.h>  // c10::optional, which the sampler interface names
 #include <torch/data/samplers/base.h>
 
 #include <atomic>
