@@ -147,13 +147,17 @@ torch::Tensor LeafReduction::complete_chunk(const torch::Tensor& received,
     }
   }
   const auto& nodes = tree_.nodes();
+  // Each sum is written over its left operand, which is (held in) a part of
+  // `received` that nothing reads again: no buffer per addition. The root's
+  // goes straight into `out`. Out-of-place or not, add is the same kernel.
   std::function<torch::Tensor(int)> sum = [&](int id) -> torch::Tensor {
     auto it = known.find(id);
     if (it != known.end()) return it->second;
     const auto& node = nodes[static_cast<size_t>(id)];
-    // The root's addition writes straight into `out` (the same kernel).
-    if (id == 0 && out) return at::add_out(*out, sum(node.left), sum(node.right));
-    return torch::add(sum(node.left), sum(node.right));
+    auto left = sum(node.left);
+    auto right = sum(node.right);
+    if (id == 0 && out) return at::add_out(*out, left, right);
+    return at::add_out(left, left, right);
   };
   auto root = sum(0);
   if (out && !root.is_same(*out)) out->copy_(root);

@@ -126,11 +126,13 @@ class LeafReduction {
   /// itself: received[s][k] is (a chunk of) rank s's k-th subtree sum, a
   /// [world, max_frontier(), c] tensor; writes the tree's sum divided by L
   /// into `out` (c elements). The same bits as finish_chunk()'s elements.
+  /// Overwrites `received` (partial sums are kept in it).
   void complete_into(const torch::Tensor& received, torch::Tensor& out) const;
   /// Ends a step whose leaves were all counted by count_folded().
   void restart();
 
  private:
+  // Overwrites `received`.
   torch::Tensor complete_chunk(const torch::Tensor& received, torch::Tensor* out = nullptr) const;
   void check_next_leaf() const;
 

@@ -92,6 +92,7 @@ class CountingEngine : public Engine {
   WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op) override;
   bool has_native_reduce_scatter() const override { return inner_->has_native_reduce_scatter(); }
   bool carries_device_tensors() const override { return inner_->carries_device_tensors(); }
+  bool gathers_into_outputs() const override { return inner_->gathers_into_outputs(); }
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override;
   WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override;
   WorkPtr all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_counts,

@@ -10,6 +10,7 @@
 
 #include "cohort/algorithms/calibration.h"
 #include "cohort/algorithms/double_binary_tree.h"
+#include "cohort/comm/engine_registry.h"
 #include "support/thread_ranks.h"
 #include "tests/contract/contract_values.h"
 
@@ -175,6 +176,47 @@ TEST(Adaptive, ReduceScatterCalibrationAgreesAndComputesRight) {
   }, o);
   auto model = [](const std::string& s) { return s.substr(s.find("model"), s.find("samples") - s.find("model")); };
   EXPECT_EQ(model(models[0]), model(models[1]));
+}
+
+// "engine" on an engine whose all-gather copies out of a buffer of its own
+// (Gloo's, through c10d) means the ring from 4 MiB of output, and the ring
+// for every reduce-scatter (Gloo has none); on one that gathers into the
+// outputs (UCX's) it stays the engine's. A gather across the threshold
+// still holds every rank's closed-form part.
+TEST(Algorithm, EngineChoiceOnGlooTakesTheRingForLargeAllGathers) {
+  constexpr int64_t kThreshold = int64_t{4} << 20;
+  for (const std::string backend : {"gloo", "ucx"}) {
+    const auto built = available_backends();
+    if (std::find(built.begin(), built.end(), backend) == built.end()) continue;
+    testing::ThreadRanksOptions options;
+    options.backend = backend;
+    testing::run_ranks(
+        3,
+        [&](Communicator& comm) {
+          const bool copies = backend == "gloo";
+          const auto large = copies ? Algorithm::Ring : Algorithm::Engine;
+          EXPECT_EQ(comm.resolve_algorithm(Collective::AllGather, kThreshold), large) << backend;
+          EXPECT_EQ(comm.resolve_algorithm(Collective::AllGather, kThreshold - 1),
+                    Algorithm::Engine)
+              << backend;
+          EXPECT_EQ(comm.resolve_algorithm(Collective::AllReduce, kThreshold), Algorithm::Engine);
+          // One part a little above a third of the threshold: 3 parts cross it.
+          const int64_t n = kThreshold / 4 / 3 + 1;
+          auto part = torch::arange(n, torch::kFloat32) + 1000.0 * comm.rank();
+          auto all = torch::empty({3 * n});
+          comm.all_gather_into_tensor(all, part).wait();
+          for (int r = 0; r < 3; ++r) {
+            EXPECT_TRUE(torch::equal(all.narrow(0, r * n, n),
+                                     torch::arange(n, torch::kFloat32) + 1000.0 * r))
+                << backend << " rank " << r;
+          }
+        },
+        options);
+  }
+  // One rank moves nothing: the engine, whatever the size.
+  testing::run_ranks(1, [&](Communicator& comm) {
+    EXPECT_EQ(comm.resolve_algorithm(Collective::AllGather, kThreshold), Algorithm::Engine);
+  });
 }
 
 // init() reads the choice from the environment and refuses a bad one before

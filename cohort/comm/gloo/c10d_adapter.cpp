@@ -125,6 +125,10 @@ class GlooEngine : public Engine {
     return call([&] { return pg_->reduce(ts, o); });
   }
 
+  // ProcessGroupGloo gathers into a flat buffer it allocates per call and
+  // copies each rank's part out of it.
+  bool gathers_into_outputs() const override { return false; }
+
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
     if (auto failed = check(given_or(CollectiveKind::AllGather, input))) return failed;
     std::vector<std::vector<at::Tensor>> out{outputs};
