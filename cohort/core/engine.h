@@ -52,11 +52,11 @@ class Engine {
   /// built from all_reduce); without one, the communicator's "engine" choice
   /// for reduce_scatter means cohort's ring (cohort/algorithms).
   virtual bool has_native_reduce_scatter() const { return false; }
-  /// True when all_gather receives into `outputs` themselves. False for one
-  /// that gathers into a buffer of its own and copies out of it (c10d's
-  /// Gloo): a fresh buffer and a second pass over the output per call, so
-  /// the communicator's "engine" choice for large all-gathers means cohort's
-  /// ring, which receives in place.
+  /// False when the communicator should serve a large all-gather of host
+  /// tensors with cohort's ring rather than this all_gather: c10d's Gloo
+  /// gathers into a buffer it allocates per call and copies out of it (a
+  /// second pass over the output), where the ring receives in place (the
+  /// communicator's "engine" choice, from 4 MiB; cohort/algorithms).
   virtual bool gathers_into_outputs() const { return true; }
   /// True when the transport moves device (CUDA) tensors itself (NCCL): the
   /// Communicator then hands them over as they are, without staging them

@@ -178,11 +178,11 @@ TEST(Adaptive, ReduceScatterCalibrationAgreesAndComputesRight) {
   EXPECT_EQ(model(models[0]), model(models[1]));
 }
 
-// "engine" on an engine whose all-gather copies out of a buffer of its own
-// (Gloo's, through c10d) means the ring from 4 MiB of output, and the ring
-// for every reduce-scatter (Gloo has none); on one that gathers into the
-// outputs (UCX's) it stays the engine's. A gather across the threshold
-// still holds every rank's closed-form part.
+// The communicator's "engine" on an engine whose all-gather copies out of a
+// buffer of its own (Gloo's, through c10d) means the ring from 4 MiB of
+// output; on one that gathers into the outputs (UCX's), or when the
+// operation names Engine, it stays the engine's. A gather across the
+// threshold still holds every rank's closed-form part.
 TEST(Algorithm, EngineChoiceOnGlooTakesTheRingForLargeAllGathers) {
   constexpr int64_t kThreshold = int64_t{4} << 20;
   for (const std::string backend : {"gloo", "ucx"}) {
@@ -200,6 +200,9 @@ TEST(Algorithm, EngineChoiceOnGlooTakesTheRingForLargeAllGathers) {
                     Algorithm::Engine)
               << backend;
           EXPECT_EQ(comm.resolve_algorithm(Collective::AllReduce, kThreshold), Algorithm::Engine);
+          // Named by the operation, the engine's own.
+          EXPECT_EQ(comm.resolve_algorithm(Collective::AllGather, kThreshold, Algorithm::Engine),
+                    Algorithm::Engine);
           // One part a little above a third of the threshold: 3 parts cross it.
           const int64_t n = kThreshold / 4 / 3 + 1;
           auto part = torch::arange(n, torch::kFloat32) + 1000.0 * comm.rank();
