@@ -48,7 +48,7 @@ def main():
                           "step_ms_runs": [round(m, 2) for m, _ in runs[side]],
                           "time_ratio": round(ms / base_ms, 3),
                           "bytes_sent_per_step": int(sent),
-                          "bytes_ratio": round(sent / base_bytes, 4)}), flush=True)
+                          "bytes_ratio": round(sent / base_bytes, 4) if base_bytes else None}), flush=True)
     return 0
 
 

@@ -96,13 +96,22 @@ void LeafBuckets::materialize(size_t b) {
 
 Work LeafBuckets::exchange(Communicator& comm, size_t b) {
   torch::NoGradGuard no_grad;
-  materialize(b);
   if (world_ == 1) {
-    auto mean = segment(mean_, b);
-    mean.copy_(segment(slots_[0], b));
-    mean.div_(static_cast<double>(leaf_.leaves()));
+    // The whole tree is this rank's one subtree: the mean is divided
+    // straight out of where its sum is (a gradient held as computed, or
+    // slot 0), with no copy into the slot first. The divisor is the same
+    // float as LeafReduction's div(leaves) (the determinism tests compare
+    // world 1 with the others bit for bit).
+    COHORT_CHECK(leaf_.frontier_size() == 1, "world 1 holds more than one subtree");
+    const auto leaves = torch::scalar_tensor(static_cast<double>(leaf_.leaves()), torch::kDouble);
+    for (size_t i : buckets_[b]) {
+      auto& held = held_[0][i];
+      at::div_out(mean_aliases_[i], held.defined() ? held : views_[0][i], leaves);
+      held = torch::Tensor();
+    }
     return Work();
   }
+  materialize(b);
   auto received = exchanged(received_, b);
   if (!send_.defined()) {
     // One subtree sum per rank: its padded bucket is already [world, 1, chunk].
