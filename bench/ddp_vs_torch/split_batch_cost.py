@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""What splitting a batch into leaves costs LibTorch itself, with no
-distribution and no cohort: PyTorch's forward and backward of the
-ddp_vs_torch model (ddp_vs_torch.py's) on one batch of `--batch` samples,
-against the same samples as `--pieces` forward/backward passes of
-batch / pieces samples each, gradients accumulating. One thread. The two
-sides alternate step by step; per side the median of the steps. This is
-the floor under Determinism::WorldSizeInvariant's cost at L = pieces x world
+"""What splitting a batch into leaves costs the framework itself, with no
+distribution and no cohort: PyTorch's (Python, over the same LibTorch)
+forward and backward of the ddp_vs_torch model (ddp_vs_torch.py's) on one
+batch of `--batch` samples, against the same samples as `--pieces`
+forward/backward passes of batch / pieces samples each, gradients
+accumulating. One thread. The two sides alternate step by step; per side
+the median of the steps. This is the floor under
+Determinism::WorldSizeInvariant's cost at L = pieces x world
 (run_determinism.py): the matrix products of a smaller batch.
 
   cd bench/ddp_vs_torch && MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456 \
-      OPENBLAS_NUM_THREADS=1 /usr/bin/python3 split_batch_cost.py --batch 2 --pieces 2 --steps 60
+      OPENBLAS_NUM_THREADS=1 /work/shared/tools/exclusive /usr/bin/python3 split_batch_cost.py --batch 2 --pieces 2 --steps 60
 
 (the allocator settings of run_ddp_vs_torch.py, so fresh gradients come
 from the heap and not from page faults)

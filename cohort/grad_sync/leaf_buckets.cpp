@@ -69,7 +69,8 @@ void LeafBuckets::fold(size_t i, int64_t k, const torch::Tensor& grad) {
   auto right = grad.defined() ? grad : torch::zeros_like(views_[0][i]);
   if (f.merges == 0) {
     // Held as computed; copied into its slot only if nothing is added to it
-    // (materialize()): a left child's first use writes the sum instead.
+    // and it is sent (materialize()): a left child's first use writes the
+    // sum instead, and world 1 divides the mean straight out of it.
     held_[static_cast<size_t>(f.slot)][i] = right;
     return;
   }

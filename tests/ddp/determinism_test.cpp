@@ -10,8 +10,8 @@
 // test prints by how much. FSDP with the option (FullyShard::clip_grad_norm):
 // the same models, bitwise at the worlds each test names and through an
 // elastic resume 4 -> 3 resharded by dcp (check_fsdp). The
-// canonical tree's shape, the canonical norm and the refused uses are
-// checked too.
+// canonical tree's shape, the canonical norm, world 1's mean against plain
+// LibTorch and the refused uses are checked too.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -399,6 +399,79 @@ TEST(DdpDeterminism, CanonicalTreeShape) {
     }
   }
   EXPECT_EQ(tree.frontier(0, 3).size(), 2u);
+}
+
+// A model with a parameter no forward uses: its mean is zeros.
+struct TwoLinearImpl : torch::nn::Module {
+  torch::nn::Linear used{nullptr}, unused{nullptr};
+  TwoLinearImpl() {
+    used = register_module("used", torch::nn::Linear(4, 3));
+    unused = register_module("unused", torch::nn::Linear(2, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return used(x); }
+};
+TORCH_MODULE(TwoLinear);
+
+// World 1 divides the mean straight out of the leaves' sum: each .grad is
+// the canonical tree of the leaves' gradients over L, bit for bit as one
+// process of plain LibTorch computes it (L = 3: (g0 + g1) + g2), for both
+// .grad layouts and both float dtypes, the unused parameter's zeros too.
+TEST(DdpDeterminism, WorldOneMeanIsTheCanonicalSumOverL) {
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    for (const int64_t leaves : {1, 2, 3}) {
+      for (const bool bucket_view : {true, false}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + " L " + std::to_string(leaves) +
+                     (bucket_view ? " bucket view" : " own .grad"));
+        torch::manual_seed(7);
+        std::vector<torch::Tensor> xs, ys;
+        for (int64_t l = 0; l < leaves; ++l) {
+          xs.push_back(torch::randn({5, 4}, dtype));
+          ys.push_back(torch::randn({5, 3}, dtype));
+        }
+        TwoLinear reference;
+        reference->to(dtype);
+        std::vector<std::vector<torch::Tensor>> g;  // per leaf, per parameter
+        for (int64_t l = 0; l < leaves; ++l) {
+          reference->zero_grad();
+          torch::mse_loss(reference->forward(xs[l]), ys[l]).backward();
+          g.emplace_back();
+          for (const auto& p : reference->parameters()) {
+            g.back().push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+          }
+        }
+        std::vector<torch::Tensor> want;
+        for (size_t i = 0; i < g[0].size(); ++i) {
+          auto sum = leaves == 1 ? g[0][i] : g[0][i] + g[1][i];
+          if (leaves == 3) sum = sum + g[2][i];
+          want.push_back(sum.div(static_cast<double>(leaves)));
+        }
+        run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+          TwoLinear model;
+          model->to(dtype);
+          {
+            torch::NoGradGuard no_grad;
+            for (size_t i = 0; i < model->parameters().size(); ++i) {
+              model->parameters()[i].copy_(reference->parameters()[i]);
+            }
+          }
+          DDPOptions options;
+          options.determinism = Determinism::WorldSizeInvariant;
+          options.leaves = leaves;
+          options.gradient_as_bucket_view = bucket_view;
+          options.find_unused_parameters = true;
+          DistributedDataParallel<TwoLinear> ddp(model, comm, options);
+          for (int step = 0; step < 2; ++step) {  // the second reuses every buffer
+            for (int64_t l = 0; l < leaves; ++l) {
+              torch::mse_loss(ddp.forward(xs[l]), ys[l]).backward();
+            }
+            std::vector<torch::Tensor> got;
+            for (const auto& p : model->parameters()) got.push_back(p.grad());
+            EXPECT_TRUE(same_bytes(got, want)) << "step " << step;
+          }
+        });
+      }
+    }
+  }
 }
 
 TEST(DdpDeterminism, RefusesWhatWouldReorderSums) {
