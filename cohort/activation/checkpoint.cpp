@@ -27,6 +27,7 @@
 #include <unordered_set>
 
 #include "cohort/core/error.h"
+#include "cohort/core/torch_compat.h"
 
 namespace cohort {
 namespace {
@@ -147,7 +148,7 @@ class CheckpointNode : public torch::autograd::Node {
   std::string name() const override { return "cohort::CheckpointBackward"; }
 
   // The forward's outputs, made this node's: `out` is what fn returned.
-  Tensors adopt_outputs(Tensors out, const std::shared_ptr<Node>& self) {
+  Tensors adopt_outputs(Tensors out, const NodePtr& self) {
     bool any = false;
     for (auto& o : out) {
       OutputMeta m;
@@ -277,8 +278,7 @@ Tensors checkpoint(CheckpointFunction fn, const Tensors& inputs, const Tensors& 
 
   std::optional<RngStates> rng;
   if (options.preserve_rng_state) rng = RngStates::capture(inputs);
-  std::shared_ptr<CheckpointNode> node(new CheckpointNode(fn, inputs, trainable, std::move(rng)),
-                                       torch::autograd::deleteNode);
+  auto node = make_node<CheckpointNode>(fn, inputs, trainable, std::move(rng));
   Tensors edges = inputs;
   edges.insert(edges.end(), trainable.begin(), trainable.end());
   node->set_next_edges(torch::autograd::collect_next_edges(edges));

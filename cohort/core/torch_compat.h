@@ -1,15 +1,19 @@
 // defines: OptimizerStateKey, optimizer_state_key, CpuAllocatorBase,
-// COHORT_C10D_STORE_HAS_CLONE: every difference between the LibTorch
-// releases cohort builds against (Debian 12's 1.13 and 2.x, e.g. Debian 13's
-// 2.6, a pip wheel's 2.11), in one place. Nothing else in the
-// library, tests, tools or benchmarks names a LibTorch version.
+// NodePtr, make_node, COHORT_C10D_STORE_HAS_CLONE: every difference between
+// the LibTorch releases cohort builds against (Debian 12's 1.13 and 2.x,
+// e.g. Debian 13's 2.6, a pip wheel's 2.11, Debian 14's 2.14), in one
+// place. Nothing else in the library, tests, tools or benchmarks names a
+// LibTorch version (the top CMakeLists.txt takes the C++ standard from
+// LibTorch's own headers: 20 where they require it, as 2.14's do).
 #pragma once
 
 #include <c10/core/Allocator.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 #include <torch/version.h>
 
+#include <memory>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -32,7 +36,7 @@ namespace cohort {
 using OptimizerStateKey =
     typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
 
-namespace compat_detail {
+namespace detail {
 template <class Key>
 Key state_key(c10::TensorImpl* impl) {
   if constexpr (std::is_same_v<Key, std::string>) {
@@ -48,12 +52,12 @@ Key state_key(c10::TensorImpl* impl) {
     return impl;
   }
 }
-}  // namespace compat_detail
+}  // namespace detail
 
 // The key under which the running LibTorch's optimizers keep the state of
 // `param`: `optimizer.state().find(optimizer_state_key(param))`.
 inline OptimizerStateKey optimizer_state_key(const torch::Tensor& param) {
-  return compat_detail::state_key<OptimizerStateKey>(param.unsafeGetTensorImpl());
+  return detail::state_key<OptimizerStateKey>(param.unsafeGetTensorImpl());
 }
 
 // A CPU allocator's base. LibTorch 2.3 made `Allocator::allocate` non-const
@@ -72,5 +76,41 @@ class CpuAllocatorBase : public c10::Allocator {
   c10::DataPtr allocate(size_t n) const override { return allocate_bytes(n); }
 #endif
 };
+
+// The owning pointer of an autograd node: std::shared_ptr<Node> in 1.13 to
+// 2.6, c10::intrusive_ptr<Node> in 2.14. Taken from Tensor::grad_fn()'s own
+// return type, so it cannot drift from it.
+using NodePtr = std::decay_t<decltype(std::declval<const torch::Tensor&>().grad_fn())>;
+
+namespace detail {
+template <class Ptr>
+struct NodeMaker;
+template <class N>
+struct NodeMaker<std::shared_ptr<N>> {
+  template <class T, class... Args>
+  static std::shared_ptr<T> make(Args&&... args) {
+    // LibTorch's own deleter (torch::autograd::deleteNode, found through
+    // the node's namespace): it frees a long chain of nodes without a
+    // recursion as deep as the chain. Named through the template
+    // argument, since releases without it never instantiate this.
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...),
+                              [](N* node) { deleteNode(node); });
+  }
+};
+template <class N>
+struct NodeMaker<c10::intrusive_ptr<N>> {
+  template <class T, class... Args>
+  static c10::intrusive_ptr<T> make(Args&&... args) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+};
+}  // namespace detail
+
+// A new autograd node of type T (a subclass of torch::autograd::Node),
+// owned the way the running LibTorch owns nodes.
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  return detail::NodeMaker<NodePtr>::template make<T>(std::forward<Args>(args)...);
+}
 
 }  // namespace cohort

@@ -68,7 +68,7 @@ int64_t tensor_bytes(const std::vector<int64_t>& shape, int64_t element) {
 }
 
 std::string shard_name(const std::string& stem, size_t k, size_t n) {
-  char buf[32];
+  char buf[64];  // room for two 20-digit counts
   std::snprintf(buf, sizeof(buf), "-%05zu-of-%05zu", k + 1, n);
   return stem + buf + ".safetensors";
 }

@@ -26,6 +26,7 @@ struct Node;
 }  // namespace torch::autograd
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/torch_compat.h"
 #include "cohort/fsdp/mixed_precision.h"
 #include "cohort/fsdp/shard_layout.h"
 #include "cohort/grad_sync/leaf_tree.h"
@@ -176,7 +177,7 @@ class FSDPParamGroup {
   // Made while the parameters were full: a gradient accumulator records its
   // parameter's shape when made, and backward hands it full gradients. The
   // variables hold them weakly; these keep them (and so that shape) alive.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // per parameter (or null)
+  std::vector<NodePtr> accumulators_;  // per parameter (or null)
 };
 
 }  // namespace cohort::fsdp

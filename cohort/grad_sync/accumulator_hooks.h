@@ -18,6 +18,8 @@
 #include <memory>
 #include <vector>
 
+#include "cohort/core/torch_compat.h"
+
 namespace torch::autograd {
 struct Node;
 }  // namespace torch::autograd
@@ -48,7 +50,7 @@ class AccumulatorHooks {
   std::function<void(size_t)> ready_;
   // The variables hold their accumulators weakly; keeping them alive keeps
   // the hooks registered for the parameters' lifetime.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<NodePtr> accumulators_;
   std::vector<uintptr_t> keys_;
 };
 
