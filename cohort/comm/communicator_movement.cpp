@@ -11,6 +11,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/communicator_internal.h"
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort {
 
@@ -83,7 +84,7 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensor
     int64_t offset = 0;
     for (auto& t : tensors) {
       const int64_t n = t.numel() * t.element_size();
-      flat.narrow(0, offset, n).copy_(t.view({-1}).view(torch::kUInt8));
+      flat.narrow(0, offset, n).copy_(byte_view(t));
       offset += n;
     }
   }
@@ -97,7 +98,7 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensor
     int64_t offset = 0;
     for (auto& t : tensors) {
       const int64_t n = t.numel() * t.element_size();
-      t.view({-1}).view(torch::kUInt8).copy_(flat.narrow(0, offset, n));
+      byte_view(t).copy_(flat.narrow(0, offset, n));
       offset += n;
     }
   };

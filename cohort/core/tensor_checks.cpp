@@ -117,6 +117,14 @@ at::ScalarType reduction_dtype(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }
 
+at::Tensor byte_view(const at::Tensor& t) {
+  if (!t.is_contiguous()) {
+    throw InvalidArgument("byte_view: the tensor (shape " + shape_string(t.sizes()) +
+                          ") is not contiguous");
+  }
+  return t.as_strided({t.numel()}, {1}).view(at::kByte);
+}
+
 at::Tensor movement_view(const at::Tensor& t) {
   if (t.scalar_type() == at::kBFloat16) return t.view(at::kHalf);
   return t;

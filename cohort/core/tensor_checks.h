@@ -48,4 +48,9 @@ at::ScalarType reduction_dtype(at::ScalarType t);
 // only: bf16 travels as f16 bits, bool as bytes).
 at::Tensor movement_view(const at::Tensor& t);
 
+// The memory of a contiguous tensor (as the checks above accept) as a flat
+// uint8 view: a view, never a copy. A contiguous tensor of one element may
+// have any stride, which view() refuses; this takes it too.
+at::Tensor byte_view(const at::Tensor& t);
+
 }  // namespace cohort

@@ -58,6 +58,36 @@ TEST(BadTensors, AreRefusedBeforeAnythingIsSent) {
   });
 }
 
+// A one-element tensor is contiguous whatever its stride (one column of a
+// row, here stride 3): data movement carries it like any other, in 16-bit
+// dtypes too (Gloo moves them as bytes).
+TEST(BadTensors, OneElementTensorsWithAnyStrideMove) {
+  run_ranks(2, [](Communicator& comm) {
+    const double mine = comm.rank() + 1;
+    auto row = torch::full({1, 3}, mine, torch::kHalf);
+    auto one = row.select(1, 1);
+    ASSERT_TRUE(one.is_contiguous());
+    ASSERT_EQ(one.stride(0), 3);
+
+    std::vector<torch::Tensor> outs{torch::zeros({1}, torch::kHalf),
+                                    torch::zeros({1}, torch::kHalf)};
+    comm.all_gather(outs, one).wait();
+    EXPECT_EQ(outs[0].item<double>(), 1.0);
+    EXPECT_EQ(outs[1].item<double>(), 2.0);
+
+    std::vector<torch::Tensor> both{one};
+    comm.broadcast_coalesced(both, {/*root=*/1}).wait();
+    EXPECT_EQ(one.item<double>(), 2.0);
+
+    row.fill_(mine);
+    comm.broadcast(one, {/*root=*/0}).wait();
+    EXPECT_EQ(one.item<double>(), 1.0);
+    // The other columns are the rank's own: only the element moved.
+    EXPECT_EQ(row[0][0].item<double>(), mine);
+    EXPECT_EQ(row[0][2].item<double>(), mine);
+  });
+}
+
 // A tensor on a device cohort does not carry (meta) is refused by every
 // operation that stages device tensors, before anything is sent, naming
 // the operation: the same path a CUDA tensor takes to its host copy.

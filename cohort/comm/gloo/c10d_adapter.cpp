@@ -13,6 +13,7 @@
 #include "cohort/core/error.h"
 #include "cohort/core/signature.h"
 #include "cohort/core/store/missing_keys.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort {
 namespace {
@@ -84,6 +85,21 @@ WorkPtr failed_work(std::exception_ptr error) {
   return c10d_common::failed_work("gloo signature check", std::move(error));
 }
 
+// Data moves as bytes. c10d's Gloo dispatches each collective on the
+// tensor's dtype, and its builds differ in the dtypes they know (Debian's
+// LibTorch 2.14 knows no 16-bit one: "Invalid scalar type"); every build
+// moves uint8 (byte_view: a view of the tensor's memory, never a copy).
+// Reductions keep their dtype (no 16-bit one reaches an engine: the
+// Communicator reduces those in float32).
+at::Tensor as_bytes(const at::Tensor& t) { return byte_view(t); }
+
+std::vector<at::Tensor> as_bytes(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(as_bytes(t));
+  return out;
+}
+
 // Every collective first compares its signature (cohort/core/signature.h)
 // with every other rank's, 32 bytes each way per peer on point-to-point,
 // whose sizes never differ: Gloo aborts the process (an enforce on its own
@@ -110,7 +126,7 @@ class GlooEngine : public Engine {
 
   WorkPtr broadcast(at::Tensor& tensor, int root) override {
     if (auto failed = check(given_or(CollectiveKind::Broadcast, tensor, root))) return failed;
-    std::vector<at::Tensor> ts{tensor};
+    std::vector<at::Tensor> ts{as_bytes(tensor)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     return call([&] { return pg_->broadcast(ts, o); });
@@ -131,16 +147,16 @@ class GlooEngine : public Engine {
 
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
     if (auto failed = check(given_or(CollectiveKind::AllGather, input))) return failed;
-    std::vector<std::vector<at::Tensor>> out{outputs};
-    std::vector<at::Tensor> in{input};
+    std::vector<std::vector<at::Tensor>> out{as_bytes(outputs)};
+    std::vector<at::Tensor> in{as_bytes(input)};
     return call([&] { return pg_->allgather(out, in); });
   }
 
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
     if (auto failed = check(given_or(CollectiveKind::Gather, input, root))) return failed;
     std::vector<std::vector<at::Tensor>> out;
-    if (!outputs.empty()) out.push_back(outputs);
-    std::vector<at::Tensor> in{input};
+    if (!outputs.empty()) out.push_back(as_bytes(outputs));
+    std::vector<at::Tensor> in{as_bytes(input)};
     c10d::GatherOptions o;
     o.rootRank = root;
     return call([&] { return pg_->gather(out, in, o); });
@@ -148,9 +164,9 @@ class GlooEngine : public Engine {
 
   WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
     if (auto failed = check(given_or(CollectiveKind::Scatter, output, root))) return failed;
-    std::vector<at::Tensor> out{output};
+    std::vector<at::Tensor> out{as_bytes(output)};
     std::vector<std::vector<at::Tensor>> in;
-    if (!inputs.empty()) in.push_back(inputs);
+    if (!inputs.empty()) in.push_back(as_bytes(inputs));
     c10d::ScatterOptions o;
     o.rootRank = root;
     return call([&] { return pg_->scatter(out, in, o); });
@@ -161,7 +177,13 @@ class GlooEngine : public Engine {
                      std::vector<int64_t>& input_counts) override {
     const auto c = all_to_all_check(output, input, output_counts, input_counts, size());
     if (auto failed = check(c.signature, c.send, c.recv)) return failed;
-    return call([&] { return pg_->alltoall_base(output, input, output_counts, input_counts); });
+    auto out = as_bytes(output), in = as_bytes(input);
+    const auto bytes = [n = input.element_size()](std::vector<int64_t> counts) {
+      for (auto& c : counts) c *= n;
+      return counts;  // (empty stays empty: equal splits of the bytes)
+    };
+    auto out_counts = bytes(output_counts), in_counts = bytes(input_counts);
+    return call([&] { return pg_->alltoall_base(out, in, out_counts, in_counts); });
   }
 
   WorkPtr barrier() override {
