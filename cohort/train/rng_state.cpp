@@ -16,8 +16,11 @@ torch::Tensor cpu_rng_state() {
 
 void set_cpu_rng_state(const torch::Tensor& state) {
   auto gen = at::detail::getDefaultCPUGenerator();
+  // A tensor of its own: LibTorch 2.14's set_state crashes on one that
+  // starts inside its storage (a row of the checkpoint's [world, bytes]).
+  const auto own = state.clone(at::MemoryFormat::Contiguous);
   std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state.contiguous());
+  gen.set_state(own);
 }
 
 torch::Tensor seeded_cpu_rng_state(uint64_t seed) {
