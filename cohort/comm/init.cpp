@@ -76,7 +76,8 @@ int world_size_from_environment() {
       env::get("SLURM_JOB_ID")) {
     throw ConfigError(
         "cohort::init: WORLD_SIZE is not set and this process is in a Slurm job but not in a "
-        "job step (SLURM_STEP_ID is unset: a batch script or an salloc shell, one process); "
+        "job step (SLURM_STEP_ID is unset or one of Slurm's own: a batch script or an salloc "
+        "shell, one process); "
         "start the ranks with `srun PROGRAM` (a task per rank) or `srun cohortrun -n N -- "
         "PROGRAM` (a launcher per node)");
   }

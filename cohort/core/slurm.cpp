@@ -102,6 +102,19 @@ unsigned long long parse_id(const Lookup& env, const char* name) {
   return v;
 }
 
+// Slurm's own steps (the batch script, the extern step, an interactive
+// shell) have ids above its last normal one (0xfffffff0), which Slurm 26
+// puts in SLURM_STEP_ID as signed 32-bit numbers (the batch script's is
+// -5). None of them is a step srun started.
+bool special_step(const std::string& id) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(id.c_str(), &end, 10);
+  if (end == id.c_str() || *end != '\0' || errno == ERANGE) return false;  // parse_id names it
+  const long long as_unsigned = v < 0 ? v + (1LL << 32) : v;
+  return as_unsigned > 0xfffffff0LL;
+}
+
 }  // namespace
 
 std::vector<std::string> expand_nodelist(const std::string& list) {
@@ -144,7 +157,8 @@ std::optional<std::string> from_environment(const char* name) {
 }
 
 std::optional<Step> job_step(const Lookup& env) {
-  if (!env("SLURM_STEP_ID")) return std::nullopt;
+  const auto id = env("SLURM_STEP_ID");
+  if (!id || special_step(*id)) return std::nullopt;
   Step s;
   const char* size_name = env("SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
   s.size = parse_int(env, size_name, 1, 1 << 20);

@@ -43,7 +43,8 @@ using Lookup = std::function<std::optional<std::string>(const char*)>;
 std::optional<std::string> from_environment(const char* name);
 
 /// The step this process is a task of, or nullopt outside a job step
-/// (SLURM_STEP_ID unset): a batch script or an salloc shell is one process
+/// (SLURM_STEP_ID unset, or one of Slurm's own steps, whose ids Slurm 26
+/// prints negative): a batch script or an salloc shell is one process
 /// however many tasks the job has. Throws ConfigError, naming the variable,
 /// for a missing or malformed one or a SLURM_PROCID not below the task count.
 std::optional<Step> job_step(const Lookup& env = from_environment);

@@ -127,6 +127,14 @@ TEST(SlurmStep, OutsideAStepIsNone) {
   vars["SLURM_PROCID"] = "0";
   vars.erase("SLURM_STEP_NUM_TASKS");
   EXPECT_FALSE(step_of(vars));
+  // Slurm 26 names the batch script's own step (-5), as does the extern
+  // step (-4); an id past Slurm's last normal one, printed unsigned, too.
+  for (const char* id : {"-5", "-4", "4294967291"}) {
+    vars["SLURM_STEP_ID"] = id;
+    EXPECT_FALSE(step_of(vars)) << id;
+  }
+  vars["SLURM_STEP_ID"] = "0";
+  EXPECT_TRUE(step_of(vars));
 }
 
 TEST(SlurmStep, ContradictionsAreNamed) {
