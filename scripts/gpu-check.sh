@@ -10,8 +10,9 @@
 #   scripts/gpu-check.sh           # there, with .gpu-deps carried along
 #
 # Writes $OUT/gpu-check.json (./gpu-check-out/ without OUT: "checks", one
-# row per check, and "figures", the measured numbers) and each check's log
-# beside it. The checks:
+# row per check, and "figures", the measured numbers) as it goes, and every
+# check's log packed into logs.tar.gz beside it, anew after each check (the
+# device tool brings back at most 8 files from $OUT). The checks:
 #   - the Communicator contract on CUDA tensors, ranks as processes sharing
 #     the GPU, at world 1 and 2 over Gloo (CUDA tensors staged through
 #     pinned host memory);
@@ -67,9 +68,11 @@ if [ "${1:-}" = --fetch ]; then
 fi
 
 out=${OUT:-$root/gpu-check-out}
-mkdir -p "$out"
+logs=$root/build-gpu/logs
+rm -rf "$logs"
+mkdir -p "$out" "$logs"
 results=$out/gpu-check.json
-log=$out/build.log
+log=$logs/build.log
 started=$SECONDS
 nccl_engine="not configured yet"
 # One import of torch (seconds with CUDA) for the versions the JSON names.
@@ -83,10 +86,12 @@ except Exception:
     print("")' 2>/dev/null)
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 declare -a rows=() figures=()
-record() {   # NAME STATUS SECONDS [DETAIL]: a row, written at once (a run killed at its limit keeps it)
+record() {   # NAME STATUS SECONDS [DETAIL]: a row, written at once with the logs so far (a run killed at its limit keeps them)
   rows+=("{\"check\": \"$1\", \"status\": \"$2\", \"seconds\": $3, \"detail\": \"${4:-}\"}")
   write_results >/dev/null
+  pack_logs
 }
+pack_logs() { tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null || true; }
 json_list() {   # NAME END ITEMS...: a JSON array named NAME, one item per line, then END
   local name=$1 end=$2 i
   shift 2
@@ -111,7 +116,7 @@ write_results() {
   } >"$results"
   cat "$results"
 }
-trap write_results EXIT
+trap 'write_results; pack_logs' EXIT
 
 # The carried packages, unpacked in the build folder (never over /, and
 # never into .gpu-deps, which must stay small enough to carry).
@@ -128,10 +133,21 @@ torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 # A pip PyTorch's NCCL headers come with its nvidia-nccl wheel.
 nccl_include=$(python3 -c 'import site; print("\n".join(site.getsitepackages()))' 2>/dev/null |
   while read -r d; do find "$d/nvidia" -name nccl.h -path '*include*' 2>/dev/null; done | head -1)
+# The libraries a wheel's libtorch_cuda.so needs (cuDNN, NCCL, cuBLAS...)
+# sit in the nvidia-* wheels, found at run time through its $ORIGIN-relative
+# RUNPATH; -rpath-link names them to the linker too.
+nvidia_libs=$(python3 -c 'import site; print("\n".join(site.getsitepackages()))' 2>/dev/null |
+  while read -r d; do find "$d/nvidia" -mindepth 2 -maxdepth 2 -type d -name lib 2>/dev/null; done |
+  paste -sd: -)
+link_flags=${nvidia_libs:+-Wl,-rpath-link,$nvidia_libs}
+# LibTorch's CMake config enables CUDA, which needs nvcc on PATH.
+command -v nvcc >/dev/null || [ ! -x /usr/local/cuda/bin/nvcc ] || export PATH=/usr/local/cuda/bin:$PATH
+{ command -v nvcc && nvcc --version; cmake --version; c++ --version; } >"$logs/versions.log" 2>&1
 build=$root/build-gpu
 configure() {   # COHORT_WITH_NCCL value
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr;$prefix/usr/lib/x86_64-linux-gnu/cmake" \
+    -DCMAKE_EXE_LINKER_FLAGS="$link_flags" -DCMAKE_SHARED_LINKER_FLAGS="$link_flags" \
     -DCOHORT_WITH_UCX=OFF -DCOHORT_WITH_MPI=OFF -DCOHORT_WITH_NCCL="$1" \
     ${nccl_include:+-DCOHORT_NCCL_INCLUDE_DIR="$(dirname "$nccl_include")"}
 }
@@ -170,7 +186,7 @@ elif ! grep -q "building the NCCL engine" "$log"; then
 elif cmake --build "$build" --target cohort >>"$log" 2>&1; then
   nccl_engine=built
 else
-  cp "$log" "$out/build-nccl.log"
+  cp "$log" "$logs/build-nccl.log"
   nccl_engine="fell back: the library did not compile with the NCCL engine (log: build-nccl.log)"
   { configure OFF && cmake --build "$build" --target cohort; } >>"$log" 2>&1 || status=failed
 fi
@@ -192,8 +208,8 @@ start() {   # NAME TIMEOUT COMMAND...: runs a check in the background
   shift 2
   (
     t=$SECONDS
-    if timeout "$limit" "$@" >"$out/$name.log" 2>&1; then s=ok; else s=failed; fi
-    echo "$s $((SECONDS - t))" >"$out/$name.status"
+    if timeout "$limit" "$@" >"$logs/$name.log" 2>&1; then s=ok; else s=failed; fi
+    echo "$s $((SECONDS - t))" >"$logs/$name.status"
   ) &
   pending+=("$name")
 }
@@ -202,15 +218,15 @@ finish() {   # waits for the started checks and records each
   local name status secs
   for name in "${pending[@]}"; do
     status=failed secs=0
-    [ -f "$out/$name.status" ] && read -r status secs <"$out/$name.status"
-    rm -f "$out/$name.status"
+    [ -f "$logs/$name.status" ] && read -r status secs <"$logs/$name.status"
+    rm -f "$logs/$name.status"
     if [ "$status" = ok ]; then
       # The test count, the main job's accuracy or a step time's ratio.
       record "$name" ok "$secs" "$(grep -o -e 'PASSED  \] [0-9]* tests\?' -e 'test accuracy: [0-9.]*' \
-        -e '"ratio": [0-9.]*' "$out/$name.log" | tail -1 | tr -d '"')"
+        -e '"ratio": [0-9.]*' "$logs/$name.log" | tail -1 | tr -d '"')"
     else
       record "$name" failed "$secs" "log: $name.log"
-      tail -30 "$out/$name.log"
+      tail -30 "$logs/$name.log"
       failed=1
     fi
   done
@@ -255,14 +271,14 @@ start "fsdp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 1
 # The main job: the README's Fashion-MNIST CNN, DDP and the Trainer, 2 ranks
 # sharing the GPU over Gloo, 2 epochs (COHORT_MAIN_ARGS adds arguments, e.g.
 # "--steps 50" for a quick run on a CPU).
-start "main_job_$dev" 300 bash -c 'cd "$1" && shift && exec "$@"' _ "$out" "$run" -n 2 --backend gloo \
+start "main_job_$dev" 300 bash -c 'cd "$1" && shift && exec "$@"' _ "$logs" "$run" -n 2 --backend gloo \
   --timeout 280 -- "$build/examples/fashion_mnist/fashion_mnist" --device "$dev" \
-  --data "$prefix/usr/share/datasets/fashion-mnist" --plot "" --metrics "$out/metrics.jsonl" \
+  --data "$prefix/usr/share/datasets/fashion-mnist" --plot "" --metrics "$logs/metrics.jsonl" \
   ${COHORT_MAIN_ARGS:-}
 finish
-if accuracy=$(grep -o 'test accuracy: [0-9.]*' "$out/main_job_$dev.log" | tail -1 | awk '{ print $3 }') &&
+if accuracy=$(grep -o 'test accuracy: [0-9.]*' "$logs/main_job_$dev.log" | tail -1 | awk '{ print $3 }') &&
   [ -n "$accuracy" ]; then
-  epochs=$(grep -o 'epoch [0-9]*: [0-9.]* s' "$out/main_job_$dev.log" | awk '{ print $3 }' | paste -sd, -)
+  epochs=$(grep -o 'epoch [0-9]*: [0-9.]* s' "$logs/main_job_$dev.log" | awk '{ print $3 }' | paste -sd, -)
   figures+=("{\"figure\": \"main_job\", \"device\": \"$dev\", \"ranks\": 2, \"test_accuracy\": $accuracy, \"epoch_seconds\": [$epochs]}")
 fi
 
@@ -291,6 +307,6 @@ for world in 1 2; do
     --binary "$build/bench/ddp_vs_torch/ddp_vs_torch" --model transformer --batch 32 \
     --device "$dev" --backend "$engine" --worlds "$world" --rounds 3 --steps 20 --warmup 5
   finish
-  if figure=$(grep '^{' "$out/$name.log" | tail -1) && [ -n "$figure" ]; then figures+=("$figure"); fi
+  if figure=$(grep '^{' "$logs/$name.log" | tail -1) && [ -n "$figure" ]; then figures+=("$figure"); fi
 done
 exit $failed
