@@ -15,6 +15,8 @@ losses summed, not averaged); lr (learning rate x 1.1).
 Gradient convention: cohort backpropagates each micro-batch's mean loss / m
 (the whole batch's mean loss); PyTorch 2.6 backpropagates what loss_fn
 returns, so loss_fn returns mse / m, and the losses written are x m again.
+PyTorch 2.14's schedules divide the gradients by m themselves unless told
+scale_grads=False, which they are told here (loss_fn already divides).
 
 Files in --dir (float32, raw):
   init_<i>.bin               parameter i (stage i // 2: weight, bias)
@@ -22,6 +24,8 @@ Files in --dir (float32, raw):
   <NAME>_losses.bin          written by the last stage's rank: [steps, m]
   <NAME>_param_<i>.bin       written by parameter i's rank after training
 """
+import inspect
+
 from golden_peer import main, read, write
 
 
@@ -80,12 +84,18 @@ def train(args, run, torch, dist):
     def loss_fn(out, target):
         return F.mse_loss(out, target) * scale
 
+    def make(kind, stages_arg):
+        extra = {}
+        if "scale_grads" in inspect.signature(kind.__init__).parameters:
+            extra["scale_grads"] = False
+        return kind(stages_arg, m, loss_fn=loss_fn, **extra)
+
     if schedule == "interleaved":
-        sched = pl.ScheduleInterleaved1F1B(pipe, m, loss_fn=loss_fn)
+        sched = make(pl.ScheduleInterleaved1F1B, pipe)
     else:
         assert v == 1, run
         kinds = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}
-        sched = kinds[schedule](pipe[0], m, loss_fn=loss_fn)
+        sched = make(kinds[schedule], pipe[0])
     params = [p for s in mine for p in modules[s].parameters()]
     opt = torch.optim.SGD(params, lr=args.lr * (1.1 if control == "lr" else 1.0))
     x = read(torch, f"{args.dir}/x.bin", (args.batch, w))
