@@ -28,7 +28,7 @@ packages=(
 )
 # Hugging Face's safetensors reader, the peer of dcp's safetensors tests;
 # Debian 12 has no package (those tests skip there).
-if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = trixie ]; then
+if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" != bookworm ]; then
   packages+=(python3-safetensors)
 fi
 

@@ -14,6 +14,10 @@
 # checkout's copy instead of the suite, e.g.
 #   bash -c './scripts/install-deps.sh && ./scripts/build.sh'
 # (a fresh root has no packages until install-deps.sh has run).
+#
+# COHORT_DEBIAN_SUITE=forky makes the root from Debian testing instead
+# (LibTorch 2.14; a developer's lane, CONTRIBUTING.md), and
+# COHORT_DEBIAN_MIRROR names the archive when apt's here lacks that suite.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 "$src/scripts/install-deps.sh"   # debootstrap among them
@@ -24,7 +28,8 @@ mirror() {
   apt-get indextargets --format '$(REPO_URI) $(LABEL) $(CODENAME) $(COMPONENT)' 2>/dev/null |
     awk -v c="$VERSION_CODENAME" '$2 == "Debian" && $3 == c && $4 == "main" { print $1; exit }'
 }
-url=$(mirror)
+suite=${COHORT_DEBIAN_SUITE:-trixie}
+url=${COHORT_DEBIAN_MIRROR:-$(mirror)}
 if [ -z "$url" ]; then
   apt-get update -qq   # no package lists yet
   url=$(mirror)
@@ -107,12 +112,19 @@ mount_in() {   # TYPE SOURCE PATH [OPTIONS]
 
 start=$SECONDS
 if [ ! -x "$root/usr/bin/apt-get" ]; then
-  echo "test-debian13: debootstrap trixie from $url into $root"
-  run_group debootstrap --variant=minbase trixie "$root" "$url" >"$root/debootstrap.log" 2>&1 ||
+  echo "test-debian13: debootstrap $suite from $url into $root"
+  # (Debian 12's debootstrap has no script for suites newer than 13:
+  # every suite since 10 uses sid's.)
+  script=/usr/share/debootstrap/scripts/$suite
+  [ -e "$script" ] || script=/usr/share/debootstrap/scripts/sid
+  run_group debootstrap --variant=minbase "$suite" "$root" "$url" "$script" >"$root/debootstrap.log" 2>&1 ||
     { tail -20 "$root/debootstrap.log" >&2; exit 1; }
   echo "test-debian13: root made in $((SECONDS - start)) s"
 fi
 cp /etc/resolv.conf "$root/etc/resolv.conf"   # for apt inside
+# A testing suite's Release file is valid for a week; a frozen copy of
+# the archive (this machine's) serves it past that date.
+echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99cohort-valid-until"
 # Packages installed inside start no services (munge's, Slurm's): a daemon
 # started in the root would outlive it. The Slurm test starts its own.
 printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
