@@ -1,7 +1,7 @@
 // defines: OptimizerStateKey, optimizer_state_key, CpuAllocatorBase,
 // NodePtr, make_node, COHORT_C10D_STORE_HAS_CLONE: every difference between
 // the LibTorch releases cohort builds against (Debian 12's 1.13 and 2.x,
-// e.g. Debian 13's 2.6, a pip wheel's 2.11, Debian 14's 2.14), in one
+// e.g. Debian 13's 2.6, a pip wheel's 2.11, Debian testing's 2.14), in one
 // place. Nothing else in the library, tests, tools or benchmarks names a
 // LibTorch version (the top CMakeLists.txt takes the C++ standard from
 // LibTorch's own headers: 20 where they require it, as 2.14's do).
