@@ -91,12 +91,10 @@ WorkPtr failed_work(std::exception_ptr error) {
 // moves uint8 (byte_view: a view of the tensor's memory, never a copy).
 // Reductions keep their dtype (no 16-bit one reaches an engine: the
 // Communicator reduces those in float32).
-at::Tensor as_bytes(const at::Tensor& t) { return byte_view(t); }
-
-std::vector<at::Tensor> as_bytes(const std::vector<at::Tensor>& ts) {
+std::vector<at::Tensor> byte_views(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> out;
   out.reserve(ts.size());
-  for (const auto& t : ts) out.push_back(as_bytes(t));
+  for (const auto& t : ts) out.push_back(byte_view(t));
   return out;
 }
 
@@ -126,7 +124,7 @@ class GlooEngine : public Engine {
 
   WorkPtr broadcast(at::Tensor& tensor, int root) override {
     if (auto failed = check(given_or(CollectiveKind::Broadcast, tensor, root))) return failed;
-    std::vector<at::Tensor> ts{as_bytes(tensor)};
+    std::vector<at::Tensor> ts{byte_view(tensor)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     return call([&] { return pg_->broadcast(ts, o); });
@@ -147,16 +145,16 @@ class GlooEngine : public Engine {
 
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
     if (auto failed = check(given_or(CollectiveKind::AllGather, input))) return failed;
-    std::vector<std::vector<at::Tensor>> out{as_bytes(outputs)};
-    std::vector<at::Tensor> in{as_bytes(input)};
+    std::vector<std::vector<at::Tensor>> out{byte_views(outputs)};
+    std::vector<at::Tensor> in{byte_view(input)};
     return call([&] { return pg_->allgather(out, in); });
   }
 
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override {
     if (auto failed = check(given_or(CollectiveKind::Gather, input, root))) return failed;
     std::vector<std::vector<at::Tensor>> out;
-    if (!outputs.empty()) out.push_back(as_bytes(outputs));
-    std::vector<at::Tensor> in{as_bytes(input)};
+    if (!outputs.empty()) out.push_back(byte_views(outputs));
+    std::vector<at::Tensor> in{byte_view(input)};
     c10d::GatherOptions o;
     o.rootRank = root;
     return call([&] { return pg_->gather(out, in, o); });
@@ -164,9 +162,9 @@ class GlooEngine : public Engine {
 
   WorkPtr scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, int root) override {
     if (auto failed = check(given_or(CollectiveKind::Scatter, output, root))) return failed;
-    std::vector<at::Tensor> out{as_bytes(output)};
+    std::vector<at::Tensor> out{byte_view(output)};
     std::vector<std::vector<at::Tensor>> in;
-    if (!inputs.empty()) in.push_back(as_bytes(inputs));
+    if (!inputs.empty()) in.push_back(byte_views(inputs));
     c10d::ScatterOptions o;
     o.rootRank = root;
     return call([&] { return pg_->scatter(out, in, o); });
@@ -177,7 +175,7 @@ class GlooEngine : public Engine {
                      std::vector<int64_t>& input_counts) override {
     const auto c = all_to_all_check(output, input, output_counts, input_counts, size());
     if (auto failed = check(c.signature, c.send, c.recv)) return failed;
-    auto out = as_bytes(output), in = as_bytes(input);
+    auto out = byte_view(output), in = byte_view(input);
     const auto bytes = [n = input.element_size()](std::vector<int64_t> counts) {
       for (auto& c : counts) c *= n;
       return counts;  // (empty stays empty: equal splits of the bytes)
