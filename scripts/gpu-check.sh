@@ -22,9 +22,9 @@
 #     ranks on one GPU, and the JSON says it was skipped);
 #   - the golden tests against one process, models and data on the GPU:
 #     ranks as threads (the `goldens` list below: DDP, ZeRO, FSDP with and
-#     without mixed precision, the pipeline, the TP layers, the Trainer's
-#     gradient norm), and DDP's and FSDP's with ranks as processes at
-#     world 2;
+#     without mixed precision, the pipeline, the TP layers, the MoE layer,
+#     the Trainer's gradient norm), and DDP's and FSDP's with ranks as
+#     processes at world 2;
 #   - the main job (Fashion-MNIST, DDP and the Trainer) on 2 ranks sharing
 #     the GPU: its test accuracy and epoch times;
 #   - cohort's DDP step time against PyTorch's DDP at worlds 1 and 2, and at
@@ -166,10 +166,12 @@ goldens=(
   pipeline_equivalence pipeline_tests 'AllSchedules/PipelineEquivalence.*:PipelineComposition.*'
   tp_equivalence tensor_parallel_tests '*tp1_pp1_dp1*:*tp1_pp2_dp1*:TensorParallel/Layers.*Matches*/tp1'
   grad_norm cohort_train_test 'ReplicatedGradNorm.*'
+  moe_golden tensor_parallel_tests 'Moe/ExpertParallel.MatchesOneProcess/gloo_ep1_*'
   ddp_threads_world2 ddp_tests 'Ddp/Equivalence.*world2_sgd_overlapped:Ddp/Equivalence.*world2_sgd_synchronous'
   zero_threads_world2 optim_tests 'Zero/ZeroEquivalence.*world2_stage2_ddp'
   fsdp_threads_world2 fsdp_tests 'FSDP/Golden.*World2AdamWReshard1Micro:FSDP/MixedPrecisionGolden.*World2*'
   tp_threads_world2 tensor_parallel_tests '*tp2_pp1_dp1:TensorParallel/Layers.*Matches*/tp2'
+  moe_threads_world2 tensor_parallel_tests 'Moe/ExpertParallel.MatchesOneProcess/gloo_ep2_*'
 )
 test_binaries=()
 for ((i = 1; i < ${#goldens[@]}; i += 3)); do test_binaries+=("${goldens[$i]}"); done

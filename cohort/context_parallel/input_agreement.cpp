@@ -3,16 +3,18 @@
 #include "cohort/context_parallel/input_agreement.h"
 
 #include <array>
+#include <cstring>
 #include <sstream>
 #include <string>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort::context_parallel {
 
 namespace {
 
-constexpr int kWords = 6;  // code, batch, heads, rows, head_dim, dtype
+constexpr int kWords = 7;  // code, batch, heads, rows, head_dim, dtype, scale's bits
 const std::array<const char*, 4> kRefusals = {
     "",
     "q, k and v must be 4-D [batch, heads, sequence, head_dim]",
@@ -39,7 +41,7 @@ std::string shape_of(const int64_t* w) {
 }  // namespace
 
 ZigZagLayout agree_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                          Communicator& group, Millis timeout) {
+                          Communicator& group, Millis timeout, double scale) {
   const int cp = group.size();
   const std::string where = "cohort: ring_attention on rank " + std::to_string(group.rank()) +
                             " of " + std::to_string(cp) + " (group " + group.name() + "): ";
@@ -49,6 +51,7 @@ ZigZagLayout agree_inputs(const torch::Tensor& q, const torch::Tensor& k, const 
   m[0] = code;
   for (int d = 0; d < 4 && code != 1; ++d) m[1 + d] = q.size(d);
   m[5] = static_cast<int64_t>(q.scalar_type());
+  std::memcpy(&m[6], &scale, sizeof scale);
   auto all = torch::empty({cp * kWords}, torch::kInt64);
   group.all_gather_into_tensor(all, mine, {timeout}).wait();
   const auto* w = all.data_ptr<int64_t>();
@@ -71,6 +74,15 @@ ZigZagLayout agree_inputs(const torch::Tensor& q, const torch::Tensor& k, const 
       all_shapes += (r ? ", rank " : "rank ") + std::to_string(r) + " " + shape_of(w + r * kWords);
     }
     throw InvalidArgument(where + "ranks differ in batch, heads, head_dim or dtype: " + all_shapes);
+  }
+  for (int r = 0; r < cp; ++r) {
+    if (w[r * kWords + 6] == w[6]) continue;
+    double theirs = 0, first = 0;
+    std::memcpy(&theirs, &w[r * kWords + 6], sizeof theirs);
+    std::memcpy(&first, &w[6], sizeof first);
+    throw InvalidArgument(where + "ranks differ in the softmax scale: rank 0 has " +
+                          double_text(first) + ", rank " + std::to_string(r) + " has " +
+                          double_text(theirs));
   }
   if (length < 2 * static_cast<int64_t>(cp)) {
     throw InvalidArgument(where + "the sequence of " + std::to_string(length) +

@@ -11,6 +11,7 @@
 #include "cohort/context_parallel/block_attention.h"
 #include "cohort/context_parallel/input_agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/core/once_differentiable.h"
 
 namespace cohort::context_parallel {
 
@@ -176,18 +177,20 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     QuerySide side{q.detach(), dout, saved[4], (dout * saved[3]).sum(-1), options.scale};
     auto [dq, dkv] =
         ring_backward(ring, side, torch::stack({saved[1].detach(), saved[2].detach()}));
-    return {dq, dkv[0], dkv[1], torch::Tensor(), torch::Tensor()};
+    return once_differentiable({dq, dkv[0], dkv[1], torch::Tensor(), torch::Tensor()},
+                               "ring_attention");
   }
 
   static std::vector<int64_t> block_shape_of(const torch::Tensor& q) {
     return {2, q.size(0), q.size(1), q.size(2), q.size(3)};
   }
 
-  // Agrees on the inputs (one all-gather) and resolves the scale.
+  // Resolves the scale and agrees on it and the inputs (one all-gather).
   static Ring make_ring(Communicator& group, const torch::Tensor& q, const torch::Tensor& k,
                         const torch::Tensor& v, RingAttentionOptions& options) {
-    auto layout = agree_inputs(q, k, v, group, options.timeout);
-    if (options.scale == 0) options.scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+    if (options.scale == 0 && q.dim() == 4)
+      options.scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+    auto layout = agree_inputs(q, k, v, group, options.timeout, options.scale);
     return Ring{group, layout, options, block_shape_of(q)};
   }
 };

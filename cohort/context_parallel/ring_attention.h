@@ -64,7 +64,7 @@ struct RingAttentionOptions {
 /// tensors holding this rank's two zig-zag chunks (shard_sequence), and the
 /// mask compares global positions. Differentiable in q, k and v. Collective
 /// over `group` (the cp ranks): every rank calls it with the same batch,
-/// heads, head_dim and dtype, and its layout's number of rows; one small
+/// heads, head_dim, dtype and scale, and its layout's number of rows; one small
 /// all-gather agrees on them first, so a rank that differs is an
 /// InvalidArgument on every rank. Its backward communicates too, so every
 /// rank runs backward through it. The group stays alive with the graph.

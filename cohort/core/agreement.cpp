@@ -1,5 +1,6 @@
 #include "cohort/core/agreement.h"
 
+#include <cstdio>
 #include <sstream>
 
 #include "cohort/core/error.h"
@@ -45,6 +46,12 @@ std::vector<std::string> RankWords::values(
 bool all_same(const std::vector<std::string>& values) {
   return std::all_of(values.begin(), values.end(),
                      [&](const std::string& v) { return v == values.front(); });
+}
+
+std::string double_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
 }
 
 std::string name_groups(const std::vector<std::string>& values) {

@@ -66,6 +66,10 @@ class RankWords {
   size_t width_;
 };
 
+/// `v` with 17 significant digits, so that two doubles that differ (an
+/// option compared by its bits) never print alike.
+std::string double_text(double v);
+
 /// Whether every entry of `values` (one per rank) is the same.
 bool all_same(const std::vector<std::string>& values);
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/expert_parallel/all_to_all.h"
 #include "cohort/grad_sync/average_gradients.h"
@@ -71,7 +72,8 @@ std::vector<torch::Tensor> master_weights(const MoEOptions& o, int64_t first, in
 
 // Indices that reorder rows received from each rank s, grouped by local
 // expert j (src-major, counts[s][j]), into expert-major order.
-torch::Tensor expert_major(const torch::Tensor& counts) {
+torch::Tensor expert_major(const torch::Tensor& counts_on_device) {
+  const auto counts = counts_on_device.cpu();
   const int64_t ranks = counts.size(0), local = counts.size(1);
   auto c = counts.accessor<int64_t, 2>();
   std::vector<int64_t> offset(static_cast<size_t>(ranks * local));
@@ -87,11 +89,11 @@ torch::Tensor expert_major(const torch::Tensor& counts) {
       parts.push_back(torch::arange(begin, begin + c[s][j], torch::kInt64));
     }
   }
-  return torch::cat(parts);
+  return torch::cat(parts).to(counts_on_device.device());
 }
 
 std::vector<int64_t> to_vector(const torch::Tensor& t) {
-  auto c = t.contiguous();
+  auto c = t.cpu().contiguous();
   return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
 }
 
@@ -133,35 +135,63 @@ MoEImpl::MoEImpl(MoEOptions options) : options_(std::move(options)) {
   b2 = register_parameter("b2", w[4]);
 }
 
-void MoEImpl::agree() const {
-  if (!options_.ep_group || options_.ep_group->size() == 1) return;
-  auto& g = *options_.ep_group;
-  int64_t factor_bits = 0;
-  std::memcpy(&factor_bits, &options_.capacity_factor, sizeof factor_bits);
-  const std::vector<std::pair<const char*, int64_t>> mine = {
-      {"experts", options_.experts},    {"top_k", options_.top_k},
-      {"hidden", options_.hidden},      {"ffn", options_.ffn},
-      {"capacity_factor", factor_bits}, {"seed", static_cast<int64_t>(options_.seed)}};
-  const auto n = static_cast<int64_t>(mine.size());
-  auto words = torch::empty({n}, torch::kInt64);
-  for (int64_t i = 0; i < n; ++i) words[i] = mine[static_cast<size_t>(i)].second;
-  auto all = torch::empty({g.size(), n}, torch::kInt64);
-  g.all_gather_into_tensor(all, words).wait();
-  auto a = all.accessor<int64_t, 2>();
-  for (int r = 1; r < g.size(); ++r) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (a[r][i] == a[0][i]) continue;
+namespace {
+
+// The options every rank of the ep and of the tp group must share, doubles
+// as their bits (kDoubleWords says which).
+constexpr size_t kDoubleWords[] = {4, 6};
+std::vector<std::pair<const char*, int64_t>> option_words(const MoEOptions& o) {
+  int64_t factor_bits = 0, coef_bits = 0;
+  std::memcpy(&factor_bits, &o.capacity_factor, sizeof factor_bits);
+  std::memcpy(&coef_bits, &o.aux_loss_coef, sizeof coef_bits);
+  return {{"experts", o.experts},
+          {"top_k", o.top_k},
+          {"hidden", o.hidden},
+          {"ffn", o.ffn},
+          {"capacity_factor", factor_bits},
+          {"seed", static_cast<int64_t>(o.seed)},
+          {"aux_loss_coef", coef_bits}};
+}
+
+// Empty when every rank of `g` passed the same words, else the error.
+std::string disagreement(const RankWords& all, const Communicator& g, const char* kind,
+                         const std::vector<std::pair<const char*, int64_t>>& mine) {
+  for (int r = 1; r < all.ranks(); ++r) {
+    for (size_t i = 0; i < mine.size(); ++i) {
+      if (all.of(r)[i] == all.of(0)[i]) continue;
       auto value = [&](int rank) {
-        if (i != 4) return std::to_string(a[rank][i]);
+        const int64_t word = all.of(rank)[i];
+        if (std::find(std::begin(kDoubleWords), std::end(kDoubleWords), i) ==
+            std::end(kDoubleWords))
+          return std::to_string(word);
         double d = 0;
-        std::memcpy(&d, &a[rank][i], sizeof d);
-        return std::to_string(d);
+        std::memcpy(&d, &word, sizeof d);
+        return double_text(d);
       };
-      throw MismatchError(where(options_) + ": " + mine[static_cast<size_t>(i)].first +
-                          " differs across the expert-parallel group: rank 0 has " + value(0) +
-                          ", rank " + std::to_string(r) + " has " + value(r));
+      return "cohort: MoE (rank " + std::to_string(g.rank()) + " of " + std::to_string(g.size()) +
+             ", group " + g.name() + "): " + mine[i].first + " differs across the " + kind +
+             " group: rank 0 has " + value(0) + ", rank " + std::to_string(r) + " has " + value(r);
     }
   }
+  return "";
+}
+
+}  // namespace
+
+void MoEImpl::agree() const {
+  // Both all-gathers before any throw: a rank whose ep group disagrees still
+  // joins its tp group's, so no rank is left waiting on one that threw.
+  const auto mine = option_words(options_);
+  std::string error;
+  for (const auto& [group, kind] : {std::pair{options_.ep_group.get(), "expert-parallel"},
+                                    std::pair{options_.tp_group.get(), "tensor-parallel"}}) {
+    if (!group || group->size() == 1) continue;
+    std::vector<int64_t> words;
+    for (const auto& w : mine) words.push_back(w.second);
+    auto why = disagreement(gather_words(*group, words), *group, kind, mine);
+    if (error.empty()) error = why;
+  }
+  if (!error.empty()) throw MismatchError(error);
 }
 
 Routing MoEImpl::route(const torch::Tensor& x) {
@@ -197,8 +227,9 @@ torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<
     start += counts[static_cast<size_t>(j)];
   }
   if (!split) return torch::cat(out);
+  // The local expert of each row.
   auto expert_of_row =
-      torch::repeat_interleave(torch::tensor(counts, torch::kInt64));  // local expert of each row
+      torch::repeat_interleave(torch::tensor(counts, rows.options().dtype(torch::kInt64)));
   return tensor_parallel::reduce_from_tensor_parallel_region(torch::cat(out), *tp) +
          b2.index_select(0, expert_of_row);
 }
@@ -269,6 +300,51 @@ std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model)
   return out;
 }
 
+namespace {
+
+// Throws on every rank of `dense` unless each rank of `expert_replicas` holds
+// the same experts in every MoE (the same first_expert()): averaging another
+// rank's experts in would mix different experts' weights with no error.
+void check_replicas(const torch::nn::Module& model, Communicator& dense,
+                    Communicator& expert_replicas) {
+  std::vector<int64_t> firsts;
+  model.apply([&](const torch::nn::Module& m) {
+    if (const auto* moe = dynamic_cast<const MoEImpl*>(&m)) firsts.push_back(moe->first_expert());
+  });
+  std::string error;
+  if (expert_replicas.size() > 1) {
+    // One all-gather: the layer count, the first layer's first expert and a
+    // digest of all of them.
+    const int64_t n = static_cast<int64_t>(firsts.size());
+    const auto all = gather_words(
+        expert_replicas, {n, n ? firsts[0] : -1, static_cast<int64_t>(fnv1a_words(firsts))});
+    if (!all.same()) {
+      const auto values = all.values([](const int64_t* w) {
+        return std::to_string(w[0]) + " MoE layers, the first's first_expert() " +
+               std::to_string(w[1]) + ", digest " + std::to_string(static_cast<uint64_t>(w[2]));
+      });
+      error = "the expert_replicas group " + expert_replicas.name() + " holds different experts (" +
+              name_groups(values) + "): pass the ranks with the same ep rank";
+    }
+  }
+  // One word over dense, so that the ranks of other replica groups throw too
+  // instead of waiting in the gradient average.
+  const auto flags = gather_words(dense, {error.empty() ? 0 : 1});
+  int first_bad = -1;
+  for (int r = 0; r < flags.ranks() && first_bad < 0; ++r) {
+    if (flags.of(r)[0] != 0) first_bad = r;
+  }
+  if (first_bad < 0) return;
+  throw InvalidArgument("cohort: average_moe_gradients (rank " + std::to_string(dense.rank()) +
+                        " of " + std::to_string(dense.size()) + "): " +
+                        (error.empty() ? "rank " + std::to_string(first_bad) +
+                                             " of the dense group found that its expert_replicas "
+                                             "group holds different experts"
+                                       : error));
+}
+
+}  // namespace
+
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                            Communicator& expert_replicas) {
   if (dense.size() % expert_replicas.size() != 0) {
@@ -277,6 +353,7 @@ void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                           std::to_string(dense.size()) + " ranks do not divide by the " +
                           std::to_string(expert_replicas.size()) + " expert replicas");
   }
+  check_replicas(model, dense, expert_replicas);
   average_gradients(non_expert_parameters(model), dense);
   auto experts = expert_parameters(model);
   average_gradients(experts, expert_replicas);

@@ -53,10 +53,11 @@ struct MoEOptions {
 /// assignments add nothing: the residual connection is the caller's.
 class MoEImpl : public torch::nn::Module {
  public:
-  /// Collective over ep_group: one all-gather that checks E, k, H, F, the
-  /// capacity factor and the seed agree. Throws on every rank: MismatchError
-  /// naming two ranks and their values, InvalidArgument when E does not
-  /// divide by the ep size or an option is out of range.
+  /// Collective over ep_group and tp_group: one all-gather over each that
+  /// checks E, k, H, F, the capacity factor, the aux loss coefficient and
+  /// the seed agree. Throws on every rank: MismatchError naming the group,
+  /// two ranks and their values, InvalidArgument when E does not divide by
+  /// the ep size or an option is out of range.
   explicit MoEImpl(MoEOptions options);
   /// Over a mesh: its "ep" dimension splits the experts and its "tp"
   /// dimension, when it has one, each expert's FFN (the groups options'
@@ -120,7 +121,9 @@ std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model)
 /// parameters over `dense`; expert parameters summed over `expert_replicas`
 /// (the ranks holding the same experts) and divided by dense.size(), since
 /// each rank's expert gradient already sums over its ep group's tokens.
-/// Collective over both groups.
+/// Collective over both groups; first one all-gather over each that checks
+/// the replicas hold the same experts (InvalidArgument on every rank of
+/// `dense` if not, e.g. for the ep group passed as `expert_replicas`).
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                            Communicator& expert_replicas);
 

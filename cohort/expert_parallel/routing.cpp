@@ -1,11 +1,15 @@
 #include "cohort/expert_parallel/routing.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace cohort::expert_parallel {
 
 int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t k, int64_t experts) {
-  const double slots = capacity_factor * static_cast<double>(tokens * k) / experts;
+  // No expert can be asked for more than T * k slots; capping there first
+  // keeps a huge factor (meaning "drop nothing") from overflowing the cast.
+  const double most = static_cast<double>(tokens * k);
+  const double slots = std::min(capacity_factor * most / experts, most);
   return static_cast<int64_t>(std::ceil(slots));
 }
 
@@ -18,7 +22,7 @@ Routing route(const torch::Tensor& logits, int64_t k, double capacity_factor) {
   // Choice-major: all first choices, then all second choices.
   r.expert = indices.t().reshape({-1});
   r.gate = gates.t().reshape({-1});
-  r.token = torch::arange(tokens, torch::kInt64).repeat({k});
+  r.token = torch::arange(tokens, logits.options().dtype(torch::kInt64)).repeat({k});
   r.capacity = expert_capacity(capacity_factor, tokens, k, experts);
   // Each assignment's place in its expert's queue: the running count of
   // earlier assignments to the same expert.

@@ -8,7 +8,7 @@
 //                  learns through it); k = 2: the two chosen probabilities
 //                  renormalized to sum to one (GShard, Mixtral);
 //   capacity       C = ceil(capacity_factor * T * k / E) assignments per
-//                  expert for this rank's T tokens;
+//                  expert for this rank's T tokens (at most T * k);
 //   dropping       assignments claim their expert's C slots first come,
 //                  first served: every token's first choice in token order,
 //                  then every token's second choice in token order (so a
@@ -37,7 +37,7 @@ struct Routing {
 /// The routing of `logits` [T, E] (see the file comment); k is 1 or 2.
 Routing route(const torch::Tensor& logits, int64_t k, double capacity_factor);
 
-/// C = ceil(capacity_factor * tokens * k / experts).
+/// C = ceil(capacity_factor * tokens * k / experts), at most tokens * k.
 int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t k, int64_t experts);
 
 /// Switch Transformer's E * sum_e f_e * P_e: f_e the share of the T * k

@@ -1,7 +1,8 @@
 // Bad input to ring_attention: the same InvalidArgument on every rank of the
 // group, naming the rank and what is wrong, before any K/V block moves: a
 // sequence shorter than its 2·cp chunks (shorter than cp included), ranks
-// whose shapes differ, a rank holding the wrong number of rows, k unlike q.
+// whose shapes or softmax scales differ, a rank holding the wrong number of
+// rows, k unlike q.
 #include <gtest/gtest.h>
 
 #include "support/rank_errors.h"
@@ -19,16 +20,20 @@ bool has(const std::string& text, const std::string& part) {
 class RingAttentionErrors : public ::testing::TestWithParam<std::string> {
  protected:
   // Runs ring_attention on cp ranks with rank r's q, k, v from make(r) and
-  // expects every rank's error to name itself and contain `part`.
-  void expect_everywhere(int cp, const std::function<ring_cases::Inputs(int)>& make,
-                         const std::string& part) {
+  // its options from options_of(r), and expects every rank's error to name
+  // itself and contain `part`.
+  void expect_everywhere(
+      int cp, const std::function<ring_cases::Inputs(int)>& make, const std::string& part,
+      const std::function<context_parallel::RingAttentionOptions(int)>& options_of = [](int) {
+        return context_parallel::RingAttentionOptions{};
+      }) {
     auto options = ring_cases::on(GetParam());
     options.timeout = std::chrono::seconds(5);
     auto errors = errors_on_every_rank(
         cp,
         [&](std::shared_ptr<Communicator> g) {
           const auto in = make(g->rank());
-          ring_attention(in.q, in.k, in.v, g);
+          ring_attention(in.q, in.k, in.v, g, options_of(g->rank()));
         },
         options);
     for (int r = 0; r < cp; ++r) {
@@ -79,6 +84,20 @@ TEST_P(RingAttentionErrors, KeysUnlikeQueries) {
         return in;
       },
       "rank 2's inputs are refused: k and v must have q's shape");
+}
+
+// A rank whose softmax scale differs would weight its queries' scores
+// unlike the others' with no error; the default (0) is 1/sqrt(head_dim), so
+// a rank passing that value explicitly agrees.
+TEST_P(RingAttentionErrors, ScaleDiffersAcrossRanks) {
+  expect_everywhere(
+      3, [](int) { return rows(6); },
+      "ranks differ in the softmax scale: rank 0 has 0.5, rank 2 has 0.25",
+      [](int r) {
+        context_parallel::RingAttentionOptions o;
+        o.scale = r == 2 ? 0.25 : r == 1 ? 0.5 : 0;
+        return o;
+      });
 }
 
 INSTANTIATE_TEST_SUITE_P(ContextParallel, RingAttentionErrors,

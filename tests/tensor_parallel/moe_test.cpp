@@ -6,12 +6,16 @@
 // none. A negative control reroutes one token and must be caught by the same
 // comparison; average_moe_gradients at dp 2 x ep 2 against the mean loss;
 // route() against hand-worked routings; options that differ across ranks.
+// With COHORT_TEST_DEVICE=cuda the layers and the tokens are on the GPU.
 #include "cohort/expert_parallel/moe.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "support/rank_errors.h"
+#include "support/test_device.h"
 
 namespace cohort::testing::moe_test {
 namespace {
@@ -25,9 +29,14 @@ const std::vector<int64_t> kTokens = {9, 4, 0, 7};
 torch::Tensor randn(at::IntArrayRef sizes, uint64_t seed) {
   return torch::randn(sizes, at::detail::createCPUGenerator(seed));
 }
-torch::Tensor tokens_of(int rank) { return randn({kTokens[rank], kHidden}, 100 + rank); }
+// Drawn on the CPU, kept on test_device(), where the layers are moved too.
+torch::Tensor tokens_of(int rank) {
+  return randn({kTokens[rank], kHidden}, 100 + rank).to(test_device());
+}
 // The loss of rank r is sum(y * probe_of(r)) + its auxiliary loss.
-torch::Tensor probe_of(int rank) { return randn({kTokens[rank], kHidden}, 200 + rank); }
+torch::Tensor probe_of(int rank) {
+  return randn({kTokens[rank], kHidden}, 200 + rank).to(test_device());
+}
 
 std::vector<std::string> backends() {
   std::vector<std::string> out = {"gloo"};
@@ -63,6 +72,10 @@ torch::Tensor or_zeros(const torch::Tensor& grad, const torch::Tensor& like) {
   return grad.defined() ? grad : torch::zeros_like(like);
 }
 
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
 // The one comparison every case (and the negative control) uses.
 bool close(const torch::Tensor& got, const torch::Tensor& want) {
   return got.sizes() == want.sizes() && torch::allclose(got, want, 1e-5, 1e-5);
@@ -81,7 +94,8 @@ struct Reference {
   std::vector<float> aux;
   Reference(int64_t k, bool drops, int ranks, std::vector<double> weights)
       : moe(options(k, drops, nullptr)) {
-    torch::Tensor loss = torch::zeros({});
+    moe->to(test_device());
+    torch::Tensor loss = torch::zeros({}, test_device());
     std::vector<torch::Tensor> xs;
     for (int r = 0; r < ranks; ++r) {
       xs.push_back(tokens_of(r).requires_grad_());
@@ -154,6 +168,7 @@ TEST_P(ExpertParallel, MatchesOneProcess) {
         const int r = g->rank();
         // The mesh form (the groups in the options: the other tests).
         MoE m(DeviceMesh::from_group(g, "ep"), options(p.k, p.drops, nullptr));
+        m->to(test_device());
         auto x = tokens_of(r).requires_grad_();
         auto y = m(x);
         ((y * probe_of(r)).sum() + m->aux_loss()).backward();
@@ -223,6 +238,21 @@ TEST(ExpertRouting, CapacityDropsInClaimingOrder) {
   EXPECT_EQ(load_balancing_loss(none).item<float>(), 0.0f);
 }
 
+// A capacity factor too large for an int64 capacity (the largest double,
+// say, for "drop nothing") keeps every assignment: C is at most T * k.
+TEST(ExpertRouting, HugeCapacityFactorDropsNothing) {
+  const double largest = std::numeric_limits<double>::max();
+  EXPECT_EQ(expert_capacity(largest, 5, 1, 4), 5);
+  EXPECT_EQ(expert_capacity(1e19, 12, 1, 12), 12);
+  EXPECT_EQ(expert_capacity(largest, 3, 2, 4), 6);
+  EXPECT_EQ(expert_capacity(largest, 0, 2, 4), 0);
+  auto logits = torch::zeros({5, 4});
+  for (int64_t t = 0; t < 5; ++t) logits[t][0] = 3;  // every token wants expert 0
+  auto r = route(logits, 1, largest);
+  EXPECT_EQ(r.capacity, 5);
+  EXPECT_TRUE(r.kept.all().item<bool>());
+}
+
 class ExpertParallelChecks : public ::testing::TestWithParam<std::string> {};
 
 // A token sent to an expert other than the router's choice must fail the
@@ -235,6 +265,7 @@ TEST_P(ExpertParallelChecks, RerouteOneTokenIsCaught) {
         torch::set_num_threads(1);
         const int r = g->rank();
         MoE m(options(1, false, g));
+        m->to(test_device());
         auto x = tokens_of(r);
         auto routing = m->route(x);
         // Token 0 of rank 0 goes to the matching expert of the other rank.
@@ -262,6 +293,7 @@ TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRank) {
         torch::set_num_threads(1);
         const int r = g->rank();
         MoE m(options(1, false, g));
+        m->to(test_device());
         auto x = tokens_of(r).requires_grad_(r == 0);
         auto y = m(x);
         ((y * probe_of(r)).sum() + m->aux_loss()).backward();
@@ -283,6 +315,7 @@ TEST_P(ExpertParallelChecks, AverageGradientsOverDataAndExpertGroups) {
         auto ep = world->split(r / 2, r);        // {0, 1}, {2, 3}
         auto replicas = world->split(r % 2, r);  // {0, 2}, {1, 3}: the same experts
         MoE m(options(2, true, ep));
+        m->to(test_device());
         auto x = tokens_of(r).requires_grad_();
         auto y = m(x);
         ((y * probe_of(r)).sum() + m->aux_loss()).backward();
@@ -295,12 +328,36 @@ TEST_P(ExpertParallelChecks, AverageGradientsOverDataAndExpertGroups) {
       on(GetParam()));
 }
 
+// The ep group passed as expert_replicas (dp 2 x ep 2): averaging would mix
+// experts 0-5 with 6-11. Every rank refuses, none waits in the average.
+TEST_P(ExpertParallelChecks, ReplicasHoldingOtherExpertsAreRefused) {
+  auto o = on(GetParam());
+  o.timeout = std::chrono::seconds(5);
+  auto errors = errors_on_every_rank(
+      4,
+      [](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        const int r = world->rank();
+        auto ep = world->split(r / 2, r);
+        MoE m(options(2, true, ep));
+        m->to(test_device());
+        auto y = m(tokens_of(r));
+        ((y * probe_of(r)).sum() + m->aux_loss()).backward();
+        average_moe_gradients(*m, *world, *ep);
+      },
+      o);
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_TRUE(has(errors[r], "average_moe_gradients (rank " + std::to_string(r) + " of 4)"))
+        << errors[r];
+    EXPECT_TRUE(has(errors[r], "holds different experts")) << errors[r];
+  }
+  // The group's own ranks name both values.
+  EXPECT_TRUE(has(errors[0], "the first's first_expert() 0")) << errors[0];
+  EXPECT_TRUE(has(errors[0], "the first's first_expert() 6")) << errors[0];
+}
+
 INSTANTIATE_TEST_SUITE_P(Moe, ExpertParallelChecks, ::testing::ValuesIn(backends()),
                          [](const auto& info) { return info.param; });
-
-bool has(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 MoEOptions small(std::shared_ptr<Communicator> g, int64_t experts, int64_t k) {
   MoEOptions o;
@@ -355,6 +412,35 @@ TEST_P(MoeErrors, TopKDiffers) {
       briefly_on(GetParam()));
   expect_on_every_rank(
       errors, {"top_k differs across the expert-parallel group", "rank 0 has 1, rank 2 has 2"});
+}
+
+// The TP ranks of one expert must route alike: options that differ there
+// are refused as over ep, naming the tensor-parallel group.
+TEST_P(MoeErrors, SeedDiffersAcrossTensorParallel) {
+  auto errors = errors_on_every_rank(
+      2,
+      [](std::shared_ptr<Communicator> g) {
+        MoEOptions o = small(nullptr, 4, 1);
+        o.seed = g->rank() == 1 ? 8 : 7;
+        o.tp_group = g;
+        MoE m(o);
+      },
+      briefly_on(GetParam()));
+  expect_on_every_rank(
+      errors, {"seed differs across the tensor-parallel group", "rank 0 has 7, rank 1 has 8"});
+}
+
+TEST_P(MoeErrors, AuxLossCoefficientDiffers) {
+  auto errors = errors_on_every_rank(
+      3,
+      [](std::shared_ptr<Communicator> g) {
+        MoEOptions o = small(g, 6, 1);
+        if (g->rank() == 2) o.aux_loss_coef = 0.02;
+        MoE m(o);
+      },
+      briefly_on(GetParam()));
+  expect_on_every_rank(errors, {"aux_loss_coef differs across the expert-parallel group",
+                                "rank 0 has 0.01", "rank 2 has 0.02"});
 }
 
 TEST_P(MoeErrors, TopKOutOfRange) {
