@@ -27,6 +27,7 @@
 #include <unordered_set>
 
 #include "cohort/core/error.h"
+#include "cohort/core/once_differentiable.h"
 #include "cohort/core/torch_compat.h"
 
 namespace cohort {
@@ -207,7 +208,8 @@ class CheckpointNode : public torch::autograd::Node {
     auto got = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false,
                                      /*create_graph=*/false, /*allow_unused=*/true);
     for (size_t j = 0; j < wanted.size(); ++j) result[wanted[j]] = got[j];
-    return result;
+    // The recompute's graph starts at detached copies of the inputs.
+    return once_differentiable(std::move(result), "checkpoint");
   }
 
   void release_variables() override {

@@ -55,7 +55,8 @@ using CheckpointFunction =
 /// recompute returns no tensor requiring grad, outputs of another number,
 /// shape or dtype than the forward's, or reaches a tensor requiring grad that
 /// is neither an input nor in `params` (its gradient would be lost).
-/// Higher-order gradients (create_graph) through it are not supported.
+/// Its gradients are differentiable once: a second backward through them
+/// (after a backward with create_graph) throws c10::Error naming checkpoint.
 std::vector<torch::Tensor> checkpoint(CheckpointFunction fn,
                                       const std::vector<torch::Tensor>& inputs,
                                       const std::vector<torch::Tensor>& params = {},

@@ -6,6 +6,7 @@
 
 #include <torch/autograd.h>
 
+#include "cohort/core/once_differentiable.h"
 namespace cohort::expert_parallel {
 
 using torch::autograd::AutogradContext;
@@ -41,7 +42,9 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
     auto grad = exchange(grads[0], ctx->saved_data["recv"].toIntVector(),
                          ctx->saved_data["send"].toIntVector(), group);
     if (!ctx->saved_data["rows_need_grad"].toBool()) grad = torch::Tensor();
-    return {grad, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return once_differentiable(
+        {grad, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()},
+        "the MoE's all-to-all exchange");
   }
 };
 

@@ -8,6 +8,7 @@
 #include <torch/autograd.h>
 
 #include "cohort/core/error.h"
+#include "cohort/core/once_differentiable.h"
 #include "cohort/tensor_parallel/layers.h"
 
 namespace cohort::tensor_parallel {
@@ -57,8 +58,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     grad.scatter_add_(1, saved[1].unsqueeze(1), -hit.unsqueeze(1));
     grad.masked_fill_(saved[3].unsqueeze(1), 0.0);
     grad.mul_(grads[0].reshape({-1, 1}));
-    return {grad.reshape(ctx->saved_data["shape"].toIntVector()), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+    return once_differentiable({grad.reshape(ctx->saved_data["shape"].toIntVector()),
+                                torch::Tensor(), torch::Tensor(), torch::Tensor()},
+                               "vocab_parallel_cross_entropy");
   }
 };
 

@@ -18,9 +18,6 @@ using torch::autograd::variable_list;
 namespace {
 
 int64_t handle(Communicator& c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&c)); }
-Communicator& from_handle(AutogradContext* ctx) {
-  return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(ctx->saved_data["group"].toInt()));
-}
 
 torch::Tensor all_reduce(const torch::Tensor& t, Communicator& g) {
   auto out = t.detach().contiguous().clone();
@@ -55,36 +52,53 @@ torch::Tensor split(const torch::Tensor& t, Communicator& g, int64_t dim, const 
   return split_along(t, dim, g.rank(), g.size(), what).contiguous();
 }
 
+// Each backward applies its conjugate mapping, itself an autograd function:
+// under a plain backward that is just the collective, and under
+// create_graph it puts the conjugate's own backward (this forward) in the
+// graph, so a second derivative through TP is exact. A replicated tensor's
+// gradient is whole on every rank, a partial one sums over ranks, at every
+// order.
+struct ReduceFromRegion;
+
 struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
     return x;  // LibTorch wraps an input returned as is in a fresh view
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_reduce(grads[0], from_handle(ctx)), torch::Tensor()};
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
 
 struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
-  static torch::Tensor forward(AutogradContext*, torch::Tensor x, int64_t group) {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
     return all_reduce(x, *reinterpret_cast<Communicator*>(static_cast<intptr_t>(group)));
   }
-  static variable_list backward(AutogradContext*, variable_list grads) {
-    return {grads[0], torch::Tensor()};
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {CopyToRegion::apply(grads[0], ctx->saved_data["group"].toInt()), torch::Tensor()};
   }
 };
 
-// Split / gather pairs; kDim < 0 means the last dimension.
+variable_list CopyToRegion::backward(AutogradContext* ctx, variable_list grads) {
+  return {ReduceFromRegion::apply(grads[0], ctx->saved_data["group"].toInt()), torch::Tensor()};
+}
+
+// Split / all-gather pairs along one dimension (kDim < 0: the last).
+int64_t dim_of(int64_t k, const torch::Tensor& t) { return k < 0 ? t.dim() - 1 : k; }
+
+template <int64_t kDim>
+struct GatherFrom;
+
 template <int64_t kDim>
 struct ScatterTo : torch::autograd::Function<ScatterTo<kDim>> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
     auto& g = *reinterpret_cast<Communicator*>(static_cast<intptr_t>(group));
-    return split(x, g, kDim < 0 ? x.dim() - 1 : kDim, "scatter_to_parallel_region");
+    return split(
+        x, g, dim_of(kDim, x),
+        kDim < 0 ? "scatter_to_tensor_parallel_region" : "scatter_to_sequence_parallel_region");
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto dim = kDim < 0 ? grads[0].dim() - 1 : kDim;
-    return {all_gather(grads[0], from_handle(ctx), dim), torch::Tensor()};
+    return {GatherFrom<kDim>::apply(grads[0], ctx->saved_data["group"].toInt()), torch::Tensor()};
   }
 };
 
@@ -93,13 +107,23 @@ struct GatherFrom : torch::autograd::Function<GatherFrom<kDim>> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
     auto& g = *reinterpret_cast<Communicator*>(static_cast<intptr_t>(group));
-    return all_gather(x, g, kDim < 0 ? x.dim() - 1 : kDim);
+    return all_gather(x, g, dim_of(kDim, x));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto& g = from_handle(ctx);
-    if (kDim < 0) return {split(grads[0], g, grads[0].dim() - 1, "gather backward"), {}};
-    return {reduce_scatter(grads[0], g), torch::Tensor()};
+    return {ScatterTo<kDim>::apply(grads[0], ctx->saved_data["group"].toInt()), torch::Tensor()};
   }
+};
+
+// The sequence-parallel pair: the all-gather's consumers on every rank add
+// to each slice's gradient, so its backward reduce-scatters.
+struct ReduceScatterTo;
+
+struct GatherPartialsFrom : torch::autograd::Function<GatherPartialsFrom> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return all_gather(x, *reinterpret_cast<Communicator*>(static_cast<intptr_t>(group)), 0);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
 
 struct ReduceScatterTo : torch::autograd::Function<ReduceScatterTo> {
@@ -108,9 +132,13 @@ struct ReduceScatterTo : torch::autograd::Function<ReduceScatterTo> {
     return reduce_scatter(x, *reinterpret_cast<Communicator*>(static_cast<intptr_t>(group)));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_gather(grads[0], from_handle(ctx), 0), torch::Tensor()};
+    return {GatherPartialsFrom::apply(grads[0], ctx->saved_data["group"].toInt()), torch::Tensor()};
   }
 };
+
+variable_list GatherPartialsFrom::backward(AutogradContext* ctx, variable_list grads) {
+  return {ReduceScatterTo::apply(grads[0], ctx->saved_data["group"].toInt()), torch::Tensor()};
+}
 
 }  // namespace
 
@@ -141,7 +169,7 @@ torch::Tensor scatter_to_sequence_parallel_region(const torch::Tensor& x, Commun
   return ScatterTo<0>::apply(x, handle(g));
 }
 torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& x, Communicator& g) {
-  return GatherFrom<0>::apply(x, handle(g));
+  return GatherPartialsFrom::apply(x, handle(g));
 }
 torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& x, Communicator& g) {
   return ReduceScatterTo::apply(x, handle(g));

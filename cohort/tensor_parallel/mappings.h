@@ -10,6 +10,10 @@
 //   gather_from_sequence_parallel_region   all-gather dim 0 | reduce-scatter
 //   reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0 | all-gather
 //
+// Each backward is the conjugate mapping, itself an autograd function, so
+// gradients through them are differentiable again (backward with
+// create_graph, e.g. a gradient penalty) and exact at every order.
+//
 // The communicator is the TP group; it must outlive the autograd graph (the
 // layers hold it by shared_ptr). Backward runs its collective on the thread
 // that calls backward(), in the graph's order, which is the same on every TP
