@@ -116,7 +116,15 @@ void quantize_chunks(const float* x, float* error, int64_t n, int64_t chunk, int
     // error v - 127 * scale would be -inf.
     float scale = amax / 127.0f;
     while (!finite(scale * 127.0f)) scale = std::nextafter(scale, 0.0f);
-    const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+    float inverse = 1.0f / scale;
+    // A chunk whose largest |v| is below about 3.7e-37 (scale 0 included)
+    // has no finite inverse, and 0 * inf would be a NaN clamped to -127:
+    // zeros would arrive as -amax. It is sent as zeros (error feedback
+    // keeps the values).
+    if (!finite(inverse)) {
+      inverse = 0.0f;
+      scale = 0.0f;
+    }
     scales[c] = scale;
     for (int64_t i = begin; i < end; ++i) {
       const float v = kError ? x[i] + error[i] : x[i];

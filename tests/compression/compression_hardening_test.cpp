@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 
+#include "cohort/compression/compressed_collectives.h"
 #include "cohort/compression/compressor.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "support/thread_ranks.h"
@@ -187,6 +188,78 @@ INSTANTIATE_TEST_SUITE_P(
       return to_string(std::get<1>(info.param)) + "_world" +
              std::to_string(std::get<0>(info.param));
     });
+
+// ---- int8 chunks too small to scale ----
+
+// The engines ranks as threads run on: Gloo, and UCX where it is built.
+std::vector<std::string> thread_backends() {
+  std::vector<std::string> out = {"gloo"};
+#ifdef COHORT_WITH_UCX
+  out.push_back("ucx");
+#endif
+  return out;
+}
+
+class Int8Tiny : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+// Chunks whose largest |v| is 1e-39 (subnormal) or 1e-37: 127 / amax
+// overflows float. The average of exact zeros is exactly 0 and of the tiny
+// values at most their magnitude, for the plain collective and the
+// compressor with error feedback, in both phases (owner and all-gather).
+TEST_P(Int8Tiny, ZerosStayZeroAndTinyValuesStayTiny) {
+  const auto& [backend, p] = GetParam();
+  constexpr int64_t kChunk = 64, kNormal = 2 * kChunk, kTinyChunks = 4;
+  constexpr int64_t kN = kNormal + kTinyChunks * kChunk;
+  const float tiny[kTinyChunks] = {1e-39f, 1e-37f, 1e-39f, 1e-37f};
+  ThreadRanksOptions ro;
+  ro.backend = backend;
+  run_ranks(
+      p,
+      [&](Communicator& comm) {
+        at::set_num_threads(1);
+        const int r = comm.rank();
+        // Every third element of the tiny chunks is 0 on every rank; the
+        // others are +-tiny (signs by rank and position).
+        auto x = at::zeros({kN}, at::kFloat);
+        x.narrow(0, 0, kNormal).copy_(randn(5 + r, kNormal));
+        auto zero = at::zeros({kN}, at::kBool);
+        for (int64_t c = 0; c < kTinyChunks; ++c) {
+          for (int64_t i = 0; i < kChunk; ++i) {
+            const int64_t k = kNormal + c * kChunk + i;
+            if (i % 3 == 0) {
+              zero[k] = true;
+            } else {
+              x[k] = ((i + r) % 2 ? 1.0f : -1.0f) * tiny[c];
+            }
+          }
+        }
+        const auto tiny_part = at::arange(kN) >= kNormal;
+        for (bool compressor : {false, true}) {
+          auto t = x.clone();
+          if (compressor) {
+            auto c = make_compressor(options_of(CompressionKind::Int8));
+            compressed_all_reduce(comm, t, *c, 3);
+          } else {
+            int8_all_reduce(comm, t, kChunk, nullptr);
+          }
+          const std::string what = compressor ? "the compressor" : "int8_all_reduce";
+          EXPECT_TRUE(at::all(at::isfinite(t)).item<bool>()) << what;
+          EXPECT_TRUE(at::all(t.masked_select(zero) == 0).item<bool>())
+              << what << ": zeros arrived as " << t.masked_select(zero).min();
+          EXPECT_TRUE(at::all(t.masked_select(tiny_part).abs() <= 1e-37f).item<bool>())
+              << what << ": tiny values arrived as " << t.masked_select(tiny_part).abs().max();
+        }
+      },
+      ro);
+}
+
+INSTANTIATE_TEST_SUITE_P(Compression, Int8Tiny,
+                         ::testing::Combine(::testing::ValuesIn(thread_backends()),
+                                            ::testing::Values(1, 2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // ---- PowerSGD after a step of NaN or of zeros ----
 
