@@ -35,11 +35,17 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
         std::to_string(comm_->rank()) + ")");
   }
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
     const auto& p = item.value();
     if (p.is_sparse() || !p.is_contiguous()) {
       throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() + "' on rank " +
                             std::to_string(comm_->rank()) + " must be a dense, contiguous tensor");
+    }
+    // Not reduced, but rank 0's values too: a frozen part initialised
+    // after a per-rank seed would otherwise differ across the replicas.
+    if (!p.requires_grad()) {
+      frozen_.push_back(p);
+      frozen_names_.push_back(item.key());
+      continue;
     }
     // A bucket is one flat tensor: its parameters share one device.
     if (!params_.empty() && p.device() != params_[0].device()) {
@@ -61,6 +67,8 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
   }
 
   verify_same_parameters(*comm_, params_, names_);
+  verify_same_parameters(*comm_, frozen_, frozen_names_,
+                         "DistributedDataParallel (parameters without requires_grad)");
   broadcast_state();
 
   // Reverse registration order: the last layers' gradients are ready first.
@@ -82,6 +90,7 @@ void GradientReducer::broadcast_state() {
   // operation on a leaf that requires grad.
   std::vector<torch::Tensor> state;
   for (auto& p : params_) state.push_back(p.detach());
+  for (auto& p : frozen_) state.push_back(p.detach());
   for (auto& b : buffers_) state.push_back(b.detach());
   torch::NoGradGuard no_grad;
   comm_->broadcast_coalesced(state, {0}).wait();

@@ -54,8 +54,9 @@ class SerialWorker;
 class GradientReducer {
  public:
   /// Collective: checks that every rank holds the same parameter shapes and
-  /// dtypes in the same order (MismatchError naming the first difference),
-  /// then broadcasts parameters and buffers from rank 0.
+  /// dtypes in the same order, those with and those without requires_grad
+  /// (MismatchError naming the first difference), then broadcasts every
+  /// parameter (frozen ones too) and buffer from rank 0.
   GradientReducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Communicator> comm,
                   DDPOptions options = {});
   ~GradientReducer();
@@ -177,6 +178,9 @@ class GradientReducer {
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
+  // Without requires_grad: broadcast at construction, never reduced.
+  std::vector<torch::Tensor> frozen_;
+  std::vector<std::string> frozen_names_;
   std::vector<torch::Tensor> buffers_;
   std::unique_ptr<AccumulatorHooks> hooks_;
 
