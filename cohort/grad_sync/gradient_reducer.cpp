@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <unordered_set>
 
 #include "cohort/core/error.h"
 #include "cohort/core/serial_worker.h"
@@ -34,8 +35,14 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
         "DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be > 0 (rank " +
         std::to_string(comm_->rank()) + ")");
   }
+  // Each tensor once, under its first name, as PyTorch's DDP: LibTorch's
+  // named_parameters() lists a tensor registered in two modules (tied
+  // weights) under both names, and two slots of one tensor would each take
+  // its gradient.
+  std::unordered_set<const void*> seen;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const auto& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     if (p.is_sparse() || !p.is_contiguous()) {
       throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() + "' on rank " +
                             std::to_string(comm_->rank()) + " must be a dense, contiguous tensor");

@@ -108,7 +108,7 @@ class GradientReducer {
   }
 
   /// The parameters that are reduced (requires_grad), in registration order,
-  /// and their qualified names.
+  /// each tensor once (a tied one under its first name).
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   /// The qualified names of parameters(), in the same order.
   const std::vector<std::string>& parameter_names() const { return names_; }

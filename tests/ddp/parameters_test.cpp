@@ -158,6 +158,119 @@ TEST_P(DdpParameters, FrozenParametersAreRankZeros) {
       options_for(c));
 }
 
+// ---- A weight tied between two modules ----
+
+// The output projection's weight is the embedding's (one tensor registered
+// in two modules, listed twice by LibTorch's parameters()).
+struct HeadImpl : torch::nn::Module {
+  torch::Tensor weight;
+  explicit HeadImpl(torch::Tensor w) { weight = register_parameter("weight", std::move(w)); }
+  torch::Tensor forward(const torch::Tensor& h) { return h.matmul(weight.t()); }
+};
+TORCH_MODULE(Head);
+
+struct TiedNetImpl : torch::nn::Module {
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::Linear mid{nullptr};
+  Head head{nullptr};
+  TiedNetImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(10, 6));
+    mid = register_module("mid", torch::nn::Linear(6, 6));
+    head = register_module("head", Head(embedding->weight));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(torch::tanh(mid(embedding(ids)))); }
+};
+TORCH_MODULE(TiedNet);
+
+// Each tensor once (LibTorch's parameters() lists a tied one twice).
+std::vector<torch::Tensor> distinct(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) {
+    bool seen = false;
+    for (const auto& q : out) seen = seen || q.is_same(p);
+    if (!seen) out.push_back(p);
+  }
+  return out;
+}
+
+// L = 6 leaves of 2 rows each (the global batch is 12 rows at every world).
+constexpr int64_t kLeaves = 6, kLeafRows = 2;
+
+struct Mode {
+  std::string name;
+  Determinism determinism;
+  bool bucket_view;
+};
+
+const std::vector<Mode> kModes = {
+    {"default", Determinism::Default, true},
+    {"default_own_grad", Determinism::Default, false},
+    {"world_size_invariant", Determinism::WorldSizeInvariant, true},
+    {"world_size_invariant_own_grad", Determinism::WorldSizeInvariant, false}};
+
+DDPOptions options_of(const Mode& mode) {
+  DDPOptions o;
+  o.determinism = mode.determinism;
+  o.leaves = kLeaves;
+  o.gradient_as_bucket_view = mode.bucket_view;
+  o.bucket_cap_mb = o.first_bucket_mb = 1e-4;  // several buckets
+  return o;
+}
+
+// The tied weight gets the gradient of both its uses, as in one process, in
+// every mode; DDP reduces it once.
+TEST_P(DdpParameters, TiedWeightGetsItsWholeGradientInEveryMode) {
+  const auto c = GetParam();
+  torch::set_num_threads(1);
+  const int64_t rows = kLeaves * kLeafRows;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const auto ids = torch::randint(10, {rows}, gen, torch::kLong);
+  const auto y = draw(6, {rows, 10});
+  TiedNet reference;
+  init_parameters(*reference, 300);
+  ASSERT_TRUE(reference->head->weight.is_same(reference->embedding->weight));
+  const auto params = distinct(reference->parameters());
+  ASSERT_EQ(params.size(), 3u);  // the tied weight, mid's weight and bias
+  const auto init = clone_all(params);
+  torch::mse_loss(reference->forward(ids), y).backward();
+  const auto want = grads_of(params);
+  const std::vector<std::string> names = {"embedding.weight", "mid.weight", "mid.bias"};
+
+  for (const auto& mode : kModes) {
+    run_ranks_shared(
+        c.world,
+        [&](std::shared_ptr<Communicator> comm) {
+          const int r = comm->rank();
+          TiedNet model;
+          const auto mine = distinct(model->parameters());
+          {
+            torch::NoGradGuard no_grad;
+            for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(init[i]);
+          }
+          DistributedDataParallel<TiedNet> ddp(model, comm, options_of(mode));
+          EXPECT_EQ(ddp.reducer().parameters().size(), 3u) << mode.name;
+          for (int step = 0; step < 2; ++step) {  // the second reuses every buffer
+            model->zero_grad(/*set_to_none=*/true);
+            // One forward per leaf (WorldSizeInvariant) or over the rank's rows.
+            const bool leaves = mode.determinism == Determinism::WorldSizeInvariant;
+            const int64_t per_forward = leaves ? kLeafRows : rows / c.world;
+            const int64_t first = leaves ? ddp.first_leaf() * kLeafRows : r * per_forward;
+            const int64_t forwards = leaves ? ddp.local_leaves() : 1;
+            for (int64_t k = 0; k < forwards; ++k) {
+              const int64_t at = first + k * per_forward;
+              torch::mse_loss(ddp.forward(ids.narrow(0, at, per_forward)),
+                              y.narrow(0, at, per_forward))
+                  .backward();
+            }
+            expect_grads(
+                grads_of(mine), want, names,
+                mode.name + ", rank " + std::to_string(r) + ", step " + std::to_string(step));
+          }
+        },
+        options_for(c));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ddp, DdpParameters, ::testing::ValuesIn(cases()), case_name);
 
 }  // namespace
