@@ -149,6 +149,9 @@ class GradientReducer {
   void move_grads_into_buckets();
   void rebuild_buckets();
   void reset_iteration();
+  // After a synchronizing backward (or a failed one): the next no_sync()
+  // accumulation starts with no parameter locally used.
+  void clear_local_use();
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets();
   Work launch(size_t b);
@@ -196,6 +199,8 @@ class GradientReducer {
   bool backward_started_ = false;
   bool backward_finished_ = true;
   std::vector<char> ready_;
+  // Got a gradient on this rank since the last synchronizing backward (in
+  // any micro-batch of a no_sync() accumulation).
   std::vector<char> locally_used_;
   std::vector<size_t> unused_;  // found at forward (find_unused_parameters)
   std::string pending_error_;

@@ -20,8 +20,9 @@ void GradientReducer::start_iteration_clock() {
 }
 
 void GradientReducer::reset_iteration() {
+  // locally_used_ is not reset here: it spans a no_sync() accumulation
+  // (clear_local_use()).
   std::fill(ready_.begin(), ready_.end(), 0);
-  std::fill(locally_used_.begin(), locally_used_.end(), 0);
   queue_.reset();
   if (!order_recorded_) ready_order_.clear();
   backward_started_ = false;
@@ -29,11 +30,16 @@ void GradientReducer::reset_iteration() {
   unused_.clear();
 }
 
+void GradientReducer::clear_local_use() {
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
+}
+
 void GradientReducer::prepare_forward() {
   if (!pending_error_.empty()) {
     std::string message;
     std::swap(message, pending_error_);
     reset_iteration();
+    clear_local_use();
     throw Error(message);
   }
   // LibTorch gives a parameter a new accumulator when Module::load
@@ -102,7 +108,13 @@ void GradientReducer::on_gradient_ready(size_t index) {
     on_leaf_gradient(index);
     return;
   }
-  if (!sync_this_iteration_) return;  // no_sync: .grad accumulates locally
+  if (!sync_this_iteration_) {
+    // no_sync: .grad accumulates locally. A parameter used in any
+    // micro-batch of the accumulation has a gradient to average, even if
+    // the synchronizing one leaves it out (as PyTorch >= 2.4).
+    locally_used_[index] = 1;
+    return;
+  }
   if (!backward_started_) {
     backward_started_ = true;
     backward_finished_ = false;
@@ -128,7 +140,7 @@ void GradientReducer::on_gradient_ready(size_t index) {
 
 void GradientReducer::mark_ready(size_t index, bool used) {
   ready_[index] = 1;
-  locally_used_[index] = used ? 1 : 0;
+  if (used) locally_used_[index] = 1;
   if (!order_recorded_) ready_order_.push_back(index);
   if (owner_) {
     owner_->gradient_ready(index);
@@ -205,6 +217,7 @@ void GradientReducer::finish_backward() {
   if (owner_) {
     stats_.iterations += 1;
     stats_.backward_seconds = backward_end;
+    clear_local_use();
     owner_->backward_finished();
     return;
   }
@@ -220,6 +233,7 @@ void GradientReducer::wait_and_write_back(double backward_end) {
   // average; one unused everywhere keeps an undefined .grad.
   std::vector<char> used(params_.size(), 1);
   if (options_.find_unused_parameters) used = any_rank_has(*comm_, locally_used_);
+  clear_local_use();
 
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -251,6 +265,7 @@ void GradientReducer::synchronize() {
   start_iteration_clock();
   if (owner_) {
     for (size_t i = 0; i < params_.size(); ++i) mark_ready(i, /*used=*/true);
+    clear_local_use();
     owner_->backward_finished();
     return;
   }

@@ -271,6 +271,76 @@ TEST_P(DdpParameters, TiedWeightGetsItsWholeGradientInEveryMode) {
   }
 }
 
+// ---- A branch used in one no_sync() micro-batch on rank 0 only ----
+
+// Two rounds of two micro-batches, the first under no_sync(), gradients set
+// to none before each round. Round 0: only rank 0's first micro-batch uses
+// the branch. Round 1: no micro-batch uses it. The branch's gradient is the
+// average over the ranks of their accumulated gradients (missing ones count
+// as zeros) on every rank in round 0, and undefined everywhere in round 1.
+TEST_P(DdpParameters, BranchUsedInOneNoSyncMicroBatchIsAveragedOnEveryRank) {
+  const auto c = GetParam();
+  torch::set_num_threads(1);
+  constexpr int kRounds = 2, kMicro = 2;
+  constexpr int64_t kRows = 4;
+  auto uses_branch = [](int round, int micro, int rank) {
+    return round == 0 && micro == 0 && rank == 0;
+  };
+  const auto xs = draw(3, {kRounds, kMicro, c.world, kRows, 8});
+  const auto ys = draw(4, {kRounds, kMicro, c.world, kRows, 4});
+  BranchNet reference;
+  init_parameters(*reference, 200);
+  const auto init = clone_all(reference->parameters());
+  // want[round][i]: sum over ranks of each rank's accumulated gradient / world.
+  std::vector<std::vector<torch::Tensor>> want(kRounds);
+  for (int round = 0; round < kRounds; ++round) {
+    want[round].resize(init.size());
+    for (int r = 0; r < c.world; ++r) {
+      reference->zero_grad(/*set_to_none=*/true);
+      for (int m = 0; m < kMicro; ++m) {
+        torch::mse_loss(reference->forward(xs[round][m][r], !uses_branch(round, m, r)),
+                        ys[round][m][r])
+            .backward();
+      }
+      const auto g = grads_of(reference->parameters());
+      for (size_t i = 0; i < g.size(); ++i) {
+        if (!g[i].defined()) continue;
+        want[round][i] = want[round][i].defined() ? want[round][i] + g[i] : g[i];
+      }
+    }
+    for (auto& w : want[round]) {
+      if (w.defined()) w = w / c.world;
+    }
+  }
+  ASSERT_TRUE(want[0][2].defined() && !want[1][2].defined()) << "the branch is parameter 2";
+
+  std::vector<std::string> names;
+  for (const auto& p : reference->named_parameters()) names.push_back(p.key());
+  run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        const int r = comm->rank();
+        BranchNet model;
+        copy_parameters(*model, init);
+        DDPOptions options;
+        options.find_unused_parameters = true;
+        DistributedDataParallel<BranchNet> ddp(model, comm, options);
+        for (int round = 0; round < kRounds; ++round) {
+          model->zero_grad(/*set_to_none=*/true);
+          for (int m = 0; m < kMicro; ++m) {
+            std::optional<NoSyncGuard> guard;
+            if (m + 1 < kMicro) guard.emplace(ddp.no_sync());
+            torch::mse_loss(ddp.forward(xs[round][m][r], !uses_branch(round, m, r)),
+                            ys[round][m][r])
+                .backward();
+          }
+          expect_grads(grads_of(model->parameters()), want[round], names,
+                       "rank " + std::to_string(r) + ", round " + std::to_string(round));
+        }
+      },
+      options_for(c));
+}
+
 INSTANTIATE_TEST_SUITE_P(Ddp, DdpParameters, ::testing::ValuesIn(cases()), case_name);
 
 }  // namespace
