@@ -199,8 +199,9 @@ class GradientReducer {
   bool backward_started_ = false;
   bool backward_finished_ = true;
   std::vector<char> ready_;
-  // Got a gradient on this rank since the last synchronizing backward (in
-  // any micro-batch of a no_sync() accumulation).
+  // Got a gradient on this rank since the last synchronizing backward: in
+  // any micro-batch of a no_sync() accumulation, or in any leaf of a
+  // WorldSizeInvariant step.
   std::vector<char> locally_used_;
   std::vector<size_t> unused_;  // found at forward (find_unused_parameters)
   std::string pending_error_;

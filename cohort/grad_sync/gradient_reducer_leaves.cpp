@@ -10,6 +10,7 @@
 #include "cohort/core/error.h"
 #include "cohort/core/serial_worker.h"
 #include "cohort/grad_sync/flat_views.h"
+#include "cohort/grad_sync/gradient_presence.h"
 #include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/leaf_buckets.h"
 
@@ -108,6 +109,7 @@ void GradientReducer::on_leaf_gradient(size_t index) {
                           "forward); with WorldSizeInvariant run one forward per leaf");
   }
   ready_[index] = 1;
+  locally_used_[index] = 1;
   // An owner takes whole leaves (finish_owner_leaf()).
   if (!owner_) fold_leaf_gradient(index, leaf_->pushed() + 1 == leaf_->local_leaves());
 }
@@ -187,9 +189,19 @@ void GradientReducer::finish_leaf_exchange(double backward_end) {
   wait_all(leaf_gathers_);
   std::fill(leaf_gathers_.begin(), leaf_gathers_.end(), Work());
   leaf_->restart();
+  // As in the default mode: a parameter that no leaf on any rank used keeps
+  // an undefined .grad (its mean, zeros, would still be stepped by Adam's
+  // moments and weight decay). Issued after the jobs: the communicator is
+  // this thread's again.
+  const auto used = any_rank_has(*comm_, locally_used_);
+  clear_local_use();
   const auto& mean = leaf_buckets_->mean();
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].mutable_grad() = options_.gradient_as_bucket_view ? mean[i] : mean[i].clone();
+    if (!used[i]) {
+      params_[i].mutable_grad() = torch::Tensor();
+    } else {
+      params_[i].mutable_grad() = options_.gradient_as_bucket_view ? mean[i] : mean[i].clone();
+    }
   }
   stats_.hidden_comm_seconds = queue_.busy_seconds(backward_end);
   stats_.total_hidden_comm_seconds += stats_.hidden_comm_seconds;
@@ -208,6 +220,7 @@ void GradientReducer::finish_owner_leaf() {
   leaf_->push(torch::cat(pieces));
   if (leaf_->pushed() < leaf_->local_leaves()) return;
   const double backward_end = queue_.now_s();
+  clear_local_use();
   // A shard owner (ZeRO-2) keeps its chunk: no all-gather, no .grad.
   auto chunk = leaf_->finish_chunk(*comm_);
   owner_->leaf_chunk_ready(chunk);

@@ -85,6 +85,10 @@ inline std::vector<torch::Tensor> all_state(torch::nn::Module& m) {
 inline bool same_bytes(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
+    if (!a[i].defined() || !b[i].defined()) {
+      if (a[i].defined() != b[i].defined()) return false;
+      continue;
+    }
     auto x = a[i].contiguous();
     auto y = b[i].contiguous();
     if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type()) return false;

@@ -341,6 +341,69 @@ TEST_P(DdpParameters, BranchUsedInOneNoSyncMicroBatchIsAveragedOnEveryRank) {
       options_for(c));
 }
 
+// ---- WorldSizeInvariant: a parameter that no leaf uses ----
+
+// BranchNet with the branch left out of every leaf, or used in leaf 0 only
+// (on rank 0): as one process (and the default mode), the branch's .grad is
+// undefined in the first case and the mean of the leaves' gradients (the
+// others zeros) on every rank in the second, with find_unused_parameters
+// or without.
+TEST_P(DdpParameters, WorldSizeInvariantLeavesAnUnusedParameterWithoutGradient) {
+  const auto c = GetParam();
+  torch::set_num_threads(1);
+  const auto xs = draw(7, {kLeaves, kLeafRows, 8});
+  const auto ys = draw(8, {kLeaves, kLeafRows, 4});
+  BranchNet reference;
+  init_parameters(*reference, 400);
+  const auto init = clone_all(reference->parameters());
+  std::vector<std::string> names;
+  for (const auto& p : reference->named_parameters()) names.push_back(p.key());
+
+  for (const bool used_in_leaf_0 : {false, true}) {
+    auto skip = [&](int64_t leaf) { return !(used_in_leaf_0 && leaf == 0); };
+    // One process: the leaves' gradients summed (missing ones as zeros) / L.
+    std::vector<torch::Tensor> want(init.size());
+    for (int64_t l = 0; l < kLeaves; ++l) {
+      reference->zero_grad(/*set_to_none=*/true);
+      torch::mse_loss(reference->forward(xs[l], skip(l)), ys[l]).backward();
+      const auto g = grads_of(reference->parameters());
+      for (size_t i = 0; i < g.size(); ++i) {
+        if (g[i].defined()) want[i] = want[i].defined() ? want[i] + g[i] : g[i];
+      }
+    }
+    for (auto& w : want) {
+      if (w.defined()) w = w / kLeaves;
+    }
+    ASSERT_EQ(want[2].defined(), used_in_leaf_0) << "the branch is parameter 2";
+
+    for (const bool find_unused : {true, false}) {
+      run_ranks_shared(
+          c.world,
+          [&](std::shared_ptr<Communicator> comm) {
+            const int r = comm->rank();
+            BranchNet model;
+            copy_parameters(*model, init);
+            DDPOptions options;
+            options.determinism = Determinism::WorldSizeInvariant;
+            options.leaves = kLeaves;
+            options.find_unused_parameters = find_unused;
+            DistributedDataParallel<BranchNet> ddp(model, comm, options);
+            for (int step = 0; step < 2; ++step) {
+              for (int64_t k = 0; k < ddp.local_leaves(); ++k) {
+                const int64_t l = ddp.first_leaf() + k;
+                torch::mse_loss(ddp.forward(xs[l], skip(l)), ys[l]).backward();
+              }
+              expect_grads(grads_of(model->parameters()), want, names,
+                           std::string(used_in_leaf_0 ? "used in leaf 0" : "unused") +
+                               (find_unused ? ", find_unused_parameters" : "") + ", rank " +
+                               std::to_string(r) + ", step " + std::to_string(step));
+            }
+          },
+          options_for(c));
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ddp, DdpParameters, ::testing::ValuesIn(cases()), case_name);
 
 }  // namespace
