@@ -1,6 +1,7 @@
 // FullyShardImpl's full (unsharded) state dict: gathered from the shards,
 // and loaded into them after every key was checked.
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,6 +64,18 @@ void FullyShardImpl::load_full_state_dict(
   std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;
   for (const auto& b : named_buffers())
     buffers.emplace_back(b.value(), lookup(b.key(), b.value().sizes()));
+  // As PyTorch's load_state_dict (strict): a key the model lacks is a
+  // misnamed tensor, whose model counterpart would otherwise keep its value.
+  std::set<std::string> known;
+  for (const auto& p : named_parameters()) known.insert(p.key());
+  for (const auto& b : named_buffers()) known.insert(b.key());
+  std::string unexpected;
+  for (const auto& e : state_dict) {
+    if (!known.count(e.key())) unexpected += (unexpected.empty() ? "'" : ", '") + e.key() + "'";
+  }
+  if (!unexpected.empty()) {
+    throw InvalidArgument(where + ": unexpected keys, not the model's: " + unexpected);
+  }
   state->reshard_all();
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < per_unit.size(); ++u) state->units()[u].group->load_full(per_unit[u]);

@@ -140,7 +140,9 @@ class FullyShardImpl : public torch::nn::Module {
   /// is gathered, copied, and resharded in turn). Loads into the bare module.
   torch::OrderedDict<std::string, torch::Tensor> full_state_dict();
   /// Loads a full state dict (the bare module's names and shapes): each
-  /// rank keeps its rows. Every key must be present with its shape.
+  /// rank keeps its rows. As PyTorch's load_state_dict(strict=True): every
+  /// key must be present with its shape, and no other key may be
+  /// (InvalidArgument naming them, before anything is loaded).
   void load_full_state_dict(const torch::OrderedDict<std::string, torch::Tensor>& state);
 
   /// This unit's own parameters (those no inner unit holds).

@@ -243,6 +243,31 @@ TEST(FSDPFeatures, FullStateDictLoadsIntoTheBareModelAndBack) {
   });
 }
 
+// As PyTorch's load_state_dict(strict=True): a key the model does not have
+// (a misspelt name, another model's tensor) is named on every rank, and
+// nothing is loaded, at worlds 1 and 3.
+TEST(FSDPFeatures, LoadFullStateDictRefusesUnexpectedKeys) {
+  for (int world : {1, 3}) {
+    run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+      auto model = fully_shard(make_model(comm, {}), comm);
+      const auto full = model->full_state_dict();
+      Named extra;
+      for (const auto& e : full) extra.insert(e.key(), e.value() + 1);
+      extra.insert("2.wieght", full["2.weight"] + 1);
+      try {
+        model->load_full_state_dict(extra);
+        ADD_FAILURE() << "an unexpected key was accepted";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("unexpected keys, not the model's: '2.wieght'"),
+                  std::string::npos)
+            << e.what();
+      }
+      auto after = model->full_state_dict();
+      for (const auto& e : full) EXPECT_TRUE(torch::equal(after[e.key()], e.value())) << e.key();
+    });
+  }
+}
+
 uint64_t calls(const Communicator& comm, OpKind kind) {
   return comm.stats().ops[static_cast<size_t>(kind)].calls;
 }
