@@ -358,15 +358,20 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
   // holds the arena before it writes into it.
   if (last) s->arena = std::move(last->arena);
   std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
+  ErrorKind kind = ErrorKind::Checkpoint;
   try {
+    for (const auto& f : state.refresh) f();
     s->staged = stage_rank_file(state, comm.rank(), comm.size(), &s->arena, "dcp::async_save");
     split_copies(*s);
   } catch (const std::exception& e) {
-    if (error.empty()) error = e.what();
+    if (error.empty()) {
+      error = e.what();
+      kind = kind_of(e);
+    }
   }
   try {
-    agree(comm, error);
-  } catch (const CheckpointError&) {
+    agree(comm, error, kind);
+  } catch (const Error&) {
     if (commits_last) {
       try {
         write_metadata(comm, last->dir, last_lists);

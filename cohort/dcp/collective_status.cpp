@@ -30,17 +30,33 @@ std::vector<int64_t> all_lengths(Communicator& comm, int64_t mine) {
 
 }  // namespace
 
-void agree(Communicator& comm, const std::string& error) {
-  const auto lengths = all_lengths(comm, static_cast<int64_t>(error.size()));
+ErrorKind kind_of(const std::exception& e) {
+  if (dynamic_cast<const InvalidArgument*>(&e)) return ErrorKind::InvalidArgument;
+  if (dynamic_cast<const ConfigError*>(&e)) return ErrorKind::Config;
+  return ErrorKind::Checkpoint;
+}
+
+void agree(Communicator& comm, const std::string& error, ErrorKind kind) {
+  // A failing rank sends its kind as the first byte, then its message.
+  const std::string mine = error.empty() ? error : static_cast<char>(kind) + error;
+  const auto lengths = all_lengths(comm, static_cast<int64_t>(mine.size()));
   int64_t longest = 0;
   for (auto n : lengths) longest = std::max(longest, n);
   if (longest == 0) return;
   std::vector<torch::Tensor> out;
   for (int r = 0; r < comm.size(); ++r) out.push_back(torch::empty({longest}, torch::kByte));
-  comm.all_gather(out, bytes_of(error, longest)).wait();
+  comm.all_gather(out, bytes_of(mine, longest)).wait();
   for (int r = 0; r < comm.size(); ++r) {
-    if (lengths[r] > 0) {
-      throw CheckpointError("rank " + std::to_string(r) + ": " + string_of(out[r], lengths[r]));
+    if (lengths[r] == 0) continue;
+    const auto text = string_of(out[r], lengths[r]);
+    const auto message = "rank " + std::to_string(r) + ": " + text.substr(1);
+    switch (static_cast<ErrorKind>(text[0])) {
+      case ErrorKind::InvalidArgument:
+        throw InvalidArgument(message);
+      case ErrorKind::Config:
+        throw ConfigError(message);
+      default:
+        throw CheckpointError(message);
     }
   }
 }

@@ -2,6 +2,7 @@
 // checkpoint error one rank met an error on every rank.
 #pragma once
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -9,10 +10,19 @@
 
 namespace cohort::dcp {
 
-/// Collective: every rank passes its error ("" when none). Throws
-/// CheckpointError on every rank with the lowest failing rank's message
-/// ("rank r: ...") when any rank failed.
-void agree(Communicator& comm, const std::string& error);
+/// The error agree() throws on every rank for the lowest failing rank's.
+enum class ErrorKind : char { Checkpoint, InvalidArgument, Config };
+
+/// The kind agree() keeps for `e`: an InvalidArgument (a shard that does not
+/// fit its box) or a ConfigError (a checkpoint the optimizer's groups cannot
+/// hold) stays one; anything else, met reading or writing a checkpoint, is a
+/// CheckpointError.
+ErrorKind kind_of(const std::exception& e);
+
+/// Collective: every rank passes its error ("" when none) and its kind.
+/// Throws on every rank, as the lowest failing rank's kind, that rank's
+/// message ("rank r: ...") when any rank failed.
+void agree(Communicator& comm, const std::string& error, ErrorKind kind = ErrorKind::Checkpoint);
 
 /// Collective: rank `root` gets every rank's string, in rank order; the
 /// others get an empty vector.

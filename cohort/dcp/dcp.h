@@ -66,6 +66,19 @@ struct StateDict {
   /// Run by load() in order, after every tensor is in place (installs
   /// optimizer state that did not exist before the load).
   std::vector<std::function<void()>> after_load;
+  /// Run by load() on this rank's staged values before the ranks agree (and
+  /// by set_state_dict before it copies), each given a function that
+  /// returns the value a shard is about to take, found by the shard's
+  /// `data`: one that throws refuses the load on every rank, with its
+  /// error, before anything changes (values that after_load could not set
+  /// together, such as two options of one parameter group).
+  std::vector<std::function<void(const std::function<torch::Tensor(const torch::Tensor&)>&)>>
+      check_before_load;
+  /// Run by save() and async_save() (at the call) before anything is read,
+  /// and by set_state_dict on its source: copies into the shards what they
+  /// cannot view (a step count or a group option, which the optimizer holds
+  /// as a number), so that what is written is the current value.
+  std::vector<std::function<void()>> refresh;
   /// The state dict rebuilt for loading a checkpoint with this metadata:
   /// targets for everything the checkpoint holds for this model and
   /// optimizer, the state an optimizer that has not stepped lacks included.
@@ -73,6 +86,12 @@ struct StateDict {
   /// state dict built before the checkpoint was known loads everything.
   std::function<StateDict(const Metadata&)> load_targets;
 };
+
+/// Throws InvalidArgument naming `op`, the tensor, `rank` (unless < 0) and both shapes
+/// when a shard's data is not shaped as its box (a [4, 3] tensor under a
+/// [3, 4] box would be read or written permuted) or not of the tensor's
+/// dtype.
+void check_shards(const StateDict& state, const std::string& op, int rank);
 
 /// The data file of `rank` in a checkpoint folder.
 std::string data_file_name(int rank);

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <unordered_map>
 
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
@@ -126,7 +127,8 @@ int64_t read_overlap(const TensorMeta& t, const ChunkMeta& c, const Box& target,
 // The staged values of every shard of `state`, in order; throws
 // CheckpointError naming the tensor or file.
 std::vector<torch::Tensor> stage(const StateDict& state, const std::string& dir,
-                                 const Metadata& meta) {
+                                 const Metadata& meta, int rank) {
+  check_shards(state, "dcp::load", rank);
   check_fits(state, meta, dir);
   DataFiles files(dir, meta);
   std::vector<torch::Tensor> staged;
@@ -178,19 +180,39 @@ Metadata read_metadata(const std::string& dir) {
 
 namespace {
 
+// Runs state.check_before_load on the staged values (staged[k] is what
+// shard k, in order, is about to take).
+void check_staged(const StateDict& state, const std::vector<torch::Tensor>& staged) {
+  if (state.check_before_load.empty()) return;
+  std::unordered_map<const void*, torch::Tensor> value_of;
+  size_t k = 0;
+  for (const auto& e : state.tensors) {
+    for (const auto& s : e.shards) value_of[s.data.unsafeGetTensorImpl()] = staged[k++];
+  }
+  auto value = [&](const torch::Tensor& data) {
+    auto it = value_of.find(data.unsafeGetTensorImpl());
+    COHORT_CHECK(it != value_of.end(), "dcp::load: a check asked for a tensor that is no shard");
+    return it->second;
+  };
+  for (const auto& check : state.check_before_load) check(value);
+}
+
 // Stages every shard of `state` (unless a rank failed before: `error`),
 // agrees, then copies the staged values in and runs after_load.
 void fill(StateDict& state, const std::string& dir, Communicator& comm, const Metadata& meta,
           std::string error) {
   std::vector<torch::Tensor> staged;
+  ErrorKind kind = ErrorKind::Checkpoint;
   if (error.empty()) {
     try {
-      staged = stage(state, dir, meta);
+      staged = stage(state, dir, meta, comm.rank());
+      check_staged(state, staged);
     } catch (const std::exception& e) {
       error = e.what();
+      kind = kind_of(e);
     }
   }
-  agree(comm, error);
+  agree(comm, error, kind);
   torch::NoGradGuard no_grad;
   size_t k = 0;
   for (auto& e : state.tensors) {
@@ -244,7 +266,7 @@ torch::Tensor read_tensor(const std::string& dir, const Metadata& meta, const st
   StateDict one;
   auto full = torch::empty(t->shape, torch::TensorOptions().dtype(t->dtype));
   one.tensors.push_back({fqn, t->shape, t->dtype, false, {{whole(t->shape), full}}});
-  auto staged = stage(one, dir, meta);
+  auto staged = stage(one, dir, meta, 0);
   return staged.empty() ? full : staged[0];
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "cohort/core/dtypes.h"
 #include "cohort/core/error.h"
@@ -229,11 +230,17 @@ Metadata metadata_from_json(const std::string& text, const std::string& source) 
                       std::to_string(kFormatVersion));
     }
     if (j.at("block_bytes") != kBlockBytes) bad(source, "checksum block size differs");
+    std::set<std::string> file_names;
     for (const auto& f : j.at("files")) {
       meta.files.push_back({f.at("name").get<std::string>(), f.at("bytes").get<int64_t>()});
-      if (meta.files.back().bytes < 0) {
-        bad(source, "file " + meta.files.back().name + ": negative size");
+      const auto& name = meta.files.back().name;
+      // A load opens dir + "/" + name: a path would read outside the folder.
+      if (name.empty() || name == "." || name == ".." ||
+          name.find_first_of(std::string("/\0", 2)) != std::string::npos) {
+        bad(source, "file '" + name + "' is not a plain file name");
       }
+      if (!file_names.insert(name).second) bad(source, "file " + name + " is listed twice");
+      if (meta.files.back().bytes < 0) bad(source, "file " + name + ": negative size");
     }
     meta.modules = j.value("modules", std::vector<std::string>{});
     for (const auto& t : j.at("tensors")) {
@@ -263,6 +270,12 @@ Metadata metadata_from_json(const std::string& text, const std::string& source) 
   }
   std::sort(meta.tensors.begin(), meta.tensors.end(),
             [](const TensorMeta& a, const TensorMeta& b) { return a.fqn < b.fqn; });
+  // find() would pick one of two entries of a name, and each may tile it.
+  for (size_t i = 1; i < meta.tensors.size(); ++i) {
+    if (meta.tensors[i].fqn == meta.tensors[i - 1].fqn) {
+      bad(source, "tensor " + meta.tensors[i].fqn + " is listed twice");
+    }
+  }
   return meta;
 }
 

@@ -83,8 +83,25 @@ void reserve_arena(torch::Tensor& arena, int64_t bytes) {
 
 }  // namespace
 
+void check_shards(const StateDict& state, const std::string& op, int rank) {
+  for (const auto& t : state.tensors) {
+    for (const auto& s : t.shards) {
+      const auto sizes = s.data.sizes().vec();
+      if (sizes == s.box.lengths && s.data.scalar_type() == t.dtype) continue;
+      const auto on = rank >= 0 ? " on rank " + std::to_string(rank) : std::string();
+      throw InvalidArgument(op + ": tensor " + t.fqn + on + ": the shard's data is " +
+                            shape_string(sizes) + " " + dtype_name(s.data.scalar_type()) +
+                            ", its box " + to_string(s.box) + " is " + shape_string(s.box.lengths) +
+                            " " + dtype_name(t.dtype));
+    }
+  }
+}
+
 StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::Tensor* arena,
                            const std::string& op) {
+  // Only sizes that equal the box's: a shard of the same numel shaped
+  // otherwise would be written permuted.
+  check_shards(state, op, rank);
   const auto writer = replicated_writers(state, world);
   auto written = [&](size_t i) {
     return state.tensors[i].write && (!state.tensors[i].replicated || writer[i] == rank);
@@ -107,11 +124,6 @@ StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::T
     nlohmann::json chunks = nlohmann::json::array();
     for (const auto& s : t.shards) {
       if (s.box.numel() == 0) continue;
-      if (s.data.scalar_type() != t.dtype || s.data.numel() != s.box.numel()) {
-        throw InvalidArgument(op + ": tensor " + t.fqn + ": the shard " + to_string(s.box) +
-                              " holds " + std::to_string(s.data.numel()) + " elements of " +
-                              c10::toString(s.data.scalar_type()));
-      }
       torch::Tensor data;
       if (arena) {
         // Only the place: the caller copies (async_save, partly on its
@@ -226,8 +238,8 @@ std::string prepare_folder(const std::string& dir) {
 }
 
 std::vector<std::string> gather_lists(Communicator& comm, const std::string& list,
-                                      const std::string& error) {
-  agree(comm, error);
+                                      const std::string& error, ErrorKind kind) {
+  agree(comm, error, kind);
   return gather_strings(comm, list, 0);
 }
 
@@ -249,8 +261,8 @@ void write_metadata(Communicator& comm, const std::string& dir,
 }
 
 void commit(Communicator& comm, const std::string& dir, const std::string& list,
-            const std::string& error) {
-  write_metadata(comm, dir, gather_lists(comm, list, error));
+            const std::string& error, ErrorKind kind) {
+  write_metadata(comm, dir, gather_lists(comm, list, error, kind));
 }
 
 void save(const StateDict& state, const std::string& dir, Communicator& comm) {
@@ -258,13 +270,16 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
   agree(comm, error);
   std::string list;
+  ErrorKind kind = ErrorKind::Checkpoint;
   try {
+    for (const auto& f : state.refresh) f();
     auto staged = stage_rank_file(state, comm.rank(), comm.size(), nullptr, "dcp::save");
     list = write_staged_file(staged, dir, comm.rank());
   } catch (const std::exception& e) {
     error = e.what();
+    kind = kind_of(e);
   }
-  commit(comm, dir, list, error);
+  commit(comm, dir, list, error, kind);
 }
 
 }  // namespace cohort::dcp

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/dcp.h"
 
 namespace cohort::dcp {
@@ -29,7 +30,7 @@ struct StagedFile {
 /// afterwards): `*arena` is reused when it is large enough and nothing else
 /// holds it, else replaced by a new one; without, views where the data is
 /// contiguous already. Throws InvalidArgument (named `op`) for a shard that
-/// does not fit its box.
+/// does not fit its box (check_shards).
 StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::Tensor* arena,
                            const std::string& op);
 
@@ -41,11 +42,13 @@ std::string write_staged_file(StagedFile& staged, const std::string& dir, int ra
 /// temporary files and the old .metadata. Returns the error text ("" if none).
 std::string prepare_folder(const std::string& dir);
 
-/// Collective: agrees on every rank's `error` (CheckpointError on every
-/// rank when any rank failed), then gathers every rank's chunk list on rank
+/// Collective: agrees on every rank's `error` (agree(): an error of `kind`,
+/// or of the lowest failing rank's kind, on every rank when any rank
+/// failed), then gathers every rank's chunk list on rank
 /// 0 (the others get none).
 std::vector<std::string> gather_lists(Communicator& comm, const std::string& list,
-                                      const std::string& error);
+                                      const std::string& error,
+                                      ErrorKind kind = ErrorKind::Checkpoint);
 
 /// Rank 0: merges the chunk lists, checks that they tile every tensor, and
 /// writes them as .metadata of `dir` (atomically). Throws InvalidArgument or
@@ -58,9 +61,9 @@ void write_metadata(Communicator& comm, const std::string& dir,
                     const std::vector<std::string>& lists);
 
 /// Collective: gather_lists, then write_metadata (.metadata last). Throws
-/// CheckpointError on every rank when any rank failed.
+/// on every rank when any rank failed (as gather_lists).
 void commit(Communicator& comm, const std::string& dir, const std::string& list,
-            const std::string& error);
+            const std::string& error, ErrorKind kind = ErrorKind::Checkpoint);
 
 /// Waits until the async save pending on `comm` (if any) has copied its
 /// staging data, so that the caller may change the tensors it saves

@@ -232,5 +232,95 @@ TEST(BadInput, ImpossibleShapesNameTheFileAndTensor) {
   }
 }
 
+// A tensor listed twice (find() would take either entry, each tiling it),
+// a data file named by a path (a load would read outside the folder: here a
+// copy of the real file in a subfolder, which would load silently) or by
+// ".." are refused everywhere, naming the tensor or the file.
+TEST(BadInput, DuplicateTensorsAndFileNamesThatAreNoPlainNamesAreRefused) {
+  {
+    const auto dir = saved_fsdp("twice");
+    edit_metadata(dir, [&](nlohmann::json& j) {
+      for (const auto& t : j.at("tensors")) {
+        if (t.at("fqn") == "model.2.bias") {
+          j.at("tensors").push_back(t);
+          break;
+        }
+      }
+    });
+    expect_refused_everywhere(dir, {".metadata", "tensor model.2.bias is listed twice"});
+    fs::remove_all(dir);
+  }
+  for (const std::string name : {"sub/__0_0.distcp", ".."}) {
+    const auto dir = saved_fsdp("path");
+    fs::create_directories(dir / "sub");
+    fs::copy_file(dir / "__0_0.distcp", dir / "sub" / "__0_0.distcp");
+    edit_metadata(dir, [&](nlohmann::json& j) { j.at("files")[0].at("name") = name; });
+    expect_refused_everywhere(dir, {".metadata", "file '" + name + "' is not a plain file name"});
+    fs::remove_all(dir);
+  }
+}
+
+// A shard whose data has its box's elements but not its shape (a [4, 3]
+// tensor under a [3, 4] box) would be written, and read, permuted: save and
+// load refuse it on every rank with an InvalidArgument naming the tensor,
+// the rank and both shapes, at worlds 1 and 3 (the bad shard on the last
+// rank only), and a refused load leaves the data as it was.
+dcp::StateDict one_tensor(const torch::Tensor& data) {
+  dcp::StateDict sd;
+  sd.tensors.push_back({"x", {3, 4}, torch::kFloat, true, {{dcp::whole({3, 4}), data}}});
+  return sd;
+}
+
+class ShardShapes : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShardShapes, DataShapedOtherwiseThanItsBoxIsRefused) {
+  const int world = GetParam();
+  const auto dir = temp_dir("shard_shape_" + std::to_string(world));
+  const auto values = torch::arange(12, torch::kFloat);
+  auto check = [&](const std::vector<std::string>& errors, const std::string& op) {
+    const std::string rank = std::to_string(world - 1);
+    for (size_t r = 0; r < errors.size(); ++r) {
+      for (const auto& part : {op + ": tensor x on rank " + rank, std::string("[4, 3]"),
+                               std::string("[3, 4]"), std::string("InvalidArgument")}) {
+        EXPECT_NE(errors[r].find(part), std::string::npos) << "rank " << r << ": " << errors[r];
+      }
+    }
+  };
+  // The type is part of the message: errors_on_every_rank keeps only what().
+  auto typed = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      throw std::runtime_error(std::string("InvalidArgument: ") + e.what());
+    }
+  };
+  check(errors_on_every_rank(world,
+                             [&](std::shared_ptr<Communicator> comm) {
+                               const bool bad = comm->rank() == comm->size() - 1;
+                               auto data = bad ? values.view({4, 3}) : values.view({3, 4});
+                               typed([&] { dcp::save(one_tensor(data), dir.string(), *comm); });
+                             }),
+        "dcp::save");
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    dcp::save(one_tensor(values.view({3, 4})), dir.string(), *comm);
+  });
+  check(errors_on_every_rank(world,
+                             [&](std::shared_ptr<Communicator> comm) {
+                               const bool bad = comm->rank() == comm->size() - 1;
+                               auto data = bad ? torch::zeros({4, 3}) : torch::zeros({3, 4});
+                               auto sd = one_tensor(data);
+                               try {
+                                 typed([&] { dcp::load(sd, dir.string(), *comm); });
+                               } catch (...) {
+                                 EXPECT_TRUE(torch::equal(data, torch::zeros_like(data)));
+                                 throw;
+                               }
+                             }),
+        "dcp::load");
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ShardShapes, ::testing::Values(1, 3));
+
 }  // namespace
 }  // namespace cohort::testing::dcp_test::bad_input_test
