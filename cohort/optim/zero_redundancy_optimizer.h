@@ -240,6 +240,10 @@ class ZeroRedundancyOptimizer {
   void pop_no_sync() {
     if (shard_reducer_) shard_reducer_->pop_no_sync();
   }
+  /// The parameters it was built over, in flat order (partition().params()
+  /// index for index): group by group, not the model's order. Each is the
+  /// caller's tensor (its TensorImpl), now a view into the flat buffer.
+  const std::vector<torch::Tensor>& params() const { return params_; }
   /// How the flat parameter buffer is cut into buckets and per-rank shards.
   const FlatPartition& partition() const { return *partition_; }
   /// The options it was built with (reduce_gradients is false when built from DDP).

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "cohort/fsdp/fully_shard.h"
+#include "support/rank_errors.h"
 #include "tests/dcp/dcp_test_support.h"
 
 namespace cohort::testing::dcp_test::param_groups_test {
@@ -81,6 +82,21 @@ struct Job {
     return dcp::get_state_dict(seq, *opt);
   }
 
+  // This rank's parameters (its shards under FSDP) and optimizer state,
+  // flattened and concatenated, cloned.
+  std::vector<float> parameters_and_state() {
+    std::vector<torch::Tensor> parts;
+    auto& opt_ref = zero ? zero->shard_optimizer() : *opt;
+    for (const auto& p : fsdp ? fsdp->parameters() : seq->parameters()) {
+      parts.push_back(p.detach().reshape(-1));
+    }
+    for (auto& [key, st] : opt_ref.state()) {
+      for (const auto& [n, t] : state_tensors(*st)) parts.push_back(t.reshape(-1));
+    }
+    auto all = torch::cat(parts).contiguous();
+    return {all.data_ptr<float>(), all.data_ptr<float>() + all.numel()};
+  }
+
   Mode mode;
   torch::nn::Sequential seq;
   FullyShard fsdp{nullptr};
@@ -154,6 +170,68 @@ INSTANTIATE_TEST_SUITE_P(Modes, ParamGroups,
                                   std::to_string(std::get<1>(info.param)) + "_to_" +
                                   name(std::get<2>(info.param)) +
                                   std::to_string(std::get<3>(info.param));
+                         });
+
+// A checkpoint of two groups (no weight decay on the biases) loaded into
+// an optimizer whose one group holds a weight and a bias: the group cannot
+// take both values, so the load is a ConfigError on every rank, naming the
+// option, both values and both parameters, and nothing changes (taking the
+// last parameter's would train every other one with options it was never
+// saved with). DDP, ZeRO (whose ranks hold different parameters of the
+// group) and FSDP, at worlds 1 and 3.
+class GroupsThatDiffer : public ::testing::TestWithParam<std::tuple<Mode, int>> {};
+
+TEST_P(GroupsThatDiffer, LoadingThemIntoOneGroupIsAConfigErrorOnEveryRank) {
+  const auto [mode, world] = GetParam();
+  const auto dir = temp_dir("groups_differ_" + name(mode) + std::to_string(world));
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    auto seq = make_seq(1);
+    std::vector<torch::Tensor> weights, biases;
+    for (const auto& p : seq->named_parameters()) {
+      (p.key().find("bias") != std::string::npos ? biases : weights).push_back(p.value());
+    }
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(weights, std::make_unique<AdamWOptions>(AdamWOptions(kAdamW)));
+    groups.emplace_back(biases,
+                        std::make_unique<AdamWOptions>(AdamWOptions(kAdamW).weight_decay(0)));
+    torch::optim::AdamW opt(std::move(groups), kAdamW);
+    opt.zero_grad();
+    seq->forward(batch(100, 12)).pow(2).mean().backward();
+    opt.step();
+    dcp::save(dcp::get_state_dict(seq, opt), dir, *comm);
+  });
+  const auto one = AdamWOptions(0.003).weight_decay(0.05);
+  const auto errors =
+      errors_on_every_rank(world, [&, mode = mode](std::shared_ptr<Communicator> comm) {
+        // One group: the same options twice.
+        Job job(mode, comm, 2, one, one);
+        job.train(1);
+        const auto before = job.parameters_and_state();
+        auto sd = job.state();
+        try {
+          dcp::load(sd, dir, *comm);
+        } catch (const ConfigError&) {
+          for (auto& g : job.groups()) expect_options(g.options(), one, "after the refused load");
+          EXPECT_TRUE(job.parameters_and_state() == before) << "changed by the refused load";
+          throw;
+        } catch (const std::exception& e) {
+          throw std::runtime_error(std::string("not a ConfigError: ") + e.what());
+        }
+      });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_NE(errors[r].find("weight_decay is 0.1 for 0.weight and 0 for 0.bias"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, GroupsThatDiffer,
+                         ::testing::Combine(::testing::Values(Mode::Ddp, Mode::Zero, Mode::Fsdp),
+                                            ::testing::Values(1, 3)),
+                         [](const auto& info) {
+                           return name(std::get<0>(info.param)) +
+                                  std::to_string(std::get<1>(info.param));
                          });
 
 }  // namespace

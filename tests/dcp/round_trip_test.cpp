@@ -187,5 +187,60 @@ TEST(FsdpRoundTrip, World4LoadsIntoWorld2AndBack) {
   fs::remove_all(dir2);
 }
 
+// A parameter of no rows ([0, 5]) under FSDP: no rank holds its row 0, yet
+// its step count (it steps as the others do) is saved, and the checkpoint
+// loads back into a fresh FSDP model and optimizer, saved at world 1 and
+// loaded at 3 and the other way round: every parameter's state has the
+// saved step, and the model's rows equal the saving job's.
+struct NoRowsImpl : torch::nn::Module {
+  torch::Tensor empty;
+  NoRowsImpl() { empty = register_parameter("empty", torch::zeros({0, 5})); }
+  torch::Tensor forward(const torch::Tensor& x) { return x + empty.sum(); }
+};
+TORCH_MODULE(NoRows);
+
+FullyShard no_rows_model(uint64_t seed, std::shared_ptr<Communicator> comm) {
+  auto seq = make_seq(seed);
+  seq->push_back(NoRows());
+  return fully_shard(seq, comm);
+}
+
+class FsdpNoRows : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(FsdpNoRows, AParameterOfNoRowsSavesAndLoads) {
+  const auto [save_world, load_world] = GetParam();
+  const auto dir =
+      temp_dir("fsdp_no_rows_" + std::to_string(save_world) + "_" + std::to_string(load_world));
+  torch::OrderedDict<std::string, torch::Tensor> full;
+  run_ranks_shared(save_world, [&](std::shared_ptr<Communicator> comm) {
+    auto model = no_rows_model(1, comm);
+    torch::optim::AdamW opt(model->parameters(), kAdamW);
+    train_fsdp(model, opt, 2);
+    auto f = model->full_state_dict();
+    if (comm->rank() == 0) full = f;
+    dcp::save(dcp::get_state_dict(*model, opt), dir, *comm);
+  });
+  ASSERT_EQ(full.size(), 7u);
+  const auto meta = dcp::read_metadata(dir);
+  ASSERT_NE(meta.find("optim.5.empty.step"), nullptr);
+  EXPECT_EQ(dcp::read_tensor(dir, meta, "optim.5.empty.step").item<int64_t>(), 2);
+  std::mutex mu;
+  run_ranks_shared(load_world, [&](std::shared_ptr<Communicator> comm) {
+    auto model = no_rows_model(2, comm);
+    torch::optim::AdamW opt(model->parameters(), kAdamW);
+    auto sd = dcp::get_state_dict(*model, opt);
+    dcp::load(sd, dir, *comm);
+    auto got = model->full_state_dict();
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(opt.state().size(), model->parameters().size());
+    for (auto& [key, st] : opt.state()) EXPECT_EQ(*state_step(*st), 2);
+    for (const auto& p : full) EXPECT_TRUE(torch::equal(got[p.key()], p.value())) << p.key();
+  });
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, FsdpNoRows,
+                         ::testing::Values(std::make_tuple(1, 3), std::make_tuple(3, 1)));
+
 }  // namespace
 }  // namespace cohort::testing::dcp_test::round_trip_test

@@ -93,18 +93,38 @@ StateDict fused_state_dict_of(torch::nn::Module& model, FusedDistributedOptimize
 }
 
 void set_state_dict_of(const StateDict& mine, const StateDict& state) {
+  // The source's step counts and options as its optimizer holds them now.
+  for (const auto& f : state.refresh) f();
   auto targets = mine.load_targets(metadata_of(state));
+  check_shards(state, "dcp::set_state_dict (its state dict)", -1);
+  check_shards(targets, "dcp::set_state_dict (the model's)", -1);
   ByName from;
   for (const auto& e : state.tensors) from[e.fqn] = &e;
   check_covers(from, targets);
-  torch::NoGradGuard no_grad;
-  for (auto& e : targets.tensors) {
-    for (auto& s : e.shards) {
-      for (const auto& h : from.at(e.fqn)->shards) {
-        const Box in = intersect(h.box, s.box);
-        if (in.numel() > 0) narrowed(s.data, s.box, in).copy_(narrowed(h.data, h.box, in));
-      }
+  // What target shard `s` of `e` takes from the source.
+  auto copy_into = [&](const TensorEntry& e, const LocalShard& s, const torch::Tensor& out) {
+    for (const auto& h : from.at(e.fqn)->shards) {
+      const Box in = intersect(h.box, s.box);
+      if (in.numel() > 0) narrowed(out, s.box, in).copy_(narrowed(h.data, h.box, in));
     }
+  };
+  torch::NoGradGuard no_grad;
+  if (!targets.check_before_load.empty()) {
+    std::map<const void*, std::pair<const TensorEntry*, const LocalShard*>> shard_of;
+    for (const auto& e : targets.tensors) {
+      for (const auto& s : e.shards) shard_of[s.data.unsafeGetTensorImpl()] = {&e, &s};
+    }
+    auto value = [&](const torch::Tensor& data) {
+      auto it = shard_of.find(data.unsafeGetTensorImpl());
+      COHORT_CHECK(it != shard_of.end(), "dcp::set_state_dict: a check asked for no shard");
+      auto out = torch::empty_like(data);
+      copy_into(*it->second.first, *it->second.second, out);
+      return out;
+    };
+    for (const auto& check : targets.check_before_load) check(value);
+  }
+  for (auto& e : targets.tensors) {
+    for (auto& s : e.shards) copy_into(e, s, s.data);
   }
   for (auto& f : targets.after_load) f();
 }

@@ -113,7 +113,8 @@ StateDict get_state_dict(Model& model, torch::optim::Optimizer& optimizer,
   return detail::state_dict_of(detail::module_of(model), &optimizer, nullptr, options);
 }
 
-/// The same with ZeRO (built over model.parameters(), in that order).
+/// The same with ZeRO (built over model.parameters(), in any order and
+/// groups: each parameter is paired with the optimizer's by identity).
 template <typename Model>
 StateDict get_state_dict(Model& model, ZeroRedundancyOptimizer& zero,
                          const StateDictOptions& options = {}) {

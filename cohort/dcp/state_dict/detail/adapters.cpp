@@ -57,6 +57,7 @@ void add_fused_state(StateDict& state, FusedDistributedOptimizer& fused, size_t 
   auto step = torch::tensor(held.step, torch::kLong);
   state.tensors.push_back(replicated(prefix + "step", step));
   state.after_load.push_back([&fused, i, step] { fused.set_param_step(i, step.item<int64_t>()); });
+  state.refresh.push_back([&fused, i, step] { step.fill_(fused.param_state(i).step); });
 }
 
 // The options of the fused optimizer's one group under every parameter's
@@ -67,32 +68,30 @@ void add_fused_state(StateDict& state, FusedDistributedOptimizer& fused, size_t 
 // with options they never had.
 void add_fused_options(StateDict& state, FusedDistributedOptimizer& fused,
                        const std::vector<std::string>& fqns, const Metadata* for_load) {
-  using Values = std::vector<std::pair<std::string, torch::Tensor>>;  // fqn, value
-  std::map<std::string, Values> by_option;
+  GroupTargets targets;
   for (const auto& fqn : fqns) {
     const std::string prefix = "optim.param_groups." + fqn + ".";
     for (const auto& [name, value] : group_options(fused.options())) {
       if (for_load && !for_load->find(prefix + name)) continue;
       auto t = torch::tensor(value, torch::kDouble);
       state.tensors.push_back(replicated(prefix + name, t));
-      by_option[name].emplace_back(fqn, t);
+      targets[name].emplace_back(fqn, t);
     }
   }
-  if (by_option.empty()) return;
-  state.after_load.push_back([&fused, by_option] {
-    for (const auto& [name, values] : by_option) {
-      const double first = values.front().second.item<double>();
-      for (const auto& [fqn, t] : values) {
-        if (t.item<double>() == first) continue;
-        throw ConfigError("dcp::load into FusedDistributedOptimizer: the checkpoint's " + name +
-                          " is " + std::to_string(first) + " for " + values.front().first +
-                          " and " + std::to_string(t.item<double>()) + " for " + fqn +
-                          "; the fused optimizer has one parameter group (its options are "
-                          "left as they were)");
-      }
-    }
-    for (const auto& [name, values] : by_option) {
+  if (targets.empty()) return;
+  state.check_before_load.push_back([targets](const auto& value) {
+    check_one_value(targets, value, "the fused optimizer's one parameter group");
+  });
+  state.after_load.push_back([&fused, targets] {
+    for (const auto& [name, values] : targets) {
       set_group_option(fused.options(), name, values.front().second.item<double>());
+    }
+  });
+  state.refresh.push_back([&fused, targets] {
+    for (const auto& [name, value] : group_options(fused.options())) {
+      auto it = targets.find(name);
+      if (it == targets.end()) continue;
+      for (const auto& [fqn, t] : it->second) t.fill_(value);
     }
   });
 }
@@ -120,27 +119,51 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
   StateDict state;
   const auto named = model.named_parameters();
   const auto& part = zero.partition();
-  if (named.size() != part.params().size()) {
-    throw InvalidArgument("dcp::zero_state_dict: the model has " + std::to_string(named.size()) +
-                          " parameters, the optimizer " + std::to_string(part.params().size()));
+  // Paired by identity: ZeRO's flat order is group by group, and
+  // flatten_into's set_data keeps each parameter's TensorImpl.
+  std::map<const void*, size_t> index_of;
+  for (size_t i = 0; i < zero.params().size(); ++i) {
+    index_of[zero.params()[i].unsafeGetTensorImpl()] = i;
   }
-  for (size_t i = 0; i < named.size(); ++i) {
-    if (named[i].value().numel() != part.params()[i].numel) {
-      throw InvalidArgument("dcp::zero_state_dict: parameter " + named[i].key() +
-                            " is not the optimizer's parameter " + std::to_string(i) +
-                            " (build the optimizer over model.parameters())");
+  std::vector<std::string> name_of(zero.params().size());
+  for (const auto& p : named) {
+    auto it = index_of.find(p.value().unsafeGetTensorImpl());
+    if (it == index_of.end()) {
+      throw InvalidArgument("dcp::zero_state_dict: parameter " + p.key() +
+                            " is not one the optimizer steps (build it over the model's "
+                            "parameters)");
     }
-    state.tensors.push_back(replicated("model." + named[i].key(), named[i].value()));
+    if (!name_of[it->second].empty()) {
+      throw InvalidArgument("dcp::zero_state_dict: parameters " + name_of[it->second] + " and " +
+                            p.key() + " are one tensor");
+    }
+    name_of[it->second] = p.key();
+    state.tensors.push_back(replicated("model." + p.key(), p.value()));
+  }
+  for (size_t i = 0; i < name_of.size(); ++i) {
+    if (name_of[i].empty()) {
+      throw InvalidArgument("dcp::zero_state_dict: the optimizer's parameter " + std::to_string(i) +
+                            " (group " + std::to_string(part.params()[i].group) + ", " +
+                            shape_string(zero.params()[i].sizes().vec()) +
+                            ") is not one of the model's");
+    }
   }
   add_buffers(state, model);
+  // Each group's options are every rank's (the inner optimizer has every
+  // group, holding this rank's pieces): every parameter's, on every rank,
+  // so that each rank checks a load against the whole group.
+  std::vector<GroupMember> members;
+  for (size_t i = 0; i < name_of.size(); ++i) {
+    members.push_back({name_of[i], &zero.param_groups().at(part.params()[i].group), true, true});
+  }
   std::vector<ParamSlot> slots;
   const auto& pieces = part.pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
     const auto& pc = pieces[k];
     if (pc.numel == 0) continue;
     ParamSlot slot;
-    slot.fqn = named[pc.param].key();
-    slot.shape = named[pc.param].value().sizes().vec();
+    slot.fqn = name_of[pc.param];
+    slot.shape = zero.params()[pc.param].sizes().vec();
     slot.key = zero.shard_pieces()[k];
     slot.boxes = boxes_of_range(slot.shape, pc.param_offset, pc.param_offset + pc.numel);
     int64_t at = 0;
@@ -151,7 +174,7 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
     slot.owns_step = pc.param_offset == 0;
     slots.push_back(std::move(slot));
   }
-  add_optimizer_state(state, zero.shard_optimizer(), slots, for_load);
+  add_optimizer_state(state, zero.shard_optimizer(), slots, for_load, &members);
   set_load_targets(state, for_load, [&model, &zero](const Metadata& meta) {
     return zero_state_dict(model, zero, &meta);
   });
@@ -207,8 +230,12 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
                        box.offsets.empty() || box.offsets[0] == 0,
                        writes});
     } else {
-      // An empty shard still has optimizer state (its step): loaded, never saved.
-      slots.push_back({p.key(), ps.full_sizes, p.value(), {}, {}, false, false});
+      // An empty shard still has optimizer state (its step): loaded, and
+      // saved by rank 0 where no rank holds row 0 (a parameter of no rows),
+      // or nobody would save it and no load would find it.
+      const bool no_rows = !ps.full_sizes.empty() && ps.full_sizes[0] == 0;
+      slots.push_back(
+          {p.key(), ps.full_sizes, p.value(), {}, {}, false, no_rows && rank == 0, writes});
     }
     state.tensors.push_back(std::move(e));
   }

@@ -36,8 +36,9 @@ namespace cohort::dcp::detail {
 StateDict ddp_state_dict(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                          const Metadata* for_load = nullptr);
 
-/// A module whose parameters `zero` was built over, in
-/// model.parameters() order.
+/// A module whose parameters `zero` was built over, in any order and
+/// groups (paired by identity; InvalidArgument naming a parameter that
+/// cannot be paired).
 StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zero,
                           const Metadata* for_load = nullptr);
 

@@ -86,18 +86,40 @@ TensorEntry& entry(StateDict& state, std::map<std::string, size_t>& index, const
   return e;
 }
 
-void add_boxes(TensorEntry& e, const ParamSlot& slot, const torch::Tensor& tensor) {
-  auto flat = tensor.reshape(-1);
-  for (size_t k = 0; k < slot.boxes.size(); ++k) {
-    e.shards.push_back(
-        {slot.boxes[k],
-         flat.narrow(0, slot.flat_offsets[k], slot.boxes[k].numel()).view(slot.boxes[k].lengths)});
+// Box k of `slot` in `tensor` (shaped like the slot) as a view, so that a
+// load writes into the optimizer's tensor and a save reads it as it is then.
+void add_boxes(StateDict& state, TensorEntry& e, const ParamSlot& slot,
+               const torch::Tensor& tensor) {
+  auto flat_boxes = [&](const torch::Tensor& flat) {
+    for (size_t k = 0; k < slot.boxes.size(); ++k) {
+      e.shards.push_back({slot.boxes[k], flat.narrow(0, slot.flat_offsets[k], slot.boxes[k].numel())
+                                             .view(slot.boxes[k].lengths)});
+    }
+  };
+  if (tensor.is_contiguous()) return flat_boxes(tensor.view(-1));
+  // A strided tensor (Adam's state of a transposed parameter keeps its
+  // strides): reshape would copy, and a load would fill the copy.
+  if (slot.boxes.size() == 1 && tensor.sizes().vec() == slot.boxes[0].lengths) {
+    e.shards.push_back({slot.boxes[0], tensor});
+    return;
   }
+  // Flat ranges of a strided tensor are no views: the boxes view a
+  // contiguous copy, taken again before a save and copied back after a load.
+  auto copy = tensor.contiguous();
+  flat_boxes(copy.view(-1));
+  state.refresh.push_back([tensor, copy]() mutable {
+    torch::NoGradGuard no_grad;
+    copy.copy_(tensor);
+  });
+  state.after_load.push_back([tensor, copy]() mutable {
+    torch::NoGradGuard no_grad;
+    tensor.copy_(copy);
+  });
 }
 
-// A 0-d value every slot of a parameter on this rank shares (its step, an
-// option of its group): one shard per rank, which load fills and every
-// slot then takes; written by the slot that saves the step.
+// A 0-d value every slot of a parameter on this rank shares (its step):
+// one shard per rank, which load fills and every slot then takes; written
+// by the slot that saves the step.
 torch::Tensor shared_value(StateDict& state, std::map<std::string, size_t>& index,
                            const std::string& fqn, torch::Dtype dtype, const ParamSlot& slot,
                            double value) {
@@ -107,36 +129,83 @@ torch::Tensor shared_value(StateDict& state, std::map<std::string, size_t>& inde
   return e.shards[0].data;
 }
 
-// The options of the group that holds `slot` (lr, betas, ...), as 0-d
-// float64 tensors "optim.param_groups.<param fqn>.<option>", whether or
-// not the slot has state yet. Loading into the group of every slot; a
-// checkpoint without them (`for_load` lacks them) leaves the options as
-// they are.
-void add_group_options(StateDict& state, std::map<std::string, size_t>& index,
-                       const std::map<const void*, torch::optim::OptimizerParamGroup*>& groups,
-                       const ParamSlot& slot, const Metadata* for_load) {
-  auto it = groups.find(slot.key.unsafeGetTensorImpl());
-  if (it == groups.end()) return;
-  auto* group = it->second;
-  const std::string prefix = "optim.param_groups." + slot.fqn + ".";
-  for (const auto& [name, value] : group_options(group->options())) {
-    if (for_load && !for_load->find(prefix + name)) continue;
-    auto target = shared_value(state, index, prefix + name, torch::kDouble, slot, value);
-    state.after_load.push_back([group, option = name, target] {
-      set_group_option(group->options(), option, target.item<double>());
-    });
+// Each slot's parameter as a member of its group, once per parameter.
+std::vector<GroupMember> members_of(torch::optim::Optimizer& optimizer,
+                                    const std::vector<ParamSlot>& slots) {
+  const auto groups = groups_by_param(optimizer);
+  std::vector<GroupMember> out;
+  std::map<std::pair<std::string, const void*>, size_t> seen;
+  for (const auto& slot : slots) {
+    auto it = groups.find(slot.key.unsafeGetTensorImpl());
+    if (it == groups.end()) continue;
+    const bool write = slot.write && (slot.owns_step || slot.replicated);
+    auto [at, fresh] = seen.try_emplace({slot.fqn, it->second}, out.size());
+    if (fresh) {
+      out.push_back({slot.fqn, it->second, slot.replicated, write});
+    } else {
+      out[at->second].write = out[at->second].write || write;
+    }
   }
+  return out;
+}
+
+// The options of each member's group (lr, betas, ...), as 0-d float64
+// tensors "optim.param_groups.<param fqn>.<option>", whether or not the
+// parameter has state yet. Loading sets each group's options from its
+// members' values, which must agree (a checkpoint of other groups whose
+// parameters share a group here is refused on every rank before anything
+// changes); a checkpoint without them (`for_load` lacks them) leaves the
+// options as they are. A save writes the options the groups hold then.
+void add_group_options(StateDict& state, std::map<std::string, size_t>& index,
+                       const std::vector<GroupMember>& members, const Metadata* for_load) {
+  // Groups in first-member order, the same on every rank that holds them.
+  std::vector<std::pair<torch::optim::OptimizerParamGroup*, GroupTargets>> groups;
+  std::map<const void*, size_t> group_index;
+  for (const auto& m : members) {
+    auto [gi, fresh] = group_index.try_emplace(m.group, groups.size());
+    if (fresh) groups.emplace_back(m.group, GroupTargets{});
+    auto& targets = groups[gi->second].second;
+    const std::string prefix = "optim.param_groups." + m.fqn + ".";
+    for (const auto& [name, value] : group_options(m.group->options())) {
+      if (for_load && !for_load->find(prefix + name)) continue;
+      auto& e = entry(state, index, prefix + name, {}, torch::kDouble, m.replicated, m.write);
+      if (e.shards.empty()) e.shards.push_back({Box{}, torch::tensor(value, torch::kDouble)});
+      targets[name].emplace_back(m.fqn, e.shards[0].data);
+    }
+  }
+  if (groups.empty()) return;
+  state.check_before_load.push_back([groups](const auto& value) {
+    for (const auto& [group, targets] : groups) {
+      check_one_value(targets, value, "one parameter group of the optimizer");
+    }
+  });
+  state.after_load.push_back([groups] {
+    for (const auto& [group, targets] : groups) {
+      for (const auto& [name, values] : targets) {
+        set_group_option(group->options(), name, values.front().second.item<double>());
+      }
+    }
+  });
+  state.refresh.push_back([groups] {
+    for (const auto& [group, targets] : groups) {
+      for (const auto& [name, value] : group_options(group->options())) {
+        auto it = targets.find(name);
+        if (it == targets.end()) continue;
+        for (const auto& [fqn, target] : it->second) target.fill_(value);
+      }
+    }
+  });
 }
 
 }  // namespace
 
 void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
-                         const std::vector<ParamSlot>& slots, const Metadata* for_load) {
+                         const std::vector<ParamSlot>& slots, const Metadata* for_load,
+                         const std::vector<GroupMember>* members) {
   std::map<std::string, size_t> index;
   const bool stepped = has_step(optimizer);
-  const auto groups = groups_by_param(optimizer);
+  add_group_options(state, index, members ? *members : members_of(optimizer, slots), for_load);
   for (const auto& slot : slots) {
-    add_group_options(state, index, groups, slot, for_load);
     const auto key = optimizer_state_key(slot.key);
     auto it = optimizer.state().find(key);
     const bool exists = it != optimizer.state().end();
@@ -151,7 +220,8 @@ void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
     }
     if (tensors.empty()) continue;
     for (const auto& [name, t] : tensors) {
-      add_boxes(entry(state, index, prefix + name, slot.shape, t.scalar_type(), slot.replicated,
+      add_boxes(state,
+                entry(state, index, prefix + name, slot.shape, t.scalar_type(), slot.replicated,
                       slot.write),
                 slot, t);
     }
@@ -164,6 +234,12 @@ void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
     auto step = shared_value(state, index, prefix + "step", torch::kLong, slot, value);
     state.after_load.push_back(
         [&optimizer, key, step] { set_step(*optimizer.state().at(key), step.item<int64_t>()); });
+    // The step goes on after the state dict is made: a save writes the count then.
+    state.refresh.push_back([&optimizer, key, step]() mutable {
+      auto held = optimizer.state().find(key);
+      if (held == optimizer.state().end()) return;
+      if (auto n = state_step(*held->second)) step.fill_(*n);
+    });
   }
 }
 

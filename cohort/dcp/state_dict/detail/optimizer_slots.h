@@ -31,13 +31,27 @@ struct ParamSlot {
   bool write = true;        ///< false: another rank writes the same state (TP)
 };
 
+/// A parameter whose group's options a state dict holds
+/// ("optim.param_groups.<fqn>.<option>"), and that group.
+struct GroupMember {
+  std::string fqn;
+  torch::optim::OptimizerParamGroup* group = nullptr;
+  bool replicated = false;  ///< every rank holds the same options: saved once
+  bool write = true;        ///< this rank writes them (not replicated)
+};
+
 /// Adds the optimizer state of `slots` to `state`: the state that exists,
 /// its step counts and the options of its groups, which state.after_load
-/// sets from the loaded values. With `for_load` (a checkpoint's metadata):
-/// also, for every slot whose parameter has state in that checkpoint but
-/// not in the optimizer, new tensors that after_load installs; and only the
-/// group options the checkpoint holds.
+/// sets from the loaded values and state.refresh reads again before a save.
+/// The groups' options are those of `members`, or, without, of each slot's
+/// parameter, written with its step. A load whose parameters of one group
+/// carry different values of an option is refused (check_before_load:
+/// ConfigError). With `for_load` (a checkpoint's metadata): also, for every
+/// slot whose parameter has state in that checkpoint but not in the
+/// optimizer, new tensors that after_load installs; and only the group
+/// options the checkpoint holds.
 void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
-                         const std::vector<ParamSlot>& slots, const Metadata* for_load);
+                         const std::vector<ParamSlot>& slots, const Metadata* for_load,
+                         const std::vector<GroupMember>* members = nullptr);
 
 }  // namespace cohort::dcp::detail

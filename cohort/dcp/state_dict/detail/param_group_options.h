@@ -7,6 +7,7 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -23,6 +24,22 @@ std::vector<std::pair<std::string, double>> group_options(
 /// Sets the option `name` (one group_options() names for this class).
 void set_group_option(torch::optim::OptimizerOptions& options, const std::string& name,
                       double value);
+
+/// The targets one parameter group's options load from: per option, each
+/// parameter's (its name, the 0-d tensor a load fills), in order.
+using GroupTargets = std::map<std::string, std::vector<std::pair<std::string, torch::Tensor>>>;
+
+/// Throws ConfigError naming the option, two parameters and their values
+/// when the values that `value` gives the targets of one option differ: a
+/// group has one value of each option, and taking one parameter's would
+/// train the others with options they were never saved with. `what` names
+/// the group ("the fused optimizer's one group").
+void check_one_value(const GroupTargets& targets,
+                     const std::function<torch::Tensor(const torch::Tensor&)>& value,
+                     const std::string& what);
+
+/// `value` as the shortest text that reads back as it (0.1, 1e-07).
+std::string number_text(double value);
 
 /// Each parameter's group in `optimizer`, by the parameter's TensorImpl.
 std::map<const void*, torch::optim::OptimizerParamGroup*> groups_by_param(
