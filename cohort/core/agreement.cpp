@@ -1,6 +1,7 @@
 #include "cohort/core/agreement.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 
 #include "cohort/core/error.h"
@@ -49,9 +50,12 @@ bool all_same(const std::vector<std::string>& values) {
 }
 
 std::string double_text(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+  char text[32];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(text, sizeof text, "%.*g", digits, v);
+    if (std::strtod(text, nullptr) == v) break;
+  }
+  return text;
 }
 
 std::string name_groups(const std::vector<std::string>& values) {

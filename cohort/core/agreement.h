@@ -66,8 +66,8 @@ class RankWords {
   size_t width_;
 };
 
-/// `v` with 17 significant digits, so that two doubles that differ (an
-/// option compared by its bits) never print alike.
+/// `v` as the shortest text that reads back as it (0.1, 1e-07), so that two
+/// doubles that differ (an option compared by its bits) never print alike.
 std::string double_text(double v);
 
 /// Whether every entry of `values` (one per rank) is the same.

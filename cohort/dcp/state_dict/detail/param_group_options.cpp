@@ -8,11 +8,10 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <tuple>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort::dcp::detail {
@@ -131,15 +130,6 @@ void set_group_option(OptimizerOptions& options, const std::string& name, double
   if (!found) throw InvalidArgument("dcp: this optimizer's groups have no option " + name);
 }
 
-std::string number_text(double value) {
-  char text[32];
-  for (int digits = 6; digits <= 17; ++digits) {
-    std::snprintf(text, sizeof(text), "%.*g", digits, value);
-    if (std::strtod(text, nullptr) == value) break;
-  }
-  return text;
-}
-
 void check_one_value(const GroupTargets& targets,
                      const std::function<torch::Tensor(const torch::Tensor&)>& value,
                      const std::string& what) {
@@ -149,8 +139,8 @@ void check_one_value(const GroupTargets& targets,
     for (const auto& [fqn, target] : values) {
       const double v = value(target).item<double>();
       if (v == first || (std::isnan(v) && std::isnan(first))) continue;
-      throw ConfigError("dcp: the loaded " + name + " is " + number_text(first) + " for " +
-                        first_fqn + " and " + number_text(v) + " for " + fqn + ", which share " +
+      throw ConfigError("dcp: the loaded " + name + " is " + double_text(first) + " for " +
+                        first_fqn + " and " + double_text(v) + " for " + fqn + ", which share " +
                         what +
                         "; load into an optimizer whose groups hold them apart (the "
                         "optimizer is left as it was)");

@@ -38,9 +38,6 @@ void check_one_value(const GroupTargets& targets,
                      const std::function<torch::Tensor(const torch::Tensor&)>& value,
                      const std::string& what);
 
-/// `value` as the shortest text that reads back as it (0.1, 1e-07).
-std::string number_text(double value);
-
 /// Each parameter's group in `optimizer`, by the parameter's TensorImpl.
 std::map<const void*, torch::optim::OptimizerParamGroup*> groups_by_param(
     torch::optim::Optimizer& optimizer);
