@@ -1,6 +1,7 @@
 #include "cohort/core/tensor_checks.h"
 
 #include <sstream>
+#include <unordered_set>
 
 #include "cohort/core/dtypes.h"
 #include "cohort/core/error.h"
@@ -128,6 +129,15 @@ at::Tensor byte_view(const at::Tensor& t) {
 at::Tensor movement_view(const at::Tensor& t) {
   if (t.scalar_type() == at::kBFloat16) return t.view(at::kHalf);
   return t;
+}
+
+std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  }
+  return out;
 }
 
 }  // namespace cohort

@@ -53,4 +53,11 @@ at::Tensor movement_view(const at::Tensor& t);
 // have any stride, which view() refuses; this takes it too.
 at::Tensor byte_view(const at::Tensor& t);
 
+// `tensors` with each TensorImpl once, in the order of first occurrence.
+// LibTorch's Module::parameters() lists a tensor registered under two names
+// (a tied weight, a layer used twice) twice, where PyTorch's lists it once:
+// a norm over such a list counts it twice, clipping scales it twice and an
+// optimizer steps it twice.
+std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors);
+
 }  // namespace cohort

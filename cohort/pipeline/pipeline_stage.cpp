@@ -6,13 +6,16 @@
 #include <limits>
 
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort::pipeline {
 namespace {
 
+// Each once (LibTorch's parameters() lists a tensor registered twice
+// twice): a gradient asked for each copy would be added twice into .grad.
 std::vector<torch::Tensor> trainable(const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> out;
-  for (const auto& p : params)
+  for (const auto& p : unique_tensors(params))
     if (p.requires_grad()) out.push_back(p);
   return out;
 }
@@ -34,6 +37,14 @@ PipelineStage::PipelineStage(int index, torch::nn::Sequential module)
   if (module.is_empty() || module->size() == 0)
     throw InvalidArgument("PipelineStage: stage " + std::to_string(index) + " has no layers");
   parameters_ = trainable(module->parameters());
+  // W takes a unit's weight gradient from that layer's output gradient,
+  // which follows every path from the output back to the parameters: a
+  // parameter that an earlier layer uses too (a layer used twice, a tied
+  // weight) would get that layer's part a second time. Such a stage's W
+  // differentiates its outputs for all its parameters at once instead.
+  size_t per_layer = 0;
+  for (const auto& layer : *module) per_layer += trainable(layer.ptr()->parameters()).size();
+  weight_units_ = per_layer == parameters_.size();
 }
 
 PipelineStage::PipelineStage(int index, ForwardFn forward, std::vector<torch::Tensor> parameters,
@@ -55,7 +66,7 @@ Tensors PipelineStage::forward(const Tensors& inputs, std::vector<WeightUnit>* u
   torch::Tensor x = inputs[0];
   for (auto& layer : *sequential_.ptr()) {
     x = layer.forward(x);
-    if (!units) continue;
+    if (!units || !weight_units_) continue;
     auto params = trainable(layer.ptr()->parameters());
     if (!params.empty()) units->push_back({x, std::move(params)});
   }

@@ -36,7 +36,10 @@ class PipelineStage {
   using ForwardFn = std::function<Tensors(const Tensors& inputs)>;
 
   /// A stage from a Sequential: one tensor in, one out. Each child with
-  /// parameters is a WeightUnit, so that W re-traverses only that child.
+  /// parameters is a WeightUnit, so that W re-traverses only that child;
+  /// unless two children share a parameter (a layer used twice, a tied
+  /// weight): a unit's W would then also count the other child's use, so
+  /// W differentiates the outputs for all parameters at once.
   PipelineStage(int index, torch::nn::Sequential module);
   /// A stage from any function (a boundary of several tensors, e.g. hidden
   /// states and a mask). W differentiates the outputs for all parameters.
@@ -46,7 +49,7 @@ class PipelineStage {
 
   /// The logical stage this is (0 .. num_stages - 1).
   int index() const { return index_; }
-  /// Parameters that get gradients.
+  /// Parameters that get gradients, each once.
   const std::vector<torch::Tensor>& parameters() const { return parameters_; }
   /// The module behind the stage (null for a function stage built without).
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
@@ -60,6 +63,7 @@ class PipelineStage {
   ForwardFn forward_;
   std::vector<torch::Tensor> parameters_;
   std::shared_ptr<torch::nn::Module> module_;
+  bool weight_units_ = true;  // no parameter in two of the Sequential's children
 };
 
 /// Layers [boundaries[stage-1], boundaries[stage]) of `model` as a new
