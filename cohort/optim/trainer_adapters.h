@@ -38,7 +38,9 @@ class FusedTrainerOptimizer : public TrainerOptimizer {
   explicit FusedTrainerOptimizer(FusedDistributedOptimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
-  void set_lr(double lr) override { optimizer_.set_lr(lr); }
+  /// One group: the AdamW options' rate.
+  std::vector<double> lrs() const override { return {optimizer_.options().lr()}; }
+  void set_lrs(const std::vector<double>& lrs) override { optimizer_.set_lr(lrs.at(0)); }
   /// The .grad (views into the buckets) hold the averages afterwards.
   std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>& model_params) override {
     optimizer_.finish_gradients();
@@ -58,7 +60,16 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
   explicit ZeroTrainerOptimizer(ZeroRedundancyOptimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
-  void set_lr(double lr) override { optimizer_.set_lr(lr); }
+  /// The caller's groups (the inner optimizer's, index for index).
+  std::vector<double> lrs() const override {
+    std::vector<double> out;
+    for (const auto& group : optimizer_.param_groups()) out.push_back(group.options().get_lr());
+    return out;
+  }
+  void set_lrs(const std::vector<double>& lrs) override {
+    auto& groups = optimizer_.param_groups();
+    for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) groups[i].options().set_lr(lrs[i]);
+  }
   /// The shard's pieces, whose .grad are this rank's averaged gradients.
   std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>&) override {
     optimizer_.finish_gradients();

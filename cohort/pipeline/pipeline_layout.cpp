@@ -37,4 +37,12 @@ double PipelineLayout::step(const std::vector<torch::data::Example<>>& micro_bat
   return result.loss;
 }
 
+std::vector<std::shared_ptr<Communicator>> PipelineLayout::same_samples_groups() const {
+  std::vector<std::shared_ptr<Communicator>> out{runtime_.process_group()};
+  for (const auto& [name, groups] : dimensions_) {
+    if (name == "tp") out.insert(out.end(), groups.begin(), groups.end());
+  }
+  return out;
+}
+
 }  // namespace cohort

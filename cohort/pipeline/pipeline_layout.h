@@ -33,6 +33,8 @@ class PipelineLayout : public TrainerLayout {
   double comm_seconds() const override { return comm_seconds_; }
   std::shared_ptr<GradNorm> norm() const override { return norm_; }
   int ranks_per_sample() const override { return ranks_per_sample_; }
+  /// The pipeline's group, and a mesh's TP groups.
+  std::vector<std::shared_ptr<Communicator>> same_samples_groups() const override;
   const TrafficDimensions& dimensions() const override { return dimensions_; }
   std::string describe() const override { return "a pipeline (each rank holds its stages)"; }
 

@@ -3,13 +3,14 @@
 #include <chrono>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/tensor_checks.h"
 #include "cohort/grad_sync/average_gradients.h"
 
 namespace cohort {
 
 AllReduceGradientSync::AllReduceGradientSync(std::shared_ptr<Communicator> comm,
                                              std::vector<torch::Tensor> params)
-    : comm_(std::move(comm)), params_(std::move(params)) {}
+    : comm_(std::move(comm)), params_(unique_tensors(params)) {}
 
 void AllReduceGradientSync::finish_sync() {
   if (comm_->size() == 1) return;

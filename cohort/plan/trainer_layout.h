@@ -61,6 +61,10 @@ class TrainerLayout {
   virtual std::shared_ptr<GradNorm> norm() const { return nullptr; }
   /// Ranks that see the same samples and report the same loss.
   virtual int ranks_per_sample() const { return 1; }
+  /// Groups whose ranks must draw the same samples each step (a pipeline's
+  /// ranks: stage 0's inputs train against the last stage's targets; a
+  /// mesh's TP groups); fit() checks that once per epoch. Empty for replicas.
+  virtual std::vector<std::shared_ptr<Communicator>> same_samples_groups() const { return {}; }
   /// Each dimension's communicators (per-dimension traffic); empty: not reported.
   virtual const TrafficDimensions& dimensions() const { return none_; }
   /// What the layout is, for messages ("a pipeline (each rank holds its stages)"); empty for

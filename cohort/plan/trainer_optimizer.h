@@ -24,8 +24,10 @@ class TrainerOptimizer {
   virtual void zero_grad() = 0;
   /// Applies one update.
   virtual void step() = 0;
-  /// Sets the rate of every parameter group (the schedule's value).
-  virtual void set_lr(double lr) = 0;
+  /// Each parameter group's learning rate, in group order.
+  virtual std::vector<double> lrs() const = 0;
+  /// Sets each parameter group's learning rate (as many as lrs() has, in its order).
+  virtual void set_lrs(const std::vector<double>& lrs) = 0;
   /// Called after the trainer's gradient sync, before step(): the tensors
   /// whose .grad are the averaged gradients, which the trainer measures and
   /// clips. By default the model's parameters (DDP or the all-reduce sync
@@ -49,8 +51,14 @@ class TorchOptimizer : public TrainerOptimizer {
   explicit TorchOptimizer(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
-  void set_lr(double lr) override {
-    for (auto& group : optimizer_.param_groups()) group.options().set_lr(lr);
+  std::vector<double> lrs() const override {
+    std::vector<double> out;
+    for (const auto& group : optimizer_.param_groups()) out.push_back(group.options().get_lr());
+    return out;
+  }
+  void set_lrs(const std::vector<double>& lrs) override {
+    auto& groups = optimizer_.param_groups();
+    for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) groups[i].options().set_lr(lrs[i]);
   }
 
  private:

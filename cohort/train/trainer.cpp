@@ -6,6 +6,7 @@
 #include "cohort/comm/communicator.h"
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 #include "cohort/train/progress.h"
 
 namespace cohort {
@@ -55,7 +56,24 @@ Trainer::Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
   if (config_.max_grad_norm < 0) throw InvalidArgument("Trainer: negative max_grad_norm");
   layout_.check(loss_fn_, config_.accumulation_steps, comm_.rank());
   check_determinism();
-  params_ = model_->parameters();
+  // Each tensor once: LibTorch's parameters() lists a tied weight under
+  // each of its names, which the norm would count and clipping scale twice.
+  params_ = unique_tensors(model_->parameters());
+  // The schedule scales each group's rate as it is now (PyTorch's LambdaLR
+  // records the same); checkpoints keep them, so that a resume, whose
+  // optimizer state holds the last scheduled rates, does not compound.
+  initial_lrs_ = optimizer_.lrs();
+  if (config_.schedule.base_lr) {
+    for (size_t i = 1; i < initial_lrs_.size(); ++i) {
+      if (initial_lrs_[i] == initial_lrs_[0]) continue;
+      throw InvalidArgument("Trainer on rank " + std::to_string(comm_.rank()) +
+                            ": LrSchedule::base_lr " + std::to_string(*config_.schedule.base_lr) +
+                            " would give every parameter group that rate, but group 0 has lr " +
+                            std::to_string(initial_lrs_[0]) + " and group " + std::to_string(i) +
+                            " has " + std::to_string(initial_lrs_[i]) +
+                            "; leave base_lr unset to scale each group's own rate");
+    }
+  }
   if (!config_.checkpoint_dir.empty()) {
     checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last);
   }
@@ -70,6 +88,20 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
     throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) + ": got " +
                           std::to_string(k) + " micro-batches, accumulation_steps is " +
                           std::to_string(config_.accumulation_steps));
+  }
+  // ReplicaLayout weights each micro-batch's mean loss alike (1/k), a
+  // pipeline the samples (it concatenates and re-splits them): with unequal
+  // sizes the two would train differently, neither as one batch would.
+  for (int64_t i = 1; i < k; ++i) {
+    const int64_t first = micro_batches[0].data.size(0), size = micro_batches[i].data.size(0);
+    if (size == first) continue;
+    std::string sizes;
+    for (const auto& b : micro_batches) {
+      sizes += (sizes.empty() ? "" : ", ") + std::to_string(b.data.size(0));
+    }
+    throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) +
+                          ": micro-batches of unequal sizes [" + sizes +
+                          "]; every micro-batch of a step must have as many samples");
   }
   Tracer* const tracer = active(comm_.tracer());
   TraceSpan step_span(tracer, "train step", "train");
@@ -107,10 +139,11 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
       m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
     }
   }
-  m.lr = lr_at(config_.schedule, position_.step);
+  const auto lrs = scheduled_lrs(position_.step);
+  m.lr = lrs.empty() ? 0.0 : lrs[0];
   // An async checkpoint's staging copy reads what the step changes.
   if (pending_) pending_->save.wait_staged();
-  optimizer_.set_lr(m.lr);
+  optimizer_.set_lrs(lrs);
   {
     TraceSpan span(tracer, "optimizer", "train");
     optimizer_.step();
@@ -132,11 +165,32 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   m.epoch = position_.epoch;
   m.loss = totals[0].item<double>() / comm_.size();
   m.samples = static_cast<int64_t>(totals[1].item<double>()) / copies;
+  position_.global_batch = m.samples;
   m.step_seconds = seconds_since(start);
   m.samples_per_s = m.step_seconds > 0 ? static_cast<double>(m.samples) / m.step_seconds : 0.0;
   m.comm_seconds = comm_seconds() - comm_before;
   if (tp_after) m.tp_comm_seconds = *tp_after - *tp_before;
   return m;
+}
+
+std::vector<double> Trainer::scheduled_lrs(int64_t step) const {
+  const LrSchedule& schedule = config_.schedule;
+  const double peak = schedule.base_lr.value_or(initial_lrs_.empty() ? 0.0 : initial_lrs_[0]);
+  const double rate = lr_at(schedule, step, peak);
+  std::vector<double> out;
+  for (const double initial : initial_lrs_) {
+    if (schedule.base_lr || initial == peak) {
+      out.push_back(rate);
+    } else if (peak != 0) {
+      out.push_back(initial * (rate / peak));
+    } else {
+      // A first group at rate 0: the others follow the schedule's shape.
+      LrSchedule shape = schedule;
+      shape.min_lr = 0;
+      out.push_back(initial * lr_at(shape, step, 1.0));
+    }
+  }
+  return out;
 }
 
 std::optional<double> Trainer::tp_wait_seconds() const {
@@ -230,7 +284,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   return out;
 }
 
-void Trainer::agree_on_epoch(const DataSource& data) {
+void Trainer::agree_on_epoch(DataSource& data) {
   // Every rank steps together: a rank with fewer micro-batches, another
   // accumulation or another step limit would leave the loop while the
   // others wait in their next step's collectives until the timeout.
@@ -241,17 +295,68 @@ void Trainer::agree_on_epoch(const DataSource& data) {
       ", max_steps " + std::to_string(config_.max_steps);
   agree_text(comm_, mine, "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ",
              "the data source's micro-batches or the training length");
+  // A pipeline trains stage 0's rank's inputs against the last stage's
+  // rank's targets: their sources must deal the same samples (sharded over
+  // the data-parallel group, not the world), or the step silently pairs
+  // one rank's inputs with another's targets.
+  const auto groups = layout_.same_samples_groups();
+  if (groups.empty()) return;
+  std::string digest = "no micro-batches";
+  if (data.num_batches() > 0) {
+    const auto first = data.batch(0);
+    uint64_t h = kFnv1aBasis;
+    for (const auto& t : {first.data, first.target}) {
+      if (!t.defined()) continue;
+      const auto bytes = t.cpu().contiguous();
+      h = fnv1a(bytes.data_ptr(), bytes.numel() * bytes.element_size(), h);
+    }
+    digest = "first micro-batch " + std::to_string(h);
+  }
+  for (const auto& group : groups) {
+    agree_text(*group, digest, "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ",
+               "the samples of epoch " + std::to_string(position_.epoch) + " within " +
+                   layout_.describe() +
+                   ", whose ranks must all draw the same samples; shard the data over the "
+                   "data-parallel group, not the world (a TensorDataSource's rank and size are "
+                   "the data-parallel rank and size)");
+  }
 }
 
-void Trainer::continue_epoch_order(const DataSource& data) {
+int64_t Trainer::global_batch_of(DataSource& data) {
+  const int64_t k = config_.accumulation_steps;
+  if (data.global_micro_batch() > 0) return data.global_micro_batch() * k;
+  // No global order: the ranks' first micro-batches of the epoch, as a step
+  // would count them.
+  const double mine = data.num_batches() > 0 ? static_cast<double>(data.batch(0).data.size(0)) : 0;
+  auto total = torch::tensor({mine}, torch::kFloat64);
+  comm_.all_reduce(total, {ReduceOp::Sum}).wait();
+  return static_cast<int64_t>(total.item<double>()) / layout_.ranks_per_sample() * k;
+}
+
+void Trainer::continue_epoch_order(DataSource& data) {
   // The checkpoint's micro-batch index counts the micro-batches of the job
   // that wrote it; another world size, micro-batch or accumulation cuts the
   // epoch into others. The samples of the epoch's global order done so far
   // say where this job's cut continues.
   const bool resized = resized_;
   resumed_ = resized_ = false;
-  if (position_.batch == 0 && position_.epoch_samples <= 0) return;
   const int64_t g = data.global_micro_batch();
+  // Another global batch cuts every epoch into another number of steps,
+  // which the checkpoint's step count no longer matches (fit() could end
+  // before an epoch it never trained), and changes what a step means.
+  // Every rank resumed from the same checkpoint: all or none ask.
+  const int64_t batch = position_.global_batch > 0 ? global_batch_of(data) : 0;
+  if (batch > 0 && batch != position_.global_batch) {
+    throw ConfigError("Trainer::fit on rank " + std::to_string(comm_.rank()) +
+                      ": resumed from a checkpoint (step " + std::to_string(position_.step) +
+                      ") whose global batch is " + std::to_string(position_.global_batch) +
+                      " samples, but this job's is " + std::to_string(batch) + " (" +
+                      std::to_string(config_.accumulation_steps) +
+                      " accumulation steps x a global micro-batch of " +
+                      std::to_string(batch / config_.accumulation_steps) +
+                      "); keep micro-batch x accumulation_steps x data-parallel size the same");
+  }
+  if (position_.batch == 0 && position_.epoch_samples <= 0) return;
   const std::string where = "Trainer::fit on rank " + std::to_string(comm_.rank()) +
                             ": resumed in the middle of epoch " + std::to_string(position_.epoch);
   if (g > 0 && position_.epoch_samples >= 0) {

@@ -14,7 +14,8 @@
 //   4. the global gradient norm via GradNorm (local for replicated
 //      gradients, an all-reduce of squared partial norms for sharded ones),
 //      then clipping when it exceeds max_grad_norm;
-//   5. lr = lr_at(schedule, step); optimizer step;
+//   5. each group's lr = its initial lr scaled by the schedule at the step
+//      (lr_schedule.h); optimizer step;
 //   6. one small all-reduce for the loss averaged over ranks.
 // Steps 1-5 are the same arithmetic on every rank, so the replicas stay
 // identical without broadcasting weights.
@@ -64,7 +65,10 @@ struct TrainerOptions {
   int64_t accumulation_steps = 1;
   /// Clip gradients to this global L2 norm; 0 disables clipping.
   double max_grad_norm = 0.0;
-  /// Learning rate per step; overrides the optimizer's own lr.
+  /// Learning rate per step: scales each parameter group's own rate as the
+  /// Trainer found it (PyTorch's LambdaLR), or sets every group's peak to
+  /// schedule.base_lr when that is set (lr_schedule.h). The default is the
+  /// optimizer's rates, unchanged.
   LrSchedule schedule;
   /// fit() runs this many epochs...
   int64_t epochs = 1;
@@ -213,6 +217,8 @@ class Trainer {
   std::vector<uint64_t> dimension_bytes() const;
   // Seconds blocked in the "tp" dimension's collectives so far; none without one.
   std::optional<double> tp_wait_seconds() const;
+  // Each parameter group's rate for optimizer step `step`.
+  std::vector<double> scheduled_lrs(int64_t step) const;
   void check_determinism() const;
   std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);
   void load_checkpoint(int64_t step, std::string payload);
@@ -221,10 +227,13 @@ class Trainer {
   void load_dcp(const std::string& folder, int64_t old_world);
   void check_sync_state(const dcp::Metadata& meta, int64_t old_world,
                         const std::string& folder) const;
-  void continue_epoch_order(const DataSource& data);
+  void continue_epoch_order(DataSource& data);
+  /// Collective when the source has no global order: this job's samples per
+  /// optimizer step over all ranks.
+  int64_t global_batch_of(DataSource& data);
   /// Collective: throws on every rank unless all have the same micro-batches
   /// this epoch and the same accumulation, epochs and max_steps.
-  void agree_on_epoch(const DataSource& data);
+  void agree_on_epoch(DataSource& data);
   void write_main_file(int64_t step, const std::string& payload);
   void finish_pending_checkpoint();
 
@@ -233,6 +242,9 @@ class Trainer {
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<torch::Tensor> params_;
   TrainerOptimizer& optimizer_;
+  // Each parameter group's rate when the Trainer was made (or as the
+  // resumed checkpoint recorded it): what the schedule scales.
+  std::vector<double> initial_lrs_;
   GradientSync& sync_;
   LossFn loss_fn_;
   TrainerOptions config_;

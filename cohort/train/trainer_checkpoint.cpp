@@ -71,7 +71,7 @@ void Trainer::save_checkpoint() {
   }
   comm_.gather(all, mine, {0}).wait();
   if (comm_.rank() == 0) {
-    auto payload = encode_training_state(position_, torch::stack(all));
+    auto payload = encode_training_state(position_, torch::stack(all), initial_lrs_);
     if (pending_) {
       pending_->payload = std::move(payload);  // written once the dcp part is committed
     } else {
@@ -188,7 +188,18 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
   auto state = decode_training_state(
       payload, path, [&](const CheckpointKind& kind) { check_checkpoint(kind, path); });
   const int64_t old_world = state.rng_states.size(0);
+  // The schedule's initial rates: the optimizer's groups now hold the last
+  // scheduled ones, which scaled again would compound.
+  if (!state.initial_lrs.empty() && state.initial_lrs.size() != initial_lrs_.size()) {
+    throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
+                      path + " has the learning-rate schedule's rates of " +
+                      std::to_string(state.initial_lrs.size()) +
+                      " optimizer parameter groups, this trainer's optimizer has " +
+                      std::to_string(initial_lrs_.size()) +
+                      "; resume with the optimizer's parameter groups that wrote it");
+  }
   load_dcp(dcp_folder(path), old_world);
+  if (!state.initial_lrs.empty()) initial_lrs_ = state.initial_lrs;
   resized_ = old_world != comm_.size();
   resumed_ = true;
   if (comm_.rank() < old_world) {

@@ -9,15 +9,20 @@
 
 namespace cohort {
 
-std::string encode_training_state(const TrainingPosition& position,
-                                  const torch::Tensor& rng_states) {
+std::string encode_training_state(const TrainingPosition& position, const torch::Tensor& rng_states,
+                                  const std::vector<double>& initial_lrs) {
   torch::serialize::OutputArchive archive;
   archive.write("step", c10::IValue(position.step));
   archive.write("epoch", c10::IValue(position.epoch));
   archive.write("batch", c10::IValue(position.batch));
   archive.write("epoch_samples", c10::IValue(position.epoch_samples));
   archive.write("epoch_batches", c10::IValue(position.epoch_batches));
+  archive.write("global_batch", c10::IValue(position.global_batch));
   archive.write("rng_states", rng_states);
+  if (!initial_lrs.empty()) {
+    archive.write("initial_lrs",
+                  torch::tensor(initial_lrs, torch::TensorOptions().dtype(torch::kFloat64)));
+  }
   archive.write("dcp", c10::IValue(true));
   std::ostringstream out;
   archive.save_to(out);
@@ -68,6 +73,12 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     // Older checkpoints: the epoch's order is unknown, same-size resume only.
     state.position.epoch_samples = archive.try_read("epoch_samples", v) ? v.toInt() : -1;
     state.position.epoch_batches = archive.try_read("epoch_batches", v) ? v.toInt() : 0;
+    state.position.global_batch = archive.try_read("global_batch", v) ? v.toInt() : 0;
+    torch::Tensor lrs;
+    if (archive.try_read("initial_lrs", lrs)) {
+      lrs = lrs.to(torch::kFloat64).contiguous();
+      state.initial_lrs.assign(lrs.data_ptr<double>(), lrs.data_ptr<double>() + lrs.numel());
+    }
   });
   return state;
 }

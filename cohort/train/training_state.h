@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace cohort {
 
@@ -28,13 +29,21 @@ struct TrainingPosition {
   /// DataSource::num_batches() of the job that wrote it (0: unknown). Without
   /// a global order, `batch` means the same samples only when this is the same.
   int64_t epoch_batches = 0;
+  /// Samples of one optimizer step over all ranks (micro-batch x
+  /// accumulation_steps x data-parallel size) of the job that wrote it; 0:
+  /// unknown (no step yet, or a checkpoint older than this record). fit()
+  /// refuses to continue with another: the epoch's steps and the samples
+  /// done would no longer line up.
+  int64_t global_batch = 0;
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
 /// The payload marks the model and optimizer state as being in the
 /// checkpoint's dcp folder (dcp_checkpoint.h).
-std::string encode_training_state(const TrainingPosition& position,
-                                  const torch::Tensor& rng_states);
+/// initial_lrs: each optimizer parameter group's rate when the Trainer was
+/// made, which its learning-rate schedule scales (none: not recorded).
+std::string encode_training_state(const TrainingPosition& position, const torch::Tensor& rng_states,
+                                  const std::vector<double>& initial_lrs = {});
 
 /// True when `payload` (verified) keeps its model and optimizer state in
 /// the checkpoint's dcp folder. Throws CheckpointError naming `source` when
@@ -46,6 +55,9 @@ struct DecodedState {
   /// Where training was.
   TrainingPosition position;
   torch::Tensor rng_states;  ///< [world_size, state_bytes]
+  /// The schedule's initial rate of each parameter group; empty in a
+  /// checkpoint written before they were recorded.
+  std::vector<double> initial_lrs;
 };
 
 /// What wrote a checkpoint, as far as its payload says.

@@ -17,20 +17,26 @@ namespace {
 // without one, its parameters under "stage<index>_<n>". A module that
 // several stages share (one model holding a rank's interleaved chunks) is
 // registered once, under its first stage: twice, its parameters would be
-// counted twice by the norm and scaled twice by clipping.
+// counted twice by the norm and scaled twice by clipping. So is a function
+// stage's tensor that an earlier stage already holds (a weight two
+// function stages share): under its first name only.
 std::shared_ptr<torch::nn::Module> stages_module(const pipeline::PipelineRuntime& runtime) {
   auto holder = std::make_shared<torch::nn::Module>("PipelineStages");
   std::set<const torch::nn::Module*> registered;
+  std::set<const c10::TensorImpl*> held;
   for (const auto& stage : runtime.stages()) {
     const std::string name = "stage" + std::to_string(stage.index());
     if (stage.module()) {
       if (registered.insert(stage.module().get()).second) {
         holder->register_module(name, stage.module());
+        for (const auto& p : stage.module()->parameters()) held.insert(p.unsafeGetTensorImpl());
       }
       continue;
     }
     for (size_t i = 0; i < stage.parameters().size(); ++i) {
-      holder->register_parameter(name + "_" + std::to_string(i), stage.parameters()[i]);
+      const auto& p = stage.parameters()[i];
+      if (!held.insert(p.unsafeGetTensorImpl()).second) continue;
+      holder->register_parameter(name + "_" + std::to_string(i), p);
     }
   }
   return holder;

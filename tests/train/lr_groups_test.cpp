@@ -1,0 +1,252 @@
+// The learning-rate schedule as PyTorch's LambdaLR applies it: a factor of
+// each parameter group's own initial rate. The default schedule keeps the
+// optimizer's rate (SGD at 0.1 trains at 0.1); groups with different rates
+// keep their ratio under warm-up and cosine decay; a resume continues the
+// schedule from the recorded initial rates instead of scaling the last
+// scheduled ones again; base_lr over groups of different rates is refused.
+// Against one process of plain LibTorch, worlds 1 and 3 (Gloo, UCX).
+// Also: train_step refuses micro-batches of unequal sizes.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "cohort/core/error.h"
+#include "cohort/train/trainer.h"
+#include "cohort/wiring/trainer_wiring.h"
+#include "support/thread_ranks.h"
+#include "train_fixtures.h"
+
+namespace cohort::lr_groups_test {
+namespace {
+
+using testing::make_data;
+using testing::make_mlp;
+using testing::TempDir;
+
+constexpr int64_t kMicro = 4, kSteps = 6;
+const double kPi = std::acos(-1.0);
+
+// Two groups: the first Linear at `first`, the rest at `second`.
+std::vector<torch::optim::OptimizerParamGroup> groups_of(torch::nn::Sequential& net, double first,
+                                                         double second) {
+  auto params = net->parameters();
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{params[0], params[1]},
+                      std::make_unique<torch::optim::SGDOptions>(first));
+  groups.emplace_back(std::vector<torch::Tensor>{params[2], params[3]},
+                      std::make_unique<torch::optim::SGDOptions>(second));
+  return groups;
+}
+
+// Closed form of the warm-up cosine factor: 2 warm-up steps, cosine to 0.1
+// of the peak at step 5.
+double factor(int64_t t) {
+  if (t < 2) return (t + 1) / 2.0;
+  const double p = std::min(1.0, (t - 2) / 3.0);
+  return 0.1 + 0.5 * (1 - 0.1) * (1 + std::cos(kPi * p));
+}
+
+LrSchedule warmup_cosine(double first) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::WarmupCosine;
+  s.warmup_steps = 2;
+  s.total_steps = 5;
+  s.min_lr = 0.1 * first;  // base_lr unset: relative to the first group's 0.1
+  return s;
+}
+
+struct Case {
+  std::string backend;
+  int world;
+};
+
+std::string name_of(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.backend + "_world" + std::to_string(info.param.world);
+}
+
+std::vector<Case> cases() {
+  std::vector<std::string> backends = {"gloo"};
+#ifdef COHORT_WITH_UCX
+  backends.push_back("ucx");
+#endif
+  std::vector<Case> out;
+  for (const auto& b : backends)
+    for (int w : {1, 3}) out.push_back({b, w});
+  return out;
+}
+
+// One process: SGD over the two groups, each step's rates from the closed
+// form (or the constant rates when `scheduled` is false).
+std::vector<torch::Tensor> reference(int world, bool scheduled, double first, double second,
+                                     const testing::Synthetic& data) {
+  auto net = make_mlp();
+  torch::optim::SGD opt(groups_of(net, first, second), torch::optim::SGDOptions(first));
+  const int64_t global = world * kMicro;
+  for (int64_t t = 0; t < kSteps; ++t) {
+    const double f = scheduled ? factor(t) : 1.0;
+    opt.param_groups()[0].options().set_lr(first * f);
+    opt.param_groups()[1].options().set_lr(second * f);
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(data.x.narrow(0, t * global, global)),
+                                         data.y.narrow(0, t * global, global))
+        .backward();
+    opt.step();
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+struct Job {
+  int64_t steps;           // steps this job runs (from its position)
+  bool resume = false;     // from `dir`
+  double opt_first = 0.1;  // the first group's rate the optimizer is built with
+};
+
+// Trains on `world` ranks from the position (after a resume when asked),
+// `run.steps` steps; returns rank 0's parameters and each step's lr metric.
+std::pair<std::vector<torch::Tensor>, std::vector<double>> train(
+    const Case& c, const testing::Synthetic& data, const LrSchedule& schedule, double second,
+    const std::string& dir, const Job& run) {
+  std::vector<torch::Tensor> params;
+  std::vector<double> lrs;
+  std::mutex mu;
+  testing::ThreadRanksOptions options;
+  options.backend = c.backend;
+  testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto net = make_mlp();
+        torch::optim::SGD opt(groups_of(net, run.opt_first, second),
+                              torch::optim::SGDOptions(run.opt_first));
+        TrainerOptions config;
+        config.schedule = schedule;
+        config.progress = false;
+        config.checkpoint_dir = dir;
+        Trainer trainer(
+            TrainerWiring::all_reduce(net.ptr(), opt, comm),
+            [&](const torch::data::Example<>& b) {
+              return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
+            },
+            config);
+        if (run.resume) trainer.resume();
+        const int64_t global = c.world * kMicro;
+        std::vector<double> mine;
+        for (int64_t i = 0; i < run.steps; ++i) {
+          const int64_t t = trainer.position().step;
+          const int64_t start = t * global + comm->rank() * kMicro;
+          mine.push_back(
+              trainer
+                  .train_step({{data.x.narrow(0, start, kMicro), data.y.narrow(0, start, kMicro)}})
+                  .lr);
+        }
+        if (!dir.empty()) trainer.save_checkpoint();
+        if (comm->rank() != 0) return;
+        std::lock_guard<std::mutex> lock(mu);
+        for (const auto& p : net->parameters()) params.push_back(p.detach().clone());
+        lrs = mine;
+      },
+      options);
+  return {params, lrs};
+}
+
+void expect_params(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(got[i], want[i], 1e-5, 1e-6))
+        << "parameter " << i << " differs by " << (got[i] - want[i]).abs().max().item<float>();
+  }
+}
+
+class LrGroups : public ::testing::TestWithParam<Case> {};
+
+// No schedule set: each group trains at the rate its optimizer was given.
+TEST_P(LrGroups, DefaultScheduleKeepsTheOptimizersRates) {
+  const Case c = GetParam();
+  const auto data = make_data(kSteps * c.world * kMicro);
+  const auto ref = reference(c.world, false, 0.1, 0.02, data);
+  const auto [params, lrs] = train(c, data, LrSchedule{}, 0.02, "", {kSteps});
+  expect_params(params, ref);
+  for (double lr : lrs) EXPECT_EQ(lr, 0.1);
+}
+
+// Warm-up then cosine: each group at its own rate times the schedule's factor.
+TEST_P(LrGroups, WarmupCosineScalesEachGroupsOwnRate) {
+  const Case c = GetParam();
+  const auto data = make_data(kSteps * c.world * kMicro);
+  const auto ref = reference(c.world, true, 0.1, 0.02, data);
+  const auto [params, lrs] = train(c, data, warmup_cosine(0.1), 0.02, "", {kSteps});
+  expect_params(params, ref);
+  for (int64_t t = 0; t < kSteps; ++t) EXPECT_NEAR(lrs[t], 0.1 * factor(t), 1e-12) << "step " << t;
+}
+
+// Resumed after 3 steps (the optimizer's groups then hold the scheduled
+// rates of step 2), with an optimizer built at another rate: the schedule
+// goes on from the checkpoint's initial rates, as the uninterrupted run.
+TEST_P(LrGroups, ResumeContinuesFromTheInitialRates) {
+  const Case c = GetParam();
+  const auto data = make_data(kSteps * c.world * kMicro);
+  const auto ref = reference(c.world, true, 0.1, 0.02, data);
+  TempDir dir("cohort-lr-groups");
+  train(c, data, warmup_cosine(0.1), 0.02, dir.str(), {3});
+  Job rest{kSteps - 3, true, 0.5};
+  const auto [params, lrs] = train(c, data, warmup_cosine(0.1), 0.02, dir.str(), rest);
+  expect_params(params, ref);
+  for (int64_t i = 0; i < kSteps - 3; ++i) {
+    EXPECT_NEAR(lrs[i], 0.1 * factor(3 + i), 1e-12) << "step " << 3 + i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, LrGroups, ::testing::ValuesIn(cases()), name_of);
+
+TEST(LrGroupsRefused, BaseLrOverGroupsOfDifferentRates) {
+  testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    auto net = make_mlp();
+    torch::optim::SGD opt(groups_of(net, 0.1, 0.02), torch::optim::SGDOptions(0.1));
+    TrainerOptions config;
+    config.schedule.base_lr = 0.05;
+    try {
+      Trainer trainer(
+          TrainerWiring::all_reduce(net.ptr(), opt, comm),
+          [](const torch::data::Example<>&) { return torch::Tensor(); }, config);
+      ADD_FAILURE() << "base_lr over groups of different rates was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("group 0 has lr 0.100000 and group 1 has 0.020000"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+// ReplicaLayout weights micro-batches alike, a pipeline by samples: unequal
+// sizes are refused, naming them, before anything runs.
+TEST(TrainStepRefused, MicroBatchesOfUnequalSizes) {
+  const auto data = make_data(8);
+  testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    auto net = make_mlp();
+    const auto before = net->parameters()[0].clone();
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    TrainerOptions config;
+    config.accumulation_steps = 2;
+    config.progress = false;
+    Trainer trainer(
+        TrainerWiring::all_reduce(net.ptr(), opt, comm),
+        [&](const torch::data::Example<>& b) {
+          return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
+        },
+        config);
+    try {
+      trainer.train_step({{data.x.narrow(0, 0, 4), data.y.narrow(0, 0, 4)},
+                          {data.x.narrow(0, 4, 2), data.y.narrow(0, 4, 2)}});
+      ADD_FAILURE() << "unequal micro-batches were accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("unequal sizes [4, 2]"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(torch::equal(net->parameters()[0], before));
+  });
+}
+
+}  // namespace
+}  // namespace cohort::lr_groups_test
