@@ -130,7 +130,9 @@ TEST_P(TiedParameters, NormAndClippingCountEachTensorOnce) {
           const auto m = trainer.train_step(
               {{data.x.narrow(0, start, kMicro), data.y.narrow(0, start, kMicro)}});
           EXPECT_NEAR(m.grad_norm, ref_norms[s], 1e-5 * ref_norms[s]) << "step " << s;
-          if (c.max_norm > 0) EXPECT_TRUE(m.clipped) << "the test must exercise clipping";
+          if (c.max_norm > 0) {
+            EXPECT_TRUE(m.clipped) << "the test must exercise clipping";
+          }
         }
         for (size_t i = 0; i < unique.size(); ++i) {
           EXPECT_TRUE(torch::allclose(unique[i], ref_params[i], 1e-5, 1e-6))
