@@ -163,7 +163,18 @@ void GradientSynchronizer::reduce_experts() {
 }
 
 void GradientSynchronizer::prepare_forward() {
+  deferred_ = no_sync_depth_ > 0 || (reducer_ && reducer_->no_sync_depth() > 0);
   if (reducer_) reducer_->prepare_forward();
+}
+
+void GradientSynchronizer::push_no_sync() {
+  ++no_sync_depth_;
+  if (reducer_) reducer_->push_no_sync();
+}
+
+void GradientSynchronizer::pop_no_sync() {
+  --no_sync_depth_;
+  if (reducer_) reducer_->pop_no_sync();
 }
 
 void GradientSynchronizer::after_forward(const std::vector<torch::Tensor>& outputs) {
@@ -194,6 +205,14 @@ void GradientSynchronizer::all_reduce_grads(Communicator& group,
 }
 
 void GradientSynchronizer::finish_backward() {
+  // Under no_sync() the gradients are one rank's partial sums, to which the
+  // next micro-batches add: reducing them now and again with the next
+  // micro-batch's would count this one's tp (or 2, or dp x cp) times.
+  if (deferred_) return;
+  reduce_now();
+}
+
+void GradientSynchronizer::reduce_now() {
   all_reduce_grads(*mesh_["tp"].process_group(), sp_params_, options_.tp_algorithm, stats_.tp);
   if (mesh_.size("pp") > 1 && embedding_group_) {
     all_reduce_grads(*embedding_group_, {shared_embedding_}, options_.embedding_algorithm,
@@ -211,7 +230,8 @@ void GradientSynchronizer::finish_backward() {
 
 void GradientSynchronizer::synchronize() {
   if (reducer_) reducer_->synchronize();
-  finish_backward();
+  deferred_ = false;
+  reduce_now();
 }
 
 }  // namespace cohort

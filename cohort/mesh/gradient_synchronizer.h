@@ -15,6 +15,22 @@
 //   sync.finish_backward();   // TP and PP reductions; DP finished in backward
 //   optimizer.step();
 //
+// Gradient accumulation over M micro-batches: the first M - 1 inside
+// no_sync() (the synchronizer's, or the DP reducer's NoSyncGuard), where
+// backward adds into .grad locally and finish_backward() does nothing; the
+// last outside it, whose finish_backward() reduces the accumulated sum once:
+//
+//   for (int m = 0; m < M; ++m) {
+//     std::optional<GradientSynchronizer::NoSync> local;
+//     if (m + 1 < M) local.emplace(sync.no_sync());
+//     sync.prepare_forward();   // decides: this micro-batch syncs or not
+//     auto loss = stage->loss(stage(x[m]), y[m]) / M;
+//     sync.after_forward({loss});
+//     loss.backward();
+//     sync.finish_backward();   // nothing under no_sync(); the sum on the last
+//   }
+//   optimizer.step();
+//
 // With experts split over "ep" (mesh {"pp", "dp", "ep", "tp"}), name them:
 //
 //   GradientSynchronizerOptions o;
@@ -31,6 +47,7 @@
 #include "cohort/grad_sync/comm_hook.h"
 #include "cohort/grad_sync/ddp_options.h"
 #include "cohort/grad_sync/gradient_reducer.h"
+#include "cohort/grad_sync/no_sync_guard.h"
 #include "cohort/mesh/device_mesh.h"
 
 namespace cohort {
@@ -48,7 +65,7 @@ struct GradientSyncStats {
   DimensionStats pp;       ///< the shared embedding over the embedding group
   DimensionStats dp;       ///< every non-expert gradient over the dense group (dp x ep x cp)
   DimensionStats experts;  ///< expert gradients over the ranks holding the same experts
-  int64_t steps = 0;       ///< finish_backward calls
+  int64_t steps = 0;       ///< finish_backward calls that reduced (not those under no_sync)
 };
 
 /// How each dimension reduces.
@@ -94,18 +111,37 @@ class GradientSynchronizer {
                        torch::Tensor shared_embedding, GradientSynchronizerOptions options = {});
   ~GradientSynchronizer();
 
-  /// Before each forward (the DP reducer's bookkeeping).
+  /// The scope of no_sync(): movable, ends the scope when destroyed.
+  using NoSync = ScopedNoSync<GradientSynchronizer>;
+
+  /// Before each forward (the DP reducer's bookkeeping). Decides, as the DP
+  /// reducer does, whether this micro-batch synchronizes: not while a
+  /// no_sync() scope (this synchronizer's or the DP reducer's) is open.
   void prepare_forward();
   /// After each forward, with the tensors it returned (unused-parameter search).
   void after_forward(const std::vector<torch::Tensor>& outputs);
-  /// After backward: the TP and embedding all-reduces (the DP reduction
-  /// finished in backward).
+  /// After backward: the TP, embedding and expert all-reduces (the DP
+  /// reduction finished in backward). After a micro-batch whose
+  /// prepare_forward() ran under no_sync() it does nothing: its gradients
+  /// stay local partial sums, and the next synchronizing micro-batch's
+  /// finish_backward() reduces the accumulated sum once (each of these
+  /// reductions is a sum, so reducing the sum is reducing each term).
   void finish_backward();
+
+  /// Backwards from here until the scope ends accumulate locally: the DP
+  /// reducer's too (no DP communication), and finish_backward() defers to
+  /// the first micro-batch prepared outside every scope. Scopes nest.
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+  /// Enters a no_sync() scope (NoSync calls it).
+  void push_no_sync();
+  /// Leaves a no_sync() scope (NoSync calls it).
+  void pop_no_sync();
 
   /// For gradients accumulated past the DP reducer's backward hooks (a
   /// PipelineRuntime step, which computes them with torch::autograd::grad):
-  /// averages every gradient over DP now, then finish_backward. Collective
-  /// over the mesh; instead of prepare_forward/after_forward/finish_backward.
+  /// averages every gradient over DP now, then the TP, embedding and expert
+  /// all-reduces, whatever no_sync() scopes are open. Collective over the
+  /// mesh; once per step, instead of prepare_forward/after_forward/finish_backward.
   void synchronize();
   /// Per-dimension counters.
   const GradientSyncStats& stats() const { return stats_; }
@@ -131,6 +167,8 @@ class GradientSynchronizer {
   void check_dimensions(const std::string& who) const;
   void build_groups();
   void reduce_experts();
+  // The TP, embedding and expert all-reduces of the gradients now.
+  void reduce_now();
 
   DeviceMesh mesh_;
   std::shared_ptr<Communicator> embedding_group_;
@@ -141,6 +179,8 @@ class GradientSynchronizer {
   std::shared_ptr<torch::nn::Module> dense_module_;  // the non-expert parameters, with experts
   std::unique_ptr<GradientReducer> reducer_;
   GradientSyncStats stats_;
+  int no_sync_depth_ = 0;
+  bool deferred_ = false;  // the last prepare_forward() ran under no_sync()
 };
 
 }  // namespace cohort

@@ -17,6 +17,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
@@ -40,6 +41,11 @@ struct Case {
   const char* schedule = "1f1b";  // pp > 1
   int microbatches = 2;           // pp > 1; divides kBatch / dp
   int v = 1;                      // model chunks per PP rank (interleaved)
+  // pp = 1: micro-batches per step, the first accumulate - 1 under
+  // no_sync(), finish_backward() after each; `reducer_guard`: the DP
+  // reducer's NoSyncGuard instead of the synchronizer's no_sync().
+  int accumulate = 1;
+  bool reducer_guard = false;
 };
 
 bool pipelined(const Case& k) { return k.pp > 1 || k.v > 1; }
@@ -74,18 +80,35 @@ struct Result {
   std::map<std::string, torch::Tensor> params;  // name -> value at the end
 };
 
-// One training step of one rank without a pipeline; returns the loss.
+// One training step of one rank without a pipeline, in `accumulate`
+// micro-batches (header recipe of GradientSynchronizer); returns the loss.
 torch::Tensor step(GPTStage& stage, cohort::GradientSynchronizer& sync,
                    torch::optim::Optimizer& opt, const torch::Tensor& ids,
-                   const torch::Tensor& targets) {
+                   const torch::Tensor& targets, int accumulate = 1, bool reducer_guard = false) {
   opt.zero_grad();
-  sync.prepare_forward();
-  auto loss = stage->loss(stage(ids), targets);
-  sync.after_forward({loss});
-  loss.backward();
-  sync.finish_backward();
+  const int64_t rows = ids.size(0) / accumulate;
+  auto total = torch::zeros({}, ids.options().dtype(torch::kFloat32));
+  for (int m = 0; m < accumulate; ++m) {
+    std::optional<cohort::GradientSynchronizer::NoSync> local;
+    std::optional<NoSyncGuard> reducer_local;
+    if (m + 1 < accumulate) {
+      if (reducer_guard) {
+        reducer_local.emplace(*sync.dp_reducer());
+      } else {
+        local.emplace(sync.no_sync());
+      }
+    }
+    sync.prepare_forward();
+    auto loss =
+        stage->loss(stage(ids.narrow(0, m * rows, rows)), targets.narrow(0, m * rows, rows)) /
+        accumulate;
+    sync.after_forward({loss});
+    loss.backward();
+    sync.finish_backward();
+    total = total + loss.detach();
+  }
   opt.step();
-  return loss;
+  return total;
 }
 
 bool is_last_stage(const DeviceMesh& mesh) { return mesh.local_rank("pp") == mesh.size("pp") - 1; }
@@ -122,8 +145,8 @@ Result train(const Case& k, int64_t layers) {
       auto [ids, targets] = batch(s, c);
       ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows).to(test_device());
       targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows).to(test_device());
-      auto loss =
-          rt ? step(mesh, *rt, sync, opt, ids, targets) : step(stage, sync, opt, ids, targets);
+      auto loss = rt ? step(mesh, *rt, sync, opt, ids, targets)
+                     : step(stage, sync, opt, ids, targets, k.accumulate, k.reducer_guard);
       if (loss.defined()) {
         auto l = loss.detach().clone();
         mesh["dp"].process_group()->all_reduce(l, {ReduceOp::Avg}).wait();
@@ -205,7 +228,9 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
          (k.sp ? "_sp" : "") +
          (pipelined(k) ? std::string("_") + k.schedule + "_m" + std::to_string(k.microbatches)
                        : "") +
-         (k.v > 1 ? "_v" + std::to_string(k.v) : "");
+         (k.v > 1 ? "_v" + std::to_string(k.v) : "") +
+         (k.accumulate > 1 ? "_accumulate" + std::to_string(k.accumulate) : "") +
+         (k.reducer_guard ? "_reducer_guard" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -224,7 +249,11 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 2, 1, false, "interleaved", 2, 2}, Case{1, 2, 1, false, "interleaved", 4, 2},
         Case{2, 2, 1, false, "interleaved", 2, 2}, Case{1, 2, 2, false, "interleaved", 2, 2},
         Case{2, 2, 2, true, "interleaved", 2, 2}, Case{1, 1, 1, false, "interleaved", 2, 2},
-        Case{2, 1, 1, false, "interleaved", 4, 2}),
+        Case{2, 1, 1, false, "interleaved", 4, 2},
+        // Gradient accumulation: micro-batches under no_sync() with
+        // finish_backward() after each, sequence parallelism inside.
+        Case{2, 1, 1, true, "1f1b", 2, 1, 2}, Case{2, 1, 2, true, "1f1b", 2, 1, 2, true},
+        Case{3, 1, 1, true, "1f1b", 2, 1, 4}),
     case_name);
 
 bool has(const std::string& text, const std::string& part) {
