@@ -118,7 +118,10 @@ void FSDPState::begin_forward(bool training) {
 void FSDPState::start_unshard(size_t u, ScheduleStep step) {
   auto* group = units_[u].group;
   if (!group->will_gather()) return;
-  check_.before(step, u);
+  // A rank whose parameters were replaced refuses on every rank, before
+  // the all-gather would discard the new values.
+  const auto replaced = group->replaced_storage();
+  check_.before(step, u, replaced.empty() ? "" : "unit '" + units_[u].name + "': " + replaced);
   group->start_unshard();
 }
 
@@ -276,8 +279,17 @@ void FSDPState::end_backward() {
 }
 
 void FSDPState::unshard_all() {
-  for (size_t u = 0; u < units_.size(); ++u) start_unshard(u, ScheduleStep::kUnshard);
-  for (auto& unit : units_) unit.group->wait_unshard();
+  std::vector<size_t> all(units_.size());
+  for (size_t u = 0; u < all.size(); ++u) all[u] = u;
+  unshard_units(all);
+}
+
+void FSDPState::unshard_units(const std::vector<size_t>& units) {
+  // hpZ's kept spans were cut before any optimizer step since that forward:
+  // unshard() gathers the shards themselves.
+  for (size_t u : units) units_[u].group->drop_post_forward_shard();
+  for (size_t u : units) start_unshard(u, ScheduleStep::kUnshard);
+  for (size_t u : units) units_[u].group->wait_unshard();
 }
 
 void FSDPState::reshard_all() {

@@ -93,6 +93,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void set_requires_gradient_sync(bool sync);
   /// Unshards every unit (collective).
   void unshard_all();
+  /// Unshards units `units` (indices into units(); collective), from their
+  /// shards: what hpZ kept after a forward is dropped first.
+  void unshard_units(const std::vector<size_t>& units);
   /// Reshards every unit.
   void reshard_all();
   /// The units, root first.

@@ -9,19 +9,28 @@
 #include "cohort/core/error.h"
 #include "cohort/fsdp/fsdp_state.h"
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/fsdp/unit_agreement.h"
 
 namespace cohort {
 
+// Both work on this unit and the units inside it, in pre-order, with no
+// schedule: the root's or an inner unit's (whose names are its module's),
+// before or after the model's first forward.
+
 torch::OrderedDict<std::string, torch::Tensor> FullyShardImpl::full_state_dict() {
-  auto state = root_state();
+  const auto units = subtree_units();
+  // A replaced parameter (torch::load, Module::to) is refused on every rank
+  // before its stale shard would be gathered.
+  fsdp::agree_refusal(*world_, replaced_storage(), "full_state_dict(" + inner_->name() + ")");
   std::map<const void*, torch::Tensor> full;
   torch::NoGradGuard no_grad;
   // Gathered from the shards: their dtype (the master weights under mixed
   // precision), whether or not the units are unsharded now.
-  for (const auto& unit : state->units()) {
-    auto values = unit.group->gather_full();
+  for (auto* unit : units) {
+    const auto& group = *unit->group_;
+    auto values = group.gather_full();
     for (size_t i = 0; i < values.size(); ++i) {
-      full[unit.group->params()[i].unsafeGetTensorImpl()] = std::move(values[i]);
+      full[group.params()[i].unsafeGetTensorImpl()] = std::move(values[i]);
     }
   }
   torch::OrderedDict<std::string, torch::Tensor> out;
@@ -34,7 +43,7 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardImpl::full_state_dict()
 
 void FullyShardImpl::load_full_state_dict(
     const torch::OrderedDict<std::string, torch::Tensor>& state_dict) {
-  auto state = root_state();
+  const auto units = subtree_units();
   const std::string where = "load_full_state_dict on rank " + std::to_string(world_->rank());
   std::map<const void*, std::string> name_of;
   for (const auto& p : named_parameters())
@@ -52,12 +61,13 @@ void FullyShardImpl::load_full_state_dict(
   };
   // Every key is checked before anything is copied.
   std::vector<std::vector<torch::Tensor>> per_unit;
-  for (const auto& unit : state->units()) {
+  for (auto* unit : units) {
     std::vector<torch::Tensor> full;
-    const auto& layout = unit.group->layout();
-    for (size_t i = 0; i < unit.group->params().size(); ++i) {
-      full.push_back(lookup(name_of.at(unit.group->params()[i].unsafeGetTensorImpl()),
-                            layout.params[i].full_sizes));
+    const auto& group = *unit->group_;
+    const auto& layout = group.layout();
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      full.push_back(
+          lookup(name_of.at(group.params()[i].unsafeGetTensorImpl()), layout.params[i].full_sizes));
     }
     per_unit.push_back(std::move(full));
   }
@@ -76,9 +86,11 @@ void FullyShardImpl::load_full_state_dict(
   if (!unexpected.empty()) {
     throw InvalidArgument(where + ": unexpected keys, not the model's: " + unexpected);
   }
-  state->reshard_all();
+  // The loaded rows would go into shards the parameters no longer show.
+  if (auto why = replaced_storage(); !why.empty()) throw InvalidArgument(where + ": " + why);
+  for (auto* unit : units) unit->group_->reshard();
   torch::NoGradGuard no_grad;
-  for (size_t u = 0; u < per_unit.size(); ++u) state->units()[u].group->load_full(per_unit[u]);
+  for (size_t u = 0; u < per_unit.size(); ++u) units[u]->group_->load_full(per_unit[u]);
   for (auto& [mine, theirs] : buffers) mine.copy_(theirs);
 }
 

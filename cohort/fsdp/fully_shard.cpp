@@ -101,6 +101,11 @@ FullyShardImpl::FullyShardImpl(torch::nn::Sequential module, std::shared_ptr<Com
     : FullyShardImpl(std::move(module), mesh_of(std::move(comm), "fully_shard"), options) {}
 
 FullyShardImpl::~FullyShardImpl() {
+  // The units inside it stay alive while it is (it holds them).
+  for (const auto& m : inner_->modules()) {
+    auto* unit = dynamic_cast<FullyShardImpl*>(m.get());
+    if (unit && unit->enclosing_ == this) unit->enclosing_ = nullptr;
+  }
   std::lock_guard<std::mutex> lock(wrapped_mutex);
   wrapped.erase(inner_.get());
   for (const void* impl : holding_) held_by.erase(impl);
@@ -219,7 +224,40 @@ void FullyShardImpl::adopt(const std::shared_ptr<torch::nn::Module>& inner,
                                                     std::move(post_forward));
     hold(inner->name());
   }
+  // The units inside it are no roots: their root-only methods refuse, and
+  // their unshard() and reshard() act on themselves.
+  for (const auto& m : inner->modules()) {
+    auto* unit = dynamic_cast<FullyShardImpl*>(m.get());
+    if (unit && !unit->enclosing_) unit->enclosing_ = this;
+  }
   forget.armed = false;
+}
+
+void FullyShardImpl::require_root(const std::string& method) const {
+  if (!enclosed()) return;
+  throw InvalidArgument(method + " on the unit around " + inner_->name() + rank_of(*world_) +
+                        ": this unit is inside another FullyShard, whose schedule (the root's) "
+                        "runs every unit of the model; call " +
+                        method + " on the root");
+}
+
+std::vector<FullyShardImpl*> FullyShardImpl::subtree_units() {
+  std::vector<FullyShardImpl*> out;
+  std::set<FullyShardImpl*> listed{this};
+  if (group_) out.push_back(this);
+  for (const auto& m : modules(/*include_self=*/false)) {
+    auto* unit = dynamic_cast<FullyShardImpl*>(m.get());
+    if (unit && listed.insert(unit).second && unit->group_) out.push_back(unit);
+  }
+  return out;
+}
+
+std::string FullyShardImpl::replaced_storage() {
+  for (auto* unit : subtree_units()) {
+    auto why = unit->group_->replaced_storage();
+    if (!why.empty()) return why;
+  }
+  return "";
 }
 
 std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
@@ -233,8 +271,9 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
     if (!unit || !listed.insert(unit).second) continue;
     if (unit->state_) {
       throw InvalidArgument("fully_shard" + rank_of(*world_) + ": the unit '" + m.key() +
-                            "' already ran as a root of its own; run the outer model from its "
-                            "first forward on");
+                            "' already ran as a root of its own (its forward ran alone before "
+                            "the model's first forward); run the outer model from its first "
+                            "forward on");
     }
     if (unit->comm_ != comm_ || unit->replicate_ != replicate_) {
       throw InvalidArgument("fully_shard" + rank_of(*world_) + ": the unit '" + m.key() +
@@ -306,9 +345,36 @@ void FullyShardImpl::train(bool on) {
   inner_->train(on);
 }
 
-void FullyShardImpl::unshard() { root_state()->unshard_all(); }
+void FullyShardImpl::unshard() {
+  if (!enclosed()) {
+    root_state()->unshard_all();
+    return;
+  }
+  const auto units = subtree_units();
+  if (auto state = outer_.lock()) {
+    // Through the root's schedule, which checks that every rank unshards
+    // the same units.
+    std::vector<size_t> indices;
+    for (auto* unit : units) indices.push_back(unit->index_);
+    state->unshard_units(indices);
+    return;
+  }
+  // Before the model's first forward: there is no schedule yet.
+  fsdp::agree_refusal(*world_, replaced_storage(), "unshard(" + inner_->name() + ")");
+  for (auto* unit : units) {
+    unit->group_->drop_post_forward_shard();
+    unit->group_->start_unshard();
+  }
+  for (auto* unit : units) unit->group_->wait_unshard();
+}
 
-void FullyShardImpl::reshard() { root_state()->reshard_all(); }
+void FullyShardImpl::reshard() {
+  if (!enclosed()) {
+    root_state()->reshard_all();
+    return;
+  }
+  for (auto* unit : subtree_units()) unit->group_->reshard();
+}
 
 void FullyShardImpl::set_reshard_after_forward(ReshardAfterForward reshard) {
   const std::string who = "set_reshard_after_forward(" + inner_->name() + ")" + rank_of(*world_);
@@ -328,6 +394,7 @@ int64_t FullyShardImpl::local_leaves() const {
 }
 
 double FullyShardImpl::clip_grad_norm(double max_norm) {
+  require_root("clip_grad_norm");
   auto state = root_state();
   const double norm = std::sqrt(state->squared_grad_norm());
   const double coef = max_norm / (norm + 1e-6);
@@ -343,6 +410,7 @@ double FullyShardImpl::clip_grad_norm(double max_norm) {
 }
 
 void FullyShardImpl::set_requires_gradient_sync(bool sync) {
+  require_root("set_requires_gradient_sync");
   root_state()->set_requires_gradient_sync(sync);
 }
 

@@ -111,13 +111,17 @@ class FullyShardImpl : public torch::nn::Module {
   /// Also sets the wrapped module's own mode.
   void train(bool on = true) override;
 
-  /// Gathers the full parameters of every unit this one is the root of
-  /// (collective); they stay until reshard() or the next backward's end.
+  /// Gathers the full parameters of this unit and of every unit inside it
+  /// (collective; on the root: every unit of the model); they stay until
+  /// reshard() or the next backward's end. Gathers from the shards as they
+  /// are now (after an optimizer step too).
   void unshard();
-  /// Frees the full parameters of every unit this one is the root of.
+  /// Frees the full parameters of this unit and of every unit inside it.
   void reshard();
   /// false: backwards accumulate full gradients locally without
-  /// communication (FSDP2's set_requires_gradient_sync; call on the root).
+  /// communication (FSDP2's set_requires_gradient_sync), for every unit of
+  /// the model. On the root only: on a unit inside another FullyShard it is
+  /// an InvalidArgument (the root's schedule reduces every unit together).
   void set_requires_gradient_sync(bool sync);
   /// What this unit frees after its forward, from the next forward on
   /// (true and false always; an int N only one that resolves as the one it
@@ -129,20 +133,23 @@ class FullyShardImpl : public torch::nn::Module {
   /// How many leaves this rank computes per step (leaves / world; 1 without
   /// the option).
   int64_t local_leaves() const;
-  /// Collective, on the root, WorldSizeInvariant only (Unsupported
+  /// Collective, on the root (InvalidArgument on a unit inside another
+  /// FullyShard), WorldSizeInvariant only (Unsupported
   /// otherwise), after the step's last backward: measures the global norm
   /// of the sharded gradients in an order fixed by each parameter's flat
   /// index alone (the same bits at every world size), scales every .grad
   /// by max_norm / (norm + 1e-6) when that is below 1, and returns the norm.
   double clip_grad_norm(double max_norm);
 
-  /// The full parameters and buffers by their names (collective: each unit
-  /// is gathered, copied, and resharded in turn). Loads into the bare module.
+  /// The full parameters and buffers of this unit's module (on the root:
+  /// the model) by their names (collective: the shards of this unit and of
+  /// every unit inside it are gathered in turn). Loads into the bare module.
   torch::OrderedDict<std::string, torch::Tensor> full_state_dict();
-  /// Loads a full state dict (the bare module's names and shapes): each
-  /// rank keeps its rows. As PyTorch's load_state_dict(strict=True): every
-  /// key must be present with its shape, and no other key may be
-  /// (InvalidArgument naming them, before anything is loaded).
+  /// Loads a full state dict (the bare module's names and shapes) into this
+  /// unit and every unit inside it: each rank keeps its rows. As PyTorch's
+  /// load_state_dict(strict=True): every key must be present with its
+  /// shape, and no other key may be (InvalidArgument naming them, before
+  /// anything is loaded).
   void load_full_state_dict(const torch::OrderedDict<std::string, torch::Tensor>& state);
 
   /// This unit's own parameters (those no inner unit holds).
@@ -175,6 +182,17 @@ class FullyShardImpl : public torch::nn::Module {
   void hold(const std::string& unit);
   // Builds the root's schedule over every unit inside it (first forward).
   std::shared_ptr<fsdp::FSDPState> root_state();
+  // Whether this unit is inside another FullyShard (wrapped by one, or run
+  // by a root's schedule): then it is no root, and root_state() must not be
+  // built on it.
+  bool enclosed() const { return enclosing_ != nullptr || !outer_.expired(); }
+  // Refuses a root-only method (`method`) on an enclosed unit.
+  void require_root(const std::string& method) const;
+  // This unit (if it has parameters) and every unit inside it that has, in
+  // pre-order, each once.
+  std::vector<FullyShardImpl*> subtree_units();
+  // The first of those units whose parameters' storage was replaced, or "".
+  std::string replaced_storage();
 
   std::shared_ptr<torch::nn::Module> inner_;
   std::function<torch::Tensor(const torch::Tensor&)> call_;
@@ -186,11 +204,12 @@ class FullyShardImpl : public torch::nn::Module {
   int reshard_code_ = 1;       // options_.reshard_after_forward resolved (fsdp_state.h)
   int post_forward_size_ = 0;  // the hpZ group's size, if one was made
   std::unique_ptr<fsdp::FSDPParamGroup> group_;
-  std::shared_ptr<fsdp::FSDPState> state_;  // as the root
-  std::weak_ptr<fsdp::FSDPState> outer_;    // as a unit of another root
-  size_t index_ = 0;                        // in outer_'s units
-  uint64_t digest_ = 0;                     // what every rank agreed on at construction
-  std::vector<const void*> holding_;        // its parameters' TensorImpls
+  std::shared_ptr<fsdp::FSDPState> state_;     // as the root
+  std::weak_ptr<fsdp::FSDPState> outer_;       // as a unit of another root
+  const FullyShardImpl* enclosing_ = nullptr;  // the innermost unit wrapping this one
+  size_t index_ = 0;                           // in outer_'s units
+  uint64_t digest_ = 0;                        // what every rank agreed on at construction
+  std::vector<const void*> holding_;           // its parameters' TensorImpls
 };
 TORCH_MODULE(FullyShard);
 

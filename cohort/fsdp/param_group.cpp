@@ -181,8 +181,41 @@ int64_t FSDPParamGroup::unsharded_bytes() const {
   return static_cast<int64_t>(full_storage_.nbytes());
 }
 
+std::string FSDPParamGroup::replaced_storage() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    const auto& want = unsharded_ ? full_views_[i] : shard_views_[i];
+    if (p.has_storage() && p.storage().is_alias_of(want.storage()) &&
+        p.storage_offset() == want.storage_offset() && p.sizes() == want.sizes() &&
+        p.strides() == want.strides() && p.scalar_type() == want.scalar_type() &&
+        p.device() == want.device()) {
+      continue;
+    }
+    return "parameter '" + names_[i] + "' of unit " + unit_ +
+           " no longer holds the storage fully_shard gave it (" +
+           (unsharded_ ? "its full value" : "this rank's rows of it") + ", " +
+           dtype_name(want.scalar_type()) + " " + c10::str(want.sizes()) + "; it is now " +
+           dtype_name(p.scalar_type()) + " " + c10::str(p.sizes()) +
+           "): something replaced it after fully_shard (torch::load, which set_()s each tensor, "
+           "Module::to, set_data or set_), and fully_shard would discard those values at its "
+           "next all-gather. Load values through FullyShard's load_full_state_dict or "
+           "dcp::set_state_dict (or into the model before fully_shard), and change dtype or "
+           "device before fully_shard";
+  }
+  return "";
+}
+
+void FSDPParamGroup::check_storage() const {
+  const auto why = replaced_storage();
+  if (!why.empty()) {
+    throw InvalidArgument("fully_shard(" + unit_ + ") on rank " + std::to_string(comm_->rank()) +
+                          ": " + why);
+  }
+}
+
 void FSDPParamGroup::start_unshard() {
   if (unsharded_ || gathering_) return;
+  check_storage();
   const bool post_forward = post_forward_shard_.defined();
   // After hpZ's reshard: the post-forward shards, within the smaller group.
   gather_input_ = post_forward ? std::move(post_forward_shard_)
@@ -196,6 +229,7 @@ void FSDPParamGroup::start_unshard() {
 
 void FSDPParamGroup::reshard_after_forward(int code) {
   if (code == 0 || !unsharded_) return;
+  check_storage();
   if (code == 1 || !post_forward_ || post_forward_->size() != code) {
     COHORT_CHECK(code == 1, "fully_shard: no post-forward group of the size asked for");
     reshard();
@@ -244,6 +278,7 @@ void FSDPParamGroup::reshard() {
     release(gather_input_, shard_flat_);
   }
   if (!unsharded_) return;
+  check_storage();
   set_sharded();
   free_full();
   unsharded_ = false;
@@ -373,6 +408,7 @@ void FSDPParamGroup::finish_leaf_gradients(LeafReduction& leaf, const std::vecto
 }
 
 std::vector<torch::Tensor> FSDPParamGroup::gather_full() const {
+  check_storage();
   torch::NoGradGuard no_grad;
   auto gathered = torch::empty({layout_.world * layout_.shard_numel}, shard_flat_.options());
   comm_->all_gather_into_tensor(gathered, shard_flat_).wait();
@@ -384,6 +420,7 @@ std::vector<torch::Tensor> FSDPParamGroup::gather_full() const {
 }
 
 void FSDPParamGroup::load_full(const std::vector<torch::Tensor>& full) {
+  check_storage();
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     copy_local_rows(layout_.params[i], layout_.rank, full[i], shard_flat_);

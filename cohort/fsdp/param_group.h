@@ -91,11 +91,22 @@ class FSDPParamGroup {
   /// all-gather over that group rebuilds the rank-major full buffer) and
   /// frees the full storage.
   void reshard_after_forward(int code);
-  /// Drops what reshard_after_forward(N) kept (a new forward of the root
-  /// gathers from the shard, which an optimizer may have changed since).
+  /// Drops what reshard_after_forward(N) kept: only the backward of the
+  /// forward that kept it may gather from it; a new forward of the root or
+  /// an unshard() gathers from the shard, which an optimizer may have
+  /// changed since.
   void drop_post_forward_shard();
   /// Bytes of the full storage now allocated (0 while sharded).
   int64_t unsharded_bytes() const;
+  /// Empty while every parameter's data is the view this group gave it (of
+  /// the shard, or of the full storage while unsharded); else why not,
+  /// naming the first parameter whose storage was replaced since
+  /// (torch::load's set_, Module::to, set_data): the group's next switch
+  /// would discard the values it holds now.
+  std::string replaced_storage() const;
+  /// Throws InvalidArgument (this rank only) when replaced_storage() is not
+  /// empty. Every switch between views, gather_full and load_full call it.
+  void check_storage() const;
 
   /// Before a backward: a sharded .grad is put aside (and added back when
   /// this backward's gradients are reduced); a full .grad accumulated by

@@ -146,10 +146,29 @@ void ScheduleCheck::set_settings(std::vector<int64_t> flags) {
   flags_ = std::move(flags);
 }
 
-// Schedule words: [magic, step, unit, pass, settings, sync, 0...].
-void ScheduleCheck::before(ScheduleStep step, size_t unit) {
+void agree_refusal(Communicator& comm, const std::string& refusal, const std::string& who) {
+  if (comm.size() == 1) {
+    if (!refusal.empty()) throw InvalidArgument(who_on(who, comm) + ": " + refusal);
+    return;
+  }
+  const RankWords all = gather_words(comm, {refusal.empty() ? 0 : 1});
+  const auto refused = all.values(
+      [](const int64_t* w) { return std::string(w[0] ? "refuses to go on" : "can go on"); });
+  if (!refusal.empty()) throw InvalidArgument(who_on(who, comm) + ": " + refusal);
+  if (!all_same(refused)) {
+    throw InvalidArgument(who_on(who, comm) + ": a rank cannot go on (its own error says why): " +
+                          name_groups(refused));
+  }
+}
+
+// Schedule words: [magic, step, unit, pass, settings, sync, refused, 0...].
+void ScheduleCheck::before(ScheduleStep step, size_t unit, const std::string& refusal) {
   const int n = comm_->size();
-  if (n == 1) return;
+  const std::string who = who_on("fully_shard", *comm_);
+  if (n == 1) {
+    if (!refusal.empty()) throw InvalidArgument(who + ": " + refusal);
+    return;
+  }
   std::vector<int64_t> mine(kWords, 0);
   mine[0] = kScheduleMagic;
   mine[1] = static_cast<int64_t>(step);
@@ -157,8 +176,17 @@ void ScheduleCheck::before(ScheduleStep step, size_t unit) {
   mine[3] = pass_;
   mine[4] = static_cast<int64_t>(settings_);
   mine[5] = sync_ ? 1 : 0;
+  mine[6] = refusal.empty() ? 0 : 1;
   const RankWords all = gather_words(*comm_, mine);
-  const std::string who = who_on("fully_shard", *comm_);
+  // Before the comparison: a rank that refuses may be anywhere else.
+  const auto refused = all.values([](const int64_t* w) {
+    return std::string(w[0] == kScheduleMagic && w[6] ? "refuses to go on" : "can go on");
+  });
+  if (!refusal.empty()) throw InvalidArgument(who + ": " + refusal);
+  if (!all_same(refused)) {
+    throw InvalidArgument(
+        who + ": a rank cannot go on (its own error says why): " + name_groups(refused));
+  }
   const auto where = all.values([this](const int64_t* w) { return describe(w); });
   if (!all_same(where)) {
     throw MismatchError(

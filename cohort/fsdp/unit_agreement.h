@@ -61,6 +61,12 @@ struct UnitRecord {
 /// field that differs and each group of ranks with its value).
 void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& who);
 
+/// Collective over `comm` (one all-gather of one word per rank; none at
+/// world size 1): throws InvalidArgument on every rank when any rank passed a
+/// non-empty `refusal` (its own reason on the ranks that refused; the others
+/// name them). Nothing is thrown when no rank refuses.
+void agree_refusal(Communicator& comm, const std::string& refusal, const std::string& who);
+
 /// ScheduleCheck::before's unit for a collective of no unit.
 inline constexpr size_t kNoUnit = static_cast<size_t>(-1);
 
@@ -91,10 +97,12 @@ class ScheduleCheck {
   /// A new forward of the root begins.
   void next_pass() { ++pass_; }
 
-  /// Collective (one all-gather of 6 words per rank; none at world size 1):
+  /// Collective (one all-gather of 18 words per rank; none at world size 1):
   /// every rank is about to issue `step` for unit `unit` (kNoUnit: none). Throws MismatchError on
-  /// every rank otherwise, naming each group of ranks and what it was about to do.
-  void before(ScheduleStep step, size_t unit);
+  /// every rank otherwise, naming each group of ranks and what it was about to do. A non-empty
+  /// `refusal` (this rank cannot go on: a parameter's storage was replaced) is an
+  /// InvalidArgument on every rank, with its reason on the ranks that refused.
+  void before(ScheduleStep step, size_t unit, const std::string& refusal = {});
 
  private:
   std::string describe(const int64_t* header) const;
