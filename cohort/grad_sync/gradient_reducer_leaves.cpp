@@ -220,10 +220,14 @@ void GradientReducer::finish_owner_leaf() {
   leaf_->push(torch::cat(pieces));
   if (leaf_->pushed() < leaf_->local_leaves()) return;
   const double backward_end = queue_.now_s();
-  clear_local_use();
-  // A shard owner (ZeRO-2) keeps its chunk: no all-gather, no .grad.
+  // A shard owner (ZeRO-2) keeps its chunk: no all-gather, no .grad. As
+  // without an owner, a parameter that no leaf on any rank used must stay
+  // without a gradient (its zeros would still be stepped by Adam's moments
+  // and weight decay): the owner gets the same bitmap.
   auto chunk = leaf_->finish_chunk(*comm_);
-  owner_->leaf_chunk_ready(chunk);
+  auto used = any_rank_has(*comm_, locally_used_);
+  clear_local_use();
+  owner_->leaf_chunk_ready(chunk, std::move(used));
   stats_.hidden_comm_seconds = 0;
   finish_leaf_step(backward_end, chunk.numel() * chunk.element_size());
 }

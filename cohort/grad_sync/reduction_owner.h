@@ -15,6 +15,7 @@
 #include <torch/types.h>
 
 #include <cstddef>
+#include <vector>
 
 namespace cohort {
 
@@ -38,8 +39,14 @@ class ReductionOwner {
   /// instead of gradient_ready()/backward_finished(): `chunk` is this rank's
   /// chunk of the canonical mean (LeafReduction::finish_chunk()) of the
   /// parameters' gradients laid end to end in GradientReducer::parameters()
-  /// order. No .grad is set.
-  virtual void leaf_chunk_ready(torch::Tensor chunk) { (void)chunk; }
+  /// order, and `used[i]` whether parameter i got a gradient in any leaf on
+  /// any rank (the same on every rank). A parameter with `used[i] == 0` has
+  /// zeros in the chunk but no gradient: the owner must leave it without one,
+  /// as DDP leaves its .grad undefined. No .grad is set.
+  virtual void leaf_chunk_ready(torch::Tensor chunk, std::vector<char> used) {
+    (void)chunk;
+    (void)used;
+  }
 };
 
 }  // namespace cohort

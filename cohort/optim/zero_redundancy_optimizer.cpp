@@ -26,13 +26,20 @@ class LeafChunkOwner : public ReductionOwner {
   void gradient_ready(size_t) override {}
   void backward_finished() override {}
   bool takes_leaf_chunks() const override { return true; }
-  void leaf_chunk_ready(torch::Tensor chunk) override { chunk_ = std::move(chunk); }
+  void leaf_chunk_ready(torch::Tensor chunk, std::vector<char> used) override {
+    chunk_ = std::move(chunk);
+    used_ = std::move(used);
+  }
   // The chunk of the last backward (undefined after take()).
   torch::Tensor take() { return std::exchange(chunk_, torch::Tensor()); }
+  // Per parameter of DDP (ours, in the same order): whether any leaf on any
+  // rank gave it a gradient in the last backward.
+  const std::vector<char>& used() const { return used_; }
 
  private:
   GradientReducer& ddp_;
   torch::Tensor chunk_;
+  std::vector<char> used_;
 };
 
 std::string ZeroRedundancyOptimizer::where(const std::string& op) const {
@@ -399,10 +406,17 @@ void ZeroRedundancyOptimizer::take_leaf_chunk() {
                           "per local leaf before step())");
   }
   // The shard is chunk r of the single bucket: a piece's shard offset is
-  // its offset in the chunk.
+  // its offset in the chunk. A parameter that no leaf used on any rank has
+  // zeros there but no gradient, so the inner optimizer skips it (as DDP
+  // leaves its .grad undefined); DDP's parameters are ours, in our order
+  // (check_determinism()).
+  const auto& used = leaf_owner_->used();
+  COHORT_CHECK(used.size() == params_.size(), "DDP's usage bitmap does not match the parameters");
   const auto& pieces = partition_->pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
-    pieces_[k].mutable_grad() = leaf_shard_.narrow(0, pieces[k].shard_offset, pieces[k].numel);
+    pieces_[k].mutable_grad() = used[pieces[k].param]
+                                    ? leaf_shard_.narrow(0, pieces[k].shard_offset, pieces[k].numel)
+                                    : torch::Tensor();
   }
 }
 
