@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <unordered_map>
 #include <utility>
 
 #include "cohort/core/agreement.h"
@@ -61,8 +62,23 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   }
   std::vector<int64_t> numels;
   std::vector<size_t> group_of;
+  // Each tensor once, as DDP (and PyTorch's module.parameters()): LibTorch's
+  // parameters() lists a tensor registered in two modules (tied weights)
+  // twice, and two slots of one tensor would each take its gradient (stage
+  // 2 staged it into the first and gave the second, where the tensor lives,
+  // nothing). In two groups it is refused, as PyTorch refuses it, once every
+  // rank has checked the layout.
+  std::unordered_map<const void*, size_t> seen;
+  std::string in_two_groups;
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& p : groups[g].params()) {
+      const auto [at, fresh] = seen.emplace(p.unsafeGetTensorImpl(), g);
+      if (!fresh) {
+        if (at->second != g && in_two_groups.empty()) {
+          in_two_groups = "groups " + std::to_string(at->second) + " and " + std::to_string(g);
+        }
+        continue;
+      }
       if (!p.is_floating_point() || p.is_sparse()) {
         throw Unsupported(where("constructor") +
                           ": parameters must be dense floating-point tensors");
@@ -88,6 +104,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   // silently mix unrelated elements.
   const int world = comm_->size();
   verify_same_parameters(*comm_, params_, {}, "ZeroRedundancyOptimizer");
+  if (!in_two_groups.empty()) {
+    throw InvalidArgument(where("constructor") + ": a parameter is in " + in_two_groups +
+                          "; each tensor may be in one group only");
+  }
 
   const int64_t elem = params_[0].element_size();
   auto bucket_elements =

@@ -91,7 +91,9 @@ class ZeroRedundancyOptimizer {
 
   /// Collective over comm: every rank passes the same parameter shapes in
   /// the same order. Parameters must already be equal on all ranks (as after
-  /// DDP's broadcast); groups without options take the inner defaults.
+  /// DDP's broadcast); groups without options take the inner defaults. A
+  /// tensor listed twice (a tied weight in a module's parameters()) is one
+  /// parameter, at its first place; one in two groups is InvalidArgument.
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,
                           std::shared_ptr<Communicator> comm, ZeroOptions options = {});
   /// Removes the stage-2 gradient hooks from the parameters and gives DDP

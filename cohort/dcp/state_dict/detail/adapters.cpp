@@ -1,6 +1,7 @@
 #include "cohort/dcp/state_dict/detail/adapters.h"
 
 #include <map>
+#include <unordered_map>
 
 #include "cohort/core/error.h"
 #include "cohort/dcp/state_dict/detail/optimizer_slots.h"
@@ -120,59 +121,62 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
   const auto named = model.named_parameters();
   const auto& part = zero.partition();
   // Paired by identity: ZeRO's flat order is group by group, and
-  // flatten_into's set_data keeps each parameter's TensorImpl.
+  // flatten_into's set_data keeps each parameter's TensorImpl. ZeRO holds a
+  // tied tensor once; each of its names gets its state, as with DDP and a
+  // LibTorch optimizer.
   std::map<const void*, size_t> index_of;
   for (size_t i = 0; i < zero.params().size(); ++i) {
     index_of[zero.params()[i].unsafeGetTensorImpl()] = i;
   }
-  std::vector<std::string> name_of(zero.params().size());
-  for (const auto& p : named) {
-    auto it = index_of.find(p.value().unsafeGetTensorImpl());
+  std::vector<std::vector<size_t>> names_of(zero.params().size());
+  for (size_t n = 0; n < named.size(); ++n) {
+    auto it = index_of.find(named[n].value().unsafeGetTensorImpl());
     if (it == index_of.end()) {
-      throw InvalidArgument("dcp::zero_state_dict: parameter " + p.key() +
+      throw InvalidArgument("dcp::zero_state_dict: parameter " + named[n].key() +
                             " is not one the optimizer steps (build it over the model's "
                             "parameters)");
     }
-    if (!name_of[it->second].empty()) {
-      throw InvalidArgument("dcp::zero_state_dict: parameters " + name_of[it->second] + " and " +
-                            p.key() + " are one tensor");
-    }
-    name_of[it->second] = p.key();
-    state.tensors.push_back(replicated("model." + p.key(), p.value()));
+    names_of[it->second].push_back(n);
   }
-  for (size_t i = 0; i < name_of.size(); ++i) {
-    if (name_of[i].empty()) {
+  for (size_t i = 0; i < names_of.size(); ++i) {
+    if (names_of[i].empty()) {
       throw InvalidArgument("dcp::zero_state_dict: the optimizer's parameter " + std::to_string(i) +
                             " (group " + std::to_string(part.params()[i].group) + ", " +
                             shape_string(zero.params()[i].sizes().vec()) +
                             ") is not one of the model's");
     }
   }
+  for (const auto& p : named) state.tensors.push_back(replicated("model." + p.key(), p.value()));
   add_buffers(state, model);
   // Each group's options are every rank's (the inner optimizer has every
   // group, holding this rank's pieces): every parameter's, on every rank,
   // so that each rank checks a load against the whole group.
   std::vector<GroupMember> members;
-  for (size_t i = 0; i < name_of.size(); ++i) {
-    members.push_back({name_of[i], &zero.param_groups().at(part.params()[i].group), true, true});
+  for (size_t i = 0; i < names_of.size(); ++i) {
+    for (const size_t n : names_of[i]) {
+      members.push_back(
+          {named[n].key(), &zero.param_groups().at(part.params()[i].group), true, true});
+    }
   }
   std::vector<ParamSlot> slots;
   const auto& pieces = part.pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
     const auto& pc = pieces[k];
     if (pc.numel == 0) continue;
-    ParamSlot slot;
-    slot.fqn = name_of[pc.param];
-    slot.shape = zero.params()[pc.param].sizes().vec();
-    slot.key = zero.shard_pieces()[k];
-    slot.boxes = boxes_of_range(slot.shape, pc.param_offset, pc.param_offset + pc.numel);
-    int64_t at = 0;
-    for (const auto& b : slot.boxes) {
-      slot.flat_offsets.push_back(at);
-      at += b.numel();
+    for (const size_t n : names_of[pc.param]) {
+      ParamSlot slot;
+      slot.fqn = named[n].key();
+      slot.shape = named[n].value().sizes().vec();
+      slot.key = zero.shard_pieces()[k];
+      slot.boxes = boxes_of_range(slot.shape, pc.param_offset, pc.param_offset + pc.numel);
+      int64_t at = 0;
+      for (const auto& b : slot.boxes) {
+        slot.flat_offsets.push_back(at);
+        at += b.numel();
+      }
+      slot.owns_step = pc.param_offset == 0;
+      slots.push_back(std::move(slot));
     }
-    slot.owns_step = pc.param_offset == 0;
-    slots.push_back(std::move(slot));
   }
   add_optimizer_state(state, zero.shard_optimizer(), slots, for_load, &members);
   set_load_targets(state, for_load, [&model, &zero](const Metadata& meta) {
