@@ -1,9 +1,10 @@
 // defines: once_differentiable, what a hand-written backward passes its
 // gradients through so that differentiating them again is an error.
 //
-// cohort's autograd functions (the TP mappings, ring attention, the MoE
-// exchanges, activation checkpointing) compute their gradients on detached
-// tensors: a communicator writes into plain buffers. Under backward with
+// Some of cohort's autograd functions (ring attention, the MoE exchanges,
+// the vocab-parallel cross-entropy, activation checkpointing) compute their
+// gradients on detached tensors: a communicator writes into plain buffers,
+// or the gradient comes from saved results. Under backward with
 // create_graph those gradients would carry no graph back to the inputs, so
 // a second derivative through them would silently miss their terms. As
 // PyTorch's @once_differentiable does, each gradient then gets an error

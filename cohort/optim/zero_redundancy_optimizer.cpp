@@ -65,9 +65,9 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   // Each tensor once, as DDP (and PyTorch's module.parameters()): LibTorch's
   // parameters() lists a tensor registered in two modules (tied weights)
   // twice, and two slots of one tensor would each take its gradient (stage
-  // 2 staged it into the first and gave the second, where the tensor lives,
-  // nothing). In two groups it is refused, as PyTorch refuses it, once every
-  // rank has checked the layout.
+  // 2 would stage it into the first and give the second, where the tensor
+  // lives, nothing). In two groups it is refused, as PyTorch refuses it, once
+  // every rank has checked the layout.
   std::unordered_map<const void*, size_t> seen;
   std::string in_two_groups;
   for (size_t g = 0; g < groups.size(); ++g) {

@@ -303,14 +303,13 @@ void Trainer::agree_on_epoch(DataSource& data) {
   if (groups.empty()) return;
   std::string digest = "no micro-batches";
   if (data.num_batches() > 0) {
+    // The targets (the inputs where there are none): inputs may be
+    // augmented per rank, and only stage 0's are used.
     const auto first = data.batch(0);
-    uint64_t h = kFnv1aBasis;
-    for (const auto& t : {first.data, first.target}) {
-      if (!t.defined()) continue;
-      const auto bytes = t.cpu().contiguous();
-      h = fnv1a(bytes.data_ptr(), bytes.numel() * bytes.element_size(), h);
-    }
-    digest = "first micro-batch " + std::to_string(h);
+    const auto& t = first.target.defined() ? first.target : first.data;
+    const auto bytes = t.cpu().contiguous();
+    digest = "first micro-batch " +
+             std::to_string(fnv1a(bytes.data_ptr(), bytes.numel() * bytes.element_size()));
   }
   for (const auto& group : groups) {
     agree_text(*group, digest, "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ",
