@@ -123,6 +123,40 @@ inline DeviceStaging staging(const Communicator& comm, const char* op) {
 // The bytes a tensor holds (what a trace event's "bytes" names).
 inline int64_t nbytes(const torch::Tensor& t) { return t.numel() * t.element_size(); }
 
+// Overlapping buffers. The engines read an operation's input while they
+// write its output (c10d's Gloo and UCX work on the two buffers directly,
+// MPI forbids overlap outside MPI_IN_PLACE), so an input that shares bytes
+// with an output would be overwritten before it is sent: all_to_all_single
+// in place gave a rank its own block for a peer's. The Communicator hands
+// the engines separate buffers: an input whose bytes overlap an output's is
+// cloned first, a copy paid only by calls that overlap. The one overlap
+// every engine and algorithm handles, and which is not cloned, is the
+// in-place form of the gathers and reduce-scatters: the input is exactly
+// this rank's own block of the output (or the output exactly its own block
+// of the input). Tensors here are contiguous (checked), so their bytes are
+// one range.
+inline bool overlaps(const torch::Tensor& a, const torch::Tensor& b) {
+  if (!a.defined() || !b.defined() || nbytes(a) == 0 || nbytes(b) == 0) return false;
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + nbytes(b) && pb < pa + nbytes(a);
+}
+// The same bytes exactly.
+inline bool same_bytes(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && nbytes(a) == nbytes(b);
+}
+// True when `t` overlaps one of `blocks` other than being exactly block
+// `own` (-1: none is exempt).
+inline bool overlaps_other_than_own(const torch::Tensor& t,
+                                    const std::vector<torch::Tensor>& blocks, int own) {
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (!overlaps(t, blocks[i])) continue;
+    if (static_cast<int>(i) == own && same_bytes(t, blocks[i])) continue;
+    return true;
+  }
+  return false;
+}
+
 // Engines reduce Sum, Min, Max, Prod; avg is a sum divided afterwards.
 inline ReduceOp engine_op(ReduceOp op) { return op == ReduceOp::Avg ? ReduceOp::Sum : op; }
 

@@ -170,6 +170,9 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
                                   torch::Tensor flat, const torch::Tensor& input,
                                   const AllGatherOptions& opts) {
   auto wire_in = movement_view(input);
+  // In place (the input is this rank's own block of the output) every path
+  // handles; any other overlap is a copy (detail::overlaps).
+  if (detail::overlaps_other_than_own(wire_in, outputs, rank_)) wire_in = wire_in.clone();
   const auto sig = detail::call_signature(call.ctx, CollectiveKind::AllGather, input);
   WorkPtr failed;
   const auto algo = detail::resolve_agreed(
@@ -228,6 +231,7 @@ Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
     for (auto& o : outputs) wire_out.push_back(movement_view(o));
   }
   auto wire_in = movement_view(input);
+  if (detail::overlaps_other_than_own(wire_in, wire_out, rank_)) wire_in = wire_in.clone();
   SignatureScope scope(sig);
   return finish(call, engine_->gather(wire_out, wire_in, opts.root));
 }
@@ -260,6 +264,14 @@ Work Communicator::scatter(torch::Tensor& caller_output,
     for (auto& t : inputs) wire_in.push_back(movement_view(t));
   }
   auto wire_out = movement_view(output);
+  // The root's inputs are read while its output is written: one that shares
+  // bytes with the output (other than exactly its own, in place) is a copy.
+  for (size_t i = 0; i < wire_in.size(); ++i) {
+    const bool in_place = static_cast<int>(i) == rank_ && detail::same_bytes(wire_in[i], wire_out);
+    if (detail::overlaps(wire_in[i], wire_out) && !in_place) {
+      wire_in[i] = wire_in[i].clone();
+    }
+  }
   SignatureScope scope(sig);
   return finish(call, engine_->scatter(wire_out, wire_in, opts.root));
 }
@@ -319,6 +331,7 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
   });
   auto wire_out = movement_view(output).view({-1});
   auto wire_in = movement_view(input).view({-1});
+  if (detail::overlaps(wire_in, wire_out)) wire_in = wire_in.clone();  // in place, or partly
   // The engine compares the elements each rank sends to each other rank.
   auto sig = detail::call_signature(call.ctx, CollectiveKind::AllToAll, input);
   sig.count = -1;

@@ -197,6 +197,14 @@ Work Communicator::reduce_scatter(torch::Tensor& caller_output,
   }
   std::vector<torch::Tensor> chunks;
   for (auto& t : inputs) chunks.push_back(reduction_buffer(t));
+  // An input that shares bytes with the output (other than exactly this
+  // rank's own, in place) is a copy (detail::overlaps).
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const bool in_place = static_cast<int>(i) == rank_ && detail::same_bytes(chunks[i], output);
+    if (detail::overlaps(chunks[i], output) && !in_place) {
+      chunks[i] = chunks[i].clone();
+    }
+  }
   return run_reduce_scatter(call, output, std::move(chunks), {}, opts);
 }
 
@@ -235,6 +243,12 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
   }
   auto flat = reduction_buffer(input).view({-1});
   auto chunks = detail::flat_chunks(flat, output.numel(), size_, output.sizes());
+  // In place (the output is this rank's own block of the input) every path
+  // handles; any other overlap is a copy of the input (detail::overlaps).
+  if (detail::overlaps_other_than_own(output, chunks, rank_)) {
+    flat = flat.clone();
+    chunks = detail::flat_chunks(flat, output.numel(), size_, output.sizes());
+  }
   return run_reduce_scatter(call, output, std::move(chunks), flat, opts);
 }
 

@@ -255,6 +255,140 @@ void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
   }
 }
 
+// Overlapping buffers (in place, or sharing some bytes): every rank gets
+// the data the peers sent, never its own bytes overwritten before they left.
+// Rank r's block for rank j holds 10 r + j (+ 1 on odd elements), so a block
+// from the wrong rank or for the wrong rank shows.
+torch::Tensor a2a_block(int from, int to, int64_t k, torch::Dtype dt) {
+  return (torch::arange(k, torch::kInt64).remainder(2) + 10 * from + to).to(on(dt));
+}
+
+void all_to_all_in_place_and_overlapping(Communicator& comm, torch::Dtype dt) {
+  const int w = comm.size(), me = comm.rank();
+  for (int64_t k : {0, 1, 3, 5000}) {
+    std::vector<torch::Tensor> mine, expected;
+    for (int j = 0; j < w; ++j) {
+      mine.push_back(a2a_block(me, j, k, dt));
+      expected.push_back(a2a_block(j, me, k, dt));
+    }
+    auto want = torch::cat(expected);
+    // In place.
+    auto t = torch::cat(mine);
+    comm.all_to_all_single(t, t).wait();
+    ASSERT_TRUE(torch::equal(t, want)) << "in place, k " << k;
+    // The output starts one element (and, with k > 1, one block) past the
+    // input, inside it.
+    for (int64_t shift : {int64_t{1}, k + 1}) {
+      auto buf = torch::full({w * k + shift}, -1, on(dt));
+      auto in = buf.narrow(0, 0, w * k), out = buf.narrow(0, shift, w * k);
+      in.copy_(torch::cat(mine));
+      comm.all_to_all_single(out, in).wait();
+      ASSERT_TRUE(torch::equal(out, want)) << "output " << shift << " past the input, k " << k;
+      // And the input past the output.
+      buf.narrow(0, shift, w * k).copy_(torch::cat(mine));
+      auto back = buf.narrow(0, 0, w * k);
+      comm.all_to_all_single(back, buf.narrow(0, shift, w * k)).wait();
+      ASSERT_TRUE(torch::equal(back, want)) << "input " << shift << " past the output, k " << k;
+    }
+  }
+  // Uneven, in place: rank r sends (r + j) % w + 1 rows of width 2 to rank
+  // j, so each rank sends and receives w (w + 1) / 2 rows.
+  std::vector<int64_t> in_splits, out_splits;
+  std::vector<torch::Tensor> rows, expected;
+  for (int j = 0; j < w; ++j) {
+    in_splits.push_back((me + j) % w + 1);
+    out_splits.push_back((j + me) % w + 1);
+    rows.push_back(torch::full({in_splits.back(), 2}, 10 * me + j, on(dt)));
+    expected.push_back(torch::full({out_splits.back(), 2}, 10 * j + me, on(dt)));
+  }
+  auto u = torch::cat(rows);
+  comm.all_to_all_single(u, u, out_splits, in_splits).wait();
+  EXPECT_TRUE(torch::equal(u, torch::cat(expected))) << "uneven, in place";
+}
+
+// The gathers, scatter and reduce-scatters with an input inside the output
+// (or the output inside the input): exactly this rank's own block (in
+// place), and elsewhere.
+void gathers_and_reduce_scatters_overlapping(Communicator& comm, torch::Dtype dt) {
+  const int w = comm.size(), me = comm.rank();
+  for (int64_t n : {0, 1, 7, 5000}) {
+    // Another rank's block, half a block on (clipped to the last block).
+    const int64_t elsewhere = std::min(((me + 1) % w) * n + n / 2, (w - 1) * n);
+    for (int64_t at : {me * n, elsewhere}) {
+      auto out = torch::full({w * n}, -1, on(dt));
+      auto in = out.narrow(0, at, n);
+      in.copy_(rank_input(me, n, dt));
+      comm.all_gather_into_tensor(out, in).wait();
+      for (int r = 0; r < w; ++r) {
+        ASSERT_TRUE(torch::equal(out.narrow(0, r * n, n), rank_input(r, n, dt)))
+            << "all_gather_into_tensor, input at " << at << ", n " << n << ", block " << r;
+      }
+    }
+    // The list form, the input being the next rank's output.
+    std::vector<torch::Tensor> outs;
+    for (int r = 0; r < w; ++r) outs.push_back(torch::full({n}, -1, on(dt)));
+    outs[(me + 1) % w].copy_(rank_input(me, n, dt));
+    comm.all_gather(outs, outs[(me + 1) % w]).wait();
+    for (int r = 0; r < w; ++r) {
+      ASSERT_TRUE(torch::equal(outs[r], rank_input(r, n, dt))) << "all_gather n " << n;
+    }
+    // Reduce-scatter: block j of rank r is rank_input(r) + j (as in
+    // reduce_scatter_both_forms); the output is its own block or inside
+    // another.
+    for (auto op : {ReduceOp::Sum, ReduceOp::Max}) {
+      const auto expected = expected_reduction(op, w, n) + (op == ReduceOp::Sum ? w : 1) * me;
+      for (int64_t at : {me * n, elsewhere}) {
+        std::vector<torch::Tensor> blocks;
+        for (int j = 0; j < w; ++j) blocks.push_back(rank_input(me, n, dt) + j);
+        auto flat = torch::cat(blocks);
+        auto out = flat.narrow(0, at, n);
+        ReduceScatterOptions o;
+        o.op = op;
+        comm.reduce_scatter_tensor(out, flat, o).wait();
+        EXPECT_REDUCED(out, expected,
+                       "reduce_scatter_tensor " + to_string(op) + ", output at " +
+                           std::to_string(at) + ", n " + std::to_string(n));
+        // The list form, its output one of the inputs.
+        const int j = at == me * n ? me : (me + 1) % w;
+        for (int b = 0; b < w; ++b) blocks[b] = rank_input(me, n, dt) + b;
+        auto list_out = blocks[j];
+        comm.reduce_scatter(list_out, blocks, o).wait();
+        EXPECT_REDUCED(list_out, expected,
+                       "reduce_scatter " + to_string(op) + ", output inputs[" + std::to_string(j) +
+                           "], n " + std::to_string(n));
+      }
+    }
+  }
+}
+
+// Gather into outputs that hold the root's input, and scatter from inputs
+// that hold the root's output: rank 0's block on the last rank (in place at
+// world 1).
+void gather_and_scatter_overlapping(Communicator& comm, torch::Dtype dt) {
+  const int w = comm.size(), me = comm.rank(), root = w - 1;
+  for (int64_t n : {0, 1, 7, 5000}) {
+    std::vector<torch::Tensor> outs;
+    auto in = rank_input(me, n, dt);
+    if (me == root) {
+      for (int r = 0; r < w; ++r) outs.push_back(torch::full({n}, -1, on(dt)));
+      outs[0].copy_(in);
+      in = outs[0];
+    }
+    comm.gather(outs, in, {root}).wait();
+    for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
+      ASSERT_TRUE(torch::equal(outs[r], rank_input(r, n, dt))) << "gather n " << n << " r " << r;
+    }
+    std::vector<torch::Tensor> pieces;
+    auto out = torch::full({n}, -1, on(dt));
+    if (me == root) {
+      for (int r = 0; r < w; ++r) pieces.push_back(rank_input(r + 1, n, dt));
+      out = pieces[0];
+    }
+    comm.scatter(out, pieces, {root}).wait();
+    ASSERT_TRUE(torch::equal(out, rank_input(me + 1, n, dt))) << "scatter n " << n;
+  }
+}
+
 // Each rank sends two messages to its right neighbour, tags 7 then 3, and
 // receives them from its left neighbour in the opposite order: tags, not
 // arrival order, decide which buffer gets which message. The large one is
@@ -389,6 +523,9 @@ const std::vector<ContractCase>& contract_cases() {
       {"TensorsThatRequireGrad", tensors_that_require_grad, false, false},
       {"GatherAndScatterAtLastRank", gather_and_scatter_at_last_rank, true, false},
       {"AllToAllEqualAndUneven", all_to_all_equal_and_uneven, true, false},
+      {"AllToAllInPlaceAndOverlapping", all_to_all_in_place_and_overlapping, true, false},
+      {"GathersAndReduceScattersOverlapping", gathers_and_reduce_scatters_overlapping, true, true},
+      {"GatherAndScatterOverlapping", gather_and_scatter_overlapping, true, false},
       {"P2PTagsKeepMessagesApart", p2p_tags_keep_messages_apart, false, false, 2},
       {"P2POneTagArrivesInOrder", p2p_one_tag_arrives_in_order, false, false, 2},
       {"P2PBadPeersAndTagsAreRefused", p2p_bad_peers_and_tags_are_refused, false, false},
