@@ -61,14 +61,9 @@ class ZeroTrainerOptimizer : public TrainerOptimizer {
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
   /// The caller's groups (the inner optimizer's, index for index).
-  std::vector<double> lrs() const override {
-    std::vector<double> out;
-    for (const auto& group : optimizer_.param_groups()) out.push_back(group.options().get_lr());
-    return out;
-  }
+  std::vector<double> lrs() const override { return group_lrs(optimizer_.param_groups()); }
   void set_lrs(const std::vector<double>& lrs) override {
-    auto& groups = optimizer_.param_groups();
-    for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) groups[i].options().set_lr(lrs[i]);
+    set_group_lrs(optimizer_.param_groups(), lrs);
   }
   /// The shard's pieces, whose .grad are this rank's averaged gradients.
   std::vector<torch::Tensor> gradients(const std::vector<torch::Tensor>&) override {

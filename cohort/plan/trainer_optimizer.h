@@ -44,6 +44,18 @@ class TrainerOptimizer {
   virtual double comm_seconds() const { return 0.0; }
 };
 
+/// Each group's learning rate.
+inline std::vector<double> group_lrs(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::vector<double> out;
+  for (const auto& group : groups) out.push_back(group.options().get_lr());
+  return out;
+}
+/// Sets group i's learning rate to lrs[i] (one per group).
+inline void set_group_lrs(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                          const std::vector<double>& lrs) {
+  for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) groups[i].options().set_lr(lrs[i]);
+}
+
 /// Any LibTorch optimizer (SGD, AdamW, ...) as the Trainer's optimizer.
 class TorchOptimizer : public TrainerOptimizer {
  public:
@@ -51,14 +63,9 @@ class TorchOptimizer : public TrainerOptimizer {
   explicit TorchOptimizer(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
-  std::vector<double> lrs() const override {
-    std::vector<double> out;
-    for (const auto& group : optimizer_.param_groups()) out.push_back(group.options().get_lr());
-    return out;
-  }
+  std::vector<double> lrs() const override { return group_lrs(optimizer_.param_groups()); }
   void set_lrs(const std::vector<double>& lrs) override {
-    auto& groups = optimizer_.param_groups();
-    for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) groups[i].options().set_lr(lrs[i]);
+    set_group_lrs(optimizer_.param_groups(), lrs);
   }
 
  private:
