@@ -7,41 +7,16 @@
 #include <optional>
 
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "support/engine_worlds.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/ddp_test_models.h"
 
 namespace cohort::testing::parameters_test {
 namespace {
 
-struct Case {
-  std::string backend;
-  int world;
-};
+using Case = EngineWorld;
 
-std::vector<Case> cases() {
-  std::vector<std::string> backends = {"gloo"};
-#ifdef COHORT_WITH_UCX
-  backends.push_back("ucx");
-#endif
-  std::vector<Case> out;
-  for (const auto& b : backends) {
-    for (int w : {1, 2, 3}) out.push_back({b, w});
-  }
-  return out;
-}
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return info.param.backend + "_world" + std::to_string(info.param.world);
-}
-
-// gtest prints a failing case's parameter.
-void PrintTo(const Case& c, std::ostream* os) { *os << c.backend << " world " << c.world; }
-
-ThreadRanksOptions options_for(const Case& c) {
-  ThreadRanksOptions o;
-  o.backend = c.backend;
-  return o;
-}
+std::vector<Case> cases() { return engine_worlds(); }
 
 // Values drawn from `seed` alone (ranks are threads: no global generator).
 torch::Tensor draw(uint64_t seed, at::IntArrayRef sizes) {
@@ -404,7 +379,7 @@ TEST_P(DdpParameters, WorldSizeInvariantLeavesAnUnusedParameterWithoutGradient) 
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ddp, DdpParameters, ::testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Ddp, DdpParameters, ::testing::ValuesIn(cases()), engine_world_name);
 
 }  // namespace
 }  // namespace cohort::testing::parameters_test

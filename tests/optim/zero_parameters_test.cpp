@@ -12,40 +12,15 @@
 #include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+#include "support/engine_worlds.h"
 #include "tests/optim/optim_test_support.h"
 
 namespace cohort::testing::zero_parameters_test {
 namespace {
 
-struct Case {
-  std::string backend;
-  int world;
-};
+using Case = EngineWorld;
 
-std::vector<Case> cases() {
-  std::vector<std::string> backends = {"gloo"};
-#ifdef COHORT_WITH_UCX
-  backends.push_back("ucx");
-#endif
-  std::vector<Case> out;
-  for (const auto& b : backends) {
-    for (int w : {1, 2, 3}) out.push_back({b, w});
-  }
-  return out;
-}
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return info.param.backend + "_world" + std::to_string(info.param.world);
-}
-
-// gtest prints a failing case's parameter.
-void PrintTo(const Case& c, std::ostream* os) { *os << c.backend << " world " << c.world; }
-
-ThreadRanksOptions options_for(const Case& c) {
-  ThreadRanksOptions o;
-  o.backend = c.backend;
-  return o;
-}
+std::vector<Case> cases() { return engine_worlds(); }
 
 // Values drawn from `seed` alone (ranks are threads: no global generator).
 torch::Tensor draw(uint64_t seed, at::IntArrayRef sizes) {
@@ -340,7 +315,7 @@ TEST(ZeroParametersErrors, ATensorInTwoGroupsIsRefused) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Zero, ZeroParameters, ::testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Zero, ZeroParameters, ::testing::ValuesIn(cases()), engine_world_name);
 
 }  // namespace
 }  // namespace cohort::testing::zero_parameters_test

@@ -15,6 +15,7 @@
 #include "cohort/core/error.h"
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
+#include "support/engine_worlds.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
@@ -57,25 +58,9 @@ LrSchedule warmup_cosine(double first) {
   return s;
 }
 
-struct Case {
-  std::string backend;
-  int world;
-};
+using Case = cohort::testing::EngineWorld;
 
-std::string name_of(const ::testing::TestParamInfo<Case>& info) {
-  return info.param.backend + "_world" + std::to_string(info.param.world);
-}
-
-std::vector<Case> cases() {
-  std::vector<std::string> backends = {"gloo"};
-#ifdef COHORT_WITH_UCX
-  backends.push_back("ucx");
-#endif
-  std::vector<Case> out;
-  for (const auto& b : backends)
-    for (int w : {1, 3}) out.push_back({b, w});
-  return out;
-}
+std::vector<Case> cases() { return cohort::testing::engine_worlds({1, 3}); }
 
 // One process: SGD over the two groups, each step's rates from the closed
 // form (or the constant rates when `scheduled` is false).
@@ -199,7 +184,8 @@ TEST_P(LrGroups, ResumeContinuesFromTheInitialRates) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Trainer, LrGroups, ::testing::ValuesIn(cases()), name_of);
+INSTANTIATE_TEST_SUITE_P(Trainer, LrGroups, ::testing::ValuesIn(cases()),
+                         testing::engine_world_name);
 
 TEST(LrGroupsRefused, BaseLrOverGroupsOfDifferentRates) {
   testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {

@@ -14,6 +14,7 @@
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
+#include "support/engine_worlds.h"
 #include "support/thread_ranks.h"
 #include "train_fixtures.h"
 
@@ -80,25 +81,10 @@ Outcome run(const std::string& backend, const std::string& dir, const Job& job) 
   return out;
 }
 
-struct Case {
-  std::string backend;
-  int world;  // of the resumed job
-};
+// The resumed job's engine and world size.
+using Case = cohort::testing::EngineWorld;
 
-std::string name_of(const ::testing::TestParamInfo<Case>& info) {
-  return info.param.backend + "_world" + std::to_string(info.param.world);
-}
-
-std::vector<Case> cases() {
-  std::vector<std::string> backends = {"gloo"};
-#ifdef COHORT_WITH_UCX
-  backends.push_back("ucx");
-#endif
-  std::vector<Case> out;
-  for (const auto& b : backends)
-    for (int w : {1, 2, 3}) out.push_back({b, w});
-  return out;
-}
+std::vector<Case> cases() { return cohort::testing::engine_worlds({1, 2, 3}); }
 
 class ResumeGlobalBatch : public ::testing::TestWithParam<Case> {};
 
@@ -132,7 +118,8 @@ TEST_P(ResumeGlobalBatch, AnotherGlobalBatchIsRefusedOnEveryRank) {
   EXPECT_EQ(same.final_epoch, 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Trainer, ResumeGlobalBatch, ::testing::ValuesIn(cases()), name_of);
+INSTANTIATE_TEST_SUITE_P(Trainer, ResumeGlobalBatch, ::testing::ValuesIn(cases()),
+                         cohort::testing::engine_world_name);
 
 // The record round-trips; a checkpoint written before it (no global_batch
 // in its payload) decodes as unknown (0).
