@@ -21,10 +21,10 @@
 #     2.30 or newer (NCCL_MULTI_RANK_GPU_ENABLE=1; older NCCL refuses two
 #     ranks on one GPU, and the JSON says it was skipped);
 #   - the golden tests against one process, models and data on the GPU:
-#     ranks as threads (the `goldens` list below: DDP, ZeRO, FSDP with and
+#     ranks as threads (the `goldens` list below: ZeRO, FSDP with and
 #     without mixed precision, the pipeline, the TP layers, the MoE layer,
-#     the Trainer's gradient norm), and DDP's and FSDP's with ranks as
-#     processes at world 2;
+#     the Trainer's gradient norm), and DDP's, FSDP's, the TP layers' and
+#     the MoE layer's with ranks as processes at world 2;
 #   - the main job (Fashion-MNIST, DDP and the Trainer) on 2 ranks sharing
 #     the GPU: its test accuracy and epoch times;
 #   - cohort's DDP step time against PyTorch's DDP at worlds 1 and 2, and at
@@ -153,13 +153,13 @@ configure() {   # COHORT_WITH_NCCL value
 }
 # The golden tests against one process, on the device, ranks as threads:
 # name, test binary, gtest filter. LibTorch runs the CUDA part of every
-# thread's backward on one thread per GPU, so where a rank's backward hook
-# waits for a peer (DDP's, ZeRO-2's and FSDP's reductions, the TP layers'
-# all-reduces) two ranks as threads on one GPU may wait for each other
-# until their timeout. The first group avoids that (world 1, or the
-# pipeline, whose exchanges run between backward passes); the second runs
-# one case of each at world 2 and finds out. DDP's and FSDP's goldens also
-# run with ranks as processes (below), which share no thread.
+# thread's backward on one thread per GPU, so where a rank's backward waits
+# for a peer (DDP's, ZeRO-2's and FSDP's reductions, the TP layers'
+# all-reduces, the MoE exchange) ranks as threads on one GPU would wait for
+# each other until their timeout. These run at world 1, or in the pipeline,
+# whose exchanges run between backward passes; the world-2 goldens of
+# DDP, FSDP, the TP layers and the MoE layer run with ranks as processes
+# (below), which share no thread.
 goldens=(
   zero_equivalence optim_tests 'Zero/ZeroEquivalence.*world1*'
   fsdp_golden fsdp_tests 'FSDP/Golden.*World1*:FSDP/MixedPrecisionGolden.*World1*:FSDP/MixedPrecisionBytes.*World1'
@@ -167,11 +167,6 @@ goldens=(
   tp_equivalence tensor_parallel_tests '*tp1_pp1_dp1*:*tp1_pp2_dp1*:TensorParallel/Layers.*Matches*/tp1'
   grad_norm cohort_train_test 'ReplicatedGradNorm.*'
   moe_golden tensor_parallel_tests 'Moe/ExpertParallel.MatchesOneProcess/gloo_ep1_*'
-  ddp_threads_world2 ddp_tests 'Ddp/Equivalence.*world2_sgd_overlapped:Ddp/Equivalence.*world2_sgd_synchronous'
-  zero_threads_world2 optim_tests 'Zero/ZeroEquivalence.*world2_stage2_ddp'
-  fsdp_threads_world2 fsdp_tests 'FSDP/Golden.*World2AdamWReshard1Micro:FSDP/MixedPrecisionGolden.*World2*'
-  tp_threads_world2 tensor_parallel_tests '*tp2_pp1_dp1:TensorParallel/Layers.*Matches*/tp2'
-  moe_threads_world2 tensor_parallel_tests 'Moe/ExpertParallel.MatchesOneProcess/gloo_ep2_*'
 )
 test_binaries=()
 for ((i = 1; i < ${#goldens[@]}; i += 3)); do test_binaries+=("${goldens[$i]}"); done
@@ -270,6 +265,11 @@ start "ddp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 10
   "$build/tests/ddp/ddp_world"
 start "fsdp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 100 --quiet-others -- \
   "$build/tests/fsdp/fsdp_world" --gtest_filter='FSDPWorldGolden.*'
+# The TP layers' and the MoE layer's goldens written for ranks as threads,
+# run with ranks as processes (COHORT_TEST_RANKS, tests/support/thread_ranks.h).
+start "tp_moe_processes_${dev}_gloo_world2" 120 env COHORT_TEST_RANKS=processes "$run" -n 2 \
+  --backend gloo --timeout 100 --quiet-others -- "$(find "$build/tests" -type f -name tensor_parallel_tests | head -1)" \
+  --gtest_filter='TensorParallel/Layers.*Matches*/tp2:Moe/ExpertParallel.MatchesOneProcess/gloo_ep2_*'
 # The main job: the README's Fashion-MNIST CNN, DDP and the Trainer, 2 ranks
 # sharing the GPU over Gloo, 2 epochs (COHORT_MAIN_ARGS adds arguments, e.g.
 # "--steps 50" for a quick run on a CPU).

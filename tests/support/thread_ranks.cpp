@@ -2,16 +2,61 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <stdexcept>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 namespace cohort::testing {
+namespace {
+
+bool ranks_are_processes() {
+  const char* v = std::getenv("COHORT_TEST_RANKS");
+  return v && std::strcmp(v, "processes") == 0;
+}
+
+// This process is one rank of the world cohortrun started: fn runs once,
+// here, on the world, which must have `size` ranks. The barrier keeps the
+// ranks in step between cases (and rank 0, the store's host, until its
+// peers are done with it).
+void run_as_process(int size, const std::function<void(std::shared_ptr<Communicator>)>& fn,
+                    const ThreadRanksOptions& options) {
+  if (!cohort::is_initialized()) {
+    InitOptions io;
+    io.timeout = options.timeout;
+    cohort::init(io);
+    std::atexit([] {
+      try {
+        cohort::finalize();
+      } catch (const std::exception&) {  // a peer that already failed: its own test says why
+      }
+    });
+  }
+  auto world = cohort::world_ptr();
+  if (world->size() != size) {
+    throw std::runtime_error("COHORT_TEST_RANKS=processes: this case needs " +
+                             std::to_string(size) + " ranks, the world has " +
+                             std::to_string(world->size()));
+  }
+  try {
+    fn(world);
+    world->barrier().wait();
+  } catch (const std::exception& e) {
+    throw std::runtime_error("rank " + std::to_string(world->rank()) + " of " +
+                             std::to_string(size) + ": " + e.what());
+  }
+}
+
+}  // namespace
 
 void run_ranks_shared(int size,
                       const std::function<void(std::shared_ptr<Communicator>)>& fn,
                       const ThreadRanksOptions& options) {
+  if (size > 1 && ranks_are_processes()) return run_as_process(size, fn, options);
   // Ranks share the process's cores; one intra-op thread each.
   torch::set_num_threads(1);
   auto store = std::make_shared<HashStore>();

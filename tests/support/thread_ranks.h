@@ -21,7 +21,14 @@ struct ThreadRanksOptions : ConnectOptions {
   std::function<std::string(int)> node_of;
 };
 
-// Calls fn(comm) on `size` threads and joins them. If any rank throws, the
+// Calls fn(comm) on `size` threads and joins them.
+// With COHORT_TEST_RANKS=processes, a size above 1 instead runs fn once,
+// in this process, on the world that cohortrun started (init() on first
+// use; it must have `size` ranks): a test written for threads then runs
+// with ranks as processes, where threads cannot work. On one GPU,
+// LibTorch runs every thread's CUDA backward on one thread per device, so
+// a rank whose backward waits for a peer's collective blocks that peer's
+// backward too (scripts/gpu-check.sh). Each rank checks its own results. If any rank throws, the
 // first exception in time (the cause; the others are mostly its echo) is
 // rethrown with the rank in its message.
 void run_ranks(int size, const std::function<void(Communicator&)>& fn,
