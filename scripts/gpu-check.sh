@@ -265,6 +265,11 @@ start "ddp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 10
   "$build/tests/ddp/ddp_world"
 start "fsdp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 100 --quiet-others -- \
   "$build/tests/fsdp/fsdp_world" --gtest_filter='FSDPWorldGolden.*'
+# Kill-and-restart: a resumed job (dropout on the GPU) ends with the
+# uninterrupted one's final loss, so the checkpoint restored the CUDA
+# generators too.
+start "restart_${dev}_gloo_world2" 120 "$(find "$build/tests" -type f -name cohort_train_test | head -1)" \
+  --gtest_filter='KillAndRestart.*'
 # The TP layers' and the MoE layer's goldens written for ranks as threads,
 # run with ranks as processes (COHORT_TEST_RANKS, tests/support/thread_ranks.h).
 start "tp_moe_processes_${dev}_gloo_world2" 120 env COHORT_TEST_RANKS=processes "$run" -n 2 \

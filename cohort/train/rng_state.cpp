@@ -27,4 +27,23 @@ torch::Tensor seeded_cpu_rng_state(uint64_t seed) {
   return at::detail::createCPUGenerator(seed).get_state();
 }
 
+torch::Tensor device_rng_state(const torch::Device& device) {
+  auto gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_device_rng_state(const torch::Device& device, const torch::Tensor& state) {
+  auto gen = at::globalContext().defaultGenerator(device);
+  const auto own = state.clone(at::MemoryFormat::Contiguous);  // as set_cpu_rng_state
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(own);
+}
+
+void seed_device_rng(const torch::Device& device, uint64_t seed) {
+  auto gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+}
+
 }  // namespace cohort

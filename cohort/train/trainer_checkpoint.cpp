@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <optional>
+#include <utility>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
@@ -12,6 +14,7 @@
 #include "cohort/train/dcp_checkpoint.h"
 #include "cohort/train/rng_state.h"
 #include "cohort/train/trainer.h"
+#include "cohort/train/training_state.h"
 
 namespace cohort {
 namespace {
@@ -41,6 +44,68 @@ void read_on_every_rank(Communicator& comm, const std::function<void()>& read) {
   }
 }
 
+// The accelerator this rank trains on: its model's device, unless the CPU.
+std::optional<torch::Device> accelerator_of(const torch::nn::Module& model) {
+  for (const auto& p : model.parameters()) {
+    if (!p.device().is_cpu()) return p.device();
+  }
+  return std::nullopt;
+}
+
+// Every rank's RNG states gathered on rank 0: the CPU generator's and, on
+// an accelerator, its generator's ([world, bytes] each; the second
+// undefined on the CPU). One gather of both; the row length is agreed
+// first, so that ranks on different kinds of device fail alike.
+std::pair<torch::Tensor, torch::Tensor> gather_rng_states(Communicator& comm,
+                                                          const torch::nn::Module& model) {
+  const auto cpu = cpu_rng_state();
+  const auto device = accelerator_of(model);
+  const auto row = device ? torch::cat({cpu, device_rng_state(*device)}) : cpu;
+  auto lengths = torch::tensor({row.numel(), -row.numel()}, torch::kInt64);
+  comm.all_reduce(lengths, {ReduceOp::Max}).wait();
+  if (lengths[0].item<int64_t>() != -lengths[1].item<int64_t>()) {
+    throw ConfigError("Trainer checkpoint on rank " + std::to_string(comm.rank()) +
+                      ": the ranks' RNG states differ in size (this rank's " +
+                      std::to_string(row.numel()) + " bytes" +
+                      (device ? " with " + device->str() + "'s" : " with no accelerator's") +
+                      "): every rank must train on the same kind of device");
+  }
+  std::vector<torch::Tensor> all;
+  if (comm.rank() == 0) {
+    for (int r = 0; r < comm.size(); ++r) all.push_back(torch::empty_like(row));
+  }
+  comm.gather(all, row, {0}).wait();
+  if (comm.rank() != 0) return {};
+  auto rows = torch::stack(all);
+  if (!device) return {rows, {}};
+  return {rows.narrow(1, 0, cpu.numel()).contiguous(),
+          rows.narrow(1, cpu.numel(), row.numel() - cpu.numel()).contiguous()};
+}
+
+// This rank's generators as the checkpoint has them. A rank new to the job
+// (or an accelerator the checkpoint has no state of: it was written on the
+// CPU) gets its own stream, the same on every resume.
+void restore_rng_states(int rank, const torch::nn::Module& model, const DecodedState& state,
+                        int64_t old_world, int64_t step, const std::string& path) {
+  const uint64_t seed = static_cast<uint64_t>(step) * 1000003u + static_cast<uint64_t>(rank);
+  if (rank < old_world) {
+    set_cpu_rng_state(state.rng_states[rank]);
+  } else {
+    set_cpu_rng_state(seeded_cpu_rng_state(seed));
+  }
+  const auto device = accelerator_of(model);
+  if (!device) return;
+  if (rank >= old_world || !state.device_rng_states.defined())
+    return seed_device_rng(*device, seed);
+  try {
+    set_device_rng_state(*device, state.device_rng_states[rank]);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("Trainer::resume on rank " + std::to_string(rank) + ": checkpoint " +
+                          path + " has an RNG state that " + device->str() +
+                          "'s generator does not take: " + e.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 void Trainer::save_checkpoint() {
@@ -64,14 +129,9 @@ void Trainer::save_checkpoint() {
   }
   // Every rank's RNG state goes into rank 0's file: one file, one rename,
   // so a crash cannot leave some ranks' parts newer than others.
-  auto mine = cpu_rng_state();
-  std::vector<torch::Tensor> all;
+  const auto [rng_states, device_rng_states] = gather_rng_states(comm_, *model_);
   if (comm_.rank() == 0) {
-    for (int r = 0; r < comm_.size(); ++r) all.push_back(torch::empty_like(mine));
-  }
-  comm_.gather(all, mine, {0}).wait();
-  if (comm_.rank() == 0) {
-    auto payload = encode_training_state(position_, torch::stack(all), initial_lrs_);
+    auto payload = encode_training_state(position_, rng_states, initial_lrs_, device_rng_states);
     if (pending_) {
       pending_->payload = std::move(payload);  // written once the dcp part is committed
     } else {
@@ -202,13 +262,7 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
   if (!state.initial_lrs.empty()) initial_lrs_ = state.initial_lrs;
   resized_ = old_world != comm_.size();
   resumed_ = true;
-  if (comm_.rank() < old_world) {
-    set_cpu_rng_state(state.rng_states[comm_.rank()]);
-  } else {
-    // A rank new to the job: its own stream, the same on every resume.
-    set_cpu_rng_state(seeded_cpu_rng_state(static_cast<uint64_t>(step) * 1000003u +
-                                           static_cast<uint64_t>(comm_.rank())));
-  }
+  restore_rng_states(comm_.rank(), *model_, state, old_world, step, path);
   if (resized_ && comm_.rank() == 0) {
     std::fprintf(stderr,
                  "cohort: checkpoint %s (step %lld) was written by %lld ranks; resuming at world "

@@ -42,8 +42,12 @@ struct TrainingPosition {
 /// checkpoint's dcp folder (dcp_checkpoint.h).
 /// initial_lrs: each optimizer parameter group's rate when the Trainer was
 /// made, which its learning-rate schedule scales (none: not recorded).
+/// device_rng_states: [world_size, state_bytes] of the generator of each
+/// rank's accelerator (its model's CUDA device); undefined for a model on
+/// the CPU.
 std::string encode_training_state(const TrainingPosition& position, const torch::Tensor& rng_states,
-                                  const std::vector<double>& initial_lrs = {});
+                                  const std::vector<double>& initial_lrs = {},
+                                  const torch::Tensor& device_rng_states = {});
 
 /// True when `payload` (verified) keeps its model and optimizer state in
 /// the checkpoint's dcp folder. Throws CheckpointError naming `source` when
@@ -55,6 +59,9 @@ struct DecodedState {
   /// Where training was.
   TrainingPosition position;
   torch::Tensor rng_states;  ///< [world_size, state_bytes]
+  /// [world_size, state_bytes] of each rank's accelerator generator;
+  /// undefined when the job that wrote it trained on the CPU.
+  torch::Tensor device_rng_states;
   /// The schedule's initial rate of each parameter group; empty in a
   /// checkpoint written before they were recorded.
   std::vector<double> initial_lrs;

@@ -5,6 +5,8 @@
 //
 // Unlike the thread tests, each rank here has its own global generator, so
 // the model uses dropout and the resume must restore every rank's RNG.
+// With COHORT_TEST_DEVICE=cuda (scripts/gpu-check.sh) the model and its
+// batches live on the GPU, whose dropout draws from the CUDA generator.
 #include <signal.h>
 #include <torch/torch.h>
 
@@ -41,7 +43,10 @@ int main(int argc, char** argv) {
     auto y = x.matmul(torch::randn({16, 4})).argmax(1);
     torch::nn::Sequential net(torch::nn::Linear(16, 32), torch::nn::ReLU(),
                               torch::nn::Dropout(0.2), torch::nn::Linear(32, 4));
-    torch::manual_seed(1000 + comm->rank());
+    const char* device_name = std::getenv("COHORT_TEST_DEVICE");
+    const torch::Device device(device_name && *device_name ? device_name : "cpu");
+    net->to(device);
+    torch::manual_seed(1000 + comm->rank());  // every device's generator
 
     cohort::DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -55,7 +60,8 @@ int main(int argc, char** argv) {
     cohort::Trainer trainer(
         cohort::TrainerWiring::ddp(ddp, opt),
         [&](const torch::data::Example<>& b) {
-          return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+          return torch::nn::functional::cross_entropy(ddp.forward(b.data.to(device)),
+                                                      b.target.to(device));
         },
         config);
     cohort::TensorDataSource source(x, y, 8, comm->rank(), comm->size());

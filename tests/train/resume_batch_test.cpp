@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "cohort/core/error.h"
+#include "cohort/train/rng_state.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
@@ -145,6 +146,33 @@ TEST(ResumeGlobalBatchRecord, RoundTripsAndOldPayloadIsUnknown) {
   const auto legacy = decode_training_state(bytes.str(), "old");
   EXPECT_EQ(legacy.position.global_batch, 0);
   EXPECT_EQ(legacy.position.epoch_batches, 16);
+}
+
+// The accelerator generators' states: recorded when given, absent from a
+// CPU job's checkpoint and from one written before they were recorded.
+TEST(ResumeGlobalBatchRecord, DeviceRngStatesRoundTrip) {
+  TrainingPosition p;
+  const auto rng = torch::zeros({2, 8}, torch::kUInt8);
+  const auto device_rng = torch::arange(32, torch::kInt64).to(torch::kUInt8).view({2, 16});
+  const auto with = decode_training_state(encode_training_state(p, rng, {}, device_rng), "gpu");
+  ASSERT_TRUE(with.device_rng_states.defined());
+  EXPECT_TRUE(torch::equal(with.device_rng_states, device_rng));
+  const auto without = decode_training_state(encode_training_state(p, rng), "cpu");
+  EXPECT_FALSE(without.device_rng_states.defined());
+}
+
+// device_rng_state goes through at::Context as for a CUDA device: on the
+// CPU it is the CPU generator's state, and restoring it repeats the draws.
+TEST(ResumeGlobalBatchRecord, DeviceRngStateRestoresTheStream) {
+  const torch::Device cpu(torch::kCPU);
+  seed_device_rng(cpu, 5);
+  const auto state = device_rng_state(cpu);
+  EXPECT_TRUE(torch::equal(state, cpu_rng_state()));
+  const auto first = torch::rand({4});
+  set_device_rng_state(cpu, state);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), first));
+  seed_device_rng(cpu, 6);
+  EXPECT_FALSE(torch::equal(torch::rand({4}), first));
 }
 
 }  // namespace
