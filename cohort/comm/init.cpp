@@ -296,6 +296,13 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   return g_world;
 }
 
+int local_rank() {
+  if (auto r = env::get_int("LOCAL_RANK", 0, 1 << 20)) return *r;
+  if (auto r = env::get_int("OMPI_COMM_WORLD_LOCAL_RANK", 0, 1 << 20)) return *r;
+  if (auto step = slurm_step()) return step->local_rank;
+  return 0;
+}
+
 bool is_initialized() {
   std::lock_guard<std::mutex> lock(g_world_mu);
   return g_world != nullptr;

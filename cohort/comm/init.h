@@ -59,6 +59,12 @@ struct InitOptions {
 /// environment, TimeoutError when the rendezvous does not complete.
 std::shared_ptr<Communicator> init(const InitOptions& options = {});
 bool is_initialized();
+/// This process's rank among the ranks of its node, as its launcher says
+/// (for picking its GPU): LOCAL_RANK (cohortrun, torchrun), else
+/// OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else SLURM_LOCALID in a Slurm job
+/// step that init() takes the world from (srun, a task per rank), else 0.
+/// Throws ConfigError naming a malformed variable. Needs no init().
+int local_rank();
 /// The default group; throws if init() was not called.
 Communicator& world();
 std::shared_ptr<Communicator> world_ptr();

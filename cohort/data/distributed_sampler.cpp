@@ -101,16 +101,40 @@ c10::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
   return batch;
 }
 
+// What decides the order: a position saved under other settings names
+// other samples, so load() refuses it rather than skip or repeat some.
+std::vector<std::pair<std::string, int64_t>> DistributedSampler::settings() const {
+  return {{"dataset_size", static_cast<int64_t>(size_)},
+          {"num_replicas", num_replicas_},
+          {"seed", static_cast<int64_t>(seed_)},
+          {"shuffle", shuffle_},
+          {"drop_last", drop_last_}};
+}
+
 void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("epoch", torch::tensor(epoch(), torch::kLong), /*is_buffer=*/true);
   archive.write("next", torch::tensor(static_cast<int64_t>(next_), torch::kLong),
                 /*is_buffer=*/true);
+  for (const auto& [name, value] : settings()) {
+    archive.write(name, torch::tensor(value, torch::kLong), /*is_buffer=*/true);
+  }
 }
 
 void DistributedSampler::load(torch::serialize::InputArchive& archive) {
   torch::Tensor epoch, next;
   archive.read("epoch", epoch, /*is_buffer=*/true);
   archive.read("next", next, /*is_buffer=*/true);
+  for (const auto& [name, value] : settings()) {
+    torch::Tensor saved;
+    // (An archive of an earlier cohort has none of them.)
+    if (!archive.try_read(name, saved, /*is_buffer=*/true)) continue;
+    if (saved.item<int64_t>() != value) {
+      throw InvalidArgument("DistributedSampler::load on rank " + std::to_string(rank_) +
+                            ": the position was saved with " + name + " " +
+                            std::to_string(saved.item<int64_t>()) + ", this sampler has " +
+                            std::to_string(value) + "; the same position would name other samples");
+    }
+  }
   set_epoch(epoch.item<int64_t>());
   reset();
   const auto at = next.item<int64_t>();

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace cohort {
@@ -88,12 +90,15 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   void reset(c10::optional<size_t> new_size = c10::nullopt) override;
   /// The next up to `batch_size` indices; none when the epoch is done.
   c10::optional<std::vector<size_t>> next(size_t batch_size) override;
-  /// Saves the epoch and the position in it.
+  /// Saves the epoch, the position in it and the settings that decide the
+  /// order (dataset size, num_replicas, seed, shuffle, drop_last).
   void save(torch::serialize::OutputArchive& archive) const override;
-  /// Restores what save() wrote (and sets the shared epoch).
+  /// Restores what save() wrote (and sets the shared epoch). Throws
+  /// InvalidArgument when it was saved with other settings.
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
+  std::vector<std::pair<std::string, int64_t>> settings() const;
   size_t size_;
   int num_replicas_;
   int rank_;

@@ -57,16 +57,15 @@ struct Flags {
 
 using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
 
-// "cuda" without an index: the GPU of this rank's LOCAL_RANK (cohortrun sets
-// it), so the ranks of a node spread over its GPUs (sharing them in turn
-// when there are fewer).
+// "cuda" without an index: the GPU of this rank's cohort::local_rank()
+// (cohortrun, torchrun, mpirun or srun say it), so the ranks of a node
+// spread over its GPUs (sharing them in turn when there are fewer).
 torch::Device pick_device(const std::string& name) {
   torch::Device device(name);
-  const char* local_rank = std::getenv("LOCAL_RANK");
   const auto gpus = static_cast<int>(torch::cuda::device_count());
-  if (device.is_cuda() && !device.has_index() && local_rank && gpus > 0) {
+  if (device.is_cuda() && !device.has_index() && gpus > 0) {
     device =
-        torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(std::atoi(local_rank) % gpus));
+        torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(cohort::local_rank() % gpus));
   }
   return device;
 }

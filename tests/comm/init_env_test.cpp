@@ -250,6 +250,25 @@ TEST(InitSlurm, TaskOfAStepIsItsRankUnlessALauncherSaysOtherwise) {
   EXPECT_NE(init_error(env).find("WORLD_SIZE is not set"), std::string::npos);
 }
 
+// local_rank(): the launcher nearest to the process says it.
+TEST(InitSlurm, LocalRankComesFromTheNearestLauncher) {
+  EnvGuard env;
+  set_slurm_step(env, job_with_free_port(), "4", "3");
+  env.set("LOCAL_RANK", nullptr);
+  env.set("OMPI_COMM_WORLD_LOCAL_RANK", nullptr);
+  EXPECT_EQ(local_rank(), 3);  // srun, a task per rank
+  env.set("OMPI_COMM_WORLD_LOCAL_RANK", "1");
+  EXPECT_EQ(local_rank(), 1);  // mpirun inside the allocation
+  env.set("LOCAL_RANK", "2");
+  EXPECT_EQ(local_rank(), 2);  // cohortrun or torchrun
+  env.set("LOCAL_RANK", "x");
+  EXPECT_THROW(local_rank(), ConfigError);
+  env.set("LOCAL_RANK", nullptr);
+  env.set("OMPI_COMM_WORLD_LOCAL_RANK", nullptr);
+  env.set("SLURM_STEP_ID", nullptr);  // a batch script: not a task of a step
+  EXPECT_EQ(local_rank(), 0);
+}
+
 // The batch script has SLURM_PROCID=0 and SLURM_NTASKS=4 but is one
 // process: as rank 0 of 4 it would wait for ranks nobody starts.
 TEST(InitSlurm, BatchScriptIsNotRankZeroOfMany) {

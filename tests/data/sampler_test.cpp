@@ -225,5 +225,58 @@ TEST(SamplerOptions, OutOfRangeRankIsRefused) {
   EXPECT_THROW(DistributedSampler(10, o), InvalidArgument);  // no communicator to ask
 }
 
+// save/load: the position continues with the samples the saved sampler
+// would have given next; under other settings the same position names
+// other samples, so it is refused.
+TEST(SamplerState, LoadContinuesWhereSaveStoppedAndRefusesOtherSettings) {
+  DistributedSamplerOptions o;
+  o.num_replicas = 2;
+  o.rank = 0;
+  o.seed = 3;
+  DistributedSampler a(100, o);
+  a.set_epoch(4);
+  a.reset();
+  for (int i = 0; i < 10; ++i) a.next(3);
+  torch::serialize::OutputArchive out;
+  a.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const auto expected = *a.next(5);
+
+  auto load_into = [&](DistributedSampler& s) {
+    torch::serialize::InputArchive in;
+    std::istringstream is(bytes.str());
+    in.load_from(is);
+    s.load(in);
+  };
+  DistributedSampler b(100, o);
+  load_into(b);
+  EXPECT_EQ(b.epoch(), 4);
+  EXPECT_EQ(*b.next(5), expected);
+
+  auto refused = [&](size_t size, DistributedSamplerOptions other, const std::string& field) {
+    DistributedSampler c(size, other);
+    try {
+      load_into(c);
+      ADD_FAILURE() << field << ": loaded";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("saved with " + field), std::string::npos) << e.what();
+    }
+  };
+  auto four = o;
+  four.num_replicas = 4;
+  refused(100, four, "num_replicas 2");
+  auto seed = o;
+  seed.seed = 4;
+  refused(100, seed, "seed 3");
+  auto ordered = o;
+  ordered.shuffle = false;
+  refused(100, ordered, "shuffle 1");
+  auto drop = o;
+  drop.drop_last = true;
+  refused(100, drop, "drop_last 0");
+  refused(120, o, "dataset_size 100");
+}
+
 }  // namespace
 }  // namespace cohort::testing::sampler_test
