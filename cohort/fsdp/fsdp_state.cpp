@@ -144,13 +144,23 @@ void FSDPState::pre_forward(size_t u, bool training) {
   if (!in_backward_ && u + 1 < units_.size()) start_unshard(u + 1, ScheduleStep::kForwardGather);
 }
 
-void FSDPState::post_forward(size_t u, const torch::Tensor& output) {
+void FSDPState::post_forward(size_t u, const torch::Tensor& output, bool outermost) {
   // The root's parameters are needed again as soon as backward starts; a
   // forward inside backward (a checkpointed unit recomputing) keeps them.
   if (u != root_ && !in_backward_) {
     units_[u].group->reshard_after_forward(*units_[u].reshard_after_forward);
   }
-  if (!torch::GradMode::is_enabled() || !output.defined() || !output.requires_grad()) return;
+  if (!torch::GradMode::is_enabled() || !output.defined() || !output.requires_grad()) {
+    // No backward follows (an evaluation under NoGradGuard), so none would
+    // reshard what the forward kept (the root's parameters, units that keep
+    // theirs). The parameters are the tensors the optimizer steps: kept
+    // full, a step would land in the gathered copy (lost at the next
+    // reshard, or a shape error), and a load would go into shards the next
+    // forward does not gather. FSDP2's optimizer holds the sharded
+    // parameters whatever the module shows; here they must be sharded.
+    if (outermost && !in_backward_) reshard_all();
+    return;
+  }
   std::weak_ptr<FSDPState> self = shared_from_this();
   // The hook runs on the output's grad_fn before it; it leaves the gradient
   // unchanged.

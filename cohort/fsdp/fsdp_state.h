@@ -84,7 +84,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void pre_forward(size_t u, bool training);
   /// After unit u's forward: reshards it (not the root) if it should, and
   /// hooks `output` (if it requires grad) to unshard it before its backward.
-  void post_forward(size_t u, const torch::Tensor& output);
+  /// `outermost`: no unit's forward encloses this one; if no backward will
+  /// follow it either (no grad mode, or an output that needs no gradient),
+  /// every unit is resharded.
+  void post_forward(size_t u, const torch::Tensor& output, bool outermost);
   /// Unit u's output got its gradient: its backward is next.
   void pre_backward(size_t u);
 

@@ -330,13 +330,14 @@ torch::Tensor FullyShardImpl::forward(const torch::Tensor& input) {
     DepthGuard depth;
     return cast_to(call_(x), mp.output_dtype);  // nothing of its own to gather
   }
+  const bool outermost = forward_depth == 0;
   state->pre_forward(index_, is_training());
   torch::Tensor out;
   {
     DepthGuard depth;
     out = call_(x);
   }
-  state->post_forward(index_, out);
+  state->post_forward(index_, out, outermost);
   return cast_to(out, mp.output_dtype);
 }
 

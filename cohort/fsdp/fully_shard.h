@@ -62,7 +62,9 @@ struct FullyShardOptions {
   /// of backward (one all-gather per step, more memory); an int N: keep
   /// 1/N of them and gather within groups of N ranks for backward (hpZ;
   /// reshard_after_forward.h). The root keeps its own parameters through
-  /// the forward either way.
+  /// the forward either way. A forward no backward follows (NoGradGuard)
+  /// leaves every unit sharded, whatever this says (the optimizer steps
+  /// the parameters, which must be the shards then).
   ReshardAfterForward reshard_after_forward = true;
   /// The dtypes of the all-gather, the compute and the reduce-scatter
   /// (mixed_precision.h; default: the parameters' own throughout).

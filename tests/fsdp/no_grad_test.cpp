@@ -1,0 +1,160 @@
+// A forward under NoGradGuard (an evaluation) between training steps, ranks
+// as threads over Gloo and UCX at world 1 to 3, every unit (the root too)
+// made with reshard_after_forward true or false: the model ends it sharded,
+// so an optimizer step after it steps the shards the optimizer holds, and
+// the next forward gathers them. After 10 AdamW steps every parameter
+// equals the one-process model's within 1e-6 relative, and each evaluation's
+// output the one-process model's at that point within 1e-5, whether the
+// evaluation comes between backward and the optimizer step or after it.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cohort/fsdp/fully_shard.h"
+#include "support/engine_worlds.h"
+#include "tests/fsdp/fsdp_test_models.h"
+
+namespace cohort::no_grad_test {
+namespace {
+
+using namespace cohort::testing::fsdp_test;
+using cohort::testing::EngineWorld;
+
+// Where each step's evaluation forward runs.
+enum class Eval {
+  kBeforeStep,  // after backward, before the optimizer step
+  kAfterStep,   // after the optimizer step
+};
+
+// The evaluation batch of step s (other rows than the training batch).
+torch::Tensor eval_batch(const Batches& b, int s) { return b.x[(s + 1) % kSteps] * 0.5; }
+
+struct Outcome {
+  Named params;
+  std::vector<torch::Tensor> evals;  // each step's evaluation output
+};
+
+// One process: the same steps on the whole batch.
+Outcome reference(const Batches& b, Eval when) {
+  auto model = make_model(nullptr, {});
+  init_parameters(*model, 7);
+  auto opt = make_optimizer(Opt::AdamW, model->parameters());
+  Outcome out;
+  auto eval = [&](int s) {
+    torch::NoGradGuard no_grad;
+    out.evals.push_back(model->forward(eval_batch(b, s)));
+  };
+  for (int s = 0; s < kSteps; ++s) {
+    opt->zero_grad();
+    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
+    if (when == Eval::kBeforeStep) eval(s);
+    opt->step();
+    if (when == Eval::kAfterStep) eval(s);
+  }
+  for (const auto& p : model->named_parameters()) out.params.insert(p.key(), p.value().clone());
+  return out;
+}
+
+// Each rank's gathered model and evaluation outputs (its rows of them).
+std::map<int, Outcome> sharded(const EngineWorld& c, const Batches& b, Eval when, bool reshard) {
+  std::mutex mu;
+  std::map<int, Outcome> got;
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        FullyShardOptions options;
+        options.reshard_after_forward = reshard;
+        auto model = fully_shard(make_model(comm, options), comm, options);
+        auto twin = make_model(nullptr, {});
+        init_parameters(*twin, 7);
+        load_from(model, *twin);
+        auto opt = make_optimizer(Opt::AdamW, model->parameters());
+        Outcome out;
+        auto eval = [&](int s) {
+          torch::NoGradGuard no_grad;
+          out.evals.push_back(model->forward(local(eval_batch(b, s), *comm)));
+        };
+        for (int s = 0; s < kSteps; ++s) {
+          opt->zero_grad();
+          torch::mse_loss(model->forward(local(b.x[s], *comm)), local(b.y[s], *comm)).backward();
+          if (when == Eval::kBeforeStep) eval(s);
+          opt->step();
+          if (when == Eval::kAfterStep) eval(s);
+        }
+        out.params = model->full_state_dict();
+        std::lock_guard<std::mutex> lock(mu);
+        got[comm->rank()] = std::move(out);
+      },
+      cohort::testing::options_for(c));
+  return got;
+}
+
+void expect_one_process(const EngineWorld& c, Eval when, bool reshard) {
+  const auto b = make_batches(21);
+  const auto want = reference(b, when);
+  for (const auto& [rank, out] : sharded(c, b, when, reshard)) {
+    const std::string who = "rank " + std::to_string(rank);
+    expect_close(out.params, want.params, 1e-6, who);
+    ASSERT_EQ(out.evals.size(), want.evals.size()) << who;
+    for (size_t s = 0; s < want.evals.size(); ++s) {
+      const int64_t n = want.evals[s].size(0) / c.world;
+      const auto mine = want.evals[s].narrow(0, rank * n, n);
+      EXPECT_TRUE(torch::allclose(out.evals[s], mine, 1e-5, 1e-6))
+          << who << " step " << s << ": the evaluation differs by "
+          << (out.evals[s] - mine).abs().max().item<double>();
+    }
+  }
+}
+
+class FSDPNoGradForward : public ::testing::TestWithParam<EngineWorld> {};
+
+TEST_P(FSDPNoGradForward, AnOptimizerStepAfterItStepsTheShards) {
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward true" : "reshard_after_forward false");
+    expect_one_process(GetParam(), Eval::kBeforeStep, reshard);
+  }
+}
+
+TEST_P(FSDPNoGradForward, AfterTheStepTheNextForwardSeesTheStep) {
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward true" : "reshard_after_forward false");
+    expect_one_process(GetParam(), Eval::kAfterStep, reshard);
+  }
+}
+
+// The model ends the forward sharded: every parameter is this rank's rows.
+TEST_P(FSDPNoGradForward, LeavesEveryUnitSharded) {
+  const auto c = GetParam();
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        FullyShardOptions keep;
+        keep.reshard_after_forward = false;
+        auto seq = make_model(comm, keep);
+        auto model = fully_shard(seq, comm, keep);
+        {
+          torch::NoGradGuard no_grad;
+          model->forward(local(make_batches(2).x[0], *comm));
+        }
+        EXPECT_FALSE(model->param_group().is_unsharded());
+        for (size_t i : {2, 4})
+          EXPECT_FALSE(seq->ptr<FullyShardImpl>(i)->param_group().is_unsharded());
+        const int64_t rows = (5 + c.world - 1) / c.world;  // the root's 5-row tied weight
+        EXPECT_EQ(model->named_parameters()["0.w"].size(0),
+                  std::max<int64_t>(0, std::min<int64_t>(rows, 5 - comm->rank() * rows)));
+      },
+      cohort::testing::options_for(c));
+}
+
+INSTANTIATE_TEST_SUITE_P(FSDP, FSDPNoGradForward,
+                         ::testing::ValuesIn(cohort::testing::engine_worlds()),
+                         cohort::testing::engine_world_name);
+
+}  // namespace
+}  // namespace cohort::no_grad_test
