@@ -55,6 +55,7 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
   }
   settings_ = settings();
   check_.set_settings(settings_);
+  check_.set_sync(sync_flags());
   layout_gradients();
   if (leaves > 0) setup_leaves(leaves);
 }
@@ -63,6 +64,12 @@ std::vector<int64_t> FSDPState::settings() const {
   std::vector<int64_t> out;
   for (const auto& u : units_) out.push_back(*u.reshard_after_forward);
   for (const auto& p : params_) out.push_back(p.requires_grad() ? 1 : 0);
+  return out;
+}
+
+std::vector<int64_t> FSDPState::sync_flags() const {
+  std::vector<int64_t> out;
+  for (const auto& u : units_) out.push_back(*u.requires_gradient_sync ? 1 : 0);
   return out;
 }
 
@@ -90,6 +97,7 @@ void FSDPState::layout_gradients() {
 
 void FSDPState::begin_forward(bool training) {
   check_.next_pass();
+  check_.set_sync(sync_flags());
   // hpZ's kept spans are for the backward of the forward that made them.
   for (auto& unit : units_) unit.group->drop_post_forward_shard();
   // What shapes the schedule, taken up (and agreed on by the next
@@ -184,7 +192,7 @@ void FSDPState::pre_backward(size_t u) {
   // A unit whose gradients are reduce-scattered prefetches the next one once
   // they have all landed (gradient_ready); the root (its parameters are
   // few, or none) and a backward without sync prefetch now.
-  if (!reducing_ || u == root_) prefetch_after(u);
+  if (u == root_ || !reducing_[u]) prefetch_after(u);
 }
 
 void FSDPState::prefetch_after(size_t u) {
@@ -198,9 +206,20 @@ void FSDPState::prefetch_after(size_t u) {
 
 void FSDPState::begin_backward() {
   in_backward_ = true;
-  reducing_ = sync_;
+  // Each unit's setting as it is now (FSDP2 reads it in backward too); the
+  // ranks' are checked before the next collective.
+  const auto sync = sync_flags();
+  check_.set_sync(sync);
+  reducing_.assign(sync.begin(), sync.end());
+  any_reducing_ = std::find(sync.begin(), sync.end(), 1) != sync.end();
   for (auto& unit : units_) unit.group->stash_gradients();
   queue_.reset();
+  // A unit without sync sends nothing: its bucket is ready from the start
+  // and launches as nothing (launch), so it never holds back the others.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (reducing_[u]) continue;
+    for (size_t i = 0; i < parts_[u]; ++i) queue_.arrive(u);
+  }
   queue_.start_clock();
   arrived_.assign(units_.size(), 0);
   backward_started_.assign(units_.size(), 0);
@@ -212,8 +231,9 @@ void FSDPState::begin_backward() {
 }
 
 void FSDPState::gradient_ready(size_t k) {
-  if (!in_backward_ || !reducing_) return;
+  if (!in_backward_) return;
   const size_t u = unit_of_[k];
+  if (!reducing_[u]) return;  // its full gradient accumulates in .grad
   if (!leaf_.empty()) {
     if (++arrived_[u] == parts_[u]) leaf_gradients_ready(u);
     return;
@@ -239,6 +259,9 @@ void FSDPState::launch_ready() {
 }
 
 Work FSDPState::launch(size_t u) {
+  // Without sync a unit keeps its full gradients, and its parameters for
+  // its backward (which may not have run yet).
+  if (!reducing_[u]) return Work();
   // Its gradients are all in: backward needs its parameters no more, and
   // they go before the reduce-scatter input is made.
   units_[u].group->reshard();
@@ -260,11 +283,11 @@ void FSDPState::retire_in_flight() {
 
 void FSDPState::end_backward() {
   in_backward_ = false;
-  if (!leaf_.empty() && reducing_) {
+  if (!leaf_.empty() && any_reducing_) {
     end_leaf_backward();
     return;
   }
-  if (!reducing_) {
+  if (!any_reducing_) {
     for (auto& unit : units_) {
       unit.group->keep_full_gradients();
       unit.group->reshard();
@@ -276,14 +299,21 @@ void FSDPState::end_backward() {
   failures_.clear();
   for (auto& f : queue_.drain()) failures.push_back(std::move(f));
   if (!failures.empty()) throw Error(failures.front());
-  const auto had = had_gradients();
+  auto had = had_gradients();
+  for (size_t k = 0; k < had.size(); ++k) {
+    if (!reducing_[unit_of_[k]]) had[k] = 0;  // not reduced: not asked
+  }
   check_.before(ScheduleStep::kGradientPresence, kNoUnit);
   // Over every replica too: a rank whose replica had a gradient gets one.
   const auto any = any_rank_has(*world_, had);
   for (size_t u = 0; u < units_.size(); ++u) {
     const size_t n = units_[u].group->params().size();
-    units_[u].group->finish_gradients(
-        std::vector<char>(any.begin() + first_param_[u], any.begin() + first_param_[u] + n));
+    if (reducing_[u]) {
+      units_[u].group->finish_gradients(
+          std::vector<char>(any.begin() + first_param_[u], any.begin() + first_param_[u] + n));
+    } else {
+      units_[u].group->keep_full_gradients();
+    }
     units_[u].group->reshard();
   }
 }

@@ -55,6 +55,10 @@ struct UnitEntry {
   /// What the unit does after its forward (ReshardAfterForward::resolve's
   /// code: 0 keep, 1 reshard, N >= 2 reshard to groups of N ranks).
   const int* reshard_after_forward = nullptr;
+  /// Whether its backward reduce-scatters its gradients (false: its full
+  /// gradients accumulate locally; FSDP2's set_requires_gradient_sync).
+  /// Read at each forward and backward of the root.
+  const bool* requires_gradient_sync = nullptr;
   /// Its path in the root (errors).
   std::string name;
 };
@@ -91,9 +95,6 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// Unit u's output got its gradient: its backward is next.
   void pre_backward(size_t u);
 
-  /// Whether backwards reduce-scatter gradients (false: they accumulate
-  /// full gradients locally until a backward with sync).
-  void set_requires_gradient_sync(bool sync);
   /// Unshards every unit (collective).
   void unshard_all();
   /// Unshards units `units` (indices into units(); collective), from their
@@ -121,6 +122,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void layout_gradients();
   // Per unit its reshard_after_forward, then per parameter its requires_grad.
   std::vector<int64_t> settings() const;
+  // Per unit whether it reduce-scatters its gradients (its requires_gradient_sync).
+  std::vector<int64_t> sync_flags() const;
   // Launches unit u's all-gather if it is needed (after the ranks agreed on
   // it); wait_unshard: and waits for it.
   void start_unshard(size_t u, ScheduleStep step);
@@ -164,9 +167,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<char> backward_started_;  // unit -> its pre_backward ran in this backward
   std::unique_ptr<AccumulatorHooks> hooks_;
   BucketQueue queue_;
-  bool sync_ = true;
   bool in_backward_ = false;
-  bool reducing_ = false;              // this backward reduce-scatters
+  std::vector<char> reducing_;         // unit -> this backward reduce-scatters its gradients
+  bool any_reducing_ = false;          // some unit does
   std::vector<std::string> failures_;  // of reduce-scatters retired early
   ScheduleCheck check_;
   std::vector<int64_t>

@@ -42,16 +42,6 @@ void FSDPState::setup_leaves(int64_t leaves) {
   leaf_pushed_.assign(units_.size(), 0);
 }
 
-void FSDPState::set_requires_gradient_sync(bool sync) {
-  if (!sync && !leaf_.empty()) {
-    throw InvalidArgument("fully_shard: set_requires_gradient_sync(false)" + where() +
-                          " is refused with determinism WorldSizeInvariant (the leaves are the "
-                          "step's accumulation; local accumulation would reorder the sums)");
-  }
-  sync_ = sync;
-  check_.set_sync(sync);
-}
-
 void FSDPState::keep_buffers(std::vector<torch::Tensor>& into) const {
   into.clear();
   for (const auto& b : buffers_) into.push_back(b.detach().clone());

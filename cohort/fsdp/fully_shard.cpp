@@ -285,7 +285,8 @@ std::shared_ptr<fsdp::FSDPState> FullyShardImpl::root_state() {
   }
   std::vector<fsdp::UnitEntry> entries;
   for (size_t u = 0; u < units.size(); ++u) {
-    entries.push_back({units[u]->group_.get(), &units[u]->reshard_code_, paths[u]});
+    entries.push_back({units[u]->group_.get(), &units[u]->reshard_code_,
+                       &units[u]->requires_gradient_sync_, paths[u]});
   }
   std::vector<torch::Tensor> buffers;
   for (const auto& b : this->buffers()) buffers.push_back(b);
@@ -410,9 +411,19 @@ double FullyShardImpl::clip_grad_norm(double max_norm) {
   return norm;
 }
 
-void FullyShardImpl::set_requires_gradient_sync(bool sync) {
-  require_root("set_requires_gradient_sync");
-  root_state()->set_requires_gradient_sync(sync);
+void FullyShardImpl::set_requires_gradient_sync(bool sync, bool recurse) {
+  if (!sync && options_.determinism == Determinism::WorldSizeInvariant) {
+    throw InvalidArgument("fully_shard: set_requires_gradient_sync(false) on rank " +
+                          std::to_string(world_->rank()) + " of " + std::to_string(world_->size()) +
+                          " is refused with determinism WorldSizeInvariant (the leaves are the "
+                          "step's accumulation; local accumulation would reorder the sums)");
+  }
+  // Each unit's own flag: the root's schedule reads them at each forward
+  // and backward, so a unit's setting holds before the schedule exists too.
+  requires_gradient_sync_ = sync;
+  if (recurse) {
+    for (auto* unit : subtree_units()) unit->requires_gradient_sync_ = sync;
+  }
 }
 
 FullyShard fully_shard(torch::nn::AnyModule module, const DeviceMesh& mesh,

@@ -120,11 +120,14 @@ class FullyShardImpl : public torch::nn::Module {
   void unshard();
   /// Frees the full parameters of this unit and of every unit inside it.
   void reshard();
-  /// false: backwards accumulate full gradients locally without
-  /// communication (FSDP2's set_requires_gradient_sync), for every unit of
-  /// the model. On the root only: on a unit inside another FullyShard it is
-  /// an InvalidArgument (the root's schedule reduces every unit together).
-  void set_requires_gradient_sync(bool sync);
+  /// false: backwards accumulate this unit's full gradients locally
+  /// without communication until a backward with sync (FSDP2's
+  /// set_requires_gradient_sync); `recurse`: and every unit's inside it (on
+  /// the root: every unit of the model). On any unit, before the model's
+  /// first forward or after; each backward takes up the settings as they
+  /// are then, which must be the same on every rank (MismatchError at the
+  /// next collective otherwise).
+  void set_requires_gradient_sync(bool sync, bool recurse = true);
   /// What this unit frees after its forward, from the next forward on
   /// (true and false always; an int N only one that resolves as the one it
   /// was made with, whose group exists: InvalidArgument otherwise).
@@ -205,6 +208,7 @@ class FullyShardImpl : public torch::nn::Module {
   FullyShardOptions options_;
   int reshard_code_ = 1;       // options_.reshard_after_forward resolved (fsdp_state.h)
   int post_forward_size_ = 0;  // the hpZ group's size, if one was made
+  bool requires_gradient_sync_ = true;  // read by the root's schedule
   std::unique_ptr<fsdp::FSDPParamGroup> group_;
   std::shared_ptr<fsdp::FSDPState> state_;     // as the root
   std::weak_ptr<fsdp::FSDPState> outer_;       // as a unit of another root

@@ -146,6 +146,11 @@ void ScheduleCheck::set_settings(std::vector<int64_t> flags) {
   flags_ = std::move(flags);
 }
 
+void ScheduleCheck::set_sync(std::vector<int64_t> per_unit) {
+  sync_ = fnv1a_words(per_unit);
+  sync_flags_ = std::move(per_unit);
+}
+
 void agree_refusal(Communicator& comm, const std::string& refusal, const std::string& who) {
   if (comm.size() == 1) {
     if (!refusal.empty()) throw InvalidArgument(who_on(who, comm) + ": " + refusal);
@@ -175,7 +180,7 @@ void ScheduleCheck::before(ScheduleStep step, size_t unit, const std::string& re
   mine[2] = unit == kNoUnit ? -1 : static_cast<int64_t>(unit);
   mine[3] = pass_;
   mine[4] = static_cast<int64_t>(settings_);
-  mine[5] = sync_ ? 1 : 0;
+  mine[5] = static_cast<int64_t>(sync_);
   mine[6] = refusal.empty() ? 0 : 1;
   const RankWords all = gather_words(*comm_, mine);
   // Before the comparison: a rank that refuses may be anywhere else.
@@ -196,11 +201,8 @@ void ScheduleCheck::before(ScheduleStep step, size_t unit, const std::string& re
         "on the same outputs (rank-dependent control flow that skips or adds a unit cannot be "
         "sharded)");
   }
-  const auto sync = all.values([](const int64_t* w) { return std::string(w[5] ? "on" : "off"); });
-  if (!all_same(sync)) {
-    throw MismatchError(
-        who + ": gradient sync (set_requires_gradient_sync) differs: " + name_groups(sync));
-  }
+  const auto sync = all.values([](const int64_t* w) { return std::to_string(w[5]); });
+  if (!all_same(sync)) throw MismatchError(who + ": " + describe_sync());
   const auto settings = all.values([](const int64_t* w) { return std::to_string(w[4]); });
   if (!all_same(settings)) throw MismatchError(who + ": " + describe_settings());
 }
@@ -236,6 +238,18 @@ std::string ScheduleCheck::describe(const int64_t* w) const {
       what = "step " + std::to_string(w[1]);
   }
   return what + " (forward #" + std::to_string(w[3]) + ")";
+}
+
+std::string ScheduleCheck::describe_sync() {
+  const RankWords all = gather_words(*comm_, sync_flags_);
+  for (size_t u = 0; u < sync_flags_.size(); ++u) {
+    const auto values =
+        all.values([u](const int64_t* w) { return std::string(w[u] ? "on" : "off"); });
+    if (all_same(values)) continue;
+    return "gradient sync (set_requires_gradient_sync) of unit '" + units_[u] +
+           "' differs across ranks: " + name_groups(values) + " (set it alike on every rank)";
+  }
+  return "gradient sync (set_requires_gradient_sync) differs across ranks";
 }
 
 std::string ScheduleCheck::describe_settings() {

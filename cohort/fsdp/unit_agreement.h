@@ -92,8 +92,9 @@ class ScheduleCheck {
   /// The settings that shape the schedule, one flag (0 or 1) per owner: per
   /// unit its reshard_after_forward, then per parameter its requires_grad.
   void set_settings(std::vector<int64_t> flags);
-  /// Whether backwards reduce-scatter.
-  void set_sync(bool sync) { sync_ = sync; }
+  /// Per unit (in the schedule's order) whether its backward
+  /// reduce-scatters (1) or keeps its full gradients (0).
+  void set_sync(std::vector<int64_t> per_unit);
   /// A new forward of the root begins.
   void next_pass() { ++pass_; }
 
@@ -109,13 +110,17 @@ class ScheduleCheck {
   // The settings differ: names the first flag that differs (one more
   // all-gather, of the flags; every rank takes this path together).
   std::string describe_settings();
+  // The sync settings differ: names the first unit whose setting differs
+  // (one more all-gather, as describe_settings).
+  std::string describe_sync();
 
   std::shared_ptr<Communicator> comm_;
   std::vector<std::string> units_;
   std::vector<int64_t> flags_;
   std::vector<std::string> owner_;
   uint64_t settings_ = 0;
-  bool sync_ = true;
+  std::vector<int64_t> sync_flags_;
+  uint64_t sync_ = 0;  // their digest
   int64_t pass_ = 0;
 };
 

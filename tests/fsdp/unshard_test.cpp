@@ -2,8 +2,9 @@
 // Gloo and UCX at world 1 to 3: unshard(), reshard(), full_state_dict() and
 // load_full_state_dict() act on that unit alone, before or after the model's
 // first forward, between steps or between a forward and its backward;
-// set_requires_gradient_sync() and clip_grad_norm() are an InvalidArgument
-// naming the method and the root. Either way the model then trains as one
+// clip_grad_norm() is an InvalidArgument naming the method and the root, and
+// set_requires_gradient_sync(true) on it changes nothing (its sync:
+// gradient_sync_test.cpp). Either way the model then trains as one
 // process does (10 AdamW steps, every parameter within 1e-6 relative): the
 // root's schedule is untouched.
 //
@@ -168,11 +169,10 @@ TEST_P(FSDPInnerUnit, FullStateDictIsTheUnitsAndLoadsBack) {
   }
 }
 
-TEST_P(FSDPInnerUnit, SetRequiresGradientSyncIsRefusedAndChangesNothing) {
-  for (auto when : {When::kBeforeFirstForward, When::kBetweenSteps}) {
+TEST_P(FSDPInnerUnit, SetRequiresGradientSyncTrueChangesNothing) {
+  for (auto when : {When::kBeforeFirstForward, When::kBetweenSteps, When::kForwardThenBackward}) {
     expect_one_process(GetParam(), when, [](FullyShardImpl& unit, FullyShard&) {
-      expect_root_only([&] { unit.set_requires_gradient_sync(false); },
-                       "set_requires_gradient_sync");
+      unit.set_requires_gradient_sync(true);
     });
   }
 }
