@@ -79,6 +79,14 @@ struct StateDict {
   /// cannot view (a step count or a group option, which the optimizer holds
   /// as a number), so that what is written is the current value.
   std::vector<std::function<void()>> refresh;
+  /// Run with the operation's name by save() and async_save() (at the
+  /// call), load(), load_weights() and set_state_dict (on both its state
+  /// dicts) before anything is read or written: one that throws refuses the
+  /// operation (on every rank, where it is collective). A model that this
+  /// state dict can no longer save or load truly refuses so: a fully
+  /// sharded parameter whose storage was replaced after fully_shard (its
+  /// unit holds other values than the parameter shows).
+  std::vector<std::function<void(const std::string& op)>> check_model;
   /// The state dict rebuilt for loading a checkpoint with this metadata:
   /// targets for everything the checkpoint holds for this model and
   /// optimizer, the state an optimizer that has not stepped lacks included.

@@ -200,11 +200,11 @@ void check_staged(const StateDict& state, const std::vector<torch::Tensor>& stag
 // Stages every shard of `state` (unless a rank failed before: `error`),
 // agrees, then copies the staged values in and runs after_load.
 void fill(StateDict& state, const std::string& dir, Communicator& comm, const Metadata& meta,
-          std::string error) {
+          std::string error, ErrorKind kind = ErrorKind::Checkpoint) {
   std::vector<torch::Tensor> staged;
-  ErrorKind kind = ErrorKind::Checkpoint;
   if (error.empty()) {
     try {
+      for (const auto& f : state.check_model) f("dcp::load");
       staged = stage(state, dir, meta, comm.rank());
       check_staged(state, staged);
     } catch (const std::exception& e) {
@@ -244,14 +244,16 @@ void load(StateDict& state, const std::string& dir, Communicator& comm, const Me
   // stage's is collective: every rank gets there with the metadata read.
   agree(comm, error);
   StateDict targets;
+  ErrorKind kind = ErrorKind::Checkpoint;
   try {
     targets = state.load_targets(*meta);
   } catch (const CheckpointError&) {
     throw;  // the ranks agreed on it already (a layout that cannot hold a tensor)
   } catch (const std::exception& e) {
     error = e.what();
+    kind = kind_of(e);
   }
-  fill(targets, dir, comm, *meta, error);
+  fill(targets, dir, comm, *meta, error, kind);
   // The caller's state dict becomes what was loaded: it views all the model
   // and optimizer now hold (state that did not exist before included), so
   // set_state_dict(sd) and a later save see it.

@@ -272,6 +272,7 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   std::string list;
   ErrorKind kind = ErrorKind::Checkpoint;
   try {
+    for (const auto& f : state.check_model) f("dcp::save");
     for (const auto& f : state.refresh) f();
     auto staged = stage_rank_file(state, comm.rank(), comm.size(), nullptr, "dcp::save");
     list = write_staged_file(staged, dir, comm.rank());

@@ -54,6 +54,7 @@ std::string stage(const StateDict& state, const std::string& path,
                   const LoadWeightsOptions& options, Copies& staged) {
   const auto where = "dcp::load_weights: " + path + ": ";
   try {
+    for (const auto& f : state.check_model) f("dcp::load_weights");
     const auto src = open_weights(path);
     std::map<std::string, const std::vector<int64_t>*> in_file;
     for (const auto& [name, shape] : src.shapes) in_file[name] = &shape;

@@ -181,16 +181,20 @@ int64_t FSDPParamGroup::unsharded_bytes() const {
   return static_cast<int64_t>(full_storage_.nbytes());
 }
 
+bool FSDPParamGroup::holds_storage(size_t i) const {
+  const auto& p = params_[i];
+  const auto& want = unsharded_ ? full_views_[i] : shard_views_[i];
+  return p.has_storage() && p.storage().is_alias_of(want.storage()) &&
+         p.storage_offset() == want.storage_offset() && p.sizes() == want.sizes() &&
+         p.strides() == want.strides() && p.scalar_type() == want.scalar_type() &&
+         p.device() == want.device();
+}
+
 std::string FSDPParamGroup::replaced_storage() const {
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (holds_storage(i)) continue;
     const auto& p = params_[i];
     const auto& want = unsharded_ ? full_views_[i] : shard_views_[i];
-    if (p.has_storage() && p.storage().is_alias_of(want.storage()) &&
-        p.storage_offset() == want.storage_offset() && p.sizes() == want.sizes() &&
-        p.strides() == want.strides() && p.scalar_type() == want.scalar_type() &&
-        p.device() == want.device()) {
-      continue;
-    }
     return "parameter '" + names_[i] + "' of unit " + unit_ +
            " no longer holds the storage fully_shard gave it (" +
            (unsharded_ ? "its full value" : "this rank's rows of it") + ", " +

@@ -104,6 +104,9 @@ class FSDPParamGroup {
   /// (torch::load's set_, Module::to, set_data): the group's next switch
   /// would discard the values it holds now.
   std::string replaced_storage() const;
+  /// Whether parameter i's data is the view this group gave it (see
+  /// replaced_storage()).
+  bool holds_storage(size_t i) const;
   /// Throws InvalidArgument (this rank only) when replaced_storage() is not
   /// empty. Every switch between views, gather_full and load_full call it.
   void check_storage() const;

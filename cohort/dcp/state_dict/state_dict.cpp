@@ -93,6 +93,8 @@ StateDict fused_state_dict_of(torch::nn::Module& model, FusedDistributedOptimize
 }
 
 void set_state_dict_of(const StateDict& mine, const StateDict& state) {
+  for (const auto& f : mine.check_model) f("dcp::set_state_dict");
+  for (const auto& f : state.check_model) f("dcp::set_state_dict (of its source)");
   // The source's step counts and options as its optimizer holds them now.
   for (const auto& f : state.refresh) f();
   auto targets = mine.load_targets(metadata_of(state));

@@ -187,8 +187,10 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
 
 StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimizer,
                           const Metadata* for_load) {
-  // Each sharded parameter's place: its unit's layout entry.
+  // Each sharded parameter's place: its unit's layout entry; its unit and
+  // index there.
   std::map<const void*, const fsdp::ParamShard*> shard_of;
+  std::map<const void*, std::pair<const fsdp::FSDPParamGroup*, size_t>> group_of;
   int rank = 0;
   // HSDP: every replica holds the same shards; the first one writes them
   // (every rank loads its own).
@@ -205,9 +207,33 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
     if (unit->replicate_group()) writes = unit->replicate_group()->rank() == 0;
     for (size_t j = 0; j < group.params().size(); ++j) {
       shard_of[group.params()[j].unsafeGetTensorImpl()] = &group.layout().params[j];
+      group_of[group.params()[j].unsafeGetTensorImpl()] = {&group, j};
     }
   }
   StateDict state;
+  // A parameter whose storage was replaced after fully_shard (torch::load,
+  // Module::to, set_data) shows other values than its unit holds, which
+  // its next all-gather would discard: saving them would write what the
+  // model does not hold, loading would fill a tensor it no longer uses. So
+  // every operation on this state dict checks (then, not now: the
+  // replacement may come after get_state_dict), on every rank where it is
+  // collective, and such a parameter's shard here is a stand-in.
+  std::vector<std::pair<std::string, std::pair<const fsdp::FSDPParamGroup*, size_t>>> sharded;
+  for (const auto& p : model.named_parameters()) {
+    auto g = group_of.find(p.value().unsafeGetTensorImpl());
+    if (g != group_of.end()) sharded.emplace_back(p.key(), g->second);
+  }
+  const int world_rank = model.mesh().process_group()->rank();
+  state.check_model.push_back([sharded, world_rank](const std::string& op) {
+    for (const auto& [fqn, at] : sharded) {
+      if (at.first->holds_storage(at.second)) continue;
+      throw InvalidArgument(op + " on rank " + std::to_string(world_rank) +
+                            ": the fully sharded model's parameter '" + fqn +
+                            "' would be saved or loaded through a tensor its unit no longer "
+                            "uses: " +
+                            at.first->replaced_storage());
+    }
+  });
   std::vector<ParamSlot> slots;
   for (const auto& p : model.named_parameters()) {
     auto it = shard_of.find(p.value().unsafeGetTensorImpl());
@@ -217,14 +243,18 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
       continue;
     }
     const auto& ps = *it->second;
-    TensorEntry e{"model." + p.key(), ps.full_sizes, p.value().scalar_type(), false, {}, writes};
+    const auto& [group, index] = group_of.at(p.value().unsafeGetTensorImpl());
+    const bool held = group->holds_storage(index);
+    const auto dtype = held ? p.value().scalar_type() : group->sharded_dtype();
+    TensorEntry e{"model." + p.key(), ps.full_sizes, dtype, false, {}, writes};
     if (ps.local_rows > 0) {
       Box box = whole(ps.full_sizes);
       if (!box.offsets.empty()) {
         box.offsets[0] = rank * ps.chunk_rows;
         box.lengths[0] = ps.local_rows;
       }
-      e.shards.push_back({box, p.value().view(box.lengths)});
+      e.shards.push_back({box, held ? p.value().view(box.lengths)
+                                    : torch::zeros(box.lengths, torch::dtype(dtype))});
       slots.push_back({p.key(),
                        ps.full_sizes,
                        p.value(),
