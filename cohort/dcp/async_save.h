@@ -109,6 +109,7 @@ class AsyncSave {
 /// one communicator never overlap; load() waits for its staging and that
 /// .metadata. A handle dropped without wait() is never committed (its
 /// thread is joined).
-AsyncSave async_save(const StateDict& state, const std::string& dir, Communicator& comm);
+[[nodiscard]] AsyncSave async_save(const StateDict& state, const std::string& dir,
+                                   Communicator& comm);
 
 }  // namespace cohort::dcp

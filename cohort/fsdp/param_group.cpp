@@ -428,6 +428,11 @@ void FSDPParamGroup::load_full(const std::vector<torch::Tensor>& full) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     copy_local_rows(layout_.params[i], layout_.rank, full[i], shard_flat_);
+    // Written through the flat shard, whose version counter is not the
+    // parameter's: the parameter's own moves as an in-place write would
+    // move it, so what tracks it sees the change (a pending async save, a
+    // graph that saved the parameter).
+    params_[i].unsafeGetTensorImpl()->bump_version();
   }
 }
 

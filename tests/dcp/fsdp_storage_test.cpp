@@ -53,6 +53,32 @@ cohort::testing::ThreadRanksOptions options(const EngineWorld& c) {
 
 class DcpFSDPStorage : public ::testing::TestWithParam<EngineWorld> {};
 
+// load_full_state_dict writes the shards through the unit's flat buffer:
+// before wait_staged(), a pending async save of the model sees the change
+// and fails on every rank, as for an in-place write to the parameter.
+TEST_P(DcpFSDPStorage, LoadFullStateDictDuringAnAsyncSaveFailsTheSave) {
+  const auto c = GetParam();
+  const auto dir = temp_dir("fsdp_async_load_full_" + cohort::testing::engine_world_name({c, 0}));
+  const auto errors = cohort::testing::errors_on_every_rank(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto model = make_fsdp(1, comm);
+        torch::optim::AdamW opt(model->parameters(), kAdamW);
+        train_fsdp(model, opt, 1);
+        const auto full = model->full_state_dict();
+        auto pending = dcp::async_save(dcp::get_state_dict(model), dir.string(), *comm);
+        model->load_full_state_dict(full);
+        pending.wait();
+      },
+      options(c));
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_TRUE(has(errors[r], "was changed in place before its staging copy was done"))
+        << "rank " << r << ": " << errors[r];
+  }
+  EXPECT_FALSE(fs::exists(dir / ".metadata")) << "the checkpoint was committed";
+  fs::remove_all(dir);
+}
+
 TEST_P(DcpFSDPStorage, SaveAfterOneRanksReplacementIsRefusedOnEveryRank) {
   const auto c = GetParam();
   const auto dir = temp_dir("fsdp_storage_save_" + cohort::testing::engine_world_name({c, 0}));
