@@ -8,6 +8,7 @@
 #include "cohort/comm/collective_checker.h"
 #include "cohort/comm/communicator_internal.h"
 #include "cohort/core/error.h"
+#include "cohort/core/signature.h"
 #include "cohort/core/tensor_checks.h"
 #include "cohort/observability/counting_engine.h"
 #include "cohort/observability/tick_clock.h"
@@ -322,6 +323,9 @@ Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendO
   if (opts.tag < 0) call.refuse("tag must be >= 0");
   call.bytes = detail::nbytes(tensor);
   auto wire = movement_view(tensor);
+  // The caller's dtype, which the wire view hides (bf16 as f16 bits), for
+  // the engines that check or name it (UCX, MPI).
+  CallerDtypeScope dtype(tensor.scalar_type());
   return finish(call,
                 issue_p2p(call, *health_, [&] { return engine_->send(wire, dst, opts.tag); }));
 }
@@ -340,6 +344,7 @@ Work Communicator::recv(torch::Tensor& caller_tensor, int src, const RecvOptions
   if (opts.tag < 0) call.refuse("tag must be >= 0");
   call.bytes = detail::nbytes(tensor);
   auto wire = movement_view(tensor);
+  CallerDtypeScope dtype(tensor.scalar_type());
   return finish(call,
                 issue_p2p(call, *health_, [&] { return engine_->recv(wire, src, opts.tag); }));
 }

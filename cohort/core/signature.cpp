@@ -37,6 +37,7 @@ const char* kind_name(CollectiveKind k) {
 }
 
 thread_local std::optional<Signature> t_signature;
+thread_local int t_caller_dtype = -1;
 
 }  // namespace
 
@@ -181,6 +182,16 @@ Signature given_or(CollectiveKind kind, const at::Tensor& t, int64_t root,
                    std::optional<ReduceOp> op) {
   if (auto given = take_signature()) return *given;
   return signature_of(kind, t, root, op);
+}
+
+CallerDtypeScope::CallerDtypeScope(at::ScalarType dtype) : outer_(t_caller_dtype) {
+  t_caller_dtype = static_cast<int>(dtype);
+}
+
+CallerDtypeScope::~CallerDtypeScope() { t_caller_dtype = outer_; }
+
+at::ScalarType caller_dtype_or(at::ScalarType wire) {
+  return t_caller_dtype < 0 ? wire : static_cast<at::ScalarType>(t_caller_dtype);
 }
 
 }  // namespace cohort

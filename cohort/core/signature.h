@@ -123,4 +123,22 @@ std::optional<Signature> take_signature();
 Signature given_or(CollectiveKind kind, const at::Tensor& t, int64_t root = -1,
                    std::optional<ReduceOp> op = std::nullopt);
 
+// The dtype the caller of a send or recv passed, which the engine's wire view
+// may hide (bf16 moves as f16 bits: movement_view): the Communicator sets
+// it around its engine call, and an engine that describes its messages
+// (UCX's tags) or names them in errors (MPI) reads it. A thread-local
+// store and restore: nothing an engine pays for.
+class CallerDtypeScope {
+ public:
+  explicit CallerDtypeScope(at::ScalarType dtype);
+  ~CallerDtypeScope();
+  CallerDtypeScope(const CallerDtypeScope&) = delete;
+  CallerDtypeScope& operator=(const CallerDtypeScope&) = delete;
+
+ private:
+  int outer_;
+};
+// The caller's dtype inside a CallerDtypeScope, else `wire`.
+at::ScalarType caller_dtype_or(at::ScalarType wire);
+
 }  // namespace cohort

@@ -63,10 +63,14 @@ TEST(MpiP2P, ShortMessageIsAnErrorNamingThePeer) {
     try {
       pair->recv(t, 0, {5}).wait();
       FAIL() << "a 3-element message filled a 4-element tensor";
-    } catch (const PeerError& e) {
+    } catch (const MismatchError& e) {
       const std::string m = e.what();
       EXPECT_NE(m.find("recv"), std::string::npos) << m;
       EXPECT_NE(m.find("peer 0"), std::string::npos) << m;
+      EXPECT_NE(m.find("the message (12 bytes) is shorter than the receive buffer (16 bytes, "
+                       "float32)"),
+                std::string::npos)
+          << m;
     }
   }
 }
@@ -74,8 +78,8 @@ TEST(MpiP2P, ShortMessageIsAnErrorNamingThePeer) {
 // A message longer than its receive buffer: Open MPI reports the
 // truncation from MPI_Testall (MPI_ERR_IN_STATUS), on the receive's
 // communicator, whose default handler would end the job. The receiver gets a
-// PeerError naming the call and the peer, and the job goes on (the world
-// barrier after it).
+// MismatchError naming the call, the peer and its buffer, and the job goes
+// on (the world barrier after it).
 TEST(MpiP2P, TruncatedMessageIsAnErrorNotAnAbort) {
   NEED_PEERS(2);
   auto pair = world_ptr()->new_group({0, 1});
@@ -86,10 +90,13 @@ TEST(MpiP2P, TruncatedMessageIsAnErrorNotAnAbort) {
     try {
       pair->recv(t, 0, {6}).wait();
       FAIL() << "a 5-element message fit a 4-element tensor";
-    } catch (const PeerError& e) {
+    } catch (const MismatchError& e) {
       const std::string m = e.what();
       EXPECT_NE(m.find("recv on rank 1 of 2"), std::string::npos) << m;
       EXPECT_NE(m.find("peer 0"), std::string::npos) << m;
+      EXPECT_NE(m.find("the message is larger than the receive buffer (16 bytes, float32)"),
+                std::string::npos)
+          << m;
     }
   }
   world().barrier().wait();

@@ -57,16 +57,17 @@ TEST(UcxEngine, LargerMessageThanBufferFailsOnBothRanks) {
           // The receiver's notice fails this rank's next wait.
           auto more = torch::zeros({1});
           auto m = message_of<MismatchError>([&] { comm.recv(more, 1).wait(); });
-          EXPECT_NE(m.find("rank 1 reports the message (4000 bytes) was larger than its receive "
-                           "buffer (40 bytes)"),
+          EXPECT_NE(m.find("rank 1 reports the message (4000 bytes, float32) was larger than its "
+                           "receive buffer (40 bytes, float32)"),
                     std::string::npos)
               << m;
         } else {
           auto t = torch::zeros({10});
           auto m = message_of<MismatchError>([&] { comm.recv(t, 0).wait(); });
-          EXPECT_NE(m.find("receive from rank 0 (tag 0): the message (4000 bytes) is larger than "
-                           "the receive buffer (40 bytes)"),
-                    std::string::npos)
+          EXPECT_NE(
+              m.find("receive from rank 0 (tag 0): the message (4000 bytes, float32) is larger "
+                     "than the receive buffer (40 bytes, float32)"),
+              std::string::npos)
               << m;
         }
       },
@@ -83,14 +84,17 @@ TEST(UcxEngine, ShorterMessageThanBufferFailsOnBothRanks) {
           comm.send(t, 1).wait();
           auto more = torch::zeros({1});
           auto m = message_of<MismatchError>([&] { comm.recv(more, 1).wait(); });
-          EXPECT_NE(m.find("(16 bytes) was shorter than its receive buffer (400 bytes)"),
-                    std::string::npos)
+          EXPECT_NE(
+              m.find(
+                  "(16 bytes, float32) was shorter than its receive buffer (400 bytes, float32)"),
+              std::string::npos)
               << m;
         } else {
           auto t = torch::zeros({100});
           auto m = message_of<MismatchError>([&] { comm.recv(t, 0).wait(); });
-          EXPECT_NE(m.find("(16 bytes) is shorter than the receive buffer (400 bytes)"),
-                    std::string::npos)
+          EXPECT_NE(
+              m.find("(16 bytes, float32) is shorter than the receive buffer (400 bytes, float32)"),
+              std::string::npos)
               << m;
         }
       },

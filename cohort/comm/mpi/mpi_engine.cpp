@@ -30,6 +30,7 @@
 #include "cohort/comm/mpi/watchdog.h"
 #include "cohort/core/env.h"
 #include "cohort/core/error.h"
+#include "cohort/core/signature.h"
 #include "cohort/core/work_then.h"
 
 namespace cohort::mpi {
@@ -304,7 +305,7 @@ class MpiEngine : public Engine {
     const auto type = to_mpi_type(t.scalar_type(), "recv");
     const int n = to_mpi_count(t.numel(), "recv");
     o->keep(t);
-    o->expect_count(n, type);
+    o->expect_message(nbytes(t), caller_dtype_or(t.scalar_type()));
     MpiLock lock;
     return launch(o, MPI_Irecv(t.data_ptr(), n, type, src, tag, comm_, o->requests(1)), false);
   }

@@ -3,6 +3,7 @@
 #include "cohort/comm/mpi/runtime.h"
 #include "cohort/comm/mpi/watchdog.h"
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort::mpi {
 
@@ -38,28 +39,48 @@ bool MpiOp::test_locked() {
   if (requests_.empty()) return false;  // a blocking call: mark_finished() ends it
   int flag = 0;
   int code;
-  std::vector<MPI_Status> statuses(expected_count_ >= 0 ? requests_.size() : 0);
+  std::vector<MPI_Status> statuses(expected_bytes_ >= 0 ? requests_.size() : 0);
   {
     MpiLock lock;
     code = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag,
                        statuses.empty() ? MPI_STATUSES_IGNORE : statuses.data());
   }
-  if (code != MPI_SUCCESS) {
+  if (!statuses.empty() && (code != MPI_SUCCESS || flag)) {
+    error_ = bad_message(statuses[0], code);
+    mismatch_ = !error_.empty();
+  }
+  if (error_.empty() && code != MPI_SUCCESS) {
     error_ = what() + ": " + error_string(code);
-  } else if (!flag) {
+  } else if (code == MPI_SUCCESS && !flag) {
     return false;
-  } else if (expected_count_ >= 0) {
-    int got = 0;
-    MPI_Get_count(&statuses[0], count_type_, &got);
-    if (got != expected_count_) {
-      error_ = what() + ": the message has " + std::to_string(got) +
-               " elements, the receiving tensor " + std::to_string(expected_count_);
-    }
   }
   // MPI is done with the buffers (or failed): they may go.
   tensors_.clear();
   finished_.store(true, std::memory_order_release);
   return true;
+}
+
+std::string MpiOp::bad_message(const MPI_Status& status, int code) const {
+  int error_class = MPI_SUCCESS;
+  MPI_Count got = 0;
+  {
+    MpiLock lock;
+    // Open MPI reports a truncation as MPI_ERR_IN_STATUS from MPI_Testall,
+    // the status holding MPI_ERR_TRUNCATE.
+    MPI_Error_class(code == MPI_ERR_IN_STATUS ? status.MPI_ERROR : code, &error_class);
+    MPI_Get_elements_x(&status, MPI_BYTE, &got);
+  }
+  const std::string buffer = "the receive buffer (" + std::to_string(expected_bytes_) + " bytes, " +
+                             dtype_name(expected_dtype_) + ")";
+  const std::string why = ": the ranks called different operations or sizes";
+  if (code != MPI_SUCCESS) {
+    if (error_class != MPI_ERR_TRUNCATE) return "";
+    // MPI fills the buffer and reports its size, not the message's.
+    return what() + ": the message is larger than " + buffer + " (MPI_ERR_TRUNCATE)" + why;
+  }
+  if (got == expected_bytes_) return "";
+  return what() + ": the message (" + std::to_string(got) + " bytes) is " +
+         (got > expected_bytes_ ? "larger" : "shorter") + " than " + buffer + why;
 }
 
 bool MpiOp::test() {
@@ -119,6 +140,7 @@ void MpiOp::wait(Millis timeout) {
                          std::to_string(Watchdog::instance().grace().count()) + " ms later");
     }
   }
+  if (mismatch_) throw MismatchError(error_);
   if (!error_.empty()) throw PeerError(error_);
 }
 

@@ -57,11 +57,15 @@ class MpiOp {
   void keep(at::Tensor t) { tensors_.push_back(std::move(t)); }
   std::vector<int>& ints() { return ints_; }
   std::vector<int64_t>& words() { return words_; }
-  // For a receive: fail unless exactly `count` elements of `type` arrived
-  // (MPI accepts shorter messages silently; Gloo and cohort do not).
-  void expect_count(int count, MPI_Datatype type) {
-    expected_count_ = count;
-    count_type_ = type;
+  // For a receive into `bytes` bytes of `dtype` (the caller's): a message
+  // of another size is a MismatchError naming both sizes (MPI accepts a
+  // shorter one silently and reports a longer one as MPI_ERR_TRUNCATE).
+  // The cost: the receive's status, one MPI_Get_elements_x and a compare.
+  // MPI does not carry the sender's dtype: a message of another dtype with
+  // the same bytes is beyond what MPI can see without a header per message.
+  void expect_message(int64_t bytes, at::ScalarType dtype) {
+    expected_bytes_ = bytes;
+    expected_dtype_ = dtype;
   }
 
   // Tests once; true when finished (successfully or not).
@@ -70,7 +74,8 @@ class MpiOp {
   // test() or wait() (the watchdog must never block on a waiter).
   bool try_test();
   // Polls until finished; throws TimeoutError after `timeout`, PeerError
-  // with MPI's message when MPI reports an error.
+  // with MPI's message when MPI reports an error, MismatchError for a
+  // receive's message of another size (expect_message).
   void wait(Millis timeout);
   // The indices (in the order of requests()) of the requests still
   // unfinished; tests each once.
@@ -93,9 +98,14 @@ class MpiOp {
   std::vector<at::Tensor> tensors_;
   std::vector<int> ints_;
   std::vector<int64_t> words_;
-  int expected_count_ = -1;
-  MPI_Datatype count_type_ = MPI_DATATYPE_NULL;
+  // A receive's message check: what a message that fits has; the
+  // caller's dtype, named in the error.
+  int64_t expected_bytes_ = -1;
+  at::ScalarType expected_dtype_ = at::kByte;
+  // The receive's message had another size than its buffer (its status).
+  std::string bad_message(const MPI_Status& status, int code) const;
   std::string error_;
+  bool mismatch_ = false;  // error_ is a MismatchError's
   std::atomic<bool> finished_{false};
   std::atomic<Clock::rep> abort_at_;
 };

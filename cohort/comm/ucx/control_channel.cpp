@@ -80,11 +80,18 @@ void ControlChannel::send_all(const at::Tensor& notice) {
   }
 }
 
-void ControlChannel::notify_truncated(const Transfer& t) {
-  // The complainer and what it received in the tag's word; the sizes.
-  send(notice(kTruncated, static_cast<int64_t>(tag_of(t.channel, rank_, t.tag)),
-              static_cast<int64_t>(t.received), static_cast<int64_t>(t.bytes)),
-       t.peer);
+void ControlChannel::notify_bad_message(const Transfer& t) {
+  // The complainer and what it received in the tag's word; the sizes; the
+  // dtypes.
+  auto n = at::zeros({kBadMessageWords}, at::kLong);
+  auto* w = n.data_ptr<int64_t>();
+  w[0] = kBadMessage;
+  w[1] = static_cast<int64_t>(tag_of(t.channel, rank_, t.tag));
+  w[2] = static_cast<int64_t>(t.received);
+  w[3] = static_cast<int64_t>(t.bytes);
+  w[4] = t.sender_dtype();
+  w[5] = t.dtype;
+  send(n, t.peer);
 }
 
 void ControlChannel::notify_mismatch(const Signature& mine, int peer, const Signature& theirs) {
@@ -103,8 +110,8 @@ void ControlChannel::notify_closed(int64_t collectives, bool clean) {
 }
 
 void ControlChannel::on_notice(const int64_t* w, size_t words) {
-  if (words == 4 && w[0] == kTruncated) {
-    on_truncated(w);
+  if (words == static_cast<size_t>(kBadMessageWords) && w[0] == kBadMessage) {
+    on_bad_message(w);
   } else if (words == static_cast<size_t>(kNoticeWords) && w[0] == kMismatch) {
     on_mismatch(w);
   } else if (words == 4 && w[0] == kPing) {
@@ -132,19 +139,17 @@ void ControlChannel::answered(int peer, int64_t round) {
   }
 }
 
-void ControlChannel::on_truncated(const int64_t* w) {
+void ControlChannel::on_bad_message(const int64_t* w) {
   const auto word = static_cast<uint64_t>(w[1]);
   Transfer sent;  // what this rank sent, for its name
   sent.is_send = true;
-  sent.peer = static_cast<int>((word >> 32) & ((uint64_t{1} << 30) - 1));
+  sent.peer = sender_of(word);
   sent.channel = static_cast<Channel>(word >> 62);
   sent.tag = static_cast<int>(static_cast<uint32_t>(word));
-  const std::string size =
-      "(" + std::to_string(w[2]) + " bytes) was " + (w[2] > w[3] ? "larger" : "shorter") + " than";
   worker_.failure_.fail("ucx: " + sent.what() + ": rank " + std::to_string(sent.peer) +
-                            " reports the message " + size + " its receive buffer (" +
-                            std::to_string(w[3]) +
-                            " bytes): the ranks called different operations or sizes",
+                            " reports " +
+                            bad_message(w[2], static_cast<int>(w[4]), w[3], static_cast<int>(w[5]),
+                                        "was", "its receive buffer"),
                         true);
 }
 

@@ -49,8 +49,8 @@ class ControlChannel {
   bool open() const { return current_.load(std::memory_order_acquire) != nullptr; }
 
   // Tells `t`'s sender that its message did not fit (a receive whose
-  // message had another size than its buffer).
-  void notify_truncated(const Transfer& t);
+  // message had another size or dtype than its buffer).
+  void notify_bad_message(const Transfer& t);
   // Tells every rank that this rank called `mine` and `peer` `theirs`.
   void notify_mismatch(const Signature& mine, int peer, const Signature& theirs);
   // Tells every rank that this one closes after `collectives`, `clean`
@@ -72,9 +72,10 @@ class ControlChannel {
 
  private:
   static constexpr int kNoticeWords = 3 + 2 * kDescriptorWords;  // two ranks, two descriptors
-  enum Notice : int64_t { kTruncated = 1, kMismatch = 2, kClosed = 3, kPing = 4, kPong = 5 };
+  enum Notice : int64_t { kBadMessage = 1, kMismatch = 2, kClosed = 3, kPing = 4, kPong = 5 };
+  static constexpr int kBadMessageWords = 6;
   void on_notice(const int64_t* w, size_t words);
-  void on_truncated(const int64_t* w);
+  void on_bad_message(const int64_t* w);
   void on_mismatch(const int64_t* w);
   void on_closed(int peer, int64_t collectives, bool clean);
   void post_receive_locked();  // mu_ held

@@ -22,12 +22,36 @@ using Clock = std::chrono::steady_clock;
 
 enum class Channel : uint64_t { User = 0, Collective = 1, Control = 2 };
 
-// A 64-bit UCX tag: the channel (2 bits), the sender's rank (30 bits) and
-// the caller's tag (32 bits).
-inline uint64_t tag_of(Channel channel, int sender, int tag) {
-  return (static_cast<uint64_t>(channel) << 62) | (static_cast<uint64_t>(sender) << 32) |
-         static_cast<uint32_t>(tag);
+// A 64-bit UCX tag: the channel (2 bits), the dtype of a user message (6
+// bits), the sender's rank (24 bits) and the caller's tag (32 bits).
+//
+// The dtype field is the message's own description, at no cost: it rides in
+// the tag every message has. Receives match with it masked out (kDtypeField),
+// so a message of another dtype still matches its receive, and the receiver
+// compares the sender's field (ucp_tag_recv_info's sender_tag) with its own
+// buffer's dtype after the match: one compare per receive. 0 is "not given"
+// (the engine's collective messages, which their checks describe, and the
+// control notices); else the at::ScalarType plus 1.
+inline constexpr int kDtypeShift = 56;
+inline constexpr int kSenderBits = 24;
+inline constexpr uint64_t kDtypeField = uint64_t{63} << kDtypeShift;
+// The most ranks a group's tags can name.
+inline constexpr int64_t kMaxRanks = int64_t{1} << kSenderBits;
+
+inline uint64_t tag_of(Channel channel, int sender, int tag, int dtype_code = 0) {
+  return (static_cast<uint64_t>(channel) << 62) |
+         (static_cast<uint64_t>(dtype_code & 63) << kDtypeShift) |
+         (static_cast<uint64_t>(sender) << 32) | static_cast<uint32_t>(tag);
 }
+inline int sender_of(uint64_t tag) {
+  return static_cast<int>((tag >> 32) & ((uint64_t{1} << kSenderBits) - 1));
+}
+inline int dtype_code_of(uint64_t tag) {
+  return static_cast<int>((tag & kDtypeField) >> kDtypeShift);
+}
+// A dtype's code (0 for none: -1) and back.
+inline int dtype_code(int dtype) { return dtype >= 0 && dtype < 63 ? dtype + 1 : 0; }
+inline int dtype_of_code(int code) { return code - 1; }
 
 class Worker;
 
@@ -39,6 +63,7 @@ struct Transfer {
   Channel channel = Channel::User;
   bool is_send = false;
   size_t bytes = 0;  // the buffer's size
+  int dtype = -1;    // a user message's at::ScalarType as the caller gave it, or -1
   std::atomic<bool> done{false};
   ucs_status_t status = UCS_OK;
   size_t received = 0;      // a receive's message length
@@ -49,6 +74,15 @@ struct Transfer {
 
   // "receive from rank 1 (tag 3)"
   std::string what() const;
+  // A receive's sender's dtype (from its tag), or -1 when it gave none.
+  int sender_dtype() const { return dtype_of_code(dtype_code_of(sender_tag)); }
 };
+
+// What a receive's message and buffer disagree about, for both ranks'
+// errors: "the message (40 bytes, int32) <is> another dtype than <the
+// receive buffer> (40 bytes, float32): ..." or "... larger than ...". A
+// dtype < 0 is left unnamed.
+std::string bad_message(int64_t received, int sender_dtype, int64_t bytes, int receiver_dtype,
+                        const std::string& message_is, const std::string& buffer);
 
 }  // namespace cohort::ucx

@@ -13,6 +13,7 @@
 #include "cohort/core/error.h"
 #include "cohort/core/job_work.h"
 #include "cohort/core/serial_worker.h"
+#include "cohort/core/signature.h"
 #include "cohort/core/work_then.h"
 
 namespace cohort::ucx {
@@ -62,12 +63,18 @@ class UcxEngine : public Engine {
   int rank() const override { return worker_->rank(); }
   int size() const override { return worker_->size(); }
 
+  // Each message's tag carries the caller's dtype, checked by the receive
+  // (transfer.h): a message of another dtype is a MismatchError, never
+  // bytes read as another type.
   WorkPtr send(at::Tensor& t, int dst, int tag) override {
-    return std::make_shared<TransferWork>(worker_, worker_->post(Channel::User, t, dst, tag, true));
+    const int dtype = static_cast<int>(caller_dtype_or(t.scalar_type()));
+    return std::make_shared<TransferWork>(worker_,
+                                          worker_->post(Channel::User, t, dst, tag, true, dtype));
   }
   WorkPtr recv(at::Tensor& t, int src, int tag) override {
+    const int dtype = static_cast<int>(caller_dtype_or(t.scalar_type()));
     return std::make_shared<TransferWork>(worker_,
-                                          worker_->post(Channel::User, t, src, tag, false));
+                                          worker_->post(Channel::User, t, src, tag, false, dtype));
   }
 
   WorkPtr all_reduce(at::Tensor& t, ReduceOp op) override {
@@ -260,6 +267,10 @@ namespace cohort {
 std::unique_ptr<Engine> make_ucx_engine(std::shared_ptr<Store> store, int rank, int size,
                                         const std::string& bind_address,
                                         const std::string& interface, Millis timeout) {
+  if (size > ucx::kMaxRanks) {
+    throw ConfigError("ucx: a group of " + std::to_string(size) + " ranks exceeds the " +
+                      std::to_string(ucx::kMaxRanks) + " its message tags can name");
+  }
   ucx::WorkerConfig config{bind_address, interface};
   std::shared_ptr<ucx::Worker> worker;
   try {

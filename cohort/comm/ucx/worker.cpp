@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort::ucx {
 namespace {
@@ -37,13 +38,13 @@ std::string Transfer::what() const {
 }
 
 std::shared_ptr<Transfer> Worker::post(Channel channel, at::Tensor t, int peer, int tag,
-                                       bool is_send) {
+                                       bool is_send, int dtype) {
   if (failure_.failed()) failure_.rethrow();
-  return start(channel, std::move(t), peer, tag, is_send);
+  return start(channel, std::move(t), peer, tag, is_send, ~uint64_t{0}, dtype);
 }
 
 std::shared_ptr<Transfer> Worker::start(Channel channel, at::Tensor t, int peer, int tag,
-                                        bool is_send, uint64_t mask) {
+                                        bool is_send, uint64_t mask, int dtype) {
   auto x = std::make_shared<Transfer>();
   x->owner = this;
   x->peer = peer;
@@ -51,6 +52,7 @@ std::shared_ptr<Transfer> Worker::start(Channel channel, at::Tensor t, int peer,
   x->channel = channel;
   x->is_send = is_send;
   x->bytes = t.nbytes();
+  x->dtype = dtype;
   void* data = t.numel() ? t.data_ptr() : nullptr;
   x->buffer = std::move(t);
   ucp_request_param_t p{};
@@ -60,13 +62,14 @@ std::shared_ptr<Transfer> Worker::start(Channel channel, at::Tensor t, int peer,
   if (is_send) {
     p.cb.send = on_sent;
     r = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)], data, x->bytes,
-                         tag_of(channel, rank_, tag), &p);
+                         tag_of(channel, rank_, tag, dtype_code(dtype)), &p);
   } else {
     // UCX 1.13 leaves recv_info unset when a receive completes at once, so
     // receives always complete through the callback, which has the length.
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = on_received;
-    r = ucp_tag_recv_nbx(worker_, data, x->bytes, tag_of(channel, peer, tag), mask, &p);
+    r = ucp_tag_recv_nbx(worker_, data, x->bytes, tag_of(channel, peer, tag), mask & ~kDtypeField,
+                         &p);
   }
   if (r == nullptr) {  // a send completed at once; no callback follows
     x->done.store(true, std::memory_order_release);
@@ -132,9 +135,15 @@ void Worker::wait(Transfer& t, Clock::time_point deadline) {
   finish(t);
 }
 
+// Whether a receive's message has its buffer's dtype, where both sides
+// named one (user messages): the compare of two tag fields, the whole cost.
+static bool same_dtype(const Transfer& t) {
+  return t.dtype < 0 || t.sender_dtype() < 0 || t.dtype == t.sender_dtype();
+}
+
 void Worker::finish(Transfer& t) {
   if (t.check) return check_.verify(t);
-  if (t.status == UCS_OK && (t.is_send || t.received == t.bytes)) return;
+  if (t.status == UCS_OK && (t.is_send || (t.received == t.bytes && same_dtype(t)))) return;
   if (t.status == UCS_OK || t.status == UCS_ERR_MESSAGE_TRUNCATED) {
     // Inside a collective the checks name both collectives, which says
     // more than a size: give the neighbour's check (or another rank's
@@ -155,18 +164,33 @@ void Worker::finish(Transfer& t) {
   throw PeerError("ucx: " + t.what() + " failed: " + ucs_status_string(t.status));
 }
 
-// A receive whose message did not have the buffer's size: the ranks disagree
-// about the operation. The receiver fails; so does the sender, told by a
-// notice on the control channel, instead of waiting for its timeout.
+std::string bad_message(int64_t received, int sender_dtype, int64_t bytes, int receiver_dtype,
+                        const std::string& message_is, const std::string& buffer) {
+  auto described = [](int64_t n, int dtype) {
+    return "(" + std::to_string(n) + " bytes" +
+           (dtype < 0 ? "" : ", " + dtype_name(static_cast<at::ScalarType>(dtype))) + ")";
+  };
+  if (received == bytes) {
+    return "the message " + described(received, sender_dtype) + " " + message_is +
+           " of another dtype than " + buffer + " " + described(bytes, receiver_dtype) +
+           ": the ranks sent and received different dtypes";
+  }
+  return "the message " + described(received, sender_dtype) + " " + message_is + " " +
+         (received > bytes ? "larger" : "shorter") + " than " + buffer + " " +
+         described(bytes, receiver_dtype) + ": the ranks called different operations or sizes";
+}
+
+// A receive whose message did not have the buffer's size or dtype: the
+// ranks disagree about the operation. The receiver fails; so does the
+// sender, told by a notice on the control channel, instead of waiting for
+// its timeout.
 void Worker::report_bad_receive(const Transfer& t) {
-  const bool longer = t.status == UCS_ERR_MESSAGE_TRUNCATED;
   const std::string in = check_.current();
-  failure_.fail("ucx: " + (in.empty() ? "" : in + ": ") + t.what() + ": the message (" +
-                    std::to_string(t.received) + " bytes) is " + (longer ? "larger" : "shorter") +
-                    " than the receive buffer (" + std::to_string(t.bytes) +
-                    " bytes): the ranks called different operations or sizes",
+  failure_.fail("ucx: " + (in.empty() ? "" : in + ": ") + t.what() + ": " +
+                    bad_message(static_cast<int64_t>(t.received), t.sender_dtype(),
+                                static_cast<int64_t>(t.bytes), t.dtype, "is", "the receive buffer"),
                 true);
-  control_.notify_truncated(t);
+  control_.notify_bad_message(t);
 }
 
 void Worker::check_notices() {

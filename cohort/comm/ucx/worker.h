@@ -71,12 +71,16 @@ class Worker {
   // The transports UCX was allowed ("self,sm", or UCX's default).
   const std::string& transports() const { return transports_; }
 
-  // Posts a transfer of `t` (contiguous, CPU). Throws PeerError when the
-  // group already failed.
-  std::shared_ptr<Transfer> post(Channel channel, at::Tensor t, int peer, int tag, bool is_send);
+  // Posts a transfer of `t` (contiguous, CPU). `dtype` (a user message's
+  // at::ScalarType as the caller gave it, or -1) goes in a send's tag and is
+  // compared with a receive's sender's. Throws PeerError when the group
+  // already failed.
+  std::shared_ptr<Transfer> post(Channel channel, at::Tensor t, int peer, int tag, bool is_send,
+                                 int dtype = -1);
   // Drives UCX until `t` is done or `deadline`; throws TimeoutError,
   // PeerError (dead peer, transport error) or MismatchError (a message
-  // longer or shorter than the receive buffer, on either rank).
+  // longer or shorter than the receive buffer, or of another dtype, on
+  // either rank).
   void wait(Transfer& t, Clock::time_point deadline);
   // Progresses UCX once; true when something happened.
   bool progress() { return progress_.poll(); }
@@ -114,14 +118,14 @@ class Worker {
   class Exchange;  // the rendezvous's stages through the store (worker_setup.cpp)
   void rendezvous(Exchange& exchange, const WorkerConfig& config);
   // post() without the failed-group check (notices, checks). A receive
-  // matches the tag's bits in `mask`.
+  // matches the tag's bits in `mask`, never the dtype field.
   std::shared_ptr<Transfer> start(Channel channel, at::Tensor t, int peer, int tag, bool is_send,
-                                  uint64_t mask = ~uint64_t{0});
+                                  uint64_t mask = ~uint64_t{0}, int dtype = -1);
   void create_endpoints(const std::vector<std::vector<uint8_t>>& addresses);
   // Turns a peer's notice or an endpoint error into the group's failure.
   void check_notices();
   void report_bad_receive(const Transfer& t);
-  // Throws unless `t` succeeded with the expected length.
+  // Throws unless `t` succeeded with the expected length and dtype.
   void finish(Transfer& t);
   void prune_locked();
   void close();
