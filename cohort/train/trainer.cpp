@@ -82,27 +82,65 @@ Trainer::Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
 Trainer::Trainer(TrainingPlan plan, TrainerOptions config, std::shared_ptr<GradNorm> norm)
     : Trainer(std::move(plan), LossFn{}, std::move(config), std::move(norm)) {}
 
-StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
+// A step's micro-batches as words: how many came, accumulation_steps, the
+// first micro-batch whose size differs from micro-batch 0's (-1: none),
+// micro-batch 0's size and that one's.
+static std::vector<int64_t> micro_batch_words(
+    const std::vector<torch::data::Example<>>& micro_batches, int64_t accumulation_steps) {
   const auto k = static_cast<int64_t>(micro_batches.size());
-  if (k != config_.accumulation_steps) {
-    throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) + ": got " +
-                          std::to_string(k) + " micro-batches, accumulation_steps is " +
-                          std::to_string(config_.accumulation_steps));
+  std::vector<int64_t> w{k, accumulation_steps, -1, k ? micro_batches[0].data.size(0) : 0, 0};
+  for (int64_t i = 1; i < k; ++i) {
+    const int64_t size = micro_batches[static_cast<size_t>(i)].data.size(0);
+    if (size == w[3]) continue;
+    w[2] = i;
+    w[4] = size;
+    break;
+  }
+  return w;
+}
+
+// What is wrong with rank `r`'s micro-batch words, or empty.
+static std::string micro_batch_fault(int r, const int64_t* w) {
+  const std::string rank = "rank " + std::to_string(r);
+  if (w[0] != w[1]) {
+    return rank + " got " + std::to_string(w[0]) + " micro-batches, accumulation_steps is " +
+           std::to_string(w[1]);
+  }
+  if (w[2] < 0) return "";
+  return rank + "'s micro-batches have unequal sizes (micro-batch " + std::to_string(w[2]) +
+         " has " + std::to_string(w[4]) + " samples, micro-batch 0 has " + std::to_string(w[3]) +
+         ")";
+}
+
+void Trainer::agree_on_micro_batches(const std::vector<torch::data::Example<>>& micro_batches) {
+  // Refused on every rank, or a rank whose batch split unequally would fail
+  // alone while its peers wait in the step's collectives until their
+  // timeout. No collective runs before the forward to fold this into, so
+  // it costs one all-gather of 5 words per step (none alone).
+  const auto mine = micro_batch_words(micro_batches, config_.accumulation_steps);
+  const RankWords all = comm_.size() > 1 ? gather_words(comm_, mine) : RankWords(mine, 1);
+  std::string faults;
+  for (int r = 0; r < all.ranks(); ++r) {
+    const std::string fault = micro_batch_fault(r, all.of(r));
+    if (!fault.empty()) faults += (faults.empty() ? "" : "; ") + fault;
+  }
+  if (faults.empty()) return;
+  std::string sizes;
+  for (const auto& b : micro_batches) {
+    sizes += (sizes.empty() ? "" : ", ") + std::to_string(b.data.size(0));
   }
   // ReplicaLayout weights each micro-batch's mean loss alike (1/k), a
   // pipeline the samples (it concatenates and re-splits them): with unequal
   // sizes the two would train differently, neither as one batch would.
-  for (int64_t i = 1; i < k; ++i) {
-    const int64_t first = micro_batches[0].data.size(0), size = micro_batches[i].data.size(0);
-    if (size == first) continue;
-    std::string sizes;
-    for (const auto& b : micro_batches) {
-      sizes += (sizes.empty() ? "" : ", ") + std::to_string(b.data.size(0));
-    }
-    throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) +
-                          ": micro-batches of unequal sizes [" + sizes +
-                          "]; every micro-batch of a step must have as many samples");
-  }
+  throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) + " of " +
+                        std::to_string(comm_.size()) + ": " + faults +
+                        "; every rank must pass accumulation_steps micro-batches with as many "
+                        "samples each (this rank's sizes: [" +
+                        sizes + "])");
+}
+
+StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
+  agree_on_micro_batches(micro_batches);
   Tracer* const tracer = active(comm_.tracer());
   TraceSpan step_span(tracer, "train step", "train");
   step_span.arg(TraceArg::num("step", static_cast<double>(position_.step)));

@@ -3,6 +3,8 @@
 // learning-rate schedule, metrics, progress, and checkpoints with resume.
 //
 // One optimizer step of Trainer::train_step, on every rank:
+//   0. one all-gather of 5 words: every rank passed accumulation_steps
+//      micro-batches of equal sizes, or every rank refuses the step;
 //   1. zero the gradients;
 //   2. for each of the k micro-batches: loss = loss_fn(batch); (loss / k)
 //      .backward(). All but the last run under GradientSync::skip_sync(), so
@@ -234,6 +236,10 @@ class Trainer {
   /// Collective: throws on every rank unless all have the same micro-batches
   /// this epoch and the same accumulation, epochs and max_steps.
   void agree_on_epoch(DataSource& data);
+  /// Collective (one all-gather of 5 words; none alone): throws on every
+  /// rank unless each passed accumulation_steps micro-batches of equal
+  /// sizes, naming the ranks that did not.
+  void agree_on_micro_batches(const std::vector<torch::data::Example<>>& micro_batches);
   void write_main_file(int64_t step, const std::string& payload);
   void finish_pending_checkpoint();
 

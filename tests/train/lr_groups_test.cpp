@@ -5,14 +5,17 @@
 // schedule from the recorded initial rates instead of scaling the last
 // scheduled ones again; base_lr over groups of different rates is refused.
 // Against one process of plain LibTorch, worlds 1 and 3 (Gloo, UCX).
-// Also: train_step refuses micro-batches of unequal sizes.
+// Also: train_step refuses micro-batches of unequal sizes (or another count)
+// on every rank when one rank passed them, at worlds 1-3 over Gloo and UCX.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <mutex>
 
 #include "cohort/core/error.h"
+#include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
 #include "support/engine_worlds.h"
@@ -207,32 +210,84 @@ TEST(LrGroupsRefused, BaseLrOverGroupsOfDifferentRates) {
 }
 
 // ReplicaLayout weights micro-batches alike, a pipeline by samples: unequal
-// sizes are refused, naming them, before anything runs.
-TEST(TrainStepRefused, MicroBatchesOfUnequalSizes) {
-  const auto data = make_data(8);
-  testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
-    auto net = make_mlp();
-    const auto before = net->parameters()[0].clone();
-    torch::optim::SGD opt(net->parameters(), 0.1);
-    TrainerOptions config;
-    config.accumulation_steps = 2;
-    config.progress = false;
-    Trainer trainer(
-        TrainerWiring::all_reduce(net.ptr(), opt, comm),
-        [&](const torch::data::Example<>& b) {
-          return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
-        },
-        config);
-    try {
-      trainer.train_step({{data.x.narrow(0, 0, 4), data.y.narrow(0, 0, 4)},
-                          {data.x.narrow(0, 4, 2), data.y.narrow(0, 4, 2)}});
-      ADD_FAILURE() << "unequal micro-batches were accepted";
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find("unequal sizes [4, 2]"), std::string::npos) << e.what();
-    }
-    EXPECT_TRUE(torch::equal(net->parameters()[0], before));
-  });
+// sizes are refused before anything runs, and on every rank when only the
+// last rank's batch split unequally (or it passed another count): each rank
+// gets an InvalidArgument naming that rank, well before the operation's
+// timeout, with its parameters untouched. Then the ranks still step together.
+class TrainStepRefused : public ::testing::TestWithParam<testing::EngineWorld> {};
+
+struct OddBatches {
+  const char* name;
+  std::vector<int64_t> sizes;  // the last rank's micro-batch sizes
+  std::string named;           // what every rank's error says of the last rank
+};
+
+TEST_P(TrainStepRefused, OneRanksUnequalMicroBatchesOnEveryRank) {
+  using Clock = std::chrono::steady_clock;
+  const auto& c = GetParam();
+  const int last = c.world - 1;
+  const std::vector<OddBatches> cases = {
+      {"unequal",
+       {4, 2},
+       "'s micro-batches have unequal sizes (micro-batch 1 has 2 samples, "
+       "micro-batch 0 has 4)"},
+      {"count", {4, 4, 4}, " got 3 micro-batches, accumulation_steps is 2"},
+  };
+  const auto data = make_data(16);
+  auto o = testing::options_for(c);
+  o.timeout = std::chrono::seconds(30);  // far above the bound below
+  testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto net = make_mlp();
+        // DDP: a rank that refused alone would leave its peers in the
+        // backward's all-reduces.
+        DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+        torch::optim::SGD opt(net->parameters(), 0.1);
+        TrainerOptions config;
+        config.accumulation_steps = 2;
+        config.progress = false;
+        Trainer trainer(
+            TrainerWiring::ddp(ddp, opt),
+            [&](const torch::data::Example<>& b) {
+              return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+            },
+            config);
+        auto batches = [&](const std::vector<int64_t>& sizes) {
+          std::vector<torch::data::Example<>> out;
+          int64_t at = 0;
+          for (int64_t n : sizes) {
+            out.push_back({data.x.narrow(0, at, n), data.y.narrow(0, at, n)});
+            at += n;
+          }
+          return out;
+        };
+        for (const auto& odd : cases) {
+          const auto before = net->parameters()[0].clone();
+          const auto start = Clock::now();
+          try {
+            trainer.train_step(
+                batches(comm->rank() == last ? odd.sizes : std::vector<int64_t>{4, 4}));
+            ADD_FAILURE() << odd.name << ": rank " << comm->rank() << " stepped";
+          } catch (const InvalidArgument& e) {
+            const std::string m = e.what();
+            EXPECT_NE(m.find("rank " + std::to_string(last) + odd.named), std::string::npos) << m;
+            EXPECT_NE(m.find("on rank " + std::to_string(comm->rank()) + " of "), std::string::npos)
+                << m;
+          }
+          EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0)
+              << odd.name << ": rank " << comm->rank() << " waited for its peers' timeout";
+          EXPECT_TRUE(torch::equal(net->parameters()[0], before)) << odd.name;
+        }
+        // Nothing was left half done: every rank steps together after.
+        EXPECT_NO_THROW(trainer.train_step(batches({4, 4})));
+      },
+      o);
 }
+
+INSTANTIATE_TEST_SUITE_P(EngineWorlds, TrainStepRefused,
+                         ::testing::ValuesIn(testing::engine_worlds({1, 2, 3})),
+                         testing::engine_world_name);
 
 }  // namespace
 }  // namespace cohort::lr_groups_test
