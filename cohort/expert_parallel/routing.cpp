@@ -6,10 +6,17 @@
 namespace cohort::expert_parallel {
 
 int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t k, int64_t experts) {
-  // No expert can be asked for more than T * k slots; capping there first
-  // keeps a huge factor (meaning "drop nothing") from overflowing the cast.
-  const double most = static_cast<double>(tokens * k);
-  const double slots = std::min(capacity_factor * most / experts, most);
+  // Megatron-Core's get_capacity, operation for operation, in doubles:
+  // ceil((T * k / E) * factor). The order decides where the product lands
+  // within an ulp of an integer: (90 / 3) * 1.1 is 33.0 but 1.1 * 90 / 3 is
+  // 33.00000000000001, whose ceil is 34; the same routing must keep the
+  // same tokens as the reference.
+  const int64_t most = tokens * k;
+  const double slots = static_cast<double>(most) / static_cast<double>(experts) * capacity_factor;
+  // No expert can be asked for more than T * k slots; capping there keeps a
+  // huge factor (meaning "drop nothing") from overflowing the cast, and
+  // keeps the same assignments.
+  if (!(slots < static_cast<double>(most))) return most;
   return static_cast<int64_t>(std::ceil(slots));
 }
 

@@ -37,7 +37,8 @@ struct Routing {
 /// The routing of `logits` [T, E] (see the file comment); k is 1 or 2.
 Routing route(const torch::Tensor& logits, int64_t k, double capacity_factor);
 
-/// C = ceil(capacity_factor * tokens * k / experts), at most tokens * k.
+/// C = ceil((tokens * k / experts) * capacity_factor) in doubles, in
+/// Megatron-Core's order of operations (get_capacity), at most tokens * k.
 int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t k, int64_t experts);
 
 /// Switch Transformer's E * sum_e f_e * P_e: f_e the share of the T * k

@@ -5,7 +5,8 @@
 // the loss; k = 1 and 2, with a capacity that drops tokens and one that drops
 // none. A negative control reroutes one token and must be caught by the same
 // comparison; average_moe_gradients at dp 2 x ep 2 against the mean loss;
-// route() against hand-worked routings; options that differ across ranks.
+// route() against hand-worked routings, the capacity's rounding against
+// Megatron-Core's; options that differ across ranks.
 // With COHORT_TEST_DEVICE=cuda the layers and the tokens are on the GPU.
 #include "cohort/expert_parallel/moe.h"
 
@@ -236,6 +237,24 @@ TEST(ExpertRouting, CapacityDropsInClaimingOrder) {
   auto none = route(torch::zeros({0, 3}), 2, 1.0);
   EXPECT_EQ(none.capacity, 0);
   EXPECT_EQ(load_balancing_loss(none).item<float>(), 0.0f);
+}
+
+// The capacity in Megatron-Core's order (get_capacity: ceil((T * k / E) *
+// factor) in doubles), closed forms where the two orders of the product
+// land on either side of an integer: in doubles (90 / 3) * 1.1 is exactly
+// 33 while 1.1 * 90 / 3 is 33.00000000000001 (ceil 34); (150 / 3) * 1.1 is
+// 55.00000000000001 (ceil 56) while 1.1 * 150 / 3 is 55.
+TEST(ExpertRouting, CapacityRoundsAsMegatronCore) {
+  EXPECT_EQ(expert_capacity(1.1, 90, 1, 3), 33);
+  EXPECT_EQ(expert_capacity(1.1, 45, 2, 3), 33);  // T * k = 90 too
+  EXPECT_EQ(expert_capacity(1.1, 150, 1, 3), 56);
+  EXPECT_EQ(expert_capacity(1.1, 75, 2, 3), 56);
+  EXPECT_EQ(expert_capacity(1.1, 180, 1, 3), 66);
+  EXPECT_EQ(expert_capacity(1.1, 270, 1, 3), 100);
+  // Exact in any order.
+  EXPECT_EQ(expert_capacity(1.25, 8, 2, 4), 5);
+  EXPECT_EQ(expert_capacity(1.0, 12, 1, 4), 3);
+  EXPECT_EQ(expert_capacity(0.5, 7, 1, 4), 1);  // ceil(0.875)
 }
 
 // A capacity factor too large for an int64 capacity (the largest double,
