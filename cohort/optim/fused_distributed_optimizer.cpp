@@ -37,6 +37,14 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
   // Every rank must build the same buckets, or the all-reduces would mix
   // unrelated elements (or hang on different sizes).
   verify_same_parameters(*comm_, params_, {}, "FusedDistributedOptimizer");
+  // The state is replicated and every rank applies the same averaged
+  // update to its own values: ranks that start apart stay apart, silently.
+  // A digest per rank checks it for one word of all-gather.
+  verify_same_values(*comm_, params_, {}, "FusedDistributedOptimizer",
+                     "every rank applies the same averaged update to its own values, so the "
+                     "ranks' models would silently stay different. Build it over parameters "
+                     "equal on every rank: broadcast them (cohort DDP's constructor does), or "
+                     "initialize them from the same seed or checkpoint on every rank");
   steps_.assign(params_.size(), 0);
   grad_views_.resize(params_.size());
   seen_.assign(params_.size(), 0);

@@ -65,9 +65,9 @@ struct FusedOptions {
 /// without DDP.
 class FusedDistributedOptimizer {
  public:
-  /// Collective: every rank passes the same shapes in the same order
-  /// (checked: MismatchError), with equal values (broadcast them first, e.g.
-  /// by building DDP once, or seed).
+  /// Collective: every rank passes the same shapes in the same order, with
+  /// equal values (broadcast them first, e.g. by building DDP once, or seed;
+  /// both checked, the values by a digest: MismatchError on every rank).
   /// What it steps, the group it averages over, AdamW's options, its own (the order of
   /// ZeroRedundancyOptimizer::make).
   FusedDistributedOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Communicator> comm,

@@ -108,6 +108,17 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     throw InvalidArgument(where("constructor") + ": a parameter is in " + in_two_groups +
                           "; each tensor may be in one group only");
   }
+  // Each rank steps its own shard from its own values and the all-gather
+  // then assembles the model from every rank's shard: ranks that start from
+  // different values would train a silent mix of them. PyTorch's
+  // ZeroRedundancyOptimizer assumes equal values (DDP broadcast them); a
+  // digest per rank checks it for one word of all-gather, where
+  // broadcasting rank 0's values would move the whole model.
+  verify_same_values(*comm_, params_, {}, "ZeroRedundancyOptimizer",
+                     "ZeRO steps each rank's shard from that rank's values and all-gathers the "
+                     "shards, so the model would silently mix the ranks' values. Build it over "
+                     "parameters equal on every rank: after cohort DDP (which broadcasts rank "
+                     "0's), or initialized from the same seed or checkpoint on every rank");
 
   const int64_t elem = params_[0].element_size();
   auto bucket_elements =

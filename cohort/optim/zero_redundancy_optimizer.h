@@ -17,7 +17,8 @@
 // work, and gradient accumulation at stage 2: cohort/optim/README.md.
 // Every element is updated by the same element-wise formula as
 // in the unsharded optimizer, so results equal DDP + the same optimizer (to
-// rounding). Requirements: all parameters one floating dtype, dense, CPU.
+// rounding). Requirements: all parameters one floating dtype, dense, CPU,
+// equal on every rank (checked at construction).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -90,8 +91,9 @@ class ZeroRedundancyOptimizer {
       std::vector<torch::optim::OptimizerParamGroup>)>;
 
   /// Collective over comm: every rank passes the same parameter shapes in
-  /// the same order. Parameters must already be equal on all ranks (as after
-  /// DDP's broadcast); groups without options take the inner defaults. A
+  /// the same order, with the same values (as after DDP's broadcast; checked
+  /// by a digest: MismatchError on every rank naming the first parameter
+  /// that differs); groups without options take the inner defaults. A
   /// tensor listed twice (a tied weight in a module's parameters()) is one
   /// parameter, at its first place; one in two groups is InvalidArgument.
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,

@@ -1,5 +1,6 @@
 // The shared machinery below the modules: the one FNV-1a (against the
-// reference vectors of its authors), cross-rank agreement (ranks as threads,
+// reference vectors of its authors), the content digest (a one-bit change
+// anywhere, lanes and tail, changes it), cross-rank agreement (ranks as threads,
 // worlds 1 to 3: every rank names each group of ranks and its value) and the
 // SerialWorker (order, the stop at the first failure, running on the
 // caller's thread, drain, the jobs left at destruction).
@@ -33,6 +34,25 @@ TEST(Fnv1a, StandardVectors) {
   const unsigned char a[8] = {'a', 0, 0, 0, 0, 0, 0, 0};
   EXPECT_EQ(fnv1a_words({0x61}), fnv1a(a, sizeof a));
   EXPECT_EQ(fnv1a_words({}), kFnv1aBasis);
+}
+
+// Every byte position of a buffer that spans the four lanes more than once
+// and ends in a tail: flipping one bit there changes the digest, and equal
+// bytes give equal digests.
+TEST(ContentDigest, OneBitAnywhereChangesIt) {
+  std::vector<unsigned char> bytes(32 * 3 + 7);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 37 + 11);
+  const uint64_t base = content_digest(bytes.data(), bytes.size());
+  EXPECT_EQ(content_digest(std::vector<unsigned char>(bytes).data(), bytes.size()), base);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    for (int bit : {0, 7}) {
+      auto flipped = bytes;
+      flipped[i] ^= static_cast<unsigned char>(1u << bit);
+      EXPECT_NE(content_digest(flipped.data(), flipped.size()), base) << "byte " << i;
+    }
+  }
+  // A shorter prefix is another buffer.
+  EXPECT_NE(content_digest(bytes.data(), bytes.size() - 1), base);
 }
 
 TEST(NameGroups, EachGroupInTheOrderOfItsFirstRank) {
