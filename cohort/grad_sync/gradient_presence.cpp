@@ -3,6 +3,7 @@
 #include <torch/types.h>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/error.h"
 
 namespace cohort {
 
@@ -12,6 +13,30 @@ std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& loca
   for (size_t i = 0; i < local.size(); ++i) m[i] = local[i];
   if (comm.size() > 1) comm.all_reduce(mask, {ReduceOp::Max}).wait();
   return std::vector<char>(m, m + local.size());
+}
+
+std::vector<char> any_rank_has_unless_refused(Communicator& comm, const std::vector<char>& local,
+                                              const std::string& refusal,
+                                              const std::string& where) {
+  const size_t n = local.size(), world = static_cast<size_t>(comm.size());
+  std::vector<char> words(local);
+  words.resize(n + world, 0);
+  words[n + static_cast<size_t>(comm.rank())] = refusal.empty() ? 0 : 1;
+  auto all = any_rank_has(comm, words);
+  if (!refusal.empty()) throw InvalidArgument(where + ": " + refusal);
+  std::string ranks;
+  int count = 0;
+  for (size_t r = 0; r < world; ++r) {
+    if (!all[n + r]) continue;
+    ranks += (count++ ? ", " : "") + std::to_string(r);
+  }
+  if (count > 0) {
+    throw InvalidArgument(where + ": " + (count > 1 ? "ranks " : "rank ") + ranks +
+                          " cannot take this step (" + (count > 1 ? "their" : "its") +
+                          " own error says why), so no rank takes it");
+  }
+  all.resize(n);
+  return all;
 }
 
 }  // namespace cohort

@@ -8,6 +8,7 @@
 // undefined .grad.
 #pragma once
 
+#include <string>
 #include <vector>
 
 namespace cohort {
@@ -17,5 +18,13 @@ class Communicator;
 /// Collective over `comm` (one small all-reduce; none at world size 1): per
 /// entry, whether any rank's `local` is nonzero.
 std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& local);
+
+/// The same all-reduce carrying one more entry per rank: whether that rank
+/// refuses to go on (`refusal` not empty), so that a step one rank cannot
+/// take is refused on every rank at no extra collective. Throws
+/// InvalidArgument on every rank when any rank refuses: `where: refusal` on
+/// the refusing ranks, `where` naming those ranks on the others.
+std::vector<char> any_rank_has_unless_refused(Communicator& comm, const std::vector<char>& local,
+                                              const std::string& refusal, const std::string& where);
 
 }  // namespace cohort

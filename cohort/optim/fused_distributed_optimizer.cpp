@@ -1,8 +1,10 @@
 #include "cohort/optim/fused_distributed_optimizer.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/gradient_presence.h"
 #include "cohort/grad_sync/parameter_check.h"
@@ -83,6 +85,15 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].grad().defined()) grad_views_[i].copy_(params_[i].grad());
     params_[i].mutable_grad() = grad_views_[i];
+  }
+  // flatten_into made a tensor listed twice (a tied weight) a view of its
+  // later place; both places step alike (fill() copies its .grad into both).
+  last_place_.assign(params_.size(), 1);
+  {
+    std::unordered_set<const void*> later;
+    for (size_t i = params_.size(); i-- > 0;) {
+      if (!later.insert(params_[i].unsafeGetTensorImpl()).second) last_place_[i] = 0;
+    }
   }
   hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { seen_[i] = 1; });
   // All in step(), in bucket order: every bucket is ready at once.
@@ -165,16 +176,58 @@ void FusedDistributedOptimizer::apply(Bucket& b, const std::vector<char>& has) {
   }
 }
 
-std::vector<char> FusedDistributedOptimizer::globally_has_grad() {
-  for (auto& b : buckets_) fill(b);  // a replaced .grad counts as seen
-  return any_rank_has(*comm_, seen_);
+std::string FusedDistributedOptimizer::where(const std::string& op) const {
+  return "FusedDistributedOptimizer::" + op + " (rank " + std::to_string(comm_->rank()) + " of " +
+         std::to_string(comm_->size()) + ", group " + comm_->name() + ")";
+}
+
+std::string FusedDistributedOptimizer::replaced_storage() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!last_place_[i]) continue;  // its tensor is checked at its last place
+    const auto& p = params_[i];
+    const auto [bi, k] = place_[i];
+    const auto& flat = buckets_[bi].param;
+    const auto& view = grad_views_[i];  // shaped as the parameter was
+    if (p.has_storage() && p.storage().is_alias_of(flat.storage()) &&
+        p.storage_offset() == flat.storage_offset() + buckets_[bi].offsets[k] &&
+        p.sizes() == view.sizes() && p.is_contiguous() && p.scalar_type() == flat.scalar_type() &&
+        p.device() == flat.device()) {
+      continue;
+    }
+    return "parameter " + std::to_string(i) +
+           " no longer holds the storage FusedDistributedOptimizer gave it (a view into its "
+           "bucket's flat buffer, " +
+           dtype_name(flat.scalar_type()) + " " + c10::str(view.sizes()) + " on " +
+           flat.device().str() + "; it is now " + dtype_name(p.scalar_type()) + " " +
+           c10::str(p.sizes()) + " on " + p.device().str() +
+           "): something replaced it after the optimizer was built (torch::load, which set_()s "
+           "each tensor, Module::to, set_data or set_), and the step would update the bucket, "
+           "which the model no longer reads, and leave the new values untrained. Copy values "
+           "into the parameters in place (p.copy_(value) under torch::NoGradGuard) or load them "
+           "with dcp::set_state_dict, and change dtype or device before building the optimizer";
+  }
+  return "";
+}
+
+std::vector<char> FusedDistributedOptimizer::globally_has_grad(const std::string& op) {
+  // Before fill(): a replaced parameter's .grad may no longer fit its view.
+  // The refusal rides on the presence all-reduce, which every step takes
+  // before its first gradient all-reduce.
+  const std::string replaced = replaced_storage();
+  if (comm_->size() == 1 && !replaced.empty()) throw InvalidArgument(where(op) + ": " + replaced);
+  std::vector<char> local(seen_.size(), 0);
+  if (replaced.empty()) {
+    for (auto& b : buckets_) fill(b);  // a replaced .grad counts as seen
+    local = seen_;
+  }
+  return any_rank_has_unless_refused(*comm_, local, replaced, where(op));
 }
 
 void FusedDistributedOptimizer::finish_gradients() {
   if (averaged_) return;
   TraceSpan span(active(comm_->tracer()), "fused reduce gradients", "optim");
   torch::NoGradGuard no_grad;
-  has_ = globally_has_grad();
+  has_ = globally_has_grad("finish_gradients");
   if (comm_->size() > 1) {
     queue_.reset();
     queue_.start_clock();
@@ -194,13 +247,13 @@ void FusedDistributedOptimizer::step() {
   const int world = comm_->size();
   if (averaged_ || world == 1) {
     // Reduced by finish_gradients() (or nothing to reduce): update only.
-    if (!averaged_) has_ = globally_has_grad();
+    if (!averaged_) has_ = globally_has_grad("step");
     for (auto& b : buckets_) apply(b, has_);
     averaged_ = false;
     ++timestep_;
     return;
   }
-  const auto has = globally_has_grad();
+  const auto has = globally_has_grad("step");
   queue_.reset();
   queue_.start_clock();
   // Bucket i's all-reduce is in flight while bucket i-1 is updated.

@@ -92,6 +92,11 @@ class FusedDistributedOptimizer {
   FusedDistributedOptimizer& operator=(const FusedDistributedOptimizer&) = delete;
 
   /// Collective: average the gradients over the ranks and apply AdamW.
+  /// InvalidArgument on every rank, before anything is reduced, when a
+  /// rank's parameter no longer lives in its bucket (torch::load, Module::to,
+  /// set_data or set_ replaced its storage after construction): the update
+  /// would go to the bucket, which the model no longer reads. Load values in
+  /// place (copy_, dcp::set_state_dict).
   void step();
   /// Collective: averages the gradients now (all buckets, then waits), so
   /// that the .grad hold the averages before step(), e.g. to clip them by
@@ -154,7 +159,10 @@ class FusedDistributedOptimizer {
   };
   void fill(Bucket& b);
   void apply(Bucket& b, const std::vector<char>& has);
-  std::vector<char> globally_has_grad();
+  std::vector<char> globally_has_grad(const std::string& op);
+  // The first parameter that no longer lives in its bucket, described; "" if none.
+  std::string replaced_storage() const;
+  std::string where(const std::string& op) const;
   // Launches bucket b's all-reduce of its gradients with `op`.
   Work all_reduce(size_t b, ReduceOp op);
   // Waits for the oldest all-reduce in flight (time counted as exposed).
@@ -166,6 +174,9 @@ class FusedDistributedOptimizer {
   std::vector<int64_t> steps_;               // per parameter (skipped ones lag behind)
   std::vector<torch::Tensor> grad_views_;    // per parameter, into its bucket
   std::vector<char> seen_;                   // got a gradient since zero_grad
+  // Per parameter: whether it is the last place of its tensor in params_ (a
+  // tied tensor listed twice lives in the view of its last place).
+  std::vector<char> last_place_;
   std::unique_ptr<AccumulatorHooks> hooks_;  // set seen_
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> place_;  // per parameter: its bucket, its index there

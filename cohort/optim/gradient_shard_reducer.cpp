@@ -257,7 +257,7 @@ void GradientShardReducer::launch_rest() {
   launch_ready_buckets(true);
 }
 
-std::vector<char> GradientShardReducer::finish() {
+std::vector<char> GradientShardReducer::finish(const std::string& refusal, const std::string& op) {
   torch::NoGradGuard no_grad;
   if (!hooks_ && !ddp_) {
     throw Error(where_("step") +
@@ -267,7 +267,15 @@ std::vector<char> GradientShardReducer::finish() {
   }
   if (!active_) begin_iteration();
   launch_rest();
-  const auto has = any_rank_has(*comm_, has_);
+  // The presence all-reduce comes after every bucket was launched on every
+  // rank, so a refusal it carries leaves no rank inside a reduce-scatter.
+  std::vector<char> has;
+  try {
+    has = any_rank_has_unless_refused(*comm_, has_, refusal, where_(op));
+  } catch (...) {
+    drop();
+    throw;
+  }
   const bool twice = twice_;
   drop();
   if (twice) {

@@ -67,8 +67,11 @@ class GradientShardReducer : private ReductionOwner {
   /// Stages what backward did not (gradients set by hand or accumulated
   /// under no_sync() only), launches the remaining buckets, waits for all,
   /// releases the staging. Returns, per parameter, whether any rank had a
-  /// gradient. Throws Error if a parameter got a second gradient.
-  std::vector<char> finish();
+  /// gradient. Throws Error if a parameter got a second gradient, and
+  /// InvalidArgument on every rank when a rank passes a `refusal` (the
+  /// reason it cannot step, as any_rank_has_unless_refused; `op` names the
+  /// call that finishes).
+  std::vector<char> finish(const std::string& refusal = "", const std::string& op = "step");
   /// Drops an unfinished iteration (waits for what was launched).
   void drop();
 

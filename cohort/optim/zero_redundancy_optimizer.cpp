@@ -11,6 +11,7 @@
 
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/core/tensor_checks.h"
 #include "cohort/grad_sync/canonical_norm.h"
 #include "cohort/grad_sync/flat_views.h"
 #include "cohort/grad_sync/gradient_presence.h"
@@ -94,6 +95,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
                           c10::toString(p.scalar_type()) + " found)");
       }
       params_.push_back(p);
+      shapes_.push_back(p.sizes().vec());
       numels.push_back(p.numel());
       group_of.push_back(g);
     }
@@ -247,7 +249,7 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
                       ": the canonical norm needs determinism WorldSizeInvariant (otherwise "
                       "clip the shard_pieces() with the Trainer's ShardedGradNorm)");
   }
-  finish_gradients();
+  finish_gradients("clip_grad_norm");
   torch::NoGradGuard no_grad;
   const int64_t total = partition_->numel();
   double squares = 0;
@@ -294,16 +296,58 @@ void ZeroRedundancyOptimizer::zero_grad() {
   reduced_ = false;
 }
 
-void ZeroRedundancyOptimizer::finish_gradients() {
+void ZeroRedundancyOptimizer::finish_gradients() { finish_gradients("finish_gradients"); }
+
+void ZeroRedundancyOptimizer::finish_gradients(const std::string& op) {
   if (reduced_) return;
-  reduce_gradients();
+  reduce_gradients(op);
   reduced_ = true;
+}
+
+void ZeroRedundancyOptimizer::name_parameters(const GradientReducer& ddp) {
+  std::unordered_map<const void*, std::string> name_of;
+  const auto& theirs = ddp.parameters();
+  for (size_t k = 0; k < theirs.size() && k < ddp.parameter_names().size(); ++k) {
+    name_of.emplace(theirs[k].unsafeGetTensorImpl(), ddp.parameter_names()[k]);
+  }
+  names_.clear();
+  for (const auto& p : params_) {
+    auto it = name_of.find(p.unsafeGetTensorImpl());
+    names_.push_back(it == name_of.end() ? std::string() : it->second);
+  }
+}
+
+std::string ZeroRedundancyOptimizer::replaced_storage() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    const int64_t offset = flat_params_.storage_offset() + partition_->params()[i].offset;
+    if (p.has_storage() && p.storage().is_alias_of(flat_params_.storage()) &&
+        p.storage_offset() == offset && p.sizes() == at::IntArrayRef(shapes_[i]) &&
+        p.is_contiguous() && p.scalar_type() == flat_params_.scalar_type() &&
+        p.device() == flat_params_.device()) {
+      continue;
+    }
+    std::string name = "parameter " + std::to_string(i);
+    if (i < names_.size() && !names_[i].empty()) name += " ('" + names_[i] + "')";
+    return name + " of group " + std::to_string(partition_->params()[i].group) +
+           " no longer holds the storage ZeroRedundancyOptimizer gave it (a view into its flat "
+           "parameter buffer, " +
+           dtype_name(flat_params_.scalar_type()) + " " + c10::str(at::IntArrayRef(shapes_[i])) +
+           " on " + flat_params_.device().str() + "; it is now " + dtype_name(p.scalar_type()) +
+           " " + c10::str(p.sizes()) + " on " + p.device().str() +
+           "): something replaced it after the optimizer was built (torch::load, which set_()s "
+           "each tensor, Module::to, set_data or set_), and the step would update the buffer, "
+           "which the model no longer reads, and leave the new values untrained. Copy values "
+           "into the parameters in place (p.copy_(value) under torch::NoGradGuard) or load them "
+           "with dcp::set_state_dict, and change dtype or device before building the optimizer";
+  }
+  return "";
 }
 
 void ZeroRedundancyOptimizer::step() {
   TraceSpan span(active(comm_->tracer()), "zero step", "optim");
   span.arg(TraceArg::num("stage", options_.stage));
-  finish_gradients();
+  finish_gradients("step");
   reduced_ = false;
   if (comm_->size() == 1) {
     inner_->step();  // the shard is the whole buffer
@@ -312,21 +356,24 @@ void ZeroRedundancyOptimizer::step() {
   step_and_all_gather();
 }
 
-std::vector<char> ZeroRedundancyOptimizer::globally_has_grad() {
-  // A parameter with a gradient on any rank is reduced (missing ones count
-  // as zeros, as in DDP); one with none anywhere is skipped by the inner
-  // optimizer, as LibTorch's optimizers skip an undefined .grad.
-  std::vector<char> local(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) local[i] = params_[i].grad().defined() ? 1 : 0;
-  return any_rank_has(*comm_, local);
-}
-
-void ZeroRedundancyOptimizer::reduce_gradients() {
+void ZeroRedundancyOptimizer::reduce_gradients(const std::string& op) {
   torch::NoGradGuard no_grad;
   const auto& part = *partition_;
   const auto& pieces = part.pieces();
   // Stage 2 reduces alone or for DDP; stage 1 only alone.
   const bool reduce = comm_->size() > 1 && (options_.stage == 2 || options_.reduce_gradients);
+  // A parameter whose storage was replaced is refused on every rank before
+  // anything is stepped. The refusal rides on the gradient-presence
+  // all-reduce where the step has one (stage 1 alone, stage 2); stage 1
+  // after DDP and the leaf chunk have none, and pay one small all-reduce (an
+  // int per rank) for it.
+  const std::string replaced = replaced_storage();
+  if (comm_->size() == 1 && !replaced.empty()) throw InvalidArgument(where(op) + ": " + replaced);
+  const bool leaf_chunk =
+      options_.stage == 2 && options_.determinism == Determinism::WorldSizeInvariant;
+  if (comm_->size() > 1 && (!reduce || leaf_chunk)) {
+    any_rank_has_unless_refused(*comm_, {}, replaced, where(op));
+  }
 
   if (!reduce) {
     // The gradients are already averaged (stage 1 after DDP), or there is
@@ -340,22 +387,28 @@ void ZeroRedundancyOptimizer::reduce_gradients() {
     return;
   }
 
-  if (options_.stage == 2 && options_.determinism == Determinism::WorldSizeInvariant) {
+  if (leaf_chunk) {
     take_leaf_chunk();
   } else if (options_.stage == 2) {
-    reduce_scatter_gradients();
+    reduce_scatter_gradients(replaced, op);
   } else {
-    all_reduce_gradients();
+    all_reduce_gradients(replaced, op);
   }
 }
 
 // Stage 1 alone: all-reduce bucket by bucket into the full flat gradient
 // buffer; a bucket is launched as soon as its gradients are in.
-void ZeroRedundancyOptimizer::all_reduce_gradients() {
+void ZeroRedundancyOptimizer::all_reduce_gradients(const std::string& refusal,
+                                                   const std::string& op) {
   torch::NoGradGuard no_grad;
   const auto& part = *partition_;
   const auto& pieces = part.pieces();
-  const auto has = globally_has_grad();
+  // A parameter with a gradient on any rank is reduced (missing ones count
+  // as zeros, as in DDP); one with none anywhere is skipped by the inner
+  // optimizer, as LibTorch's optimizers skip an undefined .grad.
+  std::vector<char> local(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) local[i] = params_[i].grad().defined() ? 1 : 0;
+  const auto has = any_rank_has_unless_refused(*comm_, local, refusal, where(op));
   const auto& buckets = part.buckets();
   auto copy_in = [&](torch::Tensor& dst, int64_t dst_flat_offset, size_t i, int64_t lo,
                      int64_t hi) {
@@ -402,12 +455,13 @@ void ZeroRedundancyOptimizer::all_reduce_gradients() {
 
 // Stage 2: the shard reducer stages and reduce-scatters (during backward
 // where it could); the pieces' .grad are slices of the shard.
-void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
+void ZeroRedundancyOptimizer::reduce_scatter_gradients(const std::string& refusal,
+                                                       const std::string& op) {
   // The buckets were issued during backward; what is left to wait for here
   // is the exposed part, and the whole of it is counted as one sync.
   sync_.bucket_issued();
   decltype(shard_reducer_->finish()) has;
-  sync_.blocked([&] { has = shard_reducer_->finish(); });
+  sync_.blocked([&] { has = shard_reducer_->finish(refusal, op); });
   sync_.sync_done();
   const auto& shard = shard_reducer_->shard();
   const auto& pieces = partition_->pieces();

@@ -18,7 +18,8 @@
 // Every element is updated by the same element-wise formula as
 // in the unsharded optimizer, so results equal DDP + the same optimizer (to
 // rounding). Requirements: all parameters one floating dtype, dense, CPU,
-// equal on every rank (checked at construction).
+// equal on every rank (checked at construction), and left where the
+// optimizer put them (a replaced storage is refused at the next step).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -170,6 +171,7 @@ class ZeroRedundancyOptimizer {
     options.reduce_gradients = false;
     auto zero = make<Opt>(ddp.parameters(), ddp.reducer().process_group(), defaults, options);
     zero->check_determinism(ddp.reducer());
+    zero->name_parameters(ddp.reducer());
     if (options.stage == 2) zero->take_over_reduction(ddp.reducer());
     return zero;
   }
@@ -196,6 +198,9 @@ class ZeroRedundancyOptimizer {
   /// optimizer's determinism and leaf count, in this optimizer's parameter
   /// order. make(ddp, ...) calls it.
   void check_determinism(const GradientReducer& ddp) const;
+  /// Names this optimizer's parameters in its errors as `ddp` names them
+  /// (by identity). make(ddp, ...) calls it.
+  void name_parameters(const GradientReducer& ddp);
   /// InvalidArgument unless `comm` is `ddp`'s communicator.
   static void check_is_ddps(const std::shared_ptr<Communicator>& comm, const GradientReducer& ddp);
 
@@ -207,7 +212,11 @@ class ZeroRedundancyOptimizer {
   double clip_grad_norm(double max_norm);
 
   /// Collective: reduce gradients as the stage says, step the shard,
-  /// all-gather the updated parameters.
+  /// all-gather the updated parameters. InvalidArgument on every rank, before
+  /// anything is stepped, when a rank's parameter no longer lives in the flat
+  /// buffer (torch::load, Module::to, set_data or set_ replaced its storage
+  /// after construction): the step would update the buffer, which the model
+  /// no longer reads. Load values in place (copy_, dcp::set_state_dict).
   void step();
   /// Collective: ends this step's gradient reduction (stage 2: waits for the
   /// reduce-scatters), so that the pieces' .grad (shard_pieces()) hold this
@@ -310,17 +319,22 @@ class ZeroRedundancyOptimizer {
   // The inner optimizer over this rank's pieces, one group per caller group.
   void build_inner(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                    const Factory& factory);
-  void reduce_gradients();
-  void all_reduce_gradients();
+  void finish_gradients(const std::string& op);
+  void reduce_gradients(const std::string& op);
+  void all_reduce_gradients(const std::string& refusal, const std::string& op);
   void step_and_all_gather();
-  std::vector<char> globally_has_grad();
-  void reduce_scatter_gradients();
+  void reduce_scatter_gradients(const std::string& refusal, const std::string& op);
+  // The first parameter that no longer lives where the constructor put it
+  // (a view into flat_params_), described with what replaced it; "" if none.
+  std::string replaced_storage() const;
   void take_leaf_chunk();
   std::string where(const std::string& op) const;
 
   std::shared_ptr<Communicator> comm_;
   ZeroOptions options_;
   std::vector<torch::Tensor> params_;  // flat order
+  std::vector<std::vector<int64_t>> shapes_;  // of params_, as built
+  std::vector<std::string> names_;            // DDP's, where built from DDP; else empty
   std::unique_ptr<FlatPartition> partition_;
   torch::Tensor flat_params_;  // padded; the parameters are views into it
   torch::Tensor flat_grads_;   // stage 1 with reduce_gradients: padded
