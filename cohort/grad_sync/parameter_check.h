@@ -26,13 +26,15 @@ void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>
                             const std::vector<std::string>& names,
                             const std::string& who = "DistributedDataParallel");
 
-/// Collective (one all-gather of one word per rank; none at world size 1):
-/// throws MismatchError on every rank unless every rank's `params` hold the
-/// same values, bit for bit (compared by a 64-bit content digest, about 20
-/// GB/s a core). The message names `who`, the first parameter whose values
-/// differ (its index and, where `names` has it, its name), the groups of
-/// ranks that agree on it, and `remedy`. Call it after
-/// verify_same_parameters (the shapes must agree).
+/// Collective (one all-gather of one word per rank, a second of a word per
+/// parameter only when they differ; none at world size 1): throws
+/// MismatchError on every rank unless every rank's `params` hold the same
+/// values, bit for bit (compared by a 64-bit content digest, about 20 GB/s
+/// a core; a parameter on a GPU is copied to the host for it, one at a
+/// time). The message names `who`, the first parameter whose values differ
+/// (its index and, where `names` has it, its name), the groups of ranks
+/// that agree on it, and `remedy`. Call it after verify_same_parameters
+/// (the shapes must agree).
 void verify_same_values(Communicator& comm, const std::vector<torch::Tensor>& params,
                         const std::vector<std::string>& names, const std::string& who,
                         const std::string& remedy);
