@@ -251,6 +251,7 @@ void FusedDistributedOptimizer::step() {
     for (auto& b : buckets_) apply(b, has_);
     averaged_ = false;
     ++timestep_;
+    bump_versions();
     return;
   }
   const auto has = globally_has_grad("step");
@@ -265,6 +266,15 @@ void FusedDistributedOptimizer::step() {
   sync_.sync_done();
   apply(buckets_[last], has);
   ++timestep_;
+  bump_versions();
+}
+
+void FusedDistributedOptimizer::bump_versions() {
+  // apply() wrote through the buckets' flat parameters, whose version
+  // counters are not the parameters': theirs move as an in-place step would
+  // move them, so what tracks them sees the change (a pending async save, a
+  // graph that saved a parameter).
+  for (auto& p : params_) p.unsafeGetTensorImpl()->bump_version();
 }
 
 Work FusedDistributedOptimizer::all_reduce(size_t b, ReduceOp op) {

@@ -167,6 +167,7 @@ class FusedDistributedOptimizer {
   Work all_reduce(size_t b, ReduceOp op);
   // Waits for the oldest all-reduce in flight (time counted as exposed).
   size_t wait_oldest();
+  void bump_versions();
 
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;

@@ -351,9 +351,14 @@ void ZeroRedundancyOptimizer::step() {
   reduced_ = false;
   if (comm_->size() == 1) {
     inner_->step();  // the shard is the whole buffer
-    return;
+  } else {
+    step_and_all_gather();
   }
-  step_and_all_gather();
+  // The step (and the all-gather) wrote through flat_params_, whose version
+  // counter is not the parameters': theirs move as an in-place step would
+  // move them, so what tracks them sees the change (a pending async save,
+  // a graph that saved a parameter).
+  for (auto& p : params_) p.unsafeGetTensorImpl()->bump_version();
 }
 
 void ZeroRedundancyOptimizer::reduce_gradients(const std::string& op) {
