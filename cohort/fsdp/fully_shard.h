@@ -206,8 +206,8 @@ class FullyShardImpl : public torch::nn::Module {
   std::shared_ptr<Communicator> replicate_;  // HSDP's replicas (or null)
   std::shared_ptr<Communicator> world_;      // every rank of the mesh
   FullyShardOptions options_;
-  int reshard_code_ = 1;       // options_.reshard_after_forward resolved (fsdp_state.h)
-  int post_forward_size_ = 0;  // the hpZ group's size, if one was made
+  int reshard_code_ = 1;                // options_.reshard_after_forward resolved (fsdp_state.h)
+  int post_forward_size_ = 0;           // the hpZ group's size, if one was made
   bool requires_gradient_sync_ = true;  // read by the root's schedule
   std::unique_ptr<fsdp::FSDPParamGroup> group_;
   std::shared_ptr<fsdp::FSDPState> state_;     // as the root

@@ -172,9 +172,9 @@ class FusedDistributedOptimizer {
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
   std::vector<torch::Tensor> params_;
-  std::vector<int64_t> steps_;               // per parameter (skipped ones lag behind)
-  std::vector<torch::Tensor> grad_views_;    // per parameter, into its bucket
-  std::vector<char> seen_;                   // got a gradient since zero_grad
+  std::vector<int64_t> steps_;             // per parameter (skipped ones lag behind)
+  std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
+  std::vector<char> seen_;                 // got a gradient since zero_grad
   // Per parameter: whether it is the last place of its tensor in params_ (a
   // tied tensor listed twice lives in the view of its last place).
   std::vector<char> last_place_;

@@ -5,9 +5,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <mutex>
 #include <thread>
 #include <vector>
 
