@@ -4,8 +4,6 @@
 // Reductions and data movement have files of their own.
 #include "cohort/comm/communicator.h"
 
-#include <atomic>
-
 #include "cohort/algorithms/executor.h"
 #include "cohort/comm/collective_checker.h"
 #include "cohort/comm/communicator_internal.h"
@@ -28,12 +26,6 @@ namespace {
 // The all-gather size (output bytes) from which an engine that copies out of
 // a buffer of its own is passed over for cohort's ring (resolve_algorithm()).
 constexpr int64_t kRingGatherBytes = int64_t{4} << 20;
-
-// Communicator::uid(): counted up from 1, never reused in the process.
-uint64_t next_uid() {
-  static std::atomic<uint64_t> last{0};
-  return ++last;
-}
 
 // Runs the engine's launch of a point-to-point call. A transport that refuses
 // at issue (a peer that has closed its connections) throws a PeerError that
@@ -81,7 +73,6 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
       rank_(engine_->rank()),
       size_(engine_->size()),
       device_tensors_(engine_->carries_device_tensors()),
-      uid_(next_uid()),
       health_(std::make_shared<Health>()) {
   // Once per process, before the first counted operation.
   tick_clock::calibrate();

@@ -66,10 +66,6 @@ class Communicator {
   const CommunicatorOptions& options() const { return options_; }
   /// The rendezvous store the group was built over (subgroups get a prefixed one).
   const std::shared_ptr<Store>& store() const { return store_; }
-  /// A number no other communicator of this process had or will have: an
-  /// identity that, unlike the address, is never reused by a later
-  /// communicator (for caches keyed by group).
-  uint64_t uid() const { return uid_; }
 
   // --- collectives -------------------------------------------------------
   /// Reduces `tensor` in place over all ranks with opts.op (Avg only on floating dtypes).
@@ -220,7 +216,6 @@ class Communicator {
   bool device_tensors_;  // the engine moves CUDA tensors itself: no staging, no algorithms
   std::unique_ptr<CollectiveChecker> checker_;
   uint64_t groups_created_ = 0;
-  uint64_t uid_;
 
   /// Set by the first failed operation, checked by every later one; shared
   /// with the Work handles, which may outlive the communicator.

@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <mutex>
-#include <set>
 #include <unordered_set>
 
 #include "cohort/core/agreement.h"
@@ -345,20 +343,6 @@ void check_replicas(const torch::nn::Module& model, Communicator& dense,
                                        : error));
 }
 
-// The (dense, expert_replicas) pairs whose replicas check passed, by the
-// communicators' uids (never reused, unlike addresses): a pair is checked
-// once, not on every call. The check passes or throws on every rank of
-// dense alike, so each rank caches the pair after the same outcome and all
-// skip the next check together. Process-wide (ranks as threads share it).
-bool replicas_checked(const Communicator& dense, const Communicator& expert_replicas, bool record) {
-  static std::mutex mu;
-  static std::set<std::pair<uint64_t, uint64_t>> checked;
-  const std::pair<uint64_t, uint64_t> key{dense.uid(), expert_replicas.uid()};
-  std::lock_guard<std::mutex> lock(mu);
-  if (record) return checked.insert(key).second;
-  return checked.count(key) > 0;
-}
-
 }  // namespace
 
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
@@ -369,10 +353,7 @@ void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                           std::to_string(dense.size()) + " ranks do not divide by the " +
                           std::to_string(expert_replicas.size()) + " expert replicas");
   }
-  if (!replicas_checked(dense, expert_replicas, false)) {
-    check_replicas(model, dense, expert_replicas);
-    replicas_checked(dense, expert_replicas, true);
-  }
+  check_replicas(model, dense, expert_replicas);
   average_gradients(non_expert_parameters(model), dense);
   auto experts = expert_parameters(model);
   average_gradients(experts, expert_replicas);

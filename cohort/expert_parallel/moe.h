@@ -121,11 +121,9 @@ std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model)
 /// parameters over `dense`; expert parameters summed over `expert_replicas`
 /// (the ranks holding the same experts) and divided by dense.size(), since
 /// each rank's expert gradient already sums over its ep group's tokens.
-/// Collective over both groups. The first call with a pair of groups first
-/// runs one all-gather over each that checks the replicas hold the same
-/// experts (InvalidArgument on every rank of `dense` if not, e.g. for the
-/// ep group passed as `expert_replicas`); a pair that passed is not checked
-/// again (it is known by the communicators' uids).
+/// Collective over both groups; first one all-gather over each that checks
+/// the replicas hold the same experts (InvalidArgument on every rank of
+/// `dense` if not, e.g. for the ep group passed as `expert_replicas`).
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                            Communicator& expert_replicas);
 
