@@ -48,13 +48,21 @@ std::string joined(const std::vector<std::string>& names) {
 }
 
 // Reads every shard the state dict holds into staging tensors, each with
-// the shard it fills; returns the error ("" when none).
+// the shard it fills; returns the error ("" when none) and sets its kind.
 using Copies = std::vector<std::pair<torch::Tensor, torch::Tensor>>;  // (shard, staged)
 std::string stage(const StateDict& state, const std::string& path,
-                  const LoadWeightsOptions& options, Copies& staged) {
+                  const LoadWeightsOptions& options, Copies& staged, ErrorKind& kind) {
   const auto where = "dcp::load_weights: " + path + ": ";
+  // A model refused by check_model (replaced storage): an InvalidArgument,
+  // as at save and load; anything met reading the file: a CheckpointError.
+  kind = ErrorKind::InvalidArgument;
   try {
     for (const auto& f : state.check_model) f("dcp::load_weights");
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  kind = ErrorKind::Checkpoint;
+  try {
     const auto src = open_weights(path);
     std::map<std::string, const std::vector<int64_t>*> in_file;
     for (const auto& [name, shape] : src.shapes) in_file[name] = &shape;
@@ -94,10 +102,13 @@ std::string stage(const StateDict& state, const std::string& path,
 
 int load_weights(StateDict& state, const std::string& path, const LoadWeightsOptions& options) {
   Copies staged;
-  const auto error = stage(state, path, options, staged);
+  ErrorKind kind = ErrorKind::Checkpoint;
+  const auto error = stage(state, path, options, staged, kind);
   if (options.comm) {
-    agree(*options.comm, error);
+    agree(*options.comm, error, kind);
   } else if (!error.empty()) {
+    if (kind == ErrorKind::InvalidArgument) throw InvalidArgument(error);
+    if (kind == ErrorKind::Config) throw ConfigError(error);
     throw CheckpointError(error);
   }
   // Every rank read and checked all it needs: only now does anything change.

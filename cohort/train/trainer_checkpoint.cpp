@@ -111,10 +111,14 @@ void restore_rng_states(int rank, const torch::nn::Module& model, const DecodedS
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
   finish_pending_checkpoint();
+  // Every rank's RNG states go into rank 0's file: one file, one rename, so
+  // a crash cannot leave some ranks' parts newer than others. Gathered
+  // first, so that a refusal leaves no save started.
+  const auto [rng_states, device_rng_states] = gather_rng_states(comm_, *model_);
   // The model, optimizer and gradient-sync state go into the checkpoint's
-  // dcp folder (every rank its data file, then .metadata) before the gather
-  // below, so rank 0 writes the main file, which is what makes the
-  // checkpoint exist, only once every rank's part is on disk.
+  // dcp folder (every rank its data file, then .metadata, which rank 0
+  // writes once every rank's part is on disk) before rank 0 writes the main
+  // file, which is what makes the checkpoint exist.
   // FSDP: the shards are what each rank saves (an evaluation forward may
   // have left the root's own parameters gathered).
   layout_.before_checkpoint();
@@ -127,9 +131,6 @@ void Trainer::save_checkpoint() {
   } else {
     dcp::save(state, folder, comm_);
   }
-  // Every rank's RNG state goes into rank 0's file: one file, one rename,
-  // so a crash cannot leave some ranks' parts newer than others.
-  const auto [rng_states, device_rng_states] = gather_rng_states(comm_, *model_);
   if (comm_.rank() == 0) {
     auto payload = encode_training_state(position_, rng_states, initial_lrs_, device_rng_states);
     if (pending_) {
@@ -258,11 +259,19 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
                       std::to_string(initial_lrs_.size()) +
                       "; resume with the optimizer's parameter groups that wrote it");
   }
+  // The generators before the model, agreed: a state this device's
+  // generator does not take is refused on every rank with nothing loaded.
+  std::string rng_error;
+  try {
+    restore_rng_states(comm_.rank(), *model_, state, old_world, step, path);
+  } catch (const CheckpointError& e) {
+    rng_error = e.what();
+  }
+  dcp::agree(comm_, rng_error);
   load_dcp(dcp_folder(path), old_world);
   if (!state.initial_lrs.empty()) initial_lrs_ = state.initial_lrs;
   resized_ = old_world != comm_.size();
   resumed_ = true;
-  restore_rng_states(comm_.rank(), *model_, state, old_world, step, path);
   if (resized_ && comm_.rank() == 0) {
     std::fprintf(stderr,
                  "cohort: checkpoint %s (step %lld) was written by %lld ranks; resuming at world "

@@ -12,7 +12,9 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
+#include "cohort/dcp/safetensors.h"
 #include "support/engine_worlds.h"
 #include "support/rank_errors.h"
 #include "tests/dcp/dcp_test_support.h"
@@ -52,6 +54,39 @@ cohort::testing::ThreadRanksOptions options(const EngineWorld& c) {
 }
 
 class DcpFSDPStorage : public ::testing::TestWithParam<EngineWorld> {};
+
+// load_weights with options.comm: one rank's replacement is an
+// InvalidArgument on every rank, as at save and load.
+TEST_P(DcpFSDPStorage, LoadWeightsAfterOneRanksReplacementIsRefusedOnEveryRank) {
+  const auto c = GetParam();
+  const auto dir = temp_dir("fsdp_storage_weights_" + cohort::testing::engine_world_name({c, 0}));
+  const auto path = (dir / "w.safetensors").string();
+  auto source = make_seq(1);
+  dcp::NamedTensors t;
+  for (const auto& p : source->named_parameters()) t.insert(p.key(), p.value());
+  dcp::save_safetensors(t, path);
+  const int last = c.world - 1;
+  std::vector<int> invalid_argument(static_cast<size_t>(c.world), 0);
+  const auto errors = cohort::testing::errors_on_every_rank(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto model = make_fsdp(2, comm);
+        if (comm->rank() == last) replace(model);
+        auto sd = dcp::get_state_dict(model);
+        dcp::LoadWeightsOptions options;
+        options.comm = comm.get();
+        try {
+          dcp::load_weights(sd, path, options);
+        } catch (const InvalidArgument&) {
+          invalid_argument[static_cast<size_t>(comm->rank())] = 1;
+          throw;
+        }
+      },
+      options(c));
+  expect_refused(errors, last);
+  for (int r = 0; r < c.world; ++r) EXPECT_EQ(invalid_argument[r], 1) << "rank " << r;
+  fs::remove_all(dir);
+}
 
 // load_full_state_dict writes the shards through the unit's flat buffer:
 // before wait_staged(), a pending async save of the model sees the change

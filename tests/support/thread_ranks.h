@@ -28,7 +28,10 @@ struct ThreadRanksOptions : ConnectOptions {
 // with ranks as processes, where threads cannot work. On one GPU,
 // LibTorch runs every thread's CUDA backward on one thread per device, so
 // a rank whose backward waits for a peer's collective blocks that peer's
-// backward too (scripts/gpu-check.sh). Each rank checks its own results. If any rank throws, the
+// backward too (scripts/gpu-check.sh). Only for tests that check each
+// rank's results inside fn: a test that collects every rank's results and
+// checks them after the call would see this rank's alone. Options other
+// than the timeout (the engine, node names) are the world's. If any rank throws, the
 // first exception in time (the cause; the others are mostly its echo) is
 // rethrown with the rank in its message.
 void run_ranks(int size, const std::function<void(Communicator&)>& fn,
