@@ -3,16 +3,17 @@
 //
 //   cohortrun -n 2 -- cohort-bench collectives --op all_reduce --json
 //
+// (cohort-bench p2p: point-to-point latency, tools/cohort-bench/p2p.h.)
+//
 // Each size: warm-up, then `iters` timed operations back to back; a row's
 // time is the slowest rank's mean (ranks agree through an all_reduce MAX).
 //
 // --algo picks the collective algorithm (engine, ring, tree, hd,
 // hierarchical, adaptive); --algo all runs every one side by side at each
-// size, --rounds times in rotating order, and prints the busbw of each (by default from the mean time of all its
-// operations),
-// the best fixed algorithm, adaptive's pick, adaptive / best (the adaptive
-// column against the best) and pick / best (the picked algorithm's own
-// column against the best: the choice without the adaptive column's noise).
+// size, --rounds times in rotating order, and prints the busbw of each (by default from the mean
+// time of all its operations), the best fixed algorithm, adaptive's pick, adaptive / best (the
+// adaptive column against the best) and pick / best (the picked algorithm's own column against the
+// best: the choice without the adaptive column's noise).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
@@ -21,11 +22,13 @@
 #include "cohort/algorithms/calibration.h"
 #include "cohort/cohort.h"
 #include "tools/cohort-bench/bus_bandwidth.h"
+#include "tools/cohort-bench/p2p.h"
 
 namespace {
 
 struct Config {
   std::string op = "all_reduce";       // all_reduce | all_gather | reduce_scatter | broadcast
+  std::string reduce_op = "sum";       // sum | min | max (all_reduce, reduce_scatter)
   std::string backend;                 // empty: COHORT_BACKEND or gloo
   std::string dtype = "float32";       // float32 | float16 | bfloat16 | float64
   int64_t min_bytes = 1 << 10;         // first row
@@ -36,6 +39,7 @@ struct Config {
   std::string algo = "engine";         // an algorithm name, or "all"
   int rounds = 3;                      // --algo all: alternating rounds per size
   std::string stat = "mean";           // --algo all: each algorithm's figure over its rounds
+  bool per_op_median = false;          // a run's figure: the median operation, not the mean
 };
 
 torch::Dtype parse_dtype(const std::string& s) {
@@ -61,11 +65,18 @@ Buffers make_buffers(const std::string& op, int64_t elements, int world, torch::
   return {torch::ones({elements}, dt), {}};
 }
 
+cohort::ReduceOp parse_reduce_op(const std::string& s) {
+  if (s == "min") return cohort::ReduceOp::Min;
+  if (s == "max") return cohort::ReduceOp::Max;
+  return cohort::ReduceOp::Sum;
+}
+
 cohort::Work launch(cohort::Communicator& comm, const std::string& op, Buffers& buf,
-                    cohort::Algorithm algo) {
+                    cohort::Algorithm algo, cohort::ReduceOp reduce_op) {
   if (op == "all_reduce") {
     cohort::AllReduceOptions o;
     o.algo = algo;
+    o.op = reduce_op;
     return comm.all_reduce(buf.a, o);
   }
   if (op == "broadcast") return comm.broadcast(buf.a);
@@ -77,6 +88,7 @@ cohort::Work launch(cohort::Communicator& comm, const std::string& op, Buffers& 
   if (op == "reduce_scatter") {
     cohort::ReduceScatterOptions o;
     o.algo = algo;
+    o.op = reduce_op;
     return comm.reduce_scatter_tensor(buf.a, buf.b, o);
   }
   throw cohort::InvalidArgument("cohort-bench: unknown --op " + op);
@@ -88,24 +100,37 @@ cohort::Collective collective_of(const std::string& op) {
   return cohort::Collective::AllReduce;
 }
 
-// Slowest rank's mean time (us) of `iters` operations after `warmup`.
-double time_op(cohort::Communicator& comm, const Config& cfg, Buffers& buf,
-               cohort::Algorithm algo, int iters) {
-  for (int i = 0; i < cfg.warmup; ++i) launch(comm, cfg.op, buf, algo).wait();
-  comm.barrier().wait();
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) launch(comm, cfg.op, buf, algo).wait();
-  const double local_us =
-      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
-      iters;
-  auto slowest = torch::tensor({local_us}, torch::kFloat64);
-  comm.all_reduce(slowest, {cohort::ReduceOp::Max}).wait();
-  return slowest.item<double>();
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// Slowest rank's time (us) of one of `iters` operations after `warmup`:
+// their mean, or with --per-op-median the median operation (each timed
+// alone: on a shared host a few percent of operations stall for
+// milliseconds, which moves a mean of small ones far more than the median).
+double time_op(cohort::Communicator& comm, const Config& cfg, Buffers& buf,
+               cohort::Algorithm algo, int iters) {
+  using Clock = std::chrono::steady_clock;
+  const auto rop = parse_reduce_op(cfg.reduce_op);
+  for (int i = 0; i < cfg.warmup; ++i) launch(comm, cfg.op, buf, algo, rop).wait();
+  comm.barrier().wait();
+  std::vector<double> each;
+  const auto start = Clock::now();
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    launch(comm, cfg.op, buf, algo, rop).wait();
+    if (cfg.per_op_median) {
+      each.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+  }
+  const double local_us =
+      cfg.per_op_median
+          ? median(each)
+          : std::chrono::duration<double, std::micro>(Clock::now() - start).count() / iters;
+  auto slowest = torch::tensor({local_us}, torch::kFloat64);
+  comm.all_reduce(slowest, {cohort::ReduceOp::Max}).wait();
+  return slowest.item<double>();
 }
 
 // An algorithm's time over its rounds (each a mean over the same number of
@@ -234,10 +259,15 @@ int run(const Config& cfg) {
     const double busbw = algbw * cohort::bench::bus_factor(cfg.op, world);
     if (!leader) continue;
     if (cfg.json) {
-      nlohmann::json row = {{"op", cfg.op},         {"backend", comm->backend()},
-                            {"algo", cfg.algo},     {"world", world},
-                            {"bytes", elements * esize}, {"us", us},
-                            {"algbw_gbs", algbw},   {"busbw_gbs", busbw}};
+      nlohmann::json row = {{"op", cfg.op},
+                            {"reduce_op", cfg.reduce_op},
+                            {"backend", comm->backend()},
+                            {"algo", cfg.algo},
+                            {"world", world},
+                            {"bytes", elements * esize},
+                            {"us", us},
+                            {"algbw_gbs", algbw},
+                            {"busbw_gbs", busbw}};
       std::printf("%s\n", row.dump().c_str());
     } else {
       std::printf("%12lld %8d %12.1f %12.3f %12.3f\n", static_cast<long long>(elements * esize),
@@ -258,6 +288,8 @@ int main(int argc, char** argv) {
   auto* coll = app.add_subcommand("collectives", "nccl-tests style table of one collective");
   coll->add_option("--op", cfg.op, "all_reduce | all_gather | reduce_scatter | broadcast")
       ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "broadcast"}));
+  coll->add_option("--reduce-op", cfg.reduce_op, "sum | min | max (all_reduce, reduce_scatter)")
+      ->check(CLI::IsMember({"sum", "min", "max"}));
   coll->add_option("--backend", cfg.backend,
                    "gloo | mpi | ucx | auto (default: COHORT_BACKEND or gloo)");
   coll->add_option("--dtype", cfg.dtype, "float32 | float64 | float16 | bfloat16");
@@ -266,6 +298,8 @@ int main(int argc, char** argv) {
   coll->add_option("--iters", cfg.iters, "timed iterations per size (0: automatic)");
   coll->add_option("--warmup", cfg.warmup, "untimed iterations per size");
   coll->add_flag("--json", cfg.json, "one JSON object per row");
+  coll->add_flag("--per-op-median", cfg.per_op_median,
+                 "time each operation; a run's figure is the median one, not the mean");
   coll->add_option("--algo", cfg.algo,
                    "engine | ring | tree | hd | hierarchical | adaptive | all (side by side)")
       ->check(CLI::IsMember({"engine", "ring", "tree", "hd", "hierarchical", "adaptive", "all"}));
@@ -274,8 +308,20 @@ int main(int argc, char** argv) {
   coll->add_option("--stat", cfg.stat,
                    "--algo all: mean (of all operations) | median (round) | min (fastest round)")
       ->check(CLI::IsMember({"mean", "median", "min"}));
+  cohort::bench::PingPongConfig pp;
+  auto* p2p = app.add_subcommand("p2p", "point-to-point latency: a ping-pong of ranks 0 and 1");
+  p2p->add_option("--backend", pp.backend, "gloo | mpi | ucx (default: COHORT_BACKEND or gloo)");
+  pp.bytes = {1024, 65536, 16777216};
+  p2p->add_option("--bytes", pp.bytes, "message sizes, one row each (1024,65536,16777216)")
+      ->delimiter(',');
+  p2p->add_option("--iters", pp.iters, "round trips per size (0: automatic)");
+  p2p->add_option("--warmup", pp.warmup, "untimed round trips per size");
+  p2p->add_option("--early-recv-ms", pp.early_recv_ms,
+                  "time the wait() of a receive posted this long before (0: ping-pong)");
+  p2p->add_flag("--json", pp.json, "one JSON object per row");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (p2p->parsed()) return cohort::bench::run_ping_pong(pp);
     return run(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cohort-bench: %s\n", e.what());
