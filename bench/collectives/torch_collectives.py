@@ -16,6 +16,7 @@ import torch.distributed as dist
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--op", default="all_reduce", choices=["all_reduce"])
+    p.add_argument("--reduce-op", default="sum", choices=["sum", "min", "max"])
     p.add_argument("--min-bytes", type=int, default=1 << 10)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--iters", type=int, default=0)
@@ -26,17 +27,18 @@ def main():
     os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
+    op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[a.reduce_op]
     nbytes = a.min_bytes
     while nbytes <= a.max_bytes:
         n = max(nbytes // 4, world)
         t = torch.ones(n, dtype=torch.float32)
         iters = a.iters or min(max((64 << 20) // nbytes, 5), 200)
         for _ in range(a.warmup):
-            dist.all_reduce(t)
+            dist.all_reduce(t, op=op)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iters):
-            dist.all_reduce(t)
+            dist.all_reduce(t, op=op)
         local_us = (time.perf_counter() - start) / iters * 1e6
         slowest = torch.tensor([local_us], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

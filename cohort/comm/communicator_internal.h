@@ -14,6 +14,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/device_staging.h"
+#include "cohort/comm/order_keys.h"
 #include "cohort/core/algorithm.h"
 #include "cohort/core/engine.h"
 #include "cohort/core/signature.h"
@@ -161,14 +162,19 @@ inline bool overlaps_other_than_own(const torch::Tensor& t,
 inline ReduceOp engine_op(ReduceOp op) { return op == ReduceOp::Avg ? ReduceOp::Sum : op; }
 
 // The tensor a reduction runs on: the caller's own tensor when its dtype
-// reduces natively, else an f32 copy that is copied back afterwards.
-inline torch::Tensor reduction_buffer(const torch::Tensor& t) {
+// reduces natively, else an f32 copy that is copied back afterwards; a
+// floating min or max on an engine that drops NaN runs on order keys
+// (order_keys.h), a new tensor.
+inline torch::Tensor reduction_buffer(const torch::Tensor& t, ReduceOp op, const Engine& engine) {
   auto dt = reduction_dtype(t.scalar_type());
+  if (reduces_as_keys(engine, dt, op)) return to_order_keys(t.to(dt), op);
   return dt == t.scalar_type() ? t : t.to(dt);
 }
 
-// After a reduction into `buf`: average, then copy into `out` if they differ.
+// After a reduction into `buf` (reduction_buffer's): decode or average, then
+// copy into `out` if they differ.
 inline void finish_reduction(torch::Tensor& out, torch::Tensor& buf, ReduceOp op, int size) {
+  if (holds_order_keys(out, buf)) return order_keys_into(buf, out);
   if (op == ReduceOp::Avg) buf.div_(size);
   if (!buf.is_same(out)) out.copy_(buf);
 }

@@ -43,7 +43,7 @@ Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptio
   if (size_ == 1) return finish(call, done_work());
   const auto sig = detail::call_signature(call.ctx, CollectiveKind::AllReduce, tensor, -1, opts.op);
   if (tensor.numel() == 0) return finish(call, detail::check_signature(*engine_, sig));
-  auto buf = reduction_buffer(tensor);
+  auto buf = reduction_buffer(tensor, opts.op, *engine_);
   WorkPtr failed;
   const auto algo = detail::resolve_agreed(
       *engine_, sig, call.ctx.timeout,
@@ -116,6 +116,7 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tenso
     }
     if (members.empty()) continue;
     auto flat = at::cat(pieces);
+    if (detail::reduces_as_keys(*engine_, dt, opts.op)) flat = detail::to_order_keys(flat, opts.op);
     parts.push_back(engine_->all_reduce(flat, engine_op(opts.op)));
     scope.reset();
     flats.emplace_back(flat, std::move(members));
@@ -124,10 +125,13 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tenso
   auto copy_back = [tensors, flats, op = opts.op, n = size_]() mutable {
     for (auto& [flat, members] : flats) {
       if (op == ReduceOp::Avg) flat.div_(n);
+      const auto values = detail::holds_order_keys(tensors[members.front()], flat)
+                              ? detail::order_keys_to_values(flat)
+                              : flat;
       int64_t offset = 0;
       for (size_t i : members) {
         auto& t = tensors[i];
-        t.view({-1}).copy_(flat.narrow(0, offset, t.numel()));
+        t.view({-1}).copy_(values.narrow(0, offset, t.numel()));
         offset += t.numel();
       }
     }
@@ -156,7 +160,7 @@ Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opt
   const auto sig =
       detail::call_signature(call.ctx, CollectiveKind::Reduce, tensor, opts.root, opts.op);
   if (tensor.numel() == 0) return finish(call, detail::check_signature(*engine_, sig));
-  auto buf = reduction_buffer(tensor);
+  auto buf = reduction_buffer(tensor, opts.op, *engine_);
   WorkPtr impl;
   {
     SignatureScope scope(sig);
@@ -196,7 +200,7 @@ Work Communicator::reduce_scatter(torch::Tensor& caller_output,
                                                    -1, opts.op)));
   }
   std::vector<torch::Tensor> chunks;
-  for (auto& t : inputs) chunks.push_back(reduction_buffer(t));
+  for (auto& t : inputs) chunks.push_back(reduction_buffer(t, opts.op, *engine_));
   // An input that shares bytes with the output (other than exactly this
   // rank's own, in place) is a copy (detail::overlaps).
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -241,7 +245,7 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
                   *engine_, detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output,
                                                    -1, opts.op)));
   }
-  auto flat = reduction_buffer(input).view({-1});
+  auto flat = reduction_buffer(input, opts.op, *engine_).view({-1});
   auto chunks = detail::flat_chunks(flat, output.numel(), size_, output.sizes());
   // In place (the output is this rank's own block of the input) every path
   // handles; any other overlap is a copy of the input (detail::overlaps).
@@ -255,7 +259,7 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
 Work Communicator::run_reduce_scatter(const Call& call, torch::Tensor& output,
                                       std::vector<torch::Tensor> chunks, torch::Tensor flat,
                                       const ReduceScatterOptions& opts) {
-  auto buf = reduction_buffer(output);
+  auto buf = reduction_buffer(output, opts.op, *engine_);
   const auto sig =
       detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output, -1, opts.op);
   WorkPtr failed;

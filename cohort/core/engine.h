@@ -63,6 +63,10 @@ class Engine {
   /// through host memory, and runs no algorithm of cohort's on them (those
   /// read host memory).
   virtual bool carries_device_tensors() const { return false; }
+  /// True when Min and Max of floating tensors propagate NaN, as at::minimum and at::maximum do
+  /// (UCX's do). Where false (c10d's Gloo and MPI, NCCL compare with `<`), the Communicator reduces
+  /// floating Min and Max as integer order keys (cohort/comm/order_keys.h).
+  virtual bool propagates_nan() const { return false; }
   /// On the root, outputs has size() tensors; elsewhere it is empty.
   virtual WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) = 0;
   /// On the root, inputs has size() tensors; elsewhere it is empty.

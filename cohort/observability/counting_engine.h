@@ -91,6 +91,7 @@ class CountingEngine : public Engine {
   WorkPtr all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override;
   WorkPtr reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op) override;
   bool has_native_reduce_scatter() const override { return inner_->has_native_reduce_scatter(); }
+  bool propagates_nan() const override { return inner_->propagates_nan(); }
   bool carries_device_tensors() const override { return inner_->carries_device_tensors(); }
   bool gathers_into_outputs() const override { return inner_->gathers_into_outputs(); }
   WorkPtr gather(std::vector<at::Tensor>& outputs, at::Tensor& input, int root) override;

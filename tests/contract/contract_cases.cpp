@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "cohort/cohort.h"
@@ -126,6 +127,83 @@ void reduce_scatter_both_forms(Communicator& comm, torch::Dtype dt) {
       comm.reduce_scatter_tensor(out2, flat, o).wait();
       EXPECT_REDUCED(out2, expected, "tensor " + what);
       ASSERT_TRUE(torch::equal(flat, before)) << "the input must not change";
+    }
+  }
+}
+
+// Min and max of floating tensors propagate NaN, as at::minimum and
+// torch.max do, whichever rank holds it: rank k's input has NaN at every
+// third element (0, 3, ...), for each k in turn.
+void min_max_propagate_nan(Communicator& comm, torch::Dtype dt) {
+  if (!torch::isFloatingType(dt)) return;
+  const int w = comm.size(), me = comm.rank();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  auto holes = [](int64_t n) { return torch::arange(n, torch::kInt64).remainder(3).eq(0); };
+  auto check = [&](const torch::Tensor& got, const torch::Tensor& expected, int64_t n,
+                   const std::string& what) {
+    const auto mask = holes(n);
+    ASSERT_TRUE(torch::equal(got.cpu().isnan(), mask)) << what << ": " << got;
+    EXPECT_REDUCED(got.cpu().masked_fill(mask, 0).to(got.device()), expected.masked_fill(mask, 0),
+                   what);
+  };
+  for (int k = 0; k < w; ++k) {
+    auto input = [&](int64_t n) {
+      auto t = rank_input(me, n, dt);
+      if (me == k) t.masked_fill_(holes(n).to(t.device()), nan);
+      return t;
+    };
+    for (auto op : {ReduceOp::Min, ReduceOp::Max}) {
+      for (int64_t n : {1, 7, 1001, 100003}) {
+        const auto what =
+            to_string(op) + ", NaN on rank " + std::to_string(k) + ", n " + std::to_string(n);
+        auto t = input(n);
+        comm.all_reduce(t, {op}).wait();
+        check(t, expected_reduction(op, w, n), n, "all_reduce " + what);
+        if (n > 1001) continue;
+        auto r = input(n);
+        comm.reduce(r, {w / 2, op}).wait();
+        if (me == w / 2) check(r, expected_reduction(op, w, n), n, "reduce " + what);
+        std::vector<torch::Tensor> ts{input(n), input(3)};
+        comm.all_reduce_coalesced(ts, {op}).wait();
+        check(ts[0], expected_reduction(op, w, n), n, "all_reduce_coalesced " + what);
+        check(ts[1], expected_reduction(op, w, 3), 3, "all_reduce_coalesced " + what);
+        std::vector<torch::Tensor> blocks(static_cast<size_t>(w));
+        for (auto& b : blocks) b = input(n);
+        auto out = torch::empty({n}, on(dt));
+        ReduceScatterOptions o;
+        o.op = op;
+        comm.reduce_scatter_tensor(out, torch::cat(blocks), o).wait();
+        check(out, expected_reduction(op, w, n), n, "reduce_scatter_tensor " + what);
+      }
+    }
+  }
+}
+
+// Min and max order negative values, signed zeros and infinities as floats
+// do: rank r's element i is (i%5 - 2)(r+1)/4, -0 on odd ranks where that is
+// 0, and every seventh element +inf on odd ranks, -inf on even ones. The
+// expected values are a one-process fold of at::minimum / at::maximum.
+void min_max_order_signed_values(Communicator& comm, torch::Dtype dt) {
+  if (!torch::isFloatingType(dt)) return;
+  const double inf = std::numeric_limits<double>::infinity();
+  auto input = [&](int r, int64_t n) {
+    auto c = torch::arange(n, torch::kFloat64).remainder(5) - 2;
+    auto t = c * (r + 1) / 4;
+    if (r % 2 == 1) t.masked_fill_(c.eq(0), -0.0);
+    t.masked_fill_(torch::arange(n).remainder(7).eq(6), r % 2 == 1 ? inf : -inf);
+    return t;
+  };
+  for (auto op : {ReduceOp::Min, ReduceOp::Max}) {
+    for (int64_t n : {1, 7, 1001}) {
+      auto expected = input(0, n);
+      for (int r = 1; r < comm.size(); ++r) {
+        expected = op == ReduceOp::Min ? at::minimum(expected, input(r, n))
+                                       : at::maximum(expected, input(r, n));
+      }
+      auto t = input(comm.rank(), n).to(on(dt));
+      comm.all_reduce(t, {op}).wait();
+      ASSERT_TRUE(torch::equal(t.cpu().to(torch::kFloat64), expected))
+          << to_string(op) << " n " << n << ": " << t;
     }
   }
 }
@@ -515,6 +593,8 @@ const std::vector<ContractCase>& contract_cases() {
       {"AllReduceEveryOpAndCount", all_reduce_every_op_and_count, true, true},
       {"AllReduceCoalescedMixedSizes", all_reduce_coalesced_mixed_sizes, true, false},
       {"AvgIsForFloatingDtypes", avg_is_for_floating_dtypes, true, false},
+      {"MinMaxPropagateNaN", min_max_propagate_nan, true, true},
+      {"MinMaxOrderSignedValues", min_max_order_signed_values, true, false},
       {"BroadcastFromLastRank", broadcast_from_last_rank, true, false},
       {"ReduceToMiddleRank", reduce_to_middle_rank, true, false},
       {"AllGatherBothForms", all_gather_both_forms, true, true},

@@ -60,6 +60,7 @@ class UcxEngine : public Engine {
         serial_(serial_options(*worker_)) {}
 
   std::string name() const override { return "ucx"; }
+  bool propagates_nan() const override { return true; }  // min_of, max_of (collectives.cpp)
   int rank() const override { return worker_->rank(); }
   int size() const override { return worker_->size(); }
 
