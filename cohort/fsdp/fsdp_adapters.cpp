@@ -1,6 +1,7 @@
 #include "cohort/fsdp/fsdp_adapters.h"
 
 #include <utility>
+#include <vector>
 
 #include "cohort/core/error.h"
 
@@ -12,11 +13,20 @@ FSDPGradientSync::FSDPGradientSync(FullyShard model) : model_(std::move(model)) 
 }
 
 std::shared_ptr<void> FSDPGradientSync::skip_sync() {
+  // Each unit's own flag as it is now: a unit the user set to false
+  // (set_requires_gradient_sync on that unit) stays so after the micro-batch.
+  std::vector<std::pair<FullyShardImpl*, bool>> flags;
+  for (const auto& m : model_->modules()) {
+    if (auto* unit = dynamic_cast<FullyShardImpl*>(m.get()))
+      flags.emplace_back(unit, unit->requires_gradient_sync());
+  }
   model_->set_requires_gradient_sync(false);
-  // The deleter turns the sync back on when the micro-batch is done.
+  // The model holds its units; the deleter holds the model.
   std::shared_ptr<FullyShardImpl> model = model_.ptr();
-  return std::shared_ptr<void>(model.get(),
-                               [model](void*) { model->set_requires_gradient_sync(true); });
+  return std::shared_ptr<void>(model.get(), [model, flags](void*) {
+    for (const auto& [unit, sync] : flags)
+      unit->set_requires_gradient_sync(sync, /*recurse=*/false);
+  });
 }
 
 double FSDPGradientSync::seconds_now() const {

@@ -44,7 +44,8 @@ class FSDPGradientSync : public GradientSync {
   /// Syncs through the root `model`, which must outlive it.
   explicit FSDPGradientSync(FullyShard model);
   /// Backward accumulates full gradients without communicating while the
-  /// guard lives.
+  /// guard lives; its end gives each unit back its own flag (a unit set to
+  /// false with set_requires_gradient_sync stays so).
   std::shared_ptr<void> skip_sync() override;
   /// The last backward already reduce-scattered and waited.
   void finish_sync() override {}

@@ -128,6 +128,8 @@ class FullyShardImpl : public torch::nn::Module {
   /// are then, which must be the same on every rank (MismatchError at the
   /// next collective otherwise).
   void set_requires_gradient_sync(bool sync, bool recurse = true);
+  /// This unit's own flag (set_requires_gradient_sync; true at first).
+  bool requires_gradient_sync() const { return requires_gradient_sync_; }
   /// What this unit frees after its forward, from the next forward on
   /// (true and false always; an int N only one that resolves as the one it
   /// was made with, whose group exists: InvalidArgument otherwise).

@@ -11,7 +11,8 @@
 //   and the root with recurse (every unit, as before).
 //
 // A setting that differs between ranks is a MismatchError on every rank
-// naming the unit.
+// naming the unit. The Trainer's skip_sync (FSDPGradientSync) around a
+// step's first micro-batch leaves each unit's own setting as it found it.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -19,6 +20,7 @@
 #include <mutex>
 #include <string>
 
+#include "cohort/fsdp/fsdp_adapters.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "support/engine_worlds.h"
 #include "support/rank_errors.h"
@@ -164,6 +166,50 @@ TEST_P(FSDPUnitGradientSync, ARankDependentSettingIsRefusedOnEveryRank) {
         << "rank " << r << ": " << errors[r];
     EXPECT_NE(errors[r].find("unit '2'"), std::string::npos) << "rank " << r << ": " << errors[r];
   }
+}
+
+// The middle unit set by the user to keep its gradients local (recurse
+// false), and a step of two micro-batches driven as the Trainer drives it:
+// skip_sync() around the first. When its guard goes, every unit's flag is
+// the user's again, so the middle's full gradients stay local through the
+// last micro-batch too: its .grad is the sum of this rank's micro-batches'
+// gradients, as one process computes it on the rank's rows, while the root
+// and the inner unit synchronized.
+TEST_P(FSDPUnitGradientSync, TheTrainersSkipSyncLeavesEachUnitsOwnFlag) {
+  const auto c = GetParam();
+  const auto b = make_batches(17);
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        auto m = make(comm);
+        auto twin = make(nullptr);
+        init_parameters(*twin.seq, 4);
+        load_from(m.root, *twin.seq);
+        m.middle->set_requires_gradient_sync(false, /*recurse=*/false);
+        FSDPGradientSync sync(m.root);
+        auto x = local(b.x[0], *comm), y = local(b.y[0], *comm);
+        const int64_t n = x.size(0) / kMicro;
+        for (int k = 0; k < kMicro; ++k) {
+          auto guard = k + 1 < kMicro ? sync.skip_sync() : nullptr;
+          const auto xk = x.narrow(0, k * n, n), yk = y.narrow(0, k * n, n);
+          (torch::mse_loss(m.root->forward(xk), yk) / kMicro).backward();
+          (torch::mse_loss(twin.seq->forward(xk), yk) / kMicro).backward();
+        }
+        for (const auto& module : m.root->modules()) {
+          auto* unit = dynamic_cast<FullyShardImpl*>(module.get());
+          if (unit) EXPECT_EQ(unit->requires_gradient_sync(), unit != m.middle.get());
+        }
+        const auto want = twin.seq->named_parameters();
+        for (const auto& p : m.root->named_parameters()) {
+          if (p.key().rfind("2.b.", 0) != 0) continue;
+          const auto& g = p.value().grad();
+          ASSERT_TRUE(g.defined()) << p.key();
+          ASSERT_EQ(g.sizes(), want[p.key()].sizes()) << p.key() << " was reduce-scattered";
+          EXPECT_TRUE(torch::allclose(g, want[p.key()].grad(), 1e-5, 1e-6)) << p.key();
+        }
+      },
+      cohort::testing::options_for(c));
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPUnitGradientSync,
