@@ -152,6 +152,38 @@ void FSDPState::pre_forward(size_t u, bool training) {
   if (!in_backward_ && u + 1 < units_.size()) start_unshard(u + 1, ScheduleStep::kForwardGather);
 }
 
+// A training forward's graph freed with no backward run through it (its
+// loss dropped, an exception between forward and backward) would leave what
+// the forward kept (the root's parameters at least) gathered, and an
+// optimizer step would go into the gathered copy (lost at the next reshard,
+// or a shape error), as post_forward says of a forward under NoGradGuard.
+// So the graph's end reshards, as the end of its backward would have.
+struct FSDPState::GraphWatch {
+  GraphWatch(std::weak_ptr<FSDPState> state, uint64_t forward)
+      : state(std::move(state)), forward(forward) {}
+  GraphWatch(const GraphWatch&) = delete;
+  GraphWatch& operator=(const GraphWatch&) = delete;
+  ~GraphWatch() {
+    if (auto s = state.lock()) s->graph_freed(forward);
+  }
+  std::weak_ptr<FSDPState> state;
+  uint64_t forward;
+};
+
+void FSDPState::graph_freed(uint64_t forward) {
+  // A backward began after that forward (it resharded at its end, or will),
+  // or a later forward's graph watches the units now.
+  if (in_backward_ || backward_after_ >= forward || outermost_forwards_ != forward) return;
+  // In a destructor, so nothing throws: a unit that refuses (a parameter
+  // replaced) is refused on every rank at the next collective's check.
+  for (auto& unit : units_) {
+    try {
+      unit.group->reshard();
+    } catch (const std::exception&) {
+    }
+  }
+}
+
 void FSDPState::post_forward(size_t u, const torch::Tensor& output, bool outermost) {
   // The root's parameters are needed again as soon as backward starts; a
   // forward inside backward (a checkpointed unit recomputing) keeps them.
@@ -170,9 +202,11 @@ void FSDPState::post_forward(size_t u, const torch::Tensor& output, bool outermo
     return;
   }
   std::weak_ptr<FSDPState> self = shared_from_this();
+  std::shared_ptr<GraphWatch> watch;
+  if (outermost && !in_backward_) watch = std::make_shared<GraphWatch>(self, ++outermost_forwards_);
   // The hook runs on the output's grad_fn before it; it leaves the gradient
-  // unchanged.
-  const_cast<torch::Tensor&>(output).register_hook([self, u](const torch::Tensor&) {
+  // unchanged. It lives as long as that graph, and so does `watch`.
+  const_cast<torch::Tensor&>(output).register_hook([self, u, watch](const torch::Tensor&) {
     if (auto state = self.lock()) state->pre_backward(u);
   });
 }
@@ -206,6 +240,7 @@ void FSDPState::prefetch_after(size_t u) {
 
 void FSDPState::begin_backward() {
   in_backward_ = true;
+  backward_after_ = outermost_forwards_;
   // Each unit's setting as it is now (FSDP2 reads it in backward too); the
   // ranks' are checked before the next collective.
   const auto sync = sync_flags();

@@ -35,6 +35,7 @@
 
 #include <torch/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -90,7 +91,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// hooks `output` (if it requires grad) to unshard it before its backward.
   /// `outermost`: no unit's forward encloses this one; if no backward will
   /// follow it either (no grad mode, or an output that needs no gradient),
-  /// every unit is resharded.
+  /// every unit is resharded, and so is every unit when its graph is freed
+  /// before a backward ran through it (a dropped loss, an exception).
   void post_forward(size_t u, const torch::Tensor& output, bool outermost);
   /// Unit u's output got its gradient: its backward is next.
   void pre_backward(size_t u);
@@ -140,6 +142,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // failure is kept and thrown at the end of backward).
   void retire_in_flight();
   void end_backward();
+  // Held by the hook on an outermost forward's output, so freed with that
+  // forward's graph: reshards every unit if no backward ran through it.
+  struct GraphWatch;
+  void graph_freed(uint64_t forward);
   // WorldSizeInvariant (fsdp_state_leaves.cpp).
   void setup_leaves(int64_t leaves);
   void begin_leaf_forward();
@@ -168,6 +174,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::unique_ptr<AccumulatorHooks> hooks_;
   BucketQueue queue_;
   bool in_backward_ = false;
+  uint64_t outermost_forwards_ = 0;    // outermost forwards with a graph so far
+  uint64_t backward_after_ = 0;        // how many there were when the last backward began
   std::vector<char> reducing_;         // unit -> this backward reduce-scatters its gradients
   bool any_reducing_ = false;          // some unit does
   std::vector<std::string> failures_;  // of reduce-scatters retired early

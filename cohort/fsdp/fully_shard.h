@@ -64,7 +64,8 @@ struct FullyShardOptions {
   /// reshard_after_forward.h). The root keeps its own parameters through
   /// the forward either way. A forward no backward follows (NoGradGuard)
   /// leaves every unit sharded, whatever this says (the optimizer steps
-  /// the parameters, which must be the shards then).
+  /// the parameters, which must be the shards then); so does a training
+  /// forward whose graph is freed without a backward, once it is freed.
   ReshardAfterForward reshard_after_forward = true;
   /// The dtypes of the all-gather, the compute and the reduce-scatter
   /// (mixed_precision.h; default: the parameters' own throughout).

@@ -1,16 +1,21 @@
-// A forward under NoGradGuard (an evaluation) between training steps, ranks
-// as threads over Gloo and UCX at world 1 to 3, every unit (the root too)
-// made with reshard_after_forward true or false: the model ends it sharded,
-// so an optimizer step after it steps the shards the optimizer holds, and
-// the next forward gathers them. After 10 AdamW steps every parameter
-// equals the one-process model's within 1e-6 relative, and each evaluation's
-// output the one-process model's at that point within 1e-5, whether the
-// evaluation comes between backward and the optimizer step or after it.
+// A forward no backward follows between training steps, ranks as threads
+// over Gloo and UCX at world 1 to 3, every unit (the root too) made with
+// reshard_after_forward true or false: one under NoGradGuard (an
+// evaluation), or a training forward whose graph is freed without a
+// backward (its loss dropped, or an exception thrown between forward and
+// backward). The model ends the first sharded, and the second once its
+// graph is freed, so an optimizer step after it steps the shards the
+// optimizer holds, and the next forward gathers them. After 10 AdamW steps
+// every parameter equals the one-process model's within 1e-6 relative, and
+// each such forward's output the one-process model's at that point within
+// 1e-5, whether it comes between backward and the optimizer step or after
+// it.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -30,8 +35,32 @@ enum class Eval {
   kAfterStep,   // after the optimizer step
 };
 
+// How that forward runs.
+enum class Forward {
+  kNoGrad,   // under NoGradGuard
+  kDropped,  // with grad, its output dropped
+  kThrown,   // with grad, an exception thrown before its backward
+};
+
 // The evaluation batch of step s (other rows than the training batch).
 torch::Tensor eval_batch(const Batches& b, int s) { return b.x[(s + 1) % kSteps] * 0.5; }
+
+// `model`'s output on `x` run as `how` says, without its graph.
+template <class Model>
+torch::Tensor evaluate(Model& model, const torch::Tensor& x, Forward how) {
+  if (how == Forward::kNoGrad) {
+    torch::NoGradGuard no_grad;
+    return model->forward(x);
+  }
+  torch::Tensor kept;
+  try {
+    auto out = model->forward(x);
+    kept = out.detach();
+    if (how == Forward::kThrown) throw std::runtime_error("between forward and backward");
+  } catch (const std::runtime_error&) {
+  }
+  return kept;
+}
 
 struct Outcome {
   Named params;
@@ -39,15 +68,12 @@ struct Outcome {
 };
 
 // One process: the same steps on the whole batch.
-Outcome reference(const Batches& b, Eval when) {
+Outcome reference(const Batches& b, Eval when, Forward how) {
   auto model = make_model(nullptr, {});
   init_parameters(*model, 7);
   auto opt = make_optimizer(Opt::AdamW, model->parameters());
   Outcome out;
-  auto eval = [&](int s) {
-    torch::NoGradGuard no_grad;
-    out.evals.push_back(model->forward(eval_batch(b, s)));
-  };
+  auto eval = [&](int s) { out.evals.push_back(evaluate(model, eval_batch(b, s), how)); };
   for (int s = 0; s < kSteps; ++s) {
     opt->zero_grad();
     torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
@@ -60,7 +86,8 @@ Outcome reference(const Batches& b, Eval when) {
 }
 
 // Each rank's gathered model and evaluation outputs (its rows of them).
-std::map<int, Outcome> sharded(const EngineWorld& c, const Batches& b, Eval when, bool reshard) {
+std::map<int, Outcome> sharded(const EngineWorld& c, const Batches& b, Eval when, Forward how,
+                               bool reshard) {
   std::mutex mu;
   std::map<int, Outcome> got;
   cohort::testing::run_ranks_shared(
@@ -76,8 +103,7 @@ std::map<int, Outcome> sharded(const EngineWorld& c, const Batches& b, Eval when
         auto opt = make_optimizer(Opt::AdamW, model->parameters());
         Outcome out;
         auto eval = [&](int s) {
-          torch::NoGradGuard no_grad;
-          out.evals.push_back(model->forward(local(eval_batch(b, s), *comm)));
+          out.evals.push_back(evaluate(model, local(eval_batch(b, s), *comm), how));
         };
         for (int s = 0; s < kSteps; ++s) {
           opt->zero_grad();
@@ -94,10 +120,11 @@ std::map<int, Outcome> sharded(const EngineWorld& c, const Batches& b, Eval when
   return got;
 }
 
-void expect_one_process(const EngineWorld& c, Eval when, bool reshard) {
+void expect_one_process(const EngineWorld& c, Eval when, bool reshard,
+                        Forward how = Forward::kNoGrad) {
   const auto b = make_batches(21);
-  const auto want = reference(b, when);
-  for (const auto& [rank, out] : sharded(c, b, when, reshard)) {
+  const auto want = reference(b, when, how);
+  for (const auto& [rank, out] : sharded(c, b, when, how, reshard)) {
     const std::string who = "rank " + std::to_string(rank);
     expect_close(out.params, want.params, 1e-6, who);
     ASSERT_EQ(out.evals.size(), want.evals.size()) << who;
@@ -153,6 +180,55 @@ TEST_P(FSDPNoGradForward, LeavesEveryUnitSharded) {
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPNoGradForward,
+                         ::testing::ValuesIn(cohort::testing::engine_worlds()),
+                         cohort::testing::engine_world_name);
+
+class FSDPForwardWithoutBackward : public ::testing::TestWithParam<EngineWorld> {};
+
+TEST_P(FSDPForwardWithoutBackward, AnOptimizerStepAfterADroppedLossStepsTheShards) {
+  for (auto when : {Eval::kBeforeStep, Eval::kAfterStep}) {
+    for (bool reshard : {true, false}) {
+      SCOPED_TRACE(std::string(when == Eval::kBeforeStep ? "before" : "after") + " the step, " +
+                   (reshard ? "reshard_after_forward true" : "reshard_after_forward false"));
+      expect_one_process(GetParam(), when, reshard, Forward::kDropped);
+    }
+  }
+}
+
+TEST_P(FSDPForwardWithoutBackward, AnOptimizerStepAfterAnExceptionStepsTheShards) {
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward true" : "reshard_after_forward false");
+    expect_one_process(GetParam(), Eval::kBeforeStep, reshard, Forward::kThrown);
+  }
+}
+
+// Every unit is sharded once the graph is freed, not before: a backward
+// may still come while the output lives.
+TEST_P(FSDPForwardWithoutBackward, LeavesEveryUnitShardedOnceItsGraphIsFreed) {
+  const auto c = GetParam();
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        FullyShardOptions keep;
+        keep.reshard_after_forward = false;
+        auto seq = make_model(comm, keep);
+        auto model = fully_shard(seq, comm, keep);
+        auto units = [&] {
+          std::vector<bool> unsharded{model->param_group().is_unsharded()};
+          for (size_t i : {2, 4})
+            unsharded.push_back(seq->ptr<FullyShardImpl>(i)->param_group().is_unsharded());
+          return unsharded;
+        };
+        auto out = model->forward(local(make_batches(2).x[0], *comm));
+        EXPECT_EQ(units(), std::vector<bool>(3, true));
+        out = torch::Tensor();
+        EXPECT_EQ(units(), std::vector<bool>(3, false));
+      },
+      cohort::testing::options_for(c));
+}
+
+INSTANTIATE_TEST_SUITE_P(FSDP, FSDPForwardWithoutBackward,
                          ::testing::ValuesIn(cohort::testing::engine_worlds()),
                          cohort::testing::engine_world_name);
 
