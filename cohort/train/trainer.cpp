@@ -124,6 +124,14 @@ void Trainer::agree_on_micro_batches(const std::vector<torch::data::Example<>>& 
     const std::string fault = micro_batch_fault(r, all.of(r));
     if (!fault.empty()) faults += (faults.empty() ? "" : "; ") + fault;
   }
+  // Each rank's count fits its own setting above; ranks set differently
+  // would weight their micro-batches unlike (1/2 against 1/3) while the sync
+  // averages their gradients as equals.
+  const auto steps = all.values([](const int64_t* w) { return std::to_string(w[1]); });
+  if (!all_same(steps)) {
+    faults += (faults.empty() ? "" : "; ") +
+              ("ranks disagree on accumulation_steps (" + name_groups(steps) + ")");
+  }
   if (faults.empty()) return;
   std::string sizes;
   for (const auto& b : micro_batches) {
@@ -134,8 +142,8 @@ void Trainer::agree_on_micro_batches(const std::vector<torch::data::Example<>>& 
   // sizes the two would train differently, neither as one batch would.
   throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) + " of " +
                         std::to_string(comm_.size()) + ": " + faults +
-                        "; every rank must pass accumulation_steps micro-batches with as many "
-                        "samples each (this rank's sizes: [" +
+                        "; every rank must have the same accumulation_steps and pass that many "
+                        "micro-batches with as many samples each (this rank's sizes: [" +
                         sizes + "])");
 }
 

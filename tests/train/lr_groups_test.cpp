@@ -6,7 +6,8 @@
 // scheduled ones again; base_lr over groups of different rates is refused.
 // Against one process of plain LibTorch, worlds 1 and 3 (Gloo, UCX).
 // Also: train_step refuses micro-batches of unequal sizes (or another count)
-// on every rank when one rank passed them, at worlds 1-3 over Gloo and UCX.
+// on every rank when one rank passed them, and ranks whose trainers have
+// other accumulation_steps, at worlds 1-3 over Gloo and UCX.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -281,6 +282,54 @@ TEST_P(TrainStepRefused, OneRanksUnequalMicroBatchesOnEveryRank) {
         }
         // Nothing was left half done: every rank steps together after.
         EXPECT_NO_THROW(trainer.train_step(batches({4, 4})));
+      },
+      o);
+}
+
+// The last rank's trainer accumulates 3 micro-batches, the others' 2, and
+// each rank passes as many: each rank's count fits its own setting, but the
+// ranks would weight their micro-batches differently (1/3 against 1/2)
+// while DDP averages their gradients as equals. Every rank gets an
+// InvalidArgument naming each group of ranks with its accumulation_steps,
+// with its parameters untouched.
+TEST_P(TrainStepRefused, RanksWithOtherAccumulationStepsOnEveryRank) {
+  const auto& c = GetParam();
+  if (c.world == 1) GTEST_SKIP() << "needs other ranks";
+  const int last = c.world - 1;
+  const auto data = make_data(16);
+  auto o = testing::options_for(c);
+  o.timeout = std::chrono::seconds(30);
+  testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto net = make_mlp();
+        DistributedDataParallel<torch::nn::Sequential> ddp(net, comm);
+        torch::optim::SGD opt(net->parameters(), 0.1);
+        TrainerOptions config;
+        config.accumulation_steps = comm->rank() == last ? 3 : 2;
+        config.progress = false;
+        Trainer trainer(
+            TrainerWiring::ddp(ddp, opt),
+            [&](const torch::data::Example<>& b) {
+              return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+            },
+            config);
+        std::vector<torch::data::Example<>> batches;
+        for (int64_t k = 0; k < config.accumulation_steps; ++k)
+          batches.push_back({data.x.narrow(0, 4 * k, 4), data.y.narrow(0, 4 * k, 4)});
+        const auto before = net->parameters()[0].clone();
+        try {
+          trainer.train_step(batches);
+          ADD_FAILURE() << "rank " << comm->rank() << " stepped";
+        } catch (const InvalidArgument& e) {
+          const std::string m = e.what();
+          const std::string others = c.world == 2 ? "rank 0: 2" : "ranks 0, 1: 2";
+          const std::string groups = others + "; rank " + std::to_string(last) + ": 3";
+          EXPECT_NE(m.find("accumulation_steps (" + groups + ")"), std::string::npos) << m;
+          EXPECT_NE(m.find("on rank " + std::to_string(comm->rank()) + " of "), std::string::npos)
+              << m;
+        }
+        EXPECT_TRUE(torch::equal(net->parameters()[0], before));
       },
       o);
 }
