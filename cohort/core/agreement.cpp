@@ -104,6 +104,16 @@ std::string name_groups(const std::vector<std::string>& values) {
   return os.str();
 }
 
+std::string flagged_ranks(const std::vector<char>& flags) {
+  std::string ranks;
+  int count = 0;
+  for (size_t r = 0; r < flags.size(); ++r) {
+    if (flags[r]) ranks += (count++ ? ", " : "") + std::to_string(r);
+  }
+  if (count == 0) return "";
+  return (count > 1 ? "ranks " : "rank ") + ranks;
+}
+
 namespace {
 constexpr size_t kTextChars = 120;  // shown in the message; the digest covers the rest
 constexpr size_t kTextWords = kTextChars + 2;

@@ -87,6 +87,10 @@ bool all_same(const std::vector<std::string>& values);
 /// (`values`, one per rank), in the order of each group's first rank.
 std::string name_groups(const std::vector<std::string>& values);
 
+/// "rank 2" or "ranks 0, 2": the ranks whose entry of `flags` (one per rank)
+/// is set; "" when none is. For naming the ranks that refused to go on.
+std::string flagged_ranks(const std::vector<char>& flags);
+
 /// Collective over `group`: every rank's `mine` (the same number of words
 /// on every rank).
 template <class Group>

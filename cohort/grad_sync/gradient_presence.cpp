@@ -3,6 +3,7 @@
 #include <torch/types.h>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort {
@@ -24,16 +25,12 @@ std::vector<char> any_rank_has_unless_refused(Communicator& comm, const std::vec
   words[n + static_cast<size_t>(comm.rank())] = refusal.empty() ? 0 : 1;
   auto all = any_rank_has(comm, words);
   if (!refusal.empty()) throw InvalidArgument(where + ": " + refusal);
-  std::string ranks;
-  int count = 0;
-  for (size_t r = 0; r < world; ++r) {
-    if (!all[n + r]) continue;
-    ranks += (count++ ? ", " : "") + std::to_string(r);
-  }
-  if (count > 0) {
-    throw InvalidArgument(where + ": " + (count > 1 ? "ranks " : "rank ") + ranks +
-                          " cannot take this step (" + (count > 1 ? "their" : "its") +
-                          " own error says why), so no rank takes it");
+  const std::vector<char> refused(all.begin() + static_cast<std::ptrdiff_t>(n), all.end());
+  const std::string ranks = flagged_ranks(refused);
+  if (!ranks.empty()) {
+    const bool one = ranks.rfind("rank ", 0) == 0;
+    throw InvalidArgument(where + ": " + ranks + " cannot take this step (" +
+                          (one ? "its" : "their") + " own error says why), so no rank takes it");
   }
   all.resize(n);
   return all;

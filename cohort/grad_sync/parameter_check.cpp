@@ -19,9 +19,9 @@ struct ParamSignature {
   bool operator==(const ParamSignature& o) const { return dtype == o.dtype && sizes == o.sizes; }
 };
 
-// [count, then per parameter: dtype, ndim, sizes...] as int64.
-std::vector<int64_t> encode(const std::vector<torch::Tensor>& params) {
-  std::vector<int64_t> out{static_cast<int64_t>(params.size())};
+// [refused, count, then per parameter: dtype, ndim, sizes...] as int64.
+std::vector<int64_t> encode(bool refused, const std::vector<torch::Tensor>& params) {
+  std::vector<int64_t> out{refused ? 1 : 0, static_cast<int64_t>(params.size())};
   for (const auto& p : params) {
     out.push_back(static_cast<int64_t>(p.scalar_type()));
     out.push_back(p.dim());
@@ -32,8 +32,8 @@ std::vector<int64_t> encode(const std::vector<torch::Tensor>& params) {
 
 std::vector<ParamSignature> decode(const std::vector<int64_t>& words) {
   const int64_t* d = words.data();
-  std::vector<ParamSignature> out(d[0]);
-  int64_t pos = 1;
+  std::vector<ParamSignature> out(d[1]);
+  int64_t pos = 2;
   for (auto& sig : out) {
     sig.dtype = d[pos++];
     const int64_t ndim = d[pos++];
@@ -113,11 +113,24 @@ void verify_same_values(Communicator& comm, const std::vector<torch::Tensor>& pa
 }
 
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
-                            const std::vector<std::string>& names, const std::string& who) {
+                            const std::vector<std::string>& names, const std::string& who,
+                            std::exception_ptr refusal) {
   const int n = comm.size();
+  if (n == 1 && refusal) std::rethrow_exception(refusal);
   if (n == 1) return;
   // Signatures differ in length across ranks when the models differ.
-  const auto all = gather_varying_words(comm, encode(params));
+  const auto all = gather_varying_words(comm, encode(refusal != nullptr, params));
+  std::vector<char> refused;
+  for (const auto& words : all) refused.push_back(words[0] != 0 ? 1 : 0);
+  const std::string refusing = flagged_ranks(refused);
+  if (refusal) std::rethrow_exception(refusal);
+  if (!refusing.empty()) {
+    std::ostringstream os;
+    os << who << ": on rank " << comm.rank() << " of " << n << " (group " << comm.name() << "), "
+       << refusing << " refused the parameters (the error there says why), so no rank "
+       << "goes on";
+    throw InvalidArgument(os.str());
+  }
   const auto reference = decode(all[0]);
   for (int r = 1; r < n; ++r) {
     const auto other = decode(all[r]);

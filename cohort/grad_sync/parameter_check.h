@@ -11,6 +11,7 @@
 
 #include <torch/types.h>
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -21,10 +22,14 @@ namespace cohort {
 /// Collective. Throws MismatchError on every rank naming `who` (the class
 /// that checks), the first parameter that differs from rank 0's (its index
 /// and, where `names` has it, this rank's name for it), the dtypes and
-/// shapes, and the two ranks. `names` may be empty.
+/// shapes, and the two ranks. `names` may be empty. A rank that cannot go
+/// on passes its error as `refusal`: first, on every rank (at world size 1
+/// too), that rank rethrows it and the others throw InvalidArgument naming
+/// it, so that no rank is left waiting in the caller's next collective.
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
                             const std::vector<std::string>& names,
-                            const std::string& who = "DistributedDataParallel");
+                            const std::string& who = "DistributedDataParallel",
+                            std::exception_ptr refusal = nullptr);
 
 /// Collective (one all-gather of one word per rank, a second of a word per
 /// parameter only when they differ; none at world size 1): throws

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <numeric>
 #include <unordered_map>
@@ -53,6 +54,60 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     std::vector<torch::optim::OptimizerParamGroup> groups, Factory factory,
     std::shared_ptr<Communicator> comm, ZeroOptions options)
     : comm_(std::move(comm)), options_(options) {
+  // Every rank must lay out the same flat buffer, or the collectives would
+  // silently mix unrelated elements. What one rank refuses before that
+  // check is refused in it, on every rank: thrown on that rank alone, it
+  // would leave the others waiting in the next collective to its timeout.
+  std::vector<int64_t> numels;
+  std::vector<size_t> group_of;
+  std::exception_ptr refusal;
+  try {
+    take_parameters(groups, numels, group_of);
+  } catch (const Error&) {
+    refusal = std::current_exception();
+  }
+  const int world = comm_->size();
+  verify_same_parameters(*comm_, params_, {}, "ZeroRedundancyOptimizer", refusal);
+  // Each rank steps its own shard from its own values and the all-gather
+  // then assembles the model from every rank's shard: ranks that start from
+  // different values would train a silent mix of them. PyTorch's
+  // ZeroRedundancyOptimizer assumes equal values (DDP broadcast them); a
+  // digest per rank checks it for one word of all-gather, where
+  // broadcasting rank 0's values would move the whole model.
+  verify_same_values(*comm_, params_, {}, "ZeroRedundancyOptimizer",
+                     "ZeRO steps each rank's shard from that rank's values and all-gathers the "
+                     "shards, so the model would silently mix the ranks' values. Build it over "
+                     "parameters equal on every rank: after cohort DDP (which broadcasts rank "
+                     "0's), or initialized from the same seed or checkpoint on every rank");
+
+  const int64_t elem = params_[0].element_size();
+  auto bucket_elements =
+      static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024 / static_cast<double>(elem));
+  const bool leaves = options_.determinism == Determinism::WorldSizeInvariant;
+  // One bucket: rank r's shard is then chunk r of the leaf reduction.
+  if (leaves) bucket_elements = std::numeric_limits<int64_t>::max() / 2;
+  partition_ = std::make_unique<FlatPartition>(numels, group_of, world, comm_->rank(),
+                                               std::max<int64_t>(bucket_elements, 1));
+
+  // Parameters become views into one flat buffer, so that the all-gather
+  // writes the new values in place and a piece is a plain slice.
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> offsets;
+  for (const auto& prm : partition_->params()) offsets.push_back(prm.offset);
+  flat_params_ = flatten_into(params_, offsets, partition_->padded_numel());
+  if (options_.stage == 2 && world > 1 && !leaves) {
+    shard_reducer_ = std::make_unique<GradientShardReducer>(
+        params_, *partition_, comm_, /*hook=*/options_.reduce_gradients,
+        [this](const std::string& op) { return where(op); }, options_.max_staged_buckets);
+  } else if (options_.reduce_gradients && world > 1) {
+    flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
+  }
+  build_inner(groups, factory);
+}
+
+void ZeroRedundancyOptimizer::take_parameters(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, std::vector<int64_t>& numels,
+    std::vector<size_t>& group_of) {
   if (options_.stage != 1 && options_.stage != 2) {
     throw InvalidArgument(where("constructor") + ": stage must be 1 or 2, got " +
                           std::to_string(options_.stage));
@@ -61,14 +116,16 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     throw InvalidArgument(where("constructor") + ": max_staged_buckets must be 1 or 2, got " +
                           std::to_string(options_.max_staged_buckets));
   }
-  std::vector<int64_t> numels;
-  std::vector<size_t> group_of;
+  if (options_.determinism == Determinism::WorldSizeInvariant && options_.reduce_gradients) {
+    throw InvalidArgument(where("constructor") +
+                          ": determinism WorldSizeInvariant needs cohort DDP with the same "
+                          "option (make(ddp, ...)), which runs the leaf loop");
+  }
   // Each tensor once, as DDP (and PyTorch's module.parameters()): LibTorch's
   // parameters() lists a tensor registered in two modules (tied weights)
   // twice, and two slots of one tensor would each take its gradient (stage
   // 2 would stage it into the first and give the second, where the tensor
-  // lives, nothing). In two groups it is refused, as PyTorch refuses it, once
-  // every rank has checked the layout.
+  // lives, nothing). In two groups it is refused, as PyTorch refuses it.
   std::unordered_map<const void*, size_t> seen;
   std::string in_two_groups;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -101,55 +158,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     }
   }
   if (params_.empty()) throw InvalidArgument(where("constructor") + ": no parameters");
-
-  // Every rank must lay out the same flat buffer, or the collectives would
-  // silently mix unrelated elements.
-  const int world = comm_->size();
-  verify_same_parameters(*comm_, params_, {}, "ZeroRedundancyOptimizer");
   if (!in_two_groups.empty()) {
     throw InvalidArgument(where("constructor") + ": a parameter is in " + in_two_groups +
                           "; each tensor may be in one group only");
   }
-  // Each rank steps its own shard from its own values and the all-gather
-  // then assembles the model from every rank's shard: ranks that start from
-  // different values would train a silent mix of them. PyTorch's
-  // ZeroRedundancyOptimizer assumes equal values (DDP broadcast them); a
-  // digest per rank checks it for one word of all-gather, where
-  // broadcasting rank 0's values would move the whole model.
-  verify_same_values(*comm_, params_, {}, "ZeroRedundancyOptimizer",
-                     "ZeRO steps each rank's shard from that rank's values and all-gathers the "
-                     "shards, so the model would silently mix the ranks' values. Build it over "
-                     "parameters equal on every rank: after cohort DDP (which broadcasts rank "
-                     "0's), or initialized from the same seed or checkpoint on every rank");
-
-  const int64_t elem = params_[0].element_size();
-  auto bucket_elements =
-      static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024 / static_cast<double>(elem));
-  const bool leaves = options_.determinism == Determinism::WorldSizeInvariant;
-  if (leaves && options_.reduce_gradients) {
-    throw InvalidArgument(where("constructor") +
-                          ": determinism WorldSizeInvariant needs cohort DDP with the same "
-                          "option (make(ddp, ...)), which runs the leaf loop");
-  }
-  // One bucket: rank r's shard is then chunk r of the leaf reduction.
-  if (leaves) bucket_elements = std::numeric_limits<int64_t>::max() / 2;
-  partition_ = std::make_unique<FlatPartition>(numels, group_of, world, comm_->rank(),
-                                               std::max<int64_t>(bucket_elements, 1));
-
-  // Parameters become views into one flat buffer, so that the all-gather
-  // writes the new values in place and a piece is a plain slice.
-  torch::NoGradGuard no_grad;
-  std::vector<int64_t> offsets;
-  for (const auto& prm : partition_->params()) offsets.push_back(prm.offset);
-  flat_params_ = flatten_into(params_, offsets, partition_->padded_numel());
-  if (options_.stage == 2 && world > 1 && !leaves) {
-    shard_reducer_ = std::make_unique<GradientShardReducer>(
-        params_, *partition_, comm_, /*hook=*/options_.reduce_gradients,
-        [this](const std::string& op) { return where(op); }, options_.max_staged_buckets);
-  } else if (options_.reduce_gradients && world > 1) {
-    flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
-  }
-  build_inner(groups, factory);
 }
 
 void ZeroRedundancyOptimizer::build_inner(

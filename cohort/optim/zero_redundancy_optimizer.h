@@ -316,6 +316,11 @@ class ZeroRedundancyOptimizer {
   void on_gradient_ready(size_t i) { shard_reducer_->on_gradient_ready(i); }
 
  private:
+  // Checks the options and takes each distinct tensor of `groups` into
+  // params_ and shapes_ (with its numel and group); throws what this rank
+  // refuses.
+  void take_parameters(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                       std::vector<int64_t>& numels, std::vector<size_t>& group_of);
   // The inner optimizer over this rank's pieces, one group per caller group.
   void build_inner(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                    const Factory& factory);

@@ -13,6 +13,7 @@
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "support/engine_worlds.h"
+#include "support/rank_errors.h"
 #include "tests/optim/optim_test_support.h"
 
 namespace cohort::testing::zero_parameters_test {
@@ -314,6 +315,41 @@ TEST(ZeroParametersErrors, ATensorInTwoGroupsIsRefused) {
     EXPECT_NE(e.find("a parameter is in groups 0 and 1"), std::string::npos) << e;
   }
 }
+
+// One rank alone lists a tensor in two groups; the others list it once, so
+// the layouts and values agree. Every rank refuses in the constructor's
+// first collective, not that rank alone while the others wait for it in
+// the next one.
+class ZeroGroupsErrors : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ZeroGroupsErrors, OneRanksTensorInTwoGroupsIsRefusedOnEveryRank) {
+  const auto c = GetParam();
+  const int last = c.world - 1;
+  auto options = options_for(c);
+  options.timeout = std::chrono::seconds(3);
+  const auto errors = errors_on_every_rank(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        const auto a = draw(1, {4, 3}).requires_grad_(), b = draw(2, {3}).requires_grad_();
+        const auto d = draw(3, {5}).requires_grad_();
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(std::vector<torch::Tensor>{a, b});
+        groups.emplace_back(comm->rank() == last ? std::vector<torch::Tensor>{d, a}
+                                                 : std::vector<torch::Tensor>{d});
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(groups, comm, kAdamW);
+      },
+      options);
+  for (int r = 0; r < c.world; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    const std::string want = r == last ? "a parameter is in groups 0 and 1"
+                                       : "rank " + std::to_string(last) + " refused";
+    EXPECT_NE(e.find(want), std::string::npos) << "rank " << r << ": " << e;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Zero, ZeroGroupsErrors, ::testing::ValuesIn(engine_worlds({1, 3})),
+                         engine_world_name);
 
 INSTANTIATE_TEST_SUITE_P(Zero, ZeroParameters, ::testing::ValuesIn(cases()), engine_world_name);
 
