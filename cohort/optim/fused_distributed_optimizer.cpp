@@ -247,6 +247,13 @@ void FusedDistributedOptimizer::step() {
   const int world = comm_->size();
   if (averaged_ || world == 1) {
     // Reduced by finish_gradients() (or nothing to reduce): update only.
+    // finish_gradients() checked the storage; a replacement since is
+    // refused here, on every rank (an update has no collective to ride on).
+    if (averaged_) {
+      const std::string replaced = replaced_storage();
+      if (world > 1) any_rank_has_unless_refused(*comm_, {}, replaced, where("step"));
+      if (!replaced.empty()) throw InvalidArgument(where("step") + ": " + replaced);
+    }
     if (!averaged_) has_ = globally_has_grad("step");
     for (auto& b : buckets_) apply(b, has_);
     averaged_ = false;

@@ -356,9 +356,23 @@ std::string ZeroRedundancyOptimizer::replaced_storage() const {
   return "";
 }
 
+void ZeroRedundancyOptimizer::refuse_replaced_storage(const std::string& op) {
+  const std::string replaced = replaced_storage();
+  if (comm_->size() > 1) {
+    any_rank_has_unless_refused(*comm_, {}, replaced, where(op));
+  } else if (!replaced.empty()) {
+    throw InvalidArgument(where(op) + ": " + replaced);
+  }
+}
+
 void ZeroRedundancyOptimizer::step() {
   TraceSpan span(active(comm_->tracer()), "zero step", "optim");
   span.arg(TraceArg::num("stage", options_.stage));
+  // Gradients finished before step() (to clip them) checked the storage
+  // then; a replacement since is refused here, before anything is stepped.
+  // The step's first collective comes after its first update, so the
+  // refusal cannot ride on it: this path pays one small all-reduce.
+  if (reduced_) refuse_replaced_storage("step");
   finish_gradients("step");
   reduced_ = false;
   if (comm_->size() == 1) {
@@ -384,12 +398,13 @@ void ZeroRedundancyOptimizer::reduce_gradients(const std::string& op) {
   // all-reduce where the step has one (stage 1 alone, stage 2); stage 1
   // after DDP and the leaf chunk have none, and pay one small all-reduce (an
   // int per rank) for it.
-  const std::string replaced = replaced_storage();
-  if (comm_->size() == 1 && !replaced.empty()) throw InvalidArgument(where(op) + ": " + replaced);
   const bool leaf_chunk =
       options_.stage == 2 && options_.determinism == Determinism::WorldSizeInvariant;
-  if (comm_->size() > 1 && (!reduce || leaf_chunk)) {
-    any_rank_has_unless_refused(*comm_, {}, replaced, where(op));
+  std::string replaced;
+  if (!reduce || leaf_chunk) {
+    refuse_replaced_storage(op);
+  } else {
+    replaced = replaced_storage();
   }
 
   if (!reduce) {

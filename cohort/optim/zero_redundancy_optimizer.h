@@ -332,6 +332,10 @@ class ZeroRedundancyOptimizer {
   // The first parameter that no longer lives where the constructor put it
   // (a view into flat_params_), described with what replaced it; "" if none.
   std::string replaced_storage() const;
+  // InvalidArgument on every rank when replaced_storage() is not "" on
+  // one: at world size 1 thrown here, else agreed in one small all-reduce
+  // (an int per rank), for the paths with no other collective to ride on.
+  void refuse_replaced_storage(const std::string& op);
   void take_leaf_chunk();
   std::string where(const std::string& op) const;
 

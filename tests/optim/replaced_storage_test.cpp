@@ -111,6 +111,11 @@ struct Trainee {
   }
   // One forward, backward and step on `x` (cast to the parameters' dtype).
   void train(const torch::Tensor& x, const torch::Tensor& y) {
+    backward(x, y);
+    step();
+  }
+  // zero_grad(), then one forward and backward on `x` per local leaf.
+  void backward(const torch::Tensor& x, const torch::Tensor& y) {
     const auto dtype = net->parameters()[0].scalar_type();
     if (zero) zero->zero_grad();
     if (fused) fused->zero_grad();
@@ -120,6 +125,12 @@ struct Trainee {
       auto out = ddp ? ddp->forward(x.to(dtype)) : net->forward(x.to(dtype));
       torch::mse_loss(out, y.to(dtype)).backward();
     }
+  }
+  void finish_gradients() {
+    if (zero) zero->finish_gradients();
+    if (fused) fused->finish_gradients();
+  }
+  void step() {
     if (zero) zero->step();
     if (fused) fused->step();
   }
@@ -228,6 +239,28 @@ TEST_P(ReplacedStorage, OneRanksSetDataIsRefusedOnEveryRank) {
     t.train(pb.xs[1][comm.rank()], pb.ys[1][comm.rank()]);
   });
   // b.weight is the third parameter: a.weight, a.bias, b.weight.
+  const bool ddp =
+      c.kind == Kind::Stage1Ddp || c.kind == Kind::Stage2Ddp || c.kind == Kind::Stage2Leaves;
+  expect_refused(errors, c, {last}, ddp ? "parameter 2 ('b.weight')" : "parameter 2 ", owner);
+}
+
+// A replacement after the gradients were finished (to clip them, say)
+// and before step() is refused at the step as one before backward is:
+// finish_gradients() checked the storage before the replacement.
+TEST_P(ReplacedStorage, OneRanksSetDataAfterFinishGradientsIsRefusedAtTheStep) {
+  const auto c = GetParam();
+  const int last = c.at.world - 1;
+  std::string owner;
+  auto errors = after_one_step(c, [&](Trainee& t, const Problem& pb, Communicator& comm) {
+    t.backward(pb.xs[1][comm.rank()], pb.ys[1][comm.rank()]);
+    t.finish_gradients();
+    if (comm.rank() == last) {
+      auto w = t.net->b->weight;
+      w.set_data(w.detach().clone());
+    }
+    if (comm.rank() == 0) owner = t.owner();
+    t.step();
+  });
   const bool ddp =
       c.kind == Kind::Stage1Ddp || c.kind == Kind::Stage2Ddp || c.kind == Kind::Stage2Leaves;
   expect_refused(errors, c, {last}, ddp ? "parameter 2 ('b.weight')" : "parameter 2 ", owner);
