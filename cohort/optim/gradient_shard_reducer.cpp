@@ -100,6 +100,7 @@ void GradientShardReducer::begin_iteration() {
   std::fill(held_grad_.begin(), held_grad_.end(), 0);
   held_.now = 0;
   twice_ = false;
+  misfit_.clear();
   active_ = true;
 }
 
@@ -124,10 +125,19 @@ void GradientShardReducer::stage_part(size_t b, size_t k) {
   const int64_t hi = std::min(range.offset + range.numel, prm.offset + prm.numel);
   auto view = bucket.live.narrow(0, lo - range.offset, hi - lo);
   auto& g = params_[i].mutable_grad();
-  if (has_[i]) {
+  if (has_[i] && g.numel() == prm.numel) {
     view.copy_(g.reshape(-1).narrow(0, lo - prm.offset, hi - lo));
   } else {
-    view.zero_();  // unused here (DDP reports it): zeros, as in DDP
+    // Unused here (DDP reports it): zeros, as in DDP. A gradient that no
+    // longer fits its place (the parameter's storage was replaced by one
+    // of another size) is not staged either: zeros keep this rank's
+    // reduce-scatters matching the others', and finish() refuses the step.
+    if (has_[i] && misfit_.empty()) {
+      misfit_ = "the gradient of parameter " + std::to_string(i) + " has " +
+                std::to_string(g.numel()) + " elements, not the " + std::to_string(prm.numel) +
+                " of its place in the flat buffer (its storage was replaced)";
+    }
+    view.zero_();
   }
   bucket.staged[k] = 1;
   if (--parts_left_[i] == 0) {
@@ -271,7 +281,8 @@ std::vector<char> GradientShardReducer::finish(const std::string& refusal, const
   // rank, so a refusal it carries leaves no rank inside a reduce-scatter.
   std::vector<char> has;
   try {
-    has = any_rank_has_unless_refused(*comm_, has_, refusal, where_(op));
+    has =
+        any_rank_has_unless_refused(*comm_, has_, refusal.empty() ? misfit_ : refusal, where_(op));
   } catch (...) {
     drop();
     throw;

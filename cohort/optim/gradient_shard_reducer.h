@@ -70,7 +70,8 @@ class GradientShardReducer : private ReductionOwner {
   /// gradient. Throws Error if a parameter got a second gradient, and
   /// InvalidArgument on every rank when a rank passes a `refusal` (the
   /// reason it cannot step, as any_rank_has_unless_refused; `op` names the
-  /// call that finishes).
+  /// call that finishes) or staged a gradient whose size no longer fits
+  /// its parameter (zeros were staged in its place).
   std::vector<char> finish(const std::string& refusal = "", const std::string& op = "step");
   /// Drops an unfinished iteration (waits for what was launched).
   void drop();
@@ -146,6 +147,7 @@ class GradientShardReducer : private ReductionOwner {
   std::vector<int64_t> held_grad_;  // bytes of a .grad kept for a later bucket
   bool active_ = false;             // an iteration is under way
   bool twice_ = false;
+  std::string misfit_;  // a gradient that did not fit its parameter's place
   int no_sync_depth_ = 0;
   // Bytes alive now, and the most at once so far.
   struct Gauge {

@@ -266,6 +266,50 @@ TEST_P(ReplacedStorage, OneRanksSetDataAfterFinishGradientsIsRefusedAtTheStep) {
   expect_refused(errors, c, {last}, ddp ? "parameter 2 ('b.weight')" : "parameter 2 ", owner);
 }
 
+// One rank replaces a parameter by one of fewer (b.bias, 3 -> 1, which the
+// forward broadcasts) or more elements (c.weight, 1x3 -> 2x3, whose extra
+// output the loss broadcasts) before backward, also after moving the model
+// to float64 (which gives the parameters new gradient accumulators, so
+// autograd no longer shapes the gradient as the old parameter): the
+// gradient that reaches the optimizer may no longer fit the parameter's
+// place in the flat buffers. Every rank still refuses at the step, with no
+// rank left waiting. Over DDP, DDP's own buckets meet the new size first;
+// this test is about the optimizers' own reduction.
+TEST_P(ReplacedStorage, OneRanksShapeChangeBeforeBackwardIsRefusedAtTheStep) {
+  const auto c = GetParam();
+  if (c.kind == Kind::Stage1Ddp || c.kind == Kind::Stage2Ddp || c.kind == Kind::Stage2Leaves) {
+    GTEST_SKIP() << "over DDP";
+  }
+  const int last = c.at.world - 1;
+  struct Change {
+    std::string name;
+    bool fewer, float64;
+  };
+  for (const auto& change : {Change{"fewer", true, false}, Change{"more", false, false},
+                             Change{"fewer, float64", true, true}}) {
+    SCOPED_TRACE(change.name);
+    std::string owner;
+    auto errors = after_one_step(c, [&](Trainee& t, const Problem& pb, Communicator& comm) {
+      if (comm.rank() == last) {
+        if (change.float64) t.net->to(torch::kFloat64);
+        const auto dtype = t.net->parameters()[0].scalar_type();
+        if (change.fewer) {
+          t.net->b->bias.set_data(torch::zeros({1}, dtype));
+        } else {
+          t.net->c->weight.set_data(torch::zeros({2, 3}, dtype));
+        }
+      }
+      if (comm.rank() == 0) owner = t.owner();
+      t.train(pb.xs[1][comm.rank()], pb.ys[1][comm.rank()]);
+    });
+    // a.weight and a.bias come first, whatever the dtype: the first
+    // parameter refused. With float64 every parameter was replaced.
+    const std::string parameter =
+        change.float64 ? "parameter 0 " : (change.fewer ? "parameter 3 " : "parameter 4 ");
+    expect_refused(errors, c, {last}, parameter, owner);
+  }
+}
+
 // What keeps working: values copied into the parameters in place are
 // trained from (the step moves them), on every rank alike, and Module::to of
 // the dtype the parameters already have changes nothing.
