@@ -1,6 +1,7 @@
 #include "cohort/optim/fused_distributed_optimizer.h"
 
 #include <algorithm>
+#include <exception>
 #include <unordered_set>
 
 #include "cohort/core/error.h"
@@ -28,17 +29,24 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
       queue_(comm_->tracer(), "fused", "fused.bucket") {
   const std::string where = "FusedDistributedOptimizer (rank " + std::to_string(comm_->rank()) +
                             " of " + std::to_string(comm_->size()) + ")";
-  if (params_.empty()) throw InvalidArgument(where + ": no parameters");
-  for (const auto& p : params_) {
-    if (!p.is_floating_point() || p.is_sparse() || p.device() != params_[0].device() ||
-        p.scalar_type() != params_[0].scalar_type()) {
-      throw Unsupported(where +
-                        ": parameters must be dense tensors of one floating dtype on one device");
-    }
-  }
   // Every rank must build the same buckets, or the all-reduces would mix
-  // unrelated elements (or hang on different sizes).
-  verify_same_parameters(*comm_, params_, {}, "FusedDistributedOptimizer");
+  // unrelated elements (or hang on different sizes). What one rank refuses
+  // is refused in that check, on every rank: thrown on that rank alone, it
+  // would leave the others waiting in the next collective to its timeout.
+  std::exception_ptr refusal;
+  try {
+    if (params_.empty()) throw InvalidArgument(where + ": no parameters");
+    for (const auto& p : params_) {
+      if (!p.is_floating_point() || p.is_sparse() || p.device() != params_[0].device() ||
+          p.scalar_type() != params_[0].scalar_type()) {
+        throw Unsupported(where +
+                          ": parameters must be dense tensors of one floating dtype on one device");
+      }
+    }
+  } catch (const Error&) {
+    refusal = std::current_exception();
+  }
+  verify_same_parameters(*comm_, params_, {}, "FusedDistributedOptimizer", refusal);
   // The state is replicated and every rank applies the same averaged
   // update to its own values: ranks that start apart stay apart, silently.
   // A digest per rank checks it for one word of all-gather.
