@@ -259,7 +259,11 @@ Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
 Work Communicator::run_reduce_scatter(const Call& call, torch::Tensor& output,
                                       std::vector<torch::Tensor> chunks, torch::Tensor flat,
                                       const ReduceScatterOptions& opts) {
-  auto buf = reduction_buffer(output, opts.op, *engine_);
+  // The output's keys are only written: an empty buffer of their dtype.
+  const auto dt = reduction_dtype(output.scalar_type());
+  auto buf = detail::reduces_as_keys(*engine_, dt, opts.op)
+                 ? torch::empty(output.sizes(), output.options().dtype(detail::order_key_dtype(dt)))
+                 : reduction_buffer(output, opts.op, *engine_);
   const auto sig =
       detail::call_signature(call.ctx, CollectiveKind::ReduceScatter, output, -1, opts.op);
   WorkPtr failed;

@@ -31,11 +31,6 @@ void flip_host(const void* in, void* out, int64_t n, bool mark_nan, I nan_key) {
   }
 }
 
-template <typename I>
-torch::Tensor flip_tensor(const torch::Tensor& bits) {
-  return at::where(bits.lt(0), bits.bitwise_xor(int64_t{std::numeric_limits<I>::max()}), bits);
-}
-
 // `bits` (int32 or int64) flipped, into a new tensor; NaN patterns of
 // `mark_nan` become nan_key.
 template <typename I>
@@ -45,11 +40,13 @@ torch::Tensor flipped(const torch::Tensor& bits, bool mark_nan, I nan_key) {
     flip_host<I>(bits.data_ptr(), out.data_ptr(), bits.numel(), mark_nan, nan_key);
     return out;
   }
-  auto out = flip_tensor<I>(bits);
+  // On a device (NCCL's tensors): the output and a bool mask, no other
+  // full-size temporary. An arithmetic shift gives all ones on negatives.
+  auto out = at::__rshift__(bits, int64_t{sizeof(I) * 8 - 1});
+  out.bitwise_and_(int64_t{std::numeric_limits<I>::max()}).bitwise_xor_(bits);
   if (!mark_nan) return out;
-  constexpr I kMagnitude = std::numeric_limits<I>::max();
-  const auto inf_bits = sizeof(I) == 4 ? int64_t{0x7F800000} : int64_t{0x7FF0000000000000};
-  return out.masked_fill_(bits.bitwise_and(int64_t{kMagnitude}).gt(inf_bits), int64_t{nan_key});
+  const auto values = bits.view(sizeof(I) == 4 ? at::kFloat : at::kDouble);
+  return out.masked_fill_(values.isnan(), int64_t{nan_key});
 }
 
 }  // namespace

@@ -25,6 +25,11 @@ namespace cohort::detail {
 // Whether a reduction of this (reduction) dtype runs on order keys.
 bool reduces_as_keys(const Engine& engine, at::ScalarType dtype, ReduceOp op);
 
+// The dtype of the keys of f32 (int32) or f64 (int64) values.
+inline at::ScalarType order_key_dtype(at::ScalarType values) {
+  return values == at::kDouble ? at::kLong : at::kInt;
+}
+
 // The keys of f32 (int32) or f64 (int64) `values`, a new tensor.
 torch::Tensor to_order_keys(const torch::Tensor& values, ReduceOp op);
 

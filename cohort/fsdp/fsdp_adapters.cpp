@@ -29,6 +29,18 @@ std::shared_ptr<void> FSDPGradientSync::skip_sync() {
   });
 }
 
+void FSDPGradientSync::finish_sync() {
+  for (const auto& item : model_->named_modules("model")) {
+    auto* unit = dynamic_cast<FullyShardImpl*>(item.value().get());
+    if (unit == nullptr || unit->requires_gradient_sync()) continue;
+    throw InvalidArgument(
+        "Trainer over FSDP: unit " + item.key() +
+        " has set_requires_gradient_sync(false), so its last backward kept full local "
+        "gradients that no step can take; the Trainer syncs every unit at each step's last "
+        "micro-batch: set it back to true before train_step");
+  }
+}
+
 double FSDPGradientSync::seconds_now() const {
   const auto stats = model_->process_group()->stats();
   return stats[OpKind::AllGatherIntoTensor].seconds_in_flight +

@@ -47,8 +47,12 @@ class FSDPGradientSync : public GradientSync {
   /// guard lives; its end gives each unit back its own flag (a unit set to
   /// false with set_requires_gradient_sync stays so).
   std::shared_ptr<void> skip_sync() override;
-  /// The last backward already reduce-scattered and waited.
-  void finish_sync() override {}
+  /// The last backward already reduce-scattered and waited. Throws
+  /// InvalidArgument (on every rank: the flags are compared across ranks at
+  /// each forward) when a unit's own flag is false: that unit's last
+  /// backward kept full local gradients, which the optimizer cannot step on
+  /// shards, and the Trainer's gradient norm would count once per rank.
+  void finish_sync() override;
   /// In-flight seconds of the communicator's all-gathers, reduce-scatters
   /// and coalesced broadcasts since construction.
   double comm_seconds() const override;

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 
 #include "cohort/core/error.h"
@@ -96,6 +97,7 @@ void FSDPState::layout_gradients() {
 }
 
 void FSDPState::begin_forward(bool training) {
+  in_forward_ = true;
   check_.next_pass();
   check_.set_sync(sync_flags());
   // hpZ's kept spans are for the backward of the forward that made them.
@@ -158,24 +160,33 @@ void FSDPState::pre_forward(size_t u, bool training) {
 // optimizer step would go into the gathered copy (lost at the next reshard,
 // or a shape error), as post_forward says of a forward under NoGradGuard.
 // So the graph's end reshards, as the end of its backward would have.
+// Only on the thread that ran the forward: a graph freed elsewhere (an
+// output handed to a logging thread) must not reshard under the training
+// thread's forward or backward; its units stay gathered, as while it lived.
 struct FSDPState::GraphWatch {
   GraphWatch(std::weak_ptr<FSDPState> state, uint64_t forward)
-      : state(std::move(state)), forward(forward) {}
+      : state(std::move(state)), forward(forward), thread(std::this_thread::get_id()) {}
   GraphWatch(const GraphWatch&) = delete;
   GraphWatch& operator=(const GraphWatch&) = delete;
   ~GraphWatch() {
+    if (std::this_thread::get_id() != thread) return;
     if (auto s = state.lock()) s->graph_freed(forward);
   }
   std::weak_ptr<FSDPState> state;
   uint64_t forward;
+  std::thread::id thread;
 };
 
 void FSDPState::graph_freed(uint64_t forward) {
   // A backward began after that forward (it resharded at its end, or will),
-  // or a later forward's graph watches the units now.
-  if (in_backward_ || backward_after_ >= forward || outermost_forwards_ != forward) return;
+  // a later forward's graph watches the units now, or a forward is running
+  // (its units are in use).
+  if (in_backward_ || in_forward_ || backward_after_ >= forward ||
+      outermost_forwards_ != forward) {
+    return;
+  }
   // In a destructor, so nothing throws: a unit that refuses (a parameter
-  // replaced) is refused on every rank at the next collective's check.
+  // replaced) stays gathered, and its next reshard refuses it.
   for (auto& unit : units_) {
     try {
       unit.group->reshard();
@@ -198,9 +209,13 @@ void FSDPState::post_forward(size_t u, const torch::Tensor& output, bool outermo
     // reshard, or a shape error), and a load would go into shards the next
     // forward does not gather. FSDP2's optimizer holds the sharded
     // parameters whatever the module shows; here they must be sharded.
-    if (outermost && !in_backward_) reshard_all();
+    if (outermost && !in_backward_) {
+      in_forward_ = false;
+      reshard_all();
+    }
     return;
   }
+  if (outermost && !in_backward_) in_forward_ = false;
   std::weak_ptr<FSDPState> self = shared_from_this();
   std::shared_ptr<GraphWatch> watch;
   if (outermost && !in_backward_) watch = std::make_shared<GraphWatch>(self, ++outermost_forwards_);

@@ -174,6 +174,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::unique_ptr<AccumulatorHooks> hooks_;
   BucketQueue queue_;
   bool in_backward_ = false;
+  bool in_forward_ = false;            // between the root's pre- and post-forward
   uint64_t outermost_forwards_ = 0;    // outermost forwards with a graph so far
   uint64_t backward_after_ = 0;        // how many there were when the last backward began
   std::vector<char> reducing_;         // unit -> this backward reduce-scatters its gradients

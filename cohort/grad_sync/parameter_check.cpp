@@ -127,7 +127,7 @@ void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>
   if (!refusing.empty()) {
     std::ostringstream os;
     os << who << ": on rank " << comm.rank() << " of " << n << " (group " << comm.name() << "), "
-       << refusing << " refused the parameters (the error there says why), so no rank "
+       << refusing << " refused (the error there says why), so no rank "
        << "goes on";
     throw InvalidArgument(os.str());
   }

@@ -43,7 +43,7 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
                           ": parameters must be dense tensors of one floating dtype on one device");
       }
     }
-  } catch (const Error&) {
+  } catch (...) {  // an ATen error (an undefined tensor) too
     refusal = std::current_exception();
   }
   verify_same_parameters(*comm_, params_, {}, "FusedDistributedOptimizer", refusal);

@@ -63,7 +63,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   std::exception_ptr refusal;
   try {
     take_parameters(groups, numels, group_of);
-  } catch (const Error&) {
+  } catch (...) {  // an ATen error (an undefined tensor) too
     refusal = std::current_exception();
   }
   const int world = comm_->size();

@@ -182,7 +182,8 @@ void min_max_propagate_nan(Communicator& comm, torch::Dtype dt) {
 // Min and max order negative values, signed zeros and infinities as floats
 // do: rank r's element i is (i%5 - 2)(r+1)/4, -0 on odd ranks where that is
 // 0, and every seventh element +inf on odd ranks, -inf on even ones. The
-// expected values are a one-process fold of at::minimum / at::maximum.
+// expected values are a one-process fold of at::minimum / at::maximum
+// (either zero passes: engines that reduce the floats pick one by rank).
 void min_max_order_signed_values(Communicator& comm, torch::Dtype dt) {
   if (!torch::isFloatingType(dt)) return;
   const double inf = std::numeric_limits<double>::infinity();

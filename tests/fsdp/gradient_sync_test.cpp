@@ -208,6 +208,18 @@ TEST_P(FSDPUnitGradientSync, TheTrainersSkipSyncLeavesEachUnitsOwnFlag) {
           ASSERT_EQ(g.sizes(), want[p.key()].sizes()) << p.key() << " was reduce-scattered";
           EXPECT_TRUE(torch::allclose(g, want[p.key()].grad(), 1e-5, 1e-6)) << p.key();
         }
+        // Such a step cannot be taken: the Trainer's finish_sync says which
+        // unit, on every rank (the flags agree), before any optimizer step.
+        try {
+          sync.finish_sync();
+          ADD_FAILURE() << "finish_sync accepted a unit whose gradients stayed local";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("set_requires_gradient_sync(false)"),
+                    std::string::npos)
+              << e.what();
+        }
+        m.middle->set_requires_gradient_sync(true, /*recurse=*/false);
+        EXPECT_NO_THROW(sync.finish_sync());
       },
       cohort::testing::options_for(c));
 }

@@ -398,6 +398,31 @@ TEST_P(ZeroGroupsErrors, OneRanksMixedDtypesAreRefusedOnEveryRankByTheFusedOptim
   }
 }
 
+// An undefined tensor on one rank: an ATen error there, which must not stop
+// that rank before the check (encoding its parameters would throw again).
+TEST_P(ZeroGroupsErrors, OneRanksUndefinedTensorIsRefusedOnEveryRankByTheFusedOptimizer) {
+  const auto c = GetParam();
+  const int last = c.world - 1;
+  auto options = options_for(c);
+  options.timeout = std::chrono::seconds(3);
+  const auto errors = errors_on_every_rank(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        std::vector<torch::Tensor> params{draw(1, {4, 3}).requires_grad_(),
+                                          draw(3, {5}).requires_grad_()};
+        if (comm->rank() == last) params[1] = torch::Tensor();
+        FusedDistributedOptimizer fused(params, comm, kAdamW);
+      },
+      options);
+  for (int r = 0; r < c.world; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    const std::string want = r == last ? "parameters must be dense tensors"
+                                       : "rank " + std::to_string(last) + " refused";
+    EXPECT_NE(e.find(want), std::string::npos) << "rank " << r << ": " << e;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Zero, ZeroGroupsErrors, ::testing::ValuesIn(engine_worlds({1, 3})),
                          engine_world_name);
 
