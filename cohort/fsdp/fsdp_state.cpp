@@ -181,8 +181,7 @@ void FSDPState::graph_freed(uint64_t forward) {
   // A backward began after that forward (it resharded at its end, or will),
   // a later forward's graph watches the units now, or a forward is running
   // (its units are in use).
-  if (in_backward_ || in_forward_ || backward_after_ >= forward ||
-      outermost_forwards_ != forward) {
+  if (in_backward_ || in_forward_ || backward_after_ >= forward || outermost_forwards_ != forward) {
     return;
   }
   // In a destructor, so nothing throws: a unit that refuses (a parameter
