@@ -1,5 +1,6 @@
 #include "cohort/fsdp/fsdp_adapters.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -30,6 +31,13 @@ std::shared_ptr<void> FSDPGradientSync::skip_sync() {
 }
 
 void FSDPGradientSync::finish_sync() {
+  // Every step: the names (a map of strings) only when a unit refuses.
+  const auto modules = model_->modules();
+  const bool all_sync = std::all_of(modules.begin(), modules.end(), [](const auto& m) {
+    auto* unit = dynamic_cast<FullyShardImpl*>(m.get());
+    return unit == nullptr || unit->requires_gradient_sync();
+  });
+  if (all_sync) return;
   for (const auto& item : model_->named_modules("model")) {
     auto* unit = dynamic_cast<FullyShardImpl*>(item.value().get());
     if (unit == nullptr || unit->requires_gradient_sync()) continue;
