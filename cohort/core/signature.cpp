@@ -194,4 +194,20 @@ at::ScalarType caller_dtype_or(at::ScalarType wire) {
   return t_caller_dtype < 0 ? wire : static_cast<at::ScalarType>(t_caller_dtype);
 }
 
+std::string bad_message(int64_t received, int sender_dtype, int64_t bytes, int receiver_dtype,
+                        const std::string& message_is, const std::string& buffer) {
+  auto described = [](int64_t n, int dtype) {
+    return "(" + std::to_string(n) + " bytes" +
+           (dtype < 0 ? "" : ", " + dtype_name(static_cast<at::ScalarType>(dtype))) + ")";
+  };
+  if (received == bytes) {
+    return "the message " + described(received, sender_dtype) + " " + message_is +
+           " of another dtype than " + buffer + " " + described(bytes, receiver_dtype) +
+           ": the ranks sent and received different dtypes";
+  }
+  return "the message " + described(received, sender_dtype) + " " + message_is + " " +
+         (received > bytes ? "larger" : "shorter") + " than " + buffer + " " +
+         described(bytes, receiver_dtype) + ": the ranks called different operations or sizes";
+}
+
 }  // namespace cohort

@@ -141,4 +141,11 @@ class CallerDtypeScope {
 // The caller's dtype inside a CallerDtypeScope, else `wire`.
 at::ScalarType caller_dtype_or(at::ScalarType wire);
 
+// What a receive's message and buffer disagree about, for both ranks'
+// errors: "the message (40 bytes, int32) <is> another dtype than <the
+// receive buffer> (40 bytes, float32): ..." or "... larger than ...". A
+// dtype < 0 is left unnamed.
+std::string bad_message(int64_t received, int sender_dtype, int64_t bytes, int receiver_dtype,
+                        const std::string& message_is, const std::string& buffer);
+
 }  // namespace cohort

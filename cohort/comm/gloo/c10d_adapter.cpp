@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -98,6 +99,58 @@ std::vector<at::Tensor> byte_views(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
+// A point-to-point message's header: its payload's bytes and the caller's
+// dtype (CallerDtypeScope: bf16 moves as float16 bits).
+struct MessageHeader {
+  int64_t bytes, dtype;
+  static MessageHeader of(const at::Tensor& t) {
+    return {t.numel() * static_cast<int64_t>(t.element_size()),
+            static_cast<int64_t>(caller_dtype_or(t.scalar_type()))};
+  }
+  at::Tensor words() const {
+    auto w = at::empty({2}, at::kLong);
+    auto* p = w.data_ptr<int64_t>();
+    p[0] = bytes;
+    p[1] = dtype;
+    return w;
+  }
+};
+
+// Gloo hands a message to whatever receive its tag matches, whatever its
+// size: a shorter one leaves a stale tail in the buffer, another dtype of
+// the same bytes is read as the buffer's. The receive completes only when
+// the header that came first agrees with the buffer, else MismatchError on
+// the receiver (the sender's send has completed). A longer message still
+// ends the process inside Gloo (an enforce on its I/O thread, before cohort
+// sees the header): only a payload posted after its header arrived could
+// stop that, which costs every message a round trip.
+class CheckedReceive : public WorkImpl {
+ public:
+  CheckedReceive(WorkPtr header, WorkPtr payload, at::Tensor received, MessageHeader expected,
+                 std::string what)
+      : parts_({std::move(header), std::move(payload)}),
+        received_(std::move(received)),
+        expected_(expected),
+        what_(std::move(what)) {}
+
+  bool is_completed() override { return parts_.is_completed(); }
+
+  void wait(Millis timeout) override {
+    parts_.wait(timeout);
+    const auto* got = received_.data_ptr<int64_t>();
+    if (got[0] == expected_.bytes && got[1] == expected_.dtype) return;
+    throw MismatchError(what_ + ": " +
+                        bad_message(got[0], static_cast<int>(got[1]), expected_.bytes,
+                                    static_cast<int>(expected_.dtype), "is", "the receive buffer"));
+  }
+
+ private:
+  WorkList parts_;
+  at::Tensor received_;
+  MessageHeader expected_;
+  std::string what_;
+};
+
 // Every collective first compares its signature (cohort/core/signature.h)
 // with every other rank's, 32 bytes each way per peer on point-to-point,
 // whose sizes never differ: Gloo aborts the process (an enforce on its own
@@ -189,16 +242,30 @@ class GlooEngine : public Engine {
     return call([&] { return pg_->barrier(); });
   }
 
+  // A send is two Gloo messages on its tag: its header, then the payload.
+  // Gloo keeps a pair's messages of one tag in order, so a receive posts
+  // both receives at once and the data moves as soon as it would alone
+  // (CheckedReceive). The two posts are one step under p2p_mu_: another
+  // thread's send or receive between them would pair one message's header
+  // with another's payload.
   WorkPtr send(at::Tensor& tensor, int dst, int tag) override {
     check_tag(tag, "send");
-    std::vector<at::Tensor> ts{tensor};
-    return call([&] { return pg_->send(ts, dst, tag); }, false);
+    std::vector<at::Tensor> hs{MessageHeader::of(tensor).words()}, ts{tensor};
+    std::lock_guard<std::mutex> lock(p2p_mu_);
+    auto header = call([&] { return pg_->send(hs, dst, tag); }, false);
+    auto payload = call([&] { return pg_->send(ts, dst, tag); }, false);
+    return std::make_shared<WorkList>(std::vector<WorkPtr>{header, payload});
   }
 
   WorkPtr recv(at::Tensor& tensor, int src, int tag) override {
     check_tag(tag, "recv");
-    std::vector<at::Tensor> ts{tensor};
-    return call([&] { return pg_->recv(ts, src, tag); }, false);
+    std::vector<at::Tensor> hs{at::empty({2}, at::kLong)}, ts{tensor};
+    std::lock_guard<std::mutex> lock(p2p_mu_);
+    auto header = call([&] { return pg_->recv(hs, src, tag); }, false);
+    auto payload = call([&] { return pg_->recv(ts, src, tag); }, false);
+    return std::make_shared<CheckedReceive>(
+        header, payload, hs[0], MessageHeader::of(tensor),
+        "gloo: receive from rank " + std::to_string(src) + " (tag " + std::to_string(tag) + ")");
   }
 
   std::unique_ptr<Engine> create_subgroup(const std::vector<int>& ranks,
@@ -328,6 +395,7 @@ class GlooEngine : public Engine {
   c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<cohort::Store> store_;  // the group's: the liveness probe's
+  std::mutex p2p_mu_;                     // a message's two posts are one step
   int64_t collectives_ = 0;               // checked so far
 };
 

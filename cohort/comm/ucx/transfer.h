@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <string>
 
+#include "cohort/core/signature.h"
+
 namespace cohort::ucx {
 
 using Clock = std::chrono::steady_clock;
@@ -77,12 +79,5 @@ struct Transfer {
   // A receive's sender's dtype (from its tag), or -1 when it gave none.
   int sender_dtype() const { return dtype_of_code(dtype_code_of(sender_tag)); }
 };
-
-// What a receive's message and buffer disagree about, for both ranks'
-// errors: "the message (40 bytes, int32) <is> another dtype than <the
-// receive buffer> (40 bytes, float32): ..." or "... larger than ...". A
-// dtype < 0 is left unnamed.
-std::string bad_message(int64_t received, int sender_dtype, int64_t bytes, int receiver_dtype,
-                        const std::string& message_is, const std::string& buffer);
 
 }  // namespace cohort::ucx

@@ -164,22 +164,6 @@ void Worker::finish(Transfer& t) {
   throw PeerError("ucx: " + t.what() + " failed: " + ucs_status_string(t.status));
 }
 
-std::string bad_message(int64_t received, int sender_dtype, int64_t bytes, int receiver_dtype,
-                        const std::string& message_is, const std::string& buffer) {
-  auto described = [](int64_t n, int dtype) {
-    return "(" + std::to_string(n) + " bytes" +
-           (dtype < 0 ? "" : ", " + dtype_name(static_cast<at::ScalarType>(dtype))) + ")";
-  };
-  if (received == bytes) {
-    return "the message " + described(received, sender_dtype) + " " + message_is +
-           " of another dtype than " + buffer + " " + described(bytes, receiver_dtype) +
-           ": the ranks sent and received different dtypes";
-  }
-  return "the message " + described(received, sender_dtype) + " " + message_is + " " +
-         (received > bytes ? "larger" : "shorter") + " than " + buffer + " " +
-         described(bytes, receiver_dtype) + ": the ranks called different operations or sizes";
-}
-
 // A receive whose message did not have the buffer's size or dtype: the
 // ranks disagree about the operation. The receiver fails; so does the
 // sender, told by a notice on the control channel, instead of waiting for
