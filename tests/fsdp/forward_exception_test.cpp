@@ -1,0 +1,246 @@
+// An exception thrown inside the root's forward, on every rank at the same
+// call, after units were gathered (a layer's shape error, a user's check in
+// forward), ranks as threads over Gloo and UCX at world 1 to 3, every unit
+// made with reshard_after_forward true or false. The failing layer sits
+// between the two inner units (the root's parameters are gathered, the
+// first unit has run, the second's all-gather is in flight) or inside the
+// second unit after its Linear (that unit is gathered too). The user
+// catches the exception, which reaches them unchanged, and goes on: the
+// model is left with every unit sharded and nothing in flight, so an
+// optimizer step after it steps the shards the optimizer holds, and the
+// next forward gathers them. After 10 AdamW steps every parameter equals,
+// within 1e-6 relative, that of one process that skipped the failing call.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cohort/fsdp/fully_shard.h"
+#include "support/engine_worlds.h"
+#include "tests/fsdp/fsdp_test_models.h"
+
+namespace cohort::forward_exception_test {
+namespace {
+
+using namespace cohort::testing::fsdp_test;
+using cohort::testing::EngineWorld;
+
+// What the failing layer throws: a type of its own, so that a test catching
+// it sees that it was not replaced on the way out.
+struct LayerError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The identity, or it throws while `fail` is set.
+struct FailingImpl : torch::nn::Module {
+  std::shared_ptr<bool> fail;
+  explicit FailingImpl(std::shared_ptr<bool> f) : fail(std::move(f)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (*fail) throw LayerError("the layer refused its input");
+    return x;
+  }
+};
+TORCH_MODULE(Failing);
+
+// Where the failing layer is.
+enum class Where {
+  kBetweenUnits,  // after the first inner unit
+  kInsideUnit,    // inside the second inner unit, after its Linear
+};
+
+// How the user goes on after catching the exception.
+enum class Then {
+  kStep,      // the failed forward came after the step's backward: the step follows
+  kNextStep,  // the failed forward was the step's own: the step is skipped
+};
+
+// The step whose call fails.
+constexpr int kFailStep = 3;
+
+// A Linear, with the failing layer after it when `fail` is given.
+struct BlockImpl : torch::nn::Module {
+  Linear linear{nullptr};
+  Failing failing{nullptr};
+  BlockImpl(int64_t in, int64_t out, const std::shared_ptr<bool>& fail) {
+    linear = register_module("linear", Linear(in, out));
+    if (fail) failing = register_module("failing", Failing(fail));
+    to(cohort::testing::test_device());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = linear(x);
+    return failing ? failing(h) : h;
+  }
+};
+TORCH_MODULE(Block);
+
+// make_model's model with the failing layer `where` says, each Linear in a
+// block of its own (a unit over `comm`, or plain when `comm` is null).
+Sequential make_failing_model(const std::shared_ptr<Communicator>& comm, FullyShardOptions options,
+                              Where where, const std::shared_ptr<bool>& fail) {
+  auto unit = [&](Block b) {
+    if (!comm) return AnyModule(b);
+    return AnyModule(FullyShard(AnyModule(b), comm, options));
+  };
+  const auto device = cohort::testing::test_device();
+  auto tied = torch::zeros({5, 7}, device);
+  Sequential seq;
+  seq->push_back(InProj(tied));
+  seq->push_back(Tanh());
+  seq->push_back(unit(Block(7, 6, nullptr)));
+  if (where == Where::kBetweenUnits) seq->push_back(Failing(fail));
+  seq->push_back(Tanh());
+  seq->push_back(unit(Block(6, 7, where == Where::kInsideUnit ? fail : nullptr)));
+  seq->push_back(Tanh());
+  seq->push_back(OutProj(tied));
+  Linear last(5, 5);
+  last->to(device);
+  seq->push_back(last);
+  return seq;
+}
+
+// The inner units of `seq`.
+std::vector<FullyShardImpl*> inner_units(const Sequential& seq) {
+  std::vector<FullyShardImpl*> out;
+  for (const auto& m : seq->children()) {
+    if (auto* unit = dynamic_cast<FullyShardImpl*>(m.get())) out.push_back(unit);
+  }
+  return out;
+}
+
+// Runs `model` on `x` (with `loss_of`'s backward if given) with the failing
+// layer armed; expects the layer's own exception.
+template <class Model>
+void failing_call(Model& model, const std::shared_ptr<bool>& fail, const torch::Tensor& x,
+                  const torch::Tensor& y, bool backward, const std::string& who) {
+  *fail = true;
+  try {
+    auto out = model->forward(x);
+    if (backward) torch::mse_loss(out, y).backward();
+    ADD_FAILURE() << who << ": the forward did not throw";
+  } catch (const LayerError& e) {
+    EXPECT_STREQ(e.what(), "the layer refused its input") << who;
+  }
+  *fail = false;
+}
+
+// One process: the same steps on the whole batch, without the failing call.
+Named reference(const Batches& b, Where where, Then then) {
+  auto fail = std::make_shared<bool>(false);
+  auto model = make_failing_model(nullptr, {}, where, fail);
+  init_parameters(*model, 7);
+  auto opt = make_optimizer(Opt::AdamW, model->parameters());
+  for (int s = 0; s < kSteps; ++s) {
+    if (then == Then::kNextStep && s == kFailStep) continue;
+    opt->zero_grad();
+    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
+    opt->step();
+  }
+  Named out;
+  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
+  return out;
+}
+
+// Each rank's gathered model after the steps with the failing call.
+std::map<int, Named> sharded(const EngineWorld& c, const Batches& b, Where where, Then then,
+                             bool reshard) {
+  std::mutex mu;
+  std::map<int, Named> got;
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        FullyShardOptions options;
+        options.reshard_after_forward = reshard;
+        auto fail = std::make_shared<bool>(false);
+        auto seq = make_failing_model(comm, options, where, fail);
+        auto model = fully_shard(seq, comm, options);
+        auto twin = make_failing_model(nullptr, {}, where, fail);
+        init_parameters(*twin, 7);
+        load_from(model, *twin);
+        auto opt = make_optimizer(Opt::AdamW, model->parameters());
+        const std::string who = "rank " + std::to_string(comm->rank());
+        for (int s = 0; s < kSteps; ++s) {
+          auto x = local(b.x[s], *comm), y = local(b.y[s], *comm);
+          opt->zero_grad();
+          if (then == Then::kNextStep && s == kFailStep) {
+            failing_call(model, fail, x, y, /*backward=*/true, who);
+            continue;
+          }
+          torch::mse_loss(model->forward(x), y).backward();
+          if (then == Then::kStep && s == kFailStep) {
+            failing_call(model, fail, x * 0.5, y, /*backward=*/false, who);
+          }
+          opt->step();
+        }
+        auto params = model->full_state_dict();
+        std::lock_guard<std::mutex> lock(mu);
+        got[comm->rank()] = std::move(params);
+      },
+      cohort::testing::options_for(c));
+  return got;
+}
+
+void expect_one_process(const EngineWorld& c, Then then) {
+  const auto b = make_batches(31);
+  for (auto where : {Where::kBetweenUnits, Where::kInsideUnit}) {
+    const auto want = reference(b, where, then);
+    for (bool reshard : {true, false}) {
+      SCOPED_TRACE(std::string(where == Where::kBetweenUnits ? "between units" : "inside a unit") +
+                   (reshard ? ", reshard_after_forward true" : ", reshard_after_forward false"));
+      for (const auto& [rank, params] : sharded(c, b, where, then, reshard)) {
+        expect_close(params, want, 1e-6, "rank " + std::to_string(rank));
+      }
+    }
+  }
+}
+
+class FSDPForwardException : public ::testing::TestWithParam<EngineWorld> {};
+
+TEST_P(FSDPForwardException, AnOptimizerStepAfterItStepsTheShards) {
+  expect_one_process(GetParam(), Then::kStep);
+}
+
+TEST_P(FSDPForwardException, TrainingGoesOnAfterAStepWhoseForwardThrew) {
+  expect_one_process(GetParam(), Then::kNextStep);
+}
+
+// Once the exception is caught every unit is sharded, with no all-gather in
+// flight, whatever the forward had gathered.
+TEST_P(FSDPForwardException, LeavesEveryUnitSharded) {
+  const auto c = GetParam();
+  for (auto where : {Where::kBetweenUnits, Where::kInsideUnit}) {
+    SCOPED_TRACE(where == Where::kBetweenUnits ? "between units" : "inside a unit");
+    cohort::testing::run_ranks_shared(
+        c.world,
+        [&](std::shared_ptr<Communicator> comm) {
+          torch::set_num_threads(1);
+          FullyShardOptions keep;
+          keep.reshard_after_forward = false;
+          auto fail = std::make_shared<bool>(false);
+          auto seq = make_failing_model(comm, keep, where, fail);
+          auto model = fully_shard(seq, comm, keep);
+          const auto units = inner_units(seq);
+          ASSERT_EQ(units.size(), 2u);
+          const auto b = make_batches(2);
+          const auto x = local(b.x[0], *comm), y = local(b.y[0], *comm);
+          failing_call(model, fail, x, y, /*backward=*/false,
+                       "rank " + std::to_string(comm->rank()));
+          EXPECT_TRUE(model->param_group().will_gather()) << "the root";
+          for (size_t i = 0; i < units.size(); ++i)
+            EXPECT_TRUE(units[i]->param_group().will_gather()) << "inner unit " << i;
+        },
+        cohort::testing::options_for(c));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(FSDP, FSDPForwardException,
+                         ::testing::ValuesIn(cohort::testing::engine_worlds()),
+                         cohort::testing::engine_world_name);
+
+}  // namespace
+}  // namespace cohort::forward_exception_test
