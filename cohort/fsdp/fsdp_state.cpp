@@ -184,8 +184,24 @@ void FSDPState::graph_freed(uint64_t forward) {
   if (in_backward_ || in_forward_ || backward_after_ >= forward || outermost_forwards_ != forward) {
     return;
   }
-  // In a destructor, so nothing throws: a unit that refuses (a parameter
-  // replaced) stays gathered, and its next reshard refuses it.
+  reshard_all_quietly();
+}
+
+void FSDPState::forward_failed() noexcept {
+  if (in_backward_) return;
+  // No post_forward will run for this forward and no graph watches it: what
+  // it gathered (the root's parameters, the unit that was computing) and
+  // the all-gather it prefetched would outlive it, so an optimizer step
+  // after the caught exception would go into the gathered copy, and the
+  // next forward would take the prefetch gathered before that step.
+  in_forward_ = false;
+  reshard_all_quietly();
+}
+
+void FSDPState::reshard_all_quietly() noexcept {
+  // In a destructor or under an exception on its way out: a unit that
+  // refuses (a parameter replaced) stays gathered, and its next reshard
+  // refuses it.
   for (auto& unit : units_) {
     try {
       unit.group->reshard();

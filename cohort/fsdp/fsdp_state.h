@@ -94,6 +94,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// every unit is resharded, and so is every unit when its graph is freed
   /// before a backward ran through it (a dropped loss, an exception).
   void post_forward(size_t u, const torch::Tensor& output, bool outermost);
+  /// The outermost forward threw (its pre_forward, a module inside it, or
+  /// its post_forward): reshards every unit, as a freed graph would, unless
+  /// a backward runs (a checkpointed unit recomputing: the backward's to
+  /// settle). Waits for an all-gather in flight, which every rank issued.
+  /// Never throws: a unit that refuses (a parameter replaced) stays gathered.
+  void forward_failed() noexcept;
   /// Unit u's output got its gradient: its backward is next.
   void pre_backward(size_t u);
 
@@ -146,6 +152,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // forward's graph: reshards every unit if no backward ran through it.
   struct GraphWatch;
   void graph_freed(uint64_t forward);
+  // Reshards every unit, swallowing a refusal (called where nothing may throw).
+  void reshard_all_quietly() noexcept;
   // WorldSizeInvariant (fsdp_state_leaves.cpp).
   void setup_leaves(int64_t leaves);
   void begin_leaf_forward();

@@ -332,13 +332,20 @@ torch::Tensor FullyShardImpl::forward(const torch::Tensor& input) {
     return cast_to(call_(x), mp.output_dtype);  // nothing of its own to gather
   }
   const bool outermost = forward_depth == 0;
-  state->pre_forward(index_, is_training());
   torch::Tensor out;
-  {
-    DepthGuard depth;
-    out = call_(x);
+  try {
+    state->pre_forward(index_, is_training());
+    {
+      DepthGuard depth;
+      out = call_(x);
+    }
+    state->post_forward(index_, out, outermost);
+  } catch (...) {
+    // Units the forward gathered would stay so (their parameters are the
+    // optimizer's tensors); the caller gets the exception as it was thrown.
+    if (outermost) state->forward_failed();
+    throw;
   }
-  state->post_forward(index_, out, outermost);
   return cast_to(out, mp.output_dtype);
 }
 
