@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/core/error.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "support/engine_worlds.h"
 #include "tests/fsdp/fsdp_test_models.h"
@@ -240,6 +242,53 @@ TEST_P(FSDPForwardException, LeavesEveryUnitSharded) {
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPForwardException,
                          ::testing::ValuesIn(cohort::testing::engine_worlds()),
+                         cohort::testing::engine_world_name);
+
+class FSDPForwardExceptionOnOneRank : public ::testing::TestWithParam<EngineWorld> {};
+
+// Rank 1 alone throws and goes on to the next step while the others run
+// that step's backward: the ranks are out of step, which the schedule's
+// check finds at the next collective, on every rank, well within the
+// communicator's timeout (20 s): rank 1's unwinding waits only for the
+// all-gather every rank issued.
+TEST_P(FSDPForwardExceptionOnOneRank, IsAScheduleMismatchOnEveryRank) {
+  const auto c = GetParam();
+  const auto start = std::chrono::steady_clock::now();
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        auto fail = std::make_shared<bool>(false);
+        auto seq = make_failing_model(comm, {}, Where::kBetweenUnits, fail);
+        auto model = fully_shard(seq, comm);
+        auto opt = make_optimizer(Opt::AdamW, model->parameters());
+        const auto b = make_batches(5);
+        const std::string who = "rank " + std::to_string(comm->rank());
+        std::string error;
+        try {
+          for (int s = 0; s < 3; ++s) {
+            auto x = local(b.x[s], *comm), y = local(b.y[s], *comm);
+            opt->zero_grad();
+            if (comm->rank() == 1 && s == 1) {
+              failing_call(model, fail, x, y, /*backward=*/true, who);
+              continue;
+            }
+            torch::mse_loss(model->forward(x), y).backward();
+            opt->step();
+          }
+        } catch (const Error& e) {
+          error = e.what();
+        }
+        EXPECT_NE(error.find("at different points of the fully sharded model's schedule"),
+                  std::string::npos)
+            << who << ": " << (error.empty() ? "no error" : error);
+      },
+      cohort::testing::options_for(c));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+}
+
+INSTANTIATE_TEST_SUITE_P(FSDP, FSDPForwardExceptionOnOneRank,
+                         ::testing::ValuesIn(cohort::testing::engine_worlds({3})),
                          cohort::testing::engine_world_name);
 
 }  // namespace
