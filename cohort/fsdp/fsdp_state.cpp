@@ -98,7 +98,10 @@ void FSDPState::layout_gradients() {
 
 void FSDPState::begin_forward(bool training) {
   in_forward_ = true;
-  check_.next_pass();
+  // Every unit is sharded between steps, unless an earlier forward's
+  // output lives without a backward (its graph keeps them gathered).
+  check_.next_pass(std::any_of(units_.begin(), units_.end(),
+                               [](const auto& unit) { return !unit.group->will_gather(); }));
   check_.set_sync(sync_flags());
   // hpZ's kept spans are for the backward of the forward that made them.
   for (auto& unit : units_) unit.group->drop_post_forward_shard();

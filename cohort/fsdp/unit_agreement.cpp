@@ -166,7 +166,8 @@ void agree_refusal(Communicator& comm, const std::string& refusal, const std::st
   }
 }
 
-// Schedule words: [magic, step, unit, pass, settings, sync, refused, 0...].
+// Schedule words: [magic, step, unit, pass, settings, sync, refused,
+// kept gathered, 0...].
 void ScheduleCheck::before(ScheduleStep step, size_t unit, const std::string& refusal) {
   const int n = comm_->size();
   const std::string who = who_on("fully_shard", *comm_);
@@ -182,6 +183,7 @@ void ScheduleCheck::before(ScheduleStep step, size_t unit, const std::string& re
   mine[4] = static_cast<int64_t>(settings_);
   mine[5] = static_cast<int64_t>(sync_);
   mine[6] = refusal.empty() ? 0 : 1;
+  mine[7] = kept_gathered_ ? 1 : 0;
   const RankWords all = gather_words(*comm_, mine);
   // Before the comparison: a rank that refuses may be anywhere else.
   const auto refused = all.values([](const int64_t* w) {
@@ -194,12 +196,25 @@ void ScheduleCheck::before(ScheduleStep step, size_t unit, const std::string& re
   }
   const auto where = all.values([this](const int64_t* w) { return describe(w); });
   if (!all_same(where)) {
+    // A rank that still holds an earlier forward's output skips the
+    // all-gathers of the units that output keeps gathered: not control flow.
+    const auto kept = all.values([](const int64_t* w) {
+      return std::string(w[0] == kScheduleMagic && w[7] ? "still held" : "did not hold");
+    });
+    const std::string why =
+        all_same(kept)
+            ? ". Every rank must run the same units' forwards in the same order and call "
+              "backward on the same outputs (rank-dependent control flow that skips or adds a "
+              "unit cannot be sharded)"
+            : ". At this forward's start the ranks differ in whether they held the output of an "
+              "earlier training forward that no backward ran through, whose units stay gathered "
+              "for that backward: " +
+                  name_groups(kept) +
+                  ". Drop such an output, or run its backward, on every rank before the next "
+                  "forward";
     throw MismatchError(
         who + ": the ranks are at different points of the fully sharded model's schedule: " +
-        name_groups(where) +
-        ". Every rank must run the same units' forwards in the same order and call backward "
-        "on the same outputs (rank-dependent control flow that skips or adds a unit cannot be "
-        "sharded)");
+        name_groups(where) + why);
   }
   const auto sync = all.values([](const int64_t* w) { return std::to_string(w[5]); });
   if (!all_same(sync)) throw MismatchError(who + ": " + describe_sync());

@@ -95,8 +95,13 @@ class ScheduleCheck {
   /// Per unit (in the schedule's order) whether its backward
   /// reduce-scatters (1) or keeps its full gradients (0).
   void set_sync(std::vector<int64_t> per_unit);
-  /// A new forward of the root begins.
-  void next_pass() { ++pass_; }
+  /// A new forward of the root begins; `kept_gathered`: with units an
+  /// earlier training forward left gathered (its output lives, no backward
+  /// ran through it), which a mismatch names when the ranks differ in it.
+  void next_pass(bool kept_gathered) {
+    ++pass_;
+    kept_gathered_ = kept_gathered;
+  }
 
   /// Collective (one all-gather of 18 words per rank; none at world size 1):
   /// every rank is about to issue `step` for unit `unit` (kNoUnit: none). Throws MismatchError on
@@ -122,6 +127,7 @@ class ScheduleCheck {
   std::vector<int64_t> sync_flags_;
   uint64_t sync_ = 0;  // their digest
   int64_t pass_ = 0;
+  bool kept_gathered_ = false;
 };
 
 }  // namespace cohort::fsdp

@@ -228,6 +228,38 @@ TEST_P(FSDPForwardWithoutBackward, LeavesEveryUnitShardedOnceItsGraphIsFreed) {
       cohort::testing::options_for(c));
 }
 
+// Rank 0 keeps a training forward's output (no backward) past the next
+// forward, the others drop theirs: rank 0 skips the all-gathers of the
+// units that output keeps gathered. The error on every rank says so rather
+// than blaming control flow.
+TEST_P(FSDPForwardWithoutBackward, AnOutputKeptOnOneRankIsNamedAtTheNextForward) {
+  const auto c = GetParam();
+  if (c.world < 2) GTEST_SKIP() << "needs a rank that keeps and one that drops";
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        auto model = fully_shard(make_model(comm, {}), comm, {});
+        const auto x = local(make_batches(2).x[0], *comm);
+        auto kept = model->forward(x);
+        if (comm->rank() != 0) kept = torch::Tensor();
+        try {
+          torch::mse_loss(model->forward(x), torch::zeros({1})).backward();
+          ADD_FAILURE() << "rank " << comm->rank() << ": the second forward went on";
+        } catch (const MismatchError& e) {
+          const std::string m = e.what();
+          for (const char* words :
+               {"different points of the fully sharded model's schedule",
+                "held the output of an earlier training forward that no backward ran through",
+                "rank 0: still held"}) {
+            EXPECT_NE(m.find(words), std::string::npos) << "'" << words << "' in " << m;
+          }
+          EXPECT_EQ(m.find("control flow"), std::string::npos) << m;
+        }
+      },
+      cohort::testing::options_for(c));
+}
+
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPForwardWithoutBackward,
                          ::testing::ValuesIn(cohort::testing::engine_worlds()),
                          cohort::testing::engine_world_name);
