@@ -5,9 +5,13 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 
 namespace cohort::data {
@@ -31,11 +35,106 @@ int checked_replicas(const DistributedSamplerOptions& o) {
   return *o.num_replicas;
 }
 
+// One rank's words in the agreement, in this order.
+enum Word { kSize, kReplicas, kRank, kSeed, kShuffle, kDropLast, kWords };
+
+// "replica 2", "replicas 2, 3": the first few of `replicas`, and how many
+// there are when that is not all of them.
+std::string replicas_text(const std::vector<int64_t>& replicas, int64_t count) {
+  std::string out = count > 1 ? "replicas " : "replica ";
+  for (size_t i = 0; i < replicas.size(); ++i) out += (i ? ", " : "") + std::to_string(replicas[i]);
+  if (count > static_cast<int64_t>(replicas.size())) out += ", ... (" + std::to_string(count) + ")";
+  return out;
+}
+
+// What is wrong with every rank's settings together, on every rank alike;
+// "" when nothing is.
+std::string disagreement(const RankWords& all, int comm_size) {
+  // The order every rank deals from: ranks apart deal their shares of
+  // different orders.
+  std::vector<std::string> clauses;
+  auto field = [&](const char* name, const std::function<std::string(int64_t)>& text, int word) {
+    const auto values = all.values([&](const int64_t* w) { return text(w[word]); });
+    if (!all_same(values)) clauses.push_back(std::string(name) + " (" + name_groups(values) + ")");
+  };
+  auto number = [](int64_t v) { return std::to_string(v); };
+  auto flag = [](int64_t v) { return std::string(v ? "true" : "false"); };
+  auto unsigned_number = [](int64_t v) { return std::to_string(static_cast<uint64_t>(v)); };
+  field("dataset_size", number, kSize);
+  field("seed", unsigned_number, kSeed);
+  field("shuffle", flag, kShuffle);
+  field("drop_last", flag, kDropLast);
+  field("num_replicas", number, kReplicas);
+  if (!clauses.empty()) {
+    std::string text = "the ranks disagree on ";
+    for (size_t i = 0; i < clauses.size(); ++i) text += (i ? ", " : "") + clauses[i];
+    return text +
+           "; the ranks would deal their shares of different orders, so that some samples are "
+           "trained on twice and others never (pass the same on every rank)";
+  }
+
+  // Each rank's own range, which its constructor would check alone.
+  const int64_t replicas = all.of(0)[kReplicas];
+  std::string range;
+  for (int r = 0; r < all.ranks(); ++r) {
+    const int64_t rank = all.of(r)[kRank];
+    if (replicas >= 1 && rank >= 0 && rank < replicas) continue;
+    range += std::string(range.empty() ? "" : "; ") + "rank " + std::to_string(r) +
+             " asks for rank " + std::to_string(rank) + ", out of range for num_replicas " +
+             std::to_string(replicas);
+  }
+  if (!range.empty()) return range;
+
+  // Every replica taken by as many ranks as every other (once each over a
+  // communicator of num_replicas ranks; by a whole tensor-parallel group
+  // each when such groups share their data).
+  std::map<int64_t, int> takers;  // replica -> ranks that take it
+  for (int r = 0; r < all.ranks(); ++r) ++takers[all.of(r)[kRank]];
+  const bool even = static_cast<int64_t>(takers.size()) == replicas &&
+                    std::all_of(takers.begin(), takers.end(),
+                                [&](const auto& t) { return t.second == takers.begin()->second; });
+  if (even) return "";
+  std::vector<int64_t> untaken;  // the first few
+  for (int64_t i = 0; i < replicas && untaken.size() < 8; ++i) {
+    if (!takers.count(i)) untaken.push_back(i);
+  }
+  const int64_t untaken_count = replicas - static_cast<int64_t>(takers.size());
+  const auto ranks = all.values([](const int64_t* w) { return std::to_string(w[kRank]); });
+  return "the " + std::to_string(comm_size) + " rank(s) do not take num_replicas " +
+         std::to_string(replicas) + "'s replicas evenly: rank (" + name_groups(ranks) + ")" +
+         (untaken.empty() ? "" : ", no rank takes " + replicas_text(untaken, untaken_count)) +
+         "; some samples would be trained on more often than others, or never (leave rank unset "
+         "to take the communicator's)";
+}
+
+// The options with the communicator's defaults, once every rank's agree.
+// Collective: every rank gathers every rank's settings and finds the same
+// fault, so that all refuse together instead of one rank throwing while
+// the others wait for it in their next collective.
+DistributedSamplerOptions agreed(size_t dataset_size, DistributedSamplerOptions o,
+                                 Communicator& comm) {
+  o = with_defaults(o, comm);
+  std::vector<int64_t> mine(kWords);
+  mine[kSize] = static_cast<int64_t>(dataset_size);
+  mine[kReplicas] = *o.num_replicas;
+  mine[kRank] = *o.rank;
+  mine[kSeed] = static_cast<int64_t>(o.seed);
+  mine[kShuffle] = o.shuffle;
+  mine[kDropLast] = o.drop_last;
+  const RankWords all = comm.size() > 1 ? gather_words(comm, mine) : RankWords(mine, 1);
+  const std::string fault = disagreement(all, comm.size());
+  if (!fault.empty()) {
+    throw InvalidArgument("DistributedSampler on rank " + std::to_string(comm.rank()) + " of " +
+                          std::to_string(comm.size()) + ": " + fault);
+  }
+  return o;
+}
+
 }  // namespace
 
-DistributedSampler::DistributedSampler(size_t dataset_size, const Communicator& comm,
+DistributedSampler::DistributedSampler(size_t dataset_size, Communicator& comm,
                                        DistributedSamplerOptions options)
-    : DistributedSampler(dataset_size, with_defaults(options, comm)) {}
+    : DistributedSampler(dataset_size, agreed(dataset_size, options, comm)) {}
 
 DistributedSampler::DistributedSampler(size_t dataset_size, DistributedSamplerOptions options)
     : size_(dataset_size),

@@ -14,6 +14,17 @@
 // Copies of a DistributedSampler share their epoch instead: set_epoch on
 // any copy takes effect at every copy's next reset(), which the loader
 // calls when an epoch's iteration begins.
+//
+// The constructor with a Communicator is collective: ranks that would deal
+// from different orders or leave shares to no rank are refused on every
+// rank (see it). The epoch is not compared across ranks: a rank whose
+// set_epoch was given another value, or not called, deals its share of
+// another epoch's order unnoticed. A check there would be a collective in
+// reset() or set_epoch(), run as many times on every rank; but reset() also
+// runs at every loader's begin(), at load() and wherever a program calls it,
+// so a rank that iterates its loader once more or less (an evaluation pass
+// on rank 0 alone, a break) would leave its peers waiting in it until their
+// timeout, and every copy would have to keep the communicator alive.
 #pragma once
 
 #include <c10/util/Optional.h>  // c10::optional, which the sampler interface names
@@ -42,7 +53,8 @@ struct DistributedSamplerOptions {
   /// Each epoch permutes the dataset: torch.randperm with a CPU generator
   /// seeded `seed + epoch`, the same on every rank.
   bool shuffle = true;
-  /// The permutation's seed; must be the same on every rank.
+  /// The permutation's seed; the same on every rank (the constructor with a
+  /// Communicator refuses ranks that differ).
   uint64_t seed = 0;
   /// Drops the tail that does not divide evenly over the ranks; otherwise
   /// the order is padded by repeating it from its start.
@@ -57,10 +69,18 @@ struct DistributedSamplerOptions {
 class DistributedSampler : public torch::data::samplers::Sampler<> {
  public:
   /// Over `dataset_size` samples, with num_replicas and rank from `comm`
-  /// unless `options` sets them.
-  DistributedSampler(size_t dataset_size, const Communicator& comm,
+  /// unless `options` sets them. Collective over `comm` (one all-gather of
+  /// six words; none at size 1); `comm` is not kept. Throws InvalidArgument
+  /// on every rank, naming each group of ranks with its value, when the
+  /// ranks differ in dataset_size, seed, shuffle, drop_last or
+  /// num_replicas, when a rank's rank is out of range, or when the ranks do
+  /// not take the num_replicas replicas evenly (two ranks on one rank of a
+  /// communicator of num_replicas ranks; ranks sharing a replica, as a
+  /// tensor-parallel group does, must be as many for every replica).
+  DistributedSampler(size_t dataset_size, Communicator& comm,
                      DistributedSamplerOptions options = {});
   /// Over `dataset_size` samples; `options` must set num_replicas and rank.
+  /// Checks nothing across ranks: each rank's settings are taken as given.
   DistributedSampler(size_t dataset_size, DistributedSamplerOptions options);
 
   /// The copy shares this sampler's epoch (a copy, not a move, so that a
@@ -71,7 +91,8 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   ~DistributedSampler() override = default;
 
   /// Sets the epoch of this sampler and of every copy; it takes effect at
-  /// each one's next reset() (a loader's next epoch).
+  /// each one's next reset() (a loader's next epoch). Not compared across
+  /// ranks (see the file comment): set the same epoch on every rank.
   void set_epoch(int64_t epoch);
   /// The epoch set last (0 at first).
   int64_t epoch() const;
