@@ -234,5 +234,95 @@ INSTANTIATE_TEST_SUITE_P(Modes, GroupsThatDiffer,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// A checkpoint of another optimizer class (SGD with momentum) loaded into
+// an AdamW that has not stepped: the names it shares with AdamW's options
+// (lr, weight_decay) would be taken, meaning other things, and no state;
+// so the load is a ConfigError on every rank naming an option AdamW has
+// not, and nothing changes. DDP, ZeRO and FSDP at worlds 1 and 3.
+using torch::optim::SGDOptions;
+
+void save_sgd(const fs::path& dir) {
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    auto seq = make_seq(1);
+    torch::optim::SGD opt(seq->parameters(), SGDOptions(0.5).momentum(0.9).weight_decay(0.25));
+    opt.zero_grad();
+    seq->forward(batch(100, 12)).pow(2).mean().backward();
+    opt.step();
+    dcp::save(dcp::get_state_dict(seq, opt), dir, *comm);
+  });
+}
+
+class AnotherOptimizerClass : public ::testing::TestWithParam<std::tuple<Mode, int>> {};
+
+TEST_P(AnotherOptimizerClass, SgdIntoAdamWIsAConfigErrorOnEveryRank) {
+  const auto [mode, world] = GetParam();
+  const auto dir = temp_dir("another_class_" + name(mode) + std::to_string(world));
+  save_sgd(dir);
+  const auto errors =
+      errors_on_every_rank(world, [&, mode = mode](std::shared_ptr<Communicator> comm) {
+        Job job(mode, comm, 2, kAdamW, kAdamW);
+        const auto before = job.parameters_and_state();
+        auto sd = job.state();
+        try {
+          dcp::load(sd, dir, *comm);
+        } catch (const ConfigError&) {
+          for (auto& g : job.groups()) expect_options(g.options(), kAdamW, "after the refused load");
+          EXPECT_TRUE(job.parameters_and_state() == before) << "changed by the refused load";
+          throw;
+        } catch (const std::exception& e) {
+          throw std::runtime_error(std::string("not a ConfigError: ") + e.what());
+        }
+        throw std::runtime_error("loaded without an error: lr " +
+                                 std::to_string(job.groups()[0].options().get_lr()));
+      });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_NE(errors[r].find("option momentum of 0.weight"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, AnotherOptimizerClass,
+                         ::testing::Combine(::testing::Values(Mode::Ddp, Mode::Zero, Mode::Fsdp),
+                                            ::testing::Values(1, 3)),
+                         [](const auto& info) {
+                           return name(std::get<0>(info.param)) +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+// The other way: an AdamW checkpoint into an SGD that has not stepped
+// (each rank holds the whole module, as DDP), worlds 1 and 3.
+class AdamWIntoSgd : public ::testing::TestWithParam<int> {};
+
+TEST_P(AdamWIntoSgd, IsAConfigErrorOnEveryRank) {
+  const int world = GetParam();
+  const auto dir = temp_dir("adamw_into_sgd" + std::to_string(world));
+  run_ranks_shared(1, [&](std::shared_ptr<Communicator> comm) {
+    Job job(Mode::Ddp, comm, 1, kAdamW, kAdamW);
+    job.train(1);
+    dcp::save(job.state(), dir, *comm);
+  });
+  const auto errors = errors_on_every_rank(world, [&](std::shared_ptr<Communicator> comm) {
+    auto seq = make_seq(2);
+    torch::optim::SGD opt(seq->parameters(), SGDOptions(0.5).momentum(0.9));
+    auto sd = dcp::get_state_dict(seq, opt);
+    try {
+      dcp::load(sd, dir, *comm);
+    } catch (const ConfigError&) {
+      EXPECT_EQ(opt.param_groups()[0].options().get_lr(), 0.5) << "after the refused load";
+      throw;
+    }
+    throw std::runtime_error("loaded without an error: lr " +
+                             std::to_string(opt.param_groups()[0].options().get_lr()));
+  });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_NE(errors[r].find("option betas.0 of 0.weight"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, AdamWIntoSgd, ::testing::Values(1, 3));
+
 }  // namespace
 }  // namespace cohort::testing::dcp_test::param_groups_test
