@@ -71,6 +71,7 @@ void add_fused_options(StateDict& state, FusedDistributedOptimizer& fused,
                        const std::vector<std::string>& fqns, const Metadata* for_load) {
   GroupTargets targets;
   for (const auto& fqn : fqns) {
+    if (for_load) check_same_class(fused.options(), *for_load, fqn);
     const std::string prefix = "optim.param_groups." + fqn + ".";
     for (const auto& [name, value] : group_options(fused.options())) {
       if (for_load && !for_load->find(prefix + name)) continue;

@@ -165,6 +165,7 @@ void add_group_options(StateDict& state, std::map<std::string, size_t>& index,
     auto [gi, fresh] = group_index.try_emplace(m.group, groups.size());
     if (fresh) groups.emplace_back(m.group, GroupTargets{});
     auto& targets = groups[gi->second].second;
+    if (for_load) check_same_class(m.group->options(), *for_load, m.fqn);
     const std::string prefix = "optim.param_groups." + m.fqn + ".";
     for (const auto& [name, value] : group_options(m.group->options())) {
       if (for_load && !for_load->find(prefix + name)) continue;

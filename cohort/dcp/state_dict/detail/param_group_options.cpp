@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "cohort/core/agreement.h"
@@ -128,6 +129,28 @@ void set_group_option(OptimizerOptions& options, const std::string& name, double
     found = true;
   }
   if (!found) throw InvalidArgument("dcp: this optimizer's groups have no option " + name);
+}
+
+void check_same_class(const OptimizerOptions& options, const Metadata& meta,
+                      const std::string& fqn) {
+  using namespace torch::optim;
+  static const auto known = [] {
+    std::set<std::string> names;
+    for (const auto& fields : {group_options(AdamWOptions()), group_options(SGDOptions(0)),
+                               group_options(RMSpropOptions()), group_options(AdagradOptions())}) {
+      for (const auto& [name, value] : fields) names.insert(name);
+    }
+    return names;
+  }();
+  std::set<std::string> mine;
+  for (const auto& [name, value] : group_options(options)) mine.insert(name);
+  for (const auto& name : known) {
+    if (mine.count(name) || !meta.find("optim.param_groups." + fqn + "." + name)) continue;
+    throw ConfigError("dcp: the checkpoint holds the option " + name + " of " + fqn +
+                      ", which this optimizer's parameter groups do not have: it was saved by "
+                      "another optimizer class, whose options and state this one cannot take; "
+                      "load it into an optimizer of that class (the optimizer is left as it was)");
+  }
 }
 
 void check_one_value(const GroupTargets& targets,

@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/dcp/metadata.h"
+
 namespace cohort::dcp::detail {
 
 /// The group's options by name, booleans as 0 or 1: every option of Adam,
@@ -24,6 +26,14 @@ std::vector<std::pair<std::string, double>> group_options(
 /// Sets the option `name` (one group_options() names for this class).
 void set_group_option(torch::optim::OptimizerOptions& options, const std::string& name,
                       double value);
+
+/// Throws ConfigError naming the option and `fqn` when `meta` holds an
+/// option of parameter `fqn` ("optim.param_groups.<fqn>.<name>") that
+/// another known optimizer class has and `options`' class has not: the
+/// checkpoint was saved by another class, whose options of the same names
+/// (lr, weight_decay) mean other things and whose state this one lacks.
+void check_same_class(const torch::optim::OptimizerOptions& options, const Metadata& meta,
+                      const std::string& fqn);
 
 /// The targets one parameter group's options load from: per option, each
 /// parameter's (its name, the 0-d tensor a load fills), in order.
