@@ -4,6 +4,7 @@
 // a bare model and into FSDP ranks (world 1 and 3) from such a file.
 #include <fstream>
 #include <mutex>
+#include <set>
 
 #include "cohort/dcp/safetensors.h"
 #include "cohort/dcp/state_dict/state_dict.h"
@@ -157,6 +158,54 @@ TEST(Safetensors, ShardsAboveTheSizeWithAnIndex) {
   const auto got = dcp::load_safetensors(files[3]);
   ASSERT_EQ(got.keys(), t.keys());
   for (const auto& item : t) EXPECT_TRUE(torch::equal(got[item.key()], item.value()));
+  fs::remove_all(dir);
+}
+
+// Saving again under the same path leaves only the new save's files: an
+// earlier save's single file beside a sharded save's index (transformers
+// reads model.safetensors before an index; load_weights of the path reads
+// it), an index and shards beside a single file, or the shards of more
+// shards, would give the old weights to whoever reads them.
+TEST(Safetensors, SavingAgainLeavesNoFileOfTheEarlierSave) {
+  const auto dir = temp_dir("st_again");
+  const auto path = (dir / "model.safetensors").string();
+  auto tensors_of = [](uint64_t seed) {
+    Net net(seed, false);
+    dcp::NamedTensors t;
+    for (const auto& p : net->named_parameters()) t.insert(p.key(), p.value().detach().clone());
+    return t;
+  };
+  auto files_in_dir = [&] {
+    std::set<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().string());
+    return out;
+  };
+  auto expect_only = [&](const std::vector<std::string>& written, const std::string& what) {
+    EXPECT_EQ(files_in_dir(), std::set<std::string>(written.begin(), written.end())) << what;
+  };
+  // One file, then 3 shards (35, 7 + 21, 3 + 3 + 1 floats at 30 a shard).
+  expect_only(dcp::save_safetensors(tensors_of(1), path), "one file");
+  const auto sharded = tensors_of(2);
+  const auto three = dcp::save_safetensors(sharded, path, {{}, 120});
+  ASSERT_EQ(three.size(), 4u);
+  expect_only(three, "3 shards after one file");
+  Net target(5, false);
+  dcp::LoadWeightsOptions options;
+  options.allow_missing = true;  // the buffer
+  try {
+    dcp::load_weights(*target, path, options);
+    ADD_FAILURE() << "read " << path << " after a sharded save";
+  } catch (const CheckpointError&) {
+  }
+  dcp::load_weights(*target, three.back(), options);
+  for (const auto& p : target->named_parameters()) {
+    EXPECT_TRUE(torch::equal(p.value(), sharded[p.key()])) << p.key();
+  }
+  // 2 shards (35 + 7, 21 + 3 + 3 + 1 floats at 50 a shard), then one file again.
+  const auto two = dcp::save_safetensors(tensors_of(3), path, {{}, 200});
+  ASSERT_EQ(two.size(), 3u);
+  expect_only(two, "2 shards after 3");
+  expect_only(dcp::save_safetensors(tensors_of(4), path), "one file after shards");
   fs::remove_all(dir);
 }
 
