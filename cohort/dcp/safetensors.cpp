@@ -136,6 +136,48 @@ std::pair<SafetensorsEntry, std::pair<int64_t, int64_t>> parse_entry(const std::
   return {{name, info->dtype, shape, file, off[0]}, {off[0], off[1]}};
 }
 
+// Whether `name` is a shard of `stem` as shard_name writes it.
+bool is_shard_of(const std::string& name, const std::string& stem) {
+  const std::string suffix = ".safetensors";
+  if (name.size() <= stem.size() + 1 + suffix.size() || name.compare(0, stem.size(), stem) != 0 ||
+      name[stem.size()] != '-' ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return false;
+  }
+  const auto counts = name.substr(stem.size() + 1, name.size() - stem.size() - 1 - suffix.size());
+  const auto of = counts.find("-of-");
+  auto digits = [](const std::string& t) {
+    return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
+  };
+  return of != std::string::npos && digits(counts.substr(0, of)) && digits(counts.substr(of + 4));
+}
+
+// Removes what an earlier save under `path` left that this one does not
+// replace: its index and shards, and, when this save is sharded
+// (`sharded`), its single file. Left there, a reader that looks for the
+// single file first (transformers) or is given `path` would take the old
+// weights, and an old index would name new shards among old ones. Done
+// before anything is written, so that a crash leaves no save that looks
+// whole rather than a mixture.
+void remove_earlier_save(const std::string& path, const std::string& stem, bool sharded) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  const fs::path folder = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  auto remove = [](const fs::path& file) {
+    std::error_code ec;
+    if (!fs::remove(file, ec) && ec) {
+      throw CheckpointError("safetensors " + file.string() +
+                            ": cannot remove this file of an earlier save: " + ec.message());
+    }
+  };
+  remove(path + ".index.json");
+  if (sharded) remove(p);
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(folder, ec)) {
+    if (is_shard_of(entry.path().filename().string(), stem)) remove(entry.path());
+  }
+}
+
 }  // namespace
 
 std::string safetensors_dtype_name(torch::Dtype dtype) {
@@ -162,14 +204,15 @@ std::vector<std::string> save_safetensors(const NamedTensors& tensors, const std
     in_shard += bytes;
     total += bytes;
   }
-  if (shards.size() == 1) {
-    write_one(shards[0], path, options);
-    return {path};
-  }
   namespace fs = std::filesystem;
   const fs::path p(path);
   auto stem = p.filename().string();
   if (auto dot = stem.rfind(".safetensors"); dot != std::string::npos) stem.resize(dot);
+  remove_earlier_save(path, stem, shards.size() > 1);
+  if (shards.size() == 1) {
+    write_one(shards[0], path, options);
+    return {path};
+  }
   std::vector<std::string> written;
   json weight_map = json::object();
   for (size_t k = 0; k < shards.size(); ++k) {

@@ -53,7 +53,11 @@ std::string safetensors_dtype_name(torch::Dtype dtype);
 /// Writes `tensors` (CPU or not, contiguous or not: written as their
 /// values) to `path` (e.g. "model.safetensors"), each file atomically.
 /// Sharded: the shards beside it and `path` + ".index.json". Returns the
-/// files written, the index last.
+/// files written, the index last. What an earlier save under `path` left
+/// that this one does not replace (its index and shards, and its single
+/// file when this save is sharded) is removed first: a reader would take
+/// the old weights from it (transformers reads `path` before an index). A
+/// file that cannot be removed is a CheckpointError naming it.
 std::vector<std::string> save_safetensors(const NamedTensors& tensors, const std::string& path,
                                           const SafetensorsOptions& options = {});
 
