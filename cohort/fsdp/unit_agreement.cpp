@@ -199,16 +199,16 @@ void ScheduleCheck::before(ScheduleStep step, size_t unit, const std::string& re
     // A rank that still holds an earlier forward's output skips the
     // all-gathers of the units that output keeps gathered: not control flow.
     const auto kept = all.values([](const int64_t* w) {
-      return std::string(w[0] == kScheduleMagic && w[7] ? "still held" : "did not hold");
+      return std::string(w[0] == kScheduleMagic && w[7] ? "units still gathered" : "none");
     });
     const std::string why =
         all_same(kept)
             ? ". Every rank must run the same units' forwards in the same order and call "
               "backward on the same outputs (rank-dependent control flow that skips or adds a "
               "unit cannot be sharded)"
-            : ". At this forward's start the ranks differ in whether they held the output of an "
-              "earlier training forward that no backward ran through, whose units stay gathered "
-              "for that backward: " +
+            : ". At this forward's start the ranks differ in whether units were still gathered, "
+              "as the output of an earlier training forward that no backward ran through keeps "
+              "them (or a reshard that was refused): " +
                   name_groups(kept) +
                   ". Drop such an output, or run its backward, on every rank before the next "
                   "forward";

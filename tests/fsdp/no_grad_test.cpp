@@ -250,8 +250,8 @@ TEST_P(FSDPForwardWithoutBackward, AnOutputKeptOnOneRankIsNamedAtTheNextForward)
           const std::string m = e.what();
           for (const char* words :
                {"different points of the fully sharded model's schedule",
-                "held the output of an earlier training forward that no backward ran through",
-                "rank 0: still held"}) {
+                "the output of an earlier training forward that no backward ran through",
+                "rank 0: units still gathered"}) {
             EXPECT_NE(m.find(words), std::string::npos) << "'" << words << "' in " << m;
           }
           EXPECT_EQ(m.find("control flow"), std::string::npos) << m;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -245,13 +246,15 @@ class GlooEngine : public Engine {
   // A send is two Gloo messages on its tag: its header, then the payload.
   // Gloo keeps a pair's messages of one tag in order, so a receive posts
   // both receives at once and the data moves as soon as it would alone
-  // (CheckedReceive). The two posts are one step under p2p_mu_: another
-  // thread's send or receive between them would pair one message's header
-  // with another's payload.
+  // (CheckedReceive). The two posts are one step under the peer's mutex:
+  // another thread's send or receive between them would pair one message's
+  // header with another's payload. The payload is checked before the
+  // header goes: c10d refusing it after would leave a header unpaired.
   WorkPtr send(at::Tensor& tensor, int dst, int tag) override {
     check_tag(tag, "send");
+    check_payload(tensor, dst, "send");
     std::vector<at::Tensor> hs{MessageHeader::of(tensor).words()}, ts{tensor};
-    std::lock_guard<std::mutex> lock(p2p_mu_);
+    std::lock_guard<std::mutex> lock(peer_mu_[dst]);
     auto header = call([&] { return pg_->send(hs, dst, tag); }, false);
     auto payload = call([&] { return pg_->send(ts, dst, tag); }, false);
     return std::make_shared<WorkList>(std::vector<WorkPtr>{header, payload});
@@ -259,8 +262,9 @@ class GlooEngine : public Engine {
 
   WorkPtr recv(at::Tensor& tensor, int src, int tag) override {
     check_tag(tag, "recv");
+    check_payload(tensor, src, "recv");
     std::vector<at::Tensor> hs{at::empty({2}, at::kLong)}, ts{tensor};
-    std::lock_guard<std::mutex> lock(p2p_mu_);
+    std::lock_guard<std::mutex> lock(peer_mu_[src]);
     auto header = call([&] { return pg_->recv(hs, src, tag); }, false);
     auto payload = call([&] { return pg_->recv(ts, src, tag); }, false);
     return std::make_shared<CheckedReceive>(
@@ -309,6 +313,16 @@ class GlooEngine : public Engine {
       return std::make_shared<C10dWork>(launch(), std::move(probe));
     } catch (const std::exception& e) {
       rethrow_translated(e);
+    }
+  }
+
+  // What c10d would refuse of a point-to-point payload (checkSingleTensor)
+  // and its peer, before the header is posted.
+  void check_payload(const at::Tensor& t, int peer, const char* what) const {
+    if (peer < 0 || peer >= size() || !t.defined() || t.is_sparse() || !t.is_contiguous()) {
+      throw InvalidArgument(std::string("engine gloo: ") + what + " with rank " +
+                            std::to_string(peer) + " of " + std::to_string(size()) +
+                            " needs a peer in range and a defined, dense, contiguous tensor");
     }
   }
 
@@ -395,8 +409,9 @@ class GlooEngine : public Engine {
   c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<cohort::Store> store_;  // the group's: the liveness probe's
-  std::mutex p2p_mu_;                     // a message's two posts are one step
-  int64_t collectives_ = 0;               // checked so far
+  // Per peer: a message's two posts are one step (send, recv).
+  std::unique_ptr<std::mutex[]> peer_mu_{new std::mutex[static_cast<size_t>(pg_->getSize())]};
+  int64_t collectives_ = 0;  // checked so far
 };
 
 }  // namespace
