@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cohort/data/distributed_sampler.h"
@@ -102,55 +103,61 @@ TEST_P(SamplerAgreement, RanksThatAgreeGetThePlainSampler) {
   }
 }
 
-TEST_P(SamplerAgreement, ADatasetSizeApartIsRefusedOnEveryRank) {
-  const auto c = GetParam();
-  const int last = c.world - 1;
-  const auto errors = build_on_every_rank(
-      c, [&](int rank) { return rank == last ? kSize + 2 : kSize; },
-      [](int) { return DistributedSamplerOptions{}; });
-  expect_refused_everywhere(c, errors, {"dataset_size (" + last_apart(c.world, "10", "12") + ")"});
+// One field apart on the last rank: its size or options, the others', and
+// how the message names the two values.
+struct FieldApart {
+  std::string name;  // the test's
+  std::function<size_t(bool last)> size;
+  std::function<DistributedSamplerOptions(bool last)> options;
+  std::string field, others, last;
+};
+
+std::vector<FieldApart> fields_apart() {
+  auto plain = [](bool) { return DistributedSamplerOptions{}; };
+  auto same_size = [](bool) { return kSize; };
+  auto with = [](auto set) {
+    return [set](bool last) {
+      DistributedSamplerOptions o;
+      set(o, last);
+      return o;
+    };
+  };
+  return {
+      {"DatasetSize", [](bool last) { return last ? kSize + 2 : kSize; }, plain, "dataset_size",
+       "10", "12"},
+      {"Seed", same_size,
+       with([](DistributedSamplerOptions& o, bool last) { o.seed = last ? ~uint64_t{0} : 5; }),
+       "seed", "5", "18446744073709551615"},  // printed unsigned
+      {"Shuffle", same_size,
+       with([](DistributedSamplerOptions& o, bool last) { o.shuffle = !last; }), "shuffle", "true",
+       "false"},
+      {"DropLast", same_size,
+       with([](DistributedSamplerOptions& o, bool last) { o.drop_last = last; }), "drop_last",
+       "false", "true"},
+  };
 }
 
-TEST_P(SamplerAgreement, ASeedApartIsRefusedOnEveryRank) {
-  const auto c = GetParam();
+using FieldParam = std::tuple<EngineWorld, size_t>;
+class SamplerFieldApart : public ::testing::TestWithParam<FieldParam> {};
+
+TEST_P(SamplerFieldApart, IsRefusedOnEveryRank) {
+  const auto& [c, index] = GetParam();
+  const auto f = fields_apart()[index];
   const int last = c.world - 1;
   const auto errors = build_on_every_rank(
-      c, [](int) { return kSize; },
-      [&](int rank) {
-        DistributedSamplerOptions o;
-        o.seed = rank == last ? ~uint64_t{0} : 5;  // printed unsigned
-        return o;
-      });
+      c, [&](int rank) { return f.size(rank == last); },
+      [&](int rank) { return f.options(rank == last); });
   expect_refused_everywhere(c, errors,
-                            {"seed (" + last_apart(c.world, "5", "18446744073709551615") + ")"});
+                            {f.field + " (" + last_apart(c.world, f.others, f.last) + ")"});
 }
 
-TEST_P(SamplerAgreement, ShuffleApartIsRefusedOnEveryRank) {
-  const auto c = GetParam();
-  const int last = c.world - 1;
-  const auto errors = build_on_every_rank(
-      c, [](int) { return kSize; },
-      [&](int rank) {
-        DistributedSamplerOptions o;
-        o.shuffle = rank != last;
-        return o;
-      });
-  expect_refused_everywhere(c, errors, {"shuffle (" + last_apart(c.world, "true", "false") + ")"});
-}
-
-TEST_P(SamplerAgreement, DropLastApartIsRefusedOnEveryRank) {
-  const auto c = GetParam();
-  const int last = c.world - 1;
-  const auto errors = build_on_every_rank(
-      c, [](int) { return kSize; },
-      [&](int rank) {
-        DistributedSamplerOptions o;
-        o.drop_last = rank == last;
-        return o;
-      });
-  expect_refused_everywhere(c, errors,
-                            {"drop_last (" + last_apart(c.world, "false", "true") + ")"});
-}
+INSTANTIATE_TEST_SUITE_P(Engines, SamplerFieldApart,
+                         ::testing::Combine(::testing::ValuesIn(engine_worlds({1, 2, 3})),
+                                            ::testing::Range<size_t>(0, fields_apart().size())),
+                         [](const ::testing::TestParamInfo<FieldParam>& info) {
+                           return engine_world_name({std::get<0>(info.param), info.index}) + "_" +
+                                  fields_apart()[std::get<1>(info.param)].name;
+                         });
 
 // Several fields apart are all named.
 TEST_P(SamplerAgreement, EveryFieldApartIsNamed) {
