@@ -1,6 +1,7 @@
 #include "cohort/fsdp/fsdp_state.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <thread>
@@ -29,6 +30,10 @@ std::vector<std::string> setting_names(const std::vector<UnitEntry>& units) {
   }
   return out;
 }
+
+// Whether this thread is running a backward now (a hook, a checkpointed
+// unit recomputing its forward).
+bool in_autograd_engine() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
 
 }  // namespace
 
@@ -149,6 +154,9 @@ size_t FSDPState::next_in_backward(size_t u) const {
 }
 
 void FSDPState::pre_forward(size_t u, bool training) {
+  // A root forward outside any backward while one is marked running: that
+  // backward threw (its graph still lives, so graph_freed did not end it).
+  if (u == root_ && in_backward_ && !in_autograd_engine()) backward_failed();
   if (u == root_ && !in_backward_) begin_forward(training);
   if (u == kRoot) return;
   wait_unshard(u, ScheduleStep::kForwardGather);
@@ -181,6 +189,13 @@ struct FSDPState::GraphWatch {
 };
 
 void FSDPState::graph_freed(uint64_t forward) {
+  // Freed on the forward's thread outside any backward while one is marked
+  // running: that backward threw, and the exception on its way out drops
+  // the graph.
+  if (in_backward_ && !in_autograd_engine()) {
+    backward_failed();
+    return;
+  }
   // A backward began after that forward (it resharded at its end, or will),
   // a later forward's graph watches the units now, or a forward is running
   // (its units are in use).
@@ -198,6 +213,36 @@ void FSDPState::forward_failed() noexcept {
   // after the caught exception would go into the gathered copy, and the
   // next forward would take the prefetch gathered before that step.
   in_forward_ = false;
+  reshard_all_quietly();
+}
+
+void FSDPState::backward_failed() noexcept {
+  // The autograd engine runs no final callback for a backward that threw,
+  // so end_backward never ran: left as it is, the next forward would take
+  // itself for a recomputation inside backward (no begin_forward, no new
+  // backward, so no reduce-scatter ever again), and the units this
+  // backward gathered would stay gathered under the optimizer's step. The
+  // exception was thrown on every rank at the same call, so what is in
+  // flight was issued on every rank, and waiting for it ends (at worst at
+  // the communicator's timeout); its failures would only hide the user's
+  // exception.
+  in_backward_ = false;
+  while (queue_.in_flight() > 0) {
+    try {
+      queue_.retire_oldest();
+    } catch (const std::exception&) {
+    }
+  }
+  queue_.reset();
+  failures_.clear();
+  // The failed step's gradients must not reach a later step: the units
+  // that reduce lose theirs (part of this backward's reduced gradients may
+  // already be added into what was stashed). Units without sync keep their
+  // full accumulation, as a plain module keeps what a throwing backward
+  // accumulated.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (u < reducing_.size() && reducing_[u]) units_[u].group->drop_gradients();
+  }
   reshard_all_quietly();
 }
 

@@ -154,6 +154,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void graph_freed(uint64_t forward);
   // Reshards every unit, swallowing a refusal (called where nothing may throw).
   void reshard_all_quietly() noexcept;
+  // Ends a backward that threw: waits for what is in flight, drops the
+  // gradients of the units that reduce, reshards every unit.
+  void backward_failed() noexcept;
   // WorldSizeInvariant (fsdp_state_leaves.cpp).
   void setup_leaves(int64_t leaves);
   void begin_leaf_forward();

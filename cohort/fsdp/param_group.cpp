@@ -382,6 +382,17 @@ void FSDPParamGroup::keep_full_gradients() {
   }
 }
 
+void FSDPParamGroup::drop_gradients() {
+  rs_pending_ = false;
+  rs_input_ = torch::Tensor();
+  rs_output_ = torch::Tensor();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].mutable_grad() = torch::Tensor();
+    stash_[i] = torch::Tensor();
+    grad_sharded_[i] = 0;
+  }
+}
+
 void FSDPParamGroup::push_leaf_gradient(LeafReduction& leaf, bool first) {
   torch::NoGradGuard no_grad;
   if (first) std::fill(had_grad_.begin(), had_grad_.end(), 0);

@@ -133,6 +133,10 @@ class FSDPParamGroup {
   void finish_gradients(const std::vector<char>& any);
   /// After a backward without gradient sync: the full .grad stays.
   void keep_full_gradients();
+  /// After a backward that threw (its reduce-scatter, if any, waited for):
+  /// every parameter's .grad is none, what was stashed and the
+  /// reduce-scatter's buffers go.
+  void drop_gradients();
 
   /// Determinism::WorldSizeInvariant, after one leaf's backward: lays the
   /// full .grad of every parameter (none: zeros) out as the reduce-scatter

@@ -8,7 +8,9 @@
 // exception, which reaches them unchanged, zeroes the gradients and goes
 // on: after 10 AdamW steps every parameter equals, within 1e-6 relative,
 // that of one process that skipped the failing step, so neither the
-// failed step's gradients nor gathered copies leak into later steps.
+// failed step's gradients nor gathered copies leak into later steps;
+// whether the failed step's graph is freed as the exception leaves
+// backward or kept until after the next forward.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -113,7 +115,11 @@ Named reference(const Batches& b, Where where) {
   return out;
 }
 
-std::map<int, Named> sharded(const EngineWorld& c, const Batches& b, Where where, bool reshard) {
+// `keep_graph`: the failed step's loss lives on until the end (the graph is
+// not freed when the exception leaves backward; the next forward finds the
+// backward unfinished).
+std::map<int, Named> sharded(const EngineWorld& c, const Batches& b, Where where, bool reshard,
+                             bool keep_graph) {
   std::mutex mu;
   std::map<int, Named> got;
   cohort::testing::run_ranks_shared(
@@ -130,13 +136,16 @@ std::map<int, Named> sharded(const EngineWorld& c, const Batches& b, Where where
         load_from(model, *twin);
         auto opt = make_optimizer(Opt::AdamW, model->parameters());
         const std::string who = "rank " + std::to_string(comm->rank());
+        torch::Tensor kept;
         for (int s = 0; s < kSteps; ++s) {
           auto x = local(b.x[s], *comm), y = local(b.y[s], *comm);
           opt->zero_grad();
           if (s == kFailStep) {
             *fail = true;
             try {
-              torch::mse_loss(model->forward(x), y).backward();
+              auto loss = torch::mse_loss(model->forward(x), y);
+              if (keep_graph) kept = loss;
+              loss.backward();
               ADD_FAILURE() << who << ": the backward did not throw";
             } catch (const HookError& e) {
               EXPECT_STREQ(e.what(), "the hook refused its gradient") << who;
@@ -163,10 +172,14 @@ TEST_P(FSDPBackwardException, TrainingGoesOnAfterAStepWhoseBackwardThrew) {
   for (auto where : {Where::kBetweenUnits, Where::kInsideUnit}) {
     const auto want = reference(b, where);
     for (bool reshard : {true, false}) {
-      SCOPED_TRACE(std::string(where == Where::kBetweenUnits ? "between units" : "inside a unit") +
-                   (reshard ? ", reshard_after_forward true" : ", reshard_after_forward false"));
-      for (const auto& [rank, params] : sharded(c, b, where, reshard)) {
-        expect_close(params, want, 1e-6, "rank " + std::to_string(rank));
+      for (bool keep_graph : {false, true}) {
+        SCOPED_TRACE(
+            std::string(where == Where::kBetweenUnits ? "between units" : "inside a unit") +
+            (reshard ? ", reshard_after_forward true" : ", reshard_after_forward false") +
+            (keep_graph ? ", graph kept" : ", graph freed"));
+        for (const auto& [rank, params] : sharded(c, b, where, reshard, keep_graph)) {
+          expect_close(params, want, 1e-6, "rank " + std::to_string(rank));
+        }
       }
     }
   }
