@@ -23,7 +23,7 @@
 
 #include "cohort/fsdp/fully_shard.h"
 #include "support/engine_worlds.h"
-#include "tests/fsdp/fsdp_test_models.h"
+#include "tests/fsdp/failing_model.h"
 
 namespace cohort::backward_exception_test {
 namespace {
@@ -54,49 +54,12 @@ struct FailingImpl : torch::nn::Module {
 };
 TORCH_MODULE(Failing);
 
-enum class Where {
-  kBetweenUnits,  // on the first inner unit's output
-  kInsideUnit,    // inside the second inner unit, after its Linear
-};
-
 constexpr int kFailStep = 3;
 
-struct BlockImpl : torch::nn::Module {
-  Linear linear{nullptr};
-  Failing failing{nullptr};
-  BlockImpl(int64_t in, int64_t out, const std::shared_ptr<bool>& fail) {
-    linear = register_module("linear", Linear(in, out));
-    if (fail) failing = register_module("failing", Failing(fail));
-    to(cohort::testing::test_device());
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto h = linear(x);
-    return failing ? failing(h) : h;
-  }
-};
-TORCH_MODULE(Block);
-
+// The shared model with this file's failing layer.
 Sequential make_failing_model(const std::shared_ptr<Communicator>& comm, FullyShardOptions options,
                               Where where, const std::shared_ptr<bool>& fail) {
-  auto unit = [&](Block b) {
-    if (!comm) return AnyModule(b);
-    return AnyModule(FullyShard(AnyModule(b), comm, options));
-  };
-  const auto device = cohort::testing::test_device();
-  auto tied = torch::zeros({5, 7}, device);
-  Sequential seq;
-  seq->push_back(InProj(tied));
-  seq->push_back(Tanh());
-  seq->push_back(unit(Block(7, 6, nullptr)));
-  if (where == Where::kBetweenUnits) seq->push_back(Failing(fail));
-  seq->push_back(Tanh());
-  seq->push_back(unit(Block(6, 7, where == Where::kInsideUnit ? fail : nullptr)));
-  seq->push_back(Tanh());
-  seq->push_back(OutProj(tied));
-  Linear last(5, 5);
-  last->to(device);
-  seq->push_back(last);
-  return seq;
+  return cohort::testing::fsdp_test::make_failing_model<Failing>(comm, options, where, fail);
 }
 
 Named reference(const Batches& b, Where where) {

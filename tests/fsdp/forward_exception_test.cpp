@@ -24,7 +24,7 @@
 #include "cohort/core/error.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "support/engine_worlds.h"
-#include "tests/fsdp/fsdp_test_models.h"
+#include "tests/fsdp/failing_model.h"
 
 namespace cohort::forward_exception_test {
 namespace {
@@ -49,12 +49,6 @@ struct FailingImpl : torch::nn::Module {
 };
 TORCH_MODULE(Failing);
 
-// Where the failing layer is.
-enum class Where {
-  kBetweenUnits,  // after the first inner unit
-  kInsideUnit,    // inside the second inner unit, after its Linear
-};
-
 // How the user goes on after catching the exception.
 enum class Then {
   kStep,      // the failed forward came after the step's backward: the step follows
@@ -64,45 +58,10 @@ enum class Then {
 // The step whose call fails.
 constexpr int kFailStep = 3;
 
-// A Linear, with the failing layer after it when `fail` is given.
-struct BlockImpl : torch::nn::Module {
-  Linear linear{nullptr};
-  Failing failing{nullptr};
-  BlockImpl(int64_t in, int64_t out, const std::shared_ptr<bool>& fail) {
-    linear = register_module("linear", Linear(in, out));
-    if (fail) failing = register_module("failing", Failing(fail));
-    to(cohort::testing::test_device());
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto h = linear(x);
-    return failing ? failing(h) : h;
-  }
-};
-TORCH_MODULE(Block);
-
-// make_model's model with the failing layer `where` says, each Linear in a
-// block of its own (a unit over `comm`, or plain when `comm` is null).
+// The shared model with this file's failing layer.
 Sequential make_failing_model(const std::shared_ptr<Communicator>& comm, FullyShardOptions options,
                               Where where, const std::shared_ptr<bool>& fail) {
-  auto unit = [&](Block b) {
-    if (!comm) return AnyModule(b);
-    return AnyModule(FullyShard(AnyModule(b), comm, options));
-  };
-  const auto device = cohort::testing::test_device();
-  auto tied = torch::zeros({5, 7}, device);
-  Sequential seq;
-  seq->push_back(InProj(tied));
-  seq->push_back(Tanh());
-  seq->push_back(unit(Block(7, 6, nullptr)));
-  if (where == Where::kBetweenUnits) seq->push_back(Failing(fail));
-  seq->push_back(Tanh());
-  seq->push_back(unit(Block(6, 7, where == Where::kInsideUnit ? fail : nullptr)));
-  seq->push_back(Tanh());
-  seq->push_back(OutProj(tied));
-  Linear last(5, 5);
-  last->to(device);
-  seq->push_back(last);
-  return seq;
+  return cohort::testing::fsdp_test::make_failing_model<Failing>(comm, options, where, fail);
 }
 
 // The inner units of `seq`.

@@ -198,7 +198,9 @@ TEST_P(FSDPUnitGradientSync, TheTrainersSkipSyncLeavesEachUnitsOwnFlag) {
         }
         for (const auto& module : m.root->modules()) {
           auto* unit = dynamic_cast<FullyShardImpl*>(module.get());
-          if (unit) EXPECT_EQ(unit->requires_gradient_sync(), unit != m.middle.get());
+          if (unit) {
+            EXPECT_EQ(unit->requires_gradient_sync(), unit != m.middle.get());
+          }
         }
         const auto want = twin.seq->named_parameters();
         for (const auto& p : m.root->named_parameters()) {

@@ -1,0 +1,65 @@
+// defines: make_model's model with a layer that fails on demand, for the
+// tests of an exception inside FSDP's forward or backward. `Failing` is a
+// module holder made from a shared flag: the identity while the flag is
+// clear, and it fails (in forward, or in its gradient's hook) while set.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "tests/fsdp/fsdp_test_models.h"
+
+namespace cohort::testing::fsdp_test {
+
+// Where the failing layer is.
+enum class Where {
+  kBetweenUnits,  // after the first inner unit
+  kInsideUnit,    // inside the second inner unit, after its Linear
+};
+
+// A Linear, with the failing layer after it when `fail` is given.
+template <class Failing>
+struct FailingBlockImpl : torch::nn::Module {
+  Linear linear{nullptr};
+  Failing failing{nullptr};
+  FailingBlockImpl(int64_t in, int64_t out, const std::shared_ptr<bool>& fail) {
+    linear = register_module("linear", Linear(in, out));
+    if (fail) failing = register_module("failing", Failing(fail));
+    to(test_device());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = linear(x);
+    return failing ? failing(h) : h;
+  }
+};
+
+// make_model's model with the failing layer `where` says, each Linear in a
+// block of its own (a unit over `comm`, or plain when `comm` is null).
+template <class Failing>
+Sequential make_failing_model(const std::shared_ptr<Communicator>& comm, FullyShardOptions options,
+                              Where where, const std::shared_ptr<bool>& fail) {
+  using Block = torch::nn::ModuleHolder<FailingBlockImpl<Failing>>;
+  auto unit = [&](Block b) {
+    if (!comm) return AnyModule(b);
+    return AnyModule(FullyShard(AnyModule(b), comm, options));
+  };
+  const auto device = test_device();
+  auto tied = torch::zeros({5, 7}, device);
+  Sequential seq;
+  seq->push_back(InProj(tied));
+  seq->push_back(Tanh());
+  seq->push_back(unit(Block(7, 6, nullptr)));
+  if (where == Where::kBetweenUnits) seq->push_back(Failing(fail));
+  seq->push_back(Tanh());
+  seq->push_back(unit(Block(6, 7, where == Where::kInsideUnit ? fail : nullptr)));
+  seq->push_back(Tanh());
+  seq->push_back(OutProj(tied));
+  Linear last(5, 5);
+  last->to(device);
+  seq->push_back(last);
+  return seq;
+}
+
+}  // namespace cohort::testing::fsdp_test
