@@ -1,13 +1,13 @@
 #include "cohort/fsdp/fsdp_state.h"
 
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <thread>
 #include <utility>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/gradient_presence.h"
 
 namespace cohort::fsdp {
@@ -30,10 +30,6 @@ std::vector<std::string> setting_names(const std::vector<UnitEntry>& units) {
   }
   return out;
 }
-
-// Whether this thread is running a backward now (a hook, a checkpointed
-// unit recomputing its forward).
-bool in_autograd_engine() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
 
 }  // namespace
 

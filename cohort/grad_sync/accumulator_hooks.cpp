@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace cohort {
@@ -24,6 +25,8 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
 };
 
 }  // namespace
+
+bool in_autograd_engine() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
 
 AccumulatorHooks::AccumulatorHooks(const std::vector<torch::Tensor>& params,
                                    std::function<void(size_t)> ready)

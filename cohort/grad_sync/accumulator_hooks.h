@@ -26,6 +26,12 @@ struct Node;
 
 namespace cohort {
 
+/// Whether this thread is running a backward now (a hook, a checkpointed
+/// module recomputing its forward). A backward that threw ran no final
+/// callback: a forward outside any backward that finds one still marked
+/// running knows it failed.
+bool in_autograd_engine();
+
 /// Calls `ready(index)` on the autograd thread each time parameter `index`'s
 /// gradient accumulator has run. Removes its hooks when destroyed.
 class AccumulatorHooks {

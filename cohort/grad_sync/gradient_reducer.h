@@ -156,6 +156,10 @@ class GradientReducer {
   void launch_ready_buckets();
   Work launch(size_t b);
   void finish_backward();
+  // A backward that threw (found at the next forward): waits for what it
+  // launched and drops its gradients, so the next step starts clean; a
+  // MismatchError on every rank when it did not throw on every rank.
+  void backward_failed();
   void wait_and_write_back(double backward_end_s);
   void start_iteration_clock();
   // Determinism::WorldSizeInvariant (gradient_reducer_leaves.cpp).
@@ -169,6 +173,9 @@ class GradientReducer {
   void finish_owner_leaf();
   void finish_leaf_exchange(double backward_end);
   void finish_leaf_step(double backward_end, int64_t bytes);
+  // A leaf's backward threw: the step is abandoned, its leaves and
+  // exchanges dropped and the buffers put back as the step found them.
+  void abandon_leaf_step() noexcept;
   void keep_buffers(std::vector<torch::Tensor>& into);
   void restore_buffers(const std::vector<torch::Tensor>& from);
 

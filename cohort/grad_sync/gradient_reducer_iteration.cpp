@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/gradient_presence.h"
 #include "cohort/grad_sync/gradient_reducer.h"
 
@@ -35,6 +36,9 @@ void GradientReducer::clear_local_use() {
 }
 
 void GradientReducer::prepare_forward() {
+  // A forward outside any backward while one is marked running: that
+  // backward threw, and the autograd engine runs no final callback then.
+  if (backward_started_ && !backward_finished_ && !in_autograd_engine()) backward_failed();
   if (!pending_error_.empty()) {
     std::string message;
     std::swap(message, pending_error_);
@@ -66,6 +70,38 @@ void GradientReducer::prepare_forward() {
   // micro-batch under no_sync() broadcast; the ones after them do not.
   if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_buffers();
   reset_iteration();
+}
+
+void GradientReducer::backward_failed() {
+  // Thrown at the same call on every rank, what was launched was launched
+  // alike everywhere, and waiting for it ends. Left in flight, a bucket's
+  // all-reduce would write the failed step's average into the bucket while
+  // the next step fills it. Its failures would only hide the user's
+  // exception.
+  queue_.drain();
+  if (leaf_) abandon_leaf_step();
+  // Part of the failed step's gradients are averaged and part local: none
+  // may reach a later step. A reduction owner (ZeRO-2) drops its own part
+  // at its zero_grad().
+  if (!owner_) {
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  }
+  clear_local_use();
+  reset_iteration();
+  // A rank whose backward did not throw at that call is waiting for the
+  // rest of its buckets, or has gone on to its next step: this rank's next
+  // buckets would be averaged with its earlier ones. A barrier, which no
+  // bucket pairs with, is a MismatchError on every rank instead; when every
+  // rank threw, it is one barrier per failed step.
+  if (comm_->size() == 1) return;
+  try {
+    comm_->barrier().wait();
+  } catch (const MismatchError& e) {
+    throw MismatchError(
+        "DistributedDataParallel: the last backward on rank " + std::to_string(comm_->rank()) +
+        " of " + std::to_string(comm_->size()) +
+        " threw (its step was dropped), but not on every rank at the same call: " + e.what());
+  }
 }
 
 void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {

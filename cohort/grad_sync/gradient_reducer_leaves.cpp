@@ -208,6 +208,25 @@ void GradientReducer::finish_leaf_exchange(double backward_end) {
   finish_leaf_step(backward_end, leaf_buckets_->bytes());
 }
 
+void GradientReducer::abandon_leaf_step() noexcept {
+  // The queue's jobs were drained by the caller; they started these.
+  for (auto& gather : leaf_gathers_) {
+    try {
+      gather.wait();
+    } catch (const std::exception&) {
+    }
+    gather = Work();
+  }
+  leaf_->abandon();
+  // Each leaf of the step began from these (prepare_leaf_forward()); a
+  // module whose buffers changed since keeps its own.
+  try {
+    if (!step_buffers_.empty()) restore_buffers(step_buffers_);
+  } catch (const std::exception&) {
+  }
+  first_leaf_buffers_.clear();
+}
+
 void GradientReducer::finish_owner_leaf() {
   std::vector<torch::Tensor> pieces;
   pieces.reserve(params_.size());

@@ -100,6 +100,11 @@ void LeafReduction::count_folded() {
   ++pushed_;
 }
 
+void LeafReduction::abandon() {
+  pushed_ = 0;
+  stack_.clear();
+}
+
 void LeafReduction::restart() {
   if (pushed_ != count_) {
     throw InvalidArgument(what_ + ": rank " + std::to_string(rank_) + " finished a step after " +

@@ -130,6 +130,9 @@ class LeafReduction {
   void complete_into(const torch::Tensor& received, torch::Tensor& out) const;
   /// Ends a step whose leaves were all counted by count_folded().
   void restart();
+  /// Drops the leaves pushed or folded since the last finish() (a step
+  /// abandoned): the next push is the rank's first leaf again.
+  void abandon();
 
  private:
   // Overwrites `received`.

@@ -186,6 +186,60 @@ TEST_P(DDPBackwardException, TrainingGoesOnAfterAStepWhoseBackwardThrew) {
   }
 }
 
+// Thrown on rank 0 alone: that rank's next buckets must not be averaged
+// with the others' earlier ones. Every rank is refused, naming the
+// mismatch: rank 0 at its next forward, the others in their backward.
+TEST_P(DDPBackwardException, ThrownOnOneRankIsAMismatchOnEveryRank) {
+  const auto c = GetParam();
+  if (c.world == 1) GTEST_SKIP() << "one rank throws alone only among several";
+  const auto b = make_batches();
+  std::mutex mu;
+  std::map<int, std::string> refused;
+  run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        auto fail = std::make_shared<bool>(false);
+        DDPOptions options;
+        options.bucket_cap_mb = 1e-6;
+        options.first_bucket_mb = 1e-6;
+        DistributedDataParallel<Mlp> ddp(make_model(fail), comm, options);
+        auto opt = make_sgd(ddp.parameters());
+        const int64_t n = kBatch / c.world;
+        const int r = comm->rank();
+        for (int s = 0; s < kSteps; ++s) {
+          opt.zero_grad();
+          *fail = s == kFailStep && r == 0;
+          try {
+            torch::mse_loss(ddp.forward(rows(b.x, s, r * n, n)), rows(b.y, s, r * n, n)).backward();
+          } catch (const HookError&) {
+            continue;
+          } catch (const Error& e) {
+            std::lock_guard<std::mutex> lock(mu);
+            refused[r] = std::to_string(s) + ": " + e.what();
+            return;
+          }
+          opt.step();
+        }
+      },
+      options_for(c));
+  for (int r = 0; r < c.world; ++r) {
+    ASSERT_TRUE(refused.count(r)) << "rank " << r << " trained on";
+    const auto& what = refused[r];
+    EXPECT_NE(what.find("barrier"), std::string::npos) << "rank " << r << ": " << what;
+    EXPECT_NE(what.find("the ranks called different collectives"), std::string::npos)
+        << "rank " << r << ": " << what;
+    EXPECT_EQ(what.rfind(std::to_string(r == 0 ? kFailStep + 1 : kFailStep) + ": ", 0), 0u)
+        << "rank " << r << ": " << what;
+    if (r == 0) {
+      EXPECT_NE(what.find("the last backward on rank 0 of " + std::to_string(c.world) +
+                          " threw (its step was dropped), but not on every rank"),
+                std::string::npos)
+          << what;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(DDP, DDPBackwardException, ::testing::ValuesIn(engine_worlds()),
                          engine_world_name);
 
