@@ -31,28 +31,7 @@ namespace {
 using namespace cohort::testing::fsdp_test;
 using cohort::testing::EngineWorld;
 
-// What the hook throws: a type of its own, so that a test catching it sees
-// that it was not replaced on the way out.
-struct HookError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// The identity whose gradient's hook throws while `fail` is set.
-struct FailingImpl : torch::nn::Module {
-  std::shared_ptr<bool> fail;
-  explicit FailingImpl(std::shared_ptr<bool> f) : fail(std::move(f)) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    if (!x.requires_grad()) return x;
-    auto h = x.view_as(x);
-    auto flag = fail;
-    h.register_hook([flag](const torch::Tensor& g) {
-      if (*flag) throw HookError("the hook refused its gradient");
-      return g;
-    });
-    return h;
-  }
-};
-TORCH_MODULE(Failing);
+using Failing = FailingHook;
 
 constexpr int kFailStep = 3;
 

@@ -1,17 +1,55 @@
 // defines: make_model's model with a layer that fails on demand, for the
-// tests of an exception inside FSDP's forward or backward. `Failing` is a
-// module holder made from a shared flag: the identity while the flag is
-// clear, and it fails (in forward, or in its gradient's hook) while set.
+// tests of an exception inside FSDP's forward or backward: the identity
+// while a shared flag is clear, and while it is set it throws in forward
+// (FailingForward) or in its gradient's hook (FailingHook).
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 
 #include "tests/fsdp/fsdp_test_models.h"
 
 namespace cohort::testing::fsdp_test {
+
+// What the failing layers throw: types of their own, so that a test
+// catching one sees that it was not replaced on the way out.
+struct LayerError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct HookError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The identity, or it throws LayerError while `fail` is set.
+struct FailingForwardImpl : torch::nn::Module {
+  std::shared_ptr<bool> fail;
+  explicit FailingForwardImpl(std::shared_ptr<bool> f) : fail(std::move(f)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (*fail) throw LayerError("the layer refused its input");
+    return x;
+  }
+};
+TORCH_MODULE(FailingForward);
+
+// The identity whose gradient's hook throws HookError while `fail` is set.
+struct FailingHookImpl : torch::nn::Module {
+  std::shared_ptr<bool> fail;
+  explicit FailingHookImpl(std::shared_ptr<bool> f) : fail(std::move(f)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (!x.requires_grad()) return x;
+    auto h = x.view_as(x);
+    auto flag = fail;
+    h.register_hook([flag](const torch::Tensor& g) {
+      if (*flag) throw HookError("the hook refused its gradient");
+      return g;
+    });
+    return h;
+  }
+};
+TORCH_MODULE(FailingHook);
 
 // Where the failing layer is.
 enum class Where {

@@ -32,22 +32,7 @@ namespace {
 using namespace cohort::testing::fsdp_test;
 using cohort::testing::EngineWorld;
 
-// What the failing layer throws: a type of its own, so that a test catching
-// it sees that it was not replaced on the way out.
-struct LayerError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// The identity, or it throws while `fail` is set.
-struct FailingImpl : torch::nn::Module {
-  std::shared_ptr<bool> fail;
-  explicit FailingImpl(std::shared_ptr<bool> f) : fail(std::move(f)) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    if (*fail) throw LayerError("the layer refused its input");
-    return x;
-  }
-};
-TORCH_MODULE(Failing);
+using Failing = FailingForward;
 
 // How the user goes on after catching the exception.
 enum class Then {
