@@ -209,6 +209,7 @@ void FSDPState::forward_failed() noexcept {
   // after the caught exception would go into the gathered copy, and the
   // next forward would take the prefetch gathered before that step.
   in_forward_ = false;
+  abandon_leaf_step();
   reshard_all_quietly();
 }
 
@@ -239,6 +240,7 @@ void FSDPState::backward_failed() noexcept {
   for (size_t u = 0; u < units_.size(); ++u) {
     if (u < reducing_.size() && reducing_[u]) units_[u].group->drop_gradients();
   }
+  abandon_leaf_step();
   reshard_all_quietly();
 }
 

@@ -162,6 +162,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void begin_leaf_forward();
   void leaf_gradients_ready(size_t u);
   void end_leaf_backward();
+  // A leaf's forward or backward threw: the step's leaves and buffers are
+  // dropped, the next forward is a first leaf (fsdp_state_leaves.cpp).
+  void abandon_leaf_step() noexcept;
   void keep_buffers(std::vector<torch::Tensor>& into) const;
   void restore_buffers(const std::vector<torch::Tensor>& from);
   std::string where() const;

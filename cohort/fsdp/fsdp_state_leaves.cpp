@@ -118,6 +118,24 @@ void FSDPState::end_leaf_backward() {
   }
 }
 
+void FSDPState::abandon_leaf_step() noexcept {
+  if (leaf_.empty()) return;
+  // A leaf's forward or backward threw: the user skips the step, so the
+  // leaves it pushed must not count in the next one (they would push past
+  // the rank's last leaf, or a failed last leaf's forward would leave the
+  // next step's first leaf counted as this one's last), and the buffers go
+  // back to how the step found them.
+  for (auto& leaf : leaf_) leaf->abandon();
+  leaf_pushed_.assign(units_.size(), 0);
+  leaf_done_ = 0;
+  try {
+    if (!step_buffers_.empty()) restore_buffers(step_buffers_);
+  } catch (const std::exception&) {
+  }
+  step_buffers_.clear();
+  first_leaf_buffers_.clear();
+}
+
 double FSDPState::squared_grad_norm() {
   if (leaf_.empty()) {
     throw Unsupported("fully_shard: clip_grad_norm" + where() +
