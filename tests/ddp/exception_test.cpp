@@ -1,13 +1,13 @@
-// An exception thrown inside backward, on every rank at the same call,
-// after some buckets were launched (a tensor hook that throws between the
-// last two Linears, each parameter in a bucket of its own), ranks as threads
-// over Gloo and UCX at world 1 to 3, with gradients as bucket views or not,
-// and with world-size-invariant leaves (the hook throws in the first or the
-// last of the rank's leaves). The user catches the exception, which reaches
-// them unchanged, and skips the step: after 10 SGD-with-momentum steps every
-// parameter equals, within 1e-6 relative, that of one process that skipped
-// the failing step, so neither the failed step's reductions nor its leaves
-// reach a later step.
+// An exception thrown inside backward (a tensor hook between the last two
+// Linears, after some buckets were launched: each parameter has a bucket of
+// its own) or forward (the same layer), on every rank at the same call,
+// ranks as threads over Gloo and UCX at world 1 to 3, with gradients as
+// bucket views or not, and with world-size-invariant leaves (thrown in the
+// first or the last of the rank's leaves). The user catches the exception,
+// which reaches them unchanged, and skips the step: after 10
+// SGD-with-momentum steps every parameter equals, within 1e-6 relative, that
+// of one process that skipped the failing step, so neither the failed step's
+// reductions nor its leaves reach a later step.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -32,21 +32,25 @@ constexpr int kFailStep = 3;
 constexpr int64_t kBatch = 12;  // divides by 1, 2, 3 and 6
 constexpr int64_t kLeaves = 6;
 
-// What the hook throws: a type of its own, so that a test catching it sees
-// that it was not replaced on the way out.
-struct HookError : std::runtime_error {
+// What the failing layer throws: a type of its own, so that a test
+// catching it sees that it was not replaced on the way out.
+struct LayerError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The identity whose gradient's hook throws while `fail` is set.
+// Where the failing layer throws while armed.
+enum class Fail { kNot, kInBackward, kInForward };
+
+// The identity; armed, it throws in its forward or in its gradient's hook.
 struct FailingImpl : torch::nn::Module {
-  std::shared_ptr<bool> fail;
-  explicit FailingImpl(std::shared_ptr<bool> f) : fail(std::move(f)) {}
+  std::shared_ptr<Fail> fail;
+  explicit FailingImpl(std::shared_ptr<Fail> f) : fail(std::move(f)) {}
   torch::Tensor forward(const torch::Tensor& x) {
+    if (*fail == Fail::kInForward) throw LayerError("the layer refused");
     auto h = x.view_as(x);
     auto flag = fail;
     h.register_hook([flag](const torch::Tensor& g) {
-      if (*flag) throw HookError("the hook refused its gradient");
+      if (*flag == Fail::kInBackward) throw LayerError("the layer refused");
       return g;
     });
     return h;
@@ -56,7 +60,7 @@ TORCH_MODULE(Failing);
 
 // make_ddp_mlp with the failing identity before its last Linear, the same
 // parameters on every call (from a generator of its own: ranks are threads).
-Mlp make_model(const std::shared_ptr<bool>& fail) {
+Mlp make_model(const std::shared_ptr<Fail>& fail) {
   Mlp model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
             torch::nn::Tanh(), Failing(fail), torch::nn::Linear(16, 4));
   auto g = at::detail::createCPUGenerator(3);
@@ -80,7 +84,7 @@ torch::optim::SGD make_sgd(const std::vector<torch::Tensor>& params) {
 
 // One process, the whole batch, the failing step skipped.
 std::vector<torch::Tensor> reference(const Batches& b) {
-  auto model = make_model(std::make_shared<bool>(false));
+  auto model = make_model(std::make_shared<Fail>(Fail::kNot));
   auto opt = make_sgd(model->parameters());
   for (int s = 0; s < kSteps; ++s) {
     if (s == kFailStep) continue;
@@ -91,15 +95,17 @@ std::vector<torch::Tensor> reference(const Batches& b) {
   return clone_all(model->parameters());
 }
 
-// How the DDP runs: plain or with leaves; in the leaf runs, at which of the
-// rank's leaves the hook throws.
+// How the DDP runs (plain or with leaves) and where the step fails: in
+// forward or backward; with leaves, in the rank's first leaf or its last.
 struct Mode {
   bool bucket_view = true;
   bool leaves = false;
   bool fail_in_last_leaf = false;
+  Fail where = Fail::kInBackward;
   std::string name() const {
-    if (!leaves) return bucket_view ? "gradient as bucket view" : "gradients of their own";
-    return fail_in_last_leaf ? "leaves, failing in the last" : "leaves, failing in the first";
+    std::string out = where == Fail::kInForward ? "in forward, " : "in backward, ";
+    if (!leaves) return out + (bucket_view ? "gradient as bucket view" : "gradients of their own");
+    return out + (fail_in_last_leaf ? "leaves, in the last" : "leaves, in the first");
   }
 };
 
@@ -108,19 +114,21 @@ torch::Tensor rows(const torch::Tensor& t, int s, int64_t from, int64_t n) {
   return t[s].narrow(0, from, n);
 }
 
-// One step's forwards and backwards on this rank; throws what the hook threw.
+// One step's forwards and backwards on this rank; throws what the failing
+// layer threw.
 void step_once(DistributedDataParallel<Mlp>& ddp, const Batches& b, int s, const Mode& mode,
-               const std::shared_ptr<bool>& fail, int rank, int world) {
+               const std::shared_ptr<Fail>& fail, int rank, int world) {
   if (!mode.leaves) {
     const int64_t n = kBatch / world;
-    *fail = s == kFailStep;
+    *fail = s == kFailStep ? mode.where : Fail::kNot;
     torch::mse_loss(ddp.forward(rows(b.x, s, rank * n, n)), rows(b.y, s, rank * n, n)).backward();
     return;
   }
   const int64_t per_leaf = kBatch / kLeaves;
   for (int64_t k = 0; k < ddp.local_leaves(); ++k) {
     const bool last = k == ddp.local_leaves() - 1;
-    *fail = s == kFailStep && (mode.fail_in_last_leaf ? last : k == 0);
+    const bool failing = s == kFailStep && (mode.fail_in_last_leaf ? last : k == 0);
+    *fail = failing ? mode.where : Fail::kNot;
     const int64_t from = (ddp.first_leaf() + k) * per_leaf;
     torch::mse_loss(ddp.forward(rows(b.x, s, from, per_leaf)), rows(b.y, s, from, per_leaf))
         .backward();
@@ -135,7 +143,7 @@ std::map<int, std::vector<torch::Tensor>> distributed(const EngineWorld& c, cons
       c.world,
       [&](std::shared_ptr<Communicator> comm) {
         torch::set_num_threads(1);
-        auto fail = std::make_shared<bool>(false);
+        auto fail = std::make_shared<Fail>(Fail::kNot);
         DDPOptions options;
         options.bucket_cap_mb = 1e-6;  // a bucket per parameter
         options.first_bucket_mb = 1e-6;
@@ -151,13 +159,13 @@ std::map<int, std::vector<torch::Tensor>> distributed(const EngineWorld& c, cons
           opt.zero_grad();
           try {
             step_once(ddp, b, s, mode, fail, comm->rank(), c.world);
-          } catch (const HookError& e) {
+          } catch (const LayerError& e) {
             EXPECT_EQ(s, kFailStep) << who;
-            EXPECT_STREQ(e.what(), "the hook refused its gradient") << who;
-            *fail = false;
+            EXPECT_STREQ(e.what(), "the layer refused") << who;
+            *fail = Fail::kNot;
             continue;
           }
-          EXPECT_NE(s, kFailStep) << who << ": the backward did not throw";
+          EXPECT_NE(s, kFailStep) << who << ": the step did not throw";
           opt.step();
         }
         std::lock_guard<std::mutex> lock(mu);
@@ -167,13 +175,15 @@ std::map<int, std::vector<torch::Tensor>> distributed(const EngineWorld& c, cons
   return got;
 }
 
-class DDPBackwardException : public ::testing::TestWithParam<EngineWorld> {};
+class DDPStepException : public ::testing::TestWithParam<EngineWorld> {};
 
-TEST_P(DDPBackwardException, TrainingGoesOnAfterAStepWhoseBackwardThrew) {
+TEST_P(DDPStepException, TrainingGoesOnAfterAStepThatThrew) {
   const auto b = make_batches();
   const auto want = reference(b);
   for (const Mode& mode :
-       {Mode{true}, Mode{false}, Mode{true, true, false}, Mode{true, true, true}}) {
+       {Mode{true}, Mode{false}, Mode{true, true, false}, Mode{true, true, true},
+        Mode{true, false, false, Fail::kInForward}, Mode{true, true, false, Fail::kInForward},
+        Mode{true, true, true, Fail::kInForward}}) {
     SCOPED_TRACE(mode.name());
     for (const auto& [rank, params] : distributed(GetParam(), b, mode)) {
       ASSERT_EQ(params.size(), want.size());
@@ -189,7 +199,7 @@ TEST_P(DDPBackwardException, TrainingGoesOnAfterAStepWhoseBackwardThrew) {
 // Thrown on rank 0 alone: that rank's next buckets must not be averaged
 // with the others' earlier ones. Every rank is refused, naming the
 // mismatch: rank 0 at its next forward, the others in their backward.
-TEST_P(DDPBackwardException, ThrownOnOneRankIsAMismatchOnEveryRank) {
+TEST_P(DDPStepException, ABackwardThrownOnOneRankIsAMismatchOnEveryRank) {
   const auto c = GetParam();
   if (c.world == 1) GTEST_SKIP() << "one rank throws alone only among several";
   const auto b = make_batches();
@@ -199,7 +209,7 @@ TEST_P(DDPBackwardException, ThrownOnOneRankIsAMismatchOnEveryRank) {
       c.world,
       [&](std::shared_ptr<Communicator> comm) {
         torch::set_num_threads(1);
-        auto fail = std::make_shared<bool>(false);
+        auto fail = std::make_shared<Fail>(Fail::kNot);
         DDPOptions options;
         options.bucket_cap_mb = 1e-6;
         options.first_bucket_mb = 1e-6;
@@ -209,10 +219,10 @@ TEST_P(DDPBackwardException, ThrownOnOneRankIsAMismatchOnEveryRank) {
         const int r = comm->rank();
         for (int s = 0; s < kSteps; ++s) {
           opt.zero_grad();
-          *fail = s == kFailStep && r == 0;
+          *fail = s == kFailStep && r == 0 ? Fail::kInBackward : Fail::kNot;
           try {
             torch::mse_loss(ddp.forward(rows(b.x, s, r * n, n)), rows(b.y, s, r * n, n)).backward();
-          } catch (const HookError&) {
+          } catch (const LayerError&) {
             continue;
           } catch (const Error& e) {
             std::lock_guard<std::mutex> lock(mu);
@@ -240,7 +250,7 @@ TEST_P(DDPBackwardException, ThrownOnOneRankIsAMismatchOnEveryRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DDP, DDPBackwardException, ::testing::ValuesIn(engine_worlds()),
+INSTANTIATE_TEST_SUITE_P(DDP, DDPStepException, ::testing::ValuesIn(engine_worlds()),
                          engine_world_name);
 
 }  // namespace
