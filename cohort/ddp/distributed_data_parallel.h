@@ -23,6 +23,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -112,6 +113,7 @@ class DistributedDataParallel {
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     reducer_->prepare_forward();
+    ForwardFailure on_throw{*reducer_};
     decltype(auto) out = module_->forward(std::forward<Args>(args)...);
     std::vector<torch::Tensor> tensors;
     if (reducer_->options().find_unused_parameters) detail::collect_tensors(out, tensors);
@@ -192,6 +194,16 @@ class DistributedDataParallel {
   GradientReducer& reducer() { return *reducer_; }
 
  private:
+  // Tells the reducer when the module's forward threw (it unwinds past
+  // forward() without after_forward()).
+  struct ForwardFailure {
+    GradientReducer& reducer;
+    int before = std::uncaught_exceptions();
+    ~ForwardFailure() {
+      if (std::uncaught_exceptions() > before) reducer.forward_failed();
+    }
+  };
+
   ModuleHolder module_;
   /// Behind a pointer: the accumulator hooks hold its address.
   std::unique_ptr<GradientReducer> reducer_;

@@ -66,6 +66,10 @@ class GradientReducer {
   /// Before each forward. Throws Error naming the parameters that got no
   /// gradient if the previous backward could not finish its reduction.
   void prepare_forward();
+  /// Instead of after_forward() when the module's forward threw: with
+  /// leaves, a training forward's step is abandoned (its leaves dropped,
+  /// the buffers as the step found them), as the user skips it.
+  void forward_failed() noexcept;
   /// After each forward that returned (always, even without
   /// find_unused_parameters), with the tensors the forward returned.
   void after_forward(const std::vector<torch::Tensor>& outputs);

@@ -208,6 +208,14 @@ void GradientReducer::finish_leaf_exchange(double backward_end) {
   finish_leaf_step(backward_end, leaf_buckets_->bytes());
 }
 
+void GradientReducer::forward_failed() noexcept {
+  // Only a training forward is a leaf of the step (prepare_leaf_forward()).
+  if (!leaf_ || !torch::GradMode::is_enabled() || !module_->is_training()) return;
+  queue_.drain();
+  abandon_leaf_step();
+  clear_local_use();
+}
+
 void GradientReducer::abandon_leaf_step() noexcept {
   // The queue's jobs were drained by the caller; they started these.
   for (auto& gather : leaf_gathers_) {
