@@ -13,11 +13,16 @@ namespace cohort {
 
 class Communicator;
 
-/// Collective over `comm`: averages the .grad of `params` in one coalesced
-/// all-reduce and waits. A parameter without a gradient on this rank takes
-/// part as zeros (its .grad becomes a zero tensor), so that every rank sends
-/// the same tensors. At world size 1 (or without parameters) nothing is
-/// sent and the gradients are left as they are.
+/// Collective over `comm` (every rank passes the same parameters, in the
+/// same order): averages the .grad of `params` in one coalesced all-reduce
+/// and waits, after one small all-reduce that says which parameters have a
+/// gradient on any rank (any_rank_has). A parameter that does not require
+/// grad counts as having none and keeps none. One with a gradient on some
+/// ranks only takes part as zeros on the others (their .grad becomes the
+/// average); one with a gradient on no rank keeps an undefined .grad, so
+/// that the optimizer skips it as in one process. At world size 1 (or
+/// without parameters) nothing is sent and the gradients are left as they
+/// are.
 void average_gradients(const std::vector<torch::Tensor>& params, Communicator& comm);
 
 }  // namespace cohort

@@ -1,6 +1,6 @@
 // defines: any_rank_has, the one answer to "does any rank have this
-// parameter's gradient?" for DDP (unused parameters), ZeRO and the fused
-// optimizer (parameters the optimizer must skip).
+// parameter's gradient?" for DDP (unused parameters), average_gradients,
+// ZeRO and the fused optimizer (parameters the optimizer must skip).
 //
 // A parameter with a gradient on some ranks only is reduced with zeros from
 // the others; one with a gradient on no rank keeps no gradient, as in

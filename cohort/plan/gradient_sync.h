@@ -49,7 +49,8 @@ class GradientSync {
 /// micro-batch.
 class AllReduceGradientSync : public GradientSync {
  public:
-  /// Averages the gradients of `params` over `comm`.
+  /// Averages the gradients of `params` over `comm` (average_gradients: a frozen parameter, or
+  /// one without a gradient on every rank, keeps none).
   AllReduceGradientSync(std::shared_ptr<Communicator> comm, std::vector<torch::Tensor> params);
   std::shared_ptr<void> skip_sync() override { return nullptr; }
   void finish_sync() override;
