@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <sstream>
 
 #include "cohort/activation/checkpoint.h"
 #include "cohort/context_parallel/layout.h"
@@ -39,6 +40,12 @@ std::shared_ptr<Communicator> group_of(const DeviceMesh& mesh, const std::string
   return has_dim(mesh, name) ? mesh[name].process_group() : nullptr;
 }
 bool moe_layer(const GPTConfig& c, int64_t layer) { return c.experts > 0 && layer % 2 == 1; }
+
+std::string number(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
 
 void require(bool ok, const std::string& what, const Communicator& g) {
   if (!ok) {
@@ -184,6 +191,19 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
   require(!c.sequence_parallel || c.seq_len % tp == 0,
           "seq_len " + std::to_string(c.seq_len) + " does not divide by the tensor-parallel size " +
               std::to_string(tp) + " (sequence parallelism)",
+          g);
+  // Dropout draws from each rank's own generator. Without sequence
+  // parallelism the residual stream and the embeddings are replicated over
+  // tp: the ranks would drop different elements, compute their heads from
+  // different inputs and let the replicated parameters drift apart, however
+  // the ranks were seeded (ranks as threads share one generator; a resumed
+  // Trainer seeds each rank its own). A generator shared by the tp group
+  // (Megatron's RNG tracker) would lift this.
+  require(tp == 1 || c.dropout == 0 || c.sequence_parallel,
+          "dropout " + number(c.dropout) + " on tp " + std::to_string(tp) +
+              " without sequence parallelism: each tensor-parallel rank would drop other "
+              "elements of the activations they must hold alike; set dropout 0 or "
+              "sequence_parallel",
           g);
   check_expert_and_context(mesh, c, g);
   VocabParallelEmbeddingOptions emb;

@@ -48,12 +48,13 @@ namespace cohort::tensor_parallel {
 /// The model's sizes. hidden, heads, vocab_size (and seq_len under sequence
 /// parallelism) must divide by tp, layers by pp * virtual_stages.
 struct GPTConfig {
-  int64_t vocab_size = 64;              ///< tokens (characters); pad to a multiple of tp
-  int64_t seq_len = 16;                 ///< context length T
-  int64_t hidden = 32;                  ///< model width H
-  int64_t heads = 4;                    ///< attention heads
-  int64_t layers = 2;                   ///< transformer blocks
-  double dropout = 0.0;                 ///< attention and residual dropout (training only)
+  int64_t vocab_size = 64;  ///< tokens (characters); pad to a multiple of tp
+  int64_t seq_len = 16;     ///< context length T
+  int64_t hidden = 32;      ///< model width H
+  int64_t heads = 4;        ///< attention heads
+  int64_t layers = 2;       ///< transformer blocks
+  double dropout =
+      0.0;  ///< attention and residual dropout (training only; tp > 1 needs sequence_parallel)
   bool sequence_parallel = false;       ///< split LayerNorm/dropout regions along the sequence
   bool checkpoint_activations = false;  ///< keep only each block's input; recompute in backward
   int virtual_stages = 1;               ///< model chunks per PP rank (interleaved schedules)
