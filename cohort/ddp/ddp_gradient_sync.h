@@ -7,7 +7,9 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
+#include "cohort/core/error.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/plan/gradient_sync.h"
 
@@ -30,14 +32,48 @@ class DDPGradientSync : public GradientSync {
   /// A stateful comm hook (a compressor with error feedback) is saved per
   /// rank with the checkpoint.
   bool has_state() const override { return ddp_.comm_hook() && ddp_.comm_hook()->stateful(); }
-  /// The comm hook's tensors.
-  std::map<std::string, torch::Tensor> state() const override { return ddp_.comm_hook()->state(); }
-  /// Hands the tensors back to the comm hook.
+  /// The comm hook's tensors, and DDP's bucket layout they are keyed by
+  /// (GradientReducer::layout_state, names "ddp_layout...").
+  std::map<std::string, torch::Tensor> state() const override {
+    auto out = ddp_.comm_hook()->state();
+    for (auto& [name, t] : ddp_.reducer().layout_state()) out[name] = t;
+    return out;
+  }
+  /// Refuses (ConfigError) hook state without the layout it is keyed by
+  /// (written before the layout was saved with it), or a layout that does
+  /// not fit the model.
+  void check_state(const std::map<std::string, torch::Tensor>& state) const override {
+    const auto [layout, hook] = split(state);
+    if (layout.empty() && !hook.empty()) {
+      throw ConfigError(
+          "DistributedDataParallel on rank " +
+          std::to_string(ddp_.reducer().process_group()->rank()) +
+          ": the checkpoint holds the comm hook's state without the bucket layout it is keyed by "
+          "(an earlier cohort saved none); applied to this run's buckets it could add one "
+          "parameter's error feedback to another's gradients: resume from a checkpoint of this "
+          "version");
+    }
+    if (!layout.empty()) ddp_.reducer().check_layout_state(layout);
+  }
+  /// Adopts the saved bucket layout at once, then hands the rest to the comm hook.
   void load_state(const std::map<std::string, torch::Tensor>& state) override {
-    ddp_.comm_hook()->load_state(state);
+    check_state(state);
+    const auto [layout, hook] = split(state);
+    if (!layout.empty()) ddp_.reducer().load_layout_state(layout);
+    ddp_.comm_hook()->load_state(hook);
   }
 
  private:
+  using Tensors = std::map<std::string, torch::Tensor>;
+  // DDP's layout entries and the comm hook's.
+  static std::pair<Tensors, Tensors> split(const Tensors& state) {
+    std::pair<Tensors, Tensors> out;
+    for (const auto& [name, t] : state) {
+      (name.rfind("ddp_layout", 0) == 0 ? out.first : out.second)[name] = t;
+    }
+    return out;
+  }
+
   DistributedDataParallel<ModuleHolder>& ddp_;
 };
 

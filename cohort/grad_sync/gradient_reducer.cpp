@@ -139,7 +139,10 @@ void GradientReducer::build_buckets(const std::vector<size_t>& order) {
   std::stable_sort(closed.begin(), closed.end(), [&](const auto& a, const auto& b) {
     return position[a.front()] < position[b.front()];
   });
+  install_buckets(std::move(closed));
+}
 
+void GradientReducer::install_buckets(std::vector<std::vector<size_t>> closed) {
   buckets_.clear();
   slots_.assign(params_.size(), Slot{});
   for (auto& members : closed) {
@@ -222,6 +225,10 @@ void GradientReducer::rebuild_buckets() {
   build_buckets(agreed);
   rebuilt_ = true;
   stats_.buckets_rebuilt = true;
+  tell_hook_changed(before);
+}
+
+void GradientReducer::tell_hook_changed(const std::vector<std::vector<size_t>>& before) {
   // A bucket whose parameters changed (even at the same size) must not get
   // the hook's state of the old ones, e.g. error feedback added to other
   // gradients; every rank rebuilt the same buckets, so all tell the hook.

@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -118,6 +119,21 @@ class GradientReducer {
   const std::vector<std::string>& parameter_names() const { return names_; }
   /// Parameter indices of each bucket, in launch order (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
+  /// The bucket layout and how far its one rebuild has come (this rank's
+  /// recorded gradient order while the rebuild is pending), as named int64
+  /// tensors whose names start with "ddp_layout": what a resumed run needs
+  /// to reduce in the same buckets, at the same steps, as the run that
+  /// saved it (a comm hook's state is keyed by bucket index).
+  std::map<std::string, torch::Tensor> layout_state() const;
+  /// Throws ConfigError, naming this rank and the reason, when `state`
+  /// (layout_state() of an earlier run) does not fit these parameters.
+  void check_layout_state(const std::map<std::string, torch::Tensor>& state) const;
+  /// Adopts `state` at once: the buckets become the saved ones, and the
+  /// rebuild is done, pending on the saved order, or still to record, as it
+  /// was. The comm hook is told of every bucket that changed. Call it on
+  /// every rank with that rank's state, between iterations; throws as
+  /// check_layout_state.
+  void load_layout_state(const std::map<std::string, torch::Tensor>& state);
   /// The flat buffer of bucket i (undefined while a reduction owner is set,
   /// and with Determinism::WorldSizeInvariant, whose sums live elsewhere).
   const torch::Tensor& bucket_buffer(size_t i) const { return buckets_.at(i).buffer; }
@@ -149,6 +165,10 @@ class GradientReducer {
   void broadcast_state();
   void broadcast_buffers();
   void build_buckets(const std::vector<size_t>& order);
+  // Buckets of exactly these parameter indices, in this launch order.
+  void install_buckets(std::vector<std::vector<size_t>> closed);
+  // Tells the comm hook which buckets differ from `before`.
+  void tell_hook_changed(const std::vector<std::vector<size_t>>& before);
   // gradient_as_bucket_view: each existing .grad becomes its bucket view.
   void move_grads_into_buckets();
   void rebuild_buckets();

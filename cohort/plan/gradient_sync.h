@@ -43,6 +43,10 @@ class GradientSync {
   /// Restores what state() returned on the same rank of an earlier run
   /// (empty: the state of a sync that has not run yet).
   virtual void load_state(const std::map<std::string, torch::Tensor>& state) { (void)state; }
+  /// Throws (ConfigError, naming this rank) when load_state(state) would
+  /// refuse `state`; changes nothing. The trainer calls it before anything
+  /// of a checkpoint is loaded.
+  virtual void check_state(const std::map<std::string, torch::Tensor>& state) const { (void)state; }
 };
 
 /// A GradientSync for a model without DDP: one all-reduce (average) of the gradients after the last

@@ -95,6 +95,7 @@ void add_sync_state(dcp::StateDict& state, const std::map<std::string, torch::Te
 }
 
 void add_sync_targets(dcp::StateDict& state, const dcp::Metadata& meta, int rank,
+                      std::function<void(const std::map<std::string, torch::Tensor>&)> check,
                       std::function<void(const std::map<std::string, torch::Tensor>&)> install) {
   const auto prefix = sync_prefix(rank);
   auto loaded = std::make_shared<std::map<std::string, torch::Tensor>>();
@@ -104,6 +105,13 @@ void add_sync_targets(dcp::StateDict& state, const dcp::Metadata& meta, int rank
     (*loaded)[t.fqn.substr(prefix.size())] = target;
     state.tensors.push_back(own_entry(t.fqn, target));
   }
+  state.check_before_load.push_back(
+      [loaded,
+       check = std::move(check)](const std::function<torch::Tensor(const torch::Tensor&)>& value) {
+        std::map<std::string, torch::Tensor> staged;
+        for (const auto& [name, target] : *loaded) staged[name] = value(target);
+        check(staged);
+      });
   state.after_load.push_back([loaded, install = std::move(install)] { install(*loaded); });
 }
 

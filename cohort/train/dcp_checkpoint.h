@@ -57,10 +57,13 @@ void add_sync_state(dcp::StateDict& state, const std::map<std::string, torch::Te
                     int rank);
 
 /// For loading: adds to `state` a target for each of rank `rank`'s
-/// "sync.rank<rank>." tensors in `meta`, and an after_load step that hands
-/// them, named as add_sync_state got them, to `install` (empty when the
-/// checkpoint holds none).
+/// "sync.rank<rank>." tensors in `meta`, a check_before_load step that hands
+/// their staged values to `check` (a throw refuses the load on every rank,
+/// with nothing loaded), and an after_load step that hands them, named as
+/// add_sync_state got them, to `install` (empty when the checkpoint holds
+/// none).
 void add_sync_targets(dcp::StateDict& state, const dcp::Metadata& meta, int rank,
+                      std::function<void(const std::map<std::string, torch::Tensor>&)> check,
                       std::function<void(const std::map<std::string, torch::Tensor>&)> install);
 
 /// True when `meta` holds some rank's gradient-sync state.

@@ -298,6 +298,7 @@ void Trainer::load_dcp(const std::string& folder, int64_t old_world) {
   if (sync_.has_state()) {
     add_sync_targets(
         state, meta, comm_.rank(),
+        [this](const std::map<std::string, torch::Tensor>& s) { sync_.check_state(s); },
         [this](const std::map<std::string, torch::Tensor>& s) { sync_.load_state(s); });
   }
   std::string misfit;

@@ -129,5 +129,68 @@ INSTANTIATE_TEST_SUITE_P(Compression, LayoutResume,
                                   std::to_string(std::get<2>(info.param));
                          });
 
+// Rank r's DDPGradientSync state after two int8 steps (buckets rebuilt),
+// changed by `edit`, handed back to the same rank's sync: each rank's
+// ConfigError, empty where none, and whether the layout stayed.
+std::vector<std::string> load_edited(
+    int world, const std::function<void(std::map<std::string, torch::Tensor>&)>& edit) {
+  std::vector<std::string> errors(world);
+  run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+    torch::set_num_threads(1);
+    HeadFirst net;
+    DistributedDataParallel<HeadFirst> ddp(net, comm, options_of(CompressionKind::Int8));
+    DDPGradientSync<HeadFirst> sync(ddp);
+    const auto data = make_data(world * kMicro);
+    for (int step = 0; step < 2; ++step) {
+      net->zero_grad();
+      ddp.forward(data.x.narrow(0, comm->rank() * kMicro, kMicro)).sum().backward();
+    }
+    auto state = sync.state();
+    edit(state);
+    const auto layout = ddp.reducer().bucket_layout();
+    try {
+      sync.load_state(state);
+    } catch (const ConfigError& e) {
+      errors[comm->rank()] = e.what();
+    }
+    EXPECT_EQ(ddp.reducer().bucket_layout(), layout);
+  });
+  return errors;
+}
+
+// State written before the layout was saved with it cannot be placed.
+TEST(LayoutResumeRefusal, HookStateWithoutItsLayoutOnEveryRank) {
+  const auto errors = load_edited(2, [](auto& state) {
+    for (auto it = state.begin(); it != state.end();) {
+      it = it->first.rfind("ddp_layout", 0) == 0 ? state.erase(it) : std::next(it);
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("DistributedDataParallel on rank " + std::to_string(r)),
+              std::string::npos)
+        << errors[r];
+    EXPECT_NE(errors[r].find("without the bucket layout it is keyed by"), std::string::npos)
+        << errors[r];
+  }
+}
+
+TEST(LayoutResumeRefusal, LayoutThatDoesNotFitOnEveryRank) {
+  for (const auto& [what, edit] :
+       std::vector<std::pair<std::string, std::function<void(torch::Tensor&)>>>{
+           {"not a permutation", [](torch::Tensor& p) { p[0] = p[1].item<int64_t>(); }},
+           {"not a permutation", [](torch::Tensor& p) { p = p.narrow(0, 0, 3).clone(); }},
+           {"not a permutation", [](torch::Tensor& p) { p[0] = 4; }}}) {
+    const auto errors = load_edited(2, [&](auto& state) { edit(state.at("ddp_layout_params")); });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_NE(errors[r].find("DistributedDataParallel on rank " + std::to_string(r) +
+                               ": the bucket layout saved with the comm hook's state does not "
+                               "fit this model's 4 parameters"),
+                std::string::npos)
+          << errors[r];
+      EXPECT_NE(errors[r].find(what), std::string::npos) << errors[r];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cohort::testing::compression_layout_resume_test
