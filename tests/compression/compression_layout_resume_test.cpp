@@ -192,5 +192,49 @@ TEST(LayoutResumeRefusal, LayoutThatDoesNotFitOnEveryRank) {
   }
 }
 
+// Through the Trainer: a model whose head is frozen has two parameters for
+// DDP, not the four the saved layout holds; refused on every rank before
+// anything is loaded.
+TEST(LayoutResumeRefusal, ThroughTheTrainerBeforeAnythingIsLoaded) {
+  constexpr int kWorld = 2;
+  const auto data = make_data(kSteps * kWorld * kMicro);
+  TempDir dir("layout-misfit");
+  train(kWorld, CompressionKind::Int8, dir.str(), 0, 2, data);
+  std::vector<std::string> errors(kWorld);
+  run_ranks_shared(kWorld, [&](std::shared_ptr<Communicator> comm) {
+    torch::set_num_threads(1);
+    HeadFirst net;
+    for (auto& p : net->head->parameters()) p.set_requires_grad(false);
+    DistributedDataParallel<HeadFirst> ddp(net, comm, options_of(CompressionKind::Int8));
+    torch::optim::SGD sgd(ddp.parameters(), torch::optim::SGDOptions(0.1));
+    TrainerOptions config;
+    config.progress = false;
+    config.checkpoint_dir = dir.str();
+    LossFn loss = [&](const torch::data::Example<>& b) {
+      return torch::nn::functional::cross_entropy(ddp.forward(b.data), b.target);
+    };
+    Trainer trainer(TrainerWiring::ddp(ddp, sgd), loss, config);
+    std::vector<torch::Tensor> before;
+    for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+    const auto layout = ddp.reducer().bucket_layout();
+    try {
+      trainer.resume();
+    } catch (const ConfigError& e) {
+      errors[comm->rank()] = e.what();
+    }
+    EXPECT_EQ(ddp.reducer().bucket_layout(), layout);
+    for (size_t i = 0; i < before.size(); ++i) {
+      EXPECT_TRUE(torch::equal(net->parameters()[i], before[i])) << "parameter " << i;
+    }
+  });
+  // The load's agreement gives every rank the first failing rank's message.
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("DistributedDataParallel on rank 0: the bucket layout saved with the comm "
+                     "hook's state does not fit this model's 2 parameters"),
+              std::string::npos)
+        << e;
+  }
+}
+
 }  // namespace
 }  // namespace cohort::testing::compression_layout_resume_test
