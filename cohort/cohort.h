@@ -50,6 +50,7 @@
 // Context parallelism.
 #include "cohort/context_parallel/layout.h"
 #include "cohort/context_parallel/ring_attention.h"
+#include "cohort/context_parallel/sequence_loss.h"
 // Expert parallelism.
 #include "cohort/expert_parallel/moe.h"
 // Distributed checkpoints.

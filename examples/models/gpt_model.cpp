@@ -13,6 +13,7 @@
 #include "cohort/activation/checkpoint.h"
 #include "cohort/context_parallel/layout.h"
 #include "cohort/context_parallel/ring_attention.h"
+#include "cohort/context_parallel/sequence_loss.h"
 #include "cohort/core/error.h"
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/mappings.h"
@@ -68,7 +69,8 @@ void check_expert_and_context(const DeviceMesh& mesh, const GPTConfig& c, const 
     require(!c.checkpoint_activations, "MoE blocks do not take activation checkpointing", g);
   }
   if (cp > 1) {
-    // Equal shards: the mean of the ranks' mean losses is the sequence's mean.
+    // Equal chunks only: the layouts the GPT is tested at (its loss,
+    // sequence_mean_loss, would weigh unequal ones right).
     require(c.seq_len % (2 * cp) == 0,
             "seq_len " + std::to_string(c.seq_len) + " does not divide into 2 x cp " +
                 std::to_string(cp) + " equal chunks",
@@ -298,8 +300,18 @@ torch::Tensor GPTStageImpl::head(torch::Tensor h) {
 
 torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) {
   VocabParallelCrossEntropyOptions o;
-  o.reduction = CrossEntropyReduction::Mean;
-  auto loss = vocab_parallel_cross_entropy(logits, targets.t(), *tp_, o);
+  torch::Tensor loss;
+  if (cp_ && cp_->size() > 1) {
+    // The cp ranks hold parts of the same sequences: the mean over all
+    // their counted tokens, not the mean of the ranks' means (which differ
+    // in count where targets are ignored).
+    const auto t = targets.t();
+    loss = context_parallel::sequence_mean_loss(vocab_parallel_cross_entropy(logits, t, *tp_, o),
+                                                t.ne(o.ignore_index), *cp_);
+  } else {
+    o.reduction = CrossEntropyReduction::Mean;
+    loss = vocab_parallel_cross_entropy(logits, targets.t(), *tp_, o);
+  }
   return config_.experts > 0 ? loss + aux_loss() : loss;
 }
 

@@ -92,7 +92,10 @@ class GPTStageImpl : public torch::nn::Module {
   /// are ignored (left out of the mean), as in LibTorch. With experts, plus
   /// every MoE's load-balancing loss of the last forward (aux_loss()).
   /// Under context parallelism targets are this rank's columns
-  /// (local_sequence) and the mean is over them.
+  /// (local_sequence) and the mean is over the counted targets of every cp
+  /// rank (context_parallel::sequence_mean_loss): the same value on each,
+  /// the gradient weighted for the GradientSynchronizer's average over cp.
+  /// Data-parallel ranks stay a mean of their means (as DDP).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
   /// The sum of this stage's MoE load-balancing losses from the last forward
   /// (a zero scalar without experts).

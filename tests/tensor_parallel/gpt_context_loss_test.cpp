@@ -113,7 +113,7 @@ Result train(const Case& k) {
     auto mesh = mesh_of(world, k);
     const auto c = config();
     GPTStage stage(mesh, c);
-    GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight());
+    cohort::GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight());
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.2).momentum(0.9));
     const auto rows = kBatch / k.dp;
     const auto first = mesh.local_rank("dp") * rows;
