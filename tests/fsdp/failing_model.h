@@ -100,4 +100,35 @@ Sequential make_failing_model(const std::shared_ptr<Communicator>& comm, FullySh
   return seq;
 }
 
+// One process: the model trained on the whole batch for kSteps AdamW steps,
+// step `skipped` left out (-1: none).
+template <class Failing>
+Named reference_skipping(const Batches& b, Where where, int skipped) {
+  auto model = make_failing_model<Failing>(nullptr, {}, where, std::make_shared<bool>(false));
+  init_parameters(*model, 7);
+  auto opt = make_optimizer(Opt::AdamW, model->parameters());
+  for (int s = 0; s < kSteps; ++s) {
+    if (s == skipped) continue;
+    opt->zero_grad();
+    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
+    opt->step();
+  }
+  Named out;
+  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
+  return out;
+}
+
+// The model sharded over `comm`, its unit roots made with `options`,
+// starting from reference_skipping's parameters.
+template <class Failing>
+FullyShard sharded_failing_model(const std::shared_ptr<Communicator>& comm,
+                                 const FullyShardOptions& options, Where where,
+                                 const std::shared_ptr<bool>& fail) {
+  auto model = fully_shard(make_failing_model<Failing>(comm, options, where, fail), comm, options);
+  auto twin = make_failing_model<Failing>(nullptr, {}, where, fail);
+  init_parameters(*twin, 7);
+  load_from(model, *twin);
+  return model;
+}
+
 }  // namespace cohort::testing::fsdp_test

@@ -76,19 +76,7 @@ void failing_call(Model& model, const std::shared_ptr<bool>& fail, const torch::
 
 // One process: the same steps on the whole batch, without the failing call.
 Named reference(const Batches& b, Where where, Then then) {
-  auto fail = std::make_shared<bool>(false);
-  auto model = make_failing_model(nullptr, {}, where, fail);
-  init_parameters(*model, 7);
-  auto opt = make_optimizer(Opt::AdamW, model->parameters());
-  for (int s = 0; s < kSteps; ++s) {
-    if (then == Then::kNextStep && s == kFailStep) continue;
-    opt->zero_grad();
-    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
-    opt->step();
-  }
-  Named out;
-  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
+  return reference_skipping<Failing>(b, where, then == Then::kNextStep ? kFailStep : -1);
 }
 
 // Each rank's gathered model after the steps with the failing call.
@@ -103,11 +91,7 @@ std::map<int, Named> sharded(const EngineWorld& c, const Batches& b, Where where
         FullyShardOptions options;
         options.reshard_after_forward = reshard;
         auto fail = std::make_shared<bool>(false);
-        auto seq = make_failing_model(comm, options, where, fail);
-        auto model = fully_shard(seq, comm, options);
-        auto twin = make_failing_model(nullptr, {}, where, fail);
-        init_parameters(*twin, 7);
-        load_from(model, *twin);
+        auto model = sharded_failing_model<Failing>(comm, options, where, fail);
         auto opt = make_optimizer(Opt::AdamW, model->parameters());
         const std::string who = "rank " + std::to_string(comm->rank());
         for (int s = 0; s < kSteps; ++s) {
