@@ -45,4 +45,12 @@ std::vector<std::shared_ptr<Communicator>> PipelineLayout::same_samples_groups()
   return out;
 }
 
+std::vector<std::shared_ptr<Communicator>> PipelineLayout::same_inputs_groups() const {
+  std::vector<std::shared_ptr<Communicator>> out;
+  for (const auto& [name, groups] : dimensions_) {
+    if (name == "tp") out.insert(out.end(), groups.begin(), groups.end());
+  }
+  return out;
+}
+
 }  // namespace cohort

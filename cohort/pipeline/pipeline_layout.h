@@ -35,6 +35,8 @@ class PipelineLayout : public TrainerLayout {
   int ranks_per_sample() const override { return ranks_per_sample_; }
   /// The pipeline's group, and a mesh's TP groups.
   std::vector<std::shared_ptr<Communicator>> same_samples_groups() const override;
+  /// A mesh's TP groups.
+  std::vector<std::shared_ptr<Communicator>> same_inputs_groups() const override;
   const TrafficDimensions& dimensions() const override { return dimensions_; }
   std::string describe() const override { return "a pipeline (each rank holds its stages)"; }
 

@@ -8,6 +8,7 @@
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
 #include "cohort/train/progress.h"
+#include "cohort/train/sample_agreement.h"
 
 namespace cohort {
 namespace {
@@ -342,29 +343,10 @@ void Trainer::agree_on_epoch(DataSource& data) {
   agree_text(comm_, mine, "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ",
              "the data source's micro-batches or the training length");
   // A pipeline trains stage 0's rank's inputs against the last stage's
-  // rank's targets: their sources must deal the same samples (sharded over
-  // the data-parallel group, not the world), or the step silently pairs
-  // one rank's inputs with another's targets.
-  const auto groups = layout_.same_samples_groups();
-  if (groups.empty()) return;
-  std::string digest = "no micro-batches";
-  if (data.num_batches() > 0) {
-    // The targets (the inputs where there are none): inputs may be
-    // augmented per rank, and only stage 0's are used.
-    const auto first = data.batch(0);
-    const auto& t = first.target.defined() ? first.target : first.data;
-    const auto bytes = t.cpu().contiguous();
-    digest = "first micro-batch " +
-             std::to_string(fnv1a(bytes.data_ptr(), bytes.numel() * bytes.element_size()));
-  }
-  for (const auto& group : groups) {
-    agree_text(*group, digest, "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ",
-               "the samples of epoch " + std::to_string(position_.epoch) + " within " +
-                   layout_.describe() +
-                   ", whose ranks must all draw the same samples; shard the data over the "
-                   "data-parallel group, not the world (a TensorDataSource's rank and size are "
-                   "the data-parallel rank and size)");
-  }
+  // rank's targets, and a TP group's ranks each compute part of one
+  // layer's output from their own inputs: their sources must deal the same
+  // samples, or the step silently pairs one rank's data with another's.
+  agree_on_samples(comm_, layout_, data, position_.epoch);
 }
 
 int64_t Trainer::global_batch_of(DataSource& data) {

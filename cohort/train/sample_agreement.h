@@ -1,0 +1,24 @@
+// defines: agree_on_samples, the Trainer's check at each epoch's start that
+// the ranks its layout pairs up (TrainerLayout::same_samples_groups and
+// ::same_inputs_groups) drew the same first micro-batch.
+#pragma once
+
+#include <cstdint>
+
+#include "cohort/comm/communicator.h"
+#include "cohort/plan/trainer_layout.h"
+#include "cohort/train/data_source.h"
+
+namespace cohort {
+
+/// Collective over each of `layout`'s same-samples groups and then `world`
+/// (one all-gather each; none without groups): throws InvalidArgument on
+/// every rank of `world` unless, in each group, every rank's first
+/// micro-batch of `epoch` has the same targets (its inputs where it has
+/// none) and, in the same-inputs groups, the same inputs. The ranks of the
+/// group that differs and their digests are named on its ranks; the others
+/// name the ranks that found it.
+void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSource& data,
+                      int64_t epoch);
+
+}  // namespace cohort
