@@ -16,6 +16,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -92,6 +93,42 @@ class RngFork {
   RngStates caller_;
 };
 
+// The buffers a recompute may update in place (BatchNorm's running
+// statistics, num_batches_tracked), copied before it and written back once
+// its gradients are taken: written back earlier, the recompute's graph,
+// which saves the running statistics, would see them changed. Taken at the
+// recompute, not at the forward, so that updates by the forwards of other
+// micro-batches in between stay. The copy bypasses the version counter (as
+// BatchNorm's own update does in LibTorch 1.13): the values are what they
+// were before the recompute, so a graph that saved them before is still
+// right.
+class BufferFork {
+ public:
+  explicit BufferFork(const Tensors& buffers) {
+    for (const auto& b : buffers)
+      if (b.defined()) saved_.emplace_back(b, b.detach().clone());
+  }
+  // Writes the copies back; errors reach the caller.
+  void restore() {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (auto& [buffer, copy] : saved_) buffer.copy_(copy);
+    saved_.clear();
+  }
+  // On an exception from the recompute: the buffers back too, but a second
+  // exception must not escape a destructor.
+  ~BufferFork() {
+    try {
+      restore();
+    } catch (...) {
+    }
+  }
+  BufferFork(const BufferFork&) = delete;
+  BufferFork& operator=(const BufferFork&) = delete;
+
+ private:
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> saved_;
+};
+
 // What the forward returned, to hold the recompute to it.
 struct OutputMeta {
   bool defined = false;
@@ -140,8 +177,11 @@ void check_leaves(const Tensors& roots, const Tensors& allowed_leaves) {
 class CheckpointNode : public torch::autograd::Node {
  public:
   CheckpointNode(CheckpointFunction fn, const Tensors& inputs, const Tensors& params,
-                 std::optional<RngStates> rng)
-      : fn_(std::move(fn)), n_inputs_(inputs.size()), rng_(std::move(rng)) {
+                 std::optional<RngStates> rng, Tensors buffers)
+      : fn_(std::move(fn)),
+        n_inputs_(inputs.size()),
+        rng_(std::move(rng)),
+        buffers_(std::move(buffers)) {
     for (const auto& t : inputs) saved_.emplace_back(t, /*is_output=*/false);
     for (const auto& t : params) saved_.emplace_back(t, /*is_output=*/false);
   }
@@ -193,6 +233,7 @@ class CheckpointNode : public torch::autograd::Node {
         inputs[i] = t.detach().requires_grad_(want);
       }
     }
+    BufferFork buffers(buffers_);
     Tensors out = recompute(inputs);
     Tensors roots, root_grads;
     for (size_t i = 0, k = 0; i < out.size(); ++i) {
@@ -200,7 +241,10 @@ class CheckpointNode : public torch::autograd::Node {
       const auto& g = grads[k++];
       if (g.defined() && out[i].requires_grad()) roots.push_back(out[i]), root_grads.push_back(g);
     }
-    if (roots.empty()) return result;  // no gradient reached an output that has a graph
+    if (roots.empty()) {  // no gradient reached an output that has a graph
+      buffers.restore();
+      return result;
+    }
     Tensors leaves = inputs, wrt;
     leaves.insert(leaves.end(), params.begin(), params.end());
     check_leaves(roots, leaves);
@@ -208,6 +252,7 @@ class CheckpointNode : public torch::autograd::Node {
     auto got = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false,
                                      /*create_graph=*/false, /*allow_unused=*/true);
     for (size_t j = 0; j < wanted.size(); ++j) result[wanted[j]] = got[j];
+    buffers.restore();
     // The recompute's graph starts at detached copies of the inputs.
     return once_differentiable(std::move(result), "checkpoint");
   }
@@ -215,6 +260,7 @@ class CheckpointNode : public torch::autograd::Node {
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mu_);
     saved_.clear();
+    buffers_.clear();
     fn_ = nullptr;
     released_ = true;
   }
@@ -261,6 +307,7 @@ class CheckpointNode : public torch::autograd::Node {
   std::vector<torch::autograd::SavedVariable> saved_;  // inputs, then params
   size_t n_inputs_;
   std::optional<RngStates> rng_;
+  Tensors buffers_;  // written back after each recompute
   std::vector<OutputMeta> outputs_;
   bool released_ = false;
 };
@@ -280,7 +327,7 @@ Tensors checkpoint(CheckpointFunction fn, const Tensors& inputs, const Tensors& 
 
   std::optional<RngStates> rng;
   if (options.preserve_rng_state) rng = RngStates::capture(inputs);
-  auto node = make_node<CheckpointNode>(fn, inputs, trainable, std::move(rng));
+  auto node = make_node<CheckpointNode>(fn, inputs, trainable, std::move(rng), options.buffers);
   Tensors edges = inputs;
   edges.insert(edges.end(), trainable.begin(), trainable.end());
   node->set_next_edges(torch::autograd::collect_next_edges(edges));

@@ -29,6 +29,14 @@ struct CheckpointOptions {
   /// function draws nothing random. The generators are process-wide: ranks
   /// run as threads of one process share them.
   bool preserve_rng_state = true;
+  /// The buffers `fn` may update in place (a module's buffers(): BatchNorm's
+  /// running statistics and num_batches_tracked). Each recompute copies them
+  /// first and writes the copies back once its gradients are taken, so that
+  /// training with checkpointing leaves them as training without it does;
+  /// buffers not listed are updated again by every recompute (twice per
+  /// micro-batch, three times under zero-bubble). CheckpointWrapper adds
+  /// its module's buffers itself.
+  std::vector<torch::Tensor> buffers;
 };
 
 /// A function from tensors to tensors, run once at forward (no grad) and
@@ -48,7 +56,9 @@ using CheckpointFunction =
 /// be deterministic given the RNG state (and, under tensor parallelism, run
 /// the same collectives in the same order on every rank), must not modify
 /// its inputs, and must outlive the backward (capture by value). Inputs and
-/// parameters must not be modified in place before the backward.
+/// parameters must not be modified in place before the backward. `fn` runs
+/// in whatever training mode its modules are in, so pass the buffers it
+/// updates in `options.buffers`.
 ///
 /// Throws InvalidArgument (naming checkpoint) when `fn` returns no
 /// floating-point tensor while grad is needed; and, in backward, when its

@@ -21,7 +21,11 @@ CheckpointWrapperImpl::CheckpointWrapperImpl(torch::nn::Sequential module,
 }
 
 torch::Tensor CheckpointWrapperImpl::forward(const torch::Tensor& input) {
-  return checkpoint(call_, input, parameters(), options_);
+  // The wrapped module's buffers as they are now (assigning a buffer
+  // replaces its tensor), so that its recompute leaves them as it finds them.
+  CheckpointOptions options = options_;
+  for (const auto& b : buffers()) options.buffers.push_back(b);
+  return checkpoint(call_, input, parameters(), options);
 }
 
 CheckpointWrapper checkpoint_wrapper(torch::nn::AnyModule module, CheckpointOptions options) {

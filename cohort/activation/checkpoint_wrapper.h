@@ -33,7 +33,9 @@ class CheckpointWrapperImpl : public torch::nn::Module {
   /// Wraps a Sequential (whose templated forward an AnyModule cannot hold).
   explicit CheckpointWrapperImpl(torch::nn::Sequential module, CheckpointOptions options = {});
 
-  /// `module(input)`, checkpointed with this module's parameters.
+  /// `module(input)`, checkpointed with this module's parameters; its
+  /// recomputes leave the module's buffers (BatchNorm's running statistics)
+  /// as they find them.
   torch::Tensor forward(const torch::Tensor& input);
 
   /// The wrapped module.
