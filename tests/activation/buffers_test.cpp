@@ -3,13 +3,16 @@
 // num_batches_tracked; training with checkpointing must still leave every
 // parameter and buffer as training without it does: in one process over a
 // few optimizer steps (momentum 0.1 and the cumulative average), and on a
-// 2-stage pipeline under 1F1B and ZB-H1 (whose I and W each recompute).
+// 2-stage pipeline under 1F1B and ZB-H1 (whose I and W each recompute),
+// through checkpoint_blocks and through checkpoint() of a function given
+// the buffers.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <map>
 #include <mutex>
 
+#include "cohort/activation/checkpoint.h"
 #include "cohort/activation/checkpoint_wrapper.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "support/thread_ranks.h"
@@ -105,7 +108,25 @@ INSTANTIATE_TEST_SUITE_P(Momentum, CheckpointBuffers, ::testing::Bool(),
 
 constexpr int kMicrobatches = 4;
 
-State pipeline_state(const std::string& schedule, bool checkpointed) {
+struct PipeCase {
+  std::string schedule;
+  bool function_stage;  // checkpoint() of a function, or checkpoint_blocks
+};
+
+pipeline::PipelineStage make_stage(int r, torch::nn::Sequential seq, bool function_stage,
+                                   bool checkpointed) {
+  if (!function_stage)
+    return pipeline::PipelineStage(r, checkpointed ? checkpoint_blocks(seq) : seq);
+  CheckpointOptions options;
+  options.buffers = seq->buffers();
+  auto fn = [seq, checkpointed, options](const Tensors& in) {
+    auto forward = [seq](const Tensors& t) mutable { return Tensors{seq->forward(t[0])}; };
+    return checkpointed ? checkpoint(forward, in, seq->parameters(), options) : forward(in);
+  };
+  return pipeline::PipelineStage(r, fn, seq->parameters(), seq.ptr());
+}
+
+State pipeline_state(const PipeCase& k, bool checkpointed) {
   State state;
   std::mutex mu;
   run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
@@ -114,10 +135,9 @@ State pipeline_state(const std::string& schedule, bool checkpointed) {
     // [Linear, BatchNorm, ReLU] | [Linear, BatchNorm, ReLU, Linear]
     auto seq = pipeline::split_sequential(make_bn_mlp(2, false), {3}, r);
     auto mse = [](const Tensors& out, const Tensors& t) { return torch::mse_loss(out[0], t[0]); };
-    pipeline::PipelineRuntime rt(
-        cohort::DeviceMesh::from_group(comm, "pp"),
-        {pipeline::PipelineStage(r, checkpointed ? checkpoint_blocks(seq) : seq)},
-        pipeline::make_schedule(schedule, 2, 1, kMicrobatches), mse);
+    pipeline::PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"),
+                                 {make_stage(r, seq, k.function_stage, checkpointed)},
+                                 pipeline::make_schedule(k.schedule, 2, 1, kMicrobatches), mse);
     rt.step({torch::randn({8, 6}, at::detail::createCPUGenerator(1))},
             {torch::randn({8, 6}, at::detail::createCPUGenerator(2))});
     std::lock_guard<std::mutex> lock(mu);
@@ -126,7 +146,7 @@ State pipeline_state(const std::string& schedule, bool checkpointed) {
   return state;
 }
 
-class CheckpointBuffersPipeline : public ::testing::TestWithParam<std::string> {};
+class CheckpointBuffersPipeline : public ::testing::TestWithParam<PipeCase> {};
 
 TEST_P(CheckpointBuffersPipeline, OneUpdatePerMicrobatch) {
   const State plain = pipeline_state(GetParam(), false), ckpt = pipeline_state(GetParam(), true);
@@ -136,8 +156,13 @@ TEST_P(CheckpointBuffersPipeline, OneUpdatePerMicrobatch) {
   expect_bitwise(ckpt, plain);
 }
 
-INSTANTIATE_TEST_SUITE_P(Schedules, CheckpointBuffersPipeline, ::testing::Values("1f1b", "zbh1"),
-                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Schedules, CheckpointBuffersPipeline,
+                         ::testing::Values(PipeCase{"1f1b", false}, PipeCase{"zbh1", false},
+                                           PipeCase{"1f1b", true}, PipeCase{"zbh1", true}),
+                         [](const auto& info) {
+                           return info.param.schedule +
+                                  (info.param.function_stage ? "_function" : "_blocks");
+                         });
 
 }  // namespace
 }  // namespace cohort::testing::buffers_test
