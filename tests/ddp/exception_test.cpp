@@ -39,7 +39,12 @@ struct LayerError : std::runtime_error {
 };
 
 // Where the failing layer throws while armed.
-enum class Fail { kNot, kInBackward, kInForward };
+enum class Fail {
+  kNot,
+  kInBackward,  // in the layer's gradient hook, after some buckets launched
+  kInForward,   // in the layer's forward
+  kOnLoss,      // in a hook on the loss: before any parameter's gradient
+};
 
 // The identity; armed, it throws in its forward or in its gradient's hook.
 struct FailingImpl : torch::nn::Module {
@@ -103,7 +108,9 @@ struct Mode {
   bool fail_in_last_leaf = false;
   Fail where = Fail::kInBackward;
   std::string name() const {
-    std::string out = where == Fail::kInForward ? "in forward, " : "in backward, ";
+    std::string out = where == Fail::kInForward ? "in forward, "
+                      : where == Fail::kOnLoss  ? "on the loss, "
+                                                : "in backward, ";
     if (!leaves) return out + (bucket_view ? "gradient as bucket view" : "gradients of their own");
     return out + (fail_in_last_leaf ? "leaves, in the last" : "leaves, in the first");
   }
@@ -116,12 +123,21 @@ torch::Tensor rows(const torch::Tensor& t, int s, int64_t from, int64_t n) {
 
 // One step's forwards and backwards on this rank; throws what the failing
 // layer threw.
+void backward_of(torch::Tensor loss, Fail fail) {
+  if (fail == Fail::kOnLoss) {
+    loss.register_hook(
+        [](const torch::Tensor& g) -> torch::Tensor { throw LayerError("the layer refused"); });
+  }
+  loss.backward();
+}
+
 void step_once(DistributedDataParallel<Mlp>& ddp, const Batches& b, int s, const Mode& mode,
                const std::shared_ptr<Fail>& fail, int rank, int world) {
   if (!mode.leaves) {
     const int64_t n = kBatch / world;
     *fail = s == kFailStep ? mode.where : Fail::kNot;
-    torch::mse_loss(ddp.forward(rows(b.x, s, rank * n, n)), rows(b.y, s, rank * n, n)).backward();
+    backward_of(torch::mse_loss(ddp.forward(rows(b.x, s, rank * n, n)), rows(b.y, s, rank * n, n)),
+                *fail);
     return;
   }
   const int64_t per_leaf = kBatch / kLeaves;
@@ -130,8 +146,9 @@ void step_once(DistributedDataParallel<Mlp>& ddp, const Batches& b, int s, const
     const bool failing = s == kFailStep && (mode.fail_in_last_leaf ? last : k == 0);
     *fail = failing ? mode.where : Fail::kNot;
     const int64_t from = (ddp.first_leaf() + k) * per_leaf;
-    torch::mse_loss(ddp.forward(rows(b.x, s, from, per_leaf)), rows(b.y, s, from, per_leaf))
-        .backward();
+    backward_of(
+        torch::mse_loss(ddp.forward(rows(b.x, s, from, per_leaf)), rows(b.y, s, from, per_leaf)),
+        *fail);
   }
 }
 
@@ -183,7 +200,8 @@ TEST_P(DDPStepException, TrainingGoesOnAfterAStepThatThrew) {
   for (const Mode& mode :
        {Mode{true}, Mode{false}, Mode{true, true, false}, Mode{true, true, true},
         Mode{true, false, false, Fail::kInForward}, Mode{true, true, false, Fail::kInForward},
-        Mode{true, true, true, Fail::kInForward}}) {
+        Mode{true, true, true, Fail::kInForward}, Mode{true, false, false, Fail::kOnLoss},
+        Mode{true, true, false, Fail::kOnLoss}, Mode{true, true, true, Fail::kOnLoss}}) {
     SCOPED_TRACE(mode.name());
     for (const auto& [rank, params] : distributed(GetParam(), b, mode)) {
       ASSERT_EQ(params.size(), want.size());
@@ -196,56 +214,64 @@ TEST_P(DDPStepException, TrainingGoesOnAfterAStepThatThrew) {
   }
 }
 
-// Thrown on rank 0 alone: that rank's next buckets must not be averaged
-// with the others' earlier ones. Every rank is refused, naming the
-// mismatch: rank 0 at its next forward, the others in their backward.
-TEST_P(DDPStepException, ABackwardThrownOnOneRankIsAMismatchOnEveryRank) {
+// Thrown on rank 0 alone (in backward after buckets launched, in forward,
+// or on the loss before any gradient): that rank's next buckets must not
+// be averaged with the others' earlier ones. Every rank is refused, naming
+// the mismatch: rank 0 at its next forward, the others in their backward.
+TEST_P(DDPStepException, ThrownOnOneRankIsAMismatchOnEveryRank) {
   const auto c = GetParam();
   if (c.world == 1) GTEST_SKIP() << "one rank throws alone only among several";
   const auto b = make_batches();
-  std::mutex mu;
-  std::map<int, std::string> refused;
-  run_ranks_shared(
-      c.world,
-      [&](std::shared_ptr<Communicator> comm) {
-        torch::set_num_threads(1);
-        auto fail = std::make_shared<Fail>(Fail::kNot);
-        DDPOptions options;
-        options.bucket_cap_mb = 1e-6;
-        options.first_bucket_mb = 1e-6;
-        DistributedDataParallel<Mlp> ddp(make_model(fail), comm, options);
-        auto opt = make_sgd(ddp.parameters());
-        const int64_t n = kBatch / c.world;
-        const int r = comm->rank();
-        for (int s = 0; s < kSteps; ++s) {
-          opt.zero_grad();
-          *fail = s == kFailStep && r == 0 ? Fail::kInBackward : Fail::kNot;
-          try {
-            torch::mse_loss(ddp.forward(rows(b.x, s, r * n, n)), rows(b.y, s, r * n, n)).backward();
-          } catch (const LayerError&) {
-            continue;
-          } catch (const Error& e) {
-            std::lock_guard<std::mutex> lock(mu);
-            refused[r] = std::to_string(s) + ": " + e.what();
-            return;
+  for (Fail where : {Fail::kInBackward, Fail::kInForward, Fail::kOnLoss}) {
+    SCOPED_TRACE((Mode{true, false, false, where}.name()));
+    std::mutex mu;
+    std::map<int, std::string> refused;
+    run_ranks_shared(
+        c.world,
+        [&](std::shared_ptr<Communicator> comm) {
+          torch::set_num_threads(1);
+          auto fail = std::make_shared<Fail>(Fail::kNot);
+          DDPOptions options;
+          options.bucket_cap_mb = 1e-6;
+          options.first_bucket_mb = 1e-6;
+          DistributedDataParallel<Mlp> ddp(make_model(fail), comm, options);
+          auto opt = make_sgd(ddp.parameters());
+          const int64_t n = kBatch / c.world;
+          const int r = comm->rank();
+          for (int s = 0; s < kSteps; ++s) {
+            opt.zero_grad();
+            *fail = s == kFailStep && r == 0 ? where : Fail::kNot;
+            try {
+              backward_of(
+                  torch::mse_loss(ddp.forward(rows(b.x, s, r * n, n)), rows(b.y, s, r * n, n)),
+                  *fail);
+            } catch (const LayerError&) {
+              continue;
+            } catch (const Error& e) {
+              std::lock_guard<std::mutex> lock(mu);
+              refused[r] = std::to_string(s) + ": " + e.what();
+              return;
+            }
+            opt.step();
           }
-          opt.step();
-        }
-      },
-      options_for(c));
-  for (int r = 0; r < c.world; ++r) {
-    ASSERT_TRUE(refused.count(r)) << "rank " << r << " trained on";
-    const auto& what = refused[r];
-    EXPECT_NE(what.find("barrier"), std::string::npos) << "rank " << r << ": " << what;
-    EXPECT_NE(what.find("the ranks called different collectives"), std::string::npos)
-        << "rank " << r << ": " << what;
-    EXPECT_EQ(what.rfind(std::to_string(r == 0 ? kFailStep + 1 : kFailStep) + ": ", 0), 0u)
-        << "rank " << r << ": " << what;
-    if (r == 0) {
-      EXPECT_NE(what.find("the last backward on rank 0 of " + std::to_string(c.world) +
-                          " threw (its step was dropped), but not on every rank"),
-                std::string::npos)
-          << what;
+        },
+        options_for(c));
+    for (int r = 0; r < c.world; ++r) {
+      ASSERT_TRUE(refused.count(r)) << "rank " << r << " trained on";
+      const auto& what = refused[r];
+      EXPECT_NE(what.find("barrier"), std::string::npos) << "rank " << r << ": " << what;
+      EXPECT_NE(what.find("the ranks called different collectives"), std::string::npos)
+          << "rank " << r << ": " << what;
+      EXPECT_EQ(what.rfind(std::to_string(r == 0 ? kFailStep + 1 : kFailStep) + ": ", 0), 0u)
+          << "rank " << r << ": " << what;
+      if (r == 0) {
+        const std::string why = where == Fail::kInBackward
+                                    ? "the last backward threw (its step was dropped)"
+                                    : "the last training forward had no backward through DDP";
+        EXPECT_NE(what.find("on rank 0 of " + std::to_string(c.world) + ", " + why),
+                  std::string::npos)
+            << what;
+      }
     }
   }
 }

@@ -1,5 +1,6 @@
 // Determinism::WorldSizeInvariant: an exception in one leaf's forward (a
-// layer) or backward (a tensor hook), on every rank at the same call, in the
+// layer) or backward (a tensor hook inside the model, or on the loss before
+// the backward reaches the model), on every rank at the same call, in the
 // rank's first or last leaf of a step, ranks as threads over Gloo and UCX
 // at world 1 to 3. The user catches it and skips the rest of the step:
 // after 10 AdamW steps every parameter equals, within 1e-6 relative, that
@@ -27,10 +28,11 @@ constexpr int kFailStep = 3;
 constexpr int64_t kLeaves = 6;  // kBatch / kLeaves rows each
 
 // Ranks train with leaves; in step kFailStep the failing layer throws
-// `Thrown` in the rank's first leaf or its last.
+// `Thrown` in the rank's first leaf or its last; `on_loss`: a hook on the
+// loss throws HookError instead, before the backward reaches the model.
 template <class Failing, class Thrown>
 std::map<int, Named> with_leaves(const EngineWorld& c, const Batches& b, Where where,
-                                 bool in_last_leaf) {
+                                 bool in_last_leaf, bool on_loss) {
   std::mutex mu;
   std::map<int, Named> got;
   cohort::testing::run_ranks_shared(
@@ -49,11 +51,18 @@ std::map<int, Named> with_leaves(const EngineWorld& c, const Batches& b, Where w
           opt->zero_grad();
           bool failed = false;
           for (int64_t k = 0; k < leaves && !failed; ++k) {
-            *fail = s == kFailStep && k == (in_last_leaf ? leaves - 1 : 0);
+            const bool armed = s == kFailStep && k == (in_last_leaf ? leaves - 1 : 0);
+            *fail = armed && !on_loss;
             const int64_t from = (model->first_leaf() + k) * rows;
             try {
               auto out = model->forward(b.x[s].narrow(0, from, rows));
-              torch::mse_loss(out, b.y[s].narrow(0, from, rows)).backward();
+              auto loss = torch::mse_loss(out, b.y[s].narrow(0, from, rows));
+              if (armed && on_loss) {
+                loss.register_hook([](const torch::Tensor&) -> torch::Tensor {
+                  throw HookError("the hook refused its gradient");
+                });
+              }
+              loss.backward();
             } catch (const Thrown&) {
               failed = true;
             }
@@ -71,14 +80,15 @@ std::map<int, Named> with_leaves(const EngineWorld& c, const Batches& b, Where w
 }
 
 template <class Failing, class Thrown>
-void expect_one_process(const EngineWorld& c) {
+void expect_one_process(const EngineWorld& c, bool on_loss = false) {
   const auto b = make_batches(31);
   for (auto where : {Where::kBetweenUnits, Where::kInsideUnit}) {
     const auto want = reference_skipping<Failing>(b, where, kFailStep);
     for (bool in_last_leaf : {false, true}) {
       SCOPED_TRACE(std::string(where == Where::kBetweenUnits ? "between units" : "inside a unit") +
                    (in_last_leaf ? ", in the last leaf" : ", in the first leaf"));
-      for (const auto& [rank, params] : with_leaves<Failing, Thrown>(c, b, where, in_last_leaf)) {
+      for (const auto& [rank, params] :
+           with_leaves<Failing, Thrown>(c, b, where, in_last_leaf, on_loss)) {
         expect_close(params, want, 1e-6, "rank " + std::to_string(rank));
       }
     }
@@ -93,6 +103,10 @@ TEST_P(FSDPLeafException, TrainingGoesOnAfterAStepWhoseForwardThrew) {
 
 TEST_P(FSDPLeafException, TrainingGoesOnAfterAStepWhoseBackwardThrew) {
   expect_one_process<FailingHook, HookError>(GetParam());
+}
+
+TEST_P(FSDPLeafException, TrainingGoesOnAfterAStepWhoseBackwardThrewOnTheLoss) {
+  expect_one_process<FailingHook, HookError>(GetParam(), /*on_loss=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPLeafException,
