@@ -119,7 +119,11 @@ void FSDPState::begin_forward(bool training) {
     if (grads_changed) layout_gradients();
   }
   if (!leaf_.empty() && training && torch::GradMode::is_enabled()) {
+    // The last leaf's forward had no backward (none was run, or it threw
+    // before reaching the model): the user skipped that step.
+    if (leaf_forward_open_) abandon_leaf_step();
     begin_leaf_forward();
+    leaf_forward_open_ = true;
     return;
   }
   if (training && world_->size() > 1 && !buffers_.empty() && torch::GradMode::is_enabled()) {
@@ -209,7 +213,8 @@ void FSDPState::forward_failed() noexcept {
   // after the caught exception would go into the gathered copy, and the
   // next forward would take the prefetch gathered before that step.
   in_forward_ = false;
-  abandon_leaf_step();
+  // Only a training forward is a leaf of the step (begin_forward()).
+  if (leaf_forward_open_) abandon_leaf_step();
   reshard_all_quietly();
 }
 
@@ -394,6 +399,7 @@ void FSDPState::retire_in_flight() {
 
 void FSDPState::end_backward() {
   in_backward_ = false;
+  leaf_forward_open_ = false;
   if (!leaf_.empty() && any_reducing_) {
     end_leaf_backward();
     return;

@@ -203,6 +203,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<std::unique_ptr<LeafReduction>> leaf_;
   std::vector<char> leaf_pushed_;
   int64_t leaf_done_ = 0;
+  // A training leaf forward whose backward has not ended.
+  bool leaf_forward_open_ = false;
   std::vector<torch::Tensor> step_buffers_, first_leaf_buffers_;
 };
 

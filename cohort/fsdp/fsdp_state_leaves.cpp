@@ -128,6 +128,7 @@ void FSDPState::abandon_leaf_step() noexcept {
   for (auto& leaf : leaf_) leaf->abandon();
   leaf_pushed_.assign(units_.size(), 0);
   leaf_done_ = 0;
+  leaf_forward_open_ = false;
   try {
     if (!step_buffers_.empty()) restore_buffers(step_buffers_);
   } catch (const std::exception&) {

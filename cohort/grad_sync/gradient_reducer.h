@@ -184,6 +184,12 @@ class GradientReducer {
   // launched and drops its gradients, so the next step starts clean; a
   // MismatchError on every rank when it did not throw on every rank.
   void backward_failed();
+  // A training forward with no backward through DDP since (found at the
+  // next forward): with leaves the step is abandoned; then agree_skipped().
+  void backward_skipped();
+  // The barrier the ranks that dropped a step meet in: no bucket pairs with
+  // it, so a rank that did not drop it makes it a MismatchError everywhere.
+  void agree_skipped(const std::string& what);
   void wait_and_write_back(double backward_end_s);
   void start_iteration_clock();
   // Determinism::WorldSizeInvariant (gradient_reducer_leaves.cpp).
@@ -251,7 +257,10 @@ class GradientReducer {
   std::unique_ptr<LeafBuckets> leaf_buckets_;  // without an owner
   std::vector<torch::Tensor> step_buffers_;
   std::vector<torch::Tensor> first_leaf_buffers_;
-  bool leaf_forward_pending_ = false;
+  // A training forward whose backward has not begun: at the next forward
+  // that backward was skipped, threw before any parameter's gradient, or
+  // the forward itself threw.
+  bool forward_awaits_backward_ = false;
   // Without an owner, at world > 1: per bucket, the all-gather of its mean
   // that its job started.
   std::vector<Work> leaf_gathers_;

@@ -38,7 +38,13 @@ void GradientReducer::clear_local_use() {
 void GradientReducer::prepare_forward() {
   // A forward outside any backward while one is marked running: that
   // backward threw, and the autograd engine runs no final callback then.
-  if (backward_started_ && !backward_finished_ && !in_autograd_engine()) backward_failed();
+  if (!in_autograd_engine()) {
+    if (backward_started_ && !backward_finished_) {
+      backward_failed();
+    } else if (forward_awaits_backward_) {
+      backward_skipped();
+    }
+  }
   if (!pending_error_.empty()) {
     std::string message;
     std::swap(message, pending_error_);
@@ -78,7 +84,15 @@ void GradientReducer::backward_failed() {
   // all-reduce would write the failed step's average into the bucket while
   // the next step fills it. Its failures would only hide the user's
   // exception.
+  std::vector<int64_t> launched;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (queue_.launched(b)) launched.push_back(static_cast<int64_t>(b));
+  }
   queue_.drain();
+  // A stateful hook (error feedback, PowerSGD) folded the failed step's
+  // gradients into those buckets' state: it starts them afresh, as after a
+  // rebuild, rather than carry them into the next step.
+  if (hook_ && !launched.empty()) hook_->buckets_changed(launched);
   if (leaf_) abandon_leaf_step();
   // Part of the failed step's gradients are averaged and part local: none
   // may reach a later step. A reduction owner (ZeRO-2) drops its own part
@@ -88,23 +102,52 @@ void GradientReducer::backward_failed() {
   }
   clear_local_use();
   reset_iteration();
-  // A rank whose backward did not throw at that call is waiting for the
-  // rest of its buckets, or has gone on to its next step: this rank's next
-  // buckets would be averaged with its earlier ones. A barrier, which no
-  // bucket pairs with, is a MismatchError on every rank instead; when every
-  // rank threw, it is one barrier per failed step.
+  agree_skipped("the last backward threw (its step was dropped)");
+}
+
+void GradientReducer::backward_skipped() {
+  forward_awaits_backward_ = false;
+  if (leaf_) {
+    abandon_leaf_step();
+    clear_local_use();
+  }
+  agree_skipped(
+      "the last training forward had no backward through DDP (none was run, the forward "
+      "threw, or the backward threw before any parameter's gradient)");
+}
+
+void GradientReducer::agree_skipped(const std::string& what) {
+  // A rank that did not drop the step is waiting for the rest of its
+  // buckets, or has gone on to its next step: this rank's next buckets
+  // would be averaged with its earlier ones. When every rank dropped it,
+  // this is one barrier per dropped step.
+  forward_awaits_backward_ = false;
   if (comm_->size() == 1) return;
   try {
     comm_->barrier().wait();
   } catch (const MismatchError& e) {
-    throw MismatchError(
-        "DistributedDataParallel: the last backward on rank " + std::to_string(comm_->rank()) +
-        " of " + std::to_string(comm_->size()) +
-        " threw (its step was dropped), but not on every rank at the same call: " + e.what());
+    throw MismatchError("DistributedDataParallel: on rank " + std::to_string(comm_->rank()) +
+                        " of " + std::to_string(comm_->size()) + ", " + what +
+                        ", but not on every rank at the same call: " + e.what());
   }
 }
 
+void GradientReducer::forward_failed() noexcept {
+  const bool grad = torch::GradMode::is_enabled();
+  if (!grad || !(leaf_ ? module_->is_training() : sync_this_iteration_)) return;
+  // The next forward meets the others in agree_skipped(): a rank whose
+  // forward did not throw is in its backward's collectives.
+  forward_awaits_backward_ = true;
+  if (!leaf_) return;
+  // Only a training forward is a leaf of the step (prepare_leaf_forward()).
+  queue_.drain();
+  abandon_leaf_step();
+  clear_local_use();
+}
+
 void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
+  forward_awaits_backward_ =
+      torch::GradMode::is_enabled() && (leaf_ ? module_->is_training() : sync_this_iteration_);
   // Updated after the module's forward, as PyTorch does: a forward that
   // threw leaves the flag as it was.
   require_forward_param_sync_ = sync_this_iteration_ && torch::GradMode::is_enabled();
@@ -154,6 +197,7 @@ void GradientReducer::on_gradient_ready(size_t index) {
   if (!backward_started_) {
     backward_started_ = true;
     backward_finished_ = false;
+    forward_awaits_backward_ = false;
     start_iteration_clock();
     // Runs once the whole backward pass is done, on the same thread.
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });

@@ -98,6 +98,7 @@ void GradientReducer::on_leaf_gradient(size_t index) {
   if (!backward_started_) {
     backward_started_ = true;
     backward_finished_ = false;
+    forward_awaits_backward_ = false;
     if (leaf_->pushed() == 0) start_iteration_clock();
     torch::autograd::Engine::get_default_engine().queue_callback(
         [this] { finish_leaf_backward(); });
@@ -208,14 +209,6 @@ void GradientReducer::finish_leaf_exchange(double backward_end) {
   finish_leaf_step(backward_end, leaf_buckets_->bytes());
 }
 
-void GradientReducer::forward_failed() noexcept {
-  // Only a training forward is a leaf of the step (prepare_leaf_forward()).
-  if (!leaf_ || !torch::GradMode::is_enabled() || !module_->is_training()) return;
-  queue_.drain();
-  abandon_leaf_step();
-  clear_local_use();
-}
-
 void GradientReducer::abandon_leaf_step() noexcept {
   // The queue's jobs were drained by the caller; they started these.
   for (auto& gather : leaf_gathers_) {
@@ -232,6 +225,7 @@ void GradientReducer::abandon_leaf_step() noexcept {
     if (!step_buffers_.empty()) restore_buffers(step_buffers_);
   } catch (const std::exception&) {
   }
+  step_buffers_.clear();
   first_leaf_buffers_.clear();
 }
 
