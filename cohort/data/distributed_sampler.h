@@ -111,8 +111,13 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   void reset(c10::optional<size_t> new_size = c10::nullopt) override;
   /// The next up to `batch_size` indices; none when the epoch is done.
   c10::optional<std::vector<size_t>> next(size_t batch_size) override;
-  /// Saves the epoch, the position in it and the settings that decide the
-  /// order (dataset size, num_replicas, seed, shuffle, drop_last).
+  /// Saves the epoch, this copy's position in it and the settings that
+  /// decide the order (dataset size, num_replicas, seed, shuffle,
+  /// drop_last). The position is this copy's own: a data loader's copy
+  /// advances apart from the caller's (ahead of what was consumed, as it
+  /// prefetches), so saving the caller's copy records the epoch's start.
+  /// To resume in the middle of an epoch, use SampledDataSource under the
+  /// Trainer (which counts the batches taken) or skip what was consumed.
   void save(torch::serialize::OutputArchive& archive) const override;
   /// Restores what save() wrote (and sets the shared epoch). Throws
   /// InvalidArgument when it was saved with other settings.
