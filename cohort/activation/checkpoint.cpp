@@ -43,19 +43,20 @@ bool differentiable(const torch::Tensor& t) {
   return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
 }
 
-// The default generators a function may draw from: the CPU one, and the
-// CUDA one of each device among the inputs (as PyTorch's checkpoint).
+// The generators a function may draw from: the default CPU one, the
+// default CUDA one of each device among the inputs (as PyTorch's
+// checkpoint), and the caller's own.
 class RngStates {
  public:
-  static RngStates capture(const Tensors& inputs) {
+  static RngStates capture(const Tensors& inputs, const std::vector<at::Generator>& own) {
     RngStates s;
-    s.add(at::detail::getDefaultCPUGenerator());
+    s.add_once(at::detail::getDefaultCPUGenerator());
     for (const auto& t : inputs) {
-      if (!t.defined() || !t.is_cuda()) continue;
-      auto gen = at::globalContext().defaultGenerator(t.device());
-      bool seen = false;
-      for (const auto& entry : s.states_) seen = seen || entry.first == gen;
-      if (!seen) s.add(gen);
+      if (t.defined() && t.is_cuda()) s.add_once(at::globalContext().defaultGenerator(t.device()));
+    }
+    for (const auto& gen : own) {
+      if (!gen.defined()) fail("an undefined generator in options.generators");
+      s.add_once(gen);
     }
     return s;
   }
@@ -76,6 +77,12 @@ class RngStates {
   void add(at::Generator gen) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     states_.emplace_back(gen, gen.get_state());
+  }
+  void add_once(const at::Generator& gen) {
+    for (const auto& entry : states_) {
+      if (entry.first == gen) return;
+    }
+    add(gen);
   }
   std::vector<std::pair<at::Generator, torch::Tensor>> states_;
 };
@@ -326,7 +333,7 @@ Tensors checkpoint(CheckpointFunction fn, const Tensors& inputs, const Tensors& 
   if (!needs_graph) return fn(inputs);
 
   std::optional<RngStates> rng;
-  if (options.preserve_rng_state) rng = RngStates::capture(inputs);
+  if (options.preserve_rng_state) rng = RngStates::capture(inputs, options.generators);
   auto node = make_node<CheckpointNode>(fn, inputs, trainable, std::move(rng), options.buffers);
   Tensors edges = inputs;
   edges.insert(edges.end(), trainable.begin(), trainable.end());

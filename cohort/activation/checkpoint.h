@@ -13,6 +13,7 @@
 //                               x, block->parameters());
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <torch/types.h>
 
 #include <functional>
@@ -29,6 +30,11 @@ struct CheckpointOptions {
   /// function draws nothing random. The generators are process-wide: ranks
   /// run as threads of one process share them.
   bool preserve_rng_state = true;
+  /// Generators of one's own that `fn` draws from besides the default ones
+  /// (tensor_parallel::RngTracker's), saved and restored with them under
+  /// preserve_rng_state: a generator left out would draw other masks in
+  /// the recompute than in the forward, and the gradients would be wrong.
+  std::vector<at::Generator> generators;
   /// The buffers `fn` may update in place (a module's buffers(): BatchNorm's
   /// running statistics and num_batches_tracked). Each recompute copies them
   /// first and writes the copies back once its gradients are taken, so that
