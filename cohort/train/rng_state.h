@@ -1,9 +1,14 @@
 // defines: cpu_rng_state / set_cpu_rng_state, the state of LibTorch's
 // default CPU generator (dropout, randn, ...) as a uint8 tensor, so that a
-// resumed run draws the same numbers as an uninterrupted one.
+// resumed run draws the same numbers as an uninterrupted one; RngStreams,
+// the random streams a model keeps of its own, and their checkpoint form.
 #pragma once
 
+#include <torch/nn/module.h>
 #include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
 
 namespace cohort {
 
@@ -21,5 +26,36 @@ torch::Tensor device_rng_state(const torch::Device& device);
 void set_device_rng_state(const torch::Device& device, const torch::Tensor& state);
 /// Seeds the default generator of `device`.
 void seed_device_rng(const torch::Device& device, uint64_t seed);
+
+/// Random streams of a model's own: explicit generators that a module of
+/// the model draws from instead of LibTorch's default ones
+/// (tensor_parallel::RngTracker). A module of the model that is one is
+/// found by the Trainer, which checkpoints its state with each rank's RNG
+/// states and restores it on resume.
+class RngStreams {
+ public:
+  virtual ~RngStreams() = default;
+  /// This rank's streams as a uint8 tensor.
+  virtual torch::Tensor rng_state() const = 0;
+  /// Collective: called on every rank of the job at once. `state` is what
+  /// rng_state() returned on this rank when checkpoint `step` was written,
+  /// undefined when the checkpoint has none for it (a rank new to the job,
+  /// a checkpoint written without these streams); streams that cannot
+  /// continue from it restart in a way fixed by `step`.
+  virtual void restore_rng_state(const torch::Tensor& state, int64_t step) = 0;
+};
+
+/// The modules of `model` (itself included) that are RngStreams, each once,
+/// in module order.
+std::vector<RngStreams*> rng_streams_of(const torch::nn::Module& model);
+/// Their states in one uint8 tensor (empty when there are none): each
+/// stream set's length and bytes, so that trailing zeros (padding to
+/// another rank's length) are ignored on restore.
+torch::Tensor rng_streams_state(const std::vector<RngStreams*>& streams);
+/// Collective, as RngStreams::restore_rng_state: gives each stream set its
+/// part of `state` (rng_streams_state's; undefined: none), or undefined to
+/// every one when `state` holds another number of them.
+void restore_rng_streams(const std::vector<RngStreams*>& streams, const torch::Tensor& state,
+                         int64_t step);
 
 }  // namespace cohort

@@ -175,7 +175,9 @@ class Trainer {
   /// a mesh whose stages are modules: at any tp x pp x dp; a pipeline: with
   /// the same stages, TrainerWiring::pipeline). Rank r takes the RNG state
   /// of the old rank r; a rank the old world did not have starts a
-  /// generator seeded with its rank and the step. The next fit() continues
+  /// generator seeded with its rank and the step. The model's own random
+  /// streams (its modules that are RngStreams, rng_state.h) get the old
+  /// rank r's state too, and decide themselves whether it continues. The next fit() continues
   /// the epoch after the samples of its global order already trained
   /// (DataSource::global_micro_batch), whatever the world size, micro-batch
   /// and accumulation_steps; keep the global batch (micro-batch x

@@ -52,34 +52,51 @@ std::optional<torch::Device> accelerator_of(const torch::nn::Module& model) {
   return std::nullopt;
 }
 
-// Every rank's RNG states gathered on rank 0: the CPU generator's and, on
-// an accelerator, its generator's ([world, bytes] each; the second
-// undefined on the CPU). One gather of both; the row length is agreed
-// first, so that ranks on different kinds of device fail alike.
-std::pair<torch::Tensor, torch::Tensor> gather_rng_states(Communicator& comm,
-                                                          const torch::nn::Module& model) {
+// Every rank's RNG states gathered on rank 0 ([world, bytes] each): the CPU
+// generator's, on an accelerator its generator's (undefined on the CPU),
+// and the model's own streams (rng_state.h; undefined when no rank's model
+// has any). One gather of all three. The generators' length is agreed
+// first, so that ranks on different kinds of device fail alike; the
+// streams' may differ (pipeline stages of different modules) and are
+// padded to the longest.
+struct GatheredRng {
+  torch::Tensor cpu, device, streams;
+};
+
+GatheredRng gather_rng_states(Communicator& comm, const torch::nn::Module& model) {
   const auto cpu = cpu_rng_state();
   const auto device = accelerator_of(model);
-  const auto row = device ? torch::cat({cpu, device_rng_state(*device)}) : cpu;
-  auto lengths = torch::tensor({row.numel(), -row.numel()}, torch::kInt64);
+  const auto generators = device ? torch::cat({cpu, device_rng_state(*device)}) : cpu;
+  auto streams = rng_streams_state(rng_streams_of(model));
+  auto lengths =
+      torch::tensor({generators.numel(), -generators.numel(), streams.numel()}, torch::kInt64);
   comm.all_reduce(lengths, {ReduceOp::Max}).wait();
   if (lengths[0].item<int64_t>() != -lengths[1].item<int64_t>()) {
     throw ConfigError("Trainer checkpoint on rank " + std::to_string(comm.rank()) +
                       ": the ranks' RNG states differ in size (this rank's " +
-                      std::to_string(row.numel()) + " bytes" +
+                      std::to_string(generators.numel()) + " bytes" +
                       (device ? " with " + device->str() + "'s" : " with no accelerator's") +
                       "): every rank must train on the same kind of device");
   }
+  const int64_t streams_length = lengths[2].item<int64_t>();
+  if (streams.numel() < streams_length) {
+    streams =
+        torch::cat({streams, torch::zeros({streams_length - streams.numel()}, torch::kUInt8)});
+  }
+  const auto row = torch::cat({generators, streams});
   std::vector<torch::Tensor> all;
   if (comm.rank() == 0) {
     for (int r = 0; r < comm.size(); ++r) all.push_back(torch::empty_like(row));
   }
   comm.gather(all, row, {0}).wait();
   if (comm.rank() != 0) return {};
-  auto rows = torch::stack(all);
-  if (!device) return {rows, {}};
-  return {rows.narrow(1, 0, cpu.numel()).contiguous(),
-          rows.narrow(1, cpu.numel(), row.numel() - cpu.numel()).contiguous()};
+  const auto rows = torch::stack(all);
+  const int64_t n = generators.numel();
+  GatheredRng out;
+  out.cpu = rows.narrow(1, 0, cpu.numel()).contiguous();
+  if (device) out.device = rows.narrow(1, cpu.numel(), n - cpu.numel()).contiguous();
+  if (streams_length > 0) out.streams = rows.narrow(1, n, streams_length).contiguous();
+  return out;
 }
 
 // This rank's generators as the checkpoint has them. A rank new to the job
@@ -114,7 +131,7 @@ void Trainer::save_checkpoint() {
   // Every rank's RNG states go into rank 0's file: one file, one rename, so
   // a crash cannot leave some ranks' parts newer than others. Gathered
   // first, so that a refusal leaves no save started.
-  const auto [rng_states, device_rng_states] = gather_rng_states(comm_, *model_);
+  const auto rng = gather_rng_states(comm_, *model_);
   // The model, optimizer and gradient-sync state go into the checkpoint's
   // dcp folder (every rank its data file, then .metadata, which rank 0
   // writes once every rank's part is on disk) before rank 0 writes the main
@@ -132,7 +149,7 @@ void Trainer::save_checkpoint() {
     dcp::save(state, folder, comm_);
   }
   if (comm_.rank() == 0) {
-    auto payload = encode_training_state(position_, rng_states, initial_lrs_, device_rng_states);
+    auto payload = encode_training_state(position_, rng.cpu, initial_lrs_, rng.device, rng.streams);
     if (pending_) {
       pending_->payload = std::move(payload);  // written once the dcp part is committed
     } else {
@@ -268,6 +285,10 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
     rng_error = e.what();
   }
   dcp::agree(comm_, rng_error);
+  // The model's own streams: collective, each set over its own groups.
+  const bool has_streams = comm_.rank() < old_world && state.rng_streams.defined();
+  restore_rng_streams(rng_streams_of(*model_),
+                      has_streams ? state.rng_streams[comm_.rank()] : torch::Tensor(), step);
   load_dcp(dcp_folder(path), old_world);
   if (!state.initial_lrs.empty()) initial_lrs_ = state.initial_lrs;
   resized_ = old_world != comm_.size();

@@ -11,7 +11,8 @@ namespace cohort {
 
 std::string encode_training_state(const TrainingPosition& position, const torch::Tensor& rng_states,
                                   const std::vector<double>& initial_lrs,
-                                  const torch::Tensor& device_rng_states) {
+                                  const torch::Tensor& device_rng_states,
+                                  const torch::Tensor& rng_streams) {
   torch::serialize::OutputArchive archive;
   archive.write("step", c10::IValue(position.step));
   archive.write("epoch", c10::IValue(position.epoch));
@@ -21,6 +22,7 @@ std::string encode_training_state(const TrainingPosition& position, const torch:
   archive.write("global_batch", c10::IValue(position.global_batch));
   archive.write("rng_states", rng_states);
   if (device_rng_states.defined()) archive.write("device_rng_states", device_rng_states);
+  if (rng_streams.defined()) archive.write("rng_streams", rng_streams);
   if (!initial_lrs.empty()) {
     archive.write("initial_lrs",
                   torch::tensor(initial_lrs, torch::TensorOptions().dtype(torch::kFloat64)));
@@ -77,6 +79,7 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     state.position.epoch_batches = archive.try_read("epoch_batches", v) ? v.toInt() : 0;
     state.position.global_batch = archive.try_read("global_batch", v) ? v.toInt() : 0;
     archive.try_read("device_rng_states", state.device_rng_states);
+    archive.try_read("rng_streams", state.rng_streams);
     torch::Tensor lrs;
     if (archive.try_read("initial_lrs", lrs)) {
       lrs = lrs.to(torch::kFloat64).contiguous();

@@ -45,9 +45,13 @@ struct TrainingPosition {
 /// device_rng_states: [world_size, state_bytes] of the generator of each
 /// rank's accelerator (its model's CUDA device); undefined for a model on
 /// the CPU.
+/// rng_streams: [world_size, bytes], row r rank r's rng_streams_state
+/// (rng_state.h: the model's own random streams), zero-padded to the
+/// longest; undefined when no rank's model has any.
 std::string encode_training_state(const TrainingPosition& position, const torch::Tensor& rng_states,
                                   const std::vector<double>& initial_lrs = {},
-                                  const torch::Tensor& device_rng_states = {});
+                                  const torch::Tensor& device_rng_states = {},
+                                  const torch::Tensor& rng_streams = {});
 
 /// True when `payload` (verified) keeps its model and optimizer state in
 /// the checkpoint's dcp folder. Throws CheckpointError naming `source` when
@@ -62,6 +66,9 @@ struct DecodedState {
   /// [world_size, state_bytes] of each rank's accelerator generator;
   /// undefined when the job that wrote it trained on the CPU.
   torch::Tensor device_rng_states;
+  /// [world_size, bytes] of each rank's model's own random streams;
+  /// undefined when the job that wrote it had none.
+  torch::Tensor rng_streams;
   /// The schedule's initial rate of each parameter group; empty in a
   /// checkpoint written before they were recorded.
   std::vector<double> initial_lrs;
