@@ -47,6 +47,7 @@
 #include "cohort/pipeline/schedule_memory.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
+#include "cohort/tensor_parallel/random.h"
 // Context parallelism.
 #include "cohort/context_parallel/layout.h"
 #include "cohort/context_parallel/ring_attention.h"
