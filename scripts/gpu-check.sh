@@ -23,8 +23,9 @@
 #   - the golden tests against one process, models and data on the GPU:
 #     ranks as threads (the `goldens` list below: ZeRO, FSDP with and
 #     without mixed precision, the pipeline, the TP layers, the MoE layer,
-#     the Trainer's gradient norm), and DDP's, FSDP's, the TP layers' and
-#     the MoE layer's with ranks as processes at world 2;
+#     the GPT's dropout masks, the Trainer's gradient norm), and DDP's,
+#     FSDP's, the TP layers', the MoE layer's and the GPT's TP replicas
+#     under dropout with ranks as processes at world 2;
 #   - the main job (Fashion-MNIST, DDP and the Trainer) on 2 ranks sharing
 #     the GPU: its test accuracy and epoch times;
 #   - cohort's DDP step time against PyTorch's DDP at worlds 1 and 2, and at
@@ -167,6 +168,7 @@ goldens=(
   tp_equivalence tensor_parallel_tests '*tp1_pp1_dp1*:*tp1_pp2_dp1*:TensorParallel/Layers.*Matches*/tp1'
   grad_norm cohort_train_test 'ReplicatedGradNorm.*'
   moe_golden tensor_parallel_tests 'Moe/ExpertParallel.MatchesOneProcess/gloo_ep1_*'
+  tp_dropout_golden tensor_parallel_tests 'GPTDropout/MatchesOneProcess.*/tp1*'
 )
 test_binaries=()
 for ((i = 1; i < ${#goldens[@]}; i += 3)); do test_binaries+=("${goldens[$i]}"); done
@@ -271,10 +273,11 @@ start "fsdp_world_${dev}_gloo_world2" 120 "$run" -n 2 --backend gloo --timeout 1
 start "restart_${dev}_gloo_world2" 120 "$(find "$build/tests" -type f -name cohort_train_test | head -1)" \
   --gtest_filter='KillAndRestart.*'
 # The TP layers' and the MoE layer's goldens written for ranks as threads,
+# and the GPT's TP replicas under dropout (the tracker's CUDA generators),
 # run with ranks as processes (COHORT_TEST_RANKS, tests/support/thread_ranks.h).
 start "tp_moe_processes_${dev}_gloo_world2" 120 env COHORT_TEST_RANKS=processes "$run" -n 2 \
   --backend gloo --timeout 100 --quiet-others -- "$(find "$build/tests" -type f -name tensor_parallel_tests | head -1)" \
-  --gtest_filter='TensorParallel/Layers.*Matches*/tp2:Moe/ExpertParallel.MatchesOneProcess/gloo_ep2_*'
+  --gtest_filter='TensorParallel/Layers.*Matches*/tp2:Moe/ExpertParallel.MatchesOneProcess/gloo_ep2_*:GPTDropout/ReplicasAgree.*/tp2:GPTDropout/ReplicasAgree.*/tp2_sp'
 # The main job: the README's Fashion-MNIST CNN, DDP and the Trainer, 2 ranks
 # sharing the GPU over Gloo, 2 epochs (COHORT_MAIN_ARGS adds arguments, e.g.
 # "--steps 50" for a quick run on a CPU).

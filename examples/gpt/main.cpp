@@ -64,6 +64,7 @@ struct Flags {
   int virtual_stages = 1;         // model chunks per pipeline rank (interleaved)
   bool sequence_parallel = false;
   bool checkpoint_activations = false;
+  double dropout = 0.0;
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
   int64_t sample_chars = 300;
@@ -219,6 +220,7 @@ GPTConfig model_config(const Flags& f) {
   c.virtual_stages = f.virtual_stages;
   c.sequence_parallel = f.sequence_parallel;
   c.checkpoint_activations = f.checkpoint_activations;
+  c.dropout = f.dropout;
   c.seed = f.seed;
   c.experts = f.experts > 0 ? f.experts : (f.ep > 1 ? 2 * f.ep : 0);
   c.top_k = f.top_k;
@@ -397,13 +399,16 @@ int main(int argc, char** argv) {
                "split LayerNorm/dropout regions by sequence");
   app.add_flag("--checkpoint-activations", f.checkpoint_activations,
                "keep only each block's input; recompute its activations in backward");
+  app.add_option("--dropout", f.dropout,
+                 "attention, residual and embedding dropout (from each stage's RNG tracker)")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--eval-every", f.eval_every, "steps between validation losses")
       ->check(CLI::PositiveNumber);
   app.add_option("--sample-chars", f.sample_chars, "characters to generate at the end");
   app.add_option("--corpus", f.corpus, "text files (default: three fortunes files)");
   app.add_option("--metrics", f.metrics, "JSON-lines metrics file");
   app.add_option("--plot", f.plot, "PNG of the loss curves (empty: none)");
-  app.add_option("--seed", f.seed, "seed of the weights and the batches");
+  app.add_option("--seed", f.seed, "seed of the weights, the batches and the dropout streams");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(f);

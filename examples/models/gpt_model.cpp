@@ -17,6 +17,7 @@
 #include "cohort/core/error.h"
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/mappings.h"
+#include "cohort/tensor_parallel/random.h"
 
 namespace cohort::tensor_parallel {
 
@@ -85,8 +86,9 @@ void check_expert_and_context(const DeviceMesh& mesh, const GPTConfig& c, const 
 class TransformerBlockImpl : public torch::nn::Module {
  public:
   TransformerBlockImpl(const DeviceMesh& tp, std::shared_ptr<Communicator> ep,
-                       std::shared_ptr<Communicator> cp, const GPTConfig& c, int64_t layer)
-      : tp_(tp.process_group()), cp_(cp), c_(c) {
+                       std::shared_ptr<Communicator> cp, const GPTConfig& c, int64_t layer,
+                       RngTracker rng)
+      : tp_(tp.process_group()), cp_(cp), c_(c), rng_(std::move(rng)) {
     const bool sp = c.sequence_parallel;
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
@@ -122,9 +124,12 @@ class TransformerBlockImpl : public torch::nn::Module {
   }
 
   torch::Tensor forward(const torch::Tensor& x) {
-    auto h = x + dropout(proj(attention(qkv(ln1(x)))));
-    if (!moe.is_empty()) return h + dropout(moe(ln2(h)));
-    return h + dropout(fc2(torch::gelu(fc1(ln2(h)))));
+    // The residual stream: replicated over tp, or each rank's slice of the
+    // sequence under sequence parallelism.
+    const bool sharded = c_.sequence_parallel;
+    auto h = x + dropout(proj(attention(qkv(ln1(x)))), sharded);
+    if (!moe.is_empty()) return h + dropout(moe(ln2(h)), sharded);
+    return h + dropout(fc2(torch::gelu(fc1(ln2(h)))), sharded);
   }
 
   // qkv: [T, B, 3 H/tp] -> causal self-attention of this rank's heads, [T, B, H/tp].
@@ -144,12 +149,18 @@ class TransformerBlockImpl : public torch::nn::Module {
     auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     auto future = torch::ones({T, T}, scores.options().dtype(torch::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-    auto probs = dropout(torch::softmax(scores, -1));
+    auto probs = dropout(torch::softmax(scores, -1), /*sharded=*/true);  // this rank's heads
     return torch::matmul(probs, v).permute({2, 0, 1, 3}).reshape({T, B, heads * hd});
   }
 
-  torch::Tensor dropout(const torch::Tensor& x) {
-    return c_.dropout > 0 ? torch::dropout(x, c_.dropout, is_training()) : x;
+  // Dropout of a region every TP rank holds alike (the tracker's replicated
+  // stream, the same masks on each) or one each rank holds its own part of
+  // (`sharded`: the model-parallel stream, other masks on each).
+  torch::Tensor dropout(const torch::Tensor& x, bool sharded) {
+    if (c_.dropout == 0 || !is_training()) return x;
+    return tensor_parallel::dropout(
+        x, c_.dropout, true,
+        sharded ? rng_->model_parallel(x.device()) : rng_->replicated(x.device()));
   }
 
   std::vector<torch::Tensor> sequence_parallel_parameters() const {
@@ -164,6 +175,7 @@ class TransformerBlockImpl : public torch::nn::Module {
  private:
   std::shared_ptr<Communicator> tp_, cp_;
   GPTConfig c_;
+  RngTracker rng_;  // the stage's
 };
 
 GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
@@ -194,20 +206,12 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
           "seq_len " + std::to_string(c.seq_len) + " does not divide by the tensor-parallel size " +
               std::to_string(tp) + " (sequence parallelism)",
           g);
-  // Dropout draws from each rank's own generator. Without sequence
-  // parallelism the residual stream and the embeddings are replicated over
-  // tp: the ranks would drop different elements, compute their heads from
-  // different inputs and let the replicated parameters drift apart, however
-  // the ranks were seeded (ranks as threads share one generator; a resumed
-  // Trainer seeds each rank its own). A generator shared by the tp group
-  // (Megatron's RNG tracker) would lift this.
-  require(tp == 1 || c.dropout == 0 || c.sequence_parallel,
-          "dropout " + number(c.dropout) + " on tp " + std::to_string(tp) +
-              " without sequence parallelism: each tensor-parallel rank would drop other "
-              "elements of the activations they must hold alike; set dropout 0 or "
-              "sequence_parallel",
+  require(c.dropout >= 0 && c.dropout <= 1, "dropout " + number(c.dropout) + " is not in [0, 1]",
           g);
   check_expert_and_context(mesh, c, g);
+  // Every dropout draws from the stage's tracker, never from LibTorch's
+  // default generator (random.h).
+  rng_ = register_module("rng", RngTracker(mesh, c.seed));
   VocabParallelEmbeddingOptions emb;
   emb.init_std = 0.02;
   emb.seed = seed_of(c, kEmbeddingLayer, 0);
@@ -224,9 +228,10 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
   for (int k = 0; k < v; ++k) {
     for (int64_t i = 0; i < per_chunk; ++i) {
       const auto layer = chunk_index(k) * per_chunk + i;
-      chunks_[k].push_back(register_module(
-          "block" + std::to_string(layer),
-          std::make_shared<TransformerBlockImpl>(mesh["tp"], group_of(mesh, "ep"), cp_, c, layer)));
+      chunks_[k].push_back(
+          register_module("block" + std::to_string(layer),
+                          std::make_shared<TransformerBlockImpl>(mesh["tp"], group_of(mesh, "ep"),
+                                                                 cp_, c, layer, rng_)));
     }
   }
   if (last_) {
@@ -265,8 +270,12 @@ torch::Tensor GPTStageImpl::forward_chunk(int k, const torch::Tensor& input) {
     // TP rank runs the same backward graph in the same order, so each block's
     // recompute (its forward collectives, then its backward ones) pairs up
     // across the group as the forward did.
+    // The recompute draws the forward's masks: the tracker's generators
+    // are restored with the default ones.
+    CheckpointOptions options;
+    if (config_.dropout > 0) options.generators = rng_->generators(h.device());
     h = checkpoint([block](const torch::Tensor& x) { return block->forward(x); }, h,
-                   block->parameters());
+                   block->parameters(), options);
   }
   return chunk_index(k) == pp_ * num_chunks() - 1 ? head(h) : h;
 }
@@ -287,8 +296,11 @@ torch::Tensor GPTStageImpl::embed(const torch::Tensor& input) {
   }
   auto h = word_embeddings_(ids) + positions.unsqueeze(1);
   if (config_.sequence_parallel) h = scatter_to_sequence_parallel_region(h, *tp_);
-  if (config_.dropout > 0) h = torch::dropout(h, config_.dropout, is_training());
-  return h;
+  if (config_.dropout == 0 || !is_training()) return h;
+  // Replicated over tp, or this rank's slice of the sequence.
+  return tensor_parallel::dropout(
+      h, config_.dropout, true,
+      config_.sequence_parallel ? rng_->model_parallel(h.device()) : rng_->replicated(h.device()));
 }
 
 torch::Tensor GPTStageImpl::head(torch::Tensor h) {

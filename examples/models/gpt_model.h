@@ -28,6 +28,17 @@
 // expert's FFN over "tp" (w1 by rows, w2 by columns, as the dense MLP). With a "cp"
 // dimension above 1 each rank holds its two zig-zag chunks of the sequence
 // (local_sequence) and attention is ring attention over the "cp" group.
+//
+// Dropout (config.dropout) draws from the stage's RngTracker
+// (cohort/tensor_parallel/random.h), never from LibTorch's default
+// generator: the embeddings and the residual branches from the replicated
+// stream (the same masks on every TP rank, which hold them alike), the
+// attention probabilities of the rank's heads and, under sequence
+// parallelism, every region split along the sequence from the
+// model-parallel one. So the TP ranks' replicated parameters stay equal
+// with ranks as threads or processes, however those are seeded, and a
+// Trainer checkpoint continues the masks. Ring attention has no dropout:
+// dropout with cp > 1 is refused.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -42,6 +53,7 @@
 
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/tensor_parallel/layers.h"
+#include "cohort/tensor_parallel/random.h"
 
 namespace cohort::tensor_parallel {
 
@@ -53,8 +65,9 @@ struct GPTConfig {
   int64_t hidden = 32;      ///< model width H
   int64_t heads = 4;        ///< attention heads
   int64_t layers = 2;       ///< transformer blocks
-  double dropout =
-      0.0;  ///< attention and residual dropout (training only; tp > 1 needs sequence_parallel)
+  /// Attention-probability, residual and embedding dropout (training only),
+  /// drawn from the stage's RngTracker; refused with ring attention (cp > 1).
+  double dropout = 0.0;
   bool sequence_parallel = false;       ///< split LayerNorm/dropout regions along the sequence
   bool checkpoint_activations = false;  ///< keep only each block's input; recompute in backward
   int virtual_stages = 1;               ///< model chunks per PP rank (interleaved schedules)
@@ -123,8 +136,15 @@ class GPTStageImpl : public torch::nn::Module {
   int num_chunks() const { return config_.virtual_stages; }  ///< local chunks (v)
 
   const GPTConfig& config() const { return config_; }  ///< the sizes
-  bool is_first() const { return first_; }             ///< holds the embeddings
-  bool is_last() const { return last_; }               ///< holds the output layer
+  /// The random streams every dropout of this stage draws from: the
+  /// replicated one on the residual stream and the embeddings (without
+  /// sequence parallelism), the model-parallel one on the attention
+  /// probabilities and on every region split along the sequence. Seeded by
+  /// config.seed; registered as the module "rng", so the Trainer
+  /// checkpoints it.
+  const RngTracker& rng_tracker() const { return rng_; }
+  bool is_first() const { return first_; }  ///< holds the embeddings
+  bool is_last() const { return last_; }    ///< holds the output layer
 
  private:
   torch::Tensor embed(const torch::Tensor& ids);
@@ -136,6 +156,7 @@ class GPTStageImpl : public torch::nn::Module {
   bool first_, last_;
   VocabParallelEmbedding word_embeddings_{nullptr};
   torch::Tensor position_embeddings_;
+  RngTracker rng_{nullptr};
   std::vector<std::vector<std::shared_ptr<TransformerBlockImpl>>> chunks_;  // local chunk -> blocks
   torch::nn::LayerNorm final_layernorm_{nullptr};
   VocabParallelEmbedding output_embeddings_{nullptr};  // pp > 1: the last stage's copy

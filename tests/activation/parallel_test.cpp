@@ -1,7 +1,8 @@
 // checkpoint under every kind of parallelism, ranks as threads: each rank's
 // gradients with checkpointing are bitwise those without, for the GPT's
 // tensor-parallel blocks at tp = 2 (their recompute re-runs collectives),
-// a pipeline stage under 1F1B and ZB-H1 (ZB-H1 recomputes for I and again
+// with dropout from the stage's RngTracker (the recompute must restore its
+// generators), a pipeline stage under 1F1B and ZB-H1 (ZB-H1 recomputes for I and again
 // for W), DDP and ZeRO-2 (gradients reach their hooks on the accumulators).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -62,6 +63,7 @@ struct TpCase {
   bool sequence_parallel;
   int pp;
   std::string schedule;  // pp > 1
+  double dropout = 0;    // drawn from the stage's RngTracker, which the recompute restores
 };
 
 Grads gpt_grads(const TpCase& k, bool checkpointed) {
@@ -73,6 +75,7 @@ Grads gpt_grads(const TpCase& k, bool checkpointed) {
     c.vocab_size = 12, c.seq_len = 6, c.hidden = 24, c.heads = 6, c.layers = 2 * k.pp;
     c.sequence_parallel = k.sequence_parallel;
     c.checkpoint_activations = checkpointed;
+    c.dropout = k.dropout;
     tensor_parallel::GPTStage stage(mesh, c);
     auto ids = torch::randint(c.vocab_size, {4, c.seq_len}, at::detail::createCPUGenerator(100));
     auto targets = (ids * 5 + 3) % c.vocab_size;
@@ -97,11 +100,14 @@ TEST_P(CheckpointTensorParallel, GradientsAreBitwiseThoseWithout) {
 
 INSTANTIATE_TEST_SUITE_P(Tp2, CheckpointTensorParallel,
                          ::testing::Values(TpCase{false, 1, ""}, TpCase{true, 1, ""},
-                                           TpCase{false, 2, "1f1b"}, TpCase{true, 2, "zbh1"}),
+                                           TpCase{false, 2, "1f1b"}, TpCase{true, 2, "zbh1"},
+                                           TpCase{false, 1, "", 0.2}, TpCase{true, 1, "", 0.2},
+                                           TpCase{true, 2, "zbh1", 0.2}),
                          [](const auto& info) {
                            const auto& k = info.param;
                            return std::string(k.sequence_parallel ? "sp" : "nosp") + "_pp" +
-                                  std::to_string(k.pp) + (k.pp > 1 ? "_" + k.schedule : "");
+                                  std::to_string(k.pp) + (k.pp > 1 ? "_" + k.schedule : "") +
+                                  (k.dropout > 0 ? "_dropout" : "");
                          });
 
 // --- the pipeline: an MLP of 4 blocks on 2 stages ---------------------------

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
@@ -47,8 +48,9 @@ std::string name_of(const ::testing::TestParamInfo<Case>& info) {
          (c.sp ? "_sp" : "") + (c.v > 1 ? "_v" + std::to_string(c.v) : "");
 }
 
-GPTConfig gpt_config(bool sp, int64_t layers, uint64_t seed = 7) {
+GPTConfig gpt_config(bool sp, int64_t layers, uint64_t seed = 7, double dropout = 0) {
   GPTConfig c;
+  c.dropout = dropout;
   c.vocab_size = 8;
   c.seq_len = 4;
   c.hidden = 8;
@@ -95,11 +97,14 @@ struct Job {
   std::string dir;  // checkpoints; empty: none
   bool resume = false;
   int64_t layers = 0;  // 0: layers_of(c)
+  double dropout = 0;  // drawn from the stage's RngTracker, seeded by the model's seed
 };
 
 struct RankRun {
   std::vector<StepMetrics> metrics;
   std::map<std::string, torch::Tensor> params;
+  std::set<std::string> replicated;  // the parameters the TP layers do not split
+  int tp_rank = 0;
 };
 
 RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
@@ -108,7 +113,7 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   auto mesh = init_device_mesh(world, {c.pp, c.dp, c.tp}, {"pp", "dp", "tp"});
   // A resumed run starts from other weights: the checkpoint must replace them.
   GPTConfig config_of_model =
-      gpt_config(c.sp, job.layers > 0 ? job.layers : layers_of(c), job.resume ? 8 : 7);
+      gpt_config(c.sp, job.layers > 0 ? job.layers : layers_of(c), job.resume ? 8 : 7, job.dropout);
   config_of_model.virtual_stages = c.v;
   GPTStage stage(mesh, config_of_model);
   cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
@@ -130,7 +135,12 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   Batches source(c.dp, mesh.local_rank("dp"));
   RankRun run;
   run.metrics = trainer.fit(source);
-  for (const auto& p : stage->named_parameters()) run.params[p.key()] = p.value().detach().clone();
+  const auto split = split_dims(*stage);
+  for (const auto& p : stage->named_parameters()) {
+    run.params[p.key()] = p.value().detach().clone();
+    if (!split.count(p.value().unsafeGetTensorImpl())) run.replicated.insert(p.key());
+  }
+  run.tp_rank = mesh.local_rank("tp");
   return run;
 }
 
@@ -243,6 +253,65 @@ TEST(MeshTrainerResume, IsBitwiseIdenticalAtTp2Pp2Dp2) {
     for (const auto& [name, p] : resumed[r].params) {
       EXPECT_TRUE(torch::equal(p, uninterrupted[r].params.at(name))) << name << " on rank " << r;
     }
+  }
+}
+
+// With dropout the masks come from each stage's RngTracker, which the
+// checkpoint holds per rank: resumed at step 2 (from another seed, so other
+// weights and other streams), steps 3 and 4 are bit for bit the
+// uninterrupted run's. Without the streams in the checkpoint the resumed
+// masks would be the new seed's.
+TEST(MeshTrainerResume, ContinuesTheDropoutStreamsBitwise) {
+  for (const Case c : {Case{2, 2, 2, false}, Case{2, 1, 1, true}}) {
+    SCOPED_TRACE(name_of({c, 0}));
+    testing::TempDir whole("cohort-mesh-dropout-whole"), split("cohort-mesh-dropout-split");
+    Job job{c, 4, whole.str()};
+    job.dropout = 0.2;
+    const auto uninterrupted = run_job(job);
+    job.dir = split.str();
+    job.max_steps = 2;
+    run_job(job);
+    job.max_steps = 4;
+    job.resume = true;
+    const auto resumed = run_job(job);
+    for (size_t r = 0; r < resumed.size(); ++r) {
+      ASSERT_EQ(resumed[r].metrics.size(), 2u);
+      for (size_t s = 0; s < 2; ++s) {
+        EXPECT_EQ(resumed[r].metrics[s].loss, uninterrupted[r].metrics[2 + s].loss)
+            << "rank " << r << ", step " << 2 + s;
+      }
+      for (const auto& [name, p] : resumed[r].params) {
+        EXPECT_TRUE(torch::equal(p, uninterrupted[r].params.at(name))) << name << " on rank " << r;
+      }
+    }
+  }
+}
+
+// Resumed at another layout the streams cannot continue (the TP groups and
+// their ranks changed, or a rank is new): each TP group restarts its
+// streams alike, so its replicated parameters stay bitwise equal.
+TEST(MeshTrainerResume, ReshardedDropoutStreamsKeepTheReplicasEqual) {
+  for (const auto& [from, to] : {std::pair{Case{1, 1, 2, false}, Case{2, 1, 1, false}},
+                                 std::pair{Case{2, 1, 1, false}, Case{2, 1, 2, false}}}) {
+    SCOPED_TRACE(name_of({from, 0}) + " to " + name_of({to, 0}));
+    testing::TempDir dir("cohort-mesh-dropout-reshard");
+    Job job{from, 2, dir.str()};
+    job.dropout = 0.2;
+    run_job(job);
+    job.c = to;
+    job.max_steps = 4;
+    job.resume = true;
+    const auto resumed = run_job(job);
+    int compared = 0;
+    for (size_t r = 0; r < resumed.size(); ++r) {
+      const size_t first = r - static_cast<size_t>(resumed[r].tp_rank);  // TP rank 0 of its group
+      for (const auto& name : resumed[r].replicated) {
+        EXPECT_TRUE(torch::equal(resumed[r].params.at(name), resumed[first].params.at(name)))
+            << name << " on rank " << r << " against rank " << first;
+        ++compared;
+      }
+    }
+    EXPECT_GT(compared, 0);
   }
 }
 
