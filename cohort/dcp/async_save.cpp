@@ -360,9 +360,11 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
   std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
   ErrorKind kind = ErrorKind::Checkpoint;
   try {
-    for (const auto& f : state.check_model) f("dcp::async_save");
-    for (const auto& f : state.refresh) f();
-    s->staged = stage_rank_file(state, comm.rank(), comm.size(), &s->arena, "dcp::async_save");
+    StateDict rebuilt;
+    const auto& now = current(state, rebuilt, "dcp::async_save", comm.rank());
+    for (const auto& f : now.check_model) f("dcp::async_save");
+    for (const auto& f : now.refresh) f();
+    s->staged = stage_rank_file(now, comm.rank(), comm.size(), &s->arena, "dcp::async_save");
     split_copies(*s);
   } catch (const std::exception& e) {
     if (error.empty()) {

@@ -93,7 +93,26 @@ struct StateDict {
   /// get_state_dict sets it, and load() loads into what it returns, so a
   /// state dict built before the checkpoint was known loads everything.
   std::function<StateDict(const Metadata&)> load_targets;
+  /// Each returns "" while this state dict views all the optimizer state
+  /// that get_state_dict would view now, else what changed: an optimizer
+  /// makes state after a state dict was made (LibTorch's make a parameter's
+  /// at its first step with a gradient, so one made at setup views none),
+  /// or replaces the tensors it views.
+  std::vector<std::function<std::string()>> stale;
+  /// The state dict get_state_dict would make now, which save(),
+  /// async_save() and set_state_dict (for its source) use in place of a
+  /// stale one, so that a state dict kept across training writes all the
+  /// optimizer holds. Given this state dict: it throws InvalidArgument when
+  /// `tensors` was changed after it was made (the new one would lack the
+  /// change). get_state_dict sets it.
+  std::function<StateDict(const StateDict& self)> rebuild;
 };
+
+/// `state`, or, when a `stale` check of it fails, `state.rebuild(state)`
+/// (held in `rebuilt`). Throws InvalidArgument naming `op`, `rank` (unless <
+/// 0) and what changed when it is stale and cannot be rebuilt.
+const StateDict& current(const StateDict& state, StateDict& rebuilt, const std::string& op,
+                         int rank);
 
 /// Throws InvalidArgument naming `op`, the tensor, `rank` (unless < 0) and both shapes
 /// when a shard's data is not shaped as its box (a [4, 3] tensor under a

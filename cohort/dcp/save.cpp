@@ -97,6 +97,26 @@ void check_shards(const StateDict& state, const std::string& op, int rank) {
   }
 }
 
+const StateDict& current(const StateDict& state, StateDict& rebuilt, const std::string& op,
+                         int rank) {
+  std::string why;
+  for (const auto& f : state.stale) {
+    why = f();
+    if (!why.empty()) break;
+  }
+  if (why.empty()) return state;
+  const auto where = op + (rank >= 0 ? " on rank " + std::to_string(rank) : std::string()) +
+                     ": the state dict is out of date (" + why + ")";
+  if (!state.rebuild) throw InvalidArgument(where + ": call get_state_dict again");
+  try {
+    rebuilt = state.rebuild(state);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(where + " and cannot be made again: " + e.what() +
+                          "; call get_state_dict again");
+  }
+  return rebuilt;
+}
+
 StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::Tensor* arena,
                            const std::string& op) {
   // Only sizes that equal the box's: a shard of the same numel shaped
@@ -272,9 +292,11 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   std::string list;
   ErrorKind kind = ErrorKind::Checkpoint;
   try {
-    for (const auto& f : state.check_model) f("dcp::save");
-    for (const auto& f : state.refresh) f();
-    auto staged = stage_rank_file(state, comm.rank(), comm.size(), nullptr, "dcp::save");
+    StateDict rebuilt;
+    const auto& now = current(state, rebuilt, "dcp::save", comm.rank());
+    for (const auto& f : now.check_model) f("dcp::save");
+    for (const auto& f : now.refresh) f();
+    auto staged = stage_rank_file(now, comm.rank(), comm.size(), nullptr, "dcp::save");
     list = write_staged_file(staged, dir, comm.rank());
   } catch (const std::exception& e) {
     error = e.what();

@@ -14,6 +14,7 @@
 
 #include <mutex>
 
+#include "cohort/dcp/async_save.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
@@ -473,6 +474,110 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(Mode::Plain, Mode::Zero, Mode::Fsdp, Mode::Fused),
                        ::testing::Values(1, 3)),
     [](const auto& info) { return job_name(std::get<0>(info.param), std::get<1>(info.param)); });
+
+// A state dict made at setup, before the optimizer's first step (LibTorch's
+// optimizers make their state then, the fused optimizer saves a
+// parameter's once it stepped), kept and saved after kSteps with save() or
+// async_save(): the checkpoint holds every parameter's exp_avg and
+// exp_avg_sq and step kSteps, and a fresh job loads everything equal to
+// the saving job's bit for bit, in every mode at worlds 1 and 3. The kept
+// state dict is also a source set_state_dict takes (it sets the values the
+// job holds).
+class KeptFromSetup : public ::testing::TestWithParam<std::tuple<Mode, int, bool>> {};
+
+TEST_P(KeptFromSetup, SavesTheStateTheOptimizerMadeSince) {
+  const auto [mode, world, async] = GetParam();
+  const auto dir = temp_dir("kept_" + job_name(mode, world) + (async ? "_async" : ""));
+  std::map<int, Named> saved;
+  std::mutex mu;
+  run_ranks_shared(world, [&, mode = mode, async = async](std::shared_ptr<Communicator> comm) {
+    Job job(mode, comm, 1);
+    auto sd = job.get();  // no optimizer state yet
+    for (int s = 0; s < kSteps; ++s) job.step(s);
+    if (async) {
+      dcp::async_save(sd, dir.string(), *comm).wait();
+    } else {
+      dcp::save(sd, dir.string(), *comm);
+    }
+    auto at_save = job.boxes();  // a state dict made now: all the optimizer holds
+    std::string set_error;
+    try {
+      job.set(sd);
+    } catch (const Error& e) {
+      set_error = e.what();
+    }
+    auto after_set = job.boxes();
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(set_error, "");
+    expect_equal(after_set, at_save, "rank " + std::to_string(comm->rank()) + ", set from it");
+    saved[comm->rank()] = std::move(at_save);
+  });
+  const auto meta = dcp::read_metadata(dir.string());
+  int moments = 0, steps = 0;
+  for (const auto& t : meta.tensors) {
+    const auto ends = [&](const std::string& end) {
+      return t.fqn.size() > end.size() &&
+             t.fqn.compare(t.fqn.size() - end.size(), end.size(), end) == 0;
+    };
+    moments += ends(".exp_avg") + ends(".exp_avg_sq");
+    if (t.fqn.rfind("optim.", 0) == 0 && ends(".step")) {
+      ++steps;
+      EXPECT_EQ(dcp::read_tensor(dir.string(), meta, t.fqn).item<int64_t>(), kSteps) << t.fqn;
+    }
+  }
+  EXPECT_EQ(moments, 2 * 6);  // make_seq's three Linear layers
+  EXPECT_EQ(steps, 6);
+  std::mutex check_mu;
+  load_fresh(mode, world, dir.string(), [&](Job& job, int rank) {
+    const auto loaded = job.boxes();
+    std::lock_guard<std::mutex> lock(check_mu);
+    expect_equal(loaded, saved.at(rank), "rank " + std::to_string(rank) + ", loaded");
+  });
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, KeptFromSetup,
+                         ::testing::Combine(::testing::Values(Mode::Plain, Mode::Ddp, Mode::Zero,
+                                                              Mode::Fsdp, Mode::Fused),
+                                            ::testing::Values(1, 3), ::testing::Bool()),
+                         [](const auto& info) {
+                           return job_name(std::get<0>(info.param), std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_async" : "");
+                         });
+
+// A state dict whose entries the caller changed (an entry left out) and
+// that is out of date (the optimizer stepped since): it cannot be made
+// again with the change, so save() refuses it on every rank with an
+// InvalidArgument saying to call get_state_dict again, and writes no
+// checkpoint.
+TEST(KeptFromSetup, AChangedStateDictOutOfDateIsRefusedOnEveryRank) {
+  const auto dir = temp_dir("kept_changed");
+  std::mutex mu;
+  std::vector<std::string> errors;
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> comm) {
+    Job job(Mode::Ddp, comm, 1);
+    auto sd = job.get();
+    sd.tensors.pop_back();  // an option of the last parameter
+    job.step(0);
+    try {
+      dcp::save(sd, dir.string(), *comm);
+    } catch (const InvalidArgument& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors.push_back(e.what());
+    }
+  });
+  ASSERT_EQ(errors.size(), 3u);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank 0: dcp::save on rank 0: the state dict is out of date (optim."),
+              std::string::npos)
+        << e;
+    EXPECT_NE(e.find("its entries were changed after get_state_dict made it"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("call get_state_dict again"), std::string::npos) << e;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / ".metadata"));
+  std::filesystem::remove_all(dir);
+}
 
 // A parameter registered transposed (its storage column-major): Adam's
 // exp_avg is zeros_like(param, Preserve), strided alike. A state dict made

@@ -92,7 +92,10 @@ StateDict fused_state_dict_of(torch::nn::Module& model, FusedDistributedOptimize
   return fused_state_dict(model, fused);
 }
 
-void set_state_dict_of(const StateDict& mine, const StateDict& state) {
+void set_state_dict_of(const StateDict& mine, const StateDict& source) {
+  // A source kept across training: what its optimizer holds now.
+  StateDict rebuilt;
+  const auto& state = current(source, rebuilt, "dcp::set_state_dict (of its source)", -1);
   for (const auto& f : mine.check_model) f("dcp::set_state_dict");
   for (const auto& f : state.check_model) f("dcp::set_state_dict (of its source)");
   // The source's step counts and options as its optimizer holds them now.

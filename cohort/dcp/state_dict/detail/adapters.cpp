@@ -23,14 +23,35 @@ void add_buffers(StateDict& state, torch::nn::Module& model) {
   }
 }
 
-// The saving form (no for_load) rebuilds itself for a checkpoint: `build`.
-template <typename Build>
-void set_load_targets(StateDict& state, const Metadata* for_load, Build build) {
-  if (!for_load) state.load_targets = std::move(build);
+// Whether `a` and `b` are the same entries, viewing the same tensors.
+bool same_entries(const std::vector<TensorEntry>& a, const std::vector<TensorEntry>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto &x = a[i], &y = b[i];
+    if (x.fqn != y.fqn || x.shape != y.shape || x.dtype != y.dtype ||
+        x.replicated != y.replicated || x.write != y.write || x.shards.size() != y.shards.size()) {
+      return false;
+    }
+    for (size_t k = 0; k < x.shards.size(); ++k) {
+      const auto &s = x.shards[k], &t = y.shards[k];
+      if (s.box.offsets != t.box.offsets || s.box.lengths != t.box.lengths ||
+          !s.data.is_same(t.data)) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 ParamSlot whole_slot(const std::string& fqn, const torch::Tensor& p) {
   return {fqn, p.sizes().vec(), p, {whole(p.sizes().vec())}, {0}, true, true};
+}
+
+// A parameter's fused state under the names LibTorch's AdamW gives it.
+std::vector<std::pair<std::string, torch::Tensor>> named_fused_state(const FusedParamState& held) {
+  return {{"exp_avg", held.exp_avg},
+          {"exp_avg_sq", held.exp_avg_sq},
+          {"max_exp_avg_sq", held.max_exp_avg_sq}};
 }
 
 // Parameter i of `fused` (named fqn): its AdamW state where LibTorch's
@@ -46,15 +67,26 @@ void add_fused_state(StateDict& state, FusedDistributedOptimizer& fused, size_t 
   if (in_checkpoint("max_exp_avg_sq")) fused.allocate_amsgrad_state();
   const auto held = fused.param_state(i);
   const bool stepped = held.step > 0;
-  bool any = false;
-  for (const auto& [name, t] : {std::pair<std::string, torch::Tensor>{"exp_avg", held.exp_avg},
-                                {"exp_avg_sq", held.exp_avg_sq},
-                                {"max_exp_avg_sq", held.max_exp_avg_sq}}) {
+  std::vector<const void*> viewed;
+  for (const auto& [name, t] : named_fused_state(held)) {
     if (!t.defined() || !(stepped || in_checkpoint(name))) continue;
     state.tensors.push_back(replicated(prefix + name, t));
-    any = true;
+    viewed.push_back(t.data_ptr());
   }
-  if (!any) return;
+  // Stale once the parameter's first step makes state to save, or when
+  // other buffers hold it (views of the old ones keep those alive, so an
+  // address is never reused meanwhile).
+  state.stale.push_back([&fused, i, fqn, viewed]() -> std::string {
+    const auto now = fused.param_state(i);
+    std::vector<const void*> saved;
+    for (const auto& [name, t] : named_fused_state(now)) {
+      if (t.defined() && now.step > 0) saved.push_back(t.data_ptr());
+    }
+    if (saved == viewed) return "";
+    return "optim." + fqn +
+           ": the fused optimizer holds other state for it than the state dict views";
+  });
+  if (viewed.empty()) return;
   auto step = torch::tensor(held.step, torch::kLong);
   state.tensors.push_back(replicated(prefix + "step", step));
   state.after_load.push_back([&fused, i, step] { fused.set_param_step(i, step.item<int64_t>()); });
@@ -110,8 +142,8 @@ StateDict ddp_state_dict(torch::nn::Module& model, torch::optim::Optimizer* opti
   }
   add_buffers(state, model);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
-  set_load_targets(state, for_load, [&model, optimizer](const Metadata& meta) {
-    return ddp_state_dict(model, optimizer, &meta);
+  set_rebuilds(state, for_load, [&model, optimizer](const Metadata* meta) {
+    return ddp_state_dict(model, optimizer, meta);
   });
   return state;
 }
@@ -180,8 +212,8 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
     }
   }
   add_optimizer_state(state, zero.shard_optimizer(), slots, for_load, &members);
-  set_load_targets(state, for_load, [&model, &zero](const Metadata& meta) {
-    return zero_state_dict(model, zero, &meta);
+  set_rebuilds(state, for_load, [&model, &zero](const Metadata* meta) {
+    return zero_state_dict(model, zero, meta);
   });
   return state;
 }
@@ -276,8 +308,8 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
   }
   add_buffers(state, model);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
-  set_load_targets(state, for_load, [&model, optimizer](const Metadata& meta) {
-    return fsdp_state_dict(model, optimizer, &meta);
+  set_rebuilds(state, for_load, [&model, optimizer](const Metadata* meta) {
+    return fsdp_state_dict(model, optimizer, meta);
   });
   return state;
 }
@@ -304,10 +336,23 @@ StateDict fused_state_dict(torch::nn::Module& model, FusedDistributedOptimizer& 
   add_buffers(state, model);
   add_fused_options(state, fused, fqns, for_load);
   for (size_t i = 0; i < fqns.size(); ++i) add_fused_state(state, fused, i, fqns[i], for_load);
-  set_load_targets(state, for_load, [&model, &fused](const Metadata& meta) {
-    return fused_state_dict(model, fused, &meta);
+  set_rebuilds(state, for_load, [&model, &fused](const Metadata* meta) {
+    return fused_state_dict(model, fused, meta);
   });
   return state;
+}
+
+void set_rebuilds(StateDict& state, const Metadata* for_load,
+                  std::function<StateDict(const Metadata*)> build) {
+  if (!for_load) state.load_targets = [build](const Metadata& meta) { return build(&meta); };
+  // The entries as made: a change the caller made to them since (an entry
+  // left out, another added) would not be in the rebuilt state dict.
+  state.rebuild = [build, made = state.tensors](const StateDict& self) {
+    if (!same_entries(self.tensors, made)) {
+      throw InvalidArgument("its entries were changed after get_state_dict made it");
+    }
+    return build(nullptr);
+  };
 }
 
 }  // namespace cohort::dcp::detail

@@ -18,11 +18,14 @@
 // for_load = nullptr: what the model and optimizer hold, with load_targets
 // set. for_load = a checkpoint's metadata: the targets for loading it, so
 // that an optimizer that has not stepped yet gets the state the checkpoint
-// holds (installed only once the load succeeded).
+// holds (installed only once the load succeeded). Either form can rebuild
+// itself as the first (StateDict::rebuild) once it is stale.
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+
+#include <functional>
 
 #include "cohort/dcp/dcp.h"
 #include "cohort/fsdp/fully_shard.h"
@@ -53,5 +56,13 @@ StateDict fsdp_state_dict(FullyShardImpl& model, torch::optim::Optimizer* optimi
 /// checkpoint moves between the fused optimizer and the other modes.
 StateDict fused_state_dict(torch::nn::Module& model, FusedDistributedOptimizer& fused,
                            const Metadata* for_load = nullptr);
+
+/// Sets what `state`, which `build(for_load)` made, is rebuilt with: its
+/// load_targets (build with a checkpoint's metadata; the saving form only)
+/// and its rebuild (build(nullptr)), which refuses a state dict whose
+/// entries were changed since (InvalidArgument: the new one would lack the
+/// change). Call it last: the entries are taken as they are then.
+void set_rebuilds(StateDict& state, const Metadata* for_load,
+                  std::function<StateDict(const Metadata*)> build);
 
 }  // namespace cohort::dcp::detail

@@ -8,6 +8,7 @@
 
 #include <map>
 #include <memory>
+#include <tuple>
 
 #include "cohort/core/error.h"
 #include "cohort/core/torch_compat.h"
@@ -206,6 +207,8 @@ void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
   std::map<std::string, size_t> index;
   const bool stepped = has_step(optimizer);
   add_group_options(state, index, members ? *members : members_of(optimizer, slots), for_load);
+  // Per slot, the state tensors this state dict views (none: no state yet).
+  std::vector<std::tuple<std::string, OptimizerStateKey, Named>> viewed;
   for (const auto& slot : slots) {
     const auto key = optimizer_state_key(slot.key);
     auto it = optimizer.state().find(key);
@@ -219,6 +222,7 @@ void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
         if (for_load->find(prefix + name)) tensors[name] = torch::zeros_like(slot.key).contiguous();
       }
     }
+    viewed.emplace_back(slot.fqn, key, tensors);
     if (tensors.empty()) continue;
     for (const auto& [name, t] : tensors) {
       add_boxes(state,
@@ -242,6 +246,33 @@ void add_optimizer_state(StateDict& state, torch::optim::Optimizer& optimizer,
       if (auto n = state_step(*held->second)) step.fill_(*n);
     });
   }
+  // Stale once the optimizer holds other state for a slot than the state
+  // dict views: state made at a parameter's first step, or state objects
+  // replaced (the optimizer's own load), whose old tensors it would save.
+  // The groups are viewed by address: another group moves them.
+  state.stale.push_back([&optimizer, viewed = std::move(viewed),
+                         groups = optimizer.param_groups().size()]() -> std::string {
+    if (optimizer.param_groups().size() != groups) {
+      return "the optimizer has " + std::to_string(optimizer.param_groups().size()) +
+             " parameter groups, it had " + std::to_string(groups);
+    }
+    for (const auto& [fqn, key, tensors] : viewed) {
+      Named now;
+      auto held = optimizer.state().find(key);
+      if (held != optimizer.state().end()) {
+        for (auto& [name, t] : state_tensors(*held->second)) now[name] = t;
+      }
+      bool same = now.size() == tensors.size();
+      for (auto a = now.cbegin(), b = tensors.cbegin(); same && a != now.cend(); ++a, ++b) {
+        same = a->first == b->first && a->second.is_same(b->second);
+      }
+      if (same) continue;
+      return "optim." + fqn + ": the optimizer " +
+             (tensors.empty() ? std::string("made its state after the state dict was made")
+                              : std::string("holds other state tensors than the state dict views"));
+    }
+    return "";
+  });
 }
 
 }  // namespace cohort::dcp::detail

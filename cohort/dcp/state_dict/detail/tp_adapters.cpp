@@ -3,6 +3,7 @@
 #include <set>
 
 #include "cohort/dcp/collective_status.h"
+#include "cohort/dcp/state_dict/detail/adapters.h"
 #include "cohort/dcp/state_dict/detail/optimizer_slots.h"
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/layers.h"
@@ -114,11 +115,9 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
   }
   if (for_load) agree(*mesh.process_group(), error);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
-  if (!for_load) {
-    state.load_targets = [&stage, &mesh, optimizer, tied](const Metadata& meta) {
-      return tensor_parallel_state_dict(stage, mesh, optimizer, tied, &meta);
-    };
-  }
+  set_rebuilds(state, for_load, [&stage, &mesh, optimizer, tied](const Metadata* meta) {
+    return tensor_parallel_state_dict(stage, mesh, optimizer, tied, meta);
+  });
   return state;
 }
 
