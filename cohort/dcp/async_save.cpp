@@ -332,12 +332,15 @@ void finish_pending_save(Communicator& comm) {
   if (auto last = last_save(comm); last && !last->committed) finish(*last, kAsyncSaveTimeout);
 }
 
-void wait_pending_staging(Communicator& comm) {
-  if (auto last = last_save(comm)) {
-    // Once: an error agreed before was thrown then, not at every load.
-    if (!last->last_settled) settle_last(*last, kAsyncSaveTimeout);
-    AsyncSave(last).wait_staged();
-  }
+std::string wait_pending_staging(Communicator& comm) {
+  auto last = last_save(comm);
+  if (!last) return "";
+  // Once: an error agreed before was thrown then, not at every load.
+  if (!last->last_settled) settle_last(*last, kAsyncSaveTimeout);
+  // A copy that did not finish in time is this rank's alone: returned for
+  // the caller's agreement, so that no rank is left in a collective.
+  if (last->committed || await_staged(*last, kAsyncSaveTimeout)) return "";
+  return last->change_error;
 }
 
 AsyncSave async_save(const StateDict& state, const std::string& dir, Communicator& comm) {

@@ -224,13 +224,13 @@ void fill(StateDict& state, const std::string& dir, Communicator& comm, const Me
 }  // namespace
 
 void load(StateDict& state, const std::string& dir, Communicator& comm, const Metadata* meta) {
-  // A save still staging reads the tensors this load writes into.
-  wait_pending_staging(comm);
-  std::string error;
+  // A save still staging reads the tensors this load writes into; a copy
+  // that did not finish in time fails the load on every rank (agreed below).
+  std::string error = wait_pending_staging(comm);
   Metadata read;
   if (!meta) {
     try {
-      read = read_metadata(dir);
+      if (error.empty()) read = read_metadata(dir);
     } catch (const std::exception& e) {
       error = e.what();
     }

@@ -69,8 +69,10 @@ void commit(Communicator& comm, const std::string& dir, const std::string& list,
 /// staging data, so that the caller may change the tensors it saves
 /// (AsyncSave::wait_staged); collective when that save writes the .metadata
 /// of the one before it: that write's outcome is agreed, so that every rank
-/// may read the folder.
-void wait_pending_staging(Communicator& comm);
+/// may read the folder. Returns this rank's error ("" if none) when the copy
+/// did not finish in time, for the caller to agree on: nothing may change
+/// the saved tensors then.
+std::string wait_pending_staging(Communicator& comm);
 
 /// Collective: waits for and commits the async save still pending on `comm`
 /// (none: returns), so that saves on one communicator never overlap.
