@@ -299,8 +299,13 @@ bool copy_at_call(const torch::Tensor& source, const std::string& fqn) {
   return fqn.rfind("model.", 0) == 0 && !source.requires_grad();
 }
 
-// By their paths (every rank decides alike, without a message).
+// `a`, the last save's folder, which exists, and `b`: the same folder under
+// any path (a link, "x/../dir"); by the paths where the file system cannot
+// tell. Every rank sees the same folders, so decides alike, without a message.
 bool same_folder(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  const bool same = std::filesystem::equivalent(a, b, ec);
+  if (!ec) return same;
   auto normal = [](const std::string& dir) {
     auto p = std::filesystem::absolute(dir).lexically_normal();
     return p.has_filename() ? p : p.parent_path();

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "cohort/dcp/checkpoint_file.h"
 #include "support/subprocess.h"
@@ -307,6 +308,37 @@ TEST_P(AsyncSave, ASecondSaveCommitsTheFirstBeforeItStarts) {
   EXPECT_TRUE(torch::equal(read_big(second), read_big(first) + 1));
   fs::remove_all(first);
   fs::remove_all(second);
+}
+
+// A save into the folder of the pending one under another path (a link)
+// is a save into the same folder: the call commits the pending save and
+// removes its .metadata before anything is written, so until the second
+// commits the folder holds no checkpoint, rather than the first's .metadata
+// over the second's data files.
+TEST_P(AsyncSave, ASaveIntoTheSameFolderUnderAnotherPathIsOne) {
+  const int world = GetParam();
+  const auto dir = temp_dir("linked" + std::to_string(world));
+  const auto links = temp_dir("links" + std::to_string(world));
+  fs::create_directory_symlink(dir, links / "to");
+  run_ranks(world, [&](Communicator& comm) {
+    auto rows = rows_of(comm.rank(), 0);
+    auto a = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), dir, comm);
+    rows.add_(1);
+    auto b = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), links / "to", comm);
+    EXPECT_TRUE(a.ready());
+    while (!b.ready()) std::this_thread::yield();  // its background thread is done
+    comm.barrier().wait();
+    EXPECT_FALSE(fs::exists(dir / ".metadata")) << "rank " << comm.rank();
+    comm.barrier().wait();  // nobody commits b before every rank looked
+    b.wait();
+    a.wait();  // committed at b's call: returns without a collective
+  });
+  // The second save's rows, every rank's.
+  EXPECT_TRUE(torch::equal(
+      read_big(dir),
+      torch::arange(world * kRows * kCols, torch::kFloat).reshape({world * kRows, kCols}) + 1));
+  fs::remove_all(links);
+  fs::remove_all(dir);
 }
 
 TEST_P(AsyncSave, AFailedMetadataWriteOnTheNextSavesThreadThrowsOnEveryRank) {
