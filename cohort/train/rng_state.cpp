@@ -42,6 +42,16 @@ void set_device_rng_state(const torch::Device& device, const torch::Tensor& stat
   gen.set_state(own);
 }
 
+void check_device_rng_state(const torch::Device& device, const torch::Tensor& state) {
+  auto gen = at::globalContext().defaultGenerator(device);
+  at::Generator copy;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    copy = gen.clone();
+  }
+  copy.set_state(state.clone(at::MemoryFormat::Contiguous));
+}
+
 void seed_device_rng(const torch::Device& device, uint64_t seed) {
   auto gen = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());

@@ -26,6 +26,11 @@ torch::Tensor device_rng_state(const torch::Device& device);
 void set_device_rng_state(const torch::Device& device, const torch::Tensor& state);
 /// Seeds the default generator of `device`.
 void seed_device_rng(const torch::Device& device, uint64_t seed);
+/// Throws c10::Error where set_device_rng_state would, without changing the
+/// generator (the state is set on a copy of it): a resume checks a
+/// checkpoint's states before it loads anything, and sets them only once
+/// the load succeeded.
+void check_device_rng_state(const torch::Device& device, const torch::Tensor& state);
 
 /// Random streams of a model's own: explicit generators that a module of
 /// the model draws from instead of LibTorch's default ones

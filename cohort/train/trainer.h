@@ -242,6 +242,8 @@ class Trainer {
   /// rank unless each passed accumulation_steps micro-batches of equal
   /// sizes, naming the ranks that did not.
   void agree_on_micro_batches(const std::vector<torch::data::Example<>>& micro_batches);
+  /// Collective: rank 0 writes its file of `step` (`payload`: rank 0's);
+  /// a failed write throws on every rank.
   void write_main_file(int64_t step, const std::string& payload);
   void finish_pending_checkpoint();
 

@@ -101,21 +101,28 @@ GatheredRng gather_rng_states(Communicator& comm, const torch::nn::Module& model
 
 // This rank's generators as the checkpoint has them. A rank new to the job
 // (or an accelerator the checkpoint has no state of: it was written on the
-// CPU) gets its own stream, the same on every resume.
+// CPU) gets its own stream, the same on every resume. With `check_only`,
+// only whether the accelerator's generator takes its state, nothing set:
+// the generators are set once the load succeeded, so a checkpoint skipped
+// as damaged leaves them as they were.
 void restore_rng_states(int rank, const torch::nn::Module& model, const DecodedState& state,
-                        int64_t old_world, int64_t step, const std::string& path) {
+                        int64_t old_world, int64_t step, const std::string& path, bool check_only) {
   const uint64_t seed = static_cast<uint64_t>(step) * 1000003u + static_cast<uint64_t>(rank);
-  if (rank < old_world) {
-    set_cpu_rng_state(state.rng_states[rank]);
-  } else {
-    set_cpu_rng_state(seeded_cpu_rng_state(seed));
+  if (!check_only) {
+    set_cpu_rng_state(rank < old_world ? state.rng_states[rank] : seeded_cpu_rng_state(seed));
   }
   const auto device = accelerator_of(model);
   if (!device) return;
-  if (rank >= old_world || !state.device_rng_states.defined())
-    return seed_device_rng(*device, seed);
+  if (rank >= old_world || !state.device_rng_states.defined()) {
+    if (!check_only) seed_device_rng(*device, seed);
+    return;
+  }
   try {
-    set_device_rng_state(*device, state.device_rng_states[rank]);
+    if (check_only) {
+      check_device_rng_state(*device, state.device_rng_states[rank]);
+    } else {
+      set_device_rng_state(*device, state.device_rng_states[rank]);
+    }
   } catch (const c10::Error& e) {
     throw CheckpointError("Trainer::resume on rank " + std::to_string(rank) + ": checkpoint " +
                           path + " has an RNG state that " + device->str() +
@@ -148,21 +155,33 @@ void Trainer::save_checkpoint() {
   } else {
     dcp::save(state, folder, comm_);
   }
+  std::string payload;  // rank 0's
   if (comm_.rank() == 0) {
-    auto payload = encode_training_state(position_, rng.cpu, initial_lrs_, rng.device, rng.streams);
-    if (pending_) {
-      pending_->payload = std::move(payload);  // written once the dcp part is committed
-    } else {
-      write_main_file(position_.step, payload);
-    }
+    payload = encode_training_state(position_, rng.cpu, initial_lrs_, rng.device, rng.streams);
+  }
+  if (pending_) {
+    pending_->payload = std::move(payload);  // written once the dcp part is committed
+  } else {
+    write_main_file(position_.step, payload);
   }
   last_checkpoint_step_ = position_.step;
 }
 
 void Trainer::write_main_file(int64_t step, const std::string& payload) {
-  checkpoints_->write(step, payload);
-  // The folders of rotated-out checkpoints, and any a crash left behind.
-  remove_orphan_dcp_folders(*checkpoints_, step);
+  // Rank 0 writes; a failure (a full disk) is agreed, so that the other
+  // ranks throw it too rather than train on into a collective rank 0 never
+  // joins, or return from fit() as if the checkpoint existed.
+  std::string error;
+  if (comm_.rank() == 0) {
+    try {
+      checkpoints_->write(step, payload);
+      // The folders of rotated-out checkpoints, and any a crash left behind.
+      remove_orphan_dcp_folders(*checkpoints_, step);
+    } catch (const std::exception& e) {
+      error = "Trainer checkpoint of step " + std::to_string(step) + ": " + e.what();
+    }
+  }
+  dcp::agree(comm_, error);
 }
 
 void Trainer::finish_pending_checkpoint() {
@@ -172,7 +191,7 @@ void Trainer::finish_pending_checkpoint() {
   // Collective: every rank's data file is on disk and rank 0 wrote the
   // folder's .metadata, or every rank throws the failing rank's error.
   pending.save.wait();
-  if (comm_.rank() == 0) write_main_file(pending.step, pending.payload);
+  write_main_file(pending.step, pending.payload);
 }
 
 std::optional<int64_t> Trainer::resume() {
@@ -276,20 +295,23 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
                       std::to_string(initial_lrs_.size()) +
                       "; resume with the optimizer's parameter groups that wrote it");
   }
-  // The generators before the model, agreed: a state this device's
+  // The generators checked before the model, agreed: a state this device's
   // generator does not take is refused on every rank with nothing loaded.
+  // They are set only once the load succeeded: nothing of a checkpoint
+  // skipped as damaged is kept.
   std::string rng_error;
   try {
-    restore_rng_states(comm_.rank(), *model_, state, old_world, step, path);
+    restore_rng_states(comm_.rank(), *model_, state, old_world, step, path, /*check_only=*/true);
   } catch (const CheckpointError& e) {
     rng_error = e.what();
   }
   dcp::agree(comm_, rng_error);
+  load_dcp(dcp_folder(path), old_world);
+  restore_rng_states(comm_.rank(), *model_, state, old_world, step, path, /*check_only=*/false);
   // The model's own streams: collective, each set over its own groups.
   const bool has_streams = comm_.rank() < old_world && state.rng_streams.defined();
   restore_rng_streams(rng_streams_of(*model_),
                       has_streams ? state.rng_streams[comm_.rank()] : torch::Tensor(), step);
-  load_dcp(dcp_folder(path), old_world);
   if (!state.initial_lrs.empty()) initial_lrs_ = state.initial_lrs;
   resized_ = old_world != comm_.size();
   resumed_ = true;

@@ -14,6 +14,7 @@
 #include "cohort/ddp/ddp_gradient_sync.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/optim/trainer_adapters.h"
+#include "cohort/train/rng_state.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "cohort/train/training_state.h"
@@ -87,6 +88,8 @@ struct Job {
   bool ddp = true;    // DDP's in-backward reduction, else the all-reduce fallback
   bool zero = false;  // ZeRO stage 1 after DDP (sharded optimizer state)
   bool start_fresh_if_damaged = false;
+  bool async = false;       // TrainerOptions::async_checkpoint
+  bool record_rng = false;  // JobResult::rng_after_resume
 };
 
 struct JobResult {
@@ -97,6 +100,9 @@ struct JobResult {
   std::vector<double> losses;                               // per step run (rank 0)
   std::vector<torch::Tensor> params;                        // rank 0's final parameters
   std::map<int64_t, std::vector<torch::Tensor>> params_at;  // after step s
+  std::vector<std::string> fit_errors;                      // what fit() threw, by rank
+  torch::Tensor rng_before_resume;  // the CPU generator's state before any rank resumed
+  torch::Tensor rng_after_resume;   // ...and once every rank resumed
 };
 
 JobResult run_job(const Job& job) {
@@ -104,6 +110,7 @@ JobResult run_job(const Job& job) {
   JobResult result;
   result.resumed_by_rank.resize(job.world);
   result.errors.resize(job.world);
+  result.fit_errors.resize(job.world);
   testing::run_ranks_shared(job.world, [&](std::shared_ptr<Communicator> comm) {
     // A different init than the checkpoint's: resume must overwrite it.
     auto net = testing::make_mlp(job.resume ? 99 : 7);
@@ -133,6 +140,7 @@ JobResult run_job(const Job& job) {
     config.metrics_path = job.metrics;
     config.progress = false;
     config.start_fresh_if_damaged = job.start_fresh_if_damaged;
+    config.async_checkpoint = job.async;
     Trainer trainer(
         std::move(wiring),
         [&](const torch::data::Example<>& b) {
@@ -142,6 +150,15 @@ JobResult run_job(const Job& job) {
         config);
     TensorDataSource source(data.x, data.y, 4, comm->rank(), comm->size());
     std::optional<int64_t> resumed;
+    // The ranks are threads of one process, sharing the generator: read
+    // once every rank has built its model (which draws from it) and before
+    // any resumes, and once all resumed.
+    auto record_rng = [&](torch::Tensor& into) {
+      comm->barrier().wait();
+      if (comm->rank() == 0) into = cpu_rng_state();
+      comm->barrier().wait();
+    };
+    if (job.record_rng) record_rng(result.rng_before_resume);
     try {
       resumed = job.resume ? trainer.resume() : std::nullopt;
     } catch (const Error& e) {  // CheckpointError, or ConfigError for a refused one
@@ -152,6 +169,7 @@ JobResult run_job(const Job& job) {
       return;
     }
     result.resumed_by_rank[comm->rank()] = resumed;
+    if (job.record_rng) record_rng(result.rng_after_resume);
     FitCallbacks callbacks;
     std::vector<double> losses;
     std::map<int64_t, std::vector<torch::Tensor>> params_at;
@@ -161,7 +179,12 @@ JobResult run_job(const Job& job) {
       for (auto& p : net->parameters()) copy.push_back(p.detach().clone());
       params_at[m.step] = copy;
     };
-    trainer.fit(source, callbacks);
+    try {
+      trainer.fit(source, callbacks);
+    } catch (const Error& e) {
+      result.fit_errors[comm->rank()] = e.what();
+      return;
+    }
     if (comm->rank() == 0) {
       result.resumed_at = resumed;
       result.skipped = trainer.skipped_checkpoints();
@@ -374,6 +397,60 @@ TEST(TrainerCheckpoint, DamagedDcpDataFallsBackOnEveryRank) {
               std::string::npos)
         << err;
     expect_equal_params(r.params, first.params_at.at(4));
+  }
+}
+
+// The only checkpoint's dcp data damaged and start_fresh_if_damaged: the
+// job starts from step 0 with nothing of the skipped checkpoint, its
+// generators included (they are the ones before resume()), at worlds 1
+// and 3.
+TEST(TrainerCheckpoint, StartingFreshKeepsTheGeneratorsOfBeforeTheResume) {
+  for (const int world : {1, 3}) {
+    TempDir dir("cohort-fresh-rng");
+    run_job({world, dir.str(), 2, 2, 2, "", false, true, true});
+    CheckpointDir folder(dir.str(), 2);
+    ASSERT_EQ(folder.steps(), (std::vector<int64_t>{2}));
+    const auto saved = decode_training_state(folder.load(2), folder.path_for(2)).rng_states;
+    const std::string file =
+        folder.path_for(2) + ".dcp/__" + std::to_string(world - 1) + "_0.distcp";
+    std::string bytes = slurp(file);
+    bytes[bytes.size() / 2] ^= 0x40;
+    dump(file, bytes);
+    Job job{world, dir.str(), 2, 2, 2, "", true, true, true};
+    job.start_fresh_if_damaged = true;
+    job.record_rng = true;
+    ::testing::internal::CaptureStderr();
+    const auto r = run_job(job);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_FALSE(r.resumed_at.has_value()) << err;
+    ASSERT_EQ(r.skipped.size(), 1u) << err;
+    ASSERT_TRUE(r.rng_after_resume.defined()) << r.errors[0];
+    for (int rank = 0; rank < world; ++rank) {
+      ASSERT_FALSE(torch::equal(saved[rank], r.rng_before_resume)) << "rank " << rank;
+    }
+    EXPECT_TRUE(torch::equal(r.rng_after_resume, r.rng_before_resume)) << "world " << world;
+  }
+}
+
+// Rank 0's file of the last checkpoint cannot be written (a folder stands
+// where it goes): fit() throws the same CheckpointError, naming the file,
+// on every rank, with a blocking and with an async checkpoint, rather than
+// rank 0 alone while the others return as if it were saved.
+TEST(TrainerCheckpoint, AFailedWriteOfTheMainFileThrowsOnEveryRank) {
+  for (const bool async : {false, true}) {
+    TempDir dir("cohort-main-file-fails");
+    const auto path = CheckpointDir(dir.str(), 2).path_for(2);
+    std::filesystem::create_directories(path + "/x");
+    Job job{3, dir.str(), 2, 2, 2, "", false, true, true};
+    job.async = async;
+    const auto r = run_job(job);
+    for (int rank = 0; rank < 3; ++rank) {
+      const auto& e = r.fit_errors[rank];
+      EXPECT_NE(e.find("rank 0: Trainer checkpoint of step 2: checkpoint " + path),
+                std::string::npos)
+          << (async ? "async" : "blocking") << ", rank " << rank << ": " << e;
+      EXPECT_EQ(e, r.fit_errors[0]) << "rank " << rank;
+    }
   }
 }
 
