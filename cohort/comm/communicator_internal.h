@@ -43,13 +43,16 @@ inline Signature call_signature(const OpContext& ctx, CollectiveKind kind, const
   return s;
 }
 
-// The signature of a coalesced collective: every tensor's elements, and
-// their dtype when they share one (-1 when they do not).
+// The signature of a coalesced collective: every tensor's elements, their
+// dtype when they share one (-1 when they do not), and their layout (each
+// one's dtype and elements in order): the engine moves one flat buffer, which
+// each rank cuts into its own tensors.
 inline Signature coalesced_signature(const OpContext& ctx, CollectiveKind kind,
                                      const std::vector<torch::Tensor>& ts) {
   Signature s;
   s.kind = kind;
   s.timeout = ctx.timeout;
+  s.layout = layout_of(ts);
   s.count = 0;
   s.dtype = ts.empty() ? -1 : static_cast<int>(ts[0].scalar_type());
   for (auto& t : ts) {

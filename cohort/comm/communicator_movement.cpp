@@ -25,6 +25,18 @@ WorkPtr nothing_to_move(Engine& engine, int size, const Signature& s) {
   return size == 1 ? done_work() : detail::check_signature(engine, s);
 }
 
+// An all_to_all's block from this rank to itself moves from its input to
+// its output inside the engine, where no peer's check sees it: another size
+// in than out would be broadcast, cut or refused by the engine on this rank
+// alone. In a group the signature carries the flag (own_block_differs), so
+// every rank refuses the call (a refusal here alone would leave the peers
+// waiting); alone, this is the call's error. `in` and `out` say where the
+// block is.
+std::string own_block_refusal(const std::string& in, const std::string& out) {
+  return "this rank's own block is " + in + " but " + out +
+         ": its input and output must give a rank's own block the same size";
+}
+
 }  // namespace
 
 Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOptions& opts) {
@@ -325,6 +337,13 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
   };
   auto out_counts = counts(output_split_sizes, output, "output");
   auto in_counts = counts(input_split_sizes, input, "input");
+  const auto own = static_cast<size_t>(rank_);
+  const bool own_differs = in_counts[own] != out_counts[own];
+  if (own_differs && size_ == 1) {
+    auto rows = [](int64_t n) { return std::to_string(n) + (n == 1 ? " row" : " rows"); };
+    bad(own_block_refusal(rows(input_split_sizes[own]) + " of the input",
+                          rows(output_split_sizes[own]) + " of the output"));
+  }
   debug_check(call, [&] {
     return "all_to_all_single(dtype=" + dtype_name(input.scalar_type()) +
            ", row=" + shape_string(input.sizes().slice(1)) + ")";
@@ -335,6 +354,7 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
   // The engine compares the elements each rank sends to each other rank.
   auto sig = detail::call_signature(call.ctx, CollectiveKind::AllToAll, input);
   sig.count = -1;
+  sig.own_block_differs = own_differs;
   SignatureScope scope(sig);
   return finish(call, engine_->all_to_all(wire_out, wire_in, out_counts, in_counts));
 }
@@ -367,6 +387,15 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& caller_outputs,
       call.refuse("all inputs and outputs need one dtype");
     }
   }
+  const auto own = static_cast<size_t>(rank_);
+  const bool own_differs = inputs[own].numel() != outputs[own].numel();
+  if (own_differs && size_ == 1) {
+    auto elements = [](int64_t n) {
+      return std::to_string(n) + (n == 1 ? " element" : " elements");
+    };
+    call.refuse(own_block_refusal(elements(inputs[own].numel()) + " in inputs[0]",
+                                  elements(outputs[own].numel()) + " in outputs[0]"));
+  }
   debug_check(call, [&] {
     std::string print = "all_to_all(";
     for (int i = 0; i < size_; ++i) print += (i ? ", " : "") + shape_string(inputs[i].sizes());
@@ -386,6 +415,7 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& caller_outputs,
   auto sig = detail::call_signature(call.ctx, CollectiveKind::AllToAll, wire_in);
   sig.dtype = static_cast<int>(inputs[0].scalar_type());
   sig.count = -1;
+  sig.own_block_differs = own_differs;
   WorkPtr impl;
   {
     SignatureScope scope(sig);

@@ -90,9 +90,9 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tenso
     return print + ")";
   });
 
+  if (size_ == 1) return finish(call, done_work());
   auto sig = detail::coalesced_signature(call.ctx, CollectiveKind::AllReduceCoalesced, tensors);
   sig.op = static_cast<int>(opts.op);
-  if (size_ == 1) return finish(call, done_work());
   // The first engine collective carries the signature; with none, a check.
   std::optional<SignatureScope> scope;
   scope.emplace(sig);

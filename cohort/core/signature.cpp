@@ -1,8 +1,10 @@
 #include "cohort/core/signature.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/tensor_checks.h"
 
 namespace cohort {
@@ -58,7 +60,28 @@ std::string Signature::describe() const {
     add("op " + std::to_string(op));
   }
   if (root >= 0) add("root " + std::to_string(root));
+  if (layout != 0) {
+    char hex[16];
+    std::snprintf(hex, sizeof hex, "%08x", layout);
+    add(std::string("layout ") + hex);
+  }
   return args.empty() ? s : s + " (" + args + ")";
+}
+
+uint32_t layout_of(const std::vector<at::Tensor>& ts) {
+  std::vector<int64_t> words;
+  words.reserve(2 * ts.size());
+  for (const auto& t : ts) {
+    words.push_back(static_cast<int64_t>(t.scalar_type()));
+    words.push_back(t.numel());
+  }
+  const uint64_t h = fnv1a_words(words);
+  const auto folded = static_cast<uint32_t>(h ^ (h >> 32));
+  return folded == 0 ? 1 : folded;  // 0 means no layout
+}
+
+bool signatures_agree(const Signature& mine, const Signature& theirs) {
+  return mine == theirs && !mine.own_block_differs;
 }
 
 Signature signature_of(CollectiveKind kind, const at::Tensor& t, int64_t root,
@@ -72,21 +95,27 @@ Signature signature_of(CollectiveKind kind, const at::Tensor& t, int64_t root,
   return s;
 }
 
-// Word 1: kind, dtype + 1 and op + 1 in a byte each (-1 is 0).
+// Word 1: kind, dtype + 1 and op + 1 in a byte each (-1 is 0), the layout
+// in bits 24-55, own_block_differs in bit 56.
 void to_words(const Signature& s, int64_t* w) {
   w[0] = s.seq;
-  w[1] = static_cast<int64_t>(s.kind) | (int64_t{(s.dtype + 1) & 0xff} << 8) |
-         (int64_t{(s.op + 1) & 0xff} << 16);
+  w[1] = static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint8_t>(s.kind)) |
+                              (uint64_t{static_cast<uint8_t>(s.dtype + 1)} << 8) |
+                              (uint64_t{static_cast<uint8_t>(s.op + 1)} << 16) |
+                              (uint64_t{s.layout} << 24) | (uint64_t{s.own_block_differs} << 56));
   w[2] = s.root;
   w[3] = s.count;
 }
 
 Signature from_words(const int64_t* w) {
   Signature s;
+  const auto w1 = static_cast<uint64_t>(w[1]);
   s.seq = w[0];
-  s.kind = static_cast<CollectiveKind>(w[1] & 0xff);
-  s.dtype = static_cast<int>((w[1] >> 8) & 0xff) - 1;
-  s.op = static_cast<int>((w[1] >> 16) & 0xff) - 1;
+  s.kind = static_cast<CollectiveKind>(w1 & 0xff);
+  s.dtype = static_cast<int>((w1 >> 8) & 0xff) - 1;
+  s.op = static_cast<int>((w1 >> 16) & 0xff) - 1;
+  s.layout = static_cast<uint32_t>(w1 >> 24);
+  s.own_block_differs = ((w1 >> 56) & 1) != 0;
   s.root = w[2];
   s.count = w[3];
   return s;
@@ -107,12 +136,41 @@ std::string differing_calls(const std::string& engine, int64_t seq, const std::s
 }
 
 std::string mismatch_message(const std::string& engine, const Signature& mine, int peer,
-                             const Signature& theirs) {
+                             const Signature& theirs, const std::string& who,
+                             const std::string& note) {
   const std::string what =
       theirs.seq == mine.seq ? theirs.describe()
       : theirs.seq < 0       ? "a collective it did not describe"
                        : theirs.describe() + " as its collective #" + std::to_string(theirs.seq);
-  return differing_calls(engine, mine.seq, "this rank", mine.describe(), peer, what);
+  // The same call but for `field`: what names the difference.
+  auto only = [&](auto field) {
+    Signature a = mine, b = theirs;
+    field(a) = field(b);
+    return a == b;
+  };
+  const auto own = [](Signature& s) -> bool& { return s.own_block_differs; };
+  if (only(own) && (mine.own_block_differs || theirs.own_block_differs)) {
+    // The rank whose own block differs first (this one when both do).
+    const std::string peer_name = "rank " + std::to_string(peer);
+    const bool mine_bad = mine.own_block_differs;
+    const std::string bad =
+        mine_bad ? who + " called " + mine.describe() : peer_name + " called " + what;
+    const std::string other =
+        mine_bad ? peer_name + " called " + what : who + " called " + mine.describe();
+    return engine + ": collective #" + std::to_string(mine.seq) + ": " + bad +
+           " with its own block of another size in its input than in its output (" + other +
+           (note.empty() ? "" : "; " + note) +
+           "): its input and output must give a rank's own block the same size";
+  }
+  const auto layout = [](Signature& s) -> uint32_t& { return s.layout; };
+  std::string why = note;
+  if (mine.layout != theirs.layout && only(layout)) {
+    why =
+        "the tensors differ in dtype or size, in order or in how they split the total; "
+        "COHORT_DEBUG=detail lists each rank's" +
+        (note.empty() ? "" : "; " + note);
+  }
+  return differing_calls(engine, mine.seq, who, mine.describe(), peer, what, why);
 }
 
 std::string compare_calls(const std::string& engine, int64_t seq, int rank,
@@ -157,7 +215,7 @@ std::string compare_rows(const std::string& engine, const Signature& s,
     if (q == rank) continue;
     const auto want = with_count(s, recv, q);
     const auto got = from_words(rows + q * kSignatureWords);
-    if (got != want) return mismatch_message(engine, want, q, got);
+    if (!signatures_agree(want, got)) return mismatch_message(engine, want, q, got);
   }
   return "";
 }

@@ -1,7 +1,8 @@
 // defines: Signature (what a rank calls as its n-th collective of a group:
-// kind, dtype, reduce op, root, elements), its encoding as four words, and
-// SignatureScope, through which the Communicator tells the engine it calls
-// what the user asked for.
+// kind, dtype, reduce op, root, elements, the layout of a coalesced call's
+// tensors, whether an all_to_all's own block differs in and out), its
+// encoding as four words, and SignatureScope, through which the
+// Communicator tells the engine it calls what the user asked for.
 //
 // Every engine compares each collective's signature across ranks before any
 // data moves where a difference could do harm (Gloo aborts, MPI truncates),
@@ -45,13 +46,23 @@ struct Signature {
   // Elements per rank; for all_to_all, those sent to (or expected from) one
   // peer, which the engine fills in per peer; -1 for none.
   int64_t count = -1;
+  // A coalesced collective's tensors, each one's dtype and elements in
+  // order, hashed (layout_of); 0 for other collectives. The count and dtype
+  // alone let ranks whose tensors split the same total differently, or hold
+  // its dtypes in another order, read each other's bytes as their own.
+  uint32_t layout = 0;
+  // An all_to_all whose block from this rank to itself has another size in
+  // its input than in its output. No peer's row can show it, so the flag
+  // travels in every row: every rank refuses the call, this one too
+  // (signatures_agree), none waits for it.
+  bool own_block_differs = false;
   // How long the engine waits for the peers' signatures (the operation's
   // timeout; 0: the engine's). Not compared, not sent.
   Millis timeout{0};
 
   bool operator==(const Signature& o) const {
     return seq == o.seq && kind == o.kind && dtype == o.dtype && op == o.op && root == o.root &&
-           count == o.count;
+           count == o.count && layout == o.layout && own_block_differs == o.own_block_differs;
   }
   bool operator!=(const Signature& o) const { return !(*this == o); }
   // "all_reduce (float32, 1024 elements, sum)"
@@ -62,7 +73,20 @@ struct Signature {
 Signature signature_of(CollectiveKind kind, const at::Tensor& t, int64_t root = -1,
                        std::optional<ReduceOp> op = std::nullopt);
 
-// A signature as words: few, so a check fits in one small message.
+// The layout of a coalesced collective's tensors: a hash of each one's
+// dtype and elements, in order, never 0. 32 bits, so that the signature
+// stays four words (a UCX notice carries two of them in one shared-memory
+// FIFO entry): two layouts that differ agree here once in 2^32.
+uint32_t layout_of(const std::vector<at::Tensor>& ts);
+
+// Whether a collective may run between this rank, which called `mine`, and
+// a peer that called `theirs`: the same call, and not an all_to_all whose
+// own block differs in and out (on either rank: equal flags do not agree).
+bool signatures_agree(const Signature& mine, const Signature& theirs);
+
+// A signature as words: few, so a check fits in one small message. Word 1
+// holds kind, dtype and op in a byte each, the layout in the next 32 bits
+// and own_block_differs above it.
 inline constexpr int kSignatureWords = 4;
 void to_words(const Signature& s, int64_t* words);
 Signature from_words(const int64_t* words);
@@ -79,10 +103,15 @@ std::string name_ranks(const std::vector<int>& ranks);
 std::string differing_calls(const std::string& engine, int64_t seq, const std::string& who,
                             const std::string& mine, int peer, const std::string& theirs,
                             const std::string& note = "");
-// differing_calls of two signatures (theirs.seq < 0: a peer's message that
-// did not describe its collective; another seq is named).
+// Why `who` ("this rank", or "rank 2" in a notice), which called `mine`,
+// and rank `peer`, which called `theirs`, cannot run their collective
+// (!signatures_agree): differing_calls of the two (theirs.seq < 0: a peer's
+// message that did not describe its collective; another seq is named;
+// tensors of another layout say so), or the all_to_all whose own block
+// differs in and out. `note` is added to the parenthesis.
 std::string mismatch_message(const std::string& engine, const Signature& mine, int peer,
-                             const Signature& theirs);
+                             const Signature& theirs, const std::string& who = "this rank",
+                             const std::string& note = "");
 // Every rank's call as text (debug mode's full calls, with shapes): empty
 // when all are the same, else differing_calls of this rank's and the first
 // peer's that differs, with each group of ranks and its call as the note
@@ -96,7 +125,7 @@ std::string compare_calls(const std::string& engine, int64_t seq, int rank,
 void fill_rows(const Signature& s, const std::vector<int64_t>& send, int size, int64_t* rows);
 // Row q of `rows` is what rank q sent this rank; compared with `s` (with
 // the count recv[q] when given). The mismatch_message of the first peer
-// that differs, or empty.
+// that does not agree (signatures_agree), or empty.
 std::string compare_rows(const std::string& engine, const Signature& s,
                          const std::vector<int64_t>& recv, int rank, int size, const int64_t* rows);
 // What a timed-out exchange says of the peers whose rows never came: "rank

@@ -19,7 +19,8 @@ constexpr uint64_t kCheckMask = ~uint64_t{0} & ~uint64_t{kCheckBit - 1};
 
 std::optional<uint32_t> fused_tag(const Descriptor& d) {
   if (d.kind != Kind::AllReduce || d.root >= 0 || d.dtype < 0 || d.op < 0 || d.count < 0 ||
-      d.dtype >= (1 << kDtypeBits) || d.op >= (1 << kOpBits) || d.count >= (1 << kCountBits)) {
+      d.layout != 0 || d.own_block_differs || d.dtype >= (1 << kDtypeBits) ||
+      d.op >= (1 << kOpBits) || d.count >= (1 << kCountBits)) {
     return std::nullopt;
   }
   return kCheckBit | kFusedBit | (static_cast<uint32_t>(d.dtype) << (kCountBits + kOpBits)) |
@@ -156,7 +157,7 @@ void CollectiveCheck::verify(Transfer& t) {
   const auto low = static_cast<uint32_t>(t.sender_tag);
   if (low & kFusedBit) {
     const auto theirs = from_fused_tag(low, mine.seq);
-    if (theirs != mine) mismatch(t.peer, theirs);
+    if (!signatures_agree(mine, theirs)) mismatch(t.peer, theirs);
     return;
   }
   if (t.status != UCS_OK || t.received != kDescriptorWords * sizeof(int64_t)) {
@@ -167,7 +168,7 @@ void CollectiveCheck::verify(Transfer& t) {
     mismatch(t.peer, unknown);
   }
   const auto theirs = from_words(static_cast<const int64_t*>(t.buffer.data_ptr()));
-  if (theirs != mine) mismatch(t.peer, theirs);
+  if (!signatures_agree(mine, theirs)) mismatch(t.peer, theirs);
 }
 
 void CollectiveCheck::mismatch(int peer, const Descriptor& theirs) {

@@ -196,6 +196,8 @@ void all_to_all(Link& link, at::Tensor& output, const at::Tensor& input,
     const auto oc = output_counts[static_cast<size_t>(r)];
     const auto ic = input_counts[static_cast<size_t>(r)];
     if (r == me) {
+      // Another size in than out is refused on every rank by the check.
+      COHORT_CHECK(oc == ic, "all_to_all's own block: " << ic << " elements in, " << oc << " out");
       out.narrow(0, out_at, oc).copy_(in.narrow(0, in_at, ic));
     } else {
       // Receives first, so no message waits in UCX's unexpected queue.

@@ -158,10 +158,9 @@ void ControlChannel::on_mismatch(const int64_t* w) {
   const auto reporter = from_words(w + 2), other = from_words(w + 3 + K);
   const std::string in = worker_.check_.current();
   worker_.failure_.fail(
-      differing_calls("ucx", reporter.seq, "rank " + std::to_string(w[1]), reporter.describe(),
-                      static_cast<int>(w[2 + K]),
-                      other.seq < 0 ? "a collective it did not describe" : other.describe(),
-                      "reported by rank " + std::to_string(w[1]) + (in.empty() ? "" : "; " + in)),
+      mismatch_message("ucx", reporter, static_cast<int>(w[2 + K]), other,
+                       "rank " + std::to_string(w[1]),
+                       "reported by rank " + std::to_string(w[1]) + (in.empty() ? "" : "; " + in)),
       true);
 }
 

@@ -131,9 +131,13 @@ class UcxEngine : public Engine {
     const int p = size();
     if (c.send.empty()) c.send.assign(static_cast<size_t>(p), input.numel() / p);
     if (c.recv.empty()) c.recv.assign(static_cast<size_t>(p), output.numel() / p);
+    // A rank whose own block differs in and out (the Communicator flags it)
+    // moves nothing: its flagged check fails the collective on every rank,
+    // this one when the peers' checks arrive.
+    const bool refused = c.d.own_block_differs;
     return submit("ucx all_to_all", input.nbytes(), std::move(c),
-                  [output, input, oc = output_counts, ic = input_counts](Link& l) mutable {
-                    ucx::all_to_all(l, output, input, oc, ic);
+                  [output, input, oc = output_counts, ic = input_counts, refused](Link& l) mutable {
+                    if (!refused) ucx::all_to_all(l, output, input, oc, ic);
                   });
   }
   WorkPtr barrier() override {
