@@ -7,15 +7,19 @@
 // AdamW state tensor equals the saving job's full tensor (the ep shards put
 // together along dimension 0) bit for bit, and every element is written once.
 // A mesh whose ep does not divide the checkpoint's experts is an error
-// naming the tensor on every rank.
+// naming the tensor on every rank. An MoE split over ranks is refused by a
+// checkpoint without a mesh (which would save one rank's experts as every
+// rank's) and by one with a mesh whose "ep" is not the MoE's group.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/optim/adamw.h>
 
 #include <mutex>
 
 #include "cohort/dcp/state_dict/state_dict.h"
+#include "cohort/expert_parallel/moe.h"
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "examples/models/gpt_model.h"
+#include "support/engine_worlds.h"
 #include "support/rank_errors.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
@@ -209,6 +213,130 @@ TEST(ExpertParallelRoundTrip, EpThatDoesNotDivideTheExpertsIsAnErrorOnEveryRank)
   }
   std::filesystem::remove_all(dir);
 }
+
+// E and F divide by 1, 2 and 3.
+expert_parallel::MoEOptions moe_options(uint64_t seed, bool over_tp,
+                                        std::shared_ptr<Communicator> group) {
+  expert_parallel::MoEOptions o;
+  o.hidden = 4;
+  o.ffn = 6;
+  o.experts = 6;
+  o.seed = seed;
+  (over_tp ? o.tp_group : o.ep_group) = std::move(group);
+  return o;
+}
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+struct SplitCase {
+  EngineWorld on;
+  bool over_tp;  // each expert's FFN split over the world, else the experts
+};
+
+std::vector<SplitCase> split_cases() {
+  std::vector<SplitCase> out;
+  for (const auto& on : engine_worlds({1, 2, 3})) {
+    for (bool over_tp : {false, true}) out.push_back({on, over_tp});
+  }
+  return out;
+}
+
+std::string split_case_name(const ::testing::TestParamInfo<SplitCase>& info) {
+  return info.param.on.backend + "_world" + std::to_string(info.param.on.world) +
+         (info.param.over_tp ? "_tp" : "_ep");
+}
+
+ThreadRanksOptions briefly(const EngineWorld& on) {
+  auto o = options_for(on);
+  o.timeout = std::chrono::seconds(5);
+  return o;
+}
+
+// Without a mesh every tensor is replicated: written once, loaded by every
+// rank. Split experts are refused on every rank; at world 1 (nothing split)
+// the round trip restores the saved model. Accepted, how far each rank's
+// loaded experts are from what it saved is the figure in the failure.
+class SplitExpertsCheckpointedWithoutAMesh : public ::testing::TestWithParam<SplitCase> {};
+
+TEST_P(SplitExpertsCheckpointedWithoutAMesh, AreRefusedOnEveryRank) {
+  const auto c = GetParam();
+  const auto dir = temp_dir("moe_plain_" + split_case_name({c, 0}));
+  auto errors = errors_on_every_rank(
+      c.on.world,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        expert_parallel::MoE saved(moe_options(7, c.over_tp, world));
+        expert_parallel::MoE loaded(moe_options(99, c.over_tp, world));
+        torch::optim::AdamW opt(saved->parameters(), kAdamW), other(loaded->parameters(), kAdamW);
+        dcp::save(dcp::get_state_dict(saved, opt), dir, *world);
+        auto sd = dcp::get_state_dict(loaded, other);
+        dcp::load(sd, dir, *world);
+        dcp::set_state_dict(loaded, other, sd);
+        throw std::runtime_error(
+            "accepted; w1 loaded off what this rank saved by " +
+            std::to_string((loaded->w1 - saved->w1).abs().max().item<float>()));
+      },
+      briefly(c.on));
+  for (const auto& e : errors) {
+    if (c.on.world == 1) {
+      EXPECT_TRUE(has(e, "accepted; w1 loaded off what this rank saved by 0.000000")) << e;
+      continue;
+    }
+    EXPECT_TRUE(has(e,
+                    "dcp::get_state_dict: parameter 'w1' holds only this rank's part of an "
+                    "MoE's experts"))
+        << e;
+    EXPECT_TRUE(has(e, "dcp::StateDictOptions::mesh")) << e;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(ExpertParallel, SplitExpertsCheckpointedWithoutAMesh,
+                         ::testing::ValuesIn(split_cases()), split_case_name);
+
+// A mesh of dp alone with the experts split over the world: the mesh's
+// layout would save each rank's [E / ep, ...] experts as a whole tensor,
+// written by one dp replica. Refused on every rank; accepted, the shape
+// saved is the figure in the failure.
+class ExpertsOverAnotherGroupThanTheMeshs : public ::testing::TestWithParam<EngineWorld> {};
+
+TEST_P(ExpertsOverAnotherGroupThanTheMeshs, AreRefusedOnEveryRank) {
+  const int n = GetParam().world;
+  const auto dir = temp_dir("moe_mesh_" + std::to_string(n));
+  auto errors = errors_on_every_rank(
+      n,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        auto mesh = init_device_mesh(world, {1, n, 1}, {"pp", "dp", "tp"});
+        expert_parallel::MoE moe(moe_options(7, false, world));
+        torch::optim::AdamW opt(moe->parameters(), kAdamW);
+        dcp::save(dcp::get_state_dict(*moe, opt, {&mesh}), dir, *world);
+        for (const auto& t : dcp::read_metadata(dir.string()).tensors) {
+          if (t.fqn == "model.w1")
+            throw std::runtime_error("accepted; model.w1 saved as " +
+                                     c10::str(c10::IntArrayRef(t.shape)));
+        }
+        throw std::runtime_error("accepted; no model.w1");
+      },
+      briefly(GetParam()));
+  for (size_t r = 0; r < errors.size(); ++r) {
+    const auto& e = errors[r];
+    if (n == 1) {
+      EXPECT_EQ(e, "accepted; model.w1 saved as [6, 6, 4]");
+      continue;
+    }
+    EXPECT_TRUE(has(e, "dcp::get_state_dict (rank " + std::to_string(r) +
+                           "): the MoE splits its experts over its expert-parallel group"))
+        << e;
+    EXPECT_TRUE(has(e, "has \"ep\" of 1")) << e;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(ExpertParallel, ExpertsOverAnotherGroupThanTheMeshs,
+                         ::testing::ValuesIn(engine_worlds({1, 2, 3})), engine_world_name);
 
 }  // namespace
 }  // namespace cohort::testing::dcp_test::expert_round_trip_test

@@ -4,7 +4,8 @@
 // over ranks) and each rank's expert gradients, with the auxiliary loss in
 // the loss; k = 1 and 2, with a capacity that drops tokens and one that drops
 // none. A negative control reroutes one token and must be caught by the same
-// comparison; average_moe_gradients at dp 2 x ep 2 against the mean loss;
+// comparison; average_moe_gradients at dp 2 x ep 2 against the mean loss,
+// and refusing groups of the wrong sizes;
 // route() against hand-worked routings, the capacity's rounding against
 // Megatron-Core's; options that differ across ranks.
 // With COHORT_TEST_DEVICE=cuda the layers and the tokens are on the GPU.
@@ -373,6 +374,56 @@ TEST_P(ExpertParallelChecks, ReplicasHoldingOtherExpertsAreRefused) {
   // The group's own ranks name both values.
   EXPECT_TRUE(has(errors[0], "the first's first_expert() 0")) << errors[0];
   EXPECT_TRUE(has(errors[0], "the first's first_expert() 6")) << errors[0];
+}
+
+// dp 2 x ep 2 with groups that do not hold dp x ep = expert_replicas x ep
+// ranks: (A) the dp group as both, so each ep rank's router is averaged over
+// dp only (the ep ranks drift apart) and the expert gradients come out ep
+// times too large; (B) every rank its own replica group while dp is 2, so
+// the experts are never averaged over dp. Both are refused on every rank,
+// none waits in the average; accepted, each rank's gradients against one
+// process's are the figures in the failure.
+void expect_group_sizes_refused(const std::string& backend, bool replicas_of_one) {
+  const Reference ref(2, true, 4, std::vector<double>(4, 0.25));
+  auto o = on(backend);
+  o.timeout = std::chrono::seconds(5);
+  auto errors = errors_on_every_rank(
+      4,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        const int r = world->rank();
+        auto ep = world->split(r / 2, r);  // {0, 1}, {2, 3}
+        auto dp = world->split(r % 2, r);  // {0, 2}, {1, 3}: the same experts
+        auto self = world->split(r, 0);
+        MoE m(options(2, true, ep));
+        m->to(test_device());
+        auto y = m(tokens_of(r));
+        ((y * probe_of(r)).sum() + m->aux_loss()).backward();
+        average_moe_gradients(*m, replicas_of_one ? *world : *dp, replicas_of_one ? *self : *dp);
+        const auto w1 = ref.grad(ref.moe->w1, m->first_expert(), m->local_experts());
+        throw std::runtime_error(
+            "accepted; router grad off by " +
+            std::to_string((m->router.grad() - ref.moe->router.grad()).abs().max().item<float>()) +
+            ", w1 grad " + std::to_string((m->w1.grad().norm() / w1.norm()).item<float>()) +
+            " times one process's");
+      },
+      o);
+  for (size_t r = 0; r < errors.size(); ++r) {
+    const auto& e = errors[r];
+    EXPECT_TRUE(has(e, "average_moe_gradients (rank ")) << "rank " << r << ": " << e;
+    EXPECT_TRUE(has(e, replicas_of_one ? "has 4 ranks, not the expert_replicas group's 1 times"
+                                       : "has 2 ranks, not the expert_replicas group's 2 times"))
+        << "rank " << r << ": " << e;
+    EXPECT_TRUE(has(e, "the 2 of the expert-parallel group of the MoE")) << e;
+  }
+}
+
+TEST_P(ExpertParallelChecks, ReplicasPassedAsTheDenseGroupAreRefused) {
+  expect_group_sizes_refused(GetParam(), false);
+}
+
+TEST_P(ExpertParallelChecks, OneRankReplicasWhileDpIsTwoAreRefused) {
+  expect_group_sizes_refused(GetParam(), true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Moe, ExpertParallelChecks, ::testing::ValuesIn(backends()),
