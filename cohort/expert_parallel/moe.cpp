@@ -6,10 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <unordered_set>
 
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/core/rank_local.h"
 #include "cohort/expert_parallel/all_to_all.h"
 #include "cohort/grad_sync/average_gradients.h"
 #include "cohort/tensor_parallel/mappings.h"
@@ -133,6 +136,30 @@ MoEImpl::MoEImpl(MoEOptions options) : options_(std::move(options)) {
   b1 = register_parameter("b1", w[2]);
   w2 = register_parameter("w2", w[3]);
   b2 = register_parameter("b2", w[4]);
+  mark_split_parameters();
+}
+
+void MoEImpl::mark_split_parameters() const {
+  const int ep = options_.ep_group ? options_.ep_group->size() : 1, tp = tp_size(options_);
+  if (ep == 1 && tp == 1) return;
+  std::string part_of = "an MoE's experts (this rank holds experts " + std::to_string(first_) +
+                        " to " + std::to_string(first_ + local_ - 1) + " of " +
+                        std::to_string(options_.experts);
+  if (ep > 1) {
+    part_of += ", split over the expert-parallel group " + options_.ep_group->name() + " of " +
+               std::to_string(ep) + " ranks";
+  }
+  if (tp > 1) {
+    part_of += ", each expert's FFN split over the tensor-parallel group " +
+               options_.tp_group->name() + " of " + std::to_string(tp) + " ranks";
+  }
+  part_of += ")";
+  const std::string remedy =
+      "train it with TrainerWiring::mesh (GradientSynchronizerOptions::expert_parameters) or "
+      "expert_parallel::average_moe_gradients, and checkpoint it with dcp::StateDictOptions::mesh";
+  // b2 is whole on every TP rank: it differs across ranks only over ep.
+  for (const auto* t : {&w1, &b1, &w2}) mark_rank_local(*t, part_of, remedy);
+  if (ep > 1) mark_rank_local(b2, part_of, remedy);
 }
 
 namespace {
@@ -302,23 +329,56 @@ std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model)
 
 namespace {
 
-// Throws on every rank of `dense` unless each rank of `expert_replicas` holds
-// the same experts in every MoE (the same first_expert()): averaging another
-// rank's experts in would mix different experts' weights with no error.
+std::string moe_name(const std::string& path) {
+  return path.empty() ? "the MoE" : "MoE '" + path + "'";
+}
+
+// Why `dense` and `expert_replicas` cannot average `model`'s MoE gradients
+// on this rank, or empty. Each MoE's expert gradient already sums the tokens
+// of its ep group, so the dense group must be the replicas times ep: a dense
+// group of the replicas alone (each ep rank's router then drifts, the
+// experts' gradients ep times too large) or replicas of one rank while dp is
+// above one (experts never averaged) is refused.
+std::string group_size_error(const torch::nn::Module& model, Communicator& dense,
+                             Communicator& expert_replicas) {
+  const int d = dense.size(), r = expert_replicas.size();
+  if (d % r != 0) {
+    return "the dense group's " + std::to_string(d) + " ranks do not divide by the " +
+           std::to_string(r) + " expert replicas";
+  }
+  std::string error;
+  model.apply([&](const std::string& name, const torch::nn::Module& m) {
+    const auto* moe = dynamic_cast<const MoEImpl*>(&m);
+    if (!moe || !error.empty()) return;
+    const int ep = moe->options().ep_group ? moe->options().ep_group->size() : 1;
+    if (d == r * ep) return;
+    error = "the dense group " + dense.name() + " has " + std::to_string(d) +
+            " ranks, not the expert_replicas group's " + std::to_string(r) + " times the " +
+            std::to_string(ep) + " of the expert-parallel group of " + moe_name(name) +
+            ": pass as dense the ranks that see different tokens (dp x ep) and as "
+            "expert_replicas those holding the same experts (dp)";
+  });
+  return error;
+}
+
+// Throws on every rank of `dense` unless the group sizes fit every MoE
+// (group_size_error) and each rank of `expert_replicas` holds the same
+// experts in every MoE (the same first_expert()): averaging another rank's
+// experts in would mix different experts' weights with no error.
 void check_replicas(const torch::nn::Module& model, Communicator& dense,
                     Communicator& expert_replicas) {
   std::vector<int64_t> firsts;
   model.apply([&](const torch::nn::Module& m) {
     if (const auto* moe = dynamic_cast<const MoEImpl*>(&m)) firsts.push_back(moe->first_expert());
   });
-  std::string error;
+  std::string error = group_size_error(model, dense, expert_replicas);
   if (expert_replicas.size() > 1) {
     // One all-gather: the layer count, the first layer's first expert and a
     // digest of all of them.
     const int64_t n = static_cast<int64_t>(firsts.size());
     const auto all = gather_words(
         expert_replicas, {n, n ? firsts[0] : -1, static_cast<int64_t>(fnv1a_words(firsts))});
-    if (!all.same()) {
+    if (!all.same() && error.empty()) {
       const auto values = all.values([](const int64_t* w) {
         return std::to_string(w[0]) + " MoE layers, the first's first_expert() " +
                std::to_string(w[1]) + ", digest " + std::to_string(static_cast<uint64_t>(w[2]));
@@ -338,8 +398,8 @@ void check_replicas(const torch::nn::Module& model, Communicator& dense,
   throw InvalidArgument("cohort: average_moe_gradients (rank " + std::to_string(dense.rank()) +
                         " of " + std::to_string(dense.size()) + "): " +
                         (error.empty() ? "rank " + std::to_string(first_bad) +
-                                             " of the dense group found that its expert_replicas "
-                                             "group holds different experts"
+                                             " of the dense group refused its groups (the error "
+                                             "there says why)"
                                        : error));
 }
 
@@ -347,12 +407,6 @@ void check_replicas(const torch::nn::Module& model, Communicator& dense,
 
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                            Communicator& expert_replicas) {
-  if (dense.size() % expert_replicas.size() != 0) {
-    throw InvalidArgument("cohort: average_moe_gradients (rank " + std::to_string(dense.rank()) +
-                          " of " + std::to_string(dense.size()) + "): the dense group's " +
-                          std::to_string(dense.size()) + " ranks do not divide by the " +
-                          std::to_string(expert_replicas.size()) + " expert replicas");
-  }
   check_replicas(model, dense, expert_replicas);
   average_gradients(non_expert_parameters(model), dense);
   auto experts = expert_parameters(model);
@@ -364,6 +418,36 @@ void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
   for (auto& p : experts) {
     if (p.grad().defined()) p.mutable_grad().mul_(scale);
   }
+}
+
+std::string mesh_mismatch(const torch::nn::Module& model, const DeviceMesh& mesh) {
+  const auto names = mesh.dim_names();
+  auto size_and_rank = [&](const char* dim) {
+    const bool has = std::find(names.begin(), names.end(), dim) != names.end();
+    return has ? std::pair{mesh.size(dim), mesh.local_rank(dim)} : std::pair{1, 0};
+  };
+  std::string error;
+  model.apply([&](const std::string& name, const torch::nn::Module& m) {
+    const auto* moe = dynamic_cast<const MoEImpl*>(&m);
+    if (!moe || !error.empty()) return;
+    for (const auto& [dim, group, split, kind] :
+         {std::tuple{"ep", moe->options().ep_group.get(), "its experts", "expert-parallel"},
+          std::tuple{"tp", moe->options().tp_group.get(), "each expert", "tensor-parallel"}}) {
+      const auto [size, rank] = size_and_rank(dim);
+      const int has_size = group ? group->size() : 1, has_rank = group ? group->rank() : 0;
+      if (has_size == size && has_rank == rank) continue;
+      const std::string has =
+          group ? std::string(" splits ") + split + " over its " + kind + " group " +
+                      group->name() + " of " + std::to_string(has_size) + " ranks (this rank at " +
+                      std::to_string(has_rank) + ")"
+                : std::string(" has no ") + kind + " group (" + split + " whole on every rank)";
+      error = moe_name(name) + has + ", but the mesh (" + mesh.to_string() + ") has \"" + dim +
+              "\" of " + std::to_string(size) + " (this rank at " + std::to_string(rank) +
+              "): build it over the mesh (MoE(mesh, options))";
+      return;
+    }
+  });
+  return error;
 }
 
 }  // namespace cohort::expert_parallel

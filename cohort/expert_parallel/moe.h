@@ -21,6 +21,7 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
@@ -94,6 +95,10 @@ class MoEImpl : public torch::nn::Module {
 
  private:
   void agree() const;
+  /// Marks the tensors that differ across ranks (core/rank_local.h), so that
+  /// DDP, FSDP, ZeRO, the fused optimizer, the all-reduce sync and a
+  /// checkpoint without a mesh refuse them.
+  void mark_split_parameters() const;
   /// Rows grouped by local expert (counts[j] each) through the experts.
   torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts);
 
@@ -116,14 +121,26 @@ std::map<const void*, int64_t> expert_tensor_split_dims(const torch::nn::Module&
 /// reduced over all ranks that see different tokens (dp x ep).
 std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model);
 
+/// Why the MoE layers inside `model` are not split as `mesh` says, or empty:
+/// each must split its experts over the mesh's "ep" dimension and each
+/// expert's FFN over its "tp", as MoE(mesh, options) does (groups of the
+/// same sizes, this rank at the same rank in each; a dimension the mesh
+/// lacks counts as one rank). The mesh's gradient sync, norm and checkpoint
+/// place the experts by the mesh's dimensions. Local: the caller agrees on
+/// the outcome over the mesh.
+std::string mesh_mismatch(const torch::nn::Module& model, const DeviceMesh& mesh);
+
 /// Averages `model`'s gradients after backward, for a loss that is the mean
 /// of every rank's loss over `dense` (the dp x ep ranks): non-expert
 /// parameters over `dense`; expert parameters summed over `expert_replicas`
 /// (the ranks holding the same experts) and divided by dense.size(), since
 /// each rank's expert gradient already sums over its ep group's tokens.
 /// Collective over both groups; first one all-gather over each that checks
-/// the replicas hold the same experts (InvalidArgument on every rank of
-/// `dense` if not, e.g. for the ep group passed as `expert_replicas`).
+/// that dense.size() is expert_replicas.size() times every MoE's ep size
+/// and that the replicas hold the same experts (InvalidArgument on every
+/// rank of `dense` if not: the ep group passed as `expert_replicas`, the
+/// replicas passed as `dense`, a one-rank `expert_replicas` while dp is
+/// above one).
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                            Communicator& expert_replicas);
 

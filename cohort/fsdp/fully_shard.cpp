@@ -8,6 +8,7 @@
 
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/core/rank_local.h"
 #include "cohort/fsdp/unit_agreement.h"
 
 namespace cohort {
@@ -151,6 +152,9 @@ FullyShardImpl::OwnParameters FullyShardImpl::describe_unit(const torch::nn::Mod
     }
     if (!seen.insert(impl).second) continue;  // tied within this unit: held once
     if (record.refusal.empty()) record.refusal = held_elsewhere(impl, p.key());
+    // Sharded as one tensor over the mesh, a rank's part of a split tensor
+    // (an MoE's experts) would be replaced by rank 0's at the first gather.
+    if (record.refusal.empty()) record.refusal = rank_local_refusal({p.value()}, {p.key()});
     own.params.push_back(p.value());
     own.names.push_back(p.key());
     shapes.push_back(static_cast<int64_t>(p.value().scalar_type()));

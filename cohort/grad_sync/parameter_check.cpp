@@ -8,6 +8,7 @@
 
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/core/rank_local.h"
 #include "cohort/core/tensor_checks.h"
 
 namespace cohort {
@@ -112,10 +113,45 @@ void verify_same_values(Communicator& comm, const std::vector<torch::Tensor>& pa
   throw MismatchError(os.str());
 }
 
+void verify_not_rank_local(Communicator& comm, const std::vector<torch::Tensor>& params,
+                           const std::vector<std::string>& names, const std::string& who) {
+  const auto local = rank_local_refusal(params, names);
+  auto where = [&] {
+    return who + ": on rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) +
+           " (group " + comm.name() + "), ";
+  };
+  if (comm.size() == 1) {
+    if (!local.empty()) throw InvalidArgument(where() + local);
+    return;
+  }
+  const RankWords all = gather_words(comm, {local.empty() ? 0 : 1});
+  if (!local.empty()) throw InvalidArgument(where() + local);
+  std::vector<char> refused;
+  for (int r = 0; r < all.ranks(); ++r) refused.push_back(all.of(r)[0] != 0 ? 1 : 0);
+  const std::string refusing = flagged_ranks(refused);
+  if (!refusing.empty()) {
+    throw InvalidArgument(where() + "the parameters of " + refusing +
+                          " hold one rank's part of a split tensor (the error there names it), "
+                          "so no rank goes on");
+  }
+}
+
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
                             const std::vector<std::string>& names, const std::string& who,
                             std::exception_ptr refusal) {
   const int n = comm.size();
+  // A rank's part of a split tensor (an MoE's experts) is not one replicated
+  // parameter: broadcast or averaged over this group it would be replaced by
+  // or mixed with other ranks' parts.
+  if (!refusal) {
+    const auto local = rank_local_refusal(params, names);
+    if (!local.empty()) {
+      std::ostringstream os;
+      os << who << ": on rank " << comm.rank() << " of " << n << " (group " << comm.name() << "), "
+         << local;
+      refusal = std::make_exception_ptr(InvalidArgument(os.str()));
+    }
+  }
   if (n == 1 && refusal) std::rethrow_exception(refusal);
   if (n == 1) return;
   // Signatures differ in length across ranks when the models differ.

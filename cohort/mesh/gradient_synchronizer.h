@@ -145,6 +145,8 @@ class GradientSynchronizer {
   void synchronize();
   /// Per-dimension counters.
   const GradientSyncStats& stats() const { return stats_; }
+  /// options.expert_parameters: the tensors reduced as experts.
+  const std::vector<torch::Tensor>& expert_parameters() const { return options_.expert_parameters; }
   /// The word embedding (first stage) or the last stage's copy of it; undefined on middle
   /// stages and when not passed.
   const torch::Tensor& shared_embedding() const { return shared_embedding_; }

@@ -3,14 +3,21 @@
 #include <chrono>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
 #include "cohort/grad_sync/average_gradients.h"
+#include "cohort/grad_sync/parameter_check.h"
 
 namespace cohort {
 
 AllReduceGradientSync::AllReduceGradientSync(std::shared_ptr<Communicator> comm,
                                              std::vector<torch::Tensor> params)
-    : comm_(std::move(comm)), params_(unique_tensors(params)) {}
+    : comm_(std::move(comm)), params_(unique_tensors(params)) {
+  if (!comm_) throw InvalidArgument("AllReduceGradientSync: the communicator is null");
+  // Averaged over comm_, an expert split over ranks would be mixed with the
+  // other ranks' experts.
+  verify_not_rank_local(*comm_, params_, {}, "AllReduceGradientSync");
+}
 
 void AllReduceGradientSync::finish_sync() {
   if (comm_->size() == 1) return;

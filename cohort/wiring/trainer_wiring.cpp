@@ -4,7 +4,10 @@
 #include <set>
 #include <string>
 
+#include "cohort/dcp/collective_status.h"
+#include "cohort/expert_parallel/moe.h"
 #include "cohort/fsdp/fsdp_adapters.h"
+#include "cohort/grad_sync/parameter_check.h"
 #include "cohort/pipeline/pipeline_layout.h"
 #include "cohort/wiring/mesh_wiring.h"
 
@@ -74,13 +77,60 @@ std::shared_ptr<torch::nn::Module> unsplit_stages(const pipeline::PipelineRuntim
   return holder;
 }
 
+// Why the mesh's synchronizer would reduce `stages`' experts wrongly, or
+// empty: its expert list must be exactly the MoE layers' experts. One left
+// out is averaged over "ep" with other experts; a dense parameter listed is
+// summed over the replicas only, missing the other ep ranks' tokens.
+std::string expert_list_mismatch(const torch::nn::Module& stages,
+                                 const std::vector<torch::Tensor>& listed) {
+  std::set<const void*> given, experts;
+  for (const auto& t : listed) given.insert(t.unsafeGetTensorImpl());
+  for (const auto& t : expert_parallel::expert_parameters(stages)) {
+    experts.insert(t.unsafeGetTensorImpl());
+  }
+  const std::string which =
+      "GradientSynchronizerOptions::expert_parameters must be "
+      "expert_parallel::expert_parameters(stage), the experts of every MoE layer (" +
+      std::to_string(experts.size()) + " tensors here), and holds " + std::to_string(given.size()) +
+      "; ";
+  for (const auto& p : stages.named_parameters()) {
+    const void* impl = p.value().unsafeGetTensorImpl();
+    if (experts.count(impl) && !given.count(impl)) {
+      return which + "'" + p.key() + "' is missing (it would be averaged with other experts)";
+    }
+    if (given.count(impl) && !experts.count(impl)) {
+      return which + "'" + p.key() +
+             "' is no expert (its gradient would miss the other ep ranks' tokens)";
+    }
+  }
+  for (const auto& t : listed) {
+    if (!experts.count(t.unsafeGetTensorImpl())) {
+      return which + "a tensor of shape " + c10::str(t.sizes()) + " is no parameter of the stages";
+    }
+  }
+  return "";
+}
+
 }  // namespace
+
+void TrainerWiring::refuse_split_parameters(const std::string& who) const {
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& p : model_->named_parameters()) {
+    params.push_back(p.value());
+    names.push_back(p.key());
+  }
+  verify_not_rank_local(*comm_, params, names, who);
+}
 
 TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
                                       torch::optim::Optimizer& optimizer) {
   TrainerWiring wiring(runtime.process_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer),
                        std::make_unique<LocalGradientSync>());
+  // No data parallelism, but the checkpoint and the norm take each stage's
+  // tensors for whole: an expert split over ranks would be saved as one part.
+  wiring.refuse_split_parameters("TrainerWiring::pipeline");
   wiring.set_pipeline_layout(runtime, nullptr);
   // Every rank writes all of its stages' tensors: they are its alone.
   wiring.set_stage_state(DeviceMesh::from_group(runtime.process_group(), "pp"), optimizer,
@@ -162,6 +212,14 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   TrainerWiring wiring(mesh.process_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer),
                        std::make_unique<MeshGradientSync>(sync), more);
+  // The sync, the norm and the checkpoint place each expert by the mesh's
+  // "ep" and "tp" and take the sync's list for the experts: MoE layers split
+  // otherwise, or a list that is not theirs, would train and save a wrong
+  // model. Agreed, so every rank throws the first failing rank's reason.
+  auto error = expert_parallel::mesh_mismatch(*wiring.model_, mesh);
+  if (error.empty()) error = expert_list_mismatch(*wiring.model_, sync.expert_parameters());
+  dcp::agree(*mesh.process_group(), error.empty() ? "" : "TrainerWiring::mesh: " + error,
+             dcp::ErrorKind::InvalidArgument);
   // The last stage's copy of the tied embedding (pp > 1) is not a parameter of its own.
   const int stages = mesh.size("pp");
   const bool copy = stages > 1 && mesh.local_rank("pp") == stages - 1;

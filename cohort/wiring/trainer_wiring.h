@@ -92,6 +92,8 @@ class TrainerWiring : public TrainingPlan {
     TrainerWiring wiring(zero.process_group(), std::move(model),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<InStepGradientSync>(zero));
+    // ZeRO refused them among its own parameters; the model may hold more.
+    wiring.refuse_split_parameters("TrainerWiring::zero");
     wiring.set_dcp_state(wiring.model_, zero);
     wiring.mode_ = "ZeRO without DDP";
     return wiring;
@@ -126,6 +128,7 @@ class TrainerWiring : public TrainingPlan {
                                   torch::optim::Optimizer& optimizer,
                                   std::shared_ptr<Communicator> comm) {
     if (!model) throw InvalidArgument("TrainerWiring::all_reduce: model is null");
+    if (!comm) throw InvalidArgument("TrainerWiring: communicator is null");
     auto sync = std::make_unique<AllReduceGradientSync>(comm, model->parameters());
     TrainerWiring wiring(std::move(comm), std::move(model),
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
@@ -199,6 +202,11 @@ class TrainerWiring : public TrainingPlan {
                 std::vector<std::shared_ptr<Communicator>> more_traffic = {})
       : TrainingPlan(std::move(comm), std::move(model), std::move(optimizer), std::move(sync),
                      std::move(more_traffic)) {}
+
+  // InvalidArgument on every rank of comm_ when the model holds one rank's
+  // part of a split tensor (an MoE's experts: core/rank_local.h), which a
+  // wiring other than the mesh's would take for replicated.
+  void refuse_split_parameters(const std::string& who) const;
 
   // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
   void set_pipeline_layout(pipeline::PipelineRuntime& runtime,

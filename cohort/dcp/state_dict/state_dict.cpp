@@ -6,6 +6,7 @@
 #include <map>
 
 #include "cohort/core/error.h"
+#include "cohort/core/rank_local.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/state_dict/detail/adapters.h"
 #include "cohort/dcp/state_dict/detail/tp_adapters.h"
@@ -60,11 +61,30 @@ void check_covers(const ByName& from, const StateDict& to) {
   }
 }
 
+// The replicated layouts (DDP's, ZeRO's, the fused optimizer's) write each
+// tensor once and load it into every rank: one rank's experts would be
+// saved as everyone's.
+void refuse_rank_local(const torch::nn::Module& model) {
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& p : model.named_parameters()) {
+    params.push_back(p.value());
+    names.push_back(p.key());
+  }
+  const auto refusal = rank_local_refusal(params, names);
+  if (refusal.empty()) return;
+  throw InvalidArgument("dcp::get_state_dict: " + refusal +
+                        ": pass StateDictOptions::mesh, the mesh the model was built on");
+}
+
 }  // namespace
 
 StateDict state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                         ZeroRedundancyOptimizer* zero, const StateDictOptions& options) {
-  if (zero) return zero_state_dict(model, *zero);
+  if (zero) {
+    refuse_rank_local(model);
+    return zero_state_dict(model, *zero);
+  }
   if (auto* sharded = dynamic_cast<FullyShardImpl*>(&model)) {
     return fsdp_state_dict(*sharded, optimizer);
   }
@@ -76,6 +96,7 @@ StateDict state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optim
         "dcp::get_state_dict: the model holds tensor-parallel layers: pass "
         "StateDictOptions::mesh, the mesh they were built on");
   }
+  refuse_rank_local(model);
   return ddp_state_dict(model, optimizer);
 }
 
@@ -89,6 +110,7 @@ StateDict fused_state_dict_of(torch::nn::Module& model, FusedDistributedOptimize
         "dcp::get_state_dict: the fused optimizer's model must be a plain module (no FSDP, "
         "tensor-parallel layers or mesh)");
   }
+  refuse_rank_local(model);
   return fused_state_dict(model, fused);
 }
 

@@ -1,7 +1,9 @@
 #include "cohort/dcp/state_dict/detail/tp_adapters.h"
 
 #include <set>
+#include <string>
 
+#include "cohort/core/error.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/state_dict/detail/adapters.h"
 #include "cohort/dcp/state_dict/detail/optimizer_slots.h"
@@ -57,6 +59,12 @@ class Writers {
 StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied,
                                      const Metadata* for_load) {
+  // The boxes below place each expert by the mesh's "ep" and "tp": an MoE
+  // split over other groups would be saved under the wrong boxes.
+  if (auto mismatch = expert_parallel::mesh_mismatch(stage, mesh); !mismatch.empty()) {
+    throw InvalidArgument("dcp::get_state_dict (rank " + std::to_string(mesh.rank()) +
+                          "): " + mismatch);
+  }
   auto dims = tensor_parallel::split_dims(stage);
   // Experts split over tp (F / tp of each) are TP-split tensors too.
   for (const auto& e : expert_parallel::expert_tensor_split_dims(stage)) dims.insert(e);
