@@ -42,12 +42,6 @@ void mark_rank_local(const torch::Tensor& t, std::string part_of, std::string re
            std::move(part_of), std::move(remedy)});
 }
 
-std::string rank_local(const torch::Tensor& t) {
-  std::lock_guard<std::mutex> lock(marks_mutex);
-  const Mark* mark = mark_of(t);
-  return mark ? mark->part_of : "";
-}
-
 std::string rank_local_refusal(const std::vector<torch::Tensor>& params,
                                const std::vector<std::string>& names) {
   std::lock_guard<std::mutex> lock(marks_mutex);

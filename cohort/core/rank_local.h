@@ -1,6 +1,6 @@
-// defines: mark_rank_local and rank_local, the mark of a parameter that holds
-// only this rank's part of a tensor split over ranks (an MoE's experts over
-// its expert-parallel group, or each expert's FFN over its tensor-parallel
+// defines: mark_rank_local, the mark of a parameter that holds only this
+// rank's part of a tensor split over ranks (an MoE's experts over its
+// expert-parallel group, or each expert's FFN over its tensor-parallel
 // group), and rank_local_refusal, the error of a mode that would take it for
 // a replicated parameter.
 //
@@ -27,10 +27,6 @@ namespace cohort {
 /// what it is part of, `remedy` what trains and saves it instead; the
 /// refusals quote both.
 void mark_rank_local(const torch::Tensor& t, std::string part_of, std::string remedy);
-
-/// What `t` is part of (mark_rank_local's `part_of`); empty when it is not
-/// marked.
-std::string rank_local(const torch::Tensor& t);
 
 /// The refusal of a mode that treats `params` as replicated: empty when none
 /// is marked, else the first marked one (by its name in `names` where given,
