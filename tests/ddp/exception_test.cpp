@@ -14,91 +14,21 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "support/engine_worlds.h"
 #include "tests/ddp/ddp_test_models.h"
+#include "tests/ddp/failing_mlp.h"
 
 namespace cohort::testing::ddp_exception_test {
 namespace {
 
+using namespace failing_mlp;
 using Mlp = torch::nn::Sequential;
 
-constexpr int kSteps = 10;
-constexpr int kFailStep = 3;
-constexpr int64_t kBatch = 12;  // divides by 1, 2, 3 and 6
 constexpr int64_t kLeaves = 6;
-
-// What the failing layer throws: a type of its own, so that a test
-// catching it sees that it was not replaced on the way out.
-struct LayerError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// Where the failing layer throws while armed.
-enum class Fail {
-  kNot,
-  kInBackward,  // in the layer's gradient hook, after some buckets launched
-  kInForward,   // in the layer's forward
-  kOnLoss,      // in a hook on the loss: before any parameter's gradient
-};
-
-// The identity; armed, it throws in its forward or in its gradient's hook.
-struct FailingImpl : torch::nn::Module {
-  std::shared_ptr<Fail> fail;
-  explicit FailingImpl(std::shared_ptr<Fail> f) : fail(std::move(f)) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    if (*fail == Fail::kInForward) throw LayerError("the layer refused");
-    auto h = x.view_as(x);
-    auto flag = fail;
-    h.register_hook([flag](const torch::Tensor& g) {
-      if (*flag == Fail::kInBackward) throw LayerError("the layer refused");
-      return g;
-    });
-    return h;
-  }
-};
-TORCH_MODULE(Failing);
-
-// make_ddp_mlp with the failing identity before its last Linear, the same
-// parameters on every call (from a generator of its own: ranks are threads).
-Mlp make_model(const std::shared_ptr<Fail>& fail) {
-  Mlp model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
-            torch::nn::Tanh(), Failing(fail), torch::nn::Linear(16, 4));
-  auto g = at::detail::createCPUGenerator(3);
-  torch::NoGradGuard no_grad;
-  for (auto& p : model->parameters()) p.copy_(torch::randn(p.sizes(), g) * 0.3);
-  return model;
-}
-
-struct Batches {
-  torch::Tensor x, y;  // [kSteps, kBatch, ...]
-};
-
-Batches make_batches() {
-  auto g = at::detail::createCPUGenerator(11);
-  return {torch::randn({kSteps, kBatch, 8}, g), torch::randn({kSteps, kBatch, 4}, g)};
-}
-
-torch::optim::SGD make_sgd(const std::vector<torch::Tensor>& params) {
-  return torch::optim::SGD(params, torch::optim::SGDOptions(0.1).momentum(0.9));
-}
-
-// One process, the whole batch, the failing step skipped.
-std::vector<torch::Tensor> reference(const Batches& b) {
-  auto model = make_model(std::make_shared<Fail>(Fail::kNot));
-  auto opt = make_sgd(model->parameters());
-  for (int s = 0; s < kSteps; ++s) {
-    if (s == kFailStep) continue;
-    opt.zero_grad();
-    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
-    opt.step();
-  }
-  return clone_all(model->parameters());
-}
 
 // How the DDP runs (plain or with leaves) and where the step fails: in
 // forward or backward; with leaves, in the rank's first leaf or its last.
@@ -115,21 +45,6 @@ struct Mode {
     return out + (fail_in_last_leaf ? "leaves, in the last" : "leaves, in the first");
   }
 };
-
-// Rows [from, from + n) of step s's batch.
-torch::Tensor rows(const torch::Tensor& t, int s, int64_t from, int64_t n) {
-  return t[s].narrow(0, from, n);
-}
-
-// One step's forwards and backwards on this rank; throws what the failing
-// layer threw.
-void backward_of(torch::Tensor loss, Fail fail) {
-  if (fail == Fail::kOnLoss) {
-    loss.register_hook(
-        [](const torch::Tensor& g) -> torch::Tensor { throw LayerError("the layer refused"); });
-  }
-  loss.backward();
-}
 
 void step_once(DistributedDataParallel<Mlp>& ddp, const Batches& b, int s, const Mode& mode,
                const std::shared_ptr<Fail>& fail, int rank, int world) {
@@ -196,7 +111,7 @@ class DDPStepException : public ::testing::TestWithParam<EngineWorld> {};
 
 TEST_P(DDPStepException, TrainingGoesOnAfterAStepThatThrew) {
   const auto b = make_batches();
-  const auto want = reference(b);
+  const auto want = reference_skipping(b, kFailStep);
   for (const Mode& mode :
        {Mode{true}, Mode{false}, Mode{true, true, false}, Mode{true, true, true},
         Mode{true, false, false, Fail::kInForward}, Mode{true, true, false, Fail::kInForward},
