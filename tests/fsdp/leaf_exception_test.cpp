@@ -5,7 +5,9 @@
 // at world 1 to 3. The user catches it and skips the rest of the step:
 // after 10 AdamW steps every parameter equals, within 1e-6 relative, that
 // of one process that skipped the step, so none of the failed step's
-// leaves reaches a later step.
+// leaves reaches a later step. An evaluation forward (under NoGradGuard, or
+// in eval mode) that throws between two leaves of a step is no leaf of it:
+// the step goes on, and training equals one process that skipped nothing.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -95,6 +97,61 @@ void expect_one_process(const EngineWorld& c, bool on_loss = false) {
   }
 }
 
+// How the evaluation forward between two leaves runs.
+enum class Eval { kNoGrad, kEvalMode };
+
+// Ranks train with leaves; in step kFailStep, after the backward of the
+// rank's first leaf, an evaluation forward throws LayerError (the user
+// catches it) and the step's other leaves follow.
+std::map<int, Named> with_failing_eval(const EngineWorld& c, const Batches& b, Where where,
+                                       Eval eval) {
+  std::mutex mu;
+  std::map<int, Named> got;
+  cohort::testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        FullyShardOptions options;
+        options.determinism = Determinism::WorldSizeInvariant;
+        options.leaves = kLeaves;
+        auto fail = std::make_shared<bool>(false);
+        auto model = sharded_failing_model<FailingForward>(comm, options, where, fail);
+        auto opt = make_optimizer(Opt::AdamW, model->parameters());
+        const std::string who = "rank " + std::to_string(comm->rank());
+        const int64_t rows = kBatch / kLeaves, leaves = model->local_leaves();
+        EXPECT_GE(leaves, 2) << who << ": no leaf after the evaluation";
+        for (int s = 0; s < kSteps; ++s) {
+          opt->zero_grad();
+          for (int64_t k = 0; k < leaves; ++k) {
+            const int64_t from = (model->first_leaf() + k) * rows;
+            auto x = b.x[s].narrow(0, from, rows);
+            torch::mse_loss(model->forward(x), b.y[s].narrow(0, from, rows)).backward();
+            if (s != kFailStep || k != 0) continue;
+            *fail = true;
+            try {
+              if (eval == Eval::kNoGrad) {
+                torch::NoGradGuard no_grad;
+                model->forward(x);
+              } else {
+                model->eval();
+                model->forward(x);
+              }
+              ADD_FAILURE() << who << ": the evaluation did not throw";
+            } catch (const LayerError&) {
+            }
+            model->train();
+            *fail = false;
+          }
+          opt->step();
+        }
+        auto params = model->full_state_dict();
+        std::lock_guard<std::mutex> lock(mu);
+        got[comm->rank()] = std::move(params);
+      },
+      cohort::testing::options_for(c));
+  return got;
+}
+
 class FSDPLeafException : public ::testing::TestWithParam<EngineWorld> {};
 
 TEST_P(FSDPLeafException, TrainingGoesOnAfterAStepWhoseForwardThrew) {
@@ -107,6 +164,20 @@ TEST_P(FSDPLeafException, TrainingGoesOnAfterAStepWhoseBackwardThrew) {
 
 TEST_P(FSDPLeafException, TrainingGoesOnAfterAStepWhoseBackwardThrewOnTheLoss) {
   expect_one_process<FailingHook, HookError>(GetParam(), /*on_loss=*/true);
+}
+
+TEST_P(FSDPLeafException, AnEvaluationThrownBetweenLeavesLeavesTheStepAlone) {
+  const auto b = make_batches(31);
+  for (auto where : {Where::kBetweenUnits, Where::kInsideUnit}) {
+    const auto want = reference_skipping<FailingForward>(b, where, /*skipped=*/-1);
+    for (auto eval : {Eval::kNoGrad, Eval::kEvalMode}) {
+      SCOPED_TRACE(std::string(where == Where::kBetweenUnits ? "between units" : "inside a unit") +
+                   (eval == Eval::kNoGrad ? ", under NoGradGuard" : ", in eval mode"));
+      for (const auto& [rank, params] : with_failing_eval(GetParam(), b, where, eval)) {
+        expect_close(params, want, 1e-6, "rank " + std::to_string(rank));
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPLeafException,
