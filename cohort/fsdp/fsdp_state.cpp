@@ -243,7 +243,14 @@ void FSDPState::backward_failed() noexcept {
   // full accumulation, as a plain module keeps what a throwing backward
   // accumulated.
   for (size_t u = 0; u < units_.size(); ++u) {
-    if (u < reducing_.size() && reducing_[u]) units_[u].group->drop_gradients();
+    if (u < reducing_.size() && reducing_[u]) {
+      units_[u].group->drop_gradients();
+    } else {
+      try {
+        units_[u].group->keep_full_gradients();
+      } catch (const std::exception&) {
+      }
+    }
   }
   abandon_leaf_step();
   reshard_all_quietly();

@@ -40,6 +40,12 @@ void release(torch::Tensor& t, const torch::Tensor& keep = {}) {
   t = torch::Tensor();
 }
 
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+WeakTensor no_tensor() {
+  return WeakTensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>());
+}
+
 }  // namespace
 
 FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<std::string> names,
@@ -73,6 +79,8 @@ FSDPParamGroup::FSDPParamGroup(std::vector<torch::Tensor> params, std::vector<st
   layout_ = make_shard_layout(params_, comm_->size(), comm_->rank());
   const size_t n = params_.size();
   stash_.resize(n);
+  kept_grad_.assign(n, no_tensor());
+  kept_version_.assign(n, 0);
   grad_sharded_.assign(n, 0);
   had_grad_.assign(n, 0);
 
@@ -295,11 +303,25 @@ void FSDPParamGroup::set_sharded() {
 
 void FSDPParamGroup::stash_gradients() {
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!grad_sharded_[i]) continue;  // a full accumulation, or none
-    stash_[i] = std::move(params_[i].mutable_grad());
-    params_[i].mutable_grad() = torch::Tensor();
-    grad_sharded_[i] = 0;
+    if (grad_sharded_[i]) {
+      stash_[i] = std::move(params_[i].mutable_grad());
+      params_[i].mutable_grad() = torch::Tensor();
+      grad_sharded_[i] = 0;
+    } else if (stash_[i].defined() && !holds_kept_gradient(i)) {
+      // .grad is a full accumulation (or none) that the user zeroed or
+      // replaced since the backward without sync left it (zero_grad, set
+      // to none or in place): one process's .grad held what was put aside
+      // too, so that goes as well.
+      stash_[i] = torch::Tensor();
+    }
   }
+}
+
+bool FSDPParamGroup::holds_kept_gradient(size_t i) const {
+  const auto& g = params_[i].grad();
+  // The weak reference keeps the kept tensor's address from being reused.
+  return g.defined() && g.unsafeGetTensorImpl() == kept_grad_[i]._unsafe_get_target() &&
+         g._version() == kept_version_[i];
 }
 
 Work FSDPParamGroup::start_reduce_scatter() {
@@ -375,10 +397,25 @@ void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {
 void FSDPParamGroup::keep_full_gradients() {
   for (size_t i = 0; i < params_.size(); ++i) {
     grad_sharded_[i] = 0;
+    auto& g = params_[i].mutable_grad();
+    kept_grad_[i] = no_tensor();
+    if (!g.defined()) {
+      // No full gradient: a shard put aside goes back to .grad (the unit
+      // is resharded next), where zero_grad reaches it.
+      if (stash_[i].defined()) {
+        g = std::move(stash_[i]);
+        stash_[i] = torch::Tensor();
+        grad_sharded_[i] = 1;
+      }
+      continue;
+    }
     // As FSDP2: full gradients accumulate in reduce_dtype across backwards
     // without sync (the next backward adds its param_dtype gradient to it).
-    auto& g = params_[i].mutable_grad();
-    if (g.defined() && g.scalar_type() != reduce_dtype_) g = g.to(reduce_dtype_);
+    if (g.scalar_type() != reduce_dtype_) g = g.to(reduce_dtype_);
+    // A shard put aside stays there only while .grad is this tensor as
+    // left here (stash_gradients).
+    kept_grad_[i] = WeakTensor(g.getIntrusivePtr());
+    kept_version_[i] = g._version();
   }
 }
 

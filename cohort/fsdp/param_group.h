@@ -113,7 +113,9 @@ class FSDPParamGroup {
 
   /// Before a backward: a sharded .grad is put aside (and added back when
   /// this backward's gradients are reduced); a full .grad accumulated by
-  /// backwards without gradient sync stays to accumulate into.
+  /// backwards without gradient sync stays to accumulate into, and what was
+  /// put aside before them stays only while .grad is the tensor they left,
+  /// unwritten since (zero_grad drops both, as one process's).
   void stash_gradients();
   /// Copies the full .grad of every parameter (none: zeros) into the
   /// reduce-scatter input, drops the full .grad and launches the
@@ -131,7 +133,8 @@ class FSDPParamGroup {
   /// averaged gradient plus what was stashed. `any[i]`: whether any rank
   /// had parameter i's gradient (none did: .grad stays what was stashed).
   void finish_gradients(const std::vector<char>& any);
-  /// After a backward without gradient sync: the full .grad stays.
+  /// After a backward without gradient sync: the full .grad stays; a
+  /// parameter that has none gets back its shard put aside, if any.
   void keep_full_gradients();
   /// After a backward that threw (its reduce-scatter, if any, waited for):
   /// every parameter's .grad is none, what was stashed and the
@@ -166,6 +169,9 @@ class FSDPParamGroup {
   void check_policy() const;
   // Links each parameter back to its kept accumulator (see the file comment).
   void relink_accumulators();
+  // Whether parameter i's .grad is the full gradient keep_full_gradients()
+  // left, not written since.
+  bool holds_kept_gradient(size_t i) const;
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
@@ -189,6 +195,10 @@ class FSDPParamGroup {
 
   std::vector<torch::Tensor> stash_;  // sharded gradients put aside for a backward
   std::vector<char> grad_sharded_;    // .grad is a shard (not a full accumulation)
+  // Per parameter: the full .grad a backward without sync left, and its
+  // version then (stash_gradients).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> kept_grad_;
+  std::vector<int64_t> kept_version_;
   std::vector<char> had_grad_;
   torch::Tensor rs_input_, rs_output_;  // rs_output_: the shard's dtype once done
   bool rs_pending_ = false;             // launched, reduce_scatter_done() not run

@@ -10,12 +10,18 @@
 //   inner one alone), the root without recurse (its own parameters alone),
 //   and the root with recurse (every unit, as before).
 //
+// A gradient shard left in .grad by a synchronizing backward and put aside
+// by a backward without sync goes with zero_grad (set to none or in place)
+// before the next synchronizing backward, and is added into its result
+// without one: every rank's .grad is its rows of one process's.
+//
 // A setting that differs between ranks is a MismatchError on every rank
 // naming the unit. The Trainer's skip_sync (FSDPGradientSync) around a
 // step's first micro-batch leaves each unit's own setting as it found it.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -224,6 +230,68 @@ TEST_P(FSDPUnitGradientSync, TheTrainersSkipSyncLeavesEachUnitsOwnFlag) {
         EXPECT_NO_THROW(sync.finish_sync());
       },
       cohort::testing::options_for(c));
+}
+
+// Each parameter's .grad on this rank is its rows of `twin`'s (one process):
+// the rows ShardLayout gives the rank, ceil(rows / world) per rank.
+void expect_gradient_rows(FullyShard& root, torch::nn::Module& twin, const Communicator& comm,
+                          const std::string& what) {
+  const auto want = twin.named_parameters();
+  for (const auto& p : root->named_parameters()) {
+    const auto& w = want[p.key()].grad();
+    const auto& g = p.value().grad();
+    ASSERT_EQ(g.defined(), w.defined()) << what << ": " << p.key();
+    if (!w.defined()) continue;
+    const int64_t rows = w.size(0), chunk = (rows + comm.size() - 1) / comm.size();
+    const auto mine = w.narrow(0, std::min(rows, comm.rank() * chunk), g.size(0));
+    const double err = g.numel() ? (g - mine).abs().max().item<double>() : 0.0;
+    EXPECT_TRUE(torch::allclose(g, mine, 1e-5, 1e-6))
+        << what << ": " << p.key() << " differs by " << err << " (largest "
+        << w.abs().max().item<double>() << ")";
+  }
+}
+
+// How the gradients are zeroed between a backward without sync and the
+// next one: not at all (the accumulation goes on), set to none, or zeroed
+// in place (Module::zero_grad's two forms; an optimizer's zero_grad is one
+// of them).
+enum class Zeroing { kNone, kSetToNone, kInPlace };
+
+// A synchronizing backward leaves each unit's gradient shard in .grad (no
+// zero_grad after it); a backward without sync puts that shard aside and
+// accumulates the full gradient in .grad, where one process's .grad holds
+// both. Then zero_grad, or not, and a synchronizing backward: every rank's
+// .grad is its rows of one process's after the same three backwards and
+// the same zeroing, on this rank's rows of each batch.
+TEST_P(FSDPUnitGradientSync, AGradientShardPutAsideForABackwardWithoutSyncGoesWithZeroGrad) {
+  const auto c = GetParam();
+  const auto b = make_batches(19);
+  for (auto zeroing : {Zeroing::kNone, Zeroing::kSetToNone, Zeroing::kInPlace}) {
+    const std::string what = zeroing == Zeroing::kNone        ? "accumulating on"
+                             : zeroing == Zeroing::kSetToNone ? "zero_grad(set_to_none)"
+                                                              : "zero_grad in place";
+    cohort::testing::run_ranks_shared(
+        c.world,
+        [&](std::shared_ptr<Communicator> comm) {
+          torch::set_num_threads(1);
+          auto m = make(comm);
+          auto twin = make(nullptr);
+          init_parameters(*twin.seq, 4);
+          load_from(m.root, *twin.seq);
+          for (int k = 0; k < 3; ++k) {
+            if (k == 2 && zeroing != Zeroing::kNone) {
+              m.root->zero_grad(zeroing == Zeroing::kSetToNone);
+              twin.seq->zero_grad(zeroing == Zeroing::kSetToNone);
+            }
+            m.root->set_requires_gradient_sync(k != 1);
+            torch::mse_loss(m.root->forward(local(b.x[k], *comm)), local(b.y[k], *comm)).backward();
+            torch::mse_loss(twin.seq->forward(b.x[k]), b.y[k]).backward();
+          }
+          expect_gradient_rows(m.root, *twin.seq, *comm,
+                               what + ", rank " + std::to_string(comm->rank()));
+        },
+        cohort::testing::options_for(c));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPUnitGradientSync,
