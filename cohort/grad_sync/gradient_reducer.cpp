@@ -244,11 +244,18 @@ void GradientReducer::tell_hook_changed(const std::vector<std::vector<size_t>>& 
 
 void GradientReducer::set_reduction_owner(ReductionOwner* owner) {
   if (owner && !owner->takes_leaf_chunks()) refuse_with_leaves("set_reduction_owner");
-  if (backward_started_ && !backward_finished_) {
+  // Outside the engine, an unfinished backward threw (the next forward
+  // ends it). With an owner DDP launched nothing of it, so the owner may go
+  // now, as ZeRO's destructor does while the exception leaves the training
+  // loop (refused, that destructor would end the program): it drops its
+  // part first. DDP's own buckets may still be on the wire.
+  const bool unfinished = backward_started_ && !backward_finished_;
+  if (unfinished && (in_autograd_engine() || !owner_)) {
     throw InvalidArgument("DistributedDataParallel: set_reduction_owner on rank " +
                           std::to_string(comm_->rank()) + " during a backward pass");
   }
   if (owner == owner_) return;
+  if (unfinished) owner_->backward_failed();
   torch::NoGradGuard no_grad;
   // .grad tensors that are views into the buckets being freed get memory of
   // their own (the buckets being allocated adopt them again below).

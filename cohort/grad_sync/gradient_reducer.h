@@ -93,8 +93,11 @@ class GradientReducer {
   /// reduction_owner.h; ZeroRedundancyOptimizer at stage 2 calls it): the
   /// bucket buffers are freed and the comm hook is no longer used. nullptr
   /// gives the reduction back to DDP (the buckets are allocated again). Not
-  /// between a backward and the end of its reduction. The owner must
-  /// outlive its registration.
+  /// during a backward pass, nor after one DDP reduced itself that threw
+  /// until the next forward ends it (InvalidArgument); an owner replaced
+  /// after a backward that threw drops its part first
+  /// (ReductionOwner::backward_failed). The owner must outlive its
+  /// registration.
   void set_reduction_owner(ReductionOwner* owner);
   /// The owner set by set_reduction_owner(), or nullptr while DDP reduces.
   ReductionOwner* reduction_owner() const { return owner_; }

@@ -95,11 +95,11 @@ void GradientReducer::backward_failed() {
   if (hook_ && !launched.empty()) hook_->buckets_changed(launched);
   if (leaf_) abandon_leaf_step();
   // Part of the failed step's gradients are averaged and part local: none
-  // may reach a later step. A reduction owner (ZeRO-2) drops its own part
-  // at its zero_grad().
-  if (!owner_) {
-    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
-  }
+  // may reach a later step. A reduction owner (ZeRO-2) drops what it staged
+  // and waits for what it launched; the gradients it had not staged yet
+  // are in .grad.
+  if (owner_) owner_->backward_failed();
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   clear_local_use();
   reset_iteration();
   agree_skipped("the last backward threw (its step was dropped)");

@@ -32,6 +32,13 @@ class ReductionOwner {
   virtual void gradient_ready(size_t index) = 0;
   /// Every parameter has been reported (end of backward, or synchronize()).
   virtual void backward_finished() = 0;
+  /// The synchronizing backward that reported gradients since the last
+  /// backward_finished() threw (DDP finds it at the next forward, before
+  /// any collective of its own): drop what it reported, waiting for what
+  /// was launched (launched alike on every rank that threw at that call),
+  /// so that the next backward starts a new iteration. DDP drops every
+  /// .grad itself. Must not throw.
+  virtual void backward_failed() noexcept {}
   /// Whether the owner takes DDP's Determinism::WorldSizeInvariant result as
   /// a chunk (leaf_chunk_ready()); DDP refuses an owner that does not.
   virtual bool takes_leaf_chunks() const { return false; }

@@ -183,6 +183,20 @@ void GradientShardReducer::backward_finished() {
   if (active_) launch_ready_buckets(true);
 }
 
+void GradientShardReducer::backward_failed() noexcept {
+  // Left active, the next backward would count as a second one before
+  // step() and be refused. What was launched was launched alike on every
+  // rank that threw at that call; a failed reduce-scatter would only hide
+  // the user's exception.
+  while (queue_.in_flight() > 0) {
+    try {
+      release(queue_.retire_oldest());
+    } catch (const std::exception&) {
+    }
+  }
+  drop();
+}
+
 void GradientShardReducer::arrive(size_t i) {
   torch::NoGradGuard no_grad;
   if (!active_) begin_iteration();

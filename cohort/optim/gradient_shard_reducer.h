@@ -99,6 +99,7 @@ class GradientShardReducer : private ReductionOwner {
  private:
   void gradient_ready(size_t ddp_index) override;
   void backward_finished() override;
+  void backward_failed() noexcept override;
   void begin_iteration();
   // Parameter i's gradient is in: staged into the current bucket if it lies
   // there, kept in .grad for later buckets.
