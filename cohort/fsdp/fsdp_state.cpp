@@ -55,6 +55,22 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
       unit_of_.push_back(u);
     }
   }
+  // Each unit's enclosing unit: the root's (when it has parameters) holds
+  // every other; a unit's path is a prefix of those inside it (pre-order).
+  parent_.assign(k, kNone);
+  inside_.assign(k, 0);
+  for (size_t v = 1; v < k; ++v) {
+    for (size_t u = v; u-- > 0;) {
+      const auto& outer = units_[u].name;
+      if ((u == 0 && root_ == 0) || units_[v].name.rfind(outer + ".", 0) == 0) {
+        parent_[v] = u;
+        break;
+      }
+    }
+    for (size_t a = parent_[v]; a != kNone; a = parent_[a]) ++inside_[a];
+  }
+  call_watch_.resize(k);
+  watched_after_.assign(k, -1);
   settings_ = settings();
   check_.set_settings(settings_);
   check_.set_sync(sync_flags());
@@ -86,11 +102,16 @@ void FSDPState::layout_gradients() {
   std::vector<int64_t> parts(k, 0), bytes(k, 0);
   for (size_t u = k; u-- > 0;) order.push_back(u);
   parts_.assign(k, 0);
+  has_frozen_.assign(k, 0);
   for (size_t u = 0; u < k; ++u) {
     auto* g = units_[u].group;
     g->make_accumulators();
-    for (const auto& p : g->params()) parts[u] += p.requires_grad() ? 1 : 0;
-    parts_[u] = static_cast<size_t>(parts[u]);
+    for (const auto& p : g->params()) {
+      parts_[u] += p.requires_grad() ? 1 : 0;
+      has_frozen_[u] = has_frozen_[u] || !p.requires_grad();
+    }
+    // A bucket goes once its unit's backward is over (finish_unit).
+    parts[u] = 1;
     bytes[u] = g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());
   }
   queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
@@ -153,16 +174,44 @@ size_t FSDPState::next_in_backward(size_t u) const {
   return backward_next_[u];
 }
 
-void FSDPState::pre_forward(size_t u, bool training) {
+torch::Tensor FSDPState::pre_forward(size_t u, bool training, const torch::Tensor& input) {
   // A root forward outside any backward while one is marked running: that
   // backward threw (its graph still lives, so graph_freed did not end it).
   if (u == root_ && in_backward_ && !in_autograd_engine()) backward_failed();
   if (u == root_ && !in_backward_) begin_forward(training);
-  if (u == kRoot) return;
+  if (u == kRoot) return input;
   wait_unshard(u, ScheduleStep::kForwardGather);
   // Not while a checkpointed unit recomputes in backward: the next unit's
   // backward came before.
   if (!in_backward_ && u + 1 < units_.size()) start_unshard(u + 1, ScheduleStep::kForwardGather);
+  return watch_input(u, input);
+}
+
+// A unit's layer whose weight is frozen gets no gradient, so its backward
+// (its input's gradient, which reads that weight) may come after the
+// unit's last parameter gradient landed: the unit's backward is over only
+// once its input's gradient is complete. So the unit computes on an alias
+// of its input whose hook says when (as FSDP2's post-backward hook on a
+// unit's inputs). A layer modifying that alias in place moves the hook off
+// the graph in LibTorch 1.13 (it never runs: the unit stays gathered until
+// the end of backward) and keeps it on the value before the change in 2.x
+// (it runs after that layer's backward): either way never too early.
+torch::Tensor FSDPState::watch_input(size_t u, const torch::Tensor& input) {
+  call_watch_[u].reset();
+  if (!has_frozen_[u] || !torch::GradMode::is_enabled() || !input.defined() ||
+      !input.requires_grad()) {
+    return input;
+  }
+  auto watch = std::make_shared<InputWatch>();
+  watch->unit = u;
+  call_watch_[u] = watch;
+  watched_after_[u] = static_cast<int64_t>(outermost_forwards_);
+  auto alias = input.view_as(input);
+  std::weak_ptr<FSDPState> self = shared_from_this();
+  alias.register_hook([self, watch](const torch::Tensor&) {
+    if (auto state = self.lock()) state->input_gradient_done(*watch);
+  });
+  return alias;
 }
 
 // A training forward's graph freed with no backward run through it (its
@@ -294,14 +343,20 @@ void FSDPState::post_forward(size_t u, const torch::Tensor& output, bool outermo
   if (outermost && !in_backward_) watch = std::make_shared<GraphWatch>(self, ++outermost_forwards_);
   // The hook runs on the output's grad_fn before it; it leaves the gradient
   // unchanged. It lives as long as that graph, and so does `watch`.
-  const_cast<torch::Tensor&>(output).register_hook([self, u, watch](const torch::Tensor&) {
-    if (auto state = self.lock()) state->pre_backward(u);
+  std::shared_ptr<InputWatch> input = u == kRoot ? nullptr : std::move(call_watch_[u]);
+  const_cast<torch::Tensor&>(output).register_hook([self, u, watch, input](const torch::Tensor&) {
+    if (auto state = self.lock()) state->pre_backward(u, input.get());
   });
 }
 
-void FSDPState::pre_backward(size_t u) {
+void FSDPState::pre_backward(size_t u, InputWatch* input) {
   if (!in_backward_) begin_backward();
   if (u != kRoot) backward_started_[u] = 1;
+  // This call's backward runs until its input's gradient is complete.
+  if (input && input->opened != backward_id_) {
+    input->opened = backward_id_;
+    ++open_[u];
+  }
   // The unit before this one is reduce-scattering: its input (that unit's
   // full gradients) goes before this unit's all-gather output is copied
   // into its full storage and the next unit's all-gather starts, so that
@@ -321,13 +376,17 @@ void FSDPState::prefetch_after(size_t u) {
   const size_t next = next_in_backward(u);
   // Not a unit whose backward already ran (its gradients landed late: a
   // parameter it shares with a later unit): that would gather it again.
-  if (next < units_.size() && !backward_started_[next]) {
+  // Nor one whose backward is over (or has nothing to run): it gathers
+  // itself if its backward comes after all.
+  if (next < units_.size() && !backward_started_[next] && !finished_[next]) {
     start_unshard(next, ScheduleStep::kBackwardGather);
   }
 }
 
 void FSDPState::begin_backward() {
   in_backward_ = true;
+  ++backward_id_;
+  forwards_before_ = backward_after_;
   backward_after_ = outermost_forwards_;
   // Each unit's setting as it is now (FSDP2 reads it in backward too); the
   // ranks' are checked before the next collective.
@@ -340,37 +399,82 @@ void FSDPState::begin_backward() {
   // A unit without sync sends nothing: its bucket is ready from the start
   // and launches as nothing (launch), so it never holds back the others.
   for (size_t u = 0; u < units_.size(); ++u) {
-    if (reducing_[u]) continue;
-    for (size_t i = 0; i < parts_[u]; ++i) queue_.arrive(u);
+    if (!reducing_[u]) queue_.arrive(u);
   }
   queue_.start_clock();
   arrived_.assign(units_.size(), 0);
   backward_started_.assign(units_.size(), 0);
+  finished_.assign(units_.size(), 0);
+  open_.assign(units_.size(), 0);
+  inside_open_ = inside_;
   failures_.clear();
   std::weak_ptr<FSDPState> self = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self] {
     if (auto state = self.lock()) state->end_backward();
   });
+  // Units with nothing to wait for (all frozen, no backward of their own
+  // to come, nothing inside them) are over already.
+  for (size_t u = 0; u < units_.size(); ++u) settle(u);
 }
 
 void FSDPState::gradient_ready(size_t k) {
   if (!in_backward_) return;
   const size_t u = unit_of_[k];
-  if (!reducing_[u]) return;  // its full gradient accumulates in .grad
+  ++arrived_[u];
+  // Retires finished reduce-scatters as gradients land.
+  if (reducing_[u] && leaf_.empty()) launch_ready();
+  settle(u);
+}
+
+void FSDPState::input_gradient_done(InputWatch& input) {
+  if (!in_backward_ || input.opened != backward_id_ || input.closed == backward_id_) return;
+  input.closed = backward_id_;
+  --open_[input.unit];
+  settle(input.unit);
+}
+
+bool FSDPState::backward_over(size_t u) const {
+  if (arrived_[u] < parts_[u]) return false;
+  // Every parameter requires grad: each layer that reads one in backward
+  // runs before that parameter's gradient lands.
+  if (!has_frozen_[u]) return true;
+  // A layer reading a frozen weight runs its backward for a gradient that
+  // comes from the unit's input (the input's hook), from its own
+  // parameters (their gradients), or from a unit inside it (that unit's
+  // end); and a unit whose input had a hook in a forward since the last
+  // backward has a backward to wait for (its output's hook).
+  const bool watched = watched_after_[u] >= static_cast<int64_t>(forwards_before_);
+  return open_[u] == 0 && inside_open_[u] == 0 && (backward_started_[u] || !watched);
+}
+
+void FSDPState::settle(size_t u) {
+  if (finished_[u] || !backward_over(u)) return;
+  finish_unit(u);
+  // Its end may be what a unit around it waited for.
+  for (size_t a = parent_[u]; a != kNone; a = parent_[a]) {
+    if (!finished_[a] && backward_over(a)) finish_unit(a);
+  }
+}
+
+void FSDPState::finish_unit(size_t u) {
+  finished_[u] = 1;
+  for (size_t a = parent_[u]; a != kNone; a = parent_[a]) --inside_open_[a];
+  if (!reducing_[u]) return;  // its full gradients accumulate in .grad
   if (!leaf_.empty()) {
-    if (++arrived_[u] == parts_[u]) leaf_gradients_ready(u);
+    leaf_gradients_ready(u);
     return;
   }
   queue_.arrive(u);
   launch_ready();
-  if (++arrived_[u] != parts_[u]) return;
-  // The unit's gradients are all in: its backward needs its parameters no
-  // more. They go (launch did it if the queue let the unit go) before the
-  // next unit's all-gather output is allocated, so a backward holds the
-  // unit computing (parameters and gradients) or the prefetched unit and
-  // the reduce-scatter input, two units, never three.
+  // The unit's backward is over: it needs its parameters no more. They go
+  // (launch did it if the queue let the unit go) before the next unit's
+  // all-gather output is allocated, so a backward holds the unit computing
+  // (parameters and gradients) or the prefetched unit and the
+  // reduce-scatter input, two units, never three.
   units_[u].group->reshard();
-  prefetch_after(u);
+  // A unit whose backward never ran (all frozen) is no point in time of
+  // the backward order to prefetch from.
+  if (backward_started_[u]) prefetch_after(u);
 }
 
 void FSDPState::launch_ready() {
@@ -385,8 +489,8 @@ Work FSDPState::launch(size_t u) {
   // Without sync a unit keeps its full gradients, and its parameters for
   // its backward (which may not have run yet).
   if (!reducing_[u]) return Work();
-  // Its gradients are all in: backward needs its parameters no more, and
-  // they go before the reduce-scatter input is made.
+  // Its backward is over: it needs its parameters no more, and they go
+  // before the reduce-scatter input is made.
   units_[u].group->reshard();
   retire_in_flight();
   check_.before(ScheduleStep::kReduceScatter, u);

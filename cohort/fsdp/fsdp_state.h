@@ -9,15 +9,18 @@
 // is 0 when it has parameters of its own; kRoot names it otherwise); the
 // forward prefetches unit u + 1 while unit u computes; backward runs the
 // units in reverse (0, k-1, ..., 1) and prefetches the next one when the
-// root's hook runs, or when a unit's gradients have all landed (its
-// parameters freed first, so a backward holds two units, not three);
-// gradients are reduce-scattered from unit k-1 down to the root, each as
-// soon as it and the units after it have all their gradients. Ranks must
-// run the same units in the same order (as in FSDP2): before each of these
-// collectives the ranks check that they are about to issue the same one
-// (ScheduleCheck, unit_agreement.h: one all-gather of a few words), so a
-// rank whose forward skipped a unit is named with the unit, on every rank,
-// instead of exchanging buffers of another size.
+// root's hook runs, or when a unit's backward is over (its parameters freed
+// first, so a backward holds two units, not three); gradients are
+// reduce-scattered from unit k-1 down to the root, each as soon as its
+// backward and those of the units after it are over. A unit's backward is
+// over once its gradients have all landed; with a frozen parameter, also
+// once the units inside it are over and its input's gradient is complete
+// (a frozen layer reads its weight in backward but lands no gradient).
+// Ranks must run the same units in the same order (as in FSDP2): before
+// each of these collectives the ranks check that they are about to issue
+// the same one (ScheduleCheck, unit_agreement.h: one all-gather of a few
+// words), so a rank whose forward skipped a unit is named with the unit, on
+// every rank, instead of exchanging buffers of another size.
 //
 // Changes between steps. Each forward of the root takes up each unit's
 // reshard_after_forward and each parameter's requires_grad: a parameter
@@ -69,6 +72,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   /// The root's index when it has no parameters of its own.
   static constexpr size_t kRoot = static_cast<size_t>(-1);
+  /// No unit (a unit with none around it).
+  static constexpr size_t kNone = static_cast<size_t>(-1);
 
   /// `units` in pre-order, the root first if `root_has_params`; `buffers`
   /// are broadcast from rank 0 before each training forward (DDP's rule).
@@ -85,8 +90,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   FSDPState& operator=(const FSDPState&) = delete;
 
   /// Before unit u's forward (`training`: the module is in training mode);
-  /// u is 0 or kRoot for the root.
-  void pre_forward(size_t u, bool training);
+  /// u is 0 or kRoot for the root. Returns what the unit's module computes
+  /// on: `input`, or for a unit with frozen parameters an alias of it whose
+  /// gradient tells when the unit's backward is over.
+  torch::Tensor pre_forward(size_t u, bool training, const torch::Tensor& input);
   /// After unit u's forward: reshards it (not the root) if it should, and
   /// hooks `output` (if it requires grad) to unshard it before its backward.
   /// `outermost`: no unit's forward encloses this one; if no backward will
@@ -100,8 +107,16 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// settle). Waits for an all-gather in flight, which every rank issued.
   /// Never throws: a unit that refuses (a parameter replaced) stays gathered.
   void forward_failed() noexcept;
-  /// Unit u's output got its gradient: its backward is next.
-  void pre_backward(size_t u);
+  /// One forward call of a unit with frozen parameters, whose input's
+  /// gradient ends its backward (watch_input).
+  struct InputWatch {
+    size_t unit = 0;
+    uint64_t opened = 0;  // the backward in which its output's gradient came
+    uint64_t closed = 0;  // the backward in which its input's gradient did
+  };
+  /// Unit u's output got its gradient: its backward is next. `input`: that
+  /// call's InputWatch, if any.
+  void pre_backward(size_t u, InputWatch* input = nullptr);
 
   /// Unshards every unit (collective).
   void unshard_all();
@@ -140,6 +155,21 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // The unit whose backward comes after unit u's (u may be kRoot); none: size.
   size_t next_in_backward(size_t u) const;
   void gradient_ready(size_t k);
+  // Unit u's input with a hook that ends its backward, when it has frozen
+  // parameters and the input needs a gradient (fsdp_state.cpp says why).
+  torch::Tensor watch_input(size_t u, const torch::Tensor& input);
+  // The input's gradient of a call of `input.unit` is complete.
+  void input_gradient_done(InputWatch& input);
+  // Whether unit u's backward is over: every parameter's gradient landed
+  // and, with a frozen parameter, its inputs' gradients are complete and
+  // the units inside it are over.
+  bool backward_over(size_t u) const;
+  // Finishes unit u if its backward is over, then the units around it that
+  // waited for it.
+  void settle(size_t u);
+  // Unit u's backward is over: reshards it and lets its reduce-scatter go
+  // (with leaves: pushes its leaf gradient).
+  void finish_unit(size_t u);
   // Starts the all-gather of the unit whose backward follows unit u's.
   void prefetch_after(size_t u);
   void launch_ready();
@@ -183,8 +213,22 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<size_t> first_param_;     // unit -> index of its first parameter
   std::vector<torch::Tensor> params_;   // every parameter of every unit
   std::vector<size_t> parts_;           // unit -> its parameters that require grad
+  std::vector<char> has_frozen_;        // unit -> one of its parameters does not
+  std::vector<size_t> parent_;          // unit -> the unit around it (none: kNone)
+  std::vector<size_t> inside_;          // unit -> the units inside it
   std::vector<size_t> arrived_;         // unit -> gradients landed in this backward
   std::vector<char> backward_started_;  // unit -> its pre_backward ran in this backward
+  // This backward: units whose backward is over; per unit, its calls whose
+  // backward began and whose input's gradient is not complete, and the
+  // units inside it not over.
+  std::vector<char> finished_;
+  std::vector<size_t> open_, inside_open_;
+  // Per unit: the InputWatch its pre_forward made, for its post_forward;
+  // the outermost forwards before the last forward that made one (-1: none).
+  std::vector<std::shared_ptr<InputWatch>> call_watch_;
+  std::vector<int64_t> watched_after_;
+  uint64_t backward_id_ = 0;      // backwards begun so far
+  uint64_t forwards_before_ = 0;  // outermost forwards before the previous backward began
   std::unique_ptr<AccumulatorHooks> hooks_;
   BucketQueue queue_;
   bool in_backward_ = false;

@@ -77,7 +77,7 @@ void FSDPState::leaf_gradients_ready(size_t u) {
   units_[u].group->reshard();
   units_[u].group->push_leaf_gradient(*leaf_[u], leaf_done_ == 0);
   leaf_pushed_[u] = 1;
-  prefetch_after(u);
+  if (backward_started_[u]) prefetch_after(u);
 }
 
 void FSDPState::end_leaf_backward() {

@@ -338,10 +338,10 @@ torch::Tensor FullyShardImpl::forward(const torch::Tensor& input) {
   const bool outermost = forward_depth == 0;
   torch::Tensor out;
   try {
-    state->pre_forward(index_, is_training());
+    const auto in = state->pre_forward(index_, is_training(), x);
     {
       DepthGuard depth;
-      out = call_(x);
+      out = call_(in);
     }
     state->post_forward(index_, out, outermost);
   } catch (...) {
