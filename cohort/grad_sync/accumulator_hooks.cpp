@@ -55,6 +55,12 @@ void AccumulatorHooks::refresh() {
   }
 }
 
+void AccumulatorHooks::hook_unhooked() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!accumulators_[i] && params_[i].requires_grad()) hook(i);
+  }
+}
+
 AccumulatorHooks::~AccumulatorHooks() {
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     if (accumulators_[i]) accumulators_[i]->del_post_hook(keys_[i]);

@@ -46,6 +46,9 @@ class AccumulatorHooks {
   /// set_()s every parameter to the loaded tensor: the old accumulator,
   /// still holding the hook, is then part of no graph).
   void refresh();
+  /// Hooks the parameters that require grad now and have no hook (frozen
+  /// when this was made, unfrozen since). Call it outside any backward.
+  void hook_unhooked();
   /// Parameter i's hooked accumulator (null if it does not require grad).
   torch::autograd::Node* accumulator(size_t i) const { return accumulators_[i].get(); }
 

@@ -42,10 +42,7 @@ GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
   has_.assign(params_.size(), 0);
   parts_left_.assign(params_.size(), 0);
   held_grad_.assign(params_.size(), 0);
-  std::vector<size_t> order(buckets.size());
-  std::vector<int64_t> parts(buckets.size(), 0), bytes(buckets.size());
   for (size_t b = 0; b < buckets.size(); ++b) {
-    order[b] = buckets.size() - 1 - b;
     buckets_[b].buffer = std::make_unique<StagingBuffer>(buckets[b].padded, options);
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& prm = partition_.params()[i];
@@ -53,19 +50,31 @@ GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
           prm.offset + prm.numel > buckets[b].offset) {
         param_buckets_[i].emplace_back(b, buckets_[b].params.size());
         buckets_[b].params.push_back(i);
-        // Only parameters that can get a gradient are waited for; the
-        // others are zeros when their bucket goes.
-        if (params_[i].requires_grad()) ++parts[b];
       }
     }
     buckets_[b].staged.assign(buckets_[b].params.size(), 0);
-    bytes[b] = buckets_[b].buffer->nbytes();
   }
-  queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
+  count_parts();
   if (hook) {
     hooks_ =
         std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { on_gradient_ready(i); });
   }
+}
+
+void GradientShardReducer::count_parts() {
+  const size_t n = buckets_.size();
+  std::vector<size_t> order(n);
+  std::vector<int64_t> parts(n, 0), bytes(n);
+  waited_.assign(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) waited_[i] = params_[i].requires_grad() ? 1 : 0;
+  for (size_t b = 0; b < n; ++b) {
+    order[b] = n - 1 - b;
+    // Only parameters that can get a gradient are waited for; the others
+    // are zeros when their bucket goes.
+    for (size_t i : buckets_[b].params) parts[b] += waited_[i];
+    bytes[b] = buckets_[b].buffer->nbytes();
+  }
+  queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
 }
 
 GradientShardReducer::~GradientShardReducer() {
@@ -92,6 +101,17 @@ void GradientShardReducer::take_over(GradientReducer& ddp) {
 }
 
 void GradientShardReducer::begin_iteration() {
+  // requires_grad changed since the buckets were counted (a parameter
+  // unfrozen, or frozen, between steps): a bucket waits for the parameters
+  // that can get a gradient now. One unfrozen since the last step has no
+  // hook yet (finish() makes it): its gradient is staged at the end of
+  // backward, and its bucket waits until then.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (waited_[i] != (params_[i].requires_grad() ? 1 : 0)) {
+      count_parts();
+      break;
+    }
+  }
   for (auto& b : buckets_) std::fill(b.staged.begin(), b.staged.end(), 0);
   queue_.reset();
   queue_.start_clock();
@@ -289,6 +309,9 @@ std::vector<char> GradientShardReducer::finish(const std::string& refusal, const
                 "handed its reduction over (build it with make(ddp, ...) or call "
                 "take_over_reduction(ddp.reducer()))");
   }
+  // A parameter unfrozen since the hooks were made gets its hook now,
+  // outside any backward, for the next one.
+  if (hooks_) hooks_->hook_unhooked();
   if (!active_) begin_iteration();
   launch_rest();
   // The presence all-reduce comes after every bucket was launched on every

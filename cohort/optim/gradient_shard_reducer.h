@@ -101,6 +101,8 @@ class GradientShardReducer : private ReductionOwner {
   void backward_finished() override;
   void backward_failed() noexcept override;
   void begin_iteration();
+  // Counts each bucket's parts: its parameters that require grad now.
+  void count_parts();
   // Parameter i's gradient is in: staged into the current bucket if it lies
   // there, kept in .grad for later buckets.
   void arrive(size_t i);
@@ -144,6 +146,7 @@ class GradientShardReducer : private ReductionOwner {
   // one here, how many of its parts are not staged yet.
   std::vector<std::vector<std::pair<size_t, size_t>>> param_buckets_;
   std::vector<char> arrived_, has_;
+  std::vector<char> waited_;  // requires_grad when the buckets' parts were counted
   std::vector<size_t> parts_left_;
   std::vector<int64_t> held_grad_;  // bytes of a .grad kept for a later bucket
   bool active_ = false;             // an iteration is under way

@@ -330,6 +330,55 @@ TEST(Zero, Stage2RefusesTwoBackwardsPerStep) {
   });
 }
 
+// Stage 2 alone with the first layer's weight frozen when the optimizer is
+// made and unfrozen before step kUnfreeze's forward (progressive
+// unfreezing): from then on its gradient is reduced like the others', staged
+// during backward from the next step on (its accumulator hooked at the
+// step), and every rank's parameters equal one process's on the ranks' rows
+// together (DDP's average) within 1e-6, at worlds 2 and 3 (world 1 has no
+// reducer).
+TEST(Zero, Stage2TakesUpAParameterUnfrozenAfterItWasMade) {
+  torch::set_num_threads(1);
+  constexpr int kUnfreeze = 3;
+  const auto opts = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const Problem pb(world);
+    auto ref = pb.make_net();
+    ref->a->weight.set_requires_grad(false);
+    torch::optim::AdamW ref_opt(ref->parameters(), opts);
+    for (int s = 0; s < kSteps; ++s) {
+      if (s == kUnfreeze) ref->a->weight.set_requires_grad(true);
+      ref_opt.zero_grad();
+      torch::mse_loss(ref->forward(pb.xs[s].reshape({-1, 7})), pb.ys[s].reshape({-1, 1}))
+          .backward();
+      ref_opt.step();
+    }
+    RankResults got(world);
+    run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
+      auto net = pb.make_net();
+      net->a->weight.set_requires_grad(false);
+      auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(net->parameters(), comm, opts,
+                                                                     tiny_stage2());
+      for (int s = 0; s < kSteps; ++s) {
+        if (s == kUnfreeze) net->a->weight.set_requires_grad(true);
+        zero->zero_grad();
+        // The input's gradient comes after every parameter's: by then a
+        // hooked a.weight was staged (its .grad dropped) during backward.
+        auto x = pb.xs[s][comm->rank()].clone().requires_grad_();
+        auto in = x * 1;
+        bool staged = false;
+        in.register_hook([&](const torch::Tensor&) { staged = !net->a->weight.grad().defined(); });
+        torch::mse_loss(net->forward(in), pb.ys[s][comm->rank()]).backward();
+        if (s > kUnfreeze) EXPECT_TRUE(staged) << "step " << s;
+        zero->step();
+      }
+      got.put(comm->rank(), net->parameters());
+    });
+    expect_all_ranks_equal(got.params, ref->parameters(), pb.init);
+  }
+}
+
 // Same count and element total, different shapes: a check of counts alone
 // would let this through and mix unrelated elements.
 TEST(Zero, RefusesTransposedShapesNamingTheParameter) {
