@@ -370,7 +370,9 @@ TEST(Zero, Stage2TakesUpAParameterUnfrozenAfterItWasMade) {
         bool staged = false;
         in.register_hook([&](const torch::Tensor&) { staged = !net->a->weight.grad().defined(); });
         torch::mse_loss(net->forward(in), pb.ys[s][comm->rank()]).backward();
-        if (s > kUnfreeze) EXPECT_TRUE(staged) << "step " << s;
+        if (s > kUnfreeze) {
+          EXPECT_TRUE(staged) << "step " << s;
+        }
         zero->step();
       }
       got.put(comm->rank(), net->parameters());
