@@ -110,9 +110,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// One forward call of a unit with frozen parameters, whose input's
   /// gradient ends its backward (watch_input).
   struct InputWatch {
-    size_t unit = 0;
-    uint64_t opened = 0;  // the backward in which its output's gradient came
-    uint64_t closed = 0;  // the backward in which its input's gradient did
+    size_t unit = 0;      ///< the unit called
+    uint64_t opened = 0;  ///< the backward in which its output's gradient came
+    uint64_t closed = 0;  ///< the backward in which its input's gradient did
   };
   /// Unit u's output got its gradient: its backward is next. `input`: that
   /// call's InputWatch, if any.

@@ -104,7 +104,9 @@ class RngTrackerImpl : public torch::nn::Module, public RngStreams {
   using torch::nn::Module::to;
   /// Makes `device`'s generators (none for a device without an index but the CPU).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  /// As above, the dtype aside (generators have none).
   void to(torch::Device device, bool non_blocking = false) override;
+  /// "cohort::tensor_parallel::RngTracker(tp_rank=…, tp_size=…, group=…)".
   void pretty_print(std::ostream& stream) const override;
 
   int tp_rank() const { return tp_rank_; }   ///< this rank's coordinate along "tp"
