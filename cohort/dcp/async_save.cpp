@@ -369,10 +369,11 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
   ErrorKind kind = ErrorKind::Checkpoint;
   try {
     StateDict rebuilt;
-    const auto& now = current(state, rebuilt, "dcp::async_save", comm.rank());
-    for (const auto& f : now.check_model) f("dcp::async_save");
+    const std::string op = "dcp::async_save";  // named: a temporary would read as dangling
+    const auto& now = current(state, rebuilt, op, comm.rank());
+    for (const auto& f : now.check_model) f(op);
     for (const auto& f : now.refresh) f();
-    s->staged = stage_rank_file(now, comm.rank(), comm.size(), &s->arena, "dcp::async_save");
+    s->staged = stage_rank_file(now, comm.rank(), comm.size(), &s->arena, op);
     split_copies(*s);
   } catch (const std::exception& e) {
     if (error.empty()) {

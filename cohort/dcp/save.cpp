@@ -293,10 +293,11 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   ErrorKind kind = ErrorKind::Checkpoint;
   try {
     StateDict rebuilt;
-    const auto& now = current(state, rebuilt, "dcp::save", comm.rank());
-    for (const auto& f : now.check_model) f("dcp::save");
+    const std::string op = "dcp::save";  // named: a temporary would read as dangling
+    const auto& now = current(state, rebuilt, op, comm.rank());
+    for (const auto& f : now.check_model) f(op);
     for (const auto& f : now.refresh) f();
-    auto staged = stage_rank_file(now, comm.rank(), comm.size(), nullptr, "dcp::save");
+    auto staged = stage_rank_file(now, comm.rank(), comm.size(), nullptr, op);
     list = write_staged_file(staged, dir, comm.rank());
   } catch (const std::exception& e) {
     error = e.what();

@@ -117,9 +117,10 @@ StateDict fused_state_dict_of(torch::nn::Module& model, FusedDistributedOptimize
 void set_state_dict_of(const StateDict& mine, const StateDict& source) {
   // A source kept across training: what its optimizer holds now.
   StateDict rebuilt;
-  const auto& state = current(source, rebuilt, "dcp::set_state_dict (of its source)", -1);
+  const std::string op = "dcp::set_state_dict (of its source)";  // named, as above
+  const auto& state = current(source, rebuilt, op, -1);
   for (const auto& f : mine.check_model) f("dcp::set_state_dict");
-  for (const auto& f : state.check_model) f("dcp::set_state_dict (of its source)");
+  for (const auto& f : state.check_model) f(op);
   // The source's step counts and options as its optimizer holds them now.
   for (const auto& f : state.refresh) f();
   auto targets = mine.load_targets(metadata_of(state));
