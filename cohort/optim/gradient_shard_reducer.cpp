@@ -315,23 +315,23 @@ std::vector<char> GradientShardReducer::finish(const std::string& refusal, const
   if (!active_) begin_iteration();
   launch_rest();
   // The presence all-reduce comes after every bucket was launched on every
-  // rank, so a refusal it carries leaves no rank inside a reduce-scatter.
+  // rank, so a refusal it carries leaves no rank inside a reduce-scatter. A
+  // second gradient rides on it too: refused on its rank alone, it would
+  // leave the others waiting for that rank in the step's all-gather.
+  std::string refuse = refusal.empty() ? misfit_ : refusal;
+  if (refuse.empty() && twice_) {
+    refuse =
+        "a parameter got a second gradient before step(); stage 2 reduces during backward, so "
+        "accumulate with no_sync() (ddp.no_sync() with DDP) around all but the last backward";
+  }
   std::vector<char> has;
   try {
-    has =
-        any_rank_has_unless_refused(*comm_, has_, refusal.empty() ? misfit_ : refusal, where_(op));
+    has = any_rank_has_unless_refused(*comm_, has_, refuse, where_(op));
   } catch (...) {
     drop();
     throw;
   }
-  const bool twice = twice_;
   drop();
-  if (twice) {
-    throw Error(where_("step") +
-                ": a parameter got a second gradient before step(); stage 2 reduces during "
-                "backward, so accumulate with no_sync() (ddp.no_sync() with DDP) around all "
-                "but the last backward");
-  }
   return has;
 }
 

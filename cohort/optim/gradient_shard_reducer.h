@@ -67,11 +67,12 @@ class GradientShardReducer : private ReductionOwner {
   /// Stages what backward did not (gradients set by hand or accumulated
   /// under no_sync() only), launches the remaining buckets, waits for all,
   /// releases the staging. Returns, per parameter, whether any rank had a
-  /// gradient. Throws Error if a parameter got a second gradient, and
-  /// InvalidArgument on every rank when a rank passes a `refusal` (the
-  /// reason it cannot step, as any_rank_has_unless_refused; `op` names the
-  /// call that finishes) or staged a gradient whose size no longer fits
-  /// its parameter (zeros were staged in its place).
+  /// gradient. Throws InvalidArgument on every rank when a rank passes a
+  /// `refusal` (the reason it cannot step, as any_rank_has_unless_refused;
+  /// `op` names the call that finishes), staged a gradient whose size no
+  /// longer fits its parameter (zeros were staged in its place) or had a
+  /// parameter's second gradient (a second backward before the step).
+  /// Either way the iteration is over; a .grad left is the caller's to drop.
   std::vector<char> finish(const std::string& refusal = "", const std::string& op = "step");
   /// Drops an unfinished iteration (waits for what was launched).
   void drop();

@@ -312,7 +312,15 @@ void ZeroRedundancyOptimizer::finish_gradients() { finish_gradients("finish_grad
 
 void ZeroRedundancyOptimizer::finish_gradients(const std::string& op) {
   if (reduced_) return;
-  reduce_gradients(op);
+  try {
+    reduce_gradients(op);
+  } catch (...) {
+    // A refused step (refused on every rank together) drops its gradients,
+    // as zero_grad(): left in .grad, a backward after the caught refusal
+    // would add to them and the next step would take the refused one's too.
+    zero_grad();
+    throw;
+  }
   reduced_ = true;
 }
 
@@ -372,7 +380,14 @@ void ZeroRedundancyOptimizer::step() {
   // then; a replacement since is refused here, before anything is stepped.
   // The step's first collective comes after its first update, so the
   // refusal cannot ride on it: this path pays one small all-reduce.
-  if (reduced_) refuse_replaced_storage("step");
+  if (reduced_) {
+    try {
+      refuse_replaced_storage("step");
+    } catch (...) {
+      zero_grad();  // as any refused step (finish_gradients())
+      throw;
+    }
+  }
   finish_gradients("step");
   reduced_ = false;
   if (comm_->size() == 1) {

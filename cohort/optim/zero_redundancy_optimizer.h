@@ -217,6 +217,9 @@ class ZeroRedundancyOptimizer {
   /// buffer (torch::load, Module::to, set_data or set_ replaced its storage
   /// after construction): the step would update the buffer, which the model
   /// no longer reads. Load values in place (copy_, dcp::set_state_dict).
+  /// Also at stage 2 after a second backward outside no_sync() on any rank.
+  /// A refused step drops its gradients on every rank (as zero_grad()), so
+  /// training that catches the refusal goes on as if the step were skipped.
   void step();
   /// Collective: ends this step's gradient reduction (stage 2: waits for the
   /// reduce-scatters), so that the pieces' .grad (shard_pieces()) hold this
