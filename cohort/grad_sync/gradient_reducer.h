@@ -152,6 +152,10 @@ class GradientReducer {
   void on_gradient_ready(size_t index);
   /// Depth of no_sync() scopes (NoSyncGuard counts it).
   int no_sync_depth() const { return no_sync_depth_; }
+  /// Whether the backward of the last forward reduces: that forward ran
+  /// outside no_sync() and the strategy is not NoSync (a reduction owner
+  /// that hooks parameters DDP does not reduce follows it).
+  bool synchronizing() const { return sync_this_iteration_; }
 
  private:
   // What a bucket holds; its launch, wait and timing are queue_'s.

@@ -98,6 +98,22 @@ void GradientShardReducer::take_over(GradientReducer& ddp) {
   }
   ddp.set_reduction_owner(this);
   ddp_ = &ddp;
+  // DDP hooks only what required grad when it was built: ours that it
+  // does not reduce are hooked here, as alone, so that once unfrozen they
+  // are staged during backward like DDP's (and until hooked, at the end
+  // of backward: backward_finished()).
+  std::vector<char> ddps(params_.size(), 0);
+  for (size_t i : from_ddp_) ddps[i] = 1;
+  std::vector<torch::Tensor> outside;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ddps[i]) continue;
+    outside_ddp_.push_back(i);
+    outside.push_back(params_[i]);
+  }
+  if (!outside.empty()) {
+    outside_hooks_ = std::make_unique<AccumulatorHooks>(
+        outside, [this](size_t k) { on_gradient_ready_outside_ddp(outside_ddp_[k]); });
+  }
 }
 
 void GradientShardReducer::begin_iteration() {
@@ -194,13 +210,24 @@ void GradientShardReducer::on_gradient_ready(size_t i) {
   launch_ready_buckets(false);
 }
 
+void GradientShardReducer::on_gradient_ready_outside_ddp(size_t i) {
+  // DDP decides whether this backward reduces: its forward under no_sync()
+  // accumulates in .grad.
+  if (!ddp_->synchronizing()) return;
+  arrive(i);
+  launch_ready_buckets(false);
+}
+
 void GradientShardReducer::gradient_ready(size_t ddp_index) {
   arrive(from_ddp_[ddp_index]);
   launch_ready_buckets(false);
 }
 
 void GradientShardReducer::backward_finished() {
-  if (active_) launch_ready_buckets(true);
+  // DDP reported every parameter of its own; a gradient it does not
+  // report and no hook of ours saw (a parameter unfrozen since the last
+  // step) is staged from .grad now, as alone at the end of backward.
+  if (active_) launch_rest();
 }
 
 void GradientShardReducer::backward_failed() noexcept {
@@ -215,6 +242,8 @@ void GradientShardReducer::backward_failed() noexcept {
     }
   }
   drop();
+  // DDP drops the .grad of its parameters; those it does not reduce are ours.
+  for (size_t i : outside_ddp_) params_[i].mutable_grad() = torch::Tensor();
 }
 
 void GradientShardReducer::arrive(size_t i) {
@@ -312,6 +341,7 @@ std::vector<char> GradientShardReducer::finish(const std::string& refusal, const
   // A parameter unfrozen since the hooks were made gets its hook now,
   // outside any backward, for the next one.
   if (hooks_) hooks_->hook_unhooked();
+  if (outside_hooks_) outside_hooks_->hook_unhooked();
   if (!active_) begin_iteration();
   launch_rest();
   // The presence all-reduce comes after every bucket was launched on every

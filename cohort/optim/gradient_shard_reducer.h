@@ -4,7 +4,8 @@
 //
 // It is a ReductionOwner (reduction_owner.h): alone it hooks the parameters'
 // gradient accumulators itself; with cohort DDP, DDP reports ready
-// gradients to it instead of all-reducing its own buckets.
+// gradients to it instead of all-reducing its own buckets, and it hooks
+// only its parameters DDP does not reduce (frozen when DDP was built).
 //
 // Memory: buckets are reduced one after the other, from the last down (the
 // order backward fills them; grad_sync's BucketQueue launches and waits).
@@ -59,7 +60,9 @@ class GradientShardReducer : private ReductionOwner {
   GradientShardReducer& operator=(const GradientShardReducer&) = delete;
 
   /// From now on `ddp` reports ready gradients here (every parameter it
-  /// reduces must be one of ours: InvalidArgument otherwise).
+  /// reduces must be one of ours: InvalidArgument otherwise). Ours that it
+  /// does not reduce (frozen when it was built, unfrozen since) are hooked
+  /// here, and follow its no_sync().
   void take_over(GradientReducer& ddp);
   /// Whether a DDP hands its reduction over.
   bool has_ddp() const { return ddp_ != nullptr; }
@@ -96,6 +99,9 @@ class GradientShardReducer : private ReductionOwner {
 
   /// The accumulator hook of parameter i (alone).
   void on_gradient_ready(size_t i);
+  /// The accumulator hook of parameter i, with DDP, when DDP does not
+  /// reduce it.
+  void on_gradient_ready_outside_ddp(size_t i);
 
  private:
   void gradient_ready(size_t ddp_index) override;
@@ -168,6 +174,10 @@ class GradientShardReducer : private ReductionOwner {
   std::unique_ptr<AccumulatorHooks> hooks_;  // alone
   GradientReducer* ddp_ = nullptr;           // with DDP
   std::vector<size_t> from_ddp_;             // DDP's parameter index -> ours
+  // With DDP: ours that DDP does not reduce (frozen when it was built), and
+  // their hooks (by index into outside_ddp_).
+  std::vector<size_t> outside_ddp_;
+  std::unique_ptr<AccumulatorHooks> outside_hooks_;
 };
 
 }  // namespace cohort
