@@ -41,6 +41,7 @@
 // Pipeline, tensor and 3-D parallelism.
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/mesh/gradient_synchronizer.h"
+#include "cohort/mesh/mesh_sampler.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/pipeline_stage.h"
 #include "cohort/pipeline/schedule.h"

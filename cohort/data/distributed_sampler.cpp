@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,8 +36,59 @@ int checked_replicas(const DistributedSamplerOptions& o) {
   return *o.num_replicas;
 }
 
-// One rank's words in the agreement, in this order.
-enum Word { kSize, kReplicas, kRank, kSeed, kShuffle, kDropLast, kWords };
+// One rank's words in the agreement, in this order. kGroup: the rank's
+// place in its data-parallel group, -1 when built without one.
+enum Word { kSize, kReplicas, kRank, kSeed, kShuffle, kDropLast, kGroup, kWords };
+
+// "ranks 0, 1" or "rank 3"; "a, b" after `one`/`many` by the count.
+std::string list_text(const char* one, const char* many, const std::vector<int64_t>& items) {
+  std::string out = items.size() > 1 ? many : one;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? ", " : " ") + std::to_string(items[i]);
+  return out;
+}
+
+// With a data-parallel group on every rank: what is wrong with the ranks'
+// replicas, "" when nothing is. The ranks at one data-parallel rank (a
+// mesh's tensor-parallel, pipeline, context-parallel peers) must share one
+// replica, and the ranks at different ones must take different replicas.
+std::string grouping_fault(const RankWords& all) {
+  struct Place {
+    std::vector<int64_t> ranks;
+    std::set<int64_t> replicas;
+  };
+  std::map<int64_t, Place> at;                    // data-parallel rank -> its ranks
+  std::map<int64_t, std::set<int64_t>> asked_at;  // replica -> data-parallel ranks
+  for (int r = 0; r < all.ranks(); ++r) {
+    const int64_t place = all.of(r)[kGroup], replica = all.of(r)[kRank];
+    at[place].ranks.push_back(r);
+    at[place].replicas.insert(replica);
+    asked_at[replica].insert(place);
+  }
+  constexpr size_t kShown = 4;  // clauses named; the rest counted
+  std::vector<std::string> clauses;
+  for (const auto& [place, p] : at) {
+    if (p.replicas.size() < 2) continue;
+    clauses.push_back("data-parallel rank " + std::to_string(place) + " (" +
+                      list_text("rank", "ranks", p.ranks) + ") asks for " +
+                      list_text("replica", "replicas", {p.replicas.begin(), p.replicas.end()}));
+  }
+  for (const auto& [replica, places] : asked_at) {
+    if (places.size() < 2) continue;
+    clauses.push_back(
+        "replica " + std::to_string(replica) + " is asked for at " +
+        list_text("data-parallel rank", "data-parallel ranks", {places.begin(), places.end()}));
+  }
+  if (clauses.empty()) return "";
+  std::string text;
+  for (size_t i = 0; i < clauses.size() && i < kShown; ++i) text += (i ? "; " : "") + clauses[i];
+  if (clauses.size() > kShown) text += "; ... (" + std::to_string(clauses.size()) + " in all)";
+  return "the ranks that share a data-parallel rank must take one replica and the others other "
+         "replicas, but " +
+         text +
+         ": ranks that must see the same samples (tensor-parallel, pipeline or context-parallel "
+         "peers) would train on different ones (leave rank and num_replicas unset to take the "
+         "data-parallel group's)";
+}
 
 // "replica 2", "replicas 2, 3": the first few of `replicas`, and how many
 // there are when that is not all of them.
@@ -65,6 +117,9 @@ std::string disagreement(const RankWords& all, int comm_size) {
   field("shuffle", flag, kShuffle);
   field("drop_last", flag, kDropLast);
   field("num_replicas", number, kReplicas);
+  field(
+      "data-parallel group", [](int64_t v) { return std::string(v >= 0 ? "given" : "none"); },
+      kGroup);
   if (!clauses.empty()) {
     std::string text = "the ranks disagree on ";
     for (size_t i = 0; i < clauses.size(); ++i) text += (i ? ", " : "") + clauses[i];
@@ -84,6 +139,10 @@ std::string disagreement(const RankWords& all, int comm_size) {
              std::to_string(replicas);
   }
   if (!range.empty()) return range;
+  if (all.of(0)[kGroup] >= 0) {
+    const auto grouping = grouping_fault(all);
+    if (!grouping.empty()) return grouping;
+  }
 
   // Every replica taken by as many ranks as every other (once each over a
   // communicator of num_replicas ranks; by a whole tensor-parallel group
@@ -107,13 +166,14 @@ std::string disagreement(const RankWords& all, int comm_size) {
          "to take the communicator's)";
 }
 
-// The options with the communicator's defaults, once every rank's agree.
-// Collective: every rank gathers every rank's settings and finds the same
-// fault, so that all refuse together instead of one rank throwing while
-// the others wait for it in their next collective.
+// The options with the defaults of `replicas` (the data-parallel group, or
+// `comm` itself), once every rank's agree. Collective over `comm`: every
+// rank gathers every rank's settings and finds the same fault, so that all
+// refuse together instead of one rank throwing while the others wait for it
+// in their next collective.
 DistributedSamplerOptions agreed(size_t dataset_size, DistributedSamplerOptions o,
-                                 Communicator& comm) {
-  o = with_defaults(o, comm);
+                                 Communicator& comm, const Communicator* replicas) {
+  o = with_defaults(o, replicas ? *replicas : comm);
   std::vector<int64_t> mine(kWords);
   mine[kSize] = static_cast<int64_t>(dataset_size);
   mine[kReplicas] = *o.num_replicas;
@@ -121,6 +181,7 @@ DistributedSamplerOptions agreed(size_t dataset_size, DistributedSamplerOptions 
   mine[kSeed] = static_cast<int64_t>(o.seed);
   mine[kShuffle] = o.shuffle;
   mine[kDropLast] = o.drop_last;
+  mine[kGroup] = replicas ? replicas->rank() : -1;
   const RankWords all = comm.size() > 1 ? gather_words(comm, mine) : RankWords(mine, 1);
   const std::string fault = disagreement(all, comm.size());
   if (!fault.empty()) {
@@ -134,7 +195,12 @@ DistributedSamplerOptions agreed(size_t dataset_size, DistributedSamplerOptions 
 
 DistributedSampler::DistributedSampler(size_t dataset_size, Communicator& comm,
                                        DistributedSamplerOptions options)
-    : DistributedSampler(dataset_size, agreed(dataset_size, options, comm)) {}
+    : DistributedSampler(dataset_size, agreed(dataset_size, options, comm, nullptr)) {}
+
+DistributedSampler::DistributedSampler(size_t dataset_size, Communicator& comm,
+                                       const Communicator& data_parallel,
+                                       DistributedSamplerOptions options)
+    : DistributedSampler(dataset_size, agreed(dataset_size, options, comm, &data_parallel)) {}
 
 DistributedSampler::DistributedSampler(size_t dataset_size, DistributedSamplerOptions options)
     : size_(dataset_size),

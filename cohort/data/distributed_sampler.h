@@ -15,10 +15,11 @@
 // any copy takes effect at every copy's next reset(), which the loader
 // calls when an epoch's iteration begins.
 //
-// The constructor with a Communicator is collective: ranks that would deal
-// from different orders or leave shares to no rank are refused on every
-// rank (see it). The epoch is not compared across ranks: a rank whose
-// set_epoch was given another value, or not called, deals its share of
+// The constructors with a Communicator are collective: ranks that would
+// deal from different orders or leave shares to no rank are refused on
+// every rank, and, given the data-parallel group, so are ranks that must
+// see the same samples but asked for different replicas (see them). The epoch is not compared
+// across ranks: a rank whose set_epoch was given another value, or not called, deals its share of
 // another epoch's order unnoticed. A check there would be a collective in
 // reset() or set_epoch(), run as many times on every rank; but reset() also
 // runs at every loader's begin(), at load() and wherever a program calls it,
@@ -46,9 +47,11 @@ namespace cohort::data {
 
 /// How a DistributedSampler deals the dataset (the arguments of PyTorch's).
 struct DistributedSamplerOptions {
-  /// Ranks that share the dataset; unset: the communicator's size.
+  /// Ranks that share the dataset; unset: the communicator's size (the
+  /// data-parallel group's, where the constructor takes one).
   std::optional<int> num_replicas;
-  /// This rank's place in [0, num_replicas); unset: the communicator's rank.
+  /// This rank's place in [0, num_replicas); unset: the communicator's rank
+  /// (the data-parallel group's).
   std::optional<int> rank;
   /// Each epoch permutes the dataset: torch.randperm with a CPU generator
   /// seeded `seed + epoch`, the same on every rank.
@@ -70,14 +73,32 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
  public:
   /// Over `dataset_size` samples, with num_replicas and rank from `comm`
   /// unless `options` sets them. Collective over `comm` (one all-gather of
-  /// six words; none at size 1); `comm` is not kept. Throws InvalidArgument
+  /// seven words; none at size 1); `comm` is not kept. Throws InvalidArgument
   /// on every rank, naming each group of ranks with its value, when the
   /// ranks differ in dataset_size, seed, shuffle, drop_last or
   /// num_replicas, when a rank's rank is out of range, or when the ranks do
   /// not take the num_replicas replicas evenly (two ranks on one rank of a
   /// communicator of num_replicas ranks; ranks sharing a replica, as a
-  /// tensor-parallel group does, must be as many for every replica).
+  /// tensor-parallel group does, must be as many for every replica). It
+  /// cannot tell which ranks should share a replica: over a world of dp x tp
+  /// ranks, tensor-parallel peers given different replicas (rank = world
+  /// rank % dp on a dp-major layout) pass. Use the constructor with the
+  /// data-parallel group (or distributed_sampler on a DeviceMesh,
+  /// cohort/mesh/mesh_sampler.h) there.
   DistributedSampler(size_t dataset_size, Communicator& comm,
+                     DistributedSamplerOptions options = {});
+  /// Over `dataset_size` samples for the ranks of `comm` (every rank that
+  /// reads data), `data_parallel` being this rank's data-parallel group:
+  /// num_replicas and rank are its size and rank unless `options` sets
+  /// them. Collective over `comm` with the checks above, and in the same
+  /// all-gather that the ranks at one rank of their data-parallel groups
+  /// (a mesh's ranks that differ only off the data-parallel dimension: a
+  /// tensor-parallel group, a pipeline, a context-parallel group) ask for
+  /// one replica and the ranks at different ones for different replicas;
+  /// otherwise InvalidArgument on every rank naming each data-parallel rank
+  /// whose ranks ask for several replicas (with those ranks) and each
+  /// replica asked for at several. Neither communicator is kept.
+  DistributedSampler(size_t dataset_size, Communicator& comm, const Communicator& data_parallel,
                      DistributedSamplerOptions options = {});
   /// Over `dataset_size` samples; `options` must set num_replicas and rank.
   /// Checks nothing across ranks: each rank's settings are taken as given.
