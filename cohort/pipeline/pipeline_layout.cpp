@@ -42,6 +42,7 @@ std::vector<std::shared_ptr<Communicator>> PipelineLayout::same_samples_groups()
   for (const auto& [name, groups] : dimensions_) {
     if (name == "tp") out.insert(out.end(), groups.begin(), groups.end());
   }
+  out.insert(out.end(), sequence_groups_.begin(), sequence_groups_.end());
   return out;
 }
 

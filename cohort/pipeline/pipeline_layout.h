@@ -19,13 +19,16 @@ namespace cohort {
 /// A pipeline's stages on each rank: one PipelineRuntime step per optimizer step.
 class PipelineLayout : public TrainerLayout {
  public:
-  /// `runtime` must outlive the layout.
+  /// `runtime` must outlive the layout. `sequence_groups`: a mesh's
+  /// context-parallel group (sequence_split_groups), none without one.
   PipelineLayout(pipeline::PipelineRuntime& runtime, std::shared_ptr<GradNorm> norm,
-                 int ranks_per_sample, TrafficDimensions dimensions)
+                 int ranks_per_sample, TrafficDimensions dimensions,
+                 std::vector<std::shared_ptr<Communicator>> sequence_groups = {})
       : runtime_(runtime),
         norm_(std::move(norm)),
         ranks_per_sample_(ranks_per_sample),
-        dimensions_(std::move(dimensions)) {}
+        dimensions_(std::move(dimensions)),
+        sequence_groups_(std::move(sequence_groups)) {}
   void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const override;
   double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
               Tracer* tracer) override;
@@ -33,10 +36,14 @@ class PipelineLayout : public TrainerLayout {
   double comm_seconds() const override { return comm_seconds_; }
   std::shared_ptr<GradNorm> norm() const override { return norm_; }
   int ranks_per_sample() const override { return ranks_per_sample_; }
-  /// The pipeline's group, and a mesh's TP groups.
+  /// The pipeline's group, and a mesh's TP and CP groups.
   std::vector<std::shared_ptr<Communicator>> same_samples_groups() const override;
   /// A mesh's TP groups.
   std::vector<std::shared_ptr<Communicator>> same_inputs_groups() const override;
+  /// A mesh's CP group.
+  std::vector<std::shared_ptr<Communicator>> sequence_split_groups() const override {
+    return sequence_groups_;
+  }
   const TrafficDimensions& dimensions() const override { return dimensions_; }
   std::string describe() const override { return "a pipeline (each rank holds its stages)"; }
 
@@ -45,6 +52,7 @@ class PipelineLayout : public TrainerLayout {
   std::shared_ptr<GradNorm> norm_;
   int ranks_per_sample_;
   TrafficDimensions dimensions_;
+  std::vector<std::shared_ptr<Communicator>> sequence_groups_;
   double comm_seconds_ = 0.0;
 };
 

@@ -63,13 +63,19 @@ class TrainerLayout {
   virtual int ranks_per_sample() const { return 1; }
   /// Groups whose ranks must draw the same samples each step (a pipeline's
   /// ranks: stage 0's inputs train against the last stage's targets; a
-  /// mesh's TP groups); fit() checks that once per epoch. Empty for replicas.
+  /// mesh's TP groups; its CP groups, whose ranks each hold part of every
+  /// sequence); fit() checks that once per epoch. Empty for replicas.
   virtual std::vector<std::shared_ptr<Communicator>> same_samples_groups() const { return {}; }
   /// Those of same_samples_groups() whose ranks must also see the same
   /// inputs (a mesh's TP groups: a column-parallel layer reads its whole
   /// input on each rank); fit() checks those too. Not a pipeline's: only
   /// stage 0 reads the inputs.
   virtual std::vector<std::shared_ptr<Communicator>> same_inputs_groups() const { return {}; }
+  /// Those of same_samples_groups() whose ranks hold different positions of
+  /// the same samples (a mesh's context-parallel groups): their batches
+  /// differ by design, so fit() compares there the samples' indices only
+  /// (DataSource::sample_indices), which the data source must then give.
+  virtual std::vector<std::shared_ptr<Communicator>> sequence_split_groups() const { return {}; }
   /// Each dimension's communicators (per-dimension traffic); empty: not reported.
   virtual const TrafficDimensions& dimensions() const { return none_; }
   /// What the layout is, for messages ("a pipeline (each rank holds its stages)"); empty for

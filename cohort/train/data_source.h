@@ -28,6 +28,14 @@ class DataSource {
   /// a checkpoint resumes at another world size, continuing that order (Trainer::resume). 0 when
   /// the source has no such order; a checkpoint then resumes mid-epoch at its own world size only.
   virtual int64_t global_micro_batch() const { return 0; }
+  /// The dataset indices of micro-batch `index`'s samples, in order (int64,
+  /// one per sample), or an undefined tensor when the source has none.
+  /// fit() compares them at each epoch's start among the ranks that must
+  /// draw the same samples (TrainerLayout::same_samples_groups). The ranks
+  /// of a context-parallel group each hold other positions of the same
+  /// sequences, so only these tell whether they drew the same samples: a
+  /// source trained under context parallelism (cp > 1) must give them.
+  virtual torch::Tensor sample_indices(int64_t /*index*/) { return {}; }
 };
 
 }  // namespace cohort

@@ -1,6 +1,7 @@
 #include "cohort/train/sample_agreement.h"
 
 #include <algorithm>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -12,13 +13,15 @@
 namespace cohort {
 namespace {
 
-// What a rank found: nothing, other samples or other inputs in one group.
-enum Found : int64_t { kAgreed = 0, kOtherSamples = 1, kOtherInputs = 2 };
+// What a rank found in one group: nothing, other samples, other inputs, or
+// a context-parallel group whose source names no samples.
+enum Found : int64_t { kAgreed = 0, kOtherSamples = 1, kOtherInputs = 2, kNoIndices = 3 };
 
-// A rank's words: its world rank, then the digests of its targets and its
-// inputs. Only the first micro-batch, so the check costs one batch's hash
-// per epoch, whatever the data.
-enum Word { kRank = 0, kTargets = 1, kInputs = 2, kWords = 3 };
+// A rank's words: its world rank, the digests of its targets, its inputs
+// and its sample indices, and whether it has indices. Only the first
+// micro-batch, so the check costs one batch's hash per epoch, whatever the
+// data.
+enum Word { kRank = 0, kTargets = 1, kInputs = 2, kIndices = 3, kIndexed = 4, kWords = 5 };
 
 int64_t digest_of(const torch::Tensor& t) {
   const auto bytes = t.cpu().contiguous();
@@ -37,6 +40,11 @@ bool same(const RankWords& all, Word w) {
     if (all.of(r)[w] != all.of(0)[w]) return false;
   }
   return true;
+}
+
+bool contains(const std::vector<std::shared_ptr<Communicator>>& groups,
+              const std::shared_ptr<Communicator>& group) {
+  return std::find(groups.begin(), groups.end(), group) != groups.end();
 }
 
 // "ranks 0, 1" or "rank 3": world ranks, as flagged_ranks names them.
@@ -65,6 +73,137 @@ std::string by_digest(const RankWords& all, Word w, const std::string& what) {
   return out;
 }
 
+// The ranks of `all` that give no sample indices.
+std::vector<int64_t> unindexed(const RankWords& all) {
+  std::vector<int64_t> out;
+  for (int r = 0; r < all.ranks(); ++r) {
+    if (!all.of(r)[kIndexed]) out.push_back(all.of(r)[kRank]);
+  }
+  return out;
+}
+
+// What one group's words show, with the message for its ranks.
+struct Finding {
+  Found found = kAgreed;
+  std::string error;
+};
+
+// How each message names the group and the call.
+struct Names {
+  std::string who;     // "Trainer::fit on rank 2: "
+  std::string when;    // " of epoch 1's first micro-batch"
+  std::string ranks;   // the group's world ranks
+  std::string layout;  // TrainerLayout::describe()
+};
+
+const char* const kShard =
+    "shard the data over the data-parallel group, not the world (a TensorDataSource's rank and "
+    "size are the data-parallel rank and size)";
+
+// A context-parallel group: each rank holds other positions of the same
+// sequences, so the contents differ by design and the sample indices must
+// not.
+Finding in_split_group(const RankWords& all, const Names& n) {
+  const auto missing = unindexed(all);
+  if (!missing.empty()) {
+    return {kNoIndices, n.who + "the data source on " + ranks_text(missing) +
+                            " gives no sample indices (DataSource::sample_indices), which fit() "
+                            "needs under context parallelism: the " +
+                            n.ranks +
+                            " of a context-parallel group each hold other positions of the same "
+                            "sequences, so only the samples' indices tell whether they drew the "
+                            "same ones (TensorDataSource and SampledDataSource give them)"};
+  }
+  if (same(all, kIndices)) return {};
+  return {kOtherSamples, n.who + "the samples" + n.when +
+                             " differ within a context-parallel group (" +
+                             by_digest(all, kIndices, "indices") + "), whose " + n.ranks +
+                             " must all draw the same samples, each holding other positions of "
+                             "them (ring attention would join parts of different sequences); " +
+                             kShard};
+}
+
+// A pipeline's or a TP group (`inputs`: its ranks read the same inputs).
+Finding in_group(const RankWords& all, const Names& n, bool inputs) {
+  if (!same(all, kTargets)) {
+    return {kOtherSamples, n.who + "the samples" + n.when + " differ within " + n.layout + " (" +
+                               by_digest(all, kTargets, "targets") + "), whose " + n.ranks +
+                               " must all draw the same samples; " + kShard};
+  }
+  // Targets may agree by chance (few classes, small micro-batches).
+  if (unindexed(all).empty() && !same(all, kIndices)) {
+    return {kOtherSamples, n.who + "the samples" + n.when + " differ within " + n.layout + " (" +
+                               by_digest(all, kIndices, "indices") +
+                               "; the targets agree), whose " + n.ranks +
+                               " must all draw the same samples; " + kShard};
+  }
+  if (!inputs || same(all, kInputs)) return {};
+  return {kOtherInputs,
+          n.who + "the inputs" + n.when + " differ within a tensor-parallel group (" +
+              by_digest(all, kInputs, "inputs") + "; the targets agree), whose " + n.ranks +
+              " must all see the same inputs: a column-parallel layer reads its whole input on "
+              "each of them and the row-parallel sum would add products of different inputs. "
+              "Augment alike within the group, e.g. seeded per data-parallel rank "
+              "(data::manual_seed(seed, SeedScope::PerRank, the data-parallel group)), not per "
+              "rank"};
+}
+
+// This rank's words: its first micro-batch's digests.
+std::vector<int64_t> words_of(const Communicator& world, DataSource& data) {
+  std::vector<int64_t> mine(kWords, 0);
+  mine[kRank] = world.rank();
+  // An epoch without micro-batches (on every rank: fit() agreed on their
+  // number) has nothing to name.
+  mine[kIndexed] = 1;
+  if (data.num_batches() == 0) return mine;
+  // Targets, not inputs, in every group: across a pipeline only stage 0
+  // reads the inputs, which may be augmented per rank.
+  const auto first = data.batch(0);
+  mine[kTargets] = digest_of(first.target.defined() ? first.target : first.data);
+  mine[kInputs] = digest_of(first.data);
+  const auto indices = data.sample_indices(0);
+  mine[kIndexed] = indices.defined();
+  if (indices.defined()) mine[kIndices] = digest_of(indices.to(torch::kInt64));
+  return mine;
+}
+
+// Each group's ranks learnt of their own group only: the world learns
+// which ranks refused, so that no rank goes on into the step's collectives
+// without them. Collective over `world` (none at size 1).
+void refuse_together(Communicator& world, const Finding& finding, const Names& names) {
+  if (world.size() == 1) {
+    if (finding.found != kAgreed) throw InvalidArgument(finding.error);
+    return;
+  }
+  const RankWords all = gather_words(world, {static_cast<int64_t>(finding.found)});
+  if (finding.found != kAgreed) throw InvalidArgument(finding.error);
+  std::vector<char> samples(static_cast<size_t>(all.ranks())), inputs(samples), unnamed(samples);
+  for (int r = 0; r < all.ranks(); ++r) {
+    samples[static_cast<size_t>(r)] = all.of(r)[0] == kOtherSamples;
+    inputs[static_cast<size_t>(r)] = all.of(r)[0] == kOtherInputs;
+    unnamed[static_cast<size_t>(r)] = all.of(r)[0] == kNoIndices;
+  }
+  const std::string other_samples = flagged_ranks(samples), other_inputs = flagged_ranks(inputs),
+                    no_indices = flagged_ranks(unnamed);
+  if (other_samples.empty() && other_inputs.empty() && no_indices.empty()) return;
+  std::string what;
+  if (!other_samples.empty()) {
+    what = other_samples + " found the samples" + names.when +
+           " differ within a group whose ranks must all draw the same samples (shard the data "
+           "over the data-parallel group, not the world)";
+  }
+  if (!other_inputs.empty()) {
+    what += (what.empty() ? "" : "; ") + other_inputs + " found the inputs" + names.when +
+            " differ within their tensor-parallel group, whose ranks must all see the same inputs";
+  }
+  if (!no_indices.empty()) {
+    what += (what.empty() ? "" : "; ") + no_indices +
+            " found a data source that gives no sample indices in their context-parallel group "
+            "(DataSource::sample_indices)";
+  }
+  throw InvalidArgument(names.who + what + " (the error there names them), so no rank goes on");
+}
+
 }  // namespace
 
 void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSource& data,
@@ -72,75 +211,22 @@ void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSour
   const auto groups = layout.same_samples_groups();
   if (groups.empty()) return;
   const auto inputs_groups = layout.same_inputs_groups();
-  std::vector<int64_t> mine(kWords, 0);
-  mine[kRank] = world.rank();
-  if (data.num_batches() > 0) {
-    // Targets, not inputs, in every group: across a pipeline only stage 0
-    // reads the inputs, which may be augmented per rank.
-    const auto first = data.batch(0);
-    mine[kTargets] = digest_of(first.target.defined() ? first.target : first.data);
-    mine[kInputs] = digest_of(first.data);
-  }
-  const std::string who = "Trainer::fit on rank " + std::to_string(world.rank()) + ": ";
-  const std::string when = " of epoch " + std::to_string(epoch) + "'s first micro-batch";
-  Found found = kAgreed;
-  std::string error;
+  const auto split_groups = layout.sequence_split_groups();
+  const auto mine = words_of(world, data);
+  Names names{"Trainer::fit on rank " + std::to_string(world.rank()) + ": ",
+              " of epoch " + std::to_string(epoch) + "'s first micro-batch", "", layout.describe()};
+  Finding finding;
   for (const auto& group : groups) {
     if (group->size() == 1) continue;
     const RankWords all = gather_words(*group, mine);
+    if (finding.found != kAgreed) continue;
     std::vector<int64_t> members;
     for (int r = 0; r < all.ranks(); ++r) members.push_back(all.of(r)[kRank]);
-    const std::string ranks = ranks_text(members);
-    if (found != kAgreed) continue;
-    if (!same(all, kTargets)) {
-      found = kOtherSamples;
-      error = who + "the samples" + when + " differ within " + layout.describe() + " (" +
-              by_digest(all, kTargets, "targets") + "), whose " + ranks +
-              " must all draw the same samples; shard the data over the data-parallel group, "
-              "not the world (a TensorDataSource's rank and size are the data-parallel rank "
-              "and size)";
-      continue;
-    }
-    const bool inputs =
-        std::find(inputs_groups.begin(), inputs_groups.end(), group) != inputs_groups.end();
-    if (inputs && !same(all, kInputs)) {
-      found = kOtherInputs;
-      error = who + "the inputs" + when + " differ within a tensor-parallel group (" +
-              by_digest(all, kInputs, "inputs") + "; the targets agree), whose " + ranks +
-              " must all see the same inputs: a column-parallel layer reads its whole input on "
-              "each of them and the row-parallel sum would add products of different inputs. "
-              "Augment alike within the group, e.g. seeded per data-parallel rank "
-              "(data::manual_seed(seed, SeedScope::PerRank, the data-parallel group)), not per "
-              "rank";
-    }
+    names.ranks = ranks_text(members);
+    finding = contains(split_groups, group) ? in_split_group(all, names)
+                                            : in_group(all, names, contains(inputs_groups, group));
   }
-  // Each group's ranks learnt of their own group only: the world learns
-  // which ranks refused, so that no rank goes on into the step's
-  // collectives without them.
-  if (world.size() == 1) {
-    if (found != kAgreed) throw InvalidArgument(error);
-    return;
-  }
-  const RankWords all = gather_words(world, {static_cast<int64_t>(found)});
-  if (found != kAgreed) throw InvalidArgument(error);
-  std::vector<char> samples(static_cast<size_t>(all.ranks())), inputs(samples);
-  for (int r = 0; r < all.ranks(); ++r) {
-    samples[static_cast<size_t>(r)] = all.of(r)[0] == kOtherSamples;
-    inputs[static_cast<size_t>(r)] = all.of(r)[0] == kOtherInputs;
-  }
-  const std::string other_samples = flagged_ranks(samples), other_inputs = flagged_ranks(inputs);
-  if (other_samples.empty() && other_inputs.empty()) return;
-  std::string what;
-  if (!other_samples.empty()) {
-    what = other_samples + " found the samples" + when + " differ within " + layout.describe() +
-           ", whose ranks must all draw the same samples (shard the data over the data-parallel "
-           "group, not the world)";
-  }
-  if (!other_inputs.empty()) {
-    what += (what.empty() ? "" : "; ") + other_inputs + " found the inputs" + when +
-            " differ within their tensor-parallel group, whose ranks must all see the same inputs";
-  }
-  throw InvalidArgument(who + what + " (the error there names them), so no rank goes on");
+  refuse_together(world, finding, names);
 }
 
 }  // namespace cohort

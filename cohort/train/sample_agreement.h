@@ -1,6 +1,7 @@
 // defines: agree_on_samples, the Trainer's check at each epoch's start that
-// the ranks its layout pairs up (TrainerLayout::same_samples_groups and
-// ::same_inputs_groups) drew the same first micro-batch.
+// the ranks its layout pairs up (TrainerLayout::same_samples_groups,
+// ::same_inputs_groups and ::sequence_split_groups) drew the same first
+// micro-batch.
 #pragma once
 
 #include <cstdint>
@@ -15,9 +16,13 @@ namespace cohort {
 /// (one all-gather each; none without groups): throws InvalidArgument on
 /// every rank of `world` unless, in each group, every rank's first
 /// micro-batch of `epoch` has the same targets (its inputs where it has
-/// none) and, in the same-inputs groups, the same inputs. The ranks of the
-/// group that differs and their digests are named on its ranks; the others
-/// name the ranks that found it.
+/// none) and the same sample indices where every rank's source gives them
+/// (DataSource::sample_indices) and, in the same-inputs groups, the same
+/// inputs. In a sequence-split group (context parallelism) the contents
+/// differ by design: there the sample indices alone are compared, and a
+/// source that gives none is refused. The ranks of the group that differs
+/// and their digests are named on its ranks; the others name the ranks that
+/// found it.
 void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSource& data,
                       int64_t epoch);
 

@@ -37,4 +37,8 @@ torch::data::Example<> SampledDataSource::batch(int64_t index) {
                                 "SampledDataSource");
 }
 
+torch::Tensor SampledDataSource::sample_indices(int64_t index) {
+  return detail::micro_batch_rows(indices_, micro_batch_, index, "SampledDataSource");
+}
+
 }  // namespace cohort

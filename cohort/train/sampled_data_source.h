@@ -30,6 +30,8 @@ class SampledDataSource : public DataSource {
   void set_epoch(int64_t epoch) override;
   int64_t num_batches() const override;
   torch::data::Example<> batch(int64_t index) override;
+  /// The sampled indices micro-batch `index` takes.
+  torch::Tensor sample_indices(int64_t index) override;
   /// The sampler this source deals with.
   const data::DistributedSampler& sampler() const { return sampler_; }
 

@@ -55,6 +55,10 @@ torch::data::Example<> TensorDataSource::batch(int64_t index) {
   return detail::micro_batch_of(data_, targets_, indices_, micro_batch_, index, "TensorDataSource");
 }
 
+torch::Tensor TensorDataSource::sample_indices(int64_t index) {
+  return detail::micro_batch_rows(indices_, micro_batch_, index, "TensorDataSource");
+}
+
 namespace detail {
 
 void check_samples(const torch::Tensor& data, const torch::Tensor& targets, int64_t micro_batch,
@@ -69,15 +73,20 @@ void check_samples(const torch::Tensor& data, const torch::Tensor& targets, int6
   }
 }
 
-torch::data::Example<> micro_batch_of(const torch::Tensor& data, const torch::Tensor& targets,
-                                      const torch::Tensor& indices, int64_t micro_batch,
-                                      int64_t index, const char* source) {
+torch::Tensor micro_batch_rows(const torch::Tensor& indices, int64_t micro_batch, int64_t index,
+                               const char* source) {
   const int64_t batches = indices.numel() / micro_batch;
   if (index < 0 || index >= batches) {
     throw InvalidArgument(std::string(source) + ": batch " + std::to_string(index) + " of " +
                           std::to_string(batches));
   }
-  auto rows = indices.narrow(0, index * micro_batch, micro_batch);
+  return indices.narrow(0, index * micro_batch, micro_batch);
+}
+
+torch::data::Example<> micro_batch_of(const torch::Tensor& data, const torch::Tensor& targets,
+                                      const torch::Tensor& indices, int64_t micro_batch,
+                                      int64_t index, const char* source) {
+  const auto rows = micro_batch_rows(indices, micro_batch, index, source);
   return {data.index_select(0, rows), targets.index_select(0, rows)};
 }
 

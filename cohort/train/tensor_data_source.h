@@ -24,6 +24,8 @@ class TensorDataSource : public DataSource {
   int64_t num_batches() const override;
   torch::data::Example<> batch(int64_t index) override;
   int64_t global_micro_batch() const override { return micro_batch_ * world_size_; }
+  /// The rows of data micro-batch `index` takes.
+  torch::Tensor sample_indices(int64_t index) override;
 
  private:
   torch::Tensor data_;
@@ -42,8 +44,13 @@ namespace detail {
 void check_samples(const torch::Tensor& data, const torch::Tensor& targets, int64_t micro_batch,
                    const char* source);
 
+/// The `micro_batch` entries of `indices` that micro-batch `index` takes;
+/// InvalidArgument naming `source` when it is not one of the epoch's.
+torch::Tensor micro_batch_rows(const torch::Tensor& indices, int64_t micro_batch, int64_t index,
+                               const char* source);
+
 /// Micro-batch `index` of `indices`, `micro_batch` rows of data and targets
-/// each; InvalidArgument naming `source` when it is not one of the epoch's.
+/// each (micro_batch_rows).
 torch::data::Example<> micro_batch_of(const torch::Tensor& data, const torch::Tensor& targets,
                                       const torch::Tensor& indices, int64_t micro_batch,
                                       int64_t index, const char* source);

@@ -225,12 +225,15 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   const bool copy = stages > 1 && mesh.local_rank("pp") == stages - 1;
   auto norm = std::make_shared<MeshGradNorm>(mesh, *wiring.model_,
                                              copy ? sync.shared_embedding() : torch::Tensor());
-  // The cp ranks share their samples (each holds part of every sequence).
+  // The cp ranks share their samples (each holds part of every sequence),
+  // which fit() checks by the samples' indices.
   const auto names = mesh.dim_names();
-  const int cp = std::find(names.begin(), names.end(), "cp") != names.end() ? mesh.size("cp") : 1;
+  const bool has_cp = std::find(names.begin(), names.end(), "cp") != names.end();
+  std::vector<std::shared_ptr<Communicator>> cp_groups;
+  if (has_cp) cp_groups.push_back(mesh["cp"].process_group());
   wiring.layout_ = std::make_unique<PipelineLayout>(
-      runtime, std::move(norm), stages * mesh.size("tp") * cp,
-      TrafficDimensions{{"tp", {tp_group}}, {"pp", pp}, {"dp", {dp_group}}});
+      runtime, std::move(norm), stages * mesh.size("tp") * (has_cp ? mesh.size("cp") : 1),
+      TrafficDimensions{{"tp", {tp_group}}, {"pp", pp}, {"dp", {dp_group}}}, std::move(cp_groups));
   // The unsplit model's names when every stage is a module (the checkpoint
   // then resumes at any tp x pp x dp); the stages' own names otherwise.
   auto unsplit = unsplit_stages(runtime, mesh.rank());

@@ -179,9 +179,11 @@ class TrainerWiring : public TrainingPlan {
   /// distributed (dcp::get_state_dict with the mesh: the unsplit model's names, `tied` as there),
   /// so they resume at any other tp x pp x dp, when every stage has a module and the stage
   /// modules name their layers as the unsplit model does; with a function stage, under the
-  /// stages' names (as pipeline()'s), so they resume with the same stages only. InvalidArgument
-  /// when the runtime's group is not the mesh's PP group, or two stage modules name a layer
-  /// alike.
+  /// stages' names (as pipeline()'s), so they resume with the same stages only. With a "cp"
+  /// dimension above 1, fit() needs a data source that gives its sample indices
+  /// (DataSource::sample_indices), by which it checks that each cp group read the same samples.
+  /// InvalidArgument when the runtime's group is not the mesh's PP group, or two stage modules
+  /// name a layer alike.
   static TrainerWiring mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
                             torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
                             dcp::TiedNames tied = {});

@@ -190,12 +190,17 @@ class GptBatches : public cohort::DataSource {
   void set_epoch(int64_t epoch) override { epoch_ = epoch; }
   int64_t num_batches() const override { return steps_per_epoch() * m_; }
   torch::data::Example<> batch(int64_t index) override {
-    const int64_t step = epoch_ * steps_per_epoch() + index / m_ + 1, i = index % m_;
+    const auto [step, start, micro] = rows_of(index);
     auto [ids, targets] = draw_batch(text_, f_.batch_size, f_.seq_len, f_.seed * 7919 + step);
-    const int64_t rows = f_.batch_size / (f_.dp * f_.ep), micro = rows / m_;
-    const int64_t start = dp_rank_ * rows + i * micro;
     return {stage_->local_sequence(ids.narrow(0, start, micro)),
             stage_->local_sequence(targets.narrow(0, start, micro))};
+  }
+  // Row r of step s's global batch is sample s * batch_size + r: by these
+  // the cp ranks, which each hold other columns, show the Trainer that they
+  // read the same rows.
+  torch::Tensor sample_indices(int64_t index) override {
+    const auto [step, start, micro] = rows_of(index);
+    return torch::arange(micro, torch::kInt64) + step * f_.batch_size + start;
   }
   // A step's micro-batches over all DP ranks are its global batch, whatever
   // dp is: so a checkpoint (taken between steps) resumes at another layout.
@@ -208,6 +213,17 @@ class GptBatches : public cohort::DataSource {
   int64_t m_;
   GPTStage stage_;
   int64_t epoch_ = 0;
+
+  struct Rows {
+    int64_t step, start, micro;
+  };
+  // Micro-batch `index`'s step and its first row and row count in that
+  // step's global batch.
+  Rows rows_of(int64_t index) const {
+    const int64_t step = epoch_ * steps_per_epoch() + index / m_ + 1, i = index % m_;
+    const int64_t rows = f_.batch_size / (f_.dp * f_.ep), micro = rows / m_;
+    return {step, dp_rank_ * rows + i * micro, micro};
+  }
 };
 
 GPTConfig model_config(const Flags& f) {
