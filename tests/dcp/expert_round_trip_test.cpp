@@ -333,8 +333,9 @@ TEST_P(ExpertsOverAnotherGroupThanTheMeshs, AreRefusedOnEveryRank) {
       EXPECT_EQ(e, "accepted; model.w1 saved as [6, 6, 4]");
       continue;
     }
-    EXPECT_TRUE(has(e, "dcp::get_state_dict (rank " + std::to_string(r) +
-                           "): the MoE splits its experts over its expert-parallel group") &&
+    EXPECT_TRUE(has(e,
+                    "rank 0: dcp::get_state_dict: the MoE splits its experts over its "
+                    "expert-parallel group") &&
                 has(e, "has \"ep\" of 1"))
         << "rank " << r << ": " << e;
   }
@@ -343,6 +344,109 @@ TEST_P(ExpertsOverAnotherGroupThanTheMeshs, AreRefusedOnEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(ExpertParallel, ExpertsOverAnotherGroupThanTheMeshs,
                          ::testing::ValuesIn(engine_worlds({1, 2, 3})), engine_world_name);
+
+// The experts split over a group of the mesh's "ep" size whose ranks run in
+// the other order: each rank's experts are not the ones the mesh places
+// there, except on the rank that sits in the middle of both (world 3: rank
+// 1). Refused on every rank with an InvalidArgument, the middle rank too,
+// which alone saw nothing wrong and went on into save to wait for the
+// others; at world 1 the order is the mesh's and the save goes through.
+class ExpertsOverTheMeshsEpRanksInAnotherOrder : public ::testing::TestWithParam<EngineWorld> {};
+
+TEST_P(ExpertsOverTheMeshsEpRanksInAnotherOrder, AreRefusedOnEveryRank) {
+  const int n = GetParam().world;
+  const auto dir = temp_dir("moe_reversed_" + split_case_text({GetParam(), false}));
+  auto errors = errors_on_every_rank(
+      n,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        auto mesh = init_device_mesh(world, {1, 1, n, 1}, {"pp", "dp", "ep", "tp"});
+        std::vector<int> reversed;
+        for (int r = n - 1; r >= 0; --r) reversed.push_back(r);
+        expert_parallel::MoE moe(moe_options(7, false, world->new_group(reversed)));
+        torch::optim::AdamW opt(moe->parameters(), kAdamW);
+        try {
+          dcp::save(dcp::get_state_dict(*moe, opt, {&mesh, {}}), dir, *world);
+        } catch (const InvalidArgument& e) {
+          throw std::runtime_error(std::string("InvalidArgument: ") + e.what());
+        }
+      },
+      briefly(GetParam()));
+  for (size_t r = 0; r < errors.size(); ++r) {
+    const auto& e = errors[r];
+    if (n == 1) {
+      EXPECT_EQ(e, kNoError);
+      continue;
+    }
+    // Rank 0 sits at n - 1 of the reversed group, at 0 of the mesh's "ep".
+    EXPECT_TRUE(has(e,
+                    "InvalidArgument: rank 0: dcp::get_state_dict: the MoE splits its experts "
+                    "over its expert-parallel group") &&
+                has(e, "(this rank at " + std::to_string(n - 1) + "), but the mesh") &&
+                has(e, "has \"ep\" of " + std::to_string(n) + " (this rank at 0)"))
+        << "rank " << r << ": " << e;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(ExpertParallel, ExpertsOverTheMeshsEpRanksInAnotherOrder,
+                         ::testing::ValuesIn(engine_worlds({1, 2, 3})), engine_world_name);
+
+// The groups are agreed where get_state_dict is called, not again when a
+// kept state dict is made anew at save (it is out of date after the
+// optimizer's first step): that save issues no more collectives than one
+// of a state dict made just before it.
+class KeptExpertStateDict : public ::testing::TestWithParam<EngineWorld> {};
+
+uint64_t collectives(const Communicator& comm) {
+  uint64_t calls = 0;
+  for (const auto& op : comm.stats().ops) calls += op.calls;
+  return calls;
+}
+
+TEST_P(KeptExpertStateDict, IsMadeAnewAtSaveWithoutAnotherCollective) {
+  const int n = GetParam().world;
+  const auto dir = temp_dir("moe_kept_" + split_case_text({GetParam(), false}));
+  std::mutex mu;
+  std::vector<std::pair<uint64_t, uint64_t>> calls;  // stale save, fresh save
+  run_ranks_shared(
+      n,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        auto mesh = init_device_mesh(world, {1, 1, n, 1}, {"pp", "dp", "ep", "tp"});
+        expert_parallel::MoE moe(mesh, moe_options(7, false, nullptr));
+        torch::optim::AdamW opt(moe->parameters(), kAdamW);
+        auto kept = dcp::get_state_dict(*moe, opt, {&mesh, {}});  // no AdamW state yet
+        for (auto& p : moe->parameters()) p.mutable_grad() = torch::ones_like(p);
+        opt.step();
+        const auto* group = mesh.process_group().get();
+        auto count = [&] {
+          return collectives(*world) + (group == world.get() ? 0 : collectives(*group));
+        };
+        const auto before = count();
+        dcp::save(kept, dir / "kept", *world);
+        const auto stale = count() - before;
+        auto fresh_sd = dcp::get_state_dict(*moe, opt, {&mesh, {}});
+        const auto made = count();
+        dcp::save(fresh_sd, dir / "fresh", *world);
+        const auto fresh = count() - made;
+        std::lock_guard<std::mutex> lock(mu);
+        calls.emplace_back(stale, fresh);
+      },
+      options_for(GetParam()));
+  ASSERT_EQ(calls.size(), static_cast<size_t>(n));
+  for (const auto& [stale, fresh] : calls) EXPECT_EQ(stale, fresh);
+  // Made anew: the kept state dict's checkpoint holds AdamW's moments.
+  int moments = 0;
+  for (const auto& t : dcp::read_metadata((dir / "kept").string()).tensors) {
+    moments += has(t.fqn, ".exp_avg");
+  }
+  EXPECT_EQ(moments, 2 * 5);  // router, w1, b1, w2, b2: exp_avg and exp_avg_sq
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(ExpertParallel, KeptExpertStateDict,
+                         ::testing::ValuesIn(engine_worlds({1, 3})), engine_world_name);
 
 }  // namespace
 }  // namespace cohort::testing::dcp_test::expert_round_trip_test

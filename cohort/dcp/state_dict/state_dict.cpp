@@ -89,6 +89,9 @@ StateDict state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optim
     return fsdp_state_dict(*sharded, optimizer);
   }
   if (options.mesh) {
+    // Agreed once, here, where the caller asks: not in the rebuild of a
+    // kept state dict at every save (the verdict holds as long as the model).
+    agree_moe_groups(model, *options.mesh);
     return tensor_parallel_state_dict(model, *options.mesh, optimizer, options.tied);
   }
   if (!tensor_parallel::split_dims(model).empty()) {

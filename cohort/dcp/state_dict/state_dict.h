@@ -60,8 +60,10 @@ struct StateDictOptions {
   /// built on (it must outlive the state dict). Its "ep" dimension splits
   /// the experts of every expert_parallel::MoE inside (boxes along dimension
   /// 0 of the global [E, ...] tensors); "dp" and "cp" hold replicas. Required for a module that
-  /// holds tensor-parallel layers; then set_state_dict is collective over
-  /// mesh.process_group().
+  /// holds tensor-parallel layers. With it get_state_dict and set_state_dict
+  /// are collective over mesh.process_group(): an MoE whose groups are not
+  /// the mesh's "ep" and "tp" (size, or this rank's position) is an
+  /// InvalidArgument on every rank.
   const DeviceMesh* mesh = nullptr;
   /// With `mesh`: the stage's parameters that copy another.
   TiedNames tied;

@@ -56,15 +56,26 @@ class Writers {
 
 }  // namespace
 
+std::string moe_groups_error(const torch::nn::Module& stage, const DeviceMesh& mesh) {
+  const auto mismatch = expert_parallel::mesh_mismatch(stage, mesh);
+  return mismatch.empty() ? mismatch : "dcp::get_state_dict: " + mismatch;
+}
+
+void agree_moe_groups(const torch::nn::Module& stage, const DeviceMesh& mesh) {
+  agree(*mesh.process_group(), moe_groups_error(stage, mesh), ErrorKind::InvalidArgument);
+}
+
 StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh& mesh,
                                      torch::optim::Optimizer* optimizer, const TiedNames& tied,
                                      const Metadata* for_load) {
   // The boxes below place each expert by the mesh's "ep" and "tp": an MoE
-  // split over other groups would be saved under the wrong boxes.
-  if (auto mismatch = expert_parallel::mesh_mismatch(stage, mesh); !mismatch.empty()) {
-    throw InvalidArgument("dcp::get_state_dict (rank " + std::to_string(mesh.rank()) +
-                          "): " + mismatch);
-  }
+  // split over other groups would be saved under the wrong boxes. Agreed
+  // when the caller asked (agree_moe_groups), so that here it throws on
+  // every rank or none; loading folds it into the agreement below, and a
+  // rebuild's error is agreed by the save that asked for it.
+  std::string error = moe_groups_error(stage, mesh);
+  const ErrorKind kind = error.empty() ? ErrorKind::Checkpoint : ErrorKind::InvalidArgument;
+  if (!error.empty() && !for_load) throw InvalidArgument(error);
   auto dims = tensor_parallel::split_dims(stage);
   // Experts split over tp (F / tp of each) are TP-split tensors too.
   for (const auto& e : expert_parallel::expert_tensor_split_dims(stage)) dims.insert(e);
@@ -78,7 +89,6 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
   const Writers writers(mesh);
   StateDict state;
   std::vector<ParamSlot> slots;
-  std::string error;
   int64_t i = 0;  // the same tensor index on every rank of the stage
   for (const auto& p : stage.named_parameters()) {
     const auto tie = tied.find(p.key());
@@ -121,7 +131,7 @@ StateDict tensor_parallel_state_dict(torch::nn::Module& stage, const DeviceMesh&
   for (const auto& m : stage.named_modules("", /*include_self=*/false)) {
     state.modules.push_back("model." + m.key());
   }
-  if (for_load) agree(*mesh.process_group(), error);
+  if (for_load) agree(*mesh.process_group(), error, kind);
   if (optimizer) add_optimizer_state(state, *optimizer, slots, for_load);
   set_rebuilds(state, for_load, [&stage, &mesh, optimizer, tied](const Metadata* meta) {
     return tensor_parallel_state_dict(stage, mesh, optimizer, tied, meta);

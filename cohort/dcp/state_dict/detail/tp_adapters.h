@@ -27,12 +27,15 @@
 // cost nothing on disk.
 //
 // for_load = nullptr: every tensor this rank holds, those another rank
-// writes marked so (not collective). for_load = a checkpoint's metadata:
-// the targets for loading it; then this is collective over mesh.process_group(): a
-// sharded tensor whose checkpointed dimension does not divide by tp (the
-// layout cannot hold it; for experts: E that does not divide by ep) is a
-// CheckpointError naming it on every rank,
-// before anything is read.
+// writes marked so. Not collective: an MoE whose groups are not the mesh's
+// throws on this rank alone, so get_state_dict agrees first
+// (agree_moe_groups), and a rebuild at save throws inside save, which
+// agrees its errors. for_load = a checkpoint's metadata: the targets for
+// loading it; then this is collective over mesh.process_group(): an MoE
+// whose groups are not the mesh's is an InvalidArgument, and a sharded
+// tensor whose checkpointed dimension does not divide by tp (the layout
+// cannot hold it; for experts: E that does not divide by ep) a
+// CheckpointError naming it, on every rank, before anything is read.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -46,6 +49,19 @@
 #include "cohort/mesh/device_mesh.h"
 
 namespace cohort::dcp::detail {
+
+/// "dcp::get_state_dict: <why>" when an expert_parallel::MoE inside `stage`
+/// is split over other groups than the mesh's "ep" and "tp", or at another
+/// position in them (expert_parallel::mesh_mismatch); "" otherwise.
+std::string moe_groups_error(const torch::nn::Module& stage, const DeviceMesh& mesh);
+
+/// Collective over mesh.process_group() (one all-gather of a word when no
+/// rank failed): InvalidArgument on every rank, with the lowest failing
+/// rank's moe_groups_error, when any rank has one. A rank whose groups
+/// happen to fit (an ep group in another order fits where a rank's position
+/// is the same) would otherwise go on and wait in save or load for the
+/// ranks that threw.
+void agree_moe_groups(const torch::nn::Module& stage, const DeviceMesh& mesh);
 
 /// This rank's stage of a model built from cohort/tensor_parallel layers
 /// over mesh["tp"], or a pipeline stage, and the optimizer over its
