@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "cohort/algorithms/executor.h"
+#include "cohort/comm/collective_checker.h"
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/communicator_internal.h"
 #include "cohort/core/error.h"
@@ -345,8 +346,10 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
                           rows(output_split_sizes[own]) + " of the output"));
   }
   debug_check(call, [&] {
-    return "all_to_all_single(dtype=" + dtype_name(input.scalar_type()) +
-           ", row=" + shape_string(input.sizes().slice(1)) + ")";
+    return CollectiveChecker::with_blocks(
+        "all_to_all_single(dtype=" + dtype_name(input.scalar_type()) +
+            ", row=" + shape_string(input.sizes().slice(1)) + ")",
+        in_counts, out_counts);
   });
   auto wire_out = movement_view(output).view({-1});
   auto wire_in = movement_view(input).view({-1});
@@ -396,18 +399,21 @@ Work Communicator::all_to_all(std::vector<torch::Tensor>& caller_outputs,
     call.refuse(own_block_refusal(elements(inputs[own].numel()) + " in inputs[0]",
                                   elements(outputs[own].numel()) + " in outputs[0]"));
   }
+  std::vector<int64_t> in_counts, out_counts;
+  for (int i = 0; i < size_; ++i) {
+    in_counts.push_back(inputs[i].numel());
+    out_counts.push_back(outputs[i].numel());
+  }
+  // The blocks' sizes may differ by rank (an MoE's token counts): they
+  // must pair up, not be alike.
   debug_check(call, [&] {
-    std::string print = "all_to_all(";
-    for (int i = 0; i < size_; ++i) print += (i ? ", " : "") + shape_string(inputs[i].sizes());
-    return print + ")";
+    return CollectiveChecker::with_blocks(
+        "all_to_all(dtype=" + dtype_name(inputs[0].scalar_type()) + ")", in_counts, out_counts);
   });
   std::vector<torch::Tensor> flat_in;
-  std::vector<int64_t> in_counts, out_counts;
   int64_t out_total = 0;
   for (int i = 0; i < size_; ++i) {
     flat_in.push_back(movement_view(inputs[i]).reshape({-1}));
-    in_counts.push_back(inputs[i].numel());
-    out_counts.push_back(outputs[i].numel());
     out_total += outputs[i].numel();
   }
   auto wire_in = at::cat(flat_in);
