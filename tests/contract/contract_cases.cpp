@@ -322,15 +322,16 @@ void all_to_all_equal_and_uneven(Communicator& comm, torch::Dtype dt) {
     EXPECT_TRUE(torch::equal(eout, eexp.to(on(dt))));
   }
 
-  // List form.
+  // List form: rank r sends rank j r + j + 1 elements, so the blocks'
+  // sizes differ by sender as well as by receiver.
   std::vector<torch::Tensor> ins, outs;
   for (int j = 0; j < w; ++j) {
-    ins.push_back(torch::full({j + 1}, me * 10 + j, on(dt)));
-    outs.push_back(torch::empty({me + 1}, on(dt)));
+    ins.push_back(torch::full({me + j + 1}, me * 10 + j, on(dt)));
+    outs.push_back(torch::empty({j + me + 1}, on(dt)));
   }
   comm.all_to_all(outs, ins).wait();
   for (int r = 0; r < w; ++r) {
-    EXPECT_TRUE(torch::equal(outs[r], torch::full({me + 1}, r * 10 + me, on(dt))));
+    EXPECT_TRUE(torch::equal(outs[r], torch::full({r + me + 1}, r * 10 + me, on(dt))));
   }
 }
 
