@@ -13,6 +13,11 @@ namespace {
 
 bool needs_grad(const torch::Tensor& t) { return t.defined() && t.requires_grad(); }
 
+// A first gradient is copied, as AccumulateGrad copies one it cannot
+// prove unshared: autograd returns the gradient an op passes through
+// unchanged as one tensor for each of its inputs (out = h + P: h's and P's),
+// so P's .grad would be h's gradient, still held for the previous stage or
+// SEND_B when the next micro-batch's backward adds into .grad in place.
 void add_gradients(const std::vector<torch::Tensor>& params,
                    const std::vector<torch::Tensor>& grads, size_t offset) {
   for (size_t i = 0; i < params.size(); ++i) {
@@ -22,7 +27,7 @@ void add_gradients(const std::vector<torch::Tensor>& params,
     if (p.grad().defined())
       p.mutable_grad().add_(g);
     else
-      p.mutable_grad() = g.detach();
+      p.mutable_grad() = g.detach().clone();
   }
 }
 
