@@ -134,7 +134,9 @@ class PipelineRuntime {
 
   /// The stages this rank holds.
   const std::vector<PipelineStage>& stages() const { return stages_; }
-  /// Every parameter of this rank's stages, each once (in stage order).
+  /// Every parameter of this rank's stages, each once (in stage order),
+  /// frozen ones too: an optimizer built over the list steps a parameter
+  /// unfrozen later (each step differentiates what requires grad at that step).
   std::vector<torch::Tensor> parameters() const;
   /// The schedule the runtime executes.
   const PipelineSchedule& schedule() const { return schedule_; }

@@ -11,13 +11,26 @@
 namespace cohort::pipeline {
 namespace {
 
-// Each once (LibTorch's parameters() lists a tensor registered twice
-// twice): a gradient asked for each copy would be added twice into .grad.
-std::vector<torch::Tensor> trainable(const std::vector<torch::Tensor>& params) {
+// Those of `params` requiring grad now.
+std::vector<torch::Tensor> requiring_grad(const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> out;
-  for (const auto& p : unique_tensors(params))
+  for (const auto& p : params)
     if (p.requires_grad()) out.push_back(p);
   return out;
+}
+
+// Each once (LibTorch's parameters() lists a tensor registered twice twice:
+// a gradient asked for each copy would be added twice into .grad); an
+// undefined tensor (an optional parameter left unset) is no parameter.
+std::vector<torch::Tensor> each_once(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : unique_tensors(params))
+    if (p.defined()) out.push_back(p);
+  return out;
+}
+
+std::vector<torch::Tensor> trainable(const std::vector<torch::Tensor>& params) {
+  return requiring_grad(each_once(params));
 }
 
 void check_boundaries(const std::vector<int64_t>& b, int64_t layers, const char* op) {
@@ -36,14 +49,15 @@ PipelineStage::PipelineStage(int index, torch::nn::Sequential module)
     : index_(index), sequential_(module), module_(module.ptr()) {
   if (module.is_empty() || module->size() == 0)
     throw InvalidArgument("PipelineStage: stage " + std::to_string(index) + " has no layers");
-  parameters_ = trainable(module->parameters());
+  parameters_ = each_once(module->parameters());
   // W takes a unit's weight gradient from that layer's output gradient,
   // which follows every path from the output back to the parameters: a
   // parameter that an earlier layer uses too (a layer used twice, a tied
   // weight) would get that layer's part a second time. Such a stage's W
   // differentiates its outputs for all its parameters at once instead.
+  // Frozen parameters count: one may be unfrozen after construction.
   size_t per_layer = 0;
-  for (const auto& layer : *module) per_layer += trainable(layer.ptr()->parameters()).size();
+  for (const auto& layer : *module) per_layer += each_once(layer.ptr()->parameters()).size();
   weight_units_ = per_layer == parameters_.size();
 }
 
@@ -51,11 +65,15 @@ PipelineStage::PipelineStage(int index, ForwardFn forward, std::vector<torch::Te
                              std::shared_ptr<torch::nn::Module> module)
     : index_(index),
       forward_(std::move(forward)),
-      parameters_(trainable(parameters)),
+      parameters_(each_once(parameters)),
       module_(std::move(module)) {
   if (!forward_)
     throw InvalidArgument("PipelineStage: stage " + std::to_string(index) +
                           " has no forward function");
+}
+
+std::vector<torch::Tensor> PipelineStage::trainable_parameters() const {
+  return requiring_grad(parameters_);
 }
 
 Tensors PipelineStage::forward(const Tensors& inputs, std::vector<WeightUnit>* units) const {

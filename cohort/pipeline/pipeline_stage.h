@@ -36,7 +36,7 @@ class PipelineStage {
   using ForwardFn = std::function<Tensors(const Tensors& inputs)>;
 
   /// A stage from a Sequential: one tensor in, one out. Each child with
-  /// parameters is a WeightUnit, so that W re-traverses only that child;
+  /// trainable parameters is a WeightUnit, so that W re-traverses only that child;
   /// unless two children share a parameter (a layer used twice, a tied
   /// weight): a unit's W would then also count the other child's use, so
   /// W differentiates the outputs for all parameters at once.
@@ -49,8 +49,13 @@ class PipelineStage {
 
   /// The logical stage this is (0 .. num_stages - 1).
   int index() const { return index_; }
-  /// Parameters that get gradients, each once.
+  /// Every parameter of the stage, each once, frozen or not (as
+  /// Module::parameters(): an optimizer built over them steps a parameter
+  /// unfrozen later).
   const std::vector<torch::Tensor>& parameters() const { return parameters_; }
+  /// Those that require grad now: each backward differentiates these, so a
+  /// parameter frozen or unfrozen after construction counts from the next step.
+  std::vector<torch::Tensor> trainable_parameters() const;
   /// The module behind the stage (null for a function stage built without).
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
 
@@ -63,7 +68,7 @@ class PipelineStage {
   ForwardFn forward_;
   std::vector<torch::Tensor> parameters_;
   std::shared_ptr<torch::nn::Module> module_;
-  bool weight_units_ = true;  // no parameter in two of the Sequential's children
+  bool weight_units_ = true;  // no parameter in two of the Sequential's children, frozen or not
 };
 
 /// Layers [boundaries[stage-1], boundaries[stage]) of `model` as a new

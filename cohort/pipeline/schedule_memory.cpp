@@ -199,7 +199,8 @@ StageMemory measure_stage_memory(const PipelineStage& stage, const Tensors& inpu
     Probe p = forward_probe(stage, inputs, loss, scope, false);
     out.activation_bytes = p.held;
     Tensors want = stage_inputs(stage, p.in);
-    want.insert(want.end(), stage.parameters().begin(), stage.parameters().end());
+    const Tensors params = stage.trainable_parameters();
+    want.insert(want.end(), params.begin(), params.end());
     out.workspace_bytes = workspace_of(scope, [&] {
       if (!p.roots.empty() && !want.empty())
         torch::autograd::grad(p.roots, want, p.grads, false, false, /*allow_unused=*/true);

@@ -207,9 +207,11 @@ void StageExecutor::backward(int stage, int mb, bool full) {
   for (size_t i = 0; send_back && i < slot.inputs.size(); ++i)
     if (needs_grad(slot.inputs[i])) want.push_back(slot.inputs[i]), input_pos.push_back(i);
   const size_t n_inputs = want.size();
-  const PipelineStage& ps = *local_.at(stage);
+  // What requires grad now: a parameter frozen or unfrozen since the
+  // stage was built counts from its next step.
+  const Tensors params = full ? local_.at(stage)->trainable_parameters() : Tensors{};
   const bool by_unit = !full && !slot.units.empty();
-  if (full) want.insert(want.end(), ps.parameters().begin(), ps.parameters().end());
+  want.insert(want.end(), params.begin(), params.end());
   if (by_unit)
     for (const auto& u : slot.units) want.push_back(u.output);
   Tensors got;
@@ -219,7 +221,7 @@ void StageExecutor::backward(int stage, int mb, bool full) {
   keep_input_grads(stage, slot, got, input_pos);
   auto it = slots_.find({stage, mb});
   if (full) {
-    if (!got.empty()) add_gradients(ps.parameters(), got, n_inputs);
+    if (!got.empty()) add_gradients(params, got, n_inputs);
     release_activations(it);
     return;
   }
@@ -251,7 +253,6 @@ void StageExecutor::keep_input_grads(int stage, Slot& slot, const Tensors& got,
 
 void StageExecutor::backward_weight(int stage, int mb) {
   Slot& slot = slot_in({stage, mb}, {SlotState::WeightsAndGrads, SlotState::Weights}, "W");
-  const PipelineStage& ps = *local_.at(stage);
   if (!slot.units.empty()) {
     // Each layer from its own output gradient: the engine runs only the
     // nodes between that output and the layer's parameters.
@@ -262,10 +263,12 @@ void StageExecutor::backward_weight(int stage, int mb) {
                                      /*retain_graph=*/true, false, /*allow_unused=*/true);
       add_gradients(unit.parameters, g, 0);
     }
-  } else if (!slot.roots.empty() && !ps.parameters().empty()) {
-    auto g =
-        torch::autograd::grad(slot.roots, ps.parameters(), slot.root_grads, false, false, true);
-    add_gradients(ps.parameters(), g, 0);
+  } else if (!slot.roots.empty()) {
+    const Tensors params = local_.at(stage)->trainable_parameters();
+    if (!params.empty())
+      add_gradients(params,
+                    torch::autograd::grad(slot.roots, params, slot.root_grads, false, false, true),
+                    0);
   }
   release_activations(slots_.find({stage, mb}));
 }

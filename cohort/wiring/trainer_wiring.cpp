@@ -39,7 +39,8 @@ std::shared_ptr<torch::nn::Module> stages_module(const pipeline::PipelineRuntime
     for (size_t i = 0; i < stage.parameters().size(); ++i) {
       const auto& p = stage.parameters()[i];
       if (!held.insert(p.unsafeGetTensorImpl()).second) continue;
-      holder->register_parameter(name + "_" + std::to_string(i), p);
+      // register_parameter sets requires_grad: keep a frozen tensor frozen.
+      holder->register_parameter(name + "_" + std::to_string(i), p, p.requires_grad());
     }
   }
   return holder;

@@ -16,6 +16,7 @@ using namespace cohort::pipeline::testing;
 using cohort::testing::run_ranks_shared;
 
 void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
+  ASSERT_TRUE(a.defined()) << what << ": no gradient";
   const double scale = std::max(b.abs().max().item<double>(), 1e-6);
   const double err = (a - b).abs().max().item<double>();
   EXPECT_LE(err, 1e-5 * scale) << what << ": max error " << err << " at scale " << scale;
@@ -62,10 +63,11 @@ std::vector<Case> all_cases() {
   return out;
 }
 
-class SharedParameters : public ::testing::TestWithParam<Case> {};
-
-TEST_P(SharedParameters, GradientsMatchOneProcess) {
-  const Case c = GetParam();
+// The case against one process. With `frozen_while_building` the
+// parameters are frozen while the stages are built and unfrozen before the
+// step: whether a stage may run a W per layer depends on which layers hold
+// the same tensor, not on what required grad at construction.
+void check_against_one_process(const Case& c, bool frozen_while_building) {
   const int stages = c.pp * c.v, m = 2 * c.pp;
   const auto x = det({2 * m, kWidth}, 0.3), y = det({2 * m, kWidth}, 1.1);
   // One process, plain LibTorch: each Linear's gradient once.
@@ -83,12 +85,16 @@ TEST_P(SharedParameters, GradientsMatchOneProcess) {
     torch::set_num_threads(1);
     auto schedule = make_schedule(c.schedule, c.pp, c.v, m);
     auto model = make_reused(stages);
+    if (frozen_while_building)
+      for (auto p : model->parameters()) p.requires_grad_(false);
     std::vector<PipelineStage> mine;
     for (int s : schedule.stages_of(comm->rank())) {
       mine.emplace_back(s, split_sequential(model, reused_boundaries(stages), s));
       EXPECT_EQ(mine.back().parameters().size(), 2u) << "stage " << s << ": each tensor once";
     }
     PipelineRuntime rt(cohort::DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule, mse);
+    if (frozen_while_building)
+      for (auto p : model->parameters()) p.requires_grad_(true);
     rt.step({x}, {y});
     for (int s : schedule.stages_of(comm->rank())) {
       auto lin = model[4 * s]->as<torch::nn::Linear>();
@@ -96,6 +102,14 @@ TEST_P(SharedParameters, GradientsMatchOneProcess) {
       expect_close(lin->bias.grad(), ref[2 * s + 1], "stage " + std::to_string(s) + " bias");
     }
   });
+}
+
+class SharedParameters : public ::testing::TestWithParam<Case> {};
+
+TEST_P(SharedParameters, GradientsMatchOneProcess) { check_against_one_process(GetParam(), false); }
+
+TEST_P(SharedParameters, UnfrozenAfterConstructionGradientsMatchOneProcess) {
+  check_against_one_process(GetParam(), true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, SharedParameters, ::testing::ValuesIn(all_cases()), case_name);

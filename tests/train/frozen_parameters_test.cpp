@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "cohort/grad_sync/average_gradients.h"
+#include "cohort/pipeline/pipeline_runtime.h"
+#include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
 #include "support/engine_worlds.h"
@@ -157,6 +159,51 @@ TEST_P(AverageGradients, MissingOnSomeRanksCountsAsZeroMissingEverywhereStaysUnd
 INSTANTIATE_TEST_SUITE_P(EngineWorlds, AverageGradients,
                          ::testing::ValuesIn(testing::engine_worlds({1, 2, 3})),
                          testing::engine_world_name);
+
+// A pipeline of function stages, tanh(x w_s + b_s), each b_s frozen, under
+// the pipeline wiring (its optimizer over runtime.parameters(), which lists
+// frozen tensors too): the wiring registers each tensor for checkpoints and
+// clipping and must leave b_s frozen, so b_s gets no gradient and stays as
+// it was while w_s trains. pp 1 and 3, ranks as threads.
+class PipelineFrozenTensor : public ::testing::TestWithParam<int> {};
+
+TEST_P(PipelineFrozenTensor, StaysFrozenAndAsItWas) {
+  const int pp = GetParam(), m = 2;
+  constexpr int64_t width = 4;
+  auto gen = testing::make_generator(5);
+  const auto x = torch::randn({8 * m, width}, gen), y = torch::randn({8 * m, width}, gen);
+  testing::run_ranks_shared(pp, [&](std::shared_ptr<Communicator> comm) {
+    const int s = comm->rank();
+    auto w = torch::full({width, width}, 0.1 * (s + 1)).requires_grad_(true);
+    auto b = torch::full({width}, 0.2 * (s + 1));  // frozen
+    const auto w0 = w.detach().clone(), b0 = b.clone();
+    pipeline::PipelineStage stage(s,
+                                  [w, b](const pipeline::Tensors& in) {
+                                    return pipeline::Tensors{torch::tanh(in[0].matmul(w) + b)};
+                                  },
+                                  {w, b});
+    auto mse = [](const pipeline::Tensors& out, const pipeline::Tensors& target) {
+      return torch::nn::functional::mse_loss(out[0], target[0]);
+    };
+    pipeline::PipelineRuntime rt(DeviceMesh::from_group(comm, "pp"), {std::move(stage)},
+                                 pipeline::Schedule1F1B(pp, m), mse);
+    ASSERT_EQ(rt.parameters().size(), 2u);
+    torch::optim::SGD opt(rt.parameters(), 0.1);
+    TrainerOptions config;
+    config.accumulation_steps = m;
+    config.progress = false;
+    Trainer trainer(TrainerWiring::pipeline(rt, opt), config);
+    TensorDataSource source(x, y, 4, 0, 1);
+    EXPECT_FALSE(trainer.fit(source).empty());
+    EXPECT_FALSE(b.requires_grad()) << "rank " << s;
+    EXPECT_FALSE(b.grad().defined()) << "rank " << s;
+    EXPECT_TRUE(torch::equal(b, b0))
+        << "rank " << s << ": b moved by " << (b - b0).abs().max().item<float>();
+    EXPECT_FALSE(torch::equal(w.detach(), w0)) << "rank " << s << ": w did not train";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Pipeline, PipelineFrozenTensor, ::testing::Values(1, 3));
 
 }  // namespace
 }  // namespace cohort::frozen_parameters_test
