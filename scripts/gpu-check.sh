@@ -23,7 +23,8 @@
 #   - the golden tests against one process, models and data on the GPU:
 #     ranks as threads (the `goldens` list below: ZeRO, FSDP with and
 #     without mixed precision, the pipeline, the TP layers, the MoE layer,
-#     the GPT's dropout masks, the Trainer's gradient norm), and DDP's,
+#     the GPT's dropout masks, the Trainer's gradient norm; and the TP
+#     random streams' CUDA generators made after a restart), and DDP's,
 #     FSDP's, the TP layers', the MoE layer's and the GPT's TP replicas
 #     under dropout with ranks as processes at world 2;
 #   - the main job (Fashion-MNIST, DDP and the Trainer) on 2 ranks sharing
@@ -169,6 +170,7 @@ goldens=(
   grad_norm cohort_train_test 'ReplicatedGradNorm.*'
   moe_golden tensor_parallel_tests 'Moe/ExpertParallel.MatchesOneProcess/gloo_ep1_*'
   tp_dropout_golden tensor_parallel_tests 'GPTDropout/MatchesOneProcess.*/tp1*'
+  tp_rng_restart tensor_parallel_tests 'Meshes/Tracker.*Restart*'
 )
 test_binaries=()
 for ((i = 1; i < ${#goldens[@]}; i += 3)); do test_binaries+=("${goldens[$i]}"); done

@@ -1,6 +1,5 @@
 #include "cohort/tensor_parallel/random.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 
 #include <algorithm>
@@ -14,8 +13,10 @@
 namespace cohort::tensor_parallel {
 namespace {
 
-// Leads every state(), so that set_state knows its own format.
-constexpr uint64_t kStateMagic = 0x31676e7274726f63ULL;  // "cortrng1"
+// Leads every state(), so that set_state knows its own format: version 2
+// carries each stream's current seed, version 1 (written before) did not.
+constexpr uint64_t kStateMagic = 0x32676e7274726f63ULL;    // "cortrng2"
+constexpr uint64_t kStateMagicV1 = 0x31676e7274726f63ULL;  // "cortrng1"
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ULL;
@@ -24,11 +25,11 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// A new generator of `device` seeded with `seed`. A CUDA device's is a
-// clone of its default generator (the only door to one that a build
-// without CUDA compiles), then seeded: the clone has a state of its own.
+// A new generator of `device` seeded with `seed`: a clone of the device's
+// default generator (the only door to a CUDA one that a build without CUDA
+// compiles), then seeded, since the clone has a state of its own. The CPU's
+// is made the same way, so that what runs here is what a CUDA device runs.
 at::Generator new_generator(const torch::Device& device, uint64_t seed) {
-  if (device.is_cpu()) return at::detail::createCPUGenerator(seed);
   auto fallback = at::globalContext().defaultGenerator(device);
   at::Generator gen;
   {
@@ -109,8 +110,18 @@ class Reader {
 // A state(), read: its place in the TP group and each stream's generators.
 struct SavedState {
   uint64_t tp_rank = 0, tp_size = 0, group = 0;
-  std::vector<std::pair<std::string, std::vector<std::pair<torch::Device, torch::Tensor>>>> streams;
+  struct Stream {
+    std::string name;
+    std::optional<uint64_t> current;  // none in version 1
+    std::vector<std::pair<torch::Device, torch::Tensor>> generators;
+  };
+  std::vector<Stream> streams;
 };
+
+bool holds(const SavedState::Stream& saved, const torch::Device& device) {
+  return std::any_of(saved.generators.begin(), saved.generators.end(),
+                     [&](const auto& entry) { return entry.first == device; });
+}
 
 SavedState parse(const torch::Tensor& state) {
   if (!state.defined() || state.dim() != 1) {
@@ -118,7 +129,8 @@ SavedState parse(const torch::Tensor& state) {
         "tensor_parallel::RngTracker::set_state: not a state (a 1-D uint8 tensor)");
   }
   Reader in(state);
-  if (in.u64() != kStateMagic) {
+  const auto magic = in.u64();
+  if (magic != kStateMagic && magic != kStateMagicV1) {
     throw InvalidArgument("tensor_parallel::RngTracker::set_state: not an RngTracker's state");
   }
   SavedState s;
@@ -127,7 +139,9 @@ SavedState parse(const torch::Tensor& state) {
   s.group = in.u64();
   const auto n = in.u64();
   for (uint64_t i = 0; i < n; ++i) {
-    s.streams.emplace_back(in.text(), std::vector<std::pair<torch::Device, torch::Tensor>>{});
+    auto& stream = s.streams.emplace_back();
+    stream.name = in.text();
+    if (magic == kStateMagic) stream.current = in.u64();
     const auto devices = in.u64();
     for (uint64_t d = 0; d < devices; ++d) {
       const auto name = in.text();
@@ -137,7 +151,7 @@ SavedState parse(const torch::Tensor& state) {
       } catch (const c10::Error&) {
         throw InvalidArgument("tensor_parallel::RngTracker::set_state: no device '" + name + "'");
       }
-      s.streams.back().second.emplace_back(*device, in.bytes());
+      stream.generators.emplace_back(*device, in.bytes());
     }
   }
   if (!in.done()) {
@@ -178,8 +192,7 @@ void RngTrackerImpl::add(const std::string& name, uint64_t seed) {
     }
   }
   Stream stream;
-  stream.seed = seed;
-  stream.generators.emplace_back(torch::Device(torch::kCPU), new_generator(torch::kCPU, seed));
+  stream.seed = stream.current = seed;
   streams_.emplace_back(name, std::move(stream));
   std::sort(streams_.begin(), streams_.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -211,7 +224,7 @@ at::Generator RngTrackerImpl::generator_locked(Stream& stream, const torch::Devi
   for (const auto& [d, gen] : stream.generators) {
     if (d == device) return gen;
   }
-  stream.generators.emplace_back(device, new_generator(device, stream.seed));
+  stream.generators.emplace_back(device, new_generator(device, stream.current));
   return stream.generators.back().second;
 }
 
@@ -239,6 +252,7 @@ torch::Tensor RngTrackerImpl::state() const {
   out.u64(streams_.size());
   for (const auto& [name, stream] : streams_) {
     out.text(name);
+    out.u64(stream.current);
     out.u64(stream.generators.size());
     for (auto [device, gen] : stream.generators) {
       out.text(device.str());
@@ -265,7 +279,7 @@ RngTrackerImpl::Prepared RngTrackerImpl::prepare(const torch::Tensor& state) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string mine, theirs;
   for (const auto& entry : streams_) mine += " '" + entry.first + "'";
-  for (const auto& entry : saved.streams) theirs += " '" + entry.first + "'";
+  for (const auto& entry : saved.streams) theirs += " '" + entry.name + "'";
   if (mine != theirs) {
     throw InvalidArgument(where + "the state has the streams" + theirs + ", this tracker" + mine);
   }
@@ -274,15 +288,24 @@ RngTrackerImpl::Prepared RngTrackerImpl::prepare(const torch::Tensor& state) {
   Prepared out;
   out.group = saved.group;
   for (size_t i = 0; i < saved.streams.size(); ++i) {
-    for (const auto& [device, bytes] : saved.streams[i].second) {
+    const auto& name = saved.streams[i].name;
+    const auto& held = saved.streams[i].generators;
+    const uint64_t current = saved.streams[i].current.value_or(streams_[i].second.current);
+    out.currents.emplace_back(name, current);
+    // A generator the state does not hold (made since it was taken) starts
+    // over at the stream's current seed, as one made after the restore.
+    for (const auto& [device, gen] : streams_[i].second.generators) {
+      if (!holds(saved.streams[i], device)) out.restarts.emplace_back(gen, current);
+    }
+    for (const auto& [device, bytes] : held) {
       try {
         check_device(device, "set_state");
         auto gen = generator_locked(streams_[i].second, device);
         gen.clone().set_state(bytes);
         out.updates.emplace_back(gen, bytes);
       } catch (const c10::Error& e) {
-        throw InvalidArgument(where + "stream '" + saved.streams[i].first + "' on " + device.str() +
-                              ": " + e.what_without_backtrace());
+        throw InvalidArgument(where + "stream '" + name + "' on " + device.str() + ": " +
+                              e.what_without_backtrace());
       }
     }
   }
@@ -290,9 +313,15 @@ RngTrackerImpl::Prepared RngTrackerImpl::prepare(const torch::Tensor& state) {
 }
 
 void RngTrackerImpl::commit(Prepared& prepared) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, current] : prepared.currents) stream_locked(name).current = current;
   for (auto& [gen, bytes] : prepared.updates) {
     std::lock_guard<std::mutex> gen_lock(gen.mutex());
     gen.set_state(bytes);
+  }
+  for (auto& [gen, seed] : prepared.restarts) {
+    std::lock_guard<std::mutex> gen_lock(gen.mutex());
+    gen.set_current_seed(seed);
   }
 }
 
@@ -305,6 +334,7 @@ void RngTrackerImpl::reseed(uint64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& entry : streams_) {
     const uint64_t seed = splitmix64(entry.second.seed ^ splitmix64(step));
+    entry.second.current = seed;  // for the generators it makes from now on too
     for (auto& [device, gen] : entry.second.generators) {
       std::lock_guard<std::mutex> gen_lock(gen.mutex());
       gen.set_current_seed(seed);

@@ -24,9 +24,13 @@
 //   "replicated"      s                                 every TP rank of the group alike
 //   "model-parallel"  s + kModelParallelOffset + tp_rank  each TP rank its own
 // as Megatron-LM's model_parallel_cuda_manual_seed (offset 2718). Every
-// device has its own generator of each stream, seeded alike: the CPU's,
-// and each CUDA device's (made by cloning that device's default generator,
-// so a build without CUDA compiles the same code).
+// device has its own generator of each stream, made at its first use (or by
+// `to(device)`) from the stream's current seed: the seed above, or once the
+// stream was restarted (reseed) the restart's, which state() carries. So a
+// generator made after a restart starts where one that existed then was
+// put, not at the original stream. Each is a clone of that device's default
+// generator, seeded (so a build without CUDA compiles the same code, and
+// the CPU's takes the path a CUDA device's does).
 //
 // The tracker is a module without parameters: registered in a model, the
 // Trainer checkpoints its streams with each rank's RNG states and a resume
@@ -70,7 +74,8 @@ class RngTrackerImpl : public torch::nn::Module, public RngStreams {
   void add(const std::string& name, uint64_t seed);
   /// The streams' names, sorted.
   std::vector<std::string> names() const;
-  /// Stream `name`'s seed (InvalidArgument naming the streams when there is none).
+  /// Stream `name`'s seed, as add() gave it (InvalidArgument naming the
+  /// streams when there is none).
   uint64_t seed(const std::string& name) const;
 
   /// Stream `name`'s generator on `device` (made on first use).
@@ -87,10 +92,14 @@ class RngTrackerImpl : public torch::nn::Module, public RngStreams {
   /// Every generator's state, with this rank's place in the TP group.
   torch::Tensor state() const;
   /// Restores state() of a tracker with the same streams at the same TP
-  /// rank; a device it does not hold keeps its generators. InvalidArgument
-  /// naming what differs otherwise, with nothing changed.
+  /// rank, the streams' current seeds with it (a state written before they
+  /// were saved leaves them); a generator of a device it does not hold
+  /// starts over at its stream's current seed, as one made after the
+  /// restore. InvalidArgument naming what differs otherwise, with nothing
+  /// changed.
   void set_state(const torch::Tensor& state);
-  /// Reseeds every stream's generators with a mix of its seed and `step`.
+  /// Restarts every stream from a mix of its seed and `step`: its
+  /// generators, and those it makes from now on.
   void reseed(uint64_t step);
 
   /// RngStreams: state().
@@ -115,13 +124,17 @@ class RngTrackerImpl : public torch::nn::Module, public RngStreams {
 
  private:
   struct Stream {
-    uint64_t seed = 0;
+    uint64_t seed = 0;     // add()'s
+    uint64_t current = 0;  // a generator made now is seeded with it: seed, or a restart's
     std::vector<std::pair<torch::Device, at::Generator>> generators;  // by device
   };
-  // A state checked against this tracker, with the generators it sets.
+  // A state checked against this tracker, with what it sets: the
+  // generators it holds, those it does not (reseeded), the current seeds.
   struct Prepared {
     uint64_t group = 0;
     std::vector<std::pair<at::Generator, torch::Tensor>> updates;
+    std::vector<std::pair<at::Generator, uint64_t>> restarts;
+    std::vector<std::pair<std::string, uint64_t>> currents;  // by stream name
   };
   Prepared prepare(const torch::Tensor& state);  // InvalidArgument when it does not fit
   void commit(Prepared& prepared);

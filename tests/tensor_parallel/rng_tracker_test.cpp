@@ -2,12 +2,16 @@
 // documented rule, the replicated stream agrees over each TP group while the
 // model-parallel one differs, its state round-trips bitwise, and a restore
 // continues only when the whole TP group restores one old group at its own
-// TP ranks, every rank of the group reseeding alike otherwise. dropout()
+// TP ranks, every rank of the group reseeding alike otherwise; a generator
+// made after a restart (a device's first dropout) starts at the restart, as
+// the ones that existed then did, also after a saved state. dropout()
 // against the mask drawn by hand, and the Trainer's helpers that find and
 // save a model's streams.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
+#include <cstring>
 #include <mutex>
 
 #include "cohort/tensor_parallel/random.h"
@@ -35,6 +39,17 @@ DeviceMesh mesh_of(std::shared_ptr<Communicator> world, const Shape& s) {
 }
 
 torch::Tensor draw(at::Generator gen, int64_t n = 8) { return torch::rand({n}, gen); }
+torch::Tensor draw_on(at::Generator gen, const torch::Device& device, int64_t n = 8) {
+  return torch::rand({n}, gen, torch::TensorOptions().device(device));
+}
+
+// The devices a generator can be made for here: the CPU, and a CUDA device
+// where there is one (scripts/gpu-check.sh runs these tests there).
+std::vector<torch::Device> devices() {
+  std::vector<torch::Device> out{kCpu};
+  if (torch::cuda::is_available()) out.emplace_back(torch::kCUDA, 0);
+  return out;
+}
 
 // Every TP rank's row of `x` ([tp, n]), gathered over the mesh's TP group.
 torch::Tensor over_tp(const DeviceMesh& mesh, const torch::Tensor& x) {
@@ -96,6 +111,74 @@ TEST_P(Tracker, StateRoundTripsBitwise) {
   });
 }
 
+// A generator made after the state was taken starts over on its restore,
+// as one made after it: the state says what every device draws next.
+TEST_P(Tracker, AGeneratorMadeSinceTheStateStartsOverOnItsRestore) {
+  run_ranks_shared(GetParam().dp * GetParam().tp, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = mesh_of(world, GetParam());
+    RngTracker rng(mesh, kSeed);
+    const auto saved = rng->state();
+    for (const auto& device : devices()) {
+      const auto first = draw_on(rng->replicated(device), device);
+      draw_on(rng->replicated(device), device);
+      rng->set_state(saved);
+      EXPECT_TRUE(torch::equal(draw_on(rng->replicated(device), device), first)) << device;
+    }
+  });
+}
+
+// `state` (version 2) as version 1 wrote it: another magic number and no
+// current seed after each stream's name.
+torch::Tensor as_version_1(const torch::Tensor& state) {
+  const auto* in = state.data_ptr<uint8_t>();
+  size_t at = 0;
+  std::vector<uint8_t> out;
+  auto copy = [&](size_t n) {
+    out.insert(out.end(), in + at, in + at + n);
+    at += n;
+  };
+  auto u64 = [&] {
+    uint64_t v = 0;
+    std::memcpy(&v, in + at, sizeof v);
+    return v;
+  };
+  // A length, then that many bytes.
+  auto bytes = [&] { copy(8 + u64()); };
+  const uint64_t magic_v1 = 0x31676e7274726f63ULL;  // "cortrng1"
+  out.insert(out.end(), reinterpret_cast<const uint8_t*>(&magic_v1),
+             reinterpret_cast<const uint8_t*>(&magic_v1) + 8);
+  at = 8;
+  copy(24);  // tp rank, tp size, group
+  const auto streams = u64();
+  copy(8);
+  for (uint64_t i = 0; i < streams; ++i) {
+    bytes();  // the name
+    at += 8;  // the current seed, which version 1 lacks
+    const auto devices = u64();
+    copy(8);
+    for (uint64_t d = 0; d < devices; ++d) {
+      bytes();  // the device
+      bytes();  // its generator's state
+    }
+  }
+  EXPECT_EQ(at, static_cast<size_t>(state.numel()));
+  return torch::from_blob(out.data(), {static_cast<int64_t>(out.size())}, torch::kUInt8).clone();
+}
+
+// A state written before the streams' current seeds were saved (a
+// checkpoint of an earlier build) still continues its generators.
+TEST_P(Tracker, AVersion1StateContinues) {
+  run_ranks_shared(GetParam().dp * GetParam().tp, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = mesh_of(world, GetParam());
+    RngTracker rng(mesh, kSeed), resumed(mesh, kSeed);
+    draw(rng->replicated(kCpu), 5);
+    draw(rng->model_parallel(kCpu), 7);
+    resumed->set_state(as_version_1(rng->state()));
+    EXPECT_TRUE(torch::equal(draw(resumed->replicated(kCpu)), draw(rng->replicated(kCpu))));
+    EXPECT_TRUE(torch::equal(draw(resumed->model_parallel(kCpu)), draw(rng->model_parallel(kCpu))));
+  });
+}
+
 // What one TP group restores: each rank its own state, one rank none, or
 // (dp 2) one rank the other group's state at its TP rank.
 enum class Restore { Own, OneRankWithout, OneRankFromAnotherGroup };
@@ -137,6 +220,57 @@ void check_restore(const Shape& shape, Restore how) {
     fresh->reseed(5);
     EXPECT_TRUE(torch::equal(got, draw(fresh->replicated(kCpu))));
     EXPECT_TRUE(torch::equal(sharded, draw(fresh->model_parallel(kCpu))));
+  });
+}
+
+// Restarted at another layout (restore_rng_state without a state), a
+// tracker that had made no generator yet makes them at the restart, as one
+// that held them then: not at the stream's original seed, whose masks the
+// job before the restart drew.
+TEST_P(Tracker, AGeneratorMadeAfterARestartStartsAtTheRestart) {
+  run_ranks_shared(GetParam().dp * GetParam().tp, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = mesh_of(world, GetParam());
+    RngTracker held(mesh, kSeed), made_later(mesh, kSeed);
+    for (const auto& device : devices()) held->generators(device);
+    held->restore_rng_state(torch::Tensor(), /*step=*/5);
+    made_later->restore_rng_state(torch::Tensor(), /*step=*/5);
+    for (const auto& device : devices()) {
+      for (const auto& name : held->names()) {
+        SCOPED_TRACE(name + " on " + device.str());
+        auto made = made_later->generator(name, device);
+        const auto expected = held->generator(name, device);
+        EXPECT_NE(expected.current_seed(), held->seed(name));  // restarted
+        EXPECT_EQ(made.current_seed(), expected.current_seed());
+        EXPECT_TRUE(torch::equal(draw_on(made, device), draw_on(expected, device)));
+      }
+      // Still alike over the TP group where the stream is replicated.
+      const auto replicated = over_tp(mesh, draw_on(made_later->replicated(device), device).cpu());
+      for (int t = 1; t < mesh.size("tp"); ++t) {
+        EXPECT_TRUE(torch::equal(replicated[t], replicated[0])) << "tp rank " << t;
+      }
+    }
+  });
+}
+
+// The restart's seed is part of the state: a tracker resumed at the same
+// layout from the state of a restarted one that had made no generator yet
+// makes them at that restart too.
+TEST_P(Tracker, TheRestartSurvivesTheState) {
+  run_ranks_shared(GetParam().dp * GetParam().tp, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = mesh_of(world, GetParam());
+    RngTracker restarted(mesh, kSeed), resumed(mesh, kSeed), held(mesh, kSeed);
+    for (const auto& device : devices()) held->generators(device);
+    held->restore_rng_state(torch::Tensor(), /*step=*/5);
+    restarted->restore_rng_state(torch::Tensor(), /*step=*/5);
+    resumed->set_state(restarted->state());
+    for (const auto& device : devices()) {
+      for (const auto& name : held->names()) {
+        SCOPED_TRACE(name + " on " + device.str());
+        auto made = resumed->generator(name, device);
+        EXPECT_NE(made.current_seed(), resumed->seed(name));
+        EXPECT_EQ(made.current_seed(), held->generator(name, device).current_seed());
+      }
+    }
   });
 }
 
