@@ -1,6 +1,11 @@
 // Jobs started wrongly: two processes given the same RANK must be told so by
-// name, not left to time out waiting for the rank nobody started.
+// name, not left to time out waiting for the rank nobody started; a job of
+// several nodes on a loopback --master-addr is warned of at start.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "support/subprocess.h"
 
@@ -25,6 +30,78 @@ TEST(Misuse, DuplicateRankIsNamed) {
   // would take 45.
   EXPECT_LT(r.seconds, 30) << "the duplicate was found only by a timeout";
 #endif
+}
+
+constexpr const char* kLoopbackWarning =
+    "is a loopback address: launchers on this machine can form the job, but nodes on other "
+    "machines cannot reach it; ";
+
+// A port free on 127.0.0.1 now (the kernel's pick), and the one above it.
+int free_port_pair() {
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    int ports[2] = {0, 0};
+    int fds[2] = {-1, -1};
+    for (int i = 0; i < 2; ++i) {
+      fds[i] = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      addr.sin_port = htons(static_cast<uint16_t>(i == 0 ? 0 : ports[0] + 1));
+      socklen_t len = sizeof addr;
+      if (::bind(fds[i], reinterpret_cast<sockaddr*>(&addr), len) == 0 &&
+          ::getsockname(fds[i], reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+        ports[i] = ntohs(addr.sin_port);
+      }
+    }
+    for (int fd : fds) ::close(fd);
+    if (ports[0] > 0 && ports[0] < 65535 && ports[1] == ports[0] + 1) return ports[0];
+  }
+  ADD_FAILURE() << "no two free ports in a row on 127.0.0.1";
+  return 0;
+}
+
+// Node 1 of 2 on each loopback form: no rank connects anywhere, so it runs
+// without node 0, and warns that ranks on another machine would time out.
+TEST(Misuse, LoopbackMasterOfSeveralNodesIsWarnedOf) {
+  for (const std::string addr : {"127.0.0.1", "127.1.2.3", "::1", "localhost"}) {
+    ProcessResult r =
+        run_cohortrun({"-n", "1", "--nnodes", "2", "--node-rank", "1", "--master-addr", addr,
+                       "--master-port", "29511", "--", "true"});
+    EXPECT_EQ(r.exit_code, 0) << addr << ": " << r.err;
+    const auto at =
+        r.err.find("cohortrun: warning: --master-addr " + addr + " " + kLoopbackWarning +
+                   "their ranks would wait for rank 0 on their own machine");
+    EXPECT_EQ(at, 0u) << addr << ": " << r.err;
+  }
+}
+
+// --nnodes 1:2 on loopback: this launcher hosts the rendezvous, runs alone
+// once the last call passed, and said first that launchers on other
+// machines would run as separate jobs.
+TEST(Misuse, LoopbackRendezvousIsWarnedOfBeforeItStarts) {
+  const std::string port = std::to_string(free_port_pair());
+  ProcessResult r = run_cohortrun({"-n", "1", "--nnodes", "1:2", "--master-addr", "127.0.0.1",
+                                   "--master-port", port, "--rdzv-last-call", "0.1", "--rdzv-id",
+                                   "loopback-warning", "--", "true"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const auto warning = r.err.find(std::string("cohortrun: warning: --master-addr 127.0.0.1 ") +
+                                  kLoopbackWarning + "they would run as separate jobs");
+  EXPECT_EQ(warning, 0u) << r.err;
+  EXPECT_NE(r.err.find("generation 0: node 0 of 1"), std::string::npos) << r.err;
+}
+
+// No warning on one node, nor on an address other machines may reach.
+TEST(Misuse, NoWarningForOneNodeOrARoutableMaster) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"-n", "2", "--", "true"},
+        std::vector<std::string>{"-n", "2", "--nnodes", "1", "--master-addr", "127.0.0.1", "--",
+                                 "true"},
+        std::vector<std::string>{"-n", "1", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                 "10.1.2.3", "--master-port", "29511", "--", "true"}}) {
+    ProcessResult r = run_cohortrun(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.err.find("warning"), std::string::npos) << r.err;
+  }
 }
 
 }  // namespace

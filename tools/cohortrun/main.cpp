@@ -12,6 +12,7 @@
 #include <system_error>
 
 #include "attempt.h"
+#include "cohort/core/store/socket.h"
 #include "mpirun.h"
 #include "node_supervisor.h"
 #include "options.h"
@@ -42,6 +43,23 @@ void check_port(const Options& o) {
     throw UsageError("--master-port " + std::to_string(o.master_port) +
                      " is already in use on 127.0.0.1");
   }
+}
+
+// Launchers on one machine may share a loopback --master-addr, and on
+// several machines each machine's would reach only its own. Nothing sent
+// to a loopback address leaves the machine, so no launcher ever hears of
+// one elsewhere: the misuse looks like the valid case, or like nodes that
+// did not start yet. Said at start rather than refused.
+void warn_loopback_master(const Options& o) {
+  if (o.nnodes <= 1 || !cohort::net::is_loopback(o.master_addr)) return;
+  log_line("warning: --master-addr " + o.master_addr +
+           " is a loopback address: launchers on this machine can form the job, but nodes on "
+           "other machines cannot reach it; " +
+           (o.elastic_nodes() ? "they would run as separate jobs (each machine's launchers "
+                                "hosting their own rendezvous)"
+                              : "their ranks would wait for rank 0 on their own machine until "
+                                "they time out") +
+           ". Across machines, give node 0's address that every node reaches.");
 }
 
 // An interrupt that arrived after the last attempt ended (signals stay
@@ -160,6 +178,7 @@ int run(int argc, char** argv) {
     options = parse_options(argc, argv);
     if (!options) return 0;  // --help
     check_port(*options);
+    warn_loopback_master(*options);
   } catch (const UsageError& e) {
     log_line(e.what());
     return kUsageExitCode;
