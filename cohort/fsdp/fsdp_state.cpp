@@ -53,6 +53,7 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
     for (const auto& p : units_[u].group->params()) {
       params_.push_back(p);
       unit_of_.push_back(u);
+      param_unit_[p.unsafeGetTensorImpl()] = u;
     }
   }
   // Each unit's enclosing unit: the root's (when it has parameters) holds
@@ -184,34 +185,7 @@ torch::Tensor FSDPState::pre_forward(size_t u, bool training, const torch::Tenso
   // Not while a checkpointed unit recomputes in backward: the next unit's
   // backward came before.
   if (!in_backward_ && u + 1 < units_.size()) start_unshard(u + 1, ScheduleStep::kForwardGather);
-  return watch_input(u, input);
-}
-
-// A unit's layer whose weight is frozen gets no gradient, so its backward
-// (its input's gradient, which reads that weight) may come after the
-// unit's last parameter gradient landed: the unit's backward is over only
-// once its input's gradient is complete. So the unit computes on an alias
-// of its input whose hook says when (as FSDP2's post-backward hook on a
-// unit's inputs). A layer modifying that alias in place moves the hook off
-// the graph in LibTorch 1.13 (it never runs: the unit stays gathered until
-// the end of backward) and keeps it on the value before the change in 2.x
-// (it runs after that layer's backward): either way never too early.
-torch::Tensor FSDPState::watch_input(size_t u, const torch::Tensor& input) {
-  call_watch_[u].reset();
-  if (!has_frozen_[u] || !torch::GradMode::is_enabled() || !input.defined() ||
-      !input.requires_grad()) {
-    return input;
-  }
-  auto watch = std::make_shared<InputWatch>();
-  watch->unit = u;
-  call_watch_[u] = watch;
-  watched_after_[u] = static_cast<int64_t>(outermost_forwards_);
-  auto alias = input.view_as(input);
-  std::weak_ptr<FSDPState> self = shared_from_this();
-  alias.register_hook([self, watch](const torch::Tensor&) {
-    if (auto state = self.lock()) state->input_gradient_done(*watch);
-  });
-  return alias;
+  return watch_call(u, input);
 }
 
 // A training forward's graph freed with no backward run through it (its
@@ -343,18 +317,20 @@ void FSDPState::post_forward(size_t u, const torch::Tensor& output, bool outermo
   if (outermost && !in_backward_) watch = std::make_shared<GraphWatch>(self, ++outermost_forwards_);
   // The hook runs on the output's grad_fn before it; it leaves the gradient
   // unchanged. It lives as long as that graph, and so does `watch`.
-  std::shared_ptr<InputWatch> input = u == kRoot ? nullptr : std::move(call_watch_[u]);
-  const_cast<torch::Tensor&>(output).register_hook([self, u, watch, input](const torch::Tensor&) {
-    if (auto state = self.lock()) state->pre_backward(u, input.get());
+  std::shared_ptr<CallWatch> call;
+  if (u != kRoot && call_watch_[u]) call = hook_call(std::move(call_watch_[u]), output);
+  const_cast<torch::Tensor&>(output).register_hook([self, u, watch, call](const torch::Tensor&) {
+    if (auto state = self.lock()) state->pre_backward(u, call.get());
   });
 }
 
-void FSDPState::pre_backward(size_t u, InputWatch* input) {
+void FSDPState::pre_backward(size_t u, CallWatch* call) {
   if (!in_backward_) begin_backward();
   if (u != kRoot) backward_started_[u] = 1;
-  // This call's backward runs until its input's gradient is complete.
-  if (input && input->opened != backward_id_) {
-    input->opened = backward_id_;
+  // This call's backward runs until its hooked nodes have run.
+  if (call && call->opened != backward_id_) {
+    call->opened = backward_id_;
+    call->left = call->ends;
     ++open_[u];
   }
   // The unit before this one is reduce-scattering: its input (that unit's
@@ -426,36 +402,6 @@ void FSDPState::gradient_ready(size_t k) {
   settle(u);
 }
 
-void FSDPState::input_gradient_done(InputWatch& input) {
-  if (!in_backward_ || input.opened != backward_id_ || input.closed == backward_id_) return;
-  input.closed = backward_id_;
-  --open_[input.unit];
-  settle(input.unit);
-}
-
-bool FSDPState::backward_over(size_t u) const {
-  if (arrived_[u] < parts_[u]) return false;
-  // Every parameter requires grad: each layer that reads one in backward
-  // runs before that parameter's gradient lands.
-  if (!has_frozen_[u]) return true;
-  // A layer reading a frozen weight runs its backward for a gradient that
-  // comes from the unit's input (the input's hook), from its own
-  // parameters (their gradients), or from a unit inside it (that unit's
-  // end); and a unit whose input had a hook in a forward since the last
-  // backward has a backward to wait for (its output's hook).
-  const bool watched = watched_after_[u] >= static_cast<int64_t>(forwards_before_);
-  return open_[u] == 0 && inside_open_[u] == 0 && (backward_started_[u] || !watched);
-}
-
-void FSDPState::settle(size_t u) {
-  if (finished_[u] || !backward_over(u)) return;
-  finish_unit(u);
-  // Its end may be what a unit around it waited for.
-  for (size_t a = parent_[u]; a != kNone; a = parent_[a]) {
-    if (!finished_[a] && backward_over(a)) finish_unit(a);
-  }
-}
-
 void FSDPState::finish_unit(size_t u) {
   finished_[u] = 1;
   for (size_t a = parent_[u]; a != kNone; a = parent_[a]) --inside_open_[a];
@@ -490,8 +436,9 @@ Work FSDPState::launch(size_t u) {
   // its backward (which may not have run yet).
   if (!reducing_[u]) return Work();
   // Its backward is over: it needs its parameters no more, and they go
-  // before the reduce-scatter input is made.
-  units_[u].group->reshard();
+  // before the reduce-scatter input is made; unless a later call's backward
+  // gathered them again (settle reshards after it).
+  if (!in_backward_ || open_[u] == 0) units_[u].group->reshard();
   retire_in_flight();
   check_.before(ScheduleStep::kReduceScatter, u);
   return units_[u].group->start_reduce_scatter();

@@ -14,8 +14,9 @@
 // reduce-scattered from unit k-1 down to the root, each as soon as its
 // backward and those of the units after it are over. A unit's backward is
 // over once its gradients have all landed; with a frozen parameter, also
-// once the units inside it are over and its input's gradient is complete
-// (a frozen layer reads its weight in backward but lands no gradient).
+// once the units inside it are over and each call's autograd nodes have run
+// (a frozen layer reads its weight in backward but lands no gradient;
+// fsdp_state_calls.cpp).
 // Ranks must run the same units in the same order (as in FSDP2): before
 // each of these collectives the ranks check that they are about to issue
 // the same one (ScheduleCheck, unit_agreement.h: one all-gather of a few
@@ -41,6 +42,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
@@ -91,8 +93,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   /// Before unit u's forward (`training`: the module is in training mode);
   /// u is 0 or kRoot for the root. Returns what the unit's module computes
-  /// on: `input`, or for a unit with frozen parameters an alias of it whose
-  /// gradient tells when the unit's backward is over.
+  /// on: `input`, or for a unit with frozen parameters an alias of it, so
+  /// that the input's gradient is part of the call's backward (watch_call).
   torch::Tensor pre_forward(size_t u, bool training, const torch::Tensor& input);
   /// After unit u's forward: reshards it (not the root) if it should, and
   /// hooks `output` (if it requires grad) to unshard it before its backward.
@@ -107,16 +109,20 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// settle). Waits for an all-gather in flight, which every rank issued.
   /// Never throws: a unit that refuses (a parameter replaced) stays gathered.
   void forward_failed() noexcept;
-  /// One forward call of a unit with frozen parameters, whose input's
-  /// gradient ends its backward (watch_input).
-  struct InputWatch {
+  /// One forward call of a unit with frozen parameters, whose backward is
+  /// over once the call's autograd nodes that lead out of it have run
+  /// (watch_call, hook_call).
+  struct CallWatch {
     size_t unit = 0;      ///< the unit called
+    uint64_t first = 0;   ///< the sequence number of the call's first autograd node
+    uint64_t thread = 0;  ///< the forward's thread (the nodes' thread_id())
+    size_t ends = 0;      ///< nodes hooked
+    size_t left = 0;      ///< of them, not run yet in the backward that opened it
     uint64_t opened = 0;  ///< the backward in which its output's gradient came
-    uint64_t closed = 0;  ///< the backward in which its input's gradient did
   };
-  /// Unit u's output got its gradient: its backward is next. `input`: that
-  /// call's InputWatch, if any.
-  void pre_backward(size_t u, InputWatch* input = nullptr);
+  /// Unit u's output got its gradient: its backward is next. `call`: that
+  /// call's CallWatch, if any.
+  void pre_backward(size_t u, CallWatch* call = nullptr);
 
   /// Unshards every unit (collective).
   void unshard_all();
@@ -155,18 +161,26 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // The unit whose backward comes after unit u's (u may be kRoot); none: size.
   size_t next_in_backward(size_t u) const;
   void gradient_ready(size_t k);
-  // Unit u's input with a hook that ends its backward, when it has frozen
-  // parameters and the input needs a gradient (fsdp_state.cpp says why).
-  torch::Tensor watch_input(size_t u, const torch::Tensor& input);
-  // The input's gradient of a call of `input.unit` is complete.
-  void input_gradient_done(InputWatch& input);
+  // fsdp_state_calls.cpp: when the backward of a unit with frozen
+  // parameters is over. Before unit u's forward: what it computes on (an
+  // alias of `input`, if it needs a gradient); starts the call's watch.
+  torch::Tensor watch_call(size_t u, const torch::Tensor& input);
+  // After it: hooks the call's nodes that lead out of it; the watch, or
+  // null when the call leaves nothing to wait for.
+  std::shared_ptr<CallWatch> hook_call(std::shared_ptr<CallWatch> call,
+                                       const torch::Tensor& output);
+  // A hooked node of `call` ran (`counted`: the hook's last backward).
+  void call_node_ran(CallWatch& call, uint64_t& counted);
   // Whether unit u's backward is over: every parameter's gradient landed
-  // and, with a frozen parameter, its inputs' gradients are complete and
-  // the units inside it are over.
+  // and, with a frozen parameter, its calls' nodes have run and the units
+  // inside it are over.
   bool backward_over(size_t u) const;
   // Finishes unit u if its backward is over, then the units around it that
-  // waited for it.
+  // waited for it; reshards a finished unit gathered again for a later call.
   void settle(size_t u);
+  // Whether the accumulator `node` is of a parameter of unit u or of a unit
+  // inside it.
+  bool accumulates_within(const torch::autograd::Node* node, size_t u) const;
   // Unit u's backward is over: reshards it and lets its reduce-scatter go
   // (with leaves: pushes its leaf gradient).
   void finish_unit(size_t u);
@@ -210,8 +224,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<size_t> backward_next_;   // unit -> the unit after it in backward (none: size)
   // Every parameter of every unit, and its unit.
   std::vector<size_t> unit_of_;
-  std::vector<size_t> first_param_;     // unit -> index of its first parameter
-  std::vector<torch::Tensor> params_;   // every parameter of every unit
+  std::vector<size_t> first_param_;    // unit -> index of its first parameter
+  std::vector<torch::Tensor> params_;  // every parameter of every unit
+  std::unordered_map<const c10::TensorImpl*, size_t> param_unit_;  // parameter -> its unit
   std::vector<size_t> parts_;           // unit -> its parameters that require grad
   std::vector<char> has_frozen_;        // unit -> one of its parameters does not
   std::vector<size_t> parent_;          // unit -> the unit around it (none: kNone)
@@ -219,13 +234,14 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<size_t> arrived_;         // unit -> gradients landed in this backward
   std::vector<char> backward_started_;  // unit -> its pre_backward ran in this backward
   // This backward: units whose backward is over; per unit, its calls whose
-  // backward began and whose input's gradient is not complete, and the
-  // units inside it not over.
+  // backward began and whose hooked nodes have not all run, and the units
+  // inside it not over.
   std::vector<char> finished_;
   std::vector<size_t> open_, inside_open_;
-  // Per unit: the InputWatch its pre_forward made, for its post_forward;
-  // the outermost forwards before the last forward that made one (-1: none).
-  std::vector<std::shared_ptr<InputWatch>> call_watch_;
+  // Per unit: the CallWatch its pre_forward made, for its post_forward;
+  // the outermost forwards before the last forward that hooked a call (-1:
+  // none).
+  std::vector<std::shared_ptr<CallWatch>> call_watch_;
   std::vector<int64_t> watched_after_;
   uint64_t backward_id_ = 0;      // backwards begun so far
   uint64_t forwards_before_ = 0;  // outermost forwards before the previous backward began

@@ -17,16 +17,25 @@
 //                          trainable Linear;
 //   frozen after inner     the root holds a unit around a trainable Linear,
 //                          then a frozen Linear, then its own trainable
-//                          Linear (the root's input needs no gradient).
+//                          Linear (the root's input needs no gradient);
+//   side input Linear      the root's trainable Linear makes a tensor that
+//                          a unit reads beside its input (the data, which
+//                          needs no gradient), through a frozen Linear, as a
+//                          decoder block reads the encoder's output: that
+//                          Linear's backward (the tensor's gradient) comes
+//                          after the unit's trainable gradients landed;
+//   side input scale       the same through a frozen [3] scale, which its
+//                          backward reads as the parameter itself (resharded
+//                          at world 3, a [1] shard that broadcasts);
+//   frozen unit twice      an all-frozen unit (a frozen Linear, tanh) called
+//                          twice between the root's trainable Linears.
 //
 // After 10 AdamW steps every parameter equals the one-process model's
-// within 1e-6 relative (the frozen ones unchanged). And such a unit is
-// resharded when its backward ends, not kept to the end of backward: a
-// LoRA-like stack holds at most two units gathered.
+// within 1e-6 relative (the frozen ones unchanged). When a unit is
+// resharded: frozen_schedule_test.cpp.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -34,6 +43,7 @@
 
 #include "cohort/fsdp/fully_shard.h"
 #include "support/engine_worlds.h"
+#include "tests/fsdp/frozen_models.h"
 #include "tests/fsdp/fsdp_test_models.h"
 
 namespace cohort::frozen_test {
@@ -46,7 +56,19 @@ using torch::nn::LayerNormOptions;
 
 constexpr int64_t kLeaves = 6;  // kBatch / kLeaves rows each
 
-enum class Shape { kFrozenLinearFirst, kFrozenLayerNormFirst, kFrozenOuterUnit, kFrozenAfterInner };
+enum class Shape {
+  kFrozenLinearFirst,
+  kFrozenLayerNormFirst,
+  kFrozenOuterUnit,
+  kFrozenAfterInner,
+  kSideInputLinear,
+  kSideInputScale,
+  kFrozenUnitTwice
+};
+constexpr Shape kShapes[] = {Shape::kFrozenLinearFirst, Shape::kFrozenLayerNormFirst,
+                             Shape::kFrozenOuterUnit,   Shape::kFrozenAfterInner,
+                             Shape::kSideInputLinear,   Shape::kSideInputScale,
+                             Shape::kFrozenUnitTwice};
 
 std::string name_of(Shape s) {
   switch (s) {
@@ -58,49 +80,27 @@ std::string name_of(Shape s) {
       return "frozen outer unit";
     case Shape::kFrozenAfterInner:
       return "frozen after inner";
+    case Shape::kSideInputLinear:
+      return "side input Linear";
+    case Shape::kSideInputScale:
+      return "side input scale";
+    case Shape::kFrozenUnitTwice:
+      return "frozen unit twice";
   }
   return "";
 }
-
-template <class M>
-M frozen(M m) {
-  for (auto& p : m->parameters()) p.set_requires_grad(false);
-  return m;
-}
-
-// Layers in order, named "0", "1", ... as in a Sequential (which an
-// AnyModule cannot hold, so one cannot sit in another plainly).
-struct StackImpl : torch::nn::Module {
-  std::vector<AnyModule> layers;
-  template <class M>
-  void add(M m) {
-    layers.emplace_back(register_module(std::to_string(layers.size()), m));
-  }
-  void push_back(AnyModule m) { add(std::move(m)); }
-  void add(AnyModule m) {
-    register_module(std::to_string(layers.size()), m.ptr());
-    layers.push_back(std::move(m));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (auto& l : layers) x = l.forward<torch::Tensor>(x);
-    return x;
-  }
-};
-TORCH_MODULE(Stack);
 
 // The model of `shape` (see the file comment); with `comm` its units are
 // made over it (the root is the caller's), else it is plain. Parameters
 // are frozen before they are wrapped.
 Sequential build(Shape shape, const std::shared_ptr<Communicator>& comm,
                  const FullyShardOptions& options) {
-  // `block` as a unit of `into`, or as a plain layer of it.
-  auto add_unit = [&](auto& into, AnyModule block) {
-    if (comm) {
-      into->push_back(AnyModule(FullyShard(block, comm, options)));
-    } else {
-      into->push_back(std::move(block));
-    }
+  // `block` as a unit, or plain.
+  auto unit = [&](AnyModule block) {
+    return comm ? AnyModule(FullyShard(block, comm, options)) : block;
   };
+  // `block` as a unit of `into`, or as a plain layer of it.
+  auto add_unit = [&](auto& into, AnyModule block) { into->push_back(unit(std::move(block))); };
   Sequential seq;
   switch (shape) {
     case Shape::kFrozenLinearFirst:
@@ -135,6 +135,24 @@ Sequential build(Shape shape, const std::shared_ptr<Communicator>& comm,
       seq->push_back(Tanh());
       seq->push_back(Linear(6, 5));
       break;
+    case Shape::kSideInputLinear:
+    case Shape::kSideInputScale: {
+      const bool scale = shape == Shape::kSideInputScale;
+      auto slot = std::make_shared<torch::Tensor>();
+      seq->push_back(
+          SideInput(Linear(5, scale ? 3 : 6), unit(AnyModule(SideReader(slot, scale))), slot));
+      break;
+    }
+    case Shape::kFrozenUnitTwice: {
+      seq->push_back(Linear(5, 6));
+      seq->push_back(Tanh());
+      Stack block;
+      block->add(frozen(Linear(6, 6)));
+      block->add(Tanh());
+      seq->push_back(Twice(unit(AnyModule(block))));
+      seq->push_back(Linear(6, 5));
+      break;
+    }
   }
   return seq;
 }
@@ -200,8 +218,7 @@ std::map<int, Named> sharded(Shape shape, const EngineWorld& c, const Batches& b
 
 void expect_one_process(const EngineWorld& c, bool leaves) {
   const auto b = make_batches(23);
-  for (auto shape : {Shape::kFrozenLinearFirst, Shape::kFrozenLayerNormFirst,
-                     Shape::kFrozenOuterUnit, Shape::kFrozenAfterInner}) {
+  for (auto shape : kShapes) {
     SCOPED_TRACE(name_of(shape));
     const auto want = reference(shape, b);
     std::map<int, Named> got;
@@ -226,52 +243,6 @@ TEST_P(FSDPFrozenLayers, AUnitStaysGatheredUntilItsFrozenLayersBackwardRan) {
 
 TEST_P(FSDPFrozenLayers, WithLeavesAUnitStaysGatheredUntilItsFrozenLayersBackwardRan) {
   expect_one_process(GetParam(), /*leaves=*/true);
-}
-
-// A unit with a frozen layer is resharded once its input's gradient is
-// complete, not at the end of backward: in a LoRA-like stack of six units
-// (a frozen Linear, tanh, a trainable Linear) behind the root's trainable
-// Linear, when a unit's trainable weight gets its gradient at most two
-// units are gathered (that one and the one prefetched after it), and when
-// the root's Linear gets its gradient none is. Kept gathered to the end of
-// backward, all six would be.
-TEST(FSDPFrozenLayersSchedule, AUnitWithAFrozenLayerIsReshardedWhenItsBackwardEnds) {
-  constexpr int64_t kWidth = 8, kBlocks = 6;
-  for (int world : {1, 3}) {
-    SCOPED_TRACE("world " + std::to_string(world));
-    cohort::testing::run_ranks_shared(world, [&](std::shared_ptr<Communicator> comm) {
-      torch::set_num_threads(1);
-      Sequential seq;
-      Linear first(kWidth, kWidth);
-      seq->push_back(first);
-      std::vector<FullyShard> blocks;
-      std::vector<Linear> trainable;
-      for (int64_t i = 0; i < kBlocks; ++i) {
-        Stack block;
-        block->add(frozen(Linear(kWidth, kWidth)));
-        block->add(Tanh());
-        trainable.push_back(Linear(kWidth, kWidth));
-        block->add(trainable.back());
-        blocks.push_back(FullyShard(AnyModule(block), comm));
-        seq->push_back(blocks.back());
-      }
-      auto model = fully_shard(seq, comm);
-      auto gathered = [&] {
-        int n = 0;
-        for (auto& b : blocks) n += b->param_group().is_unsharded() ? 1 : 0;
-        return n;
-      };
-      int most = 0, at_first = -1;
-      for (auto& l : trainable) {
-        l->weight.register_hook([&](const torch::Tensor&) { most = std::max(most, gathered()); });
-      }
-      first->weight.register_hook([&](const torch::Tensor&) { at_first = gathered(); });
-      model->forward(torch::randn({2, kWidth})).sum().backward();
-      EXPECT_GE(most, 1);  // the hooks ran while a unit computed
-      EXPECT_LE(most, 2);
-      EXPECT_EQ(at_first, 0);
-    });
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPFrozenLayers,
