@@ -368,24 +368,71 @@ void FSDPParamGroup::reduce_scatter_done() {
     stash_[i].add_(
         rs_output_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(p.shard_sizes));
   }
-  if (all_stashed) release(rs_output_);
+  if (all_stashed) {
+    release(rs_output_);
+  } else {
+    keep_gradient_rows(/*free=*/true);
+  }
+}
+
+void FSDPParamGroup::keep_gradient_rows(bool free) {
+  rs_offsets_.clear();
+  for (const auto& p : layout_.params) rs_offsets_.push_back(p.shard_offset);
+  // No rank has a gradient for a parameter that has no accumulator (frozen
+  // since it was wrapped; the ranks made theirs at the same forwards) and
+  // had none here. Units without one keep the output whole, as it is.
+  const auto frozen = [&](size_t i) { return !accumulators_[i] && !had_grad_[i]; };
+  bool any_frozen = false;
+  for (size_t i = 0; i < params_.size(); ++i) any_frozen = any_frozen || frozen(i);
+  if (!any_frozen) return;
+  // The output is kept to the end of backward and .grad aliases it after:
+  // whole, it would hold a gradient's bytes for every frozen weight (a
+  // LoRA unit's nearly all). Only the rows that may become .grad stay.
+  torch::NoGradGuard no_grad;
+  int64_t numel = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = layout_.params[i];
+    rs_offsets_[i] = stash_[i].defined() || frozen(i) ? -1 : numel;
+    if (rs_offsets_[i] >= 0) numel += p.local_rows * p.row_numel;
+  }
+  auto kept = torch::empty({numel}, rs_output_.options());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = layout_.params[i];
+    if (rs_offsets_[i] < 0) continue;
+    const int64_t n = p.local_rows * p.row_numel;
+    kept.narrow(0, rs_offsets_[i], n).copy_(rs_output_.narrow(0, p.shard_offset, n));
+  }
+  if (free) release(rs_output_);
+  rs_output_ = std::move(kept);
 }
 
 void FSDPParamGroup::finish_gradients(const std::vector<char>& any) {
   reduce_scatter_done();
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads;
+  std::vector<torch::Tensor> grads(params_.size());
   if (rs_output_.defined()) {
+    std::vector<torch::Tensor> like;
     std::vector<int64_t> offsets;
-    for (const auto& p : layout_.params) offsets.push_back(p.shard_offset);
+    std::vector<size_t> kept;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (rs_offsets_[i] < 0) continue;
+      like.push_back(shard_views_[i]);
+      offsets.push_back(rs_offsets_[i]);
+      kept.push_back(i);
+    }
     // Aliases, not views: Optimizer::zero_grad() detach_()es every .grad.
-    grads = flat_aliases(rs_output_, shard_views_, offsets);
+    auto aliases = flat_aliases(rs_output_, like, offsets);
+    for (size_t k = 0; k < kept.size(); ++k) grads[kept[k]] = std::move(aliases[k]);
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& g = params_[i].mutable_grad();
     if (stash_[i].defined()) {
       g = stash_[i];  // the result was added into it
     } else {
+      COHORT_CHECK(!any[i] || grads[i].defined(),
+                   "fully_shard(" << unit_ << ") on rank " << comm_->rank() << ": '" << names_[i]
+                                  << "' got a gradient on another rank but has no accumulator "
+                                     "here");
       g = any[i] ? grads[i] : torch::Tensor();
     }
     grad_sharded_[i] = g.defined() ? 1 : 0;
@@ -456,6 +503,7 @@ void FSDPParamGroup::finish_leaf_gradients(LeafReduction& leaf, const std::vecto
   rs_pending_ = false;
   // As DDP with leaves: .grad is set to the step's mean, not added to.
   for (auto& s : stash_) s = torch::Tensor();
+  keep_gradient_rows(/*free=*/false);  // the chunk may be the tree's own buffer
   finish_gradients(any);
 }
 

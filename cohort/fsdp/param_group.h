@@ -123,9 +123,10 @@ class FSDPParamGroup {
   Work start_reduce_scatter();
   /// The reduce-scatter was waited for: frees its input (the unit's full
   /// gradients) and adds its output into the sharded gradients put aside
-  /// for this backward, freeing it too when every parameter had one; so
-  /// backward holds a unit's buffers only while they are on the wire, not
-  /// until its end. Does nothing the second time.
+  /// for this backward, freeing it too when every parameter had one, and
+  /// else keeping only the rows of the others when a parameter is frozen
+  /// (has no accumulator); so backward holds a unit's buffers only while
+  /// they are on the wire, not until its end. Does nothing the second time.
   void reduce_scatter_done();
   /// Whether parameter i had a gradient when its reduce-scatter started.
   bool had_gradient(size_t i) const { return had_grad_[i] != 0; }
@@ -172,6 +173,10 @@ class FSDPParamGroup {
   // Whether parameter i's .grad is the full gradient keep_full_gradients()
   // left, not written since.
   bool holds_kept_gradient(size_t i) const;
+  // rs_output_ done: with a parameter no rank has a gradient for, keeps
+  // only the rows of the others not stashed (`free`: frees the whole
+  // output's bytes now); sets rs_offsets_.
+  void keep_gradient_rows(bool free);
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
@@ -201,6 +206,7 @@ class FSDPParamGroup {
   std::vector<int64_t> kept_version_;
   std::vector<char> had_grad_;
   torch::Tensor rs_input_, rs_output_;  // rs_output_: the shard's dtype once done
+  std::vector<int64_t> rs_offsets_;     // per parameter: its rows in rs_output_ (none: -1)
   bool rs_pending_ = false;             // launched, reduce_scatter_done() not run
   // Made while the parameters were full: a gradient accumulator records its
   // parameter's shape when made, and backward hands it full gradients. The

@@ -1,10 +1,11 @@
 // When fully_shard reshards a unit with a frozen parameter: once that unit's
 // backward is over, not at its last gradient (too early: a frozen layer
 // still reads its weight) and not at the end of backward (a LoRA model's
-// units would all stay gathered). Ranks as threads over Gloo at worlds 1
-// and 3; gathered units are counted from gradient hooks, which run in the
-// middle of backward. frozen_test.cpp checks the numbers of these models'
-// kind against one process.
+// units would all stay gathered); and what its gradients hold: only the
+// trainable parameters' rows. Ranks as threads over Gloo at worlds 1 and
+// 3; gathered units and held bytes are counted from gradient hooks, which
+// run in the middle of backward. frozen_test.cpp checks the numbers of
+// these models' kind against one process.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,10 +13,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/memory/memory_scope.h"
 #include "support/thread_ranks.h"
 #include "tests/fsdp/frozen_models.h"
 #include "tests/fsdp/fsdp_test_models.h"
@@ -229,6 +232,99 @@ TEST(FSDPFrozenLayersSchedule,
     });
     for (const auto& [rank, state] : got) {
       expect_close(state, want, 1e-6, "rank " + std::to_string(rank));
+    }
+  }
+}
+
+// A LoRA-like unit's gradient shard holds its trainable parameters' rows
+// only, during backward and after it: the frozen weight's rows of the
+// reduce-scatter's output (nearly the whole unit) go as soon as it is done.
+// Eight units of a frozen Linear(32, 32), tanh and a rank-2 pair of
+// bias-free Linears, behind the root's Linear(32, 32), on 2 rows a rank,
+// counting what backward allocates on the rank's thread:
+//   - after backward (its transient buffers gone) it holds exactly every
+//     unit's trainable rows and the root's gradient shard, and the
+//     storages behind a unit's .grad are exactly its trainable rows (with
+//     leaves too, 3 in all: the storages);
+//   - when the root's first weight gets its gradient (every unit over) it
+//     holds at most what it held when the last unit's trainable weight got
+//     its gradient (that unit gathered and the next one's all-gather: more
+//     than one reduce-scatter in flight), every unit's trainable rows, the
+//     root's full gradients and 1 KiB of activation gradients.
+// Kept whole, the eight frozen weights' rows exceed either. The ranks run
+// cohort's ring algorithms (as FSDPFeatures' memory test): Gloo's own
+// collectives stage copies on the rank's thread that the engine keeps.
+TEST(FSDPFrozenLayersMemory, AUnitsGradientShardHoldsOnlyItsTrainableRows) {
+  constexpr int64_t kWide = 32, kRank = 2, kUnits = 8, kRows = 2, kLeafCount = 3;
+  cohort::testing::ThreadRanksOptions ring;
+  ring.algorithm = Algorithm::Ring;
+  for (bool leaves : {false, true}) {
+    for (int world : {1, 3}) {
+      SCOPED_TRACE(std::string(leaves ? "leaves, " : "") + "world " + std::to_string(world));
+      cohort::testing::run_ranks_shared(
+          world,
+          [&](std::shared_ptr<Communicator> comm) {
+            torch::set_num_threads(1);
+            FullyShardOptions options;
+            if (leaves) {
+              options.determinism = Determinism::WorldSizeInvariant;
+              options.leaves = kLeafCount;
+            }
+            Sequential seq;
+            Linear first(kWide, kWide);
+            seq->push_back(first);
+            std::vector<FullyShard> units;
+            for (int64_t i = 0; i < kUnits; ++i) {
+              Stack block;
+              block->add(frozen(Linear(kWide, kWide)));
+              block->add(Tanh());
+              block->add(Linear(torch::nn::LinearOptions(kWide, kRank).bias(false)));
+              block->add(Linear(torch::nn::LinearOptions(kRank, kWide).bias(false)));
+              units.push_back(FullyShard(AnyModule(block), comm, options));
+              seq->push_back(units.back());
+            }
+            auto model = fully_shard(seq, comm, options);
+            // Bytes of unit u's trainable parameters' rows on this rank.
+            auto trainable_bytes = [&](const FullyShard& u) {
+              const auto& g = u->param_group();
+              int64_t n = 0;
+              for (size_t i = 0; i < g.params().size(); ++i) {
+                const auto& p = g.layout().params[i];
+                if (g.params()[i].requires_grad()) n += p.local_rows * p.row_numel * 4;
+              }
+              return n;
+            };
+            int64_t all_trainable = 0;
+            for (const auto& u : units) all_trainable += trainable_bytes(u);
+            memory::MemoryScope scope;
+            int64_t at_last = -1, at_first = -1;
+            units.back()->param_group().params().back().register_hook(
+                [&](const torch::Tensor&) { at_last = scope.current_bytes(); });
+            first->weight.register_hook(
+                [&](const torch::Tensor&) { at_first = scope.current_bytes(); });
+            if (leaves) {
+              for (int64_t k = 0; k < model->local_leaves(); ++k) {
+                model->forward(torch::randn({kRows, kWide})).sum().backward();
+              }
+            } else {
+              model->forward(torch::randn({kRows, kWide})).sum().backward();
+              EXPECT_EQ(scope.current_bytes(),
+                        all_trainable + model->param_group().layout().shard_numel * 4);
+              EXPECT_LE(at_first, at_last + all_trainable + (kWide * kWide + kWide) * 4 + 1024);
+            }
+            for (const auto& u : units) {
+              std::set<const c10::StorageImpl*> seen;
+              int64_t held = 0;
+              for (const auto& p : u->param_group().params()) {
+                if (!p.grad().defined()) continue;
+                if (seen.insert(p.grad().storage().unsafeGetStorageImpl()).second) {
+                  held += static_cast<int64_t>(p.grad().storage().nbytes());
+                }
+              }
+              EXPECT_EQ(held, trainable_bytes(u));
+            }
+          },
+          ring);
     }
   }
 }
