@@ -15,50 +15,15 @@
 
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/mesh/device_mesh.h"
-#include "cohort/tensor_parallel/layers.h"
 #include "support/thread_ranks.h"
 #include "tests/fsdp/fsdp_test_models.h"
+#include "tests/fsdp/fsdp_tp_model.h"
 
 namespace cohort::testing::fsdp_tp_test {
 namespace {
 
 using namespace fsdp_test;
-namespace tp = cohort::tensor_parallel;
-
-constexpr int64_t kWidth = 10, kHidden = 20;  // 20 / tp rows: 10 at tp 2, uneven over dp 3
-
-// A Megatron MLP block with a residual: x + Row(tanh(Column(x))).
-struct TpBlockImpl : torch::nn::Module {
-  tp::ColumnParallelLinear col{nullptr};
-  tp::RowParallelLinear row{nullptr};
-  TpBlockImpl(const std::shared_ptr<Communicator>& group, uint64_t seed) {
-    tp::ColumnParallelLinearOptions c;
-    c.seed = seed;
-    tp::RowParallelLinearOptions r;
-    r.seed = seed + 1;
-    col = register_module(
-        "col",
-        tp::ColumnParallelLinear(cohort::DeviceMesh::from_group(group, "tp"), kWidth, kHidden, c));
-    row = register_module("row", tp::RowParallelLinear(cohort::DeviceMesh::from_group(group, "tp"),
-                                                       kHidden, kWidth, r));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return x + row(torch::tanh(col(x))); }
-};
-TORCH_MODULE(TpBlock);
-
-// Two blocks and a replicated head; `dp` given: each block a unit.
-torch::nn::Sequential make_tp_model(const std::shared_ptr<Communicator>& tp_group,
-                                    const std::shared_ptr<Communicator>& dp,
-                                    FullyShardOptions options) {
-  auto unit = [&](AnyModule m) { return dp ? AnyModule(FullyShard(m, dp, options)) : m; };
-  torch::nn::Sequential seq;
-  seq->push_back(unit(AnyModule(TpBlock(tp_group, 11))));
-  seq->push_back(unit(AnyModule(TpBlock(tp_group, 21))));
-  auto head = Linear(kWidth, kWidth);
-  init_parameters(*head, 5);
-  seq->push_back(head);
-  return seq;
-}
+using namespace fsdp_tp;
 
 Batches make_tp_batches() {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
@@ -83,16 +48,6 @@ Named train_reference(const Batches& b) {
     for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
   });
   return out;
-}
-
-// The slice of the one-process tensor `name` that TP rank `t` of `tp_size` holds.
-torch::Tensor tp_slice(const std::string& name, const torch::Tensor& full, int t, int tp_size) {
-  auto ends_with = [&](const std::string& s) {
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  if (ends_with("col.weight") || ends_with("col.bias")) return full.chunk(tp_size, 0)[t];
-  if (ends_with("row.weight")) return full.chunk(tp_size, 1)[t];
-  return full;  // row.bias and the head: replicated over TP
 }
 
 struct Case {
