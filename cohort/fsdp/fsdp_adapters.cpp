@@ -59,9 +59,7 @@ double FSDPGradientSync::seconds_now() const {
 double FSDPGradientSync::comm_seconds() const { return seconds_now() - start_seconds_; }
 
 FSDPLayout::FSDPLayout(GradientSync& sync, FullyShardImpl& root)
-    : ReplicaLayout(sync),
-      root_(root),
-      norm_(std::make_shared<ShardedGradNorm>(root.process_group())) {}
+    : ReplicaLayout(sync, std::make_shared<ShardedGradNorm>(root.process_group())), root_(root) {}
 
 void FSDPLayout::before_checkpoint() { root_.reshard(); }
 

@@ -65,22 +65,19 @@ class FSDPGradientSync : public GradientSync {
 };
 
 /// FSDP's shards on every rank: a checkpoint saves and loads the shards, so
-/// parameters an evaluation forward left gathered are resharded first.
+/// parameters an evaluation forward left gathered are resharded first. Its
+/// norm sums the shards' squared norms over the shard group (under HSDP the
+/// replicas hold equal shards and must not count twice); over a model of
+/// tensor-parallel layers TrainerWiring::fsdp replaces it
+/// (ReplicaLayout::set_tensor_parallel).
 class FSDPLayout : public ReplicaLayout {
  public:
   /// `sync` and `root` must outlive the layout.
   FSDPLayout(GradientSync& sync, FullyShardImpl& root);
-  std::string describe() const override {
-    return "FSDP (parameters and optimizer state sharded over the ranks)";
-  }
   void before_checkpoint() override;
-  /// The shards' squared norms summed over the shard group (under HSDP the
-  /// replicas hold equal shards and must not count twice).
-  std::shared_ptr<GradNorm> norm() const override { return norm_; }
 
  private:
   FullyShardImpl& root_;
-  std::shared_ptr<GradNorm> norm_;
 };
 
 }  // namespace cohort

@@ -1,5 +1,6 @@
 #include "cohort/plan/trainer_layout.h"
 
+#include "cohort/comm/communicator.h"
 #include "cohort/core/error.h"
 #include "cohort/observability/trace.h"
 
@@ -29,6 +30,32 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
     loss_sum += loss.item<double>();
   }
   return loss_sum / static_cast<double>(k);
+}
+
+void ReplicaLayout::set_tensor_parallel(std::shared_ptr<GradNorm> norm,
+                                        std::shared_ptr<Communicator> tp_group) {
+  norm_ = std::move(norm);
+  tp_group_ = std::move(tp_group);
+}
+
+std::vector<std::shared_ptr<Communicator>> ReplicaLayout::same_samples_groups() const {
+  if (!tp_group_) return {};
+  return {tp_group_};
+}
+
+// A column-parallel layer reads its whole input on each TP rank.
+std::vector<std::shared_ptr<Communicator>> ReplicaLayout::same_inputs_groups() const {
+  return same_samples_groups();
+}
+
+bool ReplicaLayout::reports() const { return !tp_group_ || tp_group_->rank() == 0; }
+
+std::string ReplicaLayout::cannot_checkpoint() const {
+  if (!tp_group_) return "";
+  return "the model holds tensor-parallel layers and each TP rank's Trainer runs over its "
+         "data-parallel group alone, so every TP rank would write its slices under the whole "
+         "tensors' names into one checkpoint; train it with TrainerWiring::mesh (a runtime of "
+         "one stage when there is no pipeline), whose checkpoints hold each TP rank's slice";
 }
 
 }  // namespace cohort

@@ -9,7 +9,9 @@
 //   ReplicaLayout    the whole model on every rank (DDP, ZeRO, the fused
 //                    optimizer, all-reduce): the Trainer's LossFn per
 //                    micro-batch, all but the last under
-//                    GradientSync::skip_sync()
+//                    GradientSync::skip_sync(); or each TP rank's part of a
+//                    model of TP layers (DDP, all-reduce, FSDP), one Trainer
+//                    per TP rank over its data-parallel group
 //   FSDPLayout       FSDP's shards: a ReplicaLayout whose checkpoints hold
 //                    the shards (TrainerWiring::fsdp;
 //                    cohort/fsdp/fsdp_adapters.h)
@@ -81,6 +83,12 @@ class TrainerLayout {
   /// What the layout is, for messages ("a pipeline (each rank holds its stages)"); empty for
   /// replicas.
   virtual std::string describe() const { return ""; }
+  /// Whether rank 0 of the Trainer's group writes the metrics and the progress lines: not on
+  /// TP ranks other than 0 of a layout with one Trainer per TP rank, which all have a rank 0.
+  virtual bool reports() const { return true; }
+  /// Why the layout's checkpoints would be wrong, or empty: the Trainer then refuses a
+  /// checkpoint_dir on every rank.
+  virtual std::string cannot_checkpoint() const { return ""; }
   /// Brings the model to the form its checkpoint holds, before a save or a load.
   virtual void before_checkpoint() {}
   /// Determinism::WorldSizeInvariant: each micro-batch is one leaf, its
@@ -98,15 +106,33 @@ class TrainerLayout {
 /// The whole model (or FSDP's shards) on every rank: the LossFn per micro-batch.
 class ReplicaLayout : public TrainerLayout {
  public:
-  /// `sync` keeps the non-final micro-batches local; it must outlive the layout.
-  explicit ReplicaLayout(GradientSync& sync) : sync_(sync) {}
+  /// `sync` keeps the non-final micro-batches local; it must outlive the layout. `norm`: the
+  /// layout's (norm()), or null for the Trainer's default.
+  explicit ReplicaLayout(GradientSync& sync, std::shared_ptr<GradNorm> norm = nullptr)
+      : sync_(sync), norm_(std::move(norm)) {}
   void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const override;
   double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
               Tracer* tracer) override;
   void set_per_leaf() override { per_leaf_ = true; }
+  std::shared_ptr<GradNorm> norm() const override { return norm_; }
+
+  /// The model holds tensor-parallel layers over `tp_group`, and each TP rank has a Trainer
+  /// of its own over its data-parallel group: `norm` (which counts each parameter once over
+  /// TP) replaces the layout's, the TP group's ranks must draw the same samples and see the
+  /// same inputs, only TP rank 0 reports, and checkpoints are refused (each TP rank would
+  /// write its slices under the whole tensors' names).
+  void set_tensor_parallel(std::shared_ptr<GradNorm> norm, std::shared_ptr<Communicator> tp_group);
+  std::vector<std::shared_ptr<Communicator>> same_samples_groups() const override;
+  std::vector<std::shared_ptr<Communicator>> same_inputs_groups() const override;
+  bool reports() const override;
+  std::string cannot_checkpoint() const override;
+  /// "a tensor-parallel group" with tensor-parallel layers (its ranks' samples must agree).
+  std::string describe() const override { return tp_group_ ? "a tensor-parallel group" : ""; }
 
  private:
   GradientSync& sync_;
+  std::shared_ptr<GradNorm> norm_;
+  std::shared_ptr<Communicator> tp_group_;  // null without tensor-parallel layers
   bool per_leaf_ = false;
 };
 

@@ -54,6 +54,8 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   /// The TP group the layer's collectives run over.
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
+  /// The options it was built with.
+  const ColumnParallelLinearOptions& options() const { return options_; }
 
   torch::Tensor weight;  ///< [out/tp, in]
   torch::Tensor bias;    ///< [out/tp], undefined without bias
@@ -90,6 +92,8 @@ class RowParallelLinearImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   /// The TP group the layer's collectives run over.
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
+  /// The options it was built with.
+  const RowParallelLinearOptions& options() const { return options_; }
 
   torch::Tensor weight;  ///< [out, in/tp]
   torch::Tensor bias;    ///< [out], replicated; under sequence parallelism its

@@ -47,14 +47,28 @@ bool contains(const std::vector<std::shared_ptr<Communicator>>& groups,
   return std::find(groups.begin(), groups.end(), group) != groups.end();
 }
 
-// "ranks 0, 1" or "rank 3": world ranks, as flagged_ranks names them.
-std::string ranks_text(const std::vector<int64_t>& ranks) {
-  std::string out = ranks.size() > 1 ? "ranks " : "rank ";
-  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
-  return out;
+// Whether the group's ranks have distinct world ranks. Not when the world
+// is no parent of the group: a Trainer per TP rank runs over its
+// data-parallel group, and a TP group's ranks share their rank there.
+bool world_names(const RankWords& all) {
+  std::vector<int64_t> ranks;
+  for (int r = 0; r < all.ranks(); ++r) ranks.push_back(all.of(r)[kRank]);
+  std::sort(ranks.begin(), ranks.end());
+  return std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end();
 }
 
-// "rank 0: inputs 1f..; ranks 1, 2: inputs 9c..": the group's world ranks
+// Group rank r's name: its world rank, or its rank in the group.
+int64_t name_of(const RankWords& all, int r) { return world_names(all) ? all.of(r)[kRank] : r; }
+
+// "ranks 0, 1" or "rank 3": world ranks, as flagged_ranks names them (or
+// ranks in the group, "ranks 0, 1 of the group").
+std::string ranks_text(const std::vector<int64_t>& ranks, bool world = true) {
+  std::string out = ranks.size() > 1 ? "ranks " : "rank ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return world ? out : out + " of the group";
+}
+
+// "rank 0: inputs 1f..; ranks 1, 2: inputs 9c..": the group's ranks
 // grouped by the digest `w`.
 std::string by_digest(const RankWords& all, Word w, const std::string& what) {
   std::vector<std::pair<int64_t, std::vector<int64_t>>> groups;
@@ -63,12 +77,12 @@ std::string by_digest(const RankWords& all, Word w, const std::string& what) {
     auto it =
         std::find_if(groups.begin(), groups.end(), [d](const auto& g) { return g.first == d; });
     if (it == groups.end()) it = groups.insert(groups.end(), {d, {}});
-    it->second.push_back(all.of(r)[kRank]);
+    it->second.push_back(name_of(all, r));
   }
   std::string out;
   for (size_t g = 0; g < groups.size(); ++g) {
-    out +=
-        (g ? "; " : "") + ranks_text(groups[g].second) + ": " + what + " " + hex(groups[g].first);
+    out += (g ? "; " : "") + ranks_text(groups[g].second, world_names(all)) + ": " + what + " " +
+           hex(groups[g].first);
   }
   return out;
 }
@@ -221,8 +235,8 @@ void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSour
     const RankWords all = gather_words(*group, mine);
     if (finding.found != kAgreed) continue;
     std::vector<int64_t> members;
-    for (int r = 0; r < all.ranks(); ++r) members.push_back(all.of(r)[kRank]);
-    names.ranks = ranks_text(members);
+    for (int r = 0; r < all.ranks(); ++r) members.push_back(name_of(all, r));
+    names.ranks = ranks_text(members, world_names(all));
     finding = contains(split_groups, group) ? in_split_group(all, names)
                                             : in_group(all, names, contains(inputs_groups, group));
   }

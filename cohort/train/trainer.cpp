@@ -48,7 +48,8 @@ Trainer::Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
       config_(std::move(config)),
       norm_(default_norm(plan_, std::move(norm), config_)),
       layout_(plan_.layout()),
-      metrics_(config_.metrics_path, comm_.rank() == 0, config_.metrics_strict) {
+      metrics_(config_.metrics_path, comm_.rank() == 0 && plan_.layout().reports(),
+               config_.metrics_strict) {
   if (!model_) throw InvalidArgument("Trainer: model is null");
   if (config_.accumulation_steps < 1) {
     throw InvalidArgument("Trainer: accumulation_steps must be at least 1, got " +
@@ -76,6 +77,12 @@ Trainer::Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
     }
   }
   if (!config_.checkpoint_dir.empty()) {
+    // Every rank holds the same layout, so every rank refuses.
+    const auto why = layout_.cannot_checkpoint();
+    if (!why.empty()) {
+      throw InvalidArgument("Trainer on rank " + std::to_string(comm_.rank()) +
+                            ": checkpoint_dir with " + plan_.mode() + ": " + why);
+    }
     checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last);
   }
 }
@@ -290,8 +297,8 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   if (config_.max_steps > 0) total = std::min(total, config_.max_steps);
   if (position_.step == 0 && last_checkpoint_step_ < 0) metrics_.keep_until(-1);
 
-  Progress progress(config_.progress && comm_.rank() == 0, position_.step, total,
-                    config_.log_every);
+  Progress progress(config_.progress && comm_.rank() == 0 && layout_.reports(), position_.step,
+                    total, config_.log_every);
   std::vector<StepMetrics> out;
   auto epoch_start = std::chrono::steady_clock::now();
   while (position_.step < total && position_.epoch < config_.epochs) {

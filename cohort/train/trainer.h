@@ -76,7 +76,8 @@ struct TrainerOptions {
   int64_t epochs = 1;
   /// ...or stops at this many optimizer steps when positive.
   int64_t max_steps = 0;
-  /// Folder for checkpoints; empty: no checkpoints and no resume.
+  /// Folder for checkpoints; empty: no checkpoints and no resume. Refused (InvalidArgument on
+  /// every rank) where the layout cannot checkpoint: a model of TP layers outside a mesh.
   std::string checkpoint_dir;
   /// Checkpoint every this many steps (0: only at the end of fit()).
   int64_t checkpoint_every = 0;
@@ -95,7 +96,8 @@ struct TrainerOptions {
   /// resume() throws CheckpointError on every rank (false), or reports them
   /// and starts from step 0 (true). Damaged files are left in place either way.
   bool start_fresh_if_damaged = false;
-  /// JSON-lines metrics file written by rank 0; empty: none.
+  /// JSON-lines metrics file written by rank 0 (with TP layers outside a mesh: TP rank 0's);
+  /// empty: none.
   std::string metrics_path;
   /// A metrics line that cannot be written (a full disk) throws Error instead
   /// of one warning on stderr. Lines are written whole or not at all either way.

@@ -45,4 +45,23 @@ double MeshGradNorm::global_norm(const std::vector<torch::Tensor>& params) {
   return std::sqrt(sq.item<double>());
 }
 
+TensorParallelGradNorm::TensorParallelGradNorm(torch::nn::Module& model,
+                                               std::shared_ptr<Communicator> tp_group,
+                                               std::shared_ptr<Communicator> shard_group)
+    : split_(tensor_parallel::split_dims(model)),
+      tp_group_(std::move(tp_group)),
+      shard_group_(std::move(shard_group)) {}
+
+double TensorParallelGradNorm::global_norm(const std::vector<torch::Tensor>& params) {
+  const bool first = tp_group_->rank() == 0;
+  std::vector<torch::Tensor> counted;
+  for (const auto& p : params) {
+    if (first || split_.count(p.unsafeGetTensorImpl())) counted.push_back(p);
+  }
+  auto sq = torch::tensor({local_squared_norm(counted)}, torch::kFloat64);
+  if (shard_group_) shard_group_->all_reduce(sq, {ReduceOp::Sum}).wait();
+  tp_group_->all_reduce(sq, {ReduceOp::Sum}).wait();
+  return std::sqrt(sq.item<double>());
+}
+
 }  // namespace cohort

@@ -1,5 +1,7 @@
 // defines: MeshGradientSync and MeshGradNorm, what TrainerWiring::mesh adds
-// to a pipeline's wiring for a TP x PP x DP mesh (cohort/mesh).
+// to a pipeline's wiring for a TP x PP x DP mesh (cohort/mesh), and
+// TensorParallelGradNorm, the norm of the wirings that take a model of TP
+// layers without a mesh (ddp, all_reduce, fsdp: one Trainer per TP rank).
 //
 // MeshGradientSync finishes a step's gradients through the mesh's
 // GradientSynchronizer (DP average, the sequence-parallel TP all-reduce and
@@ -18,6 +20,13 @@
 // dimension above 1) each ep rank holds other experts: their squares are
 // summed over the ep group first, while everything else is the same on every
 // ep rank after the sync and counts once. The "cp" ranks hold replicas.
+//
+// TensorParallelGradNorm counts the same way over the TP layers' group: a
+// TP-split parameter on every TP rank, a replicated one on TP rank 0 only.
+// Its squares are summed over the shard group first where the ranks of the
+// data-parallel group hold disjoint parts of each gradient (FSDP's shards),
+// then over the TP group; DDP's and the all-reduce's replicas hold whole,
+// equal gradients and sum over the TP group alone.
 #pragma once
 
 #include <map>
@@ -65,6 +74,21 @@ class MeshGradNorm : public GradNorm {
   std::map<const void*, int64_t> sharded_;  // TP-split parameters (tensor_parallel::split_dims)
   std::set<const void*> experts_;           // split over "ep" (when it is above 1)
   const void* tied_copy_ = nullptr;
+};
+
+/// The global gradient norm of a model of TP layers outside a mesh (file comment).
+class TensorParallelGradNorm : public GradNorm {
+ public:
+  /// `model`: its TP layers tell which parameters are split; `tp_group`: their group;
+  /// `shard_group`: the group over which each rank holds its own part of every gradient
+  /// (FSDP's shard group), or null where every rank holds them whole.
+  TensorParallelGradNorm(torch::nn::Module& model, std::shared_ptr<Communicator> tp_group,
+                         std::shared_ptr<Communicator> shard_group);
+  double global_norm(const std::vector<torch::Tensor>& params) override;
+
+ private:
+  std::map<const void*, int64_t> split_;  // tensor_parallel::split_dims
+  std::shared_ptr<Communicator> tp_group_, shard_group_;
 };
 
 }  // namespace cohort

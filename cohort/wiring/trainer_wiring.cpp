@@ -9,6 +9,7 @@
 #include "cohort/fsdp/fsdp_adapters.h"
 #include "cohort/grad_sync/parameter_check.h"
 #include "cohort/pipeline/pipeline_layout.h"
+#include "cohort/tensor_parallel/layers.h"
 #include "cohort/wiring/mesh_wiring.h"
 
 namespace cohort {
@@ -112,7 +113,66 @@ std::string expert_list_mismatch(const torch::nn::Module& stages,
   return "";
 }
 
+const char* const pipeline_tp_refusal =
+    "the pipeline's norm and checkpoint take each stage's tensors for whole";
+
 }  // namespace
+
+std::shared_ptr<Communicator> TrainerWiring::tensor_parallel_group(const std::string& who) const {
+  const std::string where = who + " on rank " + std::to_string(comm_->rank()) + ": ";
+  std::shared_ptr<Communicator> group;
+  std::string first;
+  auto take = [&](const std::string& name, const std::shared_ptr<Communicator>& g, bool sp) {
+    // Its replicated parameters' (LayerNorms', a row bias's) gradients are
+    // then partial on each TP rank: only the mesh's synchronizer sums them.
+    if (sp) {
+      throw InvalidArgument(where + "the tensor-parallel layer '" + name +
+                            "' is sequence-parallel, whose replicated parameters' gradients "
+                            "need a sum over the TP group that only TrainerWiring::mesh's "
+                            "GradientSynchronizer makes");
+    }
+    if (!group) {
+      group = g;
+      first = name;
+    } else if (g != group) {
+      throw InvalidArgument(where + "the tensor-parallel layers '" + first + "' and '" + name +
+                            "' run over different groups; a model's TP layers share one");
+    }
+  };
+  for (const auto& item : model_->named_modules("model")) {
+    auto* m = item.value().get();
+    if (auto* c = dynamic_cast<tensor_parallel::ColumnParallelLinearImpl*>(m)) {
+      take(item.key(), c->process_group(), c->options().sequence_parallel);
+    } else if (auto* r = dynamic_cast<tensor_parallel::RowParallelLinearImpl*>(m)) {
+      take(item.key(), r->process_group(), r->options().sequence_parallel);
+    } else if (auto* v = dynamic_cast<tensor_parallel::VocabParallelEmbeddingImpl*>(m)) {
+      take(item.key(), v->process_group(), false);
+    }
+  }
+  return group;
+}
+
+void TrainerWiring::set_tensor_parallel(const std::string& who,
+                                        std::shared_ptr<Communicator> shard_group) {
+  auto tp_group = tensor_parallel_group(who);
+  if (!tp_group) return;
+  auto* layout = dynamic_cast<ReplicaLayout*>(layout_.get());
+  COHORT_CHECK(layout != nullptr, who + ": a model of TP layers needs a ReplicaLayout");
+  layout->set_tensor_parallel(
+      std::make_shared<TensorParallelGradNorm>(*model_, tp_group, std::move(shard_group)),
+      tp_group);
+  if (std::find(traffic_.begin(), traffic_.end(), tp_group) == traffic_.end()) {
+    traffic_.push_back(tp_group);
+  }
+}
+
+void TrainerWiring::refuse_tensor_parallel(const std::string& who, const std::string& why) const {
+  if (!tensor_parallel_group(who)) return;
+  throw InvalidArgument(who + " on rank " + std::to_string(comm_->rank()) +
+                        ": the model holds tensor-parallel layers, and " + why +
+                        "; train it with TrainerWiring::mesh (a runtime of one stage when "
+                        "there is no pipeline)");
+}
 
 void TrainerWiring::refuse_split_parameters(const std::string& who) const {
   std::vector<torch::Tensor> params;
@@ -132,6 +192,7 @@ TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
   // No data parallelism, but the checkpoint and the norm take each stage's
   // tensors for whole: an expert split over ranks would be saved as one part.
   wiring.refuse_split_parameters("TrainerWiring::pipeline");
+  wiring.refuse_tensor_parallel("TrainerWiring::pipeline", pipeline_tp_refusal);
   wiring.set_pipeline_layout(runtime, nullptr);
   // Every rank writes all of its stages' tensors: they are its alone.
   wiring.set_stage_state(DeviceMesh::from_group(runtime.process_group(), "pp"), optimizer,
@@ -176,6 +237,7 @@ TrainerWiring TrainerWiring::pipeline_over(std::shared_ptr<Communicator> world,
   TrainerWiring wiring(std::move(world), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer), std::move(sync),
                        {runtime.process_group(), dp_group});
+  wiring.refuse_tensor_parallel("TrainerWiring::pipeline", pipeline_tp_refusal);
   wiring.set_pipeline_layout(runtime, dp_group);
   // The replicas of a stage (its data-parallel group) take turns writing
   // its tensors; the pipeline dimension needs no mesh, since no two stages
@@ -268,6 +330,17 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
   TrainerWiring wiring(comm, model.ptr(), std::make_unique<FSDPTrainerOptimizer>(optimizer),
                        std::make_unique<FSDPGradientSync>(model), std::move(traffic));
   wiring.layout_ = std::make_unique<FSDPLayout>(*wiring.sync_, *model);
+  // FSDP x TP: the squares of this TP rank's shards over the shard group,
+  // then over TP. The canonical norm of WorldSizeInvariant counts the shard
+  // group alone.
+  if (model->options().determinism == Determinism::WorldSizeInvariant &&
+      wiring.tensor_parallel_group("TrainerWiring::fsdp")) {
+    throw InvalidArgument("TrainerWiring::fsdp on rank " + std::to_string(comm->rank()) +
+                          ": Determinism::WorldSizeInvariant over tensor-parallel layers: its "
+                          "canonical norm (FullyShard::clip_grad_norm) sums this TP rank's "
+                          "shards alone");
+  }
+  wiring.set_tensor_parallel("TrainerWiring::fsdp", model->process_group());
   std::shared_ptr<FullyShardImpl> root = model.ptr();
   wiring.set_dcp_state(root, optimizer);
   wiring.mode_ = "FSDP";

@@ -56,6 +56,7 @@ class TrainerWiring : public TrainingPlan {
     wiring.mode_ = "DDP";
     wiring.set_leaves(ddp.reducer().options().determinism, ddp.reducer().options().leaves,
                       ddp.local_leaves(), nullptr);
+    wiring.set_tensor_parallel("TrainerWiring::ddp", nullptr);
     return wiring;
   }
 
@@ -72,6 +73,7 @@ class TrainerWiring : public TrainingPlan {
     TrainerWiring wiring(ddp.process_group(), ddp.module().ptr(),
                          std::make_unique<ZeroTrainerOptimizer>(zero),
                          std::make_unique<DDPGradientSync<ModuleHolder>>(ddp));
+    wiring.refuse_tensor_parallel("TrainerWiring::ddp", zero_tp_refusal());
     wiring.set_dcp_state(wiring.model_, zero);
     wiring.mode_ = "ZeRO over DDP";
     // make(ddp, ...) checked that ZeRO has DDP's determinism and leaves.
@@ -94,6 +96,7 @@ class TrainerWiring : public TrainingPlan {
                          std::make_unique<InStepGradientSync>(zero));
     // ZeRO refused them among its own parameters; the model may hold more.
     wiring.refuse_split_parameters("TrainerWiring::zero");
+    wiring.refuse_tensor_parallel("TrainerWiring::zero", zero_tp_refusal());
     wiring.set_dcp_state(wiring.model_, zero);
     wiring.mode_ = "ZeRO without DDP";
     return wiring;
@@ -107,6 +110,8 @@ class TrainerWiring : public TrainingPlan {
     TrainerWiring wiring(fused.process_group(), std::move(model),
                          std::make_unique<FusedTrainerOptimizer>(fused),
                          std::make_unique<InStepGradientSync>());
+    wiring.refuse_tensor_parallel(
+        "TrainerWiring::fused", "the fused optimizer's checkpoint takes each parameter for whole");
     // Its checkpoint names the state by the model's parameter names.
     const auto params = wiring.model_->parameters();
     const auto& stepped = fused.params();
@@ -134,6 +139,7 @@ class TrainerWiring : public TrainingPlan {
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
     wiring.set_dcp_state(wiring.model_, optimizer);
     wiring.mode_ = "the all-reduce wiring";
+    wiring.set_tensor_parallel("TrainerWiring::all_reduce", nullptr);
     return wiring;
   }
   /// The same over a 1-D mesh's group.
@@ -209,6 +215,26 @@ class TrainerWiring : public TrainingPlan {
   // part of a split tensor (an MoE's experts: core/rank_local.h), which a
   // wiring other than the mesh's would take for replicated.
   void refuse_split_parameters(const std::string& who) const;
+
+  // The one group the model's tensor-parallel layers run over, or null
+  // without any. InvalidArgument naming `who` for layers over two groups or
+  // sequence-parallel ones (their replicated parameters' gradients are
+  // partial per TP rank: only the mesh's synchronizer sums them).
+  std::shared_ptr<Communicator> tensor_parallel_group(const std::string& who) const;
+  // A model of TP layers under a wiring with one Trainer per TP rank over
+  // its data-parallel group (ddp, all_reduce, fsdp): the layout's norm
+  // counts each parameter once over TP (TensorParallelGradNorm, summed over
+  // `shard_group` first where it is not null), the TP ranks must draw the
+  // same samples, TP rank 0 alone reports and checkpoints are refused
+  // (ReplicaLayout::set_tensor_parallel). Nothing without TP layers.
+  void set_tensor_parallel(const std::string& who, std::shared_ptr<Communicator> shard_group);
+  // InvalidArgument naming `who` and `why` when the model holds TP layers,
+  // which the wiring would take for replicated. The model is the same on
+  // every rank, so every rank throws.
+  void refuse_tensor_parallel(const std::string& who, const std::string& why) const;
+  static std::string zero_tp_refusal() {
+    return "ZeRO's norm and checkpoint take its pieces for parts of whole, replicated tensors";
+  }
 
   // A pipeline's layout: its norm, loss copies and dimensions; dp_group may be null.
   void set_pipeline_layout(pipeline::PipelineRuntime& runtime,

@@ -86,6 +86,14 @@ StateDict state_dict_of(torch::nn::Module& model, torch::optim::Optimizer* optim
     return zero_state_dict(model, *zero);
   }
   if (auto* sharded = dynamic_cast<FullyShardImpl*>(&model)) {
+    // Its boxes are the shard group's rows of each tensor as this rank
+    // holds it: a TP rank's slices would be saved as the whole tensors.
+    if (!tensor_parallel::split_dims(model).empty()) {
+      throw InvalidArgument(
+          "dcp::get_state_dict: the fully sharded model holds tensor-parallel layers, whose "
+          "slices an FSDP state dict would save as the whole tensors; save "
+          "full_state_dict() per TP rank, or train with TrainerWiring::mesh");
+    }
     return fsdp_state_dict(*sharded, optimizer);
   }
   if (options.mesh) {
