@@ -2,12 +2,17 @@
 // gradients averaged after backward in one coalesced all-reduce: the one
 // spelling of "average the gradients". The Trainer's AllReduceGradientSync
 // (a model without DDP), a pipeline's data-parallel group and the MoE
-// layer's dense and expert groups call it.
+// layer's dense and expert groups call it. reduce_gradients is the same with
+// another operation: the GradientSynchronizer's sums over TP, the tied
+// embedding's group and the expert replicas.
 #pragma once
 
 #include <torch/types.h>
 
+#include <cstdint>
 #include <vector>
+
+#include "cohort/core/types.h"
 
 namespace cohort {
 
@@ -24,5 +29,12 @@ class Communicator;
 /// without parameters) nothing is sent and the gradients are left as they
 /// are.
 void average_gradients(const std::vector<torch::Tensor>& params, Communicator& comm);
+
+/// average_gradients with the all-reduce's `options` (its operation and
+/// algorithm) instead of an average. Returns the bytes of the gradients
+/// reduced: those some rank has (0 at world size 1, without parameters, or
+/// when no rank has one).
+int64_t reduce_gradients(const std::vector<torch::Tensor>& params, Communicator& comm,
+                         const AllReduceOptions& options);
 
 }  // namespace cohort

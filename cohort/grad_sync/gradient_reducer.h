@@ -77,7 +77,12 @@ class GradientReducer {
 
   /// All-reduces every parameter's current .grad now and waits (collective).
   /// For SyncStrategy::NoSync, or to finish a no_sync() accumulation without
-  /// another backward. Undefined gradients count as zeros.
+  /// another backward (a pipeline's gradients, which come without the
+  /// hooks). Which parameters have a gradient is agreed first (one small
+  /// all-reduce): one without a .grad on some ranks takes part as zeros there
+  /// and gets the average; one without on every rank keeps an undefined .grad
+  /// (as in one process, so that the optimizer skips it), whatever
+  /// find_unused_parameters says.
   void synchronize();
 
   /// While the depth is positive, backward accumulates locally (no_sync()).
@@ -197,7 +202,10 @@ class GradientReducer {
   // The barrier the ranks that dropped a step meet in: no bucket pairs with
   // it, so a rank that did not drop it makes it a MismatchError everywhere.
   void agree_skipped(const std::string& what);
-  void wait_and_write_back(double backward_end_s);
+  // Retires the buckets and writes the averages into .grad. `agree`: which
+  // parameters have a gradient on any rank is agreed from locally_used_
+  // (any_rank_has), and one that has none anywhere keeps an undefined .grad.
+  void wait_and_write_back(double backward_end_s, bool agree);
   void start_iteration_clock();
   // Determinism::WorldSizeInvariant (gradient_reducer_leaves.cpp).
   void setup_leaves();

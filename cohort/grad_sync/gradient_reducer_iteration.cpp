@@ -302,17 +302,18 @@ void GradientReducer::finish_backward() {
     return;
   }
   launch_ready_buckets();
-  wait_and_write_back(backward_end);
+  wait_and_write_back(backward_end, options_.find_unused_parameters);
 }
 
-void GradientReducer::wait_and_write_back(double backward_end) {
+void GradientReducer::wait_and_write_back(double backward_end, bool agree) {
   TraceSpan span(active(comm_->tracer()), "wait and write back", "ddp");
   while (queue_.in_flight() > 0) queue_.retire_oldest();
   const double waited = queue_.now_s() - backward_end;
   // A parameter unused on this rank but used on another still gets the
-  // average; one unused everywhere keeps an undefined .grad.
+  // average; one unused everywhere keeps an undefined .grad, and one frozen
+  // since construction is given none (as average_gradients).
   std::vector<char> used(params_.size(), 1);
-  if (options_.find_unused_parameters) used = any_rank_has(*comm_, locally_used_);
+  if (agree) used = any_rank_has(*comm_, locally_used_);
   clear_local_use();
 
   torch::NoGradGuard no_grad;
@@ -321,7 +322,7 @@ void GradientReducer::wait_and_write_back(double backward_end) {
     auto& grad = params_[i].mutable_grad();
     if (grad.defined()) {
       if (grad.data_ptr() != view.data_ptr()) grad.copy_(view);
-    } else if (used[i]) {
+    } else if (used[i] && params_[i].requires_grad()) {
       grad = options_.gradient_as_bucket_view ? view : view.clone();
     }
   }
@@ -350,21 +351,29 @@ void GradientReducer::synchronize() {
     return;
   }
   {
+    // The gradients came without the hooks (set by hand, accumulated under
+    // no_sync(), or a pipeline's): what .grad holds now is what this rank
+    // used. A parameter without one takes part as zeros; whether any rank
+    // has one is agreed after the buckets, so that one no rank has keeps an
+    // undefined .grad, as in one process (weight decay and momentum would
+    // step a defined zero).
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
       const auto& grad = params_[i].grad();
-      if (grad.defined()) {
+      const bool has = grad.defined() && params_[i].requires_grad();
+      if (has) {
         view.copy_(grad);
       } else {
         view.zero_();
       }
-      ready_[i] = locally_used_[i] = 1;
+      ready_[i] = 1;
+      locally_used_[i] = has ? 1 : 0;
     }
   }
   queue_.fill_all();
   launch_ready_buckets();
-  wait_and_write_back(queue_.now_s());
+  wait_and_write_back(queue_.now_s(), /*agree=*/true);
 }
 
 }  // namespace cohort

@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/average_gradients.h"
 
 namespace cohort {
 
@@ -186,20 +187,12 @@ void GradientSynchronizer::all_reduce_grads(Communicator& group,
                                             Algorithm algo, DimensionStats& stats) {
   if (params.empty() || group.size() == 1) return;
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : params) {
-    // A parameter without a gradient takes part with zeros: every rank must
-    // send the same shapes.
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    grads.push_back(p.grad());
-    stats.bytes += static_cast<int64_t>(p.numel() * p.element_size());
-  }
+  // As the DP average: a parameter without a gradient on some ranks takes
+  // part as zeros there, one without on every rank (unused, or frozen) keeps
+  // an undefined .grad, as in one process.
   AllReduceOptions o;
   o.algo = algo;
-  group.all_reduce_coalesced(grads, o).wait();
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!grads[i].is_same(params[i].grad())) params[i].mutable_grad().copy_(grads[i]);
-  }
+  stats.bytes += reduce_gradients(params, group, o);
   stats.ops += 1;
   stats.seconds += sync_seconds_since(t0);
 }

@@ -142,6 +142,9 @@ class GradientSynchronizer {
   /// averages every gradient over DP now, then the TP, embedding and expert
   /// all-reduces, whatever no_sync() scopes are open. Collective over the
   /// mesh; once per step, instead of prepare_forward/after_forward/finish_backward.
+  /// In every reduction a parameter without a .grad on some ranks takes part
+  /// as zeros there, and one without on every rank of the group (unused, or
+  /// frozen) keeps an undefined .grad, as in one process.
   void synchronize();
   /// Per-dimension counters.
   const GradientSyncStats& stats() const { return stats_; }

@@ -1,11 +1,15 @@
 // GradientSynchronizer on a DeviceMesh: the embedding group it splits from
 // the "pp" group joins exactly the first and the last stage (closed form,
-// and an all-reduce over it sums exactly their values), and a mesh it cannot
-// reduce over is an InvalidArgument on every rank naming the dimension.
+// and an all-reduce over it sums exactly their values), synchronize() leaves
+// a parameter no rank has a gradient for undefined and averages (or sums)
+// one some ranks have with zeros from the others, in each dimension (closed
+// forms), and a mesh it cannot reduce over is an InvalidArgument on every
+// rank naming the dimension.
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
 #include "cohort/mesh/gradient_synchronizer.h"
+#include "support/engine_worlds.h"
 #include "support/rank_errors.h"
 #include "support/thread_ranks.h"
 
@@ -58,6 +62,105 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EmbeddingGroup,
                            return "pp" + std::to_string(info.param.pp) + "_dp" +
                                   std::to_string(info.param.dp);
                          });
+
+// A parameter of `n` zeros that requires grad (or not).
+torch::Tensor parameter(int64_t n, bool requires_grad = true) {
+  return torch::zeros({n}, torch::TensorOptions().requires_grad(requires_grad));
+}
+
+// A stage of the given parameters.
+std::shared_ptr<torch::nn::Module> stage_of(const std::vector<torch::Tensor>& params) {
+  auto stage = std::make_shared<torch::nn::Module>("Stage");
+  for (size_t i = 0; i < params.size(); ++i) {
+    stage->register_parameter("p" + std::to_string(i), params[i], params[i].requires_grad());
+  }
+  return stage;
+}
+
+// Whether `p`'s gradient is defined and everywhere `value`.
+::testing::AssertionResult grad_is(const torch::Tensor& p, double value) {
+  if (!p.grad().defined()) return ::testing::AssertionFailure() << "no gradient";
+  if (!torch::allclose(p.grad(), torch::full_like(p, value))) {
+    return ::testing::AssertionFailure() << p.grad() << " instead of " << value;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class SynchronizeGradients : public ::testing::TestWithParam<EngineWorld> {};
+
+// Over dp: a gradient on rank 0 only (ones) becomes 1 / dp everywhere, one
+// on every rank (rank + 1) (dp + 1) / 2, one on no rank and a frozen
+// parameter's stay undefined; expert parameters (summed over the replicas,
+// divided by the dense group) alike. The DP reducer's buckets hold every
+// parameter, the experts go through their own all-reduce.
+TEST_P(SynchronizeGradients, OneNoRankHasStaysUndefinedOneSomeHaveIsAveraged) {
+  const EngineWorld c = GetParam();
+  const int dp = c.world;
+  run_ranks_shared(
+      dp,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        const int r = world->rank();
+        auto mesh = init_device_mesh(world, {1, dp, 1}, {"pp", "dp", "tp"});
+        auto some = parameter(3), none = parameter(2), all = parameter(5),
+             frozen = parameter(4, false), expert_some = parameter(3), expert_none = parameter(2);
+        GradientSynchronizerOptions options;
+        options.expert_parameters = {expert_some, expert_none};
+        GradientSynchronizer sync(mesh,
+                                  stage_of({some, none, all, frozen, expert_some, expert_none}), {},
+                                  torch::Tensor(), options);
+        for (int step = 0; step < 2; ++step) {
+          SCOPED_TRACE("step " + std::to_string(step) + ", rank " + std::to_string(r));
+          for (auto* p : {&some, &none, &all, &frozen, &expert_some, &expert_none}) {
+            p->mutable_grad() = torch::Tensor();  // zero_grad(set_to_none), LibTorch 2.x's default
+          }
+          if (r == 0) some.mutable_grad() = torch::ones({3});
+          if (r == 0) expert_some.mutable_grad() = torch::ones({3});
+          all.mutable_grad() = torch::full({5}, r + 1.0);
+          sync.synchronize();
+          EXPECT_TRUE(grad_is(some, 1.0 / dp));
+          EXPECT_FALSE(none.grad().defined());
+          EXPECT_TRUE(grad_is(all, (dp + 1) / 2.0));
+          EXPECT_FALSE(frozen.grad().defined());
+          EXPECT_TRUE(grad_is(expert_some, 1.0 / dp));
+          EXPECT_FALSE(expert_none.grad().defined());
+        }
+      },
+      options_for(c));
+}
+
+INSTANTIATE_TEST_SUITE_P(EngineWorlds, SynchronizeGradients,
+                         ::testing::ValuesIn(engine_worlds({1, 2, 3})), engine_world_name);
+
+// Over tp (sequence-parallel parameters, summed) and the tied embedding's
+// group (pp 2): a gradient on one rank of the group only (ones) becomes ones
+// on both, one on no rank stays undefined, a frozen one keeps none.
+TEST(SynchronizeGradientsMesh, SequenceParallelAndTiedEmbeddingLeaveOnesNoRankHasUndefined) {
+  run_ranks_shared(4, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    const int r = world->rank();
+    auto mesh = init_device_mesh(world, {2, 1, 2}, {"pp", "dp", "tp"});
+    const bool first = mesh.local_rank("pp") == 0, tp0 = mesh.local_rank("tp") == 0;
+    auto sp_some = parameter(3), sp_none = parameter(2), sp_frozen = parameter(2, false),
+         embedding = parameter(4);
+    GradientSynchronizer sync(mesh, stage_of({sp_some, sp_none, sp_frozen, embedding}),
+                              {sp_some, sp_none, sp_frozen}, embedding);
+    SCOPED_TRACE("rank " + std::to_string(r));
+    if (tp0) sp_some.mutable_grad() = torch::ones({3});
+    if (first) embedding.mutable_grad() = torch::ones({4});
+    sync.synchronize();
+    EXPECT_TRUE(grad_is(sp_some, 1.0));
+    EXPECT_FALSE(sp_none.grad().defined());
+    EXPECT_FALSE(sp_frozen.grad().defined());
+    EXPECT_TRUE(grad_is(embedding, 1.0));
+    // No stage has the embedding's gradient now: it stays undefined.
+    for (auto* p : {&sp_some, &sp_none, &sp_frozen, &embedding})
+      p->mutable_grad() = torch::Tensor();
+    sync.synchronize();
+    EXPECT_FALSE(embedding.grad().defined());
+    EXPECT_FALSE(sp_some.grad().defined());
+  });
+}
 
 // A synchronizer over a mesh of `sizes` and `names` (world 2) fails on every
 // rank with `message`.
