@@ -23,6 +23,9 @@ namespace cohort::tensor_parallel {
 
 namespace {
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
 // Weight seeds: one per (layer, role), the same at any (tp, pp).
 uint64_t seed_of(const GPTConfig& c, int64_t layer, int role) {
   return c.seed * 1000003ULL + static_cast<uint64_t>(layer) * 16 + static_cast<uint64_t>(role);
@@ -62,9 +65,12 @@ void check_expert_and_context(const DeviceMesh& mesh, const GPTConfig& c, const 
   require(ep == 1 || c.experts > 0,
           "the mesh splits experts over ep " + std::to_string(ep) + " but config.experts is 0", g);
   if (c.experts > 0) {
-    // Every MoE's load-balancing loss joins the loss on the last stage.
+    // Each MoE's load-balancing gradient is scaled by the gradient the loss
+    // gets, which only the last stage sees (LossGradientTap).
     require(mesh.size("pp") == 1,
-            "MoE blocks need pp 1 (their auxiliary losses join the last stage's loss)", g);
+            "MoE blocks need pp 1 (their load-balancing gradients take the loss's, which only "
+            "the last stage has)",
+            g);
     // Under sequence parallelism each TP rank would route other tokens.
     require(!c.sequence_parallel, "MoE blocks do not take sequence parallelism", g);
     require(!c.checkpoint_activations, "MoE blocks do not take activation checkpointing", g);
@@ -80,6 +86,41 @@ void check_expert_and_context(const DeviceMesh& mesh, const GPTConfig& c, const 
     require(c.dropout == 0, "ring attention has no attention dropout; set dropout 0", g);
   }
 }
+
+// The load-balancing losses' gradient, per MoE and in its own chunk. A
+// pipeline of model chunks (virtual_stages > 1) differentiates each chunk on
+// its own, from its outputs down to its inputs: an auxiliary loss added to the
+// last chunk's loss would send its gradient into the other chunks' graphs
+// from there, where it is lost (a middle chunk's) or runs them before their
+// own backward (chunk 0's, through the tied embedding). So, as Megatron-LM's
+// MoEAuxLossAutoScaler, the loss holds the auxiliary losses' value only, and
+// each MoE's output passes its auxiliary loss a gradient in the backward of
+// its own chunk: the gradient the loss got (its scale: 1 / micro-batches in a
+// pipeline, whatever the caller divided by otherwise), which the loss's
+// backward, always earlier, records in the micro-batch's `scale`.
+struct LossGradientTap : torch::autograd::Function<LossGradientTap> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor loss, torch::Tensor aux_value,
+                               torch::Tensor scale) {
+    ctx->saved_data["scale"] = scale;
+    return loss + aux_value;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    torch::NoGradGuard no_grad;
+    ctx->saved_data["scale"].toTensor().copy_(grads[0].detach());
+    return {grads[0], torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct AuxLossGradient : torch::autograd::Function<AuxLossGradient> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor h, torch::Tensor aux,
+                               torch::Tensor scale) {
+    ctx->saved_data["scale"] = scale;
+    return h;  // LibTorch wraps an input returned as is in a fresh view
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], ctx->saved_data["scale"].toTensor().clone(), torch::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -261,9 +302,17 @@ torch::Tensor GPTStageImpl::forward_chunk(int k, const torch::Tensor& input) {
       "chunk " + std::to_string(k) + " is not one of this rank's " + std::to_string(num_chunks()),
       *tp_);
   auto h = chunk_index(k) == 0 ? embed(input) : input;
+  // With experts pp is 1: a micro-batch's forward starts at chunk 0 and runs
+  // through every chunk before the next one's starts. One scale each.
+  if (config_.experts > 0 && (chunk_index(k) == 0 || !aux_scale_.defined())) {
+    aux_scale_ = torch::zeros({}, h.options().requires_grad(false));
+  }
   for (auto& block : chunks_[k]) {
     if (!config_.checkpoint_activations) {
       h = block->forward(h);
+      if (!block->moe.is_empty() && block->moe->aux_loss().defined()) {
+        h = AuxLossGradient::apply(h, block->moe->aux_loss(), aux_scale_);
+      }
       continue;
     }
     // The recompute re-runs the block's TP collectives inside backward. Every
@@ -324,7 +373,11 @@ torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tenso
     o.reduction = CrossEntropyReduction::Mean;
     loss = vocab_parallel_cross_entropy(logits, targets.t(), *tp_, o);
   }
-  return config_.experts > 0 ? loss + aux_loss() : loss;
+  if (config_.experts == 0) return loss;
+  if (!aux_scale_.defined()) aux_scale_ = torch::zeros({}, loss.options().requires_grad(false));
+  // The value of every MoE's auxiliary loss; their gradients come from the
+  // blocks (AuxLossGradient).
+  return LossGradientTap::apply(loss, aux_loss().detach(), aux_scale_);
 }
 
 torch::Tensor GPTStageImpl::aux_loss() const {

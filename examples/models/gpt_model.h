@@ -108,7 +108,10 @@ class GPTStageImpl : public torch::nn::Module {
   /// (local_sequence) and the mean is over the counted targets of every cp
   /// rank (context_parallel::sequence_mean_loss): the same value on each,
   /// the gradient weighted for the GradientSynchronizer's average over cp.
-  /// Data-parallel ranks stay a mean of their means (as DDP).
+  /// Data-parallel ranks stay a mean of their means (as DDP). The experts'
+  /// load-balancing losses count here by value only: each MoE passes its own
+  /// the gradient this loss gets, in the backward of its block (of its own
+  /// model chunk, where a pipeline differentiates the chunks apart).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
   /// The sum of this stage's MoE load-balancing losses from the last forward
   /// (a zero scalar without experts).
@@ -160,6 +163,9 @@ class GPTStageImpl : public torch::nn::Module {
   std::vector<std::vector<std::shared_ptr<TransformerBlockImpl>>> chunks_;  // local chunk -> blocks
   torch::nn::LayerNorm final_layernorm_{nullptr};
   VocabParallelEmbedding output_embeddings_{nullptr};  // pp > 1: the last stage's copy
+  // With experts: the current micro-batch's gradient of the loss, recorded by
+  // the loss's backward for its MoEs' load-balancing gradients.
+  torch::Tensor aux_scale_;
 };
 TORCH_MODULE(GPTStage);
 
