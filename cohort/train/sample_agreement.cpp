@@ -202,9 +202,12 @@ void refuse_together(Communicator& world, const Finding& finding, const Names& n
   if (other_samples.empty() && other_inputs.empty() && no_indices.empty()) return;
   std::string what;
   if (!other_samples.empty()) {
+    // The layout names the kind of group where it has one kind (a
+    // tensor-parallel group); a pipeline's groups are of several kinds.
+    const std::string kind = names.layout.empty() ? "" : " (" + names.layout + ")";
     what = other_samples + " found the samples" + names.when +
-           " differ within a group whose ranks must all draw the same samples (shard the data "
-           "over the data-parallel group, not the world)";
+           " differ within a group whose ranks must all draw the same samples" + kind +
+           " (shard the data over the data-parallel group, not the world)";
   }
   if (!other_inputs.empty()) {
     what += (what.empty() ? "" : "; ") + other_inputs + " found the inputs" + names.when +
