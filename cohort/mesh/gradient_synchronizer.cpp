@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <unordered_set>
 
 #include "cohort/core/error.h"
+#include "cohort/core/rank_local.h"
 #include "cohort/grad_sync/average_gradients.h"
 
 namespace cohort {
@@ -89,6 +91,8 @@ GradientSynchronizer::GradientSynchronizer(DeviceMesh mesh,
       throw InvalidArgument(who + "an expert parameter is not a parameter of the stage");
     }
   }
+  collect_sequence_parallel(*stage, who);
+  collect_tp_replicas(*stage);
   // The embedding group is the pipeline's, not the mesh's: a split of the PP
   // group, collective over it, made here on every rank of the mesh.
   const int pp = mesh_.size("pp"), stage_index = mesh_.local_rank("pp");
@@ -139,6 +143,101 @@ void GradientSynchronizer::check_dimensions(const std::string& who) const {
   if (has_dimension(mesh_, "ep") && mesh_.size("ep") > 1 && options_.expert_parameters.empty()) {
     throw InvalidArgument(who + "the mesh (" + mesh_.to_string() +
                           ") splits experts over ep, but options.expert_parameters is empty");
+  }
+}
+
+void GradientSynchronizer::collect_sequence_parallel(const torch::nn::Module& stage,
+                                                     const std::string& who) {
+  // A listed tensor outside the stage would be summed over TP while the
+  // stage's own parameter stays a partial sum: a silent wrong model. The
+  // check is local and deterministic, so every rank of one model refuses.
+  std::unordered_set<const void*> mine;
+  for (const auto& p : stage.parameters()) mine.insert(p.unsafeGetTensorImpl());
+  for (size_t i = 0; i < sp_params_.size(); ++i) {
+    const auto& p = sp_params_[i];
+    if (!p.defined() || !mine.count(p.unsafeGetTensorImpl())) {
+      throw InvalidArgument(who + "sequence-parallel parameter " + std::to_string(i) +
+                            (p.defined() ? " is not a parameter of the stage" : " is undefined"));
+    }
+  }
+  // The parameters the stage's layers know to be sequence-parallel join the
+  // list, each once (summing one twice would multiply it by tp).
+  // Experts are reduced over their replicas, not here.
+  std::unordered_set<const void*> seen, experts;
+  for (const auto& p : options_.expert_parameters) experts.insert(p.unsafeGetTensorImpl());
+  std::vector<torch::Tensor> listed = std::move(sp_params_);
+  sp_params_.clear();
+  for (auto& p : listed) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) sp_params_.push_back(std::move(p));
+  }
+  auto visit = [&](const torch::nn::Module& m) {
+    const auto* tp = dynamic_cast<const TensorParallelModule*>(&m);
+    if (!tp) return;
+    for (const auto& p : tp->tensor_parallel_split_parameters()) {
+      if (p.defined()) tp_split_.insert(p.unsafeGetTensorImpl());
+    }
+    for (const auto& p : tp->sequence_parallel_parameters()) {
+      if (!p.defined() || !p.requires_grad() || experts.count(p.unsafeGetTensorImpl())) continue;
+      if (seen.insert(p.unsafeGetTensorImpl()).second) sp_params_.push_back(p);
+    }
+  };
+  visit(stage);
+  for (const auto& m : stage.modules(/*include_self=*/false)) visit(*m);
+}
+
+void GradientSynchronizer::collect_tp_replicas(const torch::nn::Module& stage) {
+  if (!options_.verify_tp_replicas || mesh_.size("tp") == 1) return;
+  std::unordered_set<const void*> experts;
+  for (const auto& p : options_.expert_parameters) experts.insert(p.unsafeGetTensorImpl());
+  for (const auto& item : stage.named_parameters()) {
+    const auto& p = item.value();
+    const void* key = p.unsafeGetTensorImpl();
+    if (!p.requires_grad() || tp_split_.count(key) || experts.count(key)) continue;
+    if (!rank_local_refusal({p}).empty()) continue;  // an MoE's experts split over TP
+    tp_replicas_.emplace_back(item.key(), p);
+  }
+}
+
+void GradientSynchronizer::verify_tp_replicas() {
+  tp_verified_ = true;
+  if (tp_replicas_.empty()) return;
+  // Per parameter the sum and the sum of magnitudes of its gradient (zeros
+  // where it has none), in double; equal gradients give equal digests.
+  std::vector<torch::Tensor> parts;
+  torch::Device device = tp_replicas_.front().second.device();
+  for (const auto& named : tp_replicas_) {
+    const auto& g = named.second.grad();
+    if (!g.defined()) {
+      parts.push_back(torch::zeros({2}, torch::dtype(torch::kFloat64).device(device)));
+      continue;
+    }
+    auto d = g.detach().to(device, torch::kFloat64);
+    parts.push_back(torch::stack({d.sum(), d.abs().sum()}));
+  }
+  auto& tp = *mesh_["tp"].process_group();
+  auto mine = torch::stack(parts).reshape({-1});
+  auto all = torch::empty({tp.size() * mine.numel()}, mine.options());
+  tp.all_gather_into_tensor(all, mine).wait();
+  auto table = all.reshape({tp.size(), -1, 2}).cpu();
+  auto t = table.accessor<double, 3>();
+  for (int64_t i = 0; i < table.size(1); ++i) {
+    double scale = 0;
+    for (int r = 0; r < tp.size(); ++r) scale = std::max(scale, t[r][i][1]);
+    for (int r = 1; r < tp.size(); ++r) {
+      if (std::abs(t[r][i][0] - t[0][i][0]) <= 1e-5 * scale &&
+          std::abs(t[r][i][1] - t[0][i][1]) <= 1e-5 * scale) {
+        continue;
+      }
+      throw InvalidArgument(
+          "cohort: GradientSynchronizer (rank " + std::to_string(mesh_.rank()) +
+          "): after the reduction, the gradient of parameter '" + tp_replicas_[i].first +
+          "', whole on every TP rank, differs across TP ranks (sum " + std::to_string(t[0][i][0]) +
+          " on tp rank 0, " + std::to_string(t[r][i][0]) + " on tp rank " + std::to_string(r) +
+          "): its TP replicas would drift apart. If it sees activations split along the "
+          "sequence over TP, list it in sequence_parallel_parameters; if a layer of your own "
+          "splits it over TP, implement TensorParallelModule in that layer (or set "
+          "GradientSynchronizerOptions::verify_tp_replicas = false)");
+    }
   }
 }
 
@@ -212,6 +311,7 @@ void GradientSynchronizer::reduce_now() {
                      stats_.pp);
   }
   reduce_experts();
+  if (!tp_verified_ && !tp_replicas_.empty()) verify_tp_replicas();
   if (reducer_) {
     const auto& d = reducer_->stats();
     stats_.dp.ops += d.buckets;

@@ -42,6 +42,9 @@
 #include <torch/types.h>
 
 #include <memory>
+#include <string>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "cohort/grad_sync/comm_hook.h"
@@ -49,6 +52,7 @@
 #include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/no_sync_guard.h"
 #include "cohort/mesh/device_mesh.h"
+#include "cohort/mesh/tensor_parallel_module.h"
 
 namespace cohort {
 
@@ -88,6 +92,15 @@ struct GradientSynchronizerOptions {
   /// parameter is averaged over the dense group. Empty: every parameter is
   /// replicated over the dense group.
   std::vector<torch::Tensor> expert_parameters;
+  /// At the first reducing step over a "tp" above 1, compare over TP a digest
+  /// of the reduced gradients of the parameters that are whole on every TP
+  /// rank (every parameter but those a TensorParallelModule splits, the
+  /// experts and those marked rank-local): they must agree, and do not when
+  /// a parameter that sees sequence-split activations is missing from
+  /// sequence_parallel_parameters. One all-gather of two numbers per
+  /// parameter, once. Turn it off only for a stage whose own layers split
+  /// parameters over TP without implementing TensorParallelModule.
+  bool verify_tp_replicas = true;
 };
 
 /// Finishes each step's gradients over TP, PP and DP (file comment).
@@ -105,7 +118,13 @@ class GradientSynchronizer {
   /// 1 they must not be empty (InvalidArgument: the experts would be
   /// averaged with other ranks' experts). `sequence_parallel_parameters` and
   /// `shared_embedding` (undefined on middle stages) must be parameters of
-  /// `stage`.
+  /// `stage` (InvalidArgument otherwise: a tensor of another module would be
+  /// reduced while the stage's own stays partial). The gradients summed over
+  /// TP are `sequence_parallel_parameters` together with those every
+  /// TensorParallelModule in `stage` names (a RowParallelLinear bias under
+  /// sequence parallelism), each once, experts excepted; the caller lists
+  /// only the others (a LayerNorm that sees sequence-split activations). One
+  /// left out is found at the first step (options.verify_tp_replicas).
   GradientSynchronizer(DeviceMesh mesh, std::shared_ptr<torch::nn::Module> stage,
                        std::vector<torch::Tensor> sequence_parallel_parameters,
                        torch::Tensor shared_embedding, GradientSynchronizerOptions options = {});
@@ -148,6 +167,9 @@ class GradientSynchronizer {
   void synchronize();
   /// Per-dimension counters.
   const GradientSyncStats& stats() const { return stats_; }
+  /// The parameters whose gradients are summed over TP: those passed and
+  /// those the stage's TensorParallelModules name, each once.
+  const std::vector<torch::Tensor>& sequence_parallel_parameters() const { return sp_params_; }
   /// options.expert_parameters: the tensors reduced as experts.
   const std::vector<torch::Tensor>& expert_parameters() const { return options_.expert_parameters; }
   /// The word embedding (first stage) or the last stage's copy of it; undefined on middle
@@ -170,6 +192,10 @@ class GradientSynchronizer {
   void all_reduce_grads(Communicator& group, const std::vector<torch::Tensor>& params,
                         Algorithm algo, DimensionStats& stats);
   void check_dimensions(const std::string& who) const;
+  void collect_sequence_parallel(const torch::nn::Module& stage, const std::string& who);
+  void collect_tp_replicas(const torch::nn::Module& stage);
+  // options.verify_tp_replicas, once: InvalidArgument on every TP rank.
+  void verify_tp_replicas();
   void build_groups();
   void reduce_experts();
   // The TP, embedding and expert all-reduces of the gradients now.
@@ -178,6 +204,11 @@ class GradientSynchronizer {
   DeviceMesh mesh_;
   std::shared_ptr<Communicator> embedding_group_;
   std::vector<torch::Tensor> sp_params_;
+  // The parameters whole on every TP rank, by name in the stage, and the
+  // layers' TP-split parameters (verify_tp_replicas).
+  std::vector<std::pair<std::string, torch::Tensor>> tp_replicas_;
+  std::unordered_set<const void*> tp_split_;
+  bool tp_verified_ = false;
   torch::Tensor shared_embedding_;
   GradientSynchronizerOptions options_;
   std::shared_ptr<Communicator> dense_, replicas_;

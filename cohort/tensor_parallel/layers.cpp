@@ -97,6 +97,24 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   return bias.defined() ? y + bias : y;
 }
 
+std::vector<torch::Tensor> ColumnParallelLinearImpl::tensor_parallel_split_parameters() const {
+  if (bias.defined()) return {weight, bias};
+  return {weight};
+}
+
+std::vector<torch::Tensor> RowParallelLinearImpl::tensor_parallel_split_parameters() const {
+  return {weight};
+}
+
+std::vector<torch::Tensor> VocabParallelEmbeddingImpl::tensor_parallel_split_parameters() const {
+  return {weight};
+}
+
+std::vector<torch::Tensor> RowParallelLinearImpl::sequence_parallel_parameters() const {
+  if (options_.sequence_parallel && bias.defined()) return {bias};
+  return {};
+}
+
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<Communicator> g, int64_t n,
                                                        int64_t dim, VocabParallelEmbeddingOptions o)
     : VocabParallelEmbeddingImpl(tp_mesh(std::move(g), "VocabParallelEmbedding"), n, dim, o) {}

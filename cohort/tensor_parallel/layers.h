@@ -24,6 +24,7 @@
 
 #include "cohort/comm/communicator.h"
 #include "cohort/mesh/device_mesh.h"
+#include "cohort/mesh/tensor_parallel_module.h"
 
 namespace cohort::tensor_parallel {
 
@@ -37,7 +38,7 @@ struct ColumnParallelLinearOptions {
 };
 
 /// y = x A^T + b with A split by output features: A_i is [out/tp, in].
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
   /// not 1-D or out_features does not divide by its size.
@@ -56,6 +57,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
   /// The options it was built with.
   const ColumnParallelLinearOptions& options() const { return options_; }
+
+  /// {weight, bias}: both split by output features.
+  std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
 
   torch::Tensor weight;  ///< [out/tp, in]
   torch::Tensor bias;    ///< [out/tp], undefined without bias
@@ -76,7 +80,11 @@ struct RowParallelLinearOptions {
 };
 
 /// y = x A^T + b with A split by input features: A_i is [out, in/tp].
-class RowParallelLinearImpl : public torch::nn::Module {
+/// Under sequence parallelism each TP rank adds the bias to its own part of
+/// the sequence, so the bias gradient is a partial sum per rank: the layer
+/// names it (TensorParallelModule), and a GradientSynchronizer over a stage
+/// that holds the layer sums it over TP.
+class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
   /// not 1-D or in_features does not divide by its size.
@@ -95,9 +103,14 @@ class RowParallelLinearImpl : public torch::nn::Module {
   /// The options it was built with.
   const RowParallelLinearOptions& options() const { return options_; }
 
+  /// {weight}: the bias is whole on every TP rank.
+  std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
+  /// {bias} under sequence parallelism with a bias, else empty.
+  std::vector<torch::Tensor> sequence_parallel_parameters() const override;
+
   torch::Tensor weight;  ///< [out, in/tp]
   torch::Tensor bias;    ///< [out], replicated; under sequence parallelism its
-                         ///< gradient must be all-reduced over TP
+                         ///< gradient is a partial sum per TP rank
 
  private:
   std::shared_ptr<Communicator> group_;
@@ -115,7 +128,7 @@ struct VocabParallelEmbeddingOptions {
 /// [i * V/tp, (i + 1) * V/tp); ids elsewhere look up zeros, and an
 /// all-reduce over TP adds the rows together, so every id in [0, V) is found
 /// on exactly one rank.
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
   /// not 1-D or num_embeddings does not divide by its size (pad the
@@ -138,6 +151,9 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   int64_t vocab_end_index() const { return end_; }      ///< one past the last
   /// The TP group the layer's collectives run over.
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
+
+  /// {weight}: split by vocabulary rows.
+  std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
 
   torch::Tensor weight;  ///< [num_embeddings/tp, embedding_dim]
 
