@@ -219,6 +219,13 @@ void GradientSynchronizer::verify_tp_replicas() {
   auto all = torch::empty({tp.size() * mine.numel()}, mine.options());
   tp.all_gather_into_tensor(all, mine).wait();
   auto table = all.reshape({tp.size(), -1, 2}).cpu();
+  // An overflowed step (inf or NaN gradients, which a loss scaler skips)
+  // proves nothing either way: every rank sees the same table, so every
+  // rank defers the check to the next reducing step alike.
+  if (!torch::isfinite(table).all().item<bool>()) {
+    tp_verified_ = false;
+    return;
+  }
   auto t = table.accessor<double, 3>();
   for (int64_t i = 0; i < table.size(1); ++i) {
     double scale = 0;

@@ -66,7 +66,7 @@ std::vector<torch::Tensor> reference_grads(const torch::Tensor& x, const torch::
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
   ASSERT_EQ(got.sizes(), want.sizes()) << what;
   EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5))
-      << what << ": max |diff| " << (got - want).abs().max().item<float>() << " (got "
+      << what << ": max |diff| " << (got - want).abs().max().item<float>() << " (got sum "
       << got.sum().item<float>() << ", want sum " << want.sum().item<float>() << ")";
 }
 
