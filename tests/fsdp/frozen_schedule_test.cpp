@@ -242,8 +242,8 @@ TEST(FSDPFrozenLayersSchedule,
 // Eight units of a frozen Linear(32, 32), tanh and a rank-2 pair of
 // bias-free Linears, behind the root's Linear(32, 32), on 2 rows a rank,
 // counting what backward allocates on the rank's thread:
-//   - after backward (its transient buffers gone) it holds exactly every
-//     unit's trainable rows and the root's gradient shard, and the
+//   - after backward (its transient buffers gone) it holds every unit's
+//     trainable rows and the root's gradient shard (within 1 KiB), and the
 //     storages behind a unit's .grad are exactly its trainable rows (with
 //     leaves too, 3 in all: the storages);
 //   - when the root's first weight gets its gradient (every unit over) it
@@ -308,8 +308,12 @@ TEST(FSDPFrozenLayersMemory, AUnitsGradientShardHoldsOnlyItsTrainableRows) {
               }
             } else {
               model->forward(torch::randn({kRows, kWide})).sum().backward();
-              EXPECT_EQ(scope.current_bytes(),
-                        all_trainable + model->param_group().layout().shard_numel * 4);
+              // 1 KiB for the library's own small tensors (LibTorch 2.6
+              // keeps 136 bytes more here than 1.13); the whole outputs of
+              // the frozen weights' rows would be many KiB more.
+              const int64_t kept = all_trainable + model->param_group().layout().shard_numel * 4;
+              EXPECT_GE(scope.current_bytes(), kept);
+              EXPECT_LE(scope.current_bytes(), kept + 1024);
               EXPECT_LE(at_first, at_last + all_trainable + (kWide * kWide + kWide) * 4 + 1024);
             }
             for (const auto& u : units) {
