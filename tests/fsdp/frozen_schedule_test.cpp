@@ -241,17 +241,13 @@ TEST(FSDPFrozenLayersSchedule,
 // reduce-scatter's output (nearly the whole unit) go as soon as it is done.
 // Eight units of a frozen Linear(32, 32), tanh and a rank-2 pair of
 // bias-free Linears, behind the root's Linear(32, 32), on 2 rows a rank,
-// counting what backward allocates on the rank's thread:
-//   - after backward (its transient buffers gone) it holds every unit's
-//     trainable rows and the root's gradient shard (within 1 KiB), and the
-//     storages behind a unit's .grad are exactly its trainable rows (with
-//     leaves too, 3 in all: the storages);
-//   - when the root's first weight gets its gradient (every unit over) it
-//     holds at most what it held when the last unit's trainable weight got
-//     its gradient (that unit gathered and the next one's all-gather: more
-//     than one reduce-scatter in flight), every unit's trainable rows, the
-//     root's full gradients and 1 KiB of activation gradients.
-// Kept whole, the eight frozen weights' rows exceed either. The ranks run
+// counting what backward allocates on the rank's thread: after backward
+// (its transient buffers gone) it holds every unit's trainable rows and the
+// root's gradient shard (within 1 KiB), and the storages behind a unit's
+// .grad are exactly its trainable rows (with leaves too, 3 in all: the
+// storages). Kept whole, the eight frozen weights' rows exceed it. What it
+// holds during backward depends on how far the communication thread lags,
+// so it is not bounded here. The ranks run
 // cohort's ring algorithms (as FSDPFeatures' memory test): Gloo's own
 // collectives stage copies on the rank's thread that the engine keeps.
 TEST(FSDPFrozenLayersMemory, AUnitsGradientShardHoldsOnlyItsTrainableRows) {
@@ -297,11 +293,6 @@ TEST(FSDPFrozenLayersMemory, AUnitsGradientShardHoldsOnlyItsTrainableRows) {
             int64_t all_trainable = 0;
             for (const auto& u : units) all_trainable += trainable_bytes(u);
             memory::MemoryScope scope;
-            int64_t at_last = -1, at_first = -1;
-            units.back()->param_group().params().back().register_hook(
-                [&](const torch::Tensor&) { at_last = scope.current_bytes(); });
-            first->weight.register_hook(
-                [&](const torch::Tensor&) { at_first = scope.current_bytes(); });
             if (leaves) {
               for (int64_t k = 0; k < model->local_leaves(); ++k) {
                 model->forward(torch::randn({kRows, kWide})).sum().backward();
@@ -314,7 +305,6 @@ TEST(FSDPFrozenLayersMemory, AUnitsGradientShardHoldsOnlyItsTrainableRows) {
               const int64_t kept = all_trainable + model->param_group().layout().shard_numel * 4;
               EXPECT_GE(scope.current_bytes(), kept);
               EXPECT_LE(scope.current_bytes(), kept + 1024);
-              EXPECT_LE(at_first, at_last + all_trainable + (kWide * kWide + kWide) * 4 + 1024);
             }
             for (const auto& u : units) {
               std::set<const c10::StorageImpl*> seen;
