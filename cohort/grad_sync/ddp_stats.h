@@ -12,7 +12,9 @@ struct DDPStats {
   int64_t iterations = 0;
   /// Buckets in the current layout.
   int64_t buckets = 0;
-  /// True once the buckets were rebuilt from the observed gradient order.
+  /// Whether the buckets are in an observed gradient order: false until the
+  /// rebuild after the first iteration, and again from a change of the
+  /// parameters that require grad to the rebuild after it.
   bool buckets_rebuilt = false;
   /// Bytes handed to the communication hook in the last reduced iteration.
   int64_t bytes = 0;

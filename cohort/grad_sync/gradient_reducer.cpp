@@ -47,22 +47,18 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
       throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() + "' on rank " +
                             std::to_string(comm_->rank()) + " must be a dense, contiguous tensor");
     }
-    // Not reduced, but rank 0's values too: a frozen part initialised
-    // after a per-rank seed would otherwise differ across the replicas.
-    if (!p.requires_grad()) {
-      frozen_.push_back(p);
-      frozen_names_.push_back(item.key());
-      continue;
-    }
-    // A bucket is one flat tensor: its parameters share one device.
-    if (!params_.empty() && p.device() != params_[0].device()) {
-      throw InvalidArgument("DistributedDataParallel: parameter '" + item.key() + "' on rank " +
-                            std::to_string(comm_->rank()) + " is on " + p.device().str() +
-                            " but '" + names_[0] + "' on " + params_[0].device().str() +
-                            "; the module's parameters must share one device");
-    }
-    params_.push_back(p);
-    names_.push_back(item.key());
+    all_params_.push_back(p);
+    all_names_.push_back(item.key());
+    reduced_.push_back(p.requires_grad() ? 1 : 0);
+  }
+  split_parameters();
+  // A bucket is one flat tensor: its parameters share one device.
+  for (size_t i = 1; i < params_.size(); ++i) {
+    if (params_[i].device() == params_[0].device()) continue;
+    throw InvalidArgument("DistributedDataParallel: parameter '" + names_[i] + "' on rank " +
+                          std::to_string(comm_->rank()) + " is on " + params_[i].device().str() +
+                          " but '" + names_[0] + "' on " + params_[0].device().str() +
+                          "; the module's parameters must share one device");
   }
   for (const auto& b : module_->buffers(/*recurse=*/true)) buffers_.push_back(b);
   // The compressors work on host memory.
@@ -90,6 +86,26 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
 }
 
 GradientReducer::~GradientReducer() = default;
+
+void GradientReducer::split_parameters() {
+  params_.clear();
+  names_.clear();
+  frozen_.clear();
+  frozen_names_.clear();
+  all_index_.clear();
+  for (size_t i = 0; i < all_params_.size(); ++i) {
+    if (reduced_[i]) {
+      all_index_.push_back(i);
+      params_.push_back(all_params_[i]);
+      names_.push_back(all_names_[i]);
+    } else {
+      // Not reduced, but rank 0's values too (broadcast_state()): a frozen
+      // part initialised after a per-rank seed would otherwise differ.
+      frozen_.push_back(all_params_[i]);
+      frozen_names_.push_back(all_names_[i]);
+    }
+  }
+}
 
 void GradientReducer::broadcast_state() {
   if (comm_->size() == 1) return;

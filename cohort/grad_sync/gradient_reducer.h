@@ -57,7 +57,10 @@ class GradientReducer {
   /// Collective: checks that every rank holds the same parameter shapes and
   /// dtypes in the same order, those with and those without requires_grad
   /// (MismatchError naming the first difference), then broadcasts every
-  /// parameter (frozen ones too) and buffer from rank 0.
+  /// parameter (frozen ones too) and buffer from rank 0. It reduces the
+  /// parameters that require grad; when that set changes (a parameter
+  /// unfrozen or frozen since), the next forward with grad mode on takes the
+  /// new set up (gradient_reducer_parameter_set.cpp).
   GradientReducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Communicator> comm,
                   DDPOptions options = {});
   ~GradientReducer();
@@ -65,7 +68,12 @@ class GradientReducer {
   GradientReducer& operator=(const GradientReducer&) = delete;
 
   /// Before each forward. Throws Error naming the parameters that got no
-  /// gradient if the previous backward could not finish its reduction.
+  /// gradient if the previous backward could not finish its reduction. With
+  /// grad mode on, outside a backward, it follows requires_grad: when the
+  /// parameters that require grad are not those reduced, the ranks agree on
+  /// the change (InvalidArgument on every rank when they changed different
+  /// parameters; a MismatchError on every rank when some did not change
+  /// any) and the buckets are rebuilt for the new set.
   void prepare_forward();
   /// Instead of after_forward() when the module's forward threw: with
   /// leaves, a training forward's step is abandoned (its leaves dropped,
@@ -78,10 +86,11 @@ class GradientReducer {
   /// All-reduces every parameter's current .grad now and waits (collective).
   /// For SyncStrategy::NoSync, or to finish a no_sync() accumulation without
   /// another backward (a pipeline's gradients, which come without the
-  /// hooks). Which parameters have a gradient is agreed first (one small
-  /// all-reduce): one without a .grad on some ranks takes part as zeros there
-  /// and gets the average; one without on every rank keeps an undefined .grad
-  /// (as in one process, so that the optimizer skips it), whatever
+  /// hooks). Follows requires_grad first, as prepare_forward(). Which
+  /// parameters have a gradient is agreed then (one small all-reduce): one
+  /// without a .grad on some ranks takes part as zeros there and gets the
+  /// average; one without on every rank keeps an undefined .grad (as in one
+  /// process, so that the optimizer skips it), whatever
   /// find_unused_parameters says.
   void synchronize();
 
@@ -120,8 +129,12 @@ class GradientReducer {
     return comm_;
   }
 
-  /// The parameters that are reduced (requires_grad), in registration order,
-  /// each tensor once (a tied one under its first name).
+  /// The parameters that are reduced, in registration order, each tensor
+  /// once (a tied one under its first name): those that required grad at
+  /// the last forward with grad mode on (at construction before it); with
+  /// Determinism::WorldSizeInvariant also those that did at an earlier one
+  /// (a leaf gives a parameter without gradient zeros, and the step leaves
+  /// it without .grad).
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   /// The qualified names of parameters(), in the same order.
   const std::vector<std::string>& parameter_names() const { return names_; }
@@ -174,6 +187,16 @@ class GradientReducer {
     size_t position = 0;  // index into Bucket::params
   };
 
+  // params_, names_, frozen_ and frozen_names_ from all_params_ and reduced_.
+  void split_parameters();
+  // The parameter set follows requires_grad (gradient_reducer_parameter_set.cpp):
+  // one pass over the flags, and only when they changed, the agreement and
+  // the rebuild.
+  void follow_requires_grad();
+  // Why this rank cannot reduce the set `next` (per all_params_), in words
+  // that are the same on every rank that has the same reason; "" if it can.
+  std::string parameter_set_refusal(const std::vector<char>& next) const;
+  void adopt_parameter_set(std::vector<char> next);
   void broadcast_state();
   void broadcast_buffers();
   void build_buckets(const std::vector<size_t>& order);
@@ -231,9 +254,15 @@ class GradientReducer {
   uint64_t sent_at_start_ = 0;  // comm_->stats() bytes sent when the iteration began
   ReductionOwner* owner_ = nullptr;
 
+  // Every parameter once, in registration order, and whether each is
+  // reduced (in params_; all_index_ maps params_'s indices to these).
+  std::vector<torch::Tensor> all_params_;
+  std::vector<std::string> all_names_;
+  std::vector<char> reduced_;
+  std::vector<size_t> all_index_;
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
-  // Without requires_grad: broadcast at construction, never reduced.
+  // Not reduced (without requires_grad); all are broadcast at construction.
   std::vector<torch::Tensor> frozen_;
   std::vector<std::string> frozen_names_;
   std::vector<torch::Tensor> buffers_;

@@ -38,7 +38,8 @@ void GradientReducer::clear_local_use() {
 void GradientReducer::prepare_forward() {
   // A forward outside any backward while one is marked running: that
   // backward threw, and the autograd engine runs no final callback then.
-  if (!in_autograd_engine()) {
+  const bool in_backward = in_autograd_engine();
+  if (!in_backward) {
     if (backward_started_ && !backward_finished_) {
       backward_failed();
     } else if (forward_awaits_backward_) {
@@ -52,6 +53,9 @@ void GradientReducer::prepare_forward() {
     clear_local_use();
     throw Error(message);
   }
+  // Only a forward with grad mode on leads to a backward; one inside a
+  // backward (a checkpointed module recomputing) must not rebuild it.
+  if (torch::GradMode::is_enabled() && !in_backward) follow_requires_grad();
   // LibTorch gives a parameter a new accumulator when Module::load
   // replaces its storage: follow it, or gradients stop being reduced.
   hooks_->refresh();
@@ -342,6 +346,7 @@ void GradientReducer::wait_and_write_back(double backward_end, bool agree) {
 
 void GradientReducer::synchronize() {
   refuse_with_leaves("synchronize");
+  follow_requires_grad();
   reset_iteration();
   start_iteration_clock();
   if (owner_) {

@@ -32,6 +32,12 @@ class ReductionOwner {
   virtual void gradient_ready(size_t index) = 0;
   /// Every parameter has been reported (end of backward, or synchronize()).
   virtual void backward_finished() = 0;
+  /// GradientReducer::parameters() changed: a parameter's requires_grad
+  /// changed since DDP's last forward, and DDP now reduces the parameters
+  /// that require grad (the ranks agreed). From now on `index` in
+  /// gradient_ready() is of the new list. Called at a forward (or
+  /// synchronize()), outside any backward, between iterations.
+  virtual void parameters_changed() = 0;
   /// The synchronizing backward that reported gradients since the last
   /// backward_finished() threw (DDP finds it at the next forward, before
   /// any collective of its own): drop what it reported, waiting for what

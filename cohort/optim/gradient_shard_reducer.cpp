@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include "cohort/core/error.h"
 #include "cohort/grad_sync/gradient_presence.h"
@@ -83,27 +84,54 @@ GradientShardReducer::~GradientShardReducer() {
 
 void GradientShardReducer::take_over(GradientReducer& ddp) {
   if (ddp_) throw InvalidArgument(where_("take_over_reduction") + ": already reducing for a DDP");
-  std::map<const void*, size_t> ours;
-  for (size_t i = 0; i < params_.size(); ++i) ours[params_[i].unsafeGetTensorImpl()] = i;
+  std::set<const void*> ours;
+  for (const auto& p : params_) ours.insert(p.unsafeGetTensorImpl());
   const auto& theirs = ddp.parameters();
-  from_ddp_.assign(theirs.size(), 0);
   for (size_t k = 0; k < theirs.size(); ++k) {
-    auto it = ours.find(theirs[k].unsafeGetTensorImpl());
-    if (it == ours.end()) {
+    if (!ours.count(theirs[k].unsafeGetTensorImpl())) {
       throw InvalidArgument(where_("take_over_reduction") + ": DDP's parameter '" +
                             ddp.parameter_names()[k] +
                             "' is not one of this optimizer's; pass ddp.parameters()");
     }
-    from_ddp_[k] = it->second;
   }
   ddp.set_reduction_owner(this);
   ddp_ = &ddp;
-  // DDP hooks only what required grad when it was built: ours that it
-  // does not reduce are hooked here, as alone, so that once unfrozen they
-  // are staged during backward like DDP's (and until hooked, at the end
-  // of backward: backward_finished()).
+  map_ddp_parameters();
+}
+
+void GradientShardReducer::parameters_changed() {
+  // Thrown on every rank alike (the ranks agreed on DDP's new set), after
+  // the remap, so that DDP and we stay consistent.
+  const std::string foreign = map_ddp_parameters();
+  if (foreign.empty()) return;
+  throw InvalidArgument(where_("take_over_reduction") + ": DDP now reduces '" + foreign +
+                        "' (its requires_grad changed), which is not one of this optimizer's: "
+                        "its gradient would be averaged by no one; build the optimizer over "
+                        "ddp.parameters()");
+}
+
+std::string GradientShardReducer::map_ddp_parameters() {
+  std::map<const void*, size_t> ours;
+  for (size_t i = 0; i < params_.size(); ++i) ours[params_[i].unsafeGetTensorImpl()] = i;
+  const auto& theirs = ddp_->parameters();
   std::vector<char> ddps(params_.size(), 0);
-  for (size_t i : from_ddp_) ddps[i] = 1;
+  from_ddp_.assign(theirs.size(), kNotOurs);
+  std::string foreign;
+  for (size_t k = 0; k < theirs.size(); ++k) {
+    auto it = ours.find(theirs[k].unsafeGetTensorImpl());
+    if (it == ours.end()) {
+      if (foreign.empty()) foreign = ddp_->parameter_names()[k];
+      continue;
+    }
+    from_ddp_[k] = it->second;
+    ddps[it->second] = 1;
+  }
+  // DDP reduces what requires grad at its forward; ours that it does not
+  // reduce are hooked here, as alone, in case they get a gradient all the
+  // same (a backward through the bare module after unfreezing): staged
+  // during backward, or at its end until hooked (backward_finished()).
+  outside_hooks_.reset();
+  outside_ddp_.clear();
   std::vector<torch::Tensor> outside;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (ddps[i]) continue;
@@ -114,6 +142,7 @@ void GradientShardReducer::take_over(GradientReducer& ddp) {
     outside_hooks_ = std::make_unique<AccumulatorHooks>(
         outside, [this](size_t k) { on_gradient_ready_outside_ddp(outside_ddp_[k]); });
   }
+  return foreign;
 }
 
 void GradientShardReducer::begin_iteration() {
@@ -219,6 +248,7 @@ void GradientShardReducer::on_gradient_ready_outside_ddp(size_t i) {
 }
 
 void GradientShardReducer::gradient_ready(size_t ddp_index) {
+  if (from_ddp_[ddp_index] == kNotOurs) return;
   arrive(from_ddp_[ddp_index]);
   launch_ready_buckets(false);
 }

@@ -5,7 +5,7 @@
 // It is a ReductionOwner (reduction_owner.h): alone it hooks the parameters'
 // gradient accumulators itself; with cohort DDP, DDP reports ready
 // gradients to it instead of all-reducing its own buckets, and it hooks
-// only its parameters DDP does not reduce (frozen when DDP was built).
+// only its parameters DDP does not reduce (frozen at DDP's last forward).
 //
 // Memory: buckets are reduced one after the other, from the last down (the
 // order backward fills them; grad_sync's BucketQueue launches and waits).
@@ -60,9 +60,10 @@ class GradientShardReducer : private ReductionOwner {
   GradientShardReducer& operator=(const GradientShardReducer&) = delete;
 
   /// From now on `ddp` reports ready gradients here (every parameter it
-  /// reduces must be one of ours: InvalidArgument otherwise). Ours that it
-  /// does not reduce (frozen when it was built, unfrozen since) are hooked
-  /// here, and follow its no_sync().
+  /// reduces must be one of ours: InvalidArgument otherwise, here or at the
+  /// forward where it takes one up). Ours that it
+  /// does not reduce (frozen at its last forward) are hooked here, and
+  /// follow its no_sync(); when its parameters change, so do these.
   void take_over(GradientReducer& ddp);
   /// Whether a DDP hands its reduction over.
   bool has_ddp() const { return ddp_ != nullptr; }
@@ -105,6 +106,10 @@ class GradientShardReducer : private ReductionOwner {
 
  private:
   void gradient_ready(size_t ddp_index) override;
+  void parameters_changed() override;
+  // from_ddp_, outside_ddp_ and their hooks for DDP's parameters now; the
+  // name of the first of DDP's that is not ours ("" if none).
+  std::string map_ddp_parameters();
   void backward_finished() override;
   void backward_failed() noexcept override;
   void begin_iteration();
@@ -173,9 +178,10 @@ class GradientShardReducer : private ReductionOwner {
 
   std::unique_ptr<AccumulatorHooks> hooks_;  // alone
   GradientReducer* ddp_ = nullptr;           // with DDP
-  std::vector<size_t> from_ddp_;             // DDP's parameter index -> ours
-  // With DDP: ours that DDP does not reduce (frozen when it was built), and
-  // their hooks (by index into outside_ddp_).
+  static constexpr size_t kNotOurs = static_cast<size_t>(-1);
+  std::vector<size_t> from_ddp_;  // DDP's parameter index -> ours (or kNotOurs)
+  // With DDP: ours that DDP does not reduce (frozen at its last forward),
+  // and their hooks (by index into outside_ddp_).
   std::vector<size_t> outside_ddp_;
   std::unique_ptr<AccumulatorHooks> outside_hooks_;
 };

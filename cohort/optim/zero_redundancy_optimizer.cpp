@@ -28,6 +28,10 @@ class LeafChunkOwner : public ReductionOwner {
   ~LeafChunkOwner() override { ddp_.set_reduction_owner(nullptr); }
   void gradient_ready(size_t) override {}
   void backward_finished() override {}
+  // Never called: with leaves DDP refuses to take up a parameter while an
+  // owner takes its chunks (the chunk is laid out over DDP's parameters of
+  // make(), as our flat partition is), and keeps one frozen since.
+  void parameters_changed() override {}
   bool takes_leaf_chunks() const override { return true; }
   void leaf_chunk_ready(torch::Tensor chunk, std::vector<char> used) override {
     chunk_ = std::move(chunk);

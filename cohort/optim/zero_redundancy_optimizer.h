@@ -192,7 +192,9 @@ class ZeroRedundancyOptimizer {
   /// Stage 2 with reduce_gradients = false: from now on `ddp` reports ready
   /// gradients to this optimizer, which reduce-scatters them, instead of
   /// all-reducing them itself (see reduction_owner.h). Every parameter DDP
-  /// reduces must be one of this optimizer's (InvalidArgument otherwise).
+  /// reduces must be one of this optimizer's (InvalidArgument otherwise,
+  /// here, or on every rank at the forward where DDP takes up one unfrozen
+  /// since).
   void take_over_reduction(GradientReducer& ddp);
   /// Throws InvalidArgument (naming the rank) unless `ddp` has this
   /// optimizer's determinism and leaf count, in this optimizer's parameter

@@ -1,15 +1,16 @@
-// ZeRO stage 2 over cohort DDP with the first layer's weight frozen when
-// DDP was built (DDP reduces only what required grad then), unfrozen before
-// step kUnfreeze's forward and frozen again before step kRefreeze's. ZeRO
-// reduces that weight itself: the first backward after unfreezing stages
-// its gradient at the end of backward, the step hooks it, and from then on
-// it is staged during backward like DDP's parameters; under ddp.no_sync()
-// it accumulates in .grad. Two micro-batches per step, the first under
+// ZeRO over cohort DDP with the first layer's weight frozen when DDP was
+// built, unfrozen before step kUnfreeze's forward and frozen again before
+// step kRefreeze's. DDP reduces the parameters that require grad at each
+// forward, so from kUnfreeze on it reduces that weight: stage 1 reads its
+// average, stage 2 gets it reported and stages it during backward like the
+// others (ZeRO hooks only what DDP does not reduce); under ddp.no_sync() it
+// accumulates in .grad. Two micro-batches per step, the first under
 // ddp.no_sync(), AdamW with weight decay: every rank's parameters equal,
 // within 1e-6, one process's on the ranks' rows together with the same
 // freezing, ranks as threads over Gloo and UCX at worlds 1 and 3 (world 1
-// has no reduction to take over). The unfrozen weight used to be refused at
-// every step as 'a parameter got a second gradient'.
+// has no reduction to take over). Stage 2 used to refuse the unfrozen weight
+// at every step as 'a parameter got a second gradient'; stage 1 stepped it
+// with each rank's own gradient.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -21,6 +22,7 @@
 
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "support/engine_worlds.h"
+#include "support/rank_errors.h"
 #include "tests/optim/optim_test_support.h"
 
 namespace cohort::testing::zero_ddp_unfrozen_test {
@@ -80,12 +82,12 @@ bool micro_batches(DistributedDataParallel<OptimNet>& ddp, OptimNet& net, const 
   return staged;
 }
 
-Trained train(const Problem& pb, const std::shared_ptr<Communicator>& comm) {
+Trained train(const Problem& pb, int stage, const std::shared_ptr<Communicator>& comm) {
   auto net = pb.make_net();
   net->a->weight.set_requires_grad(false);
   DistributedDataParallel<OptimNet> ddp(net, comm);
   ZeroOptions zo;
-  zo.stage = 2;
+  zo.stage = stage;
   zo.bucket_cap_mb = 16.0 * 4 / (1024 * 1024);
   auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kOpts, zo);
   Trained out;
@@ -94,8 +96,8 @@ Trained train(const Problem& pb, const std::shared_ptr<Communicator>& comm) {
     try {
       zero->zero_grad();
       const bool staged = micro_batches(ddp, net, pb, s, comm->rank());
-      // Hooked at the step after unfreezing: overlapped from the next one.
-      if (comm->size() > 1 && trainable_at(s) && s > kUnfreeze) {
+      // Reduced during backward from the first step after unfreezing.
+      if (stage == 2 && comm->size() > 1 && trainable_at(s)) {
         EXPECT_TRUE(staged) << "step " << s;
       }
       zero->step();
@@ -116,26 +118,77 @@ TEST_P(ZeroDdpUnfrozen, AParameterFrozenWhenDdpWasBuiltTrainsOnceUnfrozen) {
   const auto want = reference(pb);
   // a.weight moved while it was trainable.
   ASSERT_GT((want[0] - pb.init[0]).abs().max().item<double>(), 1e-3);
-  std::mutex mu;
-  std::map<int, Trained> got;
-  run_ranks_shared(
-      c.world,
-      [&](std::shared_ptr<Communicator> comm) {
-        torch::set_num_threads(1);
-        auto t = train(pb, comm);
-        std::lock_guard<std::mutex> lock(mu);
-        got[comm->rank()] = std::move(t);
-      },
-      options_for(c));
-  ASSERT_EQ(got.size(), static_cast<size_t>(c.world));
-  for (const auto& [rank, trained] : got) {
-    EXPECT_TRUE(trained.thrown.empty()) << "rank " << rank << ", " << trained.thrown.size()
-                                        << " steps refused, first " << trained.thrown.front();
-    EXPECT_LT(max_diff(trained.params, want), 1e-6) << "rank " << rank;
+  for (const int stage : {1, 2}) {
+    std::mutex mu;
+    std::map<int, Trained> got;
+    run_ranks_shared(
+        c.world,
+        [&](std::shared_ptr<Communicator> comm) {
+          torch::set_num_threads(1);
+          auto t = train(pb, stage, comm);
+          std::lock_guard<std::mutex> lock(mu);
+          got[comm->rank()] = std::move(t);
+        },
+        options_for(c));
+    ASSERT_EQ(got.size(), static_cast<size_t>(c.world));
+    for (const auto& [rank, trained] : got) {
+      const std::string where = "stage " + std::to_string(stage) + ", rank " + std::to_string(rank);
+      EXPECT_TRUE(trained.thrown.empty()) << where << ", " << trained.thrown.size()
+                                          << " steps refused, first " << trained.thrown.front();
+      EXPECT_LT(max_diff(trained.params, want), 1e-6) << where;
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Zero, ZeroDdpUnfrozen, ::testing::ValuesIn(engine_worlds({1, 3})),
+                         engine_world_name);
+
+// Stage 2 made by hand over DDP's parameters but the frozen weight: once
+// unfrozen, DDP takes it up and no one would average its gradient, an
+// InvalidArgument on every rank at that forward.
+class ZeroDdpUnfrozenForeign : public ::testing::TestWithParam<EngineWorld> {};
+
+TEST_P(ZeroDdpUnfrozenForeign, AParameterTheOptimizerDoesNotHoldIsRefusedOnEveryRank) {
+  const auto c = GetParam();
+  const Problem pb(c.world, false, 2);
+  const auto seen = errors_on_every_rank(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        torch::set_num_threads(1);
+        auto net = pb.make_net();
+        net->a->weight.set_requires_grad(false);
+        DistributedDataParallel<OptimNet> ddp(net, comm);
+        std::vector<torch::Tensor> held;
+        for (const auto& p : ddp.parameters()) {
+          if (!p.is_same(net->a->weight)) held.push_back(p);
+        }
+        ZeroOptions zo;
+        zo.stage = 2;
+        zo.reduce_gradients = false;
+        auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(held, comm, kOpts, zo);
+        zero->take_over_reduction(ddp.reducer());
+        for (int s = 0; s < 2; ++s) {
+          net->a->weight.set_requires_grad(s == 1);
+          zero->zero_grad();
+          torch::mse_loss(ddp.forward(pb.xs[s][comm->rank()]), pb.ys[s][comm->rank()]).backward();
+          zero->step();
+        }
+      },
+      [&] {
+        auto o = options_for(c);
+        o.timeout = std::chrono::seconds(5);
+        return o;
+      }());
+  for (size_t r = 0; r < seen.size(); ++r) {
+    EXPECT_NE(seen[r].find("DDP now reduces 'a.weight' (its requires_grad changed), which is not "
+                           "one of this optimizer's"),
+              std::string::npos)
+        << "rank " << r << ": " << seen[r];
+  }
+}
+
+// World 1 has no reduction to take over.
+INSTANTIATE_TEST_SUITE_P(Zero, ZeroDdpUnfrozenForeign, ::testing::ValuesIn(engine_worlds({3})),
                          engine_world_name);
 
 }  // namespace
