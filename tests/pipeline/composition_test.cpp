@@ -10,6 +10,7 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "pipeline_test_models.h"
+#include "support/tensor_checks.h"
 #include "support/test_device.h"
 #include "support/thread_ranks.h"
 
@@ -35,10 +36,7 @@ Mesh make_mesh(Communicator& world) {
   return m;
 }
 
-void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
-  double scale = std::max(b.abs().max().item<double>(), 1e-6);
-  EXPECT_LE((a - b).abs().max().item<double>(), 1e-5 * scale) << what;
-}
+using cohort::testing::expect_close;
 
 TEST(PipelineComposition, PipelineTimesDataParallelEqualsOneProcess) {
   const auto device = cohort::testing::test_device();

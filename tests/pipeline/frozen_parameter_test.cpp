@@ -7,6 +7,7 @@
 
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "pipeline_test_models.h"
+#include "support/tensor_checks.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::pipeline::frozen_parameter_test {
@@ -15,12 +16,7 @@ namespace {
 using namespace cohort::pipeline::testing;
 using cohort::testing::run_ranks_shared;
 
-void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what << ": no gradient";
-  const double scale = std::max(b.abs().max().item<double>(), 1e-6);
-  const double err = (a - b).abs().max().item<double>();
-  EXPECT_LE(err, 1e-5 * scale) << what << ": max error " << err << " at scale " << scale;
-}
+using cohort::testing::expect_close;
 
 struct Case {
   std::string schedule;

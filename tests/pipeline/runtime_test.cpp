@@ -11,6 +11,7 @@
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/pipeline/schedule_validator.h"
 #include "pipeline_test_models.h"
+#include "support/tensor_checks.h"
 #include "support/test_device.h"
 #include "support/thread_ranks.h"
 
@@ -21,11 +22,7 @@ using namespace cohort::pipeline::testing;
 using cohort::testing::run_ranks_shared;
 
 // |a - b| <= 1e-5 * max|b| (fp32, relative to the tensor's scale).
-void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
-  double scale = std::max(b.abs().max().item<double>(), 1e-6);
-  double err = (a - b).abs().max().item<double>();
-  EXPECT_LE(err, 1e-5 * scale) << what << ": max error " << err << " at scale " << scale;
-}
+using cohort::testing::expect_close;
 
 struct Case {
   std::string schedule;

@@ -18,6 +18,7 @@
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
+#include "support/tensor_checks.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing::double_backward_test {
@@ -30,10 +31,7 @@ torch::Tensor randn(at::IntArrayRef sizes, uint64_t seed) {
 }
 
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
-  ASSERT_TRUE(got.defined()) << what << " is undefined";
-  ASSERT_EQ(got.sizes(), want.sizes()) << what;
-  EXPECT_TRUE(torch::allclose(got, want, 1e-4, 1e-5))
-      << what << ": max |diff| " << (got - want).abs().max().item<float>();
+  cohort::testing::expect_allclose(got, want, what, 1e-4, 1e-5);
 }
 
 bool has(const std::string& text, const std::string& part) {

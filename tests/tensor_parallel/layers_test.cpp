@@ -13,6 +13,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "cohort/tensor_parallel/mappings.h"
+#include "support/tensor_checks.h"
 #include "support/test_device.h"
 #include "support/thread_ranks.h"
 
@@ -32,9 +33,7 @@ std::pair<torch::Tensor, torch::Tensor> linear_weights(int64_t in, int64_t out, 
 }
 
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
-  ASSERT_EQ(got.sizes(), want.sizes()) << what;
-  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5))
-      << what << ": max |diff| " << (got - want).abs().max().item<float>();
+  cohort::testing::expect_allclose(got, want, what);
 }
 
 class Layers : public ::testing::TestWithParam<int> {};

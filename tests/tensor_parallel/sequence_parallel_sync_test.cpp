@@ -13,6 +13,7 @@
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
 #include "support/rank_errors.h"
+#include "support/tensor_checks.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing::sequence_parallel_sync_test {
@@ -64,10 +65,7 @@ std::vector<torch::Tensor> reference_grads(const torch::Tensor& x, const torch::
 }
 
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
-  ASSERT_EQ(got.sizes(), want.sizes()) << what;
-  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5))
-      << what << ": max |diff| " << (got - want).abs().max().item<float>() << " (got sum "
-      << got.sum().item<float>() << ", want sum " << want.sum().item<float>() << ")";
+  cohort::testing::expect_allclose(got, want, what);
 }
 
 // Which parameters the caller lists as sequence-parallel.
