@@ -198,9 +198,9 @@ void GradientSynchronizer::collect_tp_replicas(const torch::nn::Module& stage) {
   }
 }
 
-void GradientSynchronizer::verify_tp_replicas() {
-  tp_verified_ = true;
-  if (tp_replicas_.empty()) return;
+std::string GradientSynchronizer::tp_replica_mismatch(bool& deferred) {
+  deferred = false;
+  if (tp_replicas_.empty()) return "";
   // Per parameter the sum and the sum of magnitudes of its gradient (zeros
   // where it has none), in double; equal gradients give equal digests.
   std::vector<torch::Tensor> parts;
@@ -220,11 +220,10 @@ void GradientSynchronizer::verify_tp_replicas() {
   tp.all_gather_into_tensor(all, mine).wait();
   auto table = all.reshape({tp.size(), -1, 2}).cpu();
   // An overflowed step (inf or NaN gradients, which a loss scaler skips)
-  // proves nothing either way: every rank sees the same table, so every
-  // rank defers the check to the next reducing step alike.
+  // proves nothing either way: every TP rank sees the same table.
   if (!torch::isfinite(table).all().item<bool>()) {
-    tp_verified_ = false;
-    return;
+    deferred = true;
+    return "";
   }
   auto t = table.accessor<double, 3>();
   for (int64_t i = 0; i < table.size(1); ++i) {
@@ -235,17 +234,47 @@ void GradientSynchronizer::verify_tp_replicas() {
           std::abs(t[r][i][1] - t[0][i][1]) <= 1e-5 * scale) {
         continue;
       }
-      throw InvalidArgument(
-          "cohort: GradientSynchronizer (rank " + std::to_string(mesh_.rank()) +
-          "): after the reduction, the gradient of parameter '" + tp_replicas_[i].first +
-          "', whole on every TP rank, differs across TP ranks (sum " + std::to_string(t[0][i][0]) +
-          " on tp rank 0, " + std::to_string(t[r][i][0]) + " on tp rank " + std::to_string(r) +
-          "): its TP replicas would drift apart. If it sees activations split along the "
-          "sequence over TP, list it in sequence_parallel_parameters; if a layer of your own "
-          "splits it over TP, implement TensorParallelModule in that layer (or set "
-          "GradientSynchronizerOptions::verify_tp_replicas = false)");
+      return "the gradient of parameter '" + tp_replicas_[static_cast<size_t>(i)].first +
+             "', whole on every TP rank, differs across TP ranks (sum " +
+             std::to_string(t[0][i][0]) + " on tp rank 0, " + std::to_string(t[r][i][0]) +
+             " on tp rank " + std::to_string(r) +
+             "): its TP replicas would drift apart. If it sees activations split along the "
+             "sequence over TP, list it in sequence_parallel_parameters; if a layer of your own "
+             "splits it over TP, implement TensorParallelModule in that layer (or set "
+             "GradientSynchronizerOptions::verify_tp_replicas = false)";
     }
   }
+  return "";
+}
+
+void GradientSynchronizer::verify_tp_replicas() {
+  // Every DP, CP and EP peer holds the same reduced gradients, so they reach
+  // the same verdict; the pipeline stages check different parameters, so
+  // the stages agree on theirs (one all-gather over "pp", once): a stage
+  // that refuses while the next goes on would leave that one waiting for
+  // its activations until the timeout. 0 verified, 1 deferred, 2 refused.
+  bool deferred = false;
+  const std::string mismatch = tp_replica_mismatch(deferred);
+  const int64_t mine = !mismatch.empty() ? 2 : deferred ? 1 : 0;
+  auto verdicts = torch::full({1}, mine, torch::kInt64);
+  auto& pp = *mesh_["pp"].process_group();
+  if (pp.size() > 1) {
+    auto one = verdicts;
+    verdicts = torch::empty({pp.size()}, torch::kInt64);
+    pp.all_gather_into_tensor(verdicts, one).wait();
+  }
+  const std::string who = "cohort: GradientSynchronizer (rank " + std::to_string(mesh_.rank()) +
+                          "): after the reduction, ";
+  if (!mismatch.empty()) throw InvalidArgument(who + mismatch);
+  for (int s = 0; s < pp.size(); ++s) {
+    if (verdicts[s].item<int64_t>() == 2) {
+      throw InvalidArgument(who + "pipeline stage " + std::to_string(s) +
+                            " (its rank in this rank's \"pp\" group) found a parameter whole "
+                            "on every TP rank whose gradient differs across TP ranks; its ranks "
+                            "name the parameter");
+    }
+  }
+  tp_verified_ = verdicts.max().item<int64_t>() == 0;
 }
 
 void GradientSynchronizer::build_groups() {
@@ -318,7 +347,7 @@ void GradientSynchronizer::reduce_now() {
                      stats_.pp);
   }
   reduce_experts();
-  if (!tp_verified_ && !tp_replicas_.empty()) verify_tp_replicas();
+  if (!tp_verified_ && options_.verify_tp_replicas && mesh_.size("tp") > 1) verify_tp_replicas();
   if (reducer_) {
     const auto& d = reducer_->stats();
     stats_.dp.ops += d.buckets;

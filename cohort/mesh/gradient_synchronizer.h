@@ -98,8 +98,9 @@ struct GradientSynchronizerOptions {
   /// experts and those marked rank-local): they must agree, and do not when
   /// a parameter that sees sequence-split activations is missing from
   /// sequence_parallel_parameters. One all-gather of two numbers per
-  /// parameter, once. Turn it off only for a stage whose own layers split
-  /// parameters over TP without implementing TensorParallelModule.
+  /// parameter over TP and one of a word over PP, once; a mismatch is an
+  /// InvalidArgument on every rank of every stage. Turn it off only for a stage whose own layers
+  /// split parameters over TP without implementing TensorParallelModule.
   bool verify_tp_replicas = true;
 };
 
@@ -194,8 +195,13 @@ class GradientSynchronizer {
   void check_dimensions(const std::string& who) const;
   void collect_sequence_parallel(const torch::nn::Module& stage, const std::string& who);
   void collect_tp_replicas(const torch::nn::Module& stage);
-  // options.verify_tp_replicas, once: InvalidArgument on every TP rank.
+  // options.verify_tp_replicas, at the first reducing step without inf or
+  // NaN: InvalidArgument on every rank of every stage.
   void verify_tp_replicas();
+  // This stage's part: the first TP-replicated parameter whose reduced
+  // gradient differs across TP (empty if none, or if the step overflowed:
+  // then `deferred`).
+  std::string tp_replica_mismatch(bool& deferred);
   void build_groups();
   void reduce_experts();
   // The TP, embedding and expert all-reduces of the gradients now.

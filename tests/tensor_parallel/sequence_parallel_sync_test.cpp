@@ -145,6 +145,42 @@ TEST_P(SequenceParallelSync, ALayerNormLeftOutIsRefusedOnEveryRank) {
   }
 }
 
+// Two pipeline stages, the first with its LayerNorm left out: the second
+// stage's ranks are refused too (else they would wait for the first's
+// activations until the timeout).
+TEST_P(SequenceParallelSync, OneStageLeavingItOutIsRefusedOnEveryStage) {
+  const int tp = GetParam();
+  if (tp == 1) GTEST_SKIP() << "nothing is partial at tp 1";
+  const auto x = randn({kSeq, kHidden}, 1), c = randn({kSeq, kHidden}, 2);
+  auto errors = errors_on_every_rank(2 * tp, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    auto mesh = init_device_mesh(world, {2, 1, tp}, {"pp", "dp", "tp"});
+    Block block(mesh["tp"]);
+    // The two ends of a pipeline share an embedding; here one that takes
+    // no part in the loss but gets a (zero) gradient like the others.
+    auto emb = block->register_parameter("emb", torch::zeros({kHidden}));
+    std::vector<torch::Tensor> sp;
+    if (mesh["pp"].process_group()->rank() == 1) sp = {block->ln->weight, block->ln->bias};
+    cohort::GradientSynchronizer sync(mesh, block.ptr(), sp, emb);
+    const int r = mesh["tp"].process_group()->rank();
+    sync.prepare_forward();
+    auto y = block(split_along(x, 0, r, tp, "x").clone()) + emb * 0;
+    sync.after_forward({y});
+    (y * split_along(c, 0, r, tp, "c")).sum().backward();
+    sync.finish_backward();
+  });
+  for (int r = 0; r < 2 * tp; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_NE(e.find("GradientSynchronizer (rank " + std::to_string(r) + "): "), std::string::npos)
+        << e;
+    const std::string want = r < tp ? "the gradient of parameter 'ln.weight', whole on every TP "
+                                      "rank, differs across TP ranks"
+                                    : "pipeline stage 0 (its rank in this rank's \"pp\" group) "
+                                      "found a parameter whole on every TP rank";
+    EXPECT_NE(e.find(want), std::string::npos) << "rank " << r << ": " << e;
+  }
+}
+
 TEST_P(SequenceParallelSync, ATensorOutsideTheStageIsRefusedOnEveryRank) {
   const int tp = GetParam();
   auto errors = errors_on_every_rank(tp, [&](std::shared_ptr<Communicator> world) {
