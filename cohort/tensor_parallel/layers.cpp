@@ -161,14 +161,17 @@ std::map<const void*, int64_t> split_dims(torch::nn::Module& module) {
   auto add = [&](const torch::Tensor& t, int64_t dim) {
     if (t.defined()) dims[t.unsafeGetTensorImpl()] = dim;
   };
+  // Over a group of one rank a layer holds its whole tensors.
+  auto splits = [](const std::shared_ptr<Communicator>& group) { return group->size() > 1; };
   auto visit = [&](torch::nn::Module* m) {
     if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m)) {
+      if (!splits(c->process_group())) return;
       add(c->weight, 0);
       add(c->bias, 0);
     } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m)) {
-      add(r->weight, 1);
+      if (splits(r->process_group())) add(r->weight, 1);
     } else if (auto* v = dynamic_cast<VocabParallelEmbeddingImpl*>(m)) {
-      add(v->weight, 0);
+      if (splits(v->process_group())) add(v->weight, 0);
     }
   };
   // The root by address: modules() with itself needs it held by a shared_ptr.

@@ -194,10 +194,11 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const to
                                            const VocabParallelCrossEntropyOptions& options = {});
 
 /// The parameters of `module` (itself and every descendant) that the TP
-/// layers above split, each with the dimension it is split along, keyed by
-/// its TensorImpl: a column-parallel weight and bias and a vocab-parallel
-/// table along 0, a row-parallel weight along 1. Every other parameter
-/// (a row-parallel bias included) is whole on every TP rank.
+/// layers above split over a group of two or more ranks, each with the
+/// dimension it is split along, keyed by its TensorImpl: a column-parallel
+/// weight and bias and a vocab-parallel table along 0, a row-parallel weight
+/// along 1. Every other parameter (a row-parallel bias, and every parameter
+/// of a layer over a group of one rank, included) is whole on every TP rank.
 std::map<const void*, int64_t> split_dims(torch::nn::Module& module);
 
 /// The full (tp = 1) weights a layer with `seed` draws, as ColumnParallelLinear

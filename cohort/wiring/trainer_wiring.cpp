@@ -123,6 +123,9 @@ std::shared_ptr<Communicator> TrainerWiring::tensor_parallel_group(const std::st
   std::shared_ptr<Communicator> group;
   std::string first;
   auto take = [&](const std::string& name, const std::shared_ptr<Communicator>& g, bool sp) {
+    // Over a group of one rank the layer holds its whole tensors and its
+    // collectives (sequence-parallel ones too) change nothing: a plain layer.
+    if (g->size() == 1) return;
     // Its replicated parameters' (LayerNorms', a row bias's) gradients are
     // then partial on each TP rank: only the mesh's synchronizer sums them.
     if (sp) {

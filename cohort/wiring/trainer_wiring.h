@@ -217,9 +217,11 @@ class TrainerWiring : public TrainingPlan {
   void refuse_split_parameters(const std::string& who) const;
 
   // The one group the model's tensor-parallel layers run over, or null
-  // without any. InvalidArgument naming `who` for layers over two groups or
-  // sequence-parallel ones (their replicated parameters' gradients are
-  // partial per TP rank: only the mesh's synchronizer sums them).
+  // without any. A layer over a group of one rank (tp = 1) holds its whole
+  // tensors and counts as a plain layer. InvalidArgument naming `who` for
+  // layers over two groups or sequence-parallel ones (their replicated
+  // parameters' gradients are partial per TP rank: only the mesh's
+  // synchronizer sums them).
   std::shared_ptr<Communicator> tensor_parallel_group(const std::string& who) const;
   // A model of TP layers under a wiring with one Trainer per TP rank over
   // its data-parallel group (ddp, all_reduce, fsdp): the layout's norm
@@ -228,8 +230,8 @@ class TrainerWiring : public TrainingPlan {
   // same samples, TP rank 0 alone reports and checkpoints are refused
   // (ReplicaLayout::set_tensor_parallel). Nothing without TP layers.
   void set_tensor_parallel(const std::string& who, std::shared_ptr<Communicator> shard_group);
-  // InvalidArgument naming `who` and `why` when the model holds TP layers,
-  // which the wiring would take for replicated. The model is the same on
+  // InvalidArgument naming `who` and `why` when the model holds TP layers
+  // (over two or more ranks), which the wiring would take for replicated. The model is the same on
   // every rank, so every rank throws.
   void refuse_tensor_parallel(const std::string& who, const std::string& why) const;
   static std::string zero_tp_refusal() {
