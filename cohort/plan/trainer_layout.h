@@ -43,7 +43,8 @@ class Tracer;
 /// module, then the criterion). Must return a tensor that requires grad.
 using LossFn = std::function<torch::Tensor(const torch::data::Example<>&)>;
 
-/// Each dimension's name ("tp", "pp", "dp") and the communicators its traffic goes over.
+/// Each dimension's name ("tp", "pp", "dp", "ep", "cp") and the communicators its traffic goes
+/// over.
 using TrafficDimensions =
     std::vector<std::pair<std::string, std::vector<std::shared_ptr<Communicator>>>>;
 

@@ -31,8 +31,9 @@ struct StepMetrics {
   /// wiring has a "tp" dimension (a mesh), absent otherwise.
   std::optional<double> tp_comm_seconds;
   int64_t comm_bytes = 0;  ///< bytes this rank sent in this step (Communicator::stats)
-  /// The part of comm_bytes sent over each dimension's groups ("tp", "pp", "dp") when the
-  /// wiring names them (a pipeline, a mesh); logged as "comm_bytes_<dimension>".
+  /// The part of comm_bytes sent over each dimension's groups ("tp", "pp", "dp", and a mesh's
+  /// "ep" and "cp") when the wiring names them (a pipeline, a mesh); logged as
+  /// "comm_bytes_<dimension>".
   std::map<std::string, int64_t> comm_bytes_by_dimension;
 };
 

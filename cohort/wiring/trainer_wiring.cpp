@@ -116,6 +116,36 @@ std::string expert_list_mismatch(const torch::nn::Module& stages,
 const char* const pipeline_tp_refusal =
     "the pipeline's norm and checkpoint take each stage's tensors for whole";
 
+bool mesh_has(const DeviceMesh& mesh, const std::string& name) {
+  const auto names = mesh.dim_names();
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+// Each dimension's communicators, each once. The gradients are averaged
+// over the sync's dense group (dp x ep x cp, a communicator of its own
+// where ep or cp is above 1) and the experts' over dp x cp: both are the
+// data-parallel reduction, so "dp" counts them with the "dp" group itself.
+// "cp" is ring attention's group (its K/V blocks, its agreement and the
+// sequence loss), "ep" the experts' all-to-all.
+TrafficDimensions mesh_dimensions(const DeviceMesh& mesh, const GradientSynchronizer& sync) {
+  auto once = [](std::vector<std::shared_ptr<Communicator>>& to,
+                 const std::shared_ptr<Communicator>& c) {
+    if (c && std::find(to.begin(), to.end(), c) == to.end()) to.push_back(c);
+  };
+  std::vector<std::shared_ptr<Communicator>> pp, dp;
+  once(pp, mesh["pp"].process_group());
+  once(pp, sync.embedding_group());
+  for (const auto& c :
+       {mesh["dp"].process_group(), sync.dense_group(), sync.expert_replica_group()}) {
+    once(dp, c);
+  }
+  TrafficDimensions dims{{"tp", {mesh["tp"].process_group()}}, {"pp", pp}, {"dp", dp}};
+  for (const char* name : {"ep", "cp"}) {
+    if (mesh_has(mesh, name)) dims.push_back({name, {mesh[name].process_group()}});
+  }
+  return dims;
+}
+
 }  // namespace
 
 std::shared_ptr<Communicator> TrainerWiring::tensor_parallel_group(const std::string& who) const {
@@ -264,17 +294,13 @@ void TrainerWiring::set_pipeline_layout(pipeline::PipelineRuntime& runtime,
 TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
                                   torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
                                   dcp::TiedNames tied) {
-  const auto pp_group = mesh["pp"].process_group(), tp_group = mesh["tp"].process_group(),
-             dp_group = mesh["dp"].process_group();
-  if (runtime.process_group() != pp_group) {
+  if (runtime.process_group() != mesh["pp"].process_group()) {
     throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh.rank()) +
                           ": the pipeline runtime must run over the mesh's PP group");
   }
-  std::vector<std::shared_ptr<Communicator>> pp = {pp_group};
-  if (sync.embedding_group()) pp.push_back(sync.embedding_group());
-  std::vector<std::shared_ptr<Communicator>> more = pp;
-  more.push_back(tp_group);
-  more.push_back(dp_group);
+  const auto dims = mesh_dimensions(mesh, sync);
+  std::vector<std::shared_ptr<Communicator>> more;
+  for (const auto& [name, groups] : dims) more.insert(more.end(), groups.begin(), groups.end());
   TrainerWiring wiring(mesh.process_group(), stages_module(runtime),
                        std::make_unique<TorchOptimizer>(optimizer),
                        std::make_unique<MeshGradientSync>(sync), more);
@@ -293,13 +319,12 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
                                              copy ? sync.shared_embedding() : torch::Tensor());
   // The cp ranks share their samples (each holds part of every sequence),
   // which fit() checks by the samples' indices.
-  const auto names = mesh.dim_names();
-  const bool has_cp = std::find(names.begin(), names.end(), "cp") != names.end();
+  const bool has_cp = mesh_has(mesh, "cp");
   std::vector<std::shared_ptr<Communicator>> cp_groups;
   if (has_cp) cp_groups.push_back(mesh["cp"].process_group());
   wiring.layout_ = std::make_unique<PipelineLayout>(
-      runtime, std::move(norm), stages * mesh.size("tp") * (has_cp ? mesh.size("cp") : 1),
-      TrafficDimensions{{"tp", {tp_group}}, {"pp", pp}, {"dp", {dp_group}}}, std::move(cp_groups));
+      runtime, std::move(norm), stages * mesh.size("tp") * (has_cp ? mesh.size("cp") : 1), dims,
+      std::move(cp_groups));
   // The unsplit model's names when every stage is a module (the checkpoint
   // then resumes at any tp x pp x dp); the stages' own names otherwise.
   auto unsplit = unsplit_stages(runtime, mesh.rank());

@@ -188,6 +188,8 @@ class TrainerWiring : public TrainingPlan {
   /// stages' names (as pipeline()'s), so they resume with the same stages only. With a "cp"
   /// dimension above 1, fit() needs a data source that gives its sample indices
   /// (DataSource::sample_indices), by which it checks that each cp group read the same samples.
+  /// The step's bytes per dimension: "tp", "pp" (with the embedding group), "dp" (the sync's
+  /// gradient average, over dp x ep x cp), and "ep" and "cp" where the mesh has them.
   /// InvalidArgument when the runtime's group is not the mesh's PP group, or two stage modules
   /// name a layer alike.
   static TrainerWiring mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
