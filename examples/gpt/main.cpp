@@ -314,8 +314,9 @@ void summarize(const Flags& f, const std::vector<cohort::StepMetrics>& steps, do
     const auto n = static_cast<double>(steps.size());
     std::printf("tokens/s: %.0f (%zu steps in %.1f s, evaluation included)\n",
                 n * static_cast<double>(f.batch_size * f.seq_len) / seconds, steps.size(), seconds);
-    std::printf("sent by rank 0 per step: TP %.0f, PP %.0f, DP %.0f bytes\n", bytes["tp"] / n,
-                bytes["pp"] / n, bytes["dp"] / n);
+    std::printf("sent by rank 0 per step: TP %.0f, PP %.0f, DP %.0f, EP %.0f, CP %.0f bytes\n",
+                bytes["tp"] / n, bytes["pp"] / n, bytes["dp"] / n, bytes["ep"] / n,
+                bytes["cp"] / n);
     std::printf("final train loss %.17g at step %lld\n", steps.back().loss,
                 static_cast<long long>(steps.back().step));
   }
