@@ -122,6 +122,24 @@ struct AuxLossGradient : torch::autograd::Function<AuxLossGradient> {
   }
 };
 
+// GCC 14 at -O2 warns (-Warray-bounds, -Wstringop-overflow) inside
+// LibTorch's Function::apply, where it reserves the std::vector<bool> of
+// which inputs are tensors: a false positive of its vector<bool> analysis
+// on LibTorch's code, not this file's.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+torch::Tensor pass_aux_loss_gradient(const torch::Tensor& h, const torch::Tensor& aux,
+                                     const torch::Tensor& scale) {
+  return AuxLossGradient::apply(h, aux, scale);
+}
+
+torch::Tensor tap_loss_gradient(const torch::Tensor& loss, const torch::Tensor& aux_value,
+                                const torch::Tensor& scale) {
+  return LossGradientTap::apply(loss, aux_value, scale);
+}
+#pragma GCC diagnostic pop
+
 }  // namespace
 
 class TransformerBlockImpl : public torch::nn::Module {
@@ -311,7 +329,7 @@ torch::Tensor GPTStageImpl::forward_chunk(int k, const torch::Tensor& input) {
     if (!config_.checkpoint_activations) {
       h = block->forward(h);
       if (!block->moe.is_empty() && block->moe->aux_loss().defined()) {
-        h = AuxLossGradient::apply(h, block->moe->aux_loss(), aux_scale_);
+        h = pass_aux_loss_gradient(h, block->moe->aux_loss(), aux_scale_);
       }
       continue;
     }
@@ -377,7 +395,7 @@ torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tenso
   if (!aux_scale_.defined()) aux_scale_ = torch::zeros({}, loss.options().requires_grad(false));
   // The value of every MoE's auxiliary loss; their gradients come from the
   // blocks (AuxLossGradient).
-  return LossGradientTap::apply(loss, aux_loss().detach(), aux_scale_);
+  return tap_loss_gradient(loss, aux_loss().detach(), aux_scale_);
 }
 
 torch::Tensor GPTStageImpl::aux_loss() const {

@@ -85,9 +85,10 @@ Gradients pipelined(const Case& k) {
     auto mesh = init_device_mesh(world, {1, k.dp, 1}, {"pp", "dp", "tp"});
     const auto c = config(k.v, k.layers);
     GPTStage stage(mesh, c);
-    GradientSynchronizerOptions options;
+    cohort::GradientSynchronizerOptions options;
     options.expert_parameters = stage->expert_parameters();
-    GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight(), options);
+    cohort::GradientSynchronizer sync(mesh, stage.ptr(), {}, stage->shared_embedding_weight(),
+                                      options);
     auto rt = make_gpt_pipeline(mesh, stage, "interleaved", kMicro);
     auto [ids, targets] = batch(c);
     const int64_t rows = kBatch / k.dp, d = mesh.local_rank("dp");
