@@ -16,7 +16,6 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -162,15 +161,11 @@ TEST_P(DdpUnfrozen, ReducesTheParametersThatRequireGradAtEachForward) {
   // The weight unfrozen late moved while it was trainable.
   ASSERT_GT((want[kLate] - d.init[kLate]).abs().max().item<double>(), 1e-3);
   for (const auto& mode : modes()) {
-    std::mutex mu;
-    std::map<int, Trained> got;
-    run_ranks_shared(
+    auto got = results_of_ranks<Trained>(
         c.world,
         [&](std::shared_ptr<Communicator> comm) {
           torch::set_num_threads(1);
-          auto t = train(d, mode, comm);
-          std::lock_guard<std::mutex> lock(mu);
-          got[comm->rank()] = std::move(t);
+          return train(d, mode, comm);
         },
         options_for(c));
     ASSERT_EQ(got.size(), static_cast<size_t>(c.world)) << mode.name;

@@ -91,15 +91,11 @@ TEST_P(ZeroDdpStepException, TrainingGoesOnAfterAStepThatThrew) {
   const auto want = reference_skipping(b, kFailStep);
   for (bool zero_grad_first : {true, false}) {
     SCOPED_TRACE(zero_grad_first ? "zero_grad() before each step" : "zero_grad() after each step");
-    std::mutex mu;
-    std::map<int, Trained> got;
-    run_ranks_shared(
+    auto got = results_of_ranks<Trained>(
         c.world,
         [&](std::shared_ptr<Communicator> comm) {
           torch::set_num_threads(1);
-          auto run = train(comm, b, zero_grad_first);
-          std::lock_guard<std::mutex> lock(mu);
-          got[comm->rank()] = std::move(run);
+          return train(comm, b, zero_grad_first);
         },
         options_for(c));
     ASSERT_EQ(got.size(), static_cast<size_t>(c.world));

@@ -16,7 +16,6 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -119,15 +118,11 @@ TEST_P(ZeroDdpUnfrozen, AParameterFrozenWhenDdpWasBuiltTrainsOnceUnfrozen) {
   // a.weight moved while it was trainable.
   ASSERT_GT((want[0] - pb.init[0]).abs().max().item<double>(), 1e-3);
   for (const int stage : {1, 2}) {
-    std::mutex mu;
-    std::map<int, Trained> got;
-    run_ranks_shared(
+    auto got = results_of_ranks<Trained>(
         c.world,
         [&](std::shared_ptr<Communicator> comm) {
           torch::set_num_threads(1);
-          auto t = train(pb, stage, comm);
-          std::lock_guard<std::mutex> lock(mu);
-          got[comm->rank()] = std::move(t);
+          return train(pb, stage, comm);
         },
         options_for(c));
     ASSERT_EQ(got.size(), static_cast<size_t>(c.world));

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "cohort/cohort.h"
@@ -42,5 +44,25 @@ void run_ranks(int size, const std::function<void(Communicator&)>& fn,
 // body that drops its copy closes the connections only when it returns.
 void run_ranks_shared(int size, const std::function<void(std::shared_ptr<Communicator>)>& fn,
                       const ThreadRanksOptions& options = {});
+
+// Runs fn on every rank as run_ranks_shared does and returns each rank's
+// result, by rank, for checks after the call (so under
+// COHORT_TEST_RANKS=processes it holds this process's rank alone).
+template <class T>
+std::map<int, T> results_of_ranks(int size,
+                                  const std::function<T(std::shared_ptr<Communicator>)>& fn,
+                                  const ThreadRanksOptions& options = {}) {
+  std::mutex mu;
+  std::map<int, T> out;
+  run_ranks_shared(
+      size,
+      [&](std::shared_ptr<Communicator> comm) {
+        T result = fn(comm);
+        std::lock_guard<std::mutex> lock(mu);
+        out.insert_or_assign(comm->rank(), std::move(result));
+      },
+      options);
+  return out;
+}
 
 }  // namespace cohort::testing
