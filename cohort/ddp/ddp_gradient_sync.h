@@ -21,13 +21,31 @@ template <typename ModuleHolder>
 class DDPGradientSync : public GradientSync {
  public:
   /// Syncs through `ddp`, which must outlive it.
-  explicit DDPGradientSync(DistributedDataParallel<ModuleHolder>& ddp) : ddp_(ddp) {}
+  explicit DDPGradientSync(DistributedDataParallel<ModuleHolder>& ddp)
+      : ddp_(ddp), reduced_(ddp.stats().iterations) {}
 
   std::shared_ptr<void> skip_sync() override {
     return std::make_shared<NoSyncGuard>(ddp_.no_sync());
   }
-  /// DDP's backward already left averaged gradients on every rank.
-  void finish_sync() override {}
+  /// DDP's backward already left averaged gradients on every rank; that it
+  /// ran is checked: a loss that calls the wrapped module (not DDP's
+  /// forward), or a DDP of SyncStrategy::NoSync, reduces nothing, and each
+  /// rank would clip and step by its own gradients. InvalidArgument, naming
+  /// the rank; the same loss does the same on every rank.
+  void finish_sync() override {
+    const int64_t reduced = ddp_.stats().iterations;
+    if (reduced == reduced_) {
+      const auto& comm = *ddp_.reducer().process_group();
+      throw InvalidArgument(
+          "Trainer over DistributedDataParallel on rank " + std::to_string(comm.rank()) + " of " +
+          std::to_string(comm.size()) +
+          ": DDP reduced no gradients in this step (the final micro-batch's forward did not run "
+          "through DDP, or its strategy is SyncStrategy::NoSync), so each rank would step by its "
+          "own gradients. Call the DistributedDataParallel module in the LossFn, not the module "
+          "it wraps, and use SyncStrategy::Overlapped or Synchronous");
+    }
+    reduced_ = reduced;
+  }
   double comm_seconds() const override { return ddp_.stats().total_comm_seconds; }
   /// A stateful comm hook (a compressor with error feedback) is saved per
   /// rank with the checkpoint.
@@ -75,6 +93,7 @@ class DDPGradientSync : public GradientSync {
   }
 
   DistributedDataParallel<ModuleHolder>& ddp_;
+  int64_t reduced_;  // DDP's reduced iterations at the last finish_sync()
 };
 
 }  // namespace cohort
