@@ -21,7 +21,13 @@ class DataSource {
   /// Micro-batches this rank has in the current epoch; must be the same on
   /// every rank (all ranks step together; Trainer::fit checks it).
   virtual int64_t num_batches() const = 0;
-  /// Micro-batch `index` (0 <= index < num_batches()) of the current epoch.
+  /// Micro-batch `index` (0 <= index < num_batches()) of the current epoch. May be called more
+  /// than once for the same index: fit() also reads micro-batch 0 outside the training order (to
+  /// check that the ranks that must draw the same samples do, and on resume without a global
+  /// order to count the global batch), so it must give the same samples each time. Draws from
+  /// LibTorch's default generators in those reads are undone (DefaultRngStatesKept), so
+  /// augmentation drawn from them continues as in an uninterrupted run; a generator of the
+  /// source's own that batch() advances is not: seed such a one from (epoch, index).
   virtual torch::data::Example<> batch(int64_t index) = 0;
   /// g > 0 when the epoch has one global sample order that does not depend on the world size and
   /// micro-batch `index` of all ranks together is its samples [index * g, (index + 1) * g): then

@@ -2,7 +2,9 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <torch/cuda.h>
 
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -56,6 +58,29 @@ void seed_device_rng(const torch::Device& device, uint64_t seed) {
   auto gen = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_current_seed(seed);
+}
+
+DefaultRngStatesKept::DefaultRngStatesKept() : cpu_(cpu_rng_state()) {
+  if (!torch::cuda::is_available()) return;
+  const auto devices = static_cast<int>(torch::cuda::device_count());
+  for (int i = 0; i < devices; ++i) {
+    cuda_.push_back(
+        device_rng_state(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(i))));
+  }
+}
+
+DefaultRngStatesKept::~DefaultRngStatesKept() {
+  // Setting a state the generator gave moments ago does not fail; were it
+  // to, a destructor must not throw: the stream would go on shifted, said.
+  try {
+    set_cpu_rng_state(cpu_);
+    for (size_t i = 0; i < cuda_.size(); ++i) {
+      set_device_rng_state(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(i)), cuda_[i]);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cohort: the default generators' states were not restored: %s\n",
+                 e.what());
+  }
 }
 
 namespace {

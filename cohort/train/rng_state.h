@@ -1,7 +1,9 @@
 // defines: cpu_rng_state / set_cpu_rng_state, the state of LibTorch's
 // default CPU generator (dropout, randn, ...) as a uint8 tensor, so that a
 // resumed run draws the same numbers as an uninterrupted one; RngStreams,
-// the random streams a model keeps of its own, and their checkpoint form.
+// the random streams a model keeps of its own, and their checkpoint form;
+// DefaultRngStatesKept, which undoes a read's draws from the default
+// generators.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -31,6 +33,26 @@ void seed_device_rng(const torch::Device& device, uint64_t seed);
 /// checkpoint's states before it loads anything, and sets them only once
 /// the load succeeded.
 void check_device_rng_state(const torch::Device& device, const torch::Tensor& state);
+
+/// While it lives, draws from LibTorch's default generators are undone on
+/// its destruction: the CPU generator's state and, where CUDA is available,
+/// every CUDA device's are restored to what they were at its construction.
+/// The Trainer reads a micro-batch outside the training order (to check
+/// the ranks' samples, to count the global batch) under one, so that a
+/// DataSource augmenting from the default generators draws the same numbers
+/// in the steps whether or not such reads happened (a resumed run makes
+/// reads the uninterrupted one does not).
+class DefaultRngStatesKept {
+ public:
+  DefaultRngStatesKept();
+  ~DefaultRngStatesKept();
+  DefaultRngStatesKept(const DefaultRngStatesKept&) = delete;
+  DefaultRngStatesKept& operator=(const DefaultRngStatesKept&) = delete;
+
+ private:
+  torch::Tensor cpu_;
+  std::vector<torch::Tensor> cuda_;  // per CUDA device, in index order
+};
 
 /// Random streams of a model's own: explicit generators that a module of
 /// the model draws from instead of LibTorch's default ones

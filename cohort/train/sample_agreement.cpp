@@ -9,6 +9,7 @@
 
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/train/rng_state.h"
 
 namespace cohort {
 namespace {
@@ -170,6 +171,10 @@ std::vector<int64_t> words_of(const Communicator& world, DataSource& data) {
   // number) has nothing to name.
   mine[kIndexed] = 1;
   if (data.num_batches() == 0) return mine;
+  // Read outside the training order, at every epoch's start and once more
+  // on resume: its draws from the default generators (augmentation) are
+  // undone, so that the steps draw the same numbers either way.
+  DefaultRngStatesKept kept;
   // Targets, not inputs, in every group: across a pipeline only stage 0
   // reads the inputs, which may be augmented per rank.
   const auto first = data.batch(0);
@@ -226,7 +231,10 @@ void refuse_together(Communicator& world, const Finding& finding, const Names& n
 void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSource& data,
                       int64_t epoch) {
   const auto groups = layout.same_samples_groups();
-  if (groups.empty()) return;
+  // Groups of one rank (a pipeline of one stage) have nothing to compare.
+  if (std::all_of(groups.begin(), groups.end(), [](const auto& g) { return g->size() == 1; })) {
+    return;
+  }
   const auto inputs_groups = layout.same_inputs_groups();
   const auto split_groups = layout.sequence_split_groups();
   const auto mine = words_of(world, data);

@@ -8,6 +8,7 @@
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
 #include "cohort/train/progress.h"
+#include "cohort/train/rng_state.h"
 #include "cohort/train/sample_agreement.h"
 
 namespace cohort {
@@ -360,8 +361,13 @@ int64_t Trainer::global_batch_of(DataSource& data) {
   const int64_t k = config_.accumulation_steps;
   if (data.global_micro_batch() > 0) return data.global_micro_batch() * k;
   // No global order: the ranks' first micro-batches of the epoch, as a step
-  // would count them.
-  const double mine = data.num_batches() > 0 ? static_cast<double>(data.batch(0).data.size(0)) : 0;
+  // would count them. A read outside the training order: its draws from the
+  // default generators are undone, as the uninterrupted run never made it.
+  double mine = 0;
+  if (data.num_batches() > 0) {
+    DefaultRngStatesKept kept;
+    mine = static_cast<double>(data.batch(0).data.size(0));
+  }
   auto total = torch::tensor({mine}, torch::kFloat64);
   comm_.all_reduce(total, {ReduceOp::Sum}).wait();
   return static_cast<int64_t>(total.item<double>()) / layout_.ranks_per_sample() * k;
