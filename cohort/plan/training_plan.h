@@ -82,6 +82,11 @@ class TrainingPlan {
   const std::function<double(double)>& canonical_clip() const { return canonical_clip_; }
   /// What the plan trains with ("DDP", "FSDP", "a pipeline", ...), for messages.
   const std::string& mode() const { return mode_; }
+  /// Whether the plan makes every rank's buffers (BatchNorm's running statistics) rank 0's
+  /// before each training forward: DDP with DDPOptions::broadcast_buffers (alone or under a
+  /// ZeRO), FSDP. Elsewhere each rank keeps the buffers its own batches gave it, and a
+  /// checkpoint saves each rank's.
+  bool broadcasts_buffers() const { return broadcasts_buffers_; }
 
  private:
   friend class TrainerWiring;  // its factories are the only way to make a plan
@@ -120,6 +125,7 @@ class TrainingPlan {
   int64_t local_leaves_ = 1;                            ///< local_leaves()
   std::function<double(double)> canonical_clip_;        ///< canonical_clip()
   std::string mode_;                                    ///< mode()
+  bool broadcasts_buffers_ = false;                     ///< broadcasts_buffers()
 };
 
 }  // namespace cohort

@@ -56,8 +56,8 @@ std::vector<std::string> out_of_range_names(const std::string& dir) {
 
 }  // namespace
 
-CheckpointDir::CheckpointDir(std::string dir, int keep_last)
-    : dir_(std::move(dir)), keep_last_(keep_last) {
+CheckpointDir::CheckpointDir(std::string dir, int keep_last, Check whole)
+    : dir_(std::move(dir)), keep_last_(keep_last), whole_(std::move(whole)) {
   if (keep_last_ < 1) {
     throw InvalidArgument("CheckpointDir: keep_last must be at least 1, got " +
                           std::to_string(keep_last_));
@@ -67,16 +67,17 @@ CheckpointDir::CheckpointDir(std::string dir, int keep_last)
   if (ec) throw Error("checkpoint folder " + dir_ + ": cannot create: " + ec.message());
 }
 
-std::string CheckpointDir::path_for(int64_t step) const {
+std::string CheckpointDir::path_in(const std::string& dir, int64_t step) {
   char name[64];
   std::snprintf(name, sizeof(name), "%s%010lld%s", kPrefix, static_cast<long long>(step), kSuffix);
-  return (fs::path(dir_) / name).string();
+  return (fs::path(dir) / name).string();
 }
 
 bool CheckpointDir::verifies(int64_t step) const {
   if (verified_.count(step)) return true;
   try {
-    read_checkpoint_file(path_for(step));
+    const auto payload = read_checkpoint_file(path_for(step));
+    if (whole_) whole_(step, payload);
   } catch (const CheckpointError&) {
     return false;
   }
@@ -87,9 +88,9 @@ bool CheckpointDir::verifies(int64_t step) const {
 void CheckpointDir::write(int64_t step, const std::string& payload) const {
   write_checkpoint_file(path_for(step), payload);
   verified_.insert(step);
-  // Keep the step just written and the newest others that verify, keep_last
-  // in all. Files that do not verify count for nothing and are left alone:
-  // counting them could rotate out the only good checkpoint.
+  // Keep the step just written and the newest others that verify and are
+  // whole, keep_last in all. Those that are not count for nothing and are
+  // left alone: counting them could rotate out the only good checkpoint.
   int kept = 1;
   for (int64_t other : steps()) {
     if (other == step || !verifies(other)) continue;
@@ -127,6 +128,7 @@ CheckpointDir::Loaded CheckpointDir::load_latest(const Check& check, int64_t bel
     if (step >= below) continue;
     try {
       loaded.payload = read_checkpoint_file(path_for(step));
+      if (whole_) whole_(step, loaded.payload);
       if (check) check(step, loaded.payload);
       loaded.step = step;
       loaded.found = true;

@@ -9,14 +9,17 @@
 #include "cohort/dcp/checkpoint_file.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/dcp.h"
+#include "cohort/train/training_state.h"
 
 namespace cohort {
 namespace fs = std::filesystem;
 namespace {
 constexpr const char* kFolderSuffix = ".dcp";
 constexpr const char* kSyncPrefix = "sync.rank";
+constexpr const char* kBuffersPrefix = "buffers.rank";
 
 std::string sync_prefix(int rank) { return kSyncPrefix + std::to_string(rank) + "."; }
+std::string buffers_prefix(int rank) { return kBuffersPrefix + std::to_string(rank) + "."; }
 
 // A tensor only this rank holds, whole, and writes.
 dcp::TensorEntry own_entry(const std::string& fqn, const torch::Tensor& data) {
@@ -46,6 +49,13 @@ void verify_dcp_folder(const std::string& folder) {
                             " bytes, the metadata says " + std::to_string(f.bytes));
     }
   }
+}
+
+CheckpointDir::Check dcp_folder_check(std::string dir) {
+  return [dir = std::move(dir)](int64_t step, const std::string& payload) {
+    const auto path = CheckpointDir::path_in(dir, step);
+    if (training_state_in_dcp(payload, path)) verify_dcp_folder(dcp_folder(path));
+  };
 }
 
 void check_state_covers_model(const dcp::Metadata& meta, const dcp::StateDict& state,
@@ -85,6 +95,40 @@ void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, in
     e.replicated = false;
     if (rank != 0) e.shards.clear();
   }
+}
+
+void add_rank_buffers(dcp::StateDict& state, const torch::nn::Module& model, int rank) {
+  for (const auto& b : model.named_buffers()) {
+    // A copy: the next forward changes the buffers while an async save writes.
+    state.tensors.push_back(
+        own_entry(buffers_prefix(rank) + b.key(), b.value().detach().cpu().clone()));
+  }
+}
+
+void add_rank_buffer_targets(dcp::StateDict& state, const dcp::Metadata& meta,
+                             torch::nn::Module& model, int rank) {
+  const auto prefix = buffers_prefix(rank);
+  std::map<std::string, const dcp::TensorMeta*> saved;
+  for (const auto& t : meta.tensors) {
+    if (t.fqn.rfind(prefix, 0) == 0) saved[t.fqn.substr(prefix.size())] = &t;
+  }
+  auto loaded = std::make_shared<std::vector<std::pair<torch::Tensor, torch::Tensor>>>();
+  for (const auto& b : model.named_buffers()) {
+    const auto it = saved.find(b.key());
+    // Another model's buffer of that name (another stage of a pipeline cut
+    // otherwise) keeps the model's entry.
+    if (it == saved.end() || it->second->shape != b.value().sizes().vec() ||
+        it->second->dtype != b.value().scalar_type()) {
+      continue;
+    }
+    auto target = torch::empty(it->second->shape, torch::TensorOptions().dtype(it->second->dtype));
+    loaded->emplace_back(b.value(), target);
+    state.tensors.push_back(own_entry(it->second->fqn, target));
+  }
+  state.after_load.push_back([loaded] {
+    torch::NoGradGuard no_grad;
+    for (auto& [buffer, value] : *loaded) buffer.copy_(value);
+  });
 }
 
 void add_sync_state(dcp::StateDict& state, const std::map<std::string, torch::Tensor>& sync,

@@ -36,6 +36,12 @@ std::string dcp_folder(const std::string& checkpoint_path);
 /// another size (data checksums are verified by dcp::load).
 void verify_dcp_folder(const std::string& folder);
 
+/// The `whole` check of a CheckpointDir over `dir`: a checkpoint whose file
+/// says its state is in its dcp folder needs that folder to verify
+/// (verify_dcp_folder), for the rotation to count it and for a resume to
+/// choose it.
+CheckpointDir::Check dcp_folder_check(std::string dir);
+
 /// Before loading (collective over `comm`): throws CheckpointError on every
 /// rank, naming `folder` and a tensor, when the checkpoint `meta` holds a
 /// model tensor that no rank's `state` asks for. dcp::load alone fills what
@@ -45,9 +51,22 @@ void check_state_covers_model(const dcp::Metadata& meta, const dcp::StateDict& s
                               Communicator& comm, const std::string& folder);
 
 /// For saving: `model`'s buffers (BatchNorm statistics, which each rank
-/// updates from its own batch and rank 0 broadcasts before the next
-/// forward) are saved from rank 0, not from whichever rank dcp picks.
+/// updates from its own batch) are saved from rank 0, not from whichever
+/// rank dcp picks: what a resume at another world size gives every rank.
 void save_buffers_from_rank0(dcp::StateDict& state, torch::nn::Module& model, int rank);
+
+/// For saving under a plan that does not broadcast buffers
+/// (TrainingPlan::broadcasts_buffers): copies of rank `rank`'s buffers of
+/// `model` as tensors of its own, "buffers.rank<rank>.<name>", which only
+/// this rank holds and writes.
+void add_rank_buffers(dcp::StateDict& state, const torch::nn::Module& model, int rank);
+
+/// For loading at the world size that wrote them: a target for each buffer
+/// of `model` whose "buffers.rank<rank>." copy `meta` holds with the same
+/// shape and dtype, and an after_load step that copies them into the
+/// buffers, over the model's entries (rank 0's) loaded before it.
+void add_rank_buffer_targets(dcp::StateDict& state, const dcp::Metadata& meta,
+                             torch::nn::Module& model, int rank);
 
 /// Adds rank `rank`'s gradient-sync state (a compressor's error feedback)
 /// to `state` as tensors of its own, "sync.rank<rank>.<name>", which only

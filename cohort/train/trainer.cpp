@@ -7,6 +7,7 @@
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
+#include "cohort/train/dcp_checkpoint.h"
 #include "cohort/train/progress.h"
 #include "cohort/train/rng_state.h"
 #include "cohort/train/sample_agreement.h"
@@ -84,7 +85,8 @@ Trainer::Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
       throw InvalidArgument("Trainer on rank " + std::to_string(comm_.rank()) +
                             ": checkpoint_dir with " + plan_.mode() + ": " + why);
     }
-    checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last);
+    checkpoints_.emplace(config_.checkpoint_dir, config_.keep_last,
+                         dcp_folder_check(config_.checkpoint_dir));
   }
 }
 
@@ -335,7 +337,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   }
   progress.finish();
   if (last_checkpoint_step_ != position_.step) save_checkpoint();
-  finish_pending_checkpoint();
+  finish_checkpoint();
   return out;
 }
 

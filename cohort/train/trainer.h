@@ -86,9 +86,12 @@ struct TrainerOptions {
   /// and backward (the step waits for it before the optimizer step), the
   /// files are written in the background, and the checkpoint is committed
   /// (its folder's .metadata, then rank 0's file) at the next save, at the
-  /// end of fit() or at resume(), where a failed write throws on every rank.
-  /// A crash before that leaves the previous checkpoint the newest. Other
-  /// state is saved as before (blocking).
+  /// end of fit(), at resume() or at Trainer::finish_checkpoint(), where a
+  /// failed write throws on every rank. A crash before that leaves the
+  /// previous checkpoint the newest. Other state is saved as before
+  /// (blocking). A loop of train_step() and save_checkpoint() calls
+  /// finish_checkpoint() after its last save: a Trainer destroyed with a
+  /// save pending has not committed it (it says so on stderr).
   bool async_checkpoint = false;
   /// Checkpoints kept on disk (older ones are deleted).
   int keep_last = 3;
@@ -161,6 +164,11 @@ class Trainer {
   /// number of micro-batches; norm: nullptr means ShardedGradNorm over the pipeline group.
   Trainer(TrainingPlan plan, TrainerOptions config, std::shared_ptr<GradNorm> norm = nullptr);
 
+  /// A checkpoint still pending (async_checkpoint, not yet committed by
+  /// finish_checkpoint()) is not committed here, which would take
+  /// collectives: rank 0 says so on stderr, and resume() finds the one before.
+  ~Trainer();
+
   /// Loads the newest checkpoint that verifies from config.checkpoint_dir
   /// (collective). Newer ones that fail (a damaged file, or a damaged part
   /// that a rank meets while loading: a data file of its dcp folder) are
@@ -207,6 +215,14 @@ class Trainer {
   /// dcp_checkpoint.h).
   void save_checkpoint();
 
+  /// Collective: commits the checkpoint that save_checkpoint() left pending
+  /// under async_checkpoint (waits for every rank's files, then writes the
+  /// folder's .metadata and rank 0's file), or throws the failed write's
+  /// error on every rank; nothing when none is pending. fit() commits its
+  /// own at its end; a loop of train_step() and save_checkpoint() calls this
+  /// after its last save, as PyTorch waits on async_save's future.
+  void finish_checkpoint();
+
   /// Appends {"kind": "eval", "step", "epoch", **fields} to the metrics file.
   void log_eval(const nlohmann::json& fields);
 
@@ -247,7 +263,6 @@ class Trainer {
   /// Collective: rank 0 writes its file of `step` (`payload`: rank 0's);
   /// a failed write throws on every rank.
   void write_main_file(int64_t step, const std::string& payload);
-  void finish_pending_checkpoint();
 
   TrainingPlan plan_;
   Communicator& comm_;

@@ -134,7 +134,7 @@ void restore_rng_states(int rank, const torch::nn::Module& model, const DecodedS
 
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
-  finish_pending_checkpoint();
+  finish_checkpoint();
   // Every rank's RNG states go into rank 0's file: one file, one rename, so
   // a crash cannot leave some ranks' parts newer than others. Gathered
   // first, so that a refusal leaves no save started.
@@ -148,6 +148,9 @@ void Trainer::save_checkpoint() {
   layout_.before_checkpoint();
   auto state = plan_.dcp_state_dict(nullptr);
   save_buffers_from_rank0(state, *model_, comm_.rank());
+  // Without a broadcast before each forward, every rank's buffers are its
+  // own batches' statistics, which a resume at this world size gives back.
+  if (!plan_.broadcasts_buffers()) add_rank_buffers(state, *model_, comm_.rank());
   if (sync_.has_state()) add_sync_state(state, sync_.state(), comm_.rank());
   const auto folder = dcp_folder(checkpoints_->path_for(position_.step));
   if (config_.async_checkpoint) {
@@ -184,7 +187,17 @@ void Trainer::write_main_file(int64_t step, const std::string& payload) {
   dcp::agree(comm_, error);
 }
 
-void Trainer::finish_pending_checkpoint() {
+Trainer::~Trainer() {
+  // No collective here: the other ranks may be gone, or unwinding an error.
+  if (!pending_ || comm_.rank() != 0) return;
+  std::fprintf(stderr,
+               "cohort: Trainer destroyed with the async checkpoint of step %lld not committed: "
+               "resume() will not find it; call Trainer::finish_checkpoint() on every rank after "
+               "the last save_checkpoint()\n",
+               static_cast<long long>(pending_->step));
+}
+
+void Trainer::finish_checkpoint() {
   if (!pending_) return;
   auto pending = std::move(*pending_);
   pending_.reset();
@@ -196,7 +209,7 @@ void Trainer::finish_pending_checkpoint() {
 
 std::optional<int64_t> Trainer::resume() {
   if (!checkpoints_) return std::nullopt;
-  finish_pending_checkpoint();
+  finish_checkpoint();
   skipped_.clear();
   int64_t below = std::numeric_limits<int64_t>::max();
   for (;;) {
@@ -223,15 +236,11 @@ std::pair<int64_t, int64_t> Trainer::choose_checkpoint(int64_t below, std::strin
   // Rank 0 picks the newest checkpoint below `below` and tells the others,
   // so that all ranks load the same one even if they see the folder
   // differently. A checkpoint whose dcp folder is not whole (no .metadata,
-  // a missing data file) is skipped like a file that does not verify.
+  // a missing data file) is skipped like a file that does not verify
+  // (dcp_folder_check, the CheckpointDir's).
   auto chosen = torch::tensor({int64_t{-1}, int64_t{0}}, torch::kInt64);
   if (comm_.rank() == 0) {
-    auto loaded = checkpoints_->load_latest(
-        [&](int64_t step, const std::string& bytes) {
-          const auto path = checkpoints_->path_for(step);
-          if (training_state_in_dcp(bytes, path)) verify_dcp_folder(dcp_folder(path));
-        },
-        below);
+    auto loaded = checkpoints_->load_latest({}, below);
     for (const auto& why : loaded.skipped) {
       if (std::find(skipped_.begin(), skipped_.end(), why) != skipped_.end()) continue;
       skipped_.push_back(why);
@@ -343,6 +352,9 @@ void Trainer::load_dcp(const std::string& folder, int64_t old_world) {
         state, meta, comm_.rank(),
         [this](const std::map<std::string, torch::Tensor>& s) { sync_.check_state(s); },
         [this](const std::map<std::string, torch::Tensor>& s) { sync_.load_state(s); });
+  }
+  if (!plan_.broadcasts_buffers() && old_world == comm_.size()) {
+    add_rank_buffer_targets(state, meta, *model_, comm_.rank());
   }
   std::string misfit;
   try {

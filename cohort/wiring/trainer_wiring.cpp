@@ -372,6 +372,7 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
   std::shared_ptr<FullyShardImpl> root = model.ptr();
   wiring.set_dcp_state(root, optimizer);
   wiring.mode_ = "FSDP";
+  wiring.broadcasts_buffers_ = true;  // before each training forward
   wiring.set_leaves(model->options().determinism, model->options().leaves, model->local_leaves(),
                     [root](double max_norm) { return root->clip_grad_norm(max_norm); });
   return wiring;

@@ -54,6 +54,7 @@ class TrainerWiring : public TrainingPlan {
                          std::make_unique<DDPGradientSync<ModuleHolder>>(ddp));
     wiring.set_dcp_state(wiring.model_, optimizer);
     wiring.mode_ = "DDP";
+    wiring.broadcasts_buffers_ = ddp.reducer().options().broadcast_buffers;
     wiring.set_leaves(ddp.reducer().options().determinism, ddp.reducer().options().leaves,
                       ddp.local_leaves(), nullptr);
     wiring.set_tensor_parallel("TrainerWiring::ddp", nullptr);
@@ -76,6 +77,7 @@ class TrainerWiring : public TrainingPlan {
     wiring.refuse_tensor_parallel("TrainerWiring::ddp", zero_tp_refusal());
     wiring.set_dcp_state(wiring.model_, zero);
     wiring.mode_ = "ZeRO over DDP";
+    wiring.broadcasts_buffers_ = ddp.reducer().options().broadcast_buffers;
     // make(ddp, ...) checked that ZeRO has DDP's determinism and leaves.
     const auto& o = ddp.reducer().options();
     wiring.set_leaves(o.determinism, o.leaves, ddp.local_leaves(),
