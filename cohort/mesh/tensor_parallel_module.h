@@ -1,12 +1,17 @@
 // defines: TensorParallelModule, the interface through which a layer tells a
 // GradientSynchronizer (a layer below the tensor-parallel layers, which
 // cannot see their types) which of its parameters differ across the TP
-// ranks and which are whole on every rank but see sequence-split activations.
+// ranks and which are whole on every rank but see sequence-split activations;
+// and mark_tensor_parallel_split, with which such a layer marks its split
+// parameters for the modes that replicate them (DDP, ZeRO, FSDP and the
+// rest sit lower still, and see only tensors).
 #pragma once
 
 #include <torch/types.h>
 
 #include <vector>
+
+#include "cohort/comm/communicator.h"
 
 namespace cohort {
 
@@ -23,5 +28,16 @@ class TensorParallelModule {
   /// GradientSynchronizer over a stage holding the module sums them over TP.
   virtual std::vector<torch::Tensor> sequence_parallel_parameters() const { return {}; }
 };
+
+/// Marks each of `module.tensor_parallel_split_parameters()` as TP rank
+/// `tp_group.rank()`'s part of a tensor split over `tp_group` (nothing when
+/// the group is one rank). The modes that replicate parameters over a group
+/// (DDP, ZeRO, the fused optimizer, FSDP, the all-reduce sync) compare the
+/// marks over it at construction and refuse, on every rank, a group whose
+/// ranks hold different TP ranks' parts (one not orthogonal to the TP group,
+/// as the whole world of a dp x tp mesh): it would average or broadcast
+/// different parts of one tensor. A layer implementing TensorParallelModule
+/// calls it at the end of its constructor, as cohort's TP layers do.
+void mark_tensor_parallel_split(const TensorParallelModule& module, const Communicator& tp_group);
 
 }  // namespace cohort

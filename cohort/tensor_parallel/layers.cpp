@@ -63,6 +63,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const DeviceMesh& tp, int64_t
   if (o.bias) {
     bias = register_parameter("bias", split_along(b, 0, r, n, "ColumnParallelLinear").clone());
   }
+  mark_tensor_parallel_split(*this, *group_);
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
@@ -87,6 +88,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(const DeviceMesh& tp, int64_t in, i
   weight = register_parameter(
       "weight", split_along(w, 1, group_->rank(), group_->size(), "RowParallelLinear").clone());
   if (o.bias) bias = register_parameter("bias", b);
+  mark_tensor_parallel_split(*this, *group_);
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
@@ -127,6 +129,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const DeviceMesh& tp, int
   end_ = start_ + n / group_->size();
   auto w = master_embedding_weight(n, dim, o);
   weight = register_parameter("weight", w.narrow(0, start_, end_ - start_).clone());
+  mark_tensor_parallel_split(*this, *group_);
 }
 
 // The ids are the same on every TP rank, so each finds the same bad one
