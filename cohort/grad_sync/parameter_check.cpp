@@ -17,16 +17,22 @@ namespace {
 struct ParamSignature {
   int64_t dtype = 0;
   std::vector<int64_t> sizes;
+  TensorParallelPart tp;  // the part it holds of a tensor split over TP ({0, 1}: whole)
+  // The dtype and shape (the TP parts are compared apart).
   bool operator==(const ParamSignature& o) const { return dtype == o.dtype && sizes == o.sizes; }
 };
 
-// [refused, count, then per parameter: dtype, ndim, sizes...] as int64.
+// [refused, count, then per parameter: dtype, ndim, sizes..., TP rank, TP
+// size] as int64.
 std::vector<int64_t> encode(bool refused, const std::vector<torch::Tensor>& params) {
   std::vector<int64_t> out{refused ? 1 : 0, static_cast<int64_t>(params.size())};
   for (const auto& p : params) {
     out.push_back(static_cast<int64_t>(p.scalar_type()));
     out.push_back(p.dim());
     for (auto s : p.sizes()) out.push_back(s);
+    const auto tp = tensor_parallel_part(p);
+    out.push_back(tp.rank);
+    out.push_back(tp.size);
   }
   return out;
 }
@@ -40,6 +46,8 @@ std::vector<ParamSignature> decode(const std::vector<int64_t>& words) {
     const int64_t ndim = d[pos++];
     sig.sizes.assign(d + pos, d + pos + ndim);
     pos += ndim;
+    sig.tp.rank = d[pos++];
+    sig.tp.size = d[pos++];
   }
   return out;
 }
@@ -73,6 +81,29 @@ uint64_t values_digest(const torch::Tensor& t) {
   return fnv1a_words(digests, static_cast<uint64_t>(total));
 }
 
+// With the same parameters on every rank: InvalidArgument on every rank when
+// a parameter split over TP holds other TP ranks' parts on the ranks of
+// `comm`. Each rank names the first such parameter (the same on every rank)
+// and the first rank whose part differs from its own.
+void refuse_mixed_parts(const Communicator& comm,
+                        const std::vector<std::vector<ParamSignature>>& all,
+                        const std::vector<torch::Tensor>& params,
+                        const std::vector<std::string>& names, const std::string& who) {
+  const auto& mine = all[static_cast<size_t>(comm.rank())];
+  for (size_t i = 0; i < mine.size(); ++i) {
+    for (int r = 0; r < comm.size(); ++r) {
+      const auto& theirs = all[static_cast<size_t>(r)][i].tp;
+      if (theirs.rank == mine[i].tp.rank && theirs.size == mine[i].tp.size) continue;
+      const auto here = tensor_parallel_part(params[i]);
+      const std::string param =
+          i < names.size() ? "parameter '" + names[i] + "'" : "parameter " + std::to_string(i);
+      throw InvalidArgument(who + ": on rank " + std::to_string(comm.rank()) + " of " +
+                            std::to_string(comm.size()) + " (group " + comm.name() + "), " +
+                            tensor_parallel_part_refusal(param, here, r, theirs));
+    }
+  }
+}
+
 std::string hex(int64_t word) {
   char text[20];
   std::snprintf(text, sizeof text, "%016llx",
@@ -81,6 +112,33 @@ std::string hex(int64_t word) {
 }
 
 }  // namespace
+
+std::vector<int64_t> tensor_parallel_words(const std::vector<torch::Tensor>& params) {
+  std::vector<int64_t> out;
+  for (const auto& p : params) {
+    const auto tp = tensor_parallel_part(p);
+    out.push_back(tp.rank);
+    out.push_back(tp.size);
+  }
+  return out;
+}
+
+void refuse_mixed_tensor_parallel_parts(Communicator& comm,
+                                        const std::vector<torch::Tensor>& params,
+                                        const std::vector<std::string>& names,
+                                        const std::string& who) {
+  const RankWords each = gather_words(comm, tensor_parallel_words(params));
+  std::vector<std::vector<ParamSignature>> signatures;
+  for (int r = 0; r < each.ranks(); ++r) {
+    std::vector<ParamSignature> sigs(params.size());
+    for (size_t i = 0; i < sigs.size(); ++i) {
+      sigs[i].tp.rank = each.of(r)[2 * i];
+      sigs[i].tp.size = each.of(r)[2 * i + 1];
+    }
+    signatures.push_back(std::move(sigs));
+  }
+  refuse_mixed_parts(comm, signatures, params, names, who);
+}
 
 void verify_same_values(Communicator& comm, const std::vector<torch::Tensor>& params,
                         const std::vector<std::string>& names, const std::string& who,
@@ -136,6 +194,26 @@ void verify_not_rank_local(Communicator& comm, const std::vector<torch::Tensor>&
   }
 }
 
+void verify_same_tensor_parallel_parts(Communicator& comm, const std::vector<torch::Tensor>& params,
+                                       const std::vector<std::string>& names,
+                                       const std::string& who) {
+  if (comm.size() == 1) return;
+  // The parts travel as a digest; per parameter only when they differ, to
+  // name the parameter (every rank sees the difference).
+  const RankWords all =
+      gather_words(comm, {static_cast<int64_t>(params.size()),
+                          static_cast<int64_t>(fnv1a_words(tensor_parallel_words(params)))});
+  if (all.same()) return;
+  const auto counts = all.values([](const int64_t* w) { return std::to_string(w[0]); });
+  if (!all_same(counts)) {
+    throw MismatchError(
+        who + ": on rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) +
+        " (group " + comm.name() +
+        "), the ranks hold different numbers of parameters: " + name_groups(counts));
+  }
+  refuse_mixed_tensor_parallel_parts(comm, params, names, who);
+}
+
 void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>& params,
                             const std::vector<std::string>& names, const std::string& who,
                             std::exception_ptr refusal) {
@@ -167,9 +245,11 @@ void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>
        << "goes on";
     throw InvalidArgument(os.str());
   }
-  const auto reference = decode(all[0]);
+  std::vector<std::vector<ParamSignature>> signatures;
+  for (const auto& words : all) signatures.push_back(decode(words));
+  const auto& reference = signatures[0];
   for (int r = 1; r < n; ++r) {
-    const auto other = decode(all[r]);
+    const auto& other = signatures[r];
     const size_t common = std::min(reference.size(), other.size());
     std::ostringstream os;
     os << who << ": on rank " << comm.rank() << " of " << n << " (group " << comm.name()
@@ -190,6 +270,7 @@ void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>
       throw MismatchError(os.str());
     }
   }
+  refuse_mixed_parts(comm, signatures, params, names, who);
 }
 
 }  // namespace cohort

@@ -2,7 +2,8 @@
 // and the fused optimizer that every rank holds the same parameters (count,
 // dtypes, shapes, order) and that none is one rank's part of a split tensor,
 // and verify_same_values, ZeRO's and the fused optimizer's check that they
-// start from the same values.
+// start from the same values. Both construction checks also refuse a group
+// whose ranks hold different tensor-parallel ranks' parts of a parameter.
 //
 // Without them a mismatch shows up much later as a hang or as garbage: the
 // buckets (or the flat partition) would differ in size across ranks, or
@@ -23,7 +24,12 @@ namespace cohort {
 /// Collective. Throws MismatchError on every rank naming `who` (the class
 /// that checks), the first parameter that differs from rank 0's (its index
 /// and, where `names` has it, this rank's name for it), the dtypes and
-/// shapes, and the two ranks. `names` may be empty. A rank that cannot go
+/// shapes, and the two ranks. With the same shapes everywhere, throws
+/// InvalidArgument on every rank when a parameter split over TP holds other
+/// TP ranks' parts on the ranks of `comm` (core/rank_local.h): a group that
+/// crosses the TP group, whose broadcast and average would mix the parts
+/// (as refuse_mixed_tensor_parallel_parts; the parts travel with the shapes,
+/// no other collective). `names` may be empty. A rank that cannot go
 /// on passes its error as `refusal`: first, on every rank (at world size 1
 /// too), that rank rethrows it and the others throw InvalidArgument naming
 /// it, so that no rank is left waiting in the caller's next collective. A
@@ -43,6 +49,33 @@ void verify_same_parameters(Communicator& comm, const std::vector<torch::Tensor>
 /// others the refusing ranks.
 void verify_not_rank_local(Communicator& comm, const std::vector<torch::Tensor>& params,
                            const std::vector<std::string>& names, const std::string& who);
+
+/// The TP part (core/rank_local.h) of each of `params`: its TP rank and TP
+/// size, two words each ({0, 1} for a whole tensor). Ranks whose group
+/// replicates `params` must agree on them.
+std::vector<int64_t> tensor_parallel_words(const std::vector<torch::Tensor>& params);
+
+/// Collective (one all-gather of two words per rank; none at world size 1),
+/// for a caller that replicates `params` over `comm` and has no
+/// verify_same_parameters (the all-reduce sync): refuses as
+/// refuse_mixed_tensor_parallel_parts (a second all-gather, only then) when
+/// the ranks' TP parts differ; MismatchError on every rank when they hold
+/// different numbers of parameters.
+void verify_same_tensor_parallel_parts(Communicator& comm, const std::vector<torch::Tensor>& params,
+                                       const std::vector<std::string>& names,
+                                       const std::string& who);
+
+/// Collective (one all-gather of two words per parameter), for ranks that
+/// hold the same number of parameters and found (by a digest of
+/// tensor_parallel_words) that their TP parts differ: throws InvalidArgument
+/// on every rank naming `who`, this rank, the first parameter whose parts
+/// differ (by its name in `names`, or its index), the first rank that holds
+/// another TP rank's part of it, and the mesh's dp group as the remedy.
+/// Returns when the parts agree.
+void refuse_mixed_tensor_parallel_parts(Communicator& comm,
+                                        const std::vector<torch::Tensor>& params,
+                                        const std::vector<std::string>& names,
+                                        const std::string& who);
 
 /// Collective (one all-gather of one word per rank, a second of a word per
 /// parameter only when they differ; none at world size 1): throws

@@ -17,6 +17,8 @@ AllReduceGradientSync::AllReduceGradientSync(std::shared_ptr<Communicator> comm,
   // Averaged over comm_, an expert split over ranks would be mixed with the
   // other ranks' experts.
   verify_not_rank_local(*comm_, params_, {}, "AllReduceGradientSync");
+  // Averaged over ranks that hold other TP ranks' parts, the parts would mix.
+  verify_same_tensor_parallel_parts(*comm_, params_, {}, "AllReduceGradientSync");
 }
 
 void AllReduceGradientSync::finish_sync() {

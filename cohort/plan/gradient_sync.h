@@ -54,9 +54,11 @@ class GradientSync {
 class AllReduceGradientSync : public GradientSync {
  public:
   /// Averages the gradients of `params` over `comm` (average_gradients: a frozen parameter, or
-  /// one without a gradient on every rank, keeps none). Collective over `comm` (one word): a
-  /// parameter that holds one rank's part of a split tensor (an MoE's experts) is an
-  /// InvalidArgument on every rank (verify_not_rank_local).
+  /// one without a gradient on every rank, keeps none). Collective over `comm` (two all-gathers of
+  /// one and two words): a parameter that holds one rank's part of a split tensor (an MoE's
+  /// experts), or ranks that hold different TP ranks' parts of a parameter (a group across the TP
+  /// group), is an InvalidArgument on every rank (verify_not_rank_local,
+  /// verify_same_tensor_parallel_parts).
   AllReduceGradientSync(std::shared_ptr<Communicator> comm, std::vector<torch::Tensor> params);
   std::shared_ptr<void> skip_sync() override { return nullptr; }
   void finish_sync() override;
