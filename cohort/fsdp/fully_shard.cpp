@@ -10,6 +10,7 @@
 #include "cohort/core/error.h"
 #include "cohort/core/rank_local.h"
 #include "cohort/fsdp/unit_agreement.h"
+#include "cohort/grad_sync/parameter_check.h"
 
 namespace cohort {
 namespace {
@@ -164,6 +165,11 @@ FullyShardImpl::OwnParameters FullyShardImpl::describe_unit(const torch::nn::Mod
   }
   record.params = static_cast<int64_t>(own.params.size());
   record.shapes = fnv1a_words(shapes);
+  // Sharded over ranks that hold other TP ranks' parts, a gathered parameter
+  // would be pieced together from different parts.
+  record.tp_parts = fnv1a_words(tensor_parallel_words(own.params));
+  record.own_params = own.params;
+  record.own_names = own.names;
   return own;
 }
 

@@ -6,6 +6,7 @@
 
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
+#include "cohort/grad_sync/parameter_check.h"
 
 namespace cohort::fsdp {
 namespace {
@@ -16,16 +17,17 @@ namespace {
 constexpr int64_t kWords = 18;
 constexpr int64_t kUnitMagic = 0x4653445055524543;      // "FSDPUREC"
 constexpr int64_t kScheduleMagic = 0x4653445053434845;  // "FSDPSCHE"
-constexpr size_t kNameWords = 6;                        // 48 characters of the module's name
+constexpr size_t kNameWords = 5;                        // 40 characters of the module's name
 
 std::string who_on(const std::string& who, const Communicator& comm) {
   return who + " on rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size());
 }
 
 // Unit record words: [magic, refused, units, inner, params, numel, shapes,
-// reshard, 4 policy words, 6 name words].
+// reshard, 4 policy words, 5 name words, TP parts].
 enum UnitWord { kMagic, kRefused, kUnits, kInner, kParams, kNumel, kShapes, kReshard, kPolicy };
 constexpr size_t kName = kPolicy + 4;
+constexpr size_t kTpParts = kName + kNameWords;
 
 int64_t dtype_code(const std::optional<torch::Dtype>& d) {
   return d ? static_cast<int64_t>(*d) : -1;
@@ -50,6 +52,7 @@ std::vector<int64_t> encode(const UnitRecord& u) {
   w[kPolicy + 2] = dtype_code(u.policy.output_dtype);
   w[kPolicy + 3] = u.policy.cast_forward_inputs ? 1 : 0;
   std::memcpy(&w[kName], u.module.data(), std::min(u.module.size(), kNameWords * 8));
+  w[kTpParts] = static_cast<int64_t>(u.tp_parts);
   return w;
 }
 
@@ -129,7 +132,12 @@ void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& w
         " on rank 0 but " + describe(policy_of(all.of(r))) + " on rank " + std::to_string(r));
     break;
   }
-  if (clauses.empty()) return;
+  if (clauses.empty()) {
+    const auto parts = all.values([](const int64_t* w) { return std::to_string(w[kTpParts]); });
+    if (!all_same(parts))
+      refuse_mixed_tensor_parallel_parts(comm, mine.own_params, mine.own_names, who);
+    return;
+  }
   std::string msg = who_on(who, comm) +
                     ": the ranks disagree on the unit (every rank must wrap the same units, in "
                     "the same order, with the same options): ";

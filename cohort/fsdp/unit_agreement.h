@@ -9,7 +9,9 @@
 //                   precision policy, and a digest of every unit inside it
 //                   (so the root's covers the whole tree: count, order,
 //                   shapes, options); a rank that refuses to wrap it (a
-//                   parameter tied to another unit) is an error everywhere.
+//                   parameter tied to another unit) is an error everywhere,
+//                   and so are ranks whose parameters hold different
+//                   tensor-parallel ranks' parts.
 //   ScheduleCheck   before each collective of the root's schedule: which
 //                   collective, of which unit, in which forward, and a digest
 //                   of the settings that shape the schedule (each unit's
@@ -17,6 +19,8 @@
 //                   gradient sync). Ranks whose forwards ran other units
 //                   (rank-dependent control flow) are named, with the unit.
 #pragma once
+
+#include <torch/types.h>
 
 #include <cstdint>
 #include <memory>
@@ -31,7 +35,7 @@ namespace cohort::fsdp {
 
 /// What every rank must agree on about one unit at its construction.
 struct UnitRecord {
-  /// The wrapped module's name (its first 48 characters are compared).
+  /// The wrapped module's name (its first 40 characters are compared).
   std::string module;
   /// Units in its tree, itself included.
   int64_t units = 1;
@@ -47,8 +51,15 @@ struct UnitRecord {
   ReshardAfterForward reshard_after_forward;
   /// Its mixed precision policy.
   MixedPrecisionPolicy policy;
+  /// A digest of the tensor-parallel parts its own parameters hold
+  /// (grad_sync/parameter_check.h's tensor_parallel_words).
+  uint64_t tp_parts = 0;
   /// Non-empty: why this rank refuses to wrap the unit.
   std::string refusal;
+  /// Its own parameters and their names (not compared: they name the
+  /// parameter whose TP parts differ).
+  std::vector<torch::Tensor> own_params;
+  std::vector<std::string> own_names;
 
   /// A digest of every field but `refusal` (a parent's `inner` combines them).
   uint64_t digest() const;
@@ -58,7 +69,11 @@ struct UnitRecord {
 /// world size 1). Throws on every rank when any rank refused (InvalidArgument
 /// with its own reason on the ranks that refused; MismatchError naming them on
 /// the others) or when the records differ (MismatchError naming `who`, each
-/// field that differs and each group of ranks with its value).
+/// field that differs and each group of ranks with its value). With records
+/// that agree but for their TP parts, throws InvalidArgument on every rank
+/// (refuse_mixed_tensor_parallel_parts, a second all-gather only then): the
+/// mesh crosses the TP group, and sharding over it would mix the TP ranks'
+/// parts of a parameter.
 void agree_unit(Communicator& comm, const UnitRecord& mine, const std::string& who);
 
 /// Collective over `comm` (one all-gather of one word per rank; none at
