@@ -38,7 +38,8 @@ Mark& mark_for(const torch::Tensor& t) {
     i = i->second.impl.expired() ? all.erase(i) : std::next(i);
   }
   Mark fresh{
-      c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr())};
+      c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
+      false, "", "", TensorParallelPart{}};
   return all.insert_or_assign(t.unsafeGetTensorImpl(), std::move(fresh)).first->second;
 }
 
