@@ -3,7 +3,8 @@
 //
 // The decisions, written out so that a one-process run reproduces them:
 //   probabilities  softmax of the router's logits over all E experts;
-//   choices        the k largest (torch::topk, ties to the lower index);
+//   choices        the k largest (torch::topk: among equal logits its own
+//                  pick, the same for a row on every rank of one device type);
 //   gates          k = 1: the chosen probability itself (Switch: the router
 //                  learns through it); k = 2: the two chosen probabilities
 //                  renormalized to sum to one (GShard, Mixtral);
