@@ -56,9 +56,10 @@ struct UnitRecord {
   uint64_t tp_parts = 0;
   /// Non-empty: why this rank refuses to wrap the unit.
   std::string refusal;
-  /// Its own parameters and their names (not compared: they name the
-  /// parameter whose TP parts differ).
+  /// Its own parameters (not compared: they find the parameter whose TP
+  /// parts differ).
   std::vector<torch::Tensor> own_params;
+  /// Their names, for that message.
   std::vector<std::string> own_names;
 
   /// A digest of every field but `refusal` (a parent's `inner` combines them).
