@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <string>
 #include <tuple>
 #include <unordered_set>
@@ -333,6 +334,10 @@ std::string moe_name(const std::string& path) {
   return path.empty() ? "the MoE" : "MoE '" + path + "'";
 }
 
+const char* const kRightGroups =
+    "pass as dense the ranks that see different tokens (dp x ep, one TP rank) and as "
+    "expert_replicas those holding the same experts (dp)";
+
 // Why `dense` and `expert_replicas` cannot average `model`'s MoE gradients
 // on this rank, or empty. Each MoE's expert gradient already sums the tokens
 // of its ep group, so the dense group must be the replicas times ep: a dense
@@ -354,47 +359,127 @@ std::string group_size_error(const torch::nn::Module& model, Communicator& dense
     if (d == r * ep) return;
     error = "the dense group " + dense.name() + " has " + std::to_string(d) +
             " ranks, not the expert_replicas group's " + std::to_string(r) + " times the " +
-            std::to_string(ep) + " of the expert-parallel group of " + moe_name(name) +
-            ": pass as dense the ranks that see different tokens (dp x ep) and as "
-            "expert_replicas those holding the same experts (dp)";
+            std::to_string(ep) + " of the expert-parallel group of " + moe_name(name) + ": " +
+            kRightGroups;
   });
   return error;
 }
 
+// Where this rank sits in each MoE of a model: its first expert, its TP
+// rank and size, its ep rank, in the order of model.apply.
+struct Placement {
+  std::vector<int64_t> firsts, tp, ep;
+  int64_t layers() const { return static_cast<int64_t>(firsts.size()); }
+  int64_t digest(const std::vector<int64_t>& words) const {
+    return static_cast<int64_t>(fnv1a_words(words));
+  }
+};
+
+Placement placement_of(const torch::nn::Module& model) {
+  Placement p;
+  model.apply([&](const torch::nn::Module& m) {
+    const auto* moe = dynamic_cast<const MoEImpl*>(&m);
+    if (!moe) return;
+    const auto& o = moe->options();
+    p.firsts.push_back(moe->first_expert());
+    p.tp.push_back(o.tp_group ? o.tp_group->rank() : 0);
+    p.tp.push_back(tp_size(o));
+    p.ep.push_back(o.ep_group ? o.ep_group->rank() : 0);
+  });
+  return p;
+}
+
+// Over `expert_replicas` (one all-gather): why its ranks do not hold the
+// same experts and the same TP part of each, or empty. Averaging another
+// rank's experts in would mix different experts', or different TP slices',
+// weights with no error.
+std::string replicas_error(const Placement& p, Communicator& expert_replicas) {
+  if (expert_replicas.size() == 1) return "";
+  const int64_t n = p.layers();
+  const auto all =
+      gather_words(expert_replicas, {n, n ? p.firsts[0] : -1, n ? p.tp[0] : -1, n ? p.tp[1] : -1,
+                                     p.digest(p.firsts), p.digest(p.tp)});
+  if (all.same()) return "";
+  const auto values = all.values([](const int64_t* w) {
+    return std::to_string(w[0]) + " MoE layers, the first's first_expert() " +
+           std::to_string(w[1]) + " at TP rank " + std::to_string(w[2]) + " of " +
+           std::to_string(w[3]) + ", digests " + std::to_string(static_cast<uint64_t>(w[4])) +
+           " and " + std::to_string(static_cast<uint64_t>(w[5]));
+  });
+  return "the expert_replicas group " + expert_replicas.name() +
+         " holds different experts or different TP ranks' parts of them (" + name_groups(values) +
+         "): " + kRightGroups;
+}
+
+// The words each rank of `dense` passes: its error flag, then what the
+// membership check compares (dense_membership_error).
+std::vector<int64_t> dense_words(const Placement& p, bool refused) {
+  const int64_t n = p.layers();
+  return {refused ? 1 : 0, n, n ? p.tp[0] : -1, n ? p.tp[1] : -1, p.digest(p.tp), n ? p.ep[0] : -1,
+          p.digest(p.ep)};
+}
+
+// Why the ranks of `dense` (their dense_words in `all`) are not dp x ep of
+// one TP rank, or empty; the same text on every rank. The group sizes fit
+// (group_size_error), yet the members may not: the whole world of a dp x ep
+// x tp mesh (expert gradients of different TP slices averaged when the
+// replicas span tp too), or dp x tp (one ep rank's tokens: each ep rank's
+// router drifts apart). So every rank holds the same TP part, and each ep
+// placement (the ep rank in every MoE) appears expert_replicas.size() times.
+std::string dense_membership_error(const RankWords& all, Communicator& dense, int replicas) {
+  bool any_moe = false;
+  for (int r = 0; r < all.ranks(); ++r) any_moe = any_moe || all.of(r)[1] != 0;
+  if (!any_moe) return "";
+  std::vector<std::string> parts;
+  std::vector<std::string> tp, ep;
+  std::map<int64_t, int> placements;
+  bool tp_same = true;
+  for (int r = 0; r < all.ranks(); ++r) {
+    const int64_t* w = all.of(r);
+    tp_same = tp_same && std::equal(w + 1, w + 5, all.of(0) + 1);
+    ++placements[w[6]];
+    const std::string more = w[1] > 1 ? " in the first MoE of " + std::to_string(w[1]) : "";
+    tp.push_back("TP rank " + std::to_string(w[2]) + " of " + std::to_string(w[3]) + more +
+                 (w[1] > 1 ? ", digest " + std::to_string(static_cast<uint64_t>(w[4])) : ""));
+    ep.push_back("ep rank " + std::to_string(w[5]) + more +
+                 (w[1] > 1 ? ", digest " + std::to_string(static_cast<uint64_t>(w[6])) : ""));
+  }
+  if (!tp_same) {
+    parts.push_back("holds different TP ranks' parts of the experts (" + name_groups(tp) + ")");
+  }
+  const int64_t ep_size = static_cast<int64_t>(dense.size()) / replicas;
+  bool even = static_cast<int64_t>(placements.size()) == ep_size;
+  for (const auto& [key, count] : placements) even = even && count == replicas;
+  if (!even) {
+    parts.push_back("holds the ep ranks unevenly (" + name_groups(ep) + "), not each of the " +
+                    std::to_string(ep_size) + " ep ranks " + std::to_string(replicas) +
+                    " times (the expert_replicas group's size)");
+  }
+  if (parts.empty()) return "";
+  std::string error = "the dense group " + dense.name() + " " + parts[0];
+  for (size_t i = 1; i < parts.size(); ++i) error += " and " + parts[i];
+  return error + ": " + kRightGroups;
+}
+
 // Throws on every rank of `dense` unless the group sizes fit every MoE
-// (group_size_error) and each rank of `expert_replicas` holds the same
-// experts in every MoE (the same first_expert()): averaging another rank's
-// experts in would mix different experts' weights with no error.
+// (group_size_error), each rank of `expert_replicas` holds the same experts
+// and TP part (replicas_error) and `dense` holds dp x ep of one TP rank
+// (dense_membership_error). One all-gather over each group.
 void check_replicas(const torch::nn::Module& model, Communicator& dense,
                     Communicator& expert_replicas) {
-  std::vector<int64_t> firsts;
-  model.apply([&](const torch::nn::Module& m) {
-    if (const auto* moe = dynamic_cast<const MoEImpl*>(&m)) firsts.push_back(moe->first_expert());
-  });
+  const Placement p = placement_of(model);
   std::string error = group_size_error(model, dense, expert_replicas);
-  if (expert_replicas.size() > 1) {
-    // One all-gather: the layer count, the first layer's first expert and a
-    // digest of all of them.
-    const int64_t n = static_cast<int64_t>(firsts.size());
-    const auto all = gather_words(
-        expert_replicas, {n, n ? firsts[0] : -1, static_cast<int64_t>(fnv1a_words(firsts))});
-    if (!all.same() && error.empty()) {
-      const auto values = all.values([](const int64_t* w) {
-        return std::to_string(w[0]) + " MoE layers, the first's first_expert() " +
-               std::to_string(w[1]) + ", digest " + std::to_string(static_cast<uint64_t>(w[2]));
-      });
-      error = "the expert_replicas group " + expert_replicas.name() + " holds different experts (" +
-              name_groups(values) + "): pass the ranks with the same ep rank";
-    }
-  }
-  // One word over dense, so that the ranks of other replica groups throw too
-  // instead of waiting in the gradient average.
-  const auto flags = gather_words(dense, {error.empty() ? 0 : 1});
+  const std::string replicas = replicas_error(p, expert_replicas);
+  if (error.empty()) error = replicas;
+  // Over dense, so that the ranks of other replica groups throw too instead
+  // of waiting in the gradient average.
+  const auto all = gather_words(dense, dense_words(p, !error.empty()));
   int first_bad = -1;
-  for (int r = 0; r < flags.ranks() && first_bad < 0; ++r) {
-    if (flags.of(r)[0] != 0) first_bad = r;
+  for (int r = 0; r < all.ranks() && first_bad < 0; ++r) {
+    if (all.of(r)[0] != 0) first_bad = r;
   }
-  if (first_bad < 0) return;
+  if (first_bad < 0) error = dense_membership_error(all, dense, expert_replicas.size());
+  if (first_bad < 0 && error.empty()) return;
   throw InvalidArgument("cohort: average_moe_gradients (rank " + std::to_string(dense.rank()) +
                         " of " + std::to_string(dense.size()) + "): " +
                         (error.empty() ? "rank " + std::to_string(first_bad) +

@@ -133,14 +133,17 @@ std::string mesh_mismatch(const torch::nn::Module& model, const DeviceMesh& mesh
 /// Averages `model`'s gradients after backward, for a loss that is the mean
 /// of every rank's loss over `dense` (the dp x ep ranks): non-expert
 /// parameters over `dense`; expert parameters summed over `expert_replicas`
-/// (the ranks holding the same experts) and divided by dense.size(), since
-/// each rank's expert gradient already sums over its ep group's tokens.
-/// Collective over both groups; first one all-gather over each that checks
-/// that dense.size() is expert_replicas.size() times every MoE's ep size
-/// and that the replicas hold the same experts (InvalidArgument on every
-/// rank of `dense` if not: the ep group passed as `expert_replicas`, the
-/// replicas passed as `dense`, a one-rank `expert_replicas` while dp is
-/// above one).
+/// (the ranks holding the same experts and TP part, dp) and divided by
+/// dense.size(), since each rank's expert gradient already sums over its ep
+/// group's tokens. Collective over both groups; first one all-gather over
+/// each that checks that dense.size() is expert_replicas.size() times every
+/// MoE's ep size, that the replicas hold the same experts at the same TP
+/// rank, and that `dense` holds one TP rank and each ep placement
+/// expert_replicas.size() times (InvalidArgument on every rank of `dense` if
+/// not: the ep group passed as `expert_replicas`, the replicas passed as
+/// `dense`, a one-rank `expert_replicas` while dp is above one, the whole
+/// world of a dp x ep x tp mesh as `dense` with dp x tp as
+/// `expert_replicas`, dp x tp as `dense`).
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                            Communicator& expert_replicas);
 

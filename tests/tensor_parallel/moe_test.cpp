@@ -4,8 +4,9 @@
 // over ranks) and each rank's expert gradients, with the auxiliary loss in
 // the loss; k = 1 and 2, with a capacity that drops tokens and one that drops
 // none. A negative control reroutes one token and must be caught by the same
-// comparison; average_moe_gradients at dp 2 x ep 2 against the mean loss,
-// and refusing groups of the wrong sizes;
+// comparison; average_moe_gradients at dp 2 x ep 2 and dp 2 x ep 2 x tp 2
+// against the mean loss, and refusing groups of the wrong sizes or, on the
+// 3-D mesh, of the right sizes but the wrong ranks;
 // route() against hand-worked routings, the capacity's rounding against
 // Megatron-Core's; options that differ across ranks.
 // With COHORT_TEST_DEVICE=cuda the layers and the tokens are on the GPU.
@@ -424,6 +425,99 @@ TEST_P(ExpertParallelChecks, ReplicasPassedAsTheDenseGroupAreRefused) {
 
 TEST_P(ExpertParallelChecks, OneRankReplicasWhileDpIsTwoAreRefused) {
   expect_group_sizes_refused(GetParam(), true);
+}
+
+// dp 2 x ep 2 x tp 2 on 8 ranks (tokens by dp x ep, the same on both tp
+// ranks), the loss the mean of the four dense ranks' losses.
+enum class Groups { Right, World, DpTp };
+
+// Rank's part of the one-process gradient of `p`: its experts, and its TP
+// slice of the FFN (dim `split`; -1 for none).
+torch::Tensor tp_part(const torch::Tensor& p, const MoE& m, int64_t split) {
+  auto g = or_zeros(p.grad(), p).narrow(0, m->first_expert(), m->local_experts());
+  if (split < 0) return g;
+  const auto& tp = *m->options().tp_group;
+  const int64_t part = g.size(split) / tp.size();
+  return g.narrow(split, tp.rank() * part, part);
+}
+
+// With the right groups (dense {dp, ep}, replicas dp) every rank's
+// gradients equal its part of one process's. With (A) the whole world as
+// dense and {dp, tp} as replicas, different TP slices of w1 would be
+// averaged together; with (B) {dp, tp} as dense, each ep rank's router
+// would drift apart. Both have the right sizes and are refused on every
+// rank; accepted, how far each rank's gradients fall from the right
+// groups' is the figure in the failure.
+void average_over_the_mesh(const std::string& backend, Groups groups) {
+  const Reference ref(2, true, 4, std::vector<double>(4, 0.25));
+  auto o = on(backend);
+  o.timeout = std::chrono::seconds(5);
+  auto errors = errors_on_every_rank(
+      8,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        auto mesh = init_device_mesh(world, {2, 2, 2}, {"dp", "ep", "tp"});
+        const int r = mesh.local_rank("dp") * 2 + mesh.local_rank("ep");
+        MoE m(mesh, options(2, true, nullptr));
+        m->to(test_device());
+        auto y = m(tokens_of(r));
+        ((y * probe_of(r)).sum() + m->aux_loss()).backward();
+        std::vector<torch::Tensor> raw;
+        for (const auto& p : m->parameters()) raw.push_back(p.grad().clone());
+        average_moe_gradients(*m, *mesh[{"dp", "ep"}].process_group(), *mesh["dp"].process_group());
+        if (groups == Groups::Right) {
+          expect_close(m->router.grad(), ref.moe->router.grad(), "router grad");
+          expect_close(m->w1.grad(), tp_part(ref.moe->w1, m, 1), "w1 grad");
+          expect_close(m->b1.grad(), tp_part(ref.moe->b1, m, 1), "b1 grad");
+          expect_close(m->w2.grad(), tp_part(ref.moe->w2, m, 2), "w2 grad");
+          expect_close(m->b2.grad(), tp_part(ref.moe->b2, m, -1), "b2 grad");
+          throw std::runtime_error("accepted");
+        }
+        const auto router = m->router.grad().clone(), w1 = m->w1.grad().clone();
+        auto params = m->parameters();
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad().copy_(raw[i]);
+        if (groups == Groups::World) {
+          average_moe_gradients(*m, *world, *mesh[{"dp", "tp"}].process_group());
+        } else {
+          average_moe_gradients(*m, *mesh[{"dp", "tp"}].process_group(),
+                                *mesh["dp"].process_group());
+        }
+        throw std::runtime_error(
+            "accepted; w1 grad off the right groups' by " +
+            std::to_string((m->w1.grad() - w1).abs().max().item<float>()) + " (largest " +
+            std::to_string(w1.abs().max().item<float>()) + "), router grad by " +
+            std::to_string((m->router.grad() - router).abs().max().item<float>()));
+      },
+      o);
+  for (size_t r = 0; r < errors.size(); ++r) {
+    const auto& e = errors[r];
+    if (groups == Groups::Right) {
+      EXPECT_EQ(e, "accepted") << "rank " << r;
+      continue;
+    }
+    EXPECT_TRUE(has(e, "average_moe_gradients (rank ")) << "rank " << r << ": " << e;
+    EXPECT_TRUE(has(e, "pass as dense the ranks that see different tokens (dp x ep, one TP rank)"))
+        << "rank " << r << ": " << e;
+    if (groups == Groups::World) {
+      EXPECT_TRUE(has(e, "different TP ranks' parts")) << "rank " << r << ": " << e;
+    } else {
+      EXPECT_TRUE(has(e, "holds different TP ranks' parts of the experts (")) << e;
+      EXPECT_TRUE(has(e, "holds the ep ranks unevenly (")) << "rank " << r << ": " << e;
+      EXPECT_TRUE(has(e, "not each of the 2 ep ranks 2 times")) << "rank " << r << ": " << e;
+    }
+  }
+}
+
+TEST_P(ExpertParallelChecks, AverageOverTheMeshsDataAndExpertGroups) {
+  average_over_the_mesh(GetParam(), Groups::Right);
+}
+
+TEST_P(ExpertParallelChecks, WholeWorldAsDenseWithTensorParallelReplicasIsRefused) {
+  average_over_the_mesh(GetParam(), Groups::World);
+}
+
+TEST_P(ExpertParallelChecks, DataAndTensorParallelAsDenseIsRefused) {
+  average_over_the_mesh(GetParam(), Groups::DpTp);
 }
 
 INSTANTIATE_TEST_SUITE_P(Moe, ExpertParallelChecks, ::testing::ValuesIn(backends()),
