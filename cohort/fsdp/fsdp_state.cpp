@@ -116,7 +116,9 @@ void FSDPState::layout_gradients() {
     bytes[u] = g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());
   }
   queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
-  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { gradient_ready(i); });
+  // Any accumulator run counts toward its unit's backward being over.
+  hooks_ =
+      std::make_unique<AccumulatorHooks>(params_, [this](size_t i, bool) { gradient_ready(i); });
 }
 
 void FSDPState::begin_forward(bool training) {

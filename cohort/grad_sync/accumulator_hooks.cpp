@@ -10,17 +10,19 @@ namespace {
 
 class ReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  ReadyHook(const std::function<void(size_t)>* ready, size_t index)
+  ReadyHook(const std::function<void(size_t, bool)>* ready, size_t index)
       : ready_(ready), index_(index) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    (*ready_)(index_);
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& inputs) override {
+    // The engine runs an accumulator whose incoming gradient is undefined
+    // (a checkpointed block's recompute that left the parameter out): it
+    // leaves .grad as it was, so the parameter took no part.
+    (*ready_)(index_, !inputs.empty() && inputs[0].defined());
     return outputs;
   }
 
  private:
-  const std::function<void(size_t)>* ready_;  // AccumulatorHooks' own, outlives the hook
+  const std::function<void(size_t, bool)>* ready_;  // AccumulatorHooks' own, outlives the hook
   size_t index_;
 };
 
@@ -29,7 +31,7 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
 bool in_autograd_engine() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
 
 AccumulatorHooks::AccumulatorHooks(const std::vector<torch::Tensor>& params,
-                                   std::function<void(size_t)> ready)
+                                   std::function<void(size_t, bool)> ready)
     : params_(params),
       ready_(std::move(ready)),
       accumulators_(params.size()),

@@ -32,12 +32,16 @@ namespace cohort {
 /// running knows it failed.
 bool in_autograd_engine();
 
-/// Calls `ready(index)` on the autograd thread each time parameter `index`'s
-/// gradient accumulator has run. Removes its hooks when destroyed.
+/// Calls `ready(index, has_gradient)` on the autograd thread each time
+/// parameter `index`'s gradient accumulator has run. has_gradient is false
+/// when the accumulator got an undefined gradient and left .grad alone (a
+/// checkpointed block whose recompute did not use the parameter): to the
+/// loss the parameter took no part. Removes its hooks when destroyed.
 class AccumulatorHooks {
  public:
   /// Hooks every parameter that requires grad; `ready` gets its index.
-  AccumulatorHooks(const std::vector<torch::Tensor>& params, std::function<void(size_t)> ready);
+  AccumulatorHooks(const std::vector<torch::Tensor>& params,
+                   std::function<void(size_t, bool)> ready);
   ~AccumulatorHooks();
   AccumulatorHooks(const AccumulatorHooks&) = delete;
   AccumulatorHooks& operator=(const AccumulatorHooks&) = delete;
@@ -56,7 +60,7 @@ class AccumulatorHooks {
   void hook(size_t i);
 
   std::vector<torch::Tensor> params_;
-  std::function<void(size_t)> ready_;
+  std::function<void(size_t, bool)> ready_;
   // The variables hold their accumulators weakly; keeping them alive keeps
   // the hooks registered for the parameters' lifetime.
   std::vector<NodePtr> accumulators_;

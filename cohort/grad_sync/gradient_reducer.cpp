@@ -80,7 +80,8 @@ GradientReducer::GradientReducer(std::shared_ptr<torch::nn::Module> module,
   build_buckets(order);
 
   if (options_.determinism == Determinism::WorldSizeInvariant) setup_leaves();
-  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { on_gradient_ready(i); });
+  hooks_ = std::make_unique<AccumulatorHooks>(
+      params_, [this](size_t i, bool has) { on_gradient_ready(i, has); });
   ready_.assign(params_.size(), 0);
   locally_used_.assign(params_.size(), 0);
 }

@@ -166,8 +166,9 @@ class GradientReducer {
   /// See first_leaf().
   int64_t local_leaves() const { return leaf_ ? leaf_->local_leaves() : 1; }
 
-  /// Called by the accumulator hook of parameter `index` (internal).
-  void on_gradient_ready(size_t index);
+  /// Called by the accumulator hook of parameter `index`; has_gradient as
+  /// AccumulatorHooks gives it (internal).
+  void on_gradient_ready(size_t index, bool has_gradient);
   /// Depth of no_sync() scopes (NoSyncGuard counts it).
   int no_sync_depth() const { return no_sync_depth_; }
   /// Whether the backward of the last forward reduces: that forward ran

@@ -186,7 +186,13 @@ void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
   }
 }
 
-void GradientReducer::on_gradient_ready(size_t index) {
+void GradientReducer::on_gradient_ready(size_t index, bool has_gradient) {
+  // No gradient came (a checkpointed block that did not use the parameter
+  // this step): as a parameter outside the graph, it is unused, which the
+  // end of backward settles (find_unused_parameters) or reports as missing.
+  // Counting it as used would step a defined zero .grad where one process
+  // leaves it undefined.
+  if (!has_gradient) return;
   if (leaf_) {
     on_leaf_gradient(index);
     return;

@@ -137,7 +137,8 @@ void GradientReducer::adopt_parameter_set(std::vector<char> next) {
   reduced_ = std::move(next);
   split_parameters();
   hooks_.reset();  // the old hooks go first: a parameter that stays gets one
-  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { on_gradient_ready(i); });
+  hooks_ = std::make_unique<AccumulatorHooks>(
+      params_, [this](size_t i, bool has) { on_gradient_ready(i, has); });
   // As a DDP built now: reverse registration order, then one rebuild in
   // the order of the next synchronizing backward. Gradients accumulated so
   // far (no_sync()) move into the new buckets.

@@ -103,7 +103,12 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
       if (!later.insert(params_[i].unsafeGetTensorImpl()).second) last_place_[i] = 0;
     }
   }
-  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { seen_[i] = 1; });
+  // .grad is always its view, defined: only an accumulator run with a
+  // gradient says the parameter has one (a checkpointed block's recompute
+  // may run it with none).
+  hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i, bool has) {
+    if (has) seen_[i] = 1;
+  });
   // All in step(), in bucket order: every bucket is ready at once.
   std::vector<size_t> order(buckets_.size());
   std::vector<int64_t> grad_bytes(buckets_.size());

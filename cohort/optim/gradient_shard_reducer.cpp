@@ -57,8 +57,10 @@ GradientShardReducer::GradientShardReducer(std::vector<torch::Tensor> params,
   }
   count_parts();
   if (hook) {
-    hooks_ =
-        std::make_unique<AccumulatorHooks>(params_, [this](size_t i) { on_gradient_ready(i); });
+    // An accumulator run without a gradient arrives too: arrive() takes
+    // whether the parameter has a gradient from .grad itself.
+    hooks_ = std::make_unique<AccumulatorHooks>(params_,
+                                                [this](size_t i, bool) { on_gradient_ready(i); });
   }
 }
 
@@ -140,7 +142,7 @@ std::string GradientShardReducer::map_ddp_parameters() {
   }
   if (!outside.empty()) {
     outside_hooks_ = std::make_unique<AccumulatorHooks>(
-        outside, [this](size_t k) { on_gradient_ready_outside_ddp(outside_ddp_[k]); });
+        outside, [this](size_t k, bool) { on_gradient_ready_outside_ddp(outside_ddp_[k]); });
   }
   return foreign;
 }
