@@ -152,19 +152,9 @@ Sequential make_model(Layers layers, const std::shared_ptr<Communicator>& tp,
   return seq;
 }
 
-struct Data {
-  std::vector<torch::Tensor> x, y;
-};
+using Data = testing::StepBatches;
 
-Data make_data() {
-  auto gen = testing::make_generator(3);
-  Data d;
-  for (int s = 0; s < kSteps; ++s) {
-    d.x.push_back(torch::randn({kBatch, kWidth}, gen));
-    d.y.push_back(torch::randn({kBatch, kWidth}, gen));
-  }
-  return d;
-}
+Data make_data() { return testing::make_step_batches(kSteps, kBatch, kWidth, kWidth); }
 
 struct RankRun {
   std::vector<double> norms;

@@ -59,19 +59,9 @@ std::string case_text(const Case& c) {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << case_text(c); }
 
-struct Data {
-  std::vector<torch::Tensor> x, y;
-};
+using Data = testing::StepBatches;
 
-Data make_data() {
-  auto gen = testing::make_generator(3);
-  Data d;
-  for (int s = 0; s < kSteps; ++s) {
-    d.x.push_back(torch::randn({kBatch, kWidth}, gen));
-    d.y.push_back(torch::randn({kBatch, kWidth}, gen));
-  }
-  return d;
-}
+Data make_data() { return testing::make_step_batches(kSteps, kBatch, kWidth, kWidth); }
 
 struct RankRun {
   std::vector<double> norms;

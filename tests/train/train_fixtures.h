@@ -10,6 +10,7 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "support/subprocess.h"
 
@@ -43,6 +44,23 @@ inline Synthetic make_data(int64_t n, uint64_t seed = 11) {
   // Learnable labels: the argmax of a fixed projection.
   auto w = torch::randn({8, 4}, gen, torch::kFloat32);
   return {x, x.matmul(w).argmax(1)};
+}
+
+// One regression batch per step, the same on every rank and in the
+// one-process reference (which each rank's share is cut from).
+struct StepBatches {
+  std::vector<torch::Tensor> x;  // [batch, in] per step
+  std::vector<torch::Tensor> y;  // [batch, out] per step
+};
+
+inline StepBatches make_step_batches(int steps, int64_t batch, int64_t in, int64_t out) {
+  auto gen = make_generator(3);
+  StepBatches d;
+  for (int s = 0; s < steps; ++s) {
+    d.x.push_back(torch::randn({batch, in}, gen));
+    d.y.push_back(torch::randn({batch, out}, gen));
+  }
+  return d;
 }
 
 }  // namespace cohort::testing
