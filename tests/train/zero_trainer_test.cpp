@@ -20,6 +20,7 @@
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
+#include "golden_run.h"
 #include "support/subprocess.h"
 #include "support/thread_ranks.h"
 #include "tests/fsdp/fsdp_test_models.h"
@@ -69,10 +70,7 @@ using Data = testing::StepBatches;
 
 Data make_data() { return testing::make_step_batches(kSteps, kBatch, 8, 4); }
 
-struct RankRun {
-  std::vector<double> norms;
-  Named params;
-};
+using RankRun = testing::GoldenRun;
 
 // One process on the whole batch, clipped by torch::nn::utils::clip_grad_norm_'s
 // rule, the norm summed in float64.
@@ -185,15 +183,7 @@ TEST_P(ZeroTrainer, MatchesOneProcessOnTheWholeBatch) {
     std::lock_guard<std::mutex> lock(mu);
     runs[comm->rank()] = std::move(run);
   });
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.dp));
-  for (const auto& [rank, run] : runs) {
-    const std::string where = "rank " + std::to_string(rank);
-    ASSERT_EQ(run.norms.size(), static_cast<size_t>(kSteps)) << where;
-    for (int s = 0; s < kSteps; ++s) {
-      EXPECT_NEAR(run.norms[s], ref.norms[s], 1e-6 * ref.norms[s]) << where << ", step " << s;
-    }
-    fsdp_test::expect_close(run.params, ref.params, 1e-6, where);
-  }
+  testing::expect_golden(runs, ref, c.dp, kSteps);
 }
 
 std::vector<Case> cases() {
