@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 
@@ -165,14 +166,13 @@ TEST_P(ZeroTrainer, MatchesOneProcessOnTheWholeBatch) {
   testing::run_ranks_shared(c.dp, [&](std::shared_ptr<Communicator> comm) {
     torch::set_num_threads(1);
     RankRun run;
-    std::optional<Wired> w;
-    w.emplace(c, comm, c.resume ? dir.path() : "", 7);
+    auto w = std::make_unique<Wired>(c, comm, c.resume ? dir.path() : "", 7);
     for (int s = 0; s < kSteps; ++s) {
       if (c.resume && s == kSaveAt) {
         w->trainer->save_checkpoint();
         // Other initial weights: only the checkpoint makes it the same model.
         w.reset();
-        w.emplace(c, comm, dir.path(), 100);
+        w = std::make_unique<Wired>(c, comm, dir.path(), 100);
         EXPECT_EQ(w->trainer->resume(), std::optional<int64_t>(kSaveAt)) << comm->rank();
       }
       run.norms.push_back(w->step(data, s, *comm));
