@@ -1,9 +1,13 @@
 // A checkpointed block whose forward leaves a parameter out in some steps
 // (a branch): the recompute returns no gradient for it, yet the engine still
-// runs its accumulator. DDP, the fused optimizer and ZeRO-2 (alone and under
-// DDP) must leave its .grad undefined, as one process does, so AdamW skips
-// it instead of stepping a zero gradient (weight decay and momentum would
-// move it); and DDP without find_unused_parameters reports it missing.
+// runs its accumulator. Every data-parallel path (DDP, the fused optimizer,
+// ZeRO-1 and ZeRO-2 alone and ZeRO-2 under DDP, AllReduceGradientSync,
+// fully_shard with the checkpoint around a unit or inside the root) must
+// leave its .grad undefined where no rank used it, as one process does, so
+// AdamW skips it instead of stepping a zero gradient (weight decay and
+// momentum would move it); where some ranks used it, its gradient is the
+// average with zeros for the others (DDP's find_unused_parameters). DDP
+// without find_unused_parameters reports it missing.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,8 +15,10 @@
 
 #include "cohort/activation/checkpoint_wrapper.h"
 #include "cohort/ddp/distributed_data_parallel.h"
+#include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/plan/gradient_sync.h"
 #include "support/thread_ranks.h"
 #include "tests/activation/activation_test_models.h"
 
@@ -46,8 +52,14 @@ torch::nn::Sequential make_model(const bool* use_b, bool checkpointed) {
   return seq;
 }
 
-constexpr int kSteps = 3;  // b is used in step 0 only
+constexpr int kSteps = 3;
 const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+
+// b is used in step 0 on every rank; after it on no rank, or on rank 0 only.
+enum class Usage { Nowhere, Rank0 };
+bool uses_b(Usage usage, int step, int rank) {
+  return step == 0 || (usage == Usage::Rank0 && rank == 0);
+}
 
 // Step s's batch, 3 rows per rank; rank r takes rows [3r, 3r + 3).
 torch::Tensor inputs(int step, int world) {
@@ -56,87 +68,136 @@ torch::Tensor inputs(int step, int world) {
 torch::Tensor targets(int step, int world) {
   return torch::randn({3 * world, 2}, at::detail::createCPUGenerator(20 + step));
 }
+torch::Tensor rows(const torch::Tensor& t, int rank) { return t.narrow(0, 3 * rank, 3); }
 
-// One process, no checkpointing, the whole batch: the mean of the ranks'
-// equal-sized means is the mean over all rows.
-Tensors reference(int world) {
+Tensors values(const std::vector<torch::Tensor>& params) {
+  Tensors out;
+  for (const auto& p : params) out.push_back(p.detach().clone());
+  return out;
+}
+
+// One process, no checkpointing: the mean of the ranks' losses, each rank's
+// rows through the branch that rank takes, so a parameter some ranks leave
+// out gets the average with zeros for them.
+Tensors reference(Usage usage, int world) {
   bool use_b = true;
   auto model = make_model(&use_b, false);
   torch::optim::AdamW opt(model->parameters(), kAdamW);
   for (int s = 0; s < kSteps; ++s) {
-    use_b = s == 0;
     model->zero_grad(/*set_to_none=*/true);
-    torch::mse_loss(model->forward(inputs(s, world)), targets(s, world)).backward();
+    torch::Tensor loss = torch::zeros({});
+    for (int r = 0; r < world; ++r) {
+      use_b = uses_b(usage, s, r);
+      loss = loss + torch::mse_loss(model->forward(rows(inputs(s, world), r)),
+                                    rows(targets(s, world), r));
+    }
+    (loss / world).backward();
     opt.step();
   }
-  Tensors out;
-  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
-  return out;
+  return values(model->parameters());
 }
 
-enum class Engine { Ddp, Fused, Zero2, DdpZero2 };
-
-Tensors distributed(Engine engine, int world, const std::shared_ptr<Communicator>& comm) {
-  torch::set_num_threads(1);
-  const int r = comm->rank();
-  bool use_b = true;
-  auto model = make_model(&use_b, true);
-  auto run = [&](auto&& forward, auto&& zero_grad, auto&& step) {
-    for (int s = 0; s < kSteps; ++s) {
-      use_b = s == 0;
-      zero_grad();
-      auto x = inputs(s, world).narrow(0, 3 * r, 3), y = targets(s, world).narrow(0, 3 * r, 3);
-      torch::mse_loss(forward(x), y).backward();
-      step();
-    }
-  };
-  if (engine == Engine::Ddp) {
-    DDPOptions options;
-    options.find_unused_parameters = true;
-    DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
-    torch::optim::AdamW opt(ddp.parameters(), kAdamW);
-    run([&](const torch::Tensor& x) { return ddp.forward(x); },
-        [&] { ddp.zero_grad(/*set_to_none=*/true); }, [&] { opt.step(); });
-  } else if (engine == Engine::Fused) {
-    FusedDistributedOptimizer opt(model->parameters(), comm, kAdamW);
-    run([&](const torch::Tensor& x) { return model->forward(x); }, [&] { opt.zero_grad(); },
-        [&] { opt.step(); });
-  } else if (engine == Engine::DdpZero2) {
-    // ZeRO-2 takes over DDP's reduction: DDP reports each gradient to it.
-    DDPOptions options;
-    options.find_unused_parameters = true;
-    DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
-    ZeroOptions zo;
-    zo.stage = 2;
-    auto zero = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW, zo);
-    run([&](const torch::Tensor& x) { return ddp.forward(x); }, [&] { zero->zero_grad(); },
-        [&] { zero->step(); });
-  } else {
-    ZeroOptions zo;
-    zo.stage = 2;
-    auto zero =
-        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), comm, kAdamW, zo);
-    run([&](const torch::Tensor& x) { return model->forward(x); }, [&] { zero->zero_grad(); },
-        [&] { zero->step(); });
-  }
-  Tensors out;
-  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
-  return out;
-}
+enum class Engine { Ddp, Fused, Zero1, Zero2, DdpZero2, AllReduce, FsdpUnits, FsdpRoot };
 
 struct Case {
   Engine engine;
   int world;
+  Usage usage;
 };
+
+// `step` after each backward, over the checkpointed model `forward` runs.
+template <class Forward, class ZeroGrad, class Step>
+void train(const Case& c, int rank, bool* use_b, Forward&& forward, ZeroGrad&& zero_grad,
+           Step&& step) {
+  for (int s = 0; s < kSteps; ++s) {
+    *use_b = uses_b(c.usage, s, rank);
+    zero_grad();
+    auto x = rows(inputs(s, c.world), rank), y = rows(targets(s, c.world), rank);
+    torch::mse_loss(forward(x), y).backward();
+    step();
+  }
+}
+
+// fully_shard: each layer a unit, checkpointed around it (the recompute runs
+// the unit in backward), or the root alone around the checkpointed model.
+Tensors sharded(const Case& c, const std::shared_ptr<Communicator>& comm) {
+  bool use_b = true;
+  auto model = c.engine == Engine::FsdpUnits
+                   ? fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), comm)),
+                                 comm)
+                   : fully_shard(make_model(&use_b, true), comm);
+  torch::optim::AdamW opt(model->parameters(), kAdamW);
+  train(
+      c, comm->rank(), &use_b, [&](const torch::Tensor& x) { return model->forward(x); },
+      [&] { model->zero_grad(/*set_to_none=*/true); }, [&] { opt.step(); });
+  Tensors out;
+  for (const auto& p : model->full_state_dict()) out.push_back(p.value().clone());
+  return out;
+}
+
+Tensors zero(const Case& c, const std::shared_ptr<Communicator>& comm) {
+  bool use_b = true;
+  auto model = make_model(&use_b, true);
+  ZeroOptions zo;
+  zo.stage = c.engine == Engine::Zero1 ? 1 : 2;
+  auto run = [&](auto&& forward, ZeroRedundancyOptimizer& opt) {
+    train(c, comm->rank(), &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+  };
+  if (c.engine == Engine::DdpZero2) {
+    // ZeRO-2 takes over DDP's reduction: DDP reports each gradient to it.
+    DDPOptions options;
+    options.find_unused_parameters = true;
+    DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
+    auto opt = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW, zo);
+    run([&](const torch::Tensor& x) { return ddp.forward(x); }, *opt);
+  } else {
+    auto opt =
+        ZeroRedundancyOptimizer::make<torch::optim::AdamW>(model->parameters(), comm, kAdamW, zo);
+    run([&](const torch::Tensor& x) { return model->forward(x); }, *opt);
+  }
+  return values(model->parameters());
+}
+
+Tensors distributed(const Case& c, const std::shared_ptr<Communicator>& comm) {
+  torch::set_num_threads(1);
+  if (c.engine == Engine::FsdpUnits || c.engine == Engine::FsdpRoot) return sharded(c, comm);
+  if (c.engine == Engine::Zero1 || c.engine == Engine::Zero2 || c.engine == Engine::DdpZero2)
+    return zero(c, comm);
+  const int r = comm->rank();
+  bool use_b = true;
+  auto model = make_model(&use_b, true);
+  auto forward = [&](const torch::Tensor& x) { return model->forward(x); };
+  auto zero_grad = [&] { model->zero_grad(/*set_to_none=*/true); };
+  if (c.engine == Engine::Ddp) {
+    DDPOptions options;
+    options.find_unused_parameters = true;
+    DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
+    torch::optim::AdamW opt(ddp.parameters(), kAdamW);
+    train(
+        c, r, &use_b, [&](const torch::Tensor& x) { return ddp.forward(x); },
+        [&] { ddp.zero_grad(/*set_to_none=*/true); }, [&] { opt.step(); });
+  } else if (c.engine == Engine::Fused) {
+    FusedDistributedOptimizer opt(model->parameters(), comm, kAdamW);
+    train(c, r, &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+  } else {
+    // The Trainer's sync for a model without DDP: averaged after backward.
+    AllReduceGradientSync sync(comm, model->parameters());
+    torch::optim::AdamW opt(model->parameters(), kAdamW);
+    train(c, r, &use_b, forward, zero_grad, [&] {
+      sync.finish_sync();
+      opt.step();
+    });
+  }
+  return values(model->parameters());
+}
 
 class CheckpointUnusedParameter : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CheckpointUnusedParameter, StepsAsOneProcess) {
-  const Engine engine = GetParam().engine;
-  const int world = GetParam().world;
-  const Tensors expected = reference(world);
+  const Case c = GetParam();
+  const Tensors expected = reference(c.usage, c.world);
   auto got = results_of_ranks<Tensors>(
-      world, [&](std::shared_ptr<Communicator> comm) { return distributed(engine, world, comm); });
+      c.world, [&](std::shared_ptr<Communicator> comm) { return distributed(c, comm); });
   for (const auto& [rank, params] : got) {
     ASSERT_EQ(params.size(), expected.size());
     for (size_t i = 0; i < params.size(); ++i) {
@@ -146,20 +207,28 @@ TEST_P(CheckpointUnusedParameter, StepsAsOneProcess) {
   }
 }
 
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (int e = 0; e <= static_cast<int>(Engine::FsdpRoot); ++e) {
+    for (Usage usage : {Usage::Nowhere, Usage::Rank0}) {
+      for (int world = 1; world <= 3; ++world) {
+        cases.push_back(Case{static_cast<Engine>(e), world, usage});
+      }
+    }
+  }
+  return cases;
+}
+
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  static const char* const engines[] = {"ddp", "fused", "zero2", "ddp_zero2"};
-  return std::string(engines[static_cast<int>(info.param.engine)]) + "_world" +
+  static const char* const engines[] = {"ddp",       "fused",      "zero1",     "zero2",
+                                        "ddp_zero2", "all_reduce", "fsdp_units", "fsdp_root"};
+  return std::string(engines[static_cast<int>(info.param.engine)]) +
+         (info.param.usage == Usage::Nowhere ? "_unused_world" : "_rank0_world") +
          std::to_string(info.param.world);
 }
 
 INSTANTIATE_TEST_SUITE_P(EnginesAndWorlds, CheckpointUnusedParameter,
-                         ::testing::Values(Case{Engine::Ddp, 1}, Case{Engine::Ddp, 2},
-                                           Case{Engine::Ddp, 3}, Case{Engine::Fused, 1},
-                                           Case{Engine::Fused, 2}, Case{Engine::Fused, 3},
-                                           Case{Engine::Zero2, 1}, Case{Engine::Zero2, 2},
-                                           Case{Engine::Zero2, 3}, Case{Engine::DdpZero2, 1},
-                                           Case{Engine::DdpZero2, 2}, Case{Engine::DdpZero2, 3}),
-                         case_name);
+                         ::testing::ValuesIn(all_cases()), case_name);
 
 // Without find_unused_parameters, a parameter the checkpointed block left out
 // is missing as one outside the graph: the next forward fails on every rank.
@@ -176,11 +245,11 @@ TEST_P(CheckpointMissingGradient, NextForwardFailsOnEveryRank) {
     for (int s = 0; s < 2; ++s) {
       use_b = s == 0;
       ddp.zero_grad(/*set_to_none=*/true);
-      auto x = inputs(s, world).narrow(0, 3 * r, 3), y = targets(s, world).narrow(0, 3 * r, 3);
+      auto x = rows(inputs(s, world), r), y = rows(targets(s, world), r);
       torch::mse_loss(ddp.forward(x), y).backward();
     }
     try {
-      ddp.forward(inputs(2, world).narrow(0, 3 * r, 3));
+      ddp.forward(rows(inputs(2, world), r));
     } catch (const Error& e) {
       return std::string(e.what());
     }
