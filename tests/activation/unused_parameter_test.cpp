@@ -13,67 +13,24 @@
 
 #include <string>
 
-#include "cohort/activation/checkpoint_wrapper.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "cohort/plan/gradient_sync.h"
 #include "support/thread_ranks.h"
-#include "tests/activation/activation_test_models.h"
+#include "tests/activation/gate_model.h"
 
 namespace cohort::testing::unused_parameter_test {
 namespace {
 
-using Tensors = std::vector<torch::Tensor>;
-
-// a(x), or b(tanh(a(x))) while *use_b.
-struct GateImpl : torch::nn::Module {
-  explicit GateImpl(const bool* use_b_flag) : use_b(use_b_flag) {
-    a = register_module("a", torch::nn::Linear(4, 4));
-    b = register_module("b", torch::nn::Linear(4, 4));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return *use_b ? b(torch::tanh(a(x))) : a(x); }
-  torch::nn::Linear a{nullptr}, b{nullptr};
-  const bool* use_b;
-};
-TORCH_MODULE(Gate);
-
-torch::nn::Sequential make_model(const bool* use_b, bool checkpointed) {
-  torch::nn::Sequential seq;
-  Gate gate(use_b);
-  if (checkpointed) {
-    seq->push_back(checkpoint_wrapper(torch::nn::AnyModule(gate)));
-  } else {
-    seq->push_back(gate);
-  }
-  seq->push_back(torch::nn::Linear(4, 2));
-  init_parameters(*seq, 7);
-  return seq;
-}
+using namespace gate;
 
 constexpr int kSteps = 3;
-const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
-
 // b is used in step 0 on every rank; after it on no rank, or on rank 0 only.
 enum class Usage { Nowhere, Rank0 };
 bool uses_b(Usage usage, int step, int rank) {
   return step == 0 || (usage == Usage::Rank0 && rank == 0);
-}
-
-// Step s's batch, 3 rows per rank; rank r takes rows [3r, 3r + 3).
-torch::Tensor inputs(int step, int world) {
-  return torch::randn({3 * world, 4}, at::detail::createCPUGenerator(10 + step));
-}
-torch::Tensor targets(int step, int world) {
-  return torch::randn({3 * world, 2}, at::detail::createCPUGenerator(20 + step));
-}
-torch::Tensor rows(const torch::Tensor& t, int rank) { return t.narrow(0, 3 * rank, 3); }
-
-Tensors values(const std::vector<torch::Tensor>& params) {
-  Tensors out;
-  for (const auto& p : params) out.push_back(p.detach().clone());
-  return out;
 }
 
 // One process, no checkpointing: the mean of the ranks' losses, each rank's
@@ -97,8 +54,6 @@ Tensors reference(Usage usage, int world) {
   return values(model->parameters());
 }
 
-enum class Engine { Ddp, Fused, Zero1, Zero2, DdpZero2, AllReduce, FsdpUnits, FsdpRoot };
-
 struct Case {
   Engine engine;
   int world;
@@ -118,8 +73,6 @@ void train(const Case& c, int rank, bool* use_b, Forward&& forward, ZeroGrad&& z
   }
 }
 
-// fully_shard: each layer a unit, checkpointed around it (the recompute runs
-// the unit in backward), or the root alone around the checkpointed model.
 Tensors sharded(const Case& c, const std::shared_ptr<Communicator>& comm) {
   bool use_b = true;
   auto model = c.engine == Engine::FsdpUnits
@@ -209,7 +162,7 @@ TEST_P(CheckpointUnusedParameter, StepsAsOneProcess) {
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
-  for (int e = 0; e <= static_cast<int>(Engine::FsdpRoot); ++e) {
+  for (int e = 0; e < kEngines; ++e) {
     for (Usage usage : {Usage::Nowhere, Usage::Rank0}) {
       for (int world = 1; world <= 3; ++world) {
         cases.push_back(Case{static_cast<Engine>(e), world, usage});
@@ -220,9 +173,7 @@ std::vector<Case> all_cases() {
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  static const char* const engines[] = {"ddp",       "fused",      "zero1",     "zero2",
-                                        "ddp_zero2", "all_reduce", "fsdp_units", "fsdp_root"};
-  return std::string(engines[static_cast<int>(info.param.engine)]) +
+  return engine_name(info.param.engine) +
          (info.param.usage == Usage::Nowhere ? "_unused_world" : "_rank0_world") +
          std::to_string(info.param.world);
 }
