@@ -13,10 +13,12 @@
 
 #include <string>
 
+#include "cohort/activation/checkpoint.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "cohort/fsdp/fully_shard.h"
 #include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
+#include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/plan/gradient_sync.h"
 #include "support/thread_ranks.h"
 #include "tests/activation/gate_model.h"
@@ -180,6 +182,65 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 INSTANTIATE_TEST_SUITE_P(EnginesAndWorlds, CheckpointUnusedParameter,
                          ::testing::ValuesIn(all_cases()), case_name);
+
+// A pipeline of two stages (the checkpointed gate, then the Linear), two
+// micro-batches of 3 rows, b used in step 0 only: the runtime's gradients of
+// a step are those of the whole batch's mean loss, the reference at world 2
+// with each micro-batch as a rank's rows. Its weight gradients come from
+// autograd::grad, which gives the left-out parameter none.
+struct PipeCase {
+  std::string schedule;
+  bool function_stage;  // a ForwardFn stage, or a Sequential of checkpointed blocks
+};
+
+class CheckpointUnusedParameterPipeline : public ::testing::TestWithParam<PipeCase> {};
+
+TEST_P(CheckpointUnusedParameterPipeline, StepsAsOneProcess) {
+  const PipeCase k = GetParam();
+  const Tensors expected = reference(Usage::Nowhere, 2);
+  auto got = results_of_ranks<Tensors>(2, [&](std::shared_ptr<Communicator> comm) {
+    torch::set_num_threads(1);
+    const int r = comm->rank();
+    bool use_b = true;
+    auto seq = pipeline::split_sequential(make_model(&use_b, false), {1}, r);
+    auto stage = k.function_stage
+                     ? pipeline::PipelineStage(
+                           r,
+                           [seq, r](const Tensors& in) {
+                             auto fn = [seq](const Tensors& t) mutable { return Tensors{seq->forward(t[0])}; };
+                             return r == 0 ? checkpoint(fn, in, seq->parameters()) : fn(in);
+                           },
+                           seq->parameters(), seq.ptr())
+                     : pipeline::PipelineStage(r, r == 0 ? checkpoint_blocks(seq) : seq);
+    auto mse = [](const Tensors& out, const Tensors& t) { return torch::mse_loss(out[0], t[0]); };
+    pipeline::PipelineRuntime rt(DeviceMesh::from_group(comm, "pp"), {stage},
+                                 pipeline::make_schedule(k.schedule, 2, 1, 2), mse);
+    torch::optim::AdamW opt(seq->parameters(), kAdamW);
+    for (int s = 0; s < kSteps; ++s) {
+      use_b = uses_b(Usage::Nowhere, s, 0);
+      seq->zero_grad(/*set_to_none=*/true);
+      rt.step({inputs(s, 2)}, {targets(s, 2)});
+      opt.step();
+    }
+    return values(seq->parameters());
+  });
+  for (const auto& [rank, params] : got) {
+    const size_t first = rank == 0 ? 0 : 4;  // the gate's a and b, then the Linear
+    ASSERT_EQ(params.size(), rank == 0 ? 4u : 2u);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_LT((params[i] - expected[first + i]).abs().max().item<double>(), 1e-6)
+          << "parameter " << first + i << ", rank " << rank;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, CheckpointUnusedParameterPipeline,
+                         ::testing::Values(PipeCase{"1f1b", false}, PipeCase{"zbh1", false},
+                                           PipeCase{"1f1b", true}, PipeCase{"zbh1", true}),
+                         [](const auto& info) {
+                           return info.param.schedule +
+                                  (info.param.function_stage ? "_function" : "_sequential");
+                         });
 
 // Without find_unused_parameters, a parameter the checkpointed block left out
 // is missing as one outside the graph: the next forward fails on every rank.
