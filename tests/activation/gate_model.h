@@ -44,8 +44,7 @@ inline torch::nn::Sequential make_model(const bool* use_b, bool checkpointed) {
 }
 
 // Weight decay and momentum move a parameter stepped with a zero gradient.
-inline const torch::optim::AdamWOptions kAdamW =
-    torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+inline const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
 
 // Batch k, 3 rows per rank; rank r takes rows [3r, 3r + 3) (rows()).
 inline torch::Tensor inputs(int k, int world) {

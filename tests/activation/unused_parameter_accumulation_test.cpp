@@ -90,10 +90,10 @@ void plain(bool, const Body& body) { body(); }
 
 Tensors sharded(const Case& c, const std::shared_ptr<Communicator>& comm) {
   bool use_b = true;
-  auto model = c.engine == Engine::FsdpUnits
-                   ? fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), comm)),
-                                 comm)
-                   : fully_shard(make_model(&use_b, true), comm);
+  auto model =
+      c.engine == Engine::FsdpUnits
+          ? fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), comm)), comm)
+          : fully_shard(make_model(&use_b, true), comm);
   torch::optim::AdamW opt(model->parameters(), kAdamW);
   train(
       c, comm->rank(), &use_b, [&](const torch::Tensor& x) { return model->forward(x); },
@@ -129,8 +129,7 @@ Tensors with_ddp(const Case& c, const std::shared_ptr<Communicator>& comm) {
     zo.stage = 2;
     auto opt = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW, zo);
     train(
-        c, comm->rank(), &use_b, forward, scope, [&] { opt->zero_grad(); },
-        [&] { opt->step(); });
+        c, comm->rank(), &use_b, forward, scope, [&] { opt->zero_grad(); }, [&] { opt->step(); });
   }
   return values(model->parameters());
 }

@@ -47,8 +47,8 @@ Tensors reference(Usage usage, int world) {
     torch::Tensor loss = torch::zeros({});
     for (int r = 0; r < world; ++r) {
       use_b = uses_b(usage, s, r);
-      loss = loss + torch::mse_loss(model->forward(rows(inputs(s, world), r)),
-                                    rows(targets(s, world), r));
+      loss = loss +
+             torch::mse_loss(model->forward(rows(inputs(s, world), r)), rows(targets(s, world), r));
     }
     (loss / world).backward();
     opt.step();
@@ -77,10 +77,10 @@ void train(const Case& c, int rank, bool* use_b, Forward&& forward, ZeroGrad&& z
 
 Tensors sharded(const Case& c, const std::shared_ptr<Communicator>& comm) {
   bool use_b = true;
-  auto model = c.engine == Engine::FsdpUnits
-                   ? fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), comm)),
-                                 comm)
-                   : fully_shard(make_model(&use_b, true), comm);
+  auto model =
+      c.engine == Engine::FsdpUnits
+          ? fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), comm)), comm)
+          : fully_shard(make_model(&use_b, true), comm);
   torch::optim::AdamW opt(model->parameters(), kAdamW);
   train(
       c, comm->rank(), &use_b, [&](const torch::Tensor& x) { return model->forward(x); },
@@ -96,7 +96,8 @@ Tensors zero(const Case& c, const std::shared_ptr<Communicator>& comm) {
   ZeroOptions zo;
   zo.stage = c.engine == Engine::Zero1 ? 1 : 2;
   auto run = [&](auto&& forward, ZeroRedundancyOptimizer& opt) {
-    train(c, comm->rank(), &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+    train(
+        c, comm->rank(), &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
   };
   if (c.engine == Engine::DdpZero2) {
     // ZeRO-2 takes over DDP's reduction: DDP reports each gradient to it.
@@ -133,7 +134,8 @@ Tensors distributed(const Case& c, const std::shared_ptr<Communicator>& comm) {
         [&] { ddp.zero_grad(/*set_to_none=*/true); }, [&] { opt.step(); });
   } else if (c.engine == Engine::Fused) {
     FusedDistributedOptimizer opt(model->parameters(), comm, kAdamW);
-    train(c, r, &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+    train(
+        c, r, &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
   } else {
     // The Trainer's sync for a model without DDP: averaged after backward.
     AllReduceGradientSync sync(comm, model->parameters());
@@ -207,7 +209,9 @@ TEST_P(CheckpointUnusedParameterPipeline, StepsAsOneProcess) {
                      ? pipeline::PipelineStage(
                            r,
                            [seq, r](const Tensors& in) {
-                             auto fn = [seq](const Tensors& t) mutable { return Tensors{seq->forward(t[0])}; };
+                             auto fn = [seq](const Tensors& t) mutable {
+                               return Tensors{seq->forward(t[0])};
+                             };
                              return r == 0 ? checkpoint(fn, in, seq->parameters()) : fn(in);
                            },
                            seq->parameters(), seq.ptr())
