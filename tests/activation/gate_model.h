@@ -64,13 +64,18 @@ inline Tensors values(const std::vector<torch::Tensor>& params) {
 // DDP (find_unused_parameters), the fused optimizer, ZeRO-1 and ZeRO-2
 // alone, ZeRO-2 under DDP, AllReduceGradientSync with AdamW, fully_shard
 // with each layer a unit checkpointed around it (the recompute runs the
-// unit in backward) and with the root alone around the checkpointed model.
-enum class Engine { Ddp, Fused, Zero1, Zero2, DdpZero2, AllReduce, FsdpUnits, FsdpRoot };
-constexpr int kEngines = static_cast<int>(Engine::FsdpRoot) + 1;
+// unit in backward) and with the root alone around the checkpointed model,
+// and the units over a (world x 1) HSDP mesh (replicas only).
+enum class Engine { Ddp, Fused, Zero1, Zero2, DdpZero2, AllReduce, FsdpUnits, FsdpRoot, Hsdp };
+constexpr int kEngines = static_cast<int>(Engine::Hsdp) + 1;
+
+inline bool sharded_engine(Engine e) {
+  return e == Engine::FsdpUnits || e == Engine::FsdpRoot || e == Engine::Hsdp;
+}
 
 inline std::string engine_name(Engine e) {
-  static const char* const names[] = {"ddp",       "fused",      "zero1",      "zero2",
-                                      "ddp_zero2", "all_reduce", "fsdp_units", "fsdp_root"};
+  static const char* const names[] = {"ddp",        "fused",      "zero1",     "zero2", "ddp_zero2",
+                                      "all_reduce", "fsdp_units", "fsdp_root", "hsdp"};
   return names[static_cast<int>(e)];
 }
 

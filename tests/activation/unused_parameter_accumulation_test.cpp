@@ -90,10 +90,13 @@ void plain(bool, const Body& body) { body(); }
 
 Tensors sharded(const Case& c, const std::shared_ptr<Communicator>& comm) {
   bool use_b = true;
+  const auto mesh = c.engine == Engine::Hsdp
+                        ? init_device_mesh(comm, {c.world, 1}, {"replicate", "shard"})
+                        : DeviceMesh::from_group(comm, "shard");
   auto model =
-      c.engine == Engine::FsdpUnits
-          ? fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), comm)), comm)
-          : fully_shard(make_model(&use_b, true), comm);
+      c.engine == Engine::FsdpRoot
+          ? fully_shard(make_model(&use_b, true), mesh)
+          : fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), mesh)), mesh);
   torch::optim::AdamW opt(model->parameters(), kAdamW);
   train(
       c, comm->rank(), &use_b, [&](const torch::Tensor& x) { return model->forward(x); },
@@ -136,7 +139,7 @@ Tensors with_ddp(const Case& c, const std::shared_ptr<Communicator>& comm) {
 
 Tensors distributed(const Case& c, const std::shared_ptr<Communicator>& comm) {
   torch::set_num_threads(1);
-  if (c.engine == Engine::FsdpUnits || c.engine == Engine::FsdpRoot) return sharded(c, comm);
+  if (sharded_engine(c.engine)) return sharded(c, comm);
   if (c.engine == Engine::Ddp || c.engine == Engine::DdpZero2) return with_ddp(c, comm);
   const int r = comm->rank();
   bool use_b = true;

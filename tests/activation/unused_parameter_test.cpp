@@ -2,7 +2,7 @@
 // (a branch): the recompute returns no gradient for it, yet the engine still
 // runs its accumulator. Every data-parallel path (DDP, the fused optimizer,
 // ZeRO-1 and ZeRO-2 alone and ZeRO-2 under DDP, AllReduceGradientSync,
-// fully_shard with the checkpoint around a unit or inside the root) must
+// fully_shard with the checkpoint around a unit or inside the root, HSDP) must
 // leave its .grad undefined where no rank used it, as one process does, so
 // AdamW skips it instead of stepping a zero gradient (weight decay and
 // momentum would move it); where some ranks used it, its gradient is the
@@ -77,10 +77,13 @@ void train(const Case& c, int rank, bool* use_b, Forward&& forward, ZeroGrad&& z
 
 Tensors sharded(const Case& c, const std::shared_ptr<Communicator>& comm) {
   bool use_b = true;
+  const auto mesh = c.engine == Engine::Hsdp
+                        ? init_device_mesh(comm, {c.world, 1}, {"replicate", "shard"})
+                        : DeviceMesh::from_group(comm, "shard");
   auto model =
-      c.engine == Engine::FsdpUnits
-          ? fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), comm)), comm)
-          : fully_shard(make_model(&use_b, true), comm);
+      c.engine == Engine::FsdpRoot
+          ? fully_shard(make_model(&use_b, true), mesh)
+          : fully_shard(checkpoint_blocks(shard_blocks(make_model(&use_b, false), mesh)), mesh);
   torch::optim::AdamW opt(model->parameters(), kAdamW);
   train(
       c, comm->rank(), &use_b, [&](const torch::Tensor& x) { return model->forward(x); },
@@ -116,7 +119,7 @@ Tensors zero(const Case& c, const std::shared_ptr<Communicator>& comm) {
 
 Tensors distributed(const Case& c, const std::shared_ptr<Communicator>& comm) {
   torch::set_num_threads(1);
-  if (c.engine == Engine::FsdpUnits || c.engine == Engine::FsdpRoot) return sharded(c, comm);
+  if (sharded_engine(c.engine)) return sharded(c, comm);
   if (c.engine == Engine::Zero1 || c.engine == Engine::Zero2 || c.engine == Engine::DdpZero2)
     return zero(c, comm);
   const int r = comm->rank();
