@@ -103,11 +103,12 @@ std::vector<int64_t> to_vector(const torch::Tensor& t) {
 
 // The options with the mesh's "ep" and "tp" groups (MoEImpl's mesh form).
 MoEOptions with_mesh_groups(const DeviceMesh& mesh, MoEOptions options) {
-  if (options.ep_group || options.tp_group) {
+  if (options.ep_group || options.tp_group || options.sequence_group) {
     const auto& group = mesh.process_group();
-    throw InvalidArgument("MoE (rank " + std::to_string(group->rank()) + " of " +
-                          std::to_string(group->size()) +
-                          "): the groups come from the mesh or from ep_group/tp_group, not both");
+    throw InvalidArgument(
+        "MoE (rank " + std::to_string(group->rank()) + " of " + std::to_string(group->size()) +
+        "): the groups come from the mesh or from ep_group/tp_group/sequence_group, not "
+        "both");
   }
   const auto names = mesh.dim_names();
   const auto has = [&](const char* name) {
@@ -115,6 +116,7 @@ MoEOptions with_mesh_groups(const DeviceMesh& mesh, MoEOptions options) {
   };
   if (has("ep")) options.ep_group = mesh["ep"].process_group();
   if (has("tp")) options.tp_group = mesh["tp"].process_group();
+  if (has("cp")) options.sequence_group = mesh["cp"].process_group();
   return options;
 }
 
@@ -207,12 +209,13 @@ std::string disagreement(const RankWords& all, const Communicator& g, const char
 }  // namespace
 
 void MoEImpl::agree() const {
-  // Both all-gathers before any throw: a rank whose ep group disagrees still
-  // joins its tp group's, so no rank is left waiting on one that threw.
+  // Every all-gather before any throw: a rank whose ep group disagrees still
+  // joins its tp and cp groups', so no rank is left waiting on one that threw.
   const auto mine = option_words(options_);
   std::string error;
   for (const auto& [group, kind] : {std::pair{options_.ep_group.get(), "expert-parallel"},
-                                    std::pair{options_.tp_group.get(), "tensor-parallel"}}) {
+                                    std::pair{options_.tp_group.get(), "tensor-parallel"},
+                                    std::pair{options_.sequence_group.get(), "context-parallel"}}) {
     if (!group || group->size() == 1) continue;
     std::vector<int64_t> words;
     for (const auto& w : mine) words.push_back(w.second);
@@ -230,7 +233,12 @@ Routing MoEImpl::route(const torch::Tensor& x) {
   auto flat = x.reshape({-1, options_.hidden});
   auto routing =
       expert_parallel::route(torch::linear(flat, router), options_.top_k, options_.capacity_factor);
-  aux_loss_ = load_balancing_loss(routing) * options_.aux_loss_coef;
+  // Under context parallelism the loss is the whole sequences', whose
+  // tokens the sequence group's ranks share.
+  const auto& seq = options_.sequence_group;
+  aux_loss_ =
+      (seq && seq->size() > 1 ? load_balancing_loss(routing, *seq) : load_balancing_loss(routing)) *
+      options_.aux_loss_coef;
   dropped_ = routing.kept.numel() - routing.kept.sum().item<int64_t>();
   return routing;
 }
@@ -515,17 +523,25 @@ std::string mesh_mismatch(const torch::nn::Module& model, const DeviceMesh& mesh
   model.apply([&](const std::string& name, const torch::nn::Module& m) {
     const auto* moe = dynamic_cast<const MoEImpl*>(&m);
     if (!moe || !error.empty()) return;
-    for (const auto& [dim, group, split, kind] :
-         {std::tuple{"ep", moe->options().ep_group.get(), "its experts", "expert-parallel"},
-          std::tuple{"tp", moe->options().tp_group.get(), "each expert", "tensor-parallel"}}) {
+    // What the MoE does over each group, with it and without it.
+    for (const auto& [dim, group, with, without] :
+         {std::tuple{"ep", moe->options().ep_group.get(),
+                     " splits its experts over its expert-parallel group ",
+                     " has no expert-parallel group (its experts whole on every rank)"},
+          std::tuple{"tp", moe->options().tp_group.get(),
+                     " splits each expert over its tensor-parallel group ",
+                     " has no tensor-parallel group (each expert whole on every rank)"},
+          std::tuple{
+              "cp", moe->options().sequence_group.get(),
+              " counts its load-balancing loss over its sequence group ",
+              " has no sequence group (its load-balancing loss over this rank's tokens only)"}}) {
       const auto [size, rank] = size_and_rank(dim);
       const int has_size = group ? group->size() : 1, has_rank = group ? group->rank() : 0;
       if (has_size == size && has_rank == rank) continue;
-      const std::string has =
-          group ? std::string(" splits ") + split + " over its " + kind + " group " +
-                      group->name() + " of " + std::to_string(has_size) + " ranks (this rank at " +
-                      std::to_string(has_rank) + ")"
-                : std::string(" has no ") + kind + " group (" + split + " whole on every rank)";
+      const std::string has = group ? std::string(with) + group->name() + " of " +
+                                          std::to_string(has_size) + " ranks (this rank at " +
+                                          std::to_string(has_rank) + ")"
+                                    : std::string(without);
       error = moe_name(name) + has + ", but the mesh (" + mesh.to_string() + ") has \"" + dim +
               "\" of " + std::to_string(size) + " (this rank at " + std::to_string(rank) +
               "): build it over the mesh (MoE(mesh, options))";

@@ -48,22 +48,30 @@ struct MoEOptions {
   /// the output are all-reduced over it. Its ranks must route the same
   /// tokens alike (the same input and router). Null: whole experts.
   std::shared_ptr<Communicator> tp_group;
+  /// The context-parallel group (a mesh's "cp" dimension): the ranks that
+  /// hold other tokens of the same sequences. The load-balancing loss is
+  /// then the whole sequences' (load_balancing_loss over the group), the
+  /// same value on each of its ranks, its gradient weighted for the average
+  /// over it. Routing and capacity stay per rank's tokens. Null: this rank's
+  /// tokens only.
+  std::shared_ptr<Communicator> sequence_group;
 };
 
 /// y = sum over a token's kept assignments of gate * expert(x). Dropped
 /// assignments add nothing: the residual connection is the caller's.
 class MoEImpl : public torch::nn::Module {
  public:
-  /// Collective over ep_group and tp_group: one all-gather over each that
+  /// Collective over ep_group, tp_group and sequence_group: one all-gather over each that
   /// checks E, k, H, F, the capacity factor, the aux loss coefficient and
   /// the seed agree. Throws on every rank: MismatchError naming the group,
   /// two ranks and their values, InvalidArgument when E does not divide by
   /// the ep size or an option is out of range.
   explicit MoEImpl(MoEOptions options);
   /// Over a mesh: its "ep" dimension splits the experts and its "tp"
-  /// dimension, when it has one, each expert's FFN (the groups options'
-  /// ep_group and tp_group name, which must then be unset: InvalidArgument);
-  /// other dimensions hold replicas. A mesh without "ep" holds every expert.
+  /// dimension, when it has one, each expert's FFN; its "cp" dimension is
+  /// the sequence group (the groups options' ep_group, tp_group and
+  /// sequence_group name, which must then be unset: InvalidArgument); other
+  /// dimensions hold replicas. A mesh without "ep" holds every expert.
   MoEImpl(const DeviceMesh& mesh, MoEOptions options);
 
   /// x: [..., H], this rank's tokens; returns [..., H]. Collective over the
@@ -76,7 +84,8 @@ class MoEImpl : public torch::nn::Module {
   torch::Tensor forward_routed(const torch::Tensor& x, const Routing& routing);
 
   /// aux_loss_coef * load_balancing_loss of the last route(): add it to the
-  /// loss. It covers this rank's tokens only.
+  /// loss. It covers this rank's tokens, and with a sequence_group those of
+  /// every rank of it.
   const torch::Tensor& aux_loss() const { return aux_loss_; }
   /// Assignments of this rank's tokens that the last route() dropped.
   int64_t dropped() const { return dropped_; }
@@ -122,8 +131,9 @@ std::map<const void*, int64_t> expert_tensor_split_dims(const torch::nn::Module&
 std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model);
 
 /// Why the MoE layers inside `model` are not split as `mesh` says, or empty:
-/// each must split its experts over the mesh's "ep" dimension and each
-/// expert's FFN over its "tp", as MoE(mesh, options) does (groups of the
+/// each must split its experts over the mesh's "ep" dimension, each
+/// expert's FFN over its "tp" and count its load-balancing loss over its
+/// "cp", as MoE(mesh, options) does (groups of the
 /// same sizes, this rank at the same rank in each; a dimension the mesh
 /// lacks counts as one rank). The mesh's gradient sync, norm and checkpoint
 /// place the experts by the mesh's dimensions. Local: the caller agrees on

@@ -48,4 +48,26 @@ torch::Tensor load_balancing_loss(const Routing& routing) {
   return (f * p).sum() * static_cast<double>(experts);
 }
 
+torch::Tensor load_balancing_loss(const Routing& routing, Communicator& g) {
+  const int64_t experts = routing.probs.size(1);
+  // Per expert: assignments, then summed probabilities; then the tokens and
+  // the assignments, all summed over the group.
+  auto stats = torch::zeros({2 * experts + 2}, torch::kFloat64);
+  stats.narrow(0, 0, experts).copy_(torch::bincount(routing.expert, {}, experts).cpu());
+  stats.narrow(0, experts, experts).copy_(routing.probs.detach().sum(0).cpu());
+  stats[2 * experts] = static_cast<double>(routing.probs.size(0));
+  stats[2 * experts + 1] = static_cast<double>(routing.expert.numel());
+  g.all_reduce(stats, {ReduceOp::Sum}).wait();
+  const double tokens = stats[2 * experts].item<double>();
+  const double assignments = stats[2 * experts + 1].item<double>();
+  if (tokens == 0) return routing.probs.sum() * 0;
+  auto f = stats.narrow(0, 0, experts) / assignments;
+  const double whole =
+      (f * stats.narrow(0, experts, experts)).sum().item<double>() * experts / tokens;
+  // This rank's share, in the graph; zero in value.
+  auto share = (routing.probs.sum(0) * f.to(routing.probs.options())).sum() *
+               (static_cast<double>(experts) * g.size() / tokens);
+  return torch::full({}, whole, routing.probs.options()) + (share - share.detach());
+}
+
 }  // namespace cohort::expert_parallel

@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "cohort/comm/communicator.h"
+
 namespace cohort::expert_parallel {
 
 /// One rank's routing. Assignment a = choice * T + token (choice-major), so
@@ -47,5 +49,17 @@ int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t k, int64
 /// P_e the mean probability of e over the T tokens. 1 when both are uniform;
 /// 0 (still in the graph) for a rank without tokens.
 torch::Tensor load_balancing_loss(const Routing& routing);
+
+/// The same loss over the tokens of every rank of `sequence_group`, the
+/// ranks that hold other tokens of the same sequences (context parallelism):
+/// f_e from the assignments and P_e from the probabilities summed over the
+/// group, as Megatron-Core reduces them over its tp x cp group. Every rank
+/// returns the loss of the whole sequences. Its gradient reaches this rank's
+/// probabilities only, weighted by the group's size, for the average over
+/// the group that follows (as context_parallel::sequence_mean_loss): the
+/// average of the ranks' gradients is the whole loss's. Collective over the
+/// group: one all-reduce of 2 E + 2 doubles; every rank must route to the
+/// same E experts (the MoE agrees on it when built).
+torch::Tensor load_balancing_loss(const Routing& routing, Communicator& sequence_group);
 
 }  // namespace cohort::expert_parallel

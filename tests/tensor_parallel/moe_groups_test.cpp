@@ -5,7 +5,8 @@
 // on every rank, naming the parameter, before any broadcast replaces a
 // rank's experts; at world 1 (nothing split) each accepts it and leaves the
 // experts as drawn. On the mesh, TrainerWiring::mesh refuses MoE layers
-// split over other groups than the mesh's "ep" and "tp", and an expert list
+// split over other groups than the mesh's "ep" and "tp" or counting their
+// load-balancing loss over another group than its "cp", and an expert list
 // that is not exactly the MoE layers' experts.
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
@@ -293,6 +294,37 @@ TEST_P(MoeOnTheMesh, LayersOverTheMeshWithTheirExperts) {
     auto mesh = ep_mesh(world);
     MoE first(mesh, options(Split::Ep, nullptr)), second(mesh, options(Split::Ep, nullptr));
     torch::nn::Sequential stage(first, second);
+    wire_mesh(mesh, stage, expert_parameters(*stage));
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "accepted");
+}
+
+// An MoE without a sequence group on a mesh with cp above 1: its
+// load-balancing loss would cover each cp rank's part of the sequences only.
+// Built over the mesh (which takes "cp" for its sequence group) it is wired.
+TEST_P(MoeOnTheMesh, NoSequenceGroupOnAMeshWithCp) {
+  const int n = GetParam().world;
+  const auto cp_mesh = [](std::shared_ptr<Communicator> world) {
+    return init_device_mesh(world, {1, 1, world->size(), 1}, {"pp", "dp", "cp", "tp"});
+  };
+  auto errors = run([&](std::shared_ptr<Communicator> world) {
+    torch::nn::Sequential stage(MoE(options(Split::Ep, nullptr)));
+    wire_mesh(cp_mesh(world), stage, expert_parameters(*stage));
+  });
+  for (const auto& e : errors) {
+    if (n == 1) {
+      EXPECT_EQ(e, "accepted");
+      continue;
+    }
+    EXPECT_TRUE(has(e,
+                    "MoE 'stage0.0' has no sequence group (its load-balancing loss over this "
+                    "rank's tokens only)"))
+        << e;
+    EXPECT_TRUE(has(e, "has \"cp\" of " + std::to_string(n))) << e;
+  }
+  errors = run([&](std::shared_ptr<Communicator> world) {
+    const auto mesh = cp_mesh(world);
+    torch::nn::Sequential stage(MoE(mesh, options(Split::Ep, nullptr)));
     wire_mesh(mesh, stage, expert_parameters(*stage));
   });
   for (const auto& e : errors) EXPECT_EQ(e, "accepted");

@@ -241,6 +241,35 @@ TEST(ExpertRouting, CapacityDropsInClaimingOrder) {
   EXPECT_EQ(load_balancing_loss(none).item<float>(), 0.0f);
 }
 
+// The load-balancing loss over a sequence group (context parallelism): the
+// ranks hold 5, then 3 + 2, then 3 + 0 + 2 tokens of one batch (one rank
+// without tokens). Every rank's value is one process's over all of them;
+// each rank's gradient, averaged over the group (divided by its size), is
+// one process's gradient of its rows.
+TEST(ExpertRouting, LoadBalancingLossOverASequenceGroup) {
+  const auto logits = torch::randn({5, 4}, at::detail::createCPUGenerator(3));
+  auto all = logits.clone().requires_grad_(true);
+  auto want = load_balancing_loss(route(all, 2, 1.0));
+  want.backward();
+  const std::vector<std::vector<int64_t>> splits = {{5}, {3, 2}, {3, 0, 2}};
+  for (const auto& rows : splits) {
+    const int n = static_cast<int>(rows.size());
+    run_ranks_shared(n, [&](std::shared_ptr<Communicator> g) {
+      int64_t first = 0;
+      for (int r = 0; r < g->rank(); ++r) first += rows[static_cast<size_t>(r)];
+      const auto mine = rows[static_cast<size_t>(g->rank())];
+      auto local = logits.narrow(0, first, mine).clone().requires_grad_(true);
+      auto got = load_balancing_loss(route(local, 2, 1.0), *g);
+      EXPECT_NEAR(got.item<float>(), want.item<float>(), 1e-6) << "cp " << n;
+      got.backward();
+      const auto expected = all.grad().narrow(0, first, mine);
+      EXPECT_TRUE(torch::allclose(local.grad() / n, expected, 1e-5, 1e-7))
+          << "cp " << n << ", rank " << g->rank() << ": " << local.grad() / n << " against "
+          << expected;
+    });
+  }
+}
+
 // The capacity in Megatron-Core's order (get_capacity: ceil((T * k / E) *
 // factor) in doubles), closed forms where the two orders of the product
 // land on either side of an integer: in doubles (90 / 3) * 1.1 is exactly
@@ -631,7 +660,8 @@ TEST_P(MoeErrors, GroupsFromBothTheMeshAndTheOptions) {
         MoE m(DeviceMesh::from_group(g, "ep"), small(g, 4, 1));
       },
       briefly_on(GetParam()));
-  expect_on_every_rank(errors, {"from the mesh or from ep_group/tp_group, not both"});
+  expect_on_every_rank(errors,
+                       {"from the mesh or from ep_group/tp_group/sequence_group, not both"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Moe, MoeErrors, ::testing::ValuesIn(backends()),
