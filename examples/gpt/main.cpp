@@ -99,13 +99,17 @@ torch::Tensor run_stage(DeviceMesh& mesh, GPTStage& stage, const torch::Tensor& 
   for (int k = 0; k < stage->num_chunks(); ++k) {
     const int index = stage->chunk_index(k);
     torch::Tensor input = ids;
-    if (index > 0) {
+    if (index > 0 && P == 1) {
+      // This rank's previous chunk: its output itself, which the stage's
+      // experts know their micro-batch by (GPTStage::forward_chunk).
+      input = out;
+    } else if (index > 0) {
       const auto T = c.sequence_parallel ? c.seq_len / mesh.size("tp") : ids.size(1);
       input = torch::empty({T, ids.size(0), c.hidden});
       pp.recv(input, (r + P - 1) % P).wait();
     }
     out = stage->forward_chunk(k, input);
-    if (index + 1 < chunks) pp.send(out.detach().contiguous(), (r + 1) % P).wait();
+    if (index + 1 < chunks && P > 1) pp.send(out.detach().contiguous(), (r + 1) % P).wait();
   }
   return out;
 }

@@ -173,6 +173,9 @@ class TransformerBlockImpl : public torch::nn::Module {
       o.seed = seed_of(c, layer, 4);
       o.ep_group = ep;
       o.tp_group = tp_;
+      // Under context parallelism the load-balancing loss is the whole
+      // sequences', as the cross-entropy is.
+      o.sequence_group = cp;
       moe = register_module("moe", expert_parallel::MoE(o));
       return;
     }
@@ -320,16 +323,20 @@ torch::Tensor GPTStageImpl::forward_chunk(int k, const torch::Tensor& input) {
       "chunk " + std::to_string(k) + " is not one of this rank's " + std::to_string(num_chunks()),
       *tp_);
   auto h = chunk_index(k) == 0 ? embed(input) : input;
-  // With experts pp is 1: a micro-batch's forward starts at chunk 0 and runs
-  // through every chunk before the next one's starts. One scale each.
-  if (config_.experts > 0 && (chunk_index(k) == 0 || !aux_scale_.defined())) {
-    aux_scale_ = torch::zeros({}, h.options().requires_grad(false));
+  // With experts: chunk 0 starts a micro-batch, a later chunk continues the
+  // one its input came from (pp is 1, so that is this rank's earlier chunk).
+  MicroBatch mb;
+  if (config_.experts > 0) {
+    const auto zero = [&] { return torch::zeros({}, h.options().requires_grad(false)); };
+    mb = chunk_index(k) == 0 ? MicroBatch{zero(), zero()}
+                             : micro_batch_of(input, "forward_chunk(" + std::to_string(k) + ")");
   }
   for (auto& block : chunks_[k]) {
     if (!config_.checkpoint_activations) {
       h = block->forward(h);
       if (!block->moe.is_empty() && block->moe->aux_loss().defined()) {
-        h = pass_aux_loss_gradient(h, block->moe->aux_loss(), aux_scale_);
+        h = pass_aux_loss_gradient(h, block->moe->aux_loss(), mb.scale);
+        mb.aux = mb.aux + block->moe->aux_loss().detach();
       }
       continue;
     }
@@ -344,7 +351,32 @@ torch::Tensor GPTStageImpl::forward_chunk(int k, const torch::Tensor& input) {
     h = checkpoint([block](const torch::Tensor& x) { return block->forward(x); }, h,
                    block->parameters(), options);
   }
-  return chunk_index(k) == pp_ * num_chunks() - 1 ? head(h) : h;
+  auto out = chunk_index(k) == pp_ * num_chunks() - 1 ? head(h) : h;
+  if (config_.experts > 0) remember(out, std::move(mb));
+  return out;
+}
+
+void GPTStageImpl::remember(const torch::Tensor& out, MicroBatch mb) {
+  // Micro-batches whose outputs are gone can no longer be asked for.
+  micro_batches_.erase(std::remove_if(micro_batches_.begin(), micro_batches_.end(),
+                                      [](const auto& held) { return held.first.expired(); }),
+                       micro_batches_.end());
+  micro_batches_.emplace_back(out.storage().getWeakStorageImpl(), std::move(mb));
+}
+
+GPTStageImpl::MicroBatch GPTStageImpl::micro_batch_of(const torch::Tensor& t,
+                                                      const std::string& op) const {
+  // By storage: the pipeline hands a chunk's output on detached.
+  const auto* storage =
+      t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  for (const auto& [held, mb] : micro_batches_) {
+    if (!held.expired() && held._unsafe_get_target() == storage) return mb;
+  }
+  require(false,
+          op + ": the tensor is not (a view of) an output of this stage's forward, which its "
+               "micro-batch's load-balancing losses travel with; pass that output itself",
+          *tp_);
+  return {};
 }
 
 torch::Tensor GPTStageImpl::embed(const torch::Tensor& input) {
@@ -392,10 +424,11 @@ torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tenso
     loss = vocab_parallel_cross_entropy(logits, targets.t(), *tp_, o);
   }
   if (config_.experts == 0) return loss;
-  if (!aux_scale_.defined()) aux_scale_ = torch::zeros({}, loss.options().requires_grad(false));
-  // The value of every MoE's auxiliary loss; their gradients come from the
-  // blocks (AuxLossGradient).
-  return tap_loss_gradient(loss, aux_loss().detach(), aux_scale_);
+  // The value of every MoE's auxiliary loss of the logits' own forward
+  // (another forward may have run since); their gradients come from the
+  // blocks (AuxLossGradient), scaled by what this loss gets.
+  const auto mb = micro_batch_of(logits, "loss");
+  return tap_loss_gradient(loss, mb.aux.to(loss.options()), mb.scale);
 }
 
 torch::Tensor GPTStageImpl::aux_loss() const {

@@ -49,6 +49,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cohort/mesh/device_mesh.h"
@@ -98,12 +99,17 @@ class GPTStageImpl : public torch::nn::Module {
   /// Local chunk k (global chunk k pp + pp_rank). Chunk 0: ids [B, T] int64
   /// -> hidden; other chunks: hidden -> hidden; the last chunk returns
   /// vocab-parallel logits [T, B, V/tp]. Hidden states are [T, B, H], or
-  /// [T/tp, B, H] under sequence parallelism.
+  /// [T/tp, B, H] under sequence parallelism. With experts (pp 1) a chunk
+  /// after the first takes the previous chunk's output itself, or a view or
+  /// detached alias of it (its micro-batch's load-balancing losses travel
+  /// with it), else InvalidArgument.
   torch::Tensor forward_chunk(int k, const torch::Tensor& input);
   /// Last stage: the mean cross-entropy of `logits` (from forward) against
   /// targets [B, T], the same value on every TP rank; targets equal to -100
   /// are ignored (left out of the mean), as in LibTorch. With experts, plus
-  /// every MoE's load-balancing loss of the last forward (aux_loss()).
+  /// every MoE's load-balancing loss of the forward that returned `logits`
+  /// (whatever forwards ran since): pass forward's output itself (or a view
+  /// of it), else InvalidArgument.
   /// Under context parallelism targets are this rank's columns
   /// (local_sequence) and the mean is over the counted targets of every cp
   /// rank (context_parallel::sequence_mean_loss): the same value on each,
@@ -111,7 +117,9 @@ class GPTStageImpl : public torch::nn::Module {
   /// Data-parallel ranks stay a mean of their means (as DDP). The experts'
   /// load-balancing losses count here by value only: each MoE passes its own
   /// the gradient this loss gets, in the backward of its block (of its own
-  /// model chunk, where a pipeline differentiates the chunks apart).
+  /// model chunk, where a pipeline differentiates the chunks apart). Under
+  /// context parallelism the load-balancing losses are the whole sequences'
+  /// too (MoEOptions::sequence_group).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
   /// The sum of this stage's MoE load-balancing losses from the last forward
   /// (a zero scalar without experts).
@@ -163,9 +171,20 @@ class GPTStageImpl : public torch::nn::Module {
   std::vector<std::vector<std::shared_ptr<TransformerBlockImpl>>> chunks_;  // local chunk -> blocks
   torch::nn::LayerNorm final_layernorm_{nullptr};
   VocabParallelEmbedding output_embeddings_{nullptr};  // pp > 1: the last stage's copy
-  // With experts: the current micro-batch's gradient of the loss, recorded by
-  // the loss's backward for its MoEs' load-balancing gradients.
-  torch::Tensor aux_scale_;
+  // With experts, one forward's: `scale`, the gradient its loss gets (written
+  // by the loss's backward, read by its MoEs' load-balancing gradients), and
+  // `aux`, the value of its MoEs' load-balancing losses so far.
+  struct MicroBatch {
+    torch::Tensor scale, aux;
+  };
+  // Kept with the outputs they belong to (chunk outputs and logits, by
+  // storage), so that a forward in between (an evaluation, another
+  // micro-batch) leaves them alone; dropped once an output is freed.
+  std::vector<std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, MicroBatch>> micro_batches_;
+  void remember(const torch::Tensor& out, MicroBatch mb);
+  // The micro-batch of an output of forward; InvalidArgument naming `op` if
+  // `t` is none.
+  MicroBatch micro_batch_of(const torch::Tensor& t, const std::string& op) const;
 };
 TORCH_MODULE(GPTStage);
 

@@ -7,7 +7,9 @@
 // agreement, (c - 1) * 56 bytes), c - 1 K/V blocks in forward, c - 1 K/V
 // blocks and c dK/dV blocks in backward, each block [2, b, H, S/c, D]
 // float32; per micro-batch the sequence loss's all-reduce of 2 + c doubles
-// (a ring: floor(2 (c - 1) n / c) bytes of n). Nothing at c = 1.
+// (a ring: floor(2 (c - 1) n / c) bytes of n) and, with experts, each MoE
+// layer's load-balancing statistics, an all-reduce of 2 E + 2 doubles.
+// Nothing at c = 1.
 //
 // "dp", the gradients' average over the dense group dp x ep x cp
 // (Megatron-LM's data-parallel group under context parallelism), once per
@@ -70,13 +72,15 @@ GPTConfig config(int ep) {
 // (cohort/observability/comm_stats.h).
 int64_t ring_all_reduce(int64_t n, int64_t p) { return p == 1 ? 0 : 2 * (p - 1) * n / p; }
 
-int64_t expected_cp_bytes(int64_t c) {
+int64_t expected_cp_bytes(int64_t c, int ep) {
   if (c == 1) return 0;
+  const int64_t experts = config(ep).experts, moe_layers = experts > 0 ? kLayers / 2 : 0;
+  const int64_t balance = moe_layers * ring_all_reduce((2 * experts + 2) * 8, c);
   const int64_t block = 2 * kRows * kHeads * (kSeq / c) * (kHidden / kHeads) * 4;
   const int64_t agreement = (c - 1) * 7 * 8;
   const int64_t ring = (c - 1) * block + (c - 1) * block + c * block;
   const int64_t loss = ring_all_reduce((2 + c) * 8, c);
-  return kMicro * (kLayers * (agreement + ring) + loss);
+  return kMicro * (kLayers * (agreement + ring) + loss + balance);
 }
 
 // The elements and tensors of a group of parameters.
@@ -143,7 +147,7 @@ TEST_P(MeshCommBytes, CountsRingAttentionAsCpAndTheGradientAverageAsDp) {
   // One bucket holds every gradient (the model is under first_bucket_mb).
   ASSERT_LT(run.dense.numel * 4, 1 << 20);
   ASSERT_EQ(run.experts.tensors > 0, c.ep > 1);
-  const int64_t cp = expected_cp_bytes(c.cp);
+  const int64_t cp = expected_cp_bytes(c.cp, c.ep);
   const int64_t dp =
       average_bytes(run.dense, c.dp * c.ep * c.cp) + average_bytes(run.experts, c.dp * c.cp);
   for (size_t r = 0; r < run.metrics.size(); ++r) {
