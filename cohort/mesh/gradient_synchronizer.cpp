@@ -98,10 +98,9 @@ GradientSynchronizer::GradientSynchronizer(DeviceMesh mesh,
   const int pp = mesh_.size("pp"), stage_index = mesh_.local_rank("pp");
   const bool end = stage_index == 0 || stage_index == pp - 1;
   embedding_group_ = mesh_["pp"].process_group()->split(end ? 0 : -1, stage_index == 0 ? 0 : 1);
-  const bool tied = pp > 1 && embedding_group_;
-  if (tied && !shared_embedding_.defined()) {
-    throw InvalidArgument(who + "the first and last stages need the shared embedding");
-  }
+  if (pp > 1) check_embedding_tie(end, who);
+  if (!end) shared_embedding_ = torch::Tensor();  // a middle stage holds no end of the tie
+  const bool tied = pp > 1 && end && !options_.untied_embedding;
   if (tied) {
     // The first stage's copy becomes the last stage's: one model.
     torch::NoGradGuard no_grad;
@@ -143,6 +142,46 @@ void GradientSynchronizer::check_dimensions(const std::string& who) const {
   if (has_dimension(mesh_, "ep") && mesh_.size("ep") > 1 && options_.expert_parameters.empty()) {
     throw InvalidArgument(who + "the mesh (" + mesh_.to_string() +
                           ") splits experts over ep, but options.expert_parameters is empty");
+  }
+}
+
+void GradientSynchronizer::check_embedding_tie(bool end_stage, const std::string& who) const {
+  // Per rank: bit 0 an end stage, bit 1 it passed an embedding, bit 2
+  // untied_embedding, above them its pipeline stage.
+  const int64_t mine = (end_stage ? 1 : 0) | (shared_embedding_.defined() ? 2 : 0) |
+                       (options_.untied_embedding ? 4 : 0) | (int64_t{mesh_.local_rank("pp")} << 3);
+  auto& world = *mesh_.process_group();
+  auto all = torch::empty({world.size()}, torch::kInt64);
+  world.all_gather_into_tensor(all, torch::full({1}, mine, torch::kInt64)).wait();
+  const auto a = all.accessor<int64_t, 1>();
+  auto rank_text = [&](int r) {
+    return "mesh rank " + std::to_string(r) + " (pipeline stage " + std::to_string(a[r] >> 3) + ")";
+  };
+  const bool untied = options_.untied_embedding;
+  for (int r = 0; r < world.size(); ++r) {
+    if (static_cast<bool>(a[r] & 4) != untied) {
+      throw InvalidArgument(who + "options.untied_embedding is " + (untied ? "true" : "false") +
+                            " here but " + (untied ? "false" : "true") + " on " + rank_text(r) +
+                            ": every rank must build the same model");
+    }
+  }
+  for (int r = 0; r < world.size(); ++r) {
+    const bool end = a[r] & 1, passed = a[r] & 2;
+    if (end && !untied && !passed) {
+      throw InvalidArgument(
+          who + rank_text(r) + " passed no shared_embedding: at pp " +
+          std::to_string(mesh_.size("pp")) +
+          " the first and the last stage of a model whose output layer is the word embedding "
+          "(tied) must each pass their copy, whose gradients are summed between them (left "
+          "out, the copies would train apart). For a model whose output layer has weights of "
+          "its own, set GradientSynchronizerOptions::untied_embedding");
+    }
+    if (end && untied && passed) {
+      throw InvalidArgument(
+          who + rank_text(r) +
+          " passed a shared_embedding, but options.untied_embedding says the output layer has "
+          "weights of its own: pass none (untied), or leave untied_embedding false (tied)");
+    }
   }
 }
 
@@ -342,7 +381,7 @@ void GradientSynchronizer::finish_backward() {
 
 void GradientSynchronizer::reduce_now() {
   all_reduce_grads(*mesh_["tp"].process_group(), sp_params_, options_.tp_algorithm, stats_.tp);
-  if (mesh_.size("pp") > 1 && embedding_group_) {
+  if (mesh_.size("pp") > 1 && embedding_group_ && !options_.untied_embedding) {
     all_reduce_grads(*embedding_group_, {shared_embedding_}, options_.embedding_algorithm,
                      stats_.pp);
   }

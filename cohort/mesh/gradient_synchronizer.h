@@ -79,6 +79,15 @@ struct GradientSynchronizerOptions {
   Algorithm tp_algorithm = Algorithm::Default;
   /// The embedding all-reduce between the first and the last stage.
   Algorithm embedding_algorithm = Algorithm::Default;
+  /// With pp > 1: the model's output layer has weights of its own instead of
+  /// the word embedding's (Megatron's untie_embeddings_and_output_weights),
+  /// so no stage passes a shared_embedding and nothing is broadcast or
+  /// reduced between the first and the last stage. False (a tied model): the
+  /// first and the last stage must each pass theirs. A synchronizer cannot
+  /// tell an untied model from a tied one whose tie was left out (either way
+  /// two tensors on two ranks), so it does not guess: with pp > 1 an end
+  /// stage that passes none is refused unless this says so. Ignored at pp 1.
+  bool untied_embedding = false;
   /// DP bucket all-reduce (ignored when dp_comm_hook is set).
   Algorithm dp_algorithm = Algorithm::Default;
   /// A DDP communication hook for the DP buckets (e.g. a compressor).
@@ -110,7 +119,11 @@ class GradientSynchronizer {
   /// Collective over the whole mesh: builds the embedding group (the first
   /// and the last stage of this rank's "pp" group), broadcasts the shared
   /// embedding from the first to the last stage, and builds the DP reducer
-  /// (which broadcasts the stage from DP rank 0). `mesh` has the dimensions
+  /// (which broadcasts the stage from DP rank 0). With pp > 1 the first and
+  /// the last stage pass `shared_embedding` unless options.untied_embedding,
+  /// when no stage does; otherwise InvalidArgument on every rank of the mesh
+  /// naming a rank that broke the rule (one all-gather of a word over the
+  /// mesh at construction). `mesh` has the dimensions
   /// "pp", "dp" and "tp" (any order), optionally "ep" and "cp" (others only
   /// of size 1: InvalidArgument naming them otherwise). The dense group is
   /// "dp" with "ep" and "cp" where they are above 1: ranks that see
@@ -118,7 +131,7 @@ class GradientSynchronizer {
   /// options.expert_parameters must be parameters of `stage`; with "ep" above
   /// 1 they must not be empty (InvalidArgument: the experts would be
   /// averaged with other ranks' experts). `sequence_parallel_parameters` and
-  /// `shared_embedding` (undefined on middle stages) must be parameters of
+  /// `shared_embedding` (ignored on middle stages) must be parameters of
   /// `stage` (InvalidArgument otherwise: a tensor of another module would be
   /// reduced while the stage's own stays partial). The gradients summed over
   /// TP are `sequence_parallel_parameters` together with those every
@@ -193,6 +206,9 @@ class GradientSynchronizer {
   void all_reduce_grads(Communicator& group, const std::vector<torch::Tensor>& params,
                         Algorithm algo, DimensionStats& stats);
   void check_dimensions(const std::string& who) const;
+  // With pp > 1: every end stage passed a shared embedding, or (untied) none
+  // did; agreed over the whole mesh, so that every rank refuses together.
+  void check_embedding_tie(bool end_stage, const std::string& who) const;
   void collect_sequence_parallel(const torch::nn::Module& stage, const std::string& who);
   void collect_tp_replicas(const torch::nn::Module& stage);
   // options.verify_tp_replicas, at the first reducing step without inf or

@@ -4,9 +4,14 @@
 // a parameter no rank has a gradient for undefined and averages (or sums)
 // one some ranks have with zeros from the others, in each dimension (closed
 // forms), and a mesh it cannot reduce over is an InvalidArgument on every
-// rank naming the dimension.
+// rank naming the dimension. An untied model (each end stage's own table)
+// sums nothing between the stages; a stage that leaves the tie out without
+// saying the model is untied, or passes one when it says so, is an
+// InvalidArgument on every rank, middle stages included.
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
+
+#include <functional>
 
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "support/engine_worlds.h"
@@ -160,6 +165,87 @@ TEST(SynchronizeGradientsMesh, SequenceParallelAndTiedEmbeddingLeaveOnesNoRankHa
     EXPECT_FALSE(embedding.grad().defined());
     EXPECT_FALSE(sp_some.grad().defined());
   });
+}
+
+// Untied (pp 3 x tp 2): the first stage's word table and the last stage's
+// output table keep their own gradients (1 and 2, not their sum 3), nothing
+// is sent between the stages, and a sequence-parallel sum over tp still runs.
+TEST(SynchronizeGradientsMesh, UntiedEmbeddingsKeepTheirOwnGradients) {
+  run_ranks_shared(6, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    auto mesh = init_device_mesh(world, {3, 1, 2}, {"pp", "dp", "tp"});
+    const int stage = mesh.local_rank("pp");
+    const bool tp0 = mesh.local_rank("tp") == 0;
+    auto table = parameter(4), sp = parameter(3);
+    GradientSynchronizerOptions options;
+    options.untied_embedding = true;
+    GradientSynchronizer sync(mesh, stage_of({table, sp}), {sp}, torch::Tensor(), options);
+    SCOPED_TRACE("rank " + std::to_string(world->rank()));
+    table.mutable_grad() = torch::full({4}, stage + 1.0);
+    if (tp0) sp.mutable_grad() = torch::ones({3});
+    sync.synchronize();
+    EXPECT_TRUE(grad_is(table, stage + 1.0));
+    EXPECT_TRUE(grad_is(sp, 1.0));
+    EXPECT_EQ(sync.stats().pp.ops, 0);
+    EXPECT_FALSE(sync.shared_embedding().defined());
+  });
+}
+
+// The tie on a pp 3 (x tp 2) mesh: `passes(stage)` says whether a stage
+// passes its table as the shared embedding, `untied(rank)` sets
+// untied_embedding. Every rank's error (none must be a timeout).
+std::vector<std::string> tie_errors(int tp, const std::function<bool(int)>& passes,
+                                    const std::function<bool(int)>& untied) {
+  return errors_on_every_rank(3 * tp, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = init_device_mesh(world, {3, 1, tp}, {"pp", "dp", "tp"});
+    auto table = parameter(4);
+    GradientSynchronizerOptions options;
+    options.untied_embedding = untied(world->rank());
+    GradientSynchronizer sync(mesh, stage_of({table}), {},
+                              passes(mesh.local_rank("pp")) ? table : torch::Tensor(), options);
+  });
+}
+
+TEST(GradientSynchronizerMesh, AMissingOrContradictedTieIsRefusedOnEveryRank) {
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    auto expect_all = [&](const std::vector<std::string>& errors, const std::string& message) {
+      for (size_t r = 0; r < errors.size(); ++r) {
+        EXPECT_TRUE(has(errors[r], "GradientSynchronizer (rank " + std::to_string(r) + "): ") &&
+                    has(errors[r], message))
+            << "rank " << r << ": " << errors[r];
+      }
+    };
+    auto never = [](int) { return false; };
+    // Tied (the default) but no stage passes the tie: the first end stage named.
+    expect_all(tie_errors(tp, never, never),
+               "mesh rank 0 (pipeline stage 0) passed no shared_embedding: at pp 3 the first "
+               "and the last stage of a model whose output layer is the word embedding (tied) "
+               "must each pass their copy");
+    expect_all(tie_errors(tp, never, never), "set GradientSynchronizerOptions::untied_embedding");
+    // The first stage passes it, the last one forgets.
+    expect_all(tie_errors(
+                   tp, [](int s) { return s == 0; }, never),
+               "mesh rank " + std::to_string(2 * tp) +
+                   " (pipeline stage 2) passed no "
+                   "shared_embedding");
+    // Untied, yet the last stage passes one.
+    expect_all(tie_errors(
+                   tp, [](int s) { return s == 2; }, [](int) { return true; }),
+               "mesh rank " + std::to_string(2 * tp) +
+                   " (pipeline stage 2) passed a shared_embedding, but "
+                   "options.untied_embedding says the output layer has weights of its own");
+    // Ranks that disagree on the option.
+    const auto errors = tie_errors(tp, never, [](int r) { return r == 1; });
+    for (size_t r = 0; r < errors.size(); ++r) {
+      EXPECT_TRUE(has(errors[r], r == 1 ? "options.untied_embedding is true here but false on "
+                                          "mesh rank 0 (pipeline stage 0)"
+                                        : "options.untied_embedding is false here but true on "
+                                          "mesh rank 1 (pipeline stage " +
+                                              std::to_string(1 / tp) + ")"))
+          << "rank " << r << ": " << errors[r];
+    }
+  }
 }
 
 // A synchronizer over a mesh of `sizes` and `names` (world 2) fails on every
