@@ -299,9 +299,11 @@ GPTStageImpl::GPTStageImpl(const DeviceMesh& mesh, GPTConfig c)
   if (last_) {
     final_layernorm_ = register_module(
         "final_layernorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
-    if (!first_) {
+    if (!first_ || !c.tie_embeddings) {
+      auto out = emb;
+      if (!c.tie_embeddings) out.seed = seed_of(c, kEmbeddingLayer, 2);
       output_embeddings_ = register_module(
-          "output_embeddings", VocabParallelEmbedding(mesh["tp"], c.vocab_size, c.hidden, emb));
+          "output_embeddings", VocabParallelEmbedding(mesh["tp"], c.vocab_size, c.hidden, out));
     }
   }
 }
@@ -406,7 +408,8 @@ torch::Tensor GPTStageImpl::head(torch::Tensor h) {
   h = final_layernorm_(h);
   h = config_.sequence_parallel ? gather_from_sequence_parallel_region(h, *tp_)
                                 : copy_to_tensor_parallel_region(h, *tp_);
-  return torch::matmul(h, shared_embedding_weight().t());  // [T, B, V/tp]
+  const auto& w = config_.tie_embeddings ? shared_embedding_weight() : output_embeddings_->weight;
+  return torch::matmul(h, w.t());  // [T, B, V/tp]
 }
 
 torch::Tensor GPTStageImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) {
@@ -479,12 +482,17 @@ std::vector<torch::Tensor> GPTStageImpl::chunk_parameters(int k) const {
   if (chunk_index(k) == pp_ * num_chunks() - 1) {
     auto p = final_layernorm_->parameters();
     out.insert(out.end(), p.begin(), p.end());
-    if (chunk_index(k) != 0) out.push_back(shared_embedding_weight());  // else listed above
+    if (!config_.tie_embeddings) {
+      out.push_back(output_embeddings_->weight);
+    } else if (chunk_index(k) != 0) {
+      out.push_back(shared_embedding_weight());  // else listed above
+    }
   }
   return out;
 }
 
 torch::Tensor GPTStageImpl::shared_embedding_weight() const {
+  if (!config_.tie_embeddings) return {};
   if (first_) return word_embeddings_->weight;
   if (last_) return output_embeddings_->weight;
   return {};

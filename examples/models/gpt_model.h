@@ -18,9 +18,10 @@
 // embeddings, the last chunk the final LayerNorm and the output layer,
 // whose weight is the word embedding (tied; with pp > 1 the last rank holds
 // its own copy, kept equal by GradientSynchronizer; with pp = 1 both chunks
-// use the one weight). Every weight is drawn from a seed derived from
-// (config.seed, layer, role), so a seed gives the same model at any
-// (tp, pp, v, ep, cp).
+// use the one weight), or with tie_embeddings false a table of its own
+// ("output_embeddings" at any pp, drawn from another seed). Every weight is drawn from a seed
+// derived from (config.seed, layer, role), so a seed gives the same model at any (tp, pp, v, ep,
+// cp).
 //
 // With config.experts > 0 every other block (the odd layers) has a
 // mixture-of-experts feed-forward (expert_parallel::MoE) in place of the
@@ -73,6 +74,10 @@ struct GPTConfig {
   bool checkpoint_activations = false;  ///< keep only each block's input; recompute in backward
   int virtual_stages = 1;               ///< model chunks per PP rank (interleaved schedules)
   uint64_t seed = 1234;                 ///< seed of every weight
+  /// The output layer is the word embedding (tied); false: a table of its
+  /// own, so no stage has a shared_embedding_weight() and the
+  /// GradientSynchronizer needs GradientSynchronizerOptions::untied_embedding.
+  bool tie_embeddings = true;
   /// Experts of each MoE feed-forward (every other block); 0: dense blocks only.
   int64_t experts = 0;
   int64_t top_k = 1;              ///< experts per token (1 or 2)
@@ -136,7 +141,7 @@ class GPTStageImpl : public torch::nn::Module {
   /// sequence parallelism (LayerNorms, row-parallel biases); empty without it.
   std::vector<torch::Tensor> sequence_parallel_parameters() const;
   /// The word embedding (first stage) or the output layer's copy of it (last
-  /// stage); undefined on middle stages.
+  /// stage); undefined on middle stages and when the embeddings are untied.
   torch::Tensor shared_embedding_weight() const;
 
   /// The parameters local chunk k uses (the tied weight in both the first
@@ -170,7 +175,9 @@ class GPTStageImpl : public torch::nn::Module {
   RngTracker rng_{nullptr};
   std::vector<std::vector<std::shared_ptr<TransformerBlockImpl>>> chunks_;  // local chunk -> blocks
   torch::nn::LayerNorm final_layernorm_{nullptr};
-  VocabParallelEmbedding output_embeddings_{nullptr};  // pp > 1: the last stage's copy
+  // The last stage's copy of the word embedding (tied, pp > 1), or its own
+  // output table (untied).
+  VocabParallelEmbedding output_embeddings_{nullptr};
   // With experts, one forward's: `scale`, the gradient its loss gets (written
   // by the loss's backward, read by its MoEs' load-balancing gradients), and
   // `aux`, the value of its MoEs' load-balancing losses so far.
@@ -194,7 +201,7 @@ TORCH_MODULE(GPTStage);
 /// "word_embeddings.weight" (written once, from the first stage; loaded into
 /// both). Every other name is the same at any (tp, pp), since blocks are
 /// named by their global layer ("block<l>"). Pass it as the `tied` names of
-/// dcp::get_state_dict with its mesh.
+/// dcp::get_state_dict with its mesh (none when the embeddings are untied).
 std::map<std::string, std::string> gpt_tied_parameters();
 
 }  // namespace cohort::tensor_parallel

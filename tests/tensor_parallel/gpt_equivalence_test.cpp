@@ -2,6 +2,8 @@
 // without sequence parallelism, against the same model in one process on the
 // global batch: every step's loss and, at the end, every parameter (each
 // shard against the matching slice of the reference) within 1e-5 relative.
+// Tied embeddings train with SGD; untied ones (the output layer a table of
+// its own, GradientSynchronizerOptions::untied_embedding) with AdamW.
 //
 // pp > 1 (or v > 1 model chunks per rank, interleaved) runs each step
 // through the pipeline's schedules (PipelineRuntime over the mesh's PP
@@ -13,6 +15,7 @@
 // reference live on the GPU.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <map>
@@ -46,14 +49,22 @@ struct Case {
   // reducer's NoSyncGuard instead of the synchronizer's no_sync().
   int accumulate = 1;
   bool reducer_guard = false;
+  bool untied = false;  // the output layer's own table, trained with AdamW
 };
+
+// `k` with untied embeddings.
+Case untied_case(Case k) {
+  k.untied = true;
+  return k;
+}
 
 bool pipelined(const Case& k) { return k.pp > 1 || k.v > 1; }
 
 // Interleaved cases cut the model into pp * v chunks, so they train (and
 // their reference has) four layers.
-GPTConfig config(bool sp, int v = 1, int64_t layers = 2) {
+GPTConfig config(bool sp, int v = 1, int64_t layers = 2, bool tied = true) {
   GPTConfig c;
+  c.tie_embeddings = tied;
   c.vocab_size = 12;
   c.seq_len = 6;
   c.hidden = 24;
@@ -125,18 +136,34 @@ torch::Tensor step(DeviceMesh& mesh, pipeline::PipelineRuntime& rt,
   return is_last_stage(mesh) ? torch::tensor(r.loss, torch::kFloat64) : torch::Tensor();
 }
 
+std::unique_ptr<torch::optim::Optimizer> optimizer(const Case& k, GPTStage& stage) {
+  if (k.untied) {
+    // eps well above rounding: the key bias's gradient is zero in exact
+    // arithmetic (softmax ignores a shift of every score of a query), so at
+    // eps 1e-8 Adam would scale its rounding noise, which differs with the
+    // order of any sum, into steps of lr.
+    return std::make_unique<torch::optim::AdamW>(
+        stage->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.1).eps(1e-4));
+  }
+  return std::make_unique<torch::optim::SGD>(stage->parameters(),
+                                             torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
 Result train(const Case& k, int64_t layers) {
   Result result;
   std::mutex mu;
   run_ranks_shared(k.tp * k.pp * k.dp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
     auto mesh = init_device_mesh(world, {k.pp, k.dp, k.tp}, {"pp", "dp", "tp"});
-    const auto c = config(k.sp, k.v, layers);
+    const auto c = config(k.sp, k.v, layers, !k.untied);
     GPTStage stage(mesh, c);
     stage->to(test_device());  // before the synchronizer and the pipeline take its parameters
+    cohort::GradientSynchronizerOptions so;
+    so.untied_embedding = k.untied;
     cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                                      stage->shared_embedding_weight());
-    torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+                                      stage->shared_embedding_weight(), so);
+    auto optim = optimizer(k, stage);
+    auto& opt = *optim;
     std::unique_ptr<pipeline::PipelineRuntime> rt;
     if (pipelined(k)) rt = make_gpt_pipeline(mesh, stage, k.schedule, k.microbatches);
     const auto rows = kBatch / k.dp;
@@ -159,7 +186,8 @@ Result train(const Case& k, int64_t layers) {
     }
     // Keyed by name and coordinates, so each shard can be found.
     for (const auto& p : stage->named_parameters()) {
-      auto name = p.key() == "output_embeddings.weight" ? "word_embeddings.weight#last" : p.key();
+      auto name = !k.untied && p.key() == "output_embeddings.weight" ? "word_embeddings.weight#last"
+                                                                     : p.key();
       result.params[name + "@tp" + std::to_string(mesh.local_rank("tp")) + "dp" +
                     std::to_string(mesh.local_rank("dp"))] = p.value().detach().clone();
     }
@@ -185,17 +213,24 @@ double relative_diff(const torch::Tensor& got, const torch::Tensor& want) {
   return (got - want).abs().max().item<double>() / scale;
 }
 
-const Result& reference(int64_t layers) {
-  static const Result two = train({1, 1, 1, false}, 2);
-  static const Result four = train({1, 1, 1, false}, 4);
-  return layers == 4 ? four : two;
+// The one-process run of `layers` layers, tied or not (each trained once).
+const Result& reference(int64_t layers, bool untied) {
+  static std::map<std::pair<int64_t, bool>, Result> runs;
+  const auto key = std::make_pair(layers, untied);
+  auto it = runs.find(key);
+  if (it == runs.end()) {
+    Case one{1, 1, 1, false};
+    one.untied = untied;
+    it = runs.emplace(key, train(one, layers)).first;
+  }
+  return it->second;
 }
 
 class GPTEquivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GPTEquivalence, TenStepsMatchSingleProcess) {
   const auto k = GetParam();
-  const auto& ref = reference(layers_of(k));
+  const auto& ref = reference(layers_of(k), k.untied);
   ASSERT_EQ(ref.losses.size(), static_cast<size_t>(kSteps));
   // Training must have moved: otherwise equality would prove nothing.
   ASSERT_LT(ref.losses.back(), ref.losses.front() - 0.05);
@@ -218,8 +253,9 @@ TEST_P(GPTEquivalence, TenStepsMatchSingleProcess) {
     EXPECT_LE(relative_diff(value, want), 1e-5) << key;
     ++compared;
   }
-  EXPECT_EQ(compared,
-            static_cast<int>(ref.params.size()) * k.tp * k.dp + (k.pp > 1 ? k.tp * k.dp : 0));
+  // A tied model at pp > 1 has the last stage's copy of the word embedding besides.
+  const int copies = k.pp > 1 && !k.untied ? k.tp * k.dp : 0;
+  EXPECT_EQ(compared, static_cast<int>(ref.params.size()) * k.tp * k.dp + copies);
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
@@ -230,7 +266,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
                        : "") +
          (k.v > 1 ? "_v" + std::to_string(k.v) : "") +
          (k.accumulate > 1 ? "_accumulate" + std::to_string(k.accumulate) : "") +
-         (k.reducer_guard ? "_reducer_guard" : "");
+         (k.reducer_guard ? "_reducer_guard" : "") + (k.untied ? "_untied_adamw" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -253,7 +289,12 @@ INSTANTIATE_TEST_SUITE_P(
         // Gradient accumulation: micro-batches under no_sync() with
         // finish_backward() after each, sequence parallelism inside.
         Case{2, 1, 1, true, "1f1b", 2, 1, 2}, Case{2, 1, 2, true, "1f1b", 2, 1, 2, true},
-        Case{3, 1, 1, true, "1f1b", 2, 1, 4}),
+        Case{3, 1, 1, true, "1f1b", 2, 1, 4},
+        // Untied embeddings (AdamW): nothing summed between the first and
+        // the last stage, everything else as tied.
+        untied_case(Case{1, 2, 1, false}), untied_case(Case{2, 2, 1, false}),
+        untied_case(Case{2, 2, 2, true}), untied_case(Case{2, 2, 1, false, "zbh1", 4}),
+        untied_case(Case{1, 2, 1, false, "interleaved", 2, 2})),
     case_name);
 
 bool has(const std::string& text, const std::string& part) {
