@@ -37,7 +37,10 @@ class TensorParallelModule {
 /// ranks hold different TP ranks' parts (one not orthogonal to the TP group,
 /// as the whole world of a dp x tp mesh): it would average or broadcast
 /// different parts of one tensor. A layer implementing TensorParallelModule
-/// calls it at the end of its constructor, as cohort's TP layers do.
+/// calls it where it registers those parameters: at the end of its
+/// constructor, or in reset() for a torch::nn::Cloneable, whose clone() gives
+/// the copy new tensors through reset() (a mark made in the constructor would
+/// not reach them), as cohort's TP layers do.
 void mark_tensor_parallel_split(const TensorParallelModule& module, const Communicator& tp_group);
 
 }  // namespace cohort

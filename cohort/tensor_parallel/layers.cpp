@@ -55,14 +55,21 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(std::shared_ptr<Communicator>
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const DeviceMesh& tp, int64_t in, int64_t out,
                                                    ColumnParallelLinearOptions o)
-    : group_(one_dimension_group(tp, "ColumnParallelLinear", "tp")), options_(o) {
+    : group_(one_dimension_group(tp, "ColumnParallelLinear", "tp")),
+      options_(o),
+      in_(in),
+      out_(out) {
   check_divisible("ColumnParallelLinear", "out_features", out, *group_);
-  auto [w, b] = master_linear_weights(in, out, o.seed);
+  reset();
+}
+
+void ColumnParallelLinearImpl::reset() {
+  auto [w, b] = master_linear_weights(in_, out_, options_.seed);
   const int r = group_->rank(), n = group_->size();
   weight = register_parameter("weight", split_along(w, 0, r, n, "ColumnParallelLinear").clone());
-  if (o.bias) {
-    bias = register_parameter("bias", split_along(b, 0, r, n, "ColumnParallelLinear").clone());
-  }
+  bias = options_.bias
+             ? register_parameter("bias", split_along(b, 0, r, n, "ColumnParallelLinear").clone())
+             : torch::Tensor();
   mark_tensor_parallel_split(*this, *group_);
 }
 
@@ -79,15 +86,19 @@ RowParallelLinearImpl::RowParallelLinearImpl(std::shared_ptr<Communicator> g, in
 
 RowParallelLinearImpl::RowParallelLinearImpl(const DeviceMesh& tp, int64_t in, int64_t out,
                                              RowParallelLinearOptions o)
-    : group_(one_dimension_group(tp, "RowParallelLinear", "tp")), options_(o) {
+    : group_(one_dimension_group(tp, "RowParallelLinear", "tp")), options_(o), in_(in), out_(out) {
   check_divisible("RowParallelLinear", "in_features", in, *group_);
   if (o.sequence_parallel && !o.input_is_parallel) {
     throw InvalidArgument("cohort: RowParallelLinear: sequence_parallel needs input_is_parallel");
   }
-  auto [w, b] = master_linear_weights(in, out, o.seed);
+  reset();
+}
+
+void RowParallelLinearImpl::reset() {
+  auto [w, b] = master_linear_weights(in_, out_, options_.seed);
   weight = register_parameter(
       "weight", split_along(w, 1, group_->rank(), group_->size(), "RowParallelLinear").clone());
-  if (o.bias) bias = register_parameter("bias", b);
+  bias = options_.bias ? register_parameter("bias", b) : torch::Tensor();
   mark_tensor_parallel_split(*this, *group_);
 }
 
@@ -123,11 +134,18 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<Communica
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const DeviceMesh& tp, int64_t n, int64_t dim,
                                                        VocabParallelEmbeddingOptions o)
-    : group_(one_dimension_group(tp, "VocabParallelEmbedding", "tp")), num_embeddings_(n) {
+    : group_(one_dimension_group(tp, "VocabParallelEmbedding", "tp")),
+      num_embeddings_(n),
+      embedding_dim_(dim),
+      options_(o) {
   check_divisible("VocabParallelEmbedding", "num_embeddings", n, *group_);
   start_ = group_->rank() * (n / group_->size());
   end_ = start_ + n / group_->size();
-  auto w = master_embedding_weight(n, dim, o);
+  reset();
+}
+
+void VocabParallelEmbeddingImpl::reset() {
+  auto w = master_embedding_weight(num_embeddings_, embedding_dim_, options_);
   weight = register_parameter("weight", w.narrow(0, start_, end_ - start_).clone());
   mark_tensor_parallel_split(*this, *group_);
 }

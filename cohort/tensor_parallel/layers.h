@@ -13,8 +13,15 @@
 // matching slice of the same layer at tp = 1, and one seed gives one model at
 // any tp size. (This costs one full weight per rank at construction; fine for
 // the model sizes of the tests and the example.)
+//
+// Each layer is a torch::nn::Cloneable: its reset() draws and marks its
+// parameters (mark_tensor_parallel_split), and clone() runs reset() on the
+// copy before it copies the values in, so a clone's parts carry the
+// original's marks and the modes that replicate parameters refuse a group
+// across TP for it as for the original.
 #pragma once
 
+#include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
@@ -38,7 +45,8 @@ struct ColumnParallelLinearOptions {
 };
 
 /// y = x A^T + b with A split by output features: A_i is [out/tp, in].
-class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>,
+                                 public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
   /// not 1-D or out_features does not divide by its size.
@@ -58,6 +66,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
   /// The options it was built with.
   const ColumnParallelLinearOptions& options() const { return options_; }
 
+  /// Registers this rank's part of the weights drawn from the seed and marks
+  /// it (file comment); the constructor and clone() call it.
+  void reset() override;
   /// {weight, bias}: both split by output features.
   std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
 
@@ -67,6 +78,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
  private:
   std::shared_ptr<Communicator> group_;
   ColumnParallelLinearOptions options_;
+  int64_t in_ = 0, out_ = 0;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -84,7 +96,8 @@ struct RowParallelLinearOptions {
 /// the sequence, so the bias gradient is a partial sum per rank: the layer
 /// names it (TensorParallelModule), and a GradientSynchronizer over a stage
 /// that holds the layer sums it over TP.
-class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>,
+                              public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
   /// not 1-D or in_features does not divide by its size.
@@ -103,6 +116,9 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
   /// The options it was built with.
   const RowParallelLinearOptions& options() const { return options_; }
 
+  /// Registers this rank's part of the weights drawn from the seed and marks
+  /// it (file comment); the constructor and clone() call it.
+  void reset() override;
   /// {weight}: the bias is whole on every TP rank.
   std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
   /// {bias} under sequence parallelism with a bias, else empty.
@@ -115,6 +131,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
  private:
   std::shared_ptr<Communicator> group_;
   RowParallelLinearOptions options_;
+  int64_t in_ = 0, out_ = 0;
 };
 TORCH_MODULE(RowParallelLinear);
 
@@ -128,7 +145,8 @@ struct VocabParallelEmbeddingOptions {
 /// [i * V/tp, (i + 1) * V/tp); ids elsewhere look up zeros, and an
 /// all-reduce over TP adds the rows together, so every id in [0, V) is found
 /// on exactly one rank.
-class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParallelModule {
+class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbeddingImpl>,
+                                   public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
   /// not 1-D or num_embeddings does not divide by its size (pad the
@@ -152,6 +170,9 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParall
   /// The TP group the layer's collectives run over.
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
 
+  /// Registers this rank's part of the weights drawn from the seed and marks
+  /// it (file comment); the constructor and clone() call it.
+  void reset() override;
   /// {weight}: split by vocabulary rows.
   std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
 
@@ -160,7 +181,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParall
  private:
   void check_ids(const torch::Tensor& ids) const;
   std::shared_ptr<Communicator> group_;
-  int64_t num_embeddings_ = 0, start_ = 0, end_ = 0;
+  int64_t num_embeddings_ = 0, embedding_dim_ = 0, start_ = 0, end_ = 0;
+  VocabParallelEmbeddingOptions options_;
 };
 TORCH_MODULE(VocabParallelEmbedding);
 

@@ -6,7 +6,9 @@
 // parts of one split tensor, a silent wrong model, so each refuses on every
 // rank at construction, naming the parameter, the rank, a peer of another TP
 // rank and the mesh's dp group. World 3 is a 1 x 3 mesh (every rank another
-// TP rank), world 4 a 2 x 2 one.
+// TP rank), world 4 a 2 x 2 one. A clone() of the model (a deep copy, whose
+// parameters are new tensors) trains and is refused alike, and training it
+// leaves the original as drawn.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -38,6 +40,7 @@ struct Case {
   EngineWorld on;
   Mode mode;
   Group group;
+  bool cloned = false;  // train model->clone() instead of the model
 };
 
 // dp x tp of each world size: 1 x 1, 1 x 2, 1 x 3, 2 x 2.
@@ -160,7 +163,14 @@ bool has(const std::string& text, const std::string& part) {
 std::string case_text(const Case& c) {
   const char* modes[] = {"ddp", "fsdp", "zero", "all_reduce"};
   return c.on.backend + "_world" + std::to_string(c.on.world) + "_" +
-         modes[static_cast<int>(c.mode)] + (c.group == Group::Dp ? "_over_dp" : "_over_world");
+         modes[static_cast<int>(c.mode)] + (c.group == Group::Dp ? "_over_dp" : "_over_world") +
+         (c.cloned ? "_cloned" : "");
+}
+
+// A deep copy of `model` (torch::nn::Cloneable::clone).
+torch::nn::Sequential clone_of(const torch::nn::Sequential& model) {
+  return torch::nn::Sequential(
+      std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << case_text(c); }
@@ -181,8 +191,18 @@ TEST_P(OrthogonalGroups, TrainOverTheDpGroupAndRefuseAGroupAcrossTp) {
         torch::set_num_threads(1);
         auto mesh = init_device_mesh(world, {dp, tp}, {"dp", "tp"});
         const auto dp_group = mesh["dp"].process_group();
-        auto got = train(c.mode, make_model(mesh["tp"].process_group()),
+        auto original = make_model(mesh["tp"].process_group());
+        Named drawn;
+        for (const auto& p : original->named_parameters()) drawn.insert(p.key(), p->clone());
+        auto got = train(c.mode, c.cloned ? clone_of(original) : original,
                          c.group == Group::Dp ? dp_group : world, *dp_group);
+        if (c.cloned) {
+          for (const auto& p : original->named_parameters()) {
+            if (!torch::equal(p.value(), drawn[p.key()])) {
+              throw std::runtime_error("training the clone moved the original's " + p.key());
+            }
+          }
+        }
         // The largest error of a shard, relative to its one-process slice.
         double worst = 0;
         for (const auto& e : expected) {
@@ -257,7 +277,9 @@ std::vector<Case> cases() {
   std::vector<Case> out;
   for (const auto& on : engine_worlds({1, 2, 3, 4})) {
     for (Mode mode : {Mode::Ddp, Mode::Fsdp, Mode::Zero, Mode::AllReduce}) {
-      for (Group group : {Group::Dp, Group::World}) out.push_back({on, mode, group});
+      for (Group group : {Group::Dp, Group::World}) {
+        for (bool cloned : {false, true}) out.push_back({on, mode, group, cloned});
+      }
     }
   }
   return out;
