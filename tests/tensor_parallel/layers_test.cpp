@@ -12,6 +12,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 
+#include "cohort/core/rank_local.h"
 #include "cohort/tensor_parallel/mappings.h"
 #include "support/tensor_checks.h"
 #include "support/test_device.h"
@@ -227,6 +228,62 @@ TEST_P(Layers, SplitDimsNamesTheShardedParameters) {
     EXPECT_EQ(col->weight.size(0) * tp, 12);
     EXPECT_EQ(row->weight.size(1) * tp, 12);
     EXPECT_EQ(emb->weight.size(0) * tp, 12);
+  });
+}
+
+// A model of one's own that holds the TP layers, Cloneable as LibTorch
+// wants: reset() registers them.
+struct HolderImpl : torch::nn::Cloneable<HolderImpl> {
+  explicit HolderImpl(cohort::DeviceMesh tp) : tp(std::move(tp)) { reset(); }
+  void reset() override {
+    ColumnParallelLinearOptions c;
+    c.seed = 5;
+    col = register_module("col", ColumnParallelLinear(tp, 4, 12, c));
+    row = register_module("row", RowParallelLinear(tp, 12, 4));
+    emb = register_module("emb", VocabParallelEmbedding(tp, 12, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return row(col(emb(ids))); }
+  cohort::DeviceMesh tp;
+  ColumnParallelLinear col{nullptr};
+  RowParallelLinear row{nullptr};
+  VocabParallelEmbedding emb{nullptr};
+};
+TORCH_MODULE(Holder);
+
+// clone() (of the layers inside a model, through Cloneable's clone_) is a
+// deep copy whose split parameters carry the original's TP marks, and
+// computes the same.
+TEST_P(Layers, CloneKeepsTheValuesAndTheTensorParallelMarks) {
+  const int tp = GetParam();
+  run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+    Holder original(cohort::DeviceMesh::from_group(g, "tp"));
+    {  // trained a little, so that the clone copies values, not a fresh draw
+      torch::NoGradGuard no_grad;
+      for (auto& p : original->parameters()) p.add_(0.25);
+    }
+    Holder copy(std::dynamic_pointer_cast<HolderImpl>(original->clone()));
+    const auto a = original->named_parameters(), b = copy->named_parameters();
+    ASSERT_EQ(a.size(), b.size());
+    for (const auto& p : a) {
+      const auto& q = b[p.key()];
+      EXPECT_TRUE(torch::equal(p.value(), q)) << p.key();
+      EXPECT_NE(p.value().data_ptr(), q.data_ptr()) << p.key();
+      const auto want = tensor_parallel_part(p.value()), got = tensor_parallel_part(q);
+      EXPECT_EQ(got.rank, want.rank) << p.key();
+      EXPECT_EQ(got.size, want.size) << p.key();
+      EXPECT_EQ(got.group, want.group) << p.key();
+    }
+    // The split ones are marked (at tp > 1), the row bias is whole.
+    EXPECT_EQ(tensor_parallel_part(copy->col->weight).size, tp);
+    EXPECT_EQ(tensor_parallel_part(copy->col->bias).rank, tp > 1 ? g->rank() : 0);
+    EXPECT_EQ(tensor_parallel_part(copy->row->weight).size, tp);
+    EXPECT_EQ(tensor_parallel_part(copy->emb->weight).size, tp);
+    EXPECT_EQ(tensor_parallel_part(copy->row->bias).size, 1);
+    EXPECT_EQ(copy->col->options().seed, 5u);
+    EXPECT_EQ(copy->emb->vocab_start_index(), original->emb->vocab_start_index());
+    EXPECT_EQ(split_dims(*copy).size(), split_dims(*original).size());
+    auto ids = torch::arange(12).reshape({3, 4});
+    EXPECT_TRUE(torch::allclose(copy(ids), original(ids)));
   });
 }
 

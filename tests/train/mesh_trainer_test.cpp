@@ -4,6 +4,8 @@
 // each dimension and the time of its TP collectives, a run resumed from its
 // distributed checkpoint is bitwise the uninterrupted one, and one resumed
 // at another tp x pp x dp (and interleaving) continues the one-process run.
+// An untied GPT (the output layer a table of its own) clips and trains as
+// its one-process run too.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
@@ -36,7 +38,8 @@ constexpr double kLr = 0.1, kMaxNorm = 0.1;
 struct Case {
   int tp, pp, dp;
   bool sp;
-  int v = 1;  // model chunks per pipeline rank (interleaved when > 1)
+  int v = 1;            // model chunks per pipeline rank (interleaved when > 1)
+  bool untied = false;  // GPTConfig::tie_embeddings false
 };
 
 // Two layers, or one per model chunk when there are more chunks.
@@ -45,11 +48,14 @@ int64_t layers_of(const Case& c) { return std::max<int64_t>(2, c.pp * c.v); }
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return "tp" + std::to_string(c.tp) + "_pp" + std::to_string(c.pp) + "_dp" + std::to_string(c.dp) +
-         (c.sp ? "_sp" : "") + (c.v > 1 ? "_v" + std::to_string(c.v) : "");
+         (c.sp ? "_sp" : "") + (c.v > 1 ? "_v" + std::to_string(c.v) : "") +
+         (c.untied ? "_untied" : "");
 }
 
-GPTConfig gpt_config(bool sp, int64_t layers, uint64_t seed = 7, double dropout = 0) {
+GPTConfig gpt_config(bool sp, int64_t layers, uint64_t seed = 7, double dropout = 0,
+                     bool untied = false) {
   GPTConfig c;
+  c.tie_embeddings = !untied;
   c.dropout = dropout;
   c.vocab_size = 8;
   c.seq_len = 4;
@@ -112,12 +118,14 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   const Case& c = job.c;
   auto mesh = init_device_mesh(world, {c.pp, c.dp, c.tp}, {"pp", "dp", "tp"});
   // A resumed run starts from other weights: the checkpoint must replace them.
-  GPTConfig config_of_model =
-      gpt_config(c.sp, job.layers > 0 ? job.layers : layers_of(c), job.resume ? 8 : 7, job.dropout);
+  GPTConfig config_of_model = gpt_config(c.sp, job.layers > 0 ? job.layers : layers_of(c),
+                                         job.resume ? 8 : 7, job.dropout, c.untied);
   config_of_model.virtual_stages = c.v;
   GPTStage stage(mesh, config_of_model);
+  cohort::GradientSynchronizerOptions sync_options;
+  sync_options.untied_embedding = c.untied;
   cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
-                                    stage->shared_embedding_weight());
+                                    stage->shared_embedding_weight(), sync_options);
   auto rt = make_gpt_pipeline(mesh, stage, c.v > 1 ? "interleaved" : "1f1b", kMicro);
   auto opt = make_sgd(rt->parameters());
   TrainerOptions config;
@@ -128,7 +136,9 @@ RankRun run_rank(const Job& job, std::shared_ptr<Communicator> world) {
   config.checkpoint_dir = job.dir;
   config.checkpoint_every = 2;
   config.progress = false;
-  Trainer trainer(TrainerWiring::mesh(mesh, *rt, opt, sync, gpt_tied_parameters()), config);
+  Trainer trainer(TrainerWiring::mesh(mesh, *rt, opt, sync,
+                                      c.untied ? dcp::TiedNames{} : gpt_tied_parameters()),
+                  config);
   if (job.resume) {
     EXPECT_TRUE(trainer.resume().has_value());
   }
@@ -162,12 +172,12 @@ struct Reference {
 
 // One process, one unsplit GPT, the whole global batch per step,
 // clip_grad_norm_ and the same SGD.
-Reference reference_run(bool sp, int64_t layers, int64_t steps) {
+Reference reference_run(bool sp, int64_t layers, int64_t steps, bool untied = false) {
   Reference ref;
   testing::run_ranks_shared(1, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
     auto mesh = init_device_mesh(world, {1, 1, 1}, {"pp", "dp", "tp"});
-    GPTStage model(mesh, gpt_config(sp, layers));
+    GPTStage model(mesh, gpt_config(sp, layers, 7, 0, untied));
     auto opt = make_sgd(model->parameters());
     for (int64_t s = 0; s < steps; ++s) {
       auto [ids, targets] = global_batch(s);
@@ -189,7 +199,7 @@ class MeshTrainer : public ::testing::TestWithParam<Case> {};
 TEST_P(MeshTrainer, ClipsByTheOneProcessGlobalNorm) {
   const Case c = GetParam();
   constexpr int64_t kSteps = 3;
-  const Reference ref = reference_run(c.sp, layers_of(c), kSteps);
+  const Reference ref = reference_run(c.sp, layers_of(c), kSteps, c.untied);
   const auto runs = run_job({c, kSteps, ""});
   for (size_t r = 0; r < runs.size(); ++r) {
     ASSERT_EQ(runs[r].metrics.size(), static_cast<size_t>(kSteps));
@@ -229,7 +239,8 @@ INSTANTIATE_TEST_SUITE_P(Trainer, MeshTrainer,
                                            Case{1, 2, 1, false}, Case{1, 1, 3, false},
                                            Case{2, 2, 2, false}, Case{2, 2, 2, true},
                                            Case{1, 1, 1, false, 2}, Case{1, 2, 1, false, 2},
-                                           Case{2, 2, 2, false, 2}),
+                                           Case{2, 2, 2, false, 2}, Case{1, 2, 1, false, 1, true},
+                                           Case{2, 2, 2, true, 1, true}),
                          name_of);
 
 // Every rank saves its boxes of the model and optimizer state into the
