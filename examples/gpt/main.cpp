@@ -64,6 +64,7 @@ struct Flags {
   int virtual_stages = 1;         // model chunks per pipeline rank (interleaved)
   bool sequence_parallel = false;
   bool checkpoint_activations = false;
+  bool untie_embeddings = false;  // the output layer a table of its own
   double dropout = 0.0;
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
@@ -240,6 +241,7 @@ GPTConfig model_config(const Flags& f) {
   c.virtual_stages = f.virtual_stages;
   c.sequence_parallel = f.sequence_parallel;
   c.checkpoint_activations = f.checkpoint_activations;
+  c.tie_embeddings = !f.untie_embeddings;
   c.dropout = f.dropout;
   c.seed = f.seed;
   c.experts = f.experts > 0 ? f.experts : (f.ep > 1 ? 2 * f.ep : 0);
@@ -343,12 +345,14 @@ int run(const Flags& f) {
   GPTStage stage(mesh, model_config(f));
   cohort::GradientSynchronizerOptions sync_options;
   sync_options.expert_parameters = stage->expert_parameters();
+  sync_options.untied_embedding = f.untie_embeddings;
   cohort::GradientSynchronizer sync(mesh, stage.ptr(), stage->sequence_parallel_parameters(),
                                     stage->shared_embedding_weight(), sync_options);
   auto rt = make_gpt_pipeline(mesh, stage, f.schedule, f.microbatches);
   torch::optim::AdamW opt(rt->parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0));
   GptBatches source(corpus.train, f, row_rank(mesh), stage);
-  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, *rt, opt, sync, gpt_tied_parameters()),
+  const auto tied = f.untie_embeddings ? cohort::dcp::TiedNames{} : gpt_tied_parameters();
+  cohort::Trainer trainer(cohort::TrainerWiring::mesh(mesh, *rt, opt, sync, tied),
                           trainer_config(f, source.steps_per_epoch()));
   if (auto step = trainer.resume(); step && lead) {
     std::printf("resumed from checkpoint at step %lld\n", static_cast<long long>(*step));
@@ -420,6 +424,8 @@ int main(int argc, char** argv) {
                "split LayerNorm/dropout regions by sequence");
   app.add_flag("--checkpoint-activations", f.checkpoint_activations,
                "keep only each block's input; recompute its activations in backward");
+  app.add_flag("--untie-embeddings", f.untie_embeddings,
+               "give the output layer weights of its own instead of the word embedding's");
   app.add_option("--dropout", f.dropout,
                  "attention, residual and embedding dropout (from each stage's RNG tracker)")
       ->check(CLI::Range(0.0, 1.0));
