@@ -120,6 +120,28 @@ std::vector<std::vector<int64_t>> gather_varying_words(Group& group,
   return out;
 }
 
+/// Collective over `group` (two all-gathers): every rank's `text`, whose
+/// length may differ across ranks.
+template <class Group>
+std::vector<std::string> gather_texts(Group& group, const std::string& text) {
+  // Eight characters a word, lowest byte first; the first word the length.
+  std::vector<uint64_t> packed((text.size() + 7) / 8, 0);
+  for (size_t i = 0; i < text.size(); ++i) {
+    packed[i / 8] |= uint64_t{static_cast<unsigned char>(text[i])} << (8 * (i % 8));
+  }
+  std::vector<int64_t> words{static_cast<int64_t>(text.size())};
+  for (uint64_t w : packed) words.push_back(static_cast<int64_t>(w));
+  std::vector<std::string> out;
+  for (const auto& w : gather_varying_words(group, words)) {
+    std::string t(static_cast<size_t>(w[0]), '\0');
+    for (size_t i = 0; i < t.size(); ++i) {
+      t[i] = static_cast<char>((static_cast<uint64_t>(w[1 + i / 8]) >> (8 * (i % 8))) & 0xff);
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 /// The words agree_text gathers for `text`: its length, its FNV-1a and its
 /// first characters (texts longer than that still compare by the digest).
 std::vector<int64_t> text_words(const std::string& text);

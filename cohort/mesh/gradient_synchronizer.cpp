@@ -93,21 +93,22 @@ GradientSynchronizer::GradientSynchronizer(DeviceMesh mesh,
   }
   collect_sequence_parallel(*stage, who);
   collect_tp_replicas(*stage);
-  // The embedding group is the pipeline's, not the mesh's: a split of the PP
-  // group, collective over it, made here on every rank of the mesh.
+  // The embedding group is the pipeline's, not the mesh's: the ranks of
+  // this rank's "pp" group holding a copy (the first and the last stage),
+  // made with the copies equal (the first stage's), collective over it.
   const int pp = mesh_.size("pp"), stage_index = mesh_.local_rank("pp");
   const bool end = stage_index == 0 || stage_index == pp - 1;
-  embedding_group_ = mesh_["pp"].process_group()->split(end ? 0 : -1, stage_index == 0 ? 0 : 1);
   if (pp > 1) check_embedding_tie(end, who);
   if (!end) shared_embedding_ = torch::Tensor();  // a middle stage holds no end of the tie
-  const bool tied = pp > 1 && end && !options_.untied_embedding;
-  if (tied) {
-    // The first stage's copy becomes the last stage's: one model.
-    torch::NoGradGuard no_grad;
-    auto w = shared_embedding_.detach().contiguous();
-    embedding_group_->broadcast(w, {0}).wait();
-    shared_embedding_.detach().copy_(w);
+  // Untied (pp > 1): no rank holds a copy, so no group and nothing summed.
+  std::vector<torch::Tensor> copies;
+  const bool untied = pp > 1 && options_.untied_embedding;
+  if (end && !untied && (pp > 1 || shared_embedding_.defined())) {
+    copies.push_back(shared_embedding_);
   }
+  embedding_ = std::make_unique<TiedCopies>(*mesh_["pp"].process_group(), std::move(copies),
+                                            "shared embedding", who);
+  embedding_group_ = embedding_->group();
   build_groups();
   if (dense_->size() > 1) {
     if (!options_.expert_parameters.empty()) {
@@ -381,9 +382,13 @@ void GradientSynchronizer::finish_backward() {
 
 void GradientSynchronizer::reduce_now() {
   all_reduce_grads(*mesh_["tp"].process_group(), sp_params_, options_.tp_algorithm, stats_.tp);
-  if (mesh_.size("pp") > 1 && embedding_group_ && !options_.untied_embedding) {
-    all_reduce_grads(*embedding_group_, {shared_embedding_}, options_.embedding_algorithm,
-                     stats_.pp);
+  if (mesh_.size("pp") > 1 && embedding_group_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    AllReduceOptions o;
+    o.algo = options_.embedding_algorithm;
+    stats_.pp.bytes += embedding_->sum_gradients(o);
+    stats_.pp.ops += 1;
+    stats_.pp.seconds += sync_seconds_since(t0);
   }
   reduce_experts();
   if (!tp_verified_ && options_.verify_tp_replicas && mesh_.size("tp") > 1) verify_tp_replicas();

@@ -51,6 +51,7 @@
 #include "cohort/grad_sync/ddp_options.h"
 #include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/no_sync_guard.h"
+#include "cohort/grad_sync/tied_copies.h"
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/mesh/tensor_parallel_module.h"
 
@@ -118,12 +119,14 @@ class GradientSynchronizer {
  public:
   /// Collective over the whole mesh: builds the embedding group (the first
   /// and the last stage of this rank's "pp" group), broadcasts the shared
-  /// embedding from the first to the last stage, and builds the DP reducer
-  /// (which broadcasts the stage from DP rank 0). With pp > 1 the first and
-  /// the last stage pass `shared_embedding` unless options.untied_embedding,
-  /// when no stage does; otherwise InvalidArgument on every rank of the mesh
-  /// naming a rank that broke the rule (one all-gather of a word over the
-  /// mesh at construction). `mesh` has the dimensions
+  /// embedding from the first to the last stage (TiedCopies: copies of
+  /// different shapes or dtypes are an InvalidArgument on every rank of the
+  /// "pp" group), and builds the DP reducer (which broadcasts the stage from
+  /// DP rank 0). With pp > 1 the first and the last stage pass
+  /// `shared_embedding` unless options.untied_embedding, when no stage does;
+  /// otherwise InvalidArgument on every rank of the mesh naming a rank that
+  /// broke the rule (one all-gather of a word over the mesh at
+  /// construction). `mesh` has the dimensions
   /// "pp", "dp" and "tp" (any order), optionally "ep" and "cp" (others only
   /// of size 1: InvalidArgument naming them otherwise). The dense group is
   /// "dp" with "ep" and "cp" where they are above 1: ranks that see
@@ -224,6 +227,7 @@ class GradientSynchronizer {
   void reduce_now();
 
   DeviceMesh mesh_;
+  std::unique_ptr<TiedCopies> embedding_;  // the shared embedding's copies
   std::shared_ptr<Communicator> embedding_group_;
   std::vector<torch::Tensor> sp_params_;
   // The parameters whole on every TP rank, by name in the stage, and the
