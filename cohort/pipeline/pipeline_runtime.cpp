@@ -80,6 +80,7 @@ PipelineRuntime::PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage
     local_error = e.what();
   }
   check_agreement(who, local_error);
+  tie_weights(who);
   if (!has_communication(schedule_)) schedule_ = add_communication(schedule_);
   // Both keep references to schedule_, stages_ and loss_fn_, which stay
   // put: the runtime is neither copied nor moved.
@@ -149,6 +150,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
     span.arg(TraceArg::num("microbatches", schedule_.num_microbatches));
   }
   BoundaryChannel& channel = *state_->channel;
+  set_tied_grads_aside();
   try {
     const std::vector<Action>& actions = schedule_.actions[state_->rank];
     for (size_t pc = 0; pc < actions.size(); ++pc) {
@@ -162,6 +164,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
   } catch (...) {
     state_->executor->abort();
     channel.abort();
+    if (!tied_aside_.empty()) restore_tied_grads(false);
     throw;
   }
   result.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -220,6 +223,9 @@ void PipelineRuntime::dispatch(const Action& a) {
 
 void PipelineRuntime::finish_step(PipelineStepResult& result) {
   state_->channel->finish();
+  // Before the losses' broadcast, which throws on every rank for a loss
+  // that could not train: the gradients that were added stay one weight's.
+  restore_tied_grads(true);
   result.losses = broadcast_losses(*group_, schedule_, state_->executor->losses());
   double sum = 0;
   for (double l : result.losses) sum += l;

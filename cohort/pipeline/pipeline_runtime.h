@@ -37,9 +37,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/grad_sync/tied_copies.h"
 #include "cohort/mesh/device_mesh.h"
 #include "cohort/pipeline/pipeline_stage.h"
 #include "cohort/pipeline/schedule.h"
@@ -88,6 +90,18 @@ struct PipelineStepResult {
   int peak_live_microbatches = 0;
 };
 
+/// A weight that several stages hold (PipelineStage::tie), as this rank sees it.
+struct TiedWeight {
+  /// The key the stages declared it under.
+  std::string key;
+  /// Every stage holding a copy, over all ranks, ascending: the first one's
+  /// copy is the original (the one a norm counts and a checkpoint writes).
+  std::vector<int> stages;
+  /// This rank's copies (none where it holds no such stage) and the group
+  /// of the ranks holding one.
+  std::shared_ptr<TiedCopies> copies;
+};
+
 /// One rank's pipeline: its stages, the schedule, the pipeline group.
 class PipelineRuntime {
  public:
@@ -102,6 +116,10 @@ class PipelineRuntime {
   /// micro-batches and on the stage-to-rank map (each an error on every
   /// rank). A schedule without communication actions gets them from
   /// add_communication. InvalidArgument when `pp` is not 1-D.
+  /// Weights tied across stages (PipelineStage::tie) are made equal, the
+  /// lowest stage's copy broadcast to the others; copies of one key that
+  /// differ in shape or dtype, or a key only one stage declares, are an
+  /// InvalidArgument on every rank.
   PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage> stages,
                   PipelineSchedule schedule, PipelineLossFn loss_fn, PipelineOptions options = {});
   /// The same over a bare group.
@@ -129,7 +147,11 @@ class PipelineRuntime {
   /// scalar or does not require grad is an InvalidArgument on every rank at
   /// the step's end, naming the last stage, its rank and the first such
   /// micro-batch (the other micro-batches' gradients were added: zero the
-  /// gradients before the next step).
+  /// gradients before the next step). After the last backward the
+  /// gradients of each tied weight's copies are summed over the ranks
+  /// holding one (only what this step added: earlier steps' accumulated
+  /// gradients are not summed again), so that every copy steps as the one
+  /// weight of an unsplit model.
   PipelineStepResult step(const Tensors& inputs, const Tensors& targets);
 
   /// The stages this rank holds.
@@ -138,6 +160,8 @@ class PipelineRuntime {
   /// frozen ones too: an optimizer built over the list steps a parameter
   /// unfrozen later (each step differentiates what requires grad at that step).
   std::vector<torch::Tensor> parameters() const;
+  /// The weights tied across stages, by key (the same list on every rank).
+  const std::vector<TiedWeight>& tied_weights() const { return tied_; }
   /// The schedule the runtime executes.
   const PipelineSchedule& schedule() const { return schedule_; }
   /// The pipeline-parallel group the stages exchange activations over.
@@ -158,12 +182,19 @@ class PipelineRuntime {
   void run_action(const Action& action, PipelineStepResult& result);
   void dispatch(const Action& action);
   void finish_step(PipelineStepResult& result);
+  void tie_weights(const std::string& who);
+  // Each tied copy's .grad is set aside for the step, then the step's part,
+  // summed over the copies' ranks, added back (`sum`: false on an abort).
+  void set_tied_grads_aside();
+  void restore_tied_grads(bool sum);
   std::shared_ptr<Communicator> group_;
   std::vector<PipelineStage> stages_;
   PipelineSchedule schedule_;
   PipelineLossFn loss_fn_;
   PipelineOptions options_;
   std::unique_ptr<State> state_;
+  std::vector<TiedWeight> tied_;
+  std::vector<torch::Tensor> tied_aside_;  // per copy, in tied_ order
 };
 
 }  // namespace cohort::pipeline

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 
@@ -74,6 +75,23 @@ PipelineStage::PipelineStage(int index, ForwardFn forward, std::vector<torch::Te
 
 std::vector<torch::Tensor> PipelineStage::trainable_parameters() const {
   return requiring_grad(parameters_);
+}
+
+PipelineStage& PipelineStage::tie(const std::string& key, const torch::Tensor& parameter) {
+  const std::string who = "PipelineStage::tie on stage " + std::to_string(index_) + ": ";
+  if (key.empty()) throw InvalidArgument(who + "empty key");
+  const bool mine = parameter.defined() &&
+                    std::any_of(parameters_.begin(), parameters_.end(),
+                                [&](const torch::Tensor& p) { return p.is_same(parameter); });
+  if (!mine)
+    throw InvalidArgument(who + "the tensor tied as '" + key +
+                          "' is not one of the stage's parameters");
+  for (const auto& [k, t] : tied_) {
+    if (k == key && !t.is_same(parameter))
+      throw InvalidArgument(who + "'" + key + "' is already tied to another of its tensors");
+  }
+  tied_.emplace_back(key, parameter);
+  return *this;
 }
 
 Tensors PipelineStage::forward(const Tensors& inputs, std::vector<WeightUnit>* units) const {

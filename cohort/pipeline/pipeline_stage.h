@@ -12,6 +12,8 @@
 
 #include <functional>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace cohort::pipeline {
@@ -59,6 +61,18 @@ class PipelineStage {
   /// The module behind the stage (null for a function stage built without).
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
 
+  /// Declares `parameter`, one of this stage's parameters, this stage's copy
+  /// of the weight `key`, which other stages hold too (a tied embedding;
+  /// DeepSpeed's TiedLayerSpec). Stages on different ranks cannot share a
+  /// tensor: without the declaration each copy gets only its own stage's
+  /// part of the gradient and the copies drift apart. The PipelineRuntime
+  /// keeps every stage's copy of one key one weight (README, "Tied
+  /// weights"). InvalidArgument when `parameter` is not one of the stage's
+  /// or `key` is empty.
+  PipelineStage& tie(const std::string& key, const torch::Tensor& parameter);
+  /// The declared copies: (key, this stage's tensor), in declaration order.
+  const std::vector<std::pair<std::string, torch::Tensor>>& tied() const { return tied_; }
+
   /// Runs the stage; fills `units` (Sequential stages) for W.
   Tensors forward(const Tensors& inputs, std::vector<WeightUnit>* units = nullptr) const;
 
@@ -68,6 +82,7 @@ class PipelineStage {
   ForwardFn forward_;
   std::vector<torch::Tensor> parameters_;
   std::shared_ptr<torch::nn::Module> module_;
+  std::vector<std::pair<std::string, torch::Tensor>> tied_;
   bool weight_units_ = true;  // no parameter in two of the Sequential's children, frozen or not
 };
 
