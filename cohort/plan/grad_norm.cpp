@@ -1,5 +1,6 @@
 #include "cohort/plan/grad_norm.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "cohort/comm/communicator.h"
@@ -26,8 +27,20 @@ double ReplicatedGradNorm::global_norm(const std::vector<torch::Tensor>& params)
   return std::sqrt(local_squared_norm(params));
 }
 
+ShardedGradNorm::ShardedGradNorm(std::shared_ptr<Communicator> comm,
+                                 const std::vector<torch::Tensor>& duplicates)
+    : comm_(std::move(comm)) {
+  for (const auto& t : duplicates) duplicates_.push_back(t.unsafeGetTensorImpl());
+}
+
 double ShardedGradNorm::global_norm(const std::vector<torch::Tensor>& params) {
-  auto partial = torch::tensor({local_squared_norm(params)}, torch::kFloat64);
+  std::vector<torch::Tensor> counted;
+  for (const auto& p : params) {
+    const void* impl = p.unsafeGetTensorImpl();
+    if (std::find(duplicates_.begin(), duplicates_.end(), impl) == duplicates_.end())
+      counted.push_back(p);
+  }
+  auto partial = torch::tensor({local_squared_norm(counted)}, torch::kFloat64);
   comm_->all_reduce(partial, {ReduceOp::Sum}).wait();
   return std::sqrt(partial.item<double>());
 }

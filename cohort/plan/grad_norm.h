@@ -14,6 +14,7 @@
 
 #include <torch/types.h>
 
+#include <memory>
 #include <vector>
 
 namespace cohort {
@@ -40,12 +41,16 @@ class ReplicatedGradNorm : public GradNorm {
 /// all-reduce (Sum) of the partial sums over `comm`, then the square root.
 class ShardedGradNorm : public GradNorm {
  public:
-  /// Sums the squared partial norms over `comm`.
-  explicit ShardedGradNorm(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
+  /// Sums the squared partial norms over `comm`. `duplicates`: tensors of
+  /// this rank that copy a tensor counted on another rank or here (a
+  /// pipeline's tied weight on its later stages): left out of the sum.
+  explicit ShardedGradNorm(std::shared_ptr<Communicator> comm,
+                           const std::vector<torch::Tensor>& duplicates = {});
   double global_norm(const std::vector<torch::Tensor>& params) override;
 
  private:
   std::shared_ptr<Communicator> comm_;
+  std::vector<const void*> duplicates_;
 };
 
 /// Sum of squares of the gradients in `params`, accumulated in float64 so

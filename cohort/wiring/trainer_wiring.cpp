@@ -1,9 +1,11 @@
 #include "cohort/wiring/trainer_wiring.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 
+#include "cohort/core/agreement.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/fsdp/fsdp_adapters.h"
@@ -111,6 +113,52 @@ std::string expert_list_mismatch(const torch::nn::Module& stages,
     }
   }
   return "";
+}
+
+// This rank's copies of the runtime's tied weights that are not the
+// original: the norm leaves them out (their gradients equal the original's).
+std::vector<torch::Tensor> tied_duplicates(const pipeline::PipelineRuntime& runtime) {
+  std::vector<torch::Tensor> out;
+  for (const auto& tied : runtime.tied_weights()) {
+    for (const auto& t : tied.copies->duplicates()) out.push_back(t);
+  }
+  return out;
+}
+
+// The checkpoint names of this rank's duplicate copies -> the original's
+// name in `stages` on its rank (gathered over the pipeline group, one
+// exchange for all keys): the copies are never written and load from the
+// original, so the weight is saved once.
+dcp::TiedNames tied_names(const pipeline::PipelineRuntime& runtime,
+                          const torch::nn::Module& stages) {
+  const auto& tied = runtime.tied_weights();
+  if (tied.empty()) return {};
+  std::map<const void*, std::string> names;
+  for (const auto& p : stages.named_parameters()) names[p.value().unsafeGetTensorImpl()] = p.key();
+  auto name_of = [&](const torch::Tensor& t) {
+    const auto it = names.find(t.unsafeGetTensorImpl());
+    COHORT_CHECK(it != names.end(), "TrainerWiring::pipeline: a tied copy is not a parameter");
+    return it->second;
+  };
+  std::string originals;  // per key: this rank's original's name or nothing, then '\0'
+  for (const auto& t : tied) {
+    if (t.copies->holds_original()) originals += name_of(t.copies->copies().front());
+    originals += '\0';
+  }
+  std::vector<std::string> original(tied.size());
+  for (const auto& text : gather_texts(*runtime.process_group(), originals)) {
+    size_t at = 0;
+    for (size_t k = 0; k < tied.size(); ++k) {
+      const size_t end = text.find('\0', at);
+      if (end > at) original[k] = text.substr(at, end - at);
+      at = end + 1;
+    }
+  }
+  dcp::TiedNames out;
+  for (size_t k = 0; k < tied.size(); ++k) {
+    for (const auto& t : tied[k].copies->duplicates()) out[name_of(t)] = original[k];
+  }
+  return out;
 }
 
 const char* const pipeline_tp_refusal =
@@ -227,9 +275,10 @@ TrainerWiring TrainerWiring::pipeline(pipeline::PipelineRuntime& runtime,
   wiring.refuse_split_parameters("TrainerWiring::pipeline");
   wiring.refuse_tensor_parallel("TrainerWiring::pipeline", pipeline_tp_refusal);
   wiring.set_pipeline_layout(runtime, nullptr);
-  // Every rank writes all of its stages' tensors: they are its alone.
+  // Every rank writes all of its stages' tensors (they are its alone), but
+  // a tied weight's duplicates.
   wiring.set_stage_state(DeviceMesh::from_group(runtime.process_group(), "pp"), optimizer,
-                         wiring.model_, {});
+                         wiring.model_, tied_names(runtime, *wiring.model_));
   wiring.mode_ = "a pipeline";
   return wiring;
 }
@@ -274,8 +323,9 @@ TrainerWiring TrainerWiring::pipeline_over(std::shared_ptr<Communicator> world,
   wiring.set_pipeline_layout(runtime, dp_group);
   // The replicas of a stage (its data-parallel group) take turns writing
   // its tensors; the pipeline dimension needs no mesh, since no two stages
-  // share a name.
-  wiring.set_stage_state(DeviceMesh::from_group(dp_group, "dp"), optimizer, wiring.model_, {});
+  // share a name (a tied weight's duplicates are not written).
+  wiring.set_stage_state(DeviceMesh::from_group(dp_group, "dp"), optimizer, wiring.model_,
+                         tied_names(runtime, *wiring.model_));
   wiring.mode_ = "a pipeline";
   return wiring;
 }
@@ -283,11 +333,19 @@ TrainerWiring TrainerWiring::pipeline_over(std::shared_ptr<Communicator> world,
 void TrainerWiring::set_pipeline_layout(pipeline::PipelineRuntime& runtime,
                                         std::shared_ptr<Communicator> dp_group) {
   // The DP sync already averaged the stages' gradients: the squares sum over
-  // the pipeline group only.
-  TrafficDimensions dims = {{"pp", {runtime.process_group()}}};
+  // the pipeline group only, a tied weight counted once.
+  std::vector<std::shared_ptr<Communicator>> pp = {runtime.process_group()};
+  for (const auto& tied : runtime.tied_weights()) {
+    const auto& group = tied.copies->group();
+    if (group && group->size() > 1) {
+      pp.push_back(group);
+      traffic_.push_back(group);
+    }
+  }
+  TrafficDimensions dims = {{"pp", pp}};
   if (dp_group) dims.push_back({"dp", {std::move(dp_group)}});
   layout_ = std::make_unique<PipelineLayout>(
-      runtime, std::make_shared<ShardedGradNorm>(runtime.process_group()),
+      runtime, std::make_shared<ShardedGradNorm>(runtime.process_group(), tied_duplicates(runtime)),
       runtime.process_group()->size(), std::move(dims));
 }
 
@@ -297,6 +355,15 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   if (runtime.process_group() != mesh["pp"].process_group()) {
     throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh.rank()) +
                           ": the pipeline runtime must run over the mesh's PP group");
+  }
+  // The synchronizer keeps the mesh's tied embedding; ties declared on the
+  // stages too would be summed twice, and MeshGradNorm counts only its copy out.
+  if (!runtime.tied_weights().empty()) {
+    throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh.rank()) +
+                          ": the pipeline's stages declare tied weights ('" +
+                          runtime.tied_weights().front().key +
+                          "'); over a mesh the GradientSynchronizer keeps the tied embedding "
+                          "(its shared_embedding): build the stages without PipelineStage::tie");
   }
   const auto dims = mesh_dimensions(mesh, sync);
   std::vector<std::shared_ptr<Communicator>> more;

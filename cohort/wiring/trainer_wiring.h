@@ -161,7 +161,10 @@ class TrainerWiring : public TrainingPlan {
   /// runtime.parameters(): no data parallelism, so the gradients need no averaging.
   /// Checkpoints are distributed, under the stages' names ("stage<index>." and the stage
   /// module's names; a function stage's tensors "stage<index>_<n>"), so they resume with the
-  /// same stages over any number of ranks (schedule and pipeline size may change).
+  /// same stages over any number of ranks (schedule and pipeline size may change). A weight
+  /// tied across stages (PipelineStage::tie; the runtime sums its copies' gradients) counts
+  /// once in the global norm and is written once, under the lowest stage's name (its other
+  /// copies load from it). Collective over the pipeline group.
   static TrainerWiring pipeline(pipeline::PipelineRuntime& runtime,
                                 torch::optim::Optimizer& optimizer);
 
@@ -192,8 +195,9 @@ class TrainerWiring : public TrainingPlan {
   /// (DataSource::sample_indices), by which it checks that each cp group read the same samples.
   /// The step's bytes per dimension: "tp", "pp" (with the embedding group), "dp" (the sync's
   /// gradient average, over dp x ep x cp), and "ep" and "cp" where the mesh has them.
-  /// InvalidArgument when the runtime's group is not the mesh's PP group, or two stage modules
-  /// name a layer alike.
+  /// InvalidArgument when the runtime's group is not the mesh's PP group, two stage modules
+  /// name a layer alike, or the stages declare tied weights (PipelineStage::tie: the
+  /// synchronizer keeps the tied embedding, and would sum it twice).
   static TrainerWiring mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
                             torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
                             dcp::TiedNames tied = {});
