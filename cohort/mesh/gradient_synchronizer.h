@@ -201,8 +201,8 @@ class GradientSynchronizer {
   /// has it above size 1. Expert gradients are reduced over it.
   const std::shared_ptr<Communicator>& expert_replica_group() const { return replicas_; }
   /// The first and the last stage of this rank's "pp" group (this rank alone
-  /// when pp == 1), where the tied embedding's gradients are summed; nullptr
-  /// on middle stages.
+  /// when pp == 1 and the embedding was passed), where the tied embedding's
+  /// gradients are summed; nullptr on middle stages.
   const std::shared_ptr<Communicator>& embedding_group() const { return embedding_group_; }
 
  private:
