@@ -13,10 +13,12 @@ namespace {
 constexpr int kShownDims = 8;
 
 // What a rank holds, as words: copies, a local fault (1: undefined copy, 2:
-// its copies differ), dtype, dim, a digest of the sizes, the first sizes.
-std::vector<int64_t> describe(const std::vector<torch::Tensor>& copies) {
-  std::vector<int64_t> words(5 + kShownDims, 0);
+// its copies differ), dtype, dim, a digest of the sizes, the first sizes,
+// its order.
+std::vector<int64_t> describe(const std::vector<torch::Tensor>& copies, int64_t order) {
+  std::vector<int64_t> words(6 + kShownDims, 0);
   words[0] = static_cast<int64_t>(copies.size());
+  words[5 + kShownDims] = order;
   if (copies.empty()) return words;
   for (const auto& c : copies) {
     if (!c.defined()) {
@@ -70,28 +72,33 @@ std::string mismatch(const RankWords& all, const std::string& name) {
 }  // namespace
 
 TiedCopies::TiedCopies(Communicator& group, std::vector<torch::Tensor> copies,
-                       const std::string& name, const std::string& who)
+                       const std::string& name, const std::string& who, int64_t order)
     : copies_(std::move(copies)) {
   // Every rank learns what every other holds, so a bad copy is an error on
   // all of them (a rank without the weight would otherwise wait for the
   // others' first activations until its timeout).
-  const RankWords all = gather_words(group, describe(copies_));
+  const RankWords all = gather_words(group, describe(copies_, order < 0 ? group.rank() : order));
   const std::string error = mismatch(all, name);
   if (!error.empty()) {
     throw InvalidArgument(who + "tied weight '" + name + "': " + error + " (group " + group.name() +
                           ")");
   }
-  for (int r = 0; r < all.ranks() && original_rank_ < 0; ++r) {
-    if (all.of(r)[0] > 0) original_rank_ = r;
+  // The split orders the holders by their rank in `group`: the original's
+  // rank in it is the number of holders below it.
+  int root = 0;
+  for (int r = 0; r < all.ranks(); ++r) {
+    if (all.of(r)[0] == 0) continue;
+    const int64_t o = all.of(r)[5 + kShownDims];
+    if (original_rank_ < 0 || o < all.of(original_rank_)[5 + kShownDims]) original_rank_ = r;
   }
+  for (int r = 0; r < original_rank_; ++r) root += all.of(r)[0] > 0;
   original_here_ = original_rank_ == group.rank();
   group_ = group.split(copies_.empty() ? -1 : 0, group.rank());
   if (copies_.empty()) return;
   torch::NoGradGuard no_grad;
   if (group_->size() > 1) {
-    // The lowest holder is rank 0 of the split (keys are the group ranks).
     auto value = copies_[0].detach().contiguous();
-    group_->broadcast(value, {0}).wait();
+    group_->broadcast(value, {root}).wait();
     copies_[0].detach().copy_(value);
   }
   for (size_t i = 1; i < copies_.size(); ++i) copies_[i].detach().copy_(copies_[0].detach());

@@ -6,7 +6,7 @@
 // of its own, and the copies stay one weight only when they start equal and
 // every optimizer step moves them by the same gradient: the sum of every
 // copy's (each copy's backward sees only its own stage's use of the weight).
-// Construction makes them equal (the lowest holder's value, broadcast);
+// Construction makes them equal (the original's value, broadcast);
 // sum_gradients() adds the gradients up on every holder. The pipeline
 // runtime (declared ties) and the mesh's GradientSynchronizer (the GPT
 // example's embedding) both keep their tied weights through it.
@@ -34,10 +34,12 @@ class TiedCopies {
   /// through different tensors; none on a rank without the weight).
   /// Copies of different shapes or dtypes, or an undefined one, are an
   /// InvalidArgument on every rank of `group` naming `name`, the two ranks
-  /// and what each holds (`who` starts the message). Then every copy holds
-  /// the value of the first copy on the lowest holding rank.
+  /// and what each holds (`who` starts the message). The original is the
+  /// first copy of the holder with the lowest `order` (a pipeline passes its
+  /// lowest stage holding the weight; -1: this rank's rank in `group`), the
+  /// lowest rank among equal ones; then every copy holds its value.
   TiedCopies(Communicator& group, std::vector<torch::Tensor> copies, const std::string& name,
-             const std::string& who);
+             const std::string& who, int64_t order = -1);
   ~TiedCopies();
 
   /// Sums the copies' gradients over the holders (this rank's copies first),
@@ -52,9 +54,9 @@ class TiedCopies {
   const std::vector<torch::Tensor>& copies() const { return copies_; }
   /// The ranks holding a copy (null on a rank without one).
   const std::shared_ptr<Communicator>& group() const { return group_; }
-  /// Whether this rank holds the copy that stands for the weight (the first
-  /// copy on the lowest holder): the one a norm counts and a checkpoint
-  /// writes; the others are duplicates().
+  /// Whether this rank holds the original, the copy that stands for the
+  /// weight: the one a norm counts and a checkpoint writes; the others are
+  /// duplicates().
   bool holds_original() const { return original_here_; }
   /// This rank's copies but the original: a norm over every rank's
   /// parameters must leave them out, or it counts the weight more than once.

@@ -66,13 +66,16 @@ void PipelineRuntime::tie_weights(const std::string& who) {
                             std::to_string(*stages.begin()) +
                             " only (PipelineStage::tie on every stage holding a copy)");
   }
+  // The original is the lowest stage's copy (the first in this rank's list).
   for (const auto& [key, stages] : declared) {
     auto it = copies.find(key);
+    const bool held = it != copies.end();
+    const int64_t order = held ? local_stages[key].front() : -1;
     tied_.push_back(
         {key,
          {stages.begin(), stages.end()},
-         std::make_shared<TiedCopies>(
-             *group_, it == copies.end() ? std::vector<torch::Tensor>{} : it->second, key, who)});
+         std::make_shared<TiedCopies>(*group_, held ? it->second : std::vector<torch::Tensor>{},
+                                      key, who, order)});
   }
 }
 

@@ -156,6 +156,36 @@ INSTANTIATE_TEST_SUITE_P(Pipeline, TiedWeight,
                                            Case{"interleaved", 2, 2, 4}),
                          name_of);
 
+// The original is the lowest stage's copy, not the lowest rank's:
+// interleaved over two ranks, W tied between stage 1 (rank 1) and stage 2
+// (rank 0), each copy built with its own values, starts as stage 1's.
+TEST(TiedWeightOriginal, IsTheLowestStagesCopy) {
+  const auto schedule = make_schedule("interleaved", 2, 2, 4);
+  auto got =
+      cohort::testing::results_of_ranks<torch::Tensor>(2, [&](std::shared_ptr<Communicator> comm) {
+        std::vector<PipelineStage> mine;
+        torch::Tensor copy;
+        for (int s : schedule.stages_of(comm->rank())) {
+          auto w = det({kWidth, kWidth}, 2.0 + s).requires_grad_(true);
+          PipelineStage stage(
+              s, [w](const Tensors& in) { return Tensors{torch::tanh(in[0].matmul(w))}; }, {w});
+          if (s == 1 || s == 2) {
+            stage.tie("w", w);
+            copy = w;
+          }
+          mine.push_back(std::move(stage));
+        }
+        PipelineRuntime rt(DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule, mse);
+        const auto& tied = rt.tied_weights();
+        EXPECT_EQ(tied.size(), 1u);
+        EXPECT_EQ(tied.front().stages, (std::vector<int>{1, 2}));
+        EXPECT_EQ(tied.front().copies->holds_original(), comm->rank() == 1);
+        return copy.detach().clone();
+      });
+  for (const auto& [rank, w] : got)
+    EXPECT_TRUE(torch::equal(w, det({kWidth, kWidth}, 3.0))) << "rank " << rank;
+}
+
 // Stage `s` of a two-stage model whose last stage's copy of W has `cols`
 // columns, or that ties it only when `tie_last`.
 PipelineStage odd_stage(int s, int64_t cols, bool tie_last) {
