@@ -202,7 +202,8 @@ class GradientSynchronizer {
   const std::shared_ptr<Communicator>& expert_replica_group() const { return replicas_; }
   /// The first and the last stage of this rank's "pp" group (this rank alone
   /// when pp == 1 and the embedding was passed), where the tied embedding's
-  /// gradients are summed; nullptr on middle stages.
+  /// gradients are summed; nullptr on middle stages and, with
+  /// options.untied_embedding at pp > 1, on every stage.
   const std::shared_ptr<Communicator>& embedding_group() const { return embedding_group_; }
 
  private:
