@@ -426,6 +426,12 @@ class Int8AllReduce {
   std::vector<std::vector<Link::Pending>> phase1_, phase2_;
 };
 
+// Small tensors get smaller chunks, so that every rank owns one (else one
+// owner would receive and send the whole tensor).
+int64_t effective_chunk(int64_t n, int64_t chunk, int p) {
+  return std::min(chunk, (n + p - 1) / p);
+}
+
 }  // namespace
 
 void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
@@ -437,10 +443,19 @@ void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
   const int p = comm.size();
   const int64_t n = buf.numel();
   if (n == 0) return;
-  // Small tensors get smaller chunks, so that every rank owns one (else one
-  // owner would receive and send the whole tensor).
-  chunk = std::min(chunk, (n + p - 1) / p);
-  Int8AllReduce(comm, buf, chunk, feedback, segment_chunks).run();
+  Int8AllReduce(comm, buf, effective_chunk(n, chunk, p), feedback, segment_chunks).run();
+}
+
+std::vector<std::pair<int64_t, int64_t>> int8_owned_elements(int64_t n, int64_t chunk, int rank,
+                                                             int size, int64_t segment_chunks) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (n == 0) return out;
+  int64_t total_bytes = 0, owned = 0;
+  for (const auto& seg : plan_segments(n, effective_chunk(n, chunk, size), segment_chunks, size,
+                                       rank, &total_bytes, &owned)) {
+    out.emplace_back(seg.blocks[rank].offset, seg.blocks[rank].count);
+  }
+  return out;
 }
 
 }  // namespace cohort::compression

@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace cohort {
 
@@ -67,6 +69,12 @@ struct Int8ErrorFeedback {
 /// Collective; blocking.
 void int8_all_reduce(Communicator& comm, at::Tensor& buf, int64_t chunk,
                      Int8ErrorFeedback* feedback, int64_t segment_chunks = 64);
+
+/// The elements of an n-element tensor that `rank` of `size` owns in
+/// int8_all_reduce with these settings, as (offset, count) in the order of
+/// its owner error buffer.
+std::vector<std::pair<int64_t, int64_t>> int8_owned_elements(int64_t n, int64_t chunk, int rank,
+                                                             int size, int64_t segment_chunks = 64);
 
 }  // namespace compression
 }  // namespace cohort

@@ -47,6 +47,18 @@ void load_map(const std::map<std::string, at::Tensor>& in, const std::string& wh
   }
 }
 
+// `range` of the state kept under `key` in `states`, or nothing while there
+// is none of the tensor's size.
+std::vector<at::Tensor> range_of(const std::map<int64_t, at::Tensor>& states, int64_t key,
+                                 const ElementRange& range) {
+  const auto it = states.find(key);
+  if (it == states.end() || !it->second.defined() ||
+      it->second.numel() < range.offset + range.count) {
+    return {};
+  }
+  return {it->second.narrow(0, range.offset, range.count)};
+}
+
 class NoCompression : public Compressor {
  public:
   void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
@@ -103,6 +115,22 @@ class Int8 : public Compressor {
   void forget(int64_t key) override {
     worker_.erase(key);
     owner_.erase(key);
+  }
+  // The worker error of the range, then the owner error of the part of it
+  // this rank owns.
+  std::vector<at::Tensor> element_state(int64_t key, const ElementRange& range, int rank,
+                                        int size) override {
+    auto views = range_of(worker_, key, range);
+    const auto owner = owner_.find(key);
+    if (views.empty() || owner == owner_.end() || !owner->second.defined()) return {};
+    const int64_t end = range.offset + range.count;
+    int64_t at = 0;  // position in the owner error
+    for (auto [offset, count] : int8_owned_elements(worker_.at(key).numel(), chunk_, rank, size)) {
+      const int64_t lo = std::max(offset, range.offset), hi = std::min(offset + count, end);
+      if (lo < hi) views.push_back(owner->second.narrow(0, at + lo - offset, hi - lo));
+      at += count;
+    }
+    return views;
   }
 
  private:
@@ -221,6 +249,9 @@ class TopK : public Compressor {
 
  protected:
   void forget(int64_t key) override { error_.erase(key); }
+  std::vector<at::Tensor> element_state(int64_t key, const ElementRange& range, int, int) override {
+    return range_of(error_, key, range);
+  }
 
  private:
   // Indices come from peers: each must fall inside this rank's tensor
@@ -357,7 +388,45 @@ void Compressor::agree(Communicator& comm, const CompressionOptions& options, in
 
 void Compressor::reset(int64_t key) {
   agreed_.erase(key);
+  held_.erase(key);
   forget(key);
+}
+
+void Compressor::hold(const Communicator& comm, int64_t key,
+                      const std::vector<ElementRange>& ranges) {
+  auto& held = held_[key];
+  held.clear();
+  for (const auto& range : ranges) {
+    Held h{range, {}};
+    for (const auto& view : element_state(key, range, comm.rank(), comm.size())) {
+      h.copies.push_back(view.clone());
+    }
+    held.push_back(std::move(h));
+  }
+}
+
+void Compressor::put_back(const Communicator& comm, int64_t key,
+                          const std::vector<ElementRange>& ranges) {
+  const auto it = held_.find(key);
+  for (const auto& range : ranges) {
+    const Held* held = nullptr;
+    if (it != held_.end()) {
+      for (const auto& h : it->second) {
+        if (h.range.offset == range.offset && h.range.count == range.count) held = &h;
+      }
+    }
+    COHORT_CHECK(held != nullptr, "compression: put_back of elements that were not held");
+    auto views = element_state(key, range, comm.rank(), comm.size());
+    // No state at hold(): the step created it, and before it the error was zero.
+    const bool had = held->copies.size() == views.size();
+    for (size_t v = 0; v < views.size(); ++v) {
+      if (had && held->copies[v].sizes() == views[v].sizes()) {
+        views[v].copy_(held->copies[v]);
+      } else {
+        views[v].zero_();
+      }
+    }
+  }
 }
 
 std::string to_string(CompressionKind kind) {

@@ -69,6 +69,12 @@ struct CompressionOptions {
   int64_t powersgd_seed = 0;
 };
 
+/// The elements [offset, offset + count) of a flat tensor.
+struct ElementRange {
+  int64_t offset = 0;
+  int64_t count = 0;
+};
+
 /// A gradient compressor. Not thread-safe; one per communicator.
 class Compressor {
  public:
@@ -91,6 +97,15 @@ class Compressor {
   /// counter stays) and the layout agreed for it: the tensor under `key` now
   /// holds other values (DDP rebuilt the bucket). Call it on every rank.
   void reset(int64_t key);
+  /// Copies this rank's error feedback of `ranges` of the tensor under `key`
+  /// (replacing what was held for the key), before its all_reduce: DDP holds
+  /// the parameters this rank did not use in the step.
+  void hold(const Communicator& comm, int64_t key, const std::vector<ElementRange>& ranges);
+  /// Puts back what hold() copied of `ranges` (some of the held ones), after
+  /// the all_reduce: DDP drops the step's result for a parameter no rank
+  /// used, so the error the step sent for it must stay for a later step.
+  /// State that did not exist at hold() is zeroed.
+  void put_back(const Communicator& comm, int64_t key, const std::vector<ElementRange>& ranges);
 
  protected:
   /// Checks that every rank of `comm` uses the settings of `options` that
@@ -102,9 +117,22 @@ class Compressor {
              const std::vector<int64_t>& layout = {});
   /// Drops the state kept for `key` (reset()); the default keeps none.
   virtual void forget(int64_t key) { (void)key; }
+  /// Views of the error feedback this rank keeps for the elements `range` of
+  /// the tensor under `key`, the same ones for the same range while its
+  /// state exists; empty while it has none. The default keeps none.
+  virtual std::vector<at::Tensor> element_state(int64_t key, const ElementRange& range, int rank,
+                                                int size) {
+    (void)key, (void)range, (void)rank, (void)size;
+    return {};
+  }
 
  private:
+  struct Held {
+    ElementRange range;
+    std::vector<at::Tensor> copies;  // empty: no state when held
+  };
   std::map<int64_t, std::vector<int64_t>> agreed_;  // key -> the fingerprint agreed on
+  std::map<int64_t, std::vector<Held>> held_;
 };
 
 /// A compressor of options.kind; throws InvalidArgument on bad options.

@@ -223,6 +223,16 @@ class PowerSGD : public Compressor {
     errors_.erase(key);
     q_.erase(key);
   }
+  // The error alone: Q is a starting point of the power iteration shared by
+  // every rank, not a value owed to a gradient.
+  std::vector<at::Tensor> element_state(int64_t key, const ElementRange& range, int, int) override {
+    const auto it = errors_.find(key);
+    if (it == errors_.end() || !it->second.defined() ||
+        it->second.numel() < range.offset + range.count) {
+      return {};
+    }
+    return {it->second.narrow(0, range.offset, range.count)};
+  }
 
  private:
   // What decides the batches: each view's offset and shape. Ranks whose
