@@ -75,11 +75,13 @@ Work ReducedPrecisionHook::run(Communicator& comm, GradBucket& bucket) {
 
 Work CompressionHook::run(Communicator& comm, GradBucket& bucket) {
   check_float32(bucket, name());
-  return run_on_worker(worker_, comm, name(), bucket.index,
-                       [&comm, compressor = compressor_, buffer = bucket.buffer,
-                        index = bucket.index, shaped = bucket.gradients]() mutable {
-                         compressor->all_reduce(comm, buffer, index, shaped);
-                       });
+  return run_on_worker(
+      worker_, comm, name(), bucket.index,
+      [&comm, compressor = compressor_, buffer = bucket.buffer, index = bucket.index,
+       shaped = bucket.gradients, unused = bucket.unused]() mutable {
+        compressor->hold(comm, index, unused);
+        compressor->all_reduce(comm, buffer, index, shaped);
+      });
 }
 
 std::map<std::string, torch::Tensor> CompressionHook::state() const {
@@ -95,6 +97,12 @@ void CompressionHook::load_state(const std::map<std::string, torch::Tensor>& sta
 void CompressionHook::buckets_changed(const std::vector<int64_t>& indices) {
   if (worker_) worker_->drain();
   for (int64_t i : indices) compressor_->reset(i);
+}
+
+void CompressionHook::left_out(const Communicator& comm, int64_t index,
+                               const std::vector<compression::ElementRange>& ranges) {
+  if (worker_) worker_->drain();
+  compressor_->put_back(comm, index, ranges);
 }
 
 }  // namespace cohort

@@ -32,6 +32,10 @@ struct GradBucket {
   /// Views of `buffer` shaped as the bucket's parameters (PyTorch's
   /// bucket.gradients()); PowerSGD compresses the matrices among them.
   std::vector<torch::Tensor> gradients;
+  /// The elements of `buffer` of parameters this rank did not use in the
+  /// step (zeros, or a .grad left from before): a hook that keeps state
+  /// holds theirs for left_out().
+  std::vector<compression::ElementRange> unused;
 };
 
 /// How DDP reduces a bucket of gradients (PyTorch's communication hooks): all-reduce by default, or
@@ -57,6 +61,14 @@ class CommHook {
   /// buckets): state kept for them describes the old contents and must not
   /// be applied to the new. Called on every rank, between iterations.
   virtual void buckets_changed(const std::vector<int64_t>& indices) { (void)indices; }
+  /// After bucket `index` was reduced: no rank used the parameters at
+  /// `ranges` (some of its GradBucket::unused), so DDP drops the step's
+  /// result for them; a hook that keeps state puts theirs back as it was
+  /// before the step. Called on every rank with the same ranges.
+  virtual void left_out(const Communicator& comm, int64_t index,
+                        const std::vector<compression::ElementRange>& ranges) {
+    (void)comm, (void)index, (void)ranges;
+  }
 };
 
 /// all_reduce(Avg) of the bucket in place.
@@ -119,6 +131,10 @@ class CompressionHook : public CommHook {
   void load_state(const std::map<std::string, torch::Tensor>& state) override;
   /// Resets the compressor's state of those buckets (Compressor::reset).
   void buckets_changed(const std::vector<int64_t>& indices) override;
+  /// Puts back the compressor's error feedback of those ranges
+  /// (Compressor::put_back).
+  void left_out(const Communicator& comm, int64_t index,
+                const std::vector<compression::ElementRange>& ranges) override;
 
  private:
   std::shared_ptr<compression::Compressor> compressor_;

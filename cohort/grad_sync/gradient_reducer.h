@@ -230,6 +230,9 @@ class GradientReducer {
   // parameters have a gradient on any rank is agreed from locally_used_
   // (any_rank_has), and one that has none anywhere keeps an undefined .grad.
   void wait_and_write_back(double backward_end_s, bool agree);
+  /// Leaves the parameters no rank used (used[i] == 0) as they were before
+  /// the step: .grad as it was, and the hook's state of their elements.
+  void leave_unused_alone(const std::vector<char>& used);
   void start_iteration_clock();
   // Determinism::WorldSizeInvariant (gradient_reducer_leaves.cpp).
   void setup_leaves();
@@ -286,6 +289,10 @@ class GradientReducer {
   // WorldSizeInvariant step.
   std::vector<char> locally_used_;
   std::vector<size_t> unused_;  // found at forward (find_unused_parameters)
+  // The .grad of a parameter this rank did not use, when it is a bucket
+  // view (gradient_as_bucket_view) the hook overwrites: what it was before
+  // the step, kept should no rank use it.
+  std::map<size_t, torch::Tensor> unused_grads_;
   std::string pending_error_;
   int no_sync_depth_ = 0;
 

@@ -29,6 +29,7 @@ void GradientReducer::reset_iteration() {
   backward_started_ = false;
   backward_finished_ = true;
   unused_.clear();
+  unused_grads_.clear();
 }
 
 void GradientReducer::clear_local_use() {
@@ -252,6 +253,9 @@ void GradientReducer::mark_ready(size_t index, bool used) {
   } else {
     view.copy_(grad);
   }
+  if (!used && !locally_used_[index] && grad.defined() && grad.data_ptr() == view.data_ptr()) {
+    unused_grads_[index] = grad.clone();
+  }
   if (queue_.arrive(slots_[index].bucket)) {
     if (Tracer* t = active(comm_->tracer())) {
       t->instant("bucket ready", "ddp", std::chrono::steady_clock::now(),
@@ -268,7 +272,13 @@ void GradientReducer::launch_ready_buckets() {
 
 Work GradientReducer::launch(size_t b) {
   auto& bucket = buckets_[b];
-  GradBucket view{static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size(), bucket.views};
+  GradBucket view{
+      static_cast<int64_t>(b), bucket.buffer, b + 1 == buckets_.size(), bucket.views, {}};
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    if (locally_used_[bucket.params[k]]) continue;
+    const auto& v = bucket.views[k];
+    view.unused.push_back({v.storage_offset() - bucket.buffer.storage_offset(), v.numel()});
+  }
   Work work = hook_->run(*comm_, view);
   stats_.bytes += bucket.buffer.numel() * bucket.buffer.element_size();
   return work;
@@ -327,12 +337,14 @@ void GradientReducer::wait_and_write_back(double backward_end, bool agree) {
   clear_local_use();
 
   torch::NoGradGuard no_grad;
+  leave_unused_alone(used);
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!used[i]) continue;
     auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
     auto& grad = params_[i].mutable_grad();
     if (grad.defined()) {
       if (grad.data_ptr() != view.data_ptr()) grad.copy_(view);
-    } else if (used[i] && params_[i].requires_grad()) {
+    } else if (params_[i].requires_grad()) {
       grad = options_.gradient_as_bucket_view ? view : view.clone();
     }
   }
@@ -348,6 +360,27 @@ void GradientReducer::wait_and_write_back(double backward_end, bool agree) {
   stats_.total_comm_seconds += all;
   stats_.total_hidden_comm_seconds += hidden;
   stats_.bytes_sent = static_cast<int64_t>(comm_->stats().total().bytes_sent - sent_at_start_);
+}
+
+void GradientReducer::leave_unused_alone(const std::vector<char>& used) {
+  // As in one process, and as PyTorch's DDP leaves the .grad of a parameter
+  // no rank used: the step's result for it is not written. A compressing
+  // hook's result there is not zero (the error feedback it sent, int8's
+  // rounding), and its error must stay for a later step.
+  std::map<size_t, std::vector<compression::ElementRange>> left_out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (used[i]) continue;
+    const auto& slot = slots_[i];
+    const auto& view = buckets_[slot.bucket].views[slot.position];
+    left_out[slot.bucket].push_back(
+        {view.storage_offset() - buckets_[slot.bucket].buffer.storage_offset(), view.numel()});
+    const auto kept = unused_grads_.find(i);
+    if (kept != unused_grads_.end()) params_[i].mutable_grad().copy_(kept->second);
+  }
+  unused_grads_.clear();
+  for (const auto& [b, ranges] : left_out) {
+    hook_->left_out(*comm_, static_cast<int64_t>(b), ranges);
+  }
 }
 
 void GradientReducer::synchronize() {
