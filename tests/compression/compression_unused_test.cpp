@@ -1,17 +1,17 @@
 // Compression in DDP (find_unused_parameters) when a parameter takes no part
-// in a step. One no rank used must be left as one process leaves it: its
-// .grad as it was (undefined, or the zeros zero_grad left), and its error
-// feedback kept for a later step, since the step's result for it is
-// dropped. One only some ranks used gets the average with zeros: on every
-// rank, result = (sum over ranks of (local gradient + error spent)) / p +
-// the owner's error spent (int8), the identity every compressor's error
-// feedback keeps, with "error spent" its state before minus after.
+// in a step: outside the graph, or left out by a checkpointed block. One no rank used must be left
+// as one process leaves it: its .grad as it was (undefined, or the zeros zero_grad left), and its
+// error feedback kept for a later step, since the step's result for it is dropped. One only some
+// ranks used gets the average with zeros: on every rank, result = (sum over ranks of (local
+// gradient + error spent)) / p + the owner's error spent (int8), the identity every compressor's
+// error feedback keeps, with "error spent" its state before minus after.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <map>
 #include <string>
 
+#include "cohort/activation/checkpoint_wrapper.h"
 #include "cohort/compression/compressed_collectives.h"
 #include "cohort/ddp/distributed_data_parallel.h"
 #include "support/thread_ranks.h"
@@ -22,27 +22,53 @@ namespace {
 using compression::CompressionKind;
 using State = std::map<std::string, torch::Tensor>;
 
-// head(tanh(a(x) [+ b(x)] [+ c(x)])).
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
+// tanh(a(x) [+ b(x)] [+ c(x)]), under a head.
+struct InnerImpl : torch::nn::Module {
+  InnerImpl() {
     a = register_module("a", torch::nn::Linear(8, 8));
     b = register_module("b", torch::nn::Linear(8, 8));
     c = register_module("c", torch::nn::Linear(8, 8));
-    head = register_module("head", torch::nn::Linear(8, 2));
-    torch::NoGradGuard no_grad;
-    auto gen = at::detail::createCPUGenerator(7);
-    for (auto& p : parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.3);
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = a(x);
     if (use_b) h = h + b(x);
     if (use_c) h = h + c(x);
-    return head(torch::tanh(h));
+    return torch::tanh(h);
   }
-  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr}, head{nullptr};
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
   bool use_b = true, use_c = true;
 };
-TORCH_MODULE(Net);
+TORCH_MODULE(Inner);
+
+// Checkpointed, the inner block's recompute gives no gradient to what it
+// left out (DDP learns so at the end of backward); else DDP finds it
+// outside the graph at forward.
+torch::nn::Sequential make_model(const Inner& inner, bool checkpointed) {
+  torch::nn::Sequential seq;
+  if (checkpointed) {
+    seq->push_back(checkpoint_wrapper(torch::nn::AnyModule(inner)));
+  } else {
+    seq->push_back(inner);
+  }
+  seq->push_back(torch::nn::Linear(8, 2));
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(7);
+  for (auto& p : seq->parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.3);
+  return seq;
+}
+
+// The parameter named `name` or ending in "." + name.
+torch::Tensor named(const torch::nn::Module& m, const std::string& name) {
+  for (const auto& p : m.named_parameters()) {
+    const auto& key = p.key();
+    if (key == name ||
+        (key.size() > name.size() &&
+         key.compare(key.size() - name.size() - 1, std::string::npos, "." + name) == 0)) {
+      return p.value();
+    }
+  }
+  throw std::runtime_error("no parameter " + name);
+}
 
 // What .grad holds at each step's start.
 enum class Grads { None, Zeros, BucketView };
@@ -51,6 +77,7 @@ struct Case {
   CompressionKind kind;
   int world;
   Grads grads;
+  bool checkpointed;
 };
 
 // Steps 0-2 use every parameter (they build error feedback; PowerSGD
@@ -104,6 +131,14 @@ Spent spent(const State& before, const State& after, int64_t key, int64_t n, int
   return out;
 }
 
+// "b.weight" of "0.b.weight" or "0.module.b.weight": the last two parts.
+std::string short_name(const std::string& name) {
+  const auto last = name.rfind('.');
+  const auto before =
+      last == std::string::npos || last == 0 ? std::string::npos : name.rfind('.', last - 1);
+  return before == std::string::npos ? name : name.substr(before + 1);
+}
+
 // One parameter as the last step left it on one rank.
 struct Param {
   torch::Tensor grad;   // as the step left it (undefined kept)
@@ -114,24 +149,25 @@ struct Param {
 std::map<std::string, Param> run_rank(const Case& c, const std::shared_ptr<Communicator>& comm) {
   torch::set_num_threads(1);
   const int r = comm->rank();
-  Net net;
+  Inner inner, local_inner;
+  auto model = make_model(inner, c.checkpointed);
+  auto local = make_model(local_inner, false);  // the last step on this rank alone
   DDPOptions options;
   options.find_unused_parameters = true;
   options.gradient_as_bucket_view = c.grads == Grads::BucketView;
   options.compression = compression_of(c.kind);
-  DistributedDataParallel<Net> ddp(net, comm, options);
+  DistributedDataParallel<torch::nn::Sequential> ddp(model, comm, options);
   State before;
-  Net local;  // the last step's forward and backward on this rank alone
   for (int s = 0; s < kSteps; ++s) {
     const bool last = s + 1 == kSteps;
-    net->use_b = local->use_b = !last;
-    net->use_c = local->use_c = !last || r == 0;
+    inner->use_b = local_inner->use_b = !last;
+    inner->use_c = local_inner->use_c = !last || r == 0;
     ddp.zero_grad(/*set_to_none=*/c.grads == Grads::None);
     if (last) {
       before = ddp.comm_hook()->state();
       torch::NoGradGuard no_grad;
       for (size_t i = 0; i < local->parameters().size(); ++i) {
-        local->parameters()[i].copy_(net->parameters()[i]);
+        local->parameters()[i].copy_(model->parameters()[i]);
       }
     }
     torch::mse_loss(ddp.forward(inputs(s, r)), targets(s, r)).backward();
@@ -143,7 +179,7 @@ std::map<std::string, Param> run_rank(const Case& c, const std::shared_ptr<Commu
   // launch order, back to back).
   const auto layout = ddp.reducer().bucket_layout();
   const auto& names = ddp.reducer().parameter_names();
-  std::map<std::string, Param> out;
+  std::map<std::string, Param> out;  // by short_name
   for (size_t b = 0; b < layout.size(); ++b) {
     int64_t n = 0;
     for (size_t i : layout[b]) n += ddp.reducer().parameters()[i].numel();
@@ -151,8 +187,8 @@ std::map<std::string, Param> run_rank(const Case& c, const std::shared_ptr<Commu
     int64_t offset = 0;
     for (size_t i : layout[b]) {
       const auto& p = ddp.reducer().parameters()[i];
-      const auto g = local->named_parameters()[names[i]].grad();
-      Param& q = out[names[i]];
+      const auto g = named(*local, short_name(names[i])).grad();
+      Param& q = out[short_name(names[i])];
       q.grad = p.grad().defined() ? p.grad().clone() : torch::Tensor();
       q.local = g.defined() ? g.reshape(-1).clone() : torch::zeros({p.numel()});
       q.spent = {bucket.local.narrow(0, offset, p.numel()),
@@ -225,7 +261,7 @@ std::vector<Case> cases() {
                     CompressionKind::TopK, CompressionKind::PowerSGD}) {
     for (int world = 1; world <= 3; ++world) {
       for (auto grads : {Grads::None, Grads::Zeros, Grads::BucketView}) {
-        out.push_back({kind, world, grads});
+        for (bool checkpointed : {false, true}) out.push_back({kind, world, grads, checkpointed});
       }
     }
   }
@@ -235,7 +271,8 @@ std::vector<Case> cases() {
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   static const char* const grads[] = {"none", "zeros", "bucket_view"};
   return compression::to_string(info.param.kind) + "_world" + std::to_string(info.param.world) +
-         "_" + grads[static_cast<int>(info.param.grads)];
+         "_" + grads[static_cast<int>(info.param.grads)] +
+         (info.param.checkpointed ? "_checkpointed" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(CompressorsWorldsGrads, CompressionUnusedParameter,
