@@ -118,6 +118,10 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   /// The epoch set last (0 at first).
   int64_t epoch() const;
 
+  /// The replicas it deals to.
+  int num_replicas() const { return num_replicas_; }
+  /// The replica whose indices it deals.
+  int rank() const { return rank_; }
   /// The number of samples it deals from (the dataset's size).
   size_t dataset_size() const { return size_; }
   /// The samples this rank gets per epoch (PyTorch's len(sampler)).

@@ -12,6 +12,13 @@
 
 namespace cohort {
 
+/// Which share of the data a source deals: its data-parallel rank and the
+/// number of shares (world 0: the source does not say).
+struct DataShard {
+  int rank = 0;   ///< this source's share, 0 <= rank < world
+  int world = 0;  ///< shares of the data; 0: unknown
+};
+
 /// The Trainer's input: micro-batches of this rank's shard of the data, epoch by epoch.
 class DataSource {
  public:
@@ -42,6 +49,13 @@ class DataSource {
   /// sequences, so only these tell whether they drew the same samples: a
   /// source trained under context parallelism (cp > 1) must give them.
   virtual torch::Tensor sample_indices(int64_t /*index*/) { return {}; }
+  /// The share of the data this source deals (TensorDataSource's rank and
+  /// world size), or world 0 when it does not say. fit() checks at each
+  /// epoch's start that the ranks' shares are those of the data-parallel
+  /// group: every share once for each of its copies (a pipeline's or TP
+  /// group's ranks share one), so that no two replicas train on the same
+  /// samples.
+  virtual DataShard shard() const { return {}; }
 };
 
 }  // namespace cohort

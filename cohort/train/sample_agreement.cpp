@@ -254,4 +254,31 @@ void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSour
   refuse_together(world, finding, names);
 }
 
+void check_data_shards(const std::vector<DataShard>& shards, int copies, const std::string& who) {
+  const int world = static_cast<int>(shards.size());
+  for (const auto& s : shards) {
+    if (s.world <= 0) return;
+  }
+  const int replicas = copies > 0 ? world / copies : world;
+  std::vector<int> dealt(static_cast<size_t>(replicas), 0);
+  bool fits = world % std::max(copies, 1) == 0;
+  for (const auto& s : shards) {
+    fits = fits && s.world == replicas && s.rank >= 0 && s.rank < replicas;
+    if (fits) ++dealt[static_cast<size_t>(s.rank)];
+  }
+  for (const int n : dealt) fits = fits && n == copies;
+  if (fits) return;
+  std::vector<std::string> values;
+  for (const auto& s : shards) {
+    values.push_back("share " + std::to_string(s.rank) + " of " + std::to_string(s.world));
+  }
+  throw InvalidArgument(
+      who + "the data sources deal " + name_groups(values) + ", but the " +
+      std::to_string(replicas) + " data-parallel replicas (" + std::to_string(world) + " ranks, " +
+      std::to_string(copies) + " per sample) need each share of " + std::to_string(replicas) +
+      " once" + (copies > 1 ? " per rank of a replica" : "") +
+      ": replicas would train on the same samples; make each source with its data-parallel "
+      "rank and size");
+}
+
 }  // namespace cohort

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/plan/trainer_layout.h"
@@ -25,5 +27,13 @@ namespace cohort {
 /// found it.
 void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSource& data,
                       int64_t epoch);
+
+/// Throws InvalidArgument (beginning with `who`) unless `shards` (each
+/// rank's DataSource::shard(), gathered over the trainer's group) deal
+/// every share of the data-parallel group once per copy: each world
+/// size / `copies` (TrainerLayout::ranks_per_sample), each rank in
+/// [0, that) `copies` times. Nothing when a rank's source does not say.
+/// The same on every rank that passes the same shards.
+void check_data_shards(const std::vector<DataShard>& shards, int copies, const std::string& who);
 
 }  // namespace cohort

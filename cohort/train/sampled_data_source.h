@@ -32,6 +32,8 @@ class SampledDataSource : public DataSource {
   torch::data::Example<> batch(int64_t index) override;
   /// The sampled indices micro-batch `index` takes.
   torch::Tensor sample_indices(int64_t index) override;
+  /// The sampler's rank and num_replicas.
+  DataShard shard() const override { return {sampler_.rank(), sampler_.num_replicas()}; }
   /// The sampler this source deals with.
   const data::DistributedSampler& sampler() const { return sampler_; }
 

@@ -285,26 +285,25 @@ double Trainer::comm_seconds() const {
 
 std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& callbacks) {
   const int64_t k = config_.accumulation_steps;
-  data.set_epoch(position_.epoch);
-  agree_on_epoch(data);
+  start_epoch(data);
   if (resumed_) continue_epoch_order(data);
   const int64_t g = data.global_micro_batch();
-  const int64_t steps_per_epoch = data.num_batches() / k;
-  if (steps_per_epoch == 0) {
-    throw InvalidArgument("Trainer::fit on rank " + std::to_string(comm_.rank()) + ": " +
-                          std::to_string(data.num_batches()) +
-                          " micro-batches per epoch, fewer than accumulation_steps " +
-                          std::to_string(k));
-  }
-  int64_t total = config_.epochs * steps_per_epoch;
-  if (config_.max_steps > 0) total = std::min(total, config_.max_steps);
   if (position_.step == 0 && last_checkpoint_step_ < 0) metrics_.keep_until(-1);
 
+  // Epochs may differ in length (a source that grows, or a resume with
+  // another dataset): the loop ends on the epochs, or on max_steps when set.
+  // The total is only what the progress line expects: this epoch's steps
+  // left, and every later epoch as long as this one.
+  const int64_t steps_per_epoch = data.num_batches() / k;
+  int64_t total = position_.step + (data.num_batches() - position_.batch) / k +
+                  std::max<int64_t>(config_.epochs - position_.epoch - 1, 0) * steps_per_epoch;
+  if (config_.max_steps > 0) total = std::min(total, config_.max_steps);
   Progress progress(config_.progress && comm_.rank() == 0 && layout_.reports(), position_.step,
                     total, config_.log_every);
   std::vector<StepMetrics> out;
   auto epoch_start = std::chrono::steady_clock::now();
-  while (position_.step < total && position_.epoch < config_.epochs) {
+  while (position_.epoch < config_.epochs &&
+         (config_.max_steps <= 0 || position_.step < config_.max_steps)) {
     std::vector<torch::data::Example<>> batches;
     for (int64_t i = 0; i < k; ++i) batches.push_back(data.batch(position_.batch + i));
     position_.batch += k;
@@ -325,10 +324,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
       ++position_.epoch;
       position_.batch = 0;
       position_.epoch_samples = 0;
-      if (position_.epoch < config_.epochs) {
-        data.set_epoch(position_.epoch);
-        agree_on_epoch(data);
-      }
+      if (position_.epoch < config_.epochs) start_epoch(data);
       epoch_start = std::chrono::steady_clock::now();
     }
     if (config_.checkpoint_every > 0 && position_.step % config_.checkpoint_every == 0) {
@@ -341,6 +337,19 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   return out;
 }
 
+void Trainer::start_epoch(DataSource& data) {
+  data.set_epoch(position_.epoch);
+  agree_on_epoch(data);
+  // Agreed above: every rank has as many micro-batches, so every rank throws.
+  if (data.num_batches() < config_.accumulation_steps) {
+    throw InvalidArgument("Trainer::fit on rank " + std::to_string(comm_.rank()) + ": epoch " +
+                          std::to_string(position_.epoch) + " has " +
+                          std::to_string(data.num_batches()) +
+                          " micro-batches, fewer than accumulation_steps " +
+                          std::to_string(config_.accumulation_steps));
+  }
+}
+
 void Trainer::agree_on_epoch(DataSource& data) {
   // Every rank steps together: a rank with fewer micro-batches, another
   // accumulation or another step limit would leave the loop while the
@@ -350,13 +359,38 @@ void Trainer::agree_on_epoch(DataSource& data) {
       " micro-batches (global " + std::to_string(data.global_micro_batch()) + "), accumulation " +
       std::to_string(config_.accumulation_steps) + ", epochs " + std::to_string(config_.epochs) +
       ", max_steps " + std::to_string(config_.max_steps);
-  agree_text(comm_, mine, "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ",
-             "the data source's micro-batches or the training length");
+  const std::string who = "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ";
+  // The source's share of the data rides on the same all-gather: a source
+  // made with the world's rank 0 on every rank would pass everything else,
+  // its replicas training on the same samples.
+  const DataShard shard = data.shard();
+  auto words = text_words(mine);
+  const size_t width = words.size();
+  words.push_back(shard.rank);
+  words.push_back(shard.world);
+  const RankWords all = comm_.size() > 1 ? gather_words(comm_, words) : RankWords(words, 1);
+  std::vector<int64_t> texts;
+  std::vector<DataShard> shards;
+  for (int r = 0; r < all.ranks(); ++r) {
+    texts.insert(texts.end(), all.of(r), all.of(r) + width);
+    shards.push_back({static_cast<int>(all.of(r)[width]), static_cast<int>(all.of(r)[width + 1])});
+  }
+  check_same_text(RankWords(texts, all.ranks()), who,
+                  "the data source's micro-batches or the training length");
+  std::string shard_fault;
+  try {
+    check_data_shards(shards, layout_.ranks_per_sample(), who);
+  } catch (const InvalidArgument& e) {
+    shard_fault = e.what();
+  }
   // A pipeline trains stage 0's rank's inputs against the last stage's
   // rank's targets, and a TP group's ranks each compute part of one
   // layer's output from their own inputs: their sources must deal the same
   // samples, or the step silently pairs one rank's data with another's.
   agree_on_samples(comm_, layout_, data, position_.epoch);
+  // After the samples' check, which names the ranks that drew other samples
+  // than their pipeline or TP peers; every rank gathered the same shards.
+  if (!shard_fault.empty()) throw InvalidArgument(shard_fault);
 }
 
 int64_t Trainer::global_batch_of(DataSource& data) {

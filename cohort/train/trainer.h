@@ -253,6 +253,10 @@ class Trainer {
   /// Collective when the source has no global order: this job's samples per
   /// optimizer step over all ranks.
   int64_t global_batch_of(DataSource& data);
+  /// Collective: sets the data source's epoch to the position's and agrees
+  /// on it (agree_on_epoch); throws on every rank when it has fewer
+  /// micro-batches than a step takes.
+  void start_epoch(DataSource& data);
   /// Collective: throws on every rank unless all have the same micro-batches
   /// this epoch and the same accumulation, epochs and max_steps.
   void agree_on_epoch(DataSource& data);
