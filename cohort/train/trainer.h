@@ -187,7 +187,10 @@ class Trainer {
   /// of the old rank r; a rank the old world did not have starts a
   /// generator seeded with its rank and the step. The model's own random
   /// streams (its modules that are RngStreams, rng_state.h) get the old
-  /// rank r's state too, and decide themselves whether it continues. The next fit() continues
+  /// rank r's state too, and decide themselves whether it continues. Each optimizer parameter
+  /// group takes the schedule's initial rate the checkpoint recorded for its parameters, by
+  /// their names, whichever rank held them (ConfigError on every rank, nothing loaded, when
+  /// they were not recorded or at different rates). The next fit() continues
   /// the epoch after the samples of its global order already trained
   /// (DataSource::global_micro_batch), whatever the world size, micro-batch
   /// and accumulation_steps; keep the global batch (micro-batch x
@@ -244,6 +247,9 @@ class Trainer {
   void check_determinism() const;
   std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);
   void load_checkpoint(int64_t step, std::string payload);
+  // Each of this rank's groups' initial rate as the checkpoint recorded it
+  // for its parameters (initial_lrs.h); ConfigError when one cannot be matched.
+  std::vector<double> resumed_initial_lrs(const DecodedState& state, const std::string& path);
   std::optional<int64_t> start_fresh(int64_t skipped);
   void check_checkpoint(const CheckpointKind& kind, const std::string& path) const;
   void load_dcp(const std::string& folder, int64_t old_world);
@@ -273,8 +279,9 @@ class Trainer {
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<torch::Tensor> params_;
   TrainerOptimizer& optimizer_;
-  // Each parameter group's rate when the Trainer was made (or as the
-  // resumed checkpoint recorded it): what the schedule scales.
+  // Each of this rank's parameter groups' rate when the Trainer was made
+  // (or as the resumed checkpoint recorded it for the group's parameters):
+  // what the schedule scales.
   std::vector<double> initial_lrs_;
   GradientSync& sync_;
   LossFn loss_fn_;

@@ -2,6 +2,7 @@
 // Trainer is in trainer.cpp).
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <optional>
@@ -12,6 +13,7 @@
 #include "cohort/dcp/collective_status.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/train/dcp_checkpoint.h"
+#include "cohort/train/initial_lrs.h"
 #include "cohort/train/rng_state.h"
 #include "cohort/train/trainer.h"
 #include "cohort/train/training_state.h"
@@ -55,21 +57,31 @@ std::optional<torch::Device> accelerator_of(const torch::nn::Module& model) {
 // Every rank's RNG states gathered on rank 0 ([world, bytes] each): the CPU
 // generator's, on an accelerator its generator's (undefined on the CPU),
 // and the model's own streams (rng_state.h; undefined when no rank's model
-// has any). One gather of all three. The generators' length is agreed
-// first, so that ranks on different kinds of device fail alike; the
-// streams' may differ (pipeline stages of different modules) and are
-// padded to the longest.
+// has any); with them every rank's `lr_record` (initial_lrs.h). One gather
+// of all four. The generators' length is agreed first, so that ranks on
+// different kinds of device fail alike; the streams and records may differ
+// (pipeline stages of different modules and groups) and are padded to the
+// longest.
 struct GatheredRng {
   torch::Tensor cpu, device, streams;
+  std::vector<std::string> lr_records;
 };
 
-GatheredRng gather_rng_states(Communicator& comm, const torch::nn::Module& model) {
+torch::Tensor padded(torch::Tensor bytes, int64_t length) {
+  if (bytes.numel() >= length) return bytes;
+  return torch::cat({bytes, torch::zeros({length - bytes.numel()}, torch::kUInt8)});
+}
+
+GatheredRng gather_rng_states(Communicator& comm, const torch::nn::Module& model,
+                              const std::string& lr_record) {
   const auto cpu = cpu_rng_state();
   const auto device = accelerator_of(model);
   const auto generators = device ? torch::cat({cpu, device_rng_state(*device)}) : cpu;
   auto streams = rng_streams_state(rng_streams_of(model));
-  auto lengths =
-      torch::tensor({generators.numel(), -generators.numel(), streams.numel()}, torch::kInt64);
+  auto record = torch::empty({static_cast<int64_t>(lr_record.size())}, torch::kUInt8);
+  std::memcpy(record.data_ptr<uint8_t>(), lr_record.data(), lr_record.size());
+  auto lengths = torch::tensor(
+      {generators.numel(), -generators.numel(), streams.numel(), record.numel()}, torch::kInt64);
   comm.all_reduce(lengths, {ReduceOp::Max}).wait();
   if (lengths[0].item<int64_t>() != -lengths[1].item<int64_t>()) {
     throw ConfigError("Trainer checkpoint on rank " + std::to_string(comm.rank()) +
@@ -79,11 +91,9 @@ GatheredRng gather_rng_states(Communicator& comm, const torch::nn::Module& model
                       "): every rank must train on the same kind of device");
   }
   const int64_t streams_length = lengths[2].item<int64_t>();
-  if (streams.numel() < streams_length) {
-    streams =
-        torch::cat({streams, torch::zeros({streams_length - streams.numel()}, torch::kUInt8)});
-  }
-  const auto row = torch::cat({generators, streams});
+  const int64_t record_length = lengths[3].item<int64_t>();
+  const auto row =
+      torch::cat({generators, padded(streams, streams_length), padded(record, record_length)});
   std::vector<torch::Tensor> all;
   if (comm.rank() == 0) {
     for (int r = 0; r < comm.size(); ++r) all.push_back(torch::empty_like(row));
@@ -96,6 +106,15 @@ GatheredRng gather_rng_states(Communicator& comm, const torch::nn::Module& model
   out.cpu = rows.narrow(1, 0, cpu.numel()).contiguous();
   if (device) out.device = rows.narrow(1, cpu.numel(), n - cpu.numel()).contiguous();
   if (streams_length > 0) out.streams = rows.narrow(1, n, streams_length).contiguous();
+  const auto records = rows.narrow(1, n + streams_length, record_length).contiguous();
+  for (int r = 0; r < comm.size(); ++r) {
+    if (record_length == 0) {
+      out.lr_records.emplace_back();
+      continue;
+    }
+    const auto* bytes = reinterpret_cast<const char*>(records[r].data_ptr<uint8_t>());
+    out.lr_records.emplace_back(bytes, strnlen(bytes, static_cast<size_t>(record_length)));
+  }
   return out;
 }
 
@@ -135,18 +154,20 @@ void restore_rng_states(int rank, const torch::nn::Module& model, const DecodedS
 void Trainer::save_checkpoint() {
   if (!checkpoints_) return;
   finish_checkpoint();
-  // Every rank's RNG states go into rank 0's file: one file, one rename, so
-  // a crash cannot leave some ranks' parts newer than others. Gathered
-  // first, so that a refusal leaves no save started.
-  const auto rng = gather_rng_states(comm_, *model_);
-  // The model, optimizer and gradient-sync state go into the checkpoint's
-  // dcp folder (every rank its data file, then .metadata, which rank 0
-  // writes once every rank's part is on disk) before rank 0 writes the main
-  // file, which is what makes the checkpoint exist.
   // FSDP: the shards are what each rank saves (an evaluation forward may
   // have left the root's own parameters gathered).
   layout_.before_checkpoint();
   auto state = plan_.dcp_state_dict(nullptr);
+  // Every rank's RNG states and its groups' initial rates (keyed by their
+  // parameters' names in the state dict) go into rank 0's file: one file,
+  // one rename, so a crash cannot leave some ranks' parts newer than
+  // others. Gathered before the save, so that a refusal leaves none started.
+  const auto rng = gather_rng_states(
+      comm_, *model_, encode_initial_lrs(group_parameter_names(optimizer_, state), initial_lrs_));
+  // The model, optimizer and gradient-sync state go into the checkpoint's
+  // dcp folder (every rank its data file, then .metadata, which rank 0
+  // writes once every rank's part is on disk) before rank 0 writes the main
+  // file, which is what makes the checkpoint exist.
   save_buffers_from_rank0(state, *model_, comm_.rank());
   // Without a broadcast before each forward, every rank's buffers are its
   // own batches' statistics, which a resume at this world size gives back.
@@ -160,7 +181,7 @@ void Trainer::save_checkpoint() {
   }
   std::string payload;  // rank 0's
   if (comm_.rank() == 0) {
-    payload = encode_training_state(position_, rng.cpu, initial_lrs_, rng.device, rng.streams);
+    payload = encode_training_state(position_, rng.cpu, rng.lr_records, rng.device, rng.streams);
   }
   if (pending_) {
     pending_->payload = std::move(payload);  // written once the dcp part is committed
@@ -295,15 +316,17 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
       payload, path, [&](const CheckpointKind& kind) { check_checkpoint(kind, path); });
   const int64_t old_world = state.rng_states.size(0);
   // The schedule's initial rates: the optimizer's groups now hold the last
-  // scheduled ones, which scaled again would compound.
-  if (!state.initial_lrs.empty() && state.initial_lrs.size() != initial_lrs_.size()) {
-    throw ConfigError("Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " +
-                      path + " has the learning-rate schedule's rates of " +
-                      std::to_string(state.initial_lrs.size()) +
-                      " optimizer parameter groups, this trainer's optimizer has " +
-                      std::to_string(initial_lrs_.size()) +
-                      "; resume with the optimizer's parameter groups that wrote it");
+  // scheduled ones, which scaled again would compound. Matched before
+  // anything is loaded, and agreed: a group one rank cannot match is
+  // refused on every rank.
+  std::vector<double> initial_lrs = initial_lrs_;
+  std::string lr_error;
+  try {
+    initial_lrs = resumed_initial_lrs(state, path);
+  } catch (const ConfigError& e) {
+    lr_error = e.what();
   }
+  dcp::agree(comm_, lr_error, dcp::ErrorKind::Config);
   // The generators checked before the model, agreed: a state this device's
   // generator does not take is refused on every rank with nothing loaded.
   // They are set only once the load succeeded: nothing of a checkpoint
@@ -321,7 +344,7 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
   const bool has_streams = comm_.rank() < old_world && state.rng_streams.defined();
   restore_rng_streams(rng_streams_of(*model_),
                       has_streams ? state.rng_streams[comm_.rank()] : torch::Tensor(), step);
-  if (!state.initial_lrs.empty()) initial_lrs_ = state.initial_lrs;
+  initial_lrs_ = std::move(initial_lrs);
   resized_ = old_world != comm_.size();
   resumed_ = true;
   if (resized_ && comm_.rank() == 0) {
@@ -334,6 +357,27 @@ void Trainer::load_checkpoint(int64_t step, std::string payload) {
   position_ = state.position;
   last_checkpoint_step_ = step;
   metrics_.keep_until(step);
+}
+
+std::vector<double> Trainer::resumed_initial_lrs(const DecodedState& state,
+                                                 const std::string& path) {
+  const std::string where =
+      "Trainer::resume on rank " + std::to_string(comm_.rank()) + ": checkpoint " + path + ": ";
+  if (!state.initial_lr_records.empty()) {
+    auto now = plan_.dcp_state_dict(nullptr);
+    return match_initial_lrs(state.initial_lr_records, group_parameter_names(optimizer_, now),
+                             initial_lrs_, where);
+  }
+  // An older checkpoint recorded rank 0's rates by group index.
+  if (state.initial_lrs.empty()) return initial_lrs_;
+  if (state.initial_lrs.size() != initial_lrs_.size()) {
+    throw ConfigError(where + "it has the learning-rate schedule's rates of " +
+                      std::to_string(state.initial_lrs.size()) +
+                      " optimizer parameter groups, this trainer's optimizer has " +
+                      std::to_string(initial_lrs_.size()) +
+                      "; resume with the optimizer's parameter groups that wrote it");
+  }
+  return state.initial_lrs;
 }
 
 void Trainer::load_dcp(const std::string& folder, int64_t old_world) {

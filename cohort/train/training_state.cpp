@@ -2,6 +2,8 @@
 
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
+#include <cstring>
 #include <functional>
 #include <sstream>
 
@@ -10,7 +12,7 @@
 namespace cohort {
 
 std::string encode_training_state(const TrainingPosition& position, const torch::Tensor& rng_states,
-                                  const std::vector<double>& initial_lrs,
+                                  const std::vector<std::string>& initial_lr_records,
                                   const torch::Tensor& device_rng_states,
                                   const torch::Tensor& rng_streams) {
   torch::serialize::OutputArchive archive;
@@ -23,9 +25,18 @@ std::string encode_training_state(const TrainingPosition& position, const torch:
   archive.write("rng_states", rng_states);
   if (device_rng_states.defined()) archive.write("device_rng_states", device_rng_states);
   if (rng_streams.defined()) archive.write("rng_streams", rng_streams);
-  if (!initial_lrs.empty()) {
-    archive.write("initial_lrs",
-                  torch::tensor(initial_lrs, torch::TensorOptions().dtype(torch::kFloat64)));
+  if (!initial_lr_records.empty()) {
+    // One zero-padded row of text per rank.
+    size_t longest = 1;
+    for (const auto& r : initial_lr_records) longest = std::max(longest, r.size() + 1);
+    auto rows = torch::zeros(
+        {static_cast<int64_t>(initial_lr_records.size()), static_cast<int64_t>(longest)},
+        torch::kUInt8);
+    for (size_t r = 0; r < initial_lr_records.size(); ++r) {
+      std::memcpy(rows[static_cast<int64_t>(r)].data_ptr<uint8_t>(), initial_lr_records[r].data(),
+                  initial_lr_records[r].size());
+    }
+    archive.write("initial_lr_records", rows);
   }
   archive.write("dcp", c10::IValue(true));
   std::ostringstream out;
@@ -80,6 +91,14 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     state.position.global_batch = archive.try_read("global_batch", v) ? v.toInt() : 0;
     archive.try_read("device_rng_states", state.device_rng_states);
     archive.try_read("rng_streams", state.rng_streams);
+    torch::Tensor records;
+    if (archive.try_read("initial_lr_records", records)) {
+      records = records.to(torch::kUInt8).contiguous();
+      for (int64_t r = 0; r < records.size(0); ++r) {
+        const auto* row = reinterpret_cast<const char*>(records[r].data_ptr<uint8_t>());
+        state.initial_lr_records.emplace_back(row, strnlen(row, records.size(1)));
+      }
+    }
     torch::Tensor lrs;
     if (archive.try_read("initial_lrs", lrs)) {
       lrs = lrs.to(torch::kFloat64).contiguous();

@@ -40,8 +40,10 @@ struct TrainingPosition {
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
 /// The payload marks the model and optimizer state as being in the
 /// checkpoint's dcp folder (dcp_checkpoint.h).
-/// initial_lrs: each optimizer parameter group's rate when the Trainer was
-/// made, which its learning-rate schedule scales (none: not recorded).
+/// initial_lr_records: row r rank r's record of its optimizer parameter
+/// groups' rates when the Trainer was made, which its learning-rate
+/// schedule scales, keyed by the groups' parameters (initial_lrs.h; none:
+/// not recorded).
 /// device_rng_states: [world_size, state_bytes] of the generator of each
 /// rank's accelerator (its model's CUDA device); undefined for a model on
 /// the CPU.
@@ -49,7 +51,7 @@ struct TrainingPosition {
 /// (rng_state.h: the model's own random streams), zero-padded to the
 /// longest; undefined when no rank's model has any.
 std::string encode_training_state(const TrainingPosition& position, const torch::Tensor& rng_states,
-                                  const std::vector<double>& initial_lrs = {},
+                                  const std::vector<std::string>& initial_lr_records = {},
                                   const torch::Tensor& device_rng_states = {},
                                   const torch::Tensor& rng_streams = {});
 
@@ -69,8 +71,11 @@ struct DecodedState {
   /// [world_size, bytes] of each rank's model's own random streams;
   /// undefined when the job that wrote it had none.
   torch::Tensor rng_streams;
-  /// The schedule's initial rate of each parameter group; empty in a
-  /// checkpoint written before they were recorded.
+  /// Each rank's record of its parameter groups' initial rates
+  /// (initial_lrs.h); empty in a checkpoint written before they were.
+  std::vector<std::string> initial_lr_records;
+  /// An older checkpoint's record: rank 0's rate of each group, by index;
+  /// empty when not recorded.
   std::vector<double> initial_lrs;
 };
 

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <mutex>
 
 #include "cohort/core/error.h"
@@ -33,15 +34,16 @@ using testing::TempDir;
 constexpr int64_t kMicro = 4, kSteps = 6;
 const double kPi = std::acos(-1.0);
 
-// Two groups: the first Linear at `first`, the rest at `second`.
+// Two groups: the first Linear at `first`, the rest at `second`; listed the
+// other way round when `swapped`.
 std::vector<torch::optim::OptimizerParamGroup> groups_of(torch::nn::Sequential& net, double first,
-                                                         double second) {
+                                                         double second, bool swapped = false) {
   auto params = net->parameters();
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(std::vector<torch::Tensor>{params[0], params[1]},
-                      std::make_unique<torch::optim::SGDOptions>(first));
-  groups.emplace_back(std::vector<torch::Tensor>{params[2], params[3]},
-                      std::make_unique<torch::optim::SGDOptions>(second));
+  for (const int g : swapped ? std::vector<int>{1, 0} : std::vector<int>{0, 1}) {
+    groups.emplace_back(std::vector<torch::Tensor>{params[2 * g], params[2 * g + 1]},
+                        std::make_unique<torch::optim::SGDOptions>(g == 0 ? first : second));
+  }
   return groups;
 }
 
@@ -92,6 +94,7 @@ struct Job {
   int64_t steps;           // steps this job runs (from its position)
   bool resume = false;     // from `dir`
   double opt_first = 0.1;  // the first group's rate the optimizer is built with
+  bool swapped = false;    // the groups listed second first
 };
 
 // Trains on `world` ranks from the position (after a resume when asked),
@@ -108,7 +111,7 @@ std::pair<std::vector<torch::Tensor>, std::vector<double>> train(
       c.world,
       [&](std::shared_ptr<Communicator> comm) {
         auto net = make_mlp();
-        torch::optim::SGD opt(groups_of(net, run.opt_first, second),
+        torch::optim::SGD opt(groups_of(net, run.opt_first, second, run.swapped),
                               torch::optim::SGDOptions(run.opt_first));
         TrainerOptions config;
         config.schedule = schedule;
@@ -185,6 +188,68 @@ TEST_P(LrGroups, ResumeContinuesFromTheInitialRates) {
   expect_params(params, ref);
   for (int64_t i = 0; i < kSteps - 3; ++i) {
     EXPECT_NEAR(lrs[i], 0.1 * factor(3 + i), 1e-12) << "step " << 3 + i;
+  }
+}
+
+// Resumed after 3 steps with the same groups listed the other way round,
+// each built at the other's rate: each group takes the initial rate the
+// checkpoint recorded for its parameters, not the one of its index, and
+// the run ends where the uninterrupted one does.
+TEST_P(LrGroups, ResumeMatchesGroupsByTheirParameters) {
+  const Case c = GetParam();
+  const auto data = make_data(kSteps * c.world * kMicro);
+  const auto ref = reference(c.world, false, 0.1, 0.02, data);
+  TempDir dir("cohort-lr-groups");
+  train(c, data, LrSchedule{}, 0.02, dir.str(), {3});
+  Job rest{kSteps - 3, true, 0.02};
+  rest.swapped = true;  // [second layer at 0.1, first layer at 0.02]
+  const auto [params, lrs] = train(c, data, LrSchedule{}, 0.1, dir.str(), rest);
+  expect_params(params, ref);
+  // Group 0 is now the second layer's, at its own 0.02.
+  for (double lr : lrs) EXPECT_EQ(lr, 0.02);
+}
+
+// A checkpoint of two groups at different rates resumed into one group over
+// all the parameters: no rate is that group's. ConfigError on every rank,
+// naming the parameters and their rates, with nothing loaded.
+TEST_P(LrGroups, ResumeRefusesAGroupOfParametersRecordedAtDifferentRates) {
+  const Case c = GetParam();
+  const auto data = make_data(kSteps * c.world * kMicro);
+  TempDir dir("cohort-lr-groups");
+  train(c, data, LrSchedule{}, 0.02, dir.str(), {1});
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  testing::run_ranks_shared(
+      c.world,
+      [&](std::shared_ptr<Communicator> comm) {
+        auto net = make_mlp(99);
+        const auto before = net->parameters()[0].clone();
+        torch::optim::SGD opt(net->parameters(), 0.1);
+        TrainerOptions config;
+        config.progress = false;
+        config.checkpoint_dir = dir.str();
+        Trainer trainer(
+            TrainerWiring::all_reduce(net.ptr(), opt, comm),
+            [&](const torch::data::Example<>& b) {
+              return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
+            },
+            config);
+        try {
+          trainer.resume();
+        } catch (const ConfigError& e) {
+          std::lock_guard<std::mutex> lock(mu);
+          errors[comm->rank()] = e.what();
+        }
+        EXPECT_TRUE(torch::equal(net->parameters()[0], before)) << "rank " << comm->rank();
+      },
+      testing::options_for(c));
+  ASSERT_EQ(errors.size(), static_cast<size_t>(c.world));
+  for (const auto& [rank, m] : errors) {
+    EXPECT_NE(m.find("optimizer parameter group 0 (0.bias, 0.weight, 2.bias, ... (4 parameters)) "
+                     "holds parameters whose groups had different initial rates in the "
+                     "checkpoint (2.bias, 2.weight at 0.02; 0.bias, 0.weight at 0.1)"),
+              std::string::npos)
+        << "rank " << rank << ": " << m;
   }
 }
 
