@@ -244,6 +244,9 @@ TEST_P(TiedFused, TiedWeightStepsOnceAndEveryNameHoldsItsState) {
   testing::run_ranks_shared(c.world, [&](std::shared_ptr<Communicator> comm) {
     auto net = make_tied();
     FusedDistributedOptimizer fused(net->parameters(), comm, torch::optim::AdamWOptions(kAdamLr));
+    int64_t bytes = 0;
+    for (const auto& p : each_once(net->parameters())) bytes += p.nbytes();
+    EXPECT_EQ(fused.grad_bytes(), bytes) << "the buckets hold the tied weight once";
     auto trainer = fused_trainer(net, fused);
     for (int64_t s = 0; s < kSteps; ++s) {
       const auto m = trainer.train_step(batch(s, comm->rank()));
