@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <exception>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
@@ -58,10 +58,23 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
   steps_.assign(params_.size(), 0);
   grad_views_.resize(params_.size());
   seen_.assign(params_.size(), 0);
+  // A tensor listed twice (a tied weight: LibTorch's parameters() lists it
+  // under each of its names) is one parameter, at its first place: in one
+  // bucket, with one .grad (the one the caller clips), stepped once, as
+  // AdamW over the distinct tensors steps it. Two places would each step
+  // their own copy, and the one the model does not read keep stale state.
+  first_place_.resize(params_.size());
+  {
+    std::unordered_map<const void*, size_t> first;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      first_place_[i] = first.emplace(params_[i].unsafeGetTensorImpl(), i).first->second;
+    }
+  }
   // Greedy buckets in parameter order, each at most the cap (in bytes).
   const double cap = fused.bucket_cap_mb * 1024 * 1024;
   double bytes = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (first_place_[i] != i) continue;
     const double nb = static_cast<double>(params_[i].nbytes());
     if (buckets_.empty() || (bytes + nb > cap && !buckets_.back().params.empty())) {
       buckets_.emplace_back();
@@ -91,23 +104,20 @@ FusedDistributedOptimizer::FusedDistributedOptimizer(std::vector<torch::Tensor> 
     if (options_.amsgrad()) b.max_exp_avg_sq = torch::zeros_like(b.param);
   }
   for (size_t i = 0; i < params_.size(); ++i) {
+    const size_t first = first_place_[i];
+    if (first != i) {  // a later place: its tensor's
+      place_[i] = place_[first];
+      grad_views_[i] = grad_views_[first];
+      continue;
+    }
     if (params_[i].grad().defined()) grad_views_[i].copy_(params_[i].grad());
     params_[i].mutable_grad() = grad_views_[i];
-  }
-  // flatten_into made a tensor listed twice (a tied weight) a view of its
-  // later place; both places step alike (fill() copies its .grad into both).
-  last_place_.assign(params_.size(), 1);
-  {
-    std::unordered_set<const void*> later;
-    for (size_t i = params_.size(); i-- > 0;) {
-      if (!later.insert(params_[i].unsafeGetTensorImpl()).second) last_place_[i] = 0;
-    }
   }
   // .grad is always its view, defined: only an accumulator run with a
   // gradient says the parameter has one (a checkpointed block's recompute
   // may run it with none).
   hooks_ = std::make_unique<AccumulatorHooks>(params_, [this](size_t i, bool has) {
-    if (has) seen_[i] = 1;
+    if (has) seen_[first_place_[i]] = 1;
   });
   // All in step(), in bucket order: every bucket is ready at once.
   std::vector<size_t> order(buckets_.size());
@@ -196,7 +206,7 @@ std::string FusedDistributedOptimizer::where(const std::string& op) const {
 
 std::string FusedDistributedOptimizer::replaced_storage() const {
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!last_place_[i]) continue;  // its tensor is checked at its last place
+    if (first_place_[i] != i) continue;  // its tensor is checked at its first place
     const auto& p = params_[i];
     const auto [bi, k] = place_[i];
     const auto& flat = buckets_[bi].param;
@@ -294,7 +304,9 @@ void FusedDistributedOptimizer::bump_versions() {
   // counters are not the parameters': theirs move as an in-place step would
   // move them, so what tracks them sees the change (a pending async save, a
   // graph that saved a parameter).
-  for (auto& p : params_) p.unsafeGetTensorImpl()->bump_version();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (first_place_[i] == i) params_[i].unsafeGetTensorImpl()->bump_version();
+  }
 }
 
 Work FusedDistributedOptimizer::all_reduce(size_t b, ReduceOp op) {
@@ -331,18 +343,19 @@ int64_t FusedDistributedOptimizer::grad_bytes() const {
 }
 
 FusedParamState FusedDistributedOptimizer::param_state(size_t i) const {
-  const auto [bi, k] = place_.at(i);
+  const size_t first = first_place_.at(i);  // a tied tensor's state is its first place's
+  const auto [bi, k] = place_[first];
   const auto& b = buckets_[bi];
   auto view = [&](const torch::Tensor& flat) {
     return flat.defined()
                ? flat.narrow(0, b.offsets[k], params_[i].numel()).view(params_[i].sizes())
                : torch::Tensor();
   };
-  return {view(b.exp_avg), view(b.exp_avg_sq), view(b.max_exp_avg_sq), steps_[i]};
+  return {view(b.exp_avg), view(b.exp_avg_sq), view(b.max_exp_avg_sq), steps_[first]};
 }
 
 void FusedDistributedOptimizer::set_param_step(size_t i, int64_t step) {
-  steps_.at(i) = step;
+  steps_[first_place_.at(i)] = step;
   timestep_ = *std::max_element(steps_.begin(), steps_.end());
 }
 
@@ -393,7 +406,9 @@ void FusedDistributedOptimizer::load(torch::serialize::InputArchive& archive) {
   }
   timestep_ = timestep.item<int64_t>();
   auto s = steps.contiguous();
-  for (size_t i = 0; i < params_.size(); ++i) steps_[i] = s[i].item<int64_t>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    steps_[i] = first_place_[i] == i ? s[i].item<int64_t>() : 0;
+  }
 }
 
 }  // namespace cohort

@@ -21,7 +21,9 @@
 // gradient on some ranks only counts as zero on the others, as in DDP. A
 // .grad the caller replaced (or autograd re-created after it was set to
 // none) is copied into the bucket. At world size 1 there is no
-// communication.
+// communication. A tensor listed more than once (a tied weight) is one
+// parameter, held and stepped at its first place; each of its indices
+// answers that place's state.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -113,7 +115,7 @@ class FusedDistributedOptimizer {
   int64_t timestep() const { return timestep_; }
   /// The number of buckets (each with one all-reduce per step).
   size_t bucket_count() const { return buckets_.size(); }
-  /// Parameter indices of each bucket.
+  /// Parameter indices of each bucket (a tensor listed more than once: its first index only).
   std::vector<std::vector<size_t>> bucket_layout() const;
   /// Bytes of AdamW state (exp_avg, exp_avg_sq, max_exp_avg_sq) held between steps.
   int64_t state_bytes() const;
@@ -135,7 +137,8 @@ class FusedDistributedOptimizer {
   /// The parameters, in the order the constructor got them.
   const std::vector<torch::Tensor>& params() const { return params_; }
   /// Parameter i's state (dcp's state dict reads and loads it there:
-  /// cohort/dcp/state_dict/state_dict.h).
+  /// cohort/dcp/state_dict/state_dict.h); of a tensor listed more than once, the same state at
+  /// each of its indices.
   FusedParamState param_state(size_t i) const;
   /// Sets parameter i's step count, as a checkpoint that was copied into param_state(i) holds
   /// it; timestep() becomes the largest step count.
@@ -172,12 +175,12 @@ class FusedDistributedOptimizer {
   std::shared_ptr<Communicator> comm_;
   torch::optim::AdamWOptions options_;
   std::vector<torch::Tensor> params_;
-  std::vector<int64_t> steps_;             // per parameter (skipped ones lag behind)
+  std::vector<int64_t> steps_;             // per first place (skipped ones lag behind); others 0
   std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
   std::vector<char> seen_;                 // got a gradient since zero_grad
-  // Per parameter: whether it is the last place of its tensor in params_ (a
-  // tied tensor listed twice lives in the view of its last place).
-  std::vector<char> last_place_;
+  // Per parameter: the index of its tensor's first place in params_, the
+  // one in a bucket (a later place of a tied tensor shares its views).
+  std::vector<size_t> first_place_;
   std::unique_ptr<AccumulatorHooks> hooks_;  // set seen_
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> place_;  // per parameter: its bucket, its index there
