@@ -1,5 +1,6 @@
 // defines: OptimizerStateKey, optimizer_state_key, CpuAllocatorBase,
-// NodePtr, make_node, COHORT_C10D_STORE_HAS_CLONE: every difference between
+// NodePtr, make_node, COHORT_C10D_STORE_HAS_CLONE, kZeroGradSetsToNone:
+// every difference between
 // the LibTorch releases cohort builds against (Debian 12's 1.13 and 2.x,
 // e.g. Debian 13's 2.6, a pip wheel's 2.11, Debian testing's 2.14), in one
 // place. Nothing else in the library, tests, tools or benchmarks names a
@@ -29,6 +30,17 @@
 #endif
 
 namespace cohort {
+
+// What Optimizer::zero_grad() does by default: 1.13 zeroes each defined
+// .grad in place (a parameter that had a gradient once keeps taking steps,
+// with zeros, as long as no one sets its .grad to none), 2.x sets every
+// .grad to none (zero_grad(bool set_to_none = true)). cohort's optimizers
+// take the same default, so that they step what LibTorch's would.
+#if TORCH_VERSION_MAJOR >= 2
+inline constexpr bool kZeroGradSetsToNone = true;
+#else
+inline constexpr bool kZeroGradSetsToNone = false;
+#endif
 
 // The key type of `Optimizer::state()`: a string made from the parameter's
 // TensorImpl pointer in 1.13, the pointer itself in 2.x. Taken from the

@@ -138,14 +138,18 @@ std::vector<std::vector<size_t>> FusedDistributedOptimizer::bucket_layout() cons
   return out;
 }
 
-void FusedDistributedOptimizer::zero_grad() {
+void FusedDistributedOptimizer::zero_grad(bool set_to_none) {
   torch::NoGradGuard no_grad;
   for (auto& b : buckets_) b.grad.zero_();
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& g = params_[i].grad();
-    if (!g.defined() || !g.is_same(grad_views_[i])) params_[i].mutable_grad() = grad_views_[i];
+    auto& g = params_[i].mutable_grad();
+    if (g.defined() && g.is_same(grad_views_[i])) continue;
+    // Set to none or replaced by the caller since: zero_grad(false) keeps
+    // a defined one (a zero gradient), as LibTorch zeroes it in place.
+    if (!set_to_none) seen_[i] = g.defined() ? 1 : 0;
+    g = grad_views_[i];
   }
-  std::fill(seen_.begin(), seen_.end(), 0);
+  if (set_to_none) std::fill(seen_.begin(), seen_.end(), 0);
   averaged_ = false;
 }
 
@@ -158,7 +162,9 @@ void FusedDistributedOptimizer::fill(Bucket& b) {
       grad_views_[i].copy_(g);
       seen_[i] = 1;
     } else {
+      // Set to none since: none, whatever it had before.
       grad_views_[i].zero_();
+      seen_[i] = 0;
     }
     g = grad_views_[i];
   }

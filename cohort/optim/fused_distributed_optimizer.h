@@ -15,13 +15,17 @@
 // bucket (fused_adamw.h) instead of a handful per parameter. Numbers equal
 // DDP + torch::optim::AdamW with the same options (to rounding).
 //
-// A parameter that got no gradient on any rank since zero_grad() (seen by a
-// hook on each parameter) is skipped, as LibTorch's AdamW skips an undefined
-// .grad (no decay, no state update); its .grad stays a zero view. One with a
-// gradient on some ranks only counts as zero on the others, as in DDP. A
-// .grad the caller replaced (or autograd re-created after it was set to
-// none) is copied into the bucket. At world size 1 there is no
-// communication. A tensor listed more than once (a tied weight) is one
+// zero_grad() follows the linked LibTorch's Optimizer::zero_grad()
+// (kZeroGradSetsToNone); zero_grad(set_to_none) chooses. A parameter that
+// got no gradient on any rank since zero_grad(true) (seen by a hook on each
+// parameter) is skipped, as LibTorch's AdamW skips a .grad set to none (no
+// decay, no state update); its .grad stays a zero view. One that had a
+// gradient since then steps with zeros, as LibTorch's AdamW steps a .grad
+// zeroed in place (zero_grad(false)). One with a gradient on some ranks
+// only counts as zero on the others, as in DDP. A .grad the caller replaced
+// (or autograd re-created after it was set to none) is copied into the
+// bucket; one the caller set to none counts as none. At world size 1 there
+// is no communication. A tensor listed more than once (a tied weight) is one
 // parameter, held and stepped at its first place; each of its indices
 // answers that place's state.
 #pragma once
@@ -35,6 +39,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/torch_compat.h"
 #include "cohort/grad_sync/accumulator_hooks.h"
 #include "cohort/grad_sync/bucket_queue.h"
 #include "cohort/mesh/device_mesh.h"
@@ -105,8 +110,15 @@ class FusedDistributedOptimizer {
   /// their global norm; step() then only updates. This gives up the overlap
   /// of each bucket's all-reduce with the previous bucket's update.
   void finish_gradients();
-  /// Zeros the gradient buckets (the .grad views with them).
-  void zero_grad();
+  /// Clears the gradients as the linked LibTorch's Optimizer::zero_grad()
+  /// does by default (kZeroGradSetsToNone: in place in 1.13, to none in 2.x).
+  void zero_grad() { zero_grad(kZeroGradSetsToNone); }
+  /// Zeros the gradient buckets (the .grad views with them; they stay
+  /// defined). set_to_none: every parameter counts as without gradient
+  /// until a backward gives it one, as a .grad set to none. false: one
+  /// that had a gradient on some rank since the last zero_grad(true) steps
+  /// with zeros where it gets none, as LibTorch's AdamW steps a zeroed .grad.
+  void zero_grad(bool set_to_none);
   /// Sets the learning rate used from the next step() on (every rank sets the same).
   void set_lr(double lr) { options_.lr(lr); }
   /// The AdamW options (lr, betas, eps, weight_decay, amsgrad); changes apply from the next step().
@@ -177,7 +189,7 @@ class FusedDistributedOptimizer {
   std::vector<torch::Tensor> params_;
   std::vector<int64_t> steps_;             // per first place (skipped ones lag behind); others 0
   std::vector<torch::Tensor> grad_views_;  // per parameter, into its bucket
-  std::vector<char> seen_;                 // got a gradient since zero_grad
+  std::vector<char> seen_;                 // got a gradient since zero_grad(true)
   // Per parameter: the index of its tensor's first place in params_, the
   // one in a bucket (a later place of a tied tensor shares its views).
   std::vector<size_t> first_place_;

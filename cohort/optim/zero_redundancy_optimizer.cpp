@@ -107,6 +107,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     flat_grads_ = torch::zeros({partition_->padded_numel()}, flat_params_.options());
   }
   build_inner(groups, factory);
+  kept_.assign(params_.size(), 0);
 }
 
 void ZeroRedundancyOptimizer::take_parameters(
@@ -301,15 +302,40 @@ void ZeroRedundancyOptimizer::set_lr(double lr) {
   for (auto& group : inner_->param_groups()) group.options().set_lr(lr);
 }
 
-void ZeroRedundancyOptimizer::zero_grad() {
+void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
   // A backward whose reduction was never finished is dropped (its
   // reduce-scatters were launched alike on every rank; wait for them).
   if (shard_reducer_) shard_reducer_->drop();
   if (leaf_owner_) leaf_owner_->take();
   leaf_shard_ = torch::Tensor();
-  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    auto& g = p.mutable_grad();
+    if (!g.defined()) continue;
+    // As LibTorch's zero_grad: detached first (a .grad made with
+    // create_graph must not take the zeroing into its graph).
+    g.detach_();
+    // One that no longer fits its parameter (whose storage was replaced by
+    // one of another shape or dtype) goes too: autograd would fail to add
+    // the next gradient to it on this rank alone, where the step refuses
+    // the replacement on every rank, naming it.
+    const bool fits =
+        g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type() && g.device() == p.device();
+    if (set_to_none || !fits) {
+      g = torch::Tensor();
+    } else {
+      g.zero_();
+    }
+  }
+  // The pieces' .grad are set again when the gradients are finished.
   for (auto& t : pieces_) t.mutable_grad() = torch::Tensor();
+  if (set_to_none) std::fill(kept_.begin(), kept_.end(), 0);
   reduced_ = false;
+}
+
+const std::vector<char>& ZeroRedundancyOptimizer::keep(const std::vector<char>& has) {
+  for (size_t i = 0; i < kept_.size(); ++i) kept_[i] = (kept_[i] || has.at(i)) ? 1 : 0;
+  return kept_;
 }
 
 void ZeroRedundancyOptimizer::finish_gradients() { finish_gradients("finish_gradients"); }
@@ -514,10 +540,13 @@ void ZeroRedundancyOptimizer::reduce_scatter_gradients(const std::string& refusa
   decltype(shard_reducer_->finish()) has;
   sync_.blocked([&] { has = shard_reducer_->finish(refusal, op); });
   sync_.sync_done();
+  // A parameter with no gradient anywhere has zeros in the shard: one
+  // kept since zero_grad(false) steps with them.
+  const auto& present = keep(has);
   const auto& shard = shard_reducer_->shard();
   const auto& pieces = partition_->pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
-    pieces_[k].mutable_grad() = has[pieces[k].param]
+    pieces_[k].mutable_grad() = present[pieces[k].param]
                                     ? shard.narrow(0, pieces[k].shard_offset, pieces[k].numel)
                                     : torch::Tensor();
   }
@@ -544,13 +573,15 @@ void ZeroRedundancyOptimizer::take_leaf_chunk() {
   // The shard is chunk r of the single bucket: a piece's shard offset is
   // its offset in the chunk. A parameter that no leaf used on any rank has
   // zeros there but no gradient, so the inner optimizer skips it (as DDP
-  // leaves its .grad undefined); DDP's parameters are ours, in our order
-  // (check_determinism()).
+  // leaves its .grad undefined) unless it is kept since zero_grad(false),
+  // and then steps with those zeros; DDP's parameters are ours, in our
+  // order (check_determinism()).
   const auto& used = leaf_owner_->used();
   COHORT_CHECK(used.size() == params_.size(), "DDP's usage bitmap does not match the parameters");
+  const auto& present = keep(used);
   const auto& pieces = partition_->pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
-    pieces_[k].mutable_grad() = used[pieces[k].param]
+    pieces_[k].mutable_grad() = present[pieces[k].param]
                                     ? leaf_shard_.narrow(0, pieces[k].shard_offset, pieces[k].numel)
                                     : torch::Tensor();
   }

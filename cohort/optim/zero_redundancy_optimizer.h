@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/core/torch_compat.h"
 #include "cohort/grad_sync/gradient_reducer.h"
 #include "cohort/grad_sync/no_sync_guard.h"
 #include "cohort/mesh/device_mesh.h"
@@ -228,8 +229,17 @@ class ZeroRedundancyOptimizer {
   /// step's averaged gradients, e.g. to clip them by their global norm
   /// before step(). step() calls it when the caller did not.
   void finish_gradients();
-  /// Releases the parameters' gradients (set to none, as LibTorch 2.x).
-  void zero_grad();
+  /// Clears the gradients as the linked LibTorch's Optimizer::zero_grad()
+  /// does by default (kZeroGradSetsToNone: in place in 1.13, to none in 2.x).
+  void zero_grad() { zero_grad(kZeroGradSetsToNone); }
+  /// set_to_none: the parameters' .grad are set to none, and a parameter
+  /// steps again only once a backward gives it a gradient on some rank.
+  /// false: a defined .grad is zeroed in place, and a parameter that had a
+  /// gradient on some rank since the last zero_grad(true) steps at every
+  /// step, with a zero gradient where it got none (as a LibTorch optimizer
+  /// steps a zeroed .grad: weight decay, moment decay, step count). Stage 2
+  /// keeps no .grad between steps: this call is what it goes by.
+  void zero_grad(bool set_to_none);
   /// Sets the rate of every group (as setting each group's lr in LibTorch).
   void set_lr(double lr);
 
@@ -342,6 +352,9 @@ class ZeroRedundancyOptimizer {
   // (an int per rank), for the paths with no other collective to ride on.
   void refuse_replaced_storage(const std::string& op);
   void take_leaf_chunk();
+  // Adds this step's presence (per parameter, agreed on every rank) to
+  // kept_ and returns kept_: the parameters that step.
+  const std::vector<char>& keep(const std::vector<char>& has);
   std::string where(const std::string& op) const;
 
   std::shared_ptr<Communicator> comm_;
@@ -364,6 +377,10 @@ class ZeroRedundancyOptimizer {
   torch::Tensor leaf_shard_;  // this step's chunk (the pieces' .grad view it)
   SyncRecorder sync_;         // stage 1 and the all-gathers: SyncStatistics
   bool reduced_ = false;      // finish_gradients() ran since the last step
+  // Per parameter: it had a gradient on some rank since the last
+  // zero_grad(true) (agreed on every rank). Stage 2 and the leaf chunk
+  // hold no .grad between steps; this tells which step with zeros.
+  std::vector<char> kept_;
 };
 
 }  // namespace cohort

@@ -132,7 +132,8 @@ Tensors with_ddp(const Case& c, const std::shared_ptr<Communicator>& comm) {
     zo.stage = 2;
     auto opt = ZeroRedundancyOptimizer::make<torch::optim::AdamW>(ddp, kAdamW, zo);
     train(
-        c, comm->rank(), &use_b, forward, scope, [&] { opt->zero_grad(); }, [&] { opt->step(); });
+        c, comm->rank(), &use_b, forward, scope, [&] { opt->zero_grad(/*set_to_none=*/true); },
+        [&] { opt->step(); });
   }
   return values(model->parameters());
 }
@@ -156,11 +157,13 @@ Tensors distributed(const Case& c, const std::shared_ptr<Communicator>& comm) {
       body();
     };
     train(
-        c, r, &use_b, forward, scope, [&] { opt->zero_grad(); }, [&] { opt->step(); });
+        c, r, &use_b, forward, scope, [&] { opt->zero_grad(/*set_to_none=*/true); },
+        [&] { opt->step(); });
   } else if (c.engine == Engine::Fused) {
     FusedDistributedOptimizer opt(model->parameters(), comm, kAdamW);
     train(
-        c, r, &use_b, forward, plain, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+        c, r, &use_b, forward, plain, [&] { opt.zero_grad(/*set_to_none=*/true); },
+        [&] { opt.step(); });
   } else {
     AllReduceGradientSync sync(comm, model->parameters());
     torch::optim::AdamW opt(model->parameters(), kAdamW);

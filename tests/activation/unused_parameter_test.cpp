@@ -100,7 +100,8 @@ Tensors zero(const Case& c, const std::shared_ptr<Communicator>& comm) {
   zo.stage = c.engine == Engine::Zero1 ? 1 : 2;
   auto run = [&](auto&& forward, ZeroRedundancyOptimizer& opt) {
     train(
-        c, comm->rank(), &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+        c, comm->rank(), &use_b, forward, [&] { opt.zero_grad(/*set_to_none=*/true); },
+        [&] { opt.step(); });
   };
   if (c.engine == Engine::DdpZero2) {
     // ZeRO-2 takes over DDP's reduction: DDP reports each gradient to it.
@@ -138,7 +139,7 @@ Tensors distributed(const Case& c, const std::shared_ptr<Communicator>& comm) {
   } else if (c.engine == Engine::Fused) {
     FusedDistributedOptimizer opt(model->parameters(), comm, kAdamW);
     train(
-        c, r, &use_b, forward, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+        c, r, &use_b, forward, [&] { opt.zero_grad(/*set_to_none=*/true); }, [&] { opt.step(); });
   } else {
     // The Trainer's sync for a model without DDP: averaged after backward.
     AllReduceGradientSync sync(comm, model->parameters());

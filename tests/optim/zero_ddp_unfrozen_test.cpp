@@ -39,8 +39,8 @@ torch::Tensor micro_loss(Net& net, const torch::Tensor& x, const torch::Tensor& 
 }
 
 // One process on every rank's rows of each micro-batch. The gradients are
-// set to none before each step, as ZeRO's zero_grad() (LibTorch 1.13's
-// zeroes them, and AdamW would go on stepping a frozen weight's zeros).
+// set to none before each step, as ZeRO's zero_grad(true) (zeroed in
+// place, AdamW would go on stepping a frozen weight's zeros).
 std::vector<torch::Tensor> reference(const Problem& pb) {
   auto net = pb.make_net();
   torch::optim::AdamW opt(net->parameters(), kOpts);
@@ -93,7 +93,7 @@ Trained train(const Problem& pb, int stage, const std::shared_ptr<Communicator>&
   for (int s = 0; s < kSteps; ++s) {
     net->a->weight.set_requires_grad(trainable_at(s));
     try {
-      zero->zero_grad();
+      zero->zero_grad(/*set_to_none=*/true);
       const bool staged = micro_batches(ddp, net, pb, s, comm->rank());
       // Reduced during backward from the first step after unfreezing.
       if (stage == 2 && comm->size() > 1 && trainable_at(s)) {
