@@ -40,11 +40,30 @@ FlatPartition::FlatPartition(const std::vector<int64_t>& numels, const std::vect
     for (size_t q = p; q < params_.size() && params_[q].offset < hi; ++q) {
       const int64_t a = std::max(lo, params_[q].offset);
       const int64_t e = std::min(hi, params_[q].offset + params_[q].numel);
-      if (e <= a) continue;  // zero-size parameter
+      if (e <= a) continue;  // zero-size parameter: below
       pieces_.push_back(
           {q, bi, a - params_[q].offset, buckets_[bi].shard_offset + (a - lo), e - a});
     }
   }
+  if (rank_ != 0 || buckets_.empty()) return;
+  // Rank 0 holds each parameter of no elements, in the bucket where its
+  // offset lies, at the place in its chunk nearest to that offset.
+  bool added = false;
+  for (size_t q = 0; q < params_.size(); ++q) {
+    if (params_[q].numel != 0) continue;
+    size_t bi = 0;
+    while (bi + 1 < buckets_.size() && params_[q].offset >= buckets_[bi + 1].offset) ++bi;
+    const auto& b = buckets_[bi];
+    const int64_t at = std::clamp<int64_t>(params_[q].offset - b.offset, 0, b.chunk);
+    pieces_.push_back({q, bi, 0, b.shard_offset + at, 0});
+    added = true;
+  }
+  if (!added) return;
+  std::stable_sort(pieces_.begin(), pieces_.end(), [](const Piece& x, const Piece& y) {
+    if (x.bucket != y.bucket) return x.bucket < y.bucket;
+    if (x.shard_offset != y.shard_offset) return x.shard_offset < y.shard_offset;
+    return x.param < y.param;
+  });
 }
 
 }  // namespace cohort

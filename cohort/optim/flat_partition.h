@@ -13,6 +13,9 @@
 // reduce-scattered / all-gathered with the *_tensor collectives, which need
 // equal chunks. A parameter may straddle chunks and ranks: what a rank
 // optimizes are its Pieces, the intersections of its chunks with parameters.
+// A parameter of no elements is a piece of rank 0 (of no elements, in the
+// bucket where it lies), so that one rank steps it and holds its state (a
+// step count), as one process would.
 #pragma once
 
 #include <cstdint>
@@ -58,7 +61,7 @@ class FlatPartition {
   int64_t shard_numel() const { return padded_numel_ / world_; }
   const std::vector<Param>& params() const { return params_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  /// This rank's pieces, ordered by shard offset.
+  /// This rank's pieces, ordered by bucket and shard offset.
   const std::vector<Piece>& pieces() const { return pieces_; }
   /// Flat offset of element 0 of this rank's chunk of bucket b.
   int64_t chunk_offset(size_t b) const { return buckets_[b].offset + rank_ * buckets_[b].chunk; }

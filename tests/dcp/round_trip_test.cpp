@@ -1,10 +1,12 @@
 // Distributed checkpoints move between world sizes and modes exactly:
 // parameters, buffers and optimizer state after a load equal, bit for bit,
 // what the saving job held (DDP 4 -> 2, 3; 1 -> 3; 3 -> 1; ZeRO-2 world 4 ->
-// ZeRO-1 world 3 and -> DDP world 2; FSDP world 4 -> 2 -> 1).
+// ZeRO-1 world 3 and -> DDP world 2; FSDP world 4 -> 2 -> 1), a parameter
+// of no elements included (its step count: ZeRO -> ZeRO, DDP, fused; FSDP).
 #include <mutex>
 
 #include "cohort/fsdp/fully_shard.h"
+#include "cohort/optim/fused_distributed_optimizer.h"
 #include "cohort/optim/zero_redundancy_optimizer.h"
 #include "support/thread_ranks.h"
 #include "tests/dcp/dcp_test_support.h"
@@ -126,6 +128,73 @@ TEST(ZeroRoundTrip, Stage2World4LoadsIntoStage1World3AndDdpWorld2) {
   });
   fs::remove_all(dir);
 }
+
+// A parameter of no elements (Net's `empty`) under ZeRO: rank 0 holds its
+// state (empty moments, a step count) and saves it, as DDP and FSDP do, and
+// ZeRO at another world, DDP and the fused optimizer that stepped already
+// load it: every state, the step counts included, as the saving job held.
+class ZeroEmpty : public ::testing::TestWithParam<std::tuple<int, int>> {};  // stage, world
+
+TEST_P(ZeroEmpty, AParameterOfNoElementsSavesItsStateAndLoadsElsewhere) {
+  const auto [stage, world] = GetParam();
+  const auto dir = temp_dir("zero_empty_" + std::to_string(stage) + "_" + std::to_string(world));
+  Named expected;
+  run_ranks_shared(world, [&, stage = stage](std::shared_ptr<Communicator> comm) {
+    Net net(1, true);
+    auto zero = make_zero(net, comm, stage);
+    train(net, 3, [&] { zero->step(); });
+    auto full = zero_snapshot(net, *zero);
+    if (comm->rank() == 0) expected = full;
+    dcp::save(dcp::get_state_dict(*net, *zero), dir, *comm);
+  });
+  ASSERT_EQ(expected.count("optim.empty.exp_avg"), 1u);
+  EXPECT_EQ(expected.at("optim.empty.step").item<int64_t>(), 3);
+  const auto meta = dcp::read_metadata(dir);
+  ASSERT_NE(meta.find("optim.empty.step"), nullptr);
+  EXPECT_EQ(dcp::read_tensor(dir, meta, "optim.empty.step").item<int64_t>(), 3);
+
+  std::mutex mu;
+  run_ranks_shared(world == 1 ? 3 : 1, [&, stage = stage](std::shared_ptr<Communicator> comm) {
+    Net net(2, true);
+    auto zero = make_zero(net, comm, 3 - stage);
+    train(net, 1, [&] { zero->step(); });
+    auto sd = dcp::get_state_dict(*net, *zero);
+    dcp::load(sd, dir, *comm, &meta);
+    auto got = zero_snapshot(net, *zero);
+    std::lock_guard<std::mutex> lock(mu);
+    if (comm->rank() == 0) expect_equal(got, expected, "ZeRO");
+  });
+  run_ranks(2, [&](Communicator& comm) {
+    Net net(2, true);
+    torch::optim::AdamW opt(net->parameters(), kAdamW);
+    train(net, 1, [&] { opt.step(); });
+    auto sd = dcp::get_state_dict(*net, opt);
+    dcp::load(sd, dir, comm, &meta);
+    const auto got = snapshot(*net, &opt);
+    std::lock_guard<std::mutex> lock(mu);
+    expect_equal(got, expected, "DDP, rank " + std::to_string(comm.rank()));
+  });
+  run_ranks_shared(2, [&](std::shared_ptr<Communicator> comm) {
+    Net net(2, true);
+    FusedDistributedOptimizer fused(net->parameters(), comm, kAdamW);
+    train(net, 1, [&] { fused.step(); });
+    auto sd = dcp::get_state_dict(*net, fused);
+    dcp::load(sd, dir, *comm, &meta);
+    const auto named = net->named_parameters();
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t i = 0; i < named.size(); ++i) {
+      const std::string at = "optim." + named[i].key() + ".";
+      const auto held = fused.param_state(i);
+      EXPECT_EQ(held.step, expected.at(at + "step").item<int64_t>()) << named[i].key();
+      EXPECT_TRUE(torch::equal(held.exp_avg, expected.at(at + "exp_avg"))) << named[i].key();
+      EXPECT_TRUE(torch::equal(held.exp_avg_sq, expected.at(at + "exp_avg_sq"))) << named[i].key();
+    }
+  });
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(StagesWorlds, ZeroEmpty,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Values(1, 3)));
 
 // What one process holds after loading `dir` into the bare model.
 Named load_whole(const fs::path& dir) {

@@ -1,5 +1,6 @@
 // FlatPartition: shards are balanced to the element, chunks tile every
-// bucket, and the pieces cover each parameter exactly once over all ranks.
+// bucket, and the pieces cover each parameter exactly once over all ranks
+// (one of no elements: a piece of rank 0).
 #include "cohort/optim/flat_partition.h"
 
 #include <gtest/gtest.h>
@@ -10,11 +11,12 @@ namespace cohort::flat_partition_test {
 namespace {
 
 TEST(FlatPartition, PiecesCoverEveryParameterOnceAndShardsAreBalanced) {
-  const std::vector<int64_t> numels = {35, 5, 0, 15, 3, 1, 100};  // 159 elements
-  const std::vector<size_t> groups = {0, 0, 0, 1, 1, 1, 2};
+  const std::vector<int64_t> numels = {35, 5, 0, 15, 3, 1, 100, 0};  // 159 elements
+  const std::vector<size_t> groups = {0, 0, 0, 1, 1, 1, 2, 2};
   for (int world : {1, 2, 3, 4, 7}) {
     for (int64_t bucket : {1, 10, 16, 1000}) {
       std::vector<std::vector<int>> covered(numels.size());
+      std::vector<int> zero_pieces(numels.size(), 0);
       for (size_t i = 0; i < numels.size(); ++i) covered[i].assign(numels[i], 0);
       int64_t padded = -1;
       for (int rank = 0; rank < world; ++rank) {
@@ -38,6 +40,15 @@ TEST(FlatPartition, PiecesCoverEveryParameterOnceAndShardsAreBalanced) {
           last_end = p.shard_offset + p.numel;
           EXPECT_LE(last_end, part.shard_numel());
           EXPECT_EQ(part.params()[p.param].group, groups[p.param]);
+          if (numels[p.param] == 0) {
+            // Rank 0's, once, inside its chunk of the bucket where it lies.
+            EXPECT_EQ(rank, 0);
+            ++zero_pieces[p.param];
+            const auto& b = part.buckets()[p.bucket];
+            EXPECT_LE(b.offset, part.params()[p.param].offset);
+            EXPECT_LE(p.shard_offset - b.shard_offset, b.chunk);
+            continue;
+          }
           // The piece's flat position is inside this rank's chunk.
           const int64_t flat = part.params()[p.param].offset + p.param_offset;
           const auto& b = part.buckets()[p.bucket];
@@ -46,6 +57,7 @@ TEST(FlatPartition, PiecesCoverEveryParameterOnceAndShardsAreBalanced) {
         }
       }
       for (size_t i = 0; i < numels.size(); ++i) {
+        EXPECT_EQ(zero_pieces[i], numels[i] == 0 ? 1 : 0) << "param " << i;
         for (int64_t e = 0; e < numels[i]; ++e) {
           ASSERT_EQ(covered[i][e], 1)
               << "world " << world << " bucket " << bucket << " param " << i << " element " << e;

@@ -195,13 +195,16 @@ StateDict zero_state_dict(torch::nn::Module& model, ZeroRedundancyOptimizer& zer
   const auto& pieces = part.pieces();
   for (size_t k = 0; k < pieces.size(); ++k) {
     const auto& pc = pieces[k];
-    if (pc.numel == 0) continue;
     for (const size_t n : names_of[pc.param]) {
       ParamSlot slot;
       slot.fqn = named[n].key();
       slot.shape = named[n].value().sizes().vec();
       slot.key = zero.shard_pieces()[k];
-      slot.boxes = boxes_of_range(slot.shape, pc.param_offset, pc.param_offset + pc.numel);
+      // A parameter of no elements is one empty piece, rank 0's: its state
+      // is its step (and empty tensors), which that rank saves.
+      if (pc.numel > 0) {
+        slot.boxes = boxes_of_range(slot.shape, pc.param_offset, pc.param_offset + pc.numel);
+      }
       int64_t at = 0;
       for (const auto& b : slot.boxes) {
         slot.flat_offsets.push_back(at);
