@@ -35,6 +35,11 @@ std::string shape_text(const std::vector<int64_t>& s, c10::ScalarType t) {
   return os.str();
 }
 
+// What goes on the wire for `t`: a complex tensor as its real view (the
+// Communicator moves real dtypes only), sharing its storage, so a receive
+// into it fills the complex buffer.
+torch::Tensor wire(const torch::Tensor& t) { return t.is_complex() ? torch::view_as_real(t) : t; }
+
 // The peer's action matching each of `rank`'s communication actions, as a
 // position in the peer's list (-1 for compute actions).
 std::vector<int> peer_positions(const PipelineSchedule& s, int rank) {
@@ -98,12 +103,16 @@ torch::Tensor BoundaryChannel::buffer(int stage, const std::vector<int64_t>& sha
   return torch::empty(shape, torch::TensorOptions().dtype(dtype).device(device));
 }
 
-// Once a boundary's shapes are agreed (on the first step), receives are
+// Once a boundary's shapes are known for the step (its shape message has
+// arrived, or for gradients this rank sent the outputs), receives are
 // posted ahead: the next recv_window receive actions from the running one
 // on. A message then lands while this rank computes; posted at the receive
 // action, it would wait for the receiver to ask and for the sender's
 // transport to answer, on the critical path of every micro-batch. A
-// receive the window did not reach is posted at its own action.
+// receive the window did not reach is posted at its own action. The window
+// stops at a receive whose boundary's shapes are not known yet: that
+// receive reads the shape message at its own action, and the window goes
+// on from there.
 //
 // The window is refilled in bursts, once at most kRefillAt posted receives
 // remain, not one receive each time one is taken: every posting call in
@@ -112,12 +121,19 @@ torch::Tensor BoundaryChannel::buffer(int stage, const std::vector<int64_t>& sha
 // up to window - 1 receives (docs/benchmarks.md has the measurement). The
 // peak stays recv_window buffers.
 void BoundaryChannel::begin_action(size_t pc) {
-  if (pc == 0) post_cursor_ = 0;
+  if (pc == 0) {
+    // Shapes are the step's own: a batch of another size (a short last
+    // batch, a padded length that varies) sends a new shape message.
+    post_cursor_ = 0;
+    sent_meta_.clear();
+    recv_meta_.clear();
+  }
   running_ = pc;
   post_cursor_ = std::max(post_cursor_, pc);
   if (posted_.size() > kRefillAt) return;
-  while (post_cursor_ < actions_.size() && posted_.size() < recv_window_)
-    post_receive(actions_[post_cursor_++]);
+  while (post_cursor_ < actions_.size() && posted_.size() < recv_window_ &&
+         post_receive(actions_[post_cursor_]))
+    ++post_cursor_;
 }
 
 void BoundaryChannel::end_action(size_t pc) {
@@ -129,24 +145,26 @@ void BoundaryChannel::end_action(size_t pc) {
   reap_sends();
 }
 
-void BoundaryChannel::post_receive(const Action& a) {
+bool BoundaryChannel::post_receive(const Action& a) {
   const bool fwd = a.type == ActionType::RecvForward;
-  if (!fwd && a.type != ActionType::RecvBackward) return;
+  if (!fwd && a.type != ActionType::RecvBackward) return true;
   const int boundary = fwd ? a.stage - 1 : a.stage;
   const auto& metas = fwd ? recv_meta_ : sent_meta_;
   auto it = metas.find(boundary);
-  if (it == metas.end() || !it->second.known) return;
+  if (it == metas.end() || !it->second.known) return false;
   const BoundaryMeta& meta = it->second;
   const int src = schedule_.stage_to_rank[fwd ? a.stage - 1 : a.stage + 1];
   const int dir = fwd ? 0 : 1;
   auto& list = posted_[{boundary, dir, a.microbatch}];
   for (size_t i = 0; i < meta.shapes.size(); ++i) {
-    if (!fwd && !c10::isFloatingType(meta.dtypes[i])) continue;  // no gradient
+    if (!fwd && !carries_gradient(meta.dtypes[i])) continue;  // no gradient
     // Into stage a.stage: its inputs (forward) or its outputs' gradients.
     torch::Tensor buf = buffer(a.stage, meta.shapes[i], meta.dtypes[i]);
-    Work w = group_.recv(buf, src, {message_tag(boundary, dir, a.microbatch), timeout_});
+    torch::Tensor on_wire = wire(buf);
+    Work w = group_.recv(on_wire, src, {message_tag(boundary, dir, a.microbatch), timeout_});
     list.emplace_back(std::move(w), buf);
   }
+  return true;
 }
 
 bool BoundaryChannel::take_posted(int boundary, int dir, int mb, Tensors& out) {
@@ -171,15 +189,16 @@ void BoundaryChannel::wait_timed(Work& work) {
   blocked_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
 }
 
-void BoundaryChannel::wait_recv(torch::Tensor& buffer, int src, int tag) {
-  Work w = group_.recv(buffer, src, {tag, timeout_});
+void BoundaryChannel::wait_recv(const torch::Tensor& buffer, int src, int tag) {
+  torch::Tensor on_wire = wire(buffer);
+  Work w = group_.recv(on_wire, src, {tag, timeout_});
   wait_timed(w);
 }
 
 int64_t BoundaryChannel::take_blocked_ns() { return std::exchange(blocked_ns_, 0); }
 
 void BoundaryChannel::send(const torch::Tensor& tensor, int dst, int tag) {
-  torch::Tensor c = tensor.detach().contiguous();
+  torch::Tensor c = wire(tensor.detach().contiguous());
   Work w = group_.send(c, dst, {tag});
   sends_.push_back({std::move(w), c, dst, peer_pos_[running_]});
 }
@@ -213,7 +232,8 @@ void BoundaryChannel::send_forward(int stage, int mb, const Tensors& out) {
   const int dst = schedule_.stage_to_rank[stage + 1];
   BoundaryMeta& meta = sent_meta_[stage];
   if (!meta.known) {
-    // The boundary's shapes, once: count, then (dtype, ndim, sizes...) each.
+    // The boundary's shapes, once a step: count, then (dtype, ndim,
+    // sizes...) each.
     std::vector<int64_t> enc{static_cast<int64_t>(out.size())};
     for (const auto& t : out) {
       enc.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -230,25 +250,26 @@ void BoundaryChannel::send_forward(int stage, int mb, const Tensors& out) {
     send(torch::tensor(enc, torch::kInt64), dst, message_tag(stage, 0, kMetaMicrobatch));
     meta.known = true;
   }
-  check_same(stage, mb, out, meta);
+  check_same(stage, mb, dst, out, meta);
   for (const auto& t : out) send(t, dst, message_tag(stage, 0, mb));
 }
 
-void BoundaryChannel::check_same(int stage, int mb, const Tensors& out,
+void BoundaryChannel::check_same(int stage, int mb, int dst, const Tensors& out,
                                  const BoundaryMeta& meta) const {
   bool same = out.size() == meta.shapes.size();
   for (size_t i = 0; same && i < out.size(); ++i)
     same = out[i].sizes().vec() == meta.shapes[i] && out[i].scalar_type() == meta.dtypes[i];
   if (same) return;
   std::ostringstream os;
-  os << "PipelineRuntime on rank " << rank_ << ": stage " << stage << " micro-batch " << mb
-     << " outputs [";
+  os << "PipelineRuntime on rank " << rank_ << ": sending to rank " << dst << ", stage " << stage
+     << " micro-batch " << mb << " outputs [";
   for (size_t i = 0; i < out.size(); ++i)
     os << (i ? ", " : "") << shape_text(out[i].sizes().vec(), out[i].scalar_type());
   os << "], expected [";
   for (size_t i = 0; i < meta.shapes.size(); ++i)
     os << (i ? ", " : "") << shape_text(meta.shapes[i], meta.dtypes[i]);
-  os << "] (agreed on the boundary's first message)";
+  os << "] (the step's first micro-batch on this boundary; micro-batches of one step have one "
+        "shape)";
   throw InvalidArgument(os.str());
 }
 
@@ -288,7 +309,7 @@ Tensors BoundaryChannel::recv_backward(int stage, int mb, const Tensors& outputs
   Tensors grads;
   if (take_posted(stage, 1, mb, grads)) return grads;
   for (const auto& o : outputs) {
-    if (!o.is_floating_point()) continue;
+    if (!carries_gradient(o.scalar_type())) continue;
     torch::Tensor buf = torch::empty_like(o, torch::MemoryFormat::Contiguous);
     wait_recv(buf, src, message_tag(stage, 1, mb));
     grads.push_back(buf);

@@ -3,16 +3,18 @@
 //
 // Wire: a message across boundary b (stage b -> b + 1) carries tag
 // message_tag(b, dir, micro-batch), dir 0 forward (activations), 1 backward
-// (input gradients). Each boundary's shapes and dtypes travel once, in a
-// 64-int64 shape message on its first forward send; a later output that
-// differs is refused. Gradients travel for floating-point tensors only.
+// (input gradients). Each boundary's shapes and dtypes travel once a step, in
+// a 64-int64 shape message on the step's first forward send across it, so
+// shapes may change between steps; within a step an output that differs
+// from the first is refused. Gradients travel for floating-point and complex
+// tensors (carries_gradient); a complex tensor travels as its real view.
 //
 // Threading: one thread. Every call comes from the thread running
 // PipelineRuntime::step; the channel takes no lock and none of its calls is
 // safe to overlap (the Communicator's own calls are, but this state is not).
 //
 // Ordering: a rank calls begin_action/end_action around each action of its
-// list, in list order. Receives are posted in that order, at most
+// list, in list order (action 0 starts a step). Receives are posted in that order, at most
 // `recv_window` ahead, each before anything waits on its tag; a send's
 // tensor is kept until its Work is known complete (polled, or proven by a
 // later message from the same peer, see release_sends); finish() waits for
@@ -39,7 +41,8 @@ constexpr int kMetaMicrobatch = 0xFFFF;
 /// 1 backward) for `microbatch`: 1 + ((boundary * 2 + dir) << 16) + mb.
 int message_tag(int boundary, int dir, int microbatch);
 
-/// Shapes and dtypes that cross one boundary, agreed on its first message.
+/// Shapes and dtypes that cross one boundary in a step, from its first
+/// message of the step.
 struct BoundaryMeta {
   bool known = false;
   std::vector<std::vector<int64_t>> shapes;
@@ -60,13 +63,13 @@ class BoundaryChannel {
   /// After action `pc`: drops the sends now known complete.
   void end_action(size_t pc);
   /// Sends stage `stage`'s outputs of micro-batch `mb` to the next stage
-  /// (the shape message first, once per boundary).
+  /// (the shape message first, once per boundary and step).
   void send_forward(int stage, int mb, const Tensors& outputs);
   /// Stage `stage`'s inputs of micro-batch `mb` from the previous stage.
   Tensors recv_forward(int stage, int mb);
   /// Sends stage `stage`'s input gradients to the previous stage.
   void send_backward(int stage, int mb, const Tensors& grads);
-  /// The gradients of stage `stage`'s floating-point `outputs`.
+  /// The gradients of stage `stage`'s `outputs` that carry one.
   Tensors recv_backward(int stage, int mb, const Tensors& outputs);
   /// Waits for every send of the step (their errors surface here).
   void finish();
@@ -84,14 +87,16 @@ class BoundaryChannel {
     int peer;
     int peer_recv_pos;
   };
-  void post_receive(const Action& action);
+  // Posts a receive action's buffers; false when its boundary's shapes are
+  // not known yet in this step (the window waits there).
+  bool post_receive(const Action& action);
   bool take_posted(int boundary, int dir, int mb, Tensors& out);
-  void wait_recv(torch::Tensor& buffer, int src, int tag);
+  void wait_recv(const torch::Tensor& buffer, int src, int tag);
   void wait_timed(Work& work);
   void send(const torch::Tensor& tensor, int dst, int tag);
   void reap_sends();
   void release_sends(int peer, int peer_send_pos);
-  void check_same(int stage, int mb, const Tensors& out, const BoundaryMeta& meta) const;
+  void check_same(int stage, int mb, int dst, const Tensors& out, const BoundaryMeta& meta) const;
   // A receive buffer for this rank's stage `stage`, on its device.
   torch::Tensor buffer(int stage, const std::vector<int64_t>& shape, c10::ScalarType dtype) const;
 

@@ -20,6 +20,13 @@ namespace cohort::pipeline {
 
 using Tensors = std::vector<torch::Tensor>;
 
+/// Whether a tensor crossing a stage boundary carries a gradient back:
+/// floating point or complex (autograd differentiates both); integer and
+/// bool tensors (masks, token ids) cross forward only.
+inline bool carries_gradient(c10::ScalarType dtype) {
+  return c10::isFloatingType(dtype) || c10::isComplexType(dtype);
+}
+
 /// A part of the stage whose weight gradient W computes on its own: the
 /// output of one layer and that layer's parameters.
 struct WeightUnit {

@@ -159,15 +159,16 @@ Probe forward_probe(const PipelineStage& stage, const Tensors& inputs,
                     memory::MemoryScope& scope, bool split) {
   Probe p;
   for (const auto& t : inputs)  // as the runtime: a graph per stage, from its inputs
-    p.in.push_back(stage.index() > 0 && t.is_floating_point() ? t.detach().requires_grad_(true)
-                                                              : t);
+    p.in.push_back(stage.index() > 0 && carries_gradient(t.scalar_type())
+                       ? t.detach().requires_grad_(true)
+                       : t);
   const int64_t before = scope.current_bytes();
   Tensors outputs = stage.forward(p.in, split ? &p.units : nullptr);
   if (loss)
     p.roots.push_back(loss(outputs));
   else
     for (const auto& o : outputs)
-      if (o.is_floating_point() && o.requires_grad()) p.roots.push_back(o);
+      if (carries_gradient(o.scalar_type()) && o.requires_grad()) p.roots.push_back(o);
   p.held = scope.current_bytes() - before;
   for (const auto& r : p.roots) p.grads.push_back(torch::ones_like(r));
   return p;

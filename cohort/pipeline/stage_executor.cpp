@@ -139,7 +139,7 @@ Tensors StageExecutor::stage_inputs(int stage, int mb) {
   }
   // A graph per stage, so that each stage's backward stops at its inputs.
   for (auto& t : in)
-    if (t.is_floating_point()) t = t.detach().requires_grad_(true);
+    if (carries_gradient(t.scalar_type())) t = t.detach().requires_grad_(true);
   return in;
 }
 
@@ -191,11 +191,11 @@ Tensors StageExecutor::output_grads(int stage, int mb, const Slot& slot) {
 void StageExecutor::backward(int stage, int mb, bool full) {
   Slot& slot = slot_in({stage, mb}, {SlotState::Forwarded}, full ? "B" : "I");
   const Tensors grads = output_grads(stage, mb, slot);
-  // Floating-point outputs pair with the gradients, in order.
+  // Outputs that carry a gradient pair with the gradients, in order.
   Tensors roots, root_grads;
   size_t gi = 0;
   for (const auto& o : slot.outputs) {
-    if (!o.is_floating_point()) continue;
+    if (!carries_gradient(o.scalar_type())) continue;
     COHORT_CHECK(gi < grads.size(), "stage " << stage << " has more outputs than gradients");
     if (needs_grad(o)) roots.push_back(o), root_grads.push_back(grads[gi]);
     ++gi;
@@ -235,13 +235,13 @@ void StageExecutor::backward(int stage, int mb, bool full) {
   move_to(it, send_back ? SlotState::WeightsAndGrads : SlotState::Weights);
 }
 
-// Every floating-point input gets a gradient (zeros where unused): the
-// receiver expects one message per floating-point boundary tensor.
+// Every input that carries a gradient gets one (zeros where unused): the
+// receiver expects one message per such boundary tensor.
 void StageExecutor::keep_input_grads(int stage, Slot& slot, const Tensors& got,
                                      const std::vector<size_t>& input_pos) {
   slot.input_grads.clear();
   for (size_t i = 0, k = 0; stage > 0 && i < slot.inputs.size(); ++i) {
-    if (!slot.inputs[i].is_floating_point()) continue;
+    if (!carries_gradient(slot.inputs[i].scalar_type())) continue;
     torch::Tensor g;
     if (k < input_pos.size() && input_pos[k] == i) {
       if (!got.empty()) g = got[k];
