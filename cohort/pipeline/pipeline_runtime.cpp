@@ -76,12 +76,13 @@ PipelineRuntime::PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage
   std::string local_error;
   try {
     check_local(who);
+    // Before the agreement, which compares the action lists as they run.
+    if (!has_communication(schedule_)) schedule_ = add_communication(schedule_);
   } catch (const Error& e) {
     local_error = e.what();
   }
   check_agreement(who, local_error);
   tie_weights(who);
-  if (!has_communication(schedule_)) schedule_ = add_communication(schedule_);
   // Both keep references to schedule_, stages_ and loss_fn_, which stay
   // put: the runtime is neither copied nor moved.
   state_->rank = rank;
@@ -112,36 +113,36 @@ std::vector<torch::Tensor> PipelineRuntime::parameters() const {
   return out;
 }
 
-void PipelineRuntime::split_batch(const Tensors& inputs, const Tensors& targets) {
+// The batch's problem on this rank (kind 0: none), for check_batches.
+PipelineRuntime::BatchProblem PipelineRuntime::split_batch(const Tensors& inputs,
+                                                           const Tensors& targets) {
   const int m = schedule_.num_microbatches;
-  const int rank = state_->rank;
-  auto split = [&](const Tensors& batch, const char* what, std::vector<Tensors>& out) {
+  BatchProblem problem;
+  auto split = [&](const Tensors& batch, int64_t of_targets, std::vector<Tensors>& out) {
     out.assign(m, {});
-    if (batch.empty())
-      throw InvalidArgument("PipelineRuntime::step on rank " + std::to_string(rank) + ": no " +
-                            what + " on the rank of stage " +
-                            (what[0] == 'i' ? "0" : "the last stage"));
+    if (batch.empty()) problem = {BatchProblem::kEmpty, of_targets, 0};
     for (const auto& t : batch) {
-      if (t.dim() == 0 || t.size(0) % m != 0)
-        throw InvalidArgument("PipelineRuntime::step on rank " + std::to_string(rank) +
-                              ": a batch of " + std::to_string(t.dim() ? t.size(0) : 0) + " " +
-                              what + " does not split into " + std::to_string(m) +
-                              " micro-batches");
+      if (t.dim() == 0 || t.size(0) % m != 0) {
+        problem = {BatchProblem::kUneven, of_targets, t.dim() ? t.size(0) : 0};
+        return;
+      }
       auto chunks = t.chunk(m, 0);
       for (int i = 0; i < m; ++i) out[i].push_back(chunks[i]);
     }
   };
   std::vector<Tensors> micro_inputs, micro_targets;
-  const auto& mine = schedule_.stages_of(rank);
-  if (std::count(mine.begin(), mine.end(), 0)) split(inputs, "inputs", micro_inputs);
-  if (std::count(mine.begin(), mine.end(), schedule_.num_stages - 1))
-    split(targets, "targets", micro_targets);
-  state_->executor->begin_step(std::move(micro_inputs), std::move(micro_targets));
+  const auto& mine = schedule_.stages_of(state_->rank);
+  if (std::count(mine.begin(), mine.end(), 0)) split(inputs, 0, micro_inputs);
+  if (!problem.kind && std::count(mine.begin(), mine.end(), schedule_.num_stages - 1))
+    split(targets, 1, micro_targets);
+  if (!problem.kind)
+    state_->executor->begin_step(std::move(micro_inputs), std::move(micro_targets));
+  return problem;
 }
 
 PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& targets) {
   const auto t0 = Clock::now();
-  split_batch(inputs, targets);
+  check_batches(split_batch(inputs, targets));
   PipelineStepResult result;
   Tracer* const tracer = active(group_->tracer());
   TraceSpan span(tracer, "pipeline step", "pipeline.step");

@@ -143,7 +143,13 @@ class PipelineRuntime {
   /// Runs one step. `inputs` (the whole batch, split along dim 0 into m
   /// micro-batches) matter on the rank holding stage 0, `targets` on the
   /// rank holding the last stage; other ranks may pass {}. Adds gradients
-  /// to the stages' parameters (see the file comment). A loss that is not a
+  /// to the stages' parameters (see the file comment). Collective before
+  /// the first action (one all-gather of 3 words per rank, none at one
+  /// rank): missing inputs or targets, or a batch that does not split into
+  /// m micro-batches, is an InvalidArgument on every rank naming the rank
+  /// that got it. Shapes may differ from step to step (a short last batch,
+  /// a sequence length that varies); within a step every micro-batch's
+  /// boundary tensors have one shape. A loss that is not a
   /// scalar or does not require grad is an InvalidArgument on every rank at
   /// the step's end, naming the last stage, its rank and the first such
   /// micro-batch (the other micro-batches' gradients were added: zero the
@@ -178,7 +184,16 @@ class PipelineRuntime {
   void check_local(const std::string& who) const;
   void check_agreement(const std::string& who, const std::string& local_error);
   std::string describe_maps() const;
-  void split_batch(const Tensors& inputs, const Tensors& targets);
+  // What is wrong with this rank's batch: kind kNone, kEmpty (no tensors)
+  // or kUneven (a tensor of `rows` rows that does not split into m).
+  struct BatchProblem {
+    enum : int64_t { kNone, kEmpty, kUneven };
+    int64_t kind = kNone;
+    int64_t of_targets = 0;  // 1: the targets, 0: the inputs
+    int64_t rows = 0;
+  };
+  BatchProblem split_batch(const Tensors& inputs, const Tensors& targets);
+  void check_batches(const BatchProblem& mine);
   void run_action(const Action& action, PipelineStepResult& result);
   void dispatch(const Action& action);
   void finish_step(PipelineStepResult& result);

@@ -1,5 +1,6 @@
-// PipelineRuntime's construction checks: each rank's own input, then one
-// exchange so that every rank reports the same error.
+// PipelineRuntime's checks: at construction each rank's own input, then one
+// exchange so that every rank reports the same error; at each step the
+// batch, the same way.
 #include <sstream>
 
 #include "cohort/core/agreement.h"
@@ -9,6 +10,25 @@
 #include "cohort/pipeline/schedule_validator.h"
 
 namespace cohort::pipeline {
+namespace {
+
+// The schedule as ranks compare it: its name and a digest of every rank's
+// action list, so that two schedules of one shape but another order (GPipe
+// on one rank, 1F1B on the next) are told apart before their messages
+// cross.
+std::string schedule_text(const PipelineSchedule& s) {
+  std::vector<int64_t> words;
+  for (const auto& list : s.actions) {
+    words.push_back(static_cast<int64_t>(list.size()));
+    for (const Action& a : list)
+      words.insert(words.end(), {a.stage, static_cast<int64_t>(a.type), a.microbatch});
+  }
+  std::ostringstream os;
+  os << s.name << " (actions digest " << std::hex << fnv1a_words(words) << ")";
+  return os.str();
+}
+
+}  // namespace
 
 void PipelineRuntime::check_local(const std::string& who) const {
   if (stages_.empty()) throw InvalidArgument(who + "empty stage list (every rank holds a stage)");
@@ -49,12 +69,16 @@ void PipelineRuntime::check_local(const std::string& who) const {
 // that one rank's bad input or a disagreement is an error on every rank and
 // never leaves the others waiting.
 void PipelineRuntime::check_agreement(const std::string& who, const std::string& local_error) {
-  // stages, micro-batches, local stages, ok, a digest of the stage-to-rank map
+  // stages, micro-batches, local stages, ok, a digest of the stage-to-rank
+  // map, then the schedule's name and actions (text_words)
   const std::vector<int64_t> map(schedule_.stage_to_rank.begin(), schedule_.stage_to_rank.end());
-  const RankWords all =
-      gather_words(*group_, {schedule_.num_stages, schedule_.num_microbatches,
-                             static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0,
-                             static_cast<int64_t>(fnv1a_words(map))});
+  std::vector<int64_t> mine{schedule_.num_stages, schedule_.num_microbatches,
+                            static_cast<int64_t>(stages_.size()), local_error.empty() ? 1 : 0,
+                            static_cast<int64_t>(fnv1a_words(map))};
+  constexpr size_t kFixed = 5;
+  const std::vector<int64_t> text = text_words(local_error.empty() ? schedule_text(schedule_) : "");
+  mine.insert(mine.end(), text.begin(), text.end());
+  const RankWords all = gather_words(*group_, mine);
   if (!local_error.empty()) throw InvalidArgument(local_error);
   int64_t total_local = 0;
   for (int r = 0; r < all.ranks(); ++r) {
@@ -71,6 +95,12 @@ void PipelineRuntime::check_agreement(const std::string& who, const std::string&
   // Every rank saw the same digests, so all of them take this branch or none.
   if (!all_same(all.values([](const int64_t* f) { return std::to_string(f[4]); })))
     throw InvalidArgument(who + describe_maps());
+  // The same maps and counts, but other action lists: the ranks' messages
+  // would not meet (a deadlock, or crossed micro-batches).
+  std::vector<int64_t> texts;
+  for (int r = 0; r < all.ranks(); ++r)
+    texts.insert(texts.end(), all.of(r) + kFixed, all.of(r) + all.width());
+  check_same_text(RankWords(std::move(texts), all.ranks()), who, "the schedule");
   if (total_local != schedule_.num_stages)
     throw InvalidArgument(who + "ranks hold " + std::to_string(total_local) +
                           " stages together, the schedule has " +
@@ -95,6 +125,30 @@ std::string PipelineRuntime::describe_maps() const {
   if (n > kShown)
     text += " (" + std::to_string(n) + " stages, the first " + std::to_string(kShown) + " shown)";
   return text;
+}
+
+// Collective: every rank learns each rank's problem with its batch, so that
+// one rank's bad batch is an error on every rank before any of them posts a
+// receive that would wait for it.
+void PipelineRuntime::check_batches(const BatchProblem& mine) {
+  const std::vector<int64_t> words{mine.kind, mine.of_targets, mine.rows};
+  const RankWords all = group_->size() == 1 ? RankWords(words, 1) : gather_words(*group_, words);
+  std::ostringstream os;
+  for (int r = 0; r < all.ranks(); ++r) {
+    const int64_t* p = all.of(r);
+    if (p[0] == BatchProblem::kNone) continue;
+    const char* what = p[1] ? "targets" : "inputs";
+    os << (os.tellp() > 0 ? "; " : "") << "rank " << r << " (stage "
+       << (p[1] ? schedule_.num_stages - 1 : 0) << "): ";
+    if (p[0] == BatchProblem::kEmpty)
+      os << "no " << what;
+    else
+      os << "a batch of " << p[2] << " " << what << " does not split into "
+         << schedule_.num_microbatches << " micro-batches";
+  }
+  if (os.tellp() > 0)
+    throw InvalidArgument("PipelineRuntime::step on rank " + std::to_string(group_->rank()) +
+                          " of group " + group_->name() + ": " + os.str());
 }
 
 }  // namespace cohort::pipeline
