@@ -3,11 +3,11 @@
 //
 // Wire: a message across boundary b (stage b -> b + 1) carries tag
 // message_tag(b, dir, micro-batch), dir 0 forward (activations), 1 backward
-// (input gradients). Each boundary's shapes and dtypes travel once a step, in
-// a 64-int64 shape message on the step's first forward send across it, so
-// shapes may change between steps; within a step an output that differs
-// from the first is refused. Gradients travel for floating-point and complex
-// tensors (carries_gradient); a complex tensor travels as its real view.
+// (input gradients). Each boundary's shapes and dtypes travel in a 64-int64
+// shape message on the step's first forward send across it, once for each
+// shape of stage 0's inputs (begin_step's key), so shapes may change between
+// steps; within a step an output that differs from the first is refused. Gradients travel for
+// floating-point and complex tensors (carries_gradient); a complex tensor travels as its real view.
 //
 // Threading: one thread. Every call comes from the thread running
 // PipelineRuntime::step; the channel takes no lock and none of its calls is
@@ -58,6 +58,11 @@ class BoundaryChannel {
   BoundaryChannel(Communicator& group, const PipelineSchedule& schedule, Millis timeout,
                   int recv_window, std::map<int, c10::Device> devices = {});
 
+  /// Before a step's first action: `input_shapes`, the same on every rank,
+  /// names the shapes of stage 0's inputs. A boundary's shapes seen in an
+  /// earlier step under the same key are taken as known (no shape message,
+  /// receives posted ahead); under a new key they travel again.
+  void begin_step(int64_t input_shapes);
   /// Before action `pc` of this rank's list: refills the receive window.
   void begin_action(size_t pc);
   /// After action `pc`: drops the sends now known complete.
@@ -111,6 +116,14 @@ class BoundaryChannel {
   const std::vector<int> peer_pos_;
   const std::map<int, c10::Device> devices_;
   std::map<int, BoundaryMeta> sent_meta_, recv_meta_;
+  // The boundary shapes of earlier steps, by their input_shapes key: every
+  // rank sees the same keys in the same order, so sender and receiver agree
+  // on whether a shape message travels.
+  struct KnownShapes {
+    std::map<int, BoundaryMeta> sent, recv;
+  };
+  std::map<int64_t, KnownShapes> known_;
+  int64_t step_key_ = 0;
   std::vector<PendingSend> sends_;
   // Receives posted ahead, by (boundary, direction, micro-batch).
   std::map<std::tuple<int, int, int>, std::vector<std::pair<Work, torch::Tensor>>> posted_;

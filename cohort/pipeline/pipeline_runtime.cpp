@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 
+#include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/pipeline/boundary_channel.h"
 #include "cohort/pipeline/loss_broadcast.h"
@@ -132,7 +133,15 @@ PipelineRuntime::BatchProblem PipelineRuntime::split_batch(const Tensors& inputs
   };
   std::vector<Tensors> micro_inputs, micro_targets;
   const auto& mine = schedule_.stages_of(state_->rank);
-  if (std::count(mine.begin(), mine.end(), 0)) split(inputs, 0, micro_inputs);
+  if (std::count(mine.begin(), mine.end(), 0)) {
+    split(inputs, 0, micro_inputs);
+    std::vector<int64_t> shapes;
+    for (const auto& t : inputs) {
+      shapes.insert(shapes.end(), {static_cast<int64_t>(t.scalar_type()), t.dim()});
+      shapes.insert(shapes.end(), t.sizes().begin(), t.sizes().end());
+    }
+    problem.input_shapes = static_cast<int64_t>(fnv1a_words(shapes));
+  }
   if (!problem.kind && std::count(mine.begin(), mine.end(), schedule_.num_stages - 1))
     split(targets, 1, micro_targets);
   if (!problem.kind)
@@ -142,7 +151,7 @@ PipelineRuntime::BatchProblem PipelineRuntime::split_batch(const Tensors& inputs
 
 PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& targets) {
   const auto t0 = Clock::now();
-  check_batches(split_batch(inputs, targets));
+  state_->channel->begin_step(check_batches(split_batch(inputs, targets)));
   PipelineStepResult result;
   Tracer* const tracer = active(group_->tracer());
   TraceSpan span(tracer, "pipeline step", "pipeline.step");

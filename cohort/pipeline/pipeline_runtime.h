@@ -144,7 +144,7 @@ class PipelineRuntime {
   /// micro-batches) matter on the rank holding stage 0, `targets` on the
   /// rank holding the last stage; other ranks may pass {}. Adds gradients
   /// to the stages' parameters (see the file comment). Collective before
-  /// the first action (one all-gather of 3 words per rank, none at one
+  /// the first action (one all-gather of 4 words per rank, none at one
   /// rank): missing inputs or targets, or a batch that does not split into
   /// m micro-batches, is an InvalidArgument on every rank naming the rank
   /// that got it. Shapes may differ from step to step (a short last batch,
@@ -191,9 +191,10 @@ class PipelineRuntime {
     int64_t kind = kNone;
     int64_t of_targets = 0;  // 1: the targets, 0: the inputs
     int64_t rows = 0;
+    int64_t input_shapes = 0;  // stage 0's rank: a digest of the inputs' shapes
   };
   BatchProblem split_batch(const Tensors& inputs, const Tensors& targets);
-  void check_batches(const BatchProblem& mine);
+  int64_t check_batches(const BatchProblem& mine);
   void run_action(const Action& action, PipelineStepResult& result);
   void dispatch(const Action& action);
   void finish_step(PipelineStepResult& result);

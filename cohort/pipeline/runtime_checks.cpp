@@ -130,8 +130,10 @@ std::string PipelineRuntime::describe_maps() const {
 // Collective: every rank learns each rank's problem with its batch, so that
 // one rank's bad batch is an error on every rank before any of them posts a
 // receive that would wait for it.
-void PipelineRuntime::check_batches(const BatchProblem& mine) {
-  const std::vector<int64_t> words{mine.kind, mine.of_targets, mine.rows};
+// Returns the digest of stage 0's input shapes, the key under which every
+// rank's channel keeps the boundary shapes that batch shape gave.
+int64_t PipelineRuntime::check_batches(const BatchProblem& mine) {
+  const std::vector<int64_t> words{mine.kind, mine.of_targets, mine.rows, mine.input_shapes};
   const RankWords all = group_->size() == 1 ? RankWords(words, 1) : gather_words(*group_, words);
   std::ostringstream os;
   for (int r = 0; r < all.ranks(); ++r) {
@@ -149,6 +151,7 @@ void PipelineRuntime::check_batches(const BatchProblem& mine) {
   if (os.tellp() > 0)
     throw InvalidArgument("PipelineRuntime::step on rank " + std::to_string(group_->rank()) +
                           " of group " + group_->name() + ": " + os.str());
+  return all.ranks() == 1 ? words[3] : all.of(schedule_.stage_to_rank[0])[3];
 }
 
 }  // namespace cohort::pipeline

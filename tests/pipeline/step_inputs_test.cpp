@@ -40,8 +40,9 @@ int microbatches(const std::string& schedule, int pp) { return schedule == "inte
 
 class ShapeBetweenSteps : public ::testing::TestWithParam<ScheduleCase> {};
 
-// Four steps of one runtime: a full batch, a short last batch, then two
-// sequence lengths (a padded length that varies per batch). Each step's
+// Five steps of one runtime: a full batch, a short last batch, two
+// sequence lengths (a padded length that varies per batch), then the first
+// shape again (its boundary shapes known, no shape message). Each step's
 // losses and gradients match one process on that batch. Before, the second
 // step was refused on the rank sending across a boundary and its receivers
 // waited for the timeout.
@@ -50,7 +51,7 @@ TEST_P(ShapeBetweenSteps, EachStepMatchesOneProcess) {
   const int v = name == "interleaved" ? 2 : 1, stages = pp * v;
   const int m = microbatches(name, pp);
   const std::vector<std::vector<int64_t>> shapes{
-      {2 * m, kWidth}, {m, kWidth}, {2 * m, 3, kWidth}, {2 * m, 5, kWidth}};
+      {2 * m, kWidth}, {m, kWidth}, {2 * m, 3, kWidth}, {2 * m, 5, kWidth}, {2 * m, kWidth}};
   std::vector<Reference> refs;
   for (size_t i = 0; i < shapes.size(); ++i)
     refs.push_back(reference_run(stages, det(shapes[i], 0.3 + i), det(shapes[i], 1.1 + i), m));
