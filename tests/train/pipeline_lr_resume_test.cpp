@@ -142,7 +142,9 @@ Params train(const testing::EngineWorld& c, bool split, const std::string& dir, 
         config.checkpoint_dir = dir;
         config.progress = false;
         Trainer trainer(TrainerWiring::pipeline(rt, opt), config);
-        if (resume) EXPECT_EQ(trainer.resume(), std::optional<int64_t>(2));
+        if (resume) {
+          EXPECT_EQ(trainer.resume(), std::optional<int64_t>(2));
+        }
         Source src(x, y);
         trainer.fit(src);
         std::lock_guard<std::mutex> lock(mu);
