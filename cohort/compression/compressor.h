@@ -71,8 +71,8 @@ struct CompressionOptions {
 
 /// The elements [offset, offset + count) of a flat tensor.
 struct ElementRange {
-  int64_t offset = 0;
-  int64_t count = 0;
+  int64_t offset = 0;  ///< the first element
+  int64_t count = 0;   ///< how many elements
 };
 
 /// A gradient compressor. Not thread-safe; one per communicator.
