@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 
+#include "cohort/core/torch_compat.h"
 #include "cohort/dcp/dcp.h"
 #include "cohort/dcp/state_dict/state_dict.h"
 #include "cohort/ddp/distributed_data_parallel.h"
@@ -171,7 +172,7 @@ const std::vector<std::string> kTiedNames = {"0.weight", "2.weight"};
 const torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt,
                                                  const torch::Tensor& p) {
   return static_cast<const torch::optim::AdamWParamState&>(
-      *opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+      *opt.state().at(cohort::optimizer_state_key(p)));
 }
 
 // Within rounding of `want` (relative to its largest element).
