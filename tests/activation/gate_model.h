@@ -4,8 +4,10 @@
 #pragma once
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -59,6 +61,18 @@ inline Tensors values(const std::vector<torch::Tensor>& params) {
   Tensors out;
   for (const auto& p : params) out.push_back(p.detach().clone());
   return out;
+}
+
+// Every rank's parameters (results_of_ranks's map) against the one-process
+// run's, each element within 1e-6.
+inline void expect_ranks_match(const std::map<int, Tensors>& got, const Tensors& expected) {
+  for (const auto& [rank, params] : got) {
+    ASSERT_EQ(params.size(), expected.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_LT((params[i] - expected[i]).abs().max().item<double>(), 1e-6)
+          << "parameter " << i << ", rank " << rank;
+    }
+  }
 }
 
 // DDP (find_unused_parameters), the fused optimizer, ZeRO-1 and ZeRO-2

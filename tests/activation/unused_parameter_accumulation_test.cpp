@@ -184,13 +184,7 @@ TEST_P(CheckpointUnusedParameterAccumulation, StepsAsOneProcess) {
   const Tensors expected = reference(c.usage, c.world);
   auto got = results_of_ranks<Tensors>(
       c.world, [&](std::shared_ptr<Communicator> comm) { return distributed(c, comm); });
-  for (const auto& [rank, params] : got) {
-    ASSERT_EQ(params.size(), expected.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_LT((params[i] - expected[i]).abs().max().item<double>(), 1e-6)
-          << "parameter " << i << ", rank " << rank;
-    }
-  }
+  expect_ranks_match(got, expected);
 }
 
 std::vector<Case> all_cases() {
