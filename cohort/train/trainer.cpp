@@ -1,5 +1,6 @@
 #include "cohort/train/trainer.h"
 
+#include <cstdio>
 #include <limits>
 #include <string>
 
@@ -289,6 +290,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   if (resumed_) continue_epoch_order(data);
   const int64_t g = data.global_micro_batch();
   if (position_.step == 0 && last_checkpoint_step_ < 0) metrics_.keep_until(-1);
+  end_epoch_past_data(data, callbacks);
 
   // Epochs may differ in length (a source that grows, or a resume with
   // another dataset): the loop ends on the epochs, or on max_steps when set.
@@ -302,8 +304,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
                     total, config_.log_every);
   std::vector<StepMetrics> out;
   auto epoch_start = std::chrono::steady_clock::now();
-  while (position_.epoch < config_.epochs &&
-         (config_.max_steps <= 0 || position_.step < config_.max_steps)) {
+  while (more_to_train()) {
     std::vector<torch::data::Example<>> batches;
     for (int64_t i = 0; i < k; ++i) batches.push_back(data.batch(position_.batch + i));
     position_.batch += k;
@@ -318,13 +319,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
     // The epoch is over when the next step has too few micro-batches left.
     if (position_.batch + k > data.num_batches()) {
       progress.finish();
-      if (callbacks.on_epoch_end) {
-        callbacks.on_epoch_end({position_.epoch, position_.step, seconds_since(epoch_start)});
-      }
-      ++position_.epoch;
-      position_.batch = 0;
-      position_.epoch_samples = 0;
-      if (position_.epoch < config_.epochs) start_epoch(data);
+      end_epoch(data, callbacks, seconds_since(epoch_start));
       epoch_start = std::chrono::steady_clock::now();
     }
     if (config_.checkpoint_every > 0 && position_.step % config_.checkpoint_every == 0) {
@@ -335,6 +330,39 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
   if (last_checkpoint_step_ != position_.step) save_checkpoint();
   finish_checkpoint();
   return out;
+}
+
+bool Trainer::more_to_train() const {
+  return position_.epoch < config_.epochs &&
+         (config_.max_steps <= 0 || position_.step < config_.max_steps);
+}
+
+void Trainer::end_epoch_past_data(DataSource& data, const FitCallbacks& callbacks) {
+  // A resume with less data (another dataset) can find the epoch already
+  // past its new end: it ends there, as a sampler fast-forwarded past its
+  // end yields nothing (torchdata's StatefulDistributedSampler). Every rank
+  // agreed on the epoch's micro-batches and holds the checkpoint's position,
+  // so every rank ends it.
+  const int64_t k = config_.accumulation_steps;
+  if (position_.batch == 0 || position_.batch + k <= data.num_batches() || !more_to_train()) {
+    return;
+  }
+  if (comm_.rank() == 0) {
+    std::fprintf(stderr,
+                 "cohort: epoch %lld continues at micro-batch %lld but now has %lld (%lld a "
+                 "step): the epoch ends there\n",
+                 static_cast<long long>(position_.epoch), static_cast<long long>(position_.batch),
+                 static_cast<long long>(data.num_batches()), static_cast<long long>(k));
+  }
+  end_epoch(data, callbacks, 0.0);
+}
+
+void Trainer::end_epoch(DataSource& data, const FitCallbacks& callbacks, double seconds) {
+  if (callbacks.on_epoch_end) callbacks.on_epoch_end({position_.epoch, position_.step, seconds});
+  ++position_.epoch;
+  position_.batch = 0;
+  position_.epoch_samples = 0;
+  if (position_.epoch < config_.epochs) start_epoch(data);
 }
 
 void Trainer::start_epoch(DataSource& data) {
@@ -458,7 +486,8 @@ void Trainer::continue_epoch_order(DataSource& data) {
                       " micro-batches an epoch, the job that wrote the checkpoint had " +
                       std::to_string(position_.epoch_batches) +
                       "; without a global sample order (DataSource::global_micro_batch) its "
-                      "position does not carry over to micro-batches of another size");
+                      "position does not carry over to micro-batches of another size or to "
+                      "another dataset");
   }
 }
 

@@ -209,7 +209,9 @@ class Trainer {
 
   /// Trains from the current position to config.epochs / config.max_steps,
   /// checkpointing every checkpoint_every steps and at the end. Returns the
-  /// metrics of the steps it ran.
+  /// metrics of the steps it ran. A resumed epoch that the data source now
+  /// ends before the checkpoint's position (less data) ends at once
+  /// (on_epoch_end), and the next one trains.
   std::vector<StepMetrics> fit(DataSource& data, const FitCallbacks& callbacks = {});
 
   /// Writes a checkpoint of the current state (collective). The model and
@@ -259,6 +261,14 @@ class Trainer {
   /// Collective when the source has no global order: this job's samples per
   /// optimizer step over all ranks.
   int64_t global_batch_of(DataSource& data);
+  /// Whether fit() trains on: epochs and max_steps not reached.
+  bool more_to_train() const;
+  /// Collective: ends the epoch (end_epoch) when the source's micro-batches
+  /// after the position make no step (a resume with less data).
+  void end_epoch_past_data(DataSource& data, const FitCallbacks& callbacks);
+  /// Collective: the epoch's end (on_epoch_end with its `seconds`), then the
+  /// next epoch's start when there is one (start_epoch).
+  void end_epoch(DataSource& data, const FitCallbacks& callbacks, double seconds);
   /// Collective: sets the data source's epoch to the position's and agrees
   /// on it (agree_on_epoch); throws on every rank when it has fewer
   /// micro-batches than a step takes.
