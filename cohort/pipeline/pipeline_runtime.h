@@ -118,7 +118,8 @@ class PipelineRuntime {
   /// add_communication. InvalidArgument when `pp` is not 1-D.
   /// Weights tied across stages (PipelineStage::tie) are made equal, the
   /// lowest stage's copy broadcast to the others; copies of one key that
-  /// differ in shape or dtype, or a key only one stage declares, are an
+  /// differ in shape or dtype, a key only one stage declares, two tensors of
+  /// one stage under one key or one tensor under two keys are an
   /// InvalidArgument on every rank.
   PipelineRuntime(const DeviceMesh& pp, std::vector<PipelineStage> stages,
                   PipelineSchedule schedule, PipelineLossFn loss_fn, PipelineOptions options = {});

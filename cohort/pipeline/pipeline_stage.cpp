@@ -86,9 +86,11 @@ PipelineStage& PipelineStage::tie(const std::string& key, const torch::Tensor& p
   if (!mine)
     throw InvalidArgument(who + "the tensor tied as '" + key +
                           "' is not one of the stage's parameters");
+  // A declaration that conflicts with another (two tensors under one key,
+  // one tensor under two keys) is kept: the runtime refuses it on every
+  // rank of the pipeline, where a throw here would stop this rank alone.
   for (const auto& [k, t] : tied_) {
-    if (k == key && !t.is_same(parameter))
-      throw InvalidArgument(who + "'" + key + "' is already tied to another of its tensors");
+    if (k == key && t.is_same(parameter)) return *this;
   }
   tied_.emplace_back(key, parameter);
   return *this;

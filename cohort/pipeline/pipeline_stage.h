@@ -75,7 +75,11 @@ class PipelineStage {
   /// part of the gradient and the copies drift apart. The PipelineRuntime
   /// keeps every stage's copy of one key one weight (README, "Tied
   /// weights"). InvalidArgument when `parameter` is not one of the stage's
-  /// or `key` is empty.
+  /// or `key` is empty. Declaring the same pair again changes nothing; a
+  /// declaration that conflicts with another of this rank's (another tensor
+  /// of this stage under `key`, or `parameter` under another key on any of
+  /// its stages) is refused by the PipelineRuntime's constructor, on every
+  /// rank.
   PipelineStage& tie(const std::string& key, const torch::Tensor& parameter);
   /// The declared copies: (key, this stage's tensor), in declaration order.
   const std::vector<std::pair<std::string, torch::Tensor>>& tied() const { return tied_; }

@@ -37,6 +37,30 @@ void read_declarations(const std::string& text, std::map<std::string, std::set<i
   }
 }
 
+// Why this rank's declarations cannot be kept, or "". One tensor under two
+// keys would be summed over both keys' holders, its gradient counted twice
+// (or mixed with another weight's); two tensors of one stage under one key
+// are two weights that the stage's forward uses apart.
+std::string conflict(const std::vector<PipelineStage>& stages) {
+  std::map<const void*, std::pair<std::string, int>> key_of;  // tensor -> (key, stage)
+  for (const auto& stage : stages) {
+    const std::string here = "stage " + std::to_string(stage.index());
+    std::map<std::string, const void*> tensor_of;
+    for (const auto& [key, tensor] : stage.tied()) {
+      const void* impl = tensor.unsafeGetTensorImpl();
+      if (!tensor_of.emplace(key, impl).second && tensor_of[key] != impl)
+        return here + " ties two of its tensors as '" + key +
+               "' (a stage holds one copy of a tied weight)";
+      const auto [it, fresh] = key_of.emplace(impl, std::make_pair(key, stage.index()));
+      if (!fresh && it->second.first != key)
+        return here + " ties as '" + key + "' the tensor that stage " +
+               std::to_string(it->second.second) + " ties as '" + it->second.first +
+               "' (one tensor under two keys would have its gradient summed once per key)";
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 void PipelineRuntime::tie_weights(const std::string& who) {
@@ -55,9 +79,17 @@ void PipelineRuntime::tie_weights(const std::string& who) {
   }
   // Every rank builds every key's TiedCopies in the same (key) order, a
   // rank without the key too: the construction is collective.
+  // Each rank's conflict travels with its declarations, so that every rank
+  // refuses the same misuse.
   std::map<std::string, std::set<int>> declared;
-  for (const auto& text : gather_texts(*group_, declarations_text(local_stages)))
-    read_declarations(text, declared);
+  const auto texts = gather_texts(*group_, conflict(stages_) + '\0' + declarations_text(local_stages));
+  for (size_t r = 0; r < texts.size(); ++r) {
+    const size_t end = texts[r].find('\0');
+    if (end > 0)
+      throw InvalidArgument(who + "rank " + std::to_string(r) + ": " + texts[r].substr(0, end) +
+                            " (PipelineStage::tie)");
+  }
+  for (const auto& text : texts) read_declarations(text.substr(text.find('\0') + 1), declared);
   // A key of one stage in a pipeline of several is most likely misspelt on
   // the others, whose copies would then drift apart.
   for (const auto& [key, stages] : declared) {

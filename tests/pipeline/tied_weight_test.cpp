@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <string>
 
@@ -187,9 +188,12 @@ TEST(TiedWeightOriginal, IsTheLowestStagesCopy) {
 }
 
 // Stage `s` of a two-stage model whose last stage's copy of W has `cols`
-// columns, or that ties it only when `tie_last`.
-PipelineStage odd_stage(int s, int64_t cols, bool tie_last) {
-  auto w = det({kWidth, s == 0 ? kWidth : cols}, 2.0).requires_grad_(true);
+// columns and dtype `last_dtype`, or that ties it only when `tie_last`.
+PipelineStage odd_stage(int s, int64_t cols, bool tie_last,
+                        torch::Dtype last_dtype = torch::kFloat32) {
+  auto w = det({kWidth, s == 0 ? kWidth : cols}, 2.0)
+               .to(s == 0 ? torch::kFloat32 : last_dtype)
+               .requires_grad_(true);
   PipelineStage stage(s, [w](const Tensors& in) { return Tensors{torch::tanh(in[0].matmul(w))}; },
                       {w});
   if (s == 0 || tie_last) stage.tie("w", w);
@@ -197,12 +201,14 @@ PipelineStage odd_stage(int s, int64_t cols, bool tie_last) {
 }
 
 // Every rank throws, the one without a bad copy too, naming the weight.
-void expect_refused_everywhere(int64_t cols, bool tie_last, const std::string& part) {
+void expect_refused_everywhere(int64_t cols, bool tie_last, const std::string& part,
+                               torch::Dtype last_dtype = torch::kFloat32) {
   auto errors = cohort::testing::results_of_ranks<std::string>(
       2, [&](std::shared_ptr<Communicator> comm) -> std::string {
         try {
           PipelineRuntime rt(DeviceMesh::from_group(comm, "pp"),
-                             {odd_stage(comm->rank(), cols, tie_last)}, Schedule1F1B(2, 2), mse);
+                             {odd_stage(comm->rank(), cols, tie_last, last_dtype)},
+                             Schedule1F1B(2, 2), mse);
         } catch (const InvalidArgument& e) {
           return e.what();
         }
@@ -218,6 +224,11 @@ TEST(TiedWeightErrors, CopiesOfAnotherShapeAreRefusedOnEveryRank) {
   expect_refused_everywhere(kWidth + 1, true, "[6, 6] Float on rank 0, [6, 7] Float on rank 1");
 }
 
+TEST(TiedWeightErrors, CopiesOfAnotherDtypeAreRefusedOnEveryRank) {
+  expect_refused_everywhere(kWidth, true, "[6, 6] Float on rank 0, [6, 6] Double on rank 1",
+                            torch::kFloat64);
+}
+
 TEST(TiedWeightErrors, AKeyOfOneStageIsRefusedOnEveryRank) {
   expect_refused_everywhere(kWidth, false, "declared by stage 0 only");
 }
@@ -227,6 +238,120 @@ TEST(TiedWeightErrors, TyingATensorOfAnotherStageIsRefused) {
   PipelineStage stage(0, [w](const Tensors& in) { return Tensors{in[0].matmul(w)}; }, {w});
   EXPECT_THROW(stage.tie("w", w.detach().clone().requires_grad_(true)), InvalidArgument);
   EXPECT_THROW(stage.tie("", w), InvalidArgument);
+}
+
+// A chain of `stages` stages h = tanh(h W) over one W; `declare(s, stage,
+// tensors)` makes stage s's declarations. Each rank builds its stages' own
+// tensors; stages of one rank share one tensor when `share_local`. Returns
+// per rank the error of the stage's construction or of the runtime's, or,
+// when every declaration was accepted, how many times the one-process
+// gradient of W one step left in each copy (1 is right).
+using Declare = std::function<void(int, PipelineStage&, const std::vector<torch::Tensor>&)>;
+
+std::map<int, std::string> chain_outcome(const PipelineSchedule& schedule, int tensors_per_stage,
+                                         bool share_local, const Declare& declare) {
+  const int stages = schedule.num_stages;
+  const auto x = det({schedule.num_microbatches * kMicro, kWidth}, 0.3);
+  const auto y = det({schedule.num_microbatches * kMicro, kWidth}, 1.1);
+  auto w = det({kWidth, kWidth}, 2.0).requires_grad_(true);
+  auto h = x;
+  for (int s = 0; s < stages; ++s) h = torch::tanh(h.matmul(w));
+  torch::nn::functional::mse_loss(h, y).backward();
+  const torch::Tensor want = w.grad();
+  cohort::testing::ThreadRanksOptions fast;
+  fast.timeout = std::chrono::seconds(3);  // a rank left waiting fails soon
+  return cohort::testing::results_of_ranks<std::string>(
+      schedule.num_ranks,
+      [&](std::shared_ptr<Communicator> comm) -> std::string {
+        torch::set_num_threads(1);
+        try {
+          std::vector<PipelineStage> mine;
+          std::vector<torch::Tensor> shared;
+          for (int s : schedule.stages_of(comm->rank())) {
+            std::vector<torch::Tensor> ts = shared;
+            if (ts.empty() || !share_local) {
+              ts.clear();
+              for (int i = 0; i < tensors_per_stage; ++i)
+                ts.push_back(det({kWidth, kWidth}, 2.0).requires_grad_(true));
+              shared = ts;
+            }
+            // The stage's first tensor carries the model; others are idle.
+            auto first = ts[0];
+            PipelineStage stage(
+                s, [first](const Tensors& in) { return Tensors{torch::tanh(in[0].matmul(first))}; },
+                ts);
+            declare(s, stage, ts);
+            mine.push_back(std::move(stage));
+          }
+          PipelineRuntime rt(DeviceMesh::from_group(comm, "pp"), std::move(mine), schedule, mse);
+          rt.step({x}, {y});
+          std::string out = "accepted, W's gradient x";
+          for (const auto& tied : rt.tied_weights())
+            for (const auto& t : tied.copies->copies())
+              out += " " + std::to_string(((t.grad() * want).sum() / (want * want).sum())
+                                              .item<double>());
+          return out;
+        } catch (const InvalidArgument& e) {
+          return e.what();
+        } catch (const Error& e) {
+          return std::string("not an InvalidArgument: ") + e.what();
+        }
+      },
+      fast);
+}
+
+void expect_every_rank_says(const std::map<int, std::string>& outcome, size_t ranks,
+                            const std::string& part) {
+  ASSERT_EQ(outcome.size(), ranks);
+  for (const auto& [rank, what] : outcome)
+    EXPECT_NE(what.find(part), std::string::npos) << "rank " << rank << ": " << what;
+}
+
+// Each stage ties its W as "a" and as "b": summed over each key's holders,
+// the gradient would be summed twice.
+TEST(TiedWeightErrors, OneTensorUnderTwoKeysIsRefusedOnEveryRank) {
+  const auto outcome = chain_outcome(
+      make_schedule("1f1b", 2, 1, 2), 1, false,
+      [](int, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+        stage.tie("a", ts[0]).tie("b", ts[0]);
+      });
+  expect_every_rank_says(outcome, 2, "ties as 'b' the tensor that stage ");
+}
+
+// Two stages of one rank share W (allowed) but declare it under two keys.
+TEST(TiedWeightErrors, OneTensorUnderTwoKeysOfTwoLocalStagesIsRefusedOnEveryRank) {
+  const auto outcome = chain_outcome(
+      make_schedule("interleaved", 2, 2, 4), 1, true,
+      [](int s, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+        stage.tie(s < 2 ? "a" : "b", ts[0]);
+      });
+  expect_every_rank_says(outcome, 2, "ties as 'b' the tensor that stage ");
+}
+
+// Stage 0 declares two of its tensors as one key: refused on every rank,
+// not on stage 0's rank alone while the other waits.
+TEST(TiedWeightErrors, TwoTensorsOfOneStageUnderOneKeyAreRefusedOnEveryRank) {
+  const auto outcome = chain_outcome(
+      make_schedule("1f1b", 2, 1, 2), 2, false,
+      [](int s, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+        stage.tie("w", ts[0]);
+        if (s == 0) stage.tie("w", ts[1]);
+      });
+  expect_every_rank_says(outcome, 2, "rank 0: stage 0 ties two of its tensors as 'w'");
+}
+
+// Declaring the same pair twice is one declaration: one sum, the right gradient.
+TEST(TiedWeightErrors, TheSamePairDeclaredTwiceCountsOnce) {
+  const auto outcome = chain_outcome(
+      make_schedule("1f1b", 2, 1, 2), 1, false,
+      [](int, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+        stage.tie("w", ts[0]).tie("w", ts[0]);
+      });
+  ASSERT_EQ(outcome.size(), 2u);
+  for (const auto& [rank, what] : outcome) {
+    ASSERT_EQ(what.rfind("accepted, W's gradient x ", 0), 0u) << "rank " << rank << ": " << what;
+    EXPECT_NEAR(std::stod(what.substr(25)), 1.0, 1e-5) << "rank " << rank;
+  }
 }
 
 }  // namespace
