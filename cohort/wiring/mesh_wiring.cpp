@@ -11,9 +11,9 @@
 namespace cohort {
 
 MeshGradNorm::MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages,
-                           const torch::Tensor& tied_copy)
+                           const std::vector<torch::Tensor>& tied_copies)
     : mesh_(std::move(mesh)), sharded_(tensor_parallel::split_dims(stages)) {
-  if (tied_copy.defined()) tied_copy_ = tied_copy.unsafeGetTensorImpl();
+  for (const auto& t : tied_copies) tied_copies_.insert(t.unsafeGetTensorImpl());
   // Experts split over tp hold different slices on each tp rank: each counts.
   for (const auto& e : expert_parallel::expert_tensor_split_dims(stages)) sharded_.insert(e);
   const auto names = mesh_.dim_names();
@@ -25,7 +25,7 @@ MeshGradNorm::MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages,
 }
 
 bool MeshGradNorm::counts(const torch::Tensor& p) const {
-  if (p.unsafeGetTensorImpl() == tied_copy_) return false;
+  if (tied_copies_.count(p.unsafeGetTensorImpl())) return false;
   return mesh_.local_rank("tp") == 0 || sharded_.count(p.unsafeGetTensorImpl()) > 0;
 }
 

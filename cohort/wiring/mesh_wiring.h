@@ -14,7 +14,8 @@
 // (each holds its own rows or columns); one replicated over TP (LayerNorms,
 // row-parallel biases, position embeddings) counts on TP rank 0 only; the
 // last stage's copy of the tied embedding does not count (the first stage's
-// does; their gradients are equal after the sync). The squares are summed
+// does; their gradients are equal after the sync), nor does a copy of a
+// weight declared tied (PipelineStage::tie) other than the lowest stage's. The squares are summed
 // over the TP group, then over the PP group; the DP replicas hold the same
 // gradients and compute the same sum. Under expert parallelism (a mesh "ep"
 // dimension above 1) each ep rank holds other experts: their squares are
@@ -63,8 +64,10 @@ class MeshGradientSync : public GradientSync {
 class MeshGradNorm : public GradNorm {
  public:
   /// `stages`: this rank's stages (their TP layers tell which parameters are sharded);
-  /// `tied_copy`: the last stage's copy of the tied embedding, or undefined.
-  MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages, const torch::Tensor& tied_copy);
+  /// `tied_copies`: the copies of tied weights that do not count (the last stage's copy
+  /// of the tied embedding, the duplicates of the weights PipelineStage::tie declares).
+  MeshGradNorm(DeviceMesh mesh, torch::nn::Module& stages,
+               const std::vector<torch::Tensor>& tied_copies);
   double global_norm(const std::vector<torch::Tensor>& params) override;
 
  private:
@@ -73,7 +76,7 @@ class MeshGradNorm : public GradNorm {
   DeviceMesh mesh_;
   std::map<const void*, int64_t> sharded_;  // TP-split parameters (tensor_parallel::split_dims)
   std::set<const void*> experts_;           // split over "ep" (when it is above 1)
-  const void* tied_copy_ = nullptr;
+  std::set<const void*> tied_copies_;
 };
 
 /// The global gradient norm of a model of TP layers outside a mesh (file comment).

@@ -161,6 +161,23 @@ dcp::TiedNames tied_names(const pipeline::PipelineRuntime& runtime,
   return out;
 }
 
+// Why the runtime's declared ties and the synchronizer's tied embedding
+// cannot both be kept, or "": a tensor in both would be summed twice.
+std::string embedding_also_declared(const pipeline::PipelineRuntime& runtime,
+                                    const torch::Tensor& embedding) {
+  if (!embedding.defined()) return "";
+  for (const auto& tied : runtime.tied_weights()) {
+    for (const auto& t : tied.copies->copies()) {
+      if (t.is_same(embedding)) {
+        return "the synchronizer's shared_embedding is also declared tied as '" + tied.key +
+               "' (PipelineStage::tie): its gradient would be summed twice; keep it through "
+               "one of them";
+      }
+    }
+  }
+  return "";
+}
+
 const char* const pipeline_tp_refusal =
     "the pipeline's norm and checkpoint take each stage's tensors for whole";
 
@@ -175,7 +192,8 @@ bool mesh_has(const DeviceMesh& mesh, const std::string& name) {
 // data-parallel reduction, so "dp" counts them with the "dp" group itself.
 // "cp" is ring attention's group (its K/V blocks, its agreement and the
 // sequence loss), "ep" the experts' all-to-all.
-TrafficDimensions mesh_dimensions(const DeviceMesh& mesh, const GradientSynchronizer& sync) {
+TrafficDimensions mesh_dimensions(const DeviceMesh& mesh, const GradientSynchronizer& sync,
+                                  const pipeline::PipelineRuntime& runtime) {
   auto once = [](std::vector<std::shared_ptr<Communicator>>& to,
                  const std::shared_ptr<Communicator>& c) {
     if (c && std::find(to.begin(), to.end(), c) == to.end()) to.push_back(c);
@@ -183,6 +201,11 @@ TrafficDimensions mesh_dimensions(const DeviceMesh& mesh, const GradientSynchron
   std::vector<std::shared_ptr<Communicator>> pp, dp;
   once(pp, mesh["pp"].process_group());
   once(pp, sync.embedding_group());
+  // The declared ties' sums run within this rank's "pp" group: over the
+  // ranks holding a copy at the same dp, tp, ep and cp coordinates.
+  for (const auto& tied : runtime.tied_weights()) {
+    if (tied.copies->group() && tied.copies->group()->size() > 1) once(pp, tied.copies->group());
+  }
   for (const auto& c :
        {mesh["dp"].process_group(), sync.dense_group(), sync.expert_replica_group()}) {
     once(dp, c);
@@ -356,16 +379,7 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
     throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh.rank()) +
                           ": the pipeline runtime must run over the mesh's PP group");
   }
-  // The synchronizer keeps the mesh's tied embedding; ties declared on the
-  // stages too would be summed twice, and MeshGradNorm counts only its copy out.
-  if (!runtime.tied_weights().empty()) {
-    throw InvalidArgument("TrainerWiring::mesh on rank " + std::to_string(mesh.rank()) +
-                          ": the pipeline's stages declare tied weights ('" +
-                          runtime.tied_weights().front().key +
-                          "'); over a mesh the GradientSynchronizer keeps the tied embedding "
-                          "(its shared_embedding): build the stages without PipelineStage::tie");
-  }
-  const auto dims = mesh_dimensions(mesh, sync);
+  const auto dims = mesh_dimensions(mesh, sync, runtime);
   std::vector<std::shared_ptr<Communicator>> more;
   for (const auto& [name, groups] : dims) more.insert(more.end(), groups.begin(), groups.end());
   TrainerWiring wiring(mesh.process_group(), stages_module(runtime),
@@ -377,13 +391,16 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   // model. Agreed, so every rank throws the first failing rank's reason.
   auto error = expert_parallel::mesh_mismatch(*wiring.model_, mesh);
   if (error.empty()) error = expert_list_mismatch(*wiring.model_, sync.expert_parameters());
+  if (error.empty()) error = embedding_also_declared(runtime, sync.shared_embedding());
   dcp::agree(*mesh.process_group(), error.empty() ? "" : "TrainerWiring::mesh: " + error,
              dcp::ErrorKind::InvalidArgument);
-  // The last stage's copy of the tied embedding (pp > 1) is not a parameter of its own.
+  // The last stage's copy of the tied embedding (pp > 1) and the declared
+  // ties' duplicates are no parameters of their own.
   const int stages = mesh.size("pp");
   const bool copy = stages > 1 && mesh.local_rank("pp") == stages - 1;
-  auto norm = std::make_shared<MeshGradNorm>(mesh, *wiring.model_,
-                                             copy ? sync.shared_embedding() : torch::Tensor());
+  std::vector<torch::Tensor> left_out = tied_duplicates(runtime);
+  if (copy && sync.shared_embedding().defined()) left_out.push_back(sync.shared_embedding());
+  auto norm = std::make_shared<MeshGradNorm>(mesh, *wiring.model_, left_out);
   // The cp ranks share their samples (each holds part of every sequence),
   // which fit() checks by the samples' indices.
   const bool has_cp = mesh_has(mesh, "cp");
@@ -394,8 +411,11 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
       std::move(cp_groups));
   // The unsplit model's names when every stage is a module (the checkpoint
   // then resumes at any tp x pp x dp); the stages' own names otherwise.
+  // A declared tie's duplicates load from the original, as the caller's `tied`.
   auto unsplit = unsplit_stages(runtime, mesh.rank());
-  wiring.set_stage_state(mesh, optimizer, unsplit ? unsplit : wiring.model_, std::move(tied));
+  auto named = unsplit ? unsplit : wiring.model_;
+  for (auto& [copy_name, original] : tied_names(runtime, *named)) tied[copy_name] = original;
+  wiring.set_stage_state(mesh, optimizer, named, std::move(tied));
   wiring.mode_ = "a TP x PP x DP mesh";
   return wiring;
 }

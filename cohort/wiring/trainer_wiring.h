@@ -195,9 +195,11 @@ class TrainerWiring : public TrainingPlan {
   /// (DataSource::sample_indices), by which it checks that each cp group read the same samples.
   /// The step's bytes per dimension: "tp", "pp" (with the embedding group), "dp" (the sync's
   /// gradient average, over dp x ep x cp), and "ep" and "cp" where the mesh has them.
-  /// InvalidArgument when the runtime's group is not the mesh's PP group, two stage modules
-  /// name a layer alike, or the stages declare tied weights (PipelineStage::tie: the
-  /// synchronizer keeps the tied embedding, and would sum it twice).
+  /// Weights the stages declare tied (PipelineStage::tie) are summed by the runtime over the
+  /// rank's PP group, counted once in the norm and written once (their duplicates' names join
+  /// `tied`). InvalidArgument when the runtime's group is not the mesh's PP group, two stage
+  /// modules name a layer alike, or the synchronizer's shared_embedding is also declared tied
+  /// (it would be summed twice).
   static TrainerWiring mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
                             torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
                             dcp::TiedNames tied = {});

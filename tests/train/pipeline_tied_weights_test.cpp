@@ -3,8 +3,9 @@
 // PipelineStage::tie (tests/pipeline/pipeline_test_models.h): with AdamW and
 // clipping by the global norm it takes the steps of one process holding the
 // one weight (the norm counts the weight once, after its copies' gradients
-// were summed), pipeline alone and pipeline x data parallel; the checkpoint
-// writes the weight once, and a resumed run is bitwise the uninterrupted one.
+// were summed), pipeline alone, pipeline x data parallel, and over a mesh
+// (TrainerWiring::mesh with its GradientSynchronizer); the checkpoint writes
+// the weight once, and a resumed run is bitwise the uninterrupted one.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "cohort/dcp/dcp.h"
+#include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/pipeline_runtime.h"
 #include "cohort/train/tensor_data_source.h"
 #include "cohort/train/trainer.h"
@@ -32,12 +34,13 @@ constexpr double kLr = 0.05, kMaxNorm = 0.05;
 struct Case {
   const char* schedule;
   int pp, v, dp, m;
+  bool mesh = false;  // TrainerWiring::mesh over {"dp", "pp", "tp"} (tp 1), not ::pipeline
 };
 
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return std::string(c.schedule) + "_pp" + std::to_string(c.pp) + "_v" + std::to_string(c.v) +
-         "_dp" + std::to_string(c.dp) + "_m" + std::to_string(c.m);
+         "_dp" + std::to_string(c.dp) + "_m" + std::to_string(c.m) + (c.mesh ? "_mesh" : "");
 }
 
 int64_t global_batch(const Case& c) { return c.dp * c.m * kMicro; }
@@ -85,6 +88,20 @@ struct Job {
   bool resume = false;
 };
 
+// This rank's stage tensors as one module, for the mesh's synchronizer
+// (the stages are functions). It keeps no tied embedding of its own: W is
+// kept through the stages' declarations.
+std::unique_ptr<GradientSynchronizer> mesh_sync(const DeviceMesh& mesh,
+                                                const pipeline::PipelineRuntime& rt) {
+  auto holder = std::make_shared<torch::nn::Module>("Stages");
+  for (size_t i = 0; i < rt.parameters().size(); ++i)
+    holder->register_parameter("p" + std::to_string(i), rt.parameters()[i]);
+  GradientSynchronizerOptions options;
+  options.untied_embedding = true;
+  return std::make_unique<GradientSynchronizer>(mesh, holder, std::vector<torch::Tensor>{},
+                                                torch::Tensor(), options);
+}
+
 // Rank = dp_rank * pp + pp_rank. Every stage builds its own tensors, its
 // copy of W off by 0.25 * stage (the runtime broadcasts stage 0's).
 TiedRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torch::Tensor& x,
@@ -92,7 +109,8 @@ TiedRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torc
   torch::set_num_threads(1);
   const Case& c = job.c;
   const int pp_rank = world->rank() % c.pp, dp_rank = world->rank() / c.pp;
-  const auto mesh = init_device_mesh(world, {c.dp, c.pp}, {"dp", "pp"});
+  const auto mesh = c.mesh ? init_device_mesh(world, {c.dp, c.pp, 1}, {"dp", "pp", "tp"})
+                           : init_device_mesh(world, {c.dp, c.pp}, {"dp", "pp"});
   const auto schedule = pipeline::make_schedule(c.schedule, c.pp, c.v, c.m);
   const int stages = schedule.num_stages;
   std::vector<pipeline::PipelineStage> mine;
@@ -112,8 +130,11 @@ TiedRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torc
   }
   pipeline::PipelineRuntime rt(mesh["pp"], std::move(mine), schedule, mse);
   auto opt = adamw(rt.parameters());
-  auto wiring =
-      c.dp > 1 ? TrainerWiring::pipeline(rt, opt, mesh) : TrainerWiring::pipeline(rt, opt);
+  std::unique_ptr<GradientSynchronizer> sync;
+  if (c.mesh) sync = mesh_sync(mesh, rt);
+  auto wiring = c.mesh       ? TrainerWiring::mesh(mesh, rt, opt, *sync)
+                : c.dp > 1 ? TrainerWiring::pipeline(rt, opt, mesh)
+                           : TrainerWiring::pipeline(rt, opt);
   TrainerOptions config;
   config.accumulation_steps = c.m;
   config.max_grad_norm = kMaxNorm;
@@ -180,7 +201,11 @@ TEST_P(PipelineTiedWeights, EqualsOneProcessWithClipping) {
 INSTANTIATE_TEST_SUITE_P(Trainer, PipelineTiedWeights,
                          ::testing::Values(Case{"1f1b", 1, 1, 1, 2}, Case{"1f1b", 2, 1, 1, 2},
                                            Case{"gpipe", 3, 1, 1, 3}, Case{"zbh1", 2, 1, 2, 2},
-                                           Case{"interleaved", 2, 2, 1, 4}),
+                                           Case{"interleaved", 2, 2, 1, 4},
+                                           Case{"1f1b", 1, 1, 2, 2, true},
+                                           Case{"1f1b", 2, 1, 2, 2, true},
+                                           Case{"gpipe", 3, 1, 1, 3, true},
+                                           Case{"interleaved", 2, 2, 2, 4, true}),
                          name_of);
 
 class PipelineTiedWeightsResume : public ::testing::TestWithParam<Case> {};
@@ -214,8 +239,36 @@ TEST_P(PipelineTiedWeightsResume, WritesTheWeightOnceAndIsBitwiseIdentical) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Trainer, PipelineTiedWeightsResume,
-                         ::testing::Values(Case{"gpipe", 3, 1, 1, 3}, Case{"zbh1", 2, 1, 2, 2}),
+                         ::testing::Values(Case{"gpipe", 3, 1, 1, 3}, Case{"zbh1", 2, 1, 2, 2},
+                                           Case{"1f1b", 2, 1, 2, 2, true}),
                          name_of);
+
+// W declared tied and passed to the mesh's synchronizer as its tied
+// embedding too would be summed twice: refused on every rank.
+TEST(PipelineTiedWeightsMesh, AWeightBothDeclaredAndTheSynchronizersEmbeddingIsRefused) {
+  const auto errors = cohort::testing::results_of_ranks<std::string>(
+      2, [](std::shared_ptr<Communicator> world) -> std::string {
+        torch::set_num_threads(1);
+        const auto mesh = init_device_mesh(world, {1, 2, 1}, {"dp", "pp", "tp"});
+        const int s = mesh.local_rank("pp");
+        pipeline::PipelineRuntime rt(mesh["pp"], {tied_stage(s, 2)},
+                                     pipeline::make_schedule("1f1b", 2, 1, 2), mse);
+        auto holder = std::make_shared<torch::nn::Module>("Stages");
+        holder->register_parameter("w", rt.parameters()[0]);
+        GradientSynchronizer sync(mesh, holder, {}, rt.parameters()[0]);
+        auto opt = adamw(rt.parameters());
+        try {
+          TrainerWiring::mesh(mesh, rt, opt, sync);
+        } catch (const InvalidArgument& e) {
+          return e.what();
+        }
+        return "accepted";
+      });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& [rank, what] : errors)
+    EXPECT_NE(what.find("shared_embedding is also declared tied as 'w'"), std::string::npos)
+        << "rank " << rank << ": " << what;
+}
 
 }  // namespace
 }  // namespace cohort::pipeline_tied_weights_test
