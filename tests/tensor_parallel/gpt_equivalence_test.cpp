@@ -1,7 +1,8 @@
-// 3-D equivalence: the GPT trained ten steps at (tp, pp, dp), with and
+// Mesh equivalence: the GPT trained ten steps at (tp, pp, dp, cp), with and
 // without sequence parallelism, against the same model in one process on the
-// global batch: every step's loss and, at the end, every parameter (each
-// shard against the matching slice of the reference) within 1e-5 relative.
+// global batch: every step's loss (every last-stage rank's) and, at the end,
+// every parameter (each shard against the matching slice of the reference)
+// within 1e-5 relative.
 // Tied embeddings train with SGD; untied ones (the output layer a table of
 // its own, GradientSynchronizerOptions::untied_embedding) with AdamW.
 //
@@ -11,6 +12,16 @@
 // GradientSynchronizer::synchronize; pp = 1 through forward, backward and
 // the DP reducer overlapped with it.
 //
+// Context parallelism (cp > 1) splits each sequence into its zig-zag chunks
+// (GPTStage::local_sequence, seq_len 8) and runs ring attention over "cp",
+// inside every pipeline stage; the cases with it also ignore some targets
+// (-100), so that cp ranks and micro-batches hold different numbers of
+// counted tokens, and some checkpoint each block's activations (recomputing
+// the ring in backward, under every schedule's split of it). The loss is
+// the mean of the micro-batches' means (each the mean over its sequences'
+// counted tokens, whole across cp), the dp ranks' mean of those: the
+// reference runs the same row blocks one after another, loss / blocks.
+//
 // With COHORT_TEST_DEVICE=cuda the stages, the batches and the one-process
 // reference live on the GPU.
 #include <ATen/CPUGeneratorImpl.h>
@@ -18,9 +29,11 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <tuple>
 
 #include "cohort/mesh/gradient_synchronizer.h"
 #include "cohort/pipeline/schedule.h"
@@ -50,7 +63,20 @@ struct Case {
   int accumulate = 1;
   bool reducer_guard = false;
   bool untied = false;  // the output layer's own table, trained with AdamW
+  int cp = 1;
+  bool ignored = false;     // some targets -100 (every row's tail, one more in row 1)
+  bool checkpoint = false;  // GPTConfig::checkpoint_activations
+  int64_t seq_len = 6;      // divides by 2 cp (zig-zag) and by tp under sp
 };
+
+// `k` at context parallelism cp (seq_len 8), its targets partly ignored.
+Case context_case(Case k, int cp, bool checkpoint = false) {
+  k.cp = cp;
+  k.seq_len = 8;
+  k.ignored = true;
+  k.checkpoint = checkpoint;
+  return k;
+}
 
 // `k` with untied embeddings.
 Case untied_case(Case k) {
@@ -62,11 +88,11 @@ bool pipelined(const Case& k) { return k.pp > 1 || k.v > 1; }
 
 // Interleaved cases cut the model into pp * v chunks, so they train (and
 // their reference has) four layers.
-GPTConfig config(bool sp, int v = 1, int64_t layers = 2, bool tied = true) {
+GPTConfig config(bool sp, int v = 1, int64_t layers = 2, bool tied = true, int64_t seq_len = 6) {
   GPTConfig c;
   c.tie_embeddings = tied;
   c.vocab_size = 12;
-  c.seq_len = 6;
+  c.seq_len = seq_len;
   c.hidden = 24;
   c.heads = 6;
   c.layers = layers;
@@ -78,16 +104,24 @@ GPTConfig config(bool sp, int v = 1, int64_t layers = 2, bool tied = true) {
 
 // Step s's global batch: random ids and targets that are a fixed function of
 // them (learnable, so that the loss falls within ten steps), [kBatch, T].
-std::pair<torch::Tensor, torch::Tensor> batch(int s, const GPTConfig& c) {
+// `ignored`: the last two positions of every row (at cp 2 rank 0's, so it
+// counts half the tokens rank 1 does) and one more per step in row 1 (so the
+// micro-batches count different numbers) are -100.
+std::pair<torch::Tensor, torch::Tensor> batch(int s, const GPTConfig& c, bool ignored = false) {
   auto ids =
       torch::randint(c.vocab_size, {kBatch, c.seq_len}, at::detail::createCPUGenerator(100 + s));
-  return {ids, (ids * 5 + 3) % c.vocab_size};
+  auto targets = (ids * 5 + 3) % c.vocab_size;
+  if (ignored) {
+    targets.narrow(1, c.seq_len - 2, 2).fill_(-100);
+    targets[1][(2 + s) % (c.seq_len - 2)] = -100;
+  }
+  return {ids, targets};
 }
 
 int64_t layers_of(const Case& k) { return k.v > 1 ? 4 : 2; }
 
 struct Result {
-  std::vector<double> losses;                   // global mean per step
+  std::vector<std::vector<double>> losses;      // every last-stage rank's global mean per step
   std::map<std::string, torch::Tensor> params;  // name -> value at the end
 };
 
@@ -149,13 +183,19 @@ std::unique_ptr<torch::optim::Optimizer> optimizer(const Case& k, GPTStage& stag
                                              torch::optim::SGDOptions(0.05).momentum(0.9));
 }
 
+DeviceMesh mesh_of(std::shared_ptr<Communicator> world, const Case& k) {
+  if (k.cp == 1) return init_device_mesh(std::move(world), {k.pp, k.dp, k.tp}, {"pp", "dp", "tp"});
+  return init_device_mesh(std::move(world), {k.pp, k.dp, k.cp, k.tp}, {"pp", "dp", "cp", "tp"});
+}
+
 Result train(const Case& k, int64_t layers) {
   Result result;
   std::mutex mu;
-  run_ranks_shared(k.tp * k.pp * k.dp, [&](std::shared_ptr<Communicator> world) {
+  run_ranks_shared(k.tp * k.pp * k.dp * k.cp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
-    auto mesh = init_device_mesh(world, {k.pp, k.dp, k.tp}, {"pp", "dp", "tp"});
-    const auto c = config(k.sp, k.v, layers, !k.untied);
+    auto mesh = mesh_of(world, k);
+    auto c = config(k.sp, k.v, layers, !k.untied, k.seq_len);
+    c.checkpoint_activations = k.checkpoint;
     GPTStage stage(mesh, c);
     stage->to(test_device());  // before the synchronizer and the pipeline take its parameters
     cohort::GradientSynchronizerOptions so;
@@ -169,9 +209,10 @@ Result train(const Case& k, int64_t layers) {
     const auto rows = kBatch / k.dp;
     std::vector<double> losses;
     for (int s = 0; s < kSteps; ++s) {
-      auto [ids, targets] = batch(s, c);
-      ids = ids.narrow(0, mesh.local_rank("dp") * rows, rows).to(test_device());
-      targets = targets.narrow(0, mesh.local_rank("dp") * rows, rows).to(test_device());
+      auto [ids, targets] = batch(s, c, k.ignored);
+      const auto first = mesh.local_rank("dp") * rows;
+      ids = stage->local_sequence(ids.narrow(0, first, rows)).to(test_device());
+      targets = stage->local_sequence(targets.narrow(0, first, rows)).to(test_device());
       auto loss = rt ? step(mesh, *rt, sync, opt, ids, targets)
                      : step(stage, sync, opt, ids, targets, k.accumulate, k.reducer_guard);
       if (loss.defined()) {
@@ -181,15 +222,15 @@ Result train(const Case& k, int64_t layers) {
       }
     }
     std::lock_guard<std::mutex> lock(mu);
-    if (is_last_stage(mesh) && mesh.local_rank("tp") == 0 && mesh.local_rank("dp") == 0) {
-      result.losses = losses;
-    }
+    if (is_last_stage(mesh)) result.losses.push_back(losses);
     // Keyed by name and coordinates, so each shard can be found.
     for (const auto& p : stage->named_parameters()) {
       auto name = !k.untied && p.key() == "output_embeddings.weight" ? "word_embeddings.weight#last"
                                                                      : p.key();
       result.params[name + "@tp" + std::to_string(mesh.local_rank("tp")) + "dp" +
-                    std::to_string(mesh.local_rank("dp"))] = p.value().detach().clone();
+                    std::to_string(mesh.local_rank("dp")) + "cp" +
+                    std::to_string(k.cp > 1 ? mesh.local_rank("cp") : 0)] =
+          p.value().detach().clone();
     }
   });
   return result;
@@ -213,15 +254,22 @@ double relative_diff(const torch::Tensor& got, const torch::Tensor& want) {
   return (got - want).abs().max().item<double>() / scale;
 }
 
-// The one-process run of `layers` layers, tied or not (each trained once).
-const Result& reference(int64_t layers, bool untied) {
-  static std::map<std::pair<int64_t, bool>, Result> runs;
-  const auto key = std::make_pair(layers, untied);
+// The one-process run of k's model (each trained once). With ignored
+// targets the row blocks of k's losses (dp ranks x micro-batches) count
+// different tokens, so it accumulates them one after another, loss / blocks;
+// otherwise it takes the global batch at once.
+const Result& reference(const Case& k) {
+  const int blocks = !k.ignored ? 1 : k.dp * (pipelined(k) ? k.microbatches : k.accumulate);
+  static std::map<std::tuple<int64_t, bool, int64_t, bool, int>, Result> runs;
+  const auto key = std::make_tuple(layers_of(k), k.untied, k.seq_len, k.ignored, blocks);
   auto it = runs.find(key);
   if (it == runs.end()) {
     Case one{1, 1, 1, false};
-    one.untied = untied;
-    it = runs.emplace(key, train(one, layers)).first;
+    one.untied = k.untied;
+    one.seq_len = k.seq_len;
+    one.ignored = k.ignored;
+    one.accumulate = blocks;
+    it = runs.emplace(key, train(one, layers_of(k))).first;
   }
   return it->second;
 }
@@ -230,16 +278,23 @@ class GPTEquivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GPTEquivalence, TenStepsMatchSingleProcess) {
   const auto k = GetParam();
-  const auto& ref = reference(layers_of(k), k.untied);
-  ASSERT_EQ(ref.losses.size(), static_cast<size_t>(kSteps));
-  // Training must have moved: otherwise equality would prove nothing.
-  ASSERT_LT(ref.losses.back(), ref.losses.front() - 0.05);
+  const auto& ref = reference(k);
+  ASSERT_EQ(ref.losses.size(), 1u);
+  const auto& want_losses = ref.losses[0];
+  ASSERT_EQ(want_losses.size(), static_cast<size_t>(kSteps));
+  // Training must have moved: otherwise equality would prove nothing. (Each
+  // step's batch is new; at four layers with ignored targets the tenth's
+  // loss lies above the first's.)
+  ASSERT_GT(std::abs(want_losses.back() - want_losses.front()), 0.05);
 
   const auto got = train(k, layers_of(k));
-  ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps));
-  for (int s = 0; s < kSteps; ++s) {
-    EXPECT_LE(std::abs(got.losses[s] - ref.losses[s]) / std::abs(ref.losses[s]), 1e-5)
-        << "step " << s << ": " << got.losses[s] << " vs " << ref.losses[s];
+  ASSERT_EQ(got.losses.size(), static_cast<size_t>(k.tp * k.dp * k.cp));  // last-stage ranks
+  for (const auto& losses : got.losses) {
+    ASSERT_EQ(losses.size(), static_cast<size_t>(kSteps));
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_LE(std::abs(losses[s] - want_losses[s]) / std::abs(want_losses[s]), 1e-5)
+          << "step " << s << ": " << losses[s] << " vs " << want_losses[s];
+    }
   }
   int compared = 0;
   for (const auto& [key, value] : got.params) {
@@ -247,15 +302,15 @@ TEST_P(GPTEquivalence, TenStepsMatchSingleProcess) {
     auto name = key.substr(0, at);
     if (name == "word_embeddings.weight#last") name = "word_embeddings.weight";
     const int tp_rank = key[at + 3] - '0';
-    auto it = ref.params.find(name + "@tp0dp0");
+    auto it = ref.params.find(name + "@tp0dp0cp0");
     ASSERT_NE(it, ref.params.end()) << name;
     const auto want = matching_slice(it->second, value, k.tp, tp_rank);
     EXPECT_LE(relative_diff(value, want), 1e-5) << key;
     ++compared;
   }
   // A tied model at pp > 1 has the last stage's copy of the word embedding besides.
-  const int copies = k.pp > 1 && !k.untied ? k.tp * k.dp : 0;
-  EXPECT_EQ(compared, static_cast<int>(ref.params.size()) * k.tp * k.dp + copies);
+  const int copies = k.pp > 1 && !k.untied ? k.tp * k.dp * k.cp : 0;
+  EXPECT_EQ(compared, static_cast<int>(ref.params.size()) * k.tp * k.dp * k.cp + copies);
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
@@ -266,7 +321,9 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
                        : "") +
          (k.v > 1 ? "_v" + std::to_string(k.v) : "") +
          (k.accumulate > 1 ? "_accumulate" + std::to_string(k.accumulate) : "") +
-         (k.reducer_guard ? "_reducer_guard" : "") + (k.untied ? "_untied_adamw" : "");
+         (k.reducer_guard ? "_reducer_guard" : "") + (k.untied ? "_untied_adamw" : "") +
+         (k.cp > 1 ? "_cp" + std::to_string(k.cp) : "") + (k.ignored ? "_ignored" : "") +
+         (k.checkpoint ? "_checkpointed" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -294,7 +351,18 @@ INSTANTIATE_TEST_SUITE_P(
         // the last stage, everything else as tied.
         untied_case(Case{1, 2, 1, false}), untied_case(Case{2, 2, 1, false}),
         untied_case(Case{2, 2, 2, true}), untied_case(Case{2, 2, 1, false, "zbh1", 4}),
-        untied_case(Case{1, 2, 1, false, "interleaved", 2, 2})),
+        untied_case(Case{1, 2, 1, false, "interleaved", 2, 2}),
+        // Context parallelism inside the pipeline stages, targets partly
+        // ignored: every schedule at pp 2 x cp 2, with dp and with tp,
+        // activations checkpointed under each; cp 2 alone as a control.
+        context_case(Case{1, 2, 1, false}, 2), context_case(Case{1, 2, 1, false, "zbh1", 4}, 2),
+        context_case(Case{1, 2, 1, false, "interleaved", 2, 2}, 2),
+        context_case(Case{1, 2, 1, false, "1f1b", 4}, 2, true),
+        context_case(Case{1, 2, 1, false, "zbh1", 2}, 2, true),
+        context_case(Case{1, 2, 1, false, "interleaved", 4, 2}, 2, true),
+        context_case(Case{1, 2, 2, false, "1f1b", 2}, 2),
+        context_case(Case{2, 2, 1, false, "zbh1", 2}, 2, true),
+        context_case(Case{1, 1, 1, false}, 2)),
     case_name);
 
 bool has(const std::string& text, const std::string& part) {
