@@ -66,6 +66,11 @@ class Communicator {
   const CommunicatorOptions& options() const { return options_; }
   /// The rendezvous store the group was built over (subgroups get a prefixed one).
   const std::shared_ptr<Store>& store() const { return store_; }
+  /// Expires when this communicator is destroyed. It names this communicator
+  /// alone: no other compares equivalent to it (std::owner_less), not even
+  /// one built later at the same address, for which state kept per
+  /// communicator beyond a call (a pending dcp::async_save) is keyed by it.
+  std::weak_ptr<const void> lifetime() const { return lifetime_; }
 
   // --- collectives -------------------------------------------------------
   /// Reduces `tensor` in place over all ranks with opts.op (Avg only on floating dtypes).
@@ -216,6 +221,7 @@ class Communicator {
   bool device_tensors_;  // the engine moves CUDA tensors itself: no staging, no algorithms
   std::unique_ptr<CollectiveChecker> checker_;
   uint64_t groups_created_ = 0;
+  std::shared_ptr<const int> lifetime_ = std::make_shared<const int>(0);  // see lifetime()
 
   /// Set by the first failed operation, checked by every later one; shared
   /// with the Work handles, which may outlive the communicator.

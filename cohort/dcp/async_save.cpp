@@ -29,22 +29,31 @@ struct DeferredCopy {
 };
 
 // The save pending on each communicator (collectives are ordered per
-// communicator; different communicators save independently).
+// communicator; different communicators save independently), keyed by
+// Communicator::lifetime(): a communicator built where a destroyed one was
+// has that one's address, but none of its saves.
 namespace {
 std::mutex registry_mu;
-std::map<const Communicator*, std::weak_ptr<AsyncSave::State>> registry;
+std::map<std::weak_ptr<const void>, std::weak_ptr<AsyncSave::State>,
+         std::owner_less<std::weak_ptr<const void>>>
+    registry;
 }  // namespace
 
 struct AsyncSave::State {
-  State(Communicator& c, std::string d) : comm(c), dir(std::move(d)) {}
+  State(Communicator& c, std::string d)
+      : comm(c), alive(c.lifetime()), rank(c.rank()), dir(std::move(d)) {}
   ~State() {
     if (worker.joinable()) worker.join();
   }
   std::string where() const {
-    return "dcp::async_save of " + dir + " on rank " + std::to_string(comm.rank());
+    return "dcp::async_save of " + dir + " on rank " + std::to_string(rank);
   }
 
+  // Used only while `alive` has not expired (the communicator may be
+  // destroyed before wait(): the worker reads `rank` instead).
   Communicator& comm;
+  const std::weak_ptr<const void> alive;  // comm.lifetime()
+  const int rank;
   const std::string dir;
   StagedFile staged;
   torch::Tensor arena;  // the staging memory staged.data views; the next save reuses it
@@ -98,7 +107,7 @@ std::string changed_tensor(const AsyncSave::State& s) {
 // the last one whole.
 void write_last_metadata(AsyncSave::State& s) {
   std::string error;
-  if (s.comm.rank() == 0) {
+  if (s.rank == 0) {
     try {
       write_metadata_file(s.last_lists, s.last_dir);
     } catch (const std::exception& e) {
@@ -136,7 +145,7 @@ void copy_and_write(AsyncSave::State& s) {
   std::string list;
   if (error.empty()) {
     try {
-      list = write_staged_file(s.staged, s.dir, s.comm.rank());
+      list = write_staged_file(s.staged, s.dir, s.rank);
     } catch (const std::exception& e) {
       error = s.where() + ": background write: " + e.what();
     } catch (...) {
@@ -186,7 +195,7 @@ void settle_last(AsyncSave::State& s, Millis timeout) {
     if (s.done.wait_for(lock, timeout, [&] { return s.last_written; })) {
       error = s.last_error;
     } else {
-      error = "dcp::async_save of " + s.last_dir + " on rank " + std::to_string(s.comm.rank()) +
+      error = "dcp::async_save of " + s.last_dir + " on rank " + std::to_string(s.rank) +
               ": its .metadata write did not finish within " + std::to_string(timeout.count()) +
               " ms";
     }
@@ -230,11 +239,25 @@ std::vector<std::string> plan_commit(AsyncSave::State& s, Millis timeout) {
   }
 }
 
+// What is left of wait() is collective: where the communicator is gone,
+// every rank throws this, and a second wait() the same.
+void require_communicator(AsyncSave::State& s) {
+  if (!s.alive.expired()) return;
+  const std::string why =
+      s.committed ? "its communicator was destroyed before wait(): its .metadata, written on the "
+                    "next save's background thread, was never agreed on"
+                  : "its communicator was destroyed before wait(): the save was never committed "
+                    "(the folder holds no checkpoint)";
+  s.outcome = std::make_exception_ptr(CheckpointError(s.where() + ": " + why));
+  std::rethrow_exception(s.outcome);
+}
+
 void finish(AsyncSave::State& s, Millis timeout) {
   if (s.committed) {
     if (s.outcome) std::rethrow_exception(s.outcome);
     // Committed by the next save's call: its worker writes the .metadata.
     if (auto next = std::move(s.committer)) {
+      if (!next->last_settled) require_communicator(s);
       try {
         settle_last(*next, timeout);
       } catch (...) {
@@ -244,6 +267,7 @@ void finish(AsyncSave::State& s, Millis timeout) {
     }
     return;
   }
+  require_communicator(s);
   const auto lists = plan_commit(s, timeout);
   try {
     write_metadata(s.comm, s.dir, lists);
@@ -283,11 +307,12 @@ namespace {
 // memory is reused by the next save there), or null.
 std::shared_ptr<AsyncSave::State> last_save(Communicator& comm) {
   std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = registry.find(&comm);
-  if (it == registry.end()) return nullptr;
-  auto last = it->second.lock();
-  if (!last) registry.erase(it);
-  return last;
+  // Dropped: the entries of destroyed communicators and of released saves.
+  for (auto it = registry.begin(); it != registry.end();) {
+    it = it->first.expired() || it->second.expired() ? registry.erase(it) : std::next(it);
+  }
+  auto it = registry.find(comm.lifetime());
+  return it == registry.end() ? nullptr : it->second.lock();
 }
 
 // Tensors copied at the call: the model's buffers, which forward may change
@@ -403,7 +428,7 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
   s->worker = std::thread([raw = s.get()] { copy_and_write(*raw); });
   {
     std::lock_guard<std::mutex> lock(registry_mu);
-    registry[&comm] = s;
+    registry[comm.lifetime()] = s;
   }
   return AsyncSave(std::move(s));
 }

@@ -93,6 +93,8 @@ class AsyncSave {
   /// wait_staged(); a second wait() returns at once, or rethrows that error.
   /// After the next save's call committed this one: waits up to `timeout`
   /// for the .metadata that save's thread writes and agrees on its outcome.
+  /// Where the communicator was destroyed before, no rank can agree any
+  /// more: throws CheckpointError saying so (an uncommitted save stays so).
   void wait(Millis timeout = kAsyncSaveTimeout);
 
  private:
@@ -108,7 +110,9 @@ class AsyncSave {
 /// save's thread before anything of this one), as save() does too: saves on
 /// one communicator never overlap; load() waits for its staging and that
 /// .metadata. A handle dropped without wait() is never committed (its
-/// thread is joined).
+/// thread is joined), nor is a save whose communicator is destroyed before
+/// wait(): no later communicator (one built at the same address included)
+/// commits or waits for it.
 [[nodiscard]] AsyncSave async_save(const StateDict& state, const std::string& dir,
                                    Communicator& comm);
 

@@ -5,8 +5,10 @@
 // a buffer is copied before it returns, a parameter after; a second save
 // commits the first (its .metadata written on the second's background
 // thread, a failure of that write thrown on every rank); a write error on
-// one rank is thrown on every rank; a process killed mid-write leaves the
-// previous checkpoint loadable and the partial one refused.
+// one rank is thrown on every rank; a save pending on a destroyed
+// communicator is no later communicator's, even one built in its memory; a
+// process killed mid-write leaves the previous checkpoint loadable and the
+// partial one refused.
 #include "cohort/dcp/async_save.h"
 
 #include <signal.h>
@@ -14,9 +16,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
+#include "cohort/comm/engine_registry.h"
+#include "cohort/core/store/prefix_store.h"
 #include "cohort/dcp/checkpoint_file.h"
 #include "support/subprocess.h"
 #include "support/thread_ranks.h"
@@ -420,6 +425,59 @@ TEST_P(AsyncSave, AFailedWriteThrowsOnEveryRankAtWaitAndAtTheNextSave) {
   EXPECT_FALSE(fs::exists(other / ".metadata"));  // the next save threw before it began
   fs::remove_all(dir);
   fs::remove_all(other);
+}
+
+// A save left pending on a communicator that is then destroyed: a
+// communicator built later in the same memory (the same address) neither
+// commits it nor waits for it at its own save, and its wait() throws on
+// every rank, since the ranks can no longer agree on it.
+TEST_P(AsyncSave, APendingSaveOfADestroyedCommunicatorIsNoLaterOnes) {
+  const int world = GetParam();
+  const auto first = temp_dir("gone_first" + std::to_string(world));
+  const auto second = temp_dir("gone_second" + std::to_string(world));
+  // Store key spaces of this run alone (ranks as processes share one store).
+  static int runs = 0;
+  const std::string run = "async_gone" + std::to_string(runs++) + "/";
+  run_ranks(world, [&](Communicator& comm) {
+    // A communicator over the world's ranks, built in `slot`.
+    std::optional<Communicator> slot;
+    auto build = [&](const std::string& key_space) {
+      auto store = std::make_shared<PrefixStore>(run + key_space, comm.store());
+      ConnectOptions co;
+      static_cast<CommunicatorOptions&>(co) = comm.options();
+      co.backend = comm.backend();
+      slot.emplace(create_engine(store, comm.rank(), comm.size(), co), store, co);
+      return &*slot;
+    };
+    auto rows = rows_of(comm.rank(), 0);
+    const Communicator* gone = build("gone");
+    auto pending = dcp::async_save(rows_state(rows, comm.rank() * kRows, world), first, *slot);
+    slot.reset();  // its background write may still be going on
+    ASSERT_EQ(build("new"), gone);
+    rows.add_(1);
+    dcp::save(rows_state(rows, comm.rank() * kRows, world), second, *slot);
+    comm.barrier().wait();
+    EXPECT_FALSE(fs::exists(first / ".metadata")) << "rank " << comm.rank();
+    // Checked here: with ranks as processes, each sees its own.
+    try {
+      pending.wait();
+      ADD_FAILURE() << "no error on rank " << comm.rank();
+    } catch (const CheckpointError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("dcp::async_save of " + first.string() + " on rank " +
+                          std::to_string(comm.rank()) +
+                          ": its communicator was destroyed before wait(): the save was never "
+                          "committed"),
+                std::string::npos)
+          << what;
+    }
+  });
+  EXPECT_FALSE(fs::exists(first / ".metadata"));
+  EXPECT_TRUE(torch::equal(
+      read_big(second),
+      torch::arange(world * kRows * kCols, torch::kFloat).reshape({world * kRows, kCols}) + 1));
+  fs::remove_all(first);
+  fs::remove_all(second);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, AsyncSave, ::testing::Values(1, 3));
