@@ -154,6 +154,9 @@ void refuse_mpi_singletons(int mpi_size, const InitOptions& options) {
 Endpoint rendezvous_endpoint(const std::string& method, const std::optional<slurm::Step>& step) {
   Endpoint ep;
   if ((method == "env://" || method.empty()) && step) {
+    // Refused at once where the step does not say: the others would wait
+    // for a store nobody serves.
+    if (step->master_addr.empty()) throw ConfigError(step->master_unknown);
     ep.host = step->master_addr;
     ep.port = step->master_port;
   } else if (method == "env://" || method.empty()) {

@@ -33,8 +33,18 @@ struct Step {
   int size = 0;                    ///< SLURM_STEP_NUM_TASKS, else SLURM_NTASKS
   int local_rank = 0;              ///< SLURM_LOCALID (0 when unset)
   std::vector<std::string> hosts;  ///< SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST
-  std::string master_addr;         ///< MASTER_ADDR, else 127.0.0.1 on one host, else hosts[0]
-  int master_port = 0;             ///< MASTER_PORT, else default_port(SLURM_JOB_ID, SLURM_STEP_ID)
+  /// Where task 0 (SLURM_PROCID 0: init()'s rank 0) serves the store:
+  /// MASTER_ADDR, else 127.0.0.1 on one host, else task 0's host: the first
+  /// line of SLURM_HOSTFILE under SLURM_DISTRIBUTION=arbitrary, else hosts[0]
+  /// (block, cyclic, plane). Empty where the step does not say, or where
+  /// this task sees task 0 elsewhere (SLURM_NODEID, SLURM_GTIDS: a layout
+  /// in topology order); master_unknown then says why.
+  std::string master_addr;
+  std::string master_unknown;  ///< why master_addr is empty, asking for MASTER_ADDR
+  /// MASTER_ADDR, else 127.0.0.1 on one host, else hosts[0]: node 0's host,
+  /// for a launcher whose node rank is SLURM_NODEID (cohortrun).
+  std::string node0_addr;
+  int master_port = 0;  ///< MASTER_PORT, else default_port(SLURM_JOB_ID, SLURM_STEP_ID)
 };
 
 /// Reads one variable; nullopt when unset or empty.
@@ -46,7 +56,8 @@ std::optional<std::string> from_environment(const char* name);
 /// (SLURM_STEP_ID unset, or one of Slurm's own steps, whose ids Slurm 26
 /// prints negative): a batch script or an salloc shell is one process
 /// however many tasks the job has. Throws ConfigError, naming the variable,
-/// for a missing or malformed one or a SLURM_PROCID not below the task count.
+/// for a missing or malformed one or a SLURM_PROCID not below the task count
+/// (not for an unknown task 0 host: Step::master_unknown).
 std::optional<Step> job_step(const Lookup& env = from_environment);
 
 }  // namespace cohort::slurm

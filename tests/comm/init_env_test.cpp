@@ -282,6 +282,25 @@ TEST(InitSlurm, BatchScriptIsNotRankZeroOfMany) {
   EXPECT_NE(err.find("srun PROGRAM"), std::string::npos) << err;
 }
 
+// Tasks laid out by a list (srun --distribution=arbitrary) that the
+// environment does not hold: refused at once, asking for MASTER_ADDR,
+// rather than dialling a guess until COHORT_TIMEOUT.
+TEST(InitSlurm, AnUnknownTask0HostIsRefusedAtOnce) {
+  EnvGuard env;
+  set_slurm_step(env, job_with_free_port(), "2", "1");
+  // Nodes whose names resolve here: a guess would be dialled until the timeout.
+  env.set("SLURM_STEP_NODELIST", "127.0.0.1,localhost");
+  env.set("SLURM_DISTRIBUTION", "arbitrary");
+  env.set("SLURM_HOSTFILE", nullptr);
+  env.set("COHORT_BIND_ADDR", "127.0.0.1");
+  const auto start = std::chrono::steady_clock::now();
+  const std::string err = init_error(env);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_NE(err.find("SLURM_HOSTFILE, which would name task 0's host, is unset; set MASTER_ADDR"),
+            std::string::npos)
+      << err;
+}
+
 TEST(InitSlurm, ContradictionIsNamed) {
   EnvGuard env;
   set_slurm_step(env, job_with_free_port(), "4", "4");

@@ -1,7 +1,10 @@
 // Slurm's node list syntax and a job step's variables (cohort/core/slurm.h),
 // as tables; init() under them is in init_env_test.cpp.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <fstream>
 #include <map>
 
 #include "cohort/core/error.h"
@@ -168,6 +171,135 @@ TEST(SlurmStep, ContradictionsAreNamed) {
   vars.erase("SLURM_STEP_NUM_TASKS");
   vars.erase("SLURM_NTASKS");
   EXPECT_THROW(step_of(vars), ConfigError);
+}
+
+// A hostfile with `text`, removed with this object.
+struct Hostfile {
+  explicit Hostfile(const std::string& text)
+      : path(::testing::TempDir() + "cohort_hostfile_" + std::to_string(::getpid()) + "_" +
+             std::to_string(count++)) {
+    std::ofstream(path) << text;
+  }
+  ~Hostfile() { std::remove(path.c_str()); }
+  static inline int count = 0;
+  std::string path;
+};
+
+// Task 0 serves the store: under srun --distribution=arbitrary it runs on
+// the first host of SLURM_HOSTFILE, which need not be the step's first
+// node; block, cyclic and plane layouts start on the first node.
+TEST(SlurmStep, TheMasterIsTask0sHost) {
+  auto vars = srun_task();  // task 2 of 4 on n2 n3
+  for (const char* dist : {"block", "cyclic", "plane", "block:cyclic"}) {
+    vars["SLURM_DISTRIBUTION"] = dist;
+    EXPECT_EQ(step_of(vars)->master_addr, "n2") << dist;
+  }
+  Hostfile hosts("# task 0 on n3\nn3\nn2\nn3,n2\n");
+  vars["SLURM_HOSTFILE"] = hosts.path;
+  EXPECT_EQ(step_of(vars)->master_addr, "n2");  // a hostfile alone is not the layout
+  for (const char* dist : {"arbitrary", "arbitrary,pack", "hostfile"}) {
+    vars["SLURM_DISTRIBUTION"] = dist;
+    EXPECT_EQ(step_of(vars)->master_addr, "n3") << dist;
+  }
+  Hostfile repeated("n3*2,n2*2\n");
+  vars["SLURM_HOSTFILE"] = repeated.path;
+  EXPECT_EQ(step_of(vars)->master_addr, "n3");
+
+  // Where the step does not say (no hostfile, one unreadable or naming no
+  // node of the step), no master rather than a guess.
+  Hostfile none("# none\n\n");
+  Hostfile other("n9\nn2\n");
+  for (const std::string& file :
+       {std::string(), ::testing::TempDir() + "no_such_hostfile", none.path, other.path}) {
+    if (file.empty()) {
+      vars.erase("SLURM_HOSTFILE");
+    } else {
+      vars["SLURM_HOSTFILE"] = file;
+    }
+    EXPECT_EQ(step_of(vars)->master_addr, "") << file;
+  }
+  // MASTER_ADDR, and one node, need no layout.
+  vars["MASTER_ADDR"] = "10.0.0.9";
+  EXPECT_EQ(step_of(vars)->master_addr, "10.0.0.9");
+  vars.erase("MASTER_ADDR");
+  vars["SLURM_STEP_NODELIST"] = "n2";
+  EXPECT_EQ(step_of(vars)->master_addr, "127.0.0.1");
+}
+
+// What a task sees of its own node contradicts a layout that starts on the
+// first node (a topology plugin orders a default layout by switches): task
+// 0 elsewhere, or the first node's tasks without task 0.
+TEST(SlurmStep, ATaskThatSeesTask0ElsewhereHasNoMaster) {
+  auto vars = srun_task();
+  vars["SLURM_PROCID"] = "0";
+  vars["SLURM_NODEID"] = "1";  // on n3
+  EXPECT_EQ(step_of(vars)->master_addr, "");
+  vars["SLURM_NODEID"] = "0";
+  EXPECT_EQ(step_of(vars)->master_addr, "n2");
+  vars["SLURM_PROCID"] = "2";
+  vars["SLURM_GTIDS"] = "2,3";  // n2's tasks
+  EXPECT_EQ(step_of(vars)->master_addr, "");
+  vars["SLURM_GTIDS"] = "2,0";
+  EXPECT_EQ(step_of(vars)->master_addr, "n2");
+  vars["SLURM_NODEID"] = "1";
+  vars["SLURM_GTIDS"] = "2,3";  // n3's: nothing seen of task 0
+  EXPECT_EQ(step_of(vars)->master_addr, "n2");
+  // A hostfile the step was not laid out by (srun -w overrides it).
+  Hostfile hosts("n3\nn2\nn3\nn2\n");
+  vars["SLURM_DISTRIBUTION"] = "arbitrary";
+  vars["SLURM_HOSTFILE"] = hosts.path;
+  vars["SLURM_PROCID"] = "0";
+  vars["SLURM_NODEID"] = "0";
+  EXPECT_EQ(step_of(vars)->master_addr, "");
+}
+
+// Why there is no master, asking for MASTER_ADDR; node 0's host (a
+// launcher whose node rank is SLURM_NODEID) is the first node whatever the
+// task layout.
+TEST(SlurmStep, NoMasterSaysWhy) {
+  auto vars = srun_task();
+  vars["SLURM_DISTRIBUTION"] = "arbitrary";
+  Hostfile malformed("n2 n3\n");
+  Hostfile other("n9\n");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"",
+       "srun --distribution=arbitrary placed the tasks as a list says, and SLURM_HOSTFILE, "
+       "which would name task 0's host, is unset"},
+      {"/nonexistent/hosts", "SLURM_HOSTFILE '/nonexistent/hosts' cannot be read here: "},
+      {malformed.path,
+       "SLURM_HOSTFILE '" + malformed.path + "' begins with 'n2 n3', not a host name"},
+      {other.path, "SLURM_HOSTFILE's first host n9 is not a node of this step"},
+  };
+  for (const auto& [file, why] : cases) {
+    if (file.empty()) {
+      vars.erase("SLURM_HOSTFILE");
+    } else {
+      vars["SLURM_HOSTFILE"] = file;
+    }
+    const auto s = step_of(vars);
+    EXPECT_EQ(s->master_unknown.rfind(why, 0), 0u) << s->master_unknown;
+    EXPECT_NE(s->master_unknown.find("set MASTER_ADDR to the host of task 0 (SLURM_PROCID=0)"),
+              std::string::npos)
+        << s->master_unknown;
+    EXPECT_EQ(s->node0_addr, "n2");
+  }
+  vars = srun_task();
+  vars["SLURM_PROCID"] = "0";
+  vars["SLURM_NODEID"] = "1";
+  EXPECT_EQ(step_of(vars)->master_unknown.rfind(
+                "task 0 runs on n3, not on n2 where the other tasks look for it", 0),
+            0u);
+  vars["SLURM_PROCID"] = "1";
+  vars["SLURM_NODEID"] = "0";
+  vars["SLURM_GTIDS"] = "1,2";
+  EXPECT_EQ(step_of(vars)->master_unknown.rfind(
+                "task 0 does not run on n2, where the other tasks look for it (its tasks "
+                "are SLURM_GTIDS=1,2)",
+                0),
+            0u);
+  vars["MASTER_ADDR"] = "10.0.0.9";
+  EXPECT_EQ(step_of(vars)->master_unknown, "");
+  EXPECT_EQ(step_of(vars)->node0_addr, "10.0.0.9");
 }
 
 }  // namespace

@@ -220,6 +220,15 @@ TEST(Environment, SlurmStepGivesTheNodesAndMaster) {
   EXPECT_EQ(envs[0]["MASTER_PORT"], "29600");
 }
 
+// A launcher per node: node 0 (SLURM_NODEID 0, the step's first node)
+// serves the store whatever the layout of srun's tasks, an arbitrary one
+// that the environment does not describe included.
+TEST(Environment, SlurmStepsMasterIsNodeZeroInAnyTaskLayout) {
+  expect_second_node_of_two(run_cohortrun({"-n", "2", "--", "sh", "-c", kPrintEnv}, Seconds(20),
+                                          slurm_node1_with("SLURM_DISTRIBUTION=arbitrary")),
+                            "n1", "23213");
+}
+
 TEST(Environment, SlurmMisuseIsRefused) {
   // Two tasks per node would be two launchers claiming one node rank.
   ProcessResult r = run_cohortrun({"-n", "2", "--", "true"}, Seconds(20),

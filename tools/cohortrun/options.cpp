@@ -102,8 +102,8 @@ void parse_nproc(const std::string& text, Options& o) {
 // Inside a Slurm job step (`srun --ntasks-per-node=1 cohortrun ...`), the
 // step says what the command line leaves open: its nodes are --nnodes,
 // SLURM_NODEID is --node-rank, and the master and port are the library's
-// (cohort/core/slurm.h: MASTER_ADDR/MASTER_PORT, else the step's first node
-// and the job's port). Outside a step (a batch script) nothing is read: that
+// (cohort/core/slurm.h: MASTER_ADDR/MASTER_PORT, else node 0's host, the
+// step's first, and the job's port). Outside a step (a batch script) nothing is read: that
 // one process is not one node of many.
 void take_slurm_step(Options& o, bool nnodes_given, bool node_rank_given, bool port_given) {
   std::optional<cohort::slurm::Step> step;
@@ -126,7 +126,7 @@ void take_slurm_step(Options& o, bool nnodes_given, bool node_rank_given, bool p
     if (!id) throw UsageError("a Slurm job step on several nodes without SLURM_NODEID");
     o.node_rank = parse_int("SLURM_NODEID", id);
   }
-  if (o.master_addr.empty()) o.master_addr = step->master_addr;
+  if (o.master_addr.empty()) o.master_addr = step->node0_addr;
   if (!port_given) o.master_port = step->master_port;
 }
 
