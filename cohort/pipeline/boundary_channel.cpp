@@ -131,6 +131,9 @@ void BoundaryChannel::begin_step(int64_t input_shapes) {
   sent_meta_ = known.sent;
   recv_meta_ = known.recv;
   step_key_ = input_shapes;
+  sent_cached_.clear();
+  for (const auto& entry : known.sent) sent_cached_.insert(entry.first);
+  refused_.clear();
 }
 
 void BoundaryChannel::begin_action(size_t pc) {
@@ -235,7 +238,7 @@ void BoundaryChannel::release_sends(int peer, int peer_send_pos) {
   sends_.erase(done, sends_.end());
 }
 
-void BoundaryChannel::send_forward(int stage, int mb, const Tensors& out) {
+std::optional<Tensors> BoundaryChannel::send_forward(int stage, int mb, const Tensors& out) {
   const int dst = schedule_.stage_to_rank[stage + 1];
   BoundaryMeta& meta = sent_meta_[stage];
   if (!meta.known) {
@@ -257,27 +260,47 @@ void BoundaryChannel::send_forward(int stage, int mb, const Tensors& out) {
     send(torch::tensor(enc, torch::kInt64), dst, message_tag(stage, 0, kMetaMicrobatch));
     meta.known = true;
   }
-  check_same(stage, mb, dst, out, meta);
-  for (const auto& t : out) send(t, dst, message_tag(stage, 0, mb));
+  std::string refusal = mismatch(stage, mb, dst, out, meta);
+  if (refusal.empty()) {
+    for (const auto& t : out) send(t, dst, message_tag(stage, 0, mb));
+    return std::nullopt;
+  }
+  // The receiver has posted (or will post) buffers of the boundary's
+  // shapes, which no message can tell it to change: zeros of those shapes
+  // go instead, so its schedule, and every other rank's, runs to its end.
+  if (refused_.empty()) refused_ = std::move(refusal);
+  const c10::Device device = out.empty() ? c10::Device(c10::kCPU) : out[0].device();
+  Tensors stand_in;
+  for (size_t i = 0; i < meta.shapes.size(); ++i) {
+    stand_in.push_back(
+        torch::zeros(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]).device(device)));
+    send(stand_in.back(), dst, message_tag(stage, 0, mb));
+  }
+  return stand_in;
 }
 
-void BoundaryChannel::check_same(int stage, int mb, int dst, const Tensors& out,
-                                 const BoundaryMeta& meta) const {
+// "" when `out` matches the boundary's shapes, else the refusal.
+std::string BoundaryChannel::mismatch(int stage, int mb, int dst, const Tensors& out,
+                                      const BoundaryMeta& meta) const {
   bool same = out.size() == meta.shapes.size();
   for (size_t i = 0; same && i < out.size(); ++i)
     same = out[i].sizes().vec() == meta.shapes[i] && out[i].scalar_type() == meta.dtypes[i];
-  if (same) return;
+  if (same) return "";
   std::ostringstream os;
-  os << "PipelineRuntime on rank " << rank_ << ": sending to rank " << dst << ", stage " << stage
-     << " micro-batch " << mb << " outputs [";
+  os << "stage " << stage << " on rank " << rank_ << ", sending micro-batch " << mb << " to rank "
+     << dst << ": outputs [";
   for (size_t i = 0; i < out.size(); ++i)
     os << (i ? ", " : "") << shape_text(out[i].sizes().vec(), out[i].scalar_type());
   os << "], expected [";
   for (size_t i = 0; i < meta.shapes.size(); ++i)
     os << (i ? ", " : "") << shape_text(meta.shapes[i], meta.dtypes[i]);
-  os << "] (the step's first micro-batch on this boundary; micro-batches of one step have one "
-        "shape)";
-  throw InvalidArgument(os.str());
+  if (sent_cached_.count(stage))
+    os << "] (what an earlier step with the same input shapes sent across this boundary: a "
+          "stage's output shapes must follow from stage 0's input shapes)";
+  else
+    os << "] (the step's first micro-batch on this boundary: the micro-batches of one step cross "
+          "it in one shape)";
+  return os.str();
 }
 
 Tensors BoundaryChannel::recv_forward(int stage, int mb) {

@@ -6,8 +6,11 @@
 // (input gradients). Each boundary's shapes and dtypes travel in a 64-int64
 // shape message on the step's first forward send across it, once for each
 // shape of stage 0's inputs (begin_step's key), so shapes may change between
-// steps; within a step an output that differs from the first is refused. Gradients travel for
-// floating-point and complex tensors (carries_gradient); a complex tensor travels as its real view.
+// steps. An output of another shape than the boundary's (within a step, or
+// for an input shape seen before) is refused: zeros of the boundary's shapes
+// travel in its place, so every rank runs its schedule to the end and learns
+// of the refusal there (refused_send). Gradients travel for floating-point
+// and complex tensors (carries_gradient); a complex tensor travels as its real view.
 //
 // Threading: one thread. Every call comes from the thread running
 // PipelineRuntime::step; the channel takes no lock and none of its calls is
@@ -23,6 +26,9 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <set>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -68,8 +74,15 @@ class BoundaryChannel {
   /// After action `pc`: drops the sends now known complete.
   void end_action(size_t pc);
   /// Sends stage `stage`'s outputs of micro-batch `mb` to the next stage
-  /// (the shape message first, once per boundary and step).
-  void send_forward(int stage, int mb, const Tensors& outputs);
+  /// (the shape message first, once per boundary and input shape). Outputs
+  /// of another shape or dtype than the boundary's are refused: zeros of
+  /// the boundary's shapes are sent instead and returned, for the slot to
+  /// hold in their place, and the step's first refusal is kept
+  /// (refused_send). Returns nothing when `outputs` went.
+  std::optional<Tensors> send_forward(int stage, int mb, const Tensors& outputs);
+  /// The step's first refused send ("" for none), naming the stage, this
+  /// rank, the micro-batch, the peer and both shapes.
+  const std::string& refused_send() const { return refused_; }
   /// Stage `stage`'s inputs of micro-batch `mb` from the previous stage.
   Tensors recv_forward(int stage, int mb);
   /// Sends stage `stage`'s input gradients to the previous stage.
@@ -101,7 +114,8 @@ class BoundaryChannel {
   void send(const torch::Tensor& tensor, int dst, int tag);
   void reap_sends();
   void release_sends(int peer, int peer_send_pos);
-  void check_same(int stage, int mb, int dst, const Tensors& out, const BoundaryMeta& meta) const;
+  std::string mismatch(int stage, int mb, int dst, const Tensors& out,
+                       const BoundaryMeta& meta) const;
   // A receive buffer for this rank's stage `stage`, on its device.
   torch::Tensor buffer(int stage, const std::vector<int64_t>& shape, c10::ScalarType dtype) const;
 
@@ -124,6 +138,10 @@ class BoundaryChannel {
   };
   std::map<int64_t, KnownShapes> known_;
   int64_t step_key_ = 0;
+  // The boundaries whose sent shapes came from an earlier step, and the
+  // step's first refused send.
+  std::set<int> sent_cached_;
+  std::string refused_;
   std::vector<PendingSend> sends_;
   // Receives posted ahead, by (boundary, direction, micro-batch).
   std::map<std::tuple<int, int, int>, std::vector<std::pair<Work, torch::Tensor>>> posted_;

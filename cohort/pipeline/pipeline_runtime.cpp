@@ -1,6 +1,6 @@
 // PipelineRuntime: the action loop. The wire (tags, shape messages, the
 // receive window, send release) is BoundaryChannel's, the autograd and each
-// slot's state StageExecutor's, the step's loss broadcast_losses', the
+// slot's state StageExecutor's, the step's end share_step_outcome', the
 // construction checks runtime_checks.cpp's.
 #include "cohort/pipeline/pipeline_runtime.h"
 
@@ -12,8 +12,8 @@
 #include "cohort/core/agreement.h"
 #include "cohort/core/error.h"
 #include "cohort/pipeline/boundary_channel.h"
-#include "cohort/pipeline/loss_broadcast.h"
 #include "cohort/pipeline/stage_executor.h"
+#include "cohort/pipeline/step_outcome.h"
 
 namespace cohort::pipeline {
 namespace {
@@ -217,7 +217,8 @@ void PipelineRuntime::dispatch(const Action& a) {
       exec.backward_weight(s, mb);
       break;
     case ActionType::SendForward:
-      channel.send_forward(s, mb, exec.outputs(s, mb));
+      if (auto stand_in = channel.send_forward(s, mb, exec.outputs(s, mb)))
+        exec.replace_outputs(s, mb, std::move(*stand_in));
       break;
     case ActionType::RecvForward:
       exec.put_inputs(s, mb, channel.recv_forward(s, mb));
@@ -233,10 +234,12 @@ void PipelineRuntime::dispatch(const Action& a) {
 
 void PipelineRuntime::finish_step(PipelineStepResult& result) {
   state_->channel->finish();
-  // Before the losses' broadcast, which throws on every rank for a loss
-  // that could not train: the gradients that were added stay one weight's.
+  // Before the outcome's exchange, which throws on every rank for a loss
+  // that could not train or a refused send: the gradients that were added
+  // stay one weight's.
   restore_tied_grads(true);
-  result.losses = broadcast_losses(*group_, schedule_, state_->executor->losses());
+  result.losses = share_step_outcome(*group_, schedule_, state_->executor->losses(),
+                                     state_->channel->refused_send());
   double sum = 0;
   for (double l : result.losses) sum += l;
   result.loss = sum / result.losses.size();

@@ -65,6 +65,10 @@ class StageExecutor {
 
   /// A Forwarded slot's outputs (for SEND_F and RECV_B).
   const Tensors& outputs(int stage, int mb) const;
+  /// Puts `stand_in` (no graph) in place of a Forwarded slot's outputs
+  /// whose send was refused: their gradients then fit what was sent, and
+  /// the slot's backward hands over zeros.
+  void replace_outputs(int stage, int mb, Tensors stand_in);
   /// Hands over a slot's input gradients (SEND_B).
   Tensors take_input_grads(int stage, int mb);
 
