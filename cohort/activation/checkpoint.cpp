@@ -140,9 +140,101 @@ class BufferFork {
 struct OutputMeta {
   bool defined = false;
   bool differentiable = false;
+  bool adopted = false;  // the node's: not a view of an input
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> sizes;
 };
+
+// Where an output lies in its storage, in elements.
+struct Placement {
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+};
+
+// One input slot of the node: one output, or outputs that share memory (a
+// tensor and a view of it, the same tensor twice), adopted as views of one
+// base over the elements [lo, hi) of their storage, as they were views of
+// one tensor in fn. Then autograd sees a change in place of one of them in
+// the others, as without checkpoint.
+struct Slot {
+  std::vector<size_t> outputs;
+  std::vector<Placement> places;  // of each output; empty for a slot of one
+  int64_t lo = 0, hi = 0;
+};
+
+bool has_memory(const torch::Tensor& t) {
+  return t.layout() == torch::kStrided && t.has_storage() && t.numel() > 0;
+}
+
+bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.defined() && has_memory(a) && has_memory(b) &&
+         a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl();
+}
+
+// An output that shares memory with an input or a parameter is a view of it
+// (fn does not change its inputs, which checkpoint checks): returned as that
+// view, its gradient flows to the input directly and a change in place
+// changes the input, as without checkpoint.
+torch::Tensor view_of_source(const torch::Tensor& source, const torch::Tensor& out, size_t i) {
+  if (source.scalar_type() != out.scalar_type())
+    fail("output " + std::to_string(i) + " (" + std::string(c10::toString(out.scalar_type())) +
+         ") shares memory with an input or parameter of dtype " +
+         c10::toString(source.scalar_type()) + "; return a copy");
+  return source.as_strided(out.sizes(), out.strides(), out.storage_offset());
+}
+
+// The outputs of a shared slot made views of one base, whose history is the
+// node's.
+void adopt_shared(Tensors& out, Slot& slot, const NodePtr& self) {
+  const torch::Tensor first = out[slot.outputs[0]];
+  slot.lo = first.storage_offset(), slot.hi = slot.lo;
+  for (size_t i : slot.outputs) {
+    const auto& o = out[i];
+    if (o.scalar_type() != first.scalar_type())
+      fail("outputs " + std::to_string(slot.outputs[0]) + " and " + std::to_string(i) +
+           " share memory but are " + c10::toString(first.scalar_type()) + " and " +
+           c10::toString(o.scalar_type()) + "; return a copy of one");
+    int64_t end = o.storage_offset() + 1;
+    for (int64_t d = 0; d < o.dim(); ++d) end += (o.size(d) - 1) * o.stride(d);
+    slot.lo = std::min(slot.lo, o.storage_offset()), slot.hi = std::max(slot.hi, end);
+    slot.places.push_back({o.sizes().vec(), o.strides().vec(), o.storage_offset()});
+  }
+  auto base =
+      torch::empty({0}, first.options()).set_(first.storage(), slot.lo, {slot.hi - slot.lo}, {1});
+  torch::autograd::set_history(base, self);
+  for (size_t k = 0; k < slot.outputs.size(); ++k) {
+    const Placement& p = slot.places[k];
+    out[slot.outputs[k]] = base.as_strided(p.sizes, p.strides, p.offset);
+  }
+}
+
+// The gradients of a shared slot's recomputed outputs, from its base's:
+// each element of the base goes to the first position, of the first output,
+// that holds it, and the others get zero. An element two outputs share then
+// counts once, through the recomputed outputs, which share it as the
+// forward's did.
+Tensors split_gradient(const Slot& slot, const torch::Tensor& base_grad) {
+  const auto g = base_grad.contiguous();
+  const auto index_options = g.options().dtype(torch::kLong);
+  const auto element = torch::arange(slot.hi - slot.lo, index_options);
+  Tensors held;  // the base element at each position of each output
+  for (const Placement& p : slot.places)
+    held.push_back(element.as_strided(p.sizes, p.strides, p.offset - slot.lo).reshape({-1}));
+  // A stable sort puts each element's first position first among its own.
+  const auto [sorted, order] = torch::cat(held).sort(/*stable=*/true, 0, /*descending=*/false);
+  auto first = torch::ones(sorted.sizes(), g.options().dtype(torch::kBool));
+  if (sorted.numel() > 1) first.narrow(0, 1, sorted.numel() - 1).copy_(sorted.diff() != 0);
+  const auto owns = torch::zeros_like(first).scatter_(0, order, first);
+  Tensors grads;
+  int64_t at = 0;
+  for (const Placement& p : slot.places) {
+    auto part = g.as_strided(p.sizes, p.strides, g.storage_offset() + p.offset - slot.lo);
+    auto own = owns.narrow(0, at, part.numel()).reshape(p.sizes);
+    at += part.numel();
+    grads.push_back(torch::where(own, part, torch::zeros({}, g.options())));
+  }
+  return grads;
+}
 
 std::string describe(const OutputMeta& m) {
   if (!m.defined) return "undefined";
@@ -195,25 +287,47 @@ class CheckpointNode : public torch::autograd::Node {
 
   std::string name() const override { return "cohort::CheckpointBackward"; }
 
-  // The forward's outputs, made this node's: `out` is what fn returned.
-  Tensors adopt_outputs(Tensors out, const NodePtr& self) {
+  // The forward's outputs, made this node's: `out` is what fn returned,
+  // `sources` its inputs and parameters.
+  Tensors adopt_outputs(Tensors out, const NodePtr& self, const Tensors& sources) {
     bool any = false;
-    for (auto& o : out) {
+    for (size_t i = 0; i < out.size(); ++i) {
+      const auto& o = out[i];
       OutputMeta m;
       m.defined = o.defined();
       m.differentiable = differentiable(o);
       if (m.defined) m.dtype = o.scalar_type(), m.sizes = o.sizes().vec();
-      // detach: an output that is an input, or a view of one, becomes an
-      // alias of its own, so the history set here is not the input's.
-      if (m.differentiable) {
-        o = o.detach();
-        torch::autograd::set_history(o, self);
-      }
       any = any || m.differentiable;
       outputs_.push_back(std::move(m));
     }
     if (!any)
       fail("the function returned no floating-point tensor, so no gradient can flow through it");
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (!outputs_[i].differentiable) continue;
+      auto source = std::find_if(sources.begin(), sources.end(),
+                                 [&](const torch::Tensor& s) { return same_memory(s, out[i]); });
+      if (source != sources.end()) {
+        out[i] = view_of_source(*source, out[i], i);
+        continue;
+      }
+      outputs_[i].adopted = true;
+      auto shared = std::find_if(slots_.begin(), slots_.end(), [&](const Slot& slot) {
+        return same_memory(out[slot.outputs[0]], out[i]);
+      });
+      if (shared == slots_.end()) shared = slots_.insert(slots_.end(), Slot());
+      shared->outputs.push_back(i);
+    }
+    for (auto& slot : slots_) {
+      if (slot.outputs.size() > 1) {
+        adopt_shared(out, slot, self);
+      } else {
+        // detach: an output that is a view of a tensor fn made becomes a
+        // tensor of its own, whose history is the node's.
+        auto& o = out[slot.outputs[0]];
+        o = o.detach();
+        torch::autograd::set_history(o, self);
+      }
+    }
     return out;
   }
 
@@ -243,10 +357,14 @@ class CheckpointNode : public torch::autograd::Node {
     BufferFork buffers(buffers_);
     Tensors out = recompute(inputs);
     Tensors roots, root_grads;
-    for (size_t i = 0, k = 0; i < out.size(); ++i) {
-      if (!outputs_[i].differentiable) continue;
-      const auto& g = grads[k++];
-      if (g.defined() && out[i].requires_grad()) roots.push_back(out[i]), root_grads.push_back(g);
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      if (!grads[s].defined()) continue;
+      const Slot& slot = slots_[s];
+      Tensors g = slot.places.empty() ? Tensors{grads[s]} : split_gradient(slot, grads[s]);
+      for (size_t k = 0; k < slot.outputs.size(); ++k) {
+        const auto& o = out[slot.outputs[k]];
+        if (o.requires_grad()) roots.push_back(o), root_grads.push_back(g[k]);
+      }
     }
     if (roots.empty()) {  // no gradient reached an output that has a graph
       buffers.restore();
@@ -299,7 +417,7 @@ class CheckpointNode : public torch::autograd::Node {
                                      c10::str(out[i].sizes())
                                : "undefined") +
              ", the forward's was " + describe(m) + ": it must be deterministic");
-      any_graph = any_graph || (m.differentiable && out[i].requires_grad());
+      any_graph = any_graph || (m.adopted && out[i].requires_grad());
     }
     if (!any_graph)
       fail(
@@ -316,8 +434,25 @@ class CheckpointNode : public torch::autograd::Node {
   std::optional<RngStates> rng_;
   Tensors buffers_;  // written back after each recompute
   std::vector<OutputMeta> outputs_;
+  std::vector<Slot> slots_;  // the node's inputs, in order
   bool released_ = false;
 };
+
+std::vector<int64_t> versions_of(const Tensors& tensors) {
+  std::vector<int64_t> v;
+  for (const auto& t : tensors) v.push_back(t.defined() ? t._version() : 0);
+  return v;
+}
+
+// fn must not change its inputs or parameters: the recompute would start
+// from the changed values, and an output that is a view of one is returned
+// as that view, unchanged by fn.
+void check_unchanged(const Tensors& sources, const std::vector<int64_t>& versions) {
+  for (size_t i = 0; i < sources.size(); ++i)
+    if (sources[i].defined() && sources[i]._version() != versions[i])
+      fail("the function changed its input or parameter " + std::to_string(i) +
+           " (inputs first, then the parameters requiring grad) in place");
+}
 
 }  // namespace
 
@@ -341,9 +476,11 @@ Tensors checkpoint(CheckpointFunction fn, const Tensors& inputs, const Tensors& 
   Tensors out;
   {
     torch::NoGradGuard no_grad;
+    const auto versions = versions_of(edges);
     out = fn(inputs);
+    check_unchanged(edges, versions);
   }
-  return node->adopt_outputs(std::move(out), node);
+  return node->adopt_outputs(std::move(out), node, edges);
 }
 
 torch::Tensor checkpoint(std::function<torch::Tensor(const torch::Tensor&)> fn,

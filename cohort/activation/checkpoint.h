@@ -66,8 +66,18 @@ using CheckpointFunction =
 /// in whatever training mode its modules are in, so pass the buffers it
 /// updates in `options.buffers`.
 ///
+/// Outputs that share memory are views as they were in `fn`: outputs of one
+/// tensor (itself twice, or a view of it) are views of one base, and an
+/// output that is a view of an input or parameter is that view of it, so a
+/// change in place of one reaches the others' gradients, as without
+/// checkpoint. Such a change of an input through its view makes a backward
+/// that recomputes throw ("modified by an inplace operation"): the
+/// recompute would read the changed input.
+///
 /// Throws InvalidArgument (naming checkpoint) when `fn` returns no
-/// floating-point tensor while grad is needed; and, in backward, when its
+/// floating-point tensor while grad is needed, changes an input or
+/// parameter in place, or returns outputs that share memory with each other
+/// or with an input under different dtypes; and, in backward, when its
 /// recompute returns no tensor requiring grad, outputs of another number,
 /// shape or dtype than the forward's, or reaches a tensor requiring grad that
 /// is neither an input nor in `params` (its gradient would be lost).

@@ -242,6 +242,26 @@ std::vector<ErrorCase> error_cases() {
                                 {leaf()}));
        },
        "neither an input nor in params"},
+      {"function_changes_its_input",
+       [] {
+         checkpoint(
+             [](const Tensors& in) {
+               in[0].mul_(2);
+               return Tensors{in[0] * 1};
+             },
+             {leaf()});
+       },
+       "changed its input or parameter 0"},
+      {"shared_memory_of_two_dtypes",
+       [] {
+         checkpoint(
+             [](const Tensors& in) {
+               auto c = torch::complex(in[0], in[0] * 2);
+               return Tensors{c, torch::view_as_real(c)};
+             },
+             {leaf()});
+       },
+       "outputs 0 and 1 share memory but are ComplexFloat and Float"},
       {"second_backward",
        [] {
          auto y = checkpoint([](const Tensors& in) { return Tensors{in[0] * in[0]}; }, {leaf()});
