@@ -23,6 +23,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <array>
 #include <mutex>
 #include <optional>
 #include <unordered_set>
@@ -98,6 +99,56 @@ class RngFork {
 
  private:
   RngStates caller_;
+};
+
+// Autocast as the forward ran under (on or off, and the dtype, for CPU and
+// CUDA), entered again for the recompute: backward usually runs outside the
+// caller's autocast, and a recompute that casts otherwise differentiates
+// another function. The cast cache stays off while fn runs, at the forward
+// and the recompute: the forward runs under no grad, and a weight's cast
+// cached there, without history, would serve the caller's later uses of the
+// weight in the same autocast region and the recompute, whose gradients
+// would then not reach it.
+class AutocastState {
+ public:
+  static AutocastState current() {
+    AutocastState s;
+    for (size_t i = 0; i < kDevices.size(); ++i)
+      s.on_[i] = autocast_enabled(kDevices[i]), s.dtype_[i] = autocast_dtype(kDevices[i]);
+    s.cache_ = at::autocast::is_autocast_cache_enabled();
+    return s;
+  }
+  void apply() const {
+    for (size_t i = 0; i < kDevices.size(); ++i)
+      set_autocast_enabled(kDevices[i], on_[i]), set_autocast_dtype(kDevices[i], dtype_[i]);
+    at::autocast::set_autocast_cache_enabled(cache_);
+  }
+  AutocastState without_cache() const {
+    AutocastState s = *this;
+    s.cache_ = false;
+    return s;
+  }
+
+ private:
+  static constexpr std::array<c10::DeviceType, 2> kDevices{c10::kCPU, c10::kCUDA};
+  std::array<bool, 2> on_{};
+  std::array<at::ScalarType, 2> dtype_{};
+  bool cache_ = true;
+};
+
+// Runs fn under `state` (without the cast cache) and gives the caller's
+// back afterwards, also when fn throws.
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& state) : caller_(AutocastState::current()) {
+    state.without_cache().apply();
+  }
+  ~AutocastScope() { caller_.apply(); }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  AutocastState caller_;
 };
 
 // The buffers a recompute may update in place (BatchNorm's running
@@ -276,10 +327,11 @@ void check_leaves(const Tensors& roots, const Tensors& allowed_leaves) {
 class CheckpointNode : public torch::autograd::Node {
  public:
   CheckpointNode(CheckpointFunction fn, const Tensors& inputs, const Tensors& params,
-                 std::optional<RngStates> rng, Tensors buffers)
+                 std::optional<RngStates> rng, Tensors buffers, AutocastState autocast)
       : fn_(std::move(fn)),
         n_inputs_(inputs.size()),
         rng_(std::move(rng)),
+        autocast_(autocast),
         buffers_(std::move(buffers)) {
     for (const auto& t : inputs) saved_.emplace_back(t, /*is_output=*/false);
     for (const auto& t : params) saved_.emplace_back(t, /*is_output=*/false);
@@ -398,6 +450,7 @@ class CheckpointNode : public torch::autograd::Node {
     {
       std::optional<RngFork> fork;
       if (rng_) fork.emplace(*rng_);
+      AutocastScope autocast(autocast_);
       torch::AutoGradMode grad(true);
       out = fn_(inputs);
     }
@@ -432,7 +485,8 @@ class CheckpointNode : public torch::autograd::Node {
   std::vector<torch::autograd::SavedVariable> saved_;  // inputs, then params
   size_t n_inputs_;
   std::optional<RngStates> rng_;
-  Tensors buffers_;  // written back after each recompute
+  AutocastState autocast_;  // the forward's
+  Tensors buffers_;         // written back after each recompute
   std::vector<OutputMeta> outputs_;
   std::vector<Slot> slots_;  // the node's inputs, in order
   bool released_ = false;
@@ -469,13 +523,16 @@ Tensors checkpoint(CheckpointFunction fn, const Tensors& inputs, const Tensors& 
 
   std::optional<RngStates> rng;
   if (options.preserve_rng_state) rng = RngStates::capture(inputs, options.generators);
-  auto node = make_node<CheckpointNode>(fn, inputs, trainable, std::move(rng), options.buffers);
+  const auto autocast = AutocastState::current();
+  auto node =
+      make_node<CheckpointNode>(fn, inputs, trainable, std::move(rng), options.buffers, autocast);
   Tensors edges = inputs;
   edges.insert(edges.end(), trainable.begin(), trainable.end());
   node->set_next_edges(torch::autograd::collect_next_edges(edges));
   Tensors out;
   {
     torch::NoGradGuard no_grad;
+    AutocastScope no_cache(autocast);
     const auto versions = versions_of(edges);
     out = fn(inputs);
     check_unchanged(edges, versions);

@@ -64,7 +64,8 @@ using CheckpointFunction =
 /// its inputs, and must outlive the backward (capture by value). Inputs and
 /// parameters must not be modified in place before the backward. `fn` runs
 /// in whatever training mode its modules are in, so pass the buffers it
-/// updates in `options.buffers`.
+/// updates in `options.buffers`. The recompute runs under the autocast
+/// state (CPU and CUDA) the forward ran under.
 ///
 /// Outputs that share memory are views as they were in `fn`: outputs of one
 /// tensor (itself twice, or a view of it) are views of one base, and an

@@ -1,6 +1,7 @@
 // defines: OptimizerStateKey, optimizer_state_key, CpuAllocatorBase,
-// NodePtr, make_node, COHORT_C10D_STORE_HAS_CLONE, kZeroGradSetsToNone:
-// every difference between
+// NodePtr, make_node, COHORT_C10D_STORE_HAS_CLONE, kZeroGradSetsToNone,
+// autocast_enabled, set_autocast_enabled, autocast_dtype,
+// set_autocast_dtype: every difference between
 // the LibTorch releases cohort builds against (Debian 12's 1.13 and 2.x,
 // e.g. Debian 13's 2.6, a pip wheel's 2.11, Debian testing's 2.14), in one
 // place. Nothing else in the library, tests, tools or benchmarks names a
@@ -8,6 +9,7 @@
 // LibTorch's own headers: 20 where they require it, as 2.14's do).
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/optim/optimizer.h>
@@ -124,5 +126,43 @@ template <class T, class... Args>
 auto make_node(Args&&... args) {
   return detail::NodeMaker<NodePtr>::template make<T>(std::forward<Args>(args)...);
 }
+
+// Autocast's state on this thread for one device type, kCPU or kCUDA:
+// whether it is on, and the lower-precision dtype it casts to. 2.4 replaced
+// the functions of each device type by ones taking it.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+inline bool autocast_enabled(c10::DeviceType device) {
+  return at::autocast::is_autocast_enabled(device);
+}
+inline void set_autocast_enabled(c10::DeviceType device, bool enabled) {
+  at::autocast::set_autocast_enabled(device, enabled);
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType device) {
+  return at::autocast::get_autocast_dtype(device);
+}
+inline void set_autocast_dtype(c10::DeviceType device, at::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(device, dtype);
+}
+#else
+inline bool autocast_enabled(c10::DeviceType device) {
+  return device == c10::kCPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+}
+inline void set_autocast_enabled(c10::DeviceType device, bool enabled) {
+  if (device == c10::kCPU)
+    at::autocast::set_cpu_enabled(enabled);
+  else
+    at::autocast::set_enabled(enabled);
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType device) {
+  return device == c10::kCPU ? at::autocast::get_autocast_cpu_dtype()
+                             : at::autocast::get_autocast_gpu_dtype();
+}
+inline void set_autocast_dtype(c10::DeviceType device, at::ScalarType dtype) {
+  if (device == c10::kCPU)
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  else
+    at::autocast::set_autocast_gpu_dtype(dtype);
+}
+#endif
 
 }  // namespace cohort
