@@ -110,17 +110,17 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   return bias.defined() ? y + bias : y;
 }
 
-std::vector<torch::Tensor> ColumnParallelLinearImpl::tensor_parallel_split_parameters() const {
-  if (bias.defined()) return {weight, bias};
-  return {weight};
+std::vector<TensorParallelSplit> ColumnParallelLinearImpl::tensor_parallel_splits() const {
+  if (bias.defined()) return {{weight, 0}, {bias, 0}};
+  return {{weight, 0}};
 }
 
-std::vector<torch::Tensor> RowParallelLinearImpl::tensor_parallel_split_parameters() const {
-  return {weight};
+std::vector<TensorParallelSplit> RowParallelLinearImpl::tensor_parallel_splits() const {
+  return {{weight, 1}};
 }
 
-std::vector<torch::Tensor> VocabParallelEmbeddingImpl::tensor_parallel_split_parameters() const {
-  return {weight};
+std::vector<TensorParallelSplit> VocabParallelEmbeddingImpl::tensor_parallel_splits() const {
+  return {{weight, 0}};
 }
 
 std::vector<torch::Tensor> RowParallelLinearImpl::sequence_parallel_parameters() const {
@@ -177,27 +177,39 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
   return reduce_from_tensor_parallel_region(rows, *group_);
 }
 
+namespace {
+
+std::string split_dims_who(const std::string& name) {
+  return "cohort: tensor_parallel::split_dims: the TensorParallelModule '" +
+         (name.empty() ? std::string("(the root)") : name) + "' ";
+}
+
+}  // namespace
+
 std::map<const void*, int64_t> split_dims(torch::nn::Module& module) {
   std::map<const void*, int64_t> dims;
-  auto add = [&](const torch::Tensor& t, int64_t dim) {
-    if (t.defined()) dims[t.unsafeGetTensorImpl()] = dim;
-  };
-  // Over a group of one rank a layer holds its whole tensors.
-  auto splits = [](const std::shared_ptr<Communicator>& group) { return group->size() > 1; };
-  auto visit = [&](torch::nn::Module* m) {
-    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m)) {
-      if (!splits(c->process_group())) return;
-      add(c->weight, 0);
-      add(c->bias, 0);
-    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m)) {
-      if (splits(r->process_group())) add(r->weight, 1);
-    } else if (auto* v = dynamic_cast<VocabParallelEmbeddingImpl*>(m)) {
-      if (splits(v->process_group())) add(v->weight, 0);
+  auto visit = [&](const std::string& name, torch::nn::Module& m) {
+    const auto* layer = dynamic_cast<const TensorParallelModule*>(&m);
+    if (!layer) return;
+    const auto group = layer->tensor_parallel_group();
+    if (!group) throw InvalidArgument(split_dims_who(name) + "has no tensor_parallel_group");
+    // Over a group of one rank a layer holds its whole tensors.
+    if (group->size() == 1) return;
+    for (const auto& s : layer->tensor_parallel_splits()) {
+      if (!s.parameter.defined()) continue;  // an optional one left out (a bias)
+      // A dimension the parameter lacks would cut every consumer's boxes
+      // wrong; the check is local and alike on every rank of one model.
+      if (s.dim < 0 || s.dim >= s.parameter.dim()) {
+        throw InvalidArgument(split_dims_who(name) + "splits a " +
+                              std::to_string(s.parameter.dim()) + "-D parameter along dimension " +
+                              std::to_string(s.dim));
+      }
+      dims[s.parameter.unsafeGetTensorImpl()] = s.dim;
     }
   };
   // The root by address: modules() with itself needs it held by a shared_ptr.
-  visit(&module);
-  for (const auto& m : module.modules(/*include_self=*/false)) visit(m.get());
+  visit("", module);
+  for (const auto& m : module.named_modules("", /*include_self=*/false)) visit(m.key(), *m.value());
   return dims;
 }
 

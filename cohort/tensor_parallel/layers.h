@@ -69,8 +69,12 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   /// Registers this rank's part of the weights drawn from the seed and marks
   /// it (file comment); the constructor and clone() call it.
   void reset() override;
-  /// {weight, bias}: both split by output features.
-  std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
+  /// {weight, bias}: both split by output features (dimension 0).
+  std::vector<TensorParallelSplit> tensor_parallel_splits() const override;
+  /// process_group().
+  std::shared_ptr<Communicator> tensor_parallel_group() const override { return group_; }
+  /// options().sequence_parallel.
+  bool sequence_parallel() const override { return options_.sequence_parallel; }
 
   torch::Tensor weight;  ///< [out/tp, in]
   torch::Tensor bias;    ///< [out/tp], undefined without bias
@@ -119,8 +123,13 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   /// Registers this rank's part of the weights drawn from the seed and marks
   /// it (file comment); the constructor and clone() call it.
   void reset() override;
-  /// {weight}: the bias is whole on every TP rank.
-  std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
+  /// {weight}, split by input features (dimension 1): the bias is whole on
+  /// every TP rank.
+  std::vector<TensorParallelSplit> tensor_parallel_splits() const override;
+  /// process_group().
+  std::shared_ptr<Communicator> tensor_parallel_group() const override { return group_; }
+  /// options().sequence_parallel.
+  bool sequence_parallel() const override { return options_.sequence_parallel; }
   /// {bias} under sequence parallelism with a bias, else empty.
   std::vector<torch::Tensor> sequence_parallel_parameters() const override;
 
@@ -173,8 +182,12 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
   /// Registers this rank's part of the weights drawn from the seed and marks
   /// it (file comment); the constructor and clone() call it.
   void reset() override;
-  /// {weight}: split by vocabulary rows.
-  std::vector<torch::Tensor> tensor_parallel_split_parameters() const override;
+  /// {weight}: split by vocabulary rows (dimension 0).
+  std::vector<TensorParallelSplit> tensor_parallel_splits() const override;
+  /// process_group().
+  std::shared_ptr<Communicator> tensor_parallel_group() const override { return group_; }
+  /// false: its ids and output are whole on every TP rank.
+  bool sequence_parallel() const override { return false; }
 
   torch::Tensor weight;  ///< [num_embeddings/tp, embedding_dim]
 
@@ -215,12 +228,17 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const to
                                            Communicator& tp_group,
                                            const VocabParallelCrossEntropyOptions& options = {});
 
-/// The parameters of `module` (itself and every descendant) that the TP
-/// layers above split over a group of two or more ranks, each with the
-/// dimension it is split along, keyed by its TensorImpl: a column-parallel
-/// weight and bias and a vocab-parallel table along 0, a row-parallel weight
-/// along 1. Every other parameter (a row-parallel bias, and every parameter
-/// of a layer over a group of one rank, included) is whole on every TP rank.
+/// The parameters of `module` (itself and every descendant) that a
+/// TensorParallelModule splits over a group of two or more ranks, each with
+/// the dimension it is split along (TensorParallelModule::tensor_parallel_splits),
+/// keyed by its TensorImpl: for the layers above a column-parallel weight
+/// and bias and a vocab-parallel table along 0, a row-parallel weight along
+/// 1; a layer of one's own names its own. Every other parameter (a
+/// row-parallel bias, and every parameter of a layer over a group of one
+/// rank, included) is whole on every TP rank. The gradient norms, dcp's
+/// checkpoints and the Trainer's wirings cut by it. Throws InvalidArgument
+/// naming the module for a TensorParallelModule without a group, or one that
+/// splits a parameter along a dimension it does not have.
 std::map<const void*, int64_t> split_dims(torch::nn::Module& module);
 
 /// The full (tp = 1) weights a layer with `seed` draws, as ColumnParallelLinear

@@ -9,8 +9,9 @@
 //
 // MeshGradNorm is the norm of the whole model, each parameter once: a
 // parameter that the TP layers shard (column- and row-parallel weights, a
-// column-parallel bias, a vocabulary-parallel table, an expert's w1, b1 and
-// w2 split over tp) counts on every TP rank
+// column-parallel bias, a vocabulary-parallel table, what any other
+// TensorParallelModule names, an expert's w1, b1 and w2 split over tp,
+// tensor_parallel::split_dims) counts on every TP rank
 // (each holds its own rows or columns); one replicated over TP (LayerNorms,
 // row-parallel biases, position embeddings) counts on TP rank 0 only; the
 // last stage's copy of the tied embedding does not count (the first stage's

@@ -10,8 +10,8 @@
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/fsdp/fsdp_adapters.h"
 #include "cohort/grad_sync/parameter_check.h"
+#include "cohort/mesh/tensor_parallel_module.h"
 #include "cohort/pipeline/pipeline_layout.h"
-#include "cohort/tensor_parallel/layers.h"
 #include "cohort/wiring/mesh_wiring.h"
 
 namespace cohort {
@@ -224,6 +224,7 @@ std::shared_ptr<Communicator> TrainerWiring::tensor_parallel_group(const std::st
   std::shared_ptr<Communicator> group;
   std::string first;
   auto take = [&](const std::string& name, const std::shared_ptr<Communicator>& g, bool sp) {
+    if (!g) throw InvalidArgument(where + "the tensor-parallel layer '" + name + "' has no group");
     // Over a group of one rank the layer holds its whole tensors and its
     // collectives (sequence-parallel ones too) change nothing: a plain layer.
     if (g->size() == 1) return;
@@ -243,14 +244,10 @@ std::shared_ptr<Communicator> TrainerWiring::tensor_parallel_group(const std::st
                             "' run over different groups; a model's TP layers share one");
     }
   };
+  // Every layer that says its layout (cohort's TP layers and one's own).
   for (const auto& item : model_->named_modules("model")) {
-    auto* m = item.value().get();
-    if (auto* c = dynamic_cast<tensor_parallel::ColumnParallelLinearImpl*>(m)) {
-      take(item.key(), c->process_group(), c->options().sequence_parallel);
-    } else if (auto* r = dynamic_cast<tensor_parallel::RowParallelLinearImpl*>(m)) {
-      take(item.key(), r->process_group(), r->options().sequence_parallel);
-    } else if (auto* v = dynamic_cast<tensor_parallel::VocabParallelEmbeddingImpl*>(m)) {
-      take(item.key(), v->process_group(), false);
+    if (const auto* m = dynamic_cast<const TensorParallelModule*>(item.value().get())) {
+      take(item.key(), m->tensor_parallel_group(), m->sequence_parallel());
     }
   }
   return group;

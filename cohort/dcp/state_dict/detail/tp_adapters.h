@@ -6,7 +6,8 @@
 // saved at one tp x pp x dp loads into any other (and into DDP, ZeRO or
 // FSDP at tp = pp = 1, and back). A parameter the TP layers split
 // (tensor_parallel::split_dims: column and row weights, a column bias, a
-// vocabulary table; an expert's w1, b1 and w2 split over tp,
+// vocabulary table, what a TensorParallelModule of one's own names; an
+// expert's w1, b1 and w2 split over tp,
 // expert_parallel::expert_tensor_split_dims) is TP rank r's slice r of tp
 // along its split dimension;
 // everything else is whole (replicated over TP). With a mesh "ep" dimension
