@@ -168,7 +168,10 @@ torch::Tensor gather_from_tensor_parallel_region(const torch::Tensor& x, Communi
 torch::Tensor scatter_to_sequence_parallel_region(const torch::Tensor& x, Communicator& g) {
   return ScatterTo<0>::apply(x, handle(g));
 }
-torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& x, Communicator& g) {
+torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& x, Communicator& g,
+                                                   bool tensor_parallel_output_grad) {
+  // A replicated consumer's gradient is whole on every rank: the split pair.
+  if (!tensor_parallel_output_grad) return GatherFrom<0>::apply(x, handle(g));
   return GatherPartialsFrom::apply(x, handle(g));
 }
 torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& x, Communicator& g) {

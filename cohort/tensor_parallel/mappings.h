@@ -8,6 +8,7 @@
 //   gather_from_tensor_parallel_region     all-gather last dim | split
 //   scatter_to_sequence_parallel_region    split dim 0 | all-gather
 //   gather_from_sequence_parallel_region   all-gather dim 0 | reduce-scatter
+//     (tensor_parallel_output_grad = false:   all-gather dim 0 | split)
 //   reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0 | all-gather
 //
 // Each backward is the conjugate mapping, itself an autograd function, so
@@ -36,9 +37,16 @@ torch::Tensor scatter_to_tensor_parallel_region(const torch::Tensor& input, Comm
 torch::Tensor gather_from_tensor_parallel_region(const torch::Tensor& input, Communicator& group);
 /// Keeps this rank's slice of dimension 0 (the sequence); backward all-gathers.
 torch::Tensor scatter_to_sequence_parallel_region(const torch::Tensor& input, Communicator& group);
-/// All-gathers along dimension 0; backward reduce-scatters (the consumers of
-/// the gathered tensor on every rank contribute to each slice's gradient).
-torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& input, Communicator& group);
+/// All-gathers along dimension 0. Backward, with tensor_parallel_output_grad
+/// (Megatron-LM's name and default), reduce-scatters: the consumer of the
+/// gathered tensor is tensor-parallel (a ColumnParallelLinear), each rank's
+/// gradient is a partial sum, and each slice's gradient is their sum.
+/// Without it, backward keeps this rank's slice of the gradient: the
+/// consumer is replicated (a pooler or head computed alike on every TP rank),
+/// every rank holds the whole gradient already, and a sum would multiply it
+/// by the TP size.
+torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& input, Communicator& group,
+                                                   bool tensor_parallel_output_grad = true);
 /// Reduce-scatters (sum) along dimension 0; backward all-gathers.
 torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& input,
                                                          Communicator& group);

@@ -1,7 +1,8 @@
 // Each tensor-parallel layer at tp = 1..4 against its dense LibTorch
 // equivalent built from the same seed (master_*_weights), forward and
 // backward; the vocab-parallel cross-entropy against
-// torch::nn::functional::cross_entropy; f and g against closed forms;
+// torch::nn::functional::cross_entropy; f and g against closed forms; the
+// sequence gather before a replicated consumer against one process;
 // split_dims against the layers it must name.
 // With COHORT_TEST_DEVICE=cuda the layer-against-dense cases put the
 // layers, the data and the dense reference on the GPU.
@@ -9,6 +10,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/autograd.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 
@@ -187,6 +189,32 @@ TEST_P(Layers, ConjugateMappingsClosedForm) {
     EXPECT_TRUE(torch::equal(scattered, torch::full({2, 3}, total)));
     scattered.backward(torch::full({2, 3}, mine));
     for (int r = 0; r < n; ++r) EXPECT_EQ(x4.grad()[2 * r][0].item<double>(), r + 1);
+  });
+}
+
+// gather_from_sequence_parallel_region without tensor_parallel_output_grad,
+// before a consumer computed alike on every rank (a pooler over the whole
+// sequence): each rank's slice gets its slice of one process's gradient, at
+// first order and through a gradient penalty (second order).
+TEST_P(Layers, SequenceGatherForAReplicatedConsumerMatchesDense) {
+  const int tp = GetParam();
+  const auto x0 = randn({2 * tp, 3}, 14), w = randn({3}, 15);
+  auto pooled_loss = [&](const torch::Tensor& full) { return torch::tanh(full.mean(0) * w).sum(); };
+  auto xd = x0.clone().requires_grad_();
+  auto gd = torch::autograd::grad({pooled_loss(xd)}, {xd}, {}, true, true)[0];
+  const auto first = gd.detach().clone();
+  gd.pow(2).sum().backward();
+
+  run_ranks_shared(tp, [&](std::shared_ptr<Communicator> g) {
+    torch::set_num_threads(1);
+    const int r = g->rank();
+    auto x = split_along(x0, 0, r, tp, "x").clone().requires_grad_();
+    auto full = gather_from_sequence_parallel_region(x, *g, /*tensor_parallel_output_grad=*/false);
+    expect_close(full, x0, "gathered");
+    auto gx = torch::autograd::grad({pooled_loss(full)}, {x}, {}, true, true)[0];
+    expect_close(gx, split_along(first, 0, r, tp, "g"), "input grad");
+    gx.pow(2).sum().backward();
+    expect_close(x.grad(), split_along(xd.grad(), 0, r, tp, "gg"), "gradient penalty's grad");
   });
 }
 
