@@ -5,6 +5,10 @@
 // exponentials are each one all-reduce of one value per token. The gradient
 // softmax(z) - onehot(target) needs only local columns, so backward sends
 // nothing. A target equal to ignore_index has loss 0 and a zero gradient row.
+// Half-precision logits are computed in float32, as Megatron-LM does: in
+// bfloat16 the sum of V exponentials (and its all-reduce) keeps 8 bits, and
+// in float16 it overflows past 65504 (V above that, with z = m for each);
+// the loss and the gradient come back in the logits' dtype.
 #include <torch/autograd.h>
 
 #include "cohort/core/error.h"
@@ -18,12 +22,17 @@ using torch::autograd::variable_list;
 
 namespace {
 
+// float32 for bfloat16 and float16 logits, else their own (float32, float64).
+torch::ScalarType compute_type(const torch::Tensor& logits) {
+  return at::promote_types(logits.scalar_type(), torch::kFloat);
+}
+
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor target,
                                int64_t ignore_index, int64_t group_handle) {
     auto& g = *reinterpret_cast<Communicator*>(static_cast<intptr_t>(group_handle));
     const auto vocab = logits.size(-1);
-    auto z = logits.reshape({-1, vocab}).contiguous();
+    auto z = logits.reshape({-1, vocab}).to(compute_type(logits)).contiguous();
     auto t = target.reshape({-1});
     auto ignored = t.eq(ignore_index);
     auto max = std::get<0>(z.max(1)).contiguous();
@@ -48,6 +57,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     auto softmax = exp / sum_exp.unsqueeze(1);
     ctx->save_for_backward({softmax, local_target, outside, ignored});
     ctx->saved_data["shape"] = logits.sizes().vec();
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    // In the compute dtype: the caller reduces it there before the cast.
     return (sum_exp.log() - predicted).masked_fill(ignored, 0.0).reshape(target.sizes());
   }
 
@@ -57,8 +68,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     auto hit = saved[2].logical_not().to(grad.dtype());
     grad.scatter_add_(1, saved[1].unsqueeze(1), -hit.unsqueeze(1));
     grad.masked_fill_(saved[3].unsqueeze(1), 0.0);
-    grad.mul_(grads[0].reshape({-1, 1}));
-    return once_differentiable({grad.reshape(ctx->saved_data["shape"].toIntVector()),
+    grad.mul_(grads[0].reshape({-1, 1}).to(grad.scalar_type()));
+    const auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return once_differentiable({grad.reshape(ctx->saved_data["shape"].toIntVector()).to(dtype),
                                 torch::Tensor(), torch::Tensor(), torch::Tensor()},
                                "vocab_parallel_cross_entropy");
   }
@@ -95,14 +107,17 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const to
   check_targets(logits, target, options.ignore_index, g);
   auto loss = VocabParallelCrossEntropy::apply(
       logits, target, options.ignore_index, static_cast<int64_t>(reinterpret_cast<intptr_t>(&g)));
+  // Reduced in the compute dtype, then cast to the logits' (as LibTorch's
+  // cross_entropy returns it).
+  const auto dtype = logits.scalar_type();
   switch (options.reduction) {
     case CrossEntropyReduction::None:
-      return loss;
+      return loss.to(dtype);
     case CrossEntropyReduction::Sum:
-      return loss.sum();
+      return loss.sum().to(dtype);
     case CrossEntropyReduction::Mean:
       // Over the targets not ignored; 0 / 0 (all ignored) is NaN, as in LibTorch.
-      return loss.sum() / target.ne(options.ignore_index).sum();
+      return (loss.sum() / target.ne(options.ignore_index).sum()).to(dtype);
   }
   COHORT_CHECK(false, "unknown CrossEntropyReduction");
   return loss;
