@@ -85,6 +85,11 @@ void check_targets(const torch::Tensor& logits, const torch::Tensor& target, int
   if (logits.dim() < 1 || target.sizes() != logits.sizes().slice(0, logits.dim() - 1)) {
     throw InvalidArgument(who + "target must have the logits' shape without the last dimension");
   }
+  // The loss comes back in the logits' dtype: an integer one would truncate it.
+  if (!at::isFloatingType(logits.scalar_type())) {
+    throw InvalidArgument(who + "logits must be floating point, not " +
+                          std::string(c10::toString(logits.scalar_type())));
+  }
   if (target.scalar_type() != torch::kLong) {
     throw InvalidArgument(who + "target must be int64, not " +
                           std::string(c10::toString(target.scalar_type())));

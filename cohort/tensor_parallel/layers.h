@@ -219,14 +219,15 @@ struct VocabParallelCrossEntropyOptions {
 /// Cross-entropy of logits split by vocabulary over `tp_group` (rank i holds
 /// columns [i * V/tp, (i + 1) * V/tp)) without gathering them: a max, a
 /// target logit and a sum of exponentials are all-reduced (three small
-/// all-reduces of one value per token). logits: [..., V/tp], target: int64
-/// [...], the same on every TP rank; returns the loss per token, [...] (or
-/// reduced, see the options), in the logits' dtype. Half-precision logits
-/// (bfloat16, float16) are computed, reduced and all-reduced in float32 and
-/// the loss and gradient cast back, as Megatron-LM does. Backward is local.
-/// Throws InvalidArgument on every TP rank, before any all-reduce, for a
-/// target outside [0, V) that is not ignore_index, naming the target and its
-/// (flat) index.
+/// all-reduces of one value per token). logits: floating point
+/// [..., V/tp], target: int64 [...], the same on every TP rank; returns the
+/// loss per token, [...] (or reduced, see the options), in the logits'
+/// dtype. Half-precision logits (bfloat16, float16) are computed, reduced
+/// and all-reduced in float32 and the loss and gradient cast back, as
+/// Megatron-LM does. Backward is local. Throws InvalidArgument on every TP
+/// rank, before any all-reduce, for a target outside [0, V) that is not
+/// ignore_index, naming the target and its (flat) index, and for integer
+/// logits.
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
                                            Communicator& tp_group,
                                            const VocabParallelCrossEntropyOptions& options = {});

@@ -1,6 +1,6 @@
-// Ids and targets outside the vocabulary: an exception on every TP rank
-// naming the layer, the rank and the value, never zeros, a plausible loss or
-// a hang.
+// Ids and targets outside the vocabulary, and integer logits: an exception
+// on every TP rank naming the layer, the rank and the value, never zeros, a
+// plausible loss or a hang.
 #include <gtest/gtest.h>
 
 #include "cohort/tensor_parallel/layers.h"
@@ -40,6 +40,22 @@ TEST_P(TensorParallelErrors, TargetOutsideTheVocabulary) {
       EXPECT_TRUE(has(e, "target " + std::to_string(bad) + " at index 6 is outside [0, 12)")) << e;
       EXPECT_TRUE(has(e, "ignore_index = -100")) << e;
     }
+  }
+}
+
+// The loss comes back in the logits' dtype: integer logits (which would
+// truncate it) are refused on every rank, naming the dtype.
+TEST_P(TensorParallelErrors, IntegerLogits) {
+  const int tp = GetParam();
+  const auto logits = torch::randint(5, {2, 4, kVocab});
+  const auto target = torch::randint(kVocab, {2, 4});
+  auto errors = errors_on_every_rank(tp, [&](std::shared_ptr<Communicator> g) {
+    vocab_parallel_cross_entropy(split_along(logits, 2, g->rank(), tp, "z"), target, *g);
+  });
+  for (int r = 0; r < tp; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_TRUE(has(e, "rank " + std::to_string(r) + " of " + std::to_string(tp))) << e;
+    EXPECT_TRUE(has(e, "logits must be floating point, not Long")) << e;
   }
 }
 
