@@ -120,6 +120,9 @@ GradientSynchronizer::GradientSynchronizer(DeviceMesh mesh,
         options_.dp_comm_hook ? options_.dp_comm_hook
                               : std::make_shared<AlgorithmAllReduceHook>(options_.dp_algorithm));
   }
+  // After the DP reducer's broadcast, which makes every dense peer's values
+  // DP rank 0's, so that they reach the same verdict.
+  if (options_.verify_tp_replicas && mesh_.size("tp") > 1) check_tp_replica_values(who);
 }
 
 GradientSynchronizer::~GradientSynchronizer() = default;
@@ -188,28 +191,12 @@ void GradientSynchronizer::check_embedding_tie(bool end_stage, const std::string
 
 void GradientSynchronizer::collect_sequence_parallel(const torch::nn::Module& stage,
                                                      const std::string& who) {
-  // A listed tensor outside the stage would be summed over TP while the
-  // stage's own parameter stays a partial sum: a silent wrong model. The
-  // check is local and deterministic, so every rank of one model refuses.
-  std::unordered_set<const void*> mine;
+  std::unordered_set<const void*> mine, experts;
   for (const auto& p : stage.parameters()) mine.insert(p.unsafeGetTensorImpl());
-  for (size_t i = 0; i < sp_params_.size(); ++i) {
-    const auto& p = sp_params_[i];
-    if (!p.defined() || !mine.count(p.unsafeGetTensorImpl())) {
-      throw InvalidArgument(who + "sequence-parallel parameter " + std::to_string(i) +
-                            (p.defined() ? " is not a parameter of the stage" : " is undefined"));
-    }
-  }
-  // The parameters the stage's layers know to be sequence-parallel join the
-  // list, each once (summing one twice would multiply it by tp).
-  // Experts are reduced over their replicas, not here.
-  std::unordered_set<const void*> seen, experts;
   for (const auto& p : options_.expert_parameters) experts.insert(p.unsafeGetTensorImpl());
-  std::vector<torch::Tensor> listed = std::move(sp_params_);
-  sp_params_.clear();
-  for (auto& p : listed) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) sp_params_.push_back(std::move(p));
-  }
+  // Frozen parameters are listed too: one unfrozen after construction must
+  // be summed like the others (one frozen on every rank keeps no .grad).
+  std::vector<torch::Tensor> known;
   auto visit = [&](const torch::nn::Module& m) {
     const auto* tp = dynamic_cast<const TensorParallelModule*>(&m);
     if (!tp) return;
@@ -217,12 +204,40 @@ void GradientSynchronizer::collect_sequence_parallel(const torch::nn::Module& st
       if (p.defined()) tp_split_.insert(p.unsafeGetTensorImpl());
     }
     for (const auto& p : tp->sequence_parallel_parameters()) {
-      if (!p.defined() || !p.requires_grad() || experts.count(p.unsafeGetTensorImpl())) continue;
-      if (seen.insert(p.unsafeGetTensorImpl()).second) sp_params_.push_back(p);
+      if (p.defined() && !experts.count(p.unsafeGetTensorImpl())) known.push_back(p);
     }
   };
   visit(stage);
   for (const auto& m : stage.modules(/*include_self=*/false)) visit(*m);
+  // A listed tensor outside the stage would be summed over TP while the
+  // stage's own parameter stays a partial sum; a TP rank's part of a split
+  // tensor or an expert summed over TP would mix different tensors. Every
+  // check is local and deterministic, so every rank of one model refuses.
+  for (size_t i = 0; i < sp_params_.size(); ++i) {
+    const auto& p = sp_params_[i];
+    const std::string which = who + "sequence-parallel parameter " + std::to_string(i);
+    if (!p.defined()) throw InvalidArgument(which + " is undefined");
+    const void* key = p.unsafeGetTensorImpl();
+    if (!mine.count(key)) throw InvalidArgument(which + " is not a parameter of the stage");
+    if (tp_split_.count(key)) {
+      throw InvalidArgument(which +
+                            " is split over TP (each TP rank holds a different part), so its "
+                            "gradient must not be summed over TP: list only parameters whole on "
+                            "every TP rank");
+    }
+    if (experts.count(key)) {
+      throw InvalidArgument(which + " is an expert parameter, reduced over its replicas");
+    }
+  }
+  // The parameters the stage's layers know to be sequence-parallel join the
+  // list, each once (summing one twice would multiply it by tp).
+  std::unordered_set<const void*> seen;
+  std::vector<torch::Tensor> listed = std::move(sp_params_);
+  sp_params_.clear();
+  listed.insert(listed.end(), known.begin(), known.end());
+  for (auto& p : listed) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) sp_params_.push_back(std::move(p));
+  }
 }
 
 void GradientSynchronizer::collect_tp_replicas(const torch::nn::Module& stage) {
@@ -232,33 +247,126 @@ void GradientSynchronizer::collect_tp_replicas(const torch::nn::Module& stage) {
   for (const auto& item : stage.named_parameters()) {
     const auto& p = item.value();
     const void* key = p.unsafeGetTensorImpl();
-    if (!p.requires_grad() || tp_split_.count(key) || experts.count(key)) continue;
+    // Frozen ones too: one unfrozen later must not train apart unchecked.
+    if (tp_split_.count(key) || experts.count(key)) continue;
     if (!rank_local_refusal({p}).empty()) continue;  // an MoE's experts split over TP
     tp_replicas_.emplace_back(item.key(), p);
   }
 }
 
-std::string GradientSynchronizer::tp_replica_mismatch(bool& deferred) {
-  deferred = false;
-  if (tp_replicas_.empty()) return "";
-  // Per parameter the sum and the sum of magnitudes of its gradient (zeros
-  // where it has none), in double; equal gradients give equal digests.
+namespace {
+
+// Per tensor the sum and the sum of magnitudes (zeros where undefined), in
+// double, of every TP rank: [tp, n, 2] on the CPU. Equal tensors give equal
+// digests. One all-gather over `tp`.
+torch::Tensor tp_digests(Communicator& tp, const std::vector<torch::Tensor>& tensors) {
   std::vector<torch::Tensor> parts;
-  torch::Device device = tp_replicas_.front().second.device();
-  for (const auto& named : tp_replicas_) {
-    const auto& g = named.second.grad();
-    if (!g.defined()) {
+  const torch::Device device = tensors.front().device();
+  for (const auto& t : tensors) {
+    if (!t.defined()) {
       parts.push_back(torch::zeros({2}, torch::dtype(torch::kFloat64).device(device)));
       continue;
     }
-    auto d = g.detach().to(device, torch::kFloat64);
+    auto d = t.detach().to(device, torch::kFloat64);
     parts.push_back(torch::stack({d.sum(), d.abs().sum()}));
   }
-  auto& tp = *mesh_["tp"].process_group();
   auto mine = torch::stack(parts).reshape({-1});
   auto all = torch::empty({tp.size() * mine.numel()}, mine.options());
   tp.all_gather_into_tensor(all, mine).wait();
-  auto table = all.reshape({tp.size(), -1, 2}).cpu();
+  return all.reshape({tp.size(), -1, 2}).cpu();
+}
+
+// The verdicts (0 fine, 1 deferred, 2 refused) of every stage of this rank's
+// "pp" group, for a check whose stages check different parameters: one that
+// refuses while the next goes on would leave that one waiting for its
+// activations until the timeout. One all-gather of a word over "pp".
+torch::Tensor stage_verdicts(Communicator& pp, int64_t mine) {
+  auto verdicts = torch::full({1}, mine, torch::kInt64);
+  if (pp.size() == 1) return verdicts;
+  auto all = torch::empty({pp.size()}, torch::kInt64);
+  pp.all_gather_into_tensor(all, verdicts).wait();
+  return all;
+}
+
+void refuse_with_stages(const std::string& who, const std::string& mine,
+                        const torch::Tensor& verdicts, const std::string& what) {
+  if (!mine.empty()) throw InvalidArgument(who + mine);
+  for (int64_t s = 0; s < verdicts.numel(); ++s) {
+    if (verdicts[s].item<int64_t>() == 2) {
+      throw InvalidArgument(who + "pipeline stage " + std::to_string(s) +
+                            " (its rank in this rank's \"pp\" group) found " + what +
+                            "; its ranks name the parameter");
+    }
+  }
+}
+
+}  // namespace
+
+void GradientSynchronizer::check_tp_replica_values(const std::string& who) {
+  // Replicas drawn from different seeds per rank (a habit under DDP, which
+  // broadcasts) would train apart with no error: nothing else compares
+  // values over TP. Exact: replicas built alike are equal bit for bit.
+  std::string mismatch;
+  if (!tp_replicas_.empty()) {
+    std::vector<torch::Tensor> values;
+    for (const auto& named : tp_replicas_) values.push_back(named.second);
+    auto& tp = *mesh_["tp"].process_group();
+    const auto table = tp_digests(tp, values);
+    auto t = table.accessor<double, 3>();
+    for (size_t i = 0; i < tp_replicas_.size() && mismatch.empty(); ++i) {
+      for (int r = 1; r < tp.size(); ++r) {
+        if (t[r][i][0] == t[0][i][0] && t[r][i][1] == t[0][i][1]) continue;
+        mismatch = "the values of parameter '" + tp_replicas_[i].first +
+                   "', whole on every TP rank, differ across TP ranks (sum " +
+                   std::to_string(t[0][i][0]) + " on tp rank 0, " + std::to_string(t[r][i][0]) +
+                   " on tp rank " + std::to_string(r) +
+                   "): its TP replicas would train apart. Draw them from the same seed on every "
+                   "TP rank; if a layer of your own splits it over TP, implement "
+                   "TensorParallelModule in that layer (or set "
+                   "GradientSynchronizerOptions::verify_tp_replicas = false)";
+        break;
+      }
+    }
+  }
+  const auto verdicts = stage_verdicts(*mesh_["pp"].process_group(), mismatch.empty() ? 0 : 2);
+  refuse_with_stages(who, mismatch, verdicts,
+                     "a parameter whole on every TP rank whose values differ across TP ranks");
+}
+
+std::string GradientSynchronizer::sequence_parallel_already_whole() {
+  // Before the TP sum of the first step: a listed parameter whose gradient
+  // is the same non-zero tensor on every TP rank saw whole activations, and
+  // summing it would multiply it by tp. Partial sums over different parts
+  // of the sequence agree bit for bit only by accident.
+  if (sp_params_.empty()) return "";
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : sp_params_) grads.push_back(p.grad());
+  auto& tp = *mesh_["tp"].process_group();
+  auto table = tp_digests(tp, grads);
+  if (!torch::isfinite(table).all().item<bool>()) return "";
+  auto t = table.accessor<double, 3>();
+  for (size_t i = 0; i < sp_params_.size(); ++i) {
+    bool same = t[0][i][1] > 0;
+    for (int r = 1; r < tp.size() && same; ++r) {
+      same = t[r][i][0] == t[0][i][0] && t[r][i][1] == t[0][i][1];
+    }
+    if (!same) continue;
+    return "sequence-parallel parameter " + std::to_string(i) +
+           " has the same gradient on every TP rank (sum " + std::to_string(t[0][i][0]) +
+           "): it sees whole activations, not ones split along the sequence, and summing it over "
+           "TP would multiply it by " +
+           std::to_string(tp.size()) + ". Leave it out of sequence_parallel_parameters";
+  }
+  return "";
+}
+
+std::string GradientSynchronizer::tp_replica_mismatch(bool& deferred) {
+  deferred = false;
+  if (tp_replicas_.empty()) return "";
+  std::vector<torch::Tensor> grads;
+  for (const auto& named : tp_replicas_) grads.push_back(named.second.grad());
+  auto& tp = *mesh_["tp"].process_group();
+  auto table = tp_digests(tp, grads);
   // An overflowed step (inf or NaN gradients, which a loss scaler skips)
   // proves nothing either way: every TP rank sees the same table.
   if (!torch::isfinite(table).all().item<bool>()) {
@@ -287,33 +395,18 @@ std::string GradientSynchronizer::tp_replica_mismatch(bool& deferred) {
   return "";
 }
 
-void GradientSynchronizer::verify_tp_replicas() {
+void GradientSynchronizer::verify_tp_replicas(const std::string& before_sum) {
   // Every DP, CP and EP peer holds the same reduced gradients, so they reach
-  // the same verdict; the pipeline stages check different parameters, so
-  // the stages agree on theirs (one all-gather over "pp", once): a stage
-  // that refuses while the next goes on would leave that one waiting for
-  // its activations until the timeout. 0 verified, 1 deferred, 2 refused.
+  // the same verdict; the stages agree on theirs (once).
   bool deferred = false;
-  const std::string mismatch = tp_replica_mismatch(deferred);
+  const std::string mismatch = !before_sum.empty() ? before_sum : tp_replica_mismatch(deferred);
   const int64_t mine = !mismatch.empty() ? 2 : deferred ? 1 : 0;
-  auto verdicts = torch::full({1}, mine, torch::kInt64);
-  auto& pp = *mesh_["pp"].process_group();
-  if (pp.size() > 1) {
-    auto one = verdicts;
-    verdicts = torch::empty({pp.size()}, torch::kInt64);
-    pp.all_gather_into_tensor(verdicts, one).wait();
-  }
+  const auto verdicts = stage_verdicts(*mesh_["pp"].process_group(), mine);
   const std::string who = "cohort: GradientSynchronizer (rank " + std::to_string(mesh_.rank()) +
                           "): after the reduction, ";
-  if (!mismatch.empty()) throw InvalidArgument(who + mismatch);
-  for (int s = 0; s < pp.size(); ++s) {
-    if (verdicts[s].item<int64_t>() == 2) {
-      throw InvalidArgument(who + "pipeline stage " + std::to_string(s) +
-                            " (its rank in this rank's \"pp\" group) found a parameter whole "
-                            "on every TP rank whose gradient differs across TP ranks; its ranks "
-                            "name the parameter");
-    }
-  }
+  refuse_with_stages(who, mismatch, verdicts,
+                     "a parameter whole on every TP rank whose gradient differs across TP "
+                     "ranks, or a sequence-parallel one whose gradient does not");
   tp_verified_ = verdicts.max().item<int64_t>() == 0;
 }
 
@@ -381,6 +474,8 @@ void GradientSynchronizer::finish_backward() {
 }
 
 void GradientSynchronizer::reduce_now() {
+  const bool verify = !tp_verified_ && options_.verify_tp_replicas && mesh_.size("tp") > 1;
+  const std::string before_sum = verify ? sequence_parallel_already_whole() : "";
   all_reduce_grads(*mesh_["tp"].process_group(), sp_params_, options_.tp_algorithm, stats_.tp);
   if (mesh_.size("pp") > 1 && embedding_group_) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -391,7 +486,7 @@ void GradientSynchronizer::reduce_now() {
     stats_.pp.seconds += sync_seconds_since(t0);
   }
   reduce_experts();
-  if (!tp_verified_ && options_.verify_tp_replicas && mesh_.size("tp") > 1) verify_tp_replicas();
+  if (verify) verify_tp_replicas(before_sum);
   if (reducer_) {
     const auto& d = reducer_->stats();
     stats_.dp.ops += d.buckets;

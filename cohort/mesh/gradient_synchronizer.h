@@ -102,15 +102,21 @@ struct GradientSynchronizerOptions {
   /// parameter is averaged over the dense group. Empty: every parameter is
   /// replicated over the dense group.
   std::vector<torch::Tensor> expert_parameters;
-  /// At the first reducing step over a "tp" above 1, compare over TP a digest
-  /// of the reduced gradients of the parameters that are whole on every TP
-  /// rank (every parameter but those a TensorParallelModule splits, the
-  /// experts and those marked rank-local): they must agree, and do not when
-  /// a parameter that sees sequence-split activations is missing from
-  /// sequence_parallel_parameters. One all-gather of two numbers per
-  /// parameter over TP and one of a word over PP, once; a mismatch is an
-  /// InvalidArgument on every rank of every stage. Turn it off only for a stage whose own layers
-  /// split parameters over TP without implementing TensorParallelModule.
+  /// Over a "tp" above 1, compare over TP digests (sum and sum of
+  /// magnitudes) of the parameters that are whole on every TP rank (every
+  /// parameter, frozen ones too, but those a TensorParallelModule splits, the
+  /// experts and those marked rank-local): at construction their values must
+  /// be equal (they are not when each rank drew them from its own seed); at
+  /// the first reducing step their reduced gradients must agree (they do not
+  /// when a parameter that sees sequence-split activations is missing from
+  /// sequence_parallel_parameters), and before the TP sum no
+  /// sequence-parallel parameter may have the same non-zero gradient on
+  /// every TP rank (one that sees whole activations, which the sum would
+  /// multiply by tp). Each check is one all-gather of two numbers per
+  /// parameter over TP and one of a word over PP; a mismatch is an
+  /// InvalidArgument on every rank of every stage. Turn it off only for a
+  /// stage whose own layers split parameters over TP without implementing
+  /// TensorParallelModule.
   bool verify_tp_replicas = true;
 };
 
@@ -136,7 +142,8 @@ class GradientSynchronizer {
   /// averaged with other ranks' experts). `sequence_parallel_parameters` and
   /// `shared_embedding` (ignored on middle stages) must be parameters of
   /// `stage` (InvalidArgument otherwise: a tensor of another module would be
-  /// reduced while the stage's own stays partial). The gradients summed over
+  /// reduced while the stage's own stays partial), and none may be split by
+  /// a TensorParallelModule or be an expert. The gradients summed over
   /// TP are `sequence_parallel_parameters` together with those every
   /// TensorParallelModule in `stage` names (a RowParallelLinear bias under
   /// sequence parallelism), each once, experts excepted; the caller lists
@@ -215,9 +222,17 @@ class GradientSynchronizer {
   void check_embedding_tie(bool end_stage, const std::string& who) const;
   void collect_sequence_parallel(const torch::nn::Module& stage, const std::string& who);
   void collect_tp_replicas(const torch::nn::Module& stage);
+  // options.verify_tp_replicas at construction: the TP-replicated
+  // parameters' values agree over TP (InvalidArgument on every rank of every
+  // stage otherwise).
+  void check_tp_replica_values(const std::string& who);
+  // Before the first TP sum: the first sequence-parallel parameter whose
+  // gradient is the same non-zero tensor on every TP rank (empty if none).
+  std::string sequence_parallel_already_whole();
   // options.verify_tp_replicas, at the first reducing step without inf or
-  // NaN: InvalidArgument on every rank of every stage.
-  void verify_tp_replicas();
+  // NaN: InvalidArgument on every rank of every stage (`before_sum`, this
+  // stage's refusal found before the TP sum, if any).
+  void verify_tp_replicas(const std::string& before_sum);
   // This stage's part: the first TP-replicated parameter whose reduced
   // gradient differs across TP (empty if none, or if the step overflowed:
   // then `deferred`).

@@ -4,7 +4,10 @@
 // lists only the LayerNorm (the layer names its bias itself, and a bias
 // listed again is summed once); a LayerNorm left out is an InvalidArgument
 // on every rank at the first step (its TP replicas' gradients differ), and
-// a listed tensor that is not the stage's is refused at construction.
+// a listed tensor that is not the stage's, or is split over TP, is refused at
+// construction, as are replicas whose values differ; one that sees whole
+// activations is refused at the first step. A parameter frozen while the
+// synchronizer is built and unfrozen later is summed like the others.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/normalization.h>
@@ -72,8 +75,11 @@ void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std
 enum class Listed { LayerNorm, LayerNormAndBiasTwice, Nothing };
 
 // One step of the block on tp ranks (threads) with the caller listing
-// `listed`; runs `check(block, rank)` after finish_backward.
-void step(int tp, Listed listed, const std::function<void(Block&, int)>& check) {
+// `listed`; runs `check(block, rank)` after finish_backward. With
+// `unfreeze_later`, the row-parallel bias is frozen while the synchronizer
+// is built and unfrozen before the step.
+void step(int tp, Listed listed, const std::function<void(Block&, int)>& check,
+          bool unfreeze_later = false) {
   const auto x = randn({kSeq, kHidden}, 1), c = randn({kSeq, kHidden}, 2);
   run_ranks_shared(tp, [&](std::shared_ptr<Communicator> world) {
     torch::set_num_threads(1);
@@ -84,7 +90,9 @@ void step(int tp, Listed listed, const std::function<void(Block&, int)>& check) 
     if (listed == Listed::LayerNormAndBiasTwice) {
       sp.insert(sp.end(), {block->out->bias, block->out->bias});
     }
+    if (unfreeze_later) block->out->bias.requires_grad_(false);
     cohort::GradientSynchronizer sync(mesh, block.ptr(), sp, torch::Tensor());
+    if (unfreeze_later) block->out->bias.requires_grad_(true);
     const int r = world->rank();
     sync.prepare_forward();
     auto y = block(split_along(x, 0, r, tp, "x").clone());
@@ -102,15 +110,21 @@ TEST_P(SequenceParallelSync, LayersNameTheirBiasTheCallerItsLayerNorm) {
   const auto x = randn({kSeq, kHidden}, 1), c = randn({kSeq, kHidden}, 2);
   const auto want = reference_grads(x, c);
   for (Listed listed : {Listed::LayerNorm, Listed::LayerNormAndBiasTwice}) {
-    step(tp, listed, [&](Block& b, int r) {
-      const std::string at = " (tp " + std::to_string(tp) + ", rank " + std::to_string(r) + ")";
-      expect_close(b->ln->weight.grad(), want[0], "LayerNorm weight" + at);
-      expect_close(b->ln->bias.grad(), want[1], "LayerNorm bias" + at);
-      expect_close(b->in->weight.grad(), split_along(want[2], 0, r, tp, "w1"), "w1" + at);
-      expect_close(b->in->bias.grad(), split_along(want[3], 0, r, tp, "b1"), "b1" + at);
-      expect_close(b->out->weight.grad(), split_along(want[4], 1, r, tp, "w2"), "w2" + at);
-      expect_close(b->out->bias.grad(), want[5], "row-parallel bias" + at);
-    });
+    for (bool unfreeze_later : {false, true}) {
+      step(
+          tp, listed,
+          [&](Block& b, int r) {
+            const std::string at = " (tp " + std::to_string(tp) + ", rank " + std::to_string(r) +
+                                   (unfreeze_later ? ", bias unfrozen after construction)" : ")");
+            expect_close(b->ln->weight.grad(), want[0], "LayerNorm weight" + at);
+            expect_close(b->ln->bias.grad(), want[1], "LayerNorm bias" + at);
+            expect_close(b->in->weight.grad(), split_along(want[2], 0, r, tp, "w1"), "w1" + at);
+            expect_close(b->in->bias.grad(), split_along(want[3], 0, r, tp, "b1"), "b1" + at);
+            expect_close(b->out->weight.grad(), split_along(want[4], 1, r, tp, "w2"), "w2" + at);
+            expect_close(b->out->bias.grad(), want[5], "row-parallel bias" + at);
+          },
+          unfreeze_later);
+    }
   }
 }
 
@@ -195,6 +209,88 @@ TEST_P(SequenceParallelSync, ATensorOutsideTheStageIsRefusedOnEveryRank) {
                      "): sequence-parallel parameter 1 is not a parameter of the stage"),
               std::string::npos)
         << e;
+  }
+}
+
+// A TP rank's part of a split tensor summed over TP would mix the parts.
+TEST_P(SequenceParallelSync, ASplitParameterListedIsRefusedOnEveryRank) {
+  const int tp = GetParam();
+  auto errors = errors_on_every_rank(tp, [&](std::shared_ptr<Communicator> world) {
+    auto mesh = init_device_mesh(world, {1, 1, tp}, {"pp", "dp", "tp"});
+    Block block(mesh["tp"]);
+    cohort::GradientSynchronizer sync(mesh, block.ptr(), {block->ln->weight, block->in->bias},
+                                      torch::Tensor());
+  });
+  for (int r = 0; r < tp; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_NE(e.find("GradientSynchronizer (rank " + std::to_string(r) +
+                     "): sequence-parallel parameter 1 is split over TP"),
+              std::string::npos)
+        << e;
+  }
+}
+
+// A LayerNorm before the scatter to the sequence-parallel region sees the
+// whole sequence on every rank: its gradient is whole already, and listing
+// it would multiply it by tp.
+TEST_P(SequenceParallelSync, AParameterThatSeesWholeActivationsListedIsRefusedOnEveryRank) {
+  const int tp = GetParam();
+  const auto x = randn({kSeq, kHidden}, 1), c = randn({kSeq, kHidden}, 2);
+  auto errors = errors_on_every_rank(tp, [&](std::shared_ptr<Communicator> world) {
+    torch::set_num_threads(1);
+    auto mesh = init_device_mesh(world, {1, 1, tp}, {"pp", "dp", "tp"});
+    Block block(mesh["tp"]);
+    auto pre =
+        block->register_module("pre", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    cohort::GradientSynchronizer sync(
+        mesh, block.ptr(), {block->ln->weight, block->ln->bias, pre->weight}, torch::Tensor());
+    const int r = world->rank();
+    sync.prepare_forward();
+    auto y =
+        block(scatter_to_sequence_parallel_region(pre->forward(x), *mesh["tp"].process_group()));
+    sync.after_forward({y});
+    (y * split_along(c, 0, r, tp, "c")).sum().backward();
+    sync.finish_backward();
+  });
+  for (int r = 0; r < tp; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    if (tp == 1) {  // one rank: nothing is summed, nothing multiplied
+      EXPECT_EQ(e, kNoError);
+      continue;
+    }
+    EXPECT_NE(e.find("GradientSynchronizer (rank " + std::to_string(r) +
+                     "): after the reduction, sequence-parallel parameter 2 has the same "
+                     "gradient on every TP rank"),
+              std::string::npos)
+        << e;
+  }
+}
+
+// Replicas drawn apart (each rank seeding its own generator) are refused
+// at construction, a frozen one too.
+TEST_P(SequenceParallelSync, ReplicasWhoseValuesDifferAreRefusedOnEveryRank) {
+  const int tp = GetParam();
+  for (bool frozen : {false, true}) {
+    auto errors = errors_on_every_rank(tp, [&](std::shared_ptr<Communicator> world) {
+      auto mesh = init_device_mesh(world, {1, 1, tp}, {"pp", "dp", "tp"});
+      Block block(mesh["tp"]);
+      torch::NoGradGuard no_grad;
+      block->ln->weight.add_(0.01 * world->rank());
+      block->ln->weight.requires_grad_(!frozen);
+      cohort::GradientSynchronizer sync(mesh, block.ptr(), {block->ln->bias}, torch::Tensor());
+    });
+    for (int r = 0; r < tp; ++r) {
+      const auto& e = errors[static_cast<size_t>(r)];
+      if (tp == 1) {
+        EXPECT_EQ(e, kNoError);
+        continue;
+      }
+      EXPECT_NE(e.find("GradientSynchronizer (rank " + std::to_string(r) +
+                       "): the values of parameter 'ln.weight', whole on every TP rank, differ "
+                       "across TP ranks"),
+                std::string::npos)
+          << (frozen ? "frozen: " : "") << e;
+    }
   }
 }
 
