@@ -152,7 +152,7 @@ TEST_P(CustomTensorParallelLayer, MeshGradNormIsOneProcesssNorm) {
     sync.after_forward({y});
     y.pow(2).sum().backward();
     sync.finish_backward();
-    MeshGradNorm norm(mesh, *net, torch::Tensor());
+    MeshGradNorm norm(mesh, *net, {});
     EXPECT_NEAR(norm.global_norm(net->parameters()), want, 1e-6 * want) << "rank " << world->rank();
   });
 }
