@@ -591,31 +591,36 @@ void bad_group_ranks_are_refused(Communicator& comm, torch::Dtype) {
 }  // namespace
 
 const std::vector<ContractCase>& contract_cases() {
-  static const std::vector<ContractCase> cases = {
-      {"AllReduceEveryOpAndCount", all_reduce_every_op_and_count, true, true},
-      {"AllReduceCoalescedMixedSizes", all_reduce_coalesced_mixed_sizes, true, false},
-      {"AvgIsForFloatingDtypes", avg_is_for_floating_dtypes, true, false},
-      {"MinMaxPropagateNaN", min_max_propagate_nan, true, true},
-      {"MinMaxOrderSignedValues", min_max_order_signed_values, true, false},
-      {"BroadcastFromLastRank", broadcast_from_last_rank, true, false},
-      {"ReduceToMiddleRank", reduce_to_middle_rank, true, false},
-      {"AllGatherBothForms", all_gather_both_forms, true, true},
-      {"ReduceScatterBothForms", reduce_scatter_both_forms, true, true},
-      {"ManyInFlight", many_in_flight, false, true},
-      {"TensorsThatRequireGrad", tensors_that_require_grad, false, false},
-      {"GatherAndScatterAtLastRank", gather_and_scatter_at_last_rank, true, false},
-      {"AllToAllEqualAndUneven", all_to_all_equal_and_uneven, true, false},
-      {"AllToAllInPlaceAndOverlapping", all_to_all_in_place_and_overlapping, true, false},
-      {"GathersAndReduceScattersOverlapping", gathers_and_reduce_scatters_overlapping, true, true},
-      {"GatherAndScatterOverlapping", gather_and_scatter_overlapping, true, false},
-      {"P2PTagsKeepMessagesApart", p2p_tags_keep_messages_apart, false, false, 2},
-      {"P2POneTagArrivesInOrder", p2p_one_tag_arrives_in_order, false, false, 2},
-      {"P2PBadPeersAndTagsAreRefused", p2p_bad_peers_and_tags_are_refused, false, false},
-      {"NewGroupOfOddRanksInReverse", new_group_of_odd_ranks_in_reverse, false, false, 2},
-      {"SplitByColorRanksByKey", split_by_color_ranks_by_key, false, false},
-      {"BadGroupRanksAreRefused", bad_group_ranks_are_refused, false, false},
-      {"GroupsDroppedAtOnce", groups_dropped_at_once, false, false},
-  };
+  static const std::vector<ContractCase> cases = [] {
+    std::vector<ContractCase> all = {
+        {"AllReduceEveryOpAndCount", all_reduce_every_op_and_count, true, true},
+        {"AllReduceCoalescedMixedSizes", all_reduce_coalesced_mixed_sizes, true, false},
+        {"AvgIsForFloatingDtypes", avg_is_for_floating_dtypes, true, false},
+        {"MinMaxPropagateNaN", min_max_propagate_nan, true, true},
+        {"MinMaxOrderSignedValues", min_max_order_signed_values, true, false},
+        {"BroadcastFromLastRank", broadcast_from_last_rank, true, false},
+        {"ReduceToMiddleRank", reduce_to_middle_rank, true, false},
+        {"AllGatherBothForms", all_gather_both_forms, true, true},
+        {"ReduceScatterBothForms", reduce_scatter_both_forms, true, true},
+        {"ManyInFlight", many_in_flight, false, true},
+        {"TensorsThatRequireGrad", tensors_that_require_grad, false, false},
+        {"GatherAndScatterAtLastRank", gather_and_scatter_at_last_rank, true, false},
+        {"AllToAllEqualAndUneven", all_to_all_equal_and_uneven, true, false},
+        {"AllToAllInPlaceAndOverlapping", all_to_all_in_place_and_overlapping, true, false},
+        {"GathersAndReduceScattersOverlapping", gathers_and_reduce_scatters_overlapping, true,
+         true},
+        {"GatherAndScatterOverlapping", gather_and_scatter_overlapping, true, false},
+        {"P2PTagsKeepMessagesApart", p2p_tags_keep_messages_apart, false, false, 2},
+        {"P2POneTagArrivesInOrder", p2p_one_tag_arrives_in_order, false, false, 2},
+        {"P2PBadPeersAndTagsAreRefused", p2p_bad_peers_and_tags_are_refused, false, false},
+        {"NewGroupOfOddRanksInReverse", new_group_of_odd_ranks_in_reverse, false, false, 2},
+        {"SplitByColorRanksByKey", split_by_color_ranks_by_key, false, false},
+        {"BadGroupRanksAreRefused", bad_group_ranks_are_refused, false, false},
+        {"GroupsDroppedAtOnce", groups_dropped_at_once, false, false},
+    };
+    for (auto& c : in_flight_cases()) all.push_back(c);
+    return all;
+  }();
   return cases;
 }
 

@@ -28,5 +28,7 @@ struct ContractCase {
 };
 
 const std::vector<ContractCase>& contract_cases();
+/// The cases on operations in flight (in_flight_cases.cpp), part of contract_cases().
+std::vector<ContractCase> in_flight_cases();
 
 }  // namespace cohort::testing
