@@ -7,6 +7,7 @@
 #include "cohort/algorithms/executor.h"
 #include "cohort/comm/collective_checker.h"
 #include "cohort/comm/communicator_internal.h"
+#include "cohort/comm/in_flight.h"
 #include "cohort/core/error.h"
 #include "cohort/core/signature.h"
 #include "cohort/core/tensor_checks.h"
@@ -73,6 +74,7 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
       rank_(engine_->rank()),
       size_(engine_->size()),
       device_tensors_(engine_->carries_device_tensors()),
+      in_flight_(std::make_unique<detail::InFlight>()),
       health_(std::make_shared<Health>()) {
   // Once per process, before the first counted operation.
   tick_clock::calibrate();
@@ -100,7 +102,11 @@ Communicator::Communicator(std::unique_ptr<Engine> engine, std::shared_ptr<Store
   if (options_.algorithm != Algorithm::Engine) algorithms();
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // Dropped handles of collectives the engine finished still get their
+  // results; nothing here blocks.
+  in_flight_->drain();
+}
 
 void Communicator::align_trace_clock() {
   // Rank 0 answers a few pings from each rank in turn with its clock; a
@@ -215,11 +221,22 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
   return call;
 }
 
-Communicator::Call Communicator::begin_collective(const std::string& op, Millis timeout) const {
+Communicator::Call Communicator::begin_collective(const std::string& op, Millis timeout,
+                                                  const detail::Access& access) {
+  // Before begin(): a waited-for collective that failed makes it refuse.
+  settle(access);
   auto call = begin(op, timeout, {});
   call.ctx.all_peers = true;
   call.ctx.debug_checks = checker_ != nullptr;
+  call.access = &access;
   return call;
+}
+
+void Communicator::settle(const detail::Access& access) { in_flight_->settle(access); }
+
+Work Communicator::track_in_flight(const detail::Access& access, Work work) {
+  in_flight_->add(access, work);
+  return work;
 }
 
 void Communicator::Call::refuse(const std::string& why) const {
@@ -257,13 +274,15 @@ Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> 
   // An operation the engine finished at issue, with nothing to run after it,
   // needs no state: the empty Work (no allocation, no context copy) is done.
   if (!traced && !on_success && impl == done_work()) return Work();
-  return Work(std::move(impl), call.ctx, std::move(on_success), [health](const std::string& why) {
+  Work work(std::move(impl), call.ctx, std::move(on_success), [health](const std::string& why) {
     std::lock_guard<std::mutex> lock(health->mu);
     if (!health->broken) {
       health->broken = true;
       health->reason = why;
     }
   });
+  if (call.access) in_flight_->add(*call.access, work);
+  return work;
 }
 
 Work Communicator::finish_reduction(const Call& call, WorkPtr impl, torch::Tensor out,
@@ -301,15 +320,28 @@ void Communicator::check_per_rank(const Call& call, const std::vector<torch::Ten
 }
 
 Work Communicator::barrier(const BarrierOptions& opts) {
-  auto call = begin_collective("barrier", opts.timeout);
+  const detail::Access nothing;
+  auto call = begin_collective("barrier", opts.timeout, nothing);
   debug_check(call, [] { return std::string("barrier()"); });
   Signature sig;
   sig.timeout = call.ctx.timeout;
   SignatureScope scope(sig);
-  return finish(call, engine_->barrier());
+  // The collectives issued before it complete by the barrier's completion,
+  // their results in place (handles the caller dropped included); each
+  // rank issued them before the barrier, so waiting for them cannot hang.
+  auto earlier = in_flight_->pending();
+  if (earlier.empty()) return finish(call, engine_->barrier());
+  return finish(call, engine_->barrier(), [earlier]() mutable {
+    for (auto& w : earlier) w.wait();
+  });
 }
 
 Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendOptions& opts) {
+  // Point-to-point is not tracked (waiting for it could need its peer's
+  // later call), but waits for this group's collectives on its bytes.
+  detail::Access access;
+  access.read(caller_tensor);
+  settle(access);
   if (detail::stages(*engine_, detail::on_device(caller_tensor))) {
     auto s = detail::staging(*this, "send");
     auto host = s.read(caller_tensor, "tensor");
@@ -331,6 +363,11 @@ Work Communicator::send(const torch::Tensor& caller_tensor, int dst, const SendO
 }
 
 Work Communicator::recv(torch::Tensor& caller_tensor, int src, const RecvOptions& opts) {
+  // Point-to-point is not tracked (waiting for it could need its peer's
+  // later call), but waits for this group's collectives on its bytes.
+  detail::Access access;
+  access.write(caller_tensor);
+  settle(access);
   if (detail::stages(*engine_, detail::on_device(caller_tensor))) {
     auto s = detail::staging(*this, "recv");
     auto host = s.write(caller_tensor, "tensor");

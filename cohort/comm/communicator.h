@@ -10,8 +10,10 @@
 //
 // A communicator is used from one thread at a time per group, and every rank
 // of a group must issue the group's collectives in the same order (as in
-// torch.distributed). After a timeout or a peer failure the communicator
-// refuses further operations: the transport's state is unknown.
+// torch.distributed). Operations on the same memory take effect in issue
+// order: a collective issued while an earlier one of this communicator
+// still reads or writes its bytes first completes that one (in_flight.h). After a timeout or a peer
+// failure the communicator refuses further operations: the transport's state is unknown.
 #pragma once
 
 #include <torch/types.h>
@@ -35,6 +37,10 @@ struct StatsCounters;
 namespace algorithms {
 class Executor;
 }
+namespace detail {
+class Access;
+class InFlight;
+}  // namespace detail
 
 /// A group of ranks that run collectives and point-to-point together (torch.distributed's process
 /// group). Built by init() or connect() on every rank; shared between the DDP, ZeRO and Trainer
@@ -170,12 +176,20 @@ class Communicator {
     int64_t bytes = 0;
     mutable Algorithm algo = Algorithm::Engine;
     uint64_t seq = 0;
+    // A collective's bytes, for the in-flight list (null: not tracked).
+    const detail::Access* access = nullptr;
     std::string where() const { return ctx.describe(); }
     /// Throws InvalidArgument "cohort: <where()>: <why>".
     [[noreturn]] void refuse(const std::string& why) const;
   };
   Call begin(const std::string& op, Millis timeout, std::vector<int> peers) const;
-  Call begin_collective(const std::string& op, Millis timeout) const;
+  /// A collective's prologue: first completes the earlier collectives whose
+  /// bytes `access` conflicts with; finish() then tracks the new one.
+  Call begin_collective(const std::string& op, Millis timeout, const detail::Access& access);
+  /// The part of begin_collective() that staging runs before it copies.
+  void settle(const detail::Access& access);
+  /// Tracks a collective's Work in the in-flight list; returns it.
+  Work track_in_flight(const detail::Access& access, Work work);
   /// COHORT_DEBUG=detail: every rank must pass the same fingerprint, which is
   /// built only when the check is on.
   template <class Fingerprint>
@@ -222,6 +236,7 @@ class Communicator {
   std::unique_ptr<CollectiveChecker> checker_;
   uint64_t groups_created_ = 0;
   std::shared_ptr<const int> lifetime_ = std::make_shared<const int>(0);  // see lifetime()
+  std::unique_ptr<detail::InFlight> in_flight_;  // this group's collectives in flight
 
   /// Set by the first failed operation, checked by every later one; shared
   /// with the Work handles, which may outlive the communicator.

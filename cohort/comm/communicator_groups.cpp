@@ -6,10 +6,28 @@
 #include <set>
 
 #include "cohort/comm/communicator.h"
+#include "cohort/comm/communicator_internal.h"
+#include "cohort/comm/in_flight.h"
 #include "cohort/core/error.h"
 #include "cohort/core/store/prefix_store.h"
 
 namespace cohort {
+namespace {
+
+// The members in order, hashed (FNV-1a, never 0): a signature's layout, so
+// that ranks that list a group differently disagree before building it.
+uint32_t ranks_hash(const std::vector<int>& ranks) {
+  uint32_t h = 2166136261u;
+  for (int r : ranks) {
+    for (int b = 0; b < 4; ++b) {
+      h ^= static_cast<uint32_t>(r >> (8 * b)) & 0xffu;
+      h *= 16777619u;
+    }
+  }
+  return h == 0 ? 1 : h;
+}
+
+}  // namespace
 
 std::shared_ptr<Communicator> Communicator::make_subgroup(const std::vector<int>& ranks,
                                                           const std::string& key_space,
@@ -34,7 +52,8 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
 
 std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks,
                                                       CommunicatorOptions options) {
-  auto call = begin_collective("new_group", kDefaultTimeout);
+  const detail::Access nothing;
+  auto call = begin_collective("new_group", kDefaultTimeout, nothing);
   std::set<int> seen;
   std::string listed;
   for (int r : ranks) {
@@ -47,6 +66,26 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
   }
   if (ranks.empty()) call.refuse("ranks is empty");
   debug_check(call, [&] { return "new_group([" + listed + "])"; });
+  // Every rank must list the same members in the same order; otherwise the
+  // subgroup's rendezvous would only time out. One engine barrier carries
+  // the list's hash, and every rank learns of a difference.
+  Signature sig;
+  sig.count = static_cast<int64_t>(ranks.size());
+  sig.layout = ranks_hash(ranks);
+  sig.timeout = call.ctx.timeout;
+  if (auto failed = detail::agree(*engine_, sig, call.ctx.timeout)) {
+    // Its wait() names the call and marks the communicator failed, as after
+    // any mismatched collective.
+    Work work = finish(call, failed);
+    try {
+      work.wait();
+    } catch (const MismatchError& e) {
+      throw MismatchError(std::string(e.what()) +
+                          " (the ranks listed different members, or the same in another order; "
+                          "this rank listed [" +
+                          listed + "])");
+    }
+  }
   const auto id = std::to_string(groups_created_++);
   if (!seen.count(rank_)) return nullptr;
   if (options.name.empty()) options.name = name() + "/g" + id;

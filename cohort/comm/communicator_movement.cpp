@@ -11,6 +11,7 @@
 #include "cohort/comm/collective_checker.h"
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/communicator_internal.h"
+#include "cohort/comm/in_flight.h"
 #include "cohort/core/error.h"
 #include "cohort/core/tensor_checks.h"
 
@@ -41,14 +42,21 @@ std::string own_block_refusal(const std::string& in, const std::string& out) {
 }  // namespace
 
 Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOptions& opts) {
+  detail::Access access;
+  if (rank_ == opts.root) {
+    access.read(caller_tensor);
+  } else {
+    access.write(caller_tensor);
+  }
   if (detail::stages(*engine_, detail::on_device(caller_tensor))) {
+    settle(access);
     auto s = detail::staging(*this, "broadcast");
     auto host = s.write(caller_tensor, "tensor", /*also_read=*/rank_ == opts.root);
     s.ready();
-    return s.finish(broadcast(host, opts));
+    return track_in_flight(access, s.finish(broadcast(host, opts)));
   }
   auto tensor = detail::data_of(caller_tensor);
-  auto call = begin_collective("broadcast", opts.timeout);
+  auto call = begin_collective("broadcast", opts.timeout, access);
   check_root(call, opts.root);
   check_tensor(tensor, call.ctx, "tensor");
   call.bytes = detail::nbytes(tensor);
@@ -63,7 +71,14 @@ Work Communicator::broadcast(torch::Tensor& caller_tensor, const BroadcastOption
 
 Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                        const BroadcastOptions& opts) {
+  detail::Access access;
+  if (rank_ == opts.root) {
+    access.read(caller_tensors);
+  } else {
+    access.write(caller_tensors);
+  }
   if (detail::stages(*engine_, detail::any_on_device(caller_tensors))) {
+    settle(access);
     auto s = detail::staging(*this, "broadcast_coalesced");
     std::vector<torch::Tensor> host;
     for (size_t i = 0; i < caller_tensors.size(); ++i) {
@@ -71,11 +86,11 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensor
           s.write(caller_tensors[i], "tensors[" + std::to_string(i) + "]", rank_ == opts.root));
     }
     s.ready();
-    return s.finish(broadcast_coalesced(host, opts));
+    return track_in_flight(access, s.finish(broadcast_coalesced(host, opts)));
   }
   std::vector<torch::Tensor> tensors_aliases;
   auto& tensors = detail::data_of(caller_tensors, tensors_aliases);
-  auto call = begin_collective("broadcast_coalesced", opts.timeout);
+  auto call = begin_collective("broadcast_coalesced", opts.timeout, access);
   check_root(call, opts.root);
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
@@ -120,18 +135,21 @@ Work Communicator::broadcast_coalesced(std::vector<torch::Tensor>& caller_tensor
 
 Work Communicator::all_gather(std::vector<torch::Tensor>& caller_outputs,
                               const torch::Tensor& caller_input, const AllGatherOptions& opts) {
+  detail::Access access;
+  access.write(caller_outputs).read(caller_input);
   if (detail::stages(*engine_,
                      detail::any_on_device(caller_outputs) || detail::on_device(caller_input))) {
+    settle(access);
     auto s = detail::staging(*this, "all_gather");
     auto out = s.write(caller_outputs, "outputs");
     auto in = s.read(caller_input, "input");
     s.ready();
-    return s.finish(all_gather(out, in, opts));
+    return track_in_flight(access, s.finish(all_gather(out, in, opts)));
   }
   std::vector<torch::Tensor> outputs_aliases;
   auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
   auto input = detail::data_of(caller_input);
-  auto call = begin_collective("all_gather", opts.timeout);
+  auto call = begin_collective("all_gather", opts.timeout, access);
   check_tensor(input, call.ctx, "input");
   check_per_rank(call, outputs, input, "outputs");
   call.bytes = size_ * detail::nbytes(input);
@@ -149,17 +167,20 @@ Work Communicator::all_gather(std::vector<torch::Tensor>& caller_outputs,
 Work Communicator::all_gather_into_tensor(torch::Tensor& caller_output,
                                           const torch::Tensor& caller_input,
                                           const AllGatherOptions& opts) {
+  detail::Access access;
+  access.write(caller_output).read(caller_input);
   if (detail::stages(*engine_,
                      detail::on_device(caller_output) || detail::on_device(caller_input))) {
+    settle(access);
     auto s = detail::staging(*this, "all_gather_into_tensor");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_input, "input");
     s.ready();
-    return s.finish(all_gather_into_tensor(out, in, opts));
+    return track_in_flight(access, s.finish(all_gather_into_tensor(out, in, opts)));
   }
   auto output = detail::data_of(caller_output);
   auto input = detail::data_of(caller_input);
-  auto call = begin_collective("all_gather_into_tensor", opts.timeout);
+  auto call = begin_collective("all_gather_into_tensor", opts.timeout, access);
   check_tensor(input, call.ctx, "input");
   check_tensor(output, call.ctx, "output");
   if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * size_) {
@@ -218,19 +239,23 @@ Work Communicator::run_all_gather(const Call& call, std::vector<torch::Tensor> o
 
 Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
                           const torch::Tensor& caller_input, const GatherOptions& opts) {
+  detail::Access access;
+  access.read(caller_input);
+  if (rank_ == opts.root) access.write(caller_outputs);
   if (detail::stages(*engine_, detail::on_device(caller_input) ||
                                    (rank_ == opts.root && detail::any_on_device(caller_outputs)))) {
+    settle(access);
     auto s = detail::staging(*this, "gather");
     // Off the root the outputs are ignored, and left as they are.
     auto out = rank_ == opts.root ? s.write(caller_outputs, "outputs") : caller_outputs;
     auto in = s.read(caller_input, "input");
     s.ready();
-    return s.finish(gather(out, in, opts));
+    return track_in_flight(access, s.finish(gather(out, in, opts)));
   }
   std::vector<torch::Tensor> outputs_aliases;
   auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
   auto input = detail::data_of(caller_input);
-  auto call = begin_collective("gather", opts.timeout);
+  auto call = begin_collective("gather", opts.timeout, access);
   check_root(call, opts.root);
   check_tensor(input, call.ctx, "input");
   const bool is_root = rank_ == opts.root;
@@ -252,18 +277,22 @@ Work Communicator::gather(std::vector<torch::Tensor>& caller_outputs,
 Work Communicator::scatter(torch::Tensor& caller_output,
                            const std::vector<torch::Tensor>& caller_inputs,
                            const ScatterOptions& opts) {
+  detail::Access access;
+  access.write(caller_output);
+  if (rank_ == opts.root) access.read(caller_inputs);
   if (detail::stages(*engine_, detail::on_device(caller_output) ||
                                    (rank_ == opts.root && detail::any_on_device(caller_inputs)))) {
+    settle(access);
     auto s = detail::staging(*this, "scatter");
     auto out = s.write(caller_output, "output");
     auto in = rank_ == opts.root ? s.read(caller_inputs, "inputs") : caller_inputs;
     s.ready();
-    return s.finish(scatter(out, in, opts));
+    return track_in_flight(access, s.finish(scatter(out, in, opts)));
   }
   auto output = detail::data_of(caller_output);
   std::vector<torch::Tensor> inputs_aliases;
   auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
-  auto call = begin_collective("scatter", opts.timeout);
+  auto call = begin_collective("scatter", opts.timeout, access);
   check_root(call, opts.root);
   check_tensor(output, call.ctx, "output");
   const bool is_root = rank_ == opts.root;
@@ -294,18 +323,22 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
                                      std::vector<int64_t> output_split_sizes,
                                      std::vector<int64_t> input_split_sizes,
                                      const AllToAllOptions& opts) {
+  detail::Access access;
+  access.write(caller_output).read(caller_input);
   if (detail::stages(*engine_,
                      detail::on_device(caller_output) || detail::on_device(caller_input))) {
+    settle(access);
     auto s = detail::staging(*this, "all_to_all_single");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_input, "input");
     s.ready();
-    return s.finish(all_to_all_single(out, in, std::move(output_split_sizes),
-                                      std::move(input_split_sizes), opts));
+    return track_in_flight(access,
+                           s.finish(all_to_all_single(out, in, std::move(output_split_sizes),
+                                                      std::move(input_split_sizes), opts)));
   }
   auto output = detail::data_of(caller_output);
   auto input = detail::data_of(caller_input);
-  auto call = begin_collective("all_to_all_single", opts.timeout);
+  auto call = begin_collective("all_to_all_single", opts.timeout, access);
   check_tensor(input, call.ctx, "input");
   check_tensor(output, call.ctx, "output");
   auto bad = [&](const std::string& why) { call.refuse(why); };
@@ -365,19 +398,22 @@ Work Communicator::all_to_all_single(torch::Tensor& caller_output,
 Work Communicator::all_to_all(std::vector<torch::Tensor>& caller_outputs,
                               const std::vector<torch::Tensor>& caller_inputs,
                               const AllToAllOptions& opts) {
+  detail::Access access;
+  access.write(caller_outputs).read(caller_inputs);
   if (detail::stages(*engine_, detail::any_on_device(caller_outputs) ||
                                    detail::any_on_device(caller_inputs))) {
+    settle(access);
     auto s = detail::staging(*this, "all_to_all");
     auto out = s.write(caller_outputs, "outputs");
     auto in = s.read(caller_inputs, "inputs");
     s.ready();
-    return s.finish(all_to_all(out, in, opts));
+    return track_in_flight(access, s.finish(all_to_all(out, in, opts)));
   }
   std::vector<torch::Tensor> outputs_aliases;
   auto& outputs = detail::data_of(caller_outputs, outputs_aliases);
   std::vector<torch::Tensor> inputs_aliases;
   auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
-  auto call = begin_collective("all_to_all", opts.timeout);
+  auto call = begin_collective("all_to_all", opts.timeout, access);
   if (static_cast<int>(outputs.size()) != size_ || static_cast<int>(inputs.size()) != size_) {
     call.refuse("needs one input and one output per rank (" + std::to_string(size_) + "), got " +
                 std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));

@@ -7,6 +7,7 @@
 #include "cohort/algorithms/executor.h"
 #include "cohort/comm/communicator.h"
 #include "cohort/comm/communicator_internal.h"
+#include "cohort/comm/in_flight.h"
 #include "cohort/core/error.h"
 
 namespace cohort {
@@ -26,14 +27,17 @@ using detail::fingerprint;
 using detail::reduction_buffer;
 
 Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptions& opts) {
+  detail::Access access;
+  access.write(caller_tensor);
   if (detail::stages(*engine_, size_ > 1 && detail::on_device(caller_tensor))) {
+    settle(access);
     auto s = detail::staging(*this, "all_reduce");
     auto host = s.write(caller_tensor, "tensor", /*also_read=*/true);
     s.ready();
-    return s.finish(all_reduce(host, opts));
+    return track_in_flight(access, s.finish(all_reduce(host, opts)));
   }
   auto tensor = detail::data_of(caller_tensor);
-  auto call = begin_collective("all_reduce", opts.timeout);
+  auto call = begin_collective("all_reduce", opts.timeout, access);
   check_device_tensor(tensor, call.ctx, "tensor");  // alone a device tensor stays where it is
   check_avg(call.ctx, tensor, opts.op);
   call.bytes = detail::nbytes(tensor);
@@ -67,18 +71,21 @@ Work Communicator::all_reduce(torch::Tensor& caller_tensor, const AllReduceOptio
 
 Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tensors,
                                         const AllReduceOptions& opts) {
+  detail::Access access;
+  access.write(caller_tensors);
   if (detail::stages(*engine_, size_ > 1 && detail::any_on_device(caller_tensors))) {
+    settle(access);
     auto s = detail::staging(*this, "all_reduce_coalesced");
     std::vector<torch::Tensor> host;
     for (size_t i = 0; i < caller_tensors.size(); ++i) {
       host.push_back(s.write(caller_tensors[i], "tensors[" + std::to_string(i) + "]", true));
     }
     s.ready();
-    return s.finish(all_reduce_coalesced(host, opts));
+    return track_in_flight(access, s.finish(all_reduce_coalesced(host, opts)));
   }
   std::vector<torch::Tensor> tensors_aliases;
   auto& tensors = detail::data_of(caller_tensors, tensors_aliases);
-  auto call = begin_collective("all_reduce_coalesced", opts.timeout);
+  auto call = begin_collective("all_reduce_coalesced", opts.timeout, access);
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_device_tensor(tensors[i], call.ctx, "tensors[" + std::to_string(i) + "]");
     check_avg(call.ctx, tensors[i], opts.op);
@@ -140,14 +147,17 @@ Work Communicator::all_reduce_coalesced(std::vector<torch::Tensor>& caller_tenso
 }
 
 Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opts) {
+  detail::Access access;
+  access.write(caller_tensor);
   if (detail::stages(*engine_, size_ > 1 && detail::on_device(caller_tensor))) {
+    settle(access);
     auto s = detail::staging(*this, "reduce");
     auto host = s.write(caller_tensor, "tensor", /*also_read=*/true);
     s.ready();
-    return s.finish(reduce(host, opts));
+    return track_in_flight(access, s.finish(reduce(host, opts)));
   }
   auto tensor = detail::data_of(caller_tensor);
-  auto call = begin_collective("reduce", opts.timeout);
+  auto call = begin_collective("reduce", opts.timeout, access);
   check_root(call, opts.root);
   check_device_tensor(tensor, call.ctx, "tensor");  // alone a device tensor stays where it is
   check_avg(call.ctx, tensor, opts.op);
@@ -174,18 +184,21 @@ Work Communicator::reduce(torch::Tensor& caller_tensor, const ReduceOptions& opt
 Work Communicator::reduce_scatter(torch::Tensor& caller_output,
                                   const std::vector<torch::Tensor>& caller_inputs,
                                   const ReduceScatterOptions& opts) {
+  detail::Access access;
+  access.write(caller_output).read(caller_inputs);
   if (detail::stages(*engine_,
                      detail::on_device(caller_output) || detail::any_on_device(caller_inputs))) {
+    settle(access);
     auto s = detail::staging(*this, "reduce_scatter");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_inputs, "inputs");
     s.ready();
-    return s.finish(reduce_scatter(out, in, opts));
+    return track_in_flight(access, s.finish(reduce_scatter(out, in, opts)));
   }
   auto output = detail::data_of(caller_output);
   std::vector<torch::Tensor> inputs_aliases;
   auto& inputs = detail::data_of(caller_inputs, inputs_aliases);
-  auto call = begin_collective("reduce_scatter", opts.timeout);
+  auto call = begin_collective("reduce_scatter", opts.timeout, access);
   check_tensor(output, call.ctx, "output");
   check_avg(call.ctx, output, opts.op);
   check_per_rank(call, inputs, output, "inputs");
@@ -215,17 +228,20 @@ Work Communicator::reduce_scatter(torch::Tensor& caller_output,
 Work Communicator::reduce_scatter_tensor(torch::Tensor& caller_output,
                                          const torch::Tensor& caller_input,
                                          const ReduceScatterOptions& opts) {
+  detail::Access access;
+  access.write(caller_output).read(caller_input);
   if (detail::stages(*engine_,
                      detail::on_device(caller_output) || detail::on_device(caller_input))) {
+    settle(access);
     auto s = detail::staging(*this, "reduce_scatter_tensor");
     auto out = s.write(caller_output, "output");
     auto in = s.read(caller_input, "input");
     s.ready();
-    return s.finish(reduce_scatter_tensor(out, in, opts));
+    return track_in_flight(access, s.finish(reduce_scatter_tensor(out, in, opts)));
   }
   auto output = detail::data_of(caller_output);
   auto input = detail::data_of(caller_input);
-  auto call = begin_collective("reduce_scatter_tensor", opts.timeout);
+  auto call = begin_collective("reduce_scatter_tensor", opts.timeout, access);
   check_tensor(output, call.ctx, "output");
   check_tensor(input, call.ctx, "input");
   check_avg(call.ctx, output, opts.op);

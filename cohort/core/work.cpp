@@ -1,6 +1,7 @@
 #include "cohort/core/work.h"
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <sstream>
 
@@ -54,7 +55,8 @@ struct Work::State {
   bool chained = false;
 
   std::mutex mu;
-  bool finished = false;
+  // Written under `mu`; read without it by the communicator's in-flight list.
+  std::atomic<bool> finished{false};
   std::exception_ptr error;
 };
 
@@ -134,6 +136,8 @@ void Work::wait(Millis timeout) {
   if (!state_->finished) finish(*state_, timeout);
   if (state_->error) std::rethrow_exception(state_->error);
 }
+
+bool Work::finished() const { return !state_ || state_->finished.load(); }
 
 bool Work::is_completed() {
   if (!state_) return true;

@@ -16,6 +16,10 @@
 
 namespace cohort {
 
+namespace detail {
+class InFlight;
+}
+
 /// What an error message says about an operation.
 struct OpContext {
   std::string op;          ///< "all_reduce", "send", ...
@@ -64,8 +68,10 @@ class WorkList : public WorkImpl {
 /// The handle every cohort operation returns (torch.distributed's Work). Copies share one
 /// operation. Waiting is required before the result tensors are read: wait() also runs the
 /// completion step (copy-out, averaging) and rethrows TimeoutError, PeerError or MismatchError
-/// naming the operation, the rank and the peers.
-class Work {
+/// naming the operation, the rank and the peers. [[nodiscard]]: a collective whose handle is
+/// dropped completes only at the communicator's next call after it finished, or at its next
+/// barrier (comm/README.md); cast to void where that is meant.
+class [[nodiscard]] Work {
  public:
   /// Called once with the error message when the operation fails; the
   /// communicator uses it to refuse further operations.
@@ -92,6 +98,13 @@ class Work {
  private:
   struct State;
   void finish(State& s, Millis timeout);
+  // The communicator's list of collectives in flight reads whether an
+  // operation finished and whether only it still holds the handle.
+  friend class detail::InFlight;
+  /// Whether wait() or is_completed() finished it (or it had nothing to do); never blocks.
+  bool finished() const;
+  /// How many handles share the operation.
+  long handles() const { return state_.use_count(); }
   std::shared_ptr<State> state_;
 };
 
