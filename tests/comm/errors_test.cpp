@@ -30,25 +30,25 @@ std::string message_of(F&& call) {
 TEST(BadTensors, AreRefusedBeforeAnythingIsSent) {
   run_ranks(2, [](Communicator& comm) {
     auto nc = torch::zeros({4, 4}).t();
-    auto m = message_of<InvalidArgument>([&] { comm.all_reduce(nc); });
+    auto m = message_of<InvalidArgument>([&] { (void)comm.all_reduce(nc); });
     EXPECT_NE(m.find("not contiguous"), std::string::npos) << m;
     EXPECT_NE(m.find("all_reduce on rank " + std::to_string(comm.rank()) + " of 2"), std::string::npos) << m;
 
     auto b = torch::zeros({3}, torch::kBool);
-    m = message_of<InvalidArgument>([&] { comm.broadcast(b); });
+    m = message_of<InvalidArgument>([&] { (void)comm.broadcast(b); });
     EXPECT_NE(m.find("dtype Bool"), std::string::npos) << m;
 
     auto meta = torch::empty({3}, torch::TensorOptions().device(torch::kMeta));
-    m = message_of<InvalidArgument>([&] { comm.all_reduce(meta); });
+    m = message_of<InvalidArgument>([&] { (void)comm.all_reduce(meta); });
     EXPECT_NE(m.find("device meta"), std::string::npos) << m;
 
     auto in = torch::zeros({3});
     std::vector<torch::Tensor> outs{torch::zeros({3})};
-    m = message_of<InvalidArgument>([&] { comm.all_gather(outs, in); });
+    m = message_of<InvalidArgument>([&] { (void)comm.all_gather(outs, in); });
     EXPECT_NE(m.find("one per rank"), std::string::npos) << m;
 
     std::vector<torch::Tensor> wrong{torch::zeros({3}), torch::zeros({4})};
-    m = message_of<InvalidArgument>([&] { comm.all_gather(wrong, in); });
+    m = message_of<InvalidArgument>([&] { (void)comm.all_gather(wrong, in); });
     EXPECT_NE(m.find("outputs[1] has shape [4], expected [3]"), std::string::npos) << m;
 
     // The communicator is still usable: nothing was sent.
@@ -100,74 +100,74 @@ TEST(BadTensors, OnAnotherDeviceAreRefusedByEveryOperation) {
         {"all_reduce",
          [&] {
            auto t = meta();
-           comm.all_reduce(t);
+           (void)comm.all_reduce(t);
          }},
         {"all_reduce_coalesced",
          [&] {
            std::vector<torch::Tensor> ts{cpu(), meta()};
-           comm.all_reduce_coalesced(ts);
+           (void)comm.all_reduce_coalesced(ts);
          }},
         {"broadcast",
          [&] {
            auto t = meta();
-           comm.broadcast(t);
+           (void)comm.broadcast(t);
          }},
         {"broadcast_coalesced",
          [&] {
            std::vector<torch::Tensor> ts{meta()};
-           comm.broadcast_coalesced(ts);
+           (void)comm.broadcast_coalesced(ts);
          }},
         {"reduce",
          [&] {
            auto t = meta();
-           comm.reduce(t);
+           (void)comm.reduce(t);
          }},
         {"all_gather",
          [&] {
            std::vector<torch::Tensor> o{cpu(), meta()};
-           comm.all_gather(o, cpu());
+           (void)comm.all_gather(o, cpu());
          }},
         {"all_gather_into_tensor",
          [&] {
            auto o = torch::zeros({4});
-           comm.all_gather_into_tensor(o, meta());
+           (void)comm.all_gather_into_tensor(o, meta());
          }},
         {"reduce_scatter",
          [&] {
            auto o = meta();
-           comm.reduce_scatter(o, {cpu(), cpu()});
+           (void)comm.reduce_scatter(o, {cpu(), cpu()});
          }},
         {"reduce_scatter_tensor",
          [&] {
            auto o = cpu();
-           comm.reduce_scatter_tensor(
+           (void)comm.reduce_scatter_tensor(
                o, torch::empty({4}, torch::TensorOptions().device(torch::kMeta)));
          }},
         {"gather",
          [&] {
            std::vector<torch::Tensor> o{cpu(), cpu()};
-           comm.gather(o, meta());
+           (void)comm.gather(o, meta());
          }},
         {"scatter",
          [&] {
            auto o = meta();
-           comm.scatter(o, {cpu(), cpu()});
+           (void)comm.scatter(o, {cpu(), cpu()});
          }},
         {"all_to_all_single",
          [&] {
            auto o = cpu();
-           comm.all_to_all_single(o, meta());
+           (void)comm.all_to_all_single(o, meta());
          }},
         {"all_to_all",
          [&] {
            std::vector<torch::Tensor> o{cpu(), cpu()};
-           comm.all_to_all(o, {meta(), cpu()});
+           (void)comm.all_to_all(o, {meta(), cpu()});
          }},
-        {"send", [&] { comm.send(meta(), peer); }},
+        {"send", [&] { (void)comm.send(meta(), peer); }},
         {"recv",
          [&] {
            auto t = meta();
-           comm.recv(t, peer);
+           (void)comm.recv(t, peer);
          }},
     };
     for (auto& [op, run] : ops) {
@@ -190,7 +190,7 @@ TEST(DebugMode, ShapeMismatchNamesTheRanksAndShapes) {
   opts.timeout = 10s;
   run_ranks(3, [](Communicator& comm) {
     auto t = torch::zeros({comm.rank() == 1 ? 5 : 4});
-    auto m = message_of<MismatchError>([&] { comm.all_reduce(t); });
+    auto m = message_of<MismatchError>([&] { (void)comm.all_reduce(t); });
     EXPECT_NE(m.find("ranks [0, 2] called all_reduce(op=sum, dtype=float32, shape=[4])"),
               std::string::npos) << m;
     EXPECT_NE(m.find("rank 1 called all_reduce(op=sum, dtype=float32, shape=[5])"),
@@ -205,9 +205,9 @@ TEST(DebugMode, DifferentOperationsAreNamed) {
     auto t = torch::zeros({4}, torch::kFloat64);
     auto m = message_of<MismatchError>([&] {
       if (comm.rank() == 0) {
-        comm.all_reduce(t);
+        (void)comm.all_reduce(t);
       } else {
-        comm.broadcast(t);
+        (void)comm.broadcast(t);
       }
     });
     EXPECT_NE(m.find("broadcast(root=0, dtype=float64"), std::string::npos) << m;
@@ -229,7 +229,7 @@ TEST(DebugMode, ARankThatNeverArrivesIsNamed) {
         while (arrived < 2) std::this_thread::sleep_for(1ms);
         auto t = torch::zeros({4});
         auto start = std::chrono::steady_clock::now();
-        auto m = message_of<TimeoutError>([&] { comm.all_reduce(t, {ReduceOp::Sum, 3s}); });
+        auto m = message_of<TimeoutError>([&] { (void)comm.all_reduce(t, {ReduceOp::Sum, 3s}); });
         EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
         EXPECT_NE(m.find("rank 2 did not reach it"), std::string::npos) << m;
       },
@@ -255,7 +255,7 @@ TEST(Timeouts, ASilentPeerMakesWaitThrowNamingTheOperation) {
               std::string::npos) << m;
     EXPECT_NE(m.find("rerun with COHORT_DEBUG=detail"), std::string::npos) << m;
     // A failed communicator refuses further work instead of corrupting it.
-    auto again = message_of<PeerError>([&] { comm.all_reduce(t); });
+    auto again = message_of<PeerError>([&] { (void)comm.all_reduce(t); });
     EXPECT_NE(again.find("failed earlier"), std::string::npos) << again;
     rank0_done = true;
   }, opts);

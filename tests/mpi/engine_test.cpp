@@ -160,9 +160,9 @@ TEST(MpiDebug, MismatchedCollectivesAreNamedBeforeMpiSeesThem) {
   auto t = torch::ones({5});
   try {
     if (comm->rank() == 0) {
-      comm->broadcast(t, {0});
+      (void)comm->broadcast(t, {0});
     } else {
-      comm->all_reduce(t);
+      (void)comm->all_reduce(t);
     }
     FAIL() << "different collectives passed the debug check";
   } catch (const MismatchError& e) {
