@@ -15,9 +15,10 @@ Access& Access::write(const std::vector<torch::Tensor>& ts) {
 }
 
 Access& Access::add(const torch::Tensor& t, bool write) {
-  // What the checks refuse later (sparse, no storage) or what holds no
-  // bytes takes no range.
-  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage() || t.numel() == 0) {
+  // What the checks refuse later (sparse, meta, no storage) or what holds
+  // no bytes takes no range.
+  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage() || t.is_meta() ||
+      t.numel() == 0) {
     return *this;
   }
   // From the first element to the last one, strides followed (the checks
@@ -28,6 +29,7 @@ Access& Access::add(const torch::Tensor& t, bool write) {
     last += (t.size(d) - 1) * t.stride(d);
   }
   const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (begin == 0) return *this;
   ranges_.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()), write});
   return *this;
 }

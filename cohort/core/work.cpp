@@ -127,6 +127,14 @@ void Work::finish(State& s, Millis timeout) {
     s.error = with_context(s.context, timeout);
     if (s.on_failure) s.on_failure(message_of(s.error));
   }
+  // Done: the buffers the operation and its completion step hold go now,
+  // not with the last handle (the communicator's in-flight list holds one
+  // until its next call). A failed operation keeps them: the transport may
+  // still be writing into them.
+  if (!s.error) {
+    s.impl.reset();
+    s.on_success = nullptr;
+  }
   s.finished = true;
 }
 
