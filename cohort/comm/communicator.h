@@ -119,7 +119,8 @@ class Communicator {
                          std::vector<int64_t> output_split_sizes = {},
                          std::vector<int64_t> input_split_sizes = {},
                          const AllToAllOptions& opts = {});
-  /// Completes once every rank has called it. Collective.
+  /// Completes once every rank has called it. Collective. Its wait() also completes every
+  /// collective issued on this communicator before it, dropped handles included.
   Work barrier(const BarrierOptions& opts = {});
 
   /// The algorithm `requested` (Default: the communicator's) resolves to for
