@@ -258,10 +258,10 @@ namespace {
 
 // Per tensor the sum and the sum of magnitudes (zeros where undefined), in
 // double, of every TP rank: [tp, n, 2] on the CPU. Equal tensors give equal
-// digests. One all-gather over `tp`.
-torch::Tensor tp_digests(Communicator& tp, const std::vector<torch::Tensor>& tensors) {
+// digests. One all-gather over `tp`, on `device` (the parameters').
+torch::Tensor tp_digests(Communicator& tp, const std::vector<torch::Tensor>& tensors,
+                         torch::Device device) {
   std::vector<torch::Tensor> parts;
-  const torch::Device device = tensors.front().device();
   for (const auto& t : tensors) {
     if (!t.defined()) {
       parts.push_back(torch::zeros({2}, torch::dtype(torch::kFloat64).device(device)));
@@ -311,7 +311,7 @@ void GradientSynchronizer::check_tp_replica_values(const std::string& who) {
     std::vector<torch::Tensor> values;
     for (const auto& named : tp_replicas_) values.push_back(named.second);
     auto& tp = *mesh_["tp"].process_group();
-    const auto table = tp_digests(tp, values);
+    const auto table = tp_digests(tp, values, values.front().device());
     auto t = table.accessor<double, 3>();
     for (size_t i = 0; i < tp_replicas_.size() && mismatch.empty(); ++i) {
       for (int r = 1; r < tp.size(); ++r) {
@@ -342,7 +342,7 @@ std::string GradientSynchronizer::sequence_parallel_already_whole() {
   std::vector<torch::Tensor> grads;
   for (const auto& p : sp_params_) grads.push_back(p.grad());
   auto& tp = *mesh_["tp"].process_group();
-  auto table = tp_digests(tp, grads);
+  auto table = tp_digests(tp, grads, sp_params_.front().device());
   if (!torch::isfinite(table).all().item<bool>()) return "";
   auto t = table.accessor<double, 3>();
   for (size_t i = 0; i < sp_params_.size(); ++i) {
@@ -366,7 +366,7 @@ std::string GradientSynchronizer::tp_replica_mismatch(bool& deferred) {
   std::vector<torch::Tensor> grads;
   for (const auto& named : tp_replicas_) grads.push_back(named.second.grad());
   auto& tp = *mesh_["tp"].process_group();
-  auto table = tp_digests(tp, grads);
+  auto table = tp_digests(tp, grads, tp_replicas_.front().second.device());
   // An overflowed step (inf or NaN gradients, which a loss scaler skips)
   // proves nothing either way: every TP rank sees the same table.
   if (!torch::isfinite(table).all().item<bool>()) {
