@@ -82,7 +82,8 @@ void PipelineRuntime::tie_weights(const std::string& who) {
   // Each rank's conflict travels with its declarations, so that every rank
   // refuses the same misuse.
   std::map<std::string, std::set<int>> declared;
-  const auto texts = gather_texts(*group_, conflict(stages_) + '\0' + declarations_text(local_stages));
+  const auto texts =
+      gather_texts(*group_, conflict(stages_) + '\0' + declarations_text(local_stages));
   for (size_t r = 0; r < texts.size(); ++r) {
     const size_t end = texts[r].find('\0');
     if (end > 0)

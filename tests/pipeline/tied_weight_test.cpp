@@ -288,8 +288,8 @@ std::map<int, std::string> chain_outcome(const PipelineSchedule& schedule, int t
           std::string out = "accepted, W's gradient x";
           for (const auto& tied : rt.tied_weights())
             for (const auto& t : tied.copies->copies())
-              out += " " + std::to_string(((t.grad() * want).sum() / (want * want).sum())
-                                              .item<double>());
+              out += " " +
+                     std::to_string(((t.grad() * want).sum() / (want * want).sum()).item<double>());
           return out;
         } catch (const InvalidArgument& e) {
           return e.what();
@@ -310,43 +310,43 @@ void expect_every_rank_says(const std::map<int, std::string>& outcome, size_t ra
 // Each stage ties its W as "a" and as "b": summed over each key's holders,
 // the gradient would be summed twice.
 TEST(TiedWeightErrors, OneTensorUnderTwoKeysIsRefusedOnEveryRank) {
-  const auto outcome = chain_outcome(
-      make_schedule("1f1b", 2, 1, 2), 1, false,
-      [](int, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
-        stage.tie("a", ts[0]).tie("b", ts[0]);
-      });
+  const auto outcome =
+      chain_outcome(make_schedule("1f1b", 2, 1, 2), 1, false,
+                    [](int, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+                      stage.tie("a", ts[0]).tie("b", ts[0]);
+                    });
   expect_every_rank_says(outcome, 2, "ties as 'b' the tensor that stage ");
 }
 
 // Two stages of one rank share W (allowed) but declare it under two keys.
 TEST(TiedWeightErrors, OneTensorUnderTwoKeysOfTwoLocalStagesIsRefusedOnEveryRank) {
-  const auto outcome = chain_outcome(
-      make_schedule("interleaved", 2, 2, 4), 1, true,
-      [](int s, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
-        stage.tie(s < 2 ? "a" : "b", ts[0]);
-      });
+  const auto outcome =
+      chain_outcome(make_schedule("interleaved", 2, 2, 4), 1, true,
+                    [](int s, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+                      stage.tie(s < 2 ? "a" : "b", ts[0]);
+                    });
   expect_every_rank_says(outcome, 2, "ties as 'b' the tensor that stage ");
 }
 
 // Stage 0 declares two of its tensors as one key: refused on every rank,
 // not on stage 0's rank alone while the other waits.
 TEST(TiedWeightErrors, TwoTensorsOfOneStageUnderOneKeyAreRefusedOnEveryRank) {
-  const auto outcome = chain_outcome(
-      make_schedule("1f1b", 2, 1, 2), 2, false,
-      [](int s, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
-        stage.tie("w", ts[0]);
-        if (s == 0) stage.tie("w", ts[1]);
-      });
+  const auto outcome =
+      chain_outcome(make_schedule("1f1b", 2, 1, 2), 2, false,
+                    [](int s, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+                      stage.tie("w", ts[0]);
+                      if (s == 0) stage.tie("w", ts[1]);
+                    });
   expect_every_rank_says(outcome, 2, "rank 0: stage 0 ties two of its tensors as 'w'");
 }
 
 // Declaring the same pair twice is one declaration: one sum, the right gradient.
 TEST(TiedWeightErrors, TheSamePairDeclaredTwiceCountsOnce) {
-  const auto outcome = chain_outcome(
-      make_schedule("1f1b", 2, 1, 2), 1, false,
-      [](int, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
-        stage.tie("w", ts[0]).tie("w", ts[0]);
-      });
+  const auto outcome =
+      chain_outcome(make_schedule("1f1b", 2, 1, 2), 1, false,
+                    [](int, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+                      stage.tie("w", ts[0]).tie("w", ts[0]);
+                    });
   ASSERT_EQ(outcome.size(), 2u);
   for (const auto& [rank, what] : outcome) {
     ASSERT_EQ(what.rfind("accepted, W's gradient x ", 0), 0u) << "rank " << rank << ": " << what;

@@ -132,7 +132,7 @@ TiedRun run_rank(const Job& job, std::shared_ptr<Communicator> world, const torc
   auto opt = adamw(rt.parameters());
   std::unique_ptr<GradientSynchronizer> sync;
   if (c.mesh) sync = mesh_sync(mesh, rt);
-  auto wiring = c.mesh       ? TrainerWiring::mesh(mesh, rt, opt, *sync)
+  auto wiring = c.mesh     ? TrainerWiring::mesh(mesh, rt, opt, *sync)
                 : c.dp > 1 ? TrainerWiring::pipeline(rt, opt, mesh)
                            : TrainerWiring::pipeline(rt, opt);
   TrainerOptions config;
@@ -198,15 +198,13 @@ TEST_P(PipelineTiedWeights, EqualsOneProcessWithClipping) {
   EXPECT_EQ(copies, (stages >= 3 ? 3 : stages) * c.dp);
 }
 
-INSTANTIATE_TEST_SUITE_P(Trainer, PipelineTiedWeights,
-                         ::testing::Values(Case{"1f1b", 1, 1, 1, 2}, Case{"1f1b", 2, 1, 1, 2},
-                                           Case{"gpipe", 3, 1, 1, 3}, Case{"zbh1", 2, 1, 2, 2},
-                                           Case{"interleaved", 2, 2, 1, 4},
-                                           Case{"1f1b", 1, 1, 2, 2, true},
-                                           Case{"1f1b", 2, 1, 2, 2, true},
-                                           Case{"gpipe", 3, 1, 1, 3, true},
-                                           Case{"interleaved", 2, 2, 2, 4, true}),
-                         name_of);
+INSTANTIATE_TEST_SUITE_P(
+    Trainer, PipelineTiedWeights,
+    ::testing::Values(Case{"1f1b", 1, 1, 1, 2}, Case{"1f1b", 2, 1, 1, 2}, Case{"gpipe", 3, 1, 1, 3},
+                      Case{"zbh1", 2, 1, 2, 2}, Case{"interleaved", 2, 2, 1, 4},
+                      Case{"1f1b", 1, 1, 2, 2, true}, Case{"1f1b", 2, 1, 2, 2, true},
+                      Case{"gpipe", 3, 1, 1, 3, true}, Case{"interleaved", 2, 2, 2, 4, true}),
+    name_of);
 
 class PipelineTiedWeightsResume : public ::testing::TestWithParam<Case> {};
 
