@@ -290,9 +290,9 @@ TEST(PeerFailure, APeerThatLeavesMidCollectiveFailsTheSurvivors) {
 TEST(Options, NonPositiveTimeoutAndBadRootAreRefused) {
   run_ranks(2, [](Communicator& comm) {
     auto t = torch::zeros({2});
-    EXPECT_THROW(comm.all_reduce(t, {ReduceOp::Sum, 0ms}), InvalidArgument);
-    EXPECT_THROW(comm.broadcast(t, {2}), InvalidArgument);
-    EXPECT_THROW(comm.reduce(t, {-1}), InvalidArgument);
+    EXPECT_THROW((void)comm.all_reduce(t, {ReduceOp::Sum, 0ms}), InvalidArgument);
+    EXPECT_THROW((void)comm.broadcast(t, {2}), InvalidArgument);
+    EXPECT_THROW((void)comm.reduce(t, {-1}), InvalidArgument);
   });
 }
 

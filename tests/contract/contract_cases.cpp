@@ -52,7 +52,7 @@ void all_reduce_coalesced_mixed_sizes(Communicator& comm, torch::Dtype dt) {
 void avg_is_for_floating_dtypes(Communicator& comm, torch::Dtype dt) {
   auto t = rank_input(comm.rank(), 4, dt);
   if (!torch::isFloatingType(dt)) {
-    EXPECT_THROW(comm.all_reduce(t, {ReduceOp::Avg}), InvalidArgument);
+    EXPECT_THROW((void)comm.all_reduce(t, {ReduceOp::Avg}), InvalidArgument);
     return;
   }
   comm.all_reduce(t, {ReduceOp::Avg}).wait();
@@ -508,11 +508,11 @@ void p2p_one_tag_arrives_in_order(Communicator& comm, torch::Dtype) {
 
 void p2p_bad_peers_and_tags_are_refused(Communicator& comm, torch::Dtype) {
   auto t = torch::zeros({2}, on());
-  EXPECT_THROW(comm.send(t, comm.rank()), InvalidArgument);
-  EXPECT_THROW(comm.recv(t, comm.size()), InvalidArgument);
-  EXPECT_THROW(comm.recv(t, -1), InvalidArgument);
+  EXPECT_THROW((void)comm.send(t, comm.rank()), InvalidArgument);
+  EXPECT_THROW((void)comm.recv(t, comm.size()), InvalidArgument);
+  EXPECT_THROW((void)comm.recv(t, -1), InvalidArgument);
   if (comm.size() > 1) {
-    EXPECT_THROW(comm.send(t, (comm.rank() + 1) % comm.size(), {-1}), InvalidArgument);
+    EXPECT_THROW((void)comm.send(t, (comm.rank() + 1) % comm.size(), {-1}), InvalidArgument);
   }
 }
 
