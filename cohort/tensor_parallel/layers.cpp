@@ -4,7 +4,9 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
+#include <mutex>
 
 #include "cohort/core/error.h"
 #include "cohort/tensor_parallel/mappings.h"
@@ -32,6 +34,29 @@ DeviceMesh tp_mesh(std::shared_ptr<Communicator> g, const char* layer) {
   return DeviceMesh::from_group(checked(std::move(g), layer), "tp");
 }
 
+// The seed of a layer's full weights: `seed`, or one drawn on every rank of
+// `g` from the default CPU generator, the smallest of the group's draws (file
+// comment). Every rank draws though one value is kept: a rank that skipped
+// the draw would fall behind peers whose generators agreed with its own. The
+// smallest, not rank 0's: ranks as threads share one generator, and which
+// of them draws first is a race, while the round's set of draws is not.
+uint64_t agreed_seed(const std::optional<uint64_t>& seed, Communicator& g) {
+  if (seed) return *seed;
+  uint64_t mine = 0;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    mine = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
+  }
+  if (g.size() == 1) return mine;
+  auto all = torch::empty({g.size()}, torch::kInt64);
+  g.all_gather_into_tensor(all, torch::tensor({static_cast<int64_t>(mine)}, torch::kInt64)).wait();
+  const auto* drawn = all.data_ptr<int64_t>();
+  uint64_t smallest = static_cast<uint64_t>(drawn[0]);
+  for (int r = 1; r < g.size(); ++r) smallest = std::min(smallest, static_cast<uint64_t>(drawn[r]));
+  return smallest;
+}
+
 }  // namespace
 
 std::pair<torch::Tensor, torch::Tensor> master_linear_weights(int64_t in, int64_t out,
@@ -45,7 +70,11 @@ std::pair<torch::Tensor, torch::Tensor> master_linear_weights(int64_t in, int64_
 
 torch::Tensor master_embedding_weight(int64_t n, int64_t dim,
                                       const VocabParallelEmbeddingOptions& o) {
-  auto gen = at::detail::createCPUGenerator(o.seed);
+  if (!o.seed) {
+    throw InvalidArgument(
+        "cohort: master_embedding_weight: options.seed is unset (pass the layer's seed())");
+  }
+  auto gen = at::detail::createCPUGenerator(*o.seed);
   return torch::empty({n, dim}).normal_(0.0, o.init_std, gen);
 }
 
@@ -60,11 +89,12 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const DeviceMesh& tp, int64_t
       in_(in),
       out_(out) {
   check_divisible("ColumnParallelLinear", "out_features", out, *group_);
+  seed_ = agreed_seed(o.seed, *group_);
   reset();
 }
 
 void ColumnParallelLinearImpl::reset() {
-  auto [w, b] = master_linear_weights(in_, out_, options_.seed);
+  auto [w, b] = master_linear_weights(in_, out_, seed_);
   const int r = group_->rank(), n = group_->size();
   weight = register_parameter("weight", split_along(w, 0, r, n, "ColumnParallelLinear").clone());
   bias = options_.bias
@@ -91,11 +121,12 @@ RowParallelLinearImpl::RowParallelLinearImpl(const DeviceMesh& tp, int64_t in, i
   if (o.sequence_parallel && !o.input_is_parallel) {
     throw InvalidArgument("cohort: RowParallelLinear: sequence_parallel needs input_is_parallel");
   }
+  seed_ = agreed_seed(o.seed, *group_);
   reset();
 }
 
 void RowParallelLinearImpl::reset() {
-  auto [w, b] = master_linear_weights(in_, out_, options_.seed);
+  auto [w, b] = master_linear_weights(in_, out_, seed_);
   weight = register_parameter(
       "weight", split_along(w, 1, group_->rank(), group_->size(), "RowParallelLinear").clone());
   bias = options_.bias ? register_parameter("bias", b) : torch::Tensor();
@@ -141,11 +172,14 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const DeviceMesh& tp, int
   check_divisible("VocabParallelEmbedding", "num_embeddings", n, *group_);
   start_ = group_->rank() * (n / group_->size());
   end_ = start_ + n / group_->size();
+  seed_ = agreed_seed(o.seed, *group_);
   reset();
 }
 
 void VocabParallelEmbeddingImpl::reset() {
-  auto w = master_embedding_weight(num_embeddings_, embedding_dim_, options_);
+  auto o = options_;
+  o.seed = seed_;
+  auto w = master_embedding_weight(num_embeddings_, embedding_dim_, o);
   weight = register_parameter("weight", w.narrow(0, start_, end_ - start_).clone());
   mark_tensor_parallel_split(*this, *group_);
 }

@@ -9,16 +9,41 @@
 // forward and one in backward.
 //
 // Initialization: every layer draws its full (tp = 1) weights from a CPU
-// generator seeded with `seed` and keeps its slice, so a shard equals the
+// generator seeded with its seed and keeps its slice, so a shard equals the
 // matching slice of the same layer at tp = 1, and one seed gives one model at
 // any tp size. (This costs one full weight per rank at construction; fine for
 // the model sizes of the tests and the example.)
 //
-// Each layer is a torch::nn::Cloneable: its reset() draws and marks its
-// parameters (mark_tensor_parallel_split), and clone() runs reset() on the
-// copy before it copies the values in, so a clone's parts carry the
-// original's marks and the modes that replicate parameters refuse a group
-// across TP for it as for the original.
+// The seed is the `seed` option where set. Without it the layer draws one,
+// as torch::nn::Linear draws its weights: every rank of its TP group draws
+// 64 bits from LibTorch's default CPU generator (one draw per layer on every
+// rank, so generators that agreed before the layer still agree after it),
+// the group all-gathers the draws (8 bytes a rank) and every rank takes the
+// smallest. So torch::manual_seed(s) before the model draws the same model
+// again, two layers of one shape differ, and the shards of every TP rank
+// are slices of one full weight whatever each rank drew: ranks as processes
+// seeded alike (LibTorch's default seed, or one manual_seed) all draw the
+// same value, and the model does not depend on tp; ranks seeded apart
+// agree on the smallest; ranks as threads, which share the default
+// generator, each draw one value of the layer's round, and the smallest
+// does not depend on which thread drew which (the all-gather ends a round
+// on every rank only after every rank drew, so rounds do not mix). Without
+// a seed, construction is therefore collective over the TP group: every
+// rank builds the group's unseeded layers in the same order, as it issues
+// their collectives. The data-parallel replicas of a layer (the other TP
+// groups of a mesh) draw on their own: alike where their generators agree,
+// and otherwise made equal by DDP, FSDP and the mesh's synchronizer (which
+// broadcast rank 0's values) or refused by ZeRO and the fused optimizer
+// (which compare them); a mesh-wide agreement would pair a pipeline
+// stage's layers with another stage's. seed() is the seed a layer used.
+//
+// Each layer is a torch::nn::Cloneable: its reset() draws its parameters
+// from seed() and marks them (mark_tensor_parallel_split), and clone() runs
+// reset() on the copy before it copies the values in, so a clone's parts
+// carry the original's marks and the modes that replicate parameters refuse
+// a group across TP for it as for the original. reset() neither draws from
+// the default generator nor communicates: a clone copies the original's
+// values on one rank alone.
 #pragma once
 
 #include <torch/nn/cloneable.h>
@@ -28,6 +53,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "cohort/comm/communicator.h"
 #include "cohort/mesh/device_mesh.h"
@@ -40,8 +66,10 @@ struct ColumnParallelLinearOptions {
   bool bias = true;            ///< add a bias (sharded like the outputs)
   bool gather_output = false;  ///< all-gather the output features (else each rank keeps its shard)
   bool sequence_parallel =
-      false;          ///< the input is split along dim 0 (the sequence): all-gather it first
-  uint64_t seed = 0;  ///< seed of the full weights (see the file comment)
+      false;  ///< the input is split along dim 0 (the sequence): all-gather it first
+  /// Seed of the full weights; unset: drawn from LibTorch's default CPU
+  /// generator, alike on the TP group (see the file comment).
+  std::optional<uint64_t> seed;
 };
 
 /// y = x A^T + b with A split by output features: A_i is [out/tp, in].
@@ -49,7 +77,8 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
                                  public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
-  /// not 1-D or out_features does not divide by its size.
+  /// not 1-D or out_features does not divide by its size. Collective over
+  /// tp without a seed (file comment).
   ColumnParallelLinearImpl(const DeviceMesh& tp, int64_t in_features, int64_t out_features,
                            ColumnParallelLinearOptions options = {});
   /// The same over a bare group.
@@ -63,10 +92,12 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   torch::Tensor forward(const torch::Tensor& x);
   /// The TP group the layer's collectives run over.
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
-  /// The options it was built with.
+  /// The options it was built with (the seed unset if it was).
   const ColumnParallelLinearOptions& options() const { return options_; }
+  /// The seed its weights are drawn from: options().seed, or the one drawn.
+  uint64_t seed() const { return seed_; }
 
-  /// Registers this rank's part of the weights drawn from the seed and marks
+  /// Registers this rank's part of the weights drawn from seed() and marks
   /// it (file comment); the constructor and clone() call it.
   void reset() override;
   /// {weight, bias}: both split by output features (dimension 0).
@@ -82,6 +113,7 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
  private:
   std::shared_ptr<Communicator> group_;
   ColumnParallelLinearOptions options_;
+  uint64_t seed_ = 0;
   int64_t in_ = 0, out_ = 0;
 };
 TORCH_MODULE(ColumnParallelLinear);
@@ -91,8 +123,10 @@ struct RowParallelLinearOptions {
   bool bias = true;  ///< add a bias (replicated on every TP rank, added after the reduction)
   bool input_is_parallel = true;  ///< the input is already split by features (else it is scattered)
   bool sequence_parallel =
-      false;          ///< reduce-scatter the output along dim 0 instead of all-reducing
-  uint64_t seed = 0;  ///< seed of the full weights (see the file comment)
+      false;  ///< reduce-scatter the output along dim 0 instead of all-reducing
+  /// Seed of the full weights; unset: drawn from LibTorch's default CPU
+  /// generator, alike on the TP group (see the file comment).
+  std::optional<uint64_t> seed;
 };
 
 /// y = x A^T + b with A split by input features: A_i is [out, in/tp].
@@ -104,7 +138,8 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
                               public TensorParallelModule {
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
-  /// not 1-D or in_features does not divide by its size.
+  /// not 1-D or in_features does not divide by its size. Collective over
+  /// tp without a seed (file comment).
   RowParallelLinearImpl(const DeviceMesh& tp, int64_t in_features, int64_t out_features,
                         RowParallelLinearOptions options = {});
   /// The same over a bare group.
@@ -117,10 +152,12 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   torch::Tensor forward(const torch::Tensor& x);
   /// The TP group the layer's collectives run over.
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
-  /// The options it was built with.
+  /// The options it was built with (the seed unset if it was).
   const RowParallelLinearOptions& options() const { return options_; }
+  /// The seed its weights are drawn from: options().seed, or the one drawn.
+  uint64_t seed() const { return seed_; }
 
-  /// Registers this rank's part of the weights drawn from the seed and marks
+  /// Registers this rank's part of the weights drawn from seed() and marks
   /// it (file comment); the constructor and clone() call it.
   void reset() override;
   /// {weight}, split by input features (dimension 1): the bias is whole on
@@ -140,6 +177,7 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
  private:
   std::shared_ptr<Communicator> group_;
   RowParallelLinearOptions options_;
+  uint64_t seed_ = 0;
   int64_t in_ = 0, out_ = 0;
 };
 TORCH_MODULE(RowParallelLinear);
@@ -147,7 +185,9 @@ TORCH_MODULE(RowParallelLinear);
 /// Options of VocabParallelEmbedding.
 struct VocabParallelEmbeddingOptions {
   double init_std = 1.0;  ///< weights ~ N(0, init_std^2), as torch::nn::Embedding for 1.0
-  uint64_t seed = 0;      ///< seed of the full table (see the file comment)
+  /// Seed of the full table; unset: drawn from LibTorch's default CPU
+  /// generator, alike on the TP group (see the file comment).
+  std::optional<uint64_t> seed;
 };
 
 /// An embedding table split by vocabulary rows: rank i holds the ids
@@ -159,7 +199,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
  public:
   /// Over `tp`, a 1-D mesh (`mesh["tp"]`). Throws InvalidArgument when tp is
   /// not 1-D or num_embeddings does not divide by its size (pad the
-  /// vocabulary to a multiple of tp).
+  /// vocabulary to a multiple of tp). Collective over tp without a seed
+  /// (file comment).
   VocabParallelEmbeddingImpl(const DeviceMesh& tp, int64_t num_embeddings, int64_t embedding_dim,
                              VocabParallelEmbeddingOptions options = {});
   /// The same over a bare group.
@@ -176,10 +217,12 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
 
   int64_t vocab_start_index() const { return start_; }  ///< first id of this rank's rows
   int64_t vocab_end_index() const { return end_; }      ///< one past the last
+  /// The seed its table is drawn from: the option, or the one drawn.
+  uint64_t seed() const { return seed_; }
   /// The TP group the layer's collectives run over.
   const std::shared_ptr<Communicator>& process_group() const { return group_; }
 
-  /// Registers this rank's part of the weights drawn from the seed and marks
+  /// Registers this rank's part of the weights drawn from seed() and marks
   /// it (file comment); the constructor and clone() call it.
   void reset() override;
   /// {weight}: split by vocabulary rows (dimension 0).
@@ -196,6 +239,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
   std::shared_ptr<Communicator> group_;
   int64_t num_embeddings_ = 0, embedding_dim_ = 0, start_ = 0, end_ = 0;
   VocabParallelEmbeddingOptions options_;
+  uint64_t seed_ = 0;
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
@@ -250,7 +294,9 @@ std::map<const void*, int64_t> split_dims(torch::nn::Module& module);
 /// ±1/sqrt(in) as torch::nn::Linear. For tests and references.
 std::pair<torch::Tensor, torch::Tensor> master_linear_weights(int64_t in_features,
                                                               int64_t out_features, uint64_t seed);
-/// The full table VocabParallelEmbedding with `options` draws.
+/// The full table VocabParallelEmbedding with `options` draws (pass a layer
+/// built without a seed its seed(): options.seed). Throws InvalidArgument
+/// when options.seed is unset.
 torch::Tensor master_embedding_weight(int64_t num_embeddings, int64_t embedding_dim,
                                       const VocabParallelEmbeddingOptions& options);
 
