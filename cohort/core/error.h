@@ -1,6 +1,6 @@
 // defines: Error and its kinds (InvalidArgument and its ScheduleError,
 // ConfigError, TimeoutError, PeerError, MismatchError, Unsupported,
-// CheckpointError), COHORT_CHECK for broken invariants: every public
+// CheckpointError, StageError), COHORT_CHECK for broken invariants: every public
 // exception type, in one place.
 //
 // Two kinds of failure, as in docs/errors.md: what a caller or a peer can cause
@@ -71,6 +71,16 @@ class ScheduleError : public InvalidArgument {
 /// format, or (Trainer::resume) only damaged ones where a good one was
 /// required. The message names the file or folder.
 class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A pipeline stage's own code (its forward, the last stage's loss
+/// function, its backward) threw: every rank of the pipeline throws it at
+/// the step's end, naming the stage, its rank, the micro-batch and the
+/// original message. On the rank whose code threw, the original exception
+/// is nested (std::rethrow_if_nested).
+class StageError : public Error {
  public:
   using Error::Error;
 };

@@ -12,7 +12,8 @@ namespace cohort::pipeline {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr int kMetaSlots = 64;  // int64s in a boundary's shape message
+constexpr int kMetaSlots = 64;       // int64s in a boundary's shape message
+constexpr int64_t kFailedMeta = -1;  // its count when nothing crosses
 // begin_action refills the receive window once this few posted receives
 // remain (the memory model, schedule_memory, follows the same rule).
 constexpr size_t kRefillAt = 1;
@@ -134,6 +135,7 @@ void BoundaryChannel::begin_step(int64_t input_shapes) {
   sent_cached_.clear();
   for (const auto& entry : known.sent) sent_cached_.insert(entry.first);
   refused_.clear();
+  upstream_failed_ = false;
 }
 
 void BoundaryChannel::begin_action(size_t pc) {
@@ -238,9 +240,11 @@ void BoundaryChannel::release_sends(int peer, int peer_send_pos) {
   sends_.erase(done, sends_.end());
 }
 
-std::optional<Tensors> BoundaryChannel::send_forward(int stage, int mb, const Tensors& out) {
+std::optional<Tensors> BoundaryChannel::send_forward(int stage, int mb, const Tensors& out,
+                                                     bool skipped) {
   const int dst = schedule_.stage_to_rank[stage + 1];
   BoundaryMeta& meta = sent_meta_[stage];
+  if (!meta.known && skipped) return send_failed_meta(stage, dst, meta);
   if (!meta.known) {
     // The boundary's shapes, once a step: count, then (dtype, ndim,
     // sizes...) each.
@@ -249,19 +253,24 @@ std::optional<Tensors> BoundaryChannel::send_forward(int stage, int mb, const Te
       enc.push_back(static_cast<int64_t>(t.scalar_type()));
       enc.push_back(t.dim());
       for (auto d : t.sizes()) enc.push_back(d);
+    }
+    if (enc.size() > static_cast<size_t>(kMetaSlots)) {
+      if (refused_.empty())
+        refused_ = sender(stage, mb, dst) + ": too many tensors or dimensions to describe (" +
+                   std::to_string(enc.size()) + " > " + std::to_string(kMetaSlots) + " values)";
+      return send_failed_meta(stage, dst, meta);
+    }
+    for (const auto& t : out) {
       meta.shapes.push_back(t.sizes().vec());
       meta.dtypes.push_back(t.scalar_type());
     }
-    if (enc.size() > static_cast<size_t>(kMetaSlots))
-      throw InvalidArgument("PipelineRuntime: stage " + std::to_string(stage) +
-                            " sends too many tensors or dimensions to describe (" +
-                            std::to_string(enc.size()) + " > 64 values)");
     enc.resize(kMetaSlots, 0);
     send(torch::tensor(enc, torch::kInt64), dst, message_tag(stage, 0, kMetaMicrobatch));
     meta.known = true;
   }
-  std::string refusal = mismatch(stage, mb, dst, out, meta);
-  if (refusal.empty()) {
+  if (meta.failed) return Tensors{};
+  std::string refusal = skipped ? "" : mismatch(stage, mb, dst, out, meta);
+  if (!skipped && refusal.empty()) {
     for (const auto& t : out) send(t, dst, message_tag(stage, 0, mb));
     return std::nullopt;
   }
@@ -269,14 +278,34 @@ std::optional<Tensors> BoundaryChannel::send_forward(int stage, int mb, const Te
   // shapes, which no message can tell it to change: zeros of those shapes
   // go instead, so its schedule, and every other rank's, runs to its end.
   if (refused_.empty()) refused_ = std::move(refusal);
-  const c10::Device device = out.empty() ? c10::Device(c10::kCPU) : out[0].device();
+  // On the stage's device (a skipped stage has no outputs to take it from).
   Tensors stand_in;
   for (size_t i = 0; i < meta.shapes.size(); ++i) {
     stand_in.push_back(
-        torch::zeros(meta.shapes[i], torch::TensorOptions().dtype(meta.dtypes[i]).device(device)));
+        out.empty()
+            ? buffer(stage, meta.shapes[i], meta.dtypes[i]).zero_()
+            : torch::zeros(meta.shapes[i],
+                           torch::TensorOptions().dtype(meta.dtypes[i]).device(out[0].device())));
     send(stand_in.back(), dst, message_tag(stage, 0, mb));
   }
   return stand_in;
+}
+
+// The receiver learns from it that no tensor crosses the boundary in this
+// step (it skips its stages too); the slot holds no output, so no gradient
+// comes back either.
+Tensors BoundaryChannel::send_failed_meta(int stage, int dst, BoundaryMeta& meta) {
+  std::vector<int64_t> enc(kMetaSlots, 0);
+  enc[0] = kFailedMeta;
+  send(torch::tensor(enc, torch::kInt64), dst, message_tag(stage, 0, kMetaMicrobatch));
+  meta = BoundaryMeta{};
+  meta.known = meta.failed = true;
+  return {};
+}
+
+std::string BoundaryChannel::sender(int stage, int mb, int dst) const {
+  return "stage " + std::to_string(stage) + " on rank " + std::to_string(rank_) +
+         ", sending micro-batch " + std::to_string(mb) + " to rank " + std::to_string(dst);
 }
 
 // "" when `out` matches the boundary's shapes, else the refusal.
@@ -287,8 +316,7 @@ std::string BoundaryChannel::mismatch(int stage, int mb, int dst, const Tensors&
     same = out[i].sizes().vec() == meta.shapes[i] && out[i].scalar_type() == meta.dtypes[i];
   if (same) return "";
   std::ostringstream os;
-  os << "stage " << stage << " on rank " << rank_ << ", sending micro-batch " << mb << " to rank "
-     << dst << ": outputs [";
+  os << sender(stage, mb, dst) << ": outputs [";
   for (size_t i = 0; i < out.size(); ++i)
     os << (i ? ", " : "") << shape_text(out[i].sizes().vec(), out[i].scalar_type());
   os << "], expected [";
@@ -312,6 +340,11 @@ Tensors BoundaryChannel::recv_forward(int stage, int mb) {
     torch::Tensor m = torch::empty({kMetaSlots}, torch::kInt64);
     wait_recv(m, src, message_tag(stage - 1, 0, kMetaMicrobatch));
     auto a = m.accessor<int64_t, 1>();
+    meta.known = true;
+    if (a[0] == kFailedMeta) {
+      meta.failed = upstream_failed_ = true;
+      return in;
+    }
     int64_t k = 1;
     for (int64_t i = 0; i < a[0]; ++i) {
       meta.dtypes.push_back(static_cast<c10::ScalarType>(a[k]));
@@ -319,7 +352,6 @@ Tensors BoundaryChannel::recv_forward(int stage, int mb) {
       meta.shapes.emplace_back(&a[k + 2], &a[k + 2] + nd);
       k += 2 + nd;
     }
-    meta.known = true;
   }
   for (size_t i = 0; i < meta.shapes.size(); ++i) {
     torch::Tensor buf = buffer(stage, meta.shapes[i], meta.dtypes[i]);
@@ -350,7 +382,13 @@ Tensors BoundaryChannel::recv_backward(int stage, int mb, const Tensors& outputs
 void BoundaryChannel::finish() {
   for (auto& pending : sends_) pending.work.wait();
   sends_.clear();
-  known_[step_key_] = {sent_meta_, recv_meta_};
+  // Both ends of a boundary know it failed: neither keeps it.
+  auto kept = [](std::map<int, BoundaryMeta> metas) {
+    for (auto it = metas.begin(); it != metas.end();)
+      it = it->second.failed ? metas.erase(it) : ++it;
+    return metas;
+  };
+  known_[step_key_] = {kept(sent_meta_), kept(recv_meta_)};
 }
 
 void BoundaryChannel::abort() {

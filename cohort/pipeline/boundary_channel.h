@@ -9,7 +9,14 @@
 // steps. An output of another shape than the boundary's (within a step, or
 // for an input shape seen before) is refused: zeros of the boundary's shapes
 // travel in its place, so every rank runs its schedule to the end and learns
-// of the refusal there (refused_send). Gradients travel for floating-point
+// of the refusal there (refused_send). A rank whose stage's code failed
+// (StageExecutor) sends zeros of the boundary's shapes the same way, or,
+// when the boundary's shapes are not known yet in the step, a shape message
+// that says so (count -1): then no tensor crosses the boundary in either
+// direction for the rest of the step, and the receiver skips its stages'
+// code too (upstream_failed). A step's shapes are remembered for later
+// steps except such a boundary's. An output too large to describe in a
+// shape message is refused that way too. Gradients travel for floating-point
 // and complex tensors (carries_gradient); a complex tensor travels as its real view.
 //
 // Threading: one thread. Every call comes from the thread running
@@ -51,6 +58,8 @@ int message_tag(int boundary, int dir, int microbatch);
 /// message of the step.
 struct BoundaryMeta {
   bool known = false;
+  /// The sender failed before it knew the shapes: nothing crosses.
+  bool failed = false;
   std::vector<std::vector<int64_t>> shapes;
   std::vector<c10::ScalarType> dtypes;
 };
@@ -78,11 +87,19 @@ class BoundaryChannel {
   /// of another shape or dtype than the boundary's are refused: zeros of
   /// the boundary's shapes are sent instead and returned, for the slot to
   /// hold in their place, and the step's first refusal is kept
-  /// (refused_send). Returns nothing when `outputs` went.
-  std::optional<Tensors> send_forward(int stage, int mb, const Tensors& outputs);
+  /// (refused_send); so are outputs too large to describe, which send a
+  /// failed shape message and return no tensor. `skipped`: the stage did
+  /// not run (its outputs are ignored): zeros of the boundary's shapes
+  /// where known, else the failed shape message; no refusal is kept.
+  /// Returns nothing when `outputs` went.
+  std::optional<Tensors> send_forward(int stage, int mb, const Tensors& outputs,
+                                      bool skipped = false);
   /// The step's first refused send ("" for none), naming the stage, this
   /// rank, the micro-batch, the peer and both shapes.
   const std::string& refused_send() const { return refused_; }
+  /// Whether a failed shape message arrived in this step: a previous
+  /// stage's rank failed and sends nothing.
+  bool upstream_failed() const { return upstream_failed_; }
   /// Stage `stage`'s inputs of micro-batch `mb` from the previous stage.
   Tensors recv_forward(int stage, int mb);
   /// Sends stage `stage`'s input gradients to the previous stage.
@@ -116,6 +133,9 @@ class BoundaryChannel {
   void release_sends(int peer, int peer_send_pos);
   std::string mismatch(int stage, int mb, int dst, const Tensors& out,
                        const BoundaryMeta& meta) const;
+  std::string sender(int stage, int mb, int dst) const;
+  // Sends the shape message saying that nothing crosses `stage`'s boundary.
+  Tensors send_failed_meta(int stage, int dst, BoundaryMeta& meta);
   // A receive buffer for this rank's stage `stage`, on its device.
   torch::Tensor buffer(int stage, const std::vector<int64_t>& shape, c10::ScalarType dtype) const;
 
@@ -142,6 +162,7 @@ class BoundaryChannel {
   // step's first refused send.
   std::set<int> sent_cached_;
   std::string refused_;
+  bool upstream_failed_ = false;
   std::vector<PendingSend> sends_;
   // Receives posted ahead, by (boundary, direction, micro-batch).
   std::map<std::tuple<int, int, int>, std::vector<std::pair<Work, torch::Tensor>>> posted_;

@@ -175,6 +175,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
     state_->executor->abort();
     channel.abort();
     if (!tied_aside_.empty()) restore_tied_grads(false);
+    drop_gradients();
     throw;
   }
   result.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -217,11 +218,12 @@ void PipelineRuntime::dispatch(const Action& a) {
       exec.backward_weight(s, mb);
       break;
     case ActionType::SendForward:
-      if (auto stand_in = channel.send_forward(s, mb, exec.outputs(s, mb)))
+      if (auto stand_in = channel.send_forward(s, mb, exec.outputs(s, mb), exec.skipped(s, mb)))
         exec.replace_outputs(s, mb, std::move(*stand_in));
       break;
     case ActionType::RecvForward:
       exec.put_inputs(s, mb, channel.recv_forward(s, mb));
+      if (channel.upstream_failed()) exec.skip_rest();
       break;
     case ActionType::SendBackward:
       channel.send_backward(s, mb, exec.take_input_grads(s, mb));
@@ -232,14 +234,24 @@ void PipelineRuntime::dispatch(const Action& a) {
   }
 }
 
+// A failed step's gradients are partial, and on the ranks after a failed
+// stage partly from the zeros sent in its outputs' place: none is kept, so
+// an optimizer step that follows changes nothing. Earlier steps'
+// accumulated gradients go too: their sum lacks this step's batch.
+void PipelineRuntime::drop_gradients() {
+  for (auto& p : parameters()) p.mutable_grad().reset();
+}
+
 void PipelineRuntime::finish_step(PipelineStepResult& result) {
   state_->channel->finish();
   // Before the outcome's exchange, which throws on every rank for a loss
   // that could not train or a refused send: the gradients that were added
   // stay one weight's.
   restore_tied_grads(true);
-  result.losses = share_step_outcome(*group_, schedule_, state_->executor->losses(),
-                                     state_->channel->refused_send());
+  const StageExecutor& exec = *state_->executor;
+  result.losses = share_step_outcome(
+      *group_, schedule_, exec.losses(),
+      {state_->channel->refused_send(), exec.failure(), exec.failure_exception()});
   double sum = 0;
   for (double l : result.losses) sum += l;
   result.loss = sum / result.losses.size();

@@ -153,8 +153,14 @@ class PipelineRuntime {
   /// boundary tensors have one shape. A loss that is not a
   /// scalar or does not require grad is an InvalidArgument on every rank at
   /// the step's end, naming the last stage, its rank and the first such
-  /// micro-batch (the other micro-batches' gradients were added: zero the
-  /// gradients before the next step). After the last backward the
+  /// micro-batch. A stage's code that throws (its forward, the loss
+  /// function, its backward) is a StageError on every rank at the step's
+  /// end, naming the stage, its rank, the micro-batch and the message (the
+  /// original nested on its rank); the other ranks finish their schedules
+  /// on zeros instead of waiting for the timeout. A step that throws after
+  /// its batch check leaves every parameter of this rank's stages without
+  /// a gradient (.grad undefined, earlier steps' too), so an optimizer step
+  /// after it changes nothing. After the last backward the
   /// gradients of each tied weight's copies are summed over the ranks
   /// holding one (only what this step added: earlier steps' accumulated
   /// gradients are not summed again), so that every copy steps as the one
@@ -199,6 +205,7 @@ class PipelineRuntime {
   void run_action(const Action& action, PipelineStepResult& result);
   void dispatch(const Action& action);
   void finish_step(PipelineStepResult& result);
+  void drop_gradients();
   void tie_weights(const std::string& who);
   // Each tied copy's .grad is set aside for the step, then the step's part,
   // summed over the copies' ranks, added back (`sum`: false on an abort).

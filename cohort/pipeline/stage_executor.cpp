@@ -31,6 +31,19 @@ void add_gradients(const std::vector<torch::Tensor>& params,
   }
 }
 
+// The message of `error` (a c10::Error's without its backtrace).
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 }  // namespace
 
 const char* slot_state_name(SlotState state) {
@@ -66,6 +79,18 @@ void StageExecutor::begin_step(std::vector<Tensors> micro_inputs,
   losses_ = StepLosses{};
   losses_.losses.assign(schedule_.num_microbatches, 0.0);
   live_ = peak_live_ = 0;
+  skipping_ = false;
+  failure_.clear();
+  failure_ptr_ = nullptr;
+}
+
+// The first failure is the one reported; any failure ends the stages'
+// code for the step (a later one may only follow from the first).
+void StageExecutor::fail(const std::string& where, std::exception_ptr error) {
+  skipping_ = true;
+  if (!failure_.empty()) return;
+  failure_ = where + ": " + message_of(error);
+  failure_ptr_ = std::move(error);
 }
 
 void StageExecutor::put_inputs(int stage, int mb, Tensors inputs) {
@@ -114,6 +139,11 @@ const Tensors& StageExecutor::outputs(int stage, int mb) const {
   return it->second.outputs;
 }
 
+bool StageExecutor::skipped(int stage, int mb) const {
+  auto it = slots_.find({stage, mb});
+  return it != slots_.end() && it->second.skipped;
+}
+
 void StageExecutor::replace_outputs(int stage, int mb, Tensors stand_in) {
   slot_in({stage, mb}, {SlotState::Forwarded}, "replacing the outputs").outputs =
       std::move(stand_in);
@@ -148,36 +178,64 @@ Tensors StageExecutor::stage_inputs(int stage, int mb) {
   return in;
 }
 
+std::string StageExecutor::where(int stage, int mb, const char* action) const {
+  return "stage " + std::to_string(stage) + " (on rank " + std::to_string(rank_) +
+         ") threw in its " + action + " of micro-batch " + std::to_string(mb);
+}
+
 void StageExecutor::forward(int stage, int mb) {
   const Key key{stage, mb};
   slot_in(key, {SlotState::Free}, "F");
   Tensors in = stage_inputs(stage, mb);
   Slot slot;
-  const PipelineStage& ps = *local_.at(stage);
-  Tensors out = ps.forward(in, split_backward_[stage] ? &slot.units : nullptr);
+  Tensors out;
+  if (!skipping_) {
+    try {
+      out = local_.at(stage)->forward(in, split_backward_[stage] ? &slot.units : nullptr);
+    } catch (...) {
+      slot.units.clear();
+      fail(where(stage, mb, "forward"), std::current_exception());
+    }
+  }
+  slot.skipped = skipping_;
   peak_live_ = std::max(peak_live_, ++live_);
   slot.inputs = std::move(in);
   slot.state = SlotState::Forwarded;
   Slot& held = slots_[key] = std::move(slot);
   if (stage != schedule_.num_stages - 1)
-    held.outputs = std::move(out);
+    held.outputs = std::move(out);  // none when skipped: SEND_F puts the stand-in
+  else if (held.skipped)
+    held.outputs = {torch::zeros({})};
   else
     apply_loss(mb, held, out);
 }
 
 void StageExecutor::apply_loss(int mb, Slot& slot, const Tensors& out) {
-  torch::Tensor loss = loss_fn_(out, micro_targets_[mb]);
-  if (loss.numel() != 1 || !loss.requires_grad()) {
+  torch::Tensor loss;
+  int64_t numel = 0;
+  double value = 0;
+  try {
+    loss = loss_fn_(out, micro_targets_[mb]);
+    numel = loss.numel();  // an undefined loss throws here
+    value = numel == 1 ? loss.item<double>() : std::nan("");
+  } catch (...) {
+    fail("the loss function of stage " + std::to_string(schedule_.num_stages - 1) + " (on rank " +
+             std::to_string(rank_) + ") threw for micro-batch " + std::to_string(mb),
+         std::current_exception());
+    slot.skipped = true;
+    slot.outputs = {torch::zeros({})};
+    return;
+  }
+  losses_.losses[mb] = value;
+  if (numel != 1 || !loss.requires_grad()) {
     // Refused on every rank at the step's end, not here, where the other
     // ranks wait for this micro-batch's gradients. Until then a zero
     // without a graph stands in, so every stage's backward sends zeros and
     // the schedule runs to its end.
-    if (losses_.bad_mb < 0) losses_.bad_mb = mb, losses_.bad_numel = loss.numel();
-    losses_.losses[mb] = loss.numel() == 1 ? loss.item<double>() : std::nan("");
+    if (losses_.bad_mb < 0) losses_.bad_mb = mb, losses_.bad_numel = numel;
     slot.outputs = {torch::zeros({}, loss.options())};
     return;
   }
-  losses_.losses[mb] = loss.item<double>();
   // The gradient convention (pipeline_runtime.h): d(loss / m).
   slot.outputs = {loss.reshape({}) / schedule_.num_microbatches};
 }
@@ -219,10 +277,18 @@ void StageExecutor::backward(int stage, int mb, bool full) {
   want.insert(want.end(), params.begin(), params.end());
   if (by_unit)
     for (const auto& u : slot.units) want.push_back(u.output);
+  // After a failure no stage's code runs: no roots, so zeros go back.
+  if (skipping_) roots.clear(), root_grads.clear();
   Tensors got;
-  if (!roots.empty() && !want.empty())
-    got = torch::autograd::grad(roots, want, root_grads, /*retain_graph=*/!full,
-                                /*create_graph=*/false, /*allow_unused=*/true);
+  if (!roots.empty() && !want.empty()) {
+    try {
+      got = torch::autograd::grad(roots, want, root_grads, /*retain_graph=*/!full,
+                                  /*create_graph=*/false, /*allow_unused=*/true);
+    } catch (...) {
+      fail(where(stage, mb, "backward"), std::current_exception());
+      roots.clear(), root_grads.clear();
+    }
+  }
   keep_input_grads(stage, slot, got, input_pos);
   auto it = slots_.find({stage, mb});
   if (full) {
@@ -258,6 +324,15 @@ void StageExecutor::keep_input_grads(int stage, Slot& slot, const Tensors& got,
 
 void StageExecutor::backward_weight(int stage, int mb) {
   Slot& slot = slot_in({stage, mb}, {SlotState::WeightsAndGrads, SlotState::Weights}, "W");
+  try {
+    if (!skipping_) weight_gradients(stage, slot);
+  } catch (...) {
+    fail(where(stage, mb, "weight backward (W)"), std::current_exception());
+  }
+  release_activations(slots_.find({stage, mb}));
+}
+
+void StageExecutor::weight_gradients(int stage, const Slot& slot) {
   if (!slot.units.empty()) {
     // Each layer from its own output gradient: the engine runs only the
     // nodes between that output and the layer's parameters.
@@ -275,7 +350,6 @@ void StageExecutor::backward_weight(int stage, int mb) {
                     torch::autograd::grad(slot.roots, params, slot.root_grads, false, false, true),
                     0);
   }
-  release_activations(slots_.find({stage, mb}));
 }
 
 // After the micro-batch's last backward action on the stage (B, or W after

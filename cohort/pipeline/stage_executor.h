@@ -15,12 +15,23 @@
 // internal error naming the slot and both states: it means a schedule the
 // validator accepted reached an action out of order.
 //
+// A stage's own code that throws (its forward, the loss function, the
+// autograd of its backward, hooks included) does not end the rank's
+// schedule: the exception is kept (failure()) and from then on the step
+// skips every stage's code on this rank. A skipped F holds stand-in
+// outputs (none, or the channel's zeros; the last stage a zero loss) with no
+// graph, and a B, I or W after it hands over zeros, so the other ranks'
+// messages are all matched and every rank learns of the failure at the
+// step's end (share_step_outcome).
+//
 // Threading: one thread (the one running PipelineRuntime::step), no lock.
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -65,6 +76,16 @@ class StageExecutor {
 
   /// A Forwarded slot's outputs (for SEND_F and RECV_B).
   const Tensors& outputs(int stage, int mb) const;
+  /// Whether a Forwarded slot's F was skipped: its outputs are a stand-in
+  /// (empty until the channel gives the boundary's zeros).
+  bool skipped(int stage, int mb) const;
+  /// Skips every stage's code for the rest of the step (a previous stage's
+  /// rank failed and sent nothing).
+  void skip_rest() { skipping_ = true; }
+  /// The step's first exception from a stage's code on this rank ("" and
+  /// null for none), naming the stage, this rank and the micro-batch.
+  const std::string& failure() const { return failure_; }
+  const std::exception_ptr& failure_exception() const { return failure_ptr_; }
   /// Puts `stand_in` (no graph) in place of a Forwarded slot's outputs
   /// whose send was refused: their gradients then fit what was sent, and
   /// the slot's backward hands over zeros.
@@ -91,6 +112,7 @@ class StageExecutor {
     std::vector<WeightUnit> units;
     Tensors unit_grads;
     Tensors roots, root_grads;  // function stages keep these for W
+    bool skipped = false;       // F did not run the stage: outputs are a stand-in
   };
   Slot& slot_in(const Key& key, std::initializer_list<SlotState> from, const char* action);
   void move_to(std::map<Key, Slot>::iterator it, SlotState to);
@@ -100,6 +122,9 @@ class StageExecutor {
   void keep_input_grads(int stage, Slot& slot, const Tensors& got,
                         const std::vector<size_t>& input_pos);
   void release_activations(std::map<Key, Slot>::iterator it);
+  void fail(const std::string& where, std::exception_ptr error);
+  std::string where(int stage, int mb, const char* action) const;
+  void weight_gradients(int stage, const Slot& slot);
 
   const PipelineSchedule& schedule_;
   const int rank_;
@@ -110,6 +135,9 @@ class StageExecutor {
   std::map<Key, Tensors> received_inputs_, received_grads_;
   std::vector<Tensors> micro_inputs_, micro_targets_;
   StepLosses losses_;
+  bool skipping_ = false;  // this step runs no stage's code any more
+  std::string failure_;
+  std::exception_ptr failure_ptr_;
   int live_ = 0, peak_live_ = 0;  // slots holding activations
 };
 

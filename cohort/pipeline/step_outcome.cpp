@@ -1,5 +1,7 @@
 #include "cohort/pipeline/step_outcome.h"
 
+#include <algorithm>
+#include <exception>
 #include <sstream>
 #include <string>
 
@@ -36,32 +38,45 @@ std::string loss_error(const Communicator& group, const PipelineSchedule& schedu
 }  // namespace
 
 // An all-gather, not a broadcast from the last stage's rank: a send is
-// refused on the rank that makes it (any rank but the last stage's), and
-// every rank must learn of it. The texts travel only when there is one.
+// refused, or a stage's code throws, on any rank, and every rank must learn
+// of it. The texts travel only when there is one.
 std::vector<double> share_step_outcome(Communicator& group, const PipelineSchedule& schedule,
-                                       const StepLosses& mine, const std::string& refused_send) {
+                                       const StepLosses& mine, const StepFailure& failure) {
+  enum : int { kNothing, kRefused, kThrew };
   const int m = schedule.num_microbatches;
   const int64_t width = m + 3;
   std::vector<double> words = mine.losses;
   words.resize(static_cast<size_t>(m), 0.0);
   words.push_back(mine.bad_mb);
   words.push_back(static_cast<double>(mine.bad_numel));
-  words.push_back(refused_send.empty() ? 0 : 1);
+  words.push_back(!failure.stage_error.empty()    ? kThrew
+                  : !failure.refused_send.empty() ? kRefused
+                                                  : kNothing);
   torch::Tensor local = torch::tensor(words, torch::kFloat64);
   torch::Tensor all = torch::empty({group.size() * width}, torch::kFloat64);
   group.all_gather_into_tensor(all, local).wait();
   const double* got = all.data_ptr<double>();
-  bool refused = false;
-  for (int r = 0; r < group.size(); ++r) refused = refused || got[r * width + m + 2] != 0;
-  if (refused) {
+  int worst = kNothing;
+  for (int r = 0; r < group.size(); ++r)
+    worst = std::max(worst, static_cast<int>(got[r * width + m + 2]));
+  if (worst != kNothing) {
+    std::string mine_text = failure.stage_error;
+    if (!failure.refused_send.empty())
+      mine_text += (mine_text.empty() ? "" : "; ") + failure.refused_send;
     std::string text = who(group);
     bool first = true;
-    for (const auto& t : gather_texts(group, refused_send)) {
+    for (const auto& t : gather_texts(group, mine_text)) {
       if (t.empty()) continue;
       text += (first ? "" : "; ") + t;
       first = false;
     }
-    throw InvalidArgument(text);
+    if (worst == kRefused) throw InvalidArgument(text);
+    if (!failure.original) throw StageError(text);
+    try {
+      std::rethrow_exception(failure.original);
+    } catch (...) {
+      std::throw_with_nested(StageError(text));
+    }
   }
   const double* last = got + schedule.stage_to_rank.back() * width;
   if (last[m] >= 0)
