@@ -7,8 +7,8 @@
 #include <unordered_set>
 
 #include "cohort/core/error.h"
-#include "cohort/core/rank_local.h"
 #include "cohort/grad_sync/average_gradients.h"
+#include "cohort/mesh/tp_replicas.h"
 
 namespace cohort {
 
@@ -242,39 +242,10 @@ void GradientSynchronizer::collect_sequence_parallel(const torch::nn::Module& st
 
 void GradientSynchronizer::collect_tp_replicas(const torch::nn::Module& stage) {
   if (!options_.verify_tp_replicas || mesh_.size("tp") == 1) return;
-  std::unordered_set<const void*> experts;
-  for (const auto& p : options_.expert_parameters) experts.insert(p.unsafeGetTensorImpl());
-  for (const auto& item : stage.named_parameters()) {
-    const auto& p = item.value();
-    const void* key = p.unsafeGetTensorImpl();
-    // Frozen ones too: one unfrozen later must not train apart unchecked.
-    if (tp_split_.count(key) || experts.count(key)) continue;
-    if (!rank_local_refusal({p}).empty()) continue;  // an MoE's experts split over TP
-    tp_replicas_.emplace_back(item.key(), p);
-  }
+  tp_replicas_ = tp_replicated_parameters(stage, options_.expert_parameters);
 }
 
 namespace {
-
-// Per tensor the sum and the sum of magnitudes (zeros where undefined), in
-// double, of every TP rank: [tp, n, 2] on the CPU. Equal tensors give equal
-// digests. One all-gather over `tp`, on `device` (the parameters').
-torch::Tensor tp_digests(Communicator& tp, const std::vector<torch::Tensor>& tensors,
-                         torch::Device device) {
-  std::vector<torch::Tensor> parts;
-  for (const auto& t : tensors) {
-    if (!t.defined()) {
-      parts.push_back(torch::zeros({2}, torch::dtype(torch::kFloat64).device(device)));
-      continue;
-    }
-    auto d = t.detach().to(device, torch::kFloat64);
-    parts.push_back(torch::stack({d.sum(), d.abs().sum()}));
-  }
-  auto mine = torch::stack(parts).reshape({-1});
-  auto all = torch::empty({tp.size() * mine.numel()}, mine.options());
-  tp.all_gather_into_tensor(all, mine).wait();
-  return all.reshape({tp.size(), -1, 2}).cpu();
-}
 
 // The verdicts (0 fine, 1 deferred, 2 refused) of every stage of this rank's
 // "pp" group, for a check whose stages check different parameters: one that
@@ -303,30 +274,9 @@ void refuse_with_stages(const std::string& who, const std::string& mine,
 }  // namespace
 
 void GradientSynchronizer::check_tp_replica_values(const std::string& who) {
-  // Replicas drawn from different seeds per rank (a habit under DDP, which
-  // broadcasts) would train apart with no error: nothing else compares
-  // values over TP. Exact: replicas built alike are equal bit for bit.
-  std::string mismatch;
-  if (!tp_replicas_.empty()) {
-    std::vector<torch::Tensor> values;
-    for (const auto& named : tp_replicas_) values.push_back(named.second);
-    auto& tp = *mesh_["tp"].process_group();
-    const auto table = tp_digests(tp, values, values.front().device());
-    auto t = table.accessor<double, 3>();
-    for (size_t i = 0; i < tp_replicas_.size() && mismatch.empty(); ++i) {
-      for (int r = 1; r < tp.size(); ++r) {
-        if (t[r][i][0] == t[0][i][0] && t[r][i][1] == t[0][i][1]) continue;
-        mismatch = "the values of parameter '" + tp_replicas_[i].first +
-                   "', whole on every TP rank, differ across TP ranks (sum " +
-                   std::to_string(t[0][i][0]) + " on tp rank 0, " + std::to_string(t[r][i][0]) +
-                   " on tp rank " + std::to_string(r) +
-                   "): its TP replicas would train apart. Draw them from the same seed on every "
-                   "TP rank; if a layer of your own splits it over TP, implement "
-                   "TensorParallelModule in that layer (or set "
-                   "GradientSynchronizerOptions::verify_tp_replicas = false)";
-        break;
-      }
-    }
+  std::string mismatch = tp_replica_values_mismatch(*mesh_["tp"].process_group(), tp_replicas_);
+  if (!mismatch.empty()) {
+    mismatch += " (or set GradientSynchronizerOptions::verify_tp_replicas = false)";
   }
   const auto verdicts = stage_verdicts(*mesh_["pp"].process_group(), mismatch.empty() ? 0 : 2);
   refuse_with_stages(who, mismatch, verdicts,
