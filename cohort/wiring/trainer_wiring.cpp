@@ -11,6 +11,7 @@
 #include "cohort/fsdp/fsdp_adapters.h"
 #include "cohort/grad_sync/parameter_check.h"
 #include "cohort/mesh/tensor_parallel_module.h"
+#include "cohort/mesh/tp_replicas.h"
 #include "cohort/pipeline/pipeline_layout.h"
 #include "cohort/wiring/mesh_wiring.h"
 
@@ -254,9 +255,11 @@ std::shared_ptr<Communicator> TrainerWiring::tensor_parallel_group(const std::st
 }
 
 void TrainerWiring::set_tensor_parallel(const std::string& who,
-                                        std::shared_ptr<Communicator> shard_group) {
+                                        std::shared_ptr<Communicator> shard_group,
+                                        DataParallelValues values) {
   auto tp_group = tensor_parallel_group(who);
   if (!tp_group) return;
+  verify_tp_replicas(who, *tp_group, values);
   auto* layout = dynamic_cast<ReplicaLayout*>(layout_.get());
   COHORT_CHECK(layout != nullptr, who + ": a model of TP layers needs a ReplicaLayout");
   layout->set_tensor_parallel(
@@ -264,6 +267,23 @@ void TrainerWiring::set_tensor_parallel(const std::string& who,
       tp_group);
   if (std::find(traffic_.begin(), traffic_.end(), tp_group) == traffic_.end()) {
     traffic_.push_back(tp_group);
+  }
+}
+
+void TrainerWiring::verify_tp_replicas(const std::string& who, Communicator& tp_group,
+                                       DataParallelValues values) const {
+  // FSDP's parameters are this rank's rows of each tensor: a replica's rows
+  // sit on the same data-parallel rank of every TP group (same shape, same
+  // cut), so the shards compared over TP and the verdicts agreed over the
+  // data-parallel ranks cover every row.
+  const bool shards = values == DataParallelValues::Shards;
+  const auto mismatch = tp_replica_values_mismatch(tp_group, tp_replicated_parameters(*model_),
+                                                   shards ? " of this rank's FSDP shard" : "");
+  if (values != DataParallelValues::Broadcast) {
+    dcp::agree(*comm_, mismatch.empty() ? "" : who + ": " + mismatch,
+               dcp::ErrorKind::InvalidArgument);
+  } else if (!mismatch.empty()) {
+    throw InvalidArgument(who + " on rank " + std::to_string(comm_->rank()) + ": " + mismatch);
   }
 }
 
@@ -452,7 +472,8 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
                           "canonical norm (FullyShard::clip_grad_norm) sums this TP rank's "
                           "shards alone");
   }
-  wiring.set_tensor_parallel("TrainerWiring::fsdp", model->process_group());
+  wiring.set_tensor_parallel("TrainerWiring::fsdp", model->process_group(),
+                             DataParallelValues::Shards);
   std::shared_ptr<FullyShardImpl> root = model.ptr();
   wiring.set_dcp_state(root, optimizer);
   wiring.mode_ = "FSDP";
