@@ -255,11 +255,10 @@ std::shared_ptr<Communicator> TrainerWiring::tensor_parallel_group(const std::st
 }
 
 void TrainerWiring::set_tensor_parallel(const std::string& who,
-                                        std::shared_ptr<Communicator> shard_group,
-                                        DataParallelValues values) {
+                                        std::shared_ptr<Communicator> shard_group, bool shards) {
   auto tp_group = tensor_parallel_group(who);
   if (!tp_group) return;
-  verify_tp_replicas(who, *tp_group, values);
+  verify_tp_replicas(who, *tp_group, shards);
   auto* layout = dynamic_cast<ReplicaLayout*>(layout_.get());
   COHORT_CHECK(layout != nullptr, who + ": a model of TP layers needs a ReplicaLayout");
   layout->set_tensor_parallel(
@@ -271,20 +270,15 @@ void TrainerWiring::set_tensor_parallel(const std::string& who,
 }
 
 void TrainerWiring::verify_tp_replicas(const std::string& who, Communicator& tp_group,
-                                       DataParallelValues values) const {
+                                       bool shards) const {
   // FSDP's parameters are this rank's rows of each tensor: a replica's rows
   // sit on the same data-parallel rank of every TP group (same shape, same
   // cut), so the shards compared over TP and the verdicts agreed over the
   // data-parallel ranks cover every row.
-  const bool shards = values == DataParallelValues::Shards;
   const auto mismatch = tp_replica_values_mismatch(tp_group, tp_replicated_parameters(*model_),
                                                    shards ? " of this rank's FSDP shard" : "");
-  if (values != DataParallelValues::Broadcast) {
-    dcp::agree(*comm_, mismatch.empty() ? "" : who + ": " + mismatch,
-               dcp::ErrorKind::InvalidArgument);
-  } else if (!mismatch.empty()) {
-    throw InvalidArgument(who + " on rank " + std::to_string(comm_->rank()) + ": " + mismatch);
-  }
+  dcp::agree(*comm_, mismatch.empty() ? "" : who + ": " + mismatch,
+             dcp::ErrorKind::InvalidArgument);
 }
 
 void TrainerWiring::refuse_tensor_parallel(const std::string& who, const std::string& why) const {
@@ -473,7 +467,7 @@ TrainerWiring TrainerWiring::fsdp(FullyShard model, torch::optim::Optimizer& opt
                           "shards alone");
   }
   wiring.set_tensor_parallel("TrainerWiring::fsdp", model->process_group(),
-                             DataParallelValues::Shards);
+                             /*shards=*/true);
   std::shared_ptr<FullyShardImpl> root = model.ptr();
   wiring.set_dcp_state(root, optimizer);
   wiring.mode_ = "FSDP";

@@ -57,7 +57,7 @@ class TrainerWiring : public TrainingPlan {
     wiring.broadcasts_buffers_ = ddp.reducer().options().broadcast_buffers;
     wiring.set_leaves(ddp.reducer().options().determinism, ddp.reducer().options().leaves,
                       ddp.local_leaves(), nullptr);
-    wiring.set_tensor_parallel("TrainerWiring::ddp", nullptr, DataParallelValues::Broadcast);
+    wiring.set_tensor_parallel("TrainerWiring::ddp", nullptr, /*shards=*/false);
     return wiring;
   }
 
@@ -141,7 +141,7 @@ class TrainerWiring : public TrainingPlan {
                          std::make_unique<TorchOptimizer>(optimizer), std::move(sync));
     wiring.set_dcp_state(wiring.model_, optimizer);
     wiring.mode_ = "the all-reduce wiring";
-    wiring.set_tensor_parallel("TrainerWiring::all_reduce", nullptr, DataParallelValues::Own);
+    wiring.set_tensor_parallel("TrainerWiring::all_reduce", nullptr, /*shards=*/false);
     return wiring;
   }
   /// The same over a 1-D mesh's group.
@@ -221,11 +221,6 @@ class TrainerWiring : public TrainingPlan {
       : TrainingPlan(std::move(comm), std::move(model), std::move(optimizer), std::move(sync),
                      std::move(more_traffic)) {}
 
-  // What a wiring's data-parallel ranks hold when it is made: rank 0's
-  // values (DDP broadcast them), their own, or their own rows of rank 0's
-  // values (FSDP's shards).
-  enum class DataParallelValues { Broadcast, Own, Shards };
-
   // InvalidArgument on every rank of comm_ when the model holds one rank's
   // part of a split tensor (an MoE's experts: core/rank_local.h), which a
   // wiring other than the mesh's would take for replicated.
@@ -244,19 +239,19 @@ class TrainerWiring : public TrainingPlan {
   // `shard_group` first where it is not null), the TP ranks must draw the
   // same samples, TP rank 0 alone reports and checkpoints are refused
   // (ReplicaLayout::set_tensor_parallel), and the parameters whole on every
-  // TP rank must hold the same values there (verify_tp_replicas). Nothing
-  // without TP layers.
+  // TP rank must hold the same values there (verify_tp_replicas; `shards`:
+  // the model's parameters are FSDP's shards). Nothing without TP layers.
   void set_tensor_parallel(const std::string& who, std::shared_ptr<Communicator> shard_group,
-                           DataParallelValues values);
+                           bool shards);
   // InvalidArgument naming `who`, the parameter and the TP ranks, on every
   // rank, when a parameter of the model whole on every TP rank holds other
   // values on some TP rank of `tp_group` (they would train apart): one
-  // all-gather of two doubles per parameter over `tp_group`, then, unless
-  // the data-parallel ranks hold rank 0's values (DDP's broadcast) and so
-  // reach the same verdict, one all-gather of a word over comm_ to agree on
-  // it. After the data-parallel broadcast.
-  void verify_tp_replicas(const std::string& who, Communicator& tp_group,
-                          DataParallelValues values) const;
+  // all-gather of two doubles per parameter over `tp_group`, then one of a
+  // word over comm_ to agree on the verdict (the all-reduce wiring's ranks
+  // start from their own values, FSDP's compare their own shards, and a
+  // DDP replica changed after DDP's broadcast would differ too). After the
+  // data-parallel broadcast.
+  void verify_tp_replicas(const std::string& who, Communicator& tp_group, bool shards) const;
   // InvalidArgument naming `who` and `why` when the model holds TP layers
   // (over two or more ranks), which the wiring would take for replicated. The model is the same on
   // every rank, so every rank throws.
