@@ -2,6 +2,8 @@
 // here is local except gather_sequence.
 #include "cohort/context_parallel/layout.h"
 
+#include <c10/core/GradMode.h>
+
 #include <algorithm>
 #include <string>
 
@@ -96,9 +98,23 @@ torch::Tensor unshard_sequence(const std::vector<torch::Tensor>& shards, int64_t
 torch::Tensor gather_sequence(const torch::Tensor& local, Communicator& group, int64_t dim) {
   const int64_t d = checked_dim(local, dim, "gather_sequence");
   const int cp = group.size();
-  auto mine = torch::full({1}, local.size(d), torch::kInt64);
+  // Not differentiable (the copy into the padded block detaches): a shard
+  // that requires grad under grad mode is refused, its length sent as -1 in
+  // the lengths' all-gather so that every rank throws.
+  const bool refused = c10::GradMode::is_enabled() && local.requires_grad();
+  auto mine = torch::full({1}, refused ? -1 : local.size(d), torch::kInt64);
   auto lengths = torch::empty({cp}, torch::kInt64);
   group.all_gather_into_tensor(lengths, mine).wait();
+  for (int r = 0; r < cp; ++r) {
+    if (lengths[r].item<int64_t>() >= 0) continue;
+    throw InvalidArgument("cohort: gather_sequence (rank " + std::to_string(group.rank()) + " of " +
+                          std::to_string(cp) + ", group " + group.name() + "): rank " +
+                          std::to_string(r) +
+                          "'s shard requires grad, and gather_sequence is not differentiable "
+                          "(a loss built on it would get no gradient through it): it is for "
+                          "evaluation and logging; call it under torch::NoGradGuard or on "
+                          "detached tensors");
+  }
   // Shards may differ by a position (uneven chunks): pad to the longest so
   // one all-gather of equal blocks carries them.
   const int64_t longest = lengths.max().item<int64_t>();

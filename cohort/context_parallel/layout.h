@@ -56,7 +56,10 @@ torch::Tensor shard_sequence(const torch::Tensor& full, int rank, int cp, int64_
 torch::Tensor unshard_sequence(const std::vector<torch::Tensor>& shards, int64_t dim = 2);
 
 /// Collective over `group`: every rank gets the full sequence from the
-/// local shards (one all-gather of shards padded to the longest).
+/// local shards (one all-gather of shards padded to the longest). Not
+/// differentiable: for evaluation and logging; use it under NoGradGuard or
+/// on detached tensors. A shard that requires grad under grad mode on any
+/// rank: InvalidArgument on every rank, naming that rank.
 torch::Tensor gather_sequence(const torch::Tensor& local, Communicator& group, int64_t dim = 2);
 
 }  // namespace cohort::context_parallel

@@ -1,11 +1,15 @@
 // The zig-zag layout: chunk bounds from the closed form (the first S mod 2cp
 // chunks one longer), rank r holding chunks r and 2cp-1-r, shard and unshard
-// inverse of each other, gather_sequence the same as unshard over a group.
+// inverse of each other, gather_sequence the same as unshard over a group
+// and, not differentiable, refused on every rank when a rank's shard
+// requires grad under grad mode (a loss built on it would get no gradient
+// from it), accepted under NoGradGuard.
 #include "cohort/context_parallel/layout.h"
 
 #include <gtest/gtest.h>
 
 #include "cohort/context_parallel/block_attention.h"
+#include "support/rank_errors.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing::layout_test {
@@ -89,6 +93,57 @@ TEST(ZigZagLayout, GatherSequenceOverAGroup) {
       EXPECT_TRUE(torch::equal(gather_sequence(mine, *g), full));
     });
   }
+}
+
+// A loss with a term on the gathered sequence: sum(x^2) + sum(gather(x)),
+// whose gradient is 2x + 1. The gather passes no gradient back, so it must
+// be refused on every rank (here only rank `needs_grad`'s shard requires
+// grad, or every rank's when -1); accepted, how far x's gradient falls from
+// 2x + 1 is the figure in the failure.
+std::vector<std::string> gather_under_grad(int cp, int needs_grad) {
+  const auto full = torch::randn({2, 3, 13, 4}, torch::kFloat64);
+  ThreadRanksOptions o;
+  o.timeout = std::chrono::seconds(5);
+  return errors_on_every_rank(
+      cp,
+      [&](std::shared_ptr<Communicator> g) {
+        auto x = shard_sequence(full, g->rank(), cp).clone();
+        if (needs_grad < 0 || g->rank() == needs_grad) x.requires_grad_();
+        auto loss = (x * x).sum() + gather_sequence(x, *g).sum();
+        if (!x.requires_grad()) throw std::runtime_error("accepted");
+        loss.backward();
+        throw std::runtime_error(
+            "accepted; x.grad off 2x + 1 by " +
+            std::to_string((x.grad() - (2 * x.detach() + 1)).abs().max().item<double>()));
+      },
+      o);
+}
+
+TEST(ZigZagLayout, GatherSequenceOfAShardThatRequiresGradIsRefused) {
+  for (int cp : {1, 3}) {
+    for (const auto& e : gather_under_grad(cp, -1)) {
+      EXPECT_TRUE(e.find("cohort: gather_sequence (rank ") != std::string::npos) << e;
+      EXPECT_TRUE(e.find("not differentiable") != std::string::npos) << e;
+    }
+  }
+}
+
+TEST(ZigZagLayout, GatherSequenceRefusesOnEveryRankWhenOneShardRequiresGrad) {
+  for (int cp : {2, 3}) {
+    for (const auto& e : gather_under_grad(cp, 1)) {
+      EXPECT_TRUE(e.find("cohort: gather_sequence (rank ") != std::string::npos) << e;
+      EXPECT_TRUE(e.find("rank 1's shard requires grad") != std::string::npos) << e;
+    }
+  }
+}
+
+TEST(ZigZagLayout, GatherSequenceUnderNoGradGuardOfAShardThatRequiresGrad) {
+  const auto full = torch::randn({2, 3, 13, 4});
+  run_ranks_shared(3, [&](std::shared_ptr<Communicator> g) {
+    auto mine = shard_sequence(full, g->rank(), 3).requires_grad_();
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(gather_sequence(mine, *g), full));
+  });
 }
 
 }  // namespace
