@@ -343,15 +343,20 @@ std::string moe_name(const std::string& path) {
 }
 
 const char* const kRightGroups =
-    "pass as dense the ranks that see different tokens (dp x ep, one TP rank) and as "
-    "expert_replicas those holding the same experts (dp)";
+    "pass as dense the ranks that see different tokens, mesh[{\"dp\", \"ep\", \"cp\"}] (one TP "
+    "rank), and as expert_replicas those holding the same experts, mesh[{\"dp\", \"cp\"}] (a "
+    "dimension the mesh lacks left out)";
+
+int cp_size(const MoEOptions& o) { return o.sequence_group ? o.sequence_group->size() : 1; }
 
 // Why `dense` and `expert_replicas` cannot average `model`'s MoE gradients
 // on this rank, or empty. Each MoE's expert gradient already sums the tokens
 // of its ep group, so the dense group must be the replicas times ep: a dense
 // group of the replicas alone (each ep rank's router then drifts, the
 // experts' gradients ep times too large) or replicas of one rank while dp is
-// above one (experts never averaged) is refused.
+// above one (experts never averaged) is refused. The replicas must span the
+// MoE's sequence (cp) group: its ranks hold the same experts but different
+// tokens of the same sequences.
 std::string group_size_error(const torch::nn::Module& model, Communicator& dense,
                              Communicator& expert_replicas) {
   const int d = dense.size(), r = expert_replicas.size();
@@ -364,22 +369,36 @@ std::string group_size_error(const torch::nn::Module& model, Communicator& dense
     const auto* moe = dynamic_cast<const MoEImpl*>(&m);
     if (!moe || !error.empty()) return;
     const int ep = moe->options().ep_group ? moe->options().ep_group->size() : 1;
-    if (d == r * ep) return;
-    error = "the dense group " + dense.name() + " has " + std::to_string(d) +
-            " ranks, not the expert_replicas group's " + std::to_string(r) + " times the " +
-            std::to_string(ep) + " of the expert-parallel group of " + moe_name(name) + ": " +
-            kRightGroups;
+    const int cp = cp_size(moe->options());
+    if (d != r * ep) {
+      error = "the dense group " + dense.name() + " has " + std::to_string(d) +
+              " ranks, not the expert_replicas group's " + std::to_string(r) + " times the " +
+              std::to_string(ep) + " of the expert-parallel group of " + moe_name(name) + ": " +
+              kRightGroups;
+    } else if (r % cp != 0) {
+      error = "the expert_replicas group " + expert_replicas.name() + " has " + std::to_string(r) +
+              " ranks, which cannot hold each of the " + std::to_string(cp) +
+              " ranks of the sequence (context-parallel) group of " + moe_name(name) +
+              " alike (its gradients would never be averaged over cp): " + kRightGroups;
+    }
   });
   return error;
 }
 
 // Where this rank sits in each MoE of a model: its first expert, its TP
-// rank and size, its ep rank, in the order of model.apply.
+// rank and size, its ep rank, its sequence (cp) rank and size, in the order
+// of model.apply.
 struct Placement {
-  std::vector<int64_t> firsts, tp, ep;
+  std::vector<int64_t> firsts, tp, ep, cp;
   int64_t layers() const { return static_cast<int64_t>(firsts.size()); }
   int64_t digest(const std::vector<int64_t>& words) const {
     return static_cast<int64_t>(fnv1a_words(words));
+  }
+  // The ep and cp rank in every MoE: which tokens of the ep group's.
+  int64_t tokens_digest() const {
+    auto words = ep;
+    words.insert(words.end(), cp.begin(), cp.end());
+    return digest(words);
   }
 };
 
@@ -393,75 +412,116 @@ Placement placement_of(const torch::nn::Module& model) {
     p.tp.push_back(o.tp_group ? o.tp_group->rank() : 0);
     p.tp.push_back(tp_size(o));
     p.ep.push_back(o.ep_group ? o.ep_group->rank() : 0);
+    p.cp.push_back(o.sequence_group ? o.sequence_group->rank() : 0);
+    p.cp.push_back(cp_size(o));
   });
   return p;
 }
 
+// Whether the keys (one per rank) take `kinds` values, each `times` times.
+bool evenly(const RankWords& all, size_t key, int64_t kinds, int64_t times) {
+  std::map<int64_t, int64_t> count;
+  for (int r = 0; r < all.ranks(); ++r) ++count[all.of(r)[key]];
+  bool even = static_cast<int64_t>(count.size()) == kinds;
+  for (const auto& [k, n] : count) even = even && n == times;
+  return even;
+}
+
+std::string cp_text(const int64_t* cp, int64_t layers, int64_t digest) {
+  return "cp rank " + std::to_string(cp[0]) + " of " + std::to_string(cp[1]) +
+         (layers > 1 ? " in the first MoE of " + std::to_string(layers) + ", digest " +
+                           std::to_string(static_cast<uint64_t>(digest))
+                     : "");
+}
+
 // Over `expert_replicas` (one all-gather): why its ranks do not hold the
-// same experts and the same TP part of each, or empty. Averaging another
-// rank's experts in would mix different experts', or different TP slices',
-// weights with no error.
+// same experts and the same TP part of each, or do not hold each rank of
+// the sequence group alike, or empty. Averaging another rank's experts in
+// would mix different experts', or different TP slices', weights with no
+// error; missing a cp rank would leave its tokens out of the experts'.
 std::string replicas_error(const Placement& p, Communicator& expert_replicas) {
-  if (expert_replicas.size() == 1) return "";
+  if (expert_replicas.size() == 1 && (p.cp.empty() || p.cp[1] == 1)) return "";
   const int64_t n = p.layers();
   const auto all =
-      gather_words(expert_replicas, {n, n ? p.firsts[0] : -1, n ? p.tp[0] : -1, n ? p.tp[1] : -1,
-                                     p.digest(p.firsts), p.digest(p.tp)});
-  if (all.same()) return "";
-  const auto values = all.values([](const int64_t* w) {
-    return std::to_string(w[0]) + " MoE layers, the first's first_expert() " +
-           std::to_string(w[1]) + " at TP rank " + std::to_string(w[2]) + " of " +
-           std::to_string(w[3]) + ", digests " + std::to_string(static_cast<uint64_t>(w[4])) +
-           " and " + std::to_string(static_cast<uint64_t>(w[5]));
-  });
-  return "the expert_replicas group " + expert_replicas.name() +
-         " holds different experts or different TP ranks' parts of them (" + name_groups(values) +
-         "): " + kRightGroups;
+      gather_words(expert_replicas,
+                   {n, n ? p.firsts[0] : -1, n ? p.tp[0] : -1, n ? p.tp[1] : -1, p.digest(p.firsts),
+                    p.digest(p.tp), n ? p.cp[0] : 0, n ? p.cp[1] : 1, p.digest(p.cp)});
+  bool same = true;
+  for (int r = 0; r < all.ranks(); ++r) {
+    const int64_t *w = all.of(r), *w0 = all.of(0);
+    same = same && std::equal(w, w + 6, w0) && w[7] == w0[7];
+  }
+  if (!same) {
+    const auto values = all.values([](const int64_t* w) {
+      return std::to_string(w[0]) + " MoE layers, the first's first_expert() " +
+             std::to_string(w[1]) + " at TP rank " + std::to_string(w[2]) + " of " +
+             std::to_string(w[3]) + ", digests " + std::to_string(static_cast<uint64_t>(w[4])) +
+             " and " + std::to_string(static_cast<uint64_t>(w[5]));
+    });
+    return "the expert_replicas group " + expert_replicas.name() +
+           " holds different experts or different TP ranks' parts of them (" + name_groups(values) +
+           "): " + kRightGroups;
+  }
+  const int64_t cp = all.of(0)[7];
+  if (evenly(all, 8, cp, all.ranks() / cp)) return "";
+  const auto values = all.values([n](const int64_t* w) { return cp_text(w + 6, n, w[8]); });
+  return "the expert_replicas group " + expert_replicas.name() + " does not hold each of the " +
+         std::to_string(cp) + " ranks of the sequence (context-parallel) group " +
+         std::to_string(all.ranks() / cp) + " times (" + name_groups(values) +
+         "): the experts' gradients would leave out the other cp ranks' tokens; " + kRightGroups;
 }
 
 // The words each rank of `dense` passes: its error flag, then what the
 // membership check compares (dense_membership_error).
 std::vector<int64_t> dense_words(const Placement& p, bool refused) {
   const int64_t n = p.layers();
-  return {refused ? 1 : 0, n, n ? p.tp[0] : -1, n ? p.tp[1] : -1, p.digest(p.tp), n ? p.ep[0] : -1,
-          p.digest(p.ep)};
+  return {refused ? 1 : 0,   n,
+          n ? p.tp[0] : -1,  n ? p.tp[1] : -1,
+          p.digest(p.tp),    n ? p.ep[0] : -1,
+          p.tokens_digest(), n ? p.cp[0] : 0,
+          n ? p.cp[1] : 1};
 }
 
-// Why the ranks of `dense` (their dense_words in `all`) are not dp x ep of
-// one TP rank, or empty; the same text on every rank. The group sizes fit
+// Why the ranks of `dense` (their dense_words in `all`) are not dp x ep x cp
+// of one TP rank, or empty; the same text on every rank. The group sizes fit
 // (group_size_error), yet the members may not: the whole world of a dp x ep
 // x tp mesh (expert gradients of different TP slices averaged when the
 // replicas span tp too), or dp x tp (one ep rank's tokens: each ep rank's
-// router drifts apart). So every rank holds the same TP part, and each ep
-// placement (the ep rank in every MoE) appears expert_replicas.size() times.
+// router drifts apart), or dp x ep of one cp rank (the routers of the cp
+// ranks drift apart). So every rank holds the same TP part, and each token
+// placement (the ep and cp rank in every MoE) appears
+// expert_replicas.size() / cp times.
 std::string dense_membership_error(const RankWords& all, Communicator& dense, int replicas) {
   bool any_moe = false;
   for (int r = 0; r < all.ranks(); ++r) any_moe = any_moe || all.of(r)[1] != 0;
   if (!any_moe) return "";
   std::vector<std::string> parts;
   std::vector<std::string> tp, ep;
-  std::map<int64_t, int> placements;
-  bool tp_same = true;
+  bool tp_same = true, cp_same = true;
   for (int r = 0; r < all.ranks(); ++r) {
     const int64_t* w = all.of(r);
     tp_same = tp_same && std::equal(w + 1, w + 5, all.of(0) + 1);
-    ++placements[w[6]];
+    cp_same = cp_same && w[8] == all.of(0)[8];
     const std::string more = w[1] > 1 ? " in the first MoE of " + std::to_string(w[1]) : "";
     tp.push_back("TP rank " + std::to_string(w[2]) + " of " + std::to_string(w[3]) + more +
                  (w[1] > 1 ? ", digest " + std::to_string(static_cast<uint64_t>(w[4])) : ""));
-    ep.push_back("ep rank " + std::to_string(w[5]) + more +
+    ep.push_back("ep rank " + std::to_string(w[5]) +
+                 (w[8] > 1 ? ", cp rank " + std::to_string(w[7]) : "") + more +
                  (w[1] > 1 ? ", digest " + std::to_string(static_cast<uint64_t>(w[6])) : ""));
   }
   if (!tp_same) {
     parts.push_back("holds different TP ranks' parts of the experts (" + name_groups(tp) + ")");
   }
   const int64_t ep_size = static_cast<int64_t>(dense.size()) / replicas;
-  bool even = static_cast<int64_t>(placements.size()) == ep_size;
-  for (const auto& [key, count] : placements) even = even && count == replicas;
-  if (!even) {
-    parts.push_back("holds the ep ranks unevenly (" + name_groups(ep) + "), not each of the " +
-                    std::to_string(ep_size) + " ep ranks " + std::to_string(replicas) +
-                    " times (the expert_replicas group's size)");
+  const int64_t cp = cp_same ? all.of(0)[8] : 0;
+  if (cp == 0 || replicas % cp != 0 || !evenly(all, 6, ep_size * cp, replicas / cp)) {
+    const std::string cps = cp > 1 ? " x " + std::to_string(cp) + " cp" : "";
+    const std::string times =
+        cp > 0 && replicas % cp == 0 ? std::to_string(replicas / cp) : "the same number of";
+    parts.push_back("holds the ep" + std::string(cp > 1 ? " and cp" : "") + " ranks unevenly (" +
+                    name_groups(ep) + "), not each of the " + std::to_string(ep_size) + " ep" +
+                    cps + " ranks " + times + " times" +
+                    (cp > 1 ? "" : " (the expert_replicas group's size)"));
   }
   if (parts.empty()) return "";
   std::string error = "the dense group " + dense.name() + " " + parts[0];
@@ -471,8 +531,9 @@ std::string dense_membership_error(const RankWords& all, Communicator& dense, in
 
 // Throws on every rank of `dense` unless the group sizes fit every MoE
 // (group_size_error), each rank of `expert_replicas` holds the same experts
-// and TP part (replicas_error) and `dense` holds dp x ep of one TP rank
-// (dense_membership_error). One all-gather over each group.
+// and TP part and the replicas hold each cp rank alike (replicas_error), and
+// `dense` holds dp x ep x cp of one TP rank (dense_membership_error). One
+// all-gather over each group.
 void check_replicas(const torch::nn::Module& model, Communicator& dense,
                     Communicator& expert_replicas) {
   const Placement p = placement_of(model);

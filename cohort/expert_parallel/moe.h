@@ -127,7 +127,7 @@ std::vector<torch::Tensor> expert_parameters(const torch::nn::Module& model);
 /// and b1: 1, w2: 2), keyed by TensorImpl, as tensor_parallel::split_dims.
 std::map<const void*, int64_t> expert_tensor_split_dims(const torch::nn::Module& model);
 /// Every other parameter of `model` (routers included): replicated over ep,
-/// reduced over all ranks that see different tokens (dp x ep).
+/// reduced over all ranks that see different tokens (dp x ep x cp).
 std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model);
 
 /// Why the MoE layers inside `model` are not split as `mesh` says, or empty:
@@ -141,19 +141,23 @@ std::vector<torch::Tensor> non_expert_parameters(const torch::nn::Module& model)
 std::string mesh_mismatch(const torch::nn::Module& model, const DeviceMesh& mesh);
 
 /// Averages `model`'s gradients after backward, for a loss that is the mean
-/// of every rank's loss over `dense` (the dp x ep ranks): non-expert
-/// parameters over `dense`; expert parameters summed over `expert_replicas`
-/// (the ranks holding the same experts and TP part, dp) and divided by
+/// of every rank's loss over `dense` (the ranks that see different tokens:
+/// dp x ep x cp, cp being each MoE's sequence group): non-expert parameters
+/// over `dense`; expert parameters summed over `expert_replicas` (the ranks
+/// holding the same experts and TP part, dp x cp) and divided by
 /// dense.size(), since each rank's expert gradient already sums over its ep
-/// group's tokens. Collective over both groups; first one all-gather over
-/// each that checks that dense.size() is expert_replicas.size() times every
-/// MoE's ep size, that the replicas hold the same experts at the same TP
-/// rank, and that `dense` holds one TP rank and each ep placement
-/// expert_replicas.size() times (InvalidArgument on every rank of `dense` if
-/// not: the ep group passed as `expert_replicas`, the replicas passed as
-/// `dense`, a one-rank `expert_replicas` while dp is above one, the whole
-/// world of a dp x ep x tp mesh as `dense` with dp x tp as
-/// `expert_replicas`, dp x tp as `dense`).
+/// group's tokens. On a mesh pass mesh[{"dp", "ep", "cp"}] and
+/// mesh[{"dp", "cp"}] (dimensions the mesh lacks left out). Collective over
+/// both groups; first one all-gather over each that checks that
+/// dense.size() is expert_replicas.size() times every MoE's ep size, that
+/// the replicas hold the same experts at the same TP rank and each rank of
+/// every MoE's sequence group equally often, and that `dense` holds one TP
+/// rank and each (ep rank, cp rank) placement equally often
+/// (InvalidArgument on every rank of `dense` if not: the ep group passed as
+/// `expert_replicas`, the replicas passed as `dense`, a one-rank
+/// `expert_replicas` while dp is above one, the whole world of a dp x ep x
+/// tp mesh as `dense` with dp x tp as `expert_replicas`, dp x tp as
+/// `dense`, dp x ep and dp while cp is above one).
 void average_moe_gradients(const torch::nn::Module& model, Communicator& dense,
                            Communicator& expert_replicas);
 
