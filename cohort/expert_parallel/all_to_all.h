@@ -5,6 +5,7 @@
 
 #include <torch/types.h>
 
+#include <utility>
 #include <vector>
 
 #include "cohort/comm/communicator.h"
@@ -16,6 +17,12 @@ namespace cohort::expert_parallel {
 /// returns [group.size(), local]: row s is what rank s sends to each of this
 /// rank's experts.
 torch::Tensor exchange_counts(const torch::Tensor& counts, Communicator& group);
+
+/// As exchange_counts, with one more word from every rank riding in the same
+/// all-to-all (the MoE's refusal of its input): returns the counts
+/// [group.size(), local] and every rank's word, in rank order.
+std::pair<torch::Tensor, std::vector<int64_t>> exchange_counts(const torch::Tensor& counts,
+                                                               int64_t word, Communicator& group);
 
 /// Collective over `group`: rows [send_splits[p] of them for each rank p, in
 /// rank order] go out, rows [recv_splits[s] from each rank s] come back.

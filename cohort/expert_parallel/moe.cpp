@@ -225,10 +225,59 @@ void MoEImpl::agree() const {
   if (!error.empty()) throw MismatchError(error);
 }
 
+namespace {
+
+// A refusal of an MoE's input as one word, which the count exchange carries
+// to the ep group's other ranks: the kind in the low byte, its value above.
+enum Refusal : int64_t { kWidth = 1, kDtype = 2 };
+
+int64_t refusal_word(Refusal kind, int64_t value) { return kind + value * 256; }
+
+// Why a rank (this one or a peer) refused its input, from its word.
+std::string refusal_text(int64_t word, const MoEOptions& o, c10::ScalarType dtype) {
+  const int64_t value = word >> 8;  // arithmetic: a negative value stays negative
+  if ((word & 255) == kWidth) {
+    return "the input's last dimension must be hidden = " + std::to_string(o.hidden) + ", got " +
+           (value < 0 ? "a 0-dimensional input" : std::to_string(value));
+  }
+  return std::string("the input is ") + c10::toString(static_cast<c10::ScalarType>(value)) +
+         ", the MoE's parameters " + c10::toString(dtype) +
+         " (convert one to the other: the router and experts take the input as it is)";
+}
+
+}  // namespace
+
+int64_t MoEImpl::input_refusal(const torch::Tensor& x) const {
+  if (x.dim() == 0) return refusal_word(kWidth, -1);
+  if (x.size(-1) != options_.hidden) return refusal_word(kWidth, x.size(-1));
+  if (x.scalar_type() != router.scalar_type()) {
+    return refusal_word(kDtype, static_cast<int64_t>(x.scalar_type()));
+  }
+  return 0;
+}
+
+void MoEImpl::refuse(const std::vector<int64_t>& words) const {
+  const auto& g = *options_.ep_group;
+  // This rank's own refusal first, else the first rank's that refused.
+  std::vector<size_t> order = {static_cast<size_t>(g.rank())};
+  for (size_t r = 0; r < words.size(); ++r) order.push_back(r);
+  for (const size_t r : order) {
+    if (words[r] == 0) continue;
+    const bool mine = static_cast<int>(r) == g.rank();
+    throw InvalidArgument(where(options_) + ": " +
+                          (mine
+                               ? "this rank's input: "
+                               : "rank " + std::to_string(r) + " of the expert-parallel group " +
+                                     g.name() + " refused its input (no rank exchanged tokens): ") +
+                          refusal_text(words[r], options_, router.scalar_type()));
+  }
+}
+
 Routing MoEImpl::route(const torch::Tensor& x) {
-  if (x.dim() == 0 || x.size(-1) != options_.hidden) {
-    throw InvalidArgument(where(options_) + ": the input's last dimension must be hidden = " +
-                          std::to_string(options_.hidden) + ", got shape " + c10::str(x.sizes()));
+  if (const int64_t word = input_refusal(x)) {
+    throw InvalidArgument(where(options_) + ": " +
+                          refusal_text(word, options_, router.scalar_type()) + ", shape " +
+                          c10::str(x.sizes()));
   }
   auto flat = x.reshape({-1, options_.hidden});
   auto routing =
@@ -243,7 +292,17 @@ Routing MoEImpl::route(const torch::Tensor& x) {
   return routing;
 }
 
-torch::Tensor MoEImpl::forward(const torch::Tensor& x) { return forward_routed(x, route(x)); }
+torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
+  const auto& g = options_.ep_group;
+  const int64_t word = g && g->size() > 1 ? input_refusal(x) : 0;
+  if (word == 0) return forward_routed(x, route(x));
+  // Bad input: join the count exchange the others are in, with no rows and
+  // the refusal, so that every rank of the group throws, naming this one.
+  refuse(exchange_counts(torch::zeros({options_.experts}, router.options().dtype(torch::kInt64)),
+                         word, *g)
+             .second);
+  throw std::logic_error("unreachable: refuse() throws on a nonzero word");
+}
 
 torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts) {
   std::vector<torch::Tensor> out;
@@ -286,7 +345,8 @@ torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& rou
   if (!g || g->size() == 1) {
     back = run_experts(rows, to_vector(counts));
   } else {
-    auto received = exchange_counts(counts, *g);  // [ep, local]
+    auto [received, refusals] = exchange_counts(counts, 0, *g);  // [ep, local]
+    refuse(refusals);
     auto send = to_vector(counts.view({g->size(), local_}).sum(1));
     auto recv = to_vector(received.sum(1));
     auto anchor = router.narrow(0, 0, 0);

@@ -74,10 +74,14 @@ class MoEImpl : public torch::nn::Module {
   /// dimensions hold replicas. A mesh without "ep" holds every expert.
   MoEImpl(const DeviceMesh& mesh, MoEOptions options);
 
-  /// x: [..., H], this rank's tokens; returns [..., H]. Collective over the
-  /// ep group (forward and backward). Sets aux_loss() and dropped().
+  /// x: [..., H], this rank's tokens, of the parameters' dtype; returns
+  /// [..., H]. Collective over the ep group (forward and backward). Sets
+  /// aux_loss() and dropped(). An input of another width or dtype on any
+  /// rank of the ep group: InvalidArgument on every rank of it, naming that
+  /// rank and why (the refusal rides in the count exchange).
   torch::Tensor forward(const torch::Tensor& x);
-  /// The router's decisions for x (sets aux_loss() and dropped()).
+  /// The router's decisions for x (sets aux_loss() and dropped()). An input
+  /// of another width or dtype: InvalidArgument, on this rank alone.
   Routing route(const torch::Tensor& x);
   /// Runs x through the experts as `routing` says (forward is
   /// forward_routed(x, route(x))). Collective over the ep group.
@@ -104,6 +108,10 @@ class MoEImpl : public torch::nn::Module {
 
  private:
   void agree() const;
+  /// 0, or why x cannot be routed as one word (moe.cpp's refusal_word).
+  int64_t input_refusal(const torch::Tensor& x) const;
+  /// Throws InvalidArgument naming the first rank whose word is nonzero.
+  void refuse(const std::vector<int64_t>& words) const;
   /// Marks the tensors that differ across ranks (core/rank_local.h), so that
   /// DDP, FSDP, ZeRO, the fused optimizer, the all-reduce sync and a
   /// checkpoint without a mesh refuse them.

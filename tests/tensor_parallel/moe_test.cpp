@@ -652,8 +652,39 @@ TEST_P(MoeErrors, InputOfAnotherWidth) {
         m(torch::zeros({3, 5}));
       },
       briefly_on(GetParam()));
-  expect_on_every_rank(errors, {"the input's last dimension must be hidden = 4, got shape [3, 5]"});
+  expect_on_every_rank(errors,
+                       {"this rank's input: the input's last dimension must be hidden = 4, got 5"});
 }
+
+// Only rank 1's input is bad (another width, or another dtype than the
+// parameters'): it cannot route, and throwing there alone would leave the
+// others in the count exchange. The refusal rides in that exchange, so
+// every rank throws naming rank 1 and why, at world 2 and 3.
+void expect_one_bad_rank_named(const std::string& backend, bool wide) {
+  for (int world : {2, 3}) {
+    auto errors = errors_on_every_rank(
+        world,
+        [&](std::shared_ptr<Communicator> g) {
+          MoE m(small(g, 6, 1));
+          auto x = torch::zeros({3, 4});
+          if (g->rank() == 1) x = wide ? torch::zeros({3, 5}) : x.to(torch::kFloat64);
+          m(x);
+        },
+        briefly_on(backend));
+    const std::string why = wide ? "the input's last dimension must be hidden = 4, got 5"
+                                 : "the input is Double, the MoE's parameters Float";
+    expect_on_every_rank(errors, {why});
+    for (size_t r = 0; r < errors.size(); ++r) {
+      EXPECT_TRUE(
+          has(errors[r], r == 1 ? "this rank's input: " : "rank 1 of the expert-parallel group "))
+          << "world " << world << ": " << errors[r];
+    }
+  }
+}
+
+TEST_P(MoeErrors, InputOfAnotherWidthOnOneRank) { expect_one_bad_rank_named(GetParam(), true); }
+
+TEST_P(MoeErrors, InputOfAnotherDtypeOnOneRank) { expect_one_bad_rank_named(GetParam(), false); }
 
 TEST_P(MoeErrors, GroupsFromBothTheMeshAndTheOptions) {
   auto errors = errors_on_every_rank(
