@@ -349,7 +349,18 @@ torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& rou
     refuse(refusals);
     auto send = to_vector(counts.view({g->size(), local_}).sum(1));
     auto recv = to_vector(received.sum(1));
-    auto anchor = router.narrow(0, 0, 0);
+    // Empty, yet in the graph whenever a parameter trains: a slice of the
+    // router, else of an expert's (a frozen router). Where the rows need no
+    // gradient either, the exchange's backward still runs, as on the ranks
+    // whose rows do.
+    torch::Tensor anchor = router;
+    for (const auto* p : {&router, &w1, &b1, &w2, &b2}) {
+      if (p->requires_grad()) {
+        anchor = *p;
+        break;
+      }
+    }
+    anchor = anchor.narrow(0, 0, 0);
     auto got = all_to_all_rows(rows, anchor, send, recv, *g);
     auto perm = expert_major(received);
     auto out = run_experts(got.index_select(0, perm), to_vector(received.sum(0)));

@@ -332,10 +332,12 @@ TEST_P(ExpertParallelChecks, RerouteOneTokenIsCaught) {
 }
 
 // Rank 1's input needs no gradient, rank 0's does: both ranks still join
-// the backward exchanges, and the gradients are one process's.
-TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRank) {
+// the backward exchanges, and the gradients are one process's. With the
+// router frozen, the dispatch exchange's backward must still run on rank 1
+// (its rows need no gradient there, nor does the router).
+void input_without_gradient_on_one_rank(const std::string& backend, bool frozen_router) {
   const Reference ref(1, false, 2, std::vector<double>(4, 1.0));
-  auto o = on(GetParam());
+  auto o = on(backend);
   o.timeout = std::chrono::seconds(5);
   run_ranks_shared(
       2,
@@ -344,6 +346,7 @@ TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRank) {
         const int r = g->rank();
         MoE m(options(1, false, g));
         m->to(test_device());
+        if (frozen_router) m->router.requires_grad_(false);
         auto x = tokens_of(r).requires_grad_(r == 0);
         auto y = m(x);
         ((y * probe_of(r)).sum() + m->aux_loss()).backward();
@@ -351,6 +354,14 @@ TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRank) {
         expect_expert_grads(m, ref);
       },
       o);
+}
+
+TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRank) {
+  input_without_gradient_on_one_rank(GetParam(), false);
+}
+
+TEST_P(ExpertParallelChecks, InputWithoutGradientOnOneRankUnderAFrozenRouter) {
+  input_without_gradient_on_one_rank(GetParam(), true);
 }
 
 // dp 2 x ep 2 on 4 ranks, the loss the mean of the four ranks' losses: after
