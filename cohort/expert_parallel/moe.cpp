@@ -227,15 +227,20 @@ void MoEImpl::agree() const {
 
 namespace {
 
-// A refusal of an MoE's input as one word, which the count exchange carries
-// to the ep group's other ranks: the kind in the low byte, its value above.
+// A refusal of an MoE's input as one word, which the load-balancing
+// all-reduce carries to the sequence group and the count exchange to the ep
+// group: the kind in bits 0-7, in bits 8-23 the sequence-group rank + 1 it
+// is relayed from (0: the sender's own input), its value above.
 enum Refusal : int64_t { kWidth = 1, kDtype = 2 };
+constexpr int64_t kValueShift = 24;
 
-int64_t refusal_word(Refusal kind, int64_t value) { return kind + value * 256; }
+int64_t refusal_word(Refusal kind, int64_t value) { return kind + value * (1LL << kValueShift); }
+int64_t relayed(int64_t word, int cp_rank) { return word + (cp_rank + 1) * 256; }
+int relayed_from(int64_t word) { return static_cast<int>((word >> 8) & 0xffff) - 1; }
 
-// Why a rank (this one or a peer) refused its input, from its word.
+// Why a rank refused its input, from its word.
 std::string refusal_text(int64_t word, const MoEOptions& o, c10::ScalarType dtype) {
-  const int64_t value = word >> 8;  // arithmetic: a negative value stays negative
+  const int64_t value = word >> kValueShift;  // arithmetic: a negative value stays negative
   if ((word & 255) == kWidth) {
     return "the input's last dimension must be hidden = " + std::to_string(o.hidden) + ", got " +
            (value < 0 ? "a 0-dimensional input" : std::to_string(value));
@@ -243,6 +248,16 @@ std::string refusal_text(int64_t word, const MoEOptions& o, c10::ScalarType dtyp
   return std::string("the input is ") + c10::toString(static_cast<c10::ScalarType>(value)) +
          ", the MoE's parameters " + c10::toString(dtype) +
          " (convert one to the other: the router and experts take the input as it is)";
+}
+
+// The rank whose word is nonzero, `mine` first; -1 if none.
+int first_refusal(const std::vector<int64_t>& words, int mine) {
+  if (words.empty()) return -1;
+  if (words[static_cast<size_t>(mine)] != 0) return mine;
+  for (size_t r = 0; r < words.size(); ++r) {
+    if (words[r] != 0) return static_cast<int>(r);
+  }
+  return -1;
 }
 
 }  // namespace
@@ -256,52 +271,79 @@ int64_t MoEImpl::input_refusal(const torch::Tensor& x) const {
   return 0;
 }
 
-void MoEImpl::refuse(const std::vector<int64_t>& words) const {
-  const auto& g = *options_.ep_group;
-  // This rank's own refusal first, else the first rank's that refused.
-  std::vector<size_t> order = {static_cast<size_t>(g.rank())};
-  for (size_t r = 0; r < words.size(); ++r) order.push_back(r);
-  for (const size_t r : order) {
-    if (words[r] == 0) continue;
-    const bool mine = static_cast<int>(r) == g.rank();
-    throw InvalidArgument(where(options_) + ": " +
-                          (mine
-                               ? "this rank's input: "
-                               : "rank " + std::to_string(r) + " of the expert-parallel group " +
-                                     g.name() + " refused its input (no rank exchanged tokens): ") +
-                          refusal_text(words[r], options_, router.scalar_type()));
+void MoEImpl::refuse(const torch::Tensor& x, int64_t word, const std::vector<int64_t>& cp_words,
+                     const std::vector<int64_t>& ep_words) const {
+  const auto& seq = options_.sequence_group;
+  const auto& ep = options_.ep_group;
+  std::string who;
+  if (const int c = first_refusal(cp_words, seq ? seq->rank() : 0); c >= 0) {
+    word = cp_words[static_cast<size_t>(c)];
+    who = c == seq->rank() ? "this rank's input"
+                           : "rank " + std::to_string(c) + " of the sequence group " + seq->name() +
+                                 " refused its input";
+  } else if (const int r = first_refusal(ep_words, ep ? ep->rank() : 0); r >= 0) {
+    word = ep_words[static_cast<size_t>(r)];
+    const int from = relayed_from(word);
+    who = r == ep->rank() ? "this rank's input"
+          : from < 0 ? "rank " + std::to_string(r) + " of the expert-parallel group " + ep->name() +
+                           " refused its input"
+                     : "rank " + std::to_string(from) + " of the sequence group of rank " +
+                           std::to_string(r) + " of the expert-parallel group " + ep->name() +
+                           " refused its input";
+  } else if (word != 0) {
+    who = "this rank's input";
+  } else {
+    return;
   }
+  throw InvalidArgument(where(options_) + ": " + who + ": " +
+                        refusal_text(word, options_, router.scalar_type()) +
+                        (who == "this rank's input" ? ", shape " + c10::str(x.sizes()) : ""));
+}
+
+Routing MoEImpl::route_or_refuse(const torch::Tensor& x, int64_t& word,
+                                 std::vector<int64_t>& cp_words) {
+  word = input_refusal(x);
+  const auto& seq = options_.sequence_group;
+  const bool over_seq = seq && seq->size() > 1;
+  if (word != 0 && !over_seq) return {};
+  Routing routing;
+  if (word == 0) {
+    auto logits = torch::linear(x.reshape({-1, options_.hidden}), router);
+    routing = expert_parallel::route(logits, options_.top_k, options_.capacity_factor);
+  } else {
+    // No tokens: this rank still joins the sequence group's all-reduce.
+    routing.probs = torch::zeros({0, options_.experts}, router.options());
+    routing.expert = torch::zeros({0}, router.options().dtype(torch::kInt64));
+  }
+  // Under context parallelism the loss is the whole sequences', whose
+  // tokens the sequence group's ranks share; the all-reduce also carries
+  // each rank's refusal, which this rank relays to its ep group.
+  aux_loss_ = (over_seq ? load_balancing_loss(routing, *seq, word, cp_words)
+                        : load_balancing_loss(routing)) *
+              options_.aux_loss_coef;
+  const int c = first_refusal(cp_words, over_seq ? seq->rank() : 0);
+  if (word == 0 && c >= 0) word = relayed(cp_words[static_cast<size_t>(c)], c);
+  if (word == 0) dropped_ = routing.kept.numel() - routing.kept.sum().item<int64_t>();
+  return routing;
 }
 
 Routing MoEImpl::route(const torch::Tensor& x) {
-  if (const int64_t word = input_refusal(x)) {
-    throw InvalidArgument(where(options_) + ": " +
-                          refusal_text(word, options_, router.scalar_type()) + ", shape " +
-                          c10::str(x.sizes()));
-  }
-  auto flat = x.reshape({-1, options_.hidden});
-  auto routing =
-      expert_parallel::route(torch::linear(flat, router), options_.top_k, options_.capacity_factor);
-  // Under context parallelism the loss is the whole sequences', whose
-  // tokens the sequence group's ranks share.
-  const auto& seq = options_.sequence_group;
-  aux_loss_ =
-      (seq && seq->size() > 1 ? load_balancing_loss(routing, *seq) : load_balancing_loss(routing)) *
-      options_.aux_loss_coef;
-  dropped_ = routing.kept.numel() - routing.kept.sum().item<int64_t>();
+  int64_t word = 0;
+  std::vector<int64_t> cp_words;
+  auto routing = route_or_refuse(x, word, cp_words);
+  refuse(x, word, cp_words, {});
   return routing;
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
-  const auto& g = options_.ep_group;
-  const int64_t word = g && g->size() > 1 ? input_refusal(x) : 0;
-  if (word == 0) return forward_routed(x, route(x));
-  // Bad input: join the count exchange the others are in, with no rows and
-  // the refusal, so that every rank of the group throws, naming this one.
-  refuse(exchange_counts(torch::zeros({options_.experts}, router.options().dtype(torch::kInt64)),
-                         word, *g)
-             .second);
-  throw std::logic_error("unreachable: refuse() throws on a nonzero word");
+  int64_t word = 0;
+  std::vector<int64_t> cp_words;
+  auto routing = route_or_refuse(x, word, cp_words);
+  return dispatch(x, routing, word, cp_words);
+}
+
+torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& routing) {
+  return dispatch(x, routing, 0, {});
 }
 
 torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts) {
@@ -329,7 +371,21 @@ torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<
          b2.index_select(0, expert_of_row);
 }
 
-torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& routing) {
+torch::Tensor MoEImpl::dispatch(const torch::Tensor& x, const Routing& routing, int64_t word,
+                                const std::vector<int64_t>& cp_words) {
+  const auto& g = options_.ep_group;
+  if (word != 0) {
+    // This rank cannot route, or a peer of its sequence group could not:
+    // join the count exchange the others are in, with no rows and the
+    // refusal, so that every rank of the ep group throws, naming the rank.
+    std::vector<int64_t> ep_words;
+    if (g && g->size() > 1) {
+      const auto none = torch::zeros({options_.experts}, router.options().dtype(torch::kInt64));
+      ep_words = exchange_counts(none, word, *g).second;
+    }
+    refuse(x, word, cp_words, ep_words);
+    throw std::logic_error("unreachable: refuse() throws on a nonzero word");
+  }
   const int64_t h = options_.hidden;
   auto flat = x.reshape({-1, h});
   // Kept assignments sorted by expert (stable: in claiming order within one).
@@ -341,12 +397,11 @@ torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& rou
   auto rows = flat.index_select(0, token);
   auto counts = torch::bincount(routing.expert.index_select(0, order), {}, options_.experts);
   torch::Tensor back;
-  const auto& g = options_.ep_group;
   if (!g || g->size() == 1) {
     back = run_experts(rows, to_vector(counts));
   } else {
     auto [received, refusals] = exchange_counts(counts, 0, *g);  // [ep, local]
-    refuse(refusals);
+    refuse(x, 0, {}, refusals);
     auto send = to_vector(counts.view({g->size(), local_}).sum(1));
     auto recv = to_vector(received.sum(1));
     // Empty, yet in the graph whenever a parameter trains: a slice of the

@@ -77,11 +77,13 @@ class MoEImpl : public torch::nn::Module {
   /// x: [..., H], this rank's tokens, of the parameters' dtype; returns
   /// [..., H]. Collective over the ep group (forward and backward). Sets
   /// aux_loss() and dropped(). An input of another width or dtype on any
-  /// rank of the ep group: InvalidArgument on every rank of it, naming that
-  /// rank and why (the refusal rides in the count exchange).
+  /// rank of the ep or sequence group: InvalidArgument on every rank of
+  /// both, naming that rank and why (the refusal rides in the load-balancing
+  /// all-reduce and the count exchange).
   torch::Tensor forward(const torch::Tensor& x);
   /// The router's decisions for x (sets aux_loss() and dropped()). An input
-  /// of another width or dtype: InvalidArgument, on this rank alone.
+  /// of another width or dtype: InvalidArgument on this rank and, with a
+  /// sequence group, every rank of it.
   Routing route(const torch::Tensor& x);
   /// Runs x through the experts as `routing` says (forward is
   /// forward_routed(x, route(x))). Collective over the ep group.
@@ -110,8 +112,21 @@ class MoEImpl : public torch::nn::Module {
   void agree() const;
   /// 0, or why x cannot be routed as one word (moe.cpp's refusal_word).
   int64_t input_refusal(const torch::Tensor& x) const;
-  /// Throws InvalidArgument naming the first rank whose word is nonzero.
-  void refuse(const std::vector<int64_t>& words) const;
+  /// Throws InvalidArgument naming the rank that refused its input: this
+  /// one, a peer of the sequence group (`cp_words`), or of the ep group
+  /// (`ep_words`, maybe relaying its sequence group's); `word` alone: this
+  /// rank's, with no peer told. Returns when every word is zero.
+  void refuse(const torch::Tensor& x, int64_t word, const std::vector<int64_t>& cp_words,
+              const std::vector<int64_t>& ep_words) const;
+  /// route(x), except where this rank's input is bad (`word` its refusal;
+  /// it still joins the sequence group's all-reduce) or a sequence-group
+  /// peer's is (`word` that refusal, relayed); `cp_words`: every sequence
+  /// rank's word (empty without a sequence group of two or more).
+  Routing route_or_refuse(const torch::Tensor& x, int64_t& word, std::vector<int64_t>& cp_words);
+  /// forward_routed, or with `word` nonzero the refusal carried through the
+  /// count exchange and thrown on every rank.
+  torch::Tensor dispatch(const torch::Tensor& x, const Routing& routing, int64_t word,
+                         const std::vector<int64_t>& cp_words);
   /// Marks the tensors that differ across ranks (core/rank_local.h), so that
   /// DDP, FSDP, ZeRO, the fused optimizer, the all-reduce sync and a
   /// checkpoint without a mesh refuse them.

@@ -7,6 +7,9 @@
 // rank, and accepted, how far the router falls from one process's is the
 // figure in the failure. Meshes dp x ep x cp of 1 x 2 x 2, 1 x 1 x 3 and
 // 2 x 1 x 2 (the last with replicas of the right size but one cp rank).
+// An input of another width on world rank 1 alone is refused on every rank
+// of its sequence and ep groups, naming it, the refusal relayed from the
+// sequence group to the ep group.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
@@ -154,6 +157,44 @@ TEST_P(MoeContextGroups, GroupsWithoutCpAreRefusedOnEveryRank) {
     EXPECT_TRUE(has(e, "sequence (context-parallel) group")) << "rank " << r << ": " << e;
     EXPECT_TRUE(has(e, "mesh[{\"dp\", \"ep\", \"cp\"}]")) << "rank " << r << ": " << e;
     EXPECT_TRUE(has(e, "mesh[{\"dp\", \"cp\"}]")) << "rank " << r << ": " << e;
+  }
+}
+
+TEST_P(MoeContextGroups, InputOfAnotherWidthOnOneRankIsRefusedOnEveryRank) {
+  const Case k = GetParam();
+  ThreadRanksOptions o;
+  o.backend = k.backend;
+  o.timeout = std::chrono::seconds(5);
+  const auto errors = errors_on_every_rank(
+      k.world(),
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        auto mesh = init_device_mesh(world, {k.dp, k.ep, k.cp}, {"dp", "ep", "cp"});
+        MoE m(mesh, options());
+        m(torch::zeros({3, world->rank() == 1 ? 5 : 4}));
+      },
+      o);
+  // World rank 1 is cp rank 1 of dp 0, ep 0 in every case.
+  for (int r = 0; r < k.world(); ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    const bool peer_of_1 = r < k.cp;  // the sequence group of rank 1
+    if (r == 1 || peer_of_1 || (k.ep > 1 && r < k.ep * k.cp)) {
+      EXPECT_TRUE(has(e, "the input's last dimension must be hidden = 4, got 5"))
+          << "rank " << r << ": " << e;
+    } else {
+      EXPECT_EQ(e, kNoError) << "rank " << r;  // another dp replica
+    }
+    if (r == 1) {
+      EXPECT_TRUE(has(e, "this rank's input: ")) << e;
+    } else if (peer_of_1) {
+      EXPECT_TRUE(has(e, "rank 1 of the sequence group ")) << e;
+    } else if (k.ep > 1 && r == 2) {  // ep 1, cp 0: told by rank 0, relaying
+      EXPECT_TRUE(has(e, "rank 1 of the sequence group of rank 0 of the expert-parallel group "))
+          << e;
+    } else if (k.ep > 1 && r == 3) {  // ep 1, cp 1: told by rank 1 itself
+      EXPECT_TRUE(has(e, "rank 0 of the expert-parallel group ")) << e;
+      EXPECT_FALSE(has(e, "of the sequence group")) << e;
+    }
   }
 }
 
