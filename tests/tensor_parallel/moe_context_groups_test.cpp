@@ -13,6 +13,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <stdexcept>
 
 #include "cohort/expert_parallel/moe.h"
@@ -48,6 +49,11 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const auto& c = info.param;
   return c.backend + "_dp" + std::to_string(c.dp) + "_ep" + std::to_string(c.ep) + "_cp" +
          std::to_string(c.cp);
+}
+
+// How gtest prints a failing case's parameter.
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.backend << " dp " << c.dp << " x ep " << c.ep << " x cp " << c.cp;
 }
 
 bool has(const std::string& text, const std::string& part) {
