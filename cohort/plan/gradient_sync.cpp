@@ -19,6 +19,15 @@ AllReduceGradientSync::AllReduceGradientSync(std::shared_ptr<Communicator> comm,
   verify_not_rank_local(*comm_, params_, {}, "AllReduceGradientSync");
   // Averaged over ranks that hold other TP ranks' parts, the parts would mix.
   verify_same_tensor_parallel_parts(*comm_, params_, {}, "AllReduceGradientSync");
+  // Nothing here broadcasts (as DDP's constructor does): every rank applies
+  // the same averaged gradient to its own values, so replicas that start
+  // apart would train apart, silently. One digest word per rank checks it.
+  verify_same_parameters(*comm_, params_, {}, "AllReduceGradientSync");
+  verify_same_values(*comm_, params_, {}, "AllReduceGradientSync",
+                     "every rank applies the same averaged gradient to its own values, so the "
+                     "ranks' models would silently stay different. Build it over parameters "
+                     "equal on every rank: initialize them from the same seed or checkpoint on "
+                     "every rank, or broadcast them from one rank first");
 }
 
 void AllReduceGradientSync::finish_sync() {

@@ -54,11 +54,12 @@ class GradientSync {
 class AllReduceGradientSync : public GradientSync {
  public:
   /// Averages the gradients of `params` over `comm` (average_gradients: a frozen parameter, or
-  /// one without a gradient on every rank, keeps none). Collective over `comm` (two all-gathers of
-  /// one and two words): a parameter that holds one rank's part of a split tensor (an MoE's
+  /// one without a gradient on every rank, keeps none). Collective over `comm` (all-gathers of a
+  /// few words): a parameter that holds one rank's part of a split tensor (an MoE's
   /// experts), or ranks that hold different TP ranks' parts of a parameter (a group across the TP
   /// group), is an InvalidArgument on every rank (verify_not_rank_local,
-  /// verify_same_tensor_parallel_parts).
+  /// verify_same_tensor_parallel_parts); parameters of other shapes or values on some rank are a
+  /// MismatchError on every rank (verify_same_parameters, verify_same_values: a digest word).
   AllReduceGradientSync(std::shared_ptr<Communicator> comm, std::vector<torch::Tensor> params);
   std::shared_ptr<void> skip_sync() override { return nullptr; }
   void finish_sync() override;

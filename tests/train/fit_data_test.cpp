@@ -4,7 +4,8 @@
 // and without a step limit; and sources that deal the ranks' shares of the
 // data wrongly (every rank made with rank 0, or with a world of its own)
 // are refused at the epoch's start on every rank, naming the shares,
-// before any step. Worlds 1 to 3 over Gloo and UCX, ranks as threads.
+// before any step; replicas that start apart are refused when the wiring is
+// made. Worlds 1 to 3 over Gloo and UCX, ranks as threads.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -172,6 +173,49 @@ TEST_P(FitData, SourcesDealingTheSameShareAreRefusedOnEveryRank) {
         EXPECT_NE(m.find(bad.named), std::string::npos) << m;
       }
       EXPECT_NE(m.find("replicas would train on the same samples"), std::string::npos) << m;
+    }
+  }
+}
+
+// The all-reduce wiring broadcasts nothing: a replica that starts apart
+// (here the last rank's first weight, one element off by 0.01, or its
+// frozen last bias) would stay apart under the same averaged update. Every
+// rank gets a MismatchError naming the parameter's index, before any step.
+TEST_P(FitData, AllReduceWiringRefusesReplicasThatDiffer) {
+  const auto& c = GetParam();
+  for (const bool frozen : {false, true}) {
+    std::mutex mu;
+    std::map<int, std::string> errors;
+    testing::run_ranks_shared(
+        c.world,
+        [&](std::shared_ptr<Communicator> comm) {
+          auto net = make_mlp();
+          auto params = net->parameters();
+          auto& off = frozen ? params.back() : params.front();
+          if (frozen) off.set_requires_grad(false);
+          if (comm->rank() == comm->size() - 1 && comm->size() > 1) {
+            torch::NoGradGuard no_grad;
+            off.view({-1})[0].add_(0.01);
+          }
+          torch::optim::SGD opt(net->parameters(), 0.1);
+          try {
+            (void)TrainerWiring::all_reduce(net.ptr(), opt, comm);
+          } catch (const MismatchError& e) {
+            std::lock_guard<std::mutex> lock(mu);
+            errors[comm->rank()] = e.what();
+          }
+        },
+        testing::options_for(c));
+    if (c.world == 1) {
+      EXPECT_TRUE(errors.empty()) << errors.begin()->second;
+      continue;
+    }
+    ASSERT_EQ(errors.size(), static_cast<size_t>(c.world)) << "frozen " << frozen;
+    const auto index = std::to_string(frozen ? make_mlp()->parameters().size() - 1 : 0);
+    for (const auto& [rank, m] : errors) {
+      EXPECT_NE(m.find("AllReduceGradientSync"), std::string::npos) << m;
+      EXPECT_NE(m.find("parameter " + index), std::string::npos) << m;
+      EXPECT_NE(m.find("silently stay different"), std::string::npos) << m;
     }
   }
 }
