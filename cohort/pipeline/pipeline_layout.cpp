@@ -22,15 +22,15 @@ void PipelineLayout::check(const LossFn& loss_fn, int64_t accumulation_steps, in
 }
 
 double PipelineLayout::step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn&,
-                            Tracer*) {
+                            Tracer*, double weight) {
   // The runtime splits the batch back into the same k micro-batches and
-  // backpropagates each loss / k, as ReplicaLayout does.
+  // backpropagates each loss / k times the weight, as ReplicaLayout does.
   std::vector<torch::Tensor> data, targets;
   for (const auto& b : micro_batches) {
     data.push_back(b.data);
     targets.push_back(b.target);
   }
-  const auto result = runtime_.step({torch::cat(data)}, {torch::cat(targets)});
+  const auto result = runtime_.step({torch::cat(data)}, {torch::cat(targets)}, weight);
   for (const auto& [type, ms] : result.action_ms) {
     if (!pipeline::is_compute(type)) comm_seconds_ += ms * 1e-3;
   }

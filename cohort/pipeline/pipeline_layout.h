@@ -31,7 +31,7 @@ class PipelineLayout : public TrainerLayout {
         sequence_groups_(std::move(sequence_groups)) {}
   void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const override;
   double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
-              Tracer* tracer) override;
+              Tracer* tracer, double weight) override;
   /// The pipeline's send and receive actions.
   double comm_seconds() const override { return comm_seconds_; }
   std::shared_ptr<GradNorm> norm() const override { return norm_; }

@@ -149,8 +149,10 @@ PipelineRuntime::BatchProblem PipelineRuntime::split_batch(const Tensors& inputs
   return problem;
 }
 
-PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& targets) {
+PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& targets,
+                                         double loss_scale) {
   const auto t0 = Clock::now();
+  state_->executor->set_loss_scale(loss_scale);
   state_->channel->begin_step(check_batches(split_batch(inputs, targets)));
   PipelineStepResult result;
   Tracer* const tracer = active(group_->tracer());

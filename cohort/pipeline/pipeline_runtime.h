@@ -164,8 +164,11 @@ class PipelineRuntime {
   /// gradients of each tied weight's copies are summed over the ranks
   /// holding one (only what this step added: earlier steps' accumulated
   /// gradients are not summed again), so that every copy steps as the one
-  /// weight of an unsplit model.
-  PipelineStepResult step(const Tensors& inputs, const Tensors& targets);
+  /// weight of an unsplit model. `loss_scale` multiplies each backpropagated
+  /// loss / m (the Trainer weights a data-parallel replica whose batch is
+  /// larger or smaller than the others' by it); the losses reported are
+  /// unscaled.
+  PipelineStepResult step(const Tensors& inputs, const Tensors& targets, double loss_scale = 1.0);
 
   /// The stages this rank holds.
   const std::vector<PipelineStage>& stages() const { return stages_; }

@@ -236,8 +236,11 @@ void StageExecutor::apply_loss(int mb, Slot& slot, const Tensors& out) {
     slot.outputs = {torch::zeros({}, loss.options())};
     return;
   }
-  // The gradient convention (pipeline_runtime.h): d(loss / m).
-  slot.outputs = {loss.reshape({}) / schedule_.num_microbatches};
+  // The gradient convention (pipeline_runtime.h): d(loss / m), times the
+  // step's loss scale (left out at 1, which would change no bit).
+  torch::Tensor scaled = loss.reshape({}) / schedule_.num_microbatches;
+  if (loss_scale_ != 1.0) scaled = scaled * loss_scale_;
+  slot.outputs = {scaled};
 }
 
 // The gradients of a Forwarded slot's outputs: ones for the loss, else

@@ -64,6 +64,8 @@ class StageExecutor {
   /// Starts a step on these micro-batches (inputs on stage 0's rank,
   /// targets on the last stage's).
   void begin_step(std::vector<Tensors> micro_inputs, std::vector<Tensors> micro_targets);
+  /// The step's loss scale (PipelineRuntime::step), which multiplies each loss / m.
+  void set_loss_scale(double scale) { loss_scale_ = scale; }
   /// Inputs received for (stage, mb), consumed by its F.
   void put_inputs(int stage, int mb, Tensors inputs);
   /// Output gradients received for (stage, mb), consumed by its B or I.
@@ -138,6 +140,7 @@ class StageExecutor {
   bool skipping_ = false;  // this step runs no stage's code any more
   std::string failure_;
   std::exception_ptr failure_ptr_;
+  double loss_scale_ = 1.0;
   int live_ = 0, peak_live_ = 0;  // slots holding activations
 };
 

@@ -11,7 +11,7 @@ void ReplicaLayout::check(const LossFn& loss_fn, int64_t, int) const {
 }
 
 double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batches,
-                           const LossFn& loss_fn, Tracer* tracer) {
+                           const LossFn& loss_fn, Tracer* tracer, double weight) {
   const size_t k = micro_batches.size();
   double loss_sum = 0.0;
   for (size_t i = 0; i < k; ++i) {
@@ -26,7 +26,11 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
     // Dividing by k makes the accumulated gradient that of the mean loss
     // over the k micro-batches (equal sizes), as one k-times batch would.
     TraceSpan span(tracer, "backward", "train");
-    (per_leaf_ ? loss : loss / static_cast<double>(k)).backward();
+    torch::Tensor scaled = per_leaf_ ? loss : loss / static_cast<double>(k);
+    // A rank whose batch is larger or smaller than its peers' (the
+    // Trainer's weight); left out at 1, which would change no bit.
+    if (weight != 1.0) scaled = scaled * weight;
+    scaled.backward();
     loss_sum += loss.item<double>();
   }
   return loss_sum / static_cast<double>(k);

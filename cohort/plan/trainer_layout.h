@@ -55,9 +55,11 @@ class TrainerLayout {
   /// InvalidArgument naming `rank` when the Trainer's LossFn or accumulation steps do not fit.
   virtual void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const = 0;
   /// Forward and backward over one step's micro-batches, the gradients those of their mean
-  /// loss; returns this rank's mean loss.
+  /// loss times `weight` (the Trainer's weight for a rank whose batch is larger or smaller
+  /// than its peers', 1 when every rank's is as large); returns this rank's mean loss,
+  /// unweighted.
   virtual double step(const std::vector<torch::data::Example<>>& micro_batches,
-                      const LossFn& loss_fn, Tracer* tracer) = 0;
+                      const LossFn& loss_fn, Tracer* tracer, double weight) = 0;
   /// Seconds step() communicated so far, beyond the sync's and the optimizer's.
   virtual double comm_seconds() const { return 0.0; }
   /// The global norm this layout needs, or null: the Trainer picks one from the optimizer.
@@ -113,7 +115,7 @@ class ReplicaLayout : public TrainerLayout {
       : sync_(sync), norm_(std::move(norm)) {}
   void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const override;
   double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
-              Tracer* tracer) override;
+              Tracer* tracer, double weight) override;
   void set_per_leaf() override { per_leaf_ = true; }
   std::shared_ptr<GradNorm> norm() const override { return norm_; }
 

@@ -17,7 +17,7 @@ namespace cohort {
 struct StepMetrics {
   int64_t step = 0;            ///< optimizer steps done, this one included
   int64_t epoch = 0;           ///< epoch the step belongs to (0-based)
-  double loss = 0.0;           ///< mean micro-batch loss, averaged over ranks
+  double loss = 0.0;           ///< mean loss over the step's samples of all ranks
   double lr = 0.0;             ///< learning rate used by this step
   double grad_norm = 0.0;      ///< global L2 gradient norm before clipping
   bool clipped = false;        ///< whether clipping scaled the gradients

@@ -118,13 +118,16 @@ static std::string micro_batch_fault(int r, const int64_t* w) {
     return rank + " got " + std::to_string(w[0]) + " micro-batches, accumulation_steps is " +
            std::to_string(w[1]);
   }
+  // The mean of no samples is NaN, which the sync would spread to every
+  // rank's gradients (a weight of 0 keeps NaN).
+  if (w[2] < 0 && w[3] == 0) return rank + " passed micro-batches of 0 samples";
   if (w[2] < 0) return "";
   return rank + "'s micro-batches have unequal sizes (micro-batch " + std::to_string(w[2]) +
          " has " + std::to_string(w[4]) + " samples, micro-batch 0 has " + std::to_string(w[3]) +
          ")";
 }
 
-void Trainer::agree_on_micro_batches(const std::vector<torch::data::Example<>>& micro_batches) {
+double Trainer::agree_on_micro_batches(const std::vector<torch::data::Example<>>& micro_batches) {
   // Refused on every rank, or a rank whose batch split unequally would fail
   // alone while its peers wait in the step's collectives until their
   // timeout. No collective runs before the forward to fold this into, so
@@ -144,23 +147,41 @@ void Trainer::agree_on_micro_batches(const std::vector<torch::data::Example<>>& 
     faults += (faults.empty() ? "" : "; ") +
               ("ranks disagree on accumulation_steps (" + name_groups(steps) + ")");
   }
-  if (faults.empty()) return;
+  if (faults.empty()) return rank_weight(all);
   std::string sizes;
   for (const auto& b : micro_batches) {
     sizes += (sizes.empty() ? "" : ", ") + std::to_string(b.data.size(0));
   }
   // ReplicaLayout weights each micro-batch's mean loss alike (1/k), a
   // pipeline the samples (it concatenates and re-splits them): with unequal
-  // sizes the two would train differently, neither as one batch would.
+  // sizes within a rank the two would train differently, neither as one
+  // batch would. Across ranks the weight (rank_weight) evens them out.
   throw InvalidArgument("Trainer::train_step on rank " + std::to_string(comm_.rank()) + " of " +
                         std::to_string(comm_.size()) + ": " + faults +
                         "; every rank must have the same accumulation_steps and pass that many "
-                        "micro-batches with as many samples each (this rank's sizes: [" +
+                        "micro-batches, all of one size of at least 1 sample (the size may differ "
+                        "between ranks; this rank's sizes: [" +
                         sizes + "])");
 }
 
+// This rank's weight: n·W / T, n its samples, T all W ranks' together.
+// The sync averages the replicas as equals, so each replica's mean loss
+// times its n·D / N (D replicas, N samples; each replica counted on its
+// ranks_per_sample ranks in W and T alike, which cancels) weights every
+// sample by 1/N in the average: the mean loss over the N samples, as one
+// process on the concatenated batch, in every layout (the reductions are
+// linear and do not depend on the batch). With one size everywhere it is
+// exactly 1. Per leaf (WorldSizeInvariant), n·W is a leaf's samples times
+// the leaf count, the same at every world size.
+double Trainer::rank_weight(const RankWords& all) const {
+  int64_t total = 0;
+  for (int r = 0; r < all.ranks(); ++r) total += all.of(r)[0] * all.of(r)[3];
+  const int64_t* mine = all.of(all.ranks() > 1 ? comm_.rank() : 0);
+  return static_cast<double>(mine[0] * mine[3] * all.ranks()) / static_cast<double>(total);
+}
+
 StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro_batches) {
-  agree_on_micro_batches(micro_batches);
+  const double weight = agree_on_micro_batches(micro_batches);
   Tracer* const tracer = active(comm_.tracer());
   TraceSpan step_span(tracer, "train step", "train");
   step_span.arg(TraceArg::num("step", static_cast<double>(position_.step)));
@@ -173,7 +194,7 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   // Tensor parallelism's collectives run inside the forwards and backwards
   // only: the sync's and the norm's TP all-reduces come after.
   const auto tp_before = tp_wait_seconds();
-  const double loss = layout_.step(micro_batches, loss_fn_, tracer);
+  const double loss = layout_.step(micro_batches, loss_fn_, tracer, weight);
   const auto tp_after = tp_wait_seconds();
   int64_t samples = 0;
   for (const auto& b : micro_batches) samples += b.data.size(0);
@@ -214,7 +235,8 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
     m.comm_bytes_by_dimension[layout_.dimensions()[i].first] =
         static_cast<int64_t>(dims_after[i] - dims_before[i]);
   }
-  auto totals = torch::tensor({loss, static_cast<double>(samples)}, torch::kFloat64);
+  // Weighted as the gradients: the mean loss over every rank's samples.
+  auto totals = torch::tensor({loss * weight, static_cast<double>(samples)}, torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
   // Every rank of a pipeline (and of a mesh's TP group) reports its
   // replica's loss and samples.

@@ -4,9 +4,11 @@
 //
 // One optimizer step of Trainer::train_step, on every rank:
 //   0. one all-gather of 5 words: every rank passed accumulation_steps
-//      micro-batches of equal sizes, or every rank refuses the step;
+//      micro-batches of one nonzero size, or every rank refuses the step;
+//      it gives each rank its weight w = n·W / T (n its samples, T all W
+//      ranks'), 1 when every rank has as many;
 //   1. zero the gradients;
-//   2. for each of the k micro-batches: loss = loss_fn(batch); (loss / k)
+//   2. for each of the k micro-batches: loss = loss_fn(batch); (loss / k · w)
 //      .backward(). All but the last run under GradientSync::skip_sync(), so
 //      gradients accumulate locally and only the last backward communicates;
 //   3. GradientSync::finish_sync(): every rank now holds the gradient of the
@@ -18,7 +20,7 @@
 //      then clipping when it exceeds max_grad_norm;
 //   5. each group's lr = its initial lr scaled by the schedule at the step
 //      (lr_schedule.h); optimizer step;
-//   6. one small all-reduce for the loss averaged over ranks.
+//   6. one small all-reduce for the loss averaged over all samples.
 // Steps 1-5 are the same arithmetic on every rank, so the replicas stay
 // identical without broadcasting weights.
 //
@@ -59,6 +61,7 @@
 
 namespace cohort {
 
+class RankWords;
 class Tracer;
 
 /// What the Trainer does each step and around it; the same on every rank.
@@ -277,9 +280,12 @@ class Trainer {
   /// this epoch and the same accumulation, epochs and max_steps.
   void agree_on_epoch(DataSource& data);
   /// Collective (one all-gather of 5 words; none alone): throws on every
-  /// rank unless each passed accumulation_steps micro-batches of equal
-  /// sizes, naming the ranks that did not.
-  void agree_on_micro_batches(const std::vector<torch::data::Example<>>& micro_batches);
+  /// rank unless each passed accumulation_steps micro-batches of one
+  /// nonzero size, naming the ranks that did not; returns rank_weight.
+  double agree_on_micro_batches(const std::vector<torch::data::Example<>>& micro_batches);
+  /// This rank's loss weight from every rank's micro-batch words, 1 when
+  /// every rank has as many samples (trainer.cpp).
+  double rank_weight(const RankWords& all) const;
   /// Collective: rank 0 writes its file of `step` (`payload`: rank 0's);
   /// a failed write throws on every rank.
   void write_main_file(int64_t step, const std::string& payload);

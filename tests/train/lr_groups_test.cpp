@@ -277,9 +277,10 @@ TEST(LrGroupsRefused, BaseLrOverGroupsOfDifferentRates) {
 
 // ReplicaLayout weights micro-batches alike, a pipeline by samples: unequal
 // sizes are refused before anything runs, and on every rank when only the
-// last rank's batch split unequally (or it passed another count): each rank
-// gets an InvalidArgument naming that rank, well before the operation's
-// timeout, with its parameters untouched. Then the ranks still step together.
+// last rank's batch split unequally (or it passed another count, or empty
+// micro-batches, whose mean loss is NaN): each rank gets an InvalidArgument
+// naming that rank, well before the operation's timeout, with its
+// parameters untouched. Then the ranks still step together.
 class TrainStepRefused : public ::testing::TestWithParam<testing::EngineWorld> {};
 
 struct OddBatches {
@@ -298,6 +299,7 @@ TEST_P(TrainStepRefused, OneRanksUnequalMicroBatchesOnEveryRank) {
        "'s micro-batches have unequal sizes (micro-batch 1 has 2 samples, "
        "micro-batch 0 has 4)"},
       {"count", {4, 4, 4}, " got 3 micro-batches, accumulation_steps is 2"},
+      {"empty", {0, 0}, " passed micro-batches of 0 samples"},
   };
   const auto data = make_data(16);
   auto o = testing::options_for(c);
