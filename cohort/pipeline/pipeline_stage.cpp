@@ -78,17 +78,22 @@ std::vector<torch::Tensor> PipelineStage::trainable_parameters() const {
 }
 
 PipelineStage& PipelineStage::tie(const std::string& key, const torch::Tensor& parameter) {
-  const std::string who = "PipelineStage::tie on stage " + std::to_string(index_) + ": ";
-  if (key.empty()) throw InvalidArgument(who + "empty key");
+  // A bad declaration is kept aside, not thrown: the runtime's construction
+  // refuses it on every rank of the pipeline, where a throw here would stop
+  // this rank alone while the others wait for it. So is a declaration that
+  // conflicts with another (two tensors under one key, one tensor under two
+  // keys), which the runtime finds.
+  const std::string here = "stage " + std::to_string(index_) + " ";
   const bool mine = parameter.defined() &&
                     std::any_of(parameters_.begin(), parameters_.end(),
                                 [&](const torch::Tensor& p) { return p.is_same(parameter); });
-  if (!mine)
-    throw InvalidArgument(who + "the tensor tied as '" + key +
-                          "' is not one of the stage's parameters");
-  // A declaration that conflicts with another (two tensors under one key,
-  // one tensor under two keys) is kept: the runtime refuses it on every
-  // rank of the pipeline, where a throw here would stop this rank alone.
+  if (key.empty() || !mine) {
+    if (refused_tie_.empty())
+      refused_tie_ = key.empty() ? here + "ties a tensor under an empty key"
+                                 : here + "ties as '" + key +
+                                       "' a tensor that is not one of the stage's parameters";
+    return *this;
+  }
   for (const auto& [k, t] : tied_) {
     if (k == key && t.is_same(parameter)) return *this;
   }

@@ -74,15 +74,18 @@ class PipelineStage {
   /// tensor: without the declaration each copy gets only its own stage's
   /// part of the gradient and the copies drift apart. The PipelineRuntime
   /// keeps every stage's copy of one key one weight (README, "Tied
-  /// weights"). InvalidArgument when `parameter` is not one of the stage's
-  /// or `key` is empty. Declaring the same pair again changes nothing; a
-  /// declaration that conflicts with another of this rank's (another tensor
-  /// of this stage under `key`, or `parameter` under another key on any of
-  /// its stages) is refused by the PipelineRuntime's constructor, on every
-  /// rank.
+  /// weights"). Declaring the same pair again changes nothing. A bad
+  /// declaration (an empty `key`, a `parameter` that is not one of the
+  /// stage's) and one that conflicts with another of this rank's (another
+  /// tensor of this stage under `key`, or `parameter` under another key on
+  /// any of its stages) are refused by the PipelineRuntime's constructor
+  /// with an InvalidArgument on every rank: a throw here would stop this
+  /// rank alone while the others wait for it.
   PipelineStage& tie(const std::string& key, const torch::Tensor& parameter);
   /// The declared copies: (key, this stage's tensor), in declaration order.
   const std::vector<std::pair<std::string, torch::Tensor>>& tied() const { return tied_; }
+  /// Why the first bad tie() call was refused, or "" (the runtime raises it).
+  const std::string& refused_tie() const { return refused_tie_; }
 
   /// Runs the stage; fills `units` (Sequential stages) for W.
   Tensors forward(const Tensors& inputs, std::vector<WeightUnit>* units = nullptr) const;
@@ -94,6 +97,7 @@ class PipelineStage {
   std::vector<torch::Tensor> parameters_;
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<std::pair<std::string, torch::Tensor>> tied_;
+  std::string refused_tie_;
   bool weight_units_ = true;  // no parameter in two of the Sequential's children, frozen or not
 };
 

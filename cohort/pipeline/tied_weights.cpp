@@ -37,12 +37,17 @@ void read_declarations(const std::string& text, std::map<std::string, std::set<i
   }
 }
 
-// Why this rank's declarations cannot be kept, or "". One tensor under two
-// keys would be summed over both keys' holders, its gradient counted twice
-// (or mixed with another weight's); two tensors of one stage under one key
-// are two weights that the stage's forward uses apart.
+// Why this rank's declarations cannot be kept, or "": a tie() call that its
+// stage refused (an empty key, a tensor not the stage's), or a conflict. One
+// tensor under two keys would be summed over both keys' holders, its
+// gradient counted twice (or mixed with another weight's); two tensors of
+// one stage under one key are two weights that the stage's forward uses
+// apart.
 std::string conflict(const std::vector<PipelineStage>& stages) {
   std::map<const void*, std::pair<std::string, int>> key_of;  // tensor -> (key, stage)
+  for (const auto& stage : stages) {
+    if (!stage.refused_tie().empty()) return stage.refused_tie();
+  }
   for (const auto& stage : stages) {
     const std::string here = "stage " + std::to_string(stage.index());
     std::map<std::string, const void*> tensor_of;

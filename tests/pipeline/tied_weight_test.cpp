@@ -233,13 +233,6 @@ TEST(TiedWeightErrors, AKeyOfOneStageIsRefusedOnEveryRank) {
   expect_refused_everywhere(kWidth, false, "declared by stage 0 only");
 }
 
-TEST(TiedWeightErrors, TyingATensorOfAnotherStageIsRefused) {
-  auto w = det({kWidth, kWidth}, 2.0).requires_grad_(true);
-  PipelineStage stage(0, [w](const Tensors& in) { return Tensors{in[0].matmul(w)}; }, {w});
-  EXPECT_THROW(stage.tie("w", w.detach().clone().requires_grad_(true)), InvalidArgument);
-  EXPECT_THROW(stage.tie("", w), InvalidArgument);
-}
-
 // A chain of `stages` stages h = tanh(h W) over one W; `declare(s, stage,
 // tensors)` makes stage s's declarations. Each rank builds its stages' own
 // tensors; stages of one rank share one tensor when `share_local`. Returns
@@ -353,6 +346,65 @@ TEST(TiedWeightErrors, TheSamePairDeclaredTwiceCountsOnce) {
     EXPECT_NEAR(std::stod(what.substr(25)), 1.0, 1e-5) << "rank " << rank;
   }
 }
+
+// A bad tie() call on the last stage: the stage keeps it aside and the
+// runtime's construction refuses it on every rank, naming the rank, the
+// stage and the key, where a throw from tie() would stop the last stage's
+// rank alone while the others wait for the construction until their timeout.
+enum class BadTie { kEmptyKey, kForeignTensor, kUndefinedTensor };
+
+struct BadTieCase {
+  Case schedule;
+  BadTie bad;
+};
+
+std::string bad_tie_name(const ::testing::TestParamInfo<BadTieCase>& info) {
+  static const char* kNames[] = {"empty_key", "foreign_tensor", "undefined_tensor"};
+  return name_of(::testing::TestParamInfo<Case>(info.param.schedule, info.index)) + "_" +
+         kNames[static_cast<int>(info.param.bad)];
+}
+
+class TiedWeightBadTie : public ::testing::TestWithParam<BadTieCase> {};
+
+TEST_P(TiedWeightBadTie, IsRefusedOnEveryRank) {
+  const Case c = GetParam().schedule;
+  const BadTie bad = GetParam().bad;
+  const auto schedule = make_schedule(c.schedule, c.pp, c.v, c.m);
+  const int last = schedule.num_stages - 1;
+  int last_rank = -1;
+  for (int r = 0; r < schedule.num_ranks; ++r)
+    for (int s : schedule.stages_of(r))
+      if (s == last) last_rank = r;
+  const auto outcome = chain_outcome(
+      schedule, 1, false, [&](int s, PipelineStage& stage, const std::vector<torch::Tensor>& ts) {
+        stage.tie("w", ts[0]);
+        if (s != last) return;
+        if (bad == BadTie::kEmptyKey) stage.tie("", ts[0]);
+        if (bad == BadTie::kForeignTensor)
+          stage.tie("w", det({kWidth, kWidth}, 2.0).requires_grad_(true));
+        if (bad == BadTie::kUndefinedTensor) stage.tie("w", torch::Tensor());
+        // The refused call declares nothing: the stage keeps the good one.
+        EXPECT_EQ(stage.tied().size(), 1u);
+      });
+  const std::string why = bad == BadTie::kEmptyKey
+                              ? "ties a tensor under an empty key"
+                              : "ties as 'w' a tensor that is not one of the stage's parameters";
+  expect_every_rank_says(outcome, static_cast<size_t>(schedule.num_ranks),
+                         "rank " + std::to_string(last_rank) + ": stage " + std::to_string(last) +
+                             " " + why + " (PipelineStage::tie)");
+}
+
+std::vector<BadTieCase> bad_tie_cases() {
+  std::vector<BadTieCase> out;
+  for (const Case& c : {Case{"1f1b", 1, 1, 2}, Case{"1f1b", 2, 1, 2}, Case{"gpipe", 3, 1, 3},
+                        Case{"zbh1", 3, 1, 3}, Case{"interleaved", 2, 2, 4}})
+    for (BadTie bad : {BadTie::kEmptyKey, BadTie::kForeignTensor, BadTie::kUndefinedTensor})
+      out.push_back({c, bad});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Pipeline, TiedWeightBadTie, ::testing::ValuesIn(bad_tie_cases()),
+                         bad_tie_name);
 
 }  // namespace
 }  // namespace cohort::pipeline_tied_test
