@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cohort/core/agreement.h"
+#include "cohort/core/rank_local.h"
 #include "cohort/dcp/collective_status.h"
 #include "cohort/expert_parallel/moe.h"
 #include "cohort/fsdp/fsdp_adapters.h"
@@ -174,6 +175,27 @@ std::string embedding_also_declared(const pipeline::PipelineRuntime& runtime,
                "' (PipelineStage::tie): its gradient would be summed twice; keep it through "
                "one of them";
       }
+    }
+  }
+  return "";
+}
+
+// Why the mesh's norm and checkpoint would miscount a stage, or "": they
+// find a tensor-parallel split through the stage modules' layers, so a
+// function stage's split tensor would be counted and saved as whole (on TP
+// rank 0 only, every TP rank's part under one name).
+std::string function_stage_split(const pipeline::PipelineRuntime& runtime) {
+  for (const auto& stage : runtime.stages()) {
+    if (stage.module()) continue;
+    for (size_t i = 0; i < stage.parameters().size(); ++i) {
+      const auto part = tensor_parallel_part(stage.parameters()[i]);
+      if (part.size < 2) continue;
+      return "stage " + std::to_string(stage.index()) + " is a function whose parameter " +
+             std::to_string(i) + " is TP rank " + std::to_string(part.rank) + " of " +
+             std::to_string(part.size) + "'s part of a tensor split over '" + part.group +
+             "'; the norm and the checkpoint find the split through the stage's module: build "
+             "the stage with the module that holds its tensor-parallel layers "
+             "(PipelineStage(index, forward, parameters, module))";
     }
   }
   return "";
@@ -403,6 +425,7 @@ TrainerWiring TrainerWiring::mesh(const DeviceMesh& mesh, pipeline::PipelineRunt
   auto error = expert_parallel::mesh_mismatch(*wiring.model_, mesh);
   if (error.empty()) error = expert_list_mismatch(*wiring.model_, sync.expert_parameters());
   if (error.empty()) error = embedding_also_declared(runtime, sync.shared_embedding());
+  if (error.empty()) error = function_stage_split(runtime);
   dcp::agree(*mesh.process_group(), error.empty() ? "" : "TrainerWiring::mesh: " + error,
              dcp::ErrorKind::InvalidArgument);
   // The last stage's copy of the tied embedding (pp > 1) and the declared

@@ -198,8 +198,9 @@ class TrainerWiring : public TrainingPlan {
   /// Weights the stages declare tied (PipelineStage::tie) are summed by the runtime over the
   /// rank's PP group, counted once in the norm and written once (their duplicates' names join
   /// `tied`). InvalidArgument when the runtime's group is not the mesh's PP group, two stage
-  /// modules name a layer alike, or the synchronizer's shared_embedding is also declared tied
-  /// (it would be summed twice).
+  /// modules name a layer alike, the synchronizer's shared_embedding is also declared tied
+  /// (it would be summed twice), or a function stage without its module holds a tensor split
+  /// by tensor parallelism (the norm and the checkpoint find splits through the modules).
   static TrainerWiring mesh(const DeviceMesh& mesh, pipeline::PipelineRuntime& runtime,
                             torch::optim::Optimizer& optimizer, GradientSynchronizer& sync,
                             dcp::TiedNames tied = {});
