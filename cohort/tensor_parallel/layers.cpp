@@ -35,19 +35,24 @@ DeviceMesh tp_mesh(std::shared_ptr<Communicator> g, const char* layer) {
 }
 
 // The seed of a layer's full weights: `seed`, or one drawn on every rank of
-// `g` from the default CPU generator, the smallest of the group's draws (file
-// comment). Every rank draws though one value is kept: a rank that skipped
-// the draw would fall behind peers whose generators agreed with its own. The
-// smallest, not rank 0's: ranks as threads share one generator, and which
-// of them draws first is a race, while the round's set of draws is not.
+// `g`, the smallest of the group's draws (file comment).
 uint64_t agreed_seed(const std::optional<uint64_t>& seed, Communicator& g) {
-  if (seed) return *seed;
-  uint64_t mine = 0;
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    mine = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
-  }
+  return seed ? *seed : smallest_over(draw_seed(), g);
+}
+
+}  // namespace
+
+uint64_t draw_seed() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
+}
+
+// Every rank drew though one value is kept: a rank that skipped the draw
+// would fall behind peers whose generators agreed with its own. The
+// smallest, not rank 0's: ranks as threads share one generator, and which of
+// them draws first is a race, while the round's set of draws is not.
+uint64_t smallest_over(uint64_t mine, Communicator& g) {
   if (g.size() == 1) return mine;
   auto all = torch::empty({g.size()}, torch::kInt64);
   g.all_gather_into_tensor(all, torch::tensor({static_cast<int64_t>(mine)}, torch::kInt64)).wait();
@@ -56,8 +61,6 @@ uint64_t agreed_seed(const std::optional<uint64_t>& seed, Communicator& g) {
   for (int r = 1; r < g.size(); ++r) smallest = std::min(smallest, static_cast<uint64_t>(drawn[r]));
   return smallest;
 }
-
-}  // namespace
 
 std::pair<torch::Tensor, torch::Tensor> master_linear_weights(int64_t in, int64_t out,
                                                               uint64_t seed) {

@@ -289,6 +289,14 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const to
 /// splits a parameter along a dimension it does not have.
 std::map<const void*, int64_t> split_dims(torch::nn::Module& module);
 
+/// 64 bits drawn from LibTorch's default CPU generator (under its mutex):
+/// the seed a layer built without one starts from (file comment).
+uint64_t draw_seed();
+/// Collective over `g` (one all-gather of a word; none at size 1): the
+/// smallest of every rank's `mine`, so that ranks whose draws differ (ranks
+/// as threads share the default generator) agree on one seed.
+uint64_t smallest_over(uint64_t mine, Communicator& g);
+
 /// The full (tp = 1) weights a layer with `seed` draws, as ColumnParallelLinear
 /// and RowParallelLinear do: {weight [out, in], bias [out]}, uniform in
 /// ±1/sqrt(in) as torch::nn::Linear. For tests and references.
