@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_set>
@@ -16,6 +17,7 @@
 #include "cohort/core/rank_local.h"
 #include "cohort/expert_parallel/all_to_all.h"
 #include "cohort/grad_sync/average_gradients.h"
+#include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
 
 namespace cohort::expert_parallel {
@@ -53,8 +55,9 @@ void check_options(const MoEOptions& o, int ep) {
 
 // Draws the full (ep = 1, tp = 1) weights in a fixed order and keeps
 // experts [first, first + local) and, of each, this tp rank's F / tp slice.
-std::vector<torch::Tensor> master_weights(const MoEOptions& o, int64_t first, int64_t local) {
-  auto gen = at::detail::createCPUGenerator(o.seed);
+std::vector<torch::Tensor> master_weights(const MoEOptions& o, uint64_t seed, int64_t first,
+                                          int64_t local) {
+  auto gen = at::detail::createCPUGenerator(seed);
   auto uniform = [&](at::IntArrayRef sizes, int64_t fan_in) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
     return torch::empty(sizes).uniform_(-bound, bound, gen);
@@ -120,20 +123,52 @@ MoEOptions with_mesh_groups(const DeviceMesh& mesh, MoEOptions options) {
   return options;
 }
 
+// The groups of the mesh's dimensions that hold replicas of one layer:
+// every one but "ep", "tp" and "cp" (the layer's own groups) and "pp"
+// (stages build different layers), of more than one rank.
+std::vector<std::shared_ptr<Communicator>> replica_groups(const DeviceMesh& mesh) {
+  std::vector<std::shared_ptr<Communicator>> out;
+  for (const auto& name : mesh.dim_names()) {
+    if (name == "ep" || name == "tp" || name == "cp" || name == "pp" || mesh.size(name) == 1) {
+      continue;
+    }
+    out.push_back(mesh[name].process_group());
+  }
+  return out;
+}
+
 }  // namespace
 
 MoEImpl::MoEImpl(const DeviceMesh& mesh, MoEOptions options)
-    : MoEImpl(with_mesh_groups(mesh, std::move(options))) {}
+    : MoEImpl(with_mesh_groups(mesh, std::move(options)), replica_groups(mesh)) {}
 
-MoEImpl::MoEImpl(MoEOptions options) : options_(std::move(options)) {
+MoEImpl::MoEImpl(MoEOptions options) : MoEImpl(std::move(options), {}) {}
+
+MoEImpl::MoEImpl(MoEOptions options, std::vector<std::shared_ptr<Communicator>> replicas)
+    : options_(std::move(options)), replicas_(std::move(replicas)) {
   const int ep = options_.ep_group ? options_.ep_group->size() : 1;
   // Agreement first, so that ranks with different options all reach the
-  // all-gather and all throw, instead of some throwing and some waiting.
+  // all-gather and all throw, instead of some throwing and some waiting;
+  // it covers whether the seed is set, so all draw or none does.
   agree();
   check_options(options_, ep);
+  if (options_.seed) {
+    seed_ = *options_.seed;
+  } else {
+    // Over one mesh's groups, the smallest over ep, then tp, then cp (then
+    // the replicas') is the smallest of the whole block; compared again
+    // after, for groups that are not one mesh's.
+    seed_ = tensor_parallel::draw_seed();
+    for (const auto& g : {options_.ep_group, options_.tp_group, options_.sequence_group}) {
+      if (g) seed_ = tensor_parallel::smallest_over(seed_, *g);
+    }
+    for (const auto& g : replicas_) seed_ = tensor_parallel::smallest_over(seed_, *g);
+    drawn_ = true;
+    agree();
+  }
   local_ = options_.experts / ep;
   first_ = (options_.ep_group ? options_.ep_group->rank() : 0) * local_;
-  auto w = master_weights(options_, first_, local_);
+  auto w = master_weights(options_, seed_, first_, local_);
   router = register_parameter("router", w[0]);
   w1 = register_parameter("w1", w[1]);
   b1 = register_parameter("b1", w[2]);
@@ -168,9 +203,12 @@ void MoEImpl::mark_split_parameters() const {
 namespace {
 
 // The options every rank of the ep and of the tp group must share, doubles
-// as their bits (kDoubleWords says which).
-constexpr size_t kDoubleWords[] = {4, 6};
-std::vector<std::pair<const char*, int64_t>> option_words(const MoEOptions& o) {
+// as their bits (kDoubleWords says which), the seed as whether it is set
+// and its bits (kSeedWords).
+constexpr size_t kDoubleWords[] = {4, 7};
+constexpr size_t kSeedWords[] = {5, 6};
+std::vector<std::pair<const char*, int64_t>> option_words(const MoEOptions& o,
+                                                          const std::optional<uint64_t>& seed) {
   int64_t factor_bits = 0, coef_bits = 0;
   std::memcpy(&factor_bits, &o.capacity_factor, sizeof factor_bits);
   std::memcpy(&coef_bits, &o.aux_loss_coef, sizeof coef_bits);
@@ -179,7 +217,8 @@ std::vector<std::pair<const char*, int64_t>> option_words(const MoEOptions& o) {
           {"hidden", o.hidden},
           {"ffn", o.ffn},
           {"capacity_factor", factor_bits},
-          {"seed", static_cast<int64_t>(o.seed)},
+          {"seed", seed ? 1 : 0},
+          {"seed", static_cast<int64_t>(seed.value_or(0))},
           {"aux_loss_coef", coef_bits}};
 }
 
@@ -191,6 +230,11 @@ std::string disagreement(const RankWords& all, const Communicator& g, const char
       if (all.of(r)[i] == all.of(0)[i]) continue;
       auto value = [&](int rank) {
         const int64_t word = all.of(rank)[i];
+        if (i == kSeedWords[0] || i == kSeedWords[1]) {
+          return all.of(rank)[kSeedWords[0]] == 0
+                     ? std::string("none")
+                     : std::to_string(static_cast<uint64_t>(all.of(rank)[kSeedWords[1]]));
+        }
         if (std::find(std::begin(kDoubleWords), std::end(kDoubleWords), i) ==
             std::end(kDoubleWords))
           return std::to_string(word);
@@ -208,18 +252,26 @@ std::string disagreement(const RankWords& all, const Communicator& g, const char
 
 }  // namespace
 
+std::optional<uint64_t> MoEImpl::compared_seed() const {
+  if (options_.seed) return options_.seed;
+  return drawn_ ? std::optional<uint64_t>(seed_) : std::nullopt;
+}
+
 void MoEImpl::agree() const {
   // Every all-gather before any throw: a rank whose ep group disagrees still
   // joins its tp and cp groups', so no rank is left waiting on one that threw.
-  const auto mine = option_words(options_);
+  const auto mine = option_words(options_, compared_seed());
+  std::vector<std::pair<Communicator*, std::string>> groups = {
+      {options_.ep_group.get(), "expert-parallel"},
+      {options_.tp_group.get(), "tensor-parallel"},
+      {options_.sequence_group.get(), "context-parallel"}};
+  for (const auto& g : replicas_) groups.emplace_back(g.get(), "replica");
   std::string error;
-  for (const auto& [group, kind] : {std::pair{options_.ep_group.get(), "expert-parallel"},
-                                    std::pair{options_.tp_group.get(), "tensor-parallel"},
-                                    std::pair{options_.sequence_group.get(), "context-parallel"}}) {
+  for (const auto& [group, kind] : groups) {
     if (!group || group->size() == 1) continue;
     std::vector<int64_t> words;
     for (const auto& w : mine) words.push_back(w.second);
-    auto why = disagreement(gather_words(*group, words), *group, kind, mine);
+    auto why = disagreement(gather_words(*group, words), *group, kind.c_str(), mine);
     if (error.empty()) error = why;
   }
   if (!error.empty()) throw MismatchError(error);

@@ -10,9 +10,29 @@
 // all_to_all_single with the per-expert counts exchanged first; backward runs
 // them in reverse (all_to_all.h).
 //
-// Initialization: every rank draws the full (ep = 1) router and experts from
-// a CPU generator seeded with `seed` and keeps its experts, so one seed is one
-// model at every ep size (as the tensor-parallel layers do).
+// Initialization: every rank draws the full (ep = 1, tp = 1) router and
+// experts from a CPU generator seeded with the layer's seed and keeps its
+// experts (and, over tp, its slice of each), so one seed is one model at
+// every ep and tp size (as the tensor-parallel layers do). The seed is the
+// `seed` option where set (the weights are then that seed's, whatever else
+// the program drew). Unset, the layer draws one as the tensor-parallel
+// layers do: every rank of its ep, tp and sequence groups draws 64 bits from
+// LibTorch's default CPU generator (one draw per layer on every rank), and
+// the smallest is taken over the ep group, then over tp, then over the
+// sequence group. Over groups of one mesh (MoE(mesh, options)) that is the
+// smallest draw of the ranks that hold parts of this one layer, so two
+// layers of one shape differ, torch::manual_seed(s) before the model draws
+// it again, and every rank's experts are slices of one full set; the seed
+// is then compared over the three groups like every option (MismatchError
+// where groups not of one mesh left ranks apart). Construction without a
+// seed is therefore collective over the three groups in every rank's order
+// of unseeded layers. Built over a mesh, the layer agrees over its other
+// dimensions (the data-parallel replicas; "pp" excepted) too; built over
+// groups it cannot see its replicas, which then draw on their own: alike
+// where their generators agree (processes seeded alike), else unequal, and
+// nothing broadcasts experts over dp, so pass a seed there when the ranks'
+// generators differ (a manual_seed per rank, ranks as threads). seed() is
+// the seed used.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -21,6 +41,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,7 +59,9 @@ struct MoEOptions {
   int64_t top_k = 1;              ///< k, experts per token: 1 (Switch) or 2 (GShard)
   double capacity_factor = 1.25;  ///< C = ceil(capacity_factor * T * k / E) per expert
   double aux_loss_coef = 0.01;    ///< weight of the load-balancing loss in aux_loss()
-  uint64_t seed = 0;              ///< seed of the full weights (see the file comment)
+  /// Seed of the full weights; unset: drawn from LibTorch's default CPU
+  /// generator, alike on the ep, tp and sequence groups (file comment).
+  std::optional<uint64_t> seed;
   /// The expert-parallel group (a mesh's "ep" dimension); null: one process
   /// holding all experts, no communication.
   std::shared_ptr<Communicator> ep_group;
@@ -63,15 +86,22 @@ class MoEImpl : public torch::nn::Module {
  public:
   /// Collective over ep_group, tp_group and sequence_group: one all-gather over each that
   /// checks E, k, H, F, the capacity factor, the aux loss coefficient and
-  /// the seed agree. Throws on every rank: MismatchError naming the group,
-  /// two ranks and their values, InvalidArgument when E does not divide by
-  /// the ep size or an option is out of range.
+  /// the seed (or that it is unset) agree; without a seed, then the
+  /// seed's draw and agreement (file comment). Throws on every rank:
+  /// MismatchError naming the group, two ranks and their values,
+  /// InvalidArgument when E does not divide by the ep size or an option is
+  /// out of range.
   explicit MoEImpl(MoEOptions options);
   /// Over a mesh: its "ep" dimension splits the experts and its "tp"
   /// dimension, when it has one, each expert's FFN; its "cp" dimension is
   /// the sequence group (the groups options' ep_group, tp_group and
   /// sequence_group name, which must then be unset: InvalidArgument); other
   /// dimensions hold replicas. A mesh without "ep" holds every expert.
+  /// Collective over every dimension but "pp" (a pipeline's stages build
+  /// different layers): the agreement covers the replicas' dimensions too,
+  /// and an unseeded layer takes the smallest draw over them as well, so
+  /// its data-parallel replicas are equal however the ranks' generators
+  /// were seeded.
   MoEImpl(const DeviceMesh& mesh, MoEOptions options);
 
   /// x: [..., H], this rank's tokens, of the parameters' dtype; returns
@@ -99,8 +129,10 @@ class MoEImpl : public torch::nn::Module {
   int64_t local_experts() const { return local_; }
   /// The global id of this rank's first expert (ep rank * E / ep).
   int64_t first_expert() const { return first_; }
-  /// What it was built with.
+  /// What it was built with (the seed unset if it was).
   const MoEOptions& options() const { return options_; }
+  /// The seed its weights are drawn from: options().seed, or the one drawn.
+  uint64_t seed() const { return seed_; }
 
   torch::Tensor router;  ///< [E, H], replicated
   torch::Tensor w1;      ///< [E / ep, F / tp, H], this rank's experts
@@ -134,7 +166,17 @@ class MoEImpl : public torch::nn::Module {
   /// Rows grouped by local expert (counts[j] each) through the experts.
   torch::Tensor run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts);
 
+  /// The options constructor's work, `replicas` the groups of the mesh's
+  /// replica dimensions (none for the options form).
+  MoEImpl(MoEOptions options, std::vector<std::shared_ptr<Communicator>> replicas);
+  /// The seed agree() compares: options_.seed, else the one drawn once
+  /// drawn, else none.
+  std::optional<uint64_t> compared_seed() const;
+
   MoEOptions options_;
+  std::vector<std::shared_ptr<Communicator>> replicas_;
+  uint64_t seed_ = 0;
+  bool drawn_ = false;
   int64_t local_ = 0, first_ = 0;
   torch::Tensor aux_loss_;
   int64_t dropped_ = 0;

@@ -141,6 +141,7 @@ TEST(MoeMesh, TakesTheEpAndTpDimensions) {
     o.hidden = 4;
     o.ffn = 8;
     o.experts = 4;
+    o.seed = 5;  // one seed: two unseeded layers differ
     MoE from_mesh(mesh, o);
     o.ep_group = mesh["ep"].process_group();
     o.tp_group = mesh["tp"].process_group();
