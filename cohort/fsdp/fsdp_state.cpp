@@ -103,14 +103,10 @@ void FSDPState::layout_gradients() {
   std::vector<int64_t> parts(k, 0), bytes(k, 0);
   for (size_t u = k; u-- > 0;) order.push_back(u);
   parts_.assign(k, 0);
-  has_frozen_.assign(k, 0);
   for (size_t u = 0; u < k; ++u) {
     auto* g = units_[u].group;
     g->make_accumulators();
-    for (const auto& p : g->params()) {
-      parts_[u] += p.requires_grad() ? 1 : 0;
-      has_frozen_[u] = has_frozen_[u] || !p.requires_grad();
-    }
+    for (const auto& p : g->params()) parts_[u] += p.requires_grad() ? 1 : 0;
     // A bucket goes once its unit's backward is over (finish_unit).
     parts[u] = 1;
     bytes[u] = g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());

@@ -93,8 +93,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   /// Before unit u's forward (`training`: the module is in training mode);
   /// u is 0 or kRoot for the root. Returns what the unit's module computes
-  /// on: `input`, or for a unit with frozen parameters an alias of it, so
-  /// that the input's gradient is part of the call's backward (watch_call).
+  /// on: an alias of `input` (`input` itself when it needs no gradient or
+  /// under NoGradGuard), so that the input's gradient is part of the call's
+  /// backward (watch_call).
   torch::Tensor pre_forward(size_t u, bool training, const torch::Tensor& input);
   /// After unit u's forward: reshards it (not the root) if it should, and
   /// hooks `output` (if it requires grad) to unshard it before its backward.
@@ -109,9 +110,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// settle). Waits for an all-gather in flight, which every rank issued.
   /// Never throws: a unit that refuses (a parameter replaced) stays gathered.
   void forward_failed() noexcept;
-  /// One forward call of a unit with frozen parameters, whose backward is
-  /// over once the call's autograd nodes that lead out of it have run
-  /// (watch_call, hook_call).
+  /// One forward call of a unit, whose backward is over once the call's
+  /// autograd nodes that lead out of it have run (watch_call, hook_call).
   struct CallWatch {
     size_t unit = 0;      ///< the unit called
     uint64_t first = 0;   ///< the sequence number of the call's first autograd node
@@ -228,7 +228,6 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<torch::Tensor> params_;  // every parameter of every unit
   std::unordered_map<const c10::TensorImpl*, size_t> param_unit_;  // parameter -> its unit
   std::vector<size_t> parts_;           // unit -> its parameters that require grad
-  std::vector<char> has_frozen_;        // unit -> one of its parameters does not
   std::vector<size_t> parent_;          // unit -> the unit around it (none: kNone)
   std::vector<size_t> inside_;          // unit -> the units inside it
   std::vector<size_t> arrived_;         // unit -> gradients landed in this backward

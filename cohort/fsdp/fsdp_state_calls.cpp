@@ -1,28 +1,28 @@
-// FSDPState: when the backward of a unit with a frozen parameter is over.
+// FSDPState: when a unit's backward is over.
 //
-// A frozen layer reads its weight in backward (for the gradient of what it
-// read) but lands no gradient, so the unit's last gradient may land before
-// that layer's backward ran: the unit must stay gathered until then. What
-// the layer read may be the unit's input, or a tensor the unit's module got
-// another way (a member, a closure: a decoder block's encoder output). So
-// each call's autograd nodes are found when its forward returns: those made
-// on the forward's thread since it began (sequence numbers are per thread
-// and increase) and reachable from its output. A node with an edge out of
-// the call, to a node that is not the accumulator of a parameter of the
-// unit or of a unit inside it, gets a post hook; so does a node with no
-// edge. Every node of the call has a path to such a node or to such an
-// accumulator, and the engine runs a node only after every node with an
-// edge to it: once the hooked nodes have run, the unit's gradients have
-// landed and the units inside it are over, none of the call's nodes is
-// left to run. This is FSDP2's post-backward hook on a unit's inputs, made
-// to cover the tensors a unit reads beside its input. The unit computes on
-// an alias of its input (a node of the call), so the input is one edge out
-// and a path from any tensor of the call to it (a tensor kept by the
-// module and used by the caller) is waited for too.
-//
-// Units whose parameters all require grad need none of this: every layer
-// that reads such a weight runs its backward before that weight's gradient
-// lands, so they finish at their last gradient, as early as ever.
+// A layer may read a weight of the unit in backward after that weight's
+// gradient landed: a frozen layer (it lands none, and reads its weight for
+// the gradient of what it read), or a read of a trainable weight with no
+// autograd edge to it (w.detach(), a view made under NoGradGuard), whose
+// backward node saved an alias of the full parameter. The accumulator runs
+// first (the engine's ready queue puts it ahead), so the unit's last
+// gradient may land before such a layer's backward ran: the unit must stay
+// gathered until then. What the layer read may be the unit's input, or a
+// tensor the unit's module got another way (a member, a closure: a decoder
+// block's encoder output). So each call's autograd nodes are found when its
+// forward returns: those made on the forward's thread since it began
+// (sequence numbers are per thread and increase) and reachable from its
+// output. A node with an edge out of the call, to a node that is not the
+// accumulator of a parameter of the unit or of a unit inside it, gets a
+// post hook; so does a node with no edge. Every node of the call has a path
+// to such a node or to such an accumulator, and the engine runs a node only
+// after every node with an edge to it: once the hooked nodes have run, the
+// unit's gradients have landed and the units inside it are over, none of
+// the call's nodes is left to run. This is FSDP2's post-backward hook on a
+// unit's inputs, made to cover the tensors a unit reads beside its input.
+// The unit computes on an alias of its input (a node of the call), so the
+// input is one edge out and a path from any tensor of the call to it (a
+// tensor kept by the module and used by the caller) is waited for too.
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/function.h>
@@ -57,7 +57,7 @@ class RanHook : public torch::autograd::FunctionPostHook {
 
 torch::Tensor FSDPState::watch_call(size_t u, const torch::Tensor& input) {
   call_watch_[u].reset();
-  if (!has_frozen_[u] || !torch::GradMode::is_enabled()) return input;
+  if (!torch::GradMode::is_enabled()) return input;
   auto call = std::make_shared<CallWatch>();
   call->unit = u;
   call->first = at::sequence_number::peek();
@@ -135,9 +135,6 @@ void FSDPState::call_node_ran(CallWatch& call, uint64_t& counted) {
 
 bool FSDPState::backward_over(size_t u) const {
   if (arrived_[u] < parts_[u]) return false;
-  // Every parameter requires grad: each layer that reads one in backward
-  // runs before that parameter's gradient lands.
-  if (!has_frozen_[u]) return true;
   // Every call whose backward began has run its hooked nodes, the units
   // inside it are over, and a unit with a call hooked in a forward since
   // the last backward has a backward to wait for (its output's hook).
