@@ -26,6 +26,7 @@
 #include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
 #include "tests/ddp/determinism_support.h"
+#include "train_fixtures.h"
 
 namespace cohort::testing::determinism_test {
 namespace {
@@ -170,6 +171,7 @@ TEST(TrainerDeterminism, RefusedWhereItCannotHold) {
   // A wiring that cannot sum in the canonical tree.
   expect(refusals([&](std::shared_ptr<Communicator> comm) {
            auto net = torch::nn::Linear(2, 1);
+           testing::fill_alike(*net);
            torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
            Trainer trainer(TrainerWiring::all_reduce(net.ptr(), sgd, comm), loss, config);
          }),

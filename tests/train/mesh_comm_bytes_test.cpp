@@ -75,7 +75,9 @@ int64_t ring_all_reduce(int64_t n, int64_t p) { return p == 1 ? 0 : 2 * (p - 1) 
 int64_t expected_cp_bytes(int64_t c, int ep) {
   if (c == 1) return 0;
   const int64_t experts = config(ep).experts, moe_layers = experts > 0 ? kLayers / 2 : 0;
-  const int64_t balance = moe_layers * ring_all_reduce((2 * experts + 2) * 8, c);
+  // Per expert two sums, the tokens, the assignments, and a refusal word
+  // per rank (routing.cpp).
+  const int64_t balance = moe_layers * ring_all_reduce((2 * experts + 2 + c) * 8, c);
   const int64_t block = 2 * kRows * kHeads * (kSeq / c) * (kHidden / kHeads) * 4;
   const int64_t agreement = (c - 1) * 7 * 8;
   const int64_t ring = (c - 1) * block + (c - 1) * block + c * block;

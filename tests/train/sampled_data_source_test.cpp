@@ -21,6 +21,7 @@
 #include "cohort/train/trainer.h"
 #include "cohort/wiring/trainer_wiring.h"
 #include "support/thread_ranks.h"
+#include "train_fixtures.h"
 
 namespace cohort::sampled_data_source_test {
 namespace {
@@ -42,7 +43,10 @@ Seen train(int world, int64_t n, int64_t micro, bool drop_last) {
     deal.drop_last = drop_last;
     SampledDataSource source(x, torch::zeros({n, 1}), micro,
                              data::DistributedSampler(static_cast<size_t>(n), *comm, deal));
+    // Ranks as threads draw their weights from one generator: make them
+    // equal, as the all-reduce wiring requires.
     auto model = std::make_shared<torch::nn::LinearImpl>(1, 1);
+    testing::fill_alike(*model);
     torch::optim::SGD opt(model->parameters(), 0.01);
     TrainerOptions config;
     config.epochs = kEpochs;
@@ -137,6 +141,7 @@ TEST(TrainerData, RanksThatDisagreeOnTheEpochFailTogether) {
       const int64_t n = odd == "samples" && is_odd ? 18 : 24;
       TensorDataSource source(torch::zeros({n, 1}), torch::zeros({n, 1}), 2, comm->rank(), world);
       auto model = std::make_shared<torch::nn::LinearImpl>(1, 1);
+      testing::fill_alike(*model);
       torch::optim::SGD opt(model->parameters(), 0.01);
       TrainerOptions config;
       config.progress = false;

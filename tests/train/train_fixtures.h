@@ -22,6 +22,15 @@ inline torch::Generator make_generator(uint64_t seed) {
 
 // Linear(8, 16) tanh Linear(16, 4): small, but with a nonlinearity so that
 // accumulation order errors would show.
+// Sets every parameter of `module` to values drawn from `seed`, so that
+// ranks as threads, which share LibTorch's default generator, hold equal
+// replicas (the wirings that broadcast nothing refuse unequal ones).
+inline void fill_alike(torch::nn::Module& module, uint64_t seed = 3) {
+  auto gen = make_generator(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.parameters()) p.copy_(torch::randn(p.sizes(), gen, p.scalar_type()) * 0.3);
+}
+
 inline torch::nn::Sequential make_mlp(uint64_t seed = 7) {
   torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                             torch::nn::Linear(16, 4));
