@@ -10,6 +10,8 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <exception>
+#include <string>
 #include <vector>
 
 #include "cohort/core/types.h"
@@ -29,6 +31,18 @@ class Communicator;
 /// without parameters) nothing is sent and the gradients are left as they
 /// are.
 void average_gradients(const std::vector<torch::Tensor>& params, Communicator& comm);
+
+/// average_gradients after a step that may have failed on some ranks
+/// (`failed`: the exception that ended this rank's share, null where it
+/// ran; a pipeline replica's). The first all-reduce carries each rank's
+/// failure (any_rank_has_unless_failed): when some rank failed, nothing is
+/// averaged, every rank drops the gradients of `params` (.grad undefined, as
+/// the failed replica's pipeline did) and throws, the failing ranks their
+/// own exception, the others one of its kind naming `where` and its message.
+/// At world size 1 it rethrows `failed`, if any. Without parameters the
+/// all-reduce still runs, for the failures alone.
+void average_gradients(const std::vector<torch::Tensor>& params, Communicator& comm,
+                       const std::exception_ptr& failed, const std::string& where);
 
 /// average_gradients with the all-reduce's `options` (its operation and
 /// algorithm) instead of an average. Returns the bytes of the gradients

@@ -8,6 +8,7 @@
 // undefined .grad.
 #pragma once
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -26,5 +27,18 @@ std::vector<char> any_rank_has(Communicator& comm, const std::vector<char>& loca
 /// the refusing ranks, `where` naming those ranks on the others.
 std::vector<char> any_rank_has_unless_refused(Communicator& comm, const std::vector<char>& local,
                                               const std::string& refusal, const std::string& where);
+
+/// The same all-reduce carrying one more entry per rank: the kind of the
+/// exception that ended its share of the step (`failed`, null where it ran:
+/// a pipeline replica's stage that threw), so that a step one replica could
+/// not finish is an error on every rank before any gradient is sent, at no
+/// extra collective on the normal path. When some rank failed, the failing
+/// ranks' messages follow in one all-gather of texts, and every rank throws:
+/// a failing rank its own exception, the others one of the first failing
+/// rank's kind (StageError, InvalidArgument, TimeoutError, PeerError, else
+/// Error) saying `where`, the failing ranks and their messages.
+std::vector<char> any_rank_has_unless_failed(Communicator& comm, const std::vector<char>& local,
+                                             const std::exception_ptr& failed,
+                                             const std::string& where);
 
 }  // namespace cohort

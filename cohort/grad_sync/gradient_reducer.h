@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
@@ -91,8 +92,12 @@ class GradientReducer {
   /// without a .grad on some ranks takes part as zeros there and gets the
   /// average; one without on every rank keeps an undefined .grad (as in one
   /// process, so that the optimizer skips it), whatever
-  /// find_unused_parameters says.
-  void synchronize();
+  /// find_unused_parameters says. That all-reduce comes before the buckets
+  /// and carries `failed` (any_rank_has_unless_failed): the exception that
+  /// ended this rank's share of the step, null where it ran. When some rank
+  /// failed, no bucket is sent (a hook's state stays as it was), and every
+  /// rank drops its gradients and throws.
+  void synchronize(const std::exception_ptr& failed = nullptr);
 
   /// While the depth is positive, backward accumulates locally (no_sync()).
   void push_no_sync() { ++no_sync_depth_; }
@@ -229,7 +234,9 @@ class GradientReducer {
   // Retires the buckets and writes the averages into .grad. `agree`: which
   // parameters have a gradient on any rank is agreed from locally_used_
   // (any_rank_has), and one that has none anywhere keeps an undefined .grad.
-  void wait_and_write_back(double backward_end_s, bool agree);
+  // `agreed`: which parameters some rank used, agreed already (then not here).
+  void wait_and_write_back(double backward_end_s, bool agree,
+                           const std::vector<char>* agreed = nullptr);
   /// Leaves the parameters no rank used (used[i] == 0) as they were before
   /// the step: .grad as it was, and the hook's state of their elements.
   void leave_unused_alone(const std::vector<char>& used);

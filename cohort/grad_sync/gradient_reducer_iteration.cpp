@@ -325,7 +325,8 @@ void GradientReducer::finish_backward() {
   wait_and_write_back(backward_end, options_.find_unused_parameters);
 }
 
-void GradientReducer::wait_and_write_back(double backward_end, bool agree) {
+void GradientReducer::wait_and_write_back(double backward_end, bool agree,
+                                          const std::vector<char>* agreed) {
   TraceSpan span(active(comm_->tracer()), "wait and write back", "ddp");
   while (queue_.in_flight() > 0) queue_.retire_oldest();
   const double waited = queue_.now_s() - backward_end;
@@ -333,7 +334,11 @@ void GradientReducer::wait_and_write_back(double backward_end, bool agree) {
   // average; one unused everywhere keeps an undefined .grad, and one frozen
   // since construction is given none (as average_gradients).
   std::vector<char> used(params_.size(), 1);
-  if (agree) used = any_rank_has(*comm_, locally_used_);
+  if (agreed) {
+    used = *agreed;
+  } else if (agree) {
+    used = any_rank_has(*comm_, locally_used_);
+  }
   clear_local_use();
 
   torch::NoGradGuard no_grad;
@@ -383,12 +388,15 @@ void GradientReducer::leave_unused_alone(const std::vector<char>& used) {
   }
 }
 
-void GradientReducer::synchronize() {
+void GradientReducer::synchronize(const std::exception_ptr& failed) {
   refuse_with_leaves("synchronize");
   follow_requires_grad();
   reset_iteration();
   start_iteration_clock();
   if (owner_) {
+    // The owner (ZeRO's shard reducer) exchanges in its own order; it is
+    // not a pipeline's sync, which alone passes a failure.
+    if (failed) std::rethrow_exception(failed);
     for (size_t i = 0; i < params_.size(); ++i) mark_ready(i, /*used=*/true);
     clear_local_use();
     owner_->backward_finished();
@@ -398,9 +406,9 @@ void GradientReducer::synchronize() {
     // The gradients came without the hooks (set by hand, accumulated under
     // no_sync(), or a pipeline's): what .grad holds now is what this rank
     // used. A parameter without one takes part as zeros; whether any rank
-    // has one is agreed after the buckets, so that one no rank has keeps an
-    // undefined .grad, as in one process (weight decay and momentum would
-    // step a defined zero).
+    // has one is agreed before the buckets (with any rank's failure), so
+    // that one no rank has keeps an undefined .grad, as in one process
+    // (weight decay and momentum would step a defined zero).
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& view = buckets_[slots_[i].bucket].views[slots_[i].position];
@@ -415,9 +423,20 @@ void GradientReducer::synchronize() {
       locally_used_[i] = has ? 1 : 0;
     }
   }
+  std::vector<char> used;
+  try {
+    used = any_rank_has_unless_failed(*comm_, locally_used_, failed,
+                                      "DistributedDataParallel's gradient average on rank " +
+                                          std::to_string(comm_->rank()) + " of group " +
+                                          comm_->name());
+  } catch (...) {
+    clear_local_use();
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+    throw;
+  }
   queue_.fill_all();
   launch_ready_buckets();
-  wait_and_write_back(queue_.now_s(), /*agree=*/true);
+  wait_and_write_back(queue_.now_s(), /*agree=*/true, &used);
 }
 
 }  // namespace cohort

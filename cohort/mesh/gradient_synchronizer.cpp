@@ -446,8 +446,17 @@ void GradientSynchronizer::reduce_now() {
   ++stats_.steps;
 }
 
-void GradientSynchronizer::synchronize() {
-  if (reducer_) reducer_->synchronize();
+void GradientSynchronizer::synchronize(const std::exception_ptr& failed) {
+  try {
+    if (reducer_) {
+      reducer_->synchronize(failed);
+    } else if (failed) {
+      std::rethrow_exception(failed);
+    }
+  } catch (...) {
+    for (const auto& p : options_.expert_parameters) p.mutable_grad() = torch::Tensor();
+    throw;
+  }
   deferred_ = false;
   reduce_now();
 }

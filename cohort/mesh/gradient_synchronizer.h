@@ -41,6 +41,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -188,7 +189,14 @@ class GradientSynchronizer {
   /// In every reduction a parameter without a .grad on some ranks takes part
   /// as zeros there, and one without on every rank of the group (unused, or
   /// frozen) keeps an undefined .grad, as in one process.
-  void synchronize();
+  /// `failed`: the exception that ended this rank's share of the step (a
+  /// pipeline replica's failed step), null where it ran. The DP reducer's
+  /// first all-reduce carries it (GradientReducer::synchronize): when some
+  /// rank of the dense group failed, nothing is reduced, every rank drops
+  /// its gradients and throws (that exception where it was thrown, one of
+  /// its kind naming it on the others). The same at a dense group of one:
+  /// it rethrows `failed`.
+  void synchronize(const std::exception_ptr& failed = nullptr);
   /// Per-dimension counters.
   const GradientSyncStats& stats() const { return stats_; }
   /// The parameters whose gradients are summed over TP: those passed and

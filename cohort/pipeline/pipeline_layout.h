@@ -32,6 +32,11 @@ class PipelineLayout : public TrainerLayout {
   void check(const LossFn& loss_fn, int64_t accumulation_steps, int rank) const override;
   double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
               Tracer* tracer, double weight) override;
+  /// The pipeline's messages stay within its group (and a mesh's TP, CP and
+  /// EP groups, inside the stages' code): a replica's failed step, which
+  /// every rank of its pipeline throws, reaches the other replicas through
+  /// the data-parallel sync.
+  bool sync_hears_failures() const override { return true; }
   /// The pipeline's send and receive actions.
   double comm_seconds() const override { return comm_seconds_; }
   std::shared_ptr<GradNorm> norm() const override { return norm_; }

@@ -12,6 +12,7 @@
 
 #include <torch/types.h>
 
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,6 +32,18 @@ class GradientSync {
   /// Called after the final micro-batch's backward. On return every rank
   /// holds the average over ranks of the accumulated gradients.
   virtual void finish_sync() = 0;
+  /// finish_sync() after a layout's step that may have thrown on some ranks
+  /// and sends nothing over the sync's groups (a pipeline's: its ranks learn
+  /// of a failure at the step's end, the other replicas learn here).
+  /// `failed`: the exception this rank's step threw, null where it ran. When
+  /// some rank's step threw, every rank throws before anything is averaged
+  /// (that exception where it was thrown, one of its kind naming it on the
+  /// others) and drops its gradients. This default tells no other rank: it
+  /// rethrows `failed`, else finish_sync().
+  virtual void finish_sync_unless_failed(const std::exception_ptr& failed) {
+    if (failed) std::rethrow_exception(failed);
+    finish_sync();
+  }
   /// Seconds spent in gradient communication since construction.
   virtual double comm_seconds() const = 0;
   /// True when the synchronization keeps per-rank state a resumed run needs
@@ -62,7 +75,9 @@ class AllReduceGradientSync : public GradientSync {
   /// MismatchError on every rank (verify_same_parameters, verify_same_values: a digest word).
   AllReduceGradientSync(std::shared_ptr<Communicator> comm, std::vector<torch::Tensor> params);
   std::shared_ptr<void> skip_sync() override { return nullptr; }
-  void finish_sync() override;
+  void finish_sync() override { finish_sync_unless_failed(nullptr); }
+  /// The failures ride average_gradients' first all-reduce: none is added.
+  void finish_sync_unless_failed(const std::exception_ptr& failed) override;
   double comm_seconds() const override { return comm_seconds_; }
 
  private:

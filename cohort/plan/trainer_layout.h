@@ -60,6 +60,11 @@ class TrainerLayout {
   /// unweighted.
   virtual double step(const std::vector<torch::data::Example<>>& micro_batches,
                       const LossFn& loss_fn, Tracer* tracer, double weight) = 0;
+  /// True when step() sends nothing over the sync's groups, so that a rank
+  /// whose step() threw can still meet the others in the sync, which tells
+  /// them (GradientSync::finish_sync_unless_failed): a pipeline's replicas.
+  /// False (DDP's backward all-reduces, FSDP's gathers): the exception leaves.
+  virtual bool sync_hears_failures() const { return false; }
   /// Seconds step() communicated so far, beyond the sync's and the optimizer's.
   virtual double comm_seconds() const { return 0.0; }
   /// The global norm this layout needs, or null: the Trainer picks one from the optimizer.

@@ -1,6 +1,7 @@
 #include "cohort/train/trainer.h"
 
 #include <cstdio>
+#include <exception>
 #include <limits>
 #include <string>
 
@@ -194,13 +195,23 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   // Tensor parallelism's collectives run inside the forwards and backwards
   // only: the sync's and the norm's TP all-reduces come after.
   const auto tp_before = tp_wait_seconds();
-  const double loss = layout_.step(micro_batches, loss_fn_, tracer, weight);
+  double loss = 0;
+  std::exception_ptr failed;
+  try {
+    loss = layout_.step(micro_batches, loss_fn_, tracer, weight);
+  } catch (...) {
+    // The other replicas would wait in the sync for this rank's gradients.
+    if (!layout_.sync_hears_failures()) throw;
+    failed = std::current_exception();
+  }
   const auto tp_after = tp_wait_seconds();
   int64_t samples = 0;
   for (const auto& b : micro_batches) samples += b.data.size(0);
   {
     TraceSpan span(tracer, "finish sync", "train");
-    sync_.finish_sync();
+    // Throws on every rank when some rank's step failed, before any
+    // optimizer step.
+    sync_.finish_sync_unless_failed(failed);
   }
 
   StepMetrics m;

@@ -14,7 +14,10 @@
 //   3. GradientSync::finish_sync(): every rank now holds the gradient of the
 //      mean loss over the whole global batch (k micro-batches x all ranks),
 //      or, for an optimizer that averages inside its step (fused, ZeRO-2),
-//      TrainerOptimizer::gradients() averages them (ZeRO-2: into its shard);
+//      TrainerOptimizer::gradients() averages them (ZeRO-2: into its shard).
+//      A layout whose step sends nothing over the sync's groups (a
+//      pipeline's) hands a step that threw to finish_sync_unless_failed,
+//      whose first all-reduce tells every rank: all throw here;
 //   4. the global gradient norm via GradNorm (local for replicated
 //      gradients, an all-reduce of squared partial norms for sharded ones),
 //      then clipping when it exceeds max_grad_norm;

@@ -51,6 +51,10 @@ class MeshGradientSync : public GradientSync {
   explicit MeshGradientSync(GradientSynchronizer& sync) : sync_(sync) {}
   std::shared_ptr<void> skip_sync() override { return nullptr; }
   void finish_sync() override { sync_.synchronize(); }
+  /// The failures ride the DP reducer's first all-reduce: none is added.
+  void finish_sync_unless_failed(const std::exception_ptr& failed) override {
+    sync_.synchronize(failed);
+  }
   /// Seconds in the TP, embedding and DP reductions.
   double comm_seconds() const override {
     const auto& s = sync_.stats();
