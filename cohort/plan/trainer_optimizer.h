@@ -39,6 +39,10 @@ class TrainerOptimizer {
   /// True when gradients() returns a disjoint part of the gradients on each
   /// rank (ZeRO): the trainer's default norm is then ShardedGradNorm.
   virtual bool sharded_gradients() const { return false; }
+  /// True when step() sends nothing (a LibTorch optimizer's): a rank whose
+  /// step() threw can still meet the others in the Trainer's loss all-reduce,
+  /// which tells them. False: the exception leaves at once.
+  virtual bool local_step() const { return false; }
   /// Seconds the optimizer spent reducing gradients itself since
   /// construction (the fused optimizer, ZeRO); 0 when it does not.
   virtual double comm_seconds() const { return 0.0; }
@@ -63,6 +67,7 @@ class TorchOptimizer : public TrainerOptimizer {
   explicit TorchOptimizer(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
   void zero_grad() override { optimizer_.zero_grad(); }
   void step() override { optimizer_.step(); }
+  bool local_step() const override { return true; }
   std::vector<double> lrs() const override { return group_lrs(optimizer_.param_groups()); }
   void set_lrs(const std::vector<double>& lrs) override {
     set_group_lrs(optimizer_.param_groups(), lrs);

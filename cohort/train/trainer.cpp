@@ -234,9 +234,16 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   // An async checkpoint's staging copy reads what the step changes.
   if (pending_) pending_->save.wait_staged();
   optimizer_.set_lrs(lrs);
+  std::exception_ptr step_failed;
   {
     TraceSpan span(tracer, "optimizer", "train");
-    optimizer_.step();
+    try {
+      optimizer_.step();
+    } catch (...) {
+      // The others would wait for this rank in the loss all-reduce below.
+      if (!optimizer_.local_step()) throw;
+      step_failed = std::current_exception();
+    }
   }
   ++position_.step;
 
@@ -247,8 +254,10 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
         static_cast<int64_t>(dims_after[i] - dims_before[i]);
   }
   // Weighted as the gradients: the mean loss over every rank's samples.
-  auto totals = torch::tensor({loss * weight, static_cast<double>(samples)}, torch::kFloat64);
+  auto totals = torch::tensor({loss * weight, static_cast<double>(samples), step_failed ? 1.0 : 0.0},
+                             torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
+  if (totals[2].item<double>() > 0) throw_failed_optimizer_step(step_failed);
   // Every rank of a pipeline (and of a mesh's TP group) reports its
   // replica's loss and samples.
   const int copies = layout_.ranks_per_sample();
@@ -262,6 +271,37 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
   m.comm_seconds = comm_seconds() - comm_before;
   if (tp_after) m.tp_comm_seconds = *tp_after - *tp_before;
   return m;
+}
+
+void Trainer::throw_failed_optimizer_step(const std::exception_ptr& failed) {
+  std::string mine;
+  if (failed) {
+    try {
+      std::rethrow_exception(failed);
+    } catch (const std::exception& e) {
+      mine = e.what();
+    } catch (...) {
+      mine = "an exception that is no std::exception";
+    }
+  }
+  const auto texts = gather_texts(comm_, mine);
+  std::vector<char> flags;
+  std::string what;
+  for (const auto& t : texts) {
+    flags.push_back(!t.empty());
+    if (!t.empty()) what += (what.empty() ? "" : "; ") + t;
+  }
+  const std::string text =
+      "Trainer::train_step on rank " + std::to_string(comm_.rank()) + " of group " +
+      comm_.name() + ": the optimizer step threw on " + flagged_ranks(flags) + ": " + what +
+      "; the other ranks took theirs, so the replicas may now differ: resume from the last "
+      "checkpoint";
+  if (!failed) throw Error(text);
+  try {
+    std::rethrow_exception(failed);
+  } catch (...) {
+    std::throw_with_nested(Error(text));
+  }
 }
 
 std::vector<double> Trainer::scheduled_lrs(int64_t step) const {

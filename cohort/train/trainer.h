@@ -23,7 +23,9 @@
 //      then clipping when it exceeds max_grad_norm;
 //   5. each group's lr = its initial lr scaled by the schedule at the step
 //      (lr_schedule.h); optimizer step;
-//   6. one small all-reduce for the loss averaged over all samples.
+//   6. one small all-reduce for the loss averaged over all samples; it also
+//      carries whether a rank's optimizer step threw (a LibTorch
+//      optimizer's, which sends nothing): then every rank throws.
 // Steps 1-5 are the same arithmetic on every rank, so the replicas stay
 // identical without broadcasting weights.
 //
@@ -252,6 +254,9 @@ class Trainer {
   std::optional<double> tp_wait_seconds() const;
   // Each parameter group's rate for optimizer step `step`.
   std::vector<double> scheduled_lrs(int64_t step) const;
+  // After the loss all-reduce said some rank's optimizer step threw
+  // (`failed` here, or null): gathers the messages, throws on every rank.
+  [[noreturn]] void throw_failed_optimizer_step(const std::exception_ptr& failed);
   void check_determinism() const;
   std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);
   void load_checkpoint(int64_t step, std::string payload);
