@@ -37,8 +37,8 @@ void AllReduceGradientSync::finish_sync_unless_failed(const std::exception_ptr& 
   }
   const auto start = std::chrono::steady_clock::now();
   average_gradients(params_, *comm_, failed,
-                    "AllReduceGradientSync on rank " + std::to_string(comm_->rank()) + " of group " +
-                        comm_->name());
+                    "AllReduceGradientSync on rank " + std::to_string(comm_->rank()) +
+                        " of group " + comm_->name());
   comm_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 

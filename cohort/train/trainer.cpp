@@ -254,8 +254,8 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
         static_cast<int64_t>(dims_after[i] - dims_before[i]);
   }
   // Weighted as the gradients: the mean loss over every rank's samples.
-  auto totals = torch::tensor({loss * weight, static_cast<double>(samples), step_failed ? 1.0 : 0.0},
-                             torch::kFloat64);
+  auto totals = torch::tensor(
+      {loss * weight, static_cast<double>(samples), step_failed ? 1.0 : 0.0}, torch::kFloat64);
   comm_.all_reduce(totals, {ReduceOp::Sum}).wait();
   if (totals[2].item<double>() > 0) throw_failed_optimizer_step(step_failed);
   // Every rank of a pipeline (and of a mesh's TP group) reports its
@@ -292,8 +292,8 @@ void Trainer::throw_failed_optimizer_step(const std::exception_ptr& failed) {
     if (!t.empty()) what += (what.empty() ? "" : "; ") + t;
   }
   const std::string text =
-      "Trainer::train_step on rank " + std::to_string(comm_.rank()) + " of group " +
-      comm_.name() + ": the optimizer step threw on " + flagged_ranks(flags) + ": " + what +
+      "Trainer::train_step on rank " + std::to_string(comm_.rank()) + " of group " + comm_.name() +
+      ": the optimizer step threw on " + flagged_ranks(flags) + ": " + what +
       "; the other ranks took theirs, so the replicas may now differ: resume from the last "
       "checkpoint";
   if (!failed) throw Error(text);

@@ -94,8 +94,8 @@ torch::nn::Sequential make_model(int stages) {
 
 // Step `step`'s rows of replica `replica`: its m micro-batches, one column
 // too wide when `wide`.
-std::vector<torch::data::Example<>> batches(const torch::Tensor& x, const torch::Tensor& y,
-                                            int dp, int step, int replica, bool wide = false) {
+std::vector<torch::data::Example<>> batches(const torch::Tensor& x, const torch::Tensor& y, int dp,
+                                            int step, int replica, bool wide = false) {
   std::vector<torch::data::Example<>> out;
   for (int mb = 0; mb < kM; ++mb) {
     const int64_t at = ((step * dp + replica) * kM + mb) * kMicro;
@@ -114,7 +114,7 @@ struct Seen {
   std::string what = "no error";
   bool stage_error = false;
   double seconds = 0;
-  double next_loss = -1;  // the step after the failed one
+  double next_loss = -1;   // the step after the failed one
   bool unchanged = false;  // the weights after the failed step are the initial ones
 };
 
@@ -152,9 +152,8 @@ Seen run_rank(const Case& c, std::shared_ptr<Communicator> world, const torch::T
           auto out = layers->forward(in[0]);
           if (now) {
             *armed = false;
-            out.register_hook([](torch::Tensor) -> torch::Tensor {
-              throw std::runtime_error("boom");
-            });
+            out.register_hook(
+                [](torch::Tensor) -> torch::Tensor { throw std::runtime_error("boom"); });
           }
           return Tensors{out * 1.0};
         },
@@ -181,8 +180,9 @@ Seen run_rank(const Case& c, std::shared_ptr<Communicator> world, const torch::T
   GradientSynchronizerOptions so;
   so.untied_embedding = true;
   std::unique_ptr<GradientSynchronizer> sync;
-  if (c.mesh) sync = std::make_unique<GradientSynchronizer>(mesh, held, Tensors{}, torch::Tensor{}, so);
-  auto wiring = c.mesh      ? TrainerWiring::mesh(mesh, rt, opt, *sync)
+  if (c.mesh)
+    sync = std::make_unique<GradientSynchronizer>(mesh, held, Tensors{}, torch::Tensor{}, so);
+  auto wiring = c.mesh     ? TrainerWiring::mesh(mesh, rt, opt, *sync)
                 : c.dp > 1 ? TrainerWiring::pipeline(rt, opt, mesh)
                            : TrainerWiring::pipeline(rt, opt);
   TrainerOptions config;
@@ -193,8 +193,7 @@ Seen run_rank(const Case& c, std::shared_ptr<Communicator> world, const torch::T
   Seen seen;
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    trainer.train_step(
-        batches(x, y, c.dp, 0, replica, c.where == Where::BadShape && armed_here));
+    trainer.train_step(batches(x, y, c.dp, 0, replica, c.where == Where::BadShape && armed_here));
   } catch (const std::exception& e) {
     seen.what = e.what();
     seen.stage_error = dynamic_cast<const StageError*>(&e) != nullptr;
@@ -221,9 +220,10 @@ TEST_P(PipelineReplicaFailure, EveryRankOfEveryReplicaThrowsWithinTheStep) {
   // Step 1's loss from the initial weights: no replica stepped at step 0.
   auto ref_model = make_model(c.pp * (std::string(c.schedule) == "interleaved" ? 2 : 1));
   const int64_t global = c.dp * kM * kMicro;
-  const double ref_loss = torch::nn::functional::mse_loss(ref_model->forward(x.narrow(0, global, global)),
-                                                          y.narrow(0, global, global))
-                              .item<double>();
+  const double ref_loss =
+      torch::nn::functional::mse_loss(ref_model->forward(x.narrow(0, global, global)),
+                                      y.narrow(0, global, global))
+          .item<double>();
   std::vector<Seen> seen(static_cast<size_t>(world));
   // Open until every rank is done: a rank that threw must not end the
   // others' waits by closing its connections.
