@@ -54,8 +54,6 @@ int failing_stage(Where w, int stages) {
 }
 int failing_micro_batch(Where w) { return w == Where::BadShape ? 0 : 1; }
 
-void PrintTo(Where w, std::ostream* os) { *os << where_name(w); }
-
 struct Case {
   const char* schedule;  // make_schedule's names
   int pp, dp;
@@ -256,7 +254,10 @@ TEST_P(PipelineReplicaFailure, EveryRankOfEveryReplicaThrowsWithinTheStep) {
     EXPECT_TRUE(s.unchanged) << "rank " << r << " took an optimizer step";
     EXPECT_NEAR(s.next_loss, ref_loss, 1e-5 * ref_loss) << "rank " << r;
   }
-  std::cout << "slowest rank threw after " << slowest << " s\n";
+  // What the other replicas read.
+  const int other = c.replica == 0 && c.dp > 1 ? c.pp : 0;
+  std::cout << "slowest rank threw after " << slowest << " s; rank " << other << ": "
+            << seen[static_cast<size_t>(other)].what << "\n";
 }
 
 // SGD whose step throws once when armed.
@@ -327,7 +328,7 @@ TEST(PipelineReplicaOptimizerFailure, EveryRankThrowsWithinTheStep) {
     EXPECT_LT(seconds[r], 0.5 * kTimeout.count()) << "rank " << r << ": " << what[r];
   }
   std::cout << "slowest rank threw after " << *std::max_element(seconds.begin(), seconds.end())
-            << " s\n";
+            << " s; rank 0: " << what[0] << "\n";
 }
 
 std::vector<Case> cases() {
