@@ -14,10 +14,11 @@
 // "dp", the gradients' average over the dense group dp x ep x cp
 // (Megatron-LM's data-parallel group under context parallelism), once per
 // step: the one bucket of all P float32 non-expert gradients and the one
-// all-reduce of those N parameters' presence flags (int32), each
+// all-reduce of those N parameters' presence flags with a failure word per
+// rank (N + d int32: a replica's failed step rides it), each
 // floor(2 (d - 1) n / d) bytes at d = dp * ep * cp; with experts, the same
-// two all-reduces of the expert parameters over dp x cp. Nothing over a
-// group of one rank.
+// two all-reduces of the expert parameters over dp x cp (no failure words).
+// Nothing over a group of one rank.
 //
 // "ep", the experts' all-to-all, depends on the routing: above 0 at ep 2.
 // The step's comm_bytes is the sum of the dimensions: at tp 1 and pp 1
@@ -90,9 +91,9 @@ struct Count {
   int64_t numel = 0, tensors = 0;
 };
 
-// The two all-reduces (gradients, presence flags) of `p` over `ranks`.
-int64_t average_bytes(const Count& p, int64_t ranks) {
-  return ring_all_reduce(p.numel * 4, ranks) + ring_all_reduce(p.tensors * 4, ranks);
+// The two all-reduces (gradients, presence flags and `words` more) of `p` over `ranks`.
+int64_t average_bytes(const Count& p, int64_t ranks, int64_t words = 0) {
+  return ring_all_reduce(p.numel * 4, ranks) + ring_all_reduce((p.tensors + words) * 4, ranks);
 }
 
 struct Job {
@@ -151,7 +152,8 @@ TEST_P(MeshCommBytes, CountsRingAttentionAsCpAndTheGradientAverageAsDp) {
   ASSERT_EQ(run.experts.tensors > 0, c.ep > 1);
   const int64_t cp = expected_cp_bytes(c.cp, c.ep);
   const int64_t dp =
-      average_bytes(run.dense, c.dp * c.ep * c.cp) + average_bytes(run.experts, c.dp * c.cp);
+      average_bytes(run.dense, c.dp * c.ep * c.cp, c.dp * c.ep * c.cp) +
+      average_bytes(run.experts, c.dp * c.cp);
   for (size_t r = 0; r < run.metrics.size(); ++r) {
     ASSERT_EQ(run.metrics[r].size(), static_cast<size_t>(kSteps)) << "rank " << r;
     for (size_t s = 0; s < run.metrics[r].size(); ++s) {
