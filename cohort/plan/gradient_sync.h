@@ -75,7 +75,7 @@ class AllReduceGradientSync : public GradientSync {
   /// MismatchError on every rank (verify_same_parameters, verify_same_values: a digest word).
   AllReduceGradientSync(std::shared_ptr<Communicator> comm, std::vector<torch::Tensor> params);
   std::shared_ptr<void> skip_sync() override { return nullptr; }
-  void finish_sync() override { finish_sync_unless_failed(nullptr); }
+  void finish_sync() override;
   /// The failures ride average_gradients' first all-reduce: none is added.
   void finish_sync_unless_failed(const std::exception_ptr& failed) override;
   double comm_seconds() const override { return comm_seconds_; }

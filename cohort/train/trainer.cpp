@@ -211,7 +211,11 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
     TraceSpan span(tracer, "finish sync", "train");
     // Throws on every rank when some rank's step failed, before any
     // optimizer step.
-    sync_.finish_sync_unless_failed(failed);
+    if (layout_.sync_hears_failures()) {
+      sync_.finish_sync_unless_failed(failed);
+    } else {
+      sync_.finish_sync();
+    }
   }
 
   StepMetrics m;
