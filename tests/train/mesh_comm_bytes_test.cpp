@@ -151,9 +151,8 @@ TEST_P(MeshCommBytes, CountsRingAttentionAsCpAndTheGradientAverageAsDp) {
   ASSERT_LT(run.dense.numel * 4, 1 << 20);
   ASSERT_EQ(run.experts.tensors > 0, c.ep > 1);
   const int64_t cp = expected_cp_bytes(c.cp, c.ep);
-  const int64_t dp =
-      average_bytes(run.dense, c.dp * c.ep * c.cp, c.dp * c.ep * c.cp) +
-      average_bytes(run.experts, c.dp * c.cp);
+  const int64_t dp = average_bytes(run.dense, c.dp * c.ep * c.cp, c.dp * c.ep * c.cp) +
+                     average_bytes(run.experts, c.dp * c.cp);
   for (size_t r = 0; r < run.metrics.size(); ++r) {
     ASSERT_EQ(run.metrics[r].size(), static_cast<size_t>(kSteps)) << "rank " << r;
     for (size_t s = 0; s < run.metrics[r].size(); ++s) {
