@@ -149,14 +149,14 @@ void refuse_mpi_singletons(int mpi_size, const InitOptions& options) {
                     n + " -- PROGRAM` or `mpirun -n " + n + " PROGRAM`");
 }
 
-// Where rank 0's store listens: a Slurm step's, torchrun's variables
+// Where the job's store listens: a Slurm step's, torchrun's variables
 // (env:// or no method), or a tcp:// URL.
 Endpoint rendezvous_endpoint(const std::string& method, const std::optional<slurm::Step>& step) {
   Endpoint ep;
   if ((method == "env://" || method.empty()) && step) {
-    // Refused at once where the step does not say: the others would wait
-    // for a store nobody serves.
-    if (step->master_addr.empty()) throw ConfigError(step->master_unknown);
+    // Refused at once, on every task alike, where this task cannot tell
+    // whether it serves: a store nobody serves would be waited for.
+    if (!step->master_unknown.empty()) throw ConfigError(step->master_unknown);
     ep.host = step->master_addr;
     ep.port = step->master_port;
   } else if (method == "env://" || method.empty()) {
@@ -181,25 +181,30 @@ Endpoint rendezvous_endpoint(const std::string& method, const std::optional<slur
 // once per process (under g_world_mu), so that a later init() after
 // finalize() binds the port itself; a descriptor that is not such a socket
 // stays untouched. (Not unsetenv: other threads may read the environment.)
-net::Socket inherited_store_listener(int rank, int port) {
+net::Socket inherited_store_listener(bool serve, int port) {
   static bool looked = false;
   if (std::exchange(looked, true)) return {};
   const auto fd = env::get("COHORT_STORE_FD");
   if (!fd) return {};
   char* end = nullptr;
   const long n = std::strtol(fd->c_str(), &end, 10);
-  if (rank != 0 || fd->empty() || *end != '\0' || n < 0 || n > INT32_MAX) return {};
+  if (!serve || fd->empty() || *end != '\0' || n < 0 || n > INT32_MAX) return {};
   return net::adopt_listener(static_cast<int>(n), static_cast<uint16_t>(port));
 }
 
-// The job's TCP store, rank 0 serving it; this rank's claim on its RANK.
-std::shared_ptr<Store> open_tcp_store(const Endpoint& ep, int rank, Millis timeout) {
+// The job's TCP store, rank 0 serving it (a Slurm step's: the task
+// slurm::Step::serves_store names); this rank's claim on its RANK.
+std::shared_ptr<Store> open_tcp_store(const Endpoint& ep, int rank,
+                                      const std::optional<slurm::Step>& step, Millis timeout) {
+  const bool serve = step ? step->serves_store : rank == 0;
   // cohortrun sets a per-job token; other launchers (or a user, for
   // several nodes) may set one, and without one the store is open.
-  auto tcp = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), rank == 0, timeout,
+  auto tcp = std::make_shared<TcpStore>(ep.host, static_cast<uint16_t>(ep.port), serve, timeout,
                                         env::get("COHORT_STORE_TOKEN").value_or(""),
-                                        inherited_store_listener(rank, ep.port));
-  tcp->set_server_name("world rank 0");
+                                        inherited_store_listener(serve, ep.port));
+  tcp->set_server_name(step && !env::get("MASTER_ADDR") && step->hosts.size() > 1
+                           ? "the Slurm task with SLURM_LOCALID 0 on " + ep.host
+                           : "world rank 0");
   // This store is new to this job: a second claim on a rank is a
   // second process started with the same RANK.
   const std::string claim = "cohort/init/rank-claims/" + std::to_string(rank);
@@ -279,10 +284,11 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
     } else {
       const Endpoint ep = rendezvous_endpoint(method, step);
       master_host = ep.host;
-      store = open_tcp_store(ep, rank, co.timeout);
+      store = open_tcp_store(ep, rank, method.empty() || method == "env://" ? step : std::nullopt,
+                             co.timeout);
     }
   } catch (const TimeoutError& e) {
-    throw TimeoutError(where + ": rendezvous with rank 0 failed: " + e.what());
+    throw TimeoutError(where + ": rendezvous with the store's server failed: " + e.what());
   } catch (const Error& e) {
     throw ConfigError(where + ": " + e.what());
   }
@@ -331,9 +337,9 @@ void finalize() {
   // this one instead would find its rank already claimed there, or lose the
   // connection when rank 0 closed it.
   if (store && !store->close_for_group(timeout)) {
-    throw TimeoutError("cohort::finalize (rank " + std::to_string(rank) + "): rank 0 did not " +
-                       "close the group's store within " + std::to_string(timeout.count()) +
-                       " ms: call finalize() on every rank");
+    throw TimeoutError("cohort::finalize (rank " + std::to_string(rank) + "): " + store->server() +
+                       " did not close the group's store within " +
+                       std::to_string(timeout.count()) + " ms: call finalize() on every rank");
   }
 }
 

@@ -1,11 +1,9 @@
 #include "cohort/core/slurm.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 
 #include "cohort/core/error.h"
 
@@ -119,93 +117,36 @@ bool special_step(const std::string& id) {
   return as_unsigned > 0xfffffff0LL;
 }
 
-// Whether srun laid the tasks out as a list says (--distribution=arbitrary,
-// which SLURM_HOSTFILE implies; srun exports it as SLURM_DISTRIBUTION).
-bool arbitrary_layout(const Lookup& env) {
-  const auto dist = env("SLURM_DISTRIBUTION");
-  if (!dist) return false;
-  std::string base = dist->substr(0, dist->find_first_of(":,"));
-  for (auto& c : base) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return base == "arbitrary" || base == "hostfile";
-}
-
-// The first host of a Slurm hostfile, task 0's under an arbitrary layout
-// (slurm_read_hostfile's format: hosts one a line or comma separated, '#'
-// starting a comment, "host*N" for N tasks), or "" and `why`.
-std::string first_hostfile_host(const std::string& path, std::string& why) {
-  std::ifstream in(path);
-  if (!in) {
-    why = "SLURM_HOSTFILE '" + path + "' cannot be read here: " + std::strerror(errno);
-    return "";
-  }
-  std::string line;
-  while (std::getline(in, line)) {
-    line = line.substr(0, line.find('#'));
-    if (line.empty()) continue;
-    std::string host = line.substr(0, line.find_first_of(",*"));
-    const auto first = host.find_first_not_of(" \t\r");
-    host = first == std::string::npos
-               ? ""
-               : host.substr(first, host.find_last_not_of(" \t\r") - first + 1);
-    if (host.empty() || !std::all_of(host.begin(), host.end(), host_char)) {
-      why = "SLURM_HOSTFILE '" + path + "' begins with '" + line + "', not a host name";
-      return "";
-    }
-    return host;
-  }
-  why = "SLURM_HOSTFILE '" + path + "' names no host";
-  return "";
-}
-
-// Whether the comma-separated task ids `gtids` (SLURM_GTIDS) hold task 0.
-bool holds_task0(const std::string& gtids) {
-  size_t start = 0;
-  while (start <= gtids.size()) {
-    const size_t end = std::min(gtids.find(',', start), gtids.size());
-    if (gtids.compare(start, end - start, "0") == 0) return true;
-    start = end + 1;
-  }
-  return false;
-}
-
-// Where task 0, init()'s rank 0, runs: s.master_addr, else s.master_unknown.
-// Block, cyclic and plane layouts start on the first node; an arbitrary one
-// where its list says. A topology plugin may order a default layout
-// otherwise, which this task's own node (SLURM_NODEID, SLURM_GTIDS) shows
-// on task 0 and on the tasks of the node guessed: they refuse at once,
-// rather than wait for a store nobody serves.
-void find_task0(const Lookup& env, Step& s) {
-  std::string host, why;
-  if (!arbitrary_layout(env)) {
-    host = s.hosts.front();
-  } else if (const auto file = env("SLURM_HOSTFILE")) {
-    host = first_hostfile_host(*file, why);
-    if (!host.empty() && std::find(s.hosts.begin(), s.hosts.end(), host) == s.hosts.end()) {
-      why = "SLURM_HOSTFILE's first host " + host +
-            " is not a node of this step (srun -w overrides the file)";
-    }
+// Whether this task serves the store (s.serves_store), else s.master_unknown.
+// The store is on the step's first node, which every task reads alike, and
+// is served by that node's first task, wherever task 0 runs: the layout
+// (block, cyclic, plane, arbitrary, or one a topology plugin ordered) need
+// not be known. Every node of a step runs a task, so exactly one serves.
+void find_server(const Lookup& env, const char* list_name, Step& s) {
+  std::string why;
+  std::string node;  // this task's node: slurmd's name for it, as node lists spell it
+  if (std::strcmp(list_name, "SLURM_STEP_NODELIST") != 0) {
+    why = "SLURM_STEP_NODELIST is unset, and the job's first node need not run a task of it";
+  } else if (!env("SLURM_LOCALID")) {
+    why = "SLURM_LOCALID is unset, which says which task of the first node serves the store";
+  } else if (const auto name = env("SLURMD_NODENAME")) {
+    node = *name;
+  } else if (env("SLURM_NODEID")) {
+    const int id = parse_int(env, "SLURM_NODEID", 0, static_cast<int>(s.hosts.size()) - 1);
+    node = s.hosts[static_cast<size_t>(id)];
   } else {
-    why =
-        "srun --distribution=arbitrary placed the tasks as a list says, and SLURM_HOSTFILE, "
-        "which would name task 0's host, is unset";
+    why = "SLURMD_NODENAME and SLURM_NODEID are unset, which say whether this task runs on " +
+          s.hosts.front();
   }
-  if (why.empty() && env("SLURM_NODEID")) {
-    const int node = parse_int(env, "SLURM_NODEID", 0, 1 << 20);
-    const auto gtids = env("SLURM_GTIDS");
-    if (node < static_cast<int>(s.hosts.size())) {  // else a heterogeneous step's: not checked
-      const auto& mine = s.hosts[static_cast<size_t>(node)];
-      if (s.rank == 0 && mine != host) {
-        why = "task 0 runs on " + mine + ", not on " + host + " where the other tasks look for it";
-      } else if (s.rank != 0 && mine == host && gtids && !holds_task0(*gtids)) {
-        why = "task 0 does not run on " + host + ", where the other tasks look for it (" +
-              "its tasks are SLURM_GTIDS=" + *gtids + ")";
-      }
-    }
+  if (why.empty() && std::find(s.hosts.begin(), s.hosts.end(), node) == s.hosts.end()) {
+    why = "this task's node " + node + " is not in SLURM_STEP_NODELIST (a heterogeneous step?)";
   }
   if (why.empty()) {
-    s.master_addr = host;
+    s.serves_store = node == s.hosts.front() && s.local_rank == 0;
   } else {
-    s.master_unknown = why + "; set MASTER_ADDR to the host of task 0 (SLURM_PROCID=0)";
+    s.master_unknown = "cohort: Slurm job step on " + std::to_string(s.hosts.size()) +
+                       " nodes: " + why +
+                       "; set MASTER_ADDR to the host of task 0 (SLURM_PROCID=0)";
   }
 }
 
@@ -267,13 +208,15 @@ std::optional<Step> job_step(const Lookup& env) {
   if (!list) throw ConfigError("cohort: Slurm job step without SLURM_STEP_NODELIST");
   s.hosts = expand_nodelist(*list);
   if (auto addr = env("MASTER_ADDR")) {
-    s.master_addr = s.node0_addr = *addr;
+    s.master_addr = *addr;
+    s.serves_store = s.rank == 0;
   } else if (s.hosts.size() == 1) {
     // One host: the store and the transports stay on loopback.
-    s.master_addr = s.node0_addr = "127.0.0.1";
+    s.master_addr = "127.0.0.1";
+    s.serves_store = s.rank == 0;
   } else {
-    s.node0_addr = s.hosts.front();
-    find_task0(env, s);
+    s.master_addr = s.hosts.front();
+    find_server(env, list_name, s);
   }
   s.master_port = env("MASTER_PORT")
                       ? parse_int(env, "MASTER_PORT", 1, 65535)

@@ -33,17 +33,18 @@ struct Step {
   int size = 0;                    ///< SLURM_STEP_NUM_TASKS, else SLURM_NTASKS
   int local_rank = 0;              ///< SLURM_LOCALID (0 when unset)
   std::vector<std::string> hosts;  ///< SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST
-  /// Where task 0 (SLURM_PROCID 0: init()'s rank 0) serves the store:
-  /// MASTER_ADDR, else 127.0.0.1 on one host, else task 0's host: the first
-  /// line of SLURM_HOSTFILE under SLURM_DISTRIBUTION=arbitrary, else hosts[0]
-  /// (block, cyclic, plane). Empty where the step does not say, or where
-  /// this task sees task 0 elsewhere (SLURM_NODEID, SLURM_GTIDS: a layout
-  /// in topology order); master_unknown then says why.
+  /// Where the store listens: MASTER_ADDR, else 127.0.0.1 on one host, else
+  /// hosts[0], which every task reads alike whatever the task layout (block,
+  /// cyclic, plane, arbitrary, or one a topology plugin ordered).
   std::string master_addr;
-  std::string master_unknown;  ///< why master_addr is empty, asking for MASTER_ADDR
-  /// MASTER_ADDR, else 127.0.0.1 on one host, else hosts[0]: node 0's host,
-  /// for a launcher whose node rank is SLURM_NODEID (cohortrun).
-  std::string node0_addr;
+  /// Whether this task serves the store: task 0 where MASTER_ADDR is set or
+  /// the step has one host, else the task of hosts[0] with SLURM_LOCALID 0
+  /// (every node of a step runs a task), wherever task 0 runs.
+  bool serves_store = false;
+  /// Why this task cannot tell whether it serves the store (empty when it
+  /// can), asking for MASTER_ADDR. The same on every task of a step: it
+  /// names variables srun sets on every task or on none.
+  std::string master_unknown;
   int master_port = 0;  ///< MASTER_PORT, else default_port(SLURM_JOB_ID, SLURM_STEP_ID)
 };
 
@@ -57,7 +58,7 @@ std::optional<std::string> from_environment(const char* name);
 /// prints negative): a batch script or an salloc shell is one process
 /// however many tasks the job has. Throws ConfigError, naming the variable,
 /// for a missing or malformed one or a SLURM_PROCID not below the task count
-/// (not for an unknown task 0 host: Step::master_unknown).
+/// (not for an unknown store server: Step::master_unknown).
 std::optional<Step> job_step(const Lookup& env = from_environment);
 
 }  // namespace cohort::slurm

@@ -282,21 +282,22 @@ TEST(InitSlurm, BatchScriptIsNotRankZeroOfMany) {
   EXPECT_NE(err.find("srun PROGRAM"), std::string::npos) << err;
 }
 
-// Tasks laid out by a list (srun --distribution=arbitrary) that the
-// environment does not hold: refused at once, asking for MASTER_ADDR,
-// rather than dialling a guess until COHORT_TIMEOUT.
-TEST(InitSlurm, AnUnknownTask0HostIsRefusedAtOnce) {
+// A step on several nodes whose tasks cannot tell which of them serves the
+// store (no SLURMD_NODENAME nor SLURM_NODEID): refused at once, asking for
+// MASTER_ADDR, rather than dialling a store nobody serves until COHORT_TIMEOUT.
+TEST(InitSlurm, AnUnknownServerIsRefusedAtOnce) {
   EnvGuard env;
   set_slurm_step(env, job_with_free_port(), "2", "1");
   // Nodes whose names resolve here: a guess would be dialled until the timeout.
   env.set("SLURM_STEP_NODELIST", "127.0.0.1,localhost");
-  env.set("SLURM_DISTRIBUTION", "arbitrary");
-  env.set("SLURM_HOSTFILE", nullptr);
+  env.set("SLURMD_NODENAME", nullptr);
+  env.set("SLURM_NODEID", nullptr);
   env.set("COHORT_BIND_ADDR", "127.0.0.1");
   const auto start = std::chrono::steady_clock::now();
   const std::string err = init_error(env);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
-  EXPECT_NE(err.find("SLURM_HOSTFILE, which would name task 0's host, is unset; set MASTER_ADDR"),
+  EXPECT_NE(err.find("SLURMD_NODENAME and SLURM_NODEID are unset, which say whether this task "
+                     "runs on 127.0.0.1; set MASTER_ADDR"),
             std::string::npos)
       << err;
 }

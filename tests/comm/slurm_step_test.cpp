@@ -1,10 +1,7 @@
 // Slurm's node list syntax and a job step's variables (cohort/core/slurm.h),
 // as tables; init() under them is in init_env_test.cpp.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <fstream>
 #include <map>
 
 #include "cohort/core/error.h"
@@ -173,133 +170,134 @@ TEST(SlurmStep, ContradictionsAreNamed) {
   EXPECT_THROW(step_of(vars), ConfigError);
 }
 
-// A hostfile with `text`, removed with this object.
-struct Hostfile {
-  explicit Hostfile(const std::string& text)
-      : path(::testing::TempDir() + "cohort_hostfile_" + std::to_string(::getpid()) + "_" +
-             std::to_string(count++)) {
-    std::ofstream(path) << text;
-  }
-  ~Hostfile() { std::remove(path.c_str()); }
-  static inline int count = 0;
-  std::string path;
-};
-
-// Task 0 serves the store: under srun --distribution=arbitrary it runs on
-// the first host of SLURM_HOSTFILE, which need not be the step's first
-// node; block, cyclic and plane layouts start on the first node.
-TEST(SlurmStep, TheMasterIsTask0sHost) {
-  auto vars = srun_task();  // task 2 of 4 on n2 n3
-  for (const char* dist : {"block", "cyclic", "plane", "block:cyclic"}) {
-    vars["SLURM_DISTRIBUTION"] = dist;
-    EXPECT_EQ(step_of(vars)->master_addr, "n2") << dist;
-  }
-  Hostfile hosts("# task 0 on n3\nn3\nn2\nn3,n2\n");
-  vars["SLURM_HOSTFILE"] = hosts.path;
-  EXPECT_EQ(step_of(vars)->master_addr, "n2");  // a hostfile alone is not the layout
-  for (const char* dist : {"arbitrary", "arbitrary,pack", "hostfile"}) {
-    vars["SLURM_DISTRIBUTION"] = dist;
-    EXPECT_EQ(step_of(vars)->master_addr, "n3") << dist;
-  }
-  Hostfile repeated("n3*2,n2*2\n");
-  vars["SLURM_HOSTFILE"] = repeated.path;
-  EXPECT_EQ(step_of(vars)->master_addr, "n3");
-
-  // Where the step does not say (no hostfile, one unreadable or naming no
-  // node of the step), no master rather than a guess.
-  Hostfile none("# none\n\n");
-  Hostfile other("n9\nn2\n");
-  for (const std::string& file :
-       {std::string(), ::testing::TempDir() + "no_such_hostfile", none.path, other.path}) {
-    if (file.empty()) {
-      vars.erase("SLURM_HOSTFILE");
-    } else {
-      vars["SLURM_HOSTFILE"] = file;
+// Every task of a step laid out as `node_of_task` says (SLURM_PROCID ->
+// node index into `hosts`), with the variables slurmstepd sets on each
+// (`drop` names ones left out, `extra` adds some), as job_step() reads them.
+std::vector<Step> layout_steps(const std::vector<int>& node_of_task, const Hosts& hosts,
+                               const std::vector<std::string>& drop = {},
+                               const std::map<std::string, std::string>& extra = {}) {
+  std::vector<Step> out;
+  const int n = static_cast<int>(node_of_task.size());
+  for (int t = 0; t < n; ++t) {
+    int local = 0;
+    std::string gtids;
+    for (int u = 0; u < n; ++u) {
+      if (node_of_task[u] != node_of_task[t]) continue;
+      if (u < t) ++local;
+      gtids += (gtids.empty() ? "" : ",") + std::to_string(u);
     }
-    EXPECT_EQ(step_of(vars)->master_addr, "") << file;
+    std::string list;
+    for (const auto& h : hosts) list += (list.empty() ? "" : ",") + h;
+    std::map<std::string, std::string> vars = {
+        {"SLURM_JOB_ID", "4321"},
+        {"SLURM_STEP_ID", "3"},
+        {"SLURM_PROCID", std::to_string(t)},
+        {"SLURM_STEP_NUM_TASKS", std::to_string(n)},
+        {"SLURM_LOCALID", std::to_string(local)},
+        {"SLURM_NODEID", std::to_string(node_of_task[t])},
+        {"SLURMD_NODENAME", hosts[static_cast<size_t>(node_of_task[t])]},
+        {"SLURM_GTIDS", gtids},
+        {"SLURM_STEP_NODELIST", list}};
+    for (const auto& name : drop) vars.erase(name);
+    for (const auto& [name, value] : extra) vars[name] = value;
+    out.push_back(*step_of(vars));
   }
-  // MASTER_ADDR, and one node, need no layout.
-  vars["MASTER_ADDR"] = "10.0.0.9";
-  EXPECT_EQ(step_of(vars)->master_addr, "10.0.0.9");
-  vars.erase("MASTER_ADDR");
-  vars["SLURM_STEP_NODELIST"] = "n2";
-  EXPECT_EQ(step_of(vars)->master_addr, "127.0.0.1");
+  return out;
 }
 
-// What a task sees of its own node contradicts a layout that starts on the
-// first node (a topology plugin orders a default layout by switches): task
-// 0 elsewhere, or the first node's tasks without task 0.
-TEST(SlurmStep, ATaskThatSeesTask0ElsewhereHasNoMaster) {
-  auto vars = srun_task();
-  vars["SLURM_PROCID"] = "0";
-  vars["SLURM_NODEID"] = "1";  // on n3
-  EXPECT_EQ(step_of(vars)->master_addr, "");
-  vars["SLURM_NODEID"] = "0";
-  EXPECT_EQ(step_of(vars)->master_addr, "n2");
-  vars["SLURM_PROCID"] = "2";
-  vars["SLURM_GTIDS"] = "2,3";  // n2's tasks
-  EXPECT_EQ(step_of(vars)->master_addr, "");
-  vars["SLURM_GTIDS"] = "2,0";
-  EXPECT_EQ(step_of(vars)->master_addr, "n2");
-  vars["SLURM_NODEID"] = "1";
-  vars["SLURM_GTIDS"] = "2,3";  // n3's: nothing seen of task 0
-  EXPECT_EQ(step_of(vars)->master_addr, "n2");
-  // A hostfile the step was not laid out by (srun -w overrides it).
-  Hostfile hosts("n3\nn2\nn3\nn2\n");
-  vars["SLURM_DISTRIBUTION"] = "arbitrary";
-  vars["SLURM_HOSTFILE"] = hosts.path;
-  vars["SLURM_PROCID"] = "0";
-  vars["SLURM_NODEID"] = "0";
-  EXPECT_EQ(step_of(vars)->master_addr, "");
+// The step's tasks meet, or all refuse at once: every task names the same
+// store, exactly one serves it, on that host. Returns why not, else "".
+std::string rendezvous_flaw(const std::vector<Step>& tasks, const std::vector<int>& node_of_task,
+                            const Hosts& hosts) {
+  int servers = 0, refusing = 0;
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const auto& s = tasks[t];
+    if (!s.master_unknown.empty()) {
+      ++refusing;
+      continue;
+    }
+    if (s.master_addr != tasks[0].master_addr)
+      return "task " + std::to_string(t) + " dials " + s.master_addr;
+    if (!s.serves_store) continue;
+    ++servers;
+    const auto& host = hosts[static_cast<size_t>(node_of_task[t])];
+    if (s.master_addr != host && s.master_addr != "127.0.0.1") {
+      return "task " + std::to_string(t) + " serves on " + host + ", not " + s.master_addr;
+    }
+  }
+  if (refusing == static_cast<int>(tasks.size())) return "";
+  if (refusing > 0) return std::to_string(refusing) + " tasks refuse and the others wait";
+  if (servers != 1) return std::to_string(servers) + " tasks serve the store";
+  return "";
 }
 
-// Why there is no master, asking for MASTER_ADDR; node 0's host (a
-// launcher whose node rank is SLURM_NODEID) is the first node whatever the
-// task layout.
-TEST(SlurmStep, NoMasterSaysWhy) {
-  auto vars = srun_task();
-  vars["SLURM_DISTRIBUTION"] = "arbitrary";
-  Hostfile malformed("n2 n3\n");
-  Hostfile other("n9\n");
-  const std::vector<std::pair<std::string, std::string>> cases = {
-      {"",
-       "srun --distribution=arbitrary placed the tasks as a list says, and SLURM_HOSTFILE, "
-       "which would name task 0's host, is unset"},
-      {"/nonexistent/hosts", "SLURM_HOSTFILE '/nonexistent/hosts' cannot be read here: "},
-      {malformed.path,
-       "SLURM_HOSTFILE '" + malformed.path + "' begins with 'n2 n3', not a host name"},
-      {other.path, "SLURM_HOSTFILE's first host n9 is not a node of this step"},
+// Block, cyclic and plane layouts start on the first node; an arbitrary one
+// (SLURM_HOSTFILE, which may be unreadable on some nodes) or one a topology
+// plugin ordered need not. The store is on the first node, served by its
+// first task, wherever task 0 runs: no layout leaves a task waiting.
+TEST(SlurmStep, EveryLayoutMeetsOnTheFirstNode) {
+  const Hosts hosts = {"n2", "n3", "n4"};
+  const std::vector<std::pair<std::string, std::vector<int>>> layouts = {
+      {"block", {0, 0, 1, 1, 2, 2}},   {"cyclic", {0, 1, 2, 0, 1, 2}},
+      {"plane=2", {0, 0, 1, 1, 2, 0}}, {"topology", {1, 1, 0, 0, 2, 2}},
+      {"topology 2", {2, 0, 1}},       {"arbitrary", {2, 1, 1, 0, 0, 2}},
+      {"uneven", {1, 0, 0, 0, 2}},
   };
-  for (const auto& [file, why] : cases) {
-    if (file.empty()) {
-      vars.erase("SLURM_HOSTFILE");
-    } else {
-      vars["SLURM_HOSTFILE"] = file;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> variants = {
+      {"srun's variables", {}},
+      {"without SLURMD_NODENAME", {"SLURMD_NODENAME"}},
+      {"without SLURM_GTIDS", {"SLURM_GTIDS"}},
+  };
+  for (const auto& [name, nodes] : layouts) {
+    for (const auto& [variant, drop] : variants) {
+      const auto tasks = layout_steps(nodes, hosts, drop);
+      EXPECT_EQ(rendezvous_flaw(tasks, nodes, hosts), "") << name << ", " << variant;
+      for (const auto& s : tasks) {
+        EXPECT_EQ(s.master_addr, "n2") << name << ", " << variant;
+        EXPECT_EQ(s.master_unknown, "") << name << ", " << variant;
+      }
+      // MASTER_ADDR: task 0 serves there, as under torchrun.
+      const auto given = layout_steps(nodes, hosts, drop, {{"MASTER_ADDR", "10.0.0.9"}});
+      for (size_t t = 0; t < given.size(); ++t) {
+        EXPECT_EQ(given[t].master_addr, "10.0.0.9");
+        EXPECT_EQ(given[t].serves_store, t == 0) << name << ", task " << t;
+      }
     }
-    const auto s = step_of(vars);
-    EXPECT_EQ(s->master_unknown.rfind(why, 0), 0u) << s->master_unknown;
-    EXPECT_NE(s->master_unknown.find("set MASTER_ADDR to the host of task 0 (SLURM_PROCID=0)"),
-              std::string::npos)
-        << s->master_unknown;
-    EXPECT_EQ(s->node0_addr, "n2");
   }
-  vars = srun_task();
-  vars["SLURM_PROCID"] = "0";
-  vars["SLURM_NODEID"] = "1";
-  EXPECT_EQ(step_of(vars)->master_unknown.rfind(
-                "task 0 runs on n3, not on n2 where the other tasks look for it", 0),
-            0u);
-  vars["SLURM_PROCID"] = "1";
-  vars["SLURM_NODEID"] = "0";
-  vars["SLURM_GTIDS"] = "1,2";
-  EXPECT_EQ(step_of(vars)->master_unknown.rfind(
-                "task 0 does not run on n2, where the other tasks look for it (its tasks "
-                "are SLURM_GTIDS=1,2)",
-                0),
-            0u);
-  vars["MASTER_ADDR"] = "10.0.0.9";
-  EXPECT_EQ(step_of(vars)->master_unknown, "");
-  EXPECT_EQ(step_of(vars)->node0_addr, "10.0.0.9");
+  // One node: task 0 serves on loopback.
+  const auto one = layout_steps({0, 0, 0}, {"n2"});
+  EXPECT_EQ(rendezvous_flaw(one, {0, 0, 0}, {"n2"}), "");
+  EXPECT_TRUE(one[0].serves_store);
+  EXPECT_EQ(one[1].master_addr, "127.0.0.1");
+}
+
+// Where a task cannot tell whether it serves, every task of the step says
+// so alike (srun sets these variables on every task or on none), asking
+// for MASTER_ADDR.
+TEST(SlurmStep, AnUnknownServerIsRefusedByEveryTask) {
+  const Hosts hosts = {"n2", "n3"};
+  const std::vector<int> nodes = {1, 0, 0, 1};
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"SLURM_LOCALID"},
+       "SLURM_LOCALID is unset, which says which task of the first node serves the store"},
+      {{"SLURMD_NODENAME", "SLURM_NODEID"},
+       "SLURMD_NODENAME and SLURM_NODEID are unset, which say whether this task runs on n2"},
+      {{"SLURM_STEP_NODELIST"},
+       "SLURM_STEP_NODELIST is unset, and the job's first node need not run a task of it"},
+  };
+  for (const auto& [drop, why] : cases) {
+    const auto tasks = layout_steps(nodes, hosts, drop, {{"SLURM_JOB_NODELIST", "n[2-3]"}});
+    EXPECT_EQ(rendezvous_flaw(tasks, nodes, hosts), "") << why;
+    for (const auto& s : tasks) {
+      EXPECT_EQ(s.master_unknown, "cohort: Slurm job step on 2 nodes: " + why +
+                                      "; set MASTER_ADDR to the host of task 0 (SLURM_PROCID=0)");
+    }
+  }
+  // A node the step's list does not hold (a heterogeneous step's).
+  const auto other = layout_steps(nodes, hosts, {}, {{"SLURMD_NODENAME", "n9"}});
+  EXPECT_NE(other[0].master_unknown.find("this task's node n9 is not in SLURM_STEP_NODELIST"),
+            std::string::npos)
+      << other[0].master_unknown;
 }
 
 }  // namespace

@@ -126,7 +126,7 @@ void take_slurm_step(Options& o, bool nnodes_given, bool node_rank_given, bool p
     if (!id) throw UsageError("a Slurm job step on several nodes without SLURM_NODEID");
     o.node_rank = parse_int("SLURM_NODEID", id);
   }
-  if (o.master_addr.empty()) o.master_addr = step->node0_addr;
+  if (o.master_addr.empty()) o.master_addr = step->master_addr;  // node 0 serves: hosts[0]
   if (!port_given) o.master_port = step->master_port;
 }
 
