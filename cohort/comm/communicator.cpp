@@ -203,10 +203,7 @@ Communicator::Call Communicator::begin(const std::string& op, Millis timeout,
   // Engine traffic from here to the next operation counts under this kind.
   call.kind = op_kind_from_name(op);
   call.issued_ticks = tick_clock::now();
-  if (active(tracer_)) {
-    call.issued = std::chrono::steady_clock::now();
-    call.seq = ++trace_seq_;
-  }
+  if (active(tracer_)) call.issued = std::chrono::steady_clock::now();
   set_current_op_kind(call.kind);
   call.ctx.timeout = timeout == kDefaultTimeout ? options_.timeout : timeout;
   if (call.ctx.timeout.count() <= 0) {
@@ -227,6 +224,9 @@ Communicator::Call Communicator::begin_collective(const std::string& op, Millis 
   settle(access);
   auto call = begin(op, timeout, {});
   call.ctx.all_peers = true;
+  // Collectives alone are numbered: every rank issues the same ones in the
+  // same order, whatever point-to-point traffic each has between them.
+  if (active(tracer_)) call.seq = ++trace_seq_;
   call.ctx.debug_checks = checker_ != nullptr;
   call.access = &access;
   return call;
@@ -262,8 +262,10 @@ Work Communicator::finish(const Call& call, WorkPtr impl, std::function<void()> 
     trace.tracer = tracer_;
     trace.issued = call.issued;
     trace.id = t->new_id();
+    // A collective's number, or a send's or receive's peer.
     trace.args = {TraceArg::str("group", options_.name),
-                  TraceArg::num("seq", static_cast<double>(call.seq)),
+                  call.ctx.all_peers ? TraceArg::num("seq", static_cast<double>(call.seq))
+                                     : TraceArg::num("peer", call.ctx.peers.at(0)),
                   TraceArg::num("bytes", static_cast<double>(call.bytes)),
                   TraceArg::str("algorithm", to_string(call.algo)),
                   TraceArg::num("id", static_cast<double>(trace.id))};

@@ -227,7 +227,7 @@ class Communicator {
 
   std::shared_ptr<StatsCounters> counters_;  // before engine_: it counts into them
   std::shared_ptr<Tracer> tracer_;           // null when not tracing
-  mutable uint64_t trace_seq_ = 0;           // operations traced so far
+  uint64_t trace_seq_ = 0;                   // collectives traced so far
   std::unique_ptr<Engine> engine_;           // a CountingEngine over the transport
   std::shared_ptr<Store> store_;
   CommunicatorOptions options_;

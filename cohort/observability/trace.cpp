@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -99,7 +100,13 @@ void write_us(std::ostream& os, int64_t ns) {
   os << buf;
 }
 
+// JSON has no NaN or infinity: such a value (a caller's diverged loss) is
+// null, else the whole file would not parse.
 void write_number(std::ostream& os, double v) {
+  if (!std::isfinite(v)) {
+    os << "null";
+    return;
+  }
   char buf[40];
   std::snprintf(buf, sizeof buf, "%.17g", v);
   os << buf;

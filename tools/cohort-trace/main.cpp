@@ -43,14 +43,19 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (merge->parsed()) {
-      const int n = cohort_trace::merge_trace_dir(dir);
-      if (n == 0) throw cohort_trace::TraceError("cohort-trace: no rank-*.json in " + dir);
-      std::printf("cohort-trace: %d rank(s) -> %s/trace.json\n", n, dir.c_str());
+      const auto m = cohort_trace::merge_trace_dir(dir);
+      if (m.ranks == 0) throw cohort_trace::TraceError("cohort-trace: no rank-*.json in " + dir);
+      std::printf("cohort-trace: %d rank(s) -> %s/trace.json%s\n", m.ranks, dir.c_str(),
+                  cohort_trace::describe_missing(m.missing).c_str());
       return 0;
     }
-    std::fputs(
-        cohort_trace::format_summary(cohort_trace::summarize_trace(load_merged(dir), top)).c_str(),
-        stdout);
+    const auto merged = load_merged(dir);
+    std::fputs(cohort_trace::format_summary(cohort_trace::summarize_trace(merged, top)).c_str(),
+               stdout);
+    const auto missing = cohort_trace::missing_ranks(merged);
+    if (!missing.empty()) {
+      std::printf("\nmissing ranks:%s\n", cohort_trace::describe_missing(missing).c_str());
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());

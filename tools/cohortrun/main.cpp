@@ -161,11 +161,12 @@ void prepare_trace(const Options& o) {
 
 void merge_trace(const Options& o) {
   try {
-    const int n = cohort_trace::merge_trace_dir(o.trace_dir);
-    if (n == 0) {
+    const auto m = cohort_trace::merge_trace_dir(o.trace_dir);
+    if (m.ranks == 0) {
       log_line("--trace: no rank wrote a trace into " + o.trace_dir);
     } else {
-      log_line("trace of " + std::to_string(n) + " rank(s): " + o.trace_dir + "/trace.json");
+      log_line("trace of " + std::to_string(m.ranks) + " rank(s): " + o.trace_dir + "/trace.json" +
+               cohort_trace::describe_missing(m.missing));
     }
   } catch (const std::exception& e) {
     log_line(std::string("--trace: ") + e.what());
