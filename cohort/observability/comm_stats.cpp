@@ -52,7 +52,9 @@ OpStats CommStats::total() const {
 }
 
 CommStats CommStats::since(const CommStats& e) const {
+  if (resets != e.resets) return *this;  // a difference would wrap below zero
   CommStats d;
+  d.resets = resets;
   for (size_t i = 0; i < kOpKindCount; ++i) {
     auto& a = ops[i];
     auto& b = e.ops[i];

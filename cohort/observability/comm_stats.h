@@ -77,12 +77,15 @@ struct OpStats {
 /// A snapshot of a Communicator's counters (Communicator::stats()).
 struct CommStats {
   std::array<OpStats, kOpKindCount> ops{};  ///< indexed by OpKind
+  uint64_t resets = 0;                      ///< reset_stats() calls before this snapshot
 
   /// The counters of one kind.
   const OpStats& operator[](OpKind kind) const { return ops[static_cast<size_t>(kind)]; }
   /// Every kind added up.
   OpStats total() const;
-  /// Counters of `*this` minus `earlier` (a snapshot taken before).
+  /// Counters of `*this` minus `earlier` (a snapshot taken before). Where
+  /// the counters were reset in between, *this: what was counted since the
+  /// reset (what came before it is no longer known).
   CommStats since(const CommStats& earlier) const;
   /// One line per kind that was called: "all_reduce calls=... sent=...".
   std::string to_string() const;

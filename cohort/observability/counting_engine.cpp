@@ -17,6 +17,7 @@ double seconds(uint64_t ns) { return static_cast<double>(ns) * 1e-9; }
 
 CommStats StatsCounters::snapshot() const {
   CommStats s;
+  s.resets = resets.load(std::memory_order_relaxed);
   for (size_t i = 0; i < kOpKindCount; ++i) {
     auto& k = kinds[i];
     auto& o = s.ops[i];
@@ -31,6 +32,7 @@ CommStats StatsCounters::snapshot() const {
 }
 
 void StatsCounters::reset() {
+  resets.fetch_add(1, std::memory_order_relaxed);
   for (auto& k : kinds) {
     for (auto* a : {&k.calls, &k.completed, &k.sent, &k.received, &k.in_flight_ns, &k.waiting_ns}) {
       a->store(0, std::memory_order_relaxed);

@@ -38,12 +38,14 @@ struct StatsCounters {
   };
   /// Indexed by OpKind.
   std::array<Kind, kOpKindCount> kinds;
+  /// reset() calls so far (CommStats::resets).
+  std::atomic<uint64_t> resets{0};
 
   /// The counters of kind `k`.
   Kind& operator[](OpKind k) { return kinds[static_cast<size_t>(k)]; }
   /// A copy of every counter (seconds instead of nanoseconds); not atomic across counters.
   CommStats snapshot() const;
-  /// Sets every counter to zero.
+  /// Sets every counter to zero and counts the reset.
   void reset();
 };
 

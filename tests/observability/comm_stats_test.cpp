@@ -175,6 +175,33 @@ TEST_P(CommStatsTest, SendRecvAndSubgroupsCountSeparately) {
   });
 }
 
+// A snapshot taken before reset_stats(): since() counts from the reset, the
+// only part still known, never a difference that wraps below zero.
+TEST_P(CommStatsTest, SinceASnapshotBeforeAResetCountsFromTheReset) {
+  run_ranks(world(), [&](Communicator& comm) {
+    auto t = torch::ones({1200});
+    auto all_reduces = [&](int k) {
+      for (int i = 0; i < k; ++i) comm.all_reduce(t, {ReduceOp::Sum}).wait();
+    };
+    all_reduces(2);
+    const CommStats earlier = comm.stats();
+    comm.reset_stats();
+    all_reduces(1);
+    auto d = comm.stats().since(earlier)[OpKind::AllReduce];
+    EXPECT_EQ(d.calls, 1u);
+    EXPECT_EQ(d.bytes_sent, comm.stats()[OpKind::AllReduce].bytes_sent);
+    EXPECT_GE(d.seconds_in_flight, 0.0);
+    all_reduces(4);
+    d = comm.stats().since(earlier)[OpKind::AllReduce];
+    EXPECT_EQ(d.calls, 5u);
+    EXPECT_EQ(d.completed, 5u);
+    // A snapshot after the reset subtracts as before.
+    const CommStats later = comm.stats();
+    all_reduces(1);
+    EXPECT_EQ(comm.stats().since(later)[OpKind::AllReduce].calls, 1u);
+  });
+}
+
 TEST(CommStatsModel, BinomialTreeMovesEachByteOncePerNonRoot) {
   for (int p = 1; p <= 9; ++p) {
     for (int root = 0; root < p; ++root) {
