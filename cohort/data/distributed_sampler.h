@@ -124,6 +124,12 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   int rank() const { return rank_; }
   /// The number of samples it deals from (the dataset's size).
   size_t dataset_size() const { return size_; }
+  /// The permutation's seed.
+  uint64_t seed() const { return seed_; }
+  /// Whether each epoch permutes the dataset.
+  bool shuffle() const { return shuffle_; }
+  /// Whether the tail that does not divide evenly is dropped (or padded).
+  bool drop_last() const { return drop_last_; }
   /// The samples this rank gets per epoch (PyTorch's len(sampler)).
   size_t num_samples() const;
   /// num_samples() times num_replicas: the padded or cut epoch.

@@ -9,14 +9,17 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <string>
 
 namespace cohort {
 
-/// Which share of the data a source deals: its data-parallel rank and the
-/// number of shares (world 0: the source does not say).
+/// Which share of the data a source deals: its data-parallel rank, the
+/// number of shares (world 0: the source does not say) and the size of the
+/// dataset it deals from (-1: the source does not say).
 struct DataShard {
-  int rank = 0;   ///< this source's share, 0 <= rank < world
-  int world = 0;  ///< shares of the data; 0: unknown
+  int rank = 0;          ///< this source's share, 0 <= rank < world
+  int world = 0;         ///< shares of the data; 0: unknown
+  int64_t samples = -1;  ///< the dataset's samples, shared by every rank; -1: unknown
 };
 
 /// The Trainer's input: micro-batches of this rank's shard of the data, epoch by epoch.
@@ -56,6 +59,12 @@ class DataSource {
   /// group's ranks share one), so that no two replicas train on the same
   /// samples.
   virtual DataShard shard() const { return {}; }
+  /// What decides each epoch's sample order besides the epoch, the dataset's size and the shares
+  /// (a sampler's seed, whether it shuffles), as text; "" when the source does not say. fit()
+  /// compares it across ranks at each epoch's start (ranks that deal from different orders train
+  /// some samples twice and others never), and a checkpoint records it: a resume in the middle of
+  /// an epoch under another one is refused, since the position counts that epoch's old order.
+  virtual std::string order_settings() const { return ""; }
 };
 
 }  // namespace cohort

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -254,8 +255,44 @@ void agree_on_samples(Communicator& world, const TrainerLayout& layout, DataSour
   refuse_together(world, finding, names);
 }
 
+std::vector<int64_t> order_words(const std::string& order) {
+  return {order.empty() ? 0 : 1, static_cast<int64_t>(fnv1a(order))};
+}
+
+std::optional<uint64_t> check_data_order(Communicator& world, const RankWords& all, size_t at,
+                                         const std::string& order, const std::string& who) {
+  std::set<int64_t> said;
+  for (int r = 0; r < all.ranks(); ++r) {
+    if (all.of(r)[at]) said.insert(all.of(r)[at + 1]);
+  }
+  if (said.empty()) return std::nullopt;
+  if (said.size() == 1) return static_cast<uint64_t>(*said.begin());
+  std::vector<std::string> orders = gather_texts(world, order);
+  for (auto& o : orders) o = o.empty() ? "not said" : o;
+  throw InvalidArgument(who +
+                        "ranks disagree on the order their data sources deal the samples in "
+                        "(DataSource::order_settings: " +
+                        name_groups(orders) +
+                        "): replicas dealing from different orders train on some samples twice "
+                        "and others never; deal by the same settings on every rank");
+}
+
 void check_data_shards(const std::vector<DataShard>& shards, int copies, const std::string& who) {
   const int world = static_cast<int>(shards.size());
+  // Datasets of other sizes have other orders (another permutation, other
+  // padding), whatever the shares.
+  std::vector<std::string> sizes;
+  std::set<int64_t> said;
+  for (const auto& s : shards) {
+    sizes.push_back(s.samples >= 0 ? std::to_string(s.samples) + " samples" : "not said");
+    if (s.samples >= 0) said.insert(s.samples);
+  }
+  if (said.size() > 1) {
+    throw InvalidArgument(who + "the data sources deal from datasets of different sizes (" +
+                          name_groups(sizes) +
+                          "), in different orders: the replicas would train on some samples "
+                          "twice and others never; give every rank the same dataset");
+  }
   for (const auto& s : shards) {
     if (s.world <= 0) return;
   }

@@ -30,6 +30,11 @@ void SampledDataSource::set_epoch(int64_t epoch) {
   indices_ = torch::tensor(std::vector<int64_t>(picked.begin(), picked.end()), torch::kInt64);
 }
 
+std::string SampledDataSource::order_settings() const {
+  return "DistributedSampler seed " + std::to_string(sampler_.seed()) + ", shuffle " +
+         (sampler_.shuffle() ? "true" : "false");
+}
+
 int64_t SampledDataSource::num_batches() const { return indices_.numel() / micro_batch_; }
 
 torch::data::Example<> SampledDataSource::batch(int64_t index) {

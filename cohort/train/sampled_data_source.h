@@ -32,8 +32,16 @@ class SampledDataSource : public DataSource {
   torch::data::Example<> batch(int64_t index) override;
   /// The sampled indices micro-batch `index` takes.
   torch::Tensor sample_indices(int64_t index) override;
-  /// The sampler's rank and num_replicas.
-  DataShard shard() const override { return {sampler_.rank(), sampler_.num_replicas()}; }
+  /// The sampler's rank, num_replicas and dataset size.
+  DataShard shard() const override {
+    return {sampler_.rank(), sampler_.num_replicas(),
+            static_cast<int64_t>(sampler_.dataset_size())};
+  }
+  /// "DistributedSampler seed 5, shuffle true": the sampler's settings that
+  /// pick the order. Not drop_last: each rank's indices with it are a prefix
+  /// of those without, so micro-batch i names the same samples either way
+  /// (and the micro-batches an epoch are compared apart).
+  std::string order_settings() const override;
   /// The sampler this source deals with.
   const data::DistributedSampler& sampler() const { return sampler_; }
 

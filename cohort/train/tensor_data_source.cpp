@@ -49,6 +49,10 @@ void TensorDataSource::set_epoch(int64_t epoch) {
                  .contiguous();
 }
 
+std::string TensorDataSource::order_settings() const {
+  return std::string("TensorDataSource, shuffle ") + (shuffle_ ? "true" : "false");
+}
+
 int64_t TensorDataSource::num_batches() const { return indices_.numel() / micro_batch_; }
 
 torch::data::Example<> TensorDataSource::batch(int64_t index) {

@@ -26,8 +26,10 @@ class TensorDataSource : public DataSource {
   int64_t global_micro_batch() const override { return micro_batch_ * world_size_; }
   /// The rows of data micro-batch `index` takes.
   torch::Tensor sample_indices(int64_t index) override;
-  /// The rank and world size it was made with.
-  DataShard shard() const override { return {rank_, world_size_}; }
+  /// The rank and world size it was made with, and the data's samples.
+  DataShard shard() const override { return {rank_, world_size_, data_.size(0)}; }
+  /// "TensorDataSource, shuffle true" (or false).
+  std::string order_settings() const override;
 
  private:
   torch::Tensor data_;

@@ -1,5 +1,6 @@
 #include "cohort/train/trainer.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <limits>
@@ -387,6 +388,8 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
     position_.batch += k;
     position_.epoch_samples = g > 0 ? position_.batch * g : -1;
     position_.epoch_batches = data.num_batches();
+    position_.data_order = data.order_settings();
+    position_.data_samples = agreed_data_.samples;
     StepMetrics m = train_step(batches);
     metrics_.append(to_json(m));
     progress.update(m);
@@ -465,23 +468,31 @@ void Trainer::agree_on_epoch(DataSource& data) {
       std::to_string(config_.accumulation_steps) + ", epochs " + std::to_string(config_.epochs) +
       ", max_steps " + std::to_string(config_.max_steps);
   const std::string who = "Trainer::fit on rank " + std::to_string(comm_.rank()) + ": ";
-  // The source's share of the data rides on the same all-gather: a source
-  // made with the world's rank 0 on every rank would pass everything else,
-  // its replicas training on the same samples.
+  // The source's order and share of the data ride on the same all-gather:
+  // a source made with the world's rank 0 on every rank, or with another
+  // seed or dataset on one, would pass everything else, its replicas
+  // training on some samples twice and others never.
   const DataShard shard = data.shard();
+  const std::string order = data.order_settings();
   auto words = text_words(mine);
   const size_t width = words.size();
   words.push_back(shard.rank);
   words.push_back(shard.world);
+  words.push_back(shard.samples);
+  for (const int64_t w : order_words(order)) words.push_back(w);
   const RankWords all = comm_.size() > 1 ? gather_words(comm_, words) : RankWords(words, 1);
   std::vector<int64_t> texts;
   std::vector<DataShard> shards;
   for (int r = 0; r < all.ranks(); ++r) {
-    texts.insert(texts.end(), all.of(r), all.of(r) + width);
-    shards.push_back({static_cast<int>(all.of(r)[width]), static_cast<int>(all.of(r)[width + 1])});
+    const int64_t* w = all.of(r);
+    texts.insert(texts.end(), w, w + width);
+    shards.push_back({static_cast<int>(w[width]), static_cast<int>(w[width + 1]), w[width + 2]});
   }
   check_same_text(RankWords(texts, all.ranks()), who,
                   "the data source's micro-batches or the training length");
+  agreed_data_.order = check_data_order(comm_, all, width + 3, order, who);
+  agreed_data_.samples = -1;
+  for (const auto& s : shards) agreed_data_.samples = std::max(agreed_data_.samples, s.samples);
   std::string shard_fault;
   try {
     check_data_shards(shards, layout_.ranks_per_sample(), who);
@@ -540,6 +551,22 @@ void Trainer::continue_epoch_order(DataSource& data) {
   if (position_.batch == 0 && position_.epoch_samples <= 0) return;
   const std::string where = "Trainer::fit on rank " + std::to_string(comm_.rank()) +
                             ": resumed in the middle of epoch " + std::to_string(position_.epoch);
+  // The position counts the samples of the epoch's order under the
+  // checkpoint's settings; under others (another seed) it names other
+  // samples. Decided by what every rank holds alike: the checkpoint's
+  // record and the settings the ranks agreed on.
+  const auto agreed = agreed_data_.order;
+  if (!position_.data_order.empty() && agreed && *agreed != fnv1a(position_.data_order)) {
+    const std::string order = data.order_settings();
+    throw ConfigError(where + ", whose samples the checkpoint's data source dealt by \"" +
+                      position_.data_order + "\", but this job's " +
+                      (order.empty() ? "sources deal by other settings (not said on this rank)"
+                                     : "deals by \"" + order + "\"") +
+                      ": the checkpoint's position counts the samples of the old order, so the "
+                      "rest of the epoch would train on some samples twice and others never; "
+                      "resume with the checkpoint's order settings (or from a checkpoint at an "
+                      "epoch's start)");
+  }
   if (g > 0 && position_.epoch_samples >= 0) {
     if (position_.epoch_samples % g != 0) {
       throw ConfigError(where + " after " + std::to_string(position_.epoch_samples) +
@@ -557,6 +584,14 @@ void Trainer::continue_epoch_order(DataSource& data) {
     throw ConfigError(where +
                       " at a new world size, but the data source (or the checkpoint's) has no "
                       "global sample order (DataSource::global_micro_batch)");
+  }
+  const int64_t samples = agreed_data_.samples;
+  if (position_.data_samples >= 0 && samples >= 0 && samples != position_.data_samples) {
+    throw ConfigError(where + ": the job that wrote the checkpoint dealt from " +
+                      std::to_string(position_.data_samples) +
+                      " samples, this job's data source from " + std::to_string(samples) +
+                      " samples; without a global sample order (DataSource::global_micro_batch) "
+                      "its position does not carry over to another dataset");
   }
   if (position_.epoch_batches > 0 && position_.epoch_batches != data.num_batches()) {
     throw ConfigError(where + ": the data source has " + std::to_string(data.num_batches()) +

@@ -318,6 +318,14 @@ class Trainer {
   int64_t last_checkpoint_step_ = -1;
   bool resumed_ = false;  // fit() finds this job's micro-batch in the resumed epoch
   bool resized_ = false;  // ...resumed at another world size
+  // What the ranks' sources agreed on at the epoch's start, the same on
+  // every rank: the digest of their DataSource::order_settings (none: no
+  // source says) and their dataset's size (-1: none says).
+  struct AgreedData {
+    std::optional<uint64_t> order;
+    int64_t samples = -1;
+  };
+  AgreedData agreed_data_;
   std::vector<std::string> skipped_;
   // The async checkpoint being written: its dcp save, and rank 0's main
   // file, written once the save is committed.

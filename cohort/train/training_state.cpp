@@ -22,6 +22,8 @@ std::string encode_training_state(const TrainingPosition& position, const torch:
   archive.write("epoch_samples", c10::IValue(position.epoch_samples));
   archive.write("epoch_batches", c10::IValue(position.epoch_batches));
   archive.write("global_batch", c10::IValue(position.global_batch));
+  archive.write("data_order", c10::IValue(position.data_order));
+  archive.write("data_samples", c10::IValue(position.data_samples));
   archive.write("rng_states", rng_states);
   if (device_rng_states.defined()) archive.write("device_rng_states", device_rng_states);
   if (rng_streams.defined()) archive.write("rng_streams", rng_streams);
@@ -89,6 +91,8 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     state.position.epoch_samples = archive.try_read("epoch_samples", v) ? v.toInt() : -1;
     state.position.epoch_batches = archive.try_read("epoch_batches", v) ? v.toInt() : 0;
     state.position.global_batch = archive.try_read("global_batch", v) ? v.toInt() : 0;
+    state.position.data_order = archive.try_read("data_order", v) ? v.toStringRef() : "";
+    state.position.data_samples = archive.try_read("data_samples", v) ? v.toInt() : -1;
     archive.try_read("device_rng_states", state.device_rng_states);
     archive.try_read("rng_streams", state.rng_streams);
     torch::Tensor records;

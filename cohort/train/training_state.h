@@ -35,6 +35,14 @@ struct TrainingPosition {
   /// refuses to continue with another: the epoch's steps and the samples
   /// done would no longer line up.
   int64_t global_batch = 0;
+  /// DataSource::order_settings() of the job that wrote it ("": not said).
+  /// A resume in the middle of an epoch refuses another: `batch` and
+  /// `epoch_samples` count the samples of the epoch's order under these.
+  std::string data_order;
+  /// The dataset's size (DataShard::samples) of the job that wrote it; -1:
+  /// not said. Without a global order, `batch` means the same samples only
+  /// in a dataset of this size.
+  int64_t data_samples = -1;
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
