@@ -49,9 +49,9 @@ struct Job {
   int64_t epochs = 2;
   int64_t max_steps = 0;
   bool resume = false;
-  Deal deal;
+  Deal deal{};
   int odd_rank = -1;  // this rank deals by `odd` instead
-  Deal odd;
+  Deal odd{};
 };
 
 struct Outcome {
