@@ -1,11 +1,12 @@
 // cohort::data::DistributedSampler against PyTorch's own
 // torch.utils.data.DistributedSampler: for every world (1, 2, 3), dataset
-// size (0, 1, 7, 10), shuffle and drop_last, each rank's indices in epochs
-// 0, 1 and 2 are PyTorch's (computed by the Python peer, never written
-// here). Then through a real torch::data::make_data_loader, which holds its
-// own copy of the sampler: set_epoch on the caller's copy changes the
-// loader's order, and across the ranks every sample is seen once per epoch
-// (the padded ones twice; with drop_last, the tail left out).
+// size (0, 1, 2, 7, 10), shuffle and drop_last, each rank's indices in
+// epochs 0, 1 and 2 are PyTorch's (computed by the Python peer, never
+// written here). Then through a real torch::data::make_data_loader, which
+// holds its own copy of the sampler: set_epoch on the caller's copy changes
+// the loader's order, and across the ranks every sample is seen once per
+// epoch (the padded ones twice; with drop_last, the tail left out); without
+// set_epoch every pass deals epoch 0's order, as PyTorch's.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -32,7 +33,7 @@ using Indices = std::vector<size_t>;
 constexpr uint64_t kSeed = 5;
 constexpr int kEpochs = 3;
 const std::vector<int> kWorlds = {1, 2, 3};
-const std::vector<size_t> kSizes = {0, 1, 7, 10};
+const std::vector<size_t> kSizes = {0, 1, 2, 7, 10};  // 2: one short of world 3
 
 std::string key(size_t size, int world, bool shuffle, bool drop_last, int64_t epoch, int rank) {
   std::ostringstream k;
@@ -215,6 +216,40 @@ TEST_P(SamplerLoader, EpochsDifferAndEverySampleIsSeenOncePerEpoch) {
 INSTANTIATE_TEST_SUITE_P(Worlds, SamplerLoader,
                          ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Values(10),
                                             ::testing::Bool()));
+
+// A program that never calls set_epoch: every pass of the loader deals
+// epoch 0's order, as PyTorch's sampler does without set_epoch (its
+// `epoch` stays 0), not a fresh order and not an error.
+TEST(SamplerLoaderWithoutSetEpoch, EveryEpochDealsEpochZerosOrder) {
+  if (!reference().skip.empty()) GTEST_SKIP() << reference().skip;
+  const int world = 2;
+  std::vector<std::vector<Indices>> seen(kEpochs, std::vector<Indices>(world));
+  run_ranks(world, [&](Communicator& comm) {
+    DistributedSamplerOptions o;
+    o.seed = kSeed;
+    DistributedSampler sampler(10, comm, o);
+    auto loader =
+        torch::data::make_data_loader(IndexDataset(10).map(torch::data::transforms::Stack<>()),
+                                      sampler, torch::data::DataLoaderOptions(4));
+    for (int64_t epoch = 0; epoch < kEpochs; ++epoch) {
+      for (auto& batch : *loader) {
+        for (int64_t i = 0; i < batch.data.size(0); ++i) {
+          seen[epoch][comm.rank()].push_back(static_cast<size_t>(batch.data[i][0].item<int64_t>()));
+        }
+      }
+    }
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    const auto* first = expected(key(10, world, true, false, 0, rank));
+    const auto* second = expected(key(10, world, true, false, 1, rank));
+    ASSERT_NE(first, nullptr);
+    ASSERT_NE(second, nullptr);
+    ASSERT_NE(*first, *second) << "the reference's epochs 0 and 1 are alike";
+    for (int64_t epoch = 0; epoch < kEpochs; ++epoch) {
+      EXPECT_EQ(seen[epoch][rank], *first) << "epoch " << epoch << " rank " << rank;
+    }
+  }
+}
 
 TEST(SamplerOptions, OutOfRangeRankIsRefused) {
   DistributedSamplerOptions o;
