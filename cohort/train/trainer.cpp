@@ -585,14 +585,6 @@ void Trainer::continue_epoch_order(DataSource& data) {
                       " at a new world size, but the data source (or the checkpoint's) has no "
                       "global sample order (DataSource::global_micro_batch)");
   }
-  const int64_t samples = agreed_data_.samples;
-  if (position_.data_samples >= 0 && samples >= 0 && samples != position_.data_samples) {
-    throw ConfigError(where + ": the job that wrote the checkpoint dealt from " +
-                      std::to_string(position_.data_samples) +
-                      " samples, this job's data source from " + std::to_string(samples) +
-                      " samples; without a global sample order (DataSource::global_micro_batch) "
-                      "its position does not carry over to another dataset");
-  }
   if (position_.epoch_batches > 0 && position_.epoch_batches != data.num_batches()) {
     throw ConfigError(where + ": the data source has " + std::to_string(data.num_batches()) +
                       " micro-batches an epoch, the job that wrote the checkpoint had " +
@@ -600,6 +592,15 @@ void Trainer::continue_epoch_order(DataSource& data) {
                       "; without a global sample order (DataSource::global_micro_batch) its "
                       "position does not carry over to micro-batches of another size or to "
                       "another dataset");
+  }
+  // Another dataset with as many micro-batches an epoch (one sample more).
+  const int64_t samples = agreed_data_.samples;
+  if (position_.data_samples >= 0 && samples >= 0 && samples != position_.data_samples) {
+    throw ConfigError(where + ": the job that wrote the checkpoint dealt from " +
+                      std::to_string(position_.data_samples) +
+                      " samples, this job's data source from " + std::to_string(samples) +
+                      " samples; without a global sample order (DataSource::global_micro_batch) "
+                      "its position does not carry over to another dataset");
   }
 }
 
