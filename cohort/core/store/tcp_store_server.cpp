@@ -22,6 +22,9 @@ using namespace tcp_store;
 namespace {
 
 constexpr auto kAcceptPause = std::chrono::milliseconds(100);
+// What a parked WAIT's key costs beside its bytes: its string in the waiter
+// and its node in the key's watcher set (an estimate on the high side).
+constexpr size_t kWatchBytes = 160;
 
 // A decimal int64 with nothing around it; false otherwise (no exceptions:
 // the text comes from any client).
@@ -45,6 +48,12 @@ size_t client_cap(size_t max_clients) {
   rlimit r{};
   if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return max_clients;
   return std::max<size_t>(1, std::min<size_t>(max_clients, r.rlim_cur / 2));
+}
+
+// A buffer keeps its capacity after a large frame passed through it: give
+// that back once little of it is used, so idle clients hold no memory.
+void trim(std::vector<uint8_t>& b) {
+  if (b.capacity() > (size_t{64} << 10) && b.capacity() > 4 * b.size()) b.shrink_to_fit();
 }
 
 int ms_until(std::chrono::steady_clock::time_point t, std::chrono::steady_clock::time_point now) {
@@ -128,8 +137,12 @@ void TcpStoreServer::run() {
 int TcpStoreServer::expire_silent(std::chrono::steady_clock::time_point now) {
   int next_ms = -1;
   for (auto& [fd, c] : clients_) {
-    if (c.spoke || c.dropped) continue;
-    const auto deadline = c.accepted_at + opt_.handshake_timeout;
+    if (c.dropped) continue;
+    // Silent: no frame yet. Stalled: half a request in, or a reply not read.
+    const bool stalled = !c.inbox.empty() || c.sent < c.outbox.size();
+    if (c.spoke && !stalled) continue;
+    const auto deadline =
+        c.spoke ? c.progress_at + opt_.stall_timeout : c.accepted_at + opt_.handshake_timeout;
     if (deadline <= now) {
       drop(c);
     } else {
@@ -175,18 +188,16 @@ void TcpStoreServer::accept_clients() {
     }
     Client& c = clients_[fd];
     c.sock = net::Socket(fd);
-    c.accepted_at = std::chrono::steady_clock::now();
+    c.accepted_at = c.progress_at = std::chrono::steady_clock::now();
     c.authenticated = opt_.token.empty();
   }
 }
 
 void TcpStoreServer::drop(Client& c) {
   if (c.dropped) return;
+  unpark(c);
   c.dropped = true;
   const int fd = c.sock.fd();
-  waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(),
-                                [fd](const Waiter& w) { return w.fd == fd; }),
-                 waiters_.end());
   // Reset rather than close: the kernel then discards what is still queued
   // for a client that does not read, instead of holding it for it.
   linger reset{1, 0};
@@ -197,14 +208,26 @@ void TcpStoreServer::drop(Client& c) {
   c.sent = 0;
 }
 
+bool TcpStoreServer::make_room(const Client& c, size_t bytes) {
+  while (buffered_bytes_ + bytes > opt_.max_buffered_bytes) {
+    Client* largest = nullptr;
+    for (auto& [fd, other] : clients_) {
+      if (&other == &c || other.dropped) continue;
+      if (!largest || other.held() > largest->held()) largest = &other;
+    }
+    // The client that would hold the most is the one to refuse.
+    if (!largest || largest->held() <= c.held() + bytes) return false;
+    drop(*largest);
+  }
+  return true;
+}
+
 void TcpStoreServer::read_client(Client& c) {
   uint8_t buf[65536];
   ssize_t k = ::recv(c.sock.fd(), buf, sizeof(buf), 0);
   if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return;
-  if (k <= 0 || buffered_bytes_ + static_cast<size_t>(k) > opt_.max_buffered_bytes) {
-    drop(c);
-    return;
-  }
+  if (k <= 0 || !make_room(c, static_cast<size_t>(k))) return drop(c);
+  c.progress_at = std::chrono::steady_clock::now();
   c.inbox.insert(c.inbox.end(), buf, buf + k);
   buffered_bytes_ += static_cast<size_t>(k);
   // Handle every complete frame in the inbox.
@@ -218,7 +241,9 @@ void TcpStoreServer::read_client(Client& c) {
     if (c.inbox.size() - pos - 4 < len) break;
     uint8_t cmd = 0;
     std::vector<std::string> args;
-    if (!decode_request(c.inbox.data() + pos + 4, len, cmd, args)) return drop(c);
+    // A request behind a parked WAIT breaks one-request-at-a-time, and
+    // would park without bound.
+    if (c.parked || !decode_request(c.inbox.data() + pos + 4, len, cmd, args)) return drop(c);
     pos += 4 + len;
     c.spoke = true;
     handle(c, cmd, args);
@@ -226,6 +251,7 @@ void TcpStoreServer::read_client(Client& c) {
   if (c.dropped) return;
   c.inbox.erase(c.inbox.begin(), c.inbox.begin() + static_cast<long>(pos));
   buffered_bytes_ -= pos;
+  trim(c.inbox);
 }
 
 void TcpStoreServer::flush(Client& c) {
@@ -236,12 +262,14 @@ void TcpStoreServer::flush(Client& c) {
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     if (k <= 0) return drop(c);
     c.sent += static_cast<size_t>(k);
+    c.progress_at = std::chrono::steady_clock::now();
   }
   // Release what was sent once it is all of it or a good part of it.
   if (c.sent == c.outbox.size() || c.sent >= (size_t{1} << 20)) {
     c.outbox.erase(c.outbox.begin(), c.outbox.begin() + static_cast<long>(c.sent));
     buffered_bytes_ -= c.sent;
     c.sent = 0;
+    trim(c.outbox);
   }
 }
 
@@ -294,11 +322,7 @@ void TcpStoreServer::handle(Client& c, uint8_t cmd, const std::vector<std::strin
       reply(c, kOk, has_all(args) ? "1" : "0");
       return;
     case kWait:
-      if (has_all(args)) {
-        reply(c, kOk);
-      } else {
-        waiters_.push_back({c.sock.fd(), args});
-      }
+      park(c, args);
       return;
     case kAuth:  // already authenticated, or no token required
       reply(c, kOk);
@@ -306,11 +330,13 @@ void TcpStoreServer::handle(Client& c, uint8_t cmd, const std::vector<std::strin
     case kDelete: {
       if (args.size() != 1) break;
       auto it = data_.find(args[0]);
-      if (it != data_.end()) {
+      const bool found = it != data_.end();
+      if (found) {
         stored_bytes_ -= it->first.size() + it->second.size();
         data_.erase(it);
       }
-      reply(c, kOk, it != data_.end() ? "1" : "0");
+      reply(c, kOk, found ? "1" : "0");
+      if (found) key_changed(args[0], /*added=*/false);
       return;
     }
     default:
@@ -339,7 +365,8 @@ void TcpStoreServer::handle_add(Client& c, const std::vector<std::string>& args)
 // it) and wakes the waiters it completes.
 void TcpStoreServer::store_value(Client& c, const std::string& key, std::string value, bool echo) {
   auto it = data_.find(key);
-  const size_t old_bytes = it == data_.end() ? 0 : key.size() + it->second.size();
+  const bool added = it == data_.end();
+  const size_t old_bytes = added ? 0 : key.size() + it->second.size();
   const size_t new_bytes = key.size() + value.size();
   if (stored_bytes_ - old_bytes + new_bytes > opt_.max_stored_bytes) {
     return reply(c, kBadRequest,
@@ -349,14 +376,13 @@ void TcpStoreServer::store_value(Client& c, const std::string& key, std::string 
   auto& slot = data_[key];
   slot = std::move(value);
   reply(c, kOk, echo ? slot : std::string());
-  wake_waiters();
+  if (added) key_changed(key, /*added=*/true);
 }
 
 void TcpStoreServer::reply(Client& c, uint8_t status, const std::string& body) {
   if (c.dropped) return;
   const size_t frame = 5 + body.size();
-  if (c.outbox.size() + frame > opt_.max_outbox_bytes ||
-      buffered_bytes_ + frame > opt_.max_buffered_bytes) {
+  if (c.outbox.size() + frame > opt_.max_outbox_bytes || !make_room(c, frame)) {
     return drop(c);  // it has not read what it asked for
   }
   put_u32(c.outbox, static_cast<uint32_t>(1 + body.size()));
@@ -366,20 +392,58 @@ void TcpStoreServer::reply(Client& c, uint8_t status, const std::string& body) {
   flush(c);
 }
 
-void TcpStoreServer::wake_waiters() {
-  // reply() may drop a waiter and edit waiters_: collect first.
+void TcpStoreServer::park(Client& c, const std::vector<std::string>& args) {
+  if (has_all(args)) return reply(c, kOk);
+  // Costed before anything is built: the key count comes from the client.
+  size_t cost = 0;
+  for (auto& k : args) cost += k.size() + kWatchBytes;
+  if (cost > opt_.max_buffered_bytes || !make_room(c, cost)) {
+    return reply(c, kBadRequest,
+                 "WAIT on " + std::to_string(args.size()) + " keys needs about " +
+                     std::to_string(cost) + " bytes of the server's buffer, over its limit of " +
+                     std::to_string(opt_.max_buffered_bytes) + " bytes");
+  }
+  const int fd = c.sock.fd();
+  Waiter w;
+  for (auto& k : args) {
+    if (!watchers_[k].insert(fd).second) continue;  // named twice
+    w.keys.push_back(k);
+    w.missing += data_.count(k) == 0;
+  }
+  waiters_[fd] = std::move(w);
+  c.parked = true;
+  c.parked_bytes = cost;
+  buffered_bytes_ += cost;
+}
+
+void TcpStoreServer::unpark(Client& c) {
+  if (!c.parked) return;
+  auto w = waiters_.find(c.sock.fd());
+  for (auto& k : w->second.keys) {
+    auto it = watchers_.find(k);
+    it->second.erase(c.sock.fd());
+    if (it->second.empty()) watchers_.erase(it);
+  }
+  waiters_.erase(w);
+  buffered_bytes_ -= c.parked_bytes;
+  c.parked_bytes = 0;
+  c.parked = false;
+}
+
+void TcpStoreServer::key_changed(const std::string& key, bool added) {
+  auto it = watchers_.find(key);
+  if (it == watchers_.end()) return;
+  // Answering unparks, which edits watchers_: collect first.
   std::vector<int> ready;
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (has_all(it->keys)) {
-      ready.push_back(it->fd);
-      it = waiters_.erase(it);
-    } else {
-      ++it;
-    }
+  for (int fd : it->second) {
+    auto& w = waiters_.at(fd);
+    w.missing = added ? w.missing - 1 : w.missing + 1;
+    if (w.missing == 0) ready.push_back(fd);
   }
   for (int fd : ready) {
-    auto c = clients_.find(fd);
-    if (c != clients_.end()) reply(c->second, kOk);
+    Client& c = clients_.at(fd);
+    unpark(c);
+    reply(c, kOk);
   }
 }
 

@@ -5,12 +5,15 @@
 // non-blocking sockets: nothing a client does (or fails to do) can block the
 // loop, so every client keeps being served and shutdown is bounded. Replies go
 // to a per-client outbox that is flushed as the client reads. A WAIT whose
-// keys are missing is parked and answered when a SET/ADD completes it, so
-// waiting ranks cost no traffic.
+// keys are missing is parked (one per client: a client has one request in
+// flight) and answered when a SET/ADD completes it, so waiting ranks cost no
+// traffic; each key indexes the WAITs that name it, so a SET costs the
+// clients waiting on its key, not every key waited on.
 #pragma once
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,14 +25,17 @@ namespace cohort {
 
 /// Limits that keep one store server's memory and descriptors bounded whatever
 /// its clients send. A client that breaks a limit is disconnected; a request
-/// that breaks a limit on the data is answered with an error.
+/// that breaks a limit on the data is answered with an error. When the
+/// clients together reach max_buffered_bytes, the client holding the most
+/// gives way (it is closed) to one that holds less.
 struct TcpStoreServerOptions {
   /// Largest request frame accepted (a larger length header drops the client).
   size_t max_frame_bytes = tcp_store::kMaxFrameBytes;
   /// Replies queued for one client that has not read them; over this the
   /// client is dropped (it is not reading, so it cannot be waiting on them).
   size_t max_outbox_bytes = 2 * tcp_store::kMaxFrameBytes;
-  /// Unprocessed input and unsent replies of all clients together.
+  /// Unprocessed input, unsent replies and parked WAITs' keys of all clients
+  /// together; a WAIT whose keys alone pass it is answered with an error.
   size_t max_buffered_bytes = 256u << 20;
   /// Keys and values stored; a SET or ADD beyond it is answered with an error.
   size_t max_stored_bytes = 256u << 20;
@@ -42,6 +48,9 @@ struct TcpStoreServerOptions {
   /// A client that has sent no complete frame this long after it was
   /// accepted is closed. TcpStore sends one as soon as it connects.
   std::chrono::milliseconds handshake_timeout{5000};
+  /// A client that has sent part of a request, or left part of a reply
+  /// unread, and made no progress on it this long is closed.
+  std::chrono::milliseconds stall_timeout{10000};
   /// When not empty, every client must send it (kAuth) before any other
   /// request; a client that does not is disconnected.
   std::string token;
@@ -68,13 +77,18 @@ class TcpStoreServer {
     std::vector<uint8_t> outbox;
     size_t sent = 0;  // bytes of outbox already sent
     std::chrono::steady_clock::time_point accepted_at;
+    std::chrono::steady_clock::time_point progress_at;  // last byte read or sent
+    size_t parked_bytes = 0;  // its parked WAIT's share of buffered_bytes_
     bool dropped = false;
     bool authenticated = false;
-    bool spoke = false;  // has sent a complete, valid frame
+    bool spoke = false;   // has sent a complete, valid frame
+    bool parked = false;  // a WAIT of its is waiting for keys
+    size_t held() const { return inbox.size() + outbox.size() + parked_bytes; }
   };
+  // A parked WAIT: its distinct keys, and how many of them are missing.
   struct Waiter {
-    int fd;
     std::vector<std::string> keys;
+    size_t missing = 0;
   };
 
   void run();
@@ -82,9 +96,13 @@ class TcpStoreServer {
   // Closes the longest-connected silent client at once (its descriptor is
   // free on return); false when every client has spoken.
   bool evict_oldest_silent();
-  // Drops silent clients past the handshake deadline; returns the time until
-  // the next one expires (or -1 when none is waiting), for poll().
+  // Drops silent clients past the handshake deadline and stalled ones past
+  // the stall timeout; returns the time until the next one expires (or -1
+  // when none is waiting), for poll().
   int expire_silent(std::chrono::steady_clock::time_point now);
+  // Makes room for `bytes` more for `c` in the shared buffer by closing the
+  // clients that hold more than `c` would; false when `c` holds the most.
+  bool make_room(const Client& c, size_t bytes);
   // Reads what the client sent and handles every complete frame.
   void read_client(Client& c);
   void flush(Client& c);
@@ -94,7 +112,10 @@ class TcpStoreServer {
   void handle_add(Client& c, const std::vector<std::string>& args);
   void store_value(Client& c, const std::string& key, std::string value, bool echo);
   void reply(Client& c, uint8_t status, const std::string& body = {});
-  void wake_waiters();
+  void park(Client& c, const std::vector<std::string>& args);
+  void unpark(Client& c);
+  // A key came (answering the WAITs it completes) or went.
+  void key_changed(const std::string& key, bool added);
   bool has_all(const std::vector<std::string>& keys) const;
 
   TcpStoreServerOptions opt_;
@@ -103,7 +124,8 @@ class TcpStoreServer {
   uint16_t port_;
   int stop_pipe_[2] = {-1, -1};
   std::map<int, Client> clients_;
-  std::vector<Waiter> waiters_;
+  std::map<int, Waiter> waiters_;                  // by client descriptor
+  std::map<std::string, std::set<int>> watchers_;  // key -> the waiters naming it
   std::map<std::string, std::string> data_;
   size_t stored_bytes_ = 0;
   size_t buffered_bytes_ = 0;
