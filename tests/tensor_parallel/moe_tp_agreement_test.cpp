@@ -1,0 +1,232 @@
+// What the ranks of an MoE's ep and tp groups must agree on before the rows
+// move, each case on an ep x tp mesh of ranks as threads:
+// - an input of another width or dtype on one TP rank alone: InvalidArgument
+//   on every rank, naming that rank (through its tp group, then its ep group);
+// - TP ranks holding different tokens of the same shape (the layer assumes
+//   them replicated): InvalidArgument on every rank, never a silent result;
+// - every parameter frozen while the input requires grad on one rank only
+//   (also over ep alone, ep 1 to 3): the backward exchanges still run on
+//   every rank, and the input's gradient is one process's;
+// - one rank without grad mode while the others record a backward:
+//   InvalidArgument on every rank, naming it, never a wait in backward.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/autograd.h>
+
+#include <optional>
+#include <ostream>
+#include <stdexcept>
+
+#include "cohort/expert_parallel/moe.h"
+#include "support/rank_errors.h"
+#include "support/thread_ranks.h"
+
+namespace cohort::testing::moe_tp_agreement_test {
+namespace {
+
+using namespace cohort::expert_parallel;
+
+struct Case {
+  std::string backend;
+  int ep, tp;
+  int world() const { return ep * tp; }
+};
+
+std::vector<std::string> backends() {
+  std::vector<std::string> out = {"gloo"};
+#ifdef COHORT_WITH_UCX
+  out.push_back("ucx");
+#endif
+  return out;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (const auto& b : backends()) {
+    for (auto [ep, tp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
+      out.push_back({b, ep, tp});
+    }
+  }
+  return out;
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const auto& c = info.param;
+  return c.backend + "_ep" + std::to_string(c.ep) + "_tp" + std::to_string(c.tp);
+}
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.backend << " ep " << c.ep << " x tp " << c.tp;
+}
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+MoEOptions options() {
+  MoEOptions o;
+  o.hidden = 4;
+  o.ffn = 6;
+  o.experts = 4;
+  o.top_k = 2;
+  o.seed = 11;
+  return o;
+}
+
+// The tokens of ep rank e (alike on its TP ranks).
+torch::Tensor tokens(int e) {
+  return torch::randn({5, 4}, at::detail::createCPUGenerator(40 + static_cast<uint64_t>(e)));
+}
+
+ThreadRanksOptions briefly(const std::string& backend) {
+  ThreadRanksOptions o;
+  o.backend = backend;
+  o.timeout = std::chrono::seconds(3);
+  return o;
+}
+
+class MoeTpAgreement : public ::testing::TestWithParam<Case> {
+ protected:
+  // Each rank's error when `fn(mesh, ep rank, tp rank)` runs on every rank
+  // of an ep x tp mesh ("tp" the inner dimension: world rank e * tp + t).
+  std::vector<std::string> on_mesh(
+      const std::function<void(const DeviceMesh&, int, int)>& fn) const {
+    const Case k = GetParam();
+    return errors_on_every_rank(
+        k.world(),
+        [&](std::shared_ptr<Communicator> world) {
+          torch::set_num_threads(1);
+          auto mesh = init_device_mesh(world, {k.ep, k.tp}, {"ep", "tp"});
+          fn(mesh, world->rank() / k.tp, world->rank() % k.tp);
+        },
+        briefly(k.backend));
+  }
+};
+
+// World rank 1 (ep 0, tp 1) passes another width: its tp peers hear it in
+// the tp agreement, the other ep ranks from their ep peers.
+TEST_P(MoeTpAgreement, InputOfAnotherWidthOnOneTpRankIsRefusedOnEveryRank) {
+  const Case k = GetParam();
+  const auto errors = on_mesh([](const DeviceMesh& mesh, int e, int t) {
+    MoE m(mesh, options());
+    auto x = tokens(e);
+    m(e == 0 && t == 1 ? torch::zeros({5, 5}) : x);
+  });
+  for (int r = 0; r < k.world(); ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_TRUE(has(e, "the input's last dimension must be hidden = 4, got 5"))
+        << "rank " << r << ": " << e;
+    const int ep_rank = r / k.tp, tp_rank = r % k.tp;
+    if (r == 1) {
+      EXPECT_TRUE(has(e, "this rank's input: ")) << e;
+    } else if (ep_rank == 0) {
+      EXPECT_TRUE(has(e, "rank 1 of the tensor-parallel group ")) << "rank " << r << ": " << e;
+    } else if (tp_rank == 1) {
+      EXPECT_TRUE(has(e, "rank 0 of the expert-parallel group ")) << "rank " << r << ": " << e;
+      EXPECT_FALSE(has(e, "tensor-parallel group")) << "rank " << r << ": " << e;
+    } else {
+      EXPECT_TRUE(
+          has(e, "rank 1 of the tensor-parallel group of rank 0 of the expert-parallel group "))
+          << "rank " << r << ": " << e;
+    }
+  }
+}
+
+// TP rank 1 of ep rank 0 holds other tokens of the same shape: each TP rank
+// would route its own and the partial outputs summed over tp would mix them.
+TEST_P(MoeTpAgreement, OtherTokensOnOneTpRankAreRefusedOnEveryRank) {
+  const Case k = GetParam();
+  const auto errors = on_mesh([](const DeviceMesh& mesh, int e, int t) {
+    MoE m(mesh, options());
+    auto x = tokens(e);
+    if (e == 0 && t == 1) x = x.flip(0);  // the same tokens in another order
+    auto y = m(x);
+    throw std::runtime_error("accepted; output sum " + std::to_string(y.sum().item<double>()));
+  });
+  for (int r = 0; r < k.world(); ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_TRUE(has(e, "hold different inputs")) << "rank " << r << ": " << e;
+    EXPECT_TRUE(has(e, "tp rank 0's and tp rank 1's")) << "rank " << r << ": " << e;
+  }
+}
+
+// x.grad of ep rank e's tokens through a one-process layer with every
+// parameter frozen, the loss sum(y) + the auxiliary loss.
+torch::Tensor one_process_input_grad(int e) {
+  MoE m(options());
+  for (auto& p : m->parameters()) p.requires_grad_(false);
+  auto x = tokens(e).requires_grad_();
+  (m(x).sum() + m->aux_loss()).backward();
+  return x.grad();
+}
+
+// Every parameter frozen, the input requires grad on world rank 0 alone:
+// the exchanges' backward (ep) and the tp all-reduce of the rows' gradient
+// must run on every rank (each calls backward where its loss requires grad),
+// and rank 0's gradient be one process's. Each rank's error, kNoError where
+// it passed.
+std::vector<std::string> frozen_with_input_grad_on_rank_0(const std::string& backend, int ep,
+                                                          int tp) {
+  const auto want = one_process_input_grad(0);
+  return errors_on_every_rank(
+      ep * tp,
+      [&](std::shared_ptr<Communicator> world) {
+        torch::set_num_threads(1);
+        const int e = world->rank() / tp;
+        MoE m(init_device_mesh(world, {ep, tp}, {"ep", "tp"}), options());
+        for (auto& p : m->parameters()) p.requires_grad_(false);
+        auto x = tokens(e).requires_grad_(world->rank() == 0);
+        auto loss = m(x).sum() + m->aux_loss();
+        if (loss.requires_grad()) loss.backward();
+        if (world->rank() == 0) {
+          const double diff = (x.grad() - want).abs().max().item<double>();
+          if (diff > 1e-5) throw std::runtime_error("input grad off by " + std::to_string(diff));
+        }
+      },
+      briefly(backend));
+}
+
+TEST_P(MoeTpAgreement, FrozenParametersInputGradOnOneRankMatchesOneProcess) {
+  const Case k = GetParam();
+  const auto errors = frozen_with_input_grad_on_rank_0(k.backend, k.ep, k.tp);
+  for (int r = 0; r < k.world(); ++r) {
+    EXPECT_EQ(errors[static_cast<size_t>(r)], kNoError) << "rank " << r;
+  }
+}
+
+// The same over ep alone, at ep 1 (nothing to join), 2 and 3.
+class MoeFrozenOverEp : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoeFrozenOverEp, InputGradOnOneRankMatchesOneProcess) {
+  for (int ep : {1, 2, 3}) {
+    const auto errors = frozen_with_input_grad_on_rank_0(GetParam(), ep, 1);
+    for (int r = 0; r < ep; ++r) {
+      EXPECT_EQ(errors[static_cast<size_t>(r)], kNoError) << "ep " << ep << ", rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Moe, MoeFrozenOverEp, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return info.param; });
+
+// Rank 1 runs forward under NoGradGuard while the parameters train: the
+// others would wait for it in backward.
+TEST_P(MoeTpAgreement, NoGradModeOnOneRankIsRefusedOnEveryRank) {
+  const Case k = GetParam();
+  const auto errors = on_mesh([](const DeviceMesh& mesh, int e, int t) {
+    MoE m(mesh, options());
+    std::optional<torch::NoGradGuard> off;
+    if (e == 0 && t == 1) off.emplace();
+    auto loss = m(tokens(e)).sum();
+    if (loss.requires_grad()) loss.backward();
+  });
+  for (int r = 0; r < k.world(); ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_TRUE(has(e, "without grad mode")) << "rank " << r << ": " << e;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Moe, MoeTpAgreement, ::testing::ValuesIn(cases()), case_name);
+
+}  // namespace
+}  // namespace cohort::testing::moe_tp_agreement_test
