@@ -63,18 +63,18 @@ torch::Tensor exchange_counts(const torch::Tensor& counts, Communicator& group) 
 }
 
 std::pair<torch::Tensor, std::vector<int64_t>> exchange_counts(const torch::Tensor& counts,
-                                                               int64_t word, Communicator& group) {
-  const int64_t n = group.size();
+                                                               const std::vector<int64_t>& words,
+                                                               Communicator& group) {
+  const int64_t n = group.size(), w = static_cast<int64_t>(words.size());
   auto in = counts.to(torch::kInt64).contiguous();
   const int64_t local = in.numel() / n;
-  // Each rank's block: its counts for the peer's experts, then the word.
-  auto words = torch::full({n, 1}, word, in.options());
-  auto out = exchange_counts(torch::cat({in.view({n, local}), words}, 1).view({-1}), group);
-  const auto got = out.cpu();
-  const auto at = got.accessor<int64_t, 2>();
-  std::vector<int64_t> all(static_cast<size_t>(n));
-  for (int64_t s = 0; s < n; ++s) all[static_cast<size_t>(s)] = at[s][local];
-  return {out.narrow(1, 0, local).contiguous(), all};
+  // Each rank's block: its counts for the peer's experts, then the words.
+  auto mine = torch::tensor(words, in.options().device(torch::kCPU)).to(in.device());
+  auto out = exchange_counts(
+      torch::cat({in.view({n, local}), mine.view({1, w}).expand({n, w})}, 1).view({-1}), group);
+  const auto got = out.narrow(1, local, w).cpu().contiguous();
+  const int64_t* d = got.data_ptr<int64_t>();
+  return {out.narrow(1, 0, local).contiguous(), std::vector<int64_t>(d, d + n * w)};
 }
 
 torch::Tensor all_to_all_rows(const torch::Tensor& rows, const torch::Tensor& anchor,

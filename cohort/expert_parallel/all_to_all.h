@@ -18,11 +18,13 @@ namespace cohort::expert_parallel {
 /// rank's experts.
 torch::Tensor exchange_counts(const torch::Tensor& counts, Communicator& group);
 
-/// As exchange_counts, with one more word from every rank riding in the same
-/// all-to-all (the MoE's refusal of its input): returns the counts
-/// [group.size(), local] and every rank's word, in rank order.
+/// As exchange_counts, with `words` from every rank (the same number on
+/// each) riding in the same all-to-all (the MoE's refusal of its input and
+/// its backward flags): returns the counts [group.size(), local] and every
+/// rank's words, rank-major.
 std::pair<torch::Tensor, std::vector<int64_t>> exchange_counts(const torch::Tensor& counts,
-                                                               int64_t word, Communicator& group);
+                                                               const std::vector<int64_t>& words,
+                                                               Communicator& group);
 
 /// Collective over `group`: rows [send_splits[p] of them for each rank p, in
 /// rank order] go out, rows [recv_splits[s] from each rank s] come back.

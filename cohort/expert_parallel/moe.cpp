@@ -16,6 +16,7 @@
 #include "cohort/core/error.h"
 #include "cohort/core/rank_local.h"
 #include "cohort/expert_parallel/all_to_all.h"
+#include "cohort/expert_parallel/input_agreement.h"
 #include "cohort/grad_sync/average_gradients.h"
 #include "cohort/tensor_parallel/layers.h"
 #include "cohort/tensor_parallel/mappings.h"
@@ -277,43 +278,6 @@ void MoEImpl::agree() const {
   if (!error.empty()) throw MismatchError(error);
 }
 
-namespace {
-
-// A refusal of an MoE's input as one word, which the load-balancing
-// all-reduce carries to the sequence group and the count exchange to the ep
-// group: the kind in bits 0-7, in bits 8-23 the sequence-group rank + 1 it
-// is relayed from (0: the sender's own input), its value above.
-enum Refusal : int64_t { kWidth = 1, kDtype = 2 };
-constexpr int64_t kValueShift = 24;
-
-int64_t refusal_word(Refusal kind, int64_t value) { return kind + value * (1LL << kValueShift); }
-int64_t relayed(int64_t word, int cp_rank) { return word + (cp_rank + 1) * 256; }
-int relayed_from(int64_t word) { return static_cast<int>((word >> 8) & 0xffff) - 1; }
-
-// Why a rank refused its input, from its word.
-std::string refusal_text(int64_t word, const MoEOptions& o, c10::ScalarType dtype) {
-  const int64_t value = word >> kValueShift;  // arithmetic: a negative value stays negative
-  if ((word & 255) == kWidth) {
-    return "the input's last dimension must be hidden = " + std::to_string(o.hidden) + ", got " +
-           (value < 0 ? "a 0-dimensional input" : std::to_string(value));
-  }
-  return std::string("the input is ") + c10::toString(static_cast<c10::ScalarType>(value)) +
-         ", the MoE's parameters " + c10::toString(dtype) +
-         " (convert one to the other: the router and experts take the input as it is)";
-}
-
-// The rank whose word is nonzero, `mine` first; -1 if none.
-int first_refusal(const std::vector<int64_t>& words, int mine) {
-  if (words.empty()) return -1;
-  if (words[static_cast<size_t>(mine)] != 0) return mine;
-  for (size_t r = 0; r < words.size(); ++r) {
-    if (words[r] != 0) return static_cast<int>(r);
-  }
-  return -1;
-}
-
-}  // namespace
-
 int64_t MoEImpl::input_refusal(const torch::Tensor& x) const {
   if (x.dim() == 0) return refusal_word(kWidth, -1);
   if (x.size(-1) != options_.hidden) return refusal_word(kWidth, x.size(-1));
@@ -323,38 +287,74 @@ int64_t MoEImpl::input_refusal(const torch::Tensor& x) const {
   return 0;
 }
 
-void MoEImpl::refuse(const torch::Tensor& x, int64_t word, const std::vector<int64_t>& cp_words,
-                     const std::vector<int64_t>& ep_words) const {
-  const auto& seq = options_.sequence_group;
-  const auto& ep = options_.ep_group;
-  std::string who;
-  if (const int c = first_refusal(cp_words, seq ? seq->rank() : 0); c >= 0) {
-    word = cp_words[static_cast<size_t>(c)];
-    who = c == seq->rank() ? "this rank's input"
-                           : "rank " + std::to_string(c) + " of the sequence group " + seq->name() +
-                                 " refused its input";
-  } else if (const int r = first_refusal(ep_words, ep ? ep->rank() : 0); r >= 0) {
-    word = ep_words[static_cast<size_t>(r)];
-    const int from = relayed_from(word);
-    who = r == ep->rank() ? "this rank's input"
-          : from < 0 ? "rank " + std::to_string(r) + " of the expert-parallel group " + ep->name() +
-                           " refused its input"
-                     : "rank " + std::to_string(from) + " of the sequence group of rank " +
-                           std::to_string(r) + " of the expert-parallel group " + ep->name() +
-                           " refused its input";
-  } else if (word != 0) {
-    who = "this rank's input";
-  } else {
-    return;
+int64_t MoEImpl::backward_flags(const torch::Tensor& x) const {
+  if (!torch::GradMode::is_enabled()) return kNoGradMode;
+  if (x.requires_grad()) return kRecords | kInputGrad;
+  for (const auto* p : {&router, &w1, &b1, &w2, &b2}) {
+    if (p->requires_grad()) return kRecords;
   }
-  throw InvalidArgument(where(options_) + ": " + who + ": " +
-                        refusal_text(word, options_, router.scalar_type()) +
-                        (who == "this rank's input" ? ", shape " + c10::str(x.sizes()) : ""));
+  return 0;
 }
 
-Routing MoEImpl::route_or_refuse(const torch::Tensor& x, int64_t& word,
-                                 std::vector<int64_t>& cp_words) {
-  word = input_refusal(x);
+void MoEImpl::refuse(const torch::Tensor& x, int64_t word, int ep_from) const {
+  // The relays, innermost first: the tp group, the sequence group, the ep group.
+  std::string who, group;
+  auto hop = [&](int rank, const char* kind, const std::shared_ptr<Communicator>& g) {
+    if (rank < 0) return;
+    who += (who.empty() ? "rank " : " of rank ") + std::to_string(rank) + " of the " + kind;
+    group = g->name();
+  };
+  hop(relayed_from(word, kTpShift), "tensor-parallel group", options_.tp_group);
+  hop(relayed_from(word, kCpShift), "sequence group", options_.sequence_group);
+  hop(ep_from, "expert-parallel group", options_.ep_group);
+  who = who.empty() ? "this rank's input" : who + " " + group + " refused its input";
+  throw InvalidArgument(where(options_) + ": " + who + ": " +
+                        refusal_text(word, options_.hidden, router.scalar_type()) +
+                        (group.empty() ? ", shape " + c10::str(x.sizes()) : ""));
+}
+
+void MoEImpl::check_backward(int64_t own, int64_t flags,
+                             const std::vector<int64_t>& ep_words) const {
+  if (!(flags & kRecords) || !(flags & (kNoGradMode | kPeerNoGradMode))) return;
+  std::string who = own & kNoGradMode ? "this rank" : "";
+  for (size_t r = 0; who.empty() && 2 * r < ep_words.size(); ++r) {
+    const int64_t f = ep_words[2 * r + 1];
+    const std::string rank =
+        std::to_string(r) + " of the expert-parallel group " + options_.ep_group->name();
+    if (f & kNoGradMode) {
+      who = "rank " + rank;
+    } else if (f & kPeerNoGradMode) {
+      who = "a rank of the tensor-parallel or sequence group of rank " + rank;
+    }
+  }
+  if (who.empty()) who = "a rank of this rank's tensor-parallel or sequence group";
+  throw InvalidArgument(
+      where(options_) + ": " + who +
+      " runs the MoE's forward without grad mode while other ranks record its backward, whose "
+      "exchanges it would never join: run the forward under the same grad mode on every rank");
+}
+
+void MoEImpl::agree_over_tp(const torch::Tensor& x, int64_t& word, int64_t& flags) const {
+  const auto& tp = options_.tp_group;
+  if (!tp || tp->size() == 1) return;
+  // Every TP rank must route the same tokens with the same router: their
+  // digests ride with the words, before anything moves.
+  const int64_t input = word != 0 ? 0 : tensor_digest(x);
+  const auto all = gather_words(*tp, {word, flags, input, tensor_digest(router)});
+  for (int t = 0; t < all.ranks(); ++t) {
+    if (t != tp->rank()) flags = merged(flags, all.of(t)[1]);
+  }
+  for (int t = 0; t < all.ranks() && word == 0; ++t) {
+    if (all.of(t)[0] != 0) word = relayed(all.of(t)[0], t, kTpShift);
+  }
+  for (const auto& [at, kind] : {std::pair{2, kTpInput}, std::pair{3, kTpRouter}}) {
+    for (int t = 1; t < all.ranks() && word == 0; ++t) {
+      if (all.of(t)[at] != all.of(0)[at]) word = refusal_word(kind, t);
+    }
+  }
+}
+
+Routing MoEImpl::route_or_refuse(const torch::Tensor& x, int64_t& word, int64_t& flags) {
   const auto& seq = options_.sequence_group;
   const bool over_seq = seq && seq->size() > 1;
   if (word != 0 && !over_seq) return {};
@@ -369,33 +369,40 @@ Routing MoEImpl::route_or_refuse(const torch::Tensor& x, int64_t& word,
   }
   // Under context parallelism the loss is the whole sequences', whose
   // tokens the sequence group's ranks share; the all-reduce also carries
-  // each rank's refusal, which this rank relays to its ep group.
-  aux_loss_ = (over_seq ? load_balancing_loss(routing, *seq, word, cp_words)
+  // each rank's refusal and flags, which this rank relays to its ep group.
+  std::vector<int64_t> all;
+  aux_loss_ = (over_seq ? load_balancing_loss(routing, *seq, {word, flags}, all)
                         : load_balancing_loss(routing)) *
               options_.aux_loss_coef;
-  const int c = first_refusal(cp_words, over_seq ? seq->rank() : 0);
-  if (word == 0 && c >= 0) word = relayed(cp_words[static_cast<size_t>(c)], c);
+  for (int c = 0; over_seq && c < seq->size(); ++c) {
+    const auto at = static_cast<size_t>(2 * c);
+    if (c != seq->rank()) flags = merged(flags, all[at + 1]);
+    if (word == 0 && all[at] != 0) word = relayed(all[at], c, kCpShift);
+  }
   if (word == 0) dropped_ = routing.kept.numel() - routing.kept.sum().item<int64_t>();
   return routing;
 }
 
 Routing MoEImpl::route(const torch::Tensor& x) {
-  int64_t word = 0;
-  std::vector<int64_t> cp_words;
-  auto routing = route_or_refuse(x, word, cp_words);
-  refuse(x, word, cp_words, {});
+  int64_t word = input_refusal(x), flags = 0;
+  auto routing = route_or_refuse(x, word, flags);
+  if (word != 0) refuse(x, word, -1);
   return routing;
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
-  int64_t word = 0;
-  std::vector<int64_t> cp_words;
-  auto routing = route_or_refuse(x, word, cp_words);
-  return dispatch(x, routing, word, cp_words);
+  int64_t word = input_refusal(x), flags = backward_flags(x);
+  const int64_t own = flags;
+  agree_over_tp(x, word, flags);
+  auto routing = route_or_refuse(x, word, flags);
+  return dispatch(x, routing, word, own, flags);
 }
 
 torch::Tensor MoEImpl::forward_routed(const torch::Tensor& x, const Routing& routing) {
-  return dispatch(x, routing, 0, {});
+  int64_t word = input_refusal(x), flags = backward_flags(x);
+  const int64_t own = flags;
+  agree_over_tp(x, word, flags);
+  return dispatch(x, routing, word, own, flags);
 }
 
 torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts) {
@@ -423,20 +430,28 @@ torch::Tensor MoEImpl::run_experts(const torch::Tensor& rows, const std::vector<
          b2.index_select(0, expert_of_row);
 }
 
+torch::Tensor MoEImpl::anchor(bool records) const {
+  for (const auto* p : {&router, &w1, &b1, &w2, &b2}) {
+    if (p->requires_grad()) return p->narrow(0, 0, 0);
+  }
+  // Every parameter frozen while some rank records: a leaf of no elements
+  // puts this rank's exchanges in the graph as well.
+  return records ? torch::zeros({0}, router.options()).requires_grad_() : router.narrow(0, 0, 0);
+}
+
 torch::Tensor MoEImpl::dispatch(const torch::Tensor& x, const Routing& routing, int64_t word,
-                                const std::vector<int64_t>& cp_words) {
+                                int64_t own, int64_t flags) {
   const auto& g = options_.ep_group;
+  const bool over_ep = g && g->size() > 1;
   if (word != 0) {
-    // This rank cannot route, or a peer of its sequence group could not:
-    // join the count exchange the others are in, with no rows and the
+    // This rank cannot route, or a peer of its tp or sequence group could
+    // not: join the count exchange the others are in, with no rows and the
     // refusal, so that every rank of the ep group throws, naming the rank.
-    std::vector<int64_t> ep_words;
-    if (g && g->size() > 1) {
+    if (over_ep) {
       const auto none = torch::zeros({options_.experts}, router.options().dtype(torch::kInt64));
-      ep_words = exchange_counts(none, word, *g).second;
+      exchange_counts(none, {word, flags}, *g);
     }
-    refuse(x, word, cp_words, ep_words);
-    throw std::logic_error("unreachable: refuse() throws on a nonzero word");
+    refuse(x, word, -1);
   }
   const int64_t h = options_.hidden;
   auto flat = x.reshape({-1, h});
@@ -448,30 +463,38 @@ torch::Tensor MoEImpl::dispatch(const torch::Tensor& x, const Routing& routing, 
   auto token = routing.token.index_select(0, order);
   auto rows = flat.index_select(0, token);
   auto counts = torch::bincount(routing.expert.index_select(0, order), {}, options_.experts);
+  std::vector<int64_t> ep_words;
+  torch::Tensor received;
+  if (over_ep) {
+    std::tie(received, ep_words) = exchange_counts(counts, {0, flags}, *g);  // [ep, local]
+    for (int r = 0; r < g->size(); ++r) {
+      if (ep_words[static_cast<size_t>(2 * r)] != 0)
+        refuse(x, ep_words[static_cast<size_t>(2 * r)], r);
+      if (r != g->rank()) flags = merged(flags, ep_words[static_cast<size_t>(2 * r + 1)]);
+    }
+  }
+  // Every rank now holds the flags of every rank of its groups: where one
+  // records the backward, each joins its exchanges (tp and ep) or, unable
+  // to (no grad mode), every one throws.
+  check_backward(own, flags, ep_words);
+  // Empty, yet in the graph wherever some rank records: a slice of a
+  // parameter that trains, else a leaf of no elements. Where the rows need
+  // no gradient, the exchanges' backward still runs, as on the ranks whose
+  // rows do.
+  const auto anchored = anchor(flags & kRecords);
   torch::Tensor back;
-  if (!g || g->size() == 1) {
+  if (!over_ep) {
+    const bool split = options_.tp_group && options_.tp_group->size() > 1;
+    // The rows' gradient is all-reduced over tp wherever an input needs it.
+    if (split && (flags & kInputGrad) && !rows.requires_grad()) rows = rows + anchored.sum();
     back = run_experts(rows, to_vector(counts));
   } else {
-    auto [received, refusals] = exchange_counts(counts, 0, *g);  // [ep, local]
-    refuse(x, 0, {}, refusals);
     auto send = to_vector(counts.view({g->size(), local_}).sum(1));
     auto recv = to_vector(received.sum(1));
-    // Empty, yet in the graph whenever a parameter trains: a slice of the
-    // router, else of an expert's (a frozen router). Where the rows need no
-    // gradient either, the exchange's backward still runs, as on the ranks
-    // whose rows do.
-    torch::Tensor anchor = router;
-    for (const auto* p : {&router, &w1, &b1, &w2, &b2}) {
-      if (p->requires_grad()) {
-        anchor = *p;
-        break;
-      }
-    }
-    anchor = anchor.narrow(0, 0, 0);
-    auto got = all_to_all_rows(rows, anchor, send, recv, *g);
+    auto got = all_to_all_rows(rows, anchored, send, recv, *g);
     auto perm = expert_major(received);
     auto out = run_experts(got.index_select(0, perm), to_vector(received.sum(0)));
-    back = all_to_all_rows(out.index_select(0, torch::argsort(perm)), anchor, recv, send, *g);
+    back = all_to_all_rows(out.index_select(0, torch::argsort(perm)), anchored, recv, send, *g);
   }
   auto weighted = back * routing.gate.index_select(0, order).unsqueeze(1);
   return torch::zeros({flat.size(0), h}, weighted.options())

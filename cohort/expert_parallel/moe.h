@@ -105,18 +105,22 @@ class MoEImpl : public torch::nn::Module {
   MoEImpl(const DeviceMesh& mesh, MoEOptions options);
 
   /// x: [..., H], this rank's tokens, of the parameters' dtype; returns
-  /// [..., H]. Collective over the ep group (forward and backward). Sets
-  /// aux_loss() and dropped(). An input of another width or dtype on any
-  /// rank of the ep or sequence group: InvalidArgument on every rank of
-  /// both, naming that rank and why (the refusal rides in the load-balancing
-  /// all-reduce and the count exchange).
+  /// [..., H]. Collective over the tp, sequence and ep groups (forward and
+  /// backward). Sets aux_loss() and dropped(). Throws InvalidArgument on
+  /// every rank of the three, naming the rank and why, when one rank's input
+  /// has another width or dtype, when the TP ranks' inputs or routers differ
+  /// (they must hold the same tokens), or when one rank runs without grad
+  /// mode while another records the backward (README, Input agreement).
+  /// Where any rank records, every rank's exchanges are in the graph, even
+  /// with every parameter frozen: call backward() on every rank.
   torch::Tensor forward(const torch::Tensor& x);
   /// The router's decisions for x (sets aux_loss() and dropped()). An input
   /// of another width or dtype: InvalidArgument on this rank and, with a
   /// sequence group, every rank of it.
   Routing route(const torch::Tensor& x);
   /// Runs x through the experts as `routing` says (forward is
-  /// forward_routed(x, route(x))). Collective over the ep group.
+  /// forward_routed(x, route(x))). Collective and checked as forward, but
+  /// over the tp and ep groups only.
   torch::Tensor forward_routed(const torch::Tensor& x, const Routing& routing);
 
   /// aux_loss_coef * load_balancing_loss of the last route(): add it to the
@@ -142,23 +146,34 @@ class MoEImpl : public torch::nn::Module {
 
  private:
   void agree() const;
-  /// 0, or why x cannot be routed as one word (moe.cpp's refusal_word).
+  /// 0, or why x cannot be routed as one word (input_agreement.h).
   int64_t input_refusal(const torch::Tensor& x) const;
+  /// This rank's backward flags for x (input_agreement.h's Backward).
+  int64_t backward_flags(const torch::Tensor& x) const;
+  /// Over the tp group (one all-gather): every TP rank's refusal and flags,
+  /// merged into `word` (a peer's relayed, or the group's own when the TP
+  /// ranks' inputs or routers differ) and `flags`.
+  void agree_over_tp(const torch::Tensor& x, int64_t& word, int64_t& flags) const;
+  /// route(x), except where `word` is nonzero (this rank's refusal, or one
+  /// relayed; it still joins the sequence group's all-reduce); relays the
+  /// sequence group's refusals and flags into `word` and `flags`.
+  Routing route_or_refuse(const torch::Tensor& x, int64_t& word, int64_t& flags);
   /// Throws InvalidArgument naming the rank that refused its input: this
-  /// one, a peer of the sequence group (`cp_words`), or of the ep group
-  /// (`ep_words`, maybe relaying its sequence group's); `word` alone: this
-  /// rank's, with no peer told. Returns when every word is zero.
-  void refuse(const torch::Tensor& x, int64_t word, const std::vector<int64_t>& cp_words,
-              const std::vector<int64_t>& ep_words) const;
-  /// route(x), except where this rank's input is bad (`word` its refusal;
-  /// it still joins the sequence group's all-reduce) or a sequence-group
-  /// peer's is (`word` that refusal, relayed); `cp_words`: every sequence
-  /// rank's word (empty without a sequence group of two or more).
-  Routing route_or_refuse(const torch::Tensor& x, int64_t& word, std::vector<int64_t>& cp_words);
+  /// one, or the one `word`'s relays and `ep_from` (the ep rank it came
+  /// from, -1 for none) lead to.
+  [[noreturn]] void refuse(const torch::Tensor& x, int64_t word, int ep_from) const;
+  /// Throws InvalidArgument on every rank when one records the backward and
+  /// another cannot (no grad mode); `own`: this rank's flags, `flags` every
+  /// rank's merged, `ep_words` the count exchange's (empty without one).
+  void check_backward(int64_t own, int64_t flags, const std::vector<int64_t>& ep_words) const;
+  /// Of no elements, in the graph wherever `records`: what keeps the
+  /// exchanges in the graph on a rank whose rows need no gradient.
+  torch::Tensor anchor(bool records) const;
   /// forward_routed, or with `word` nonzero the refusal carried through the
-  /// count exchange and thrown on every rank.
-  torch::Tensor dispatch(const torch::Tensor& x, const Routing& routing, int64_t word,
-                         const std::vector<int64_t>& cp_words);
+  /// count exchange and thrown on every rank; `own` and `flags` as
+  /// check_backward's.
+  torch::Tensor dispatch(const torch::Tensor& x, const Routing& routing, int64_t word, int64_t own,
+                         int64_t flags);
   /// Marks the tensors that differ across ranks (core/rank_local.h), so that
   /// DDP, FSDP, ZeRO, the fused optimizer, the all-reduce sync and a
   /// checkpoint without a mesh refuse them.

@@ -50,26 +50,29 @@ torch::Tensor load_balancing_loss(const Routing& routing) {
 
 torch::Tensor load_balancing_loss(const Routing& routing, Communicator& g) {
   std::vector<int64_t> words;
-  return load_balancing_loss(routing, g, 0, words);
+  return load_balancing_loss(routing, g, {}, words);
 }
 
-torch::Tensor load_balancing_loss(const Routing& routing, Communicator& g, int64_t word,
-                                  std::vector<int64_t>& words) {
+torch::Tensor load_balancing_loss(const Routing& routing, Communicator& g,
+                                  const std::vector<int64_t>& mine, std::vector<int64_t>& all) {
   const int64_t experts = routing.probs.size(1), n = g.size();
+  const auto w = static_cast<int64_t>(mine.size());
   // Per expert: assignments, then summed probabilities; then the tokens and
-  // the assignments, all summed over the group; then one word per rank
+  // the assignments, all summed over the group; then each rank's words
   // (zero but its own), exact in a double.
-  auto stats = torch::zeros({2 * experts + 2 + n}, torch::kFloat64);
+  auto stats = torch::zeros({2 * experts + 2 + n * w}, torch::kFloat64);
   stats.narrow(0, 0, experts).copy_(torch::bincount(routing.expert, {}, experts).cpu());
   stats.narrow(0, experts, experts).copy_(routing.probs.detach().sum(0).cpu());
   stats[2 * experts] = static_cast<double>(routing.probs.size(0));
   stats[2 * experts + 1] = static_cast<double>(routing.expert.numel());
-  stats[2 * experts + 2 + g.rank()] = static_cast<double>(word);
-  g.all_reduce(stats, {ReduceOp::Sum}).wait();
-  words.resize(static_cast<size_t>(n));
-  for (int64_t r = 0; r < n; ++r) {
-    words[static_cast<size_t>(r)] = static_cast<int64_t>(stats[2 * experts + 2 + r].item<double>());
+  for (int64_t i = 0; i < w; ++i) {
+    stats[2 * experts + 2 + g.rank() * w + i] = static_cast<double>(mine[static_cast<size_t>(i)]);
   }
+  g.all_reduce(stats, {ReduceOp::Sum}).wait();
+  const auto got = stats.narrow(0, 2 * experts + 2, n * w);
+  const double* words = got.data_ptr<double>();
+  all.assign(static_cast<size_t>(n * w), 0);
+  for (int64_t i = 0; i < n * w; ++i) all[static_cast<size_t>(i)] = static_cast<int64_t>(words[i]);
   const double tokens = stats[2 * experts].item<double>();
   const double assignments = stats[2 * experts + 1].item<double>();
   if (tokens == 0) return routing.probs.sum() * 0;

@@ -59,15 +59,16 @@ torch::Tensor load_balancing_loss(const Routing& routing);
 /// probabilities only, weighted by the group's size, for the average over
 /// the group that follows (as context_parallel::sequence_mean_loss): the
 /// average of the ranks' gradients is the whole loss's. Collective over the
-/// group: one all-reduce of 2 E + 2 + cp doubles; every rank must route to the
+/// group: one all-reduce of 2 E + 2 doubles; every rank must route to the
 /// same E experts (the MoE agrees on it when built).
 torch::Tensor load_balancing_loss(const Routing& routing, Communicator& sequence_group);
 
-/// As load_balancing_loss over `sequence_group`, with one word from every
-/// rank riding in the same all-reduce (the MoE's refusal of its input):
-/// returns every rank's in `words`, in rank order. A rank with a nonzero
-/// word may pass the routing of no tokens.
+/// As load_balancing_loss over `sequence_group`, with `mine` (the same
+/// number of words on every rank, each exact in a double) riding in the same
+/// all-reduce (the MoE's refusal of its input and its backward flags):
+/// returns every rank's words in `all`, rank-major. A rank with a nonzero
+/// refusal may pass the routing of no tokens.
 torch::Tensor load_balancing_loss(const Routing& routing, Communicator& sequence_group,
-                                  int64_t word, std::vector<int64_t>& words);
+                                  const std::vector<int64_t>& mine, std::vector<int64_t>& all);
 
 }  // namespace cohort::expert_parallel

@@ -67,7 +67,7 @@ MoEOptions options() {
   MoEOptions o;
   o.hidden = 4;
   o.ffn = 6;
-  o.experts = 4;
+  o.experts = 6;  // divides by ep 1, 2 and 3
   o.top_k = 2;
   o.seed = 11;
   return o;

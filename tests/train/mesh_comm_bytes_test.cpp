@@ -8,7 +8,7 @@
 // blocks and c dK/dV blocks in backward, each block [2, b, H, S/c, D]
 // float32; per micro-batch the sequence loss's all-reduce of 2 + c doubles
 // (a ring: floor(2 (c - 1) n / c) bytes of n) and, with experts, each MoE
-// layer's load-balancing statistics, an all-reduce of 2 E + 2 doubles.
+// layer's load-balancing statistics, an all-reduce of 2 E + 2 + 2 c doubles.
 // Nothing at c = 1.
 //
 // "dp", the gradients' average over the dense group dp x ep x cp
@@ -76,9 +76,9 @@ int64_t ring_all_reduce(int64_t n, int64_t p) { return p == 1 ? 0 : 2 * (p - 1) 
 int64_t expected_cp_bytes(int64_t c, int ep) {
   if (c == 1) return 0;
   const int64_t experts = config(ep).experts, moe_layers = experts > 0 ? kLayers / 2 : 0;
-  // Per expert two sums, the tokens, the assignments, and a refusal word
-  // per rank (routing.cpp).
-  const int64_t balance = moe_layers * ring_all_reduce((2 * experts + 2 + c) * 8, c);
+  // Per expert two sums, the tokens, the assignments, and per rank a refusal
+  // word and the backward flags (routing.cpp, expert_parallel/README.md).
+  const int64_t balance = moe_layers * ring_all_reduce((2 * experts + 2 + 2 * c) * 8, c);
   const int64_t block = 2 * kRows * kHeads * (kSeq / c) * (kHidden / kHeads) * 4;
   const int64_t agreement = (c - 1) * 7 * 8;
   const int64_t ring = (c - 1) * block + (c - 1) * block + c * block;
