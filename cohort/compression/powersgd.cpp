@@ -15,16 +15,30 @@ namespace cohort::compression {
 namespace {
 
 // Gram-Schmidt on the columns of each matrix of a batch (b, rows, rank), in
-// place. A zero column stays zero (no division by zero).
+// place, each column projected off the earlier ones twice. Once is not
+// enough where a column is (numerically) a combination of the earlier ones,
+// as P = MQ is past the rank of M (a rank-1 gradient at rank 2): what is
+// left is rounding noise that still points along them, and normalized it
+// counts their direction twice in P Pᵀ M (the average came back up to twice
+// its size). The second pass makes the noise orthogonal; a column left with
+// under kDependent of its norm is dropped (zero) all the same, as is a zero
+// one: a zero column of P adds nothing, and Q's is redrawn (warm start).
 void orthogonalize(at::Tensor m) {
+  constexpr double kDependent = 1e-4;
+  const double inf = std::numeric_limits<double>::infinity();
   const int64_t r = m.size(2);
   for (int64_t i = 0; i < r; ++i) {
     auto col = m.narrow(2, i, 1);
-    col.div_(at::norm(col, 2, {1}, true).clamp_min(1e-30));
-    if (i + 1 < r) {
-      auto rest = m.narrow(2, i + 1, r - i - 1);
-      rest.sub_(col * (col * rest).sum(1, true));
+    auto before = at::norm(col, 2, {1}, true);
+    if (i > 0) {
+      auto done = m.narrow(2, 0, i);  // orthonormal (or zero) columns
+      for (int pass = 0; pass < 2; ++pass) {
+        col.sub_(at::bmm(done, at::bmm(done.transpose(1, 2), col)));
+      }
     }
+    auto after = at::norm(col, 2, {1}, true);
+    // Dividing by inf zeroes a dropped column (no 0/0).
+    col.div_(at::where(after > before * kDependent, after, at::full_like(after, inf)));
   }
 }
 
