@@ -150,6 +150,8 @@ class PowerSGD : public Compressor {
   void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
                   const std::vector<at::Tensor>& shaped) override {
     agree(comm, o_, key, flat.numel(), layout_words(flat, shaped));
+    const auto views =
+        shaped.empty() ? std::vector<at::Tensor>{flat} : with_gaps(comm, key, flat, shaped);
     int64_t& step = steps_[key];
     if (step < o_.powersgd_start_iteration) {
       comm.all_reduce(flat, {ReduceOp::Avg}).wait();
@@ -168,8 +170,7 @@ class PowerSGD : public Compressor {
       error = e.data_ptr<float>();
     }
     std::vector<std::pair<at::Tensor, int64_t>> uncompressed;
-    auto batches =
-        split(flat, shaped.empty() ? std::vector<at::Tensor>{flat} : shaped, uncompressed);
+    auto batches = split(flat, views, uncompressed);
     prepare_memories(key, step, batches);
     reduce_uncompressed(comm, uncompressed, add_error ? error : nullptr, error);
     std::vector<at::Tensor> qts;  // Q transposed per batch, (b, rank, cols)
@@ -271,6 +272,35 @@ class PowerSGD : public Compressor {
           "cohort: PowerSGD's shaped tensors must be contiguous float32 views of the flat one");
     }
     return off;
+  }
+
+  // `shaped` and, as vectors, the runs of elements of `flat` in none of them,
+  // so that those are averaged (uncompressed) too instead of keeping this
+  // rank's values. Views that overlap would be reduced, and given their
+  // error, twice: refused, on every rank alike (the layouts agreed).
+  static std::vector<at::Tensor> with_gaps(const Communicator& comm, int64_t key,
+                                           const at::Tensor& flat,
+                                           const std::vector<at::Tensor>& shaped) {
+    std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, count)
+    for (auto& t : shaped) {
+      if (t.numel() > 0) ranges.emplace_back(offset_in(flat, t), t.numel());
+    }
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<at::Tensor> out = shaped;
+    int64_t covered = 0;  // the elements before it are in a view
+    for (auto [offset, count] : ranges) {
+      if (offset < covered) {
+        throw InvalidArgument("cohort: PowerSGD on rank " + std::to_string(comm.rank()) + " of " +
+                              std::to_string(comm.size()) + " (group " + comm.name() +
+                              ", tensor key " + std::to_string(key) +
+                              "): shaped tensors overlap at element " + std::to_string(offset) +
+                              " of the flat one; each element may be in one view only");
+      }
+      if (offset > covered) out.push_back(flat.narrow(0, covered, offset - covered));
+      covered = offset + count;
+    }
+    if (covered < flat.numel()) out.push_back(flat.narrow(0, covered, flat.numel() - covered));
+    return out;
   }
 
   // Matrices worth compressing, batched by shape in order of first

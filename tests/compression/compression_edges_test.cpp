@@ -134,6 +134,45 @@ TEST_P(CompressionEdges, PowerSGDAwkwardViews) {
       options_for(c));
 }
 
+// PowerSGD given views that cover only part of the flat tensor (a matrix
+// and a vector, with elements before, between and after them in no view):
+// every element comes back averaged, those in no view uncompressed. Views
+// that overlap are refused on every rank, before anything is sent.
+TEST_P(CompressionEdges, PowerSGDViewsThatLeaveGapsOrOverlap) {
+  const auto c = GetParam();
+  run_ranks(
+      c.world,
+      [&](Communicator& comm) {
+        const int w = comm.size(), me = comm.rank();
+        CompressionOptions o;
+        o.kind = CompressionKind::PowerSGD;
+        o.powersgd_rank = 1;
+        o.powersgd_start_iteration = 0;
+        o.error_feedback = false;
+        o.powersgd_warm_start = false;
+        auto compressor = make_compressor(o);
+        // [0, 3) gap, [3, 603) a 20 x 30 matrix, [603, 608) gap, [608, 615)
+        // a vector, [615, 619) gap.
+        auto flat = input(me, w, 619);
+        auto expected = average(w, 619);
+        auto u = at::arange(20, at::kFloat).sub(7).div(5).view({20, 1});
+        auto v = at::arange(30, at::kFloat).remainder(4).sub(1.5).view({1, 30});
+        auto matrix = flat.narrow(0, 3, 600).view({20, 30});
+        matrix.copy_(at::mm(u, v) * (me + 1));
+        expected.narrow(0, 3, 600).copy_(at::mm(u, v).view({-1}) * ((w + 1) / 2.0f));
+        std::vector<at::Tensor> views = {matrix, flat.narrow(0, 608, 7)};
+        compressor->all_reduce(comm, flat, 0, views);
+        ASSERT_TRUE(at::allclose(flat, expected, 1e-4, 1e-4))
+            << "largest error " << (flat - expected).abs().max().item<float>() << " at "
+            << (flat - expected).abs().argmax().item<int64_t>();
+        auto again = input(me, w, 619);
+        std::vector<at::Tensor> overlapping = {again.narrow(0, 0, 600).view({20, 30}),
+                                               again.narrow(0, 590, 29)};
+        EXPECT_THROW(compressor->all_reduce(comm, again, 1, overlapping), InvalidArgument);
+      },
+      options_for(c));
+}
+
 INSTANTIATE_TEST_SUITE_P(Compression, CompressionEdges,
                          ::testing::ValuesIn(engine_worlds({1, 3, 5, 6, 7})), engine_world_name);
 
