@@ -44,10 +44,6 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
       queue_(comm_->tracer(), "fsdp", "fsdp.reduce_scatter"),
       check_(world_, unit_names(units_), setting_names(units_)) {
   const size_t k = units_.size();
-  if (root_ == 0) backward_order_.push_back(0);
-  for (size_t u = k; u-- > (root_ == 0 ? 1 : 0);) backward_order_.push_back(u);
-  backward_next_.assign(k, k);
-  for (size_t i = 0; i + 1 < k; ++i) backward_next_[backward_order_[i]] = backward_order_[i + 1];
   for (size_t u = 0; u < k; ++u) {
     first_param_.push_back(params_.size());
     for (const auto& p : units_[u].group->params()) {
@@ -75,6 +71,9 @@ FSDPState::FSDPState(std::vector<UnitEntry> units, bool root_has_params,
   settings_ = settings();
   check_.set_settings(settings_);
   check_.set_sync(sync_flags());
+  // Until a forward says otherwise: the order of registration.
+  for (size_t u = k; u-- > 0;) queue_order_.push_back(u);
+  order_backward();
   layout_gradients();
   if (leaves > 0) setup_leaves(leaves);
 }
@@ -98,20 +97,20 @@ void FSDPState::layout_gradients() {
   // sharded, would expect gradients of the shard's shape).
   hooks_.reset();
   const size_t k = units_.size();
-  // Gradients are reduce-scattered from the last unit down to the root.
-  std::vector<size_t> order;
-  std::vector<int64_t> parts(k, 0), bytes(k, 0);
-  for (size_t u = k; u-- > 0;) order.push_back(u);
+  bucket_parts_.assign(k, 0);
+  bucket_bytes_.assign(k, 0);
   parts_.assign(k, 0);
   for (size_t u = 0; u < k; ++u) {
     auto* g = units_[u].group;
     g->make_accumulators();
     for (const auto& p : g->params()) parts_[u] += p.requires_grad() ? 1 : 0;
     // A bucket goes once its unit's backward is over (finish_unit).
-    parts[u] = 1;
-    bytes[u] = g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());
+    bucket_parts_[u] = 1;
+    bucket_bytes_[u] =
+        g->layout().world * g->layout().shard_numel * c10::elementSize(g->reduce_dtype());
   }
-  queue_.set_layout(std::move(order), std::move(parts), std::move(bytes));
+  // In the order of the last backward (order_backward).
+  queue_.set_layout(queue_order_, bucket_parts_, bucket_bytes_);
   // Any accumulator run counts toward its unit's backward being over.
   hooks_ =
       std::make_unique<AccumulatorHooks>(params_, [this](size_t i, bool) { gradient_ready(i); });
@@ -119,6 +118,7 @@ void FSDPState::layout_gradients() {
 
 void FSDPState::begin_forward(bool training) {
   in_forward_ = true;
+  begin_call_order();
   // Every unit is sharded between steps, unless an earlier forward's
   // output lives without a backward (its graph keeps them gathered).
   check_.next_pass(std::any_of(units_.begin(), units_.end(),
@@ -182,7 +182,11 @@ torch::Tensor FSDPState::pre_forward(size_t u, bool training, const torch::Tenso
   wait_unshard(u, ScheduleStep::kForwardGather);
   // Not while a checkpointed unit recomputes in backward: the next unit's
   // backward came before.
-  if (!in_backward_ && u + 1 < units_.size()) start_unshard(u + 1, ScheduleStep::kForwardGather);
+  if (!in_backward_) {
+    record_call(u);
+    const size_t next = forward_prefetch(u);
+    if (next < units_.size()) start_unshard(next, ScheduleStep::kForwardGather);
+  }
   return watch_call(u, input);
 }
 
@@ -369,6 +373,7 @@ void FSDPState::begin_backward() {
   reducing_.assign(sync.begin(), sync.end());
   any_reducing_ = std::find(sync.begin(), sync.end(), 1) != sync.end();
   for (auto& unit : units_) unit.group->stash_gradients();
+  order_backward();
   queue_.reset();
   // A unit without sync sends nothing: its bucket is ready from the start
   // and launches as nothing (launch), so it never holds back the others.

@@ -6,13 +6,19 @@
 //
 // Order. Every rank issues the same collectives in the same order without
 // negotiation: units are numbered in pre-order of the module tree (the root
-// is 0 when it has parameters of its own; kRoot names it otherwise); the
-// forward prefetches unit u + 1 while unit u computes; backward runs the
-// units in reverse (0, k-1, ..., 1) and prefetches the next one when the
-// root's hook runs, or when a unit's backward is over (its parameters freed
-// first, so a backward holds two units, not three); gradients are
-// reduce-scattered from unit k-1 down to the root, each as soon as its
-// backward and those of the units after it are over. A unit's backward is
+// is 0 when it has parameters of its own; kRoot names it otherwise), and
+// the order they are called in is recorded (fsdp_state_order.cpp), as
+// FSDP2 records its forward order: while unit u computes, the forward
+// prefetches the unit called after it in the root's previous forward (u + 1
+// in the first; never one this forward called already); a backward runs the
+// root first, then the units in the reverse of their first calls in the
+// forwards since the last backward (units not called last), and prefetches
+// the next one when the root's hook runs, or when a unit's backward is over
+// (its parameters freed first, so a backward holds two units, not three);
+// gradients are reduce-scattered in that order (the root last), each as soon
+// as its backward and those of the units before it are over. The ranks' call
+// orders are the same wherever the schedule check passes (each first call
+// gathers, each reduce-scatter is checked). A unit's backward is
 // over once its gradients have all landed; with a frozen parameter, also
 // once the units inside it are over and each call's autograd nodes have run
 // (a frozen layer reads its weight in backward but lands no gradient;
@@ -160,6 +166,16 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void begin_backward();
   // The unit whose backward comes after unit u's (u may be kRoot); none: size.
   size_t next_in_backward(size_t u) const;
+  // fsdp_state_order.cpp: the order units are called in. A root forward
+  // begins: the previous one's order is what the forward prefetches by.
+  void begin_call_order();
+  // Unit u's forward begins (not a recomputation inside backward).
+  void record_call(size_t u);
+  // The unit to prefetch while unit u computes in forward (none: size).
+  size_t forward_prefetch(size_t u) const;
+  // A backward begins: its order, and the reduce-scatters' launch order,
+  // from the first calls of the forwards since the last backward.
+  void order_backward();
   void gradient_ready(size_t k);
   // fsdp_state_calls.cpp: when the backward of a unit with frozen
   // parameters is over. Before unit u's forward: what it computes on (an
@@ -220,8 +236,20 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<Communicator> world_;
   size_t root_;                         // 0, or kRoot if the root has no parameters
-  std::vector<size_t> backward_order_;  // [0,] k-1, ..., 1[, 0]
+  std::vector<size_t> backward_order_;  // [0,] then the reverse of call_order_
   std::vector<size_t> backward_next_;   // unit -> the unit after it in backward (none: size)
+  // The units in the order of their first call: in this forward of the
+  // root, and in its forwards with gradients since the last backward
+  // began; unit -> whether listed there; unit -> the unit called after it
+  // in the previous forward (none: size; before any forward, u + 1).
+  std::vector<size_t> forward_order_, call_order_;
+  std::vector<char> in_forward_order_, in_call_order_;
+  std::vector<size_t> forward_next_;
+  uint64_t call_order_backward_ = 0;  // the backwards begun when call_order_ started
+  // The reduce-scatters' launch order (the queue's), and per unit its
+  // bucket's parts and bytes.
+  std::vector<size_t> queue_order_;
+  std::vector<int64_t> bucket_parts_, bucket_bytes_;
   // Every parameter of every unit, and its unit.
   std::vector<size_t> unit_of_;
   std::vector<size_t> first_param_;    // unit -> index of its first parameter
