@@ -327,6 +327,23 @@ void FSDPState::post_forward(size_t u, const torch::Tensor& output, bool outermo
 }
 
 void FSDPState::pre_backward(size_t u, CallWatch* call) {
+  // A backward that builds a graph of its gradients (create_graph: grad
+  // mode is on in its hooks) would read each unit's full parameters again
+  // in a backward through that graph, after this one freed them. Refused
+  // before anything changes, on every rank: the check carries the refusal
+  // to a rank whose backward has none, at its next collective.
+  if (torch::GradMode::is_enabled()) {
+    const std::string unit = u == kRoot ? "the root" : "unit '" + units_[u].name + "'";
+    check_.before(ScheduleStep::kBackwardGather, u == kRoot ? kNoUnit : u,
+                  "a backward with create_graph (backward(create_graph=true), "
+                  "torch::autograd::grad(..., create_graph=true): a gradient penalty, a "
+                  "second derivative) reached " +
+                      unit +
+                      " of the fully sharded model, which frees each unit's full parameters once "
+                      "its backward is over, while a backward through the gradients' graph would "
+                      "read them again; nothing was changed. Compute such gradients without "
+                      "create_graph, or with the model outside fully_shard");
+  }
   if (!in_backward_) begin_backward();
   if (u != kRoot) backward_started_[u] = 1;
   // This call's backward runs until its hooked nodes have run.
