@@ -390,7 +390,7 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
   // that did not finish in time): stage_rank_file checks that nothing else
   // holds the arena before it writes into it.
   if (last) s->arena = std::move(last->arena);
-  std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
+  std::string error;
   ErrorKind kind = ErrorKind::Checkpoint;
   try {
     StateDict rebuilt;
@@ -401,13 +401,14 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
     s->staged = stage_rank_file(now, comm.rank(), comm.size(), &s->arena, op);
     split_copies(*s);
   } catch (const std::exception& e) {
-    if (error.empty()) {
-      error = e.what();
-      kind = kind_of(e);
-    }
+    error = e.what();
+    kind = kind_of(e);
   }
   try {
+    // The folder only once every rank's checks passed: a save refused on
+    // any rank leaves the checkpoint in it as it was.
     agree(comm, error, kind);
+    agree(comm, comm.rank() == 0 ? prepare_folder(dir) : "");
   } catch (const Error&) {
     if (commits_last) {
       try {

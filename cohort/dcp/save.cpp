@@ -287,23 +287,32 @@ void commit(Communicator& comm, const std::string& dir, const std::string& list,
 
 void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   finish_pending_save(comm);
-  std::string error = comm.rank() == 0 ? prepare_folder(dir) : "";
-  agree(comm, error);
-  std::string list;
+  // Every check first: a save refused on any rank leaves the folder, and the
+  // checkpoint in it, as they were.
+  std::string error;
   ErrorKind kind = ErrorKind::Checkpoint;
+  StagedFile staged;
   try {
     StateDict rebuilt;
     const std::string op = "dcp::save";  // named: a temporary would read as dangling
     const auto& now = current(state, rebuilt, op, comm.rank());
     for (const auto& f : now.check_model) f(op);
     for (const auto& f : now.refresh) f();
-    auto staged = stage_rank_file(now, comm.rank(), comm.size(), nullptr, op);
-    list = write_staged_file(staged, dir, comm.rank());
+    staged = stage_rank_file(now, comm.rank(), comm.size(), nullptr, op);
   } catch (const std::exception& e) {
     error = e.what();
     kind = kind_of(e);
   }
-  commit(comm, dir, list, error, kind);
+  agree(comm, error, kind);
+  error = comm.rank() == 0 ? prepare_folder(dir) : "";
+  agree(comm, error);
+  std::string list;
+  try {
+    list = write_staged_file(staged, dir, comm.rank());
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  commit(comm, dir, list, error);
 }
 
 }  // namespace cohort::dcp
