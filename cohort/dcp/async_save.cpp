@@ -362,6 +362,11 @@ void finish_pending_save(Communicator& comm) {
   if (auto last = last_save(comm); last && !last->committed) finish(*last, kAsyncSaveTimeout);
 }
 
+void finish_pending_save_into(Communicator& comm, const std::string& dir) {
+  auto last = last_save(comm);
+  if (last && !last->committed && same_folder(last->dir, dir)) finish(*last, kAsyncSaveTimeout);
+}
+
 std::string wait_pending_staging(Communicator& comm) {
   auto last = last_save(comm);
   if (!last) return "";

@@ -16,13 +16,14 @@
 //   making .metadata of them (parsing, the tiling check, the file and its
 //   folder fsynced: milliseconds on a large model) is left to this save's
 //   background thread. A save into the same folder writes it here
-//   instead, since the folder must lose it before it changes. Then rank 0
-//   prepares the folder (the old
-//   .metadata and a killed writer's temporary files removed); every rank
-//   places its chunks in host staging memory, copies there at once the
+//   instead, since the folder must lose it before it changes. Then every
+//   rank places its chunks in host staging memory, copies there at once the
 //   tensors forward may change (the model's buffers: BatchNorm's running
 //   statistics; tensors without a version counter) and records the version
-//   counter of every other; the ranks agree on errors (an all-gather).
+//   counter of every other; the ranks agree on errors (an all-gather), and
+//   only then rank 0 prepares the folder (the old .metadata and a killed
+//   writer's temporary files removed), so that a save refused on any rank
+//   leaves the checkpoint there whole.
 //   The staging memory of the last save on the same communicator is reused
 //   while a handle on that save lives (`pending = dcp::async_save(...)`
 //   keeps it): fresh memory costs page faults several times the copy.
@@ -109,10 +110,11 @@ class AsyncSave {
 /// committed first (its error thrown here; its .metadata written on this
 /// save's thread before anything of this one), as save() does too: saves on
 /// one communicator never overlap; load() waits for its staging and that
-/// .metadata. A handle dropped without wait() is never committed (its
-/// thread is joined), nor is a save whose communicator is destroyed before
-/// wait(): no later communicator (one built at the same address included)
-/// commits or waits for it.
+/// .metadata, and commits it first when it reads its folder. A handle
+/// dropped without wait() is never committed (its thread is joined), nor is
+/// a save whose communicator is destroyed before wait(): no later
+/// communicator (one built at the same address included) commits or waits
+/// for it.
 [[nodiscard]] AsyncSave async_save(const StateDict& state, const std::string& dir,
                                    Communicator& comm);
 

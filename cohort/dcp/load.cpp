@@ -224,6 +224,9 @@ void fill(StateDict& state, const std::string& dir, Communicator& comm, const Me
 }  // namespace
 
 void load(StateDict& state, const std::string& dir, Communicator& comm, const Metadata* meta) {
+  // A save pending into this folder is committed first: until then the
+  // folder holds no .metadata. Its error, if it failed, is every rank's.
+  finish_pending_save_into(comm, dir);
   // A save still staging reads the tensors this load writes into; a copy
   // that did not finish in time fails the load on every rank (agreed below).
   std::string error = wait_pending_staging(comm);

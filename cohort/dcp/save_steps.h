@@ -78,4 +78,9 @@ std::string wait_pending_staging(Communicator& comm);
 /// (none: returns), so that saves on one communicator never overlap.
 void finish_pending_save(Communicator& comm);
 
+/// Collective: the same where the save pending on `comm` writes into `dir`
+/// (under any path), so that a load of that folder finds the checkpoint
+/// whole rather than no .metadata.
+void finish_pending_save_into(Communicator& comm, const std::string& dir);
+
 }  // namespace cohort::dcp
