@@ -83,8 +83,9 @@ class Compressor {
   /// `key` names the tensor across steps (its error feedback and PowerSGD
   /// state); every rank passes the same keys in the same order. `shaped`
   /// optionally gives views of `flat` shaped as the parameters it holds
-  /// (PowerSGD compresses matrices; without them `flat` is one vector).
-  /// Collective; blocking.
+  /// (PowerSGD compresses matrices; without them `flat` is one vector). The
+  /// views must not overlap (InvalidArgument on every rank); elements in no
+  /// view are averaged uncompressed. Collective; blocking.
   virtual void all_reduce(Communicator& comm, at::Tensor& flat, int64_t key,
                           const std::vector<at::Tensor>& shaped = {}) = 0;
   /// The kind's name (to_string).
