@@ -86,12 +86,6 @@ ThreadRanksOptions options_for(const Case& c) {
   return o;
 }
 
-Named values_of(torch::nn::Module& m) {
-  Named out;
-  for (const auto& p : m.named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
-}
-
 // One process; `checkpointed`: the chain's blocks are checkpointed.
 Named reference(const Batches& b, const Schedule& when, bool checkpointed) {
   auto bare = chain();
@@ -100,7 +94,7 @@ Named reference(const Batches& b, const Schedule& when, bool checkpointed) {
   auto model = checkpointed ? checkpoint_blocks(bare) : bare;
   train(*model, model->parameters(), when,
         [&](int s) { return torch::mse_loss(model->forward(b.x[s]), b.y[s]); });
-  return values_of(*model);
+  return parameters_of(*model);
 }
 
 // `world` ranks; each returns its gathered model.

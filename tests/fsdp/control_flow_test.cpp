@@ -10,9 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "cohort/fsdp/fully_shard.h"
@@ -88,9 +86,7 @@ Named reference(const Batches& b, int world) {
     }
     opt->step();
   }
-  Named out;
-  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
+  return parameters_of(*model);
 }
 
 class FSDPControlFlow : public ::testing::TestWithParam<EngineWorld> {};
@@ -101,8 +97,7 @@ TEST_P(FSDPControlFlow, ReuseSkippedUnitsAndFreezingBetweenMicroBatchesTrainAsOn
   const auto want = reference(b, c.world);
   for (bool reshard : {true, false}) {
     SCOPED_TRACE(reshard ? "reshard_after_forward true" : "reshard_after_forward false");
-    std::mutex mu;
-    std::map<int, Named> got;
+    RankStates got;
     run_ranks_shared(
         c.world,
         [&](std::shared_ptr<Communicator> comm) {
@@ -127,14 +122,10 @@ TEST_P(FSDPControlFlow, ReuseSkippedUnitsAndFreezingBetweenMicroBatchesTrainAsOn
             }
             opt->step();
           }
-          auto state = model->full_state_dict();
-          std::lock_guard<std::mutex> lock(mu);
-          got[comm->rank()] = std::move(state);
+          got.keep(comm->rank(), model->full_state_dict());
         },
         options_for(c));
-    for (const auto& [rank, state] : got) {
-      expect_close(state, want, 1e-6, "rank " + std::to_string(rank));
-    }
+    got.expect_close_to(want, 1e-6);
   }
 }
 

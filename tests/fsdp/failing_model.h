@@ -113,9 +113,7 @@ Named reference_skipping(const Batches& b, Where where, int skipped) {
     torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
     opt->step();
   }
-  Named out;
-  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
+  return parameters_of(*model);
 }
 
 // The model sharded over `comm`, its unit roots made with `options`,

@@ -157,12 +157,6 @@ Sequential build(Shape shape, const std::shared_ptr<Communicator>& comm,
   return seq;
 }
 
-Named values_of(torch::nn::Module& m) {
-  Named out;
-  for (const auto& p : m.named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
-}
-
 Named reference(Shape shape, const Batches& b) {
   auto model = build(shape, nullptr, {});
   init_parameters(*model, 3);
@@ -172,7 +166,7 @@ Named reference(Shape shape, const Batches& b) {
     torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
     opt->step();
   }
-  return values_of(*model);
+  return parameters_of(*model);
 }
 
 // Every rank's gathered model after kSteps steps on its rows of each batch;

@@ -7,8 +7,11 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cohort/fsdp/fully_shard.h"
@@ -132,6 +135,32 @@ inline double max_relative_error(const Named& got, const Named& expected) {
   return worst;
 }
 
+// A detached copy of every parameter of `m`, by name.
+inline Named parameters_of(const torch::nn::Module& m) {
+  Named out;
+  for (const auto& p : m.named_parameters()) out.insert(p.key(), p.value().detach().clone());
+  return out;
+}
+
+// Each rank's state at the end of a run of ranks as threads.
+class RankStates {
+ public:
+  void keep(int rank, Named state) {
+    std::lock_guard<std::mutex> lock(mu_);
+    states_[rank] = std::move(state);
+  }
+  // Every rank's state within `rel` of `want` (see expect_close).
+  void expect_close_to(const Named& want, double rel) const {
+    for (const auto& [rank, state] : states_) {
+      expect_close(state, want, rel, "rank " + std::to_string(rank));
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, Named> states_;
+};
+
 enum class Opt { AdamW, SGD };
 
 inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt,
@@ -143,19 +172,19 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt,
   return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
 }
 
-// The model trained by one process on the whole batch for kSteps steps.
-inline Named reference(Opt opt, const Batches& b) {
+// The model trained by one process on the whole batch for kSteps steps,
+// step `skipped` left out (-1: none).
+inline Named reference(Opt opt, const Batches& b, int skipped = -1) {
   auto model = make_model(nullptr, {});
   init_parameters(*model, 7);
   auto optimizer = make_optimizer(opt, model->parameters());
   for (int s = 0; s < kSteps; ++s) {
+    if (s == skipped) continue;
     optimizer->zero_grad();
     torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
     optimizer->step();
   }
-  Named out;
-  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
+  return parameters_of(*model);
 }
 
 // This rank's rows of the global batch.

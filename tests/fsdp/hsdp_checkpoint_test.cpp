@@ -67,9 +67,7 @@ struct Job {
 
   Named parameters() {
     if (sharded) return sharded->full_state_dict();
-    Named out;
-    for (const auto& p : plain->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-    return out;
+    return parameters_of(*plain);
   }
 
   std::optional<DeviceMesh> mesh;

@@ -163,9 +163,7 @@ Named reference(const MixedCase& c, const Batches& b) {
     }
     opt.step();
   }
-  Named out;
-  for (const auto& p : master->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
+  return parameters_of(*master);
 }
 
 std::string name_of(const ::testing::TestParamInfo<MixedCase>& info) {

@@ -19,9 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "cohort/core/error.h"
@@ -38,21 +36,6 @@ using namespace fsdp_test;
 constexpr int kRefusedStep = 3;
 
 enum class Form { kBackward, kGrad };
-
-Named reference_skipping(const Batches& b, int skipped) {
-  auto model = make_model(nullptr, {});
-  init_parameters(*model, 7);
-  auto opt = make_optimizer(Opt::AdamW, model->parameters());
-  for (int s = 0; s < kSteps; ++s) {
-    if (s == skipped) continue;
-    opt->zero_grad();
-    torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
-    opt->step();
-  }
-  Named out;
-  for (const auto& p : model->named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
-}
 
 // One process's gradient of the penalized loss at world 1 (the shard is the
 // whole parameter there), for the message of a run that was not refused.
@@ -85,11 +68,10 @@ class FSDPSecondOrder : public ::testing::TestWithParam<EngineWorld> {};
 TEST_P(FSDPSecondOrder, ABackwardWithCreateGraphIsRefusedOnEveryRankAndChangesNothing) {
   const auto c = GetParam();
   const auto b = make_batches(17);
-  const auto want = reference_skipping(b, kRefusedStep);
+  const auto want = reference(Opt::AdamW, b, kRefusedStep);
   for (auto form : {Form::kBackward, Form::kGrad}) {
     SCOPED_TRACE(form == Form::kBackward ? "backward(create_graph)" : "autograd::grad");
-    std::mutex mu;
-    std::map<int, Named> got;
+    RankStates got;
     run_ranks_shared(
         c.world,
         [&](std::shared_ptr<Communicator> comm) {
@@ -128,14 +110,10 @@ TEST_P(FSDPSecondOrder, ABackwardWithCreateGraphIsRefusedOnEveryRankAndChangesNo
               EXPECT_NE(std::string(e.what()).find("create_graph"), std::string::npos) << e.what();
             }
           }
-          auto state = model->full_state_dict();
-          std::lock_guard<std::mutex> lock(mu);
-          got[comm->rank()] = std::move(state);
+          got.keep(comm->rank(), model->full_state_dict());
         },
         options_for(c));
-    for (const auto& [rank, state] : got) {
-      expect_close(state, want, 1e-6, "rank " + std::to_string(rank));
-    }
+    got.expect_close_to(want, 1e-6);
   }
 }
 
@@ -167,8 +145,7 @@ TEST_P(FSDPSecondOrder, TheInputsGradientIsOneProcesssAndLeavesTheShardedGradien
     }
     for (const auto& p : model->named_parameters()) want.insert(p.key(), p.value().clone());
   }
-  std::mutex mu;
-  std::map<int, Named> got;
+  RankStates got;
   run_ranks_shared(
       c.world,
       [&](std::shared_ptr<Communicator> comm) {
@@ -184,27 +161,25 @@ TEST_P(FSDPSecondOrder, TheInputsGradientIsOneProcesssAndLeavesTheShardedGradien
           torch::mse_loss(model->forward(x), y).backward();
           auto xg = x.clone().requires_grad_();
           auto w = model->named_parameters()["2.weight"];
-          auto got = torch::autograd::grad({torch::mse_loss(model->forward(xg), y)}, {xg, w});
+          auto grads = torch::autograd::grad({torch::mse_loss(model->forward(xg), y)}, {xg, w});
           // The local mean's gradient is world times the global mean's.
           auto dx = local(want_dx[s], *comm) * comm->size();
           const auto& dw = want_dw[s][comm->rank()];
           const std::string where =
               "step " + std::to_string(s) + " rank " + std::to_string(comm->rank());
-          EXPECT_LE((got[0] - dx).abs().max().item<double>(), 1e-6 * dx.abs().max().item<double>())
+          EXPECT_LE((grads[0] - dx).abs().max().item<double>(),
+                    1e-6 * dx.abs().max().item<double>())
               << where;
-          ASSERT_EQ(got[1].sizes(), dw.sizes()) << where;
-          EXPECT_LE((got[1] - dw).abs().max().item<double>(), 1e-6 * dw.abs().max().item<double>())
+          ASSERT_EQ(grads[1].sizes(), dw.sizes()) << where;
+          EXPECT_LE((grads[1] - dw).abs().max().item<double>(),
+                    1e-6 * dw.abs().max().item<double>())
               << where;
           opt->step();
         }
-        auto state = model->full_state_dict();
-        std::lock_guard<std::mutex> lock(mu);
-        got[comm->rank()] = std::move(state);
+        got.keep(comm->rank(), model->full_state_dict());
       },
       options_for(c));
-  for (const auto& [rank, state] : got) {
-    expect_close(state, want, 1e-6, "rank " + std::to_string(rank));
-  }
+  got.expect_close_to(want, 1e-6);
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDP, FSDPSecondOrder, ::testing::ValuesIn(engine_worlds({1, 2, 3})),

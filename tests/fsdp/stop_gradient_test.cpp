@@ -98,12 +98,6 @@ Batches batches() {
   return b;
 }
 
-Named values_of(torch::nn::Module& m) {
-  Named out;
-  for (const auto& p : m.named_parameters()) out.insert(p.key(), p.value().detach().clone());
-  return out;
-}
-
 Named reference(Read read, const Batches& b) {
   auto model = build(read, nullptr, {});
   init_parameters(*model, 3);
@@ -113,7 +107,7 @@ Named reference(Read read, const Batches& b) {
     torch::mse_loss(model->forward(b.x[s]), b.y[s]).backward();
     opt->step();
   }
-  return values_of(*model);
+  return parameters_of(*model);
 }
 
 std::map<int, Named> sharded(Read read, const EngineWorld& c, ReshardAfterForward reshard,
