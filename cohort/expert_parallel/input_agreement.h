@@ -9,6 +9,7 @@
 
 #include <torch/types.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -43,8 +44,16 @@ enum Backward : int64_t { kRecords = 1, kNoGradMode = 2, kPeerNoGradMode = 4, kI
 /// `flags` with a peer's merged in.
 int64_t merged(int64_t flags, int64_t peer);
 
-/// A digest of `t`'s shape, dtype and bytes (copied to the host first when
-/// it is elsewhere): equal tensors give equal digests on every rank.
+/// A digest of `t`'s shape, dtype and bytes: equal tensors give equal
+/// digests on every rank of one device type. A tensor off the CPU is
+/// digested where it is (device_content_digest), never copied to the host.
 int64_t tensor_digest(const torch::Tensor& t);
+
+/// Two 64-bit sums of `t`'s bytes, computed on its device with its own
+/// kernels: the bytes as integers of the element's width, each times a
+/// position-dependent odd multiplier, summed modulo 2^64. Only the two sums
+/// cross to the host. Tensors that differ in one element always differ in
+/// both; it is not a cryptographic hash.
+std::array<int64_t, 2> device_content_digest(const torch::Tensor& t);
 
 }  // namespace cohort::expert_parallel

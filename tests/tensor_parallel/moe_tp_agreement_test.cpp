@@ -13,12 +13,16 @@
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
+#include <array>
 #include <optional>
 #include <ostream>
 #include <stdexcept>
 
+#include "cohort/expert_parallel/input_agreement.h"
 #include "cohort/expert_parallel/moe.h"
 #include "support/rank_errors.h"
+#include "support/test_device.h"
 #include "support/thread_ranks.h"
 
 namespace cohort::testing::moe_tp_agreement_test {
@@ -227,6 +231,66 @@ TEST_P(MoeTpAgreement, NoGradModeOnOneRankIsRefusedOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Moe, MoeTpAgreement, ::testing::ValuesIn(cases()), case_name);
+
+// device_content_digest, the digest the tp agreement takes of a tensor off
+// the CPU, run here on test_device(): its two sums against the closed form
+// sum_i w_i * m(i) modulo 2^64 in plain unsigned arithmetic, and a change
+// of any one element, or a swap of two, changing both.
+std::array<uint64_t, 2> closed_form(const std::vector<int64_t>& w) {
+  const uint64_t k1 = 0x9E3779B97F4A7C15ULL, k2 = 0xC2B2AE3D27D4EB4FULL;
+  std::array<uint64_t, 2> sums{0, 0};
+  for (uint64_t i = 0; i < w.size(); ++i) {
+    sums[0] += static_cast<uint64_t>(w[i]) * ((i * k1 + k2) | 1);
+    sums[1] += static_cast<uint64_t>(w[i]) * (((i ^ k1) * k2) | 1);
+  }
+  return sums;
+}
+
+std::array<uint64_t, 2> digest_of(const torch::Tensor& t) {
+  const auto d = device_content_digest(t.to(test_device()));
+  return {static_cast<uint64_t>(d[0]), static_cast<uint64_t>(d[1])};
+}
+
+TEST(MoeDigest, SumsAreTheClosedFormOfTheElementsAsIntegers) {
+  // int32 words as the element's bits; float32 shares int32's width.
+  auto ints = torch::tensor({7, -3, 0, 2147483647, -2147483647 - 1, 12345}, torch::kInt32);
+  const std::vector<int64_t> w(ints.data_ptr<int32_t>(), ints.data_ptr<int32_t>() + ints.numel());
+  EXPECT_EQ(digest_of(ints), closed_form(w));
+  auto floats = torch::tensor({1.5f, -2.0f, 0.0f}, torch::kFloat32);
+  std::vector<int64_t> bits;
+  for (int i = 0; i < 3; ++i) bits.push_back(floats.view(torch::kInt32)[i].item<int32_t>());
+  EXPECT_EQ(digest_of(floats), closed_form(bits));
+  EXPECT_EQ(digest_of(torch::zeros({0, 4})), closed_form({}));
+}
+
+TEST(MoeDigest, AnyOneElementChangedOrTwoSwappedChangesBothSums) {
+  auto gen = at::detail::createCPUGenerator(5);
+  // float32 over 2^22 elements, so that a change lands in the second slice.
+  for (auto dtype :
+       {torch::kFloat32, torch::kFloat64, torch::kBFloat16, torch::kInt8, torch::kBool}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const int64_t n = dtype == torch::kFloat32 ? (int64_t{1} << 22) + 9 : 1001;
+    const auto base = (torch::randn({n}, gen) * 3).to(dtype);
+    const auto want = digest_of(base);
+    EXPECT_EQ(digest_of(base.clone()), want) << "an equal copy";
+    EXPECT_EQ(digest_of(torch::stack({base, base}, 1).select(1, 0)), want)
+        << "a strided view of equal elements";
+    for (int64_t i : {int64_t{0}, n / 2, std::min(n - 2, (int64_t{1} << 22) + 3), n - 1}) {
+      auto changed = base.clone();
+      changed[i] = dtype == torch::kBool ? torch::logical_not(base[i]) : base[i] + 1;
+      const auto got = digest_of(changed);
+      EXPECT_NE(got[0], want[0]) << "element " << i;
+      EXPECT_NE(got[1], want[1]) << "element " << i;
+    }
+    auto swapped = base.clone();
+    const int64_t a = 1, b = n - 2;
+    if (!base[a].equal(base[b])) {
+      swapped[a] = base[b];
+      swapped[b] = base[a];
+      EXPECT_NE(digest_of(swapped), want) << "elements " << a << " and " << b << " swapped";
+    }
+  }
+}
 
 }  // namespace
 }  // namespace cohort::testing::moe_tp_agreement_test
