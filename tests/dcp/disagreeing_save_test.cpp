@@ -23,21 +23,27 @@ namespace fs = std::filesystem;
 constexpr int64_t kRows = 6, kCols = 4;
 
 enum class Kind {
-  Overlap,           // the last rank also holds row 0
-  Hole,              // the last rank leaves out its last row
-  Outside,           // the last rank's box passes the last row
-  Shape,             // the last rank's x is [7, 4]
-  Dtype,             // the last rank's x is float64
-  ReplicatedMissing, // the last rank lacks the replicated r
-  ReplicatedOrder,   // the last rank lists s before r
-  ReplicatedShape,   // the last rank's r is [3, 2]
-  NotReplicated,     // the last rank's r is its own whole box, not replicated
+  Overlap,            // the last rank also holds row 0
+  Hole,               // the last rank leaves out its last row
+  Outside,            // the last rank's box passes the last row
+  Shape,              // the last rank's x is [7, 4]
+  Dtype,              // the last rank's x is float64
+  ReplicatedMissing,  // the last rank lacks the replicated r
+  ReplicatedOrder,    // the last rank lists s before r
+  ReplicatedShape,    // the last rank's r is [3, 2]
+  NotReplicated,      // the last rank's r is its own whole box, not replicated
 };
 
 const char* kind_name(Kind k) {
-  const char* names[] = {"overlap",          "hole",          "outside",
-                         "shape",            "dtype",         "replicated_missing",
-                         "replicated_order", "replicated_shape", "not_replicated"};
+  const char* names[] = {"overlap",
+                         "hole",
+                         "outside",
+                         "shape",
+                         "dtype",
+                         "replicated_missing",
+                         "replicated_order",
+                         "replicated_shape",
+                         "not_replicated"};
   return names[static_cast<int>(k)];
 }
 
@@ -58,11 +64,13 @@ dcp::StateDict state(const Communicator& comm, float base, bool bad, Kind kind) 
   const auto x = torch::arange(kRows * kCols, torch::kFloat).view({kRows, kCols}) + base;
   const auto r = torch::arange(6, torch::kFloat).view({2, 3}) + base + 100;
   const auto s = torch::arange(5, torch::kFloat) + base + 200;
-  const int64_t lo = kRows * comm.rank() / comm.size(), hi = kRows * (comm.rank() + 1) / comm.size();
+  const int64_t lo = kRows * comm.rank() / comm.size(),
+                hi = kRows * (comm.rank() + 1) / comm.size();
   const bool last = bad && comm.rank() == comm.size() - 1;
   auto rows = [](int64_t a, int64_t b) { return dcp::Box{{a, 0}, {b - a, kCols}}; };
   dcp::StateDict sd;
-  dcp::TensorEntry xe{"x", {kRows, kCols}, torch::kFloat, false, {{rows(lo, hi), x.slice(0, lo, hi)}}};
+  dcp::TensorEntry xe{
+      "x", {kRows, kCols}, torch::kFloat, false, {{rows(lo, hi), x.slice(0, lo, hi)}}};
   if (last && kind == Kind::Overlap) xe.shards.push_back({rows(0, 1), x.slice(0, 0, 1)});
   if (last && kind == Kind::Hole) xe.shards[0] = {rows(lo, hi - 1), x.slice(0, lo, hi - 1)};
   if (last && kind == Kind::Outside) {
@@ -165,7 +173,8 @@ TEST_P(DisagreeingSave, IsRefusedOnEveryRankAndKeepsTheCheckpoint) {
   const auto last = "rank " + std::to_string(engine.world - 1);
   for (size_t r = 0; r < errors.size(); ++r) {
     EXPECT_EQ(errors[r], errors[0]) << "rank " << r << " differs from rank 0";
-    EXPECT_EQ(errors[r].rfind("InvalidArgument: dcp::", 0), 0u) << "rank " << r << ": " << errors[r];
+    EXPECT_EQ(errors[r].rfind("InvalidArgument: dcp::", 0), 0u)
+        << "rank " << r << ": " << errors[r];
     for (const auto& part : {tensor_of(kind), last}) {
       EXPECT_NE(errors[r].find(part), std::string::npos) << "rank " << r << ": " << errors[r];
     }
@@ -186,9 +195,10 @@ TEST_P(DisagreeingSave, IsRefusedOnEveryRankAndKeepsTheCheckpoint) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, DisagreeingSave, ::testing::ValuesIn(cases()),
                          [](const auto& info) {
-                           const auto& [kind, op, e] = info.param;
-                           return std::string(kind_name(kind)) + "_" + op_name(op) + "_" +
-                                  e.backend + "_world" + std::to_string(e.world);
+                           const auto& e = std::get<2>(info.param);
+                           return std::string(kind_name(std::get<0>(info.param))) + "_" +
+                                  op_name(std::get<1>(info.param)) + "_" + e.backend + "_world" +
+                                  std::to_string(e.world);
                          });
 
 }  // namespace
