@@ -412,7 +412,7 @@ AsyncSave async_save(const StateDict& state, const std::string& dir, Communicato
   try {
     // The folder only once every rank's checks passed: a save refused on
     // any rank leaves the checkpoint in it as it was.
-    agree(comm, error, kind);
+    agree_on_plan(comm, s->staged.plan, error, kind, "dcp::async_save");
     agree(comm, comm.rank() == 0 ? prepare_folder(dir) : "");
   } catch (const Error&) {
     if (commits_last) {

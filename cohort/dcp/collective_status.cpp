@@ -47,18 +47,32 @@ void agree(Communicator& comm, const std::string& error, ErrorKind kind) {
   for (int r = 0; r < comm.size(); ++r) out.push_back(torch::empty({longest}, torch::kByte));
   comm.all_gather(out, bytes_of(mine, longest)).wait();
   for (int r = 0; r < comm.size(); ++r) {
-    if (lengths[r] == 0) continue;
-    const auto text = string_of(out[r], lengths[r]);
-    const auto message = "rank " + std::to_string(r) + ": " + text.substr(1);
-    switch (static_cast<ErrorKind>(text[0])) {
-      case ErrorKind::InvalidArgument:
-        throw InvalidArgument(message);
-      case ErrorKind::Config:
-        throw ConfigError(message);
-      default:
-        throw CheckpointError(message);
-    }
+    if (lengths[r] != 0) throw_agreed(r, string_of(out[r], lengths[r]));
   }
+}
+
+void throw_agreed(int rank, const std::string& text) {
+  const auto message = "rank " + std::to_string(rank) + ": " + text.substr(1);
+  switch (static_cast<ErrorKind>(text.at(0))) {
+    case ErrorKind::InvalidArgument:
+      throw InvalidArgument(message);
+    case ErrorKind::Config:
+      throw ConfigError(message);
+    default:
+      throw CheckpointError(message);
+  }
+}
+
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  const auto lengths = all_lengths(comm, static_cast<int64_t>(mine.size()));
+  int64_t longest = 1;
+  for (auto n : lengths) longest = std::max(longest, n);
+  std::vector<torch::Tensor> out;
+  for (int r = 0; r < comm.size(); ++r) out.push_back(torch::empty({longest}, torch::kByte));
+  comm.all_gather(out, bytes_of(mine, longest)).wait();
+  std::vector<std::string> strings;
+  for (int r = 0; r < comm.size(); ++r) strings.push_back(string_of(out[r], lengths[r]));
+  return strings;
 }
 
 std::vector<std::string> gather_strings(Communicator& comm, const std::string& mine, int root) {

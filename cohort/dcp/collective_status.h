@@ -24,6 +24,14 @@ ErrorKind kind_of(const std::exception& e);
 /// message ("rank r: ...") when any rank failed.
 void agree(Communicator& comm, const std::string& error, ErrorKind kind = ErrorKind::Checkpoint);
 
+/// Throws what agree() throws for rank `rank`'s `text` (its kind's byte, then
+/// its message).
+[[noreturn]] void throw_agreed(int rank, const std::string& text);
+
+/// Collective: every rank's string, on every rank, in rank order (one
+/// all-gather of the lengths, one of the strings padded to the longest).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
+
 /// Collective: rank `root` gets every rank's string, in rank order; the
 /// others get an empty vector.
 std::vector<std::string> gather_strings(Communicator& comm, const std::string& mine, int root);

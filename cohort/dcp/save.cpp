@@ -167,6 +167,7 @@ StagedFile stage_rank_file(const StateDict& state, int rank, int world, torch::T
         {{"fqn", t.fqn}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}, {"chunks", chunks}});
   }
   staged.bytes = offset;
+  staged.plan = plan_of(state, staged);
   return staged;
 }
 
@@ -292,9 +293,9 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
   std::string error;
   ErrorKind kind = ErrorKind::Checkpoint;
   StagedFile staged;
+  const std::string op = "dcp::save";  // named: a temporary would read as dangling
   try {
     StateDict rebuilt;
-    const std::string op = "dcp::save";  // named: a temporary would read as dangling
     const auto& now = current(state, rebuilt, op, comm.rank());
     for (const auto& f : now.check_model) f(op);
     for (const auto& f : now.refresh) f();
@@ -303,7 +304,7 @@ void save(const StateDict& state, const std::string& dir, Communicator& comm) {
     error = e.what();
     kind = kind_of(e);
   }
-  agree(comm, error, kind);
+  agree_on_plan(comm, staged.plan, error, kind, op);
   error = comm.rank() == 0 ? prepare_folder(dir) : "";
   agree(comm, error);
   std::string list;

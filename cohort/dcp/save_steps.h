@@ -23,7 +23,23 @@ struct StagedFile {
   /// tensor.
   std::vector<torch::Tensor> sources;
   std::vector<std::string> source_fqns;
+  /// plan_of(the state dict, this), for agree_on_plan.
+  std::string plan;
 };
+
+/// Every tensor of `state` (written or not): its name, global shape, dtype,
+/// replicated and write flags, and the boxes `staged` writes of it (JSON).
+std::string plan_of(const StateDict& state, const StagedFile& staged);
+
+/// Collective, before the folder is touched: all-gathers every rank's
+/// `error` (with its `kind`) or, where it is "", its `plan`. Throws as
+/// agree() when any rank failed; else every rank checks every rank's plan as
+/// rank 0's merge would (one shape, dtype and layout per tensor, no tensor
+/// twice on a rank, the same replicated tensors in the same order on every
+/// rank, boxes that tile each written tensor) and throws the same
+/// InvalidArgument, named `op`, naming the tensor and the ranks.
+void agree_on_plan(Communicator& comm, const std::string& plan, const std::string& error,
+                   ErrorKind kind, const std::string& op);
 
 /// This rank's chunks of `state`; with `arena`, places for them in it, which
 /// the caller fills from `sources` (so that the caller may change the model
