@@ -20,7 +20,8 @@
 //   rank places its chunks in host staging memory, copies there at once the
 //   tensors forward may change (the model's buffers: BatchNorm's running
 //   statistics; tensors without a version counter) and records the version
-//   counter of every other; the ranks agree on errors (an all-gather), and
+//   counter of every other; the ranks agree on errors and check each
+//   other's plans as save() does (one all-gather), and
 //   only then rank 0 prepares the folder (the old .metadata and a killed
 //   writer's temporary files removed), so that a save refused on any rank
 //   leaves the checkpoint there whole.

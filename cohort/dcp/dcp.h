@@ -124,7 +124,11 @@ void check_shards(const StateDict& state, const std::string& op, int rank);
 std::string data_file_name(int rank);
 
 /// Writes the checkpoint into folder `dir` (created with any missing parent
-/// folders; every rank must see the same folder). Collective over `comm`; a
+/// folders; every rank must see the same folder). Collective over `comm`.
+/// Before any rank writes or removes anything in the folder, every rank
+/// checks every rank's plan (each tensor's shape, dtype and layout, the
+/// replicated tensors, shards that tile each tensor): a disagreement is an
+/// InvalidArgument on every rank, and the folder's checkpoint stays whole. A
 /// folder that cannot be created is a CheckpointError on every rank.
 void save(const StateDict& state, const std::string& dir, Communicator& comm);
 
