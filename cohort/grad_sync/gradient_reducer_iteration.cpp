@@ -17,7 +17,7 @@ namespace cohort {
 void GradientReducer::start_iteration_clock() {
   queue_.start_clock();
   stats_.bytes = 0;
-  sent_at_start_ = comm_->stats().total().bytes_sent;
+  sent_at_start_ = comm_->stats().bytes_sent_ever;
 }
 
 void GradientReducer::reset_iteration() {
@@ -364,7 +364,8 @@ void GradientReducer::wait_and_write_back(double backward_end, bool agree,
   stats_.hidden_comm_share = all > 0 ? hidden / all : 0;
   stats_.total_comm_seconds += all;
   stats_.total_hidden_comm_seconds += hidden;
-  stats_.bytes_sent = static_cast<int64_t>(comm_->stats().total().bytes_sent - sent_at_start_);
+  // bytes_sent_ever: a reset_stats() during the iteration (a hook's) must not wrap it.
+  stats_.bytes_sent = static_cast<int64_t>(comm_->stats().bytes_sent_ever - sent_at_start_);
 }
 
 void GradientReducer::leave_unused_alone(const std::vector<char>& used) {

@@ -270,7 +270,7 @@ void GradientReducer::finish_leaf_step(double backward_end, int64_t bytes) {
       stats_.comm_seconds > 0 ? stats_.hidden_comm_seconds / stats_.comm_seconds : 0;
   stats_.total_comm_seconds += stats_.comm_seconds;
   stats_.bytes = bytes;
-  stats_.bytes_sent = static_cast<int64_t>(comm_->stats().total().bytes_sent - sent_at_start_);
+  stats_.bytes_sent = static_cast<int64_t>(comm_->stats().bytes_sent_ever - sent_at_start_);
 }
 
 }  // namespace cohort

@@ -52,9 +52,11 @@ OpStats CommStats::total() const {
 }
 
 CommStats CommStats::since(const CommStats& e) const {
-  if (resets != e.resets) return *this;  // a difference would wrap below zero
-  CommStats d;
-  d.resets = resets;
+  // Across a reset a difference would wrap below zero: what was counted
+  // since it. bytes_sent_ever alone counts on through resets.
+  CommStats d = *this;
+  d.bytes_sent_ever = bytes_sent_ever - e.bytes_sent_ever;
+  if (resets != e.resets) return d;
   for (size_t i = 0; i < kOpKindCount; ++i) {
     auto& a = ops[i];
     auto& b = e.ops[i];

@@ -78,6 +78,11 @@ struct OpStats {
 struct CommStats {
   std::array<OpStats, kOpKindCount> ops{};  ///< indexed by OpKind
   uint64_t resets = 0;                      ///< reset_stats() calls before this snapshot
+  /// Bytes this rank sent since the Communicator was made, reset_stats() or
+  /// not (in a since() result: between the two snapshots, also across a
+  /// reset). What code that measures its own interval subtracts: the
+  /// per-kind counters go back to zero when anyone resets them.
+  uint64_t bytes_sent_ever = 0;
 
   /// The counters of one kind.
   const OpStats& operator[](OpKind kind) const { return ops[static_cast<size_t>(kind)]; }
@@ -85,7 +90,8 @@ struct CommStats {
   OpStats total() const;
   /// Counters of `*this` minus `earlier` (a snapshot taken before). Where
   /// the counters were reset in between, *this: what was counted since the
-  /// reset (what came before it is no longer known).
+  /// reset (what came before it is no longer known), but for
+  /// bytes_sent_ever.
   CommStats since(const CommStats& earlier) const;
   /// One line per kind that was called: "all_reduce calls=... sent=...".
   std::string to_string() const;

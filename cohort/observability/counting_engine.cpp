@@ -18,12 +18,14 @@ double seconds(uint64_t ns) { return static_cast<double>(ns) * 1e-9; }
 CommStats StatsCounters::snapshot() const {
   CommStats s;
   s.resets = resets.load(std::memory_order_relaxed);
+  s.bytes_sent_ever = sent_before_resets.load(std::memory_order_relaxed);
   for (size_t i = 0; i < kOpKindCount; ++i) {
     auto& k = kinds[i];
     auto& o = s.ops[i];
     o.calls = k.calls.load(std::memory_order_relaxed);
     o.completed = k.completed.load(std::memory_order_relaxed);
     o.bytes_sent = k.sent.load(std::memory_order_relaxed);
+    s.bytes_sent_ever += o.bytes_sent;
     o.bytes_received = k.received.load(std::memory_order_relaxed);
     o.seconds_in_flight = seconds(k.in_flight_ns.load(std::memory_order_relaxed));
     o.seconds_waiting = seconds(k.waiting_ns.load(std::memory_order_relaxed));
@@ -34,7 +36,10 @@ CommStats StatsCounters::snapshot() const {
 void StatsCounters::reset() {
   resets.fetch_add(1, std::memory_order_relaxed);
   for (auto& k : kinds) {
-    for (auto* a : {&k.calls, &k.completed, &k.sent, &k.received, &k.in_flight_ns, &k.waiting_ns}) {
+    // exchange: a byte counted while resetting is moved, not lost.
+    sent_before_resets.fetch_add(k.sent.exchange(0, std::memory_order_relaxed),
+                                 std::memory_order_relaxed);
+    for (auto* a : {&k.calls, &k.completed, &k.received, &k.in_flight_ns, &k.waiting_ns}) {
       a->store(0, std::memory_order_relaxed);
     }
   }

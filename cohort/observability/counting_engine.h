@@ -40,12 +40,14 @@ struct StatsCounters {
   std::array<Kind, kOpKindCount> kinds;
   /// reset() calls so far (CommStats::resets).
   std::atomic<uint64_t> resets{0};
+  /// Bytes sent before the last reset(), which CommStats::bytes_sent_ever keeps counting.
+  std::atomic<uint64_t> sent_before_resets{0};
 
   /// The counters of kind `k`.
   Kind& operator[](OpKind k) { return kinds[static_cast<size_t>(k)]; }
   /// A copy of every counter (seconds instead of nanoseconds); not atomic across counters.
   CommStats snapshot() const;
-  /// Sets every counter to zero and counts the reset.
+  /// Sets every counter to zero and counts the reset; the bytes sent move to sent_before_resets.
   void reset();
 };
 

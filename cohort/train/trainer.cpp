@@ -341,7 +341,9 @@ std::optional<double> Trainer::tp_wait_seconds() const {
 
 uint64_t Trainer::bytes_sent() const {
   uint64_t bytes = 0;
-  for (const auto& c : plan_.traffic()) bytes += c->stats().total().bytes_sent;
+  // bytes_sent_ever: a reset_stats() in the step (the model's forward, a
+  // hook) must not wrap the step's difference.
+  for (const auto& c : plan_.traffic()) bytes += c->stats().bytes_sent_ever;
   return bytes;
 }
 
@@ -349,7 +351,7 @@ std::vector<uint64_t> Trainer::dimension_bytes() const {
   std::vector<uint64_t> out;
   for (const auto& [name, groups] : layout_.dimensions()) {
     uint64_t bytes = 0;
-    for (const auto& c : groups) bytes += c->stats().total().bytes_sent;
+    for (const auto& c : groups) bytes += c->stats().bytes_sent_ever;
     out.push_back(bytes);
   }
   return out;
