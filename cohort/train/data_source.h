@@ -42,8 +42,14 @@ class DataSource {
   /// g > 0 when the epoch has one global sample order that does not depend on the world size and
   /// micro-batch `index` of all ranks together is its samples [index * g, (index + 1) * g): then
   /// a checkpoint resumes at another world size, continuing that order (Trainer::resume). 0 when
-  /// the source has no such order; a checkpoint then resumes mid-epoch at its own world size only.
+  /// the source has no such order; a checkpoint then resumes mid-epoch at its own world size and
+  /// data-parallel size only.
   virtual int64_t global_micro_batch() const { return 0; }
+  /// With a global order: whether a resume in the middle of an epoch over a dataset of another
+  /// size continues after the checkpoint's count of samples in the new dataset's order (true:
+  /// TensorDataSource, as torchdata's StatefulDistributedSampler) or is refused (false:
+  /// SampledDataSource). A source without a global order is refused there either way.
+  virtual bool resumes_over_another_dataset() const { return true; }
   /// The dataset indices of micro-batch `index`'s samples, in order (int64,
   /// one per sample), or an undefined tensor when the source has none.
   /// fit() compares them at each epoch's start among the ranks that must

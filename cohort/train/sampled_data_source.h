@@ -4,8 +4,12 @@
 // order, padded or cut by drop_last), reshuffled by the sampler every epoch.
 //
 // For programs ported from PyTorch that deal with DistributedSampler.
-// TensorDataSource deals whole micro-batches of one global order instead,
-// which resumes at another world size; this one resumes at its own only.
+// The sampler's epoch order is its permutation repeated from its start
+// (padding; cut by drop_last), whatever num_replicas, and rank r takes its
+// elements r, r + num_replicas, ...: micro-batch i of all ranks together is
+// the order's elements [i g, (i + 1) g), g = micro_batch x num_replicas. So
+// it resumes at another world or data-parallel size, as TensorDataSource
+// does (DataSource::global_micro_batch).
 #pragma once
 
 #include <torch/types.h>
@@ -30,6 +34,12 @@ class SampledDataSource : public DataSource {
   void set_epoch(int64_t epoch) override;
   int64_t num_batches() const override;
   torch::data::Example<> batch(int64_t index) override;
+  /// micro_batch x the sampler's num_replicas (file comment).
+  int64_t global_micro_batch() const override {
+    return micro_batch_ * static_cast<int64_t>(sampler_.num_replicas());
+  }
+  /// false: the position counts the old dataset's permutation.
+  bool resumes_over_another_dataset() const override { return false; }
   /// The sampled indices micro-batch `index` takes.
   torch::Tensor sample_indices(int64_t index) override;
   /// The sampler's rank, num_replicas and dataset size.

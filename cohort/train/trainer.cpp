@@ -392,6 +392,7 @@ std::vector<StepMetrics> Trainer::fit(DataSource& data, const FitCallbacks& call
     position_.epoch_batches = data.num_batches();
     position_.data_order = data.order_settings();
     position_.data_samples = agreed_data_.samples;
+    position_.data_parallel = comm_.size() / layout_.ranks_per_sample();
     StepMetrics m = train_step(batches);
     metrics_.append(to_json(m));
     progress.update(m);
@@ -570,6 +571,7 @@ void Trainer::continue_epoch_order(DataSource& data) {
                       "epoch's start)");
   }
   if (g > 0 && position_.epoch_samples >= 0) {
+    if (!data.resumes_over_another_dataset()) refuse_another_dataset(where);
     if (position_.epoch_samples % g != 0) {
       throw ConfigError(where + " after " + std::to_string(position_.epoch_samples) +
                         " samples, which is not a whole number of this job's global "
@@ -587,6 +589,20 @@ void Trainer::continue_epoch_order(DataSource& data) {
                       " at a new world size, but the data source (or the checkpoint's) has no "
                       "global sample order (DataSource::global_micro_batch)");
   }
+  // At the same world size another layout (dp 2 x pp 2 -> pp 4) deals the
+  // epoch in other shares, which the index counts no longer.
+  const int64_t dp = comm_.size() / layout_.ranks_per_sample();
+  if (position_.data_parallel > 0 && position_.data_parallel != dp) {
+    throw ConfigError(where + " at data-parallel size " + std::to_string(dp) +
+                      ", but the job that wrote the checkpoint trained at data-parallel size " +
+                      std::to_string(position_.data_parallel) +
+                      ": without a global sample order (DataSource::global_micro_batch) its "
+                      "micro-batch index counts micro-batches of that many shares of the epoch, "
+                      "so the rest of the epoch would train some samples twice and others never; "
+                      "resume at data-parallel size " +
+                      std::to_string(position_.data_parallel) +
+                      " (or from a checkpoint at an epoch's start)");
+  }
   if (position_.epoch_batches > 0 && position_.epoch_batches != data.num_batches()) {
     throw ConfigError(where + ": the data source has " + std::to_string(data.num_batches()) +
                       " micro-batches an epoch, the job that wrote the checkpoint had " +
@@ -596,13 +612,20 @@ void Trainer::continue_epoch_order(DataSource& data) {
                       "another dataset");
   }
   // Another dataset with as many micro-batches an epoch (one sample more).
+  refuse_another_dataset(where);
+}
+
+void Trainer::refuse_another_dataset(const std::string& where) const {
   const int64_t samples = agreed_data_.samples;
   if (position_.data_samples >= 0 && samples >= 0 && samples != position_.data_samples) {
     throw ConfigError(where + ": the job that wrote the checkpoint dealt from " +
                       std::to_string(position_.data_samples) +
                       " samples, this job's data source from " + std::to_string(samples) +
-                      " samples; without a global sample order (DataSource::global_micro_batch) "
-                      "its position does not carry over to another dataset");
+                      " samples; its position counts the samples of the old dataset's order "
+                      "(the source has no global sample order, DataSource::global_micro_batch, "
+                      "or does not resume over another dataset, "
+                      "DataSource::resumes_over_another_dataset), which does not carry over to "
+                      "another dataset");
   }
 }
 

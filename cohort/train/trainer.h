@@ -272,6 +272,9 @@ class Trainer {
   /// Collective when the source has no global order: this job's samples per
   /// optimizer step over all ranks.
   int64_t global_batch_of(DataSource& data);
+  // ConfigError after `where` when the data source deals from another
+  // dataset size than the checkpoint's position counts.
+  void refuse_another_dataset(const std::string& where) const;
   /// Whether fit() trains on: epochs and max_steps not reached.
   bool more_to_train() const;
   /// Collective: ends the epoch (end_epoch) when the source's micro-batches

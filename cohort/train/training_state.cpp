@@ -24,6 +24,7 @@ std::string encode_training_state(const TrainingPosition& position, const torch:
   archive.write("global_batch", c10::IValue(position.global_batch));
   archive.write("data_order", c10::IValue(position.data_order));
   archive.write("data_samples", c10::IValue(position.data_samples));
+  archive.write("data_parallel", c10::IValue(position.data_parallel));
   archive.write("rng_states", rng_states);
   if (device_rng_states.defined()) archive.write("device_rng_states", device_rng_states);
   if (rng_streams.defined()) archive.write("rng_streams", rng_streams);
@@ -93,6 +94,7 @@ DecodedState decode_training_state(const std::string& payload, const std::string
     state.position.global_batch = archive.try_read("global_batch", v) ? v.toInt() : 0;
     state.position.data_order = archive.try_read("data_order", v) ? v.toStringRef() : "";
     state.position.data_samples = archive.try_read("data_samples", v) ? v.toInt() : -1;
+    state.position.data_parallel = archive.try_read("data_parallel", v) ? v.toInt() : 0;
     archive.try_read("device_rng_states", state.device_rng_states);
     archive.try_read("rng_streams", state.rng_streams);
     torch::Tensor records;

@@ -43,6 +43,10 @@ struct TrainingPosition {
   /// not said. Without a global order, `batch` means the same samples only
   /// in a dataset of this size.
   int64_t data_samples = -1;
+  /// Data-parallel replicas (world size / TrainerLayout::ranks_per_sample)
+  /// of the job that wrote it; 0: unknown. Without a global order, `batch`
+  /// counts micro-batches of that many shares of the epoch.
+  int64_t data_parallel = 0;
 };
 
 /// rng_states: [world_size, state_bytes] uint8, row r is rank r's state.
