@@ -37,6 +37,10 @@ class PipelineLayout : public TrainerLayout {
   /// every rank of its pipeline throws, reaches the other replicas through
   /// the data-parallel sync.
   bool sync_hears_failures() const override { return true; }
+  /// The runtime's (PipelineRuntime::set_non_finite_loss_seeds_nan).
+  void set_non_finite_loss_seeds_nan(bool on) override {
+    runtime_.set_non_finite_loss_seeds_nan(on);
+  }
   /// The pipeline's send and receive actions.
   double comm_seconds() const override { return comm_seconds_; }
   std::shared_ptr<GradNorm> norm() const override { return norm_; }

@@ -153,6 +153,7 @@ PipelineStepResult PipelineRuntime::step(const Tensors& inputs, const Tensors& t
                                          double loss_scale) {
   const auto t0 = Clock::now();
   state_->executor->set_loss_scale(loss_scale);
+  state_->executor->set_non_finite_loss_seeds_nan(non_finite_seeds_nan_);
   state_->channel->begin_step(check_batches(split_batch(inputs, targets)));
   PipelineStepResult result;
   Tracer* const tracer = active(group_->tracer());

@@ -169,6 +169,10 @@ class PipelineRuntime {
   /// larger or smaller than the others' by it); the losses reported are
   /// unscaled.
   PipelineStepResult step(const Tensors& inputs, const Tensors& targets, double loss_scale = 1.0);
+  /// With `on`, the last stage seeds the backward of a micro-batch whose loss is NaN or Inf
+  /// with NaN instead of 1, so that every stage's gradients, and the global norm over them, are
+  /// non-finite too (the Trainer's check_for_nan_in_loss_and_grad); off by default.
+  void set_non_finite_loss_seeds_nan(bool on) { non_finite_seeds_nan_ = on; }
 
   /// The stages this rank holds.
   const std::vector<PipelineStage>& stages() const { return stages_; }
@@ -219,6 +223,7 @@ class PipelineRuntime {
   PipelineSchedule schedule_;
   PipelineLossFn loss_fn_;
   PipelineOptions options_;
+  bool non_finite_seeds_nan_ = false;
   std::unique_ptr<State> state_;
   std::vector<TiedWeight> tied_;
   std::vector<torch::Tensor> tied_aside_;  // per copy, in tied_ order

@@ -246,7 +246,12 @@ void StageExecutor::apply_loss(int mb, Slot& slot, const Tensors& out) {
 // The gradients of a Forwarded slot's outputs: ones for the loss, else
 // received or handed over by the next local stage.
 Tensors StageExecutor::output_grads(int stage, int mb, const Slot& slot) {
-  if (stage == schedule_.num_stages - 1) return {torch::ones_like(slot.outputs[0])};
+  if (stage == schedule_.num_stages - 1) {
+    // A NaN or Inf loss seeds NaN (1 + 0·x), the same bits as 1 otherwise: every stage's
+    // gradients carry it to the global norm, which the Trainer checks.
+    if (!non_finite_seeds_nan_) return {torch::ones_like(slot.outputs[0])};
+    return {torch::ones_like(slot.outputs[0]) + slot.outputs[0].detach() * 0};
+  }
   auto it = received_grads_.find({stage, mb});
   if (it == received_grads_.end()) return take_input_grads(stage + 1, mb);
   Tensors grads = std::move(it->second);

@@ -66,6 +66,8 @@ class StageExecutor {
   void begin_step(std::vector<Tensors> micro_inputs, std::vector<Tensors> micro_targets);
   /// The step's loss scale (PipelineRuntime::step), which multiplies each loss / m.
   void set_loss_scale(double scale) { loss_scale_ = scale; }
+  /// PipelineRuntime::set_non_finite_loss_seeds_nan.
+  void set_non_finite_loss_seeds_nan(bool on) { non_finite_seeds_nan_ = on; }
   /// Inputs received for (stage, mb), consumed by its F.
   void put_inputs(int stage, int mb, Tensors inputs);
   /// Output gradients received for (stage, mb), consumed by its B or I.
@@ -141,6 +143,7 @@ class StageExecutor {
   std::string failure_;
   std::exception_ptr failure_ptr_;
   double loss_scale_ = 1.0;
+  bool non_finite_seeds_nan_ = false;
   int live_ = 0, peak_live_ = 0;  // slots holding activations
 };
 

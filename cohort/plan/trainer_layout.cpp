@@ -30,7 +30,14 @@ double ReplicaLayout::step(const std::vector<torch::data::Example<>>& micro_batc
     // A rank whose batch is larger or smaller than its peers' (the
     // Trainer's weight); left out at 1, which would change no bit.
     if (weight != 1.0) scaled = scaled * weight;
-    scaled.backward();
+    if (non_finite_seeds_nan_) {
+      // 1 where the loss is finite (1 + 0·x is 1, the same bits as backward()), NaN where it is
+      // NaN or Inf (0·Inf is NaN): the gradients carry it to every rank's global norm, also
+      // where they would stay finite. No read of the loss: a GPU does not wait here.
+      scaled.backward(torch::ones_like(scaled) + scaled.detach() * 0);
+    } else {
+      scaled.backward();
+    }
     loss_sum += loss.item<double>();
   }
   return loss_sum / static_cast<double>(k);

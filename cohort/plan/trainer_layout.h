@@ -106,6 +106,11 @@ class TrainerLayout {
   virtual void set_per_leaf() {
     throw InvalidArgument("TrainerLayout: " + describe() + " has no per-leaf step");
   }
+  /// TrainerOptions::check_for_nan_in_loss_and_grad: with `on`, step() seeds the backward of a
+  /// micro-batch whose loss is NaN or Inf with NaN instead of 1, so that the gradients' own
+  /// averaging carries a replica's bad loss to every rank's global norm, also where the
+  /// gradients stay finite (a NaN added to the loss). This default ignores it.
+  virtual void set_non_finite_loss_seeds_nan(bool on) { (void)on; }
 
  private:
   TrafficDimensions none_;
@@ -122,6 +127,7 @@ class ReplicaLayout : public TrainerLayout {
   double step(const std::vector<torch::data::Example<>>& micro_batches, const LossFn& loss_fn,
               Tracer* tracer, double weight) override;
   void set_per_leaf() override { per_leaf_ = true; }
+  void set_non_finite_loss_seeds_nan(bool on) override { non_finite_seeds_nan_ = on; }
   std::shared_ptr<GradNorm> norm() const override { return norm_; }
 
   /// The model holds tensor-parallel layers over `tp_group`, and each TP rank has a Trainer
@@ -142,6 +148,7 @@ class ReplicaLayout : public TrainerLayout {
   std::shared_ptr<GradNorm> norm_;
   std::shared_ptr<Communicator> tp_group_;  // null without tensor-parallel layers
   bool per_leaf_ = false;
+  bool non_finite_seeds_nan_ = false;
 };
 
 }  // namespace cohort
