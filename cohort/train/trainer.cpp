@@ -1,6 +1,7 @@
 #include "cohort/train/trainer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <limits>
@@ -62,6 +63,7 @@ Trainer::Trainer(TrainingPlan plan, LossFn loss_fn, TrainerOptions config,
   }
   if (config_.max_grad_norm < 0) throw InvalidArgument("Trainer: negative max_grad_norm");
   layout_.check(loss_fn_, config_.accumulation_steps, comm_.rank());
+  layout_.set_non_finite_loss_seeds_nan(config_.check_for_nan_in_loss_and_grad);
   check_determinism();
   // Each tensor once: LibTorch's parameters() lists a tied weight under
   // each of its names, which the norm would count and clipping scale twice.
@@ -234,6 +236,13 @@ StepMetrics Trainer::train_step(const std::vector<torch::data::Example<>>& micro
       m.clipped = clip_grad_norm(grads, m.grad_norm, config_.max_grad_norm);
     }
   }
+  // Every rank holds the same norm (of replicated gradients, or summed over the shards), so
+  // every rank decides alike, before the step changes the rates, the parameters or the state.
+  // A local NaN or Inf gradient made it non-finite through the averaging, as did a replica's
+  // non-finite loss (the layout seeds its backward with NaN): no other collective is needed.
+  if (config_.check_for_nan_in_loss_and_grad && !std::isfinite(m.grad_norm)) {
+    throw_non_finite(loss, m.grad_norm);
+  }
   const auto lrs = scheduled_lrs(position_.step);
   m.lr = lrs.empty() ? 0.0 : lrs[0];
   // An async checkpoint's staging copy reads what the step changes.
@@ -307,6 +316,39 @@ void Trainer::throw_failed_optimizer_step(const std::exception_ptr& failed) {
   } catch (...) {
     std::throw_with_nested(Error(text));
   }
+}
+
+static std::string non_finite_text(double x) {
+  if (std::isnan(x)) return "nan";
+  return x > 0 ? "inf" : "-inf";
+}
+
+void Trainer::throw_non_finite(double loss, double norm) {
+  // The failing path only: one gather of the ranks' loss texts, to name them.
+  const auto texts = gather_texts(comm_, std::isfinite(loss) ? "" : non_finite_text(loss));
+  std::vector<char> flags;
+  std::string values;
+  for (const auto& t : texts) {
+    flags.push_back(!t.empty());
+    if (!t.empty()) values += (values.empty() ? "" : ", ") + t;
+  }
+  const int64_t step = position_.step + 1;
+  std::string text = "Trainer::train_step on rank " + std::to_string(comm_.rank()) + " of group " +
+                     comm_.name() + ": step " + std::to_string(step) + " has ";
+  if (!values.empty()) {
+    text += "a non-finite loss on " + flagged_ranks(flags) + " (" + values +
+            ") and gradients whose global norm is " + non_finite_text(norm);
+  } else {
+    text += "non-finite gradients (global norm " + non_finite_text(norm) +
+            ") while every rank's loss is finite: some rank's gradients held a NaN or Inf "
+            "before averaging (a hook, an overflow in backward, an input the loss ignores), "
+            "which the averaging spreads to every rank, so it cannot name the rank";
+  }
+  throw NonFiniteError(text +
+                       "; no rank took the optimizer step: every rank's parameters and "
+                       "optimizer state are those after step " +
+                       std::to_string(step - 1) +
+                       " (TrainerOptions::check_for_nan_in_loss_and_grad)");
 }
 
 std::vector<double> Trainer::scheduled_lrs(int64_t step) const {

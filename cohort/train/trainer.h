@@ -20,7 +20,8 @@
 //      whose first all-reduce tells every rank: all throw here;
 //   4. the global gradient norm via GradNorm (local for replicated
 //      gradients, an all-reduce of squared partial norms for sharded ones),
-//      then clipping when it exceeds max_grad_norm;
+//      then clipping when it exceeds max_grad_norm; a non-finite norm ends
+//      the step here on every rank (check_for_nan_in_loss_and_grad);
 //   5. each group's lr = its initial lr scaled by the schedule at the step
 //      (lr_schedule.h); optimizer step;
 //   6. one small all-reduce for the loss averaged over all samples; it also
@@ -52,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/core/error.h"
 #include "cohort/dcp/async_save.h"
 #include "cohort/grad_sync/leaf_tree.h"
 #include "cohort/plan/grad_norm.h"
@@ -134,6 +136,21 @@ struct TrainerOptions {
   Determinism determinism = Determinism::Default;
   /// The leaf count of the global batch (WorldSizeInvariant only).
   int64_t leaves = 0;
+  /// A NaN or Inf in any rank's loss or gradients ends the step before the optimizer on every
+  /// rank: NonFiniteError on each, naming the step and the ranks whose loss was non-finite;
+  /// parameters and optimizer state stay as the step before left them (Megatron-LM's
+  /// --check-for-nan-in-loss-and-grad). It reads the global gradient norm every step computes,
+  /// which a local non-finite gradient makes non-finite on every rank; a replica's non-finite
+  /// loss seeds its backward with NaN to get there (README, "Non-finite loss or gradients").
+  /// False: the optimizer steps on them, as PyTorch's DDP does.
+  bool check_for_nan_in_loss_and_grad = true;
+};
+
+/// Trainer::train_step found a non-finite loss or gradient (TrainerOptions::
+/// check_for_nan_in_loss_and_grad): thrown on every rank, before any rank's optimizer step.
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
 };
 
 /// Deprecated: the former name of TrainerOptions.
@@ -257,6 +274,9 @@ class Trainer {
   // After the loss all-reduce said some rank's optimizer step threw
   // (`failed` here, or null): gathers the messages, throws on every rank.
   [[noreturn]] void throw_failed_optimizer_step(const std::exception_ptr& failed);
+  // After the global norm came out non-finite on every rank: gathers which
+  // ranks' losses were, throws NonFiniteError on every rank.
+  [[noreturn]] void throw_non_finite(double loss, double norm);
   void check_determinism() const;
   std::pair<int64_t, int64_t> choose_checkpoint(int64_t below, std::string& payload);
   void load_checkpoint(int64_t step, std::string payload);
