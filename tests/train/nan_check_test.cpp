@@ -218,6 +218,8 @@ RankResult train(const Case& c, const testing::Synthetic& data, bool skip_bad,
       forward = [&](const torch::Tensor& x) { return (*fsdp)->forward(x); };
       params = [&] { return (*fsdp)->parameters(); };
       break;
+    case Mode::Pipeline:  // train_pipeline
+      break;
   }
   TrainerOptions config;
   config.accumulation_steps = kAccumulation;
@@ -298,11 +300,16 @@ TEST_P(NanCheck, OneRanksNonFiniteLossOrGradientStopsEveryRank) {
     const std::string& what = *r.error;
     EXPECT_NE(what.find("on rank " + std::to_string(rank) + " "), std::string::npos) << what;
     EXPECT_NE(what.find("step " + std::to_string(kBad + 1)), std::string::npos) << what;
-    const std::string culprit = "rank " + std::to_string(c.world - 1);
+    // Every rank of a pipeline reports its replica's loss, which the last stage computed.
+    std::string culprit = "rank " + std::to_string(c.world - 1);
+    if (c.mode == Mode::Pipeline && c.world > 1) {
+      culprit = "ranks 0";
+      for (int r = 1; r < c.world; ++r) culprit += ", " + std::to_string(r);
+    }
     if (c.inject == Inject::Gradient) {
       EXPECT_NE(what.find("every rank's loss is finite"), std::string::npos) << what;
     } else {
-      EXPECT_NE(what.find("non-finite loss on " + culprit + " (nan)"), std::string::npos) << what;
+      EXPECT_NE(what.find("non-finite loss on " + culprit + " ("), std::string::npos) << what;
     }
   }
   if (!c.check) return;
