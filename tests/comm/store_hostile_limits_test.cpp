@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -120,6 +122,35 @@ std::multiset<std::string> listening_addresses() {
     }
   }
   return addresses;
+}
+
+// The longest SET + GET round trip of an honest client while `during` runs;
+// an error of the client's is a failure.
+std::chrono::milliseconds longest_round_trip(uint16_t port, const std::function<void()>& during) {
+  TcpStore client("127.0.0.1", port, false, 5s);
+  std::atomic<bool> done{false};
+  Clock::duration longest{};
+  int trips = 0;
+  std::string error;
+  std::thread honest([&] {
+    try {
+      while (!done) {
+        const auto start = Clock::now();
+        client.set_string("honest", std::to_string(trips));
+        if (client.get_string("honest") != std::to_string(trips)) error = "a wrong value";
+        longest = std::max(longest, Clock::now() - start);
+        ++trips;
+      }
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  });
+  during();
+  done = true;
+  honest.join();
+  EXPECT_EQ(error, "");
+  EXPECT_GT(trips, 0);
+  return std::chrono::duration_cast<std::chrono::milliseconds>(longest);
 }
 
 }  // namespace
@@ -325,6 +356,100 @@ TEST(TcpStoreLimits, UnreadReplyIsClosedAfterTheStallTimeout) {
   std::cout << "[ unread ] closed " << closed << " after " << ms.count() << " ms\n";
   EXPECT_TRUE(closed) << "a client that never read its 15 MiB reply was kept";
   expect_served(client, "after-unread");
+}
+
+// One request naming a million keys (a WAIT on distinct ones, indexed one by
+// one when parked; a CHECK on one key over and over) is refused with an error
+// naming the limit, and the loop keeps serving an honest client meanwhile.
+TEST(TcpStoreLimits, HugeKeyListsAreRefusedWithoutStallingOthers) {
+  TcpStoreServer server("127.0.0.1", 0);
+  TcpStore setter("127.0.0.1", server.port(), false, 5s);
+  setter.set_string("a", "1");
+  std::vector<std::string> distinct;
+  for (int i = 0; i < 1'300'000; ++i) distinct.push_back("w" + std::to_string(i));
+  const std::pair<const char*, std::vector<uint8_t>> requests[] = {
+      {"WAIT on 1300000 distinct keys", encode_request(kWait, distinct)},
+      {"CHECK on 3300000 x 'a'", encode_request(kCheck, std::vector<std::string>(3'300'000, "a"))},
+  };
+  for (const auto& [what, frame] : requests) {
+    ASSERT_LE(frame.size() - 4, kMaxFrameBytes) << what;
+    auto hostile = raw_connect(server.port());
+    std::pair<uint8_t, std::string> answer{kOk, "no reply within 3 s"};
+    const auto longest = longest_round_trip(server.port(), [&] {
+      send_bytes(hostile, frame);
+      try {
+        answer = read_reply(hostile, 3s);
+      } catch (const Error&) {
+      }
+    });
+    std::cout << "[ huge key list ] " << what << ": " << answer.second
+              << "; longest honest round trip " << longest.count() << " ms\n";
+    EXPECT_EQ(answer.first, kBadRequest) << what;
+    EXPECT_NE(answer.second.find(std::to_string(kMaxKeysPerRequest) + " keys per request"),
+              std::string::npos)
+        << answer.second;
+    // Parking or checking them took the loop 1-2 s; refusing them, a scan of the frame.
+    EXPECT_LT(longest.count(), 400) << what;
+  }
+}
+
+// Requests at the limit are cheap enough: honest round trips stay short
+// while 16 clients each park a WAIT on kMaxKeysPerRequest distinct keys.
+TEST(TcpStoreLimits, WaitsAtTheKeyLimitKeepOthersServed) {
+  TcpStoreServer server("127.0.0.1", 0);
+  std::vector<std::vector<uint8_t>> frames;
+  for (int c = 0; c < 16; ++c) {
+    std::vector<std::string> keys;
+    for (size_t i = 0; i < kMaxKeysPerRequest; ++i) {
+      keys.push_back("c" + std::to_string(c) + "/" + std::to_string(i));
+    }
+    frames.push_back(encode_request(kWait, keys));
+  }
+  std::vector<net::Socket> waiters;
+  const auto longest = longest_round_trip(server.port(), [&] {
+    for (const auto& frame : frames) {
+      waiters.push_back(raw_connect(server.port()));
+      send_bytes(waiters.back(), frame);
+    }
+  });
+  std::cout << "[ waits at the limit ] 16 WAITs on " << kMaxKeysPerRequest
+            << " keys: longest honest round trip " << longest.count() << " ms\n";
+  EXPECT_LT(longest.count(), 400);
+  // They were parked, not refused: the first is answered once its keys are set.
+  auto setter = raw_connect(server.port());
+  std::vector<uint8_t> sets;
+  for (size_t i = 0; i < kMaxKeysPerRequest; ++i) {
+    auto f = encode_request(kSet, {"c0/" + std::to_string(i), ""});
+    sets.insert(sets.end(), f.begin(), f.end());
+  }
+  send_bytes(setter, sets);
+  std::vector<uint8_t> replies(5 * kMaxKeysPerRequest);
+  net::recv_all(setter.fd(), replies.data(), replies.size(), net::Clock::now() + 10s);
+  EXPECT_EQ(read_reply(waiters[0], 5s).first, kOk);
+}
+
+// TcpStore sends a longer list in slices the server takes: check() and
+// wait() on 2 x kMaxKeysPerRequest + 1 keys answer as on one slice.
+TEST(TcpStoreLimits, LongKeyListsGoInSlices) {
+  TcpStoreServer server("127.0.0.1", 0);
+  const int n = static_cast<int>(2 * kMaxKeysPerRequest + 1);
+  auto filler = raw_connect(server.port());
+  send_bytes(filler, set_frames(n));
+  std::vector<uint8_t> replies(5 * static_cast<size_t>(n));
+  net::recv_all(filler.fd(), replies.data(), replies.size(), net::Clock::now() + 10s);
+  TcpStore client("127.0.0.1", server.port(), false, 5s);
+  auto keys = keys_k(n);
+  EXPECT_TRUE(client.check(keys));
+  client.wait(keys, 5s);
+  keys.push_back("missing");  // in the third slice
+  EXPECT_FALSE(client.check(keys));
+  std::thread late([&] {
+    TcpStore other("127.0.0.1", server.port(), false, 5s);
+    other.set_string("missing", "now");
+  });
+  client.wait(keys, 5s);
+  late.join();
+  EXPECT_TRUE(client.check(keys));
 }
 
 }  // namespace cohort::store_hostile_limits_test

@@ -12,6 +12,29 @@ namespace cohort {
 
 using namespace tcp_store;
 
+namespace {
+
+// Calls fn on `keys` in slices the server takes in one request
+// (kMaxKeysPerRequest), in order, until one returns false.
+template <class Fn>
+bool in_slices(const std::vector<std::string>& keys, Fn fn) {
+  if (keys.size() <= kMaxKeysPerRequest) return fn(keys);
+  for (size_t i = 0; i < keys.size(); i += kMaxKeysPerRequest) {
+    const size_t end = std::min(keys.size(), i + kMaxKeysPerRequest);
+    if (!fn(std::vector<std::string>(keys.begin() + static_cast<long>(i),
+                                     keys.begin() + static_cast<long>(end)))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Millis left(net::Clock::time_point deadline) {
+  return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - net::Clock::now()));
+}
+
+}  // namespace
+
 TcpStore::TcpStore(std::string host, uint16_t port, bool is_server, Millis timeout,
                    std::string token, net::Socket listener)
     : host_(std::move(host)), port_(port), token_(std::move(token)) {
@@ -125,8 +148,11 @@ void TcpStore::set_within(const std::string& key, const std::vector<uint8_t>& va
 }
 
 bool TcpStore::check_within(const std::vector<std::string>& keys, Millis timeout) {
-  auto body = call(kCheck, keys, timeout);
-  return body.size() == 2 && body[1] == '1';
+  const auto deadline = net::Clock::now() + timeout;
+  return in_slices(keys, [&](const std::vector<std::string>& slice) {
+    auto body = call(kCheck, slice, left(deadline));
+    return body.size() == 2 && body[1] == '1';
+  });
 }
 
 std::string TcpStore::server() const {
@@ -135,8 +161,12 @@ std::string TcpStore::server() const {
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
+  const auto deadline = net::Clock::now() + timeout;
   try {
-    call(kWait, keys, timeout);
+    in_slices(keys, [&](const std::vector<std::string>& slice) {
+      call(kWait, slice, left(deadline));
+      return true;
+    });
   } catch (const TimeoutError&) {
     std::vector<std::string> missing;
     for (auto& k : keys) {

@@ -18,7 +18,8 @@ class TcpStoreServer;
 
 /// A Store served over TCP by one process (is_server) and reached by every rank, like c10d's
 /// TCPStore. Operations throw TimeoutError when no reply comes in time, PeerError when the
-/// connection fails.
+/// connection fails. check() and wait() on more keys than the server takes in one request
+/// (65536) send them in slices, one after another, within the one timeout.
 class TcpStore : public Store {
  public:
   /// is_server: host the store on host:port (port 0 picks a free port; see

@@ -21,6 +21,13 @@ enum Status : uint8_t { kOk = 0, kNotFound = 1, kBadRequest = 2 };
 // values are addresses and small agreements (well under 1 KiB); the limit
 // only stops a header that announces gigabytes from being buffered.
 constexpr size_t kMaxFrameBytes = size_t{16} << 20;
+// The most strings (keys) one request may carry. The server handles a
+// request in one go, and a WAIT indexes its keys one by one: a 16 MiB frame
+// of a million short keys would hold its loop, and every other client, for
+// seconds. cohort's longest lists name one key per rank (a world's topology,
+// the debug checker's rounds); TcpStore splits a longer list into requests
+// of this many, so its callers never meet the limit.
+constexpr size_t kMaxKeysPerRequest = 65536;
 // Before a client has shown the token, its frames may be no larger than this.
 constexpr size_t kMaxUnauthenticatedFrameBytes = 1024;
 
@@ -40,6 +47,23 @@ inline std::vector<uint8_t> encode_request(uint8_t cmd, const std::vector<std::s
   put_u32(frame, static_cast<uint32_t>(payload.size()));
   frame.insert(frame.end(), payload.begin(), payload.end());
   return frame;
+}
+
+// How many strings a request payload carries, counted without building
+// them and no further than `limit` + 1 (a malformed tail is not counted:
+// decode_request refuses it).
+inline size_t count_args(const uint8_t* p, size_t n, size_t limit) {
+  size_t count = 0;
+  size_t i = 1;
+  while (n >= 4 && i <= n - 4 && count <= limit) {
+    uint32_t len;
+    std::memcpy(&len, p + i, 4);
+    i += 4;
+    if (n - i < len) break;
+    i += len;
+    ++count;
+  }
+  return count;
 }
 
 // Returns false on a malformed payload.

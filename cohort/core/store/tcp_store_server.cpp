@@ -239,13 +239,25 @@ void TcpStoreServer::read_client(Client& c) {
       return drop(c);
     }
     if (c.inbox.size() - pos - 4 < len) break;
-    uint8_t cmd = 0;
-    std::vector<std::string> args;
     // A request behind a parked WAIT breaks one-request-at-a-time, and
     // would park without bound.
-    if (c.parked || !decode_request(c.inbox.data() + pos + 4, len, cmd, args)) return drop(c);
+    if (c.parked) return drop(c);
+    const uint8_t* payload = c.inbox.data() + pos + 4;
+    // Counted before a string is built: the work a request makes the loop
+    // do grows with its keys, and their number comes from the client.
+    const size_t n_args = count_args(payload, len, kMaxKeysPerRequest);
+    uint8_t cmd = 0;
+    std::vector<std::string> args;
+    if (n_args <= kMaxKeysPerRequest && !decode_request(payload, len, cmd, args)) return drop(c);
     pos += 4 + len;
     c.spoke = true;
+    if (n_args > kMaxKeysPerRequest) {
+      reply(c, kBadRequest,
+            "a request of more than " + std::to_string(kMaxKeysPerRequest) +
+                " keys is over the server's limit of " + std::to_string(kMaxKeysPerRequest) +
+                " keys per request");
+      continue;
+    }
     handle(c, cmd, args);
   }
   if (c.dropped) return;
