@@ -3,6 +3,9 @@
 // the new WORLD_SIZE.
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <regex>
+
 #include "support/subprocess.h"
 
 namespace cohort::testing::elastic_test {
@@ -96,6 +99,82 @@ TEST(Elastic, BadNodeRangesAreUsageErrors) {
   ProcessResult r = run_cohortrun({"-n", "1", "--nnodes", "2:3", "--", "true"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--master-addr is required"), std::string::npos) << r.err;
+}
+
+// Each rank asks the launchers' store (the port before MASTER_PORT) to let
+// it in without a token, prints the status byte of the answer (0 in, 2
+// refused) and its own token, then runs the smoke job (an all_reduce over
+// the ranks' store, which requires that token) where it is built.
+std::string probe_then_smoke() {
+  std::string script = R"sh(
+    exec 3<>/dev/tcp/127.0.0.1/$((MASTER_PORT - 1)) || exit 3
+    printf '\005\000\000\000\007\000\000\000\000' >&3
+    echo "tokenless client: status $(head -c 5 <&3 | od -An -tu1 | awk '{print $5}')"
+    exec 3<&-
+    echo "token $COHORT_STORE_TOKEN")sh";
+#ifdef COHORT_SMOKE_BIN
+  script += std::string("\n    exec ") + COHORT_SMOKE_BIN;
+#endif
+  return script;
+}
+
+// --nnodes MIN:MAX with every launcher on this machine (a loopback
+// --master-addr) and no COHORT_STORE_TOKEN: the host makes a token and
+// leaves it for the other launchers of this machine; the launchers' store
+// refuses a client without it, every rank gets it, and two launchers still
+// form one job.
+TEST(Elastic, OneMachineRendezvousRequiresAGeneratedToken) {
+  const int free = free_port_pair();
+  ASSERT_GT(free, 0) << "no two free ports in a row on 127.0.0.1";
+  const std::string port = std::to_string(free);
+  std::vector<std::unique_ptr<Subprocess>> launchers;
+  for (int node = 0; node < 2; ++node) {
+    launchers.push_back(std::make_unique<Subprocess>(
+        cohortrun_argv({"-n", "1", "--nnodes", "1:2", "--master-addr", "127.0.0.1", "--master-port",
+                        port, "--rdzv-id", "token-" + port, "--rdzv-last-call", "30", "--timeout",
+                        "60", "--", "bash", "-c", probe_then_smoke()}),
+        // Two launchers of one machine are two "nodes" on loopback.
+        std::vector<std::string>{"COHORT_BIND_ADDR=127.0.0.1"}));
+  }
+  std::string tokens[2];
+  for (int node = 0; node < 2; ++node) {
+    ProcessResult r = launchers[node]->finish(Seconds(90));
+    SCOPED_TRACE("launcher " + std::to_string(node));
+    ASSERT_FALSE(r.timed_out) << r.out << r.err;
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_EQ(count_of(r.out, "tokenless client: status 2\n"), 1) << r.out << r.err;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(token ([0-9a-f]{32})\.generation-0\n)")))
+        << r.out;
+    tokens[node] = m[1];
+#ifdef COHORT_SMOKE_BIN
+    EXPECT_EQ(count_of(r.out, " of 2 got 3.0, expected 3.0"), 1) << r.out << r.err;
+#endif
+  }
+  EXPECT_EQ(tokens[0], tokens[1]);
+}
+
+// -n MIN:MAX on one node: cohortrun starts every rank itself and hands them
+// a fresh token; rank 0's store refuses a client without it (rank 1 asks
+// before it joins), and the job runs.
+TEST(Elastic, OneNodeElasticStoreRequiresTheToken) {
+#ifndef COHORT_SMOKE_BIN
+  GTEST_SKIP() << "cohort_smoke is not built";
+#else
+  const std::string script = std::string(R"sh(
+    if [ "$RANK" = 1 ]; then
+      exec 3<>/dev/tcp/127.0.0.1/$MASTER_PORT || exit 3
+      printf '\005\000\000\000\007\000\000\000\000' >&3
+      echo "tokenless client: status $(head -c 5 <&3 | od -An -tu1 | awk '{print $5}')"
+      exec 3<&-
+    fi
+    exec )sh") + COHORT_SMOKE_BIN;
+  ProcessResult r = run_cohortrun({"-n", "1:2", "--", "bash", "-c", script}, Seconds(60));
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(count_of(r.out, "[1] tokenless client: status 2\n"), 1) << r.out << r.err;
+  EXPECT_EQ(count_of(r.out, " of 2 got 3.0, expected 3.0"), 2) << r.out;
+#endif
 }
 
 }  // namespace

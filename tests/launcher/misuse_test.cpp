@@ -1,11 +1,7 @@
 // Jobs started wrongly: two processes given the same RANK must be told so by
 // name, not left to time out waiting for the rank nobody started; a job of
 // several nodes on a loopback --master-addr is warned of at start.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "support/subprocess.h"
 
@@ -35,30 +31,6 @@ TEST(Misuse, DuplicateRankIsNamed) {
 constexpr const char* kLoopbackWarning =
     "is a loopback address: launchers on this machine can form the job, but nodes on other "
     "machines cannot reach it; ";
-
-// A port free on 127.0.0.1 now (the kernel's pick), and the one above it.
-int free_port_pair() {
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    int ports[2] = {0, 0};
-    int fds[2] = {-1, -1};
-    for (int i = 0; i < 2; ++i) {
-      fds[i] = ::socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      addr.sin_port = htons(static_cast<uint16_t>(i == 0 ? 0 : ports[0] + 1));
-      socklen_t len = sizeof addr;
-      if (::bind(fds[i], reinterpret_cast<sockaddr*>(&addr), len) == 0 &&
-          ::getsockname(fds[i], reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-        ports[i] = ntohs(addr.sin_port);
-      }
-    }
-    for (int fd : fds) ::close(fd);
-    if (ports[0] > 0 && ports[0] < 65535 && ports[1] == ports[0] + 1) return ports[0];
-  }
-  ADD_FAILURE() << "no two free ports in a row on 127.0.0.1";
-  return 0;
-}
 
 // Node 1 of 2 on each loopback form: no rank connects anywhere, so it runs
 // without node 0, and warns that ranks on another machine would time out.

@@ -1,9 +1,12 @@
 #include "support/subprocess.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -241,6 +244,28 @@ std::vector<std::string> lines_of(const std::string& text) {
   std::istringstream in(text);
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   return lines;
+}
+
+int free_port_pair() {
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    int ports[2] = {0, 0};
+    int fds[2] = {-1, -1};
+    for (int i = 0; i < 2; ++i) {
+      fds[i] = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      addr.sin_port = htons(static_cast<uint16_t>(i == 0 ? 0 : ports[0] + 1));
+      socklen_t len = sizeof addr;
+      if (::bind(fds[i], reinterpret_cast<sockaddr*>(&addr), len) == 0 &&
+          ::getsockname(fds[i], reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+        ports[i] = ntohs(addr.sin_port);
+      }
+    }
+    for (int fd : fds) ::close(fd);
+    if (ports[0] > 0 && ports[0] < 65535 && ports[1] == ports[0] + 1) return ports[0];
+  }
+  return 0;
 }
 
 }  // namespace cohort::testing

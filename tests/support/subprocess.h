@@ -91,6 +91,9 @@ bool process_exists(pid_t pid);
 // Whether the pid exists and is not a zombie.
 bool process_running(pid_t pid);
 void write_file(const std::string& path, const std::string& text, bool executable = false);
+// A port free on 127.0.0.1 now (the kernel's pick) whose next port is free
+// too; 0 when none was found.
+int free_port_pair();
 int count_of(const std::string& haystack, const std::string& needle);
 std::vector<std::string> lines_of(const std::string& text);
 

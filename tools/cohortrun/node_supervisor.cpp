@@ -44,11 +44,7 @@ void set_generation_token(const std::string& job_token, int generation) {
 // that joins late starts at the job's count, not at 0).
 AttemptResult run_generation(Rendezvous& rdzv, const Membership& m, const Options& options,
                              SignalFd& signals) {
-  static const std::string job_token = [] {
-    const char* t = std::getenv("COHORT_STORE_TOKEN");
-    return std::string(t ? t : "");
-  }();
-  set_generation_token(job_token, m.generation);
+  set_generation_token(rdzv.token(), m.generation);
   Options current = options;
   current.node_rank = m.node_rank;
   current.rank_base = m.first_rank;

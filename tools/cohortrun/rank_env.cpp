@@ -1,30 +1,13 @@
 #include "rank_env.h"
 
-#include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <utility>
+
+#include "job_token.h"
 
 extern char** environ;
 
 namespace cohortrun {
-namespace {
-
-// 128 random bits as hex, one per launcher run: the store's token.
-std::string new_job_token() {
-  std::ifstream random("/dev/urandom", std::ios::binary);
-  unsigned char bytes[16] = {};
-  random.read(reinterpret_cast<char*>(bytes), sizeof bytes);
-  std::string hex;
-  char two[3];
-  for (unsigned char b : bytes) {
-    std::snprintf(two, sizeof two, "%02x", b);
-    hex += two;
-  }
-  return random ? hex : std::string();
-}
-
-}  // namespace
 
 std::vector<std::string> rank_environment(const Options& options, int local_rank, int restart,
                                           int master_port, int store_fd) {

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "cohort/core/error.h"
+#include "job_token.h"
 #include "output.h"
 
 namespace cohortrun {
@@ -21,7 +22,7 @@ Millis poll_period(const Options& o) {
   return std::min(Millis(250), millis(o.heartbeat_timeout_s / 4));
 }
 
-std::string token() {
+std::string token_from_environment() {
   const char* t = std::getenv("COHORT_STORE_TOKEN");
   return t ? t : "";
 }
@@ -43,21 +44,67 @@ const char* kind_tag(EndKind k) {
 }  // namespace
 
 Rendezvous::Rendezvous(const Options& options)
-    : options_(options), prefix_("cohortrun/" + options.rdzv_id + "/") {
-  const auto port = static_cast<uint16_t>(options.master_port);
-  const Millis timeout = millis(options.rdzv_timeout_s);
+    : options_(options),
+      prefix_("cohortrun/" + options.rdzv_id + "/"),
+      token_(token_from_environment()) {
+  // Without the user's token, launchers that all run on this machine share
+  // one the host makes (job_token.h); across machines the store stays open.
+  const bool local = token_.empty() && cohort::net::is_loopback(options.master_addr);
+  if (local) token_ = new_job_token();
+  if (token_.empty()) {
+    log_line("warning: COHORT_STORE_TOKEN is not set: the launchers' store on " +
+             options.master_addr + ":" + std::to_string(options.master_port) +
+             " and the ranks' store on the next port accept any client that reaches them. Set "
+             "the same secret in COHORT_STORE_TOKEN on every node.");
+  }
   // The launcher on --master-addr's host can bind it and hosts the store;
   // elsewhere the bind fails (the address is not ours, or a launcher of this
   // machine already serves it) and this one is a client.
   try {
-    store_ = std::make_unique<cohort::TcpStore>(options.master_addr, port, true, timeout, token());
+    store_ = std::make_unique<cohort::TcpStore>(options.master_addr,
+                                                static_cast<uint16_t>(options.master_port), true,
+                                                millis(options.rdzv_timeout_s), token_);
     host_ = true;
   } catch (const cohort::Error&) {
-    store_ = std::make_unique<cohort::TcpStore>(options.master_addr, port, false, timeout, token());
+    connect_as_client(local);
   }
+  if (host_ && local) write_token_file(token_file(options), token_);
   // Replies to single requests come at once from a live host; waiting for
   // members is bounded by wait()'s own timeout below.
   store_->set_timeout(std::max(millis(options.heartbeat_timeout_s), Millis(1000)));
+}
+
+void Rendezvous::connect_as_client(bool local) {
+  const auto port = static_cast<uint16_t>(options_.master_port);
+  const Millis timeout = millis(options_.rdzv_timeout_s);
+  if (!local) {
+    store_ = std::make_unique<cohort::TcpStore>(options_.master_addr, port, false, timeout, token_);
+    return;
+  }
+  // The host writes its token once it serves; a file left by an earlier job
+  // holds another one, which the store refuses: read it again until then.
+  const std::string path = token_file(options_);
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    std::string why = "no token in " + path;
+    if (auto t = read_token_file(path)) {
+      try {
+        store_ = std::make_unique<cohort::TcpStore>(options_.master_addr, port, false, timeout, *t);
+        token_ = *t;
+        return;
+      } catch (const cohort::PeerError& e) {
+        why = e.what();
+      }
+    }
+    if (Clock::now() >= deadline) {
+      throw cohort::TimeoutError("rendezvous: the host's store on " + options_.master_addr + ":" +
+                                 std::to_string(port) +
+                                 " did not take this machine's job token "
+                                 "within --rdzv-timeout: " +
+                                 why);
+    }
+    std::this_thread::sleep_for(poll_period(options_));
+  }
 }
 
 std::string Rendezvous::key(int generation, const std::string& name) const {

@@ -70,10 +70,14 @@ class Rendezvous {
   void wait_for_members_done(const Membership& m);
 
   const Options& options() const { return options_; }
+  /// The job's store token: COHORT_STORE_TOKEN, else the one the launchers
+  /// of this machine share (a loopback --master-addr), else empty.
+  const std::string& token() const { return token_; }
   cohort::TcpStore& store() { return *store_; }
   std::string key(int generation, const std::string& name) const;
 
  private:
+  void connect_as_client(bool local);
   std::string close(int generation, int host_slot);
   int open_generation();
   int wait_for_later_generation(int generation);
@@ -81,6 +85,7 @@ class Rendezvous {
   const Options& options_;
   bool host_ = false;
   std::string prefix_;
+  std::string token_;
   std::unique_ptr<cohort::TcpStore> store_;
 };
 
