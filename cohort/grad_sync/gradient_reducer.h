@@ -218,6 +218,7 @@ class GradientReducer {
   // accumulation starts with no parameter locally used.
   void clear_local_use();
   void mark_ready(size_t index, bool used);
+  [[noreturn]] void refuse_create_graph(size_t index);
   void launch_ready_buckets();
   Work launch(size_t b);
   void finish_backward();

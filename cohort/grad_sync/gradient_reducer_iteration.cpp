@@ -188,6 +188,7 @@ void GradientReducer::after_forward(const std::vector<torch::Tensor>& outputs) {
 }
 
 void GradientReducer::on_gradient_ready(size_t index, bool has_gradient) {
+  if (torch::GradMode::is_enabled()) refuse_create_graph(index);
   // No gradient came (a checkpointed block that did not use the parameter
   // this step): as a parameter outside the graph, it is unused, which the
   // end of backward settles (find_unused_parameters) or reports as missing.
@@ -227,6 +228,24 @@ void GradientReducer::on_gradient_ready(size_t index, bool has_gradient) {
   if (owner_) return;  // the owner launched what it could
   if (options_.strategy == SyncStrategy::Overlapped) launch_ready_buckets();
   queue_.poll();  // completion times, for the hidden-communication figure
+}
+
+// A backward with create_graph (grad mode is on in its hooks) leaves .grad
+// with a graph of this rank's gradient alone: the averaged value written
+// back (or the bucket view that replaces .grad) carries none of the other
+// ranks' graphs, so a term built from .grad (a penalty on the gradient
+// norm) would train on this rank's curvature, or on none. Refused at the
+// first hook, before anything is reduced; every rank running the same
+// backward refuses there too.
+void GradientReducer::refuse_create_graph(size_t index) {
+  throw InvalidArgument(
+      "DistributedDataParallel: a backward with create_graph (loss.backward(create_graph=true), "
+      "e.g. for a penalty on the parameters' gradients) reached parameter '" +
+      names_[index] + "' on rank " + std::to_string(comm_->rank()) +
+      "; the averaged gradients DDP writes back carry no graph of the other ranks' gradients, "
+      "so a term built from .grad would be trained on this rank's alone; nothing was reduced. "
+      "Take the gradient penalty with torch::autograd::grad(..., create_graph=true) with "
+      "respect to the inputs, then backward() without create_graph");
 }
 
 void GradientReducer::mark_ready(size_t index, bool used) {
