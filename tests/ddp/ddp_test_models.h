@@ -6,9 +6,33 @@
 
 #include <torch/torch.h>
 
+#include <string>
 #include <vector>
 
+#include "cohort/ddp/distributed_data_parallel.h"
+
 namespace cohort::testing {
+
+// A way of running DDP, named for the test's messages.
+struct DdpMode {
+  std::string name;
+  DDPOptions options;
+};
+
+// The bucket modes a DDP test covers: the default, gradients of their own,
+// a bucket per parameter, find_unused_parameters.
+inline std::vector<DdpMode> ddp_bucket_modes() {
+  std::vector<DdpMode> out(4);
+  out[0].name = "default";
+  out[1].name = "gradients of their own";
+  out[1].options.gradient_as_bucket_view = false;
+  out[2].name = "a bucket per parameter";
+  out[2].options.bucket_cap_mb = 1e-6;
+  out[2].options.first_bucket_mb = 1e-6;
+  out[3].name = "find_unused_parameters";
+  out[3].options.find_unused_parameters = true;
+  return out;
+}
 
 // 8 -> 16 -> 16 -> 4, tanh; small enough that 20 steps at N = 4 take ms.
 inline torch::nn::Sequential make_ddp_mlp() {

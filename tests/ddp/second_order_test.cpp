@@ -37,23 +37,9 @@ constexpr double kPenalty = 0.5;
 
 enum class Form { kInputPenalty, kGradNormPenalty };
 
-struct Mode {
-  std::string name;
-  DDPOptions options;
-};
+using Mode = DdpMode;
 
-std::vector<Mode> modes() {
-  std::vector<Mode> out(4);
-  out[0].name = "default";
-  out[1].name = "gradients of their own";
-  out[1].options.gradient_as_bucket_view = false;
-  out[2].name = "a bucket per parameter";
-  out[2].options.bucket_cap_mb = 1e-6;
-  out[2].options.first_bucket_mb = 1e-6;
-  out[3].name = "find_unused_parameters";
-  out[3].options.find_unused_parameters = true;
-  return out;
-}
+std::vector<Mode> modes() { return ddp_bucket_modes(); }
 
 struct Data {
   std::vector<torch::Tensor> init;
@@ -126,7 +112,8 @@ Trained train(const Data& d, const Mode& mode, int refused,
     } catch (const InvalidArgument& e) {
       out.thrown.push_back("step " + std::to_string(s) + ": InvalidArgument: " + e.what());
     } catch (const std::exception& e) {
-      out.thrown.push_back("step " + std::to_string(s) + ": " + std::string(e.what()).substr(0, 160));
+      out.thrown.push_back("step " + std::to_string(s) + ": " +
+                           std::string(e.what()).substr(0, 160));
     }
   }
   out.params = clone_all(net->parameters());
@@ -171,7 +158,8 @@ TEST_P(DdpSecondOrder, ABackwardWithCreateGraphIsRefusedOnEveryRankAndChangesNot
     ASSERT_EQ(got.size(), static_cast<size_t>(c.world)) << mode.name;
     for (const auto& [rank, trained] : got) {
       const std::string where = mode.name + ", rank " + std::to_string(rank);
-      ASSERT_EQ(trained.thrown.size(), 1u) << where << ": " << ::testing::PrintToString(trained.thrown);
+      ASSERT_EQ(trained.thrown.size(), 1u)
+          << where << ": " << ::testing::PrintToString(trained.thrown);
       const auto& what = trained.thrown[0];
       EXPECT_EQ(what.rfind("step " + std::to_string(kRefusedStep) + ": InvalidArgument: ", 0), 0u)
           << where << ": " << what;

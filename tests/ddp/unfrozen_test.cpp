@@ -46,24 +46,15 @@ void set_flags(torch::nn::Module& net, int s) {
   for (size_t i = 0; i < ps.size(); ++i) ps[i].set_requires_grad(trainable(i, s));
 }
 
-struct Mode {
-  std::string name;
-  DDPOptions options;
-};
+using Mode = DdpMode;
 
+// The bucket modes and per-leaf determinism.
 std::vector<Mode> modes() {
-  std::vector<Mode> out(5);
-  out[0].name = "default";
-  out[1].name = "gradients of their own";
-  out[1].options.gradient_as_bucket_view = false;
-  out[2].name = "a bucket per parameter";
-  out[2].options.bucket_cap_mb = 1e-6;
-  out[2].options.first_bucket_mb = 1e-6;
-  out[3].name = "find_unused_parameters";
-  out[3].options.find_unused_parameters = true;
-  out[4].name = "leaves";
-  out[4].options.determinism = Determinism::WorldSizeInvariant;
-  out[4].options.leaves = kLeaves;
+  auto out = ddp_bucket_modes();
+  DdpMode leaves{"leaves", {}};
+  leaves.options.determinism = Determinism::WorldSizeInvariant;
+  leaves.options.leaves = kLeaves;
+  out.push_back(leaves);
   return out;
 }
 
