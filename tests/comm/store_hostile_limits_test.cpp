@@ -125,12 +125,14 @@ std::multiset<std::string> listening_addresses() {
 }
 
 // The longest SET + GET round trip of an honest client while `during` runs;
-// an error of the client's is a failure.
+// an error of the client's is a failure. `during` starts once the client has
+// made a round trip, and the client stops only after one more completes, so
+// that at least one overlaps `during` however the threads are scheduled.
 std::chrono::milliseconds longest_round_trip(uint16_t port, const std::function<void()>& during) {
   TcpStore client("127.0.0.1", port, false, 5s);
-  std::atomic<bool> done{false};
+  std::atomic<bool> done{false}, failed{false};
+  std::atomic<int> trips{0};
   Clock::duration longest{};
-  int trips = 0;
   std::string error;
   std::thread honest([&] {
     try {
@@ -143,13 +145,23 @@ std::chrono::milliseconds longest_round_trip(uint16_t port, const std::function<
       }
     } catch (const Error& e) {
       error = e.what();
+      failed = true;
     }
   });
+  // Each round trip has the client's 5 s timeout; these waits have 15 s.
+  auto wait_for_trip_after = [&](int seen) {
+    const auto deadline = Clock::now() + 15s;
+    while (trips == seen && !failed && Clock::now() < deadline) std::this_thread::yield();
+  };
+  wait_for_trip_after(0);
+  const int before = trips;
   during();
+  wait_for_trip_after(before);
+  const int after = trips;
   done = true;
   honest.join();
   EXPECT_EQ(error, "");
-  EXPECT_GT(trips, 0);
+  EXPECT_GT(after, before) << "no honest round trip ended during or after the requests";
   return std::chrono::duration_cast<std::chrono::milliseconds>(longest);
 }
 
